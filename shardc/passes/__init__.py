@@ -1,0 +1,1 @@
+"""Graph passes and planners. Each module holds one concern and no global state."""

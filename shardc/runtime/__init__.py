@@ -1,0 +1,1 @@
+"""Runtime pieces: sharded parameters, collectives, the buffer pool, FP8 and checkpoint hooks."""

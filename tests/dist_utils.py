@@ -1,0 +1,98 @@
+"""Run a function on N gloo ranks in spawned processes and collect per-rank results.
+
+Every multi-process test goes through :func:`run_ranks`. It fails the calling test with the
+worker's traceback if any rank raises, and never waits forever: the process group has a short
+timeout and the parent joins with a deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.multiprocessing as mp
+
+_JOIN_TIMEOUT_S = float(os.environ.get("SHARDC_TEST_JOIN_TIMEOUT_S", "600"))
+
+
+def _worker(rank: int, world_size: int, init_file: str, out_dir: str, fn, args, kwargs) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    result_path = os.path.join(out_dir, f"rank{rank}.pkl")
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=120),
+        )
+        value = fn(rank, world_size, *args, **kwargs)
+        payload = ("ok", value)
+    except BaseException as exc:  # report every failure to the parent, then exit non-zero
+        payload = ("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    with open(result_path, "wb") as f:
+        pickle.dump(payload, f)
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+    if payload[0] == "error":
+        os._exit(1)
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks.
+
+    ``fn`` must be importable (module level). Returns the list of per-rank return values.
+    Raises ``AssertionError`` with every failing rank's traceback if any rank fails.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "pg_init")
+        ctx = mp.spawn(
+            _worker,
+            args=(world_size, init_file, tmp, fn, args, kwargs),
+            nprocs=world_size,
+            join=False,
+        )
+        deadline = time.monotonic() + _JOIN_TIMEOUT_S
+        try:
+            while not ctx.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    break
+        except Exception:
+            # One rank failed; give the others a moment to write their own reports.
+            end = time.monotonic() + 30
+            while any(p.is_alive() for p in ctx.processes) and time.monotonic() < end:
+                time.sleep(0.1)
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+        results, errors = [], []
+        for rank in range(world_size):
+            path = os.path.join(tmp, f"rank{rank}.pkl")
+            if not os.path.exists(path):
+                errors.append(f"rank {rank}: exited without a result")
+                results.append(None)
+                continue
+            with open(path, "rb") as f:
+                status, value = pickle.load(f)
+            if status == "error":
+                errors.append(value)
+                results.append(None)
+            else:
+                results.append(value)
+        if errors:
+            raise AssertionError("\n".join(errors))
+        return results
