@@ -1,0 +1,141 @@
+"""The ``shardc`` torch.compile backend.
+
+Dynamo hands over a forward graph in which every sharded parameter is read through
+``shardc::gather_param``. AOTAutograd traces forward and backward together; shardc's partitioner
+(:class:`ShardcPartitioner`) then runs the joint-graph passes, partitions (gathered parameters are
+recomputed, never saved, when resharding after forward), checks the result, and plans the
+communication of both graphs. Inductor (or, with ``inductor=False``, plain FX) compiles the
+planned graphs.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from torch import fx
+
+from shardc.options import ShardcOptions
+from shardc.passes.dedupe import dedupe_gathers, merge_reduce_scatters
+from shardc.passes.fx_utils import is_call
+from shardc.passes.reshard import check_no_gathered_saved, tag_resharded_gathers
+from shardc.runtime.ops import GATHER_OP
+
+log = logging.getLogger("shardc")
+
+_SOURCE_ROOT = Path(__file__).resolve().parent
+
+
+def has_sharded_params(gm: fx.GraphModule) -> bool:
+    return any(is_call(n, GATHER_OP) for n in gm.graph.nodes)
+
+
+@functools.cache
+def _source_hash() -> str:
+    digest = hashlib.sha256()
+    for path in sorted(_SOURCE_ROOT.rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _partitioner_base():
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    return CustomPartitionerFn
+
+
+class ShardcPartitioner(_partitioner_base()):
+    """Joint-graph passes, min-cut partition, checks, then communication planning."""
+
+    def __init__(self, options: ShardcOptions, region: RegionRecord) -> None:
+        self.options = options
+        self.region = region
+
+    def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        dedupe_gathers(gm.graph)
+        merge_reduce_scatters(gm.graph)
+        tag_resharded_gathers(gm.graph)
+        gm.recompile()
+        fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        check_no_gathered_saved(fw, bw)
+        self.region.forward, self.region.backward = fw, bw
+        return fw, bw
+
+    def uuid(self) -> str:
+        return f"shardc-{_source_hash()}-{sorted(self.options.as_dict().items())}"
+
+
+class RegionRecord:
+    """What shardc keeps about one compiled region: its graphs and its plan."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.forward: fx.GraphModule | None = None
+        self.backward: fx.GraphModule | None = None
+        self.plan = None
+
+
+def _region_registry(example_inputs: Sequence[object]) -> list | None:
+    for value in example_inputs:
+        plans = getattr(value, "_shardc_regions", None)
+        if plans is not None:
+            return plans
+    return None
+
+
+def _fx_compiler(gm: fx.GraphModule, example_inputs: Sequence[object]):
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    return make_boxed_func(gm.forward)
+
+
+def _compile_unsharded(gm: fx.GraphModule, example_inputs, options: ShardcOptions):
+    log.info("shardc: this graph reads no sharded parameter; compiling it like the default backend")
+    if options.inductor:
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs)
+    return gm.forward
+
+
+def shardc_backend(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[object],
+    options: dict | None = None,
+    mode: str | None = None,
+    **kwargs: Any,
+):
+    """The backend registered as ``"shardc"``; ``options`` are :class:`ShardcOptions` fields."""
+    opts = ShardcOptions.from_kwargs({**(options or {}), **kwargs})
+    if not has_sharded_params(gm):
+        return _compile_unsharded(gm, example_inputs, opts)
+    registry = _region_registry(example_inputs)
+    region = RegionRecord(len(registry) if registry is not None else 0)
+    if registry is not None:
+        registry.append(region)
+    partitioner = ShardcPartitioner(opts, region)
+    if opts.inductor:
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": partitioner})
+    from torch._dynamo.backends.common import aot_autograd
+
+    return aot_autograd(
+        fw_compiler=_fx_compiler, bw_compiler=_fx_compiler, partition_fn=partitioner
+    )(gm, example_inputs)
+
+
+def backend(**options: Any):
+    """A ``torch.compile`` backend with these :class:`ShardcOptions` (validated now)."""
+    opts = ShardcOptions.from_kwargs(options)
+
+    def configured_shardc(gm: fx.GraphModule, example_inputs: Sequence[object], **kw: Any):
+        return shardc_backend(gm, example_inputs, {**opts.as_dict(), **kw.pop("options", {})}, **kw)
+
+    return configured_shardc

@@ -1,0 +1,1 @@
+"""Reference models used by the examples, tests, benchmarks and ``python -m shardc plan``."""

@@ -1,0 +1,62 @@
+"""Backend options: one small frozen dataclass, validated on construction."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, fields
+
+
+@dataclass(frozen=True)
+class ShardcOptions:
+    """Options of the ``shardc`` backend (``shardc.backend(**options)``).
+
+    inductor: compile the planned graphs with Inductor; ``False`` runs the planned FX graphs
+        directly (fast to compile; for CPU tests and debugging).
+    bucket_by: ``"module"`` groups parameters into one bucket per transformer block / named
+        module (see ``bucket_modules``); ``"param"`` gives every parameter its own bucket.
+    bucket_modules: module-name regexes whose parameters form one bucket each; empty means the
+        children of every ``nn.ModuleList`` (transformer blocks) plus one bucket for the rest.
+    bucket_cap_bytes: split a bucket whose gathered size would exceed this many bytes (0: no cap).
+    prefetch: issue each bucket's all-gather before the compute of the previous bucket.
+    prefetch_depth: how many buckets ahead an all-gather may be issued.
+    memory_budget_bytes: most bytes of gathered parameters allowed in flight (0: no limit).
+    check_plan_consistency: at the first run, all ranks compare the plan's hash (one all-gather).
+    dump_dir: write the plan (text, JSON, trace, memory plot) of every compiled region here;
+        defaults to the ``SHARDC_DUMP`` environment variable.
+    debug_pool: poison and check communication buffers at run time.
+    """
+
+    inductor: bool = True
+    bucket_by: str = "module"
+    bucket_modules: tuple[str, ...] = ()
+    bucket_cap_bytes: int = 0
+    prefetch: bool = True
+    prefetch_depth: int = 1
+    memory_budget_bytes: int = 0
+    check_plan_consistency: bool = True
+    dump_dir: str | None = None
+    debug_pool: bool = False
+
+    def __post_init__(self) -> None:
+        if self.bucket_by not in ("module", "param"):
+            raise ValueError(f"shardc: bucket_by must be 'module' or 'param', got {self.bucket_by!r}")
+        if self.prefetch_depth < 0:
+            raise ValueError(f"shardc: prefetch_depth must be >= 0, got {self.prefetch_depth}")
+        if self.bucket_cap_bytes < 0 or self.memory_budget_bytes < 0:
+            raise ValueError("shardc: bucket_cap_bytes and memory_budget_bytes must be >= 0")
+        if self.dump_dir is None and os.environ.get("SHARDC_DUMP"):
+            object.__setattr__(self, "dump_dir", os.environ["SHARDC_DUMP"])
+        object.__setattr__(self, "bucket_modules", tuple(self.bucket_modules))
+
+    @classmethod
+    def from_kwargs(cls, options: dict) -> ShardcOptions:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(
+                f"shardc: unknown backend option(s) {unknown}; known options: {sorted(known)}"
+            )
+        return cls(**options)
+
+    def as_dict(self) -> dict:
+        return asdict(self)

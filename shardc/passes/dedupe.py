@@ -1,0 +1,70 @@
+"""Gather each parameter once per region and reduce its gradient once.
+
+A parameter read several times in one forward (tied embedding/output weights, a weight used
+twice) shows up as several ``gather_param`` nodes and, in the joint graph's backward, several
+``reduce_scatter_grad`` nodes whose results autograd adds up. This pass keeps the first gather and
+replaces the reductions by one reduction of the summed full gradients, which is the same value
+(reduce-scatter is linear) with one collective instead of several.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from shardc.passes.fx_utils import call
+from shardc.runtime.ops import GATHER_OP, REDUCE_SCATTER_OP
+
+
+def _nodes_by_key(graph: fx.Graph, target, key) -> dict:
+    groups: dict = {}
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is target:
+            groups.setdefault(key(node), []).append(node)
+    return groups
+
+
+def dedupe_gathers(graph: fx.Graph) -> int:
+    """Merge ``gather_param`` nodes with identical arguments; returns how many were removed."""
+    removed = 0
+    for nodes in _nodes_by_key(graph, GATHER_OP, lambda n: (n.args, tuple(n.kwargs.items()))).values():
+        keep = nodes[0]
+        for dup in nodes[1:]:
+            dup.replace_all_uses_with(keep)
+            graph.erase_node(dup)
+            removed += 1
+    return removed
+
+
+def merge_reduce_scatters(graph: fx.Graph) -> int:
+    """Replace several ``reduce_scatter_grad`` nodes of one parameter by one; returns how many went.
+
+    The merged node sits where the last of them was (all contributions exist there); the earlier
+    ones become zeros of the shard's shape, which the additions autograd emitted absorb.
+    """
+    removed = 0
+    groups = _nodes_by_key(graph, REDUCE_SCATTER_OP, lambda n: n.args[1])
+    for nodes in groups.values():
+        if len(nodes) < 2:
+            continue
+        last = nodes[-1]
+        with graph.inserting_before(last):
+            total = nodes[0].args[0]
+            for node in nodes[1:]:
+                total = call(graph, torch.ops.aten.add.Tensor, (total, node.args[0]))
+            merged = call(graph, REDUCE_SCATTER_OP, (total, *last.args[1:]), dict(last.kwargs))
+        last.replace_all_uses_with(merged)
+        graph.erase_node(last)
+        for node in nodes[:-1]:
+            shard = node.meta["val"]
+            with graph.inserting_before(node):
+                zeros = call(
+                    graph,
+                    torch.ops.aten.zeros.default,
+                    (list(shard.shape),),
+                    {"dtype": shard.dtype, "device": shard.device},
+                )
+            node.replace_all_uses_with(zeros)
+            graph.erase_node(node)
+            removed += 1
+    return removed

@@ -1,0 +1,40 @@
+"""Small FX helpers shared by the passes: creating nodes with fake values, walking users."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import fx
+from torch.utils._pytree import tree_map_only
+
+
+def _fake_mode_of(graph: fx.Graph):
+    from torch._guards import detect_fake_mode
+
+    vals = [n.meta.get("val") for n in graph.nodes if n.op == "placeholder"]
+    return detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+
+
+def call(graph: fx.Graph, target, args: tuple, kwargs: dict | None = None) -> fx.Node:
+    """Insert ``target(*args, **kwargs)`` at the graph's insertion point, with ``meta['val']``.
+
+    The fake value is computed from the arguments' fake values, so later passes (and Inductor)
+    see shapes and dtypes on every node shardc inserts.
+    """
+    kwargs = kwargs or {}
+    node = graph.call_function(target, args, kwargs)
+    mode = _fake_mode_of(graph)
+    if mode is not None:
+        def val(a: Any):
+            return a.meta.get("val") if isinstance(a, fx.Node) else a
+
+        fake_args = tree_map_only(fx.Node, val, args)
+        fake_kwargs = tree_map_only(fx.Node, val, kwargs)
+        with mode:
+            node.meta["val"] = target(*fake_args, **fake_kwargs)
+    return node
+
+
+def is_call(node: fx.Node, target) -> bool:
+    return node.op == "call_function" and node.target is target

@@ -1,0 +1,87 @@
+"""Reshard after forward: gathered parameters are recomputed (re-gathered) in backward, never saved.
+
+``tag_resharded_gathers`` runs on the joint graph before partitioning and marks each gather of a
+``reshard_after_forward`` parameter, and the views and casts taken of it, as must-recompute, so the
+partitioner saves the (small) shard instead and the backward graph gathers again.
+``check_no_gathered_saved`` runs on the partitioned graphs and fails loudly if a gathered parameter
+still crosses from forward to backward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from shardc.passes.fx_utils import is_call
+from shardc.runtime.ops import GATHER_OP
+
+_CASTS = {
+    torch.ops.prims.convert_element_type.default,
+    torch.ops.aten._to_copy.default,
+}
+
+
+def _is_view_or_cast(node: fx.Node) -> bool:
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    return target.is_view or target in _CASTS
+
+
+def gather_derived(gather: fx.Node) -> list[fx.Node]:
+    """``gather`` and every node reachable from it through views and casts only."""
+    seen, stack = [gather], [gather]
+    while stack:
+        for user in stack.pop().users:
+            if _is_view_or_cast(user) and user not in seen:
+                seen.append(user)
+                stack.append(user)
+    return seen
+
+
+def reshards_after_forward(gather: fx.Node) -> bool:
+    return bool(gather.args[7])
+
+
+def tag_resharded_gathers(graph: fx.Graph) -> int:
+    """Mark resharded gathers (and their views) must-recompute; returns how many gathers."""
+    count = 0
+    for node in graph.nodes:
+        if is_call(node, GATHER_OP) and reshards_after_forward(node):
+            for derived in gather_derived(node):
+                derived.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+                derived.meta.setdefault("ac_graph_id", 0)
+            count += 1
+    return count
+
+
+class GatheredParamSavedError(RuntimeError):
+    """A gathered (full) parameter would be kept alive from forward to backward."""
+
+
+def saved_for_backward(fw: fx.GraphModule, bw: fx.GraphModule) -> list[fx.Node]:
+    """Forward-graph nodes whose values the backward graph takes as saved inputs."""
+    by_name = {n.name: n for n in fw.graph.nodes}
+    saved = []
+    for ph in bw.graph.find_nodes(op="placeholder"):
+        if not ph.name.startswith("tangents") and ph.name in by_name:
+            saved.append(by_name[ph.name])
+    return saved
+
+
+def check_no_gathered_saved(fw: fx.GraphModule, bw: fx.GraphModule) -> None:
+    """Raise :class:`GatheredParamSavedError` naming the parameter if a resharded gather is saved."""
+    offending = {}
+    for gather in fw.graph.nodes:
+        if is_call(gather, GATHER_OP) and reshards_after_forward(gather):
+            for derived in gather_derived(gather):
+                offending[derived] = gather
+    for node in saved_for_backward(fw, bw):
+        if node in offending:
+            fqn = offending[node].args[1]
+            raise GatheredParamSavedError(
+                f"shardc: the gathered parameter {fqn!r} (graph value {node.name!r}) would be "
+                "saved for backward although reshard_after_forward=True. This is a shardc bug; "
+                "report it with the graph dump, or shard with reshard_after_forward=False."
+            )

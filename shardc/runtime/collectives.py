@@ -1,0 +1,72 @@
+"""Process-group plumbing and the eager collectives behind shardc's custom ops.
+
+Everything here works on plain (local) tensors. Row arithmetic follows ``torch.chunk``, which is
+how DTensor ``Shard(0)`` splits a dimension: every rank holds ``ceil(dim0 / world)`` rows except the
+last non-empty one, and trailing ranks may hold none. Collectives exchange shards padded to the
+common row count, so the bytes a collective moves never depend on the rank.
+
+The one private torch API shardc needs for groups (resolving a group from its name, which is how
+graphs and custom ops refer to groups) is wrapped here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as _c10d
+
+# Functional collectives: the ops compiled graphs use; they run eagerly too, on NCCL and gloo.
+_funcol = torch.ops._c10d_functional
+
+
+def resolve_group(group_name: str) -> dist.ProcessGroup:
+    """The process group registered under ``group_name`` (as used in graphs and custom ops)."""
+    return _c10d._resolve_process_group(group_name)
+
+
+def group_name_of(group: dist.ProcessGroup) -> str:
+    return group.group_name
+
+
+def padded_rows(dim0: int, world: int) -> int:
+    """Rows every rank contributes to a collective: the largest shard (``torch.chunk`` size)."""
+    return -(-dim0 // world) if dim0 > 0 else 0
+
+
+def shard_rows(dim0: int, world: int, rank: int) -> int:
+    """Rows of ``rank``'s shard of a dimension of size ``dim0`` split like ``torch.chunk``."""
+    chunk = padded_rows(dim0, world)
+    return max(0, min(chunk, dim0 - rank * chunk))
+
+
+def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` with zero rows appended up to ``rows`` rows (no copy if already that size)."""
+    if t.shape[0] == rows:
+        return t
+    pad = t.new_zeros((rows - t.shape[0], *t.shape[1:]))
+    return torch.cat([t, pad], dim=0)
+
+
+def all_gather_rows(
+    shard: torch.Tensor, dim0: int, world: int, group_name: str
+) -> torch.Tensor:
+    """Eager all-gather of a dim-0 shard into the full ``dim0``-row tensor (a new tensor)."""
+    rows = padded_rows(dim0, world)
+    send = pad_rows(shard, rows).contiguous()
+    if world == 1:
+        return send.clone().narrow(0, 0, dim0)
+    out = _funcol.all_gather_into_tensor(send, world, group_name)
+    return _funcol.wait_tensor(out).narrow(0, 0, dim0)
+
+
+def reduce_scatter_rows(
+    full: torch.Tensor, dim0: int, world: int, group_name: str, rank: int
+) -> torch.Tensor:
+    """Eager sum reduce-scatter of a full ``dim0``-row tensor into this rank's ``torch.chunk`` shard."""
+    rows = padded_rows(dim0, world)
+    send = pad_rows(full, rows * world).contiguous()
+    if world == 1:
+        out = send.clone()
+    else:
+        out = _funcol.wait_tensor(_funcol.reduce_scatter_tensor(send, "sum", world, group_name))
+    return out.narrow(0, 0, shard_rows(dim0, world, rank))

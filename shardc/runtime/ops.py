@@ -1,0 +1,87 @@
+"""shardc's custom ops: "gather this parameter shard" and its autograd, "reduce-scatter its gradient".
+
+A sharded module reads each parameter through :func:`gather_param`. Eagerly the ops run the
+collectives at once; under ``torch.compile`` they appear in the joint graph as opaque nodes that the
+passes in :mod:`shardc.passes` find and replace with planned (bucketed, prefetched) collectives.
+Every argument that describes the parameter (its name, global rows, group, dtypes) is a constant in
+the graph, so passes never need to look outside it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from shardc.runtime.collectives import (
+    all_gather_rows,
+    reduce_scatter_rows,
+    resolve_group,
+    shard_rows,
+)
+
+_LIB = "shardc"
+
+
+@torch.library.custom_op(f"{_LIB}::gather_param", mutates_args=())
+def gather_param(
+    shard: torch.Tensor,
+    fqn: str,
+    dim0: int,
+    world: int,
+    group_name: str,
+    compute_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+    reshard_after_forward: bool,
+) -> torch.Tensor:
+    """The full parameter ``fqn`` (``dim0`` rows) gathered from every rank's dim-0 shard.
+
+    The shard is cast to ``compute_dtype`` before communication. Its gradient is the
+    ``reduce_dtype`` average over ranks of the full gradient, scattered back to this rank's rows.
+    """
+    send = shard if compute_dtype is None else shard.to(compute_dtype)
+    return all_gather_rows(send, dim0, world, group_name)
+
+
+@gather_param.register_fake
+def _gather_param_fake(shard, fqn, dim0, world, group_name, compute_dtype, reduce_dtype, reshard):
+    return shard.new_empty((dim0, *shard.shape[1:]), dtype=compute_dtype or shard.dtype)
+
+
+@torch.library.custom_op(f"{_LIB}::reduce_scatter_grad", mutates_args=())
+def reduce_scatter_grad(
+    grad: torch.Tensor,
+    fqn: str,
+    dim0: int,
+    world: int,
+    group_name: str,
+    reduce_dtype: torch.dtype | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """This rank's shard of the average over ranks of the full gradient ``grad`` of ``fqn``."""
+    send = grad if reduce_dtype is None else grad.to(reduce_dtype)
+    rank = dist.get_rank(resolve_group(group_name)) if world > 1 else 0
+    local = reduce_scatter_rows(send, dim0, world, group_name, rank)
+    if world > 1:
+        local = local / world
+    return local.to(out_dtype)
+
+
+@reduce_scatter_grad.register_fake
+def _reduce_scatter_grad_fake(grad, fqn, dim0, world, group_name, reduce_dtype, out_dtype):
+    rank = dist.get_rank(resolve_group(group_name)) if world > 1 else 0
+    return grad.new_empty((shard_rows(dim0, world, rank), *grad.shape[1:]), dtype=out_dtype)
+
+
+def _gather_setup_context(ctx, inputs, output) -> None:
+    shard, fqn, dim0, world, group_name, _compute, reduce_dtype, _reshard = inputs
+    ctx.reduce_args = (fqn, dim0, world, group_name, reduce_dtype, shard.dtype)
+
+
+def _gather_backward(ctx, grad):
+    return (reduce_scatter_grad(grad, *ctx.reduce_args),) + (None,) * 7
+
+
+gather_param.register_autograd(_gather_backward, setup_context=_gather_setup_context)
+
+GATHER_OP = torch.ops.shardc.gather_param.default
+REDUCE_SCATTER_OP = torch.ops.shardc.reduce_scatter_grad.default

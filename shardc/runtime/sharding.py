@@ -1,0 +1,265 @@
+"""``shardc.shard``: turn a module's parameters into dim-0 sharded DTensors, in place.
+
+After :func:`shard`, ``module.parameters()`` and ``module.state_dict()`` see DTensor parameters with
+the original global shapes and names, so optimizers and DCP work on the local shards. Inside a
+forward (eager or compiled) an attribute read such as ``self.weight`` returns the gathered full
+tensor through the ``shardc::gather_param`` op, whose autograd reduce-scatters the gradient. Outside
+a forward the same read returns the sharded parameter, so ``reset_parameters()`` and user init code
+work on the shards after sharding.
+
+The class of each module that owns parameters is swapped for a subclass that adds one property per
+parameter name (the same kind of in-place change ``fully_shard`` makes); nothing else of the user's
+module is touched.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from shardc.runtime.collectives import group_name_of
+from shardc.runtime.ops import gather_param
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Dtypes for communication and compute; master shards keep their own dtype.
+
+    ``param_dtype``: dtype of gathered parameters (all-gather and compute). ``reduce_dtype``: dtype
+    in which gradients are reduce-scattered. ``None`` keeps the parameter's dtype.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+
+
+@dataclass(frozen=True)
+class ShardedParamInfo:
+    """What the gather op needs to know about one sharded parameter; constants in the graph."""
+
+    fqn: str
+    dim0: int
+    world: int
+    group_name: str
+    compute_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+    reshard_after_forward: bool
+
+
+@dataclass
+class ShardState:
+    """Recorded on the root module by :func:`shard`."""
+
+    mesh: DeviceMesh
+    reshard_after_forward: bool
+    mp_policy: MixedPrecisionPolicy
+    params: dict[str, ShardedParamInfo]
+    regions: list = field(default_factory=list)  # one record per compiled region (the backend's)
+
+
+class _ForwardDepth(threading.local):
+    depth = 0
+
+
+_FORWARD = _ForwardDepth()
+
+
+def _gathering() -> bool:
+    # Compiled regions only ever trace forwards; eager forwards are bracketed by hooks.
+    return torch.compiler.is_compiling() or _FORWARD.depth > 0
+
+
+def _enter_forward(module, args) -> None:
+    if not torch.compiler.is_compiling():
+        _FORWARD.depth += 1
+
+
+def _exit_forward(module, args, output) -> None:
+    if not torch.compiler.is_compiling():
+        _FORWARD.depth -= 1
+
+
+class ShardedModuleMixin:
+    """Marks a module whose parameters were sharded by :func:`shard` (a mixin, not a module)."""
+
+    _shardc_param_names: tuple[str, ...] = ()
+
+
+def is_sharded(module: nn.Module) -> bool:
+    return isinstance(module, ShardedModuleMixin)
+
+
+def _param_property(name: str, info: ShardedParamInfo) -> property:
+    def read(self):
+        param = self._parameters[name]
+        if not isinstance(param, DTensor) or not _gathering():
+            return param
+        return gather_param(
+            param.to_local(),
+            info.fqn,
+            info.dim0,
+            info.world,
+            info.group_name,
+            info.compute_dtype,
+            info.reduce_dtype,
+            info.reshard_after_forward,
+        )
+
+    return property(read, doc=f"The parameter {info.fqn!r}, gathered inside a forward.")
+
+
+def _swap_class(module: nn.Module, infos: dict[str, ShardedParamInfo]) -> None:
+    cls = type(module)
+    attrs = {name: _param_property(name, info) for name, info in infos.items()}
+    attrs["_shardc_param_names"] = tuple(infos)
+    attrs["__module__"] = cls.__module__
+    module.__class__ = type(f"Shardc{cls.__name__}", (ShardedModuleMixin, cls), attrs)
+
+
+def _default_mesh(module: nn.Module) -> DeviceMesh:
+    devices = {p.device.type for p in module.parameters() if p.device.type != "meta"}
+    if len(devices) == 1:
+        device_type = devices.pop()
+    else:
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return DeviceMesh.from_group(dist.group.WORLD, device_type)
+
+
+def _check_inputs(module: nn.Module, mesh: DeviceMesh) -> None:
+    for name, sub in module.named_modules():
+        if is_sharded(sub):
+            where = f"submodule {name!r}" if name else "the module"
+            raise ValueError(
+                f"shardc.shard: {where} is already sharded; call shardc.shard once, on the root."
+            )
+    if mesh.ndim != 1:
+        raise NotImplementedError(
+            f"shardc.shard: got a {mesh.ndim}-D mesh {tuple(mesh.shape)}; only 1-D meshes are "
+            "supported for now. Pass a 1-D mesh such as init_device_mesh(type, (world_size,))."
+        )
+    devices: dict[torch.device, str] = {}
+    for fqn, p in module.named_parameters():
+        if p.device.type == "meta":
+            continue
+        devices.setdefault(p.device, fqn)
+        if p.device.type != mesh.device_type:
+            raise ValueError(
+                f"shardc.shard: parameter {fqn!r} is on {p.device} but the mesh is of device type "
+                f"{mesh.device_type!r}; move the module to {mesh.device_type} first or build the "
+                f"mesh with init_device_mesh({p.device.type!r}, ...)."
+            )
+    if len(devices) > 1:
+        found = ", ".join(f"{fqn!r} on {dev}" for dev, fqn in devices.items())
+        raise ValueError(
+            f"shardc.shard: parameters are on different devices ({found}); move the module to "
+            "one device first."
+        )
+    for fqn, p in module.named_parameters():
+        if p.dim() == 0:
+            raise NotImplementedError(
+                f"shardc.shard: parameter {fqn!r} is a scalar (0-d); shardc shards along dim 0. "
+                "Store it as a 1-element tensor instead."
+            )
+        if isinstance(p, DTensor):
+            raise ValueError(
+                f"shardc.shard: parameter {fqn!r} is already a DTensor; shardc shards plain "
+                "parameters over a 1-D mesh."
+            )
+
+
+def _shard_tensor(t: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+    """Keep this rank's ``torch.chunk`` slice of ``t`` (never the whole of a meta tensor)."""
+    world, rank = mesh.size(), mesh.get_local_rank()
+    device = torch.device(mesh.device_type, torch.cuda.current_device()) if (
+        mesh.device_type == "cuda"
+    ) else torch.device(mesh.device_type)
+    chunk = -(-t.shape[0] // world)
+    start = min(rank * chunk, t.shape[0])
+    rows = max(0, min(chunk, t.shape[0] - start))
+    if t.device.type == "meta":
+        local = torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device=device)
+    else:
+        local = t.detach().narrow(0, start, rows).to(device).clone()
+    return DTensor.from_local(
+        local, mesh, [Shard(0)], run_check=False, shape=t.shape, stride=t.contiguous().stride()
+    )
+
+
+def shard(
+    module: nn.Module,
+    mesh: DeviceMesh | None = None,
+    *,
+    reshard_after_forward: bool = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
+) -> nn.Module:
+    """Shard every parameter of ``module`` on dim 0 over ``mesh``, in place; returns ``module``.
+
+    ``mesh`` defaults to a 1-D mesh over the default process group. Like ``fully_shard``, each rank
+    keeps its own slice of its own values (no broadcast): build the model with the same seed on
+    every rank, build it on the meta device and initialize after sharding, or load a checkpoint.
+    A meta-device module gets uninitialized local shards (never a full parameter).
+    ``reshard_after_forward``: free gathered parameters after the forward and gather them again
+    for the backward (less memory) instead of keeping them.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "shardc.shard: torch.distributed is not initialized; call "
+            "torch.distributed.init_process_group(...) (or init_device_mesh) before sharding."
+        )
+    mesh = mesh if mesh is not None else _default_mesh(module)
+    _check_inputs(module, mesh)
+    mp_policy = mp_policy or MixedPrecisionPolicy()
+    group_name = group_name_of(mesh.get_group())
+
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    canonical: dict[int, tuple[str, nn.Parameter]] = {}
+    for mod_name, sub in module.named_modules(remove_duplicate=False):
+        for pname, p in sub._parameters.items():
+            if p is None:
+                continue
+            fqn = f"{mod_name}.{pname}" if mod_name else pname
+            canonical.setdefault(id(p), (fqn, p))
+            owners.setdefault(id(p), []).append((sub, pname))
+
+    infos: dict[str, ShardedParamInfo] = {}
+    per_module: dict[int, tuple[nn.Module, dict[str, ShardedParamInfo]]] = {}
+    for key, (fqn, p) in canonical.items():
+        info = ShardedParamInfo(
+            fqn=fqn,
+            dim0=p.shape[0],
+            world=mesh.size(),
+            group_name=group_name,
+            compute_dtype=mp_policy.param_dtype,
+            reduce_dtype=mp_policy.reduce_dtype,
+            reshard_after_forward=reshard_after_forward,
+        )
+        infos[fqn] = info
+        new_param = nn.Parameter(_shard_tensor(p, mesh), requires_grad=p.requires_grad)
+        for sub, pname in owners[key]:
+            sub._parameters[pname] = new_param
+            per_module.setdefault(id(sub), (sub, {}))[1][pname] = info
+
+    state = ShardState(mesh, reshard_after_forward, mp_policy, infos)
+    for sub, sub_infos in per_module.values():
+        for pname in sub_infos:
+            # The backend finds the root's records through any parameter of a compiled graph.
+            sub._parameters[pname]._shardc_regions = state.regions
+        _swap_class(sub, sub_infos)
+        sub.register_forward_pre_hook(_enter_forward)
+        sub.register_forward_hook(_exit_forward, always_call=True)
+    if id(module) not in per_module:
+        module.register_forward_pre_hook(_enter_forward)
+        module.register_forward_hook(_exit_forward, always_call=True)
+    module._shardc_state = state
+    return module
+
+
+def shard_state(module: nn.Module) -> ShardState | None:
+    """The :class:`ShardState` recorded by :func:`shard` on ``module``, if any."""
+    return getattr(module, "_shardc_state", None)
