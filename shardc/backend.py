@@ -17,13 +17,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import fx
 
 from shardc.options import ShardcOptions
 from shardc.passes.dedupe import dedupe_gathers, merge_reduce_scatters
 from shardc.passes.fx_utils import is_call
+from shardc.passes.lower import apply_plan
 from shardc.passes.reshard import check_no_gathered_saved, tag_resharded_gathers
+from shardc.passes.schedule import plan_region
+from shardc.runtime.collectives import resolve_group
 from shardc.runtime.ops import GATHER_OP
+from shardc.runtime.plan_check import check_plan_consistency
 
 log = logging.getLogger("shardc")
 
@@ -64,7 +69,15 @@ class ShardcPartitioner(_partitioner_base()):
         gm.recompile()
         fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         check_no_gathered_saved(fw, bw)
-        self.region.forward, self.region.backward = fw, bw
+        plan = plan_region(fw, bw, self.options, region=self.region.index)
+        rank = _rank_of(plan)
+        apply_plan(fw, plan, "forward", rank)
+        apply_plan(bw, plan, "backward", rank)
+        self.region.forward, self.region.backward, self.region.plan = fw, bw, plan
+        if self.options.dump_dir:
+            from shardc.render import dump_plan
+
+            dump_plan(plan, self.options.dump_dir, rank=rank)
         return fw, bw
 
     def uuid(self) -> str:
@@ -79,6 +92,27 @@ class RegionRecord:
         self.forward: fx.GraphModule | None = None
         self.backward: fx.GraphModule | None = None
         self.plan = None
+        self.checked = False
+
+
+def _rank_of(plan) -> int:
+    if not plan.group_name or plan.world_size == 1:
+        return 0
+    return torch.distributed.get_rank(resolve_group(plan.group_name))
+
+
+def _checked(compiled, region: RegionRecord, options: ShardcOptions):
+    """Wrap a compiled region so its first call compares plans across ranks."""
+
+    def run(*args):
+        if not region.checked:
+            region.checked = True
+            if options.check_plan_consistency and region.plan is not None:
+                check_plan_consistency(region.plan)
+        return compiled(*args)
+
+    run._boxed_call = getattr(compiled, "_boxed_call", False)
+    return run
 
 
 def _region_registry(example_inputs: Sequence[object]) -> list | None:
@@ -123,12 +157,16 @@ def shardc_backend(
     if opts.inductor:
         from torch._inductor.compile_fx import compile_fx
 
-        return compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": partitioner})
-    from torch._dynamo.backends.common import aot_autograd
+        compiled = compile_fx(
+            gm, example_inputs, config_patches={"custom_partitioner_fn": partitioner}
+        )
+    else:
+        from torch._dynamo.backends.common import aot_autograd
 
-    return aot_autograd(
-        fw_compiler=_fx_compiler, bw_compiler=_fx_compiler, partition_fn=partitioner
-    )(gm, example_inputs)
+        compiled = aot_autograd(
+            fw_compiler=_fx_compiler, bw_compiler=_fx_compiler, partition_fn=partitioner
+        )(gm, example_inputs)
+    return _checked(compiled, region, opts)
 
 
 def backend(**options: Any):

@@ -1,0 +1,115 @@
+"""Analytical cost model: compute from FLOPs and bytes, communication from bytes and latency.
+
+Communication times are sympy expressions in the world size ``W``, the bus bandwidth ``B``
+(bytes/s) and the per-step latency ``alpha`` (s), so one plan can be evaluated for any cluster
+(``ClusterSpec.evaluate``). Compute time is ``max(flops / peak_flops, bytes / mem_bandwidth)``
+per op (roofline). ``calibrate`` fits bandwidth and latency to measured collective timings.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import sympy
+import torch
+from torch import fx
+
+W, B, ALPHA = sympy.symbols("W B alpha", positive=True)
+
+
+def collective_time_expr(kind: str, buffer_bytes: int | sympy.Expr) -> sympy.Expr:
+    """Ring-algorithm time of one collective over a buffer of ``buffer_bytes`` (the full,
+    gathered or unreduced, size): ``(W-1)`` latency steps and ``(W-1)/W`` of the buffer on the wire.
+    """
+    if kind not in ("all_gather", "reduce_scatter", "all_reduce"):
+        raise ValueError(f"shardc cost model: unknown collective kind {kind!r}")
+    steps = 2 * (W - 1) if kind == "all_reduce" else (W - 1)
+    wire = (2 if kind == "all_reduce" else 1) * (W - 1) / W * buffer_bytes / B
+    return steps * ALPHA + wire
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Numbers for one cluster; ``evaluate`` substitutes them into a communication expression."""
+
+    peak_flops: float = 400e12  # dense bf16 FLOP/s a kernel reaches in practice
+    mem_bandwidth: float = 3.0e12  # bytes/s of device memory
+    bus_bandwidth: float = 100e9  # bytes/s per rank for collectives (intra-node)
+    latency_s: float = 10e-6  # per ring step
+
+    def evaluate(self, expr: sympy.Expr, world: int) -> float:
+        value = expr.subs({W: world, B: self.bus_bandwidth, ALPHA: self.latency_s})
+        return float(value)
+
+    def collective_seconds(self, kind: str, buffer_bytes: int, world: int) -> float:
+        # Closed form of collective_time_expr, for speed in planning loops.
+        if world <= 1:
+            return 0.0
+        factor = 2 if kind == "all_reduce" else 1
+        return factor * ((world - 1) * self.latency_s
+                         + (world - 1) / world * buffer_bytes / self.bus_bandwidth)
+
+    def compute_seconds(self, flops: float, nbytes: float) -> float:
+        return max(flops / self.peak_flops, nbytes / self.mem_bandwidth)
+
+
+def calibrate(
+    spec: ClusterSpec, samples: Sequence[tuple[str, int, int, float]]
+) -> ClusterSpec:
+    """Fit ``bus_bandwidth`` and ``latency_s`` to ``(kind, buffer_bytes, world, seconds)`` samples
+    by least squares on ``seconds = steps * alpha + wire_bytes / B``."""
+    rows = []
+    for kind, nbytes, world, seconds in samples:
+        factor = 2 if kind == "all_reduce" else 1
+        rows.append((factor * (world - 1), factor * (world - 1) / world * nbytes, seconds))
+    if len(rows) < 2:
+        raise ValueError("shardc cost model: calibration needs at least two timings")
+    # Solve [steps, wire] @ [alpha, 1/B] = seconds (normal equations, 2x2).
+    s11 = sum(a * a for a, _, _ in rows)
+    s12 = sum(a * b for a, b, _ in rows)
+    s22 = sum(b * b for _, b, _ in rows)
+    t1 = sum(a * t for a, _, t in rows)
+    t2 = sum(b * t for _, b, t in rows)
+    det = s11 * s22 - s12 * s12
+    if abs(det) < 1e-30:
+        raise ValueError("shardc cost model: calibration timings do not separate latency from bandwidth")
+    alpha = (t1 * s22 - t2 * s12) / det
+    inv_b = (s11 * t2 - s12 * t1) / det
+    if inv_b <= 0:
+        raise ValueError("shardc cost model: calibration gave a non-positive bandwidth")
+    return replace(spec, latency_s=max(alpha, 0.0), bus_bandwidth=1.0 / inv_b)
+
+
+def _numel(shape) -> int:
+    return math.prod(int(s) for s in shape)
+
+
+def _val(node) -> torch.Tensor | None:
+    v = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def node_flops_and_bytes(node: fx.Node) -> tuple[float, float]:
+    """FLOPs and bytes moved by one graph op, from the shapes on its fake values."""
+    out = node.meta.get("val")
+    outs = [o for o in (out if isinstance(out, (list, tuple)) else [out])
+            if isinstance(o, torch.Tensor)]
+    ins = [v for v in (_val(a) for a in node.all_input_nodes) if v is not None]
+    nbytes = float(sum(t.numel() * t.element_size() for t in ins + outs))
+    name = getattr(node.target, "__name__", str(node.target))
+    base = name.split(".")[0]
+    flops = 0.0
+    if base in ("mm", "addmm", "bmm", "baddbmm") and outs:
+        a = ins[-2] if base in ("addmm", "baddbmm") else ins[0]
+        flops = 2.0 * outs[0].numel() * a.shape[-1]
+    elif "scaled_dot_product" in base and len(ins) >= 3:
+        q, k = ins[0], ins[1]
+        flops = 4.0 * _numel(q.shape[:-1]) * k.shape[-2] * q.shape[-1]
+        if "backward" in base:
+            flops *= 2.5
+    elif base == "convolution" and outs and len(ins) >= 2:
+        w = ins[1]
+        flops = 2.0 * outs[0].numel() * _numel(w.shape[1:])
+    return flops, nbytes

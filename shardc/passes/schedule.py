@@ -1,0 +1,351 @@
+"""Plan the communication of one compiled region: buckets, issue and wait positions, predictions.
+
+Input: the partitioned forward and backward graphs, still holding shardc's ``gather_param`` and
+``reduce_scatter_grad`` nodes. Output: a :class:`shardc.plan.Plan`; the graphs are not changed
+(``shardc.passes.lower`` applies the plan).
+
+Placement rules, each recorded as the collective's ``reason``:
+- all-gather of bucket ``k`` waits right before the first op that reads one of its parameters, and
+  is issued before the first op of bucket ``k - prefetch_depth`` (prefetch), moved later one
+  bucket at a time while the gathered bytes in flight would exceed the memory budget;
+- reduce-scatter of a bucket is issued right after the last gradient of the bucket is computed and
+  waited as late as possible while at most two are in flight (before the issue of the
+  reduce-scatter two places later, or at the end of the graph).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from shardc.passes.bucketing import ParamComm, assign_buckets, bucket_name
+from shardc.passes.cost_model import ClusterSpec, node_flops_and_bytes
+from shardc.passes.fx_utils import is_call
+from shardc.passes.reshard import gather_derived
+from shardc.plan import PLAN_VERSION, Bucket, Collective, ComputeOp, Plan
+from shardc.runtime.collectives import padded_rows
+from shardc.runtime.ops import GATHER_OP, REDUCE_SCATTER_OP
+
+COMM_STREAM = "comm"
+
+
+@dataclass
+class GraphComm:
+    """A graph's compute order and its shardc nodes, keyed by parameter name."""
+
+    name: str
+    compute: list[fx.Node]
+    position: dict[fx.Node, int]
+    gathers: dict[str, fx.Node] = field(default_factory=dict)
+    reduces: dict[str, fx.Node] = field(default_factory=dict)
+
+    @property
+    def end(self) -> int:
+        return len(self.compute)
+
+    def pos(self, node: fx.Node) -> int:
+        """Position of ``node`` (placeholders count as 0, the output as the end)."""
+        if node.op == "placeholder":
+            return 0
+        if node.op == "output":
+            return self.end
+        if node in self.position:
+            return self.position[node]
+        # A shardc node: it sits before the next compute op.
+        for later in _nodes_after(node):
+            if later in self.position:
+                return self.position[later]
+        return self.end
+
+    def first_use(self, fqn: str) -> int:
+        return min((self.pos(u) for u in self.gathers[fqn].users), default=self.end)
+
+    def last_use(self, fqn: str) -> int:
+        derived = gather_derived(self.gathers[fqn])
+        users = [u for d in derived for u in d.users if u not in derived]
+        uses = [self.pos(u) for u in users] + [self.pos(d) for d in derived[1:]]
+        return max(uses, default=self.first_use(fqn))
+
+
+def view_chain_root(node: fx.Node) -> fx.Node | None:
+    """The placeholder ``node`` is a chain of single-input views of, if it is one."""
+    while node.op != "placeholder":
+        target = node.target
+        if not (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
+                and target.is_view and len(node.all_input_nodes) == 1):
+            return None
+        node = node.all_input_nodes[0]
+    return node
+
+
+def _is_view(node: fx.Node) -> bool:
+    target = node.target
+    return (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
+            and target.is_view)
+
+
+def view_users(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
+    """(views taken of ``node``, transitively; the other nodes that read any of them)."""
+    views, readers, stack = [], [], [node]
+    while stack:
+        for user in stack.pop().users:
+            if _is_view(user):
+                if user not in views:
+                    views.append(user)
+                    stack.append(user)
+            elif user not in readers:
+                readers.append(user)
+    return views, readers
+
+
+def available_pos(g: GraphComm, node: fx.Node) -> int:
+    """Earliest position a collective reading ``node`` can be issued at (views are re-taken)."""
+    if view_chain_root(node) is not None:
+        return 0
+    return g.pos(node) + 1
+
+
+def _nodes_after(node: fx.Node):
+    n = node.next
+    while n.op != "root":
+        yield n
+        n = n.next
+
+
+def analyze(gm: fx.GraphModule, name: str) -> GraphComm:
+    compute, gathers, reduces = [], {}, {}
+    for node in gm.graph.nodes:
+        if is_call(node, GATHER_OP):
+            gathers[node.args[1]] = node
+        elif is_call(node, REDUCE_SCATTER_OP):
+            reduces[node.args[1]] = node
+        elif node.op not in ("placeholder", "output"):
+            compute.append(node)
+    return GraphComm(name, compute, {n: i for i, n in enumerate(compute)}, gathers, reduces)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def param_comm(gather: fx.Node) -> ParamComm:
+    shard, fqn, dim0, world, group_name, compute_dtype, reduce_dtype, _ = gather.args
+    val = shard.meta["val"]
+    dtype = compute_dtype or val.dtype
+    row_numel = 1
+    for s in val.shape[1:]:
+        row_numel *= int(s)
+    return ParamComm(
+        fqn=fqn,
+        dim0=dim0,
+        padded_rows=padded_rows(dim0, world),
+        row_numel=row_numel,
+        dtype=_dtype_name(dtype),
+        reduce_dtype=_dtype_name(reduce_dtype or val.dtype),
+        group_name=group_name,
+        world=world,
+        itemsize=torch.empty((), dtype=dtype).element_size(),
+    )
+
+
+def make_buckets(fw: GraphComm, options) -> list[Bucket]:
+    order = sorted(fw.gathers, key=lambda fqn: (fw.first_use(fqn), fw.pos(fw.gathers[fqn])))
+    comms = [param_comm(fw.gathers[fqn]) for fqn in order]
+    groups = assign_buckets(
+        comms, by=options.bucket_by, patterns=options.bucket_modules,
+        cap_bytes=options.bucket_cap_bytes,
+    )
+    return [
+        Bucket(
+            index=i,
+            name=bucket_name(members, options.bucket_modules),
+            params=[p.fqn for p in members],
+            dim0=[p.dim0 for p in members],
+            padded_rows=[p.padded_rows for p in members],
+            row_numel=[p.row_numel for p in members],
+            dtype=members[0].dtype,
+            reduce_dtype=members[0].reduce_dtype,
+            world=members[0].world,
+        )
+        for i, members in enumerate(groups)
+    ]
+
+
+def _itemsize(dtype_name: str) -> int:
+    return torch.empty((), dtype=getattr(torch, dtype_name)).element_size()
+
+
+def _place_all_gathers(g: GraphComm, buckets: list[Bucket], options) -> list[Collective]:
+    present = [(b, [p for p in b.params if p in g.gathers]) for b in buckets]
+    present = [(b, ps) for b, ps in present if ps]
+    present.sort(key=lambda item: min(g.first_use(p) for p in item[1]))
+    first = [min(g.first_use(p) for p in ps) for _, ps in present]
+    last = [max(g.last_use(p) for p in ps) for _, ps in present]
+    live = [0] * (g.end + 1)
+    budget = options.memory_budget_bytes
+    depth = options.prefetch_depth if options.prefetch else 0
+    out = []
+    for k, (bucket, params) in enumerate(present):
+        nbytes = bucket.shard_numel * bucket.world * _itemsize(bucket.dtype)
+        earliest = max(available_pos(g, g.gathers[p].args[0]) for p in params)
+        candidates = [max(earliest, 0 if j < 0 else first[j]) for j in range(k - depth, k + 1)]
+        issue, reason = first[k], "no prefetch: issued at the first use of its parameters"
+        for j, pos in zip(range(k - depth, k + 1), candidates):
+            fits = not budget or all(live[q] + nbytes <= budget for q in range(pos, last[k] + 1))
+            if fits:
+                issue = pos
+                if j == k:
+                    reason = "issued at first use (prefetch off or memory budget)"
+                elif j < 0:
+                    reason = "graph start: nothing earlier to overlap with"
+                else:
+                    reason = f"prefetched {k - j} bucket(s) ahead, overlapping bucket {present[j][0].index}"
+                break
+        else:
+            reason = f"over memory budget ({budget} B) even without prefetch; issued at first use"
+        for q in range(issue, last[k] + 1):
+            live[q] += nbytes
+        out.append(
+            Collective(
+                id=f"{g.name}.all_gather.{bucket.index}",
+                kind="all_gather",
+                graph=g.name,
+                bucket=bucket.index,
+                params=params,
+                bytes=nbytes // bucket.world,
+                buffer_bytes=nbytes,
+                dtype=bucket.dtype,
+                stream=COMM_STREAM,
+                issue_pos=issue,
+                wait_pos=first[k],
+                first_use_pos=first[k],
+                last_use_pos=last[k],
+                reason=reason,
+                buffer_lifetime=(issue, last[k] + 1),
+            )
+        )
+    return out
+
+
+def _place_reduce_scatters(g: GraphComm, buckets: list[Bucket]) -> list[Collective]:
+    items = []
+    for bucket in buckets:
+        params = [p for p in bucket.params if p in g.reduces]
+        if not params:
+            continue
+        ready = max(g.pos(g.reduces[p].args[0]) + 1 if g.reduces[p].args[0].op != "placeholder"
+                    else 0 for p in params)
+        ready = min(ready, g.end)
+        # The wait must precede every reader of the reduced shards (the output, or additions).
+        # (views of the shards are moved behind the wait by the lowering)
+        latest = min(g.pos(u) for p in params for u in view_users(g.reduces[p])[1])
+        items.append((ready, bucket, params, max(latest, ready)))
+    items.sort(key=lambda item: (item[0], item[1].index))
+    out = []
+    for j, (ready, bucket, params, latest) in enumerate(items):
+        wait = items[j + 2][0] if j + 2 < len(items) else g.end
+        wait = min(max(wait, ready), latest)
+        nbytes = bucket.shard_numel * bucket.world * _itemsize(bucket.reduce_dtype)
+        out.append(
+            Collective(
+                id=f"{g.name}.reduce_scatter.{bucket.index}",
+                kind="reduce_scatter",
+                graph=g.name,
+                bucket=bucket.index,
+                params=params,
+                bytes=nbytes // bucket.world,
+                buffer_bytes=nbytes,
+                dtype=bucket.reduce_dtype,
+                stream=COMM_STREAM,
+                issue_pos=ready,
+                wait_pos=wait,
+                first_use_pos=wait,
+                last_use_pos=wait,
+                reason=("issued once the last gradient of the bucket exists; waited as late as "
+                        "possible with at most two reduce-scatters in flight"),
+                buffer_lifetime=(ready, wait + 1),
+            )
+        )
+    return out
+
+
+def _simulate(g: GraphComm, colls: list[Collective], cluster: ClusterSpec, world: int):
+    """Two-lane timing: compute in order, collectives FIFO on one stream; fills predictions."""
+    ops = []
+    by_issue: dict[int, list[Collective]] = {}
+    by_wait: dict[int, list[Collective]] = {}
+    for c in colls:
+        by_issue.setdefault(c.issue_pos, []).append(c)
+        by_wait.setdefault(c.wait_pos, []).append(c)
+    t = comm_free = exposed = 0.0
+    for p in range(g.end + 1):
+        for c in by_issue.get(p, []):
+            c.predicted_start_s = max(t, comm_free)
+            duration = cluster.collective_seconds(c.kind, c.buffer_bytes, world)
+            c.predicted_end_s = comm_free = c.predicted_start_s + duration
+        for c in by_wait.get(p, []):
+            if c.predicted_end_s > t:
+                c.exposed_s = c.predicted_end_s - t
+                exposed += c.exposed_s
+                t = c.predicted_end_s
+        if p < g.end:
+            node = g.compute[p]
+            flops, nbytes = node_flops_and_bytes(node)
+            dur = cluster.compute_seconds(flops, nbytes)
+            ops.append(ComputeOp(node.name, str(node.target), flops, nbytes, t, t + dur))
+            t += dur
+    for c in colls:
+        c.overlaps = [op.name for op in ops[c.issue_pos:c.wait_pos]][:64]
+    return ops, t, exposed
+
+
+def _memory_timeline(g: GraphComm, colls: list[Collective]) -> list[int]:
+    live = [0] * (g.end + 1)
+    for c in colls:
+        start, end = c.buffer_lifetime
+        for q in range(start, min(end, g.end + 1)):
+            live[q] += c.buffer_bytes
+    return live
+
+
+def plan_region(
+    forward: fx.GraphModule,
+    backward: fx.GraphModule | None,
+    options,
+    *,
+    region: int = 0,
+    cluster: ClusterSpec | None = None,
+) -> Plan:
+    """Plan all collectives of one region (see the module docstring for the rules)."""
+    cluster = cluster or ClusterSpec()
+    fw = analyze(forward, "forward")
+    bw = analyze(backward, "backward") if backward is not None else None
+    buckets = make_buckets(fw, options)
+    world = buckets[0].world if buckets else 1
+    graphs = [fw] + ([bw] if bw is not None else [])
+    plan = Plan(PLAN_VERSION, region, world, options.as_dict(), buckets, [])
+    plan.group_name = next(iter(fw.gathers.values())).args[4] if fw.gathers else ""
+    total_time = total_exposed = 0.0
+    for g in graphs:
+        colls = _place_all_gathers(g, buckets, options)
+        if g.name == "backward":
+            colls += _place_reduce_scatters(g, buckets)
+        colls.sort(key=lambda c: (c.issue_pos, c.kind != "all_gather", c.bucket))
+        ops, step, exposed = _simulate(g, colls, cluster, world)
+        plan.collectives.extend(colls)
+        plan.graphs[g.name] = ops
+        plan.memory_timeline[g.name] = _memory_timeline(g, colls)
+        plan.predicted[f"{g.name}_time_s"] = step
+        plan.predicted[f"{g.name}_exposed_comm_s"] = exposed
+        total_time += step
+        total_exposed += exposed
+    plan.predicted["step_time_s"] = total_time
+    plan.predicted["exposed_comm_s"] = total_exposed
+    plan.predicted["comm_time_s"] = sum(c.predicted_end_s - c.predicted_start_s
+                                        for c in plan.collectives)
+    plan.predicted["peak_comm_buffer_bytes"] = max(
+        (max(t, default=0) for t in plan.memory_timeline.values()), default=0
+    )
+    return plan

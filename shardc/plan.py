@@ -1,0 +1,141 @@
+"""The plan: a versioned, self-explaining record of how one compiled region communicates.
+
+A :class:`Plan` is plain data. Passes build it (``shardc.passes.schedule``), the lowering pass
+applies it to the graphs, the runtime checks that every rank holds the same one, and renderers
+turn it into a text table, a Chrome/Perfetto trace and a memory plot. Its JSON form is stable
+for a given ``PLAN_VERSION``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+PLAN_VERSION = 1
+
+
+@dataclass
+class Bucket:
+    """Parameters gathered by one flat all-gather and reduced by one flat reduce-scatter."""
+
+    index: int
+    name: str
+    params: list[str]
+    # Per parameter: global rows, padded rows per rank and elements per row.
+    dim0: list[int]
+    padded_rows: list[int]
+    row_numel: list[int]
+    dtype: str  # communication dtype of the all-gather
+    reduce_dtype: str  # communication dtype of the reduce-scatter
+    world: int
+
+    @property
+    def shard_numel(self) -> int:
+        """Elements each rank contributes (the flat shard of the bucket, padding included)."""
+        return sum(r * n for r, n in zip(self.padded_rows, self.row_numel))
+
+
+@dataclass
+class Collective:
+    """One planned collective and why it sits where it does.
+
+    Positions are indices into the region's compute schedule (``Plan.graphs[graph]``), in the
+    original order of the partitioned graph: ``issue_pos`` is the compute op before which the
+    collective is issued, ``wait_pos`` the one before which it is waited.
+    """
+
+    id: str
+    kind: str  # "all_gather" | "reduce_scatter"
+    graph: str  # "forward" | "backward"
+    bucket: int
+    params: list[str]
+    bytes: int  # bytes this rank sends (all-gather) or receives (reduce-scatter) ... see docs
+    buffer_bytes: int  # bytes of the collective's full buffer (gathered / unreduced)
+    dtype: str
+    stream: str
+    issue_pos: int
+    wait_pos: int
+    first_use_pos: int
+    last_use_pos: int
+    overlaps: list[str] = field(default_factory=list)
+    reason: str = ""
+    predicted_start_s: float = 0.0
+    predicted_end_s: float = 0.0
+    exposed_s: float = 0.0
+    buffer_offset: int | None = None
+    buffer_lifetime: tuple[int, int] | None = None
+
+    def signature(self) -> tuple:
+        """What every rank must agree on (independent of rank-specific shard shapes)."""
+        return (self.id, self.kind, self.graph, self.bucket, tuple(self.params), self.buffer_bytes,
+                self.dtype)
+
+
+@dataclass
+class ComputeOp:
+    """One op of a graph's compute schedule (collective bookkeeping ops excluded)."""
+
+    name: str
+    target: str
+    flops: float = 0.0
+    bytes: float = 0.0
+    predicted_start_s: float = 0.0
+    predicted_end_s: float = 0.0
+
+
+@dataclass
+class Plan:
+    version: int
+    region: int
+    world_size: int
+    options: dict[str, Any]
+    buckets: list[Bucket]
+    collectives: list[Collective]
+    graphs: dict[str, list[ComputeOp]] = field(default_factory=dict)
+    # Bytes of gathered parameters and communication buffers live before each compute op.
+    memory_timeline: dict[str, list[int]] = field(default_factory=dict)
+    predicted: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    group_name: str = ""
+
+    def collective_signature(self) -> list[tuple]:
+        return [c.signature() for c in self.collectives]
+
+    def hash(self) -> str:
+        """Hash of what must be identical on every rank (see :meth:`Collective.signature`)."""
+        blob = json.dumps(self.collective_signature(), sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["hash"] = self.hash()
+        return data
+
+    def to_json(self, indent: int | None = 1) -> str:
+        return json.dumps(self.to_dict(), indent=indent, default=str)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        if data.get("version") != PLAN_VERSION:
+            raise ValueError(
+                f"shardc: plan version {data.get('version')!r} is not supported "
+                f"(this shardc reads version {PLAN_VERSION})"
+            )
+        data = dict(data)
+        data.pop("hash", None)
+        data["buckets"] = [Bucket(**b) for b in data["buckets"]]
+        colls = []
+        for c in data["collectives"]:
+            c = dict(c)
+            if c.get("buffer_lifetime") is not None:
+                c["buffer_lifetime"] = tuple(c["buffer_lifetime"])
+            colls.append(Collective(**c))
+        data["collectives"] = colls
+        data["graphs"] = {g: [ComputeOp(**op) for op in ops] for g, ops in data["graphs"].items()}
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        return cls.from_dict(json.loads(text))
