@@ -34,7 +34,18 @@ class Bucket:
     @property
     def shard_numel(self) -> int:
         """Elements each rank contributes (the flat shard of the bucket, padding included)."""
-        return sum(r * n for r, n in zip(self.padded_rows, self.row_numel))
+        return self.layout(self.params)[1]
+
+    def layout(self, params: list[str]) -> tuple[dict[str, tuple[int, int, int, int]], int]:
+        """Flat layout of a subset of the bucket, in bucket order: per parameter
+        ``(offset, padded_rows, row_numel, dim0)`` in one rank's flat shard, and its total numel.
+        """
+        wanted, out, offset = set(params), {}, 0
+        for fqn, rows, numel, dim0 in zip(self.params, self.padded_rows, self.row_numel, self.dim0):
+            if fqn in wanted:
+                out[fqn] = (offset, rows, numel, dim0)
+                offset += rows * numel
+        return out, offset
 
 
 @dataclass

@@ -27,11 +27,6 @@ def _anchor(g: GraphComm, gm: fx.GraphModule, pos: int) -> fx.Node:
     return g.compute[pos] if pos < g.end else gm.graph.find_nodes(op="output")[0]
 
 
-def _rows_layout(bucket: Bucket, fqn: str) -> tuple[int, int, int, int]:
-    i = bucket.params.index(fqn)
-    offset = sum(r * n for r, n in zip(bucket.padded_rows[:i], bucket.row_numel[:i]))
-    return offset, bucket.padded_rows[i], bucket.row_numel[i], bucket.dim0[i]
-
 
 def _pad_rows(graph: fx.Graph, x: fx.Node, rows: int) -> fx.Node:
     val = x.meta["val"]
@@ -49,13 +44,14 @@ def _retake_views(graph: fx.Graph, node: fx.Node) -> fx.Node:
 
 def _issue_all_gather(graph, c: Collective, bucket: Bucket, gathers: dict, group: str) -> fx.Node:
     pieces = []
+    layout, _ = bucket.layout(c.params)
     for fqn in c.params:
         gather = gathers[fqn]
         shard, compute_dtype = gather.args[0], gather.args[5]
         x = _retake_views(graph, shard) if view_chain_root(shard) is not None else shard
         if compute_dtype is not None and compute_dtype != shard.meta["val"].dtype:
             x = call(graph, torch.ops.prims.convert_element_type.default, (x, compute_dtype))
-        _, rows, _, _ = _rows_layout(bucket, fqn)
+        _, rows, _, _ = layout[fqn]
         x = _pad_rows(graph, x, rows)
         pieces.append(call(graph, aten.view.default, (x, [-1])))
     send = pieces[0] if len(pieces) == 1 else call(graph, aten.cat.default, (pieces,))
@@ -64,11 +60,11 @@ def _issue_all_gather(graph, c: Collective, bucket: Bucket, gathers: dict, group
 
 def _wait_all_gather(graph, c: Collective, bucket: Bucket, gathers: dict, handle: fx.Node):
     done = call(graph, funcol.wait_tensor.default, (handle,))
-    total = bucket.shard_numel
+    layout, total = bucket.layout(c.params)
     table = call(graph, aten.view.default, (done, [bucket.world, total]))
     for fqn in c.params:
         gather = gathers[fqn]
-        offset, rows, row_numel, dim0 = _rows_layout(bucket, fqn)
+        offset, rows, row_numel, dim0 = layout[fqn]
         cols = call(graph, aten.slice.Tensor, (table, 1, offset, offset + rows * row_numel))
         dense = call(graph, aten.clone.default, (cols,), {"memory_format": torch.contiguous_format})
         shape = list(gather.meta["val"].shape)
@@ -80,13 +76,14 @@ def _wait_all_gather(graph, c: Collective, bucket: Bucket, gathers: dict, handle
 
 def _issue_reduce_scatter(graph, c: Collective, bucket: Bucket, reduces: dict, group: str):
     pieces = []
+    layout, _ = bucket.layout(c.params)
     for fqn in c.params:
         rs = reduces[fqn]
         grad, reduce_dtype = rs.args[0], rs.args[5]
         x = grad
         if reduce_dtype is not None and reduce_dtype != grad.meta["val"].dtype:
             x = call(graph, torch.ops.prims.convert_element_type.default, (x, reduce_dtype))
-        _, rows, row_numel, _ = _rows_layout(bucket, fqn)
+        _, rows, row_numel, _ = layout[fqn]
         x = _pad_rows(graph, x, rows * bucket.world)
         pieces.append(call(graph, aten.view.default, (x, [bucket.world, rows * row_numel])))
     packed = pieces[0] if len(pieces) == 1 else call(graph, aten.cat.default, (pieces, 1))
@@ -98,9 +95,10 @@ def _wait_reduce_scatter(graph, c: Collective, bucket: Bucket, reduces: dict, ha
     done = call(graph, funcol.wait_tensor.default, (handle,))
     if bucket.world > 1:
         done = call(graph, aten.div.Tensor, (done, bucket.world))
+    layout, _ = bucket.layout(c.params)
     for fqn in c.params:
         rs = reduces[fqn]
-        offset, rows, row_numel, dim0 = _rows_layout(bucket, fqn)
+        offset, rows, row_numel, dim0 = layout[fqn]
         shape = list(rs.meta["val"].shape)
         piece = call(graph, aten.slice.Tensor, (done, 0, offset, offset + rows * row_numel))
         piece = call(graph, aten.view.default, (piece, [rows, *shape[1:]]))

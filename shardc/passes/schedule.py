@@ -178,7 +178,7 @@ def _itemsize(dtype_name: str) -> int:
 
 
 def _place_all_gathers(g: GraphComm, buckets: list[Bucket], options) -> list[Collective]:
-    present = [(b, [p for p in b.params if p in g.gathers]) for b in buckets]
+    present = [(b, [p for p in b.params if p in g.gathers]) for b in buckets]  # bucket order
     present = [(b, ps) for b, ps in present if ps]
     present.sort(key=lambda item: min(g.first_use(p) for p in item[1]))
     first = [min(g.first_use(p) for p in ps) for _, ps in present]
@@ -188,7 +188,7 @@ def _place_all_gathers(g: GraphComm, buckets: list[Bucket], options) -> list[Col
     depth = options.prefetch_depth if options.prefetch else 0
     out = []
     for k, (bucket, params) in enumerate(present):
-        nbytes = bucket.shard_numel * bucket.world * _itemsize(bucket.dtype)
+        nbytes = bucket.layout(params)[1] * bucket.world * _itemsize(bucket.dtype)
         earliest = max(available_pos(g, g.gathers[p].args[0]) for p in params)
         candidates = [max(earliest, 0 if j < 0 else first[j]) for j in range(k - depth, k + 1)]
         issue, reason = first[k], "no prefetch: issued at the first use of its parameters"
@@ -247,7 +247,7 @@ def _place_reduce_scatters(g: GraphComm, buckets: list[Bucket]) -> list[Collecti
     for j, (ready, bucket, params, latest) in enumerate(items):
         wait = items[j + 2][0] if j + 2 < len(items) else g.end
         wait = min(max(wait, ready), latest)
-        nbytes = bucket.shard_numel * bucket.world * _itemsize(bucket.reduce_dtype)
+        nbytes = bucket.layout(params)[1] * bucket.world * _itemsize(bucket.reduce_dtype)
         out.append(
             Collective(
                 id=f"{g.name}.reduce_scatter.{bucket.index}",

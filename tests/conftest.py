@@ -1,0 +1,12 @@
+import os
+import sys
+import tempfile
+
+# Spawned rank processes inherit these: one thread per rank (2-core CI machine) and one Inductor
+# cache for the whole session so identical graphs on different ranks compile once.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+os.environ.setdefault(
+    "TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "shardc-test-inductor-cache")
+)
+sys.path.insert(0, os.path.dirname(__file__))

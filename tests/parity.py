@@ -1,0 +1,113 @@
+"""Shared pieces of the parity tests: models, data, the training loop and the comparison.
+
+The reference trains the unsharded model in one process on the global batch; a sharded run gives
+each rank its own contiguous slice of the same global batch. The global batch (12) divides every
+world size under test (1-4), so one reference serves them all.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import shardc
+from shardc.models.llama import LlamaConfig, Transformer, llama_loss
+
+# Dimensions that divide none of the world sizes 2, 3, 4 (and a head dim that stays even).
+CFG = LlamaConfig(vocab_size=37, dim=24, n_layers=2, n_heads=4, ffn_dim=45, max_seq_len=16)
+TIED_CFG = LlamaConfig(vocab_size=37, dim=24, n_layers=1, n_heads=4, ffn_dim=45,
+                       max_seq_len=16, tie_embeddings=True)
+GLOBAL_BATCH, SEQ, STEPS, LR = 12, 9, 5, 1e-3
+
+
+class VariantModel(nn.Module):
+    """A tied-embedding Llama with a frozen layer, an unused parameter and a 3-row parameter
+    (so world size 4 leaves a rank with an empty shard)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = Transformer(TIED_CFG)
+        self.unused = nn.Parameter(torch.randn(5, 3))
+        self.tiny = nn.Parameter(torch.randn(3, TIED_CFG.vocab_size) * 0.1)
+        for p in self.lm.layers[0].attention.parameters():
+            p.requires_grad_(False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits = self.lm(tokens)
+        return logits + self.tiny.sum(0)  # a per-token bias: a real gradient
+
+
+def build(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    return Transformer(CFG) if kind == "llama" else VariantModel()
+
+
+def batches(steps: int = STEPS) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    shape = (steps, GLOBAL_BATCH, SEQ)
+    return (torch.randint(0, CFG.vocab_size, shape, generator=g),
+            torch.randint(0, CFG.vocab_size, shape, generator=g))
+
+
+def train(model: nn.Module, forward, tokens, targets) -> list[float]:
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+    losses = []
+    for step in range(tokens.shape[0]):
+        loss = llama_loss(forward(tokens[step]), targets[step])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
+def reference(kind: str, compile_backend: str | None = None) -> dict:
+    """Unsharded single-process training on the global batch."""
+    model = build(kind)
+    forward = torch.compile(model, backend=compile_backend) if compile_backend else model
+    tokens, targets = batches()
+    losses = train(model, forward, tokens, targets)
+    return {"losses": torch.stack(losses), "params": copy.deepcopy(dict(model.named_parameters()))}
+
+
+def sharded_run(rank: int, world: int, kind: str, mode: str, **options) -> dict:
+    """Shard, train on this rank's slice; returns the global mean losses and full parameters."""
+    model = build(kind)
+    shardc.shard(model, reshard_after_forward=options.pop("reshard_after_forward", True))
+    if mode == "eager":
+        forward = model
+    else:
+        forward = torch.compile(model, backend=shardc.backend(inductor=(mode == "inductor"),
+                                                              **options))
+    tokens, targets = batches()
+    per = GLOBAL_BATCH // world
+    rows = slice(rank * per, (rank + 1) * per)
+    losses = torch.stack(train(model, forward, tokens[:, rows], targets[:, rows]))
+    dist.all_reduce(losses)
+    losses /= world
+    params = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    grads_none = {n: p.grad is None for n, p in model.named_parameters()}
+    state = shardc.shard_state(model)
+    plans = [r.plan for r in state.regions]
+    return {"losses": losses, "params": params, "grads_none": grads_none, "plans": plans}
+
+
+def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative error of a whole tensor, ||a - b|| / ||b|| (2-norm over all elements)."""
+    a, b = a.double(), b.double()
+    scale = b.norm().item() or 1.0
+    return (a - b).norm().item() / scale
+
+
+def assert_parity(run: dict, ref: dict, tol: float = 1e-5) -> None:
+    err = max_rel_err(run["losses"], ref["losses"])
+    assert err <= tol, f"losses differ: rel err {err:.2e} > {tol}: {run['losses']} vs {ref['losses']}"
+    assert run["params"].keys() == ref["params"].keys()
+    for name, value in ref["params"].items():
+        got = run["params"][name]
+        assert got.shape == value.shape, f"{name}: shape {tuple(got.shape)} vs {tuple(value.shape)}"
+        err = max_rel_err(got, value.detach())
+        assert err <= tol, f"parameter {name}: rel err {err:.2e} > {tol}"
