@@ -1,15 +1,20 @@
 """shardc: a torch.compile backend for compiler-planned fully-sharded data-parallel training."""
 
 from shardc.backend import backend, shardc_backend
+from shardc.explain import explain, explain_all
 from shardc.options import ShardcOptions
+from shardc.plan import Plan
 from shardc.runtime.sharding import MixedPrecisionPolicy, is_sharded, shard, shard_state
 
 __version__ = "0.1.0"
 
 __all__ = [
     "MixedPrecisionPolicy",
+    "Plan",
     "ShardcOptions",
     "backend",
+    "explain",
+    "explain_all",
     "is_sharded",
     "shard",
     "shard_state",

@@ -59,6 +59,10 @@ class ShardcPartitioner(_partitioner_base()):
     def __init__(self, options: ShardcOptions, region: RegionRecord) -> None:
         self.options = options
         self.region = region
+        # Compile caches key DTensor inputs by their global shape, but the compiled graphs hold
+        # this rank's local shard shapes (uneven across ranks): key the cache by rank too.
+        dist = torch.distributed
+        self.rank_key = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else None
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
         from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -81,7 +85,8 @@ class ShardcPartitioner(_partitioner_base()):
         return fw, bw
 
     def uuid(self) -> str:
-        return f"shardc-{_source_hash()}-{sorted(self.options.as_dict().items())}"
+        options = sorted(self.options.as_dict().items())
+        return f"shardc-{_source_hash()}-{options}-rank{self.rank_key}"
 
 
 class RegionRecord:

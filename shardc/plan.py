@@ -120,12 +120,13 @@ class Plan:
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
+        """JSON-ready data (tuples become lists, dtypes strings), so it equals its round trip."""
+        data = json.loads(json.dumps(asdict(self), default=str))
         data["hash"] = self.hash()
         return data
 
     def to_json(self, indent: int | None = 1) -> str:
-        return json.dumps(self.to_dict(), indent=indent, default=str)
+        return json.dumps(self.to_dict(), indent=indent)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
