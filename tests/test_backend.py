@@ -1,0 +1,275 @@
+"""The backend's graphs and plans: collective counts, reshard, invariants, rank consistency."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch._dynamo
+import torch.distributed as dist
+from torch import nn
+
+import shardc
+from dist_utils import run_ranks
+from parity import GLOBAL_BATCH, assert_parity, batches, build, reference, train
+from shardc.passes.reshard import gather_derived
+from shardc.runtime.plan_check import PlanMismatchError
+
+funcol = torch.ops._c10d_functional
+
+
+def _count(gm, target) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is target)
+
+
+def _compiled_variant(rank, world, **options):
+    torch._dynamo.reset()
+    model = build("variant")
+    shardc.shard(model, reshard_after_forward=options.pop("reshard_after_forward", True))
+    compiled = torch.compile(model, backend=shardc.backend(inductor=False, **options))
+    tokens, targets = batches(2)
+    per = GLOBAL_BATCH // world
+    train(model, compiled, tokens[:, rank * per:(rank + 1) * per],
+          targets[:, rank * per:(rank + 1) * per])
+    return model, compiled
+
+
+def _structure(rank: int, world: int) -> dict:
+    facts = {}
+    model, compiled = _compiled_variant(rank, world, bucket_by="param")
+    (region,) = shardc.shard_state(model).regions
+    plan = shardc.explain(compiled)
+    fw, bw = region.forward, region.backward
+    facts["fw_all_gathers"] = _count(fw, funcol.all_gather_into_tensor.default)
+    facts["bw_all_gathers"] = _count(bw, funcol.all_gather_into_tensor.default)
+    facts["bw_reduce_scatters"] = _count(bw, funcol.reduce_scatter_tensor.default)
+    facts["waits"] = _count(fw, funcol.wait_tensor.default) + _count(bw, funcol.wait_tensor.default)
+    facts["plan"] = plan.to_dict()
+    facts["hash"] = plan.hash()
+    # No gathered parameter (nor a view of one) is an output of the forward graph.
+    saved = set(fw.graph.find_nodes(op="output")[0].all_input_nodes)
+    gathered = set()
+    for wait in fw.graph.nodes:
+        if wait.op == "call_function" and wait.target is funcol.wait_tensor.default:
+            for node in gather_derived(wait):
+                gathered.add(node)
+                for user in node.users:
+                    gathered.update(gather_derived(user))
+    facts["saved_gathered"] = sorted(n.name for n in saved & gathered)
+    # The same model without resharding keeps gathered params: no all-gather in backward.
+    model2, _ = _compiled_variant(rank, world, bucket_by="param", reshard_after_forward=False)
+    facts["no_reshard_bw_all_gathers"] = _count(
+        shardc.shard_state(model2).regions[0].backward, funcol.all_gather_into_tensor.default
+    )
+    # Module buckets: one flat all-gather per bucket.
+    model3, compiled3 = _compiled_variant(rank, world)
+    plan3 = shardc.explain(compiled3)
+    facts["module_buckets"] = [b.name for b in plan3.buckets]
+    facts["module_fw_all_gathers"] = _count(
+        shardc.shard_state(model3).regions[0].forward, funcol.all_gather_into_tensor.default
+    )
+    # A memory budget the planner must respect.
+    budget = 2 * max(c.buffer_bytes for c in plan3.collectives)
+    _, compiled4 = _compiled_variant(rank, world, memory_budget_bytes=budget, prefetch_depth=3)
+    facts["budget"] = budget
+    facts["budget_plan"] = shardc.explain(compiled4).to_dict()
+    return facts
+
+
+@pytest.fixture(scope="module")
+def structure():
+    return run_ranks(_structure, 2)
+
+
+def test_collective_counts_per_parameter(structure):
+    facts = structure[0]
+    # VariantModel: tied embedding/output (one param), 9 block params, norm, tiny, unused.
+    used = {"lm.tok_embeddings.weight", "lm.norm.weight", "tiny"} | {
+        f"lm.layers.0.{p}" for p in (
+            "attention_norm.weight", "attention.wq.weight", "attention.wk.weight",
+            "attention.wv.weight", "attention.wo.weight", "ffn_norm.weight",
+            "feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight")
+    }
+    frozen = {f"lm.layers.0.attention.{w}.weight" for w in ("wq", "wk", "wv", "wo")}
+    colls = facts["plan"]["collectives"]
+    fw_gathered = [p for c in colls if c["graph"] == "forward" and c["kind"] == "all_gather"
+                   for p in c["params"]]
+    reduced = [p for c in colls if c["kind"] == "reduce_scatter" for p in c["params"]]
+    assert sorted(fw_gathered) == sorted(used), "each used parameter gathered once in forward"
+    assert sorted(reduced) == sorted(used - frozen), "each trainable used parameter reduced once"
+    assert facts["fw_all_gathers"] == len(used)
+    assert facts["bw_reduce_scatters"] == len(used - frozen)
+    bw_gathered = [p for c in colls if c["graph"] == "backward" and c["kind"] == "all_gather"
+                   for p in c["params"]]
+    assert len(bw_gathered) == len(set(bw_gathered)) and set(bw_gathered) <= used
+    assert facts["bw_all_gathers"] == len(bw_gathered) > 0, "resharded params are re-gathered"
+    assert facts["waits"] == len(colls), "every collective is waited exactly once"
+
+
+def test_gathered_params_not_saved_for_backward(structure):
+    assert structure[0]["saved_gathered"] == []
+    assert structure[0]["no_reshard_bw_all_gathers"] == 0
+
+
+def test_module_buckets(structure):
+    facts = structure[0]
+    assert "lm.layers.0" in facts["module_buckets"]
+    assert facts["module_fw_all_gathers"] == len(facts["module_buckets"])
+
+
+def _assert_plan_invariants(plan: dict, budget: int = 0) -> None:
+    by_graph = {}
+    for c in plan["collectives"]:
+        by_graph.setdefault(c["graph"], []).append(c)
+    for graph, colls in by_graph.items():
+        gathered = [c["bucket"] for c in colls if c["kind"] == "all_gather"]
+        assert len(gathered) == len(set(gathered)), f"{graph}: a bucket gathered twice"
+        for c in colls:
+            assert c["issue_pos"] <= c["wait_pos"], c["id"]
+            if c["kind"] == "all_gather":
+                assert c["wait_pos"] <= c["first_use_pos"], f"{c['id']} waited after first use"
+        if budget:
+            live = plan["memory_timeline"][graph]
+            assert max(live) <= budget, f"{graph}: {max(live)} B in flight > budget {budget} B"
+
+
+def test_plan_invariants(structure):
+    for facts in structure:
+        _assert_plan_invariants(facts["plan"])
+        _assert_plan_invariants(facts["budget_plan"], facts["budget"])
+
+
+def test_plan_hash_identical_across_ranks(structure):
+    assert structure[0]["hash"] == structure[1]["hash"]
+
+
+def _mismatch(rank: int, world: int) -> str:
+    torch._dynamo.reset()
+    model = build("llama")
+    shardc.shard(model)
+    # Rank-dependent planning: the kind of bug the check exists for.
+    compiled = torch.compile(
+        model, backend=shardc.backend(inductor=False, bucket_by="param" if rank else "module")
+    )
+    tokens, _ = batches(1)
+    try:
+        compiled(tokens[0, :2])
+    except PlanMismatchError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_different_plan_on_one_rank_fails_on_every_rank():
+    messages = run_ranks(_mismatch, 2)
+    for message in messages:
+        assert "rank 1's plan" in message and "differs from rank 0's" in message, message
+        assert "bucket" in message
+
+
+class _Breaks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 7)
+        self.b = nn.Linear(7, 5)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        torch._dynamo.graph_break()
+        return self.b(h)
+
+
+def _graph_break(rank: int, world: int) -> dict:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Breaks()
+    shardc.shard(model)
+    compiled = torch.compile(model, backend=shardc.backend(inductor=False))
+    x = torch.randn(3, 8, 6)
+    y = torch.randn(3, 8, 5)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(3):
+        loss = torch.nn.functional.mse_loss(compiled(x[step]), y[step])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {"regions": len(shardc.explain_all(compiled)),
+            "params": {n: p.full_tensor() for n, p in model.named_parameters()}}
+
+
+def test_graph_break_gives_two_planned_regions():
+    out = run_ranks(_graph_break, 2)[0]
+    torch.manual_seed(0)
+    ref = _Breaks()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    x = torch.randn(3, 8, 6)
+    y = torch.randn(3, 8, 5)
+    for step in range(3):
+        loss = torch.nn.functional.mse_loss(ref(x[step]), y[step])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert out["regions"] == 2
+    # every rank sees the whole batch here: the reference is the same data on one process
+    assert_parity({"losses": torch.zeros(1), "params": out["params"]},
+                  {"losses": torch.zeros(1), "params": dict(ref.named_parameters())})
+
+
+def _mixed_precision(rank: int, world: int) -> dict:
+    torch._dynamo.reset()
+    model = build("llama")
+    policy = shardc.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    shardc.shard(model, mp_policy=policy)
+    compiled = torch.compile(model, backend=shardc.backend(inductor=False))
+    tokens, targets = batches()
+    per = GLOBAL_BATCH // world
+    losses = torch.stack(train(model, compiled, tokens[:, rank * per:(rank + 1) * per],
+                               targets[:, rank * per:(rank + 1) * per]))
+    dist.all_reduce(losses)
+    plan = shardc.explain(compiled)
+    return {
+        "losses": losses / world,
+        "params": {n: p.full_tensor() for n, p in model.named_parameters()},
+        "master_dtypes": {p.dtype for p in model.parameters()},
+        "kinds": {(c.kind, c.dtype) for c in plan.collectives},
+    }
+
+
+def test_mixed_precision_policy():
+    out = run_ranks(_mixed_precision, 2)[0]
+    assert out["master_dtypes"] == {torch.float32}
+    assert out["kinds"] == {("all_gather", "bfloat16"), ("reduce_scatter", "float32")}
+    # bf16 compute: close to the fp32 reference, within bf16 tolerance.
+    assert_parity(out, reference("llama"), tol=2e-2)
+
+
+def test_unsharded_model_compiles_like_default(caplog):
+    torch._dynamo.reset()
+    model = nn.Linear(4, 3)
+    with caplog.at_level(logging.INFO, logger="shardc"):
+        out = torch.compile(model, backend=shardc.backend(inductor=False))(torch.ones(2, 4))
+    torch.testing.assert_close(out, model(torch.ones(2, 4)))
+    assert any("reads no sharded parameter" in r.getMessage() for r in caplog.records)
+
+
+def test_backend_name_works_without_importing_shardc():
+    script = textwrap.dedent("""
+        import torch
+        model = torch.nn.Linear(4, 3)
+        out = torch.compile(model, backend="shardc", options={"inductor": False})(torch.ones(2, 4))
+        torch.testing.assert_close(out, model(torch.ones(2, 4)))
+        import sys
+        assert "shardc" in sys.modules, "the entry point should have loaded shardc"
+        print("ok")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
+
+
+def test_unknown_backend_option_is_named():
+    with pytest.raises(TypeError, match="prefetch_dpeth"):
+        shardc.backend(prefetch_dpeth=2)
