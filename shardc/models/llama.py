@@ -136,6 +136,22 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
+    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
+        """(Re)initialize parameters and buffers in place; works on sharded parameters too, so a
+        model built on the meta device can be sharded first and initialized after."""
+        device = buffer_device or self.tok_embeddings.weight.device
+        if isinstance(device, torch.device) and device.type == "meta":
+            raise ValueError("init_weights: pass buffer_device, the buffers cannot live on meta")
+        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
+        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=0.02)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, std=1.0)
+            elif isinstance(module, RMSNorm):
+                module.reset_parameters()
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         seq = tokens.shape[1]
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]

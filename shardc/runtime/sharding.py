@@ -133,7 +133,7 @@ def _default_mesh(module: nn.Module) -> DeviceMesh:
 
 def _check_inputs(module: nn.Module, mesh: DeviceMesh) -> None:
     for name, sub in module.named_modules():
-        if is_sharded(sub):
+        if is_sharded(sub) or shard_state(sub) is not None:
             where = f"submodule {name!r}" if name else "the module"
             raise ValueError(
                 f"shardc.shard: {where} is already sharded; call shardc.shard once, on the root."
@@ -145,9 +145,9 @@ def _check_inputs(module: nn.Module, mesh: DeviceMesh) -> None:
         )
     devices: dict[torch.device, str] = {}
     for fqn, p in module.named_parameters():
+        devices.setdefault(p.device, fqn)
         if p.device.type == "meta":
             continue
-        devices.setdefault(p.device, fqn)
         if p.device.type != mesh.device_type:
             raise ValueError(
                 f"shardc.shard: parameter {fqn!r} is on {p.device} but the mesh is of device type "
@@ -157,8 +157,8 @@ def _check_inputs(module: nn.Module, mesh: DeviceMesh) -> None:
     if len(devices) > 1:
         found = ", ".join(f"{fqn!r} on {dev}" for dev, fqn in devices.items())
         raise ValueError(
-            f"shardc.shard: parameters are on different devices ({found}); move the module to "
-            "one device first."
+            f"shardc.shard: parameters are on different devices ({found}); build the module "
+            "entirely on the meta device or move it to one device first."
         )
     for fqn, p in module.named_parameters():
         if p.dim() == 0:
