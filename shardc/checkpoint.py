@@ -145,6 +145,8 @@ class LoadReport:
     shape_mismatches: list[str] = field(default_factory=list)
     dtype_mismatches: list[str] = field(default_factory=list)
     kind_mismatches: list[str] = field(default_factory=list)  # tensor vs non-tensor
+    target_entries: list[str] = field(default_factory=list)  # top-level names of each side
+    saved_entries: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -160,9 +162,11 @@ class LoadReport:
         """Lines that make the load fail (``strict``: every difference; else shapes and kinds)."""
         lines = []
         if strict and self.missing:
-            lines.append(f"missing keys ({len(self.missing)}): {', '.join(self.missing)}")
+            keys = _summarize(self.missing, self.saved_entries, "the checkpoint")
+            lines.append(f"missing keys ({len(self.missing)}): {keys}")
         if strict and self.unexpected:
-            lines.append(f"unexpected keys ({len(self.unexpected)}): {', '.join(self.unexpected)}")
+            keys = _summarize(self.unexpected, self.target_entries, "the state to load")
+            lines.append(f"unexpected keys ({len(self.unexpected)}): {keys}")
         if strict:
             lines += self.dtype_mismatches
         return lines + self.shape_mismatches + self.kind_mismatches
@@ -170,6 +174,20 @@ class LoadReport:
     def __str__(self) -> str:
         lines = self.problems(strict=True)
         return "\n".join(lines) if lines else "state matches the checkpoint"
+
+
+def _summarize(keys: list[str], other_side: list[str], other_name: str) -> str:
+    """Keys joined by commas; a whole top-level entry the other side lacks is named once."""
+    by_entry: dict[str, list[str]] = {}
+    for key in keys:
+        by_entry.setdefault(key.split(".", 1)[0], []).append(key)
+    parts = []
+    for entry, members in by_entry.items():
+        if entry in other_side or len(members) == 1:
+            parts += members
+        else:
+            parts.append(f"{entry}.* (all {len(members)} keys: {other_name} has no {entry!r})")
+    return ", ".join(parts)
 
 
 def validate_state(flat: Mapping[str, Any], metadata: Metadata) -> LoadReport:
@@ -182,6 +200,8 @@ def validate_state(flat: Mapping[str, Any], metadata: Metadata) -> LoadReport:
     report = LoadReport(
         missing=sorted(k for k in flat if k not in saved),
         unexpected=sorted(k for k in saved if k not in flat),
+        target_entries=sorted({k.split(".", 1)[0] for k in flat}),
+        saved_entries=sorted({k.split(".", 1)[0] for k in saved}),
     )
     for key in sorted(k for k in flat if k in saved):
         value, meta = flat[key], saved[key]
@@ -521,7 +541,14 @@ class CheckpointManager:
         except OSError as exc:
             part = f"rank {group.rank} cannot read back {step_dir}: {exc}"
         # gather = the barrier: rank 0 goes on only once every rank has written and hashed.
-        parts = group.gather(part)
+        try:
+            parts = group.gather(part)
+        except Exception as exc:
+            raise CheckpointError(
+                f"CheckpointManager.save: step {step} at {step_dir} was not completed: a rank "
+                f"failed before the completion barrier ({exc}); the directory stays incomplete "
+                "and the previous complete step remains the resume point"
+            ) from exc
         error = None
         if group.rank == 0:
             errors = [p for p in parts if isinstance(p, str)]

@@ -7,11 +7,18 @@ ranks with empty shards (``torch.chunk`` semantics). The Llama model has no bias
 
 from __future__ import annotations
 
+import os
+import pickle
+import tempfile
+import time
+import traceback
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -140,14 +147,18 @@ def state_from_full(model: nn.Module, opt: torch.optim.Optimizer, state: dict) -
     """Fill a sharded model and its AdamW from gathered state without any checkpoint API.
 
     The reference for "training that was never interrupted": the same values put into place by
-    hand (each rank keeps its rows; ``step`` as a plain tensor, as AdamW keeps it).
+    hand (each rank keeps its ``torch.chunk`` rows; ``step`` as the plain tensor AdamW keeps).
     """
-    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def shard_of(value: torch.Tensor, like: DTensor) -> torch.Tensor:
+        mesh = like.device_mesh
+        return local_rows(value, mesh.get_local_rank(), mesh.size())
+
     with torch.no_grad():
         for name, tensor in model.state_dict().items():
             value = state["model"][name]
             if isinstance(tensor, DTensor):
-                tensor.to_local().copy_(local_rows(value, rank, world))
+                tensor.to_local().copy_(shard_of(value, tensor))
             else:
                 tensor.copy_(value)
     for name, p in model.named_parameters():
@@ -156,9 +167,55 @@ def state_from_full(model: nn.Module, opt: torch.optim.Optimizer, state: dict) -
             if key == "step":
                 entry[key] = value.clone()
             else:
-                local = local_rows(value, rank, world)
                 entry[key] = DTensor.from_local(
-                    local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                    stride=p.stride(),
+                    shard_of(value, p), p.device_mesh, p.placements, run_check=False,
+                    shape=p.shape, stride=p.stride(),
                 )
         opt.state[p] = entry
+
+
+def _group_main(rank: int, world: int, init_file: str, out_dir: str, fn, args) -> None:
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                world_size=world, timeout=timedelta(seconds=60))
+        payload = ("ok", fn(rank, world, *args))
+    except BaseException as exc:
+        payload = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(payload, f)
+    os._exit(0)  # no destroy_process_group: peers may be dead
+
+
+def run_group(fn: Callable, world: int, *args: Any, timeout: float = 300) -> list[tuple]:
+    """Run ``fn(rank, world, *args)`` on gloo ranks where some rank may die on purpose.
+
+    Unlike ``dist_utils.run_ranks`` a dying rank does not take the others down at once: every
+    rank runs until it returns, raises or exits. Returns ``(exitcode, status, value)`` per rank;
+    status is "ok", "error" (value: the traceback) or "died" (no report).
+    """
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "pg_init")
+        procs = [ctx.Process(target=_group_main, args=(r, world, init_file, tmp, fn, args))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        out = []
+        for r, p in enumerate(procs):
+            path = os.path.join(tmp, f"rank{r}.pkl")
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    status, value = pickle.load(f)
+            else:
+                status, value = "died", None
+            out.append((p.exitcode, status, value))
+        return out
