@@ -24,6 +24,7 @@ class ShardcOptions:
     dump_dir: write the plan (text, JSON, trace, memory plot) of every compiled region here;
         defaults to the ``SHARDC_DUMP`` environment variable.
     debug_pool: poison and check communication buffers at run time.
+    cluster: ``shardc.passes.cost_model.ClusterSpec`` fields for the cost model's predictions.
     """
 
     inductor: bool = True
@@ -36,6 +37,7 @@ class ShardcOptions:
     check_plan_consistency: bool = True
     dump_dir: str | None = None
     debug_pool: bool = False
+    cluster: dict | None = None
 
     def __post_init__(self) -> None:
         if self.bucket_by not in ("module", "param"):

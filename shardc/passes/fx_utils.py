@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -9,11 +10,17 @@ from torch import fx
 from torch.utils._pytree import tree_map_only
 
 
-def _fake_mode_of(graph: fx.Graph):
-    from torch._guards import detect_fake_mode
+_FAKE_MODES: "weakref.WeakKeyDictionary[fx.Graph, object]" = weakref.WeakKeyDictionary()
 
-    vals = [n.meta.get("val") for n in graph.nodes if n.op == "placeholder"]
-    return detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+
+def _fake_mode_of(graph: fx.Graph):
+    # Looked up once per graph: passes insert thousands of nodes into large graphs.
+    if graph not in _FAKE_MODES:
+        from torch._guards import detect_fake_mode
+
+        vals = [n.meta.get("val") for n in graph.find_nodes(op="placeholder")]
+        _FAKE_MODES[graph] = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    return _FAKE_MODES[graph]
 
 
 def call(graph: fx.Graph, target, args: tuple, kwargs: dict | None = None) -> fx.Node:

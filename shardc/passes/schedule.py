@@ -319,7 +319,7 @@ def plan_region(
     cluster: ClusterSpec | None = None,
 ) -> Plan:
     """Plan all collectives of one region (see the module docstring for the rules)."""
-    cluster = cluster or ClusterSpec()
+    cluster = cluster or ClusterSpec(**(options.cluster or {}))
     fw = analyze(forward, "forward")
     bw = analyze(backward, "backward") if backward is not None else None
     buckets = make_buckets(fw, options)

@@ -1,0 +1,115 @@
+"""``python -m shardc plan``: plan a model for any world size on a machine without GPUs.
+
+The model is built on the meta device and sharded over a fake process group of the requested
+size (rank 0's view); compiling it with the shardc backend plans the region exactly as a real run
+would, and running it on meta tensors moves no data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from shardc.models.llama import LlamaConfig, Transformer, llama_loss
+
+PRESETS: dict[str, dict] = {
+    "llama-tiny": dict(vocab_size=256, dim=64, n_layers=2, n_heads=4, max_seq_len=256),
+    "llama-1b": dict(vocab_size=32000, dim=2048, n_layers=16, n_heads=16, max_seq_len=2048),
+    "llama-wide": dict(vocab_size=32000, dim=4096, n_layers=8, n_heads=32, max_seq_len=2048),
+    "llama-8b": dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                     ffn_dim=14336, max_seq_len=8192),
+    "llama-70b": dict(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+                      ffn_dim=28672, max_seq_len=8192),
+}
+
+
+def parse_model_spec(spec: str) -> LlamaConfig:
+    """``<preset>[:key=value,...]`` or ``llama:key=value,...`` -> LlamaConfig."""
+    name, _, overrides = spec.partition(":")
+    if name != "llama" and name not in PRESETS:
+        raise SystemExit(f"unknown model {name!r}; presets: {', '.join(PRESETS)} (or 'llama:...')")
+    values = dict(PRESETS.get(name, {}))
+    fields = {f.name: f.type for f in dataclasses.fields(LlamaConfig)}
+    for item in filter(None, overrides.split(",")):
+        key, _, raw = item.partition("=")
+        if key not in fields:
+            raise SystemExit(f"unknown LlamaConfig field {key!r}; fields: {', '.join(fields)}")
+        values[key] = raw.lower() == "true" if raw.lower() in ("true", "false") else (
+            float(raw) if "." in raw or "e" in raw else int(raw))
+    return LlamaConfig(**values)
+
+
+def plan_model(cfg: LlamaConfig, world: int, batch: int, seq: int, options: dict):
+    """Plan one training step of ``cfg`` at ``world`` ranks; returns (plan, seconds)."""
+    import shardc
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from shardc.runtime.fake_world import fake_world
+
+    with fake_world(world):
+        import torch.distributed as dist
+
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        shardc.shard(model, DeviceMesh.from_group(dist.group.WORLD, "meta"))
+        compiled = torch.compile(model, backend=shardc.backend(
+            inductor=False, check_plan_consistency=False, **options))
+        tokens = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+        start = time.perf_counter()
+        loss = llama_loss(compiled(tokens), tokens)
+        loss.backward()
+        elapsed = time.perf_counter() - start
+        plan = shardc.explain(compiled)
+    torch._dynamo.reset()
+    return plan, elapsed
+
+
+def _cmd_plan(args) -> int:
+    from shardc.passes.cost_model import ClusterSpec
+    from shardc.render import dump_plan, plan_table
+
+    cfg = parse_model_spec(args.model)
+    options = json.loads(args.options) if args.options else {}
+    cluster = ClusterSpec(peak_flops=args.peak_flops, bus_bandwidth=args.bandwidth,
+                          latency_s=args.latency, mem_bandwidth=args.mem_bandwidth)
+    options["cluster"] = dataclasses.asdict(cluster)
+    seq = args.seq or cfg.max_seq_len
+    plan, seconds = plan_model(cfg, args.world_size, args.batch, seq, options)
+    print(plan_table(plan))
+    print(f"\nmodel: {cfg.num_params() / 1e9:.2f}B parameters, world size {args.world_size}, "
+          f"batch {args.batch} x {seq} per rank; traced and planned in {seconds:.1f} s")
+    if args.dump:
+        for path in dump_plan(plan, args.dump):
+            print(f"wrote {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m shardc")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="plan a model for a world size, without GPUs")
+    p.add_argument("model", help=f"preset ({', '.join(PRESETS)}) with optional ':key=value,...', "
+                   "or 'llama:key=value,...'")
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--batch", type=int, default=1, help="sequences per rank")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default: max_seq_len)")
+    p.add_argument("--bandwidth", type=float, default=100e9, help="bus bytes/s per rank")
+    p.add_argument("--latency", type=float, default=10e-6, help="seconds per ring step")
+    p.add_argument("--peak-flops", type=float, default=400e12)
+    p.add_argument("--mem-bandwidth", type=float, default=3.0e12)
+    p.add_argument("--options", default=None, help="JSON object of backend options")
+    p.add_argument("--dump", default=None, help="directory for text/JSON/trace/memory plot")
+    args = parser.parse_args(argv)
+    if args.command == "plan":
+        return _cmd_plan(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
