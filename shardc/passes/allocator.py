@@ -53,7 +53,7 @@ import random
 import sys
 import time
 from bisect import bisect_left, bisect_right
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from numbers import Integral
@@ -281,8 +281,13 @@ def _union_insert(u: list[tuple[int, int]], a: int, b: int) -> None:
     u[i:j] = [(a, b)]
 
 
-def _greedy(p: _Problem, order: Sequence[int]) -> tuple[list[int], int]:
+def _greedy(
+    p: _Problem, order: Sequence[int], fixed: Sequence[tuple[int, int]] = ()
+) -> tuple[list[int], int]:
     """Best-fit placement of the buffers in ``order``; returns (offsets in units, pool units).
+
+    ``fixed`` holds ``(buffer, offset)`` pairs placed first, as given (they must not conflict
+    with each other); ``order`` should then list only the remaining buffers.
 
     Segment tree over sections, node ``v`` covering a range of sections. A placed buffer is
     stored at the O(log S) canonical nodes that tile its section range: in ``own[v]`` there,
@@ -301,6 +306,33 @@ def _greedy(p: _Problem, order: Sequence[int]) -> tuple[list[int], int]:
     pool = 0
     insert = _union_insert
     big = 1 << 62
+    for k, best in fixed:
+        offs[k] = best
+        top = best + z[k]
+        if not z[k]:
+            continue
+        pool = max(pool, top)
+        lo = sl[k] + N
+        hi = sr[k] + N
+        while lo < hi:
+            if lo & 1:
+                insert(own[lo], best, top)
+                insert(sub[lo], best, top)
+                lo += 1
+            if hi & 1:
+                hi -= 1
+                insert(own[hi], best, top)
+                insert(sub[hi], best, top)
+            lo >>= 1
+            hi >>= 1
+        v = (sl[k] + N) >> 1
+        w = (sr[k] - 1 + N) >> 1
+        while v:
+            insert(sub[v], best, top)
+            if w != v:
+                insert(sub[w], best, top)
+            v >>= 1
+            w >>= 1
     for k in order:
         size = z[k]
         if not size:
@@ -657,37 +689,124 @@ class _Best:
         return False
 
 
-def _run_search(p: _Problem, best: _Best, lb: int, deadline: float) -> int:
-    """Capacity-ladder search; improves ``best`` in place. Returns the (maybe raised) bound."""
+def _run_search(
+    p: _Problem,
+    best: _Best,
+    lb: int,
+    deadline: float,
+    stop: Callable[[], bool] = lambda: False,
+) -> int:
+    """Capacity-ladder search; improves ``best`` in place. Returns the (maybe raised) bound.
+
+    Schedule (fixed, so the result does not depend on machine speed unless the deadline cuts
+    it short): ``_SEARCH_ROUNDS`` rounds with the node budget doubling from ``max(256, n)``;
+    in each round every pre-order in ``_PREORDERS`` (1) asks for the bound itself, since tight
+    capacities prune hardest and the exact question is often the easiest one, (2) walks down
+    ``_LADDER`` below the best pool until a capacity is not reached within the budget, and
+    (3) if no search was cut off by the budget, bisects between the bound and the best pool.
+    """
     srch = _Search(p)
     orders = [(h, srch.preorder(h)) for h in _PREORDERS]
     budget = max(256, srch.m)
+
+    def probe(C: int, h: str, order: list[int]) -> int:
+        nonlocal lb
+        st, offs = srch.solve(C, order, budget, deadline)
+        if st == _OK:
+            assert offs is not None
+            best.offer(offs, p.pool_of(offs), f"search-{h}")
+        elif st == _NOTFOUND:
+            # Exhausted: no canonical solution, hence no solution at all, fits C.
+            lb = max(lb, C + 1)
+        return st
+
     for _ in range(_SEARCH_ROUNDS):
         for h, order in orders:
-            if best.pool <= lb or time.perf_counter() > deadline:
+            if best.pool <= lb or stop() or time.perf_counter() > deadline:
                 return lb
-            # First aim straight at the bound: tight capacities prune hardest, so the exact
-            # question is often the easiest one. Then walk down the ladder below the best pool
-            # until a capacity is not reached.
-            for f in (0.0, *_LADDER):
+            aborted = probe(lb, h, order) == _ABORT
+            last = lb
+            for f in _LADDER:
                 C = lb + int(lb * f)
-                if C >= best.pool:
+                if C >= best.pool or C == last or best.pool <= lb:
                     continue
-                st, offs = srch.solve(C, order, budget, deadline)
-                if st == _OK:
-                    assert offs is not None
-                    best.offer(offs, p.pool_of(offs), f"search-{h}")
-                    if best.pool <= lb:
-                        return lb
-                    continue
-                if st == _NOTFOUND:
-                    # Exhausted: no canonical (hence no) solution fits C.
-                    lb = C + 1
-                    continue
-                if f:
+                last = C
+                if probe(C, h, order) == _ABORT:
+                    aborted = True
                     break
+            while not aborted and lb < best.pool and time.perf_counter() <= deadline:
+                aborted = probe((lb + best.pool - 1) // 2, h, order) == _ABORT
         budget *= 2
     return lb
+
+
+def _section_totals(p: _Problem) -> list[int]:
+    d = [0] * (p.S + 1)
+    for a, b, z in zip(p.sl, p.sr, p.z):
+        d[a] += z
+        d[b] -= z
+    out = []
+    acc = 0
+    for k in range(p.S):
+        acc += d[k]
+        out.append(acc)
+    return out
+
+
+def _core_search(p: _Problem, best: _Best, lb: int, deadline: float) -> None:
+    """Search the hot core exactly, then fill in the rest by best fit; improves ``best``.
+
+    On large traces only a small *core* of buffers lives in the sections whose live total is
+    near the peak; everywhere else there is slack. The core (the buffers live in any section
+    above a threshold fraction of max-live, the threshold picked so the core suits the
+    exact-style search) is packed by :func:`_run_search` as its own problem; the remaining
+    buffers then go around it by best fit, largest first.
+    """
+    tot = _section_totals(p)
+    pre = [0]
+    for theta in (0.9, 0.95, 0.98, 0.99, 0.995):
+        pre = [0]
+        for t in tot:
+            pre.append(pre[-1] + (t > theta * lb))
+        core = [i for i in range(p.n) if p.z[i] and pre[p.sr[i]] > pre[p.sl[i]]]
+        if len(core) <= _EXACT_MAX_BUFFERS:
+            sub = _Problem(
+                [p.starts[i] for i in core], [p.ends[i] for i in core], [p.z[i] for i in core]
+            )
+            if sub.pairs() <= _EXACT_MAX_PAIRS:
+                break
+    else:
+        return
+    in_core = set(core)
+    z, ln, st = p.z, [e - s for s, e in zip(p.starts, p.ends)], p.starts
+    rest = sorted(
+        (i for i in range(p.n) if i not in in_core), key=lambda i: (-z[i], -ln[i], st[i], i)
+    )
+    tried: set[tuple[int, ...]] = set()
+
+    def fill(sub_offs: list[int], how: str) -> None:
+        key = tuple(sub_offs)
+        if key in tried:
+            return
+        tried.add(key)
+        offs, pool = _greedy(p, rest, list(zip(core, sub_offs)))
+        best.offer(offs, pool, how)
+
+    sub_orders = _greedy_orders(sub, full=False)
+    offs0, pool0 = _greedy(sub, sub_orders[0][1])
+    sub_best = _Best(offs0, pool0, "core-greedy")
+    fill(offs0, "core-greedy")
+
+    class _Fill(_Best):
+        # Every improved core packing is tried as the frame for the full plan.
+        def offer(self, offs: list[int], pool: int, method: str) -> bool:
+            if super().offer(offs, pool, method):
+                fill(offs, "core-" + method)
+                return True
+            return False
+
+    hook = _Fill(sub_best.offs, sub_best.pool, sub_best.method)
+    _run_search(sub, hook, sub.lb, deadline, stop=lambda: best.pool <= lb)
 
 
 def _perturbed_greedy(p: _Problem, best: _Best, lb: int, deadline: float) -> None:
@@ -696,13 +815,16 @@ def _perturbed_greedy(p: _Problem, best: _Best, lb: int, deadline: float) -> Non
     z, st = p.z, p.starts
     ln = [e - s for s, e in zip(p.starts, p.ends)]
     idx = range(p.n)
+    dur = 0.0
     for it in range(_PERTURB_ITERS):
-        if best.pool <= lb or time.perf_counter() > deadline:
+        t1 = time.perf_counter()
+        if best.pool <= lb or t1 + dur > deadline:
             return
         noise = 0.02 + 0.1 * (it % 4)
         key = [z[i] * (1.0 + noise * rng.random()) for i in idx]
         order = sorted(idx, key=lambda i: (-key[i], -ln[i], st[i], i))
         offs, pool = _greedy(p, order)
+        dur = time.perf_counter() - t1
         best.offer(offs, pool, "greedy-perturbed")
 
 
@@ -746,19 +868,26 @@ def plan_offsets(
     p = _Problem(starts, ends, units)
     lb = p.lb
     best: _Best | None = None
+    dur = 0.0
     for name, order in _greedy_orders(p, full=mode == "best"):
+        # Skip a run that would likely end past the deadline (the first one always runs).
+        t1 = time.perf_counter()
+        if best is not None and t1 + dur > deadline:
+            break
         offs, pool = _greedy(p, order)
+        dur = time.perf_counter() - t1
         if best is None:
             best = _Best(offs, pool, name)
         else:
             best.offer(offs, pool, name)
-        if best.pool <= lb or (mode == "best" and time.perf_counter() > deadline):
+        if best.pool <= lb:
             break
     assert best is not None
     if mode == "best" and best.pool > lb:
         if p.n <= _EXACT_MAX_BUFFERS and p.pairs() <= _EXACT_MAX_PAIRS:
             _run_search(p, best, lb, deadline)
         else:
+            _core_search(p, best, lb, deadline)
             _perturbed_greedy(p, best, lb, deadline)
     return OffsetPlan(
         offsets=tuple(o * alignment for o in best.offs),
