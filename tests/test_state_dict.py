@@ -183,6 +183,11 @@ def state_dict_worker(rank: int, world: int, tmp: str) -> dict:
             options=StateDictOptions(full_state_dict=True),
         ))
         out["set_full"] = diff(full_state(fresh, fresh_opt), reference)
+        fresh = llama(13)
+        fresh_opt = adamw(fresh)
+        count("set_state_dict.full_offload", lambda: set_state_dict(
+            fresh, fresh_opt, model_state_dict=amsd, optim_state_dict=aosd, options=offload))
+        out["set_full_offload"] = diff(full_state(fresh, fresh_opt), reference)
         fresh = llama(12)
         fresh_opt = adamw(fresh)
         # broadcast_from_rank0 through set_model_state_dict / set_optimizer_state_dict: torch's
@@ -426,6 +431,7 @@ def test_get_and_set_state_dict_options(results):
                 assert n == 0
             assert out["full_all_ranks"] == []
             assert out["set_full"] == [] and out["set_broadcast"] == []
+            assert out["set_full_offload"] == []
             assert out["set_sharded"] == []
 
 
