@@ -211,7 +211,7 @@ def state_dict_worker(rank: int, world: int, tmp: str) -> dict:
     # -- 1 + 4. compiled models: names, and a load after a compiled step is used by the next one
     def compiled():
         rt = f"{ckpt}/rt"
-        used = llama(3)
+        used = llama(3, reshard_after_forward=False)  # keeps gathered params: cache-prone
         used.compile(backend=_backend())  # in place: the module keeps its names
         used_opt = adamw(used)
         llama_step(used, used_opt, 0, rank)
