@@ -300,10 +300,6 @@ class _Group:
         dist.gather_object(obj, out, group=self.pg, group_dst=0)
         return out
 
-    def barrier(self) -> None:
-        if self.distributed and self.world > 1:
-            dist.barrier(group=self.pg)
-
     def raise_if_any(self, error: str | None, exc_type: type[Exception] = CheckpointError) -> None:
         """Raise on every rank if any rank has an error (the same message everywhere)."""
         errors = self.all_gather(error)
