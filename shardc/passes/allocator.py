@@ -55,7 +55,7 @@ import time
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import chain
+from itertools import accumulate, chain
 from numbers import Integral
 from operator import itemgetter
 from typing import Any
@@ -67,6 +67,9 @@ __all__ = ["OffsetPlan", "plan_offsets", "max_live"]
 # spent on perturbed greedy runs.
 _EXACT_MAX_BUFFERS = 3000
 _EXACT_MAX_PAIRS = 400_000
+# The core of a large trace is nearly a clique (everything in it lives around the peak), so it
+# is allowed more pairs: its searches are short dives, not long tree walks.
+_CORE_MAX_PAIRS = 2_500_000
 
 # Static pre-orders tried round-robin by the search. Letters: T = largest section total the
 # buffer lives in, W = lifetime length, A = area (size x length), Z = size, S = start (earlier
@@ -541,6 +544,8 @@ class _Search:
         R = m
         off = [-1] * m
         mo = [0] * m  # lowest offset allowed by the placed conflicts (_INF once placed)
+        kv = [rk[j] for j in range(m)]  # mo[j] * R + rk[j]: the canonical sort key
+        hv = list(z)  # mo[j] + z[j]: the lowest top buffer j can have
         floor = [0] * S  # top of the highest placed buffer in each section
         total = list(self.tot)  # sum of unplaced sizes in each section
         cuts = [0] * S  # cuts[k]: unplaced buffers crossing the boundary after section k
@@ -560,21 +565,24 @@ class _Search:
             bounds = [a, *pts, b]
             return [(g, bounds[q], bounds[q + 1]) for q, g in enumerate(groups) if g]
 
-        def search(part: list[int], a: int, b: int, last_key: int) -> int:
+        def search(un: list[int], a: int, b: int, last_key: int) -> int:
+            """Place the unplaced buffers ``un`` (sections [a, b)) after ``last_key``."""
             nonlocal nodes
             nodes += 1
             if nodes > node_limit:
                 return _ABORT
             if not nodes & 127 and perf() > deadline:
                 return _ABORT
-            un = [j for j in part if off[j] < 0]
             if not un:
                 return _OK
             # Canonical order: candidates sorted by (minimum offset, pre-order rank), and only
-            # those after the last placement in that order may be placed next.
-            ks = sorted([mo[j] * R + rk[j] for j in un])
-            min_h = min([mo[j] + z[j] for j in un])
-            M = max(total[a:b])
+            # those after the last placement in that order may be placed next. kv and hv mirror
+            # mo so that these run at C speed.
+            ks = sorted(map(kv.__getitem__, un))
+            min_h = min(map(hv.__getitem__, un))
+            seg = total[a:b]
+            M = max(seg)
+            pmax: list[int] | None = None
             cur_o = -1
             hlo = b
             hhi = a - 1
@@ -590,9 +598,13 @@ class _Search:
                     # exceeds C - o ("hot") must be covered by this very buffer.
                     lim = C - o
                     if M > lim:
-                        hot = [s for s in range(a, b) if total[s] > lim]
-                        hlo = hot[0]
-                        hhi = hot[-1]
+                        if pmax is None:
+                            # Running maxima from both ends turn "first / last hot section"
+                            # into two bisections.
+                            pmax = list(accumulate(seg, max))
+                            smax = list(accumulate(reversed(seg), max))
+                        hlo = a + bisect_right(pmax, lim)
+                        hhi = b - 1 - bisect_right(smax, lim)
                 i = order[key - o * R]
                 s0 = sl[i]
                 s1 = sr[i]
@@ -611,6 +623,8 @@ class _Search:
                     if mo[j] < t:
                         changes.append((j, mo[j]))
                         mo[j] = t
+                        kv[j] = t * R + rk[j]
+                        hv[j] = t + z[j]
                 old_floor = floor[s0:s1]
                 floor[s0:s1] = [t] * (s1 - s0)
                 total[s0:s1] = [x - zi for x in old_total]
@@ -627,24 +641,28 @@ class _Search:
                             break
                 status = _NOTFOUND
                 if good:
+                    pos = un.index(i)
+                    child = un[:pos] + un[pos + 1 :]
                     if s1 - s0 > 1:
                         cuts[s0 : s1 - 1] = [c - 1 for c in cuts[s0 : s1 - 1]]
                         if 0 in cuts[s0 : s1 - 1]:
                             status = _OK
-                            for sp, c0, c1 in split([j for j in un if j != i], a, b, s0, s1):
+                            for sp, c0, c1 in split(child, a, b, s0, s1):
                                 st = search(sp, c0, c1, -1)
                                 if st != _OK:
                                     status = st
                                     break
                         else:
-                            status = search(un, a, b, key)
+                            status = search(child, a, b, key)
                         cuts[s0 : s1 - 1] = [c + 1 for c in cuts[s0 : s1 - 1]]
                     else:
-                        status = search(un, a, b, key)
+                        status = search(child, a, b, key)
                 floor[s0:s1] = old_floor
                 total[s0:s1] = old_total
                 for j, v in reversed(changes):
                     mo[j] = v
+                    kv[j] = v * R + rk[j]
+                    hv[j] = v + z[j]
                 off[i] = -1
                 mo[i] = o
                 if status != _NOTFOUND:
@@ -701,9 +719,10 @@ def _run_search(
     Schedule (fixed, so the result does not depend on machine speed unless the deadline cuts
     it short): ``_SEARCH_ROUNDS`` rounds with the node budget doubling from ``max(256, n)``;
     in each round every pre-order in ``_PREORDERS`` (1) asks for the bound itself, since tight
-    capacities prune hardest and the exact question is often the easiest one, (2) walks down
-    ``_LADDER`` below the best pool until a capacity is not reached within the budget, and
-    (3) if no search was cut off by the budget, bisects between the bound and the best pool.
+    capacities prune hardest and the exact question is often the easiest one (which pre-order
+    answers it fast varies wildly), (2) walks down ``_LADDER`` below the best pool until a
+    capacity is not reached within the budget, and (3) if no search was cut off by the budget,
+    bisects between the bound and the best pool.
     """
     srch = _Search(p)
     orders = [(h, srch.preorder(h)) for h in _PREORDERS]
@@ -753,7 +772,7 @@ def _section_totals(p: _Problem) -> list[int]:
     return out
 
 
-def _core_search(p: _Problem, best: _Best, lb: int, deadline: float) -> None:
+def _core_search(p: _Problem, best: _Best, lb: int, deadline: float, est: float) -> None:
     """Search the hot core exactly, then fill in the rest by best fit; improves ``best``.
 
     On large traces only a small *core* of buffers lives in the sections whose live total is
@@ -773,7 +792,7 @@ def _core_search(p: _Problem, best: _Best, lb: int, deadline: float) -> None:
             sub = _Problem(
                 [p.starts[i] for i in core], [p.ends[i] for i in core], [p.z[i] for i in core]
             )
-            if sub.pairs() <= _EXACT_MAX_PAIRS:
+            if sub.pairs() <= _CORE_MAX_PAIRS:
                 break
     else:
         return
@@ -784,12 +803,17 @@ def _core_search(p: _Problem, best: _Best, lb: int, deadline: float) -> None:
     )
     tried: set[tuple[int, ...]] = set()
 
+    fill_dur = est
+
     def fill(sub_offs: list[int], how: str) -> None:
+        nonlocal fill_dur
         key = tuple(sub_offs)
-        if key in tried:
+        t1 = time.perf_counter()
+        if key in tried or t1 + fill_dur > deadline:
             return
         tried.add(key)
         offs, pool = _greedy(p, rest, list(zip(core, sub_offs)))
+        fill_dur = time.perf_counter() - t1
         best.offer(offs, pool, how)
 
     sub_orders = _greedy_orders(sub, full=False)
@@ -806,16 +830,17 @@ def _core_search(p: _Problem, best: _Best, lb: int, deadline: float) -> None:
             return False
 
     hook = _Fill(sub_best.offs, sub_best.pool, sub_best.method)
-    _run_search(sub, hook, sub.lb, deadline, stop=lambda: best.pool <= lb)
+    # Leave room for completing the last core packing found.
+    _run_search(sub, hook, sub.lb, deadline - fill_dur, stop=lambda: best.pool <= lb)
 
 
-def _perturbed_greedy(p: _Problem, best: _Best, lb: int, deadline: float) -> None:
+def _perturbed_greedy(p: _Problem, best: _Best, lb: int, deadline: float, est: float) -> None:
     """Greedy best fit from seeded, jittered orders; improves ``best`` in place."""
     rng = random.Random(0x5EED)
     z, st = p.z, p.starts
     ln = [e - s for s, e in zip(p.starts, p.ends)]
     idx = range(p.n)
-    dur = 0.0
+    dur = est  # expected duration of one greedy run
     for it in range(_PERTURB_ITERS):
         t1 = time.perf_counter()
         if best.pool <= lb or t1 + dur > deadline:
@@ -887,8 +912,8 @@ def plan_offsets(
         if p.n <= _EXACT_MAX_BUFFERS and p.pairs() <= _EXACT_MAX_PAIRS:
             _run_search(p, best, lb, deadline)
         else:
-            _core_search(p, best, lb, deadline)
-            _perturbed_greedy(p, best, lb, deadline)
+            _core_search(p, best, lb, deadline, dur)
+            _perturbed_greedy(p, best, lb, deadline, dur)
     return OffsetPlan(
         offsets=tuple(o * alignment for o in best.offs),
         pool_size=best.pool * alignment,
