@@ -11,6 +11,7 @@ planned graphs.
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 import hashlib
 import logging
 from collections.abc import Sequence
@@ -24,6 +25,7 @@ from shardc.options import ShardcOptions
 from shardc.passes.dedupe import dedupe_gathers, merge_reduce_scatters
 from shardc.passes.fx_utils import is_call
 from shardc.passes.lower import apply_plan
+from shardc.passes.memory import assign_pool, param_placeholders, predict_peak
 from shardc.passes.reshard import check_no_gathered_saved, tag_resharded_gathers
 from shardc.passes.schedule import plan_region
 from shardc.runtime.collectives import resolve_group
@@ -73,16 +75,35 @@ class ShardcPartitioner(_partitioner_base()):
         gm.recompile()
         fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         check_no_gathered_saved(fw, bw)
-        plan = plan_region(fw, bw, self.options, region=self.region.index)
+        plan = self._plan_within_budget(fw, bw)
+        fw_params, bw_params = param_placeholders(fw), param_placeholders(bw)
         rank = _rank_of(plan)
         apply_plan(fw, plan, "forward", rank)
         apply_plan(bw, plan, "backward", rank)
+        predict_peak(fw, bw, plan, fw_params, bw_params,
+                     optimizer_state_factor=self.options.optimizer_state_factor)
         self.region.forward, self.region.backward, self.region.plan = fw, bw, plan
         if self.options.dump_dir:
             from shardc.render import dump_plan
 
             dump_plan(plan, self.options.dump_dir, rank=rank)
         return fw, bw
+
+    def _plan_within_budget(self, fw: fx.GraphModule, bw: fx.GraphModule):
+        """Plan, place the buffers in the pool, and while the pool exceeds the memory budget,
+        plan again with shallower prefetch (the budget is checked on the real pool size)."""
+        options = self.options
+        while True:
+            plan = plan_region(fw, bw, options, region=self.region.index)
+            assign_pool(plan)
+            budget = options.memory_budget_bytes
+            if not budget or plan.predicted["pool_bytes"] <= budget or not options.prefetch:
+                return plan
+            if options.prefetch_depth <= 1:
+                options = replace(options, prefetch=False)
+            else:
+                options = replace(options, prefetch_depth=options.prefetch_depth - 1)
+            plan.notes.append(f"pool {plan.predicted['pool_bytes']:.0f} B over budget {budget} B")
 
     def uuid(self) -> str:
         options = sorted(self.options.as_dict().items())

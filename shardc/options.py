@@ -25,6 +25,8 @@ class ShardcOptions:
         defaults to the ``SHARDC_DUMP`` environment variable.
     debug_pool: poison and check communication buffers at run time.
     cluster: ``shardc.passes.cost_model.ClusterSpec`` fields for the cost model's predictions.
+    optimizer_state_factor: optimizer state bytes per parameter byte, for the peak prediction
+        (2 for Adam/AdamW, 1 for SGD with momentum, 0 for plain SGD).
     """
 
     inductor: bool = True
@@ -38,6 +40,7 @@ class ShardcOptions:
     dump_dir: str | None = None
     debug_pool: bool = False
     cluster: dict | None = None
+    optimizer_state_factor: float = 2.0
 
     def __post_init__(self) -> None:
         if self.bucket_by not in ("module", "param"):

@@ -110,6 +110,8 @@ class Plan:
     predicted: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     group_name: str = ""
+    # Offset in the communication pool of each buffer, keyed "<collective id>.<send|recv>".
+    pool_offsets: dict[str, int] = field(default_factory=dict)
 
     def collective_signature(self) -> list[tuple]:
         return [c.signature() for c in self.collectives]

@@ -1,0 +1,166 @@
+"""Memory: communication buffers in one static pool, and the whole step's predicted peak.
+
+``assign_pool`` turns every planned collective's buffers into ``(start, end, size)`` lifetimes on
+one timeline (forward positions, then backward positions) and places them with the offset
+allocator, so the plan carries each buffer's offset and the pool's size.
+
+``predict_peak`` walks the partitioned graphs' liveness (FX frees a value after its last use;
+views share their base's storage) and adds the state that lives across the step: parameter
+shards and optimizer state (``optimizer_state_factor`` bytes per parameter byte, 2 for Adam).
+Gradients are the backward graph's outputs and count from where they are produced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from shardc.passes.allocator import plan_offsets
+from shardc.passes.schedule import view_chain_root
+from shardc.plan import Plan
+
+POOL_ALIGNMENT = 512  # bytes; the CUDA caching allocator's granularity
+
+
+@dataclass(frozen=True)
+class CommBuffer:
+    collective: str
+    role: str  # "send" | "recv"
+    start: int
+    end: int
+    nbytes: int
+
+
+def comm_buffers(plan: Plan) -> list[CommBuffer]:
+    """The buffers of every collective, on one timeline: forward, then backward."""
+    offset = {"forward": 0, "backward": len(plan.graphs.get("forward", [])) + 1}
+    out = []
+    for c in plan.collectives:
+        start = offset[c.graph] + c.issue_pos
+        end = offset[c.graph] + c.wait_pos + 1
+        send = c.bytes if c.kind == "all_gather" else c.buffer_bytes
+        recv = c.buffer_bytes if c.kind == "all_gather" else c.bytes
+        out.append(CommBuffer(c.id, "send", start, end, send))
+        out.append(CommBuffer(c.id, "recv", start, end, recv))
+    return out
+
+
+def assign_pool(plan: Plan, *, time_limit_s: float = 1.0) -> list[CommBuffer]:
+    """Place the communication buffers in one pool (greedy: deterministic, so every rank gets
+    the same pool and the same budget decisions); records offsets and the pool size in
+    ``plan``. Returns the buffers, whose order matches ``plan.pool_offsets``."""
+    buffers = comm_buffers(plan)
+    if not buffers:
+        plan.predicted["pool_bytes"] = 0
+        return buffers
+    result = plan_offsets([(b.start, b.end, b.nbytes) for b in buffers],
+                          alignment=POOL_ALIGNMENT, time_limit_s=time_limit_s, mode="fast")
+    by_id = {c.id: c for c in plan.collectives}
+    for buf, off in zip(buffers, result.offsets):
+        if buf.role == "recv":
+            by_id[buf.collective].buffer_offset = off
+    plan.pool_offsets = {f"{b.collective}.{b.role}": off for b, off in zip(buffers, result.offsets)}
+    plan.predicted["pool_bytes"] = result.pool_size
+    plan.predicted["pool_lower_bound_bytes"] = result.max_live
+    return buffers
+
+
+def _nbytes(val) -> int:
+    if isinstance(val, torch.Tensor):
+        return val.numel() * val.element_size()
+    if isinstance(val, (list, tuple)):
+        return sum(_nbytes(v) for v in val)
+    return 0
+
+
+def _is_alias(node: fx.Node) -> bool:
+    target = node.target
+    if node.op != "call_function":
+        return False
+    if target is torch.ops._c10d_functional.wait_tensor.default:
+        return True
+    if getattr(target, "__name__", "") == "getitem":
+        return True
+    return isinstance(target, torch._ops.OpOverload) and target.is_view
+
+
+def liveness_peak(gm: fx.GraphModule, skip: set[fx.Node]) -> tuple[int, list[int]]:
+    """Peak bytes of values alive while ``gm`` runs (``skip``: placeholders counted elsewhere).
+
+    A value is alive from its definition to the last use of it or of any view of it; graph
+    outputs stay alive to the end.
+    """
+    nodes = list(gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    storage: dict[fx.Node, fx.Node] = {}
+    size: dict[fx.Node, int] = {}
+    last: dict[fx.Node, int] = {}
+    end = len(nodes)
+    for i, node in enumerate(nodes):
+        if node.op == "output":
+            for arg in node.all_input_nodes:
+                last[storage[arg]] = end
+            continue
+        if _is_alias(node) and node.all_input_nodes:
+            storage[node] = storage[node.all_input_nodes[0]]
+        else:
+            storage[node] = node
+            size[node] = 0 if node in skip else _nbytes(node.meta.get("val"))
+            last[node] = i
+        for arg in node.all_input_nodes:
+            key = storage[arg]
+            last[key] = max(last[key], i)
+    delta = [0] * (end + 2)
+    for key, nbytes in size.items():
+        delta[index[key]] += nbytes
+        delta[last[key] + 1] -= nbytes
+    timeline, live = [], 0
+    for d in delta[:end + 1]:
+        live += d
+        timeline.append(live)
+    return max(timeline, default=0), timeline
+
+
+def param_placeholders(gm: fx.GraphModule) -> set[fx.Node]:
+    """Placeholders holding parameter shards (found through the gathers: call before lowering)."""
+    from shardc.runtime.ops import GATHER_OP
+
+    roots = set()
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is GATHER_OP:
+            root = view_chain_root(node.args[0])
+            if root is not None:
+                roots.add(root)
+    return roots
+
+
+def predict_peak(
+    forward: fx.GraphModule,
+    backward: fx.GraphModule | None,
+    plan: Plan,
+    params: set[fx.Node],
+    bw_params: set[fx.Node],
+    *,
+    optimizer_state_factor: float = 2.0,
+) -> dict[str, int]:
+    """Whole-step peak prediction from the lowered graphs; ``params``/``bw_params`` are the
+    parameter-shard placeholders (:func:`param_placeholders`, taken before lowering).
+
+    Returns (and records in ``plan.predicted``) ``param_bytes``, ``optimizer_state_bytes``,
+    ``forward_peak_bytes``, ``backward_peak_bytes`` and ``peak_bytes``.
+    """
+    param_bytes = sum(_nbytes(p.meta.get("val")) for p in params)
+    optim = int(param_bytes * optimizer_state_factor)
+    fw_peak, _ = liveness_peak(forward, params)
+    out = {"param_bytes": param_bytes, "optimizer_state_bytes": optim,
+           "forward_peak_bytes": param_bytes + optim + fw_peak}
+    peak = out["forward_peak_bytes"]
+    if backward is not None:
+        bw_peak, _ = liveness_peak(backward, bw_params)
+        out["backward_peak_bytes"] = param_bytes + optim + bw_peak
+        peak = max(peak, out["backward_peak_bytes"])
+    out["peak_bytes"] = peak
+    plan.predicted.update({k: float(v) for k, v in out.items()})
+    return out
