@@ -168,6 +168,14 @@ def _normalize(buffers: Sequence[Any]) -> tuple[list[int], list[int], list[int]]
     ends: list[int] = []
     sizes: list[int] = []
     for idx, b in enumerate(buffers):
+        # Fast path for the common case: a well-formed tuple of plain ints.
+        if type(b) is tuple and len(b) == 3:
+            s, e, z = b
+            if type(s) is int and type(e) is int and type(z) is int and z >= 0 and e > s:
+                starts.append(s)
+                ends.append(e)
+                sizes.append(z)
+                continue
         if hasattr(b, "start") and hasattr(b, "end") and hasattr(b, "size"):
             s, e, z = b.start, b.end, b.size
         else:
@@ -225,9 +233,10 @@ def _check_alignment(alignment: Any) -> None:
 class _Problem:
     """Buffers in alignment units over compressed time.
 
-    Time is compressed to *sections*: the gaps between consecutive distinct start/end points.
-    Buffer ``i`` lives in sections ``[sl[i], sr[i])``; two buffers conflict iff those ranges
-    intersect, exactly as their original half-open lifetimes do.
+    Time is compressed to *sections*, one per distinct start step. Buffer ``i`` lives in
+    sections ``[sl[i], sr[i])``; two buffers conflict iff those ranges intersect, exactly as
+    their original half-open lifetimes do, and the live total of a section is the live total
+    at its step (the maximum over the steps it stands for).
     """
 
     def __init__(self, starts: list[int], ends: list[int], units: list[int]) -> None:
@@ -235,11 +244,15 @@ class _Problem:
         self.starts = starts
         self.ends = ends
         self.z = units
-        pts = sorted(set(starts) | set(ends))
+        # Only start points matter: two lifetimes intersect iff one contains the other's start,
+        # so section k is "the step of the k-th distinct start" and buffer i lives in sections
+        # [index of its start, number of distinct starts before its end). This halves the
+        # sections compared with using every endpoint.
+        pts = sorted(set(starts))
         index = {p: k for k, p in enumerate(pts)}
         self.sl = [index[s] for s in starts]
-        self.sr = [index[e] for e in ends]
-        self.S = max(len(pts) - 1, 0)
+        self.sr = [bisect_left(pts, e) for e in ends]
+        self.S = len(pts)
         self.lb = _max_live_units(starts, ends, units)
         self._deg: list[int] | None = None
 
@@ -342,33 +355,31 @@ def _greedy(
             continue
         s0 = sl[k]
         s1 = sr[k]
-        pieces = []
+        # Canonical cover of [s0, s1) and the two boundary root paths (merged once they meet).
+        cover = []
         lo = s0 + N
         hi = s1 + N
         while lo < hi:
             if lo & 1:
-                if sub[lo]:
-                    pieces.append(sub[lo])
+                cover.append(lo)
                 lo += 1
             if hi & 1:
                 hi -= 1
-                if sub[hi]:
-                    pieces.append(sub[hi])
+                cover.append(hi)
             lo >>= 1
             hi >>= 1
+        path = []
         v = (s0 + N) >> 1
         w = (s1 - 1 + N) >> 1
         while v != w:
-            if own[v]:
-                pieces.append(own[v])
-            if own[w]:
-                pieces.append(own[w])
+            path.append(v)
+            path.append(w)
             v >>= 1
             w >>= 1
         while v:
-            if own[v]:
-                pieces.append(own[v])
+            path.append(v)
             v >>= 1
+        pieces = [u for u in [sub[c] for c in cover] + [own[c] for c in path] if u]
         cur = 0
         best = -1
         bestlen = big
@@ -390,29 +401,30 @@ def _greedy(
         top = best + size
         if top > pool:
             pool = top
-        lo = s0 + N
-        hi = s1 + N
-        while lo < hi:
-            if lo & 1:
-                insert(own[lo], best, top)
-                insert(sub[lo], best, top)
-                lo += 1
-            if hi & 1:
-                hi -= 1
-                insert(own[hi], best, top)
-                insert(sub[hi], best, top)
-            lo >>= 1
-            hi >>= 1
-        v = (s0 + N) >> 1
-        w = (s1 - 1 + N) >> 1
-        while v != w:
-            insert(sub[v], best, top)
-            insert(sub[w], best, top)
-            v >>= 1
-            w >>= 1
-        while v:
-            insert(sub[v], best, top)
-            v >>= 1
+        # Insert [best, top) into every affected union (inlined _union_insert: this loop is
+        # the hot spot of the whole greedy).
+        key = (best,)
+        for u in [own[c] for c in cover] + [sub[c] for c in cover] + [sub[c] for c in path]:
+            if not u:
+                u.append((best, top))
+                continue
+            i = bisect_left(u, key)
+            a = best
+            b = top
+            if i and u[i - 1][1] >= a:
+                i -= 1
+                if u[i][0] < a:
+                    a = u[i][0]
+            j = i
+            n = len(u)
+            while j < n:
+                ulo, uhi = u[j]
+                if ulo > b:
+                    break
+                if uhi > b:
+                    b = uhi
+                j += 1
+            u[i:j] = [(a, b)]
     return offs, pool
 
 
@@ -542,7 +554,6 @@ class _Search:
         for rank, j in enumerate(order):
             rk[j] = rank
         R = m
-        off = [-1] * m
         mo = [0] * m  # lowest offset allowed by the placed conflicts (_INF once placed)
         kv = [rk[j] for j in range(m)]  # mo[j] * R + rk[j]: the canonical sort key
         hv = list(z)  # mo[j] + z[j]: the lowest top buffer j can have
@@ -571,7 +582,7 @@ class _Search:
             nodes += 1
             if nodes > node_limit:
                 return _ABORT
-            if not nodes & 127 and perf() > deadline:
+            if not nodes & 31 and perf() > deadline:
                 return _ABORT
             if not un:
                 return _OK
@@ -615,26 +626,25 @@ class _Search:
                 old_total = total[s0:s1]
                 if t + max(old_total) - zi > C:
                     continue  # the rest of its sections would not fit above it
-                off[i] = o
                 mo[i] = _INF
                 sol[i] = o
-                changes = []
-                for j in ov[i]:
-                    if mo[j] < t:
-                        changes.append((j, mo[j]))
-                        mo[j] = t
-                        kv[j] = t * R + rk[j]
-                        hv[j] = t + z[j]
+                ch = [j for j in ov[i] if mo[j] < t]  # conflicts whose minimum offset rises
+                olds = [mo[j] for j in ch]
+                tR = t * R
+                for j in ch:
+                    mo[j] = t
+                    kv[j] = tR + rk[j]
+                    hv[j] = t + z[j]
                 old_floor = floor[s0:s1]
                 floor[s0:s1] = [t] * (s1 - s0)
                 total[s0:s1] = [x - zi for x in old_total]
                 good = True
-                if changes:
+                if ch:
                     # Unallocated floor: nothing unplaced in a section can go below the smallest
                     # minimum offset there, so the space under it is lost.
                     lim = C - t
-                    A = min([sl[j] for j, _ in changes])
-                    B = max([sr[j] for j, _ in changes])
+                    A = min(map(sl.__getitem__, ch))
+                    B = max(map(sr.__getitem__, ch))
                     for s in range(A, B):
                         if total[s] > lim and floor[s] < t and min(sec_get[s](mo)) + total[s] > C:
                             good = False
@@ -659,11 +669,10 @@ class _Search:
                         status = search(child, a, b, key)
                 floor[s0:s1] = old_floor
                 total[s0:s1] = old_total
-                for j, v in reversed(changes):
+                for j, v in zip(ch, olds):
                     mo[j] = v
                     kv[j] = v * R + rk[j]
                     hv[j] = v + z[j]
-                off[i] = -1
                 mo[i] = o
                 if status != _NOTFOUND:
                     return status
@@ -728,9 +737,9 @@ def _run_search(
     orders = [(h, srch.preorder(h)) for h in _PREORDERS]
     budget = max(256, srch.m)
 
-    def probe(C: int, h: str, order: list[int]) -> int:
+    def probe(C: int, h: str, order: list[int], nodes: int = 0) -> int:
         nonlocal lb
-        st, offs = srch.solve(C, order, budget, deadline)
+        st, offs = srch.solve(C, order, nodes or budget, deadline)
         if st == _OK:
             assert offs is not None
             best.offer(offs, p.pool_of(offs), f"search-{h}")
@@ -739,6 +748,9 @@ def _run_search(
             lb = max(lb, C + 1)
         return st
 
+    # Opening move: MiniMalloc's default pre-order on the exact question, with a budget large
+    # enough for the typical "solved after a few thousand nodes" case.
+    probe(lb, orders[0][0], orders[0][1], 8 * budget)
     for _ in range(_SEARCH_ROUNDS):
         for h, order in orders:
             if best.pool <= lb or stop() or time.perf_counter() > deadline:
@@ -887,7 +899,9 @@ def plan_offsets(
     if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)):
         raise ValueError(f"time_limit_s must be a number, got {time_limit_s!r}")
     t0 = time.perf_counter()
-    deadline = t0 + max(0.0, float(time_limit_s))
+    # Searches stop at 96 % of the limit: the remaining work (finishing a probe or a greedy
+    # run, building the plan) must fit in the rest.
+    deadline = t0 + 0.96 * max(0.0, float(time_limit_s))
     starts, ends, sizes = _normalize(buffers)
     units = [-(-z // alignment) for z in sizes]
     p = _Problem(starts, ends, units)
