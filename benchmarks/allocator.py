@@ -236,14 +236,16 @@ def write_report(out: Path, rows, goals, rnd, args) -> None:
         f"(best: {SOMAS_LIMIT_S:.0f} s limit for SOMAS, {CHALLENGING_LIMIT_S:.0f} s for "
         "challenging).",
         "",
-        "| file | n | max-live | slot | greedy | fast | best | best time | winner | goal |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
+        "| file | n | max-live | slot | greedy | fast | best | best time "
+        "| bytes over bound: greedy / best | winner | goal |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
     ]
     for name, n, ml, bound, slot, greedy, fast, best, method, ok in rows:
         lines.append(
             f"| {name} | {n} | {ml:,} | {pct(slot[0], bound)} ({slot[1]:.2f} s) "
             f"| {pct(greedy[0], bound)} ({greedy[1]:.2f} s) | {pct(fast[0], bound)} "
-            f"({fast[1]:.2f} s) | {pct(best[0], bound)} | {best[1]:.2f} s | {method} "
+            f"({fast[1]:.2f} s) | {pct(best[0], bound)} | {best[1]:.2f} s "
+            f"| {greedy[0] - bound:,} / {best[0] - bound:,} | {method} "
             f"| {'yes' if ok else '**no**'} |"
         )
     lines += [
@@ -281,14 +283,16 @@ def write_report(out: Path, rows, goals, rnd, args) -> None:
         "there can take), when a buffer would sit above the lowest height another unplaced "
         "buffer could reach (dominance), and the problem splits into independent time ranges "
         "once no unplaced buffer crosses a section boundary. The driver asks this decision "
-        "search for the bound itself and then for a descending ladder of capacities (bound + "
-        "0.1 % .. 25 %), round-robin over twelve static pre-orders with node budgets doubling "
-        "each round; an exhausted search proves a capacity infeasible. The schedule is fixed, "
-        "so results do not depend on machine speed unless the time limit cuts it short.",
+        "search whether everything fits in max-live (first with MiniMalloc's default "
+        "pre-order, then round-robin over twelve static pre-orders, since which one answers "
+        "fast varies wildly), and walks down a ladder of capacities (max-live + 25 % .. 0.1 %) "
+        "below the best pool, with node budgets doubling each round; an exhausted search "
+        "proves a capacity infeasible. The schedule is fixed, so results do not depend on "
+        "machine speed unless the time limit cuts it short.",
         "3. **Core search** for large traces: the buffers live where the live total is near "
         "the peak (a few hundred to two thousand of them) are packed by the same search as "
         "their own problem, and every improved core packing is completed by best fit for the "
-        "remaining buffers, largest first. A few perturbed greedy runs follow if time is left.",
+        "remaining buffers, largest first. Perturbed greedy runs use any time left.",
         "",
     ]
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -15,8 +15,9 @@ Algorithm (the portfolio behind ``mode="best"``)
    address gap left free by the already placed buffers whose lifetimes intersect its own (lowest
    such gap on ties; the top of the stack if no gap fits). The placed buffers live in a segment
    tree over compressed time whose nodes keep *merged* address-interval unions, so finding the
-   gaps for one buffer touches O(log T) short lists instead of every placed buffer; 20,000 buffers
-   take well under a second.
+   gaps for one buffer touches O(log T) short lists instead of every placed buffer. Time is
+   compressed to the distinct start steps (two lifetimes intersect iff one holds the other's
+   start), which halves the tree.
 2. **Exact-style search** for small and medium instances, in the spirit of MiniMalloc (Moffitt,
    ASPLOS 2023), written from the paper's ideas: a depth-first search over *canonical* solutions
    (buffers placed in non-decreasing offset order, each at the lowest offset its placed
@@ -29,22 +30,29 @@ Algorithm (the portfolio behind ``mode="best"``)
      unplaced buffer could reach, since that buffer could be slid under it;
    - dynamic temporal decomposition: once no unplaced buffer crosses a section boundary, the two
      sides are solved independently.
-   The search answers "does everything fit in capacity C?" under a node budget. The driver walks
-   a descending ladder of capacities (max-live plus 0 .. 25 %) below the best pool found so far,
-   round-robin over a dozen static pre-orders (the search is heavy-tailed: one order often
-   solves in a few hundred nodes what another cannot in a million), doubling the budget each
-   round. A search that finishes without finding a fit *proves* that capacity infeasible, which
-   raises the lower bound.
-3. **Perturbed greedy** for large instances: best-fit greedy from orders whose keys are jittered
-   by a seeded RNG, keeping the best pool.
+   The search answers "does everything fit in capacity C?" under a node budget. The driver
+   first asks the exact question (C = max-live) with MiniMalloc's default pre-order, then runs
+   rounds over a dozen static pre-orders (the search is heavy-tailed: one order often solves in
+   a few hundred nodes what another cannot in a million), each asking for max-live and then
+   walking down a ladder of capacities (max-live plus 25 % .. 0.1 %) below the best pool found
+   so far; the node budget doubles each round. A search that finishes without finding a fit
+   *proves* that capacity infeasible, which raises the lower bound and enables bisection.
+   Used for instances up to ``_EXACT_MAX_BUFFERS`` buffers / ``_EXACT_MAX_PAIRS`` conflicts.
+3. **Core search** for larger instances: only a small core of buffers (a few hundred to two
+   thousand on real training traces) lives where the live total is near the peak. That core is
+   packed by step 2 as its own problem, and every improved core packing is completed by
+   best-fit greedy for the other buffers around it.
+4. **Perturbed greedy** with whatever time is left on large instances: best fit from size
+   orders whose keys are jittered by a seeded RNG.
 
-The search stops as soon as the pool equals the (possibly raised) lower bound.
+The search stops as soon as the pool equals max-live (optimal).
 
-Determinism: no result depends on the clock except through the time limit. Every search phase
-runs a fixed schedule (fixed orders, fixed node budgets, fixed RNG seeds, a fixed number of
-rounds), so two runs that finish the schedule inside ``time_limit_s`` return identical plans on
-any machine. The time limit only truncates the schedule; a run cut short returns the best plan
-found so far, which on a slower machine can be a worse (still valid) plan.
+Determinism: no result depends on the clock except through the time limit. Every phase runs a
+fixed schedule (fixed orders, node budgets, RNG seeds and round counts), so two runs that
+finish the schedule inside ``time_limit_s`` return identical plans on any machine. The limit
+only truncates the schedule (searches stop at 96 % of it, leaving the rest for wrapping up); a
+run cut short returns the best plan found so far, which on a slower or busier machine can be a
+worse, still valid, plan. ``mode="fast"`` never looks at the clock.
 """
 
 from __future__ import annotations
@@ -511,8 +519,8 @@ class _Search:
             for sb in sec
         ]
 
-    def preorder(self, letters: str, rng: random.Random | None = None) -> list[int]:
-        """Buffers sorted by the heuristic ``letters`` (see ``_PREORDERS``), optionally jittered."""
+    def preorder(self, letters: str) -> list[int]:
+        """Buffers sorted by the heuristic ``letters`` (see ``_PREORDERS``), index last."""
         z, ln, mt, st, en = self.z, self.length, self.maxtot, self.start, self.end
         deg = [len(o) for o in self.ov]
         crit = {
@@ -525,15 +533,7 @@ class _Search:
             "O": deg,
         }
         cols = [crit[c] for c in letters]
-        order = sorted(range(self.m), key=lambda j: tuple(-c[j] for c in cols) + (j,))
-        if rng is not None:
-            # Jitter positions so nearby buffers in the order may swap; far ones keep their rank.
-            sigma = 0.03 * self.m
-            pos = [0.0] * self.m
-            for rank, j in enumerate(order):
-                pos[j] = rank + rng.gauss(0.0, sigma)
-            order.sort(key=pos.__getitem__)
-        return order
+        return sorted(range(self.m), key=lambda j: tuple(-c[j] for c in cols) + (j,))
 
     def solve(
         self, C: int, order: list[int], node_limit: int, deadline: float
@@ -722,6 +722,7 @@ def _run_search(
     lb: int,
     deadline: float,
     stop: Callable[[], bool] = lambda: False,
+    opening: bool = True,
 ) -> int:
     """Capacity-ladder search; improves ``best`` in place. Returns the (maybe raised) bound.
 
@@ -750,7 +751,8 @@ def _run_search(
 
     # Opening move: MiniMalloc's default pre-order on the exact question, with a budget large
     # enough for the typical "solved after a few thousand nodes" case.
-    probe(lb, orders[0][0], orders[0][1], 8 * budget)
+    if opening:
+        probe(lb, orders[0][0], orders[0][1], 8 * budget)
     for _ in range(_SEARCH_ROUNDS):
         for h, order in orders:
             if best.pool <= lb or stop() or time.perf_counter() > deadline:
@@ -831,19 +833,27 @@ def _core_search(p: _Problem, best: _Best, lb: int, deadline: float, est: float)
     sub_orders = _greedy_orders(sub, full=False)
     offs0, pool0 = _greedy(sub, sub_orders[0][1])
     sub_best = _Best(offs0, pool0, "core-greedy")
-    fill(offs0, "core-greedy")
+    if pool0 < best.pool:
+        fill(offs0, "core-greedy")
 
     class _Fill(_Best):
         # Every improved core packing is tried as the frame for the full plan.
         def offer(self, offs: list[int], pool: int, method: str) -> bool:
             if super().offer(offs, pool, method):
-                fill(offs, "core-" + method)
+                # The full pool is at least the core's, so only a core packing below the best
+                # full pool can help; completing it costs a whole greedy run.
+                if pool < best.pool:
+                    fill(offs, "core-" + method)
                 return True
             return False
 
     hook = _Fill(sub_best.offs, sub_best.pool, sub_best.method)
     # Leave room for completing the last core packing found.
-    _run_search(sub, hook, sub.lb, deadline - fill_dur, stop=lambda: best.pool <= lb)
+    # No opening probe: core nodes are expensive (the core is nearly a clique), so start with
+    # the cheap small-budget round.
+    _run_search(
+        sub, hook, sub.lb, deadline - fill_dur, stop=lambda: best.pool <= lb, opening=False
+    )
 
 
 def _perturbed_greedy(p: _Problem, best: _Best, lb: int, deadline: float, est: float) -> None:
@@ -908,10 +918,21 @@ def plan_offsets(
     lb = p.lb
     best: _Best | None = None
     dur = 0.0
-    for name, order in _greedy_orders(p, full=mode == "best"):
+    large = mode == "best" and not (p.n <= _EXACT_MAX_BUFFERS and p.pairs() <= _EXACT_MAX_PAIRS)
+    orders = _greedy_orders(p, full=mode == "best")
+    if large:
+        # On large traces the core search is what closes the gap; run it right after plain
+        # greedy (with three quarters of the time) and the other greedy orders afterwards.
+        offs, pool = _greedy(p, orders[0][1])
+        dur = time.perf_counter() - t0
+        best = _Best(offs, pool, orders[0][0])
+        if pool > lb:
+            _core_search(p, best, lb, t0 + 0.75 * (deadline - t0), dur)
+        orders = orders[1:]
+    for name, order in orders:
         # Skip a run that would likely end past the deadline (the first one always runs).
         t1 = time.perf_counter()
-        if best is not None and t1 + dur > deadline:
+        if best is not None and (t1 + dur > deadline or best.pool <= lb):
             break
         offs, pool = _greedy(p, order)
         dur = time.perf_counter() - t1
@@ -923,10 +944,9 @@ def plan_offsets(
             break
     assert best is not None
     if mode == "best" and best.pool > lb:
-        if p.n <= _EXACT_MAX_BUFFERS and p.pairs() <= _EXACT_MAX_PAIRS:
+        if not large:
             _run_search(p, best, lb, deadline)
         else:
-            _core_search(p, best, lb, deadline, dur)
             _perturbed_greedy(p, best, lb, deadline, dur)
     return OffsetPlan(
         offsets=tuple(o * alignment for o in best.offs),
