@@ -55,6 +55,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,6 +64,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+# Noise in every distributed compile of torch 2.11 and in every profile; nothing to act on.
+warnings.filterwarnings("ignore", message=".*_get_pg_default_device.*")
+warnings.filterwarnings("ignore", message=".*Profiler clears events.*")
 
 # Runnable as a plain script from a checkout: make the repository importable.
 _REPO = Path(__file__).resolve().parent.parent
@@ -714,11 +719,17 @@ def diagnose(results: dict[str, dict[str, Any]]) -> list[str]:
             f"communication {1e3 * sc.get('predicted_comm_time_s', 0):.1f} ms of which "
             f"{1e3 * sc['predicted_exposed_comm_s']:.1f} ms exposed "
             f"({sc.get('n_regions', '?')} compiled region(s)).")
-    if "peak_alloc_bytes" in sc and bound.get("peak_alloc_bytes"):
-        lines.append(f"Memory: shardc peak {_gib(sc['peak_alloc_bytes'])} GiB allocated vs bound "
-                     f"(replicated) {_gib(bound['peak_alloc_bytes'])} GiB; the plan's "
-                     f"communication-buffer peak is {_gib(sc.get('predicted_peak_bytes'))} GiB "
-                     f"({sc.get('predicted_peak_kind', '?')}).")
+    if "peak_alloc_bytes" in sc:
+        text = f"Memory: shardc peak {_gib(sc['peak_alloc_bytes'])} GiB allocated"
+        if bound.get("peak_alloc_bytes"):
+            text += f" vs bound (replicated) {_gib(bound['peak_alloc_bytes'])} GiB"
+        regions = sc.get("regions") or []
+        parts = {k: v for k, v in (regions[0]["predicted"] if regions else {}).items()
+                 if k.endswith("_bytes")}
+        if parts:
+            text += "; the plan's memory terms (region 0, GiB): " + ", ".join(
+                f"{k} {v / GIB:.2f}" for k, v in parts.items())
+        lines.append(text + ".")
     return lines
 
 
@@ -852,6 +863,27 @@ def launch_command(argv: Sequence[str]) -> str:
     return prefix + shlex.join(argv)
 
 
+def shardc_source_hash() -> str:
+    """sha256 over shardc's ``*.py`` files (identifies the code measured without git)."""
+    from shardc.backend import _source_hash
+
+    return _source_hash()
+
+
+def git_describe() -> str | None:
+    """``HEAD`` commit (plus ``-dirty`` if shardc/ has local changes), if git is there."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=_REPO, capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "shardc"], cwd=_REPO,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("-dirty" if dirty else "")
+
+
 def _nccl_version() -> str | None:
     try:
         version = torch.cuda.nccl.version()
@@ -907,6 +939,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "cuda": torch.version.cuda,
         "nccl": _nccl_version() if device_type == "cuda" else None,
         "python": platform.python_version(),
+        "shardc_source_sha256": shardc_source_hash(),
+        "git": git_describe(),
         "host_cpus": os.cpu_count(),
         "steps": args.steps,
         "warmup": args.warmup,
