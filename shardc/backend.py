@@ -75,19 +75,35 @@ class ShardcPartitioner(_partitioner_base()):
         gm.recompile()
         fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         check_no_gathered_saved(fw, bw)
+        self.plan_and_lower(fw, bw)
+        return fw, bw
+
+    def plan_inference(self, gm: fx.GraphModule) -> fx.GraphModule:
+        """Plan a forward-only graph (``torch.no_grad()`` / eval): gathers only, no reductions."""
+        if has_sharded_params(gm):
+            dedupe_gathers(gm.graph)
+            gm.recompile()
+            self.plan_and_lower(gm, None)
+        return gm
+
+    def plan_and_lower(self, fw: fx.GraphModule, bw: fx.GraphModule | None) -> None:
         plan = self._plan_within_budget(fw, bw)
-        fw_params, bw_params = param_placeholders(fw), param_placeholders(bw)
+        fw_params = param_placeholders(fw)
+        bw_params = param_placeholders(bw) if bw is not None else set()
         rank = _rank_of(plan)
         apply_plan(fw, plan, "forward", rank)
-        apply_plan(bw, plan, "backward", rank)
+        if bw is not None:
+            apply_plan(bw, plan, "backward", rank)
         predict_peak(fw, bw, plan, fw_params, bw_params,
                      optimizer_state_factor=self.options.optimizer_state_factor)
         self.region.forward, self.region.backward, self.region.plan = fw, bw, plan
         if self.options.dump_dir:
             from shardc.render import dump_plan
 
-            dump_plan(plan, self.options.dump_dir, rank=rank)
-        return fw, bw
+            try:
+                dump_plan(plan, self.options.dump_dir, rank=rank)
+            except OSError as exc:  # a dump must never break training
+                log.warning("shardc: could not write the plan dump: %s", exc)
 
     def _plan_within_budget(self, fw: fx.GraphModule, bw: fx.GraphModule):
         """Plan, place the buffers in the pool, and while the pool exceeds the memory budget,
@@ -181,16 +197,26 @@ def shardc_backend(
         registry.append(region)
     partitioner = ShardcPartitioner(opts, region)
     if opts.inductor:
-        from torch._inductor.compile_fx import compile_fx
+        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+        def inner_compile(graph: fx.GraphModule, inputs, **kw: Any):
+            if kw.get("is_inference"):
+                partitioner.plan_inference(graph)
+            return compile_fx_inner(graph, inputs, **kw)
 
         compiled = compile_fx(
-            gm, example_inputs, config_patches={"custom_partitioner_fn": partitioner}
+            gm, example_inputs, inner_compile=inner_compile,
+            config_patches={"custom_partitioner_fn": partitioner},
         )
     else:
         from torch._dynamo.backends.common import aot_autograd
 
+        def inference_compiler(graph: fx.GraphModule, inputs):
+            return _fx_compiler(partitioner.plan_inference(graph), inputs)
+
         compiled = aot_autograd(
-            fw_compiler=_fx_compiler, bw_compiler=_fx_compiler, partition_fn=partitioner
+            fw_compiler=_fx_compiler, bw_compiler=_fx_compiler, partition_fn=partitioner,
+            inference_compiler=inference_compiler,
         )(gm, example_inputs)
     return _checked(compiled, region, opts)
 
