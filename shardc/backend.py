@@ -11,10 +11,10 @@ planned graphs.
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
 import hashlib
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 

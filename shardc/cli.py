@@ -12,7 +12,6 @@ import dataclasses
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -47,9 +46,9 @@ def parse_model_spec(spec: str) -> LlamaConfig:
 
 def plan_model(cfg: LlamaConfig, world: int, batch: int, seq: int, options: dict):
     """Plan one training step of ``cfg`` at ``world`` ranks; returns (plan, seconds)."""
-    import shardc
     from torch.distributed.device_mesh import DeviceMesh
 
+    import shardc
     from shardc.runtime.fake_world import fake_world
 
     with fake_world(world):

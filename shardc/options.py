@@ -44,7 +44,9 @@ class ShardcOptions:
 
     def __post_init__(self) -> None:
         if self.bucket_by not in ("module", "param"):
-            raise ValueError(f"shardc: bucket_by must be 'module' or 'param', got {self.bucket_by!r}")
+            raise ValueError(
+                f"shardc: bucket_by must be 'module' or 'param', got {self.bucket_by!r}"
+            )
         if self.prefetch_depth < 0:
             raise ValueError(f"shardc: prefetch_depth must be >= 0, got {self.prefetch_depth}")
         if self.bucket_cap_bytes < 0 or self.memory_budget_bytes < 0:

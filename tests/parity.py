@@ -109,7 +109,9 @@ def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def assert_parity(run: dict, ref: dict, tol: float = 1e-5) -> None:
     err = max_rel_err(run["losses"], ref["losses"])
-    assert err <= tol, f"losses differ: rel err {err:.2e} > {tol}: {run['losses']} vs {ref['losses']}"
+    assert err <= tol, (
+        f"losses differ: rel err {err:.2e} > {tol}: {run['losses']} vs {ref['losses']}"
+    )
     assert run["params"].keys() == ref["params"].keys()
     for name, value in ref["params"].items():
         got = run["params"][name]

@@ -11,11 +11,11 @@ import pytest
 import torch
 import torch._dynamo
 import torch.distributed as dist
+from dist_utils import run_ranks
+from parity import GLOBAL_BATCH, assert_parity, batches, build, reference, train
 from torch import nn
 
 import shardc
-from dist_utils import run_ranks
-from parity import GLOBAL_BATCH, assert_parity, batches, build, reference, train
 from shardc.passes.reshard import gather_derived
 from shardc.runtime.plan_check import PlanMismatchError
 

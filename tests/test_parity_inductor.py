@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch._dynamo
-
 from dist_utils import run_ranks
 from parity import assert_parity, reference, sharded_run
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from dist_utils import run_ranks
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 import shardc
-from dist_utils import run_ranks
 from shardc.models.llama import LlamaConfig, Transformer
 
 

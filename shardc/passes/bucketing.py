@@ -35,7 +35,7 @@ class ParamComm:
 
 
 def block_key(fqn: str, patterns: Sequence[str] = ()) -> str | None:
-    """The bucket key of ``fqn``: a user pattern's match, else its repeated-block prefix, else None."""
+    """Bucket key of ``fqn``: a user pattern's match, else its repeated-block prefix, or None."""
     for pattern in patterns:
         m = re.match(pattern, fqn)
         if m and m.group(0) and (len(m.group(0)) == len(fqn) or fqn[len(m.group(0))] == "."):

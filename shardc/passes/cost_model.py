@@ -74,7 +74,9 @@ def calibrate(
     t2 = sum(b * t for _, b, t in rows)
     det = s11 * s22 - s12 * s12
     if abs(det) < 1e-30:
-        raise ValueError("shardc cost model: calibration timings do not separate latency from bandwidth")
+        raise ValueError(
+            "shardc cost model: calibration timings do not separate latency from bandwidth"
+        )
     alpha = (t1 * s22 - t2 * s12) / det
     inv_b = (s11 * t2 - s12 * t1) / det
     if inv_b <= 0:

@@ -27,7 +27,8 @@ def _nodes_by_key(graph: fx.Graph, target, key) -> dict:
 def dedupe_gathers(graph: fx.Graph) -> int:
     """Merge ``gather_param`` nodes with identical arguments; returns how many were removed."""
     removed = 0
-    for nodes in _nodes_by_key(graph, GATHER_OP, lambda n: (n.args, tuple(n.kwargs.items()))).values():
+    groups = _nodes_by_key(graph, GATHER_OP, lambda n: (n.args, tuple(n.kwargs.items())))
+    for nodes in groups.values():
         keep = nodes[0]
         for dup in nodes[1:]:
             dup.replace_all_uses_with(keep)

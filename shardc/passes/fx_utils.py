@@ -9,8 +9,7 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_map_only
 
-
-_FAKE_MODES: "weakref.WeakKeyDictionary[fx.Graph, object]" = weakref.WeakKeyDictionary()
+_FAKE_MODES: weakref.WeakKeyDictionary[fx.Graph, object] = weakref.WeakKeyDictionary()
 
 
 def _fake_mode_of(graph: fx.Graph):

@@ -71,7 +71,8 @@ def saved_for_backward(fw: fx.GraphModule, bw: fx.GraphModule) -> list[fx.Node]:
 
 
 def check_no_gathered_saved(fw: fx.GraphModule, bw: fx.GraphModule) -> None:
-    """Raise :class:`GatheredParamSavedError` naming the parameter if a resharded gather is saved."""
+    """Raise :class:`GatheredParamSavedError`, naming the parameter, if a resharded gather is
+    saved for backward."""
     offending = {}
     for gather in fw.graph.nodes:
         if is_call(gather, GATHER_OP) and reshards_after_forward(gather):

@@ -201,7 +201,8 @@ def _place_all_gathers(g: GraphComm, buckets: list[Bucket], options) -> list[Col
                 elif j < 0:
                     reason = "graph start: nothing earlier to overlap with"
                 else:
-                    reason = f"prefetched {k - j} bucket(s) ahead, overlapping bucket {present[j][0].index}"
+                    reason = (f"prefetched {k - j} bucket(s) ahead, overlapping bucket "
+                              f"{present[j][0].index}")
                 break
         else:
             reason = f"over memory budget ({budget} B) even without prefetch; issued at first use"

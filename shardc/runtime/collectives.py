@@ -62,7 +62,7 @@ def all_gather_rows(
 def reduce_scatter_rows(
     full: torch.Tensor, dim0: int, world: int, group_name: str, rank: int
 ) -> torch.Tensor:
-    """Eager sum reduce-scatter of a full ``dim0``-row tensor into this rank's ``torch.chunk`` shard."""
+    """Eager sum reduce-scatter of a full ``dim0``-row tensor into this rank's shard."""
     rows = padded_rows(dim0, world)
     send = pad_rows(full, rows * world).contiguous()
     if world == 1:

@@ -15,7 +15,9 @@ import torch.distributed as dist
 def fake_world(world_size: int, rank: int = 0):
     """Initialize the default process group as rank ``rank`` of a fake ``world_size`` world."""
     if dist.is_initialized():
-        raise RuntimeError("shardc: a process group is already initialized; plan in a fresh process")
+        raise RuntimeError(
+            "shardc: a process group is already initialized; plan in a fresh process"
+        )
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)

@@ -1,4 +1,4 @@
-"""shardc's custom ops: "gather this parameter shard" and its autograd, "reduce-scatter its gradient".
+"""shardc's custom ops: "gather this parameter shard", whose autograd reduce-scatters the grad.
 
 A sharded module reads each parameter through :func:`gather_param`. Eagerly the ops run the
 collectives at once; under ``torch.compile`` they appear in the joint graph as opaque nodes that the
