@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import textwrap
@@ -182,11 +183,12 @@ class _Breaks(nn.Module):
         return self.b(h)
 
 
-def _graph_break(rank: int, world: int) -> dict:
+def _graph_break(rank: int, world: int, dump_dir: str) -> dict:
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = _Breaks()
     shardc.shard(model)
+    os.environ["SHARDC_DUMP"] = dump_dir  # every compiled region dumps its plan
     compiled = torch.compile(model, backend=shardc.backend(inductor=False))
     x = torch.randn(3, 8, 6)
     y = torch.randn(3, 8, 5)
@@ -200,8 +202,12 @@ def _graph_break(rank: int, world: int) -> dict:
             "params": {n: p.full_tensor() for n, p in model.named_parameters()}}
 
 
-def test_graph_break_gives_two_planned_regions():
-    out = run_ranks(_graph_break, 2)[0]
+def test_graph_break_gives_two_planned_regions(tmp_path):
+    out = run_ranks(_graph_break, 2, str(tmp_path))[0]
+    for region in (0, 1):
+        for rank in (0, 1):
+            for suffix in ("plan.txt", "plan.json", "trace.json"):
+                assert (tmp_path / f"region{region}.rank{rank}.{suffix}").exists()
     torch.manual_seed(0)
     ref = _Breaks()
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
