@@ -23,7 +23,7 @@ from torch import fx
 
 from shardc.options import ShardcOptions
 from shardc.passes.dedupe import dedupe_gathers, merge_reduce_scatters
-from shardc.passes.fx_utils import is_call
+from shardc.passes.fx_utils import allocate_real, is_call
 from shardc.passes.lower import apply_plan
 from shardc.passes.memory import assign_pool, param_placeholders, predict_peak
 from shardc.passes.reshard import check_no_gathered_saved, tag_resharded_gathers
@@ -91,9 +91,11 @@ class ShardcPartitioner(_partitioner_base()):
         fw_params = param_placeholders(fw)
         bw_params = param_placeholders(bw) if bw is not None else set()
         rank = _rank_of(plan)
-        apply_plan(fw, plan, "forward", rank)
+        pool = self._pool(fw, plan)
+        poison = self.options.debug_pool
+        apply_plan(fw, plan, "forward", rank, pool=pool, poison=poison)
         if bw is not None:
-            apply_plan(bw, plan, "backward", rank)
+            apply_plan(bw, plan, "backward", rank, pool=pool, poison=poison)
         predict_peak(fw, bw, plan, fw_params, bw_params,
                      optimizer_state_factor=self.options.optimizer_state_factor)
         self.region.forward, self.region.backward, self.region.plan = fw, bw, plan
@@ -104,6 +106,17 @@ class ShardcPartitioner(_partitioner_base()):
                 dump_plan(plan, self.options.dump_dir, rank=rank)
             except OSError as exc:  # a dump must never break training
                 log.warning("shardc: could not write the plan dump: %s", exc)
+
+    def _pool(self, fw: fx.GraphModule, plan) -> torch.Tensor | None:
+        """The region's communication pool, allocated once (FX execution; Inductor plans and
+        reuses its own buffers)."""
+        if self.options.inductor or not self.options.comm_pool:
+            plan.notes.append("communication buffers: allocated per collective (no static pool)")
+            return None
+        shards = [n.meta["val"] for n in param_placeholders(fw)]
+        device = shards[0].device if shards else torch.device("cpu")
+        plan.notes.append("communication buffers: views of one static pool")
+        return allocate_real(int(plan.predicted["pool_bytes"]), torch.uint8, device)
 
     def _plan_within_budget(self, fw: fx.GraphModule, bw: fx.GraphModule):
         """Plan, place the buffers in the pool, and while the pool exceeds the memory budget,

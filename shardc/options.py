@@ -23,7 +23,11 @@ class ShardcOptions:
     check_plan_consistency: at the first run, all ranks compare the plan's hash (one all-gather).
     dump_dir: write the plan (text, JSON, trace, memory plot) of every compiled region here;
         defaults to the ``SHARDC_DUMP`` environment variable.
-    debug_pool: poison and check communication buffers at run time.
+    comm_pool: place communication buffers in one static pool allocated once per region
+        (FX execution; with Inductor the pool is planned and reported, and Inductor reuses
+        its own buffers).
+    debug_pool: fill each pool buffer with NaN once it is dead, so overlapping live buffers
+        show up as NaNs.
     cluster: ``shardc.passes.cost_model.ClusterSpec`` fields for the cost model's predictions.
     optimizer_state_factor: optimizer state bytes per parameter byte, for the peak prediction
         (2 for Adam/AdamW, 1 for SGD with momentum, 0 for plain SGD).
@@ -39,6 +43,7 @@ class ShardcOptions:
     check_plan_consistency: bool = True
     dump_dir: str | None = None
     debug_pool: bool = False
+    comm_pool: bool = True
     cluster: dict | None = None
     optimizer_state_factor: float = 2.0
 

@@ -23,8 +23,16 @@ from shardc.runtime.plan_check import PlanMismatchError
 funcol = torch.ops._c10d_functional
 
 
-def _count(gm, target) -> int:
-    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is target)
+_OUT_VARIANT = {
+    funcol.all_gather_into_tensor.default: funcol.all_gather_into_tensor_out.default,
+    funcol.reduce_scatter_tensor.default: funcol.reduce_scatter_tensor_out.default,
+}
+
+
+def _count(gm, target, *, allocating_only: bool = False) -> int:
+    """Nodes calling ``target`` (or its in-place ``_out`` variant that writes into the pool)."""
+    targets = {target} if allocating_only else {target, _OUT_VARIANT.get(target)}
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target in targets)
 
 
 def _compiled_variant(rank, world, **options):
@@ -61,6 +69,19 @@ def _structure(rank: int, world: int) -> dict:
                 for user in node.users:
                     gathered.update(gather_derived(user))
     facts["saved_gathered"] = sorted(n.name for n in saved & gathered)
+    # The static pool: no collective allocates its buffer, and the pool is one tensor shared by
+    # the forward and backward graphs that stays the same across steps.
+    facts["allocating_collectives"] = sum(
+        _count(g, t, allocating_only=True) for g in (fw, bw) for t in _OUT_VARIANT)
+    pool_fw, pool_bw = fw._shardc_comm_pool, bw._shardc_comm_pool
+    facts["pool_shared"] = pool_fw is pool_bw
+    facts["pool_bytes"] = (pool_fw.numel(), plan.predicted["pool_bytes"])
+    pointer = pool_fw.data_ptr()
+    tokens, targets = batches(2)
+    per = GLOBAL_BATCH // world
+    train(model, compiled, tokens[:, rank * per:(rank + 1) * per],
+          targets[:, rank * per:(rank + 1) * per])
+    facts["pool_stable"] = fw._shardc_comm_pool.data_ptr() == pointer
     # The same model without resharding keeps gathered params: no all-gather in backward.
     model2, _ = _compiled_variant(rank, world, bucket_by="param", reshard_after_forward=False)
     facts["no_reshard_bw_all_gathers"] = _count(
@@ -109,6 +130,13 @@ def test_collective_counts_per_parameter(structure):
     assert len(bw_gathered) == len(set(bw_gathered)) and set(bw_gathered) <= used
     assert facts["bw_all_gathers"] == len(bw_gathered) > 0, "resharded params are re-gathered"
     assert facts["waits"] == len(colls), "every collective is waited exactly once"
+
+
+def test_static_pool_steady_state_allocates_no_comm_buffers(structure):
+    for facts in structure:
+        assert facts["allocating_collectives"] == 0
+        assert facts["pool_shared"] and facts["pool_stable"]
+        assert facts["pool_bytes"][0] == facts["pool_bytes"][1] > 0
 
 
 def test_gathered_params_not_saved_for_backward(structure):

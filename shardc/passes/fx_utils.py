@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_map_only
 _FAKE_MODES: weakref.WeakKeyDictionary[fx.Graph, object] = weakref.WeakKeyDictionary()
 
 
-def _fake_mode_of(graph: fx.Graph):
+def fake_mode_of(graph: fx.Graph):
     # Looked up once per graph: passes insert thousands of nodes into large graphs.
     if graph not in _FAKE_MODES:
         from torch._guards import detect_fake_mode
@@ -30,7 +30,7 @@ def call(graph: fx.Graph, target, args: tuple, kwargs: dict | None = None) -> fx
     """
     kwargs = kwargs or {}
     node = graph.call_function(target, args, kwargs)
-    mode = _fake_mode_of(graph)
+    mode = fake_mode_of(graph)
     if mode is not None:
         def val(a: Any):
             return a.meta.get("val") if isinstance(a, fx.Node) else a
@@ -44,3 +44,12 @@ def call(graph: fx.Graph, target, args: tuple, kwargs: dict | None = None) -> fx
 
 def is_call(node: fx.Node, target) -> bool:
     return node.op == "call_function" and node.target is target
+
+
+def allocate_real(size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A real (not fake) uninitialized tensor, even while a compiler's fake mode is active
+    (passes run inside AOTAutograd's tracing context)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return torch.empty(size, dtype=dtype, device=device)

@@ -42,7 +42,34 @@ def _retake_views(graph: fx.Graph, node: fx.Node) -> fx.Node:
     return graph.node_copy(node, lambda n: base)
 
 
-def _issue_all_gather(graph, c: Collective, bucket: Bucket, gathers: dict, group: str) -> fx.Node:
+class PoolViews:
+    """Views of the static communication pool (a uint8 tensor held by the graph module) at the
+    offsets the plan assigned; ``None`` pool: collectives allocate their own buffers."""
+
+    def __init__(self, graph: fx.Graph, pool: fx.Node | None, plan: Plan, poison: bool) -> None:
+        self.graph, self.pool, self.plan, self.poison = graph, pool, plan, poison
+
+    def view(self, c: Collective, role: str, dtype: torch.dtype, numel: int) -> fx.Node | None:
+        if self.pool is None:
+            return None
+        offset = self.plan.pool_offsets[f"{c.id}.{role}"]
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        raw = call(self.graph, aten.slice.Tensor, (self.pool, 0, offset, offset + nbytes))
+        return call(self.graph, aten.view.dtype, (raw, dtype))
+
+    def release(self, view: fx.Node | None) -> None:
+        """Debug mode: poison a buffer once it is dead, so a planning error that lets another live
+        buffer share its bytes shows up as NaNs in the results."""
+        if view is not None and self.poison and view.meta["val"].is_floating_point():
+            call(self.graph, aten.fill_.Scalar, (view, float("nan")))
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def _issue_all_gather(graph, c: Collective, bucket: Bucket, gathers: dict, group: str,
+                      pool: PoolViews) -> tuple[fx.Node, fx.Node | None, fx.Node | None]:
     pieces = []
     layout, _ = bucket.layout(c.params)
     for fqn in c.params:
@@ -54,11 +81,21 @@ def _issue_all_gather(graph, c: Collective, bucket: Bucket, gathers: dict, group
         _, rows, _, _ = layout[fqn]
         x = _pad_rows(graph, x, rows)
         pieces.append(call(graph, aten.view.default, (x, [-1])))
-    send = pieces[0] if len(pieces) == 1 else call(graph, aten.cat.default, (pieces,))
-    return call(graph, funcol.all_gather_into_tensor.default, (send, bucket.world, group))
+    numel = bucket.layout(c.params)[1]
+    send_view = pool.view(c, "send", _dtype(bucket.dtype), numel)
+    if send_view is None:
+        send = pieces[0] if len(pieces) == 1 else call(graph, aten.cat.default, (pieces,))
+        return call(graph, funcol.all_gather_into_tensor.default, (send, bucket.world, group)), \
+            None, None
+    send = call(graph, aten.cat.out, (pieces, 0), {"out": send_view})
+    recv_view = pool.view(c, "recv", _dtype(bucket.dtype), numel * bucket.world)
+    handle = call(graph, funcol.all_gather_into_tensor_out.default,
+                  (send, bucket.world, group), {"out": recv_view})
+    return handle, send_view, recv_view
 
 
-def _wait_all_gather(graph, c: Collective, bucket: Bucket, gathers: dict, handle: fx.Node):
+def _wait_all_gather(graph, c: Collective, bucket: Bucket, gathers: dict, handle: fx.Node,
+                     pool: PoolViews, buffers: tuple):
     done = call(graph, funcol.wait_tensor.default, (handle,))
     layout, total = bucket.layout(c.params)
     table = call(graph, aten.view.default, (done, [bucket.world, total]))
@@ -72,9 +109,12 @@ def _wait_all_gather(graph, c: Collective, bucket: Bucket, gathers: dict, handle
         full = call(graph, aten.slice.Tensor, (full, 0, 0, dim0))
         gather.replace_all_uses_with(full)
         graph.erase_node(gather)
+    for view in buffers:
+        pool.release(view)
 
 
-def _issue_reduce_scatter(graph, c: Collective, bucket: Bucket, reduces: dict, group: str):
+def _issue_reduce_scatter(graph, c: Collective, bucket: Bucket, reduces: dict, group: str,
+                          pool: PoolViews):
     pieces = []
     layout, _ = bucket.layout(c.params)
     for fqn in c.params:
@@ -86,15 +126,29 @@ def _issue_reduce_scatter(graph, c: Collective, bucket: Bucket, reduces: dict, g
         _, rows, row_numel, _ = layout[fqn]
         x = _pad_rows(graph, x, rows * bucket.world)
         pieces.append(call(graph, aten.view.default, (x, [bucket.world, rows * row_numel])))
-    packed = pieces[0] if len(pieces) == 1 else call(graph, aten.cat.default, (pieces, 1))
-    flat = call(graph, aten.view.default, (packed, [-1]))
-    return call(graph, funcol.reduce_scatter_tensor.default, (flat, "sum", bucket.world, group))
+    numel = bucket.layout(c.params)[1]
+    send_view = pool.view(c, "send", _dtype(bucket.reduce_dtype), numel * bucket.world)
+    if send_view is None:
+        packed = pieces[0] if len(pieces) == 1 else call(graph, aten.cat.default, (pieces, 1))
+        flat = call(graph, aten.view.default, (packed, [-1]))
+        return call(graph, funcol.reduce_scatter_tensor.default,
+                    (flat, "sum", bucket.world, group)), None, None
+    table = call(graph, aten.view.default, (send_view, [bucket.world, numel]))
+    call(graph, aten.cat.out, (pieces, 1), {"out": table})
+    recv_view = pool.view(c, "recv", _dtype(bucket.reduce_dtype), numel)
+    handle = call(graph, funcol.reduce_scatter_tensor_out.default,
+                  (send_view, "sum", bucket.world, group), {"out": recv_view})
+    return handle, send_view, recv_view
 
 
-def _wait_reduce_scatter(graph, c: Collective, bucket: Bucket, reduces: dict, handle, rank: int):
+def _wait_reduce_scatter(graph, c: Collective, bucket: Bucket, reduces: dict, handle, rank: int,
+                         pool: PoolViews, buffers: tuple):
     done = call(graph, funcol.wait_tensor.default, (handle,))
-    if bucket.world > 1:
+    if bucket.world > 1 or buffers[0] is not None:
+        # A new tensor: the gradients must not alias the pool.
         done = call(graph, aten.div.Tensor, (done, bucket.world))
+    for view in buffers:
+        pool.release(view)
     layout, _ = bucket.layout(c.params)
     for fqn in c.params:
         rs = reduces[fqn]
@@ -117,12 +171,43 @@ def _wait_reduce_scatter(graph, c: Collective, bucket: Bucket, reduces: dict, ha
             anchor = node
 
 
-def apply_plan(gm: fx.GraphModule, plan: Plan, graph_name: str, rank: int) -> fx.GraphModule:
-    """Replace the shardc nodes of ``gm`` (the region's ``graph_name`` graph) by ``plan``."""
+POOL_ATTR = "_shardc_comm_pool"
+
+
+def _pool_node(gm: fx.GraphModule, pool: torch.Tensor) -> fx.Node:
+    gm.register_buffer(POOL_ATTR, pool, persistent=False)
+    first = next(n for n in gm.graph.nodes if n.op != "placeholder")
+    with gm.graph.inserting_before(first):
+        node = gm.graph.get_attr(POOL_ATTR)
+    from shardc.passes.fx_utils import fake_mode_of
+
+    mode = fake_mode_of(gm.graph)
+    if mode is not None:
+        node.meta["val"] = mode.from_tensor(pool)
+    return node
+
+
+def apply_plan(
+    gm: fx.GraphModule,
+    plan: Plan,
+    graph_name: str,
+    rank: int,
+    *,
+    pool: torch.Tensor | None = None,
+    poison: bool = False,
+) -> fx.GraphModule:
+    """Replace the shardc nodes of ``gm`` (the region's ``graph_name`` graph) by ``plan``.
+
+    With ``pool`` (a uint8 tensor of ``plan.predicted['pool_bytes']``), every communication
+    buffer is a view of it at its planned offset and the collectives write in place, so steps
+    allocate no communication buffers; ``poison`` fills each buffer with NaN once it is dead.
+    """
     g = analyze(gm, graph_name)
     colls = [c for c in plan.collectives if c.graph == graph_name]
-    handles: dict[str, fx.Node] = {}
+    handles: dict[str, tuple] = {}
     graph = gm.graph
+    views = PoolViews(graph, _pool_node(gm, pool) if pool is not None and colls else None,
+                      plan, poison)
     # Issues before waits at the same position, each group in plan order.
     for c in sorted(colls, key=lambda c: c.issue_pos):
         bucket = plan.buckets[c.bucket]
@@ -130,16 +215,18 @@ def apply_plan(gm: fx.GraphModule, plan: Plan, graph_name: str, rank: int) -> fx
         group = source[c.params[0]].args[4]
         with graph.inserting_before(_anchor(g, gm, c.issue_pos)):
             if c.kind == "all_gather":
-                handles[c.id] = _issue_all_gather(graph, c, bucket, g.gathers, group)
+                handles[c.id] = _issue_all_gather(graph, c, bucket, g.gathers, group, views)
             else:
-                handles[c.id] = _issue_reduce_scatter(graph, c, bucket, g.reduces, group)
+                handles[c.id] = _issue_reduce_scatter(graph, c, bucket, g.reduces, group, views)
     for c in sorted(colls, key=lambda c: c.wait_pos):
         bucket = plan.buckets[c.bucket]
         with graph.inserting_before(_anchor(g, gm, c.wait_pos)):
+            handle, *buffers = handles[c.id]
             if c.kind == "all_gather":
-                _wait_all_gather(graph, c, bucket, g.gathers, handles[c.id])
+                _wait_all_gather(graph, c, bucket, g.gathers, handle, views, tuple(buffers))
             else:
-                _wait_reduce_scatter(graph, c, bucket, g.reduces, handles[c.id], rank)
+                _wait_reduce_scatter(graph, c, bucket, g.reduces, handle, rank, views,
+                                     tuple(buffers))
     graph.lint()
     gm.recompile()
     return gm
