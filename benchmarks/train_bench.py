@@ -78,6 +78,8 @@ import shardc  # noqa: E402
 from shardc.models.llama import LlamaConfig, Transformer, llama_loss  # noqa: E402
 
 MODES: tuple[str, ...] = ("fsdp2", "fsdp2-compile", "simplefsdp", "shardc", "bound")
+# Diagnostic variants, run only when named in --modes.
+EXTRA_MODES: tuple[str, ...] = ("shardc-keeporder",)
 SHARDED_BASELINES: tuple[str, ...] = ("fsdp2", "fsdp2-compile", "simplefsdp")
 DEFAULT_BATCH: dict[str, int] = {"1b": 4, "wide": 2}
 GIB = float(1 << 30)
@@ -342,6 +344,18 @@ def setup_bound(model: Transformer) -> Setup:
                   "communication": "none (no gradient all-reduce)"})
 
 
+def mode_context(mode: str) -> contextlib.AbstractContextManager:
+    """Config a mode runs under (compiles happen lazily, in the first forward and backward).
+
+    ``shardc-keeporder``: shardc with Inductor's ``reorder_for_peak_memory`` off. With it on (the
+    default), Inductor's scheduler moves each of shardc's all-gathers (and reduce-scatters) right
+    next to its wait, undoing the plan's prefetch; this variant measures the plan as planned.
+    """
+    if mode == "shardc-keeporder":
+        return torch._inductor.config.patch(reorder_for_peak_memory=False)
+    return contextlib.nullcontext()
+
+
 def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh) -> Setup:
     model = build_model(cfg, device)
     if mode == "fsdp2":
@@ -350,8 +364,11 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh) -> Setup
         return setup_fsdp2(model, mesh, compile_blocks=True)
     if mode == "simplefsdp":
         return setup_simplefsdp(model, mesh)
-    if mode == "shardc":
-        return setup_shardc(model, mesh)
+    if mode in ("shardc", "shardc-keeporder"):
+        setup = setup_shardc(model, mesh)
+        if mode == "shardc-keeporder":
+            setup.info["inductor_config"] = {"reorder_for_peak_memory": "False"}
+        return setup
     if mode == "bound":
         return setup_bound(model)
     raise ValueError(f"unknown mode {mode!r}")
@@ -613,7 +630,7 @@ def aggregate(mode: str, per_rank: list[dict[str, Any]], s: RunSettings) -> dict
                 "reshard_after_forward", "tagged_gathers", "options", "compute", "communication"):
         if key in r0:
             out[key] = r0[key]
-    if mode == "shardc":
+    if mode.startswith("shardc"):
         for key, value in r0.items():
             if key.startswith("predicted") or key in ("regions", "n_regions"):
                 out[key] = value
@@ -692,15 +709,13 @@ def evaluate_goals(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 def diagnose(results: dict[str, dict[str, Any]]) -> list[str]:
     """Sentences on where shardc's time and memory go, from the plan and the profile."""
     sc, bound = results.get("shardc", {}), results.get("bound", {})
-    lines = []
-    if sc.get("status") != "ok":
-        return lines
+    lines: list[str] = []
     prof, bprof = sc.get("profile") or {}, bound.get("profile") or {}
-    if bound.get("status") == "ok":
+    if sc.get("status") == "ok" and bound.get("status") == "ok":
         gap = sc["step_ms_median"] - bound["step_ms_median"]
         lines.append(f"shardc step {sc['step_ms_median']:.1f} ms vs bound "
                      f"{bound['step_ms_median']:.1f} ms: {gap:+.1f} ms/step.")
-    if prof:
+    if sc.get("status") == "ok" and prof:
         lines.append(
             f"Profiler (mean over ranks, per step): NCCL kernels {prof['comm_ms']:.1f} ms, of "
             f"which {prof['exposed_comm_ms']:.1f} ms exposed (no other kernel running) and "
@@ -719,7 +734,22 @@ def diagnose(results: dict[str, dict[str, Any]]) -> list[str]:
             f"communication {1e3 * sc.get('predicted_comm_time_s', 0):.1f} ms of which "
             f"{1e3 * sc['predicted_exposed_comm_s']:.1f} ms exposed "
             f"({sc.get('n_regions', '?')} compiled region(s)).")
-    if "peak_alloc_bytes" in sc:
+    keep = results.get("shardc-keeporder", {})
+    if keep.get("status") == "ok":
+        kprof = keep.get("profile") or {}
+        text = (f"shardc-keeporder (Inductor's reorder_for_peak_memory off, so the plan's issue "
+                f"positions survive): step {keep['step_ms_median']:.1f} ms, "
+                f"{keep['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU")
+        if bound.get("status") == "ok":
+            text += (f" = {keep['tokens_per_s_per_gpu'] / bound['tokens_per_s_per_gpu']:.3f}x "
+                     "bound")
+        if kprof:
+            text += (f"; NCCL {kprof['comm_ms']:.1f} ms/step, {kprof['exposed_comm_ms']:.1f} ms "
+                     "exposed")
+        if "peak_alloc_bytes" in keep:
+            text += f"; peak {_gib(keep['peak_alloc_bytes'])} GiB allocated"
+        lines.append(text + ".")
+    if sc.get("status") == "ok" and "peak_alloc_bytes" in sc:
         text = f"Memory: shardc peak {_gib(sc['peak_alloc_bytes'])} GiB allocated"
         if bound.get("peak_alloc_bytes"):
             text += f" vs bound (replicated) {_gib(bound['peak_alloc_bytes'])} GiB"
@@ -767,7 +797,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         ]
         res = model["results"]
         bound = res.get("bound", {})
-        for mode in [m for m in MODES if m in model["modes"]]:
+        for mode in [m for m in (*MODES, *EXTRA_MODES) if m in model["modes"]]:
             r = res.get(mode, {"status": "not run"})
             if r.get("status") != "ok":
                 why = r.get("error") or r.get("reason") or r.get("status")
@@ -827,7 +857,9 @@ def render_markdown(report: dict[str, Any]) -> str:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=("1b", "wide", "both"), default="1b")
-    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--modes", nargs="+", choices=(*MODES, *EXTRA_MODES), default=list(MODES),
+                   help="modes to run, in this order (shardc-keeporder: diagnostic, shardc with "
+                        "Inductor's reorder_for_peak_memory off)")
     p.add_argument("--steps", type=int, default=20, help="timed steps (median reported)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (compile)")
     p.add_argument("--profile-steps", type=int, default=3, help="profiled steps (0: none)")
@@ -997,7 +1029,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             log(f"  {mode}: start")
             t_mode = time.perf_counter()
             try:
-                res = run_mode(mode, settings, mesh, rank, log)
+                with mode_context(mode):
+                    res = run_mode(mode, settings, mesh, rank, log)
             except Exception as exc:  # record and go on with the next mode
                 res = {"error": f"{type(exc).__name__}: {str(exc)[:2000]}",
                        "traceback": traceback.format_exc()[-6000:]}
@@ -1012,7 +1045,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             entry["results"][mode] = agg
             if rank == 0 and plans and args.dump_plan:
                 out_dir.mkdir(parents=True, exist_ok=True)
-                path = out_dir / f"{name}_{model_name}_shardc_plan.json.gz"
+                path = out_dir / f"{name}_{model_name}_{mode}_plan.json.gz"
                 with gzip.open(path, "wt") as f:
                     json.dump([p.to_dict() for p in plans], f)
                 agg["plan_file"] = path.name
