@@ -4,7 +4,14 @@ from shardc.backend import backend, shardc_backend
 from shardc.explain import explain, explain_all
 from shardc.options import ShardcOptions
 from shardc.plan import Plan
-from shardc.runtime.sharding import MixedPrecisionPolicy, is_sharded, shard, shard_state
+from shardc.runtime.sharding import (
+    MixedPrecisionPolicy,
+    is_sharded,
+    no_sync,
+    set_requires_gradient_sync,
+    shard,
+    shard_state,
+)
 
 __version__ = "0.1.0"
 
@@ -16,6 +23,8 @@ __all__ = [
     "explain",
     "explain_all",
     "is_sharded",
+    "no_sync",
+    "set_requires_gradient_sync",
     "shard",
     "shard_state",
     "shardc_backend",

@@ -219,7 +219,12 @@ def shardc_backend(
 
         compiled = compile_fx(
             gm, example_inputs, inner_compile=inner_compile,
-            config_patches={"custom_partitioner_fn": partitioner},
+            config_patches={
+                "custom_partitioner_fn": partitioner,
+                # shardc plans memory itself; Inductor's peak-memory reordering would move the
+                # prefetched all-gathers next to their waits and undo the overlap.
+                "reorder_for_peak_memory": False,
+            },
         )
     else:
         from torch._dynamo.backends.common import aot_autograd

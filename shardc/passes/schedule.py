@@ -131,7 +131,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def param_comm(gather: fx.Node) -> ParamComm:
-    shard, fqn, dim0, world, group_name, compute_dtype, reduce_dtype, _ = gather.args
+    shard, fqn, dim0, world, group_name, compute_dtype, reduce_dtype = gather.args[:7]
     val = shard.meta["val"]
     dtype = compute_dtype or val.dtype
     row_numel = 1

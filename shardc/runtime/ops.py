@@ -18,6 +18,7 @@ from shardc.runtime.collectives import (
     resolve_group,
     shard_rows,
 )
+from shardc.runtime.grad_sync import REDUCE, REDUCE_STASHED, STASH, stash_grad, take_stashed_grad
 
 _LIB = "shardc"
 
@@ -32,18 +33,22 @@ def gather_param(
     compute_dtype: torch.dtype | None,
     reduce_dtype: torch.dtype | None,
     reshard_after_forward: bool,
+    grad_sync: int = 0,
+    sync_key: str = "",
 ) -> torch.Tensor:
     """The full parameter ``fqn`` (``dim0`` rows) gathered from every rank's dim-0 shard.
 
     The shard is cast to ``compute_dtype`` before communication. Its gradient is the
-    ``reduce_dtype`` average over ranks of the full gradient, scattered back to this rank's rows.
+    ``reduce_dtype`` average over ranks of the full gradient, scattered back to this rank's rows
+    (``grad_sync``: see :mod:`shardc.runtime.grad_sync`; ``sync_key`` names the model's store).
     """
     send = shard if compute_dtype is None else shard.to(compute_dtype)
     return all_gather_rows(send, dim0, world, group_name)
 
 
 @gather_param.register_fake
-def _gather_param_fake(shard, fqn, dim0, world, group_name, compute_dtype, reduce_dtype, reshard):
+def _gather_param_fake(shard, fqn, dim0, world, group_name, compute_dtype, reduce_dtype, reshard,
+                       grad_sync=0, sync_key=""):
     return shard.new_empty((dim0, *shard.shape[1:]), dtype=compute_dtype or shard.dtype)
 
 
@@ -73,12 +78,22 @@ def _reduce_scatter_grad_fake(grad, fqn, dim0, world, group_name, reduce_dtype, 
 
 
 def _gather_setup_context(ctx, inputs, output) -> None:
-    shard, fqn, dim0, world, group_name, _compute, reduce_dtype, _reshard = inputs
+    shard, fqn, dim0, world, group_name, _compute, reduce_dtype, _reshard, *sync = inputs
     ctx.reduce_args = (fqn, dim0, world, group_name, reduce_dtype, shard.dtype)
+    ctx.grad_sync, ctx.sync_key = sync if sync else (REDUCE, "")
+    ctx.save_for_backward(shard if ctx.grad_sync == STASH else None)
 
 
 def _gather_backward(ctx, grad):
-    return (reduce_scatter_grad(grad, *ctx.reduce_args),) + (None,) * 7
+    fqn = ctx.reduce_args[0]
+    if ctx.grad_sync == STASH:
+        (shard,) = ctx.saved_tensors
+        local = stash_grad(grad, ctx.sync_key, fqn, shard)
+    else:
+        if ctx.grad_sync == REDUCE_STASHED:
+            grad = take_stashed_grad(grad, ctx.sync_key, fqn)
+        local = reduce_scatter_grad(grad, *ctx.reduce_args)
+    return (local,) + (None,) * 9
 
 
 gather_param.register_autograd(_gather_backward, setup_context=_gather_setup_context)

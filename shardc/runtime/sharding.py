@@ -14,6 +14,7 @@ module is touched.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass, field
 
@@ -24,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from shardc.runtime.collectives import group_name_of
+from shardc.runtime.grad_sync import UnsyncedGrads
 from shardc.runtime.ops import gather_param
 
 
@@ -61,6 +63,7 @@ class ShardState:
     mp_policy: MixedPrecisionPolicy
     params: dict[str, ShardedParamInfo]
     regions: list = field(default_factory=list)  # one record per compiled region (the backend's)
+    grad_sync: UnsyncedGrads = field(default_factory=UnsyncedGrads)
 
 
 class _ForwardDepth(threading.local):
@@ -95,11 +98,12 @@ def is_sharded(module: nn.Module) -> bool:
     return isinstance(module, ShardedModuleMixin)
 
 
-def _param_property(name: str, info: ShardedParamInfo) -> property:
+def _param_property(name: str, info: ShardedParamInfo, grads: UnsyncedGrads) -> property:
     def read(self):
         param = self._parameters[name]
         if not isinstance(param, DTensor) or not _gathering():
             return param
+        sync = grads.mode()
         return gather_param(
             param.to_local(),
             info.fqn,
@@ -109,14 +113,18 @@ def _param_property(name: str, info: ShardedParamInfo) -> property:
             info.compute_dtype,
             info.reduce_dtype,
             info.reshard_after_forward,
+            sync,
+            grads.key,
         )
 
     return property(read, doc=f"The parameter {info.fqn!r}, gathered inside a forward.")
 
 
-def _swap_class(module: nn.Module, infos: dict[str, ShardedParamInfo]) -> None:
+def _swap_class(
+    module: nn.Module, infos: dict[str, ShardedParamInfo], grads: UnsyncedGrads
+) -> None:
     cls = type(module)
-    attrs = {name: _param_property(name, info) for name, info in infos.items()}
+    attrs = {name: _param_property(name, info, grads) for name, info in infos.items()}
     attrs["_shardc_param_names"] = tuple(infos)
     attrs["__module__"] = cls.__module__
     module.__class__ = type(f"Shardc{cls.__name__}", (ShardedModuleMixin, cls), attrs)
@@ -250,7 +258,7 @@ def shard(
         for pname in sub_infos:
             # The backend finds the root's records through any parameter of a compiled graph.
             sub._parameters[pname]._shardc_regions = state.regions
-        _swap_class(sub, sub_infos)
+        _swap_class(sub, sub_infos, state.grad_sync)
         sub.register_forward_pre_hook(_enter_forward)
         sub.register_forward_hook(_exit_forward, always_call=True)
     if id(module) not in per_module:
@@ -263,3 +271,27 @@ def shard(
 def shard_state(module: nn.Module) -> ShardState | None:
     """The :class:`ShardState` recorded by :func:`shard` on ``module``, if any."""
     return getattr(module, "_shardc_state", None)
+
+
+def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) -> None:
+    """Turn gradient reduction off (``False``) for the following backwards of a sharded model,
+    e.g. for all but the last micro-batch of a gradient-accumulation step; turning it back on
+    makes the next backward reduce everything accumulated meanwhile. See
+    :mod:`shardc.runtime.grad_sync`."""
+    state = shard_state(getattr(module, "_orig_mod", module))
+    if state is None:
+        raise ValueError(
+            "shardc.set_requires_gradient_sync: the module was not sharded with shardc.shard; "
+            "pass the module given to shardc.shard (or its torch.compile wrapper)."
+        )
+    state.grad_sync.set_requires_sync(requires_gradient_sync)
+
+
+@contextlib.contextmanager
+def no_sync(module: nn.Module):
+    """Context manager: gradients of backwards run inside are accumulated, not reduced."""
+    set_requires_gradient_sync(module, False)
+    try:
+        yield
+    finally:
+        set_requires_gradient_sync(module, True)

@@ -1,0 +1,77 @@
+"""Gradient accumulation without synchronization (``shardc.set_requires_gradient_sync``).
+
+While sync is off, the backward keeps each parameter's full (unreduced) gradient in a per-model
+store and gives the shard a zero gradient; the first backward after sync is turned back on adds
+the stored sums to its gradients before reduce-scattering them. So micro-batches cost no
+communication until the last one, at the memory cost of one unsharded gradient per parameter
+(as with FSDP2's no-sync). The mode is chosen when a forward reads the parameters, so compiled
+models specialize on it (Dynamo guards on the flags and recompiles once per mode).
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import torch
+
+REDUCE, STASH, REDUCE_STASHED = 0, 1, 2
+
+_STORES: weakref.WeakValueDictionary[str, UnsyncedGrads] = weakref.WeakValueDictionary()
+_IDS = itertools.count()
+
+
+class UnsyncedGrads:
+    """Per sharded model: the sync flag and the stored full gradients."""
+
+    def __init__(self) -> None:
+        self.key = f"grads{next(_IDS)}"
+        self.requires_sync = True
+        self.pending = False  # stored gradients wait for the next synchronized backward
+        self.grads: dict[str, torch.Tensor] = {}
+        _STORES[self.key] = self
+
+    def mode(self) -> int:
+        if not self.requires_sync:
+            return STASH
+        return REDUCE_STASHED if self.pending else REDUCE
+
+    def set_requires_sync(self, flag: bool) -> None:
+        self.requires_sync = bool(flag)
+        self.pending = bool(flag) and bool(self.grads)
+
+
+def _store(key: str) -> UnsyncedGrads:
+    store = _STORES.get(key)
+    if store is None:
+        raise RuntimeError(f"shardc: the gradient store {key!r} of a sharded model is gone")
+    return store
+
+
+@torch.library.custom_op("shardc::stash_grad", mutates_args=())
+def stash_grad(grad: torch.Tensor, key: str, fqn: str, shard_like: torch.Tensor) -> torch.Tensor:
+    """Add ``grad`` (full) to the store; returns a zero gradient shaped like ``shard_like``."""
+    store = _store(key)
+    held = store.grads.get(fqn)
+    store.grads[fqn] = grad.detach().clone() if held is None else held + grad
+    return torch.zeros_like(shard_like)
+
+
+@stash_grad.register_fake
+def _stash_grad_fake(grad, key, fqn, shard_like):
+    return torch.empty_like(shard_like)
+
+
+@torch.library.custom_op("shardc::take_stashed_grad", mutates_args=())
+def take_stashed_grad(grad: torch.Tensor, key: str, fqn: str) -> torch.Tensor:
+    """``grad`` plus the stored sum for ``fqn`` (removed from the store)."""
+    store = _store(key)
+    held = store.grads.pop(fqn, None)
+    if not store.grads:
+        store.pending = False
+    return grad.clone() if held is None else grad + held.to(grad.dtype)
+
+
+@take_stashed_grad.register_fake
+def _take_stashed_grad_fake(grad, key, fqn):
+    return torch.empty_like(grad)
