@@ -677,10 +677,11 @@ def evaluate_goals(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     if ok(sc) and "peak_alloc_bytes" in sc and base:
         best = min(base, key=base.get)
         diff = sc["peak_alloc_bytes"] - base[best]
+        amount = f"{diff / GIB:+.2f} GiB" if abs(diff) >= 0.1 * GIB else \
+            f"{diff / (1 << 20):+.1f} MiB"
         g.update(met=diff <= 0, value=sc["peak_alloc_bytes"] / base[best],
                  detail=f"shardc {_gib(sc['peak_alloc_bytes'])} GiB vs {best} "
-                        f"{_gib(base[best])} GiB ({diff / GIB:+.2f} GiB, "
-                        f"{100 * diff / base[best]:+.1f}%)")
+                        f"{_gib(base[best])} GiB ({amount}, {100 * diff / base[best]:+.3f}%)")
     else:
         g.update(met=None, detail="not evaluated (no peak memory for shardc or the baselines)")
     goals.append(g)
@@ -885,6 +886,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dump-plan", action=argparse.BooleanOptionalAction, default=True,
                    help="write shardc's plan(s) as gzipped JSON next to the results")
     p.add_argument("--timeout-s", type=float, default=900.0, help="process-group timeout")
+    p.add_argument("--render", metavar="JSON", default=None,
+                   help="only re-render the markdown of an earlier run's JSON (next to it)")
     return p.parse_args(argv)
 
 
@@ -940,8 +943,22 @@ def init_distributed(device_type: str, timeout_s: float) -> tuple[int, int, torc
     return dist.get_rank(), dist.get_world_size(), device
 
 
+def rerender(path: Path) -> Path:
+    """Recompute goals and diagnosis of a results JSON and rewrite its markdown beside it."""
+    report = json.loads(path.read_text())
+    for model in report["models"].values():
+        model["goals"] = evaluate_goals(model["results"])
+        model["diagnosis"] = diagnose(model["results"])
+    out = path.with_suffix(".md")
+    out.write_text(render_markdown(report))
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.render:
+        print(f"wrote {rerender(Path(args.render))}")
+        return
     start = time.perf_counter()
     device_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     rank, world, device = init_distributed(device_type, args.timeout_s)
