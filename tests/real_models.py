@@ -1,0 +1,741 @@
+"""Models, training loops and the spawned worker of tests/test_real_models.py (issue 9).
+
+Every scenario is one function ``scenario(ctx) -> dict`` that is run twice with the same code: once
+by the unsharded single-process reference (``ctx.sharded`` is False: the model is used as built, on
+the global batch) and once on every rank of a gloo group (``ctx.sharded``: the model is sharded with
+``shardc.shard`` over a per-scenario process group with a short timeout, compiled with
+``shardc.backend(inductor=False)``, and fed this rank's contiguous slice of the global batch). A
+scenario returns tensors to compare (``losses``, ``params`` and extras, always global values: the
+sharded run all-reduces losses, gathers outputs and full parameters) plus facts (``planned``: how
+many regions shardc planned).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch._dynamo
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.checkpoint import checkpoint
+
+import shardc
+from shardc.runtime.plan_check import PlanMismatchError
+
+GLOBAL_BATCH = 12  # divisible by 2, 3 (and 6)
+STEPS = 3
+LR = 0.05
+VOCAB, DIM, HEADS, FFN, SEQ = 37, 24, 4, 45, 7
+GROUP_TIMEOUT_S = 30  # a scenario's process group: a bug that desyncs ranks fails, never hangs
+
+
+# ---------------------------------------------------------------------------------------------
+# The context a scenario runs in: the reference or one rank of a sharded run.
+
+
+class Ctx:
+    def __init__(self, rank: int = 0, world: int = 1, sharded: bool = False) -> None:
+        self.rank, self.world, self.sharded = rank, world, sharded
+        self.compiled = None
+        self.model = None
+        self.mesh = None
+        if sharded:
+            group = dist.new_group(list(range(world)), timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+            self.group = group
+            self.mesh = DeviceMesh.from_group(group, "cpu")
+
+    def wrap(self, model: nn.Module, *, compile: bool = True, **shard_kwargs) -> Callable:
+        """Shard and compile ``model`` (sharded run) or return it unchanged (reference)."""
+        self.model = model
+        if not self.sharded:
+            return model
+        shardc.shard(model, self.mesh, **shard_kwargs)
+        if not compile:
+            return model
+        self.compiled = torch.compile(model, backend=shardc.backend(inductor=False))
+        return self.compiled
+
+    def split(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's contiguous slice of a global batch (dim 0); the whole batch for the ref."""
+        if not self.sharded:
+            return t
+        per = t.shape[0] // self.world
+        assert per * self.world == t.shape[0], f"batch {t.shape[0]} not divisible by {self.world}"
+        return t[self.rank * per:(self.rank + 1) * per]
+
+    def mean(self, value: torch.Tensor) -> torch.Tensor:
+        """The mean over ranks of a per-rank value (equal local batches: the global mean)."""
+        value = value.detach().clone()
+        if self.sharded:
+            dist.all_reduce(value, group=self.group)
+            value /= self.world
+        return value
+
+    def cat(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's dim-0 slice concatenated in rank order (the global batch's result)."""
+        t = t.detach().contiguous()
+        if not self.sharded:
+            return t.clone()
+        parts = [torch.empty_like(t) for _ in range(self.world)]
+        dist.all_gather(parts, t, group=self.group)
+        return torch.cat(parts)
+
+    def params(self, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
+        model = model if model is not None else self.model
+        if not self.sharded:
+            return {n: p.detach().clone() for n, p in model.named_parameters()}
+        return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+    def planned(self) -> int:
+        if not self.sharded or self.compiled is None:
+            return -1
+        return len(shardc.explain_all(self.compiled))
+
+
+def sgd(model: nn.Module) -> torch.optim.Optimizer:
+    """SGD with momentum. Not Adam: some parameters have a gradient that is zero in exact
+    arithmetic (an attention key bias, a bias before BatchNorm), and Adam's normalization turns
+    the rounding noise there, which differs with the summation order, into full-size steps."""
+    return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR,
+                           momentum=0.9)
+
+
+def tokens(steps: int = STEPS, batch: int = GLOBAL_BATCH, seq: int = SEQ, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (steps, batch, seq + 1), generator=g)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+
+
+def train_lm(ctx: Ctx, model: nn.Module, forward, data: torch.Tensor) -> dict:
+    opt = sgd(model)
+    losses = []
+    for step in range(data.shape[0]):
+        batch = ctx.split(data[step])
+        loss = lm_loss(forward(batch[:, :-1]), batch[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(ctx.mean(loss))
+    return {"losses": torch.stack(losses), "params": ctx.params(model)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Models.
+
+
+class TorchSeq2Seq(nn.Module):
+    """torch's own nn.TransformerEncoder / nn.TransformerDecoder (nn.MultiheadAttention inside),
+    with one embedding tied to the output projection."""
+
+    def __init__(self, layers: int = 1) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        enc = nn.TransformerEncoderLayer(DIM, HEADS, FFN, dropout=0.0, batch_first=True)
+        dec = nn.TransformerDecoderLayer(DIM, HEADS, FFN, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(enc, layers, enable_nested_tensor=False)
+        self.decoder = nn.TransformerDecoder(dec, layers)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.embed.weight  # tied input/output embedding
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        memory = self.encoder(x)
+        mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1])
+        return self.head(self.decoder(x, memory, tgt_mask=mask, tgt_is_causal=True))
+
+
+def build_torch_seq2seq() -> TorchSeq2Seq:
+    torch.manual_seed(0)
+    return TorchSeq2Seq()
+
+
+class MoE(nn.Module):
+    """Top-1 of 4 experts; each expert is its own nn.Linear applied (index_select / index_add) to
+    the tokens routed to it, even when that is none."""
+
+    def __init__(self, dim: int = 8, n_experts: int = 4) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, dim)
+        self.router = nn.Linear(dim, n_experts)
+        self.experts = nn.ModuleList(nn.Linear(dim, dim) for _ in range(n_experts))
+        self.out = nn.Linear(dim, 3)
+        with torch.no_grad():  # expert 3 is never chosen: no tokens on any rank, ever
+            self.router.bias.copy_(torch.tensor([0.0, 0.3, -0.3, -50.0]))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.inp(x).flatten(0, 1)
+        probs = self.router(h).softmax(-1)
+        gate, choice = probs.max(-1)
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            idx = (choice == e).nonzero().squeeze(-1)
+            routed = h.index_select(0, idx)
+            out = out.index_add(0, idx, expert(routed) * gate.index_select(0, idx)[:, None])
+        y = self.out(h + out).unflatten(0, x.shape[:2])
+        return y, F.one_hot(choice, len(self.experts)).sum(0)  # tokens per expert
+
+
+def build_moe() -> MoE:
+    torch.manual_seed(0)
+    return MoE()
+
+
+class CheckpointedMLP(nn.Module):
+    """Residual blocks run under torch.utils.checkpoint (non-reentrant)."""
+
+    def __init__(self, dim: int = 10, depth: int = 2) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, 2 * dim + 1), nn.GELU(), nn.Linear(2 * dim + 1, dim))
+            for _ in range(depth)
+        )
+        self.head = nn.Linear(dim, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + checkpoint(block, x, use_reentrant=False)
+        return self.head(x)
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 11), nn.Tanh(), nn.Linear(11, 7), nn.Tanh(),
+                         nn.Linear(7, 3))
+
+
+class TwoHeads(nn.Module):
+    """A trunk with a main head and an auxiliary head whose output the loss ignores."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(6, 11), nn.Tanh(), nn.Linear(11, 9))
+        self.main = nn.Linear(9, 3)
+        self.aux = nn.Linear(9, 5)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.trunk(x)
+        return self.main(h), self.aux(h)
+
+
+class MixedDtypes(nn.Module):
+    """float32 layers around a submodule whose parameters are of another dtype."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.first = nn.Linear(6, 10)
+        self.other = nn.Sequential(nn.Linear(10, 7), nn.Tanh(), nn.Linear(7, 9)).to(dtype)
+        self.last = nn.Linear(9, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.first(x))
+        h = self.other(h.to(self.other[0].weight.dtype)).float()
+        return self.last(h)
+
+
+class WithBatchNorm(nn.Module):
+    """Linear -> BatchNorm1d (running stats, num_batches_tracked) -> ReLU -> Linear, plus a plain
+    buffer that scales the output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 11)
+        self.bn = nn.BatchNorm1d(11)
+        self.fc2 = nn.Linear(11, 3)
+        self.register_buffer("scale", torch.tensor([1.0, -2.0, 0.5]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.bn(self.fc1(x)))) * self.scale
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(dim, dim + 3), nn.SiLU(), nn.Linear(dim + 3, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(x)
+
+
+class Nested(nn.Module):
+    """Nested containers; with ``repeat`` one block instance is applied twice per forward."""
+
+    def __init__(self, repeat: bool) -> None:
+        super().__init__()
+        self.repeat = repeat
+        self.parts = nn.ModuleDict({
+            "stem": nn.Sequential(nn.Linear(6, 10), nn.Sequential(nn.Tanh(), Block(10))),
+            "shared": Block(10),
+        })
+        self.head = nn.Linear(10, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.parts["shared"](self.parts["stem"](x))
+        if self.repeat:
+            h = self.parts["shared"](h)  # the same instance again
+        return self.head(h)
+
+
+def regression_data(steps: int = STEPS, batch: int = GLOBAL_BATCH, seq: int = 5, seed: int = 2,
+                    in_dim: int = 6, out_dim: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(steps, batch, seq, in_dim, generator=g),
+            torch.randn(steps, batch, seq, out_dim, generator=g))
+
+
+def train_regression(ctx: Ctx, model, forward, xs, ys, opt=None, loss_of=None) -> dict:
+    opt = opt or sgd(model)
+    loss_of = loss_of or (lambda out, y: F.mse_loss(out, y))
+    losses = []
+    for step in range(xs.shape[0]):
+        loss = loss_of(forward(ctx.split(xs[step])), ctx.split(ys[step]))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(ctx.mean(loss))
+    return {"losses": torch.stack(losses), "params": ctx.params(model)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Scenarios: model code written elsewhere, tied embeddings, MoE, checkpointing.
+
+
+def sc_torch_transformer(ctx: Ctx) -> dict:
+    model = build_torch_seq2seq()
+    forward = ctx.wrap(model)
+    out = train_lm(ctx, model, forward, tokens())
+    out["planned"] = ctx.planned()
+    return out
+
+
+def sc_hf_gpt2(ctx: Ctx) -> dict:
+    """transformers' GPT2LMHeadModel from a small config, random init (no weights downloaded);
+    its lm_head is tied to the token embedding."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=DIM, n_layer=1, n_head=HEADS, n_positions=32, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        attn_implementation="eager")
+    model = transformers.GPT2LMHeadModel(cfg)
+    forward = ctx.wrap(model)
+    out = train_lm(ctx, model, lambda t: forward(input_ids=t, use_cache=False).logits, tokens())
+    out["planned"] = ctx.planned()
+    return out
+
+
+def sc_moe(ctx: Ctx, *, compile: bool) -> dict:
+    model = build_moe()
+    forward = ctx.wrap(model, compile=compile)
+    xs, ys = regression_data(seq=2, seed=3)
+    opt = sgd(model)
+    losses, counts = [], []
+    # Compiled: capture the data-dependent routing (nonzero) in the graph instead of breaking it.
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        for step in range(xs.shape[0]):
+            y, count = forward(ctx.split(xs[step]))
+            loss = F.mse_loss(y, ctx.split(ys[step]))
+            loss.backward()
+            grad = model.experts[3].weight.grad  # expert 3 never gets a token
+            unrouted_grad = grad.full_tensor() if ctx.sharded else grad
+            opt.step()
+            opt.zero_grad()
+            losses.append(ctx.mean(loss))
+            counts.append(ctx.cat(count[None]))  # (ranks, experts) tokens routed per rank
+    return {"losses": torch.stack(losses), "params": ctx.params(model),
+            "unrouted_grad": unrouted_grad.detach().clone(), "counts": torch.stack(counts),
+            "planned": ctx.planned()}
+
+
+def sc_checkpoint(ctx: Ctx) -> dict:
+    torch.manual_seed(0)
+    model = CheckpointedMLP()
+    forward = ctx.wrap(model)
+    xs, ys = regression_data(in_dim=10)
+    out = train_regression(ctx, model, forward, xs, ys)
+    out["planned"] = ctx.planned()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Scenarios: training loops.
+
+
+def _accumulate(ctx: Ctx, *, no_sync: bool, clip: float | None = None) -> dict:
+    """Two micro-batches per step (each half of the rank's batch, loss / 2), optionally clipping
+    the accumulated gradients by their global norm before the step."""
+    torch.manual_seed(0)
+    model = mlp()
+    forward = ctx.wrap(model)
+    opt = sgd(model)
+    xs, ys = regression_data(seed=16)
+    micro = 2
+    losses, norms = [], []
+    for step in range(STEPS):
+        x, y = ctx.split(xs[step]), ctx.split(ys[step])
+        per = x.shape[0] // micro
+        total = 0.0
+        for m in range(micro):
+            if ctx.sharded and no_sync:  # sync only the last micro-batch's gradients
+                shardc.set_requires_gradient_sync(model, m == micro - 1)
+            part = slice(m * per, (m + 1) * per)
+            loss = F.mse_loss(forward(x[part]), y[part]) / micro
+            loss.backward()
+            total = total + loss.detach()
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        opt.step()
+        opt.zero_grad()
+        losses.append(ctx.mean(total))
+    out = {"losses": torch.stack(losses), "params": ctx.params(model), "planned": ctx.planned()}
+    if norms:
+        out["norms"] = torch.stack([n.detach() for n in norms])
+    return out
+
+
+def sc_accumulate(ctx: Ctx) -> dict:
+    return _accumulate(ctx, no_sync=False)
+
+
+CLIP = 0.3
+
+
+def sc_accumulate_clip(ctx: Ctx) -> dict:
+    return _accumulate(ctx, no_sync=False, clip=CLIP)
+
+
+def sc_accumulate_no_sync(ctx: Ctx) -> dict:
+    return _accumulate(ctx, no_sync=True)
+
+
+# (global batch, sequence length) per step
+SHAPES = {
+    "changing_batch": [(12, 7), (6, 7), (18, 7)],
+    "changing_seq": [(12, 7), (12, 5)],
+    "changing_both": [(12, 7), (6, 5)],
+}
+
+
+def sc_changing_shapes(ctx: Ctx, shapes: list[tuple[int, int]]) -> dict:
+    """The global batch size and/or the sequence length change between steps (recompiles,
+    torch's automatic dynamic shapes from the second shape on)."""
+    torch.manual_seed(0)
+    model = mlp()
+    forward = ctx.wrap(model)
+    opt = sgd(model)
+    losses = []
+    for step, (batch, seq) in enumerate(shapes):
+        xs, ys = regression_data(steps=1, batch=batch, seq=seq, seed=20 + step)
+        loss = F.mse_loss(forward(ctx.split(xs[0])), ctx.split(ys[0]))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(ctx.mean(loss))
+    return {"losses": torch.stack(losses), "params": ctx.params(model), "planned": ctx.planned()}
+
+
+def sc_two_forwards(ctx: Ctx) -> dict:
+    """Two forwards of the compiled model, one backward of the sum of both losses."""
+    torch.manual_seed(0)
+    model = mlp()
+    forward = ctx.wrap(model)
+    xs, ys = regression_data(seed=4)
+    xs2, ys2 = regression_data(seed=5)
+    opt = sgd(model)
+    losses = []
+    for step in range(STEPS):
+        loss = (F.mse_loss(forward(ctx.split(xs[step])), ctx.split(ys[step]))
+                + F.mse_loss(forward(ctx.split(xs2[step])), ctx.split(ys2[step])))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(ctx.mean(loss))
+    return {"losses": torch.stack(losses), "params": ctx.params(model), "planned": ctx.planned()}
+
+
+def sc_unused_outputs(ctx: Ctx) -> dict:
+    """A second head whose output the loss ignores, and an auxiliary forward under no_grad."""
+    torch.manual_seed(0)
+    model = TwoHeads()
+    forward = ctx.wrap(model)
+    xs, ys = regression_data(seed=6)
+    probe = regression_data(steps=1, seed=7)[0][0]
+    opt = sgd(model)
+    losses, probes = [], []
+    for step in range(STEPS):
+        with torch.no_grad():
+            probes.append(ctx.cat(forward(ctx.split(probe))[0]))
+        main, _aux = forward(ctx.split(xs[step]))
+        loss = F.mse_loss(main, ctx.split(ys[step]))
+        loss.backward()
+        # None in eager; zeros under torch.compile (AOTAutograd differentiates every output).
+        aux_grad = model.aux.weight.grad
+        opt.step()
+        opt.zero_grad()
+        losses.append(ctx.mean(loss))
+    return {"losses": torch.stack(losses), "params": ctx.params(model),
+            "probes": torch.stack(probes), "planned": ctx.planned(),
+            "aux_grad": None if aux_grad is None else float(aux_grad.abs().sum())}
+
+
+# ---------------------------------------------------------------------------------------------
+# Scenarios: model structure.
+
+
+def sc_mixed_dtypes(ctx: Ctx, dtype: torch.dtype) -> dict:
+    torch.manual_seed(0)
+    model = MixedDtypes(dtype)
+    forward = ctx.wrap(model)
+    xs, ys = regression_data(seed=8)
+    out = train_regression(ctx, model, forward, xs, ys)
+    out["dtypes"] = {n: p.dtype for n, p in model.named_parameters()}
+    out["planned"] = ctx.planned()
+    return out
+
+
+def sc_batchnorm(ctx: Ctx) -> dict:
+    """BatchNorm1d in training mode, as data-parallel training computes it: statistics of each
+    rank's local batch, running stats kept per rank. The reference applies the model to the
+    global batch split into ``world`` chunks, with chunk r's own copy of the buffers."""
+    torch.manual_seed(0)
+    model = WithBatchNorm()
+    forward = ctx.wrap(model)
+    world = ctx.world
+    # The reference's per-rank buffers: swapped in (not copied: autograd saved them) per chunk.
+    buffers = [{n: b.clone() for n, b in model.named_buffers()} for _ in range(world)]
+
+    def use_buffers(values: dict) -> None:
+        for name, value in values.items():
+            owner, _, attr = name.rpartition(".")
+            model.get_submodule(owner)._buffers[attr] = value
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        flat = x.flatten(0, 1)  # (batch, seq, ch) -> BatchNorm1d's (N, C)
+        if ctx.sharded:
+            return forward(flat).unflatten(0, x.shape[:2])
+        per = x.shape[0] // world
+        outs = []
+        for r in range(world):
+            use_buffers(buffers[r])
+            outs.append(model(flat[r * per * x.shape[1]:(r + 1) * per * x.shape[1]]))
+        return torch.cat(outs).unflatten(0, x.shape[:2])
+
+    xs, ys = regression_data(seed=9)
+    opt = sgd(model)
+    losses = []
+    for step in range(STEPS):
+        loss = F.mse_loss(run(ctx.split(xs[step])), ctx.split(ys[step]))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(ctx.mean(loss))
+    # Running stats of every rank (rank order), then eval-mode outputs with each rank's stats.
+    if ctx.sharded:
+        stats = {n: ctx.cat(b.float()[None]) for n, b in model.named_buffers()}
+    else:
+        stats = {n: torch.stack([buffers[r][n].float() for r in range(world)])
+                 for n in buffers[0]}
+    model.eval()
+    probe = regression_data(steps=1, seed=11)[0][0]
+    with torch.no_grad():
+        evals = ctx.cat(run(ctx.split(probe)))
+    return {"losses": torch.stack(losses), "params": ctx.params(model), "buffers": stats,
+            "eval_out": evals, "planned": ctx.planned()}
+
+
+def sc_nested(ctx: Ctx, repeat: bool) -> dict:
+    torch.manual_seed(0)
+    model = Nested(repeat)
+    forward = ctx.wrap(model)
+    xs, ys = regression_data(seed=12)
+    out = train_regression(ctx, model, forward, xs, ys)
+    out["planned"] = ctx.planned()
+    return out
+
+
+class LSTMModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(6, 7, batch_first=True)
+        self.head = nn.Linear(7, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lstm(x)[0])
+
+
+def sc_lstm(ctx: Ctx) -> dict:
+    """nn.LSTM keeps its own list of weight tensors (``_flat_weights``)."""
+    torch.manual_seed(0)
+    model = LSTMModel()
+    forward = ctx.wrap(model)
+    xs, ys = regression_data(seed=13)
+    out = train_regression(ctx, model, forward, xs, ys)
+    out["planned"] = ctx.planned()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Failure modes (sharded runs only).
+
+
+class RankDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 10)
+        self.extra = nn.Linear(10, 10)
+        self.b = nn.Linear(10, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if dist.get_rank() == 0:  # rank-dependent control flow: rank 0 traces another graph
+            h = self.extra(h)
+        return self.b(h)
+
+
+def fail_rank_dependent(ctx: Ctx) -> dict:
+    torch.manual_seed(0)
+    model = RankDependent()
+    forward = ctx.wrap(model)
+    x, y = regression_data(steps=1)
+    start = time.monotonic()
+    try:
+        F.mse_loss(forward(ctx.split(x[0])), ctx.split(y[0])).backward()
+        error = None
+    except PlanMismatchError as exc:
+        error = str(exc)
+    return {"error": error, "elapsed": time.monotonic() - start}
+
+
+def _train_alone(model, forward, xs, ys) -> dict:
+    opt = sgd(model)
+    losses = []
+    for step in range(xs.shape[0]):
+        loss = F.mse_loss(forward(xs[step]), ys[step])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return {"losses": torch.stack(losses)}
+
+
+def fail_submesh(ctx: Ctx) -> dict:
+    """Each rank shards over a 1-rank mesh of its own, so the shards do not cover the world."""
+    torch.manual_seed(0)
+    model = mlp()
+    own = [dist.new_group([r]) for r in range(ctx.world)][ctx.rank]  # new_group: every rank
+    shardc.shard(model, DeviceMesh.from_group(own, "cpu"))
+    ctx.model = model
+    ctx.compiled = torch.compile(model, backend=shardc.backend(inductor=False))
+    xs, ys = regression_data(seed=14)
+    per = GLOBAL_BATCH // ctx.world
+    rows = slice(ctx.rank * per, (ctx.rank + 1) * per)
+    out = _train_alone(model, ctx.compiled, xs[:, rows], ys[:, rows])
+    out["params"] = ctx.params(model)  # a 1-rank mesh: the full tensors are this rank's own
+    out["planned"] = ctx.planned()
+    return out
+
+
+def submesh_reference(rank: int, world: int) -> dict:
+    """What ``fail_submesh`` computes on ``rank``: unsharded training on that rank's slice only."""
+    torch.manual_seed(0)
+    model = mlp()
+    xs, ys = regression_data(seed=14)
+    per = GLOBAL_BATCH // world
+    rows = slice(rank * per, (rank + 1) * per)
+    out = _train_alone(model, model, xs[:, rows], ys[:, rows])
+    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return out
+
+
+TIMEOUT_S = 3
+
+
+def fail_timeout(ctx: Ctx) -> dict:
+    """The last rank skips a step: the others' collectives must time out with a clear error."""
+    torch.manual_seed(0)
+    model = mlp()
+    group = dist.new_group(list(range(ctx.world)), timeout=timedelta(seconds=TIMEOUT_S))
+    shardc.shard(model, DeviceMesh.from_group(group, "cpu"))
+    compiled = torch.compile(model, backend=shardc.backend(inductor=False))
+    xs, ys = regression_data(seed=15)
+    start = time.monotonic()
+    error = None
+    try:
+        for step in range(2):
+            if step == 1 and ctx.rank == ctx.world - 1:
+                continue
+            F.mse_loss(compiled(ctx.split(xs[step])), ctx.split(ys[step])).backward()
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    return {"error": error, "elapsed": time.monotonic() - start,
+            "skipped": ctx.rank == ctx.world - 1}
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry, reference and worker.
+
+SCENARIOS: dict[str, Callable[[Ctx], dict]] = {
+    "torch_transformer": sc_torch_transformer,
+    "hf_gpt2": sc_hf_gpt2,
+    "moe_eager": lambda ctx: sc_moe(ctx, compile=False),
+    "moe_compiled": lambda ctx: sc_moe(ctx, compile=True),
+    "checkpoint": sc_checkpoint,
+    "accumulate": sc_accumulate,
+    "accumulate_clip": sc_accumulate_clip,
+    "accumulate_no_sync": sc_accumulate_no_sync,
+    **{name: functools.partial(sc_changing_shapes, shapes=shapes)
+       for name, shapes in SHAPES.items()},
+    "two_forwards": sc_two_forwards,
+    "unused_outputs": sc_unused_outputs,
+    "float64": lambda ctx: sc_mixed_dtypes(ctx, torch.float64),
+    "bfloat16": lambda ctx: sc_mixed_dtypes(ctx, torch.bfloat16),
+    "batchnorm": sc_batchnorm,
+    "nested": lambda ctx: sc_nested(ctx, repeat=False),
+    "repeated": lambda ctx: sc_nested(ctx, repeat=True),
+    "lstm": sc_lstm,
+    # Failure modes: sharded runs only, no reference; the timeout last (it desyncs the ranks).
+    "rank_dependent": fail_rank_dependent,
+    "submesh": fail_submesh,
+    "timeout": fail_timeout,
+}
+HF = ("hf_gpt2",)  # needs the transformers package
+FAILURES = ("rank_dependent", "submesh", "timeout")
+
+
+def reference(name: str, world: int = 1) -> dict:
+    """The unsharded single-process run of a scenario (``world`` only matters where the
+    data-parallel semantics depend on it: BatchNorm statistics per rank)."""
+    torch._dynamo.reset()
+    return SCENARIOS[name](Ctx(world=world))
+
+
+def run_scenarios(rank: int, world: int, names: list[str]) -> dict:
+    """Run each scenario on this rank; a failing scenario reports its error instead of ending
+    the others (each has its own process group with a short timeout)."""
+    results = {}
+    for name in names:
+        torch._dynamo.reset()
+        start, cpu = time.monotonic(), time.process_time()
+        if os.environ.get("SHARDC_TEST_VERBOSE"):
+            print(f"[rank {rank}] scenario {name}", file=sys.stderr, flush=True)
+        try:
+            out = SCENARIOS[name](Ctx(rank, world, sharded=True))
+        except Exception as exc:
+            out = {"exception": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
+        out["seconds"] = time.monotonic() - start
+        out["cpu_seconds"] = time.process_time() - cpu
+        results[name] = out
+        dist.barrier()
+    return results
