@@ -170,12 +170,6 @@ def test_changing_sequence_length(runs):
     check_parity(runs, "changing_seq")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "shardc bug: when two dimensions are dynamic (batch and sequence length both changed), "
-    "lower._pool_node fakes the communication pool with mode.from_tensor(pool), which gives the "
-    "pool a symbolic size without a source; slicing it adds guards on that symbol and Dynamo "
-    "fails building them: 'sources must not be empty for symbol s87' / 'Guard failed on the "
-    "same frame it was created' (fix: from_tensor(pool, static_shapes=True))"))
 def test_changing_batch_size_and_sequence_length_together(runs):
     check_parity(runs, "changing_both")
 

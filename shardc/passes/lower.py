@@ -183,7 +183,7 @@ def _pool_node(gm: fx.GraphModule, pool: torch.Tensor) -> fx.Node:
 
     mode = fake_mode_of(gm.graph)
     if mode is not None:
-        node.meta["val"] = mode.from_tensor(pool)
+        node.meta["val"] = mode.from_tensor(pool, static_shapes=True)
     return node
 
 
