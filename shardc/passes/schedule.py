@@ -177,6 +177,18 @@ def _itemsize(dtype_name: str) -> int:
     return torch.empty((), dtype=getattr(torch, dtype_name)).element_size()
 
 
+def _collective(g: GraphComm, kind: str, bucket: Bucket, params: list[str], nbytes: int,
+                dtype: str, issue: int, wait: int, first_use: int, last_use: int,
+                reason: str) -> Collective:
+    """One planned collective of ``bucket``; its buffer lives from issue to last use."""
+    return Collective(
+        id=f"{g.name}.{kind}.{bucket.index}", kind=kind, graph=g.name, bucket=bucket.index,
+        params=params, bytes=nbytes // bucket.world, buffer_bytes=nbytes, dtype=dtype,
+        stream=COMM_STREAM, issue_pos=issue, wait_pos=wait, first_use_pos=first_use,
+        last_use_pos=last_use, reason=reason, buffer_lifetime=(issue, last_use + 1),
+    )
+
+
 def _place_all_gathers(g: GraphComm, buckets: list[Bucket], options) -> list[Collective]:
     present = [(b, [p for p in b.params if p in g.gathers]) for b in buckets]  # bucket order
     present = [(b, ps) for b, ps in present if ps]
@@ -208,25 +220,8 @@ def _place_all_gathers(g: GraphComm, buckets: list[Bucket], options) -> list[Col
             reason = f"over memory budget ({budget} B) even without prefetch; issued at first use"
         for q in range(issue, last[k] + 1):
             live[q] += nbytes
-        out.append(
-            Collective(
-                id=f"{g.name}.all_gather.{bucket.index}",
-                kind="all_gather",
-                graph=g.name,
-                bucket=bucket.index,
-                params=params,
-                bytes=nbytes // bucket.world,
-                buffer_bytes=nbytes,
-                dtype=bucket.dtype,
-                stream=COMM_STREAM,
-                issue_pos=issue,
-                wait_pos=first[k],
-                first_use_pos=first[k],
-                last_use_pos=last[k],
-                reason=reason,
-                buffer_lifetime=(issue, last[k] + 1),
-            )
-        )
+        out.append(_collective(g, "all_gather", bucket, params, nbytes, bucket.dtype, issue,
+                               first[k], first[k], last[k], reason))
     return out
 
 
@@ -249,26 +244,10 @@ def _place_reduce_scatters(g: GraphComm, buckets: list[Bucket]) -> list[Collecti
         wait = items[j + 2][0] if j + 2 < len(items) else g.end
         wait = min(max(wait, ready), latest)
         nbytes = bucket.layout(params)[1] * bucket.world * _itemsize(bucket.reduce_dtype)
-        out.append(
-            Collective(
-                id=f"{g.name}.reduce_scatter.{bucket.index}",
-                kind="reduce_scatter",
-                graph=g.name,
-                bucket=bucket.index,
-                params=params,
-                bytes=nbytes // bucket.world,
-                buffer_bytes=nbytes,
-                dtype=bucket.reduce_dtype,
-                stream=COMM_STREAM,
-                issue_pos=ready,
-                wait_pos=wait,
-                first_use_pos=wait,
-                last_use_pos=wait,
-                reason=("issued once the last gradient of the bucket exists; waited as late as "
-                        "possible with at most two reduce-scatters in flight"),
-                buffer_lifetime=(ready, wait + 1),
-            )
-        )
+        out.append(_collective(
+            g, "reduce_scatter", bucket, params, nbytes, bucket.reduce_dtype, ready, wait, wait,
+            wait, "issued once the last gradient of the bucket exists; waited as late as "
+            "possible with at most two reduce-scatters in flight"))
     return out
 
 
