@@ -217,15 +217,18 @@ def shardc_backend(
                 partitioner.plan_inference(graph)
             return compile_fx_inner(graph, inputs, **kw)
 
-        compiled = compile_fx(
-            gm, example_inputs, inner_compile=inner_compile,
-            config_patches={
-                "custom_partitioner_fn": partitioner,
-                # shardc plans memory itself; Inductor's peak-memory reordering would move the
-                # prefetched all-gathers next to their waits and undo the overlap.
-                "reorder_for_peak_memory": False,
-            },
-        )
+        # AOTAutograd's cache would skip shardc's partitioner on a hit, and with it the plan
+        # (explain, dumps, the cross-rank check); Inductor's own graph cache still applies.
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            compiled = compile_fx(
+                gm, example_inputs, inner_compile=inner_compile,
+                config_patches={
+                    "custom_partitioner_fn": partitioner,
+                    # shardc plans memory itself; Inductor's peak-memory reordering would move the
+                    # prefetched all-gathers next to their waits and undo the overlap.
+                    "reorder_for_peak_memory": False,
+                },
+            )
     else:
         from torch._dynamo.backends.common import aot_autograd
 
