@@ -80,7 +80,7 @@ from shardc.models.llama import LlamaConfig, Transformer, llama_loss  # noqa: E4
 
 MODES: tuple[str, ...] = ("fsdp2", "fsdp2-compile", "simplefsdp", "shardc", "bound")
 # Diagnostic variants, run only when named in --modes.
-EXTRA_MODES: tuple[str, ...] = ("shardc-keeporder",)
+EXTRA_MODES: tuple[str, ...] = ("shardc-keeporder", "shardc-pool")
 SHARDED_BASELINES: tuple[str, ...] = ("fsdp2", "fsdp2-compile", "simplefsdp")
 DEFAULT_BATCH: dict[str, int] = {"1b": 4, "wide": 2}
 GIB = float(1 << 30)
@@ -315,11 +315,13 @@ def _shardc_backend_name() -> str:
     return "shardc"
 
 
-def setup_shardc(model: Transformer, mesh) -> Setup:
-    """shardc: shard in place, compile with the shardc backend and its default plan."""
+def setup_shardc(model: Transformer, mesh, **options: Any) -> Setup:
+    """shardc: shard in place, compile with the shardc backend and its default plan (or these
+    backend options)."""
     mp = shardc.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     shardc.shard(model, mesh, mp_policy=mp)
-    compiled = compiled_loss(model, backend=_shardc_backend_name())
+    backend = shardc.backend(**options) if options else _shardc_backend_name()
+    compiled = compiled_loss(model, backend=backend)
 
     def plan_summary() -> dict[str, Any]:
         plans = shardc.explain_all(model)
@@ -382,6 +384,10 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh) -> Setup
         return setup_fsdp2(model, mesh, compile_blocks=True)
     if mode == "simplefsdp":
         return setup_simplefsdp(model, mesh)
+    if mode == "shardc-pool":
+        setup = setup_shardc(model, mesh, comm_pool=True)
+        setup.info["options"] = "comm_pool=True (static communication pool under Inductor)"
+        return setup
     if mode in ("shardc", "shardc-keeporder"):
         setup = setup_shardc(model, mesh)
         if mode == "shardc-keeporder":
@@ -777,6 +783,15 @@ def diagnose(results: dict[str, dict[str, Any]]) -> list[str]:
         if "peak_alloc_bytes" in keep:
             text += f"; peak {_gib(keep['peak_alloc_bytes'])} GiB allocated"
         lines.append(text + ".")
+    pool = results.get("shardc-pool", {})
+    if pool.get("status") == "ok" and sc.get("status") == "ok":
+        text = (f"shardc-pool (static communication pool under Inductor, comm_pool=True): "
+                f"{pool['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU "
+                f"({pool['tokens_per_s_per_gpu'] / sc['tokens_per_s_per_gpu']:.3f}x shardc)")
+        if "peak_alloc_bytes" in pool and "peak_alloc_bytes" in sc:
+            text += (f", peak {_gib(pool['peak_alloc_bytes'])} GiB allocated vs shardc's "
+                     f"{_gib(sc['peak_alloc_bytes'])} GiB")
+        lines.append(text + ".")
     if sc.get("status") == "ok" and "peak_alloc_bytes" in sc:
         text = f"Memory: shardc peak {_gib(sc['peak_alloc_bytes'])} GiB allocated"
         if bound.get("peak_alloc_bytes"):
@@ -900,7 +915,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=("1b", "wide", "both"), default="1b")
     p.add_argument("--modes", nargs="+", choices=(*MODES, *EXTRA_MODES), default=list(MODES),
-                   help="modes to run, in this order (shardc-keeporder: diagnostic, shardc with "
+                   help="modes to run, in this order (shardc-pool: shardc with comm_pool=True; "
+                        "shardc-keeporder: diagnostic, shardc with "
                         "Inductor's reorder_for_peak_memory off)")
     p.add_argument("--steps", type=int, default=20, help="timed steps (median reported)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (compile)")

@@ -26,7 +26,7 @@ _ALLOCATING = (_FUNCOL.all_gather_into_tensor.default, _FUNCOL.reduce_scatter_te
 
 
 def _inductor_run(rank: int, world: int) -> dict:
-    out = sharded_run(rank, world, "llama1", "inductor", keep_model=True)
+    out = sharded_run(rank, world, "llama1", "inductor", keep_model=True, comm_pool=True)
     assert out["plans"] and all(p is not None for p in out["plans"]), "no region was planned"
     out["plans"] = len(out["plans"])
     # The static pool under Inductor: the lowered graphs' collectives all write into pool views
