@@ -29,6 +29,7 @@ from shardc.passes.memory import assign_pool, param_placeholders, predict_peak
 from shardc.passes.reshard import check_no_gathered_saved, tag_resharded_gathers
 from shardc.passes.schedule import plan_region
 from shardc.runtime.collectives import resolve_group
+from shardc.runtime.comm_errors import boxed_with_collective_errors
 from shardc.runtime.ops import GATHER_OP
 from shardc.runtime.plan_check import check_plan_consistency
 
@@ -178,10 +179,10 @@ def _region_registry(example_inputs: Sequence[object]) -> list | None:
     return None
 
 
-def _fx_compiler(gm: fx.GraphModule, example_inputs: Sequence[object]):
-    from torch._functorch.aot_autograd import make_boxed_func
-
-    return make_boxed_func(gm.forward)
+def _fx_compiler(gm: fx.GraphModule, example_inputs: Sequence[object], *,
+                 region: RegionRecord):
+    # Boxed like make_boxed_func; a failing collective is re-raised naming it (no per-step cost).
+    return boxed_with_collective_errors(gm, lambda: region.plan)
 
 
 def _compile_unsharded(gm: fx.GraphModule, example_inputs, options: ShardcOptions):
@@ -232,11 +233,13 @@ def shardc_backend(
     else:
         from torch._dynamo.backends.common import aot_autograd
 
+        fx_compiler = functools.partial(_fx_compiler, region=region)
+
         def inference_compiler(graph: fx.GraphModule, inputs):
-            return _fx_compiler(partitioner.plan_inference(graph), inputs)
+            return fx_compiler(partitioner.plan_inference(graph), inputs)
 
         compiled = aot_autograd(
-            fw_compiler=_fx_compiler, bw_compiler=_fx_compiler, partition_fn=partitioner,
+            fw_compiler=fx_compiler, bw_compiler=fx_compiler, partition_fn=partitioner,
             inference_compiler=inference_compiler,
         )(gm, example_inputs)
     return _checked(compiled, region, opts)
