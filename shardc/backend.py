@@ -31,7 +31,7 @@ from shardc.passes.schedule import plan_region
 from shardc.runtime.collectives import resolve_group
 from shardc.runtime.comm_errors import boxed_with_collective_errors
 from shardc.runtime.ops import GATHER_OP
-from shardc.runtime.plan_check import check_plan_consistency
+from shardc.runtime.plan_check import announce_region, check_plan_consistency
 
 log = logging.getLogger("shardc")
 
@@ -149,6 +149,7 @@ class RegionRecord:
         self.backward: fx.GraphModule | None = None
         self.plan = None
         self.checked = False
+        self.check_index: int | None = None  # the region's number for the cross-rank plan check
 
 
 def _rank_of(plan) -> int:
@@ -163,8 +164,8 @@ def _checked(compiled, region: RegionRecord, options: ShardcOptions):
     def run(*args):
         if not region.checked:
             region.checked = True
-            if options.check_plan_consistency and region.plan is not None:
-                check_plan_consistency(region.plan)
+            if region.check_index is not None and region.plan is not None:
+                check_plan_consistency(region.plan, region.check_index)
         return compiled(*args)
 
     run._boxed_call = getattr(compiled, "_boxed_call", False)
@@ -209,6 +210,11 @@ def shardc_backend(
     region = RegionRecord(len(registry) if registry is not None else 0)
     if registry is not None:
         registry.append(region)
+    if opts.check_plan_consistency:
+        # Numbered as compilation starts, so a rank whose collective times out because another
+        # rank is compiling a region it did not can tell (plan_check.recompiled_elsewhere).
+        gather = next(n for n in gm.graph.nodes if is_call(n, GATHER_OP))
+        region.check_index = announce_region(gather.args[4])
     partitioner = ShardcPartitioner(opts, region)
     if opts.inductor:
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner

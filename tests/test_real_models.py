@@ -135,6 +135,14 @@ def test_moe_experts_without_tokens_compiled(runs):
         assert torch.count_nonzero(got["unrouted_grad"]) == 0
 
 
+def test_moe_eager_fallback_after_recompile_limit_gathers(runs):
+    """Dynamo's defaults (graph break at nonzero) with recompile_limit=1: once Dynamo gives up on
+    an expert's forward it runs eagerly, and its parameters are still gathered (not left as
+    DTensor shards: 'aten.addmm.default got mixed torch.Tensor and DTensor')."""
+    for world, got in zip(WORLDS, check_parity(runs, "moe_recompile_limit")):
+        assert got["recompile_limit_hits"] > 0, f"world {world}: Dynamo never fell back to eager"
+
+
 def test_activation_checkpointing_inside_compiled_region(runs):
     """torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) inside the region."""
     check_parity(runs, "checkpoint")
@@ -250,6 +258,22 @@ def test_rank_dependent_graph_fails_on_every_rank_within_seconds(runs):
             assert "differs from rank 0's" in got["error"] and "bucket" in got["error"]
             assert "extra.weight" in got["error"], got["error"]
             assert got["elapsed"] < 30, f"world {world} rank {rank}: {got['elapsed']:.1f} s"
+
+
+def test_rank_recompiling_alone_fails_on_every_rank(runs):
+    """Only rank 0 sees a new batch size, so only rank 0 compiles a new region: rank 0's plan
+    check (through the store, not a collective) finds no other rank's region and the others'
+    next collective times out and finds rank 0's extra region. PlanMismatchError on every rank,
+    naming the other side, within the group's timeout (3 s) plus compile time; no gloo abort."""
+    for world in WORLDS:
+        for rank, result in enumerate(runs[world]):
+            got = result["recompile_one_rank"]
+            assert "exception" not in got, got.get("exception")
+            assert got["error"] is not None, f"world {world} rank {rank}: no PlanMismatchError"
+            assert "ranks recompiled differently" in got["error"], got["error"]
+            others = list(range(1, world)) if rank == 0 else [0]
+            assert f"rank(s) {others}" in got["error"], got["error"]
+            assert got["elapsed"] < 6 * TIMEOUT_S, f"world {world} rank {rank}: {got['elapsed']}"
 
 
 def test_one_rank_submesh_is_not_detected(runs):

@@ -6,7 +6,9 @@ which of the plan's collectives it was. The lowering tags every collective's iss
 with the collective's id (:data:`COLLECTIVE_META`); :func:`boxed_with_collective_errors` runs a
 planned FX graph like ``make_boxed_func`` does and, only when a call raises, maps the failing line
 of the graph's generated code back to its node and re-raises :class:`CollectiveError` naming the
-collective, its bucket and its position in the plan. Nothing runs per step beyond the call itself.
+collective, its bucket and its position in the plan, or :class:`PlanMismatchError` when another
+rank compiled a region this one did not (see :mod:`shardc.runtime.plan_check`). Nothing runs per
+step beyond the call itself.
 
 Inductor compiles the planned graph into its own code, where the node is no longer known, so
 there the process group's error surfaces unchanged (see docs/support.md).
@@ -22,6 +24,8 @@ from typing import Any
 
 import torch.distributed as dist
 from torch import fx
+
+from shardc.runtime.plan_check import PlanMismatchError, recompile_message, recompiled_elsewhere
 
 COLLECTIVE_META = "shardc_collective"  # node.meta key: the id of the planned collective
 _ASSIGNED = re.compile(r"\s*(\w+)\s*=")
@@ -90,6 +94,10 @@ def boxed_with_collective_errors(gm: fx.GraphModule, plan_of: Callable[[], Any])
             plan = plan_of()
             if cid is None or plan is None:
                 raise
+            ranks = recompiled_elsewhere(plan.group_name)
+            if ranks:  # the likely cause: those ranks run another region, not this one
+                what = f"collective {cid} of compiled region {plan.region} ({exc})"
+                raise PlanMismatchError(recompile_message(plan.group_name, ranks, what)) from exc
             raise CollectiveError(describe(cid, plan, exc)) from exc
 
     run._boxed_call = True
