@@ -48,8 +48,9 @@ UNBACKED_SIZE_HINT = 8192
 
 
 def _hint_fn():
-    """torch's guard-free size hint: ``optimization_hint`` (torch >= 2.12), ``hint_int`` before.
-    The one place shardc reaches for either."""
+    """torch's guard-free size hint, ``f(symint, fallback=...)``: ``optimization_hint`` where
+    torch has it (2.13 does), ``hint_int``, its predecessor, in older releases. The one place
+    shardc reaches for either."""
     from torch.fx.experimental import symbolic_shapes
 
     fn = getattr(symbolic_shapes, "optimization_hint", None)
