@@ -4,6 +4,8 @@ from shardc.backend import backend, shardc_backend
 from shardc.explain import explain, explain_all
 from shardc.options import ShardcOptions
 from shardc.plan import Plan
+from shardc.runtime.comm_errors import CollectiveError
+from shardc.runtime.plan_check import PlanMismatchError
 from shardc.runtime.sharding import (
     MixedPrecisionPolicy,
     is_sharded,
@@ -16,8 +18,10 @@ from shardc.runtime.sharding import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "CollectiveError",
     "MixedPrecisionPolicy",
     "Plan",
+    "PlanMismatchError",
     "ShardcOptions",
     "backend",
     "explain",

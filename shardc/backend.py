@@ -29,8 +29,9 @@ from shardc.passes.memory import assign_pool, param_placeholders, predict_peak
 from shardc.passes.reshard import check_no_gathered_saved, tag_resharded_gathers
 from shardc.passes.schedule import plan_region
 from shardc.runtime.collectives import resolve_group
+from shardc.runtime.comm_errors import boxed_with_collective_errors
 from shardc.runtime.ops import GATHER_OP
-from shardc.runtime.plan_check import check_plan_consistency
+from shardc.runtime.plan_check import announce_region, check_plan_consistency
 
 log = logging.getLogger("shardc")
 
@@ -155,6 +156,7 @@ class RegionRecord:
         self.plan = None
         self.checked = False
         self.pool: torch.Tensor | None = None
+        self.check_index: int | None = None  # the region's number for the cross-rank plan check
 
 
 def _rank_of(plan) -> int:
@@ -169,8 +171,8 @@ def _checked(compiled, region: RegionRecord, options: ShardcOptions):
     def run(*args):
         if not region.checked:
             region.checked = True
-            if options.check_plan_consistency and region.plan is not None:
-                check_plan_consistency(region.plan)
+            if region.check_index is not None and region.plan is not None:
+                check_plan_consistency(region.plan, region.check_index)
         return compiled(*args)
 
     run._boxed_call = getattr(compiled, "_boxed_call", False)
@@ -214,10 +216,10 @@ def _inductor_with_pool(compile_inner, graph: fx.GraphModule, inputs, region: Re
     return run
 
 
-def _fx_compiler(gm: fx.GraphModule, example_inputs: Sequence[object]):
-    from torch._functorch.aot_autograd import make_boxed_func
-
-    return make_boxed_func(gm.forward)
+def _fx_compiler(gm: fx.GraphModule, example_inputs: Sequence[object], *,
+                 region: RegionRecord):
+    # Boxed like make_boxed_func; a failing collective is re-raised naming it (no per-step cost).
+    return boxed_with_collective_errors(gm, lambda: region.plan)
 
 
 def _compile_unsharded(gm: fx.GraphModule, example_inputs, options: ShardcOptions):
@@ -244,6 +246,11 @@ def shardc_backend(
     region = RegionRecord(len(registry) if registry is not None else 0)
     if registry is not None:
         registry.append(region)
+    if opts.check_plan_consistency:
+        # Numbered as compilation starts, so a rank whose collective times out because another
+        # rank is compiling a region it did not can tell (plan_check.recompiled_elsewhere).
+        gather = next(n for n in gm.graph.nodes if is_call(n, GATHER_OP))
+        region.check_index = announce_region(gather.args[4])
     partitioner = ShardcPartitioner(opts, region)
     if opts.inductor:
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
@@ -268,11 +275,13 @@ def shardc_backend(
     else:
         from torch._dynamo.backends.common import aot_autograd
 
+        fx_compiler = functools.partial(_fx_compiler, region=region)
+
         def inference_compiler(graph: fx.GraphModule, inputs):
-            return _fx_compiler(partitioner.plan_inference(graph), inputs)
+            return fx_compiler(partitioner.plan_inference(graph), inputs)
 
         compiled = aot_autograd(
-            fw_compiler=_fx_compiler, bw_compiler=_fx_compiler, partition_fn=partitioner,
+            fw_compiler=fx_compiler, bw_compiler=fx_compiler, partition_fn=partitioner,
             inference_compiler=inference_compiler,
         )(gm, example_inputs)
     return _checked(compiled, region, opts)

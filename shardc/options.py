@@ -20,7 +20,8 @@ class ShardcOptions:
     prefetch: issue each bucket's all-gather before the compute of the previous bucket.
     prefetch_depth: how many buckets ahead an all-gather may be issued.
     memory_budget_bytes: most bytes of gathered parameters allowed in flight (0: no limit).
-    check_plan_consistency: at the first run, all ranks compare the plan's hash (one all-gather).
+    check_plan_consistency: at the first run, all ranks compare the plan's hash (through the process
+        group's store, see ``shardc.runtime.plan_check``).
     dump_dir: write the plan (text, JSON, trace, memory plot) of every compiled region here;
         defaults to the ``SHARDC_DUMP`` environment variable.
     comm_pool: place communication buffers in one static pool allocated once per training

@@ -41,12 +41,31 @@ class VariantModel(nn.Module):
         return logits + self.tiny.sum(0)  # a per-token bias: a real gradient
 
 
+class RepeatedBlock(nn.Module):
+    """One block instance applied twice per forward (its gradients are two contributions that
+    shardc sums before one reduce-scatter); rows 37, 19, 13 divide none of the world sizes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(CFG.vocab_size, 13)
+        self.block = nn.Sequential(nn.Linear(13, 19), nn.SiLU(), nn.Linear(19, 13))
+        self.head = nn.Linear(13, CFG.vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        h = h + self.block(h)
+        h = h + self.block(h)  # the same instance again
+        return self.head(h)
+
+
 def build(kind: str) -> nn.Module:
     torch.manual_seed(0)
     if kind == "llama":
         return Transformer(CFG)
     if kind == "llama1":  # one block: for the (slow to compile) Inductor runs
         return Transformer(replace(CFG, n_layers=1))
+    if kind == "repeated":
+        return RepeatedBlock()
     return VariantModel()
 
 

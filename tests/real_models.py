@@ -13,6 +13,7 @@ many regions shardc planned).
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import sys
 import time
@@ -358,6 +359,44 @@ def sc_moe(ctx: Ctx, *, compile: bool) -> dict:
             "planned": ctx.planned()}
 
 
+def sc_moe_recompile_limit(ctx: Ctx) -> dict:
+    """The MoE compiled with Dynamo's defaults (a graph break at nonzero) and a recompile limit
+    of 1, so the routed expert calls soon run eagerly (Dynamo's fallback). Every rank gets the
+    whole global batch, so all ranks route alike and recompile alike (ranks that do not are
+    test_rank_recompiling_alone_fails_on_every_rank); the reference trains on that batch."""
+    model = build_moe()
+    forward = ctx.wrap(model)
+    xs, ys = regression_data(seed=3)
+    opt = sgd(model)
+    losses, hits = [], _LimitHits()
+    dynamo_log = logging.getLogger("torch._dynamo.convert_frame")
+    dynamo_log.addHandler(hits)
+    try:
+        with torch._dynamo.config.patch(recompile_limit=1):
+            for step in range(xs.shape[0]):
+                y, _ = forward(xs[step])
+                loss = F.mse_loss(y, ys[step])
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.detach())
+    finally:
+        dynamo_log.removeHandler(hits)
+    return {"losses": torch.stack(losses), "params": ctx.params(model), "planned": ctx.planned(),
+            "recompile_limit_hits": hits.count}
+
+
+class _LimitHits(logging.Handler):
+    """Counts Dynamo's "hit config.recompile_limit" warnings (it falls back to eager there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += "recompile_limit" in record.getMessage()
+
+
 def sc_checkpoint(ctx: Ctx) -> dict:
     torch.manual_seed(0)
     model = CheckpointedMLP()
@@ -683,6 +722,30 @@ def fail_timeout(ctx: Ctx) -> dict:
             "skipped": ctx.rank == ctx.world - 1}
 
 
+def fail_recompile_one_rank(ctx: Ctx) -> dict:
+    """Only rank 0 sees a new batch size in the second step, so only rank 0 recompiles (a new
+    region) while the others run the region they have: every rank must raise PlanMismatchError
+    within the group's timeout (no collective mismatch, no hang)."""
+    torch.manual_seed(0)
+    model = mlp()
+    group = dist.new_group(list(range(ctx.world)), timeout=timedelta(seconds=TIMEOUT_S))
+    shardc.shard(model, DeviceMesh.from_group(group, "cpu"))
+    compiled = torch.compile(model, backend=shardc.backend(inductor=False))
+    xs, ys = regression_data(seed=17)
+    start, error = time.monotonic(), None
+    try:
+        for step in range(2):
+            x, y = ctx.split(xs[step]), ctx.split(ys[step])
+            if step == 1:
+                start = time.monotonic()
+                if ctx.rank == 0:
+                    x, y = x[:1], y[:1]
+            F.mse_loss(compiled(x), y).backward()
+    except PlanMismatchError as exc:
+        error = str(exc)
+    return {"error": error, "elapsed": time.monotonic() - start}
+
+
 # ---------------------------------------------------------------------------------------------
 # Registry, reference and worker.
 
@@ -691,6 +754,7 @@ SCENARIOS: dict[str, Callable[[Ctx], dict]] = {
     "hf_gpt2": sc_hf_gpt2,
     "moe_eager": lambda ctx: sc_moe(ctx, compile=False),
     "moe_compiled": lambda ctx: sc_moe(ctx, compile=True),
+    "moe_recompile_limit": sc_moe_recompile_limit,
     "checkpoint": sc_checkpoint,
     "accumulate": sc_accumulate,
     "accumulate_clip": sc_accumulate_clip,
@@ -705,13 +769,14 @@ SCENARIOS: dict[str, Callable[[Ctx], dict]] = {
     "nested": lambda ctx: sc_nested(ctx, repeat=False),
     "repeated": lambda ctx: sc_nested(ctx, repeat=True),
     "lstm": sc_lstm,
-    # Failure modes: sharded runs only, no reference; the timeout last (it desyncs the ranks).
+    # Failure modes: sharded runs only, no reference; the desyncing ones last.
     "rank_dependent": fail_rank_dependent,
     "submesh": fail_submesh,
+    "recompile_one_rank": fail_recompile_one_rank,
     "timeout": fail_timeout,
 }
 HF = ("hf_gpt2",)  # needs the transformers package
-FAILURES = ("rank_dependent", "submesh", "timeout")
+FAILURES = ("rank_dependent", "submesh", "recompile_one_rank", "timeout")
 
 
 def reference(name: str, world: int = 1) -> dict:

@@ -41,3 +41,20 @@ def test_calibration_recovers_bandwidth_and_latency():
         calibrate(ClusterSpec(), samples[:1])
     with pytest.raises(ValueError, match="unknown collective"):
         collective_time_expr("broadcast", 1)
+
+
+def test_size_hints_never_guard():
+    """Planning reads dynamic sizes as the traced size and data-dependent ones as a stand-in,
+    adding no guard (a guard would specialize the plan; on an unbacked size it would raise)."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from shardc.passes.fx_utils import UNBACKED_SIZE_HINT, size_hint
+
+    env = ShapeEnv()
+    backed = env.create_symintnode(env.create_symbol(7, ConstantSource("batch")), hint=7)
+    unbacked = env.create_unbacked_symint()
+    assert size_hint(backed * 3 + 1) == 22
+    assert size_hint(unbacked) == UNBACKED_SIZE_HINT
+    assert size_hint(5) == 5
+    assert not env.guards, env.guards

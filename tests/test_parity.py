@@ -13,7 +13,7 @@ WORLD_SIZES = [1, 2, 3, 4]
 
 @pytest.fixture(scope="module")
 def references():
-    return {kind: reference(kind) for kind in ("llama", "variant")}
+    return {kind: reference(kind) for kind in ("llama", "variant", "repeated")}
 
 
 def _scenarios(rank: int, world: int, scenarios: list) -> list[dict]:
@@ -37,6 +37,7 @@ def test_parity_eager_and_fx(world, references):
         ("llama", "fx", {}),
         ("llama", "fx", {"prefetch": False}),
         ("variant", "fx", {}),
+        ("repeated", "fx", {}),  # one module instance applied twice per forward
     ]
     if world == 3:
         scenarios.append(("llama", "fx", {"reshard_after_forward": False, "bucket_by": "param"}))

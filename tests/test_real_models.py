@@ -127,15 +127,20 @@ def test_moe_experts_without_tokens_eager(runs):
         assert torch.count_nonzero(got["unrouted_grad"]) == 0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "shardc bug: the cost model guards on data-dependent sizes. With the routing captured in the "
-    "graph (capture_dynamic_output_shape_ops), index_select makes unbacked sizes and "
-    "cost_model.node_flops_and_bytes's float(sum(numel)) raises GuardOnDataDependentSymNode "
-    "(BackendCompilerFailed) on every rank"))
 def test_moe_experts_without_tokens_compiled(runs):
+    """The routing captured in the graph (capture_dynamic_output_shape_ops): the expert inputs
+    have data-dependent sizes, which planning estimates without guarding on them."""
     for world, got in zip(WORLDS, check_parity(runs, "moe_compiled")):
         _check_routing(got, world)
         assert torch.count_nonzero(got["unrouted_grad"]) == 0
+
+
+def test_moe_eager_fallback_after_recompile_limit_gathers(runs):
+    """Dynamo's defaults (graph break at nonzero) with recompile_limit=1: once Dynamo gives up on
+    an expert's forward it runs eagerly, and its parameters are still gathered (not left as
+    DTensor shards: 'aten.addmm.default got mixed torch.Tensor and DTensor')."""
+    for world, got in zip(WORLDS, check_parity(runs, "moe_recompile_limit")):
+        assert got["recompile_limit_hits"] > 0, f"world {world}: Dynamo never fell back to eager"
 
 
 def test_activation_checkpointing_inside_compiled_region(runs):
@@ -174,12 +179,9 @@ def test_changing_batch_size_and_sequence_length_together(runs):
     check_parity(runs, "changing_both")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "shardc bug: the cost model specializes dynamic shapes (float(sum(numel)) in "
-    "cost_model.node_flops_and_bytes adds a guard like Eq(68*s33 + 308, 716)), so every new "
-    "batch size recompiles and re-plans instead of reusing the dynamic plan that torch's "
-    "automatic dynamic shapes give from the second shape on"))
 def test_changing_batch_size_reuses_one_dynamic_plan(runs):
+    """Planning adds no shape guard: the first batch size compiles a static plan, the second a
+    dynamic one (torch's automatic dynamic shapes) that every later batch size reuses."""
     for world in WORLDS:
         planned = _run(runs, "changing_batch", world)["planned"]
         shapes = len(SHAPES["changing_batch"])
@@ -231,13 +233,9 @@ def test_nested_containers(runs):
     check_parity(runs, "nested")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "shardc bug: a module instance applied twice in one forward gives two reduce_scatter_grad "
-    "nodes; merge_reduce_scatters turns the first into zeros that autograd's add consumes, and "
-    "lower.apply_plan places the merged reduce-scatter's wait after that add, so "
-    "graph.lint() raises 'Argument view_N of Node add_M was used before it has been defined' "
-    "(BackendCompilerFailed)"))
 def test_module_instance_applied_twice(runs):
+    """One block instance applied twice per forward: its parameters are gathered once and their
+    two gradient contributions summed before one reduce-scatter."""
     check_parity(runs, "repeated")
 
 
@@ -262,6 +260,22 @@ def test_rank_dependent_graph_fails_on_every_rank_within_seconds(runs):
             assert got["elapsed"] < 30, f"world {world} rank {rank}: {got['elapsed']:.1f} s"
 
 
+def test_rank_recompiling_alone_fails_on_every_rank(runs):
+    """Only rank 0 sees a new batch size, so only rank 0 compiles a new region: rank 0's plan
+    check (through the store, not a collective) finds no other rank's region and the others'
+    next collective times out and finds rank 0's extra region. PlanMismatchError on every rank,
+    naming the other side, within the group's timeout (3 s) plus compile time; no gloo abort."""
+    for world in WORLDS:
+        for rank, result in enumerate(runs[world]):
+            got = result["recompile_one_rank"]
+            assert "exception" not in got, got.get("exception")
+            assert got["error"] is not None, f"world {world} rank {rank}: no PlanMismatchError"
+            assert "ranks recompiled differently" in got["error"], got["error"]
+            others = list(range(1, world)) if rank == 0 else [0]
+            assert f"rank(s) {others}" in got["error"], got["error"]
+            assert got["elapsed"] < 6 * TIMEOUT_S, f"world {world} rank {rank}: {got['elapsed']}"
+
+
 def test_one_rank_submesh_is_not_detected(runs):
     """Each rank shards over a 1-rank mesh of its own: shardc cannot tell this from a deliberate
     sub-mesh (replication handled elsewhere) and does not raise; each rank trains alone on its
@@ -276,11 +290,10 @@ def test_one_rank_submesh_is_not_detected(runs):
         assert not torch.equal(first["params"]["0.weight"], second["params"]["0.weight"])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "missing feature: a collective that times out (a rank skipped a step) surfaces as gloo's "
-    "'Timed out waiting 3000ms for send operation to complete' from wait_tensor, which names "
-    "neither the bucket nor the collective's position in the plan"))
 def test_collective_timeout_names_bucket_and_position(runs):
+    """The last rank skips a step: every other rank's wait times out (the group's 3 s timeout)
+    and raises shardc's CollectiveError naming the collective, its bucket and its position in
+    the plan (FX execution of the planned graphs)."""
     for world in WORLDS:
         for rank, result in enumerate(runs[world]):
             got = result["timeout"]
@@ -289,7 +302,9 @@ def test_collective_timeout_names_bucket_and_position(runs):
             assert "exception" not in got, got.get("exception")
             assert got["error"] is not None, f"world {world} rank {rank}: no error"
             assert got["elapsed"] < 6 * TIMEOUT_S, got["elapsed"]
+            assert got["error"].startswith("CollectiveError"), got["error"]
             assert "bucket" in got["error"] and "forward.all_gather" in got["error"], got["error"]
+            assert "in compiled region 0's plan" in got["error"], got["error"]
 
 
 def test_every_scenario_ran(runs):

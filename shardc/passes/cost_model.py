@@ -16,6 +16,8 @@ import sympy
 import torch
 from torch import fx
 
+from shardc.passes.fx_utils import size_hint
+
 W, B, ALPHA = sympy.symbols("W B alpha", positive=True)
 
 
@@ -85,7 +87,8 @@ def calibrate(
 
 
 def _numel(shape) -> int:
-    return math.prod(int(s) for s in shape)
+    # Size hints, never int(): planning must add no guard (see fx_utils.size_hint).
+    return math.prod(size_hint(s) for s in shape)
 
 
 def _val(node) -> torch.Tensor | None:
@@ -94,24 +97,25 @@ def _val(node) -> torch.Tensor | None:
 
 
 def node_flops_and_bytes(node: fx.Node) -> tuple[float, float]:
-    """FLOPs and bytes moved by one graph op, from the shapes on its fake values."""
+    """FLOPs and bytes moved by one graph op, from the shapes on its fake values (dynamic and
+    data-dependent sizes are estimated by their hints, without guarding on them)."""
     out = node.meta.get("val")
     outs = [o for o in (out if isinstance(out, (list, tuple)) else [out])
             if isinstance(o, torch.Tensor)]
     ins = [v for v in (_val(a) for a in node.all_input_nodes) if v is not None]
-    nbytes = float(sum(t.numel() * t.element_size() for t in ins + outs))
+    nbytes = float(sum(_numel(t.shape) * t.element_size() for t in ins + outs))
     name = getattr(node.target, "__name__", str(node.target))
     base = name.split(".")[0]
     flops = 0.0
     if base in ("mm", "addmm", "bmm", "baddbmm") and outs:
         a = ins[-2] if base in ("addmm", "baddbmm") else ins[0]
-        flops = 2.0 * outs[0].numel() * a.shape[-1]
+        flops = 2.0 * _numel(outs[0].shape) * size_hint(a.shape[-1])
     elif "scaled_dot_product" in base and len(ins) >= 3:
         q, k = ins[0], ins[1]
-        flops = 4.0 * _numel(q.shape[:-1]) * k.shape[-2] * q.shape[-1]
+        flops = 4.0 * _numel(q.shape[:-1]) * size_hint(k.shape[-2]) * size_hint(q.shape[-1])
         if "backward" in base:
             flops *= 2.5
     elif base == "convolution" and outs and len(ins) >= 2:
         w = ins[1]
-        flops = 2.0 * outs[0].numel() * _numel(w.shape[1:])
+        flops = 2.0 * _numel(outs[0].shape) * _numel(w.shape[1:])
     return flops, nbytes

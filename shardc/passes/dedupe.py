@@ -41,7 +41,11 @@ def merge_reduce_scatters(graph: fx.Graph) -> int:
     """Replace several ``reduce_scatter_grad`` nodes of one parameter by one; returns how many went.
 
     The merged node sits where the last of them was (all contributions exist there); the earlier
-    ones become zeros of the shard's shape, which the additions autograd emitted absorb.
+    ones become zeros of the shard's shape, which the additions autograd emitted absorb. Those
+    additions (everything downstream of the merged node) move to the end of the graph: autograd
+    placed them right after the last contribution, which can precede the last gradient of
+    another parameter of the same bucket, and the bucket's reduce-scatter is waited only after
+    that one exists (its wait must precede every reader of the reduced shards).
     """
     removed = 0
     groups = _nodes_by_key(graph, REDUCE_SCATTER_OP, lambda n: n.args[1])
@@ -56,6 +60,7 @@ def merge_reduce_scatters(graph: fx.Graph) -> int:
             merged = call(graph, REDUCE_SCATTER_OP, (total, *last.args[1:]), dict(last.kwargs))
         last.replace_all_uses_with(merged)
         graph.erase_node(last)
+        _move_users_to_end(graph, merged)
         for node in nodes[:-1]:
             shard = node.meta["val"]
             with graph.inserting_before(node):
@@ -69,3 +74,17 @@ def merge_reduce_scatters(graph: fx.Graph) -> int:
             graph.erase_node(node)
             removed += 1
     return removed
+
+
+def _move_users_to_end(graph: fx.Graph, node: fx.Node) -> None:
+    """Move every node downstream of ``node`` right before the output, in their order (a set
+    closed under users moved later keeps the graph topologically sorted)."""
+    downstream, stack = set(), [node]
+    while stack:
+        for user in stack.pop().users:
+            if user.op != "output" and user not in downstream:
+                downstream.add(user)
+                stack.append(user)
+    output = graph.find_nodes(op="output")[0]
+    for n in [n for n in graph.nodes if n in downstream]:
+        output.prepend(n)

@@ -42,6 +42,33 @@ def call(graph: fx.Graph, target, args: tuple, kwargs: dict | None = None) -> fx
     return node
 
 
+# Stand-in for a data-dependent (unbacked) size, e.g. the tokens routed to one expert: estimates
+# only (cost model, memory prediction), never a decision every rank must agree on.
+UNBACKED_SIZE_HINT = 8192
+
+
+def _hint_fn():
+    """torch's guard-free size hint, ``f(symint, fallback=...)``: ``optimization_hint`` where
+    torch has it (2.13 does), ``hint_int``, its predecessor, in older releases. The one place
+    shardc reaches for either."""
+    from torch.fx.experimental import symbolic_shapes
+
+    fn = getattr(symbolic_shapes, "optimization_hint", None)
+    return fn if fn is not None else symbolic_shapes.hint_int
+
+
+def size_hint(value: int | torch.SymInt) -> int:
+    """An int for a size that may be symbolic, without adding a guard: the size the graph was
+    traced with for a dynamic size, :data:`UNBACKED_SIZE_HINT` for a data-dependent one.
+
+    ``int(symint)`` would specialize the compiled graph to that size (a recompile for every new
+    batch size) or raise ``GuardOnDataDependentSymNode``; planning only estimates with sizes.
+    """
+    if isinstance(value, torch.SymInt):
+        return int(_hint_fn()(value, fallback=UNBACKED_SIZE_HINT))
+    return int(value)
+
+
 def is_call(node: fx.Node, target) -> bool:
     return node.op == "call_function" and node.target is target
 

@@ -18,6 +18,7 @@ from shardc.passes.fx_utils import call
 from shardc.passes.schedule import GraphComm, analyze, view_chain_root, view_users
 from shardc.plan import Bucket, Collective, Plan
 from shardc.runtime.collectives import shard_rows
+from shardc.runtime.comm_errors import COLLECTIVE_META
 from shardc.runtime.pool_ops import POOL_PACK_OP, POOL_READ_OP
 
 aten = torch.ops.aten
@@ -253,6 +254,9 @@ def apply_plan(
             else:
                 _wait_reduce_scatter(graph, c, bucket, g.reduces, handle, rank, views,
                                      tuple(buffers))
+        # Name the collective of the issue and wait nodes (errors at run time name it).
+        for node in (handle, *handle.users):
+            node.meta[COLLECTIVE_META] = c.id
     graph.lint()
     gm.recompile()
     return gm

@@ -12,12 +12,14 @@ Gradients are the backward graph's outputs and count from where they are produce
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import fx
 
 from shardc.passes.allocator import plan_offsets
+from shardc.passes.fx_utils import size_hint
 from shardc.passes.schedule import view_chain_root
 from shardc.plan import Plan
 
@@ -68,8 +70,8 @@ def assign_pool(plan: Plan, *, time_limit_s: float = 1.0) -> list[CommBuffer]:
 
 
 def _nbytes(val) -> int:
-    if isinstance(val, torch.Tensor):
-        return val.numel() * val.element_size()
+    if isinstance(val, torch.Tensor):  # hints: a prediction must add no guard
+        return math.prod(size_hint(s) for s in val.shape) * val.element_size()
     if isinstance(val, (list, tuple)):
         return sum(_nbytes(v) for v in val)
     return 0

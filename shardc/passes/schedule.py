@@ -237,7 +237,13 @@ def _place_reduce_scatters(g: GraphComm, buckets: list[Bucket]) -> list[Collecti
         # The wait must precede every reader of the reduced shards (the output, or additions).
         # (views of the shards are moved behind the wait by the lowering)
         latest = min(g.pos(u) for p in params for u in view_users(g.reduces[p])[1])
-        items.append((ready, bucket, params, max(latest, ready)))
+        if latest < ready:  # dedupe moves the readers of merged reductions to the end
+            reader = g.compute[latest].name if latest < g.end else "the output"
+            raise RuntimeError(
+                f"shardc schedule: bucket {bucket.index} ({bucket.name}) reads a reduced gradient "
+                f"at {reader} (op {latest}) before its last gradient exists (op {ready}); "
+                "this is a shardc bug, please report it with the model")
+        items.append((ready, bucket, params, latest))
     items.sort(key=lambda item: (item[0], item[1].index))
     out = []
     for j, (ready, bucket, params, latest) in enumerate(items):

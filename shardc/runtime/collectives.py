@@ -5,11 +5,14 @@ how DTensor ``Shard(0)`` splits a dimension: every rank holds ``ceil(dim0 / worl
 last non-empty one, and trailing ranks may hold none. Collectives exchange shards padded to the
 common row count, so the bytes a collective moves never depend on the rank.
 
-The one private torch API shardc needs for groups (resolving a group from its name, which is how
-graphs and custom ops refer to groups) is wrapped here and nowhere else.
+The private torch APIs shardc needs for groups (resolving a group from its name, which is how
+graphs and custom ops refer to groups; a group's store and timeout, for the plan check) are
+wrapped here and nowhere else.
 """
 
 from __future__ import annotations
+
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -26,6 +29,20 @@ def resolve_group(group_name: str) -> dist.ProcessGroup:
 
 def group_name_of(group: dist.ProcessGroup) -> str:
     return group.group_name
+
+
+def group_store(group: dist.ProcessGroup) -> dist.Store:
+    """The key-value store of ``group`` (its own key prefix), shared by its ranks."""
+    return _c10d._get_process_group_store(group)
+
+
+def group_timeout(group: dist.ProcessGroup) -> timedelta:
+    """The timeout ``group``'s collectives wait for (the store's timeout if it cannot be read)."""
+    device = torch.device("cuda" if "nccl" in str(dist.get_backend(group)) else "cpu")
+    try:
+        return group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return group_store(group).timeout
 
 
 def padded_rows(dim0: int, world: int) -> int:

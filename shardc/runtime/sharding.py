@@ -15,6 +15,7 @@ module is touched.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from dataclasses import dataclass, field
 
@@ -88,6 +89,22 @@ def _exit_forward(module, args, output) -> None:
         _FORWARD.depth -= 1
 
 
+def _in_eager_forward() -> bool:
+    """Whether a caller is the forward of a sharded module, running eagerly although no forward
+    hook counted it: Dynamo's eager fallback (after its recompile limit) runs a forward whose
+    hooks it had compiled, and compiled code skips the count. Only parameter reads outside
+    ``_gathering()`` pay for this walk."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_name
+        if name == "forward" or name.startswith("torch_dynamo_resume_in_forward"):
+            owner = frame.f_locals.get("self")
+            if is_sharded(owner) or shard_state(owner) is not None:
+                return True
+        frame = frame.f_back
+    return False
+
+
 class ShardedModuleMixin:
     """Marks a module whose parameters were sharded by :func:`shard` (a mixin, not a module)."""
 
@@ -101,7 +118,7 @@ def is_sharded(module: nn.Module) -> bool:
 def _param_property(name: str, info: ShardedParamInfo, grads: UnsyncedGrads) -> property:
     def read(self):
         param = self._parameters[name]
-        if not isinstance(param, DTensor) or not _gathering():
+        if not isinstance(param, DTensor) or not (_gathering() or _in_eager_forward()):
             return param
         sync = grads.mode()
         return gather_param(
