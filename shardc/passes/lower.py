@@ -147,6 +147,12 @@ def _wait_reduce_scatter(graph, c: Collective, bucket: Bucket, reduces: dict, ha
     if bucket.world > 1 or buffers[0] is not None:
         # A new tensor: the gradients must not alias the pool.
         done = call(graph, aten.div.Tensor, (done, bucket.world))
+    if bucket.replicate > 1:
+        # HSDP: one flat all-reduce of the bucket's shard over the replicate group (plan kind
+        # "all_reduce"), then the average; ``done`` is a new tensor, never the pool.
+        summed = call(graph, funcol.all_reduce.default, (done, "sum", bucket.replicate_group))
+        summed = call(graph, funcol.wait_tensor.default, (summed,))
+        done = call(graph, aten.div.Tensor, (summed, bucket.replicate))
     for view in buffers:
         pool.release(view)
     layout, _ = bucket.layout(c.params)
@@ -203,7 +209,8 @@ def apply_plan(
     allocate no communication buffers; ``poison`` fills each buffer with NaN once it is dead.
     """
     g = analyze(gm, graph_name)
-    colls = [c for c in plan.collectives if c.graph == graph_name]
+    # HSDP's all-reduces are lowered with their reduce-scatter's wait (_wait_reduce_scatter).
+    colls = [c for c in plan.collectives if c.graph == graph_name and c.kind != "all_reduce"]
     handles: dict[str, tuple] = {}
     graph = gm.graph
     views = PoolViews(graph, _pool_node(gm, pool) if pool is not None and colls else None,
