@@ -34,6 +34,14 @@ def _pad_rows(graph: fx.Graph, x: fx.Node, rows: int) -> fx.Node:
     return call(graph, aten.constant_pad_nd.default, (x, pad, 0.0))
 
 
+def _contiguous(graph: fx.Graph, x: fx.Node) -> fx.Node:
+    """``x``, copied to a dense layout only if it is not one (a gradient can be a transposed
+    view, e.g. of an einsum, which cannot be flattened by a view)."""
+    if x.meta["val"].is_contiguous():
+        return x
+    return call(graph, aten.clone.default, (x,), {"memory_format": torch.contiguous_format})
+
+
 def _retake_views(graph: fx.Graph, node: fx.Node) -> fx.Node:
     """A copy, at the insertion point, of the chain of views from a placeholder to ``node``."""
     if node.op == "placeholder":
@@ -79,7 +87,7 @@ def _issue_all_gather(graph, c: Collective, bucket: Bucket, gathers: dict, group
         if compute_dtype is not None and compute_dtype != shard.meta["val"].dtype:
             x = call(graph, torch.ops.prims.convert_element_type.default, (x, compute_dtype))
         _, rows, _, _ = layout[fqn]
-        x = _pad_rows(graph, x, rows)
+        x = _contiguous(graph, _pad_rows(graph, x, rows))
         pieces.append(call(graph, aten.view.default, (x, [-1])))
     numel = bucket.layout(c.params)[1]
     send_view = pool.view(c, "send", _dtype(bucket.dtype), numel)
@@ -125,6 +133,7 @@ def _issue_reduce_scatter(graph, c: Collective, bucket: Bucket, reduces: dict, g
             x = call(graph, torch.ops.prims.convert_element_type.default, (x, reduce_dtype))
         _, rows, row_numel, _ = layout[fqn]
         x = _pad_rows(graph, x, rows * bucket.world)
+        x = _contiguous(graph, x)
         pieces.append(call(graph, aten.view.default, (x, [bucket.world, rows * row_numel])))
     numel = bucket.layout(c.params)[1]
     send_view = pool.view(c, "send", _dtype(bucket.reduce_dtype), numel * bucket.world)
