@@ -1,5 +1,6 @@
 """Meshes shardc shards over: 1-D (FSDP), 2-D ``("replicate", "shard")`` (HSDP) and 2-D
-``("dp", "tp")`` (FSDP on ``dp`` of a model parallelized with torch's tensor-parallel API on ``tp``).
+``("dp", "tp")`` (FSDP on ``dp`` of a model parallelized with torch's tensor-parallel API on
+``tp``).
 
 Whatever the mesh, shardc shards the tensor a rank would otherwise hold (the plain parameter, or a
 tensor-parallel parameter's tp-local tensor) on dim 0 over one 1-D process group, the *shard group*

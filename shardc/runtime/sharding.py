@@ -227,9 +227,9 @@ def shard(
     ``mesh`` defaults to a 1-D mesh over the default process group. A 2-D mesh named
     ``("replicate", "shard")`` shards within ``shard`` and replicates across ``replicate`` (HSDP);
     one named ``("dp", "tp")`` shards the tp-local tensors of a model parallelized on ``mesh["tp"]``
-    over ``dp`` (FSDP+TP). See :mod:`shardc.runtime.mesh` and docs/meshes.md. Like ``fully_shard``, each rank
-    keeps its own slice of its own values (no broadcast): build the model with the same seed on
-    every rank, build it on the meta device and initialize after sharding, or load a checkpoint.
+    over ``dp`` (FSDP+TP). See :mod:`shardc.runtime.mesh` and docs/meshes.md.
+    Like ``fully_shard``, each rank keeps its own slice of its own values (no broadcast): build
+    the model with the same seed on every rank, build it on the meta device and initialize after sharding, or load a checkpoint.
     A meta-device module gets uninitialized local shards (never a full parameter).
     ``reshard_after_forward``: free gathered parameters after the forward and gather them again
     for the backward (less memory) instead of keeping them.
