@@ -229,8 +229,9 @@ def shard(
     one named ``("dp", "tp")`` shards the tp-local tensors of a model parallelized on ``mesh["tp"]``
     over ``dp`` (FSDP+TP). See :mod:`shardc.runtime.mesh` and docs/meshes.md.
     Like ``fully_shard``, each rank keeps its own slice of its own values (no broadcast): build
-    the model with the same seed on every rank, build it on the meta device and initialize after
-    sharding, or load a checkpoint. A meta-device module gets uninitialized local shards (never a full parameter).
+    the model with the same seed on every rank, build it on the meta device and initialize
+    after sharding, or load a checkpoint. A meta-device module gets uninitialized local shards
+    (never a full parameter).
     ``reshard_after_forward``: free gathered parameters after the forward and gather them again
     for the backward (less memory) instead of keeping them.
     """
