@@ -151,19 +151,31 @@ def _issue_reduce_scatter(graph, c: Collective, bucket: Bucket, reduces: dict, g
 
 
 def _wait_reduce_scatter(graph, c: Collective, bucket: Bucket, reduces: dict, handle, rank: int,
-                         pool: PoolViews, buffers: tuple):
+                         pool: PoolViews, buffers: tuple) -> fx.Node | None:
+    """Wait a reduce-scatter and hand each parameter its rows; on an HSDP mesh, issue instead the
+    bucket's all-reduce over the replicate group and return its handle (its wait hands out)."""
     done = call(graph, funcol.wait_tensor.default, (handle,))
     if bucket.world > 1 or buffers[0] is not None:
         # A new tensor: the gradients must not alias the pool.
         done = call(graph, aten.div.Tensor, (done, bucket.world))
-    if bucket.replicate > 1:
-        # HSDP: one flat all-reduce of the bucket's shard over the replicate group (plan kind
-        # "all_reduce"), then the average; ``done`` is a new tensor, never the pool.
-        summed = call(graph, funcol.all_reduce.default, (done, "sum", bucket.replicate_group))
-        summed = call(graph, funcol.wait_tensor.default, (summed,))
-        done = call(graph, aten.div.Tensor, (summed, bucket.replicate))
     for view in buffers:
         pool.release(view)
+    if bucket.replicate > 1:
+        # HSDP: one flat all-reduce of the bucket's shard (a new tensor, never the pool).
+        return call(graph, funcol.all_reduce.default, (done, "sum", bucket.replicate_group))
+    _hand_out(graph, c, bucket, reduces, done, rank)
+    return None
+
+
+def _wait_all_reduce(graph, c: Collective, bucket: Bucket, reduces: dict, handle, rank: int):
+    """HSDP: wait the replicate all-reduce, average, and hand each parameter its rows."""
+    summed = call(graph, funcol.wait_tensor.default, (handle,))
+    done = call(graph, aten.div.Tensor, (summed, bucket.replicate))
+    _hand_out(graph, c, bucket, reduces, done, rank)
+
+
+def _hand_out(graph, c: Collective, bucket: Bucket, reduces: dict, done: fx.Node, rank: int):
+    """Replace each parameter's reduce node by its rows of the reduced flat shard ``done``."""
     layout, _ = bucket.layout(c.params)
     for fqn in c.params:
         rs = reduces[fqn]
@@ -218,14 +230,14 @@ def apply_plan(
     allocate no communication buffers; ``poison`` fills each buffer with NaN once it is dead.
     """
     g = analyze(gm, graph_name)
-    # HSDP's all-reduces are lowered with their reduce-scatter's wait (_wait_reduce_scatter).
-    colls = [c for c in plan.collectives if c.graph == graph_name and c.kind != "all_reduce"]
+    colls = [c for c in plan.collectives if c.graph == graph_name]
     handles: dict[str, tuple] = {}
     graph = gm.graph
     views = PoolViews(graph, _pool_node(gm, pool) if pool is not None and colls else None,
                       plan, poison)
     # Issues before waits at the same position, each group in plan order.
-    for c in sorted(colls, key=lambda c: c.issue_pos):
+    # HSDP's all-reduces are issued by their reduce-scatter's wait (they reduce its output).
+    for c in sorted((c for c in colls if c.kind != "all_reduce"), key=lambda c: c.issue_pos):
         bucket = plan.buckets[c.bucket]
         source = g.gathers if c.kind == "all_gather" else g.reduces
         group = source[c.params[0]].args[4]
@@ -234,15 +246,19 @@ def apply_plan(
                 handles[c.id] = _issue_all_gather(graph, c, bucket, g.gathers, group, views)
             else:
                 handles[c.id] = _issue_reduce_scatter(graph, c, bucket, g.reduces, group, views)
-    for c in sorted(colls, key=lambda c: c.wait_pos):
+    for c in sorted(colls, key=lambda c: (c.wait_pos, c.kind == "all_reduce")):
         bucket = plan.buckets[c.bucket]
         with graph.inserting_before(_anchor(g, gm, c.wait_pos)):
             handle, *buffers = handles[c.id]
             if c.kind == "all_gather":
                 _wait_all_gather(graph, c, bucket, g.gathers, handle, views, tuple(buffers))
+            elif c.kind == "all_reduce":
+                _wait_all_reduce(graph, c, bucket, g.reduces, handle, rank)
             else:
-                _wait_reduce_scatter(graph, c, bucket, g.reduces, handle, rank, views,
-                                     tuple(buffers))
+                reduce = _wait_reduce_scatter(graph, c, bucket, g.reduces, handle, rank, views,
+                                              tuple(buffers))
+                if reduce is not None:
+                    handles[c.id.replace(".reduce_scatter.", ".all_reduce.")] = (reduce,)
     graph.lint()
     gm.recompile()
     return gm

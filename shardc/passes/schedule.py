@@ -255,18 +255,22 @@ def _place_reduce_scatters(g: GraphComm, buckets: list[Bucket]) -> list[Collecti
             wait, "issued once the last gradient of the bucket exists; waited as late as "
             "possible with at most two reduce-scatters in flight"))
         if bucket.replicate > 1:
-            out.append(replicate_all_reduce(g, bucket, params, wait))
+            out.append(replicate_all_reduce(g, bucket, params, wait, latest))
     return out
 
 
-def replicate_all_reduce(g: GraphComm, bucket: Bucket, params: list[str], pos: int) -> Collective:
+def replicate_all_reduce(g: GraphComm, bucket: Bucket, params: list[str], issue: int,
+                         latest: int) -> Collective:
     """HSDP: the all-reduce (average) of a bucket's reduce-scattered shard over the replicate
-    group, issued at the reduce-scatter's wait and waited at once (the lowering does both)."""
+    group, issued at the reduce-scatter's wait (it reduces its output) and waited before the
+    first reader of the reduced shards (``latest``: the graph's output, or an accumulation)."""
     nbytes = bucket.layout(params)[1] * _itemsize(bucket.reduce_dtype)
+    wait = max(issue, latest)
     c = _collective(
-        g, "all_reduce", bucket, params, nbytes * bucket.world, bucket.reduce_dtype, pos, pos,
-        pos, pos, f"HSDP: averages the bucket's shard over the {bucket.replicate} replicas "
-        "(inter-node); issued at its reduce-scatter's wait and waited at once")
+        g, "all_reduce", bucket, params, nbytes * bucket.world, bucket.reduce_dtype, issue, wait,
+        wait, wait, f"HSDP: averages the bucket's shard over the {bucket.replicate} replicas "
+        "(inter-node); issued at its reduce-scatter's wait, waited before the first reader of "
+        "the reduced gradients")
     c.bytes = c.buffer_bytes = nbytes
     c.group = "replicate"
     return c
