@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import shardc
 from shardc.checkpoint import ModelState, OptimizerState
+from shardc.passes.cost_model import ClusterSpec
 
 TP_STEPS, TP_LR = 3, 1e-2
 
@@ -55,9 +56,16 @@ def _mean_over_world(losses: list[torch.Tensor]) -> torch.Tensor:
 
 def _plan_summary(model: nn.Module) -> list[dict]:
     plans = [r.plan for r in shardc.shard_state(model).regions]
+    spec = ClusterSpec()
     return [{"kinds": sorted({c.kind for c in p.collectives}), "mesh": p.mesh,
              "replicate_size": p.replicate_size,
-             "all_reduce_groups": {c.group for c in p.collectives if c.kind == "all_reduce"}}
+             "all_reduce_groups": {c.group for c in p.collectives if c.kind == "all_reduce"},
+             # (predicted duration, the inter-node cost of the all-reduce) per all-reduce
+             "all_reduce_times": [
+                 (c.predicted_end_s - c.predicted_start_s,
+                  spec.collective_seconds("all_reduce", c.buffer_bytes, p.replicate_size,
+                                          "inter"))
+                 for c in p.collectives if c.kind == "all_reduce"]}
             for p in plans if p is not None]
 
 

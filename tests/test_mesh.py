@@ -3,10 +3,13 @@ round trips between every pair of layouts, and the errors for meshes shardc cann
 
 from __future__ import annotations
 
+import pytest
 import torch
 from dist_utils import run_ranks
 from mesh_workers import LAYOUTS, checkpoint_round_trips, hsdp_scenarios, tp_reference, tp_scenarios
 from parity import assert_parity, reference
+
+from shardc.passes.cost_model import ClusterSpec
 
 # Compiled on the 2x2 mesh; the degenerate meshes (all replicate, all tp) eagerly, to keep the
 # tests fast (the compiled 1x4 / 4x1 runs pass too: benchmarks or -k runs can add them).
@@ -33,6 +36,8 @@ def test_hsdp_parity_and_plan():
                 assert "all_reduce" in plan["kinds"] and plan["replicate_size"] == shape[0]
                 assert plan["all_reduce_groups"] == {"replicate"}
                 assert plan["mesh"] == f"HSDP: replicate {shape[0]} x shard {shape[1]}"
+                for predicted, inter_node in plan["all_reduce_times"]:
+                    assert predicted == pytest.approx(inter_node) and predicted > 0
             else:
                 assert "all_reduce" not in plan["kinds"] and plan["mesh"] == ""
 
@@ -59,6 +64,16 @@ def test_fsdp_tp_parity_placements_and_global_values():
     assert placements["w2.weight"] == ("Shard(0)", "Shard(1)")
     assert placements["norm.weight"] == ("Shard(0)", "Replicate()")
     assert placements["embed.weight"] == ("Shard(0)", "Replicate()")
+
+
+def test_cost_model_times_the_replicate_level_at_inter_node_numbers():
+    spec = ClusterSpec(bus_bandwidth=100e9, latency_s=1e-6, inter_node_bandwidth=10e9,
+                       inter_node_latency_s=5e-6)
+    nbytes, world = 1_000_000, 4
+    assert spec.collective_seconds("all_reduce", nbytes, world) == pytest.approx(
+        2 * (3 * 1e-6 + 0.75 * nbytes / 100e9))
+    assert spec.collective_seconds("all_reduce", nbytes, world, "inter") == pytest.approx(
+        2 * (3 * 5e-6 + 0.75 * nbytes / 10e9))
 
 
 def test_checkpoints_across_layouts_are_bitwise_equal(tmp_path):
