@@ -76,6 +76,11 @@ if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
 import shardc  # noqa: E402
+
+try:  # run as a script (benchmarks/ on sys.path) or imported as benchmarks.train_bench
+    import bench_mesh  # noqa: E402
+except ImportError:
+    from benchmarks import bench_mesh  # noqa: E402
 from shardc.models.llama import LlamaConfig, Transformer, llama_loss  # noqa: E402
 
 MODES: tuple[str, ...] = ("fsdp2", "fsdp2-compile", "simplefsdp", "shardc", "bound")
@@ -378,10 +383,15 @@ def mode_context(mode: str) -> contextlib.AbstractContextManager:
 
 def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh) -> Setup:
     model = build_model(cfg, device)
+    if mode == "bound":
+        return setup_bound(model)
+    if mode == "simplefsdp" and mesh.ndim != 1:
+        raise NotImplementedError("simplefsdp mode: 1-D meshes only (no --mesh / --tp)")
+    model = bench_mesh.parallelize_llama(model, mesh)  # --tp: tensor-parallel blocks first
     if mode == "fsdp2":
-        return setup_fsdp2(model, mesh, compile_blocks=False)
+        return setup_fsdp2(model, bench_mesh.dp_mesh(mesh), compile_blocks=False)
     if mode == "fsdp2-compile":
-        return setup_fsdp2(model, mesh, compile_blocks=True)
+        return setup_fsdp2(model, bench_mesh.dp_mesh(mesh), compile_blocks=True)
     if mode == "simplefsdp":
         return setup_simplefsdp(model, mesh)
     if mode == "shardc-pool":
@@ -393,8 +403,6 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh) -> Setup
         if mode == "shardc-keeporder":
             setup.info["inductor_config"] = {"reorder_for_peak_memory": "False"}
         return setup
-    if mode == "bound":
-        return setup_bound(model)
     raise ValueError(f"unknown mode {mode!r}")
 
 
@@ -520,7 +528,7 @@ def run_mode(mode: str, s: RunSettings, mesh, rank: int, log: Callable[[str], No
     res: dict[str, Any] = {}
     t0 = time.perf_counter()
     data = synthetic_batches(s.warmup + s.steps + s.profile_steps + 1, s.batch, s.seq,
-                             s.cfg.vocab_size, rank, device)
+                             s.cfg.vocab_size, bench_mesh.data_rank(mesh, rank), device)
     setup = setup_mode(mode, s.cfg, device, mesh)
     opt = torch.optim.AdamW(setup.params, lr=s.lr)
     res["setup_s"] = time.perf_counter() - t0
@@ -824,7 +832,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         f"- command: `{meta['command']}`",
         f"- date (UTC): {meta['date']}",
-        f"- GPU: {meta['gpu']} x {meta['world_size']} ({meta['device']}); torch "
+        f"- GPU: {meta['gpu']} x {meta['world_size']} ({meta['device']}; mesh "
+        f"{meta.get('mesh', 'FSDP')}); torch "
         f"{meta['torch']}; NCCL {meta.get('nccl', '–')}; Python {meta['python']}",
         f"- MFU peak: {meta['peak_flops'] / 1e12:.0f} TFLOP/s dense bf16 per GPU; MFU = 6 x "
         "params x tokens/s / peak (embedding and output included, attention FLOPs not)",
@@ -930,6 +939,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peak-tflops", type=float, default=989.0,
                    help="dense bf16 peak per GPU for MFU (H100/H200 SXM: 989)")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None)
+    p.add_argument("--mesh", default=None, metavar="RxS",
+                   help="HSDP: a (replicate, shard) mesh of R x S ranks (R*S = world size)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="FSDP+TP: tensor-parallel degree; shardc/FSDP2 shard over world/tp")
     p.add_argument("--tiny", action="store_true", help="tiny models (CPU / smoke tests)")
     p.add_argument("--n-layers", type=int, default=None, help="override the number of layers")
     p.add_argument("--out", default="docs/bench", help="directory for the markdown and JSON")
@@ -1025,11 +1038,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     start = time.perf_counter()
     device_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     rank, world, device = init_distributed(device_type, args.timeout_s)
-    from torch.distributed.device_mesh import init_device_mesh
-
     global LOSS_IN_GRAPH
     LOSS_IN_GRAPH = args.loss_in_graph
-    mesh = init_device_mesh(device_type, (world,))
+    mesh = bench_mesh.build_mesh(device_type, world, args.mesh, args.tp)
     if device_type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     seq = args.seq or (128 if args.tiny else 2048)
@@ -1049,6 +1060,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         or "cpu",
         "device": device_type,
         "world_size": world,
+        "mesh": bench_mesh.describe(mesh),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "nccl": _nccl_version() if device_type == "cuda" else None,

@@ -30,6 +30,9 @@ class Bucket:
     dtype: str  # communication dtype of the all-gather
     reduce_dtype: str  # communication dtype of the reduce-scatter
     world: int
+    # HSDP: replicas the reduce-scattered shard is then all-reduced (averaged) over, and the group.
+    replicate: int = 1
+    replicate_group: str = ""
 
     @property
     def shard_numel(self) -> int:
@@ -58,7 +61,7 @@ class Collective:
     """
 
     id: str
-    kind: str  # "all_gather" | "reduce_scatter"
+    kind: str  # "all_gather" | "reduce_scatter" | "all_reduce" (HSDP, over the replicate group)
     graph: str  # "forward" | "backward"
     bucket: int
     params: list[str]
@@ -77,6 +80,8 @@ class Collective:
     exposed_s: float = 0.0
     buffer_offset: int | None = None
     buffer_lifetime: tuple[int, int] | None = None
+    # The mesh dimension it runs over: "shard" (intra-node in HSDP) or "replicate" (inter-node).
+    group: str = "shard"
 
     def signature(self) -> tuple:
         """What every rank must agree on (independent of rank-specific shard shapes)."""
@@ -112,6 +117,10 @@ class Plan:
     group_name: str = ""
     # Offset in the communication pool of each buffer, keyed "<collective id>.<send|recv>".
     pool_offsets: dict[str, int] = field(default_factory=dict)
+    # The mesh (e.g. "HSDP: replicate 2 x shard 4"); HSDP's replicate dimension and its group.
+    mesh: str = ""
+    replicate_size: int = 1
+    replicate_group_name: str = ""
 
     def collective_signature(self) -> list[tuple]:
         return [c.signature() for c in self.collectives]

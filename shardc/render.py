@@ -148,6 +148,12 @@ def plan_table(plan: Plan, *, reason_width: int = 60) -> str:
         f"plan hash {plan.hash()}, version {plan.version}"
         + (f", group {plan.group_name}" if plan.group_name else ""),
     ]
+    if plan.mesh:
+        cluster = plan.options.get("cluster") or {}
+        lines.append(
+            f"mesh: {plan.mesh}; reduce-scatter over shard group {plan.group_name} (intra-node), "
+            f"all-reduce over replicate group {plan.replicate_group_name} (inter-node)"
+            + (f"; cluster {cluster}" if cluster else ""))
     per_graph = []
     for g in _graph_names(plan):
         if f"{g}_time_s" in pred:

@@ -76,7 +76,7 @@ def _errors(rank: int, world: int) -> list[str]:
     expect(ValueError, lambda: shardc.shard(model))
     expect(ValueError, lambda: shardc.shard(model[0]))
     mesh_2d = init_device_mesh("cpu", (1, 1))
-    expect(NotImplementedError, lambda: shardc.shard(nn.Linear(2, 2), mesh_2d))
+    expect(ValueError, lambda: shardc.shard(nn.Linear(2, 2), mesh_2d))  # unnamed dims
     meta_mesh = DeviceMesh.from_group(dist.group.WORLD, "meta")
     expect(ValueError, lambda: shardc.shard(nn.Linear(2, 2), meta_mesh))
     mixed = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta"))
@@ -96,7 +96,7 @@ def test_bad_input_errors_name_the_problem():
     twice, child, two_d, device, mixed, scalar = messages
     assert "already sharded" in twice and "the module" in twice
     assert "already sharded" in child
-    assert "2-D mesh" in two_d and "1-D" in two_d
+    assert "2-D mesh" in two_d and "mesh_dim_names" in two_d
     assert "'weight'" in device and "meta" in device and "cpu" in device
     assert "different devices" in mixed and "'1.weight'" in mixed
     assert "'temperature'" in scalar and "scalar" in scalar

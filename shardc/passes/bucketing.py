@@ -28,6 +28,8 @@ class ParamComm:
     group_name: str
     world: int
     itemsize: int
+    replicate: int = 1  # HSDP replicas (the gradient is all-reduced over them)
+    replicate_group: str = ""
 
     @property
     def gathered_bytes(self) -> int:
@@ -71,7 +73,8 @@ def assign_buckets(
         else:
             key_t = ("block", key)
         previous_key = key
-        groups.setdefault((key_t, p.dtype, p.reduce_dtype, p.group_name), []).append(p)
+        groups.setdefault((key_t, p.dtype, p.reduce_dtype, p.group_name, p.replicate_group),
+                          []).append(p)
     buckets: list[list[ParamComm]] = []
     for members in groups.values():
         buckets.extend(_split_by_cap(members, cap_bytes))

@@ -40,18 +40,24 @@ class ClusterSpec:
     mem_bandwidth: float = 3.0e12  # bytes/s of device memory
     bus_bandwidth: float = 100e9  # bytes/s per rank for collectives (intra-node)
     latency_s: float = 10e-6  # per ring step
+    # HSDP's replicate dimension crosses nodes: its all-reduce runs at these (inter-node) numbers.
+    inter_node_bandwidth: float = 25e9  # bytes/s per rank
+    inter_node_latency_s: float = 20e-6  # per ring step
 
     def evaluate(self, expr: sympy.Expr, world: int) -> float:
         value = expr.subs({W: world, B: self.bus_bandwidth, ALPHA: self.latency_s})
         return float(value)
 
-    def collective_seconds(self, kind: str, buffer_bytes: int, world: int) -> float:
-        # Closed form of collective_time_expr, for speed in planning loops.
+    def collective_seconds(self, kind: str, buffer_bytes: int, world: int,
+                           level: str = "intra") -> float:
+        """Closed form of collective_time_expr, for speed in planning loops; ``level="inter"``
+        uses the inter-node bandwidth and latency (HSDP's replicate dimension)."""
         if world <= 1:
             return 0.0
         factor = 2 if kind == "all_reduce" else 1
-        return factor * ((world - 1) * self.latency_s
-                         + (world - 1) / world * buffer_bytes / self.bus_bandwidth)
+        bandwidth, latency = ((self.inter_node_bandwidth, self.inter_node_latency_s)
+                              if level == "inter" else (self.bus_bandwidth, self.latency_s))
+        return factor * ((world - 1) * latency + (world - 1) / world * buffer_bytes / bandwidth)
 
     def compute_seconds(self, flops: float, nbytes: float) -> float:
         return max(flops / self.peak_flops, nbytes / self.mem_bandwidth)

@@ -36,6 +36,14 @@ def _pad_rows(graph: fx.Graph, x: fx.Node, rows: int) -> fx.Node:
     return call(graph, aten.constant_pad_nd.default, (x, pad, 0.0))
 
 
+def _contiguous(graph: fx.Graph, x: fx.Node) -> fx.Node:
+    """``x``, copied to a dense layout only if it is not one (a gradient can be a transposed
+    view, e.g. of an einsum, which cannot be flattened by a view)."""
+    if x.meta["val"].is_contiguous():
+        return x
+    return call(graph, aten.clone.default, (x,), {"memory_format": torch.contiguous_format})
+
+
 def _retake_views(graph: fx.Graph, node: fx.Node) -> fx.Node:
     """A copy, at the insertion point, of the chain of views from a placeholder to ``node``."""
     if node.op == "placeholder":
@@ -94,7 +102,7 @@ def _issue_all_gather(graph, c: Collective, bucket: Bucket, gathers: dict, group
         compute_dtype = gathers[fqn].args[5]
         if compute_dtype is not None and compute_dtype != x.meta["val"].dtype:
             x = call(graph, torch.ops.prims.convert_element_type.default, (x, compute_dtype))
-        x = _pad_rows(graph, x, layout[fqn][1])
+        x = _contiguous(graph, _pad_rows(graph, x, layout[fqn][1]))
         pieces.append(call(graph, aten.view.default, (x, [-1])))
     send = pieces[0] if len(pieces) == 1 else call(graph, aten.cat.default, (pieces,))
     return call(graph, funcol.all_gather_into_tensor.default, (send, bucket.world, group)), \
@@ -141,6 +149,7 @@ def _issue_reduce_scatter(graph, c: Collective, bucket: Bucket, reduces: dict, g
             x = call(graph, torch.ops.prims.convert_element_type.default, (x, reduce_dtype))
         _, rows, row_numel, _ = layout[fqn]
         x = _pad_rows(graph, x, rows * bucket.world)
+        x = _contiguous(graph, x)
         pieces.append(call(graph, aten.view.default, (x, [bucket.world, rows * row_numel])))
     packed = pieces[0] if len(pieces) == 1 else call(graph, aten.cat.default, (pieces, 1))
     flat = call(graph, aten.view.default, (packed, [-1]))
@@ -149,7 +158,9 @@ def _issue_reduce_scatter(graph, c: Collective, bucket: Bucket, reduces: dict, g
 
 
 def _wait_reduce_scatter(graph, c: Collective, bucket: Bucket, reduces: dict, handle, rank: int,
-                         pool: PoolViews, buffers: tuple):
+                         pool: PoolViews, buffers: tuple) -> fx.Node | None:
+    """Wait a reduce-scatter and hand each parameter its rows; on an HSDP mesh, issue instead the
+    bucket's all-reduce over the replicate group and return its handle (its wait hands out)."""
     done = call(graph, funcol.wait_tensor.default, (handle,))
     if buffers[1] is not None:
         done = pool.read(done)  # a new tensor: the gradients must not alias the pool
@@ -157,6 +168,22 @@ def _wait_reduce_scatter(graph, c: Collective, bucket: Bucket, reduces: dict, ha
         done = call(graph, aten.div.Tensor, (done, bucket.world))
     for view in buffers:
         pool.release(view)
+    if bucket.replicate > 1:
+        # HSDP: one flat all-reduce of the bucket's shard (a new tensor, never the pool).
+        return call(graph, funcol.all_reduce.default, (done, "sum", bucket.replicate_group))
+    _hand_out(graph, c, bucket, reduces, done, rank)
+    return None
+
+
+def _wait_all_reduce(graph, c: Collective, bucket: Bucket, reduces: dict, handle, rank: int):
+    """HSDP: wait the replicate all-reduce, average, and hand each parameter its rows."""
+    summed = call(graph, funcol.wait_tensor.default, (handle,))
+    done = call(graph, aten.div.Tensor, (summed, bucket.replicate))
+    _hand_out(graph, c, bucket, reduces, done, rank)
+
+
+def _hand_out(graph, c: Collective, bucket: Bucket, reduces: dict, done: fx.Node, rank: int):
+    """Replace each parameter's reduce node by its rows of the reduced flat shard ``done``."""
     layout, _ = bucket.layout(c.params)
     for fqn in c.params:
         rs = reduces[fqn]
@@ -236,7 +263,8 @@ def apply_plan(
     pool_node = pool if isinstance(pool, fx.Node) or pool is None else _pool_node(gm, pool)
     views = PoolViews(graph, pool_node if colls else None, plan, poison)
     # Issues before waits at the same position, each group in plan order.
-    for c in sorted(colls, key=lambda c: c.issue_pos):
+    # HSDP's all-reduces are issued by their reduce-scatter's wait (they reduce its output).
+    for c in sorted((c for c in colls if c.kind != "all_reduce"), key=lambda c: c.issue_pos):
         bucket = plan.buckets[c.bucket]
         source = g.gathers if c.kind == "all_gather" else g.reduces
         group = source[c.params[0]].args[4]
@@ -245,15 +273,19 @@ def apply_plan(
                 handles[c.id] = _issue_all_gather(graph, c, bucket, g.gathers, group, views)
             else:
                 handles[c.id] = _issue_reduce_scatter(graph, c, bucket, g.reduces, group, views)
-    for c in sorted(colls, key=lambda c: c.wait_pos):
+    for c in sorted(colls, key=lambda c: (c.wait_pos, c.kind == "all_reduce")):
         bucket = plan.buckets[c.bucket]
         with graph.inserting_before(_anchor(g, gm, c.wait_pos)):
             handle, *buffers = handles[c.id]
             if c.kind == "all_gather":
                 _wait_all_gather(graph, c, bucket, g.gathers, handle, views, tuple(buffers))
+            elif c.kind == "all_reduce":
+                _wait_all_reduce(graph, c, bucket, g.reduces, handle, rank)
             else:
-                _wait_reduce_scatter(graph, c, bucket, g.reduces, handle, rank, views,
-                                     tuple(buffers))
+                reduce = _wait_reduce_scatter(graph, c, bucket, g.reduces, handle, rank, views,
+                                              tuple(buffers))
+                if reduce is not None:
+                    handles[c.id.replace(".reduce_scatter.", ".all_reduce.")] = (reduce,)
         # Name the collective of the issue and wait nodes (errors at run time name it).
         for node in (handle, *handle.users):
             node.meta[COLLECTIVE_META] = c.id

@@ -40,6 +40,8 @@ def comm_buffers(plan: Plan) -> list[CommBuffer]:
     offset = {"forward": 0, "backward": len(plan.graphs.get("forward", [])) + 1}
     out = []
     for c in plan.collectives:
+        if c.kind == "all_reduce":  # HSDP: reduces a new tensor in place of the pool (lower.py)
+            continue
         start = offset[c.graph] + c.issue_pos
         end = offset[c.graph] + c.wait_pos + 1
         send = c.bytes if c.kind == "all_gather" else c.buffer_bytes

@@ -132,6 +132,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def param_comm(gather: fx.Node) -> ParamComm:
     shard, fqn, dim0, world, group_name, compute_dtype, reduce_dtype = gather.args[:7]
+    replicate, replicate_group = (tuple(gather.args[10:12]) + (1, ""))[:2] if len(
+        gather.args) > 10 else (1, "")
     val = shard.meta["val"]
     dtype = compute_dtype or val.dtype
     row_numel = 1
@@ -147,6 +149,8 @@ def param_comm(gather: fx.Node) -> ParamComm:
         group_name=group_name,
         world=world,
         itemsize=torch.empty((), dtype=dtype).element_size(),
+        replicate=replicate,
+        replicate_group=replicate_group if replicate > 1 else "",
     )
 
 
@@ -168,6 +172,8 @@ def make_buckets(fw: GraphComm, options) -> list[Bucket]:
             dtype=members[0].dtype,
             reduce_dtype=members[0].reduce_dtype,
             world=members[0].world,
+            replicate=members[0].replicate,
+            replicate_group=members[0].replicate_group,
         )
         for i, members in enumerate(groups)
     ]
@@ -254,10 +260,30 @@ def _place_reduce_scatters(g: GraphComm, buckets: list[Bucket]) -> list[Collecti
             g, "reduce_scatter", bucket, params, nbytes, bucket.reduce_dtype, ready, wait, wait,
             wait, "issued once the last gradient of the bucket exists; waited as late as "
             "possible with at most two reduce-scatters in flight"))
+        if bucket.replicate > 1:
+            out.append(replicate_all_reduce(g, bucket, params, wait, latest))
     return out
 
 
-def _simulate(g: GraphComm, colls: list[Collective], cluster: ClusterSpec, world: int):
+def replicate_all_reduce(g: GraphComm, bucket: Bucket, params: list[str], issue: int,
+                         latest: int) -> Collective:
+    """HSDP: the all-reduce (average) of a bucket's reduce-scattered shard over the replicate
+    group, issued at the reduce-scatter's wait (it reduces its output) and waited before the
+    first reader of the reduced shards (``latest``: the graph's output, or an accumulation)."""
+    nbytes = bucket.layout(params)[1] * _itemsize(bucket.reduce_dtype)
+    wait = max(issue, latest)
+    c = _collective(
+        g, "all_reduce", bucket, params, nbytes * bucket.world, bucket.reduce_dtype, issue, wait,
+        wait, wait, f"HSDP: averages the bucket's shard over the {bucket.replicate} replicas "
+        "(inter-node); issued at its reduce-scatter's wait, waited before the first reader of "
+        "the reduced gradients")
+    c.bytes = c.buffer_bytes = nbytes
+    c.group = "replicate"
+    return c
+
+
+def _simulate(g: GraphComm, colls: list[Collective], cluster: ClusterSpec, world: int,
+              replicas: int = 1):
     """Two-lane timing: compute in order, collectives FIFO on one stream; fills predictions."""
     ops = []
     by_issue: dict[int, list[Collective]] = {}
@@ -269,7 +295,9 @@ def _simulate(g: GraphComm, colls: list[Collective], cluster: ClusterSpec, world
     for p in range(g.end + 1):
         for c in by_issue.get(p, []):
             c.predicted_start_s = max(t, comm_free)
-            duration = cluster.collective_seconds(c.kind, c.buffer_bytes, world)
+            duration = (cluster.collective_seconds(c.kind, c.buffer_bytes, replicas, "inter")
+                        if c.group == "replicate"
+                        else cluster.collective_seconds(c.kind, c.buffer_bytes, world))
             c.predicted_end_s = comm_free = c.predicted_start_s + duration
         for c in by_wait.get(p, []):
             if c.predicted_end_s > t:
@@ -313,13 +341,17 @@ def plan_region(
     graphs = [fw] + ([bw] if bw is not None else [])
     plan = Plan(PLAN_VERSION, region, world, options.as_dict(), buckets, [])
     plan.group_name = next(iter(fw.gathers.values())).args[4] if fw.gathers else ""
+    replicas = buckets[0].replicate if buckets else 1
+    if replicas > 1:
+        plan.replicate_size, plan.replicate_group_name = replicas, buckets[0].replicate_group
+        plan.mesh = f"HSDP: replicate {replicas} x shard {world}"
     total_time = total_exposed = 0.0
     for g in graphs:
         colls = _place_all_gathers(g, buckets, options)
         if g.name == "backward":
             colls += _place_reduce_scatters(g, buckets)
         colls.sort(key=lambda c: (c.issue_pos, c.kind != "all_gather", c.bucket))
-        ops, step, exposed = _simulate(g, colls, cluster, world)
+        ops, step, exposed = _simulate(g, colls, cluster, world, replicas)
         plan.collectives.extend(colls)
         plan.graphs[g.name] = ops
         plan.memory_timeline[g.name] = _memory_timeline(g, colls)

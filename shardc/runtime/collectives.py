@@ -87,3 +87,9 @@ def reduce_scatter_rows(
     else:
         out = _funcol.wait_tensor(_funcol.reduce_scatter_tensor(send, "sum", world, group_name))
     return out.narrow(0, 0, shard_rows(dim0, world, rank))
+
+
+def all_reduce_mean(t: torch.Tensor, world: int, group_name: str) -> torch.Tensor:
+    """Eager average of ``t`` over the ``world`` ranks of ``group_name`` (HSDP's replicas)."""
+    out = _funcol.wait_tensor(_funcol.all_reduce(t.contiguous(), "sum", group_name))
+    return out / world

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from shardc.runtime.collectives import (
     all_gather_rows,
+    all_reduce_mean,
     reduce_scatter_rows,
     resolve_group,
     shard_rows,
@@ -35,12 +36,15 @@ def gather_param(
     reshard_after_forward: bool,
     grad_sync: int = 0,
     sync_key: str = "",
+    replicate: int = 1,
+    replicate_group: str = "",
 ) -> torch.Tensor:
     """The full parameter ``fqn`` (``dim0`` rows) gathered from every rank's dim-0 shard.
 
     The shard is cast to ``compute_dtype`` before communication. Its gradient is the
     ``reduce_dtype`` average over ranks of the full gradient, scattered back to this rank's rows
     (``grad_sync``: see :mod:`shardc.runtime.grad_sync`; ``sync_key`` names the model's store).
+    HSDP: ``replicate > 1`` also averages the gradient over the ``replicate_group`` replicas.
     """
     send = shard if compute_dtype is None else shard.to(compute_dtype)
     return all_gather_rows(send, dim0, world, group_name)
@@ -48,7 +52,7 @@ def gather_param(
 
 @gather_param.register_fake
 def _gather_param_fake(shard, fqn, dim0, world, group_name, compute_dtype, reduce_dtype, reshard,
-                       grad_sync=0, sync_key=""):
+                       grad_sync=0, sync_key="", replicate=1, replicate_group=""):
     return shard.new_empty((dim0, *shard.shape[1:]), dtype=compute_dtype or shard.dtype)
 
 
@@ -61,25 +65,33 @@ def reduce_scatter_grad(
     group_name: str,
     reduce_dtype: torch.dtype | None,
     out_dtype: torch.dtype,
+    replicate: int = 1,
+    replicate_group: str = "",
 ) -> torch.Tensor:
-    """This rank's shard of the average over ranks of the full gradient ``grad`` of ``fqn``."""
+    """This rank's shard of the average over ranks of the full gradient ``grad`` of ``fqn``
+    (HSDP, ``replicate > 1``: then averaged over the ``replicate_group`` replicas too)."""
     send = grad if reduce_dtype is None else grad.to(reduce_dtype)
     rank = dist.get_rank(resolve_group(group_name)) if world > 1 else 0
     local = reduce_scatter_rows(send, dim0, world, group_name, rank)
     if world > 1:
         local = local / world
+    if replicate > 1:
+        local = all_reduce_mean(local, replicate, replicate_group)
     return local.to(out_dtype)
 
 
 @reduce_scatter_grad.register_fake
-def _reduce_scatter_grad_fake(grad, fqn, dim0, world, group_name, reduce_dtype, out_dtype):
+def _reduce_scatter_grad_fake(grad, fqn, dim0, world, group_name, reduce_dtype, out_dtype,
+                              replicate=1, replicate_group=""):
     rank = dist.get_rank(resolve_group(group_name)) if world > 1 else 0
     return grad.new_empty((shard_rows(dim0, world, rank), *grad.shape[1:]), dtype=out_dtype)
 
 
 def _gather_setup_context(ctx, inputs, output) -> None:
-    shard, fqn, dim0, world, group_name, _compute, reduce_dtype, _reshard, *sync = inputs
-    ctx.reduce_args = (fqn, dim0, world, group_name, reduce_dtype, shard.dtype)
+    shard, fqn, dim0, world, group_name, _compute, reduce_dtype, _reshard, *rest = inputs
+    sync, replicas = rest[:2], rest[2:4]
+    ctx.reduce_args = (fqn, dim0, world, group_name, reduce_dtype, shard.dtype,
+                       *(replicas if replicas and replicas[0] > 1 else ()))
     ctx.grad_sync, ctx.sync_key = sync if sync else (REDUCE, "")
     ctx.save_for_backward(shard if ctx.grad_sync == STASH else None)
 
@@ -93,7 +105,7 @@ def _gather_backward(ctx, grad):
         if ctx.grad_sync == REDUCE_STASHED:
             grad = take_stashed_grad(grad, ctx.sync_key, fqn)
         local = reduce_scatter_grad(grad, *ctx.reduce_args)
-    return (local,) + (None,) * 9
+    return (local,) + (None,) * (len(ctx.needs_input_grad) - 1)
 
 
 gather_param.register_autograd(_gather_backward, setup_context=_gather_setup_context)

@@ -46,7 +46,7 @@ def pool_pack(out: torch.Tensor, tensors: list[torch.Tensor], rows: list[int], w
         if rank_major:
             dst = out[:, offset:offset + n].view(world, r, *rest)
             if t.shape[0] == r * world:
-                dst.copy_(t.view(world, r, *rest))
+                dst.copy_(t.reshape(world, r, *rest))
             else:
                 for w in range(world):
                     have = max(0, min(r, t.shape[0] - w * r))

@@ -23,10 +23,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
-from shardc.runtime.collectives import group_name_of
 from shardc.runtime.grad_sync import UnsyncedGrads
+from shardc.runtime.mesh import (
+    MeshLayout,
+    TpSpec,
+    check_param,
+    placements,
+    rank_tensor,
+    resolve_layout,
+    tp_spec,
+    wrap_tp,
+)
 from shardc.runtime.ops import gather_param
 
 
@@ -53,6 +62,11 @@ class ShardedParamInfo:
     compute_dtype: torch.dtype | None
     reduce_dtype: torch.dtype | None
     reshard_after_forward: bool
+    # HSDP: the gradient is also averaged over this many replicas (the replicate group).
+    replicate: int = 1
+    replicate_group_name: str = ""
+    # FSDP+TP: the tensor-parallel placement the gathered tp-local tensor is wrapped back into.
+    tp: TpSpec | None = None
 
 
 @dataclass
@@ -65,6 +79,7 @@ class ShardState:
     params: dict[str, ShardedParamInfo]
     regions: list = field(default_factory=list)  # one record per compiled region (the backend's)
     grad_sync: UnsyncedGrads = field(default_factory=UnsyncedGrads)
+    layout: MeshLayout | None = None  # the roles of the mesh's dimensions (shardc.runtime.mesh)
 
 
 class _ForwardDepth(threading.local):
@@ -121,7 +136,7 @@ def _param_property(name: str, info: ShardedParamInfo, grads: UnsyncedGrads) -> 
         if not isinstance(param, DTensor) or not (_gathering() or _in_eager_forward()):
             return param
         sync = grads.mode()
-        return gather_param(
+        full = gather_param(
             param.to_local(),
             info.fqn,
             info.dim0,
@@ -132,7 +147,10 @@ def _param_property(name: str, info: ShardedParamInfo, grads: UnsyncedGrads) -> 
             info.reshard_after_forward,
             sync,
             grads.key,
+            info.replicate,
+            info.replicate_group_name,
         )
+        return full if info.tp is None else wrap_tp(full, info.tp)
 
     return property(read, doc=f"The parameter {info.fqn!r}, gathered inside a forward.")
 
@@ -156,18 +174,14 @@ def _default_mesh(module: nn.Module) -> DeviceMesh:
     return DeviceMesh.from_group(dist.group.WORLD, device_type)
 
 
-def _check_inputs(module: nn.Module, mesh: DeviceMesh) -> None:
+def _check_inputs(module: nn.Module, mesh: DeviceMesh) -> MeshLayout:
     for name, sub in module.named_modules():
         if is_sharded(sub) or shard_state(sub) is not None:
             where = f"submodule {name!r}" if name else "the module"
             raise ValueError(
                 f"shardc.shard: {where} is already sharded; call shardc.shard once, on the root."
             )
-    if mesh.ndim != 1:
-        raise NotImplementedError(
-            f"shardc.shard: got a {mesh.ndim}-D mesh {tuple(mesh.shape)}; only 1-D meshes are "
-            "supported for now. Pass a 1-D mesh such as init_device_mesh(type, (world_size,))."
-        )
+    layout = resolve_layout(mesh)
     devices: dict[torch.device, str] = {}
     for fqn, p in module.named_parameters():
         devices.setdefault(p.device, fqn)
@@ -191,16 +205,15 @@ def _check_inputs(module: nn.Module, mesh: DeviceMesh) -> None:
                 f"shardc.shard: parameter {fqn!r} is a scalar (0-d); shardc shards along dim 0. "
                 "Store it as a 1-element tensor instead."
             )
-        if isinstance(p, DTensor):
-            raise ValueError(
-                f"shardc.shard: parameter {fqn!r} is already a DTensor; shardc shards plain "
-                "parameters over a 1-D mesh."
-            )
+        check_param(fqn, p, layout)
+    return layout
 
 
-def _shard_tensor(t: torch.Tensor, mesh: DeviceMesh) -> DTensor:
-    """Keep this rank's ``torch.chunk`` slice of ``t`` (never the whole of a meta tensor)."""
-    world, rank = mesh.size(), mesh.get_local_rank()
+def _shard_tensor(p: torch.Tensor, layout: MeshLayout) -> DTensor:
+    """Keep this rank's ``torch.chunk`` slice of what the rank holds of ``p`` (never the whole of
+    a meta tensor), as a DTensor on the whole mesh (placements: :mod:`shardc.runtime.mesh`)."""
+    t, mesh = rank_tensor(p), layout.mesh
+    world, rank = layout.shard_world, layout.shard_rank
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if (
         mesh.device_type == "cuda"
     ) else torch.device(mesh.device_type)
@@ -211,8 +224,11 @@ def _shard_tensor(t: torch.Tensor, mesh: DeviceMesh) -> DTensor:
         local = torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device=device)
     else:
         local = t.detach().narrow(0, start, rows).to(device).clone()
+    spec = tp_spec(p)
+    shape = spec.shape if spec is not None else t.shape
+    stride = spec.stride if spec is not None else t.contiguous().stride()
     return DTensor.from_local(
-        local, mesh, [Shard(0)], run_check=False, shape=t.shape, stride=t.contiguous().stride()
+        local, mesh, placements(layout, spec), run_check=False, shape=shape, stride=stride
     )
 
 
@@ -225,10 +241,14 @@ def shard(
 ) -> nn.Module:
     """Shard every parameter of ``module`` on dim 0 over ``mesh``, in place; returns ``module``.
 
-    ``mesh`` defaults to a 1-D mesh over the default process group. Like ``fully_shard``, each rank
-    keeps its own slice of its own values (no broadcast): build the model with the same seed on
-    every rank, build it on the meta device and initialize after sharding, or load a checkpoint.
-    A meta-device module gets uninitialized local shards (never a full parameter).
+    ``mesh`` defaults to a 1-D mesh over the default process group. A 2-D mesh named
+    ``("replicate", "shard")`` shards within ``shard`` and replicates across ``replicate`` (HSDP);
+    one named ``("dp", "tp")`` shards the tp-local tensors of a model parallelized on ``mesh["tp"]``
+    over ``dp`` (FSDP+TP). See :mod:`shardc.runtime.mesh` and docs/meshes.md.
+    Like ``fully_shard``, each rank keeps its own slice of its own values (no broadcast): build
+    the model with the same seed on every rank, build it on the meta device and initialize
+    after sharding, or load a checkpoint. A meta-device module gets uninitialized local shards
+    (never a full parameter).
     ``reshard_after_forward``: free gathered parameters after the forward and gather them again
     for the backward (less memory) instead of keeping them.
     """
@@ -238,9 +258,9 @@ def shard(
             "torch.distributed.init_process_group(...) (or init_device_mesh) before sharding."
         )
     mesh = mesh if mesh is not None else _default_mesh(module)
-    _check_inputs(module, mesh)
+    layout = _check_inputs(module, mesh)
     mp_policy = mp_policy or MixedPrecisionPolicy()
-    group_name = group_name_of(mesh.get_group())
+    group_name = layout.shard_group_name
 
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
     canonical: dict[int, tuple[str, nn.Parameter]] = {}
@@ -257,20 +277,23 @@ def shard(
     for key, (fqn, p) in canonical.items():
         info = ShardedParamInfo(
             fqn=fqn,
-            dim0=p.shape[0],
-            world=mesh.size(),
+            dim0=rank_tensor(p).shape[0],
+            world=layout.shard_world,
             group_name=group_name,
             compute_dtype=mp_policy.param_dtype,
             reduce_dtype=mp_policy.reduce_dtype,
             reshard_after_forward=reshard_after_forward,
+            replicate=layout.replicate_world,
+            replicate_group_name=layout.replicate_group_name,
+            tp=tp_spec(p),
         )
         infos[fqn] = info
-        new_param = nn.Parameter(_shard_tensor(p, mesh), requires_grad=p.requires_grad)
+        new_param = nn.Parameter(_shard_tensor(p, layout), requires_grad=p.requires_grad)
         for sub, pname in owners[key]:
             sub._parameters[pname] = new_param
             per_module.setdefault(id(sub), (sub, {}))[1][pname] = info
 
-    state = ShardState(mesh, reshard_after_forward, mp_policy, infos)
+    state = ShardState(mesh, reshard_after_forward, mp_policy, infos, layout=layout)
     for sub, sub_infos in per_module.values():
         for pname in sub_infos:
             # The backend finds the root's records through any parameter of a compiled graph.
