@@ -4,6 +4,7 @@ from shardc.backend import backend, shardc_backend
 from shardc.explain import explain, explain_all
 from shardc.options import ShardcOptions
 from shardc.plan import Plan
+from shardc.runtime.fp8 import Float8Policy
 from shardc.runtime.sharding import (
     MixedPrecisionPolicy,
     is_sharded,
@@ -16,6 +17,7 @@ from shardc.runtime.sharding import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "Float8Policy",
     "MixedPrecisionPolicy",
     "Plan",
     "ShardcOptions",

@@ -25,6 +25,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from shardc.runtime.collectives import group_name_of
+from shardc.runtime.fp8 import (
+    Float8Policy,
+    Fp8ParamInfo,
+    fp8_class_attrs,
+    gather_fp8_weight,
+    select_fp8_params,
+)
 from shardc.runtime.grad_sync import UnsyncedGrads
 from shardc.runtime.ops import gather_param
 
@@ -52,6 +59,7 @@ class ShardedParamInfo:
     compute_dtype: torch.dtype | None
     reduce_dtype: torch.dtype | None
     reshard_after_forward: bool
+    fp8: Fp8ParamInfo | None = None  # gathered in FP8 (``shard(..., fp8=...)``)
 
 
 @dataclass
@@ -64,6 +72,7 @@ class ShardState:
     params: dict[str, ShardedParamInfo]
     regions: list = field(default_factory=list)  # one record per compiled region (the backend's)
     grad_sync: UnsyncedGrads = field(default_factory=UnsyncedGrads)
+    fp8: Float8Policy | None = None
 
 
 class _ForwardDepth(threading.local):
@@ -104,6 +113,8 @@ def _param_property(name: str, info: ShardedParamInfo, grads: UnsyncedGrads) -> 
         if not isinstance(param, DTensor) or not _gathering():
             return param
         sync = grads.mode()
+        if info.fp8 is not None:
+            return gather_fp8_weight(param.to_local(), info, sync, grads.key)
         return gather_param(
             param.to_local(),
             info.fqn,
@@ -121,10 +132,12 @@ def _param_property(name: str, info: ShardedParamInfo, grads: UnsyncedGrads) -> 
 
 
 def _swap_class(
-    module: nn.Module, infos: dict[str, ShardedParamInfo], grads: UnsyncedGrads
+    module: nn.Module, infos: dict[str, ShardedParamInfo], grads: UnsyncedGrads,
+    fp8: Float8Policy | None = None,
 ) -> None:
     cls = type(module)
     attrs = {name: _param_property(name, info, grads) for name, info in infos.items()}
+    attrs.update(fp8_class_attrs(module, infos, grads, fp8))
     attrs["_shardc_param_names"] = tuple(infos)
     attrs["__module__"] = cls.__module__
     module.__class__ = type(f"Shardc{cls.__name__}", (ShardedModuleMixin, cls), attrs)
@@ -205,6 +218,7 @@ def shard(
     *,
     reshard_after_forward: bool = True,
     mp_policy: MixedPrecisionPolicy | None = None,
+    fp8: Float8Policy | None = None,
 ) -> nn.Module:
     """Shard every parameter of ``module`` on dim 0 over ``mesh``, in place; returns ``module``.
 
@@ -214,6 +228,8 @@ def shard(
     A meta-device module gets uninitialized local shards (never a full parameter).
     ``reshard_after_forward``: free gathered parameters after the forward and gather them again
     for the backward (less memory) instead of keeping them.
+    ``fp8``: gather the weights it selects (``nn.Linear`` by default) in FP8 and, on CUDA, compute
+    with them in FP8; see :mod:`shardc.runtime.fp8`.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
@@ -235,6 +251,12 @@ def shard(
             canonical.setdefault(id(p), (fqn, p))
             owners.setdefault(id(p), []).append((sub, pname))
 
+    if fp8 is not None and not isinstance(fp8, Float8Policy):
+        raise TypeError(f"shardc.shard: fp8 must be a shardc.Float8Policy, got {fp8!r}")
+    fp8_fqns = select_fp8_params(
+        module, fp8, {fqn: len(owners[key]) for key, (fqn, _) in canonical.items()}
+    ) if fp8 is not None else set()
+
     infos: dict[str, ShardedParamInfo] = {}
     per_module: dict[int, tuple[nn.Module, dict[str, ShardedParamInfo]]] = {}
     for key, (fqn, p) in canonical.items():
@@ -246,6 +268,8 @@ def shard(
             compute_dtype=mp_policy.param_dtype,
             reduce_dtype=mp_policy.reduce_dtype,
             reshard_after_forward=reshard_after_forward,
+            fp8=Fp8ParamInfo(fp8.dtype, mp_policy.param_dtype or p.dtype)
+            if fqn in fp8_fqns else None,
         )
         infos[fqn] = info
         new_param = nn.Parameter(_shard_tensor(p, mesh), requires_grad=p.requires_grad)
@@ -253,12 +277,12 @@ def shard(
             sub._parameters[pname] = new_param
             per_module.setdefault(id(sub), (sub, {}))[1][pname] = info
 
-    state = ShardState(mesh, reshard_after_forward, mp_policy, infos)
+    state = ShardState(mesh, reshard_after_forward, mp_policy, infos, fp8=fp8)
     for sub, sub_infos in per_module.values():
         for pname in sub_infos:
             # The backend finds the root's records through any parameter of a compiled graph.
             sub._parameters[pname]._shardc_regions = state.regions
-        _swap_class(sub, sub_infos, state.grad_sync)
+        _swap_class(sub, sub_infos, state.grad_sync, fp8)
         sub.register_forward_pre_hook(_enter_forward)
         sub.register_forward_hook(_exit_forward, always_call=True)
     if id(module) not in per_module:
