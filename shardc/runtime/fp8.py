@@ -10,9 +10,11 @@ Contract (``shardc.shard(model, fp8=Float8Policy())``):
 - Each rank quantizes its shard with that scale, and the gather moves the FP8 shards (1 byte per
   element; collectives see a ``uint8`` view, which every backend supports).
 - The gathered FP8 weight either feeds ``torch._scaled_mm`` (CUDA, ``Float8Policy.scaled_mm``,
-  every dimension a multiple of 16; the activation gets its own per-tensor scale, computed
-  locally), or is dequantized to the compute dtype (``mp_policy.param_dtype``, else the
-  parameter's dtype) and used by the module's unchanged forward.
+  every dimension a multiple of 16; the activation gets its own per-tensor e4m3 scale and, in
+  backward, the output gradient an e5m2 one, both computed locally: the forward and the input
+  gradient run in FP8, the weight gradient in the compute dtype), or is dequantized to the
+  compute dtype (``mp_policy.param_dtype``, else the parameter's dtype) and used by the
+  module's unchanged forward.
 - Backward is straight-through: the weight gradient is computed in high precision as if the
   dequantized weight were the weight, averaged over ranks in ``reduce_dtype`` and scattered back
   to the shard. Master shards, optimizer state and checkpoints never hold FP8 values.
@@ -234,10 +236,16 @@ class _ScaledMMLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, full, scale = ctx.saved_tensors[:3]
-        weight = dequantize(full, scale, ctx.compute_dtype)
-        g2 = grad.reshape(-1, grad.shape[-1]).to(ctx.compute_dtype)
-        grad_x = (g2 @ weight).reshape(x.shape).to(x.dtype)
-        grad_w = g2.t() @ x.reshape(-1, x.shape[-1]).to(ctx.compute_dtype)
+        g2 = grad.reshape(-1, grad.shape[-1])
+        # Input gradient in FP8: the output gradient as e5m2 (range over precision) times the
+        # gathered e4m3 weight, which _scaled_mm needs column-major (a 1-byte transpose copy).
+        g_scale = scale_from_amax(local_amax(g2), torch.float8_e5m2)
+        gq = quantize(g2, g_scale, torch.float8_e5m2)
+        grad_x = torch._scaled_mm(gq, full.t().contiguous().t(), scale_a=g_scale.reciprocal(),
+                                  scale_b=scale.reciprocal(), out_dtype=ctx.compute_dtype)
+        grad_x = grad_x.reshape(x.shape).to(x.dtype)
+        # Weight gradient in high precision (straight-through), reduced in reduce_dtype.
+        grad_w = g2.to(ctx.compute_dtype).t() @ x.reshape(-1, x.shape[-1]).to(ctx.compute_dtype)
         return grad_x, _reduce_grad(ctx, grad_w), None, None, None, None
 
 
