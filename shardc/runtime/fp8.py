@@ -124,9 +124,13 @@ def fp8_max(dtype: torch.dtype) -> float:
 
 
 def local_amax(x: torch.Tensor) -> torch.Tensor:
-    """``max(|x|)`` as a float32 0-d tensor; 0 for an empty shard (a rank past the last row)."""
-    flat = x.detach().reshape(-1).float().abs()
-    return torch.cat([flat, flat.new_zeros(1)]).max()
+    """``max(|x|)`` as a float32 0-d tensor; 0 for an empty shard (a rank past the last row).
+
+    One reduction pass over ``x`` (no copy); shard sizes are static per rank, so the branch is
+    decided at trace time."""
+    if x.numel() == 0:
+        return x.new_zeros((), dtype=torch.float32)
+    return x.detach().abs().amax().float()
 
 
 def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
