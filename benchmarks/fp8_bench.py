@@ -42,7 +42,7 @@ def _args(argv=None):
     p.add_argument("--ffn", type=int, default=14336)
     p.add_argument("--vocab", type=int, default=32768)
     p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=4, help="sequences per GPU per step")
+    p.add_argument("--batch", type=int, default=8, help="sequences per GPU per step")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--warmup", type=int, default=5, help="untimed steps (compile included)")
     p.add_argument("--lr", type=float, default=3e-4)

@@ -195,4 +195,9 @@ def prepare_fp8(graph: fx.Graph) -> Fp8Summary | None:
     dedupe_fp8_gathers(graph)
     emitted, nbytes = merge_amax_allreduces(graph)
     tag_fp8_dequant(graph)
+    for gather in _fp8_gathers(graph):
+        # Keep the quantized shard (1 byte per element) for the backward's re-gather rather
+        # than quantizing the high-precision shard again.
+        gather.args[0].meta["recompute"] = CheckpointPolicy.MUST_SAVE
+        gather.args[0].meta.setdefault("ac_graph_id", 0)
     return Fp8Summary(len(_fp8_gathers(graph)), emitted, nbytes)

@@ -11,8 +11,9 @@ Contract (``shardc.shard(model, fp8=Float8Policy())``):
   element; collectives see a ``uint8`` view, which every backend supports).
 - The gathered FP8 weight either feeds ``torch._scaled_mm`` (CUDA, ``Float8Policy.scaled_mm``,
   every dimension a multiple of 16; the activation gets its own per-tensor e4m3 scale and, in
-  backward, the output gradient an e5m2 one, both computed locally: the forward and the input
-  gradient run in FP8, the weight gradient in the compute dtype), or is dequantized to the
+  backward, the output gradient an e5m2 one, both computed locally: forward, input gradient
+  and weight gradient all run on FP8 matmuls, as TransformerEngine's recipes do), or is
+  dequantized to the
   compute dtype (``mp_policy.param_dtype``, else the parameter's dtype) and used by the
   module's unchanged forward.
 - Backward is straight-through: the weight gradient is computed in high precision as if the
@@ -234,22 +235,26 @@ class _ScaledMMLinear(torch.autograd.Function):
         xq = quantize(x2, x_scale, torch.float8_e4m3fn)
         y = torch._scaled_mm(xq, full.t(), scale_a=x_scale.reciprocal(),
                              scale_b=scale.reciprocal(), out_dtype=spec[7])
-        _setup(ctx, shard, spec, grad_sync, sync_key, x, full, scale)
+        # The FP8 input (1 byte per element) is what backward needs, not x itself.
+        _setup(ctx, shard, spec, grad_sync, sync_key, xq, x_scale, full, scale)
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad):
-        x, full, scale = ctx.saved_tensors[:3]
+        xq, x_scale, full, scale = ctx.saved_tensors[:4]
         g2 = grad.reshape(-1, grad.shape[-1])
-        # Input gradient in FP8: the output gradient as e5m2 (range over precision) times the
-        # gathered e4m3 weight, which _scaled_mm needs column-major (a 1-byte transpose copy).
+        # The output gradient as e5m2 (range over precision), per-tensor scale.
         g_scale = scale_from_amax(local_amax(g2), torch.float8_e5m2)
         gq = quantize(g2, g_scale, torch.float8_e5m2)
+        # Input gradient: gq @ W, the e4m3 weight column-major (a 1-byte transpose copy).
         grad_x = torch._scaled_mm(gq, full.t().contiguous().t(), scale_a=g_scale.reciprocal(),
                                   scale_b=scale.reciprocal(), out_dtype=ctx.compute_dtype)
-        grad_x = grad_x.reshape(x.shape).to(x.dtype)
-        # Weight gradient in high precision (straight-through), reduced in reduce_dtype.
-        grad_w = g2.to(ctx.compute_dtype).t() @ x.reshape(-1, x.shape[-1]).to(ctx.compute_dtype)
+        grad_x = grad_x.reshape(ctx.x_shape).to(ctx.x_dtype)
+        # Weight gradient (straight-through): gq^T @ xq, then reduced in reduce_dtype.
+        grad_w = torch._scaled_mm(gq.t().contiguous(), xq.t().contiguous().t(),
+                                  scale_a=g_scale.reciprocal(), scale_b=x_scale.reciprocal(),
+                                  out_dtype=ctx.compute_dtype)
         return grad_x, _reduce_grad(ctx, grad_w), None, None, None, None
 
 
