@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import gc
 import gzip
 import json
@@ -79,7 +80,7 @@ from shardc.models.llama import LlamaConfig, Transformer, llama_loss  # noqa: E4
 
 MODES: tuple[str, ...] = ("fsdp2", "fsdp2-compile", "simplefsdp", "shardc", "bound")
 # Diagnostic variants, run only when named in --modes.
-EXTRA_MODES: tuple[str, ...] = ("shardc-keeporder",)
+EXTRA_MODES: tuple[str, ...] = ("shardc-keeporder", "shardc-pool")
 SHARDED_BASELINES: tuple[str, ...] = ("fsdp2", "fsdp2-compile", "simplefsdp")
 DEFAULT_BATCH: dict[str, int] = {"1b": 4, "wide": 2}
 GIB = float(1 << 30)
@@ -150,11 +151,27 @@ def _swap_param_reads(module: nn.Module, read: Callable[[torch.Tensor], torch.Te
 class Setup:
     """What a mode hands the training loop."""
 
-    forward: Callable[[torch.Tensor], torch.Tensor]
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (tokens, targets) -> loss
     params: list[nn.Parameter]
     keep: list[Any] = field(default_factory=list)  # objects to drop after the mode
     info: dict[str, Any] = field(default_factory=dict)
     after_first_step: Callable[[], dict[str, Any]] | None = None
+
+
+def model_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return llama_loss(model(tokens), targets)
+
+
+def compiled_loss(model: nn.Module, **compile_kwargs) -> Callable:
+    """The model's forward and its loss compiled as one region (``--loss-in-graph``, the
+    default) or the compiled model with the loss computed eagerly after it."""
+    if LOSS_IN_GRAPH:
+        return torch.compile(functools.partial(model_loss, model), **compile_kwargs)
+    return functools.partial(model_loss, torch.compile(model, **compile_kwargs))
+
+
+# Set from --loss-in-graph in main(); every whole-model compiled mode follows it.
+LOSS_IN_GRAPH = True
 
 
 def setup_fsdp2(model: Transformer, mesh, compile_blocks: bool) -> Setup:
@@ -170,7 +187,8 @@ def setup_fsdp2(model: Transformer, mesh, compile_blocks: bool) -> Setup:
     fully_shard(model, mesh=mesh, mp_policy=mp)
     info = {"mp_policy": "param_dtype=bf16, reduce_dtype=fp32",
             "compile": "torch.compile(block) per block, Inductor" if compile_blocks else "eager"}
-    return Setup(model, list(model.parameters()), [model], info)
+    info["loss"] = "eager, after the model"
+    return Setup(functools.partial(model_loss, model), list(model.parameters()), [model], info)
 
 
 def _recompute_gathers_pass(gm: torch.fx.GraphModule, joint_inputs: Any) -> torch.fx.GraphModule:
@@ -274,7 +292,7 @@ def setup_simplefsdp(model: Transformer, mesh) -> Setup:
 
     params = list(model.parameters())
     _swap_param_reads(model, gather)
-    compiled = torch.compile(model, backend=simplefsdp_backend)
+    compiled = compiled_loss(model, backend=simplefsdp_backend)
     config = dict(SIMPLEFSDP_INDUCTOR_CONFIG)
     if not torch.cuda.is_available():
         config["aten_distributed_optimizations.enable_overlap_scheduling"] = False
@@ -297,14 +315,16 @@ def _shardc_backend_name() -> str:
     return "shardc"
 
 
-def setup_shardc(model: Transformer, mesh) -> Setup:
-    """shardc: shard in place, compile with the shardc backend and its default plan."""
+def setup_shardc(model: Transformer, mesh, **options: Any) -> Setup:
+    """shardc: shard in place, compile with the shardc backend and its default plan (or these
+    backend options)."""
     mp = shardc.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     shardc.shard(model, mesh, mp_policy=mp)
-    compiled = torch.compile(model, backend=_shardc_backend_name())
+    backend = shardc.backend(**options) if options else _shardc_backend_name()
+    compiled = compiled_loss(model, backend=backend)
 
     def plan_summary() -> dict[str, Any]:
-        plans = shardc.explain_all(compiled)
+        plans = shardc.explain_all(model)
         regions = []
         for plan in plans:
             pred = dict(plan.predicted)
@@ -338,7 +358,7 @@ def setup_bound(model: Transformer) -> Setup:
     """Replicated fp32 parameters read as bf16, compiled by Inductor; no communication."""
     params = list(model.parameters())
     _swap_param_reads(model, lambda p: p.to(torch.bfloat16))
-    compiled = torch.compile(model)
+    compiled = compiled_loss(model)
     return Setup(compiled, params, [model, compiled],
                  {"compute": "fp32 master, bf16 cast in the parameter read, Inductor",
                   "communication": "none (no gradient all-reduce)"})
@@ -364,6 +384,10 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh) -> Setup
         return setup_fsdp2(model, mesh, compile_blocks=True)
     if mode == "simplefsdp":
         return setup_simplefsdp(model, mesh)
+    if mode == "shardc-pool":
+        setup = setup_shardc(model, mesh, comm_pool=True)
+        setup.info["options"] = "comm_pool=True (static communication pool under Inductor)"
+        return setup
     if mode in ("shardc", "shardc-keeporder"):
         setup = setup_shardc(model, mesh)
         if mode == "shardc-keeporder":
@@ -477,11 +501,12 @@ class RunSettings:
     lr: float
     peak_flops: float
     device: torch.device
+    memory_snapshot: bool = False
 
 
 def train_step(setup: Setup, opt: torch.optim.Optimizer, tokens: torch.Tensor,
                targets: torch.Tensor) -> torch.Tensor:
-    loss = llama_loss(setup.forward(tokens), targets)
+    loss = setup.loss(tokens, targets)
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -494,7 +519,7 @@ def run_mode(mode: str, s: RunSettings, mesh, rank: int, log: Callable[[str], No
     device = s.device
     res: dict[str, Any] = {}
     t0 = time.perf_counter()
-    data = synthetic_batches(s.warmup + s.steps + s.profile_steps, s.batch, s.seq,
+    data = synthetic_batches(s.warmup + s.steps + s.profile_steps + 1, s.batch, s.seq,
                              s.cfg.vocab_size, rank, device)
     setup = setup_mode(mode, s.cfg, device, mesh)
     opt = torch.optim.AdamW(setup.params, lr=s.lr)
@@ -549,6 +574,13 @@ def run_mode(mode: str, s: RunSettings, mesh, rank: int, log: Callable[[str], No
     losses = [float(x) for x in losses]
     res["step_ms"] = step_ms
     res["losses"] = losses
+
+    if s.memory_snapshot and device.type == "cuda" and mode.startswith("shardc"):
+        from memory_peak import record_and_summarize
+
+        tokens, targets = next(it)
+        res["memory_at_peak"] = record_and_summarize(
+            device.index or 0, functools.partial(train_step, setup, opt, tokens, targets))
 
     # A short profile: kernel intervals of a few steps.
     if s.profile_steps > 0:
@@ -627,7 +659,8 @@ def aggregate(mode: str, per_rank: list[dict[str, Any]], s: RunSettings) -> dict
         out["profile"] = {k: statistics.fmean(p[k] for p in profiles) for k in profiles[0]}
         out["profile_per_rank"] = profiles
     for key in ("mp_policy", "compile", "inductor_config", "grad_reduce_op",
-                "reshard_after_forward", "tagged_gathers", "options", "compute", "communication"):
+                "reshard_after_forward", "tagged_gathers", "options", "compute", "communication",
+                "loss", "memory_at_peak"):
         if key in r0:
             out[key] = r0[key]
     if mode.startswith("shardc"):
@@ -750,6 +783,15 @@ def diagnose(results: dict[str, dict[str, Any]]) -> list[str]:
         if "peak_alloc_bytes" in keep:
             text += f"; peak {_gib(keep['peak_alloc_bytes'])} GiB allocated"
         lines.append(text + ".")
+    pool = results.get("shardc-pool", {})
+    if pool.get("status") == "ok" and sc.get("status") == "ok":
+        text = (f"shardc-pool (static communication pool under Inductor, comm_pool=True): "
+                f"{pool['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU "
+                f"({pool['tokens_per_s_per_gpu'] / sc['tokens_per_s_per_gpu']:.3f}x shardc)")
+        if "peak_alloc_bytes" in pool and "peak_alloc_bytes" in sc:
+            text += (f", peak {_gib(pool['peak_alloc_bytes'])} GiB allocated vs shardc's "
+                     f"{_gib(sc['peak_alloc_bytes'])} GiB")
+        lines.append(text + ".")
     if sc.get("status") == "ok" and "peak_alloc_bytes" in sc:
         text = f"Memory: shardc peak {_gib(sc['peak_alloc_bytes'])} GiB allocated"
         if bound.get("peak_alloc_bytes"):
@@ -761,6 +803,17 @@ def diagnose(results: dict[str, dict[str, Any]]) -> list[str]:
             text += "; the plan's memory terms (region 0, GiB): " + ", ".join(
                 f"{k} {v / GIB:.2f}" for k, v in parts.items())
         lines.append(text + ".")
+    snap = sc.get("memory_at_peak")
+    if snap:
+        lines.append(
+            f"Memory history of one shardc step (rank 0): peak {_gib(snap['peak_live_bytes'])} "
+            "GiB allocated during the step on top of "
+            f"{_gib(snap['allocated_before_recording_bytes_lower_bound'])} GiB allocated before "
+            f"it, reached at {snap['peak_at']} ({snap['peak_phase']}); live at the peak by "
+            "phase: " + ", ".join(f"{k} {_gib(v)} GiB" for k, v in snap["by_phase_bytes"].items())
+            + "; largest sites: " + "; ".join(
+                f"{t['site']} {_gib(t['bytes'])} GiB x{t['count']} `{t['source'][:70]}`"
+                for t in snap["top"][:8]) + ".")
     return lines
 
 
@@ -778,7 +831,10 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"- timed steps: {meta['steps']} (median), warm-up {meta['warmup']}, profiled "
         f"{meta['profile_steps']}; AdamW (torch default foreach), lr {meta['lr']}",
         "- numerics in every mode: fp32 master parameters, bf16 compute, gradients reduced in "
-        "fp32; loss (cross entropy in fp32) outside the compiled region",
+        "fp32; loss (cross entropy in fp32) "
+        + ("compiled with the model in shardc, bound and simplefsdp (eager after the model in "
+           "fsdp2 and fsdp2-compile)" if meta.get("loss_in_graph", False)
+           else "outside the compiled region"),
         "",
     ]
     for name, model in report["models"].items():
@@ -859,7 +915,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=("1b", "wide", "both"), default="1b")
     p.add_argument("--modes", nargs="+", choices=(*MODES, *EXTRA_MODES), default=list(MODES),
-                   help="modes to run, in this order (shardc-keeporder: diagnostic, shardc with "
+                   help="modes to run, in this order (shardc-pool: shardc with comm_pool=True; "
+                        "shardc-keeporder: diagnostic, shardc with "
                         "Inductor's reorder_for_peak_memory off)")
     p.add_argument("--steps", type=int, default=20, help="timed steps (median reported)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (compile)")
@@ -885,6 +942,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="time a mode is assumed to take when no earlier run of it is known")
     p.add_argument("--dump-plan", action=argparse.BooleanOptionalAction, default=True,
                    help="write shardc's plan(s) as gzipped JSON next to the results")
+    p.add_argument("--loss-in-graph", action=argparse.BooleanOptionalAction, default=True,
+                   help="compile the loss with the model in the whole-model compiled modes "
+                        "(shardc, bound, simplefsdp); fsdp2 modes always compute it eagerly")
+    p.add_argument("--memory-snapshot", action="store_true",
+                   help="record one extra step of the shardc modes with the CUDA memory history "
+                        "and report what is live at its peak")
     p.add_argument("--timeout-s", type=float, default=900.0, help="process-group timeout")
     p.add_argument("--render", metavar="JSON", default=None,
                    help="only re-render the markdown of an earlier run's JSON (next to it)")
@@ -964,6 +1027,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     rank, world, device = init_distributed(device_type, args.timeout_s)
     from torch.distributed.device_mesh import init_device_mesh
 
+    global LOSS_IN_GRAPH
+    LOSS_IN_GRAPH = args.loss_in_graph
     mesh = init_device_mesh(device_type, (world,))
     if device_type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
@@ -995,6 +1060,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "warmup": args.warmup,
         "profile_steps": args.profile_steps,
         "lr": args.lr,
+        "loss_in_graph": args.loss_in_graph,
         "mode_order": list(args.modes),
         "peak_flops": args.peak_tflops * 1e12,
         "env": {k: os.environ[k] for k in sorted(os.environ)
@@ -1016,7 +1082,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         batch = args.batch or DEFAULT_BATCH[model_name]
         steps = args.wide_steps if (model_name == "wide" and args.wide_steps) else args.steps
         settings = RunSettings(model_name, cfg, batch, seq, steps, args.warmup,
-                               args.profile_steps, args.lr, args.peak_tflops * 1e12, device)
+                               args.profile_steps, args.lr, args.peak_tflops * 1e12, device,
+                               args.memory_snapshot)
         entry: dict[str, Any] = {
             "settings": {"params": cfg.num_params(), "n_layers": cfg.n_layers, "dim": cfg.dim,
                          "n_heads": cfg.n_heads, "ffn": cfg.hidden_dim, "vocab": cfg.vocab_size,

@@ -25,7 +25,7 @@ from shardc.options import ShardcOptions
 from shardc.passes.dedupe import dedupe_gathers, merge_reduce_scatters
 from shardc.passes.fp8 import hoist_fp8_quantize, prepare_fp8
 from shardc.passes.fx_utils import allocate_real, is_call
-from shardc.passes.lower import apply_plan
+from shardc.passes.lower import POOL_PLACEHOLDER, add_pool_placeholder, apply_plan
 from shardc.passes.memory import assign_pool, param_placeholders, predict_peak
 from shardc.passes.reshard import check_no_gathered_saved, tag_resharded_gathers
 from shardc.passes.schedule import plan_region
@@ -99,11 +99,17 @@ class ShardcPartitioner(_partitioner_base()):
         fw_params = param_placeholders(fw)
         bw_params = param_placeholders(bw) if bw is not None else set()
         rank = _rank_of(plan)
-        pool = self._pool(fw, plan)
+        pool = self._pool(fw, plan) if bw is not None else None
+        self.region.pool = pool
         poison = self.options.debug_pool
-        apply_plan(fw, plan, "forward", rank, pool=pool, poison=poison)
-        if bw is not None:
-            apply_plan(bw, plan, "backward", rank, pool=pool, poison=poison)
+        for gm, name in ((fw, "forward"), (bw, "backward")):
+            if gm is None:
+                continue
+            # Inductor sees the pool as a graph input it writes into (a constant would be
+            # copied or folded); the compiled graph's caller appends it (_inductor_with_pool).
+            where = add_pool_placeholder(gm, pool) if pool is not None and self.options.inductor \
+                else pool
+            apply_plan(gm, plan, name, rank, pool=where, poison=poison)
         predict_peak(fw, bw, plan, fw_params, bw_params,
                      optimizer_state_factor=self.options.optimizer_state_factor)
         self.region.forward, self.region.backward, self.region.plan = fw, bw, plan
@@ -116,9 +122,9 @@ class ShardcPartitioner(_partitioner_base()):
                 log.warning("shardc: could not write the plan dump: %s", exc)
 
     def _pool(self, fw: fx.GraphModule, plan) -> torch.Tensor | None:
-        """The region's communication pool, allocated once (FX execution; Inductor plans and
-        reuses its own buffers)."""
-        if self.options.inductor or not self.options.comm_pool:
+        """The region's communication pool, allocated once and shared by its forward and
+        backward (training graphs; forward-only graphs let the compiler place the buffers)."""
+        if not self.options.comm_pool:
             plan.notes.append("communication buffers: allocated per collective (no static pool)")
             return None
         shards = [n.meta["val"] for n in param_placeholders(fw)]
@@ -156,6 +162,7 @@ class RegionRecord:
         self.backward: fx.GraphModule | None = None
         self.plan = None
         self.checked = False
+        self.pool: torch.Tensor | None = None
 
 
 def _rank_of(plan) -> int:
@@ -184,6 +191,35 @@ def _region_registry(example_inputs: Sequence[object]) -> list | None:
         if plans is not None:
             return plans
     return None
+
+
+def _inductor_with_pool(compile_inner, graph: fx.GraphModule, inputs, region: RegionRecord,
+                        kw: dict):
+    """Compile ``graph`` with Inductor; if it takes the communication pool as an input
+    (:func:`add_pool_placeholder`), the returned callable inserts the region's pool into the
+    arguments AOTAutograd passes (which do not include it)."""
+    placeholders = graph.graph.find_nodes(op="placeholder")
+    names = [p.name for p in placeholders]
+    if POOL_PLACEHOLDER not in names:
+        return compile_inner(graph, inputs, **kw)
+    index = names.index(POOL_PLACEHOLDER)
+    inputs = list(inputs)
+    if len(inputs) < len(placeholders):
+        inputs.insert(index, placeholders[index].meta["val"])
+    static = list(kw.get("static_input_idxs") or ())
+    if static and len(static) == len(set(static)) and index not in static:
+        # The pool never moves: a static input (for CUDA graphs too). Indices after it shift.
+        static = sorted([i + (i >= index) for i in static] + [index])
+        kw["static_input_idxs"] = static
+    compiled = compile_inner(graph, inputs, **kw)
+    pool = region.pool
+
+    def run(args):
+        args.insert(index, pool)
+        return compiled(args)
+
+    run._boxed_call = True
+    return run
 
 
 def _fx_compiler(gm: fx.GraphModule, example_inputs: Sequence[object]):
@@ -223,7 +259,7 @@ def shardc_backend(
         def inner_compile(graph: fx.GraphModule, inputs, **kw: Any):
             if kw.get("is_inference"):
                 partitioner.plan_inference(graph)
-            return compile_fx_inner(graph, inputs, **kw)
+            return _inductor_with_pool(compile_fx_inner, graph, inputs, region, kw)
 
         # AOTAutograd's cache would skip shardc's partitioner on a hit, and with it the plan
         # (explain, dumps, the cross-rank check); Inductor's own graph cache still applies.

@@ -23,9 +23,11 @@ class ShardcOptions:
     check_plan_consistency: at the first run, all ranks compare the plan's hash (one all-gather).
     dump_dir: write the plan (text, JSON, trace, memory plot) of every compiled region here;
         defaults to the ``SHARDC_DUMP`` environment variable.
-    comm_pool: place communication buffers in one static pool allocated once per region
-        (FX execution; with Inductor the pool is planned and reported, and Inductor reuses
-        its own buffers).
+    comm_pool: place communication buffers in one static pool allocated once per training
+        region, so steps allocate none. Default (``None``): on with ``inductor=False``, off with
+        Inductor, whose caching-allocator reuse frees communication buffers between their
+        lifetimes, while a static pool holds its whole size through the activation peak (the
+        plan still reports ``pool_bytes``); ``True`` turns it on under Inductor too.
     debug_pool: fill each pool buffer with NaN once it is dead, so overlapping live buffers
         show up as NaNs.
     cluster: ``shardc.passes.cost_model.ClusterSpec`` fields for the cost model's predictions.
@@ -43,7 +45,7 @@ class ShardcOptions:
     check_plan_consistency: bool = True
     dump_dir: str | None = None
     debug_pool: bool = False
-    comm_pool: bool = True
+    comm_pool: bool | None = None
     cluster: dict | None = None
     optimizer_state_factor: float = 2.0
 
@@ -59,6 +61,8 @@ class ShardcOptions:
         if self.dump_dir is None and os.environ.get("SHARDC_DUMP"):
             object.__setattr__(self, "dump_dir", os.environ["SHARDC_DUMP"])
         object.__setattr__(self, "bucket_modules", tuple(self.bucket_modules))
+        if self.comm_pool is None:
+            object.__setattr__(self, "comm_pool", not self.inductor)
 
     @classmethod
     def from_kwargs(cls, options: dict) -> ShardcOptions:

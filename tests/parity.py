@@ -80,6 +80,7 @@ def reference(kind: str, compile_backend: str | None = None) -> dict:
 
 def sharded_run(rank: int, world: int, kind: str, mode: str, **options) -> dict:
     """Shard, train on this rank's slice; returns the global mean losses and full parameters."""
+    keep_model = options.pop("keep_model", False)
     model = build(kind)
     shardc.shard(model, reshard_after_forward=options.pop("reshard_after_forward", True))
     if mode == "eager":
@@ -97,7 +98,10 @@ def sharded_run(rank: int, world: int, kind: str, mode: str, **options) -> dict:
     grads_none = {n: p.grad is None for n, p in model.named_parameters()}
     state = shardc.shard_state(model)
     plans = [r.plan for r in state.regions]
-    return {"losses": losses, "params": params, "grads_none": grads_none, "plans": plans}
+    out = {"losses": losses, "params": params, "grads_none": grads_none, "plans": plans}
+    if keep_model:
+        out.update(model=model, forward=forward)
+    return out
 
 
 def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

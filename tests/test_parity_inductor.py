@@ -7,9 +7,12 @@ kernel rounding is not mistaken for a sharding error.
 from __future__ import annotations
 
 import pytest
+import torch
 import torch._dynamo
 from dist_utils import run_ranks
-from parity import assert_parity, reference, sharded_run
+from parity import GLOBAL_BATCH, assert_parity, batches, reference, sharded_run, train
+
+import shardc
 
 
 @pytest.fixture(scope="module")
@@ -18,14 +21,39 @@ def inductor_reference():
     return reference("llama1", compile_backend="inductor")
 
 
+_FUNCOL = torch.ops._c10d_functional
+_ALLOCATING = (_FUNCOL.all_gather_into_tensor.default, _FUNCOL.reduce_scatter_tensor.default)
+
+
 def _inductor_run(rank: int, world: int) -> dict:
-    out = sharded_run(rank, world, "llama1", "inductor")
+    out = sharded_run(rank, world, "llama1", "inductor", keep_model=True, comm_pool=True)
     assert out["plans"] and all(p is not None for p in out["plans"]), "no region was planned"
     out["plans"] = len(out["plans"])
+    # The static pool under Inductor: the lowered graphs' collectives all write into pool views
+    # (none allocates), and a step run by Inductor's code writes into the region's one pool.
+    model, forward = out.pop("model"), out.pop("forward")
+    (region,) = shardc.shard_state(model).regions
+    graphs = (region.forward, region.backward)
+    out["allocating"] = sum(n.target in _ALLOCATING for g in graphs for n in g.graph.nodes)
+    out["collectives"] = sum(n.target is _FUNCOL.wait_tensor.default
+                             for g in graphs for n in g.graph.nodes)
+    pool = region.pool
+    out["pool_bytes"] = (pool.numel(), region.plan.predicted["pool_bytes"])
+    pool.zero_()
+    tokens, targets = batches(1)
+    per = GLOBAL_BATCH // world
+    train(model, forward, tokens[:, rank * per:(rank + 1) * per],
+          targets[:, rank * per:(rank + 1) * per])
+    out["pool_written"] = bool(pool.any())
+    out["pool_same"] = region.pool is pool
     return out
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_parity_inductor(world, inductor_reference):
-    run = run_ranks(_inductor_run, world)[0]
-    assert_parity(run, inductor_reference)
+    runs = run_ranks(_inductor_run, world)
+    assert_parity(runs[0], inductor_reference)
+    for run in runs:
+        assert run["collectives"] > 0 and run["allocating"] == 0
+        assert run["pool_bytes"][0] == run["pool_bytes"][1] > 0
+        assert run["pool_written"] and run["pool_same"]

@@ -18,6 +18,7 @@ from shardc.passes.fx_utils import call
 from shardc.passes.schedule import GraphComm, analyze, view_chain_root, view_users
 from shardc.plan import Bucket, Collective, Plan
 from shardc.runtime.collectives import is_float8, shard_rows
+from shardc.runtime.pool_ops import POOL_PACK_OP, POOL_READ_OP
 
 aten = torch.ops.aten
 funcol = torch.ops._c10d_functional
@@ -57,6 +58,10 @@ class PoolViews:
         raw = call(self.graph, aten.slice.Tensor, (self.pool, 0, offset, offset + nbytes))
         return call(self.graph, aten.view.dtype, (raw, dtype))
 
+    def read(self, view: fx.Node) -> fx.Node:
+        """A copy of a pool view, pinned to this place in the graph (see ``pool_ops``)."""
+        return call(self.graph, POOL_READ_OP, (view,))
+
     def release(self, view: fx.Node | None) -> None:
         """Debug mode: poison a buffer once it is dead, so a planning error that lets another live
         buffer share its bytes shows up as NaNs in the results."""
@@ -77,30 +82,31 @@ def _comm_bytes(graph: fx.Graph, x: fx.Node) -> fx.Node:
 
 def _issue_all_gather(graph, c: Collective, bucket: Bucket, gathers: dict, group: str,
                       pool: PoolViews) -> tuple[fx.Node, fx.Node | None, fx.Node | None]:
-    pieces = []
-    layout, _ = bucket.layout(c.params)
+    layout, numel = bucket.layout(c.params)
+    shards = []
     for fqn in c.params:
-        gather = gathers[fqn]
-        shard, compute_dtype = gather.args[0], gather.args[5]
-        x = _retake_views(graph, shard) if view_chain_root(shard) is not None else shard
-        if compute_dtype is not None and compute_dtype != shard.meta["val"].dtype:
-            x = call(graph, torch.ops.prims.convert_element_type.default, (x, compute_dtype))
-        _, rows, _, _ = layout[fqn]
-        x = _pad_rows(graph, x, rows)
-        pieces.append(call(graph, aten.view.default, (x, [-1])))
-    numel = bucket.layout(c.params)[1]
+        shard = gathers[fqn].args[0]
+        shards.append(_retake_views(graph, shard) if view_chain_root(shard) is not None else shard)
     send_view = pool.view(c, "send", _dtype(bucket.dtype), numel)
-    if send_view is None:
-        send = pieces[0] if len(pieces) == 1 else call(graph, aten.cat.default, (pieces,))
-        send = _comm_bytes(graph, send)
-        return call(graph, funcol.all_gather_into_tensor.default, (send, bucket.world, group)), \
-            None, None
-    send = call(graph, aten.cat.out, (pieces, 0), {"out": send_view})
-    recv_view = pool.view(c, "recv", _dtype(bucket.dtype), numel * bucket.world)
-    handle = call(graph, funcol.all_gather_into_tensor_out.default,
-                  (_comm_bytes(graph, send), bucket.world, group),
-                  {"out": _comm_bytes(graph, recv_view)})
-    return handle, send_view, recv_view
+    if send_view is not None:
+        rows = [layout[fqn][1] for fqn in c.params]
+        call(graph, POOL_PACK_OP, (send_view, shards, rows, bucket.world, False))
+        recv_view = pool.view(c, "recv", _dtype(bucket.dtype), numel * bucket.world)
+        handle = call(graph, funcol.all_gather_into_tensor_out.default,
+                      (_comm_bytes(graph, send_view), bucket.world, group),
+                      {"out": _comm_bytes(graph, recv_view)})
+        return handle, send_view, recv_view
+    pieces = []
+    for fqn, x in zip(c.params, shards):
+        compute_dtype = gathers[fqn].args[5]
+        if compute_dtype is not None and compute_dtype != x.meta["val"].dtype:
+            x = call(graph, torch.ops.prims.convert_element_type.default, (x, compute_dtype))
+        x = _pad_rows(graph, x, layout[fqn][1])
+        pieces.append(call(graph, aten.view.default, (x, [-1])))
+    send = pieces[0] if len(pieces) == 1 else call(graph, aten.cat.default, (pieces,))
+    send = _comm_bytes(graph, send)
+    return call(graph, funcol.all_gather_into_tensor.default, (send, bucket.world, group)), \
+        None, None
 
 
 def _wait_all_gather(graph, c: Collective, bucket: Bucket, gathers: dict, handle: fx.Node,
@@ -114,7 +120,8 @@ def _wait_all_gather(graph, c: Collective, bucket: Bucket, gathers: dict, handle
         gather = gathers[fqn]
         offset, rows, row_numel, dim0 = layout[fqn]
         cols = call(graph, aten.slice.Tensor, (table, 1, offset, offset + rows * row_numel))
-        dense = call(graph, aten.clone.default, (cols,), {"memory_format": torch.contiguous_format})
+        dense = pool.read(cols) if buffers[1] is not None else call(
+            graph, aten.clone.default, (cols,), {"memory_format": torch.contiguous_format})
         shape = list(gather.meta["val"].shape)
         full = call(graph, aten.view.default, (dense, [bucket.world * rows, *shape[1:]]))
         full = call(graph, aten.slice.Tensor, (full, 0, 0, dim0))
@@ -126,37 +133,37 @@ def _wait_all_gather(graph, c: Collective, bucket: Bucket, gathers: dict, handle
 
 def _issue_reduce_scatter(graph, c: Collective, bucket: Bucket, reduces: dict, group: str,
                           pool: PoolViews):
+    layout, numel = bucket.layout(c.params)
+    grads = [reduces[fqn].args[0] for fqn in c.params]
+    send_view = pool.view(c, "send", _dtype(bucket.reduce_dtype), numel * bucket.world)
+    if send_view is not None:
+        table = call(graph, aten.view.default, (send_view, [bucket.world, numel]))
+        rows = [layout[fqn][1] for fqn in c.params]
+        call(graph, POOL_PACK_OP, (table, grads, rows, bucket.world, True))
+        recv_view = pool.view(c, "recv", _dtype(bucket.reduce_dtype), numel)
+        handle = call(graph, funcol.reduce_scatter_tensor_out.default,
+                      (send_view, "sum", bucket.world, group), {"out": recv_view})
+        return handle, send_view, recv_view
     pieces = []
-    layout, _ = bucket.layout(c.params)
-    for fqn in c.params:
-        rs = reduces[fqn]
-        grad, reduce_dtype = rs.args[0], rs.args[5]
-        x = grad
-        if reduce_dtype is not None and reduce_dtype != grad.meta["val"].dtype:
+    for fqn, x in zip(c.params, grads):
+        reduce_dtype = reduces[fqn].args[5]
+        if reduce_dtype is not None and reduce_dtype != x.meta["val"].dtype:
             x = call(graph, torch.ops.prims.convert_element_type.default, (x, reduce_dtype))
         _, rows, row_numel, _ = layout[fqn]
         x = _pad_rows(graph, x, rows * bucket.world)
         pieces.append(call(graph, aten.view.default, (x, [bucket.world, rows * row_numel])))
-    numel = bucket.layout(c.params)[1]
-    send_view = pool.view(c, "send", _dtype(bucket.reduce_dtype), numel * bucket.world)
-    if send_view is None:
-        packed = pieces[0] if len(pieces) == 1 else call(graph, aten.cat.default, (pieces, 1))
-        flat = call(graph, aten.view.default, (packed, [-1]))
-        return call(graph, funcol.reduce_scatter_tensor.default,
-                    (flat, "sum", bucket.world, group)), None, None
-    table = call(graph, aten.view.default, (send_view, [bucket.world, numel]))
-    call(graph, aten.cat.out, (pieces, 1), {"out": table})
-    recv_view = pool.view(c, "recv", _dtype(bucket.reduce_dtype), numel)
-    handle = call(graph, funcol.reduce_scatter_tensor_out.default,
-                  (send_view, "sum", bucket.world, group), {"out": recv_view})
-    return handle, send_view, recv_view
+    packed = pieces[0] if len(pieces) == 1 else call(graph, aten.cat.default, (pieces, 1))
+    flat = call(graph, aten.view.default, (packed, [-1]))
+    return call(graph, funcol.reduce_scatter_tensor.default,
+                (flat, "sum", bucket.world, group)), None, None
 
 
 def _wait_reduce_scatter(graph, c: Collective, bucket: Bucket, reduces: dict, handle, rank: int,
                          pool: PoolViews, buffers: tuple):
     done = call(graph, funcol.wait_tensor.default, (handle,))
-    if bucket.world > 1 or buffers[0] is not None:
-        # A new tensor: the gradients must not alias the pool.
+    if buffers[1] is not None:
+        done = pool.read(done)  # a new tensor: the gradients must not alias the pool
+    if bucket.world > 1:
         done = call(graph, aten.div.Tensor, (done, bucket.world))
     for view in buffers:
         pool.release(view)
@@ -183,6 +190,24 @@ def _wait_reduce_scatter(graph, c: Collective, bucket: Bucket, reduces: dict, ha
 
 
 POOL_ATTR = "_shardc_comm_pool"
+POOL_PLACEHOLDER = "shardc_comm_pool"
+
+
+def add_pool_placeholder(gm: fx.GraphModule, pool: torch.Tensor) -> fx.Node:
+    """A graph input named :data:`POOL_PLACEHOLDER` standing for ``pool``: for compilers
+    (Inductor) that must see the pool as an input it mutates rather than a constant. It goes
+    after the other inputs but before a backward's tangents (Inductor expects those last);
+    whoever calls the compiled graph inserts the pool at that index of its arguments."""
+    from shardc.passes.fx_utils import fake_mode_of
+
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    before = [n for n in inputs if not n.name.startswith("tangents")] or inputs[:1]
+    with gm.graph.inserting_after(before[-1]):
+        node = gm.graph.placeholder(POOL_PLACEHOLDER)
+    mode = fake_mode_of(gm.graph)
+    if mode is not None:
+        node.meta["val"] = mode.from_tensor(pool, static_shapes=True)
+    return node
 
 
 def _pool_node(gm: fx.GraphModule, pool: torch.Tensor) -> fx.Node:
@@ -204,7 +229,7 @@ def apply_plan(
     graph_name: str,
     rank: int,
     *,
-    pool: torch.Tensor | None = None,
+    pool: torch.Tensor | fx.Node | None = None,
     poison: bool = False,
 ) -> fx.GraphModule:
     """Replace the shardc nodes of ``gm`` (the region's ``graph_name`` graph) by ``plan``.
@@ -212,13 +237,14 @@ def apply_plan(
     With ``pool`` (a uint8 tensor of ``plan.predicted['pool_bytes']``), every communication
     buffer is a view of it at its planned offset and the collectives write in place, so steps
     allocate no communication buffers; ``poison`` fills each buffer with NaN once it is dead.
+    ``pool`` may instead be a graph node standing for it (:func:`add_pool_placeholder`).
     """
     g = analyze(gm, graph_name)
     colls = [c for c in plan.collectives if c.graph == graph_name]
     handles: dict[str, tuple] = {}
     graph = gm.graph
-    views = PoolViews(graph, _pool_node(gm, pool) if pool is not None and colls else None,
-                      plan, poison)
+    pool_node = pool if isinstance(pool, fx.Node) or pool is None else _pool_node(gm, pool)
+    views = PoolViews(graph, pool_node if colls else None, plan, poison)
     # Issues before waits at the same position, each group in plan order.
     for c in sorted(colls, key=lambda c: c.issue_pos):
         bucket = plan.buckets[c.bucket]

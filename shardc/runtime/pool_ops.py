@@ -1,0 +1,63 @@
+"""``shardc::pool_pack`` / ``shardc::pool_read``: copy values into and out of the communication
+pool, opaquely.
+
+A compiler that sees a plain ``clone`` of a pool view may fuse the read into a later kernel, which
+can run after the plan has given those pool bytes to the next collective. Inductor also cannot see
+that two dtype views of the pool alias. Reading through an opaque op pins the copy to its place in
+the graph: after the collective's wait and before the bytes are reused. Writes likewise: a
+compiler could otherwise fuse the cast-and-copy of a gradient into the kernel that produces it,
+writing the pool before the plan's issue position, while the bytes still belong to another buffer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+@torch.library.custom_op("shardc::pool_read", mutates_args=())
+def pool_read(view: torch.Tensor) -> torch.Tensor:
+    """A new contiguous tensor equal to ``view`` (a view of the communication pool)."""
+    return view.clone(memory_format=torch.contiguous_format)
+
+
+@pool_read.register_fake
+def _pool_read_fake(view: torch.Tensor) -> torch.Tensor:
+    return torch.empty(view.shape, dtype=view.dtype, device=view.device)
+
+
+@torch.library.custom_op("shardc::pool_pack", mutates_args=("out",))
+def pool_pack(out: torch.Tensor, tensors: list[torch.Tensor], rows: list[int], world: int,
+              rank_major: bool) -> None:
+    """Pack ``tensors`` into ``out`` (a view of the pool), each cast to ``out``'s dtype and
+    zero-padded to its ``rows`` entry (rows per rank).
+
+    ``rank_major=False`` (an all-gather's send buffer, 1-D): the padded tensors one after the
+    other. ``rank_major=True`` (a reduce-scatter's send buffer, ``(world, n)``): tensor ``t``
+    padded to ``rows * world`` rows fills columns ``[off, off + rows * row_numel)``, rank ``w``'s
+    rows in row ``w``.
+    """
+    offset = 0
+    for t, r in zip(tensors, rows):
+        rest = tuple(t.shape[1:])
+        row_numel = 1
+        for d in rest:
+            row_numel *= d
+        n = r * row_numel
+        if rank_major:
+            dst = out[:, offset:offset + n].view(world, r, *rest)
+            if t.shape[0] == r * world:
+                dst.copy_(t.view(world, r, *rest))
+            else:
+                for w in range(world):
+                    have = max(0, min(r, t.shape[0] - w * r))
+                    dst[w, :have].copy_(t[w * r:w * r + have])
+                    dst[w, have:].zero_()
+        else:
+            dst = out[offset:offset + n].view(r, *rest)
+            dst[:t.shape[0]].copy_(t)
+            dst[t.shape[0]:].zero_()
+        offset += n
+
+
+POOL_PACK_OP = torch.ops.shardc.pool_pack.default
+POOL_READ_OP = torch.ops.shardc.pool_read.default
