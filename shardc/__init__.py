@@ -5,6 +5,7 @@ from shardc.explain import explain, explain_all
 from shardc.options import ShardcOptions
 from shardc.plan import Plan
 from shardc.runtime.comm_errors import CollectiveError
+from shardc.runtime.fp8 import Float8Policy
 from shardc.runtime.plan_check import PlanMismatchError
 from shardc.runtime.sharding import (
     MixedPrecisionPolicy,
@@ -19,6 +20,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CollectiveError",
+    "Float8Policy",
     "MixedPrecisionPolicy",
     "Plan",
     "PlanMismatchError",

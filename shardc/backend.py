@@ -23,6 +23,7 @@ from torch import fx
 
 from shardc.options import ShardcOptions
 from shardc.passes.dedupe import dedupe_gathers, merge_reduce_scatters
+from shardc.passes.fp8 import hoist_fp8_quantize, prepare_fp8
 from shardc.passes.fx_utils import allocate_real, is_call
 from shardc.passes.lower import POOL_PLACEHOLDER, add_pool_placeholder, apply_plan
 from shardc.passes.memory import assign_pool, param_placeholders, predict_peak
@@ -66,10 +67,12 @@ class ShardcPartitioner(_partitioner_base()):
         # this rank's local shard shapes (uneven across ranks): key the cache by rank too.
         dist = torch.distributed
         self.rank_key = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else None
+        self.fp8 = None  # what the FP8 passes did (shardc.passes.fp8.Fp8Summary)
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
+        self.fp8 = prepare_fp8(gm.graph)
         dedupe_gathers(gm.graph)
         merge_reduce_scatters(gm.graph)
         tag_resharded_gathers(gm.graph)
@@ -82,13 +85,18 @@ class ShardcPartitioner(_partitioner_base()):
     def plan_inference(self, gm: fx.GraphModule) -> fx.GraphModule:
         """Plan a forward-only graph (``torch.no_grad()`` / eval): gathers only, no reductions."""
         if has_sharded_params(gm):
+            self.fp8 = prepare_fp8(gm.graph)
             dedupe_gathers(gm.graph)
             gm.recompile()
             self.plan_and_lower(gm, None)
         return gm
 
     def plan_and_lower(self, fw: fx.GraphModule, bw: fx.GraphModule | None) -> None:
+        hoist_fp8_quantize(fw)
+        hoist_fp8_quantize(bw)
         plan = self._plan_within_budget(fw, bw)
+        if self.fp8 is not None:
+            plan.notes.append(self.fp8.note())
         fw_params = param_placeholders(fw)
         bw_params = param_placeholders(bw) if bw is not None else set()
         rank = _rank_of(plan)

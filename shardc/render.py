@@ -140,6 +140,21 @@ def _pos_label(ops: list[ComputeOp], pos: int, width: int = 20) -> str:
 # --------------------------------------------------------------------------------- text table
 
 
+def _bytes_by_dtype(plan: Plan) -> list[str]:
+    """One line per collective kind: full-buffer bytes per step by communication dtype (FP8
+    gathers show up here as half the bytes of bf16)."""
+    lines = []
+    for kind in ("all_gather", "reduce_scatter"):
+        totals: dict[str, int] = {}
+        for c in plan.collectives:
+            if c.kind == kind:
+                totals[c.dtype] = totals.get(c.dtype, 0) + c.buffer_bytes
+        if totals:
+            parts = ", ".join(f"{d} {_fmt_bytes(n)} ({n} B)" for d, n in sorted(totals.items()))
+            lines.append(f"{kind.replace('_', '-')} bytes by dtype: {parts}")
+    return lines
+
+
 def plan_table(plan: Plan, *, reason_width: int = 60) -> str:
     """A readable text rendering of ``plan``: header, collectives in issue order, buckets."""
     pred = plan.predicted
@@ -187,6 +202,7 @@ def plan_table(plan: Plan, *, reason_width: int = 60) -> str:
     counts = ", ".join(f"{g} {len(plan.graphs[g])}" for g in _graph_names(plan) if g in plan.graphs)
     lines.append(f"{len(plan.collectives)} collectives, {len(plan.buckets)} buckets"
                  + (f"; compute ops: {counts}" if counts else ""))
+    lines += _bytes_by_dtype(plan)
     for note in plan.notes:
         lines.append(f"note: {note}")
 

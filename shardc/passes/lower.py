@@ -17,7 +17,7 @@ from torch import fx
 from shardc.passes.fx_utils import call
 from shardc.passes.schedule import GraphComm, analyze, view_chain_root, view_users
 from shardc.plan import Bucket, Collective, Plan
-from shardc.runtime.collectives import shard_rows
+from shardc.runtime.collectives import is_float8, shard_rows
 from shardc.runtime.comm_errors import COLLECTIVE_META
 from shardc.runtime.pool_ops import POOL_PACK_OP, POOL_READ_OP
 
@@ -82,6 +82,13 @@ def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
+def _comm_bytes(graph: fx.Graph, x: fx.Node) -> fx.Node:
+    """A float8 buffer's uint8 view for the collective (see ``collectives.as_comm_bytes``)."""
+    if is_float8(x.meta["val"].dtype):
+        return call(graph, aten.view.dtype, (x, torch.uint8))
+    return x
+
+
 def _issue_all_gather(graph, c: Collective, bucket: Bucket, gathers: dict, group: str,
                       pool: PoolViews) -> tuple[fx.Node, fx.Node | None, fx.Node | None]:
     layout, numel = bucket.layout(c.params)
@@ -95,7 +102,8 @@ def _issue_all_gather(graph, c: Collective, bucket: Bucket, gathers: dict, group
         call(graph, POOL_PACK_OP, (send_view, shards, rows, bucket.world, False))
         recv_view = pool.view(c, "recv", _dtype(bucket.dtype), numel * bucket.world)
         handle = call(graph, funcol.all_gather_into_tensor_out.default,
-                      (send_view, bucket.world, group), {"out": recv_view})
+                      (_comm_bytes(graph, send_view), bucket.world, group),
+                      {"out": _comm_bytes(graph, recv_view)})
         return handle, send_view, recv_view
     pieces = []
     for fqn, x in zip(c.params, shards):
@@ -105,6 +113,7 @@ def _issue_all_gather(graph, c: Collective, bucket: Bucket, gathers: dict, group
         x = _contiguous(graph, _pad_rows(graph, x, layout[fqn][1]))
         pieces.append(call(graph, aten.view.default, (x, [-1])))
     send = pieces[0] if len(pieces) == 1 else call(graph, aten.cat.default, (pieces,))
+    send = _comm_bytes(graph, send)
     return call(graph, funcol.all_gather_into_tensor.default, (send, bucket.world, group)), \
         None, None
 
@@ -112,6 +121,8 @@ def _issue_all_gather(graph, c: Collective, bucket: Bucket, gathers: dict, group
 def _wait_all_gather(graph, c: Collective, bucket: Bucket, gathers: dict, handle: fx.Node,
                      pool: PoolViews, buffers: tuple):
     done = call(graph, funcol.wait_tensor.default, (handle,))
+    if done.meta["val"].dtype != _dtype(bucket.dtype):  # float8 travelled as uint8
+        done = call(graph, aten.view.dtype, (done, _dtype(bucket.dtype)))
     layout, total = bucket.layout(c.params)
     table = call(graph, aten.view.default, (done, [bucket.world, total]))
     for fqn in c.params:

@@ -72,8 +72,18 @@ def all_gather_rows(
     send = pad_rows(shard, rows).contiguous()
     if world == 1:
         return send.clone().narrow(0, 0, dim0)
-    out = _funcol.all_gather_into_tensor(send, world, group_name)
-    return _funcol.wait_tensor(out).narrow(0, 0, dim0)
+    out = _funcol.all_gather_into_tensor(as_comm_bytes(send), world, group_name)
+    return _funcol.wait_tensor(out).view(send.dtype).narrow(0, 0, dim0)
+
+
+def is_float8(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point and dtype.itemsize == 1
+
+
+def as_comm_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or for a float8 tensor its ``uint8`` view (same bytes): gloo and some
+    NCCL builds have no float8 collectives, and an all-gather only moves bytes."""
+    return t.view(torch.uint8) if is_float8(t.dtype) else t
 
 
 def reduce_scatter_rows(

@@ -25,6 +25,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from shardc.runtime.fp8 import (
+    Float8Policy,
+    Fp8ParamInfo,
+    fp8_class_attrs,
+    gather_fp8_weight,
+    select_fp8_params,
+)
 from shardc.runtime.grad_sync import UnsyncedGrads
 from shardc.runtime.mesh import (
     MeshLayout,
@@ -67,6 +74,7 @@ class ShardedParamInfo:
     replicate_group_name: str = ""
     # FSDP+TP: the tensor-parallel placement the gathered tp-local tensor is wrapped back into.
     tp: TpSpec | None = None
+    fp8: Fp8ParamInfo | None = None  # gathered in FP8 (``shard(..., fp8=...)``)
 
 
 @dataclass
@@ -80,6 +88,7 @@ class ShardState:
     regions: list = field(default_factory=list)  # one record per compiled region (the backend's)
     grad_sync: UnsyncedGrads = field(default_factory=UnsyncedGrads)
     layout: MeshLayout | None = None  # the roles of the mesh's dimensions (shardc.runtime.mesh)
+    fp8: Float8Policy | None = None
 
 
 class _ForwardDepth(threading.local):
@@ -136,6 +145,8 @@ def _param_property(name: str, info: ShardedParamInfo, grads: UnsyncedGrads) -> 
         if not isinstance(param, DTensor) or not (_gathering() or _in_eager_forward()):
             return param
         sync = grads.mode()
+        if info.fp8 is not None:
+            return gather_fp8_weight(param.to_local(), info, sync, grads.key)
         full = gather_param(
             param.to_local(),
             info.fqn,
@@ -156,10 +167,12 @@ def _param_property(name: str, info: ShardedParamInfo, grads: UnsyncedGrads) -> 
 
 
 def _swap_class(
-    module: nn.Module, infos: dict[str, ShardedParamInfo], grads: UnsyncedGrads
+    module: nn.Module, infos: dict[str, ShardedParamInfo], grads: UnsyncedGrads,
+    fp8: Float8Policy | None = None,
 ) -> None:
     cls = type(module)
     attrs = {name: _param_property(name, info, grads) for name, info in infos.items()}
+    attrs.update(fp8_class_attrs(module, infos, grads, fp8))
     attrs["_shardc_param_names"] = tuple(infos)
     attrs["__module__"] = cls.__module__
     module.__class__ = type(f"Shardc{cls.__name__}", (ShardedModuleMixin, cls), attrs)
@@ -238,6 +251,7 @@ def shard(
     *,
     reshard_after_forward: bool = True,
     mp_policy: MixedPrecisionPolicy | None = None,
+    fp8: Float8Policy | None = None,
 ) -> nn.Module:
     """Shard every parameter of ``module`` on dim 0 over ``mesh``, in place; returns ``module``.
 
@@ -251,6 +265,8 @@ def shard(
     (never a full parameter).
     ``reshard_after_forward``: free gathered parameters after the forward and gather them again
     for the backward (less memory) instead of keeping them.
+    ``fp8``: gather the weights it selects (``nn.Linear`` by default) in FP8 and, on CUDA, compute
+    with them in FP8; see :mod:`shardc.runtime.fp8`.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
@@ -259,6 +275,13 @@ def shard(
         )
     mesh = mesh if mesh is not None else _default_mesh(module)
     layout = _check_inputs(module, mesh)
+    if fp8 is not None and layout.kind != "fsdp":
+        # The FP8 gather reduces over the shard group only; HSDP's replicate all-reduce and
+        # TP's DTensor re-wrapping are not wired into it.
+        raise NotImplementedError(
+            f"shardc.shard: fp8=... works on 1-D meshes only, got a {layout.kind.upper()} mesh "
+            f"{tuple(mesh.shape)}; shard without fp8 or over a 1-D mesh."
+        )
     mp_policy = mp_policy or MixedPrecisionPolicy()
     group_name = layout.shard_group_name
 
@@ -271,6 +294,12 @@ def shard(
             fqn = f"{mod_name}.{pname}" if mod_name else pname
             canonical.setdefault(id(p), (fqn, p))
             owners.setdefault(id(p), []).append((sub, pname))
+
+    if fp8 is not None and not isinstance(fp8, Float8Policy):
+        raise TypeError(f"shardc.shard: fp8 must be a shardc.Float8Policy, got {fp8!r}")
+    fp8_fqns = select_fp8_params(
+        module, fp8, {fqn: len(owners[key]) for key, (fqn, _) in canonical.items()}
+    ) if fp8 is not None else set()
 
     infos: dict[str, ShardedParamInfo] = {}
     per_module: dict[int, tuple[nn.Module, dict[str, ShardedParamInfo]]] = {}
@@ -286,6 +315,8 @@ def shard(
             replicate=layout.replicate_world,
             replicate_group_name=layout.replicate_group_name,
             tp=tp_spec(p),
+            fp8=Fp8ParamInfo(fp8.dtype, mp_policy.param_dtype or p.dtype)
+            if fqn in fp8_fqns else None,
         )
         infos[fqn] = info
         new_param = nn.Parameter(_shard_tensor(p, layout), requires_grad=p.requires_grad)
@@ -293,12 +324,12 @@ def shard(
             sub._parameters[pname] = new_param
             per_module.setdefault(id(sub), (sub, {}))[1][pname] = info
 
-    state = ShardState(mesh, reshard_after_forward, mp_policy, infos, layout=layout)
+    state = ShardState(mesh, reshard_after_forward, mp_policy, infos, layout=layout, fp8=fp8)
     for sub, sub_infos in per_module.values():
         for pname in sub_infos:
             # The backend finds the root's records through any parameter of a compiled graph.
             sub._parameters[pname]._shardc_regions = state.regions
-        _swap_class(sub, sub_infos, state.grad_sync)
+        _swap_class(sub, sub_infos, state.grad_sync, fp8)
         sub.register_forward_pre_hook(_enter_forward)
         sub.register_forward_hook(_exit_forward, always_call=True)
     if id(module) not in per_module:

@@ -1,0 +1,154 @@
+"""Rank workers and references of the FP8 tests (importable by spawned ranks)."""
+
+from __future__ import annotations
+
+import copy
+import types
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from parity import CFG, GLOBAL_BATCH, batches, build, train
+from torch import nn
+
+import shardc
+from shardc.models.llama import Transformer
+
+FP8 = torch.float8_e4m3fn
+
+
+def fake_quant(w: torch.Tensor, dtype: torch.dtype = FP8) -> torch.Tensor:
+    """Reference per-tensor quantize-dequantize of a full weight, written independently of
+    shardc: scale = max finite / max|w|, saturate, round, divide back."""
+    top = torch.finfo(dtype).max
+    scale = top / w.detach().abs().max().float().clamp(min=1e-12)
+    return ((w.detach().float() * scale).clamp(-top, top).to(dtype).float() / scale).to(w.dtype)
+
+
+def fake_quant_linears(model: nn.Module) -> nn.Module:
+    """The unsharded reference of FP8 training: every ``nn.Linear`` computes with its
+    fake-quantized weight and passes the gradient straight through to the weight."""
+    for m in model.modules():
+        if type(m) is nn.Linear:
+            def forward(self, x):
+                w = self.weight
+                return F.linear(x, w + (fake_quant(w) - w).detach(), self.bias)
+            m.forward = types.MethodType(forward, m)
+    return model
+
+
+def reference(kind: str, fake: bool) -> dict:
+    model = build(kind)
+    if fake:
+        fake_quant_linears(model)
+    tokens, targets = batches()
+    losses = train(model, model, tokens, targets)
+    return {"losses": torch.stack(losses), "params": copy.deepcopy(dict(model.named_parameters()))}
+
+
+def _collectives(gm) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for node in gm.graph.nodes if gm is not None else ():
+        if node.op == "call_function" and "_c10d_functional" in str(node.target):
+            name = str(node.target).split(".")[1]
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def fp8_run(rank: int, world: int, kind: str, mode: str, **options) -> dict:
+    """Train a parity Llama with FP8 linears; this rank's slice of the global batch."""
+    torch._dynamo.reset()
+    model = build(kind)
+    reshard = options.pop("reshard_after_forward", True)
+    shardc.shard(model, reshard_after_forward=reshard, fp8=shardc.Float8Policy())
+    forward = model if mode == "eager" else torch.compile(
+        model, backend=shardc.backend(inductor=(mode == "inductor"), **options))
+    tokens, targets = batches()
+    per = GLOBAL_BATCH // world
+    rows = slice(rank * per, (rank + 1) * per)
+    losses = torch.stack(train(model, forward, tokens[:, rows], targets[:, rows]))
+    dist.all_reduce(losses)
+    losses /= world
+    state = shardc.shard_state(model)
+    return {
+        "losses": losses,
+        "params": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()},
+        "dtypes": {n: p.to_local().dtype for n, p in model.named_parameters()},
+        "plans": [r.plan for r in state.regions],
+        "collectives": [(_collectives(r.forward), _collectives(r.backward))
+                        for r in state.regions],
+        "fp8": sorted(fqn for fqn, i in state.params.items() if i.fp8 is not None),
+    }
+
+
+class Probe(nn.Linear):
+    """A linear whose forward returns the weight it reads (the gathered, dequantized one)."""
+
+    def forward(self, x):
+        return self.weight * 1.0
+
+
+class Probes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        # 45 and 2 rows: uneven for world 2-4, and an empty shard at world 3 and 4.
+        self.a = Probe(24, 45, bias=False)
+        self.b = Probe(7, 2, bias=False)
+        with torch.no_grad():
+            self.a.weight[3, 5] = 0.0123  # a value far below the others
+            self.a.weight[0, 0] = -3.5  # the amax
+
+    def forward(self, x):
+        return self.a(x), self.b(x)
+
+
+def gather_numerics(rank: int, world: int) -> dict:
+    """Gathered FP8 weights (eager and compiled) and the full weights they came from."""
+    out = {}
+    for mode in ("eager", "fx", "inductor"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = Probes()
+        full = {n: p.detach().clone() for n, p in model.named_parameters()}
+        shardc.shard(model, fp8=shardc.Float8Policy())
+        forward = model if mode == "eager" else torch.compile(
+            model, backend=shardc.backend(inductor=(mode == "inductor")))
+        a, b = forward(torch.zeros(2, 24))
+        out[mode] = {"a.weight": a.detach(), "b.weight": b.detach()}
+        out["full"] = full
+    return out
+
+
+def checkpoint_round_trip(rank: int, world: int, path: str) -> dict:
+    """Train two FP8 steps, save with DCP, load into a fresh model; report dtypes and values."""
+    model = build("llama")
+    shardc.shard(model, fp8=shardc.Float8Policy())
+    tokens, targets = batches(3)
+    per = GLOBAL_BATCH // world
+    rows = slice(rank * per, (rank + 1) * per)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    from shardc.models.llama import llama_loss
+    for step in range(2):
+        llama_loss(model(tokens[step, rows]), targets[step, rows]).backward()
+        opt.step()
+        opt.zero_grad()
+    state = {"model": model.state_dict()}
+    dcp.save(state, checkpoint_id=path)
+    fresh = Transformer(CFG)
+    shardc.shard(fresh, fp8=shardc.Float8Policy())
+    loaded = {"model": fresh.state_dict()}
+    dcp.load(loaded, checkpoint_id=path)
+    fresh.load_state_dict(loaded["model"])
+    with torch.no_grad():
+        out_saved = model(tokens[2, rows])
+        out_loaded = fresh(tokens[2, rows])
+    full = {n: v.full_tensor() for n, v in model.state_dict().items()}
+    return {
+        "dtypes": {n: v.dtype for n, v in state["model"].items()},
+        "optim_dtypes": sorted({str(t.dtype) for s in opt.state.values() for t in s.values()
+                                if torch.is_tensor(t) and t.dim() > 0}),
+        "full": full,
+        "loaded": {n: v.full_tensor() for n, v in fresh.state_dict().items()},
+        "outputs_equal": torch.equal(out_saved, out_loaded),
+    }
