@@ -273,20 +273,30 @@ def apply_plan(
     graph = gm.graph
     pool_node = pool if isinstance(pool, fx.Node) or pool is None else _pool_node(gm, pool)
     views = PoolViews(graph, pool_node if colls else None, plan, poison)
-    # Issues before waits at the same position, each group in plan order.
+    # At one position: reduce-scatter waits of earlier issues first (their send buffers die
+    # before the next bucket is packed), then issues, then the other waits, each in plan order.
     # HSDP's all-reduces are issued by their reduce-scatter's wait (they reduce its output).
+    first_issued: dict[int, fx.Node] = {}
     for c in sorted((c for c in colls if c.kind != "all_reduce"), key=lambda c: c.issue_pos):
         bucket = plan.buckets[c.bucket]
         source = g.gathers if c.kind == "all_gather" else g.reduces
         group = source[c.params[0]].args[4]
-        with graph.inserting_before(_anchor(g, gm, c.issue_pos)):
+        anchor = _anchor(g, gm, c.issue_pos)
+        if c.issue_pos not in first_issued:
+            first_issued[c.issue_pos] = anchor.prev
+        with graph.inserting_before(anchor):
             if c.kind == "all_gather":
                 handles[c.id] = _issue_all_gather(graph, c, bucket, g.gathers, group, views)
             else:
                 handles[c.id] = _issue_reduce_scatter(graph, c, bucket, g.reduces, group, views)
+    # (the node before each position's issues, to the position's first issued node)
+    first_issued = {pos: prev.next for pos, prev in first_issued.items()}
     for c in sorted(colls, key=lambda c: (c.wait_pos, c.kind == "all_reduce")):
         bucket = plan.buckets[c.bucket]
-        with graph.inserting_before(_anchor(g, gm, c.wait_pos)):
+        where = _anchor(g, gm, c.wait_pos)
+        if c.kind == "reduce_scatter" and c.issue_pos < c.wait_pos and c.wait_pos in first_issued:
+            where = first_issued[c.wait_pos]
+        with graph.inserting_before(where):
             handle, *buffers = handles[c.id]
             if c.kind == "all_gather":
                 _wait_all_gather(graph, c, bucket, g.gathers, handle, views, tuple(buffers))

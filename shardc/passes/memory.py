@@ -90,6 +90,15 @@ def _is_alias(node: fx.Node) -> bool:
     return isinstance(target, torch._ops.OpOverload) and target.is_view
 
 
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
+
+
+def _is_collective(node: fx.Node) -> bool:
+    target = node.target
+    return (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
+            and target.namespace == "_c10d_functional" and target is not _WAIT)
+
+
 def liveness_peak(gm: fx.GraphModule, skip: set[fx.Node]) -> tuple[int, list[int]]:
     """Peak bytes of values alive while ``gm`` runs (``skip``: placeholders counted elsewhere).
 
@@ -102,6 +111,7 @@ def liveness_peak(gm: fx.GraphModule, skip: set[fx.Node]) -> tuple[int, list[int
     size: dict[fx.Node, int] = {}
     last: dict[fx.Node, int] = {}
     end = len(nodes)
+    pending: dict[fx.Node, list[fx.Node]] = {}
     for i, node in enumerate(nodes):
         if node.op == "output":
             for arg in node.all_input_nodes:
@@ -116,6 +126,13 @@ def liveness_peak(gm: fx.GraphModule, skip: set[fx.Node]) -> tuple[int, list[int
         for arg in node.all_input_nodes:
             key = storage[arg]
             last[key] = max(last[key], i)
+        if _is_collective(node):
+            pending[node] = [storage[a] for a in node.all_input_nodes]
+        elif node.op == "call_function" and node.target is _WAIT:
+            # A collective's inputs stay referenced by its work until the wait (the process
+            # group holds them so the compute stream cannot reuse them while it runs).
+            for key in pending.pop(node.args[0], ()):
+                last[key] = max(last[key], i)
     delta = [0] * (end + 2)
     for key, nbytes in size.items():
         delta[index[key]] += nbytes
