@@ -112,7 +112,8 @@ class ShardcPartitioner(_partitioner_base()):
                 else pool
             apply_plan(gm, plan, name, rank, pool=where, poison=poison)
         predict_peak(fw, bw, plan, fw_params, bw_params,
-                     optimizer_state_factor=self.options.optimizer_state_factor)
+                     optimizer_state_factor=self.options.optimizer_state_factor,
+                     fusion=self.options.inductor)
         self.region.forward, self.region.backward, self.region.plan = fw, bw, plan
         if self.options.dump_dir:
             from shardc.render import dump_plan

@@ -99,11 +99,28 @@ def _is_collective(node: fx.Node) -> bool:
             and target.namespace == "_c10d_functional" and target is not _WAIT)
 
 
-def liveness_peak(gm: fx.GraphModule, skip: set[fx.Node]) -> tuple[int, list[int]]:
+def _has_tag(node: fx.Node, tag) -> bool:
+    target = node.target
+    return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) \
+        and tag in target.tags
+
+
+def fused_away(node: fx.Node) -> bool:
+    """Whether a fusing compiler (Inductor) keeps ``node``'s value in registers: a pointwise op
+    whose every user is a pointwise op or a reduction it can fuse into (never a graph output,
+    an extern kernel such as a matmul, or a view)."""
+    if not _has_tag(node, torch.Tag.pointwise) or not node.users:
+        return False
+    return all(_has_tag(u, torch.Tag.pointwise) or _has_tag(u, torch.Tag.reduction)
+               for u in node.users)
+
+
+def liveness_peak(gm: fx.GraphModule, skip: set[fx.Node], *,
+                  fusion: bool = False) -> tuple[int, list[int]]:
     """Peak bytes of values alive while ``gm`` runs (``skip``: placeholders counted elsewhere).
 
     A value is alive from its definition to the last use of it or of any view of it; graph
-    outputs stay alive to the end.
+    outputs stay alive to the end. ``fusion``: values :func:`fused_away` take no memory.
     """
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
@@ -121,7 +138,8 @@ def liveness_peak(gm: fx.GraphModule, skip: set[fx.Node]) -> tuple[int, list[int
             storage[node] = storage[node.all_input_nodes[0]]
         else:
             storage[node] = node
-            size[node] = 0 if node in skip else _nbytes(node.meta.get("val"))
+            dropped = node in skip or (fusion and fused_away(node))
+            size[node] = 0 if dropped else _nbytes(node.meta.get("val"))
             last[node] = i
         for arg in node.all_input_nodes:
             key = storage[arg]
@@ -165,6 +183,7 @@ def predict_peak(
     bw_params: set[fx.Node],
     *,
     optimizer_state_factor: float = 2.0,
+    fusion: bool = False,
 ) -> dict[str, int]:
     """Whole-step peak prediction from the lowered graphs; ``params``/``bw_params`` are the
     parameter-shard placeholders (:func:`param_placeholders`, taken before lowering).
@@ -174,12 +193,12 @@ def predict_peak(
     """
     param_bytes = sum(_nbytes(p.meta.get("val")) for p in params)
     optim = int(param_bytes * optimizer_state_factor)
-    fw_peak, _ = liveness_peak(forward, params)
+    fw_peak, _ = liveness_peak(forward, params, fusion=fusion)
     out = {"param_bytes": param_bytes, "optimizer_state_bytes": optim,
            "forward_peak_bytes": param_bytes + optim + fw_peak}
     peak = out["forward_peak_bytes"]
     if backward is not None:
-        bw_peak, _ = liveness_peak(backward, bw_params)
+        bw_peak, _ = liveness_peak(backward, bw_params, fusion=fusion)
         out["backward_peak_bytes"] = param_bytes + optim + bw_peak
         peak = max(peak, out["backward_peak_bytes"])
     out["peak_bytes"] = peak

@@ -9,8 +9,8 @@ Placement rules, each recorded as the collective's ``reason``:
   is issued before the first op of bucket ``k - prefetch_depth`` (prefetch), moved later one
   bucket at a time while the gathered bytes in flight would exceed the memory budget;
 - reduce-scatter of a bucket is issued right after the last gradient of the bucket is computed and
-  waited as late as possible while at most two are in flight (before the issue of the
-  reduce-scatter two places later, or at the end of the graph).
+  waited when the next bucket's reduce-scatter is issued (or at the end of the graph), so one is
+  in flight while the next is packed.
 """
 
 from __future__ import annotations
@@ -253,13 +253,16 @@ def _place_reduce_scatters(g: GraphComm, buckets: list[Bucket]) -> list[Collecti
     items.sort(key=lambda item: (item[0], item[1].index))
     out = []
     for j, (ready, bucket, params, latest) in enumerate(items):
-        wait = items[j + 2][0] if j + 2 < len(items) else g.end
+        # Waited when the next one is issued: with Inductor, the next bucket's send buffer is
+        # allocated as early as the kernel that makes its gradients, so a later wait would keep
+        # three fp32 send buffers alive at the backward's peak.
+        wait = items[j + 1][0] if j + 1 < len(items) else g.end
         wait = min(max(wait, ready), latest)
         nbytes = bucket.layout(params)[1] * bucket.world * _itemsize(bucket.reduce_dtype)
         out.append(_collective(
             g, "reduce_scatter", bucket, params, nbytes, bucket.reduce_dtype, ready, wait, wait,
-            wait, "issued once the last gradient of the bucket exists; waited as late as "
-            "possible with at most two reduce-scatters in flight"))
+            wait, "issued once the last gradient of the bucket exists; waited when the next "
+            "bucket's reduce-scatter is issued (one in flight while the next is packed)"))
         if bucket.replicate > 1:
             out.append(replicate_all_reduce(g, bucket, params, wait, latest))
     return out
