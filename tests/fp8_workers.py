@@ -6,10 +6,9 @@ import copy
 import types
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from parity import CFG, GLOBAL_BATCH, batches, build, train
+from parity import CFG, GLOBAL_BATCH, batches, build, train, train_rank_slice
 from torch import nn
 
 import shardc
@@ -64,12 +63,7 @@ def fp8_run(rank: int, world: int, kind: str, mode: str, **options) -> dict:
     shardc.shard(model, reshard_after_forward=reshard, fp8=shardc.Float8Policy())
     forward = model if mode == "eager" else torch.compile(
         model, backend=shardc.backend(inductor=(mode == "inductor"), **options))
-    tokens, targets = batches()
-    per = GLOBAL_BATCH // world
-    rows = slice(rank * per, (rank + 1) * per)
-    losses = torch.stack(train(model, forward, tokens[:, rows], targets[:, rows]))
-    dist.all_reduce(losses)
-    losses /= world
+    losses = train_rank_slice(model, forward, rank, world)
     state = shardc.shard_state(model)
     return {
         "losses": losses,

@@ -97,6 +97,17 @@ def reference(kind: str, compile_backend: str | None = None) -> dict:
     return {"losses": torch.stack(losses), "params": copy.deepcopy(dict(model.named_parameters()))}
 
 
+def train_rank_slice(model: nn.Module, forward, rank: int, world: int) -> torch.Tensor:
+    """Train on this rank's slice of the global batch; the per-step losses averaged over ranks
+    (the global mean loss, comparable to the reference's)."""
+    tokens, targets = batches()
+    per = GLOBAL_BATCH // world
+    rows = slice(rank * per, (rank + 1) * per)
+    losses = torch.stack(train(model, forward, tokens[:, rows], targets[:, rows]))
+    dist.all_reduce(losses)
+    return losses / world
+
+
 def sharded_run(rank: int, world: int, kind: str, mode: str, **options) -> dict:
     """Shard, train on this rank's slice; returns the global mean losses and full parameters."""
     keep_model = options.pop("keep_model", False)
@@ -107,12 +118,7 @@ def sharded_run(rank: int, world: int, kind: str, mode: str, **options) -> dict:
     else:
         forward = torch.compile(model, backend=shardc.backend(inductor=(mode == "inductor"),
                                                               **options))
-    tokens, targets = batches()
-    per = GLOBAL_BATCH // world
-    rows = slice(rank * per, (rank + 1) * per)
-    losses = torch.stack(train(model, forward, tokens[:, rows], targets[:, rows]))
-    dist.all_reduce(losses)
-    losses /= world
+    losses = train_rank_slice(model, forward, rank, world)
     params = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
     grads_none = {n: p.grad is None for n, p in model.named_parameters()}
     state = shardc.shard_state(model)
