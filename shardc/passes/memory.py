@@ -115,12 +115,33 @@ def fused_away(node: fx.Node) -> bool:
                for u in node.users)
 
 
+_CAT = torch.ops.aten.cat.default
+_PAD = torch.ops.aten.constant_pad_nd.default
+
+
+def fused_start(node: fx.Node, index: dict[fx.Node, int]) -> int:
+    """Where a fusing compiler first writes a concatenation (a collective's send buffer): it
+    fuses the casts, padding and copies that fill it into the kernels right after the producers
+    of its pieces, so the buffer exists from the earliest of those casts, not from the ``cat``."""
+    start = index[node]
+    stack = list(node.all_input_nodes)
+    while stack:
+        n = stack.pop()
+        if n.op != "call_function":
+            continue
+        if _has_tag(n, torch.Tag.pointwise) or n.target is _PAD or _is_alias(n):
+            start = min(start, index[n])
+            stack.extend(n.all_input_nodes)
+    return start
+
+
 def liveness_peak(gm: fx.GraphModule, skip: set[fx.Node], *,
                   fusion: bool = False) -> tuple[int, list[int]]:
     """Peak bytes of values alive while ``gm`` runs (``skip``: placeholders counted elsewhere).
 
     A value is alive from its definition to the last use of it or of any view of it; graph
-    outputs stay alive to the end. ``fusion``: values :func:`fused_away` take no memory.
+    outputs stay alive to the end. ``fusion``: values :func:`fused_away` take no memory and
+    concatenations are born at :func:`fused_start`.
     """
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
@@ -153,7 +174,8 @@ def liveness_peak(gm: fx.GraphModule, skip: set[fx.Node], *,
                 last[key] = max(last[key], i)
     delta = [0] * (end + 2)
     for key, nbytes in size.items():
-        delta[index[key]] += nbytes
+        born = fused_start(key, index) if fusion and key.target is _CAT else index[key]
+        delta[born] += nbytes
         delta[last[key] + 1] -= nbytes
     timeline, live = [], 0
     for d in delta[:end + 1]:
