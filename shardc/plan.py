@@ -13,7 +13,11 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2
+# Version 2 added the 2-D mesh fields (``Plan.mesh``, ``replicate_size``,
+# ``replicate_group_name``, ``Bucket.replicate``/``replicate_group``, ``Collective.group``, kind
+# ``"all_reduce"``); a version 1 plan reads as a 1-D plan with their defaults.
+READABLE_VERSIONS = (1, 2)
 
 
 @dataclass
@@ -141,10 +145,10 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
-        if data.get("version") != PLAN_VERSION:
+        if data.get("version") not in READABLE_VERSIONS:
             raise ValueError(
                 f"shardc: plan version {data.get('version')!r} is not supported "
-                f"(this shardc reads version {PLAN_VERSION})"
+                f"(this shardc reads versions {', '.join(map(str, READABLE_VERSIONS))})"
             )
         data = dict(data)
         data.pop("hash", None)

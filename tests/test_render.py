@@ -342,3 +342,25 @@ def test_render_plan_of_a_traced_forward_graph():
     loaded = Plan.from_json(real.to_json())
     assert json.loads(loaded.to_json()) == json.loads(real.to_json())
     assert loaded.hash() == real.hash()
+
+
+def test_version_1_plans_read_as_1d_and_unknown_versions_are_refused():
+    plan = make_plan(world=2)
+    assert plan.collectives
+    data = json.loads(plan.to_json())
+    # A version 1 plan, as the previous format wrote it: no 2-D mesh fields.
+    data["version"] = 1
+    for key in ("mesh", "replicate_size", "replicate_group_name"):
+        data.pop(key)
+    for bucket in data["buckets"]:
+        bucket.pop("replicate"), bucket.pop("replicate_group")
+    for c in data["collectives"]:
+        c.pop("group")
+    old = Plan.from_dict(data)
+    assert old.version == 1 and old.replicate_size == 1
+    assert [b.replicate for b in old.buckets] == [1] * len(plan.buckets)
+    assert {c.group for c in old.collectives} == {"shard"}
+    assert [c.id for c in old.collectives] == [c.id for c in plan.collectives]
+    data["version"] = PLAN_VERSION + 1
+    with pytest.raises(ValueError, match="plan version"):
+        Plan.from_dict(data)
