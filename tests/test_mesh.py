@@ -17,15 +17,20 @@ HSDP = [((2, 2), "eager"), ((2, 2), "fx"), ((4, 1), "eager")]
 TP = [((2, 2), "eager"), ((2, 2), "fx"), ((1, 4), "eager")]
 
 
+def _assert_parity(run: dict, ref: dict, where: str) -> None:
+    """:func:`assert_parity`, its failure naming the rank, mesh and mode."""
+    try:
+        assert_parity(run, ref)
+    except AssertionError as exc:
+        raise AssertionError(f"{where}: {exc}") from exc
+
+
 def test_hsdp_parity_and_plan():
     ref = reference("llama1")
     results = run_ranks(hsdp_scenarios, 4, HSDP)
     for rank, per_rank in enumerate(results):
         for (shape, mode), run in zip(HSDP, per_rank):
-            try:
-                assert_parity(run, ref)
-            except AssertionError as exc:
-                raise AssertionError(f"rank {rank}, HSDP {shape} {mode}: {exc}") from exc
+            _assert_parity(run, ref, f"rank {rank}, HSDP {shape} {mode}")
     for (shape, mode), run in zip(HSDP, results[0]):
         assert set(run["placements"].values()) == {("Replicate()", "Shard(0)")}
         if mode == "eager":
@@ -47,10 +52,7 @@ def test_fsdp_tp_parity_placements_and_global_values():
     results = run_ranks(tp_scenarios, 4, TP)
     for rank, per_rank in enumerate(results):
         for (shape, mode), run in zip(TP, per_rank):
-            try:
-                assert_parity(run, ref)
-            except AssertionError as exc:
-                raise AssertionError(f"rank {rank}, FSDP+TP {shape} {mode}: {exc}") from exc
+            _assert_parity(run, ref, f"rank {rank}, FSDP+TP {shape} {mode}")
             for name, value in ref["init"].items():  # sharded in global coordinates
                 assert torch.equal(run["init"][name], value.detach()), (shape, name)
             if mode != "eager":

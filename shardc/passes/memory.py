@@ -124,11 +124,12 @@ def fused_start(node: fx.Node, index: dict[fx.Node, int]) -> int:
     fuses the casts, padding and copies that fill it into the kernels right after the producers
     of its pieces, so the buffer exists from the earliest of those casts, not from the ``cat``."""
     start = index[node]
-    stack = list(node.all_input_nodes)
+    stack, seen = list(node.all_input_nodes), set()
     while stack:
         n = stack.pop()
-        if n.op != "call_function":
+        if n in seen or n.op != "call_function":
             continue
+        seen.add(n)
         if _has_tag(n, torch.Tag.pointwise) or n.target is _PAD or _is_alias(n):
             start = min(start, index[n])
             stack.extend(n.all_input_nodes)

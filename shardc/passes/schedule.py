@@ -132,8 +132,9 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def param_comm(gather: fx.Node) -> ParamComm:
     shard, fqn, dim0, world, group_name, compute_dtype, reduce_dtype = gather.args[:7]
-    replicate, replicate_group = (tuple(gather.args[10:12]) + (1, ""))[:2] if len(
-        gather.args) > 10 else (1, "")
+    # HSDP's trailing arguments (gather_param's defaults when a caller leaves them out).
+    replicate = gather.args[10] if len(gather.args) > 10 else 1
+    replicate_group = gather.args[11] if len(gather.args) > 11 else ""
     val = shard.meta["val"]
     dtype = compute_dtype or val.dtype
     row_numel = 1
@@ -185,13 +186,16 @@ def _itemsize(dtype_name: str) -> int:
 
 def _collective(g: GraphComm, kind: str, bucket: Bucket, params: list[str], nbytes: int,
                 dtype: str, issue: int, wait: int, first_use: int, last_use: int,
-                reason: str) -> Collective:
-    """One planned collective of ``bucket``; its buffer lives from issue to last use."""
+                reason: str, *, group: str = "shard") -> Collective:
+    """One planned collective of ``bucket`` over ``nbytes`` (the gathered or unreduced buffer;
+    each rank sends its ``1/world``, all of it for an all-reduce); its buffer lives from issue to
+    last use."""
+    per_rank = nbytes if kind == "all_reduce" else nbytes // bucket.world
     return Collective(
         id=f"{g.name}.{kind}.{bucket.index}", kind=kind, graph=g.name, bucket=bucket.index,
-        params=params, bytes=nbytes // bucket.world, buffer_bytes=nbytes, dtype=dtype,
+        params=params, bytes=per_rank, buffer_bytes=nbytes, dtype=dtype,
         stream=COMM_STREAM, issue_pos=issue, wait_pos=wait, first_use_pos=first_use,
-        last_use_pos=last_use, reason=reason, buffer_lifetime=(issue, last_use + 1),
+        last_use_pos=last_use, reason=reason, buffer_lifetime=(issue, last_use + 1), group=group,
     )
 
 
@@ -275,14 +279,11 @@ def replicate_all_reduce(g: GraphComm, bucket: Bucket, params: list[str], issue:
     first reader of the reduced shards (``latest``: the graph's output, or an accumulation)."""
     nbytes = bucket.layout(params)[1] * _itemsize(bucket.reduce_dtype)
     wait = max(issue, latest)
-    c = _collective(
-        g, "all_reduce", bucket, params, nbytes * bucket.world, bucket.reduce_dtype, issue, wait,
-        wait, wait, f"HSDP: averages the bucket's shard over the {bucket.replicate} replicas "
-        "(inter-node); issued at its reduce-scatter's wait, waited before the first reader of "
-        "the reduced gradients")
-    c.bytes = c.buffer_bytes = nbytes
-    c.group = "replicate"
-    return c
+    return _collective(
+        g, "all_reduce", bucket, params, nbytes, bucket.reduce_dtype, issue, wait, wait, wait,
+        f"HSDP: averages the bucket's shard over the {bucket.replicate} replicas (inter-node); "
+        "issued at its reduce-scatter's wait, waited before the first reader of the reduced "
+        "gradients", group="replicate")
 
 
 def _simulate(g: GraphComm, colls: list[Collective], cluster: ClusterSpec, world: int,
