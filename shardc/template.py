@@ -12,6 +12,8 @@ raises :class:`TemplateRefused` naming why; the caller then traces the whole mod
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,6 +34,29 @@ _PLAIN = (bool, int, float, str, type(None), tuple, torch.dtype)
 
 class TemplateRefused(ValueError):
     """The model cannot be planned from a template; the message says why."""
+
+
+def comparable_plan(plan: Plan) -> dict:
+    """``plan``'s JSON data without graph node names and notes, to compare a template plan with
+    a full trace's: node names come from the tracer's counters, which differ between the two.
+    What each schedule position holds (op, FLOPs, bytes, predicted times) stays, which fixes each
+    collective's ``overlaps`` (the ops between its issue and wait positions): only their number
+    is kept."""
+    data = plan.to_dict()
+    for ops in data["graphs"].values():
+        for op in ops:
+            del op["name"]
+    for c in data["collectives"]:
+        c["overlaps"] = len(c["overlaps"])
+    data.pop("notes")
+    data.pop("hash")  # of the collectives' signatures: kept in them
+    return data
+
+
+def plan_digest(plan: Plan) -> str:
+    """A short hash of :func:`comparable_plan`: equal for a template plan and its full trace."""
+    blob = json.dumps(comparable_plan(plan), sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
 def block_signature(block: nn.Module) -> tuple:
