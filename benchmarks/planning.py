@@ -26,6 +26,8 @@ from datetime import date
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# Everything from this line on in the output file is prose, kept when the table is rewritten.
+NOTES_MARKER = "<!-- notes below: kept by benchmarks/planning.py -->"
 
 POINT = """
 import json, time
@@ -104,8 +106,11 @@ def main() -> None:
             f"{r['collectives']} | {r['step_time_s'] * 1e3:.1f} | "
             f"{r['exposed_comm_s'] * 1e3:.2f} | {r['peak_bytes'] / 2**30:.2f} | "
             f"`{r['digest']}` |")
-    Path(args.out).write_text("\n".join(lines) + "\n")
-    print(f"wrote {args.out}")
+    out = Path(args.out)
+    old = out.read_text() if out.exists() else ""
+    notes = old[old.index(NOTES_MARKER):] if NOTES_MARKER in old else ""
+    out.write_text("\n".join(lines) + "\n" + ("\n" + notes if notes else ""))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
