@@ -2,7 +2,8 @@
 
 The model is built on the meta device and sharded over a fake process group of the requested
 size (rank 0's view); compiling it with the shardc backend plans the region exactly as a real run
-would, and running it on meta tensors moves no data.
+would, and running it on meta tensors moves no data. A model with more blocks than a template
+traces is planned from its first blocks, repeated (``shardc.template``), unless ``--full-trace``.
 """
 
 from __future__ import annotations
