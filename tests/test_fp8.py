@@ -24,6 +24,7 @@ from torch import nn
 
 import shardc
 from shardc.runtime.fp8 import Float8Policy, select_fp8_params
+from shardc.runtime.te import TE_GEMM_WEIGHTS
 
 WORLD_SIZES = [1, 2, 3, 4]
 FP8_LOSS_TOL = 5e-3  # FP8 weights vs the float32 model: relative loss error over 5 steps
@@ -153,3 +154,27 @@ def test_policy_validation_and_selection():
     chosen = select_fp8_params(model, Float8Policy(filter=lambda n, m: n == "skip"), owners)
     assert chosen == {"skip.weight"}
     assert isinstance(shardc.Float8Policy(), Float8Policy)
+
+
+def test_policy_selects_every_named_weight_of_a_module():
+    """TransformerEngine's modules hold several GEMM weights under other names than ``weight``
+    (``fc1_weight``, ``query_weight``...) beside a 1-D ``layer_norm_weight``;
+    ``shardc.te_float8_policy`` selects them by name (TE itself is only imported on GPU)."""
+
+    class LayerNormMLP(nn.Module):  # the parameter layout of te.LayerNormMLP
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer_norm_weight = nn.Parameter(torch.ones(8))
+            self.fc1_weight = nn.Parameter(torch.randn(16, 8))
+            self.fc1_bias = nn.Parameter(torch.zeros(16))
+            self.fc2_weight = nn.Parameter(torch.randn(8, 16))
+
+    model = nn.Sequential(LayerNormMLP(), nn.Linear(8, 8))
+    owners = {n: 1 for n, _ in model.named_parameters()}
+    te_like = Float8Policy(modules=(LayerNormMLP,), weights=TE_GEMM_WEIGHTS)
+    assert select_fp8_params(model, te_like, owners) == {"0.fc1_weight", "0.fc2_weight"}
+    # The default selects `weight` only: the Linear, never the norm.
+    assert select_fp8_params(model, Float8Policy(modules=(nn.Module,)), owners) == {"1.weight"}
+    with pytest.raises(ValueError, match=r"'0.layer_norm_weight' is 1-D.*weights="):
+        select_fp8_params(model, Float8Policy(modules=(LayerNormMLP,), weights=(".*weight",)),
+                          owners)
