@@ -48,7 +48,9 @@ def te_fp8_recipe(scaling: str = "delayed", **kwargs):
         return recipe.DelayedScaling(**kwargs)
     if scaling == "current":
         return recipe.Float8CurrentScaling(**kwargs)
-    raise ValueError(f"shardc.te_fp8_recipe: scaling must be 'delayed' or 'current', got {scaling!r}")
+    raise ValueError(
+        f"shardc.te_fp8_recipe: scaling must be 'delayed' or 'current', got {scaling!r}"
+    )
 
 
 def te_autocast(model: nn.Module, recipe=None, enabled: bool = True):
