@@ -38,11 +38,14 @@ def references():
 
 @pytest.mark.parametrize("world", [2])
 def test_gathered_weight_is_reference_quantize_dequantize(world):
-    """Eager, planned FX and Inductor; one rank holds no row of ``b``."""
+    """Eager, planned FX and Inductor; one rank holds no row of ``b``. TransformerEngine-style
+    weight names (``c.fc1_weight``...) are gathered in FP8 alike, the norm weight unquantized."""
     out = run_ranks(gather_numerics, world)
     for rank_out in out:
         for mode in ("eager", "fx", "inductor"):
-            for name in ("a.weight", "b.weight"):
+            norm = rank_out[mode]["c.layer_norm_weight"]
+            assert torch.equal(norm, rank_out["full"]["c.layer_norm_weight"]), mode
+            for name in ("a.weight", "b.weight", "c.fc1_weight", "c.fc2_weight"):
                 want = fake_quant(rank_out["full"][name])
                 got = rank_out[mode][name]
                 assert torch.equal(got, want), f"{mode} {name}: not the reference fake-quant"
