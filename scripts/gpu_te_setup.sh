@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # TransformerEngine (TE) on the GPU machine, which has no internet (see docs/fp8.md,
-# "Getting TE onto the GPU machine"). Three steps, each a sub-command:
+# "Getting TE onto the GPU machine"). Each step is a sub-command:
 #
 #   here (reaches PyPI):  bash scripts/gpu_te_setup.sh fetch
 #       downloads TE $TE_VERSION for CUDA 13 / Python 3.12 into $TE_DIR (default .whl/te):
@@ -14,7 +14,11 @@
 #                everything into $TE_SITE (/tmp/te-site, used through PYTHONPATH) and builds the
 #                torch extension from the sdist (or installs rest/transformer_engine_torch-*.whl,
 #                a wheel built there before); the built wheel is copied to $OUT.
-#   then: PYTHONPATH=$TE_SITE python3 -m pytest -m gpu tests/gpu   (or scripts/gpu_fp8.sh)
+#   then: bash scripts/gpu_te_setup.sh test     the TE GPU tests (TESTS=... for others), log and
+#                the trace report (SHARDC_TE_REPORT) in $OUT
+#   e.g. the last call's command, from the repository root there:
+#       export TE_DIR=$PWD/.whl/te; bash scripts/gpu_te_setup.sh receive &&
+#       bash scripts/gpu_te_setup.sh install && bash scripts/gpu_te_setup.sh test
 set -euo pipefail
 TE_VERSION="${TE_VERSION:-2.20.2}"
 TE_DIR="$(realpath -m "${TE_DIR:-.whl/te}")"
@@ -104,13 +108,24 @@ install() {
   rm -rf "$TE_SITE"
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
       --target "$TE_SITE" "${wheels[@]}"
-  PYTHONPATH="$TE_SITE" "$PY" -c \
-    'import transformer_engine.pytorch as te, torch; print("TE", te.__version__, "torch", torch.__version__, "fp8", te.is_fp8_available())'
+  PYTHONPATH="$TE_SITE" "$PY" -c 'from importlib.metadata import version
+import torch, transformer_engine.pytorch as te
+print("TE", version("transformer_engine"), "torch", torch.__version__, "fp8", te.is_fp8_available())'
+}
+
+run_tests() {  # there, after install; from the repository root (the checkout carried there)
+  local out="${OUT:-out/gpu_te}"
+  mkdir -p "$out"
+  SHARDC_TE_REPORT="$out/te_report.jsonl" PYTHONUNBUFFERED=1 \
+  PYTHONPATH="$PWD:$TE_SITE${PYTHONPATH:+:$PYTHONPATH}" \
+      "$PY" -m pytest -q -m gpu -rA --tb=short -p no:logging ${TESTS:-tests/gpu/test_te_gpu.py} \
+      2>&1 | tee "$out/te_tests.log"
 }
 
 case "${1:-}" in
   fetch) fetch ;;
   receive) receive ;;
   install) install ;;
-  *) echo "usage: $0 fetch|receive|install (see the comment at the top)" >&2; exit 2 ;;
+  test) run_tests ;;
+  *) echo "usage: $0 fetch|receive|install|test (see the comment at the top)" >&2; exit 2 ;;
 esac
