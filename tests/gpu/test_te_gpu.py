@@ -186,7 +186,8 @@ def test_te_autocast_reduces_amax_over_the_shard_group(nccl):
     group = shardc.shard_state(model).mesh.get_group()
     with shardc.te_autocast(model):
         assert FP8GlobalStateManager.is_fp8_enabled()
-        assert FP8GlobalStateManager.get_fp8_group() is group
+        got = FP8GlobalStateManager.get_fp8_group()
+        assert got is group or got.group_name == group.group_name, (got, group)
         model(_batch(0)).float().sum().backward()
     with pytest.raises(ValueError, match="not sharded"):
         shardc.te_autocast(_model("Linear", bias=True))
@@ -286,8 +287,10 @@ def _fp8_meta(model_state: dict) -> dict[str, dict[str, torch.Tensor]]:
     for key, value in model_state.items():
         if key.endswith("_extra_state") and value:
             meta = pickle.loads(value)  # our own checkpoint: trusted
-            out[key] = {k: meta[k] for k in ("scale_fwd", "amax_history_fwd", "scale_bwd",
-                                             "amax_history_bwd")}
+            tensors = {k: meta[k] for k in ("scale_fwd", "amax_history_fwd", "scale_bwd",
+                                            "amax_history_bwd") if k in meta}
+            if tensors:  # modules without delayed-scaling tensors (attention) keep none
+                out[key] = tensors
     return out
 
 
