@@ -30,7 +30,7 @@ from shardc.passes.memory import assign_pool, param_placeholders, predict_peak
 from shardc.passes.reshard import check_no_gathered_saved, tag_resharded_gathers
 from shardc.passes.schedule import plan_region
 from shardc.runtime.collectives import resolve_group
-from shardc.runtime.comm_errors import boxed_with_collective_errors
+from shardc.runtime.comm_errors import boxed_with_collective_errors, guard_inductor_graph
 from shardc.runtime.ops import GATHER_OP
 from shardc.runtime.plan_check import announce_region, check_plan_consistency
 
@@ -198,13 +198,15 @@ def _region_registry(example_inputs: Sequence[object]) -> list | None:
 
 def _inductor_with_pool(compile_inner, graph: fx.GraphModule, inputs, region: RegionRecord,
                         kw: dict):
-    """Compile ``graph`` with Inductor; if it takes the communication pool as an input
-    (:func:`add_pool_placeholder`), the returned callable inserts the region's pool into the
-    arguments AOTAutograd passes (which do not include it)."""
+    """Compile ``graph`` with Inductor; a failing collective is re-raised naming it (looked up
+    only after a failure, see ``comm_errors.guard_inductor_graph``). If the graph takes the
+    communication pool as an input (:func:`add_pool_placeholder`), the returned callable inserts
+    the region's pool into the arguments AOTAutograd passes (which do not include it)."""
     placeholders = graph.graph.find_nodes(op="placeholder")
     names = [p.name for p in placeholders]
     if POOL_PLACEHOLDER not in names:
-        return compile_inner(graph, inputs, **kw)
+        return guard_inductor_graph(compile_inner(graph, inputs, **kw), graph,
+                                    lambda: region.plan)
     index = names.index(POOL_PLACEHOLDER)
     inputs = list(inputs)
     if len(inputs) < len(placeholders):
@@ -214,7 +216,8 @@ def _inductor_with_pool(compile_inner, graph: fx.GraphModule, inputs, region: Re
         # The pool never moves: a static input (for CUDA graphs too). Indices after it shift.
         static = sorted([i + (i >= index) for i in static] + [index])
         kw["static_input_idxs"] = static
-    compiled = compile_inner(graph, inputs, **kw)
+    compiled = guard_inductor_graph(compile_inner(graph, inputs, **kw), graph,
+                                    lambda: region.plan)
     pool = region.pool
 
     def run(args):

@@ -85,8 +85,26 @@ def hsdp_run(rank: int, world: int, shape: tuple[int, int], mode: str) -> dict:
             "placements": placements, "plans": _plan_summary(model)}
 
 
-def hsdp_scenarios(rank: int, world: int, scenarios: list) -> list[dict]:
-    return [hsdp_run(rank, world, shape, mode) for shape, mode in scenarios]
+def slice_run(rank: int, world: int, shape: tuple[int, int], mode: str) -> dict:
+    """Shard over ``mesh["dp"]`` of a ``("pp", "dp")`` mesh over every rank: data parallel
+    inside pipeline stages (each stage here holds the whole model). Each dp group trains on the
+    whole global batch, split over its ranks, so every group equals the unsharded reference."""
+    torch._dynamo.reset()
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("pp", "dp"))
+    model = shardc.shard(build("llama1"), mesh["dp"])
+    tokens, targets = batches()
+    dp, dp_rank = shape[1], mesh["dp"].get_local_rank()
+    per = GLOBAL_BATCH // dp
+    rows = slice(dp_rank * per, (dp_rank + 1) * per)
+    losses = llama_train(model, _forward(model, mode), tokens[:, rows], targets[:, rows])
+    return {"losses": _mean_over_world(losses), "params": _gathered(model),
+            "placements": describe_placements(model), "plans": _plan_summary(model)}
+
+
+def hsdp_scenarios(rank: int, world: int, scenarios: list, slices: list = ()) -> list[dict]:
+    """HSDP runs, then ``slice_run`` runs (one spawn for both)."""
+    return [hsdp_run(rank, world, shape, mode) for shape, mode in scenarios] + [
+        slice_run(rank, world, shape, mode) for shape, mode in slices]
 
 
 # --------------------------------------------------------------------------------------- FSDP+TP

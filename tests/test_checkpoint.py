@@ -10,7 +10,8 @@ in one temporary directory:
   ``CheckpointManager`` save in which rank 1 dies between the DCP write and the completion barrier.
 * job C, 4 ranks: saves the N=4 source, loads the crashed manager's previous step on a new group,
   and runs the resharding matrix. Groups of N < 4 ranks are process groups of the first N ranks
-  (``dist.new_group``): DCP, shardc and the optimizer only ever see that group.
+  (``dist.new_group``): DCP, shardc and the optimizer only ever see that group (sharded with
+  ``allow_partial_mesh=True``: such a group stands for a whole job of N ranks).
 
 Resharding, what is compared (bitwise, ``torch.equal``): (1) after loading on M ranks a checkpoint
 saved on N ranks, every parameter, ``exp_avg``, ``exp_avg_sq`` and ``step`` equals the state the N
@@ -91,7 +92,7 @@ def reshard_save(group, name: str, tmp: str, record_continuation: bool = False) 
     """Train K steps on ``group`` and save; rank 0 keeps the gathered state next to it."""
     grank = dist.get_rank(group)
     mesh = DeviceMesh.from_group(group, "cpu")
-    model = llama(0, mesh=mesh)
+    model = llama(0, mesh=mesh, allow_partial_mesh=True)
     opt = adamw(model)
     for step in range(K):
         llama_step(model, opt, step, grank)
@@ -112,7 +113,7 @@ def reshard_load(group, name: str, tmp: str, same_world: bool) -> dict:
     mesh = DeviceMesh.from_group(group, "cpu")
     where = os.path.join(tmp, "reshard", name)
     saved = torch.load(f"{where}.state.pt", weights_only=False)
-    model = llama(123, mesh=mesh)
+    model = llama(123, mesh=mesh, allow_partial_mesh=True)
     opt = adamw(model)
     before = full_state(model, opt)
     dcp.load(_states(model, opt), checkpoint_id=where, process_group=group)
@@ -120,7 +121,7 @@ def reshard_load(group, name: str, tmp: str, same_world: bool) -> dict:
            "changed": bool(diff(before, saved))}
     losses = [llama_step(model, opt, K + j, grank) for j in range(J)]
     final = full_state(model, opt)
-    ref = llama(321, mesh=mesh)
+    ref = llama(321, mesh=mesh, allow_partial_mesh=True)
     ref_opt = adamw(ref)
     state_from_full(ref, ref_opt, saved)
     out["reference_start"] = diff(full_state(ref, ref_opt), saved)

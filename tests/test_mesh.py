@@ -15,6 +15,8 @@ from shardc.passes.cost_model import ClusterSpec
 # tests fast (the compiled 1x4 / 4x1 runs pass too: benchmarks or -k runs can add them).
 HSDP = [((2, 2), "eager"), ((2, 2), "fx"), ((4, 1), "eager")]
 TP = [((2, 2), "eager"), ((2, 2), "fx"), ((1, 4), "eager")]
+# ("pp", "dp") meshes whose dp slice shardc shards over (in the HSDP spawn).
+SLICES = [((2, 2), "fx")]
 
 
 def _assert_parity(run: dict, ref: dict, where: str) -> None:
@@ -25,9 +27,20 @@ def _assert_parity(run: dict, ref: dict, where: str) -> None:
         raise AssertionError(f"{where}: {exc}") from exc
 
 
-def test_hsdp_parity_and_plan():
-    ref = reference("llama1")
-    results = run_ranks(hsdp_scenarios, 4, HSDP)
+@pytest.fixture(scope="module")
+def hsdp_runs() -> list[list[dict]]:
+    """Per rank: the HSDP runs, then the SLICES runs."""
+    return run_ranks(hsdp_scenarios, 4, HSDP, SLICES)
+
+
+@pytest.fixture(scope="module")
+def llama1_reference() -> dict:
+    return reference("llama1")
+
+
+def test_hsdp_parity_and_plan(hsdp_runs, llama1_reference):
+    ref = llama1_reference
+    results = [per_rank[:len(HSDP)] for per_rank in hsdp_runs]
     for rank, per_rank in enumerate(results):
         for (shape, mode), run in zip(HSDP, per_rank):
             _assert_parity(run, ref, f"rank {rank}, HSDP {shape} {mode}")
@@ -45,6 +58,18 @@ def test_hsdp_parity_and_plan():
                     assert predicted == pytest.approx(inter_node) and predicted > 0
             else:
                 assert "all_reduce" not in plan["kinds"] and plan["mesh"] == ""
+
+
+def test_slice_of_a_mesh_over_the_world_shards_over_its_ranks(hsdp_runs, llama1_reference):
+    """``shardc.shard(model, mesh["dp"])`` of a 2x2 ``("pp", "dp")`` mesh: the slice does not
+    cover the world but its mesh does, so shardc accepts it; each pp group of 2 ranks shards over
+    its own dp ranks and trains at parity with the unsharded reference."""
+    for rank, per_rank in enumerate(hsdp_runs):
+        for (shape, mode), run in zip(SLICES, per_rank[len(HSDP):]):
+            _assert_parity(run, llama1_reference, f"rank {rank}, pp/dp slice {shape} {mode}")
+            assert set(run["placements"].values()) == {("Shard(0)",)}
+            if mode != "eager":
+                assert run["plans"] and all("reduce_scatter" in p["kinds"] for p in run["plans"])
 
 
 def test_fsdp_tp_parity_placements_and_global_values():

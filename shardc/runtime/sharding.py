@@ -36,6 +36,7 @@ from shardc.runtime.grad_sync import UnsyncedGrads
 from shardc.runtime.mesh import (
     MeshLayout,
     TpSpec,
+    check_mesh_covers_world,
     check_param,
     placements,
     rank_tensor,
@@ -187,7 +188,9 @@ def _default_mesh(module: nn.Module) -> DeviceMesh:
     return DeviceMesh.from_group(dist.group.WORLD, device_type)
 
 
-def _check_inputs(module: nn.Module, mesh: DeviceMesh) -> MeshLayout:
+def _check_inputs(module: nn.Module, mesh: DeviceMesh, allow_partial_mesh: bool) -> MeshLayout:
+    if not allow_partial_mesh:
+        check_mesh_covers_world(mesh, dist.get_world_size())
     for name, sub in module.named_modules():
         if is_sharded(sub) or shard_state(sub) is not None:
             where = f"submodule {name!r}" if name else "the module"
@@ -268,6 +271,7 @@ def shard(
     reshard_after_forward: bool = True,
     mp_policy: MixedPrecisionPolicy | None = None,
     fp8: Float8Policy | None = None,
+    allow_partial_mesh: bool = False,
 ) -> nn.Module:
     """Shard every parameter of ``module`` on dim 0 over ``mesh``, in place; returns ``module``.
 
@@ -283,6 +287,11 @@ def shard(
     for the backward (less memory) instead of keeping them.
     ``fp8``: gather the weights it selects (``nn.Linear`` by default) in FP8 and, on CUDA, compute
     with them in FP8; see :mod:`shardc.runtime.fp8`.
+    ``allow_partial_mesh``: by default ``mesh`` must cover every rank of the default process
+    group, or be a slice of a mesh that does (``mesh["dp"]`` of an ``init_device_mesh(...,
+    mesh_dim_names=("pp", "dp"))`` mesh); any other mesh raises ``ValueError`` on every rank,
+    because the ranks outside it would train unsynchronized copies. ``True`` skips this check,
+    for code that synchronizes the model across such meshes itself.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
@@ -290,7 +299,7 @@ def shard(
             "torch.distributed.init_process_group(...) (or init_device_mesh) before sharding."
         )
     mesh = mesh if mesh is not None else _default_mesh(module)
-    layout = _check_inputs(module, mesh)
+    layout = _check_inputs(module, mesh, allow_partial_mesh)
     if fp8 is not None and layout.kind != "fsdp":
         # The FP8 gather reduces over the shard group only; HSDP's replicate all-reduce and
         # TP's DTensor re-wrapping are not wired into it.
