@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from shardc.passes import graph_comm
 from shardc.passes.fx_utils import call
 from shardc.passes.schedule import GraphComm, analyze, view_chain_root, view_users
 from shardc.plan import Bucket, Collective, Plan
@@ -268,7 +269,8 @@ def apply_plan(
     ``pool`` may instead be a graph node standing for it (:func:`add_pool_placeholder`).
     """
     g = analyze(gm, graph_name)
-    colls = [c for c in plan.collectives if c.graph == graph_name]
+    colls = [c for c in plan.collectives if c.graph == graph_name and c.origin == "shardc"]
+    found = [c for c in plan.collectives if c.graph == graph_name and c.origin != "shardc"]
     handles: dict[str, tuple] = {}
     graph = gm.graph
     pool_node = pool if isinstance(pool, fx.Node) or pool is None else _pool_node(gm, pool)
@@ -310,6 +312,12 @@ def apply_plan(
         # Name the collective of the issue and wait nodes (errors at run time name it).
         for node in (handle, *handle.users):
             node.meta[COLLECTIVE_META] = c.id
+    # The collectives found in the graph move last: around shardc's, as their data needs.
+    graph_comm.lower(gm, g, found)
+    by_name = {n.name: n for n in graph.nodes}
+    for c in found:
+        for name in c.nodes:
+            by_name[name].meta[COLLECTIVE_META] = c.id
     graph.lint()
     gm.recompile()
     return gm

@@ -40,7 +40,9 @@ def comm_buffers(plan: Plan) -> list[CommBuffer]:
     offset = {"forward": 0, "backward": len(plan.graphs.get("forward", [])) + 1}
     out = []
     for c in plan.collectives:
-        if c.kind == "all_reduce":  # HSDP: reduces a new tensor in place of the pool (lower.py)
+        # HSDP's all-reduce reduces a new tensor (lower.py); collectives found in the graph
+        # (tensor parallelism) allocate their own outputs, like any op of the graph.
+        if c.kind == "all_reduce" or c.origin != "shardc":
             continue
         start = offset[c.graph] + c.issue_pos
         end = offset[c.graph] + c.wait_pos + 1
