@@ -287,11 +287,13 @@ def _reason(where: str, role: str, issue: int, traced: int, wait: int, first: in
     return f"{where}; over the {role} group; {placed}; {waited}"
 
 
-def place(g, found: list[FoundCollective], roles: dict[str, tuple[str, int]]) -> list[Collective]:
+def place(g, found: list[FoundCollective], roles: dict[str, tuple[str, int]], *,
+          move: bool = True) -> list[Collective]:
     """Plan records for the found collectives of graph ``g`` (a ``schedule.GraphComm``); records
     each one's issue and wait position in ``g.placed``, so later planning sees them there.
 
     ``roles``: process group name -> (role on the mesh, ranks); others are role ``other``.
+    ``move=False`` keeps every one where it was traced.
     """
     from shardc.passes.schedule import view_users
 
@@ -300,14 +302,15 @@ def place(g, found: list[FoundCollective], roles: dict[str, tuple[str, int]]) ->
     counts: dict[str, int] = {}
     out = []
     for f in found:
-        role, size = roles.get(f.group_name, ("other", 0))
-        size = f.group_size or size or _group_size(f.group_name)
+        role, size = _role(f.group_name, roles)
+        size = f.group_size or size  # what the op itself says, where it says it
         traced = g.pos(f.node)
         traced_wait = max((g.pos(w) for w in f.waits), default=traced)
         readers = [u for w in f.waits for u in w.users]
         first = min((g.pos(u) for u in readers), default=traced_wait)
         ready = [_ready(g, a) for a in f.node.all_input_nodes]
-        pinned = ("it writes its input in place" if writes_in_place(f.node) else
+        pinned = ("move_found_collectives=False" if not move else
+                  "it writes its input in place" if writes_in_place(f.node) else
                   "it runs synchronously" if not f.waits else
                   "it reads a tensor shardc gathers" if None in ready else "")
         movable = not pinned
@@ -350,15 +353,23 @@ def place(g, found: list[FoundCollective], roles: dict[str, tuple[str, int]]) ->
     return out
 
 
-def _group_size(group_name: str) -> int:
-    """Ranks of a process group shardc was not told about (1 without a process group)."""
+def _role(group_name: str, roles: dict[str, tuple[str, int]]) -> tuple[str, int]:
+    """(role, ranks) of a process group: by name, else by its ranks (DTensor may run a mesh
+    dimension's collectives on an older group of the same ranks: it caches redistributions by
+    mesh, and equal meshes compare equal), else ``("other", its size)``."""
+    if group_name in roles:
+        return roles[group_name]
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        return 1
-    from shardc.runtime.collectives import resolve_group
+        return "other", 1
+    from shardc.runtime.collectives import group_ranks
 
-    return dist.get_world_size(resolve_group(group_name))
+    ranks = group_ranks(group_name)
+    for name, role in roles.items():
+        if group_ranks(name) == ranks:
+            return role
+    return "other", len(ranks)
 
 
 # ------------------------------------------------------------------------------------ lowering

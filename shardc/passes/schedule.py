@@ -436,7 +436,8 @@ def plan_region(
     bw = analyze(backward, "backward") if backward is not None else None
     graphs = [fw] + ([bw] if bw is not None else [])
     roles = group_roles(fw, groups)
-    found = {g.name: graph_comm.place(g, g.found, roles) for g in graphs}
+    found = {g.name: graph_comm.place(g, g.found, roles, move=options.move_found_collectives)
+             for g in graphs}
     buckets = make_buckets(fw, options)
     world = buckets[0].world if buckets else 1
     plan = Plan(PLAN_VERSION, region, world, options.as_dict(), buckets, [])
