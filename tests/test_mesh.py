@@ -116,8 +116,8 @@ def _assert_tp_collectives_planned(plan: dict, moved: bool) -> None:
         assert 0 <= issue <= wait <= first <= last <= end, f
         assert f["issue_before_waits"] and f["waits_before_readers"], f
         assert f["first_reader_is_planned_op"] and f["wait_before_op_at_wait_pos"], f
-        if not moved:  # kept where traced: waited at once
-            assert "kept where traced" in f["reason"]
+        if not moved:
+            assert "issued where traced (move_found_collectives=False)" in f["reason"], f
     if moved:  # this model has compute to overlap: some issues move earlier, some waits later
         assert any(f["positions"][1] > f["positions"][0] for f in found)
         assert any("earlier than traced" in f["reason"] for f in found)

@@ -268,23 +268,44 @@ def _ready(g, node: fx.Node) -> int | None:
     return g.placed.get(node)
 
 
-def _reason(where: str, role: str, issue: int, traced: int, wait: int, first: int,
-            movable: bool, pinned: str) -> str:
-    if not movable:
-        placed = f"kept where traced ({pinned})"
-    elif issue < traced:
-        placed = f"issued at op {issue}, as soon as its input exists ({traced - issue} op(s) " \
-                 "earlier than traced)"
-    else:
-        placed = "issued where traced: its input is made by the op just before"
+def _issue_reason(issue: int, traced: int, kept: str) -> str:
+    if kept:
+        return f"issued where traced ({kept})"
+    if issue < traced:
+        return (f"issued at op {issue}, as soon as its input exists ({traced - issue} op(s) "
+                "earlier than traced)")
+    return "issued where traced: its input is made by the op just before"
+
+
+def _wait_reason(issue: int, wait: int, first: int, fixed: str) -> str:
+    if fixed:
+        return f"waited where traced (op {wait})"
+    if wait < first:
+        return f"waited before op {wait}, which writes in place (its first reader is op {first})"
     if wait == issue:
-        waited = "its result is read at once, so it is waited right after issue (nothing to " \
-                 "overlap)"
-    elif movable:
-        waited = f"waited before its first reader (op {first}), overlapping {wait - issue} op(s)"
-    else:
-        waited = f"waited where traced (op {wait})"
-    return f"{where}; over the {role} group; {placed}; {waited}"
+        return "its result is read at once, so it is waited right after issue (nothing to overlap)"
+    return f"waited before its first reader (op {first}), overlapping {wait - issue} op(s)"
+
+
+def _positions(g, f: FoundCollective, writers: list[int], fence: int,
+               move: bool) -> tuple[int, int, int, str, str]:
+    """(issue, wait, first reader) positions of ``f``, and why its issue, or its issue and wait,
+    stay where they were traced ("" when they move). ``fence``: no issue before it (the previous
+    collective of its group); ``writers``: positions of ops that write in place (nothing moves
+    across one)."""
+    traced = g.pos(f.node)
+    traced_wait = max((g.pos(w) for w in f.waits), default=traced)
+    first = min((g.pos(u) for w in f.waits for u in w.users), default=traced_wait)
+    fixed = ("move_found_collectives=False" if not move else
+             "it writes its input in place" if writes_in_place(f.node) else
+             "it runs synchronously" if not f.waits else "")
+    if fixed:
+        return traced, traced_wait, first, fixed, fixed
+    ready = [_ready(g, a) for a in f.node.all_input_nodes]
+    kept = "it reads a tensor shardc gathers" if None in ready else ""
+    issue = traced if kept else max([fence, *ready] + [w + 1 for w in writers if w < traced])
+    wait = min([first] + [w for w in writers if traced_wait <= w < first])
+    return issue, max(wait, issue), first, kept, ""
 
 
 def place(g, found: list[FoundCollective], roles: dict[str, tuple[str, int]], *,
@@ -305,23 +326,8 @@ def place(g, found: list[FoundCollective], roles: dict[str, tuple[str, int]], *,
         role, size = _role(f.group_name, roles)
         size = f.group_size or size  # what the op itself says, where it says it
         traced = g.pos(f.node)
-        traced_wait = max((g.pos(w) for w in f.waits), default=traced)
-        readers = [u for w in f.waits for u in w.users]
-        first = min((g.pos(u) for u in readers), default=traced_wait)
-        ready = [_ready(g, a) for a in f.node.all_input_nodes]
-        pinned = ("move_found_collectives=False" if not move else
-                  "it writes its input in place" if writes_in_place(f.node) else
-                  "it runs synchronously" if not f.waits else
-                  "it reads a tensor shardc gathers" if None in ready else "")
-        movable = not pinned
-        issue, wait = traced, traced_wait
-        if movable:
-            fence = max([last_issue.get(f.group_name, 0)]
-                        + [w + 1 for w in writers if w < traced])
-            issue = max([fence, *ready])
-            # Nor waited after an op that writes in place (it might write the inputs).
-            wait = min([first] + [w for w in writers if traced_wait <= w < first])
-            wait = max(wait, issue)
+        issue, wait, first, kept, fixed = _positions(
+            g, f, writers, last_issue.get(f.group_name, 0), move)
         last_issue[f.group_name] = issue
         g.placed[f.node] = issue
         for n in f.items:
@@ -344,8 +350,9 @@ def place(g, found: list[FoundCollective], roles: dict[str, tuple[str, int]], *,
             dtype=str(dtypes[0]).removeprefix("torch.") if dtypes else "",
             stream=lane(role, f.group_name), issue_pos=issue, wait_pos=wait, first_use_pos=first,
             last_use_pos=last,
-            reason=_reason(origin(f.node, role, g.name), role, issue, traced, wait, first,
-                           movable, pinned),
+            reason=(f"{origin(f.node, role, g.name)}; over the {role} group; "
+                    f"{_issue_reason(issue, traced, kept)}; "
+                    f"{_wait_reason(issue, wait, first, fixed)}"),
             group=role, origin="graph", group_size=size,
             nodes=[n.name for n in (f.node, *f.waits)],
             tensors=[_describe_tensor(n) for n in (*_inputs(f), *_outputs(f))],
