@@ -243,7 +243,8 @@ def plan_table(plan: Plan, *, reason_width: int = 60) -> str:
         lifetime = ("-" if c.buffer_lifetime is None
                     else f"[{c.buffer_lifetime[0]}, {c.buffer_lifetime[1]})")
         rows.append([
-            c.id, c.kind, c.group, bucket, len(c.params), _fmt_bytes(c.bytes), _fmt_bytes(c.buffer_bytes),
+            c.id, c.kind, c.group, bucket, len(c.params), _fmt_bytes(c.bytes),
+            _fmt_bytes(c.buffer_bytes),
             c.dtype, c.stream, _pos_label(ops, c.issue_pos), _pos_label(ops, c.wait_pos),
             _pos_label(ops, c.first_use_pos), _ms(c.predicted_start_s), _ms(c.predicted_end_s),
             _ms(c.exposed_s), "-" if c.buffer_offset is None else c.buffer_offset, lifetime,

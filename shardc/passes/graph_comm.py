@@ -120,7 +120,7 @@ def _argument(node: fx.Node, name: str):
 
 
 def writes_in_place(node: fx.Node) -> bool:
-    """Whether ``node`` is an op that writes one of its arguments (``add_``, ``copy_``, ``*_out``)."""
+    """Whether ``node`` is an op that writes an argument (``add_``, ``copy_``, ``*_out``)."""
     target = node.target
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return False

@@ -34,6 +34,7 @@ from shardc.plan import PLAN_VERSION, Bucket, Collective, ComputeOp, Plan
 from shardc.runtime.collectives import padded_rows
 from shardc.runtime.ops import GATHER_OP, REDUCE_SCATTER_OP
 
+
 @dataclass
 class GraphComm:
     """A graph's compute order, its shardc nodes keyed by parameter name, and the collectives
