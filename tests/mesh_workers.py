@@ -146,6 +146,12 @@ def _plan_summary(model: nn.Module) -> list[dict]:
                                          "inter"))
                 for c in p.collectives if c.kind == "all_reduce" and c.origin == "shardc"],
             "all_reduce_lanes": _all_reduce_lanes(p),
+            # HSDP with the static pool: all-reduces run in place in it, none allocates
+            "all_reduce_offsets": [c.buffer_offset for c in p.collectives
+                                   if c.kind == "all_reduce" and c.origin == "shardc"],
+            "allocating_all_reduces": sum(
+                n.target is torch.ops._c10d_functional.all_reduce.default
+                for gm in graphs.values() for n in gm.graph.nodes),
             "found": _found_facts(p, graphs),
             "graph_collectives": _graph_collectives(graphs, p.group_name),
             "exposed": (p.predicted["exposed_comm_s"], sum(c.exposed_s for c in p.collectives)),

@@ -46,6 +46,8 @@ def test_hsdp_parity_and_plan():
                 for predicted, inter_node in plan["all_reduce_times"]:
                     assert predicted == pytest.approx(inter_node) and predicted > 0
                 _assert_own_lanes(plan)
+                assert plan["allocating_all_reduces"] == 0 and plan["all_reduce_offsets"]
+                assert None not in plan["all_reduce_offsets"]  # in the static pool
             else:
                 assert "all_reduce" not in plan["kinds"] and plan["mesh"] == ""
             assert plan["found"] == [] and plan["tp_size"] == 1
