@@ -12,6 +12,8 @@ import shardc.runtime.ops  # noqa: F401  (registers shardc::gather_param)
 from shardc.options import ShardcOptions
 from shardc.passes.lower import apply_plan
 from shardc.passes.schedule import plan_region
+from shardc.runtime.comm_errors import describe
+from shardc.runtime.plan_check import _describe
 
 funcol = torch.ops._c10d_functional
 GROUPS = {"dp": ("shard", 2), "tpg": ("tp", 2)}
@@ -92,8 +94,15 @@ def test_kept_where_traced_when_asked_or_when_written_in_place():
     # The hash covers the found collectives' kinds and order (not their activation bytes).
     moved = _plan(gm)
     assert traced.hash() == moved.hash()
-    moved.collectives[-1].kind = "all_to_all"
+    assert "kept where traced (move_found_collectives=False)" in traced.notes[0]
+    found = moved.collectives[-1]
+    found.kind = "all_to_all"
     assert moved.hash() != traced.hash()
+    # Errors name a found collective by its group and nodes (it has no bucket).
+    assert "all_to_all forward.all_gather.tp.2 (float32) in forward, found in the traced graph" \
+        == _describe(found.signature())
+    message = describe(found.id, moved, RuntimeError("timed out"))
+    assert f"all_to_all of the traced graph over the tp group ({', '.join(found.nodes)})" in message
 
     def in_place(x, y):
         a = x * 2

@@ -409,13 +409,15 @@ def _describe_mesh(plan: Plan, roles: dict[str, tuple[str, int]]) -> None:
             plan.mesh = f"FSDP+TP: dp {plan.world_size} x tp {size}"
 
 
-def _found_note(found: list[Collective]) -> str:
+def _found_note(found: list[Collective], moved: bool) -> str:
     counts: dict[str, int] = {}
     for c in found:
         counts[c.group] = counts.get(c.group, 0) + 1
     groups = ", ".join(f"{n} over {role}" for role, n in sorted(counts.items()))
+    where = ("issued once its input exists and waited before its first reader" if moved else
+             "kept where traced (move_found_collectives=False)")
     return (f"{len(found)} collective(s) found in the traced graphs ({groups}): each on its "
-            "group's lane, issued once its input exists and waited before its first reader")
+            f"group's lane, {where}")
 
 
 def plan_region(
@@ -463,7 +465,8 @@ def plan_region(
         total_time += step
         total_exposed += exposed
     if any(found.values()):
-        plan.notes.append(_found_note([c for cs in found.values() for c in cs]))
+        plan.notes.append(_found_note([c for cs in found.values() for c in cs],
+                                      options.move_found_collectives))
     plan.predicted["step_time_s"] = total_time
     plan.predicted["exposed_comm_s"] = total_exposed
     plan.predicted["comm_time_s"] = sum(c.predicted_end_s - c.predicted_start_s
