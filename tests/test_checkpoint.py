@@ -45,6 +45,7 @@ from ckpt_workers import (
     state_from_full,
 )
 from dist_utils import run_ranks
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import shardc
@@ -575,3 +576,41 @@ def test_manager_without_torch_distributed(tmp_path):
         assert mgr.load(_states(fresh, fresh_opt)) == 2
     assert diff(full_state(fresh, fresh_opt), saved) == []
     assert sorted(os.listdir(tmp_path)) == ["latest", "step_00000002"]
+
+
+class _SerializedMeta(nn.Module):
+    """Keeps serialized metadata whose size depends on its state in ``_extra_state``, as
+    TransformerEngine's modules keep their FP8 scaling state (empty until they ran in FP8)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.meta = b""
+
+    def get_extra_state(self) -> torch.Tensor:
+        return torch.tensor(list(self.meta), dtype=torch.uint8)
+
+    def set_extra_state(self, state: torch.Tensor) -> None:
+        self.meta = bytes(state.tolist())
+
+
+def test_extra_state_of_another_size_loads_into_a_fresh_model(tmp_path):
+    """A fresh model's extra state has another size than the saved one; ``ModelState`` stores
+    it as bytes, so DCP loads it (as a tensor DCP would refuse the size), through plain DCP and
+    through the ``CheckpointManager``'s validation."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_SerializedMeta(), _SerializedMeta())
+    model[0].meta, model[1].meta = b"amax history", b"\x00\xff" * 300
+    assert isinstance(ModelState(model).state_dict()["0._extra_state"], bytes)
+    mgr = CheckpointManager(tmp_path / "mgr", keep_last=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP: "assuming the intent is to save in a single process"
+        dcp.save({"model": ModelState(model)}, checkpoint_id=str(tmp_path / "plain"))
+        mgr.save(1, {"model": ModelState(model)})
+        for load in (lambda s: dcp.load(s, checkpoint_id=str(tmp_path / "plain")), mgr.load):
+            torch.manual_seed(1)
+            fresh = nn.Sequential(_SerializedMeta(), _SerializedMeta())
+            load({"model": ModelState(fresh)})
+            assert (fresh[0].meta, fresh[1].meta) == (model[0].meta, model[1].meta)
+            for (name, p), q in zip(fresh.named_parameters(), model.parameters()):
+                assert torch.equal(p, q), name

@@ -218,8 +218,24 @@ def _check_inputs(module: nn.Module, mesh: DeviceMesh) -> MeshLayout:
                 f"shardc.shard: parameter {fqn!r} is a scalar (0-d); shardc shards along dim 0. "
                 "Store it as a 1-element tensor instead."
             )
+        _check_not_quantized(fqn, p)
         check_param(fqn, p, layout)
     return layout
+
+
+def _check_not_quantized(fqn: str, p: torch.Tensor) -> None:
+    """Quantized parameters (TransformerEngine's ``quantized_model_init``, torchao) are tensor
+    subclasses that bring their own all-gather through FSDP2's extension hooks
+    (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``); shardc's gather does not call them, so
+    it would gather (and let the optimizer update) something other than what the module means."""
+    if isinstance(p, DTensor) or not hasattr(p, "fsdp_pre_all_gather"):
+        return
+    raise NotImplementedError(
+        f"shardc.shard: parameter {fqn!r} is a quantized tensor ({type(p).__name__}) with its own "
+        "all-gather hooks (fsdp_pre_all_gather), which shardc does not support yet. Build the "
+        "model with high-precision parameters (without te.quantized_model_init) and let shardc "
+        "gather the weights in FP8: shardc.shard(model, fp8=shardc.te_float8_policy())."
+    )
 
 
 def _shard_tensor(p: torch.Tensor, layout: MeshLayout) -> DTensor:
