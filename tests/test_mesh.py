@@ -120,6 +120,10 @@ def _assert_tp_collectives_planned(plan: dict, moved: bool) -> None:
         assert f["first_reader_is_planned_op"] and f["wait_before_op_at_wait_pos"], f
         if not moved:
             assert "issued where traced (move_found_collectives=False)" in f["reason"], f
+    # The reasons say where they came from: module, source line, the tensor-parallel hook.
+    reasons = " ".join(f["reason"] for f in found)
+    assert "w2 (Linear)" in reasons and "mesh_models.py:" in reasons
+    assert "tensor-parallel style hook _prepare_output_fn" in reasons
     if moved:  # this model has compute to overlap: some issues move earlier, some waits later
         assert any(f["positions"][1] > f["positions"][0] for f in found)
         assert any("earlier than traced" in f["reason"] for f in found)

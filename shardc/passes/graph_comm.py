@@ -26,6 +26,7 @@ op ``p``, a found collective's issue goes first (it starts as early as possible)
 from __future__ import annotations
 
 import importlib
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -214,6 +215,7 @@ def _byte_counts(f: FoundCollective) -> tuple[int, int]:
 
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\w+)')
+_SHARDC_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _module_of(node: fx.Node) -> str:
@@ -235,14 +237,14 @@ def _source_of(node: fx.Node) -> str:
     frames = _FRAME.findall(node.meta.get("stack_trace") or "")
     if not frames:
         return ""
-    torch_dir = str(torch.__file__).rsplit("/", 1)[0]
-    hooks = [fn for path, _, fn in frames if "/distributed/tensor/parallel/" in path]
-    user = [(path, line, fn) for path, line, fn in frames
-            if not path.startswith(torch_dir) and "/shardc/" not in path]
+    libraries = (os.path.dirname(torch.__file__), _SHARDC_DIR)
+    hooks = [fn for path, _, fn in frames
+             if path.startswith(os.path.join(libraries[0], "distributed", "tensor", "parallel"))]
+    user = [(path, line, fn) for path, line, fn in frames if not path.startswith(libraries)]
     where = ""
     if user:
         path, line, fn = user[-1]
-        where = f"{path.rsplit('/', 1)[-1]}:{line} in {fn}"
+        where = f"{os.path.basename(path)}:{line} in {fn}"
     if hooks:
         where += f"{', ' if where else ''}tensor-parallel style hook {hooks[-1]}"
     return where
