@@ -139,7 +139,8 @@ class ShardcPartitioner(_partitioner_base()):
         plan again with shallower prefetch (the budget is checked on the real pool size)."""
         options = self.options
         while True:
-            plan = plan_region(fw, bw, options, region=self.region.index)
+            plan = plan_region(fw, bw, options, region=self.region.index,
+                               groups=self.region.groups)
             assign_pool(plan)
             budget = options.memory_budget_bytes
             if not budget or plan.predicted["pool_bytes"] <= budget or not options.prefetch:
@@ -158,8 +159,10 @@ class ShardcPartitioner(_partitioner_base()):
 class RegionRecord:
     """What shardc keeps about one compiled region: its graphs and its plan."""
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, groups: dict[str, tuple[str, int]] | None = None) -> None:
         self.index = index
+        # Process group name -> (role on the mesh, ranks), for the plan (MeshLayout.group_roles).
+        self.groups = groups
         self.forward: fx.GraphModule | None = None
         self.backward: fx.GraphModule | None = None
         self.plan = None
@@ -188,12 +191,18 @@ def _checked(compiled, region: RegionRecord, options: ShardcOptions):
     return run
 
 
-def _region_registry(example_inputs: Sequence[object]) -> list | None:
+def _sharded_attr(example_inputs: Sequence[object], name: str):
+    """What ``shardc.shard`` recorded on its parameters under ``name`` (the first input that has
+    it), or None."""
     for value in example_inputs:
-        plans = getattr(value, "_shardc_regions", None)
-        if plans is not None:
-            return plans
+        found = getattr(value, name, None)
+        if found is not None:
+            return found
     return None
+
+
+def _region_registry(example_inputs: Sequence[object]) -> list | None:
+    return _sharded_attr(example_inputs, "_shardc_regions")
 
 
 def _inductor_with_pool(compile_inner, graph: fx.GraphModule, inputs, region: RegionRecord,
@@ -255,7 +264,8 @@ def shardc_backend(
     if not has_sharded_params(gm):
         return _compile_unsharded(gm, example_inputs, opts)
     registry = _region_registry(example_inputs)
-    region = RegionRecord(len(registry) if registry is not None else 0)
+    region = RegionRecord(len(registry) if registry is not None else 0,
+                          _sharded_attr(example_inputs, "_shardc_groups"))
     if registry is not None:
         registry.append(region)
     if opts.check_plan_consistency:

@@ -87,8 +87,10 @@ def describe(collective_id: str, plan, error: BaseException) -> str:
             return f"{c.graph} op {pos} ({name})"
 
         shown = ", ".join(c.params[:4]) + (", ..." if len(c.params) > 4 else "")
+        what = (f"bucket {c.bucket} {plan.buckets[c.bucket].name!r} [{shown}]" if c.bucket >= 0
+                else f"the traced graph over the {c.group} group ({', '.join(c.nodes)})")
         lines.append(
-            f"  {c.kind} of bucket {c.bucket} {plan.buckets[c.bucket].name!r} [{shown}], "
+            f"  {c.kind} of {what}, "
             f"{c.buffer_bytes} B {c.dtype}; collective #{index} of {len(plan.collectives)} in "
             f"compiled region {plan.region}'s plan, issued before {op(c.issue_pos)}, waited "
             f"before {op(c.wait_pos)}.")

@@ -92,6 +92,16 @@ class MeshLayout:
             return ""
         return group_name_of(self.replicate_mesh.get_group())
 
+    def group_roles(self) -> dict[str, tuple[str, int]]:
+        """Process group name -> (role, ranks) of each dimension: ``shard``, ``replicate``, ``tp``
+        (the planner names the group of every collective it plans by these)."""
+        roles = {self.shard_group_name: ("shard", self.shard_world)}
+        if self.replicate_mesh is not None:
+            roles[self.replicate_group_name] = ("replicate", self.replicate_world)
+        if self.tp_mesh is not None:
+            roles[group_name_of(self.tp_mesh.get_group())] = ("tp", self.tp_mesh.size())
+        return roles
+
     def describe(self) -> str:
         if self.kind == "hsdp":
             return f"HSDP: replicate {self.replicate_world} x shard {self.shard_world}"

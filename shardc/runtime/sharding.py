@@ -350,10 +350,13 @@ def shard(
             per_module.setdefault(id(sub), (sub, {}))[1][pname] = info
 
     state = ShardState(mesh, reshard_after_forward, mp_policy, infos, layout=layout, fp8=fp8)
+    roles = layout.group_roles()
     for sub, sub_infos in per_module.values():
         for pname in sub_infos:
-            # The backend finds the root's records through any parameter of a compiled graph.
+            # The backend finds the root's records, and the roles of the mesh's process groups,
+            # through any parameter of a compiled graph.
             sub._parameters[pname]._shardc_regions = state.regions
+            sub._parameters[pname]._shardc_groups = roles
         _swap_class(sub, sub_infos, state.grad_sync, fp8)
         sub.register_forward_pre_hook(_enter_forward)
         sub.register_forward_hook(_exit_forward, always_call=True)
