@@ -73,17 +73,22 @@ def main() -> None:
     points += [(args.depth_for_worlds, w, True) for w in args.worlds
                if (args.depth_for_worlds, w, True) not in points]
     points += [(d, args.world_for_depths, False) for d in args.full_depths]
+    import torch
+
     rows = []
     for depth, world, template in points:
         row = run_point(depth, world, template)
         print(json.dumps(row), flush=True)
         rows.append(row)
+    loads = [r["load"] for r in rows if "load" in r] or [0.0]
     lines = [
         "# Planning time",
         "",
         f"Command: `python benchmarks/{Path(__file__).name} {' '.join(sys.argv[1:])}`".rstrip(),
         f"Date: {date.today()}, machine: {platform.machine()}, {os.cpu_count()} cores, "
-        f"Python {platform.python_version()}.",
+        f"Python {platform.python_version()}, torch {torch.__version__}. The 1-minute load "
+        f"average before the points ranged from {min(loads):.1f} to {max(loads):.1f} "
+        "(column `load`): other jobs shared the cores, and wall times grow with the load.",
         "",
         "Llama-70B layer shape, batch 1 x 4096 per rank, planned on the meta device over a fake "
         "process group. `trace+plan s`: from building the model to the finished plan (template: "
