@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -25,6 +25,9 @@ from shardc.options import ShardcOptions
 from shardc.passes.repeat import NotPeriodic, find_periods, repeat_periods
 from shardc.plan import Plan
 from shardc.runtime.sharding import shard
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 # Head block, three periods (two comparisons, one of them of the step between periods), tail.
 TEMPLATE_BLOCKS = 5
@@ -93,24 +96,26 @@ def check_blocks_identical(model: nn.Module, blocks: Sequence[nn.Module]) -> Non
         raise TemplateRefused("a block parameter is also used outside the blocks")
 
 
-def _truncate(model: nn.Module, container: str, keep: int) -> int:
-    """Keep the first ``keep`` blocks of ``model.<container>``; returns how many there were."""
+def _blocks(model: nn.Module, container: str, keep: int) -> nn.ModuleList:
+    """``model.<container>``, checked to be an ``nn.ModuleList`` of more than ``keep`` blocks."""
     layers = model.get_submodule(container)
     if not isinstance(layers, nn.ModuleList):
         raise TemplateRefused(f"{container} is not an nn.ModuleList")
-    n_blocks = len(layers)
-    if n_blocks <= keep:
-        raise TemplateRefused(f"{n_blocks} blocks: no more than the {keep} a template traces")
-    check_blocks_identical(model, list(layers))
+    if len(layers) <= keep:
+        raise TemplateRefused(f"{len(layers)} blocks: no more than the {keep} a template traces")
+    return layers
+
+
+def _keep_first(model: nn.Module, container: str, layers: nn.ModuleList, keep: int) -> None:
+    """Make ``model.<container>`` hold only the first ``keep`` of ``layers``."""
     parent, _, name = container.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, name,
             nn.ModuleList(list(layers)[:keep]))
-    return n_blocks
 
 
 def plan_from_template(
     model: nn.Module,
-    mesh,
+    mesh: DeviceMesh,
     run: Callable[[nn.Module], Any],
     options: dict,
     *,
@@ -126,7 +131,10 @@ def plan_from_template(
     ``options`` are the ``shardc`` backend options. Raises :class:`TemplateRefused` if the blocks
     differ, the model compiles to more than one region, or the traced graphs do not repeat.
     """
-    n_blocks = _truncate(model, container, blocks)
+    layers = _blocks(model, container, blocks)
+    check_blocks_identical(model, list(layers))
+    n_blocks = len(layers)
+    _keep_first(model, container, layers, blocks)
     shard(model, mesh)
     compiled = torch.compile(model, backend=backend(**options))
     with capture_partitioned() as graphs:
