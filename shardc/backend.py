@@ -10,10 +10,12 @@ planned graphs.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,7 @@ from torch import fx
 from shardc.options import ShardcOptions
 from shardc.passes.dedupe import dedupe_gathers, merge_reduce_scatters
 from shardc.passes.fp8 import hoist_fp8_quantize, prepare_fp8
-from shardc.passes.fx_utils import allocate_real, is_call
+from shardc.passes.fx_utils import allocate_real, copy_graph_module, is_call
 from shardc.passes.lower import POOL_PLACEHOLDER, add_pool_placeholder, apply_plan
 from shardc.passes.memory import assign_pool, param_placeholders, predict_peak
 from shardc.passes.reshard import check_no_gathered_saved, tag_resharded_gathers
@@ -37,6 +39,23 @@ from shardc.runtime.plan_check import announce_region, check_plan_consistency
 log = logging.getLogger("shardc")
 
 _SOURCE_ROOT = Path(__file__).resolve().parent
+
+
+# Set by capture_partitioned(): where regions compiled in its scope leave their partitioned graphs.
+_PARTITIONED_SINK: ContextVar[list | None] = ContextVar("shardc_partitioned_sink", default=None)
+
+
+@contextlib.contextmanager
+def capture_partitioned() -> Iterator[list[tuple[fx.GraphModule, fx.GraphModule]]]:
+    """Collect a copy of the partitioned, not yet planned ``(forward, backward)`` graphs of every
+    training region compiled inside this context (``shardc.template`` repeats them to plan a
+    deeper model). The regions themselves are planned and compiled as usual."""
+    sink: list = []
+    token = _PARTITIONED_SINK.set(sink)
+    try:
+        yield sink
+    finally:
+        _PARTITIONED_SINK.reset(token)
 
 
 def has_sharded_params(gm: fx.GraphModule) -> bool:
@@ -79,6 +98,9 @@ class ShardcPartitioner(_partitioner_base()):
         gm.recompile()
         fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         check_no_gathered_saved(fw, bw)
+        sink = _PARTITIONED_SINK.get()
+        if sink is not None:
+            sink.append((copy_graph_module(fw), copy_graph_module(bw)))
         self.plan_and_lower(fw, bw)
         return fw, bw
 

@@ -2,7 +2,8 @@
 
 The model is built on the meta device and sharded over a fake process group of the requested
 size (rank 0's view); compiling it with the shardc backend plans the region exactly as a real run
-would, and running it on meta tensors moves no data.
+would, and running it on meta tensors moves no data. A model with more blocks than a template
+traces is planned from its first blocks, repeated (``shardc.template``), unless ``--full-trace``.
 """
 
 from __future__ import annotations
@@ -44,27 +45,49 @@ def parse_model_spec(spec: str) -> LlamaConfig:
     return LlamaConfig(**values)
 
 
-def plan_model(cfg: LlamaConfig, world: int, batch: int, seq: int, options: dict):
-    """Plan one training step of ``cfg`` at ``world`` ranks; returns (plan, seconds)."""
+def _meta_model(cfg: LlamaConfig) -> Transformer:
+    with torch.device("meta"):
+        return Transformer(cfg)
+
+
+def plan_model(cfg: LlamaConfig, world: int, batch: int, seq: int, options: dict, *,
+               template: bool = True):
+    """Plan one training step of ``cfg`` at ``world`` ranks; returns (plan, seconds).
+
+    With ``template`` and more blocks than a template traces, the plan is made from a trace of
+    the first blocks (``shardc.template``); if the traced graphs do not repeat, the whole model
+    is traced (the plan's notes say so). ``seconds`` covers everything from building the model
+    on the meta device to the finished plan.
+    """
     from torch.distributed.device_mesh import DeviceMesh
 
     import shardc
     from shardc.runtime.fake_world import fake_world
+    from shardc.template import TEMPLATE_BLOCKS, TemplateRefused, plan_from_template
 
+    options = dict(inductor=False, check_plan_consistency=False, **options)
     with fake_world(world):
         import torch.distributed as dist
 
-        with torch.device("meta"):
-            model = Transformer(cfg)
-        shardc.shard(model, DeviceMesh.from_group(dist.group.WORLD, "meta"))
-        compiled = torch.compile(model, backend=shardc.backend(
-            inductor=False, check_plan_consistency=False, **options))
+        mesh = DeviceMesh.from_group(dist.group.WORLD, "meta")
         tokens = torch.zeros(batch, seq, dtype=torch.long, device="meta")
         start = time.perf_counter()
-        loss = llama_loss(compiled(tokens), tokens)
-        loss.backward()
+        plan, refused = None, None
+        if template and cfg.n_layers > TEMPLATE_BLOCKS:
+            try:
+                plan = plan_from_template(_meta_model(cfg), mesh, lambda m: m(tokens), options)
+            except TemplateRefused as exc:
+                refused = str(exc)
+                torch._dynamo.reset()
+        if plan is None:
+            model = _meta_model(cfg)
+            shardc.shard(model, mesh)
+            compiled = torch.compile(model, backend=shardc.backend(**options))
+            llama_loss(compiled(tokens), tokens).backward()
+            plan = shardc.explain(compiled)
+            if refused:
+                plan.notes.append(f"traced whole, not from a template: {refused}")
         elapsed = time.perf_counter() - start
-        plan = shardc.explain(compiled)
     torch._dynamo.reset()
     return plan, elapsed
 
@@ -79,7 +102,8 @@ def _cmd_plan(args) -> int:
                           latency_s=args.latency, mem_bandwidth=args.mem_bandwidth)
     options["cluster"] = dataclasses.asdict(cluster)
     seq = args.seq or cfg.max_seq_len
-    plan, seconds = plan_model(cfg, args.world_size, args.batch, seq, options)
+    plan, seconds = plan_model(cfg, args.world_size, args.batch, seq, options,
+                               template=not args.full_trace)
     print(plan_table(plan))
     print(f"\nmodel: {cfg.num_params() / 1e9:.2f}B parameters, world size {args.world_size}, "
           f"batch {args.batch} x {seq} per rank; traced and planned in {seconds:.1f} s")
@@ -104,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mem-bandwidth", type=float, default=3.0e12)
     p.add_argument("--options", default=None, help="JSON object of backend options")
     p.add_argument("--dump", default=None, help="directory for text/JSON/trace/memory plot")
+    p.add_argument("--full-trace", action="store_true",
+                   help="trace every block (default: trace the first blocks and repeat them when "
+                   "the blocks are identical; see docs/planning.md)")
     args = parser.parse_args(argv)
     if args.command == "plan":
         return _cmd_plan(args)

@@ -69,6 +69,39 @@ def size_hint(value: int | torch.SymInt) -> int:
     return int(value)
 
 
+def lazy_graph_module(root: fx.GraphModule, graph: fx.Graph) -> fx.GraphModule:
+    """A graph module of ``graph`` (attributes from ``root``) that generates its Python code
+    only when first called: planning builds graphs of tens of thousands of nodes that it never
+    runs. torch's lazy graph module class is private; without it, an ordinary one."""
+    try:
+        from torch.fx._lazy_graph_module import _LazyGraphModule
+    except ImportError:  # pragma: no cover - every supported torch has it
+        return fx.GraphModule(root, graph)
+    return _LazyGraphModule(root, graph)
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` with new nodes (sharing their meta values), for passes to change freely."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return lazy_graph_module(gm, graph)
+
+
+def view_chain(node: fx.Node) -> list[fx.Node] | None:
+    """The views from ``node`` back to the graph input it is a chain of single-input views of
+    (``node`` first, the input excluded; empty if ``node`` is the input), or None if it is not
+    such a chain."""
+    chain = []
+    while node.op != "placeholder":
+        target = node.target
+        if not (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
+                and target.is_view and len(node.all_input_nodes) == 1):
+            return None
+        chain.append(node)
+        node = node.all_input_nodes[0]
+    return chain
+
+
 def is_call(node: fx.Node, target) -> bool:
     return node.op == "call_function" and node.target is target
 

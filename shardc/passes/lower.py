@@ -169,7 +169,7 @@ def _issue_reduce_scatter(graph, c: Collective, bucket: Bucket, reduces: dict, g
                 (flat, "sum", bucket.world, group)), None, None
 
 
-def _wait_reduce_scatter(graph, c: Collective, bucket: Bucket, reduces: dict, handle, rank: int,
+def _wait_reduce_scatter(graph, c: Collective, bucket: Bucket, g: GraphComm, handle, rank: int,
                          pool: PoolViews, buffers: tuple) -> tuple | None:
     """Wait a reduce-scatter and hand each parameter its rows; on an HSDP mesh, issue instead the
     bucket's all-reduce over the replicate group and return its handle and receive buffer (its
@@ -190,11 +190,11 @@ def _wait_reduce_scatter(graph, c: Collective, bucket: Bucket, reduces: dict, ha
     if bucket.replicate > 1:
         # HSDP without the pool: one flat all-reduce of the bucket's averaged shard (a new tensor).
         return call(graph, funcol.all_reduce.default, (done, "sum", bucket.replicate_group)), None
-    _hand_out(graph, c, bucket, reduces, done, rank)
+    _hand_out(graph, c, bucket, g, done, rank)
     return None
 
 
-def _wait_all_reduce(graph, c: Collective, bucket: Bucket, reduces: dict, handle, rank: int,
+def _wait_all_reduce(graph, c: Collective, bucket: Bucket, g: GraphComm, handle, rank: int,
                      pool: PoolViews, recv: fx.Node | None):
     """HSDP: wait the replicate all-reduce, average, and hand each parameter its rows; ``recv``:
     the pool buffer it reduced in place (the sum over the shard group, not yet averaged)."""
@@ -205,14 +205,14 @@ def _wait_all_reduce(graph, c: Collective, bucket: Bucket, reduces: dict, handle
         if bucket.world > 1:
             summed = call(graph, aten.div.Tensor, (summed, bucket.world))
     done = call(graph, aten.div.Tensor, (summed, bucket.replicate))
-    _hand_out(graph, c, bucket, reduces, done, rank)
+    _hand_out(graph, c, bucket, g, done, rank)
 
 
-def _hand_out(graph, c: Collective, bucket: Bucket, reduces: dict, done: fx.Node, rank: int):
+def _hand_out(graph, c: Collective, bucket: Bucket, g: GraphComm, done: fx.Node, rank: int):
     """Replace each parameter's reduce node by its rows of the reduced flat shard ``done``."""
     layout, _ = bucket.layout(c.params)
     for fqn in c.params:
-        rs = reduces[fqn]
+        rs = g.reduces[fqn]
         offset, rows, row_numel, dim0 = layout[fqn]
         shape = list(rs.meta["val"].shape)
         piece = call(graph, aten.slice.Tensor, (done, 0, offset, offset + rows * row_numel))
@@ -225,9 +225,10 @@ def _hand_out(graph, c: Collective, bucket: Bucket, reduces: dict, done: fx.Node
         rs.replace_all_uses_with(piece)
         graph.erase_node(rs)
         # Views of the reduced shard (e.g. re-wrapping it as the DTensor gradient) may sit
-        # before the wait; move them behind it, in their original order.
+        # before the wait; move them behind it, in their original order (views are compute
+        # nodes of the unlowered graph, so ``g.position`` orders them without a graph walk).
         anchor = piece
-        for node in [n for n in graph.nodes if n in set(views)]:
+        for node in sorted(views, key=g.position.__getitem__):
             anchor.append(node)
             anchor = node
 
@@ -317,9 +318,9 @@ def apply_plan(
             if c.kind == "all_gather":
                 _wait_all_gather(graph, c, bucket, g.gathers, handle, views, tuple(buffers))
             elif c.kind == "all_reduce":
-                _wait_all_reduce(graph, c, bucket, g.reduces, handle, rank, views, *buffers)
+                _wait_all_reduce(graph, c, bucket, g, handle, rank, views, *buffers)
             else:
-                reduce = _wait_reduce_scatter(graph, c, bucket, g.reduces, handle, rank, views,
+                reduce = _wait_reduce_scatter(graph, c, bucket, g, handle, rank, views,
                                               tuple(buffers))
                 if reduce is not None:
                     handles[c.id.replace(".reduce_scatter.", ".all_reduce.")] = reduce

@@ -13,7 +13,7 @@ import torch
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from shardc.passes.fx_utils import is_call
+from shardc.passes.fx_utils import is_call, view_chain
 from shardc.runtime.ops import GATHER_OP
 
 _CASTS = {
@@ -45,11 +45,18 @@ def reshards_after_forward(gather: fx.Node) -> bool:
 
 
 def tag_resharded_gathers(graph: fx.Graph) -> int:
-    """Mark resharded gathers (and their views) must-recompute; returns how many gathers."""
+    """Mark resharded gathers (and their views) must-recompute; returns how many gathers.
+
+    The views between a parameter shard (a graph input) and its gather are marked too: the
+    partitioner could save either the shard or such a view for the backward's re-gather, the same
+    bytes, a tie its min cut breaks differently from block to block (saving shards in the lower
+    blocks and views in the upper ones). Recomputing the view, which is free, makes every block
+    save its shard, so identical blocks partition into identical graphs (``shardc.template``
+    relies on it)."""
     count = 0
     for node in graph.nodes:
         if is_call(node, GATHER_OP) and reshards_after_forward(node):
-            for derived in gather_derived(node):
+            for derived in gather_derived(node) + (view_chain(node.args[0]) or []):
                 derived.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
                 derived.meta.setdefault("ac_graph_id", 0)
             count += 1

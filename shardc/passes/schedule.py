@@ -28,7 +28,7 @@ from torch import fx
 from shardc.passes import graph_comm
 from shardc.passes.bucketing import ParamComm, assign_buckets, bucket_name
 from shardc.passes.cost_model import ClusterSpec, node_flops_and_bytes
-from shardc.passes.fx_utils import is_call
+from shardc.passes.fx_utils import is_call, view_chain
 from shardc.passes.reshard import gather_derived
 from shardc.plan import PLAN_VERSION, Bucket, Collective, ComputeOp, Plan
 from shardc.runtime.collectives import padded_rows
@@ -81,13 +81,10 @@ class GraphComm:
 
 def view_chain_root(node: fx.Node) -> fx.Node | None:
     """The placeholder ``node`` is a chain of single-input views of, if it is one."""
-    while node.op != "placeholder":
-        target = node.target
-        if not (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
-                and target.is_view and len(node.all_input_nodes) == 1):
-            return None
-        node = node.all_input_nodes[0]
-    return node
+    chain = view_chain(node)
+    if chain is None:
+        return None
+    return chain[-1].all_input_nodes[0] if chain else node
 
 
 def _is_view(node: fx.Node) -> bool:
