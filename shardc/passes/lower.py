@@ -3,9 +3,9 @@
 Each all-gather packs the bucket's shards (cast to the communication dtype, padded to the common
 row count, flattened) into one buffer, issues ``all_gather_into_tensor`` at the planned position,
 waits at the planned position and copies each parameter out of the gathered buffer. Each
-reduce-scatter packs the bucket's full gradients rank-major into one buffer, issues
-``reduce_scatter_tensor``, and at its wait divides by the world size and slices out this rank's
-rows of every parameter. Collectives are torch functional collectives, so NCCL and gloo, eager FX
+reduce-scatter packs the bucket's full gradients rank-major into one buffer, already divided by
+the number of ranks they are averaged over (:func:`grad_divisor`), issues ``reduce_scatter_tensor``,
+and at its wait slices this rank's rows of every parameter out of the reduced buffer itself. Collectives are torch functional collectives, so NCCL and gloo, eager FX
 and Inductor all run them.
 """
 
@@ -140,15 +140,27 @@ def _wait_all_gather(graph, c: Collective, bucket: Bucket, gathers: dict, handle
         pool.release(view)
 
 
+def grad_divisor(bucket: Bucket) -> int:
+    """The number of ranks a bucket's gradients are averaged over (shard ranks times replicas).
+
+    The send buffer is divided by it while it is packed, so the reduce-scatter sums averages:
+    the reduced buffer is the gradient itself and no averaged copy of it is made (a copy would
+    keep two shard-sized buffers alive at once). Dividing before or after the sum gives the same
+    bits when the divisor is a power of two; otherwise each addend is rounded once more.
+    """
+    return bucket.world * bucket.replicate
+
+
 def _issue_reduce_scatter(graph, c: Collective, bucket: Bucket, reduces: dict, group: str,
                           pool: PoolViews):
     layout, numel = bucket.layout(c.params)
     grads = [reduces[fqn].args[0] for fqn in c.params]
+    divisor = grad_divisor(bucket)
     send_view = pool.view(c, "send", _dtype(bucket.reduce_dtype), numel * bucket.world)
     if send_view is not None:
         table = call(graph, aten.view.default, (send_view, [bucket.world, numel]))
         rows = [layout[fqn][1] for fqn in c.params]
-        call(graph, POOL_PACK_OP, (table, grads, rows, bucket.world, True))
+        call(graph, POOL_PACK_OP, (table, grads, rows, bucket.world, True, divisor))
         recv_view = pool.view(c, "recv", _dtype(bucket.reduce_dtype), numel)
         handle = call(graph, funcol.reduce_scatter_tensor_out.default,
                       (send_view, "sum", bucket.world, group), {"out": recv_view})
@@ -158,6 +170,8 @@ def _issue_reduce_scatter(graph, c: Collective, bucket: Bucket, reduces: dict, g
         reduce_dtype = reduces[fqn].args[5]
         if reduce_dtype is not None and reduce_dtype != x.meta["val"].dtype:
             x = call(graph, torch.ops.prims.convert_element_type.default, (x, reduce_dtype))
+        if divisor != 1:  # fused by a compiler into the cast that fills the send buffer
+            x = call(graph, aten.div.Tensor, (x, divisor))
         _, rows, row_numel, _ = layout[fqn]
         x = _pad_rows(graph, x, rows * bucket.world)
         x = _contiguous(graph, x)
@@ -175,8 +189,6 @@ def _wait_reduce_scatter(graph, c: Collective, bucket: Bucket, reduces: dict, ha
     done = call(graph, funcol.wait_tensor.default, (handle,))
     if buffers[1] is not None:
         done = pool.read(done)  # a new tensor: the gradients must not alias the pool
-    if bucket.world > 1:
-        done = call(graph, aten.div.Tensor, (done, bucket.world))
     for view in buffers:
         pool.release(view)
     if bucket.replicate > 1:
@@ -187,9 +199,9 @@ def _wait_reduce_scatter(graph, c: Collective, bucket: Bucket, reduces: dict, ha
 
 
 def _wait_all_reduce(graph, c: Collective, bucket: Bucket, reduces: dict, handle, rank: int):
-    """HSDP: wait the replicate all-reduce, average, and hand each parameter its rows."""
-    summed = call(graph, funcol.wait_tensor.default, (handle,))
-    done = call(graph, aten.div.Tensor, (summed, bucket.replicate))
+    """HSDP: wait the replicate all-reduce (of addends already divided by every rank they are
+    averaged over) and hand each parameter its rows."""
+    done = call(graph, funcol.wait_tensor.default, (handle,))
     _hand_out(graph, c, bucket, reduces, done, rank)
 
 
