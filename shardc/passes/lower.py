@@ -4,8 +4,9 @@ Each all-gather packs the bucket's shards (cast to the communication dtype, padd
 row count, flattened) into one buffer, issues ``all_gather_into_tensor`` at the planned position,
 waits at the planned position and copies each parameter out of the gathered buffer. Each
 reduce-scatter packs the bucket's full gradients rank-major into one buffer, already divided by
-the number of ranks they are averaged over (:func:`grad_divisor`), issues ``reduce_scatter_tensor``,
-and at its wait slices this rank's rows of every parameter out of the reduced buffer itself. Collectives are torch functional collectives, so NCCL and gloo, eager FX
+the number of ranks they are averaged over (:func:`grad_divisor`), issues
+``reduce_scatter_tensor``, and at its wait slices this rank's rows of every parameter out of the
+reduced buffer itself. Collectives are torch functional collectives, so NCCL and gloo, eager FX
 and Inductor all run them.
 """
 
