@@ -286,8 +286,9 @@ def apply_plan(
     graph = gm.graph
     pool_node = pool if isinstance(pool, fx.Node) or pool is None else _pool_node(gm, pool)
     views = PoolViews(graph, pool_node if colls else None, plan, poison)
-    # At one position: reduce-scatter waits of earlier issues first (their send buffers die
-    # before the next bucket is packed), then issues, then the other waits, each in plan order.
+    # At one position: waits of earlier issues first (their send buffers die before the next
+    # bucket is packed, which then reuses their memory), then issues, then the waits of
+    # collectives issued there, each in plan order.
     # HSDP's all-reduces are issued by their reduce-scatter's wait (they reduce its output).
     first_issued: dict[int, fx.Node] = {}
     for c in sorted((c for c in colls if c.kind != "all_reduce"), key=lambda c: c.issue_pos):
@@ -307,7 +308,7 @@ def apply_plan(
     for c in sorted(colls, key=lambda c: (c.wait_pos, c.kind == "all_reduce")):
         bucket = plan.buckets[c.bucket]
         where = _anchor(g, gm, c.wait_pos)
-        if c.kind == "reduce_scatter" and c.issue_pos < c.wait_pos and c.wait_pos in first_issued:
+        if c.kind != "all_reduce" and c.issue_pos < c.wait_pos and c.wait_pos in first_issued:
             where = first_issued[c.wait_pos]
         with graph.inserting_before(where):
             handle, *buffers = handles[c.id]
