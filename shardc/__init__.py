@@ -15,6 +15,7 @@ from shardc.runtime.sharding import (
     shard,
     shard_state,
 )
+from shardc.runtime.te import te_autocast, te_float8_policy, te_fp8_recipe
 
 __version__ = "0.1.0"
 
@@ -34,4 +35,7 @@ __all__ = [
     "shard",
     "shard_state",
     "shardc_backend",
+    "te_autocast",
+    "te_float8_policy",
+    "te_fp8_recipe",
 ]

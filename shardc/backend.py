@@ -30,7 +30,7 @@ from shardc.passes.memory import assign_pool, param_placeholders, predict_peak
 from shardc.passes.reshard import check_no_gathered_saved, tag_resharded_gathers
 from shardc.passes.schedule import plan_region
 from shardc.runtime.collectives import resolve_group
-from shardc.runtime.comm_errors import boxed_with_collective_errors
+from shardc.runtime.comm_errors import boxed_with_collective_errors, guard_inductor_graph
 from shardc.runtime.ops import GATHER_OP
 from shardc.runtime.plan_check import announce_region, check_plan_consistency
 
@@ -139,7 +139,8 @@ class ShardcPartitioner(_partitioner_base()):
         plan again with shallower prefetch (the budget is checked on the real pool size)."""
         options = self.options
         while True:
-            plan = plan_region(fw, bw, options, region=self.region.index)
+            plan = plan_region(fw, bw, options, region=self.region.index,
+                               groups=self.region.groups)
             assign_pool(plan)
             budget = options.memory_budget_bytes
             if not budget or plan.predicted["pool_bytes"] <= budget or not options.prefetch:
@@ -158,8 +159,10 @@ class ShardcPartitioner(_partitioner_base()):
 class RegionRecord:
     """What shardc keeps about one compiled region: its graphs and its plan."""
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, groups: dict[str, tuple[str, int]] | None = None) -> None:
         self.index = index
+        # Process group name -> (role on the mesh, ranks), for the plan (MeshLayout.group_roles).
+        self.groups = groups
         self.forward: fx.GraphModule | None = None
         self.backward: fx.GraphModule | None = None
         self.plan = None
@@ -188,23 +191,31 @@ def _checked(compiled, region: RegionRecord, options: ShardcOptions):
     return run
 
 
-def _region_registry(example_inputs: Sequence[object]) -> list | None:
+def _sharded_attr(example_inputs: Sequence[object], name: str):
+    """What ``shardc.shard`` recorded on its parameters under ``name`` (the first input that has
+    it), or None."""
     for value in example_inputs:
-        plans = getattr(value, "_shardc_regions", None)
-        if plans is not None:
-            return plans
+        found = getattr(value, name, None)
+        if found is not None:
+            return found
     return None
+
+
+def _region_registry(example_inputs: Sequence[object]) -> list | None:
+    return _sharded_attr(example_inputs, "_shardc_regions")
 
 
 def _inductor_with_pool(compile_inner, graph: fx.GraphModule, inputs, region: RegionRecord,
                         kw: dict):
-    """Compile ``graph`` with Inductor; if it takes the communication pool as an input
-    (:func:`add_pool_placeholder`), the returned callable inserts the region's pool into the
-    arguments AOTAutograd passes (which do not include it)."""
+    """Compile ``graph`` with Inductor; a failing collective is re-raised naming it (looked up
+    only after a failure, see ``comm_errors.guard_inductor_graph``). If the graph takes the
+    communication pool as an input (:func:`add_pool_placeholder`), the returned callable inserts
+    the region's pool into the arguments AOTAutograd passes (which do not include it)."""
     placeholders = graph.graph.find_nodes(op="placeholder")
     names = [p.name for p in placeholders]
     if POOL_PLACEHOLDER not in names:
-        return compile_inner(graph, inputs, **kw)
+        return guard_inductor_graph(compile_inner(graph, inputs, **kw), graph,
+                                    lambda: region.plan)
     index = names.index(POOL_PLACEHOLDER)
     inputs = list(inputs)
     if len(inputs) < len(placeholders):
@@ -214,7 +225,8 @@ def _inductor_with_pool(compile_inner, graph: fx.GraphModule, inputs, region: Re
         # The pool never moves: a static input (for CUDA graphs too). Indices after it shift.
         static = sorted([i + (i >= index) for i in static] + [index])
         kw["static_input_idxs"] = static
-    compiled = compile_inner(graph, inputs, **kw)
+    compiled = guard_inductor_graph(compile_inner(graph, inputs, **kw), graph,
+                                    lambda: region.plan)
     pool = region.pool
 
     def run(args):
@@ -252,7 +264,8 @@ def shardc_backend(
     if not has_sharded_params(gm):
         return _compile_unsharded(gm, example_inputs, opts)
     registry = _region_registry(example_inputs)
-    region = RegionRecord(len(registry) if registry is not None else 0)
+    region = RegionRecord(len(registry) if registry is not None else 0,
+                          _sharded_attr(example_inputs, "_shardc_groups"))
     if registry is not None:
         registry.append(region)
     if opts.check_plan_consistency:

@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 log = logging.getLogger("shardc")
 
@@ -77,21 +78,53 @@ class CheckpointError(RuntimeError):
 # Stateful wrappers
 
 
+_EXTRA_STATE = "_extra_state"  # the key nn.Module gives get_extra_state()'s value
+
+
+def _is_serialized_extra_state(key: str, value: Any) -> bool:
+    return (key.rsplit(".", 1)[-1] == _EXTRA_STATE and isinstance(value, torch.Tensor)
+            and not isinstance(value, DTensor) and value.dtype == torch.uint8
+            and value.dim() == 1)
+
+
+def extra_state_to_bytes(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` with each module extra state that is a serialized byte tensor (1-D
+    ``uint8``, as TransformerEngine's FP8 metadata) replaced by ``bytes``.
+
+    DCP loads a tensor only into a tensor of the saved size, and a module's serialized extra
+    state changes size with the module's state (TE's is empty until the module first runs in
+    FP8), so a fresh model could not load it. DCP stores other values whole, whatever their
+    size. The values are small metadata, so the copy to bytes costs nothing that matters."""
+    return {k: (bytes(v.detach().cpu().tolist()) if _is_serialized_extra_state(k, v) else v)
+            for k, v in state_dict.items()}
+
+
+def extra_state_from_bytes(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of :func:`extra_state_to_bytes`: ``bytes`` extra states back to byte tensors."""
+    def tensor(b: bytes) -> torch.Tensor:
+        return torch.tensor(list(b), dtype=torch.uint8)
+
+    return {k: (tensor(v) if k.rsplit(".", 1)[-1] == _EXTRA_STATE and isinstance(v, bytes)
+                else v) for k, v in state_dict.items()}
+
+
 class ModelState(Stateful):
     """``Stateful`` for a model through ``get_model_state_dict`` / ``set_model_state_dict``.
 
     Works for shardc models (eager or ``torch.compile`` wrappers: the ``_orig_mod.`` prefix is
     stripped), FSDP2 models and plain modules. ``options`` are DCP's ``StateDictOptions``.
+    Serialized module extra states (TransformerEngine's FP8 metadata) are stored as bytes, so a
+    fresh model loads them whatever their size (:func:`extra_state_to_bytes`).
     """
 
     def __init__(self, model: nn.Module, options: StateDictOptions | None = None) -> None:
         self.model, self.options = model, options
 
     def state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.model, options=self.options)
+        return extra_state_to_bytes(get_model_state_dict(self.model, options=self.options))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_model_state_dict(self.model, state_dict, options=self.options)
+        set_model_state_dict(self.model, extra_state_from_bytes(state_dict), options=self.options)
 
 
 class OptimizerState(Stateful):

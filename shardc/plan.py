@@ -13,11 +13,15 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-PLAN_VERSION = 2
+PLAN_VERSION = 3
 # Version 2 added the 2-D mesh fields (``Plan.mesh``, ``replicate_size``,
 # ``replicate_group_name``, ``Bucket.replicate``/``replicate_group``, ``Collective.group``, kind
 # ``"all_reduce"``); a version 1 plan reads as a 1-D plan with their defaults.
-READABLE_VERSIONS = (1, 2)
+# Version 3 added the collectives found in the traced graph (tensor parallelism): ``Plan.tp_size``,
+# ``tp_group_name``, ``Collective.origin``, ``group_size``, ``nodes``, ``tensors``, kinds
+# ``"all_to_all"`` and ``"broadcast"``, and one stream per process group; older plans read with
+# their defaults (every collective shardc's own).
+READABLE_VERSIONS = (1, 2, 3)
 
 
 @dataclass
@@ -62,10 +66,15 @@ class Collective:
     Positions are indices into the region's compute schedule (``Plan.graphs[graph]``), in the
     original order of the partitioned graph: ``issue_pos`` is the compute op before which the
     collective is issued, ``wait_pos`` the one before which it is waited.
+
+    ``origin`` is ``"shardc"`` for the collectives shardc creates (bucketed gathers and
+    reductions) and ``"graph"`` for those already in the traced graph (DTensor's tensor-parallel
+    collectives, FP8's amax all-reduce), which have no bucket (``-1``) and name their FX ``nodes``.
     """
 
     id: str
-    kind: str  # "all_gather" | "reduce_scatter" | "all_reduce" (HSDP, over the replicate group)
+    # "all_gather" | "reduce_scatter" | "all_reduce" | found in the graph: "all_to_all", "broadcast"
+    kind: str
     graph: str  # "forward" | "backward"
     bucket: int
     params: list[str]
@@ -84,11 +93,22 @@ class Collective:
     exposed_s: float = 0.0
     buffer_offset: int | None = None
     buffer_lifetime: tuple[int, int] | None = None
-    # The mesh dimension it runs over: "shard" (intra-node in HSDP) or "replicate" (inter-node).
+    # The mesh dimension it runs over: "shard" (intra-node in HSDP), "replicate" (inter-node),
+    # "tp" (tensor parallelism), or "other" (a process group shardc was not told about).
     group: str = "shard"
+    origin: str = "shardc"  # "shardc" | "graph" (found in the traced graph)
+    group_size: int = 0  # ranks of its process group (0: not recorded, plans before version 3)
+    nodes: list[str] = field(default_factory=list)  # found: FX names of its issue, then wait(s)
+    tensors: list[str] = field(default_factory=list)  # found: "name: dtype[shape]", ins then outs
 
     def signature(self) -> tuple:
-        """What every rank must agree on (independent of rank-specific shard shapes)."""
+        """What every rank must agree on (independent of rank-specific shard shapes).
+
+        A found collective contributes its id (graph, kind, group and number), kind and dtype,
+        not its bytes: those follow activation shapes, which the data-parallel ranks the check
+        compares may legitimately differ in (each reads its own batch)."""
+        if self.origin != "shardc":
+            return (self.id, self.kind, self.graph, None, (), None, self.dtype)
         return (self.id, self.kind, self.graph, self.bucket, tuple(self.params), self.buffer_bytes,
                 self.dtype)
 
@@ -125,6 +145,9 @@ class Plan:
     mesh: str = ""
     replicate_size: int = 1
     replicate_group_name: str = ""
+    # FSDP+TP: ranks of the tensor-parallel dimension and its process group.
+    tp_size: int = 1
+    tp_group_name: str = ""
 
     def collective_signature(self) -> list[tuple]:
         return [c.signature() for c in self.collectives]

@@ -141,18 +141,43 @@ def _pos_label(ops: list[ComputeOp], pos: int, width: int = 20) -> str:
 
 
 def _bytes_by_dtype(plan: Plan) -> list[str]:
-    """One line per collective kind: full-buffer bytes per step by communication dtype (FP8
-    gathers show up here as half the bytes of bf16)."""
+    """One line per kind of shardc's collectives: full-buffer bytes per step by communication
+    dtype (FP8 gathers show up here as half the bytes of bf16); then one line per group of the
+    collectives found in the traced graph (tensor parallelism): count and bytes by kind."""
     lines = []
     for kind in ("all_gather", "reduce_scatter"):
         totals: dict[str, int] = {}
         for c in plan.collectives:
-            if c.kind == kind:
+            if c.kind == kind and c.origin == "shardc":
                 totals[c.dtype] = totals.get(c.dtype, 0) + c.buffer_bytes
         if totals:
             parts = ", ".join(f"{d} {_fmt_bytes(n)} ({n} B)" for d, n in sorted(totals.items()))
             lines.append(f"{kind.replace('_', '-')} bytes by dtype: {parts}")
+    found: dict[str, dict[str, list[int]]] = {}
+    for c in plan.collectives:
+        if c.origin != "shardc":
+            count_bytes = found.setdefault(c.group, {}).setdefault(c.kind, [0, 0])
+            count_bytes[0] += 1
+            count_bytes[1] += c.buffer_bytes
+    for group, kinds in sorted(found.items()):
+        parts = ", ".join(f"{n} {kind} {_fmt_bytes(b)} ({b} B)"
+                          for kind, (n, b) in sorted(kinds.items()))
+        lines.append(f"found in the traced graphs, over the {group} group: {parts}")
     return lines
+
+
+def _mesh_line(plan: Plan) -> str:
+    cluster = plan.options.get("cluster") or {}
+    where = f"; cluster {cluster}" if cluster else ""
+    if plan.replicate_size > 1:
+        return (f"mesh: {plan.mesh}; reduce-scatter over shard group {plan.group_name} "
+                f"(intra-node), all-reduce over replicate group {plan.replicate_group_name} "
+                f"(inter-node), each group on its own lane{where}")
+    if plan.tp_size > 1 or plan.tp_group_name:
+        return (f"mesh: {plan.mesh}; shardc's collectives over dp group {plan.group_name}, "
+                f"tensor-parallel collectives (issued by DTensor) over tp group "
+                f"{plan.tp_group_name}, each group on its own lane{where}")
+    return f"mesh: {plan.mesh}{where}"
 
 
 def plan_table(plan: Plan, *, reason_width: int = 60) -> str:
@@ -164,11 +189,7 @@ def plan_table(plan: Plan, *, reason_width: int = 60) -> str:
         + (f", group {plan.group_name}" if plan.group_name else ""),
     ]
     if plan.mesh:
-        cluster = plan.options.get("cluster") or {}
-        lines.append(
-            f"mesh: {plan.mesh}; reduce-scatter over shard group {plan.group_name} (intra-node), "
-            f"all-reduce over replicate group {plan.replicate_group_name} (inter-node)"
-            + (f"; cluster {cluster}" if cluster else ""))
+        lines.append(_mesh_line(plan))
     per_graph = []
     for g in _graph_names(plan):
         if f"{g}_time_s" in pred:
@@ -207,21 +228,23 @@ def plan_table(plan: Plan, *, reason_width: int = 60) -> str:
         lines.append(f"note: {note}")
 
     names = _bucket_names(plan)
-    headers = ["id", "kind", "bucket", "#params", "bytes", "buffer", "dtype", "stream", "issue",
-               "wait", "first use", "start ms", "end ms", "exposed ms", "offset", "lifetime",
-               "reason"]
-    right = [False, False, False, True, True, True, False, False, False, False, False, True, True,
-             True, True, False, False]
-    widths = [None, None, 24, None, None, None, None, None, 20, 20, 20, None, None, None, None,
-              None, reason_width]
+    headers = ["id", "kind", "group", "bucket", "#params", "bytes", "buffer", "dtype", "stream",
+               "issue", "wait", "first use", "start ms", "end ms", "exposed ms", "offset",
+               "lifetime", "reason"]
+    right = [False, False, False, False, True, True, True, False, False, False, False, False,
+             True, True, True, True, False, False]
+    widths = [None, None, None, 24, None, None, None, None, None, 20, 20, 20, None, None, None,
+              None, None, reason_width]
     rows = []
     for c in _issue_order(plan):
         ops = plan.graphs.get(c.graph, [])
-        bucket = f"{c.bucket} {names[c.bucket]}" if c.bucket in names else str(c.bucket)
+        bucket = (f"{c.bucket} {names[c.bucket]}" if c.bucket in names
+                  else "-" if c.bucket < 0 else str(c.bucket))
         lifetime = ("-" if c.buffer_lifetime is None
                     else f"[{c.buffer_lifetime[0]}, {c.buffer_lifetime[1]})")
         rows.append([
-            c.id, c.kind, bucket, len(c.params), _fmt_bytes(c.bytes), _fmt_bytes(c.buffer_bytes),
+            c.id, c.kind, c.group, bucket, len(c.params), _fmt_bytes(c.bytes),
+            _fmt_bytes(c.buffer_bytes),
             c.dtype, c.stream, _pos_label(ops, c.issue_pos), _pos_label(ops, c.wait_pos),
             _pos_label(ops, c.first_use_pos), _ms(c.predicted_start_s), _ms(c.predicted_end_s),
             _ms(c.exposed_s), "-" if c.buffer_offset is None else c.buffer_offset, lifetime,
@@ -317,8 +340,10 @@ def chrome_trace(plan: Plan, *, min_op_us: float = 1.0, max_compute_events: int 
 
     One process per graph (forward first; backward starts where forward ends), with a "compute"
     lane (compute ops, exposed waits as "stall" slices, instant events at every issue and wait), a
-    "comm: <stream>" lane per stream (one complete event per collective, a flow arrow to where it
-    is waited) and a counter of communication-buffer bytes. Timestamps are microseconds.
+    "comm: <stream>" lane per stream, that is per process group (``comm``: the shard group;
+    ``replicate``: HSDP's inter-node group; ``tp``: tensor parallelism), with one complete event
+    per collective and a flow arrow to where it is waited, and a counter of communication-buffer
+    bytes. Timestamps are microseconds.
 
     Compute ops shorter than ``min_op_us`` (or than the graph's duration divided by
     ``max_compute_events``) are merged with their neighbours; zero-duration ops are dropped.
@@ -363,13 +388,16 @@ def chrome_trace(plan: Plan, *, min_op_us: float = 1.0, max_compute_events: int 
             tid = stream_tid[c.stream]
             start_us = offset_us + c.predicted_start_s * 1e6
             args = {
-                "id": c.id, "bucket": c.bucket, "bucket_name": names.get(c.bucket, ""),
-                "bytes": c.bytes, "buffer_bytes": c.buffer_bytes, "dtype": c.dtype,
-                "params": len(c.params), "issue_pos": c.issue_pos, "wait_pos": c.wait_pos,
+                "id": c.id, "group": c.group, "bucket": c.bucket,
+                "bucket_name": names.get(c.bucket, ""), "bytes": c.bytes,
+                "buffer_bytes": c.buffer_bytes, "dtype": c.dtype, "params": len(c.params),
+                "issue_pos": c.issue_pos, "wait_pos": c.wait_pos,
                 "exposed_ms": c.exposed_s * 1e3, "reason": c.reason,
             }
             if c.buffer_offset is not None:
                 args["buffer_offset"] = c.buffer_offset
+            if c.origin != "shardc":  # found in the traced graph: its FX nodes and tensors
+                args.update(origin=c.origin, nodes=c.nodes, tensors=c.tensors)
             events.append({
                 "name": c.id, "cat": c.kind, "ph": "X", "pid": pid, "tid": tid, "ts": start_us,
                 "dur": (c.predicted_end_s - c.predicted_start_s) * 1e6, "args": args,

@@ -13,6 +13,7 @@ from torch import nn
 
 import shardc
 from shardc.models.llama import Transformer
+from shardc.runtime.te import TE_GEMM_WEIGHTS
 
 FP8 = torch.float8_e4m3fn
 
@@ -83,18 +84,37 @@ class Probe(nn.Linear):
         return self.weight * 1.0
 
 
+class TeShapedProbe(nn.Module):
+    """The parameter layout of TransformerEngine's ``LayerNormMLP`` (a 1-D norm weight beside
+    GEMM weights named ``fc1_weight`` / ``fc2_weight``); returns the weights it reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer_norm_weight = nn.Parameter(torch.randn(5))
+        self.fc1_weight = nn.Parameter(torch.randn(5, 4))
+        self.fc2_weight = nn.Parameter(torch.randn(3, 5))
+
+    def forward(self, x):
+        return self.layer_norm_weight * 1.0, self.fc1_weight * 1.0, self.fc2_weight * 1.0
+
+
 class Probes(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         # 45 and 1 rows: uneven for world 2-4, and an empty shard from world 2 on.
         self.a = Probe(24, 45, bias=False)
         self.b = Probe(7, 1, bias=False)
+        self.c = TeShapedProbe()
         with torch.no_grad():
             self.a.weight[3, 5] = 0.0123  # a value far below the others
             self.a.weight[0, 0] = -3.5  # the amax
 
     def forward(self, x):
-        return self.a(x), self.b(x)
+        return (self.a(x), self.b(x), *self.c(x))
+
+
+# nn.Linear's `weight` and the TE-shaped module's GEMM weights (as shardc.te_float8_policy).
+PROBE_POLICY = shardc.Float8Policy(modules=(nn.Linear, TeShapedProbe), weights=TE_GEMM_WEIGHTS)
 
 
 def gather_numerics(rank: int, world: int) -> dict:
@@ -105,11 +125,11 @@ def gather_numerics(rank: int, world: int) -> dict:
         torch.manual_seed(0)
         model = Probes()
         full = {n: p.detach().clone() for n, p in model.named_parameters()}
-        shardc.shard(model, fp8=shardc.Float8Policy())
+        shardc.shard(model, fp8=PROBE_POLICY)
         forward = model if mode == "eager" else torch.compile(
             model, backend=shardc.backend(inductor=(mode == "inductor")))
-        a, b = forward(torch.zeros(2, 24))
-        out[mode] = {"a.weight": a.detach(), "b.weight": b.detach()}
+        names = ("a.weight", "b.weight", "c.layer_norm_weight", "c.fc1_weight", "c.fc2_weight")
+        out[mode] = {n: v.detach() for n, v in zip(names, forward(torch.zeros(2, 24)))}
         out["full"] = full
     return out
 

@@ -24,14 +24,18 @@ from torch.distributed.device_mesh import init_device_mesh
 import shardc
 from shardc.checkpoint import ModelState, OptimizerState
 from shardc.passes.cost_model import ClusterSpec
+from shardc.runtime.collectives import group_ranks
 
 TP_STEPS, TP_LR = 3, 1e-2
 
 
 def _forward(model: nn.Module, mode: str):
+    """``eager``, ``fx`` (compiled, planned FX graphs) or ``fx-traced`` (the same, with the
+    collectives found in the graph kept where they were traced)."""
     if mode == "eager":
         return model
-    return torch.compile(model, backend=shardc.backend(inductor=False))
+    return torch.compile(model, backend=shardc.backend(
+        inductor=False, move_found_collectives=mode != "fx-traced"))
 
 
 def _gathered(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -54,19 +58,105 @@ def _mean_over_world(losses: list[torch.Tensor]) -> torch.Tensor:
     return out / dist.get_world_size()
 
 
+def _tensor_bytes(nodes) -> int:
+    return sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in nodes
+               if isinstance(n.meta.get("val"), torch.Tensor))
+
+
+def _found_facts(plan, graphs: dict) -> list[dict]:
+    """Each collective of the plan found in the traced graph, with what the lowered graph says
+    of its nodes: their process group, the bytes of the tensors they send and receive, and
+    where the issue, the waits and the waits' readers sit in the graph."""
+    facts = []
+    for c in plan.collectives:
+        if c.origin == "shardc":
+            continue
+        gm = graphs[c.graph]
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        by_name = {n.name: n for n in gm.graph.nodes}
+        issue, waits = by_name[c.nodes[0]], [by_name[n] for n in c.nodes[1:]]
+        ops = plan.graphs[c.graph]
+        pos = {op.name: i for i, op in enumerate(ops)}
+        readers = [u for w in waits for u in w.users]
+        # Readers that are compute ops of the schedule; the others are shardc's nodes (e.g. the
+        # reduce-scatter of a gradient the collective summed) or the graph's output.
+        read_at = [pos[u.name] for u in readers if u.name in pos]
+        facts.append({
+            "id": c.id, "kind": c.kind, "group": c.group, "group_size": c.group_size,
+            "stream": c.stream, "bytes": c.bytes, "buffer_bytes": c.buffer_bytes,
+            "dtype": c.dtype, "reason": c.reason, "tensors": c.tensors,
+            "positions": (c.issue_pos, c.wait_pos, c.first_use_pos, c.last_use_pos, len(ops)),
+            # the group it runs on (its last argument) has the ranks of the plan's tp group
+            "on_tp_ranks": group_ranks(str(issue.args[-1])) == group_ranks(plan.tp_group_name),
+            "node_dtype": str(issue.args[0].meta["val"].dtype).removeprefix("torch."),
+            "sent": _tensor_bytes(issue.all_input_nodes), "received": _tensor_bytes(waits),
+            "issue_before_waits": all(order[issue] < order[w] for w in waits),
+            "waits_before_readers": all(order[w] < order[u] for w in waits for u in w.users),
+            # first_use_pos is the first reader: an op of the schedule, or a node before it
+            "first_reader_is_planned_op": all(p >= c.first_use_pos for p in read_at) and (
+                c.first_use_pos in read_at or len(read_at) < len(readers)),
+            "wait_before_op_at_wait_pos": c.wait_pos >= len(ops) or all(
+                order[w] < order[by_name[ops[c.wait_pos].name]] for w in waits),
+        })
+    return facts
+
+
+def _graph_collectives(graphs: dict, shard_group: str) -> int:
+    """Functional collectives in the lowered graphs over another group than shardc's (the group
+    name is a collective's last argument)."""
+    return sum(1 for gm in graphs.values() for n in gm.graph.nodes
+               if n.op == "call_function" and getattr(n.target, "namespace", "") ==
+               "_c10d_functional" and n.target is not torch.ops._c10d_functional.wait_tensor.default
+               and str(n.args[-1]) != shard_group)
+
+
+def _all_reduce_lanes(plan) -> list[tuple[float, float, float, list[float]]]:
+    """HSDP, per all-reduce: (its predicted start, its end, its reduce-scatter's end, the starts
+    of the shard group's collectives issued after it in its graph)."""
+    by_id = {c.id: c for c in plan.collectives}
+    out = []
+    for i, c in enumerate(plan.collectives):
+        if c.kind == "all_reduce" and c.origin == "shardc":
+            rs = by_id[c.id.replace(".all_reduce.", ".reduce_scatter.")]
+            later = [d.predicted_start_s for d in plan.collectives[i + 1:]
+                     if d.graph == c.graph and d.group == "shard"]
+            out.append((c.predicted_start_s, c.predicted_end_s, rs.predicted_end_s, later))
+    return out
+
+
 def _plan_summary(model: nn.Module) -> list[dict]:
-    plans = [r.plan for r in shardc.shard_state(model).regions]
+    state = shardc.shard_state(model)
     spec = ClusterSpec()
-    return [{"kinds": sorted({c.kind for c in p.collectives}), "mesh": p.mesh,
-             "replicate_size": p.replicate_size,
-             "all_reduce_groups": {c.group for c in p.collectives if c.kind == "all_reduce"},
-             # (predicted duration, the inter-node cost of the all-reduce) per all-reduce
-             "all_reduce_times": [
-                 (c.predicted_end_s - c.predicted_start_s,
-                  spec.collective_seconds("all_reduce", c.buffer_bytes, p.replicate_size,
-                                          "inter"))
-                 for c in p.collectives if c.kind == "all_reduce"]}
-            for p in plans if p is not None]
+    out = []
+    for region in state.regions:
+        p = region.plan
+        if p is None:
+            continue
+        graphs = {"forward": region.forward, "backward": region.backward}
+        out.append({
+            "kinds": sorted({c.kind for c in p.collectives}), "mesh": p.mesh,
+            "replicate_size": p.replicate_size, "tp_size": p.tp_size,
+            "tp_group_name": p.tp_group_name,
+            "all_reduce_groups": {c.group for c in p.collectives if c.kind == "all_reduce"},
+            "streams": {(c.origin, c.group): c.stream for c in p.collectives},
+            # (predicted duration, the inter-node cost of the all-reduce) per all-reduce
+            "all_reduce_times": [
+                (c.predicted_end_s - c.predicted_start_s,
+                 spec.collective_seconds("all_reduce", c.buffer_bytes, p.replicate_size,
+                                         "inter"))
+                for c in p.collectives if c.kind == "all_reduce" and c.origin == "shardc"],
+            "all_reduce_lanes": _all_reduce_lanes(p),
+            # HSDP with the static pool: all-reduces run in place in it, none allocates
+            "all_reduce_offsets": [c.buffer_offset for c in p.collectives
+                                   if c.kind == "all_reduce" and c.origin == "shardc"],
+            "allocating_all_reduces": sum(
+                n.target is torch.ops._c10d_functional.all_reduce.default
+                for gm in graphs.values() for n in gm.graph.nodes),
+            "found": _found_facts(p, graphs),
+            "graph_collectives": _graph_collectives(graphs, p.group_name),
+            "exposed": (p.predicted["exposed_comm_s"], sum(c.exposed_s for c in p.collectives)),
+        })
+    return out
 
 
 # ------------------------------------------------------------------------------------------ HSDP
@@ -85,8 +175,26 @@ def hsdp_run(rank: int, world: int, shape: tuple[int, int], mode: str) -> dict:
             "placements": placements, "plans": _plan_summary(model)}
 
 
-def hsdp_scenarios(rank: int, world: int, scenarios: list) -> list[dict]:
-    return [hsdp_run(rank, world, shape, mode) for shape, mode in scenarios]
+def slice_run(rank: int, world: int, shape: tuple[int, int], mode: str) -> dict:
+    """Shard over ``mesh["dp"]`` of a ``("pp", "dp")`` mesh over every rank: data parallel
+    inside pipeline stages (each stage here holds the whole model). Each dp group trains on the
+    whole global batch, split over its ranks, so every group equals the unsharded reference."""
+    torch._dynamo.reset()
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("pp", "dp"))
+    model = shardc.shard(build("llama1"), mesh["dp"])
+    tokens, targets = batches()
+    dp, dp_rank = shape[1], mesh["dp"].get_local_rank()
+    per = GLOBAL_BATCH // dp
+    rows = slice(dp_rank * per, (dp_rank + 1) * per)
+    losses = llama_train(model, _forward(model, mode), tokens[:, rows], targets[:, rows])
+    return {"losses": _mean_over_world(losses), "params": _gathered(model),
+            "placements": describe_placements(model), "plans": _plan_summary(model)}
+
+
+def hsdp_scenarios(rank: int, world: int, scenarios: list, slices: list = ()) -> list[dict]:
+    """HSDP runs, then ``slice_run`` runs (one spawn for both)."""
+    return [hsdp_run(rank, world, shape, mode) for shape, mode in scenarios] + [
+        slice_run(rank, world, shape, mode) for shape, mode in slices]
 
 
 # --------------------------------------------------------------------------------------- FSDP+TP

@@ -4,7 +4,8 @@ Every scenario is one function ``scenario(ctx) -> dict`` that is run twice with 
 by the unsharded single-process reference (``ctx.sharded`` is False: the model is used as built, on
 the global batch) and once on every rank of a gloo group (``ctx.sharded``: the model is sharded with
 ``shardc.shard`` over a per-scenario process group with a short timeout, compiled with
-``shardc.backend(inductor=False)``, and fed this rank's contiguous slice of the global batch). A
+``shardc.backend(inductor=False)`` (``timeout_inductor``: with Inductor), and fed this rank's
+contiguous slice of the global batch). A
 scenario returns tensors to compare (``losses``, ``params`` and extras, always global values: the
 sharded run all-reduces losses, gathers outputs and full parameters) plus facts (``planned``: how
 many regions shardc planned).
@@ -26,7 +27,7 @@ import torch._dynamo
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
 import shardc
@@ -524,8 +525,12 @@ def sc_unused_outputs(ctx: Ctx) -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(ctx.mean(loss))
+    # The collective kinds of each planned region (the no_grad forward has its own).
+    regions = shardc.shard_state(model).regions if ctx.sharded else []
+    kinds = sorted(tuple(sorted({c.kind for c in r.plan.collectives}))
+                   for r in regions if r.plan is not None)
     return {"losses": torch.stack(losses), "params": ctx.params(model),
-            "probes": torch.stack(probes), "planned": ctx.planned(),
+            "probes": torch.stack(probes), "planned": ctx.planned(), "plan_kinds": kinds,
             "aux_grad": None if aux_grad is None else float(aux_grad.abs().sum())}
 
 
@@ -669,25 +674,51 @@ def _train_alone(model, forward, xs, ys) -> dict:
     return {"losses": torch.stack(losses)}
 
 
-def fail_submesh(ctx: Ctx) -> dict:
-    """Each rank shards over a 1-rank mesh of its own, so the shards do not cover the world."""
-    torch.manual_seed(0)
-    model = mlp()
+def fail_partial_mesh(ctx: Ctx) -> dict:
+    """Meshes that do not cover the world: each rank's own 1-rank mesh, and one mesh over ranks
+    0 .. world-2 that every rank builds (the last rank is outside it); neither is a slice of a
+    mesh over the world. ``shardc.shard`` must raise ValueError on every rank, at once."""
+    errors, start = {}, time.monotonic()
     own = [dist.new_group([r]) for r in range(ctx.world)][ctx.rank]  # new_group: every rank
-    shardc.shard(model, DeviceMesh.from_group(own, "cpu"))
-    ctx.model = model
-    ctx.compiled = torch.compile(model, backend=shardc.backend(inductor=False))
+    partial = DeviceMesh("cpu", list(range(ctx.world - 1)))
+    for name, mesh in (("own", DeviceMesh.from_group(own, "cpu")), ("partial", partial)):
+        try:
+            shardc.shard(mlp(), mesh)
+            errors[name] = None
+        except ValueError as exc:
+            errors[name] = str(exc)
+    return {"errors": errors, "elapsed": time.monotonic() - start}
+
+
+def sc_submesh(ctx: Ctx) -> dict:
+    """Meshes that do not cover the world but are allowed: the 1-rank ``dp`` slice of a
+    ``("pp", "dp")`` mesh of shape (world, 1) over every rank (data parallel inside pipeline
+    stages, one rank per stage), and each rank's own 1-rank mesh with ``allow_partial_mesh=True``.
+    Each rank trains alone on its slice of the data, like the unsharded model on that slice
+    (``submesh_reference``), compiled."""
     xs, ys = regression_data(seed=14)
     per = GLOBAL_BATCH // ctx.world
     rows = slice(ctx.rank * per, (ctx.rank + 1) * per)
-    out = _train_alone(model, ctx.compiled, xs[:, rows], ys[:, rows])
-    out["params"] = ctx.params(model)  # a 1-rank mesh: the full tensors are this rank's own
-    out["planned"] = ctx.planned()
+    own = [dist.new_group([r]) for r in range(ctx.world)][ctx.rank]
+    meshes = {
+        "slice": (init_device_mesh("cpu", (ctx.world, 1), mesh_dim_names=("pp", "dp"))["dp"], {}),
+        "opt_out": (DeviceMesh.from_group(own, "cpu"), {"allow_partial_mesh": True}),
+    }
+    out = {}
+    for name, (mesh, kwargs) in meshes.items():
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = shardc.shard(mlp(), mesh, **kwargs)
+        compiled = torch.compile(model, backend=shardc.backend(inductor=False))
+        got = _train_alone(model, compiled, xs[:, rows], ys[:, rows])
+        got["params"] = ctx.params(model)  # a 1-rank mesh: the full tensors are this rank's own
+        got["planned"] = len(shardc.explain_all(compiled))
+        out[name] = got
     return out
 
 
 def submesh_reference(rank: int, world: int) -> dict:
-    """What ``fail_submesh`` computes on ``rank``: unsharded training on that rank's slice only."""
+    """What ``sc_submesh`` computes on ``rank``: unsharded training on that rank's slice only."""
     torch.manual_seed(0)
     model = mlp()
     xs, ys = regression_data(seed=14)
@@ -701,25 +732,36 @@ def submesh_reference(rank: int, world: int) -> dict:
 TIMEOUT_S = 3
 
 
-def fail_timeout(ctx: Ctx) -> dict:
-    """The last rank skips a step: the others' collectives must time out with a clear error."""
+def fail_timeout(ctx: Ctx, inductor: bool = False) -> dict:
+    """The last rank skips a step: the others' collectives must time out with a clear error.
+
+    FX execution: an MLP, the last rank skips the whole second step (the others fail in the
+    forward). Inductor: one Linear (a single small region, as Inductor compiles slowly on CPU);
+    at world 2 the last rank skips the second step (forward all-gather), at world 3 only its
+    backward (the others fail in the backward)."""
     torch.manual_seed(0)
-    model = mlp()
+    model = nn.Linear(6, 3) if inductor else mlp()
     group = dist.new_group(list(range(ctx.world)), timeout=timedelta(seconds=TIMEOUT_S))
     shardc.shard(model, DeviceMesh.from_group(group, "cpu"))
-    compiled = torch.compile(model, backend=shardc.backend(inductor=False))
+    compiled = torch.compile(model, backend=shardc.backend(inductor=inductor))
     xs, ys = regression_data(seed=15)
-    start = time.monotonic()
-    error = None
+    skip_backward = inductor and ctx.world == 3
+    last = ctx.rank == ctx.world - 1
+    start, error = time.monotonic(), None
     try:
         for step in range(2):
-            if step == 1 and ctx.rank == ctx.world - 1:
+            if step == 1:
+                start = time.monotonic()  # after compiling: the failure alone
+                if last and not skip_backward:
+                    continue
+            loss = F.mse_loss(compiled(ctx.split(xs[step])), ctx.split(ys[step]))
+            if step == 1 and last:
                 continue
-            F.mse_loss(compiled(ctx.split(xs[step])), ctx.split(ys[step])).backward()
+            loss.backward()
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
-    return {"error": error, "elapsed": time.monotonic() - start,
-            "skipped": ctx.rank == ctx.world - 1}
+    return {"error": error, "elapsed": time.monotonic() - start, "skipped": last,
+            "graph": "backward" if skip_backward else "forward"}
 
 
 def fail_recompile_one_rank(ctx: Ctx) -> dict:
@@ -769,14 +811,18 @@ SCENARIOS: dict[str, Callable[[Ctx], dict]] = {
     "nested": lambda ctx: sc_nested(ctx, repeat=False),
     "repeated": lambda ctx: sc_nested(ctx, repeat=True),
     "lstm": sc_lstm,
+    # Sharded runs only (their reference: submesh_reference).
+    "submesh": sc_submesh,
     # Failure modes: sharded runs only, no reference; the desyncing ones last.
     "rank_dependent": fail_rank_dependent,
-    "submesh": fail_submesh,
+    "partial_mesh": fail_partial_mesh,
     "recompile_one_rank": fail_recompile_one_rank,
     "timeout": fail_timeout,
+    "timeout_inductor": functools.partial(fail_timeout, inductor=True),
 }
 HF = ("hf_gpt2",)  # needs the transformers package
-FAILURES = ("rank_dependent", "submesh", "recompile_one_rank", "timeout")
+FAILURES = ("rank_dependent", "partial_mesh", "recompile_one_rank", "timeout",
+            "timeout_inductor")
 
 
 def reference(name: str, world: int = 1) -> dict:

@@ -130,6 +130,9 @@ def test_collective_counts_per_parameter(structure):
     assert len(bw_gathered) == len(set(bw_gathered)) and set(bw_gathered) <= used
     assert facts["bw_all_gathers"] == len(bw_gathered) > 0, "resharded params are re-gathered"
     assert facts["waits"] == len(colls), "every collective is waited exactly once"
+    # A 1-D mesh: only shardc's own collectives, all on the shard group's lane; no tp records.
+    assert {(c["origin"], c["group"], c["stream"]) for c in colls} == {("shardc", "shard", "comm")}
+    assert facts["plan"]["tp_size"] == 1 and facts["plan"]["mesh"] == ""
 
 
 def test_static_pool_steady_state_allocates_no_comm_buffers(structure):

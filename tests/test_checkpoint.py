@@ -10,7 +10,8 @@ in one temporary directory:
   ``CheckpointManager`` save in which rank 1 dies between the DCP write and the completion barrier.
 * job C, 4 ranks: saves the N=4 source, loads the crashed manager's previous step on a new group,
   and runs the resharding matrix. Groups of N < 4 ranks are process groups of the first N ranks
-  (``dist.new_group``): DCP, shardc and the optimizer only ever see that group.
+  (``dist.new_group``): DCP, shardc and the optimizer only ever see that group (sharded with
+  ``allow_partial_mesh=True``: such a group stands for a whole job of N ranks).
 
 Resharding, what is compared (bitwise, ``torch.equal``): (1) after loading on M ranks a checkpoint
 saved on N ranks, every parameter, ``exp_avg``, ``exp_avg_sq`` and ``step`` equals the state the N
@@ -45,6 +46,7 @@ from ckpt_workers import (
     state_from_full,
 )
 from dist_utils import run_ranks
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import shardc
@@ -90,7 +92,7 @@ def reshard_save(group, name: str, tmp: str, record_continuation: bool = False) 
     """Train K steps on ``group`` and save; rank 0 keeps the gathered state next to it."""
     grank = dist.get_rank(group)
     mesh = DeviceMesh.from_group(group, "cpu")
-    model = llama(0, mesh=mesh)
+    model = llama(0, mesh=mesh, allow_partial_mesh=True)
     opt = adamw(model)
     for step in range(K):
         llama_step(model, opt, step, grank)
@@ -111,7 +113,7 @@ def reshard_load(group, name: str, tmp: str, same_world: bool) -> dict:
     mesh = DeviceMesh.from_group(group, "cpu")
     where = os.path.join(tmp, "reshard", name)
     saved = torch.load(f"{where}.state.pt", weights_only=False)
-    model = llama(123, mesh=mesh)
+    model = llama(123, mesh=mesh, allow_partial_mesh=True)
     opt = adamw(model)
     before = full_state(model, opt)
     dcp.load(_states(model, opt), checkpoint_id=where, process_group=group)
@@ -119,7 +121,7 @@ def reshard_load(group, name: str, tmp: str, same_world: bool) -> dict:
            "changed": bool(diff(before, saved))}
     losses = [llama_step(model, opt, K + j, grank) for j in range(J)]
     final = full_state(model, opt)
-    ref = llama(321, mesh=mesh)
+    ref = llama(321, mesh=mesh, allow_partial_mesh=True)
     ref_opt = adamw(ref)
     state_from_full(ref, ref_opt, saved)
     out["reference_start"] = diff(full_state(ref, ref_opt), saved)
@@ -575,3 +577,41 @@ def test_manager_without_torch_distributed(tmp_path):
         assert mgr.load(_states(fresh, fresh_opt)) == 2
     assert diff(full_state(fresh, fresh_opt), saved) == []
     assert sorted(os.listdir(tmp_path)) == ["latest", "step_00000002"]
+
+
+class _SerializedMeta(nn.Module):
+    """Keeps serialized metadata whose size depends on its state in ``_extra_state``, as
+    TransformerEngine's modules keep their FP8 scaling state (empty until they ran in FP8)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.meta = b""
+
+    def get_extra_state(self) -> torch.Tensor:
+        return torch.tensor(list(self.meta), dtype=torch.uint8)
+
+    def set_extra_state(self, state: torch.Tensor) -> None:
+        self.meta = bytes(state.tolist())
+
+
+def test_extra_state_of_another_size_loads_into_a_fresh_model(tmp_path):
+    """A fresh model's extra state has another size than the saved one; ``ModelState`` stores
+    it as bytes, so DCP loads it (as a tensor DCP would refuse the size), through plain DCP and
+    through the ``CheckpointManager``'s validation."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_SerializedMeta(), _SerializedMeta())
+    model[0].meta, model[1].meta = b"amax history", b"\x00\xff" * 300
+    assert isinstance(ModelState(model).state_dict()["0._extra_state"], bytes)
+    mgr = CheckpointManager(tmp_path / "mgr", keep_last=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP: "assuming the intent is to save in a single process"
+        dcp.save({"model": ModelState(model)}, checkpoint_id=str(tmp_path / "plain"))
+        mgr.save(1, {"model": ModelState(model)})
+        for load in (lambda s: dcp.load(s, checkpoint_id=str(tmp_path / "plain")), mgr.load):
+            torch.manual_seed(1)
+            fresh = nn.Sequential(_SerializedMeta(), _SerializedMeta())
+            load({"model": ModelState(fresh)})
+            assert (fresh[0].meta, fresh[1].meta) == (model[0].meta, model[1].meta)
+            for (name, p), q in zip(fresh.named_parameters(), model.parameters()):
+                assert torch.equal(p, q), name

@@ -21,6 +21,11 @@ def test_collective_expression_is_symbolic_in_world_and_bandwidth():
     assert faster < spec.evaluate(expr, 8)
     assert sympy.simplify(collective_time_expr("all_reduce", 10) -
                           2 * collective_time_expr("reduce_scatter", 10)) == 0
+    # Kinds found in tensor-parallel graphs: all-to-all moves like an all-gather of its buffer;
+    # a broadcast puts the whole buffer on every link.
+    assert collective_time_expr("all_to_all", 10) == collective_time_expr("all_gather", 10)
+    assert spec.collective_seconds("broadcast", 1_000_000, 4) == pytest.approx(
+        3 * 5e-6 + 1_000_000 / 50e9)
 
 
 def test_roofline_compute_time():
@@ -40,7 +45,7 @@ def test_calibration_recovers_bandwidth_and_latency():
     with pytest.raises(ValueError, match="at least two"):
         calibrate(ClusterSpec(), samples[:1])
     with pytest.raises(ValueError, match="unknown collective"):
-        collective_time_expr("broadcast", 1)
+        collective_time_expr("scatter", 1)
 
 
 def test_size_hints_never_guard():

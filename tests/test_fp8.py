@@ -24,6 +24,7 @@ from torch import nn
 
 import shardc
 from shardc.runtime.fp8 import Float8Policy, select_fp8_params
+from shardc.runtime.te import TE_GEMM_WEIGHTS
 
 WORLD_SIZES = [1, 2, 3, 4]
 FP8_LOSS_TOL = 5e-3  # FP8 weights vs the float32 model: relative loss error over 5 steps
@@ -37,11 +38,14 @@ def references():
 
 @pytest.mark.parametrize("world", [2])
 def test_gathered_weight_is_reference_quantize_dequantize(world):
-    """Eager, planned FX and Inductor; one rank holds no row of ``b``."""
+    """Eager, planned FX and Inductor; one rank holds no row of ``b``. TransformerEngine-style
+    weight names (``c.fc1_weight``...) are gathered in FP8 alike, the norm weight unquantized."""
     out = run_ranks(gather_numerics, world)
     for rank_out in out:
         for mode in ("eager", "fx", "inductor"):
-            for name in ("a.weight", "b.weight"):
+            norm = rank_out[mode]["c.layer_norm_weight"]
+            assert torch.equal(norm, rank_out["full"]["c.layer_norm_weight"]), mode
+            for name in ("a.weight", "b.weight", "c.fc1_weight", "c.fc2_weight"):
                 want = fake_quant(rank_out["full"][name])
                 got = rank_out[mode][name]
                 assert torch.equal(got, want), f"{mode} {name}: not the reference fake-quant"
@@ -153,3 +157,27 @@ def test_policy_validation_and_selection():
     chosen = select_fp8_params(model, Float8Policy(filter=lambda n, m: n == "skip"), owners)
     assert chosen == {"skip.weight"}
     assert isinstance(shardc.Float8Policy(), Float8Policy)
+
+
+def test_policy_selects_every_named_weight_of_a_module():
+    """TransformerEngine's modules hold several GEMM weights under other names than ``weight``
+    (``fc1_weight``, ``query_weight``...) beside a 1-D ``layer_norm_weight``;
+    ``shardc.te_float8_policy`` selects them by name (TE itself is only imported on GPU)."""
+
+    class LayerNormMLP(nn.Module):  # the parameter layout of te.LayerNormMLP
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer_norm_weight = nn.Parameter(torch.ones(8))
+            self.fc1_weight = nn.Parameter(torch.randn(16, 8))
+            self.fc1_bias = nn.Parameter(torch.zeros(16))
+            self.fc2_weight = nn.Parameter(torch.randn(8, 16))
+
+    model = nn.Sequential(LayerNormMLP(), nn.Linear(8, 8))
+    owners = {n: 1 for n, _ in model.named_parameters()}
+    te_like = Float8Policy(modules=(LayerNormMLP,), weights=TE_GEMM_WEIGHTS)
+    assert select_fp8_params(model, te_like, owners) == {"0.fc1_weight", "0.fc2_weight"}
+    # The default selects `weight` only: the Linear, never the norm.
+    assert select_fp8_params(model, Float8Policy(modules=(nn.Module,)), owners) == {"1.weight"}
+    with pytest.raises(ValueError, match=r"'0.layer_norm_weight' is 1-D.*weights="):
+        select_fp8_params(model, Float8Policy(modules=(LayerNormMLP,), weights=(".*weight",)),
+                          owners)

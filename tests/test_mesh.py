@@ -14,7 +14,11 @@ from shardc.passes.cost_model import ClusterSpec
 # Compiled on the 2x2 mesh; the degenerate meshes (all replicate, all tp) eagerly, to keep the
 # tests fast (the compiled 1x4 / 4x1 runs pass too: benchmarks or -k runs can add them).
 HSDP = [((2, 2), "eager"), ((2, 2), "fx"), ((4, 1), "eager")]
-TP = [((2, 2), "eager"), ((2, 2), "fx"), ((1, 4), "eager")]
+# "fx-traced": compiled with the tensor-parallel collectives kept where traced (the results must
+# be bitwise those of "fx", which moves them).
+TP = [((2, 2), "eager"), ((2, 2), "fx"), ((2, 2), "fx-traced"), ((1, 4), "eager")]
+# ("pp", "dp") meshes whose dp slice shardc shards over (in the HSDP spawn).
+SLICES = [((2, 2), "fx")]
 
 
 def _assert_parity(run: dict, ref: dict, where: str) -> None:
@@ -25,9 +29,20 @@ def _assert_parity(run: dict, ref: dict, where: str) -> None:
         raise AssertionError(f"{where}: {exc}") from exc
 
 
-def test_hsdp_parity_and_plan():
-    ref = reference("llama1")
-    results = run_ranks(hsdp_scenarios, 4, HSDP)
+@pytest.fixture(scope="module")
+def hsdp_runs() -> list[list[dict]]:
+    """Per rank: the HSDP runs, then the SLICES runs."""
+    return run_ranks(hsdp_scenarios, 4, HSDP, SLICES)
+
+
+@pytest.fixture(scope="module")
+def llama1_reference() -> dict:
+    return reference("llama1")
+
+
+def test_hsdp_parity_and_plan(hsdp_runs, llama1_reference):
+    ref = llama1_reference
+    results = [per_rank[:len(HSDP)] for per_rank in hsdp_runs]
     for rank, per_rank in enumerate(results):
         for (shape, mode), run in zip(HSDP, per_rank):
             _assert_parity(run, ref, f"rank {rank}, HSDP {shape} {mode}")
@@ -43,8 +58,35 @@ def test_hsdp_parity_and_plan():
                 assert plan["mesh"] == f"HSDP: replicate {shape[0]} x shard {shape[1]}"
                 for predicted, inter_node in plan["all_reduce_times"]:
                     assert predicted == pytest.approx(inter_node) and predicted > 0
+                _assert_own_lanes(plan)
+                assert plan["allocating_all_reduces"] == 0 and plan["all_reduce_offsets"]
+                assert None not in plan["all_reduce_offsets"]  # in the static pool
             else:
                 assert "all_reduce" not in plan["kinds"] and plan["mesh"] == ""
+            assert plan["found"] == [] and plan["tp_size"] == 1
+
+
+def _assert_own_lanes(plan: dict) -> None:
+    """HSDP: the replicate all-reduces run on their own lane, after their reduce-scatter, and in
+    parallel with the shard group's later collectives (one lane per process group)."""
+    assert plan["streams"] == {("shardc", "shard"): "comm", ("shardc", "replicate"): "replicate"}
+    overlapped = False
+    for start, end, reduced, later in plan["all_reduce_lanes"]:
+        assert start >= reduced - 1e-12  # it reduces its reduce-scatter's output
+        overlapped |= any(s < end for s in later)
+    assert overlapped, plan["all_reduce_lanes"]
+
+
+def test_slice_of_a_mesh_over_the_world_shards_over_its_ranks(hsdp_runs, llama1_reference):
+    """``shardc.shard(model, mesh["dp"])`` of a 2x2 ``("pp", "dp")`` mesh: the slice does not
+    cover the world but its mesh does, so shardc accepts it; each pp group of 2 ranks shards over
+    its own dp ranks and trains at parity with the unsharded reference."""
+    for rank, per_rank in enumerate(hsdp_runs):
+        for (shape, mode), run in zip(SLICES, per_rank[len(HSDP):]):
+            _assert_parity(run, llama1_reference, f"rank {rank}, pp/dp slice {shape} {mode}")
+            assert set(run["placements"].values()) == {("Shard(0)",)}
+            if mode != "eager":
+                assert run["plans"] and all("reduce_scatter" in p["kinds"] for p in run["plans"])
 
 
 def test_fsdp_tp_parity_placements_and_global_values():
@@ -57,6 +99,13 @@ def test_fsdp_tp_parity_placements_and_global_values():
                 assert torch.equal(run["init"][name], value.detach()), (shape, name)
             if mode != "eager":
                 assert run["plans"] and all("reduce_scatter" in p["kinds"] for p in run["plans"])
+                for plan in run["plans"]:
+                    _assert_tp_collectives_planned(plan, moved=mode == "fx")
+        # Moving the tensor-parallel collectives' issues and waits changes no bit.
+        moved, traced = (per_rank[TP.index(((2, 2), mode))] for mode in ("fx", "fx-traced"))
+        assert torch.equal(moved["losses"], traced["losses"]), rank
+        for name, value in moved["params"].items():
+            assert torch.equal(value, traced["params"][name]), (rank, name)
     placements = results[0][0]["placements"]  # (2, 2)
     strided = "_StridedShard(0, sf=2)"
     assert placements["proj.weight"] == (strided, "Shard(0)")
@@ -66,6 +115,44 @@ def test_fsdp_tp_parity_placements_and_global_values():
     assert placements["w2.weight"] == ("Shard(0)", "Shard(1)")
     assert placements["norm.weight"] == ("Shard(0)", "Replicate()")
     assert placements["embed.weight"] == ("Shard(0)", "Replicate()")
+
+
+# Of a collective found in the graph: (what it sends, what it receives) in its plan record's
+# (bytes, buffer_bytes), over tp = 2 ranks.
+_SENT_RECEIVED = {"all_gather": ("bytes", "buffer_bytes"), "all_reduce": ("bytes", "bytes"),
+                  "reduce_scatter": ("buffer_bytes", "bytes")}
+
+
+def _assert_tp_collectives_planned(plan: dict, moved: bool) -> None:
+    """Every collective DTensor issues over the tp group has a plan record of the right kind,
+    group, bytes and dtype, at positions consistent with the lowered graph."""
+    found = plan["found"]
+    assert plan["mesh"] == "FSDP+TP: dp 2 x tp 2" and plan["tp_size"] == 2
+    assert len(found) == plan["graph_collectives"] > 0  # every tp collective, none else
+    assert {f["kind"] for f in found} == {"all_gather", "all_reduce", "reduce_scatter"}
+    assert {f["id"].split(".")[0] for f in found} == {"forward", "backward"}
+    for f in found:
+        assert f["group"] == "tp" and f["stream"] == "tp" and f["group_size"] == 2, f
+        assert f["on_tp_ranks"] and f["dtype"] == f["node_dtype"], f
+        sent, received = _SENT_RECEIVED[f["kind"]]
+        assert (f[sent], f[received]) == (f["sent"], f["received"]) and f["sent"] > 0, f
+        ratio = {"all_gather": 2, "all_reduce": 1, "reduce_scatter": 0.5}[f["kind"]]
+        assert f["received"] == f["sent"] * ratio, f
+        assert len(f["tensors"]) == 2 and "DTensor" in f["reason"] and "tp group" in f["reason"]
+        issue, wait, first, last, end = f["positions"]
+        assert 0 <= issue <= wait <= first <= last <= end, f
+        assert f["issue_before_waits"] and f["waits_before_readers"], f
+        assert f["first_reader_is_planned_op"] and f["wait_before_op_at_wait_pos"], f
+        if not moved:
+            assert "issued where traced (move_found_collectives=False)" in f["reason"], f
+    # The reasons say where they came from: module, source line, the tensor-parallel hook.
+    reasons = " ".join(f["reason"] for f in found)
+    assert "w2 (Linear)" in reasons and "mesh_models.py:" in reasons
+    assert "tensor-parallel style hook _prepare_output_fn" in reasons
+    if moved:  # this model has compute to overlap: some issues move earlier, some waits later
+        assert any(f["positions"][1] > f["positions"][0] for f in found)
+        assert any("earlier than traced" in f["reason"] for f in found)
+    assert plan["exposed"][0] == pytest.approx(plan["exposed"][1])  # tp stalls counted
 
 
 def test_cost_model_times_the_replicate_level_at_inter_node_numbers():

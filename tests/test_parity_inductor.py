@@ -6,13 +6,16 @@ kernel rounding is not mistaken for a sharding error.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch._dynamo
 from dist_utils import run_ranks
-from parity import GLOBAL_BATCH, assert_parity, batches, reference, sharded_run, train
+from parity import GLOBAL_BATCH, assert_parity, batches, llama_loss, reference, sharded_run, train
 
 import shardc
+from shardc.runtime import comm_errors
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +49,50 @@ def _inductor_run(rank: int, world: int) -> dict:
           targets[:, rank * per:(rank + 1) * per])
     out["pool_written"] = bool(pool.any())
     out["pool_same"] = region.pool is pool
+    out["named"] = _name_every_wait(forward, tokens[0, rank * per:(rank + 1) * per],
+                                    targets[0, rank * per:(rank + 1) * per])
+    out["plan_ids"] = sorted(c.id for c in region.plan.collectives)
     return out
+
+
+class _FailingWait:
+    """Stands for ``torch.ops._c10d_functional.wait_tensor`` (which Inductor's code looks up at
+    each call): the ``k``-th wait of a step raises like a timed-out collective."""
+
+    def __init__(self, k: int) -> None:
+        self.k, self.seen, self.real = k, 0, _FUNCOL.wait_tensor
+
+    def default(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.seen += 1
+        if self.seen == self.k + 1:
+            raise RuntimeError("injected: Timed out waiting 3000ms for recv operation")
+        return self.real.default(tensor)
+
+
+def _name_every_wait(forward, tokens, targets) -> list[str]:
+    """Make each wait of a training step fail in turn (the same one on every rank, so the ranks'
+    collectives stay paired) and return the collective shardc's error names, or the error."""
+    names, real = [], _FUNCOL.wait_tensor
+    elsewhere = comm_errors.recompiled_elsewhere
+    comm_errors.recompiled_elsewhere = lambda group_name: []  # no store look-up per failure
+    try:
+        for k in range(64):
+            _FUNCOL.wait_tensor = _FailingWait(k)
+            try:
+                llama_loss(forward(tokens), targets).backward()
+            except shardc.CollectiveError as exc:
+                names.append(re.match(r"shardc: collective (\S+) failed", str(exc)).group(1))
+                continue
+            except RuntimeError as exc:
+                names.append(f"{type(exc).__name__}: {exc}")
+                continue
+            finally:
+                _FUNCOL.wait_tensor = real
+            return names
+    finally:
+        _FUNCOL.wait_tensor = real
+        comm_errors.recompiled_elsewhere = elsewhere
+    raise AssertionError(f"a step with more than 64 waits: {names}")
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -57,3 +103,6 @@ def test_parity_inductor(world, inductor_reference):
         assert run["collectives"] > 0 and run["allocating"] == 0
         assert run["pool_bytes"][0] == run["pool_bytes"][1] > 0
         assert run["pool_written"] and run["pool_same"]
+        # A failing wait in Inductor's code is named: every wait of a step, one at a time,
+        # gives a distinct collective of the plan, and together they are all of them.
+        assert sorted(run["named"]) == run["plan_ids"], (run["named"], run["plan_ids"])

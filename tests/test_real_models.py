@@ -14,6 +14,7 @@ reason: they document the gap and flag when it is fixed.
 from __future__ import annotations
 
 import importlib.util
+import re
 
 import pytest
 import torch
@@ -200,6 +201,8 @@ def test_ignored_output_head_and_no_grad_forward(runs):
     for got in check_parity(runs, "unused_outputs"):
         assert got["probes"].shape[0] == 3
         assert got["aux_grad"] in (None, 0.0)
+        # The no_grad forward is a region of its own that gathers only (no reductions).
+        assert got["plan_kinds"] == [("all_gather",), ("all_gather", "reduce_scatter")], got
 
 
 # --- Model structure --------------------------------------------------------------------------
@@ -276,35 +279,66 @@ def test_rank_recompiling_alone_fails_on_every_rank(runs):
             assert got["elapsed"] < 6 * TIMEOUT_S, f"world {world} rank {rank}: {got['elapsed']}"
 
 
-def test_one_rank_submesh_is_not_detected(runs):
-    """Each rank shards over a 1-rank mesh of its own: shardc cannot tell this from a deliberate
-    sub-mesh (replication handled elsewhere) and does not raise; each rank trains alone on its
-    own data, exactly like unsharded training on its slice, and ranks drift apart."""
+def test_mesh_not_covering_the_world_fails_on_every_rank(runs):
+    """Each rank's own 1-rank mesh, and a mesh over ranks 0 .. world-2 that the last rank is
+    outside of: ValueError from shardc.shard on every rank (the decision is the mesh's, not the
+    rank's), at once, naming the mesh's ranks, the world size and the fixes."""
     for world in WORLDS:
         for rank, result in enumerate(runs[world]):
-            got = result["submesh"]
+            got = result["partial_mesh"]
             assert "exception" not in got, got.get("exception")
-            assert got["planned"] > 0
-            assert_parity(got, submesh_reference(rank, world), tol=TOL)
-        first, second = runs[world][0]["submesh"], runs[world][1]["submesh"]
-        assert not torch.equal(first["params"]["0.weight"], second["params"]["0.weight"])
+            for name, ranks in (("own", [rank]), ("partial", list(range(world - 1)))):
+                error = got["errors"][name]
+                where = f"world {world} rank {rank} {name}"
+                assert error is not None, f"{where}: no ValueError"
+                assert f"over ranks {ranks} does not cover the world" in error, (where, error)
+                assert f"has {world} ranks" in error, (where, error)
+                assert "init_device_mesh" in error and "allow_partial_mesh=True" in error, error
+            assert got["elapsed"] < 5, f"world {world} rank {rank}: {got['elapsed']:.1f} s"
 
 
-def test_collective_timeout_names_bucket_and_position(runs):
-    """The last rank skips a step: every other rank's wait times out (the group's 3 s timeout)
-    and raises shardc's CollectiveError naming the collective, its bucket and its position in
-    the plan (FX execution of the planned graphs)."""
+def test_submesh_slice_and_opt_out_train(runs):
+    """The 1-rank ``dp`` slice of a ``("pp", "dp")`` mesh over every rank is accepted (data
+    parallel inside pipeline stages), and so is each rank's own 1-rank mesh with
+    ``allow_partial_mesh=True``: each rank trains alone on its own data, at parity with unsharded
+    training on its slice (the ranks drift apart, as nothing synchronizes them)."""
+    for world in WORLDS:
+        for name in ("slice", "opt_out"):
+            for rank, result in enumerate(runs[world]):
+                got = result["submesh"]
+                assert "exception" not in got, got.get("exception")
+                assert got[name]["planned"] > 0, (world, rank, name)
+                try:
+                    assert_parity(got[name], submesh_reference(rank, world), tol=TOL)
+                except AssertionError as exc:
+                    raise AssertionError(f"world {world} rank {rank} {name}: {exc}") from exc
+            first, second = runs[world][0]["submesh"], runs[world][1]["submesh"]
+            assert not torch.equal(first[name]["params"]["0.weight"],
+                                   second[name]["params"]["0.weight"])
+
+
+@pytest.mark.parametrize("scenario", ["timeout", "timeout_inductor"])
+def test_collective_timeout_names_bucket_and_position(runs, scenario):
+    """The last rank skips a step (or, under Inductor at world 3, only the step's backward): every
+    other rank's wait times out (the group's 3 s timeout) and raises shardc's CollectiveError
+    naming the collective, its bucket and its position in the plan, with FX execution of the
+    planned graphs and with Inductor's compiled code."""
     for world in WORLDS:
         for rank, result in enumerate(runs[world]):
-            got = result["timeout"]
+            got = result[scenario]
             if got.get("skipped"):
                 continue
+            where = f"{scenario}, world {world} rank {rank}"
             assert "exception" not in got, got.get("exception")
-            assert got["error"] is not None, f"world {world} rank {rank}: no error"
-            assert got["elapsed"] < 6 * TIMEOUT_S, got["elapsed"]
-            assert got["error"].startswith("CollectiveError"), got["error"]
-            assert "bucket" in got["error"] and "forward.all_gather" in got["error"], got["error"]
-            assert "in compiled region 0's plan" in got["error"], got["error"]
+            assert got["error"] is not None, f"{where}: no error"
+            assert got["elapsed"] < 6 * TIMEOUT_S, (where, got["elapsed"])
+            assert got["error"].startswith("CollectiveError"), (where, got["error"])
+            assert f"collective {got['graph']}." in got["error"], (where, got["error"])
+            assert "bucket" in got["error"] and f"failed on rank {rank}" in got["error"]
+            assert "in compiled region 0's plan" in got["error"], (where, got["error"])
+            assert re.search(r"collective #\d+ of \d+", got["error"]), got["error"]
+            assert "issued before" in got["error"] and "waited before" in got["error"]
+            assert "Timed out" in got["error"] or "timed out" in got["error"], got["error"]
 
 
 def test_every_scenario_ran(runs):

@@ -344,10 +344,61 @@ def test_render_plan_of_a_traced_forward_graph():
     assert loaded.hash() == real.hash()
 
 
-def test_version_1_plans_read_as_1d_and_unknown_versions_are_refused():
+def _with_tp_collective(plan: Plan) -> Collective:
+    """Add to ``plan`` an all-reduce DTensor issued over the tp group in the forward graph."""
+    ops = plan.graphs["forward"]
+    found = Collective(
+        id="forward.all_reduce.tp.0", kind="all_reduce", graph="forward", bucket=-1, params=[],
+        bytes=4096, buffer_bytes=4096, dtype="bfloat16", stream="tp", issue_pos=2, wait_pos=5,
+        first_use_pos=5, last_use_pos=6, reason="issued by DTensor (tensor parallelism) in w2",
+        predicted_start_s=ops[2].predicted_start_s, predicted_end_s=ops[4].predicted_end_s,
+        group="tp", origin="graph", group_size=2, nodes=["all_reduce_1", "wait_tensor_1"],
+        tensors=["mm_3: bfloat16[8, 256]", "wait_tensor_1: bfloat16[8, 256]"])
+    plan.collectives.append(found)
+    plan.mesh, plan.tp_size, plan.tp_group_name = "FSDP+TP: dp 4 x tp 2", 2, "7"
+    return found
+
+
+def test_found_collectives_render_on_their_group_lane(plan):
+    found = _with_tp_collective(plan)
+    table = plan_table(plan)
+    row = next(line for line in table.splitlines() if line.startswith(found.id))
+    assert row.split()[1:4] == ["all_reduce", "tp", "-"]  # kind, group, no bucket
+    assert "found in the traced graphs, over the tp group: 1 all_reduce 4.00 KiB" in table
+    assert "mesh: FSDP+TP: dp 4 x tp 2" in table and "tp group 7" in table
+    assert "all-gather bytes by dtype: bfloat16" in table  # shardc's own, without the tp one
+    trace = chrome_trace(plan)
+    lanes = _lanes(trace)
+    assert {"comm: comm", "comm: tp"} <= set(lanes.values())
+    (event,) = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["name"] == found.id]
+    assert lanes[(event["pid"], event["tid"])] == "comm: tp"
+    assert event["args"]["nodes"] == found.nodes and event["args"]["tensors"] == found.tensors
+    assert event["args"]["group"] == "tp" and event["args"]["origin"] == "graph"
+    loaded = Plan.from_json(plan.to_json())
+    assert loaded.to_dict() == plan.to_dict()
+    # The plan hash covers the found collective's kind, not its (activation) bytes.
+    digest = plan.hash()
+    found.bytes = found.buffer_bytes = 8192
+    assert plan.hash() == digest
+    found.kind = "all_gather"
+    assert plan.hash() != digest
+
+
+def test_older_plans_read_with_defaults_and_unknown_versions_are_refused():
     plan = make_plan(world=2)
     assert plan.collectives
     data = json.loads(plan.to_json())
+    # A version 2 plan, as that format wrote it: no fields of collectives found in the graph.
+    data["version"] = 2
+    for key in ("tp_size", "tp_group_name"):
+        data.pop(key)
+    for c in data["collectives"]:
+        for key in ("origin", "group_size", "nodes", "tensors"):
+            c.pop(key)
+    old = Plan.from_dict(data)
+    assert old.version == 2 and old.tp_size == 1
+    assert {(c.origin, c.group_size) for c in old.collectives} == {("shardc", 0)}
+    assert old.hash() == plan.hash()
     # A version 1 plan, as the previous format wrote it: no 2-D mesh fields.
     data["version"] = 1
     for key in ("mesh", "replicate_size", "replicate_group_name"):

@@ -88,18 +88,30 @@ def _errors(rank: int, world: int) -> list[str]:
             self.temperature = nn.Parameter(torch.tensor(1.0))
 
     expect(NotImplementedError, lambda: shardc.shard(Scalar()))
+
+    class Quantized(torch.Tensor):
+        """Stands for a TE Float8Tensor: a parameter with FSDP2's all-gather hooks."""
+
+        def fsdp_pre_all_gather(self, *args, **kwargs):
+            raise AssertionError("shardc must not call it")
+
+    layer = nn.Linear(2, 4)
+    layer.weight = nn.Parameter(torch.Tensor._make_subclass(Quantized, torch.zeros(4, 2)))
+    expect(NotImplementedError, lambda: shardc.shard(layer))
     return messages
 
 
 def test_bad_input_errors_name_the_problem():
     messages = run_ranks(_errors, 1)[0]
-    twice, child, two_d, device, mixed, scalar = messages
+    twice, child, two_d, device, mixed, scalar, quantized = messages
     assert "already sharded" in twice and "the module" in twice
     assert "already sharded" in child
     assert "2-D mesh" in two_d and "mesh_dim_names" in two_d
     assert "'weight'" in device and "meta" in device and "cpu" in device
     assert "different devices" in mixed and "'1.weight'" in mixed
     assert "'temperature'" in scalar and "scalar" in scalar
+    assert "'weight'" in quantized and "Quantized" in quantized
+    assert "quantized_model_init" in quantized and "te_float8_policy" in quantized
 
 
 def test_shard_without_process_group_says_what_to_do():

@@ -21,15 +21,27 @@ from shardc.passes.fx_utils import size_hint
 W, B, ALPHA = sympy.symbols("W B alpha", positive=True)
 
 
+def _ring_terms(kind: str, world):
+    """(latency steps, fraction of the buffer each rank puts on the wire) of one collective over
+    ``world`` ranks (an int, or the symbol ``W``). Ring all-gather and reduce-scatter: one pass;
+    all-reduce: a reduce-scatter then an all-gather; all-to-all: each rank sends ``(W-1)/W`` of its
+    buffer; pipelined broadcast: the whole buffer crosses every link."""
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return world - 1, (world - 1) / world
+    if kind == "all_reduce":
+        return 2 * (world - 1), 2 * (world - 1) / world
+    if kind == "broadcast":
+        return world - 1, 1
+    raise ValueError(f"shardc cost model: unknown collective kind {kind!r}")
+
+
 def collective_time_expr(kind: str, buffer_bytes: int | sympy.Expr) -> sympy.Expr:
     """Ring-algorithm time of one collective over a buffer of ``buffer_bytes`` (the full,
-    gathered or unreduced, size): ``(W-1)`` latency steps and ``(W-1)/W`` of the buffer on the wire.
+    gathered or unreduced, size): ``(W-1)`` latency steps and ``(W-1)/W`` of the buffer on the wire
+    (twice both for an all-reduce).
     """
-    if kind not in ("all_gather", "reduce_scatter", "all_reduce"):
-        raise ValueError(f"shardc cost model: unknown collective kind {kind!r}")
-    steps = 2 * (W - 1) if kind == "all_reduce" else (W - 1)
-    wire = (2 if kind == "all_reduce" else 1) * (W - 1) / W * buffer_bytes / B
-    return steps * ALPHA + wire
+    steps, wire = _ring_terms(kind, W)
+    return steps * ALPHA + wire * buffer_bytes / B
 
 
 @dataclass(frozen=True)
@@ -54,10 +66,10 @@ class ClusterSpec:
         uses the inter-node bandwidth and latency (HSDP's replicate dimension)."""
         if world <= 1:
             return 0.0
-        factor = 2 if kind == "all_reduce" else 1
+        steps, wire = _ring_terms(kind, world)
         bandwidth, latency = ((self.inter_node_bandwidth, self.inter_node_latency_s)
                               if level == "inter" else (self.bus_bandwidth, self.latency_s))
-        return factor * ((world - 1) * latency + (world - 1) / world * buffer_bytes / bandwidth)
+        return steps * latency + wire * buffer_bytes / bandwidth
 
     def compute_seconds(self, flops: float, nbytes: float) -> float:
         return max(flops / self.peak_flops, nbytes / self.mem_bandwidth)
@@ -70,8 +82,8 @@ def calibrate(
     by least squares on ``seconds = steps * alpha + wire_bytes / B``."""
     rows = []
     for kind, nbytes, world, seconds in samples:
-        factor = 2 if kind == "all_reduce" else 1
-        rows.append((factor * (world - 1), factor * (world - 1) / world * nbytes, seconds))
+        steps, wire = _ring_terms(kind, world)
+        rows.append((steps, wire * nbytes, seconds))
     if len(rows) < 2:
         raise ValueError("shardc cost model: calibration needs at least two timings")
     # Solve [steps, wire] @ [alpha, 1/B] = seconds (normal equations, 2x2).

@@ -21,6 +21,7 @@ from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from shardc.passes.fx_utils import call, is_call
+from shardc.passes.graph_comm import ORIGIN_META
 from shardc.passes.reshard import reshards_after_forward
 from shardc.runtime.collectives import is_float8
 from shardc.runtime.fp8 import FP8_AMAX_OP
@@ -91,6 +92,8 @@ def merge_amax_allreduces(graph: fx.Graph) -> tuple[int, int]:
             reduced = stacked
             if world > 1:
                 handle = call(graph, funcol.all_reduce.default, (stacked, "max", group_name))
+                handle.meta[ORIGIN_META] = (f"shardc FP8: the merged amax all-reduce of "
+                                            f"{len(nodes)} weight(s), at the graph's start")
                 reduced = call(graph, funcol.wait_tensor.default, (handle,))
                 emitted += 1
                 nbytes = max(nbytes, 4 * len(nodes))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from shardc.passes import graph_comm
 from shardc.passes.fx_utils import call
 from shardc.passes.schedule import GraphComm, analyze, view_chain_root, view_users
 from shardc.plan import Bucket, Collective, Plan
@@ -184,25 +185,37 @@ def _issue_reduce_scatter(graph, c: Collective, bucket: Bucket, reduces: dict, g
 
 
 def _wait_reduce_scatter(graph, c: Collective, bucket: Bucket, reduces: dict, handle, rank: int,
-                         pool: PoolViews, buffers: tuple) -> fx.Node | None:
+                         pool: PoolViews, buffers: tuple) -> tuple | None:
     """Wait a reduce-scatter and hand each parameter its rows; on an HSDP mesh, issue instead the
-    bucket's all-reduce over the replicate group and return its handle (its wait hands out)."""
+    bucket's all-reduce over the replicate group and return its handle and receive buffer (its
+    wait hands out)."""
     done = call(graph, funcol.wait_tensor.default, (handle,))
+    if bucket.replicate > 1 and buffers[1] is not None:
+        # HSDP with the pool: all-reduce the reduced shard in place, in the receive buffer, whose
+        # lifetime the plan extends to the all-reduce's wait (memory.comm_buffers).
+        pool.release(buffers[0])
+        return call(graph, funcol.all_reduce_.default,
+                    (done, "sum", bucket.replicate_group)), buffers[1]
     if buffers[1] is not None:
         done = pool.read(done)  # a new tensor: the gradients must not alias the pool
     for view in buffers:
         pool.release(view)
     if bucket.replicate > 1:
-        # HSDP: one flat all-reduce of the bucket's shard (a new tensor, never the pool).
-        return call(graph, funcol.all_reduce.default, (done, "sum", bucket.replicate_group))
+        # HSDP without the pool: one flat all-reduce of the bucket's reduced shard (a new tensor).
+        return call(graph, funcol.all_reduce.default, (done, "sum", bucket.replicate_group)), None
     _hand_out(graph, c, bucket, reduces, done, rank)
     return None
 
 
-def _wait_all_reduce(graph, c: Collective, bucket: Bucket, reduces: dict, handle, rank: int):
+def _wait_all_reduce(graph, c: Collective, bucket: Bucket, reduces: dict, handle, rank: int,
+                     pool: PoolViews, recv: fx.Node | None):
     """HSDP: wait the replicate all-reduce (of addends already divided by every rank they are
-    averaged over) and hand each parameter its rows."""
+    averaged over, :func:`grad_divisor`) and hand each parameter its rows; ``recv``: the pool
+    buffer it reduced in place."""
     done = call(graph, funcol.wait_tensor.default, (handle,))
+    if recv is not None:
+        done = pool.read(done)  # a new tensor: the gradients must not alias the pool
+        pool.release(recv)
     _hand_out(graph, c, bucket, reduces, done, rank)
 
 
@@ -281,7 +294,8 @@ def apply_plan(
     ``pool`` may instead be a graph node standing for it (:func:`add_pool_placeholder`).
     """
     g = analyze(gm, graph_name)
-    colls = [c for c in plan.collectives if c.graph == graph_name]
+    colls = [c for c in plan.collectives if c.graph == graph_name and c.origin == "shardc"]
+    found = [c for c in plan.collectives if c.graph == graph_name and c.origin != "shardc"]
     handles: dict[str, tuple] = {}
     graph = gm.graph
     pool_node = pool if isinstance(pool, fx.Node) or pool is None else _pool_node(gm, pool)
@@ -315,15 +329,21 @@ def apply_plan(
             if c.kind == "all_gather":
                 _wait_all_gather(graph, c, bucket, g.gathers, handle, views, tuple(buffers))
             elif c.kind == "all_reduce":
-                _wait_all_reduce(graph, c, bucket, g.reduces, handle, rank)
+                _wait_all_reduce(graph, c, bucket, g.reduces, handle, rank, views, *buffers)
             else:
                 reduce = _wait_reduce_scatter(graph, c, bucket, g.reduces, handle, rank, views,
                                               tuple(buffers))
                 if reduce is not None:
-                    handles[c.id.replace(".reduce_scatter.", ".all_reduce.")] = (reduce,)
+                    handles[c.id.replace(".reduce_scatter.", ".all_reduce.")] = reduce
         # Name the collective of the issue and wait nodes (errors at run time name it).
         for node in (handle, *handle.users):
             node.meta[COLLECTIVE_META] = c.id
+    # The collectives found in the graph move last: around shardc's, as their data needs.
+    graph_comm.lower(gm, g, found)
+    by_name = {n.name: n for n in graph.nodes}
+    for c in found:
+        for name in c.nodes:
+            by_name[name].meta[COLLECTIVE_META] = c.id
     graph.lint()
     gm.recompile()
     return gm

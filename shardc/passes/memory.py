@@ -41,18 +41,25 @@ class CommBuffer:
 
 
 def comm_buffers(plan: Plan) -> list[CommBuffer]:
-    """The buffers of every collective, on one timeline: forward, then backward."""
+    """The buffers of every collective, on one timeline: forward, then backward.
+
+    HSDP's all-reduce reduces its reduce-scatter's receive buffer in place (``lower.py``), which
+    therefore lives until the all-reduce's wait; collectives found in the graph (tensor
+    parallelism) allocate their own outputs, like any op of the graph."""
     offset = {"forward": 0, "backward": len(plan.graphs.get("forward", [])) + 1}
+    by_id = {c.id: c for c in plan.collectives}
     out = []
     for c in plan.collectives:
-        if c.kind == "all_reduce":  # HSDP: reduces a new tensor in place of the pool (lower.py)
+        if c.kind == "all_reduce" or c.origin != "shardc":
             continue
         start = offset[c.graph] + c.issue_pos
         end = offset[c.graph] + c.wait_pos + 1
+        reduced = by_id.get(c.id.replace(".reduce_scatter.", ".all_reduce."))
+        recv_end = end if reduced is None else offset[c.graph] + reduced.wait_pos + 1
         send = c.bytes if c.kind == "all_gather" else c.buffer_bytes
         recv = c.buffer_bytes if c.kind == "all_gather" else c.bytes
         out.append(CommBuffer(c.id, "send", start, end, send))
-        out.append(CommBuffer(c.id, "recv", start, end, recv))
+        out.append(CommBuffer(c.id, "recv", start, recv_end, recv))
     return out
 
 
@@ -70,6 +77,9 @@ def assign_pool(plan: Plan, *, time_limit_s: float = 1.0) -> list[CommBuffer]:
     for buf, off in zip(buffers, result.offsets):
         if buf.role == "recv":
             by_id[buf.collective].buffer_offset = off
+            reduced = by_id.get(buf.collective.replace(".reduce_scatter.", ".all_reduce."))
+            if reduced is not None:  # HSDP: the all-reduce runs in that buffer
+                reduced.buffer_offset = off
     plan.pool_offsets = {f"{b.collective}.{b.role}": off for b, off in zip(buffers, result.offsets)}
     plan.predicted["pool_bytes"] = result.pool_size
     plan.predicted["pool_lower_bound_bytes"] = result.max_live

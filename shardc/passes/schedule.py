@@ -12,7 +12,12 @@ Placement rules, each recorded as the collective's ``reason``:
   waited before the next bucket's send buffer is first written (or at the end of the graph): a
   fusing compiler writes a gradient that a reduction computes (a norm's weight) straight into
   the send buffer, so that buffer exists from that reduction on, and waiting the previous
-  reduce-scatter first lets the new buffer take its place instead of adding a second one.
+  reduce-scatter first lets the new buffer take its place instead of adding a second one;
+- collectives already in the traced graph (tensor parallelism) are planned by
+  ``shardc.passes.graph_comm`` first: issued as soon as their inputs exist, waited before their
+  first reader.
+
+The cost model simulates one lane per process group (each has its own stream on GPU).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
+from shardc.passes import graph_comm
 from shardc.passes.bucketing import ParamComm, assign_buckets, bucket_name
 from shardc.passes.cost_model import ClusterSpec, node_flops_and_bytes
 from shardc.passes.fx_utils import is_call
@@ -30,18 +36,20 @@ from shardc.plan import PLAN_VERSION, Bucket, Collective, ComputeOp, Plan
 from shardc.runtime.collectives import padded_rows
 from shardc.runtime.ops import GATHER_OP, REDUCE_SCATTER_OP
 
-COMM_STREAM = "comm"
-
 
 @dataclass
 class GraphComm:
-    """A graph's compute order and its shardc nodes, keyed by parameter name."""
+    """A graph's compute order, its shardc nodes keyed by parameter name, and the collectives
+    found in it (``graph_comm``), whose nodes are not compute ops."""
 
     name: str
     compute: list[fx.Node]
     position: dict[fx.Node, int]
     gathers: dict[str, fx.Node] = field(default_factory=dict)
     reduces: dict[str, fx.Node] = field(default_factory=dict)
+    found: list[graph_comm.FoundCollective] = field(default_factory=list)
+    # Planned positions of the found collectives' nodes (set by graph_comm.place).
+    placed: dict[fx.Node, int] = field(default_factory=dict)
 
     @property
     def end(self) -> int:
@@ -55,6 +63,8 @@ class GraphComm:
             return self.end
         if node in self.position:
             return self.position[node]
+        if node in self.placed:
+            return self.placed[node]
         # A shardc node: it sits before the next compute op.
         for later in _nodes_after(node):
             if later in self.position:
@@ -102,6 +112,14 @@ def view_users(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
     return views, readers
 
 
+def ready_pos(g: GraphComm, node: fx.Node) -> int:
+    """Earliest position at which ``node``'s value exists: after its compute op, or where a
+    bookkeeping node (a found collective's wait) is placed."""
+    if node.op == "placeholder":
+        return 0
+    return g.pos(node) + 1 if node in g.position else g.pos(node)
+
+
 def available_pos(g: GraphComm, node: fx.Node) -> int:
     """Earliest position a collective reading ``node`` can be issued at (views are re-taken)."""
     if view_chain_root(node) is not None:
@@ -117,15 +135,18 @@ def _nodes_after(node: fx.Node):
 
 
 def analyze(gm: fx.GraphModule, name: str) -> GraphComm:
+    found = graph_comm.find(gm)
+    bookkeeping = {n for f in found for n in f.nodes}
     compute, gathers, reduces = [], {}, {}
     for node in gm.graph.nodes:
         if is_call(node, GATHER_OP):
             gathers[node.args[1]] = node
         elif is_call(node, REDUCE_SCATTER_OP):
             reduces[node.args[1]] = node
-        elif node.op not in ("placeholder", "output"):
+        elif node.op not in ("placeholder", "output") and node not in bookkeeping:
             compute.append(node)
-    return GraphComm(name, compute, {n: i for i, n in enumerate(compute)}, gathers, reduces)
+    return GraphComm(name, compute, {n: i for i, n in enumerate(compute)}, gathers, reduces,
+                     found)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -196,8 +217,9 @@ def _collective(g: GraphComm, kind: str, bucket: Bucket, params: list[str], nbyt
     return Collective(
         id=f"{g.name}.{kind}.{bucket.index}", kind=kind, graph=g.name, bucket=bucket.index,
         params=params, bytes=per_rank, buffer_bytes=nbytes, dtype=dtype,
-        stream=COMM_STREAM, issue_pos=issue, wait_pos=wait, first_use_pos=first_use,
+        stream=graph_comm.lane(group), issue_pos=issue, wait_pos=wait, first_use_pos=first_use,
         last_use_pos=last_use, reason=reason, buffer_lifetime=(issue, last_use + 1), group=group,
+        group_size=bucket.replicate if group == "replicate" else bucket.world,
     )
 
 
@@ -257,8 +279,7 @@ def _place_reduce_scatters(g: GraphComm, buckets: list[Bucket]) -> list[Collecti
         params = [p for p in bucket.params if p in g.reduces]
         if not params:
             continue
-        ready = max(g.pos(g.reduces[p].args[0]) + 1 if g.reduces[p].args[0].op != "placeholder"
-                    else 0 for p in params)
+        ready = max(ready_pos(g, g.reduces[p].args[0]) for p in params)
         ready = min(ready, g.end)
         # The wait must precede every reader of the reduced shards (the output, or additions).
         # (views of the shards are moved behind the wait by the lowering)
@@ -308,28 +329,59 @@ def replicate_all_reduce(g: GraphComm, bucket: Bucket, params: list[str], issue:
         "gradients", group="replicate")
 
 
-def _simulate(g: GraphComm, colls: list[Collective], cluster: ClusterSpec, world: int,
-              replicas: int = 1):
-    """Two-lane timing: compute in order, collectives FIFO on one stream; fills predictions."""
+def _duration(c: Collective, cluster: ClusterSpec) -> float:
+    level = "inter" if c.group == "replicate" else "intra"
+    return cluster.collective_seconds(c.kind, c.buffer_bytes, c.group_size, level)
+
+
+def _simulate(g: GraphComm, colls: list[Collective], cluster: ClusterSpec):
+    """Timing: compute runs its ops in order; each process group's collectives run first-in
+    first-out on their own lane (stream), from their issue; a wait stalls compute until the
+    collective ends. At one position the events follow the lowered graph's order: found
+    collectives' issues, then (when shardc issues there) the reduce-scatter waits of earlier
+    issues, shardc's issues, its other waits, and last the found collectives' waits. An HSDP
+    all-reduce is issued by its reduce-scatter's wait. Fills the predictions."""
     ops = []
+    free: dict[str, float] = {}  # per lane: when its last collective ends
+    chained = {c.id.replace(".all_reduce.", ".reduce_scatter."): c for c in colls
+               if c.origin == "shardc" and c.kind == "all_reduce"}
+    chained_ids = {id(c) for c in chained.values()}
     by_issue: dict[int, list[Collective]] = {}
     by_wait: dict[int, list[Collective]] = {}
     for c in colls:
-        by_issue.setdefault(c.issue_pos, []).append(c)
+        if id(c) not in chained_ids:
+            by_issue.setdefault(c.issue_pos, []).append(c)
         by_wait.setdefault(c.wait_pos, []).append(c)
-    t = comm_free = exposed = 0.0
+    t = exposed = 0.0
+
+    def issue(c: Collective) -> None:
+        c.predicted_start_s = max(t, free.get(c.stream, 0.0))
+        c.predicted_end_s = free[c.stream] = c.predicted_start_s + _duration(c, cluster)
+
+    def wait(c: Collective) -> None:
+        nonlocal t, exposed
+        if c.predicted_end_s > t:
+            c.exposed_s = c.predicted_end_s - t
+            exposed += c.exposed_s
+            t = c.predicted_end_s
+        if c.id in chained:
+            issue(chained[c.id])
+
     for p in range(g.end + 1):
-        for c in by_issue.get(p, []):
-            c.predicted_start_s = max(t, comm_free)
-            duration = (cluster.collective_seconds(c.kind, c.buffer_bytes, replicas, "inter")
-                        if c.group == "replicate"
-                        else cluster.collective_seconds(c.kind, c.buffer_bytes, world))
-            c.predicted_end_s = comm_free = c.predicted_start_s + duration
-        for c in by_wait.get(p, []):
-            if c.predicted_end_s > t:
-                c.exposed_s = c.predicted_end_s - t
-                exposed += c.exposed_s
-                t = c.predicted_end_s
+        issues, waits = by_issue.get(p, []), by_wait.get(p, [])
+        own = [c for c in issues if c.origin == "shardc"]
+        early = [c for c in waits if own and c.kind == "reduce_scatter" and c.issue_pos < p]
+        for c in [c for c in issues if c.origin != "shardc"]:
+            issue(c)
+        for c in early:
+            wait(c)
+        for c in own:
+            issue(c)
+        rest = [c for c in waits if c.origin == "shardc" and all(c is not e for e in early)]
+        for c in sorted(rest, key=lambda c: c.kind == "all_reduce"):
+            wait(c)
+        for c in [c for c in waits if c.origin != "shardc"]:
+            wait(c)
         if p < g.end:
             node = g.compute[p]
             flops, nbytes = node_flops_and_bytes(node)
@@ -342,12 +394,52 @@ def _simulate(g: GraphComm, colls: list[Collective], cluster: ClusterSpec, world
 
 
 def _memory_timeline(g: GraphComm, colls: list[Collective]) -> list[int]:
+    """Bytes of shardc's communication buffers live before each position (found collectives'
+    tensors are ordinary activations: the whole-step peak counts them)."""
     live = [0] * (g.end + 1)
     for c in colls:
+        if c.buffer_lifetime is None:
+            continue
         start, end = c.buffer_lifetime
         for q in range(start, min(end, g.end + 1)):
             live[q] += c.buffer_bytes
     return live
+
+
+def group_roles(fw: GraphComm, known: dict[str, tuple[str, int]] | None
+                ) -> dict[str, tuple[str, int]]:
+    """Process group name -> (role on the mesh, ranks): the shard and replicate groups named by
+    the gathers, and whatever the caller knows (``shardc.shard`` records the tp group)."""
+    roles = {}
+    for gather in fw.gathers.values():
+        comm = param_comm(gather)
+        roles[comm.group_name] = ("shard", comm.world)
+        if comm.replicate > 1:
+            roles[comm.replicate_group] = ("replicate", comm.replicate)
+    roles.update(known or {})
+    return roles
+
+
+def _describe_mesh(plan: Plan, roles: dict[str, tuple[str, int]]) -> None:
+    """Fill the plan's mesh fields (HSDP's replicate group, FSDP+TP's tp group)."""
+    for name, (role, size) in sorted(roles.items()):
+        if role == "replicate" and size > 1:
+            plan.replicate_size, plan.replicate_group_name = size, name
+            plan.mesh = f"HSDP: replicate {size} x shard {plan.world_size}"
+        elif role == "tp":
+            plan.tp_size, plan.tp_group_name = size, name
+            plan.mesh = f"FSDP+TP: dp {plan.world_size} x tp {size}"
+
+
+def _found_note(found: list[Collective], moved: bool) -> str:
+    counts: dict[str, int] = {}
+    for c in found:
+        counts[c.group] = counts.get(c.group, 0) + 1
+    groups = ", ".join(f"{n} over {role}" for role, n in sorted(counts.items()))
+    where = ("issued once its input exists and waited before its first reader" if moved else
+             "kept where traced (move_found_collectives=False)")
+    return (f"{len(found)} collective(s) found in the traced graphs ({groups}): each on its "
+            f"group's lane, {where}")
 
 
 def plan_region(
@@ -357,27 +449,36 @@ def plan_region(
     *,
     region: int = 0,
     cluster: ClusterSpec | None = None,
+    groups: dict[str, tuple[str, int]] | None = None,
 ) -> Plan:
-    """Plan all collectives of one region (see the module docstring for the rules)."""
+    """Plan all collectives of one region (see the module docstring for the rules).
+
+    ``groups``: process group name -> (role on the mesh, ranks) for the groups the graphs'
+    found collectives may run over (e.g. the tp group); shardc's own groups are read from the
+    graph."""
     cluster = cluster or ClusterSpec(**(options.cluster or {}))
     fw = analyze(forward, "forward")
     bw = analyze(backward, "backward") if backward is not None else None
+    graphs = [fw] + ([bw] if bw is not None else [])
+    roles = group_roles(fw, groups)
+    found = {g.name: graph_comm.place(g, g.found, roles, move=options.move_found_collectives)
+             for g in graphs}
     buckets = make_buckets(fw, options)
     world = buckets[0].world if buckets else 1
-    graphs = [fw] + ([bw] if bw is not None else [])
     plan = Plan(PLAN_VERSION, region, world, options.as_dict(), buckets, [])
     plan.group_name = next(iter(fw.gathers.values())).args[4] if fw.gathers else ""
-    replicas = buckets[0].replicate if buckets else 1
-    if replicas > 1:
-        plan.replicate_size, plan.replicate_group_name = replicas, buckets[0].replicate_group
-        plan.mesh = f"HSDP: replicate {replicas} x shard {world}"
+    _describe_mesh(plan, roles)
     total_time = total_exposed = 0.0
     for g in graphs:
         colls = _place_all_gathers(g, buckets, options)
         if g.name == "backward":
             colls += _place_reduce_scatters(g, buckets)
-        colls.sort(key=lambda c: (c.issue_pos, c.kind != "all_gather", c.bucket))
-        ops, step, exposed = _simulate(g, colls, cluster, world, replicas)
+        colls += found[g.name]
+        # Found collectives first at a position, in graph order (the sort is stable): their
+        # group's order is the traced one.
+        colls.sort(key=lambda c: (c.issue_pos, c.origin == "shardc",
+                                  c.origin == "shardc" and c.kind != "all_gather", c.bucket))
+        ops, step, exposed = _simulate(g, colls, cluster)
         plan.collectives.extend(colls)
         plan.graphs[g.name] = ops
         plan.memory_timeline[g.name] = _memory_timeline(g, colls)
@@ -385,6 +486,9 @@ def plan_region(
         plan.predicted[f"{g.name}_exposed_comm_s"] = exposed
         total_time += step
         total_exposed += exposed
+    if any(found.values()):
+        plan.notes.append(_found_note([c for cs in found.values() for c in cs],
+                                      options.move_found_collectives))
     plan.predicted["step_time_s"] = total_time
     plan.predicted["exposed_comm_s"] = total_exposed
     plan.predicted["comm_time_s"] = sum(c.predicted_end_s - c.predicted_start_s

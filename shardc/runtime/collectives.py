@@ -31,6 +31,11 @@ def group_name_of(group: dist.ProcessGroup) -> str:
     return group.group_name
 
 
+def group_ranks(group_name: str) -> tuple[int, ...]:
+    """The global ranks of the process group registered under ``group_name``."""
+    return tuple(dist.get_process_group_ranks(resolve_group(group_name)))
+
+
 def group_store(group: dist.ProcessGroup) -> dist.Store:
     """The key-value store of ``group`` (its own key prefix), shared by its ranks."""
     return _c10d._get_process_group_store(group)

@@ -43,8 +43,11 @@ class Float8Policy:
     """Which weights are gathered in FP8, and how they are computed with.
 
     ``dtype``: ``torch.float8_e4m3fn`` (default) or ``torch.float8_e5m2``.
-    ``modules``: module classes whose ``weight`` is gathered in FP8 (default ``nn.Linear``,
+    ``modules``: module classes whose weights are gathered in FP8 (default ``nn.Linear``,
     subclasses included).
+    ``weights``: which of a selected module's own parameters are its weights, as regexes that
+    must match the whole parameter name (default ``("weight",)``; TransformerEngine's modules
+    have several, see ``shardc.runtime.te.te_float8_policy``). Each must be 2-D.
     ``include`` / ``exclude``: regexes on the module's qualified name (``re.search``); a module is
     selected if it matches some ``include`` pattern (all, if empty) and no ``exclude`` pattern.
     ``filter``: optional ``(qualified_name, module) -> bool``, applied last.
@@ -54,6 +57,7 @@ class Float8Policy:
 
     dtype: torch.dtype = torch.float8_e4m3fn
     modules: tuple[type[nn.Module], ...] = (nn.Linear,)
+    weights: tuple[str, ...] = ("weight",)
     include: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
     filter: Callable[[str, nn.Module], bool] | None = None
@@ -65,6 +69,7 @@ class Float8Policy:
                 f"shardc.Float8Policy: dtype must be one of {FP8_DTYPES}, got {self.dtype}"
             )
         object.__setattr__(self, "modules", tuple(self.modules))
+        object.__setattr__(self, "weights", tuple(self.weights))
         object.__setattr__(self, "include", tuple(self.include))
         object.__setattr__(self, "exclude", tuple(self.exclude))
 
@@ -99,22 +104,27 @@ def select_fp8_params(
     for name, sub in module.named_modules():
         if not policy.selects(name, sub):
             continue
-        weight = sub._parameters.get("weight")
-        if weight is None:
-            continue
-        fqn = f"{name}.weight" if name else "weight"
-        if fqn not in owners:  # an alias of a parameter registered under another name
-            continue
-        if weight.dim() != 2:
-            raise ValueError(
-                f"shardc.Float8Policy: {fqn!r} is {weight.dim()}-D; FP8 applies to 2-D Linear "
-                "weights. Exclude the module with Float8Policy(exclude=(...,))."
-            )
-        if not weight.is_floating_point():
-            raise ValueError(f"shardc.Float8Policy: {fqn!r} is not floating point")
-        if owners[fqn] == 1:
-            chosen.add(fqn)
+        for pname, weight in sub._parameters.items():
+            if weight is None or not any(re.fullmatch(p, pname) for p in policy.weights):
+                continue
+            fqn = f"{name}.{pname}" if name else pname
+            if fqn not in owners:  # an alias of a parameter registered under another name
+                continue
+            _check_fp8_weight(fqn, weight)
+            if owners[fqn] == 1:
+                chosen.add(fqn)
     return chosen
+
+
+def _check_fp8_weight(fqn: str, weight: torch.Tensor) -> None:
+    if weight.dim() != 2:
+        raise ValueError(
+            f"shardc.Float8Policy: {fqn!r} is {weight.dim()}-D; FP8 applies to 2-D Linear "
+            "weights. Exclude the module with Float8Policy(exclude=(...,)) or narrow "
+            "Float8Policy(weights=...)."
+        )
+    if not weight.is_floating_point():
+        raise ValueError(f"shardc.Float8Policy: {fqn!r} is not floating point")
 
 
 # ------------------------------------------------------------------------------- numerics

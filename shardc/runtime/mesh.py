@@ -23,6 +23,8 @@ unchanged.
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -90,12 +92,83 @@ class MeshLayout:
             return ""
         return group_name_of(self.replicate_mesh.get_group())
 
+    def group_roles(self) -> dict[str, tuple[str, int]]:
+        """Process group name -> (role, ranks) of each dimension: ``shard``, ``replicate``, ``tp``
+        (the planner names the group of every collective it plans by these)."""
+        roles = {self.shard_group_name: ("shard", self.shard_world)}
+        if self.replicate_mesh is not None:
+            roles[self.replicate_group_name] = ("replicate", self.replicate_world)
+        if self.tp_mesh is not None:
+            roles[group_name_of(self.tp_mesh.get_group())] = ("tp", self.tp_mesh.size())
+        return roles
+
     def describe(self) -> str:
         if self.kind == "hsdp":
             return f"HSDP: replicate {self.replicate_world} x shard {self.shard_world}"
         if self.kind == "fsdp+tp":
             return f"FSDP+TP: dp {self.shard_world} x tp {self.tp_mesh.size()}"
         return f"FSDP: shard {self.shard_world}"
+
+
+def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh ``mesh`` was sliced from (``mesh`` itself if it was not sliced).
+
+    DeviceMesh has no public accessor for it in torch 2.11-2.14: this is the one place that uses
+    the private ones (``DeviceMesh._get_root_mesh``, or ``_mesh_resources.get_root_mesh`` in older
+    torch). Without either, ``mesh`` counts as its own root, so a slice is judged on its own ranks
+    (:func:`check_mesh_covers_world` then rejects a legitimate slice; its message names the
+    opt-out)."""
+    get = getattr(mesh, "_get_root_mesh", None)
+    if callable(get):
+        with contextlib.suppress(Exception):
+            root = get()
+            if isinstance(root, DeviceMesh):
+                return root
+    with contextlib.suppress(Exception), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # deprecated in the torch versions that have the above
+        from torch.distributed.device_mesh import _mesh_resources
+
+        root = _mesh_resources.get_root_mesh(mesh)
+        if isinstance(root, DeviceMesh):
+            return root
+    return mesh
+
+
+def _ranks(mesh: DeviceMesh) -> list[int]:
+    return [int(r) for r in mesh.mesh.flatten().tolist()]
+
+
+def _shown(ranks: list[int], limit: int = 16) -> str:
+    return str(ranks) if len(ranks) <= limit else f"[{', '.join(map(str, ranks[:limit]))}, ...]"
+
+
+def check_mesh_covers_world(mesh: DeviceMesh, world: int) -> None:
+    """Raise ``ValueError`` unless ``mesh`` covers all ``world`` ranks of the default process
+    group or is a slice of a mesh that does (e.g. ``mesh["dp"]`` of a ``("pp", "dp")`` mesh).
+
+    Only the mesh and the world size decide, never this rank's place in them: every rank that
+    passes the same mesh gets the same answer, before shardc issues any collective."""
+    ranks = _ranks(mesh)
+    if sorted(ranks) == list(range(world)):
+        return
+    root = root_mesh(mesh)
+    root_ranks = _ranks(root) if root is not mesh else ranks
+    if sorted(root_ranks) == list(range(world)):
+        return
+    names = f" {mesh.mesh_dim_names}" if mesh.mesh_dim_names else ""
+    sliced = "" if root is mesh else (
+        f", sliced from a mesh over ranks {_shown(sorted(root_ranks))} that does not cover it "
+        "either")
+    raise ValueError(
+        f"shardc.shard: the mesh{names} of shape {tuple(mesh.shape)} over ranks "
+        f"{_shown(ranks)} does not cover the world (the default process group has {world} ranks)"
+        f"{sliced}. Sharding over it would leave the ranks outside it unsynchronized: each group "
+        "of ranks would train its own copy of the model. Build one mesh over every rank with "
+        "init_device_mesh (e.g. init_device_mesh(device_type, (pp, dp), mesh_dim_names=('pp', "
+        "'dp'))) and pass the slice you shard over (mesh['dp']), or pass the world's mesh; if "
+        "you synchronize the model across these meshes yourself, pass "
+        "shardc.shard(..., allow_partial_mesh=True)."
+    )
 
 
 def resolve_layout(mesh: DeviceMesh) -> MeshLayout:

@@ -47,6 +47,8 @@ def _describe(sig: tuple | None) -> str:
     if sig is None:
         return "nothing (fewer collectives)"
     cid, kind, graph, bucket, params, nbytes, dtype = sig
+    if bucket is None:  # found in the traced graph (e.g. tensor parallelism): no bucket
+        return f"{kind} {cid} ({dtype}) in {graph}, found in the traced graph"
     shown = ", ".join(params[:4]) + (", ..." if len(params) > 4 else "")
     return f"{kind} {cid} of bucket {bucket} [{shown}] ({nbytes} B, {dtype}) in {graph}"
 

@@ -36,6 +36,7 @@ from shardc.runtime.grad_sync import UnsyncedGrads
 from shardc.runtime.mesh import (
     MeshLayout,
     TpSpec,
+    check_mesh_covers_world,
     check_param,
     placements,
     rank_tensor,
@@ -187,7 +188,9 @@ def _default_mesh(module: nn.Module) -> DeviceMesh:
     return DeviceMesh.from_group(dist.group.WORLD, device_type)
 
 
-def _check_inputs(module: nn.Module, mesh: DeviceMesh) -> MeshLayout:
+def _check_inputs(module: nn.Module, mesh: DeviceMesh, allow_partial_mesh: bool) -> MeshLayout:
+    if not allow_partial_mesh:
+        check_mesh_covers_world(mesh, dist.get_world_size())
     for name, sub in module.named_modules():
         if is_sharded(sub) or shard_state(sub) is not None:
             where = f"submodule {name!r}" if name else "the module"
@@ -218,8 +221,24 @@ def _check_inputs(module: nn.Module, mesh: DeviceMesh) -> MeshLayout:
                 f"shardc.shard: parameter {fqn!r} is a scalar (0-d); shardc shards along dim 0. "
                 "Store it as a 1-element tensor instead."
             )
+        _check_not_quantized(fqn, p)
         check_param(fqn, p, layout)
     return layout
+
+
+def _check_not_quantized(fqn: str, p: torch.Tensor) -> None:
+    """Quantized parameters (TransformerEngine's ``quantized_model_init``, torchao) are tensor
+    subclasses that bring their own all-gather through FSDP2's extension hooks
+    (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``); shardc's gather does not call them, so
+    it would gather (and let the optimizer update) something other than what the module means."""
+    if isinstance(p, DTensor) or not hasattr(p, "fsdp_pre_all_gather"):
+        return
+    raise NotImplementedError(
+        f"shardc.shard: parameter {fqn!r} is a quantized tensor ({type(p).__name__}) with its own "
+        "all-gather hooks (fsdp_pre_all_gather), which shardc does not support yet. Build the "
+        "model with high-precision parameters (without te.quantized_model_init) and let shardc "
+        "gather the weights in FP8: shardc.shard(model, fp8=shardc.te_float8_policy())."
+    )
 
 
 def _shard_tensor(p: torch.Tensor, layout: MeshLayout) -> DTensor:
@@ -252,6 +271,7 @@ def shard(
     reshard_after_forward: bool = True,
     mp_policy: MixedPrecisionPolicy | None = None,
     fp8: Float8Policy | None = None,
+    allow_partial_mesh: bool = False,
 ) -> nn.Module:
     """Shard every parameter of ``module`` on dim 0 over ``mesh``, in place; returns ``module``.
 
@@ -267,6 +287,11 @@ def shard(
     for the backward (less memory) instead of keeping them.
     ``fp8``: gather the weights it selects (``nn.Linear`` by default) in FP8 and, on CUDA, compute
     with them in FP8; see :mod:`shardc.runtime.fp8`.
+    ``allow_partial_mesh``: by default ``mesh`` must cover every rank of the default process
+    group, or be a slice of a mesh that does (``mesh["dp"]`` of an ``init_device_mesh(...,
+    mesh_dim_names=("pp", "dp"))`` mesh); any other mesh raises ``ValueError`` on every rank,
+    because the ranks outside it would train unsynchronized copies. ``True`` skips this check,
+    for code that synchronizes the model across such meshes itself.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
@@ -274,7 +299,7 @@ def shard(
             "torch.distributed.init_process_group(...) (or init_device_mesh) before sharding."
         )
     mesh = mesh if mesh is not None else _default_mesh(module)
-    layout = _check_inputs(module, mesh)
+    layout = _check_inputs(module, mesh, allow_partial_mesh)
     if fp8 is not None and layout.kind != "fsdp":
         # The FP8 gather reduces over the shard group only; HSDP's replicate all-reduce and
         # TP's DTensor re-wrapping are not wired into it.
@@ -325,10 +350,13 @@ def shard(
             per_module.setdefault(id(sub), (sub, {}))[1][pname] = info
 
     state = ShardState(mesh, reshard_after_forward, mp_policy, infos, layout=layout, fp8=fp8)
+    roles = layout.group_roles()
     for sub, sub_infos in per_module.values():
         for pname in sub_infos:
-            # The backend finds the root's records through any parameter of a compiled graph.
+            # The backend finds the root's records, and the roles of the mesh's process groups,
+            # through any parameter of a compiled graph.
             sub._parameters[pname]._shardc_regions = state.regions
+            sub._parameters[pname]._shardc_groups = roles
         _swap_class(sub, sub_infos, state.grad_sync, fp8)
         sub.register_forward_pre_hook(_enter_forward)
         sub.register_forward_hook(_exit_forward, always_call=True)

@@ -1,17 +1,14 @@
 """FP8 on a CUDA GPU (``pytest -m gpu``; run by ``scripts/gpu_fp8.sh`` on the device machine).
 
 One process, a one-rank NCCL group: the planned all-gathers still run (world 1). Skipped with
-the reason where there is no GPU with FP8 matmuls or no TransformerEngine.
+the reason where there is no GPU with FP8 matmuls. TransformerEngine: ``test_te_gpu.py``.
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
-
 import pytest
 import torch
-import torch.distributed as dist
+from gpu_marks import needs_fp8_gpu
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardc
@@ -19,24 +16,8 @@ from shardc.models.llama import LlamaConfig, Transformer, llama_loss
 
 pytestmark = pytest.mark.gpu
 
-_FP8_MM = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
-needs_fp8_gpu = pytest.mark.skipif(
-    not _FP8_MM, reason="needs a CUDA GPU with FP8 matmuls (compute capability >= 8.9)")
-
 CFG = LlamaConfig(vocab_size=512, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512,
                   max_seq_len=64)
-
-
-@pytest.fixture(scope="module")
-def nccl():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU")
-    if not dist.is_initialized():
-        torch.cuda.set_device(0)
-        init = os.path.join(tempfile.mkdtemp(), "pg")
-        dist.init_process_group("nccl", init_method=f"file://{init}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 class _CountScaledMM(TorchDispatchMode):
@@ -120,71 +101,3 @@ def test_dequant_path_when_shapes_not_multiple_of_16(nccl):
     with counter:
         y = layer(x)
     assert counter.count == 0 and y.shape == (16, 24) and torch.isfinite(y).all()
-
-
-# ---------------------------------------------------------------------------- TransformerEngine
-
-try:  # TE's torch extension cannot be imported without a GPU build (never on the CPU machines)
-    import transformer_engine.pytorch as te
-    _TE_ERROR = None
-except Exception as exc:  # noqa: BLE001 - any import failure means "no usable TE"
-    te, _TE_ERROR = None, f"{type(exc).__name__}: {exc}"
-
-needs_te = pytest.mark.skipif(te is None, reason=f"TransformerEngine not importable ({_TE_ERROR})")
-
-
-def _te_model(kind: str, bias: bool):
-    if kind == "Linear":
-        return te.Linear(256, 256, bias=bias)
-    if kind == "LayerNormLinear":
-        return te.LayerNormLinear(256, 256, bias=bias)
-    if kind == "LayerNormMLP":
-        return te.LayerNormMLP(256, 512, bias=bias)
-    return te.TransformerLayer(256, 512, 4, bias=bias, hidden_dropout=0.0,
-                               attention_dropout=0.0)
-
-
-@needs_fp8_gpu
-@needs_te
-@pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear", "LayerNormMLP",
-                                  "TransformerLayer"])
-def test_te_module_sharded_matches_unsharded(nccl, kind):
-    from shardc.runtime.te import te_fp8_recipe
-
-    torch.manual_seed(0)
-    ref = _te_model(kind, bias=False).cuda()
-    assert not any(n.endswith("bias") for n, _ in ref.named_parameters()), \
-        "a bias-less TE layer registered a bias parameter"
-    model = _te_model(kind, bias=False).cuda()
-    model.load_state_dict(ref.state_dict())
-    shardc.shard(model)
-    x = torch.randn(32, 2, 256, device="cuda")
-    with te.fp8_autocast(enabled=True, fp8_recipe=te_fp8_recipe()):
-        want = ref(x)
-        got = model(x)
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
-
-
-@needs_fp8_gpu
-@needs_te
-def test_te_dcp_round_trip(nccl, tmp_path):
-    import torch.distributed.checkpoint as dcp
-
-    from shardc.runtime.te import te_fp8_recipe
-
-    torch.manual_seed(0)
-    model = _te_model("TransformerLayer", bias=True).cuda()
-    shardc.shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x = torch.randn(32, 2, 256, device="cuda")
-    with te.fp8_autocast(enabled=True, fp8_recipe=te_fp8_recipe()):
-        model(x).float().pow(2).mean().backward()
-    opt.step()
-    dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path))
-    fresh = _te_model("TransformerLayer", bias=True).cuda()
-    shardc.shard(fresh)
-    state = {"model": fresh.state_dict()}
-    dcp.load(state, checkpoint_id=str(tmp_path))
-    fresh.load_state_dict(state["model"])
-    with torch.no_grad(), te.fp8_autocast(enabled=True, fp8_recipe=te_fp8_recipe()):
-        torch.testing.assert_close(fresh(x), model(x), rtol=0.05, atol=0.05)
