@@ -5,12 +5,22 @@ allocation events are replayed in order; at the moment the live bytes are larges
 blocks are grouped by the first stack frame outside torch's own Python files (for compiled code
 that is a line of Inductor's generated module, whose text names the buffer's shape), so the
 summary reads like "forward activation (4, 2048, 32000) bf16: 0.5 GiB".
+
+With ``SHARDC_MEMORY_DUMP=<dir>`` in the environment, the recorded step's allocation events (with
+their stack frames) are also written to ``<dir>/memory_trace_dev<N>.pkl.gz``, and the compiled
+modules they name (Inductor's generated code) are copied next to it, so the history can be
+replayed line by line against the plan offline.
 """
 
 from __future__ import annotations
 
+import gzip
 import linecache
+import os
+import pickle
+import shutil
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 _TORCH_DIRS = ("/torch/", "/site-packages/", "/dist-packages/")
@@ -77,6 +87,24 @@ def live_at_peak(trace: list[dict[str, Any]], top: int = 25) -> dict[str, Any]:
     }
 
 
+def dump_trace(trace: list[dict[str, Any]], device_index: int, out_dir: str) -> None:
+    """Write the allocation events of ``trace`` and the generated modules they name."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    keep = ("action", "addr", "size", "stream")
+    events, sources = [], set()
+    for ev in trace:
+        frames = [(f.get("filename", ""), f.get("line", 0), f.get("name", ""))
+                  for f in (ev.get("frames") or [])[:12]]
+        sources.update(name for name, _, _ in frames if "torchinductor" in name)
+        events.append({**{k: ev.get(k) for k in keep}, "frames": frames})
+    with gzip.open(out / f"memory_trace_dev{device_index}.pkl.gz", "wb") as f:
+        pickle.dump(events, f)
+    for src in sorted(sources):
+        if os.path.isfile(src):
+            shutil.copy(src, out / Path(src).name)
+
+
 def record_and_summarize(device_index: int, run_step) -> dict[str, Any]:
     """Run ``run_step()`` with the CUDA memory history recorded; summary of its peak."""
     import torch
@@ -91,6 +119,8 @@ def record_and_summarize(device_index: int, run_step) -> dict[str, Any]:
         torch.cuda.memory._record_memory_history(enabled=None)
     traces = snap.get("device_traces") or []
     trace = traces[device_index] if device_index < len(traces) else []
+    if os.environ.get("SHARDC_MEMORY_DUMP"):
+        dump_trace(trace, device_index, os.environ["SHARDC_MEMORY_DUMP"])
     # Blocks allocated before recording started are live throughout (parameters, optimizer
     # state): the snapshot's segments list them with state "active_allocated".
     before = sum(b["size"] for seg in snap.get("segments", []) for b in seg.get("blocks", [])

@@ -37,6 +37,52 @@ def test_liveness_frees_after_last_use_and_views_share_storage():
     assert liveness_peak(gm, skip=skip)[0] == 4004, "skipped placeholders count nothing"
 
 
+def test_inductor_inlines_loops_into_their_readers():
+    def f(logits, target):  # 64 x 100 fp32 = 25600 B, 64 int64 = 512 B
+        shifted = logits - logits.amax(1, keepdim=True)  # amax: 64 x 1 fp32 = 256 B
+        return shifted.gather(1, target[:, None]).sum()  # 4 B
+
+    gm = _graph(f, torch.randn(64, 100), torch.zeros(64, dtype=torch.long))
+    # Inductor computes the subtraction inside the gather and the gather inside the sum: no
+    # 25600 B temporary; the inputs are read by the sum's kernel, so they live until it runs.
+    assert liveness_peak(gm, skip=set(), fusion=True)[0] == 25600 + 512 + 256 + 4
+    assert liveness_peak(gm, skip=set())[0] > 2 * 25600, "without fusion it is materialized"
+
+
+def test_inductor_defers_a_copy_to_the_matmul_that_reads_it():
+    def f(w, a):  # 64 x 64 fp32 each: 16384 B per value
+        w_copy = w.clone()  # like an all-gathered parameter's copy out of the gathered buffer
+        b = a * 2
+        c = torch.mm(b, b)
+        return torch.mm(c, w_copy)
+
+    gm = _graph(f, torch.randn(64, 64), torch.randn(64, 64))
+    unit = 64 * 64 * 4
+    # The copy is made right before its matmul, so w lives until then: at the last matmul w,
+    # the copy, c and the result are alive (and at the first one w, a, b and c).
+    peak, timeline = liveness_peak(gm, skip=set(), fusion=True)
+    assert peak == 4 * unit
+    last_mm = list(gm.graph.nodes).index(
+        gm.graph.find_nodes(op="call_function", target=torch.ops.aten.mm.default)[-1])
+    assert timeline[last_mm] == 4 * unit, "w is still alive at the last matmul"
+    assert liveness_peak(gm, skip=set())[0] == 3 * unit, "FX order: the copy frees w early"
+
+
+def test_inductor_keeps_a_dead_buffer_for_the_next_one_of_its_size():
+    def f(x, xx):  # x: 64 x 64 fp32 = 16384 B; xx: 128 x 64 = 32768 B
+        t1 = torch.mm(x, x)
+        s = t1.sum()  # t1's last use
+        y = torch.mm(xx, x)  # 32768 B, born while t1 is dead
+        z = y.sum()
+        t2 = torch.mm(x, x)  # same dtype and size as t1: Inductor's code reuses t1's buffer
+        return s, z, t2
+
+    gm = _graph(f, torch.randn(64, 64), torch.randn(128, 64))
+    # t1 is not freed at its last use but kept for t2, so it is alive next to x, xx and y.
+    assert liveness_peak(gm, skip=set(), fusion=True)[0] == 16384 + 32768 + 16384 + 32768 + 4
+    assert liveness_peak(gm, skip=set())[0] == 16384 + 32768 + 32768 + 4
+
+
 def _overlaps(a, b) -> bool:
     return a[0] < b[1] and b[0] < a[1]
 

@@ -3,9 +3,10 @@
 Each all-gather packs the bucket's shards (cast to the communication dtype, padded to the common
 row count, flattened) into one buffer, issues ``all_gather_into_tensor`` at the planned position,
 waits at the planned position and copies each parameter out of the gathered buffer. Each
-reduce-scatter packs the bucket's full gradients rank-major into one buffer, issues
-``reduce_scatter_tensor``, and at its wait divides by the world size and slices out this rank's
-rows of every parameter. Collectives are torch functional collectives, so NCCL and gloo, eager FX
+reduce-scatter packs the bucket's full gradients rank-major into one buffer, already divided by
+the number of ranks they are averaged over (:func:`grad_divisor`), issues
+``reduce_scatter_tensor``, and at its wait slices this rank's rows of every parameter out of the
+reduced buffer itself. Collectives are torch functional collectives, so NCCL and gloo, eager FX
 and Inductor all run them.
 """
 
@@ -141,15 +142,27 @@ def _wait_all_gather(graph, c: Collective, bucket: Bucket, gathers: dict, handle
         pool.release(view)
 
 
+def grad_divisor(bucket: Bucket) -> int:
+    """The number of ranks a bucket's gradients are averaged over (shard ranks times replicas).
+
+    The send buffer is divided by it while it is packed, so the reduce-scatter sums averages:
+    the reduced buffer is the gradient itself and no averaged copy of it is made (a copy would
+    keep two shard-sized buffers alive at once). Dividing before or after the sum gives the same
+    bits when the divisor is a power of two; otherwise each addend is rounded once more.
+    """
+    return bucket.world * bucket.replicate
+
+
 def _issue_reduce_scatter(graph, c: Collective, bucket: Bucket, reduces: dict, group: str,
                           pool: PoolViews):
     layout, numel = bucket.layout(c.params)
     grads = [reduces[fqn].args[0] for fqn in c.params]
+    divisor = grad_divisor(bucket)
     send_view = pool.view(c, "send", _dtype(bucket.reduce_dtype), numel * bucket.world)
     if send_view is not None:
         table = call(graph, aten.view.default, (send_view, [bucket.world, numel]))
         rows = [layout[fqn][1] for fqn in c.params]
-        call(graph, POOL_PACK_OP, (table, grads, rows, bucket.world, True))
+        call(graph, POOL_PACK_OP, (table, grads, rows, bucket.world, True, divisor))
         recv_view = pool.view(c, "recv", _dtype(bucket.reduce_dtype), numel)
         handle = call(graph, funcol.reduce_scatter_tensor_out.default,
                       (send_view, "sum", bucket.world, group), {"out": recv_view})
@@ -159,6 +172,8 @@ def _issue_reduce_scatter(graph, c: Collective, bucket: Bucket, reduces: dict, g
         reduce_dtype = reduces[fqn].args[5]
         if reduce_dtype is not None and reduce_dtype != x.meta["val"].dtype:
             x = call(graph, torch.ops.prims.convert_element_type.default, (x, reduce_dtype))
+        if divisor != 1:  # fused by a compiler into the cast that fills the send buffer
+            x = call(graph, aten.div.Tensor, (x, divisor))
         _, rows, row_numel, _ = layout[fqn]
         x = _pad_rows(graph, x, rows * bucket.world)
         x = _contiguous(graph, x)
@@ -176,19 +191,17 @@ def _wait_reduce_scatter(graph, c: Collective, bucket: Bucket, g: GraphComm, han
     wait hands out)."""
     done = call(graph, funcol.wait_tensor.default, (handle,))
     if bucket.replicate > 1 and buffers[1] is not None:
-        # HSDP with the pool: all-reduce the summed shard in place, in the receive buffer, whose
-        # lifetime the plan extends to the all-reduce's wait (memory.comm_buffers); averaged there.
+        # HSDP with the pool: all-reduce the reduced shard in place, in the receive buffer, whose
+        # lifetime the plan extends to the all-reduce's wait (memory.comm_buffers).
         pool.release(buffers[0])
         return call(graph, funcol.all_reduce_.default,
                     (done, "sum", bucket.replicate_group)), buffers[1]
     if buffers[1] is not None:
         done = pool.read(done)  # a new tensor: the gradients must not alias the pool
-    if bucket.world > 1:
-        done = call(graph, aten.div.Tensor, (done, bucket.world))
     for view in buffers:
         pool.release(view)
     if bucket.replicate > 1:
-        # HSDP without the pool: one flat all-reduce of the bucket's averaged shard (a new tensor).
+        # HSDP without the pool: one flat all-reduce of the bucket's reduced shard (a new tensor).
         return call(graph, funcol.all_reduce.default, (done, "sum", bucket.replicate_group)), None
     _hand_out(graph, c, bucket, g, done, rank)
     return None
@@ -196,15 +209,13 @@ def _wait_reduce_scatter(graph, c: Collective, bucket: Bucket, g: GraphComm, han
 
 def _wait_all_reduce(graph, c: Collective, bucket: Bucket, g: GraphComm, handle, rank: int,
                      pool: PoolViews, recv: fx.Node | None):
-    """HSDP: wait the replicate all-reduce, average, and hand each parameter its rows; ``recv``:
-    the pool buffer it reduced in place (the sum over the shard group, not yet averaged)."""
-    summed = call(graph, funcol.wait_tensor.default, (handle,))
+    """HSDP: wait the replicate all-reduce (of addends already divided by every rank they are
+    averaged over, :func:`grad_divisor`) and hand each parameter its rows; ``recv``: the pool
+    buffer it reduced in place."""
+    done = call(graph, funcol.wait_tensor.default, (handle,))
     if recv is not None:
-        summed = pool.read(summed)  # a new tensor: the gradients must not alias the pool
+        done = pool.read(done)  # a new tensor: the gradients must not alias the pool
         pool.release(recv)
-        if bucket.world > 1:
-            summed = call(graph, aten.div.Tensor, (summed, bucket.world))
-    done = call(graph, aten.div.Tensor, (summed, bucket.replicate))
     _hand_out(graph, c, bucket, g, done, rank)
 
 
@@ -290,8 +301,9 @@ def apply_plan(
     graph = gm.graph
     pool_node = pool if isinstance(pool, fx.Node) or pool is None else _pool_node(gm, pool)
     views = PoolViews(graph, pool_node if colls else None, plan, poison)
-    # At one position: reduce-scatter waits of earlier issues first (their send buffers die
-    # before the next bucket is packed), then issues, then the other waits, each in plan order.
+    # At one position: waits of earlier issues first (their send buffers die before the next
+    # bucket is packed, which then reuses their memory), then issues, then the waits of
+    # collectives issued there, each in plan order.
     # HSDP's all-reduces are issued by their reduce-scatter's wait (they reduce its output).
     first_issued: dict[int, fx.Node] = {}
     for c in sorted((c for c in colls if c.kind != "all_reduce"), key=lambda c: c.issue_pos):
@@ -311,7 +323,7 @@ def apply_plan(
     for c in sorted(colls, key=lambda c: (c.wait_pos, c.kind == "all_reduce")):
         bucket = plan.buckets[c.bucket]
         where = _anchor(g, gm, c.wait_pos)
-        if c.kind == "reduce_scatter" and c.issue_pos < c.wait_pos and c.wait_pos in first_issued:
+        if c.kind != "all_reduce" and c.issue_pos < c.wait_pos and c.wait_pos in first_issued:
             where = first_issued[c.wait_pos]
         with graph.inserting_before(where):
             handle, *buffers = handles[c.id]

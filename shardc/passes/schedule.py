@@ -9,8 +9,10 @@ Placement rules, each recorded as the collective's ``reason``:
   is issued before the first op of bucket ``k - prefetch_depth`` (prefetch), moved later one
   bucket at a time while the gathered bytes in flight would exceed the memory budget;
 - reduce-scatter of a bucket is issued right after the last gradient of the bucket is computed and
-  waited when the next bucket's reduce-scatter is issued (or at the end of the graph), so one is
-  in flight while the next is packed;
+  waited before the next bucket's send buffer is first written (or at the end of the graph): a
+  fusing compiler writes a gradient that a reduction computes (a norm's weight) straight into
+  the send buffer, so that buffer exists from that reduction on, and waiting the previous
+  reduce-scatter first lets the new buffer take its place instead of adding a second one;
 - collectives already in the traced graph (tensor parallelism) are planned by
   ``shardc.passes.graph_comm`` first: issued as soon as their inputs exist, waited before their
   first reader.
@@ -254,6 +256,20 @@ def _place_all_gathers(g: GraphComm, buckets: list[Bucket], options) -> list[Col
     return out
 
 
+def first_write(g: GraphComm, grad: fx.Node) -> int | None:
+    """Position of the reduction that computes ``grad`` when only casts and views lie between
+    them: a fusing compiler writes its result straight into the send buffer, which therefore
+    exists from there on. ``None`` when the gradient comes from another kernel (a matmul): it is
+    copied into the send buffer where the buffer is packed."""
+    node = grad
+    while node.op == "call_function" and len(node.all_input_nodes) == 1 and (
+            _is_view(node) or torch.Tag.pointwise in getattr(node.target, "tags", ())):
+        node = node.all_input_nodes[0]
+    if node in g.position and torch.Tag.reduction in getattr(node.target, "tags", ()):
+        return g.pos(node)
+    return None
+
+
 def _place_reduce_scatters(g: GraphComm, buckets: list[Bucket]) -> list[Collective]:
     items = []
     for bucket in buckets:
@@ -271,20 +287,26 @@ def _place_reduce_scatters(g: GraphComm, buckets: list[Bucket]) -> list[Collecti
                 f"shardc schedule: bucket {bucket.index} ({bucket.name}) reads a reduced gradient "
                 f"at {reader} (op {latest}) before its last gradient exists (op {ready}); "
                 "this is a shardc bug, please report it with the model")
-        items.append((ready, bucket, params, latest))
+        writes = [w for w in (first_write(g, g.reduces[p].args[0]) for p in params)
+                  if w is not None]
+        items.append((ready, bucket, params, latest, min(writes, default=ready)))
     items.sort(key=lambda item: (item[0], item[1].index))
     out = []
-    for j, (ready, bucket, params, latest) in enumerate(items):
-        # Waited when the next one is issued: with Inductor, the next bucket's send buffer is
-        # allocated as early as the kernel that makes its gradients, so a later wait would keep
-        # three fp32 send buffers alive at the backward's peak.
-        wait = items[j + 1][0] if j + 1 < len(items) else g.end
+    for j, (ready, bucket, params, latest, _) in enumerate(items):
+        # Waited before the next bucket's send buffer is first written (its reduction) if that
+        # is later than this issue, else when the next one is issued: either way at most one
+        # fp32 send buffer is alive besides the one being filled, and with the early wait the
+        # new buffer reuses this one's memory (one instead of two at the backward's peak).
+        wait = g.end
+        if j + 1 < len(items):
+            next_ready, next_write = items[j + 1][0], items[j + 1][4]
+            wait = next_write if next_write > ready else next_ready
         wait = min(max(wait, ready), latest)
         nbytes = bucket.layout(params)[1] * bucket.world * _itemsize(bucket.reduce_dtype)
         out.append(_collective(
             g, "reduce_scatter", bucket, params, nbytes, bucket.reduce_dtype, ready, wait, wait,
-            wait, "issued once the last gradient of the bucket exists; waited when the next "
-            "bucket's reduce-scatter is issued (one in flight while the next is packed)"))
+            wait, "issued once the last gradient of the bucket exists; waited before the next "
+            "bucket's send buffer is first written (one in flight while the next is filled)"))
         if bucket.replicate > 1:
             out.append(replicate_all_reduce(g, bucket, params, wait, latest))
     return out

@@ -27,9 +27,10 @@ def _pool_read_fake(view: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("shardc::pool_pack", mutates_args=("out",))
 def pool_pack(out: torch.Tensor, tensors: list[torch.Tensor], rows: list[int], world: int,
-              rank_major: bool) -> None:
-    """Pack ``tensors`` into ``out`` (a view of the pool), each cast to ``out``'s dtype and
-    zero-padded to its ``rows`` entry (rows per rank).
+              rank_major: bool, divisor: int = 1) -> None:
+    """Pack ``tensors`` into ``out`` (a view of the pool), each cast to ``out``'s dtype,
+    divided by ``divisor`` (a reduce-scatter's pre-averaging) and zero-padded to its ``rows``
+    entry (rows per rank).
 
     ``rank_major=False`` (an all-gather's send buffer, 1-D): the padded tensors one after the
     other. ``rank_major=True`` (a reduce-scatter's send buffer, ``(world, n)``): tensor ``t``
@@ -57,6 +58,8 @@ def pool_pack(out: torch.Tensor, tensors: list[torch.Tensor], rows: list[int], w
             dst[:t.shape[0]].copy_(t)
             dst[t.shape[0]:].zero_()
         offset += n
+    if divisor != 1:
+        out.div_(divisor)
 
 
 POOL_PACK_OP = torch.ops.shardc.pool_pack.default
