@@ -135,6 +135,8 @@ class ShardcPartitioner(_partitioner_base()):
             apply_plan(gm, plan, name, rank, pool=where, poison=poison)
         predict_peak(fw, bw, plan, fw_params, bw_params,
                      optimizer_state_factor=self.options.optimizer_state_factor,
+                     optimizer_temp_factor=self.options.optimizer_temp_factor,
+                     persistent_bytes=pool.numel() if pool is not None else 0,
                      fusion=self.options.inductor)
         self.region.forward, self.region.backward, self.region.plan = fw, bw, plan
         if self.options.dump_dir:

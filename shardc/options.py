@@ -34,6 +34,9 @@ class ShardcOptions:
     cluster: ``shardc.passes.cost_model.ClusterSpec`` fields for the cost model's predictions.
     optimizer_state_factor: optimizer state bytes per parameter byte, for the peak prediction
         (2 for Adam/AdamW, 1 for SGD with momentum, 0 for plain SGD).
+    optimizer_temp_factor: temporary bytes per parameter byte that the optimizer's step
+        allocates, for the peak prediction (1 for torch's default ``foreach`` Adam/AdamW, 0 for
+        ``fused=True`` or ``foreach=False``).
     move_found_collectives: collectives already in the traced graph (DTensor's tensor-parallel
         ones) are issued as soon as their inputs exist and waited before their first reader;
         ``False`` keeps them where they were traced (they are planned and simulated either way).
@@ -52,6 +55,7 @@ class ShardcOptions:
     comm_pool: bool | None = None
     cluster: dict | None = None
     optimizer_state_factor: float = 2.0
+    optimizer_temp_factor: float = 1.0
     move_found_collectives: bool = True
 
     def __post_init__(self) -> None:

@@ -7,7 +7,10 @@ allocator, so the plan carries each buffer's offset and the pool's size.
 ``predict_peak`` walks the partitioned graphs' liveness (FX frees a value after its last use;
 views share their base's storage) and adds the state that lives across the step: parameter
 shards and optimizer state (``optimizer_state_factor`` bytes per parameter byte, 2 for Adam).
-Gradients are the backward graph's outputs and count from where they are produced. Under
+Gradients are the backward graph's outputs and count from where they are produced. After the
+backward the optimizer's step holds parameter shards, gradient shards, its state and its own
+temporaries (``optimizer_temp_factor`` bytes per parameter byte: one parameter-sized temporary
+for torch's ``foreach`` Adam/AdamW), which can be the step's peak when activations are small. Under
 Inductor the liveness follows what its generated code does (:class:`Fusion`,
 :func:`held_for_reuse`): loops inlined into their readers take no memory, copies are made right
 before the matmul that reads them, and a dead buffer stays allocated until the next buffer of its
@@ -338,13 +341,18 @@ def predict_peak(
     bw_params: set[fx.Node],
     *,
     optimizer_state_factor: float = 2.0,
+    optimizer_temp_factor: float = 1.0,
+    persistent_bytes: int = 0,
     fusion: bool = False,
 ) -> dict[str, int]:
     """Whole-step peak prediction from the lowered graphs; ``params``/``bw_params`` are the
-    parameter-shard placeholders (:func:`param_placeholders`, taken before lowering).
+    parameter-shard placeholders (:func:`param_placeholders`, taken before lowering);
+    ``persistent_bytes``: memory held across steps besides those (the static pool), counted
+    in the optimizer step (the graphs' liveness already covers it inside the step).
 
     Returns (and records in ``plan.predicted``) ``param_bytes``, ``optimizer_state_bytes``,
-    ``forward_peak_bytes``, ``backward_peak_bytes`` and ``peak_bytes``.
+    ``forward_peak_bytes``, ``backward_peak_bytes``, ``grad_bytes``,
+    ``optimizer_step_peak_bytes`` and ``peak_bytes`` (the largest of the three peaks).
     """
     param_bytes = sum(_nbytes(p.meta.get("val")) for p in params)
     optim = int(param_bytes * optimizer_state_factor)
@@ -355,7 +363,12 @@ def predict_peak(
     if backward is not None:
         bw_peak, _ = liveness_peak(backward, bw_params, fusion=fusion)
         out["backward_peak_bytes"] = param_bytes + optim + bw_peak
-        peak = max(peak, out["backward_peak_bytes"])
+        grads = sum(_nbytes(n.meta.get("val")) for n in backward.graph.output_node().args[0]
+                    if isinstance(n, fx.Node))
+        out["grad_bytes"] = grads
+        out["optimizer_step_peak_bytes"] = (param_bytes + optim + grads + persistent_bytes
+                                            + int(param_bytes * optimizer_temp_factor))
+        peak = max(peak, out["backward_peak_bytes"], out["optimizer_step_peak_bytes"])
     out["peak_bytes"] = peak
     plan.predicted.update({k: float(v) for k, v in out.items()})
     return out
