@@ -58,8 +58,18 @@ def capture_partitioned() -> Iterator[list[tuple[fx.GraphModule, fx.GraphModule]
         _PARTITIONED_SINK.reset(token)
 
 
+def sharded_gathers(gm: fx.GraphModule) -> Iterator[fx.Node]:
+    """shardc's gather nodes in ``gm`` and in the subgraphs of its higher-order ops: a weight
+    gathered in FP8 is gathered inside a ``torch.autograd.Function``, which Dynamo traces into a
+    subgraph (AOTAutograd inlines it later), so a region whose only sharded parameters are FP8
+    weights has no gather at its top level."""
+    for module in gm.modules():
+        if isinstance(module, fx.GraphModule):
+            yield from (n for n in module.graph.nodes if is_call(n, GATHER_OP))
+
+
 def has_sharded_params(gm: fx.GraphModule) -> bool:
-    return any(is_call(n, GATHER_OP) for n in gm.graph.nodes)
+    return next(sharded_gathers(gm), None) is not None
 
 
 @functools.cache
@@ -293,7 +303,7 @@ def shardc_backend(
     if opts.check_plan_consistency:
         # Numbered as compilation starts, so a rank whose collective times out because another
         # rank is compiling a region it did not can tell (plan_check.recompiled_elsewhere).
-        gather = next(n for n in gm.graph.nodes if is_call(n, GATHER_OP))
+        gather = next(sharded_gathers(gm))
         region.check_index = announce_region(gather.args[4])
     partitioner = ShardcPartitioner(opts, region)
     if opts.inductor:
