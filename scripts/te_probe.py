@@ -19,6 +19,9 @@ import os
 import tempfile
 
 os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+os.environ.setdefault("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE", "1")  # our own in-memory state
+
+import sys  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -26,7 +29,9 @@ import transformer_engine.pytorch as te  # noqa: E402
 import transformer_engine.pytorch.module.linear as te_linear  # noqa: E402
 
 import shardc  # noqa: E402
-import shardc.backend as shardc_backend  # noqa: E402
+import shardc.backend  # noqa: E402,F401
+
+shardc_backend = sys.modules["shardc.backend"]  # shardc.backend is also a function
 from shardc.checkpoint import ModelState, OptimizerState  # noqa: E402
 from shardc.passes.fx_utils import is_call  # noqa: E402
 from shardc.runtime.ops import GATHER_OP  # noqa: E402
@@ -64,12 +69,15 @@ def fake_quant(w: torch.Tensor) -> torch.Tensor:
 
 # The weight te.Linear hands its GEMM (probe only: records it, then calls TE's function).
 CAPTURED: list[torch.Tensor] = []
+GRADS: list[torch.Tensor] = []  # the gradients TE returns for those weights
 _linear_eager = te_linear._linear_eager
 
 
 @torch._dynamo.disable
 def _capturing_linear_eager(weight_tensor, inp, bias, fwd_args, is_grad_enabled):
     CAPTURED.append(weight_tensor.detach().float().clone())
+    if weight_tensor.requires_grad:
+        weight_tensor.register_hook(lambda g: GRADS.append(g.detach().float().clone()))
     return _linear_eager(weight_tensor, inp, bias, fwd_args, is_grad_enabled)
 
 
@@ -216,13 +224,90 @@ def two_models_in_one_process() -> None:
          loss_saved=loss_saved, loss_loaded=loss_loaded, global_amax_buffers=buffers)
 
 
+def fp8_gradients() -> None:
+    """Two SGD steps of te.Linear with its weight gathered in FP8 (current scaling), per step:
+    the weight TE is handed, the gradient TE returns for it, the gradient the master shard
+    receives (straight-through: equal to TE's at world 1) and the master after the step, for
+    each variant compared with eager; the compiled regions' graphs go to $OUT."""
+    import shardc.runtime.fp8 as fp8_runtime
+
+    recipe = shardc.te_fp8_recipe("current")
+    out_dir = os.environ.get("OUT", ".")
+    gather_fp8 = fp8_runtime._gather_fp8
+
+    def detached(shard, *args):
+        return gather_fp8(shard.detach(), *args)
+
+    runs = {}
+    for variant in ("eager", "inductor", "fx", "inductor-detached-shard"):
+        torch._dynamo.reset()
+        model = build("Linear")
+        shardc.shard(model, fp8=shardc.te_float8_policy())
+        forward = model if variant == "eager" else torch.compile(
+            model, backend=shardc.backend(inductor=variant != "fx"))
+        fp8_runtime._gather_fp8 = detached if variant.endswith("detached-shard") else gather_fp8
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        steps = []
+        try:
+            for s in range(2):
+                CAPTURED.clear()
+                GRADS.clear()
+                with shardc.te_autocast(model, recipe):
+                    y = forward(batch(s))
+                loss = y.float().pow(2).mean()
+                loss.backward()
+                shard_grad = full(model.weight.grad)
+                opt.step()
+                opt.zero_grad()
+                steps.append({"loss": loss.item(), "weight": CAPTURED[-1],
+                              "captured": len(CAPTURED), "te_grads": len(GRADS),
+                              "te_grad": GRADS[-1] if GRADS else None,
+                              "shard_grad": shard_grad, "master": full(model.weight)})
+        except Exception as exc:  # noqa: BLE001 - a probe reports and goes on
+            emit(exp="fp8_gradients", variant=variant, error=f"{type(exc).__name__}: {exc}"[:600])
+            continue
+        finally:
+            fp8_runtime._gather_fp8 = gather_fp8
+        runs[variant] = steps
+        state = shardc.shard_state(model)
+        with open(os.path.join(out_dir, f"region_{variant}.txt"), "w") as f:
+            for i, r in enumerate(state.regions):
+                for name in ("forward", "backward"):
+                    gm = getattr(r, name)
+                    f.write(f"# region {i} {name}\n{gm.code if gm is not None else None}\n")
+    eager = runs.get("eager")
+    for variant, steps in runs.items():
+        rows = []
+        for s, step in enumerate(steps):
+            row = {"loss": step["loss"], "captured": step["captured"], "te_grads": step["te_grads"]}
+            if step["te_grad"] is not None:
+                row["shard_over_te_grad"] = (step["shard_grad"].norm()
+                                             / step["te_grad"].norm()).item()
+                row["shard_grad_is_te_grad"] = bool(torch.equal(step["shard_grad"],
+                                                                step["te_grad"]))
+            if eager is not None and variant != "eager":
+                for key in ("weight", "te_grad", "shard_grad", "master"):
+                    a, b = step[key], eager[s][key]
+                    row[f"{key}_vs_eager"] = (None if a is None or b is None else
+                                              "equal" if torch.equal(a, b) else rel(a, b))
+            rows.append(row)
+        emit(exp="fp8_gradients", variant=variant, steps=rows)
+
+
+EXPERIMENTS = {"two_models": "two_models_in_one_process", "gradients": "fp8_gradients",
+               "gather": "fp8_gather_experiments"}
+
+
 def main() -> None:
     torch.cuda.set_device(0)
     init = os.path.join(tempfile.mkdtemp(), "pg")
     dist.init_process_group("nccl", init_method=f"file://{init}", rank=0, world_size=1)
     emit(exp="versions", torch=torch.__version__,
          te=__import__("importlib.metadata").metadata.version("transformer_engine"))
-    for experiment in (two_models_in_one_process, fp8_gather_experiments):
+    import sys
+
+    names = sys.argv[1:] or list(EXPERIMENTS)
+    for experiment in (globals()[EXPERIMENTS[n]] for n in names):
         try:
             experiment()
         except Exception as exc:  # noqa: BLE001 - a probe reports and goes on

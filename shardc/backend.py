@@ -161,8 +161,10 @@ class ShardcPartitioner(_partitioner_base()):
         if not self.options.comm_pool:
             plan.notes.append("communication buffers: allocated per collective (no static pool)")
             return None
-        shards = [n.meta["val"] for n in param_placeholders(fw)]
-        device = shards[0].device if shards else torch.device("cpu")
+        # The device of what the gathers send (parameter shards, or an FP8 weight's quantized
+        # shard, whose placeholder param_placeholders does not find through the quantization).
+        sent = [n.args[0].meta["val"] for n in fw.graph.nodes if is_call(n, GATHER_OP)]
+        device = sent[0].device if sent else torch.device("cpu")
         plan.notes.append("communication buffers: views of one static pool")
         return allocate_real(int(plan.predicted["pool_bytes"]), torch.uint8, device)
 
