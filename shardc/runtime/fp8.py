@@ -161,7 +161,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
     # routes the gradient of an autograd.Function whose returned tensor is also one of its
     # intermediates (the same tensor) to the wrong output, so the backward (our reduce-scatter)
     # got zeros: FP8-gathered weights received no gradient under torch.compile
-    # (pytorch/pytorch#180642, fixed in 2.12).
+    # (pytorch/pytorch#180642, fixed for 2.12; docs/fp8.md, TE results).
     return out if dtype == torch.float32 else out.to(dtype)
 
 

@@ -232,12 +232,13 @@ def test_te_dcp_round_trip(nccl, tmp_path, monkeypatch, how):
 
     The saved model takes its next step before the fresh model runs at all, as after a restart
     (where the fresh model lives in a new process). TE keeps delayed scaling's amax histories
-    and scales in process-global buffers keyed by recipe and amax group, and every autocast
-    exit (every first backward) updates the scales of every module registered under that key:
-    two models alive in one process with the same recipe and group update each other's
-    scales. Interleaved, the saved model's step would update the fresh model's forward scales
-    from the amaxes of its no-grad forward (TE updates nothing under ``no_grad``) before the
-    fresh model's own step: a different scale, not a missing piece of state."""
+    and scales in process-global buffers keyed by recipe and amax group; every autocast exit
+    with grad enabled (and the backward of an autocast's first FP8 module) updates the scales
+    of every module registered under that key, so two models alive in one process with equal
+    recipes and the same group update each other's scales. Interleaved, the saved model's step
+    would update the fresh model's forward scales from the amaxes of its no-grad forward (TE
+    updates nothing under ``no_grad``) before the fresh model's own step: a different scale,
+    not a missing piece of state (docs/bench/te_gpu_diag.log, ``two_models``)."""
     # Delayed scaling keeps its amax history as a pickle, which TE loads only when told the
     # checkpoint is trusted (it is ours).
     monkeypatch.setenv("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE", "1")
