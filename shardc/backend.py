@@ -58,8 +58,18 @@ def capture_partitioned() -> Iterator[list[tuple[fx.GraphModule, fx.GraphModule]
         _PARTITIONED_SINK.reset(token)
 
 
+def sharded_gathers(gm: fx.GraphModule) -> Iterator[fx.Node]:
+    """shardc's gather nodes in ``gm`` and in the subgraphs of its higher-order ops: a weight
+    gathered in FP8 is gathered inside a ``torch.autograd.Function``, which Dynamo traces into a
+    subgraph (AOTAutograd inlines it later), so a region whose only sharded parameters are FP8
+    weights has no gather at its top level."""
+    for module in gm.modules():
+        if isinstance(module, fx.GraphModule):
+            yield from (n for n in module.graph.nodes if is_call(n, GATHER_OP))
+
+
 def has_sharded_params(gm: fx.GraphModule) -> bool:
-    return any(is_call(n, GATHER_OP) for n in gm.graph.nodes)
+    return next(sharded_gathers(gm), None) is not None
 
 
 @functools.cache
@@ -153,8 +163,10 @@ class ShardcPartitioner(_partitioner_base()):
         if not self.options.comm_pool:
             plan.notes.append("communication buffers: allocated per collective (no static pool)")
             return None
-        shards = [n.meta["val"] for n in param_placeholders(fw)]
-        device = shards[0].device if shards else torch.device("cpu")
+        # The device of what the gathers send (parameter shards, or an FP8 weight's quantized
+        # shard, whose placeholder param_placeholders does not find through the quantization).
+        sent = [n.args[0].meta["val"] for n in fw.graph.nodes if is_call(n, GATHER_OP)]
+        device = sent[0].device if sent else torch.device("cpu")
         plan.notes.append("communication buffers: views of one static pool")
         return allocate_real(int(plan.predicted["pool_bytes"]), torch.uint8, device)
 
@@ -295,7 +307,7 @@ def shardc_backend(
     if opts.check_plan_consistency:
         # Numbered as compilation starts, so a rank whose collective times out because another
         # rank is compiling a region it did not can tell (plan_check.recompiled_elsewhere).
-        gather = next(n for n in gm.graph.nodes if is_call(n, GATHER_OP))
+        gather = next(sharded_gathers(gm))
         region.check_index = announce_region(gather.args[4])
     partitioner = ShardcPartitioner(opts, region)
     if opts.inductor:

@@ -166,3 +166,37 @@ def checkpoint_round_trip(rank: int, world: int, path: str) -> dict:
         "loaded": {n: v.full_tensor() for n, v in fresh.state_dict().items()},
         "outputs_equal": torch.equal(out_saved, out_loaded),
     }
+
+
+def fp8_only_region(rank: int, world: int) -> dict:
+    """A model whose only parameters are FP8 weights (bias-free linears): Dynamo traces each FP8
+    gather into an ``autograd.Function`` subgraph, so the region has no top-level gather; it
+    must still be planned by shardc (not compiled like an unsharded graph)."""
+    out = {}
+    for mode in ("eager", "fx"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32, bias=False), nn.ReLU(),
+                              nn.Linear(32, 8, bias=False))
+        shardc.shard(model, fp8=shardc.Float8Policy())
+        forward = model if mode == "eager" else torch.compile(
+            model, backend=shardc.backend(inductor=False))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for step in range(2):
+            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank))
+            loss = forward(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        state = shardc.shard_state(model)
+        out[mode] = {
+            "losses": torch.stack(losses),
+            "regions": len(state.regions),
+            "gathers": [(c.dtype, tuple(c.params)) for r in state.regions if r.plan is not None
+                        for c in r.plan.collectives if c.kind == "all_gather"],
+            "collectives": [(_collectives(r.forward), _collectives(r.backward))
+                            for r in state.regions],
+        }
+    return out

@@ -15,6 +15,7 @@ from dist_utils import run_ranks
 from fp8_workers import (
     checkpoint_round_trip,
     fake_quant,
+    fp8_only_region,
     fp8_run,
     gather_numerics,
     reference,
@@ -122,6 +123,22 @@ def _check_plan(plan) -> None:
     text = plan_table(plan)
     assert "amax all-reduce" in text and "all-gather bytes by dtype: float32" in text
     assert "float8_e4m3fn" in text
+
+
+def test_region_of_fp8_weights_only_is_planned():
+    """A region whose sharded parameters are all FP8 weights (no bias, no norm: TE's bias-less
+    ``te.Linear`` alone) is planned like any other: its gathers are float8 collectives of the
+    plan, its amax all-reduce merged, and it trains like eager. (Its gathers sit inside the
+    FP8 ``autograd.Function``'s subgraph, where the backend once did not look, compiling the
+    region like an unsharded graph.)"""
+    for rank_out in run_ranks(fp8_only_region, 2):
+        eager, fx = rank_out["eager"], rank_out["fx"]
+        assert fx["regions"] == 1, fx
+        assert {p for _, params in fx["gathers"] for p in params} == {"0.weight", "2.weight"}
+        assert {dtype for dtype, _ in fx["gathers"]} == {"float8_e4m3fn"}
+        (fw, bw), = fx["collectives"]
+        assert fw.get("all_reduce", 0) == 1 and not bw.get("all_reduce"), (fw, bw)
+        assert torch.equal(eager["losses"], fx["losses"])
 
 
 def test_checkpoint_holds_high_precision(tmp_path):

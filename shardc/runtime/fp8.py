@@ -156,7 +156,13 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (q.float() / scale).to(dtype)
+    out = q.float() / scale
+    # Never ``out.to(torch.float32)``: that returns ``out`` itself, and torch 2.11's Dynamo
+    # routes the gradient of an autograd.Function whose returned tensor is also one of its
+    # intermediates (the same tensor) to the wrong output, so the backward (our reduce-scatter)
+    # got zeros: FP8-gathered weights received no gradient under torch.compile
+    # (pytorch/pytorch#180642, fixed for 2.12; docs/fp8.md, TE results).
+    return out if dtype == torch.float32 else out.to(dtype)
 
 
 @torch.library.custom_op("shardc::fp8_amax", mutates_args=())

@@ -228,7 +228,17 @@ def test_te_dcp_round_trip(nccl, tmp_path, monkeypatch, how):
     """A TransformerLayer with biases trained 2 steps under delayed scaling, saved with its
     optimizer through DCP (``dcp.save`` / ``dcp.async_save``) and loaded into a fresh model:
     parameters, optimizer state and TE's FP8 metadata equal, outputs equal, and the next step
-    matches the saved model's next step."""
+    (loss, parameters) equals the saved model's next step.
+
+    The saved model takes its next step before the fresh model runs at all, as after a restart
+    (where the fresh model lives in a new process). TE keeps delayed scaling's amax histories
+    and scales in process-global buffers keyed by recipe and amax group; every autocast exit
+    with grad enabled (and the backward of an autocast's first FP8 module) updates the scales
+    of every module registered under that key, so two models alive in one process with equal
+    recipes and the same group update each other's scales. Interleaved, the saved model's step
+    would update the fresh model's forward scales from the amaxes of its no-grad forward (TE
+    updates nothing under ``no_grad``) before the fresh model's own step: a different scale,
+    not a missing piece of state (docs/bench/te_gpu_diag.log, ``two_models``)."""
     # Delayed scaling keeps its amax history as a pickle, which TE loads only when told the
     # checkpoint is trusted (it is ours).
     monkeypatch.setenv("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE", "1")
@@ -241,11 +251,19 @@ def test_te_dcp_round_trip(nccl, tmp_path, monkeypatch, how):
     state = {"model": ModelState(model), "optim": OptimizerState(model, opt)}
     saved_meta = _fp8_meta(state["model"].state_dict())
     assert saved_meta, "no FP8 metadata to save"
+    saved_params = {n: _full(p).clone() for n, p in model.named_parameters()}
+    saved_opt = _opt_state(OptimizerState(model, opt))
     if how == "sync":
         dcp.save(state, checkpoint_id=str(tmp_path))
     else:
         gloo = dist.new_group(backend="gloo")
         dcp.async_save(state, checkpoint_id=str(tmp_path), process_group=gloo).result()
+    # The saved model goes on: an inference forward, then its next training step.
+    x = _batch(7)
+    with torch.no_grad(), shardc.te_autocast(model, recipe):
+        want = model(x)
+    loss_saved = _step(model, model, opt, lambda: shardc.te_autocast(model, recipe), 2)
+    params_saved = _params(model)
 
     fresh = _model("TransformerLayer", bias=True, seed=1)
     shardc.shard(fresh)
@@ -257,27 +275,29 @@ def test_te_dcp_round_trip(nccl, tmp_path, monkeypatch, how):
     for key, tensors in saved_meta.items():
         for name, value in tensors.items():
             assert torch.equal(loaded_meta[key][name], value), f"{key} {name}"
-    for (name, p), q in zip(fresh.named_parameters(), model.parameters()):
-        assert torch.equal(_full(p), _full(q)), name
-    saved_opt = OptimizerState(model, opt).state_dict()["state"]
-    loaded_opt = OptimizerState(fresh, fresh_opt).state_dict()["state"]
+    for name, p in fresh.named_parameters():
+        assert torch.equal(_full(p), saved_params[name]), name
+    loaded_opt = _opt_state(OptimizerState(fresh, fresh_opt))
     assert loaded_opt.keys() == saved_opt.keys()
     for fqn, entries in saved_opt.items():
+        assert entries.keys() == loaded_opt[fqn].keys(), fqn
         for k, v in entries.items():
-            assert torch.equal(_full(loaded_opt[fqn][k]), _full(v)), f"optimizer {fqn} {k}"
-    x = _batch(7)
-    with torch.no_grad(), shardc.te_autocast(model, recipe):
-        want = model(x)
+            assert torch.equal(loaded_opt[fqn][k], v), f"optimizer {fqn} {k}"
     with torch.no_grad(), shardc.te_autocast(fresh, recipe):
         got = fresh(x)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     # The next step: same loss, same parameters (optimizer state and FP8 scales restored).
-    loss_saved = _step(model, model, opt, lambda: shardc.te_autocast(model, recipe), 2)
     loss_loaded = _step(fresh, fresh, fresh_opt, lambda: shardc.te_autocast(fresh, recipe), 2)
     assert loss_loaded == loss_saved, (loss_loaded, loss_saved)
-    for (name, p), q in zip(fresh.named_parameters(), model.parameters()):
-        torch.testing.assert_close(_full(p), _full(q), rtol=1e-6, atol=1e-7,
+    for name, p in fresh.named_parameters():
+        torch.testing.assert_close(_full(p), params_saved[name], rtol=1e-6, atol=1e-7,
                                    msg=lambda m, name=name: f"after the next step, {name}: {m}")
+
+
+def _opt_state(optim_state: OptimizerState) -> dict[str, dict[str, torch.Tensor]]:
+    """Copies of the optimizer state by parameter (full tensors; the step count too)."""
+    return {fqn: {k: _full(v).clone() for k, v in entries.items()}
+            for fqn, entries in optim_state.state_dict()["state"].items()}
 
 
 def _fp8_meta(model_state: dict) -> dict[str, dict[str, torch.Tensor]]:
