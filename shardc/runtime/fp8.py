@@ -157,11 +157,11 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     out = q.float() / scale
-    # Never ``out.to(torch.float32)``: that returns ``out`` itself, and torch 2.11's Dynamo
-    # routes the gradient of an autograd.Function whose returned tensor is also one of its
-    # intermediates (the same tensor) to the wrong output, so the backward (our reduce-scatter)
-    # got zeros: FP8-gathered weights received no gradient under torch.compile
-    # (pytorch/pytorch#180642, fixed for 2.12; docs/fp8.md, TE results).
+    # Never ``out.to(torch.float32)``: a no-op ``.to`` returns its input under a second name,
+    # and torch 2.11's Dynamo routes the gradient of an autograd.Function whose returned tensor
+    # is also one of its named intermediates to the wrong output, so the backward (our
+    # reduce-scatter) got zeros: FP8-gathered weights received no gradient under torch.compile
+    # (pytorch/pytorch#180642, fixed for 2.12; docs/fp8.md, TE results). Measured on GPU.
     return out if dtype == torch.float32 else out.to(dtype)
 
 
