@@ -335,8 +335,9 @@ def _simulate(g: GraphComm, colls: list[Collective], cluster: ClusterSpec):
     """Timing: compute runs its ops in order; each process group's collectives run first-in
     first-out on their own lane (stream), from their issue; a wait stalls compute until the
     collective ends. At one position the events follow the lowered graph's order: found
-    collectives' issues, then (when shardc issues there) the reduce-scatter waits of earlier
-    issues, shardc's issues, its other waits, and last the found collectives' waits. An HSDP
+    collectives' issues, then (when shardc issues there) shardc's waits of earlier issues
+    (not HSDP all-reduces), shardc's issues, its other waits, and last the found collectives'
+    waits, as ``lower.apply_plan`` orders them. An HSDP
     all-reduce is issued by its reduce-scatter's wait. Fills the predictions."""
     ops = []
     free: dict[str, float] = {}  # per lane: when its last collective ends
@@ -367,7 +368,8 @@ def _simulate(g: GraphComm, colls: list[Collective], cluster: ClusterSpec):
     for p in range(g.end + 1):
         issues, waits = by_issue.get(p, []), by_wait.get(p, [])
         own = [c for c in issues if c.origin == "shardc"]
-        early = [c for c in waits if own and c.kind == "reduce_scatter" and c.issue_pos < p]
+        early = [c for c in waits if own and c.origin == "shardc" and c.kind != "all_reduce"
+                 and c.issue_pos < p]
         for c in [c for c in issues if c.origin != "shardc"]:
             issue(c)
         for c in early:
