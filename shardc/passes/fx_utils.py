@@ -87,15 +87,20 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     return lazy_graph_module(gm, graph)
 
 
+def is_view(node: fx.Node) -> bool:
+    """Whether ``node`` calls an aten view op (its output aliases its input)."""
+    target = node.target
+    return (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
+            and target.is_view)
+
+
 def view_chain(node: fx.Node) -> list[fx.Node] | None:
     """The views from ``node`` back to the graph input it is a chain of single-input views of
     (``node`` first, the input excluded; empty if ``node`` is the input), or None if it is not
     such a chain."""
     chain = []
     while node.op != "placeholder":
-        target = node.target
-        if not (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
-                and target.is_view and len(node.all_input_nodes) == 1):
+        if not (is_view(node) and len(node.all_input_nodes) == 1):
             return None
         chain.append(node)
         node = node.all_input_nodes[0]

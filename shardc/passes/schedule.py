@@ -30,7 +30,7 @@ from torch import fx
 from shardc.passes import graph_comm
 from shardc.passes.bucketing import ParamComm, assign_buckets, bucket_name
 from shardc.passes.cost_model import ClusterSpec, node_flops_and_bytes
-from shardc.passes.fx_utils import is_call, view_chain
+from shardc.passes.fx_utils import is_call, is_view, view_chain
 from shardc.passes.reshard import gather_derived
 from shardc.plan import PLAN_VERSION, Bucket, Collective, ComputeOp, Plan
 from shardc.runtime.collectives import padded_rows
@@ -89,18 +89,12 @@ def view_chain_root(node: fx.Node) -> fx.Node | None:
     return chain[-1].all_input_nodes[0] if chain else node
 
 
-def _is_view(node: fx.Node) -> bool:
-    target = node.target
-    return (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
-            and target.is_view)
-
-
 def view_users(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
     """(views taken of ``node``, transitively; the other nodes that read any of them)."""
     views, readers, stack = [], [], [node]
     while stack:
         for user in stack.pop().users:
-            if _is_view(user):
+            if is_view(user):
                 if user not in views:
                     views.append(user)
                     stack.append(user)
@@ -263,7 +257,7 @@ def first_write(g: GraphComm, grad: fx.Node) -> int | None:
     copied into the send buffer where the buffer is packed."""
     node = grad
     while node.op == "call_function" and len(node.all_input_nodes) == 1 and (
-            _is_view(node) or torch.Tag.pointwise in getattr(node.target, "tags", ())):
+            is_view(node) or torch.Tag.pointwise in getattr(node.target, "tags", ())):
         node = node.all_input_nodes[0]
     if node in g.position and torch.Tag.reduction in getattr(node.target, "tags", ()):
         return g.pos(node)
