@@ -51,6 +51,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from shardc.runtime import te_params
+
 log = logging.getLogger("shardc")
 
 __all__ = [
@@ -145,10 +147,36 @@ class OptimizerState(Stateful):
         self.model, self.optimizer, self.options = model, optimizer, options
 
     def state_dict(self) -> dict[str, Any]:
+        _init_state_of_fp8_params(self.optimizer)
         return get_optimizer_state_dict(self.model, self.optimizer, options=self.options)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         set_optimizer_state_dict(self.model, self.optimizer, state_dict, options=self.options)
+
+
+def _init_state_of_fp8_params(optimizer: torch.optim.Optimizer) -> None:
+    """Initialize an optimizer that never stepped and holds FP8 parameter shards
+    (``te.quantized_model_init``), as ``get_optimizer_state_dict`` would: one step at learning
+    rate 0 on zero gradients. torch makes those gradients with ``zeros_like(param)``, which for an
+    FP8 shard is an FP8 tensor; the backward gives such parameters plain gradients, and so does
+    this."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if optimizer.state or not te_params.has_quantized_shards(params):
+        return
+    if any(p.grad is not None for p in params):
+        return
+    for p in params:
+        if p.requires_grad:
+            p.grad = te_params.zero_grad_like(p)
+    lrs = [g.get("lr") for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        if "lr" in g:
+            g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, lrs):
+        if lr is not None:
+            g["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
 
 
 # --------------------------------------------------------------------------------------------

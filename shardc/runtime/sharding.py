@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from shardc.runtime import te_params
 from shardc.runtime.fp8 import (
     Float8Policy,
     Fp8ParamInfo,
@@ -76,6 +77,9 @@ class ShardedParamInfo:
     # FSDP+TP: the tensor-parallel placement the gathered tp-local tensor is wrapped back into.
     tp: TpSpec | None = None
     fp8: Fp8ParamInfo | None = None  # gathered in FP8 (``shard(..., fp8=...)``)
+    # A TransformerEngine FP8 parameter (``te.quantized_model_init``): its FP8 bytes are
+    # sharded and gathered as they are (shardc.runtime.te_params).
+    quantized: bool = False
 
 
 @dataclass
@@ -146,6 +150,8 @@ def _param_property(name: str, info: ShardedParamInfo, grads: UnsyncedGrads) -> 
         if not isinstance(param, DTensor) or not (_gathering() or _in_eager_forward()):
             return param
         sync = grads.mode()
+        if info.quantized:
+            return te_params.gather_float8_param(self, name, param, info, sync, grads.key)
         if info.fp8 is not None:
             return gather_fp8_weight(param.to_local(), info, sync, grads.key)
         full = gather_param(
@@ -221,24 +227,23 @@ def _check_inputs(module: nn.Module, mesh: DeviceMesh, allow_partial_mesh: bool)
                 f"shardc.shard: parameter {fqn!r} is a scalar (0-d); shardc shards along dim 0. "
                 "Store it as a 1-element tensor instead."
             )
-        _check_not_quantized(fqn, p)
+        if te_params.is_quantized(p):
+            _check_quantized(fqn, p, layout)
+            continue
         check_param(fqn, p, layout)
     return layout
 
 
-def _check_not_quantized(fqn: str, p: torch.Tensor) -> None:
-    """Quantized parameters (TransformerEngine's ``quantized_model_init``, torchao) are tensor
-    subclasses that bring their own all-gather through FSDP2's extension hooks
-    (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``); shardc's gather does not call them, so
-    it would gather (and let the optimizer update) something other than what the module means."""
-    if isinstance(p, DTensor) or not hasattr(p, "fsdp_pre_all_gather"):
-        return
-    raise NotImplementedError(
-        f"shardc.shard: parameter {fqn!r} is a quantized tensor ({type(p).__name__}) with its own "
-        "all-gather hooks (fsdp_pre_all_gather), which shardc does not support yet. Build the "
-        "model with high-precision parameters (without te.quantized_model_init) and let shardc "
-        "gather the weights in FP8: shardc.shard(model, fp8=shardc.te_float8_policy())."
-    )
+def _check_quantized(fqn: str, p: torch.Tensor, layout: MeshLayout) -> None:
+    """Quantized parameters bring their own all-gather hooks for FSDP2 (``fsdp_pre_all_gather``);
+    shardc does not call them but shards and gathers TE's FP8 parameters itself
+    (:mod:`shardc.runtime.te_params`). Anything else is refused, naming the parameter."""
+    te_params.check_quantized_param(fqn, p)
+    if layout.kind != "fsdp":
+        raise NotImplementedError(
+            f"shardc.shard: FP8 parameter {fqn!r} on a {layout.kind.upper()} mesh; FP8 "
+            "parameters (te.quantized_model_init) are sharded over 1-D meshes only."
+        )
 
 
 def _shard_tensor(p: torch.Tensor, layout: MeshLayout) -> DTensor:
@@ -252,7 +257,9 @@ def _shard_tensor(p: torch.Tensor, layout: MeshLayout) -> DTensor:
     chunk = -(-t.shape[0] // world)
     start = min(rank * chunk, t.shape[0])
     rows = max(0, min(chunk, t.shape[0] - start))
-    if t.device.type == "meta":
+    if te_params.is_quantized(t):
+        local = te_params.shard_float8_param(t, start, rows, device, mesh.get_group())
+    elif t.device.type == "meta":
         local = torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device=device)
     else:
         local = t.detach().narrow(0, start, rows).to(device).clone()
@@ -325,6 +332,10 @@ def shard(
     fp8_fqns = select_fp8_params(
         module, fp8, {fqn: len(owners[key]) for key, (fqn, _) in canonical.items()}
     ) if fp8 is not None else set()
+    # FP8 parameters are gathered in their own FP8 format; a policy that selects them changes
+    # nothing.
+    quantized = {fqn for fqn, p in canonical.values() if te_params.is_quantized(p)}
+    fp8_fqns -= quantized
 
     infos: dict[str, ShardedParamInfo] = {}
     per_module: dict[int, tuple[nn.Module, dict[str, ShardedParamInfo]]] = {}
@@ -342,6 +353,7 @@ def shard(
             tp=tp_spec(p),
             fp8=Fp8ParamInfo(fp8.dtype, mp_policy.param_dtype or p.dtype)
             if fqn in fp8_fqns else None,
+            quantized=fqn in quantized,
         )
         infos[fqn] = info
         new_param = nn.Parameter(_shard_tensor(p, layout), requires_grad=p.requires_grad)
@@ -360,6 +372,11 @@ def shard(
         _swap_class(sub, sub_infos, state.grad_sync, fp8)
         sub.register_forward_pre_hook(_enter_forward)
         sub.register_forward_hook(_exit_forward, always_call=True)
+        fp8_names = tuple(n for n, i in sub_infos.items() if i.quantized)
+        if fp8_names:
+            sub.register_forward_pre_hook(te_params.clear_gathered)
+            sub.register_forward_hook(te_params.clear_gathered, always_call=True)
+            sub.register_state_dict_post_hook(te_params.state_dict_hook(fp8_names))
     if id(module) not in per_module:
         module.register_forward_pre_hook(_enter_forward)
         module.register_forward_hook(_exit_forward, always_call=True)

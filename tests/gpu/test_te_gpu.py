@@ -312,12 +312,3 @@ def _fp8_meta(model_state: dict) -> dict[str, dict[str, torch.Tensor]]:
             if tensors:  # modules without delayed-scaling tensors (attention) keep none
                 out[key] = tensors
     return out
-
-
-def test_quantized_model_init_is_refused_clearly(nccl):
-    """FP8 parameters (``te.quantized_model_init``) bring their own all-gather hooks, which
-    shardc does not call yet: ``shardc.shard`` says so instead of gathering something else."""
-    with te.quantized_model_init(enabled=True, recipe=shardc.te_fp8_recipe()):
-        layer = te.Linear(D, D).cuda()
-    with pytest.raises(NotImplementedError, match=r"'weight' is a quantized tensor"):
-        shardc.shard(layer)

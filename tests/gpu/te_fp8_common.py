@@ -1,0 +1,95 @@
+"""Shared pieces of the tests of TransformerEngine FP8 parameters (``te.quantized_model_init``):
+models, batches, a training step with TE's ``FusedAdam`` (master weights), and comparisons that
+read FP8 parameters as their dequantized values. Imported only where TE imports."""
+
+from __future__ import annotations
+
+import torch
+import transformer_engine.pytorch as te
+from torch.distributed.tensor import DTensor
+
+import shardc
+from shardc.runtime import te_params
+
+D, FFN, HEADS = 256, 512, 4
+KINDS = ["Linear", "LayerNormLinear", "LayerNormMLP", "TransformerLayer"]
+
+
+def build(kind: str, *, bias: bool = False, seed: int = 0, fp8_params: bool = True,
+          recipe=None) -> torch.nn.Module:
+    """A TE module on the GPU, its GEMM weights FP8 parameters when ``fp8_params``."""
+    torch.manual_seed(seed)
+    with te.quantized_model_init(enabled=fp8_params, recipe=recipe):
+        if kind == "Linear":
+            return te.Linear(D, D, bias=bias).cuda()
+        if kind == "LayerNormLinear":
+            return te.LayerNormLinear(D, D, bias=bias).cuda()
+        if kind == "LayerNormMLP":
+            return te.LayerNormMLP(D, FFN, bias=bias).cuda()
+        return te.TransformerLayer(D, FFN, HEADS, bias=bias, hidden_dropout=0.0,
+                                   attention_dropout=0.0, fuse_qkv_params=True).cuda()
+
+
+def batch(step: int, rank: int = 0) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(100 + step + 1000 * rank)
+    return torch.randn(32, 2, D, device="cuda", generator=g)  # (seq, batch, hidden)
+
+
+def optimizer(model: torch.nn.Module):
+    """TE's Adam with float32 master weights: the optimizer FP8 parameters need."""
+    return te.optimizers.FusedAdam(model.parameters(), lr=1e-3, master_weights=True,
+                                   master_weight_dtype=torch.float32)
+
+
+def step(model, forward, opt, autocast, x: torch.Tensor) -> float:
+    with autocast():
+        y = forward(x)
+    loss = y.float().pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def ref_autocast(recipe):
+    return lambda: te.autocast(enabled=True, recipe=recipe)
+
+
+def shardc_autocast(model, recipe):
+    return lambda: shardc.te_autocast(model, recipe)
+
+
+def value(p: torch.Tensor) -> torch.Tensor:
+    """The full value of a parameter (sharded or not, FP8 or not), dequantized, float32."""
+    if isinstance(p, DTensor):
+        p = te_params.dequantized_value(p.detach()).full_tensor()
+    elif te_params.is_quantized(p):
+        p = p.dequantize(dtype=torch.float32)
+    return p.detach().float()
+
+
+def values(model) -> dict[str, torch.Tensor]:
+    return {n: value(p) for n, p in model.named_parameters()}
+
+
+def master_weights(model, opt) -> dict[str, torch.Tensor]:
+    """``FusedAdam``'s float32 master weights by parameter name (full tensors)."""
+    out = {}
+    for name, p in model.named_parameters():
+        state = opt.get_unscaled_state(p, "master_param") if opt.state.get(p) else None
+        if state is None:
+            continue
+        if isinstance(p, DTensor):
+            state = DTensor.from_local(state, p.device_mesh, p.placements, run_check=False,
+                                       shape=p.shape, stride=p.stride()).full_tensor()
+        out[name] = state.detach().float().clone()
+    return out
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
+
+
+def fp8_names(model) -> list[str]:
+    return [n for n, p in model.named_parameters()
+            if te_params.is_quantized(p._local_tensor if isinstance(p, DTensor) else p)]
