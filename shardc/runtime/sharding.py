@@ -258,7 +258,7 @@ def _shard_tensor(p: torch.Tensor, layout: MeshLayout) -> DTensor:
     start = min(rank * chunk, t.shape[0])
     rows = max(0, min(chunk, t.shape[0] - start))
     if te_params.is_quantized(t):
-        local = te_params.shard_float8_param(t, start, rows, device, mesh.get_group())
+        local = te_params.shard_float8_param(t, start, rows, device)
     elif t.device.type == "meta":
         local = torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device=device)
     else:
@@ -357,6 +357,8 @@ def shard(
         )
         infos[fqn] = info
         new_param = nn.Parameter(_shard_tensor(p, layout), requires_grad=p.requires_grad)
+        if info.quantized:
+            te_params.bind_shard(new_param, mesh.get_group())
         for sub, pname in owners[key]:
             sub._parameters[pname] = new_param
             per_module.setdefault(id(sub), (sub, {}))[1][pname] = info

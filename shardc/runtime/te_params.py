@@ -28,6 +28,8 @@ Every use of TE's FP8-tensor internals (``_data``, ``_scale_inv``, the quantizer
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -94,14 +96,12 @@ def check_quantized_param(fqn: str, p: torch.Tensor) -> None:
         )
 
 
-def shard_float8_param(
-    p: torch.Tensor, start: int, rows: int, device: torch.device, group: dist.ProcessGroup
-) -> torch.Tensor:
+def shard_float8_param(p: torch.Tensor, start: int, rows: int, device: torch.device
+                       ) -> torch.Tensor:
     """Rows ``start:start + rows`` of the FP8 parameter ``p`` as a ``Float8Tensor`` on
     ``device``: the FP8 bytes copied, the scale (``scale_inv``) copied, the quantizer kept (so a
     delayed-scaling quantizer still shares its module's scale and amax). No transpose is kept;
-    TE builds one from the bytes where it needs it. Under current scaling the shard's later
-    re-quantizations reduce the amax over ``group``."""
+    TE builds one from the bytes where it needs it."""
     float8_tensor, _ = _float8_classes()
     data = p._data.detach().narrow(0, start, rows).to(device).clone()
     shard = float8_tensor(
@@ -114,11 +114,17 @@ def shard_float8_param(
         requires_grad=False,
         device=device,
     )
-    if group.size() > 1 and _is_current_scaling(p._quantizer):
-        # Float8Tensor.quantize_ (the optimizer's write-back, load_state_dict's copy_) applies
-        # the tensor's amax_reduction_group, as it does for FSDP2's shards.
-        shard.amax_reduction_group = group
     return shard
+
+
+def bind_shard(param: DTensor, group: dist.ProcessGroup) -> None:
+    """Finish the FP8 parameter ``param`` (a ``Shard(0)`` DTensor of an FP8 shard): under
+    current scaling its re-quantizations (the optimizer's write-back, ``load_state_dict``'s copy)
+    reduce the amax over ``group``, as TE does for FSDP2's shards. Set on the DTensor's own local
+    tensor: wrapping makes new Float8Tensor objects, and the attribute is per object."""
+    local = param._local_tensor
+    if group.size() > 1 and _is_current_scaling(local._quantizer):
+        local.amax_reduction_group = group
 
 
 def _is_current_scaling(quantizer) -> bool:
@@ -193,19 +199,30 @@ def gather_float8_param(
     forward: TE reads a weight more than once)."""
     cache = module.__dict__.setdefault(_CACHE, {})
     if name in cache:
-        return cache[name]
+        return cache[name][0]
     counts = module.__dict__.setdefault("_shardc_fp8_param_gathers", {})
     counts[name] = counts.get(name, 0) + 1
     full = _GatherFloat8.apply(param.to_local(), info, grad_sync, sync_key,
                                counts[name] <= SCALE_CHECKS)
-    cache[name] = full
+    cache[name] = (full, full._quantizer)
     return full
 
 
 def clear_gathered(module: nn.Module, *args) -> None:
     """Forward pre- and post-hook of a module with FP8 parameters: forget the gathered weights
-    (autograd keeps what TE saved for the backward)."""
-    module.__dict__.pop(_CACHE, None)
+    (autograd keeps what TE saved for the backward).
+
+    TE gives a module's FP8 weights new quantizers during a forward when it rebuilds its FP8
+    state (e.g. a recipe with another amax history length): it reads the weights, which inside
+    the forward are the gathered ones, and calls their ``update_quantizer``. The shard must
+    follow, or the optimizer's FP8 write-back would use the old scale and amax buffers."""
+    cache = module.__dict__.pop(_CACHE, None) or {}
+    for name, (full, given) in cache.items():
+        local = module._parameters[name]._local_tensor
+        if full._quantizer is not given and local._quantizer is not full._quantizer:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # TE warned when it updated the gathered one
+                local.update_quantizer(full._quantizer)
 
 
 def dequantized_value(value: torch.Tensor) -> torch.Tensor:
