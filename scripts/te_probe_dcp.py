@@ -1,6 +1,5 @@
-"""Probe (GPU, TE): where a DCP round trip of an FP8-parameter TE model loses a value.
-Run: PYTHONPATH=$PWD:/tmp/te-site:tests/gpu python3 scripts/te_probe_dcp.py <dir>"""
-import sys
+"""Probe (GPU, TE): FP8-parameter TE models under shardc, where a value moves.
+Run: PYTHONPATH=$PWD:/tmp/te-site:tests/gpu python3 scripts/te_probe_dcp.py"""
 import tempfile
 
 import te_fp8_common as common
@@ -12,39 +11,84 @@ import shardc
 from shardc.checkpoint import ModelState, OptimizerState
 
 torch.cuda.set_device(0)
-dist.init_process_group("nccl", init_method=f"file://{tempfile.mkdtemp()}/pg", rank=0, world_size=1)
-path = sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp()
+dist.init_process_group("nccl", init_method=f"file://{tempfile.mkdtemp()}/pg", rank=0,
+                        world_size=1)
+
+
+def show(tag, model, before):
+    now = common.values(model)
+    moved = {n: (now[n] - before[n]).abs().max().item() for n in now}
+    grads = {n: (None if p.grad is None else round(float(common.value(p.grad).norm()), 6))
+             for n, p in model.named_parameters()}
+    print(tag, "moved:", {k: f"{v:.2e}" for k, v in moved.items()})
+    print(tag, "grads:", grads)
+    return now
+
+
+for sharded in (False, True):
+    print("==== sharded" if sharded else "==== unsharded")
+    recipe = shardc.te_fp8_recipe("current")
+    model = common.build("TransformerLayer", bias=True, recipe=recipe)
+    if sharded:
+        shardc.shard(model)
+    opt = common.optimizer(model)
+    auto = common.shardc_autocast(model, recipe) if sharded else common.ref_autocast(recipe)
+    v = common.values(model)
+    for s in range(3):
+        with auto():
+            y = model(common.batch(s))
+        y.float().pow(2).mean().backward()
+        v_pre = common.values(model)
+        print("grads before step", s, {n: (None if p.grad is None else
+                                            round(float(common.value(p.grad).norm()), 6))
+                                        for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+        v = show(f"step {s}", model, v_pre)
+    print("group", {k: val for k, val in opt.param_groups[0].items() if k != "params"})
+
+# The DCP test's order.
 recipe = shardc.te_fp8_recipe("current")
 model = common.build("TransformerLayer", bias=True, recipe=recipe)
 shardc.shard(model)
 opt = common.optimizer(model)
 for s in range(2):
     common.step(model, model, opt, common.shardc_autocast(model, recipe), common.batch(s))
-print("saved group step", [g.get("step") for g in opt.param_groups])
 saved = common.values(model)
+path = tempfile.mkdtemp()
 dcp.save({"model": ModelState(model), "optim": OptimizerState(model, opt)}, checkpoint_id=path)
-after_save = common.values(model)
-print("values changed by save:", [n for n in saved if not torch.equal(saved[n], after_save[n])])
+with torch.no_grad(), shardc.te_autocast(model, recipe):
+    model(common.batch(7))
+common.step(model, model, opt, common.shardc_autocast(model, recipe), common.batch(2))
 fresh = common.build("TransformerLayer", bias=True, seed=1, recipe=recipe)
 shardc.shard(fresh)
 fopt = common.optimizer(fresh)
-v0 = common.values(fresh)
-osd = OptimizerState(fresh, fopt).state_dict()
-v1 = common.values(fresh)
-print("values changed by optimizer init:", [n for n in v0 if not torch.equal(v0[n], v1[n])])
-print("fresh group step after init", [g.get("step") for g in fopt.param_groups])
-msd = ModelState(fresh).state_dict()
+f0 = common.values(fresh)
 dcp.load({"model": ModelState(fresh), "optim": OptimizerState(fresh, fopt)}, checkpoint_id=path)
 loaded = common.values(fresh)
-print("fresh group step after load", [g.get("step") for g in fopt.param_groups])
+sd = ModelState(common.build("TransformerLayer", bias=True, seed=3, recipe=recipe)).state_dict()
 for n in saved:
-    d = (loaded[n] - saved[n]).abs().max().item()
-    d0 = (v0[n] - saved[n]).abs().max().item()
-    print(f"{n:55s} loaded-saved {d:.3e}  fresh-saved {d0:.3e}")
-# Load the model part alone, straight from the files.
-sd = ModelState(fresh).state_dict()
-dcp.load({"model": sd}, checkpoint_id=path)
-for n in ("self_attention.layernorm_qkv.layer_norm_weight", "self_attention.proj.weight"):
-    v = sd[n]
-    v = v.full_tensor() if hasattr(v, "full_tensor") else v
-    print("file value", n, (v.float() - saved[n]).abs().max().item())
+    print(f"{n:50s} loaded-saved {(loaded[n]-saved[n]).abs().max().item():.3e} "
+          f"fresh0-saved {(f0[n]-saved[n]).abs().max().item():.3e}")
+
+# Delayed scaling: does unsharded TE compute its dgrad with a stale cached FP8 transpose after
+# FusedAdam's FP8 update? Losses of: plain TE, TE with the transpose cache dropped after each
+# step, shardc.
+recipe = shardc.te_fp8_recipe("delayed")
+runs = {}
+for name in ("te", "te_fresh_transpose", "shardc"):
+    model = common.build("LayerNormMLP", recipe=recipe)
+    if name == "shardc":
+        shardc.shard(model)
+    opt = common.optimizer(model)
+    auto = (common.shardc_autocast(model, recipe) if name == "shardc"
+            else common.ref_autocast(recipe))
+    losses = []
+    for s in range(4):
+        losses.append(common.step(model, model, opt, auto, common.batch(s)))
+        if name == "te_fresh_transpose":
+            for p in model.parameters():
+                if hasattr(p, "_reset_caches"):
+                    p._reset_caches()
+    runs[name] = losses
+print("delayed losses", runs)

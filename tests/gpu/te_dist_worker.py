@@ -119,6 +119,7 @@ def fp8_params_same_batch(kind: str, recipe_name: str) -> dict:
         for s in range(STEPS):
             x = common.batch(s)
             want.append(common.step(ref, ref, ref_opt, common.ref_autocast(recipe), x))
+            common.drop_stale_transposes(ref)
             got.append(common.step(model, model, opt, common.shardc_autocast(model, recipe), x))
             scales_equal &= all(_same_on_every_rank(t) for t in _shard_scales(model))
     errors = _compare(ref, model, ref_opt, opt, want, got)
@@ -144,6 +145,7 @@ def fp8_params_own_batches(recipe_name: str) -> dict:
         xs = [common.batch(s, r) for r in range(_world())]
         want.append(common.step(ref, ref, ref_opt, common.ref_autocast(recipe),
                                 torch.cat(xs, dim=1)))
+        common.drop_stale_transposes(ref)
         loss = torch.tensor(common.step(model, model, opt,
                                         common.shardc_autocast(model, recipe), xs[_rank()]),
                             device="cuda")

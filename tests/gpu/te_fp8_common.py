@@ -93,3 +93,18 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def fp8_names(model) -> list[str]:
     return [n for n, p in model.named_parameters()
             if te_params.is_quantized(p._local_tensor if isinstance(p, DTensor) else p)]
+
+
+def drop_stale_transposes(model) -> None:
+    """Mark the cached FP8 transposes of ``model``'s (unsharded) FP8 parameters stale.
+
+    Under delayed scaling TE's ``FusedAdam`` writes the new FP8 bytes of a parameter in place
+    and leaves the transpose TE cached at initialization as it was, so unsharded TE computes
+    its input gradient (which needs the transpose on Hopper) with the initial weight from the
+    second step on (scripts/te_probe_dcp.py measures it). shardc rebuilds a gathered weight
+    every step, so its transpose is made from the current bytes. The reference drops its cache
+    after each step to compute with the current weight too (no effect under current scaling,
+    whose write-back re-quantizes the whole tensor)."""
+    for p in model.parameters():
+        if te_params.is_quantized(p):
+            p._reset_caches()

@@ -65,6 +65,7 @@ def _train_pair(kind: str, recipe, mode: str, bias: bool = False):
     for s in range(STEPS):
         x = common.batch(s)
         want.append(common.step(ref, ref, ref_opt, common.ref_autocast(recipe), x))
+        common.drop_stale_transposes(ref)
         got.append(common.step(model, forward, opt, common.shardc_autocast(model, recipe), x))
     return ref, model, ref_opt, opt, want, got, fp8
 
