@@ -60,12 +60,14 @@ def shardc_autocast(model, recipe):
 
 
 def value(p: torch.Tensor) -> torch.Tensor:
-    """The full value of a parameter (sharded or not, FP8 or not), dequantized, float32."""
+    """The full value of a parameter (sharded or not, FP8 or not), dequantized, float32, as a
+    copy: at world 1 ``full_tensor()`` and ``.float()`` of a float32 tensor return the
+    parameter's own storage, which the next optimizer step would change."""
     if isinstance(p, DTensor):
         p = te_params.dequantized_value(p.detach()).full_tensor()
     elif te_params.is_quantized(p):
         p = p.dequantize(dtype=torch.float32)
-    return p.detach().float()
+    return p.detach().float().clone()
 
 
 def values(model) -> dict[str, torch.Tensor]:
