@@ -283,3 +283,40 @@ def test_policy_selects_every_named_weight_of_a_module():
     with pytest.raises(ValueError, match=r"'0.layer_norm_weight' is 1-D.*weights="):
         select_fp8_params(model, Float8Policy(modules=(LayerNormMLP,), weights=(".*weight",)),
                           owners)
+
+
+def _fp8_bench():
+    """``benchmarks/fp8_bench.py`` as a module (benchmarks/ is not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "fp8_bench.py"
+    spec = importlib.util.spec_from_file_location("fp8_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_fp8_mode_halves_planned_all_gather_bytes(capsys):
+    """The benchmark's default ``fp8`` mode (FP8 Linears and token embedding) gathers every 2-D
+    weight in float8: its plan moves the bf16 plan's elements, the float8 ones at 1 byte instead
+    of 2, and only the norms stay bf16, so the step's all-gather bytes are half of bf16's plus
+    half the norms' share (``--plan-only``: the benchmark's ``--tiny`` shapes, meta device)."""
+    import json
+
+    bench = _fp8_bench()
+    args = bench._args(["--tiny"])
+    assert args.modes == ["bf16", "fp8"], "the default benchmark reports the fp8 mode"
+    assert bench.MODES["fp8"].selects("tok_embeddings", nn.Embedding(3, 2))
+    capsys.readouterr()
+    assert bench.main(["--tiny", "--plan-only"]) == 0
+    results = json.loads(capsys.readouterr().out)["results"]
+    bf16 = results["bf16"]["all_gather_bytes_by_dtype"]
+    fp8 = results["fp8"]["all_gather_bytes_by_dtype"]
+    assert set(bf16) == {"bfloat16"}
+    assert 2 * fp8["float8_e4m3fn"] + fp8["bfloat16"] == bf16["bfloat16"]
+    norms = (2 * args.layers + 1) * args.dim * 2  # every 1-D weight, bf16, once
+    assert 0 < fp8["bfloat16"] <= 2 * norms, "only the norms (forward, backward) stay bf16"
+    ratio = results["fp8"]["all_gather_bytes"] / results["bf16"]["all_gather_bytes"]
+    assert ratio == 0.5 + fp8["bfloat16"] / (2 * bf16["bfloat16"]) < 0.502
+    assert results["fp8"]["all_gather_ratio_vs_bf16"] == round(ratio, 6)
