@@ -4,6 +4,9 @@
 #   bash scripts/gpu_fp8.sh            # tests + benchmark (d_model 4096, 200 steps, 1 GPU)
 #   STEPS=20 bash scripts/gpu_fp8.sh   # shorter benchmark
 #   NPROC=2 bash scripts/gpu_fp8.sh    # two GPUs
+#   BENCH_ARGS="--modes bf16,fp8,fp8-linear" bash scripts/gpu_fp8.sh   # also FP8 Linears only
+# The benchmark's fp8 mode gathers the Linear weights and the token embedding in float8
+# (fp8-linear: the Linear weights only); its json/md give all_gather_ratio_vs_bf16.
 # Results go to $OUT (the device tool's output folder) or out/gpu_fp8/.
 set -uo pipefail
 cd "$(dirname "$0")/.."

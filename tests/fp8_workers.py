@@ -8,7 +8,7 @@ import types
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from parity import CFG, GLOBAL_BATCH, batches, build, train, train_rank_slice
+from parity import CFG, GLOBAL_BATCH, SEQ, batches, build, train, train_rank_slice
 from torch import nn
 
 import shardc
@@ -26,22 +26,74 @@ def fake_quant(w: torch.Tensor, dtype: torch.dtype = FP8) -> torch.Tensor:
     return ((w.detach().float() * scale).clamp(-top, top).to(dtype).float() / scale).to(w.dtype)
 
 
-def fake_quant_linears(model: nn.Module) -> nn.Module:
-    """The unsharded reference of FP8 training: every ``nn.Linear`` computes with its
-    fake-quantized weight and passes the gradient straight through to the weight."""
+# The policies the tests shard with, by name (spawned ranks get the name, not the policy).
+POLICIES = {
+    "linear": shardc.Float8Policy(),
+    "embedding": shardc.Float8Policy(modules=(nn.Linear, nn.Embedding)),
+}
+
+
+def _straight_through(w: torch.Tensor) -> torch.Tensor:
+    """``fake_quant(w)`` in forward, the identity's gradient in backward."""
+    return w + (fake_quant(w) - w).detach()
+
+
+def _fake_linear(self, x):
+    return F.linear(x, _straight_through(self.weight), self.bias)
+
+
+def _fake_embedding(self, tokens):
+    return F.embedding(tokens, _straight_through(self.weight), self.padding_idx)
+
+
+def fake_quant_modules(model: nn.Module, policy: str = "linear") -> nn.Module:
+    """The unsharded reference of FP8 training: every ``nn.Linear`` (and with the ``embedding``
+    policy every ``nn.Embedding``) computes with its fake-quantized weight and passes the
+    gradient straight through to the weight; a weight shared by two modules (tied embedding and
+    output) stays high precision, as shardc keeps it."""
+    forwards = {nn.Linear: _fake_linear}
+    if policy == "embedding":
+        forwards[nn.Embedding] = _fake_embedding
+    readers: dict[int, int] = {}
     for m in model.modules():
-        if type(m) is nn.Linear:
-            def forward(self, x):
-                w = self.weight
-                return F.linear(x, w + (fake_quant(w) - w).detach(), self.bias)
-            m.forward = types.MethodType(forward, m)
+        weight = m._parameters.get("weight")
+        if weight is not None:
+            readers[id(weight)] = readers.get(id(weight), 0) + 1
+    for m in model.modules():
+        if type(m) in forwards and readers[id(m.weight)] == 1:
+            m.forward = types.MethodType(forwards[type(m)], m)
     return model
 
 
-def reference(kind: str, fake: bool) -> dict:
-    model = build(kind)
+class TiedEmbeddings(nn.Module):
+    """A token embedding tied to the output head (one parameter, two readers), a position
+    embedding and a linear; 37 token rows are uneven at world sizes 2-4, 9 position rows at 2
+    and 4."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(CFG.vocab_size, 12)
+        self.pos = nn.Embedding(SEQ, 12)
+        self.proj = nn.Linear(12, 12)
+        self.head = nn.Linear(12, CFG.vocab_size, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+        return self.head(h + F.silu(self.proj(h)))
+
+
+def build_model(kind: str) -> nn.Module:
+    if kind == "tied":
+        torch.manual_seed(0)
+        return TiedEmbeddings()
+    return build(kind)
+
+
+def reference(kind: str, fake: bool, policy: str = "linear") -> dict:
+    model = build_model(kind)
     if fake:
-        fake_quant_linears(model)
+        fake_quant_modules(model, policy)
     tokens, targets = batches()
     losses = train(model, model, tokens, targets)
     return {"losses": torch.stack(losses), "params": copy.deepcopy(dict(model.named_parameters()))}
@@ -57,11 +109,13 @@ def _collectives(gm) -> dict[str, int]:
 
 
 def fp8_run(rank: int, world: int, kind: str, mode: str, **options) -> dict:
-    """Train a parity Llama with FP8 linears; this rank's slice of the global batch."""
+    """Train a parity model with FP8 weights (``policy``, a name of :data:`POLICIES`: linears,
+    or linears and embeddings); this rank's slice of the global batch."""
     torch._dynamo.reset()
-    model = build(kind)
+    model = build_model(kind)
     reshard = options.pop("reshard_after_forward", True)
-    shardc.shard(model, reshard_after_forward=reshard, fp8=shardc.Float8Policy())
+    policy = POLICIES[options.pop("policy", "linear")]
+    shardc.shard(model, reshard_after_forward=reshard, fp8=policy)
     forward = model if mode == "eager" else torch.compile(
         model, backend=shardc.backend(inductor=(mode == "inductor"), **options))
     losses = train_rank_slice(model, forward, rank, world)
@@ -101,20 +155,30 @@ class TeShapedProbe(nn.Module):
 class Probes(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        # 45 and 1 rows: uneven for world 2-4, and an empty shard from world 2 on.
+        # 45, 37 and 1 rows: uneven for world 2-4, and an empty shard from world 2 on.
         self.a = Probe(24, 45, bias=False)
         self.b = Probe(7, 1, bias=False)
         self.c = TeShapedProbe()
+        self.d = nn.Embedding(37, 6)  # read through nn.Embedding's own forward
+        self.e = nn.Embedding(1, 5)
         with torch.no_grad():
             self.a.weight[3, 5] = 0.0123  # a value far below the others
             self.a.weight[0, 0] = -3.5  # the amax
+            self.d.weight[2, 3] = 0.0123  # on rank 0 at world 2 ...
+            self.d.weight[30, 1] = 4.5  # ... and the amax on rank 1
 
     def forward(self, x):
-        return (self.a(x), self.b(x), *self.c(x))
+        # Looking every row up returns the embedding's whole (gathered, dequantized) weight.
+        rows = [torch.arange(m.num_embeddings, device=x.device) for m in (self.d, self.e)]
+        return (self.a(x), self.b(x), *self.c(x), self.d(rows[0]), self.e(rows[1]))
 
 
-# nn.Linear's `weight` and the TE-shaped module's GEMM weights (as shardc.te_float8_policy).
-PROBE_POLICY = shardc.Float8Policy(modules=(nn.Linear, TeShapedProbe), weights=TE_GEMM_WEIGHTS)
+PROBE_NAMES = ("a.weight", "b.weight", "c.layer_norm_weight", "c.fc1_weight", "c.fc2_weight",
+               "d.weight", "e.weight")
+# nn.Linear's `weight`, the TE-shaped module's GEMM weights (as shardc.te_float8_policy) and
+# nn.Embedding's `weight`.
+PROBE_POLICY = shardc.Float8Policy(modules=(nn.Linear, TeShapedProbe, nn.Embedding),
+                                   weights=TE_GEMM_WEIGHTS)
 
 
 def gather_numerics(rank: int, world: int) -> dict:
@@ -128,8 +192,9 @@ def gather_numerics(rank: int, world: int) -> dict:
         shardc.shard(model, fp8=PROBE_POLICY)
         forward = model if mode == "eager" else torch.compile(
             model, backend=shardc.backend(inductor=(mode == "inductor")))
-        names = ("a.weight", "b.weight", "c.layer_norm_weight", "c.fc1_weight", "c.fc2_weight")
-        out[mode] = {n: v.detach() for n, v in zip(names, forward(torch.zeros(2, 24)))}
+        out[mode] = {n: v.detach() for n, v in zip(PROBE_NAMES, forward(torch.zeros(2, 24)))}
+        out[f"{mode} fp8"] = sorted(n for n, i in shardc.shard_state(model).params.items()
+                                    if i.fp8 is not None)
         out["full"] = full
     return out
 

@@ -13,6 +13,8 @@ import pytest
 import torch
 from dist_utils import run_ranks
 from fp8_workers import (
+    POLICIES,
+    build_model,
     checkpoint_round_trip,
     fake_quant,
     fp8_only_region,
@@ -33,48 +35,93 @@ FP8_LOSS_TOL = 5e-3  # FP8 weights vs the float32 model: relative loss error ove
 
 @pytest.fixture(scope="module")
 def references():
-    return {(kind, fake): reference(kind, fake) for kind in ("llama", "llama1")
-            for fake in (True, False)}
+    """Unsharded references: fake-quantized per policy, and the float32 model (policy None)."""
+    keys = [(kind, True, policy) for kind in ("llama", "llama1") for policy in POLICIES]
+    keys += [("tied", True, "embedding")]
+    keys += [(kind, False, None) for kind in ("llama", "llama1", "tied")]
+    return {(kind, fake, policy): reference(kind, fake, policy or "linear")
+            for kind, fake, policy in keys}
 
 
-@pytest.mark.parametrize("world", [2])
-def test_gathered_weight_is_reference_quantize_dequantize(world):
-    """Eager, planned FX and Inductor; one rank holds no row of ``b``. TransformerEngine-style
-    weight names (``c.fc1_weight``...) are gathered in FP8 alike, the norm weight unquantized."""
-    out = run_ranks(gather_numerics, world)
-    for rank_out in out:
+@pytest.fixture(scope="module")
+def gathered():
+    """The probes' gathered weights on 2 ranks (eager, planned FX, Inductor) and their full
+    weights: ``a`` (45 rows) and ``d`` (37) are uneven, rank 1 holds no row of ``b`` and ``e``."""
+    return run_ranks(gather_numerics, 2)
+
+
+def _assert_reference_fake_quant(rank_out: dict, names: tuple[str, ...]) -> None:
+    for mode in ("eager", "fx", "inductor"):
+        assert set(names) <= set(rank_out[f"{mode} fp8"]), f"{mode}: not all selected"
+        for name in names:
+            want = fake_quant(rank_out["full"][name])
+            got = rank_out[mode][name]
+            assert torch.equal(got, want), f"{mode} {name}: not the reference fake-quant"
+            assert not torch.equal(got, rank_out["full"][name]), f"{name} was not quantized"
+
+
+def test_gathered_weight_is_reference_quantize_dequantize(gathered):
+    """Eager, planned FX and Inductor at world 2; one rank holds no row of ``b``.
+    TransformerEngine-style weight names (``c.fc1_weight``...) are gathered in FP8 alike, the
+    norm weight unquantized."""
+    for rank_out in gathered:
+        _assert_reference_fake_quant(rank_out, ("a.weight", "b.weight", "c.fc1_weight",
+                                                "c.fc2_weight"))
         for mode in ("eager", "fx", "inductor"):
             norm = rank_out[mode]["c.layer_norm_weight"]
             assert torch.equal(norm, rank_out["full"]["c.layer_norm_weight"]), mode
-            for name in ("a.weight", "b.weight", "c.fc1_weight", "c.fc2_weight"):
-                want = fake_quant(rank_out["full"][name])
-                got = rank_out[mode][name]
-                assert torch.equal(got, want), f"{mode} {name}: not the reference fake-quant"
-                assert not torch.equal(got, rank_out["full"][name]), f"{name} was not quantized"
     # The tiny value is rounded at the global scale (amax 3.5 from another rank's rows).
-    a = out[0]["eager"]["a.weight"]
+    a = gathered[0]["eager"]["a.weight"]
     assert a[0, 0] == -3.5 and a[3, 5] != 0.0123
+
+
+def test_gathered_embedding_is_reference_quantize_dequantize(gathered):
+    """``Float8Policy(modules=(..., nn.Embedding))``: what ``nn.Embedding``'s own forward looks
+    up is the reference quantize-dequantize of the full weight, bitwise, eager, planned FX and
+    Inductor at world 2: 37 rows (19 and 18 per rank) with the amax on rank 1, and 1 row (rank 1
+    holds none)."""
+    for rank_out in gathered:
+        _assert_reference_fake_quant(rank_out, ("d.weight", "e.weight"))
+    # Rank 0's tiny value is rounded at the global scale, set by rank 1's amax 4.5.
+    d = gathered[0]["eager"]["d.weight"]
+    assert d[30, 1] == 4.5 and d[2, 3] != 0.0123
+    full = gathered[0]["full"]["d.weight"]
+    assert not torch.equal(d[:19], fake_quant(full[:19])), "rank 0's own amax was used"
 
 
 def _scenarios(rank: int, world: int, scenarios: list) -> list[dict]:
     return [fp8_run(rank, world, kind, mode, **dict(options)) for kind, mode, options in scenarios]
 
 
-def _check_run(run: dict, references: dict, kind: str, mode: str, where: str) -> None:
+def _expected_fp8(kind: str, policy: str) -> set[str]:
+    """What ``policy`` must gather in FP8, from the unsharded model: the weight of every
+    ``nn.Linear`` (and ``nn.Embedding`` for the ``embedding`` policy) that no other module
+    reads (a tied weight keeps the normal gather)."""
+    classes = (nn.Linear, nn.Embedding) if policy == "embedding" else (nn.Linear,)
+    readers: dict[int, list[tuple[str, nn.Module]]] = {}
+    for name, m in build_model(kind).named_modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            readers.setdefault(id(m.weight), []).append((name, m))
+    return {f"{name}.weight" for (name, m), *others in readers.values()
+            if not others and isinstance(m, classes)}
+
+
+def _check_run(run: dict, references: dict, kind: str, mode: str, policy: str,
+               where: str) -> None:
     assert torch.isfinite(run["losses"]).all(), where
     try:
         # Same numerics as an unsharded fake-quantized model (tight parity) ...
-        assert_parity(run, references[kind, True], tol=1e-4)
+        assert_parity(run, references[kind, True, policy], tol=1e-4)
     except AssertionError as exc:
         raise AssertionError(f"{where}: {exc}") from exc
     # ... and the float32 model within FP8 tolerance.
-    err = max_rel_err(run["losses"], references[kind, False]["losses"])
+    err = max_rel_err(run["losses"], references[kind, False, None]["losses"])
     assert err <= FP8_LOSS_TOL, f"{where}: loss rel err {err:.2e} vs float32"
     assert err > 0, f"{where}: FP8 changed nothing; were the weights quantized?"
     assert set(run["dtypes"].values()) == {torch.float32}, "master shards must stay float32"
-    linears = [n for n in run["params"] if n.endswith(("wq.weight", "w2.weight"))]
-    assert linears and set(linears) <= set(run["fp8"])
-    assert "tok_embeddings.weight" not in run["fp8"]
+    assert set(run["fp8"]) == _expected_fp8(kind, policy), where
+    if kind != "tied":
+        assert ("tok_embeddings.weight" in run["fp8"]) == (policy == "embedding"), where
     if mode != "eager":
         (fw, bw), = run["collectives"]
         # One amax all-reduce per step: in the forward, none in the backward.
@@ -83,28 +130,52 @@ def _check_run(run: dict, references: dict, kind: str, mode: str, where: str) ->
         assert not bw.get("all_reduce") and not bw.get("all_reduce_"), bw
 
 
+EMBEDDING = (("policy", "embedding"),)
+
+
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_fp8_training_parity(world, references):
-    """Eager at every world size; compiled (planned FX) at 2 and 3 (CPU compiles are slow)."""
+    """Eager at every world size; compiled (planned FX) at 2 and 3 (CPU compiles are slow).
+    With FP8 embeddings too (``EMBEDDING``): eager at 3, eager and FX at 2, and a tied
+    embedding/output weight beside FP8 embeddings under Inductor at 2, eager at 4."""
     scenarios = {
         1: [("llama", "eager", ())],
-        2: [("llama1", "eager", ()), ("llama1", "fx", ())],
+        2: [("llama1", "eager", ()), ("llama1", "fx", ()),
+            ("llama1", "eager", EMBEDDING), ("llama1", "fx", EMBEDDING),
+            ("tied", "inductor", EMBEDDING)],
         3: [("llama", "eager", ()),
-            ("llama1", "fx", (("reshard_after_forward", False), ("bucket_by", "param")))],
-        4: [("llama", "eager", ())],
+            ("llama1", "fx", (("reshard_after_forward", False), ("bucket_by", "param"))),
+            ("llama", "eager", EMBEDDING)],
+        4: [("llama", "eager", ()), ("tied", "eager", EMBEDDING)],
     }[world]
     results = run_ranks(_scenarios, world, scenarios)[0]
     for (kind, mode, options), run in zip(scenarios, results):
-        _check_run(run, references, kind, mode, f"world {world}, {kind} {mode} {dict(options)}")
+        policy = dict(options).get("policy", "linear")
+        _check_run(run, references, kind, mode, policy,
+                   f"world {world}, {kind} {mode} {dict(options)}")
+        if kind == "tied":
+            _check_tied(run)
     if world == 2:
-        eager, fx = results
-        assert torch.equal(eager["losses"], fx["losses"]), "eager and compiled FP8 differ"
-        _check_plan(fx["plans"][0])
+        for (_, _, options), eager, fx in ((scenarios[0], *results[:2]),
+                                           (scenarios[2], *results[2:4])):
+            assert torch.equal(eager["losses"], fx["losses"]), f"eager and compiled FP8 differ: " \
+                f"{dict(options)}"
+            _check_plan(fx["plans"][0], dict(options).get("policy", "linear"))
 
 
-def _check_plan(plan) -> None:
-    """The Linear weights travel as float8 (1 byte per element: half of bf16, a quarter of
-    float32), in forward and again in backward (reshard), and the plan dump says so."""
+def _check_tied(run: dict) -> None:
+    """The tied token embedding / output weight keeps the normal (float32) gather."""
+    assert "tok.weight" not in run["fp8"] and "pos.weight" in run["fp8"]
+    for plan in run["plans"]:
+        tok = [c for c in plan.collectives if c.kind == "all_gather" and "tok.weight" in c.params]
+        assert tok and all(c.dtype == "float32" for c in tok), tok
+
+
+def _check_plan(plan, policy: str) -> None:
+    """The Linear weights (and with the ``embedding`` policy the token embedding) travel as
+    float8 (1 byte per element: half of bf16, a quarter of float32), the Linears in forward
+    and again in backward (reshard; the embedding's backward needs no weight), and the plan
+    dump says so."""
     from shardc.render import plan_table
 
     f8 = [c for c in plan.collectives if c.kind == "all_gather" and c.dtype == "float8_e4m3fn"]
@@ -113,13 +184,14 @@ def _check_plan(plan) -> None:
         bucket = plan.buckets[c.bucket]
         numel = bucket.layout(c.params)[1] * bucket.world
         assert bucket.dtype == "float8_e4m3fn" and c.buffer_bytes == numel, c.id
-        linear = (".attention.w", ".feed_forward.w")
-        assert all(any(k in p for k in linear) or p == "output.weight" for p in c.params)
-    fw = {c.bucket for c in f8 if c.graph == "forward"}
-    bw = {c.bucket for c in f8 if c.graph == "backward"}
-    assert fw and fw == bw, (fw, bw)
+        assert set(c.params) <= _expected_fp8("llama1", policy), c.params
+    fw = {p for c in f8 if c.graph == "forward" for p in c.params}
+    bw = {p for c in f8 if c.graph == "backward" for p in c.params}
+    assert fw == _expected_fp8("llama1", policy)
+    assert bw == fw - {"tok_embeddings.weight"}, (fw, bw)
     others = [c for c in plan.collectives if c.kind == "all_gather" and c not in f8]
-    assert others and all(c.dtype == "float32" for c in others)  # embeddings, norms
+    assert others and all(c.dtype == "float32" for c in others)  # norms (embedding)
+    assert any("tok_embeddings.weight" in c.params for c in others) == (policy == "linear")
     text = plan_table(plan)
     assert "amax all-reduce" in text and "all-gather bytes by dtype: float32" in text
     assert "float8_e4m3fn" in text
@@ -174,6 +246,19 @@ def test_policy_validation_and_selection():
     chosen = select_fp8_params(model, Float8Policy(filter=lambda n, m: n == "skip"), owners)
     assert chosen == {"skip.weight"}
     assert isinstance(shardc.Float8Policy(), Float8Policy)
+    # Embeddings: selected by class; the tied one keeps the normal gather.
+    with_emb = Float8Policy(modules=(nn.Linear, nn.Embedding))
+    assert select_fp8_params(model, with_emb, owners) == {"proj.weight", "skip.weight"}
+    owners["emb.weight"] = 1
+    model.head.weight = nn.Parameter(torch.randn(10, 8))  # untied
+    assert select_fp8_params(model, with_emb, owners) == {"emb.weight", "proj.weight",
+                                                          "skip.weight"}
+    # An embedding FP8 cannot serve is refused, naming the weight and the way out.
+    for kwargs, what in (({"sparse": True}, "sparse=True"), ({"max_norm": 1.0}, "max_norm=1.0")):
+        emb = nn.Sequential(nn.Embedding(10, 8, **kwargs))
+        with pytest.raises(ValueError, match=rf"'0.weight'.*{what}.*exclude="):
+            select_fp8_params(emb, with_emb, {"0.weight": 1})
+        assert select_fp8_params(emb, Float8Policy(), {"0.weight": 1}) == set()
 
 
 def test_policy_selects_every_named_weight_of_a_module():
@@ -198,3 +283,40 @@ def test_policy_selects_every_named_weight_of_a_module():
     with pytest.raises(ValueError, match=r"'0.layer_norm_weight' is 1-D.*weights="):
         select_fp8_params(model, Float8Policy(modules=(LayerNormMLP,), weights=(".*weight",)),
                           owners)
+
+
+def _fp8_bench():
+    """``benchmarks/fp8_bench.py`` as a module (benchmarks/ is not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "fp8_bench.py"
+    spec = importlib.util.spec_from_file_location("fp8_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_fp8_mode_halves_planned_all_gather_bytes(capsys):
+    """The benchmark's default ``fp8`` mode (FP8 Linears and token embedding) gathers every 2-D
+    weight in float8: its plan moves the bf16 plan's elements, the float8 ones at 1 byte instead
+    of 2, and only the norms stay bf16, so the step's all-gather bytes are half of bf16's plus
+    half the norms' share (``--plan-only``: the benchmark's ``--tiny`` shapes, meta device)."""
+    import json
+
+    bench = _fp8_bench()
+    args = bench._args(["--tiny"])
+    assert args.modes == ["bf16", "fp8"], "the default benchmark reports the fp8 mode"
+    assert bench.MODES["fp8"].selects("tok_embeddings", nn.Embedding(3, 2))
+    capsys.readouterr()
+    assert bench.main(["--tiny", "--plan-only"]) == 0
+    results = json.loads(capsys.readouterr().out)["results"]
+    bf16 = results["bf16"]["all_gather_bytes_by_dtype"]
+    fp8 = results["fp8"]["all_gather_bytes_by_dtype"]
+    assert set(bf16) == {"bfloat16"}
+    assert 2 * fp8["float8_e4m3fn"] + fp8["bfloat16"] == bf16["bfloat16"]
+    norms = (2 * args.layers + 1) * args.dim * 2  # every 1-D weight, bf16, once
+    assert 0 < fp8["bfloat16"] <= 2 * norms, "only the norms (forward, backward) stay bf16"
+    ratio = results["fp8"]["all_gather_bytes"] / results["bf16"]["all_gather_bytes"]
+    assert ratio == 0.5 + fp8["bfloat16"] / (2 * bf16["bfloat16"]) < 0.502
+    assert results["fp8"]["all_gather_ratio_vs_bf16"] == round(ratio, 6)

@@ -118,3 +118,77 @@ def test_optimizer_step_peak_counts_gradients_state_and_temporaries():
     assert p["peak_bytes"] == p["optimizer_step_peak_bytes"] > p["backward_peak_bytes"]
     q = fused.predicted
     assert q["optimizer_step_peak_bytes"] == p["optimizer_step_peak_bytes"] - p["param_bytes"]
+
+
+def test_fp8_prediction_counts_master_shards_and_saved_quantized_shards():
+    """FP8 weights (``nn.Linear`` and ``nn.Embedding``): the planner finds their master shards
+    through the quantization (parameter and optimizer-state bytes count every shard, not only the
+    high-precision ones), counts the quantized shards that the forward saves for the backward's
+    re-gather (1 byte per element) as live memory of the backward, and sizes the float8 gathers'
+    buffers at 1 byte per element. Expected bytes are computed from the model's shards and the
+    plan's buckets."""
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+
+    import shardc
+    from shardc.backend import capture_partitioned
+    from shardc.models.llama import Transformer, llama_loss
+    from shardc.passes.memory import lifetimes, param_placeholders
+    from shardc.runtime.fake_world import fake_world
+    from shardc.runtime.ops import GATHER_OP
+
+    cfg = parse_model_spec("llama-tiny:n_layers=1,vocab_size=37")
+    policy = shardc.Float8Policy(modules=(nn.Linear, nn.Embedding))
+    try:
+        with fake_world(3), capture_partitioned() as graphs:
+            with torch.device("meta"):
+                model = Transformer(cfg)
+            shardc.shard(model, DeviceMesh.from_group(torch.distributed.group.WORLD, "meta"),
+                         fp8=policy)
+            compiled = torch.compile(model, backend=shardc.backend(
+                inductor=False, check_plan_consistency=False))
+            tokens = torch.zeros(2, 8, dtype=torch.long, device="meta")
+            llama_loss(compiled(tokens), tokens).backward()
+            state = shardc.shard_state(model)
+            shards = {n: p.to_local() for n, p in model.named_parameters()}
+    finally:
+        torch._dynamo.reset()
+    fp8 = {n for n, info in state.params.items() if info.fp8 is not None}
+    assert "tok_embeddings.weight" in fp8 and "output.weight" in fp8
+    shard_bytes = sum(s.numel() * s.element_size() for s in shards.values())
+
+    (fw, bw), = graphs
+    found = param_placeholders(fw)
+    assert len(found) == len(shards), "every parameter shard, FP8 weights' included"
+    assert sum(p.meta["val"].nbytes for p in found) == shard_bytes
+    predicted = state.regions[0].plan.predicted
+    assert predicted["param_bytes"] == shard_bytes
+    assert predicted["optimizer_state_bytes"] == 2 * shard_bytes
+
+    # The backward re-gathers FP8 weights from the quantized shards the forward saved: those
+    # placeholders are not parameters; each lives from the backward's start to its gather.
+    skipped = param_placeholders(bw)
+    quantized = [p for p in bw.graph.find_nodes(op="placeholder")
+                 if getattr(p.meta.get("val"), "dtype", None) == torch.float8_e4m3fn]
+    assert quantized and not skipped & set(quantized)
+    # Only weights the backward reads are re-gathered: not the embedding (its weight gradient
+    # needs the indices and the output gradient only).
+    plan = state.regions[0].plan
+    f8 = [c for c in plan.collectives if c.kind == "all_gather" and c.dtype == "float8_e4m3fn"]
+    regathered = {p for c in f8 if c.graph == "backward" for p in c.params}
+    assert regathered == fp8 - {"tok_embeddings.weight"}
+    assert sum(p.meta["val"].numel() for p in quantized) == sum(
+        shards[n].numel() for n in regathered)
+    lives = {life.node: life for life in lifetimes(bw, skipped)}
+    gathers = [n for n in bw.graph.nodes if n.target is GATHER_OP]
+    index = {n: i for i, n in enumerate(bw.graph.nodes)}
+    for q in quantized:
+        assert lives[q].nbytes == q.meta["val"].numel(), "1 byte per element"
+        assert lives[q].last >= min(index[g] for g in gathers if g.args[0] is q)
+
+    # Float8 gathers: send the bucket's flat shard and receive world x that, 1 byte each.
+    buffers = {(b.collective, b.role): b.nbytes for b in comm_buffers(plan)}
+    f8 = [c for c in plan.collectives if c.kind == "all_gather" and c.dtype == "float8_e4m3fn"]
+    for c in f8:
+        numel = plan.buckets[c.bucket].layout(c.params)[1]
+        assert buffers[c.id, "send"] == numel and buffers[c.id, "recv"] == 3 * numel, c.id

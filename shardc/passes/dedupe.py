@@ -64,11 +64,14 @@ def merge_reduce_scatters(graph: fx.Graph) -> int:
         for node in nodes[:-1]:
             shard = node.meta["val"]
             with graph.inserting_before(node):
+                # aten.full, not aten.zeros: this graph was already decomposed, and Inductor has
+                # no lowering for aten.zeros (it refuses it: "both a fallback and a decomp").
                 zeros = call(
                     graph,
-                    torch.ops.aten.zeros.default,
-                    (list(shard.shape),),
-                    {"dtype": shard.dtype, "device": shard.device},
+                    torch.ops.aten.full.default,
+                    (list(shard.shape), 0),
+                    {"dtype": shard.dtype, "layout": torch.strided, "device": shard.device,
+                     "pin_memory": False},
                 )
             node.replace_all_uses_with(zeros)
             graph.erase_node(node)

@@ -30,6 +30,7 @@ from shardc.passes.allocator import plan_offsets
 from shardc.passes.fx_utils import size_hint
 from shardc.passes.schedule import view_chain_root, view_users
 from shardc.plan import Plan
+from shardc.runtime.collectives import is_float8
 
 POOL_ALIGNMENT = 512  # bytes; the CUDA caching allocator's granularity
 
@@ -321,16 +322,50 @@ def liveness_peak(gm: fx.GraphModule, skip: set[fx.Node], *,
 
 
 def param_placeholders(gm: fx.GraphModule) -> set[fx.Node]:
-    """Placeholders holding parameter shards (found through the gathers: call before lowering)."""
+    """Placeholders holding parameter shards (found through the gathers: call before lowering).
+
+    A gather sends its parameter's shard placeholder (or a view of it), except an FP8 gather,
+    which sends the quantized shard (:func:`fp8_shard_placeholder`)."""
     from shardc.runtime.ops import GATHER_OP
 
     roots = set()
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is GATHER_OP:
-            root = view_chain_root(node.args[0])
+            sent = node.args[0]
+            root = fp8_shard_placeholder(sent) if is_float8(_dtype(sent)) \
+                else view_chain_root(sent)
             if root is not None:
                 roots.add(root)
     return roots
+
+
+def _dtype(node: fx.Node) -> torch.dtype | None:
+    val = node.meta.get("val")
+    return val.dtype if isinstance(val, torch.Tensor) else None
+
+
+def fp8_shard_placeholder(sent: fx.Node) -> fx.Node | None:
+    """The parameter shard placeholder an FP8 gather's quantized shard ``sent`` comes from, or
+    None where it comes from none: in a backward, ``sent`` is (a view of) the quantized shard the
+    forward saved, a placeholder of its own that is live memory, not a parameter.
+
+    In a forward the quantization ``(shard * scale).clamp(..).to(float8)`` is computed in the
+    graph; its inputs of the shard's shape lead back to the shard (the scale is 0-d, and FP8
+    weights are 2-D), so the walk follows only those."""
+    if view_chain_root(sent) is not None:
+        return None
+    shape = sent.meta["val"].shape
+    stack, seen = [sent], {sent}
+    while stack:
+        for node in stack.pop().all_input_nodes:
+            val = node.meta.get("val")
+            if node in seen or not isinstance(val, torch.Tensor) or val.shape != shape:
+                continue
+            seen.add(node)
+            if node.op == "placeholder":
+                return None if is_float8(val.dtype) else node
+            stack.append(node)
+    return None
 
 
 def predict_peak(

@@ -1,4 +1,5 @@
-"""Torch-native FP8 for sharded ``nn.Linear`` weights: FP8 all-gather, FP8 or dequantized compute.
+"""Torch-native FP8 for sharded weights (``nn.Linear``, ``nn.Embedding``...): FP8 all-gather, FP8
+or dequantized compute.
 
 Contract (``shardc.shard(model, fp8=Float8Policy())``):
 
@@ -44,7 +45,9 @@ class Float8Policy:
 
     ``dtype``: ``torch.float8_e4m3fn`` (default) or ``torch.float8_e5m2``.
     ``modules``: module classes whose weights are gathered in FP8 (default ``nn.Linear``,
-    subclasses included).
+    subclasses included). Modules other than ``nn.Linear`` (``nn.Embedding``: the token
+    embedding, ``modules=(nn.Linear, nn.Embedding)``) compute on the dequantized weight; an
+    ``nn.Embedding`` with ``sparse=True`` or ``max_norm`` is refused.
     ``weights``: which of a selected module's own parameters are its weights, as regexes that
     must match the whole parameter name (default ``("weight",)``; TransformerEngine's modules
     have several, see ``shardc.runtime.te.te_float8_policy``). Each must be 2-D.
@@ -112,6 +115,8 @@ def select_fp8_params(
                 continue
             _check_fp8_weight(fqn, weight)
             if owners[fqn] == 1:
+                if isinstance(sub, nn.Embedding):
+                    _check_fp8_embedding(fqn, sub)
                 chosen.add(fqn)
     return chosen
 
@@ -119,12 +124,30 @@ def select_fp8_params(
 def _check_fp8_weight(fqn: str, weight: torch.Tensor) -> None:
     if weight.dim() != 2:
         raise ValueError(
-            f"shardc.Float8Policy: {fqn!r} is {weight.dim()}-D; FP8 applies to 2-D Linear "
-            "weights. Exclude the module with Float8Policy(exclude=(...,)) or narrow "
-            "Float8Policy(weights=...)."
+            f"shardc.Float8Policy: {fqn!r} is {weight.dim()}-D; FP8 applies to 2-D weights "
+            "(nn.Linear, nn.Embedding). Exclude the module with Float8Policy(exclude=(...,)) or "
+            "narrow Float8Policy(weights=...)."
         )
     if not weight.is_floating_point():
         raise ValueError(f"shardc.Float8Policy: {fqn!r} is not floating point")
+
+
+def _check_fp8_embedding(fqn: str, module: nn.Embedding) -> None:
+    """An embedding reads its FP8 weight as a dequantized copy and gets a dense gradient."""
+    fix = "exclude it with Float8Policy(exclude=(...,)) or leave nn.Embedding out of modules"
+    if module.sparse:
+        raise ValueError(
+            f"shardc.Float8Policy: {fqn!r} belongs to an nn.Embedding with sparse=True, but the "
+            f"FP8 gather reduce-scatters a dense weight gradient. Use sparse=False, or {fix}."
+        )
+    if module.max_norm is not None:
+        # F.embedding renormalizes the rows it reads in place: here the dequantized copy, so
+        # the master weight would silently never be renormalized.
+        raise ValueError(
+            f"shardc.Float8Policy: {fqn!r} belongs to an nn.Embedding with max_norm="
+            f"{module.max_norm}, which renormalizes the weight in place, but an FP8 weight is "
+            f"read as a dequantized copy. Use max_norm=None, or {fix}."
+        )
 
 
 # ------------------------------------------------------------------------------- numerics
