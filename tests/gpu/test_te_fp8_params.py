@@ -171,9 +171,14 @@ def test_fp8_params_dcp_round_trip(nccl, tmp_path, monkeypatch, recipe_name, how
     dcp.load({"model": ModelState(fresh), "optim": OptimizerState(fresh, fresh_opt)},
              checkpoint_id=str(tmp_path))
     assert sorted(common.fp8_names(fresh)) == sorted(common.fp8_names(model))
+    # The checkpoint holds dequantized FP8 weights. Delayed scaling loads them with the saved
+    # scale (TE's FP8 state is loaded first): bitwise. Current scaling re-quantizes them with a
+    # scale from their amax, which can differ in its last bit (the FP8 bytes come back the
+    # same): measured 1.2e-7 relative on the weights, 5e-7 on the outputs.
+    tol = 0 if recipe_name == "delayed" else 1e-6
     loaded = common.values(fresh)
     for name, v in saved_values.items():
-        torch.testing.assert_close(loaded[name], v, rtol=0, atol=0,
+        torch.testing.assert_close(loaded[name], v, rtol=tol, atol=0,
                                    msg=lambda m, name=name: f"loaded {name}: {m}")
     loaded_master = common.master_weights(fresh, fresh_opt)
     assert loaded_master.keys() == saved_master.keys()
@@ -181,14 +186,16 @@ def test_fp8_params_dcp_round_trip(nccl, tmp_path, monkeypatch, recipe_name, how
         assert torch.equal(loaded_master[name], v), f"master weight {name}"
     with torch.no_grad(), shardc.te_autocast(fresh, recipe):
         got = fresh(x)
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(got, want, rtol=0, atol=10 * tol * want.abs().max().item())
     loss_loaded = common.step(fresh, fresh, fresh_opt, common.shardc_autocast(fresh, recipe),
                               common.batch(2))
-    assert loss_loaded == loss_saved, (loss_loaded, loss_saved)
+    assert abs(loss_loaded - loss_saved) <= tol * abs(loss_saved), (loss_loaded, loss_saved)
     after = common.values(fresh)
     for name, v in values_saved_next.items():
-        torch.testing.assert_close(after[name], v, rtol=1e-6, atol=1e-7,
-                                   msg=lambda m, name=name: f"after the next step, {name}: {m}")
+        # Adam's update is about lr wherever the gradient is not zero, so a last-bit difference
+        # in a gradient can move an element by up to lr: compare relative 2-norms.
+        err = common.rel(after[name], v)
+        assert err <= (1e-6 if recipe_name == "delayed" else 1e-4), (name, err)
 
 
 def test_unsupported_quantized_params_are_refused(nccl):
