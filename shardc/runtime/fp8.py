@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from shardc.runtime.collectives import _funcol
-from shardc.runtime.grad_sync import REDUCE_STASHED, STASH, stash_grad, take_stashed_grad
-from shardc.runtime.ops import gather_param, reduce_scatter_grad
+from shardc.runtime.grad_sync import STASH
+from shardc.runtime.ops import gather_param, shard_grad
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _EPS = 1e-12  # amax floor: an all-zero weight gets a finite scale and quantizes to zeros
@@ -226,13 +226,8 @@ def _spec(info, shard: torch.Tensor) -> tuple:
 def _reduce_grad(ctx, grad: torch.Tensor) -> torch.Tensor:
     """The shard's gradient from the full weight gradient, as ``gather_param``'s backward does
     (including gradient accumulation without sync, see ``shardc.runtime.grad_sync``)."""
-    fqn = ctx.reduce_args[0]
-    if ctx.grad_sync == STASH:
-        (shard,) = ctx.saved_tensors[-1:]
-        return stash_grad(grad, ctx.sync_key, fqn, shard)
-    if ctx.grad_sync == REDUCE_STASHED:
-        grad = take_stashed_grad(grad, ctx.sync_key, fqn)
-    return reduce_scatter_grad(grad, *ctx.reduce_args)
+    shard = ctx.saved_tensors[-1] if ctx.grad_sync == STASH else None
+    return shard_grad(grad, ctx.reduce_args, ctx.grad_sync, ctx.sync_key, shard)
 
 
 def _gather_fp8(shard, scale, spec: tuple, grad_sync: int, sync_key: str) -> torch.Tensor:

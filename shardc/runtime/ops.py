@@ -96,15 +96,23 @@ def _gather_setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(shard if ctx.grad_sync == STASH else None)
 
 
+def shard_grad(grad: torch.Tensor, reduce_args: tuple, grad_sync: int, sync_key: str,
+               shard_like: torch.Tensor | None) -> torch.Tensor:
+    """The shard's gradient from the full gradient ``grad`` of a gathered parameter, in the
+    gradient-sync mode ``grad_sync`` (see :mod:`shardc.runtime.grad_sync`): stashed (a zero
+    gradient shaped like ``shard_like``, needed only then), or reduce-scattered with
+    ``reduce_scatter_grad(grad, *reduce_args)``, after adding what was stashed."""
+    fqn = reduce_args[0]
+    if grad_sync == STASH:
+        return stash_grad(grad, sync_key, fqn, shard_like)
+    if grad_sync == REDUCE_STASHED:
+        grad = take_stashed_grad(grad, sync_key, fqn)
+    return reduce_scatter_grad(grad, *reduce_args)
+
+
 def _gather_backward(ctx, grad):
-    fqn = ctx.reduce_args[0]
-    if ctx.grad_sync == STASH:
-        (shard,) = ctx.saved_tensors
-        local = stash_grad(grad, ctx.sync_key, fqn, shard)
-    else:
-        if ctx.grad_sync == REDUCE_STASHED:
-            grad = take_stashed_grad(grad, ctx.sync_key, fqn)
-        local = reduce_scatter_grad(grad, *ctx.reduce_args)
+    (shard,) = ctx.saved_tensors
+    local = shard_grad(grad, ctx.reduce_args, ctx.grad_sync, ctx.sync_key, shard)
     return (local,) + (None,) * (len(ctx.needs_input_grad) - 1)
 
 

@@ -36,8 +36,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardc.runtime.collectives import all_gather_rows
-from shardc.runtime.grad_sync import REDUCE_STASHED, STASH, stash_grad, take_stashed_grad
-from shardc.runtime.ops import reduce_scatter_grad
+from shardc.runtime.grad_sync import STASH
+from shardc.runtime.ops import shard_grad
 
 # The first gathers of each FP8 parameter also gather every rank's scale and check that they
 # agree: a quantizer whose amax is not reduced over the sharding group would give the shards
@@ -180,14 +180,10 @@ class _GatherFloat8(torch.autograd.Function):
     def backward(ctx, grad):
         info = ctx.info
         shape, dtype, device = ctx.shard_meta
-        if ctx.grad_sync == STASH:
-            local = stash_grad(grad, ctx.sync_key, info.fqn,
-                               torch.empty(shape, dtype=dtype, device=device))
-        else:
-            if ctx.grad_sync == REDUCE_STASHED:
-                grad = take_stashed_grad(grad, ctx.sync_key, info.fqn)
-            local = reduce_scatter_grad(grad, info.fqn, info.dim0, info.world, info.group_name,
-                                        info.reduce_dtype, dtype)
+        # A plain tensor shaped like the shard: zeros_like of the FP8 shard would be FP8.
+        like = torch.empty(shape, dtype=dtype, device=device) if ctx.grad_sync == STASH else None
+        reduce_args = (info.fqn, info.dim0, info.world, info.group_name, info.reduce_dtype, dtype)
+        local = shard_grad(grad, reduce_args, ctx.grad_sync, ctx.sync_key, like)
         return local, None, None, None, None
 
 

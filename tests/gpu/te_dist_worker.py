@@ -33,14 +33,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(__file__))
 import te_fp8_common as common  # noqa: E402
+from gather_counts import CountGathers  # noqa: E402
 
 import shardc  # noqa: E402
 from shardc.checkpoint import ModelState, OptimizerState  # noqa: E402
-from shardc.runtime import te_params  # noqa: E402
 
 os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
 STEPS = 3
@@ -87,24 +86,6 @@ def _compare(ref, model, ref_opt, opt, want, got) -> dict[str, float]:
     return errors
 
 
-class _Moved:
-    def __init__(self) -> None:
-        self.moved: list[tuple[str, int]] = []
-
-    def __enter__(self):
-        self.real = te_params.all_gather_rows
-
-        def spy(t, *args):
-            self.moved.append((str(t.dtype), t.numel()))
-            return self.real(t, *args)
-
-        te_params.all_gather_rows = spy  # our own module's function, restored on exit
-        return self
-
-    def __exit__(self, *exc) -> None:
-        te_params.all_gather_rows = self.real
-
-
 def fp8_params_same_batch(kind: str, recipe_name: str) -> dict:
     recipe = shardc.te_fp8_recipe(recipe_name)
     ref = common.build(kind, recipe=recipe)
@@ -114,7 +95,7 @@ def fp8_params_same_batch(kind: str, recipe_name: str) -> dict:
     assert fp8, "no FP8 parameter"
     ref_opt, opt = common.optimizer(ref), common.optimizer(model)
     want, got, scales_equal = [], [], True
-    with _Moved() as spy:
+    with common.recorded_fp8_param_gathers() as moved:
         for s in range(STEPS):
             x = common.batch(s)
             want.append(common.step(ref, ref, ref_opt, common.ref_autocast(recipe), x))
@@ -122,11 +103,11 @@ def fp8_params_same_batch(kind: str, recipe_name: str) -> dict:
             got.append(common.step(model, model, opt, common.shardc_autocast(model, recipe), x))
             scales_equal &= all(_same_on_every_rank(t) for t in _shard_scales(model))
     errors = _compare(ref, model, ref_opt, opt, want, got)
-    uint8 = [n for d, n in spy.moved if d == "torch.uint8"]
+    uint8 = [n for d, n in moved if d == torch.uint8]
     full = {n: p.numel() for n, p in ref.named_parameters() if n in fp8}
     expect = sorted(-(-full[n] // (p.shape[1] * _world())) * p.shape[1]
                     for n, p in ref.named_parameters() if n in fp8)
-    assert len(uint8) == STEPS * len(fp8), spy.moved
+    assert len(uint8) == STEPS * len(fp8), moved
     assert sorted(uint8[:len(fp8)]) == expect, (uint8, expect)
     assert scales_equal, "FP8 shards' scales differ across ranks"
     assert all(v <= TIGHT for v in errors.values()), errors
@@ -183,17 +164,6 @@ def fp8_params_own_batches(recipe_name: str) -> dict:
             "scales_checked": len(scales)}
 
 
-class _CountFloat8Gathers(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.dtypes: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.shardc.gather_param.default:
-            self.dtypes.append(str(args[0].dtype))
-        return func(*args, **(kwargs or {}))
-
-
 def float8_policy_same_batch() -> dict:
     recipe = shardc.te_fp8_recipe("current")
     ref = common.build("TransformerLayer", fp8_params=False)
@@ -202,7 +172,7 @@ def float8_policy_same_batch() -> dict:
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     want, got = [], []
-    counter = _CountFloat8Gathers()
+    counter = CountGathers()
     for s in range(STEPS):
         x = common.batch(s)
         want.append(common.step(ref, ref, ref_opt, common.ref_autocast(recipe), x))

@@ -4,6 +4,8 @@ read FP8 parameters as their dequantized values. Imported only where TE imports.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import transformer_engine.pytorch as te
 from torch.distributed.tensor import DTensor
@@ -103,10 +105,29 @@ def drop_stale_transposes(model) -> None:
     Under delayed scaling TE's ``FusedAdam`` writes the new FP8 bytes of a parameter in place
     and leaves the transpose TE cached at initialization as it was, so unsharded TE computes
     its input gradient (which needs the transpose on Hopper) with the initial weight from the
-    second step on (scripts/te_probe_dcp.py measures it). shardc rebuilds a gathered weight
+    second step on (scripts/te_probe_fp8_params.py measures it). shardc rebuilds a gathered weight
     every step, so its transpose is made from the current bytes. The reference drops its cache
     after each step to compute with the current weight too (no effect under current scaling,
     whose write-back re-quantizes the whole tensor)."""
     for p in model.parameters():
         if te_params.is_quantized(p):
             p._reset_caches()
+
+
+@contextlib.contextmanager
+def recorded_fp8_param_gathers():
+    """Inside: every tensor shardc's FP8-parameter gather moves, as ``(dtype, numel)`` in
+    order (the FP8 bytes as ``torch.uint8``; the scale checks as ``torch.float32``). Wraps our
+    own module's function and restores it on exit."""
+    moved: list[tuple[torch.dtype, int]] = []
+    real = te_params.all_gather_rows
+
+    def record(t, *args):
+        moved.append((t.dtype, t.numel()))
+        return real(t, *args)
+
+    te_params.all_gather_rows = record
+    try:
+        yield moved
+    finally:
+        te_params.all_gather_rows = real

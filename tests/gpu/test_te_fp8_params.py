@@ -38,20 +38,6 @@ def _recipe(name: str):
     return shardc.te_fp8_recipe(name)
 
 
-class _GatherSpy:
-    """Records the dtype and shape of every tensor shardc's FP8-parameter gather moves."""
-
-    def __init__(self, monkeypatch) -> None:
-        self.moved: list[tuple[torch.dtype, tuple[int, ...]]] = []
-        real = te_params.all_gather_rows
-
-        def spy(t, *args):
-            self.moved.append((t.dtype, tuple(t.shape)))
-            return real(t, *args)
-
-        monkeypatch.setattr(te_params, "all_gather_rows", spy)
-
-
 def _train_pair(kind: str, recipe, mode: str, bias: bool = False):
     torch._dynamo.reset()
     ref = common.build(kind, bias=bias, recipe=recipe)
@@ -72,22 +58,22 @@ def _train_pair(kind: str, recipe, mode: str, bias: bool = False):
 
 @pytest.mark.parametrize("recipe_name", ["current", "delayed"])
 @pytest.mark.parametrize("kind", common.KINDS if common else [])
-def test_fp8_params_train_like_unsharded(nccl, monkeypatch, kind, recipe_name):
+def test_fp8_params_train_like_unsharded(nccl, kind, recipe_name):
     """FP8 parameters stay FP8 shards (no high-precision copy), are gathered once per forward as
     FP8 bytes (uint8, 1 byte per element), and 3 FusedAdam steps equal unsharded TE: losses,
     dequantized parameters and float32 master weights."""
-    spy = _GatherSpy(monkeypatch)
     recipe = _recipe(recipe_name)
-    ref, model, ref_opt, opt, want, got, fp8 = _train_pair(kind, recipe, "eager")
+    with common.recorded_fp8_param_gathers() as moved:
+        ref, model, ref_opt, opt, want, got, fp8 = _train_pair(kind, recipe, "eager")
     for name, p in model.named_parameters():
         assert isinstance(p, DTensor), name
         if name in fp8:
             local = p._local_tensor
             assert te_params.is_quantized(local) and local._data.dtype == torch.uint8, name
     assert sorted(common.fp8_names(model)) == sorted(fp8)
-    gathered = [m for m in spy.moved if m[0] == torch.uint8]
-    assert len(gathered) == STEPS * len(fp8), (spy.moved, fp8)  # once per forward each
-    sizes = sorted(int(torch.Size(s).numel()) for _, s in gathered[:len(fp8)])
+    gathered = [m for m in moved if m[0] == torch.uint8]
+    assert len(gathered) == STEPS * len(fp8), (moved, fp8)  # once per forward each
+    sizes = sorted(n for _, n in gathered[:len(fp8)])
     assert sizes == sorted(common.value(p).numel() for n, p in ref.named_parameters()
                            if n in fp8)
     loss_err = common.rel(torch.tensor(got), torch.tensor(want))

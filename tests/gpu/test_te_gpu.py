@@ -22,9 +22,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from gather_counts import CountGathers
 from gpu_marks import needs_fp8_gpu
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardc
 from shardc.checkpoint import ModelState, OptimizerState
@@ -110,19 +110,6 @@ def _traced(state) -> dict:
     return {"regions": len(state.regions), "collectives": collectives}
 
 
-class _CountGathers(TorchDispatchMode):
-    """Counts shardc's eager parameter gathers by the dtype they move."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.dtypes: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.shardc.gather_param.default:
-            self.dtypes.append(str(args[0].dtype))
-        return func(*args, **(kwargs or {}))
-
-
 def _parity(kind: str, mode: str, recipe, fp8=None, **model_kwargs):
     """Train unsharded TE and a shardc copy ``STEPS`` steps (SGD with momentum, which does not
     amplify rounding noise as Adam does); return losses, parameters, the sharded model and the
@@ -137,7 +124,7 @@ def _parity(kind: str, mode: str, recipe, fp8=None, **model_kwargs):
     want = [_step(ref, ref, ref_opt, _te_autocast(recipe), s) for s in range(STEPS)]
     forward = model if mode == "eager" else torch.compile(model, backend=shardc.backend())
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    counter = _CountGathers()
+    counter = CountGathers()
     got = []
     for s in range(STEPS):
         with counter if (s == 0 and mode == "eager") else contextlib.nullcontext():
