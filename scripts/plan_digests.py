@@ -56,7 +56,7 @@ def semantic_digest(data: dict) -> str:
 def _plans() -> dict[str, object]:
     from train_llama import CONFIG
 
-    from shardc.cli import parse_model_spec, plan_model
+    from shardc.tools.cli import parse_model_spec, plan_model
 
     cluster = {"peak_flops": 400e12, "bus_bandwidth": 100e9, "latency_s": 10e-6,
                "mem_bandwidth": 3.0e12}  # the CLI's defaults

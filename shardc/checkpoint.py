@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from shardc.runtime import te_params
+from shardc.sharding import te_params
 
 log = logging.getLogger("shardc")
 

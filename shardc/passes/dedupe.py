@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from shardc.ops.gather import GATHER_OP, REDUCE_SCATTER_OP
 from shardc.passes.fx_utils import call
-from shardc.runtime.ops import GATHER_OP, REDUCE_SCATTER_OP
 
 
 def _nodes_by_key(graph: fx.Graph, target, key) -> dict:

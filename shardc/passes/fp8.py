@@ -20,12 +20,12 @@ import torch
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from shardc.ops.gather import GATHER_OP
 from shardc.passes.fx_utils import call, is_call
-from shardc.passes.graph_comm import ORIGIN_META
 from shardc.passes.reshard import reshards_after_forward
+from shardc.planning.found import ORIGIN_META
 from shardc.runtime.collectives import is_float8
-from shardc.runtime.fp8 import FP8_AMAX_OP
-from shardc.runtime.ops import GATHER_OP
+from shardc.sharding.fp8 import FP8_AMAX_OP
 
 aten = torch.ops.aten
 funcol = torch.ops._c10d_functional

@@ -38,8 +38,8 @@ from typing import Any
 import torch
 from torch import fx
 
+from shardc.ops.gather import GATHER_OP, REDUCE_SCATTER_OP
 from shardc.passes.fx_utils import lazy_graph_module
-from shardc.runtime.ops import GATHER_OP, REDUCE_SCATTER_OP
 
 _SHARDC_OPS = (GATHER_OP, REDUCE_SCATTER_OP)
 

@@ -19,7 +19,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from shardc.plan import Plan
+from shardc.planning.plan import Plan
 from shardc.runtime.collectives import group_store, group_timeout, resolve_group
 
 # Per process group name: how many regions this process has compiled over it.
