@@ -9,6 +9,7 @@ differ, so a torch upgrade is checked in one file. ``tests/test_architecture.py`
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any
 
 import torch
@@ -106,3 +107,32 @@ def fake_store():
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     return FakeStore()
+
+
+def root_mesh(mesh):
+    """The device mesh ``mesh`` was sliced from, or None where this torch cannot tell
+    (``DeviceMesh._get_root_mesh``; ``_mesh_resources.get_root_mesh`` in older releases)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    get = getattr(mesh, "_get_root_mesh", None)
+    if callable(get):
+        with contextlib.suppress(Exception):
+            root = get()
+            if isinstance(root, DeviceMesh):
+                return root
+    with contextlib.suppress(Exception), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # deprecated in the torch versions that have the above
+        from torch.distributed.device_mesh import _mesh_resources
+
+        root = _mesh_resources.get_root_mesh(mesh)
+        if isinstance(root, DeviceMesh):
+            return root
+    return None
+
+
+def flatten_state_dict(state_dict: dict):
+    """DCP's own flattening of a nested state dict: ``(flat dict, mapping)`` whose keys are the
+    checkpoint's metadata keys."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict as flatten
+
+    return flatten(state_dict)

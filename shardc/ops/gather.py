@@ -9,6 +9,8 @@ the graph, so passes never need to look outside it; :mod:`shardc.ops.gather_args
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import torch
 import torch.distributed as dist
 
@@ -121,3 +123,16 @@ GATHER_OP = torch.ops.shardc.gather_param.default
 REDUCE_SCATTER_OP = torch.ops.shardc.reduce_scatter_grad.default
 check_schema(GATHER_OP, GatherArgs)
 check_schema(REDUCE_SCATTER_OP, ReduceArgs)
+_CODECS = {GATHER_OP: GatherArgs, REDUCE_SCATTER_OP: ReduceArgs}
+
+
+def shardc_args(node) -> GatherArgs | ReduceArgs | None:
+    """The decoded arguments of a gather or reduce node, or None for any other node."""
+    codec = _CODECS.get(node.target) if node.op == "call_function" else None
+    return None if codec is None else codec.of(node)
+
+
+def args_with_fqn(node, fqn: str) -> tuple:
+    """``node``'s positional arguments (a gather or reduce node) naming parameter ``fqn``."""
+    position = [f.name for f in fields(_CODECS[node.target])].index("fqn")
+    return (*node.args[:position], fqn, *node.args[position + 1:])

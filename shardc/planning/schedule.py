@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from shardc.ops.gather_args import GatherArgs
+from shardc.ops.gather_args import GatherArgs, ReduceArgs
 from shardc.passes.fx_utils import dtype_itemsize, is_view, view_users
 from shardc.planning import found as found_comm
 from shardc.planning.bucketing import ParamComm, assign_buckets, bucket_name
@@ -164,7 +164,8 @@ def _place_reduce_scatters(g: GraphView, buckets: list[Bucket]) -> list[Collecti
         params = [p for p in bucket.params if p in g.reduces]
         if not params:
             continue
-        ready = max(ready_pos(g, g.reduces[p].args[0]) for p in params)  # (the gradient)
+        grads = [ReduceArgs.of(g.reduces[p]).grad for p in params]
+        ready = max(ready_pos(g, grad) for grad in grads)
         ready = min(ready, g.end)
         # The wait must precede every reader of the reduced shards (the output, or additions).
         # (views of the shards are moved behind the wait by the lowering)
@@ -175,7 +176,7 @@ def _place_reduce_scatters(g: GraphView, buckets: list[Bucket]) -> list[Collecti
                 f"shardc schedule: bucket {bucket.index} ({bucket.name}) reads a reduced gradient "
                 f"at {reader} (op {latest}) before its last gradient exists (op {ready}); "
                 "this is a shardc bug, please report it with the model")
-        writes = [w for w in (first_write(g, g.reduces[p].args[0]) for p in params)
+        writes = [w for w in (first_write(g, grad) for grad in grads)
                   if w is not None]
         items.append((ready, bucket, params, latest, min(writes, default=ready)))
     items.sort(key=lambda item: (item[0], item[1].index))
