@@ -115,7 +115,9 @@ def _place_all_gathers(g: GraphView, buckets: list[Bucket], options) -> list[Col
     first = [min(g.first_use(p) for p in ps) for _, ps in present]
     last = [max(g.last_use(p) for p in ps) for _, ps in present]
     live = [0] * (g.end + 1)
-    budget = options.memory_budget_bytes
+    # The bound on gathered bytes in flight (``ShardcOptions.memory_budget_bytes``; the pipeline
+    # bounds the pool with the same option, see its docstring).
+    in_flight_limit = options.memory_budget_bytes
     depth = options.prefetch_depth if options.prefetch else 0
     out = []
     for k, (bucket, params) in enumerate(present):
@@ -124,7 +126,8 @@ def _place_all_gathers(g: GraphView, buckets: list[Bucket], options) -> list[Col
         candidates = [max(earliest, 0 if j < 0 else first[j]) for j in range(k - depth, k + 1)]
         issue, reason = first[k], "no prefetch: issued at the first use of its parameters"
         for j, pos in zip(range(k - depth, k + 1), candidates):
-            fits = not budget or all(live[q] + nbytes <= budget for q in range(pos, last[k] + 1))
+            fits = not in_flight_limit or all(live[q] + nbytes <= in_flight_limit
+                                              for q in range(pos, last[k] + 1))
             if fits:
                 issue = pos
                 if j == k:
@@ -136,7 +139,8 @@ def _place_all_gathers(g: GraphView, buckets: list[Bucket], options) -> list[Col
                               f"{present[j][0].index}")
                 break
         else:
-            reason = f"over memory budget ({budget} B) even without prefetch; issued at first use"
+            reason = (f"over memory budget ({in_flight_limit} B) even without prefetch; issued at "
+                      "first use")
         for q in range(issue, last[k] + 1):
             live[q] += nbytes
         out.append(_collective(g, Kind.ALL_GATHER, bucket, params, nbytes, bucket.dtype, issue,
