@@ -24,6 +24,7 @@ from real_models import (
     CLIP,
     FAILURES,
     HF,
+    INDUCTOR_SCENARIOS,
     SCENARIOS,
     SHAPES,
     TIMEOUT_S,
@@ -39,7 +40,8 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def runs() -> dict[int, list[dict]]:
-    names = [n for n in SCENARIOS if HAS_TRANSFORMERS or n not in HF]
+    names = [n for n in SCENARIOS
+             if (HAS_TRANSFORMERS or n not in HF) and n not in INDUCTOR_SCENARIOS]
     return {world: run_ranks(run_scenarios, world, names) for world in WORLDS}
 
 
@@ -147,6 +149,92 @@ def test_moe_eager_fallback_after_recompile_limit_gathers(runs):
 def test_activation_checkpointing_inside_compiled_region(runs):
     """torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) inside the region."""
     check_parity(runs, "checkpoint")
+
+
+def _check_recomputed(got: list[dict], name: str, *, attention: bool = True) -> None:
+    for world, result in zip(WORLDS, got):
+        recomputed = result["recomputed_attention"]
+        if attention:
+            assert recomputed > 0, f"world {world}, {name}: the backward recomputes no attention"
+        else:
+            assert recomputed == 0, f"world {world}, {name}: attention recomputed, not saved"
+
+
+@pytest.mark.parametrize("name", ["checkpoint_sdpa", "checkpoint_sdpa_reentrant"])
+def test_activation_checkpointing_around_sdpa(runs, name):
+    """torch.utils.checkpoint around blocks with F.scaled_dot_product_attention, compiled
+    (use_reentrant False and True). It used to crash on the first forward: the parameters'
+    DeviceMesh, saved for the backward, ended up among the saved tensors once the checkpointed
+    SDPA (a random op for torch, for its dropout) saved an RNG state (shardc/passes/
+    saved_order.py). The backward graph must recompute the attention."""
+    _check_recomputed(check_parity(runs, name), name)
+
+
+def test_activation_checkpointing_around_sdpa_eager(runs):
+    check_parity(runs, "checkpoint_sdpa_eager", compiled=False)
+
+
+@pytest.mark.parametrize("name", ["checkpoint_sdpa_selective", "checkpoint_sdpa_save_all"])
+def test_selective_activation_checkpointing_around_sdpa(runs, name):
+    """Selective activation checkpointing (create_selective_checkpoint_contexts) under
+    torch.compile: a policy that saves attention and matmul outputs, and one that saves
+    everything (shardc still re-gathers the parameters instead of saving them; its check would
+    raise otherwise). The backward graph must not recompute the attention."""
+    _check_recomputed(check_parity(runs, name), name, attention=False)
+
+
+@pytest.mark.parametrize("name", ["checkpoint_child_reads", "checkpoint_child_reads_eager",
+                                  "checkpoint_child_reads_eager_reentrant"])
+def test_checkpointed_block_reading_child_parameters(runs, name):
+    """A checkpointed block without parameters of its own reads its children's parameters (one
+    under torch.no_grad()). Eagerly, the checkpoint recomputes the block inside the backward,
+    outside the root's forward: the reads used to return the sharded DTensor there ("got mixed
+    torch.Tensor and DTensor"); every module of the sharded tree now counts its forward."""
+    check_parity(runs, name, compiled=not name.endswith(("_eager", "_eager_reentrant")))
+
+
+def test_checkpointed_random_ops_replay_the_forward_random_numbers(runs):
+    """SDPA with dropout_p > 0 and nn.Dropout in checkpointed blocks (they crashed like SDPA):
+    the checkpointed model trains exactly like the same model without checkpointing from the
+    same seeds, so the backward's recomputation replays the forward's dropout masks. Sharded
+    runs only (the reference's masks would differ): each rank compares the two runs."""
+    for world in WORLDS:
+        got = _run(runs, "checkpoint_dropout", world)
+        assert got["checkpointed_planned"] > 0 and got["plain_planned"] > 0
+        assert got["checkpointed_replayed_random_ops"] > 0, f"world {world}: nothing replayed"
+        assert got["plain_replayed_random_ops"] == 0
+        assert_parity(got["checkpointed"], got["plain"], tol=TOL)
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="the transformers package is not installed")
+@pytest.mark.parametrize("name", ["hf_checkpoint", "hf_checkpoint_reentrant"])
+def test_hf_decoder_gradient_checkpointing_sdpa(runs, name):
+    """transformers' Qwen2ForCausalLM (tiny random config, attn_implementation="sdpa") after
+    model.gradient_checkpointing_enable(): every decoder layer checkpointed, compiled through
+    shardc. ``hf_checkpoint``: transformers' default keywords (use_reentrant=False in 5.x);
+    ``hf_checkpoint_reentrant``: use_reentrant=True."""
+    _check_recomputed(check_parity(runs, name), name)
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="the transformers package is not installed")
+def test_hf_decoder_gradient_checkpointing_sdpa_eager(runs):
+    check_parity(runs, "hf_checkpoint_eager", compiled=False)
+
+
+@pytest.fixture(scope="module")
+def inductor_runs() -> dict[int, list[dict]]:
+    """The Inductor scenarios, world 2 only (Inductor compiles slowly on CPU)."""
+    return {2: run_ranks(run_scenarios, 2, list(INDUCTOR_SCENARIOS))}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="the transformers package is not installed")
+def test_hf_decoder_gradient_checkpointing_sdpa_inductor(inductor_runs):
+    """The checkpointed Qwen2 decoder compiled with Inductor (world 2)."""
+    name = "hf_checkpoint_inductor"
+    got, ref = _run(inductor_runs, name, 2), _reference(name, 2)
+    assert got["planned"] > 0 and got["recomputed_attention"] > 0
+    assert_parity(got, ref, tol=TOL)
 
 
 # --- Training loops ---------------------------------------------------------------------------
@@ -342,7 +430,8 @@ def test_collective_timeout_names_bucket_and_position(runs, scenario):
 
 
 def test_every_scenario_ran(runs):
-    names = [n for n in SCENARIOS if HAS_TRANSFORMERS or n not in HF]
+    names = [n for n in SCENARIOS
+             if (HAS_TRANSFORMERS or n not in HF) and n not in INDUCTOR_SCENARIOS]
     for world in WORLDS:
         for result in runs[world]:
             assert sorted(result) == sorted(names)
