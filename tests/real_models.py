@@ -503,16 +503,20 @@ def sc_checkpoint(ctx: Ctx) -> dict:
     return out
 
 
-def _backward_targets(ctx: Ctx) -> list[str] | None:
-    """The names of what the backward graphs of the sharded run's regions call (and of the ops
-    run inside a higher-order op such as run_with_rng_state); None for the reference or an
-    uncompiled run."""
-    state = shard_state(ctx.model) if ctx.sharded else None
-    if state is None or ctx.compiled is None:
-        return None
-    return [str(target) for region in state.regions if region.backward is not None
+def backward_targets(model: nn.Module) -> list[str]:
+    """The names of what the backward graphs of a sharded model's compiled regions call, and of
+    the ops they run inside a higher-order op such as run_with_rng_state."""
+    return [str(target) for region in shard_state(model).regions if region.backward is not None
             for node in region.backward.graph.nodes if node.op == "call_function"
             for target in (node.target, *node.args[:2]) if callable(target)]
+
+
+def _backward_targets(ctx: Ctx) -> list[str] | None:
+    """:func:`backward_targets` of the sharded run; None for the reference or an uncompiled
+    run."""
+    if not ctx.sharded or ctx.compiled is None:
+        return None
+    return backward_targets(ctx.model)
 
 
 def recomputed_attention(ctx: Ctx) -> int:
@@ -564,18 +568,18 @@ def sc_checkpoint_dropout(ctx: Ctx) -> dict:
     return out
 
 
-def build_hf_decoder(**checkpoint_kwargs):
+def build_hf_decoder(config: dict | None = None, **checkpoint_kwargs):
     """transformers' Qwen2ForCausalLM (q/k/v biases, grouped-query attention, RMSNorm, rotary
-    embeddings) from a tiny random config, SDPA attention, with gradient checkpointing turned on
-    as users do: ``gradient_checkpointing_enable()`` checkpoints every decoder layer (keyword
-    arguments, if any, go to torch.utils.checkpoint)."""
+    embeddings) from a tiny random config (``config`` overrides its fields), SDPA attention,
+    with gradient checkpointing turned on as users do: ``gradient_checkpointing_enable()``
+    checkpoints every decoder layer (keyword arguments, if any, go to torch.utils.checkpoint)."""
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(
-        vocab_size=VOCAB, hidden_size=DIM, intermediate_size=FFN, num_hidden_layers=2,
-        num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=32,
-        tie_word_embeddings=False, attn_implementation="sdpa")
+    fields = dict(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=FFN, num_hidden_layers=2,
+                  num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=32,
+                  tie_word_embeddings=False)
+    cfg = transformers.Qwen2Config(**{**fields, **(config or {})}, attn_implementation="sdpa")
     model = transformers.Qwen2ForCausalLM(cfg)
     assert model.config._attn_implementation == "sdpa"
     kwargs = {"gradient_checkpointing_kwargs": checkpoint_kwargs} if checkpoint_kwargs else {}
