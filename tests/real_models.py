@@ -536,13 +536,20 @@ def replayed_random_ops(ctx: Ctx) -> int:
 
 
 def sc_checkpoint_attention(ctx: Ctx, *, compile: bool = True, inductor: bool = False,
-                            child_reads: bool = False, **checkpoint_kwargs) -> dict:
+                            child_reads: bool = False, dynamic: bool = False,
+                            **checkpoint_kwargs) -> dict:
     """``torch.utils.checkpoint`` around attention blocks (SDPA inside); ``child_reads``: blocks
-    that read their children's parameters themselves (ReadsChildParameters)."""
+    that read their children's parameters themselves (ReadsChildParameters); ``dynamic``: then
+    two more steps on other sequence lengths (a dynamic-shape recompile)."""
     torch.manual_seed(0)
     model = (CheckpointedChildReads if child_reads else CheckpointedAttention)(**checkpoint_kwargs)
     forward = ctx.wrap(model, compile=compile, inductor=inductor)
     out = train_lm(ctx, model, forward, tokens())
+    if dynamic:  # more steps on other sequence lengths: a dynamic-shape plan saves sizes too
+        more = [train_lm(ctx, model, forward, tokens(steps=1, seq=seq, seed=seq))
+                for seq in (5, 6)]
+        out = {"losses": torch.cat([out["losses"], *(m["losses"] for m in more)]),
+               "params": more[-1]["params"]}
     out["planned"] = ctx.planned()
     out["recomputed_attention"] = recomputed_attention(ctx)
     return out
@@ -991,6 +998,8 @@ SCENARIOS: dict[str, Callable[[Ctx], dict]] = {
     "moe_recompile_limit": sc_moe_recompile_limit,
     "checkpoint": sc_checkpoint,
     "checkpoint_sdpa": functools.partial(sc_checkpoint_attention, use_reentrant=False),
+    "checkpoint_sdpa_dynamic": functools.partial(sc_checkpoint_attention, dynamic=True,
+                                                 use_reentrant=False),
     "checkpoint_sdpa_eager": functools.partial(sc_checkpoint_attention, compile=False,
                                                use_reentrant=False),
     "checkpoint_sdpa_reentrant": functools.partial(sc_checkpoint_attention, use_reentrant=True),

@@ -160,13 +160,15 @@ def _check_recomputed(got: list[dict], name: str, *, attention: bool = True) -> 
             assert recomputed == 0, f"world {world}, {name}: attention recomputed, not saved"
 
 
-@pytest.mark.parametrize("name", ["checkpoint_sdpa", "checkpoint_sdpa_reentrant"])
+@pytest.mark.parametrize("name", ["checkpoint_sdpa", "checkpoint_sdpa_reentrant",
+                                  "checkpoint_sdpa_dynamic"])
 def test_activation_checkpointing_around_sdpa(runs, name):
     """torch.utils.checkpoint around blocks with F.scaled_dot_product_attention, compiled
     (use_reentrant False and True). It used to crash on the first forward: the parameters'
     DeviceMesh, saved for the backward, ended up among the saved tensors once the checkpointed
     SDPA (a random op for torch, for its dropout) saved an RNG state (shardc/passes/
-    saved_order.py). The backward graph must recompute the attention."""
+    saved_order.py). The backward graph must recompute the attention. ``checkpoint_sdpa_dynamic``
+    then changes the sequence length: the dynamic-shape plan saves sizes for the backward too."""
     _check_recomputed(check_parity(runs, name), name)
 
 

@@ -23,10 +23,13 @@ each group, in both graphs, so the forward's outputs and the backward's inputs s
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
 from torch import fx
+
+log = logging.getLogger("shardc")
 
 _TENSOR, _TENSOR_NO_VC_CHECK, _OPAQUE, _SYMBOLIC = range(4)
 
@@ -49,11 +52,16 @@ def _sorted_by_group(nodes: Sequence[fx.Node], order: Sequence[int]) -> list[fx.
     return sorted(nodes, key=lambda n: rank[_group(n)])  # stable: keeps the order within a group
 
 
+# The backward's inputs after its saved values: tangents, then RNG seeds and offsets or (CUDA's
+# graph-safe RNG) generator states, named so by AOTAutograd's partitioner.
+_AFTER_SAVED = ("tangents", "bwd_seed", "bwd_base_offset", "bwd_rng_state")
+
+
 def _saved_inputs(bw: fx.GraphModule) -> list[fx.Node]:
     """The backward's inputs that are saved values: the placeholders before the tangents."""
     saved = []
     for ph in bw.graph.find_nodes(op="placeholder"):
-        if ph.name.startswith("tangents"):
+        if ph.name.startswith(_AFTER_SAVED):
             break
         saved.append(ph)
     return saved
@@ -63,19 +71,17 @@ def order_saved_values(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: 
     """Put the forward's saved outputs in the order tensors, tensors without version-counter
     check, opaque objects, symbolic sizes, and the backward's saved inputs in the order symbolic
     sizes, tensors, opaque objects, as AOTAutograd's runtime reads them. Returns whether anything
-    moved. Raises ``RuntimeError`` if the two graphs do not save the same groups of values."""
+    moved. Graphs whose saved outputs and inputs do not hold the same groups of values (not
+    partitioned by AOTAutograd's conventions) are left as they are."""
     output = fw.graph.output_node()
     outs = tuple(output.args[0])
     saved_out = outs[num_fwd_outputs:]
     saved_in = _saved_inputs(bw)
-    groups_out = sorted(_group(n) for n in saved_out if isinstance(n, fx.Node))
-    groups_in = sorted(_group(n) for n in saved_in)
-    if groups_out != groups_in:
-        raise RuntimeError(
-            f"shardc: the forward saves {len(saved_out)} values for the backward but the backward "
-            f"takes {len(saved_in)} (groups {groups_out} vs {groups_in}); this is a shardc bug, "
-            "report it with the graph dump (TORCH_LOGS=aot_graphs)."
-        )
+    if not all(isinstance(n, fx.Node) for n in saved_out):
+        return False
+    if sorted(map(_group, saved_out)) != sorted(map(_group, saved_in)):
+        log.debug("shardc: saved values of the forward and backward differ; order left as is")
+        return False
     new_out = _sorted_by_group(saved_out, (_TENSOR, _TENSOR_NO_VC_CHECK, _OPAQUE, _SYMBOLIC))
     new_in = _sorted_by_group(saved_in, (_SYMBOLIC, _TENSOR, _TENSOR_NO_VC_CHECK, _OPAQUE))
     if list(saved_out) == new_out and saved_in == new_in:
