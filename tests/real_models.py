@@ -555,16 +555,19 @@ def sc_checkpoint_attention(ctx: Ctx, *, compile: bool = True, inductor: bool = 
     return out
 
 
-def sc_checkpoint_dropout(ctx: Ctx) -> dict:
-    """Random ops in checkpointed blocks (SDPA's dropout_p, nn.Dropout), sharded runs only: each
-    rank trains the model twice from the same seeds, checkpointed and not; the recomputation in
-    the backward must replay the forward's random numbers, so both runs are equal. FX execution:
-    both draw from the same generator in the same order (Inductor draws its own way)."""
+def sc_checkpoint_vs_plain(ctx: Ctx, *, dropout: float = 0.0, compile: bool = True,
+                           **shard_kwargs) -> dict:
+    """Sharded runs only: each rank trains the attention model twice from the same seeds,
+    checkpointed and not, sharded with ``shard_kwargs``; both runs must be equal.
+    ``dropout``: random ops in the checkpointed blocks (SDPA's dropout_p, nn.Dropout), whose
+    recomputation in the backward must replay the forward's random numbers (FX execution: both
+    runs draw from the same generator in the same order; Inductor draws its own way)."""
     out = {}
     for checkpointed in (True, False):
         torch.manual_seed(0)
-        model = CheckpointedAttention(dropout=0.25, checkpointed=checkpointed, use_reentrant=False)
-        forward = ctx.wrap(model)
+        model = CheckpointedAttention(dropout=dropout, checkpointed=checkpointed,
+                                      use_reentrant=False)
+        forward = ctx.wrap(model, compile=compile, **shard_kwargs)
         torch.manual_seed(ctx.rank + 1)
         run = train_lm(ctx, model, forward, tokens())
         key = "checkpointed" if checkpointed else "plain"
@@ -1013,7 +1016,11 @@ SCENARIOS: dict[str, Callable[[Ctx], dict]] = {
         sc_checkpoint_attention, compile=compile, child_reads=True, use_reentrant=reentrant)
        for suffix, compile, reentrant in (("", True, False), ("_eager", False, False),
                                           ("_eager_reentrant", False, True))},
-    "checkpoint_dropout": sc_checkpoint_dropout,  # sharded runs only: compared with itself
+    # Sharded runs only, each compared with itself without checkpointing.
+    "checkpoint_dropout": functools.partial(sc_checkpoint_vs_plain, dropout=0.25),
+    **{f"checkpoint_fp8{suffix}": functools.partial(
+        sc_checkpoint_vs_plain, compile=compile, fp8=shardc.Float8Policy())
+       for suffix, compile in (("", True), ("_eager", False))},
     "hf_checkpoint": sc_hf_checkpoint,  # transformers' default (use_reentrant=False in 5.x)
     "hf_checkpoint_reentrant": functools.partial(sc_hf_checkpoint, use_reentrant=True),
     "hf_checkpoint_eager": functools.partial(sc_hf_checkpoint, compile=False),

@@ -208,6 +208,19 @@ def test_checkpointed_random_ops_replay_the_forward_random_numbers(runs):
         assert_parity(got["checkpointed"], got["plain"], tol=TOL)
 
 
+@pytest.mark.parametrize("name", ["checkpoint_fp8", "checkpoint_fp8_eager"])
+def test_checkpointed_blocks_with_fp8_gathered_weights(runs, name):
+    """Checkpointed attention blocks whose nn.Linear weights are gathered in FP8
+    (fp8=shardc.Float8Policy(); dequantized on CPU), compiled (FX) and eager: they train exactly
+    like the same FP8-sharded model without checkpointing (the FP8 reference itself:
+    tests/test_fp8.py)."""
+    for world in WORLDS:
+        got = _run(runs, name, world)
+        if not name.endswith("_eager"):
+            assert got["checkpointed_planned"] > 0 and got["plain_planned"] > 0
+        assert_parity(got["checkpointed"], got["plain"], tol=TOL)
+
+
 @pytest.mark.skipif(not HAS_TRANSFORMERS, reason="the transformers package is not installed")
 @pytest.mark.parametrize("name", ["hf_checkpoint", "hf_checkpoint_reentrant"])
 def test_hf_decoder_gradient_checkpointing_sdpa(runs, name):
