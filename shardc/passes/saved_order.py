@@ -8,7 +8,7 @@ tangents.
 
 Why shardc has to restore that order: every parameter of a sharded region is a DTensor, and
 AOTAutograd flattens a DTensor input into its local tensor and its ``DeviceMesh`` (an opaque
-object, torch >= 2.13). The backward outputs each parameter's gradient as a DTensor, so it needs
+object; so in torch 2.13, where this was found and is tested). The backward outputs each parameter's gradient as a DTensor, so it needs
 the mesh: the partitioner saves the mesh input for the backward, placing it after the saved
 tensors as it should. Then, when a checkpointed region (``torch.utils.checkpoint``) recomputes an
 op tagged ``nondeterministic_seeded`` (dropout, and every scaled-dot-product attention op, which
