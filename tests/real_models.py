@@ -536,13 +536,12 @@ def replayed_random_ops(ctx: Ctx) -> int:
 
 
 def sc_checkpoint_attention(ctx: Ctx, *, compile: bool = True, inductor: bool = False,
-                            child_reads: bool = False, dynamic: bool = False,
-                            **checkpoint_kwargs) -> dict:
-    """``torch.utils.checkpoint`` around attention blocks (SDPA inside); ``child_reads``: blocks
-    that read their children's parameters themselves (ReadsChildParameters); ``dynamic``: then
-    two more steps on other sequence lengths (a dynamic-shape recompile)."""
+                            dynamic: bool = False, **checkpoint_kwargs) -> dict:
+    """``torch.utils.checkpoint`` around attention blocks (SDPA inside) that also read their
+    children's parameters themselves (ReadsChildParameters); ``dynamic``: then two more steps on
+    other sequence lengths (a dynamic-shape recompile)."""
     torch.manual_seed(0)
-    model = (CheckpointedChildReads if child_reads else CheckpointedAttention)(**checkpoint_kwargs)
+    model = CheckpointedChildReads(**checkpoint_kwargs)
     forward = ctx.wrap(model, compile=compile, inductor=inductor)
     out = train_lm(ctx, model, forward, tokens())
     if dynamic:  # more steps on other sequence lengths: a dynamic-shape plan saves sizes too
@@ -603,10 +602,14 @@ def build_hf_decoder(config: dict | None = None, **checkpoint_kwargs):
 def sc_hf_checkpoint(ctx: Ctx, *, compile: bool = True, inductor: bool = False,
                      **checkpoint_kwargs) -> dict:
     model = build_hf_decoder(**checkpoint_kwargs)
+    layer = model.model.layers[0]
+    # What transformers passes torch.utils.checkpoint (its default when none is given).
+    use_reentrant = layer._gradient_checkpointing_func.keywords.get("use_reentrant")
     forward = ctx.wrap(model, compile=compile, inductor=inductor)
     out = train_lm(ctx, model, lambda t: forward(input_ids=t, use_cache=False).logits, tokens())
     out["planned"] = ctx.planned()
     out["recomputed_attention"] = recomputed_attention(ctx)
+    out["use_reentrant"] = use_reentrant
     return out
 
 
@@ -1000,31 +1003,31 @@ SCENARIOS: dict[str, Callable[[Ctx], dict]] = {
     "moe_compiled": lambda ctx: sc_moe(ctx, compile=True),
     "moe_recompile_limit": sc_moe_recompile_limit,
     "checkpoint": sc_checkpoint,
+    # Checkpointed attention blocks that also read their children's parameters themselves.
     "checkpoint_sdpa": functools.partial(sc_checkpoint_attention, use_reentrant=False),
-    "checkpoint_sdpa_dynamic": functools.partial(sc_checkpoint_attention, dynamic=True,
-                                                 use_reentrant=False),
     "checkpoint_sdpa_eager": functools.partial(sc_checkpoint_attention, compile=False,
                                                use_reentrant=False),
-    "checkpoint_sdpa_reentrant": functools.partial(sc_checkpoint_attention, use_reentrant=True),
+    "checkpoint_sdpa_eager_reentrant": functools.partial(sc_checkpoint_attention, compile=False,
+                                                         use_reentrant=True),
     "checkpoint_sdpa_selective": functools.partial(
         sc_checkpoint_attention, use_reentrant=False,
         context_fn=selective_checkpointing(_save_attention_and_matmuls)),
+    "hf_checkpoint": sc_hf_checkpoint,  # transformers' default keywords
+    "hf_checkpoint_eager": functools.partial(sc_hf_checkpoint, compile=False),
+    # Slow (SLOW_SCENARIOS).
+    "checkpoint_sdpa_reentrant": functools.partial(sc_checkpoint_attention, use_reentrant=True),
+    "checkpoint_sdpa_dynamic": functools.partial(sc_checkpoint_attention, dynamic=True,
+                                                 use_reentrant=False),
     "checkpoint_sdpa_save_all": functools.partial(
         sc_checkpoint_attention, use_reentrant=False,
         context_fn=selective_checkpointing(_save_everything)),
-    **{f"checkpoint_child_reads{suffix}": functools.partial(
-        sc_checkpoint_attention, compile=compile, child_reads=True, use_reentrant=reentrant)
-       for suffix, compile, reentrant in (("", True, False), ("_eager", False, False),
-                                          ("_eager_reentrant", False, True))},
-    # Sharded runs only, each compared with itself without checkpointing.
+    "hf_checkpoint_reentrant": functools.partial(sc_hf_checkpoint, use_reentrant=True),
+    "hf_checkpoint_inductor": functools.partial(sc_hf_checkpoint, inductor=True),
+    # Sharded runs only (slow), each compared with itself without checkpointing.
     "checkpoint_dropout": functools.partial(sc_checkpoint_vs_plain, dropout=0.25),
     **{f"checkpoint_fp8{suffix}": functools.partial(
         sc_checkpoint_vs_plain, compile=compile, fp8=shardc.Float8Policy())
        for suffix, compile in (("", True), ("_eager", False))},
-    "hf_checkpoint": sc_hf_checkpoint,  # transformers' default (use_reentrant=False in 5.x)
-    "hf_checkpoint_reentrant": functools.partial(sc_hf_checkpoint, use_reentrant=True),
-    "hf_checkpoint_eager": functools.partial(sc_hf_checkpoint, compile=False),
-    "hf_checkpoint_inductor": functools.partial(sc_hf_checkpoint, inductor=True),
     "accumulate": sc_accumulate,
     "accumulate_clip": sc_accumulate_clip,
     "accumulate_no_sync": sc_accumulate_no_sync,
@@ -1049,9 +1052,12 @@ SCENARIOS: dict[str, Callable[[Ctx], dict]] = {
 }
 HF = ("hf_gpt2", "hf_checkpoint", "hf_checkpoint_reentrant", "hf_checkpoint_eager",
       "hf_checkpoint_inductor")  # needs the transformers package
-# Run by their own world-2 group (tests/test_real_models.py::inductor_runs): Inductor compiles
-# slowly on CPU.
+# Run by their own groups, only for the tests marked slow (tests/test_real_models.py::slow_runs);
+# the Inductor ones at world 2 only: Inductor compiles slowly on CPU.
 INDUCTOR_SCENARIOS = ("hf_checkpoint_inductor",)
+SLOW_SCENARIOS = ("checkpoint_sdpa_reentrant", "checkpoint_sdpa_dynamic",
+                  "checkpoint_sdpa_save_all", "hf_checkpoint_reentrant", "checkpoint_dropout",
+                  "checkpoint_fp8", "checkpoint_fp8_eager", *INDUCTOR_SCENARIOS)
 FAILURES = ("rank_dependent", "partial_mesh", "recompile_one_rank", "timeout",
             "timeout_inductor")
 

@@ -8,11 +8,12 @@ tangents.
 
 Why shardc has to restore that order: every parameter of a sharded region is a DTensor, and
 AOTAutograd flattens a DTensor input into its local tensor and its ``DeviceMesh`` (an opaque
-object; so in torch 2.13, where this was found and is tested). The backward outputs each parameter's gradient as a DTensor, so it needs
-the mesh: the partitioner saves the mesh input for the backward, placing it after the saved
-tensors as it should. Then, when a checkpointed region (``torch.utils.checkpoint``) recomputes an
-op tagged ``nondeterministic_seeded`` (dropout, and every scaled-dot-product attention op, which
-is tagged so for its ``dropout_p`` even at 0), the partitioner's ``functionalize_rng_ops`` saves
+object; so in torch 2.13, where this was found and is tested). The backward outputs each
+parameter's gradient as a DTensor, so it needs the mesh: the partitioner saves the mesh input
+for the backward, placing it after the saved tensors as it should. Then, when a checkpointed
+region (``torch.utils.checkpoint``) recomputes an op tagged ``nondeterministic_seeded`` (dropout,
+and every scaled-dot-product attention op, which is tagged so for its ``dropout_p`` even at 0),
+the partitioner's ``functionalize_rng_ops`` saves
 the op's RNG state tensor too, inserted just before the symbolic sizes: behind the mesh. The
 runtime then counts the mesh as a tensor and fails (``expected all tensors_saved_with_vc_check
 to be Tensors, got ... DeviceMesh``). Unsharded models have no opaque input, hence no failure.
