@@ -40,7 +40,7 @@ def _graphs(saved_names: list[str], bw_names: list[str]):
 
 
 def _fw_saved(fw: fx.GraphModule) -> list[str]:
-    return [n.name for n in fw.graph.output_node().args[0][1:]]
+    return [n.name for n in next(iter(fw.graph.find_nodes(op="output"))).args[0][1:]]
 
 
 def _bw_inputs(bw: fx.GraphModule) -> list[str]:

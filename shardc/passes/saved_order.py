@@ -74,7 +74,7 @@ def order_saved_values(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: 
     sizes, tensors, opaque objects, as AOTAutograd's runtime reads them. Returns whether anything
     moved. Graphs whose saved outputs and inputs do not hold the same groups of values (not
     partitioned by AOTAutograd's conventions) are left as they are."""
-    output = fw.graph.output_node()
+    output = next(iter(fw.graph.find_nodes(op="output")))
     outs = tuple(output.args[0])
     saved_out = outs[num_fwd_outputs:]
     saved_in = _saved_inputs(bw)
