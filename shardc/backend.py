@@ -30,6 +30,7 @@ from shardc.passes.fx_utils import allocate_real, copy_graph_module, is_call
 from shardc.passes.lower import POOL_PLACEHOLDER, add_pool_placeholder, apply_plan
 from shardc.passes.memory import assign_pool, param_placeholders, predict_peak
 from shardc.passes.reshard import check_no_gathered_saved, tag_resharded_gathers
+from shardc.passes.saved_order import order_saved_values
 from shardc.passes.schedule import plan_region
 from shardc.runtime.collectives import resolve_group
 from shardc.runtime.comm_errors import boxed_with_collective_errors, guard_inductor_graph
@@ -107,6 +108,10 @@ class ShardcPartitioner(_partitioner_base()):
         tag_resharded_gathers(gm.graph)
         gm.recompile()
         fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        # The parameters' DeviceMesh is saved for the backward (it builds the DTensor gradients);
+        # checkpointed random ops (SDPA, dropout) save RNG states behind it, out of the order
+        # AOTAutograd reads saved values in: put them back (shardc/passes/saved_order.py).
+        order_saved_values(fw, bw, kwargs["num_fwd_outputs"])
         check_no_gathered_saved(fw, bw)
         sink = _PARTITIONED_SINK.get()
         if sink is not None:
