@@ -1,4 +1,5 @@
-"""Benchmark for shardc.passes.allocator (static-pool offset assignment).
+"""Benchmark for the static-pool offset assignment (shardc.memory.allocator and the search in
+benchmarks/allocator_search.py).
 
 Usage::
 

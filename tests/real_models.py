@@ -19,6 +19,7 @@ import os
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -28,10 +29,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 import shardc
 from shardc.runtime.plan_check import PlanMismatchError
+from shardc.sharding.shard import shard_state
 
 GLOBAL_BATCH = 12  # divisible by 2, 3 (and 6)
 STEPS = 3
@@ -55,7 +61,8 @@ class Ctx:
             self.group = group
             self.mesh = DeviceMesh.from_group(group, "cpu")
 
-    def wrap(self, model: nn.Module, *, compile: bool = True, **shard_kwargs) -> Callable:
+    def wrap(self, model: nn.Module, *, compile: bool = True, inductor: bool = False,
+             **shard_kwargs) -> Callable:
         """Shard and compile ``model`` (sharded run) or return it unchanged (reference)."""
         self.model = model
         if not self.sharded:
@@ -63,7 +70,7 @@ class Ctx:
         shardc.shard(model, self.mesh, **shard_kwargs)
         if not compile:
             return model
-        self.compiled = torch.compile(model, backend=shardc.backend(inductor=False))
+        self.compiled = torch.compile(model, backend=shardc.backend(inductor=inductor))
         return self.compiled
 
     def split(self, t: torch.Tensor) -> torch.Tensor:
@@ -209,6 +216,94 @@ class CheckpointedMLP(nn.Module):
         for block in self.blocks:
             x = x + checkpoint(block, x, use_reentrant=False)
         return self.head(x)
+
+
+class AttentionBlock(nn.Module):
+    """Pre-norm causal self-attention through ``F.scaled_dot_product_attention``, then an MLP."""
+
+    def __init__(self, dim: int = DIM, heads: int = HEADS, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        self.norm = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, FFN), nn.GELU(), nn.Dropout(dropout),
+                                 nn.Linear(FFN, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                           v.transpose(1, 2), is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(x)
+
+
+class CheckpointedAttention(nn.Module):
+    """A small LM whose attention blocks each run under ``torch.utils.checkpoint`` with
+    ``checkpoint_kwargs`` (``use_reentrant``, a selective ``context_fn``)."""
+
+    def __init__(self, depth: int = 2, dropout: float = 0.0, checkpointed: bool = True,
+                 **checkpoint_kwargs) -> None:
+        super().__init__()
+        self.checkpointed, self.checkpoint_kwargs = checkpointed, checkpoint_kwargs
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(AttentionBlock(dropout=dropout) for _ in range(depth))
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = checkpoint(block, h, **self.checkpoint_kwargs) if self.checkpointed else block(h)
+        return self.head(h)
+
+
+class ReadsChildParameters(nn.Module):
+    """A block without parameters of its own that reads its children's parameters directly:
+    a gain from ``self.gate.weight`` (with gradient) and a scale under ``torch.no_grad()``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = AttentionBlock()
+        self.gate = nn.Linear(DIM, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            scale = 1.0 / (1.0 + self.gate.weight.abs().mean())
+        return self.attention(x) * torch.sigmoid(self.gate.weight.sum()) * scale
+
+
+class CheckpointedChildReads(CheckpointedAttention):
+    def __init__(self, **checkpoint_kwargs) -> None:
+        super().__init__(**checkpoint_kwargs)
+        self.blocks = nn.ModuleList(ReadsChildParameters() for _ in range(2))
+
+
+# What a selective activation checkpointing policy typically keeps: attention and matmul outputs
+# (every SDPA variant: CPU's flash kernel, CUDA's flash, efficient and cuDNN kernels).
+SAC_SAVED_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+}
+
+
+def _save_attention_and_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return (CheckpointPolicy.MUST_SAVE if op in SAC_SAVED_OPS
+            else CheckpointPolicy.PREFER_RECOMPUTE)
+
+
+def _save_everything(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE
+
+
+def selective_checkpointing(policy) -> Callable:
+    """A ``context_fn`` for ``checkpoint``: selective activation checkpointing with ``policy``."""
+    return functools.partial(create_selective_checkpoint_contexts, policy)
 
 
 def mlp() -> nn.Module:
@@ -405,6 +500,116 @@ def sc_checkpoint(ctx: Ctx) -> dict:
     xs, ys = regression_data(in_dim=10)
     out = train_regression(ctx, model, forward, xs, ys)
     out["planned"] = ctx.planned()
+    return out
+
+
+def backward_targets(model: nn.Module) -> list[str]:
+    """The names of what the backward graphs of a sharded model's compiled regions call, and of
+    the ops they run inside a higher-order op such as run_with_rng_state."""
+    return [str(target) for region in shard_state(model).regions if region.backward is not None
+            for node in region.backward.graph.nodes if node.op == "call_function"
+            for target in (node.target, *node.args[:2]) if callable(target)]
+
+
+def _backward_targets(ctx: Ctx) -> list[str] | None:
+    """:func:`backward_targets` of the sharded run; None for the reference or an uncompiled
+    run."""
+    if not ctx.sharded or ctx.compiled is None:
+        return None
+    return backward_targets(ctx.model)
+
+
+def recomputed_attention(ctx: Ctx) -> int:
+    """How many attention ops the backward graphs recompute (-1 for the reference or an
+    uncompiled run): checkpointing really happened in the compiled graph. (A recomputed random
+    op, which SDPA is for its dropout, runs inside run_with_rng_state.)"""
+    targets = _backward_targets(ctx)
+    if targets is None:
+        return -1
+    return sum("scaled_dot_product" in t and "backward" not in t for t in targets)
+
+
+def replayed_random_ops(ctx: Ctx) -> int:
+    """How many random ops the backward graphs recompute with the forward's saved RNG state."""
+    targets = _backward_targets(ctx)
+    return -1 if targets is None else sum("run_with_rng_state" in t for t in targets)
+
+
+def sc_checkpoint_attention(ctx: Ctx, *, compile: bool = True, inductor: bool = False,
+                            dynamic: bool = False, **checkpoint_kwargs) -> dict:
+    """``torch.utils.checkpoint`` around attention blocks (SDPA inside) that also read their
+    children's parameters themselves (ReadsChildParameters); ``dynamic``: then two more steps on
+    other sequence lengths (a dynamic-shape recompile)."""
+    torch.manual_seed(0)
+    model = CheckpointedChildReads(**checkpoint_kwargs)
+    forward = ctx.wrap(model, compile=compile, inductor=inductor)
+    out = train_lm(ctx, model, forward, tokens())
+    if dynamic:  # more steps on other sequence lengths: a dynamic-shape plan saves sizes too
+        more = [train_lm(ctx, model, forward, tokens(steps=1, seq=seq, seed=seq))
+                for seq in (5, 6)]
+        out = {"losses": torch.cat([out["losses"], *(m["losses"] for m in more)]),
+               "params": more[-1]["params"]}
+    out["planned"] = ctx.planned()
+    out["recomputed_attention"] = recomputed_attention(ctx)
+    return out
+
+
+def sc_checkpoint_vs_plain(ctx: Ctx, *, dropout: float = 0.0, compile: bool = True,
+                           **shard_kwargs) -> dict:
+    """Sharded runs only: each rank trains the attention model twice from the same seeds,
+    checkpointed and not, sharded with ``shard_kwargs``; both runs must be equal.
+    ``dropout``: random ops in the checkpointed blocks (SDPA's dropout_p, nn.Dropout), whose
+    recomputation in the backward must replay the forward's random numbers (FX execution: both
+    runs draw from the same generator in the same order; Inductor draws its own way)."""
+    out = {}
+    for checkpointed in (True, False):
+        torch.manual_seed(0)
+        model = CheckpointedAttention(dropout=dropout, checkpointed=checkpointed,
+                                      use_reentrant=False)
+        forward = ctx.wrap(model, compile=compile, **shard_kwargs)
+        torch.manual_seed(ctx.rank + 1)
+        run = train_lm(ctx, model, forward, tokens())
+        key = "checkpointed" if checkpointed else "plain"
+        out[key] = run
+        out[f"{key}_planned"] = ctx.planned()
+        out[f"{key}_replayed_random_ops"] = replayed_random_ops(ctx)
+        torch._dynamo.reset()
+    return out
+
+
+def build_hf_decoder(config: dict | None = None, **checkpoint_kwargs):
+    """transformers' Qwen2ForCausalLM (q/k/v biases, grouped-query attention, RMSNorm, rotary
+    embeddings) from a tiny random config (``config`` overrides its fields), SDPA attention,
+    with gradient checkpointing turned on as users do: ``gradient_checkpointing_enable()``
+    checkpoints every decoder layer (keyword arguments, if any, go to torch.utils.checkpoint)."""
+    import transformers
+
+    torch.manual_seed(0)
+    fields = dict(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=FFN, num_hidden_layers=2,
+                  num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=32,
+                  tie_word_embeddings=False)
+    cfg = transformers.Qwen2Config(**{**fields, **(config or {})}, attn_implementation="sdpa")
+    model = transformers.Qwen2ForCausalLM(cfg)
+    assert model.config._attn_implementation == "sdpa"
+    kwargs = {"gradient_checkpointing_kwargs": checkpoint_kwargs} if checkpoint_kwargs else {}
+    with warnings.catch_warnings():  # transformers 5 renamed it activation_checkpointing_enable
+        warnings.simplefilter("ignore", FutureWarning)
+        model.gradient_checkpointing_enable(**kwargs)
+    assert getattr(model, "is_activation_checkpointing", None) or model.is_gradient_checkpointing
+    return model.train()
+
+
+def sc_hf_checkpoint(ctx: Ctx, *, compile: bool = True, inductor: bool = False,
+                     **checkpoint_kwargs) -> dict:
+    model = build_hf_decoder(**checkpoint_kwargs)
+    layer = model.model.layers[0]
+    # What transformers passes torch.utils.checkpoint (its default when none is given).
+    use_reentrant = layer._gradient_checkpointing_func.keywords.get("use_reentrant")
+    forward = ctx.wrap(model, compile=compile, inductor=inductor)
+    out = train_lm(ctx, model, lambda t: forward(input_ids=t, use_cache=False).logits, tokens())
+    out["planned"] = ctx.planned()
+    out["recomputed_attention"] = recomputed_attention(ctx)
+    out["use_reentrant"] = use_reentrant
     return out
 
 
@@ -798,6 +1003,31 @@ SCENARIOS: dict[str, Callable[[Ctx], dict]] = {
     "moe_compiled": lambda ctx: sc_moe(ctx, compile=True),
     "moe_recompile_limit": sc_moe_recompile_limit,
     "checkpoint": sc_checkpoint,
+    # Checkpointed attention blocks that also read their children's parameters themselves.
+    "checkpoint_sdpa": functools.partial(sc_checkpoint_attention, use_reentrant=False),
+    "checkpoint_sdpa_eager": functools.partial(sc_checkpoint_attention, compile=False,
+                                               use_reentrant=False),
+    "checkpoint_sdpa_eager_reentrant": functools.partial(sc_checkpoint_attention, compile=False,
+                                                         use_reentrant=True),
+    "checkpoint_sdpa_selective": functools.partial(
+        sc_checkpoint_attention, use_reentrant=False,
+        context_fn=selective_checkpointing(_save_attention_and_matmuls)),
+    "hf_checkpoint": sc_hf_checkpoint,  # transformers' default keywords
+    "hf_checkpoint_eager": functools.partial(sc_hf_checkpoint, compile=False),
+    # Slow (SLOW_SCENARIOS).
+    "checkpoint_sdpa_reentrant": functools.partial(sc_checkpoint_attention, use_reentrant=True),
+    "checkpoint_sdpa_dynamic": functools.partial(sc_checkpoint_attention, dynamic=True,
+                                                 use_reentrant=False),
+    "checkpoint_sdpa_save_all": functools.partial(
+        sc_checkpoint_attention, use_reentrant=False,
+        context_fn=selective_checkpointing(_save_everything)),
+    "hf_checkpoint_reentrant": functools.partial(sc_hf_checkpoint, use_reentrant=True),
+    "hf_checkpoint_inductor": functools.partial(sc_hf_checkpoint, inductor=True),
+    # Sharded runs only (slow), each compared with itself without checkpointing.
+    "checkpoint_dropout": functools.partial(sc_checkpoint_vs_plain, dropout=0.25),
+    **{f"checkpoint_fp8{suffix}": functools.partial(
+        sc_checkpoint_vs_plain, compile=compile, fp8=shardc.Float8Policy())
+       for suffix, compile in (("", True), ("_eager", False))},
     "accumulate": sc_accumulate,
     "accumulate_clip": sc_accumulate_clip,
     "accumulate_no_sync": sc_accumulate_no_sync,
@@ -820,7 +1050,14 @@ SCENARIOS: dict[str, Callable[[Ctx], dict]] = {
     "timeout": fail_timeout,
     "timeout_inductor": functools.partial(fail_timeout, inductor=True),
 }
-HF = ("hf_gpt2",)  # needs the transformers package
+HF = ("hf_gpt2", "hf_checkpoint", "hf_checkpoint_reentrant", "hf_checkpoint_eager",
+      "hf_checkpoint_inductor")  # needs the transformers package
+# Run by their own groups, only for the tests marked slow (tests/test_real_models.py::slow_runs);
+# the Inductor ones at world 2 only: Inductor compiles slowly on CPU.
+INDUCTOR_SCENARIOS = ("hf_checkpoint_inductor",)
+SLOW_SCENARIOS = ("checkpoint_sdpa_reentrant", "checkpoint_sdpa_dynamic",
+                  "checkpoint_sdpa_save_all", "hf_checkpoint_reentrant", "checkpoint_dropout",
+                  "checkpoint_fp8", "checkpoint_fp8_eager", *INDUCTOR_SCENARIOS)
 FAILURES = ("rank_dependent", "partial_mesh", "recompile_one_rank", "timeout",
             "timeout_inductor")
 

@@ -24,8 +24,10 @@ from real_models import (
     CLIP,
     FAILURES,
     HF,
+    INDUCTOR_SCENARIOS,
     SCENARIOS,
     SHAPES,
+    SLOW_SCENARIOS,
     TIMEOUT_S,
     reference,
     run_scenarios,
@@ -39,7 +41,8 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def runs() -> dict[int, list[dict]]:
-    names = [n for n in SCENARIOS if HAS_TRANSFORMERS or n not in HF]
+    names = [n for n in SCENARIOS
+             if (HAS_TRANSFORMERS or n not in HF) and n not in SLOW_SCENARIOS]
     return {world: run_ranks(run_scenarios, world, names) for world in WORLDS}
 
 
@@ -147,6 +150,138 @@ def test_moe_eager_fallback_after_recompile_limit_gathers(runs):
 def test_activation_checkpointing_inside_compiled_region(runs):
     """torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) inside the region."""
     check_parity(runs, "checkpoint")
+
+
+def _check_recomputed(got: list[dict], name: str, *, attention: bool = True) -> None:
+    for world, result in zip(WORLDS, got):
+        recomputed = result["recomputed_attention"]
+        if attention:
+            assert recomputed > 0, f"world {world}, {name}: the backward recomputes no attention"
+        else:
+            assert recomputed == 0, f"world {world}, {name}: attention recomputed, not saved"
+
+
+@pytest.fixture(scope="module")
+def slow_runs() -> dict[int, list[dict]]:
+    """The slow scenarios, in their own groups (spawned only when a slow test runs); the
+    Inductor ones at world 2 only."""
+    names = [n for n in SLOW_SCENARIOS if HAS_TRANSFORMERS or n not in HF]
+    return {2: run_ranks(run_scenarios, 2, names),
+            3: run_ranks(run_scenarios, 3, [n for n in names if n not in INDUCTOR_SCENARIOS])}
+
+
+def test_activation_checkpointing_around_sdpa(runs):
+    """torch.utils.checkpoint(use_reentrant=False) around blocks with
+    F.scaled_dot_product_attention, compiled. It used to crash on the first forward: the
+    parameters' DeviceMesh, saved for the backward, ended up among the saved tensors once the
+    checkpointed SDPA (a random op for torch, for its dropout) saved an RNG state
+    (shardc/passes/saved_order.py). The backward graph must recompute the attention. The blocks
+    also read their children's parameters themselves (one under torch.no_grad())."""
+    _check_recomputed(check_parity(runs, "checkpoint_sdpa"), "checkpoint_sdpa")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["checkpoint_sdpa_reentrant", "checkpoint_sdpa_dynamic"])
+def test_activation_checkpointing_around_sdpa_more(slow_runs, name):
+    """The same with use_reentrant=True, and with more steps on other sequence lengths (the
+    dynamic-shape plan saves sizes for the backward too)."""
+    _check_recomputed(check_parity(slow_runs, name), name)
+
+
+@pytest.mark.parametrize("name", ["checkpoint_sdpa_eager", "checkpoint_sdpa_eager_reentrant"])
+def test_activation_checkpointing_around_sdpa_eager(runs, name):
+    """Eager shardc, use_reentrant False and True. The checkpointed blocks read their children's
+    parameters themselves: the checkpoint recomputes a block inside the backward, outside the
+    root's forward, where such reads used to return the sharded DTensor ("got mixed
+    torch.Tensor and DTensor"); every module of the sharded tree now counts its forward."""
+    check_parity(runs, name, compiled=False)
+
+
+def test_selective_activation_checkpointing_around_sdpa(runs):
+    """Selective activation checkpointing (create_selective_checkpoint_contexts) under
+    torch.compile, with a policy that saves attention and matmul outputs: the backward graph
+    must not recompute the attention."""
+    name = "checkpoint_sdpa_selective"
+    _check_recomputed(check_parity(runs, name), name, attention=False)
+
+
+@pytest.mark.slow
+def test_selective_activation_checkpointing_saving_everything(slow_runs):
+    """A policy that saves everything: shardc still re-gathers the parameters in the backward
+    instead of saving them (its check would raise otherwise)."""
+    name = "checkpoint_sdpa_save_all"
+    _check_recomputed(check_parity(slow_runs, name), name, attention=False)
+
+
+def _check_self_comparison(slow_runs, name: str, *, compiled: bool = True) -> list[dict]:
+    out = []
+    for world in WORLDS:
+        got = _run(slow_runs, name, world)
+        if compiled:
+            assert got["checkpointed_planned"] > 0 and got["plain_planned"] > 0
+        try:
+            assert_parity(got["checkpointed"], got["plain"], tol=TOL)
+        except AssertionError as exc:
+            raise AssertionError(f"world {world}, {name}: {exc}") from exc
+        out.append(got)
+    return out
+
+
+@pytest.mark.slow
+def test_checkpointed_random_ops_replay_the_forward_random_numbers(slow_runs):
+    """SDPA with dropout_p > 0 and nn.Dropout in checkpointed blocks (they crashed like SDPA):
+    the checkpointed model trains exactly like the same model without checkpointing from the
+    same seeds, so the backward's recomputation replays the forward's dropout masks. Sharded
+    runs only (the reference's masks would differ): each rank compares the two runs."""
+    for world, got in zip(WORLDS, _check_self_comparison(slow_runs, "checkpoint_dropout")):
+        assert got["checkpointed_replayed_random_ops"] > 0, f"world {world}: nothing replayed"
+        assert got["plain_replayed_random_ops"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["checkpoint_fp8", "checkpoint_fp8_eager"])
+def test_checkpointed_blocks_with_fp8_gathered_weights(slow_runs, name):
+    """Checkpointed attention blocks whose nn.Linear weights are gathered in FP8
+    (fp8=shardc.Float8Policy(); dequantized on CPU), compiled (FX) and eager: they train exactly
+    like the same FP8-sharded model without checkpointing (the FP8 reference itself:
+    tests/test_fp8.py)."""
+    _check_self_comparison(slow_runs, name, compiled=not name.endswith("_eager"))
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="the transformers package is not installed")
+def test_hf_decoder_gradient_checkpointing_sdpa(runs):
+    """transformers' Qwen2ForCausalLM (tiny random config, attn_implementation="sdpa") after
+    model.gradient_checkpointing_enable() with transformers' default keywords (use_reentrant=False
+    in transformers 5.x): every decoder layer checkpointed, compiled through shardc."""
+    got = check_parity(runs, "hf_checkpoint")
+    _check_recomputed(got, "hf_checkpoint")
+    assert got[0]["use_reentrant"] is False, (
+        f"transformers' default is now use_reentrant={got[0]['use_reentrant']}: update "
+        "docs/support.md")
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="the transformers package is not installed")
+def test_hf_decoder_gradient_checkpointing_sdpa_eager(runs):
+    check_parity(runs, "hf_checkpoint_eager", compiled=False)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="the transformers package is not installed")
+def test_hf_decoder_gradient_checkpointing_sdpa_reentrant(slow_runs):
+    """The same with gradient_checkpointing_kwargs={"use_reentrant": True}."""
+    got = check_parity(slow_runs, "hf_checkpoint_reentrant")
+    _check_recomputed(got, "hf_checkpoint_reentrant")
+    assert got[0]["use_reentrant"] is True
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="the transformers package is not installed")
+def test_hf_decoder_gradient_checkpointing_sdpa_inductor(slow_runs):
+    """The checkpointed Qwen2 decoder compiled with Inductor (world 2 only)."""
+    name = "hf_checkpoint_inductor"
+    got, ref = _run(slow_runs, name, 2), _reference(name, 2)
+    assert got["planned"] > 0 and got["recomputed_attention"] > 0
+    assert_parity(got, ref, tol=TOL)
 
 
 # --- Training loops ---------------------------------------------------------------------------
@@ -342,7 +477,8 @@ def test_collective_timeout_names_bucket_and_position(runs, scenario):
 
 
 def test_every_scenario_ran(runs):
-    names = [n for n in SCENARIOS if HAS_TRANSFORMERS or n not in HF]
+    names = [n for n in SCENARIOS
+             if (HAS_TRANSFORMERS or n not in HF) and n not in SLOW_SCENARIOS]
     for world in WORLDS:
         for result in runs[world]:
             assert sorted(result) == sorted(names)

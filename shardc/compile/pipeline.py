@@ -9,7 +9,8 @@ these functions from their hooks, and :mod:`shardc.tools.template` calls
 1. FP8 (``shardc.passes.fp8``): merge amax all-reduces, dedupe FP8 gathers, tag dequantization.
 2. Dedupe (``shardc.passes.dedupe``): one gather and one reduction per parameter.
 3. Reshard (``shardc.passes.reshard``): resharded gathers must be recomputed in backward.
-4. Partition (torch's min-cut), then check that no gathered parameter is saved.
+4. Partition (torch's min-cut), put the saved values back in the order AOTAutograd reads them
+   (``shardc.passes.saved_order``), then check that no gathered parameter is saved.
 5. Plan (``shardc.planning.schedule``): buckets, issue and wait positions, simulation; place the
    buffers in the pool (``shardc.memory.pool``); while the pool exceeds the memory budget, plan
    again with shallower prefetch.
@@ -40,6 +41,7 @@ from shardc.passes.fp8 import Fp8Summary, hoist_fp8_quantize, prepare_fp8
 from shardc.passes.fx_utils import allocate_real, copy_graph_module, is_call
 from shardc.passes.lower import add_pool_placeholder, apply_plan
 from shardc.passes.reshard import check_no_gathered_saved, tag_resharded_gathers
+from shardc.passes.saved_order import order_saved_values
 from shardc.planning.plan import Plan
 from shardc.planning.schedule import plan_region
 from shardc.runtime.collectives import resolve_group
@@ -94,6 +96,10 @@ def partition(gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs
               ) -> tuple[fx.GraphModule, fx.GraphModule]:
     """Step 4: the min-cut partition of the joint graph, checked."""
     fw, bw = _torch.min_cut_partition(gm, joint_inputs, **kwargs)
+    # The parameters' DeviceMesh is saved for the backward (it builds the DTensor gradients);
+    # checkpointed random ops (SDPA, dropout) save RNG states behind it, out of the order
+    # AOTAutograd reads saved values in: put them back (shardc/passes/saved_order.py).
+    order_saved_values(fw, bw, kwargs["num_fwd_outputs"])
     check_no_gathered_saved(fw, bw)
     sink = _PARTITIONED_SINK.get()
     if sink is not None:

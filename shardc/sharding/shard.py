@@ -333,9 +333,14 @@ def shard(
             sub.register_forward_pre_hook(te_params.clear_gathered)
             sub.register_forward_hook(te_params.clear_gathered, always_call=True)
             sub.register_state_dict_post_hook(te_params.state_dict_hook(fp8_names))
-    if id(module) not in per_module:
-        module.register_forward_pre_hook(enter_forward)
-        module.register_forward_hook(exit_forward, always_call=True)
+    # Every other module of the tree counts its forward too, not only the root: activation
+    # checkpointing recomputes a block's forward eagerly inside the backward, outside the root's
+    # forward, so a block without parameters of its own that reads a child's parameter directly
+    # (``self.child.weight``) would otherwise get the sharded DTensor there.
+    for sub in module.modules():
+        if id(sub) not in per_module:
+            sub.register_forward_pre_hook(enter_forward)
+            sub.register_forward_hook(exit_forward, always_call=True)
     module._shardc_state = state
     return module
 
