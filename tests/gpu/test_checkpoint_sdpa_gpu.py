@@ -4,9 +4,16 @@ transformers' Qwen2ForCausalLM (small random config, ``attn_implementation="sdpa
 ``model.gradient_checkpointing_enable()`` (every decoder layer checkpointed), sharded over a
 one-rank NCCL group and compiled through shardc with and without Inductor, trains like the same
 unsharded model run eagerly, within bf16 rounding. ``sdpa_kernel`` allows one SDPA backend at a
-time (flash, then memory-efficient), so a kernel that cannot take the inputs raises instead of
-quietly falling back; the compiled backward graph must recompute that kernel. The CPU tests of
-the same model: tests/test_real_models.py::test_hf_decoder_gradient_checkpointing_sdpa*.
+time, so a kernel that cannot take the inputs raises instead of quietly falling back; the
+compiled backward graph must recompute that kernel. The CPU tests of the same model:
+tests/test_real_models.py::test_hf_decoder_gradient_checkpointing_sdpa*.
+
+Which kernel each model can reach: compiled, transformers builds an explicit causal mask (its
+skip-the-mask shortcut is off while tracing, sharded or not), and the flash kernel takes no
+mask, so the HF model runs on the memory-efficient kernel (seen on an H100, torch 2.11,
+transformers 5.17: flash raised "Flash Attention does not support non-null attn_mask" in
+Dynamo's fake-tensor run). The flash kernel is covered by shardc's own Llama
+(``F.scaled_dot_product_attention(q, k, v, is_causal=True)``) with every block checkpointed.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from real_models import backward_targets, build_hf_decoder
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import shardc
+from shardc.models.llama import LlamaConfig, Transformer
 
 pytestmark = [
     pytest.mark.gpu,
@@ -35,6 +43,7 @@ KERNELS = {
     "efficient": (SDPBackend.EFFICIENT_ATTENTION,
                   "aten._scaled_dot_product_efficient_attention.default"),
 }
+LLAMA = LlamaConfig(vocab_size=256, dim=128, n_layers=2, n_heads=4, max_seq_len=128)
 STEPS, BATCH, SEQ, LR = 3, 4, 64, 0.05
 LOSS_TOL, GRAD_TOL = 1e-2, 3e-2  # relative 2-norm errors: bf16 rounding, fused or not
 
@@ -42,6 +51,35 @@ LOSS_TOL, GRAD_TOL = 1e-2, 3e-2  # relative 2-norm errors: bf16 rounding, fused 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.float(), b.float()
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+class CheckpointedBlock(torch.nn.Module):
+    """A Llama block recomputed in the backward (``torch.utils.checkpoint``, non-reentrant)."""
+
+    def __init__(self, block: torch.nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x, cos, sin):
+        return torch.utils.checkpoint.checkpoint(self.block, x, cos, sin, use_reentrant=False)
+
+
+def _build(model_kind: str) -> torch.nn.Module:
+    """The model from a fixed seed (built twice: the same weights), bf16 on the GPU."""
+    if model_kind == "hf":
+        return build_hf_decoder(CONFIG).to("cuda", torch.bfloat16)
+    torch.manual_seed(0)
+    model = Transformer(LLAMA)
+    model.init_weights()
+    for i, block in enumerate(model.layers):
+        model.layers[i] = CheckpointedBlock(block)
+    return model.to("cuda", torch.bfloat16).train()
+
+
+def _logits_fn(model_kind: str, forward):
+    if model_kind == "hf":
+        return lambda tokens: forward(input_ids=tokens, use_cache=False).logits
+    return forward
 
 
 def _train(model, forward, backend: SDPBackend) -> dict:
@@ -52,7 +90,7 @@ def _train(model, forward, backend: SDPBackend) -> dict:
     losses, grads = [], {}
     with sdpa_kernel(backend):  # the only SDPA backend allowed: ineligible inputs raise
         for step in range(STEPS):
-            logits = forward(input_ids=data[step, :, :-1], use_cache=False).logits
+            logits = forward(data[step, :, :-1])
             loss = F.cross_entropy(logits.flatten(0, 1).float(), data[step, :, 1:].flatten())
             loss.backward()
             if step == 0:
@@ -65,23 +103,22 @@ def _train(model, forward, backend: SDPBackend) -> dict:
 
 
 @pytest.mark.parametrize("inductor", [False, True], ids=["fx", "inductor"])
-@pytest.mark.parametrize("kernel", list(KERNELS))
-def test_gradient_checkpointing_hf_decoder_on_sdpa_kernels(nccl, kernel, inductor):
+@pytest.mark.parametrize(("model_kind", "kernel"), [("llama", "flash"), ("hf", "efficient")])
+def test_gradient_checkpointing_on_sdpa_kernels(nccl, model_kind, kernel, inductor):
     backend, op_name = KERNELS[kernel]
     torch._dynamo.reset()
-    # Built twice from the same seed: the same weights. HF passes SDPA no mask and
-    # is_causal=True here, which the flash kernel takes.
-    reference = build_hf_decoder(CONFIG).to("cuda", torch.bfloat16)
-    model = build_hf_decoder(CONFIG).to("cuda", torch.bfloat16)
-    ref = _train(reference, reference, backend)
+    reference = _build(model_kind)
+    model = _build(model_kind)
+    ref = _train(reference, _logits_fn(model_kind, reference), backend)
 
     shardc.shard(model)
     compiled = torch.compile(model, backend=shardc.backend(inductor=inductor))
-    got = _train(model, compiled, backend)
+    got = _train(model, _logits_fn(model_kind, compiled), backend)
 
     assert shardc.explain_all(compiled), "shardc planned no region (eager fallback?)"
+    layers = CONFIG["num_hidden_layers"] if model_kind == "hf" else LLAMA.n_layers
     recomputed = [t for t in backward_targets(model) if t == op_name]
-    assert len(recomputed) == CONFIG["num_hidden_layers"], (
+    assert len(recomputed) == layers, (
         f"the backward should recompute {op_name} once per checkpointed layer, "
         f"got {len(recomputed)}")
     loss_err = _rel_err(got["losses"], ref["losses"])
