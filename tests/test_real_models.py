@@ -354,7 +354,7 @@ def test_parameters_replaced_after_shard(runs):
     property); share_memory() raises (DTensor.share_memory_ ends the process); .to("meta")
     raises naming the parameter and the mesh's device type."""
     for world in WORLDS:
-        for rank, result in enumerate(runs[world]):
+        for result in runs[world]:
             got = result["replaced_after_shard"]
             assert "exception" not in got, got.get("exception")
             for mode in ("eager", "compiled"):

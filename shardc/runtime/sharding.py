@@ -502,7 +502,7 @@ def shard(
     state = ShardState(mesh, reshard_after_forward, mp_policy, infos, layout=layout, fp8=fp8,
                        group_roles=layout.group_roles())
     _STATES[state.key] = state
-    for key, (fqn, p) in canonical.items():
+    for fqn, p in canonical.values():  # an optimizer still holding these is named at its step
         replaced_params.remember(p, fqn)
     for sub, sub_infos in per_module.values():
         _swap_class(sub, sub_infos, state.grad_sync, fp8)
