@@ -347,6 +347,16 @@ def manager_checks(rank: int, tmp: str) -> dict:
         result["unchanged"] = diff(full_state(victim, victim_opt), victim_before) + (
             [] if _tree_digest(broken_root) == before_files else ["checkpoint files changed"])
         out[f"broken.{kind}"] = result
+    # Plain dcp.load of the copy with the flipped byte: no error, wrong values (torch's DCP
+    # keeps no checksums; docs/checkpoints.md).
+    plain = llama(8)
+    plain_opt = adamw(plain)
+    OptimizerState(plain, plain_opt).state_dict()
+    flipped = os.path.join(tmp, "broken_flipped_byte", "step_00000010")
+    out["plain_dcp_flipped"] = {
+        "error": _error(lambda: dcp.load(_states(plain, plain_opt), checkpoint_id=flipped)),
+        "differs": diff(full_state(plain, plain_opt), saved[10]),
+    }
     return out
 
 
@@ -544,6 +554,10 @@ def test_manager_corrupt_or_partial_checkpoints(jobs):
         assert "unreadable" in bad_marker["explicit"]
         for kind in ("flipped_byte", "truncated", "no_metadata", "no_marker", "bad_marker"):
             assert out[f"broken.{kind}"]["unchanged"] == [], kind
+        # The same flipped byte through plain dcp.load: loaded without an error, wrong values.
+        plain = out["plain_dcp_flipped"]
+        assert plain["error"] is None, plain["error"]
+        assert plain["differs"], "the flipped byte should change a loaded value"
 
 
 def test_fsdp2_checkpoints_load_into_shardc_and_back(jobs):

@@ -336,38 +336,47 @@ def _check_inputs(module: nn.Module, mesh: DeviceMesh, allow_partial_mesh: bool)
     return layout
 
 
-def _storage_id(p: torch.Tensor) -> int | None:
-    """Identity of the storage behind what this rank holds of ``p`` (meta tensors too: their
-    storages have no data pointer but are distinct objects); None where there is none to
-    compare (tensor subclasses without one storage)."""
+def _storage_span(p: torch.Tensor) -> tuple[int, int, int] | None:
+    """(storage identity, first byte, end byte) of what this rank holds of ``p`` (meta tensors
+    too: their storages have no data pointer but are distinct objects); None where there is
+    nothing to compare (empty tensors, tensor subclasses without one storage)."""
     try:
-        return rank_tensor(p).untyped_storage()._cdata
+        t = rank_tensor(p)
+        if t.numel() == 0:
+            return None
+        storage = t.untyped_storage()._cdata
     except (RuntimeError, NotImplementedError, TypeError, AttributeError):
         return None
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    first = t.storage_offset() * t.element_size()
+    return storage, first, first + extent * t.element_size()
 
 
 def _check_aliases(module: nn.Module) -> None:
-    """Refuse distinct parameters that share storage (one a view of another): each would get
+    """Refuse distinct parameters whose memory overlaps (one a view of another): each would get
     its own shard, and updating one would no longer update the other. The same parameter object
-    registered twice (tied weights) is one parameter and is fine. Decided from the module alone,
-    so every rank raises the same error before any collective."""
-    seen: dict[int, str] = {}
+    registered twice (tied weights) is one parameter and is fine, and so are disjoint views of
+    one buffer (cuDNN's flattened RNN weights), which nothing couples. Decided from the module
+    alone, so every rank raises the same error before any collective."""
+    spans: dict[int, list[tuple[int, int, str]]] = {}
     for fqn, p in module.named_parameters():  # one entry per distinct parameter object
         if te_params.is_quantized(p):
             continue
-        storage = _storage_id(p)
-        if storage is None:
+        span = _storage_span(p)
+        if span is None:
             continue
-        other = seen.setdefault(storage, fqn)
-        if other != fqn:
-            raise ValueError(
-                f"shardc.shard: parameters {other!r} and {fqn!r} share storage (one is a view "
-                "of the other, or both view one tensor); sharding would give each its own shard "
-                "and an update of one would no longer reach the other. Tie them as one "
-                f"parameter (assign the same nn.Parameter object to both modules, e.g. "
-                f"child.weight = other.weight) or give each its own storage (.clone()) before "
-                "shardc.shard."
-            )
+        storage, first, end = span
+        for other_first, other_end, other in spans.get(storage, []):
+            if first < other_end and other_first < end:
+                raise ValueError(
+                    f"shardc.shard: parameters {other!r} and {fqn!r} share storage (one is a "
+                    "view of the other, or both view one tensor); sharding would give each its "
+                    "own shard and an update of one would no longer reach the other. Tie them "
+                    "as one parameter (assign the same nn.Parameter object to both modules, "
+                    "e.g. child.weight = other.weight) or give each its own storage (.clone()) "
+                    "before shardc.shard."
+                )
+        spans.setdefault(storage, []).append((first, end, fqn))
 
 
 def _check_quantized(fqn: str, p: torch.Tensor, layout: MeshLayout) -> None:
