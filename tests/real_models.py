@@ -978,6 +978,9 @@ def fail_replaced_after_shard(ctx: Ctx) -> dict:
     def assign(model):
         model[0].weight = nn.Parameter(torch.zeros(11, 6))
 
+    def add_param(model):
+        model[0].extra = nn.Parameter(torch.zeros(3))
+
     def load_assign(model):
         full = {n: torch.zeros(p.shape) for n, p in model.named_parameters()}
         model.load_state_dict(full, assign=True)
@@ -990,7 +993,7 @@ def fail_replaced_after_shard(ctx: Ctx) -> dict:
 
         P.register_parametrization(model[0], "weight", _Scale())
 
-    changes = {"assign": assign, "load_assign": load_assign,
+    changes = {"assign": assign, "add_param": add_param, "load_assign": load_assign,
                "load_assign_sharded": load_assign_sharded, "parametrize": parametrize,
                "share_memory": lambda m: m.share_memory(), "to_meta": lambda m: m.to("meta")}
     return {f"{name}_{'compiled' if compile else 'eager'}": attempt(change, compile=compile)

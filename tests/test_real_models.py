@@ -347,9 +347,9 @@ def test_optimizer_built_before_shard_is_named(runs):
 
 
 def test_parameters_replaced_after_shard(runs):
-    """After shardc.shard, eager and compiled: a new nn.Parameter assigned to a sharded module
-    and load_state_dict(full tensors, assign=True) raise at the next forward, naming the
-    parameter; load_state_dict(model.state_dict(), assign=True) (sharded values) trains;
+    """After shardc.shard, eager and compiled: a new nn.Parameter assigned in place of a sharded
+    one and load_state_dict(full tensors, assign=True) raise at the next forward, naming the
+    parameter, and so does a parameter registered under a new name on a sharded module; load_state_dict(model.state_dict(), assign=True) (sharded values) trains;
     torch.nn.utils.parametrize is refused by torch (the name is taken by shardc's gathering
     property); share_memory() raises (DTensor.share_memory_ ends the process); .to("meta")
     raises naming the parameter and the mesh's device type."""
@@ -362,6 +362,9 @@ def test_parameters_replaced_after_shard(runs):
                     error = got[f"{name}_{mode}"] or ""
                     assert error.startswith("RuntimeError: shardc: parameter '0.weight' is a "
                                             "Parameter, not the sharded DTensor"), (name, error)
+                error = got[f"add_param_{mode}"] or ""
+                assert error.startswith("RuntimeError: shardc: parameter(s) ['extra'] of a "
+                                        "sharded ShardcLinear were registered after"), error
                 assert got[f"load_assign_sharded_{mode}"] is None, got
                 assert "already has an attribute named 'weight'" in got[f"parametrize_{mode}"]
                 assert got[f"share_memory_{mode}"].startswith("NotImplementedError: shardc: "

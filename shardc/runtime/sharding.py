@@ -129,8 +129,24 @@ def _gathering() -> bool:
 
 
 def _enter_forward(module, args) -> None:
+    names = getattr(type(module), "_shardc_param_names", None)
+    if names is not None:
+        _check_no_new_params(module, names)
     if not torch.compiler.is_compiling():
         _FORWARD.depth += 1
+
+
+def _check_no_new_params(module: nn.Module, names: tuple[str, ...]) -> None:
+    """A parameter registered on a sharded module after ``shardc.shard`` would be trained by
+    each rank on its own gradient, unsynchronized: refuse it."""
+    new = [n for n, p in module._parameters.items() if p is not None and n not in names]
+    if new:
+        raise RuntimeError(
+            f"shardc: parameter(s) {new} of a sharded {type(module).__name__} were registered "
+            "after shardc.shard; shardc does not shard or synchronize them, so each rank would "
+            "train its own copy. Register every parameter before shardc.shard (or register a "
+            "buffer if it is not trained)."
+        )
 
 
 def _exit_forward(module, args, output) -> None:
@@ -235,8 +251,10 @@ def _check_applied(module: nn.Module, name: str, param, expected: tuple) -> None
     problem = None
     if not isinstance(param, DTensor):
         problem = f"became a {type(param).__name__}"
-    elif param.device_mesh is not mesh or param.placements != placements:
-        problem = "changed its mesh or placements"
+    elif param.device_mesh != mesh or param.placements != placements:
+        # Equality, not identity: DTensor's propagation cache may hand back an equal mesh object.
+        problem = (f"changed its mesh or placements ({mesh} {placements} -> "
+                   f"{param.device_mesh} {param.placements})")
     elif tuple(param.shape) != shape or tuple(param.to_local().shape) != local_shape:
         problem = "changed its shape"
     elif param.to_local().device.type != mesh.device_type:
