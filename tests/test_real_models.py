@@ -349,7 +349,8 @@ def test_optimizer_built_before_shard_is_named(runs):
 def test_parameters_replaced_after_shard(runs):
     """After shardc.shard, eager and compiled: a new nn.Parameter assigned in place of a sharded
     one and load_state_dict(full tensors, assign=True) raise at the next forward, naming the
-    parameter, and so does a parameter registered under a new name on a sharded module; load_state_dict(model.state_dict(), assign=True) (sharded values) trains;
+    parameter, and so does a parameter registered under a new name on a sharded module;
+    load_state_dict(model.state_dict(), assign=True) (sharded values) trains;
     torch.nn.utils.parametrize is refused by torch (the name is taken by shardc's gathering
     property); share_memory() raises (DTensor.share_memory_ ends the process); .to("meta")
     raises naming the parameter and the mesh's device type."""
