@@ -129,11 +129,12 @@ def _gathering() -> bool:
 
 
 def _enter_forward(module, args) -> None:
+    if not torch.compiler.is_compiling():
+        _FORWARD.depth += 1
+    # Checked after counting: torch runs the always-called exit hook when a pre-hook raises.
     names = getattr(type(module), "_shardc_param_names", None)
     if names is not None:
         _check_no_new_params(module, names)
-    if not torch.compiler.is_compiling():
-        _FORWARD.depth += 1
 
 
 def _check_no_new_params(module: nn.Module, names: tuple[str, ...]) -> None:
