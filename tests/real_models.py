@@ -996,8 +996,12 @@ def fail_replaced_after_shard(ctx: Ctx) -> dict:
     changes = {"assign": assign, "add_param": add_param, "load_assign": load_assign,
                "load_assign_sharded": load_assign_sharded, "parametrize": parametrize,
                "share_memory": lambda m: m.share_memory(), "to_meta": lambda m: m.to("meta")}
-    return {f"{name}_{'compiled' if compile else 'eager'}": attempt(change, compile=compile)
-            for name, change in changes.items() for compile in (False, True)}
+    out = {f"{name}_{'compiled' if compile else 'eager'}": attempt(change, compile=compile)
+           for name, change in changes.items() for compile in (False, True)}
+    from shardc.runtime.sharding import _FORWARD
+
+    out["forward_depth"] = _FORWARD.depth  # the failed forwards left no forward counted
+    return out
 
 
 class _Scale(nn.Module):

@@ -358,6 +358,7 @@ def test_parameters_replaced_after_shard(runs):
         for result in runs[world]:
             got = result["replaced_after_shard"]
             assert "exception" not in got, got.get("exception")
+            assert got["forward_depth"] == 0, got["forward_depth"]
             for mode in ("eager", "compiled"):
                 for name in ("assign", "load_assign"):
                     error = got[f"{name}_{mode}"] or ""
