@@ -32,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 import shardc
 from shardc.runtime.plan_check import PlanMismatchError
+from shardc.runtime.sharding import _FORWARD
 
 GLOBAL_BATCH = 12  # divisible by 2, 3 (and 6)
 STEPS = 3
@@ -998,8 +999,6 @@ def fail_replaced_after_shard(ctx: Ctx) -> dict:
                "share_memory": lambda m: m.share_memory(), "to_meta": lambda m: m.to("meta")}
     out = {f"{name}_{'compiled' if compile else 'eager'}": attempt(change, compile=compile)
            for name, change in changes.items() for compile in (False, True)}
-    from shardc.runtime.sharding import _FORWARD
-
     out["forward_depth"] = _FORWARD.depth  # the failed forwards left no forward counted
     return out
 
@@ -1122,6 +1121,10 @@ def run_scenarios(rank: int, world: int, names: list[str]) -> dict:
             out = {"exception": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
         out["seconds"] = time.monotonic() - start
         out["cpu_seconds"] = time.process_time() - cpu
+        # Forwards shardc counted but never finished would make later reads outside a forward
+        # gather: reported per scenario, then cleared so one leak does not hide behind another.
+        out["forward_depth_after"] = _FORWARD.depth
+        _FORWARD.depth = 0
         results[name] = out
         dist.barrier()
     return results

@@ -469,6 +469,33 @@ def test_collective_timeout_names_bucket_and_position(runs, scenario):
             assert "Timed out" in got["error"] or "timed out" in got["error"], got["error"]
 
 
+# Scenarios after which shardc's forward count stays above 0 (a pre-existing bug, found by the
+# check below): Dynamo's eager fallback after its recompile limit, and nn.LSTM's forward, run
+# shardc's forward pre-hook eagerly but its exit hook inside compiled code (or skip it), so
+# later parameter reads outside any forward gather instead of returning the shard (init code
+# after training, ``a.weight is b.weight`` checks).
+FORWARD_COUNT_LEAKS = ("moe_recompile_limit", "lstm")
+
+
+def test_no_forward_left_counted(runs):
+    """After every other scenario no forward is left counted (reads outside a forward return
+    the sharded parameter)."""
+    for world in WORLDS:
+        for rank, result in enumerate(runs[world]):
+            leaked = {name: got["forward_depth_after"] for name, got in result.items()
+                      if name not in FORWARD_COUNT_LEAKS and got["forward_depth_after"] != 0}
+            assert not leaked, f"world {world} rank {rank}: {leaked}"
+
+
+@pytest.mark.xfail(strict=True, reason="shardc's forward count leaks after Dynamo's eager "
+                   "fallback and after nn.LSTM (FORWARD_COUNT_LEAKS); not fixed yet")
+def test_forward_count_after_eager_fallback_and_lstm(runs):
+    for world in WORLDS:
+        for result in runs[world]:
+            for name in FORWARD_COUNT_LEAKS:
+                assert result[name]["forward_depth_after"] == 0, (world, name)
+
+
 def test_every_scenario_ran(runs):
     names = [n for n in SCENARIOS if HAS_TRANSFORMERS or n not in HF]
     for world in WORLDS:
