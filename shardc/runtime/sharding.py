@@ -129,12 +129,14 @@ def _gathering() -> bool:
 
 
 def _enter_forward(module, args) -> None:
-    if not torch.compiler.is_compiling():
-        _FORWARD.depth += 1
-    # Checked after counting: torch runs the always-called exit hook when a pre-hook raises.
+    # Checked before counting, and the exit hook never counts below 0: torch runs the
+    # always-called exit hook when a pre-hook raises, except where Dynamo compiled the exit
+    # hook's frame (a no-op) but ran this one eagerly because it raised.
     names = getattr(type(module), "_shardc_param_names", None)
     if names is not None:
         _check_no_new_params(module, names)
+    if not torch.compiler.is_compiling():
+        _FORWARD.depth += 1
 
 
 def _check_no_new_params(module: nn.Module, names: tuple[str, ...]) -> None:
@@ -151,7 +153,7 @@ def _check_no_new_params(module: nn.Module, names: tuple[str, ...]) -> None:
 
 
 def _exit_forward(module, args, output) -> None:
-    if not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() and _FORWARD.depth > 0:
         _FORWARD.depth -= 1
 
 
