@@ -232,18 +232,18 @@ def _checked(compiled, region: RegionRecord, options: ShardcOptions):
     return run
 
 
-def _sharded_attr(example_inputs: Sequence[object], name: str):
-    """What ``shardc.shard`` recorded on its parameters under ``name`` (the first input that has
-    it), or None."""
-    for value in example_inputs:
-        found = getattr(value, name, None)
-        if found is not None:
-            return found
+def _shard_state(gm: fx.GraphModule):
+    """The :class:`ShardState` of the sharded model whose parameters ``gm`` gathers, found through
+    the model key every gather carries as a constant (``sync_key``), or None (a model that is
+    gone). Nothing is looked up on parameter objects: ``nn.Module._apply`` swaps them."""
+    from shardc.runtime.sharding import state_for_key
+
+    for gather in sharded_gathers(gm):
+        key = gather.args[9] if len(gather.args) > 9 else gather.kwargs.get("sync_key", "")
+        state = state_for_key(key) if key else None
+        if state is not None:
+            return state
     return None
-
-
-def _region_registry(example_inputs: Sequence[object]) -> list | None:
-    return _sharded_attr(example_inputs, "_shardc_regions")
 
 
 def _inductor_with_pool(compile_inner, graph: fx.GraphModule, inputs, region: RegionRecord,
@@ -304,9 +304,10 @@ def shardc_backend(
     opts = ShardcOptions.from_kwargs({**(options or {}), **kwargs})
     if not has_sharded_params(gm):
         return _compile_unsharded(gm, example_inputs, opts)
-    registry = _region_registry(example_inputs)
+    state = _shard_state(gm)
+    registry = state.regions if state is not None else None
     region = RegionRecord(len(registry) if registry is not None else 0,
-                          _sharded_attr(example_inputs, "_shardc_groups"))
+                          state.group_roles if state is not None else None)
     if registry is not None:
         registry.append(region)
     if opts.check_plan_consistency:

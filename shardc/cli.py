@@ -104,7 +104,7 @@ def _cmd_plan(args) -> int:
     seq = args.seq or cfg.max_seq_len
     plan, seconds = plan_model(cfg, args.world_size, args.batch, seq, options,
                                template=not args.full_trace)
-    print(plan_table(plan))
+    print(plan_table(plan, wide=args.wide))
     print(f"\nmodel: {cfg.num_params() / 1e9:.2f}B parameters, world size {args.world_size}, "
           f"batch {args.batch} x {seq} per rank; traced and planned in {seconds:.1f} s")
     if args.dump:
@@ -128,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mem-bandwidth", type=float, default=3.0e12)
     p.add_argument("--options", default=None, help="JSON object of backend options")
     p.add_argument("--dump", default=None, help="directory for text/JSON/trace/memory plot")
+    p.add_argument("--wide", action="store_true",
+                   help="print the plan with one column per field (~300 columns) instead of "
+                        "lines of at most 99 columns")
     p.add_argument("--full-trace", action="store_true",
                    help="trace every block (default: trace the first blocks and repeat them when "
                    "the blocks are identical; see docs/planning.md)")

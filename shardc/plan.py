@@ -149,6 +149,16 @@ class Plan:
     tp_size: int = 1
     tp_group_name: str = ""
 
+    def table(self, *, wide: bool = False) -> str:
+        """The plan as text (``shardc.render.plan_table``): lines of at most 99 columns, or
+        with ``wide=True`` one column per field (about 300 columns)."""
+        from shardc.render import plan_table
+
+        return plan_table(self, wide=wide)
+
+    def __str__(self) -> str:
+        return self.table()
+
     def collective_signature(self) -> list[tuple]:
         return [c.signature() for c in self.collectives]
 

@@ -91,7 +91,9 @@ class Fp8ParamInfo:
     """How one parameter is gathered in FP8 (constants in the graph)."""
 
     dtype: torch.dtype  # the FP8 dtype of the gather
-    compute_dtype: torch.dtype  # the dequantized weight's dtype
+    # The dequantized weight's dtype; None: the master shard's dtype when it is gathered (so a
+    # later ``.to(dtype)`` / ``.double()`` of the module is followed).
+    compute_dtype: torch.dtype | None
 
 
 def select_fp8_params(
@@ -220,7 +222,7 @@ def shard_scale(shard: torch.Tensor, dtype: torch.dtype, group_name: str, world:
 
 def _spec(info, shard: torch.Tensor) -> tuple:
     return (info.fqn, info.dim0, info.world, info.group_name, info.reduce_dtype or shard.dtype,
-            info.reshard_after_forward, info.fp8.dtype, info.fp8.compute_dtype)
+            info.reshard_after_forward, info.fp8.dtype, info.fp8.compute_dtype or shard.dtype)
 
 
 def _reduce_grad(ctx, grad: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -25,7 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from shardc.runtime import te_params
+from shardc.runtime import replaced_params, te_params
 from shardc.runtime.fp8 import (
     Float8Policy,
     Fp8ParamInfo,
@@ -94,6 +95,25 @@ class ShardState:
     grad_sync: UnsyncedGrads = field(default_factory=UnsyncedGrads)
     layout: MeshLayout | None = None  # the roles of the mesh's dimensions (shardc.runtime.mesh)
     fp8: Float8Policy | None = None
+    # Process group name -> (role on the mesh, ranks), for the plans (MeshLayout.group_roles).
+    group_roles: dict[str, tuple[str, int]] | None = None
+
+    @property
+    def key(self) -> str:
+        """The model's key: a constant argument (``sync_key``) of every gather in its graphs."""
+        return self.grad_sync.key
+
+
+# Every live sharded model's state by its key. The backend finds a graph's model through the key
+# its gather nodes carry (``state_for_key``), never through parameter objects: ``nn.Module._apply``
+# (``to_empty``, ``.to``, ``.double()``) swaps or replaces those. Weak: a model's state lives as
+# long as its root module.
+_STATES: weakref.WeakValueDictionary[str, ShardState] = weakref.WeakValueDictionary()
+
+
+def state_for_key(key: str) -> ShardState | None:
+    """The :class:`ShardState` of the live sharded model whose gathers carry ``key``."""
+    return _STATES.get(key)
 
 
 class _ForwardDepth(threading.local):
@@ -109,12 +129,31 @@ def _gathering() -> bool:
 
 
 def _enter_forward(module, args) -> None:
+    # Checked before counting, and the exit hook never counts below 0: torch runs the
+    # always-called exit hook when a pre-hook raises, except where Dynamo compiled the exit
+    # hook's frame (a no-op) but ran this one eagerly because it raised.
+    names = getattr(type(module), "_shardc_param_names", None)
+    if names is not None:
+        _check_no_new_params(module, names)
     if not torch.compiler.is_compiling():
         _FORWARD.depth += 1
 
 
+def _check_no_new_params(module: nn.Module, names: tuple[str, ...]) -> None:
+    """A parameter registered on a sharded module after ``shardc.shard`` would be trained by
+    each rank on its own gradient, unsynchronized: refuse it."""
+    new = [n for n, p in module._parameters.items() if p is not None and n not in names]
+    if new:
+        raise RuntimeError(
+            f"shardc: parameter(s) {new} of a sharded {type(module).__name__} were registered "
+            "after shardc.shard; shardc does not shard or synchronize them, so each rank would "
+            "train its own copy. Register every parameter before shardc.shard (or register a "
+            "buffer if it is not trained)."
+        )
+
+
 def _exit_forward(module, args, output) -> None:
-    if not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() and _FORWARD.depth > 0:
         _FORWARD.depth -= 1
 
 
@@ -146,8 +185,12 @@ def is_sharded(module: nn.Module) -> bool:
 
 def _param_property(name: str, info: ShardedParamInfo, grads: UnsyncedGrads) -> property:
     def read(self):
-        param = self._parameters[name]
-        if not isinstance(param, DTensor) or not (_gathering() or _in_eager_forward()):
+        param = self._parameters.get(name)
+        if not isinstance(param, DTensor):
+            if param is not None and (_gathering() or _in_eager_forward()):
+                raise _replaced_error(self, name, param)
+            return param
+        if not (_gathering() or _in_eager_forward()):
             return param
         sync = grads.mode()
         if info.quantized:
@@ -173,6 +216,74 @@ def _param_property(name: str, info: ShardedParamInfo, grads: UnsyncedGrads) -> 
     return property(read, doc=f"The parameter {info.fqn!r}, gathered inside a forward.")
 
 
+def _replaced_error(module: nn.Module, name: str, param: torch.Tensor) -> RuntimeError:
+    info = type(module)._shardc_infos[name]
+    return RuntimeError(
+        f"shardc: parameter {info.fqn!r} is a {type(param).__name__}, not the sharded DTensor "
+        "shardc.shard installed: it was replaced after sharding (attribute assignment of a new "
+        "nn.Parameter, register_parameter, load_state_dict(..., assign=True) with full tensors). "
+        "Assign before shardc.shard, load values in place (load_state_dict without assign, or "
+        "torch.distributed.checkpoint), or copy into the shard with "
+        "param.to_local().copy_(...) under torch.no_grad()."
+    )
+
+
+def _apply_sharded(self, fn, recurse: bool = True):
+    """``nn.Module._apply`` (``to_empty``, ``.to``, ``.double()``...) of a sharded module: the
+    DTensor parameters are converted in place (torch swaps their contents, identity and ties
+    kept) and checked to still be this module's shards; what shardc recorded about the module is
+    keyed by the model, not by parameter objects, so it stays valid."""
+    before = {name: self._parameters.get(name) for name in type(self)._shardc_param_names}
+    layout = {name: _shard_layout(p) for name, p in before.items() if isinstance(p, DTensor)}
+    # The class shardc made (a later class swap, e.g. torch.nn.utils.parametrize, derives from it).
+    owner = next(c for c in type(self).__mro__ if "_shardc_infos" in vars(c))
+    out = super(owner, self)._apply(fn, recurse)
+    for name, expected in layout.items():
+        _check_applied(self, name, self._parameters.get(name), expected)
+    return out
+
+
+def _shard_layout(p: DTensor) -> tuple:
+    local = p.to_local()
+    return p.device_mesh, p.placements, tuple(p.shape), tuple(local.shape), local.dtype
+
+
+def _check_applied(module: nn.Module, name: str, param, expected: tuple) -> None:
+    info = type(module)._shardc_infos[name]
+    mesh, placements, shape, local_shape, dtype = expected
+    problem = None
+    if not isinstance(param, DTensor):
+        problem = f"became a {type(param).__name__}"
+    elif param.device_mesh != mesh or param.placements != placements:
+        # Equality, not identity: DTensor's propagation cache may hand back an equal mesh object.
+        problem = (f"changed its mesh or placements ({mesh} {placements} -> "
+                   f"{param.device_mesh} {param.placements})")
+    elif tuple(param.shape) != shape or tuple(param.to_local().shape) != local_shape:
+        problem = "changed its shape"
+    elif param.to_local().device.type != mesh.device_type:
+        problem = (f"moved to {param.to_local().device} but its mesh is of device type "
+                   f"{mesh.device_type!r}")
+    elif info.quantized and param.to_local().dtype != dtype:
+        problem = "changed dtype (a TransformerEngine FP8 parameter keeps its FP8 format)"
+    if problem is not None:
+        raise RuntimeError(
+            f"shardc: after {type(module).__name__}._apply (to_empty / .to / .float() / "
+            f".half() ...) the sharded parameter {info.fqn!r} {problem}; shardc cannot keep "
+            "sharding it. Change devices by building the mesh on the target device (meta-device "
+            "build, shardc.shard, then to_empty(device=...) onto the mesh's device type), and "
+            "change dtypes with .to(dtype) / MixedPrecisionPolicy."
+        )
+
+
+def _refuse_share_memory(self):
+    raise NotImplementedError(
+        f"shardc: share_memory() on a sharded module ({type(self).__name__}) is not supported: "
+        "torch's DTensor.share_memory_() ends the process. Sharded parameters are already "
+        "spread over the ranks of the process group; call share_memory() before "
+        "shardc.shard if another process needs the unsharded module."
+    )
+
+
 def _swap_class(
     module: nn.Module, infos: dict[str, ShardedParamInfo], grads: UnsyncedGrads,
     fp8: Float8Policy | None = None,
@@ -181,8 +292,19 @@ def _swap_class(
     attrs = {name: _param_property(name, info, grads) for name, info in infos.items()}
     attrs.update(fp8_class_attrs(module, infos, grads, fp8))
     attrs["_shardc_param_names"] = tuple(infos)
+    attrs["_shardc_infos"] = dict(infos)
+    attrs["_apply"] = _apply_sharded
+    attrs["share_memory"] = _refuse_share_memory
     attrs["__module__"] = cls.__module__
     module.__class__ = type(f"Shardc{cls.__name__}", (ShardedModuleMixin, cls), attrs)
+
+
+def _swap_root_class(module: nn.Module) -> None:
+    """A root that owns no parameter itself gets only the ``share_memory`` refusal (its
+    children's ``_apply`` checks their own parameters); it is not marked sharded."""
+    cls = type(module)
+    attrs = {"share_memory": _refuse_share_memory, "__module__": cls.__module__}
+    module.__class__ = type(f"ShardcRoot{cls.__name__}", (cls,), attrs)
 
 
 def _default_mesh(module: nn.Module) -> DeviceMesh:
@@ -221,6 +343,7 @@ def _check_inputs(module: nn.Module, mesh: DeviceMesh, allow_partial_mesh: bool)
             f"shardc.shard: parameters are on different devices ({found}); build the module "
             "entirely on the meta device or move it to one device first."
         )
+    _check_aliases(module)
     for fqn, p in module.named_parameters():
         if p.dim() == 0:
             raise NotImplementedError(
@@ -232,6 +355,49 @@ def _check_inputs(module: nn.Module, mesh: DeviceMesh, allow_partial_mesh: bool)
             continue
         check_param(fqn, p, layout)
     return layout
+
+
+def _storage_span(p: torch.Tensor) -> tuple[int, int, int] | None:
+    """(storage identity, first byte, end byte) of what this rank holds of ``p`` (meta tensors
+    too: their storages have no data pointer but are distinct objects); None where there is
+    nothing to compare (empty tensors, tensor subclasses without one storage)."""
+    try:
+        t = rank_tensor(p)
+        if t.numel() == 0:
+            return None
+        storage = t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+        return None
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    first = t.storage_offset() * t.element_size()
+    return storage, first, first + extent * t.element_size()
+
+
+def _check_aliases(module: nn.Module) -> None:
+    """Refuse distinct parameters whose memory overlaps (one a view of another): each would get
+    its own shard, and updating one would no longer update the other. The same parameter object
+    registered twice (tied weights) is one parameter and is fine, and so are disjoint views of
+    one buffer (cuDNN's flattened RNN weights), which nothing couples. Decided from the module
+    alone, so every rank raises the same error before any collective."""
+    spans: dict[int, list[tuple[int, int, str]]] = {}
+    for fqn, p in module.named_parameters():  # one entry per distinct parameter object
+        if te_params.is_quantized(p):
+            continue
+        span = _storage_span(p)
+        if span is None:
+            continue
+        storage, first, end = span
+        for other_first, other_end, other in spans.get(storage, []):
+            if first < other_end and other_first < end:
+                raise ValueError(
+                    f"shardc.shard: parameters {other!r} and {fqn!r} share storage (one is a "
+                    "view of the other, or both view one tensor); sharding would give each its "
+                    "own shard and an update of one would no longer reach the other. Tie them "
+                    "as one parameter (assign the same nn.Parameter object to both modules, "
+                    "e.g. child.weight = other.weight) or give each its own storage (.clone()) "
+                    "before shardc.shard."
+                )
+        spans.setdefault(storage, []).append((first, end, fqn))
 
 
 def _check_quantized(fqn: str, p: torch.Tensor, layout: MeshLayout) -> None:
@@ -351,7 +517,7 @@ def shard(
             replicate=layout.replicate_world,
             replicate_group_name=layout.replicate_group_name,
             tp=tp_spec(p),
-            fp8=Fp8ParamInfo(fp8.dtype, mp_policy.param_dtype or p.dtype)
+            fp8=Fp8ParamInfo(fp8.dtype, mp_policy.param_dtype)
             if fqn in fp8_fqns else None,
             quantized=fqn in quantized,
         )
@@ -363,14 +529,12 @@ def shard(
             sub._parameters[pname] = new_param
             per_module.setdefault(id(sub), (sub, {}))[1][pname] = info
 
-    state = ShardState(mesh, reshard_after_forward, mp_policy, infos, layout=layout, fp8=fp8)
-    roles = layout.group_roles()
+    state = ShardState(mesh, reshard_after_forward, mp_policy, infos, layout=layout, fp8=fp8,
+                       group_roles=layout.group_roles())
+    _STATES[state.key] = state
+    for fqn, p in canonical.values():  # an optimizer still holding these is named at its step
+        replaced_params.remember(p, fqn)
     for sub, sub_infos in per_module.values():
-        for pname in sub_infos:
-            # The backend finds the root's records, and the roles of the mesh's process groups,
-            # through any parameter of a compiled graph.
-            sub._parameters[pname]._shardc_regions = state.regions
-            sub._parameters[pname]._shardc_groups = roles
         _swap_class(sub, sub_infos, state.grad_sync, fp8)
         sub.register_forward_pre_hook(_enter_forward)
         sub.register_forward_hook(_exit_forward, always_call=True)
@@ -387,6 +551,8 @@ def shard(
         if id(sub) not in per_module:
             sub.register_forward_pre_hook(_enter_forward)
             sub.register_forward_hook(_exit_forward, always_call=True)
+    if id(module) not in per_module:
+        _swap_root_class(module)
     module._shardc_state = state
     return module
 
