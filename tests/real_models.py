@@ -37,6 +37,7 @@ from torch.utils.checkpoint import (
 
 import shardc
 from shardc.runtime.plan_check import PlanMismatchError
+from shardc.sharding.scope import _FORWARD
 from shardc.sharding.shard import shard_state
 
 GLOBAL_BATCH = 12  # divisible by 2, 3 (and 6)
@@ -994,6 +995,273 @@ def fail_recompile_one_rank(ctx: Ctx) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+# Scenarios: module methods after shardc.shard (issue 16).
+
+
+class TiedLM(nn.Module):
+    """An embedding tied to the output projection and an MLP; rows 37, 45 and 24 are uneven over
+    2 and 3 ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.up = nn.Linear(DIM, FFN)
+        self.down = nn.Linear(FFN, DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        return self.head(h + self.down(F.gelu(self.up(h))))
+
+
+def _expected_local_rows(rows: int, world: int, rank: int) -> int:
+    chunk = -(-rows // world)
+    return max(0, min(chunk, rows - min(rank * chunk, rows)))
+
+
+def _shard_facts(ctx: Ctx, model: nn.Module, dtype: torch.dtype) -> list[str]:
+    """What is wrong with the model's parameters as this rank's shards (empty: all right)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    wrong = []
+    for name, p in model.named_parameters():
+        rows = _expected_local_rows(p.shape[0], ctx.world, ctx.rank)
+        if not isinstance(p, DTensor) or p.placements != (Shard(0),):
+            wrong.append(f"{name}: {type(p).__name__} {getattr(p, 'placements', None)}")
+        elif p.to_local().shape[0] != rows or p.dtype != dtype or not p.requires_grad:
+            wrong.append(f"{name}: local {tuple(p.to_local().shape)} {p.dtype} "
+                         f"requires_grad={p.requires_grad}")
+    return wrong
+
+
+def _load_full(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
+    """Copy full values into the sharded parameters (each rank its own rows)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(distribute_tensor(full[name].to(p.dtype), p.device_mesh, p.placements))
+
+
+def _region_roles(ctx: Ctx) -> list:
+    """The process-group roles every planned region of the model recorded (None: lost)."""
+    if not ctx.sharded:
+        return []
+    return [r.groups for r in shardc.shard_state(ctx.model).regions]
+
+
+def sc_meta_to_empty(ctx: Ctx) -> dict:
+    """Build on the meta device, shard, ``to_empty(device="cpu")``, initialize, train compiled:
+    the usual way to build a large Hugging Face model. The sharded run initializes every module
+    with ``reset_parameters()`` (DTensor's random ops on a CPU mesh draw the same local values
+    on every rank, so these differ from the reference's), then loads the reference's initial
+    values into its shards, as a checkpoint load would."""
+    torch.manual_seed(0)
+    reference = TiedLM()
+    if not ctx.sharded:
+        model = reference
+        forward = model
+    else:
+        with torch.device("meta"):
+            model = TiedLM()
+        ctx.wrap(model, compile=False)
+        model.to_empty(device="cpu")
+        for module in model.modules():
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+        assert all(torch.isfinite(p.full_tensor()).all() for p in model.parameters())
+        _load_full(model, reference.state_dict())
+        forward = ctx.compiled = torch.compile(model, backend=shardc.backend(inductor=False))
+    ctx.model = model
+    wrong = _shard_facts(ctx, model, torch.float32) if ctx.sharded else []
+    out = train_lm(ctx, model, forward, tokens(seed=21))
+    out["planned"] = ctx.planned()
+    out["roles"] = _region_roles(ctx)
+    out["explained"] = len(shardc.explain(ctx.compiled).collectives) if ctx.sharded else -1
+    out["tied"] = model.head.weight is model.embed.weight
+    out["wrong"] = wrong
+    return out
+
+
+def sc_to_float64(ctx: Ctx) -> dict:
+    """``.to(torch.float64)`` after ``shardc.shard`` (the reference converts the unsharded
+    model): float64 shards, trained compiled at parity. The sharded run also converts a model
+    sharded with FP8 gathers (``Float8Policy``) with ``.double()``: its dequantized weights
+    follow the new dtype."""
+    torch.manual_seed(0)
+    model = TiedLM()
+    forward = ctx.wrap(model)
+    model.to(torch.float64)
+    wrong = _shard_facts(ctx, model, torch.float64) if ctx.sharded else []
+    out = train_lm(ctx, model, forward, tokens(seed=22))
+    out["planned"] = ctx.planned()
+    out["roles"] = _region_roles(ctx)
+    out["tied"] = model.head.weight is model.embed.weight
+    out["dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
+    out["wrong"] = wrong
+    if ctx.sharded:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        fp8_model = shardc.shard(mlp(), ctx.mesh, fp8=shardc.Float8Policy())
+        fp8_model.double()
+        compiled = torch.compile(fp8_model, backend=shardc.backend(inductor=False))
+        y = compiled(torch.randn(4, 6, dtype=torch.float64))
+        y.sum().backward()
+        out["fp8_out_dtype"] = str(y.dtype)
+        out["fp8_grad_dtypes"] = sorted({str(p.grad.dtype) for p in fp8_model.parameters()})
+    return out
+
+
+class ViewParam(nn.Module):
+    """``b.weight`` is a view of ``a.weight``'s storage (rows 2..5): distinct parameters that
+    alias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 7)
+        self.b = nn.Linear(6, 3)
+        self.b.weight = nn.Parameter(self.a.weight.detach()[2:5])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x).sum(-1, keepdim=True) + self.b(x)
+
+
+def fail_view_param(ctx: Ctx) -> dict:
+    """A parameter that views another's storage: ValueError from shardc.shard on every rank,
+    before any collective, naming both parameters."""
+    torch.manual_seed(0)
+    start = time.monotonic()
+    try:
+        shardc.shard(ViewParam(), ctx.mesh)
+        error = None
+    except ValueError as exc:
+        error = str(exc)
+    return {"error": error, "elapsed": time.monotonic() - start}
+
+
+def fail_optimizer_before_shard(ctx: Ctx) -> dict:
+    """An optimizer built before shardc.shard holds the replaced parameters: its first step
+    raises on every rank, naming them, before it changes anything; one built after trains."""
+    torch.manual_seed(0)
+    model = mlp()
+    early = sgd(model)
+    forward = ctx.wrap(model)
+    xs, ys = regression_data(seed=23)
+    F.mse_loss(forward(ctx.split(xs[0])), ctx.split(ys[0])).backward()
+    before = {n: p.full_tensor() for n, p in model.named_parameters()}
+    try:
+        early.step()
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    unchanged = all(torch.equal(p.full_tensor(), before[n]) for n, p in model.named_parameters())
+    late = sgd(model)
+    late.step()
+    moved = not all(torch.equal(p.full_tensor(), before[n]) for n, p in model.named_parameters())
+    return {"error": error, "unchanged": unchanged, "moved": moved}
+
+
+def fail_replaced_after_shard(ctx: Ctx) -> dict:
+    """Module methods that replace or move parameters after shardc.shard, each on a fresh model:
+    what each does (``None``: it worked, else the error)."""
+    xs, ys = regression_data(steps=1, seed=24)
+    x = ctx.split(xs[0])
+
+    def attempt(change, *, compile: bool) -> str | None:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = shardc.shard(mlp(), ctx.mesh)
+        forward = torch.compile(model, backend=shardc.backend(inductor=False)) if compile \
+            else model
+        try:
+            change(model)
+            forward(x).sum().backward()
+            return None
+        except Exception as exc:  # the report names the exception's type
+            return f"{type(exc).__name__}: {exc}"
+
+    def assign(model):
+        model[0].weight = nn.Parameter(torch.zeros(11, 6))
+
+    def add_param(model):
+        model[0].extra = nn.Parameter(torch.zeros(3))
+
+    def load_assign(model):
+        full = {n: torch.zeros(p.shape) for n, p in model.named_parameters()}
+        model.load_state_dict(full, assign=True)
+
+    def load_assign_sharded(model):
+        model.load_state_dict(model.state_dict(), assign=True)
+
+    def parametrize(model):
+        from torch.nn.utils import parametrize as P
+
+        P.register_parametrization(model[0], "weight", _Scale())
+
+    changes = {"assign": assign, "add_param": add_param, "load_assign": load_assign,
+               "load_assign_sharded": load_assign_sharded, "parametrize": parametrize,
+               "share_memory": lambda m: m.share_memory(), "to_meta": lambda m: m.to("meta")}
+    out = {f"{name}_{'compiled' if compile else 'eager'}": attempt(change, compile=compile)
+           for name, change in changes.items() for compile in (False, True)}
+    out["forward_depth"] = _FORWARD.depth  # the failed forwards left no forward counted
+    return out
+
+
+class _Scale(nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return 2 * w
+
+
+def sc_adam(ctx: Ctx) -> dict:
+    """torch's Transformer with tied embeddings, trained with Adam. Its attention key biases
+    (the middle third of each ``in_proj_bias``) have a gradient that is zero in exact
+    arithmetic (softmax ignores a shift shared by all keys); Adam divides the rounding noise
+    there by its own magnitude and takes full-size steps, so those biases depend on the
+    summation order of the gradients (``adam_control``), not on what is correct."""
+    model = build_torch_seq2seq()
+    forward = ctx.wrap(model)
+    return _adam_train(ctx, model, forward, ctx.split, 1)
+
+
+def _adam_train(ctx: Ctx, model, forward, split, chunks: int) -> dict:
+    """Adam steps on ``tokens(seed=25)``; ``chunks`` > 1 (unsharded only): each step's batch in
+    that many equal chunks, each chunk's mean loss backward on its own, the gradients averaged,
+    as data-parallel training sums them."""
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    data = tokens(seed=25)
+    losses = []
+    for step in range(data.shape[0]):
+        batch = split(data[step])
+        per = batch.shape[0] // chunks
+        grads, total = None, 0.0
+        for c in range(chunks):
+            part = batch[c * per:(c + 1) * per]
+            loss = lm_loss(forward(part[:, :-1]), part[:, 1:])
+            loss.backward()
+            total = total + loss.detach()
+            if chunks > 1:
+                now = [p.grad.clone() for p in opt.param_groups[0]["params"]]
+                grads = now if grads is None else [g + n for g, n in zip(grads, now)]
+                opt.zero_grad()
+        if chunks > 1:
+            for p, g in zip(opt.param_groups[0]["params"], grads):
+                p.grad = g / chunks
+        opt.step()
+        opt.zero_grad()
+        losses.append(ctx.mean(total / chunks))
+    return {"losses": torch.stack(losses), "params": ctx.params(model), "planned": ctx.planned()}
+
+
+def adam_control(world: int) -> dict:
+    """What ``sc_adam`` computes unsharded with the data-parallel summation order: each step's
+    global batch in ``world`` chunks (the ranks' slices), gradients averaged."""
+    torch._dynamo.reset()
+    model = build_torch_seq2seq()
+    return _adam_train(Ctx(), model, model, lambda t: t, world)
+
+
+# ---------------------------------------------------------------------------------------------
 # Registry, reference and worker.
 
 SCENARIOS: dict[str, Callable[[Ctx], dict]] = {
@@ -1041,11 +1309,17 @@ SCENARIOS: dict[str, Callable[[Ctx], dict]] = {
     "nested": lambda ctx: sc_nested(ctx, repeat=False),
     "repeated": lambda ctx: sc_nested(ctx, repeat=True),
     "lstm": sc_lstm,
+    "meta_to_empty": sc_meta_to_empty,
+    "to_float64": sc_to_float64,
+    "adam": sc_adam,
     # Sharded runs only (their reference: submesh_reference).
     "submesh": sc_submesh,
     # Failure modes: sharded runs only, no reference; the desyncing ones last.
     "rank_dependent": fail_rank_dependent,
     "partial_mesh": fail_partial_mesh,
+    "view_param": fail_view_param,
+    "optimizer_before_shard": fail_optimizer_before_shard,
+    "replaced_after_shard": fail_replaced_after_shard,
     "recompile_one_rank": fail_recompile_one_rank,
     "timeout": fail_timeout,
     "timeout_inductor": functools.partial(fail_timeout, inductor=True),
@@ -1058,8 +1332,8 @@ INDUCTOR_SCENARIOS = ("hf_checkpoint_inductor",)
 SLOW_SCENARIOS = ("checkpoint_sdpa_reentrant", "checkpoint_sdpa_dynamic",
                   "checkpoint_sdpa_save_all", "hf_checkpoint_reentrant", "checkpoint_dropout",
                   "checkpoint_fp8", "checkpoint_fp8_eager", *INDUCTOR_SCENARIOS)
-FAILURES = ("rank_dependent", "partial_mesh", "recompile_one_rank", "timeout",
-            "timeout_inductor")
+FAILURES = ("rank_dependent", "partial_mesh", "view_param", "optimizer_before_shard",
+            "replaced_after_shard", "recompile_one_rank", "timeout", "timeout_inductor")
 
 
 def reference(name: str, world: int = 1) -> dict:
@@ -1084,6 +1358,10 @@ def run_scenarios(rank: int, world: int, names: list[str]) -> dict:
             out = {"exception": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
         out["seconds"] = time.monotonic() - start
         out["cpu_seconds"] = time.process_time() - cpu
+        # Forwards shardc counted but never finished would make later reads outside a forward
+        # gather: reported per scenario, then cleared so one leak does not hide behind another.
+        out["forward_depth_after"] = _FORWARD.depth
+        _FORWARD.depth = 0
         results[name] = out
         dist.barrier()
     return results

@@ -347,6 +347,25 @@ def manager_checks(rank: int, tmp: str) -> dict:
         result["unchanged"] = diff(full_state(victim, victim_opt), victim_before) + (
             [] if _tree_digest(broken_root) == before_files else ["checkpoint files changed"])
         out[f"broken.{kind}"] = result
+    # Plain dcp.load of a copy with a flipped byte: no error, wrong values (torch's DCP keeps no
+    # checksums; docs/checkpoints.md).
+    flipped = os.path.join(tmp, "plain_flipped", "step_00000010")
+    if rank == 0:  # one byte in the middle of rank 0's data file: tensor bytes
+        shutil.copytree(os.path.join(root, "step_00000010"), flipped)
+        path = os.path.join(flipped, "__0_0.distcp")
+        with open(path, "r+b") as f:
+            f.seek(os.path.getsize(path) // 2)
+            byte = f.read(1)
+            f.seek(os.path.getsize(path) // 2)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    dist.barrier()
+    plain = llama(8)
+    plain_opt = adamw(plain)
+    OptimizerState(plain, plain_opt).state_dict()
+    out["plain_dcp_flipped"] = {
+        "error": _error(lambda: dcp.load(_states(plain, plain_opt), checkpoint_id=flipped)),
+        "differs": diff(full_state(plain, plain_opt), saved[10]),
+    }
     return out
 
 
@@ -544,6 +563,10 @@ def test_manager_corrupt_or_partial_checkpoints(jobs):
         assert "unreadable" in bad_marker["explicit"]
         for kind in ("flipped_byte", "truncated", "no_metadata", "no_marker", "bad_marker"):
             assert out[f"broken.{kind}"]["unchanged"] == [], kind
+        # The same flipped byte through plain dcp.load: loaded without an error, wrong values.
+        plain = out["plain_dcp_flipped"]
+        assert plain["error"] == "NO ERROR", plain["error"]
+        assert plain["differs"], "the flipped byte should change a loaded value"
 
 
 def test_fsdp2_checkpoints_load_into_shardc_and_back(jobs):

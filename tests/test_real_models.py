@@ -29,6 +29,7 @@ from real_models import (
     SHAPES,
     SLOW_SCENARIOS,
     TIMEOUT_S,
+    adam_control,
     reference,
     run_scenarios,
     submesh_reference,
@@ -382,6 +383,133 @@ def test_lstm(runs):
     check_parity(runs, "lstm")
 
 
+# --- Module methods after shardc.shard (issue 16) ---------------------------------------------
+
+
+def _check_kept(got: dict, world: int) -> None:
+    where = f"world {world}"
+    assert got["wrong"] == [], f"{where}: parameters are not the right shards: {got['wrong']}"
+    assert got["roles"] and all(r is not None for r in got["roles"]), (where, got["roles"])
+    assert all(role == ("shard", world) for r in got["roles"] for role in r.values()), got
+    assert got["tied"], f"{where}: the tied weights came apart"
+
+
+def test_meta_build_to_empty_then_init_trains_and_explains(runs):
+    """Meta-device build, shardc.shard, to_empty(device="cpu"), reset_parameters() on every
+    module, the reference's initial values loaded into the shards: the parameters are the right
+    DTensor shards (Shard(0), uneven local rows, requires_grad), the compiled training is at
+    parity, and shardc.explain / explain_all see the plan with its process-group roles."""
+    for world, got in zip(WORLDS, check_parity(runs, "meta_to_empty")):
+        _check_kept(got, world)
+        assert got["explained"] > 0, f"world {world}: shardc.explain shows no collective"
+
+
+def test_to_float64_after_shard_trains_at_parity(runs):
+    """model.to(torch.float64) after shardc.shard: float64 shards (same placements and rows),
+    compiled training at parity with the converted unsharded model, plans recorded. A model
+    sharded with FP8 gathers and then converted with .double() computes and reduces in
+    float64 (the dequantized weights follow the master shards' dtype)."""
+    for world, got in zip(WORLDS, check_parity(runs, "to_float64")):
+        _check_kept(got, world)
+        assert got["dtypes"] == ["torch.float64"]
+        assert got["fp8_out_dtype"] == "torch.float64", got["fp8_out_dtype"]
+        assert got["fp8_grad_dtypes"] == ["torch.float64"], got["fp8_grad_dtypes"]
+
+
+def _key_bias(name: str, t: torch.Tensor) -> slice | None:
+    """The attention key biases of nn.MultiheadAttention: the middle third of in_proj_bias."""
+    if not name.endswith("in_proj_bias"):
+        return None
+    third = t.shape[0] // 3
+    return slice(third, 2 * third)
+
+
+def test_adam_parity_and_summation_order(runs):
+    """Adam on torch's Transformer: every parameter with a real gradient within 1e-6 of the
+    unsharded reference; the attention key biases (gradient zero in exact arithmetic, so Adam
+    steps on rounding noise) differ by far more than 1e-5, and so does an unsharded control that
+    only changes the summation order (the global batch as the ranks' slices, gradients
+    averaged): the sharded run's deviation there is no larger than the control's, so it comes
+    from the order of the sums, not from shardc (docs/support.md, optimizer tolerances)."""
+    for world in WORLDS:
+        got, ref, control = _run(runs, "adam", world), _reference("adam", world), \
+            adam_control(world)
+        where = f"world {world}"
+        assert got["planned"] > 0, where
+        assert max_rel_err(got["losses"], ref["losses"]) <= TOL, where
+        for name, expected in ref["params"].items():
+            key = _key_bias(name, expected)
+            rest = torch.ones_like(expected, dtype=torch.bool)
+            if key is not None:
+                rest[key] = False
+            err = max_rel_err(got["params"][name][rest], expected[rest])
+            assert err <= 1e-6, f"{where}: {name} (without key biases): rel err {err:.2e}"
+            if key is None:
+                continue
+            sharded = max_rel_err(got["params"][name][key], expected[key])
+            alone = max_rel_err(control["params"][name][key], expected[key])
+            assert alone > 1e-5, f"{where}: {name}: the control matches ({alone:.2e})"
+            assert sharded <= 3 * alone, f"{where}: {name}: {sharded:.2e} vs control {alone:.2e}"
+
+
+def test_view_parameter_refused_on_every_rank(runs):
+    """A parameter that is a view of another's storage: shardc.shard raises ValueError on every
+    rank, before any collective, naming both parameters and the fixes (tie them, or clone)."""
+    for world in WORLDS:
+        for rank, result in enumerate(runs[world]):
+            got = result["view_param"]
+            assert "exception" not in got, got.get("exception")
+            error = got["error"]
+            assert error is not None, f"world {world} rank {rank}: no ValueError"
+            assert "'a.weight' and 'b.weight' share storage" in error, error
+            assert "same nn.Parameter object" in error and ".clone()" in error, error
+
+
+def test_optimizer_built_before_shard_is_named(runs):
+    """An optimizer built before shardc.shard: its first step raises on every rank, naming the
+    replaced parameters and saying to build the optimizer after shardc.shard; nothing changed.
+    An optimizer built after shardc.shard steps the parameters."""
+    for world in WORLDS:
+        for rank, result in enumerate(runs[world]):
+            got = result["optimizer_before_shard"]
+            assert "exception" not in got, got.get("exception")
+            error = got["error"]
+            assert error is not None, f"world {world} rank {rank}: the stale optimizer stepped"
+            assert "holds 6 parameter(s) that shardc.shard replaced" in error, error
+            assert "'0.weight'" in error and "'4.bias'" in error, error
+            assert "Build the optimizer after shardc.shard(model)" in error, error
+            assert got["unchanged"] and got["moved"], got
+
+
+def test_parameters_replaced_after_shard(runs):
+    """After shardc.shard, eager and compiled: a new nn.Parameter assigned in place of a sharded
+    one and load_state_dict(full tensors, assign=True) raise at the next forward, naming the
+    parameter, and so does a parameter registered under a new name on a sharded module;
+    load_state_dict(model.state_dict(), assign=True) (sharded values) trains;
+    torch.nn.utils.parametrize is refused by torch (the name is taken by shardc's gathering
+    property); share_memory() raises (DTensor.share_memory_ ends the process); .to("meta")
+    raises naming the parameter and the mesh's device type."""
+    for world in WORLDS:
+        for result in runs[world]:
+            got = result["replaced_after_shard"]
+            assert "exception" not in got, got.get("exception")
+            assert got["forward_depth"] == 0, got["forward_depth"]
+            for mode in ("eager", "compiled"):
+                for name in ("assign", "load_assign"):
+                    error = got[f"{name}_{mode}"] or ""
+                    assert error.startswith("RuntimeError: shardc: parameter '0.weight' is a "
+                                            "Parameter, not the sharded DTensor"), (name, error)
+                error = got[f"add_param_{mode}"] or ""
+                assert error.startswith("RuntimeError: shardc: parameter(s) ['extra'] of a "
+                                        "sharded ShardcLinear were registered after"), error
+                assert got[f"load_assign_sharded_{mode}"] is None, got
+                assert "already has an attribute named 'weight'" in got[f"parametrize_{mode}"]
+                assert got[f"share_memory_{mode}"].startswith("NotImplementedError: shardc: "
+                                                              "share_memory()"), got
+                error = got[f"to_meta_{mode}"]
+                assert "'0.weight' moved to meta" in error and "'cpu'" in error, error
+
+
 # --- Must fail clearly ------------------------------------------------------------------------
 
 
@@ -474,6 +602,33 @@ def test_collective_timeout_names_bucket_and_position(runs, scenario):
             assert re.search(r"collective #\d+ of \d+", got["error"]), got["error"]
             assert "issued before" in got["error"] and "waited before" in got["error"]
             assert "Timed out" in got["error"] or "timed out" in got["error"], got["error"]
+
+
+# Scenarios after which shardc's forward count stays above 0 (a pre-existing bug, found by the
+# check below): Dynamo's eager fallback after its recompile limit, and nn.LSTM's forward, run
+# shardc's forward pre-hook eagerly but its exit hook inside compiled code (or skip it), so
+# later parameter reads outside any forward gather instead of returning the shard (init code
+# after training, ``a.weight is b.weight`` checks).
+FORWARD_COUNT_LEAKS = ("moe_recompile_limit", "lstm")
+
+
+def test_no_forward_left_counted(runs):
+    """After every other scenario no forward is left counted (reads outside a forward return
+    the sharded parameter)."""
+    for world in WORLDS:
+        for rank, result in enumerate(runs[world]):
+            leaked = {name: got["forward_depth_after"] for name, got in result.items()
+                      if name not in FORWARD_COUNT_LEAKS and got["forward_depth_after"] != 0}
+            assert not leaked, f"world {world} rank {rank}: {leaked}"
+
+
+@pytest.mark.xfail(strict=True, reason="shardc's forward count leaks after Dynamo's eager "
+                   "fallback and after nn.LSTM (FORWARD_COUNT_LEAKS); not fixed yet")
+def test_forward_count_after_eager_fallback_and_lstm(runs):
+    for world in WORLDS:
+        for result in runs[world]:
+            for name in FORWARD_COUNT_LEAKS:
+                assert result[name]["forward_depth_after"] == 0, (world, name)
 
 
 def test_every_scenario_ran(runs):

@@ -10,7 +10,15 @@ from collections import defaultdict
 import pytest
 
 from shardc.planning.plan import PLAN_VERSION, Bucket, Collective, ComputeOp, Plan
-from shardc.tools.render import _abbrev_params, chrome_trace, dump_plan, memory_plot, plan_table
+from shardc.tools.render import (
+    _abbrev_params,
+    _fmt_bytes,
+    _ms,
+    chrome_trace,
+    dump_plan,
+    memory_plot,
+    plan_table,
+)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 LONG_REASON = ("issued once the last gradient of the bucket exists; waited as late as possible "
@@ -333,6 +341,7 @@ def test_render_plan_of_a_traced_forward_graph():
     gm = make_fx(forward, tracing_mode="fake")(*args)
     real = plan_region(gm, None, ShardcOptions(inductor=False), region=0)
     table = plan_table(real)
+    assert max(len(line) for line in table.splitlines()) <= 99, table
     for c in real.collectives:
         assert c.id in table
     trace = json.loads(json.dumps(chrome_trace(real)))
@@ -415,3 +424,24 @@ def test_older_plans_read_with_defaults_and_unknown_versions_are_refused():
     data["version"] = PLAN_VERSION + 1
     with pytest.raises(ValueError, match="plan version"):
         Plan.from_dict(data)
+
+
+def test_default_table_fits_100_columns_and_wide_keeps_one_column_per_field(plan):
+    """The default text view (dumps, ``str(plan)``, ``shardc plan``) keeps every line within 99
+    columns, with each collective's schedule and reason on indented lines; ``wide=True`` is the
+    one-row-per-collective table of every field."""
+    _with_tp_collective(plan)
+    plan.notes.append("a long note " * 20)
+    narrow, wide = plan_table(plan), plan_table(plan, wide=True)
+    assert max(len(line) for line in narrow.splitlines()) <= 99, narrow
+    assert max(len(line) for line in wide.splitlines()) > 150
+    assert str(plan) == narrow and plan.table(wide=True) == wide
+    header = next(line for line in wide.splitlines() if line.startswith("id "))
+    assert header.split() == ["id", "kind", "group", "bucket", "#params", "bytes", "buffer",
+                              "dtype", "stream", "issue", "wait", "first", "use", "start", "ms",
+                              "end", "ms", "exposed", "ms", "offset", "lifetime", "reason"]
+    flat = _squash(narrow)
+    for c in plan.collectives:  # every field of every collective is still there
+        for text in (c.id, c.kind, c.group, c.dtype, c.stream, c.reason, _ms(c.predicted_start_s),
+                     _ms(c.predicted_end_s), _fmt_bytes(c.bytes), _fmt_bytes(c.buffer_bytes)):
+            assert _squash(text) in flat, (c.id, text)

@@ -119,3 +119,65 @@ def test_shard_without_process_group_says_what_to_do():
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="init_process_group"):
         shardc.shard(nn.Linear(2, 2))
+
+
+# --- Issue 16: aliased parameters, optimizers holding replaced parameters (no processes) ------
+
+
+class _Aliased(nn.Module):
+    def __init__(self, tie: bool, view: bool, disjoint: bool = False) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 6)
+        self.b = nn.Linear(4, 2)
+        if tie:
+            self.b.weight = self.a.weight  # one parameter in two modules: fine
+        elif view:
+            self.b.weight = nn.Parameter(self.a.weight.detach()[1:3])
+        elif disjoint:  # two parameters viewing disjoint rows of one buffer (cuDNN's RNNs)
+            flat = torch.zeros(8, 4)
+            self.a.weight = nn.Parameter(flat[:6])
+            self.b.weight = nn.Parameter(flat[6:])
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_aliased_parameters_are_found_tied_ones_are_not(device):
+    """Distinct parameters whose memory overlaps are refused, naming both; tied parameters (one
+    object), independent ones and disjoint views of one buffer are not, on real and on meta
+    tensors (whose storages have no data pointer to compare)."""
+    from shardc.sharding.shard import _check_aliases
+
+    with torch.device(device):
+        tied, plain, view, disjoint = (_Aliased(tie=t, view=v, disjoint=d) for t, v, d in
+                                       ((True, False, False), (False, False, False),
+                                        (False, True, False), (False, False, True)))
+    _check_aliases(tied)
+    _check_aliases(plain)
+    _check_aliases(disjoint)
+    with pytest.raises(ValueError, match=r"'a.weight' and 'b.weight' share storage") as err:
+        _check_aliases(view)
+    assert "same nn.Parameter object" in str(err.value) and ".clone()" in str(err.value)
+
+
+def test_optimizer_holding_replaced_parameters_raises_at_step():
+    """An optimizer holding parameters recorded as replaced raises at step() naming them; the
+    record holds them weakly (gone with the last reference), and other optimizers step."""
+    import gc
+
+    from shardc.runtime import replaced_params
+
+    old = nn.Parameter(torch.ones(3))
+    replaced_params.remember(old, "layer.weight")
+    stale = torch.optim.SGD([old], lr=0.1)
+    old.grad = torch.ones(3)
+    with pytest.raises(RuntimeError, match=r"holds 1 parameter\(s\) that shardc.shard replaced "
+                                           r"\('layer.weight'\)"):
+        stale.step()
+    assert torch.equal(old.detach(), torch.ones(3)), "the stale optimizer changed nothing"
+    fresh = nn.Parameter(torch.ones(3))
+    fresh.grad = torch.ones(3)
+    torch.optim.SGD([fresh], lr=0.1).step()
+    assert torch.allclose(fresh.detach(), torch.full((3,), 0.9))
+    key = id(old)
+    del stale, old
+    gc.collect()
+    assert key not in replaced_params._REPLACED

@@ -30,6 +30,7 @@ from shardc.passes.fx_utils import is_call
 from shardc.passes.lower import POOL_PLACEHOLDER
 from shardc.runtime.comm_errors import boxed_with_collective_errors, guard_inductor_graph
 from shardc.runtime.plan_check import announce_region, check_plan_consistency
+from shardc.sharding.shard import ShardState, state_for_key
 
 __all__ = ["RegionRecord", "ShardcPartitioner", "backend", "capture_partitioned",
            "has_sharded_params", "sharded_gathers", "shardc_backend", "source_hash"]
@@ -108,18 +109,16 @@ def _checked(compiled, region: RegionRecord, options: ShardcOptions):
     return run
 
 
-def _sharded_attr(example_inputs: Sequence[object], name: str):
-    """What ``shardc.shard`` recorded on its parameters under ``name`` (the first input that has
-    it), or None."""
-    for value in example_inputs:
-        found = getattr(value, name, None)
-        if found is not None:
-            return found
+def _shard_state(gm: fx.GraphModule) -> ShardState | None:
+    """The :class:`ShardState` of the sharded model whose parameters ``gm`` gathers, found through
+    the model key every gather carries as a constant (``sync_key``), or None (a model that is
+    gone). Nothing is looked up on parameter objects: ``nn.Module._apply`` swaps them."""
+    for gather in sharded_gathers(gm):
+        key = GatherArgs.of(gather).sync_key
+        state = state_for_key(key) if key else None
+        if state is not None:
+            return state
     return None
-
-
-def _region_registry(example_inputs: Sequence[object]) -> list | None:
-    return _sharded_attr(example_inputs, "_shardc_regions")
 
 
 def _inductor_with_pool(compile_inner, graph: fx.GraphModule, inputs, region: RegionRecord,
@@ -179,9 +178,10 @@ def shardc_backend(
     opts = ShardcOptions.from_kwargs({**(options or {}), **kwargs})
     if not has_sharded_params(gm):
         return _compile_unsharded(gm, example_inputs, opts)
-    registry = _region_registry(example_inputs)
+    state = _shard_state(gm)
+    registry = state.regions if state is not None else None
     region = RegionRecord(len(registry) if registry is not None else 0,
-                          _sharded_attr(example_inputs, "_shardc_groups"))
+                          state.group_roles if state is not None else None)
     if registry is not None:
         registry.append(region)
     if opts.check_plan_consistency:

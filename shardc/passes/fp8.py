@@ -1,4 +1,4 @@
-"""FP8 joint-graph passes (``shardc.shard(..., fp8=...)``; see :mod:`shardc.runtime.fp8`).
+"""FP8 joint-graph passes (``shardc.shard(..., fp8=...)``; see :mod:`shardc.sharding.fp8`).
 
 Run on the joint graph (or a forward-only graph) before partitioning:
 

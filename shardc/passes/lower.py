@@ -1,4 +1,4 @@
-"""Apply a :class:`shardc.plan.Plan` to a partitioned graph: flat bucketed collectives.
+"""Apply a :class:`shardc.planning.plan.Plan` to a partitioned graph: flat bucketed collectives.
 
 Each all-gather packs the bucket's shards (cast to the communication dtype, padded to the common
 row count, flattened) into one buffer, issues ``all_gather_into_tensor`` at the planned position,

@@ -31,7 +31,7 @@ def tag_resharded_gathers(graph: fx.Graph) -> int:
     partitioner could save either the shard or such a view for the backward's re-gather, the same
     bytes, a tie its min cut breaks differently from block to block (saving shards in the lower
     blocks and views in the upper ones). Recomputing the view, which is free, makes every block
-    save its shard, so identical blocks partition into identical graphs (``shardc.template``
+    save its shard, so identical blocks partition into identical graphs (``shardc.tools.template``
     relies on it)."""
     count = 0
     for node in graph.nodes:

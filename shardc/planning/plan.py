@@ -268,6 +268,16 @@ class Plan:
     tp_size: int = 1
     tp_group_name: str = ""
 
+    def table(self, *, wide: bool = False) -> str:
+        """The plan as text (``shardc.tools.render.plan_table``): lines of at most 99 columns, or
+        with ``wide=True`` one column per field (about 300 columns)."""
+        from shardc.tools.render import plan_table
+
+        return plan_table(self, wide=wide)
+
+    def __str__(self) -> str:
+        return self.table()
+
     def collective(self, collective_id: str) -> Collective | None:
         """The collective with this id, or None."""
         return next((c for c in self.collectives if c.id == collective_id), None)

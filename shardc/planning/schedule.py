@@ -1,8 +1,8 @@
 """Plan the communication of one compiled region: buckets, issue and wait positions, predictions.
 
 Input: the partitioned forward and backward graphs, still holding shardc's ``gather_param`` and
-``reduce_scatter_grad`` nodes. Output: a :class:`shardc.plan.Plan`; the graphs are not changed
-(``shardc.passes.lower`` applies the plan).
+``reduce_scatter_grad`` nodes. Output: a :class:`shardc.planning.plan.Plan`; the graphs are not
+changed (``shardc.passes.lower`` applies the plan).
 
 Placement rules, each recorded as the collective's ``reason``:
 - all-gather of bucket ``k`` waits right before the first op that reads one of its parameters, and

@@ -52,7 +52,7 @@ class Float8Policy:
     ``nn.Embedding`` with ``sparse=True`` or ``max_norm`` is refused.
     ``weights``: which of a selected module's own parameters are its weights, as regexes that
     must match the whole parameter name (default ``("weight",)``; TransformerEngine's modules
-    have several, see ``shardc.runtime.te.te_float8_policy``). Each must be 2-D.
+    have several, see ``shardc.sharding.te.te_float8_policy``). Each must be 2-D.
     ``include`` / ``exclude``: regexes on the module's qualified name (``re.search``); a module is
     selected if it matches some ``include`` pattern (all, if empty) and no ``exclude`` pattern.
     ``filter``: optional ``(qualified_name, module) -> bool``, applied last.
@@ -93,7 +93,9 @@ class Fp8ParamInfo:
     """How one parameter is gathered in FP8 (constants in the graph)."""
 
     dtype: torch.dtype  # the FP8 dtype of the gather
-    compute_dtype: torch.dtype  # the dequantized weight's dtype
+    # The dequantized weight's dtype; None: the master shard's dtype when it is gathered (so a
+    # later ``.to(dtype)`` / ``.double()`` of the module is followed).
+    compute_dtype: torch.dtype | None
 
 
 def select_fp8_params(
@@ -223,7 +225,7 @@ def shard_scale(shard: torch.Tensor, dtype: torch.dtype, group_name: str, world:
 
 def _spec(info, shard: torch.Tensor) -> tuple:
     return (info.fqn, info.dim0, info.world, info.group_name, info.reduce_dtype or shard.dtype,
-            info.reshard_after_forward, info.fp8.dtype, info.fp8.compute_dtype)
+            info.reshard_after_forward, info.fp8.dtype, info.fp8.compute_dtype or shard.dtype)
 
 
 def _reduce_grad(ctx, grad: torch.Tensor) -> torch.Tensor:

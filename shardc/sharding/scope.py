@@ -31,12 +31,31 @@ def gathering() -> bool:
 
 
 def enter_forward(module, args) -> None:
+    # Checked before counting, and the exit hook never counts below 0: torch runs the
+    # always-called exit hook when a pre-hook raises, except where Dynamo compiled the exit
+    # hook's frame (a no-op) but ran this one eagerly because it raised.
+    names = getattr(type(module), "_shardc_param_names", None)
+    if names is not None:
+        _check_no_new_params(module, names)
     if not torch.compiler.is_compiling():
         _FORWARD.depth += 1
 
 
+def _check_no_new_params(module: nn.Module, names: tuple[str, ...]) -> None:
+    """A parameter registered on a sharded module after ``shardc.shard`` would be trained by
+    each rank on its own gradient, unsynchronized: refuse it."""
+    new = [n for n, p in module._parameters.items() if p is not None and n not in names]
+    if new:
+        raise RuntimeError(
+            f"shardc: parameter(s) {new} of a sharded {type(module).__name__} were registered "
+            "after shardc.shard; shardc does not shard or synchronize them, so each rank would "
+            "train its own copy. Register every parameter before shardc.shard (or register a "
+            "buffer if it is not trained)."
+        )
+
+
 def exit_forward(module, args, output) -> None:
-    if not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() and _FORWARD.depth > 0:
         _FORWARD.depth -= 1
 
 

@@ -15,6 +15,7 @@ module is touched.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from shardc.ops.gather import gather_param
 from shardc.ops.gather_args import GatherArgs
+from shardc.runtime import replaced_params
 from shardc.runtime.grad_sync import UnsyncedGrads
 from shardc.sharding import te_params
 from shardc.sharding.fp8 import (
@@ -107,14 +109,37 @@ class ShardState:
     params: dict[str, ShardedParamInfo]
     regions: list = field(default_factory=list)  # one record per compiled region (the backend's)
     grad_sync: UnsyncedGrads = field(default_factory=UnsyncedGrads)
-    layout: MeshLayout | None = None  # the roles of the mesh's dimensions (shardc.runtime.mesh)
+    layout: MeshLayout | None = None  # the roles of the mesh's dimensions (shardc.sharding.mesh)
     fp8: Float8Policy | None = None
+    # Process group name -> (role on the mesh, ranks), for the plans (MeshLayout.group_roles).
+    group_roles: dict[str, tuple[str, int]] | None = None
+
+    @property
+    def key(self) -> str:
+        """The model's key: a constant argument (``sync_key``) of every gather in its graphs."""
+        return self.grad_sync.key
+
+
+# Every live sharded model's state by its key. The backend finds a graph's model through the key
+# its gather nodes carry (``state_for_key``), never through parameter objects: ``nn.Module._apply``
+# (``to_empty``, ``.to``, ``.double()``) swaps or replaces those. Weak: a model's state lives as
+# long as its root module.
+_STATES: weakref.WeakValueDictionary[str, ShardState] = weakref.WeakValueDictionary()
+
+
+def state_for_key(key: str) -> ShardState | None:
+    """The :class:`ShardState` of the live sharded model whose gathers carry ``key``."""
+    return _STATES.get(key)
 
 
 def _param_property(name: str, info: ShardedParamInfo, grads: UnsyncedGrads) -> property:
     def read(self):
-        param = self._parameters[name]
-        if not isinstance(param, DTensor) or not (gathering() or in_eager_forward()):
+        param = self._parameters.get(name)
+        if not isinstance(param, DTensor):
+            if param is not None and (gathering() or in_eager_forward()):
+                raise _replaced_error(self, name, param)
+            return param
+        if not (gathering() or in_eager_forward()):
             return param
         sync = grads.mode()
         if info.quantized:
@@ -127,6 +152,74 @@ def _param_property(name: str, info: ShardedParamInfo, grads: UnsyncedGrads) -> 
     return property(read, doc=f"The parameter {info.fqn!r}, gathered inside a forward.")
 
 
+def _replaced_error(module: nn.Module, name: str, param: torch.Tensor) -> RuntimeError:
+    info = type(module)._shardc_infos[name]
+    return RuntimeError(
+        f"shardc: parameter {info.fqn!r} is a {type(param).__name__}, not the sharded DTensor "
+        "shardc.shard installed: it was replaced after sharding (attribute assignment of a new "
+        "nn.Parameter, register_parameter, load_state_dict(..., assign=True) with full tensors). "
+        "Assign before shardc.shard, load values in place (load_state_dict without assign, or "
+        "torch.distributed.checkpoint), or copy into the shard with "
+        "param.to_local().copy_(...) under torch.no_grad()."
+    )
+
+
+def _apply_sharded(self, fn, recurse: bool = True):
+    """``nn.Module._apply`` (``to_empty``, ``.to``, ``.double()``...) of a sharded module: the
+    DTensor parameters are converted in place (torch swaps their contents, identity and ties
+    kept) and checked to still be this module's shards; what shardc recorded about the module is
+    keyed by the model, not by parameter objects, so it stays valid."""
+    before = {name: self._parameters.get(name) for name in type(self)._shardc_param_names}
+    layout = {name: _shard_layout(p) for name, p in before.items() if isinstance(p, DTensor)}
+    # The class shardc made (a later class swap, e.g. torch.nn.utils.parametrize, derives from it).
+    owner = next(c for c in type(self).__mro__ if "_shardc_infos" in vars(c))
+    out = super(owner, self)._apply(fn, recurse)
+    for name, expected in layout.items():
+        _check_applied(self, name, self._parameters.get(name), expected)
+    return out
+
+
+def _shard_layout(p: DTensor) -> tuple:
+    local = p.to_local()
+    return p.device_mesh, p.placements, tuple(p.shape), tuple(local.shape), local.dtype
+
+
+def _check_applied(module: nn.Module, name: str, param, expected: tuple) -> None:
+    info = type(module)._shardc_infos[name]
+    mesh, placements, shape, local_shape, dtype = expected
+    problem = None
+    if not isinstance(param, DTensor):
+        problem = f"became a {type(param).__name__}"
+    elif param.device_mesh != mesh or param.placements != placements:
+        # Equality, not identity: DTensor's propagation cache may hand back an equal mesh object.
+        problem = (f"changed its mesh or placements ({mesh} {placements} -> "
+                   f"{param.device_mesh} {param.placements})")
+    elif tuple(param.shape) != shape or tuple(param.to_local().shape) != local_shape:
+        problem = "changed its shape"
+    elif param.to_local().device.type != mesh.device_type:
+        problem = (f"moved to {param.to_local().device} but its mesh is of device type "
+                   f"{mesh.device_type!r}")
+    elif info.quantized and param.to_local().dtype != dtype:
+        problem = "changed dtype (a TransformerEngine FP8 parameter keeps its FP8 format)"
+    if problem is not None:
+        raise RuntimeError(
+            f"shardc: after {type(module).__name__}._apply (to_empty / .to / .float() / "
+            f".half() ...) the sharded parameter {info.fqn!r} {problem}; shardc cannot keep "
+            "sharding it. Change devices by building the mesh on the target device (meta-device "
+            "build, shardc.shard, then to_empty(device=...) onto the mesh's device type), and "
+            "change dtypes with .to(dtype) / MixedPrecisionPolicy."
+        )
+
+
+def _refuse_share_memory(self):
+    raise NotImplementedError(
+        f"shardc: share_memory() on a sharded module ({type(self).__name__}) is not supported: "
+        "torch's DTensor.share_memory_() ends the process. Sharded parameters are already "
+        "spread over the ranks of the process group; call share_memory() before "
+        "shardc.shard if another process needs the unsharded module."
+    )
+
+
 def _swap_class(
     module: nn.Module, infos: dict[str, ShardedParamInfo], grads: UnsyncedGrads,
     fp8: Float8Policy | None = None,
@@ -135,8 +228,19 @@ def _swap_class(
     attrs = {name: _param_property(name, info, grads) for name, info in infos.items()}
     attrs.update(fp8_class_attrs(module, infos, grads, fp8))
     attrs["_shardc_param_names"] = tuple(infos)
+    attrs["_shardc_infos"] = dict(infos)
+    attrs["_apply"] = _apply_sharded
+    attrs["share_memory"] = _refuse_share_memory
     attrs["__module__"] = cls.__module__
     module.__class__ = type(f"Shardc{cls.__name__}", (ShardedModuleMixin, cls), attrs)
+
+
+def _swap_root_class(module: nn.Module) -> None:
+    """A root that owns no parameter itself gets only the ``share_memory`` refusal (its
+    children's ``_apply`` checks their own parameters); it is not marked sharded."""
+    cls = type(module)
+    attrs = {"share_memory": _refuse_share_memory, "__module__": cls.__module__}
+    module.__class__ = type(f"ShardcRoot{cls.__name__}", (cls,), attrs)
 
 
 def _default_mesh(module: nn.Module) -> DeviceMesh:
@@ -175,6 +279,7 @@ def _check_inputs(module: nn.Module, mesh: DeviceMesh, allow_partial_mesh: bool)
             f"shardc.shard: parameters are on different devices ({found}); build the module "
             "entirely on the meta device or move it to one device first."
         )
+    _check_aliases(module)
     for fqn, p in module.named_parameters():
         if p.dim() == 0:
             raise NotImplementedError(
@@ -188,10 +293,53 @@ def _check_inputs(module: nn.Module, mesh: DeviceMesh, allow_partial_mesh: bool)
     return layout
 
 
+def _storage_span(p: torch.Tensor) -> tuple[int, int, int] | None:
+    """(storage identity, first byte, end byte) of what this rank holds of ``p`` (meta tensors
+    too: their storages have no data pointer but are distinct objects); None where there is
+    nothing to compare (empty tensors, tensor subclasses without one storage)."""
+    try:
+        t = rank_tensor(p)
+        if t.numel() == 0:
+            return None
+        storage = t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+        return None
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    first = t.storage_offset() * t.element_size()
+    return storage, first, first + extent * t.element_size()
+
+
+def _check_aliases(module: nn.Module) -> None:
+    """Refuse distinct parameters whose memory overlaps (one a view of another): each would get
+    its own shard, and updating one would no longer update the other. The same parameter object
+    registered twice (tied weights) is one parameter and is fine, and so are disjoint views of
+    one buffer (cuDNN's flattened RNN weights), which nothing couples. Decided from the module
+    alone, so every rank raises the same error before any collective."""
+    spans: dict[int, list[tuple[int, int, str]]] = {}
+    for fqn, p in module.named_parameters():  # one entry per distinct parameter object
+        if te_params.is_quantized(p):
+            continue
+        span = _storage_span(p)
+        if span is None:
+            continue
+        storage, first, end = span
+        for other_first, other_end, other in spans.get(storage, []):
+            if first < other_end and other_first < end:
+                raise ValueError(
+                    f"shardc.shard: parameters {other!r} and {fqn!r} share storage (one is a "
+                    "view of the other, or both view one tensor); sharding would give each its "
+                    "own shard and an update of one would no longer reach the other. Tie them "
+                    "as one parameter (assign the same nn.Parameter object to both modules, "
+                    "e.g. child.weight = other.weight) or give each its own storage (.clone()) "
+                    "before shardc.shard."
+                )
+        spans.setdefault(storage, []).append((first, end, fqn))
+
+
 def _check_quantized(fqn: str, p: torch.Tensor, layout: MeshLayout) -> None:
     """Quantized parameters bring their own all-gather hooks for FSDP2 (``fsdp_pre_all_gather``);
     shardc does not call them but shards and gathers TE's FP8 parameters itself
-    (:mod:`shardc.runtime.te_params`). Anything else is refused, naming the parameter."""
+    (:mod:`shardc.sharding.te_params`). Anything else is refused, naming the parameter."""
     te_params.check_quantized_param(fqn, p)
     if layout.kind != "fsdp":
         raise NotImplementedError(
@@ -202,7 +350,7 @@ def _check_quantized(fqn: str, p: torch.Tensor, layout: MeshLayout) -> None:
 
 def _shard_tensor(p: torch.Tensor, layout: MeshLayout) -> DTensor:
     """Keep this rank's ``torch.chunk`` slice of what the rank holds of ``p`` (never the whole of
-    a meta tensor), as a DTensor on the whole mesh (placements: :mod:`shardc.runtime.mesh`)."""
+    a meta tensor), as a DTensor on the whole mesh (placements: :mod:`shardc.sharding.mesh`)."""
     t, mesh = rank_tensor(p), layout.mesh
     world, rank = layout.shard_world, layout.shard_rank
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if (
@@ -239,7 +387,7 @@ def shard(
     ``mesh`` defaults to a 1-D mesh over the default process group. A 2-D mesh named
     ``("replicate", "shard")`` shards within ``shard`` and replicates across ``replicate`` (HSDP);
     one named ``("dp", "tp")`` shards the tp-local tensors of a model parallelized on ``mesh["tp"]``
-    over ``dp`` (FSDP+TP). See :mod:`shardc.runtime.mesh` and docs/meshes.md.
+    over ``dp`` (FSDP+TP). See :mod:`shardc.sharding.mesh` and docs/meshes.md.
     Like ``fully_shard``, each rank keeps its own slice of its own values (no broadcast): build
     the model with the same seed on every rank, build it on the meta device and initialize
     after sharding, or load a checkpoint. A meta-device module gets uninitialized local shards
@@ -247,7 +395,7 @@ def shard(
     ``reshard_after_forward``: free gathered parameters after the forward and gather them again
     for the backward (less memory) instead of keeping them.
     ``fp8``: gather the weights it selects (``nn.Linear`` by default) in FP8 and, on CUDA, compute
-    with them in FP8; see :mod:`shardc.runtime.fp8`.
+    with them in FP8; see :mod:`shardc.sharding.fp8`.
     ``allow_partial_mesh``: by default ``mesh`` must cover every rank of the default process
     group, or be a slice of a mesh that does (``mesh["dp"]`` of an ``init_device_mesh(...,
     mesh_dim_names=("pp", "dp"))`` mesh); any other mesh raises ``ValueError`` on every rank,
@@ -305,7 +453,7 @@ def shard(
             replicate=layout.replicate_world,
             replicate_group_name=layout.replicate_group_name,
             tp=tp_spec(p),
-            fp8=Fp8ParamInfo(fp8.dtype, mp_policy.param_dtype or p.dtype)
+            fp8=Fp8ParamInfo(fp8.dtype, mp_policy.param_dtype)
             if fqn in fp8_fqns else None,
             quantized=fqn in quantized,
         )
@@ -317,14 +465,12 @@ def shard(
             sub._parameters[pname] = new_param
             per_module.setdefault(id(sub), (sub, {}))[1][pname] = info
 
-    state = ShardState(mesh, reshard_after_forward, mp_policy, infos, layout=layout, fp8=fp8)
-    roles = layout.group_roles()
+    state = ShardState(mesh, reshard_after_forward, mp_policy, infos, layout=layout, fp8=fp8,
+                       group_roles=layout.group_roles())
+    _STATES[state.key] = state
+    for fqn, p in canonical.values():  # an optimizer still holding these is named at its step
+        replaced_params.remember(p, fqn)
     for sub, sub_infos in per_module.values():
-        for pname in sub_infos:
-            # The backend finds the root's records, and the roles of the mesh's process groups,
-            # through any parameter of a compiled graph.
-            sub._parameters[pname]._shardc_regions = state.regions
-            sub._parameters[pname]._shardc_groups = roles
         _swap_class(sub, sub_infos, state.grad_sync, fp8)
         sub.register_forward_pre_hook(enter_forward)
         sub.register_forward_hook(exit_forward, always_call=True)
@@ -341,6 +487,8 @@ def shard(
         if id(sub) not in per_module:
             sub.register_forward_pre_hook(enter_forward)
             sub.register_forward_hook(exit_forward, always_call=True)
+    if id(module) not in per_module:
+        _swap_root_class(module)
     module._shardc_state = state
     return module
 

@@ -13,7 +13,7 @@ inside its autocast. What TE needs from the sharding:
   ran in FP8; ``shardc.checkpoint.ModelState`` stores it as bytes so DCP can load it into a
   fresh model.
 
-Every use of TE's API is in this module, and in :mod:`shardc.runtime.te_params` for FP8
+Every use of TE's API is in this module, and in :mod:`shardc.sharding.te_params` for FP8
 parameters (``te.quantized_model_init``). See docs/fp8.md for what is verified.
 """
 

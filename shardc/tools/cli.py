@@ -3,7 +3,8 @@
 The model is built on the meta device and sharded over a fake process group of the requested
 size (rank 0's view); compiling it with the shardc backend plans the region exactly as a real run
 would, and running it on meta tensors moves no data. A model with more blocks than a template
-traces is planned from its first blocks, repeated (``shardc.template``), unless ``--full-trace``.
+traces is planned from its first blocks, repeated (``shardc.tools.template``), unless
+``--full-trace``.
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ def plan_model(cfg: LlamaConfig, world: int, batch: int, seq: int, options: dict
     """Plan one training step of ``cfg`` at ``world`` ranks; returns (plan, seconds).
 
     With ``template`` and more blocks than a template traces, the plan is made from a trace of
-    the first blocks (``shardc.template``); if the traced graphs do not repeat, the whole model
-    is traced (the plan's notes say so). ``seconds`` covers everything from building the model
+    the first blocks (``shardc.tools.template``); if the traced graphs do not repeat, the whole
+    model is traced (the plan's notes say so). ``seconds`` covers everything from building the model
     on the meta device to the finished plan.
     """
     from torch.distributed.device_mesh import DeviceMesh
@@ -105,7 +106,7 @@ def _cmd_plan(args) -> int:
     seq = args.seq or cfg.max_seq_len
     plan, seconds = plan_model(cfg, args.world_size, args.batch, seq, options,
                                template=not args.full_trace)
-    print(plan_table(plan))
+    print(plan_table(plan, wide=args.wide))
     print(f"\nmodel: {cfg.num_params() / 1e9:.2f}B parameters, world size {args.world_size}, "
           f"batch {args.batch} x {seq} per rank; traced and planned in {seconds:.1f} s")
     if args.dump:
@@ -129,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mem-bandwidth", type=float, default=3.0e12)
     p.add_argument("--options", default=None, help="JSON object of backend options")
     p.add_argument("--dump", default=None, help="directory for text/JSON/trace/memory plot")
+    p.add_argument("--wide", action="store_true",
+                   help="print the plan with one column per field (~300 columns) instead of "
+                        "lines of at most 99 columns")
     p.add_argument("--full-trace", action="store_true",
                    help="trace every block (default: trace the first blocks and repeat them when "
                    "the blocks are identical; see docs/planning.md)")

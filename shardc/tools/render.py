@@ -1,5 +1,5 @@
-"""Render a :class:`shardc.plan.Plan` for people: a text table, a Chrome/Perfetto trace, a memory
-plot, and :func:`dump_plan`, which writes all of them (plus the plan's JSON) for one rank.
+"""Render a :class:`shardc.planning.plan.Plan` for people: a text table, a Chrome/Perfetto trace,
+a memory plot, and :func:`dump_plan`, which writes all of them (plus the plan's JSON) for one rank.
 
 Positions are indices into ``Plan.graphs[graph]`` (``p`` means "before compute op ``p``"; ``p ==
 len(ops)`` is the end of the graph). Predicted times are seconds from the start of their graph;
@@ -15,9 +15,11 @@ import logging
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from shardc.planning.plan import Collective, CollectiveKind, ComputeOp, Plan
+if TYPE_CHECKING:  # (the plan renders itself through this module: Plan.table)
+    from shardc.planning.plan import Collective, ComputeOp, Plan
+
 
 log = logging.getLogger("shardc")
 
@@ -145,7 +147,7 @@ def _bytes_by_dtype(plan: Plan) -> list[str]:
     dtype (FP8 gathers show up here as half the bytes of bf16); then one line per group of the
     collectives found in the traced graph (tensor parallelism): count and bytes by kind."""
     lines = []
-    for kind in (CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER):
+    for kind in ("all_gather", "reduce_scatter"):  # CollectiveKind values
         totals: dict[str, int] = {}
         for c in plan.collectives:
             if c.kind == kind and c.origin == "shardc":
@@ -180,8 +182,93 @@ def _mesh_line(plan: Plan) -> str:
     return f"mesh: {plan.mesh}{where}"
 
 
-def plan_table(plan: Plan, *, reason_width: int = 60) -> str:
-    """A readable text rendering of ``plan``: header, collectives in issue order, buckets."""
+NARROW_WIDTH = 99  # the default text view fits a 100-column terminal or log
+
+
+def _pack(segments: Sequence[str], width: int, indent: str = "    ", sep: str = "; ") -> list[str]:
+    """``segments`` joined by ``sep`` onto lines of at most ``width`` columns (continuations
+    indented); a segment is never split unless it is wider than a line by itself."""
+    lines: list[str] = []
+    current = ""
+    for seg in segments:
+        candidate = seg if not current else current + sep + seg
+        if len(candidate) <= width:
+            current = candidate
+            continue
+        if current:
+            lines.append(current)
+        start = indent if lines or current else ""
+        if len(start + seg) <= width:
+            current = start + seg
+        else:
+            pieces = textwrap.wrap(seg, width, initial_indent=start, subsequent_indent=indent,
+                                   break_long_words=False, break_on_hyphens=False)
+            lines += pieces[:-1]
+            current = pieces[-1] if pieces else start
+    if current:
+        lines.append(current)
+    return lines
+
+
+def _narrow_header(lines: Sequence[str], width: int) -> list[str]:
+    return [out for line in lines for out in _pack(line.split(", "), width, "  ", ", ")]
+
+
+def _narrow_collectives(plan: Plan, width: int) -> list[str]:
+    """One short aligned row per collective (id, kind, group, bucket, #params, buffer), then
+    its schedule and its reason on indented lines, every line within ``width`` columns."""
+    names = _bucket_names(plan)
+    rows, details = [], []
+    for c in _issue_order(plan):
+        ops = plan.graphs.get(c.graph, [])
+        bucket = (f"{c.bucket} {names[c.bucket]}" if c.bucket in names
+                  else "-" if c.bucket < 0 else str(c.bucket))
+        rows.append([c.id, c.kind, c.group, bucket, len(c.params), _fmt_bytes(c.buffer_bytes)])
+        place = ("" if c.buffer_offset is None else f"pool offset {c.buffer_offset}"
+                 + ("" if c.buffer_lifetime is None
+                    else f" [{c.buffer_lifetime[0]}, {c.buffer_lifetime[1]})"))
+        schedule = [f"{_fmt_bytes(c.bytes)} {c.dtype} on {c.stream}",
+                    f"issue {_pos_label(ops, c.issue_pos)}",
+                    f"wait {_pos_label(ops, c.wait_pos)}",
+                    f"first use {_pos_label(ops, c.first_use_pos)}",
+                    f"{_ms(c.predicted_start_s)}-{_ms(c.predicted_end_s)} ms "
+                    f"(exposed {_ms(c.exposed_s)})"] + ([place] if place else [])
+        more = _pack(schedule, width - 4, "", "; ") + _pack([f"reason: {c.reason or '-'}"],
+                                                            width - 4, "  ")
+        details.append(["    " + line for line in more])
+    headers = ["id", "kind", "group", "bucket", "#params", "buffer"]
+    # The bucket column gets what the others leave of the width (at least 8 columns).
+    others = sum(max([len(headers[i]), *(len(str(r[i])) for r in rows)]) for i in (0, 1, 2, 4, 5))
+    table = _format_table(
+        headers, rows, right=[False, False, False, False, True, True],
+        widths=[None, None, None, max(8, width - others - 2 * (len(headers) - 1)), None, None],
+    )
+    out = table[:2]
+    for row, more in zip(table[2:], details):
+        out += [row, *more]
+    return out
+
+
+def _narrow_buckets(plan: Plan, width: int) -> list[str]:
+    rows = [[b.index, b.name, len(b.params), b.shard_numel, b.dtype, b.reduce_dtype]
+            for b in plan.buckets]
+    table = _format_table(
+        ["index", "name", "#params", "shard numel", "dtype", "reduce dtype"], rows,
+        right=[True, False, True, True, False, False], widths=[None, 28, None, None, None, None],
+    )
+    out = table[:2]
+    for row, b in zip(table[2:], plan.buckets):
+        out += [row, "    params: " + _abbrev_params(b.params, width - 12)]
+    return out
+
+
+def plan_table(plan: Plan, *, wide: bool = False, width: int = NARROW_WIDTH,
+               reason_width: int = 60) -> str:
+    """A readable text rendering of ``plan``: header, collectives in issue order, buckets.
+
+    By default every line fits ``width`` columns: each collective is a short row followed by
+    its schedule and reason on indented lines. ``wide=True``: one row per collective with every
+    field in its own column (about 300 columns; ``reason_width`` wraps the reason column)."""
     pred = plan.predicted
     lines = [
         f"shardc plan: region {plan.region}, world size {plan.world_size}, "
@@ -226,6 +313,12 @@ def plan_table(plan: Plan, *, reason_width: int = 60) -> str:
     lines += _bytes_by_dtype(plan)
     for note in plan.notes:
         lines.append(f"note: {note}")
+    if not wide:
+        lines = _narrow_header(lines, width)
+        lines += ["", "collectives (issue order; positions are 'before compute op N'):"]
+        lines += _narrow_collectives(plan, width)
+        lines += ["", "buckets:"] + _narrow_buckets(plan, width)
+        return "\n".join(lines) + "\n"
 
     names = _bucket_names(plan)
     headers = ["id", "kind", "group", "bucket", "#params", "bytes", "buffer", "dtype", "stream",
@@ -454,7 +547,7 @@ def memory_plot(plan: Plan, path: str | Path) -> Path:
         from matplotlib.figure import Figure
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError(
-            "shardc.render.memory_plot needs matplotlib: pip install matplotlib "
+            "shardc.tools.render.memory_plot needs matplotlib: pip install matplotlib "
             "(or pip install 'shardc[plot]')"
         ) from exc
 
@@ -506,9 +599,10 @@ def memory_plot(plan: Plan, path: str | Path) -> Path:
 
 
 def dump_plan(plan: Plan, directory: str | Path, *, rank: int = 0) -> list[Path]:
-    """Write ``region{R}.rank{K}.plan.txt``, ``.plan.json``, ``.trace.json`` and ``.memory.png``
-    into ``directory`` (created if needed); every rank writes its own files. The PNG is skipped,
-    with a warning, when matplotlib is not installed. Returns the paths written."""
+    """Write ``region{R}.rank{K}.plan.txt`` (the narrow table; ``plan_table(plan, wide=True)``
+    gives the wide one), ``.plan.json``, ``.trace.json`` and ``.memory.png`` into ``directory``
+    (created if needed); every rank writes its own files. The PNG is skipped, with a warning,
+    when matplotlib is not installed. Returns the paths written."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     stem = directory / f"region{plan.region}.rank{rank}"
