@@ -1,4 +1,5 @@
-"""Benchmark for shardc.passes.allocator (static-pool offset assignment).
+"""Benchmark for the static-pool offset assignment (shardc.memory.allocator and the search in
+benchmarks/allocator_search.py).
 
 Usage::
 
@@ -40,7 +41,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from shardc.passes.allocator import max_live, plan_offsets  # noqa: E402
+from benchmarks.allocator_search import max_live, plan_offsets  # noqa: E402
 
 Buffer = tuple[int, int, int]
 

@@ -976,7 +976,7 @@ def launch_command(argv: Sequence[str]) -> str:
 
 def shardc_source_hash() -> str:
     """sha256 over shardc's ``*.py`` files (identifies the code measured without git)."""
-    from shardc.backend import _source_hash
+    from shardc.compile.backend import source_hash as _source_hash
 
     return _source_hash()
 

@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from shardc.runtime import te_params
+from shardc.sharding import te_params
 
 log = logging.getLogger("shardc")
 
@@ -191,7 +191,7 @@ def _to_state_dicts(state: Mapping[str, Any]) -> dict[str, Any]:
 def flatten_state(state_dicts: Mapping[str, Any]) -> dict[str, Any]:
     """The flat ``{key: value}`` view DCP stores: nested keys joined by dots (``model.w``)."""
     # DCP's own flattening, so the keys are exactly the checkpoint's metadata keys.
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from shardc._torch import flatten_state_dict
 
     flat, _ = flatten_state_dict(dict(state_dicts))
     return flat

@@ -37,7 +37,8 @@ from torch.utils.checkpoint import (
 
 import shardc
 from shardc.runtime.plan_check import PlanMismatchError
-from shardc.runtime.sharding import _FORWARD, shard_state
+from shardc.sharding.scope import _FORWARD
+from shardc.sharding.shard import shard_state
 
 GLOBAL_BATCH = 12  # divisible by 2, 3 (and 6)
 STEPS = 3

@@ -144,7 +144,7 @@ def test_aliased_parameters_are_found_tied_ones_are_not(device):
     """Distinct parameters whose memory overlaps are refused, naming both; tied parameters (one
     object), independent ones and disjoint views of one buffer are not, on real and on meta
     tensors (whose storages have no data pointer to compare)."""
-    from shardc.runtime.sharding import _check_aliases
+    from shardc.sharding.shard import _check_aliases
 
     with torch.device(device):
         tied, plain, view, disjoint = (_Aliased(tie=t, view=v, disjoint=d) for t, v, d in

@@ -15,8 +15,6 @@ module is touched.
 from __future__ import annotations
 
 import contextlib
-import sys
-import threading
 import weakref
 from dataclasses import dataclass, field
 
@@ -26,16 +24,19 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from shardc.runtime import replaced_params, te_params
-from shardc.runtime.fp8 import (
+from shardc.ops.gather import gather_param
+from shardc.ops.gather_args import GatherArgs
+from shardc.runtime import replaced_params
+from shardc.runtime.grad_sync import UnsyncedGrads
+from shardc.sharding import te_params
+from shardc.sharding.fp8 import (
     Float8Policy,
     Fp8ParamInfo,
     fp8_class_attrs,
     gather_fp8_weight,
     select_fp8_params,
 )
-from shardc.runtime.grad_sync import UnsyncedGrads
-from shardc.runtime.mesh import (
+from shardc.sharding.mesh import (
     MeshLayout,
     TpSpec,
     check_mesh_covers_world,
@@ -46,7 +47,16 @@ from shardc.runtime.mesh import (
     tp_spec,
     wrap_tp,
 )
-from shardc.runtime.ops import gather_param
+from shardc.sharding.scope import (
+    ShardedModuleMixin,
+    enter_forward,
+    exit_forward,
+    gathering,
+    in_eager_forward,
+    is_sharded,
+    shard_state,
+    unwrap_compiled,
+)
 
 
 @dataclass(frozen=True)
@@ -79,8 +89,14 @@ class ShardedParamInfo:
     tp: TpSpec | None = None
     fp8: Fp8ParamInfo | None = None  # gathered in FP8 (``shard(..., fp8=...)``)
     # A TransformerEngine FP8 parameter (``te.quantized_model_init``): its FP8 bytes are
-    # sharded and gathered as they are (shardc.runtime.te_params).
+    # sharded and gathered as they are (shardc.sharding.te_params).
     quantized: bool = False
+
+    def gather_args(self, shard: torch.Tensor, grad_sync: int, sync_key: str) -> GatherArgs:
+        """The gather op's arguments for this parameter's local ``shard``."""
+        return GatherArgs(shard, self.fqn, self.dim0, self.world, self.group_name,
+                          self.compute_dtype, self.reduce_dtype, self.reshard_after_forward,
+                          grad_sync, sync_key, self.replicate, self.replicate_group_name)
 
 
 @dataclass
@@ -93,7 +109,7 @@ class ShardState:
     params: dict[str, ShardedParamInfo]
     regions: list = field(default_factory=list)  # one record per compiled region (the backend's)
     grad_sync: UnsyncedGrads = field(default_factory=UnsyncedGrads)
-    layout: MeshLayout | None = None  # the roles of the mesh's dimensions (shardc.runtime.mesh)
+    layout: MeshLayout | None = None  # the roles of the mesh's dimensions (shardc.sharding.mesh)
     fp8: Float8Policy | None = None
     # Process group name -> (role on the mesh, ranks), for the plans (MeshLayout.group_roles).
     group_roles: dict[str, tuple[str, int]] | None = None
@@ -116,101 +132,21 @@ def state_for_key(key: str) -> ShardState | None:
     return _STATES.get(key)
 
 
-class _ForwardDepth(threading.local):
-    depth = 0
-
-
-_FORWARD = _ForwardDepth()
-
-
-def _gathering() -> bool:
-    # Compiled regions only ever trace forwards; eager forwards are bracketed by hooks.
-    return torch.compiler.is_compiling() or _FORWARD.depth > 0
-
-
-def _enter_forward(module, args) -> None:
-    # Checked before counting, and the exit hook never counts below 0: torch runs the
-    # always-called exit hook when a pre-hook raises, except where Dynamo compiled the exit
-    # hook's frame (a no-op) but ran this one eagerly because it raised.
-    names = getattr(type(module), "_shardc_param_names", None)
-    if names is not None:
-        _check_no_new_params(module, names)
-    if not torch.compiler.is_compiling():
-        _FORWARD.depth += 1
-
-
-def _check_no_new_params(module: nn.Module, names: tuple[str, ...]) -> None:
-    """A parameter registered on a sharded module after ``shardc.shard`` would be trained by
-    each rank on its own gradient, unsynchronized: refuse it."""
-    new = [n for n, p in module._parameters.items() if p is not None and n not in names]
-    if new:
-        raise RuntimeError(
-            f"shardc: parameter(s) {new} of a sharded {type(module).__name__} were registered "
-            "after shardc.shard; shardc does not shard or synchronize them, so each rank would "
-            "train its own copy. Register every parameter before shardc.shard (or register a "
-            "buffer if it is not trained)."
-        )
-
-
-def _exit_forward(module, args, output) -> None:
-    if not torch.compiler.is_compiling() and _FORWARD.depth > 0:
-        _FORWARD.depth -= 1
-
-
-def _in_eager_forward() -> bool:
-    """Whether a caller is the forward of a sharded module, running eagerly although no forward
-    hook counted it: Dynamo's eager fallback (after its recompile limit) runs a forward whose
-    hooks it had compiled, and compiled code skips the count. Only parameter reads outside
-    ``_gathering()`` pay for this walk."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        name = frame.f_code.co_name
-        if name == "forward" or name.startswith("torch_dynamo_resume_in_forward"):
-            owner = frame.f_locals.get("self")
-            if is_sharded(owner) or shard_state(owner) is not None:
-                return True
-        frame = frame.f_back
-    return False
-
-
-class ShardedModuleMixin:
-    """Marks a module whose parameters were sharded by :func:`shard` (a mixin, not a module)."""
-
-    _shardc_param_names: tuple[str, ...] = ()
-
-
-def is_sharded(module: nn.Module) -> bool:
-    return isinstance(module, ShardedModuleMixin)
-
-
 def _param_property(name: str, info: ShardedParamInfo, grads: UnsyncedGrads) -> property:
     def read(self):
         param = self._parameters.get(name)
         if not isinstance(param, DTensor):
-            if param is not None and (_gathering() or _in_eager_forward()):
+            if param is not None and (gathering() or in_eager_forward()):
                 raise _replaced_error(self, name, param)
             return param
-        if not (_gathering() or _in_eager_forward()):
+        if not (gathering() or in_eager_forward()):
             return param
         sync = grads.mode()
         if info.quantized:
             return te_params.gather_float8_param(self, name, param, info, sync, grads.key)
         if info.fp8 is not None:
             return gather_fp8_weight(param.to_local(), info, sync, grads.key)
-        full = gather_param(
-            param.to_local(),
-            info.fqn,
-            info.dim0,
-            info.world,
-            info.group_name,
-            info.compute_dtype,
-            info.reduce_dtype,
-            info.reshard_after_forward,
-            sync,
-            grads.key,
-            info.replicate,
-            info.replicate_group_name,
-        )
+        full = gather_param(*info.gather_args(param.to_local(), sync, grads.key).args())
         return full if info.tp is None else wrap_tp(full, info.tp)
 
     return property(read, doc=f"The parameter {info.fqn!r}, gathered inside a forward.")
@@ -403,7 +339,7 @@ def _check_aliases(module: nn.Module) -> None:
 def _check_quantized(fqn: str, p: torch.Tensor, layout: MeshLayout) -> None:
     """Quantized parameters bring their own all-gather hooks for FSDP2 (``fsdp_pre_all_gather``);
     shardc does not call them but shards and gathers TE's FP8 parameters itself
-    (:mod:`shardc.runtime.te_params`). Anything else is refused, naming the parameter."""
+    (:mod:`shardc.sharding.te_params`). Anything else is refused, naming the parameter."""
     te_params.check_quantized_param(fqn, p)
     if layout.kind != "fsdp":
         raise NotImplementedError(
@@ -414,7 +350,7 @@ def _check_quantized(fqn: str, p: torch.Tensor, layout: MeshLayout) -> None:
 
 def _shard_tensor(p: torch.Tensor, layout: MeshLayout) -> DTensor:
     """Keep this rank's ``torch.chunk`` slice of what the rank holds of ``p`` (never the whole of
-    a meta tensor), as a DTensor on the whole mesh (placements: :mod:`shardc.runtime.mesh`)."""
+    a meta tensor), as a DTensor on the whole mesh (placements: :mod:`shardc.sharding.mesh`)."""
     t, mesh = rank_tensor(p), layout.mesh
     world, rank = layout.shard_world, layout.shard_rank
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if (
@@ -451,7 +387,7 @@ def shard(
     ``mesh`` defaults to a 1-D mesh over the default process group. A 2-D mesh named
     ``("replicate", "shard")`` shards within ``shard`` and replicates across ``replicate`` (HSDP);
     one named ``("dp", "tp")`` shards the tp-local tensors of a model parallelized on ``mesh["tp"]``
-    over ``dp`` (FSDP+TP). See :mod:`shardc.runtime.mesh` and docs/meshes.md.
+    over ``dp`` (FSDP+TP). See :mod:`shardc.sharding.mesh` and docs/meshes.md.
     Like ``fully_shard``, each rank keeps its own slice of its own values (no broadcast): build
     the model with the same seed on every rank, build it on the meta device and initialize
     after sharding, or load a checkpoint. A meta-device module gets uninitialized local shards
@@ -459,7 +395,7 @@ def shard(
     ``reshard_after_forward``: free gathered parameters after the forward and gather them again
     for the backward (less memory) instead of keeping them.
     ``fp8``: gather the weights it selects (``nn.Linear`` by default) in FP8 and, on CUDA, compute
-    with them in FP8; see :mod:`shardc.runtime.fp8`.
+    with them in FP8; see :mod:`shardc.sharding.fp8`.
     ``allow_partial_mesh``: by default ``mesh`` must cover every rank of the default process
     group, or be a slice of a mesh that does (``mesh["dp"]`` of an ``init_device_mesh(...,
     mesh_dim_names=("pp", "dp"))`` mesh); any other mesh raises ``ValueError`` on every rank,
@@ -536,8 +472,8 @@ def shard(
         replaced_params.remember(p, fqn)
     for sub, sub_infos in per_module.values():
         _swap_class(sub, sub_infos, state.grad_sync, fp8)
-        sub.register_forward_pre_hook(_enter_forward)
-        sub.register_forward_hook(_exit_forward, always_call=True)
+        sub.register_forward_pre_hook(enter_forward)
+        sub.register_forward_hook(exit_forward, always_call=True)
         fp8_names = tuple(n for n, i in sub_infos.items() if i.quantized)
         if fp8_names:
             sub.register_forward_pre_hook(te_params.clear_gathered)
@@ -549,17 +485,16 @@ def shard(
     # (``self.child.weight``) would otherwise get the sharded DTensor there.
     for sub in module.modules():
         if id(sub) not in per_module:
-            sub.register_forward_pre_hook(_enter_forward)
-            sub.register_forward_hook(_exit_forward, always_call=True)
+            sub.register_forward_pre_hook(enter_forward)
+            sub.register_forward_hook(exit_forward, always_call=True)
     if id(module) not in per_module:
         _swap_root_class(module)
     module._shardc_state = state
     return module
 
 
-def shard_state(module: nn.Module) -> ShardState | None:
-    """The :class:`ShardState` recorded by :func:`shard` on ``module``, if any."""
-    return getattr(module, "_shardc_state", None)
+__all__ = ["MixedPrecisionPolicy", "ShardState", "ShardedParamInfo", "is_sharded", "no_sync",
+           "set_requires_gradient_sync", "shard", "shard_state"]
 
 
 def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) -> None:
@@ -567,7 +502,7 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) 
     e.g. for all but the last micro-batch of a gradient-accumulation step; turning it back on
     makes the next backward reduce everything accumulated meanwhile. See
     :mod:`shardc.runtime.grad_sync`."""
-    state = shard_state(getattr(module, "_orig_mod", module))
+    state = shard_state(unwrap_compiled(module))
     if state is None:
         raise ValueError(
             "shardc.set_requires_gradient_sync: the module was not sharded with shardc.shard; "

@@ -3,7 +3,8 @@
 The model is built on the meta device and sharded over a fake process group of the requested
 size (rank 0's view); compiling it with the shardc backend plans the region exactly as a real run
 would, and running it on meta tensors moves no data. A model with more blocks than a template
-traces is planned from its first blocks, repeated (``shardc.template``), unless ``--full-trace``.
+traces is planned from its first blocks, repeated (``shardc.tools.template``), unless
+``--full-trace``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 
 import torch
 
+from shardc import _torch
 from shardc.models.llama import LlamaConfig, Transformer, llama_loss
 
 PRESETS: dict[str, dict] = {
@@ -55,15 +57,15 @@ def plan_model(cfg: LlamaConfig, world: int, batch: int, seq: int, options: dict
     """Plan one training step of ``cfg`` at ``world`` ranks; returns (plan, seconds).
 
     With ``template`` and more blocks than a template traces, the plan is made from a trace of
-    the first blocks (``shardc.template``); if the traced graphs do not repeat, the whole model
-    is traced (the plan's notes say so). ``seconds`` covers everything from building the model
+    the first blocks (``shardc.tools.template``); if the traced graphs do not repeat, the whole
+    model is traced (the plan's notes say so). ``seconds`` covers everything from building the model
     on the meta device to the finished plan.
     """
     from torch.distributed.device_mesh import DeviceMesh
 
     import shardc
-    from shardc.runtime.fake_world import fake_world
-    from shardc.template import TEMPLATE_BLOCKS, TemplateRefused, plan_from_template
+    from shardc.tools.fake_world import fake_world
+    from shardc.tools.template import TEMPLATE_BLOCKS, TemplateRefused, plan_from_template
 
     options = dict(inductor=False, check_plan_consistency=False, **options)
     with fake_world(world):
@@ -78,7 +80,7 @@ def plan_model(cfg: LlamaConfig, world: int, batch: int, seq: int, options: dict
                 plan = plan_from_template(_meta_model(cfg), mesh, lambda m: m(tokens), options)
             except TemplateRefused as exc:
                 refused = str(exc)
-                torch._dynamo.reset()
+                _torch.dynamo_reset()
         if plan is None:
             model = _meta_model(cfg)
             shardc.shard(model, mesh)
@@ -88,13 +90,13 @@ def plan_model(cfg: LlamaConfig, world: int, batch: int, seq: int, options: dict
             if refused:
                 plan.notes.append(f"traced whole, not from a template: {refused}")
         elapsed = time.perf_counter() - start
-    torch._dynamo.reset()
+    _torch.dynamo_reset()
     return plan, elapsed
 
 
 def _cmd_plan(args) -> int:
-    from shardc.passes.cost_model import ClusterSpec
-    from shardc.render import dump_plan, plan_table
+    from shardc.planning.cost_model import ClusterSpec
+    from shardc.tools.render import dump_plan, plan_table
 
     cfg = parse_model_spec(args.model)
     options = json.loads(args.options) if args.options else {}

@@ -1,5 +1,5 @@
-"""Render a :class:`shardc.plan.Plan` for people: a text table, a Chrome/Perfetto trace, a memory
-plot, and :func:`dump_plan`, which writes all of them (plus the plan's JSON) for one rank.
+"""Render a :class:`shardc.planning.plan.Plan` for people: a text table, a Chrome/Perfetto trace,
+a memory plot, and :func:`dump_plan`, which writes all of them (plus the plan's JSON) for one rank.
 
 Positions are indices into ``Plan.graphs[graph]`` (``p`` means "before compute op ``p``"; ``p ==
 len(ops)`` is the end of the graph). Predicted times are seconds from the start of their graph;
@@ -15,9 +15,11 @@ import logging
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from shardc.plan import Collective, ComputeOp, Plan
+if TYPE_CHECKING:  # (the plan renders itself through this module: Plan.table)
+    from shardc.planning.plan import Collective, ComputeOp, Plan
+
 
 log = logging.getLogger("shardc")
 
@@ -145,7 +147,7 @@ def _bytes_by_dtype(plan: Plan) -> list[str]:
     dtype (FP8 gathers show up here as half the bytes of bf16); then one line per group of the
     collectives found in the traced graph (tensor parallelism): count and bytes by kind."""
     lines = []
-    for kind in ("all_gather", "reduce_scatter"):
+    for kind in ("all_gather", "reduce_scatter"):  # CollectiveKind values
         totals: dict[str, int] = {}
         for c in plan.collectives:
             if c.kind == kind and c.origin == "shardc":
@@ -545,7 +547,7 @@ def memory_plot(plan: Plan, path: str | Path) -> Path:
         from matplotlib.figure import Figure
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError(
-            "shardc.render.memory_plot needs matplotlib: pip install matplotlib "
+            "shardc.tools.render.memory_plot needs matplotlib: pip install matplotlib "
             "(or pip install 'shardc[plot]')"
         ) from exc
 
