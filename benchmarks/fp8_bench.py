@@ -135,7 +135,7 @@ def planned_gather_bytes(cfg: LlamaConfig, mode: str, world: int = 1,
     made with ``inductor=False``, whose gathers are those Inductor runs."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    from shardc.runtime.fake_world import fake_world
+    from shardc.tools.fake_world import fake_world
 
     torch._dynamo.reset()
     try:

@@ -31,8 +31,8 @@ NOTES_MARKER = "<!-- notes below: kept by benchmarks/planning.py -->"
 
 POINT = """
 import json, time
-from shardc.cli import parse_model_spec, plan_model
-from shardc.template import plan_digest
+from shardc.tools.cli import parse_model_spec, plan_model
+from shardc.tools.template import plan_digest
 cfg = parse_model_spec("llama-70b:n_layers={depth}")
 plan, seconds = plan_model(cfg, {world}, 1, 4096, {{}}, template={template})
 print(json.dumps({{"seconds": seconds, "params": cfg.num_params(),

@@ -28,11 +28,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from train_bench import DEFAULT_BATCH, model_config  # noqa: E402
 
 import shardc  # noqa: E402
-from shardc.backend import ShardcPartitioner  # noqa: E402
+from shardc.compile.backend import ShardcPartitioner  # noqa: E402
+from shardc.memory import peak as memory  # noqa: E402
 from shardc.models.llama import Transformer, llama_loss, rope_tables  # noqa: E402
-from shardc.passes import memory  # noqa: E402
-from shardc.runtime.fake_world import fake_world  # noqa: E402
-from shardc.runtime.sharding import shard_state  # noqa: E402
+from shardc.sharding.shard import shard_state  # noqa: E402
+from shardc.tools.fake_world import fake_world  # noqa: E402
 
 
 class _Planned(Exception):

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import shardc
 from shardc.models.llama import LlamaConfig, Transformer, llama_loss
-from shardc.render import dump_plan, plan_table
+from shardc.tools.render import dump_plan, plan_table
 
 # Dimensions deliberately not divisible by the world size: uneven shards are the normal case.
 CONFIG = LlamaConfig(vocab_size=61, dim=48, n_layers=3, n_heads=4, ffn_dim=130, max_seq_len=32)

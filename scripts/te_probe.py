@@ -29,12 +29,12 @@ import transformer_engine.pytorch as te  # noqa: E402
 import transformer_engine.pytorch.module.linear as te_linear  # noqa: E402
 
 import shardc  # noqa: E402
-import shardc.backend  # noqa: E402,F401
+import shardc.compile.backend  # noqa: E402,F401
 
 shardc_backend = sys.modules["shardc.backend"]  # shardc.backend is also a function
 from shardc.checkpoint import ModelState, OptimizerState  # noqa: E402
+from shardc.ops.gather import GATHER_OP  # noqa: E402
 from shardc.passes.fx_utils import is_call  # noqa: E402
-from shardc.runtime.ops import GATHER_OP  # noqa: E402
 
 D, FFN, HEADS, STEPS = 256, 512, 4, 3
 FP8 = torch.float8_e4m3fn
@@ -229,7 +229,7 @@ def fp8_gradients() -> None:
     the weight TE is handed, the gradient TE returns for it, the gradient the master shard
     receives (straight-through: equal to TE's at world 1) and the master after the step, for
     each variant compared with eager; the compiled regions' graphs go to $OUT."""
-    import shardc.runtime.fp8 as fp8_runtime
+    import shardc.sharding.fp8 as fp8_runtime
 
     recipe = shardc.te_fp8_recipe("current")
     out_dir = os.environ.get("OUT", ".")

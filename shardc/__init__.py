@@ -1,13 +1,12 @@
 """shardc: a torch.compile backend for compiler-planned fully-sharded data-parallel training."""
 
-from shardc.backend import backend, shardc_backend
-from shardc.explain import explain, explain_all
-from shardc.options import ShardcOptions
-from shardc.plan import Plan
+from shardc.backend import backend, shardc_backend  # the entry point module, then its names
+from shardc.compile.options import ShardcOptions
+from shardc.planning.plan import Plan
 from shardc.runtime.comm_errors import CollectiveError
-from shardc.runtime.fp8 import Float8Policy
 from shardc.runtime.plan_check import PlanMismatchError
-from shardc.runtime.sharding import (
+from shardc.sharding.fp8 import Float8Policy
+from shardc.sharding.shard import (
     MixedPrecisionPolicy,
     is_sharded,
     no_sync,
@@ -15,7 +14,8 @@ from shardc.runtime.sharding import (
     shard,
     shard_state,
 )
-from shardc.runtime.te import te_autocast, te_float8_policy, te_fp8_recipe
+from shardc.sharding.te import te_autocast, te_float8_policy, te_fp8_recipe
+from shardc.tools.explain import explain, explain_all
 
 __version__ = "0.1.0"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from shardc.cli import main
+from shardc.tools.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

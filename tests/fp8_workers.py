@@ -13,7 +13,7 @@ from torch import nn
 
 import shardc
 from shardc.models.llama import Transformer
-from shardc.runtime.te import TE_GEMM_WEIGHTS
+from shardc.sharding.te import TE_GEMM_WEIGHTS
 
 FP8 = torch.float8_e4m3fn
 

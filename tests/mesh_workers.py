@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import shardc
 from shardc.checkpoint import ModelState, OptimizerState
-from shardc.passes.cost_model import ClusterSpec
+from shardc.planning.cost_model import ClusterSpec
 from shardc.runtime.collectives import group_ranks
 
 TP_STEPS, TP_LR = 3, 1e-2

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shardc.passes.allocator import OffsetPlan, max_live, plan_offsets
+from shardc.memory.allocator import OffsetPlan, max_live, plan_offsets
 
 # --------------------------------------------------------------------------------------------
 # Independent reference checks (deliberately naive: O(n^2), no shared code with the module)

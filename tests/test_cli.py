@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from shardc.cli import parse_model_spec
+from shardc.tools.cli import parse_model_spec
 
 
 def test_model_spec_parsing():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import sympy
 
-from shardc.passes.cost_model import ALPHA, B, ClusterSpec, W, calibrate, collective_time_expr
+from shardc.planning.cost_model import ALPHA, B, ClusterSpec, W, calibrate, collective_time_expr
 
 
 def test_collective_expression_is_symbolic_in_world_and_bandwidth():

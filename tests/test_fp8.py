@@ -26,8 +26,8 @@ from parity import assert_parity, max_rel_err
 from torch import nn
 
 import shardc
-from shardc.runtime.fp8 import Float8Policy, select_fp8_params
-from shardc.runtime.te import TE_GEMM_WEIGHTS
+from shardc.sharding.fp8 import Float8Policy, select_fp8_params
+from shardc.sharding.te import TE_GEMM_WEIGHTS
 
 WORLD_SIZES = [1, 2, 3, 4]
 FP8_LOSS_TOL = 5e-3  # FP8 weights vs the float32 model: relative loss error over 5 steps
@@ -176,7 +176,7 @@ def _check_plan(plan, policy: str) -> None:
     float8 (1 byte per element: half of bf16, a quarter of float32), the Linears in forward
     and again in backward (reshard; the embedding's backward needs no weight), and the plan
     dump says so."""
-    from shardc.render import plan_table
+    from shardc.tools.render import plan_table
 
     f8 = [c for c in plan.collectives if c.kind == "all_gather" and c.dtype == "float8_e4m3fn"]
     assert f8, "no float8 all-gather"

@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-import shardc.runtime.ops  # noqa: F401  (registers shardc::gather_param)
-from shardc.options import ShardcOptions
+import shardc.ops.gather  # noqa: F401  (registers shardc::gather_param)
+from shardc.compile.options import ShardcOptions
 from shardc.passes.lower import apply_plan
-from shardc.passes.schedule import plan_region
+from shardc.planning.schedule import plan_region
 from shardc.runtime.comm_errors import describe
 from shardc.runtime.plan_check import _describe
 

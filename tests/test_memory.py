@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from shardc.cli import parse_model_spec, plan_model
-from shardc.passes.memory import comm_buffers, liveness_peak
+from shardc.memory.peak import liveness_peak
+from shardc.memory.pool import comm_buffers
+from shardc.tools.cli import parse_model_spec, plan_model
 
 
 def _graph(fn, *args) -> fx.GraphModule:
@@ -131,11 +132,11 @@ def test_fp8_prediction_counts_master_shards_and_saved_quantized_shards():
     from torch.distributed.device_mesh import DeviceMesh
 
     import shardc
-    from shardc.backend import capture_partitioned
+    from shardc.compile.backend import capture_partitioned
+    from shardc.memory.peak import lifetimes, param_placeholders
     from shardc.models.llama import Transformer, llama_loss
-    from shardc.passes.memory import lifetimes, param_placeholders
-    from shardc.runtime.fake_world import fake_world
-    from shardc.runtime.ops import GATHER_OP
+    from shardc.ops.gather import GATHER_OP
+    from shardc.tools.fake_world import fake_world
 
     cfg = parse_model_spec("llama-tiny:n_layers=1,vocab_size=37")
     policy = shardc.Float8Policy(modules=(nn.Linear, nn.Embedding))

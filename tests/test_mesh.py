@@ -9,7 +9,7 @@ from dist_utils import run_ranks
 from mesh_workers import LAYOUTS, checkpoint_round_trips, hsdp_scenarios, tp_reference, tp_scenarios
 from parity import assert_parity, reference
 
-from shardc.passes.cost_model import ClusterSpec
+from shardc.planning.cost_model import ClusterSpec
 
 # Compiled on the 2x2 mesh; the degenerate meshes (all replicate, all tp) eagerly, to keep the
 # tests fast (the compiled 1x4 / 4x1 runs pass too: benchmarks or -k runs can add them).

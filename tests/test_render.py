@@ -9,8 +9,8 @@ from collections import defaultdict
 
 import pytest
 
-from shardc.plan import PLAN_VERSION, Bucket, Collective, ComputeOp, Plan
-from shardc.render import _abbrev_params, chrome_trace, dump_plan, memory_plot, plan_table
+from shardc.planning.plan import PLAN_VERSION, Bucket, Collective, ComputeOp, Plan
+from shardc.tools.render import _abbrev_params, chrome_trace, dump_plan, memory_plot, plan_table
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 LONG_REASON = ("issued once the last gradient of the bucket exists; waited as late as possible "
@@ -314,9 +314,9 @@ def test_render_plan_of_a_traced_forward_graph():
     torch = pytest.importorskip("torch")
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    import shardc.runtime.ops  # noqa: F401  (registers shardc::gather_param)
-    from shardc.options import ShardcOptions
-    from shardc.passes.schedule import plan_region
+    import shardc.ops.gather  # noqa: F401  (registers shardc::gather_param)
+    from shardc.compile.options import ShardcOptions
+    from shardc.planning.schedule import plan_region
 
     world = 4
 

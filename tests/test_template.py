@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from shardc.cli import parse_model_spec, plan_model
 from shardc.models.llama import Transformer
-from shardc.template import (
+from shardc.tools.cli import parse_model_spec, plan_model
+from shardc.tools.template import (
     TemplateRefused,
     check_blocks_identical,
     comparable_plan,
@@ -80,7 +80,7 @@ def test_graphs_that_do_not_repeat_are_refused():
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    from shardc.runtime.fake_world import fake_world
+    from shardc.tools.fake_world import fake_world
 
     with fake_world(4):
         with torch.device("meta"):

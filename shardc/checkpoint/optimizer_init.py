@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from shardc.runtime import te_params
+from shardc.sharding import te_params
 
 __all__ = ["init_optimizer_state"]
 

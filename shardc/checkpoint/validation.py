@@ -29,7 +29,7 @@ def state_dicts_of(state: Mapping[str, Any]) -> dict[str, Any]:
 def flatten_state(state_dicts: Mapping[str, Any]) -> dict[str, Any]:
     """The flat ``{key: value}`` view DCP stores: nested keys joined by dots (``model.w``)."""
     # DCP's own flattening, so the keys are exactly the checkpoint's metadata keys.
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from shardc._torch import flatten_state_dict
 
     flat, _ = flatten_state_dict(dict(state_dicts))
     return flat

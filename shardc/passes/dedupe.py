@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from shardc.ops.gather import GATHER_OP, REDUCE_SCATTER_OP
+from shardc.ops.gather_args import ReduceArgs
 from shardc.passes.fx_utils import call
-from shardc.runtime.ops import GATHER_OP, REDUCE_SCATTER_OP
 
 
 def _nodes_by_key(graph: fx.Graph, target, key) -> dict:
@@ -48,16 +49,16 @@ def merge_reduce_scatters(graph: fx.Graph) -> int:
     that one exists (its wait must precede every reader of the reduced shards).
     """
     removed = 0
-    groups = _nodes_by_key(graph, REDUCE_SCATTER_OP, lambda n: n.args[1])
+    groups = _nodes_by_key(graph, REDUCE_SCATTER_OP, lambda n: ReduceArgs.of(n).fqn)
     for nodes in groups.values():
         if len(nodes) < 2:
             continue
         last = nodes[-1]
         with graph.inserting_before(last):
-            total = nodes[0].args[0]
+            total = ReduceArgs.of(nodes[0]).grad
             for node in nodes[1:]:
-                total = call(graph, torch.ops.aten.add.Tensor, (total, node.args[0]))
-            merged = call(graph, REDUCE_SCATTER_OP, (total, *last.args[1:]), dict(last.kwargs))
+                total = call(graph, torch.ops.aten.add.Tensor, (total, ReduceArgs.of(node).grad))
+            merged = call(graph, REDUCE_SCATTER_OP, ReduceArgs.of(last).with_grad(total).args())
         last.replace_all_uses_with(merged)
         graph.erase_node(last)
         _move_users_to_end(graph, merged)

@@ -20,15 +20,17 @@ import torch
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from shardc.passes.fx_utils import call, is_call
-from shardc.passes.graph_comm import ORIGIN_META
+from shardc import _torch
+from shardc.ops.gather import GATHER_OP
+from shardc.ops.gather_args import GatherArgs
+from shardc.passes.fx_utils import call, is_call, is_view, recompute_tag
 from shardc.passes.reshard import reshards_after_forward
+from shardc.planning.found import ORIGIN_META
 from shardc.runtime.collectives import is_float8
-from shardc.runtime.fp8 import FP8_AMAX_OP
-from shardc.runtime.ops import GATHER_OP
+from shardc.sharding.fp8 import FP8_AMAX_OP
 
 aten = torch.ops.aten
-funcol = torch.ops._c10d_functional
+funcol = _torch.funcol
 
 
 @dataclass
@@ -74,7 +76,8 @@ def merge_amax_allreduces(graph: fx.Graph) -> tuple[int, int]:
     groups: dict[tuple[str, int], list[fx.Node]] = {}
     for node in graph.nodes:
         if is_call(node, FP8_AMAX_OP):
-            groups.setdefault((node.args[1], node.args[2]), []).append(node)
+            _, group_name, world = node.args  # fp8_amax(amax, group_name, world)
+            groups.setdefault((group_name, world), []).append(node)
     emitted = nbytes = 0
     for (group_name, world), nodes in groups.items():
         moved = set().union(*(_ancestors(n) for n in nodes))
@@ -98,8 +101,7 @@ def merge_amax_allreduces(graph: fx.Graph) -> tuple[int, int]:
                 emitted += 1
                 nbytes = max(nbytes, 4 * len(nodes))
             # The scales are tiny and come from a collective: keep them, never recompute.
-            reduced.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-            reduced.meta.setdefault("ac_graph_id", 0)
+            recompute_tag(reduced, CheckpointPolicy.MUST_SAVE)
             for i, node in enumerate(nodes):
                 picked = call(graph, aten.select.int, (reduced, 0, i))
                 node.replace_all_uses_with(picked)
@@ -110,7 +112,7 @@ def merge_amax_allreduces(graph: fx.Graph) -> tuple[int, int]:
 
 def _fp8_gathers(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in graph.nodes
-            if is_call(n, GATHER_OP) and is_float8(n.args[0].meta["val"].dtype)]
+            if is_call(n, GATHER_OP) and is_float8(GatherArgs.of(n).shard.meta["val"].dtype)]
 
 
 def _erase_dead(graph: fx.Graph, node: fx.Node) -> None:
@@ -130,7 +132,7 @@ def dedupe_fp8_gathers(graph: fx.Graph) -> int:
     first: dict[str, fx.Node] = {}
     removed = 0
     for gather in _fp8_gathers(graph):
-        keep = first.setdefault(gather.args[1], gather)
+        keep = first.setdefault(GatherArgs.of(gather).fqn, gather)
         if keep is gather:
             continue
         gather.replace_all_uses_with(keep)
@@ -156,12 +158,9 @@ def tag_fp8_dequant(graph: fx.Graph) -> int:
         stack = [gather]
         while stack:
             for user in stack.pop().users:
-                target = user.target
-                is_view = isinstance(target, torch._ops.OpOverload) and target.is_view
-                if user.op == "call_function" and (is_view or target in _DEQUANT) \
+                if user.op == "call_function" and (is_view(user) or user.target in _DEQUANT) \
                         and "recompute" not in user.meta:
-                    user.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-                    user.meta.setdefault("ac_graph_id", 0)
+                    recompute_tag(user, CheckpointPolicy.MUST_RECOMPUTE)
                     tagged += 1
                     stack.append(user)
     return tagged
@@ -179,7 +178,7 @@ def hoist_fp8_quantize(gm: fx.GraphModule | None) -> int:
     graph = gm.graph
     moved = set()
     for gather in _fp8_gathers(graph):
-        root = gather.args[0]
+        root = GatherArgs.of(gather).shard
         moved |= _ancestors(gather) if root.op == "call_function" else set()
     if not moved or any(n.target is GATHER_OP for n in moved):
         return 0
@@ -201,6 +200,5 @@ def prepare_fp8(graph: fx.Graph) -> Fp8Summary | None:
     for gather in _fp8_gathers(graph):
         # Keep the quantized shard (1 byte per element) for the backward's re-gather rather
         # than quantizing the high-precision shard again.
-        gather.args[0].meta["recompute"] = CheckpointPolicy.MUST_SAVE
-        gather.args[0].meta.setdefault("ac_graph_id", 0)
+        recompute_tag(GatherArgs.of(gather).shard, CheckpointPolicy.MUST_SAVE)
     return Fp8Summary(len(_fp8_gathers(graph)), emitted, nbytes)

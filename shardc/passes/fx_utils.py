@@ -1,4 +1,5 @@
-"""Small FX helpers shared by the passes: creating nodes with fake values, walking users."""
+"""Small FX helpers shared by the passes and planners: creating nodes with fake values, views,
+walking users."""
 
 from __future__ import annotations
 
@@ -7,19 +8,21 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch.utils._pytree import tree_map_only
 
-_FAKE_MODES: weakref.WeakKeyDictionary[fx.Graph, object] = weakref.WeakKeyDictionary()
+from shardc import _torch
+
+# A memo of a pure function of the graph (its placeholders' fake mode), not state: dropped with
+# the graph, and recomputing it gives the same answer.
+_FAKE_MODE_MEMO: weakref.WeakKeyDictionary[fx.Graph, object] = weakref.WeakKeyDictionary()
 
 
 def fake_mode_of(graph: fx.Graph):
     # Looked up once per graph: passes insert thousands of nodes into large graphs.
-    if graph not in _FAKE_MODES:
-        from torch._guards import detect_fake_mode
-
+    if graph not in _FAKE_MODE_MEMO:
         vals = [n.meta.get("val") for n in graph.find_nodes(op="placeholder")]
-        _FAKE_MODES[graph] = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
-    return _FAKE_MODES[graph]
+        _FAKE_MODE_MEMO[graph] = _torch.detect_fake_mode(
+            [v for v in vals if isinstance(v, torch.Tensor)])
+    return _FAKE_MODE_MEMO[graph]
 
 
 def call(graph: fx.Graph, target, args: tuple, kwargs: dict | None = None) -> fx.Node:
@@ -35,8 +38,8 @@ def call(graph: fx.Graph, target, args: tuple, kwargs: dict | None = None) -> fx
         def val(a: Any):
             return a.meta.get("val") if isinstance(a, fx.Node) else a
 
-        fake_args = tree_map_only(fx.Node, val, args)
-        fake_kwargs = tree_map_only(fx.Node, val, kwargs)
+        fake_args = _torch.tree_map_only(fx.Node, val, args)
+        fake_kwargs = _torch.tree_map_only(fx.Node, val, kwargs)
         with mode:
             node.meta["val"] = target(*fake_args, **fake_kwargs)
     return node
@@ -69,15 +72,29 @@ def size_hint(value: int | torch.SymInt) -> int:
     return int(value)
 
 
+def dtype_itemsize(dtype: torch.dtype) -> int:
+    return dtype.itemsize
+
+
+def tensor_nbytes(value) -> int:
+    """Bytes of a tensor value (or a list/tuple of them: the sum) by its size hints, so that
+    counting adds no guard; 0 for anything else."""
+    if isinstance(value, torch.Tensor):
+        numel = 1
+        for s in value.shape:
+            numel *= size_hint(s)
+        return numel * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(tensor_nbytes(v) for v in value)
+    return 0
+
+
 def lazy_graph_module(root: fx.GraphModule, graph: fx.Graph) -> fx.GraphModule:
     """A graph module of ``graph`` (attributes from ``root``) that generates its Python code
     only when first called: planning builds graphs of tens of thousands of nodes that it never
     runs. torch's lazy graph module class is private; without it, an ordinary one."""
-    try:
-        from torch.fx._lazy_graph_module import _LazyGraphModule
-    except ImportError:  # pragma: no cover - every supported torch has it
-        return fx.GraphModule(root, graph)
-    return _LazyGraphModule(root, graph)
+    lazy = _torch.lazy_graph_module_class()
+    return fx.GraphModule(root, graph) if lazy is None else lazy(root, graph)
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
@@ -87,11 +104,28 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     return lazy_graph_module(gm, graph)
 
 
+def op_overload(node: fx.Node) -> _torch.OpOverload | None:
+    """The op overload ``node`` calls, if it calls one."""
+    target = node.target
+    return target if node.op == "call_function" and isinstance(target, _torch.OpOverload) else None
+
+
 def is_view(node: fx.Node) -> bool:
     """Whether ``node`` calls an aten view op (its output aliases its input)."""
-    target = node.target
-    return (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
-            and target.is_view)
+    op = op_overload(node)
+    return op is not None and op.is_view
+
+
+CASTS = frozenset({torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default})
+
+
+def is_view_or_cast(node: fx.Node) -> bool:
+    return is_view(node) or op_overload(node) in CASTS
+
+
+def has_tag(node: fx.Node, tag: torch.Tag) -> bool:
+    op = op_overload(node)
+    return op is not None and tag in op.tags
 
 
 def view_chain(node: fx.Node) -> list[fx.Node] | None:
@@ -107,6 +141,45 @@ def view_chain(node: fx.Node) -> list[fx.Node] | None:
     return chain
 
 
+def view_chain_root(node: fx.Node) -> fx.Node | None:
+    """The placeholder ``node`` is a chain of single-input views of, if it is one."""
+    chain = view_chain(node)
+    if chain is None:
+        return None
+    return chain[-1].all_input_nodes[0] if chain else node
+
+
+def view_users(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
+    """(views taken of ``node``, transitively; the other nodes that read any of them)."""
+    views, readers, stack = [], [], [node]
+    while stack:
+        for user in stack.pop().users:
+            if is_view(user):
+                if user not in views:
+                    views.append(user)
+                    stack.append(user)
+            elif user not in readers:
+                readers.append(user)
+    return views, readers
+
+
+def gather_derived(gather: fx.Node) -> list[fx.Node]:
+    """``gather`` and every node reachable from it through views and casts only."""
+    seen, stack = [gather], [gather]
+    while stack:
+        for user in stack.pop().users:
+            if is_view_or_cast(user) and user not in seen:
+                seen.append(user)
+                stack.append(user)
+    return seen
+
+
+def recompute_tag(node: fx.Node, policy) -> None:
+    """Tag ``node`` for the partitioner (``CheckpointPolicy``: must save, must recompute)."""
+    node.meta["recompute"] = policy
+    node.meta.setdefault("ac_graph_id", 0)
+
+
 def is_call(node: fx.Node, target) -> bool:
     return node.op == "call_function" and node.target is target
 
@@ -114,7 +187,5 @@ def is_call(node: fx.Node, target) -> bool:
 def allocate_real(size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A real (not fake) uninitialized tensor, even while a compiler's fake mode is active
     (passes run inside AOTAutograd's tracing context)."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    with unset_fake_temporarily():
+    with _torch.unset_fake_temporarily():
         return torch.empty(size, dtype=dtype, device=device)

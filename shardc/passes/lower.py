@@ -15,19 +15,22 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from shardc.passes import graph_comm
-from shardc.passes.fx_utils import call
-from shardc.passes.schedule import GraphComm, analyze, view_chain_root, view_users
-from shardc.plan import Bucket, Collective, Plan
+from shardc import _torch
+from shardc.ops.gather_args import GatherArgs, ReduceArgs
+from shardc.ops.pool import POOL_PACK_OP, POOL_READ_OP
+from shardc.passes.fx_utils import call, dtype_itemsize, fake_mode_of, view_chain_root, view_users
+from shardc.passes.lower_found import lower as lower_found
+from shardc.planning.graph_view import GraphView, analyze
+from shardc.planning.plan import Bucket, Collective, CollectiveKind, Plan
 from shardc.runtime.collectives import is_float8, shard_rows
 from shardc.runtime.comm_errors import COLLECTIVE_META
-from shardc.runtime.pool_ops import POOL_PACK_OP, POOL_READ_OP
 
+Kind = CollectiveKind
 aten = torch.ops.aten
-funcol = torch.ops._c10d_functional
+funcol = _torch.funcol
 
 
-def _anchor(g: GraphComm, gm: fx.GraphModule, pos: int) -> fx.Node:
+def _anchor(g: GraphView, gm: fx.GraphModule, pos: int) -> fx.Node:
     return g.compute[pos] if pos < g.end else gm.graph.find_nodes(op="output")[0]
 
 
@@ -65,7 +68,7 @@ class PoolViews:
         if self.pool is None:
             return None
         offset = self.plan.pool_offsets[f"{c.id}.{role}"]
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype_itemsize(dtype)
         raw = call(self.graph, aten.slice.Tensor, (self.pool, 0, offset, offset + nbytes))
         return call(self.graph, aten.view.dtype, (raw, dtype))
 
@@ -96,7 +99,7 @@ def _issue_all_gather(graph, c: Collective, bucket: Bucket, gathers: dict, group
     layout, numel = bucket.layout(c.params)
     shards = []
     for fqn in c.params:
-        shard = gathers[fqn].args[0]
+        shard = GatherArgs.of(gathers[fqn]).shard
         shards.append(_retake_views(graph, shard) if view_chain_root(shard) is not None else shard)
     send_view = pool.view(c, "send", _dtype(bucket.dtype), numel)
     if send_view is not None:
@@ -109,7 +112,7 @@ def _issue_all_gather(graph, c: Collective, bucket: Bucket, gathers: dict, group
         return handle, send_view, recv_view
     pieces = []
     for fqn, x in zip(c.params, shards):
-        compute_dtype = gathers[fqn].args[5]
+        compute_dtype = GatherArgs.of(gathers[fqn]).compute_dtype
         if compute_dtype is not None and compute_dtype != x.meta["val"].dtype:
             x = call(graph, torch.ops.prims.convert_element_type.default, (x, compute_dtype))
         x = _contiguous(graph, _pad_rows(graph, x, layout[fqn][1]))
@@ -156,7 +159,7 @@ def grad_divisor(bucket: Bucket) -> int:
 def _issue_reduce_scatter(graph, c: Collective, bucket: Bucket, reduces: dict, group: str,
                           pool: PoolViews):
     layout, numel = bucket.layout(c.params)
-    grads = [reduces[fqn].args[0] for fqn in c.params]
+    grads = [ReduceArgs.of(reduces[fqn]).grad for fqn in c.params]
     divisor = grad_divisor(bucket)
     send_view = pool.view(c, "send", _dtype(bucket.reduce_dtype), numel * bucket.world)
     if send_view is not None:
@@ -169,7 +172,7 @@ def _issue_reduce_scatter(graph, c: Collective, bucket: Bucket, reduces: dict, g
         return handle, send_view, recv_view
     pieces = []
     for fqn, x in zip(c.params, grads):
-        reduce_dtype = reduces[fqn].args[5]
+        reduce_dtype = ReduceArgs.of(reduces[fqn]).reduce_dtype
         if reduce_dtype is not None and reduce_dtype != x.meta["val"].dtype:
             x = call(graph, torch.ops.prims.convert_element_type.default, (x, reduce_dtype))
         if divisor != 1:  # fused by a compiler into the cast that fills the send buffer
@@ -184,7 +187,7 @@ def _issue_reduce_scatter(graph, c: Collective, bucket: Bucket, reduces: dict, g
                 (flat, "sum", bucket.world, group)), None, None
 
 
-def _wait_reduce_scatter(graph, c: Collective, bucket: Bucket, g: GraphComm, handle, rank: int,
+def _wait_reduce_scatter(graph, c: Collective, bucket: Bucket, g: GraphView, handle, rank: int,
                          pool: PoolViews, buffers: tuple) -> tuple | None:
     """Wait a reduce-scatter and hand each parameter its rows; on an HSDP mesh, issue instead the
     bucket's all-reduce over the replicate group and return its handle and receive buffer (its
@@ -207,7 +210,7 @@ def _wait_reduce_scatter(graph, c: Collective, bucket: Bucket, g: GraphComm, han
     return None
 
 
-def _wait_all_reduce(graph, c: Collective, bucket: Bucket, g: GraphComm, handle, rank: int,
+def _wait_all_reduce(graph, c: Collective, bucket: Bucket, g: GraphView, handle, rank: int,
                      pool: PoolViews, recv: fx.Node | None):
     """HSDP: wait the replicate all-reduce (of addends already divided by every rank they are
     averaged over, :func:`grad_divisor`) and hand each parameter its rows; ``recv``: the pool
@@ -219,7 +222,7 @@ def _wait_all_reduce(graph, c: Collective, bucket: Bucket, g: GraphComm, handle,
     _hand_out(graph, c, bucket, g, done, rank)
 
 
-def _hand_out(graph, c: Collective, bucket: Bucket, g: GraphComm, done: fx.Node, rank: int):
+def _hand_out(graph, c: Collective, bucket: Bucket, g: GraphView, done: fx.Node, rank: int):
     """Replace each parameter's reduce node by its rows of the reduced flat shard ``done``."""
     layout, _ = bucket.layout(c.params)
     for fqn in c.params:
@@ -229,7 +232,7 @@ def _hand_out(graph, c: Collective, bucket: Bucket, g: GraphComm, done: fx.Node,
         piece = call(graph, aten.slice.Tensor, (done, 0, offset, offset + rows * row_numel))
         piece = call(graph, aten.view.default, (piece, [rows, *shape[1:]]))
         piece = call(graph, aten.slice.Tensor, (piece, 0, 0, shard_rows(dim0, bucket.world, rank)))
-        out_dtype = rs.args[6]
+        out_dtype = ReduceArgs.of(rs).out_dtype
         if out_dtype != piece.meta["val"].dtype:
             piece = call(graph, torch.ops.prims.convert_element_type.default, (piece, out_dtype))
         views, _ = view_users(rs)
@@ -253,8 +256,6 @@ def add_pool_placeholder(gm: fx.GraphModule, pool: torch.Tensor) -> fx.Node:
     (Inductor) that must see the pool as an input it mutates rather than a constant. It goes
     after the other inputs but before a backward's tangents (Inductor expects those last);
     whoever calls the compiled graph inserts the pool at that index of its arguments."""
-    from shardc.passes.fx_utils import fake_mode_of
-
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     before = [n for n in inputs if not n.name.startswith("tangents")] or inputs[:1]
     with gm.graph.inserting_after(before[-1]):
@@ -270,8 +271,6 @@ def _pool_node(gm: fx.GraphModule, pool: torch.Tensor) -> fx.Node:
     first = next(n for n in gm.graph.nodes if n.op != "placeholder")
     with gm.graph.inserting_before(first):
         node = gm.graph.get_attr(POOL_ATTR)
-    from shardc.passes.fx_utils import fake_mode_of
-
     mode = fake_mode_of(gm.graph)
     if mode is not None:
         node.meta["val"] = mode.from_tensor(pool, static_shapes=True)
@@ -306,41 +305,43 @@ def apply_plan(
     # collectives issued there, each in plan order.
     # HSDP's all-reduces are issued by their reduce-scatter's wait (they reduce its output).
     first_issued: dict[int, fx.Node] = {}
-    for c in sorted((c for c in colls if c.kind != "all_reduce"), key=lambda c: c.issue_pos):
+    for c in sorted((c for c in colls if c.kind != Kind.ALL_REDUCE), key=lambda c: c.issue_pos):
         bucket = plan.buckets[c.bucket]
-        source = g.gathers if c.kind == "all_gather" else g.reduces
-        group = source[c.params[0]].args[4]
+        if c.kind == Kind.ALL_GATHER:
+            group = GatherArgs.of(g.gathers[c.params[0]]).group_name
+        else:
+            group = ReduceArgs.of(g.reduces[c.params[0]]).group_name
         anchor = _anchor(g, gm, c.issue_pos)
         if c.issue_pos not in first_issued:
             first_issued[c.issue_pos] = anchor.prev
         with graph.inserting_before(anchor):
-            if c.kind == "all_gather":
+            if c.kind == Kind.ALL_GATHER:
                 handles[c.id] = _issue_all_gather(graph, c, bucket, g.gathers, group, views)
             else:
                 handles[c.id] = _issue_reduce_scatter(graph, c, bucket, g.reduces, group, views)
     # (the node before each position's issues, to the position's first issued node)
     first_issued = {pos: prev.next for pos, prev in first_issued.items()}
-    for c in sorted(colls, key=lambda c: (c.wait_pos, c.kind == "all_reduce")):
+    for c in sorted(colls, key=lambda c: (c.wait_pos, c.kind == Kind.ALL_REDUCE)):
         bucket = plan.buckets[c.bucket]
         where = _anchor(g, gm, c.wait_pos)
-        if c.kind != "all_reduce" and c.issue_pos < c.wait_pos and c.wait_pos in first_issued:
+        if c.kind != Kind.ALL_REDUCE and c.issue_pos < c.wait_pos and c.wait_pos in first_issued:
             where = first_issued[c.wait_pos]
         with graph.inserting_before(where):
             handle, *buffers = handles[c.id]
-            if c.kind == "all_gather":
+            if c.kind == Kind.ALL_GATHER:
                 _wait_all_gather(graph, c, bucket, g.gathers, handle, views, tuple(buffers))
-            elif c.kind == "all_reduce":
+            elif c.kind == Kind.ALL_REDUCE:
                 _wait_all_reduce(graph, c, bucket, g, handle, rank, views, *buffers)
             else:
                 reduce = _wait_reduce_scatter(graph, c, bucket, g, handle, rank, views,
                                               tuple(buffers))
-                if reduce is not None:
-                    handles[c.id.replace(".reduce_scatter.", ".all_reduce.")] = reduce
+                if reduce is not None:  # HSDP: its all-reduce, issued here
+                    handles[c.link] = reduce
         # Name the collective of the issue and wait nodes (errors at run time name it).
         for node in (handle, *handle.users):
             node.meta[COLLECTIVE_META] = c.id
     # The collectives found in the graph move last: around shardc's, as their data needs.
-    graph_comm.lower(gm, g, found)
+    lower_found(gm, g, found)
     by_name = {n.name: n for n in graph.nodes}
     for c in found:
         for name in c.nodes:

@@ -38,10 +38,8 @@ from typing import Any
 import torch
 from torch import fx
 
+from shardc.ops.gather import args_with_fqn, shardc_args
 from shardc.passes.fx_utils import lazy_graph_module
-from shardc.runtime.ops import GATHER_OP, REDUCE_SCATTER_OP
-
-_SHARDC_OPS = (GATHER_OP, REDUCE_SCATTER_OP)
 
 
 class NotPeriodic(ValueError):
@@ -50,9 +48,10 @@ class NotPeriodic(ValueError):
 
 def _fqn_block(node: fx.Node, container: str) -> tuple[int, str] | None:
     """(block index, name inside the block) of a shardc node's parameter under ``container``."""
-    if node.op != "call_function" or node.target not in _SHARDC_OPS:
+    args = shardc_args(node)
+    if args is None:
         return None
-    m = re.fullmatch(rf"{re.escape(container)}\.(\d+)\.(.+)", node.args[1])
+    m = re.fullmatch(rf"{re.escape(container)}\.(\d+)\.(.+)", args.fqn)
     return (int(m.group(1)), m.group(2)) if m else None
 
 
@@ -236,10 +235,11 @@ class _PeriodMatch:
         bx, by = _fqn_block(x, self.p.container), _fqn_block(y, self.p.container)
         if (bx is None) != (by is None) or (bx and (bx[1] != by[1] or
                                                     by[0] - bx[0] != self.p.step)):
-            self.fail(x, f"parameter {x.args[1] if bx else None} vs {y.args[1] if by else None}")
+            self.fail(x, f"parameter {shardc_args(x).fqn if bx else None} vs "
+                      f"{shardc_args(y).fqn if by else None}")
         args_x, args_y = x.args, y.args
         if bx is not None:  # the names were compared above, block numbers apart
-            args_x, args_y = args_x[:1] + args_x[2:], args_y[:1] + args_y[2:]
+            args_x, args_y = args_with_fqn(x, ""), args_with_fqn(y, "")
         self.same_args(x, args_x, args_y)
         self.same_args(x, x.kwargs, y.kwargs)
 
@@ -319,7 +319,7 @@ class _Builder:
         found = _fqn_block(node, self.p.container)
         if found is not None:
             block = self.new_block(region, new_region, found[0])
-            new.args = (new.args[0], f"{self.p.container}.{block}.{found[1]}", *new.args[2:])
+            new.args = args_with_fqn(new, f"{self.p.container}.{block}.{found[1]}")
         return new
 
     def inputs_for(self, template: fx.Node, owner: int) -> None:

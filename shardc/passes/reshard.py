@@ -9,39 +9,19 @@ still crosses from forward to backward.
 
 from __future__ import annotations
 
-import torch
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from shardc.passes.fx_utils import is_call, view_chain
-from shardc.runtime.ops import GATHER_OP
+from shardc.ops.gather import GATHER_OP
+from shardc.ops.gather_args import GatherArgs
+from shardc.passes.fx_utils import gather_derived, is_call, recompute_tag, view_chain
 
-_CASTS = {
-    torch.ops.prims.convert_element_type.default,
-    torch.ops.aten._to_copy.default,
-}
-
-
-def _is_view_or_cast(node: fx.Node) -> bool:
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-        return False
-    return target.is_view or target in _CASTS
-
-
-def gather_derived(gather: fx.Node) -> list[fx.Node]:
-    """``gather`` and every node reachable from it through views and casts only."""
-    seen, stack = [gather], [gather]
-    while stack:
-        for user in stack.pop().users:
-            if _is_view_or_cast(user) and user not in seen:
-                seen.append(user)
-                stack.append(user)
-    return seen
+__all__ = ["GatheredParamSavedError", "check_no_gathered_saved", "gather_derived",
+           "reshards_after_forward", "saved_for_backward", "tag_resharded_gathers"]
 
 
 def reshards_after_forward(gather: fx.Node) -> bool:
-    return bool(gather.args[7])
+    return bool(GatherArgs.of(gather).reshard_after_forward)
 
 
 def tag_resharded_gathers(graph: fx.Graph) -> int:
@@ -56,9 +36,8 @@ def tag_resharded_gathers(graph: fx.Graph) -> int:
     count = 0
     for node in graph.nodes:
         if is_call(node, GATHER_OP) and reshards_after_forward(node):
-            for derived in gather_derived(node) + (view_chain(node.args[0]) or []):
-                derived.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-                derived.meta.setdefault("ac_graph_id", 0)
+            for derived in gather_derived(node) + (view_chain(GatherArgs.of(node).shard) or []):
+                recompute_tag(derived, CheckpointPolicy.MUST_RECOMPUTE)
             count += 1
     return count
 
@@ -87,7 +66,7 @@ def check_no_gathered_saved(fw: fx.GraphModule, bw: fx.GraphModule) -> None:
                 offending[derived] = gather
     for node in saved_for_backward(fw, bw):
         if node in offending:
-            fqn = offending[node].args[1]
+            fqn = GatherArgs.of(offending[node]).fqn
             raise GatheredParamSavedError(
                 f"shardc: the gathered parameter {fqn!r} (graph value {node.name!r}) would be "
                 "saved for backward although reshard_after_forward=True. This is a shardc bug; "

@@ -6,8 +6,8 @@ last non-empty one, and trailing ranks may hold none. Collectives exchange shard
 common row count, so the bytes a collective moves never depend on the rank.
 
 The private torch APIs shardc needs for groups (resolving a group from its name, which is how
-graphs and custom ops refer to groups; a group's store and timeout, for the plan check) are
-wrapped here and nowhere else.
+graphs and custom ops refer to groups; a group's store and timeout, for the plan check) come
+from :mod:`shardc._torch`, through the functions here.
 """
 
 from __future__ import annotations
@@ -16,15 +16,16 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed import distributed_c10d as _c10d
+
+from shardc import _torch
 
 # Functional collectives: the ops compiled graphs use; they run eagerly too, on NCCL and gloo.
-_funcol = torch.ops._c10d_functional
+_funcol = _torch.funcol
 
 
 def resolve_group(group_name: str) -> dist.ProcessGroup:
     """The process group registered under ``group_name`` (as used in graphs and custom ops)."""
-    return _c10d._resolve_process_group(group_name)
+    return _torch.resolve_process_group(group_name)
 
 
 def group_name_of(group: dist.ProcessGroup) -> str:
@@ -38,14 +39,14 @@ def group_ranks(group_name: str) -> tuple[int, ...]:
 
 def group_store(group: dist.ProcessGroup) -> dist.Store:
     """The key-value store of ``group`` (its own key prefix), shared by its ranks."""
-    return _c10d._get_process_group_store(group)
+    return _torch.process_group_store(group)
 
 
 def group_timeout(group: dist.ProcessGroup) -> timedelta:
     """The timeout ``group``'s collectives wait for (the store's timeout if it cannot be read)."""
     device = torch.device("cuda" if "nccl" in str(dist.get_backend(group)) else "cpu")
     try:
-        return group._get_backend(device).options._timeout
+        return _torch.process_group_timeout(group, device)
     except (AttributeError, RuntimeError):
         return group_store(group).timeout
 

@@ -1,7 +1,9 @@
 """Fail loudly, on every rank, when ranks planned different collectives (instead of hanging).
 
 Each rank numbers the regions it compiles per process group (:func:`announce_region`, called by
-the backend as a compile starts, which also marks ``<n>`` as compiled in the group's store). At
+the backend as a compile starts, which also marks ``<n>`` as compiled in the group's store). The
+count lives in the group's store too (one counter per rank), so it belongs to the process group
+and goes with it: no module-level registry. At
 the first call of region ``n`` every rank publishes its plan's signature in the group's store and
 waits, up to the group's timeout, for every other rank's ``n``-th signature. This is not a
 collective, so it cannot pair with another collective when only some ranks compiled a new region
@@ -19,11 +21,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from shardc.plan import Plan
+from shardc.planning.plan import Plan
 from shardc.runtime.collectives import group_store, group_timeout, resolve_group
-
-# Per process group name: how many regions this process has compiled over it.
-_REGIONS: dict[str, int] = {}
 
 # How long a rank whose collective failed looks for a region another rank compiled and it did not
 # (at most the group's timeout): covers a rank still compiling when the collective timed out.
@@ -65,15 +64,22 @@ def _group(group_name: str) -> tuple[dist.ProcessGroup, int, int] | None:
     return (group, dist.get_rank(group), world) if world > 1 else None
 
 
+def _announced(store: dist.Store, rank: int, add: int = 0) -> int:
+    """How many regions ``rank`` has announced over the store's group, after adding ``add``."""
+    return store.add(f"shardc/announced/{rank}", add)
+
+
 def announce_region(group_name: str) -> int:
     """Number the region this rank starts compiling over ``group_name`` and record in the
-    group's store that this rank compiles it; returns the number (0, 1, ...)."""
-    index = _REGIONS.get(group_name, 0)
-    _REGIONS[group_name] = index + 1
+    group's store that this rank compiles it; returns the number (0, 1, ...; always 0 for a
+    group of one rank, which has nothing to check)."""
     found = _group(group_name)
-    if found is not None:
-        group, me, _ = found
-        group_store(group).set(_key("compiled", index, me), b"1")
+    if found is None:
+        return 0
+    group, me, _ = found
+    store = group_store(group)
+    index = _announced(store, me, 1) - 1
+    store.set(_key("compiled", index, me), b"1")
     return index
 
 
@@ -133,7 +139,8 @@ def recompiled_elsewhere(group_name: str) -> list[int]:
     if found is None:
         return []
     group, me, world = found
-    store, index = group_store(group), _REGIONS.get(group_name, 0)
+    store = group_store(group)
+    index = _announced(store, me)
     others = [r for r in range(world) if r != me]
     wait = min(RECOMPILE_GRACE, group_timeout(group)).total_seconds()
     deadline = time.monotonic() + wait
@@ -147,7 +154,9 @@ def recompiled_elsewhere(group_name: str) -> list[int]:
 def recompile_message(group_name: str, ranks: list[int], what: str) -> str:
     """The :class:`PlanMismatchError` message for this rank, whose ``what`` failed because
     ``ranks`` compiled a region it did not."""
-    me = dist.get_rank(resolve_group(group_name))
+    group = resolve_group(group_name)
+    me = dist.get_rank(group)
+    index = _announced(group_store(group), me) if dist.get_world_size(group) > 1 else 0
     return (f"shardc: {what} failed on rank {me} because rank(s) {ranks} compiled a region "
-            f"that rank {me} did not (region #{_REGIONS.get(group_name, 0)} over this process "
+            f"that rank {me} did not (region #{index} over this process "
             f"group): ranks recompiled differently. {_FIX}")

@@ -11,7 +11,7 @@ import transformer_engine.pytorch as te
 from torch.distributed.tensor import DTensor
 
 import shardc
-from shardc.runtime import te_params
+from shardc.sharding import te_params
 
 D, FFN, HEADS = 256, 512, 4
 KINDS = ["Linear", "LayerNormLinear", "LayerNormMLP", "TransformerLayer"]

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 import shardc
 from shardc.checkpoint import ModelState, OptimizerState
-from shardc.runtime import te_params
+from shardc.sharding import te_params
 
 try:
     import te_fp8_common as common

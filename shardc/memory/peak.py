@@ -1,8 +1,4 @@
-"""Memory: communication buffers in one static pool, and the whole step's predicted peak.
-
-``assign_pool`` turns every planned collective's buffers into ``(start, end, size)`` lifetimes on
-one timeline (forward positions, then backward positions) and places them with the offset
-allocator, so the plan carries each buffer's offset and the pool's size.
+"""The whole step's predicted memory peak.
 
 ``predict_peak`` walks the partitioned graphs' liveness (FX frees a value after its last use;
 views share their base's storage) and adds the state that lives across the step: parameter
@@ -26,102 +22,37 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from shardc.passes.allocator import plan_offsets
-from shardc.passes.fx_utils import size_hint
-from shardc.passes.schedule import view_chain_root, view_users
-from shardc.plan import Plan
+from shardc import _torch
+from shardc.ops.gather import GATHER_OP
+from shardc.ops.gather_args import GatherArgs
+from shardc.passes.fx_utils import (
+    has_tag,
+    is_view,
+    op_overload,
+    size_hint,
+    tensor_nbytes,
+    view_chain_root,
+    view_users,
+)
+from shardc.planning.plan import Plan
 from shardc.runtime.collectives import is_float8
 
-POOL_ALIGNMENT = 512  # bytes; the CUDA caching allocator's granularity
-
-
-@dataclass(frozen=True)
-class CommBuffer:
-    collective: str
-    role: str  # "send" | "recv"
-    start: int
-    end: int
-    nbytes: int
-
-
-def comm_buffers(plan: Plan) -> list[CommBuffer]:
-    """The buffers of every collective, on one timeline: forward, then backward.
-
-    HSDP's all-reduce reduces its reduce-scatter's receive buffer in place (``lower.py``), which
-    therefore lives until the all-reduce's wait; collectives found in the graph (tensor
-    parallelism) allocate their own outputs, like any op of the graph."""
-    offset = {"forward": 0, "backward": len(plan.graphs.get("forward", [])) + 1}
-    by_id = {c.id: c for c in plan.collectives}
-    out = []
-    for c in plan.collectives:
-        if c.kind == "all_reduce" or c.origin != "shardc":
-            continue
-        start = offset[c.graph] + c.issue_pos
-        end = offset[c.graph] + c.wait_pos + 1
-        reduced = by_id.get(c.id.replace(".reduce_scatter.", ".all_reduce."))
-        recv_end = end if reduced is None else offset[c.graph] + reduced.wait_pos + 1
-        send = c.bytes if c.kind == "all_gather" else c.buffer_bytes
-        recv = c.buffer_bytes if c.kind == "all_gather" else c.bytes
-        out.append(CommBuffer(c.id, "send", start, end, send))
-        out.append(CommBuffer(c.id, "recv", start, recv_end, recv))
-    return out
-
-
-def assign_pool(plan: Plan, *, time_limit_s: float = 1.0) -> list[CommBuffer]:
-    """Place the communication buffers in one pool (greedy: deterministic, so every rank gets
-    the same pool and the same budget decisions); records offsets and the pool size in
-    ``plan``. Returns the buffers, whose order matches ``plan.pool_offsets``."""
-    buffers = comm_buffers(plan)
-    if not buffers:
-        plan.predicted["pool_bytes"] = 0
-        return buffers
-    result = plan_offsets([(b.start, b.end, b.nbytes) for b in buffers],
-                          alignment=POOL_ALIGNMENT, time_limit_s=time_limit_s, mode="fast")
-    by_id = {c.id: c for c in plan.collectives}
-    for buf, off in zip(buffers, result.offsets):
-        if buf.role == "recv":
-            by_id[buf.collective].buffer_offset = off
-            reduced = by_id.get(buf.collective.replace(".reduce_scatter.", ".all_reduce."))
-            if reduced is not None:  # HSDP: the all-reduce runs in that buffer
-                reduced.buffer_offset = off
-    plan.pool_offsets = {f"{b.collective}.{b.role}": off for b, off in zip(buffers, result.offsets)}
-    plan.predicted["pool_bytes"] = result.pool_size
-    plan.predicted["pool_lower_bound_bytes"] = result.max_live
-    return buffers
-
-
-def _nbytes(val) -> int:
-    if isinstance(val, torch.Tensor):  # hints: a prediction must add no guard
-        return math.prod(size_hint(s) for s in val.shape) * val.element_size()
-    if isinstance(val, (list, tuple)):
-        return sum(_nbytes(v) for v in val)
-    return 0
+_nbytes = tensor_nbytes  # hints: a prediction must add no guard
+_has_tag = has_tag
+_WAIT = _torch.funcol.wait_tensor.default
 
 
 def _is_alias(node: fx.Node) -> bool:
-    target = node.target
     if node.op != "call_function":
         return False
-    if target is torch.ops._c10d_functional.wait_tensor.default:
+    if node.target is _WAIT or getattr(node.target, "__name__", "") == "getitem":
         return True
-    if getattr(target, "__name__", "") == "getitem":
-        return True
-    return isinstance(target, torch._ops.OpOverload) and target.is_view
-
-
-_WAIT = torch.ops._c10d_functional.wait_tensor.default
+    return is_view(node)
 
 
 def _is_collective(node: fx.Node) -> bool:
-    target = node.target
-    return (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
-            and target.namespace == "_c10d_functional" and target is not _WAIT)
-
-
-def _has_tag(node: fx.Node, tag) -> bool:
-    target = node.target
-    return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) \
-        and tag in target.tags
+    op = op_overload(node)
+    return op is not None and op.namespace == "_c10d_functional" and op is not _WAIT
 
 
 _CAT = torch.ops.aten.cat.default
@@ -326,12 +257,10 @@ def param_placeholders(gm: fx.GraphModule) -> set[fx.Node]:
 
     A gather sends its parameter's shard placeholder (or a view of it), except an FP8 gather,
     which sends the quantized shard (:func:`fp8_shard_placeholder`)."""
-    from shardc.runtime.ops import GATHER_OP
-
     roots = set()
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is GATHER_OP:
-            sent = node.args[0]
+            sent = GatherArgs.of(node).shard
             root = fp8_shard_placeholder(sent) if is_float8(_dtype(sent)) \
                 else view_chain_root(sent)
             if root is not None:
@@ -405,5 +334,6 @@ def predict_peak(
                                             + int(param_bytes * optimizer_temp_factor))
         peak = max(peak, out["backward_peak_bytes"], out["optimizer_step_peak_bytes"])
     out["peak_bytes"] = peak
-    plan.predicted.update({k: float(v) for k, v in out.items()})
+    for key, value in out.items():
+        setattr(plan.predicted, key, float(value))
     return out

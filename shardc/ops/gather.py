@@ -4,14 +4,17 @@ A sharded module reads each parameter through :func:`gather_param`. Eagerly the 
 collectives at once; under ``torch.compile`` they appear in the joint graph as opaque nodes that the
 passes in :mod:`shardc.passes` find and replace with planned (bucketed, prefetched) collectives.
 Every argument that describes the parameter (its name, global rows, group, dtypes) is a constant in
-the graph, so passes never need to look outside it.
+the graph, so passes never need to look outside it; :mod:`shardc.ops.gather_args` names them.
 """
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import torch
 import torch.distributed as dist
 
+from shardc.ops.gather_args import GatherArgs, ReduceArgs, check_schema
 from shardc.runtime.collectives import (
     all_gather_rows,
     all_reduce_mean,
@@ -19,7 +22,7 @@ from shardc.runtime.collectives import (
     resolve_group,
     shard_rows,
 )
-from shardc.runtime.grad_sync import REDUCE, REDUCE_STASHED, STASH, stash_grad, take_stashed_grad
+from shardc.runtime.grad_sync import REDUCE_STASHED, STASH, stash_grad, take_stashed_grad
 
 _LIB = "shardc"
 
@@ -88,26 +91,24 @@ def _reduce_scatter_grad_fake(grad, fqn, dim0, world, group_name, reduce_dtype, 
 
 
 def _gather_setup_context(ctx, inputs, output) -> None:
-    shard, fqn, dim0, world, group_name, _compute, reduce_dtype, _reshard, *rest = inputs
-    sync, replicas = rest[:2], rest[2:4]
-    ctx.reduce_args = (fqn, dim0, world, group_name, reduce_dtype, shard.dtype,
-                       *(replicas if replicas and replicas[0] > 1 else ()))
-    ctx.grad_sync, ctx.sync_key = sync if sync else (REDUCE, "")
-    ctx.save_for_backward(shard if ctx.grad_sync == STASH else None)
+    a = GatherArgs.of(inputs)
+    ctx.reduce_args = a.reduce_args(None, a.shard.dtype)
+    ctx.grad_sync, ctx.sync_key = a.grad_sync, a.sync_key
+    ctx.save_for_backward(a.shard if ctx.grad_sync == STASH else None)
 
 
-def shard_grad(grad: torch.Tensor, reduce_args: tuple, grad_sync: int, sync_key: str,
+def shard_grad(grad: torch.Tensor, reduce_args: ReduceArgs, grad_sync: int, sync_key: str,
                shard_like: torch.Tensor | None) -> torch.Tensor:
     """The shard's gradient from the full gradient ``grad`` of a gathered parameter, in the
     gradient-sync mode ``grad_sync`` (see :mod:`shardc.runtime.grad_sync`): stashed (a zero
-    gradient shaped like ``shard_like``, needed only then), or reduce-scattered with
-    ``reduce_scatter_grad(grad, *reduce_args)``, after adding what was stashed."""
-    fqn = reduce_args[0]
+    gradient shaped like ``shard_like``, needed only then), or reduce-scattered as
+    ``reduce_args`` say (their ``grad`` is ignored), after adding what was stashed."""
+    fqn = reduce_args.fqn
     if grad_sync == STASH:
         return stash_grad(grad, sync_key, fqn, shard_like)
     if grad_sync == REDUCE_STASHED:
         grad = take_stashed_grad(grad, sync_key, fqn)
-    return reduce_scatter_grad(grad, *reduce_args)
+    return reduce_scatter_grad(*reduce_args.with_grad(grad).args())
 
 
 def _gather_backward(ctx, grad):
@@ -120,3 +121,18 @@ gather_param.register_autograd(_gather_backward, setup_context=_gather_setup_con
 
 GATHER_OP = torch.ops.shardc.gather_param.default
 REDUCE_SCATTER_OP = torch.ops.shardc.reduce_scatter_grad.default
+check_schema(GATHER_OP, GatherArgs)
+check_schema(REDUCE_SCATTER_OP, ReduceArgs)
+_CODECS = {GATHER_OP: GatherArgs, REDUCE_SCATTER_OP: ReduceArgs}
+
+
+def shardc_args(node) -> GatherArgs | ReduceArgs | None:
+    """The decoded arguments of a gather or reduce node, or None for any other node."""
+    codec = _CODECS.get(node.target) if node.op == "call_function" else None
+    return None if codec is None else codec.of(node)
+
+
+def args_with_fqn(node, fqn: str) -> tuple:
+    """``node``'s positional arguments (a gather or reduce node) naming parameter ``fqn``."""
+    position = [f.name for f in fields(_CODECS[node.target])].index("fqn")
+    return (*node.args[:position], fqn, *node.args[position + 1:])

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from shardc import _torch
 from shardc.models.llama import LlamaConfig, Transformer, llama_loss
 
 PRESETS: dict[str, dict] = {
@@ -62,8 +63,8 @@ def plan_model(cfg: LlamaConfig, world: int, batch: int, seq: int, options: dict
     from torch.distributed.device_mesh import DeviceMesh
 
     import shardc
-    from shardc.runtime.fake_world import fake_world
-    from shardc.template import TEMPLATE_BLOCKS, TemplateRefused, plan_from_template
+    from shardc.tools.fake_world import fake_world
+    from shardc.tools.template import TEMPLATE_BLOCKS, TemplateRefused, plan_from_template
 
     options = dict(inductor=False, check_plan_consistency=False, **options)
     with fake_world(world):
@@ -78,7 +79,7 @@ def plan_model(cfg: LlamaConfig, world: int, batch: int, seq: int, options: dict
                 plan = plan_from_template(_meta_model(cfg), mesh, lambda m: m(tokens), options)
             except TemplateRefused as exc:
                 refused = str(exc)
-                torch._dynamo.reset()
+                _torch.dynamo_reset()
         if plan is None:
             model = _meta_model(cfg)
             shardc.shard(model, mesh)
@@ -88,13 +89,13 @@ def plan_model(cfg: LlamaConfig, world: int, batch: int, seq: int, options: dict
             if refused:
                 plan.notes.append(f"traced whole, not from a template: {refused}")
         elapsed = time.perf_counter() - start
-    torch._dynamo.reset()
+    _torch.dynamo_reset()
     return plan, elapsed
 
 
 def _cmd_plan(args) -> int:
-    from shardc.passes.cost_model import ClusterSpec
-    from shardc.render import dump_plan, plan_table
+    from shardc.planning.cost_model import ClusterSpec
+    from shardc.tools.render import dump_plan, plan_table
 
     cfg = parse_model_spec(args.model)
     options = json.loads(args.options) if args.options else {}

@@ -15,8 +15,6 @@ module is touched.
 from __future__ import annotations
 
 import contextlib
-import sys
-import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -25,16 +23,18 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from shardc.runtime import te_params
-from shardc.runtime.fp8 import (
+from shardc.ops.gather import gather_param
+from shardc.ops.gather_args import GatherArgs
+from shardc.runtime.grad_sync import UnsyncedGrads
+from shardc.sharding import te_params
+from shardc.sharding.fp8 import (
     Float8Policy,
     Fp8ParamInfo,
     fp8_class_attrs,
     gather_fp8_weight,
     select_fp8_params,
 )
-from shardc.runtime.grad_sync import UnsyncedGrads
-from shardc.runtime.mesh import (
+from shardc.sharding.mesh import (
     MeshLayout,
     TpSpec,
     check_mesh_covers_world,
@@ -45,7 +45,16 @@ from shardc.runtime.mesh import (
     tp_spec,
     wrap_tp,
 )
-from shardc.runtime.ops import gather_param
+from shardc.sharding.scope import (
+    ShardedModuleMixin,
+    enter_forward,
+    exit_forward,
+    gathering,
+    in_eager_forward,
+    is_sharded,
+    shard_state,
+    unwrap_compiled,
+)
 
 
 @dataclass(frozen=True)
@@ -78,8 +87,14 @@ class ShardedParamInfo:
     tp: TpSpec | None = None
     fp8: Fp8ParamInfo | None = None  # gathered in FP8 (``shard(..., fp8=...)``)
     # A TransformerEngine FP8 parameter (``te.quantized_model_init``): its FP8 bytes are
-    # sharded and gathered as they are (shardc.runtime.te_params).
+    # sharded and gathered as they are (shardc.sharding.te_params).
     quantized: bool = False
+
+    def gather_args(self, shard: torch.Tensor, grad_sync: int, sync_key: str) -> GatherArgs:
+        """The gather op's arguments for this parameter's local ``shard``."""
+        return GatherArgs(shard, self.fqn, self.dim0, self.world, self.group_name,
+                          self.compute_dtype, self.reduce_dtype, self.reshard_after_forward,
+                          grad_sync, sync_key, self.replicate, self.replicate_group_name)
 
 
 @dataclass
@@ -96,78 +111,17 @@ class ShardState:
     fp8: Float8Policy | None = None
 
 
-class _ForwardDepth(threading.local):
-    depth = 0
-
-
-_FORWARD = _ForwardDepth()
-
-
-def _gathering() -> bool:
-    # Compiled regions only ever trace forwards; eager forwards are bracketed by hooks.
-    return torch.compiler.is_compiling() or _FORWARD.depth > 0
-
-
-def _enter_forward(module, args) -> None:
-    if not torch.compiler.is_compiling():
-        _FORWARD.depth += 1
-
-
-def _exit_forward(module, args, output) -> None:
-    if not torch.compiler.is_compiling():
-        _FORWARD.depth -= 1
-
-
-def _in_eager_forward() -> bool:
-    """Whether a caller is the forward of a sharded module, running eagerly although no forward
-    hook counted it: Dynamo's eager fallback (after its recompile limit) runs a forward whose
-    hooks it had compiled, and compiled code skips the count. Only parameter reads outside
-    ``_gathering()`` pay for this walk."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        name = frame.f_code.co_name
-        if name == "forward" or name.startswith("torch_dynamo_resume_in_forward"):
-            owner = frame.f_locals.get("self")
-            if is_sharded(owner) or shard_state(owner) is not None:
-                return True
-        frame = frame.f_back
-    return False
-
-
-class ShardedModuleMixin:
-    """Marks a module whose parameters were sharded by :func:`shard` (a mixin, not a module)."""
-
-    _shardc_param_names: tuple[str, ...] = ()
-
-
-def is_sharded(module: nn.Module) -> bool:
-    return isinstance(module, ShardedModuleMixin)
-
-
 def _param_property(name: str, info: ShardedParamInfo, grads: UnsyncedGrads) -> property:
     def read(self):
         param = self._parameters[name]
-        if not isinstance(param, DTensor) or not (_gathering() or _in_eager_forward()):
+        if not isinstance(param, DTensor) or not (gathering() or in_eager_forward()):
             return param
         sync = grads.mode()
         if info.quantized:
             return te_params.gather_float8_param(self, name, param, info, sync, grads.key)
         if info.fp8 is not None:
             return gather_fp8_weight(param.to_local(), info, sync, grads.key)
-        full = gather_param(
-            param.to_local(),
-            info.fqn,
-            info.dim0,
-            info.world,
-            info.group_name,
-            info.compute_dtype,
-            info.reduce_dtype,
-            info.reshard_after_forward,
-            sync,
-            grads.key,
-            info.replicate,
-            info.replicate_group_name,
-        )
+        full = gather_param(*info.gather_args(param.to_local(), sync, grads.key).args())
         return full if info.tp is None else wrap_tp(full, info.tp)
 
     return property(read, doc=f"The parameter {info.fqn!r}, gathered inside a forward.")
@@ -372,23 +326,22 @@ def shard(
             sub._parameters[pname]._shardc_regions = state.regions
             sub._parameters[pname]._shardc_groups = roles
         _swap_class(sub, sub_infos, state.grad_sync, fp8)
-        sub.register_forward_pre_hook(_enter_forward)
-        sub.register_forward_hook(_exit_forward, always_call=True)
+        sub.register_forward_pre_hook(enter_forward)
+        sub.register_forward_hook(exit_forward, always_call=True)
         fp8_names = tuple(n for n, i in sub_infos.items() if i.quantized)
         if fp8_names:
             sub.register_forward_pre_hook(te_params.clear_gathered)
             sub.register_forward_hook(te_params.clear_gathered, always_call=True)
             sub.register_state_dict_post_hook(te_params.state_dict_hook(fp8_names))
     if id(module) not in per_module:
-        module.register_forward_pre_hook(_enter_forward)
-        module.register_forward_hook(_exit_forward, always_call=True)
+        module.register_forward_pre_hook(enter_forward)
+        module.register_forward_hook(exit_forward, always_call=True)
     module._shardc_state = state
     return module
 
 
-def shard_state(module: nn.Module) -> ShardState | None:
-    """The :class:`ShardState` recorded by :func:`shard` on ``module``, if any."""
-    return getattr(module, "_shardc_state", None)
+__all__ = ["MixedPrecisionPolicy", "ShardState", "ShardedParamInfo", "is_sharded", "no_sync",
+           "set_requires_gradient_sync", "shard", "shard_state"]
 
 
 def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) -> None:
@@ -396,7 +349,7 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) 
     e.g. for all but the last micro-batch of a gradient-accumulation step; turning it back on
     makes the next backward reduce everything accumulated meanwhile. See
     :mod:`shardc.runtime.grad_sync`."""
-    state = shard_state(getattr(module, "_orig_mod", module))
+    state = shard_state(unwrap_compiled(module))
     if state is None:
         raise ValueError(
             "shardc.set_requires_gradient_sync: the module was not sharded with shardc.shard; "

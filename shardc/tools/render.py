@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from shardc.plan import Collective, ComputeOp, Plan
+from shardc.planning.plan import Collective, ComputeOp, Plan
 
 log = logging.getLogger("shardc")
 

@@ -1,7 +1,7 @@
 """A single-process stand-in for a world of N ranks, for planning without GPUs.
 
 torch ships a "fake" process-group backend (in its testing package) that accepts every collective
-without communicating. shardc uses it only to plan; this module is the one place that touches it.
+without communicating (``shardc._torch.fake_store``). shardc uses it only to plan, here.
 """
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 
 import torch.distributed as dist
+
+from shardc import _torch
 
 
 @contextlib.contextmanager
@@ -18,9 +20,7 @@ def fake_world(world_size: int, rank: int = 0):
         raise RuntimeError(
             "shardc: a process group is already initialized; plan in a fresh process"
         )
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    dist.init_process_group("fake", store=_torch.fake_store(), rank=rank, world_size=world_size)
     try:
         yield
     finally:

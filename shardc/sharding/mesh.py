@@ -23,8 +23,6 @@ unchanged.
 
 from __future__ import annotations
 
-import contextlib
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from shardc import _torch
 from shardc.runtime.collectives import group_name_of
 
 HSDP_DIM_NAMES = ("replicate", "shard")
@@ -39,10 +38,8 @@ TP_DIM_NAMES = ("dp", "tp")
 
 
 def _strided_shard(dim: int, split_factor: int) -> Placement:
-    """``_StridedShard`` (private in torch 2.11-2.14; wrapped here, the one place that uses it)."""
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    return _StridedShard(dim, split_factor=split_factor)
+    """``_StridedShard`` (private in torch 2.11-2.14, see :mod:`shardc._torch`)."""
+    return _torch.strided_shard(dim, split_factor)
 
 
 @dataclass(frozen=True)
@@ -102,36 +99,16 @@ class MeshLayout:
             roles[group_name_of(self.tp_mesh.get_group())] = ("tp", self.tp_mesh.size())
         return roles
 
-    def describe(self) -> str:
-        if self.kind == "hsdp":
-            return f"HSDP: replicate {self.replicate_world} x shard {self.shard_world}"
-        if self.kind == "fsdp+tp":
-            return f"FSDP+TP: dp {self.shard_world} x tp {self.tp_mesh.size()}"
-        return f"FSDP: shard {self.shard_world}"
-
 
 def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The mesh ``mesh`` was sliced from (``mesh`` itself if it was not sliced).
 
-    DeviceMesh has no public accessor for it in torch 2.11-2.14: this is the one place that uses
-    the private ones (``DeviceMesh._get_root_mesh``, or ``_mesh_resources.get_root_mesh`` in older
-    torch). Without either, ``mesh`` counts as its own root, so a slice is judged on its own ranks
-    (:func:`check_mesh_covers_world` then rejects a legitimate slice; its message names the
-    opt-out)."""
-    get = getattr(mesh, "_get_root_mesh", None)
-    if callable(get):
-        with contextlib.suppress(Exception):
-            root = get()
-            if isinstance(root, DeviceMesh):
-                return root
-    with contextlib.suppress(Exception), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # deprecated in the torch versions that have the above
-        from torch.distributed.device_mesh import _mesh_resources
-
-        root = _mesh_resources.get_root_mesh(mesh)
-        if isinstance(root, DeviceMesh):
-            return root
-    return mesh
+    DeviceMesh has no public accessor for it in torch 2.11-2.14; :func:`shardc._torch.root_mesh`
+    uses the private ones. Without either, ``mesh`` counts as its own root, so a slice is judged
+    on its own ranks (:func:`check_mesh_covers_world` then rejects a legitimate slice; its message
+    names the opt-out)."""
+    root = _torch.root_mesh(mesh)
+    return root if isinstance(root, DeviceMesh) else mesh
 
 
 def _ranks(mesh: DeviceMesh) -> list[int]:

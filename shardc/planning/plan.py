@@ -1,8 +1,9 @@
 """The plan: a versioned, self-explaining record of how one compiled region communicates.
 
-A :class:`Plan` is plain data. Passes build it (``shardc.passes.schedule``), the lowering pass
-applies it to the graphs, the runtime checks that every rank holds the same one, and renderers
-turn it into a text table, a Chrome/Perfetto trace and a memory plot. Its JSON form is stable
+A :class:`Plan` is plain data. The planners build it (``shardc.planning.schedule``), the
+lowering pass (``shardc.passes.lower``) applies it to the graphs, the runtime checks that every
+rank holds the same one, and renderers turn it into a text table, a Chrome/Perfetto trace and a
+memory plot. Its JSON form is stable
 for a given ``PLAN_VERSION``.
 """
 
@@ -10,10 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+from enum import Enum
 from typing import Any
 
-PLAN_VERSION = 3
+PLAN_VERSION = 4
 # Version 2 added the 2-D mesh fields (``Plan.mesh``, ``replicate_size``,
 # ``replicate_group_name``, ``Bucket.replicate``/``replicate_group``, ``Collective.group``, kind
 # ``"all_reduce"``); a version 1 plan reads as a 1-D plan with their defaults.
@@ -21,7 +23,119 @@ PLAN_VERSION = 3
 # ``tp_group_name``, ``Collective.origin``, ``group_size``, ``nodes``, ``tensors``, kinds
 # ``"all_to_all"`` and ``"broadcast"``, and one stream per process group; older plans read with
 # their defaults (every collective shardc's own).
-READABLE_VERSIONS = (1, 2, 3)
+# Version 4 made two things explicit that older plans implied: ``Collective.link`` (an HSDP
+# reduce-scatter and the all-reduce of its output name each other; older plans matched their
+# ids) and ``Plan.predicted``'s keys (the fields of :class:`Predictions`; the JSON is the same
+# object of numbers, without the predictions a plan does not make). Older plans read with their
+# links filled in from the ids.
+READABLE_VERSIONS = (1, 2, 3, 4)
+
+
+class CollectiveKind(str, Enum):
+    """What a collective does (a ``str``: plans compare and serialize it as its value)."""
+
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_REDUCE = "all_reduce"
+    ALL_TO_ALL = "all_to_all"
+    BROADCAST = "broadcast"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+@dataclass
+class Predictions:
+    """What the cost model and the memory model predict for one region (``None``: not
+    predicted, e.g. no backward graph, or no peak prediction for a plan made without one).
+
+    Times are seconds, memory bytes (floats, as the JSON has always held them). The schedule
+    (``shardc.planning.schedule``) writes the times and ``peak_comm_buffer_bytes``, the pool's
+    placement (``shardc.memory.pool``) ``pool_bytes`` and ``pool_lower_bound_bytes``, the peak
+    model (``shardc.memory.peak``) the rest. Readable by key too (``plan.predicted["peak_bytes"]``)
+    for code written against plans before version 4.
+    """
+
+    forward_time_s: float | None = None
+    forward_exposed_comm_s: float | None = None
+    backward_time_s: float | None = None
+    backward_exposed_comm_s: float | None = None
+    step_time_s: float | None = None
+    exposed_comm_s: float | None = None
+    comm_time_s: float | None = None
+    peak_comm_buffer_bytes: float | None = None
+    # The communication pool: its size, and the most bytes its buffers hold at once.
+    pool_bytes: float | None = None
+    pool_lower_bound_bytes: float | None = None
+    # The whole step's memory (shardc.memory.peak.predict_peak).
+    param_bytes: float | None = None
+    optimizer_state_bytes: float | None = None
+    forward_peak_bytes: float | None = None
+    backward_peak_bytes: float | None = None
+    grad_bytes: float | None = None
+    optimizer_step_peak_bytes: float | None = None
+    peak_bytes: float | None = None
+
+    def to_dict(self) -> dict[str, float]:
+        """The predictions made, by name."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if getattr(self, f.name) is not None}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, float]) -> Predictions:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"shardc: unknown plan predictions {unknown}")
+        return cls(**data)
+
+    def set_graph(self, graph: str, time_s: float, exposed_s: float) -> None:
+        """The predicted time and exposed communication of one graph ("forward"/"backward")."""
+        setattr(self, f"{graph}_time_s", time_s)
+        setattr(self, f"{graph}_exposed_comm_s", exposed_s)
+
+    # Read (and written) by key, like the dictionary older plans held.
+    def __getitem__(self, key: str) -> float:
+        value = getattr(self, key, None) if key in self._names() else None
+        if value is None:
+            raise KeyError(key)
+        return value
+
+    def __setitem__(self, key: str, value: float) -> None:
+        if key not in self._names():
+            raise KeyError(f"shardc: {key!r} is not a plan prediction")
+        setattr(self, key, value)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            return default
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and self.get(key) is not None
+
+    def __iter__(self):
+        return iter(self.to_dict())
+
+    def __len__(self) -> int:
+        return len(self.to_dict())
+
+    def items(self):
+        return self.to_dict().items()
+
+    def values(self):
+        return self.to_dict().values()
+
+    def keys(self):
+        return self.to_dict().keys()
+
+    @classmethod
+    def _names(cls) -> frozenset[str]:
+        return frozenset(f.name for f in fields(cls))
 
 
 @dataclass
@@ -73,8 +187,7 @@ class Collective:
     """
 
     id: str
-    # "all_gather" | "reduce_scatter" | "all_reduce" | found in the graph: "all_to_all", "broadcast"
-    kind: str
+    kind: CollectiveKind
     graph: str  # "forward" | "backward"
     bucket: int
     params: list[str]
@@ -100,6 +213,12 @@ class Collective:
     group_size: int = 0  # ranks of its process group (0: not recorded, plans before version 3)
     nodes: list[str] = field(default_factory=list)  # found: FX names of its issue, then wait(s)
     tensors: list[str] = field(default_factory=list)  # found: "name: dtype[shape]", ins then outs
+    # The id of the collective chained with this one: an HSDP reduce-scatter names the all-reduce
+    # that averages its output over the replicas, which names it back ("" for none).
+    link: str = ""
+
+    def __post_init__(self) -> None:
+        self.kind = CollectiveKind(self.kind)
 
     def signature(self) -> tuple:
         """What every rank must agree on (independent of rank-specific shard shapes).
@@ -136,7 +255,7 @@ class Plan:
     graphs: dict[str, list[ComputeOp]] = field(default_factory=dict)
     # Bytes of gathered parameters and communication buffers live before each compute op.
     memory_timeline: dict[str, list[int]] = field(default_factory=dict)
-    predicted: dict[str, float] = field(default_factory=dict)
+    predicted: Predictions = field(default_factory=Predictions)
     notes: list[str] = field(default_factory=list)
     group_name: str = ""
     # Offset in the communication pool of each buffer, keyed "<collective id>.<send|recv>".
@@ -149,6 +268,14 @@ class Plan:
     tp_size: int = 1
     tp_group_name: str = ""
 
+    def collective(self, collective_id: str) -> Collective | None:
+        """The collective with this id, or None."""
+        return next((c for c in self.collectives if c.id == collective_id), None)
+
+    def linked(self, c: Collective) -> Collective | None:
+        """The collective ``c`` is chained with (:attr:`Collective.link`), or None."""
+        return self.collective(c.link) if c.link else None
+
     def collective_signature(self) -> list[tuple]:
         return [c.signature() for c in self.collectives]
 
@@ -160,6 +287,7 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready data (tuples become lists, dtypes strings), so it equals its round trip."""
         data = json.loads(json.dumps(asdict(self), default=str))
+        data["predicted"] = self.predicted.to_dict()
         data["hash"] = self.hash()
         return data
 
@@ -173,8 +301,10 @@ class Plan:
                 f"shardc: plan version {data.get('version')!r} is not supported "
                 f"(this shardc reads versions {', '.join(map(str, READABLE_VERSIONS))})"
             )
+        version = data["version"]
         data = dict(data)
         data.pop("hash", None)
+        data["predicted"] = Predictions.from_dict(data.get("predicted") or {})
         data["buckets"] = [Bucket(**b) for b in data["buckets"]]
         colls = []
         for c in data["collectives"]:
@@ -182,6 +312,8 @@ class Plan:
             if c.get("buffer_lifetime") is not None:
                 c["buffer_lifetime"] = tuple(c["buffer_lifetime"])
             colls.append(Collective(**c))
+        if version < 4:
+            _link_by_id(colls)
         data["collectives"] = colls
         data["graphs"] = {g: [ComputeOp(**op) for op in ops] for g, ops in data["graphs"].items()}
         return cls(**data)
@@ -189,3 +321,14 @@ class Plan:
     @classmethod
     def from_json(cls, text: str) -> Plan:
         return cls.from_dict(json.loads(text))
+
+
+def _link_by_id(collectives: list[Collective]) -> None:
+    """Plans before version 4: an HSDP all-reduce had its reduce-scatter's id with the kind
+    replaced; link the two."""
+    by_id = {c.id: c for c in collectives}
+    for c in collectives:
+        if c.origin == "shardc" and c.kind == CollectiveKind.ALL_REDUCE:
+            rs = by_id.get(c.id.replace(".all_reduce.", ".reduce_scatter."))
+            if rs is not None:
+                c.link, rs.link = rs.id, c.id

@@ -20,11 +20,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from shardc.backend import RegionRecord, ShardcPartitioner, backend, capture_partitioned
-from shardc.options import ShardcOptions
+from shardc.compile.backend import backend
+from shardc.compile.options import ShardcOptions
+from shardc.compile.pipeline import RegionRecord, capture_partitioned, plan_and_lower
 from shardc.passes.repeat import NotPeriodic, find_periods, repeat_periods
-from shardc.plan import Plan
-from shardc.runtime.sharding import shard
+from shardc.planning.plan import Plan
+from shardc.sharding.shard import shard
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -148,9 +149,8 @@ def plan_from_template(
         backward = repeat_periods(find_periods(backward, container, blocks), n_blocks)
     except NotPeriodic as exc:
         raise TemplateRefused(f"the traced graphs do not repeat: {exc}") from None
-    region = RegionRecord(0)
-    ShardcPartitioner(ShardcOptions.from_kwargs(options), region).plan_and_lower(forward, backward)
-    region.plan.notes.append(
+    plan = plan_and_lower(forward, backward, ShardcOptions.from_kwargs(options), RegionRecord(0))
+    plan.notes.append(
         f"planned from a template: blocks 0-{blocks - 1} of {container} traced, the graphs of "
         f"blocks {blocks - 1}-{n_blocks - 2} repeated from block {blocks - 2}'s")
-    return region.plan
+    return plan

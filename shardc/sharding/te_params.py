@@ -35,9 +35,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from shardc.ops.gather import shard_grad
+from shardc.ops.gather_args import ReduceArgs
 from shardc.runtime.collectives import all_gather_rows
 from shardc.runtime.grad_sync import STASH
-from shardc.runtime.ops import shard_grad
 
 # The first gathers of each FP8 parameter also gather every rank's scale and check that they
 # agree: a quantizer whose amax is not reduced over the sharding group would give the shards
@@ -182,7 +183,8 @@ class _GatherFloat8(torch.autograd.Function):
         shape, dtype, device = ctx.shard_meta
         # A plain tensor shaped like the shard: zeros_like of the FP8 shard would be FP8.
         like = torch.empty(shape, dtype=dtype, device=device) if ctx.grad_sync == STASH else None
-        reduce_args = (info.fqn, info.dim0, info.world, info.group_name, info.reduce_dtype, dtype)
+        reduce_args = ReduceArgs(None, info.fqn, info.dim0, info.world, info.group_name,
+                                 info.reduce_dtype, dtype)
         local = shard_grad(grad, reduce_args, ctx.grad_sync, ctx.sync_key, like)
         return local, None, None, None, None
 

@@ -16,7 +16,8 @@ import sympy
 import torch
 from torch import fx
 
-from shardc.passes.fx_utils import size_hint
+from shardc.passes.fx_utils import size_hint, tensor_nbytes
+from shardc.planning.plan import CollectiveKind as Kind
 
 W, B, ALPHA = sympy.symbols("W B alpha", positive=True)
 
@@ -26,11 +27,11 @@ def _ring_terms(kind: str, world):
     ``world`` ranks (an int, or the symbol ``W``). Ring all-gather and reduce-scatter: one pass;
     all-reduce: a reduce-scatter then an all-gather; all-to-all: each rank sends ``(W-1)/W`` of its
     buffer; pipelined broadcast: the whole buffer crosses every link."""
-    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+    if kind in (Kind.ALL_GATHER, Kind.REDUCE_SCATTER, Kind.ALL_TO_ALL):
         return world - 1, (world - 1) / world
-    if kind == "all_reduce":
+    if kind == Kind.ALL_REDUCE:
         return 2 * (world - 1), 2 * (world - 1) / world
-    if kind == "broadcast":
+    if kind == Kind.BROADCAST:
         return world - 1, 1
     raise ValueError(f"shardc cost model: unknown collective kind {kind!r}")
 
@@ -121,7 +122,7 @@ def node_flops_and_bytes(node: fx.Node) -> tuple[float, float]:
     outs = [o for o in (out if isinstance(out, (list, tuple)) else [out])
             if isinstance(o, torch.Tensor)]
     ins = [v for v in (_val(a) for a in node.all_input_nodes) if v is not None]
-    nbytes = float(sum(_numel(t.shape) * t.element_size() for t in ins + outs))
+    nbytes = float(tensor_nbytes(ins + outs))
     name = getattr(node.target, "__name__", str(node.target))
     base = name.split(".")[0]
     flops = 0.0

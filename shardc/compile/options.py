@@ -19,7 +19,12 @@ class ShardcOptions:
     bucket_cap_bytes: split a bucket whose gathered size would exceed this many bytes (0: no cap).
     prefetch: issue each bucket's all-gather before the compute of the previous bucket.
     prefetch_depth: how many buckets ahead an all-gather may be issued.
-    memory_budget_bytes: most bytes of gathered parameters allowed in flight (0: no limit).
+    memory_budget_bytes: a bound on communication memory (0: no limit), applied twice. The
+        schedule (``shardc.planning.schedule``) issues a bucket's all-gather no earlier than the
+        gathered bytes in flight (its own and those of the buckets prefetched before it) stay
+        within it: its "in-flight limit". The pipeline (``shardc.compile.pipeline``) then checks
+        the communication pool's size (``plan.predicted.pool_bytes``) against it and re-plans
+        with shallower prefetch while the pool exceeds it: its "pool budget".
     check_plan_consistency: at the first run, all ranks compare the plan's hash (through the process
         group's store, see ``shardc.runtime.plan_check``).
     dump_dir: write the plan (text, JSON, trace, memory plot) of every compiled region here;
@@ -31,7 +36,7 @@ class ShardcOptions:
         plan still reports ``pool_bytes``); ``True`` turns it on under Inductor too.
     debug_pool: fill each pool buffer with NaN once it is dead, so overlapping live buffers
         show up as NaNs.
-    cluster: ``shardc.passes.cost_model.ClusterSpec`` fields for the cost model's predictions.
+    cluster: ``shardc.planning.cost_model.ClusterSpec`` fields for the cost model's predictions.
     optimizer_state_factor: optimizer state bytes per parameter byte, for the peak prediction
         (2 for Adam/AdamW, 1 for SGD with momentum, 0 for plain SGD).
     optimizer_temp_factor: temporary bytes per parameter byte that the optimizer's step

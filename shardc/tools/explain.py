@@ -4,19 +4,14 @@ from __future__ import annotations
 
 from torch import nn
 
-from shardc.plan import Plan
-from shardc.runtime.sharding import shard_state
-
-
-def _root(model: nn.Module) -> nn.Module:
-    # torch.compile(model) returns an OptimizedModule wrapping the user's module.
-    return getattr(model, "_orig_mod", model)
+from shardc.planning.plan import Plan
+from shardc.sharding.scope import shard_state, unwrap_compiled
 
 
 def explain_all(model: nn.Module) -> list[Plan]:
     """Plans of every compiled region of ``model`` (a sharded module or its compiled wrapper), in
     compilation order. Empty before the first compiled call."""
-    state = shard_state(_root(model))
+    state = shard_state(unwrap_compiled(model))
     if state is None:
         raise ValueError(
             "shardc.explain: this module was not sharded with shardc.shard; shard it and compile "

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from shardc.runtime.fp8 import Float8Policy
+from shardc.sharding.fp8 import Float8Policy
+from shardc.sharding.scope import shard_state, unwrap_compiled
 
 # TE module parameters that are GEMM weights: ``weight`` (te.Linear, te.LayerNormLinear), the
 # split ``query_weight`` / ``key_weight`` / ``value_weight`` (TransformerLayer's fused QKV),
@@ -61,9 +62,7 @@ def te_autocast(model: nn.Module, recipe=None, enabled: bool = True):
     gradients, so their amaxes differ before the reduction). ``recipe`` defaults to
     :func:`te_fp8_recipe`.
     """
-    from shardc.runtime.sharding import shard_state
-
-    state = shard_state(getattr(model, "_orig_mod", model))
+    state = shard_state(unwrap_compiled(model))
     if state is None:
         raise ValueError(
             "shardc.te_autocast: the model was not sharded with shardc.shard; shard it first "

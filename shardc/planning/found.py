@@ -16,7 +16,8 @@ like its own collectives:
   compute: results are bitwise the same. Collectives that write their input in place, run
   synchronously (DTensor's ``shard_dim_alltoall``) or read a shardc-gathered tensor keep their
   traced issue position;
-- :func:`lower` moves the issue and wait nodes to those positions in the graph.
+- :func:`shardc.passes.lower_found.lower` then moves the issue and wait nodes to those positions
+  in the graph.
 
 Positions are those of the plan (``p``: before compute op ``p``). Among the nodes shardc puts before
 op ``p``, a found collective's issue goes first (it starts as early as possible) and its wait last
@@ -25,6 +26,7 @@ op ``p``, a found collective's issue goes first (it starts as early as possible)
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import re
@@ -33,10 +35,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from shardc.passes.fx_utils import size_hint
-from shardc.plan import Collective
+from shardc import _torch
+from shardc.passes.fx_utils import op_overload, tensor_nbytes, view_users
+from shardc.planning.plan import Collective, CollectiveKind
 
-funcol = torch.ops._c10d_functional
+Kind = CollectiveKind
+funcol = _torch.funcol
 
 # Metadata a pass may put on a collective it adds before planning: a phrase saying where it came
 # from, for the plan's reason (e.g. shardc's FP8 amax all-reduce).
@@ -44,19 +48,19 @@ ORIGIN_META = "shardc_origin"
 
 # Functional collectives by op packet name (the names of torch's ``_c10d_functional`` ops) -> kind.
 _FUNCOL_KINDS = {
-    "all_gather_into_tensor": "all_gather",
-    "all_gather_into_tensor_out": "all_gather",
-    "all_gather_into_tensor_coalesced": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "reduce_scatter_tensor_out": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced": "reduce_scatter",
-    "all_reduce": "all_reduce",
-    "all_reduce_": "all_reduce",
-    "all_reduce_coalesced": "all_reduce",
-    "all_reduce_coalesced_": "all_reduce",
-    "all_to_all_single": "all_to_all",
-    "broadcast": "broadcast",
-    "broadcast_": "broadcast",
+    "all_gather_into_tensor": Kind.ALL_GATHER,
+    "all_gather_into_tensor_out": Kind.ALL_GATHER,
+    "all_gather_into_tensor_coalesced": Kind.ALL_GATHER,
+    "reduce_scatter_tensor": Kind.REDUCE_SCATTER,
+    "reduce_scatter_tensor_out": Kind.REDUCE_SCATTER,
+    "reduce_scatter_tensor_coalesced": Kind.REDUCE_SCATTER,
+    "all_reduce": Kind.ALL_REDUCE,
+    "all_reduce_": Kind.ALL_REDUCE,
+    "all_reduce_coalesced": Kind.ALL_REDUCE,
+    "all_reduce_coalesced_": Kind.ALL_REDUCE,
+    "all_to_all_single": Kind.ALL_TO_ALL,
+    "broadcast": Kind.BROADCAST,
+    "broadcast_": Kind.BROADCAST,
 }
 
 # Lane (communication stream) of each group role: a process group runs its collectives on its own
@@ -74,7 +78,8 @@ def lane(role: str, group_name: str = "") -> str:
     return f"group {group_name}"
 
 
-def _op_table() -> dict[object, str]:
+@functools.cache
+def _op_table() -> dict[object, CollectiveKind]:
     """Op packet -> kind, for the functional collectives this torch has (the table above), plus
     DTensor's synchronous ``shard_dim_alltoall``."""
     importlib.import_module("torch.distributed.tensor")  # registers the _dtensor ops
@@ -86,22 +91,15 @@ def _op_table() -> dict[object, str]:
     dtensor = getattr(torch.ops, "_dtensor", None)
     alltoall = getattr(dtensor, "shard_dim_alltoall", None) if dtensor is not None else None
     if alltoall is not None:
-        table[alltoall] = "all_to_all"
+        table[alltoall] = Kind.ALL_TO_ALL
     return table
 
 
-_TABLE: dict[object, str] | None = None
-
-
-def collective_kind(node: fx.Node) -> str | None:
-    """The kind of collective ``node`` runs, if it is one (``wait_tensor`` is not)."""
-    global _TABLE
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-        return None
-    if _TABLE is None:
-        _TABLE = _op_table()
-    return _TABLE.get(target.overloadpacket)
+def collective_kind(node: fx.Node) -> CollectiveKind | None:
+    """The kind of collective ``node`` runs, if it is one (``wait_tensor`` is not). The table
+    of ops is built once, lazily (it needs the ops registered): a constant, not state."""
+    op = op_overload(node)
+    return None if op is None else _op_table().get(op.overloadpacket)
 
 
 def _is_wait(node: fx.Node) -> bool:
@@ -122,11 +120,9 @@ def _argument(node: fx.Node, name: str):
 
 def writes_in_place(node: fx.Node) -> bool:
     """Whether ``node`` is an op that writes an argument (``add_``, ``copy_``, ``*_out``)."""
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-        return False
-    return any(a.alias_info is not None and a.alias_info.is_write
-               for a in target._schema.arguments)
+    op = op_overload(node)
+    return op is not None and any(a.alias_info is not None and a.alias_info.is_write
+                                  for a in op._schema.arguments)
 
 
 @dataclass
@@ -134,7 +130,7 @@ class FoundCollective:
     """One collective of the traced graph and its bookkeeping nodes."""
 
     node: fx.Node  # the collective: issues it
-    kind: str
+    kind: CollectiveKind
     group_name: str
     group_size: int | None  # from the op's arguments where it has one
     waits: list[fx.Node] = field(default_factory=list)  # none: it runs synchronously
@@ -174,16 +170,6 @@ def _tensors(value) -> list[torch.Tensor]:
     return [v for v in values if isinstance(v, torch.Tensor)]
 
 
-def _nbytes(tensors: list[torch.Tensor]) -> int:
-    total = 0
-    for t in tensors:  # size hints: planning adds no guard
-        numel = 1
-        for s in t.shape:
-            numel *= size_hint(s)
-        total += numel * t.element_size()
-    return total
-
-
 def _describe_tensor(node: fx.Node) -> str:
     parts = []
     for t in _tensors(node.meta.get("val")):
@@ -205,11 +191,11 @@ def _byte_counts(f: FoundCollective) -> tuple[int, int]:
     """(bytes, buffer_bytes) as the plan defines them for shardc's collectives: an all-gather
     sends ``bytes`` and fills ``buffer_bytes``; a reduce-scatter or all-to-all sends
     ``buffer_bytes`` and receives ``bytes``; an all-reduce or broadcast moves one buffer."""
-    sent = _nbytes([t for a in _inputs(f) for t in _tensors(a.meta.get("val"))])
-    got = _nbytes([t for o in _outputs(f) for t in _tensors(o.meta.get("val"))])
-    if f.kind == "all_gather":
+    sent = tensor_nbytes([t for a in _inputs(f) for t in _tensors(a.meta.get("val"))])
+    got = tensor_nbytes([t for o in _outputs(f) for t in _tensors(o.meta.get("val"))])
+    if f.kind == Kind.ALL_GATHER:
         return sent, got
-    if f.kind in ("reduce_scatter", "all_to_all"):
+    if f.kind in (Kind.REDUCE_SCATTER, Kind.ALL_TO_ALL):
         return got, sent
     return sent, sent
 
@@ -312,14 +298,12 @@ def _positions(g, f: FoundCollective, writers: list[int], fence: int,
 
 def place(g, found: list[FoundCollective], roles: dict[str, tuple[str, int]], *,
           move: bool = True) -> list[Collective]:
-    """Plan records for the found collectives of graph ``g`` (a ``schedule.GraphComm``); records
+    """Plan records for the found collectives of graph ``g`` (a ``graph_view.GraphView``); records
     each one's issue and wait position in ``g.placed``, so later planning sees them there.
 
     ``roles``: process group name -> (role on the mesh, ranks); others are role ``other``.
     ``move=False`` keeps every one where it was traced.
     """
-    from shardc.passes.schedule import view_users
-
     writers = [i for i, n in enumerate(g.compute) if writes_in_place(n)]
     last_issue: dict[str, int] = {}
     counts: dict[str, int] = {}
@@ -379,73 +363,3 @@ def _role(group_name: str, roles: dict[str, tuple[str, int]]) -> tuple[str, int]
         if group_ranks(name) == ranks:
             return role
     return "other", len(ranks)
-
-
-# ------------------------------------------------------------------------------------ lowering
-
-
-def _anchors(g, gm: fx.GraphModule) -> list[fx.Node]:
-    """Per position ``p``: the node to insert "before compute op p" in front of, once shardc's
-    lowering has run. Lowering moves some compute ops later (views of a reduced gradient go
-    behind its wait), so this is the first op at or after ``p`` still in its traced order (the
-    output node at the end)."""
-    output = gm.graph.find_nodes(op="output")[0]
-    index = {n: i for i, n in enumerate(gm.graph.nodes)}
-    out = [output] * (g.end + 1)
-    later = index[output]  # the smallest index of the ops after the current one
-    for q in range(g.end - 1, -1, -1):
-        node = g.compute[q]
-        if index[node] < later:  # in order (a moved op sits after later ones)
-            later = index[node]
-            out[q] = node
-        else:
-            out[q] = out[q + 1]
-    return out
-
-
-def _run_before(g, anchor: fx.Node) -> list[fx.Node]:
-    """The non-compute nodes right before ``anchor`` (shardc's collectives placed there, found
-    collectives), in order."""
-    run = []
-    node = anchor.prev
-    while node.op not in ("root", "placeholder", "get_attr") and node not in g.position:
-        run.append(node)
-        node = node.prev
-    return run[::-1]
-
-
-def lower(gm: fx.GraphModule, g, records: list[Collective]) -> None:
-    """Move each found collective's issue and wait nodes to its planned positions (call after
-    shardc's collectives are inserted: an issue goes after whatever it reads among them, a wait
-    before whatever reads it)."""
-    if not records:
-        return
-    anchors = _anchors(g, gm)
-    by_issue = {c.nodes[0]: c for c in records}
-    after: dict[int, fx.Node] = {}  # per position: the last issue placed there
-    for f in g.found:  # graph order: each group's collectives keep their order
-        c = by_issue[f.node.name]
-        _place_issue(g, f, anchors[c.issue_pos], after)
-        for w in f.waits:
-            _place_wait(g, w, anchors[c.wait_pos])
-
-
-def _place_issue(g, f: FoundCollective, anchor: fx.Node, after: dict[fx.Node, fx.Node]) -> None:
-    run = [n for n in _run_before(g, anchor) if n is not f.node and n not in f.items]
-    inputs = set(f.node.all_input_nodes)
-    marks = [i for i, n in enumerate(run) if n in inputs or n is after.get(anchor)]
-    if marks:
-        run[marks[-1]].append(f.node)
-    else:
-        (run[0] if run else anchor).prepend(f.node)
-    node = f.node
-    for item in f.items:
-        node.append(item)
-        node = item
-    after[anchor] = node
-
-
-def _place_wait(g, wait: fx.Node, anchor: fx.Node) -> None:
-    readers = set(wait.users)
-    first = next((n for n in _run_before(g, anchor) if n in readers), anchor)
-    first.prepend(wait)

@@ -31,9 +31,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shardc.runtime.collectives import _funcol
+from shardc import _torch
+from shardc.ops.gather import gather_param, shard_grad
+from shardc.ops.gather_args import GatherArgs, ReduceArgs
 from shardc.runtime.grad_sync import STASH
-from shardc.runtime.ops import gather_param, shard_grad
+from shardc.sharding.scope import gathering
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _EPS = 1e-12  # amax floor: an all-zero weight gets a finite scale and quantizes to zeros
@@ -196,7 +198,8 @@ def fp8_amax(amax: torch.Tensor, group_name: str, world: int) -> torch.Tensor:
     instances by one all-reduce of the stacked amaxes (same values: MAX is exact)."""
     if world == 1:
         return amax.clone()
-    return _funcol.wait_tensor(_funcol.all_reduce(amax.contiguous(), "max", group_name))
+    funcol = _torch.funcol
+    return funcol.wait_tensor(funcol.all_reduce(amax.contiguous(), "max", group_name))
 
 
 @fp8_amax.register_fake
@@ -233,13 +236,13 @@ def _reduce_grad(ctx, grad: torch.Tensor) -> torch.Tensor:
 def _gather_fp8(shard, scale, spec: tuple, grad_sync: int, sync_key: str) -> torch.Tensor:
     fqn, dim0, world, group_name, reduce_dtype, reshard, fp8_dtype, _ = spec
     q = quantize(shard, scale, fp8_dtype)
-    return gather_param(q, fqn, dim0, world, group_name, None, reduce_dtype, reshard, grad_sync,
-                        sync_key)
+    return gather_param(*GatherArgs(q, fqn, dim0, world, group_name, None, reduce_dtype, reshard,
+                                    grad_sync, sync_key).args())
 
 
 def _setup(ctx, shard, spec: tuple, grad_sync: int, sync_key: str, *saved) -> None:
     fqn, dim0, world, group_name, reduce_dtype, _, _, compute_dtype = spec
-    ctx.reduce_args = (fqn, dim0, world, group_name, reduce_dtype, shard.dtype)
+    ctx.reduce_args = ReduceArgs(None, fqn, dim0, world, group_name, reduce_dtype, shard.dtype)
     ctx.grad_sync, ctx.sync_key, ctx.compute_dtype = grad_sync, sync_key, compute_dtype
     ctx.save_for_backward(*saved, *((shard,) if grad_sync == STASH else ()))
 
@@ -267,7 +270,7 @@ class _ScaledMMLinear(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         x_scale = scale_from_amax(local_amax(x2), torch.float8_e4m3fn)
         xq = quantize(x2, x_scale, torch.float8_e4m3fn)
-        y = torch._scaled_mm(xq, full.t(), scale_a=x_scale.reciprocal(),
+        y = _torch.scaled_mm(xq, full.t(), scale_a=x_scale.reciprocal(),
                              scale_b=scale.reciprocal(), out_dtype=spec[7])
         # The FP8 input (1 byte per element) is what backward needs, not x itself.
         _setup(ctx, shard, spec, grad_sync, sync_key, xq, x_scale, full, scale)
@@ -282,11 +285,11 @@ class _ScaledMMLinear(torch.autograd.Function):
         g_scale = scale_from_amax(local_amax(g2), torch.float8_e5m2)
         gq = quantize(g2, g_scale, torch.float8_e5m2)
         # Input gradient: gq @ W, the e4m3 weight column-major (a 1-byte transpose copy).
-        grad_x = torch._scaled_mm(gq, full.t().contiguous().t(), scale_a=g_scale.reciprocal(),
+        grad_x = _torch.scaled_mm(gq, full.t().contiguous().t(), scale_a=g_scale.reciprocal(),
                                   scale_b=scale.reciprocal(), out_dtype=ctx.compute_dtype)
         grad_x = grad_x.reshape(ctx.x_shape).to(ctx.x_dtype)
         # Weight gradient (straight-through): gq^T @ xq, then reduced in reduce_dtype.
-        grad_w = torch._scaled_mm(gq.t().contiguous(), xq.t().contiguous().t(),
+        grad_w = _torch.scaled_mm(gq.t().contiguous(), xq.t().contiguous().t(),
                                   scale_a=g_scale.reciprocal(), scale_b=x_scale.reciprocal(),
                                   out_dtype=ctx.compute_dtype)
         return grad_x, _reduce_grad(ctx, grad_w), None, None, None, None
@@ -309,11 +312,9 @@ def _scaled_mm_ok(x: torch.Tensor, weight_shape: torch.Size) -> bool:
 def fp8_linear_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``nn.Linear.forward`` of an FP8-sharded linear: ``_scaled_mm`` where possible, else the
     module's own forward on the dequantized weight."""
-    from shardc.runtime.sharding import _gathering
-
     param = self._parameters["weight"]
     info = self._shardc_fp8_info
-    if not (_gathering() and _scaled_mm_ok(x, param.shape)):
+    if not (gathering() and _scaled_mm_ok(x, param.shape)):
         return nn.Linear.forward(self, x)
     grads = self._shardc_fp8_grads
     shard = param.to_local()

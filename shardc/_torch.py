@@ -1,0 +1,138 @@
+"""Every private ``torch._*`` API shardc uses, in one place.
+
+shardc supports several torch releases (see README); private APIs move between them. Each one is
+imported here, lazily where importing it costs (Inductor, Dynamo), and guarded where releases
+differ, so a torch upgrade is checked in one file. ``tests/test_architecture.py`` fails on a
+``torch._*`` reference anywhere else in the package.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any
+
+import torch
+
+# Types and ops whose public aliases do not exist.
+OpOverload = torch._ops.OpOverload
+funcol = torch.ops._c10d_functional  # torch's functional collectives (the ops graphs hold)
+scaled_mm = torch._scaled_mm  # FP8 matmul (CUDA)
+
+
+def tree_map_only(cls, fn, tree):
+    from torch.utils._pytree import tree_map_only as tree_map
+
+    return tree_map(cls, fn, tree)
+
+
+def detect_fake_mode(values: list) -> Any:
+    from torch._guards import detect_fake_mode as detect
+
+    return detect(values)
+
+
+def unset_fake_temporarily():
+    from torch._subclasses.fake_tensor import unset_fake_temporarily as unset
+
+    return unset()
+
+
+def lazy_graph_module_class() -> type | None:
+    """torch's graph module that generates its code at first call, or None."""
+    try:
+        from torch.fx._lazy_graph_module import _LazyGraphModule
+    except ImportError:  # pragma: no cover - every supported torch has it
+        return None
+    return _LazyGraphModule
+
+
+def custom_partitioner_base() -> type:
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    return CustomPartitionerFn
+
+
+def min_cut_partition(gm, joint_inputs, **kwargs):
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+
+
+def inductor_compilers() -> tuple[Any, Any]:
+    """(``compile_fx``, ``compile_fx_inner``)."""
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    return compile_fx, compile_fx_inner
+
+
+def aot_autograd(**kwargs):
+    from torch._dynamo.backends.common import aot_autograd as aot
+
+    return aot(**kwargs)
+
+
+def no_autograd_cache() -> contextlib.AbstractContextManager:
+    """AOTAutograd's cache off (a hit would skip shardc's partitioner)."""
+    return torch._functorch.config.patch(enable_autograd_cache=False)
+
+
+def dynamo_reset() -> None:
+    torch._dynamo.reset()
+
+
+def resolve_process_group(group_name: str):
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._resolve_process_group(group_name)
+
+
+def process_group_store(group):
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_process_group_store(group)
+
+
+def process_group_timeout(group, device: torch.device):
+    return group._get_backend(device).options._timeout
+
+
+def strided_shard(dim: int, split_factor: int):
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard(dim, split_factor=split_factor)
+
+
+def fake_store():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+def root_mesh(mesh):
+    """The device mesh ``mesh`` was sliced from, or None where this torch cannot tell
+    (``DeviceMesh._get_root_mesh``; ``_mesh_resources.get_root_mesh`` in older releases)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    get = getattr(mesh, "_get_root_mesh", None)
+    if callable(get):
+        with contextlib.suppress(Exception):
+            root = get()
+            if isinstance(root, DeviceMesh):
+                return root
+    with contextlib.suppress(Exception), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # deprecated in the torch versions that have the above
+        from torch.distributed.device_mesh import _mesh_resources
+
+        root = _mesh_resources.get_root_mesh(mesh)
+        if isinstance(root, DeviceMesh):
+            return root
+    return None
+
+
+def flatten_state_dict(state_dict: dict):
+    """DCP's own flattening of a nested state dict: ``(flat dict, mapping)`` whose keys are the
+    checkpoint's metadata keys."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict as flatten
+
+    return flatten(state_dict)

@@ -1,0 +1,233 @@
+"""The ``shardc`` torch.compile backend: the Dynamo, AOTAutograd and Inductor wiring.
+
+Dynamo hands over a forward graph in which every sharded parameter is read through
+``shardc::gather_param``. AOTAutograd traces forward and backward together and calls shardc's
+partitioner (:class:`ShardcPartitioner`), which runs the pipeline
+(:mod:`shardc.compile.pipeline`: joint passes, partition, plan, lower). Inductor (or, with
+``inductor=False``, plain FX) compiles the planned graphs. Everything here is about fitting the
+pipeline into torch.compile's hooks; what shardc does to a graph is in the pipeline.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import fx
+
+from shardc import _torch
+from shardc.compile import pipeline
+from shardc.compile.options import ShardcOptions
+from shardc.compile.pipeline import RegionRecord, capture_partitioned
+from shardc.ops.gather import GATHER_OP
+from shardc.ops.gather_args import GatherArgs
+from shardc.passes.fx_utils import is_call
+from shardc.passes.lower import POOL_PLACEHOLDER
+from shardc.runtime.comm_errors import boxed_with_collective_errors, guard_inductor_graph
+from shardc.runtime.plan_check import announce_region, check_plan_consistency
+
+__all__ = ["RegionRecord", "ShardcPartitioner", "backend", "capture_partitioned",
+           "has_sharded_params", "sharded_gathers", "shardc_backend", "source_hash"]
+
+log = logging.getLogger("shardc")
+
+_SOURCE_ROOT = Path(__file__).resolve().parent.parent  # the shardc package
+
+
+def sharded_gathers(gm: fx.GraphModule) -> Iterator[fx.Node]:
+    """shardc's gather nodes in ``gm`` and in the subgraphs of its higher-order ops: a weight
+    gathered in FP8 is gathered inside a ``torch.autograd.Function``, which Dynamo traces into a
+    subgraph (AOTAutograd inlines it later), so a region whose only sharded parameters are FP8
+    weights has no gather at its top level."""
+    for module in gm.modules():
+        if isinstance(module, fx.GraphModule):
+            yield from (n for n in module.graph.nodes if is_call(n, GATHER_OP))
+
+
+def has_sharded_params(gm: fx.GraphModule) -> bool:
+    return next(sharded_gathers(gm), None) is not None
+
+
+@functools.cache
+def source_hash() -> str:
+    """sha256 over shardc's ``*.py`` files (keys compile caches; identifies measured code)."""
+    digest = hashlib.sha256()
+    for path in sorted(_SOURCE_ROOT.rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+class ShardcPartitioner(_torch.custom_partitioner_base()):
+    """Inductor's custom partitioner hook (and AOTAutograd's ``partition_fn``): the pipeline
+    for one region's joint graph, and for its forward-only graphs."""
+
+    def __init__(self, options: ShardcOptions, region: RegionRecord) -> None:
+        self.options = options
+        self.region = region
+        # Compile caches key DTensor inputs by their global shape, but the compiled graphs hold
+        # this rank's local shard shapes (uneven across ranks): key the cache by rank too.
+        dist = torch.distributed
+        self.rank_key = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else None
+
+    def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
+        self.region.fp8 = pipeline.joint_passes(gm.graph)
+        gm.recompile()
+        fw, bw = pipeline.partition(gm, joint_inputs, **kwargs)
+        pipeline.plan_and_lower(fw, bw, self.options, self.region)
+        return fw, bw
+
+    def plan_inference(self, gm: fx.GraphModule) -> fx.GraphModule:
+        """Plan a forward-only graph (``torch.no_grad()`` / eval): gathers only, no reductions."""
+        if has_sharded_params(gm):
+            self.region.fp8 = pipeline.joint_passes(gm.graph, training=False)
+            gm.recompile()
+            pipeline.plan_and_lower(gm, None, self.options, self.region)
+        return gm
+
+    def uuid(self) -> str:
+        options = sorted(self.options.as_dict().items())
+        return f"shardc-{source_hash()}-{options}-rank{self.rank_key}"
+
+
+def _checked(compiled, region: RegionRecord, options: ShardcOptions):
+    """Wrap a compiled region so its first call compares plans across ranks."""
+
+    def run(*args):
+        if not region.checked:
+            region.checked = True
+            if region.check_index is not None and region.plan is not None:
+                check_plan_consistency(region.plan, region.check_index)
+        return compiled(*args)
+
+    run._boxed_call = getattr(compiled, "_boxed_call", False)
+    return run
+
+
+def _sharded_attr(example_inputs: Sequence[object], name: str):
+    """What ``shardc.shard`` recorded on its parameters under ``name`` (the first input that has
+    it), or None."""
+    for value in example_inputs:
+        found = getattr(value, name, None)
+        if found is not None:
+            return found
+    return None
+
+
+def _region_registry(example_inputs: Sequence[object]) -> list | None:
+    return _sharded_attr(example_inputs, "_shardc_regions")
+
+
+def _inductor_with_pool(compile_inner, graph: fx.GraphModule, inputs, region: RegionRecord,
+                        kw: dict):
+    """Compile ``graph`` with Inductor; a failing collective is re-raised naming it (looked up
+    only after a failure, see ``comm_errors.guard_inductor_graph``). If the graph takes the
+    communication pool as an input (:func:`add_pool_placeholder`), the returned callable inserts
+    the region's pool into the arguments AOTAutograd passes (which do not include it)."""
+    placeholders = graph.graph.find_nodes(op="placeholder")
+    names = [p.name for p in placeholders]
+    if POOL_PLACEHOLDER not in names:
+        return guard_inductor_graph(compile_inner(graph, inputs, **kw), graph,
+                                    lambda: region.plan)
+    index = names.index(POOL_PLACEHOLDER)
+    inputs = list(inputs)
+    if len(inputs) < len(placeholders):
+        inputs.insert(index, placeholders[index].meta["val"])
+    static = list(kw.get("static_input_idxs") or ())
+    if static and len(static) == len(set(static)) and index not in static:
+        # The pool never moves: a static input (for CUDA graphs too). Indices after it shift.
+        static = sorted([i + (i >= index) for i in static] + [index])
+        kw["static_input_idxs"] = static
+    compiled = guard_inductor_graph(compile_inner(graph, inputs, **kw), graph,
+                                    lambda: region.plan)
+    pool = region.pool
+
+    def run(args):
+        args.insert(index, pool)
+        return compiled(args)
+
+    run._boxed_call = True
+    return run
+
+
+def _fx_compiler(gm: fx.GraphModule, example_inputs: Sequence[object], *,
+                 region: RegionRecord):
+    # Boxed like make_boxed_func; a failing collective is re-raised naming it (no per-step cost).
+    return boxed_with_collective_errors(gm, lambda: region.plan)
+
+
+def _compile_unsharded(gm: fx.GraphModule, example_inputs, options: ShardcOptions):
+    log.info("shardc: this graph reads no sharded parameter; compiling it like the default backend")
+    if options.inductor:
+        compile_fx, _ = _torch.inductor_compilers()
+        return compile_fx(gm, example_inputs)
+    return gm.forward
+
+
+def shardc_backend(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[object],
+    options: dict | None = None,
+    mode: str | None = None,
+    **kwargs: Any,
+):
+    """The backend registered as ``"shardc"``; ``options`` are :class:`ShardcOptions` fields."""
+    opts = ShardcOptions.from_kwargs({**(options or {}), **kwargs})
+    if not has_sharded_params(gm):
+        return _compile_unsharded(gm, example_inputs, opts)
+    registry = _region_registry(example_inputs)
+    region = RegionRecord(len(registry) if registry is not None else 0,
+                          _sharded_attr(example_inputs, "_shardc_groups"))
+    if registry is not None:
+        registry.append(region)
+    if opts.check_plan_consistency:
+        # Numbered as compilation starts, so a rank whose collective times out because another
+        # rank is compiling a region it did not can tell (plan_check.recompiled_elsewhere).
+        gather = next(sharded_gathers(gm))
+        region.check_index = announce_region(GatherArgs.of(gather).group_name)
+    partitioner = ShardcPartitioner(opts, region)
+    if opts.inductor:
+        compile_fx, compile_fx_inner = _torch.inductor_compilers()
+
+        def inner_compile(graph: fx.GraphModule, inputs, **kw: Any):
+            if kw.get("is_inference"):
+                partitioner.plan_inference(graph)
+            return _inductor_with_pool(compile_fx_inner, graph, inputs, region, kw)
+
+        # AOTAutograd's cache would skip shardc's partitioner on a hit, and with it the plan
+        # (explain, dumps, the cross-rank check); Inductor's own graph cache still applies.
+        with _torch.no_autograd_cache():
+            compiled = compile_fx(
+                gm, example_inputs, inner_compile=inner_compile,
+                config_patches={
+                    "custom_partitioner_fn": partitioner,
+                    # shardc plans memory itself; Inductor's peak-memory reordering would move the
+                    # prefetched all-gathers next to their waits and undo the overlap.
+                    "reorder_for_peak_memory": False,
+                },
+            )
+    else:
+        fx_compiler = functools.partial(_fx_compiler, region=region)
+
+        def inference_compiler(graph: fx.GraphModule, inputs):
+            return fx_compiler(partitioner.plan_inference(graph), inputs)
+
+        compiled = _torch.aot_autograd(
+            fw_compiler=fx_compiler, bw_compiler=fx_compiler, partition_fn=partitioner,
+            inference_compiler=inference_compiler,
+        )(gm, example_inputs)
+    return _checked(compiled, region, opts)
+
+
+def backend(**options: Any):
+    """A ``torch.compile`` backend with these :class:`ShardcOptions` (validated now)."""
+    opts = ShardcOptions.from_kwargs(options)
+
+    def configured_shardc(gm: fx.GraphModule, example_inputs: Sequence[object], **kw: Any):
+        return shardc_backend(gm, example_inputs, {**opts.as_dict(), **kw.pop("options", {})}, **kw)
+
+    return configured_shardc

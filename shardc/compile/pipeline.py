@@ -1,0 +1,177 @@
+"""The pipeline: what shardc does to one compiled region, in order.
+
+:func:`joint_passes` runs on the joint forward-backward graph, before the partitioner;
+:func:`partition` splits it; :func:`plan_and_lower` plans the partitioned graphs and rewrites
+them. Nothing here knows Dynamo, AOTAutograd or Inductor: :mod:`shardc.compile.backend` calls
+these functions from their hooks, and :mod:`shardc.tools.template` calls
+:func:`plan_and_lower` on graphs it built itself.
+
+1. FP8 (``shardc.passes.fp8``): merge amax all-reduces, dedupe FP8 gathers, tag dequantization.
+2. Dedupe (``shardc.passes.dedupe``): one gather and one reduction per parameter.
+3. Reshard (``shardc.passes.reshard``): resharded gathers must be recomputed in backward.
+4. Partition (torch's min-cut), then check that no gathered parameter is saved.
+5. Plan (``shardc.planning.schedule``): buckets, issue and wait positions, simulation; place the
+   buffers in the pool (``shardc.memory.pool``); while the pool exceeds the memory budget, plan
+   again with shallower prefetch.
+6. Lower (``shardc.passes.lower``): bucketed functional collectives at the planned positions,
+   their buffers views of the region's pool.
+7. Predict the step's peak memory (``shardc.memory.peak``); dump the plan if asked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import fx
+
+from shardc import _torch
+from shardc.compile.options import ShardcOptions
+from shardc.memory.peak import param_placeholders, predict_peak
+from shardc.memory.pool import assign_pool
+from shardc.ops.gather import GATHER_OP
+from shardc.ops.gather_args import GatherArgs
+from shardc.passes.dedupe import dedupe_gathers, merge_reduce_scatters
+from shardc.passes.fp8 import Fp8Summary, hoist_fp8_quantize, prepare_fp8
+from shardc.passes.fx_utils import allocate_real, copy_graph_module, is_call
+from shardc.passes.lower import add_pool_placeholder, apply_plan
+from shardc.passes.reshard import check_no_gathered_saved, tag_resharded_gathers
+from shardc.planning.plan import Plan
+from shardc.planning.schedule import plan_region
+from shardc.runtime.collectives import resolve_group
+
+log = logging.getLogger("shardc")
+
+
+@dataclass
+class RegionRecord:
+    """What shardc keeps about one compiled region: its graphs, its plan and its pool."""
+
+    index: int
+    # Process group name -> (role on the mesh, ranks), for the plan (MeshLayout.group_roles).
+    groups: dict[str, tuple[str, int]] | None = None
+    forward: fx.GraphModule | None = None
+    backward: fx.GraphModule | None = None
+    plan: Plan | None = None
+    checked: bool = False
+    pool: torch.Tensor | None = None
+    check_index: int | None = None  # the region's number for the cross-rank plan check
+    fp8: Fp8Summary | None = field(default=None, repr=False)  # what the FP8 passes did
+
+
+# Set by capture_partitioned(): where regions compiled in its scope leave their partitioned graphs.
+_PARTITIONED_SINK: ContextVar[list | None] = ContextVar("shardc_partitioned_sink", default=None)
+
+
+@contextlib.contextmanager
+def capture_partitioned() -> Iterator[list[tuple[fx.GraphModule, fx.GraphModule]]]:
+    """Collect a copy of the partitioned, not yet planned ``(forward, backward)`` graphs of every
+    training region compiled inside this context (``shardc.tools.template`` repeats them to plan
+    a deeper model). The regions themselves are planned and compiled as usual."""
+    sink: list = []
+    token = _PARTITIONED_SINK.set(sink)
+    try:
+        yield sink
+    finally:
+        _PARTITIONED_SINK.reset(token)
+
+
+def joint_passes(graph: fx.Graph, *, training: bool = True) -> Fp8Summary | None:
+    """Steps 1-3 on a joint graph (``training``) or a forward-only one (gathers only)."""
+    fp8 = prepare_fp8(graph)
+    dedupe_gathers(graph)
+    if training:
+        merge_reduce_scatters(graph)
+        tag_resharded_gathers(graph)
+    return fp8
+
+
+def partition(gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs
+              ) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Step 4: the min-cut partition of the joint graph, checked."""
+    fw, bw = _torch.min_cut_partition(gm, joint_inputs, **kwargs)
+    check_no_gathered_saved(fw, bw)
+    sink = _PARTITIONED_SINK.get()
+    if sink is not None:
+        sink.append((copy_graph_module(fw), copy_graph_module(bw)))
+    return fw, bw
+
+
+def plan_and_lower(fw: fx.GraphModule, bw: fx.GraphModule | None, options: ShardcOptions,
+                   region: RegionRecord) -> Plan:
+    """Steps 5-7 on a region's partitioned graphs (``bw``: None for a forward-only graph);
+    records the graphs, the plan and the pool in ``region`` and returns the plan."""
+    hoist_fp8_quantize(fw)
+    hoist_fp8_quantize(bw)
+    plan = plan_within_budget(fw, bw, options, region)
+    if region.fp8 is not None:
+        plan.notes.append(region.fp8.note())
+    fw_params = param_placeholders(fw)
+    bw_params = param_placeholders(bw) if bw is not None else set()
+    rank = rank_in_plan(plan)
+    pool = allocate_pool(fw, plan, options) if bw is not None else None
+    region.pool = pool
+    for gm, name in ((fw, "forward"), (bw, "backward")):
+        if gm is None:
+            continue
+        # Inductor sees the pool as a graph input it writes into (a constant would be copied
+        # or folded); the compiled graph's caller appends it (backend._inductor_with_pool).
+        where = add_pool_placeholder(gm, pool) if pool is not None and options.inductor \
+            else pool
+        apply_plan(gm, plan, name, rank, pool=where, poison=options.debug_pool)
+    predict_peak(fw, bw, plan, fw_params, bw_params,
+                 optimizer_state_factor=options.optimizer_state_factor,
+                 optimizer_temp_factor=options.optimizer_temp_factor,
+                 persistent_bytes=pool.numel() if pool is not None else 0,
+                 fusion=options.inductor)
+    region.forward, region.backward, region.plan = fw, bw, plan
+    if options.dump_dir:
+        from shardc.tools.render import dump_plan
+
+        try:
+            dump_plan(plan, options.dump_dir, rank=rank)
+        except OSError as exc:  # a dump must never break training
+            log.warning("shardc: could not write the plan dump: %s", exc)
+    return plan
+
+
+def plan_within_budget(fw: fx.GraphModule, bw: fx.GraphModule | None, options: ShardcOptions,
+                       region: RegionRecord) -> Plan:
+    """Plan, place the buffers in the pool, and while the pool exceeds the memory budget
+    (``memory_budget_bytes`` as the pool's size), plan again with shallower prefetch."""
+    while True:
+        plan = plan_region(fw, bw, options, region=region.index, groups=region.groups)
+        assign_pool(plan)
+        budget = options.memory_budget_bytes
+        if not budget or plan.predicted.pool_bytes <= budget or not options.prefetch:
+            return plan
+        if options.prefetch_depth <= 1:
+            options = replace(options, prefetch=False)
+        else:
+            options = replace(options, prefetch_depth=options.prefetch_depth - 1)
+        plan.notes.append(f"pool {plan.predicted.pool_bytes:.0f} B over budget {budget} B")
+
+
+def allocate_pool(fw: fx.GraphModule, plan: Plan, options: ShardcOptions) -> torch.Tensor | None:
+    """The region's communication pool, allocated once and shared by its forward and
+    backward (training graphs; forward-only graphs let the compiler place the buffers)."""
+    if not options.comm_pool:
+        plan.notes.append("communication buffers: allocated per collective (no static pool)")
+        return None
+    # The device of what the gathers send (parameter shards, or an FP8 weight's quantized
+    # shard, whose placeholder param_placeholders does not find through the quantization).
+    sent = [GatherArgs.of(n).shard.meta["val"] for n in fw.graph.nodes if is_call(n, GATHER_OP)]
+    device = sent[0].device if sent else torch.device("cpu")
+    plan.notes.append("communication buffers: views of one static pool")
+    return allocate_real(int(plan.predicted.pool_bytes), torch.uint8, device)
+
+
+def rank_in_plan(plan: Plan) -> int:
+    """This process's rank in the plan's shard group."""
+    if not plan.group_name or plan.world_size == 1:
+        return 0
+    return torch.distributed.get_rank(resolve_group(plan.group_name))

@@ -1,0 +1,1 @@
+"""For people: the plan's renderings, ``shardc.explain``, the CLI, planning from a template."""

@@ -1,0 +1,109 @@
+"""Plan format version 4 (collective kinds, explicit links, typed predictions), and plans written
+by older versions still read."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from shardc.planning.plan import (
+    PLAN_VERSION,
+    Bucket,
+    Collective,
+    CollectiveKind,
+    Plan,
+    Predictions,
+)
+
+BENCH = Path(__file__).resolve().parent.parent / "docs" / "bench"
+
+
+def _old_plans() -> list[tuple[str, dict]]:
+    out = []
+    for path in sorted(BENCH.glob("*_plan.json.gz")):
+        data = json.loads(gzip.decompress(path.read_bytes()))
+        for i, plan in enumerate(data if isinstance(data, list) else [data]):
+            out.append((f"{path.name}[{i}]", plan))
+    return out
+
+
+OLD = _old_plans()
+
+
+def test_the_benchmark_plans_are_older_versions():
+    assert PLAN_VERSION == 4
+    assert {plan["version"] for _, plan in OLD} == {1, 3}
+
+
+@pytest.mark.parametrize("name,data", OLD, ids=[n for n, _ in OLD])
+def test_older_plan_reads_with_typed_predictions_and_kinds(name, data):
+    plan = Plan.from_dict(data)
+    assert plan.version == data["version"]
+    assert isinstance(plan.predicted, Predictions)
+    assert plan.predicted.to_dict() == data["predicted"]
+    assert plan.predicted.step_time_s == data["predicted"]["step_time_s"]
+    assert [c.kind for c in plan.collectives] == [c["kind"] for c in data["collectives"]]
+    assert all(isinstance(c.kind, CollectiveKind) for c in plan.collectives)
+    assert all(c.link == "" for c in plan.collectives)  # no HSDP: nothing to link
+    # What the ranks compare is unchanged by reading it with this version.
+    assert plan.hash() == data["hash"]
+
+
+def _hsdp_plan() -> Plan:
+    bucket = Bucket(0, "layers.0", ["w"], [8], [4], [3], "float32", "float32", 2, 2, "g1")
+
+    def coll(kind: str, issue: int, wait: int, link: str = "") -> Collective:
+        return Collective(
+            id=f"backward.{kind}.0", kind=kind, graph="backward", bucket=0, params=["w"],
+            bytes=48, buffer_bytes=96, dtype="float32", stream="comm", issue_pos=issue,
+            wait_pos=wait, first_use_pos=wait, last_use_pos=wait, link=link,
+            group="replicate" if kind == "all_reduce" else "shard")
+
+    rs = coll("reduce_scatter", 1, 2, "backward.all_reduce.0")
+    ar = coll("all_reduce", 2, 3, "backward.reduce_scatter.0")
+    plan = Plan(PLAN_VERSION, 0, 2, {}, [bucket], [rs, ar], replicate_size=2,
+                replicate_group_name="g1")
+    plan.predicted.step_time_s = 1.5
+    return plan
+
+
+def test_version_4_round_trips_and_links_both_ways():
+    plan = _hsdp_plan()
+    data = plan.to_dict()
+    assert data["predicted"] == {"step_time_s": 1.5}  # only the predictions made
+    assert data["collectives"][0]["kind"] == "reduce_scatter"
+    again = Plan.from_dict(json.loads(json.dumps(data)))
+    assert again.to_dict() == data
+    rs, ar = again.collectives
+    assert again.linked(rs) is ar and again.linked(ar) is rs
+
+
+def test_version_3_hsdp_plan_gets_its_links_from_the_ids():
+    data = _hsdp_plan().to_dict()
+    data["version"] = 3
+    for c in data["collectives"]:
+        del c["link"]
+    plan = Plan.from_dict(data)
+    rs, ar = plan.collectives
+    assert (rs.link, ar.link) == (ar.id, rs.id)
+
+
+def test_predictions_read_by_key_and_refuse_unknown_names():
+    p = Predictions(pool_bytes=512.0)
+    assert p["pool_bytes"] == 512.0 and "pool_bytes" in p and "peak_bytes" not in p
+    assert p.get("peak_bytes", 0.0) == 0.0
+    with pytest.raises(KeyError):
+        p["peak_bytes"]
+    with pytest.raises(KeyError):
+        p["pool_bytez"] = 1.0
+    with pytest.raises(ValueError, match="pool_bytez"):
+        Predictions.from_dict({"pool_bytez": 1.0})
+
+
+def test_collective_kind_refuses_unknown_kinds():
+    with pytest.raises(ValueError):
+        CollectiveKind("all_gatherx")
+    assert f"{CollectiveKind.ALL_GATHER}" == "all_gather"
