@@ -40,7 +40,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from shardc.memory.allocator import max_live, plan_offsets  # noqa: E402
+from benchmarks.allocator_search import max_live, plan_offsets  # noqa: E402
 
 Buffer = tuple[int, int, int]
 

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from train_bench import DEFAULT_BATCH, model_config  # noqa: E402
 
 import shardc  # noqa: E402
-from shardc.compile.backend import ShardcPartitioner  # noqa: E402
+from shardc.compile import pipeline  # noqa: E402
 from shardc.memory import peak as memory  # noqa: E402
 from shardc.models.llama import Transformer, llama_loss, rope_tables  # noqa: E402
 from shardc.sharding.shard import shard_state  # noqa: E402
@@ -43,19 +43,19 @@ class _Planned(Exception):
 def plan_only(params: dict):
     """Stop compilation right after shardc plans and lowers a region; ``params`` receives the
     parameter-shard placeholders of its graphs (which the lowering removes from view)."""
-    original = ShardcPartitioner.plan_and_lower
+    original = pipeline.plan_and_lower
 
-    def plan_and_stop(self, fw, bw):
+    def plan_and_stop(fw, bw, options, region):
         params["forward"] = memory.param_placeholders(fw)
         params["backward"] = memory.param_placeholders(bw) if bw is not None else set()
-        original(self, fw, bw)
+        original(fw, bw, options, region)
         raise _Planned
 
-    ShardcPartitioner.plan_and_lower = plan_and_stop
+    pipeline.plan_and_lower = plan_and_stop  # the backend calls it through the module
     try:
         yield
     finally:
-        ShardcPartitioner.plan_and_lower = original
+        pipeline.plan_and_lower = original
 
 
 def plan_benchmark_model(name: str, batch: int, world: int, seq: int = 2048):

@@ -1,4 +1,6 @@
-"""Tests for shardc.passes.allocator (static-pool offset assignment)."""
+"""Tests for the static-pool offset assignment: the runtime's greedy placement
+(``shardc.memory.allocator``) and the search benchmark built on it
+(``benchmarks/allocator_search.py``, ``mode="best"``)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shardc.memory.allocator import OffsetPlan, max_live, plan_offsets
+from benchmarks.allocator_search import OffsetPlan, max_live, plan_offsets
+from shardc.memory import allocator as runtime_allocator
 
 # --------------------------------------------------------------------------------------------
 # Independent reference checks (deliberately naive: O(n^2), no shared code with the module)
@@ -261,3 +264,11 @@ def test_bad_alignment(alignment):
 def test_bad_mode():
     with pytest.raises(ValueError, match="mode"):
         plan_offsets([(0, 1, 1)], mode="optimal")
+
+
+@_SETTINGS
+@given(bufs=_instances(), alignment=st.sampled_from([1, 4, 512]))
+def test_runtime_allocator_is_the_fast_mode(bufs, alignment):
+    """The package places the pool with exactly the benchmark's fast mode (no clock, no search)."""
+    assert runtime_allocator.plan_offsets(bufs, alignment=alignment) == plan_offsets(
+        bufs, alignment=alignment, mode="fast")

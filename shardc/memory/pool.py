@@ -59,7 +59,7 @@ def assign_pool(plan: Plan) -> list[CommBuffer]:
         plan.predicted.pool_bytes = 0
         return buffers
     result = plan_offsets([(b.start, b.end, b.nbytes) for b in buffers],
-                          alignment=POOL_ALIGNMENT, mode="fast")
+                          alignment=POOL_ALIGNMENT)
     by_id = {c.id: c for c in plan.collectives}
     for buf, off in zip(buffers, result.offsets):
         if buf.role == "recv":

@@ -1,1 +1,2 @@
-"""Graph passes and planners. Each module holds one concern and no global state."""
+"""Graph rewrites: each module holds one pass (a function from a graph, plus explicit inputs, to
+a graph) and no global state."""

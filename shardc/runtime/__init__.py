@@ -1,1 +1,2 @@
-"""Runtime pieces: sharded parameters, collectives, the buffer pool, FP8 and checkpoint hooks."""
+"""What runs at step time: the eager collectives, gradient accumulation without sync, the
+cross-rank plan check and the errors of failing collectives."""

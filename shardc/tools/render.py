@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from shardc.planning.plan import Collective, ComputeOp, Plan
+from shardc.planning.plan import Collective, CollectiveKind, ComputeOp, Plan
 
 log = logging.getLogger("shardc")
 
@@ -145,7 +145,7 @@ def _bytes_by_dtype(plan: Plan) -> list[str]:
     dtype (FP8 gathers show up here as half the bytes of bf16); then one line per group of the
     collectives found in the traced graph (tensor parallelism): count and bytes by kind."""
     lines = []
-    for kind in ("all_gather", "reduce_scatter"):
+    for kind in (CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER):
         totals: dict[str, int] = {}
         for c in plan.collectives:
             if c.kind == kind and c.origin == "shardc":
