@@ -1,0 +1,66 @@
+"""The benchmark's modes by name: which setup builds each, and the config each runs under.
+
+Contract: :func:`setup_mode` builds the model and the :class:`setup.Setup` of a mode on ``mesh``;
+:func:`mode_context` is entered around the whole mode (compiles happen inside it, lazily).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import bench_mesh
+import torch
+from train.baselines import setup_bound, setup_fsdp2
+from train.setup import Setup
+from train.shardc_mode import setup_shardc
+from train.simplefsdp import setup_simplefsdp
+from train.workload import build_model
+
+from shardc.models.llama import LlamaConfig
+
+MODES: tuple[str, ...] = ("fsdp2", "fsdp2-compile", "simplefsdp", "shardc", "bound")
+
+
+# Diagnostic variants, run only when named in --modes.
+EXTRA_MODES: tuple[str, ...] = ("shardc-keeporder", "shardc-pool")
+
+
+SHARDED_BASELINES: tuple[str, ...] = ("fsdp2", "fsdp2-compile", "simplefsdp")
+
+
+def mode_context(mode: str) -> contextlib.AbstractContextManager:
+    """Config a mode runs under (compiles happen lazily, in the first forward and backward).
+
+    ``shardc-keeporder``: shardc with Inductor's ``reorder_for_peak_memory`` off. With it on (the
+    default), Inductor's scheduler moves each of shardc's all-gathers (and reduce-scatters) right
+    next to its wait, undoing the plan's prefetch; this variant measures the plan as planned.
+    """
+    if mode == "shardc-keeporder":
+        return torch._inductor.config.patch(reorder_for_peak_memory=False)
+    return contextlib.nullcontext()
+
+
+def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_graph: bool = True
+               ) -> Setup:
+    model = build_model(cfg, device)
+    if mode == "bound":
+        return setup_bound(model, loss_in_graph)
+    if mode == "simplefsdp" and mesh.ndim != 1:
+        raise NotImplementedError("simplefsdp mode: 1-D meshes only (no --mesh / --tp)")
+    model = bench_mesh.parallelize_llama(model, mesh)  # --tp: tensor-parallel blocks first
+    if mode == "fsdp2":
+        return setup_fsdp2(model, bench_mesh.dp_mesh(mesh), compile_blocks=False)
+    if mode == "fsdp2-compile":
+        return setup_fsdp2(model, bench_mesh.dp_mesh(mesh), compile_blocks=True)
+    if mode == "simplefsdp":
+        return setup_simplefsdp(model, mesh, loss_in_graph)
+    if mode == "shardc-pool":
+        setup = setup_shardc(model, mesh, loss_in_graph, comm_pool=True)
+        setup.info["options"] = "comm_pool=True (static communication pool under Inductor)"
+        return setup
+    if mode in ("shardc", "shardc-keeporder"):
+        setup = setup_shardc(model, mesh, loss_in_graph)
+        if mode == "shardc-keeporder":
+            setup.info["inductor_config"] = {"reorder_for_peak_memory": "False"}
+        return setup
+    raise ValueError(f"unknown mode {mode!r}")

@@ -1,0 +1,66 @@
+"""The shardc modes: ``shardc.shard`` then ``torch.compile(..., backend="shardc")``.
+
+Contract: :func:`setup_shardc` returns a :class:`setup.Setup` whose ``after_first_step`` summarizes
+shardc's plans (``shardc.explain_all``: buckets, collectives, predictions, hashes) and hands the
+plans themselves to the driver under ``_plans`` (dumped by rank 0, never serialized with the
+results). Only shardc's public API is used.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from train.setup import Setup, compiled_loss
+
+import shardc
+from shardc.models.llama import Transformer
+
+
+def _shardc_backend_name() -> str:
+    """``"shardc"``, registering it if the package is importable but not installed (no entry
+    point, e.g. ``PYTHONPATH=$PWD`` on a fresh machine)."""
+    from torch._dynamo.backends.registry import list_backends, register_backend
+
+    if "shardc" not in list_backends(exclude_tags=()):
+        register_backend(compiler_fn=shardc.shardc_backend, name="shardc")
+    return "shardc"
+
+
+def setup_shardc(model: Transformer, mesh, loss_in_graph: bool, **options: Any) -> Setup:
+    """shardc: shard in place, compile with the shardc backend and its default plan (or these
+    backend options)."""
+    mp = shardc.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    shardc.shard(model, mesh, mp_policy=mp)
+    backend = shardc.backend(**options) if options else _shardc_backend_name()
+    compiled = compiled_loss(model, loss_in_graph, backend=backend)
+
+    def plan_summary() -> dict[str, Any]:
+        plans = shardc.explain_all(model)
+        regions = []
+        for plan in plans:
+            pred = dict(plan.predicted)
+            regions.append({
+                "region": plan.region,
+                "buckets": len(plan.buckets),
+                "collectives": len(plan.collectives),
+                "predicted": pred,
+                "hash": plan.hash(),
+            })
+        out: dict[str, Any] = {"regions": regions, "n_regions": len(plans)}
+        if plans and all("peak_bytes" in p.predicted for p in plans):
+            out["predicted_peak_bytes"] = max(p.predicted["peak_bytes"] for p in plans)
+            out["predicted_peak_kind"] = "peak_bytes (whole step)"
+        elif plans:
+            out["predicted_peak_bytes"] = max(
+                p.predicted.get("peak_comm_buffer_bytes", 0) for p in plans
+            )
+            out["predicted_peak_kind"] = "peak_comm_buffer_bytes (communication buffers only)"
+        for key in ("exposed_comm_s", "step_time_s", "comm_time_s"):
+            if plans:
+                out[f"predicted_{key}"] = sum(p.predicted.get(key, 0.0) for p in plans)
+        out["_plans"] = plans  # not serialized: dumped separately by rank 0
+        return out
+
+    return Setup(compiled, list(model.parameters()), [model, compiled],
+                 {"options": "default (ShardcOptions())"}, plan_summary)
