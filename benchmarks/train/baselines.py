@@ -9,9 +9,9 @@ from __future__ import annotations
 import functools
 
 import torch
-from train.setup import Setup, compiled_loss, model_loss, swap_param_reads
 
 from shardc.models.llama import Transformer
+from train.setup import Setup, compiled_loss, model_loss, swap_param_reads
 
 
 def setup_fsdp2(model: Transformer, mesh, compile_blocks: bool) -> Setup:

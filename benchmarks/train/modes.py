@@ -10,13 +10,13 @@ import contextlib
 
 import bench_mesh
 import torch
+
+from shardc.models.llama import LlamaConfig
 from train.baselines import setup_bound, setup_fsdp2
 from train.setup import Setup
 from train.shardc_mode import setup_shardc
 from train.simplefsdp import setup_simplefsdp
 from train.workload import build_model
-
-from shardc.models.llama import LlamaConfig
 
 MODES: tuple[str, ...] = ("fsdp2", "fsdp2-compile", "simplefsdp", "shardc", "bound")
 

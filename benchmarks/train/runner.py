@@ -21,12 +21,12 @@ from typing import Any
 import bench_mesh
 import torch
 import torch.distributed as dist
+
+from shardc.models.llama import LlamaConfig
 from train.kernels import kernel_breakdown
 from train.modes import setup_mode
 from train.setup import Setup
 from train.workload import synthetic_batches
-
-from shardc.models.llama import LlamaConfig
 
 
 def sync(device: torch.device) -> None:

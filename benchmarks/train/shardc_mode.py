@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from train.setup import Setup, compiled_loss
 
 import shardc
 from shardc.models.llama import Transformer
+from train.setup import Setup, compiled_loss
 
 
 def _shardc_backend_name() -> str:

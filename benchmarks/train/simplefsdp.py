@@ -18,9 +18,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from train.setup import Setup, compiled_loss, swap_param_reads
 
 from shardc.models.llama import Transformer
+from train.setup import Setup, compiled_loss, swap_param_reads
 
 
 def _recompute_gathers_pass(gm: torch.fx.GraphModule, joint_inputs: Any) -> torch.fx.GraphModule:
