@@ -2,14 +2,17 @@
 
 Communication times are sympy expressions in the world size ``W``, the bus bandwidth ``B``
 (bytes/s) and the per-step latency ``alpha`` (s), so one plan can be evaluated for any cluster
-(``ClusterSpec.evaluate``). Compute time is ``max(flops / peak_flops, bytes / mem_bandwidth)``
-per op (roofline). ``calibrate`` fits bandwidth and latency to measured collective timings.
+(``ClusterSpec.evaluate``); planning evaluates the same expressions, compiled once per collective
+kind into plain arithmetic (``ClusterSpec.collective_seconds``), so the ring model is written
+once. Compute time is ``max(flops / peak_flops, bytes / mem_bandwidth)`` per op (roofline).
+``calibrate`` fits bandwidth and latency to measured collective timings.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import sympy
@@ -20,6 +23,7 @@ from shardc.passes.fx_utils import size_hint, tensor_nbytes
 from shardc.planning.plan import CollectiveKind as Kind
 
 W, B, ALPHA = sympy.symbols("W B alpha", positive=True)
+_BYTES = sympy.Symbol("bytes", positive=True)
 
 
 def _ring_terms(kind: str, world):
@@ -45,6 +49,15 @@ def collective_time_expr(kind: str, buffer_bytes: int | sympy.Expr) -> sympy.Exp
     return steps * ALPHA + wire * buffer_bytes / B
 
 
+@functools.cache
+def _collective_time_fn(kind: str) -> Callable[[int, float, float, float], float]:
+    """:func:`collective_time_expr` of ``kind`` as a function ``(world, bandwidth, latency,
+    buffer_bytes) -> seconds`` of plain float arithmetic (sympy's code generation; built once
+    per kind, cheap to call in planning loops)."""
+    expr = collective_time_expr(kind, _BYTES)
+    return sympy.lambdify((W, B, ALPHA, _BYTES), expr, modules="math")
+
+
 @dataclass(frozen=True)
 class ClusterSpec:
     """Numbers for one cluster; ``evaluate`` substitutes them into a communication expression."""
@@ -63,14 +76,14 @@ class ClusterSpec:
 
     def collective_seconds(self, kind: str, buffer_bytes: int, world: int,
                            level: str = "intra") -> float:
-        """Closed form of collective_time_expr, for speed in planning loops; ``level="inter"``
-        uses the inter-node bandwidth and latency (HSDP's replicate dimension)."""
+        """Seconds of one collective: :func:`collective_time_expr` at this cluster's numbers;
+        ``level="inter"`` uses the inter-node bandwidth and latency (HSDP's replicate
+        dimension)."""
         if world <= 1:
             return 0.0
-        steps, wire = _ring_terms(kind, world)
         bandwidth, latency = ((self.inter_node_bandwidth, self.inter_node_latency_s)
                               if level == "inter" else (self.bus_bandwidth, self.latency_s))
-        return steps * latency + wire * buffer_bytes / bandwidth
+        return float(_collective_time_fn(kind)(world, bandwidth, latency, buffer_bytes))
 
     def compute_seconds(self, flops: float, nbytes: float) -> float:
         return max(flops / self.peak_flops, nbytes / self.mem_bandwidth)
