@@ -199,7 +199,8 @@ def shardc_backend(
             return _inductor_with_pool(compile_fx_inner, graph, inputs, region, kw)
 
         # AOTAutograd's cache would skip shardc's partitioner on a hit, and with it the plan
-        # (explain, dumps, the cross-rank check); Inductor's own graph cache still applies.
+        # (explain, dumps, the cross-rank check). Inductor's FX graph cache stays on (though a
+        # second process was seen to miss it: docs/research/compile_once_spike.md).
         with _torch.no_autograd_cache():
             compiled = compile_fx(
                 gm, example_inputs, inner_compile=inner_compile,
