@@ -1326,7 +1326,8 @@ SCENARIOS: dict[str, Callable[[Ctx], dict]] = {
 }
 HF = ("hf_gpt2", "hf_checkpoint", "hf_checkpoint_reentrant", "hf_checkpoint_eager",
       "hf_checkpoint_inductor")  # needs the transformers package
-# Run by their own groups, only for the tests marked slow (tests/test_real_models.py::slow_runs).
+# Run by their own groups, only for the tests marked slow (tests/test_real_models.py::slow_runs);
+# the Inductor ones at world 2 only: Inductor compiles slowly on CPU.
 INDUCTOR_SCENARIOS = ("hf_checkpoint_inductor",)
 SLOW_SCENARIOS = ("checkpoint_sdpa_reentrant", "checkpoint_sdpa_dynamic",
                   "checkpoint_sdpa_save_all", "hf_checkpoint_reentrant", "checkpoint_dropout",
