@@ -116,6 +116,11 @@ def _cmd_plan(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["calibrate"]:  # its own command line: shardc.tools.calibrate
+        from shardc.tools.calibrate import main as calibrate
+
+        return calibrate(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m shardc")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="plan a model for a world size, without GPUs")
