@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import shardc
 from shardc.checkpoint import ModelState, OptimizerState
-from shardc.planning.cost_model import ClusterSpec
+from shardc.planning.profile import resolve_profile
 from shardc.runtime.collectives import group_ranks
 
 TP_STEPS, TP_LR = 3, 1e-2
@@ -126,7 +126,7 @@ def _all_reduce_lanes(plan) -> list[tuple[float, float, float, list[float]]]:
 
 def _plan_summary(model: nn.Module) -> list[dict]:
     state = shardc.shard_state(model)
-    spec = ClusterSpec()
+    spec = resolve_profile(None)  # the default profile (the H100 preset on a CPU machine)
     out = []
     for region in state.regions:
         p = region.plan

@@ -9,7 +9,7 @@ whatever it computes in between. Rules (Inductor's, simplified):
   attention (``_scaled_dot_product_*``, flash / efficient / cuDNN) are one kernel each;
 - pointwise ops, reductions and the loops Inductor inlines (indexing, embedding lookups,
   padding, fills, concatenation, softmax and norm decompositions) fuse with their producers and
-  readers of the same kind when no kernel that is not fused (a matmul, a collective, another
+  readers of the same kind, and with other such ops that read the same tensor, when no kernel that is not fused (a matmul, a collective, another
   op) lies on a path between them (fusing across one would make a cycle), and their sizes are
   compatible (one iteration space divides the other: a row reduction and the rowwise ops after it);
 - every other op (a scatter-add, a sort, an op Inductor falls back to) is a kernel of its own.
@@ -168,6 +168,7 @@ def group_kernels(graph: fx.Graph, compute: list[fx.Node]) -> list[Kernel]:
     kinds: dict[fx.Node, str] = {}
     epoch: dict[fx.Node, int] = {}
     groups = _Groups()
+    readers: dict[tuple[fx.Node, int], fx.Node] = {}  # (tensor, epoch) -> its first fusable reader
     for node in graph.nodes:
         kind = kinds[node] = classify(node)
         e = 0
@@ -181,9 +182,12 @@ def group_kernels(graph: fx.Graph, compute: list[fx.Node]) -> list[Kernel]:
         it = groups.size[node]
         for i in node.all_input_nodes:
             r = _root(i, kinds)
-            if r in groups.parent and epoch[r] == e and _compatible(groups.size[groups.find(r)],
-                                                                     it):
-                groups.union(r, node)
+            # Vertical fusion with a fusable producer, or horizontal fusion with an earlier
+            # reader of the same tensor (Inductor fuses kernels that share a read).
+            other = r if r in groups.parent else readers.setdefault((r, e), node)
+            if other is not node and epoch[other] == e and _compatible(
+                    groups.size[groups.find(other)], it):
+                groups.union(other, node)
     members: dict[fx.Node, list[fx.Node]] = {}
     kernels: list[Kernel] = []
     for node in compute:

@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from shardc.planning.cost_model import ring_terms
 from shardc.planning.fit import fit_alpha_beta
 from shardc.planning.profile import (
     AttentionPoint,
@@ -244,23 +245,23 @@ def _time_collective(timer: Timer, kind: str, nbytes: int, size: int, group, mem
 
 
 def fit_link(curves: list[CollectiveCurve]) -> Link | None:
-    """The ring model's per-rank bus bandwidth and per-step latency from the measured curves:
-    the bandwidth from the sizes of 16 MiB and more (wire bytes over time, alpha-beta), the
-    latency from the smallest size's time per ring step."""
-    from shardc.planning.cost_model import _ring_terms
-
-    wire, secs, latencies = [], [], []
+    """The ring model's per-rank bus bandwidth and per-step latency from measured curves: per
+    curve, an alpha-beta fit of time against wire bytes over its sizes of 16 MiB and more gives
+    a bandwidth, and its smallest size's time less the wire time, per ring step, a latency; the
+    link takes the median of each."""
+    bandwidths, latencies = [], []
     for c in curves:
-        steps, frac = _ring_terms(c.kind, c.group_size)
-        for nbytes, seconds in c.points:
-            if nbytes >= 16 * MIB:
-                wire.append(frac * nbytes)
-                secs.append(seconds)
-        latencies.append(min(t for _, t in c.points) / steps)
-    if len(wire) < 2:
+        steps, frac = ring_terms(c.kind, c.group_size)
+        large = [(frac * n, t) for n, t in c.points if n >= 16 * MIB]
+        if len(large) < 2:
+            continue
+        _, bandwidth = fit_alpha_beta([w for w, _ in large], [t for _, t in large])
+        n, t = min(c.points)
+        bandwidths.append(bandwidth)
+        latencies.append(max(0.0, (t - frac * n / bandwidth) / steps))
+    if not bandwidths:
         return None
-    _, bandwidth = fit_alpha_beta(wire, secs)
-    return Link(bandwidth, statistics.median(latencies))
+    return Link(statistics.median(bandwidths), statistics.median(latencies))
 
 
 def measure_overlap(timer: Timer) -> float | None:
@@ -283,19 +284,11 @@ def measure_overlap(timer: Timer) -> float | None:
     alone = timer.median(compute)
     comm = torch.cuda.Stream(dev)
 
-    def both():
-        comm.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(comm):
-            for _ in range(12):
-                dist.all_gather_into_tensor(full, part)
-        compute()
-        torch.cuda.current_stream(dev).wait_stream(comm)
-
     beside = []
     for _ in range(3):
         comm.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(comm):
-            for _ in range(12):
+            for _ in range(40):  # longer than the matmuls: they run beside it throughout
                 dist.all_gather_into_tensor(full, part)
         start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
         start.record()
