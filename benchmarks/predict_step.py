@@ -53,12 +53,13 @@ for _path in (_BENCHMARKS.parent, _BENCHMARKS):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-import shardc  # noqa: E402
-from shardc.planning.estimate import optimizer_step_seconds  # noqa: E402
-from shardc.planning.profile import resolve_profile  # noqa: E402
 from train.provenance import git_describe, launch_command, nccl_version  # noqa: E402
 from train.setup import compiled_loss  # noqa: E402
 from train.workload import build_model, model_config, synthetic_batches  # noqa: E402
+
+import shardc  # noqa: E402
+from shardc.planning.estimate import optimizer_step_seconds  # noqa: E402
+from shardc.planning.profile import resolve_profile  # noqa: E402
 
 DEFAULT_CONFIGS = "1b:8:4,1b:16:4,1b:32:4,1b:8:1,1b:8:2,wide:8:2,wide:16:2,1b:8:4:fp8"
 GIB = 1 << 30

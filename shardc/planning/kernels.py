@@ -9,9 +9,10 @@ whatever it computes in between. Rules (Inductor's, simplified):
   attention (``_scaled_dot_product_*``, flash / efficient / cuDNN) are one kernel each;
 - pointwise ops, reductions and the loops Inductor inlines (indexing, embedding lookups,
   padding, fills, concatenation, softmax and norm decompositions) fuse with their producers and
-  readers of the same kind, and with other such ops that read the same tensor, when no kernel that is not fused (a matmul, a collective, another
-  op) lies on a path between them (fusing across one would make a cycle), and their sizes are
-  compatible (one iteration space divides the other: a row reduction and the rowwise ops after it);
+  readers of the same kind, and with other such ops that read the same tensor, when no kernel
+  that is not fused (a matmul, a collective, another op) lies on a path between them (fusing
+  across one would make a cycle), and their sizes are compatible (one iteration space divides
+  the other: a row reduction and the rowwise ops after it);
 - every other op (a scatter-add, a sort, an op Inductor falls back to) is a kernel of its own.
 
 Grouping is linear in the graph: each node gets an "epoch", the most non-fusable kernels on any

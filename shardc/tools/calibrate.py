@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import statistics
 import sys
@@ -95,10 +96,9 @@ def measure_matmuls(timer: Timer, shapes, dtypes) -> list[MatmulPoint]:
                 continue
             a = torch.randn(m, k, device=dev, dtype=dtype)
             b = torch.randn(k, n, device=dev, dtype=dtype)
-            seconds = timer.median(lambda: torch.mm(a, b))
+            seconds = timer.median(functools.partial(torch.mm, a, b))
             out.append(MatmulPoint(str(dtype).removeprefix("torch."), m, n, k,
                                    2.0 * m * n * k / seconds))
-            del a, b
     return out
 
 
@@ -132,11 +132,10 @@ def measure_attention(timer: Timer, shapes, dtype, tokens: int) -> list[Attentio
                                requires_grad=True) for _ in range(3))
         grad = torch.randn_like(q)
 
-        def fwd():
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        fwd = functools.partial(F.scaled_dot_product_attention, q, k, v, is_causal=True)
 
-        def fwd_bwd():
-            torch.autograd.grad(fwd(), (q, k, v), grad)
+        def fwd_bwd(fwd=fwd, inputs=(q, k, v), grad=grad):
+            torch.autograd.grad(fwd(), inputs, grad)
 
         t_f = timer.median(fwd)
         t_fb = timer.median(fwd_bwd)
@@ -157,7 +156,7 @@ def measure_memory(timer: Timer, sizes) -> list[tuple[int, float]]:
     for moved in sizes:
         n = max(1, moved // 12)  # three fp32 tensors
         x, y, z = (torch.ones(n, device=timer.device) for _ in range(3))
-        seconds = timer.median(lambda: torch.add(x, y, out=z), reps=7)
+        seconds = timer.median(functools.partial(torch.add, x, y, out=z), reps=7)
         out.append((12 * n, 12 * n / seconds))
     return out
 
