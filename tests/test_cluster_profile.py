@@ -234,6 +234,18 @@ def test_timeline_host_bound_kernels_and_overlap_slowdown():
     assert line.t == pytest.approx(1e-3 + (2e-3 - 1e-3 / 1.5))
     line.wait(c)
     assert c.exposed_s == 0.0
+    # A wait is exposed only beyond where the next kernel could start anyway: the host,
+    # launching tiny kernels, is past the collective's end, so nothing is exposed.
+    line = _Timeline(p)
+    c = _collective()
+    line.issue(c, 30e-6)
+    for _ in range(5):
+        line.kernel(1e-6)
+    line.wait(c)
+    assert c.exposed_s == 0.0 and line.host == pytest.approx(50e-6)
+    line.issue(d := _collective("tp"), 1e-3)  # waited at once: all of it is exposed
+    line.wait(d)
+    assert d.exposed_s == pytest.approx(1e-3) and line.t == pytest.approx(d.predicted_end_s)
 
 
 # ------------------------------------------------------------------------------ calibrate

@@ -274,15 +274,19 @@ class _Timeline:
         return start, self.t
 
     def issue(self, c: Collective, seconds: float) -> None:
-        self.host += self.profile.collective_launch_s
+        if c.group_size > 1:  # a group of one rank launches nothing
+            self.host += self.profile.collective_launch_s
         c.predicted_start_s = max(self.t, self.host, self.free.get(c.stream, 0.0))
         c.predicted_end_s = self.free[c.stream] = c.predicted_start_s + seconds
 
     def wait(self, c: Collective) -> None:
-        if c.predicted_end_s > self.t:
-            c.exposed_s = c.predicted_end_s - self.t
+        """The stream waits for ``c``; what it waits beyond the point where the next kernel
+        could start anyway (the stream free and the host there) is exposed communication."""
+        ready = max(self.t, self.host)
+        if c.predicted_end_s > ready:
+            c.exposed_s = c.predicted_end_s - ready
             self.exposed += c.exposed_s
-            self.t = c.predicted_end_s
+        self.t = max(self.t, c.predicted_end_s)
 
 
 def _simulate(g: GraphView, colls: list[Collective], profile: ClusterProfile):
