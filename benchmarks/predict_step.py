@@ -61,7 +61,8 @@ import shardc  # noqa: E402
 from shardc.planning.estimate import optimizer_step_seconds  # noqa: E402
 from shardc.planning.profile import resolve_profile  # noqa: E402
 
-DEFAULT_CONFIGS = "1b:8:4,1b:16:4,1b:32:4,1b:8:1,1b:8:2,wide:8:2,wide:16:2,1b:8:4:fp8"
+# Most telling first (a --deadline-s run keeps these): 8/16 layers, wide, batch, FP8, depth.
+DEFAULT_CONFIGS = "1b:8:4,1b:16:4,wide:8:2,1b:8:2,1b:8:1,1b:8:4:fp8,1b:32:4,wide:16:2"
 GIB = 1 << 30
 
 

@@ -269,6 +269,9 @@ def resolve_profile(cluster: dict | None, device_name: str | None = None) -> Clu
         if unknown:
             raise ProfileError(f"shardc: unknown cluster option(s) {unknown}; use 'profile', "
                                f"ClusterSpec fields {sorted(_SPEC_KEYS)} or profile fields")
+        for level in ("intra", "inter"):
+            if isinstance(cluster.get(level), dict):
+                cluster[level] = Link(**cluster[level])
         base = dataclasses.replace(base, **cluster)
     return base
 

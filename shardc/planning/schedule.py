@@ -350,7 +350,10 @@ def _simulate(g: GraphView, colls: list[Collective], profile: ClusterProfile):
             node = g.compute[p]
             flops, nbytes = node_flops_and_bytes(node)
             spans = [line.kernel(kernel_seconds(k, profile)) for k in kernel_at.get(p, ())]
-            start, end = (spans[0][0], spans[-1][1]) if spans else (line.t, line.t)
+            # An op fused into a later kernel (or a view) takes no time: it sits where the
+            # device could run the next kernel (the stream free, the host past its launch).
+            here = max(line.t, line.host)
+            start, end = (spans[0][0], spans[-1][1]) if spans else (here, here)
             ops.append(ComputeOp(node.name, str(node.target), flops, nbytes, start, end))
     for c in colls:
         c.overlaps = [op.name for op in ops[c.issue_pos:c.wait_pos]][:64]
