@@ -107,12 +107,13 @@ def _from_gathered(node: fx.Node, known: dict[fx.Node, str],
 def category_timeline(lives: Sequence[Lifetime], categories: dict[fx.Node, str],
                       end: int) -> dict[str, list[int]]:
     """Bytes of each category alive at each position ``0..end`` (the positions of
-    :func:`peak.liveness_peak`'s timeline)."""
+    :func:`peak.liveness_peak`'s timeline). A graph's inputs count from position 0: they all
+    exist when it starts (the graph's placeholders take positions but run no code)."""
     delta = {c: [0] * (end + 2) for c in CATEGORIES}
     for life in lives:
         if life.nbytes:
             d = delta[categories.get(life.node, TEMPORARIES)]
-            d[life.born] += life.nbytes
+            d[0 if life.node.op == "placeholder" else life.born] += life.nbytes
             d[life.last + 1] -= life.nbytes
     out = {}
     for cat, d in delta.items():
