@@ -9,9 +9,12 @@ plans the region exactly as a real run would; compilation stops once the plan is
 its first blocks, repeated (``shardc.tools.template``), unless ``template=False``.
 
 With ``PlanSetup.inductor`` the step is planned as Inductor compiles it (its decompositions, and
-the peak model's fusion-aware liveness), which is what the GPU runs; Inductor needs real devices,
-so the shards are then CPU tensors that are allocated but never written (untouched pages cost no
-memory), and the meta device is used otherwise. :func:`capacity` turns a plan into the answers:
+the peak model's fusion-aware liveness), which is what the GPU runs; otherwise as the FX backend
+(``inductor=False``) runs it. Either way the shards are CPU tensors that are allocated but never
+written (untouched pages cost no memory; the kernel must allow overcommitting, Linux's default),
+because neither works on the meta device: Inductor folds a meta graph away, and on meta tensors
+the loss (``nll_loss``) has no autograd kernel, so the traced backward would hold zeros for every
+gradient. :func:`capacity` turns a plan into the answers:
 step time, tokens/s per GPU, MFU, exposed communication, and the peak against a device's memory.
 """
 
@@ -33,6 +36,14 @@ from shardc.planning.plan import Plan
 from shardc.tools.model_spec import ModelSpec, ModelSpecError, llama_model
 
 GIB = 2**30
+
+
+def fmt_bytes(n: float) -> str:
+    """``31.2 GiB``, ``12.0 MiB``: GiB from 0.1 GiB up, else the largest unit below."""
+    for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size * (0.1 if unit == "GiB" else 1):
+            return f"{n / size:.{1 if unit != 'GiB' or abs(n) >= GIB else 2}f} {unit}"
+    return f"{int(n)} B"
 # Device memory as CUDA reports it (``torch.cuda.get_device_properties(0).total_memory``).
 DEVICES_GIB = {"h100": 79.11, "h200": 139.81}
 
@@ -44,7 +55,8 @@ class PlanSetup:
     block's activations in the backward; ``fp8``: gather ``nn.Linear`` weights in FP8
     (``shardc.Float8Policy``); ``shard_size``: HSDP, sharding within groups of this many ranks
     and replicating across the world size / ``shard_size`` groups (``None``: FSDP over all);
-    ``inductor``: plan as Inductor compiles (see the module docstring)."""
+    ``inductor``: plan as Inductor compiles (see the module docstring; the command line's
+    default), else as the FX backend runs the graphs."""
 
     precision: str = "fp32"
     checkpointing: bool = False
@@ -140,7 +152,7 @@ def plan_model(model: LlamaConfig | ModelSpec, world: int, batch: int, seq: int,
     spec = model if isinstance(model, ModelSpec) else llama_model(model)
     setup = setup or PlanSetup()
     options = dict(inductor=setup.inductor, check_plan_consistency=False, **options)
-    device = "cpu" if setup.inductor else "meta"
+    device = "cpu"  # see the module docstring: meta tensors lose the loss's gradient
     with fake_world(world), AttentionAsKernel():
         mesh = _mesh(world, setup, device)
         tokens = torch.zeros(batch, seq, dtype=torch.long, device=device)
@@ -207,14 +219,14 @@ class Capacity:
         return [(name, b) for name, b in terms[:n] if b > 0]
 
     def verdict(self) -> str:
-        if self.capacity_bytes is None:
-            return f"peak {self.peak_bytes / GIB:.1f} GiB (no --device given)"
-        if self.peak_bytes <= self.capacity_bytes:
-            return f"fits: {self.peak_bytes / GIB:.1f} of {self.capacity_bytes / GIB:.1f} GiB"
-        terms = ", ".join(f"{name} {b / GIB:.1f} GiB" for name, b in self.largest_terms())
-        over = (self.peak_bytes - self.capacity_bytes) / GIB
-        return (f"does not fit by {over:.1f} GiB (peak {self.peak_bytes / GIB:.1f} of "
-                f"{self.capacity_bytes / GIB:.1f} GiB); largest terms: {terms}")
+        peak, cap = fmt_bytes(self.peak_bytes), self.capacity_bytes
+        if cap is None:
+            return f"peak {peak} (no --device given)"
+        if self.peak_bytes <= cap:
+            return f"fits: {peak} of {fmt_bytes(cap)}"
+        terms = ", ".join(f"{name} {fmt_bytes(b)}" for name, b in self.largest_terms())
+        return (f"does not fit by {fmt_bytes(self.peak_bytes - cap)} (peak {peak} of "
+                f"{fmt_bytes(cap)}); largest terms: {terms}")
 
 
 def device_capacity(device: str | None) -> float | None:
@@ -299,8 +311,8 @@ def peak_terms_text(plan: Plan, limit: int = 6) -> list[str]:
                              else "")
     cats = sorted(peak["bytes"].items(), key=lambda kv: -kv[1])
     lines = [f"peak at the {where}: " + ", ".join(
-        f"{c} {b / GIB:.2f} GiB" for c, b in cats if b > 0)]
+        f"{c} {fmt_bytes(b)}" for c, b in cats if b > 0)]
     if peak.get("largest"):
         lines.append("  largest values there: " + ", ".join(
-            f"{name} ({cat}) {b / GIB:.2f} GiB" for name, cat, b in peak["largest"][:limit]))
+            f"{name} ({cat}) {fmt_bytes(b)}" for name, cat, b in peak["largest"][:limit]))
     return lines
