@@ -7,8 +7,8 @@ softmax over a materialized ``seq x seq`` score matrix, which a plan made withou
 count as memory (and time) that no GPU spends: 351 GiB for Llama-8B at sequence 8192.
 
 :class:`AttentionAsKernel` is a ``TorchFunctionMode`` (a public torch API, traced through by
-Dynamo) that, while active, computes ``F.scaled_dot_product_attention`` with the kernel CUDA's dispatcher
-would pick on a recent GPU: flash attention for fp16/bf16 inputs without
+Dynamo) that, while active, computes ``F.scaled_dot_product_attention`` with the kernel CUDA's
+dispatcher would pick on a recent GPU: flash attention for fp16/bf16 inputs without
 a mask and a head size it takes, the memory-efficient kernel otherwise. Every other function is left
 alone.
 """

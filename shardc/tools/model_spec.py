@@ -1,4 +1,4 @@
-"""What ``python -m shardc plan`` plans: a model named on the command line, built on the meta device.
+"""What ``python -m shardc plan`` plans: a model named on the command line, built on meta.
 
 Three kinds of names (:func:`parse_model`):
 

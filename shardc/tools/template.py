@@ -132,8 +132,9 @@ def plan_from_template(
     calls the compiled model once (a forward is enough: the backward is partitioned with it).
     ``options`` are the ``shardc`` backend options. ``trace(model)``, if given, replaces sharding,
     compiling and ``run``: it must shard the trimmed model over ``mesh`` and compile one training
-    step of it with these options (``shardc.tools.planner.trace_step``). Raises :class:`TemplateRefused` if the blocks
-    differ, the model compiles to more than one region, or the traced graphs do not repeat.
+    step of it with these options (``shardc.tools.planner.trace_step``). Raises
+    :class:`TemplateRefused` if the blocks differ, the model compiles to more than one region, or
+    the traced graphs do not repeat.
     """
     layers = _blocks(model, container, blocks)
     check_blocks_identical(model, list(layers))
