@@ -185,3 +185,29 @@ def test_cli_prints_the_answers_and_writes_the_stacked_plot(tmp_path, capsys):
     assert "peak at the " in out
     png = tmp_path / "region0.rank0.memory.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _saved_at_end_of_forward(plan):
+    return plan.memory_by_category["graphs"]["forward"]["bytes"][breakdown.SAVED][-1]
+
+
+def test_checkpointing_saves_less_and_hsdp_all_reduces():
+    tiny = parse_model("llama-tiny", ["n_layers=2"])
+    plain, checkpointed = _plan(tiny, seq=32), _plan(tiny, seq=32, checkpointing=True)
+    assert _saved_at_end_of_forward(checkpointed) < _saved_at_end_of_forward(plain) / 2
+    assert len(plain.graphs["backward"]) < len(checkpointed.graphs["backward"])  # recomputed
+    hsdp = _plan(tiny, world=4, seq=32, shard_size=2)
+    assert hsdp.replicate_size == 2
+    assert "all_reduce" in {c.kind for c in hsdp.collectives}
+
+
+def test_cli_sweep_prints_a_table_and_writes_a_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / "sweep.png"
+    assert cli.main(["plan", "llama-tiny:n_layers=2", "--sweep-world", "2,8", "--seq", "32",
+                     "--device", "1", "--fx", "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(out) if line.split()[:2] == ["world", "step"])
+    rows = [line.split() for line in out[header + 1:header + 3]]
+    assert [r[0] for r in rows] == ["2", "8"] and all(r[-1] == "fits" for r in rows)
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -19,12 +19,12 @@ import sys
 
 from shardc.tools.model_spec import PRESETS, ModelSpecError, parse_model, parse_model_spec
 from shardc.tools.planner import (
-    GIB,
     Capacity,
     PlanSetup,
     capacity,
     cluster_option,
     device_capacity,
+    fmt_bytes,
     peak_flops_of,
     peak_terms_text,
     plan_model,
@@ -71,15 +71,15 @@ def _summary(cap: Capacity, seconds: float) -> list[str]:
 
 def _sweep_table(rows: list[Capacity]) -> list[str]:
     head = (f"{'world':>6} {'step ms':>9} {'tokens/s/GPU':>13} {'MFU %':>6} "
-            f"{'exposed ms':>10} {'peak GiB':>9}  memory")
+            f"{'exposed ms':>10} {'peak':>10}  memory")
     lines = [head]
     for c in rows:
         fits = ("-" if c.capacity_bytes is None else
                 "fits" if c.peak_bytes <= c.capacity_bytes else
-                f"over by {(c.peak_bytes - c.capacity_bytes) / GIB:.1f} GiB")
+                f"over by {fmt_bytes(c.peak_bytes - c.capacity_bytes)}")
         lines.append(f"{c.world:>6} {c.step_s * 1e3:>9.1f} {c.tokens_per_s:>13,.0f} "
                      f"{c.mfu * 100:>6.1f} {c.exposed_comm_s * 1e3:>10.1f} "
-                     f"{c.peak_bytes / GIB:>9.2f}  {fits}")
+                     f"{fmt_bytes(c.peak_bytes):>10}  {fits}")
     return lines
 
 
