@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from typing import Any
 
-PLAN_VERSION = 4
+PLAN_VERSION = 5
 # Version 2 added the 2-D mesh fields (``Plan.mesh``, ``replicate_size``,
 # ``replicate_group_name``, ``Bucket.replicate``/``replicate_group``, ``Collective.group``, kind
 # ``"all_reduce"``); a version 1 plan reads as a 1-D plan with their defaults.
@@ -28,7 +28,9 @@ PLAN_VERSION = 4
 # ids) and ``Plan.predicted``'s keys (the fields of :class:`Predictions`; the JSON is the same
 # object of numbers, without the predictions a plan does not make). Older plans read with their
 # links filled in from the ids.
-READABLE_VERSIONS = (1, 2, 3, 4)
+# Version 5 added ``Plan.memory_by_category`` (the whole step's memory by category, for the
+# memory plot and the capacity planner); older plans read with it empty.
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 
 
 class CollectiveKind(str, Enum):
@@ -256,6 +258,10 @@ class Plan:
     # Bytes of gathered parameters and communication buffers live before each compute op.
     memory_timeline: dict[str, list[int]] = field(default_factory=dict)
     predicted: Predictions = field(default_factory=Predictions)
+    # The whole step's memory by category (``shardc.memory.peak``): {"categories": [...],
+    # "graphs": {graph: {"positions": [...], "bytes": {category: [...]}}}, "peak": {"graph",
+    # "position", "bytes": {category: n}, "largest": [[value, category, n], ...]}}.
+    memory_by_category: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     group_name: str = ""
     # Offset in the communication pool of each buffer, keyed "<collective id>.<send|recv>".

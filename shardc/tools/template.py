@@ -117,11 +117,12 @@ def _keep_first(model: nn.Module, container: str, layers: nn.ModuleList, keep: i
 def plan_from_template(
     model: nn.Module,
     mesh: DeviceMesh,
-    run: Callable[[nn.Module], Any],
+    run: Callable[[nn.Module], Any] | None,
     options: dict,
     *,
     container: str = "layers",
     blocks: int = TEMPLATE_BLOCKS,
+    trace: Callable[[nn.Module], Any] | None = None,
 ) -> Plan:
     """The plan of one training step of ``model`` (unsharded, e.g. on the meta device, with all
     its blocks), made from a trace of its first ``blocks`` blocks.
@@ -129,17 +130,24 @@ def plan_from_template(
     ``model`` is changed in place: ``model.<container>`` keeps only the traced blocks and the
     model is sharded over ``mesh``; rebuild it to trace it whole after a refusal. ``run(compiled)``
     calls the compiled model once (a forward is enough: the backward is partitioned with it).
-    ``options`` are the ``shardc`` backend options. Raises :class:`TemplateRefused` if the blocks
-    differ, the model compiles to more than one region, or the traced graphs do not repeat.
+    ``options`` are the ``shardc`` backend options. ``trace(model)``, if given, replaces sharding,
+    compiling and ``run``: it must shard the trimmed model over ``mesh`` and compile one training
+    step of it with these options (``shardc.tools.planner.trace_step``). Raises
+    :class:`TemplateRefused` if the blocks differ, the model compiles to more than one region, or
+    the traced graphs do not repeat.
     """
     layers = _blocks(model, container, blocks)
     check_blocks_identical(model, list(layers))
     n_blocks = len(layers)
     _keep_first(model, container, layers, blocks)
-    shard(model, mesh)
-    compiled = torch.compile(model, backend=backend(**options))
     with capture_partitioned() as graphs:
-        run(compiled)
+        if trace is not None:
+            trace(model)
+        else:
+            shard(model, mesh)
+            if run is None:
+                raise TypeError("plan_from_template: pass run or trace")
+            run(torch.compile(model, backend=backend(**options)))
     if len(graphs) != 1:
         raise TemplateRefused(f"the traced blocks compiled to {len(graphs)} training regions, "
                               "not one (graph breaks, or no backward)")

@@ -1,0 +1,213 @@
+"""The capacity planner (``python -m shardc plan``): model specs (presets, ``hf:``, module:factory),
+attention traced as one fused kernel, the step's memory by category, "does not fit", bad input.
+
+Models are tiny and planned with the FX backend on the meta device (``PlanSetup.inductor=False``)
+unless Inductor is the point; every plan is a fake-world trace in this process, no GPU.
+"""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from shardc.memory import breakdown
+from shardc.tools import cli
+from shardc.tools.model_spec import ModelSpecError, parse_model, parse_overrides
+from shardc.tools.planner import PlanSetup, capacity, device_capacity, plan_model
+
+TINY_HF = ["hidden_size=32", "intermediate_size=64", "num_hidden_layers=1",
+           "num_attention_heads=4", "num_key_value_heads=2", "vocab_size=128"]
+
+
+def _plan(spec, world=2, batch=2, seq=16, **setup):
+    plan, _ = plan_model(spec, world, batch, seq, {}, setup=PlanSetup(**setup))
+    return plan
+
+
+def _op_targets(plan, graph):
+    return [op.target for op in plan.graphs[graph]]
+
+
+def _check_breakdown(plan):
+    """The categories add up to the predicted peak, and the step-wide terms are the plan's."""
+    data = plan.memory_by_category
+    assert data["categories"] == list(breakdown.CATEGORIES)
+    peak = data["peak"]
+    assert sum(peak["bytes"].values()) == pytest.approx(plan.predicted.peak_bytes, rel=1e-9)
+    fw = data["graphs"]["forward"]["bytes"]
+    assert set(fw[breakdown.PARAM_SHARDS]) == {plan.predicted.param_bytes}
+    assert set(fw[breakdown.OPTIMIZER]) == {plan.predicted.optimizer_state_bytes}
+
+
+@pytest.mark.parametrize("spec,extra,softmaxes", [
+    ("hf:llama", [], 0),
+    ("hf:Qwen2Config", [], 0),
+    ("hf:mixtral", ["num_local_experts=4", "num_experts_per_tok=2"], 1),  # the router's
+])
+def test_plans_hugging_face_configs(spec, extra, softmaxes):
+    model = parse_model(spec, TINY_HF + extra)
+    plan = _plan(model, precision="bf16")
+    kinds = [c.kind for c in plan.collectives]
+    assert "all_gather" in kinds and "reduce_scatter" in kinds
+    # bf16 compute: the gathers move bf16 weights; the reductions run in fp32.
+    dtypes = {c.kind: c.dtype for c in plan.collectives}
+    assert "bfloat16" in str(dtypes["all_gather"]) and "float32" in str(dtypes["reduce_scatter"])
+    forward = _op_targets(plan, "forward")
+    assert sum("scaled_dot_product" in t for t in forward) == 1  # one layer, one kernel
+    assert sum(t.startswith(("aten._softmax", "aten._safe_softmax")) for t in forward) == softmaxes
+    _check_breakdown(plan)
+
+
+def test_plans_a_module_factory(tmp_path, monkeypatch):
+    (tmp_path / "tinyfactory.py").write_text(textwrap.dedent("""
+        from torch import nn
+
+        class Block(nn.Module):
+            def __init__(self, d):
+                super().__init__()
+                self.lin = nn.Linear(d, d)
+
+            def forward(self, x):
+                return x + self.lin(x).relu()
+
+        class Net(nn.Module):
+            def __init__(self, depth):
+                super().__init__()
+                self.emb = nn.Embedding(64, 16)
+                self.layers = nn.ModuleList(Block(16) for _ in range(depth))
+                self.head = nn.Linear(16, 64)
+
+            def forward(self, tokens):
+                h = self.emb(tokens)
+                for block in self.layers:
+                    h = block(h)
+                return self.head(h)
+
+        def build(depth=2):
+            return Net(depth)
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    plan = _plan(parse_model("tinyfactory:build", ["depth=3"]))
+    # Buckets: the embedding, one per block, the head; each reduced once.
+    assert [c.kind for c in plan.collectives].count("reduce_scatter") == 5
+    assert plan.predicted.param_bytes == (64 * 16 + 3 * (16 * 16 + 16) + 16 * 64 + 64) * 4 / 2
+    _check_breakdown(plan)
+    with pytest.raises(ModelSpecError, match="no callable 'nope'"):
+        parse_model("tinyfactory:nope")
+
+
+def _attention_bytes(seq):
+    spec = parse_model("llama-tiny", ["n_layers=1", "dim=32", "n_heads=2", "vocab_size=64",
+                                      f"max_seq_len={seq}"])
+    plan = _plan(spec, world=1, batch=1, seq=seq)
+    return plan, plan.predicted.peak_bytes - plan.predicted.param_bytes * 3
+
+
+def test_attention_is_one_kernel_and_its_memory_is_linear_in_seq():
+    plan, small = _attention_bytes(256)
+    forward, backward = _op_targets(plan, "forward"), _op_targets(plan, "backward")
+    assert forward.count("aten._scaled_dot_product_efficient_attention.default") == 1
+    assert backward.count("aten._scaled_dot_product_efficient_attention_backward.default") == 1
+    decomposed = ("aten._softmax", "aten._safe_softmax", "aten.bmm")
+    assert not any(t.startswith(decomposed) for t in forward + backward)
+    _, large = _attention_bytes(1024)
+    # Everything the step holds grows with seq; a saved 1024x1024 score matrix per head alone
+    # (2 x 4 MiB) would make it grow 16x.
+    assert large / small < 4.5
+
+
+def test_attention_kernel_choice():
+    from shardc.tools.attention import sdpa_as_kernel
+
+    q = torch.empty(1, 4, 8, 64, device="meta", dtype=torch.bfloat16)
+    kv = torch.empty(1, 2, 8, 64, device="meta", dtype=torch.bfloat16)
+    assert sdpa_as_kernel(q, kv, kv, is_causal=True, enable_gqa=True).shape == q.shape
+    mask = torch.ones(8, 8, dtype=torch.bool, device="meta")
+    out = sdpa_as_kernel(q.float(), kv.float(), kv.float(), attn_mask=mask, enable_gqa=True)
+    assert out.shape == q.shape and out.dtype == torch.float32
+
+
+def test_does_not_fit_names_the_largest_terms():
+    plan = _plan(parse_model("llama-tiny", ["n_layers=2"]), seq=32)
+    tight = capacity(plan, 2, 32, 400e12, plan.predicted.peak_bytes / 2)
+    text = tight.verdict()
+    assert text.startswith("does not fit by ")
+    largest = tight.largest_terms()
+    assert largest == sorted(largest, key=lambda kv: -kv[1])
+    assert all(name in breakdown.CATEGORIES for name, _ in largest)
+    assert largest[0][0] in text.split("largest terms: ")[1].split(",")[0]
+    roomy = capacity(plan, 2, 32, 400e12, device_capacity("h100"))
+    assert roomy.verdict().startswith("fits: ") and roomy.verdict().endswith("of 79.1 GiB")
+    assert roomy.tokens_per_s == pytest.approx(64 / plan.predicted.step_time_s)
+
+
+def test_bad_input_names_what_to_do(capsys):
+    with pytest.raises(ModelSpecError, match="unknown model 'gpt-nope'.*preset"):
+        parse_model("gpt-nope")
+    with pytest.raises(ModelSpecError, match="unknown config class 'NopeConfig'"):
+        parse_model("hf:NopeConfig")
+    with pytest.raises(ModelSpecError, match="unknown model type 'nope'"):
+        parse_model("hf:nope")
+    with pytest.raises(ModelSpecError, match=r"unknown LlamaConfig field\(s\) \['hiden_size'\]"):
+        parse_model("hf:llama", ["hiden_size=3"])
+    with pytest.raises(ModelSpecError, match="write overrides as key=value"):
+        parse_overrides(["num_hidden_layers"], "hf:llama")
+    with pytest.raises(ModelSpecError, match="unknown LlamaConfig field 'depth'"):
+        parse_model("llama-1b", ["depth=3"])
+    with pytest.raises(ModelSpecError, match="h100, h200 or a number of GiB"):
+        device_capacity("h300")
+    with pytest.raises(ModelSpecError, match="cannot import 'no_such_pkg_xyz'"):
+        parse_model("no_such_pkg_xyz:build")
+    assert cli.main(["plan", "gpt-nope", "--world-size", "8"]) == 2
+    assert "unknown model 'gpt-nope'" in capsys.readouterr().err
+    assert cli.main(["plan", "llama-tiny", "--world-size", "8", "--tp", "2"]) == 2
+    assert "tensor parallelism" in capsys.readouterr().err
+    assert cli.main(["plan", "llama-tiny", "--sweep-world", "8,x"]) == 2
+    assert "--sweep-world" in capsys.readouterr().err
+
+
+def test_overrides_parse_literals():
+    assert parse_overrides(["a=1,b=2.5", "c=true", "d=None", "e=silu"], "x") == {
+        "a": 1, "b": 2.5, "c": True, "d": None, "e": "silu"}
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="CPU shards rely on lazily committed pages")
+def test_cli_prints_the_answers_and_writes_the_stacked_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    assert cli.main(["plan", "llama-tiny:n_layers=2", "--world-size", "4", "--seq", "32",
+                     "--device", "h200", "--summary-only", "--dump", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "tokens/s per GPU" in out and "MFU" in out and "exposed communication" in out
+    assert "memory: fits: " in out and "of 139.8 GiB" in out
+    assert "peak at the " in out
+    png = tmp_path / "region0.rank0.memory.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _saved_at_end_of_forward(plan):
+    return plan.memory_by_category["graphs"]["forward"]["bytes"][breakdown.SAVED][-1]
+
+
+def test_checkpointing_saves_less_and_hsdp_all_reduces():
+    tiny = parse_model("llama-tiny", ["n_layers=2"])
+    plain, checkpointed = _plan(tiny, seq=32), _plan(tiny, seq=32, checkpointing=True)
+    assert _saved_at_end_of_forward(checkpointed) < _saved_at_end_of_forward(plain) / 2
+    assert len(plain.graphs["backward"]) < len(checkpointed.graphs["backward"])  # recomputed
+    hsdp = _plan(tiny, world=4, seq=32, shard_size=2)
+    assert hsdp.replicate_size == 2
+    assert "all_reduce" in {c.kind for c in hsdp.collectives}
+
+
+def test_cli_sweep_prints_a_table_and_writes_a_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / "sweep.png"
+    assert cli.main(["plan", "llama-tiny:n_layers=2", "--sweep-world", "2,8", "--seq", "32",
+                     "--device", "1", "--fx", "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(out) if line.split()[:2] == ["world", "step"])
+    rows = [line.split() for line in out[header + 1:header + 3]]
+    assert [r[0] for r in rows] == ["2", "8"] and all(r[-1] == "fits" for r in rows)
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
