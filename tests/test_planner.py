@@ -7,6 +7,7 @@ unless Inductor is the point; every plan is a fake-world trace in this process, 
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import textwrap
 
@@ -14,10 +15,12 @@ import pytest
 import torch
 
 from shardc.memory import breakdown
+from shardc.planning.profile import Link, load_profile
 from shardc.tools import cli
 from shardc.tools.model_spec import ModelSpecError, parse_model, parse_overrides
 from shardc.tools.planner import PlanSetup, capacity, device_capacity, plan_model
 
+GIB = 1 << 30
 TINY_HF = ["hidden_size=32", "intermediate_size=64", "num_hidden_layers=1",
            "num_attention_heads=4", "num_key_value_heads=2", "vocab_size=128"]
 
@@ -167,6 +170,8 @@ def test_bad_input_names_what_to_do(capsys):
     assert "tensor parallelism" in capsys.readouterr().err
     assert cli.main(["plan", "llama-tiny", "--sweep-world", "8,x"]) == 2
     assert "--sweep-world" in capsys.readouterr().err
+    assert cli.main(["plan", "llama-tiny", "--world-size", "8", "--profile", "h300"]) == 2
+    assert "no cluster profile 'h300'" in capsys.readouterr().err
 
 
 def test_overrides_parse_literals():
@@ -211,3 +216,35 @@ def test_cli_sweep_prints_a_table_and_writes_a_plot(tmp_path, capsys):
     rows = [line.split() for line in out[header + 1:header + 3]]
     assert [r[0] for r in rows] == ["2", "8"] and all(r[-1] == "fits" for r in rows)
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _cli_step_ms(args, capsys) -> tuple[float, str]:
+    assert cli.main(["plan", "llama-tiny:n_layers=2", "--world-size", "4", "--seq", "32",
+                     "--fx", "--summary-only", *args]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("predicted step: "))
+    return float(line.split()[2]), out
+
+
+def test_cli_step_time_comes_from_the_cluster_profile(tmp_path, capsys):
+    """The planner's step time is the calibrated cost model's: a profile file (as
+    ``python -m shardc calibrate`` writes) ten times slower in every rate predicts a step about ten
+    times longer; the peak is compared with the profile's device memory."""
+    fast = load_profile("h100")
+    slow = dataclasses.replace(
+        fast, name="slow", source="measured", device_memory_bytes=2 * GIB,
+        matmul=tuple(dataclasses.replace(p, flops_per_s=p.flops_per_s / 10) for p in fast.matmul),
+        attention=tuple(dataclasses.replace(p, flops_per_s=p.flops_per_s / 10)
+                        for p in fast.attention),
+        memory=tuple((n, bw / 10) for n, bw in fast.memory),
+        kernel_gpu_s=fast.kernel_gpu_s * 10, kernel_launch_s=fast.kernel_launch_s * 10,
+        collective_launch_s=fast.collective_launch_s * 10,
+        collectives=(), intra=Link(fast.intra.bus_bandwidth / 10, fast.intra.latency_s * 10))
+    path = tmp_path / "slow.json"
+    path.write_text(slow.to_json())
+    fast_ms, fast_out = _cli_step_ms(["--profile", "h100"], capsys)
+    slow_ms, slow_out = _cli_step_ms(["--profile", str(path)], capsys)
+    assert "cluster profile: h100 (" in fast_out and "estimated, not measured" in fast_out
+    assert "cluster profile: slow (" in slow_out and ", measured, " in slow_out
+    assert 7 * fast_ms < slow_ms < 13 * fast_ms
+    assert "of 2.0 GiB" in slow_out and "of 79.6 GiB" in fast_out  # the profiles' devices

@@ -66,7 +66,8 @@ def matmul_seconds(node: fx.Node, profile: ClusterProfile) -> float:
         flops = 2.0 * m * n * k
         rate = profile.matmul_rate(m, n, k, _dtype(a))
     else:  # convolutions, grouped matmuls: at the rate of a large matmul
-        out = _val(node) or (_val(args[0]) if args else None)
+        out = _val(node)
+        out = out if out is not None else (_val(args[0]) if args else None)
         rate = profile.matmul_rate(8192, 8192, 8192, _dtype(out) if out is not None
                                    else "bfloat16")
     if flops <= 0:

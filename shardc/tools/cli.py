@@ -23,11 +23,13 @@ from shardc.tools.planner import (
     PlanSetup,
     capacity,
     cluster_option,
+    cluster_profile,
     device_capacity,
     fmt_bytes,
     peak_flops_of,
     peak_terms_text,
     plan_model,
+    profile_text,
 )
 
 __all__ = ["main", "parse_model_spec", "plan_model"]
@@ -92,9 +94,13 @@ def _cmd_plan(args) -> int:
     cluster = cluster_option(args.profile, _rates(args))
     if cluster is not None:
         options["cluster"] = cluster
+    profile = cluster_profile(options.get("cluster"))
     seq = args.seq or spec.default_seq
-    cap_bytes = device_capacity(args.device)
-    peak_flops = peak_flops_of(cluster, setup.precision)
+    # The device's memory: --device, else the profile's device.
+    cap_bytes = (device_capacity(args.device) if args.device is not None
+                 else float(profile.device_memory_bytes) or None)
+    peak_flops = peak_flops_of(profile, setup.precision)
+    print(profile_text(profile))
     worlds = _world_sizes(args.sweep_world) if args.sweep_world else [args.world_size]
     rows = []
     for world in worlds:
@@ -159,9 +165,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="HSDP: shard within groups of this many ranks, replicate across groups")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (not planned yet)")
     p.add_argument("--device", default=None,
-                   help="device memory to compare the peak with: h100, h200 or GiB")
+                   help="device memory to compare the peak with: h100, h200 or GiB (default: "
+                        "the cluster profile's device)")
     p.add_argument("--profile", default=None,
-                   help="cluster profile for the cost model: a preset name or a profile file")
+                   help="cluster profile for the cost model: a preset (h100, h200) or a file "
+                        "written by 'python -m shardc calibrate' (default: h100)")
     p.add_argument("--bandwidth", type=float, default=None, help="bus bytes/s per rank")
     p.add_argument("--latency", type=float, default=None, help="seconds per ring step")
     p.add_argument("--peak-flops", type=float, default=None)

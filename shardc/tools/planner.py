@@ -20,11 +20,8 @@ step time, tokens/s per GPU, MFU, exposed communication, and the peak against a 
 
 from __future__ import annotations
 
-import contextlib
-import json
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +30,7 @@ from torch import nn
 from shardc import _torch
 from shardc.models.llama import LlamaConfig
 from shardc.planning.plan import Plan
+from shardc.planning.profile import ClusterProfile, ProfileError, resolve_profile
 from shardc.tools.model_spec import ModelSpec, ModelSpecError, llama_model
 
 GIB = 2**30
@@ -221,7 +219,7 @@ class Capacity:
     def verdict(self) -> str:
         peak, cap = fmt_bytes(self.peak_bytes), self.capacity_bytes
         if cap is None:
-            return f"peak {peak} (no --device given)"
+            return f"peak {peak} (device memory unknown: give --device)"
         if self.peak_bytes <= cap:
             return f"fits: {peak} of {fmt_bytes(cap)}"
         terms = ", ".join(f"{name} {fmt_bytes(b)}" for name, b in self.largest_terms())
@@ -261,45 +259,34 @@ def capacity(plan: Plan, batch: int, seq: int, peak_flops: float,
 
 
 def cluster_option(profile: str | None, rates: dict[str, float]) -> dict | None:
-    """``ShardcOptions.cluster`` for ``--profile`` (a preset name or a profile file) and the
-    rates given on the command line (``ClusterSpec`` fields).
-
-    Where this shardc has cluster profiles (``shardc.planning.profile``), the profile is passed
-    through by name; otherwise ``profile`` must be a JSON file of ``ClusterSpec`` fields."""
+    """``ShardcOptions.cluster`` for ``--profile`` (a preset name or a profile file written by
+    ``python -m shardc calibrate``) and the rates given on the command line (``ClusterSpec``
+    fields, which replace the profile's tables by one flat rate each)."""
     if profile is None:
         return dict(rates) if rates else None
-    if _profiles() is not None:
-        return {"profile": profile, **rates}
-    path = Path(profile)
-    if not path.is_file():
-        raise ModelSpecError(
-            f"--profile {profile!r}: this shardc has no cluster profile presets; pass a JSON file "
-            "of ClusterSpec fields (peak_flops, mem_bandwidth, bus_bandwidth, latency_s, ...) or "
-            "the rates as --peak-flops/--bandwidth/--latency/--mem-bandwidth")
-    data = json.loads(path.read_text())
-    return {**data.get("cluster", data), **rates}
+    return {"profile": profile, **rates}
 
 
-def _profiles():
+def cluster_profile(cluster: dict | None) -> ClusterProfile:
+    """The cluster profile the plan's cost model uses for ``cluster`` (the backend resolves it
+    the same way; without a GPU and without ``--profile``: the ``h100`` preset)."""
     try:
-        from shardc.planning import profile  # provided by the calibrated cost model
-    except ImportError:
-        return None
-    return profile
+        return resolve_profile(cluster)
+    except (ProfileError, TypeError) as exc:
+        raise ModelSpecError(f"--profile/rates: {exc}") from None
 
 
-def peak_flops_of(cluster: dict | None, precision: str) -> float:
-    """The dense matmul rate MFU is measured against: the profile's, else ``peak_flops``."""
-    from shardc.planning.cost_model import ClusterSpec
+def peak_flops_of(profile: ClusterProfile, precision: str) -> float:
+    """The dense matmul rate MFU is measured against: the profile's rate for a large (8192^3)
+    matmul in the compute dtype (bf16, or fp32 for ``precision="fp32"``)."""
+    return profile.matmul_rate(8192, 8192, 8192, "bfloat16" if precision == "bf16"
+                               else "float32")
 
-    profiles = _profiles()
-    if profiles is not None and hasattr(profiles, "resolve_profile"):
-        with contextlib.suppress(Exception):
-            dtype = "bfloat16" if precision == "bf16" else "float32"
-            rate = profiles.resolve_profile(cluster).peak_matmul_flops(dtype)
-            if rate:
-                return rate
-    return float((cluster or {}).get("peak_flops", ClusterSpec().peak_flops))
+
+def profile_text(profile: ClusterProfile) -> str:
+    """One line naming the profile and whether it was measured."""
+    how = "measured" if profile.source == "measured" else "estimated, not measured"
+    return f"cluster profile: {profile.name} ({profile.device}, {how}, {profile.date})"
 
 
 def peak_terms_text(plan: Plan, limit: int = 6) -> list[str]:
