@@ -62,20 +62,28 @@ from shardc.planning.estimate import optimizer_step_seconds  # noqa: E402
 from shardc.planning.profile import resolve_profile  # noqa: E402
 
 # Most telling first (a --deadline-s run keeps these): 8/16 layers, wide, batch, FP8, depth.
-DEFAULT_CONFIGS = "1b:8:4,1b:16:4,wide:8:2,1b:8:2,1b:8:1,1b:8:4:fp8,1b:32:4,wide:16:2"
+DEFAULT_CONFIGS = ("1b:8:4,1b:16:4,wide:8:2,1b:8:1:s8192,1b:8:2,1b:8:1,1b:8:4:fp8,1b:32:4,"
+                   "wide:16:2")
 GIB = 1 << 30
 
 
 def parse_configs(text: str) -> list[dict[str, Any]]:
+    """``model:layers:batch[:fp8|bf16][:s<seq>]`` items; ``seq`` is ``None`` unless given (then
+    ``--seq``, else 2048)."""
     out = []
     for item in filter(None, text.split(",")):
         parts = item.split(":")
-        if len(parts) not in (3, 4) or parts[0] not in ("1b", "wide") or (
-                len(parts) == 4 and parts[3] not in ("bf16", "fp8")):
-            raise SystemExit(f"--configs: {item!r} is not model:layers:batch[:fp8|bf16] "
-                             "(model 1b or wide)")
+        extra = parts[3:]
+        precision = [x for x in extra if x in ("bf16", "fp8")]
+        seq = [x for x in extra if x.startswith("s") and x[1:].isdigit()]
+        if (len(parts) < 3 or parts[0] not in ("1b", "wide") or not parts[1].isdigit()
+                or not parts[2].isdigit() or len(precision) > 1 or len(seq) > 1
+                or len(precision) + len(seq) != len(extra)):
+            raise SystemExit(f"--configs: {item!r} is not model:layers:batch[:fp8|bf16][:sSEQ] "
+                             "(model 1b or wide; e.g. 1b:8:1:s8192)")
         out.append({"model": parts[0], "layers": int(parts[1]), "batch": int(parts[2]),
-                    "precision": parts[3] if len(parts) == 4 else "bf16"})
+                    "precision": precision[0] if precision else "bf16",
+                    "seq": int(seq[0][1:]) if seq else None})
     return out
 
 
@@ -135,8 +143,12 @@ def _events(device):
         else None
 
 
+def config_seq(c: dict, args) -> int:
+    return c.get("seq") or args.seq or (128 if args.tiny else 2048)
+
+
 def run_config(c: dict, args, device, cluster: dict | None, log) -> dict[str, Any]:
-    seq = args.seq or (128 if args.tiny else 2048)
+    seq = config_seq(c, args)
     cfg = model_config(c["model"], seq, args.tiny, c["layers"])
     model, loss_fn = _setup(cfg, device, c["precision"] == "fp8", cluster)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -258,18 +270,19 @@ def render(report: dict) -> str:
         f"- commit: {m['git']}; date (UTC): {m['date']}",
         f"- device: {m['gpu']} x {m['world_size']}; torch {m['torch']}; NCCL {m['nccl']}",
         f"- cluster profile: {m['profile']}",
-        f"- sequence {m['seq']}; {m['steps']} timed steps (median), {m['warmup']} warm-up; "
-        "AdamW (foreach); bf16 compute, fp32 master weights and reduction",
+        f"- sequence {m['seq']} unless a row names another; {m['steps']} timed steps (median), "
+        f"{m['warmup']} warm-up; AdamW (foreach); bf16 compute, fp32 master weights and reduction",
         "",
-        "| model | layers | batch | precision | predicted step ms | measured step ms | error | "
-        "pred fwd+bwd ms | meas fwd+bwd ms | pred optimizer ms | meas optimizer ms | "
+        "| model | layers | batch x seq | precision | predicted step ms | measured step ms | "
+        "error | pred fwd+bwd ms | meas fwd+bwd ms | pred optimizer ms | meas optimizer ms | "
         "pred exposed comm ms | meas exposed comm ms | pred peak GiB | meas peak GiB |",
         "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
         "---: | ---: | ---: |",
     ]
     for r in report["results"]:
         c = r["config"]
-        head = f"| {c['model']} | {c['layers']} | {c['batch']} | {c['precision']} |"
+        head = (f"| {c['model']} | {c['layers']} | {c['batch']} x {c.get('seq') or m['seq']} | "
+                f"{c['precision']} |")
         if r.get("status") != "ok":
             lines.append(f"{head} {r.get('status')}: {r.get('reason', '')[:120]} |" + " |" * 10)
             continue
@@ -315,6 +328,7 @@ def main(argv=None) -> int:
         "nccl": nccl_version() if device.type == "cuda" else None,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
         "profile": f"{profile.name} ({profile.source[:60]}; {profile.date})",
+        "profile_arg": args.profile, "tiny": args.tiny,
         "seq": args.seq or (128 if args.tiny else 2048), "steps": args.steps,
         "warmup": args.warmup,
     }
