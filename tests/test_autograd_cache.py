@@ -51,3 +51,26 @@ def test_warm_autograd_cache_does_not_skip_planning(tmp_path, monkeypatch):
     assert warm["control_cache_hits"] > 0, f"the second process did not use the cache: {warm}"
     assert warm["cache_hits"] == 0 and warm["plans"] == 1, (
         f"a warm AOTAutograd cache skipped shardc's planning: {warm}")
+
+
+def test_partitioner_pickles_to_its_uuid():
+    """Inductor's FX graph cache pickles its config, shardc's partitioner included, into the key.
+    The partitioner must pickle to what decides the compiled code (its uuid), not to its region's
+    live state: that state changes while Inductor compiles (the forward graph is lowered in place
+    before the backward's key is computed), which made a second process miss the cache."""
+    import pickle
+
+    from torch import fx
+
+    from shardc.compile.backend import PartitionerKey, ShardcPartitioner
+    from shardc.compile.options import ShardcOptions
+    from shardc.compile.pipeline import RegionRecord
+
+    fresh = ShardcPartitioner(ShardcOptions(prefetch_depth=2), RegionRecord(0))
+    used = ShardcPartitioner(ShardcOptions(prefetch_depth=2), RegionRecord(0))
+    used.region.forward = fx.symbolic_trace(nn.Linear(2, 2))
+    used.region.checked = True
+    assert pickle.dumps(fresh) == pickle.dumps(used)
+    assert pickle.loads(pickle.dumps(used)) == PartitionerKey(used.uuid())
+    other = ShardcPartitioner(ShardcOptions(prefetch_depth=1), RegionRecord(0))
+    assert pickle.dumps(other) != pickle.dumps(fresh)  # a plan-affecting option changes the key

@@ -10,6 +10,7 @@ pipeline into torch.compile's hooks; what shardc does to a graph is in the pipel
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -93,6 +94,22 @@ class ShardcPartitioner(_torch.custom_partitioner_base()):
     def uuid(self) -> str:
         options = sorted(self.options.as_dict().items())
         return f"shardc-{source_hash()}-{options}-rank{self.rank_key}"
+
+    def __reduce__(self):
+        # Inductor's FX graph cache pickles its whole config into the key, this object included
+        # (torch 2.11-2.13 hash its uuid() as well but do not leave the object out). Pickled as
+        # itself it would carry the region's live state (graphs that Inductor mutates while it
+        # compiles, the plan, the pool), so a second process computed another key and missed.
+        # What decides the compiled code is the uuid; a pickled partitioner is only that.
+        return (PartitionerKey, (self.uuid(),))
+
+
+@dataclasses.dataclass(frozen=True)
+class PartitionerKey:
+    """What a pickled :class:`ShardcPartitioner` becomes: its :meth:`~ShardcPartitioner.uuid`
+    (compile caches key on it; a partitioner is never sent to another process to run)."""
+
+    uuid: str
 
 
 def _checked(compiled, region: RegionRecord, options: ShardcOptions):
