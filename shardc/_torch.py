@@ -77,6 +77,19 @@ def no_autograd_cache() -> contextlib.AbstractContextManager:
     return torch._functorch.config.patch(enable_autograd_cache=False)
 
 
+def dynamo_compile_start_ns() -> int | None:
+    """When Dynamo began compiling the frame being compiled now (``time.time_ns``), from its
+    metrics context, or None (not compiling, or a torch without it)."""
+    with contextlib.suppress(Exception):
+        from torch._dynamo.utils import get_metrics_context
+
+        context = get_metrics_context()
+        started = getattr(context, "_start_time_ns", 0)
+        if context.in_progress() and started:
+            return int(started)
+    return None
+
+
 def dynamo_reset() -> None:
     torch._dynamo.reset()
 
