@@ -154,6 +154,7 @@ def _inductor_with_pool(compile_inner, graph: fx.GraphModule, inputs, region: Re
     only after a failure, see ``comm_errors.guard_inductor_graph``). If the graph takes the
     communication pool as an input (:func:`add_pool_placeholder`), the returned callable inserts
     the region's pool into the arguments AOTAutograd passes (which do not include it)."""
+    _torch.forget_mesh_hashes(inputs)  # else the FX graph cache misses in a new process
     placeholders = graph.graph.find_nodes(op="placeholder")
     names = [p.name for p in placeholders]
     if POOL_PLACEHOLDER not in names:
