@@ -234,9 +234,8 @@ def shardc_backend(
                 return _inductor_with_pool(compile_fx_inner, graph, inputs, region, kw)
 
         # AOTAutograd's cache would skip shardc's partitioner on a hit, and with it the plan
-        # (explain, dumps, the cross-rank check). Inductor's FX graph cache stays on (keyed on
-        # ShardcPartitioner.uuid(); torch 2.13 still misses it across processes for graphs with
-        # a DeviceMesh input: docs/support.md).
+        # (explain, dumps, the cross-rank check). Inductor's FX graph cache stays on, keyed on
+        # ShardcPartitioner.uuid(), and hits in a new process (tests/test_autograd_cache.py).
         with _torch.no_autograd_cache():
             compiled = compile_fx(
                 gm, example_inputs, inner_compile=inner_compile,
