@@ -64,6 +64,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cache-root", default=None,
                    help="where the per-run cache directories go (default: <out>/<name>_caches)")
     p.add_argument("--keep-caches", action="store_true", help="do not delete them at the end")
+    p.add_argument("--logs", default=None,
+                   help="directory for the per-run logs (default: <out>/<name>_logs)")
+    p.add_argument("--merge", nargs="+", metavar="JSON", default=None,
+                   help="only merge earlier runs' JSON files (e.g. one per depth) into "
+                        "<out>/<name>.md/.json")
     p.add_argument("--out", default="docs/bench")
     p.add_argument("--name", default="compile_time")
     # One run (internal): the driver launches this script under torchrun with --child.
@@ -255,16 +260,33 @@ def _depth_ratios(report: dict[str, Any]) -> dict[str, list[tuple[int, float]]]:
     return {m: v for m, v in out.items() if v}
 
 
+def merge(paths: Sequence[str], out: Path, name: str) -> None:
+    """One report from several (the runs in order; the first report's meta, with every
+    command)."""
+    reports = [json.loads(Path(p).read_text()) for p in paths]
+    merged = {"meta": dict(reports[0]["meta"]), "runs": [r for rep in reports for r in rep["runs"]]}
+    merged["meta"]["command"] = " ; ".join(rep["meta"]["command"] for rep in reports)
+    merged["meta"]["merged_from"] = list(paths)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(merged, indent=1) + "\n")
+    (out / f"{name}.md").write_text(render_markdown(merged))
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     if args.child:
         run_child(args)
+        return
+    if args.merge:
+        merge(args.merge, Path(args.out), args.name)
         return
     for mode in args.modes:
         _parse_mode(mode)  # a bad mode fails now, not after an hour
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     root = Path(args.cache_root or out / f"{args.name}_caches").resolve()
+    logs = Path(args.logs or out / f"{args.name}_logs")
+    logs.mkdir(parents=True, exist_ok=True)
     command = "python " + " ".join([
         "benchmarks/compile_time.py", *(sys.argv[1:] if argv is None else argv)])
     report: dict[str, Any] = {"meta": {
@@ -289,7 +311,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 result = root / f"{label}_{cache}.json"
                 result.unlink(missing_ok=True)
                 record = _launch(args, mode, depth, caches, result,
-                                 out / f"{args.name}_{label}_{cache}.log")
+                                 logs / f"{label}_{cache}.log")
                 report["runs"].append({"depth": depth, "mode": mode, "cache": cache,
                                        "record": record})
                 print(f"{depth:4d} layers  {mode:24s} {cache}: first step "
