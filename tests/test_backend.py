@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -47,9 +48,25 @@ def _compiled_variant(rank, world, **options):
     return model, compiled
 
 
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 def _structure(rank: int, world: int) -> dict:
     facts = {}
-    model, compiled = _compiled_variant(rank, world, bucket_by="param")
+    logger, lines = logging.getLogger("shardc"), _Lines()
+    logger.addHandler(lines)
+    logger.setLevel(logging.INFO)
+    try:
+        model, compiled = _compiled_variant(rank, world, bucket_by="param")
+    finally:
+        logger.removeHandler(lines)
+    facts["progress"] = lines.lines
     (region,) = shardc.shard_state(model).regions
     plan = shardc.explain(compiled)
     fw, bw = region.forward, region.backward
@@ -281,6 +298,32 @@ def test_mixed_precision_policy():
     assert out["kinds"] == {("all_gather", "bfloat16"), ("reduce_scatter", "float32")}
     # bf16 compute: close to the fp32 reference, within bf16 tolerance.
     assert_parity(out, reference("llama"), tol=2e-2)
+
+
+def test_compile_progress_one_line_per_stage(structure):
+    """Each stage of the region's compilation logs one line with its seconds (FX backend: no
+    Inductor stages; ``tests/test_autograd_cache.py`` sees those)."""
+    stages = ["Dynamo trace", "AOTAutograd joint graph", "joint passes + partition", "planning",
+              "lowering", "peak prediction", "compiled (backend total)"]
+    for facts in structure:
+        found = [line.split(": ")[2] for line in facts["progress"]
+                 if re.fullmatch(r"shardc: region 0: [^:]+: \d+\.\d\d s", line)]
+        assert found == stages, facts["progress"]
+
+
+def test_compile_progress_stage_and_env_switch(caplog, monkeypatch):
+    from shardc.compile import progress
+
+    with caplog.at_level(logging.INFO, logger="shardc"), progress.stage(3, "planning"):
+        pass
+    assert re.fullmatch(r"shardc: region 3: planning: \d+\.\d\d s", caplog.records[-1].getMessage())
+    logger = logging.getLogger("shardc")
+    monkeypatch.setattr(logger, "level", logger.level)  # both restored after the test
+    monkeypatch.setattr(logger, "handlers", list(logger.handlers))
+    progress.configure_from_env({"SHARDC_LOG": "debug"})
+    assert logger.level == logging.DEBUG
+    with pytest.raises(ValueError, match="SHARDC_LOG='loud'.*'debug', 'info'"):
+        progress.configure_from_env({"SHARDC_LOG": "loud"})
 
 
 def test_unsharded_model_compiles_like_default(caplog):
