@@ -136,3 +136,12 @@ def flatten_state_dict(state_dict: dict):
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict as flatten
 
     return flatten(state_dict)
+
+
+def run_frame_eagerly(fn) -> None:
+    """Never compile ``fn``'s frame when Dynamo meets it as a frame of its own (it runs as plain
+    Python there); a call to ``fn`` inside code Dynamo is tracing is still inlined into the graph
+    (unlike ``torch.compiler.disable``, which breaks the graph there)."""
+    from torch._dynamo.eval_frame import skip_code
+
+    skip_code(fn.__code__)
