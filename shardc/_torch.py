@@ -145,3 +145,25 @@ def run_frame_eagerly(fn) -> None:
     from torch._dynamo.eval_frame import skip_code
 
     skip_code(fn.__code__)
+
+
+def inductor_mode_options(mode: str) -> dict[str, Any]:
+    """Inductor's config patches for ``torch.compile(..., mode=mode)`` (``reduce-overhead``:
+    ``{"triton.cudagraphs": True}``); raises for an unknown mode."""
+    from torch._inductor import list_mode_options
+
+    return dict(list_mode_options(mode))
+
+
+def inductor_cudagraphs_on() -> bool:
+    """Whether Inductor's global config asks for CUDA graphs (``triton.cudagraphs``)."""
+    from torch._inductor import config
+
+    return bool(config.triton.cudagraphs)
+
+
+def inductor_cudagraph_skips() -> int:
+    """How many graphs Inductor has declined to record into CUDA graphs in this process."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["cudagraph_skips"])
