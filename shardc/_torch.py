@@ -168,3 +168,34 @@ def flatten_state_dict(state_dict: dict):
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict as flatten
 
     return flatten(state_dict)
+
+
+def run_frame_eagerly(fn) -> None:
+    """Never compile ``fn``'s frame when Dynamo meets it as a frame of its own (it runs as plain
+    Python there); a call to ``fn`` inside code Dynamo is tracing is still inlined into the graph
+    (unlike ``torch.compiler.disable``, which breaks the graph there)."""
+    from torch._dynamo.eval_frame import skip_code
+
+    skip_code(fn.__code__)
+
+
+def inductor_mode_options(mode: str) -> dict[str, Any]:
+    """Inductor's config patches for ``torch.compile(..., mode=mode)`` (``reduce-overhead``:
+    ``{"triton.cudagraphs": True}``); raises for an unknown mode."""
+    from torch._inductor import list_mode_options
+
+    return dict(list_mode_options(mode))
+
+
+def inductor_cudagraphs_on() -> bool:
+    """Whether Inductor's global config asks for CUDA graphs (``triton.cudagraphs``)."""
+    from torch._inductor import config
+
+    return bool(config.triton.cudagraphs)
+
+
+def inductor_cudagraph_skips() -> int:
+    """How many graphs Inductor has declined to record into CUDA graphs in this process."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["cudagraph_skips"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -116,7 +117,41 @@ def _structure(rank: int, world: int) -> dict:
     _, compiled4 = _compiled_variant(rank, world, memory_budget_bytes=budget, prefetch_depth=3)
     facts["budget"] = budget
     facts["budget_plan"] = shardc.explain(compiled4).to_dict()
+    facts["cudagraphs"] = _cudagraph_fallbacks(rank, world)
     return facts
+
+
+def _cudagraph_fallbacks(rank: int, world: int) -> dict:
+    """mode="reduce-overhead" on gloo/CPU: what the backend decides (without compiling with
+    Inductor, slow on CPU) and, with inductor=False, that it says the mode is ignored."""
+    from shardc.compile.backend import _mode_patches, sharded_gathers
+    from shardc.compile.cudagraphs import blockers
+    from shardc.compile.options import ShardcOptions
+    from shardc.ops.gather_args import GatherArgs
+
+    torch._dynamo.reset()
+    model = build("variant")
+    shardc.shard(model)
+    seen = []
+
+    def spy(gm, example_inputs, **kw):
+        seen.append((gm, example_inputs))
+        return shardc.backend(inductor=False)(gm, example_inputs, **kw)
+
+    compiled = torch.compile(model, backend=spy, mode="reduce-overhead")
+    tokens, targets = batches(2)
+    per = GLOBAL_BATCH // world
+    losses = train(model, compiled, tokens[:, rank * per:(rank + 1) * per],
+                   targets[:, rank * per:(rank + 1) * per])
+    gm, example_inputs = seen[0]
+    state = shardc.shard_state(model)
+    patches, note = _mode_patches(gm, example_inputs, ShardcOptions(), "reduce-overhead", state)
+    gathers = [GatherArgs.of(n) for n in sharded_gathers(gm)]
+    no_sync = [dataclasses.replace(g, grad_sync=1) for g in gathers]
+    return {"fx_notes": shardc.explain(compiled).notes, "losses_finite": all(
+                bool(torch.isfinite(x)) for x in losses),
+            "inductor_patches": patches, "inductor_note": note,
+            "no_sync_reasons": blockers(no_sync, example_inputs, fp8=False)}
 
 
 @pytest.fixture(scope="module")
@@ -184,6 +219,21 @@ def _assert_plan_invariants(plan: dict, budget: int = 0) -> None:
         if budget:
             live = plan["memory_timeline"][graph]
             assert max(live) <= budget, f"{graph}: {max(live)} B in flight > budget {budget} B"
+
+
+def test_reduce_overhead_falls_back_loudly_on_gloo(structure):
+    """CUDA graphs cannot record gloo's CPU-side collectives: with mode="reduce-overhead" the
+    backend turns them off for the region and says why (warning and plan note); with
+    inductor=False the mode is named as ignored in the plan; training is unaffected."""
+    for rank in structure:
+        got = rank["cudagraphs"]
+        assert got["losses_finite"]
+        assert any("mode='reduce-overhead' ignored" in n for n in got["fx_notes"]), got
+        assert got["inductor_patches"]["triton.cudagraphs"] is False
+        note = got["inductor_note"]
+        assert "compiled without them" in note and "gloo process group" in note, note
+        assert "runs on the CPU" in note, note
+        assert any("no_sync" in r for r in got["no_sync_reasons"]), got["no_sync_reasons"]
 
 
 def test_plan_invariants(structure):

@@ -22,7 +22,7 @@ import torch
 from torch import fx
 
 from shardc import _torch
-from shardc.compile import pipeline, progress
+from shardc.compile import cudagraphs, pipeline, progress
 from shardc.compile.options import ShardcOptions
 from shardc.compile.pipeline import RegionRecord, capture_partitioned
 from shardc.ops.gather import GATHER_OP
@@ -223,6 +223,7 @@ def shardc_backend(
     if dynamo_s is not None:
         progress.log_stage(region.index, "Dynamo trace", dynamo_s)
     partitioner = ShardcPartitioner(opts, region, clock)
+    patches, note = _mode_patches(gm, example_inputs, opts, mode, state)
     if opts.inductor:
         compile_fx, compile_fx_inner = _torch.inductor_compilers()
 
@@ -236,16 +237,22 @@ def shardc_backend(
         # AOTAutograd's cache would skip shardc's partitioner on a hit, and with it the plan
         # (explain, dumps, the cross-rank check). Inductor's FX graph cache stays on, keyed on
         # ShardcPartitioner.uuid(), and hits in a new process (tests/test_autograd_cache.py).
+        skips = _torch.inductor_cudagraph_skips()
         with _torch.no_autograd_cache():
             compiled = compile_fx(
                 gm, example_inputs, inner_compile=inner_compile,
                 config_patches={
+                    **patches,
                     "custom_partitioner_fn": partitioner,
                     # shardc plans memory itself; Inductor's peak-memory reordering would move the
                     # prefetched all-gathers next to their waits and undo the overlap.
                     "reorder_for_peak_memory": False,
                 },
             )
+        if patches.get(cudagraphs.CUDAGRAPHS) and _torch.inductor_cudagraph_skips() > skips:
+            note = ("CUDA graphs requested; Inductor declined to record at least one graph of "
+                    "this region (TORCH_LOGS=perf_hints says why)")
+            cudagraphs.warn(region.index, note)
     else:
         fx_compiler = functools.partial(_fx_compiler, region=region)
 
@@ -256,8 +263,36 @@ def shardc_backend(
             fw_compiler=fx_compiler, bw_compiler=fx_compiler, partition_fn=partitioner,
             inference_compiler=inference_compiler,
         )(gm, example_inputs)
+    if note and region.plan is not None:
+        region.plan.notes.append(note)
     progress.log_stage(region.index, "compiled (backend total)", clock.total())
     return _checked(compiled, region, opts)
+
+
+def _mode_patches(gm: fx.GraphModule, example_inputs, opts: ShardcOptions, mode: str | None,
+                  state: ShardState | None) -> tuple[dict[str, Any], str | None]:
+    """Inductor config patches for ``torch.compile``'s ``mode``, with CUDA graphs turned off
+    (loudly: a warning and the returned plan note) where the region cannot be recorded
+    (:mod:`shardc.compile.cudagraphs`)."""
+    if not opts.inductor:
+        if mode not in (None, "default"):
+            note = (f"mode={mode!r} ignored: it configures Inductor and this backend has "
+                    "inductor=False")
+            log.warning("shardc: %s", note)
+            return {}, note
+        return {}, None
+    patches = cudagraphs.inductor_patches(mode)
+    if not cudagraphs.wants_cudagraphs(patches):
+        return patches, None
+    fp8 = state is not None and (state.fp8 is not None
+                                 or any(i.quantized for i in state.params.values()))
+    reasons = cudagraphs.blockers((GatherArgs.of(n) for n in sharded_gathers(gm)),
+                                  example_inputs, fp8)
+    if not reasons:
+        return {**patches, cudagraphs.CUDAGRAPHS: True}, None
+    note = cudagraphs.fallback_note(reasons)
+    cudagraphs.warn(len(state.regions) - 1 if state is not None else 0, note)
+    return {**patches, cudagraphs.CUDAGRAPHS: False}, note
 
 
 def backend(**options: Any):
