@@ -247,4 +247,4 @@ def test_cli_step_time_comes_from_the_cluster_profile(tmp_path, capsys):
     assert "cluster profile: h100 (" in fast_out and "estimated, not measured" in fast_out
     assert "cluster profile: slow (" in slow_out and ", measured, " in slow_out
     assert 7 * fast_ms < slow_ms < 13 * fast_ms
-    assert "of 2.0 GiB" in slow_out and "of 79.6 GiB" in fast_out  # the profiles' devices
+    assert "of 2.0 GiB" in slow_out and "of 79.1 GiB" in fast_out  # the profiles' devices
