@@ -140,6 +140,22 @@ def test_lookups_use_measured_points_and_the_ring_model_elsewhere():
     assert p.collective_seconds("all_gather", 1 << 30, 1) == 0.0
 
 
+def test_groups_larger_than_a_node_run_at_the_inter_node_link():
+    p = load_profile("h100")
+    assert p.node_size == 8
+    ring = p.ring_spec()
+    nbytes = 256 << 20
+    assert p.collective_seconds("all_gather", nbytes, 8) == pytest.approx(
+        ring.collective_seconds("all_gather", nbytes, 8, "intra"))
+    assert p.collective_seconds("all_gather", nbytes, 16) == pytest.approx(
+        ring.collective_seconds("all_gather", nbytes, 16, "inter"))
+    assert p.collective_seconds("all_gather", nbytes, 16) > 4 * p.collective_seconds(
+        "all_gather", nbytes, 8)
+    wide_node = resolve_profile({"profile": "h100", "node_size": 16})
+    assert wide_node.collective_seconds("all_gather", nbytes, 16) == pytest.approx(
+        ring.collective_seconds("all_gather", nbytes, 16, "intra"))
+
+
 def test_cluster_option_resolution():
     assert resolve_profile(None).name == "h100"
     assert resolve_profile(None, "NVIDIA H200").name == "h200"

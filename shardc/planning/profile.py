@@ -107,6 +107,10 @@ class ClusterProfile:
     intra: Link = field(default_factory=lambda: Link(350e9, 4e-6))
     inter: Link = field(default_factory=lambda: Link(40e9, 10e-6))
     overlap_slowdown: float = 1.1
+    # GPUs per node sharing the ``intra`` link; a group of more ranks spans nodes and runs at the
+    # ``inter`` link (its ring crosses the network). Calibration on one node cannot see the target
+    # cluster's nodes: override with ``{"profile": ..., "node_size": N}`` / ``--node-size``.
+    node_size: int = 8
     notes: tuple[str, ...] = ()
     version: int = PROFILE_VERSION
 
@@ -153,9 +157,12 @@ class ClusterProfile:
                            level: str = "intra") -> float:
         """Seconds of one collective over ``buffer_bytes`` (the full buffer) and ``group_size``
         ranks: the measured curve of that kind and size, else the ring model at this level's
-        link (:meth:`ClusterSpec.collective_seconds`)."""
+        link (:meth:`ClusterSpec.collective_seconds`); a group larger than ``node_size`` spans
+        nodes and runs at the ``inter`` link whatever ``level`` says."""
         if group_size <= 1:
             return 0.0
+        if group_size > self.node_size:
+            level = "inter"
         for curve in self.collectives:
             if (curve.kind, curve.group_size, curve.level) == (str(kind), group_size, level):
                 return max(interp_linear(curve.points, buffer_bytes), 0.0)

@@ -351,6 +351,7 @@ def calibrate(device: torch.device, *, quick: bool = False, name: str | None = N
         device=dev_name, source="measured", command=command,
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         torch=torch.__version__, device_memory_bytes=int(capacity), gpus=world,
+        node_size=max(defaults.node_size, int(os.environ.get("LOCAL_WORLD_SIZE", 1))),
         matmul=tuple(mm), attention=tuple(attn), memory=tuple(mem),
         kernel_gpu_s=gpu_s, kernel_launch_s=launch_s,
         collectives=tuple(curves), intra=link or defaults.intra,

@@ -57,7 +57,8 @@ def _setup(args) -> PlanSetup:
 
 def _rates(args) -> dict[str, float]:
     names = {"peak_flops": args.peak_flops, "bus_bandwidth": args.bandwidth,
-             "latency_s": args.latency, "mem_bandwidth": args.mem_bandwidth}
+             "latency_s": args.latency, "mem_bandwidth": args.mem_bandwidth,
+             "node_size": args.node_size}
     return {k: v for k, v in names.items() if v is not None}
 
 
@@ -170,6 +171,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default=None,
                    help="cluster profile for the cost model: a preset (h100, h200) or a file "
                         "written by 'python -m shardc calibrate' (default: h100)")
+    p.add_argument("--node-size", type=int, default=None,
+                   help="GPUs per node on the intra-node link (default: the profile's, 8); "
+                        "larger process groups run at the inter-node link")
     p.add_argument("--bandwidth", type=float, default=None, help="bus bytes/s per rank")
     p.add_argument("--latency", type=float, default=None, help="seconds per ring step")
     p.add_argument("--peak-flops", type=float, default=None)
