@@ -42,7 +42,8 @@ class TemplateRefused(ValueError):
 
 def comparable_plan(plan: Plan) -> dict:
     """``plan``'s JSON data without graph node names and notes, to compare a template plan with
-    a full trace's: node names come from the tracer's counters, which differ between the two.
+    a full trace's: node names come from the tracer's counters, which differ between the two
+    (also in the memory breakdown's values live at the peak).
     What each schedule position holds (op, FLOPs, bytes, predicted times) stays, which fixes each
     collective's ``overlaps`` (the ops between its issue and wait positions): only their number
     is kept."""
@@ -52,6 +53,19 @@ def comparable_plan(plan: Plan) -> dict:
             del op["name"]
     for c in data["collectives"]:
         c["overlaps"] = len(c["overlaps"])
+    # The memory breakdown's positions are graph node indices, placeholders included, and the
+    # expanded template has no placeholders for the repeated blocks' parameters (their shards
+    # are counted all the same): each graph's timeline is compared by its categories' largest
+    # and final bytes, the peak exactly, and the values live there (named by node, equal sizes
+    # tied in any order) by category and size.
+    memory = data.get("memory_by_category") or {}
+    for graph in (memory.get("graphs") or {}).values():
+        graph.pop("positions", None)
+        graph["bytes"] = {cat: [max(v, default=0), v[-1] if v else 0]
+                          for cat, v in graph["bytes"].items()}
+    peak = memory.get("peak") or {}
+    if "largest" in peak:
+        peak["largest"] = sorted([cat, nbytes] for _, cat, nbytes in peak["largest"])
     data.pop("notes")
     data.pop("hash")  # of the collectives' signatures: kept in them
     return data
