@@ -130,16 +130,21 @@ def _from_measured(path: str, profile: str | None) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--measured", default=None,
-                        help="predict_step.py's JSON report (GPU run) to plan and compare")
+    parser.add_argument("--measured", action="append", default=None,
+                        help="predict_step.py's JSON report (GPU run) to plan and compare; "
+                             "repeat for several runs (one table each)")
     parser.add_argument("--profile", default=None,
                         help="cluster profile file or preset (default: the GPU run's)")
     parser.add_argument("--out", default=None, help="write the table (markdown) here too")
     parser.add_argument("--only", action="append", choices=list(ROWS),
                         help="without --measured: these recorded runs only")
     args = parser.parse_args(argv)
-    lines = (_from_measured(args.measured, args.profile) if args.measured
-             else _peaks_only(args.only))
+    if args.measured:
+        lines = []
+        for path in args.measured:
+            lines += [*_from_measured(path, args.profile), ""]
+    else:
+        lines = _peaks_only(args.only)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text("\n".join(lines) + "\n")
