@@ -62,10 +62,16 @@ def _rates(args) -> dict[str, float]:
     return {k: v for k, v in names.items() if v is not None}
 
 
+def _rate(flops_per_s: float) -> str:
+    if flops_per_s >= 1e12:
+        return f"{flops_per_s / 1e12:.0f} TFLOP/s"
+    return f"{flops_per_s / 1e9:.1f} GFLOP/s"
+
+
 def _summary(cap: Capacity, seconds: float) -> list[str]:
     return [
         f"predicted step: {cap.step_s * 1e3:.1f} ms; {cap.tokens_per_s:,.0f} tokens/s per GPU; "
-        f"MFU {cap.mfu * 100:.1f}% (of {cap.peak_flops / 1e12:.0f} TFLOP/s); "
+        f"MFU {cap.mfu * 100:.1f}% (of {_rate(cap.peak_flops)}); "
         f"exposed communication {cap.exposed_comm_s * 1e3:.1f} ms",
         f"memory: {cap.verdict()}",
         f"planned in {seconds:.1f} s",
