@@ -19,6 +19,7 @@ from shardc.planning.profile import Link, load_profile
 from shardc.tools import cli
 from shardc.tools.model_spec import ModelSpecError, parse_model, parse_overrides
 from shardc.tools.planner import PlanSetup, capacity, device_capacity, fmt_bytes, plan_model
+from shardc.tools.template import plan_digest
 
 GIB = 1 << 30
 TINY_HF = ["hidden_size=32", "intermediate_size=64", "num_hidden_layers=1",
@@ -166,8 +167,12 @@ def test_bad_input_names_what_to_do(capsys):
         parse_model("no_such_pkg_xyz:build")
     assert cli.main(["plan", "gpt-nope", "--world-size", "8"]) == 2
     assert "unknown model 'gpt-nope'" in capsys.readouterr().err
-    assert cli.main(["plan", "llama-tiny", "--world-size", "8", "--tp", "2"]) == 2
-    assert "tensor parallelism" in capsys.readouterr().err
+    assert cli.main(["plan", "llama-tiny", "--world-size", "8", "--tp", "3"]) == 2
+    assert "--tp 3 must divide the world size 8" in capsys.readouterr().err
+    assert cli.main(["plan", "hf:llama", *TINY_HF, "--world-size", "4", "--tp", "2"]) == 2
+    assert "no tensor-parallel plan" in capsys.readouterr().err
+    assert cli.main(["plan", "llama-tiny", "--world-size", "8", "--tp", "8", "--fx"]) == 2
+    assert "heads" in capsys.readouterr().err  # 4 heads do not split 8 ways
     assert cli.main(["plan", "llama-tiny", "--sweep-world", "8,x"]) == 2
     assert "--sweep-world" in capsys.readouterr().err
     assert cli.main(["plan", "llama-tiny", "--world-size", "8", "--profile", "h300"]) == 2
@@ -194,6 +199,26 @@ def test_cli_prints_the_answers_and_writes_the_stacked_plot(tmp_path, capsys):
 
 def _saved_at_end_of_forward(plan):
     return plan.memory_by_category["graphs"]["forward"]["bytes"][breakdown.SAVED][-1]
+
+
+def test_tensor_parallel_plan():
+    """``--tp``: FSDP over the dp ranks of a (dp, tp) mesh, the Llama blocks split Megatron-style
+    (their all-reduces found in the traced graph); a GPU's tokens are its tp group's share."""
+    tiny = parse_model("llama-tiny", ["n_layers=2"])
+    dp_only, tp = _plan(tiny, world=2, seq=32), _plan(tiny, world=4, seq=32, tp=2)
+    assert tp.tp_size == 2 and tp.world_size == 2 and "FSDP+TP: dp 2 x tp 2" in tp.mesh
+    found = [c for c in tp.collectives if c.origin != "shardc"]
+    assert found and {c.kind for c in found} >= {"all_reduce"}
+    # the blocks' weights split over tp as well as dp: less per GPU than FSDP over the dp ranks
+    assert tp.predicted.param_bytes < dp_only.predicted.param_bytes
+    cap = capacity(tp, 2, 32, 400e12, None)
+    assert cap.world == 4 and cap.tokens_per_step == 32
+    # A deeper model planned from a template keeps the tp group's role: same plan as traced whole.
+    deep = parse_model("llama-tiny", ["n_layers=6"])
+    template, _ = plan_model(deep, 4, 1, 32, {}, setup=PlanSetup(tp=2))
+    whole, _ = plan_model(deep, 4, 1, 32, {}, setup=PlanSetup(tp=2), template=False)
+    assert any("planned from a template" in n for n in template.notes)
+    assert plan_digest(template) == plan_digest(whole) and template.tp_size == 2
 
 
 def test_checkpointing_saves_less_and_hsdp_all_reduces():

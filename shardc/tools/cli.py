@@ -46,13 +46,8 @@ def _world_sizes(text: str) -> list[int]:
 
 
 def _setup(args) -> PlanSetup:
-    if args.tp > 1:
-        raise ModelSpecError(
-            "--tp: the planner does not plan tensor parallelism yet (it needs the model's "
-            "parallelize plan); plan FSDP or HSDP (--shard-size), or compile the TP model with "
-            "shardc on the target machine and read shardc.explain(model)")
     return PlanSetup(precision=args.precision, checkpointing=args.checkpointing, fp8=args.fp8,
-                     shard_size=args.shard_size, inductor=not args.fx)
+                     shard_size=args.shard_size, inductor=not args.fx, tp=args.tp)
 
 
 def _rates(args) -> dict[str, float]:
@@ -124,7 +119,8 @@ def _cmd_plan(args) -> int:
         print(f"model: {spec.name}, world size {world}, batch {args.batch} x {seq} per rank, "
               f"{setup.precision}{', checkpointed blocks' if setup.checkpointing else ''}"
               f"{', FP8 gathers' if setup.fp8 else ''}"
-              f"{f', HSDP shard groups of {setup.shard_size}' if setup.shard_size else ''}")
+              f"{f', HSDP shard groups of {setup.shard_size}' if setup.shard_size else ''}"
+              f"{f', TP {setup.tp}' if setup.tp > 1 else ''}")
         for line in [*_summary(cap, seconds), *peak_terms_text(plan)]:
             print(line)
         if args.dump:
@@ -170,7 +166,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fp8", action="store_true", help="gather nn.Linear weights in FP8")
     p.add_argument("--shard-size", type=int, default=None,
                    help="HSDP: shard within groups of this many ranks, replicate across groups")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (not planned yet)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel degree: FSDP over world/tp ranks of a (dp, tp) mesh, "
+                        "the Llama presets' blocks split Megatron-style (--batch is per dp rank)")
     p.add_argument("--device", default=None,
                    help="device memory to compare the peak with: h100, h200 or GiB (default: "
                         "the cluster profile's device)")

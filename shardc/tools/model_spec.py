@@ -62,6 +62,9 @@ class ModelSpec:
     default_seq: int = DEFAULT_SEQ
     checkpoint_blocks: Callable[[nn.Module], None] | None = None
     details: dict[str, Any] = field(default_factory=dict)
+    # ``parallelize(model, tp_mesh)``: tensor-parallelize the blocks in place (``None``: the
+    # planner cannot plan this model with TP).
+    parallelize: Callable[[nn.Module, Any], None] | None = None
 
 
 def parse_value(raw: str) -> Any:
@@ -165,7 +168,33 @@ def llama_model(cfg: LlamaConfig) -> ModelSpec:
     return ModelSpec(name=f"llama {cfg.num_params() / 1e9:.2f}B", build=build,
                      loss=lambda model, tokens: llama_loss(model(tokens), tokens),
                      default_seq=cfg.max_seq_len, checkpoint_blocks=checkpoint_container("layers"),
-                     details={"config": dataclasses.asdict(cfg)})
+                     details={"config": dataclasses.asdict(cfg)}, parallelize=parallelize_llama)
+
+
+def parallelize_llama(model: nn.Module, tp_mesh) -> None:
+    """Megatron-style tensor parallelism of shardc's Llama blocks over ``tp_mesh``: the
+    attention's q/k/v and the MLP's w1/w3 split by output (colwise), ``wo`` and ``w2`` by input
+    (rowwise); each block's attention is told its local head counts."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    tp = tp_mesh.size()
+    for i, block in enumerate(model.layers):
+        attn = block.attention
+        if attn.n_heads % tp or attn.kv_heads % tp:
+            raise ModelSpecError(f"--tp {tp}: layer {i} has {attn.n_heads} heads and "
+                                 f"{attn.kv_heads} key/value heads; both must divide by --tp")
+        parallelize_module(block, tp_mesh, {
+            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(),
+        })
+        attn.n_heads //= tp
+        attn.kv_heads //= tp
 
 
 # --------------------------------------------------------------------------- Hugging Face

@@ -54,17 +54,22 @@ class PlanSetup:
     (``shardc.Float8Policy``); ``shard_size``: HSDP, sharding within groups of this many ranks
     and replicating across the world size / ``shard_size`` groups (``None``: FSDP over all);
     ``inductor``: plan as Inductor compiles (see the module docstring; the command line's
-    default), else as the FX backend runs the graphs."""
+    default), else as the FX backend runs the graphs; ``tp``: tensor-parallel degree (FSDP over
+    ``world / tp`` data-parallel ranks of a ``("dp", "tp")`` mesh; models whose spec can
+    ``parallelize``: shardc's Llama)."""
 
     precision: str = "fp32"
     checkpointing: bool = False
     fp8: bool = False
     shard_size: int | None = None
     inductor: bool = False
+    tp: int = 1
 
     def __post_init__(self) -> None:
         if self.precision not in ("fp32", "bf16"):
             raise ModelSpecError(f"precision must be 'fp32' or 'bf16', got {self.precision!r}")
+        if self.tp < 1:
+            raise ModelSpecError(f"--tp {self.tp}: the tensor-parallel degree must be >= 1")
 
     def shard_kwargs(self) -> dict[str, Any]:
         import shardc
@@ -82,6 +87,14 @@ def _mesh(world: int, setup: PlanSetup, device: str):
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+    if setup.tp > 1:
+        if setup.shard_size is not None:
+            raise ModelSpecError("--tp with --shard-size: HSDP + TP (a 3-D mesh) is not "
+                                 "supported; plan FSDP + TP or HSDP")
+        if world % setup.tp:
+            raise ModelSpecError(f"--tp {setup.tp} must divide the world size {world}")
+        return init_device_mesh(device, (world // setup.tp, setup.tp),
+                                mesh_dim_names=("dp", "tp"))
     if setup.shard_size is None or setup.shard_size == world:
         return DeviceMesh.from_group(dist.group.WORLD, device)
     if setup.shard_size < 1 or world % setup.shard_size:
@@ -99,8 +112,13 @@ def _buffers_to(model: nn.Module, device: str) -> None:
                 setattr(module, name, torch.empty_like(buf, device=device))
 
 
-def _prepared(spec: ModelSpec, setup: PlanSetup) -> nn.Module:
+def _prepared(spec: ModelSpec, setup: PlanSetup, mesh) -> nn.Module:
     model = spec.build()
+    if setup.tp > 1:
+        if spec.parallelize is None:
+            raise ModelSpecError(f"--tp: {spec.name} has no tensor-parallel plan here; the "
+                                 "planner parallelizes shardc's Llama (llama-* presets)")
+        spec.parallelize(model, mesh["tp"])
     if setup.checkpointing:
         if spec.checkpoint_blocks is None:
             raise ModelSpecError(f"{spec.name}: no blocks to checkpoint")
@@ -156,7 +174,7 @@ def plan_model(model: LlamaConfig | ModelSpec, world: int, batch: int, seq: int,
         tokens = torch.zeros(batch, seq, dtype=torch.long, device=device)
         start = time.perf_counter()
         plan, refused = None, None
-        built = _prepared(spec, setup)
+        built = _prepared(spec, setup, mesh)
         if template and _has_blocks(built, spec.container, TEMPLATE_BLOCKS):
             try:
                 plan = plan_from_template(
@@ -165,7 +183,7 @@ def plan_model(model: LlamaConfig | ModelSpec, world: int, batch: int, seq: int,
             except TemplateRefused as exc:
                 refused = str(exc)
                 _torch.dynamo_reset()
-            built = _prepared(spec, setup) if plan is None else built
+            built = _prepared(spec, setup, mesh) if plan is None else built
         if plan is None:
             trace_step(built, mesh, spec, setup, tokens, options)
             plan = explain(built)
@@ -195,7 +213,7 @@ class Capacity:
     """What the plan predicts for one step, per rank."""
 
     world: int
-    tokens_per_step: int  # per rank
+    tokens_per_step: float  # per GPU
     step_s: float
     exposed_comm_s: float
     model_flops: float  # forward + backward FLOPs of the model (no recomputation), per rank
@@ -245,10 +263,14 @@ def device_capacity(device: str | None) -> float | None:
 
 def capacity(plan: Plan, batch: int, seq: int, peak_flops: float,
              capacity_bytes: float | None) -> Capacity:
+    """The answers for one plan; ``batch`` sequences of ``seq`` tokens per data-parallel rank
+    (a tensor-parallel group shares them, so a GPU's share is ``1 / tp`` of them)."""
     p = plan.predicted
     forward_flops = sum(op.flops for op in plan.graphs.get("forward", ()))
     peak = plan.memory_by_category.get("peak", {})
-    return Capacity(world=plan.world_size, tokens_per_step=batch * seq,
+    tp = max(1, plan.tp_size)
+    world = plan.world_size * max(1, plan.replicate_size) * tp
+    return Capacity(world=world, tokens_per_step=batch * seq / tp,
                     step_s=p.step_time_s or 0.0, exposed_comm_s=p.exposed_comm_s or 0.0,
                     model_flops=3.0 * forward_flops, peak_flops=peak_flops,
                     peak_bytes=p.peak_bytes or 0.0, capacity_bytes=capacity_bytes,

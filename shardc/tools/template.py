@@ -25,6 +25,7 @@ from shardc.compile.options import ShardcOptions
 from shardc.compile.pipeline import RegionRecord, capture_partitioned, plan_and_lower
 from shardc.passes.repeat import NotPeriodic, find_periods, repeat_periods
 from shardc.planning.plan import Plan
+from shardc.sharding.scope import shard_state
 from shardc.sharding.shard import shard
 
 if TYPE_CHECKING:
@@ -53,6 +54,13 @@ def comparable_plan(plan: Plan) -> dict:
             del op["name"]
     for c in data["collectives"]:
         c["overlaps"] = len(c["overlaps"])
+        if c.get("origin", "shardc") != "shardc":
+            # A collective found in the graph (tensor parallelism's) is described by its nodes,
+            # tensors and the module that issued it; a repeated block's copy keeps the template
+            # block's names (its reason names that block's module): compare shapes and kinds.
+            c["nodes"] = len(c.get("nodes", ()))
+            c["tensors"] = [t.split(": ", 1)[-1] for t in c.get("tensors", ())]
+            c.pop("reason", None)
     # The memory breakdown's positions are graph node indices, placeholders included, and the
     # expanded template has no placeholders for the repeated blocks' parameters (their shards
     # are counted all the same): each graph's timeline is compared by its categories' largest
@@ -171,7 +179,12 @@ def plan_from_template(
         backward = repeat_periods(find_periods(backward, container, blocks), n_blocks)
     except NotPeriodic as exc:
         raise TemplateRefused(f"the traced graphs do not repeat: {exc}") from None
-    plan = plan_and_lower(forward, backward, ShardcOptions.from_kwargs(options), RegionRecord(0))
+    # The traced region's process groups (tp, replicate) name the roles of the collectives
+    # found in its graphs and of HSDP's all-reduces.
+    traced = shard_state(model).regions
+    groups = traced[-1].groups if traced else None
+    plan = plan_and_lower(forward, backward, ShardcOptions.from_kwargs(options),
+                          RegionRecord(0, groups=groups))
     plan.notes.append(
         f"planned from a template: blocks 0-{blocks - 1} of {container} traced, the graphs of "
         f"blocks {blocks - 1}-{n_blocks - 2} repeated from block {blocks - 2}'s")
