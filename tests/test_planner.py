@@ -219,6 +219,15 @@ def test_tensor_parallel_plan():
     whole, _ = plan_model(deep, 4, 1, 32, {}, setup=PlanSetup(tp=2), template=False)
     assert any("planned from a template" in n for n in template.notes)
     assert plan_digest(template) == plan_digest(whole) and template.tp_size == 2
+    # The dp group's ranks are tp apart: with 2 GPUs a node, its collectives cross nodes
+    # (slower), though the group has 2 ranks like the tp group, which stays within a node.
+    two_a_node, _ = plan_model(tiny, 4, 1, 32, {"cluster": {"node_size": 2}},
+                               setup=PlanSetup(tp=2))
+    def comm(plan, group):
+        return sum(c.predicted_end_s - c.predicted_start_s for c in plan.collectives
+                   if c.group == group)
+    assert comm(two_a_node, "shard") > 2 * comm(tp, "shard")
+    assert comm(two_a_node, "tp") == pytest.approx(comm(tp, "tp"), rel=0.05)
 
 
 def test_checkpointing_saves_less_and_hsdp_all_reduces():

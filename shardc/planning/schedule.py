@@ -230,8 +230,12 @@ def replicate_all_reduce(g: GraphView, bucket: Bucket, params: list[str], issue:
         "gradients", group="replicate")
 
 
-def _duration(c: Collective, profile: ClusterProfile) -> float:
-    level = "inter" if c.group == "replicate" else "intra"
+def _duration(c: Collective, profile: ClusterProfile, tp_size: int = 1) -> float:
+    # HSDP's replicas are on different nodes. Under tensor parallelism the shard group's ranks
+    # are tp_size apart (the tp group is the inner mesh dimension, within a node): the group
+    # spans group_size * tp_size consecutive ranks, and crosses nodes once that exceeds a node.
+    span = c.group_size * (tp_size if c.group == "shard" else 1)
+    level = "inter" if c.group == "replicate" or span > profile.node_size else "intra"
     return profile.collective_seconds(c.kind, c.buffer_bytes, c.group_size, level)
 
 
@@ -289,7 +293,8 @@ class _Timeline:
         self.t = max(self.t, c.predicted_end_s)
 
 
-def _simulate(g: GraphView, colls: list[Collective], profile: ClusterProfile):
+def _simulate(g: GraphView, colls: list[Collective], profile: ClusterProfile,
+              tp_size: int = 1):
     """Timing: the compute stream runs the graph's kernels (:mod:`shardc.planning.kernels`:
     fused groups, matmuls, attention) in order, each at the end of its last op and priced by
     :mod:`shardc.planning.estimate`; each process group's collectives run first-in first-out
@@ -320,7 +325,7 @@ def _simulate(g: GraphView, colls: list[Collective], profile: ClusterProfile):
         pack, _ = _copy_seconds(g, c, profile)
         if pack:
             line.kernel(pack)
-        line.issue(c, _duration(c, profile))
+        line.issue(c, _duration(c, profile, tp_size))
 
     def wait(c: Collective) -> None:
         line.wait(c)
@@ -458,7 +463,7 @@ def plan_region(
         # group's order is the traced one.
         colls.sort(key=lambda c: (c.issue_pos, c.origin == "shardc",
                                   c.origin == "shardc" and c.kind != Kind.ALL_GATHER, c.bucket))
-        ops, step, exposed = _simulate(g, colls, cluster)
+        ops, step, exposed = _simulate(g, colls, cluster, plan.tp_size)
         plan.collectives.extend(colls)
         plan.graphs[g.name] = ops
         plan.memory_timeline[g.name] = _memory_timeline(g, colls)
