@@ -158,9 +158,15 @@ class ClusterProfile:
         """Seconds of one collective over ``buffer_bytes`` (the full buffer) and ``group_size``
         ranks: the measured curve of that kind and size, else the ring model at this level's
         link (:meth:`ClusterSpec.collective_seconds`); a group larger than ``node_size`` spans
-        nodes and runs at the ``inter`` link whatever ``level`` says."""
+        nodes and runs at the ``inter`` link whatever ``level`` says; a one-rank group's is a
+        device-to-device copy of the buffer."""
         if group_size <= 1:
-            return 0.0
+            # shardc lowers a one-rank group's collectives too (docs/overhead.md: they show in
+            # a world-1 profile): NCCL copies the send buffer into the receive buffer.
+            if buffer_bytes <= 0 or not self.memory:
+                return 0.0
+            return 2.0 * buffer_bytes / self.memory_bandwidth(2.0 * buffer_bytes) \
+                + self.kernel_gpu_s
         if group_size > self.node_size:
             level = "inter"
         for curve in self.collectives:

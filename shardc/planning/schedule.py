@@ -278,8 +278,8 @@ class _Timeline:
         return start, self.t
 
     def issue(self, c: Collective, seconds: float) -> None:
-        if c.group_size > 1:  # a group of one rank launches nothing
-            self.host += self.profile.collective_launch_s
+        # Launched for a one-rank group too: shardc lowers its collectives (a copy in NCCL).
+        self.host += self.profile.collective_launch_s
         c.predicted_start_s = max(self.t, self.host, self.free.get(c.stream, 0.0))
         c.predicted_end_s = self.free[c.stream] = c.predicted_start_s + seconds
 
