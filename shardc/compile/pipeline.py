@@ -36,6 +36,7 @@ from shardc.memory.peak import param_placeholders, predict_peak
 from shardc.memory.pool import assign_pool
 from shardc.ops.gather import GATHER_OP
 from shardc.ops.gather_args import GatherArgs
+from shardc.passes.body import BodyCall
 from shardc.passes.dedupe import dedupe_gathers, merge_reduce_scatters
 from shardc.passes.fp8 import Fp8Summary, hoist_fp8_quantize, prepare_fp8
 from shardc.passes.fx_utils import allocate_real, copy_graph_module, is_call
@@ -63,6 +64,11 @@ class RegionRecord:
     pool: torch.Tensor | None = None
     check_index: int | None = None  # the region's number for the cross-rank plan check
     fp8: Fp8Summary | None = field(default=None, repr=False)  # what the FP8 passes did
+    # Block bodies (shardc.passes.body): the calls in Dynamo's graph, the blocks that keep the
+    # inline path, and how many times each body's joint graph was partitioned.
+    body_calls: list[BodyCall] = field(default_factory=list, repr=False)
+    inline_blocks: list[tuple[str, str]] = field(default_factory=list, repr=False)
+    body_partitions: dict[str, int] = field(default_factory=dict)
 
 
 # Set by capture_partitioned(): where regions compiled in its scope leave their partitioned graphs.
