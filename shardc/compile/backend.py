@@ -205,20 +205,26 @@ def _prepare_bodies(gm: fx.GraphModule, state: ShardState | None, opts: ShardcOp
     """Record the block bodies Dynamo's graph calls (``shardc.sharding.blocks``), or inline
     them again with ``compile_blocks_once=False``."""
     blocks = state.blocks if state is not None else None
-    if blocks is None:
+    if blocks is None or not blocks.groups and not blocks.fallbacks:
         return
     region.inline_blocks = [(f.module, f.reason) for f in blocks.fallbacks]
     found = describe_body_calls(gm, blocks.block_of_param)
-    if not found:
-        return
-    if not opts.compile_blocks_once:
+    if found and not opts.compile_blocks_once:
         inline_body_calls(gm, [node for node, _ in found])
         region.inline_blocks += [(call.block, "compile_blocks_once=False") for _, call in found]
         return
     region.body_calls = [call for _, call in found]
-    bodies = {call.identifier for call in region.body_calls}
-    log.info("shardc: region %d calls %d compiled block bod%s %d times", region.index,
-             len(bodies), "y" if len(bodies) == 1 else "ies", len(region.body_calls))
+    called = {call.block for call in region.body_calls}
+    traced = {blocks.block_of_param(GatherArgs.of(g).fqn) for g in sharded_gathers(gm)}
+    for block, _ in sorted(b for b in traced if b is not None and b[0] not in called):
+        # Its wrapped forward ran the block's own forward: hooks or classes changed after
+        # shardc.shard (shardc.sharding.blocks.module_layout).
+        region.inline_blocks.append((block, "its hooks or module classes changed after "
+                                            "shardc.shard"))
+    if found:
+        bodies = {call.identifier for call in region.body_calls}
+        log.info("shardc: region %d calls %d compiled block bod%s %d times", region.index,
+                 len(bodies), "y" if len(bodies) == 1 else "ies", len(region.body_calls))
 
 
 def shardc_backend(

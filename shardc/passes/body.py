@@ -87,6 +87,14 @@ def describe_body_calls(gm: fx.GraphModule, block_of_param
     are shardc gathers of one block (``block_of_param(fqn)`` -> the block's module name and
     type, or None), in graph order."""
     calls = []
+    for owner in gm.modules():  # bodies inside other higher-order ops too (checkpointing)
+        if isinstance(owner, fx.GraphModule):
+            calls += _describe_in(owner, block_of_param)
+    return calls
+
+
+def _describe_in(gm: fx.GraphModule, block_of_param) -> list[tuple[fx.Node, BodyCall]]:
+    calls = []
     for node in body_calls(gm):
         operands = node.args[2:]
         gathers = {i: _gather_of(a) for i, a in enumerate(operands)}
@@ -103,37 +111,43 @@ def describe_body_calls(gm: fx.GraphModule, block_of_param
     return calls
 
 
-def inline_body_calls(gm: fx.GraphModule, calls: list[fx.Node]) -> int:
-    """Replace each ``invoke_subgraph`` node of ``calls`` by a copy of its body's nodes; returns
-    how many were inlined."""
+def inline_body_calls(root: fx.GraphModule, calls: list[fx.Node]) -> int:
+    """Replace each ``invoke_subgraph`` node of ``calls`` (in ``root``'s graph or its
+    subgraphs') by a copy of its body's nodes; returns how many were inlined."""
+    owners = {m.graph: m for m in root.modules() if isinstance(m, fx.GraphModule)}
     for node in calls:
-        body = getattr(gm, node.args[0].target)
-        env: dict[fx.Node, object] = dict(zip(body.graph.find_nodes(op="placeholder"),
-                                              node.args[2:]))
-        result = None
-        with gm.graph.inserting_before(node):
-            for inner in body.graph.nodes:
-                if inner.op == "placeholder":
-                    continue
-                if inner.op == "output":
-                    result = fx.map_arg(inner.args[0], lambda n: env[n])
-                    continue
-                if inner.op == "get_attr":
-                    name = _unique_attr(gm, f"{node.name}_{inner.target}")
-                    setattr(gm, name, getattr(body, inner.target))
-                    env[inner] = gm.graph.get_attr(name)
-                    env[inner].meta = dict(inner.meta)
-                    continue
-                env[inner] = gm.graph.node_copy(inner, lambda n: env[n])
-        for user in list(node.users):
-            if is_call(user, operator.getitem):
-                user.replace_all_uses_with(result[user.args[1]])
-                gm.graph.erase_node(user)
-        gm.graph.erase_node(node)
-    gm.graph.eliminate_dead_code()
-    gm.delete_all_unused_submodules()
-    gm.recompile()
+        _inline(owners[node.graph], node)
+    for gm in owners.values():
+        gm.graph.eliminate_dead_code()
+        gm.delete_all_unused_submodules()
+        gm.recompile()
     return len(calls)
+
+
+def _inline(gm: fx.GraphModule, node: fx.Node) -> None:
+    body = getattr(gm, node.args[0].target)
+    env: dict[fx.Node, object] = dict(zip(body.graph.find_nodes(op="placeholder"),
+                                          node.args[2:]))
+    result = None
+    with gm.graph.inserting_before(node):
+        for inner in body.graph.nodes:
+            if inner.op == "placeholder":
+                continue
+            if inner.op == "output":
+                result = fx.map_arg(inner.args[0], lambda n: env[n])
+                continue
+            if inner.op == "get_attr":
+                name = _unique_attr(gm, f"{node.name}_{inner.target}")
+                setattr(gm, name, getattr(body, inner.target))
+                env[inner] = gm.graph.get_attr(name)
+                env[inner].meta = dict(inner.meta)
+                continue
+            env[inner] = gm.graph.node_copy(inner, lambda n: env[n])
+    for user in list(node.users):
+        if is_call(user, operator.getitem):
+            user.replace_all_uses_with(result[user.args[1]])
+            gm.graph.erase_node(user)
+    gm.graph.erase_node(node)
 
 
 def _unique_attr(gm: fx.GraphModule, base: str) -> str:

@@ -158,9 +158,24 @@ def _read(module: nn.Module, dotted: str):
     return getattr(module.get_submodule(owner) if owner else module, leaf)
 
 
+def module_layout(block: nn.Module) -> tuple:
+    """The classes and hook counts of ``block``'s modules: a block whose layout changed after
+    :func:`shardc.shard` (a hook added, a parametrization registered) runs its own forward."""
+    return tuple((type(m), len(m._forward_hooks), len(m._forward_pre_hooks),
+                  len(m._backward_hooks), len(m._backward_pre_hooks)) for m in block.modules())
+
+
+def seal(bodies: BlockBodies, root: nn.Module) -> None:
+    """Record each wrapped block's :func:`module_layout` once :func:`shardc.shard` is done."""
+    for group in bodies.groups:
+        for member in group.members:
+            block = root.get_submodule(member)
+            block._shardc_layout = module_layout(block)
+
+
 def _wrapped_forward(group: BlockGroup, original: Callable) -> Callable:
     def forward(self, *args, **kwargs):
-        if not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling() or module_layout(self) != self._shardc_layout:
             return original(self, *args, **kwargs)
         body = group.bodies[self.training]
         weights = tuple(_read(self, n) for n in group.weight_names)

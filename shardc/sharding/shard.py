@@ -30,6 +30,7 @@ from shardc.runtime import replaced_params
 from shardc.runtime.grad_sync import UnsyncedGrads
 from shardc.sharding import te_params
 from shardc.sharding.blocks import BlockBodies, wrap_repeated_blocks
+from shardc.sharding.blocks import seal as seal_blocks
 from shardc.sharding.fp8 import (
     Float8Policy,
     Fp8ParamInfo,
@@ -499,6 +500,7 @@ def shard(
             sub.register_forward_hook(exit_forward, always_call=True)
     if id(module) not in per_module:
         _swap_root_class(module)
+    seal_blocks(blocks, module)
     module._shardc_state = state
     return module
 
