@@ -6,14 +6,14 @@ import pytest
 import torch
 import torch._dynamo
 from dist_utils import run_ranks
-from parity import assert_parity, reference, sharded_run
+from parity import assert_parity, max_rel_err, reference, sharded_run
 
 WORLD_SIZES = [1, 2, 3, 4]
 
 
 @pytest.fixture(scope="module")
 def references():
-    return {kind: reference(kind) for kind in ("llama", "variant", "repeated")}
+    return {kind: reference(kind) for kind in ("llama", "variant", "repeated", "blocks")}
 
 
 def _scenarios(rank: int, world: int, scenarios: list) -> list[dict]:
@@ -25,6 +25,11 @@ def _scenarios(rank: int, world: int, scenarios: list) -> list[dict]:
             assert out["plans"] and all(p is not None for p in out["plans"]), (
                 f"{kind}/{mode}/{options}: the shardc backend planned no region"
             )
+        # Block bodies (shardc.sharding.blocks) per region: (name, blocks, partitions).
+        out["bodies"] = [[(b.name, tuple(b.blocks), b.partitions) for b in p.bodies]
+                         for p in out["plans"] if p is not None]
+        out["inline"] = sorted({(b.module, b.reason) for p in out["plans"] if p is not None
+                                for b in p.inline_blocks})
         out["plans"] = len(out["plans"])
         results.append(out)
     return results
@@ -38,7 +43,12 @@ def test_parity_eager_and_fx(world, references):
         ("llama", "fx", {"prefetch": False}),
         ("variant", "fx", {}),
         ("repeated", "fx", {}),  # one module instance applied twice per forward
+        # Repeated blocks compiled once (and one odd block inline), checkpointing inside the
+        # blocks, then an eval + no_grad forward.
+        ("blocks", "fx", {"eval": True}),
     ]
+    if world == 3:
+        scenarios.append(("blocks", "fx", {"eval": True, "compile_blocks_once": False}))
     if world == 3:
         scenarios.append(("llama", "fx", {"reshard_after_forward": False, "bucket_by": "param"}))
     if world in (2, 4):
@@ -55,7 +65,33 @@ def test_parity_eager_and_fx(world, references):
     assert torch.equal(on["losses"], off["losses"])
     for name in on["params"]:
         assert torch.equal(on["params"][name], off["params"][name]), name
+    _check_blocks(world, scenarios, results, references["blocks"])
     variant = results[3]
     assert variant["grads_none"]["unused"], "an unused parameter must get no gradient"
     frozen = references["variant"]["params"]["lm.layers.0.attention.wq.weight"]
     assert torch.equal(variant["params"]["lm.layers.0.attention.wq.weight"], frozen)
+
+
+STACK = tuple(f"blocks.{i}" for i in range(4))
+
+
+def _check_blocks(world: int, scenarios: list, results: list, reference: dict) -> None:
+    """The BlockStack runs: the eval outputs equal the reference's; with bodies (the default)
+    the training region calls one body, partitioned once, for the four identical blocks, the
+    eval region calls it without a partition, and the odd block is inline, with its reason;
+    with ``compile_blocks_once=False`` every block is inline."""
+    for (kind, _, options), run in zip(scenarios, results):
+        if kind != "blocks":
+            continue
+        err = max_rel_err(run["eval"], reference["eval"])
+        assert err <= 1e-5, f"world {world}, {options}: eval outputs: rel err {err:.2e}"
+        inline = dict(run["inline"])
+        if options.get("compile_blocks_once") is False:
+            assert run["bodies"] == [[], []], run["bodies"]
+            assert set(inline) == {*STACK, "blocks.4"}, inline
+            assert all(inline[b] == "compile_blocks_once=False" for b in STACK)
+            continue
+        (train_bodies, eval_bodies) = run["bodies"]
+        assert [(b[1], b[2]) for b in train_bodies] == [(STACK, 1)], train_bodies
+        assert [(b[1], b[2]) for b in eval_bodies] == [(STACK, 0)], eval_bodies
+        assert list(inline) == ["blocks.4"] and "no identical sibling" in inline["blocks.4"]

@@ -26,16 +26,13 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from shardc.ops.gather import GATHER_OP, REDUCE_SCATTER_OP
 from shardc.ops.gather_args import GatherArgs
-from shardc.passes.fx_utils import is_call, is_view_or_cast
+from shardc.passes.fx_utils import is_call, is_view_or_cast, recompute_tag
 
 __all__ = ["BodyCall", "body_calls", "describe_body_calls", "inline_body_calls",
            "input_signature", "is_body_joint", "rewire_saved_inputs", "tag_weight_recompute",
            "weight_derived_outputs"]
 
 INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
-# An activation-checkpoint region id no user region has: the body's weight-only nodes form
-# their own recompute region.
-_BODY_AC_GRAPH_ID = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -181,8 +178,7 @@ def tag_weight_recompute(gm: fx.GraphModule, weights: set[int]) -> int:
         inputs = node.all_input_nodes
         if inputs and all(i in pure for i in inputs):
             pure.add(node)
-            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-            node.meta["ac_graph_id"] = _BODY_AC_GRAPH_ID
+            recompute_tag(node, CheckpointPolicy.MUST_RECOMPUTE)
             tagged += 1
     return tagged
 

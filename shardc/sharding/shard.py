@@ -444,7 +444,7 @@ def shard(
     fp8_fqns -= quantized
 
     infos: dict[str, ShardedParamInfo] = {}
-    for key, (fqn, p) in canonical.items():
+    for fqn, p in canonical.values():
         infos[fqn] = ShardedParamInfo(
             fqn=fqn,
             dim0=rank_tensor(p).shape[0],
