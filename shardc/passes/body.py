@@ -67,7 +67,10 @@ def input_signature(values: list) -> tuple[str, ...]:
     out = []
     for v in values:
         if isinstance(v, torch.Tensor):
-            out.append(f"{tuple(v.shape)}:{v.dtype}")
+            # Symbolic sizes print with names that differ between Dynamo's and AOTAutograd's
+            # graphs: only static sizes are compared.
+            shape = tuple(d if isinstance(d, int) else "?" for d in v.shape)
+            out.append(f"{shape}:{v.dtype}")
         else:
             out.append(type(v).__name__)
     return tuple(out)
