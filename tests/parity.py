@@ -166,6 +166,7 @@ def sharded_run(rank: int, world: int, kind: str, mode: str, **options) -> dict:
     """Shard, train on this rank's slice; returns the global mean losses and full parameters."""
     keep_model = options.pop("keep_model", False)
     options_eval = options.pop("eval", False)
+    hook_after_eval = options.pop("hook_after_eval", False)
     model = build(kind)
     shardc.shard(model, reshard_after_forward=options.pop("reshard_after_forward", True))
     if mode == "eager":
@@ -175,12 +176,17 @@ def sharded_run(rank: int, world: int, kind: str, mode: str, **options) -> dict:
                                                               **options))
     losses = train_rank_slice(model, forward, rank, world)
     evaluated = eval_forward(model, forward, rank, world) if options_eval else None
+    hooked = None
+    if hook_after_eval:
+        # A hook added after shard(): Dynamo recompiles, and that block runs its own forward.
+        model.blocks[1].up.register_forward_hook(lambda *_: None)
+        hooked = eval_forward(model, forward, rank, world)
     params = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
     grads_none = {n: p.grad is None for n, p in model.named_parameters()}
     state = shardc.shard_state(model)
     plans = [r.plan for r in state.regions]
     out = {"losses": losses, "params": params, "grads_none": grads_none, "plans": plans,
-           "eval": evaluated}
+           "eval": evaluated, "eval_hooked": hooked}
     if keep_model:
         out.update(model=model, forward=forward)
     return out

@@ -30,6 +30,7 @@ def _scenarios(rank: int, world: int, scenarios: list) -> list[dict]:
                          for p in out["plans"] if p is not None]
         out["inline"] = sorted({(b.module, b.reason) for p in out["plans"] if p is not None
                                 for b in p.inline_blocks})
+        out["notes"] = [list(p.notes) for p in out["plans"] if p is not None]
         out["plans"] = len(out["plans"])
         results.append(out)
     return results
@@ -45,7 +46,7 @@ def test_parity_eager_and_fx(world, references):
         ("repeated", "fx", {}),  # one module instance applied twice per forward
         # Repeated blocks compiled once (and one odd block inline), checkpointing inside the
         # blocks, then an eval + no_grad forward.
-        ("blocks", "fx", {"eval": True}),
+        ("blocks", "fx", {"eval": True, "hook_after_eval": world == 1}),
     ]
     if world == 3:
         scenarios.append(("blocks", "fx", {"eval": True, "compile_blocks_once": False}))
@@ -91,7 +92,22 @@ def _check_blocks(world: int, scenarios: list, results: list, reference: dict) -
             assert set(inline) == {*STACK, "blocks.4"}, inline
             assert all(inline[b] == "compile_blocks_once=False" for b in STACK)
             continue
-        (train_bodies, eval_bodies) = run["bodies"]
+        (train_bodies, eval_bodies, *hooked_bodies) = run["bodies"]
         assert [(b[1], b[2]) for b in train_bodies] == [(STACK, 1)], train_bodies
         assert [(b[1], b[2]) for b in eval_bodies] == [(STACK, 0)], eval_bodies
-        assert list(inline) == ["blocks.4"] and "no identical sibling" in inline["blocks.4"]
+        assert "no identical sibling" in inline["blocks.4"]
+        # Every plan says, in one note each, which body its blocks call and which block is
+        # inline and why.
+        for notes in run["notes"]:
+            assert sum("compiled inline" in n and "blocks.4" in n for n in notes) == 1, notes
+            assert sum(n.startswith("block body ") for n in notes) == 1, notes
+        if not options.get("hook_after_eval"):
+            assert list(inline) == ["blocks.4"], inline
+            continue
+        # A hook registered on blocks.1 after shard(): the recompiled eval region runs that
+        # block's own forward (inline, said in the plan) and the others' body, same outputs.
+        assert [(b[1], b[2]) for b in hooked_bodies[0]] == [
+            (tuple(b for b in STACK if b != "blocks.1"), 0)], hooked_bodies
+        assert "hooks or module classes changed" in inline["blocks.1"], inline
+        err = max_rel_err(run["eval_hooked"], reference["eval"])
+        assert err <= 1e-5, f"world {world}, after the hook: eval outputs: rel err {err:.2e}"

@@ -219,8 +219,9 @@ def _prepare_bodies(gm: fx.GraphModule, state: ShardState | None, opts: ShardcOp
     for block, _ in sorted(b for b in traced if b is not None and b[0] not in called):
         # Its wrapped forward ran the block's own forward: hooks or classes changed after
         # shardc.shard (shardc.sharding.blocks.module_layout).
-        region.inline_blocks.append((block, "its hooks or module classes changed after "
-                                            "shardc.shard"))
+        reason = "its hooks or module classes changed after shardc.shard"
+        region.inline_blocks.append((block, reason))
+        blocks.report_inline(block, reason)
     if found:
         bodies = {call.identifier for call in region.body_calls}
         log.info("shardc: region %d calls %d compiled block bod%s %d times", region.index,

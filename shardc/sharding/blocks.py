@@ -64,6 +64,15 @@ class BlockBodies:
 
     groups: list[BlockGroup] = field(default_factory=list)
     fallbacks: list[BlockFallback] = field(default_factory=list)
+    # Blocks found inline at compile time (hooks or classes changed after shard), logged once
+    # per model however many regions compile them.
+    reported: set[str] = field(default_factory=set, repr=False)
+
+    def report_inline(self, module: str, reason: str) -> None:
+        """Log once that group member ``module`` compiles inline after all, and why."""
+        if module not in self.reported:
+            self.reported.add(module)
+            log.info("shardc: block %s compiles inline (no shared body): %s", module, reason)
 
     def group_of(self, module: str) -> BlockGroup | None:
         return next((g for g in self.groups if module in g.members), None)
