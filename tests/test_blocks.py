@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -89,3 +90,17 @@ def test_parameters_gathered_specially_or_shared_fall_back_with_the_parameter_na
     assert "'down.weight'" in reasons["layers.2"] and "shared" in reasons["layers.2"]
     lines = [r.getMessage() for r in caplog.records if r.name == "shardc"]
     assert len([line for line in lines if "compiles inline" in line]) == 3, lines
+
+
+def test_hf_decoder_layers_differ_in_layer_idx_and_compile_inline():
+    """transformers' decoder layers keep their index (``self_attn.layer_idx``): a plain attribute
+    that differs per layer, so no two layers share a body and each is said inline (a documented
+    limit, docs/support.md)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2Config(vocab_size=37, hidden_size=16, intermediate_size=24,
+                                      num_hidden_layers=3, num_attention_heads=2,
+                                      num_key_value_heads=1)
+    model = transformers.Qwen2ForCausalLM(config)
+    bodies = wrap_repeated_blocks(model, {}, shared=set(), special=set())
+    assert bodies.groups == []
+    assert [f.module for f in bodies.fallbacks] == [f"model.layers.{i}" for i in range(3)]
