@@ -75,6 +75,8 @@ def comparable_plan(plan: Plan) -> dict:
     if "largest" in peak:
         peak["largest"] = sorted([cat, nbytes] for _, cat, nbytes in peak["largest"])
     data.pop("notes")
+    # Which blocks compiled inline and why: said per traced block (a template traces fewer).
+    data.pop("inline_blocks", None)
     data.pop("hash")  # of the collectives' signatures: kept in them
     return data
 
