@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from typing import Any
 
-PLAN_VERSION = 4
+PLAN_VERSION = 5
 # Version 2 added the 2-D mesh fields (``Plan.mesh``, ``replicate_size``,
 # ``replicate_group_name``, ``Bucket.replicate``/``replicate_group``, ``Collective.group``, kind
 # ``"all_reduce"``); a version 1 plan reads as a 1-D plan with their defaults.
@@ -28,7 +28,10 @@ PLAN_VERSION = 4
 # ids) and ``Plan.predicted``'s keys (the fields of :class:`Predictions`; the JSON is the same
 # object of numbers, without the predictions a plan does not make). Older plans read with their
 # links filled in from the ids.
-READABLE_VERSIONS = (1, 2, 3, 4)
+# Version 5 added CPU offload: ``Plan.copies`` (the host<->device copies, kinds ``"h2d_copy"``
+# and ``"d2h_copy"``, on the ``"copy"`` lane) and the predictions ``host_bytes`` and
+# ``device_copy_bytes``; older plans read with no copies.
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 
 
 class CollectiveKind(str, Enum):
@@ -39,6 +42,10 @@ class CollectiveKind(str, Enum):
     ALL_REDUCE = "all_reduce"
     ALL_TO_ALL = "all_to_all"
     BROADCAST = "broadcast"
+    # CPU offload (Plan.copies): a bucket's host shards copied to the device before its
+    # all-gather, and its reduced gradient shards copied back to the host.
+    H2D_COPY = "h2d_copy"
+    D2H_COPY = "d2h_copy"
 
     def __str__(self) -> str:
         return self.value
@@ -78,6 +85,10 @@ class Predictions:
     grad_bytes: float | None = None
     optimizer_step_peak_bytes: float | None = None
     peak_bytes: float | None = None
+    # CPU offload: host memory of the offloaded state (masters, gradients, optimizer state), and
+    # the most device bytes the host->device copies hold at once (counted in the peaks above).
+    host_bytes: float | None = None
+    device_copy_bytes: float | None = None
 
     def to_dict(self) -> dict[str, float]:
         """The predictions made, by name."""
@@ -267,6 +278,9 @@ class Plan:
     # FSDP+TP: ranks of the tensor-parallel dimension and its process group.
     tp_size: int = 1
     tp_group_name: str = ""
+    # CPU offload: the host<->device copies (kinds h2d_copy / d2h_copy, lane "copy"), planned
+    # like collectives but not collectives (no process group; the pool holds none of them).
+    copies: list[Collective] = field(default_factory=list)
 
     def table(self, *, wide: bool = False) -> str:
         """The plan as text (``shardc.tools.render.plan_table``): lines of at most 99 columns, or
@@ -325,12 +339,20 @@ class Plan:
         if version < 4:
             _link_by_id(colls)
         data["collectives"] = colls
+        data["copies"] = [Collective(**_tuples(c)) for c in data.get("copies", [])]
         data["graphs"] = {g: [ComputeOp(**op) for op in ops] for g, ops in data["graphs"].items()}
         return cls(**data)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
         return cls.from_dict(json.loads(text))
+
+
+def _tuples(c: dict[str, Any]) -> dict[str, Any]:
+    c = dict(c)
+    if c.get("buffer_lifetime") is not None:
+        c["buffer_lifetime"] = tuple(c["buffer_lifetime"])
+    return c
 
 
 def _link_by_id(collectives: list[Collective]) -> None:

@@ -26,9 +26,11 @@ import torch
 from torch import fx
 
 from shardc.ops.gather_args import GatherArgs, ReduceArgs
+from shardc.ops.offload_copy import is_to_host
 from shardc.passes.fx_utils import dtype_itemsize, is_view, view_users
 from shardc.planning import found as found_comm
 from shardc.planning.bucketing import ParamComm, assign_buckets, bucket_name
+from shardc.planning.copies import COPY_KINDS, copy_seconds, place_d2h, place_h2d
 from shardc.planning.cost_model import ClusterSpec, node_flops_and_bytes
 from shardc.planning.graph_view import GraphView, analyze, available_pos, ready_pos
 from shardc.planning.plan import PLAN_VERSION, Bucket, Collective, CollectiveKind, ComputeOp, Plan
@@ -173,7 +175,7 @@ def _place_reduce_scatters(g: GraphView, buckets: list[Bucket]) -> list[Collecti
         ready = min(ready, g.end)
         # The wait must precede every reader of the reduced shards (the output, or additions).
         # (views of the shards are moved behind the wait by the lowering)
-        latest = min(g.pos(u) for p in params for u in view_users(g.reduces[p])[1])
+        latest = min(g.pos(u) for p in params for u in _readers(g.reduces[p]))
         if latest < ready:  # dedupe moves the readers of merged reductions to the end
             reader = g.compute[latest].name if latest < g.end else "the output"
             raise RuntimeError(
@@ -208,6 +210,15 @@ def _place_reduce_scatters(g: GraphView, buckets: list[Bucket]) -> list[Collecti
     return out
 
 
+def _readers(node: fx.Node) -> list[fx.Node]:
+    """The nodes that read ``node`` or its views; through an offload device->host copy, which
+    the lowering moves to where the plan's copy lane issues it, its readers."""
+    out = []
+    for user in view_users(node)[1]:
+        out += _readers(user) if is_to_host(user) else [user]
+    return out
+
+
 def replicate_all_reduce(g: GraphView, bucket: Bucket, params: list[str], issue: int,
                          latest: int) -> Collective:
     """HSDP: the all-reduce (average) of a bucket's reduce-scattered shard over the replicate
@@ -223,6 +234,8 @@ def replicate_all_reduce(g: GraphView, bucket: Bucket, params: list[str], issue:
 
 
 def _duration(c: Collective, cluster: ClusterSpec) -> float:
+    if c.kind in COPY_KINDS:
+        return copy_seconds(c.buffer_bytes)
     level = "inter" if c.group == "replicate" else "intra"
     return cluster.collective_seconds(c.kind, c.buffer_bytes, c.group_size, level)
 
@@ -371,14 +384,17 @@ def plan_region(
         if g.name == "backward":
             colls += _place_reduce_scatters(g, buckets)
         colls += found[g.name]
+        copies = place_h2d(g, colls) + (place_d2h(g, colls, buckets)
+                                        if g.name == "backward" else [])
         # Found collectives first at a position, in graph order (the sort is stable): their
         # group's order is the traced one.
         colls.sort(key=lambda c: (c.issue_pos, c.origin == "shardc",
                                   c.origin == "shardc" and c.kind != Kind.ALL_GATHER, c.bucket))
-        ops, step, exposed = _simulate(g, colls, cluster)
+        ops, step, exposed = _simulate(g, colls + copies, cluster)
         plan.collectives.extend(colls)
+        plan.copies.extend(copies)
         plan.graphs[g.name] = ops
-        plan.memory_timeline[g.name] = _memory_timeline(g, colls)
+        plan.memory_timeline[g.name] = _memory_timeline(g, colls + copies)
         plan.predicted.set_graph(g.name, step, exposed)
         total_time += step
         total_exposed += exposed
