@@ -112,7 +112,8 @@ def sharded_run(rank: int, world: int, kind: str, mode: str, **options) -> dict:
     """Shard, train on this rank's slice; returns the global mean losses and full parameters."""
     keep_model = options.pop("keep_model", False)
     model = build(kind)
-    shardc.shard(model, reshard_after_forward=options.pop("reshard_after_forward", True))
+    shardc.shard(model, reshard_after_forward=options.pop("reshard_after_forward", True),
+                 offload=options.pop("offload", None), mp_policy=options.pop("mp_policy", None))
     if mode == "eager":
         forward = model
     else:

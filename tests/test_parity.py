@@ -8,6 +8,12 @@ import torch._dynamo
 from dist_utils import run_ranks
 from parity import assert_parity, reference, sharded_run
 
+import shardc
+
+# CPU offload on a CPU mesh: the testing mode in which every copy is a real separate tensor.
+OFFLOAD = shardc.OffloadPolicy(simulate_on_cpu=True)
+BF16 = shardc.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
 WORLD_SIZES = [1, 2, 3, 4]
 
 
@@ -25,6 +31,7 @@ def _scenarios(rank: int, world: int, scenarios: list) -> list[dict]:
             assert out["plans"] and all(p is not None for p in out["plans"]), (
                 f"{kind}/{mode}/{options}: the shardc backend planned no region"
             )
+        out["copies"] = sum(len(p.copies) for p in out["plans"] if p is not None)
         out["plans"] = len(out["plans"])
         results.append(out)
     return results
@@ -44,9 +51,20 @@ def test_parity_eager_and_fx(world, references):
     if world in (2, 4):
         # Poisoned pool buffers: any planning error that overlapped live buffers gives NaNs.
         scenarios.append(("llama", "fx", {"debug_pool": True, "prefetch_depth": 2}))
+    # CPU offload (issue 21): host shards, host gradients, AdamW on the host; eager and planned.
+    offloaded = len(scenarios)
+    scenarios += [("llama", "eager", {"offload": OFFLOAD}), ("llama", "fx", {"offload": OFFLOAD})]
+    if world in (3, 4):  # tied weights, a frozen layer, an unused and (world 4) an empty shard
+        scenarios.append(("variant", "fx", {"offload": OFFLOAD}))
+    if world == 2:  # mixed precision: the same bits with and without offload
+        scenarios += [("llama", "fx", {"mp_policy": BF16}),
+                      ("llama", "fx", {"mp_policy": BF16, "offload": OFFLOAD})]
     results = run_ranks(_scenarios, world, scenarios)[0]
     for (kind, mode, options), run in zip(scenarios, results):
         try:
+            if "mp_policy" in options:
+                assert_parity(run, references[kind], tol=2e-2)
+                continue
             assert_parity(run, references[kind])
         except AssertionError as exc:
             raise AssertionError(f"world {world}, {kind}/{mode}/{options}: {exc}") from exc
@@ -59,3 +77,23 @@ def test_parity_eager_and_fx(world, references):
     assert variant["grads_none"]["unused"], "an unused parameter must get no gradient"
     frozen = references["variant"]["params"]["lm.layers.0.attention.wq.weight"]
     assert torch.equal(variant["params"]["lm.layers.0.attention.wq.weight"], frozen)
+    _check_offloaded(world, results, offloaded, scenarios)
+
+
+def _bitwise(a: dict, b: dict, what: str) -> None:
+    assert torch.equal(a["losses"], b["losses"]), what
+    for name in a["params"]:
+        assert torch.equal(a["params"][name], b["params"][name]), f"{what}: {name}"
+
+
+def _check_offloaded(world: int, results: list, first: int, scenarios: list) -> None:
+    """Offload moves bytes, never changes them: the offloaded runs equal the runs without
+    offload bit for bit (eager vs eager is not run: the compiled run stands for both), and the
+    compiled ones planned their copies."""
+    eager, fx = results[first], results[first + 1]
+    _bitwise(fx, results[1], f"world {world}: offloaded FX vs FX")
+    assert fx["copies"] > 0, f"world {world}: the offloaded region planned no copy"
+    assert eager["copies"] == 0 and eager["plans"] == 0
+    if world == 2:
+        _bitwise(results[-1], results[-2], "world 2: bf16 offloaded FX vs bf16 FX")
+        assert results[-1]["copies"] > 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 from torch import fx
 
 from shardc.ops.offload_copy import COPY_START_OP, COPY_WAIT_OP
-from shardc.passes.fx_utils import call, view_chain, view_users
+from shardc.passes.fx_utils import call, view_chain
 from shardc.planning.graph_view import GraphView
 from shardc.planning.plan import Collective, CollectiveKind
 
@@ -60,7 +60,6 @@ def lower_d2h(gm: fx.GraphModule, g: GraphView, copies: list[Collective]) -> Non
         for fqn in c.params:
             node = g.to_host[fqn]
             grad, _, dtype, pin = node.args
-            views, _ = view_users(node)
             # At the issue position, or after the gradient if the lowering placed it later
             # (the reduced shards are handed out right before their collective's wait anchor).
             where = _anchor(g, gm, c.issue_pos)
@@ -71,10 +70,22 @@ def lower_d2h(gm: fx.GraphModule, g: GraphView, copies: list[Collective]) -> Non
                 wait = call(graph, COPY_WAIT_OP, (start,))
             node.replace_all_uses_with(start)
             graph.erase_node(node)
-            anchor = wait
-            for view in [v for v in graph.nodes if v in views]:
-                anchor.append(view)
-                anchor = view
+            _move_readers_behind(graph, start, wait)
+
+
+def _move_readers_behind(graph: fx.Graph, start: fx.Node, wait: fx.Node) -> None:
+    """Move every node downstream of ``start`` (its views, the DTensor wrapping, the sum of a
+    tied weight's two host gradients) behind ``wait``, in their order."""
+    downstream, stack = set(), [start]
+    while stack:
+        for user in stack.pop().users:
+            if user.op != "output" and user is not wait and user not in downstream:
+                downstream.add(user)
+                stack.append(user)
+    anchor = wait
+    for n in [n for n in graph.nodes if n in downstream]:
+        anchor.append(n)
+        anchor = n
 
 
 def _after(graph: fx.Graph, first: fx.Node, node: fx.Node) -> None:

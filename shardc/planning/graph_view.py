@@ -101,7 +101,10 @@ def analyze(gm: fx.GraphModule, name: str) -> GraphView:
         if is_to_device(node):
             to_device[copy_fqn(node)] = node
         elif is_to_host(node):
-            to_host[copy_fqn(node)] = node
+            # A tied weight's second copy carries the zeros left where reductions merged
+            # (shardc.passes.dedupe): it stays a plain op; the planned one reads the reduction.
+            if copy_fqn(node) not in to_host or is_call(node.args[0], REDUCE_SCATTER_OP):
+                to_host[copy_fqn(node)] = node
         elif is_call(node, GATHER_OP):
             gathers[GatherArgs.of(node).fqn] = node
         elif is_call(node, REDUCE_SCATTER_OP):

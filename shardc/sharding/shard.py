@@ -570,8 +570,8 @@ def _local_shard_bytes(module: nn.Module, layout: MeshLayout) -> int:
     return total
 
 
-__all__ = ["MixedPrecisionPolicy", "OffloadPolicy", "ShardState", "ShardedParamInfo", "is_sharded", "no_sync",
-           "set_requires_gradient_sync", "shard", "shard_state"]
+__all__ = ["MixedPrecisionPolicy", "OffloadPolicy", "ShardState", "ShardedParamInfo",
+           "is_sharded", "no_sync", "set_requires_gradient_sync", "shard", "shard_state"]
 
 
 def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) -> None:
