@@ -60,6 +60,11 @@ from shardc.models.llama import Transformer
 
 K, J = 2, 2  # training steps before the checkpoint, and after it
 PAIRS = [(2, 4), (4, 2), (3, 2), (1, 3), (2, 1)]
+# CPU offload (issue 21; simulated on the CPU mesh: the copies are real separate tensors).
+OFFLOAD = shardc.OffloadPolicy(simulate_on_cpu=True)
+# (saved as, loaded at world M with offload?): offloaded 3 -> offloaded 2, offloaded 3 -> plain
+# 4, plain 4 -> offloaded 3, plain 2 -> offloaded 2.
+OFFLOAD_LOADS = [("n3off", 2, True), ("n3off", 4, False), ("n4", 3, True), ("n2", 2, True)]
 
 
 def _error(fn) -> str:
@@ -88,11 +93,12 @@ def _tree_digest(root: str) -> dict[str, str]:
 # Resharding sources and loads
 
 
-def reshard_save(group, name: str, tmp: str, record_continuation: bool = False) -> None:
+def reshard_save(group, name: str, tmp: str, record_continuation: bool = False,
+                 offload: bool = False) -> None:
     """Train K steps on ``group`` and save; rank 0 keeps the gathered state next to it."""
     grank = dist.get_rank(group)
     mesh = DeviceMesh.from_group(group, "cpu")
-    model = llama(0, mesh=mesh, allow_partial_mesh=True)
+    model = llama(0, mesh=mesh, allow_partial_mesh=True, offload=OFFLOAD if offload else None)
     opt = adamw(model)
     for step in range(K):
         llama_step(model, opt, step, grank)
@@ -107,13 +113,14 @@ def reshard_save(group, name: str, tmp: str, record_continuation: bool = False) 
                    f"{where}.continued.rank{grank}.pt")
 
 
-def reshard_load(group, name: str, tmp: str, same_world: bool) -> dict:
+def reshard_load(group, name: str, tmp: str, same_world: bool, offload: bool = False) -> dict:
     """Load ``name`` on ``group``; continue J steps; the same from the state put in by hand."""
     grank = dist.get_rank(group)
     mesh = DeviceMesh.from_group(group, "cpu")
     where = os.path.join(tmp, "reshard", name)
     saved = torch.load(f"{where}.state.pt", weights_only=False)
-    model = llama(123, mesh=mesh, allow_partial_mesh=True)
+    policy = OFFLOAD if offload else None
+    model = llama(123, mesh=mesh, allow_partial_mesh=True, offload=policy)
     opt = adamw(model)
     before = full_state(model, opt)
     dcp.load(_states(model, opt), checkpoint_id=where, process_group=group)
@@ -121,7 +128,7 @@ def reshard_load(group, name: str, tmp: str, same_world: bool) -> dict:
            "changed": bool(diff(before, saved))}
     losses = [llama_step(model, opt, K + j, grank) for j in range(J)]
     final = full_state(model, opt)
-    ref = llama(321, mesh=mesh, allow_partial_mesh=True)
+    ref = llama(321, mesh=mesh, allow_partial_mesh=True, offload=policy)
     ref_opt = adamw(ref)
     state_from_full(ref, ref_opt, saved)
     out["reference_start"] = diff(full_state(ref, ref_opt), saved)
@@ -138,24 +145,32 @@ def reshard_load(group, name: str, tmp: str, same_world: bool) -> dict:
 # Job A: 3 ranks
 
 
-def fsdp2_checks(rank: int, tmp: str) -> dict:
-    from torch.distributed.fsdp import fully_shard
+def fsdp2_checks(rank: int, tmp: str, offload: bool = False) -> dict:
+    """``offload``: FSDP2 with CPUOffloadPolicy (unpinned: it runs on a CPU mesh too) against
+    shardc with offload."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    policy = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if offload else {}
 
     def fsdp_model(seed: int) -> Transformer:
         torch.manual_seed(seed)
         model = Transformer(LLAMA)
         for layer in model.layers:
-            fully_shard(layer)
-        return fully_shard(model)
+            fully_shard(layer, **policy)
+        return fully_shard(model, **policy)
+
+    def shardc_model(seed: int) -> Transformer:
+        return llama(seed, offload=OFFLOAD if offload else None)
 
     def rel(a: torch.Tensor, b: torch.Tensor) -> float:
         a, b = a.double(), b.double()
         return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
     out = {}
-    for direction, make_src, make_dst in (("fsdp2->shardc", fsdp_model, llama),
-                                          ("shardc->fsdp2", llama, fsdp_model)):
-        ckpt = os.path.join(tmp, "fsdp2", direction.replace(">", ""))
+    for direction, make_src, make_dst in (("fsdp2->shardc", fsdp_model, shardc_model),
+                                          ("shardc->fsdp2", shardc_model, fsdp_model)):
+        ckpt = os.path.join(tmp, "fsdp2" + ("_offload" if offload else ""),
+                            direction.replace(">", ""))
         src = make_src(0)
         src_opt = adamw(src)
         for step in range(K):
@@ -371,7 +386,9 @@ def manager_checks(rank: int, tmp: str) -> dict:
 
 def job_a(rank: int, world: int, tmp: str) -> dict:
     reshard_save(dist.group.WORLD, "n3", tmp)
-    return {"fsdp2": fsdp2_checks(rank, tmp), "manager": manager_checks(rank, tmp)}
+    reshard_save(dist.group.WORLD, "n3off", tmp, offload=True)
+    return {"fsdp2": fsdp2_checks(rank, tmp), "manager": manager_checks(rank, tmp),
+            "fsdp2_offload": fsdp2_checks(rank, tmp, offload=True)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -426,6 +443,11 @@ def job_c(rank: int, world: int, tmp: str) -> dict:
         if rank < m:
             out[f"reshard.{n}->{m}"] = reshard_load(groups[m], f"n{n}", tmp, n == m)
         dist.barrier()
+    for name, m, offload in OFFLOAD_LOADS:
+        if rank < m:
+            out[f"offload.{name}->{m}.{offload}"] = reshard_load(groups[m], name, tmp, False,
+                                                                 offload=offload)
+        dist.barrier()
     return out
 
 
@@ -454,6 +476,20 @@ def test_reshard_values_and_continued_training_bitwise(jobs, pair):
         assert out["continued"] == [], f"rank {grank}: {out['continued'][:5]}"
         if n == m:
             assert out["uninterrupted"] == [], f"rank {grank}: {out['uninterrupted'][:5]}"
+
+
+@pytest.mark.parametrize("load", OFFLOAD_LOADS, ids=lambda x: f"{x[0]}to{x[1]}{'off' * x[2]}")
+def test_offloaded_checkpoints_reshard_to_and_from_plain_runs_bitwise(jobs, load):
+    """CPU offload (issue 21): model and AdamW state saved from an offloaded run load into an
+    offloaded or plain run of another world size (and plain into offloaded) with the same bits
+    in global coordinates, and training continues exactly as from the state put in by hand."""
+    name, m, offload = load
+    for grank, r in enumerate(jobs["c"][:m]):
+        out = r[f"offload.{name}->{m}.{offload}"]
+        assert out["world"] == m and out["changed"]
+        assert out["loaded"] == [], f"rank {grank}: {out['loaded'][:5]}"
+        assert out["reference_start"] == []
+        assert out["continued"] == [], f"rank {grank}: {out['continued'][:5]}"
 
 
 def test_crash_between_write_and_completion_leaves_previous_step(jobs):
@@ -573,6 +609,18 @@ def test_fsdp2_checkpoints_load_into_shardc_and_back(jobs):
     for r in jobs["a"]:
         for direction in ("fsdp2->shardc", "shardc->fsdp2"):
             out = r["fsdp2"][direction]
+            assert out["keys"]
+            assert out["loaded"] == [], (direction, out["loaded"][:5])
+            assert max(out["losses"]) <= 1e-6, (direction, out["losses"])
+            assert out["params"] <= 1e-6 and out["moments"] <= 1e-6, (direction, out)
+            assert out["step"] is True, out["step"]
+
+
+def test_fsdp2_cpu_offload_checkpoints_load_into_offloaded_shardc_and_back(jobs):
+    """FSDP2 with CPUOffloadPolicy (unpinned, on the gloo CPU mesh) <-> shardc with offload."""
+    for r in jobs["a"]:
+        for direction in ("fsdp2->shardc", "shardc->fsdp2"):
+            out = r["fsdp2_offload"][direction]
             assert out["keys"]
             assert out["loaded"] == [], (direction, out["loaded"][:5])
             assert max(out["losses"]) <= 1e-6, (direction, out["losses"])

@@ -139,8 +139,8 @@ def check_host_memory(shard_bytes: int, policy: OffloadPolicy) -> None:
 def to_host(local: torch.Tensor, policy: OffloadPolicy, mesh_device_type: str) -> torch.Tensor:
     """The host copy of a local shard, pinned when the mesh is CUDA and the policy asks (a
     plain tensor: pinning never goes through DTensor)."""
-    host = local.detach().to("cpu", copy=True) if local.device.type != "meta" else \
-        torch.empty(local.shape, dtype=local.dtype, device="cpu")
+    # ``local`` is a fresh tensor of this rank's rows (never the user's): no copy if on the host.
+    host = local.detach() if local.device.type == "cpu" else local.detach().to("cpu")
     if wants_pinned(policy, mesh_device_type) and not host.is_pinned():
         host = host.pin_memory()
     return host

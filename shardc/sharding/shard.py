@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from shardc.ops.gather import gather_param
 from shardc.ops.gather_args import GatherArgs
 from shardc.ops.offload_copy import offload_to_device
-from shardc.runtime import replaced_params
+from shardc.runtime import offload_check, replaced_params
 from shardc.runtime.grad_sync import UnsyncedGrads
 from shardc.sharding import te_params
 from shardc.sharding.fp8 import (
@@ -390,8 +390,9 @@ def _shard_tensor(p: torch.Tensor, layout: MeshLayout,
     rows = max(0, min(chunk, t.shape[0] - start))
     if te_params.is_quantized(t):
         local = te_params.shard_float8_param(t, start, rows, device)
-    elif t.device.type == "meta":
-        local = torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device=device)
+    elif t.device.type == "meta":  # offloaded: allocated on the host at once
+        local = torch.empty((rows, *t.shape[1:]), dtype=t.dtype,
+                            device=device if offload is None else torch.device("cpu"))
     else:
         local = t.detach().narrow(0, start, rows).to(device).clone()
     if offload is not None:
@@ -499,6 +500,8 @@ def shard(
         new_param = nn.Parameter(_shard_tensor(p, layout, offload), requires_grad=p.requires_grad)
         if info.quantized:
             te_params.bind_shard(new_param, mesh.get_group())
+        if offload is not None:
+            offload_check.remember(new_param, fqn)
         for sub, pname in owners[key]:
             sub._parameters[pname] = new_param
             per_module.setdefault(id(sub), (sub, {}))[1][pname] = info
