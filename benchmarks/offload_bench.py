@@ -72,7 +72,8 @@ def _free(device: torch.device) -> None:
 def _shardc_model(cfg, mesh, device, args):
     with torch.device("meta"):
         model = Transformer(cfg)
-    policy = shardc.OffloadPolicy(simulate_on_cpu=device.type == "cpu")
+    policy = shardc.OffloadPolicy(simulate_on_cpu=device.type == "cpu",
+                                  check_host_memory=args.host_check)
     mp = shardc.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     shardc.shard(model, mesh, mp_policy=mp, offload=policy)  # host shards, allocated pinned
     torch.manual_seed(0)
@@ -156,6 +157,9 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny model (smoke test)")
     parser.add_argument("--no-inductor", dest="inductor", action="store_false")
     parser.add_argument("--no-fused", dest="fused", action="store_false")
+    parser.add_argument("--no-host-check", dest="host_check", action="store_false",
+                        help="OffloadPolicy(check_host_memory=False): for VMs whose available "
+                             "memory grows on demand")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device(args.device)

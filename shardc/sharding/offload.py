@@ -48,6 +48,9 @@ class OffloadPolicy:
     ``simulate_on_cpu``: allow a CPU mesh (testing: the copies are real separate tensors).
     ``optimizer_state_factor``: bytes of optimizer state per byte of parameter shard, for the
     host-memory check and the plan's host prediction (2: Adam/AdamW).
+    ``check_host_memory``: refuse a host whose available memory cannot hold the offloaded state
+    (see ``check_host_memory``); ``False`` for hosts whose available memory grows on demand
+    (some virtual machines report a small ``MemAvailable`` that grows as memory is touched).
     """
 
     params: bool = True
@@ -55,6 +58,7 @@ class OffloadPolicy:
     pin_memory: bool = True
     simulate_on_cpu: bool = False
     optimizer_state_factor: float = _ADAM_STATE_COPIES
+    check_host_memory: bool = True
 
     def enabled(self) -> bool:
         return self.params or self.optimizer
@@ -118,7 +122,7 @@ def host_bytes_needed(shard_bytes: int, policy: OffloadPolicy) -> int:
 def check_host_memory(shard_bytes: int, policy: OffloadPolicy) -> None:
     """Refuse, with the numbers, a host that cannot hold the offloaded state of every local
     rank. ``shard_bytes``: this rank's parameter shard bytes (the masters' dtype)."""
-    available = host_available_bytes()
+    available = host_available_bytes() if policy.check_host_memory else None
     if available is None:
         return
     per_rank = host_bytes_needed(shard_bytes, policy)
@@ -132,7 +136,8 @@ def check_host_memory(shard_bytes: int, policy: OffloadPolicy) -> None:
             f"{shard_bytes / gib:.2f} GiB, as much again for their gradients and "
             f"{policy.optimizer_state_factor:g}x for optimizer state), but the host has "
             f"{available / gib:.2f} GiB available. Shard over more hosts, offload less "
-            "(no offload) or free host memory."
+            "(no offload) or free host memory (OffloadPolicy(check_host_memory=False) skips "
+            "this check where available memory grows on demand)."
         )
 
 
