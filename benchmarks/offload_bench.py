@@ -35,6 +35,7 @@ import gc
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -145,7 +146,7 @@ def run_mode(mode: str, cfg: LlamaConfig, mesh, device, args) -> dict:
     return out
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="big,small")
     parser.add_argument("--modes", default="shardc,fsdp2")
@@ -161,7 +162,13 @@ def main() -> None:
                         help="OffloadPolicy(check_host_memory=False): for VMs whose available "
                              "memory grows on demand")
     parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # model:mode:result.json
+    return parser
+
+
+def run_one(args) -> None:
+    """One model and mode in this process (a child of ``main``): writes its result as JSON."""
+    name, mode, result_path = args.one.split(":", 2)
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(0)
@@ -170,26 +177,47 @@ def main() -> None:
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"file://{init}", rank=0, world_size=1)
     mesh = init_device_mesh(device.type, (1,))
-    models = ["tiny"] if args.tiny else args.models.split(",")
+    cfg = _config(name, args.seq)
+    try:
+        res = run_mode(mode, cfg, mesh, device, args)
+    except Exception as exc:  # reported in the table; the next mode still runs
+        res = {"mode": mode, "error": f"{type(exc).__name__}: {exc}"}
+    res.update(model=name, params=cfg.num_params())
+    if device.type == "cuda":
+        res["gpu"] = torch.cuda.get_device_name()
+    Path(result_path).write_text(json.dumps(res, default=str))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    args = _parser().parse_args()
+    if args.one:
+        return run_one(args)
     if args.tiny:
         args.seq = min(args.seq, 64)
+    models = ["tiny"] if args.tiny else args.models.split(",")
+    # Each model and mode in a process of its own, one after the other: the big model's host
+    # state (16 bytes per parameter) fits the host once, not twice, and nothing cached by one
+    # mode (pinned blocks, compiled code) is charged to the next.
+    child = [a for a in sys.argv[1:] if not a.startswith("--tiny")]
     results = []
     for name in models:
-        cfg = _config(name, args.seq)
-        print(f"model {name}: {cfg.num_params() / 1e9:.2f}B parameters", flush=True)
+        print(f"model {name}: {_config(name, args.seq).num_params() / 1e9:.2f}B parameters",
+              flush=True)
         for mode in args.modes.split(","):
-            try:
-                res = run_mode(mode, cfg, mesh, device, args)
-            except Exception as exc:  # report and go on with the next mode
-                res = {"mode": mode, "error": f"{type(exc).__name__}: {exc}"}
-                _free(device)
-            res.update(model=name, params=cfg.num_params())
+            with tempfile.TemporaryDirectory() as tmp:
+                path = os.path.join(tmp, "result.json")
+                cmd = [sys.executable, os.path.abspath(__file__), *child,
+                       "--seq", str(args.seq), "--one", f"{name}:{mode}:{path}"]
+                code = subprocess.run(cmd).returncode
+                res = (json.loads(Path(path).read_text()) if os.path.exists(path) else
+                       {"mode": mode, "model": name, "error": f"process exited with {code}"})
             print(json.dumps({k: v for k, v in res.items() if k != "losses"}), flush=True)
             results.append(res)
+    gpu = next((r["gpu"] for r in results if "gpu" in r), "cpu")
     meta = {"command": " ".join(sys.argv), "torch": torch.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-            "batch": args.batch, "seq": args.seq, "inductor": args.inductor,
+            "gpu": gpu, "batch": args.batch, "seq": args.seq, "inductor": args.inductor,
             "fused": args.fused}
     lines = ["| model | mode | median step (s) | tokens/s | peak device GiB | predicted GiB |",
              "| --- | --- | --- | --- | --- | --- |"]
@@ -209,7 +237,6 @@ def main() -> None:
                                                      indent=1, default=str))
         (out / "offload.md").write_text("\n".join([f"`{meta['command']}` on {meta['gpu']}, "
                                                    f"torch {meta['torch']}", ""] + lines) + "\n")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

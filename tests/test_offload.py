@@ -47,10 +47,19 @@ def _refusals(mesh) -> dict:
         "cpu_mesh": _error(lambda: shardc.shard(_model(), mesh, offload=shardc.OffloadPolicy())),
         "params_only": _error(lambda: shardc.shard(
             _model(), mesh, offload=shardc.OffloadPolicy(optimizer=False, simulate_on_cpu=True))),
+        "optimizer_only": _error(lambda: shardc.shard(
+            _model(), mesh, offload=shardc.OffloadPolicy(params=False, simulate_on_cpu=True))),
         "not_a_policy": _error(lambda: shardc.shard(_model(), mesh, offload=True)),
         "fp8": _error(lambda: shardc.shard(_model(), mesh, offload=SIM,
                                            fp8=shardc.Float8Policy())),
     }
+    # An optimizer built before shard holds the replaced (device) parameters: named at its step.
+    early = _model()
+    early_opt = torch.optim.AdamW(early.parameters(), lr=1e-2)
+    shardc.shard(early, mesh, offload=SIM)
+    toks = torch.randint(0, CFG.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    llama_loss(early(toks), toks).backward()
+    out["early_optimizer"] = _error(early_opt.step)
     probe = offload_mod.host_available_bytes
     allocated = []
     real_to_host = offload_mod.to_host
@@ -119,8 +128,16 @@ def test_partial_policies_and_bad_arguments_are_refused(runs):
     out = runs[0]
     assert out["params_only"].startswith("NotImplementedError") and "OffloadPolicy()" in \
         out["params_only"]
+    assert out["optimizer_only"].startswith("NotImplementedError") and "optimizer state" in \
+        out["optimizer_only"]
     assert out["not_a_policy"].startswith("TypeError")
     assert out["fp8"].startswith("NotImplementedError") and "FP8" in out["fp8"]
+
+
+def test_optimizer_built_before_shard_is_named_at_its_step(runs):
+    msg = runs[0]["early_optimizer"]
+    assert msg.startswith("RuntimeError") and "built before shardc.shard" in msg, msg
+    assert "Build the optimizer after shardc.shard" in msg and "tok_embeddings.weight" in msg, msg
 
 
 def test_host_without_enough_memory_is_refused_before_allocating(runs):
