@@ -48,6 +48,7 @@ from ckpt_workers import (
 from dist_utils import run_ranks
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 import shardc
 from shardc.checkpoint import (
@@ -384,11 +385,69 @@ def manager_checks(rank: int, tmp: str) -> dict:
     return out
 
 
+def _host_locals(model: nn.Module) -> dict[str, tuple[str, int]]:
+    """Each parameter's local shard: its device and storage address (loads go in place)."""
+    return {n: (p.to_local().device.type, p.to_local().data_ptr())
+            for n, p in model.named_parameters()}
+
+
+def _cloned(tree):
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {k: _cloned(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_cloned(v) for v in tree)
+    return tree
+
+
+def offload_state_checks(rank: int, tmp: str) -> dict:
+    """CPU offload (issue 21): torch's get_state_dict / set_state_dict on an offloaded model and
+    its AdamW state, and dcp.async_save staged from the host shards while training goes on."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model = llama(0, offload=OFFLOAD)
+    opt = adamw(model)
+    for step in range(K):
+        llama_step(model, opt, step, rank)
+    # Copies, as a load from elsewhere gives (get_state_dict returns the live tensors, and
+    # set_state_dict may keep the optimizer's: the two optimizers would share moments).
+    msd, osd = _cloned(get_state_dict(model, opt))
+    out = {"global": all(isinstance(msd[n], DTensor) and msd[n].shape == p.shape
+                         for n, p in model.named_parameters())
+           and all(isinstance(v, DTensor) and v.to_local().device.type == "cpu"
+                   for s in osd["state"].values() for k, v in s.items() if k != "step")}
+    fresh = llama(7, offload=OFFLOAD)
+    fresh_opt = adamw(fresh)
+    where = _host_locals(fresh)
+    set_state_dict(fresh, fresh_opt, model_state_dict=msd, optim_state_dict=osd)
+    out["set"] = diff(full_state(fresh, fresh_opt), full_state(model, opt))
+    out["in_place"] = _host_locals(fresh) == where
+    # The step after the load is the step after the save, bit for bit.
+    out["continued"] = diff(llama_step(fresh, fresh_opt, K, rank), llama_step(model, opt, K, rank))
+    out["continued_state"] = diff(full_state(fresh, fresh_opt), full_state(model, opt))
+
+    ckpt = os.path.join(tmp, "offload_async")
+    before = full_state(model, opt)
+    future = dcp.async_save(_states(model, opt), checkpoint_id=ckpt)
+    with torch.no_grad():  # the host shards change while the save may still be writing
+        for p in model.parameters():
+            p.add_(1.0)
+    future.result()
+    target = llama(9, offload=OFFLOAD)
+    target_opt = adamw(target)
+    dcp.load(_states(target, target_opt), checkpoint_id=ckpt)
+    out["async"] = diff(full_state(target, target_opt), before)
+    out["async_host"] = {d for d, _ in _host_locals(target).values()} == {"cpu"}
+    return out
+
+
 def job_a(rank: int, world: int, tmp: str) -> dict:
     reshard_save(dist.group.WORLD, "n3", tmp)
     reshard_save(dist.group.WORLD, "n3off", tmp, offload=True)
     return {"fsdp2": fsdp2_checks(rank, tmp), "manager": manager_checks(rank, tmp),
-            "fsdp2_offload": fsdp2_checks(rank, tmp, offload=True)}
+            "fsdp2_offload": fsdp2_checks(rank, tmp, offload=True),
+            "offload_state": offload_state_checks(rank, tmp)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -626,6 +685,21 @@ def test_fsdp2_cpu_offload_checkpoints_load_into_offloaded_shardc_and_back(jobs)
             assert max(out["losses"]) <= 1e-6, (direction, out["losses"])
             assert out["params"] <= 1e-6 and out["moments"] <= 1e-6, (direction, out)
             assert out["step"] is True, out["step"]
+
+
+def test_offloaded_state_dicts_and_async_save_round_trip_bitwise(jobs):
+    """CPU offload: get_state_dict gives DTensors in global coordinates (optimizer state on the
+    host); set_state_dict loads them bitwise into the host shards in place and training goes on
+    identically; dcp.async_save stages the host state before returning (changing the shards
+    right after does not reach the checkpoint) and loads back bitwise."""
+    for grank, r in enumerate(jobs["a"]):
+        out = r["offload_state"]
+        assert out["global"], grank
+        assert out["set"] == [], (grank, out["set"][:5])
+        assert out["in_place"], grank
+        assert out["continued"] == [] and out["continued_state"] == [], grank
+        assert out["async"] == [], (grank, out["async"][:5])
+        assert out["async_host"], grank
 
 
 def test_manager_without_torch_distributed(tmp_path):

@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from shardc._torch import dtensor_on_local_device
 from shardc.ops.gather import gather_param
 from shardc.ops.gather_args import GatherArgs
 from shardc.ops.offload_copy import offload_to_device
@@ -400,6 +401,9 @@ def _shard_tensor(p: torch.Tensor, layout: MeshLayout,
     spec = tp_spec(p)
     shape = spec.shape if spec is not None else t.shape
     stride = spec.stride if spec is not None else t.contiguous().stride()
+    if offload is not None and local.device.type != mesh.device_type:
+        # A host shard on a CUDA mesh: from_local would move it back to the device.
+        return dtensor_on_local_device(local, mesh, placements(layout, spec), shape, stride)
     return DTensor.from_local(
         local, mesh, placements(layout, spec), run_check=False, shape=shape, stride=stride
     )
