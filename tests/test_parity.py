@@ -56,8 +56,10 @@ def test_parity_eager_and_fx(world, references):
     scenarios += [("llama", "eager", {"offload": OFFLOAD}), ("llama", "fx", {"offload": OFFLOAD})]
     if world in (3, 4):  # tied weights, a frozen layer, an unused and (world 4) an empty shard
         scenarios.append(("variant", "fx", {"offload": OFFLOAD}))
-    if world == 2:  # mixed precision: the same bits with and without offload
-        scenarios += [("llama", "fx", {"mp_policy": BF16}),
+    if world == 2:  # kept gathered for the backward (no second copy); mixed precision: the
+        # same bits with and without offload
+        scenarios += [("llama", "fx", {"offload": OFFLOAD, "reshard_after_forward": False}),
+                      ("llama", "fx", {"mp_policy": BF16}),
                       ("llama", "fx", {"mp_policy": BF16, "offload": OFFLOAD})]
     results = run_ranks(_scenarios, world, scenarios)[0]
     for (kind, mode, options), run in zip(scenarios, results):
