@@ -97,7 +97,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes", nargs="+", choices=(*MODES, *EXTRA_MODES), default=list(MODES),
                    help="modes to run, in this order (shardc-pool: shardc with comm_pool=True; "
                         "shardc-keeporder: diagnostic, shardc with "
-                        "Inductor's reorder_for_peak_memory off)")
+                        "Inductor's reorder_for_peak_memory off; shardc-localopt: shardc with "
+                        "AdamW stepping the local shards, shardc.optim.local_shard_step)")
     p.add_argument("--steps", type=int, default=20, help="timed steps (median reported)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (compile)")
     p.add_argument("--profile-steps", type=int, default=3, help="profiled steps (0: none)")

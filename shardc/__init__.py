@@ -1,5 +1,6 @@
 """shardc: a torch.compile backend for compiler-planned fully-sharded data-parallel training."""
 
+from shardc import optim
 from shardc.backend import backend, shardc_backend  # the entry point module, then its names
 from shardc.compile.options import ShardcOptions
 from shardc.planning.plan import Plan
@@ -33,6 +34,7 @@ __all__ = [
     "explain_all",
     "is_sharded",
     "no_sync",
+    "optim",
     "set_requires_gradient_sync",
     "shard",
     "shard_state",

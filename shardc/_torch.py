@@ -77,6 +77,38 @@ def no_autograd_cache() -> contextlib.AbstractContextManager:
     return torch._functorch.config.patch(enable_autograd_cache=False)
 
 
+def forget_mesh_hashes(example_inputs) -> None:
+    """Clear the cached ``hash()`` of the ``DeviceMesh`` objects among a graph's example inputs
+    (graphs of DTensor parameters take their mesh as an opaque input, torch 2.13).
+
+    Why: Inductor's FX graph cache pickles these meshes into its key, and a mesh's pickled state
+    includes ``_hash``, memoized from ``hash()`` of a tuple holding strings and ``None``, which
+    differs in every process, so a restart never hit the cache. Clearing the memo changes
+    nothing else: ``DeviceMesh.__hash__`` recomputes the same value within this process when it
+    finds it unset. A workaround for torch; remove it once ``DeviceMesh.__getstate__`` leaves
+    the memo out. Objects without that memo (other releases) are left alone.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    for value in example_inputs:
+        mesh = getattr(value, "real_obj", None) if not isinstance(value, torch.Tensor) else None
+        if isinstance(mesh, DeviceMesh) and isinstance(vars(mesh).get("_hash"), int):
+            mesh._hash = None
+
+
+def dynamo_compile_start_ns() -> int | None:
+    """When Dynamo began compiling the frame being compiled now (``time.time_ns``), from its
+    metrics context, or None (not compiling, or a torch without it)."""
+    with contextlib.suppress(Exception):
+        from torch._dynamo.utils import get_metrics_context
+
+        context = get_metrics_context()
+        started = getattr(context, "_start_time_ns", 0)
+        if context.in_progress() and started:
+            return int(started)
+    return None
+
+
 def dynamo_reset() -> None:
     torch._dynamo.reset()
 
@@ -149,3 +181,34 @@ def dtensor_on_local_device(local: torch.Tensor, mesh, placements, shape, stride
     meta = TensorMeta(torch.Size(shape), tuple(stride), local.dtype)
     spec = DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
     return DTensor(local, spec, requires_grad=False)
+
+
+def run_frame_eagerly(fn) -> None:
+    """Never compile ``fn``'s frame when Dynamo meets it as a frame of its own (it runs as plain
+    Python there); a call to ``fn`` inside code Dynamo is tracing is still inlined into the graph
+    (unlike ``torch.compiler.disable``, which breaks the graph there)."""
+    from torch._dynamo.eval_frame import skip_code
+
+    skip_code(fn.__code__)
+
+
+def inductor_mode_options(mode: str) -> dict[str, Any]:
+    """Inductor's config patches for ``torch.compile(..., mode=mode)`` (``reduce-overhead``:
+    ``{"triton.cudagraphs": True}``); raises for an unknown mode."""
+    from torch._inductor import list_mode_options
+
+    return dict(list_mode_options(mode))
+
+
+def inductor_cudagraphs_on() -> bool:
+    """Whether Inductor's global config asks for CUDA graphs (``triton.cudagraphs``)."""
+    from torch._inductor import config
+
+    return bool(config.triton.cudagraphs)
+
+
+def inductor_cudagraph_skips() -> int:
+    """How many graphs Inductor has declined to record into CUDA graphs in this process."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["cudagraph_skips"])

@@ -76,8 +76,20 @@ def batches(steps: int = STEPS) -> tuple[torch.Tensor, torch.Tensor]:
             torch.randint(0, CFG.vocab_size, shape, generator=g))
 
 
-def train(model: nn.Module, forward, tokens, targets) -> list[float]:
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+def optimizer(model: nn.Module, kind: str = "adamw") -> torch.optim.Optimizer:
+    """``adamw`` (torch's default implementation), ``adamw-fused`` or ``sgd`` (momentum)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=LR * 30, momentum=0.9)
+    return torch.optim.AdamW(params, lr=LR, fused=kind == "adamw-fused")
+
+
+def train(model: nn.Module, forward, tokens, targets, optim: str = "adamw",
+          local_step: bool = False) -> list[float]:
+    """``local_step``: the optimizer steps the local shards (``shardc.optim.local_shard_step``)."""
+    opt = optimizer(model, optim)
+    if local_step:
+        shardc.optim.local_shard_step(opt)
     losses = []
     for step in range(tokens.shape[0]):
         loss = llama_loss(forward(tokens[step]), targets[step])
@@ -88,22 +100,24 @@ def train(model: nn.Module, forward, tokens, targets) -> list[float]:
     return losses
 
 
-def reference(kind: str, compile_backend: str | None = None) -> dict:
+def reference(kind: str, compile_backend: str | None = None, optim: str = "adamw") -> dict:
     """Unsharded single-process training on the global batch."""
     model = build(kind)
     forward = torch.compile(model, backend=compile_backend) if compile_backend else model
     tokens, targets = batches()
-    losses = train(model, forward, tokens, targets)
+    losses = train(model, forward, tokens, targets, optim)
     return {"losses": torch.stack(losses), "params": copy.deepcopy(dict(model.named_parameters()))}
 
 
-def train_rank_slice(model: nn.Module, forward, rank: int, world: int) -> torch.Tensor:
+def train_rank_slice(model: nn.Module, forward, rank: int, world: int, optim: str = "adamw",
+                     local_step: bool = False) -> torch.Tensor:
     """Train on this rank's slice of the global batch; the per-step losses averaged over ranks
     (the global mean loss, comparable to the reference's)."""
     tokens, targets = batches()
     per = GLOBAL_BATCH // world
     rows = slice(rank * per, (rank + 1) * per)
-    losses = torch.stack(train(model, forward, tokens[:, rows], targets[:, rows]))
+    losses = torch.stack(train(model, forward, tokens[:, rows], targets[:, rows], optim,
+                               local_step))
     dist.all_reduce(losses)
     return losses / world
 
@@ -111,6 +125,7 @@ def train_rank_slice(model: nn.Module, forward, rank: int, world: int) -> torch.
 def sharded_run(rank: int, world: int, kind: str, mode: str, **options) -> dict:
     """Shard, train on this rank's slice; returns the global mean losses and full parameters."""
     keep_model = options.pop("keep_model", False)
+    optim, local_step = options.pop("optim", "adamw"), options.pop("local_step", False)
     model = build(kind)
     shardc.shard(model, reshard_after_forward=options.pop("reshard_after_forward", True),
                  offload=options.pop("offload", None), mp_policy=options.pop("mp_policy", None))
@@ -119,7 +134,7 @@ def sharded_run(rank: int, world: int, kind: str, mode: str, **options) -> dict:
     else:
         forward = torch.compile(model, backend=shardc.backend(inductor=(mode == "inductor"),
                                                               **options))
-    losses = train_rank_slice(model, forward, rank, world)
+    losses = train_rank_slice(model, forward, rank, world, optim, local_step)
     params = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
     grads_none = {n: p.grad is None for n, p in model.named_parameters()}
     state = shardc.shard_state(model)

@@ -1373,6 +1373,7 @@ def run_scenarios(rank: int, world: int, names: list[str]) -> dict:
         # gather: reported per scenario, then cleared so one leak does not hide behind another.
         out["forward_depth_after"] = _FORWARD.depth
         _FORWARD.depth = 0
+        _FORWARD.open.clear()
         results[name] = out
         dist.barrier()
     return results

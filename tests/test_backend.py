@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -47,9 +49,25 @@ def _compiled_variant(rank, world, **options):
     return model, compiled
 
 
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 def _structure(rank: int, world: int) -> dict:
     facts = {}
-    model, compiled = _compiled_variant(rank, world, bucket_by="param")
+    logger, lines = logging.getLogger("shardc"), _Lines()
+    logger.addHandler(lines)
+    logger.setLevel(logging.INFO)
+    try:
+        model, compiled = _compiled_variant(rank, world, bucket_by="param")
+    finally:
+        logger.removeHandler(lines)
+    facts["progress"] = lines.lines
     (region,) = shardc.shard_state(model).regions
     plan = shardc.explain(compiled)
     fw, bw = region.forward, region.backward
@@ -99,7 +117,41 @@ def _structure(rank: int, world: int) -> dict:
     _, compiled4 = _compiled_variant(rank, world, memory_budget_bytes=budget, prefetch_depth=3)
     facts["budget"] = budget
     facts["budget_plan"] = shardc.explain(compiled4).to_dict()
+    facts["cudagraphs"] = _cudagraph_fallbacks(rank, world)
     return facts
+
+
+def _cudagraph_fallbacks(rank: int, world: int) -> dict:
+    """mode="reduce-overhead" on gloo/CPU: what the backend decides (without compiling with
+    Inductor, slow on CPU) and, with inductor=False, that it says the mode is ignored."""
+    from shardc.compile.backend import _mode_patches, sharded_gathers
+    from shardc.compile.cudagraphs import blockers
+    from shardc.compile.options import ShardcOptions
+    from shardc.ops.gather_args import GatherArgs
+
+    torch._dynamo.reset()
+    model = build("variant")
+    shardc.shard(model)
+    seen = []
+
+    def spy(gm, example_inputs, **kw):
+        seen.append((gm, example_inputs))
+        return shardc.backend(inductor=False)(gm, example_inputs, **kw)
+
+    compiled = torch.compile(model, backend=spy, mode="reduce-overhead")
+    tokens, targets = batches(2)
+    per = GLOBAL_BATCH // world
+    losses = train(model, compiled, tokens[:, rank * per:(rank + 1) * per],
+                   targets[:, rank * per:(rank + 1) * per])
+    gm, example_inputs = seen[0]
+    state = shardc.shard_state(model)
+    patches, note = _mode_patches(gm, example_inputs, ShardcOptions(), "reduce-overhead", state)
+    gathers = [GatherArgs.of(n) for n in sharded_gathers(gm)]
+    no_sync = [dataclasses.replace(g, grad_sync=1) for g in gathers]
+    return {"fx_notes": shardc.explain(compiled).notes, "losses_finite": all(
+                bool(torch.isfinite(x)) for x in losses),
+            "inductor_patches": patches, "inductor_note": note,
+            "no_sync_reasons": blockers(no_sync, example_inputs, fp8=False)}
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +219,21 @@ def _assert_plan_invariants(plan: dict, budget: int = 0) -> None:
         if budget:
             live = plan["memory_timeline"][graph]
             assert max(live) <= budget, f"{graph}: {max(live)} B in flight > budget {budget} B"
+
+
+def test_reduce_overhead_falls_back_loudly_on_gloo(structure):
+    """CUDA graphs cannot record gloo's CPU-side collectives: with mode="reduce-overhead" the
+    backend turns them off for the region and says why (warning and plan note); with
+    inductor=False the mode is named as ignored in the plan; training is unaffected."""
+    for rank in structure:
+        got = rank["cudagraphs"]
+        assert got["losses_finite"]
+        assert any("mode='reduce-overhead' ignored" in n for n in got["fx_notes"]), got
+        assert got["inductor_patches"]["triton.cudagraphs"] is False
+        note = got["inductor_note"]
+        assert "compiled without them" in note and "gloo process group" in note, note
+        assert "runs on the CPU" in note, note
+        assert any("no_sync" in r for r in got["no_sync_reasons"]), got["no_sync_reasons"]
 
 
 def test_plan_invariants(structure):
@@ -281,6 +348,32 @@ def test_mixed_precision_policy():
     assert out["kinds"] == {("all_gather", "bfloat16"), ("reduce_scatter", "float32")}
     # bf16 compute: close to the fp32 reference, within bf16 tolerance.
     assert_parity(out, reference("llama"), tol=2e-2)
+
+
+def test_compile_progress_one_line_per_stage(structure):
+    """Each stage of the region's compilation logs one line with its seconds (FX backend: no
+    Inductor stages; ``tests/test_autograd_cache.py`` sees those)."""
+    stages = ["Dynamo trace", "AOTAutograd joint graph", "joint passes + partition", "planning",
+              "lowering", "peak prediction", "compiled (backend total)"]
+    for facts in structure:
+        found = [line.split(": ")[2] for line in facts["progress"]
+                 if re.fullmatch(r"shardc: region 0: [^:]+: \d+\.\d\d s", line)]
+        assert found == stages, facts["progress"]
+
+
+def test_compile_progress_stage_and_env_switch(caplog, monkeypatch):
+    from shardc.compile import progress
+
+    with caplog.at_level(logging.INFO, logger="shardc"), progress.stage(3, "planning"):
+        pass
+    assert re.fullmatch(r"shardc: region 3: planning: \d+\.\d\d s", caplog.records[-1].getMessage())
+    logger = logging.getLogger("shardc")
+    monkeypatch.setattr(logger, "level", logger.level)  # both restored after the test
+    monkeypatch.setattr(logger, "handlers", list(logger.handlers))
+    progress.configure_from_env({"SHARDC_LOG": "debug"})
+    assert logger.level == logging.DEBUG
+    with pytest.raises(ValueError, match="SHARDC_LOG='loud'.*'debug', 'info'"):
+        progress.configure_from_env({"SHARDC_LOG": "loud"})
 
 
 def test_unsharded_model_compiles_like_default(caplog):

@@ -19,7 +19,9 @@ WORLD_SIZES = [1, 2, 3, 4]
 
 @pytest.fixture(scope="module")
 def references():
-    return {kind: reference(kind) for kind in ("llama", "variant", "repeated")}
+    refs = {kind: reference(kind) for kind in ("llama", "variant", "repeated")}
+    refs["variant-sgd"] = reference("variant", optim="sgd")
+    return refs
 
 
 def _scenarios(rank: int, world: int, scenarios: list) -> list[dict]:
@@ -45,12 +47,17 @@ def test_parity_eager_and_fx(world, references):
         ("llama", "fx", {"prefetch": False}),
         ("variant", "fx", {}),
         ("repeated", "fx", {}),  # one module instance applied twice per forward
+        # The optimizer steps the local shards (shardc.optim.local_shard_step).
+        ("llama", "fx", {"local_step": True}),
+        ("variant", "fx", {"local_step": True, "optim": "sgd"}),
     ]
     if world == 3:
         scenarios.append(("llama", "fx", {"reshard_after_forward": False, "bucket_by": "param"}))
     if world in (2, 4):
         # Poisoned pool buffers: any planning error that overlapped live buffers gives NaNs.
         scenarios.append(("llama", "fx", {"debug_pool": True, "prefetch_depth": 2}))
+    if world == 2:
+        scenarios.append(("llama", "fx", {"local_step": True, "optim": "adamw-fused"}))
     # CPU offload (issue 21): host shards, host gradients, AdamW on the host; eager and planned.
     offloaded = len(scenarios)
     scenarios += [("llama", "eager", {"offload": OFFLOAD}), ("llama", "fx", {"offload": OFFLOAD})]
@@ -63,11 +70,9 @@ def test_parity_eager_and_fx(world, references):
                       ("llama", "fx", {"mp_policy": BF16, "offload": OFFLOAD})]
     results = run_ranks(_scenarios, world, scenarios)[0]
     for (kind, mode, options), run in zip(scenarios, results):
+        ref = references[f"{kind}-sgd" if options.get("optim") == "sgd" else kind]
         try:
-            if "mp_policy" in options:
-                assert_parity(run, references[kind], tol=2e-2)
-                continue
-            assert_parity(run, references[kind])
+            assert_parity(run, ref, tol=2e-2 if "mp_policy" in options else 1e-5)
         except AssertionError as exc:
             raise AssertionError(f"world {world}, {kind}/{mode}/{options}: {exc}") from exc
     # Prefetch changes when collectives run, never what they compute: bitwise equal.
@@ -79,6 +84,12 @@ def test_parity_eager_and_fx(world, references):
     assert variant["grads_none"]["unused"], "an unused parameter must get no gradient"
     frozen = references["variant"]["params"]["lm.layers.0.attention.wq.weight"]
     assert torch.equal(variant["params"]["lm.layers.0.attention.wq.weight"], frozen)
+    # The local-shard step runs the same kernels on the same shards as the DTensor step.
+    local = results[5]
+    assert torch.equal(on["losses"], local["losses"])
+    for name in on["params"]:
+        assert torch.equal(on["params"][name], local["params"][name]), name
+    assert results[6]["grads_none"]["unused"]
     _check_offloaded(world, results, offloaded, scenarios)
 
 

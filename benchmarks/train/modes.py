@@ -11,6 +11,7 @@ import contextlib
 import bench_mesh
 import torch
 
+import shardc
 from shardc.models.llama import LlamaConfig
 from train.baselines import setup_bound, setup_fsdp2
 from train.setup import Setup
@@ -22,7 +23,8 @@ MODES: tuple[str, ...] = ("fsdp2", "fsdp2-compile", "simplefsdp", "shardc", "bou
 
 
 # Diagnostic variants, run only when named in --modes.
-EXTRA_MODES: tuple[str, ...] = ("shardc-keeporder", "shardc-pool")
+EXTRA_MODES: tuple[str, ...] = ("shardc-keeporder", "shardc-pool", "shardc-localopt",
+                                  "shardc-cudagraphs")
 
 
 SHARDED_BASELINES: tuple[str, ...] = ("fsdp2", "fsdp2-compile", "simplefsdp")
@@ -57,6 +59,17 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_
     if mode == "shardc-pool":
         setup = setup_shardc(model, mesh, loss_in_graph, comm_pool=True)
         setup.info["options"] = "comm_pool=True (static communication pool under Inductor)"
+        return setup
+    if mode in ("shardc-localopt", "shardc-cudagraphs"):
+        # Both step AdamW on the local shards; -cudagraphs also compiles with
+        # mode="reduce-overhead" (CUDA graph trees; shardc falls back loudly where it cannot).
+        cudagraphs = mode == "shardc-cudagraphs"
+        setup = setup_shardc(model, mesh, loss_in_graph,
+                             compile_mode="reduce-overhead" if cudagraphs else None)
+        setup.prepare_optimizer = shardc.optim.local_shard_step
+        setup.info["optimizer"] = "AdamW stepping the local shards (shardc.optim.local_shard_step)"
+        if cudagraphs:
+            setup.info["options"] = 'torch.compile(..., mode="reduce-overhead")'
         return setup
     if mode in ("shardc", "shardc-keeporder"):
         setup = setup_shardc(model, mesh, loss_in_graph)

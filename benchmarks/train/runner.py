@@ -60,11 +60,13 @@ class RunSettings:
 
 def train_step(setup: Setup, opt: torch.optim.Optimizer, tokens: torch.Tensor,
                targets: torch.Tensor) -> torch.Tensor:
+    torch.compiler.cudagraph_mark_step_begin()  # a new step for CUDA graph trees (no-op else)
     loss = setup.loss(tokens, targets)
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return loss.detach()
+    # A copy: under CUDA graphs (shardc-cudagraphs) the next replay overwrites the output.
+    return loss.detach().clone()
 
 
 def run_mode(mode: str, s: RunSettings, mesh, rank: int, log: Callable[[str], None]
@@ -77,6 +79,8 @@ def run_mode(mode: str, s: RunSettings, mesh, rank: int, log: Callable[[str], No
                              s.cfg.vocab_size, bench_mesh.data_rank(mesh, rank), device)
     setup = setup_mode(mode, s.cfg, device, mesh, s.loss_in_graph)
     opt = torch.optim.AdamW(setup.params, lr=s.lr)
+    if setup.prepare_optimizer is not None:
+        setup.prepare_optimizer(opt)
     res["setup_s"] = time.perf_counter() - t0
     res.update(setup.info)
     if device.type == "cuda":
@@ -214,7 +218,7 @@ def aggregate(mode: str, per_rank: list[dict[str, Any]], s: RunSettings) -> dict
         out["profile_per_rank"] = profiles
     for key in ("mp_policy", "compile", "inductor_config", "grad_reduce_op",
                 "reshard_after_forward", "tagged_gathers", "options", "compute", "communication",
-                "loss", "memory_at_peak"):
+                "loss", "memory_at_peak", "optimizer"):
         if key in r0:
             out[key] = r0[key]
     if mode.startswith("shardc"):

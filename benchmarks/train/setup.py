@@ -28,6 +28,8 @@ class Setup:
     keep: list[Any] = field(default_factory=list)  # objects to drop after the mode
     info: dict[str, Any] = field(default_factory=dict)
     after_first_step: Callable[[], dict[str, Any]] | None = None
+    # Called on the optimizer the loop builds (AdamW over ``params``) before the first step.
+    prepare_optimizer: Callable[[torch.optim.Optimizer], Any] | None = None
 
 
 def model_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -27,13 +27,15 @@ def _shardc_backend_name() -> str:
     return "shardc"
 
 
-def setup_shardc(model: Transformer, mesh, loss_in_graph: bool, **options: Any) -> Setup:
+def setup_shardc(model: Transformer, mesh, loss_in_graph: bool, compile_mode: str | None = None,
+                 **options: Any) -> Setup:
     """shardc: shard in place, compile with the shardc backend and its default plan (or these
-    backend options)."""
+    backend options; ``compile_mode``: torch.compile's ``mode``, e.g. ``"reduce-overhead"``)."""
     mp = shardc.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     shardc.shard(model, mesh, mp_policy=mp)
     backend = shardc.backend(**options) if options else _shardc_backend_name()
-    compiled = compiled_loss(model, loss_in_graph, backend=backend)
+    mode = {"mode": compile_mode} if compile_mode else {}
+    compiled = compiled_loss(model, loss_in_graph, backend=backend, **mode)
 
     def plan_summary() -> dict[str, Any]:
         plans = shardc.explain_all(model)

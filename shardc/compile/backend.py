@@ -10,6 +10,7 @@ pipeline into torch.compile's hooks; what shardc does to a graph is in the pipel
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -21,7 +22,7 @@ import torch
 from torch import fx
 
 from shardc import _torch
-from shardc.compile import pipeline
+from shardc.compile import cudagraphs, pipeline, progress
 from shardc.compile.options import ShardcOptions
 from shardc.compile.pipeline import RegionRecord, capture_partitioned
 from shardc.ops.gather import GATHER_OP
@@ -67,32 +68,58 @@ class ShardcPartitioner(_torch.custom_partitioner_base()):
     """Inductor's custom partitioner hook (and AOTAutograd's ``partition_fn``): the pipeline
     for one region's joint graph, and for its forward-only graphs."""
 
-    def __init__(self, options: ShardcOptions, region: RegionRecord) -> None:
+    def __init__(self, options: ShardcOptions, region: RegionRecord,
+                 clock: progress.Stopwatch | None = None) -> None:
         self.options = options
         self.region = region
+        self.clock = clock or progress.Stopwatch()  # since the backend was entered
         # Compile caches key DTensor inputs by their global shape, but the compiled graphs hold
         # this rank's local shard shapes (uneven across ranks): key the cache by rank too.
         dist = torch.distributed
         self.rank_key = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else None
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
-        self.region.fp8 = pipeline.joint_passes(gm.graph)
-        gm.recompile()
-        fw, bw = pipeline.partition(gm, joint_inputs, **kwargs)
+        index = self.region.index
+        progress.log_stage(index, "AOTAutograd joint graph", self.clock.lap())
+        with progress.stage(index, "joint passes + partition"):
+            self.region.fp8 = pipeline.joint_passes(gm.graph)
+            gm.recompile()
+            fw, bw = pipeline.partition(gm, joint_inputs, **kwargs)
         pipeline.plan_and_lower(fw, bw, self.options, self.region)
+        self.clock.lap()
         return fw, bw
 
     def plan_inference(self, gm: fx.GraphModule) -> fx.GraphModule:
         """Plan a forward-only graph (``torch.no_grad()`` / eval): gathers only, no reductions."""
         if has_sharded_params(gm):
-            self.region.fp8 = pipeline.joint_passes(gm.graph, training=False)
-            gm.recompile()
+            index = self.region.index
+            progress.log_stage(index, "AOTAutograd forward graph", self.clock.lap())
+            with progress.stage(index, "joint passes"):
+                self.region.fp8 = pipeline.joint_passes(gm.graph, training=False)
+                gm.recompile()
             pipeline.plan_and_lower(gm, None, self.options, self.region)
+            self.clock.lap()
         return gm
 
     def uuid(self) -> str:
         options = sorted(self.options.as_dict().items())
         return f"shardc-{source_hash()}-{options}-rank{self.rank_key}"
+
+    def __reduce__(self):
+        # Inductor's FX graph cache pickles its whole config into the key, this object included
+        # (torch 2.11-2.13 hash its uuid() as well but do not leave the object out). Pickled as
+        # itself it would carry the region's live state (graphs that Inductor mutates while it
+        # compiles, the plan, the pool), so a second process computed another key and missed.
+        # What decides the compiled code is the uuid; a pickled partitioner is only that.
+        return (PartitionerKey, (self.uuid(),))
+
+
+@dataclasses.dataclass(frozen=True)
+class PartitionerKey:
+    """What a pickled :class:`ShardcPartitioner` becomes: its :meth:`~ShardcPartitioner.uuid`
+    (compile caches key on it; a partitioner is never sent to another process to run)."""
+
+    uuid: str
 
 
 def _checked(compiled, region: RegionRecord, options: ShardcOptions):
@@ -127,6 +154,7 @@ def _inductor_with_pool(compile_inner, graph: fx.GraphModule, inputs, region: Re
     only after a failure, see ``comm_errors.guard_inductor_graph``). If the graph takes the
     communication pool as an input (:func:`add_pool_placeholder`), the returned callable inserts
     the region's pool into the arguments AOTAutograd passes (which do not include it)."""
+    _torch.forget_mesh_hashes(inputs)  # else the FX graph cache misses in a new process
     placeholders = graph.graph.find_nodes(op="placeholder")
     names = [p.name for p in placeholders]
     if POOL_PLACEHOLDER not in names:
@@ -176,6 +204,8 @@ def shardc_backend(
 ):
     """The backend registered as ``"shardc"``; ``options`` are :class:`ShardcOptions` fields."""
     opts = ShardcOptions.from_kwargs({**(options or {}), **kwargs})
+    progress.configure_from_env()
+    clock = progress.Stopwatch()
     if not has_sharded_params(gm):
         return _compile_unsharded(gm, example_inputs, opts)
     state = _shard_state(gm)
@@ -189,28 +219,40 @@ def shardc_backend(
         # rank is compiling a region it did not can tell (plan_check.recompiled_elsewhere).
         gather = next(sharded_gathers(gm))
         region.check_index = announce_region(GatherArgs.of(gather).group_name)
-    partitioner = ShardcPartitioner(opts, region)
+    dynamo_s = progress.dynamo_seconds()
+    if dynamo_s is not None:
+        progress.log_stage(region.index, "Dynamo trace", dynamo_s)
+    partitioner = ShardcPartitioner(opts, region, clock)
+    patches, note = _mode_patches(gm, example_inputs, opts, mode, state)
     if opts.inductor:
         compile_fx, compile_fx_inner = _torch.inductor_compilers()
 
         def inner_compile(graph: fx.GraphModule, inputs, **kw: Any):
             if kw.get("is_inference"):
                 partitioner.plan_inference(graph)
-            return _inductor_with_pool(compile_fx_inner, graph, inputs, region, kw)
+            name = "Inductor backward" if kw.get("is_backward") else "Inductor forward"
+            with progress.stage(region.index, name):
+                return _inductor_with_pool(compile_fx_inner, graph, inputs, region, kw)
 
         # AOTAutograd's cache would skip shardc's partitioner on a hit, and with it the plan
-        # (explain, dumps, the cross-rank check). Inductor's FX graph cache stays on (though a
-        # second process was seen to miss it: docs/research/compile_once_spike.md).
+        # (explain, dumps, the cross-rank check). Inductor's FX graph cache stays on, keyed on
+        # ShardcPartitioner.uuid(), and hits in a new process (tests/test_autograd_cache.py).
+        skips = _torch.inductor_cudagraph_skips()
         with _torch.no_autograd_cache():
             compiled = compile_fx(
                 gm, example_inputs, inner_compile=inner_compile,
                 config_patches={
+                    **patches,
                     "custom_partitioner_fn": partitioner,
                     # shardc plans memory itself; Inductor's peak-memory reordering would move the
                     # prefetched all-gathers next to their waits and undo the overlap.
                     "reorder_for_peak_memory": False,
                 },
             )
+        if patches.get(cudagraphs.CUDAGRAPHS) and _torch.inductor_cudagraph_skips() > skips:
+            note = ("CUDA graphs requested; Inductor declined to record at least one graph of "
+                    "this region (TORCH_LOGS=perf_hints says why)")
+            cudagraphs.warn(region.index, note)
     else:
         fx_compiler = functools.partial(_fx_compiler, region=region)
 
@@ -221,7 +263,36 @@ def shardc_backend(
             fw_compiler=fx_compiler, bw_compiler=fx_compiler, partition_fn=partitioner,
             inference_compiler=inference_compiler,
         )(gm, example_inputs)
+    if note and region.plan is not None:
+        region.plan.notes.append(note)
+    progress.log_stage(region.index, "compiled (backend total)", clock.total())
     return _checked(compiled, region, opts)
+
+
+def _mode_patches(gm: fx.GraphModule, example_inputs, opts: ShardcOptions, mode: str | None,
+                  state: ShardState | None) -> tuple[dict[str, Any], str | None]:
+    """Inductor config patches for ``torch.compile``'s ``mode``, with CUDA graphs turned off
+    (loudly: a warning and the returned plan note) where the region cannot be recorded
+    (:mod:`shardc.compile.cudagraphs`)."""
+    if not opts.inductor:
+        if mode not in (None, "default"):
+            note = (f"mode={mode!r} ignored: it configures Inductor and this backend has "
+                    "inductor=False")
+            log.warning("shardc: %s", note)
+            return {}, note
+        return {}, None
+    patches = cudagraphs.inductor_patches(mode)
+    if not cudagraphs.wants_cudagraphs(patches):
+        return patches, None
+    fp8 = state is not None and (state.fp8 is not None
+                                 or any(i.quantized for i in state.params.values()))
+    reasons = cudagraphs.blockers((GatherArgs.of(n) for n in sharded_gathers(gm)),
+                                  example_inputs, fp8)
+    if not reasons:
+        return {**patches, cudagraphs.CUDAGRAPHS: True}, None
+    note = cudagraphs.fallback_note(reasons)
+    cudagraphs.warn(len(state.regions) - 1 if state is not None else 0, note)
+    return {**patches, cudagraphs.CUDAGRAPHS: False}, note
 
 
 def backend(**options: Any):

@@ -31,6 +31,7 @@ import torch
 from torch import fx
 
 from shardc import _torch
+from shardc.compile import progress
 from shardc.compile.options import ShardcOptions
 from shardc.memory.host import device_copy_bytes, find_host_state, host_values
 from shardc.memory.peak import param_placeholders, predict_peak
@@ -116,7 +117,8 @@ def plan_and_lower(fw: fx.GraphModule, bw: fx.GraphModule | None, options: Shard
     records the graphs, the plan and the pool in ``region`` and returns the plan."""
     hoist_fp8_quantize(fw)
     hoist_fp8_quantize(bw)
-    plan = plan_within_budget(fw, bw, options, region)
+    with progress.stage(region.index, "planning"):
+        plan = plan_within_budget(fw, bw, options, region)
     if region.fp8 is not None:
         plan.notes.append(region.fp8.note())
     fw_params = param_placeholders(fw)
@@ -125,23 +127,25 @@ def plan_and_lower(fw: fx.GraphModule, bw: fx.GraphModule | None, options: Shard
     rank = rank_in_plan(plan)
     pool = allocate_pool(fw, plan, options) if bw is not None else None
     region.pool = pool
-    for gm, name in ((fw, "forward"), (bw, "backward")):
-        if gm is None:
-            continue
-        # Inductor sees the pool as a graph input it writes into (a constant would be copied
-        # or folded); the compiled graph's caller appends it (backend._inductor_with_pool).
-        where = add_pool_placeholder(gm, pool) if pool is not None and options.inductor \
-            else pool
-        apply_plan(gm, plan, name, rank, pool=where, poison=options.debug_pool)
-    predict_peak(fw, bw, plan, fw_params, bw_params,
-                 optimizer_state_factor=options.optimizer_state_factor,
-                 optimizer_temp_factor=options.optimizer_temp_factor,
-                 persistent_bytes=pool.numel() if pool is not None else 0,
-                 fusion=options.inductor,
-                 host=host.params | host.bw_params | host_values(fw) | host_values(bw))
-    if plan.copies:
-        plan.predicted.host_bytes = float(host.host_bytes(options.optimizer_state_factor))
-        plan.predicted.device_copy_bytes = float(device_copy_bytes(plan))
+    with progress.stage(region.index, "lowering"):
+        for gm, name in ((fw, "forward"), (bw, "backward")):
+            if gm is None:
+                continue
+            # Inductor sees the pool as a graph input it writes into (a constant would be copied
+            # or folded); the compiled graph's caller appends it (backend._inductor_with_pool).
+            where = add_pool_placeholder(gm, pool) if pool is not None and options.inductor \
+                else pool
+            apply_plan(gm, plan, name, rank, pool=where, poison=options.debug_pool)
+    with progress.stage(region.index, "peak prediction"):
+        predict_peak(fw, bw, plan, fw_params, bw_params,
+                     optimizer_state_factor=options.optimizer_state_factor,
+                     optimizer_temp_factor=options.optimizer_temp_factor,
+                     persistent_bytes=pool.numel() if pool is not None else 0,
+                     fusion=options.inductor,
+                     host=host.params | host.bw_params | host_values(fw) | host_values(bw))
+        if plan.copies:
+            plan.predicted.host_bytes = float(host.host_bytes(options.optimizer_state_factor))
+            plan.predicted.device_copy_bytes = float(device_copy_bytes(plan))
     region.forward, region.backward, region.plan = fw, bw, plan
     if options.dump_dir:
         from shardc.tools.render import dump_plan

@@ -14,12 +14,20 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from shardc._torch import run_frame_eagerly
+
 if TYPE_CHECKING:
     from shardc.sharding.shard import ShardState
 
 
 class _ForwardDepth(threading.local):
-    depth = 0
+    """The forwards running eagerly on this thread: ``depth`` of them, ``open`` per module
+    (``id``). An exit hook closes only a forward its module's enter hook opened, so a count
+    never leaks and never closes another module's forward."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.open: dict[int, int] = {}
 
 
 _FORWARD = _ForwardDepth()
@@ -31,13 +39,12 @@ def gathering() -> bool:
 
 
 def enter_forward(module, args) -> None:
-    # Checked before counting, and the exit hook never counts below 0: torch runs the
-    # always-called exit hook when a pre-hook raises, except where Dynamo compiled the exit
-    # hook's frame (a no-op) but ran this one eagerly because it raised.
     names = getattr(type(module), "_shardc_param_names", None)
     if names is not None:
         _check_no_new_params(module, names)
     if not torch.compiler.is_compiling():
+        key = id(module)
+        _FORWARD.open[key] = _FORWARD.open.get(key, 0) + 1
         _FORWARD.depth += 1
 
 
@@ -55,8 +62,27 @@ def _check_no_new_params(module: nn.Module, names: tuple[str, ...]) -> None:
 
 
 def exit_forward(module, args, output) -> None:
-    if not torch.compiler.is_compiling() and _FORWARD.depth > 0:
+    # Registered with ``always_call=True``: runs when the forward (or a later hook) raises.
+    if torch.compiler.is_compiling():
+        return
+    key = id(module)
+    opened = _FORWARD.open.get(key, 0)
+    if opened:  # else its enter hook was traced into a graph (a no-op there): nothing to close
+        if opened == 1:
+            del _FORWARD.open[key]
+        else:
+            _FORWARD.open[key] = opened - 1
         _FORWARD.depth -= 1
+
+
+# Why the count is exact: Dynamo inlines these hooks into the graph it traces from a module call
+# (``is_compiling()``: no count, no cost at run time), or the module call runs as plain Python
+# and so do both hooks. What it must never do is compile one of them as a frame of its own
+# (after a graph break in a module call, or once a hook's frame hit the recompile limit): the
+# compiled frame would skip the count that its partner, run eagerly, makes. So their frames always
+# run as plain Python.
+run_frame_eagerly(enter_forward)
+run_frame_eagerly(exit_forward)
 
 
 def in_eager_forward() -> bool:

@@ -409,6 +409,10 @@ def _shard_tensor(p: torch.Tensor, layout: MeshLayout,
     )
 
 
+def _holds_params(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
 def shard(
     module: nn.Module,
     mesh: DeviceMesh | None = None,
@@ -524,12 +528,14 @@ def shard(
             sub.register_forward_pre_hook(te_params.clear_gathered)
             sub.register_forward_hook(te_params.clear_gathered, always_call=True)
             sub.register_state_dict_post_hook(te_params.state_dict_hook(fp8_names))
-    # Every other module of the tree counts its forward too, not only the root: activation
-    # checkpointing recomputes a block's forward eagerly inside the backward, outside the root's
-    # forward, so a block without parameters of its own that reads a child's parameter directly
-    # (``self.child.weight``) would otherwise get the sharded DTensor there.
+    # The other modules that hold a parameter below them count their forward too, not only the
+    # root: activation checkpointing recomputes a block's forward eagerly inside the backward,
+    # outside the root's forward, so a block without parameters of its own that reads a child's
+    # parameter directly (``self.child.weight``) would otherwise get the sharded DTensor there.
+    # A module with no parameter below it (activations, dropout, rotary tables) cannot read one
+    # and gets no hooks: each hook is traced into every graph and run by every eager call.
     for sub in module.modules():
-        if id(sub) not in per_module:
+        if id(sub) not in per_module and (sub is module or _holds_params(sub)):
             sub.register_forward_pre_hook(enter_forward)
             sub.register_forward_hook(exit_forward, always_call=True)
     if id(module) not in per_module:

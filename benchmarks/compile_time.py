@@ -1,0 +1,329 @@
+"""Compile-time benchmark: the first training step (cold and warm caches) by depth and mode.
+
+Every (depth, mode, cache) run is its own fresh ``torchrun`` job. "cold" gets new, empty
+``TORCHINDUCTOR_CACHE_DIR`` and ``TRITON_CACHE_DIR`` directories; "warm" reruns the same depth
+and mode reusing that cold run's directories (a restart). Measured per run: the wall time of the
+first step (compile included; the slowest rank), the median steady step, Inductor's and
+AOTAutograd's cache counters, and shardc's per-stage compile times (its ``SHARDC_LOG=info``
+lines, rank 0). Writes ``<out>/<name>.md`` (a table) and ``<out>/<name>.json`` (with the
+command, the git commit, the machine and every run's record).
+
+One GPU (NCCL)::
+
+    python benchmarks/compile_time.py --nproc 1 --model 1b --depths 8 32 64 \\
+        --modes shardc fsdp2-compile --out docs/bench --name compile_time_h100
+
+CPU, 2 gloo ranks (Inductor's C++ backend), tiny models::
+
+    python benchmarks/compile_time.py --device cpu --nproc 2 --tiny --depths 2 16 \\
+        --modes shardc --seq 32 --batch 2 --out /tmp/ct --name compile_time_cpu
+
+Modes: those of ``benchmarks/train_bench.py`` (``shardc``, ``fsdp2-compile``, ...), and
+``shardc:KEY=VALUE,...`` for shardc with backend options (e.g. ``shardc:prefetch_depth=2``, or a
+compile-once switch where the backend has one). Uses shardc's public API only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+_BENCHMARKS = Path(__file__).resolve().parent
+for _path in (_BENCHMARKS.parent, _BENCHMARKS):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+_STAGE = re.compile(r"shardc: region (\d+): ([^:]+): (\d+\.\d+) s")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=("1b", "wide"), default="1b")
+    p.add_argument("--tiny", action="store_true", help="tiny model widths (CPU / smoke runs)")
+    p.add_argument("--depths", type=int, nargs="+", default=[8, 32, 64], help="layer counts")
+    p.add_argument("--modes", nargs="+", default=["shardc", "fsdp2-compile"])
+    p.add_argument("--caches", nargs="+", choices=("cold", "warm"), default=["cold", "warm"])
+    p.add_argument("--nproc", type=int, default=1, help="ranks (torchrun --nproc-per-node)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None)
+    p.add_argument("--seq", type=int, default=None, help="default: 2048 (128 with --tiny)")
+    p.add_argument("--batch", type=int, default=None, help="sequences per rank (default 4)")
+    p.add_argument("--steps", type=int, default=5, help="steady steps after the first")
+    p.add_argument("--timeout-s", type=float, default=1800.0, help="per run")
+    p.add_argument("--cache-root", default=None,
+                   help="where the per-run cache directories go (default: <out>/<name>_caches)")
+    p.add_argument("--keep-caches", action="store_true", help="do not delete them at the end")
+    p.add_argument("--logs", default=None,
+                   help="directory for the per-run logs (default: <out>/<name>_logs)")
+    p.add_argument("--merge", nargs="+", metavar="JSON", default=None,
+                   help="only merge earlier runs' JSON files (e.g. one per depth) into "
+                        "<out>/<name>.md/.json")
+    p.add_argument("--out", default="docs/bench")
+    p.add_argument("--name", default="compile_time")
+    # One run (internal): the driver launches this script under torchrun with --child.
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--mode", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--n-layers", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------------------------
+# One run (a torchrun job)
+
+
+def _parse_mode(mode: str) -> tuple[str, dict[str, Any]]:
+    """``"shardc:prefetch_depth=2,inductor=True"`` -> ``("shardc", {...})``."""
+    base, _, rest = mode.partition(":")
+    options: dict[str, Any] = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        options[key] = json.loads(value.lower()) if value.lower() in (
+            "true", "false", "null") or re.fullmatch(r"-?\d+(\.\d+)?", value) else value
+    if options and base != "shardc":
+        raise ValueError(f"--modes {mode!r}: options are for the shardc mode only")
+    return base, options
+
+
+def _setup(mode: str, cfg, device, mesh):
+    from train.modes import setup_mode
+    from train.shardc_mode import setup_shardc
+    from train.workload import build_model
+
+    base, options = _parse_mode(mode)
+    if options:
+        return setup_shardc(build_model(cfg, device), mesh, True, **options)
+    return setup_mode(base, cfg, device, mesh)
+
+
+def run_child(args: argparse.Namespace) -> None:
+    import bench_mesh
+    import torch
+    import torch.distributed as dist
+    from train.runner import gather_objects, sync, train_step
+    from train.workload import model_config, synthetic_batches
+    from train_bench import init_distributed
+
+    device_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    rank, world, device = init_distributed(device_type, args.timeout_s)
+    if rank != 0:
+        os.environ.pop("SHARDC_LOG", None)  # one rank's stage lines in the log
+    if device_type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    mesh = bench_mesh.build_mesh(device_type, world, None, 1)
+    seq = args.seq or (128 if args.tiny else 2048)
+    cfg = model_config(args.model, seq, args.tiny, args.n_layers)
+    data = synthetic_batches(args.steps + 1, args.batch or 4, seq, cfg.vocab_size, rank, device)
+    t0 = time.perf_counter()
+    setup = _setup(args.mode, cfg, device, mesh)
+    opt = torch.optim.AdamW(setup.params, lr=1e-4)
+    setup_s = time.perf_counter() - t0
+    sync(device)
+    t = time.perf_counter()
+    loss = float(train_step(setup, opt, *data[0]))
+    sync(device)
+    first = time.perf_counter() - t
+    steady = []
+    for tokens, targets in data[1:]:
+        sync(device)
+        t = time.perf_counter()
+        train_step(setup, opt, tokens, targets)
+        sync(device)
+        steady.append(time.perf_counter() - t)
+    counters = torch._dynamo.utils.counters  # Inductor's and AOTAutograd's cache counters
+    mine = {"first_step_s": first, "setup_s": setup_s,
+            "steady_step_s": statistics.median(steady) if steady else None, "loss": loss,
+            "cache": {k: v for group in ("inductor", "aot_autograd")
+                      for k, v in counters[group].items() if "cache" in k}}
+    if setup.after_first_step is not None:
+        summary = setup.after_first_step()
+        mine["plan_hashes"] = [r["hash"] for r in summary.get("regions", [])]
+    ranks = gather_objects(mine)
+    if rank == 0:
+        record = dict(ranks[0])
+        record["first_step_s"] = max(r["first_step_s"] for r in ranks)  # the slowest rank
+        record["first_step_s_per_rank"] = [r["first_step_s"] for r in ranks]
+        Path(args.result).write_text(json.dumps(record, indent=1) + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------
+# The driver
+
+
+def _launch(args: argparse.Namespace, mode: str, depth: int, caches: Path, result: Path,
+            log_path: Path) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={args.nproc}", str(Path(__file__).resolve()), "--child",
+           "--mode", mode, "--n-layers", str(depth), "--model", args.model,
+           "--result", str(result), "--steps", str(args.steps), "--timeout-s", str(args.timeout_s)]
+    for flag, value in (("--device", args.device), ("--seq", args.seq), ("--batch", args.batch)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    if args.tiny:
+        cmd.append("--tiny")
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"),
+               TRITON_CACHE_DIR=str(caches / "triton"), SHARDC_LOG="info")
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        try:
+            proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                  timeout=args.timeout_s)
+            returncode = proc.returncode
+        except subprocess.TimeoutExpired:
+            returncode = "timeout"
+    record: dict[str, Any] = {"wall_s": time.perf_counter() - start, "log": str(log_path)}
+    if returncode == 0 and result.exists():
+        record.update(json.loads(result.read_text()))
+    else:
+        tail = log_path.read_text(errors="replace")[-3000:]
+        record["error"] = f"exit {returncode}: {tail}"
+    stages: dict[str, float] = {}
+    for line in log_path.read_text(errors="replace").splitlines():
+        match = _STAGE.search(line)
+        if match:
+            stages[match.group(2)] = stages.get(match.group(2), 0.0) + float(match.group(3))
+    record["stages_rank0_s"] = stages  # summed over the regions
+    return record
+
+
+def _machine(device: str | None) -> dict[str, Any]:
+    import torch
+    from train.provenance import git_describe
+
+    cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
+    return {"device": torch.cuda.get_device_name(0) if cuda else (platform.processor() or "cpu"),
+            "host": platform.node(), "host_cpus": os.cpu_count(), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "python": platform.python_version(),
+            "git": git_describe()}
+
+
+def _fmt(value: float | None, unit: str = "s") -> str:
+    if value is None:
+        return "-"
+    return f"{value * 1e3:.0f} ms" if unit == "ms" else f"{value:.1f} s"
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    meta = report["meta"]
+    lines = [f"# Compile time: first training step by depth, mode and cache ({meta['date']})", "",
+             f"`{meta['command']}`", "",
+             f"{meta['machine']['device']} x {meta['nproc']}, torch {meta['machine']['torch']}, "
+             f"commit {meta['machine']['git']}; model {meta['model']}"
+             f"{' (tiny)' if meta['tiny'] else ''}, seq {meta['seq']}, batch {meta['batch']}/rank."
+             " Each run is a fresh process; cold: empty Inductor/Triton cache directories; warm: "
+             "the cold run's directories reused.", "",
+             "| layers | mode | cache | first step | steady step | FX graph cache hit/miss | "
+             "AOT cache hit/miss | shardc stages (rank 0, s) |",
+             "|---:|---|---|---:|---:|---|---|---|"]
+    for run in report["runs"]:
+        r = run["record"]
+        cache = r.get("cache", {})
+        stages = ", ".join(f"{k} {v:.1f}" for k, v in r.get("stages_rank0_s", {}).items())
+        first = "error" if "error" in r else _fmt(r.get("first_step_s"))
+        lines.append(
+            f"| {run['depth']} | {run['mode']} | {run['cache']} | {first} | "
+            f"{_fmt(r.get('steady_step_s'), 'ms')} | "
+            f"{cache.get('fxgraph_cache_hit', 0)}/{cache.get('fxgraph_cache_miss', 0)} | "
+            f"{cache.get('autograd_cache_hit', 0)}/{cache.get('autograd_cache_miss', 0)} | "
+            f"{stages or '-'} |")
+    ratios = _depth_ratios(report)
+    if ratios:
+        lines += ["", "Cold first step relative to the shallowest depth of the same mode:", ""]
+        lines += [f"- {mode}: " + ", ".join(f"{d} layers {x:.2f}x" for d, x in items)
+                  for mode, items in ratios.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _depth_ratios(report: dict[str, Any]) -> dict[str, list[tuple[int, float]]]:
+    cold: dict[str, dict[int, float]] = {}
+    for run in report["runs"]:
+        first = run["record"].get("first_step_s")
+        if run["cache"] == "cold" and first:
+            cold.setdefault(run["mode"], {})[run["depth"]] = first
+    out = {}
+    for mode, by_depth in cold.items():
+        base = by_depth[min(by_depth)]
+        out[mode] = [(d, by_depth[d] / base) for d in sorted(by_depth)[1:]]
+    return {m: v for m, v in out.items() if v}
+
+
+def merge(paths: Sequence[str], out: Path, name: str) -> None:
+    """One report from several (the runs in order; the first report's meta, with every
+    command)."""
+    reports = [json.loads(Path(p).read_text()) for p in paths]
+    merged = {"meta": dict(reports[0]["meta"]), "runs": [r for rep in reports for r in rep["runs"]]}
+    merged["meta"]["command"] = " ; ".join(rep["meta"]["command"] for rep in reports)
+    merged["meta"]["merged_from"] = list(paths)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(merged, indent=1) + "\n")
+    (out / f"{name}.md").write_text(render_markdown(merged))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.child:
+        run_child(args)
+        return
+    if args.merge:
+        merge(args.merge, Path(args.out), args.name)
+        return
+    for mode in args.modes:
+        _parse_mode(mode)  # a bad mode fails now, not after an hour
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    root = Path(args.cache_root or out / f"{args.name}_caches").resolve()
+    logs = Path(args.logs or out / f"{args.name}_logs")
+    logs.mkdir(parents=True, exist_ok=True)
+    command = "python " + " ".join([
+        "benchmarks/compile_time.py", *(sys.argv[1:] if argv is None else argv)])
+    report: dict[str, Any] = {"meta": {
+        "command": command, "machine": _machine(args.device), "nproc": args.nproc,
+        "model": args.model, "tiny": args.tiny, "seq": args.seq or (128 if args.tiny else 2048),
+        "batch": args.batch or 4, "steps": args.steps,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
+    }, "runs": []}
+
+    def write() -> None:
+        (out / f"{args.name}.json").write_text(json.dumps(report, indent=1) + "\n")
+        (out / f"{args.name}.md").write_text(render_markdown(report))
+
+    for depth in args.depths:
+        for mode in args.modes:
+            label = re.sub(r"[^A-Za-z0-9_.=-]", "_", f"{mode}_L{depth}")
+            caches = root / label
+            for cache in args.caches:
+                if cache == "cold":
+                    shutil.rmtree(caches, ignore_errors=True)
+                caches.mkdir(parents=True, exist_ok=True)
+                result = root / f"{label}_{cache}.json"
+                result.unlink(missing_ok=True)
+                record = _launch(args, mode, depth, caches, result,
+                                 logs / f"{label}_{cache}.log")
+                report["runs"].append({"depth": depth, "mode": mode, "cache": cache,
+                                       "record": record})
+                print(f"{depth:4d} layers  {mode:24s} {cache}: first step "
+                      f"{_fmt(record.get('first_step_s'))}"
+                      f"{'  ERROR (see ' + record['log'] + ')' if 'error' in record else ''}",
+                      flush=True)
+                write()
+    if not args.keep_caches:
+        shutil.rmtree(root, ignore_errors=True)
+    write()
+    print(f"wrote {out / (args.name + '.md')} and {out / (args.name + '.json')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,333 @@
+"""Where a training step's time goes: per phase and on the CPU side, shardc against the bound.
+
+Launch like ``train_bench.py`` (one process per GPU; a plain ``python`` run is a world of one)::
+
+    python benchmarks/step_overhead.py --model 1b --n-layers 8 16 32             # one GPU
+    torchrun --nproc-per-node 2 benchmarks/step_overhead.py --model 1b --batch 1 2
+    python benchmarks/step_overhead.py --device cpu --tiny --n-layers 8 --seq 16  # CPU, tiny
+
+For each depth, batch and mode (``--modes``, in this order, every mode of one run in one process
+on the same model, data and AdamW) it measures:
+
+- ``step_ms``: the step as the training loop sees it (forward, backward, ``opt.step()``,
+  ``opt.zero_grad()``, no synchronization inside; CUDA events around it on GPUs), median;
+- per phase, the CPU time to issue it (``issue_ms``: wall time without synchronizing, what the
+  Python side costs) and, on GPUs, its time with the device synchronized before and after it
+  (``synced_ms``);
+- a ``torch.profiler`` trace of a few steps with CPU activities: each phase's CPU time by
+  operator (self time), so per-parameter Python and DTensor work shows up by name;
+- GPU idle time over the step (GPUs: the step minus the union of kernel intervals).
+
+Modes: ``bound`` (replicated parameters, Inductor, no communication, torch's AdamW),
+``shardc`` (``shardc.shard`` + ``backend="shardc"``, torch's AdamW on the DTensor parameters),
+``shardc-localopt`` (the same with ``shardc.optim.local_shard_step``: AdamW steps the local
+shards), ``shardc-cudagraphs`` (that, compiled with ``mode="reduce-overhead"``); see
+docs/overhead.md. Results go to ``--out/<name>.json`` and ``.md``. Public API only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_BENCHMARKS = Path(__file__).resolve().parent
+for _path in (_BENCHMARKS.parent, _BENCHMARKS):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+import bench_mesh  # noqa: E402
+from train.kernels import measure, merge_intervals  # noqa: E402
+from train.modes import setup_mode  # noqa: E402
+from train.provenance import git_describe, launch_command  # noqa: E402
+from train.runner import free_memory, gather_objects  # noqa: E402
+from train.workload import DEFAULT_BATCH, model_config, synthetic_batches  # noqa: E402
+
+MODES = ("bound", "shardc", "shardc-localopt", "shardc-cudagraphs")
+PHASES = ("forward", "backward", "optimizer.step", "zero_grad")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=("1b", "wide"), default="1b")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--n-layers", type=int, nargs="+", default=[None],
+                   help="depths to run (default: the model's)")
+    p.add_argument("--batch", type=int, nargs="+", default=[None],
+                   help="sequences per GPU (default: train_bench's)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default 2048)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--profile-steps", type=int, default=2)
+    p.add_argument("--top", type=int, default=12, help="operators listed per phase")
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None)
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--optim-impl", choices=("default", "foreach", "fused"), default="default",
+                   help="AdamW's implementation in every mode (default: torch's choice, foreach "
+                        "on CUDA, a per-parameter loop on CPU; foreach mirrors the GPU on CPU)")
+    p.add_argument("--out", default="docs/bench")
+    p.add_argument("--name", default="step_overhead")
+    return p.parse_args(argv)
+
+
+def init(device_type: str) -> torch.device:
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
+    if device_type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+        return device
+    dist.init_process_group("gloo")
+    return torch.device("cpu")
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def make_optimizer(setup, impl: str) -> torch.optim.Optimizer:
+    kwargs = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}[impl]
+    opt = torch.optim.AdamW(setup.params, lr=1e-4, **kwargs)
+    if setup.prepare_optimizer is not None:  # shardc-localopt, shardc-cudagraphs
+        setup.prepare_optimizer(opt)
+    return opt
+
+
+def phases(setup, opt, tokens, targets):
+    """One step as four phases: (name, callable) in order."""
+    box: dict[str, Any] = {}
+
+    def forward():
+        torch.compiler.cudagraph_mark_step_begin()  # a new step for CUDA graph trees (no-op else)
+        box["loss"] = setup.loss(tokens, targets)
+
+    return (("forward", forward), ("backward", lambda: box["loss"].backward()),
+            ("optimizer.step", opt.step), ("zero_grad", lambda: opt.zero_grad(set_to_none=True)))
+
+
+def timed_step(setup, opt, batch, device, synced: bool) -> dict[str, float]:
+    """One step; per phase wall ms (CPU issue time, or the synced time when ``synced``)."""
+    out = {}
+    for name, fn in phases(setup, opt, *batch):
+        if synced:
+            sync(device)
+        t = time.perf_counter()
+        with torch.profiler.record_function(f"phase:{name}"):
+            fn()
+        if synced:
+            sync(device)
+        out[name] = (time.perf_counter() - t) * 1e3
+    return out
+
+
+def whole_step_ms(setup, opt, batch, device) -> float:
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _, fn in phases(setup, opt, *batch):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    t = time.perf_counter()
+    for _, fn in phases(setup, opt, *batch):
+        fn()
+    return (time.perf_counter() - t) * 1e3
+
+
+def profile(setup, opt, batches, device, top: int) -> dict[str, Any]:
+    """CPU self time per phase and operator, and GPU busy time, over ``batches``."""
+    from torch.profiler import ProfilerActivity
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    with torch.profiler.profile(activities=acts) as prof:
+        t = time.perf_counter()
+        for batch in batches:
+            timed_step(setup, opt, batch, device, synced=False)
+        sync(device)
+        wall_ms = (time.perf_counter() - t) * 1e3
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        events = json.loads(Path(path).read_text()).get("traceEvents", [])
+    return summarize_trace(events, len(batches), wall_ms, top)
+
+
+def summarize_trace(events: list[dict], steps: int, wall_ms: float, top: int) -> dict[str, Any]:
+    """Per phase: its CPU wall ms per step, and operators by self CPU time (ms per step).
+
+    An operator belongs to the phase whose interval (the ``phase:*`` annotations of the training
+    thread) contains its start, whatever thread ran it (the autograd engine runs the backward of
+    CUDA tensors on its own thread). ``[python, outside any op]`` is the phase's time on the
+    training thread that no operator covers: Python (hooks, wrappers, guards, optimizer loops).
+    """
+    spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    marks = sorted((e for e in spans if str(e.get("name", "")).startswith("phase:")),
+                   key=lambda e: e["ts"])
+    ops_events = [e for e in spans if e.get("cat") in ("cpu_op", "user_annotation")
+                  and not str(e["name"]).startswith("phase:")]
+    gpu = [e for e in spans if e.get("cat") == "kernel"]
+
+    def phase_at(ts: float) -> str:
+        lo, hi = 0, len(marks)
+        while lo < hi:  # last mark starting at or before ts
+            mid = (lo + hi) // 2
+            if marks[mid]["ts"] <= ts:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo and ts < marks[lo - 1]["ts"] + marks[lo - 1]["dur"]:
+            return marks[lo - 1]["name"][len("phase:"):]
+        return "outside"
+
+    phase_ms: dict[str, float] = defaultdict(float)
+    for m in marks:
+        phase_ms[m["name"][len("phase:"):]] += m["dur"] / 1e3 / steps
+    self_ms: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    covered: dict[str, float] = defaultdict(float)  # top-level op time on the marks' thread
+    main = (marks[0].get("pid"), marks[0].get("tid")) if marks else None
+    by_thread: dict[Any, list[dict]] = defaultdict(list)
+    for e in ops_events:
+        by_thread[(e.get("pid"), e.get("tid"))].append(e)
+    for thread, evs in by_thread.items():
+        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack: list[list] = []  # [end, name, phase, child_us, dur]
+
+        def pop(stack: list[list] = stack) -> None:
+            _, name, phase, child, dur = stack.pop()
+            self_ms[phase][name] += (dur - child) / 1e3 / steps
+
+        for e in evs:
+            while stack and stack[-1][0] <= e["ts"]:
+                pop()
+            phase = stack[-1][2] if stack else phase_at(e["ts"])
+            if stack:
+                stack[-1][3] += e["dur"]
+            elif thread == main:
+                covered[phase] += e["dur"] / 1e3 / steps
+            stack.append([e["ts"] + e["dur"], e["name"], phase, 0.0, e["dur"]])
+        while stack:
+            pop()
+    for phase, ms in phase_ms.items():
+        self_ms[phase]["[python, outside any op]"] += max(0.0, ms - covered[phase])
+    top_ops = {ph: [(n, round(ms, 4)) for n, ms in sorted(d.items(), key=lambda x: -x[1])[:top]]
+               for ph, d in self_ms.items()}
+    busy = measure(merge_intervals((e["ts"], e["ts"] + e["dur"]) for e in gpu)) / 1e3 / steps
+    return {"cpu_ms_per_step": {k: round(v, 4) for k, v in phase_ms.items()},
+            "top_self_ms_per_step": top_ops,
+            "wall_ms_per_step": round(wall_ms / steps, 4),
+            "gpu_busy_ms_per_step": round(busy, 4) if gpu else None}
+
+
+def run_one(mode: str, model: str, layers: int | None, batch: int, args, mesh, device
+            ) -> dict[str, Any]:
+    seq = args.seq or (128 if args.tiny else 2048)
+    cfg = model_config(model, seq, args.tiny, layers)
+    n = args.warmup + args.steps * 2 + args.profile_steps
+    data = synthetic_batches(n, batch, seq, cfg.vocab_size,
+                             bench_mesh.data_rank(mesh, dist.get_rank()), device)
+    setup = setup_mode(mode, cfg, device, mesh)
+    opt = make_optimizer(setup, args.optim_impl)
+    it = iter(data)
+    for _ in range(args.warmup):
+        timed_step(setup, opt, next(it), device, synced=True)
+    steps = [whole_step_ms(setup, opt, next(it), device) for _ in range(args.steps)]
+    issue = [timed_step(setup, opt, next(it), device, synced=False) for _ in range(args.steps)]
+    synced = ([timed_step(setup, opt, next(it), device, synced=True)
+               for _ in range(args.steps)] if device.type == "cuda" else issue)
+    prof = profile(setup, opt, [next(it) for _ in range(args.profile_steps)], device, args.top)
+    out = {
+        "mode": mode, "model": model, "n_layers": cfg.n_layers, "batch": batch, "seq": seq,
+        "params": cfg.num_params(), "n_param_tensors": len(setup.params),
+        "step_ms": statistics.median(steps),
+        "issue_ms": {ph: statistics.median(s[ph] for s in issue) for ph in PHASES},
+        "synced_ms": {ph: statistics.median(s[ph] for s in synced) for ph in PHASES},
+        "profile": prof,
+    }
+    if prof["gpu_busy_ms_per_step"] is not None:
+        out["gpu_idle_ms"] = out["step_ms"] - prof["gpu_busy_ms_per_step"]
+    del setup, opt, data, it
+    free_memory(device)
+    return out
+
+
+def render(report: dict[str, Any]) -> str:
+    meta = report["meta"]
+    lines = [f"# Step overhead: {meta['command']}", "",
+             f"{meta['device']} x {meta['world']}, torch {meta['torch']}, git {meta['git']}", "",
+             "| model | layers | batch | mode | step ms | fwd | bwd | opt.step | zero_grad | "
+             "issue ms (fwd/bwd/opt/zero) | GPU idle ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        s, i = r["synced_ms"], r["issue_ms"]
+        idle = r.get("gpu_idle_ms")
+        lines.append(
+            f"| {r['model']} | {r['n_layers']} | {r['batch']} | {r['mode']} | "
+            f"{r['step_ms']:.2f} | {s['forward']:.2f} | {s['backward']:.2f} | "
+            f"{s['optimizer.step']:.2f} | {s['zero_grad']:.2f} | "
+            f"{i['forward']:.2f}/{i['backward']:.2f}/{i['optimizer.step']:.2f}/"
+            f"{i['zero_grad']:.2f} | {'' if idle is None else f'{idle:.2f}'} |")
+    for r in report["rows"]:
+        lines += ["", f"## {r['model']} {r['n_layers']} layers, batch {r['batch']}, {r['mode']}: "
+                  "CPU self time per phase (ms per step, profiled)", ""]
+        for phase, ops in r["profile"]["top_self_ms_per_step"].items():
+            total = r["profile"]["cpu_ms_per_step"].get(phase)
+            head = f"- **{phase}**" + (f" ({total:.2f} ms)" if total is not None else "")
+            lines.append(head + ": " + ", ".join(f"`{n}` {ms:.3f}" for n, ms in ops))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    device = init(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    mesh = bench_mesh.build_mesh(device.type, world, None, 1)
+    rows = []
+    for layers in args.n_layers:
+        for batch in args.batch:
+            batch = batch or DEFAULT_BATCH[args.model]
+            for mode in args.modes:
+                row = run_one(mode, args.model, layers, batch, args, mesh, device)
+                per_rank = gather_objects(row)
+                row["step_ms"] = max(r["step_ms"] for r in per_rank)  # the slowest rank
+                rows.append(row)
+                if rank == 0:
+                    print(f"{args.model} L{row['n_layers']} b{batch} {mode}: step "
+                          f"{row['step_ms']:.2f} ms, issue {row['issue_ms']}", flush=True)
+    report = {"meta": {"command": launch_command(sys.argv if argv is None else
+                                                 ["benchmarks/step_overhead.py", *argv]),
+                       "device": torch.cuda.get_device_name(device) if device.type == "cuda"
+                       else "cpu", "world": world, "torch": torch.__version__,
+                       "git": git_describe(), "optim_impl": args.optim_impl},
+              "rows": rows}
+    if rank == 0:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{args.name}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+        (out / f"{args.name}.md").write_text(render(report))
+        print(render(report), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        main()
