@@ -239,7 +239,8 @@ def run_one(mode: str, model: str, layers: int | None, batch: int, args, mesh, d
             ) -> dict[str, Any]:
     seq = args.seq or (128 if args.tiny else 2048)
     cfg = model_config(model, seq, args.tiny, layers)
-    n = args.warmup + args.steps * 2 + args.profile_steps
+    # warmup, whole steps, issue-timed steps, synced steps (GPUs only), profiled steps
+    n = args.warmup + args.steps * (3 if device.type == "cuda" else 2) + args.profile_steps
     data = synthetic_batches(n, batch, seq, cfg.vocab_size,
                              bench_mesh.data_rank(mesh, dist.get_rank()), device)
     setup = setup_mode(mode, cfg, device, mesh)
