@@ -1,5 +1,5 @@
-"""Plan format version 5 (version 4's collective kinds, explicit links, typed predictions; CPU
-offload's copies), and plans written by older versions still read."""
+"""Plan format version 5 (version 4's collective kinds, explicit links, typed predictions; block
+bodies; CPU offload's copies), and plans written by older versions still read."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from shardc.planning.plan import (
     Bucket,
     Collective,
     CollectiveKind,
+    CompiledBody,
+    InlineBlock,
     Plan,
     Predictions,
 )
@@ -132,3 +134,17 @@ def test_version_4_plan_reads_without_copies():
     data = Plan(4, 0, 1, {}, [], []).to_dict()
     data.pop("copies")
     assert Plan.from_dict(data).copies == []
+
+
+def test_version_5_block_bodies_round_trip_and_older_plans_have_none():
+    plan = _hsdp_plan()
+    plan.bodies = [CompiledBody("subgraph_0", "Block", ["layers.0", "layers.1"], 1)]
+    plan.inline_blocks = [InlineBlock("layers.2", "no identical sibling")]
+    data = json.loads(plan.to_json())
+    again = Plan.from_dict(data)
+    assert again.bodies == plan.bodies and again.inline_blocks == plan.inline_blocks
+    assert again.hash() == plan.hash()  # what ranks compare is unchanged by the new fields
+    older = {k: v for k, v in data.items() if k not in ("bodies", "inline_blocks")}
+    older["version"] = 4
+    read = Plan.from_dict(older)
+    assert read.bodies == [] and read.inline_blocks == []

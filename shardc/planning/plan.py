@@ -28,9 +28,11 @@ PLAN_VERSION = 5
 # ids) and ``Plan.predicted``'s keys (the fields of :class:`Predictions`; the JSON is the same
 # object of numbers, without the predictions a plan does not make). Older plans read with their
 # links filled in from the ids.
-# Version 5 added CPU offload: ``Plan.copies`` (the host<->device copies, kinds ``"h2d_copy"``
-# and ``"d2h_copy"``, on the ``"copy"`` lane) and the predictions ``host_bytes`` and
-# ``device_copy_bytes``; older plans read with no copies.
+# Version 5 added the block bodies (``Plan.bodies``: each repeated-block body the region's graphs
+# call, the blocks it runs and how often its joint graph was partitioned; ``Plan.inline_blocks``:
+# blocks that keep the inline path, and why) and CPU offload (``Plan.copies``: the host<->device
+# copies, kinds ``"h2d_copy"`` and ``"d2h_copy"``, on the ``"copy"`` lane; the predictions
+# ``host_bytes`` and ``device_copy_bytes``). Older plans read with all three empty.
 READABLE_VERSIONS = (1, 2, 3, 4, 5)
 
 
@@ -256,6 +258,25 @@ class ComputeOp:
 
 
 @dataclass
+class CompiledBody:
+    """One repeated-block body (``shardc.sharding.blocks``): compiled once, called per block."""
+
+    name: str  # Dynamo's subgraph name, e.g. "subgraph_0"
+    block_type: str
+    blocks: list[str] = field(default_factory=list)  # module names, in call order
+    # How many times its joint graph was partitioned (1: once for every block; 0: forward only).
+    partitions: int = 0
+
+
+@dataclass
+class InlineBlock:
+    """A child of an ``nn.ModuleList`` traced and compiled inline, not as a shared body."""
+
+    module: str
+    reason: str
+
+
+@dataclass
 class Plan:
     version: int
     region: int
@@ -278,6 +299,9 @@ class Plan:
     # FSDP+TP: ranks of the tensor-parallel dimension and its process group.
     tp_size: int = 1
     tp_group_name: str = ""
+    # Repeated blocks compiled once (version 5).
+    bodies: list[CompiledBody] = field(default_factory=list)
+    inline_blocks: list[InlineBlock] = field(default_factory=list)
     # CPU offload: the host<->device copies (kinds h2d_copy / d2h_copy, lane "copy"), planned
     # like collectives but not collectives (no process group; the pool holds none of them).
     copies: list[Collective] = field(default_factory=list)
@@ -341,6 +365,8 @@ class Plan:
         data["collectives"] = colls
         data["copies"] = [Collective(**_tuples(c)) for c in data.get("copies", [])]
         data["graphs"] = {g: [ComputeOp(**op) for op in ops] for g, ops in data["graphs"].items()}
+        data["bodies"] = [CompiledBody(**b) for b in data.get("bodies", [])]
+        data["inline_blocks"] = [InlineBlock(**b) for b in data.get("inline_blocks", [])]
         return cls(**data)
 
     @classmethod
