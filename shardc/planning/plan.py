@@ -30,9 +30,11 @@ PLAN_VERSION = 5
 # links filled in from the ids.
 # Version 5 added the block bodies (``Plan.bodies``: each repeated-block body the region's graphs
 # call, the blocks it runs and how often its joint graph was partitioned; ``Plan.inline_blocks``:
-# blocks that keep the inline path, and why) and CPU offload (``Plan.copies``: the host<->device
-# copies, kinds ``"h2d_copy"`` and ``"d2h_copy"``, on the ``"copy"`` lane; the predictions
-# ``host_bytes`` and ``device_copy_bytes``). Older plans read with all three empty.
+# blocks that keep the inline path, and why), ``Plan.memory_by_category`` (the whole step's
+# memory by category, for the memory plot and the capacity planner) and CPU offload
+# (``Plan.copies``: the host<->device copies, kinds ``"h2d_copy"`` and ``"d2h_copy"``, on the
+# ``"copy"`` lane; the predictions ``host_bytes`` and ``device_copy_bytes``). Older plans read
+# with all of them empty.
 READABLE_VERSIONS = (1, 2, 3, 4, 5)
 
 
@@ -288,6 +290,10 @@ class Plan:
     # Bytes of gathered parameters and communication buffers live before each compute op.
     memory_timeline: dict[str, list[int]] = field(default_factory=dict)
     predicted: Predictions = field(default_factory=Predictions)
+    # The whole step's memory by category (``shardc.memory.peak``): {"categories": [...],
+    # "graphs": {graph: {"positions": [...], "bytes": {category: [...]}}}, "peak": {"graph",
+    # "position", "bytes": {category: n}, "largest": [[value, category, n], ...]}}.
+    memory_by_category: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     group_name: str = ""
     # Offset in the communication pool of each buffer, keyed "<collective id>.<send|recv>".
