@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-import zlib
 from typing import Any
 
 import torch
@@ -199,24 +198,32 @@ def backend_failure_cause(exc: BaseException) -> BaseException | None:
     return None
 
 
-def nested_compile_region(fn, *, reuse_key: tuple):
-    """``torch.compiler.nested_compile_region(fn)``: Dynamo traces ``fn`` into one subgraph that
-    every call reuses. From torch 2.13 on, ``reuse_hash_fn`` lets Dynamo reuse the first trace
-    without tracing the function again at every call (the caller vouches that every call with
-    ``reuse_key`` is the same computation on inputs of the same structure); torch 2.11's
-    signature is ``(fn=None, options=None)``, where every call is traced and Dynamo
-    deduplicates the identical subgraphs."""
-    import inspect
+def nested_compile_region(fn):
+    """``torch.compiler.nested_compile_region(fn)``: Dynamo traces every call of ``fn`` and
+    reuses one subgraph for the calls whose inputs match (guard-based reuse). The ``reuse_hash_fn``
+    of torch 2.13+, which skips retracing, is left unused: its entries are stamped out across
+    activation-checkpoint regions with symbolic sizes the second region does not have
+    (``KeyError: s27``), and it vouches for equal input sizes that data-dependent inputs lack."""
+    return torch.compiler.nested_compile_region(fn)
 
-    mark = torch.compiler.nested_compile_region
-    if "reuse_hash_fn" not in inspect.signature(mark).parameters:
-        return mark(fn)
-    key = zlib.crc32(repr(reuse_key).encode())  # deterministic across processes
 
-    def reuse_hash(*args, **kwargs) -> int:
-        return key
+def selective_checkpoint_policy(gm) -> object | None:
+    """The ``context_fn`` (selective activation checkpointing policy) Dynamo recorded on the
+    subgraph of a ``torch.utils.checkpoint`` region, or None (no region, or plain
+    checkpointing)."""
+    return gm.meta.get("_checkpoint_context_fn") if gm is not None else None
 
-    return mark(fn, reuse_hash_fn=reuse_hash)
+
+def has_data_dependent_sizes(args: tuple, kwargs: dict) -> bool:
+    """Whether a tensor among ``args`` or ``kwargs``' values has a size known only at run time
+    (an unbacked symbol). Dynamo answers ``has_free_unbacked_symbols`` from the fake tensor while
+    it traces, so the check costs nothing at run time and adds nothing to the graph."""
+    from torch.fx.experimental.symbolic_shapes import has_free_unbacked_symbols
+
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and has_free_unbacked_symbols(value):
+            return True
+    return False
 
 
 def run_frame_eagerly(fn) -> None:

@@ -451,9 +451,13 @@ def sc_moe(ctx: Ctx, *, compile: bool) -> dict:
             opt.zero_grad()
             losses.append(ctx.mean(loss))
             counts.append(ctx.cat(count[None]))  # (ranks, experts) tokens routed per rank
-    return {"losses": torch.stack(losses), "params": ctx.params(model),
-            "unrouted_grad": unrouted_grad.detach().clone(), "counts": torch.stack(counts),
-            "planned": ctx.planned()}
+    out = {"losses": torch.stack(losses), "params": ctx.params(model),
+           "unrouted_grad": unrouted_grad.detach().clone(), "counts": torch.stack(counts),
+           "planned": ctx.planned()}
+    if ctx.sharded and compile:
+        out["inline_blocks"] = sorted({(b.module, b.reason) for r in shard_state(model).regions
+                                       for b in r.plan.inline_blocks})
+    return out
 
 
 def sc_moe_recompile_limit(ctx: Ctx) -> dict:
@@ -507,8 +511,10 @@ def sc_checkpoint(ctx: Ctx) -> dict:
 def backward_targets(model: nn.Module) -> list[str]:
     """The names of what the backward graphs of a sharded model's compiled regions call, and of
     the ops they run inside a higher-order op such as run_with_rng_state."""
+    # Block bodies (shardc.sharding.blocks) run their ops in subgraph modules of the backward.
     return [str(target) for region in shard_state(model).regions if region.backward is not None
-            for node in region.backward.graph.nodes if node.op == "call_function"
+            for gm in region.backward.modules() if isinstance(gm, torch.fx.GraphModule)
+            for node in gm.graph.nodes if node.op == "call_function"
             for target in (node.target, *node.args[:2]) if callable(target)]
 
 
@@ -574,6 +580,9 @@ def sc_checkpoint_vs_plain(ctx: Ctx, *, dropout: float = 0.0, compile: bool = Tr
         out[key] = run
         out[f"{key}_planned"] = ctx.planned()
         out[f"{key}_replayed_random_ops"] = replayed_random_ops(ctx)
+        out[f"{key}_inline_blocks"] = sorted({
+            (b.module, b.reason) for r in shard_state(model).regions
+            for b in r.plan.inline_blocks}) if compile else []
         torch._dynamo.reset()
     return out
 
@@ -698,8 +707,12 @@ def sc_blocks_accumulate_shapes(ctx: Ctx) -> dict:
         losses.append(ctx.mean(total))
     out = {"losses": torch.stack(losses), "params": ctx.params(model), "planned": ctx.planned()}
     if ctx.sharded:
+        regions = shardc.shard_state(model).regions
         out["bodies"] = [[(tuple(b.blocks), b.partitions) for b in r.plan.bodies]
-                         for r in shardc.shard_state(model).regions]
+                         for r in regions]
+        out["body_names"] = [[b.name for b in r.plan.bodies] for r in regions]
+        out["inline_blocks"] = [[(b.module, b.reason) for b in r.plan.inline_blocks]
+                                for r in regions]
     return out
 
 

@@ -138,6 +138,11 @@ def test_moe_experts_without_tokens_compiled(runs):
     for world, got in zip(WORLDS, check_parity(runs, "moe_compiled")):
         _check_routing(got, world)
         assert torch.count_nonzero(got["unrouted_grad"]) == 0
+        # The experts are identical siblings, but one body cannot take their data-dependent
+        # input sizes: each compiles inline, and the plan says why.
+        inline = dict(got["inline_blocks"])
+        assert sorted(inline) == [f"experts.{i}" for i in range(4)], got["inline_blocks"]
+        assert all("known only at run time" in r for r in inline.values())
 
 
 def test_moe_eager_fallback_after_recompile_limit_gathers(runs):
@@ -237,6 +242,11 @@ def test_checkpointed_random_ops_replay_the_forward_random_numbers(slow_runs):
     for world, got in zip(WORLDS, _check_self_comparison(slow_runs, "checkpoint_dropout")):
         assert got["checkpointed_replayed_random_ops"] > 0, f"world {world}: nothing replayed"
         assert got["plain_replayed_random_ops"] == 0
+        # A shared block body would not replay its dropout masks when recomputed: such blocks
+        # compile inline, said in the plan.
+        for key in ("checkpointed", "plain"):
+            reasons = dict(got[f"{key}_inline_blocks"])
+            assert reasons and all("random numbers" in r for r in reasons.values()), (key, reasons)
 
 
 @pytest.mark.slow
@@ -327,16 +337,23 @@ def test_changing_batch_size_and_sequence_length_together(runs):
 def test_blocks_compiled_once_through_no_sync_and_dynamic_shapes(runs):
     """Identical blocks (shardc.sharding.blocks) through a dynamic recompile and no_sync: at
     parity, and every compiled region (static and dynamic, with and without gradient sync)
-    calls one body for the three blocks. A static region partitions it once; under dynamic
-    shapes torch traces a second backward for the body whose incoming gradient's metadata
-    differs (the last block's gradient comes from the head), still fewer than the blocks."""
+    calls one body for its blocks. A static region calls it for all three and partitions it
+    once. Under dynamic shapes a block whose input has unbacked sizes (torch 2.13 slices the
+    tokens into such sizes) compiles inline, said in the plan; the others share one body, for
+    which torch traces a second backward when the incoming gradient's metadata differs (the
+    last block's gradient comes from the head), still fewer than the blocks."""
     blocks = ("blocks.0", "blocks.1", "blocks.2")
     for world, got in zip(WORLDS, check_parity(runs, "blocks_accumulate_shapes")):
-        bodies = got["bodies"]
+        bodies, inline = got["bodies"], got["inline_blocks"]
         assert len(bodies) == 4, f"world {world}: regions {bodies}"  # 2 shapes x no_sync on/off
-        assert all(len(b) == 1 and b[0][0] == blocks for b in bodies), f"world {world}: {bodies}"
-        assert [b[0][1] for b in bodies[:2]] == [1, 1], f"world {world}: {bodies}"
-        assert all(1 <= b[0][1] < len(blocks) for b in bodies), f"world {world}: {bodies}"
+        assert bodies[:2] == [[(blocks, 1)]] * 2 and inline[:2] == [[], []], (world, bodies)
+        for region_bodies, region_inline in zip(bodies[2:], inline[2:]):
+            assert len(region_bodies) == 1, f"world {world}: {bodies}"
+            called, partitions = region_bodies[0]
+            assert len(called) >= 2 and 1 <= partitions < len(called), f"world {world}: {bodies}"
+            assert sorted([*called, *(m for m, _ in region_inline)]) == list(blocks), (
+                world, bodies, inline)
+            assert all("known only at run time" in reason for _, reason in region_inline)
 
 
 def test_changing_batch_size_reuses_one_dynamic_plan(runs):

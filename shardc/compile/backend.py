@@ -29,6 +29,7 @@ from shardc.ops.gather import GATHER_OP
 from shardc.ops.gather_args import GatherArgs
 from shardc.passes.body import (
     describe_body_calls,
+    draws_random_numbers,
     inline_body_calls,
     input_signature,
     is_body_joint,
@@ -228,6 +229,35 @@ def _compile_unsharded(gm: fx.GraphModule, example_inputs, options: ShardcOption
     return gm.forward
 
 
+def _body_of(call: fx.Node) -> fx.GraphModule:
+    return getattr(call.graph.owning_module, call.args[0].target)
+
+
+_SELECTIVE = ("it runs under selective activation checkpointing (a context_fn policy), which "
+              "a shared body's partition does not follow")
+_RANDOM = ("it draws random numbers (dropout), which a shared body would not replay when "
+           "activation checkpointing recomputes it")
+
+
+def _inline_unsupported(gm: fx.GraphModule, found: list, blocks, region: RegionRecord) -> list:
+    """Inline the body calls that a shared body would run wrongly (random ops) or against the
+    user's policy (selective checkpointing); returns the other calls."""
+    unsupported = []
+    for node, call in found:
+        if _torch.selective_checkpoint_policy(node.graph.owning_module) is not None:
+            unsupported.append((node, call, _SELECTIVE))
+        elif draws_random_numbers(_body_of(node)):
+            unsupported.append((node, call, _RANDOM))
+    if not unsupported:
+        return found
+    inline_body_calls(gm, [node for node, _, _ in unsupported])
+    for _, call, reason in unsupported:
+        region.inline_blocks.append((call.block, reason))
+        blocks.report_inline(call.block, reason)
+    inlined = {id(node) for node, _, _ in unsupported}
+    return [(node, call) for node, call in found if id(node) not in inlined]
+
+
 def _prepare_bodies(gm: fx.GraphModule, state: ShardState | None, opts: ShardcOptions,
                     region: RegionRecord) -> None:
     """Record the block bodies Dynamo's graph calls (``shardc.sharding.blocks``), or inline
@@ -237,6 +267,8 @@ def _prepare_bodies(gm: fx.GraphModule, state: ShardState | None, opts: ShardcOp
         return
     region.inline_blocks = [(f.module, f.reason) for f in blocks.fallbacks]
     found = describe_body_calls(gm, blocks.block_of_param)
+    if opts.compile_blocks_once:
+        found = _inline_unsupported(gm, found, blocks, region)
     if found and not opts.compile_blocks_once:
         inline_body_calls(gm, [node for node, _ in found])
         region.inline_blocks += [(call.block, "compile_blocks_once=False") for _, call in found]
@@ -246,8 +278,8 @@ def _prepare_bodies(gm: fx.GraphModule, state: ShardState | None, opts: ShardcOp
     traced = {blocks.block_of_param(GatherArgs.of(g).fqn) for g in sharded_gathers(gm)}
     for block, _ in sorted(b for b in traced if b is not None and b[0] not in called):
         # Its wrapped forward ran the block's own forward: hooks or classes changed after
-        # shardc.shard (shardc.sharding.blocks.module_layout).
-        reason = "its hooks or module classes changed after shardc.shard"
+        # shardc.shard (shardc.sharding.blocks.module_layout), or data-dependent input sizes.
+        reason = blocks.inline_reason(block)
         region.inline_blocks.append((block, reason))
         blocks.report_inline(block, reason)
     if found:

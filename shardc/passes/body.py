@@ -28,7 +28,8 @@ from shardc.ops.gather import GATHER_OP, REDUCE_SCATTER_OP
 from shardc.ops.gather_args import GatherArgs
 from shardc.passes.fx_utils import is_call, is_view_or_cast, recompute_tag
 
-__all__ = ["BodyCall", "body_calls", "describe_body_calls", "inline_body_calls",
+__all__ = ["BodyCall", "body_calls", "describe_body_calls", "draws_random_numbers",
+           "inline_body_calls",
            "input_signature", "is_body_joint", "rewire_saved_inputs", "tag_weight_recompute",
            "weight_derived_outputs"]
 
@@ -109,6 +110,30 @@ def _describe_in(gm: fx.GraphModule, block_of_param) -> list[tuple[fx.Node, Body
         calls.append((node, BodyCall(str(node.args[1]), block[0], block[1], weights,
                                       input_signature(_placeholder_values(body)))))
     return calls
+
+
+_RANDOM_NAMES = ("dropout", "bernoulli", "rand", "normal", "multinomial", "rrelu", "uniform")
+
+
+def _random_call(node: fx.Node) -> bool:
+    name = getattr(node.target, "__name__", str(node.target))
+    if "scaled_dot_product" in name:
+        dropout_p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
+        return dropout_p != 0.0
+    if "dropout" in name:
+        p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
+        training = node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)
+        return p != 0.0 and training is not False
+    return any(word in name for word in _RANDOM_NAMES)
+
+
+def draws_random_numbers(body: fx.GraphModule) -> bool:
+    """Whether a body of Dynamo's graph draws random numbers (dropout with p > 0, SDPA's
+    dropout_p, ``torch.rand*``...): recomputed under activation checkpointing, a body's random
+    ops do not replay the forward's numbers, so such blocks compile inline."""
+    return any(node.op == "call_function" and _random_call(node)
+               for gm in body.modules() if isinstance(gm, fx.GraphModule)
+               for node in gm.graph.nodes)
 
 
 def inline_body_calls(root: fx.GraphModule, calls: list[fx.Node]) -> int:

@@ -204,8 +204,36 @@ def group_kernels(graph: fx.Graph, compute: list[fx.Node]) -> list[Kernel]:
     position = {n: i for i, n in enumerate(compute)}
     for k in kernels:
         k.read_bytes, k.write_bytes = _traffic(k, kinds)
-    kernels.sort(key=lambda k: position[k.last])
+    kernels = [inner for k in kernels for inner in _expand_body_call(k)]
+    kernels.sort(key=lambda k: position[anchor(k)])
     return kernels
+
+
+def anchor(kernel: Kernel) -> fx.Node:
+    """The op of the grouped graph where ``kernel`` runs: its last op, or the block body call
+    (``invoke_subgraph``) whose body it belongs to."""
+    return kernel.extra.get("call", kernel.last)
+
+
+def _expand_body_call(kernel: Kernel) -> list[Kernel]:
+    """A compiled-once block body's call (``invoke_subgraph``) runs its body's kernels, each
+    priced as if inline, all at the call; any other kernel is itself."""
+    node = kernel.last
+    if len(kernel.nodes) != 1 or node.op != "call_function" or not _is_body_call(node):
+        return [kernel]
+    owner = node.graph.owning_module
+    body = getattr(owner, node.args[0].target, None) if owner is not None else None
+    if not isinstance(body, fx.GraphModule):
+        return [kernel]
+    inner = [n for n in body.graph.nodes if n.op == "call_function"]
+    out = group_kernels(body.graph, inner)
+    for k in out:
+        k.extra["call"] = node
+    return out
+
+
+def _is_body_call(node: fx.Node) -> bool:
+    return node.target is torch.ops.higher_order.invoke_subgraph
 
 
 def _traffic(kernel: Kernel, kinds: dict[fx.Node, str]) -> tuple[float, float]:

@@ -39,7 +39,7 @@ from shardc.planning.estimate import (
     memory_seconds,
 )
 from shardc.planning.graph_view import GraphView, analyze, available_pos, ready_pos
-from shardc.planning.kernels import group_kernels
+from shardc.planning.kernels import anchor, group_kernels
 from shardc.planning.plan import PLAN_VERSION, Bucket, Collective, CollectiveKind, ComputeOp, Plan
 from shardc.planning.profile import ClusterProfile, resolve_profile
 from shardc.runtime.collectives import padded_rows
@@ -332,7 +332,7 @@ def _simulate(g: GraphView, colls: list[Collective], profile: ClusterProfile,
     line = _Timeline(profile)
     kernel_at = {}
     for k in group_kernels(g.compute[0].graph, g.compute) if g.compute else []:
-        kernel_at.setdefault(g.position[k.last], []).append(k)
+        kernel_at.setdefault(g.position[anchor(k)], []).append(k)
 
     def issue(c: Collective) -> None:
         pack, _ = _copy_seconds(g, c, profile)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -67,12 +68,24 @@ class BlockBodies:
     # Blocks found inline at compile time (hooks or classes changed after shard), logged once
     # per model however many regions compile them.
     reported: set[str] = field(default_factory=set, repr=False)
+    # The sharded model (weakly), recorded by ``seal``: the backend reads its blocks' layouts.
+    root: Callable[[], nn.Module | None] = field(default=lambda: None, repr=False)
 
     def report_inline(self, module: str, reason: str) -> None:
         """Log once that group member ``module`` compiles inline after all, and why."""
         if module not in self.reported:
             self.reported.add(module)
             log.info("shardc: block %s compiles inline (no shared body): %s", module, reason)
+
+    def inline_reason(self, module: str) -> str:
+        """Why group member ``module``'s traced forward did not call its body."""
+        root = self.root()
+        block = root.get_submodule(module) if root is not None else None
+        if block is not None and module_layout(block) != getattr(block, "_shardc_layout", None):
+            return "its hooks or module classes changed after shardc.shard"
+        return ("its inputs have sizes known only at run time (unbacked symbolic sizes: tokens "
+                "routed to one expert, or a slice under dynamic shapes), which one shared body "
+                "cannot take")
 
     def group_of(self, module: str) -> BlockGroup | None:
         return next((g for g in self.groups if module in g.members), None)
@@ -159,7 +172,7 @@ def _make_body(skeleton: nn.Module, group: BlockGroup, training: bool) -> Callab
         return torch.func.functional_call(skeleton, tensors, args, kwargs)
 
     shardc_block_body.__qualname__ = f"shardc_block_body_{group.index}_{group.block_type}"
-    return _torch.nested_compile_region(shardc_block_body, reuse_key=(group.index, training))
+    return _torch.nested_compile_region(shardc_block_body)
 
 
 def _read(module: nn.Module, dotted: str):
@@ -176,6 +189,7 @@ def module_layout(block: nn.Module) -> tuple:
 
 def seal(bodies: BlockBodies, root: nn.Module) -> None:
     """Record each wrapped block's :func:`module_layout` once :func:`shardc.shard` is done."""
+    bodies.root = weakref.ref(root)
     for group in bodies.groups:
         for member in group.members:
             block = root.get_submodule(member)
@@ -184,7 +198,8 @@ def seal(bodies: BlockBodies, root: nn.Module) -> None:
 
 def _wrapped_forward(group: BlockGroup, original: Callable) -> Callable:
     def forward(self, *args, **kwargs):
-        if not torch.compiler.is_compiling() or module_layout(self) != self._shardc_layout:
+        if (not torch.compiler.is_compiling() or module_layout(self) != self._shardc_layout
+                or _torch.has_data_dependent_sizes(args, kwargs)):
             return original(self, *args, **kwargs)
         body = group.bodies[self.training]
         weights = tuple(_read(self, n) for n in group.weight_names)
