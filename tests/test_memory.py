@@ -193,3 +193,22 @@ def test_fp8_prediction_counts_master_shards_and_saved_quantized_shards():
     for c in f8:
         numel = plan.buckets[c.bucket].layout(c.params)[1]
         assert buffers[c.id, "send"] == numel and buffers[c.id, "recv"] == 3 * numel, c.id
+
+
+def test_block_bodies_predict_the_peak_of_inline_blocks():
+    """A compiled-once block body (an ``invoke_subgraph`` call) runs the ops of an inline block:
+    the peak prediction walks them where the body runs them (its temporaries, each output with
+    its own lifetime), so it predicts the peak and the memory by category of the same model
+    with ``compile_blocks_once=False``. (It once counted the call's whole tuple of outputs, the
+    saved weights included, as one value alive to the end of the forward.)"""
+    spec = parse_model_spec("llama-tiny:n_layers=2")
+    plans = {once: plan_model(spec, 1, 2, 32, {"compile_blocks_once": once}, template=False)[0]
+             for once in (True, False)}
+    assert plans[True].bodies and not plans[False].bodies
+    bodies, inline = (plans[k].predicted for k in (True, False))
+    for key in ("forward_peak_bytes", "backward_peak_bytes", "peak_bytes"):
+        assert abs(bodies[key] - inline[key]) <= 0.01 * inline[key], key
+    at_peak = [plans[k].memory_by_category["peak"] for k in (True, False)]
+    assert at_peak[0]["graph"] == at_peak[1]["graph"]
+    for category, nbytes in at_peak[1]["bytes"].items():
+        assert abs(at_peak[0]["bytes"][category] - nbytes) <= 0.01 * inline["peak_bytes"], category

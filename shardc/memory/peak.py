@@ -26,6 +26,7 @@ from shardc import _torch
 from shardc.memory import breakdown
 from shardc.ops.gather import GATHER_OP
 from shardc.ops.gather_args import GatherArgs
+from shardc.passes.body import flattened
 from shardc.passes.fx_utils import (
     has_tag,
     is_view,
@@ -342,19 +343,24 @@ def predict_peak(
     param_bytes = sum(_nbytes(p.meta.get("val")) for p in params)
     optim = int(param_bytes * optimizer_state_factor)
     constants = {breakdown.PARAM_SHARDS: param_bytes, breakdown.OPTIMIZER: optim}
-    fw_lives, fw_storage = lifetimes_and_storage(forward, params | host, fusion=fusion)
+    # Block bodies (invoke_subgraph calls) are walked as the ops they run, where they run them.
+    forward, params, fw_host = _flat(forward, params, host)
+    if backward is not None:
+        backward, bw_params, bw_host = _flat(backward, bw_params, host)
+    fw_lives, fw_storage = lifetimes_and_storage(forward, params | fw_host, fusion=fusion)
     fw_peak, _ = _timeline(fw_lives, len(forward.graph.nodes))
     out = {"param_bytes": param_bytes, "optimizer_state_bytes": optim,
            "forward_peak_bytes": param_bytes + optim + fw_peak}
     walked = [("forward", forward, fw_lives, fw_storage)]
     peak = out["forward_peak_bytes"]
     if backward is not None:
-        bw_lives, bw_storage = lifetimes_and_storage(backward, bw_params | host, fusion=fusion)
+        bw_lives, bw_storage = lifetimes_and_storage(backward, bw_params | bw_host,
+                                                         fusion=fusion)
         bw_peak, _ = _timeline(bw_lives, len(backward.graph.nodes))
         walked.append(("backward", backward, bw_lives, bw_storage))
         out["backward_peak_bytes"] = param_bytes + optim + bw_peak
         grads = sum(_nbytes(n.meta.get("val")) for n in backward.graph.output_node().args[0]
-                    if isinstance(n, fx.Node) and _root(n) not in host)
+                    if isinstance(n, fx.Node) and _root(n) not in bw_host)
         out["grad_bytes"] = grads
         out["optimizer_step_peak_bytes"] = (param_bytes + optim + grads + persistent_bytes
                                             + int(param_bytes * optimizer_temp_factor))
@@ -368,6 +374,14 @@ def predict_peak(
     for key, value in out.items():
         setattr(plan.predicted, key, float(value))
     return out
+
+
+def _flat(gm: fx.GraphModule, params: set[fx.Node], host: set[fx.Node]
+          ) -> tuple[fx.GraphModule, set[fx.Node], set[fx.Node]]:
+    """``gm`` with its block bodies inlined (:func:`flattened`), and the parameter and host
+    nodes among ``params`` and ``host`` as nodes of that graph."""
+    flat, mapping = flattened(gm)
+    return flat, {mapping[p] for p in params}, {mapping[h] for h in host if h in mapping}
 
 
 def _step_breakdown(walked: list, constants: dict[str, int],

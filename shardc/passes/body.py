@@ -5,6 +5,8 @@ one compiled body per repeated block, with the block's gathered weights as argum
   bodies, which blocks they run, which of their inputs are gathered weights.
 * :func:`inline_body_calls` (Dynamo's graph): turn the bodies back into inline code
   (``compile_blocks_once=False``).
+* :func:`flattened` (any graph): a copy with every body call inlined, for analyses that walk a
+  step's ops in order (the peak prediction's liveness, the cost model's kernels).
 * :func:`tag_weight_recompute` (a body's joint graph): recompute what the body computes from
   its weights alone, so the body saves the weights themselves, never a transpose or cast of them.
 * :func:`rewire_saved_inputs` (the outer joint graph): a body output that is one of its inputs
@@ -26,9 +28,9 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from shardc.ops.gather import GATHER_OP, REDUCE_SCATTER_OP
 from shardc.ops.gather_args import GatherArgs
-from shardc.passes.fx_utils import is_call, is_view_or_cast, recompute_tag
+from shardc.passes.fx_utils import is_call, is_view_or_cast, lazy_graph_module, recompute_tag
 
-__all__ = ["BodyCall", "body_calls", "describe_body_calls", "draws_random_numbers",
+__all__ = ["BodyCall", "body_calls", "describe_body_calls", "draws_random_numbers", "flattened",
            "inline_body_calls",
            "input_signature", "is_body_joint", "rewire_saved_inputs", "tag_weight_recompute",
            "weight_derived_outputs"]
@@ -147,6 +149,26 @@ def inline_body_calls(root: fx.GraphModule, calls: list[fx.Node]) -> int:
         gm.delete_all_unused_submodules()
         gm.recompile()
     return len(calls)
+
+
+def flattened(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]]:
+    """``gm`` itself and the identity map if it calls no body; else a copy of ``gm`` with every
+    ``invoke_subgraph`` call (nested ones too) replaced by its body's nodes, and the map from
+    ``gm``'s nodes to the copy's. Nothing is eliminated: a body computes its unused outputs too.
+
+    Analyses that walk a step's ops in order see the ops a body runs where it runs them: the
+    peak prediction counts a body's temporaries and each of its outputs with its own lifetime
+    (the call's tuple of outputs is no single value), and the cost model prices its kernels."""
+    if next(body_calls(gm), None) is None:
+        return gm, {n: n for n in gm.graph.nodes}
+    graph = fx.Graph()
+    mapping: dict[fx.Node, fx.Node] = {}
+    graph.output(graph.graph_copy(gm.graph, mapping))
+    copy = lazy_graph_module(gm, graph)
+    while (call := next(body_calls(copy), None)) is not None:
+        _inline(copy, call)
+    copy.graph.lint()
+    return copy, mapping
 
 
 def _inline(gm: fx.GraphModule, node: fx.Node) -> None:
