@@ -27,6 +27,7 @@ def _scenarios(rank: int, world: int, scenarios: list) -> list[dict]:
             assert out["plans"] and all(p is not None for p in out["plans"]), (
                 f"{kind}/{mode}/{options}: the shardc backend planned no region"
             )
+        out["plan_collectives"] = [c for p in out["plans"] for c in p.collectives]
         out["plans"] = len(out["plans"])
         results.append(out)
     return results
@@ -53,6 +54,15 @@ def test_parity_eager_and_fx(world, references):
         scenarios.append(("llama", "fx", {"local_step": True, "optim": "adamw-fused"}))
     results = run_ranks(_scenarios, world, scenarios)[0]
     for (kind, mode, options), run in zip(scenarios, results):
+        if mode != "eager":
+            # One rank communicates nothing: no collective is lowered (the plan lists them,
+            # elided); from two ranks on, every planned one is.
+            elided = {p.elided for p in run["plan_collectives"]}
+            if world == 1:
+                assert run["collective_ops"] == 0, (kind, options, run["collective_ops"])
+                assert elided == {True}, (kind, options)
+            else:
+                assert run["collective_ops"] > 0 and elided == {False}, (kind, options)
         ref = references[f"{kind}-sgd" if options.get("optim") == "sgd" else kind]
         try:
             assert_parity(run, ref)

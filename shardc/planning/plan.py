@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from typing import Any
 
-PLAN_VERSION = 4
+PLAN_VERSION = 5
 # Version 2 added the 2-D mesh fields (``Plan.mesh``, ``replicate_size``,
 # ``replicate_group_name``, ``Bucket.replicate``/``replicate_group``, ``Collective.group``, kind
 # ``"all_reduce"``); a version 1 plan reads as a 1-D plan with their defaults.
@@ -28,7 +28,10 @@ PLAN_VERSION = 4
 # ids) and ``Plan.predicted``'s keys (the fields of :class:`Predictions`; the JSON is the same
 # object of numbers, without the predictions a plan does not make). Older plans read with their
 # links filled in from the ids.
-READABLE_VERSIONS = (1, 2, 3, 4)
+# Version 5 added ``Collective.elided``: shardc's collectives over a one-rank group (world 1, or
+# HSDP with shard size 1) are still planned and listed, but lowered to no communication (the
+# gather is the shard itself, the reduction the gradient itself); older plans read as not elided.
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 
 
 class CollectiveKind(str, Enum):
@@ -216,6 +219,11 @@ class Collective:
     # The id of the collective chained with this one: an HSDP reduce-scatter names the all-reduce
     # that averages its output over the replicas, which names it back ("" for none).
     link: str = ""
+    # Over a one-rank group (``group_size == 1``): there is nothing to communicate, so the
+    # lowering issues no collective and allocates no buffer (no pool bytes, no lifetime); the
+    # parameters' reads and gradients stay where the plan lists them. Decided from the group's
+    # size alone, hence identical on every rank.
+    elided: bool = False
 
     def __post_init__(self) -> None:
         self.kind = CollectiveKind(self.kind)
