@@ -154,6 +154,13 @@ def _plan_summary(model: nn.Module) -> list[dict]:
                 for gm in graphs.values() for n in gm.graph.nodes),
             "found": _found_facts(p, graphs),
             "graph_collectives": _graph_collectives(graphs, p.group_name),
+            # One-rank groups: the kinds of shardc's collectives the plan lists as elided, and
+            # the communication ops left in the lowered graphs.
+            "elided": sorted({str(c.kind) for c in p.collectives if c.elided}),
+            "lowered_ops": sorted({str(n.target) for gm in graphs.values()
+                                   for n in gm.graph.nodes if n.op == "call_function"
+                                   and getattr(n.target, "namespace", "") in
+                                   ("_c10d_functional", "shardc")}),
             "exposed": (p.predicted["exposed_comm_s"], sum(c.exposed_s for c in p.collectives)),
         })
     return out

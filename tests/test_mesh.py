@@ -11,9 +11,9 @@ from parity import assert_parity, reference
 
 from shardc.planning.cost_model import ClusterSpec
 
-# Compiled on the 2x2 mesh; the degenerate meshes (all replicate, all tp) eagerly, to keep the
-# tests fast (the compiled 1x4 / 4x1 runs pass too: benchmarks or -k runs can add them).
-HSDP = [((2, 2), "eager"), ((2, 2), "fx"), ((4, 1), "eager")]
+# Compiled on the 2x2 mesh and on 4x1 (shard groups of one rank: the gathers and reduce-scatters
+# are elided); the all-tp mesh eagerly, to keep the tests fast.
+HSDP = [((2, 2), "eager"), ((2, 2), "fx"), ((4, 1), "eager"), ((4, 1), "fx")]
 # "fx-traced": compiled with the tensor-parallel collectives kept where traced (the results must
 # be bitwise those of "fx", which moves them).
 TP = [((2, 2), "eager"), ((2, 2), "fx"), ((2, 2), "fx-traced"), ((1, 4), "eager")]
@@ -58,7 +58,18 @@ def test_hsdp_parity_and_plan(hsdp_runs, llama1_reference):
                 assert plan["mesh"] == f"HSDP: replicate {shape[0]} x shard {shape[1]}"
                 for predicted, inter_node in plan["all_reduce_times"]:
                     assert predicted == pytest.approx(inter_node) and predicted > 0
-                _assert_own_lanes(plan)
+                if shape[1] == 1:
+                    # One-rank shard groups: no gather, no reduce-scatter is lowered (the plan
+                    # lists them elided); the gradients are packed into the pool buffer the
+                    # replicate all-reduce runs in.
+                    assert plan["elided"] == ["all_gather", "reduce_scatter"]
+                    assert plan["lowered_ops"] == ["_c10d_functional.all_reduce_.default",
+                                                   "_c10d_functional.wait_tensor.default",
+                                                   "shardc.pool_pack.default",
+                                                   "shardc.pool_read.default"], plan["lowered_ops"]
+                else:
+                    assert plan["elided"] == []
+                    _assert_own_lanes(plan)
                 assert plan["allocating_all_reduces"] == 0 and plan["all_reduce_offsets"]
                 assert None not in plan["all_reduce_offsets"]  # in the static pool
             else:
