@@ -28,6 +28,8 @@ def _scenarios(rank: int, world: int, scenarios: list) -> list[dict]:
                 f"{kind}/{mode}/{options}: the shardc backend planned no region"
             )
         out["plan_collectives"] = [c for p in out["plans"] for c in p.collectives]
+        out["comm_bytes"] = {(p.predicted.pool_bytes, p.predicted.peak_comm_buffer_bytes)
+                             for p in out["plans"]}
         out["plans"] = len(out["plans"])
         results.append(out)
     return results
@@ -61,6 +63,8 @@ def test_parity_eager_and_fx(world, references):
             if world == 1:
                 assert run["collective_ops"] == 0, (kind, options, run["collective_ops"])
                 assert elided == {True}, (kind, options)
+                # ... and plans no communication buffer: no pool, none in the timeline.
+                assert run["comm_bytes"] == {(0, 0)}, (kind, options, run["comm_bytes"])
             else:
                 assert run["collective_ops"] > 0 and elided == {False}, (kind, options)
         ref = references[f"{kind}-sgd" if options.get("optim") == "sgd" else kind]

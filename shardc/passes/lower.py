@@ -176,12 +176,15 @@ def _same_shape(node: fx.Node, replacement: fx.Node, fqn: str) -> None:
                            f"expected {tuple(want)}; this is a shardc bug, please report it")
 
 
-def elide(graph: fx.Graph, c: Collective, g: GraphView) -> None:
+def elide(graph: fx.Graph, c: Collective, g: GraphView, handed: set[fx.Node]) -> None:
     """Lower an elided collective (a one-rank group, not chained with an HSDP all-reduce): each
     gather node becomes its shard cast to the gathered dtype, each reduce node the gradient cast
     to the reduce dtype and then to the shard's dtype (what a one-rank reduce-scatter, whose
     divisor is 1, computes), contiguous like the reduced shard. Each replacement is inserted
-    where the node was, so its inputs exist there and its readers follow it."""
+    where the node was, so its inputs exist there and its readers follow it. ``handed``: the
+    gradients already handed to a parameter in this graph; one handed twice (two parameters
+    with the same gradient) is copied, so no two parameters' gradients share memory that an
+    in-place update (gradient clipping) would then change twice."""
     for fqn in c.params:
         if c.kind == Kind.ALL_GATHER:
             node = g.gathers[fqn]
@@ -193,6 +196,11 @@ def elide(graph: fx.Graph, c: Collective, g: GraphView) -> None:
             with graph.inserting_before(node):
                 new = _cast(graph, _cast(graph, args.grad, args.reduce_dtype), args.out_dtype)
                 new = _contiguous(graph, new)
+                if view_chain_root(new) is not None or new in handed:
+                    # (a graph input, e.g. a tangent, is not the backward's to hand out either)
+                    new = call(graph, aten.clone.default, (new,),
+                               {"memory_format": torch.contiguous_format})
+                handed.add(new)
         _same_shape(node, new, fqn)
         node.replace_all_uses_with(new)
         graph.erase_node(node)
@@ -367,8 +375,9 @@ def apply_plan(
     graph = gm.graph
     # One-rank groups: no collective (an elided reduce-scatter chained with an HSDP all-reduce
     # is lowered at its issue position: it packs what the all-reduce reduces).
+    handed: set[fx.Node] = set()
     for c in [c for c in colls if c.elided and not c.link]:
-        elide(graph, c, g)
+        elide(graph, c, g, handed)
     colls = [c for c in colls if not c.elided or c.link]
     pool_node = pool if isinstance(pool, fx.Node) or pool is None else _pool_node(gm, pool)
     views = PoolViews(graph, pool_node if colls else None, plan, poison)
