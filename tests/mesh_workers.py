@@ -30,12 +30,14 @@ TP_STEPS, TP_LR = 3, 1e-2
 
 
 def _forward(model: nn.Module, mode: str):
-    """``eager``, ``fx`` (compiled, planned FX graphs) or ``fx-traced`` (the same, with the
-    collectives found in the graph kept where they were traced)."""
+    """``eager``, ``fx`` (compiled, planned FX graphs), ``fx-traced`` (the same, with the
+    collectives found in the graph kept where they were traced) or ``fx-nopool`` (buffers
+    allocated per collective, as Inductor's default is)."""
     if mode == "eager":
         return model
     return torch.compile(model, backend=shardc.backend(
-        inductor=False, move_found_collectives=mode != "fx-traced"))
+        inductor=False, move_found_collectives=mode != "fx-traced",
+        comm_pool=mode != "fx-nopool"))
 
 
 def _gathered(model: nn.Module) -> dict[str, torch.Tensor]:
