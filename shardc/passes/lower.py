@@ -25,7 +25,14 @@ from torch import fx
 from shardc import _torch
 from shardc.ops.gather_args import GatherArgs, ReduceArgs
 from shardc.ops.pool import POOL_PACK_OP, POOL_READ_OP
-from shardc.passes.fx_utils import call, dtype_itemsize, fake_mode_of, view_chain_root, view_users
+from shardc.passes.fx_utils import (
+    call,
+    dtype_itemsize,
+    fake_mode_of,
+    size_hint,
+    view_chain_root,
+    view_users,
+)
 from shardc.passes.lower_found import lower as lower_found
 from shardc.planning.graph_view import GraphView, analyze
 from shardc.planning.plan import Bucket, Collective, CollectiveKind, Plan
@@ -170,7 +177,8 @@ def _cast(graph: fx.Graph, x: fx.Node, dtype: torch.dtype | None) -> fx.Node:
 
 
 def _same_shape(node: fx.Node, replacement: fx.Node, fqn: str) -> None:
-    want, got = node.meta["val"].shape, replacement.meta["val"].shape
+    # By size hints: a check must add no guard (parameters' sizes are static anyway).
+    want, got = ([size_hint(s) for s in n.meta["val"].shape] for n in (node, replacement))
     if want != got:
         raise RuntimeError(f"shardc lowering: {fqn} of a one-rank group has shape {tuple(got)}, "
                            f"expected {tuple(want)}; this is a shardc bug, please report it")
@@ -184,7 +192,8 @@ def elide(graph: fx.Graph, c: Collective, g: GraphView, handed: set[fx.Node]) ->
     where the node was, so its inputs exist there and its readers follow it. ``handed``: the
     gradients already handed to a parameter in this graph; one handed twice (two parameters
     with the same gradient) is copied, so no two parameters' gradients share memory that an
-    in-place update (gradient clipping) would then change twice."""
+    in-place update (gradient clipping) would then change twice; so is one the graph returns
+    otherwise too."""
     for fqn in c.params:
         if c.kind == Kind.ALL_GATHER:
             node = g.gathers[fqn]
@@ -196,8 +205,10 @@ def elide(graph: fx.Graph, c: Collective, g: GraphView, handed: set[fx.Node]) ->
             with graph.inserting_before(node):
                 new = _cast(graph, _cast(graph, args.grad, args.reduce_dtype), args.out_dtype)
                 new = _contiguous(graph, new)
-                if view_chain_root(new) is not None or new in handed:
-                    # (a graph input, e.g. a tangent, is not the backward's to hand out either)
+                if view_chain_root(new) is not None or new in handed or any(
+                        r.op == "output" for r in view_users(new)[1]):
+                    # (nor a graph input, e.g. a tangent, or a value the graph already returns,
+                    # e.g. an input's gradient: autograd may accumulate into that in place)
                     new = call(graph, aten.clone.default, (new,),
                                {"memory_format": torch.contiguous_format})
                 handed.add(new)
