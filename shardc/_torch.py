@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import zlib
 from typing import Any
 
 import torch
@@ -168,6 +169,26 @@ def flatten_state_dict(state_dict: dict):
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict as flatten
 
     return flatten(state_dict)
+
+
+def nested_compile_region(fn, *, reuse_key: tuple):
+    """``torch.compiler.nested_compile_region(fn)``: Dynamo traces ``fn`` into one subgraph that
+    every call reuses. From torch 2.13 on, ``reuse_hash_fn`` lets Dynamo reuse the first trace
+    without tracing the function again at every call (the caller vouches that every call with
+    ``reuse_key`` is the same computation on inputs of the same structure); torch 2.11's
+    signature is ``(fn=None, options=None)``, where every call is traced and Dynamo
+    deduplicates the identical subgraphs."""
+    import inspect
+
+    mark = torch.compiler.nested_compile_region
+    if "reuse_hash_fn" not in inspect.signature(mark).parameters:
+        return mark(fn)
+    key = zlib.crc32(repr(reuse_key).encode())  # deterministic across processes
+
+    def reuse_hash(*args, **kwargs) -> int:
+        return key
+
+    return mark(fn, reuse_hash_fn=reuse_hash)
 
 
 def run_frame_eagerly(fn) -> None:

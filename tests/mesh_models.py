@@ -87,3 +87,41 @@ def parallelize(model: TPNet, tp_mesh) -> TPNet:
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+class Mlp(nn.Module):
+    """A residual MLP block: the repeated block of :class:`TPBlocks`. Its hidden width is even:
+    torch's ``ColwiseParallel`` -> ``RowwiseParallel`` with local outputs between them assumes
+    even tp shards (``DTensor.from_local`` without the shapes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(DIM, 2 * PROJ)
+        self.down = nn.Linear(2 * PROJ, DIM)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.down(F.silu(self.up(h)))
+
+
+class TPBlocks(nn.Module):
+    """Four identical MLP blocks in an ``nn.ModuleList``; :func:`parallelize_blocks` makes the
+    first two tensor-parallel (they keep the inlined compile) and leaves the last two plain
+    (they share one compiled body)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList([Mlp() for _ in range(4)])
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def parallelize_blocks(model: TPBlocks, tp_mesh) -> TPBlocks:
+    for block in list(model.blocks)[:2]:
+        parallelize_module(block, tp_mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    return model

@@ -15,7 +15,7 @@ import torch._dynamo
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from ckpt_workers import diff, full, full_state
-from mesh_models import TPNet, loss_fn, parallelize
+from mesh_models import TPBlocks, TPNet, loss_fn, parallelize, parallelize_blocks
 from parity import GLOBAL_BATCH, batches, build
 from parity import train as llama_train
 from torch import nn
@@ -164,6 +164,10 @@ def _plan_summary(model: nn.Module) -> list[dict]:
                                    and getattr(n.target, "namespace", "") in
                                    ("_c10d_functional", "shardc")}),
             "exposed": (p.predicted["exposed_comm_s"], sum(c.exposed_s for c in p.collectives)),
+            # Block bodies (shardc.sharding.blocks): (blocks, partitions) per body, and the
+            # blocks compiled inline with their reasons.
+            "bodies": [(tuple(b.blocks), b.partitions) for b in p.bodies],
+            "inline": {b.module: b.reason for b in p.inline_blocks},
         })
     return out
 
@@ -171,10 +175,11 @@ def _plan_summary(model: nn.Module) -> list[dict]:
 # ------------------------------------------------------------------------------------------ HSDP
 
 
-def hsdp_run(rank: int, world: int, shape: tuple[int, int], mode: str) -> dict:
+def hsdp_run(rank: int, world: int, shape: tuple[int, int], mode: str,
+             kind: str = "llama1") -> dict:
     torch._dynamo.reset()
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
-    model = shardc.shard(build("llama1"), mesh)
+    model = shardc.shard(build(kind), mesh)
     tokens, targets = batches()
     per = GLOBAL_BATCH // world
     rows = slice(rank * per, (rank + 1) * per)
@@ -200,18 +205,21 @@ def slice_run(rank: int, world: int, shape: tuple[int, int], mode: str) -> dict:
             "placements": describe_placements(model), "plans": _plan_summary(model)}
 
 
-def hsdp_scenarios(rank: int, world: int, scenarios: list, slices: list = ()) -> list[dict]:
-    """HSDP runs, then ``slice_run`` runs (one spawn for both)."""
+def hsdp_scenarios(rank: int, world: int, scenarios: list, slices: list = (),
+                   blocks: list = ()) -> list[dict]:
+    """HSDP runs, then ``slice_run`` runs, then HSDP runs of the BlockStack (repeated blocks
+    compiled once), all in one spawn."""
     return [hsdp_run(rank, world, shape, mode) for shape, mode in scenarios] + [
-        slice_run(rank, world, shape, mode) for shape, mode in slices]
+        slice_run(rank, world, shape, mode) for shape, mode in slices] + [
+        hsdp_run(rank, world, shape, mode, kind="blocks") for shape, mode in blocks]
 
 
 # --------------------------------------------------------------------------------------- FSDP+TP
 
 
-def tp_build(seed: int = 0) -> TPNet:
+def tp_build(seed: int = 0, kind: str = "net") -> nn.Module:
     torch.manual_seed(seed)
-    return TPNet()
+    return TPBlocks() if kind == "blocks" else TPNet()
 
 
 def tp_train(model: nn.Module, forward, tokens, targets) -> list[torch.Tensor]:
@@ -226,18 +234,19 @@ def tp_train(model: nn.Module, forward, tokens, targets) -> list[torch.Tensor]:
     return losses
 
 
-def tp_reference() -> dict:
-    model = tp_build()
+def tp_reference(kind: str = "net") -> dict:
+    model = tp_build(kind=kind)
     tokens, targets = batches(TP_STEPS)
     losses = tp_train(model, model, tokens, targets)
     return {"losses": torch.stack(losses), "params": copy.deepcopy(dict(model.named_parameters())),
-            "init": dict(tp_build().named_parameters())}
+            "init": dict(tp_build(kind=kind).named_parameters())}
 
 
-def tp_run(rank: int, world: int, shape: tuple[int, int], mode: str) -> dict:
+def tp_run(rank: int, world: int, shape: tuple[int, int], mode: str, kind: str = "net") -> dict:
     torch._dynamo.reset()
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
-    model = shardc.shard(parallelize(tp_build(), mesh["tp"]), mesh)
+    tp = parallelize_blocks if kind == "blocks" else parallelize
+    model = shardc.shard(tp(tp_build(kind=kind), mesh["tp"]), mesh)
     init = _gathered(model)
     placements = describe_placements(model)
     tokens, targets = batches(TP_STEPS)
@@ -249,8 +258,10 @@ def tp_run(rank: int, world: int, shape: tuple[int, int], mode: str) -> dict:
             "placements": placements, "plans": _plan_summary(model)}
 
 
-def tp_scenarios(rank: int, world: int, scenarios: list) -> list[dict]:
-    return [tp_run(rank, world, shape, mode) for shape, mode in scenarios]
+def tp_scenarios(rank: int, world: int, scenarios: list, blocks: list = ()) -> list[dict]:
+    """FSDP+TP runs of TPNet, then of TPBlocks (``blocks``), in one spawn."""
+    return [tp_run(rank, world, shape, mode) for shape, mode in scenarios] + [
+        tp_run(rank, world, shape, mode, kind="blocks") for shape, mode in blocks]
 
 
 # ---------------------------------------------------------------------------------- checkpoints

@@ -13,6 +13,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import shardc
 from shardc.models.llama import LlamaConfig, Transformer, llama_loss
@@ -58,8 +59,44 @@ class RepeatedBlock(nn.Module):
         return self.head(h)
 
 
+class StackBlock(nn.Module):
+    """A pre-norm residual MLP block whose MLP runs under ``torch.utils.checkpoint``
+    (non-reentrant): activation checkpointing inside a block body."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.nn.functional.gelu(self.up(h)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + checkpoint(self.mlp, self.norm(x), use_reentrant=False)
+
+
+class BlockStack(nn.Module):
+    """Four identical blocks (one compiled body) and a fifth of another width (compiled inline);
+    rows 37, 19, 13 and 11 divide none of the world sizes 2, 3, 4."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(CFG.vocab_size, 13)
+        self.blocks = nn.ModuleList([StackBlock(13, 19) for _ in range(4)] + [StackBlock(13, 11)])
+        self.head = nn.Linear(13, CFG.vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
 def build(kind: str) -> nn.Module:
     torch.manual_seed(0)
+    if kind == "blocks":
+        return BlockStack()
     if kind == "llama":
         return Transformer(CFG)
     if kind == "llama1":  # one block: for the (slow to compile) Inductor runs
@@ -106,7 +143,24 @@ def reference(kind: str, compile_backend: str | None = None, optim: str = "adamw
     forward = torch.compile(model, backend=compile_backend) if compile_backend else model
     tokens, targets = batches()
     losses = train(model, forward, tokens, targets, optim)
-    return {"losses": torch.stack(losses), "params": copy.deepcopy(dict(model.named_parameters()))}
+    return {"losses": torch.stack(losses), "params": copy.deepcopy(dict(model.named_parameters())),
+            "eval": eval_forward(model, forward, 0, 1)}
+
+
+def eval_forward(model: nn.Module, forward, rank: int, world: int) -> torch.Tensor:
+    """Outputs of one ``eval()`` + ``torch.no_grad()`` forward on the global batch's first step
+    (each rank its slice, gathered back in rank order), then back to training mode."""
+    tokens, _ = batches()
+    per = GLOBAL_BATCH // world
+    model.eval()
+    with torch.no_grad():
+        out = forward(tokens[0, rank * per:(rank + 1) * per]).contiguous()
+    model.train()
+    if world == 1:
+        return out
+    parts = [torch.empty_like(out) for _ in range(world)]
+    dist.all_gather(parts, out)
+    return torch.cat(parts)
 
 
 def train_rank_slice(model: nn.Module, forward, rank: int, world: int, optim: str = "adamw",
@@ -125,6 +179,8 @@ def train_rank_slice(model: nn.Module, forward, rank: int, world: int, optim: st
 def sharded_run(rank: int, world: int, kind: str, mode: str, **options) -> dict:
     """Shard, train on this rank's slice; returns the global mean losses and full parameters."""
     keep_model = options.pop("keep_model", False)
+    options_eval = options.pop("eval", False)
+    hook_after_eval = options.pop("hook_after_eval", False)
     optim, local_step = options.pop("optim", "adamw"), options.pop("local_step", False)
     model = build(kind)
     shardc.shard(model, reshard_after_forward=options.pop("reshard_after_forward", True))
@@ -134,12 +190,18 @@ def sharded_run(rank: int, world: int, kind: str, mode: str, **options) -> dict:
         forward = torch.compile(model, backend=shardc.backend(inductor=(mode == "inductor"),
                                                               **options))
     losses = train_rank_slice(model, forward, rank, world, optim, local_step)
+    evaluated = eval_forward(model, forward, rank, world) if options_eval else None
+    hooked = None
+    if hook_after_eval:
+        # A hook added after shard(): Dynamo recompiles, and that block runs its own forward.
+        model.blocks[1].up.register_forward_hook(lambda *_: None)
+        hooked = eval_forward(model, forward, rank, world)
     params = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
     grads_none = {n: p.grad is None for n, p in model.named_parameters()}
     state = shardc.shard_state(model)
     plans = [r.plan for r in state.regions]
     out = {"losses": losses, "params": params, "grads_none": grads_none, "plans": plans,
-           "collective_ops": collective_ops(state)}
+           "collective_ops": collective_ops(state), "eval": evaluated, "eval_hooked": hooked}
     if keep_model:
         out.update(model=model, forward=forward)
     return out

@@ -666,6 +666,37 @@ def sc_accumulate_no_sync(ctx: Ctx) -> dict:
     return _accumulate(ctx, no_sync=True)
 
 
+def sc_blocks_accumulate_shapes(ctx: Ctx) -> dict:
+    """Three identical attention blocks (compiled once: one body per compiled region) trained
+    with a batch size and sequence length that change between steps (a dynamic recompile) and
+    two micro-batches per step, the first without gradient sync (``no_sync``)."""
+    torch.manual_seed(0)
+    model = CheckpointedAttention(depth=3, checkpointed=False)
+    forward = ctx.wrap(model)
+    opt = sgd(model)
+    losses = []
+    # Global batches divisible by 2 micro-batches x worlds 2 and 3.
+    for step, (batch, seq) in enumerate([(12, 7), (24, 5), (12, 9)]):
+        data = ctx.split(tokens(steps=1, batch=batch, seq=seq, seed=30 + step)[0])
+        per = data.shape[0] // 2
+        total = 0.0
+        for m in range(2):
+            if ctx.sharded:
+                shardc.set_requires_gradient_sync(model, m == 1)
+            part = data[m * per:(m + 1) * per]
+            loss = lm_loss(forward(part[:, :-1]), part[:, 1:]) / 2
+            loss.backward()
+            total = total + loss.detach()
+        opt.step()
+        opt.zero_grad()
+        losses.append(ctx.mean(total))
+    out = {"losses": torch.stack(losses), "params": ctx.params(model), "planned": ctx.planned()}
+    if ctx.sharded:
+        out["bodies"] = [[(tuple(b.blocks), b.partitions) for b in r.plan.bodies]
+                         for r in shardc.shard_state(model).regions]
+    return out
+
+
 # (global batch, sequence length) per step
 SHAPES = {
     "changing_batch": [(12, 7), (6, 7), (18, 7)],
@@ -1299,6 +1330,7 @@ SCENARIOS: dict[str, Callable[[Ctx], dict]] = {
     "accumulate": sc_accumulate,
     "accumulate_clip": sc_accumulate_clip,
     "accumulate_no_sync": sc_accumulate_no_sync,
+    "blocks_accumulate_shapes": sc_blocks_accumulate_shapes,
     **{name: functools.partial(sc_changing_shapes, shapes=shapes)
        for name, shapes in SHAPES.items()},
     "two_forwards": sc_two_forwards,

@@ -144,7 +144,9 @@ def test_fp8_training_parity(world, references):
             ("llama1", "eager", EMBEDDING), ("llama1", "fx", EMBEDDING),
             ("tied", "inductor", EMBEDDING)],
         3: [("llama", "eager", ()),
-            ("llama1", "fx", (("reshard_after_forward", False), ("bucket_by", "param"))),
+            # Two layers: blocks whose weights are gathered in FP8 compile inline (said in
+            # the plan), not as one body (shardc.sharding.blocks).
+            ("llama", "fx", (("reshard_after_forward", False), ("bucket_by", "param"))),
             ("llama", "eager", EMBEDDING)],
         4: [("llama", "eager", ()), ("tied", "eager", EMBEDDING)],
     }[world]
@@ -155,6 +157,12 @@ def test_fp8_training_parity(world, references):
                    f"world {world}, {kind} {mode} {dict(options)}")
         if kind == "tied":
             _check_tied(run)
+        if kind == "llama" and mode != "eager":
+            for plan in run["plans"]:
+                assert plan.bodies == [], plan.bodies
+                reasons = {b.module: b.reason for b in plan.inline_blocks}
+                assert sorted(reasons) == ["layers.0", "layers.1"], reasons
+                assert all("FP8" in r for r in reasons.values()), reasons
     if world == 2:
         for (_, _, options), eager, fx in ((scenarios[0], *results[:2]),
                                            (scenarios[2], *results[2:4])):

@@ -20,6 +20,11 @@ HSDP = [((2, 2), "eager"), ((2, 2), "fx"), ((4, 1), "eager"), ((4, 1), "fx"),
 TP = [((2, 2), "eager"), ((2, 2), "fx"), ((2, 2), "fx-traced"), ((1, 4), "eager")]
 # ("pp", "dp") meshes whose dp slice shardc shards over (in the HSDP spawn).
 SLICES = [((2, 2), "fx")]
+# Repeated blocks compiled once (shardc.sharding.blocks) on 2-D meshes: the BlockStack under
+# HSDP (in the HSDP spawn), TPBlocks under FSDP+TP (in the FSDP+TP spawn).
+HSDP_BLOCKS = [((2, 2), "fx")]
+TP_BLOCKS = [((2, 2), "fx")]
+STACK = tuple(f"blocks.{i}" for i in range(4))
 
 
 def _assert_parity(run: dict, ref: dict, where: str) -> None:
@@ -33,7 +38,7 @@ def _assert_parity(run: dict, ref: dict, where: str) -> None:
 @pytest.fixture(scope="module")
 def hsdp_runs() -> list[list[dict]]:
     """Per rank: the HSDP runs, then the SLICES runs."""
-    return run_ranks(hsdp_scenarios, 4, HSDP, SLICES)
+    return run_ranks(hsdp_scenarios, 4, HSDP, SLICES, HSDP_BLOCKS)
 
 
 @pytest.fixture(scope="module")
@@ -106,9 +111,41 @@ def test_slice_of_a_mesh_over_the_world_shards_over_its_ranks(hsdp_runs, llama1_
                 assert run["plans"] and all("reduce_scatter" in p["kinds"] for p in run["plans"])
 
 
+def test_hsdp_blocks_compiled_once(hsdp_runs):
+    """The BlockStack (four identical blocks with checkpointing inside, one odd block) under
+    HSDP 2x2: at parity, one body partitioned once for the four blocks, the odd one inline, and
+    the replicate all-reduces still planned in the outer graph."""
+    ref = reference("blocks")
+    start = len(HSDP) + len(SLICES)
+    for rank, per_rank in enumerate(hsdp_runs):
+        for (shape, mode), run in zip(HSDP_BLOCKS, per_rank[start:]):
+            _assert_parity(run, ref, f"rank {rank}, HSDP blocks {shape} {mode}")
+            assert run["plans"], f"rank {rank}: no planned region"
+            for plan in run["plans"]:
+                assert plan["bodies"] == [(STACK, 1)], plan["bodies"]
+                assert list(plan["inline"]) == ["blocks.4"], plan["inline"]
+                assert "all_reduce" in plan["kinds"] and plan["all_reduce_groups"] == {"replicate"}
+
+
+def _check_tp_blocks(results: list[list[dict]]) -> None:
+    """TPBlocks under FSDP+TP 2x2: at parity; the two plain blocks share one body, the two
+    tensor-parallel ones compile inline with their reason in the plan."""
+    ref = tp_reference("blocks")
+    for rank, per_rank in enumerate(results):
+        for (shape, mode), run in zip(TP_BLOCKS, per_rank[len(TP):]):
+            _assert_parity(run, ref, f"rank {rank}, FSDP+TP blocks {shape} {mode}")
+            assert run["plans"], f"rank {rank}: no planned region"
+            for plan in run["plans"]:
+                assert plan["bodies"] == [(("blocks.2", "blocks.3"), 1)], plan["bodies"]
+                assert sorted(plan["inline"]) == ["blocks.0", "blocks.1"], plan["inline"]
+                assert all("tensor-parallel" in r or "hooks" in r
+                           for r in plan["inline"].values()), plan["inline"]
+
+
 def test_fsdp_tp_parity_placements_and_global_values():
     ref = tp_reference()
-    results = run_ranks(tp_scenarios, 4, TP)
+    results = run_ranks(tp_scenarios, 4, TP, TP_BLOCKS)
+    _check_tp_blocks(results)
     for rank, per_rank in enumerate(results):
         for (shape, mode), run in zip(TP, per_rank):
             _assert_parity(run, ref, f"rank {rank}, FSDP+TP {shape} {mode}")

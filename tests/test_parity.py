@@ -6,14 +6,14 @@ import pytest
 import torch
 import torch._dynamo
 from dist_utils import run_ranks
-from parity import assert_parity, reference, sharded_run
+from parity import assert_parity, max_rel_err, reference, sharded_run
 
 WORLD_SIZES = [1, 2, 3, 4]
 
 
 @pytest.fixture(scope="module")
 def references():
-    refs = {kind: reference(kind) for kind in ("llama", "variant", "repeated")}
+    refs = {kind: reference(kind) for kind in ("llama", "variant", "repeated", "blocks")}
     refs["variant-sgd"] = reference("variant", optim="sgd")
     return refs
 
@@ -27,9 +27,16 @@ def _scenarios(rank: int, world: int, scenarios: list) -> list[dict]:
             assert out["plans"] and all(p is not None for p in out["plans"]), (
                 f"{kind}/{mode}/{options}: the shardc backend planned no region"
             )
-        out["plan_collectives"] = [c for p in out["plans"] for c in p.collectives]
+        out["plan_collectives"] = [c for p in out["plans"] if p is not None
+                                   for c in p.collectives]
         out["comm_bytes"] = {(p.predicted.pool_bytes, p.predicted.peak_comm_buffer_bytes)
-                             for p in out["plans"]}
+                             for p in out["plans"] if p is not None}
+        # Block bodies (shardc.sharding.blocks) per region: (name, blocks, partitions).
+        out["bodies"] = [[(b.name, tuple(b.blocks), b.partitions) for b in p.bodies]
+                         for p in out["plans"] if p is not None]
+        out["inline"] = sorted({(b.module, b.reason) for p in out["plans"] if p is not None
+                                for b in p.inline_blocks})
+        out["notes"] = [list(p.notes) for p in out["plans"] if p is not None]
         out["plans"] = len(out["plans"])
         results.append(out)
     return results
@@ -46,7 +53,12 @@ def test_parity_eager_and_fx(world, references):
         # The optimizer steps the local shards (shardc.optim.local_shard_step).
         ("llama", "fx", {"local_step": True}),
         ("variant", "fx", {"local_step": True, "optim": "sgd"}),
+        # Repeated blocks compiled once (and one odd block inline), checkpointing inside the
+        # blocks, then an eval + no_grad forward.
+        ("blocks", "fx", {"eval": True, "hook_after_eval": world == 1}),
     ]
+    if world == 3:
+        scenarios.append(("blocks", "fx", {"eval": True, "compile_blocks_once": False}))
     if world == 3:
         scenarios.append(("llama", "fx", {"reshard_after_forward": False, "bucket_by": "param"}))
     if world in (2, 4):
@@ -77,6 +89,7 @@ def test_parity_eager_and_fx(world, references):
     assert torch.equal(on["losses"], off["losses"])
     for name in on["params"]:
         assert torch.equal(on["params"][name], off["params"][name]), name
+    _check_blocks(world, scenarios, results, references["blocks"])
     variant = results[3]
     assert variant["grads_none"]["unused"], "an unused parameter must get no gradient"
     frozen = references["variant"]["params"]["lm.layers.0.attention.wq.weight"]
@@ -87,3 +100,43 @@ def test_parity_eager_and_fx(world, references):
     for name in on["params"]:
         assert torch.equal(on["params"][name], local["params"][name]), name
     assert results[6]["grads_none"]["unused"]
+
+
+STACK = tuple(f"blocks.{i}" for i in range(4))
+
+
+def _check_blocks(world: int, scenarios: list, results: list, reference: dict) -> None:
+    """The BlockStack runs: the eval outputs equal the reference's; with bodies (the default)
+    the training region calls one body, partitioned once, for the four identical blocks, the
+    eval region calls it without a partition, and the odd block is inline, with its reason;
+    with ``compile_blocks_once=False`` every block is inline."""
+    for (kind, _, options), run in zip(scenarios, results):
+        if kind != "blocks":
+            continue
+        err = max_rel_err(run["eval"], reference["eval"])
+        assert err <= 1e-5, f"world {world}, {options}: eval outputs: rel err {err:.2e}"
+        inline = dict(run["inline"])
+        if options.get("compile_blocks_once") is False:
+            assert run["bodies"] == [[], []], run["bodies"]
+            assert set(inline) == {*STACK, "blocks.4"}, inline
+            assert all(inline[b] == "compile_blocks_once=False" for b in STACK)
+            continue
+        (train_bodies, eval_bodies, *hooked_bodies) = run["bodies"]
+        assert [(b[1], b[2]) for b in train_bodies] == [(STACK, 1)], train_bodies
+        assert [(b[1], b[2]) for b in eval_bodies] == [(STACK, 0)], eval_bodies
+        assert "no identical sibling" in inline["blocks.4"]
+        # Every plan says, in one note each, which body its blocks call and which block is
+        # inline and why.
+        for notes in run["notes"]:
+            assert sum("compiled inline" in n and "blocks.4" in n for n in notes) == 1, notes
+            assert sum(n.startswith("block body ") for n in notes) == 1, notes
+        if not options.get("hook_after_eval"):
+            assert list(inline) == ["blocks.4"], inline
+            continue
+        # A hook registered on blocks.1 after shard(): the recompiled eval region runs that
+        # block's own forward (inline, said in the plan) and the others' body, same outputs.
+        assert [(b[1], b[2]) for b in hooked_bodies[0]] == [
+            (tuple(b for b in STACK if b != "blocks.1"), 0)], hooked_bodies
+        assert "hooks or module classes changed" in inline["blocks.1"], inline
+        err = max_rel_err(run["eval_hooked"], reference["eval"])
+        assert err <= 1e-5, f"world {world}, after the hook: eval outputs: rel err {err:.2e}"

@@ -1,5 +1,5 @@
-"""Plan format version 5 (collective kinds, explicit links, typed predictions, elided
-collectives), and plans written by older versions still read."""
+"""Plan format version 6 (version 4's collective kinds, explicit links, typed predictions;
+version 5's block bodies; elided collectives), and plans written by older versions still read."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from shardc.planning.plan import (
     Bucket,
     Collective,
     CollectiveKind,
+    CompiledBody,
+    InlineBlock,
     Plan,
     Predictions,
 )
@@ -34,7 +36,7 @@ OLD = _old_plans()
 
 
 def test_the_benchmark_plans_are_older_versions():
-    assert PLAN_VERSION == 5
+    assert PLAN_VERSION == 6
     assert {plan["version"] for _, plan in OLD} == {1, 3}
 
 
@@ -107,3 +109,17 @@ def test_collective_kind_refuses_unknown_kinds():
     with pytest.raises(ValueError):
         CollectiveKind("all_gatherx")
     assert f"{CollectiveKind.ALL_GATHER}" == "all_gather"
+
+
+def test_version_5_block_bodies_round_trip_and_older_plans_have_none():
+    plan = _hsdp_plan()
+    plan.bodies = [CompiledBody("subgraph_0", "Block", ["layers.0", "layers.1"], 1)]
+    plan.inline_blocks = [InlineBlock("layers.2", "no identical sibling")]
+    data = json.loads(plan.to_json())
+    again = Plan.from_dict(data)
+    assert again.bodies == plan.bodies and again.inline_blocks == plan.inline_blocks
+    assert again.hash() == plan.hash()  # what ranks compare is unchanged by the new fields
+    older = {k: v for k, v in data.items() if k not in ("bodies", "inline_blocks")}
+    older["version"] = 4
+    read = Plan.from_dict(older)
+    assert read.bodies == [] and read.inline_blocks == []

@@ -316,6 +316,21 @@ def test_changing_batch_size_and_sequence_length_together(runs):
     check_parity(runs, "changing_both")
 
 
+def test_blocks_compiled_once_through_no_sync_and_dynamic_shapes(runs):
+    """Identical blocks (shardc.sharding.blocks) through a dynamic recompile and no_sync: at
+    parity, and every compiled region (static and dynamic, with and without gradient sync)
+    calls one body for the three blocks. A static region partitions it once; under dynamic
+    shapes torch traces a second backward for the body whose incoming gradient's metadata
+    differs (the last block's gradient comes from the head), still fewer than the blocks."""
+    blocks = ("blocks.0", "blocks.1", "blocks.2")
+    for world, got in zip(WORLDS, check_parity(runs, "blocks_accumulate_shapes")):
+        bodies = got["bodies"]
+        assert len(bodies) == 4, f"world {world}: regions {bodies}"  # 2 shapes x no_sync on/off
+        assert all(len(b) == 1 and b[0][0] == blocks for b in bodies), f"world {world}: {bodies}"
+        assert [b[0][1] for b in bodies[:2]] == [1, 1], f"world {world}: {bodies}"
+        assert all(1 <= b[0][1] < len(blocks) for b in bodies), f"world {world}: {bodies}"
+
+
 def test_changing_batch_size_reuses_one_dynamic_plan(runs):
     """Planning adds no shape guard: the first batch size compiles a static plan, the second a
     dynamic one (torch's automatic dynamic shapes) that every later batch size reuses."""

@@ -27,6 +27,14 @@ from shardc.compile.options import ShardcOptions
 from shardc.compile.pipeline import RegionRecord, capture_partitioned
 from shardc.ops.gather import GATHER_OP
 from shardc.ops.gather_args import GatherArgs
+from shardc.passes.body import (
+    describe_body_calls,
+    inline_body_calls,
+    input_signature,
+    is_body_joint,
+    rewire_saved_inputs,
+    tag_weight_recompute,
+)
 from shardc.passes.fx_utils import is_call
 from shardc.passes.lower import POOL_PLACEHOLDER
 from shardc.runtime.comm_errors import boxed_with_collective_errors, guard_inductor_graph
@@ -79,15 +87,40 @@ class ShardcPartitioner(_torch.custom_partitioner_base()):
         self.rank_key = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else None
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
+        if is_body_joint(gm):
+            return self.partition_body(gm, joint_inputs, **kwargs)
         index = self.region.index
         progress.log_stage(index, "AOTAutograd joint graph", self.clock.lap())
         with progress.stage(index, "joint passes + partition"):
+            # Saved weights that body calls return read the gathers instead, which the reshard
+            # pass then recomputes in the backward.
+            rewire_saved_inputs(gm)
             self.region.fp8 = pipeline.joint_passes(gm.graph)
             gm.recompile()
             fw, bw = pipeline.partition(gm, joint_inputs, **kwargs)
         pipeline.plan_and_lower(fw, bw, self.options, self.region)
         self.clock.lap()
         return fw, bw
+
+    def partition_body(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
+        """A block body's joint graph (AOTAutograd partitions each distinct body once, before
+        the region): no collectives, nothing to plan; only its weights must not be saved in
+        any other form than themselves (:func:`shardc.passes.body.tag_weight_recompute`)."""
+        primals = [p for p in gm.graph.find_nodes(op="placeholder")
+                   if not p.name.startswith("tangents")]
+        signature = input_signature([p.meta.get("val") for p in primals])
+        matches = [c for c in self.region.body_calls if c.inputs == signature]
+        if matches:
+            weights = set.intersection(*(set(c.weights) for c in matches))
+            tagged = tag_weight_recompute(gm, weights)
+            name = matches[0].identifier
+            self.region.body_partitions[name] = self.region.body_partitions.get(name, 0) + 1
+            log.debug("shardc: partitioning the body %s of %s (%d weight inputs, %d nodes "
+                      "recomputed from them)", name, matches[0].block_type, len(weights), tagged)
+        elif self.region.body_calls:
+            log.warning("shardc: a body's joint graph matches no body call of region %d; its "
+                        "weights are not identified", self.region.index)
+        return _torch.min_cut_partition(gm, joint_inputs, **kwargs)
 
     def plan_inference(self, gm: fx.GraphModule) -> fx.GraphModule:
         """Plan a forward-only graph (``torch.no_grad()`` / eval): gathers only, no reductions."""
@@ -195,6 +228,34 @@ def _compile_unsharded(gm: fx.GraphModule, example_inputs, options: ShardcOption
     return gm.forward
 
 
+def _prepare_bodies(gm: fx.GraphModule, state: ShardState | None, opts: ShardcOptions,
+                    region: RegionRecord) -> None:
+    """Record the block bodies Dynamo's graph calls (``shardc.sharding.blocks``), or inline
+    them again with ``compile_blocks_once=False``."""
+    blocks = state.blocks if state is not None else None
+    if blocks is None or not blocks.groups and not blocks.fallbacks:
+        return
+    region.inline_blocks = [(f.module, f.reason) for f in blocks.fallbacks]
+    found = describe_body_calls(gm, blocks.block_of_param)
+    if found and not opts.compile_blocks_once:
+        inline_body_calls(gm, [node for node, _ in found])
+        region.inline_blocks += [(call.block, "compile_blocks_once=False") for _, call in found]
+        return
+    region.body_calls = [call for _, call in found]
+    called = {call.block for call in region.body_calls}
+    traced = {blocks.block_of_param(GatherArgs.of(g).fqn) for g in sharded_gathers(gm)}
+    for block, _ in sorted(b for b in traced if b is not None and b[0] not in called):
+        # Its wrapped forward ran the block's own forward: hooks or classes changed after
+        # shardc.shard (shardc.sharding.blocks.module_layout).
+        reason = "its hooks or module classes changed after shardc.shard"
+        region.inline_blocks.append((block, reason))
+        blocks.report_inline(block, reason)
+    if found:
+        bodies = {call.identifier for call in region.body_calls}
+        log.info("shardc: region %d calls %d compiled block bod%s %d times", region.index,
+                 len(bodies), "y" if len(bodies) == 1 else "ies", len(region.body_calls))
+
+
 def shardc_backend(
     gm: fx.GraphModule,
     example_inputs: Sequence[object],
@@ -222,6 +283,7 @@ def shardc_backend(
     dynamo_s = progress.dynamo_seconds()
     if dynamo_s is not None:
         progress.log_stage(region.index, "Dynamo trace", dynamo_s)
+    _prepare_bodies(gm, state, opts, region)
     partitioner = ShardcPartitioner(opts, region, clock)
     patches, note = _mode_patches(gm, example_inputs, opts, mode, state)
     if opts.inductor:

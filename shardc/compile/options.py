@@ -45,6 +45,11 @@ class ShardcOptions:
     move_found_collectives: collectives already in the traced graph (DTensor's tensor-parallel
         ones) are issued as soon as their inputs exist and waited before their first reader;
         ``False`` keeps them where they were traced (they are planned and simulated either way).
+    compile_blocks_once: compile each distinct repeated block (the identical children of an
+        ``nn.ModuleList``, found by ``shardc.shard``: ``shardc.sharding.blocks``) once, as one
+        body that every block calls, while the region is still planned as a whole (every
+        gather and reduce-scatter stays in the region's graphs). ``False`` inlines the bodies
+        again: every block is traced, partitioned and compiled on its own, as before.
     """
 
     inductor: bool = True
@@ -62,6 +67,7 @@ class ShardcOptions:
     optimizer_state_factor: float = 2.0
     optimizer_temp_factor: float = 1.0
     move_found_collectives: bool = True
+    compile_blocks_once: bool = True
 
     def __post_init__(self) -> None:
         if self.bucket_by not in ("module", "param"):

@@ -37,13 +37,14 @@ from shardc.memory.peak import param_placeholders, predict_peak
 from shardc.memory.pool import assign_pool
 from shardc.ops.gather import GATHER_OP
 from shardc.ops.gather_args import GatherArgs
+from shardc.passes.body import BodyCall
 from shardc.passes.dedupe import dedupe_gathers, merge_reduce_scatters
 from shardc.passes.fp8 import Fp8Summary, hoist_fp8_quantize, prepare_fp8
 from shardc.passes.fx_utils import allocate_real, copy_graph_module, is_call
 from shardc.passes.lower import add_pool_placeholder, apply_plan
 from shardc.passes.reshard import check_no_gathered_saved, tag_resharded_gathers
 from shardc.passes.saved_order import order_saved_values
-from shardc.planning.plan import Plan
+from shardc.planning.plan import CompiledBody, InlineBlock, Plan
 from shardc.planning.schedule import plan_region
 from shardc.runtime.collectives import resolve_group
 
@@ -64,6 +65,11 @@ class RegionRecord:
     pool: torch.Tensor | None = None
     check_index: int | None = None  # the region's number for the cross-rank plan check
     fp8: Fp8Summary | None = field(default=None, repr=False)  # what the FP8 passes did
+    # Block bodies (shardc.passes.body): the calls in Dynamo's graph, the blocks that keep the
+    # inline path, and how many times each body's joint graph was partitioned.
+    body_calls: list[BodyCall] = field(default_factory=list, repr=False)
+    inline_blocks: list[tuple[str, str]] = field(default_factory=list, repr=False)
+    body_partitions: dict[str, int] = field(default_factory=dict)
 
 
 # Set by capture_partitioned(): where regions compiled in its scope leave their partitioned graphs.
@@ -118,6 +124,7 @@ def plan_and_lower(fw: fx.GraphModule, bw: fx.GraphModule | None, options: Shard
         plan = plan_within_budget(fw, bw, options, region)
     if region.fp8 is not None:
         plan.notes.append(region.fp8.note())
+    record_bodies(plan, region)
     fw_params = param_placeholders(fw)
     bw_params = param_placeholders(bw) if bw is not None else set()
     rank = rank_in_plan(plan)
@@ -147,6 +154,25 @@ def plan_and_lower(fw: fx.GraphModule, bw: fx.GraphModule | None, options: Shard
         except OSError as exc:  # a dump must never break training
             log.warning("shardc: could not write the plan dump: %s", exc)
     return plan
+
+
+def record_bodies(plan: Plan, region: RegionRecord) -> None:
+    """The region's block bodies and inline blocks, in the plan (fields and one note each)."""
+    bodies: dict[str, CompiledBody] = {}
+    for call in region.body_calls:
+        body = bodies.setdefault(call.identifier, CompiledBody(
+            call.identifier, call.block_type,
+            partitions=region.body_partitions.get(call.identifier, 0)))
+        body.blocks.append(call.block)
+    plan.bodies = list(bodies.values())
+    plan.inline_blocks = [InlineBlock(module, reason) for module, reason in region.inline_blocks]
+    for body in plan.bodies:
+        plan.notes.append(
+            f"block body {body.name} ({body.block_type}): compiled once, called by "
+            f"{len(body.blocks)} blocks ({body.blocks[0]} ... {body.blocks[-1]}); joint graph "
+            f"partitioned {body.partitions} time(s)")
+    for block in plan.inline_blocks:
+        plan.notes.append(f"block {block.module} compiled inline: {block.reason}")
 
 
 def plan_within_budget(fw: fx.GraphModule, bw: fx.GraphModule | None, options: ShardcOptions,

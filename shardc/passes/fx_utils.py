@@ -174,10 +174,19 @@ def gather_derived(gather: fx.Node) -> list[fx.Node]:
     return seen
 
 
+# The activation-checkpoint region id of values shardc tags for recomputation outside any user
+# checkpoint region. torch's partitioner saves a recomputed value whose reader is recomputed in a
+# region of a *higher* id (the boundary between two checkpointed regions): with the highest id,
+# a re-gathered weight read by a checkpointed region (a block body's, or one inlined from it) is
+# still recomputed, not saved.
+OUTSIDE_CHECKPOINT_ID = 1 << 30
+
+
 def recompute_tag(node: fx.Node, policy) -> None:
-    """Tag ``node`` for the partitioner (``CheckpointPolicy``: must save, must recompute)."""
+    """Tag ``node`` for the partitioner (``CheckpointPolicy``: must save, must recompute); a
+    node in no checkpoint region gets :data:`OUTSIDE_CHECKPOINT_ID`."""
     node.meta["recompute"] = policy
-    node.meta.setdefault("ac_graph_id", 0)
+    node.meta.setdefault("ac_graph_id", OUTSIDE_CHECKPOINT_ID)
 
 
 def is_call(node: fx.Node, target) -> bool:

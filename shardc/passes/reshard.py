@@ -9,11 +9,14 @@ still crosses from forward to backward.
 
 from __future__ import annotations
 
+import operator
+
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from shardc.ops.gather import GATHER_OP
 from shardc.ops.gather_args import GatherArgs
+from shardc.passes.body import body_calls, weight_derived_outputs
 from shardc.passes.fx_utils import gather_derived, is_call, recompute_tag, view_chain
 
 __all__ = ["GatheredParamSavedError", "check_no_gathered_saved", "gather_derived",
@@ -64,6 +67,14 @@ def check_no_gathered_saved(fw: fx.GraphModule, bw: fx.GraphModule) -> None:
         if is_call(gather, GATHER_OP) and reshards_after_forward(gather):
             for derived in gather_derived(gather):
                 offending[derived] = gather
+    # A block body (shardc.passes.body) returns values it saves for its backward: those computed
+    # from gathered weights alone would keep the weights alive in another form.
+    for call in body_calls(fw):
+        derived = weight_derived_outputs(fw, call, lambda a: a in offending)
+        gathers = [offending[a] for a in call.args[2:] if a in offending]
+        for user in call.users:
+            if is_call(user, operator.getitem) and user.args[1] in derived and gathers:
+                offending[user] = gathers[0]
     for node in saved_for_backward(fw, bw):
         if node in offending:
             fqn = GatherArgs.of(offending[node]).fqn

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from typing import Any
 
-PLAN_VERSION = 5
+PLAN_VERSION = 6
 # Version 2 added the 2-D mesh fields (``Plan.mesh``, ``replicate_size``,
 # ``replicate_group_name``, ``Bucket.replicate``/``replicate_group``, ``Collective.group``, kind
 # ``"all_reduce"``); a version 1 plan reads as a 1-D plan with their defaults.
@@ -28,10 +28,13 @@ PLAN_VERSION = 5
 # ids) and ``Plan.predicted``'s keys (the fields of :class:`Predictions`; the JSON is the same
 # object of numbers, without the predictions a plan does not make). Older plans read with their
 # links filled in from the ids.
-# Version 5 added ``Collective.elided``: shardc's collectives over a one-rank group (world 1, or
+# Version 5 added the block bodies (``Plan.bodies``: each repeated-block body the region's graphs
+# call, the blocks it runs and how often its joint graph was partitioned; ``Plan.inline_blocks``:
+# blocks that keep the inline path, and why). Older plans read with both empty.
+# Version 6 added ``Collective.elided``: shardc's collectives over a one-rank group (world 1, or
 # HSDP with shard size 1) are still planned and listed, but lowered to no communication (the
 # gather is the shard itself, the reduction the gradient itself); older plans read as not elided.
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 
 
 class CollectiveKind(str, Enum):
@@ -253,6 +256,25 @@ class ComputeOp:
 
 
 @dataclass
+class CompiledBody:
+    """One repeated-block body (``shardc.sharding.blocks``): compiled once, called per block."""
+
+    name: str  # Dynamo's subgraph name, e.g. "subgraph_0"
+    block_type: str
+    blocks: list[str] = field(default_factory=list)  # module names, in call order
+    # How many times its joint graph was partitioned (1: once for every block; 0: forward only).
+    partitions: int = 0
+
+
+@dataclass
+class InlineBlock:
+    """A child of an ``nn.ModuleList`` traced and compiled inline, not as a shared body."""
+
+    module: str
+    reason: str
+
+
+@dataclass
 class Plan:
     version: int
     region: int
@@ -275,6 +297,9 @@ class Plan:
     # FSDP+TP: ranks of the tensor-parallel dimension and its process group.
     tp_size: int = 1
     tp_group_name: str = ""
+    # Repeated blocks compiled once (version 5).
+    bodies: list[CompiledBody] = field(default_factory=list)
+    inline_blocks: list[InlineBlock] = field(default_factory=list)
 
     def table(self, *, wide: bool = False) -> str:
         """The plan as text (``shardc.tools.render.plan_table``): lines of at most 99 columns, or
@@ -334,6 +359,8 @@ class Plan:
             _link_by_id(colls)
         data["collectives"] = colls
         data["graphs"] = {g: [ComputeOp(**op) for op in ops] for g, ops in data["graphs"].items()}
+        data["bodies"] = [CompiledBody(**b) for b in data.get("bodies", [])]
+        data["inline_blocks"] = [InlineBlock(**b) for b in data.get("inline_blocks", [])]
         return cls(**data)
 
     @classmethod

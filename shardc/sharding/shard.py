@@ -29,6 +29,8 @@ from shardc.ops.gather_args import GatherArgs
 from shardc.runtime import replaced_params
 from shardc.runtime.grad_sync import UnsyncedGrads
 from shardc.sharding import te_params
+from shardc.sharding.blocks import BlockBodies, wrap_repeated_blocks
+from shardc.sharding.blocks import seal as seal_blocks
 from shardc.sharding.fp8 import (
     Float8Policy,
     Fp8ParamInfo,
@@ -113,6 +115,8 @@ class ShardState:
     fp8: Float8Policy | None = None
     # Process group name -> (role on the mesh, ranks), for the plans (MeshLayout.group_roles).
     group_roles: dict[str, tuple[str, int]] | None = None
+    # The repeated blocks compiled once, and those that are not (shardc.sharding.blocks).
+    blocks: BlockBodies = field(default_factory=BlockBodies)
 
     @property
     def key(self) -> str:
@@ -444,9 +448,8 @@ def shard(
     fp8_fqns -= quantized
 
     infos: dict[str, ShardedParamInfo] = {}
-    per_module: dict[int, tuple[nn.Module, dict[str, ShardedParamInfo]]] = {}
-    for key, (fqn, p) in canonical.items():
-        info = ShardedParamInfo(
+    for fqn, p in canonical.values():
+        infos[fqn] = ShardedParamInfo(
             fqn=fqn,
             dim0=rank_tensor(p).shape[0],
             world=layout.shard_world,
@@ -461,7 +464,15 @@ def shard(
             if fqn in fp8_fqns else None,
             quantized=fqn in quantized,
         )
-        infos[fqn] = info
+    # Before any parameter is replaced: the bodies run unsharded copies of the blocks.
+    blocks = wrap_repeated_blocks(
+        module, {key: infos[fqn] for key, (fqn, _) in canonical.items()},
+        shared={key for key, where in owners.items() if len(where) > 1},
+        special={key for key, (fqn, _) in canonical.items()
+                 if infos[fqn].fp8 is not None or infos[fqn].quantized or infos[fqn].tp})
+    per_module: dict[int, tuple[nn.Module, dict[str, ShardedParamInfo]]] = {}
+    for key, (fqn, p) in canonical.items():
+        info = infos[fqn]
         new_param = nn.Parameter(_shard_tensor(p, layout), requires_grad=p.requires_grad)
         if info.quantized:
             te_params.bind_shard(new_param, mesh.get_group())
@@ -470,7 +481,7 @@ def shard(
             per_module.setdefault(id(sub), (sub, {}))[1][pname] = info
 
     state = ShardState(mesh, reshard_after_forward, mp_policy, infos, layout=layout, fp8=fp8,
-                       group_roles=layout.group_roles())
+                       group_roles=layout.group_roles(), blocks=blocks)
     _STATES[state.key] = state
     for fqn, p in canonical.values():  # an optimizer still holding these is named at its step
         replaced_params.remember(p, fqn)
@@ -495,6 +506,7 @@ def shard(
             sub.register_forward_hook(exit_forward, always_call=True)
     if id(module) not in per_module:
         _swap_root_class(module)
+    seal_blocks(blocks, module)
     module._shardc_state = state
     return module
 

@@ -1,0 +1,230 @@
+"""Passes for block bodies (``shardc.sharding.blocks``): the ``invoke_subgraph`` calls that run
+one compiled body per repeated block, with the block's gathered weights as arguments.
+
+* :func:`describe_body_calls` (Dynamo's graph, before AOTAutograd): which calls are shardc's
+  bodies, which blocks they run, which of their inputs are gathered weights.
+* :func:`inline_body_calls` (Dynamo's graph): turn the bodies back into inline code
+  (``compile_blocks_once=False``).
+* :func:`tag_weight_recompute` (a body's joint graph): recompute what the body computes from
+  its weights alone, so the body saves the weights themselves, never a transpose or cast of them.
+* :func:`rewire_saved_inputs` (the outer joint graph): a body output that is one of its inputs
+  is read from that input, so a saved weight becomes the gather, which the reshard pass
+  recomputes in the backward: every block's weights are freed after its forward again.
+* :func:`weight_derived_outputs` (for ``check_no_gathered_saved``): body outputs that are
+  weights or computed from weights alone.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from shardc.ops.gather import GATHER_OP, REDUCE_SCATTER_OP
+from shardc.ops.gather_args import GatherArgs
+from shardc.passes.fx_utils import is_call, is_view_or_cast, recompute_tag
+
+__all__ = ["BodyCall", "body_calls", "describe_body_calls", "inline_body_calls",
+           "input_signature", "is_body_joint", "rewire_saved_inputs", "tag_weight_recompute",
+           "weight_derived_outputs"]
+
+INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
+
+
+@dataclass(frozen=True)
+class BodyCall:
+    """One ``invoke_subgraph`` call of a shardc body in Dynamo's graph."""
+
+    identifier: str
+    block: str  # the block's module name, e.g. "layers.3"
+    block_type: str
+    weights: tuple[int, ...]  # positions of gathered weights among the call's operands
+    inputs: tuple[str, ...]  # input_signature of the body's placeholders
+
+
+def body_calls(gm: fx.GraphModule) -> Iterator[fx.Node]:
+    return (n for n in gm.graph.nodes if is_call(n, INVOKE_SUBGRAPH))
+
+
+def _gather_of(node: object) -> fx.Node | None:
+    """The shardc gather ``node`` is (directly, or through aten views and casts), or None."""
+    while isinstance(node, fx.Node):
+        if is_call(node, GATHER_OP):
+            return node
+        if node.op != "call_function" or not is_view_or_cast(node):
+            return None
+        node = node.all_input_nodes[0]
+    return None
+
+
+def input_signature(values: list) -> tuple[str, ...]:
+    """Shapes and dtypes of a body's inputs (placeholders' fake values), to match a body's joint
+    graph to the Dynamo call it came from."""
+    out = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            # Symbolic sizes print with names that differ between Dynamo's and AOTAutograd's
+            # graphs: only static sizes are compared.
+            shape = tuple(d if isinstance(d, int) else "?" for d in v.shape)
+            out.append(f"{shape}:{v.dtype}")
+        else:
+            out.append(type(v).__name__)
+    return tuple(out)
+
+
+def _placeholder_values(gm: fx.GraphModule) -> list:
+    return [p.meta.get("val", p.meta.get("example_value"))
+            for p in gm.graph.find_nodes(op="placeholder")]
+
+
+def describe_body_calls(gm: fx.GraphModule, block_of_param
+                        ) -> list[tuple[fx.Node, BodyCall]]:
+    """The calls in Dynamo's graph ``gm`` that run shardc bodies: calls some of whose operands
+    are shardc gathers of one block (``block_of_param(fqn)`` -> the block's module name and
+    type, or None), in graph order."""
+    calls = []
+    for owner in gm.modules():  # bodies inside other higher-order ops too (checkpointing)
+        if isinstance(owner, fx.GraphModule):
+            calls += _describe_in(owner, block_of_param)
+    return calls
+
+
+def _describe_in(gm: fx.GraphModule, block_of_param) -> list[tuple[fx.Node, BodyCall]]:
+    calls = []
+    for node in body_calls(gm):
+        operands = node.args[2:]
+        gathers = {i: _gather_of(a) for i, a in enumerate(operands)}
+        weights = tuple(i for i, g in gathers.items() if g is not None)
+        if not weights:
+            continue
+        blocks = {block_of_param(GatherArgs.of(gathers[i]).fqn) for i in weights}
+        block = blocks.pop() if len(blocks) == 1 else None
+        if block is None:
+            continue
+        body = getattr(gm, node.args[0].target)
+        calls.append((node, BodyCall(str(node.args[1]), block[0], block[1], weights,
+                                      input_signature(_placeholder_values(body)))))
+    return calls
+
+
+def inline_body_calls(root: fx.GraphModule, calls: list[fx.Node]) -> int:
+    """Replace each ``invoke_subgraph`` node of ``calls`` (in ``root``'s graph or its
+    subgraphs') by a copy of its body's nodes; returns how many were inlined."""
+    owners = {m.graph: m for m in root.modules() if isinstance(m, fx.GraphModule)}
+    for node in calls:
+        _inline(owners[node.graph], node)
+    for gm in owners.values():
+        gm.graph.eliminate_dead_code()
+        gm.delete_all_unused_submodules()
+        gm.recompile()
+    return len(calls)
+
+
+def _inline(gm: fx.GraphModule, node: fx.Node) -> None:
+    body = getattr(gm, node.args[0].target)
+    env: dict[fx.Node, object] = dict(zip(body.graph.find_nodes(op="placeholder"),
+                                          node.args[2:]))
+    result = None
+    with gm.graph.inserting_before(node):
+        for inner in body.graph.nodes:
+            if inner.op == "placeholder":
+                continue
+            if inner.op == "output":
+                result = fx.map_arg(inner.args[0], lambda n: env[n])
+                continue
+            if inner.op == "get_attr":
+                name = _unique_attr(gm, f"{node.name}_{inner.target}")
+                setattr(gm, name, getattr(body, inner.target))
+                env[inner] = gm.graph.get_attr(name)
+                env[inner].meta = dict(inner.meta)
+                continue
+            env[inner] = gm.graph.node_copy(inner, lambda n: env[n])
+    for user in list(node.users):
+        if is_call(user, operator.getitem):
+            user.replace_all_uses_with(result[user.args[1]])
+            gm.graph.erase_node(user)
+    gm.graph.erase_node(node)
+
+
+def _unique_attr(gm: fx.GraphModule, base: str) -> str:
+    name, i = base, 0
+    while hasattr(gm, name):
+        i += 1
+        name = f"{base}_{i}"
+    return name
+
+
+def is_body_joint(gm: fx.GraphModule) -> bool:
+    """A joint graph with no shardc collective: a body's (AOTAutograd partitions each body's
+    joint graph through the region's partitioner before the region's own)."""
+    return not any(is_call(n, GATHER_OP) or is_call(n, REDUCE_SCATTER_OP)
+                   for n in gm.graph.nodes)
+
+
+def tag_weight_recompute(gm: fx.GraphModule, weights: set[int]) -> int:
+    """In a body's joint graph (placeholders ``primals_*`` in operand order, then tangents),
+    tag forward nodes computed from the weight inputs at ``weights`` alone must-recompute;
+    returns how many nodes were tagged."""
+    primals = [p for p in gm.graph.find_nodes(op="placeholder")
+               if not p.name.startswith("tangents")]
+    pure = {primals[i] for i in weights if i < len(primals)}
+    tagged = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.meta.get("partitioner_tag") == "is_backward":
+            continue
+        if "recompute" in node.meta:  # the user's own checkpointing decides these
+            continue
+        inputs = node.all_input_nodes
+        if inputs and all(i in pure for i in inputs):
+            pure.add(node)
+            recompute_tag(node, CheckpointPolicy.MUST_RECOMPUTE)
+            tagged += 1
+    return tagged
+
+
+def _body_output_sources(gm: fx.GraphModule, node: fx.Node) -> list[object]:
+    """For each output of the call ``node``: the placeholder index it returns unchanged, or the
+    output node itself."""
+    body = getattr(gm, node.args[0].target)
+    places = body.graph.find_nodes(op="placeholder")
+    (out,) = body.graph.find_nodes(op="output")
+    return [places.index(r) if isinstance(r, fx.Node) and r.op == "placeholder" else r
+            for r in out.args[0]]
+
+
+def rewire_saved_inputs(gm: fx.GraphModule) -> int:
+    """Where a forward body call returns one of its inputs unchanged (a value saved for its
+    backward), make readers use the input itself; returns how many outputs were rewired."""
+    count = 0
+    for node in list(body_calls(gm)):
+        ident = node.args[1]
+        if not (isinstance(ident, str) and "fw" in ident):
+            continue
+        sources = _body_output_sources(gm, node)
+        for user in list(node.users):
+            if is_call(user, operator.getitem) and isinstance(sources[user.args[1]], int):
+                user.replace_all_uses_with(node.args[2 + sources[user.args[1]]])
+                count += 1
+    if count:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return count
+
+
+def weight_derived_outputs(gm: fx.GraphModule, node: fx.Node,
+                           is_weight: callable) -> set[int]:
+    """Indices of the outputs of body call ``node`` that are computed from operands for which
+    ``is_weight(operand)`` holds alone (the operands themselves included)."""
+    body = getattr(gm, node.args[0].target)
+    places = body.graph.find_nodes(op="placeholder")
+    pure = {p for p, a in zip(places, node.args[2:]) if is_weight(a)}
+    for inner in body.graph.nodes:
+        if inner.op == "call_function" and inner.all_input_nodes and all(
+                i in pure for i in inner.all_input_nodes):
+            pure.add(inner)
+    (out,) = body.graph.find_nodes(op="output")
+    return {i for i, r in enumerate(out.args[0]) if r in pure}

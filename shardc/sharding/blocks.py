@@ -1,0 +1,261 @@
+"""Repeated blocks compiled once: find the identical children of ``nn.ModuleList``s at
+:func:`shardc.shard` time and give each a forward that keeps collectives out of the compute.
+
+Inside a compiled forward, a wrapped block's forward reads each of its parameters through
+shardc's property (one ``shardc::gather_param`` per parameter, in the *outer* graph, where
+shardc plans every collective of the step), then calls one ``nested_compile_region`` function per
+distinct block structure: the *body*, pure compute, which runs the block's original forward on an
+unsharded meta-device copy (the *skeleton*) with the gathered weights and the block's buffers
+substituted (``torch.func.functional_call``). Dynamo emits one subgraph per body and calls it
+once per block; AOTAutograd partitions it once and Inductor compiles it once
+(``shardc.compile.backend`` and ``shardc.passes.body`` handle the body's partition and keep
+``reshard_after_forward``). Outside compilation the wrapped forward is the block's own forward.
+
+Blocks are grouped by a structure signature (class tree, parameter and buffer names, shapes,
+dtypes, sharding options, plain attribute values); a group of two or more identical blocks gets a
+body, everything else keeps the usual path, and each such decision is logged once (logger
+``"shardc"``) and recorded (:class:`BlockBodies`, reported in every plan).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from shardc import _torch
+
+log = logging.getLogger("shardc")
+
+__all__ = ["BlockBodies", "BlockFallback", "BlockGroup", "wrap_repeated_blocks"]
+
+# Attribute values compared by value in the signature; anything else must be the same object.
+_PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
+
+
+@dataclass(frozen=True)
+class BlockFallback:
+    """A child of an ``nn.ModuleList`` that keeps the usual (inlined) compile, and why."""
+
+    module: str
+    reason: str
+
+
+@dataclass
+class BlockGroup:
+    """Identical blocks sharing one body: their module names and what the wrapper passes."""
+
+    index: int
+    block_type: str
+    members: tuple[str, ...]
+    weight_names: tuple[str, ...]  # the body's leading arguments, in this order
+    buffer_names: tuple[str, ...]
+    bodies: dict[bool, Callable] = field(default_factory=dict, repr=False)  # by training mode
+
+
+@dataclass
+class BlockBodies:
+    """What :func:`wrap_repeated_blocks` decided for one sharded model."""
+
+    groups: list[BlockGroup] = field(default_factory=list)
+    fallbacks: list[BlockFallback] = field(default_factory=list)
+    # Blocks found inline at compile time (hooks or classes changed after shard), logged once
+    # per model however many regions compile them.
+    reported: set[str] = field(default_factory=set, repr=False)
+
+    def report_inline(self, module: str, reason: str) -> None:
+        """Log once that group member ``module`` compiles inline after all, and why."""
+        if module not in self.reported:
+            self.reported.add(module)
+            log.info("shardc: block %s compiles inline (no shared body): %s", module, reason)
+
+    def group_of(self, module: str) -> BlockGroup | None:
+        return next((g for g in self.groups if module in g.members), None)
+
+    def block_of_param(self, fqn: str) -> tuple[str, str] | None:
+        """The block (module name, type) of a group that owns parameter ``fqn``, or None."""
+        for group in self.groups:
+            for member in group.members:
+                if fqn.startswith(member + "."):
+                    return member, group.block_type
+        return None
+
+
+def _refusal(block: nn.Module, shared: set[int], special: set[int]) -> str | None:
+    """Why ``block`` cannot run as a body, or None."""
+    for name, sub in block.named_modules():
+        where = f" (submodule {name!r})" if name else ""
+        if (sub._forward_hooks or sub._forward_pre_hooks or sub._backward_hooks
+                or sub._backward_pre_hooks or getattr(sub, "_forward_hooks_with_kwargs", None)):
+            return f"it has module hooks{where}; the body's copy would not run them"
+        if parametrize.is_parametrized(sub):
+            return f"it is parametrized{where}"
+        if getattr(sub, "track_running_stats", False):
+            return f"its forward updates buffers (running statistics){where}"
+        for attr, value in vars(sub).items():
+            if isinstance(value, torch.Tensor) and attr not in ("_parameters", "_buffers"):
+                return f"it holds a tensor attribute {attr!r}{where} that is no parameter or buffer"
+    for pname, p in block.named_parameters(remove_duplicate=False):
+        if id(p) in shared:
+            return f"its parameter {pname!r} is shared with another module"
+        if id(p) in special:
+            return f"its parameter {pname!r} is gathered in FP8 or tensor-parallel"
+    return None
+
+
+def _attr_signature(sub: nn.Module) -> tuple:
+    items = []
+    for attr, value in sorted(vars(sub).items()):
+        if attr.startswith("_") or attr == "training":
+            continue
+        if isinstance(value, _PLAIN) or (isinstance(value, tuple)
+                                          and all(isinstance(v, _PLAIN) for v in value)):
+            items.append((attr, repr(value)))
+        else:
+            items.append((attr, "id", id(value)))
+    return tuple(items)
+
+
+def block_signature(block: nn.Module, infos: dict) -> tuple:
+    """What must be equal for two blocks to share one compiled body: the class tree (checkpoint
+    wrapping included), attribute values, parameters (shape, dtype, sharding options but not
+    their names in the model) and buffers."""
+    modules = tuple((name, type(sub).__qualname__, type(sub).__module__, sub.training,
+                     _attr_signature(sub)) for name, sub in block.named_modules())
+    params = []
+    for name, p in block.named_parameters():
+        info = infos.get(id(p))
+        options = None if info is None else (info.compute_dtype, info.reduce_dtype,
+                                              info.reshard_after_forward, info.world,
+                                              info.group_name, info.replicate)
+        params.append((name, tuple(p.shape), p.dtype, p.requires_grad, options))
+    buffers = tuple((name, tuple(b.shape), b.dtype) for name, b in block.named_buffers())
+    return modules, tuple(params), buffers
+
+
+def _skeleton(block: nn.Module) -> nn.Module:
+    """An unsharded copy of ``block`` whose parameters and buffers are meta tensors (the body
+    substitutes the real ones): no storage is copied."""
+    memo: dict[int, object] = {}
+    for p in block.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                   requires_grad=p.requires_grad)
+    for b in block.buffers():
+        memo[id(b)] = torch.empty(b.shape, dtype=b.dtype, device="meta")
+    return copy.deepcopy(block, memo)
+
+
+def _make_body(skeleton: nn.Module, group: BlockGroup, training: bool) -> Callable:
+    names = group.weight_names + group.buffer_names
+    skeleton.train(training)
+
+    def shardc_block_body(weights, buffers, args, kwargs):
+        tensors = dict(zip(names, (*weights, *buffers)))
+        return torch.func.functional_call(skeleton, tensors, args, kwargs)
+
+    shardc_block_body.__qualname__ = f"shardc_block_body_{group.index}_{group.block_type}"
+    return _torch.nested_compile_region(shardc_block_body, reuse_key=(group.index, training))
+
+
+def _read(module: nn.Module, dotted: str):
+    owner, _, leaf = dotted.rpartition(".")
+    return getattr(module.get_submodule(owner) if owner else module, leaf)
+
+
+def module_layout(block: nn.Module) -> tuple:
+    """The classes and hook counts of ``block``'s modules: a block whose layout changed after
+    :func:`shardc.shard` (a hook added, a parametrization registered) runs its own forward."""
+    return tuple((type(m), len(m._forward_hooks), len(m._forward_pre_hooks),
+                  len(m._backward_hooks), len(m._backward_pre_hooks)) for m in block.modules())
+
+
+def seal(bodies: BlockBodies, root: nn.Module) -> None:
+    """Record each wrapped block's :func:`module_layout` once :func:`shardc.shard` is done."""
+    for group in bodies.groups:
+        for member in group.members:
+            block = root.get_submodule(member)
+            block._shardc_layout = module_layout(block)
+
+
+def _wrapped_forward(group: BlockGroup, original: Callable) -> Callable:
+    def forward(self, *args, **kwargs):
+        if not torch.compiler.is_compiling() or module_layout(self) != self._shardc_layout:
+            return original(self, *args, **kwargs)
+        body = group.bodies[self.training]
+        weights = tuple(_read(self, n) for n in group.weight_names)
+        buffers = tuple(_read(self, n) for n in group.buffer_names)
+        return body(weights, buffers, args, kwargs)
+
+    return forward
+
+
+def _swap_block_class(block: nn.Module, forward: Callable) -> None:
+    cls = type(block)
+    block.__class__ = type(f"ShardcBlock{cls.__name__}", (cls,),
+                           {"forward": forward, "__module__": cls.__module__,
+                            "_shardc_block": True})
+
+
+def wrap_repeated_blocks(root: nn.Module, infos_by_param: dict, shared: set[int],
+                         special: set[int]) -> BlockBodies:
+    """Group the children of every ``nn.ModuleList`` of ``root`` by :func:`block_signature`
+    and give each group of two or more a body (before any class of ``root`` is swapped, so the
+    skeletons are unsharded copies). ``infos_by_param``: parameter id -> ``ShardedParamInfo``;
+    ``shared``: ids of parameters owned by more than one module; ``special``: ids of parameters
+    gathered in FP8 or wrapped for tensor parallelism, whose blocks keep the usual path."""
+    result = BlockBodies()
+    for list_name, container in root.named_modules():
+        if not isinstance(container, nn.ModuleList) or len(container) < 2:
+            continue
+        by_signature: dict[tuple, list[tuple[str, nn.Module]]] = {}
+        for child_name, block in container.named_children():
+            fqn = f"{list_name}.{child_name}" if list_name else child_name
+            if getattr(type(block), "_shardc_block", False) or not any(True for _ in
+                                                                    block.parameters()):
+                continue
+            reason = _refusal(block, shared, special)
+            if reason is not None:
+                result.fallbacks.append(BlockFallback(fqn, reason))
+                continue
+            by_signature.setdefault(block_signature(block, infos_by_param), []).append(
+                (fqn, block))
+        for members in by_signature.values():
+            if len(members) < 2:
+                result.fallbacks.append(BlockFallback(
+                    members[0][0], "no identical sibling in its nn.ModuleList (structure, "
+                    "shapes, attributes or checkpoint wrapping differ)"))
+                continue
+            _add_group(result, members)
+    for fallback in result.fallbacks:
+        log.info("shardc: block %s compiles inline (no shared body): %s", fallback.module,
+                 fallback.reason)
+    return result
+
+
+def _add_group(result: BlockBodies, members: list[tuple[str, nn.Module]]) -> None:
+    first = members[0][1]
+    group = BlockGroup(
+        index=len(result.groups), block_type=type(first).__name__,
+        members=tuple(fqn for fqn, _ in members),
+        weight_names=tuple(n for n, _ in first.named_parameters()),
+        buffer_names=tuple(n for n, _ in first.named_buffers()),
+    )
+    # One skeleton and body per training mode, made now: the wrapped forward runs under
+    # Dynamo, which must find them ready (and guards on the block's ``training`` to pick one).
+    template = _skeleton(first)
+    for training in (True, False):
+        group.bodies[training] = _make_body(copy.deepcopy(template), group, training)
+    forwards: dict[type, Callable] = {}
+    for _, block in members:
+        cls = type(block)
+        if cls not in forwards:
+            forwards[cls] = _wrapped_forward(group, cls.forward)
+        _swap_block_class(block, forwards[cls])
+    result.groups.append(group)
+    log.info("shardc: %d blocks of type %s share one compiled body (%s ... %s)",
+             len(members), group.block_type, group.members[0], group.members[-1])

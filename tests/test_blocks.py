@@ -1,0 +1,106 @@
+"""Which children of an ``nn.ModuleList`` share one compiled body (shardc.sharding.blocks), and
+that every block that does not is named, with its reason, once in the log. No process group:
+the grouping is decided from the unsharded modules, before any parameter is replaced (the parity
+runs in tests/test_parity.py, tests/test_real_models.py and tests/test_mesh.py compile them)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from shardc.sharding.blocks import wrap_repeated_blocks
+
+
+class Mlp(nn.Module):
+    def __init__(self, dim: int = 6, hidden: int = 10, checkpointed: bool = False) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+        self.checkpointed = checkpointed
+
+    def inner(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpointed:
+            return x + checkpoint(self.inner, x, use_reentrant=False)
+        return x + self.inner(x)
+
+
+class GeluMlp(Mlp):
+    """Same parameters as :class:`Mlp`, another module type (another forward)."""
+
+    def inner(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+def test_non_identical_blocks_get_their_own_body_or_fall_back_said_once(caplog):
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.layers = nn.ModuleList([
+        Mlp(), Mlp(),                                      # 0, 1: one body
+        Mlp(checkpointed=True), Mlp(checkpointed=True),    # 2, 3: checkpointed: their own body
+        Mlp(hidden=7),                                     # 4: another shape: inline
+        GeluMlp(),                                         # 5: another module type: inline
+        Mlp(checkpointed=True, hidden=7),                  # 6: checkpointed, other shape
+    ])
+    hooked = Mlp()
+    hooked.up.register_forward_hook(lambda *_: None)
+    model.layers.append(hooked)                            # 7: a module hook: inline
+    with caplog.at_level(logging.INFO, logger="shardc"):
+        bodies = wrap_repeated_blocks(model, {}, shared=set(), special=set())
+    assert [g.members for g in bodies.groups] == [("layers.0", "layers.1"),
+                                                  ("layers.2", "layers.3")]
+    assert [g.index for g in bodies.groups] == [0, 1]
+    reasons = {f.module: f.reason for f in bodies.fallbacks}
+    assert sorted(reasons) == ["layers.4", "layers.5", "layers.6", "layers.7"], reasons
+    for module in ("layers.4", "layers.5", "layers.6"):
+        assert "no identical sibling" in reasons[module], reasons[module]
+    assert "module hooks" in reasons["layers.7"] and "'up'" in reasons["layers.7"]
+    # Each decision in the log exactly once: one line per group, one per fallback.
+    lines = [r.getMessage() for r in caplog.records if r.name == "shardc"]
+    for module in reasons:
+        assert sum(f"block {module} compiles inline" in line for line in lines) == 1, lines
+    assert sum("share one compiled body" in line for line in lines) == 2, lines
+    # The grouped blocks' classes were swapped (their forward calls the body when compiling);
+    # the others keep their own classes.
+    assert all(getattr(type(model.layers[i]), "_shardc_block", False) for i in range(4))
+    assert not any(getattr(type(model.layers[i]), "_shardc_block", False) for i in range(4, 8))
+    # Outside compilation a wrapped block runs its own forward.
+    x = torch.randn(3, 6)
+    assert torch.equal(model.layers[0](x), Mlp.forward(model.layers[0], x))
+
+
+def test_parameters_gathered_specially_or_shared_fall_back_with_the_parameter_named(caplog):
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.layers = nn.ModuleList([Mlp() for _ in range(3)])
+    model.layers[2].down.weight = model.layers[1].down.weight  # shared between two blocks
+    special = {id(model.layers[0].up.weight)}  # as shard() marks FP8 / tensor-parallel ones
+    shared = {id(model.layers[1].down.weight)}
+    with caplog.at_level(logging.INFO, logger="shardc"):
+        bodies = wrap_repeated_blocks(model, {}, shared=shared, special=special)
+    assert bodies.groups == []
+    reasons = {f.module: f.reason for f in bodies.fallbacks}
+    assert "'up.weight'" in reasons["layers.0"] and "FP8 or tensor-parallel" in reasons["layers.0"]
+    assert "'down.weight'" in reasons["layers.1"] and "shared" in reasons["layers.1"]
+    assert "'down.weight'" in reasons["layers.2"] and "shared" in reasons["layers.2"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "shardc"]
+    assert len([line for line in lines if "compiles inline" in line]) == 3, lines
+
+
+def test_hf_decoder_layers_differ_in_layer_idx_and_compile_inline():
+    """transformers' decoder layers keep their index (``self_attn.layer_idx``): a plain attribute
+    that differs per layer, so no two layers share a body and each is said inline (a documented
+    limit, docs/support.md)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2Config(vocab_size=37, hidden_size=16, intermediate_size=24,
+                                      num_hidden_layers=3, num_attention_heads=2,
+                                      num_key_value_heads=1)
+    model = transformers.Qwen2ForCausalLM(config)
+    bodies = wrap_repeated_blocks(model, {}, shared=set(), special=set())
+    assert bodies.groups == []
+    assert [f.module for f in bodies.fallbacks] == [f"model.layers.{i}" for i in range(3)]
