@@ -171,6 +171,21 @@ def flatten_state_dict(state_dict: dict):
     return flatten(state_dict)
 
 
+# The fused attention kernels a GPU runs for ``F.scaled_dot_product_attention`` (their meta
+# kernels give the output and log-sum-exp shapes; ``shardc.tools.attention`` traces them).
+flash_attention = torch.ops.aten._scaled_dot_product_flash_attention.default
+efficient_attention = torch.ops.aten._scaled_dot_product_efficient_attention.default
+
+
+def backend_failure_cause(exc: BaseException) -> BaseException | None:
+    """The exception a torch.compile backend raised, if ``exc`` is Dynamo's wrapper of it."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    if isinstance(exc, BackendCompilerFailed):
+        return exc.inner_exception
+    return None
+
+
 def nested_compile_region(fn, *, reuse_key: tuple):
     """``torch.compiler.nested_compile_region(fn)``: Dynamo traces ``fn`` into one subgraph that
     every call reuses. From torch 2.13 on, ``reuse_hash_fn`` lets Dynamo reuse the first trace

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import shardc
 from shardc.checkpoint import ModelState, OptimizerState
-from shardc.planning.cost_model import ClusterSpec
+from shardc.planning.profile import resolve_profile
 from shardc.runtime.collectives import group_ranks
 
 TP_STEPS, TP_LR = 3, 1e-2
@@ -37,7 +37,13 @@ def _forward(model: nn.Module, mode: str):
         return model
     return torch.compile(model, backend=shardc.backend(
         inductor=False, move_found_collectives=mode != "fx-traced",
-        comm_pool=mode != "fx-nopool"))
+        comm_pool=mode != "fx-nopool", cluster=CLUSTER))
+
+
+# The default profile times this tiny model's kernels at their launch cost, longer than its
+# collectives take; a slow inter-node link keeps each HSDP all-reduce running while the shard
+# group's next collectives start, which the plan tests check the two lanes allow.
+CLUSTER = {"inter": {"bus_bandwidth": 1e9, "latency_s": 200e-6}}
 
 
 def _gathered(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -128,7 +134,7 @@ def _all_reduce_lanes(plan) -> list[tuple[float, float, float, list[float]]]:
 
 def _plan_summary(model: nn.Module) -> list[dict]:
     state = shardc.shard_state(model)
-    spec = ClusterSpec()
+    spec = resolve_profile(CLUSTER)
     out = []
     for region in state.regions:
         p = region.plan

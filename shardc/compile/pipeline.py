@@ -76,6 +76,32 @@ class RegionRecord:
 _PARTITIONED_SINK: ContextVar[list | None] = ContextVar("shardc_partitioned_sink", default=None)
 
 
+# Set by plan_only(): compilation stops once a region is planned (nothing is compiled).
+_PLAN_ONLY: ContextVar[bool] = ContextVar("shardc_plan_only", default=False)
+
+
+class PlannedOnly(Exception):
+    """Raised by :func:`plan_and_lower` inside :func:`plan_only` once the region is planned."""
+
+    def __init__(self, plan: Plan) -> None:
+        super().__init__(f"shardc: region {plan.region} planned; compilation stopped (plan_only)")
+        self.plan = plan
+
+
+@contextlib.contextmanager
+def plan_only() -> Iterator[None]:
+    """Stop every region compiled in this context right after shardc plans, lowers and predicts
+    it, before any code is generated (planning on the meta device, where Inductor could not
+    compile): :func:`plan_and_lower` raises :class:`PlannedOnly`, which torch.compile passes on
+    wrapped in its backend-failure exception (``shardc._torch.backend_failure_cause``). The
+    region's record keeps its graphs and plan."""
+    token = _PLAN_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _PLAN_ONLY.reset(token)
+
+
 @contextlib.contextmanager
 def capture_partitioned() -> Iterator[list[tuple[fx.GraphModule, fx.GraphModule]]]:
     """Collect a copy of the partitioned, not yet planned ``(forward, backward)`` graphs of every
@@ -153,6 +179,8 @@ def plan_and_lower(fw: fx.GraphModule, bw: fx.GraphModule | None, options: Shard
             dump_plan(plan, options.dump_dir, rank=rank)
         except OSError as exc:  # a dump must never break training
             log.warning("shardc: could not write the plan dump: %s", exc)
+    if _PLAN_ONLY.get():
+        raise PlannedOnly(plan)
     return plan
 
 

@@ -23,6 +23,7 @@ import torch
 from torch import fx
 
 from shardc import _torch
+from shardc.memory import breakdown
 from shardc.ops.gather import GATHER_OP
 from shardc.ops.gather_args import GatherArgs
 from shardc.passes.fx_utils import (
@@ -143,7 +144,15 @@ class Lifetime:
 
 def lifetimes(gm: fx.GraphModule, skip: set[fx.Node], *,
               fusion: bool = False) -> list[Lifetime]:
-    """Every value's lifetime while ``gm`` runs (``skip``: placeholders counted elsewhere).
+    """Every value's lifetime while ``gm`` runs (``skip``: placeholders counted elsewhere);
+    see :func:`lifetimes_and_storage`."""
+    return lifetimes_and_storage(gm, skip, fusion=fusion)[0]
+
+
+def lifetimes_and_storage(gm: fx.GraphModule, skip: set[fx.Node], *, fusion: bool = False
+                          ) -> tuple[list[Lifetime], dict[fx.Node, fx.Node]]:
+    """Every value's lifetime while ``gm`` runs (``skip``: placeholders counted elsewhere), and
+    each node's storage owner (itself, or the node it is an alias of).
 
     A value is alive from its definition to the last use of it or of any view of it; graph
     outputs stay alive to the end. ``fusion`` models Inductor (:class:`Fusion`): inlined
@@ -187,7 +196,7 @@ def lifetimes(gm: fx.GraphModule, skip: set[fx.Node], *,
             for key in pending.pop(node.args[0], ()):
                 last[key] = max(last[key], i)
     lives = [Lifetime(key, born[key], last[key], nbytes) for key, nbytes in size.items()]
-    return held_for_reuse(lives, end) if fusion else lives
+    return (held_for_reuse(lives, end) if fusion else lives), storage
 
 
 # Kernels whose output Inductor allocates itself (and may take from its reuse pool): its
@@ -240,9 +249,12 @@ def liveness_peak(gm: fx.GraphModule, skip: set[fx.Node], *,
                   fusion: bool = False) -> tuple[int, list[int]]:
     """Peak bytes of the values of :func:`lifetimes` alive at once, and the bytes alive at
     each position of ``gm``."""
-    end = len(gm.graph.nodes)
+    return _timeline(lifetimes(gm, skip, fusion=fusion), len(gm.graph.nodes))
+
+
+def _timeline(lives: list[Lifetime], end: int) -> tuple[int, list[int]]:
     delta = [0] * (end + 2)
-    for life in lifetimes(gm, skip, fusion=fusion):
+    for life in lives:
         delta[life.born] += life.nbytes
         delta[life.last + 1] -= life.nbytes
     timeline, live = [], 0
@@ -320,12 +332,17 @@ def predict_peak(
     """
     param_bytes = sum(_nbytes(p.meta.get("val")) for p in params)
     optim = int(param_bytes * optimizer_state_factor)
-    fw_peak, _ = liveness_peak(forward, params, fusion=fusion)
+    constants = {breakdown.PARAM_SHARDS: param_bytes, breakdown.OPTIMIZER: optim}
+    fw_lives, fw_storage = lifetimes_and_storage(forward, params, fusion=fusion)
+    fw_peak, _ = _timeline(fw_lives, len(forward.graph.nodes))
     out = {"param_bytes": param_bytes, "optimizer_state_bytes": optim,
            "forward_peak_bytes": param_bytes + optim + fw_peak}
+    walked = [("forward", forward, fw_lives, fw_storage)]
     peak = out["forward_peak_bytes"]
     if backward is not None:
-        bw_peak, _ = liveness_peak(backward, bw_params, fusion=fusion)
+        bw_lives, bw_storage = lifetimes_and_storage(backward, bw_params, fusion=fusion)
+        bw_peak, _ = _timeline(bw_lives, len(backward.graph.nodes))
+        walked.append(("backward", backward, bw_lives, bw_storage))
         out["backward_peak_bytes"] = param_bytes + optim + bw_peak
         grads = sum(_nbytes(n.meta.get("val")) for n in backward.graph.output_node().args[0]
                     if isinstance(n, fx.Node))
@@ -333,7 +350,40 @@ def predict_peak(
         out["optimizer_step_peak_bytes"] = (param_bytes + optim + grads + persistent_bytes
                                             + int(param_bytes * optimizer_temp_factor))
         peak = max(peak, out["backward_peak_bytes"], out["optimizer_step_peak_bytes"])
+        constants_step = {**constants, breakdown.GRADIENTS: grads,
+                          breakdown.COMM: persistent_bytes,
+                          breakdown.TEMPORARIES: int(param_bytes * optimizer_temp_factor)}
+    plan.memory_by_category = _step_breakdown(
+        walked, constants, constants_step if backward is not None else None)
     out["peak_bytes"] = peak
     for key, value in out.items():
         setattr(plan.predicted, key, float(value))
     return out
+
+
+def _step_breakdown(walked: list, constants: dict[str, int],
+                    optimizer_step: dict[str, int] | None) -> dict:
+    """``Plan.memory_by_category``: per graph the sampled positions and the bytes of each
+    category there (``shardc.memory.breakdown``), the optimizer step as one column, and the
+    peak: where it is, its bytes by category and the largest values alive there."""
+    graphs: dict[str, dict] = {}
+    # (total, graph, position, (lives, categories), bytes by category) at the peak so far
+    best: tuple = (-1, "", 0, None, {})
+    for name, gm, lives, storage in walked:
+        cats = breakdown.categorize(gm, name, storage)
+        timeline = breakdown.category_timeline(lives, cats, len(gm.graph.nodes))
+        keep, columns = breakdown.graph_columns(timeline, constants)
+        graphs[name] = {"positions": keep, "bytes": columns}
+        for i, pos in enumerate(keep):
+            total = sum(columns[c][i] for c in breakdown.CATEGORIES)
+            if total > best[0]:
+                best = (total, name, pos, (lives, cats), {c: columns[c][i] for c in columns})
+    peak = {"graph": best[1], "position": best[2], "bytes": best[4],
+            "largest": breakdown.largest_at(*best[3], best[2]) if best[3] else []}
+    if optimizer_step is not None:
+        graphs["optimizer step"] = {"positions": [0], "bytes": {
+            c: [optimizer_step.get(c, 0)] for c in breakdown.CATEGORIES}}
+        if sum(optimizer_step.values()) > best[0]:
+            peak = {"graph": "optimizer step", "position": 0, "bytes": dict(optimizer_step),
+                    "largest": []}
+    return {"categories": list(breakdown.CATEGORIES), "graphs": graphs, "peak": peak}

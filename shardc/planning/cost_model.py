@@ -26,7 +26,7 @@ W, B, ALPHA = sympy.symbols("W B alpha", positive=True)
 _BYTES = sympy.Symbol("bytes", positive=True)
 
 
-def _ring_terms(kind: str, world):
+def ring_terms(kind: str, world):
     """(latency steps, fraction of the buffer each rank puts on the wire) of one collective over
     ``world`` ranks (an int, or the symbol ``W``). Ring all-gather and reduce-scatter: one pass;
     all-reduce: a reduce-scatter then an all-gather; all-to-all: each rank sends ``(W-1)/W`` of its
@@ -45,7 +45,7 @@ def collective_time_expr(kind: str, buffer_bytes: int | sympy.Expr) -> sympy.Exp
     gathered or unreduced, size): ``(W-1)`` latency steps and ``(W-1)/W`` of the buffer on the wire
     (twice both for an all-reduce).
     """
-    steps, wire = _ring_terms(kind, W)
+    steps, wire = ring_terms(kind, W)
     return steps * ALPHA + wire * buffer_bytes / B
 
 
@@ -96,7 +96,7 @@ def calibrate(
     by least squares on ``seconds = steps * alpha + wire_bytes / B``."""
     rows = []
     for kind, nbytes, world, seconds in samples:
-        steps, wire = _ring_terms(kind, world)
+        steps, wire = ring_terms(kind, world)
         rows.append((steps, wire * nbytes, seconds))
     if len(rows) < 2:
         raise ValueError("shardc cost model: calibration needs at least two timings")

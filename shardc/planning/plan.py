@@ -30,7 +30,9 @@ PLAN_VERSION = 6
 # links filled in from the ids.
 # Version 5 added the block bodies (``Plan.bodies``: each repeated-block body the region's graphs
 # call, the blocks it runs and how often its joint graph was partitioned; ``Plan.inline_blocks``:
-# blocks that keep the inline path, and why). Older plans read with both empty.
+# blocks that keep the inline path, and why) and ``Plan.memory_by_category`` (the whole step's
+# memory by category, for the memory plot and the capacity planner). Older plans read with all
+# three empty.
 # Version 6 added ``Collective.elided``: shardc's collectives over a one-rank group (world 1, or
 # HSDP with shard size 1) are still planned and listed, but lowered to no communication (the
 # gather is the shard itself, the reduction the gradient itself); older plans read as not elided.
@@ -286,6 +288,10 @@ class Plan:
     # Bytes of gathered parameters and communication buffers live before each compute op.
     memory_timeline: dict[str, list[int]] = field(default_factory=dict)
     predicted: Predictions = field(default_factory=Predictions)
+    # The whole step's memory by category (``shardc.memory.peak``): {"categories": [...],
+    # "graphs": {graph: {"positions": [...], "bytes": {category: [...]}}}, "peak": {"graph",
+    # "position", "bytes": {category: n}, "largest": [[value, category, n], ...]}}.
+    memory_by_category: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     group_name: str = ""
     # Offset in the communication pool of each buffer, keyed "<collective id>.<send|recv>".

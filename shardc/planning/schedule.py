@@ -32,9 +32,17 @@ from shardc.ops.gather_args import GatherArgs, ReduceArgs
 from shardc.passes.fx_utils import dtype_itemsize, is_view, view_users
 from shardc.planning import found as found_comm
 from shardc.planning.bucketing import ParamComm, assign_buckets, bucket_name
-from shardc.planning.cost_model import ClusterSpec, node_flops_and_bytes
+from shardc.planning.cost_model import node_flops_and_bytes
+from shardc.planning.estimate import (
+    collective_copy_bytes,
+    graph_input_bytes,
+    kernel_seconds,
+    memory_seconds,
+)
 from shardc.planning.graph_view import GraphView, analyze, available_pos, ready_pos
+from shardc.planning.kernels import group_kernels
 from shardc.planning.plan import PLAN_VERSION, Bucket, Collective, CollectiveKind, ComputeOp, Plan
+from shardc.planning.profile import ClusterProfile, resolve_profile
 from shardc.runtime.collectives import padded_rows
 
 Kind = CollectiveKind
@@ -244,21 +252,82 @@ def replicate_all_reduce(g: GraphView, bucket: Bucket, params: list[str], issue:
         "gradients", group="replicate")
 
 
-def _duration(c: Collective, cluster: ClusterSpec) -> float:
-    level = "inter" if c.group == "replicate" else "intra"
-    return cluster.collective_seconds(c.kind, c.buffer_bytes, c.group_size, level)
+def _duration(c: Collective, profile: ClusterProfile, tp_size: int = 1) -> float:
+    # HSDP's replicas are on different nodes. Under tensor parallelism the shard group's ranks
+    # are tp_size apart (the tp group is the inner mesh dimension, within a node): the group
+    # spans group_size * tp_size consecutive ranks, and crosses nodes once that exceeds a node.
+    span = c.group_size * (tp_size if c.group == "shard" else 1)
+    level = "inter" if c.group == "replicate" or span > profile.node_size else "intra"
+    return profile.collective_seconds(c.kind, c.buffer_bytes, c.group_size, level)
 
 
-def _simulate(g: GraphView, colls: list[Collective], cluster: ClusterSpec):
-    """Timing: compute runs its ops in order; each process group's collectives run first-in
-    first-out on their own lane (stream), from their issue; a wait stalls compute until the
-    collective ends. At one position the events follow the lowered graph's order: found
-    collectives' issues, then (when shardc issues there) shardc's waits of earlier issues
-    (not HSDP all-reduces), shardc's issues, its other waits, and last the found collectives'
-    waits, as ``lower.apply_plan`` orders them. An HSDP
-    all-reduce is issued by its reduce-scatter's wait. Fills the predictions."""
+def _copy_seconds(g: GraphView, c: Collective, profile: ClusterProfile) -> tuple[float, float]:
+    """Device time of the copy kernels around one of shardc's collectives (pack, unpack)."""
+    if c.origin != "shardc" or c.kind not in (Kind.ALL_GATHER, Kind.REDUCE_SCATTER):
+        return 0.0, 0.0
+    if c.kind == Kind.ALL_GATHER:
+        inputs = [GatherArgs.of(g.gathers[p]).shard for p in c.params if p in g.gathers]
+    else:
+        inputs = [ReduceArgs.of(g.reduces[p]).grad for p in c.params if p in g.reduces]
+    pack, unpack = collective_copy_bytes(str(c.kind), (graph_input_bytes(inputs),
+                                                       c.buffer_bytes), c.group_size)
+    return (memory_seconds(pack, profile) + profile.kernel_gpu_s if pack else 0.0,
+            memory_seconds(unpack, profile) + profile.kernel_gpu_s if unpack else 0.0)
+
+
+class _Timeline:
+    """The step as the device runs it: the host launching kernels one after the other
+    (``host``), the compute stream (``t``), and one lane per process group (``free``: when its
+    last collective ends). A kernel starts once the host has launched it and the stream is
+    free; while a collective runs on any lane, compute runs ``overlap_slowdown`` times slower
+    (for the overlapping part)."""
+
+    def __init__(self, profile: ClusterProfile) -> None:
+        self.profile = profile
+        self.host = self.t = self.exposed = 0.0
+        self.free: dict[str, float] = {}
+
+    def kernel(self, seconds: float) -> tuple[float, float]:
+        """Run one kernel of ``seconds`` device time; returns its (start, end)."""
+        self.host += self.profile.kernel_launch_s
+        start = max(self.t, self.host)
+        busy_until = max(self.free.values(), default=0.0)
+        if busy_until > start and seconds > 0:
+            overlap = min(seconds * self.profile.overlap_slowdown, busy_until - start)
+            # The overlapped part runs slower; the rest at full speed.
+            seconds = overlap + (seconds - overlap / self.profile.overlap_slowdown)
+        self.t = start + seconds
+        return start, self.t
+
+    def issue(self, c: Collective, seconds: float) -> None:
+        # (Not for an elided collective, over a one-rank group: it is lowered to none.)
+        self.host += self.profile.collective_launch_s
+        c.predicted_start_s = max(self.t, self.host, self.free.get(c.stream, 0.0))
+        c.predicted_end_s = self.free[c.stream] = c.predicted_start_s + seconds
+
+    def wait(self, c: Collective) -> None:
+        """The stream waits for ``c``; what it waits beyond the point where the next kernel
+        could start anyway (the stream free and the host there) is exposed communication."""
+        ready = max(self.t, self.host)
+        if c.predicted_end_s > ready:
+            c.exposed_s = c.predicted_end_s - ready
+            self.exposed += c.exposed_s
+        self.t = max(self.t, c.predicted_end_s)
+
+
+def _simulate(g: GraphView, colls: list[Collective], profile: ClusterProfile,
+              tp_size: int = 1):
+    """Timing: the compute stream runs the graph's kernels (:mod:`shardc.planning.kernels`:
+    fused groups, matmuls, attention) in order, each at the end of its last op and priced by
+    :mod:`shardc.planning.estimate`; each process group's collectives run first-in first-out
+    on their own lane, from their issue (after the kernel packing their send buffer); a wait
+    stalls compute until the collective ends, then the received buffer is unpacked. At one
+    position the events follow the lowered graph's order: found collectives' issues, then
+    (when shardc issues there) shardc's waits of earlier issues (not HSDP all-reduces),
+    shardc's issues, its other waits, and last the found collectives' waits, as
+    ``lower.apply_plan`` orders them. An HSDP all-reduce is issued by its reduce-scatter's
+    wait. Fills the predictions."""
     ops = []
-    free: dict[str, float] = {}  # per lane: when its last collective ends
     by_id = {c.id: c for c in colls}
     chained = {c.link: c for c in colls
                if c.origin == "shardc" and c.kind == Kind.ALL_REDUCE and c.link in by_id}
@@ -269,21 +338,26 @@ def _simulate(g: GraphView, colls: list[Collective], cluster: ClusterSpec):
         if id(c) not in chained_ids:
             by_issue.setdefault(c.issue_pos, []).append(c)
         by_wait.setdefault(c.wait_pos, []).append(c)
-    t = exposed = 0.0
+    line = _Timeline(profile)
+    kernel_at = {}
+    for k in group_kernels(g.compute[0].graph, g.compute) if g.compute else []:
+        kernel_at.setdefault(g.position[k.last], []).append(k)
 
     def issue(c: Collective) -> None:
-        if c.elided:  # no communication: takes no time and no lane
-            c.predicted_start_s = c.predicted_end_s = t
+        if c.elided:  # lowered to no communication: no pack, no launch, no lane, no time
+            c.predicted_start_s = c.predicted_end_s = line.t
             return
-        c.predicted_start_s = max(t, free.get(c.stream, 0.0))
-        c.predicted_end_s = free[c.stream] = c.predicted_start_s + _duration(c, cluster)
+        pack, _ = _copy_seconds(g, c, profile)
+        if pack:
+            line.kernel(pack)
+        line.issue(c, _duration(c, profile, tp_size))
 
     def wait(c: Collective) -> None:
-        nonlocal t, exposed
-        if c.predicted_end_s > t:
-            c.exposed_s = c.predicted_end_s - t
-            exposed += c.exposed_s
-            t = c.predicted_end_s
+        if not c.elided:
+            line.wait(c)
+            _, unpack = _copy_seconds(g, c, profile)
+            if unpack:
+                line.kernel(unpack)
         if c.id in chained:
             issue(chained[c.id])
 
@@ -306,12 +380,15 @@ def _simulate(g: GraphView, colls: list[Collective], cluster: ClusterSpec):
         if p < g.end:
             node = g.compute[p]
             flops, nbytes = node_flops_and_bytes(node)
-            dur = cluster.compute_seconds(flops, nbytes)
-            ops.append(ComputeOp(node.name, str(node.target), flops, nbytes, t, t + dur))
-            t += dur
+            spans = [line.kernel(kernel_seconds(k, profile)) for k in kernel_at.get(p, ())]
+            # An op fused into a later kernel (or a view) takes no time: it sits where the
+            # device could run the next kernel (the stream free, the host past its launch).
+            here = max(line.t, line.host)
+            start, end = (spans[0][0], spans[-1][1]) if spans else (here, here)
+            ops.append(ComputeOp(node.name, str(node.target), flops, nbytes, start, end))
     for c in colls:
         c.overlaps = [op.name for op in ops[c.issue_pos:c.wait_pos]][:64]
-    return ops, t, exposed
+    return ops, line.t, line.exposed
 
 
 def _memory_timeline(g: GraphView, colls: list[Collective]) -> list[int]:
@@ -363,13 +440,25 @@ def _found_note(found: list[Collective], moved: bool) -> str:
             f"group's lane, {where}")
 
 
+def device_name(gm: fx.GraphModule) -> str | None:
+    """The name of the GPU the graph's inputs live on (``None`` on CPU/meta), for the default
+    cluster profile."""
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            if val.device.type == "cuda" and torch.cuda.is_available():
+                return torch.cuda.get_device_name(val.device)
+            return None
+    return None
+
+
 def plan_region(
     forward: fx.GraphModule,
     backward: fx.GraphModule | None,
     options,
     *,
     region: int = 0,
-    cluster: ClusterSpec | None = None,
+    cluster: ClusterProfile | None = None,
     groups: dict[str, tuple[str, int]] | None = None,
 ) -> Plan:
     """Plan all collectives of one region (see the module docstring for the rules).
@@ -377,7 +466,7 @@ def plan_region(
     ``groups``: process group name -> (role on the mesh, ranks) for the groups the graphs'
     found collectives may run over (e.g. the tp group); shardc's own groups are read from the
     graph."""
-    cluster = cluster or ClusterSpec(**(options.cluster or {}))
+    cluster = cluster or resolve_profile(options.cluster, device_name(forward))
     fw = analyze(forward, "forward")
     bw = analyze(backward, "backward") if backward is not None else None
     graphs = [fw] + ([bw] if bw is not None else [])
@@ -400,7 +489,7 @@ def plan_region(
         # group's order is the traced one.
         colls.sort(key=lambda c: (c.issue_pos, c.origin == "shardc",
                                   c.origin == "shardc" and c.kind != Kind.ALL_GATHER, c.bucket))
-        ops, step, exposed = _simulate(g, colls, cluster)
+        ops, step, exposed = _simulate(g, colls, cluster, plan.tp_size)
         plan.collectives.extend(colls)
         plan.graphs[g.name] = ops
         plan.memory_timeline[g.name] = _memory_timeline(g, colls)

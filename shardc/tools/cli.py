@@ -1,144 +1,216 @@
-"""``python -m shardc plan``: plan a model for any world size on a machine without GPUs.
+"""``python -m shardc plan``: will a model fit, and how fast will it train, at any world size,
+planned on a machine without GPUs.
 
-The model is built on the meta device and sharded over a fake process group of the requested
-size (rank 0's view); compiling it with the shardc backend plans the region exactly as a real run
-would, and running it on meta tensors moves no data. A model with more blocks than a template
-traces is planned from its first blocks, repeated (``shardc.tools.template``), unless
-``--full-trace``.
+    python -m shardc plan llama-8b --world-size 64 --device h100
+    python -m shardc plan hf:llama hidden_size=1024 num_hidden_layers=4 --world-size 8
+    python -m shardc plan mypkg.models:build_model depth=12 --sweep-world 8,64,512,4096
+
+The model (``shardc.tools.model_spec``) is planned by ``shardc.tools.planner`` and the answers are
+printed: predicted step time, tokens/s per GPU, MFU, exposed communication and the peak memory
+against the device's. ``--sweep-world`` plans each world size and prints (and plots) how they
+change.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
-import time
 
-import torch
+from shardc.tools.model_spec import PRESETS, ModelSpecError, parse_model, parse_model_spec
+from shardc.tools.planner import (
+    Capacity,
+    PlanSetup,
+    capacity,
+    cluster_option,
+    cluster_profile,
+    device_capacity,
+    fmt_bytes,
+    peak_flops_of,
+    peak_terms_text,
+    plan_model,
+    profile_text,
+)
 
-from shardc import _torch
-from shardc.models.llama import LlamaConfig, Transformer, llama_loss
-
-PRESETS: dict[str, dict] = {
-    "llama-tiny": dict(vocab_size=256, dim=64, n_layers=2, n_heads=4, max_seq_len=256),
-    "llama-1b": dict(vocab_size=32000, dim=2048, n_layers=16, n_heads=16, max_seq_len=2048),
-    "llama-wide": dict(vocab_size=32000, dim=4096, n_layers=8, n_heads=32, max_seq_len=2048),
-    "llama-8b": dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
-                     ffn_dim=14336, max_seq_len=8192),
-    "llama-70b": dict(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
-                      ffn_dim=28672, max_seq_len=8192),
-}
-
-
-def parse_model_spec(spec: str) -> LlamaConfig:
-    """``<preset>[:key=value,...]`` or ``llama:key=value,...`` -> LlamaConfig."""
-    name, _, overrides = spec.partition(":")
-    if name != "llama" and name not in PRESETS:
-        raise SystemExit(f"unknown model {name!r}; presets: {', '.join(PRESETS)} (or 'llama:...')")
-    values = dict(PRESETS.get(name, {}))
-    fields = {f.name: f.type for f in dataclasses.fields(LlamaConfig)}
-    for item in filter(None, overrides.split(",")):
-        key, _, raw = item.partition("=")
-        if key not in fields:
-            raise SystemExit(f"unknown LlamaConfig field {key!r}; fields: {', '.join(fields)}")
-        values[key] = raw.lower() == "true" if raw.lower() in ("true", "false") else (
-            float(raw) if "." in raw or "e" in raw else int(raw))
-    return LlamaConfig(**values)
+__all__ = ["main", "parse_model_spec", "plan_model"]
 
 
-def _meta_model(cfg: LlamaConfig) -> Transformer:
-    with torch.device("meta"):
-        return Transformer(cfg)
+def _world_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(w) for w in text.split(",") if w.strip()]
+    except ValueError:
+        raise ModelSpecError(f"--sweep-world {text!r}: give world sizes as 8,64,512") from None
+    if not sizes or min(sizes) < 1:
+        raise ModelSpecError(f"--sweep-world {text!r}: give positive world sizes as 8,64,512")
+    return sizes
 
 
-def plan_model(cfg: LlamaConfig, world: int, batch: int, seq: int, options: dict, *,
-               template: bool = True):
-    """Plan one training step of ``cfg`` at ``world`` ranks; returns (plan, seconds).
+def _setup(args) -> PlanSetup:
+    return PlanSetup(precision=args.precision, checkpointing=args.checkpointing, fp8=args.fp8,
+                     shard_size=args.shard_size, inductor=not args.fx, tp=args.tp)
 
-    With ``template`` and more blocks than a template traces, the plan is made from a trace of
-    the first blocks (``shardc.tools.template``); if the traced graphs do not repeat, the whole
-    model is traced (the plan's notes say so). ``seconds`` covers everything from building the model
-    on the meta device to the finished plan.
-    """
-    from torch.distributed.device_mesh import DeviceMesh
 
-    import shardc
-    from shardc.tools.fake_world import fake_world
-    from shardc.tools.template import TEMPLATE_BLOCKS, TemplateRefused, plan_from_template
+def _rates(args) -> dict[str, float]:
+    names = {"peak_flops": args.peak_flops, "bus_bandwidth": args.bandwidth,
+             "latency_s": args.latency, "mem_bandwidth": args.mem_bandwidth,
+             "node_size": args.node_size}
+    return {k: v for k, v in names.items() if v is not None}
 
-    options = dict(inductor=False, check_plan_consistency=False, **options)
-    with fake_world(world):
-        import torch.distributed as dist
 
-        mesh = DeviceMesh.from_group(dist.group.WORLD, "meta")
-        tokens = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-        start = time.perf_counter()
-        plan, refused = None, None
-        if template and cfg.n_layers > TEMPLATE_BLOCKS:
-            try:
-                plan = plan_from_template(_meta_model(cfg), mesh, lambda m: m(tokens), options)
-            except TemplateRefused as exc:
-                refused = str(exc)
-                _torch.dynamo_reset()
-        if plan is None:
-            model = _meta_model(cfg)
-            shardc.shard(model, mesh)
-            compiled = torch.compile(model, backend=shardc.backend(**options))
-            llama_loss(compiled(tokens), tokens).backward()
-            plan = shardc.explain(compiled)
-            if refused:
-                plan.notes.append(f"traced whole, not from a template: {refused}")
-        elapsed = time.perf_counter() - start
-    _torch.dynamo_reset()
-    return plan, elapsed
+def _rate(flops_per_s: float) -> str:
+    if flops_per_s >= 1e12:
+        return f"{flops_per_s / 1e12:.0f} TFLOP/s"
+    return f"{flops_per_s / 1e9:.1f} GFLOP/s"
+
+
+def _summary(cap: Capacity, seconds: float) -> list[str]:
+    return [
+        f"predicted step: {cap.step_s * 1e3:.1f} ms; {cap.tokens_per_s:,.0f} tokens/s per GPU; "
+        f"MFU {cap.mfu * 100:.1f}% (of {_rate(cap.peak_flops)}); "
+        f"exposed communication {cap.exposed_comm_s * 1e3:.1f} ms",
+        f"memory: {cap.verdict()}",
+        f"planned in {seconds:.1f} s",
+    ]
+
+
+def _sweep_table(rows: list[Capacity]) -> list[str]:
+    head = (f"{'world':>6} {'step ms':>9} {'tokens/s/GPU':>13} {'MFU %':>6} "
+            f"{'exposed ms':>10} {'peak':>10}  memory")
+    lines = [head]
+    for c in rows:
+        fits = ("-" if c.capacity_bytes is None else
+                "fits" if c.peak_bytes <= c.capacity_bytes else
+                f"over by {fmt_bytes(c.peak_bytes - c.capacity_bytes)}")
+        lines.append(f"{c.world:>6} {c.step_s * 1e3:>9.1f} {c.tokens_per_s:>13,.0f} "
+                     f"{c.mfu * 100:>6.1f} {c.exposed_comm_s * 1e3:>10.1f} "
+                     f"{fmt_bytes(c.peak_bytes):>10}  {fits}")
+    return lines
 
 
 def _cmd_plan(args) -> int:
-    from shardc.planning.cost_model import ClusterSpec
     from shardc.tools.render import dump_plan, plan_table
 
-    cfg = parse_model_spec(args.model)
+    spec = parse_model(args.model, args.overrides)
+    setup = _setup(args)
     options = json.loads(args.options) if args.options else {}
-    cluster = ClusterSpec(peak_flops=args.peak_flops, bus_bandwidth=args.bandwidth,
-                          latency_s=args.latency, mem_bandwidth=args.mem_bandwidth)
-    options["cluster"] = dataclasses.asdict(cluster)
-    seq = args.seq or cfg.max_seq_len
-    plan, seconds = plan_model(cfg, args.world_size, args.batch, seq, options,
-                               template=not args.full_trace)
-    print(plan_table(plan, wide=args.wide))
-    print(f"\nmodel: {cfg.num_params() / 1e9:.2f}B parameters, world size {args.world_size}, "
-          f"batch {args.batch} x {seq} per rank; traced and planned in {seconds:.1f} s")
-    if args.dump:
-        for path in dump_plan(plan, args.dump):
-            print(f"wrote {path}")
+    cluster = cluster_option(args.profile, _rates(args))
+    if cluster is not None:
+        options["cluster"] = cluster
+    profile = cluster_profile(options.get("cluster"))
+    seq = args.seq or spec.default_seq
+    # The device's memory: --device, else the profile's device.
+    cap_bytes = (device_capacity(args.device) if args.device is not None
+                 else float(profile.device_memory_bytes) or None)
+    peak_flops = peak_flops_of(profile, setup.precision)
+    print(profile_text(profile))
+    worlds = _world_sizes(args.sweep_world) if args.sweep_world else [args.world_size]
+    rows = []
+    for world in worlds:
+        plan, seconds = plan_model(spec, world, args.batch, seq, options,
+                                   template=not args.full_trace, setup=setup)
+        cap = capacity(plan, args.batch, seq, peak_flops, cap_bytes)
+        rows.append(cap)
+        if args.sweep_world:
+            print(f"world {world}: planned in {seconds:.1f} s", file=sys.stderr)
+            continue
+        if not args.summary_only:
+            print(plan_table(plan, wide=args.wide))
+            print()
+        print(f"model: {spec.name}, world size {world}, batch {args.batch} x {seq} per rank, "
+              f"{setup.precision}{', checkpointed blocks' if setup.checkpointing else ''}"
+              f"{', FP8 gathers' if setup.fp8 else ''}"
+              f"{f', HSDP shard groups of {setup.shard_size}' if setup.shard_size else ''}"
+              f"{f', TP {setup.tp}' if setup.tp > 1 else ''}")
+        for line in [*_summary(cap, seconds), *peak_terms_text(plan)]:
+            print(line)
+        if args.dump:
+            for path in dump_plan(plan, args.dump, capacity_bytes=cap_bytes):
+                print(f"wrote {path}")
+    if args.sweep_world:
+        print(f"model: {spec.name}, batch {args.batch} x {seq} per rank, {setup.precision}")
+        print("\n".join(_sweep_table(rows)))
+        _write_sweep_plot(rows, args.plot or "shardc-sweep.png", spec.name)
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def _write_sweep_plot(rows: list[Capacity], path: str, title: str) -> None:
+    from shardc.tools.memory_plot import sweep_plot
+
+    try:
+        print(f"wrote {sweep_plot(rows, path, title)}")
+    except ImportError as exc:
+        print(f"no plot written: {exc}")
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m shardc")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="plan a model for a world size, without GPUs")
     p.add_argument("model", help=f"preset ({', '.join(PRESETS)}) with optional ':key=value,...', "
-                   "or 'llama:key=value,...'")
-    p.add_argument("--world-size", type=int, required=True)
+                   "'llama:key=value,...', 'hf:<model type or config class>' (hf:llama, "
+                   "hf:Qwen2Config, hf:mixtral) or 'package.module:factory'")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="config overrides (hf:, presets) or factory keyword arguments")
+    world = p.add_mutually_exclusive_group(required=True)
+    world.add_argument("--world-size", type=int)
+    world.add_argument("--sweep-world", default=None, metavar="8,64,512",
+                       help="plan each world size; print a table and write a plot (--plot)")
     p.add_argument("--batch", type=int, default=1, help="sequences per rank")
-    p.add_argument("--seq", type=int, default=None, help="sequence length (default: max_seq_len)")
-    p.add_argument("--bandwidth", type=float, default=100e9, help="bus bytes/s per rank")
-    p.add_argument("--latency", type=float, default=10e-6, help="seconds per ring step")
-    p.add_argument("--peak-flops", type=float, default=400e12)
-    p.add_argument("--mem-bandwidth", type=float, default=3.0e12)
+    p.add_argument("--seq", type=int, default=None,
+                   help="sequence length (default: a preset's max_seq_len, else 2048)")
+    p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
+                   help="bf16: bf16 parameters for compute, fp32 reduction and master shards "
+                        "(default); fp32: everything fp32")
+    p.add_argument("--checkpointing", action="store_true",
+                   help="activation checkpointing: recompute every block in the backward")
+    p.add_argument("--fp8", action="store_true", help="gather nn.Linear weights in FP8")
+    p.add_argument("--shard-size", type=int, default=None,
+                   help="HSDP: shard within groups of this many ranks, replicate across groups")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel degree: FSDP over world/tp ranks of a (dp, tp) mesh, "
+                        "the Llama presets' blocks split Megatron-style (--batch is per dp rank)")
+    p.add_argument("--device", default=None,
+                   help="device memory to compare the peak with: h100, h200 or GiB (default: "
+                        "the cluster profile's device)")
+    p.add_argument("--profile", default=None,
+                   help="cluster profile for the cost model: a preset (h100, h200) or a file "
+                        "written by 'python -m shardc calibrate' (default: h100)")
+    p.add_argument("--node-size", type=int, default=None,
+                   help="GPUs per node on the intra-node link (default: the profile's, 8); "
+                        "larger process groups run at the inter-node link")
+    p.add_argument("--bandwidth", type=float, default=None, help="bus bytes/s per rank")
+    p.add_argument("--latency", type=float, default=None, help="seconds per ring step")
+    p.add_argument("--peak-flops", type=float, default=None)
+    p.add_argument("--mem-bandwidth", type=float, default=None)
+    p.add_argument("--fx", action="store_true",
+                   help="plan the FX backend (inductor=False) on the meta device instead of "
+                        "Inductor's graphs (faster; less faithful to the GPU's memory)")
     p.add_argument("--options", default=None, help="JSON object of backend options")
     p.add_argument("--dump", default=None, help="directory for text/JSON/trace/memory plot")
+    p.add_argument("--plot", default=None, help="sweep plot path (default shardc-sweep.png)")
+    p.add_argument("--summary-only", action="store_true", help="do not print the plan table")
     p.add_argument("--wide", action="store_true",
                    help="print the plan with one column per field (~300 columns) instead of "
                         "lines of at most 99 columns")
     p.add_argument("--full-trace", action="store_true",
                    help="trace every block (default: trace the first blocks and repeat them when "
                    "the blocks are identical; see docs/planning.md)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["calibrate"]:  # its own command line: shardc.tools.calibrate
+        from shardc.tools.calibrate import main as calibrate
+
+        return calibrate(argv[1:])
+    args = _parser().parse_args(argv)
     if args.command == "plan":
-        return _cmd_plan(args)
+        try:
+            return _cmd_plan(args)
+        except ModelSpecError as exc:
+            print(f"shardc plan: {exc}", file=sys.stderr)
+            return 2
     return 2
 
 

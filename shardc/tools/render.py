@@ -5,7 +5,8 @@ Positions are indices into ``Plan.graphs[graph]`` (``p`` means "before compute o
 len(ops)`` is the end of the graph). Predicted times are seconds from the start of their graph;
 the trace places the backward graph after the forward graph on one time axis.
 
-Nothing here imports torch; matplotlib is imported only by :func:`memory_plot`.
+Nothing here imports torch; matplotlib is imported only by :func:`memory_plot`
+(``shardc.tools.memory_plot``).
 """
 
 from __future__ import annotations
@@ -547,65 +548,20 @@ def chrome_trace(plan: Plan, *, min_op_us: float = 1.0, max_compute_events: int 
 # ------------------------------------------------------------------------------- memory plot
 
 
-def memory_plot(plan: Plan, path: str | Path) -> Path:
-    """Write a PNG of communication-buffer bytes over the forward and backward schedules."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "shardc.tools.render.memory_plot needs matplotlib: pip install matplotlib "
-            "(or pip install 'shardc[plot]')"
-        ) from exc
+def memory_plot(plan: Plan, path: str | Path, *, capacity_bytes: float | None = None) -> Path:
+    """Write a PNG of the step's memory by category over the schedule, with the device's
+    capacity and the peak marked, and of the communication buffers on their own scale
+    (``shardc.tools.memory_plot.step_memory_plot``; needs matplotlib)."""
+    from shardc.tools.memory_plot import step_memory_plot
 
-    path = Path(path)
-    graphs = [g for g in _graph_names(plan) if plan.memory_timeline.get(g)]
-    values = [v for g in graphs for v in plan.memory_timeline[g]]
-    peak = plan.predicted.get("peak_comm_buffer_bytes", max(values, default=0))
-    whole = plan.predicted.get("peak_bytes")
-    top = max([peak, *values] + ([whole] if whole is not None else []), default=0)
-    unit, scale = "B", 1.0
-    for name, factor in (("KiB", 1024.0), ("MiB", 1024.0**2), ("GiB", 1024.0**3)):
-        if top >= factor:
-            unit, scale = name, factor
-
-    fig = Figure(figsize=(11, 3.2 * max(len(graphs), 1) + 0.8), dpi=100)
-    FigureCanvasAgg(fig)
-    fig.suptitle(f"shardc region {plan.region}, world size {plan.world_size}: "
-                 f"communication buffers (plan {plan.hash()})")
-    if not graphs:
-        ax = fig.add_subplot(1, 1, 1)
-        ax.text(0.5, 0.5, "no communication buffers in this plan", ha="center", va="center")
-        ax.set_axis_off()
-    for k, graph in enumerate(graphs):
-        ax = fig.add_subplot(len(graphs), 1, k + 1)
-        timeline = plan.memory_timeline[graph]
-        # One step per position; the last position (the end of the graph) gets a width too.
-        xs = list(range(len(timeline) + 1))
-        ys = [v / scale for v in [*timeline, timeline[-1]]]
-        ax.step(xs, ys, where="post", label=f"{graph} buffers live")
-        ax.fill_between(xs, ys, step="post", alpha=0.25)
-        ax.axhline(peak / scale, color="tab:red", linestyle="--",
-                   label=f"predicted peak of communication buffers ({_fmt_bytes(peak)})")
-        if whole is not None:
-            ax.axhline(whole / scale, color="tab:purple", linestyle=":",
-                       label=f"predicted whole-step peak ({_fmt_bytes(whole)})")
-        ax.set_xlim(0, len(timeline))
-        ax.set_ylim(0, max(top / scale * 1.1, 1e-9))
-        ax.set_xlabel(f"{graph} schedule position (before compute op N)")
-        ax.set_ylabel(f"communication buffers ({unit})")
-        ax.grid(True, alpha=0.3)
-        ax.legend(loc="upper right", fontsize="small")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png")
-    return path
+    return step_memory_plot(plan, path, capacity_bytes=capacity_bytes)
 
 
 # ----------------------------------------------------------------------------------- dumping
 
 
-def dump_plan(plan: Plan, directory: str | Path, *, rank: int = 0) -> list[Path]:
+def dump_plan(plan: Plan, directory: str | Path, *, rank: int = 0,
+              capacity_bytes: float | None = None) -> list[Path]:
     """Write ``region{R}.rank{K}.plan.txt`` (the narrow table; ``plan_table(plan, wide=True)``
     gives the wide one), ``.plan.json``, ``.trace.json`` and ``.memory.png`` into ``directory``
     (created if needed); every rank writes its own files. The PNG is skipped, with a warning,
@@ -624,7 +580,7 @@ def dump_plan(plan: Plan, directory: str | Path, *, rank: int = 0) -> list[Path]
     trace_path.write_text(json.dumps(chrome_trace(plan), separators=(",", ":")))
     paths.append(trace_path)
     try:
-        paths.append(memory_plot(plan, f"{stem}.memory.png"))
+        paths.append(memory_plot(plan, f"{stem}.memory.png", capacity_bytes=capacity_bytes))
     except ImportError as exc:
         log.warning("shardc: not writing the memory plot of region %d: %s", plan.region, exc)
     log.info("shardc: wrote the plan of region %d (rank %d) to %s", plan.region, rank, directory)

@@ -25,6 +25,7 @@ from shardc.compile.options import ShardcOptions
 from shardc.compile.pipeline import RegionRecord, capture_partitioned, plan_and_lower
 from shardc.passes.repeat import NotPeriodic, find_periods, repeat_periods
 from shardc.planning.plan import Plan
+from shardc.sharding.scope import shard_state
 from shardc.sharding.shard import shard
 
 if TYPE_CHECKING:
@@ -42,7 +43,8 @@ class TemplateRefused(ValueError):
 
 def comparable_plan(plan: Plan) -> dict:
     """``plan``'s JSON data without graph node names and notes, to compare a template plan with
-    a full trace's: node names come from the tracer's counters, which differ between the two.
+    a full trace's: node names come from the tracer's counters, which differ between the two
+    (also in the memory breakdown's values live at the peak).
     What each schedule position holds (op, FLOPs, bytes, predicted times) stays, which fixes each
     collective's ``overlaps`` (the ops between its issue and wait positions): only their number
     is kept."""
@@ -52,7 +54,29 @@ def comparable_plan(plan: Plan) -> dict:
             del op["name"]
     for c in data["collectives"]:
         c["overlaps"] = len(c["overlaps"])
+        if c.get("origin", "shardc") != "shardc":
+            # A collective found in the graph (tensor parallelism's) is described by its nodes,
+            # tensors and the module that issued it; a repeated block's copy keeps the template
+            # block's names (its reason names that block's module): compare shapes and kinds.
+            c["nodes"] = len(c.get("nodes", ()))
+            c["tensors"] = [t.split(": ", 1)[-1] for t in c.get("tensors", ())]
+            c.pop("reason", None)
+    # The memory breakdown's positions are graph node indices, placeholders included, and the
+    # expanded template has no placeholders for the repeated blocks' parameters (their shards
+    # are counted all the same): each graph's timeline is compared by its categories' largest
+    # and final bytes, the peak exactly, and the values live there (named by node, equal sizes
+    # tied in any order) by category and size.
+    memory = data.get("memory_by_category") or {}
+    for graph in (memory.get("graphs") or {}).values():
+        graph.pop("positions", None)
+        graph["bytes"] = {cat: [max(v, default=0), v[-1] if v else 0]
+                          for cat, v in graph["bytes"].items()}
+    peak = memory.get("peak") or {}
+    if "largest" in peak:
+        peak["largest"] = sorted([cat, nbytes] for _, cat, nbytes in peak["largest"])
     data.pop("notes")
+    # Which blocks compiled inline and why: said per traced block (a template traces fewer).
+    data.pop("inline_blocks", None)
     data.pop("hash")  # of the collectives' signatures: kept in them
     return data
 
@@ -117,11 +141,12 @@ def _keep_first(model: nn.Module, container: str, layers: nn.ModuleList, keep: i
 def plan_from_template(
     model: nn.Module,
     mesh: DeviceMesh,
-    run: Callable[[nn.Module], Any],
+    run: Callable[[nn.Module], Any] | None,
     options: dict,
     *,
     container: str = "layers",
     blocks: int = TEMPLATE_BLOCKS,
+    trace: Callable[[nn.Module], Any] | None = None,
 ) -> Plan:
     """The plan of one training step of ``model`` (unsharded, e.g. on the meta device, with all
     its blocks), made from a trace of its first ``blocks`` blocks.
@@ -129,17 +154,24 @@ def plan_from_template(
     ``model`` is changed in place: ``model.<container>`` keeps only the traced blocks and the
     model is sharded over ``mesh``; rebuild it to trace it whole after a refusal. ``run(compiled)``
     calls the compiled model once (a forward is enough: the backward is partitioned with it).
-    ``options`` are the ``shardc`` backend options. Raises :class:`TemplateRefused` if the blocks
-    differ, the model compiles to more than one region, or the traced graphs do not repeat.
+    ``options`` are the ``shardc`` backend options. ``trace(model)``, if given, replaces sharding,
+    compiling and ``run``: it must shard the trimmed model over ``mesh`` and compile one training
+    step of it with these options (``shardc.tools.planner.trace_step``). Raises
+    :class:`TemplateRefused` if the blocks differ, the model compiles to more than one region, or
+    the traced graphs do not repeat.
     """
     layers = _blocks(model, container, blocks)
     check_blocks_identical(model, list(layers))
     n_blocks = len(layers)
     _keep_first(model, container, layers, blocks)
-    shard(model, mesh)
-    compiled = torch.compile(model, backend=backend(**options))
     with capture_partitioned() as graphs:
-        run(compiled)
+        if trace is not None:
+            trace(model)
+        else:
+            shard(model, mesh)
+            if run is None:
+                raise TypeError("plan_from_template: pass run or trace")
+            run(torch.compile(model, backend=backend(**options)))
     if len(graphs) != 1:
         raise TemplateRefused(f"the traced blocks compiled to {len(graphs)} training regions, "
                               "not one (graph breaks, or no backward)")
@@ -149,7 +181,12 @@ def plan_from_template(
         backward = repeat_periods(find_periods(backward, container, blocks), n_blocks)
     except NotPeriodic as exc:
         raise TemplateRefused(f"the traced graphs do not repeat: {exc}") from None
-    plan = plan_and_lower(forward, backward, ShardcOptions.from_kwargs(options), RegionRecord(0))
+    # The traced region's process groups (tp, replicate) name the roles of the collectives
+    # found in its graphs and of HSDP's all-reduces.
+    traced = shard_state(model).regions
+    groups = traced[-1].groups if traced else None
+    plan = plan_and_lower(forward, backward, ShardcOptions.from_kwargs(options),
+                          RegionRecord(0, groups=groups))
     plan.notes.append(
         f"planned from a template: blocks 0-{blocks - 1} of {container} traced, the graphs of "
         f"blocks {blocks - 1}-{n_blocks - 2} repeated from block {blocks - 2}'s")

@@ -1,0 +1,155 @@
+"""Plans made without GPUs against GPU runs: ``python -m shardc plan`` on a CPU-only machine
+predicts the peak and the step that ``benchmarks/predict_step.py`` measured.
+
+    # on the GPU machine (writes predict_step.json with what it measured and the plan it made):
+    torchrun --nproc-per-node 1 benchmarks/predict_step.py --profile h100.json --out docs/bench
+    # here, without a GPU:
+    python benchmarks/plan_vs_measured.py --measured docs/bench/predict_step.json \\
+        --profile h100.json --out docs/bench/plan_vs_measured.md
+    python benchmarks/plan_vs_measured.py            # peaks only, against the runs in ROWS
+
+With ``--measured``, each configuration that ran is planned here exactly as the capacity planner
+plans for a user (``shardc.tools.planner.plan_model``: Inductor's graphs, the per-block template,
+attention as the GPU's fused kernel, the loss in the compiled region, bf16 compute with fp32
+reduction, the same cluster profile), and the CPU plan's peak and step (the plan's forward and
+backward plus ``optimizer_step_seconds``, as predict_step.py adds them) are set beside the GPU's
+measured ones and the plan the GPU run made at compile time. FP8 rows are skipped: on the CPU
+FP8 linears are traced dequantized, not as ``torch._scaled_mm`` (the plan's notes say so).
+Without ``--measured`` it compares peaks with the recorded runs in ``ROWS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from shardc.planning.estimate import optimizer_step_seconds  # noqa: E402
+from shardc.planning.profile import PRESETS, preset_for_device, resolve_profile  # noqa: E402
+from shardc.tools.model_spec import llama_model, parse_model  # noqa: E402
+from shardc.tools.planner import GIB, PlanSetup, plan_model  # noqa: E402
+
+# name: (model spec, overrides, world, batch, seq, measured peak GiB, where it was measured)
+ROWS = {
+    "1b-w1": ("llama-1b", [], 1, 4, 2048, 19.96,
+              "1 x H100, docs/bench/refactor17 (train_bench.py --model 1b, world 1)"),
+    "1b-w2": ("llama-1b", [], 2, 4, 2048, 14.59,
+              "2 x H200, docs/bench/README.md (train_bench_f09ceaf)"),
+    "wide-w2": ("llama-wide", [], 2, 2, 2048, 17.59,
+                "2 x H200, docs/bench/README.md (train_bench_f09ceaf; peak in opt.step)"),
+}
+
+
+def _err(pred: float, meas: float | None) -> str:
+    return "–" if not pred or not meas else f"{(pred / meas - 1) * 100:+.1f}%"
+
+
+def _peaks_only(only: list[str] | None) -> list[str]:
+    lines = ["| config | world | batch x seq | predicted GiB | measured GiB | error | plan s | "
+             "measured on |", "|---|---:|---|---:|---:|---:|---:|---|"]
+    print("\n".join(lines), flush=True)
+    for name in only or ROWS:
+        spec, overrides, world, batch, seq, measured, source = ROWS[name]
+        start = time.perf_counter()
+        plan, _ = plan_model(parse_model(spec, overrides), world, batch, seq, {},
+                             setup=PlanSetup(precision="bf16", inductor=True))
+        predicted = plan.predicted.peak_bytes / GIB
+        lines.append(f"| {name} | {world} | {batch} x {seq} | {predicted:.2f} | "
+                     f"{measured:.2f} | {_err(predicted, measured)} | "
+                     f"{time.perf_counter() - start:.0f} | {source} |")
+        print(lines[-1], flush=True)
+    return lines
+
+
+def _profile_option(meta: dict, profile: str | None) -> dict:
+    """The cluster profile the GPU run used: ``--profile``, else the one it names if it is a
+    preset or a file here, else the preset for its GPU."""
+    name = profile or meta.get("profile_arg")
+    if name and (name in PRESETS or Path(name).is_file()):
+        return {"profile": name}
+    if name:
+        raise SystemExit(f"plan_vs_measured: the GPU run used the profile {name!r}, which is "
+                         "not here; pass its file as --profile")
+    return {"profile": preset_for_device(meta.get("gpu", ""))}
+
+
+def _from_measured(path: str, profile: str | None) -> list[str]:
+    from train.workload import model_config
+
+    report = json.loads(Path(path).read_text())
+    meta = report["meta"]
+    cluster = _profile_option(meta, profile)
+    prof = resolve_profile(cluster)
+    world = int(meta["world_size"])
+    lines = [
+        f"# CPU plans against GPU runs ({meta['gpu']} x {world})", "",
+        f"- GPU run: `{meta['command']}` ({meta['git']}, {meta['date']} UTC)",
+        f"- CPU plans: `python benchmarks/plan_vs_measured.py --measured {path}` with the cluster "
+        f"profile {prof.name} ({prof.date})", "",
+        "| model | layers | batch x seq | CPU plan peak GiB | measured GiB | error | "
+        "GPU plan peak GiB | CPU plan step ms | measured step ms | error | GPU plan step ms | "
+        "plan s |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    print("\n".join(lines), flush=True)
+    for r in report["results"]:
+        c = r["config"]
+        seq = c.get("seq") or meta["seq"]
+        head = f"| {c['model']} | {c['layers']} | {c['batch']} x {seq} |"
+        if r.get("status") != "ok" or c["precision"] == "fp8":
+            why = "FP8: not planned on the CPU" if c["precision"] == "fp8" else r.get("status")
+            lines.append(f"{head} {why} |" + " |" * 8)
+            print(lines[-1], flush=True)
+            continue
+        cfg = model_config(c["model"], seq, bool(meta.get("tiny")), c["layers"])
+        start = time.perf_counter()
+        plan, _ = plan_model(llama_model(cfg), world, c["batch"], seq, {"cluster": cluster},
+                             setup=PlanSetup(precision="bf16", inductor=True))
+        seconds = time.perf_counter() - start
+        p = plan.predicted
+        step = p.step_time_s + optimizer_step_seconds(
+            p.param_bytes, sum(1 for _ in llama_model(cfg).build().parameters()), prof,
+            state_factor=plan.options.get("optimizer_state_factor", 2.0),
+            temp_factor=plan.options.get("optimizer_temp_factor", 1.0))
+        meas_peak, meas_step = r.get("measured_peak_bytes"), r.get("measured_step_s")
+        lines.append(
+            f"{head} {p.peak_bytes / GIB:.2f} | "
+            f"{'–' if not meas_peak else f'{meas_peak / GIB:.2f}'} | "
+            f"{_err(p.peak_bytes, meas_peak)} | {r['predicted_peak_bytes'] / GIB:.2f} | "
+            f"{step * 1e3:.1f} | {meas_step * 1e3:.1f} | {_err(step, meas_step)} | "
+            f"{r['predicted_step_s'] * 1e3:.1f} | {seconds:.0f} |")
+        print(lines[-1], flush=True)
+    lines += ["", "Goal: the CPU plan within 5% of the measured peak and 10% of the measured "
+              "step, as the plan made at compile time on the GPU is."]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--measured", action="append", default=None,
+                        help="predict_step.py's JSON report (GPU run) to plan and compare; "
+                             "repeat for several runs (one table each)")
+    parser.add_argument("--profile", default=None,
+                        help="cluster profile file or preset (default: the GPU run's)")
+    parser.add_argument("--out", default=None, help="write the table (markdown) here too")
+    parser.add_argument("--only", action="append", choices=list(ROWS),
+                        help="without --measured: these recorded runs only")
+    args = parser.parse_args(argv)
+    if args.measured:
+        lines = []
+        for path in args.measured:
+            lines += [*_from_measured(path, args.profile), ""]
+    else:
+        lines = _peaks_only(args.only)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text("\n".join(lines) + "\n")
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

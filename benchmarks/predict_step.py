@@ -1,0 +1,393 @@
+"""Predicted against measured training step: shardc's plan next to the GPU's clock.
+
+Launch with torchrun, one process per GPU (one GPU is fine)::
+
+    torchrun --nproc-per-node 1 benchmarks/predict_step.py --profile h100.json --out docs/bench
+    torchrun --nproc-per-node 1 benchmarks/predict_step.py --configs 1b:8:4,1b:16:4,wide:8:2:fp8
+    torchrun --nproc-per-node 2 benchmarks/predict_step.py --device cpu --tiny   # gloo smoke run
+
+Each configuration ``model:layers:batch[:fp8]`` (the models of ``train_bench.py``: ``1b``,
+``wide``; sequence 2048) is built, sharded with ``MixedPrecisionPolicy(bf16, fp32)`` (and
+``Float8Policy(modules=(Linear, Embedding))`` with ``:fp8``), compiled with the shardc backend
+(Inductor) and trained with AdamW (torch's default ``foreach``) on synthetic tokens. The table
+holds, per configuration:
+
+- predicted: the plan's forward+backward time (``plan.predicted.step_time_s``, every region),
+  the optimizer step (``shardc.planning.estimate.optimizer_step_seconds`` on the plan's
+  parameter bytes), their sum (the step), exposed communication and peak memory;
+- measured: the median over the timed steps of forward+backward, of the optimizer step and
+  zero_grad, and of the whole step (CUDA events), the slowest rank's; exposed communication from
+  a short ``torch.profiler`` trace (NCCL kernel time with no other kernel running; world > 1
+  only); peak memory allocated;
+- the step's error, predicted over measured, minus one.
+
+The cluster profile is ``--profile`` (a preset name or a file from ``python -m shardc
+calibrate``), else the preset for this GPU. Writes ``<name>.md`` and ``<name>.json`` under
+``--out`` with the command, commit, GPU, torch version and date; ``--deadline-s`` skips the
+configurations that would not finish in time (the table says which).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+warnings.filterwarnings("ignore", message=".*_get_pg_default_device.*")
+warnings.filterwarnings("ignore", message=".*Profiler clears events.*")
+_BENCHMARKS = Path(__file__).resolve().parent
+for _path in (_BENCHMARKS.parent, _BENCHMARKS):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+from train.provenance import git_describe, launch_command, nccl_version  # noqa: E402
+from train.setup import compiled_loss  # noqa: E402
+from train.workload import build_model, model_config, synthetic_batches  # noqa: E402
+
+import shardc  # noqa: E402
+from shardc.planning.estimate import optimizer_step_seconds  # noqa: E402
+from shardc.planning.profile import resolve_profile  # noqa: E402
+
+# Most telling first (a --deadline-s run keeps these): 8/16 layers, wide, batch, FP8, depth.
+DEFAULT_CONFIGS = ("1b:8:4,1b:16:4,wide:8:2,1b:8:1:s8192,1b:8:2,1b:8:1,1b:8:4:fp8,1b:32:4,"
+                   "wide:16:2")
+GIB = 1 << 30
+
+
+def parse_configs(text: str) -> list[dict[str, Any]]:
+    """``model:layers:batch[:fp8|bf16][:s<seq>]`` items; ``seq`` is ``None`` unless given (then
+    ``--seq``, else 2048)."""
+    out = []
+    for item in filter(None, text.split(",")):
+        parts = item.split(":")
+        extra = parts[3:]
+        precision = [x for x in extra if x in ("bf16", "fp8")]
+        seq = [x for x in extra if x.startswith("s") and x[1:].isdigit()]
+        if (len(parts) < 3 or parts[0] not in ("1b", "wide") or not parts[1].isdigit()
+                or not parts[2].isdigit() or len(precision) > 1 or len(seq) > 1
+                or len(precision) + len(seq) != len(extra)):
+            raise SystemExit(f"--configs: {item!r} is not model:layers:batch[:fp8|bf16][:sSEQ] "
+                             "(model 1b or wide; e.g. 1b:8:1:s8192)")
+        out.append({"model": parts[0], "layers": int(parts[1]), "batch": int(parts[2]),
+                    "precision": precision[0] if precision else "bf16",
+                    "seq": int(seq[0][1:]) if seq else None})
+    return out
+
+
+def _args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--configs", default=DEFAULT_CONFIGS,
+                   help=f"comma-separated model:layers:batch[:fp8] (default {DEFAULT_CONFIGS})")
+    p.add_argument("--profile", default=None,
+                   help="cluster profile: preset name (h100, h200) or JSON file (default: the "
+                        "preset for this GPU)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default 2048)")
+    p.add_argument("--steps", type=int, default=8, help="timed steps (median)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile)")
+    p.add_argument("--profile-steps", type=int, default=2,
+                   help="steps traced for exposed communication (world > 1 only; 0: none)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None)
+    p.add_argument("--tiny", action="store_true", help="tiny models (CPU smoke runs)")
+    p.add_argument("--deadline-s", type=float, default=0.0,
+                   help="skip configurations that would end later than this (0: no deadline)")
+    p.add_argument("--blocks-once", action="store_true",
+                   help="compile repeated blocks once (shardc's default since issue 18; the time "
+                        "model does not price block bodies yet, so off here)")
+    p.add_argument("--out", default="docs/bench")
+    p.add_argument("--name", default="predict_step")
+    return p.parse_args(argv)
+
+
+def _init(device_type: str) -> tuple[int, int, torch.device]:
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", "29513"))
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    if device_type == "cuda":
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def _setup(cfg, device, fp8: bool, cluster: dict | None, blocks_once: bool = False):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = build_model(cfg, device)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mp = shardc.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    policy = shardc.Float8Policy(modules=(nn.Linear, nn.Embedding)) if fp8 else None
+    shardc.shard(model, mesh, mp_policy=mp, fp8=policy)
+    options = {"cluster": cluster} if cluster else {}
+    # Blocks inline (as before issue 18): the time model does not price a compiled-once block
+    # body (invoke_subgraph) by its kernels yet; --blocks-once measures the default instead.
+    options["compile_blocks_once"] = blocks_once
+    if device.type != "cuda":
+        options["inductor"] = False
+    loss = compiled_loss(model, True, backend=shardc.backend(**options))
+    return model, loss
+
+
+def _events(device):
+    return [torch.cuda.Event(enable_timing=True) for _ in range(3)] if device.type == "cuda" \
+        else None
+
+
+def config_seq(c: dict, args) -> int:
+    return c.get("seq") or args.seq or (128 if args.tiny else 2048)
+
+
+def run_config(c: dict, args, device, cluster: dict | None, log) -> dict[str, Any]:
+    seq = config_seq(c, args)
+    cfg = model_config(c["model"], seq, args.tiny, c["layers"])
+    model, loss_fn = _setup(cfg, device, c["precision"] == "fp8", cluster, args.blocks_once)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    data = synthetic_batches(args.warmup + args.steps + args.profile_steps, c["batch"], seq,
+                             cfg.vocab_size, dist.get_rank(), device)
+    it = iter(data)
+    t0 = time.perf_counter()
+    for _ in range(args.warmup):
+        tokens, targets = next(it)
+        loss_fn(tokens, targets).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    compile_s = time.perf_counter() - t0
+    fwd_bwd, optim, step = [], [], []
+    for _ in range(args.steps):
+        tokens, targets = next(it)
+        ev = _events(device)
+        t = time.perf_counter()
+        if ev:
+            ev[0].record()
+        loss_fn(tokens, targets).backward()
+        t_mid = time.perf_counter()
+        if ev:
+            ev[1].record()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if ev:
+            ev[2].record()
+            ev[2].synchronize()
+            fwd_bwd.append(ev[0].elapsed_time(ev[1]) / 1e3)
+            optim.append(ev[1].elapsed_time(ev[2]) / 1e3)
+        else:
+            fwd_bwd.append(t_mid - t)
+            optim.append(time.perf_counter() - t_mid)
+        step.append(fwd_bwd[-1] + optim[-1])
+    res: dict[str, Any] = {
+        "measured_fwd_bwd_s": statistics.median(fwd_bwd),
+        "measured_optimizer_s": statistics.median(optim),
+        "measured_step_s": statistics.median(step),
+        "compile_s": compile_s,
+    }
+    if device.type == "cuda":
+        res["measured_peak_bytes"] = torch.cuda.max_memory_allocated(device)
+    if args.profile_steps and dist.get_world_size() > 1 and device.type == "cuda":
+        res["measured_exposed_comm_s"] = _exposed(loss_fn, opt, it, args.profile_steps, device)
+    plans = shardc.explain_all(model)
+    profile = resolve_profile(cluster, torch.cuda.get_device_name(device)
+                              if device.type == "cuda" else None)
+    options = plans[0].options if plans else {}
+    param_bytes = sum(p.predicted.get("param_bytes", 0.0) for p in plans)
+    n_params = sum(1 for _ in model.parameters())
+    res.update({
+        "profile": profile.name,
+        "predicted_fwd_bwd_s": sum(p.predicted.get("step_time_s", 0.0) for p in plans),
+        "predicted_optimizer_s": optimizer_step_seconds(
+            param_bytes, n_params, profile,
+            state_factor=options.get("optimizer_state_factor", 2.0),
+            temp_factor=options.get("optimizer_temp_factor", 1.0)),
+        "predicted_exposed_comm_s": sum(p.predicted.get("exposed_comm_s", 0.0) for p in plans),
+        "predicted_peak_bytes": max((p.predicted.get("peak_bytes", 0.0) for p in plans),
+                                    default=0.0),
+        "params": cfg.num_params(), "regions": len(plans),
+    })
+    res["predicted_step_s"] = res["predicted_fwd_bwd_s"] + res["predicted_optimizer_s"]
+    del model, loss_fn, opt, data, it, plans
+    return res
+
+
+def _exposed(loss_fn, opt, it, steps: int, device) -> float:
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+    from train.kernels import kernel_breakdown
+
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            tokens, targets = next(it)
+            loss_fn(tokens, targets).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize(device)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
+    return kernel_breakdown(events, steps)["exposed_comm_ms"] / 1e3
+
+
+def _slowest(per_rank: list[dict]) -> dict:
+    """The ranks' results merged: measured times and memory of the slowest rank."""
+    out = dict(per_rank[0])
+    for key in out:
+        if key.startswith("measured") and all(isinstance(r.get(key), float | int)
+                                              for r in per_rank):
+            out[key] = max(r[key] for r in per_rank)
+    return out
+
+
+def _ms(v) -> str:
+    return "–" if v is None else f"{v * 1e3:.1f}"
+
+
+def _err(pred, meas) -> str:
+    return "–" if not pred or not meas else f"{(pred / meas - 1) * 100:+.1f}%"
+
+
+def render(report: dict) -> str:
+    m = report["meta"]
+    lines = [
+        "# Predicted vs measured training step",
+        "",
+        f"- command: `{m['command']}`",
+        f"- commit: {m['git']}; date (UTC): {m['date']}",
+        f"- device: {m['gpu']} x {m['world_size']}; torch {m['torch']}; NCCL {m['nccl']}",
+        f"- cluster profile: {m['profile']}",
+        f"- sequence {m['seq']} unless a row names another; {m['steps']} timed steps (median), "
+        f"{m['warmup']} warm-up; AdamW (foreach); bf16 compute, fp32 master weights and reduction",
+        "",
+        "| model | layers | batch x seq | precision | predicted step ms | measured step ms | "
+        "error | pred fwd+bwd ms | meas fwd+bwd ms | pred optimizer ms | meas optimizer ms | "
+        "pred exposed comm ms | meas exposed comm ms | pred peak GiB | meas peak GiB |",
+        "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
+        "---: | ---: | ---: |",
+    ]
+    for r in report["results"]:
+        c = r["config"]
+        head = (f"| {c['model']} | {c['layers']} | {c['batch']} x {c.get('seq') or m['seq']} | "
+                f"{c['precision']} |")
+        if r.get("status") != "ok":
+            lines.append(f"{head} {r.get('status')}: {r.get('reason', '')[:120]} |" + " |" * 10)
+            continue
+        peak = (lambda v: "–" if not v else f"{v / GIB:.2f}")
+        lines.append(
+            f"{head} {_ms(r['predicted_step_s'])} | {_ms(r['measured_step_s'])} | "
+            f"{_err(r['predicted_step_s'], r['measured_step_s'])} | "
+            f"{_ms(r['predicted_fwd_bwd_s'])} | {_ms(r['measured_fwd_bwd_s'])} | "
+            f"{_ms(r['predicted_optimizer_s'])} | {_ms(r['measured_optimizer_s'])} | "
+            f"{_ms(r['predicted_exposed_comm_s'])} | {_ms(r.get('measured_exposed_comm_s'))} | "
+            f"{peak(r.get('predicted_peak_bytes'))} | {peak(r.get('measured_peak_bytes'))} |")
+    ok = [r for r in report["results"] if r.get("status") == "ok"]
+    if ok:
+        errs = [abs(r["predicted_step_s"] / r["measured_step_s"] - 1) for r in ok]
+        lines += ["", f"Step error: mean |error| {statistics.fmean(errs) * 100:.1f}%, max "
+                  f"{max(errs) * 100:.1f}% over {len(ok)} configuration(s); goal: within 10% "
+                  "(stretch 5%)."]
+    lines += ["", "Predicted step = the plan's forward+backward (fused kernels, attention as one "
+              "kernel, launch overhead, collectives on their lanes) + the optimizer step model. "
+              "Measured times are the slowest rank's medians (CUDA events)."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    args = _args(argv)
+    configs = parse_configs(args.configs)
+    device_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    rank, world, device = _init(device_type)
+    cluster = {"profile": args.profile} if args.profile else None
+    start = time.perf_counter()
+
+    def log(msg: str) -> None:
+        if rank == 0:
+            print(f"[{time.perf_counter() - start:6.1f}s] {msg}", flush=True)
+
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else (
+        platform.processor() or "cpu")
+    profile = resolve_profile(cluster, gpu if device.type == "cuda" else None)
+    meta = {
+        "command": launch_command(sys.argv if argv is None
+                                  else ["benchmarks/predict_step.py", *argv]),
+        "git": git_describe(), "gpu": gpu, "world_size": world, "torch": torch.__version__,
+        "nccl": nccl_version() if device.type == "cuda" else None,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
+        "profile": f"{profile.name} ({profile.source[:60]}; {profile.date})",
+        "profile_arg": args.profile, "tiny": args.tiny, "blocks_once": args.blocks_once,
+        "seq": args.seq or (128 if args.tiny else 2048), "steps": args.steps,
+        "warmup": args.warmup,
+    }
+    report: dict[str, Any] = {"meta": meta, "results": []}
+    out = Path(args.out)
+    durations: list[float] = []
+    for c in configs:
+        estimate = max(durations, default=60.0) * (c["layers"] / 8)
+        late = [bool(args.deadline_s) and time.perf_counter() - start + estimate
+                > args.deadline_s]
+        dist.broadcast_object_list(late, src=0)
+        if late[0]:
+            report["results"].append({"config": c, "status": "skipped",
+                                      "reason": f"deadline {args.deadline_s:.0f}s"})
+            continue
+        log(f"{c}: start")
+        t = time.perf_counter()
+        try:
+            res = run_config(c, args, device, cluster, log)
+            res["status"] = "ok"
+        except Exception as exc:  # record it and go on
+            res = {"status": "error", "reason": f"{type(exc).__name__}: {str(exc)[:500]}"}
+        gc.collect()
+        torch._dynamo.reset()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        per_rank: list[Any] = [None] * world
+        dist.all_gather_object(per_rank, res)
+        merged = _slowest(per_rank) if all(r["status"] == "ok" for r in per_rank) else next(
+            r for r in per_rank if r["status"] != "ok")
+        merged["config"] = c
+        merged["wall_s"] = time.perf_counter() - t
+        durations.append(merged["wall_s"] / (c["layers"] / 8))
+        report["results"].append(merged)
+        if merged["status"] == "ok":
+            log(f"{c}: predicted {merged['predicted_step_s'] * 1e3:.1f} ms, measured "
+                f"{merged['measured_step_s'] * 1e3:.1f} ms "
+                f"({_err(merged['predicted_step_s'], merged['measured_step_s'])}); "
+                f"fwd+bwd {_ms(merged['predicted_fwd_bwd_s'])}/"
+                f"{_ms(merged['measured_fwd_bwd_s'])}, optimizer "
+                f"{_ms(merged['predicted_optimizer_s'])}/{_ms(merged['measured_optimizer_s'])}")
+        else:
+            log(f"{c}: {merged['status']}: {merged.get('reason')}")
+        if rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"{args.name}.json").write_text(json.dumps(report, indent=1, default=str))
+            (out / f"{args.name}.md").write_text(render(report))
+    if rank == 0:
+        print(render(report), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""Estimators: how long one kernel, one collective, one optimizer step takes on a profile.
+
+Estimators price single things from a :class:`shardc.planning.profile.ClusterProfile`; the
+scheduler (:mod:`shardc.planning.schedule`) places them on the compute stream and the process
+groups' lanes and simulates the step. (Inductor keeps its estimators and schedulers apart the
+same way.)
+
+- matmul: ``2*m*n*k / rate(m, n, k, dtype)``, at least its bytes over the memory bandwidth;
+- attention (one fused kernel, forward or backward): its FLOPs (:func:`attention_flops`) over
+  the profile's attention rate for its sequence length and head dimension;
+- a fused group of pointwise ops and reductions, or any other memory-bound kernel: the bytes it
+  reads and writes (:mod:`shardc.planning.kernels`) over the bandwidth a kernel of that size
+  reaches;
+- every kernel takes at least ``kernel_gpu_s`` on the device and ``kernel_launch_s`` of host
+  time to launch (the scheduler keeps a host timeline, so CPU-bound stretches show);
+- a collective: the profile's curve for its kind and group size, else the ring model; the
+  copies that pack its send buffer and unpack what it received are memory-bound kernels.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import fx
+
+from shardc.passes.fx_utils import size_hint, tensor_nbytes
+from shardc.planning.cost_model import node_flops_and_bytes
+from shardc.planning.kernels import ATTENTION, FUSABLE, MATMUL, Kernel, base_name
+from shardc.planning.profile import ClusterProfile
+
+
+def _val(node) -> torch.Tensor | None:
+    v = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _shape(t: torch.Tensor) -> list[int]:
+    return [size_hint(s) for s in t.shape]
+
+
+def memory_seconds(nbytes: float, profile: ClusterProfile) -> float:
+    """Device time of a memory-bound kernel moving ``nbytes`` (reads plus writes)."""
+    if nbytes <= 0:
+        return 0.0
+    return nbytes / profile.memory_bandwidth(nbytes)
+
+
+def matmul_seconds(node: fx.Node, profile: ClusterProfile) -> float:
+    name = base_name(node)
+    args = [a for a in node.args if isinstance(a, fx.Node)]
+    flops, nbytes = node_flops_and_bytes(node)
+    a = b = None
+    if name in ("mm", "bmm", "_scaled_mm") and len(args) >= 2:
+        a, b = _val(args[0]), _val(args[1])
+    elif name in ("addmm", "baddbmm") and len(args) >= 3:
+        a, b = _val(args[1]), _val(args[2])
+    if a is not None and b is not None and a.dim() >= 2 and b.dim() >= 2:
+        sa, sb = _shape(a), _shape(b)
+        batch = math.prod(sa[:-2])
+        m, k, n = batch * sa[-2], sa[-1], sb[-1]
+        flops = 2.0 * m * n * k
+        rate = profile.matmul_rate(m, n, k, _dtype(a))
+    else:  # convolutions, grouped matmuls: at the rate of a large matmul
+        out = _val(node)
+        out = out if out is not None else (_val(args[0]) if args else None)
+        rate = profile.matmul_rate(8192, 8192, 8192, _dtype(out) if out is not None
+                                   else "bfloat16")
+    if flops <= 0:
+        return memory_seconds(nbytes, profile)
+    return max(flops / rate, memory_seconds(nbytes, profile))
+
+
+def _is_causal(node: fx.Node) -> bool:
+    """The ``is_causal`` argument of an attention op, by its schema (``True`` if unknown:
+    decoder training)."""
+    if "is_causal" in node.kwargs:
+        return bool(node.kwargs["is_causal"])
+    try:
+        normalized = node.normalized_arguments(node.graph.owning_module,
+                                               normalize_to_only_use_kwargs=True)
+    except Exception:  # noqa: BLE001 (no schema: assume causal)
+        normalized = None
+    if normalized is not None and "is_causal" in normalized.kwargs:
+        return bool(normalized.kwargs["is_causal"])
+    return True
+
+
+def attention_flops(q_shape: list[int], kv_len: int, causal: bool, backward: bool) -> float:
+    """FLOPs of one attention pass as flash attention counts them: ``4*B*H*Sq*Skv*D`` forward
+    (two matmuls), half of it when causal (masked blocks are skipped), 2.5x for the backward."""
+    flops = 4.0 * math.prod(q_shape[:-1]) * kv_len * q_shape[-1]
+    if causal:
+        flops *= 0.5
+    return flops * (2.5 if backward else 1.0)
+
+
+def attention_seconds(node: fx.Node, profile: ClusterProfile) -> float:
+    backward = "backward" in base_name(node)
+    tensors = [_val(a) for a in node.args if isinstance(a, fx.Node)]
+    tensors = [t for t in tensors if t is not None]
+    q, k = (tensors[1], tensors[2]) if backward and len(tensors) >= 3 else (
+        (tensors[0], tensors[1]) if len(tensors) >= 2 else (None, None))
+    if q is None or q.dim() < 3:
+        flops, nbytes = node_flops_and_bytes(node)
+        return max(flops / profile.attention_rate(2048, 128, backward, "bfloat16"),
+                   memory_seconds(nbytes, profile))
+    qs = _shape(q)
+    seq, kv_len = qs[-2], _shape(k)[-2]
+    flops = attention_flops(qs, kv_len, _is_causal(node), backward)
+    rate = profile.attention_rate(max(seq, kv_len), qs[-1], backward, _dtype(q))
+    return flops / rate
+
+
+def kernel_seconds(kernel: Kernel, profile: ClusterProfile) -> float:
+    """Device time of one kernel (at least ``kernel_gpu_s``)."""
+    node = kernel.nodes[0]
+    if kernel.kind == MATMUL:
+        t = matmul_seconds(node, profile)
+    elif kernel.kind == ATTENTION:
+        t = attention_seconds(node, profile)
+    elif kernel.kind == FUSABLE:
+        t = memory_seconds(kernel.bytes, profile)
+    else:  # an op Inductor does not fuse: roofline on its own numbers
+        flops, nbytes = node_flops_and_bytes(node)
+        t = max(flops / profile.peak_matmul_flops() if flops else 0.0,
+                memory_seconds(nbytes, profile))
+    return max(t, profile.kernel_gpu_s)
+
+
+def collective_copy_bytes(kind: str, graph_bytes: tuple[float, float], world: int
+                          ) -> tuple[float, float]:
+    """Bytes the copy kernels around one of shardc's collectives move: (packing the send buffer,
+    unpacking the received one). ``graph_bytes``: (bytes of the inputs as the graph holds them,
+    bytes of the collective's full buffer). An all-gather packs (casts) the shards and copies
+    each parameter out of the gathered buffer (a view when there is one rank); a reduce-scatter
+    packs the gradients (cast to the reduction dtype) and its outputs are views."""
+    inputs, buffer = graph_bytes
+    if kind == "all_gather":
+        return inputs + buffer / max(world, 1), (2.0 * buffer if world > 1 else 0.0)
+    if kind == "reduce_scatter":
+        return inputs + buffer, 0.0
+    return 0.0, 0.0
+
+
+def optimizer_step_seconds(param_bytes: float, n_params: int, profile: ClusterProfile, *,
+                           state_factor: float = 2.0, temp_factor: float = 1.0) -> float:
+    """Device time of the optimizer's step over this rank's parameter shards (``param_bytes``
+    of fp32 master weights in ``n_params`` tensors), outside the compiled graphs.
+
+    Adam/AdamW (``state_factor`` 2): torch's ``foreach`` implementation (``temp_factor`` 1)
+    runs about ten passes over the shards (lerp and mul/addcmul of the moments, sqrt, div, add
+    of eps, addcdiv into the parameters, weight decay), each reading and writing whole lists:
+    about 20 parameter-sized reads and writes; the fused one (``temp_factor`` 0) one pass (7).
+    SGD with momentum (``state_factor`` 1): about 5; plain SGD: 3. Each foreach op launches a
+    kernel per chunk of tensors (``n_params``/16 here, about what torch's chunking gives)."""
+    if state_factor >= 2:
+        passes, ops = (20.0, 10) if temp_factor > 0 else (7.0, 1)
+    elif state_factor >= 1:
+        passes, ops = 5.0, 3
+    else:
+        passes, ops = 3.0, 1
+    kernels = ops * max(1, math.ceil(n_params / 16))
+    moved = passes * param_bytes
+    return memory_seconds(moved, profile) + kernels * max(profile.kernel_gpu_s,
+                                                          profile.kernel_launch_s)
+
+
+def graph_input_bytes(nodes: list[fx.Node]) -> float:
+    return float(sum(tensor_nbytes(n.meta.get("val")) for n in nodes))

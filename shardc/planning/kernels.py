@@ -1,0 +1,246 @@
+"""Which kernels a graph becomes: aten ops grouped the way a fusing compiler (Inductor) fuses them.
+
+The estimator (:mod:`shardc.planning.estimate`) prices kernels, not aten ops: a chain of
+pointwise ops and reductions is one kernel that reads its inputs and writes its outputs once,
+whatever it computes in between. Rules (Inductor's, simplified):
+
+- views (and ``getitem``, ``detach``) are no kernel: their readers read the viewed tensor;
+- matmuls (``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``_scaled_mm``, convolutions) and fused
+  attention (``_scaled_dot_product_*``, flash / efficient / cuDNN) are one kernel each;
+- pointwise ops, reductions and the loops Inductor inlines (indexing, embedding lookups,
+  padding, fills, concatenation, softmax and norm decompositions) fuse with their producers and
+  readers of the same kind, and with other such ops that read the same tensor, when no kernel
+  that is not fused (a matmul, a collective, another op) lies on a path between them (fusing
+  across one would make a cycle), and their sizes are compatible (one iteration space divides
+  the other: a row reduction and the rowwise ops after it);
+- every other op (a scatter-add, a sort, an op Inductor falls back to) is a kernel of its own.
+
+Grouping is linear in the graph: each node gets an "epoch", the most non-fusable kernels on any
+path from the graph's inputs to it; two fusable ops connected by an edge fuse only in one epoch.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from shardc.passes.fx_utils import has_tag, is_view, op_overload, size_hint, tensor_nbytes
+
+VIEW, MATMUL, ATTENTION, FUSABLE, EXTERN = "view", "matmul", "attention", "fusable", "extern"
+
+_MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "convolution",
+                      "convolution_backward", "_grouped_mm", "_scaled_grouped_mm"})
+_ATTENTION_MARKS = ("scaled_dot_product", "flash_attention", "efficient_attention",
+                    "cudnn_attention")
+# Not tagged pointwise/reduction in aten's schema, yet computed by Inductor as loops it fuses
+# (or decomposed into such loops before lowering).
+_FUSABLE = frozenset({
+    "embedding", "gather", "index", "constant_pad_nd", "full", "full_like", "zeros", "ones",
+    "zeros_like", "ones_like", "empty_like", "scalar_tensor", "arange", "iota", "tril", "triu",
+    "slice_backward", "select_backward", "slice_scatter", "select_scatter", "cat", "stack",
+    "clone", "_to_copy", "copy", "copy_", "where", "masked_fill", "fill", "repeat", "expand_copy",
+    "_softmax", "_safe_softmax", "_log_softmax", "_softmax_backward_data",
+    "_log_softmax_backward_data", "native_layer_norm", "native_layer_norm_backward",
+    "_fused_rms_norm", "_fused_rms_norm_backward", "nll_loss_forward", "nll_loss_backward",
+    "silu_backward", "gelu_backward", "threshold_backward", "sigmoid_backward",
+    "tanh_backward", "sum", "mean", "amax", "amin", "var_mean", "var", "std", "prod", "max",
+    "min", "argmax", "argmin", "any", "all", "norm", "linalg_vector_norm", "cumsum",
+    "convert_element_type", "split_with_sizes_copy", "unbind_copy",
+})
+# Ops that only relabel memory (aten view ops are found by their schema).
+_ALIASES = frozenset({"detach", "alias", "_unsafe_view", "lift_fresh", "view", "reshape",
+                      "_reshape_alias", "t", "transpose", "permute", "expand", "squeeze",
+                      "unsqueeze", "slice", "select", "split", "split_with_sizes", "unbind",
+                      "as_strided", "view_as_real", "view_as_complex", "_unsafe_view_copy"})
+
+
+def base_name(node: fx.Node) -> str:
+    """An op's name without its overload (``aten.mm.default`` -> ``mm``)."""
+    op = op_overload(node)
+    if op is not None:
+        return op.overloadpacket.__name__
+    return getattr(node.target, "__name__", str(node.target)).split(".")[0]
+
+
+def classify(node: fx.Node) -> str:
+    """How a fusing compiler computes ``node``: one of ``view``, ``matmul``, ``attention``,
+    ``fusable`` or ``extern`` (see the module docstring)."""
+    if node.op != "call_function":
+        return VIEW if node.op in ("placeholder", "get_attr", "output") else EXTERN
+    if node.target is operator.getitem:
+        return VIEW
+    name = base_name(node)
+    if any(mark in name for mark in _ATTENTION_MARKS):
+        return ATTENTION
+    if name in _MATMULS:
+        return MATMUL
+    if name in _ALIASES or is_view(node):
+        return VIEW
+    op = op_overload(node)
+    if op is not None and op.namespace not in ("aten", "prims"):
+        return EXTERN  # collectives, shardc's and other libraries' ops
+    if name in _FUSABLE or has_tag(node, torch.Tag.pointwise) or has_tag(node, torch.Tag.reduction):
+        return FUSABLE
+    return EXTERN
+
+
+@dataclass
+class Kernel:
+    """One kernel: its ops (graph order), what kind it is and the bytes it moves to and from
+    device memory (fused intermediates excluded)."""
+
+    kind: str
+    nodes: list[fx.Node]
+    read_bytes: float = 0.0
+    write_bytes: float = 0.0
+    epoch: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def bytes(self) -> float:
+        return self.read_bytes + self.write_bytes
+
+    @property
+    def last(self) -> fx.Node:
+        return self.nodes[-1]
+
+
+def _numel(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    vals = val if isinstance(val, (list, tuple)) else [val]
+    return max((math.prod(size_hint(s) for s in v.shape) for v in vals
+                if isinstance(v, torch.Tensor)), default=1)
+
+
+def _iteration(node: fx.Node) -> int:
+    """Elements a fused loop runs over: a reduction's input, else the output."""
+    if has_tag(node, torch.Tag.reduction) and node.all_input_nodes:
+        return max(_numel(node), _numel(node.all_input_nodes[0]))
+    return _numel(node)
+
+
+def _compatible(a: int, b: int) -> bool:
+    lo, hi = min(a, b), max(a, b)
+    return lo > 0 and hi % lo == 0
+
+
+class _Groups:
+    """Union-find over fusable nodes, each root remembering its group's largest iteration."""
+
+    def __init__(self) -> None:
+        self.parent: dict[fx.Node, fx.Node] = {}
+        self.size: dict[fx.Node, int] = {}
+
+    def add(self, node: fx.Node, iteration: int) -> None:
+        self.parent[node] = node
+        self.size[node] = iteration
+
+    def find(self, node: fx.Node) -> fx.Node:
+        root = node
+        while self.parent[root] is not root:
+            root = self.parent[root]
+        while self.parent[node] is not root:
+            self.parent[node], node = root, self.parent[node]
+        return root
+
+    def union(self, a: fx.Node, b: fx.Node) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra is not rb:
+            self.parent[rb] = ra
+            self.size[ra] = max(self.size[ra], self.size[rb])
+
+
+def _root(node: fx.Node, kinds: dict[fx.Node, str]) -> fx.Node:
+    """The node whose memory ``node`` views (itself if it is not a view)."""
+    while kinds.get(node) == VIEW and node.op == "call_function" and node.all_input_nodes:
+        node = node.all_input_nodes[0]
+    return node
+
+
+def group_kernels(graph: fx.Graph, compute: list[fx.Node]) -> list[Kernel]:
+    """The kernels of ``graph``'s ``compute`` ops (the planner's positions; other nodes, such as
+    collectives, are kernels of their own that are not returned but still keep fusion from
+    crossing them), ordered by their last op's position."""
+    in_compute = set(compute)
+    kinds: dict[fx.Node, str] = {}
+    epoch: dict[fx.Node, int] = {}
+    groups = _Groups()
+    readers: dict[tuple[fx.Node, int], fx.Node] = {}  # (tensor, epoch) -> its first fusable reader
+    for node in graph.nodes:
+        kind = kinds[node] = classify(node)
+        e = 0
+        for i in node.all_input_nodes:
+            e = max(e, epoch.get(i, 0) + (kinds.get(i) not in (VIEW, FUSABLE)
+                                          and i.op == "call_function"))
+        epoch[node] = e
+        if kind != FUSABLE or node not in in_compute:
+            continue
+        groups.add(node, _iteration(node))
+        it = groups.size[node]
+        for i in node.all_input_nodes:
+            r = _root(i, kinds)
+            # Vertical fusion with a fusable producer, or horizontal fusion with an earlier
+            # reader of the same tensor (Inductor fuses kernels that share a read).
+            other = r if r in groups.parent else readers.setdefault((r, e), node)
+            if other is not node and epoch[other] == e and _compatible(
+                    groups.size[groups.find(other)], it):
+                groups.union(other, node)
+    members: dict[fx.Node, list[fx.Node]] = {}
+    kernels: list[Kernel] = []
+    for node in compute:
+        kind = kinds[node]
+        if kind == VIEW:
+            continue
+        if kind == FUSABLE:
+            members.setdefault(groups.find(node), []).append(node)
+        else:
+            kernels.append(Kernel(kind, [node], epoch=epoch[node]))
+    for nodes in members.values():
+        kernels.append(Kernel(FUSABLE, nodes, epoch=epoch[nodes[0]]))
+    position = {n: i for i, n in enumerate(compute)}
+    for k in kernels:
+        k.read_bytes, k.write_bytes = _traffic(k, kinds)
+    kernels.sort(key=lambda k: position[k.last])
+    return kernels
+
+
+def _traffic(kernel: Kernel, kinds: dict[fx.Node, str]) -> tuple[float, float]:
+    """Bytes a kernel reads (each outside tensor once, a view of a smaller tensor at that
+    tensor's size) and writes (its values read outside it, or graph outputs)."""
+    inside = set(kernel.nodes)
+    reads: dict[fx.Node, int] = {}
+    for node in kernel.nodes:
+        for i in node.all_input_nodes:
+            r = _root(i, kinds)
+            if r in inside:
+                continue
+            size = tensor_nbytes(i.meta.get("val"))
+            root_size = tensor_nbytes(r.meta.get("val"))
+            size = min(size, root_size) if root_size else size
+            reads[r] = max(reads.get(r, 0), size)
+    writes = 0
+    for node in kernel.nodes:
+        if _read_outside(node, inside, kinds):
+            writes += tensor_nbytes(node.meta.get("val"))
+    return float(sum(reads.values())), float(writes)
+
+
+def _read_outside(node: fx.Node, inside: set[fx.Node], kinds: dict[fx.Node, str]) -> bool:
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        for user in n.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if user.op == "output":
+                return True
+            if kinds.get(user) == VIEW:
+                stack.append(user)
+            elif user not in inside:
+                return True
+    return False

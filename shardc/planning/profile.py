@@ -1,0 +1,306 @@
+"""The cluster profile: what one device and its interconnect can do, measured or estimated.
+
+A :class:`ClusterProfile` is versioned, frozen data with a JSON form (``PROFILE_VERSION``). It
+holds measured points and a few fitted constants, and answers the cost estimator's questions
+(:mod:`shardc.planning.estimate`): how long a matmul of this shape takes, an attention kernel, a
+memory-bound kernel that moves this many bytes, a collective of this size over a group of this
+many ranks, what launching a kernel costs, and how much slower compute runs while a collective
+runs beside it. ``python -m shardc calibrate`` (:mod:`shardc.calibrate`) measures one; the
+presets in ``shardc/planning/profiles/`` ship with the package, each naming the command and date
+that made it (or, for an estimate, its sources).
+
+Lookups interpolate (:mod:`shardc.planning.fit`): matmul and attention rates by shape (inverse-
+distance weighting in log space over the nearest measured shapes), memory-bound bandwidth by the
+bytes a kernel moves, collective time piecewise-linearly over the measured sizes of that kind
+and group size; group sizes never measured (planning for 1024 ranks) use the ring model of
+:mod:`shardc.planning.cost_model` at the profile's fitted link bandwidth and latency.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from shardc.planning.cost_model import ClusterSpec
+from shardc.planning.fit import interp_linear, interp_log, interp_nearest_log
+
+PROFILE_FORMAT = "shardc-cluster-profile"
+PROFILE_VERSION = 1
+READABLE_PROFILE_VERSIONS = (1,)
+PRESETS = ("h100", "h200")
+
+
+class ProfileError(ValueError):
+    """A cluster profile that cannot be read (wrong format or version, missing fields)."""
+
+
+@dataclass(frozen=True)
+class MatmulPoint:
+    """Achieved FLOP/s of ``(m, k) @ (k, n)`` in ``dtype`` (``2*m*n*k`` FLOPs)."""
+
+    dtype: str
+    m: int
+    n: int
+    k: int
+    flops_per_s: float
+
+
+@dataclass(frozen=True)
+class AttentionPoint:
+    """Achieved FLOP/s of the fused attention kernel (flash / memory-efficient) for one pass
+    (``"forward"`` or ``"backward"``) at a sequence length and head dimension. FLOPs are counted
+    as :func:`attention_flops` counts them (causal: half the square)."""
+
+    dtype: str
+    seq: int
+    head_dim: int
+    causal: bool
+    pass_: str
+    flops_per_s: float
+
+
+@dataclass(frozen=True)
+class CollectiveCurve:
+    """Measured seconds of one collective kind over one group size, by buffer bytes (the
+    gathered / unreduced buffer, as plans count ``buffer_bytes``)."""
+
+    kind: str
+    group_size: int
+    level: str  # "intra" (within a node) | "inter"
+    points: tuple[tuple[int, float], ...]  # (buffer bytes, seconds), the median of repeats
+
+
+@dataclass(frozen=True)
+class Link:
+    """The ring model's constants for one level of the network (fitted or estimated)."""
+
+    bus_bandwidth: float  # bytes/s per rank
+    latency_s: float  # per ring step
+
+
+@dataclass(frozen=True)
+class ClusterProfile:
+    """See the module docstring. ``memory`` holds ``(bytes moved, bytes/s)`` of memory-bound
+    kernels; ``kernel_gpu_s`` is the fixed device time of one kernel (launch latency, tail),
+    ``kernel_launch_s`` the host time to launch one from a compiled graph;
+    ``overlap_slowdown`` multiplies compute time while a collective runs."""
+
+    name: str
+    device: str
+    source: str  # "measured" or the estimate's sources
+    command: str
+    date: str
+    torch: str = ""
+    device_memory_bytes: int = 0
+    gpus: int = 1
+    matmul: tuple[MatmulPoint, ...] = ()
+    attention: tuple[AttentionPoint, ...] = ()
+    memory: tuple[tuple[int, float], ...] = ()
+    kernel_gpu_s: float = 2e-6
+    kernel_launch_s: float = 6e-6
+    collective_launch_s: float = 15e-6
+    collectives: tuple[CollectiveCurve, ...] = ()
+    intra: Link = field(default_factory=lambda: Link(350e9, 4e-6))
+    inter: Link = field(default_factory=lambda: Link(40e9, 10e-6))
+    overlap_slowdown: float = 1.1
+    # GPUs per node sharing the ``intra`` link; a group of more ranks spans nodes and runs at the
+    # ``inter`` link (its ring crosses the network). Calibration on one node cannot see the target
+    # cluster's nodes: override with ``{"profile": ..., "node_size": N}`` / ``--node-size``.
+    node_size: int = 8
+    notes: tuple[str, ...] = ()
+    version: int = PROFILE_VERSION
+
+    # ------------------------------------------------------------------ lookups
+
+    def matmul_rate(self, m: int, n: int, k: int, dtype: str) -> float:
+        """FLOP/s of an ``m x k @ k x n`` matmul in ``dtype``: the measured table of that dtype
+        (float8 without a table: twice bfloat16; other dtypes without one: float32's, else an
+        eighth of bfloat16's)."""
+        table = self._matmul_table(dtype)
+        scale = 1.0
+        if not table:
+            if dtype.startswith("float8"):
+                table, scale = self._matmul_table("bfloat16"), 2.0
+            else:
+                table = self._matmul_table("float32")
+                if not table:
+                    table, scale = self._matmul_table("bfloat16"), 1 / 8
+        if not table:
+            raise ProfileError(f"shardc profile {self.name!r} has no matmul timings")
+        return scale * interp_nearest_log(table, (m, n, k))
+
+    def _matmul_table(self, dtype: str) -> list[tuple[tuple[float, ...], float]]:
+        return [((p.m, p.n, p.k), p.flops_per_s) for p in self.matmul if p.dtype == dtype]
+
+    def attention_rate(self, seq: int, head_dim: int, backward: bool, dtype: str) -> float:
+        """FLOP/s of the fused attention kernel (forward or backward pass)."""
+        pass_ = "backward" if backward else "forward"
+        pts = [((p.seq, p.head_dim), p.flops_per_s) for p in self.attention
+               if p.pass_ == pass_ and p.dtype == dtype]
+        pts = pts or [((p.seq, p.head_dim), p.flops_per_s) for p in self.attention
+                      if p.pass_ == pass_]
+        if not pts:  # no attention timings: as fast as a large matmul, halved
+            return 0.5 * self.matmul_rate(8192, 8192, 8192, "bfloat16")
+        return interp_nearest_log(pts, (seq, head_dim))
+
+    def memory_bandwidth(self, nbytes: float) -> float:
+        """Bytes/s a memory-bound kernel moving ``nbytes`` (reads plus writes) reaches."""
+        if not self.memory:
+            raise ProfileError(f"shardc profile {self.name!r} has no memory bandwidth")
+        return interp_log(self.memory, max(nbytes, 1.0))
+
+    def collective_seconds(self, kind: str, buffer_bytes: int, group_size: int,
+                           level: str = "intra") -> float:
+        """Seconds of one collective over ``buffer_bytes`` (the full buffer) and ``group_size``
+        ranks: the measured curve of that kind and size, else the ring model at this level's
+        link (:meth:`ClusterSpec.collective_seconds`); a group larger than ``node_size`` spans
+        nodes and runs at the ``inter`` link whatever ``level`` says; a one-rank group's is a
+        device-to-device copy of the buffer."""
+        if group_size <= 1:
+            # shardc lowers a one-rank group's collectives too (docs/overhead.md: they show in
+            # a world-1 profile): NCCL copies the send buffer into the receive buffer.
+            if buffer_bytes <= 0 or not self.memory:
+                return 0.0
+            return 2.0 * buffer_bytes / self.memory_bandwidth(2.0 * buffer_bytes) \
+                + self.kernel_gpu_s
+        if group_size > self.node_size:
+            level = "inter"
+        for curve in self.collectives:
+            if (curve.kind, curve.group_size, curve.level) == (str(kind), group_size, level):
+                return max(interp_linear(curve.points, buffer_bytes), 0.0)
+        return self.ring_spec().collective_seconds(str(kind), buffer_bytes, group_size, level)
+
+    def ring_spec(self) -> ClusterSpec:
+        """The analytical ring model at this profile's links (for unmeasured group sizes)."""
+        return ClusterSpec(bus_bandwidth=self.intra.bus_bandwidth, latency_s=self.intra.latency_s,
+                           inter_node_bandwidth=self.inter.bus_bandwidth,
+                           inter_node_latency_s=self.inter.latency_s)
+
+    def peak_matmul_flops(self, dtype: str = "bfloat16") -> float:
+        table = self._matmul_table(dtype)
+        return max((v for _, v in table), default=0.0)
+
+    # ------------------------------------------------------------------ JSON
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["format"] = PROFILE_FORMAT
+        for p in data["attention"]:
+            p["pass"] = p.pop("pass_")
+        return json.loads(json.dumps(data))
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1) + "\n"
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ClusterProfile:
+        if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
+            raise ProfileError("shardc: not a cluster profile (its JSON has no "
+                               f"\"format\": \"{PROFILE_FORMAT}\"); make one with "
+                               "`python -m shardc calibrate --out FILE`")
+        version = data.get("version")
+        if version not in READABLE_PROFILE_VERSIONS:
+            raise ProfileError(
+                f"shardc: cluster profile {data.get('name')!r} has version {version!r}; this "
+                f"shardc reads versions {', '.join(map(str, READABLE_PROFILE_VERSIONS))}. "
+                "Measure it again with `python -m shardc calibrate` or upgrade shardc.")
+        data = dict(data)
+        data.pop("format")
+        try:
+            data["matmul"] = tuple(MatmulPoint(**p) for p in data.get("matmul", ()))
+            data["attention"] = tuple(
+                AttentionPoint(**{("pass_" if k == "pass" else k): v for k, v in p.items()})
+                for p in data.get("attention", ()))
+            data["memory"] = tuple((int(b), float(r)) for b, r in data.get("memory", ()))
+            data["collectives"] = tuple(
+                CollectiveCurve(c["kind"], c["group_size"], c.get("level", "intra"),
+                                tuple((int(b), float(t)) for b, t in c["points"]))
+                for c in data.get("collectives", ()))
+            for level in ("intra", "inter"):
+                if level in data:
+                    data[level] = Link(**data[level])
+            data["notes"] = tuple(data.get("notes", ()))
+            return cls(**data)
+        except (TypeError, KeyError) as exc:
+            raise ProfileError(f"shardc: cluster profile {data.get('name')!r} is malformed: "
+                               f"{exc}") from exc
+
+    @classmethod
+    def from_json(cls, text: str) -> ClusterProfile:
+        return cls.from_dict(json.loads(text))
+
+
+def preset_path(name: str):
+    return resources.files("shardc.planning") / "profiles" / f"{name}.json"
+
+
+def load_profile(name_or_path: str) -> ClusterProfile:
+    """A preset by name (``h100``, ``h200``) or a profile JSON file by path."""
+    if name_or_path in PRESETS:
+        return ClusterProfile.from_json(preset_path(name_or_path).read_text())
+    path = Path(name_or_path)
+    if not path.exists():
+        raise ProfileError(f"shardc: no cluster profile {name_or_path!r}: neither a preset "
+                           f"({', '.join(PRESETS)}) nor a file")
+    return ClusterProfile.from_json(path.read_text())
+
+
+def preset_for_device(device_name: str) -> str:
+    """The preset closest to a device by its name (``torch.cuda.get_device_name``)."""
+    return "h200" if "H200" in device_name.upper() else "h100"
+
+
+# Keys of the analytical ClusterSpec that ``ShardcOptions.cluster`` has always accepted.
+_SPEC_KEYS = {f.name for f in dataclasses.fields(ClusterSpec)}
+
+
+def resolve_profile(cluster: dict | None, device_name: str | None = None) -> ClusterProfile:
+    """The profile ``ShardcOptions.cluster`` asks for.
+
+    - ``None``: the preset for ``device_name`` (the compiling GPU), else ``h100``;
+    - ``{"profile": name or path, ...}``: that profile; other keys override its scalar fields;
+    - a full profile dict (``"format"`` set): that profile;
+    - the ``ClusterSpec`` keys (``peak_flops``, ``mem_bandwidth``, ``bus_bandwidth``,
+      ``latency_s``, ``inter_node_*``): the default preset with those rates replacing its
+      matmul/attention tables (one flat rate), memory bandwidth and links.
+    """
+    if cluster and cluster.get("format") == PROFILE_FORMAT:
+        return ClusterProfile.from_dict(cluster)
+    cluster = dict(cluster or {})
+    name = cluster.pop("profile", None) or preset_for_device(device_name or "")
+    base = load_profile(name)
+    spec_keys = {k: cluster.pop(k) for k in list(cluster) if k in _SPEC_KEYS}
+    if spec_keys:
+        base = _with_spec(base, ClusterSpec(**spec_keys), set(spec_keys))
+    if cluster:
+        known = {f.name for f in dataclasses.fields(ClusterProfile)}
+        unknown = sorted(set(cluster) - known)
+        if unknown:
+            raise ProfileError(f"shardc: unknown cluster option(s) {unknown}; use 'profile', "
+                               f"ClusterSpec fields {sorted(_SPEC_KEYS)} or profile fields")
+        for level in ("intra", "inter"):
+            if isinstance(cluster.get(level), dict):
+                cluster[level] = Link(**cluster[level])
+        base = dataclasses.replace(base, **cluster)
+    return base
+
+
+def _with_spec(base: ClusterProfile, spec: ClusterSpec, given: set[str]) -> ClusterProfile:
+    changes: dict[str, Any] = {}
+    if "peak_flops" in given:
+        changes["matmul"] = (MatmulPoint("bfloat16", 8192, 8192, 8192, spec.peak_flops),)
+        changes["attention"] = tuple(
+            AttentionPoint("bfloat16", 4096, 128, True, p, spec.peak_flops)
+            for p in ("forward", "backward"))
+    if "mem_bandwidth" in given:
+        changes["memory"] = ((1 << 30, spec.mem_bandwidth),)
+    if given & {"bus_bandwidth", "latency_s"}:
+        changes["intra"] = Link(spec.bus_bandwidth, spec.latency_s)
+        changes["collectives"] = ()
+    if given & {"inter_node_bandwidth", "inter_node_latency_s"}:
+        changes["inter"] = Link(spec.inter_node_bandwidth, spec.inter_node_latency_s)
+    return dataclasses.replace(base, name=f"{base.name}+overrides", **changes)

@@ -1,0 +1,414 @@
+"""``python -m shardc calibrate``: measure this machine and write a cluster profile.
+
+    python -m shardc calibrate --out h100.json                     # one GPU, ~30-60 s
+    torchrun --nproc-per-node 2 -m shardc calibrate --out 2xh200.json   # + collectives
+    python -m shardc calibrate --device cpu --quick --out cpu.json     # degraded: CPU timings
+
+Measures what :class:`shardc.planning.profile.ClusterProfile` holds: matmul throughput by shape
+(bf16, fp32 and, where the GPU has it, FP8), fused attention forward/backward by sequence length
+and head dimension, memory-bound kernel bandwidth by bytes moved, the device time and host
+launch time of one small kernel, and, when launched with more than one process, all-gather /
+reduce-scatter / all-reduce time over buffer sizes 64 KiB..1 GiB for each power-of-two group
+size up to the world, the ring model's bandwidth and latency fitted to them, and how much slower
+a matmul runs while an all-gather runs beside it. Rank 0 writes the profile.
+
+Without a GPU it refuses unless ``--device cpu`` is given: then it times the same things on the
+CPU (smaller shapes), which makes a profile of this CPU, useful for tests, not for a GPU plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from shardc.planning.cost_model import ring_terms
+from shardc.planning.fit import fit_alpha_beta
+from shardc.planning.profile import (
+    AttentionPoint,
+    ClusterProfile,
+    CollectiveCurve,
+    Link,
+    MatmulPoint,
+)
+
+MIB = 1 << 20
+COLLECTIVE_SIZES = tuple(64 * 1024 * 4 ** i for i in range(8))  # 64 KiB .. 1 GiB
+# (m, n, k): square sizes and the shapes of transformer training (tokens x dim x ffn).
+GPU_MATMULS = ((1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192),
+               (8192, 2048, 2048), (8192, 5632, 2048), (8192, 2048, 5632), (8192, 32000, 2048),
+               (8192, 4096, 4096), (8192, 11008, 4096), (8192, 4096, 11008),
+               (2048, 2048, 8192), (4096, 11008, 8192), (16384, 2048, 2048))
+CPU_MATMULS = ((128, 128, 128), (256, 256, 256), (512, 512, 512), (512, 1024, 256))
+GPU_ATTENTION = ((1024, 128), (2048, 128), (4096, 128), (8192, 128), (2048, 64), (8192, 64))
+CPU_ATTENTION = ((128, 32), (256, 32))
+GPU_MEMORY = tuple(64 * 1024 * 4 ** i for i in range(8))
+CPU_MEMORY = tuple(64 * 1024 * 4 ** i for i in range(5))
+
+
+class Timer:
+    """Median seconds of a callable: CUDA events on a GPU, the wall clock on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def median(self, fn: Callable[[], object], reps: int = 5, warmup: int = 2) -> float:
+        for _ in range(warmup):
+            fn()
+        self.sync()
+        times = []
+        for _ in range(reps):
+            if self.device.type == "cuda":
+                start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+
+def measure_matmuls(timer: Timer, shapes, dtypes) -> list[MatmulPoint]:
+    out = []
+    dev = timer.device
+    for dtype in dtypes:
+        for m, n, k in shapes:
+            if dtype.is_floating_point and dtype.itemsize == 1:  # FP8: torch._scaled_mm
+                point = _fp8_matmul(timer, m, n, k, dtype)
+                if point is not None:
+                    out.append(point)
+                continue
+            a = torch.randn(m, k, device=dev, dtype=dtype)
+            b = torch.randn(k, n, device=dev, dtype=dtype)
+            seconds = timer.median(functools.partial(torch.mm, a, b))
+            out.append(MatmulPoint(str(dtype).removeprefix("torch."), m, n, k,
+                                   2.0 * m * n * k / seconds))
+    return out
+
+
+def _fp8_matmul(timer: Timer, m: int, n: int, k: int, dtype: torch.dtype) -> MatmulPoint | None:
+    from shardc import _torch
+
+    dev = timer.device
+    try:
+        a = torch.randn(m, k, device=dev).to(dtype)
+        b = torch.randn(n, k, device=dev).to(dtype).t()
+        one = torch.ones((), device=dev)
+        _torch.scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    except (RuntimeError, TypeError):  # no FP8 on this device
+        return None
+    seconds = timer.median(lambda: _torch.scaled_mm(a, b, scale_a=one, scale_b=one,
+                                                    out_dtype=torch.bfloat16))
+    return MatmulPoint(str(dtype).removeprefix("torch."), m, n, k, 2.0 * m * n * k / seconds)
+
+
+def measure_attention(timer: Timer, shapes, dtype, tokens: int) -> list[AttentionPoint]:
+    """Fused causal attention (the backend SDPA picks: flash on Hopper) over ``tokens`` tokens
+    per batch, ``dim / head_dim`` heads of a 2048-wide model; backward timed as forward plus
+    backward less forward."""
+    from shardc.planning.estimate import attention_flops
+
+    out = []
+    dev = timer.device
+    for seq, head_dim in shapes:
+        batch, heads = max(1, tokens // seq), max(1, 2048 // head_dim)
+        q, k, v = (torch.randn(batch, heads, seq, head_dim, device=dev, dtype=dtype,
+                               requires_grad=True) for _ in range(3))
+        grad = torch.randn_like(q)
+
+        fwd = functools.partial(F.scaled_dot_product_attention, q, k, v, is_causal=True)
+
+        def fwd_bwd(fwd=fwd, inputs=(q, k, v), grad=grad):
+            torch.autograd.grad(fwd(), inputs, grad)
+
+        t_f = timer.median(fwd)
+        t_fb = timer.median(fwd_bwd)
+        shape = [batch, heads, seq, head_dim]
+        name = str(dtype).removeprefix("torch.")
+        out.append(AttentionPoint(name, seq, head_dim, True, "forward",
+                                  attention_flops(shape, seq, True, False) / t_f))
+        out.append(AttentionPoint(name, seq, head_dim, True, "backward",
+                                  attention_flops(shape, seq, True, True) / max(t_fb - t_f,
+                                                                                1e-9)))
+    return out
+
+
+def measure_memory(timer: Timer, sizes) -> list[tuple[int, float]]:
+    """Bytes/s of ``z = x + y`` (a fused kernel's typical traffic: two reads, one write) by the
+    bytes it moves."""
+    out = []
+    for moved in sizes:
+        n = max(1, moved // 12)  # three fp32 tensors
+        x, y, z = (torch.ones(n, device=timer.device) for _ in range(3))
+        seconds = timer.median(functools.partial(torch.add, x, y, out=z), reps=7)
+        out.append((12 * n, 12 * n / seconds))
+    return out
+
+
+def measure_kernel_overheads(timer: Timer) -> tuple[float, float]:
+    """(device seconds of one tiny kernel back to back, host seconds to launch one)."""
+    dev, n = timer.device, 400
+    x = torch.ones(16, device=dev)
+    if dev.type != "cuda":
+        seconds = timer.median(lambda: [x.add_(1) for _ in range(n)], reps=3) / n
+        return seconds, seconds
+    big = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    for _ in range(2):  # keep the device busy so the host runs ahead and queues all launches
+        for _ in range(8):
+            big @ big
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        start.record()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            x.add_(1)
+        host = (time.perf_counter() - t0) / n
+        end.record()
+        end.synchronize()
+    return start.elapsed_time(end) / 1e3 / n, host
+
+
+# ------------------------------------------------------------------------------ collectives
+
+
+def _groups(world: int):
+    """Power-of-two group sizes up to the world (and the world), each with the group holding
+    rank 0; every rank creates every group (``new_group`` is collective)."""
+    import torch.distributed as dist
+
+    sizes = sorted({s for s in (2 ** i for i in range(1, world.bit_length())) if s <= world}
+                   | {world})
+    out = []
+    for size in sizes:
+        group = dist.group.WORLD if size == world else dist.new_group(list(range(size)))
+        out.append((size, group))
+    return out
+
+
+def measure_collectives(timer: Timer, sizes, quick: bool) -> list[CollectiveCurve]:
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    curves = []
+    for size, group in _groups(world):
+        member = rank < size
+        for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+            points = []
+            for nbytes in sizes:
+                seconds = _time_collective(timer, kind, nbytes, size, group, member, quick)
+                # The slowest rank's median: a collective ends when its last rank does.
+                t = torch.tensor([seconds], device=timer.device, dtype=torch.float64)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                points.append((int(nbytes), float(t.item())))
+            curves.append(CollectiveCurve(kind, size, "intra", tuple(points)))
+    return curves
+
+
+def _time_collective(timer: Timer, kind: str, nbytes: int, size: int, group, member: bool,
+                     quick: bool) -> float:
+    import torch.distributed as dist
+
+    if not member:
+        return 0.0
+    dev = timer.device
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    numel = max(size, nbytes // dtype.itemsize // size * size)
+    full = torch.empty(numel, device=dev, dtype=dtype)
+    part = torch.empty(numel // size, device=dev, dtype=dtype)
+    if kind == "all_gather":
+        def fn():
+            dist.all_gather_into_tensor(full, part, group=group)
+    elif kind == "reduce_scatter":
+        def fn():
+            dist.reduce_scatter_tensor(part, full, group=group)
+    else:
+        def fn():
+            dist.all_reduce(full, group=group)
+    reps = 3 if quick or nbytes >= 256 * MIB else 5
+    return timer.median(fn, reps=reps, warmup=1 if nbytes >= 256 * MIB else 2)
+
+
+def fit_link(curves: list[CollectiveCurve]) -> Link | None:
+    """The ring model's per-rank bus bandwidth and per-step latency from measured curves: per
+    curve, an alpha-beta fit of time against wire bytes over its sizes of 16 MiB and more gives
+    a bandwidth, and its smallest size's time less the wire time, per ring step, a latency; the
+    link takes the median of each."""
+    bandwidths, latencies = [], []
+    for c in curves:
+        steps, frac = ring_terms(c.kind, c.group_size)
+        large = [(frac * n, t) for n, t in c.points if n >= 16 * MIB]
+        if len(large) < 2:
+            continue
+        _, bandwidth = fit_alpha_beta([w for w, _ in large], [t for _, t in large])
+        n, t = min(c.points)
+        bandwidths.append(bandwidth)
+        latencies.append(max(0.0, (t - frac * n / bandwidth) / steps))
+    if not bandwidths:
+        return None
+    return Link(statistics.median(bandwidths), statistics.median(latencies))
+
+
+def measure_overlap(timer: Timer) -> float | None:
+    """Compute slowdown while an all-gather runs on another stream: a matmul loop's time beside
+    a longer all-gather loop over its time alone (the slowest rank's)."""
+    import torch.distributed as dist
+
+    if timer.device.type != "cuda":
+        return None
+    dev = timer.device
+    a = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
+    world = dist.get_world_size()
+    part = torch.empty(128 * MIB // world, device=dev, dtype=torch.bfloat16)
+    full = torch.empty(part.numel() * world, device=dev, dtype=torch.bfloat16)
+
+    def compute():
+        for _ in range(20):
+            a @ a
+
+    alone = timer.median(compute)
+    comm = torch.cuda.Stream(dev)
+
+    beside = []
+    for _ in range(3):
+        comm.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(comm):
+            for _ in range(40):  # longer than the matmuls: they run beside it throughout
+                dist.all_gather_into_tensor(full, part)
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        start.record()
+        compute()
+        end.record()
+        torch.cuda.current_stream(dev).wait_stream(comm)
+        torch.cuda.synchronize(dev)
+        beside.append(start.elapsed_time(end) / 1e3)
+    t = torch.tensor([statistics.median(beside) / alone], device=dev, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return max(1.0, float(t.item()))
+
+
+# ------------------------------------------------------------------------------ driver
+
+
+def calibrate(device: torch.device, *, quick: bool = False, name: str | None = None,
+              command: str = "", log: Callable[[str], None] = print) -> ClusterProfile:
+    """Measure this device (and the process group, if one is initialized with more than one
+    rank) and return the profile. Every rank must call it."""
+    import torch.distributed as dist
+
+    timer = Timer(device)
+    gpu = device.type == "cuda"
+    t0 = time.perf_counter()
+    if gpu:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        shapes = GPU_MATMULS[:6] if quick else GPU_MATMULS
+        dtypes = [torch.bfloat16, torch.float8_e4m3fn]
+        mm = measure_matmuls(timer, shapes, dtypes)
+        mm += measure_matmuls(timer, ((4096, 4096, 4096), (8192, 8192, 8192)), [torch.float32])
+        log(f"matmul: {len(mm)} shapes ({time.perf_counter() - t0:.0f} s)")
+        attn = measure_attention(timer, GPU_ATTENTION[:3] if quick else GPU_ATTENTION,
+                                 torch.bfloat16, tokens=8192)
+        mem = measure_memory(timer, GPU_MEMORY)
+        dev_name = torch.cuda.get_device_name(device)
+        capacity = torch.cuda.get_device_properties(device).total_memory
+    else:
+        mm = measure_matmuls(timer, CPU_MATMULS, [torch.float32, torch.bfloat16])
+        attn = measure_attention(timer, CPU_ATTENTION, torch.float32, tokens=512)
+        mem = measure_memory(timer, CPU_MEMORY)
+        dev_name, capacity = f"CPU ({os.cpu_count()} cores)", 0
+    log(f"attention and memory ({time.perf_counter() - t0:.0f} s)")
+    gpu_s, launch_s = measure_kernel_overheads(timer)
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    curves, link, slowdown = [], None, None
+    if world > 1:
+        sizes = COLLECTIVE_SIZES if gpu else COLLECTIVE_SIZES[:4]
+        curves = measure_collectives(timer, sizes, quick)
+        link = fit_link(curves)
+        slowdown = measure_overlap(timer)
+        log(f"collectives over {world} ranks ({time.perf_counter() - t0:.0f} s)")
+    defaults = ClusterProfile(name="", device="", source="", command="", date="")
+    notes = [f"calibrated in {time.perf_counter() - t0:.0f} s"]
+    if world == 1:
+        notes.append("one process: no collective timings; the links and the overlap slowdown "
+                     "are the defaults (ring model)")
+    return ClusterProfile(
+        name=name or (dev_name.split()[1].lower() if gpu and len(dev_name.split()) > 1
+                      else "cpu"),
+        device=dev_name, source="measured", command=command,
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        torch=torch.__version__, device_memory_bytes=int(capacity), gpus=world,
+        node_size=max(defaults.node_size, int(os.environ.get("LOCAL_WORLD_SIZE", 1))),
+        matmul=tuple(mm), attention=tuple(attn), memory=tuple(mem),
+        kernel_gpu_s=gpu_s, kernel_launch_s=launch_s,
+        collectives=tuple(curves), intra=link or defaults.intra,
+        overlap_slowdown=slowdown if slowdown is not None else defaults.overlap_slowdown,
+        notes=tuple(notes))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m shardc calibrate",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=None, help="profile JSON to write (default: print it)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                   help="default: cuda; cpu only when asked (a degraded, CPU-only profile)")
+    p.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
+    p.add_argument("--name", default=None, help="the profile's name (default: from the GPU)")
+    args = p.parse_args(argv)
+    device_type = args.device or "cuda"
+    if device_type == "cuda" and not torch.cuda.is_available():
+        print("shardc calibrate: no CUDA device here. Calibrate on the GPU machine you plan for; "
+              "without one, plan with a preset (h100, h200), or pass --device cpu for a "
+              "CPU-only profile (tests).", file=sys.stderr)
+        return 2
+    import torch.distributed as dist
+
+    launched = "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if launched:
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        if device_type == "cuda":
+            torch.cuda.set_device(local)
+            device = torch.device("cuda", local)
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            device = torch.device("cpu")
+            dist.init_process_group("gloo")
+    else:
+        device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" \
+            else torch.device("cpu")
+    rank = dist.get_rank() if launched else 0
+    command = " ".join(["python -m shardc calibrate", *(argv if argv is not None
+                                                        else sys.argv[2:])])
+    if launched:
+        command = f"torchrun --nproc-per-node {dist.get_world_size()} -m shardc calibrate " \
+            + command.removeprefix("python -m shardc calibrate ")
+
+    def log(msg: str) -> None:
+        if rank == 0:
+            print(f"calibrate: {msg}", file=sys.stderr, flush=True)
+
+    profile = calibrate(device, quick=args.quick, name=args.name, command=command, log=log)
+    if rank == 0:
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(profile.to_json())
+            log(f"wrote {args.out}")
+        else:
+            print(profile.to_json())
+    if launched:
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0

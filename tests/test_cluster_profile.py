@@ -1,0 +1,293 @@
+"""The time model's parts on synthetic inputs: fits, the cluster profile format, fusion-aware
+kernel grouping, the step timeline, and ``python -m shardc calibrate`` on the CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from shardc.planning import fit
+from shardc.planning.cost_model import ClusterSpec
+from shardc.planning.estimate import kernel_seconds, optimizer_step_seconds
+from shardc.planning.kernels import FUSABLE, MATMUL, group_kernels
+from shardc.planning.plan import Collective
+from shardc.planning.profile import (
+    PRESETS,
+    ClusterProfile,
+    CollectiveCurve,
+    Link,
+    MatmulPoint,
+    ProfileError,
+    load_profile,
+    resolve_profile,
+)
+from shardc.planning.schedule import _Timeline
+from shardc.tools import calibrate as cal
+
+MIB = 1 << 20
+
+# ------------------------------------------------------------------------------ fits
+
+
+def test_alpha_beta_fit_recovers_latency_and_bandwidth():
+    alpha, bw = 12e-6, 250e9
+    sizes = [64 * 1024 * 4 ** i for i in range(8)]
+    alpha_fit, bw_fit = fit.fit_alpha_beta(sizes, [alpha + s / bw for s in sizes])
+    assert alpha_fit == pytest.approx(alpha, rel=1e-6)
+    assert bw_fit == pytest.approx(bw, rel=1e-6)
+    # One fit per size range: a small-message regime (protocol LL, high latency per byte) and a
+    # large one are told apart.
+    small = [(s, 5e-6 + s / 20e9) for s in sizes[:4]]
+    large = [(s, 40e-6 + s / 300e9) for s in sizes[4:]]
+    ranges = fit.fit_alpha_beta_ranges([s for s, _ in small + large],
+                                       [t for _, t in small + large], [sizes[3]])
+    assert [r[0] for r in ranges] == [sizes[3], float("inf")]
+    assert ranges[0][1:] == pytest.approx((5e-6, 20e9), rel=1e-6)
+    assert ranges[1][1:] == pytest.approx((40e-6, 300e9), rel=1e-6)
+    with pytest.raises(ValueError, match="do not grow"):
+        fit.fit_alpha_beta([1, 2, 3], [3.0, 2.0, 1.0])
+    with pytest.raises(ValueError, match="two different sizes"):
+        fit.fit_alpha_beta([5, 5], [1.0, 1.0])
+
+
+def test_ring_link_fit_recovers_the_ring_model():
+    """Curves made by the ring model at a known bandwidth and latency (what the planner uses for
+    group sizes never measured) give that bandwidth and latency back."""
+    truth = ClusterSpec(bus_bandwidth=370e9, latency_s=3e-6)
+    sizes = [64 * 1024 * 4 ** i for i in range(8)]
+    curves = [CollectiveCurve(kind, world, "intra",
+                              tuple((s, truth.collective_seconds(kind, s, world)) for s in sizes))
+              for kind in ("all_gather", "reduce_scatter", "all_reduce") for world in (2, 4, 8)]
+    link = cal.fit_link(curves)
+    assert link.bus_bandwidth == pytest.approx(370e9, rel=1e-6)
+    assert link.latency_s == pytest.approx(3e-6, rel=1e-6)
+    assert cal.fit_link([CollectiveCurve("all_gather", 2, "intra", ((1024, 1e-5),))]) is None
+
+
+def test_interpolation():
+    pts = [(1.0, 10.0), (3.0, 30.0), (5.0, 20.0)]
+    assert fit.interp_linear(pts, 3.0) == 30.0
+    assert fit.interp_linear(pts, 2.0) == pytest.approx(20.0)
+    assert fit.interp_linear(pts, 7.0) == pytest.approx(10.0)  # along the last slope
+    assert fit.interp_log([(1.0, 1.0), (100.0, 3.0)], 10.0) == pytest.approx(2.0)
+    assert fit.interp_log([(1.0, 1.0), (100.0, 3.0)], 1e6) == 3.0  # clamped
+    table = [((1024, 1024, 1024), 100.0), ((4096, 4096, 4096), 400.0)]
+    assert fit.interp_nearest_log(table, (4096, 4096, 4096)) == 400.0
+    mid = fit.interp_nearest_log(table, (2048, 2048, 2048))
+    assert 100.0 < mid < 400.0 and mid == pytest.approx(250.0)  # equidistant in log space
+
+
+# ------------------------------------------------------------------------------ the format
+
+
+def _profile(**changes) -> ClusterProfile:
+    base = ClusterProfile(
+        name="synthetic", device="test", source="measured", command="pytest", date="today",
+        matmul=(MatmulPoint("bfloat16", 1024, 1024, 1024, 100e12),
+                MatmulPoint("bfloat16", 8192, 8192, 8192, 800e12)),
+        memory=((1 << 20, 1e12), (1 << 30, 3e12)),
+        collectives=(CollectiveCurve("all_gather", 2, "intra", ((1 << 20, 10e-6),
+                                                                 (1 << 30, 4e-3))),),
+        kernel_gpu_s=2e-6, kernel_launch_s=5e-6, overlap_slowdown=1.25)
+    return dataclasses.replace(base, **changes)
+
+
+def test_profile_round_trips_through_json():
+    p = _profile()
+    assert ClusterProfile.from_json(p.to_json()) == p
+    for name in PRESETS:
+        preset = load_profile(name)
+        assert ClusterProfile.from_json(preset.to_json()) == preset
+        assert preset.command and preset.date and preset.source  # provenance shipped with it
+        # The rates the planner uses without a measured profile (docs/planning.md, sources).
+        assert 550e12 <= preset.matmul_rate(8192, 2048, 2048, "bfloat16") <= 750e12
+        assert 2.5e12 <= preset.memory_bandwidth(1 << 30) <= 4.2e12
+
+
+def test_profile_version_and_format_errors_are_clear(tmp_path):
+    data = _profile().to_dict()
+    with pytest.raises(ProfileError, match="version 99; this shardc reads versions 1"):
+        ClusterProfile.from_dict({**data, "version": 99})
+    with pytest.raises(ProfileError, match="not a cluster profile"):
+        ClusterProfile.from_dict({k: v for k, v in data.items() if k != "format"})
+    with pytest.raises(ProfileError, match="malformed"):
+        ClusterProfile.from_dict({**data, "matmul": [{"dtype": "bfloat16"}]})
+    with pytest.raises(ProfileError, match="neither a preset"):
+        load_profile(str(tmp_path / "missing.json"))
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    assert load_profile(str(path)) == _profile()
+
+
+def test_lookups_use_measured_points_and_the_ring_model_elsewhere():
+    p = _profile()
+    assert p.matmul_rate(8192, 8192, 8192, "bfloat16") == 800e12
+    assert p.matmul_rate(8192, 8192, 8192, "float8_e4m3fn") == 1600e12  # no table: 2x bf16
+    # The measured curve, interpolated linearly between its sizes.
+    assert p.collective_seconds("all_gather", 1 << 30, 2) == pytest.approx(4e-3)
+    mid = (1 << 20) + ((1 << 30) - (1 << 20)) // 2
+    assert p.collective_seconds("all_gather", mid, 2) == pytest.approx((10e-6 + 4e-3) / 2,
+                                                                       rel=1e-3)
+    # Unmeasured group size or kind: the ring model at the link.
+    ring = ClusterSpec(bus_bandwidth=p.intra.bus_bandwidth, latency_s=p.intra.latency_s)
+    assert p.collective_seconds("all_gather", 1 << 30, 8) == pytest.approx(
+        ring.collective_seconds("all_gather", 1 << 30, 8))
+    # one rank: NCCL copies the buffer (read and write) at memory bandwidth
+    assert p.collective_seconds("all_gather", 1 << 30, 1) == pytest.approx(
+        2 * (1 << 30) / p.memory_bandwidth(2 * (1 << 30)) + p.kernel_gpu_s)
+
+
+def test_groups_larger_than_a_node_run_at_the_inter_node_link():
+    # the ring model only: a measured preset's curves would answer for their group sizes
+    p = dataclasses.replace(load_profile("h100"), collectives=(), node_size=8)
+    ring = p.ring_spec()
+    nbytes = 256 << 20
+    assert p.collective_seconds("all_gather", nbytes, 8) == pytest.approx(
+        ring.collective_seconds("all_gather", nbytes, 8, "intra"))
+    assert p.collective_seconds("all_gather", nbytes, 16) == pytest.approx(
+        ring.collective_seconds("all_gather", nbytes, 16, "inter"))
+    assert p.collective_seconds("all_gather", nbytes, 16) > 4 * p.collective_seconds(
+        "all_gather", nbytes, 8)
+    assert resolve_profile({"profile": "h100", "node_size": 16}).node_size == 16
+    wide_node = dataclasses.replace(p, node_size=16)
+    assert wide_node.collective_seconds("all_gather", nbytes, 16) == pytest.approx(
+        ring.collective_seconds("all_gather", nbytes, 16, "intra"))
+
+
+def test_cluster_option_resolution():
+    assert resolve_profile(None).name == "h100"
+    assert resolve_profile(None, "NVIDIA H200").name == "h200"
+    assert resolve_profile({"profile": "h200", "overlap_slowdown": 1.0}).overlap_slowdown == 1.0
+    # The analytical ClusterSpec keys (the CLI's flags) replace the tables by flat rates.
+    flat = resolve_profile({"peak_flops": 100e12, "mem_bandwidth": 1e12, "bus_bandwidth": 50e9})
+    assert flat.matmul_rate(4096, 1024, 512, "bfloat16") == 100e12
+    assert flat.memory_bandwidth(12345) == 1e12
+    assert flat.collective_seconds("all_gather", 1 << 20, 4) == pytest.approx(
+        ClusterSpec(bus_bandwidth=50e9, latency_s=flat.intra.latency_s).collective_seconds(
+            "all_gather", 1 << 20, 4))
+    assert resolve_profile(_profile().to_dict()) == _profile()
+    with pytest.raises(ProfileError, match="unknown cluster option"):
+        resolve_profile({"warp_speed": 9})
+
+
+# ------------------------------------------------------------------------------ kernels
+
+
+def _block(x, g, w1, w2):
+    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * g  # rmsnorm: one kernel
+    a = h @ w1
+    b = F.silu(a) * a  # one kernel between the matmuls
+    return x + b @ w2  # the residual add: a kernel after the second matmul
+
+
+def _kernels(fn, *args):
+    gm = make_fx(fn)(*args)
+    compute = [n for n in gm.graph.nodes if n.op == "call_function"]
+    return gm, group_kernels(gm.graph, compute)
+
+
+def test_kernels_fuse_pointwise_chains_between_matmuls():
+    x, g = torch.randn(64, 32), torch.randn(32)
+    w1, w2 = torch.randn(32, 128), torch.randn(128, 32)
+    _, kernels = _kernels(_block, x, g, w1, w2)
+    assert [k.kind for k in kernels] == [FUSABLE, MATMUL, FUSABLE, MATMUL, FUSABLE]
+    norm, _, act, _, residual = kernels
+    # The norm reads x and g once and writes only h (read by the matmul); its intermediates
+    # (x^2, the mean, rsqrt, ...) never reach memory.
+    assert norm.read_bytes == x.nbytes + g.nbytes and norm.write_bytes == x.nbytes
+    assert act.read_bytes == 64 * 128 * 4 and act.write_bytes == 64 * 128 * 4
+    # The residual add is not fused with the norm (the matmuls lie between them: a cycle).
+    assert residual.read_bytes == 2 * x.nbytes and residual.write_bytes == x.nbytes
+
+
+def test_fused_kernel_costs_its_traffic_not_its_ops():
+    p = _profile(memory=((1, 1e12),), kernel_gpu_s=0.0)
+    x = torch.randn(1024, 1024)
+    _, one = _kernels(lambda t: ((t * 2 + 1).exp() * 3).sin(), x)
+    assert len(one) == 1  # four pointwise ops, one kernel: read x once, write once
+    assert kernel_seconds(one[0], p) == pytest.approx(2 * x.nbytes / 1e12)
+    _, cut = _kernels(lambda t: (t * 2) @ (t + 1), x)  # two pointwise heads feed one matmul
+    assert [k.kind for k in cut] == [FUSABLE, MATMUL]  # t*2 and t+1: same epoch, same read
+    assert cut[0].read_bytes == x.nbytes and cut[0].write_bytes == 2 * x.nbytes
+
+
+def test_optimizer_step_is_memory_bound_passes():
+    p = _profile(memory=((1, 2e12),), kernel_gpu_s=0.0, kernel_launch_s=0.0)
+    foreach = optimizer_step_seconds(4e9, 10, p)
+    fused = optimizer_step_seconds(4e9, 10, p, temp_factor=0.0)
+    assert foreach == pytest.approx(20 * 4e9 / 2e12) and fused == pytest.approx(7 * 4e9 / 2e12)
+
+
+# ------------------------------------------------------------------------------ the timeline
+
+
+def _collective(stream="shard") -> Collective:
+    return Collective(id="c", kind="all_gather", graph="forward", bucket=0, params=[], bytes=0,
+                      buffer_bytes=0, dtype="bfloat16", stream=stream, issue_pos=0, wait_pos=1,
+                      first_use_pos=1, last_use_pos=1)
+
+
+def test_timeline_host_bound_kernels_and_overlap_slowdown():
+    p = _profile(kernel_launch_s=10e-6, collective_launch_s=0.0, overlap_slowdown=1.5)
+    line = _Timeline(p)
+    # Tiny kernels: the host launching them is the bottleneck (10 us each, not 1 us).
+    for _ in range(5):
+        line.kernel(1e-6)
+    assert line.t == pytest.approx(5 * 10e-6 + 1e-6)
+    # A long kernel lets the host run ahead: the kernels after it wait only for the device.
+    line = _Timeline(p)
+    line.kernel(1e-3)
+    for _ in range(5):
+        line.kernel(1e-6)
+    assert line.t == pytest.approx(10e-6 + 1e-3 + 5e-6)
+    # Compute beside a collective runs 1.5x slower while the collective runs.
+    line = _Timeline(dataclasses.replace(p, kernel_launch_s=0.0))
+    c = _collective()
+    line.issue(c, 1e-3)
+    line.kernel(2e-3)  # 1 ms beside the collective covers 1/1.5 ms of work; the rest alone
+    assert line.t == pytest.approx(1e-3 + (2e-3 - 1e-3 / 1.5))
+    line.wait(c)
+    assert c.exposed_s == 0.0
+    # A wait is exposed only beyond where the next kernel could start anyway: the host,
+    # launching tiny kernels, is past the collective's end, so nothing is exposed.
+    line = _Timeline(p)
+    c = _collective()
+    line.issue(c, 30e-6)
+    for _ in range(5):
+        line.kernel(1e-6)
+    line.wait(c)
+    assert c.exposed_s == 0.0 and line.host == pytest.approx(50e-6)
+    line.issue(d := _collective("tp"), 1e-3)  # waited at once: all of it is exposed
+    line.wait(d)
+    assert d.exposed_s == pytest.approx(1e-3) and line.t == pytest.approx(d.predicted_end_s)
+
+
+# ------------------------------------------------------------------------------ calibrate
+
+
+def test_calibrate_refuses_without_a_gpu_unless_asked(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cal.main([]) == 2
+    assert "no CUDA device here" in capsys.readouterr().err
+
+
+def test_calibrate_on_cpu_writes_a_readable_profile(tmp_path, monkeypatch):
+    # The shapes are module constants of shardc's own; tiny ones keep the test to a second.
+    monkeypatch.setattr(cal, "CPU_MATMULS", ((32, 32, 32), (64, 64, 64)))
+    monkeypatch.setattr(cal, "CPU_ATTENTION", ((32, 16),))
+    monkeypatch.setattr(cal, "CPU_MEMORY", (1 << 16, 1 << 18))
+    out = tmp_path / "cpu.json"
+    assert cal.main(["--device", "cpu", "--quick", "--out", str(out), "--name", "ci"]) == 0
+    p = load_profile(str(out))
+    assert p.name == "ci" and p.source == "measured" and p.version == 1
+    assert "calibrate --device cpu" in p.command
+    assert {m.dtype for m in p.matmul} == {"float32", "bfloat16"}
+    assert all(m.flops_per_s > 0 for m in p.matmul) and p.memory_bandwidth(1 << 17) > 0
+    assert {a.pass_ for a in p.attention} == {"forward", "backward"}
+    assert p.kernel_launch_s > 0 and p.collectives == ()  # one process: no collectives
+    assert p.intra == Link(*dataclasses.astuple(ClusterProfile("", "", "", "", "").intra))

@@ -1,0 +1,285 @@
+"""The capacity planner (``python -m shardc plan``): model specs (presets, ``hf:``, module:factory),
+attention traced as one fused kernel, the step's memory by category, "does not fit", bad input.
+
+Models are tiny and planned with the FX backend on the meta device (``PlanSetup.inductor=False``)
+unless Inductor is the point; every plan is a fake-world trace in this process, no GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from shardc.memory import breakdown
+from shardc.planning.profile import Link, load_profile
+from shardc.tools import cli
+from shardc.tools.model_spec import ModelSpecError, parse_model, parse_overrides
+from shardc.tools.planner import PlanSetup, capacity, device_capacity, fmt_bytes, plan_model
+from shardc.tools.template import plan_digest
+
+GIB = 1 << 30
+TINY_HF = ["hidden_size=32", "intermediate_size=64", "num_hidden_layers=1",
+           "num_attention_heads=4", "num_key_value_heads=2", "vocab_size=128"]
+
+
+def _plan(spec, world=2, batch=2, seq=16, **setup):
+    plan, _ = plan_model(spec, world, batch, seq, {}, setup=PlanSetup(**setup))
+    return plan
+
+
+def _op_targets(plan, graph):
+    return [op.target for op in plan.graphs[graph]]
+
+
+def _check_breakdown(plan):
+    """The categories add up to the predicted peak, and the step-wide terms are the plan's."""
+    data = plan.memory_by_category
+    assert data["categories"] == list(breakdown.CATEGORIES)
+    peak = data["peak"]
+    assert sum(peak["bytes"].values()) == pytest.approx(plan.predicted.peak_bytes, rel=1e-9)
+    fw = data["graphs"]["forward"]["bytes"]
+    assert set(fw[breakdown.PARAM_SHARDS]) == {plan.predicted.param_bytes}
+    assert set(fw[breakdown.OPTIMIZER]) == {plan.predicted.optimizer_state_bytes}
+
+
+@pytest.mark.parametrize("spec,extra,softmaxes", [
+    ("hf:llama", [], 0),
+    ("hf:Qwen2Config", [], 0),
+    ("hf:mixtral", ["num_local_experts=4", "num_experts_per_tok=2"], 1),  # the router's
+])
+def test_plans_hugging_face_configs(spec, extra, softmaxes):
+    model = parse_model(spec, TINY_HF + extra)
+    plan = _plan(model, precision="bf16")
+    kinds = [c.kind for c in plan.collectives]
+    assert "all_gather" in kinds and "reduce_scatter" in kinds
+    # bf16 compute: the gathers move bf16 weights; the reductions run in fp32.
+    dtypes = {c.kind: c.dtype for c in plan.collectives}
+    assert "bfloat16" in str(dtypes["all_gather"]) and "float32" in str(dtypes["reduce_scatter"])
+    forward = _op_targets(plan, "forward")
+    assert sum("scaled_dot_product" in t for t in forward) == 1  # one layer, one kernel
+    assert sum(t.startswith(("aten._softmax", "aten._safe_softmax")) for t in forward) == softmaxes
+    _check_breakdown(plan)
+
+
+def test_plans_a_module_factory(tmp_path, monkeypatch):
+    (tmp_path / "tinyfactory.py").write_text(textwrap.dedent("""
+        from torch import nn
+
+        class Block(nn.Module):
+            def __init__(self, d):
+                super().__init__()
+                self.lin = nn.Linear(d, d)
+
+            def forward(self, x):
+                return x + self.lin(x).relu()
+
+        class Net(nn.Module):
+            def __init__(self, depth):
+                super().__init__()
+                self.emb = nn.Embedding(64, 16)
+                self.layers = nn.ModuleList(Block(16) for _ in range(depth))
+                self.head = nn.Linear(16, 64)
+
+            def forward(self, tokens):
+                h = self.emb(tokens)
+                for block in self.layers:
+                    h = block(h)
+                return self.head(h)
+
+        def build(depth=2):
+            return Net(depth)
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    plan = _plan(parse_model("tinyfactory:build", ["depth=3"]))
+    # Buckets: the embedding, one per block, the head; each reduced once.
+    assert [c.kind for c in plan.collectives].count("reduce_scatter") == 5
+    assert plan.predicted.param_bytes == (64 * 16 + 3 * (16 * 16 + 16) + 16 * 64 + 64) * 4 / 2
+    _check_breakdown(plan)
+    with pytest.raises(ModelSpecError, match="no callable 'nope'"):
+        parse_model("tinyfactory:nope")
+
+
+def _attention_bytes(seq):
+    spec = parse_model("llama-tiny", ["n_layers=1", "dim=32", "n_heads=2", "vocab_size=64",
+                                      f"max_seq_len={seq}"])
+    plan = _plan(spec, world=1, batch=1, seq=seq)
+    return plan, plan.predicted.peak_bytes - plan.predicted.param_bytes * 3
+
+
+def test_attention_is_one_kernel_and_its_memory_is_linear_in_seq():
+    plan, small = _attention_bytes(256)
+    forward, backward = _op_targets(plan, "forward"), _op_targets(plan, "backward")
+    assert forward.count("aten._scaled_dot_product_efficient_attention.default") == 1
+    assert backward.count("aten._scaled_dot_product_efficient_attention_backward.default") == 1
+    decomposed = ("aten._softmax", "aten._safe_softmax", "aten.bmm")
+    assert not any(t.startswith(decomposed) for t in forward + backward)
+    _, large = _attention_bytes(1024)
+    # Everything the step holds grows with seq; a saved 1024x1024 score matrix per head alone
+    # (2 x 4 MiB) would make it grow 16x.
+    assert large / small < 4.5
+
+
+def test_attention_kernel_choice():
+    from shardc.tools.attention import sdpa_as_kernel
+
+    q = torch.empty(1, 4, 8, 64, device="meta", dtype=torch.bfloat16)
+    kv = torch.empty(1, 2, 8, 64, device="meta", dtype=torch.bfloat16)
+    assert sdpa_as_kernel(q, kv, kv, is_causal=True, enable_gqa=True).shape == q.shape
+    mask = torch.ones(8, 8, dtype=torch.bool, device="meta")
+    out = sdpa_as_kernel(q.float(), kv.float(), kv.float(), attn_mask=mask, enable_gqa=True)
+    assert out.shape == q.shape and out.dtype == torch.float32
+
+
+def test_does_not_fit_names_the_largest_terms():
+    plan = _plan(parse_model("llama-tiny", ["n_layers=2"]), seq=32)
+    tight = capacity(plan, 2, 32, 400e12, plan.predicted.peak_bytes / 2)
+    text = tight.verdict()
+    assert text.startswith("does not fit by ")
+    largest = tight.largest_terms()
+    assert largest == sorted(largest, key=lambda kv: -kv[1])
+    assert all(name in breakdown.CATEGORIES for name, _ in largest)
+    assert largest[0][0] in text.split("largest terms: ")[1].split(",")[0]
+    roomy = capacity(plan, 2, 32, 400e12, device_capacity("h100"))
+    assert roomy.verdict().startswith("fits: ") and roomy.verdict().endswith("of 79.1 GiB")
+    assert roomy.tokens_per_s == pytest.approx(64 / plan.predicted.step_time_s)
+
+
+def test_bad_input_names_what_to_do(capsys):
+    with pytest.raises(ModelSpecError, match="unknown model 'gpt-nope'.*preset"):
+        parse_model("gpt-nope")
+    with pytest.raises(ModelSpecError, match="unknown config class 'NopeConfig'"):
+        parse_model("hf:NopeConfig")
+    with pytest.raises(ModelSpecError, match="unknown model type 'nope'"):
+        parse_model("hf:nope")
+    with pytest.raises(ModelSpecError, match=r"unknown LlamaConfig field\(s\) \['hiden_size'\]"):
+        parse_model("hf:llama", ["hiden_size=3"])
+    with pytest.raises(ModelSpecError, match="write overrides as key=value"):
+        parse_overrides(["num_hidden_layers"], "hf:llama")
+    with pytest.raises(ModelSpecError, match="unknown LlamaConfig field 'depth'"):
+        parse_model("llama-1b", ["depth=3"])
+    with pytest.raises(ModelSpecError, match="h100, h200 or a number of GiB"):
+        device_capacity("h300")
+    with pytest.raises(ModelSpecError, match="cannot import 'no_such_pkg_xyz'"):
+        parse_model("no_such_pkg_xyz:build")
+    assert cli.main(["plan", "gpt-nope", "--world-size", "8"]) == 2
+    assert "unknown model 'gpt-nope'" in capsys.readouterr().err
+    assert cli.main(["plan", "llama-tiny", "--world-size", "8", "--tp", "3"]) == 2
+    assert "--tp 3 must divide the world size 8" in capsys.readouterr().err
+    assert cli.main(["plan", "hf:llama", *TINY_HF, "--world-size", "4", "--tp", "2"]) == 2
+    assert "no tensor-parallel plan" in capsys.readouterr().err
+    assert cli.main(["plan", "llama-tiny", "--world-size", "8", "--tp", "8", "--fx"]) == 2
+    assert "heads" in capsys.readouterr().err  # 4 heads do not split 8 ways
+    assert cli.main(["plan", "llama-tiny", "--sweep-world", "8,x"]) == 2
+    assert "--sweep-world" in capsys.readouterr().err
+    assert cli.main(["plan", "llama-tiny", "--world-size", "8", "--profile", "h300"]) == 2
+    assert "no cluster profile 'h300'" in capsys.readouterr().err
+
+
+def test_overrides_parse_literals():
+    assert parse_overrides(["a=1,b=2.5", "c=true", "d=None", "e=silu"], "x") == {
+        "a": 1, "b": 2.5, "c": True, "d": None, "e": "silu"}
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="CPU shards rely on lazily committed pages")
+def test_cli_prints_the_answers_and_writes_the_stacked_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    assert cli.main(["plan", "llama-tiny:n_layers=2", "--world-size", "4", "--seq", "32",
+                     "--device", "h200", "--summary-only", "--dump", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "tokens/s per GPU" in out and "MFU" in out and "exposed communication" in out
+    assert "memory: fits: " in out and "of 139.8 GiB" in out
+    assert "peak at the " in out
+    png = tmp_path / "region0.rank0.memory.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _saved_at_end_of_forward(plan):
+    return plan.memory_by_category["graphs"]["forward"]["bytes"][breakdown.SAVED][-1]
+
+
+def test_tensor_parallel_plan():
+    """``--tp``: FSDP over the dp ranks of a (dp, tp) mesh, the Llama blocks split Megatron-style
+    (their all-reduces found in the traced graph); a GPU's tokens are its tp group's share."""
+    tiny = parse_model("llama-tiny", ["n_layers=2"])
+    dp_only, tp = _plan(tiny, world=2, seq=32), _plan(tiny, world=4, seq=32, tp=2)
+    assert tp.tp_size == 2 and tp.world_size == 2 and "FSDP+TP: dp 2 x tp 2" in tp.mesh
+    found = [c for c in tp.collectives if c.origin != "shardc"]
+    assert found and {c.kind for c in found} >= {"all_reduce"}
+    # the blocks' weights split over tp as well as dp: less per GPU than FSDP over the dp ranks
+    assert tp.predicted.param_bytes < dp_only.predicted.param_bytes
+    cap = capacity(tp, 2, 32, 400e12, None)
+    assert cap.world == 4 and cap.tokens_per_step == 32
+    # A deeper model planned from a template keeps the tp group's role: same plan as traced whole.
+    deep = parse_model("llama-tiny", ["n_layers=6"])
+    template, _ = plan_model(deep, 4, 1, 32, {}, setup=PlanSetup(tp=2))
+    whole, _ = plan_model(deep, 4, 1, 32, {}, setup=PlanSetup(tp=2), template=False)
+    assert any("planned from a template" in n for n in template.notes)
+    assert plan_digest(template) == plan_digest(whole) and template.tp_size == 2
+    # The dp group's ranks are tp apart: with 2 GPUs a node, its collectives cross nodes
+    # (slower), though the group has 2 ranks like the tp group, which stays within a node.
+    two_a_node, _ = plan_model(tiny, 4, 1, 32, {"cluster": {"node_size": 2}},
+                               setup=PlanSetup(tp=2))
+    def comm(plan, group):
+        return sum(c.predicted_end_s - c.predicted_start_s for c in plan.collectives
+                   if c.group == group)
+    assert comm(two_a_node, "shard") > 2 * comm(tp, "shard")
+    assert comm(two_a_node, "tp") == pytest.approx(comm(tp, "tp"), rel=0.05)
+
+
+def test_checkpointing_saves_less_and_hsdp_all_reduces():
+    tiny = parse_model("llama-tiny", ["n_layers=2"])
+    plain, checkpointed = _plan(tiny, seq=32), _plan(tiny, seq=32, checkpointing=True)
+    assert _saved_at_end_of_forward(checkpointed) < _saved_at_end_of_forward(plain) / 2
+    assert len(plain.graphs["backward"]) < len(checkpointed.graphs["backward"])  # recomputed
+    hsdp = _plan(tiny, world=4, seq=32, shard_size=2)
+    assert hsdp.replicate_size == 2
+    assert "all_reduce" in {c.kind for c in hsdp.collectives}
+
+
+def test_cli_sweep_prints_a_table_and_writes_a_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / "sweep.png"
+    assert cli.main(["plan", "llama-tiny:n_layers=2", "--sweep-world", "2,8", "--seq", "32",
+                     "--device", "1", "--fx", "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(out) if line.split()[:2] == ["world", "step"])
+    rows = [line.split() for line in out[header + 1:header + 3]]
+    assert [r[0] for r in rows] == ["2", "8"] and all(r[-1] == "fits" for r in rows)
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _cli_step_ms(args, capsys) -> tuple[float, str]:
+    assert cli.main(["plan", "llama-tiny:n_layers=2", "--world-size", "4", "--seq", "32",
+                     "--fx", "--summary-only", *args]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("predicted step: "))
+    return float(line.split()[2]), out
+
+
+def test_cli_step_time_comes_from_the_cluster_profile(tmp_path, capsys):
+    """The planner's step time is the calibrated cost model's: a profile file (as
+    ``python -m shardc calibrate`` writes) ten times slower in every rate predicts a step about ten
+    times longer; the peak is compared with the profile's device memory."""
+    fast = load_profile("h100")
+    slow = dataclasses.replace(
+        fast, name="slow", source="measured", device_memory_bytes=2 * GIB,
+        matmul=tuple(dataclasses.replace(p, flops_per_s=p.flops_per_s / 10) for p in fast.matmul),
+        attention=tuple(dataclasses.replace(p, flops_per_s=p.flops_per_s / 10)
+                        for p in fast.attention),
+        memory=tuple((n, bw / 10) for n, bw in fast.memory),
+        kernel_gpu_s=fast.kernel_gpu_s * 10, kernel_launch_s=fast.kernel_launch_s * 10,
+        collective_launch_s=fast.collective_launch_s * 10,
+        collectives=(), intra=Link(fast.intra.bus_bandwidth / 10, fast.intra.latency_s * 10))
+    path = tmp_path / "slow.json"
+    path.write_text(slow.to_json())
+    fast_ms, fast_out = _cli_step_ms(["--profile", "h100"], capsys)
+    slow_ms, slow_out = _cli_step_ms(["--profile", str(path)], capsys)
+    assert "cluster profile: h100 (" in fast_out and "estimated, not measured" in fast_out
+    assert "cluster profile: slow (" in slow_out and ", measured, " in slow_out
+    assert 7 * fast_ms < slow_ms < 13 * fast_ms
+    # the peak against the profiles' devices
+    assert "of 2.0 GiB" in slow_out and f"of {fmt_bytes(fast.device_memory_bytes)}" in fast_out
