@@ -7,6 +7,7 @@ from shardc.planning.plan import Plan
 from shardc.runtime.comm_errors import CollectiveError
 from shardc.runtime.plan_check import PlanMismatchError
 from shardc.sharding.fp8 import Float8Policy
+from shardc.sharding.offload import OffloadPolicy
 from shardc.sharding.shard import (
     MixedPrecisionPolicy,
     is_sharded,
@@ -24,6 +25,7 @@ __all__ = [
     "CollectiveError",
     "Float8Policy",
     "MixedPrecisionPolicy",
+    "OffloadPolicy",
     "Plan",
     "PlanMismatchError",
     "ShardcOptions",

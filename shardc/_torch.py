@@ -171,6 +171,19 @@ def flatten_state_dict(state_dict: dict):
     return flatten(state_dict)
 
 
+def dtensor_on_local_device(local: torch.Tensor, mesh, placements, shape, stride):
+    """A DTensor of ``local`` that keeps ``local`` where it is: ``DTensor.from_local`` moves a
+    local tensor to the mesh's device type, which CPU offload (host shards on a CUDA mesh) must
+    not do. Built from its spec (``DTensorSpec``/``TensorMeta``, private; FSDP2's CPU offload
+    builds its sharded parameters the same way). Same signatures in torch 2.11 through 2.13."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    meta = TensorMeta(torch.Size(shape), tuple(stride), local.dtype)
+    spec = DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
+    return DTensor(local, spec, requires_grad=False)
+
+
 # The fused attention kernels a GPU runs for ``F.scaled_dot_product_attention`` (their meta
 # kernels give the output and log-sum-exp shapes; ``shardc.tools.attention`` traces them).
 flash_attention = torch.ops.aten._scaled_dot_product_flash_attention.default

@@ -32,7 +32,8 @@ TP_STEPS, TP_LR = 3, 1e-2
 def _forward(model: nn.Module, mode: str):
     """``eager``, ``fx`` (compiled, planned FX graphs), ``fx-traced`` (the same, with the
     collectives found in the graph kept where they were traced) or ``fx-nopool`` (buffers
-    allocated per collective, as Inductor's default is)."""
+    allocated per collective, as Inductor's default is); ``fx-offload``: ``fx`` of a model
+    sharded with CPU offload (:func:`hsdp_run`)."""
     if mode == "eager":
         return model
     return torch.compile(model, backend=shardc.backend(
@@ -143,6 +144,7 @@ def _plan_summary(model: nn.Module) -> list[dict]:
         graphs = {"forward": region.forward, "backward": region.backward}
         out.append({
             "kinds": sorted({c.kind for c in p.collectives}), "mesh": p.mesh,
+            "copies": sorted({(c.graph, str(c.kind)) for c in p.copies}),
             "replicate_size": p.replicate_size, "tp_size": p.tp_size,
             "tp_group_name": p.tp_group_name,
             "all_reduce_groups": {c.group for c in p.collectives if c.kind == "all_reduce"},
@@ -185,7 +187,8 @@ def hsdp_run(rank: int, world: int, shape: tuple[int, int], mode: str,
              kind: str = "llama1") -> dict:
     torch._dynamo.reset()
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
-    model = shardc.shard(build(kind), mesh)
+    offload = shardc.OffloadPolicy(simulate_on_cpu=True) if mode == "fx-offload" else None
+    model = shardc.shard(build(kind), mesh, offload=offload)
     tokens, targets = batches()
     per = GLOBAL_BATCH // world
     rows = slice(rank * per, (rank + 1) * per)

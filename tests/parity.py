@@ -183,7 +183,8 @@ def sharded_run(rank: int, world: int, kind: str, mode: str, **options) -> dict:
     hook_after_eval = options.pop("hook_after_eval", False)
     optim, local_step = options.pop("optim", "adamw"), options.pop("local_step", False)
     model = build(kind)
-    shardc.shard(model, reshard_after_forward=options.pop("reshard_after_forward", True))
+    shardc.shard(model, reshard_after_forward=options.pop("reshard_after_forward", True),
+                 offload=options.pop("offload", None), mp_policy=options.pop("mp_policy", None))
     if mode == "eager":
         forward = model
     else:

@@ -618,12 +618,15 @@ def sc_hf_checkpoint(ctx: Ctx, *, compile: bool = True, inductor: bool = False,
 # Scenarios: training loops.
 
 
-def _accumulate(ctx: Ctx, *, no_sync: bool, clip: float | None = None) -> dict:
+def _accumulate(ctx: Ctx, *, no_sync: bool, clip: float | None = None, offload: bool = False,
+                compile: bool = True) -> dict:
     """Two micro-batches per step (each half of the rank's batch, loss / 2), optionally clipping
-    the accumulated gradients by their global norm before the step."""
+    the accumulated gradients by their global norm before the step; ``offload``: sharded with
+    CPU offload (simulated on the CPU mesh: the copies are real separate tensors)."""
     torch.manual_seed(0)
     model = mlp()
-    forward = ctx.wrap(model)
+    forward = ctx.wrap(model, compile=compile,
+                       **({"offload": OFFLOAD} if offload else {}))
     opt = sgd(model)
     xs, ys = regression_data(seed=16)
     micro = 2
@@ -664,6 +667,9 @@ def sc_accumulate_clip(ctx: Ctx) -> dict:
 
 def sc_accumulate_no_sync(ctx: Ctx) -> dict:
     return _accumulate(ctx, no_sync=True)
+
+
+OFFLOAD = shardc.OffloadPolicy(simulate_on_cpu=True)
 
 
 def sc_blocks_accumulate_shapes(ctx: Ctx) -> dict:
@@ -1330,6 +1336,11 @@ SCENARIOS: dict[str, Callable[[Ctx], dict]] = {
     "accumulate": sc_accumulate,
     "accumulate_clip": sc_accumulate_clip,
     "accumulate_no_sync": sc_accumulate_no_sync,
+    # CPU offload (issue 21): no_sync accumulation and clipping over host gradients.
+    "offload_no_sync_clip": functools.partial(_accumulate, no_sync=True, clip=CLIP,
+                                              offload=True),
+    "offload_no_sync_clip_eager": functools.partial(_accumulate, no_sync=True, clip=CLIP,
+                                                    offload=True, compile=False),
     "blocks_accumulate_shapes": sc_blocks_accumulate_shapes,
     **{name: functools.partial(sc_changing_shapes, shapes=shapes)
        for name, shapes in SHAPES.items()},

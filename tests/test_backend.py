@@ -151,7 +151,8 @@ def _cudagraph_fallbacks(rank: int, world: int) -> dict:
     return {"fx_notes": shardc.explain(compiled).notes, "losses_finite": all(
                 bool(torch.isfinite(x)) for x in losses),
             "inductor_patches": patches, "inductor_note": note,
-            "no_sync_reasons": blockers(no_sync, example_inputs, fp8=False)}
+            "no_sync_reasons": blockers(no_sync, example_inputs, fp8=False),
+            "offload_reasons": blockers(gathers, example_inputs, fp8=False, offload=True)}
 
 
 @pytest.fixture(scope="module")
@@ -234,6 +235,7 @@ def test_reduce_overhead_falls_back_loudly_on_gloo(structure):
         assert "compiled without them" in note and "gloo process group" in note, note
         assert "runs on the CPU" in note, note
         assert any("no_sync" in r for r in got["no_sync_reasons"]), got["no_sync_reasons"]
+        assert any("CPU offload" in r for r in got["offload_reasons"]), got["offload_reasons"]
 
 
 def test_plan_invariants(structure):

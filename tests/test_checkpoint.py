@@ -48,6 +48,7 @@ from ckpt_workers import (
 from dist_utils import run_ranks
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 import shardc
 from shardc.checkpoint import (
@@ -60,6 +61,11 @@ from shardc.models.llama import Transformer
 
 K, J = 2, 2  # training steps before the checkpoint, and after it
 PAIRS = [(2, 4), (4, 2), (3, 2), (1, 3), (2, 1)]
+# CPU offload (issue 21; simulated on the CPU mesh: the copies are real separate tensors).
+OFFLOAD = shardc.OffloadPolicy(simulate_on_cpu=True)
+# (saved as, loaded at world M with offload?): offloaded 3 -> offloaded 2, offloaded 3 -> plain
+# 4, plain 4 -> offloaded 3, plain 2 -> offloaded 2.
+OFFLOAD_LOADS = [("n3off", 2, True), ("n3off", 4, False), ("n4", 3, True), ("n2", 2, True)]
 
 
 def _error(fn) -> str:
@@ -88,11 +94,12 @@ def _tree_digest(root: str) -> dict[str, str]:
 # Resharding sources and loads
 
 
-def reshard_save(group, name: str, tmp: str, record_continuation: bool = False) -> None:
+def reshard_save(group, name: str, tmp: str, record_continuation: bool = False,
+                 offload: bool = False) -> None:
     """Train K steps on ``group`` and save; rank 0 keeps the gathered state next to it."""
     grank = dist.get_rank(group)
     mesh = DeviceMesh.from_group(group, "cpu")
-    model = llama(0, mesh=mesh, allow_partial_mesh=True)
+    model = llama(0, mesh=mesh, allow_partial_mesh=True, offload=OFFLOAD if offload else None)
     opt = adamw(model)
     for step in range(K):
         llama_step(model, opt, step, grank)
@@ -107,13 +114,14 @@ def reshard_save(group, name: str, tmp: str, record_continuation: bool = False) 
                    f"{where}.continued.rank{grank}.pt")
 
 
-def reshard_load(group, name: str, tmp: str, same_world: bool) -> dict:
+def reshard_load(group, name: str, tmp: str, same_world: bool, offload: bool = False) -> dict:
     """Load ``name`` on ``group``; continue J steps; the same from the state put in by hand."""
     grank = dist.get_rank(group)
     mesh = DeviceMesh.from_group(group, "cpu")
     where = os.path.join(tmp, "reshard", name)
     saved = torch.load(f"{where}.state.pt", weights_only=False)
-    model = llama(123, mesh=mesh, allow_partial_mesh=True)
+    policy = OFFLOAD if offload else None
+    model = llama(123, mesh=mesh, allow_partial_mesh=True, offload=policy)
     opt = adamw(model)
     before = full_state(model, opt)
     dcp.load(_states(model, opt), checkpoint_id=where, process_group=group)
@@ -121,7 +129,7 @@ def reshard_load(group, name: str, tmp: str, same_world: bool) -> dict:
            "changed": bool(diff(before, saved))}
     losses = [llama_step(model, opt, K + j, grank) for j in range(J)]
     final = full_state(model, opt)
-    ref = llama(321, mesh=mesh, allow_partial_mesh=True)
+    ref = llama(321, mesh=mesh, allow_partial_mesh=True, offload=policy)
     ref_opt = adamw(ref)
     state_from_full(ref, ref_opt, saved)
     out["reference_start"] = diff(full_state(ref, ref_opt), saved)
@@ -138,24 +146,32 @@ def reshard_load(group, name: str, tmp: str, same_world: bool) -> dict:
 # Job A: 3 ranks
 
 
-def fsdp2_checks(rank: int, tmp: str) -> dict:
-    from torch.distributed.fsdp import fully_shard
+def fsdp2_checks(rank: int, tmp: str, offload: bool = False) -> dict:
+    """``offload``: FSDP2 with CPUOffloadPolicy (unpinned: it runs on a CPU mesh too) against
+    shardc with offload."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    policy = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if offload else {}
 
     def fsdp_model(seed: int) -> Transformer:
         torch.manual_seed(seed)
         model = Transformer(LLAMA)
         for layer in model.layers:
-            fully_shard(layer)
-        return fully_shard(model)
+            fully_shard(layer, **policy)
+        return fully_shard(model, **policy)
+
+    def shardc_model(seed: int) -> Transformer:
+        return llama(seed, offload=OFFLOAD if offload else None)
 
     def rel(a: torch.Tensor, b: torch.Tensor) -> float:
         a, b = a.double(), b.double()
         return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
     out = {}
-    for direction, make_src, make_dst in (("fsdp2->shardc", fsdp_model, llama),
-                                          ("shardc->fsdp2", llama, fsdp_model)):
-        ckpt = os.path.join(tmp, "fsdp2", direction.replace(">", ""))
+    for direction, make_src, make_dst in (("fsdp2->shardc", fsdp_model, shardc_model),
+                                          ("shardc->fsdp2", shardc_model, fsdp_model)):
+        ckpt = os.path.join(tmp, "fsdp2" + ("_offload" if offload else ""),
+                            direction.replace(">", ""))
         src = make_src(0)
         src_opt = adamw(src)
         for step in range(K):
@@ -369,9 +385,69 @@ def manager_checks(rank: int, tmp: str) -> dict:
     return out
 
 
+def _host_locals(model: nn.Module) -> dict[str, tuple[str, int]]:
+    """Each parameter's local shard: its device and storage address (loads go in place)."""
+    return {n: (p.to_local().device.type, p.to_local().data_ptr())
+            for n, p in model.named_parameters()}
+
+
+def _cloned(tree):
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {k: _cloned(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_cloned(v) for v in tree)
+    return tree
+
+
+def offload_state_checks(rank: int, tmp: str) -> dict:
+    """CPU offload (issue 21): torch's get_state_dict / set_state_dict on an offloaded model and
+    its AdamW state, and dcp.async_save staged from the host shards while training goes on."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model = llama(0, offload=OFFLOAD)
+    opt = adamw(model)
+    for step in range(K):
+        llama_step(model, opt, step, rank)
+    # Copies, as a load from elsewhere gives (get_state_dict returns the live tensors, and
+    # set_state_dict may keep the optimizer's: the two optimizers would share moments).
+    msd, osd = _cloned(get_state_dict(model, opt))
+    out = {"global": all(isinstance(msd[n], DTensor) and msd[n].shape == p.shape
+                         for n, p in model.named_parameters())
+           and all(isinstance(v, DTensor) and v.to_local().device.type == "cpu"
+                   for s in osd["state"].values() for k, v in s.items() if k != "step")}
+    fresh = llama(7, offload=OFFLOAD)
+    fresh_opt = adamw(fresh)
+    where = _host_locals(fresh)
+    set_state_dict(fresh, fresh_opt, model_state_dict=msd, optim_state_dict=osd)
+    out["set"] = diff(full_state(fresh, fresh_opt), full_state(model, opt))
+    out["in_place"] = _host_locals(fresh) == where
+    # The step after the load is the step after the save, bit for bit.
+    out["continued"] = diff(llama_step(fresh, fresh_opt, K, rank), llama_step(model, opt, K, rank))
+    out["continued_state"] = diff(full_state(fresh, fresh_opt), full_state(model, opt))
+
+    ckpt = os.path.join(tmp, "offload_async")
+    before = full_state(model, opt)
+    future = dcp.async_save(_states(model, opt), checkpoint_id=ckpt)
+    with torch.no_grad():  # the host shards change while the save may still be writing
+        for p in model.parameters():
+            p.add_(1.0)
+    future.result()
+    target = llama(9, offload=OFFLOAD)
+    target_opt = adamw(target)
+    dcp.load(_states(target, target_opt), checkpoint_id=ckpt)
+    out["async"] = diff(full_state(target, target_opt), before)
+    out["async_host"] = {d for d, _ in _host_locals(target).values()} == {"cpu"}
+    return out
+
+
 def job_a(rank: int, world: int, tmp: str) -> dict:
     reshard_save(dist.group.WORLD, "n3", tmp)
-    return {"fsdp2": fsdp2_checks(rank, tmp), "manager": manager_checks(rank, tmp)}
+    reshard_save(dist.group.WORLD, "n3off", tmp, offload=True)
+    return {"fsdp2": fsdp2_checks(rank, tmp), "manager": manager_checks(rank, tmp),
+            "fsdp2_offload": fsdp2_checks(rank, tmp, offload=True),
+            "offload_state": offload_state_checks(rank, tmp)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -426,6 +502,11 @@ def job_c(rank: int, world: int, tmp: str) -> dict:
         if rank < m:
             out[f"reshard.{n}->{m}"] = reshard_load(groups[m], f"n{n}", tmp, n == m)
         dist.barrier()
+    for name, m, offload in OFFLOAD_LOADS:
+        if rank < m:
+            out[f"offload.{name}->{m}.{offload}"] = reshard_load(groups[m], name, tmp, False,
+                                                                 offload=offload)
+        dist.barrier()
     return out
 
 
@@ -454,6 +535,20 @@ def test_reshard_values_and_continued_training_bitwise(jobs, pair):
         assert out["continued"] == [], f"rank {grank}: {out['continued'][:5]}"
         if n == m:
             assert out["uninterrupted"] == [], f"rank {grank}: {out['uninterrupted'][:5]}"
+
+
+@pytest.mark.parametrize("load", OFFLOAD_LOADS, ids=lambda x: f"{x[0]}to{x[1]}{'off' * x[2]}")
+def test_offloaded_checkpoints_reshard_to_and_from_plain_runs_bitwise(jobs, load):
+    """CPU offload (issue 21): model and AdamW state saved from an offloaded run load into an
+    offloaded or plain run of another world size (and plain into offloaded) with the same bits
+    in global coordinates, and training continues exactly as from the state put in by hand."""
+    name, m, offload = load
+    for grank, r in enumerate(jobs["c"][:m]):
+        out = r[f"offload.{name}->{m}.{offload}"]
+        assert out["world"] == m and out["changed"]
+        assert out["loaded"] == [], f"rank {grank}: {out['loaded'][:5]}"
+        assert out["reference_start"] == []
+        assert out["continued"] == [], f"rank {grank}: {out['continued'][:5]}"
 
 
 def test_crash_between_write_and_completion_leaves_previous_step(jobs):
@@ -578,6 +673,33 @@ def test_fsdp2_checkpoints_load_into_shardc_and_back(jobs):
             assert max(out["losses"]) <= 1e-6, (direction, out["losses"])
             assert out["params"] <= 1e-6 and out["moments"] <= 1e-6, (direction, out)
             assert out["step"] is True, out["step"]
+
+
+def test_fsdp2_cpu_offload_checkpoints_load_into_offloaded_shardc_and_back(jobs):
+    """FSDP2 with CPUOffloadPolicy (unpinned, on the gloo CPU mesh) <-> shardc with offload."""
+    for r in jobs["a"]:
+        for direction in ("fsdp2->shardc", "shardc->fsdp2"):
+            out = r["fsdp2_offload"][direction]
+            assert out["keys"]
+            assert out["loaded"] == [], (direction, out["loaded"][:5])
+            assert max(out["losses"]) <= 1e-6, (direction, out["losses"])
+            assert out["params"] <= 1e-6 and out["moments"] <= 1e-6, (direction, out)
+            assert out["step"] is True, out["step"]
+
+
+def test_offloaded_state_dicts_and_async_save_round_trip_bitwise(jobs):
+    """CPU offload: get_state_dict gives DTensors in global coordinates (optimizer state on the
+    host); set_state_dict loads them bitwise into the host shards in place and training goes on
+    identically; dcp.async_save stages the host state before returning (changing the shards
+    right after does not reach the checkpoint) and loads back bitwise."""
+    for grank, r in enumerate(jobs["a"]):
+        out = r["offload_state"]
+        assert out["global"], grank
+        assert out["set"] == [], (grank, out["set"][:5])
+        assert out["in_place"], grank
+        assert out["continued"] == [] and out["continued_state"] == [], grank
+        assert out["async"] == [], (grank, out["async"][:5])
+        assert out["async_host"], grank
 
 
 def test_manager_without_torch_distributed(tmp_path):

@@ -14,7 +14,8 @@ from shardc.planning.cost_model import ClusterSpec
 # Compiled on the 2x2 mesh and on 4x1 (shard groups of one rank: the gathers and reduce-scatters
 # are elided); the all-tp mesh eagerly, to keep the tests fast.
 HSDP = [((2, 2), "eager"), ((2, 2), "fx"), ((4, 1), "eager"), ((4, 1), "fx"),
-        ((4, 1), "fx-nopool")]
+        ((4, 1), "fx-nopool"),
+        ((2, 2), "fx-offload")]  # CPU offload (simulated on the CPU mesh) over HSDP
 # "fx-traced": compiled with the tensor-parallel collectives kept where traced (the results must
 # be bitwise those of "fx", which moves them).
 TP = [((2, 2), "eager"), ((2, 2), "fx"), ((2, 2), "fx-traced"), ((1, 4), "eager")]
@@ -86,6 +87,14 @@ def test_hsdp_parity_and_plan(hsdp_runs, llama1_reference):
             else:
                 assert "all_reduce" not in plan["kinds"] and plan["mesh"] == ""
             assert plan["found"] == [] and plan["tp_size"] == 1
+    # CPU offload over HSDP: the same bits as without it, its copies planned.
+    for per_rank in results:
+        fx, offloaded = per_rank[HSDP.index(((2, 2), "fx"))], per_rank[-1]
+        assert torch.equal(offloaded["losses"], fx["losses"])
+        assert all(torch.equal(offloaded["params"][n], v) for n, v in fx["params"].items())
+    for plan in results[0][-1]["plans"]:
+        assert ("backward", "d2h_copy") in plan["copies"] and ("forward", "h2d_copy") in \
+            plan["copies"]
 
 
 def _assert_own_lanes(plan: dict) -> None:

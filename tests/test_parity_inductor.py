@@ -54,6 +54,12 @@ def _inductor_run(rank: int, world: int) -> dict:
                                     targets[0, rank * per:(rank + 1) * per])
     out["plan_ids"] = sorted(c.id for c in region.plan.collectives if not c.elided)
     out["elided"] = sum(c.elided for c in region.plan.collectives)
+    if world == 2:  # CPU offload (simulated on the CPU mesh) under Inductor, once
+        torch._dynamo.reset()
+        off = sharded_run(rank, world, "llama1", "inductor",
+                          offload=shardc.OffloadPolicy(simulate_on_cpu=True))
+        out["offload"] = {"losses": off["losses"], "params": off["params"],
+                          "copies": sum(len(p.copies) for p in off["plans"])}
     return out
 
 
@@ -101,6 +107,9 @@ def _name_every_wait(forward, tokens, targets) -> list[str]:
 def test_parity_inductor(world, inductor_reference):
     runs = run_ranks(_inductor_run, world)
     assert_parity(runs[0], inductor_reference)
+    if world == 2:
+        assert_parity(runs[0]["offload"], inductor_reference)
+        assert runs[0]["offload"]["copies"] > 0
     for run in runs:
         if world == 1:
             # One rank: the plan lists its collectives elided, the Inductor-compiled graphs

@@ -1,5 +1,6 @@
 """Plan format version 6 (version 4's collective kinds, explicit links, typed predictions;
-version 5's block bodies; elided collectives), and plans written by older versions still read."""
+version 5's block bodies and CPU offload's copies; elided collectives), and plans written by
+older versions still read."""
 
 from __future__ import annotations
 
@@ -109,6 +110,31 @@ def test_collective_kind_refuses_unknown_kinds():
     with pytest.raises(ValueError):
         CollectiveKind("all_gatherx")
     assert f"{CollectiveKind.ALL_GATHER}" == "all_gather"
+
+
+def _copy(kind: str, issue: int, wait: int) -> Collective:
+    return Collective(id=f"forward.{kind}.0", kind=kind, graph="forward", bucket=0, params=["w"],
+                      bytes=96, buffer_bytes=96, dtype="float32", stream="copy",
+                      issue_pos=issue, wait_pos=wait, first_use_pos=wait, last_use_pos=wait,
+                      group="copy", group_size=1, buffer_lifetime=(issue, wait + 1))
+
+
+def test_version_5_round_trips_offload_copies_and_host_predictions():
+    bucket = Bucket(0, "layers.0", ["w"], [8], [4], [3], "float32", "float32", 2)
+    plan = Plan(PLAN_VERSION, 0, 2, {}, [bucket], [], copies=[_copy("h2d_copy", 0, 3)])
+    plan.predicted.host_bytes, plan.predicted.device_copy_bytes = 384.0, 96.0
+    back = Plan.from_json(plan.to_json())
+    assert back == plan
+    assert back.copies[0].kind is CollectiveKind.H2D_COPY
+    assert back.copies[0].buffer_lifetime == (0, 4)
+    # Copies are not collectives: what the ranks compare does not include them.
+    assert plan.hash() == Plan(PLAN_VERSION, 0, 2, {}, [bucket], []).hash()
+
+
+def test_version_4_plan_reads_without_copies():
+    data = Plan(4, 0, 1, {}, [], []).to_dict()
+    data.pop("copies")
+    assert Plan.from_dict(data).copies == []
 
 
 def test_version_5_block_bodies_round_trip_and_older_plans_have_none():

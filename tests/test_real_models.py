@@ -304,6 +304,14 @@ def test_gradient_accumulation_without_sync(runs):
     check_parity(runs, "accumulate_no_sync")
 
 
+@pytest.mark.parametrize("name", ["offload_no_sync_clip", "offload_no_sync_clip_eager"])
+def test_offload_accumulation_without_sync_and_clipping(runs, name):
+    """CPU offload (simulated on the CPU mesh): micro-batches without sync, then the global
+    norm of the host gradients clipped before the CPU step; norms and parameters equal the
+    reference's."""
+    check_parity(runs, name, compiled=not name.endswith("eager"))
+
+
 def test_changing_batch_size(runs):
     check_parity(runs, "changing_batch")
 

@@ -349,7 +349,8 @@ def _mode_patches(gm: fx.GraphModule, example_inputs, opts: ShardcOptions, mode:
     fp8 = state is not None and (state.fp8 is not None
                                  or any(i.quantized for i in state.params.values()))
     reasons = cudagraphs.blockers((GatherArgs.of(n) for n in sharded_gathers(gm)),
-                                  example_inputs, fp8)
+                                  example_inputs, fp8,
+                                  offload=state is not None and state.offload is not None)
     if not reasons:
         return {**patches, cudagraphs.CUDAGRAPHS: True}, None
     note = cudagraphs.fallback_note(reasons)

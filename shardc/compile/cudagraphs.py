@@ -51,7 +51,7 @@ def wants_cudagraphs(patches: dict[str, Any]) -> bool:
 
 
 def blockers(gathers: Iterable[GatherArgs], example_inputs: Sequence[object],
-             fp8: bool) -> list[str]:
+             fp8: bool, offload: bool = False) -> list[str]:
     """Why the region cannot be recorded into a CUDA graph (empty: it can)."""
     out = []
     tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
@@ -75,6 +75,9 @@ def blockers(gathers: Iterable[GatherArgs], example_inputs: Sequence[object],
                    "gradient store in Python)")
     if fp8:
         out.append("FP8 gathers (not verified under CUDA graphs)")
+    if offload:
+        out.append("CPU offload (its gradients are copied to fresh host tensors and the CPU "
+                   "waits for them: not recordable in a CUDA graph)")
     return out
 
 

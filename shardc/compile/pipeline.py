@@ -33,6 +33,7 @@ from torch import fx
 from shardc import _torch
 from shardc.compile import progress
 from shardc.compile.options import ShardcOptions
+from shardc.memory.host import device_copy_bytes, find_host_state, host_values
 from shardc.memory.peak import param_placeholders, predict_peak
 from shardc.memory.pool import assign_pool
 from shardc.ops.gather import GATHER_OP
@@ -42,6 +43,7 @@ from shardc.passes.dedupe import dedupe_gathers, merge_reduce_scatters
 from shardc.passes.fp8 import Fp8Summary, hoist_fp8_quantize, prepare_fp8
 from shardc.passes.fx_utils import allocate_real, copy_graph_module, is_call
 from shardc.passes.lower import add_pool_placeholder, apply_plan
+from shardc.passes.offload_dedupe import dedupe_device_copies
 from shardc.passes.reshard import check_no_gathered_saved, tag_resharded_gathers
 from shardc.passes.saved_order import order_saved_values
 from shardc.planning.plan import CompiledBody, InlineBlock, Plan
@@ -118,6 +120,7 @@ def capture_partitioned() -> Iterator[list[tuple[fx.GraphModule, fx.GraphModule]
 def joint_passes(graph: fx.Graph, *, training: bool = True) -> Fp8Summary | None:
     """Steps 1-3 on a joint graph (``training``) or a forward-only one (gathers only)."""
     fp8 = prepare_fp8(graph)
+    dedupe_device_copies(graph)  # CPU offload: tied weights' copies, so their gathers merge
     dedupe_gathers(graph)
     if training:
         merge_reduce_scatters(graph)
@@ -153,6 +156,7 @@ def plan_and_lower(fw: fx.GraphModule, bw: fx.GraphModule | None, options: Shard
     record_bodies(plan, region)
     fw_params = param_placeholders(fw)
     bw_params = param_placeholders(bw) if bw is not None else set()
+    host = find_host_state(fw, bw)  # CPU offload: what lives on the host
     rank = rank_in_plan(plan)
     pool = allocate_pool(fw, plan, options) if bw is not None else None
     region.pool = pool
@@ -170,7 +174,11 @@ def plan_and_lower(fw: fx.GraphModule, bw: fx.GraphModule | None, options: Shard
                      optimizer_state_factor=options.optimizer_state_factor,
                      optimizer_temp_factor=options.optimizer_temp_factor,
                      persistent_bytes=pool.numel() if pool is not None else 0,
-                     fusion=options.inductor)
+                     fusion=options.inductor,
+                     host=host.params | host.bw_params | host_values(fw) | host_values(bw))
+        if plan.copies:
+            plan.predicted.host_bytes = float(host.host_bytes(options.optimizer_state_factor))
+            plan.predicted.device_copy_bytes = float(device_copy_bytes(plan))
     region.forward, region.backward, region.plan = fw, bw, plan
     if options.dump_dir:
         from shardc.tools.render import dump_plan

@@ -280,6 +280,13 @@ def param_placeholders(gm: fx.GraphModule) -> set[fx.Node]:
     return roots
 
 
+def _root(node: fx.Node) -> fx.Node:
+    """The node whose storage ``node`` views (itself if it is no view)."""
+    while _is_alias(node) and node.all_input_nodes:
+        node = node.all_input_nodes[0]
+    return node
+
+
 def _dtype(node: fx.Node) -> torch.dtype | None:
     val = node.meta.get("val")
     return val.dtype if isinstance(val, torch.Tensor) else None
@@ -320,11 +327,13 @@ def predict_peak(
     optimizer_temp_factor: float = 1.0,
     persistent_bytes: int = 0,
     fusion: bool = False,
+    host: set[fx.Node] = frozenset(),
 ) -> dict[str, int]:
     """Whole-step peak prediction from the lowered graphs; ``params``/``bw_params`` are the
     parameter-shard placeholders (:func:`param_placeholders`, taken before lowering);
     ``persistent_bytes``: memory held across steps besides those (the static pool), counted
-    in the optimizer step (the graphs' liveness already covers it inside the step).
+    in the optimizer step (the graphs' liveness already covers it inside the step);
+    ``host``: values in host memory (CPU offload, :mod:`shardc.memory.host`), not counted.
 
     Returns (and records in ``plan.predicted``) ``param_bytes``, ``optimizer_state_bytes``,
     ``forward_peak_bytes``, ``backward_peak_bytes``, ``grad_bytes``,
@@ -333,19 +342,19 @@ def predict_peak(
     param_bytes = sum(_nbytes(p.meta.get("val")) for p in params)
     optim = int(param_bytes * optimizer_state_factor)
     constants = {breakdown.PARAM_SHARDS: param_bytes, breakdown.OPTIMIZER: optim}
-    fw_lives, fw_storage = lifetimes_and_storage(forward, params, fusion=fusion)
+    fw_lives, fw_storage = lifetimes_and_storage(forward, params | host, fusion=fusion)
     fw_peak, _ = _timeline(fw_lives, len(forward.graph.nodes))
     out = {"param_bytes": param_bytes, "optimizer_state_bytes": optim,
            "forward_peak_bytes": param_bytes + optim + fw_peak}
     walked = [("forward", forward, fw_lives, fw_storage)]
     peak = out["forward_peak_bytes"]
     if backward is not None:
-        bw_lives, bw_storage = lifetimes_and_storage(backward, bw_params, fusion=fusion)
+        bw_lives, bw_storage = lifetimes_and_storage(backward, bw_params | host, fusion=fusion)
         bw_peak, _ = _timeline(bw_lives, len(backward.graph.nodes))
         walked.append(("backward", backward, bw_lives, bw_storage))
         out["backward_peak_bytes"] = param_bytes + optim + bw_peak
         grads = sum(_nbytes(n.meta.get("val")) for n in backward.graph.output_node().args[0]
-                    if isinstance(n, fx.Node))
+                    if isinstance(n, fx.Node) and _root(n) not in host)
         out["grad_bytes"] = grads
         out["optimizer_step_peak_bytes"] = (param_bytes + optim + grads + persistent_bytes
                                             + int(param_bytes * optimizer_temp_factor))

@@ -33,6 +33,7 @@ from shardc.passes.fx_utils import (
     view_chain_root,
     view_users,
 )
+from shardc.passes.lower_copies import lower_d2h, lower_h2d
 from shardc.passes.lower_found import lower as lower_found
 from shardc.planning.graph_view import GraphView, analyze
 from shardc.planning.plan import Bucket, Collective, CollectiveKind, Plan
@@ -392,6 +393,8 @@ def apply_plan(
     colls = [c for c in colls if not c.elided or c.link]
     pool_node = pool if isinstance(pool, fx.Node) or pool is None else _pool_node(gm, pool)
     views = PoolViews(graph, pool_node if colls else None, plan, poison)
+    # CPU offload: the host->device copies first (the all-gathers send their results).
+    lower_h2d(gm, g, plan.copies)
     # At one position: waits of earlier issues first (their send buffers die before the next
     # bucket is packed, which then reuses their memory), then issues, then the waits of
     # collectives issued there, each in plan order.
@@ -436,6 +439,7 @@ def apply_plan(
         # Name the collective of the issue and wait nodes (errors at run time name it).
         for node in (handle, *handle.users):
             node.meta[COLLECTIVE_META] = c.id
+    lower_d2h(gm, g, plan.copies)  # the reduced shards exist now
     # The collectives found in the graph move last: around shardc's, as their data needs.
     lower_found(gm, g, found)
     by_name = {n.name: n for n in graph.nodes}

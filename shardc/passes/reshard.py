@@ -16,6 +16,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from shardc.ops.gather import GATHER_OP
 from shardc.ops.gather_args import GatherArgs
+from shardc.ops.offload_copy import is_to_device
 from shardc.passes.body import body_calls, weight_derived_outputs
 from shardc.passes.fx_utils import gather_derived, is_call, recompute_tag, view_chain
 
@@ -39,10 +40,19 @@ def tag_resharded_gathers(graph: fx.Graph) -> int:
     count = 0
     for node in graph.nodes:
         if is_call(node, GATHER_OP) and reshards_after_forward(node):
-            for derived in gather_derived(node) + (view_chain(GatherArgs.of(node).shard) or []):
+            for derived in gather_derived(node) + sent_chain(GatherArgs.of(node).shard):
                 recompute_tag(derived, CheckpointPolicy.MUST_RECOMPUTE)
             count += 1
     return count
+
+
+def sent_chain(shard: fx.Node) -> list[fx.Node]:
+    """The nodes between a parameter shard (a graph input) and what its gather sends: views,
+    and under CPU offload the host->device copy (recomputed too: a saved device copy would keep
+    every shard on the device from the forward to the backward)."""
+    if is_to_device(shard):
+        return [shard] + (view_chain(shard.all_input_nodes[0]) or [])
+    return view_chain(shard) or []
 
 
 class GatheredParamSavedError(RuntimeError):
@@ -67,6 +77,9 @@ def check_no_gathered_saved(fw: fx.GraphModule, bw: fx.GraphModule) -> None:
         if is_call(gather, GATHER_OP) and reshards_after_forward(gather):
             for derived in gather_derived(gather):
                 offending[derived] = gather
+            shard = GatherArgs.of(gather).shard
+            if is_to_device(shard):  # offload: the device copy of the shard
+                offending[shard] = gather
     # A block body (shardc.passes.body) returns values it saves for its backward: those computed
     # from gathered weights alone would keep the weights alive in another form.
     for call in body_calls(fw):

@@ -14,6 +14,7 @@ from torch import fx
 
 from shardc.ops.gather import GATHER_OP, REDUCE_SCATTER_OP
 from shardc.ops.gather_args import GatherArgs, ReduceArgs
+from shardc.ops.offload_copy import copy_fqn, is_to_device, is_to_host
 from shardc.passes.fx_utils import gather_derived, is_call, view_chain_root
 from shardc.planning.found import FoundCollective, find
 
@@ -32,6 +33,10 @@ class GraphView:
     found: list[FoundCollective] = field(default_factory=list)
     # Planned positions of the found collectives' nodes (set by ``found.place``).
     placed: dict[fx.Node, int] = field(default_factory=dict)
+    # CPU offload: each parameter's host->device copy (what its gather sends) and the
+    # device->host copy of its gradient; not compute ops (the plan places them on its copy lane).
+    to_device: dict[str, fx.Node] = field(default_factory=dict)
+    to_host: dict[str, fx.Node] = field(default_factory=dict)
 
     @property
     def end(self) -> int:
@@ -73,6 +78,8 @@ def ready_pos(g: GraphView, node: fx.Node) -> int:
 
 def available_pos(g: GraphView, node: fx.Node) -> int:
     """Earliest position a collective reading ``node`` can be issued at (views are re-taken)."""
+    if is_to_device(node):  # the copy moves with the collective: its source's availability
+        return available_pos(g, node.all_input_nodes[0])
     if view_chain_root(node) is not None:
         return 0
     return g.pos(node) + 1
@@ -89,13 +96,20 @@ def analyze(gm: fx.GraphModule, name: str) -> GraphView:
     """The view of ``gm`` (the region's ``name`` graph: "forward" or "backward")."""
     found = find(gm)
     bookkeeping = {n for f in found for n in f.nodes}
-    compute, gathers, reduces = [], {}, {}
+    compute, gathers, reduces, to_device, to_host = [], {}, {}, {}, {}
     for node in gm.graph.nodes:
-        if is_call(node, GATHER_OP):
+        if is_to_device(node):
+            to_device[copy_fqn(node)] = node
+        elif is_to_host(node):
+            # A tied weight's second copy carries the zeros left where reductions merged
+            # (shardc.passes.dedupe): it stays a plain op; the planned one reads the reduction.
+            if copy_fqn(node) not in to_host or is_call(node.args[0], REDUCE_SCATTER_OP):
+                to_host[copy_fqn(node)] = node
+        elif is_call(node, GATHER_OP):
             gathers[GatherArgs.of(node).fqn] = node
         elif is_call(node, REDUCE_SCATTER_OP):
             reduces[ReduceArgs.of(node).fqn] = node
         elif node.op not in ("placeholder", "output") and node not in bookkeeping:
             compute.append(node)
     return GraphView(name, compute, {n: i for i, n in enumerate(compute)}, gathers, reduces,
-                     found)
+                     found, to_device=to_device, to_host=to_host)

@@ -30,9 +30,11 @@ PLAN_VERSION = 6
 # links filled in from the ids.
 # Version 5 added the block bodies (``Plan.bodies``: each repeated-block body the region's graphs
 # call, the blocks it runs and how often its joint graph was partitioned; ``Plan.inline_blocks``:
-# blocks that keep the inline path, and why) and ``Plan.memory_by_category`` (the whole step's
-# memory by category, for the memory plot and the capacity planner). Older plans read with all
-# three empty.
+# blocks that keep the inline path, and why), ``Plan.memory_by_category`` (the whole step's
+# memory by category, for the memory plot and the capacity planner) and CPU offload
+# (``Plan.copies``: the host<->device copies, kinds ``"h2d_copy"`` and ``"d2h_copy"``, on the
+# ``"copy"`` lane; the predictions ``host_bytes`` and ``device_copy_bytes``). Older plans read
+# with all of them empty.
 # Version 6 added ``Collective.elided``: shardc's collectives over a one-rank group (world 1, or
 # HSDP with shard size 1) are still planned and listed, but lowered to no communication (the
 # gather is the shard itself, the reduction the gradient itself); older plans read as not elided.
@@ -47,6 +49,10 @@ class CollectiveKind(str, Enum):
     ALL_REDUCE = "all_reduce"
     ALL_TO_ALL = "all_to_all"
     BROADCAST = "broadcast"
+    # CPU offload (Plan.copies): a bucket's host shards copied to the device before its
+    # all-gather, and its reduced gradient shards copied back to the host.
+    H2D_COPY = "h2d_copy"
+    D2H_COPY = "d2h_copy"
 
     def __str__(self) -> str:
         return self.value
@@ -86,6 +92,10 @@ class Predictions:
     grad_bytes: float | None = None
     optimizer_step_peak_bytes: float | None = None
     peak_bytes: float | None = None
+    # CPU offload: host memory of the offloaded state (masters, gradients, optimizer state), and
+    # the most device bytes the host->device copies hold at once (counted in the peaks above).
+    host_bytes: float | None = None
+    device_copy_bytes: float | None = None
 
     def to_dict(self) -> dict[str, float]:
         """The predictions made, by name."""
@@ -306,6 +316,9 @@ class Plan:
     # Repeated blocks compiled once (version 5).
     bodies: list[CompiledBody] = field(default_factory=list)
     inline_blocks: list[InlineBlock] = field(default_factory=list)
+    # CPU offload: the host<->device copies (kinds h2d_copy / d2h_copy, lane "copy"), planned
+    # like collectives but not collectives (no process group; the pool holds none of them).
+    copies: list[Collective] = field(default_factory=list)
 
     def table(self, *, wide: bool = False) -> str:
         """The plan as text (``shardc.tools.render.plan_table``): lines of at most 99 columns, or
@@ -364,6 +377,7 @@ class Plan:
         if version < 4:
             _link_by_id(colls)
         data["collectives"] = colls
+        data["copies"] = [Collective(**_tuples(c)) for c in data.get("copies", [])]
         data["graphs"] = {g: [ComputeOp(**op) for op in ops] for g, ops in data["graphs"].items()}
         data["bodies"] = [CompiledBody(**b) for b in data.get("bodies", [])]
         data["inline_blocks"] = [InlineBlock(**b) for b in data.get("inline_blocks", [])]
@@ -372,6 +386,13 @@ class Plan:
     @classmethod
     def from_json(cls, text: str) -> Plan:
         return cls.from_dict(json.loads(text))
+
+
+def _tuples(c: dict[str, Any]) -> dict[str, Any]:
+    c = dict(c)
+    if c.get("buffer_lifetime") is not None:
+        c["buffer_lifetime"] = tuple(c["buffer_lifetime"])
+    return c
 
 
 def _link_by_id(collectives: list[Collective]) -> None:

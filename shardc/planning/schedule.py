@@ -29,9 +29,11 @@ import torch
 from torch import fx
 
 from shardc.ops.gather_args import GatherArgs, ReduceArgs
+from shardc.ops.offload_copy import is_to_host
 from shardc.passes.fx_utils import dtype_itemsize, is_view, view_users
 from shardc.planning import found as found_comm
 from shardc.planning.bucketing import ParamComm, assign_buckets, bucket_name
+from shardc.planning.copies import COPY_KINDS, copy_seconds, place_d2h, place_h2d
 from shardc.planning.cost_model import node_flops_and_bytes
 from shardc.planning.estimate import (
     collective_copy_bytes,
@@ -111,7 +113,9 @@ def _collective(g: GraphView, kind: Kind, bucket: Bucket, params: list[str], nby
     last use."""
     per_rank = nbytes if kind == Kind.ALL_REDUCE else nbytes // bucket.world
     group_size = bucket.replicate if group == "replicate" else bucket.world
-    elided = group_size == 1
+    # Not with CPU offload: its planned host->device copies feed the collectives (kept as they
+    # are, one-rank groups included, until the elision is ordered after those copies).
+    elided = group_size == 1 and not (g.to_device or g.to_host)
     if elided:
         reason = f"{ELIDED_REASON[kind]} (placement as planned: {reason})"
     return Collective(
@@ -199,7 +203,7 @@ def _place_reduce_scatters(g: GraphView, buckets: list[Bucket]) -> list[Collecti
         ready = min(ready, g.end)
         # The wait must precede every reader of the reduced shards (the output, or additions).
         # (views of the shards are moved behind the wait by the lowering)
-        latest = min(g.pos(u) for p in params for u in view_users(g.reduces[p])[1])
+        latest = min(g.pos(u) for p in params for u in _readers(g.reduces[p]))
         if latest < ready:  # dedupe moves the readers of merged reductions to the end
             reader = g.compute[latest].name if latest < g.end else "the output"
             raise RuntimeError(
@@ -221,7 +225,7 @@ def _place_reduce_scatters(g: GraphView, buckets: list[Bucket]) -> list[Collecti
             next_ready, next_write = items[j + 1][0], items[j + 1][4]
             wait = next_write if next_write > ready else next_ready
         wait = min(max(wait, ready), latest)
-        if bucket.world == 1:
+        if bucket.world == 1 and not (g.to_device or g.to_host):
             # Elided (a one-rank shard group): nothing to wait for; HSDP's all-reduce of the
             # gradients starts as soon as they exist.
             wait = ready
@@ -235,6 +239,15 @@ def _place_reduce_scatters(g: GraphView, buckets: list[Bucket]) -> list[Collecti
                                                                         latest)
             reduce_scatter.link, all_reduce.link = all_reduce.id, reduce_scatter.id
             out.append(all_reduce)
+    return out
+
+
+def _readers(node: fx.Node) -> list[fx.Node]:
+    """The nodes that read ``node`` or its views; through an offload device->host copy, which
+    the lowering moves to where the plan's copy lane issues it, its readers."""
+    out = []
+    for user in view_users(node)[1]:
+        out += _readers(user) if is_to_host(user) else [user]
     return out
 
 
@@ -253,6 +266,8 @@ def replicate_all_reduce(g: GraphView, bucket: Bucket, params: list[str], issue:
 
 
 def _duration(c: Collective, profile: ClusterProfile, tp_size: int = 1) -> float:
+    if c.kind in COPY_KINDS:  # CPU offload: host<->device, on the copy lane
+        return copy_seconds(c.buffer_bytes)
     # HSDP's replicas are on different nodes. Under tensor parallelism the shard group's ranks
     # are tp_size apart (the tp group is the inner mesh dimension, within a node): the group
     # spans group_size * tp_size consecutive ranks, and crosses nodes once that exceeds a node.
@@ -485,14 +500,17 @@ def plan_region(
         if g.name == "backward":
             colls += _place_reduce_scatters(g, buckets)
         colls += found[g.name]
+        copies = place_h2d(g, colls) + (place_d2h(g, colls, buckets)
+                                        if g.name == "backward" else [])
         # Found collectives first at a position, in graph order (the sort is stable): their
         # group's order is the traced one.
         colls.sort(key=lambda c: (c.issue_pos, c.origin == "shardc",
                                   c.origin == "shardc" and c.kind != Kind.ALL_GATHER, c.bucket))
-        ops, step, exposed = _simulate(g, colls, cluster, plan.tp_size)
+        ops, step, exposed = _simulate(g, colls + copies, cluster, plan.tp_size)
         plan.collectives.extend(colls)
+        plan.copies.extend(copies)
         plan.graphs[g.name] = ops
-        plan.memory_timeline[g.name] = _memory_timeline(g, colls)
+        plan.memory_timeline[g.name] = _memory_timeline(g, colls + copies)
         plan.predicted.set_graph(g.name, step, exposed)
         total_time += step
         total_exposed += exposed

@@ -24,9 +24,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from shardc._torch import dtensor_on_local_device
 from shardc.ops.gather import gather_param
 from shardc.ops.gather_args import GatherArgs
-from shardc.runtime import replaced_params
+from shardc.ops.offload_copy import offload_to_device
+from shardc.runtime import offload_check, replaced_params
 from shardc.runtime.grad_sync import UnsyncedGrads
 from shardc.sharding import te_params
 from shardc.sharding.blocks import BlockBodies, wrap_repeated_blocks
@@ -48,6 +50,14 @@ from shardc.sharding.mesh import (
     resolve_layout,
     tp_spec,
     wrap_tp,
+)
+from shardc.sharding.offload import (
+    OffloadPolicy,
+    check_host_memory,
+    check_policy,
+    copy_target,
+    to_host,
+    wants_pinned,
 )
 from shardc.sharding.scope import (
     ShardedModuleMixin,
@@ -93,6 +103,16 @@ class ShardedParamInfo:
     # A TransformerEngine FP8 parameter (``te.quantized_model_init``): its FP8 bytes are
     # sharded and gathered as they are (shardc.sharding.te_params).
     quantized: bool = False
+    # CPU offload: the shard lives in host memory and the forward copies it to this device
+    # (``shardc::offload_to_device``) before gathering; "" without offload.
+    offload_device: str = ""
+    offload_pin: bool = False  # the host gradient is pinned
+
+    def sent_shard(self, local: torch.Tensor) -> torch.Tensor:
+        """What the gather sends: the local shard, or its device copy under offload."""
+        if not self.offload_device:
+            return local
+        return offload_to_device(local, self.fqn, self.offload_device, self.offload_pin)
 
     def gather_args(self, shard: torch.Tensor, grad_sync: int, sync_key: str) -> GatherArgs:
         """The gather op's arguments for this parameter's local ``shard``."""
@@ -115,6 +135,7 @@ class ShardState:
     fp8: Float8Policy | None = None
     # Process group name -> (role on the mesh, ranks), for the plans (MeshLayout.group_roles).
     group_roles: dict[str, tuple[str, int]] | None = None
+    offload: OffloadPolicy | None = None  # CPU offload (shardc.sharding.offload)
     # The repeated blocks compiled once, and those that are not (shardc.sharding.blocks).
     blocks: BlockBodies = field(default_factory=BlockBodies)
 
@@ -150,7 +171,8 @@ def _param_property(name: str, info: ShardedParamInfo, grads: UnsyncedGrads) -> 
             return te_params.gather_float8_param(self, name, param, info, sync, grads.key)
         if info.fp8 is not None:
             return gather_fp8_weight(param.to_local(), info, sync, grads.key)
-        full = gather_param(*info.gather_args(param.to_local(), sync, grads.key).args())
+        sent = info.sent_shard(param.to_local())
+        full = gather_param(*info.gather_args(sent, sync, grads.key).args())
         return full if info.tp is None else wrap_tp(full, info.tp)
 
     return property(read, doc=f"The parameter {info.fqn!r}, gathered inside a forward.")
@@ -200,9 +222,10 @@ def _check_applied(module: nn.Module, name: str, param, expected: tuple) -> None
                    f"{param.device_mesh} {param.placements})")
     elif tuple(param.shape) != shape or tuple(param.to_local().shape) != local_shape:
         problem = "changed its shape"
-    elif param.to_local().device.type != mesh.device_type:
+    elif param.to_local().device.type != _local_device_type(info, mesh):
         problem = (f"moved to {param.to_local().device} but its mesh is of device type "
-                   f"{mesh.device_type!r}")
+                   f"{mesh.device_type!r}" + (" and it is offloaded to the host (cpu)"
+                                              if info.offload_device else ""))
     elif info.quantized and param.to_local().dtype != dtype:
         problem = "changed dtype (a TransformerEngine FP8 parameter keeps its FP8 format)"
     if problem is not None:
@@ -213,6 +236,11 @@ def _check_applied(module: nn.Module, name: str, param, expected: tuple) -> None
             "build, shardc.shard, then to_empty(device=...) onto the mesh's device type), and "
             "change dtypes with .to(dtype) / MixedPrecisionPolicy."
         )
+
+
+def _local_device_type(info: ShardedParamInfo, mesh: DeviceMesh) -> str:
+    """Where a parameter's local shard lives: the mesh's device, or the host if offloaded."""
+    return "cpu" if info.offload_device else mesh.device_type
 
 
 def _refuse_share_memory(self):
@@ -352,9 +380,11 @@ def _check_quantized(fqn: str, p: torch.Tensor, layout: MeshLayout) -> None:
         )
 
 
-def _shard_tensor(p: torch.Tensor, layout: MeshLayout) -> DTensor:
+def _shard_tensor(p: torch.Tensor, layout: MeshLayout,
+                  offload: OffloadPolicy | None = None) -> DTensor:
     """Keep this rank's ``torch.chunk`` slice of what the rank holds of ``p`` (never the whole of
-    a meta tensor), as a DTensor on the whole mesh (placements: :mod:`shardc.sharding.mesh`)."""
+    a meta tensor), as a DTensor on the whole mesh (placements: :mod:`shardc.sharding.mesh`);
+    with ``offload``, the slice is a host tensor (pinned on CUDA)."""
     t, mesh = rank_tensor(p), layout.mesh
     world, rank = layout.shard_world, layout.shard_rank
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if (
@@ -365,13 +395,19 @@ def _shard_tensor(p: torch.Tensor, layout: MeshLayout) -> DTensor:
     rows = max(0, min(chunk, t.shape[0] - start))
     if te_params.is_quantized(t):
         local = te_params.shard_float8_param(t, start, rows, device)
-    elif t.device.type == "meta":
-        local = torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device=device)
+    elif t.device.type == "meta":  # offloaded: allocated on the host at once
+        local = torch.empty((rows, *t.shape[1:]), dtype=t.dtype,
+                            device=device if offload is None else torch.device("cpu"))
     else:
         local = t.detach().narrow(0, start, rows).to(device).clone()
+    if offload is not None:
+        local = to_host(local, offload, mesh.device_type)
     spec = tp_spec(p)
     shape = spec.shape if spec is not None else t.shape
     stride = spec.stride if spec is not None else t.contiguous().stride()
+    if offload is not None and local.device.type != mesh.device_type:
+        # A host shard on a CUDA mesh: from_local would move it back to the device.
+        return dtensor_on_local_device(local, mesh, placements(layout, spec), shape, stride)
     return DTensor.from_local(
         local, mesh, placements(layout, spec), run_check=False, shape=shape, stride=stride
     )
@@ -389,6 +425,7 @@ def shard(
     mp_policy: MixedPrecisionPolicy | None = None,
     fp8: Float8Policy | None = None,
     allow_partial_mesh: bool = False,
+    offload: OffloadPolicy | None = None,
 ) -> nn.Module:
     """Shard every parameter of ``module`` on dim 0 over ``mesh``, in place; returns ``module``.
 
@@ -409,6 +446,9 @@ def shard(
     mesh_dim_names=("pp", "dp"))`` mesh); any other mesh raises ``ValueError`` on every rank,
     because the ranks outside it would train unsynchronized copies. ``True`` skips this check,
     for code that synchronizes the model across such meshes itself.
+    ``offload``: keep the parameter shards, their gradients and the optimizer state in host
+    memory and step the optimizer on the CPU (:class:`shardc.OffloadPolicy`,
+    :mod:`shardc.sharding.offload`).
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
@@ -426,6 +466,7 @@ def shard(
         )
     mp_policy = mp_policy or MixedPrecisionPolicy()
     group_name = layout.shard_group_name
+    offload = _check_offload(module, offload, layout, fp8)
 
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
     canonical: dict[int, tuple[str, nn.Parameter]] = {}
@@ -463,6 +504,8 @@ def shard(
             fp8=Fp8ParamInfo(fp8.dtype, mp_policy.param_dtype)
             if fqn in fp8_fqns else None,
             quantized=fqn in quantized,
+            offload_device=copy_target(mesh.device_type) if offload else "",
+            offload_pin=bool(offload) and wants_pinned(offload, mesh.device_type),
         )
     # Before any parameter is replaced: the bodies run unsharded copies of the blocks.
     blocks = wrap_repeated_blocks(
@@ -473,15 +516,17 @@ def shard(
     per_module: dict[int, tuple[nn.Module, dict[str, ShardedParamInfo]]] = {}
     for key, (fqn, p) in canonical.items():
         info = infos[fqn]
-        new_param = nn.Parameter(_shard_tensor(p, layout), requires_grad=p.requires_grad)
+        new_param = nn.Parameter(_shard_tensor(p, layout, offload), requires_grad=p.requires_grad)
         if info.quantized:
             te_params.bind_shard(new_param, mesh.get_group())
+        if offload is not None:
+            offload_check.remember(new_param, fqn)
         for sub, pname in owners[key]:
             sub._parameters[pname] = new_param
             per_module.setdefault(id(sub), (sub, {}))[1][pname] = info
 
     state = ShardState(mesh, reshard_after_forward, mp_policy, infos, layout=layout, fp8=fp8,
-                       group_roles=layout.group_roles(), blocks=blocks)
+                       group_roles=layout.group_roles(), blocks=blocks, offload=offload)
     _STATES[state.key] = state
     for fqn, p in canonical.values():  # an optimizer still holding these is named at its step
         replaced_params.remember(p, fqn)
@@ -511,8 +556,47 @@ def shard(
     return module
 
 
-__all__ = ["MixedPrecisionPolicy", "ShardState", "ShardedParamInfo", "is_sharded", "no_sync",
-           "set_requires_gradient_sync", "shard", "shard_state"]
+def _check_offload(module: nn.Module, offload: OffloadPolicy | None, layout: MeshLayout,
+                   fp8: Float8Policy | None) -> OffloadPolicy | None:
+    """The offload policy to apply (None: none), checked before any shard is allocated; every
+    rank decides the same from the same module and mesh."""
+    if offload is None:
+        return None
+    check_policy(offload, layout.mesh.device_type)
+    if not offload.enabled():
+        return None
+    if fp8 is not None or any(te_params.is_quantized(p) for p in module.parameters()):
+        raise NotImplementedError(
+            "shardc.shard: offload=... with FP8 (fp8=... or TransformerEngine FP8 parameters) "
+            "is not supported; shard without one of them."
+        )
+    if layout.kind == "fsdp+tp":
+        raise NotImplementedError(
+            "shardc.shard: offload=... on an FSDP+TP mesh is not supported; offload works on "
+            "1-D (FSDP) and HSDP meshes."
+        )
+    check_host_memory(_local_shard_bytes(module, layout), offload)
+    return offload
+
+
+def _local_shard_bytes(module: nn.Module, layout: MeshLayout) -> int:
+    """This rank's parameter shard bytes after sharding (the largest rank's: every rank
+    checks the same number), from shapes and dtypes only."""
+    total, seen = 0, set()
+    for p in module.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        t = rank_tensor(p)
+        if t.dim() == 0 or t.shape[0] == 0:
+            continue
+        rows = -(-t.shape[0] // layout.shard_world)
+        total += rows * (t.numel() // t.shape[0]) * t.element_size()
+    return total
+
+
+__all__ = ["MixedPrecisionPolicy", "OffloadPolicy", "ShardState", "ShardedParamInfo",
+           "is_sharded", "no_sync", "set_requires_gradient_sync", "shard", "shard_state"]
 
 
 def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) -> None:

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from shardc.tools.render_copies import copy_events, copy_lines
+
 if TYPE_CHECKING:  # (the plan renders itself through this module: Plan.table)
     from shardc.planning.plan import Collective, ComputeOp, Plan
 
@@ -326,7 +328,7 @@ def plan_table(plan: Plan, *, wide: bool = False, width: int = NARROW_WIDTH,
         lines += ["", "collectives (issue order; positions are 'before compute op N'):"]
         lines += _narrow_collectives(plan, width)
         lines += ["", "buckets:"] + _narrow_buckets(plan, width)
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines + copy_lines(plan)) + "\n"
 
     names = _bucket_names(plan)
     headers = ["id", "kind", "group", "bucket", "#params", "bytes", "buffer", "dtype", "stream",
@@ -362,7 +364,7 @@ def plan_table(plan: Plan, *, wide: bool = False, width: int = NARROW_WIDTH,
         right=[True, False, True, True, False, False, False],
         widths=[None, 32, None, None, None, None, None],
     )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + copy_lines(plan)) + "\n"
 
 
 # ------------------------------------------------------------------------------ chrome trace
@@ -522,6 +524,9 @@ def chrome_trace(plan: Plan, *, min_op_us: float = 1.0, max_compute_events: int 
             events.append({"name": "waited by", "cat": "wait", "ph": "f", "bp": "e",
                            "id": flow_id, "pid": pid, "tid": compute_tid, "ts": wait_us})
 
+        copy_meta, copy_slices = copy_events(plan, graph, pid, offset_us)
+        meta += copy_meta
+        events += copy_slices
         timeline = plan.memory_timeline.get(graph, [])
         previous = None
         for p, value in enumerate(timeline):

@@ -1,0 +1,71 @@
+"""CPU offload's share of the memory prediction: what lives on the host, what the device holds.
+
+With offload the parameter shards (graph inputs feeding ``offload_to_device``), their
+gradients (``offload_to_host`` results) and the optimizer state live in host memory: the
+device peak (:func:`shardc.memory.peak.predict_peak`) leaves them out, and ``host_bytes``
+counts them. The device copies the forward and backward make are ordinary values of the graphs
+and stay in the device peak; ``device_copy_bytes`` is the most of them live at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from shardc.ops.offload_copy import COPY_START_OP, is_to_device, is_to_host
+from shardc.passes.fx_utils import view_chain_root
+from shardc.planning.plan import CollectiveKind, Plan
+
+
+def _nbytes(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    return int(val.numel()) * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
+@dataclass
+class HostState:
+    """A region's offloaded values, found before lowering."""
+
+    params: set[fx.Node]  # forward placeholders holding host shards
+    bw_params: set[fx.Node]
+    param_bytes: int
+    grad_bytes: int
+
+    def host_bytes(self, optimizer_state_factor: float) -> int:
+        return int(self.param_bytes * (1 + optimizer_state_factor) + self.grad_bytes)
+
+
+def _host_placeholders(gm: fx.GraphModule | None) -> set[fx.Node]:
+    if gm is None:
+        return set()
+    roots = (view_chain_root(n.args[0]) for n in gm.graph.nodes if is_to_device(n))
+    return {r for r in roots if r is not None}
+
+
+def find_host_state(fw: fx.GraphModule, bw: fx.GraphModule | None) -> HostState:
+    params = _host_placeholders(fw)
+    grads = sum(_nbytes(n) for n in bw.graph.nodes if is_to_host(n)) if bw is not None else 0
+    return HostState(params, _host_placeholders(bw), sum(_nbytes(p) for p in params), grads)
+
+
+def host_values(gm: fx.GraphModule | None) -> set[fx.Node]:
+    """Nodes of a lowered graph whose values are host tensors made by the offload copies."""
+    if gm is None:
+        return set()
+    return {n for n in gm.graph.nodes
+            if n.op == "call_function" and n.target is COPY_START_OP and n.args[2] == "cpu"}
+
+
+def device_copy_bytes(plan: Plan) -> int:
+    """The most bytes of host->device copies alive at once, over the region's graphs."""
+    best = 0
+    for graph in {c.graph for c in plan.copies}:
+        live: dict[int, int] = {}
+        for c in plan.copies:
+            if c.graph == graph and c.kind == CollectiveKind.H2D_COPY and c.buffer_lifetime:
+                for q in range(*c.buffer_lifetime):
+                    live[q] = live.get(q, 0) + c.buffer_bytes
+        best = max(best, max(live.values(), default=0))
+    return best

@@ -1,0 +1,152 @@
+"""The copies of CPU offload (:mod:`shardc.sharding.offload`) as custom ops.
+
+``offload_to_device`` copies a parameter's host shard to the device the forward computes on;
+its autograd copies the reduced gradient shard back to the host (``offload_to_host``), in the
+master's dtype. Under ``torch.compile`` both are opaque graph nodes that name their parameter,
+so the planner finds them like the gather and reduce ops and places them on the plan's copy
+lane; the lowering (``shardc.passes.lower``) moves each bucket's host->device copies to the
+position the plan gave them.
+
+On a CPU mesh under ``OffloadPolicy(simulate_on_cpu=True)`` the "device" is the CPU: each copy
+is a fresh tensor, so the data really travels through a separate buffer, as on a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_LIB = "shardc"
+
+
+@torch.library.custom_op(f"{_LIB}::offload_to_device", mutates_args=())
+def offload_to_device(shard: torch.Tensor, fqn: str, device: str, pin_grad: bool) -> torch.Tensor:
+    """A device copy of the host shard of parameter ``fqn`` (same dtype: the gather casts).
+
+    ``pin_grad``: the backward's host gradient is allocated in pinned memory."""
+    target = torch.device(device)
+    if target.type == shard.device.type:  # a CPU mesh simulating offload: a separate tensor
+        return shard.clone()
+    return shard.to(target, non_blocking=shard.is_pinned())
+
+
+@offload_to_device.register_fake
+def _to_device_fake(shard, fqn, device, pin_grad):
+    return torch.empty(shard.shape, dtype=shard.dtype, device=torch.device(device))
+
+
+@torch.library.custom_op(f"{_LIB}::offload_to_host", mutates_args=())
+def offload_to_host(grad: torch.Tensor, fqn: str, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """The host copy, in ``dtype`` (the master's), of the reduced gradient shard of ``fqn``.
+
+    The copy is synchronous: the optimizer (or a norm for clipping) may read the host gradient
+    as soon as the backward returns."""
+    if grad.device.type == "cpu":
+        return grad.to(dtype, copy=True)
+    out = torch.empty(grad.shape, dtype=dtype, device="cpu",
+                      pin_memory=pin and torch.cuda.is_available())
+    out.copy_(grad)
+    return out
+
+
+@offload_to_host.register_fake
+def _to_host_fake(grad, fqn, dtype, pin):
+    return torch.empty(grad.shape, dtype=dtype, device="cpu")
+
+
+def _setup(ctx, inputs, output) -> None:
+    shard, fqn, _device, pin_grad = inputs
+    ctx.fqn, ctx.dtype, ctx.pin = fqn, shard.dtype, pin_grad
+
+
+def _backward(ctx, grad):
+    return offload_to_host(grad, ctx.fqn, ctx.dtype, ctx.pin), None, None, None
+
+
+offload_to_device.register_autograd(_backward, setup_context=_setup)
+
+TO_DEVICE_OP = torch.ops.shardc.offload_to_device.default
+TO_HOST_OP = torch.ops.shardc.offload_to_host.default
+
+
+def is_to_device(node) -> bool:
+    return getattr(node, "op", None) == "call_function" and node.target is TO_DEVICE_OP
+
+
+def is_to_host(node) -> bool:
+    return getattr(node, "op", None) == "call_function" and node.target is TO_HOST_OP
+
+
+def copy_fqn(node) -> str:
+    """The parameter an offload copy node moves."""
+    return node.args[1]
+
+
+# -- The split form the lowering uses: a copy started at the plan's issue position on a copy
+# stream, and waited at its wait position (the compute stream waits for a host->device copy; the
+# CPU waits for a device->host one). On a CPU mesh (simulation) the copy is made at the start and
+# the wait does nothing.
+
+_PENDING: dict[tuple[str, int], object] = {}  # (device, data pointer) of a started copy -> event
+_COPY_STREAMS: dict[int, object] = {}
+
+
+def _copy_stream(index: int):
+    stream = _COPY_STREAMS.get(index)
+    if stream is None:
+        stream = _COPY_STREAMS[index] = torch.cuda.Stream(index)
+    return stream
+
+
+def _key(t: torch.Tensor) -> tuple[str, int]:
+    return str(t.device), t.data_ptr()
+
+
+@torch.library.custom_op(f"{_LIB}::offload_copy_start", mutates_args=())
+def offload_copy_start(src: torch.Tensor, fqn: str, device: str, dtype: torch.dtype,
+                       pin: bool) -> torch.Tensor:
+    """Start copying ``src`` (of parameter ``fqn``) to ``device`` as ``dtype``; the result may be
+    read only after ``offload_copy_wait`` of it."""
+    target = torch.device(device)
+    cuda = src.device if src.device.type == "cuda" else target
+    if cuda.type != "cuda" or src.numel() == 0:
+        return src.to(device=target, dtype=dtype, copy=True)
+    current = torch.cuda.current_stream(cuda)
+    stream = _copy_stream(cuda.index if cuda.index is not None else torch.cuda.current_device())
+    # Allocated on the compute stream, which waits for the copy before any use (and so before
+    # the memory can be freed and reused).
+    out = torch.empty(src.shape, dtype=dtype, device=target,
+                      pin_memory=pin and target.type == "cpu")
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        out.copy_(src, non_blocking=True)
+    if src.device.type == "cuda":
+        src.record_stream(stream)  # a gradient freed before the copy ends stays allocated
+    event = torch.cuda.Event()
+    event.record(stream)
+    _PENDING[_key(out)] = event
+    return out
+
+
+@offload_copy_start.register_fake
+def _copy_start_fake(src, fqn, device, dtype, pin):
+    return torch.empty(src.shape, dtype=dtype, device=torch.device(device))
+
+
+@torch.library.custom_op(f"{_LIB}::offload_copy_wait", mutates_args=("dst",))
+def offload_copy_wait(dst: torch.Tensor) -> None:
+    """Wait for the copy into ``dst``: the compute stream waits for a device destination, the
+    CPU for a host one. (Declared as mutating ``dst`` so that no compiler moves a reader of
+    ``dst`` above it or drops it.)"""
+    if dst.numel() == 0:
+        return
+    event = _PENDING.pop(_key(dst), None)
+    if event is None:
+        return
+    if dst.device.type == "cuda":
+        torch.cuda.current_stream(dst.device).wait_event(event)
+    else:
+        event.synchronize()
+
+
+COPY_START_OP = torch.ops.shardc.offload_copy_start.default
+COPY_WAIT_OP = torch.ops.shardc.offload_copy_wait.default

@@ -1,0 +1,98 @@
+"""Lower CPU offload's copies (``Plan.copies``, :mod:`shardc.planning.copies`) into the graphs.
+
+Each parameter's ``offload_to_device`` node becomes an ``offload_copy_start`` at its bucket's
+planned copy issue position and an ``offload_copy_wait`` at the copy's wait position (before the
+bucket's all-gather is issued, which then sends the device copy). Each ``offload_to_host`` node
+becomes a start where the plan issues its bucket's gradient copy (once the reduced shards are
+handed out) and a wait at the end of the backward; the views taken of the host gradient (its
+DTensor wrapping) move behind the wait.
+"""
+
+from __future__ import annotations
+
+from torch import fx
+
+from shardc.ops.offload_copy import COPY_START_OP, COPY_WAIT_OP
+from shardc.passes.fx_utils import call, view_chain
+from shardc.planning.graph_view import GraphView
+from shardc.planning.plan import Collective, CollectiveKind
+
+
+def _anchor(g: GraphView, gm: fx.GraphModule, pos: int) -> fx.Node:
+    return g.compute[pos] if pos < g.end else gm.graph.find_nodes(op="output")[0]
+
+
+def _retake(graph: fx.Graph, node: fx.Node) -> fx.Node:
+    """A copy, at the insertion point, of the chain of views from a placeholder to ``node``
+    (``node`` itself when it is no such chain: it already exists here)."""
+    if view_chain(node) is None or node.op == "placeholder":
+        return node
+    base = _retake(graph, node.all_input_nodes[0])
+    return graph.node_copy(node, lambda n: base)
+
+
+def lower_h2d(gm: fx.GraphModule, g: GraphView, copies: list[Collective]) -> None:
+    """Replace the graph's host->device copy nodes by planned start/wait pairs."""
+    graph = gm.graph
+    for c in (c for c in copies if c.kind == CollectiveKind.H2D_COPY and c.graph == g.name):
+        starts = []
+        with graph.inserting_before(_anchor(g, gm, c.issue_pos)):
+            for fqn in c.params:
+                node = g.to_device[fqn]
+                src, _, device, _pin = node.args
+                val = node.meta["val"]
+                starts.append(call(graph, COPY_START_OP,
+                                   (_retake(graph, src), fqn, device, val.dtype, False)))
+        with graph.inserting_before(_anchor(g, gm, c.wait_pos)):
+            for start in starts:
+                call(graph, COPY_WAIT_OP, (start,))
+        for fqn, start in zip(c.params, starts):
+            node = g.to_device[fqn]
+            node.replace_all_uses_with(start)
+            graph.erase_node(node)
+
+
+def lower_d2h(gm: fx.GraphModule, g: GraphView, copies: list[Collective]) -> None:
+    """Replace the graph's device->host gradient copies by planned start/wait pairs."""
+    graph = gm.graph
+    output = graph.find_nodes(op="output")[0]
+    for c in (c for c in copies if c.kind == CollectiveKind.D2H_COPY and c.graph == g.name):
+        for fqn in c.params:
+            node = g.to_host[fqn]
+            grad, _, dtype, pin = node.args
+            # At the issue position, or after the gradient if the lowering placed it later
+            # (the reduced shards are handed out right before their collective's wait anchor).
+            where = _anchor(g, gm, c.issue_pos)
+            with graph.inserting_before(where):
+                start = call(graph, COPY_START_OP, (grad, fqn, "cpu", dtype, pin))
+            _after(graph, grad, start)
+            with graph.inserting_before(output):
+                wait = call(graph, COPY_WAIT_OP, (start,))
+            node.replace_all_uses_with(start)
+            graph.erase_node(node)
+            _move_readers_behind(graph, start, wait)
+
+
+def _move_readers_behind(graph: fx.Graph, start: fx.Node, wait: fx.Node) -> None:
+    """Move every node downstream of ``start`` (its views, the DTensor wrapping, the sum of a
+    tied weight's two host gradients) behind ``wait``, in their order."""
+    downstream, stack = set(), [start]
+    while stack:
+        for user in stack.pop().users:
+            if user.op != "output" and user is not wait and user not in downstream:
+                downstream.add(user)
+                stack.append(user)
+    anchor = wait
+    for n in [n for n in graph.nodes if n in downstream]:
+        anchor.append(n)
+        anchor = n
+
+
+def _after(graph: fx.Graph, first: fx.Node, node: fx.Node) -> None:
+    """Move ``node`` right after ``first`` if it sits before it."""
+    for n in graph.nodes:
+        if n is node:
+            first.append(node)
+            return
+        if n is first:
+            return

@@ -1,0 +1,102 @@
+"""Plan CPU offload's copies (:mod:`shardc.sharding.offload`) like collectives, on a copy lane.
+
+For each bucket's all-gather whose parameters are offloaded, the host->device copy of their
+shards (``h2d_copy``) is issued one all-gather earlier than the all-gather itself (at the issue
+position of the all-gather issued before it in the graph; the first one at its own) and waited
+right before its all-gather is issued: the copy of bucket ``k`` runs on the copy lane (a CUDA
+stream of its own) while bucket ``k - 1`` is gathered and computed with. The device copy lives
+from its issue to its all-gather's issue, which packs it into the send buffer.
+
+For each bucket whose gradients go back to the host, the device->host copy (``d2h_copy``) is
+issued where the bucket's reduced shards are handed out (its reduce-scatter's wait, HSDP: its
+all-reduce's wait; without sync, where the stashed zero gradients exist) and waited at the end
+of the backward, so the copies of early buckets overlap the rest of the backward and the host
+gradients are complete when the backward returns (the optimizer, or a gradient norm for
+clipping, reads them next).
+"""
+
+from __future__ import annotations
+
+from torch import fx
+
+from shardc.passes.fx_utils import dtype_itemsize
+from shardc.planning.graph_view import GraphView, ready_pos
+from shardc.planning.plan import Bucket, Collective, CollectiveKind
+
+Kind = CollectiveKind
+COPY_LANE = "copy"
+COPY_KINDS = (Kind.H2D_COPY, Kind.D2H_COPY)
+# Host<->device bandwidth of pinned copies (bytes/s), for the simulation: PCIe gen5 x16 measures
+# about 50 GB/s each way at best; half of it is what large pinned copies sustain next to NCCL.
+HOST_LINK_BYTES_PER_S = 25e9
+HOST_LINK_LATENCY_S = 10e-6
+
+
+def copy_seconds(nbytes: int) -> float:
+    """Predicted time of one bucket's copy (its parameters one after the other)."""
+    return HOST_LINK_LATENCY_S + nbytes / HOST_LINK_BYTES_PER_S
+
+
+def _nbytes(node: fx.Node) -> int:
+    val = node.meta["val"]
+    return int(val.numel()) * dtype_itemsize(val.dtype)
+
+
+def _record(g: GraphView, kind: Kind, bucket: int, params: list[str], nbytes: int, dtype: str,
+            issue: int, wait: int, reason: str, lifetime: tuple[int, int] | None) -> Collective:
+    return Collective(
+        id=f"{g.name}.{kind}.{bucket}", kind=kind, graph=g.name, bucket=bucket, params=params,
+        bytes=nbytes, buffer_bytes=nbytes, dtype=dtype, stream=COPY_LANE, issue_pos=issue,
+        wait_pos=wait, first_use_pos=wait, last_use_pos=wait, reason=reason,
+        buffer_lifetime=lifetime, group=COPY_LANE, group_size=1,
+    )
+
+
+def _dtype_name(node: fx.Node) -> str:
+    return str(node.meta["val"].dtype).removeprefix("torch.")
+
+
+def place_h2d(g: GraphView, colls: list[Collective]) -> list[Collective]:
+    """The host->device copies of the graph's offloaded all-gathers (``colls``: planned)."""
+    gathers = sorted((c for c in colls if c.kind == Kind.ALL_GATHER and c.origin == "shardc"),
+                     key=lambda c: (c.issue_pos, c.bucket))
+    out, previous = [], None
+    for c in gathers:
+        params = [p for p in c.params if p in g.to_device]
+        if params:
+            issue = c.issue_pos if previous is None else min(previous, c.issue_pos)
+            nbytes = sum(_nbytes(g.to_device[p]) for p in params)
+            out.append(_record(
+                g, Kind.H2D_COPY, c.bucket, params, nbytes, _dtype_name(g.to_device[params[0]]),
+                issue, c.issue_pos,
+                "offload: the host shards copied to the device one all-gather ahead (issued "
+                "with the previous bucket's all-gather), waited before this bucket's all-gather",
+                (issue, c.issue_pos + 1)))
+        previous = c.issue_pos
+    return out
+
+
+def place_d2h(g: GraphView, colls: list[Collective], buckets: list[Bucket]) -> list[Collective]:
+    """The device->host copies of the graph's offloaded gradients, one per bucket."""
+    handed_out: dict[str, int] = {}
+    by_id = {c.id: c for c in colls}
+    for c in colls:
+        if c.kind == Kind.REDUCE_SCATTER and c.origin == "shardc":
+            last = by_id[c.link] if c.link in by_id else c
+            for p in c.params:
+                handed_out[p] = last.wait_pos
+    out = []
+    for bucket in buckets:
+        params = [p for p in bucket.params if p in g.to_host]
+        if not params:
+            continue
+        issue = max(handed_out[p] if p in handed_out
+                    else min(ready_pos(g, g.to_host[p].all_input_nodes[0]), g.end)
+                    for p in params)
+        nbytes = sum(_nbytes(g.to_host[p]) for p in params)
+        out.append(_record(
+            g, Kind.D2H_COPY, bucket.index, params, nbytes, _dtype_name(g.to_host[params[0]]),
+            issue, g.end,
+            "offload: the reduced gradient shards copied to the host once handed out, waited "
+            "at the end of the backward (host gradients complete when it returns)", None))
+    return out

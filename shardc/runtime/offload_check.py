@@ -1,0 +1,80 @@
+"""Check, before an optimizer steps, that what it holds fits CPU offload.
+
+With ``shardc.shard(..., offload=...)`` the optimizer steps on the CPU on the DTensor
+parameters whose local shards live in host memory. Before each step of an optimizer holding
+such parameters (an optimizer step pre-hook, public torch API, registered once per process when
+a model is first offloaded) every offloaded parameter is checked to be the sharded DTensor
+shardc installed, with a host local shard, and so is its gradient; a parameter group mixing
+offloaded parameters with parameters on the device is refused, naming one of each (torch's
+fused and foreach kernels would fail with a device mismatch that names neither). An optimizer
+built before ``shardc.shard`` is named by :mod:`shardc.runtime.replaced_params`.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+_OFFLOADED: dict[int, tuple[weakref.ref, str]] = {}  # id(parameter) -> (weak ref, name)
+_HOOK: list = []
+
+
+def remember(param: torch.Tensor, fqn: str) -> None:
+    """Record ``param`` (named ``fqn``) as an offloaded shardc parameter."""
+    key = id(param)
+
+    def forget(_ref, key=key) -> None:
+        _OFFLOADED.pop(key, None)
+
+    _OFFLOADED[key] = (weakref.ref(param, forget), fqn)
+    if not _HOOK:
+        _HOOK.append(register_optimizer_step_pre_hook(_check_optimizer))
+
+
+def offloaded_name(param: torch.Tensor) -> str | None:
+    entry = _OFFLOADED.get(id(param))
+    return entry[1] if entry is not None and entry[0]() is param else None
+
+
+def _local_device(t: torch.Tensor) -> torch.device:
+    return t.to_local().device if isinstance(t, DTensor) else t.device
+
+
+def check_group(params: list[torch.Tensor]) -> None:
+    """Raise if a parameter group does not fit offload (see the module docstring)."""
+    offloaded = [(p, offloaded_name(p)) for p in params]
+    named = [(p, n) for p, n in offloaded if n is not None]
+    if not named:
+        return
+    for p, name in named:
+        if not isinstance(p, DTensor) or _local_device(p).type != "cpu":
+            raise RuntimeError(
+                f"shardc: offloaded parameter {name!r} is no longer a DTensor with a host "
+                f"shard (it is on {_local_device(p)}); load values in place instead of "
+                "replacing or moving offloaded parameters.")
+        grad = p.grad
+        if grad is not None and (not isinstance(grad, DTensor) or
+                                 _local_device(grad).type != "cpu"):
+            raise RuntimeError(
+                f"shardc: the gradient of offloaded parameter {name!r} is a "
+                f"{type(grad).__name__} on {_local_device(grad)}, not a DTensor with a host "
+                "shard as the backward leaves it; the optimizer steps on the host, so assign "
+                "gradients like the parameter (a host DTensor) or let the backward produce them.")
+    other = next(((p, i) for i, (p, n) in enumerate(offloaded)
+                  if n is None and _local_device(p).type != "cpu"), None)
+    if other is not None:
+        raise RuntimeError(
+            f"shardc: one optimizer parameter group holds offloaded parameters (e.g. "
+            f"{named[0][1]!r}, on the host) and parameter #{other[1]} on "
+            f"{_local_device(other[0])}; torch.optim steps a group on one device. Put the "
+            "offloaded parameters in their own optimizer (or parameter group) or offload all.")
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    if not _OFFLOADED:
+        return
+    for group in optimizer.param_groups:
+        check_group(group["params"])

@@ -1,0 +1,200 @@
+"""CPU offload on a CUDA device (``pytest -m gpu tests/gpu/test_offload_gpu.py``; one GPU).
+
+- Host shards, host gradients and AdamW state are pinned (asked of the local tensors), the
+  device holds no parameter, and training matches the unsharded model on the GPU: FX and
+  Inductor, fp32 (tight) and bf16 mixed precision (bf16 rounding).
+- Clipping by global norm: with a process group of ``"cpu:gloo,cuda:nccl"`` the norm of the
+  host gradients (DTensors) reduces over gloo; the clipped run matches the reference.
+- DCP to and from FSDP2 with ``CPUOffloadPolicy()`` (pinned) bitwise in the saved values.
+- Eager (uncompiled) offloaded training; ``dcp.async_save`` from the pinned host state.
+The CPU tests of the same paths (simulated offload): tests/test_offload.py, test_parity.py,
+test_checkpoint.py.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+
+import shardc
+from shardc.models.llama import LlamaConfig, Transformer, llama_loss
+
+pytestmark = pytest.mark.gpu
+
+CFG = LlamaConfig(vocab_size=256, dim=128, n_layers=2, n_heads=4, ffn_dim=200, max_seq_len=64)
+STEPS, BATCH, SEQ = 4, 4, 32
+BF16 = shardc.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    torch.cuda.set_device(0)
+    init = os.path.join(tempfile.mkdtemp(), "pg")
+    # Host tensors (the offloaded gradients' norm) reduce over gloo, device ones over NCCL.
+    dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"file://{init}", rank=0,
+                            world_size=1)
+    yield init_device_mesh("cuda", (1,))
+    dist.destroy_process_group()
+
+
+def _batches():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, CFG.vocab_size, (BATCH, SEQ + 1), generator=g).cuda()
+            for _ in range(STEPS)]
+
+
+def _train(model, forward, clip: float | None = None) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for toks in _batches():
+        loss = llama_loss(forward(toks[:, :-1]), toks[:, 1:])
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _reference(clip=None):
+    torch.manual_seed(0)
+    model = Transformer(CFG).cuda()
+    return _train(model, model, clip), model
+
+
+@pytest.mark.parametrize("inductor", [False, True], ids=["fx", "inductor"])
+@pytest.mark.parametrize("mp", [None, BF16], ids=["fp32", "bf16"])
+def test_offloaded_training_matches_the_gpu_reference(mesh, inductor, mp):
+    ref_losses, ref = _reference()
+    torch.manual_seed(0)
+    model = Transformer(CFG).cuda()
+    shardc.shard(model, mesh, mp_policy=mp, offload=shardc.OffloadPolicy())
+    for p in model.parameters():
+        local = p.to_local()
+        assert local.device.type == "cpu" and local.is_pinned()
+    compiled = torch.compile(model, backend=shardc.backend(inductor=inductor))
+    losses = _train(model, compiled)
+    tol = 1e-4 if mp is None else 3e-2
+    for a, b in zip(losses, ref_losses):
+        assert abs(a - b) <= tol * abs(b), (losses, ref_losses)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        got = p.full_tensor().cuda()
+        err = ((got - q).norm() / q.norm()).item()
+        assert err <= (1e-4 if mp is None else 3e-2), (name, err)
+    plan = shardc.explain(compiled)
+    assert plan.copies and plan.predicted.host_bytes > 0
+
+
+def test_clip_grad_norm_with_offloaded_gradients(mesh):
+    ref_losses, _ = _reference(clip=0.5)
+    torch.manual_seed(0)
+    model = Transformer(CFG).cuda()
+    shardc.shard(model, mesh, offload=shardc.OffloadPolicy())
+    compiled = torch.compile(model, backend=shardc.backend(inductor=False))
+    losses = _train(model, compiled, clip=0.5)
+    for a, b in zip(losses, ref_losses):
+        assert abs(a - b) <= 1e-4 * abs(b), (losses, ref_losses)
+
+
+def test_fsdp2_cpu_offload_checkpoint_interop(mesh, tmp_path):
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    def fsdp(seed):
+        torch.manual_seed(seed)
+        m = Transformer(CFG).cuda()
+        for layer in m.layers:
+            fully_shard(layer, mesh=mesh, offload_policy=CPUOffloadPolicy())
+        return fully_shard(m, mesh=mesh, offload_policy=CPUOffloadPolicy())
+
+    def ours(seed):
+        torch.manual_seed(seed)
+        return shardc.shard(Transformer(CFG).cuda(), mesh, offload=shardc.OffloadPolicy())
+
+    for name, make_src, make_dst in (("fsdp2-to-shardc", fsdp, ours),
+                                     ("shardc-to-fsdp2", ours, fsdp)):
+        src = make_src(0)
+        src_opt = torch.optim.AdamW(src.parameters(), lr=1e-3)
+        _train_steps(src, src_opt)
+        sd, osd = get_state_dict(src, src_opt)
+        dcp.save({"model": sd, "optim": osd}, checkpoint_id=str(tmp_path / name))
+        dst = make_dst(7)
+        dst_opt = torch.optim.AdamW(dst.parameters(), lr=1e-3)
+        _train_steps(dst, dst_opt)  # creates the optimizer state to load into
+        dsd, dosd = get_state_dict(dst, dst_opt)
+        state = {"model": dsd, "optim": dosd}
+        dcp.load(state, checkpoint_id=str(tmp_path / name))
+        set_state_dict(dst, dst_opt, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        for (n, a), b in zip(src.named_parameters(), dst.parameters()):
+            assert torch.equal(a.full_tensor().cpu(), b.full_tensor().cpu()), (name, n)
+            for key in ("exp_avg", "exp_avg_sq"):
+                x, y = src_opt.state[a][key], dst_opt.state[b][key]
+                assert torch.equal(x.full_tensor().cpu(), y.full_tensor().cpu()), (name, n, key)
+
+
+def _train_steps(model, opt, steps: int = 2) -> None:
+    for toks in _batches()[:steps]:
+        llama_loss(model(toks[:, :-1]), toks[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+
+def test_eager_offloaded_training_matches_the_gpu_reference(mesh):
+    """Uncompiled: the copies run as they come (host->device from pinned memory, device->host
+    into pinned host gradients); the same values as the unsharded GPU model."""
+    ref_losses, ref = _reference()
+    torch.manual_seed(0)
+    model = Transformer(CFG).cuda()
+    shardc.shard(model, mesh, offload=shardc.OffloadPolicy())
+    losses = _train(model, model)
+    for a, b in zip(losses, ref_losses):
+        assert abs(a - b) <= 1e-4 * abs(b), (losses, ref_losses)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert p.to_local().device.type == "cpu" and p.to_local().is_pinned(), name
+        err = ((p.full_tensor().cuda() - q).norm() / q.norm()).item()
+        assert err <= 1e-4, (name, err)
+
+
+def test_async_save_from_pinned_host_state(mesh, tmp_path):
+    """dcp.async_save of an offloaded model and AdamW state (pinned host shards): staged before
+    it returns, so a step right after it does not reach the checkpoint; loads back bitwise into
+    a fresh offloaded model, whose shards stay pinned host tensors."""
+    torch.manual_seed(0)
+    model = shardc.shard(Transformer(CFG).cuda(), mesh, offload=shardc.OffloadPolicy())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _train_steps(model, opt)
+    sd, osd = get_state_dict(model, opt)
+    saved = {k: v.full_tensor().clone() for k, v in sd.items()}
+    moments = {n: opt.state[p]["exp_avg"].full_tensor().clone()
+               for n, p in model.named_parameters()}
+    gloo = dist.new_group(backend="gloo")
+    future = dcp.async_save({"model": sd, "optim": osd}, checkpoint_id=str(tmp_path / "a"),
+                            process_group=gloo)
+    _train_steps(model, opt, steps=1)  # changes the host shards while the save may be writing
+    future.result()
+    torch.manual_seed(5)
+    fresh = shardc.shard(Transformer(CFG).cuda(), mesh, offload=shardc.OffloadPolicy())
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+    _train_steps(fresh, fresh_opt, steps=1)  # creates the optimizer state to load into
+    fsd, fosd = get_state_dict(fresh, fresh_opt)
+    state = {"model": fsd, "optim": fosd}
+    dcp.load(state, checkpoint_id=str(tmp_path / "a"), process_group=gloo)
+    set_state_dict(fresh, fresh_opt, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    for name, p in fresh.named_parameters():
+        assert p.to_local().device.type == "cpu" and p.to_local().is_pinned(), name
+        assert torch.equal(p.full_tensor(), saved[name]), name
+        assert torch.equal(fresh_opt.state[p]["exp_avg"].full_tensor(), moments[name]), name

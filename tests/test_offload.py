@@ -1,0 +1,182 @@
+"""CPU offload (issue 21): refusals, where things live, the optimizer check, the plan's copies.
+
+Training parity with offload (worlds 1-4, eager and compiled, mixed precision) is in
+tests/test_parity.py, accumulation without sync and clipping in tests/test_real_models.py,
+checkpoints in tests/test_checkpoint.py; the GPU tests (pinning, the copy stream, FSDP2
+interop with pinned memory) in tests/gpu/test_offload_gpu.py. These checks share one spawned
+2-rank group.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from dist_utils import run_ranks
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import shardc
+import shardc.sharding.shard as shard_mod
+from shardc.models.llama import LlamaConfig, Transformer, llama_loss
+from shardc.planning.plan import Plan
+from shardc.runtime import offload_check
+from shardc.sharding import offload as offload_mod
+from shardc.tools.render import chrome_trace
+
+CFG = LlamaConfig(vocab_size=37, dim=24, n_layers=2, n_heads=4, ffn_dim=45, max_seq_len=16)
+SIM = shardc.OffloadPolicy(simulate_on_cpu=True)
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except Exception as exc:  # the message is what is checked
+        return f"{type(exc).__name__}: {exc}"
+    return "NO ERROR"
+
+
+def _model() -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(CFG)
+
+
+def _refusals(mesh) -> dict:
+    out = {
+        "cpu_mesh": _error(lambda: shardc.shard(_model(), mesh, offload=shardc.OffloadPolicy())),
+        "params_only": _error(lambda: shardc.shard(
+            _model(), mesh, offload=shardc.OffloadPolicy(optimizer=False, simulate_on_cpu=True))),
+        "optimizer_only": _error(lambda: shardc.shard(
+            _model(), mesh, offload=shardc.OffloadPolicy(params=False, simulate_on_cpu=True))),
+        "not_a_policy": _error(lambda: shardc.shard(_model(), mesh, offload=True)),
+        "fp8": _error(lambda: shardc.shard(_model(), mesh, offload=SIM,
+                                           fp8=shardc.Float8Policy())),
+    }
+    # An optimizer built before shard holds the replaced (device) parameters: named at its step.
+    early = _model()
+    early_opt = torch.optim.AdamW(early.parameters(), lr=1e-2)
+    shardc.shard(early, mesh, offload=SIM)
+    toks = torch.randint(0, CFG.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    llama_loss(early(toks), toks).backward()
+    out["early_optimizer"] = _error(early_opt.step)
+    probe = offload_mod.host_available_bytes
+    allocated = []
+    real_to_host = offload_mod.to_host
+    offload_mod.host_available_bytes = lambda: 1000  # shardc's own probe, not torch
+    try:
+        shard_mod.to_host = lambda *a: allocated.append(1) or real_to_host(*a)
+        model = _model()
+        out["no_host_memory"] = _error(lambda: shardc.shard(model, mesh, offload=SIM))
+        out["no_host_memory_untouched"] = not any(isinstance(p, DTensor)
+                                                  for p in model.parameters())
+        out["no_host_memory_allocated"] = len(allocated)
+    finally:
+        offload_mod.host_available_bytes = probe
+        shard_mod.to_host = real_to_host
+    return out
+
+
+def _train(rank: int, world: int) -> dict:
+    mesh = init_device_mesh("cpu", (world,))
+    out = _refusals(mesh)
+    model = shardc.shard(_model(), mesh, offload=SIM)
+    state = shardc.shard_state(model)
+    out["policy"] = state.offload
+    out["local_devices"] = sorted({p.to_local().device.type for p in model.parameters()})
+    out["infos"] = sorted({i.offload_device for i in state.params.values()})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    compiled = torch.compile(model, backend=shardc.backend(inductor=False))
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        toks = torch.randint(0, CFG.vocab_size, (2, 8), generator=gen)
+        llama_loss(compiled(toks), torch.roll(toks, -1, 1)).backward()
+        out["grad_devices"] = sorted({p.grad.to_local().device.type for p in model.parameters()})
+        out["grad_dtensor"] = all(isinstance(p.grad, DTensor) for p in model.parameters())
+        opt.step()
+        opt.zero_grad()
+    out["state_dtensor_host"] = all(
+        isinstance(v, DTensor) and v.to_local().device.type == "cpu"
+        and tuple(v.shape) == tuple(p.shape)
+        for p, s in opt.state.items() for k, v in s.items() if k != "step")
+    plan = shardc.explain(compiled)
+    out["plan_json"] = plan.to_json()
+    out["plan_text"] = plan.table()
+    out["trace_lanes"] = sorted({e["args"]["name"] for e in chrome_trace(plan)["traceEvents"]
+                                 if e.get("name") == "thread_name"})
+    # A parameter group mixing offloaded parameters with one on another device is refused.
+    param = next(iter(model.parameters()))
+    out["mixed_group"] = _error(lambda: offload_check.check_group(
+        [param, torch.empty(2, device="meta")]))
+    # ... and so is such a group at an optimizer's step (the step pre-hook).
+    mixed = torch.optim.SGD([param, torch.zeros(2, device="meta", requires_grad=True)], lr=0.1)
+    out["mixed_step"] = _error(mixed.step)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_ranks(_train, 2)
+
+
+def test_offload_on_a_cpu_mesh_is_refused_unless_simulating(runs):
+    msg = runs[0]["cpu_mesh"]
+    assert msg.startswith("ValueError") and "means nothing" in msg and "simulate_on_cpu" in msg
+
+
+def test_partial_policies_and_bad_arguments_are_refused(runs):
+    out = runs[0]
+    assert out["params_only"].startswith("NotImplementedError") and "OffloadPolicy()" in \
+        out["params_only"]
+    assert out["optimizer_only"].startswith("NotImplementedError") and "optimizer state" in \
+        out["optimizer_only"]
+    assert out["not_a_policy"].startswith("TypeError")
+    assert out["fp8"].startswith("NotImplementedError") and "FP8" in out["fp8"]
+
+
+def test_optimizer_built_before_shard_is_named_at_its_step(runs):
+    msg = runs[0]["early_optimizer"]
+    assert msg.startswith("RuntimeError") and "built before shardc.shard" in msg, msg
+    assert "Build the optimizer after shardc.shard" in msg and "tok_embeddings.weight" in msg, msg
+
+
+def test_host_without_enough_memory_is_refused_before_allocating(runs):
+    for out in runs:
+        msg = out["no_host_memory"]
+        assert msg.startswith("MemoryError"), msg
+        assert "GiB of host memory" in msg and "available" in msg
+        assert out["no_host_memory_untouched"] and out["no_host_memory_allocated"] == 0
+
+
+def test_shards_gradients_and_optimizer_state_live_on_the_host(runs):
+    for out in runs:
+        assert out["policy"] == SIM
+        assert out["local_devices"] == ["cpu"] and out["grad_devices"] == ["cpu"]
+        assert out["infos"] == ["cpu"]
+        assert out["grad_dtensor"] and out["state_dtensor_host"]
+
+
+def test_the_plan_records_copies_on_their_lane(runs):
+    plan = Plan.from_json(runs[0]["plan_json"])
+    assert plan.version == 5
+    kinds = {(c.graph, str(c.kind)) for c in plan.copies}
+    assert ("forward", "h2d_copy") in kinds and ("backward", "d2h_copy") in kinds
+    assert ("backward", "h2d_copy") in kinds  # resharded: gathered (so copied) again
+    assert all(c.stream == "copy" for c in plan.copies)
+    for c in plan.copies:
+        if str(c.kind) == "h2d_copy":
+            gather = next(g for g in plan.collectives if g.graph == c.graph
+                          and g.bucket == c.bucket and str(g.kind) == "all_gather")
+            assert c.issue_pos <= c.wait_pos == gather.issue_pos
+    assert plan.predicted.host_bytes > 0 and plan.predicted.device_copy_bytes > 0
+    assert json.loads(runs[0]["plan_json"])["copies"]
+    assert "offload copies" in runs[0]["plan_text"]
+    assert "copy: host<->device" in runs[0]["trace_lanes"]
+
+
+def test_optimizer_groups_and_gradients_are_checked(runs):
+    out = runs[0]
+    assert out["mixed_group"].startswith("RuntimeError") and "own optimizer" in out["mixed_group"]
+    assert "not a DTensor with a host shard" not in out["mixed_group"]
+    assert out["mixed_step"] == out["mixed_group"]
+
