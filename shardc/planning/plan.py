@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from typing import Any
 
-PLAN_VERSION = 6
+PLAN_VERSION = 5
 # Version 2 added the 2-D mesh fields (``Plan.mesh``, ``replicate_size``,
 # ``replicate_group_name``, ``Bucket.replicate``/``replicate_group``, ``Collective.group``, kind
 # ``"all_reduce"``); a version 1 plan reads as a 1-D plan with their defaults.
@@ -35,10 +35,10 @@ PLAN_VERSION = 6
 # (``Plan.copies``: the host<->device copies, kinds ``"h2d_copy"`` and ``"d2h_copy"``, on the
 # ``"copy"`` lane; the predictions ``host_bytes`` and ``device_copy_bytes``). Older plans read
 # with all of them empty.
-# Version 6 added ``Collective.elided``: shardc's collectives over a one-rank group (world 1, or
-# HSDP with shard size 1) are still planned and listed, but lowered to no communication (the
+# Version 5 also added ``Collective.elided``: shardc's collectives over a one-rank group (world 1,
+# or HSDP with shard size 1) are still planned and listed, but lowered to no communication (the
 # gather is the shard itself, the reduction the gradient itself); older plans read as not elided.
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 
 
 class CollectiveKind(str, Enum):
