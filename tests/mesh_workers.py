@@ -30,13 +30,15 @@ TP_STEPS, TP_LR = 3, 1e-2
 
 
 def _forward(model: nn.Module, mode: str):
-    """``eager``, ``fx`` (compiled, planned FX graphs) or ``fx-traced`` (the same, with the
-    collectives found in the graph kept where they were traced); ``fx-offload``: ``fx`` of a
-    model sharded with CPU offload (:func:`hsdp_run`)."""
+    """``eager``, ``fx`` (compiled, planned FX graphs), ``fx-traced`` (the same, with the
+    collectives found in the graph kept where they were traced) or ``fx-nopool`` (buffers
+    allocated per collective, as Inductor's default is); ``fx-offload``: ``fx`` of a model
+    sharded with CPU offload (:func:`hsdp_run`)."""
     if mode == "eager":
         return model
     return torch.compile(model, backend=shardc.backend(
-        inductor=False, move_found_collectives=mode != "fx-traced", cluster=CLUSTER))
+        inductor=False, move_found_collectives=mode != "fx-traced",
+        comm_pool=mode != "fx-nopool", cluster=CLUSTER))
 
 
 # The default profile times this tiny model's kernels at their launch cost, longer than its
@@ -162,6 +164,13 @@ def _plan_summary(model: nn.Module) -> list[dict]:
                 for gm in graphs.values() for n in gm.graph.nodes),
             "found": _found_facts(p, graphs),
             "graph_collectives": _graph_collectives(graphs, p.group_name),
+            # One-rank groups: the kinds of shardc's collectives the plan lists as elided, and
+            # the communication ops left in the lowered graphs.
+            "elided": sorted({str(c.kind) for c in p.collectives if c.elided}),
+            "lowered_ops": sorted({str(n.target) for gm in graphs.values()
+                                   for n in gm.graph.nodes if n.op == "call_function"
+                                   and getattr(n.target, "namespace", "") in
+                                   ("_c10d_functional", "shardc")}),
             "exposed": (p.predicted["exposed_comm_s"], sum(c.exposed_s for c in p.collectives)),
             # Block bodies (shardc.sharding.blocks): (blocks, partitions) per body, and the
             # blocks compiled inline with their reasons.

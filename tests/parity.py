@@ -202,10 +202,26 @@ def sharded_run(rank: int, world: int, kind: str, mode: str, **options) -> dict:
     state = shardc.shard_state(model)
     plans = [r.plan for r in state.regions]
     out = {"losses": losses, "params": params, "grads_none": grads_none, "plans": plans,
-           "eval": evaluated, "eval_hooked": hooked}
+           "collective_ops": collective_ops(state), "eval": evaluated, "eval_hooked": hooked}
     if keep_model:
         out.update(model=model, forward=forward)
     return out
+
+
+def collective_ops(state) -> int:
+    """Communication ops left in the lowered graphs of a sharded model's regions: functional
+    collectives (c10d) and shardc's own gather and reduce ops."""
+    count = 0
+    for region in state.regions:
+        for gm in (region.forward, region.backward):
+            for node in gm.graph.nodes if gm is not None else ():
+                target = getattr(node.target, "namespace", "")
+                name = str(node.target)
+                if node.op == "call_function" and (
+                        target == "_c10d_functional" or name.startswith(
+                            ("shardc.gather_param", "shardc.reduce_scatter_grad"))):
+                    count += 1
+    return count
 
 
 def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -324,32 +324,50 @@ def test_graph_break_gives_two_planned_regions(tmp_path):
                   {"losses": torch.zeros(1), "params": dict(ref.named_parameters())})
 
 
-def _mixed_precision(rank: int, world: int) -> dict:
+TOL_MP_WORLD1 = 1e-5
+
+
+def _mixed_precision(rank: int, world: int, eager: bool = False) -> dict:
     torch._dynamo.reset()
     model = build("llama")
     policy = shardc.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     shardc.shard(model, mp_policy=policy)
-    compiled = torch.compile(model, backend=shardc.backend(inductor=False))
+    compiled = model if eager else torch.compile(model, backend=shardc.backend(inductor=False))
     tokens, targets = batches()
     per = GLOBAL_BATCH // world
     losses = torch.stack(train(model, compiled, tokens[:, rank * per:(rank + 1) * per],
                                targets[:, rank * per:(rank + 1) * per]))
     dist.all_reduce(losses)
-    plan = shardc.explain(compiled)
+    plan = None if eager else shardc.explain(compiled)
     return {
         "losses": losses / world,
         "params": {n: p.full_tensor() for n, p in model.named_parameters()},
         "master_dtypes": {p.dtype for p in model.parameters()},
-        "kinds": {(c.kind, c.dtype) for c in plan.collectives},
+        "kinds": set() if eager else {(c.kind, c.dtype, c.elided) for c in plan.collectives},
     }
+
+
+def _mixed_precision_eager_and_fx(rank: int, world: int) -> tuple[dict, dict]:
+    return _mixed_precision(rank, world, eager=True), _mixed_precision(rank, world)
 
 
 def test_mixed_precision_policy():
     out = run_ranks(_mixed_precision, 2)[0]
     assert out["master_dtypes"] == {torch.float32}
-    assert out["kinds"] == {("all_gather", "bfloat16"), ("reduce_scatter", "float32")}
+    assert out["kinds"] == {("all_gather", "bfloat16", False),
+                            ("reduce_scatter", "float32", False)}
     # bf16 compute: close to the fp32 reference, within bf16 tolerance.
     assert_parity(out, reference("llama"), tol=2e-2)
+
+
+def test_mixed_precision_at_world_1_elides_collectives_and_keeps_the_casts():
+    """World 1: the planned graphs gather and reduce nothing (elided), but still compute in
+    bf16 and reduce in fp32: they train like the eager custom ops, which communicate the same
+    casts (a dropped cast would differ by bf16 rounding, far above the tolerance)."""
+    eager, fx = run_ranks(_mixed_precision_eager_and_fx, 1)[0]
+    assert fx["kinds"] == {("all_gather", "bfloat16", True), ("reduce_scatter", "float32", True)}
+    assert fx["master_dtypes"] == {torch.float32}
+    assert_parity(fx, eager, tol=TOL_MP_WORLD1)
 
 
 def test_compile_progress_one_line_per_stage(structure):

@@ -11,9 +11,10 @@ from parity import assert_parity, reference
 
 from shardc.planning.cost_model import ClusterSpec
 
-# Compiled on the 2x2 mesh; the degenerate meshes (all replicate, all tp) eagerly, to keep the
-# tests fast (the compiled 1x4 / 4x1 runs pass too: benchmarks or -k runs can add them).
-HSDP = [((2, 2), "eager"), ((2, 2), "fx"), ((4, 1), "eager"),
+# Compiled on the 2x2 mesh and on 4x1 (shard groups of one rank: the gathers and reduce-scatters
+# are elided); the all-tp mesh eagerly, to keep the tests fast.
+HSDP = [((2, 2), "eager"), ((2, 2), "fx"), ((4, 1), "eager"), ((4, 1), "fx"),
+        ((4, 1), "fx-nopool"),
         ((2, 2), "fx-offload")]  # CPU offload (simulated on the CPU mesh) over HSDP
 # "fx-traced": compiled with the tensor-parallel collectives kept where traced (the results must
 # be bitwise those of "fx", which moves them).
@@ -64,9 +65,25 @@ def test_hsdp_parity_and_plan(hsdp_runs, llama1_reference):
                 assert plan["mesh"] == f"HSDP: replicate {shape[0]} x shard {shape[1]}"
                 for predicted, inter_node in plan["all_reduce_times"]:
                     assert predicted == pytest.approx(inter_node) and predicted > 0
-                _assert_own_lanes(plan)
-                assert plan["allocating_all_reduces"] == 0 and plan["all_reduce_offsets"]
-                assert None not in plan["all_reduce_offsets"]  # in the static pool
+                if shape[1] == 1:
+                    # One-rank shard groups: no gather, no reduce-scatter is lowered (the plan
+                    # lists them elided); the gradients are packed into the buffer the
+                    # replicate all-reduce runs in (the pool's, or its own without the pool).
+                    assert plan["elided"] == ["all_gather", "reduce_scatter"]
+                    expected = (["_c10d_functional.all_reduce.default",
+                                 "_c10d_functional.wait_tensor.default"] if mode == "fx-nopool"
+                                else ["_c10d_functional.all_reduce_.default",
+                                      "_c10d_functional.wait_tensor.default",
+                                      "shardc.pool_pack.default", "shardc.pool_read.default"])
+                    assert plan["lowered_ops"] == expected, plan["lowered_ops"]
+                else:
+                    assert plan["elided"] == []
+                    _assert_own_lanes(plan)
+                if mode == "fx-nopool":  # each all-reduce allocates its own buffer
+                    assert plan["allocating_all_reduces"] == len(plan["all_reduce_offsets"]) > 0
+                else:
+                    assert plan["allocating_all_reduces"] == 0 and plan["all_reduce_offsets"]
+                    assert None not in plan["all_reduce_offsets"]  # in the static pool
             else:
                 assert "all_reduce" not in plan["kinds"] and plan["mesh"] == ""
             assert plan["found"] == [] and plan["tp_size"] == 1

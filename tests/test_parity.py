@@ -33,6 +33,10 @@ def _scenarios(rank: int, world: int, scenarios: list) -> list[dict]:
             assert out["plans"] and all(p is not None for p in out["plans"]), (
                 f"{kind}/{mode}/{options}: the shardc backend planned no region"
             )
+        out["plan_collectives"] = [c for p in out["plans"] if p is not None
+                                   for c in p.collectives]
+        out["comm_bytes"] = {(p.predicted.pool_bytes, p.predicted.peak_comm_buffer_bytes)
+                             for p in out["plans"] if p is not None}
         out["copies"] = sum(len(p.copies) for p in out["plans"] if p is not None)
         # Block bodies (shardc.sharding.blocks) per region: (name, blocks, partitions).
         out["bodies"] = [[(b.name, tuple(b.blocks), b.partitions) for b in p.bodies]
@@ -81,6 +85,18 @@ def test_parity_eager_and_fx(world, references):
                       ("llama", "fx", {"mp_policy": BF16, "offload": OFFLOAD})]
     results = run_ranks(_scenarios, world, scenarios)[0]
     for (kind, mode, options), run in zip(scenarios, results):
+        if mode != "eager":
+            # One rank communicates nothing: no collective is lowered (the plan lists them,
+            # elided); from two ranks on, every planned one is.
+            # (CPU offload keeps them: its planned copies feed the collectives.)
+            elided = {p.elided for p in run["plan_collectives"]}
+            if world == 1 and "offload" not in options:
+                assert run["collective_ops"] == 0, (kind, options, run["collective_ops"])
+                assert elided == {True}, (kind, options)
+                # ... and plans no communication buffer: no pool, none in the timeline.
+                assert run["comm_bytes"] == {(0, 0)}, (kind, options, run["comm_bytes"])
+            else:
+                assert run["collective_ops"] > 0 and elided == {False}, (kind, options)
         ref = references[f"{kind}-sgd" if options.get("optim") == "sgd" else kind]
         try:
             assert_parity(run, ref, tol=2e-2 if "mp_policy" in options else 1e-5)

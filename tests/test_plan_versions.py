@@ -1,5 +1,6 @@
 """Plan format version 5 (version 4's collective kinds, explicit links, typed predictions; block
-bodies; CPU offload's copies), and plans written by older versions still read."""
+bodies, CPU offload's copies, elided collectives), and plans written by older versions still
+read."""
 
 from __future__ import annotations
 

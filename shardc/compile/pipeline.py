@@ -234,6 +234,11 @@ def allocate_pool(fw: fx.GraphModule, plan: Plan, options: ShardcOptions) -> tor
     if not options.comm_pool:
         plan.notes.append("communication buffers: allocated per collective (no static pool)")
         return None
+    if not plan.predicted.pool_bytes:
+        # Every collective is elided (one-rank groups) or found in the graph: no pool, so the
+        # compiled graphs take no pool argument either.
+        plan.notes.append("communication buffers: none (no collective of shardc's needs one)")
+        return None
     # The device of what the gathers send (parameter shards, or an FP8 weight's quantized
     # shard, whose placeholder param_placeholders does not find through the quantization).
     sent = [GatherArgs.of(n).shard.meta["val"] for n in fw.graph.nodes if is_call(n, GATHER_OP)]

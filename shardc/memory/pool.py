@@ -32,7 +32,9 @@ def comm_buffers(plan: Plan) -> list[CommBuffer]:
 
     HSDP's all-reduce reduces its reduce-scatter's receive buffer in place (``lower.py``), which
     therefore lives until the all-reduce's wait; collectives found in the graph (tensor
-    parallelism) allocate their own outputs, like any op of the graph."""
+    parallelism) allocate their own outputs, like any op of the graph. An elided collective
+    (a one-rank group) has no buffer, except an elided reduce-scatter chained with an HSDP
+    all-reduce: its gradients are packed into the receive buffer the all-reduce runs in."""
     offset = {"forward": 0, "backward": len(plan.graphs.get("forward", [])) + 1}
     out = []
     for c in plan.collectives:
@@ -45,6 +47,10 @@ def comm_buffers(plan: Plan) -> list[CommBuffer]:
         gather = c.kind == CollectiveKind.ALL_GATHER
         send = c.bytes if gather else c.buffer_bytes
         recv = c.buffer_bytes if gather else c.bytes
+        if c.elided:
+            if reduced is not None:
+                out.append(CommBuffer(c.id, "recv", start, recv_end, recv))
+            continue
         out.append(CommBuffer(c.id, "send", start, end, send))
         out.append(CommBuffer(c.id, "recv", start, recv_end, recv))
     return out

@@ -8,6 +8,13 @@ the number of ranks they are averaged over (:func:`grad_divisor`), issues
 ``reduce_scatter_tensor``, and at its wait slices this rank's rows of every parameter out of the
 reduced buffer itself. Collectives are torch functional collectives, so NCCL and gloo, eager FX
 and Inductor all run them.
+
+Collectives over a one-rank group (``Collective.elided``: world 1, or HSDP with shard size 1)
+communicate nothing, so they are lowered to no collective at all: each gathered parameter
+becomes its shard, cast to the compute dtype (a pointwise op that a fusing compiler folds into
+its readers), and each reduced gradient the gradient, cast as the reduction would have cast it
+(:func:`elide`). No pool buffer, no copy, no wait. With HSDP's replicas, the gradients are
+packed straight into the buffer the replicate all-reduce runs in.
 """
 
 from __future__ import annotations
@@ -18,7 +25,14 @@ from torch import fx
 from shardc import _torch
 from shardc.ops.gather_args import GatherArgs, ReduceArgs
 from shardc.ops.pool import POOL_PACK_OP, POOL_READ_OP
-from shardc.passes.fx_utils import call, dtype_itemsize, fake_mode_of, view_chain_root, view_users
+from shardc.passes.fx_utils import (
+    call,
+    dtype_itemsize,
+    fake_mode_of,
+    size_hint,
+    view_chain_root,
+    view_users,
+)
 from shardc.passes.lower_copies import lower_d2h, lower_h2d
 from shardc.passes.lower_found import lower as lower_found
 from shardc.planning.graph_view import GraphView, analyze
@@ -155,6 +169,78 @@ def grad_divisor(bucket: Bucket) -> int:
     bits when the divisor is a power of two; otherwise each addend is rounded once more.
     """
     return bucket.world * bucket.replicate
+
+
+def _cast(graph: fx.Graph, x: fx.Node, dtype: torch.dtype | None) -> fx.Node:
+    if dtype is None or dtype == x.meta["val"].dtype:
+        return x
+    return call(graph, torch.ops.prims.convert_element_type.default, (x, dtype))
+
+
+def _same_shape(node: fx.Node, replacement: fx.Node, fqn: str) -> None:
+    # By size hints: a check must add no guard (parameters' sizes are static anyway).
+    want, got = ([size_hint(s) for s in n.meta["val"].shape] for n in (node, replacement))
+    if want != got:
+        raise RuntimeError(f"shardc lowering: {fqn} of a one-rank group has shape {tuple(got)}, "
+                           f"expected {tuple(want)}; this is a shardc bug, please report it")
+
+
+def elide(graph: fx.Graph, c: Collective, g: GraphView, handed: set[fx.Node]) -> None:
+    """Lower an elided collective (a one-rank group, not chained with an HSDP all-reduce): each
+    gather node becomes its shard cast to the gathered dtype, each reduce node the gradient cast
+    to the reduce dtype and then to the shard's dtype (what a one-rank reduce-scatter, whose
+    divisor is 1, computes), contiguous like the reduced shard. Each replacement is inserted
+    where the node was, so its inputs exist there and its readers follow it. ``handed``: the
+    gradients already handed to a parameter in this graph; one handed twice (two parameters
+    with the same gradient) is copied, so no two parameters' gradients share memory that an
+    in-place update (gradient clipping) would then change twice; so is one the graph returns
+    otherwise too."""
+    for fqn in c.params:
+        if c.kind == Kind.ALL_GATHER:
+            node = g.gathers[fqn]
+            with graph.inserting_before(node):
+                new = _cast(graph, GatherArgs.of(node).shard, node.meta["val"].dtype)
+        else:
+            node = g.reduces[fqn]
+            args = ReduceArgs.of(node)
+            with graph.inserting_before(node):
+                new = _cast(graph, _cast(graph, args.grad, args.reduce_dtype), args.out_dtype)
+                new = _contiguous(graph, new)
+                if view_chain_root(new) is not None or new in handed or any(
+                        r.op == "output" for r in view_users(new)[1]):
+                    # (nor a graph input, e.g. a tangent, or a value the graph already returns,
+                    # e.g. an input's gradient: autograd may accumulate into that in place)
+                    new = call(graph, aten.clone.default, (new,),
+                               {"memory_format": torch.contiguous_format})
+                handed.add(new)
+        _same_shape(node, new, fqn)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+
+
+def _issue_elided_reduce(graph, c: Collective, bucket: Bucket, reduces: dict,
+                         pool: PoolViews) -> tuple[fx.Node, fx.Node | None]:
+    """HSDP with a one-rank shard group: no reduce-scatter; the bucket's gradients, divided by
+    every rank they are averaged over, are packed into one flat buffer (the pool's receive
+    buffer) and all-reduced over the replicate group. Returns the all-reduce's handle and the
+    pool buffer it reduces in place (None without the pool), as :func:`_wait_all_reduce` takes."""
+    layout, numel = bucket.layout(c.params)
+    grads = [ReduceArgs.of(reduces[fqn]).grad for fqn in c.params]
+    divisor = grad_divisor(bucket)
+    recv_view = pool.view(c, "recv", _dtype(bucket.reduce_dtype), numel)
+    if recv_view is not None:
+        rows = [layout[fqn][1] for fqn in c.params]
+        call(graph, POOL_PACK_OP, (recv_view, grads, rows, 1, False, divisor))
+        return call(graph, funcol.all_reduce_.default,
+                    (recv_view, "sum", bucket.replicate_group)), recv_view
+    pieces = []
+    for fqn, x in zip(c.params, grads):
+        x = _cast(graph, x, ReduceArgs.of(reduces[fqn]).reduce_dtype)
+        if divisor != 1:
+            x = call(graph, aten.div.Tensor, (x, divisor))
+        pieces.append(call(graph, aten.view.default, (_contiguous(graph, x), [-1])))
+    flat = pieces[0] if len(pieces) == 1 else call(graph, aten.cat.default, (pieces,))
+    return call(graph, funcol.all_reduce.default, (flat, "sum", bucket.replicate_group)), None
 
 
 def _issue_reduce_scatter(graph, c: Collective, bucket: Bucket, reduces: dict, group: str,
@@ -299,6 +385,12 @@ def apply_plan(
     found = [c for c in plan.collectives if c.graph == graph_name and c.origin != "shardc"]
     handles: dict[str, tuple] = {}
     graph = gm.graph
+    # One-rank groups: no collective (an elided reduce-scatter chained with an HSDP all-reduce
+    # is lowered at its issue position: it packs what the all-reduce reduces).
+    handed: set[fx.Node] = set()
+    for c in [c for c in colls if c.elided and not c.link]:
+        elide(graph, c, g, handed)
+    colls = [c for c in colls if not c.elided or c.link]
     pool_node = pool if isinstance(pool, fx.Node) or pool is None else _pool_node(gm, pool)
     views = PoolViews(graph, pool_node if colls else None, plan, poison)
     # CPU offload: the host->device copies first (the all-gathers send their results).
@@ -318,13 +410,17 @@ def apply_plan(
         if c.issue_pos not in first_issued:
             first_issued[c.issue_pos] = anchor.prev
         with graph.inserting_before(anchor):
-            if c.kind == Kind.ALL_GATHER:
+            if c.elided:
+                handles[c.link] = _issue_elided_reduce(graph, c, bucket, g.reduces, views)
+            elif c.kind == Kind.ALL_GATHER:
                 handles[c.id] = _issue_all_gather(graph, c, bucket, g.gathers, group, views)
             else:
                 handles[c.id] = _issue_reduce_scatter(graph, c, bucket, g.reduces, group, views)
     # (the node before each position's issues, to the position's first issued node)
     first_issued = {pos: prev.next for pos, prev in first_issued.items()}
     for c in sorted(colls, key=lambda c: (c.wait_pos, c.kind == Kind.ALL_REDUCE)):
+        if c.elided:  # nothing was issued, nothing to wait for
+            continue
         bucket = plan.buckets[c.bucket]
         where = _anchor(g, gm, c.wait_pos)
         if c.kind != Kind.ALL_REDUCE and c.issue_pos < c.wait_pos and c.wait_pos in first_issued:

@@ -35,6 +35,9 @@ PLAN_VERSION = 5
 # (``Plan.copies``: the host<->device copies, kinds ``"h2d_copy"`` and ``"d2h_copy"``, on the
 # ``"copy"`` lane; the predictions ``host_bytes`` and ``device_copy_bytes``). Older plans read
 # with all of them empty.
+# Version 5 also added ``Collective.elided``: shardc's collectives over a one-rank group (world 1,
+# or HSDP with shard size 1) are still planned and listed, but lowered to no communication (the
+# gather is the shard itself, the reduction the gradient itself); older plans read as not elided.
 READABLE_VERSIONS = (1, 2, 3, 4, 5)
 
 
@@ -231,6 +234,11 @@ class Collective:
     # The id of the collective chained with this one: an HSDP reduce-scatter names the all-reduce
     # that averages its output over the replicas, which names it back ("" for none).
     link: str = ""
+    # Over a one-rank group (``group_size == 1``): there is nothing to communicate, so the
+    # lowering issues no collective and allocates no buffer (no pool bytes, no lifetime); the
+    # parameters' reads and gradients stay where the plan lists them. Decided from the group's
+    # size alone, hence identical on every rank.
+    elided: bool = False
 
     def __post_init__(self) -> None:
         self.kind = CollectiveKind(self.kind)

@@ -15,7 +15,10 @@ Placement rules, each recorded as the collective's ``reason``:
   reduce-scatter first lets the new buffer take its place instead of adding a second one;
 - collectives already in the traced graph (tensor parallelism) are planned by
   ``shardc.planning.found`` first: issued as soon as their inputs exist, waited before their
-  first reader.
+  first reader;
+- shardc's collectives over a one-rank group (world 1, HSDP with shard size 1) are planned as
+  above but marked ``elided``: no time, no buffer; the lowering reads the shard in place and
+  takes the gradient as the reduced one (an HSDP all-reduce then starts where they exist).
 
 The cost model simulates one lane per process group (each has its own stream on GPU).
 """
@@ -109,13 +112,30 @@ def _collective(g: GraphView, kind: Kind, bucket: Bucket, params: list[str], nby
     each rank sends its ``1/world``, all of it for an all-reduce); its buffer lives from issue to
     last use."""
     per_rank = nbytes if kind == Kind.ALL_REDUCE else nbytes // bucket.world
+    group_size = bucket.replicate if group == "replicate" else bucket.world
+    # Not with CPU offload: its planned host->device copies feed the collectives (kept as they
+    # are, one-rank groups included, until the elision is ordered after those copies).
+    elided = group_size == 1 and not (g.to_device or g.to_host)
+    if elided:
+        reason = f"{ELIDED_REASON[kind]} (placement as planned: {reason})"
     return Collective(
         id=f"{g.name}.{kind}.{bucket.index}", kind=kind, graph=g.name, bucket=bucket.index,
         params=params, bytes=per_rank, buffer_bytes=nbytes, dtype=dtype,
         stream=found_comm.lane(group), issue_pos=issue, wait_pos=wait, first_use_pos=first_use,
-        last_use_pos=last_use, reason=reason, buffer_lifetime=(issue, last_use + 1), group=group,
-        group_size=bucket.replicate if group == "replicate" else bucket.world,
+        last_use_pos=last_use, reason=reason,
+        buffer_lifetime=None if elided else (issue, last_use + 1), group=group,
+        group_size=group_size, elided=elided,
     )
+
+
+# Why a collective over a one-rank group is elided (``Collective.elided``), by kind.
+ELIDED_REASON = {
+    Kind.ALL_GATHER: "elided: one-rank shard group, the gathered parameter is the shard itself "
+                     "(cast to the compute dtype), read in place",
+    Kind.REDUCE_SCATTER: "elided: one-rank shard group, the reduced gradient is the gradient "
+                         "itself (cast to the reduce and shard dtypes)",
+    Kind.ALL_REDUCE: "elided: one-rank replicate group",
+}
 
 
 def _place_all_gathers(g: GraphView, buckets: list[Bucket], options) -> list[Collective]:
@@ -205,6 +225,10 @@ def _place_reduce_scatters(g: GraphView, buckets: list[Bucket]) -> list[Collecti
             next_ready, next_write = items[j + 1][0], items[j + 1][4]
             wait = next_write if next_write > ready else next_ready
         wait = min(max(wait, ready), latest)
+        if bucket.world == 1 and not (g.to_device or g.to_host):
+            # Elided (a one-rank shard group): nothing to wait for; HSDP's all-reduce of the
+            # gradients starts as soon as they exist.
+            wait = ready
         nbytes = bucket.layout(params)[1] * bucket.world * _itemsize(bucket.reduce_dtype)
         out.append(_collective(
             g, Kind.REDUCE_SCATTER, bucket, params, nbytes, bucket.reduce_dtype, ready, wait, wait,
@@ -291,7 +315,7 @@ class _Timeline:
         return start, self.t
 
     def issue(self, c: Collective, seconds: float) -> None:
-        # Launched for a one-rank group too: shardc lowers its collectives (a copy in NCCL).
+        # (Not for an elided collective, over a one-rank group: it is lowered to none.)
         self.host += self.profile.collective_launch_s
         c.predicted_start_s = max(self.t, self.host, self.free.get(c.stream, 0.0))
         c.predicted_end_s = self.free[c.stream] = c.predicted_start_s + seconds
@@ -335,16 +359,20 @@ def _simulate(g: GraphView, colls: list[Collective], profile: ClusterProfile,
         kernel_at.setdefault(g.position[anchor(k)], []).append(k)
 
     def issue(c: Collective) -> None:
+        if c.elided:  # lowered to no communication: no pack, no launch, no lane, no time
+            c.predicted_start_s = c.predicted_end_s = line.t
+            return
         pack, _ = _copy_seconds(g, c, profile)
         if pack:
             line.kernel(pack)
         line.issue(c, _duration(c, profile, tp_size))
 
     def wait(c: Collective) -> None:
-        line.wait(c)
-        _, unpack = _copy_seconds(g, c, profile)
-        if unpack:
-            line.kernel(unpack)
+        if not c.elided:
+            line.wait(c)
+            _, unpack = _copy_seconds(g, c, profile)
+            if unpack:
+                line.kernel(unpack)
         if c.id in chained:
             issue(chained[c.id])
 
@@ -486,6 +514,12 @@ def plan_region(
         plan.predicted.set_graph(g.name, step, exposed)
         total_time += step
         total_exposed += exposed
+    elided = [c for c in plan.collectives if c.elided]
+    if elided:
+        plan.notes.append(
+            f"{len(elided)} collective(s) over one-rank groups elided: listed where planned, "
+            "lowered to no communication and no buffer (the shard read in place, the gradient "
+            "taken as reduced)")
     if any(found.values()):
         plan.notes.append(_found_note([c for cs in found.values() for c in cs],
                                       options.move_found_collectives))

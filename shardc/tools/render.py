@@ -153,11 +153,18 @@ def _bytes_by_dtype(plan: Plan) -> list[str]:
     for kind in ("all_gather", "reduce_scatter"):  # CollectiveKind values
         totals: dict[str, int] = {}
         for c in plan.collectives:
-            if c.kind == kind and c.origin == "shardc":
+            if c.kind == kind and c.origin == "shardc" and not c.elided:
                 totals[c.dtype] = totals.get(c.dtype, 0) + c.buffer_bytes
         if totals:
             parts = ", ".join(f"{d} {_fmt_bytes(n)} ({n} B)" for d, n in sorted(totals.items()))
             lines.append(f"{kind.replace('_', '-')} bytes by dtype: {parts}")
+    elided: dict[str, int] = {}
+    for c in plan.collectives:
+        if c.elided:
+            elided[str(c.kind)] = elided.get(str(c.kind), 0) + 1
+    if elided:
+        parts = ", ".join(f"{n} {kind}" for kind, n in sorted(elided.items()))
+        lines.append(f"elided (one-rank groups, no communication): {parts}")
     found: dict[str, dict[str, list[int]]] = {}
     for c in plan.collectives:
         if c.origin != "shardc":
