@@ -212,3 +212,15 @@ def test_block_bodies_predict_the_peak_of_inline_blocks():
     assert at_peak[0]["graph"] == at_peak[1]["graph"]
     for category, nbytes in at_peak[1]["bytes"].items():
         assert abs(at_peak[0]["bytes"][category] - nbytes) <= 0.01 * inline["peak_bytes"], category
+
+
+def test_block_bodies_predict_the_step_time_of_inline_blocks():
+    """The time model prices a compiled-once body's call (``invoke_subgraph``) by its body's
+    kernels, run where the call runs: the same step as inline blocks (priced as one opaque op,
+    a 4-layer body once predicted a sixth of it)."""
+    spec = parse_model_spec("llama-tiny:n_layers=4")
+    plans = {once: plan_model(spec, 1, 2, 32, {"compile_blocks_once": once}, template=False)[0]
+             for once in (True, False)}
+    assert plans[True].bodies and not plans[False].bodies
+    bodies, inline = (plans[k].predicted.step_time_s for k in (True, False))
+    assert abs(bodies - inline) <= 0.02 * inline, (bodies, inline)

@@ -167,8 +167,8 @@ def plan_model(model: LlamaConfig | ModelSpec, world: int, batch: int, seq: int,
 
     spec = model if isinstance(model, ModelSpec) else llama_model(model)
     setup = setup or PlanSetup()
-    # Blocks inline: the time model does not price a compiled-once block body (an
-    # invoke_subgraph call) by its kernels yet, so a plan with bodies predicts too short a step.
+    # Blocks inline: a plan with compiled-once bodies predicts the same peak and step
+    # (tests/test_memory.py), and the template's extrapolation reads inline blocks' nodes.
     options = {"compile_blocks_once": False,
                **dict(inductor=setup.inductor, check_plan_consistency=False, **options)}
     device = "cpu"  # see the module docstring: meta tensors lose the loss's gradient
