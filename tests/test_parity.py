@@ -49,76 +49,87 @@ def _scenarios(rank: int, world: int, scenarios: list) -> list[dict]:
     return results
 
 
-@pytest.mark.parametrize("world", WORLD_SIZES)
-def test_parity_eager_and_fx(world, references):
-    scenarios = [
-        ("llama", "eager", {}),
-        ("llama", "fx", {}),
-        ("llama", "fx", {"prefetch": False}),
-        ("variant", "fx", {}),
-        ("repeated", "fx", {}),  # one module instance applied twice per forward
-        # The optimizer steps the local shards (shardc.optim.local_shard_step).
-        ("llama", "fx", {"local_step": True}),
-        ("variant", "fx", {"local_step": True, "optim": "sgd"}),
+def _parity_scenarios(world: int) -> dict[str, tuple[str, str, dict]]:
+    """name -> (model kind, mode, options) run at ``world``: the core at every world size, the
+    other features spread over the sizes (each at one or two of them, an uneven one among them
+    where sizes matter), so that the four spawned groups stay cheap."""
+    def at(*worlds: int) -> bool:
+        return world in worlds
+
+    scenarios = {
+        "fx": ("llama", "fx", {}),
         # Repeated blocks compiled once (and one odd block inline), checkpointing inside the
         # blocks, then an eval + no_grad forward.
-        ("blocks", "fx", {"eval": True, "hook_after_eval": world == 1}),
-    ]
-    if world == 3:
-        scenarios.append(("blocks", "fx", {"eval": True, "compile_blocks_once": False}))
-    if world == 3:
-        scenarios.append(("llama", "fx", {"reshard_after_forward": False, "bucket_by": "param"}))
-    if world in (2, 4):
+        "blocks": ("blocks", "fx", {"eval": True, "hook_after_eval": world == 1}),
+    }
+    optional = [
+        (at(1, 3), "eager", ("llama", "eager", {})),
+        (at(2, 3), "no_prefetch", ("llama", "fx", {"prefetch": False})),
+        (at(3, 4), "variant", ("variant", "fx", {})),
+        (at(2), "repeated", ("repeated", "fx", {})),  # one module applied twice per forward
+        # The optimizer steps the local shards (shardc.optim.local_shard_step).
+        (at(1, 4), "local_step", ("llama", "fx", {"local_step": True})),
+        (at(3), "variant_local_sgd", ("variant", "fx", {"local_step": True, "optim": "sgd"})),
+        (at(3), "blocks_inline", ("blocks", "fx", {"eval": True, "compile_blocks_once": False})),
+        (at(3), "per_param", ("llama", "fx", {"reshard_after_forward": False,
+                                               "bucket_by": "param"})),
         # Poisoned pool buffers: any planning error that overlapped live buffers gives NaNs.
-        scenarios.append(("llama", "fx", {"debug_pool": True, "prefetch_depth": 2}))
-    if world == 2:
-        scenarios.append(("llama", "fx", {"local_step": True, "optim": "adamw-fused"}))
-    # CPU offload (issue 21): host shards, host gradients, AdamW on the host; eager and planned.
-    offloaded = len(scenarios)
-    scenarios += [("llama", "eager", {"offload": OFFLOAD}), ("llama", "fx", {"offload": OFFLOAD})]
-    if world in (3, 4):  # tied weights, a frozen layer, an unused and (world 4) an empty shard
-        scenarios.append(("variant", "fx", {"offload": OFFLOAD}))
-    if world == 2:  # kept gathered for the backward (no second copy); mixed precision: the
-        # same bits with and without offload
-        scenarios += [("llama", "fx", {"offload": OFFLOAD, "reshard_after_forward": False}),
-                      ("llama", "fx", {"mp_policy": BF16}),
-                      ("llama", "fx", {"mp_policy": BF16, "offload": OFFLOAD})]
-    results = run_ranks(_scenarios, world, scenarios)[0]
-    for (kind, mode, options), run in zip(scenarios, results):
+        (at(2, 4), "debug_pool", ("llama", "fx", {"debug_pool": True, "prefetch_depth": 2})),
+        (at(2), "fused_adamw", ("llama", "fx", {"local_step": True, "optim": "adamw-fused"})),
+        # CPU offload (issue 21): host shards, host gradients, AdamW on the host.
+        (at(3), "offload_eager", ("llama", "eager", {"offload": OFFLOAD})),
+        (at(1, 2, 3), "offload", ("llama", "fx", {"offload": OFFLOAD})),
+        # Tied weights, a frozen layer, an unused and (world 4) an empty shard.
+        (at(4), "variant_offload", ("variant", "fx", {"offload": OFFLOAD})),
+        # Kept gathered for the backward (no second copy); mixed precision: the same bits with
+        # and without offload.
+        (at(2), "offload_no_reshard", ("llama", "fx", {"offload": OFFLOAD,
+                                                        "reshard_after_forward": False})),
+        (at(2), "bf16", ("llama", "fx", {"mp_policy": BF16})),
+        (at(2), "bf16_offload", ("llama", "fx", {"mp_policy": BF16, "offload": OFFLOAD})),
+    ]
+    scenarios.update({name: scenario for on, name, scenario in optional if on})
+    return scenarios
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_parity_eager_and_fx(world, references):
+    named = _parity_scenarios(world)
+    scenarios = list(named.values())
+    runs = dict(zip(named, run_ranks(_scenarios, world, scenarios)[0]))
+    for name, run in runs.items():
+        kind, mode, options = named[name]
         if mode != "eager":
             # One rank communicates nothing: no collective is lowered (the plan lists them,
             # elided); from two ranks on, every planned one is.
             # (CPU offload keeps them: its planned copies feed the collectives.)
             elided = {p.elided for p in run["plan_collectives"]}
             if world == 1 and "offload" not in options:
-                assert run["collective_ops"] == 0, (kind, options, run["collective_ops"])
-                assert elided == {True}, (kind, options)
+                assert run["collective_ops"] == 0, (name, run["collective_ops"])
+                assert elided == {True}, name
                 # ... and plans no communication buffer: no pool, none in the timeline.
-                assert run["comm_bytes"] == {(0, 0)}, (kind, options, run["comm_bytes"])
+                assert run["comm_bytes"] == {(0, 0)}, (name, run["comm_bytes"])
             else:
-                assert run["collective_ops"] > 0 and elided == {False}, (kind, options)
+                assert run["collective_ops"] > 0 and elided == {False}, name
         ref = references[f"{kind}-sgd" if options.get("optim") == "sgd" else kind]
         try:
             assert_parity(run, ref, tol=2e-2 if "mp_policy" in options else 1e-5)
         except AssertionError as exc:
-            raise AssertionError(f"world {world}, {kind}/{mode}/{options}: {exc}") from exc
+            raise AssertionError(f"world {world}, {name} {kind}/{mode}/{options}: {exc}") from exc
     # Prefetch changes when collectives run, never what they compute: bitwise equal.
-    on, off = results[1], results[2]
-    assert torch.equal(on["losses"], off["losses"])
-    for name in on["params"]:
-        assert torch.equal(on["params"][name], off["params"][name]), name
-    _check_blocks(world, scenarios, results, references["blocks"])
-    variant = results[3]
-    assert variant["grads_none"]["unused"], "an unused parameter must get no gradient"
-    frozen = references["variant"]["params"]["lm.layers.0.attention.wq.weight"]
-    assert torch.equal(variant["params"]["lm.layers.0.attention.wq.weight"], frozen)
+    if "no_prefetch" in runs:
+        _bitwise(runs["fx"], runs["no_prefetch"], f"world {world}: prefetch on vs off")
+    _check_blocks(world, scenarios, list(runs.values()), references["blocks"])
+    if "variant" in runs:
+        assert runs["variant"]["grads_none"]["unused"], "an unused parameter got a gradient"
+        frozen = references["variant"]["params"]["lm.layers.0.attention.wq.weight"]
+        assert torch.equal(runs["variant"]["params"]["lm.layers.0.attention.wq.weight"], frozen)
     # The local-shard step runs the same kernels on the same shards as the DTensor step.
-    local = results[5]
-    assert torch.equal(on["losses"], local["losses"])
-    for name in on["params"]:
-        assert torch.equal(on["params"][name], local["params"][name]), name
-    assert results[6]["grads_none"]["unused"]
-    _check_offloaded(world, results, offloaded, scenarios)
+    if "local_step" in runs:
+        _bitwise(runs["fx"], runs["local_step"], f"world {world}: local shard step")
+    if "variant_local_sgd" in runs:
+        assert runs["variant_local_sgd"]["grads_none"]["unused"]
+    _check_offloaded(world, runs)
 
 
 def _bitwise(a: dict, b: dict, what: str) -> None:
@@ -127,17 +138,21 @@ def _bitwise(a: dict, b: dict, what: str) -> None:
         assert torch.equal(a["params"][name], b["params"][name]), f"{what}: {name}"
 
 
-def _check_offloaded(world: int, results: list, first: int, scenarios: list) -> None:
+def _check_offloaded(world: int, runs: dict[str, dict]) -> None:
     """Offload moves bytes, never changes them: the offloaded runs equal the runs without
     offload bit for bit (eager vs eager is not run: the compiled run stands for both), and the
-    compiled ones planned their copies."""
-    eager, fx = results[first], results[first + 1]
-    _bitwise(fx, results[1], f"world {world}: offloaded FX vs FX")
-    assert fx["copies"] > 0, f"world {world}: the offloaded region planned no copy"
-    assert eager["copies"] == 0 and eager["plans"] == 0
-    if world == 2:
-        _bitwise(results[-1], results[-2], "world 2: bf16 offloaded FX vs bf16 FX")
-        assert results[-1]["copies"] > 0
+    compiled ones planned their copies; the eager one planned nothing."""
+    if "offload" in runs:
+        _bitwise(runs["offload"], runs["fx"], f"world {world}: offloaded FX vs FX")
+        assert runs["offload"]["copies"] > 0, f"world {world}: the offloaded region planned no copy"
+    if "offload_eager" in runs:
+        assert runs["offload_eager"]["copies"] == 0 and runs["offload_eager"]["plans"] == 0
+    for name in ("variant_offload", "offload_no_reshard"):
+        if name in runs:
+            assert runs[name]["copies"] > 0, f"world {world}: {name} planned no copy"
+    if "bf16_offload" in runs:
+        _bitwise(runs["bf16_offload"], runs["bf16"], f"world {world}: bf16 offloaded FX vs FX")
+        assert runs["bf16_offload"]["copies"] > 0
 
 
 STACK = tuple(f"blocks.{i}" for i in range(4))

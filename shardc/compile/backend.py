@@ -276,7 +276,9 @@ def _prepare_bodies(gm: fx.GraphModule, state: ShardState | None, opts: ShardcOp
     region.body_calls = [call for _, call in found]
     called = {call.block for call in region.body_calls}
     traced = {blocks.block_of_param(GatherArgs.of(g).fqn) for g in sharded_gathers(gm)}
-    for block, _ in sorted(b for b in traced if b is not None and b[0] not in called):
+    inlined = {module for module, _ in region.inline_blocks}
+    for block, _ in sorted(b for b in traced
+                           if b is not None and b[0] not in called and b[0] not in inlined):
         # Its wrapped forward ran the block's own forward: hooks or classes changed after
         # shardc.shard (shardc.sharding.blocks.module_layout), or data-dependent input sizes.
         reason = blocks.inline_reason(block)
