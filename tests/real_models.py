@@ -1314,6 +1314,68 @@ def adam_control(world: int) -> dict:
 # ---------------------------------------------------------------------------------------------
 # Registry, reference and worker.
 
+# Whole-step peak budget (issue 22): four blocks whose weights outweigh their activations, so
+# keeping a block gathered from the forward to the backward raises the peak.
+BUDGET_CFG = dict(vocab_size=VOCAB, dim=48, n_layers=4, n_heads=HEADS, ffn_dim=90, max_seq_len=16)
+BUDGET_BATCH, BUDGET_SEQ = 6, 3
+
+
+def _budget_step(ctx: Ctx, model: nn.Module, budget: int, data: torch.Tensor):
+    """Compile ``model`` under ``budget`` (FX backend, no static pool: Inductor's default) and
+    train it on ``data``; returns the training result and the plan."""
+    compiled = torch.compile(model, backend=shardc.backend(
+        inductor=False, comm_pool=False, peak_memory_budget_bytes=budget))
+    out = train_lm(ctx, model, compiled, data)
+    return out, shardc.explain_all(compiled)[0]
+
+
+def sc_peak_budget(ctx: Ctx) -> dict:
+    """Parity under a budget between the fully resharded plan's peak and the fully kept one's,
+    plus the facts the tests check: the decisions, the peaks, the hashes, the refusal."""
+    from shardc.models.llama import LlamaConfig, Transformer
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return Transformer(LlamaConfig(**BUDGET_CFG))
+
+    data = tokens(steps=2, seq=BUDGET_SEQ)[:, :BUDGET_BATCH * 2]
+    model = ctx.wrap(build(), compile=False)
+    if not ctx.sharded:
+        return train_lm(ctx, model, model, data)
+    one = data[:1]
+    # No budget: the fixed policy's plan. A budget nothing reaches: every bucket kept.
+    _, fixed = _budget_step(ctx, ctx.wrap(build(), compile=False), 0, one)
+    torch._dynamo.reset()
+    _, roomy = _budget_step(ctx, ctx.wrap(build(), compile=False), 1 << 40, one)
+    torch._dynamo.reset()
+    # Rank 0's numbers: the ranks' rank-uniform peaks may differ by a few bytes (uneven shards).
+    bounds = torch.tensor([roomy.budget.minimum_bytes, roomy.budget.peak_bytes])
+    dist.broadcast(bounds, group_src=0, group=ctx.group)
+    low, high = (int(v) for v in bounds)
+    budget = (low + high) // 2
+    ctx.model = model
+    out, mixed = _budget_step(ctx, model, budget, data)
+    torch._dynamo.reset()
+    try:
+        _budget_step(ctx, ctx.wrap(build(), compile=False), low - 1, one)
+        refusal = ""
+    except Exception as exc:  # torch.compile wraps the backend's error
+        refusal = str(exc)
+    plans = {"fixed": fixed, "roomy": roomy, "mixed": mixed}
+    out.update({
+        "planned": 1,
+        "budget": budget,
+        "hashes": {k: p.hash() for k, p in plans.items()},
+        "collectives": {k: [c.signature() for c in p.collectives] for k, p in plans.items()},
+        "peaks": {k: p.predicted.peak_bytes for k, p in plans.items()},
+        "records": {k: p.budget for k, p in plans.items()},
+        "table": mixed.table(),
+        "json": mixed.to_json(),
+        "refusal": refusal,
+    })
+    return out
+
+
 SCENARIOS: dict[str, Callable[[Ctx], dict]] = {
     "torch_transformer": sc_torch_transformer,
     "hf_gpt2": sc_hf_gpt2,
@@ -1368,6 +1430,7 @@ SCENARIOS: dict[str, Callable[[Ctx], dict]] = {
     "meta_to_empty": sc_meta_to_empty,
     "to_float64": sc_to_float64,
     "adam": sc_adam,
+    "peak_budget": sc_peak_budget,
     # Sharded runs only (their reference: submesh_reference).
     "submesh": sc_submesh,
     # Failure modes: sharded runs only, no reference; the desyncing ones last.

@@ -97,7 +97,7 @@ def check_plan_consistency(plan: Plan, index: int, timeout: timedelta | None = N
         return
     group, me, world = found
     store = group_store(group)
-    mine = (plan.region, plan.hash(), plan.collective_signature())
+    mine = (plan.region, plan.hash(), plan.collective_signature(), plan.budget_signature())
     store.set(_key("plan", index, me), pickle.dumps(mine))
     keys = [_key("plan", index, r) for r in range(world)]
     timeout = timeout or group_timeout(group)
@@ -112,10 +112,18 @@ def check_plan_consistency(plan: Plan, index: int, timeout: timedelta | None = N
                 f"{timeout.total_seconds():g} s: ranks recompiled differently. {_FIX}"
             ) from exc
     every = [pickle.loads(store.get(k)) for k in keys]
-    region0, hash0, sig0 = every[0]
-    for rank, (region, digest, sig) in enumerate(every):
+    region0, hash0, sig0, budget0 = every[0]
+    for rank, (region, digest, sig, budget) in enumerate(every):
         if digest == hash0 and region == region0:
             continue
+        if sig == sig0 and budget != budget0:
+            raise PlanMismatchError(
+                f"shardc: rank {rank}'s peak-budget decisions for compiled region {region} "
+                f"differ from rank 0's: rank 0 has (budget bytes, kept buckets) {budget0}, "
+                f"rank {rank} has {budget}. Pass the same peak_memory_budget_bytes on every "
+                "rank; if it is the same, the ranks' predicted peaks straddle a decision "
+                "threshold (uneven shards, docs/memory_budget.md): move the budget slightly."
+            )
         first = next(
             (i for i in range(max(len(sig), len(sig0)))
              if (sig[i] if i < len(sig) else None) != (sig0[i] if i < len(sig0) else None)),
