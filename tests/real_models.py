@@ -1317,7 +1317,8 @@ def adam_control(world: int) -> dict:
 # Whole-step peak budget (issue 22): four blocks whose weights outweigh their activations, so
 # keeping a block gathered from the forward to the backward raises the peak.
 BUDGET_CFG = dict(vocab_size=VOCAB, dim=48, n_layers=4, n_heads=HEADS, ffn_dim=90, max_seq_len=16)
-BUDGET_BATCH, BUDGET_SEQ = 6, 3
+BUDGET_SEQ = 3
+BUDGET_ROOM = 40_000  # bytes over the minimum: the head bucket (7 KiB) fits, a block (87 KiB) not
 
 
 def _budget_step(ctx: Ctx, model: nn.Module, budget: int, data: torch.Tensor):
@@ -1330,43 +1331,42 @@ def _budget_step(ctx: Ctx, model: nn.Module, budget: int, data: torch.Tensor):
 
 
 def sc_peak_budget(ctx: Ctx) -> dict:
-    """Parity under a budget between the fully resharded plan's peak and the fully kept one's,
-    plus the facts the tests check: the decisions, the peaks, the hashes, the refusal."""
+    """Parity under a budget a little above the fully resharded plan's peak (room for the small
+    head bucket, not for a block: some buckets kept, not all), plus the facts the tests check:
+    the decisions, the peaks, the hashes, the refusal of a budget below the minimum."""
     from shardc.models.llama import LlamaConfig, Transformer
 
     def build() -> nn.Module:
         torch.manual_seed(0)
         return Transformer(LlamaConfig(**BUDGET_CFG))
 
-    data = tokens(steps=2, seq=BUDGET_SEQ)[:, :BUDGET_BATCH * 2]
+    data = tokens(steps=2, seq=BUDGET_SEQ)
     model = ctx.wrap(build(), compile=False)
     if not ctx.sharded:
         return train_lm(ctx, model, model, data)
-    one = data[:1]
-    # No budget: the fixed policy's plan. A budget nothing reaches: every bucket kept.
-    _, fixed = _budget_step(ctx, ctx.wrap(build(), compile=False), 0, one)
+    # No budget: the fixed policy's plan, whose peak is the budget planner's minimum.
+    _, fixed = _budget_step(ctx, ctx.wrap(build(), compile=False), 0, data[:1])
     torch._dynamo.reset()
-    _, roomy = _budget_step(ctx, ctx.wrap(build(), compile=False), 1 << 40, one)
-    torch._dynamo.reset()
-    # Rank 0's numbers: the ranks' rank-uniform peaks may differ by a few bytes (uneven shards).
-    bounds = torch.tensor([roomy.budget.minimum_bytes, roomy.budget.peak_bytes])
-    dist.broadcast(bounds, group_src=0, group=ctx.group)
-    low, high = (int(v) for v in bounds)
-    budget = (low + high) // 2
+    # Rank 0's peak: the ranks' own peaks differ by a few bytes (uneven shards).
+    low = torch.tensor([int(fixed.predicted.peak_bytes)])
+    dist.broadcast(low, group_src=0, group=ctx.group)
+    budget = int(low) + BUDGET_ROOM
     ctx.model = model
     out, mixed = _budget_step(ctx, model, budget, data)
     torch._dynamo.reset()
     try:
-        _budget_step(ctx, ctx.wrap(build(), compile=False), low - 1, one)
+        _budget_step(ctx, ctx.wrap(build(), compile=False), int(low) - 1, data[:1])
         refusal = ""
     except Exception as exc:  # torch.compile wraps the backend's error
         refusal = str(exc)
-    plans = {"fixed": fixed, "roomy": roomy, "mixed": mixed}
+    plans = {"fixed": fixed, "mixed": mixed}
     out.update({
         "planned": 1,
         "budget": budget,
+        "minimum": int(low),
         "hashes": {k: p.hash() for k, p in plans.items()},
-        "collectives": {k: [c.signature() for c in p.collectives] for k, p in plans.items()},
+        "backward_gathers": {k: sorted(c.bucket for c in p.collectives if c.graph == "backward"
+                                       and c.kind == "all_gather") for k, p in plans.items()},
         "peaks": {k: p.predicted.peak_bytes for k, p in plans.items()},
         "records": {k: p.budget for k, p in plans.items()},
         "table": mixed.table(),

@@ -11,8 +11,8 @@ after the forward (the fixed policy's choice). The decision is a deterministic g
    minimum's largest terms).
 2. Rank the buckets by predicted time saved per byte held (the backward all-gather's time by
    the cost model, over the bucket's gathered bytes; ties by bucket index) and keep them in that
-   order while the estimated peak (the last verified peak plus the kept bytes) stays within the
-   budget.
+   order while the estimated peak (the last verified peak plus the kept bytes, scaled by what
+   a kept byte verifiably added so far, at least :data:`MIN_SCALE`) stays within the budget.
 3. Verify by planning and predicting the chosen configuration (a partition, a plan and a peak
    prediction: :func:`choose` calls ``evaluate``), at most :data:`MAX_TRIALS` times: over the
    budget, drop the lowest-ranked kept buckets until their bytes cover the excess; within it,
@@ -39,6 +39,7 @@ MAX_TRIALS = 4  # verifying partitions after the fully resharded one, whatever t
 AUTO_MARGIN_FRACTION = 0.10
 AUTO_MARGIN_MIN_BYTES = 2 << 30
 
+MIN_SCALE = 0.25
 _MiB = float(1 << 20)
 
 
@@ -131,16 +132,25 @@ def refuse_below_minimum(budget: int, minimum: int, plan: Plan) -> MemoryBudgetE
         "activation checkpointing, more ranks).")
 
 
-def _fit(order: list[Candidate], chosen: list[Candidate], base: int, budget: int
-         ) -> list[Candidate]:
-    """``chosen`` plus, in ``order``, every other candidate whose bytes still fit on ``base``."""
-    total = base + sum(c.nbytes for c in chosen)
+def _fit(order: list[Candidate], chosen: list[Candidate], base: int, budget: int,
+         scale: float = 1.0) -> list[Candidate]:
+    """``chosen`` plus, in ``order``, every other candidate whose bytes times ``scale`` still
+    fit on ``base`` (the verified peak with ``chosen`` kept)."""
+    total = base
     out = list(chosen)
     for c in order:
-        if c not in chosen and total + c.nbytes <= budget:
+        if c not in chosen and total + c.nbytes * scale <= budget:
             out.append(c)
-            total += c.nbytes
+            total += c.nbytes * scale
     return sorted(out, key=order.index)
+
+
+def _scale(chosen: list[Candidate], peak: int, minimum: int) -> float:
+    """What a kept byte verifiably added to the peak (keeping a bucket adds less than its bytes
+    where the backward's re-gather buffers it removes were part of the peak), never below
+    :data:`MIN_SCALE`: the next estimates' bytes-per-byte."""
+    held = sum(c.nbytes for c in chosen)
+    return 1.0 if not held else min(1.0, max(MIN_SCALE, (peak - minimum) / held))
 
 
 def _saved(chosen: list[Candidate]) -> float:
@@ -167,7 +177,7 @@ def choose(cands: list[Candidate], fixed: list[BucketDecision], budget: int, min
         if peak <= budget:
             if (_saved(chosen), -peak) > (_saved(best), -best_peak):
                 best, best_peak = chosen, peak
-            chosen = _fit(order, chosen, peak - sum(c.nbytes for c in chosen), budget)
+            chosen = _fit(order, chosen, peak, budget, _scale(chosen, peak, minimum))
         else:
             excess = peak - budget
             chosen = list(chosen)
