@@ -56,7 +56,8 @@ def test_greedy_prefers_time_per_byte_and_keeps_what_fits():
     everything = budget.choose(_cands(), [], 10**9, MINIMUM, evaluate)
     assert everything.kept == [1, 2, 3, 4, 5]
     nothing = budget.choose(_cands(), [], MINIMUM, MINIMUM, evaluate)
-    assert nothing.kept == [] and nothing.peak_bytes == MINIMUM and nothing.trials == 0
+    # Nothing fits: one probe (the best-ranked bucket alone) is verified, then dropped.
+    assert nothing.kept == [] and nothing.peak_bytes == MINIMUM and nothing.trials == 1
 
 
 def test_greedy_learns_that_keeping_costs_less_than_its_bytes():
@@ -65,6 +66,10 @@ def test_greedy_learns_that_keeping_costs_less_than_its_bytes():
     evaluate, _ = _model({c.bucket: c.nbytes // 4 for c in _cands()})
     got = budget.choose(_cands(), [], MINIMUM + 60, MINIMUM, evaluate)
     assert len(got.kept) > 1 and got.peak_bytes <= MINIMUM + 60
+    # A block's bytes (100) exceed the slack (30): the probe finds it costs 25.
+    probe = [c for c in _cands() if c.bucket != 5]
+    got = budget.choose(probe, [], MINIMUM + 30, MINIMUM, evaluate)
+    assert got.kept == [1] and got.peak_bytes == MINIMUM + 25
 
 
 def test_budget_record_round_trips_and_enters_the_hash():

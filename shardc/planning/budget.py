@@ -167,6 +167,10 @@ def choose(cands: list[Candidate], fixed: list[BucketDecision], budget: int, min
     best_peak = minimum
     verified: dict[tuple[int, ...], int] = {(): minimum}
     chosen = _fit(order, [], minimum, budget)
+    if not chosen and order:
+        # Nothing fits by its bytes: probe the best-ranked bucket alone, since keeping one
+        # often adds less than its bytes to the peak; the probe measures by how much.
+        chosen = order[:1]
     trials = 0
     while trials < MAX_TRIALS:
         key = tuple(c.bucket for c in chosen)
@@ -195,7 +199,7 @@ def choose(cands: list[Candidate], fixed: list[BucketDecision], budget: int, min
             reason = "resharded: keeping it would save no predicted time"
         elif any(c.bucket in k for k, p in verified.items() if p > budget):
             reason = ("resharded: a verified plan keeping it exceeded the budget; it saves "
-                      f"{c.ratio * 1e3 * _MiB:.4f} ms/MiB, less than those kept")
+                      f"{c.ratio * 1e3 * _MiB:.4f} ms/MiB, ranked after those kept")
         else:
             reason = ("resharded: keeping it too would put the estimated peak over the budget "
                       f"({c.ratio * 1e3 * _MiB:.4f} ms/MiB)")
