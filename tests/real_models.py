@@ -1347,9 +1347,10 @@ def sc_peak_budget(ctx: Ctx) -> dict:
     # No budget: the fixed policy's plan, whose peak is the budget planner's minimum.
     _, fixed = _budget_step(ctx, ctx.wrap(build(), compile=False), 0, data[:1])
     torch._dynamo.reset()
-    # Rank 0's peak: the ranks' own peaks differ by a few bytes (uneven shards).
+    # The ranks' largest peak (uneven shards make them differ by a few bytes), as the planner
+    # compares it with the budget.
     low = torch.tensor([int(fixed.predicted.peak_bytes)])
-    dist.broadcast(low, group_src=0, group=ctx.group)
+    dist.all_reduce(low, op=dist.ReduceOp.MAX, group=ctx.group)
     budget = int(low) + BUDGET_ROOM
     ctx.model = model
     out, mixed = _budget_step(ctx, model, budget, data)

@@ -55,6 +55,7 @@ from shardc.planning import budget
 from shardc.planning.plan import CompiledBody, InlineBlock, MemoryBudget, Plan
 from shardc.planning.schedule import plan_region
 from shardc.runtime.collectives import resolve_group
+from shardc.runtime.plan_check import agree_on_largest
 
 log = logging.getLogger("shardc")
 
@@ -255,8 +256,13 @@ def choose_under_budget(gm: fx.GraphModule, joint_inputs: Sequence[object],
         check_no_gathered_saved(fw, bw)
         plan, _ = lower_and_predict(fw, bw, trial_options, region,
                                     pool_device=torch.device("meta"))
-        return plan, budget.rank_uniform_peak(plan, rank_in_plan(plan))
+        # Every rank compares the ranks' largest peak: the same decisions everywhere.
+        tag = f"trial{len(trials)}"
+        trials.append(tag)
+        return plan, agree_on_largest(plan.group_name, region.check_index, tag,
+                                      int(plan.predicted.peak_bytes or 0))
 
+    trials: list[str] = []
     base, minimum = evaluate(set())
     if minimum > budget_bytes:
         raise budget.refuse_below_minimum(budget_bytes, minimum, base)

@@ -21,9 +21,11 @@ after the forward (the fixed policy's choice). The decision is a deterministic g
 
 The work is bounded by a count (never a clock), and every input the decisions read is the same
 on every rank: the buckets' global sizes, the cost model's collective times (functions of
-those sizes), and peaks made rank-uniform by :func:`rank_uniform_peak`. The plan records the
-decisions (``Plan.budget``) and its hash covers them, so the cross-rank plan check compares
-them.
+those sizes), and the verified peaks, which are the largest over the ranks (uneven shards make
+the ranks' predictions differ by a few bytes; ``shardc.runtime.plan_check.agree_on_largest``
+exchanges them through the process group's store, as the plan check does). The plan records
+the decisions (``Plan.budget``) and its hash covers them, so the cross-rank plan check compares
+them too.
 """
 
 from __future__ import annotations
@@ -93,25 +95,6 @@ def candidates(plan: Plan) -> tuple[list[Candidate], list[BucketDecision]]:
         saved = sum(c.predicted_end_s - c.predicted_start_s for c in colls if not c.elided)
         out.append(Candidate(index, name, tuple(params), saved, nbytes))
     return out, fixed
-
-
-def rank_uniform_peak(plan: Plan, rank: int) -> int:
-    """The predicted peak as the rank with the largest shards (rank 0 of the shard group) has
-    it: this rank's peak with its shard-sized terms at the peak (parameter shards, optimizer
-    state, gradients) scaled to the padded shard sizes. Uneven shards differ by a row per
-    parameter, so without this the ranks would compare different peaks against the budget."""
-    peak = int(plan.predicted.peak_bytes or 0)
-    actual = padded = 0
-    for b in plan.buckets:
-        for d, rows, n in zip(b.dim0, b.padded_rows, b.row_numel):
-            actual += max(0, min(rows, d - rank * rows)) * n
-            padded += rows * n
-    if actual == padded or not actual:
-        return peak
-    at_peak = (plan.memory_by_category.get("peak") or {}).get("bytes", {})
-    shard_sized = sum(int(at_peak.get(c, 0)) for c in
-                      ("parameter shards", "optimizer state", "gradients"))
-    return peak + shard_sized * (padded - actual) // actual
 
 
 def refuse_below_minimum(budget: int, minimum: int, plan: Plan) -> MemoryBudgetError:

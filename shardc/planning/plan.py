@@ -317,8 +317,9 @@ class MemoryBudget:
     ``budget_bytes``: the bound (``peak_memory_budget_bytes``, or the device's capacity less a
     margin for ``"auto"``); ``minimum_bytes``: the predicted peak with every bucket resharded
     (the least this plan's levers reach); ``peak_bytes``: the predicted peak of the chosen plan.
-    Peaks here are rank-uniform (``shardc.planning.budget.rank_uniform_peak``): every rank
-    compares the same numbers. ``trials``: partitions evaluated besides the fully resharded one.
+    Peaks here are the largest over the ranks (``shardc.runtime.plan_check.agree_on_largest``):
+    every rank compares the same numbers. ``trials``: partitions evaluated besides the fully
+    resharded one.
     """
 
     budget_bytes: int

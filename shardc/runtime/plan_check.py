@@ -168,3 +168,32 @@ def recompile_message(group_name: str, ranks: list[int], what: str) -> str:
     return (f"shardc: {what} failed on rank {me} because rank(s) {ranks} compiled a region "
             f"that rank {me} did not (region #{index} over this process "
             f"group): ranks recompiled differently. {_FIX}")
+
+
+def agree_on_largest(group_name: str, index: int, tag: str, value: int,
+                     timeout: timedelta | None = None) -> int:
+    """The largest of every rank's ``value`` for this rank's region ``index`` (from
+    :func:`announce_region`), exchanged through the group's store under ``tag`` (each tag once
+    per region): the budget planner compares the ranks' largest predicted peak with the
+    budget, so that every rank makes the same decisions although uneven shards make their
+    predictions differ by a few bytes. A group of one rank (or none) returns ``value``.
+    Raises :class:`PlanMismatchError` if some rank publishes nothing within ``timeout``
+    (default: the group's timeout): it did not plan this region the same way."""
+    found = _group(group_name)
+    if found is None or index is None:
+        return value
+    group, me, world = found
+    store = group_store(group)
+    store.set(_key(f"budget/{tag}", index, me), str(int(value)))
+    keys = [_key(f"budget/{tag}", index, r) for r in range(world)]
+    timeout = timeout or group_timeout(group)
+    try:
+        store.wait(keys, timeout)
+    except RuntimeError as exc:  # DistStoreError: some rank did not publish in time
+        missing = [r for r in range(world) if not store.check([keys[r]])]
+        raise PlanMismatchError(
+            f"shardc: rank {me} planned region {index} under a peak budget (step {tag!r}), but "
+            f"rank(s) {missing} did not within {timeout.total_seconds():g} s: every rank must "
+            f"pass the same peak_memory_budget_bytes and compile the same regions. {_FIX}"
+        ) from exc
+    return max(int(store.get(k)) for k in keys)
