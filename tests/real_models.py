@@ -1373,6 +1373,7 @@ def sc_peak_budget(ctx: Ctx) -> dict:
         "table": mixed.table(),
         "json": mixed.to_json(),
         "refusal": refusal,
+        "bodies": len(mixed.bodies),  # the blocks are compiled once (shared bodies)
     })
     return out
 

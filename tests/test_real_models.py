@@ -696,6 +696,7 @@ def test_peak_budget_keeps_some_buckets_gathered_with_parity(runs):
         kept = {d.bucket for d in record.decisions if d.kept}
         resharded = {d.bucket for d in record.decisions if not d.kept}
         assert kept and resharded, f"world {world}: no mix: {record.decisions}"
+        assert got["bodies"] > 0, "the blocks run as compile-once bodies"
         # Kept buckets are exactly those the backward no longer gathers.
         fixed_bw, mixed_bw = (set(got["backward_gathers"][k]) for k in ("fixed", "mixed"))
         assert fixed_bw - mixed_bw == kept and mixed_bw == resharded, world
