@@ -44,6 +44,7 @@ def _scenarios(rank: int, world: int, scenarios: list) -> list[dict]:
         out["inline"] = sorted({(b.module, b.reason) for p in out["plans"] if p is not None
                                 for b in p.inline_blocks})
         out["notes"] = [list(p.notes) for p in out["plans"] if p is not None]
+        out["budget"] = [p.budget for p in out["plans"] if p is not None]
         out["plans"] = len(out["plans"])
         results.append(out)
     return results
@@ -73,6 +74,10 @@ def test_parity_eager_and_fx(world, references):
         scenarios.append(("llama", "fx", {"debug_pool": True, "prefetch_depth": 2}))
     if world == 2:
         scenarios.append(("llama", "fx", {"local_step": True, "optim": "adamw-fused"}))
+    if world in (1, 4):  # a peak budget with room for everything (issue 22; the mix of kept
+        # and resharded buckets is tested at worlds 2 and 3, tests/test_real_models.py)
+        budgeted = len(scenarios)
+        scenarios.append(("llama", "fx", {"peak_memory_budget_bytes": 1 << 40}))
     # CPU offload (issue 21): host shards, host gradients, AdamW on the host; eager and planned.
     offloaded = len(scenarios)
     scenarios += [("llama", "eager", {"offload": OFFLOAD}), ("llama", "fx", {"offload": OFFLOAD})]
@@ -119,6 +124,22 @@ def test_parity_eager_and_fx(world, references):
         assert torch.equal(on["params"][name], local["params"][name]), name
     assert results[6]["grads_none"]["unused"]
     _check_offloaded(world, results, offloaded, scenarios)
+    if world in (1, 4):
+        _check_roomy_budget(world, results[budgeted]["budget"])
+
+
+def _check_roomy_budget(world: int, records: list) -> None:
+    """Room for everything: at world 4 every bucket the backward gathers again is kept; at
+    world 1 the gathers are elided, so keeping saves nothing and every bucket is resharded."""
+    decisions = [d for record in records for d in record.decisions]
+    assert decisions, f"world {world}: no budget decision"
+    for record in records:
+        assert record.peak_bytes <= record.budget_bytes
+    if world == 1:
+        assert not any(d.kept for d in decisions) and all("elided" in d.reason
+                                                          for d in decisions)
+    else:
+        assert all(d.kept for d in decisions), decisions
 
 
 def _bitwise(a: dict, b: dict, what: str) -> None:
