@@ -115,3 +115,29 @@ def test_auto_budget_needs_cuda():
     with pytest.raises(MemoryBudgetError, match="needs a CUDA device"):
         budget.resolve_budget("auto", torch.device("cpu"))
     assert budget.resolve_budget(12345, torch.device("cpu")) == 12345
+
+
+def test_memory_plot_draws_the_budget_line():
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from shardc.memory.breakdown import CATEGORIES
+    from shardc.tools.memory_plot import _draw_step
+
+    plan = Plan(PLAN_VERSION, 0, 2, {}, [], [])
+    plan.memory_by_category = {
+        "categories": list(CATEGORIES),
+        "graphs": {"forward": {"positions": [0, 1],
+                               "bytes": {c: [1 << 20, 2 << 20] for c in CATEGORIES}}},
+        "peak": {"graph": "forward", "position": 1, "bytes": {c: 2 << 20 for c in CATEGORIES},
+                 "largest": []}}
+    fig, ax = plt.subplots()
+    _draw_step(ax, plan, None)
+    assert not [line for line in ax.get_lines() if "peak budget" in line.get_label()]
+    plan.budget = MemoryBudget(30 << 20, 14 << 20, 14 << 20)
+    fig, ax = plt.subplots()
+    _draw_step(ax, plan, None)
+    budget_lines = [line for line in ax.get_lines() if "peak budget" in line.get_label()]
+    assert len(budget_lines) == 1 and budget_lines[0].get_ydata()[0] == pytest.approx(30 / 1024)
+    plt.close("all")
