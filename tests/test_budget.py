@@ -141,3 +141,13 @@ def test_memory_plot_draws_the_budget_line():
     budget_lines = [line for line in ax.get_lines() if "peak budget" in line.get_label()]
     assert len(budget_lines) == 1 and budget_lines[0].get_ydata()[0] == pytest.approx(30 / 1024)
     plt.close("all")
+
+
+def test_keep_all_when_only_keeping_fits():
+    """The fully resharded plan over the budget, the fully kept one within it: every bucket
+    that saves time is kept, and the record says why."""
+    cands = _cands()
+    got = budget.keep_all(cands, [], 1500, 1600, 1400)
+    assert got.kept == [1, 2, 3, 4, 5] and got.peak_bytes == 1400 and got.minimum_bytes == 1600
+    assert all("lowers it" in d.reason for d in got.decisions if d.kept)
+    assert [d.bucket for d in got.decisions if not d.kept] == [6]  # saves nothing

@@ -264,13 +264,19 @@ def choose_under_budget(gm: fx.GraphModule, joint_inputs: Sequence[object],
 
     trials: list[str] = []
     base, minimum = evaluate(set())
-    if minimum > budget_bytes:
-        raise budget.refuse_below_minimum(budget_bytes, minimum, base)
     cands, fixed = budget.candidates(base)
     params = {c.bucket: set(c.params) for c in cands}
-    decided = budget.choose(
-        cands, fixed, budget_bytes, minimum,
-        lambda kept: evaluate(set().union(*(params[b] for b in kept)))[1])
+    useful = {p for c in cands if c.saved_s > 0 for p in c.params}
+    if minimum > budget_bytes:
+        kept_plan, peak = evaluate(useful) if useful else (base, minimum)
+        if peak > budget_bytes:
+            lowest = (base, minimum) if minimum <= peak else (kept_plan, peak)
+            raise budget.refuse_below_minimum(budget_bytes, lowest[1], lowest[0])
+        decided = budget.keep_all(cands, fixed, budget_bytes, minimum, peak)
+    else:
+        decided = budget.choose(
+            cands, fixed, budget_bytes, minimum,
+            lambda kept: evaluate(set().union(*(params[b] for b in kept)))[1])
     log.info("shardc: region %d, peak budget %d B: minimum %d B, kept gathered %s, predicted "
              "peak %d B (%d trials)", region.index, budget_bytes, minimum, decided.kept,
              decided.peak_bytes, decided.trials)

@@ -7,8 +7,10 @@ held through the forward-backward boundary, where the step's activations peak) o
 after the forward (the fixed policy's choice). The decision is a deterministic greedy:
 
 1. Evaluate the cheapest-memory configuration (every bucket resharded): its predicted peak is
-   the feasible minimum. A budget below it is refused (:class:`MemoryBudgetError`, naming the
-   minimum's largest terms).
+   the feasible minimum. Over the budget, the fully kept configuration is tried once (keeping
+   removes the backward's re-gather buffers, which can be what makes the peak): if it fits, it
+   is the plan (:func:`keep_all`); otherwise the budget is refused (:class:`MemoryBudgetError`,
+   naming the lower of the two peaks and its largest terms).
 2. Rank the buckets by predicted time saved per byte held (the backward all-gather's time by
    the cost model, over the bucket's gathered bytes; ties by bucket index) and keep them in that
    order while the estimated peak (the last verified peak plus the kept bytes, scaled by what
@@ -98,7 +100,8 @@ def candidates(plan: Plan) -> tuple[list[Candidate], list[BucketDecision]]:
 
 
 def refuse_below_minimum(budget: int, minimum: int, plan: Plan) -> MemoryBudgetError:
-    """The error for a budget below the fully resharded plan's peak, naming its largest terms."""
+    """The error for a budget below the feasible minimum (the peak of ``plan``, the fully
+    resharded plan or, where lower, the fully kept one), naming its largest terms."""
     at = plan.memory_by_category.get("peak") or {}
     terms = sorted(((int(v), c) for c, v in (at.get("bytes") or {}).items() if v),
                    reverse=True)
@@ -109,10 +112,19 @@ def refuse_below_minimum(budget: int, minimum: int, plan: Plan) -> MemoryBudgetE
     return MemoryBudgetError(
         f"shardc: peak_memory_budget_bytes={budget} ({budget / _MiB:.1f} MiB) is below the "
         f"feasible minimum {minimum} B ({minimum / _MiB:.1f} MiB), the predicted peak of region "
-        f"{plan.region} with every bucket resharded after the forward; the peak is in the "
+        f"{plan.region} with every bucket {kept_or_resharded(plan)}; the peak is in the "
         f"{where}: {parts}" + (f"; its largest values: {largest}" if largest else "")
         + ". Raise the budget, or lower what dominates (a smaller batch or sequence, "
         "activation checkpointing, more ranks).")
+
+
+def kept_or_resharded(plan: Plan) -> str:
+    """How the plan treats its buckets: resharded after the forward, or (no all-gather in its
+    backward) kept gathered to the backward."""
+    regathered = any(c.origin == "shardc" and c.kind == CollectiveKind.ALL_GATHER
+                     and c.graph == "backward" for c in plan.collectives)
+    return ("resharded after the forward" if regathered or not plan.collectives
+            else "kept gathered from the forward to the backward")
 
 
 def _fit(order: list[Candidate], chosen: list[Candidate], base: int, budget: int,
@@ -190,6 +202,23 @@ def choose(cands: list[Candidate], fixed: list[BucketDecision], budget: int, min
                                         reason, list(c.params)))
     decisions.sort(key=lambda d: d.bucket)
     return MemoryBudget(budget, minimum, best_peak, trials, decisions)
+
+
+def keep_all(cands: list[Candidate], fixed: list[BucketDecision], budget: int, minimum: int,
+             peak: int) -> MemoryBudget:
+    """The decisions when the fully resharded plan (peak ``minimum``) exceeds the budget but
+    keeping every bucket that saves time (peak ``peak``) fits: keeping removes the backward's
+    re-gather buffers, which can be what made the resharded plan's peak."""
+    decisions = list(fixed)
+    for c in cands:
+        kept = c.saved_s > 0
+        reason = (f"kept gathered: the fully resharded plan's peak {minimum / _MiB:.1f} MiB "
+                  f"exceeds the budget; keeping every bucket lowers it to {peak / _MiB:.1f} MiB"
+                  if kept else "resharded: keeping it would save no predicted time")
+        decisions.append(BucketDecision(c.bucket, c.name, kept, c.saved_s * 1e3, c.nbytes,
+                                        reason, list(c.params)))
+    decisions.sort(key=lambda d: d.bucket)
+    return MemoryBudget(budget, minimum, peak, 1, decisions)
 
 
 def resolve_budget(value: int | str, device) -> int:
