@@ -1314,6 +1314,70 @@ def adam_control(world: int) -> dict:
 # ---------------------------------------------------------------------------------------------
 # Registry, reference and worker.
 
+# Whole-step peak budget (issue 22): four blocks whose weights outweigh their activations, so
+# keeping a block gathered from the forward to the backward raises the peak.
+BUDGET_CFG = dict(vocab_size=VOCAB, dim=48, n_layers=4, n_heads=HEADS, ffn_dim=90, max_seq_len=16)
+BUDGET_SEQ = 3
+BUDGET_ROOM = 40_000  # bytes over the minimum: the head bucket (7 KiB) fits, a block (87 KiB) not
+
+
+def _budget_step(ctx: Ctx, model: nn.Module, budget: int, data: torch.Tensor):
+    """Compile ``model`` under ``budget`` (FX backend, no static pool: Inductor's default) and
+    train it on ``data``; returns the training result and the plan."""
+    compiled = torch.compile(model, backend=shardc.backend(
+        inductor=False, comm_pool=False, peak_memory_budget_bytes=budget))
+    out = train_lm(ctx, model, compiled, data)
+    return out, shardc.explain_all(compiled)[0]
+
+
+def sc_peak_budget(ctx: Ctx) -> dict:
+    """Parity under a budget a little above the fully resharded plan's peak (room for the small
+    head bucket, not for a block: some buckets kept, not all), plus the facts the tests check:
+    the decisions, the peaks, the hashes, the refusal of a budget below the minimum."""
+    from shardc.models.llama import LlamaConfig, Transformer
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return Transformer(LlamaConfig(**BUDGET_CFG))
+
+    data = tokens(steps=2, seq=BUDGET_SEQ)
+    model = ctx.wrap(build(), compile=False)
+    if not ctx.sharded:
+        return train_lm(ctx, model, model, data)
+    # No budget: the fixed policy's plan, whose peak is the budget planner's minimum.
+    _, fixed = _budget_step(ctx, ctx.wrap(build(), compile=False), 0, data[:1])
+    torch._dynamo.reset()
+    # The ranks' largest peak (uneven shards make them differ by a few bytes), as the planner
+    # compares it with the budget.
+    low = torch.tensor([int(fixed.predicted.peak_bytes)])
+    dist.all_reduce(low, op=dist.ReduceOp.MAX, group=ctx.group)
+    budget = int(low) + BUDGET_ROOM
+    ctx.model = model
+    out, mixed = _budget_step(ctx, model, budget, data)
+    torch._dynamo.reset()
+    try:
+        _budget_step(ctx, ctx.wrap(build(), compile=False), int(low) - 1, data[:1])
+        refusal = ""
+    except Exception as exc:  # torch.compile wraps the backend's error
+        refusal = str(exc)
+    plans = {"fixed": fixed, "mixed": mixed}
+    out.update({
+        "planned": 1,
+        "budget": budget,
+        "minimum": int(low),
+        "hashes": {k: p.hash() for k, p in plans.items()},
+        "backward_gathers": {k: sorted(c.bucket for c in p.collectives if c.graph == "backward"
+                                       and c.kind == "all_gather") for k, p in plans.items()},
+        "peaks": {k: p.predicted.peak_bytes for k, p in plans.items()},
+        "records": {k: p.budget for k, p in plans.items()},
+        "table": mixed.table(),
+        "json": mixed.to_json(),
+        "refusal": refusal,
+        "bodies": len(mixed.bodies),  # the blocks are compiled once (shared bodies)
+    })
+    return out
+
+
 SCENARIOS: dict[str, Callable[[Ctx], dict]] = {
     "torch_transformer": sc_torch_transformer,
     "hf_gpt2": sc_hf_gpt2,
@@ -1368,6 +1432,7 @@ SCENARIOS: dict[str, Callable[[Ctx], dict]] = {
     "meta_to_empty": sc_meta_to_empty,
     "to_float64": sc_to_float64,
     "adam": sc_adam,
+    "peak_budget": sc_peak_budget,
     # Sharded runs only (their reference: submesh_reference).
     "submesh": sc_submesh,
     # Failure modes: sharded runs only, no reference; the desyncing ones last.
@@ -1391,7 +1456,7 @@ ONE_WORLD = {"blocks_accumulate_shapes": 3, "torch_transformer": 2, "hf_gpt2": 3
              "to_float64": 2, "hf_checkpoint": 3, "checkpoint_sdpa_reentrant": 2,
              "checkpoint_sdpa_save_all": 2, "hf_checkpoint_reentrant": 2,
              "hf_checkpoint_inductor": 2, "checkpoint_fp8": 3, "checkpoint_fp8_eager": 3,
-             "checkpoint_dropout": 3, "checkpoint_sdpa_dynamic": 3}
+             "checkpoint_dropout": 3, "checkpoint_sdpa_dynamic": 3, "peak_budget": 3}
 SLOW_SCENARIOS = ("checkpoint_sdpa_reentrant", "checkpoint_sdpa_dynamic",
                   "checkpoint_sdpa_save_all", "hf_checkpoint_reentrant", "checkpoint_dropout",
                   "checkpoint_fp8", "checkpoint_fp8_eager", *INDUCTOR_SCENARIOS)

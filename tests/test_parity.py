@@ -44,6 +44,7 @@ def _scenarios(rank: int, world: int, scenarios: list) -> list[dict]:
         out["inline"] = sorted({(b.module, b.reason) for p in out["plans"] if p is not None
                                 for b in p.inline_blocks})
         out["notes"] = [list(p.notes) for p in out["plans"] if p is not None]
+        out["budget"] = [p.budget for p in out["plans"] if p is not None]
         out["plans"] = len(out["plans"])
         results.append(out)
     return results
@@ -76,6 +77,9 @@ def _parity_scenarios(world: int) -> dict[str, tuple[str, str, dict]]:
         # Poisoned pool buffers: any planning error that overlapped live buffers gives NaNs.
         (at(2, 4), "debug_pool", ("llama", "fx", {"debug_pool": True, "prefetch_depth": 2})),
         (at(2), "fused_adamw", ("llama", "fx", {"local_step": True, "optim": "adamw-fused"})),
+        # A peak budget with room for everything (issue 22; the mix of kept and resharded
+        # buckets is tested at world 3, tests/test_real_models.py).
+        (at(1, 4), "roomy_budget", ("llama", "fx", {"peak_memory_budget_bytes": 1 << 40})),
         # CPU offload (issue 21): host shards, host gradients, AdamW on the host.
         (at(3), "offload_eager", ("llama", "eager", {"offload": OFFLOAD})),
         (at(1, 2, 3), "offload", ("llama", "fx", {"offload": OFFLOAD})),
@@ -130,6 +134,22 @@ def test_parity_eager_and_fx(world, references):
     if "variant_local_sgd" in runs:
         assert runs["variant_local_sgd"]["grads_none"]["unused"]
     _check_offloaded(world, runs)
+    if "roomy_budget" in runs:
+        _check_roomy_budget(world, runs["roomy_budget"]["budget"])
+
+
+def _check_roomy_budget(world: int, records: list) -> None:
+    """Room for everything: at world 4 every bucket the backward gathers again is kept; at
+    world 1 the gathers are elided, so keeping saves nothing and every bucket is resharded."""
+    decisions = [d for record in records for d in record.decisions]
+    assert decisions, f"world {world}: no budget decision"
+    for record in records:
+        assert record.peak_bytes <= record.budget_bytes
+    if world == 1:
+        assert not any(d.kept for d in decisions) and all("elided" in d.reason
+                                                          for d in decisions)
+    else:
+        assert all(d.kept for d in decisions), decisions
 
 
 def _bitwise(a: dict, b: dict, what: str) -> None:

@@ -36,6 +36,8 @@ from real_models import (
     submesh_reference,
 )
 
+from shardc.planning.plan import Plan
+
 WORLDS = (2, 3)
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 TOL = 1e-5
@@ -692,3 +694,51 @@ def test_every_scenario_ran(runs):
             assert sorted(result) == sorted(n for n in names if world in _worlds(n))
     assert set(FAILURES) <= set(SCENARIOS)
     assert set(ONE_WORLD) <= set(SCENARIOS) and set(ONE_WORLD.values()) <= set(WORLDS)
+
+
+# --- Whole-step peak budget (issue 22) --------------------------------------------------------
+
+
+def test_peak_budget_keeps_some_buckets_gathered_with_parity(runs):
+    """A budget a little above the fully resharded plan's peak: the planner keeps some buckets
+    gathered from the forward to the backward (no backward all-gather for them) and reshards
+    the others; training matches the unsharded reference, and the predicted peak is within the
+    budget on every rank."""
+    for world, got in zip(_worlds("peak_budget"), check_parity(runs, "peak_budget")):
+        record = got["records"]["mixed"]
+        kept = {d.bucket for d in record.decisions if d.kept}
+        resharded = {d.bucket for d in record.decisions if not d.kept}
+        assert kept and resharded, f"world {world}: no mix: {record.decisions}"
+        assert got["bodies"] > 0, "the blocks run as compile-once bodies"
+        # Kept buckets are exactly those the backward no longer gathers.
+        fixed_bw, mixed_bw = (set(got["backward_gathers"][k]) for k in ("fixed", "mixed"))
+        assert fixed_bw - mixed_bw == kept and mixed_bw == resharded, world
+        assert record.minimum_bytes == got["minimum"], world  # the fixed policy's peak
+        assert record.peak_bytes <= record.budget_bytes == got["budget"], world
+        for d in record.decisions:
+            assert d.bytes > 0 and d.reason.startswith("kept" if d.kept else "resharded")
+        assert "peak budget" in got["table"] and "kept gathered" in got["table"]
+        assert Plan.from_json(got["json"]).budget == record
+        for rank in runs[world]:
+            result = rank["peak_budget"]
+            assert result["peaks"]["mixed"] <= got["budget"], (world, result["peaks"])
+            assert result["hashes"] == got["hashes"], f"world {world}: plans differ by rank"
+
+
+def test_no_peak_budget_leaves_the_plan_unchanged(runs):
+    """Without a budget the plan records no budget and reshards every block (the fixed
+    policy); its hash is made as before (the budget enters it only when there is one)."""
+    for world in _worlds("peak_budget"):
+        got = _run(runs, "peak_budget", world)
+        assert got["records"]["fixed"] is None
+        assert set(got["backward_gathers"]["fixed"]) >= {1, 2, 3, 4}, world
+        assert got["hashes"]["fixed"] != got["hashes"]["mixed"]
+
+
+def test_peak_budget_below_the_minimum_is_refused(runs):
+    for world in _worlds("peak_budget"):
+        got = _run(runs, "peak_budget", world)
+        text = got["refusal"]
+        assert f"peak_memory_budget_bytes={got['minimum'] - 1}" in text, text
+        assert f"feasible minimum {got['minimum']} B" in text, text
+        assert "optimizer state" in text and "parameter shards" in text, text

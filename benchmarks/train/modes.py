@@ -7,6 +7,7 @@ Contract: :func:`setup_mode` builds the model and the :class:`setup.Setup` of a 
 from __future__ import annotations
 
 import contextlib
+import os
 
 import bench_mesh
 import torch
@@ -24,7 +25,7 @@ MODES: tuple[str, ...] = ("fsdp2", "fsdp2-compile", "simplefsdp", "shardc", "bou
 
 # Diagnostic variants, run only when named in --modes.
 EXTRA_MODES: tuple[str, ...] = ("shardc-keeporder", "shardc-pool", "shardc-localopt",
-                                  "shardc-cudagraphs")
+                                  "shardc-cudagraphs", "shardc-budget")
 
 
 SHARDED_BASELINES: tuple[str, ...] = ("fsdp2", "fsdp2-compile", "simplefsdp")
@@ -56,6 +57,13 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_
         return setup_fsdp2(model, bench_mesh.dp_mesh(mesh), compile_blocks=True)
     if mode == "simplefsdp":
         return setup_simplefsdp(model, mesh, loss_in_graph)
+    if mode == "shardc-budget":
+        # The whole-step peak budget (issue 22): SHARDC_PEAK_BUDGET bytes, or "auto".
+        value = os.environ.get("SHARDC_PEAK_BUDGET", "auto")
+        budget = value if value == "auto" else int(value)
+        setup = setup_shardc(model, mesh, loss_in_graph, peak_memory_budget_bytes=budget)
+        setup.info["options"] = f"peak_memory_budget_bytes={budget!r}"
+        return setup
     if mode == "shardc-pool":
         setup = setup_shardc(model, mesh, loss_in_graph, comm_pool=True)
         setup.info["options"] = "comm_pool=True (static communication pool under Inductor)"

@@ -92,14 +92,11 @@ class ShardcPartitioner(_torch.custom_partitioner_base()):
             return self.partition_body(gm, joint_inputs, **kwargs)
         index = self.region.index
         progress.log_stage(index, "AOTAutograd joint graph", self.clock.lap())
-        with progress.stage(index, "joint passes + partition"):
-            # Saved weights that body calls return read the gathers instead, which the reshard
-            # pass then recomputes in the backward.
-            rewire_saved_inputs(gm)
-            self.region.fp8 = pipeline.joint_passes(gm.graph)
-            gm.recompile()
-            fw, bw = pipeline.partition(gm, joint_inputs, **kwargs)
-        pipeline.plan_and_lower(fw, bw, self.options, self.region)
+        # Saved weights that body calls return read the gathers instead, which the reshard
+        # pass then recomputes in the backward.
+        rewire_saved_inputs(gm)
+        fw, bw = pipeline.partition_and_plan(gm, joint_inputs, self.options, self.region,
+                                             **kwargs)
         self.clock.lap()
         return fw, bw
 

@@ -24,7 +24,14 @@ class ShardcOptions:
         gathered bytes in flight (its own and those of the buckets prefetched before it) stay
         within it: its "in-flight limit". The pipeline (``shardc.compile.pipeline``) then checks
         the communication pool's size (``plan.predicted.pool_bytes``) against it and re-plans
-        with shallower prefetch while the pool exceeds it: its "pool budget".
+        with shallower prefetch while the pool exceeds it: its "pool budget". It does not
+        bound the step's peak: ``peak_memory_budget_bytes`` does.
+    peak_memory_budget_bytes: a bound on the predicted whole-step peak
+        (``plan.predicted.peak_bytes``); 0: no bound (the plan is exactly the fixed policy).
+        ``"auto"``: the device's capacity less a margin (``shardc.planning.budget``), CUDA only
+        (an error elsewhere). The planner keeps buckets gathered from the forward to the
+        backward while the predicted peak stays within it (``shardc.planning.budget``); a
+        bound below the peak of the fully resharded plan is refused at compile time.
     check_plan_consistency: at the first run, all ranks compare the plan's hash (through the process
         group's store, see ``shardc.runtime.plan_check``).
     dump_dir: write the plan (text, JSON, trace, memory plot) of every compiled region here;
@@ -59,6 +66,7 @@ class ShardcOptions:
     prefetch: bool = True
     prefetch_depth: int = 1
     memory_budget_bytes: int = 0
+    peak_memory_budget_bytes: int | str = 0
     check_plan_consistency: bool = True
     dump_dir: str | None = None
     debug_pool: bool = False
@@ -78,6 +86,12 @@ class ShardcOptions:
             raise ValueError(f"shardc: prefetch_depth must be >= 0, got {self.prefetch_depth}")
         if self.bucket_cap_bytes < 0 or self.memory_budget_bytes < 0:
             raise ValueError("shardc: bucket_cap_bytes and memory_budget_bytes must be >= 0")
+        budget = self.peak_memory_budget_bytes
+        if budget != "auto" and (isinstance(budget, bool) or not isinstance(budget, int)
+                                 or budget < 0):
+            raise ValueError(
+                "shardc: peak_memory_budget_bytes must be a number of bytes >= 0 (0: no bound) "
+                f"or 'auto', got {budget!r}")
         if self.dump_dir is None and os.environ.get("SHARDC_DUMP"):
             object.__setattr__(self, "dump_dir", os.environ["SHARDC_DUMP"])
         object.__setattr__(self, "bucket_modules", tuple(self.bucket_modules))

@@ -17,6 +17,11 @@ these functions from their hooks, and :mod:`shardc.tools.template` calls
 6. Lower (``shardc.passes.lower``): bucketed functional collectives at the planned positions,
    their buffers views of the region's pool.
 7. Predict the step's peak memory (``shardc.memory.peak``); dump the plan if asked.
+
+With a whole-step peak budget (``peak_memory_budget_bytes``), :func:`partition_and_plan` runs
+steps 1-7 on copies of the joint graph for a bounded number of configurations (which buckets
+stay gathered from the forward to the backward, ``shardc.planning.budget``) before it builds the
+chosen one.
 """
 
 from __future__ import annotations
@@ -44,11 +49,13 @@ from shardc.passes.fp8 import Fp8Summary, hoist_fp8_quantize, prepare_fp8
 from shardc.passes.fx_utils import allocate_real, copy_graph_module, is_call
 from shardc.passes.lower import add_pool_placeholder, apply_plan
 from shardc.passes.offload_dedupe import dedupe_device_copies
-from shardc.passes.reshard import check_no_gathered_saved, tag_resharded_gathers
+from shardc.passes.reshard import check_no_gathered_saved, keep_gathered, tag_resharded_gathers
 from shardc.passes.saved_order import order_saved_values
-from shardc.planning.plan import CompiledBody, InlineBlock, Plan
+from shardc.planning import budget
+from shardc.planning.plan import CompiledBody, InlineBlock, MemoryBudget, Plan
 from shardc.planning.schedule import plan_region
 from shardc.runtime.collectives import resolve_group
+from shardc.runtime.plan_check import agree_on_largest
 
 log = logging.getLogger("shardc")
 
@@ -144,9 +151,32 @@ def partition(gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs
 
 
 def plan_and_lower(fw: fx.GraphModule, bw: fx.GraphModule | None, options: ShardcOptions,
-                   region: RegionRecord) -> Plan:
+                   region: RegionRecord, *, budget: MemoryBudget | None = None) -> Plan:
     """Steps 5-7 on a region's partitioned graphs (``bw``: None for a forward-only graph);
-    records the graphs, the plan and the pool in ``region`` and returns the plan."""
+    records the graphs, the plan (with ``budget``'s decisions) and the pool in ``region`` and
+    returns the plan."""
+    plan, pool = lower_and_predict(fw, bw, options, region)
+    plan.budget = budget
+    region.pool = pool
+    region.forward, region.backward, region.plan = fw, bw, plan
+    if options.dump_dir:
+        from shardc.tools.render import dump_plan
+
+        try:
+            dump_plan(plan, options.dump_dir, rank=rank_in_plan(plan))
+        except OSError as exc:  # a dump must never break training
+            log.warning("shardc: could not write the plan dump: %s", exc)
+    if _PLAN_ONLY.get():
+        raise PlannedOnly(plan)
+    return plan
+
+
+def lower_and_predict(fw: fx.GraphModule, bw: fx.GraphModule | None, options: ShardcOptions,
+                      region: RegionRecord, *, pool_device: torch.device | None = None
+                      ) -> tuple[Plan, torch.Tensor | None]:
+    """Plan, lower and predict the peak of ``fw``/``bw`` (changed in place); returns the plan
+    and the communication pool, allocated on ``pool_device`` if given (``meta`` for the budget
+    planner's trials, which only predict) or else on the parameters' device."""
     hoist_fp8_quantize(fw)
     hoist_fp8_quantize(bw)
     with progress.stage(region.index, "planning"):
@@ -158,8 +188,7 @@ def plan_and_lower(fw: fx.GraphModule, bw: fx.GraphModule | None, options: Shard
     bw_params = param_placeholders(bw) if bw is not None else set()
     host = find_host_state(fw, bw)  # CPU offload: what lives on the host
     rank = rank_in_plan(plan)
-    pool = allocate_pool(fw, plan, options) if bw is not None else None
-    region.pool = pool
+    pool = allocate_pool(fw, plan, options, pool_device) if bw is not None else None
     with progress.stage(region.index, "lowering"):
         for gm, name in ((fw, "forward"), (bw, "backward")):
             if gm is None:
@@ -179,17 +208,85 @@ def plan_and_lower(fw: fx.GraphModule, bw: fx.GraphModule | None, options: Shard
         if plan.copies:
             plan.predicted.host_bytes = float(host.host_bytes(options.optimizer_state_factor))
             plan.predicted.device_copy_bytes = float(device_copy_bytes(plan))
-    region.forward, region.backward, region.plan = fw, bw, plan
-    if options.dump_dir:
-        from shardc.tools.render import dump_plan
+    return plan, pool
 
-        try:
-            dump_plan(plan, options.dump_dir, rank=rank)
-        except OSError as exc:  # a dump must never break training
-            log.warning("shardc: could not write the plan dump: %s", exc)
-    if _PLAN_ONLY.get():
-        raise PlannedOnly(plan)
-    return plan
+
+def partition_and_plan(gm: fx.GraphModule, joint_inputs: Sequence[object], options: ShardcOptions,
+                       region: RegionRecord, **kwargs) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Steps 1-7 on a training region's joint graph; returns the planned forward and backward.
+
+    With a peak budget (``peak_memory_budget_bytes``) the budget planner
+    (``shardc.planning.budget``) first evaluates configurations on copies of the joint graph
+    (each partitioned, planned and predicted), then the chosen one is built for real. Without
+    one, this is the fixed policy, unchanged."""
+    decided = None
+    if options.peak_memory_budget_bytes:
+        with progress.stage(region.index, "peak budget"):
+            decided = choose_under_budget(gm, joint_inputs, options, region, **kwargs)
+        keep_gathered(gm.graph, kept_params(decided))
+    with progress.stage(region.index, "joint passes + partition"):
+        region.fp8 = joint_passes(gm.graph)
+        gm.recompile()
+        fw, bw = partition(gm, joint_inputs, **kwargs)
+    plan_and_lower(fw, bw, options, region, budget=decided)
+    return fw, bw
+
+
+def kept_params(decided: MemoryBudget) -> set[str]:
+    return {p for d in decided.decisions if d.kept for p in d.params}
+
+
+def choose_under_budget(gm: fx.GraphModule, joint_inputs: Sequence[object],
+                        options: ShardcOptions, region: RegionRecord, **kwargs) -> MemoryBudget:
+    """The budget planner's decisions for one region's joint graph (left unchanged): the fully
+    resharded configuration first (refused if over the budget), then the greedy's trials."""
+    pristine = copy_graph_module(gm)
+    budget_bytes = budget.resolve_budget(options.peak_memory_budget_bytes,
+                                         _gather_device(gm))
+    # The trials' dumps and plan-only stops belong to the real plan only.
+    trial_options = replace(options, dump_dir=None)
+
+    def evaluate(kept: set[str]) -> tuple[Plan, int]:
+        trial = copy_graph_module(pristine)
+        keep_gathered(trial.graph, kept)
+        joint_passes(trial.graph)
+        trial.recompile()
+        fw, bw = _torch.min_cut_partition(trial, joint_inputs, **kwargs)
+        order_saved_values(fw, bw, kwargs["num_fwd_outputs"])
+        check_no_gathered_saved(fw, bw)
+        plan, _ = lower_and_predict(fw, bw, trial_options, region,
+                                    pool_device=torch.device("meta"))
+        # Every rank compares the ranks' largest peak: the same decisions everywhere.
+        tag = f"trial{len(trials)}"
+        trials.append(tag)
+        return plan, agree_on_largest(plan.group_name, region.check_index, tag,
+                                      int(plan.predicted.peak_bytes or 0))
+
+    trials: list[str] = []
+    base, minimum = evaluate(set())
+    cands, fixed = budget.candidates(base)
+    params = {c.bucket: set(c.params) for c in cands}
+    useful = {p for c in cands if c.saved_s > 0 for p in c.params}
+    if minimum > budget_bytes:
+        kept_plan, peak = evaluate(useful) if useful else (base, minimum)
+        if peak > budget_bytes:
+            lowest = (base, minimum) if minimum <= peak else (kept_plan, peak)
+            raise budget.refuse_below_minimum(budget_bytes, lowest[1], lowest[0])
+        decided = budget.keep_all(cands, fixed, budget_bytes, minimum, peak)
+    else:
+        decided = budget.choose(
+            cands, fixed, budget_bytes, minimum,
+            lambda kept: evaluate(set().union(*(params[b] for b in kept)))[1])
+    log.info("shardc: region %d, peak budget %d B: minimum %d B, kept gathered %s, predicted "
+             "peak %d B (%d trials)", region.index, budget_bytes, minimum, decided.kept,
+             decided.peak_bytes, decided.trials)
+    return decided
+
+
+def _gather_device(gm: fx.GraphModule) -> torch.device | None:
+    sent = [GatherArgs.of(n).shard.meta.get("val") for n in gm.graph.nodes
+            if is_call(n, GATHER_OP)]
+    return sent[0].device if sent and sent[0] is not None else None
 
 
 def record_bodies(plan: Plan, region: RegionRecord) -> None:
@@ -228,7 +325,8 @@ def plan_within_budget(fw: fx.GraphModule, bw: fx.GraphModule | None, options: S
         plan.notes.append(f"pool {plan.predicted.pool_bytes:.0f} B over budget {budget} B")
 
 
-def allocate_pool(fw: fx.GraphModule, plan: Plan, options: ShardcOptions) -> torch.Tensor | None:
+def allocate_pool(fw: fx.GraphModule, plan: Plan, options: ShardcOptions,
+                  device: torch.device | None = None) -> torch.Tensor | None:
     """The region's communication pool, allocated once and shared by its forward and
     backward (training graphs; forward-only graphs let the compiler place the buffers)."""
     if not options.comm_pool:
@@ -242,7 +340,8 @@ def allocate_pool(fw: fx.GraphModule, plan: Plan, options: ShardcOptions) -> tor
     # The device of what the gathers send (parameter shards, or an FP8 weight's quantized
     # shard, whose placeholder param_placeholders does not find through the quantization).
     sent = [GatherArgs.of(n).shard.meta["val"] for n in fw.graph.nodes if is_call(n, GATHER_OP)]
-    device = sent[0].device if sent else torch.device("cpu")
+    if device is None:
+        device = sent[0].device if sent else torch.device("cpu")
     plan.notes.append("communication buffers: views of one static pool")
     return allocate_real(int(plan.predicted.pool_bytes), torch.uint8, device)
 

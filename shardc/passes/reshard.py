@@ -10,6 +10,7 @@ still crosses from forward to backward.
 from __future__ import annotations
 
 import operator
+from dataclasses import replace
 
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
@@ -21,11 +22,26 @@ from shardc.passes.body import body_calls, weight_derived_outputs
 from shardc.passes.fx_utils import gather_derived, is_call, recompute_tag, view_chain
 
 __all__ = ["GatheredParamSavedError", "check_no_gathered_saved", "gather_derived",
-           "reshards_after_forward", "saved_for_backward", "tag_resharded_gathers"]
+           "keep_gathered", "reshards_after_forward", "saved_for_backward", "tag_resharded_gathers"]
 
 
 def reshards_after_forward(gather: fx.Node) -> bool:
     return bool(GatherArgs.of(gather).reshard_after_forward)
+
+
+def keep_gathered(graph: fx.Graph, fqns: set[str]) -> int:
+    """Make the gathers of the parameters ``fqns`` keep their gathered values from the forward
+    to the backward (``reshard_after_forward=False`` in their arguments), before
+    :func:`tag_resharded_gathers` runs: the budget planner's choice (``shardc.planning.budget``).
+    Returns how many gathers changed."""
+    count = 0
+    for node in graph.nodes:
+        if is_call(node, GATHER_OP) and reshards_after_forward(node):
+            args = GatherArgs.of(node)
+            if args.fqn in fqns:
+                node.args, node.kwargs = replace(args, reshard_after_forward=False).args(), {}
+                count += 1
+    return count
 
 
 def tag_resharded_gathers(graph: fx.Graph) -> int:

@@ -38,6 +38,10 @@ PLAN_VERSION = 5
 # Version 5 also added ``Collective.elided``: shardc's collectives over a one-rank group (world 1,
 # or HSDP with shard size 1) are still planned and listed, but lowered to no communication (the
 # gather is the shard itself, the reduction the gradient itself); older plans read as not elided.
+# Version 5 also added ``Plan.budget`` (:class:`MemoryBudget`): the whole-step peak budget and
+# the planner's decision for every bucket (kept gathered from the forward to the backward, or
+# resharded), with its predicted time saved, bytes and reason; plans made without a budget, and
+# older plans, read with it ``None``.
 READABLE_VERSIONS = (1, 2, 3, 4, 5)
 
 
@@ -287,6 +291,56 @@ class InlineBlock:
 
 
 @dataclass
+class BucketDecision:
+    """The budget planner's choice for one bucket (``shardc.planning.budget``).
+
+    ``kept``: its gathered parameters stay alive from their forward use to their backward use
+    (no all-gather in the backward); otherwise they are resharded after the forward and
+    gathered again. ``saved_ms``: the predicted time of the backward all-gather(s) that keeping
+    it removes; ``bytes``: the gathered bytes keeping it holds through the forward-backward
+    boundary (the planner's estimate of what it adds to the peak). Both depend only on the
+    bucket's global sizes and the cost model, never on a rank's shard shapes."""
+
+    bucket: int
+    name: str
+    kept: bool
+    saved_ms: float
+    bytes: int
+    reason: str
+    params: list[str] = field(default_factory=list)
+
+
+@dataclass
+class MemoryBudget:
+    """The whole-step peak budget of a region and what the planner decided under it.
+
+    ``budget_bytes``: the bound (``peak_memory_budget_bytes``, or the device's capacity less a
+    margin for ``"auto"``); ``minimum_bytes``: the predicted peak with every bucket resharded
+    (the least this plan's levers reach); ``peak_bytes``: the predicted peak of the chosen plan.
+    Peaks here are the largest over the ranks (``shardc.runtime.plan_check.agree_on_largest``):
+    every rank compares the same numbers. ``trials``: partitions evaluated besides the fully
+    resharded one.
+    """
+
+    budget_bytes: int
+    minimum_bytes: int
+    peak_bytes: int
+    trials: int = 0
+    decisions: list[BucketDecision] = field(default_factory=list)
+
+    @property
+    def kept(self) -> list[int]:
+        """Indices of the buckets kept gathered."""
+        return [d.bucket for d in self.decisions if d.kept]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MemoryBudget:
+        data = dict(data)
+        data["decisions"] = [BucketDecision(**d) for d in data.get("decisions", [])]
+        return cls(**data)
+
+
+@dataclass
 class Plan:
     version: int
     region: int
@@ -319,6 +373,8 @@ class Plan:
     # CPU offload: the host<->device copies (kinds h2d_copy / d2h_copy, lane "copy"), planned
     # like collectives but not collectives (no process group; the pool holds none of them).
     copies: list[Collective] = field(default_factory=list)
+    # The whole-step peak budget and the decisions made under it (None: no budget).
+    budget: MemoryBudget | None = None
 
     def table(self, *, wide: bool = False) -> str:
         """The plan as text (``shardc.tools.render.plan_table``): lines of at most 99 columns, or
@@ -341,9 +397,16 @@ class Plan:
     def collective_signature(self) -> list[tuple]:
         return [c.signature() for c in self.collectives]
 
+    def budget_signature(self) -> tuple[int, list[int]] | None:
+        """The peak budget and the buckets kept gathered under it (None: no budget)."""
+        return None if self.budget is None else (self.budget.budget_bytes, self.budget.kept)
+
     def hash(self) -> str:
         """Hash of what must be identical on every rank (see :meth:`Collective.signature`)."""
-        blob = json.dumps(self.collective_signature(), sort_keys=True, default=str)
+        signature: list = self.collective_signature()
+        if self.budget is not None:  # the decisions too (a plan without a budget: as before)
+            signature = signature + [["budget", *self.budget_signature()]]
+        blob = json.dumps(signature, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
@@ -381,6 +444,8 @@ class Plan:
         data["graphs"] = {g: [ComputeOp(**op) for op in ops] for g, ops in data["graphs"].items()}
         data["bodies"] = [CompiledBody(**b) for b in data.get("bodies", [])]
         data["inline_blocks"] = [InlineBlock(**b) for b in data.get("inline_blocks", [])]
+        budget = data.get("budget")
+        data["budget"] = MemoryBudget.from_dict(budget) if budget else None
         return cls(**data)
 
     @classmethod

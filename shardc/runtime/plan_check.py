@@ -97,7 +97,7 @@ def check_plan_consistency(plan: Plan, index: int, timeout: timedelta | None = N
         return
     group, me, world = found
     store = group_store(group)
-    mine = (plan.region, plan.hash(), plan.collective_signature())
+    mine = (plan.region, plan.hash(), plan.collective_signature(), plan.budget_signature())
     store.set(_key("plan", index, me), pickle.dumps(mine))
     keys = [_key("plan", index, r) for r in range(world)]
     timeout = timeout or group_timeout(group)
@@ -112,10 +112,18 @@ def check_plan_consistency(plan: Plan, index: int, timeout: timedelta | None = N
                 f"{timeout.total_seconds():g} s: ranks recompiled differently. {_FIX}"
             ) from exc
     every = [pickle.loads(store.get(k)) for k in keys]
-    region0, hash0, sig0 = every[0]
-    for rank, (region, digest, sig) in enumerate(every):
+    region0, hash0, sig0, budget0 = every[0]
+    for rank, (region, digest, sig, budget) in enumerate(every):
         if digest == hash0 and region == region0:
             continue
+        if sig == sig0 and budget != budget0:
+            raise PlanMismatchError(
+                f"shardc: rank {rank}'s peak-budget decisions for compiled region {region} "
+                f"differ from rank 0's: rank 0 has (budget bytes, kept buckets) {budget0}, "
+                f"rank {rank} has {budget}. Pass the same peak_memory_budget_bytes on every "
+                "rank; if it is the same, the ranks' predicted peaks straddle a decision "
+                "threshold (uneven shards, docs/memory_budget.md): move the budget slightly."
+            )
         first = next(
             (i for i in range(max(len(sig), len(sig0)))
              if (sig[i] if i < len(sig) else None) != (sig0[i] if i < len(sig0) else None)),
@@ -160,3 +168,32 @@ def recompile_message(group_name: str, ranks: list[int], what: str) -> str:
     return (f"shardc: {what} failed on rank {me} because rank(s) {ranks} compiled a region "
             f"that rank {me} did not (region #{index} over this process "
             f"group): ranks recompiled differently. {_FIX}")
+
+
+def agree_on_largest(group_name: str, index: int, tag: str, value: int,
+                     timeout: timedelta | None = None) -> int:
+    """The largest of every rank's ``value`` for this rank's region ``index`` (from
+    :func:`announce_region`), exchanged through the group's store under ``tag`` (each tag once
+    per region): the budget planner compares the ranks' largest predicted peak with the
+    budget, so that every rank makes the same decisions although uneven shards make their
+    predictions differ by a few bytes. A group of one rank (or none) returns ``value``.
+    Raises :class:`PlanMismatchError` if some rank publishes nothing within ``timeout``
+    (default: the group's timeout): it did not plan this region the same way."""
+    found = _group(group_name)
+    if found is None or index is None:
+        return value
+    group, me, world = found
+    store = group_store(group)
+    store.set(_key(f"budget/{tag}", index, me), str(int(value)))
+    keys = [_key(f"budget/{tag}", index, r) for r in range(world)]
+    timeout = timeout or group_timeout(group)
+    try:
+        store.wait(keys, timeout)
+    except RuntimeError as exc:  # DistStoreError: some rank did not publish in time
+        missing = [r for r in range(world) if not store.check([keys[r]])]
+        raise PlanMismatchError(
+            f"shardc: rank {me} planned region {index} under a peak budget (step {tag!r}), but "
+            f"rank(s) {missing} did not within {timeout.total_seconds():g} s: every rank must "
+            f"pass the same peak_memory_budget_bytes and compile the same regions. {_FIX}"
+        ) from exc
+    return max(int(store.get(k)) for k in keys)

@@ -45,6 +45,24 @@ def _world_sizes(text: str) -> list[int]:
     return sizes
 
 
+def _budget_bytes(text: str) -> int | str:
+    """``--memory-budget``: ``auto``, or bytes with an optional KiB/MiB/GiB suffix."""
+    if text == "auto":
+        return text
+    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "B": 1}
+    for unit, scale in units.items():
+        if text.endswith(unit):
+            try:
+                return int(float(text[:-len(unit)]) * scale)
+            except ValueError:
+                break
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--memory-budget: {text!r} is not 'auto' or a number of bytes (e.g. 40GiB)") from None
+
+
 def _setup(args) -> PlanSetup:
     return PlanSetup(precision=args.precision, checkpointing=args.checkpointing, fp8=args.fp8,
                      shard_size=args.shard_size, inductor=not args.fx, tp=args.tp)
@@ -88,11 +106,15 @@ def _sweep_table(rows: list[Capacity]) -> list[str]:
 
 
 def _cmd_plan(args) -> int:
-    from shardc.tools.render import dump_plan, plan_table
+    from shardc.tools.render import budget_lines, dump_plan, plan_table
 
     spec = parse_model(args.model, args.overrides)
     setup = _setup(args)
     options = json.loads(args.options) if args.options else {}
+    if args.memory_budget is not None:
+        options["peak_memory_budget_bytes"] = args.memory_budget
+    # The template path (repeat the first blocks' graphs) plans without the budget planner.
+    template = not args.full_trace and not options.get("peak_memory_budget_bytes")
     cluster = cluster_option(args.profile, _rates(args))
     if cluster is not None:
         options["cluster"] = cluster
@@ -107,7 +129,7 @@ def _cmd_plan(args) -> int:
     rows = []
     for world in worlds:
         plan, seconds = plan_model(spec, world, args.batch, seq, options,
-                                   template=not args.full_trace, setup=setup)
+                                   template=template, setup=setup)
         cap = capacity(plan, args.batch, seq, peak_flops, cap_bytes)
         rows.append(cap)
         if args.sweep_world:
@@ -121,7 +143,8 @@ def _cmd_plan(args) -> int:
               f"{', FP8 gathers' if setup.fp8 else ''}"
               f"{f', HSDP shard groups of {setup.shard_size}' if setup.shard_size else ''}"
               f"{f', TP {setup.tp}' if setup.tp > 1 else ''}")
-        for line in [*_summary(cap, seconds), *peak_terms_text(plan)]:
+        decisions = budget_lines(plan) if args.summary_only else []
+        for line in [*_summary(cap, seconds), *peak_terms_text(plan), *decisions]:
             print(line)
         if args.dump:
             for path in dump_plan(plan, args.dump, capacity_bytes=cap_bytes):
@@ -192,6 +215,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--wide", action="store_true",
                    help="print the plan with one column per field (~300 columns) instead of "
                         "lines of at most 99 columns")
+    p.add_argument("--memory-budget", type=_budget_bytes, default=None, metavar="BYTES|auto",
+                   help="bound the predicted whole-step peak (bytes, or with a KiB/MiB/GiB "
+                        "suffix; 'auto': the CUDA device's capacity less a margin): the planner "
+                        "keeps buckets gathered forward->backward while it fits, and prints its "
+                        "decisions (traces every block, as --full-trace)")
     p.add_argument("--full-trace", action="store_true",
                    help="trace every block (default: trace the first blocks and repeat them when "
                    "the blocks are identical; see docs/planning.md)")

@@ -81,6 +81,10 @@ def _draw_step(ax, plan: Plan, capacity_bytes: float | None) -> None:
         ax.axhline(capacity_bytes / GIB, color="black", linestyle="--",
                    label=f"device capacity ({capacity_bytes / GIB:.1f} GiB)")
         top = max(top, capacity_bytes / GIB)
+    if plan.budget is not None:  # the whole-step peak budget the plan was made under
+        ax.axhline(plan.budget.budget_bytes / GIB, color="tab:red", linestyle=":",
+                   label=f"peak budget ({plan.budget.budget_bytes / GIB:.2f} GiB)")
+        top = max(top, plan.budget.budget_bytes / GIB)
     peak = data.get("peak") or {}
     if peak.get("graph") in starts:
         start, length = starts[peak["graph"]]

@@ -272,6 +272,21 @@ def _narrow_buckets(plan: Plan, width: int) -> list[str]:
     return out
 
 
+def budget_lines(plan: Plan) -> list[str]:
+    """The peak budget and the planner's decision for every bucket (none without a budget)."""
+    b = plan.budget
+    if b is None:
+        return []
+    lines = [f"peak budget {_fmt_bytes(b.budget_bytes)} ({b.budget_bytes} B): minimum (every "
+             f"bucket resharded) {_fmt_bytes(b.minimum_bytes)}, chosen plan "
+             f"{_fmt_bytes(b.peak_bytes)}; {len(b.kept)} of {len(b.decisions)} bucket(s) kept "
+             f"gathered forward->backward; {b.trials} trial plan(s)"]
+    for d in b.decisions:
+        lines.append(f"  bucket {d.bucket} {d.name}: {'kept' if d.kept else 'resharded'}, "
+                     f"saves {d.saved_ms:.3f} ms, costs {_fmt_bytes(d.bytes)}: {d.reason}")
+    return lines
+
+
 def plan_table(plan: Plan, *, wide: bool = False, width: int = NARROW_WIDTH,
                reason_width: int = 60) -> str:
     """A readable text rendering of ``plan``: header, collectives in issue order, buckets.
@@ -314,7 +329,8 @@ def plan_table(plan: Plan, *, wide: bool = False, width: int = NARROW_WIDTH,
     } and not any(k in (f"{g}_time_s", f"{g}_exposed_comm_s") for g in _graph_names(plan)))
     if other:
         lines.append("other predictions: " + ", ".join(f"{k}={pred[k]:g}" for k in other))
-    opts = [f"{k}={v!r}" for k, v in plan.options.items() if k not in _NON_PLANNING_OPTIONS]
+    opts = [f"{k}={v!r}" for k, v in plan.options.items() if k not in _NON_PLANNING_OPTIONS
+            and not (k == "peak_memory_budget_bytes" and not v)]
     if opts:
         lines.append("options: " + ", ".join(opts))
     counts = ", ".join(f"{g} {len(plan.graphs[g])}" for g in _graph_names(plan) if g in plan.graphs)
@@ -325,11 +341,14 @@ def plan_table(plan: Plan, *, wide: bool = False, width: int = NARROW_WIDTH,
         lines.append(f"note: {note}")
     if not wide:
         lines = _narrow_header(lines, width)
+        lines += [out for line in budget_lines(plan) for out in textwrap.wrap(
+            line, width, subsequent_indent="      " if line.startswith("  ") else "  ")]
         lines += ["", "collectives (issue order; positions are 'before compute op N'):"]
         lines += _narrow_collectives(plan, width)
         lines += ["", "buckets:"] + _narrow_buckets(plan, width)
         return "\n".join(lines + copy_lines(plan)) + "\n"
 
+    lines += budget_lines(plan)
     names = _bucket_names(plan)
     headers = ["id", "kind", "group", "bucket", "#params", "bytes", "buffer", "dtype", "stream",
                "issue", "wait", "first use", "start ms", "end ms", "exposed ms", "offset",

@@ -1,0 +1,236 @@
+"""The whole-step memory budget: which buckets stay gathered from the forward to the backward.
+
+With ``peak_memory_budget_bytes`` set, the planner trades memory for time with one lever today:
+per bucket, keep its gathered parameters alive from their forward use to their backward use
+(the backward gathers nothing for it: its all-gather's time is saved, its gathered bytes are
+held through the forward-backward boundary, where the step's activations peak) or reshard them
+after the forward (the fixed policy's choice). The decision is a deterministic greedy:
+
+1. Evaluate the cheapest-memory configuration (every bucket resharded): its predicted peak is
+   the feasible minimum. Over the budget, the fully kept configuration is tried once (keeping
+   removes the backward's re-gather buffers, which can be what makes the peak): if it fits, it
+   is the plan (:func:`keep_all`); otherwise the budget is refused (:class:`MemoryBudgetError`,
+   naming the lower of the two peaks and its largest terms).
+2. Rank the buckets by predicted time saved per byte held (the backward all-gather's time by
+   the cost model, over the bucket's gathered bytes; ties by bucket index) and keep them in that
+   order while the estimated peak (the last verified peak plus the kept bytes, scaled by what
+   a kept byte verifiably added so far, at least :data:`MIN_SCALE`) stays within the budget.
+3. Verify by planning and predicting the chosen configuration (a partition, a plan and a peak
+   prediction: :func:`choose` calls ``evaluate``), at most :data:`MAX_TRIALS` times: over the
+   budget, drop the lowest-ranked kept buckets until their bytes cover the excess; within it,
+   add the next buckets that fit in the measured slack. If no verified configuration keeps
+   anything, every bucket is resharded (the minimum, known to fit).
+
+The work is bounded by a count (never a clock), and every input the decisions read is the same
+on every rank: the buckets' global sizes, the cost model's collective times (functions of
+those sizes), and the verified peaks, which are the largest over the ranks (uneven shards make
+the ranks' predictions differ by a few bytes; ``shardc.runtime.plan_check.agree_on_largest``
+exchanges them through the process group's store, as the plan check does). The plan records
+the decisions (``Plan.budget``) and its hash covers them, so the cross-rank plan check compares
+them too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from shardc.planning.plan import BucketDecision, CollectiveKind, MemoryBudget, Plan
+
+MAX_TRIALS = 4  # verifying partitions after the fully resharded one, whatever the model
+# "auto": the device's capacity less what the prediction does not count (the CUDA context,
+# the allocator's fragmentation, the communication library's own buffers).
+AUTO_MARGIN_FRACTION = 0.10
+AUTO_MARGIN_MIN_BYTES = 2 << 30
+
+MIN_SCALE = 0.25
+_MiB = float(1 << 20)
+
+
+class MemoryBudgetError(ValueError):
+    """The peak budget is below what the plan can reach, or cannot be resolved."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A bucket the planner may keep gathered: what keeping it saves and costs."""
+
+    bucket: int
+    name: str
+    params: tuple[str, ...]
+    saved_s: float  # predicted backward all-gather time removed
+    nbytes: int  # gathered bytes held from the forward to the backward
+
+    @property
+    def ratio(self) -> float:
+        return self.saved_s / max(self.nbytes, 1)
+
+
+_ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1,
+             "float8_e5m2": 1, "int64": 8, "int32": 4, "int8": 1, "uint8": 1}
+
+
+def _gathered_bytes(plan: Plan, bucket: int, params: set[str]) -> int:
+    b = plan.buckets[bucket]
+    size = _ITEMSIZE.get(b.dtype.removeprefix("torch."), 4)
+    return sum(d * n * size for fqn, d, n in zip(b.params, b.dim0, b.row_numel) if fqn in params)
+
+
+def candidates(plan: Plan) -> tuple[list[Candidate], list[BucketDecision]]:
+    """The buckets of a fully resharded plan that the backward gathers again (candidates), and
+    decisions for those it gathers over a one-rank group (elided: nothing to save)."""
+    by_bucket: dict[int, list] = {}
+    for c in plan.collectives:
+        if c.origin == "shardc" and c.kind == CollectiveKind.ALL_GATHER and c.graph == "backward":
+            by_bucket.setdefault(c.bucket, []).append(c)
+    out, fixed = [], []
+    for index in sorted(by_bucket):
+        colls = by_bucket[index]
+        params = sorted({p for c in colls for p in c.params})
+        nbytes = _gathered_bytes(plan, index, set(params))
+        name = plan.buckets[index].name
+        if all(c.elided for c in colls):
+            fixed.append(BucketDecision(index, name, False, 0.0, nbytes,
+                                        "resharded: its gathers are elided (one-rank group), "
+                                        "keeping it would save no time", params))
+            continue
+        saved = sum(c.predicted_end_s - c.predicted_start_s for c in colls if not c.elided)
+        out.append(Candidate(index, name, tuple(params), saved, nbytes))
+    return out, fixed
+
+
+def refuse_below_minimum(budget: int, minimum: int, plan: Plan) -> MemoryBudgetError:
+    """The error for a budget below the feasible minimum (the peak of ``plan``, the fully
+    resharded plan or, where lower, the fully kept one), naming its largest terms."""
+    at = plan.memory_by_category.get("peak") or {}
+    terms = sorted(((int(v), c) for c, v in (at.get("bytes") or {}).items() if v),
+                   reverse=True)
+    parts = ", ".join(f"{c} {v / _MiB:.1f} MiB" for v, c in terms[:4])
+    largest = ", ".join(f"{name} ({cat}) {n / _MiB:.2f} MiB"
+                        for name, cat, n in (at.get("largest") or [])[:3])
+    where = f"{at.get('graph', '?')} at op {at.get('position', '?')}"
+    return MemoryBudgetError(
+        f"shardc: peak_memory_budget_bytes={budget} ({budget / _MiB:.1f} MiB) is below the "
+        f"feasible minimum {minimum} B ({minimum / _MiB:.1f} MiB), the predicted peak of region "
+        f"{plan.region} with every bucket {kept_or_resharded(plan)}; the peak is in the "
+        f"{where}: {parts}" + (f"; its largest values: {largest}" if largest else "")
+        + ". Raise the budget, or lower what dominates (a smaller batch or sequence, "
+        "activation checkpointing, more ranks).")
+
+
+def kept_or_resharded(plan: Plan) -> str:
+    """How the plan treats its buckets: resharded after the forward, or (no all-gather in its
+    backward) kept gathered to the backward."""
+    regathered = any(c.origin == "shardc" and c.kind == CollectiveKind.ALL_GATHER
+                     and c.graph == "backward" for c in plan.collectives)
+    return ("resharded after the forward" if regathered or not plan.collectives
+            else "kept gathered from the forward to the backward")
+
+
+def _fit(order: list[Candidate], chosen: list[Candidate], base: int, budget: int,
+         scale: float = 1.0) -> list[Candidate]:
+    """``chosen`` plus, in ``order``, every other candidate whose bytes times ``scale`` still
+    fit on ``base`` (the verified peak with ``chosen`` kept)."""
+    total = base
+    out = list(chosen)
+    for c in order:
+        if c not in chosen and total + c.nbytes * scale <= budget:
+            out.append(c)
+            total += c.nbytes * scale
+    return sorted(out, key=order.index)
+
+
+def _scale(chosen: list[Candidate], peak: int, minimum: int) -> float:
+    """What a kept byte verifiably added to the peak (keeping a bucket adds less than its bytes
+    where the backward's re-gather buffers it removes were part of the peak), never below
+    :data:`MIN_SCALE`: the next estimates' bytes-per-byte."""
+    held = sum(c.nbytes for c in chosen)
+    return 1.0 if not held else min(1.0, max(MIN_SCALE, (peak - minimum) / held))
+
+
+def _saved(chosen: list[Candidate]) -> float:
+    return sum(c.saved_s for c in chosen)
+
+
+def choose(cands: list[Candidate], fixed: list[BucketDecision], budget: int, minimum: int,
+           evaluate: Callable[[tuple[int, ...]], int]) -> MemoryBudget:
+    """The decisions under ``budget`` (see the module docstring). ``minimum``: the verified
+    peak with nothing kept; ``evaluate(kept bucket indices)`` plans that configuration and
+    returns its rank-uniform peak."""
+    order = sorted((c for c in cands if c.saved_s > 0), key=lambda c: (-c.ratio, c.bucket))
+    best: list[Candidate] = []
+    best_peak = minimum
+    verified: dict[tuple[int, ...], int] = {(): minimum}
+    chosen = _fit(order, [], minimum, budget)
+    if not chosen and order:
+        # Nothing fits by its bytes: probe the best-ranked bucket alone, since keeping one
+        # often adds less than its bytes to the peak; the probe measures by how much.
+        chosen = order[:1]
+    trials = 0
+    while trials < MAX_TRIALS:
+        key = tuple(c.bucket for c in chosen)
+        if key in verified:
+            break
+        peak = verified[key] = evaluate(key)
+        trials += 1
+        if peak <= budget:
+            if (_saved(chosen), -peak) > (_saved(best), -best_peak):
+                best, best_peak = chosen, peak
+            chosen = _fit(order, chosen, peak, budget, _scale(chosen, peak, minimum))
+        else:
+            excess = peak - budget
+            chosen = list(chosen)
+            while chosen and excess > 0:
+                excess -= chosen.pop().nbytes
+    kept = {c.bucket for c in best}
+    decisions = list(fixed)
+    for c in cands:
+        saved_ms = c.saved_s * 1e3
+        if c.bucket in kept:
+            reason = (f"kept gathered: saves {saved_ms:.3f} ms of backward all-gather for "
+                      f"{c.nbytes / _MiB:.2f} MiB held to the backward; verified peak "
+                      f"{best_peak / _MiB:.1f} MiB within the budget")
+        elif c.saved_s <= 0:
+            reason = "resharded: keeping it would save no predicted time"
+        elif any(c.bucket in k for k, p in verified.items() if p > budget):
+            reason = ("resharded: a verified plan keeping it exceeded the budget; it saves "
+                      f"{c.ratio * 1e3 * _MiB:.4f} ms/MiB, ranked after those kept")
+        else:
+            reason = ("resharded: keeping it too would put the estimated peak over the budget "
+                      f"({c.ratio * 1e3 * _MiB:.4f} ms/MiB)")
+        decisions.append(BucketDecision(c.bucket, c.name, c.bucket in kept, saved_ms, c.nbytes,
+                                        reason, list(c.params)))
+    decisions.sort(key=lambda d: d.bucket)
+    return MemoryBudget(budget, minimum, best_peak, trials, decisions)
+
+
+def keep_all(cands: list[Candidate], fixed: list[BucketDecision], budget: int, minimum: int,
+             peak: int) -> MemoryBudget:
+    """The decisions when the fully resharded plan (peak ``minimum``) exceeds the budget but
+    keeping every bucket that saves time (peak ``peak``) fits: keeping removes the backward's
+    re-gather buffers, which can be what made the resharded plan's peak."""
+    decisions = list(fixed)
+    for c in cands:
+        kept = c.saved_s > 0
+        reason = (f"kept gathered: the fully resharded plan's peak {minimum / _MiB:.1f} MiB "
+                  f"exceeds the budget; keeping every bucket lowers it to {peak / _MiB:.1f} MiB"
+                  if kept else "resharded: keeping it would save no predicted time")
+        decisions.append(BucketDecision(c.bucket, c.name, kept, c.saved_s * 1e3, c.nbytes,
+                                        reason, list(c.params)))
+    decisions.sort(key=lambda d: d.bucket)
+    return MemoryBudget(budget, minimum, peak, 1, decisions)
+
+
+def resolve_budget(value: int | str, device) -> int:
+    """Bytes of a ``peak_memory_budget_bytes`` value on ``device`` (a ``torch.device``):
+    ``"auto"`` is the CUDA device's capacity less a margin; elsewhere it is an error."""
+    if value != "auto":
+        return int(value)
+    import torch
+
+    if device is None or device.type != "cuda" or not torch.cuda.is_available():
+        raise MemoryBudgetError(
+            f"shardc: peak_memory_budget_bytes='auto' needs a CUDA device, whose capacity is "
+            f"known; the parameters are on {device}. Pass a number of bytes instead.")
+    total = torch.cuda.get_device_properties(device).total_memory
+    return int(total - max(AUTO_MARGIN_MIN_BYTES, AUTO_MARGIN_FRACTION * total))

@@ -1,0 +1,153 @@
+"""The peak budget's pure parts (issue 22): the greedy's decisions against a synthetic peak
+model, the plan record's round trip and hash, the option's validation and ``"auto"``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardc.compile.options import ShardcOptions
+from shardc.planning import budget
+from shardc.planning.budget import Candidate, MemoryBudgetError
+from shardc.planning.plan import PLAN_VERSION, BucketDecision, MemoryBudget, Plan
+
+MINIMUM = 1000
+
+
+def _cands() -> list[Candidate]:
+    # Buckets 1-4 cost 100 bytes each and save 1 ms; bucket 5 is small and saves as much
+    # (best per byte); bucket 6 saves nothing.
+    cands = [Candidate(i, f"b{i}", (f"p{i}",), 1e-3, 100) for i in range(1, 5)]
+    return cands + [Candidate(5, "b5", ("p5",), 1e-3, 10), Candidate(6, "b6", ("p6",), 0.0, 50)]
+
+
+def _model(cost: dict[int, int]):
+    """A synthetic peak: the minimum plus each kept bucket's true cost; records the calls."""
+    calls = []
+
+    def evaluate(kept: tuple[int, ...]) -> int:
+        calls.append(kept)
+        return MINIMUM + sum(cost[b] for b in kept)
+    return evaluate, calls
+
+
+@pytest.mark.parametrize("budget_bytes", [MINIMUM, 1005, 1010, 1050, 1110, 1250, 1400, 10**9])
+@pytest.mark.parametrize("true_cost", [1.0, 0.3, 1.5])
+def test_greedy_stays_within_the_budget(budget_bytes, true_cost):
+    """For exact, optimistic and pessimistic byte estimates: the chosen plan's verified peak is
+    within the budget, the work is bounded, and the choice is deterministic."""
+    cost = {c.bucket: int(c.nbytes * true_cost) for c in _cands()}
+    evaluate, calls = _model(cost)
+    got = budget.choose(_cands(), [], budget_bytes, MINIMUM, evaluate)
+    assert got.peak_bytes <= budget_bytes
+    assert got.peak_bytes == MINIMUM + sum(cost[b] for b in got.kept)
+    assert got.trials == len(calls) <= budget.MAX_TRIALS
+    assert 6 not in got.kept  # saves nothing
+    assert [d.bucket for d in got.decisions] == [1, 2, 3, 4, 5, 6]
+    again = budget.choose(_cands(), [], budget_bytes, MINIMUM, _model(cost)[0])
+    assert again == got
+
+
+def test_greedy_prefers_time_per_byte_and_keeps_what_fits():
+    evaluate, _ = _model({c.bucket: c.nbytes for c in _cands()})
+    got = budget.choose(_cands(), [], MINIMUM + 215, MINIMUM, evaluate)
+    assert got.kept == [1, 2, 5]  # the small bucket first, then blocks by index
+    assert got.peak_bytes == MINIMUM + 210
+    everything = budget.choose(_cands(), [], 10**9, MINIMUM, evaluate)
+    assert everything.kept == [1, 2, 3, 4, 5]
+    nothing = budget.choose(_cands(), [], MINIMUM, MINIMUM, evaluate)
+    # Nothing fits: one probe (the best-ranked bucket alone) is verified, then dropped.
+    assert nothing.kept == [] and nothing.peak_bytes == MINIMUM and nothing.trials == 1
+
+
+def test_greedy_learns_that_keeping_costs_less_than_its_bytes():
+    """Keeping a bucket often adds less than its bytes to the peak (the backward's re-gather
+    buffers it removes were part of it): the trials measure it and keep more."""
+    evaluate, _ = _model({c.bucket: c.nbytes // 4 for c in _cands()})
+    got = budget.choose(_cands(), [], MINIMUM + 60, MINIMUM, evaluate)
+    assert len(got.kept) > 1 and got.peak_bytes <= MINIMUM + 60
+    # A block's bytes (100) exceed the slack (30): the probe finds it costs 25.
+    probe = [c for c in _cands() if c.bucket != 5]
+    got = budget.choose(probe, [], MINIMUM + 30, MINIMUM, evaluate)
+    assert got.kept == [1] and got.peak_bytes == MINIMUM + 25
+
+
+def test_budget_record_round_trips_and_enters_the_hash():
+    plan = Plan(PLAN_VERSION, 0, 2, {}, [], [])
+    before = plan.hash()
+    plan.budget = MemoryBudget(2000, 1000, 1500, 2, [
+        BucketDecision(1, "layers.0", True, 0.5, 100, "kept gathered: ...", ["w"]),
+        BucketDecision(2, "layers.1", False, 0.5, 100, "resharded: ...", ["v"])])
+    assert plan.hash() != before
+    back = Plan.from_json(plan.to_json())
+    assert back.budget == plan.budget and back.hash() == plan.hash()
+    other = Plan.from_json(plan.to_json())
+    other.budget.decisions[1].kept = True
+    assert other.hash() != plan.hash()
+    # Plans without a budget (and older plans) read with none, and hash as before.
+    data = plan.to_dict()
+    del data["budget"]
+    assert Plan.from_dict(data).budget is None and Plan.from_dict(data).hash() == before
+    assert "peak budget" in plan.table() and "layers.0: kept" in plan.table()
+
+
+def test_refusal_names_the_minimum_and_its_largest_terms():
+    plan = Plan(PLAN_VERSION, 3, 2, {}, [], [])
+    plan.memory_by_category = {"peak": {
+        "graph": "backward", "position": 7,
+        "bytes": {"saved activations": 5 << 20, "optimizer state": 2 << 20, "gradients": 0},
+        "largest": [["mm_3", "saved activations", 1 << 20]]}}
+    text = str(budget.refuse_below_minimum(1 << 20, 7 << 20, plan))
+    for part in ("peak_memory_budget_bytes=1048576", "feasible minimum 7340032 B",
+                 "saved activations 5.0 MiB", "optimizer state 2.0 MiB", "mm_3", "region 3"):
+        assert part in text, text
+
+
+def test_peak_budget_option():
+    assert ShardcOptions().peak_memory_budget_bytes == 0
+    assert ShardcOptions(peak_memory_budget_bytes="auto").peak_memory_budget_bytes == "auto"
+    for bad in (-1, "lots", 1.5, True):
+        with pytest.raises(ValueError, match="peak_memory_budget_bytes"):
+            ShardcOptions(peak_memory_budget_bytes=bad)
+
+
+def test_auto_budget_needs_cuda():
+    with pytest.raises(MemoryBudgetError, match="needs a CUDA device"):
+        budget.resolve_budget("auto", torch.device("cpu"))
+    assert budget.resolve_budget(12345, torch.device("cpu")) == 12345
+
+
+def test_memory_plot_draws_the_budget_line():
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from shardc.memory.breakdown import CATEGORIES
+    from shardc.tools.memory_plot import _draw_step
+
+    plan = Plan(PLAN_VERSION, 0, 2, {}, [], [])
+    plan.memory_by_category = {
+        "categories": list(CATEGORIES),
+        "graphs": {"forward": {"positions": [0, 1],
+                               "bytes": {c: [1 << 20, 2 << 20] for c in CATEGORIES}}},
+        "peak": {"graph": "forward", "position": 1, "bytes": {c: 2 << 20 for c in CATEGORIES},
+                 "largest": []}}
+    fig, ax = plt.subplots()
+    _draw_step(ax, plan, None)
+    assert not [line for line in ax.get_lines() if "peak budget" in line.get_label()]
+    plan.budget = MemoryBudget(30 << 20, 14 << 20, 14 << 20)
+    fig, ax = plt.subplots()
+    _draw_step(ax, plan, None)
+    budget_lines = [line for line in ax.get_lines() if "peak budget" in line.get_label()]
+    assert len(budget_lines) == 1 and budget_lines[0].get_ydata()[0] == pytest.approx(30 / 1024)
+    plt.close("all")
+
+
+def test_keep_all_when_only_keeping_fits():
+    """The fully resharded plan over the budget, the fully kept one within it: every bucket
+    that saves time is kept, and the record says why."""
+    cands = _cands()
+    got = budget.keep_all(cands, [], 1500, 1600, 1400)
+    assert got.kept == [1, 2, 3, 4, 5] and got.peak_bytes == 1400 and got.minimum_bytes == 1600
+    assert all("lowers it" in d.reason for d in got.decisions if d.kept)
+    assert [d.bucket for d in got.decisions if not d.kept] == [6]  # saves nothing
