@@ -146,7 +146,7 @@ def test_moe_experts_without_tokens_eager(runs):
 def test_moe_experts_without_tokens_compiled(runs):
     """The routing captured in the graph (capture_dynamic_output_shape_ops): the expert inputs
     have data-dependent sizes, which planning estimates without guarding on them."""
-    for world, got in zip(WORLDS, check_parity(runs, "moe_compiled")):
+    for world, got in zip(_worlds("moe_compiled"), check_parity(runs, "moe_compiled")):
         _check_routing(got, world)
         assert torch.count_nonzero(got["unrouted_grad"]) == 0
         # The experts are identical siblings, but one body cannot take their data-dependent
@@ -485,7 +485,7 @@ def test_adam_parity_and_summation_order(runs):
     only changes the summation order (the global batch as the ranks' slices, gradients
     averaged): the sharded run's deviation there is no larger than the control's, so it comes
     from the order of the sums, not from shardc (docs/support.md, optimizer tolerances)."""
-    for world in WORLDS:
+    for world in _worlds("adam"):
         got, ref, control = _run(runs, "adam", world), _reference("adam", world), \
             adam_control(world)
         where = f"world {world}"
