@@ -28,45 +28,20 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 import shardc
 
+# The model of the parity tests (tests/parity.py), wider and deeper here.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from parity import BlockStack  # noqa: E402
+
 DIM, HIDDEN, ODD, VOCAB, DEPTH, STEPS = 64, 96, 40, 101, 6, 3
-
-
-class Block(nn.Module):
-    def __init__(self, hidden: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(DIM)
-        self.up = nn.Linear(DIM, hidden)
-        self.down = nn.Linear(hidden, DIM)
-
-    def mlp(self, h: torch.Tensor) -> torch.Tensor:
-        return self.down(torch.nn.functional.gelu(self.up(h)))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + checkpoint(self.mlp, self.norm(x), use_reentrant=False)
-
-
-class Stack(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList([Block(HIDDEN) for _ in range(DEPTH)] + [Block(ODD)])
-        self.head = nn.Linear(DIM, VOCAB, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.embed(tokens)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h)
 
 
 def run(inductor: bool, once: bool, device: str) -> dict:
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = Stack().to(device)
+    model = BlockStack(DIM, HIDDEN, ODD, DEPTH, VOCAB).to(device)
     shardc.shard(model)
     compiled = torch.compile(model, backend=shardc.backend(inductor=inductor,
                                                            compile_blocks_once=once))

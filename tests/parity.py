@@ -77,14 +77,17 @@ class StackBlock(nn.Module):
 
 
 class BlockStack(nn.Module):
-    """Four identical blocks (one compiled body) and a fifth of another width (compiled inline);
-    rows 37, 19, 13 and 11 divide none of the world sizes 2, 3, 4."""
+    """``depth`` identical blocks (one compiled body) and one of another width, ``odd``
+    (compiled inline); by default rows 37, 19, 13 and 11, which divide none of the world sizes
+    2, 3, 4. (scripts/check_compile_once.py builds a wider, deeper one.)"""
 
-    def __init__(self) -> None:
+    def __init__(self, dim: int = 13, hidden: int = 19, odd: int = 11, depth: int = 4,
+                 vocab: int = CFG.vocab_size) -> None:
         super().__init__()
-        self.embed = nn.Embedding(CFG.vocab_size, 13)
-        self.blocks = nn.ModuleList([StackBlock(13, 19) for _ in range(4)] + [StackBlock(13, 11)])
-        self.head = nn.Linear(13, CFG.vocab_size, bias=False)
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList([StackBlock(dim, hidden) for _ in range(depth)]
+                                    + [StackBlock(dim, odd)])
+        self.head = nn.Linear(dim, vocab, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.embed(tokens)

@@ -12,31 +12,29 @@ built before ``shardc.shard`` is named by :mod:`shardc.runtime.replaced_params`.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from torch.distributed.tensor import DTensor
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-_OFFLOADED: dict[int, tuple[weakref.ref, str]] = {}  # id(parameter) -> (weak ref, name)
-_HOOK: list = []
+from shardc.runtime.param_names import WeakParamNames
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    if not _OFFLOADED:
+        return
+    for group in optimizer.param_groups:
+        check_group(group["params"])
+
+
+_OFFLOADED = WeakParamNames(_check_optimizer)  # the offloaded parameters and their names
 
 
 def remember(param: torch.Tensor, fqn: str) -> None:
     """Record ``param`` (named ``fqn``) as an offloaded shardc parameter."""
-    key = id(param)
-
-    def forget(_ref, key=key) -> None:
-        _OFFLOADED.pop(key, None)
-
-    _OFFLOADED[key] = (weakref.ref(param, forget), fqn)
-    if not _HOOK:
-        _HOOK.append(register_optimizer_step_pre_hook(_check_optimizer))
+    _OFFLOADED.remember(param, fqn)
 
 
 def offloaded_name(param: torch.Tensor) -> str | None:
-    entry = _OFFLOADED.get(id(param))
-    return entry[1] if entry is not None and entry[0]() is param else None
+    return _OFFLOADED.name(param)
 
 
 def _local_device(t: torch.Tensor) -> torch.device:
@@ -71,10 +69,3 @@ def check_group(params: list[torch.Tensor]) -> None:
             f"{named[0][1]!r}, on the host) and parameter #{other[1]} on "
             f"{_local_device(other[0])}; torch.optim steps a group on one device. Put the "
             "offloaded parameters in their own optimizer (or parameter group) or offload all.")
-
-
-def _check_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    if not _OFFLOADED:
-        return
-    for group in optimizer.param_groups:
-        check_group(group["params"])

@@ -11,34 +11,19 @@ from the registry too.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-# id(old parameter) -> (weak reference to it, its qualified name in the sharded model)
-_REPLACED: dict[int, tuple[weakref.ref, str]] = {}
-_HOOK: list = []  # the hook's handle, once registered
+from shardc.runtime.param_names import WeakParamNames
 
 
 def remember(param: torch.Tensor, fqn: str) -> None:
     """Record ``param`` (named ``fqn``) as replaced by ``shardc.shard``."""
-    key = id(param)
-
-    def forget(_ref, key=key) -> None:
-        _REPLACED.pop(key, None)
-
-    _REPLACED[key] = (weakref.ref(param, forget), fqn)
-    if not _HOOK:
-        _HOOK.append(register_optimizer_step_pre_hook(_check_optimizer))
+    _REPLACED.remember(param, fqn)
 
 
 def replaced_name(param: torch.Tensor) -> str | None:
     """The name of ``param`` if ``shardc.shard`` replaced it (and it is still alive)."""
-    entry = _REPLACED.get(id(param))
-    if entry is None or entry[0]() is not param:
-        return None
-    return entry[1]
+    return _REPLACED.name(param)
 
 
 def stale_params(optimizer: torch.optim.Optimizer) -> list[str]:
@@ -65,3 +50,7 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         "tensors the model no longer uses and the model would not train. Build the optimizer "
         "after shardc.shard(model), from model.parameters()."
     )
+
+
+# The replaced parameters and their names in the sharded model.
+_REPLACED = WeakParamNames(_check_optimizer)
