@@ -104,3 +104,25 @@ def test_hf_decoder_layers_differ_in_layer_idx_and_compile_inline():
     bodies = wrap_repeated_blocks(model, {}, shared=set(), special=set())
     assert bodies.groups == []
     assert [f.module for f in bodies.fallbacks] == [f"model.layers.{i}" for i in range(3)]
+
+
+def test_draws_random_numbers_names_random_ops_only():
+    """Which bodies compile inline for drawing random numbers (shardc.passes.body): dropout with
+    p > 0 in training, random tensor methods and factories; not dropout with p = 0 or in eval,
+    nor deterministic ops whose names merely contain a random op's (``F.normalize``)."""
+    import torch.nn.functional as F
+    from torch import fx
+
+    from shardc.passes.body import draws_random_numbers
+
+    cases = {
+        "dropout": (lambda x: F.dropout(x, 0.1, True), True),
+        "dropout_p0": (lambda x: F.dropout(x, 0.0, True), False),
+        "dropout_eval": (lambda x: F.dropout(x, 0.1, False), False),
+        "bernoulli_": (lambda x: x.clone().bernoulli_(), True),
+        "rand_like": (lambda x: x + torch.rand_like(x), True),
+        "normalize": (lambda x: F.normalize(x, dim=-1), False),
+        "layer_norm": (lambda x: F.layer_norm(x, x.shape[-1:]), False),
+    }
+    for name, (fn, random) in cases.items():
+        assert draws_random_numbers(fx.symbolic_trace(fn)) is random, name

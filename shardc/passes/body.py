@@ -114,7 +114,11 @@ def _describe_in(gm: fx.GraphModule, block_of_param) -> list[tuple[fx.Node, Body
     return calls
 
 
-_RANDOM_NAMES = ("dropout", "bernoulli", "rand", "normal", "multinomial", "rrelu", "uniform")
+# Functions and tensor methods that draw random numbers (exact names: ``normalize`` does not).
+_RANDOM_NAMES = frozenset({
+    "bernoulli", "bernoulli_", "rand", "rand_like", "randn", "randn_like", "randint",
+    "randint_like", "randperm", "normal", "normal_", "uniform_", "exponential_", "geometric_",
+    "cauchy_", "log_normal_", "random_", "multinomial", "poisson", "rrelu", "rrelu_"})
 
 
 def _random_call(node: fx.Node) -> bool:
@@ -126,14 +130,14 @@ def _random_call(node: fx.Node) -> bool:
         p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
         training = node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)
         return p != 0.0 and training is not False
-    return any(word in name for word in _RANDOM_NAMES)
+    return name in _RANDOM_NAMES
 
 
 def draws_random_numbers(body: fx.GraphModule) -> bool:
     """Whether a body of Dynamo's graph draws random numbers (dropout with p > 0, SDPA's
     dropout_p, ``torch.rand*``...): recomputed under activation checkpointing, a body's random
     ops do not replay the forward's numbers, so such blocks compile inline."""
-    return any(node.op == "call_function" and _random_call(node)
+    return any(node.op in ("call_function", "call_method") and _random_call(node)
                for gm in body.modules() if isinstance(gm, fx.GraphModule)
                for node in gm.graph.nodes)
 
