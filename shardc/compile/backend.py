@@ -240,10 +240,14 @@ def _inline_unsupported(gm: fx.GraphModule, found: list, blocks, region: RegionR
     """Inline the body calls that a shared body would run wrongly (random ops) or against the
     user's policy (selective checkpointing); returns the other calls."""
     unsupported = []
+    random: dict[int, bool] = {}  # per body: the blocks of a group call the same one
     for node, call in found:
+        body = _body_of(node)
+        if id(body) not in random:
+            random[id(body)] = draws_random_numbers(body)
         if _torch.selective_checkpoint_policy(node.graph.owning_module) is not None:
             unsupported.append((node, call, _SELECTIVE))
-        elif draws_random_numbers(_body_of(node)):
+        elif random[id(body)]:
             unsupported.append((node, call, _RANDOM))
     if not unsupported:
         return found

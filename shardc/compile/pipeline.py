@@ -135,16 +135,17 @@ def joint_passes(graph: fx.Graph, *, training: bool = True) -> Fp8Summary | None
     return fp8
 
 
-def partition(gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs
-              ) -> tuple[fx.GraphModule, fx.GraphModule]:
-    """Step 4: the min-cut partition of the joint graph, checked."""
+def partition(gm: fx.GraphModule, joint_inputs: Sequence[object], *, record: bool = True,
+              **kwargs) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Step 4: the min-cut partition of the joint graph, checked (``record``: handed to the
+    partitioned-graph sink, which the budget planner's trials are not)."""
     fw, bw = _torch.min_cut_partition(gm, joint_inputs, **kwargs)
     # The parameters' DeviceMesh is saved for the backward (it builds the DTensor gradients);
     # checkpointed random ops (SDPA, dropout) save RNG states behind it, out of the order
     # AOTAutograd reads saved values in: put them back (shardc/passes/saved_order.py).
     order_saved_values(fw, bw, kwargs["num_fwd_outputs"])
     check_no_gathered_saved(fw, bw)
-    sink = _PARTITIONED_SINK.get()
+    sink = _PARTITIONED_SINK.get() if record else None
     if sink is not None:
         sink.append((copy_graph_module(fw), copy_graph_module(bw)))
     return fw, bw
@@ -251,9 +252,7 @@ def choose_under_budget(gm: fx.GraphModule, joint_inputs: Sequence[object],
         keep_gathered(trial.graph, kept)
         joint_passes(trial.graph)
         trial.recompile()
-        fw, bw = _torch.min_cut_partition(trial, joint_inputs, **kwargs)
-        order_saved_values(fw, bw, kwargs["num_fwd_outputs"])
-        check_no_gathered_saved(fw, bw)
+        fw, bw = partition(trial, joint_inputs, record=False, **kwargs)
         plan, _ = lower_and_predict(fw, bw, trial_options, region,
                                     pool_device=torch.device("meta"))
         # Every rank compares the ranks' largest peak: the same decisions everywhere.

@@ -35,6 +35,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from shardc.planning.plan import BucketDecision, CollectiveKind, MemoryBudget, Plan
 
 MAX_TRIALS = 4  # verifying partitions after the fully resharded one, whatever the model
@@ -66,13 +68,9 @@ class Candidate:
         return self.saved_s / max(self.nbytes, 1)
 
 
-_ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1,
-             "float8_e5m2": 1, "int64": 8, "int32": 4, "int8": 1, "uint8": 1}
-
-
 def _gathered_bytes(plan: Plan, bucket: int, params: set[str]) -> int:
     b = plan.buckets[bucket]
-    size = _ITEMSIZE.get(b.dtype.removeprefix("torch."), 4)
+    size = getattr(torch, b.dtype.removeprefix("torch."), torch.float32).itemsize
     return sum(d * n * size for fqn, d, n in zip(b.params, b.dim0, b.row_numel) if fqn in params)
 
 
