@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -214,16 +215,41 @@ def selective_checkpoint_policy(gm) -> object | None:
     return gm.meta.get("_checkpoint_context_fn") if gm is not None else None
 
 
-def has_data_dependent_sizes(args: tuple, kwargs: dict) -> bool:
-    """Whether a tensor among ``args`` or ``kwargs``' values has a size known only at run time
-    (an unbacked symbol). Dynamo answers ``has_free_unbacked_symbols`` from the fake tensor while
-    it traces, so the check costs nothing at run time and adds nothing to the graph."""
-    from torch.fx.experimental.symbolic_shapes import has_free_unbacked_symbols
+def data_dependent_size_check() -> Callable[[tuple, dict], bool]:
+    """A function ``(args, kwargs) -> bool``: whether a tensor among ``args`` or ``kwargs``'
+    values has a size known only at run time (an unbacked symbol). Meant to be called in code
+    that Dynamo traces: it is answered from the fake tensors while tracing, so it costs nothing
+    at run time and adds nothing to the graph. Call this outside tracing (it picks the check
+    that the installed Dynamo folds)."""
+    unbacked = _unbacked_size_check()
 
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor) and has_free_unbacked_symbols(value):
-            return True
-    return False
+    def has_data_dependent_sizes(args: tuple, kwargs: dict) -> bool:
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, torch.Tensor) and unbacked(value):
+                return True
+        return False
+
+    return has_data_dependent_sizes
+
+
+def _unbacked_size_check() -> Callable[[torch.Tensor], bool]:
+    from torch._dynamo import trace_rules
+    from torch.fx.experimental import symbolic_shapes
+
+    folded = getattr(trace_rules, "manual_torch_name_rule_map", {})
+    name = "torch.fx.experimental.symbolic_shapes.has_free_unbacked_symbols"
+    if name in folded or not hasattr(symbolic_shapes, "size_hint"):  # torch 2.12+
+        return symbolic_shapes.has_free_unbacked_symbols
+    # torch 2.11's Dynamo graph-breaks on ``has_free_unbacked_symbols`` (a break in every
+    # block's forward) but folds ``size_hint``, which hints each unbacked symbol of a size with
+    # its fallback: a size whose hint changes with the fallback depends on one.
+    size_hint = symbolic_shapes.size_hint
+
+    def has_unbacked_size(tensor: torch.Tensor) -> bool:
+        # No isinstance(size, torch.SymInt): torch 2.11's Dynamo answers it False for a SymInt.
+        return any(size_hint(size, 1) != size_hint(size, 2) for size in tensor.shape)
+
+    return has_unbacked_size
 
 
 def run_frame_eagerly(fn) -> None:

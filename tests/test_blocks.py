@@ -106,6 +106,24 @@ def test_hf_decoder_layers_differ_in_layer_idx_and_compile_inline():
     assert [f.module for f in bodies.fallbacks] == [f"model.layers.{i}" for i in range(3)]
 
 
+def test_data_dependent_size_check_is_traced_without_a_graph_break():
+    """The check in a block's wrapped forward is answered while Dynamo traces, on every torch
+    (torch 2.11's Dynamo breaks the graph on ``has_free_unbacked_symbols``: one break per
+    block); it tells a size known only at run time from a static or dynamic one."""
+    from shardc import _torch
+
+    check = _torch.data_dependent_size_check()
+
+    def fn(x, n):
+        picked = x[x > 0]  # unbacked size
+        return torch.tensor([check((picked,), {}), check((x,), {"n": n}), check((), {"x": x})])
+
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        compiled = torch.compile(fn, backend="eager", fullgraph=True, dynamic=True)
+        answers = compiled(torch.tensor([1.0, -1.0, 2.0]), 3)
+    assert answers.tolist() == [True, False, False]
+
+
 def test_draws_random_numbers_names_random_ops_only():
     """Which bodies compile inline for drawing random numbers (shardc.passes.body): dropout with
     p > 0 in training, random tensor methods and factories; not dropout with p = 0 or in eval,

@@ -197,9 +197,11 @@ def seal(bodies: BlockBodies, root: nn.Module) -> None:
 
 
 def _wrapped_forward(group: BlockGroup, original: Callable) -> Callable:
+    has_data_dependent_sizes = _torch.data_dependent_size_check()
+
     def forward(self, *args, **kwargs):
         if (not torch.compiler.is_compiling() or module_layout(self) != self._shardc_layout
-                or _torch.has_data_dependent_sizes(args, kwargs)):
+                or has_data_dependent_sizes(args, kwargs)):
             return original(self, *args, **kwargs)
         body = group.bodies[self.training]
         weights = tuple(_read(self, n) for n in group.weight_names)
