@@ -232,6 +232,14 @@ def data_dependent_size_check() -> Callable[[tuple, dict], bool]:
     return has_data_dependent_sizes
 
 
+def traces_floats_symbolically() -> bool:
+    """Whether Dynamo, in the compile under way, traces Python floats (a module's ``eps``) as
+    symbols: ``torch.compile(dynamic=True)`` without ``specialize_float``. Safe to call in
+    traced code (read from Dynamo's config, folded while tracing)."""
+    config = torch._dynamo.config
+    return not config.assume_static_by_default and not config.specialize_float
+
+
 def _unbacked_size_check() -> Callable[[torch.Tensor], bool]:
     from torch._dynamo import trace_rules
     from torch.fx.experimental import symbolic_shapes

@@ -185,6 +185,7 @@ def sharded_run(rank: int, world: int, kind: str, mode: str, **options) -> dict:
     options_eval = options.pop("eval", False)
     hook_after_eval = options.pop("hook_after_eval", False)
     optim, local_step = options.pop("optim", "adamw"), options.pop("local_step", False)
+    dynamic = options.pop("dynamic", None)
     model = build(kind)
     shardc.shard(model, reshard_after_forward=options.pop("reshard_after_forward", True),
                  offload=options.pop("offload", None), mp_policy=options.pop("mp_policy", None))
@@ -192,7 +193,7 @@ def sharded_run(rank: int, world: int, kind: str, mode: str, **options) -> dict:
         forward = model
     else:
         forward = torch.compile(model, backend=shardc.backend(inductor=(mode == "inductor"),
-                                                              **options))
+                                                              **options), dynamic=dynamic)
     losses = train_rank_slice(model, forward, rank, world, optim, local_step)
     evaluated = eval_forward(model, forward, rank, world) if options_eval else None
     hooked = None

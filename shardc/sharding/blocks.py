@@ -83,6 +83,12 @@ class BlockBodies:
         block = root.get_submodule(module) if root is not None else None
         if block is not None and module_layout(block) != getattr(block, "_shardc_layout", None):
             return "its hooks or module classes changed after shardc.shard"
+        if _torch.traces_floats_symbolically():
+            # Dynamo lifts a symbolic float read inside a nested_compile_region body into the
+            # root graph and fails (torch 2.11-2.13: "lift_tracked_freevar_to_input").
+            return ("torch.compile(dynamic=True) traces its float attributes as symbols, which "
+                    "a shared body cannot take (torch._dynamo.config.specialize_float=True "
+                    "keeps compile-once)")
         return ("its inputs have sizes known only at run time (unbacked symbolic sizes: tokens "
                 "routed to one expert, or a slice under dynamic shapes), which one shared body "
                 "cannot take")
@@ -201,7 +207,7 @@ def _wrapped_forward(group: BlockGroup, original: Callable) -> Callable:
 
     def forward(self, *args, **kwargs):
         if (not torch.compiler.is_compiling() or module_layout(self) != self._shardc_layout
-                or has_data_dependent_sizes(args, kwargs)):
+                or has_data_dependent_sizes(args, kwargs) or _torch.traces_floats_symbolically()):
             return original(self, *args, **kwargs)
         body = group.bodies[self.training]
         weights = tuple(_read(self, n) for n in group.weight_names)
