@@ -19,6 +19,11 @@ casts or their order show up in CPU tests exactly as they would on a GPU).
 
 Only the local shard is ever pinned or asked ``is_pinned()``: both go to the DTensor's local
 tensor, never through DTensor dispatch.
+
+``OffloadPolicy(params=False, optimizer=True)`` (optimizer only) keeps the shards and their
+gradients on the device (no copy in the graphs) and steps the optimizer on host copies of them,
+with host state (:mod:`shardc.runtime.offload_optimizer`). ``params=True, optimizer=False``
+is refused with the reason (:func:`check_policy`; docs/offload.md).
 """
 
 from __future__ import annotations
