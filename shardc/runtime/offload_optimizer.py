@@ -213,11 +213,12 @@ def _pre_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     if optimizer not in _SWAPS:  # first step: put the parameters back before (de)serializing
         optimizer.register_state_dict_pre_hook(_restore)
         optimizer.register_load_state_dict_pre_hook(_restore_before_load)
-    saved, pairs, state = [], [], optimizer.state
-    on_cuda = False
+    # Recorded before anything moves, so that a failure half-way is undone like a failed step.
+    swap = _SWAPS[optimizer] = _Swap([], [])
+    state, on_cuda = optimizer.state, False
     with torch.no_grad():
         for group, hosted in zip(optimizer.param_groups, hosted_groups):
-            saved.append(group["params"])
+            swap.saved.append(group["params"])
             params = []
             for p, host in hosted:
                 if host is None:
@@ -225,13 +226,12 @@ def _pre_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
                     continue
                 master = _stage(p, host)
                 on_cuda = on_cuda or p.to_local().device.type == "cuda"
-                held = state.pop(p, None)
-                if held is not None:
-                    state[master] = _state_on_host(held)
-                pairs.append((p, master))
+                swap.pairs.append((p, master))
+                if p in state:  # moved to the host in place first: nothing lost if it fails
+                    _state_on_host(state[p])
+                    state[master] = state.pop(p)
                 params.append(master)
             group["params"] = params
-    _SWAPS[optimizer] = _Swap(saved, pairs)
     if on_cuda:  # the host copies must have landed before the CPU reads them
         torch.cuda.current_stream().synchronize()
 
