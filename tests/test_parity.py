@@ -95,14 +95,14 @@ def _parity_scenarios(world: int) -> dict[str, tuple[str, str, dict]]:
                                                         "reshard_after_forward": False})),
         (at(2), "bf16", ("llama", "fx", {"mp_policy": BF16})),
         (at(2), "bf16_offload", ("llama", "fx", {"mp_policy": BF16, "offload": OFFLOAD})),
-        # Optimizer-only offload: the same bits as the runs without offload, eager (1),
-        # compiled (3), with the local-shard fused step (2), with tied/frozen/unused
-        # parameters and an empty shard (4).
-        (at(1), "optim_offload_eager", ("llama", "eager", {"offload": OPT_OFFLOAD})),
-        (at(2), "fused_optim_offload", ("llama", "fx", {"local_step": True,
-                                                         "optim": "adamw-fused",
-                                                         "offload": OPT_OFFLOAD})),
-        (at(3), "optim_offload", ("llama", "fx", {"offload": OPT_OFFLOAD})),
+        # Optimizer-only offload: the graphs are those without offload, so the eager runs
+        # (about a second each) exercise its step at worlds 1-3 with the same bits as eager
+        # runs without it (at 2: torch's fused CPU AdamW through local_shard_step, against
+        # the reference); compiled at 4 with tied/frozen/unused parameters and an empty shard.
+        (at(1, 3), "optim_offload_eager", ("llama", "eager", {"offload": OPT_OFFLOAD})),
+        (at(2), "fused_optim_offload_eager", ("llama", "eager", {"local_step": True,
+                                                                  "optim": "adamw-fused",
+                                                                  "offload": OPT_OFFLOAD})),
         (at(4), "variant_optim_offload", ("variant", "fx", {"offload": OPT_OFFLOAD})),
     ]
     scenarios.update({name: scenario for on, name, scenario in optional if on})
@@ -189,13 +189,13 @@ def _check_offloaded(world: int, runs: dict[str, dict]) -> None:
     # Optimizer-only offload: the graphs are those without offload (no copy planned); every
     # trained parameter has a host master, separate from its shard and equal to it after the
     # last step (the host step's result copied back), and the runs equal those without it.
-    for name, plain in (("optim_offload", "fx"), ("optim_offload_eager", "eager"),
-                        ("variant_optim_offload", "variant"),
-                        ("fused_optim_offload", "fused_adamw")):
+    for name, plain in (("optim_offload_eager", "eager"), ("fused_optim_offload_eager", None),
+                        ("variant_optim_offload", "variant")):
         if name not in runs:
             continue
         run = runs[name]
-        _bitwise(run, runs[plain], f"world {world}: {name} vs {plain}")
+        if plain is not None:
+            _bitwise(run, runs[plain], f"world {world}: {name} vs {plain}")
         assert run["copies"] == 0, f"world {world}: {name} planned copies"
         assert set(run["host_masters"]) == run["trainable"], (name, run["host_masters"])
         # The device peak leaves the optimizer state out; the host holds masters, gradients
@@ -205,6 +205,7 @@ def _check_offloaded(world: int, runs: dict[str, dict]) -> None:
             assert param_bytes > 0 and state_bytes == 0 and host_bytes == 4 * param_bytes, (
                 name, run["predicted"])
             assert runs[plain]["predicted"][0][1] == 2 * param_bytes, runs[plain]["predicted"]
+            assert runs[plain]["predicted"][0][2] is None  # no host bytes without offload
         assert all(run["host_masters"].values()), (name, run["host_masters"])
 
 
