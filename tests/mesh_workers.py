@@ -33,7 +33,7 @@ def _forward(model: nn.Module, mode: str):
     """``eager``, ``fx`` (compiled, planned FX graphs), ``fx-traced`` (the same, with the
     collectives found in the graph kept where they were traced) or ``fx-nopool`` (buffers
     allocated per collective, as Inductor's default is); ``fx-offload``: ``fx`` of a model
-    sharded with CPU offload (:func:`hsdp_run`)."""
+    sharded with CPU offload, ``fx-optoffload`` with optimizer-only offload (:func:`hsdp_run`)."""
     if mode == "eager":
         return model
     return torch.compile(model, backend=shardc.backend(
@@ -187,7 +187,9 @@ def hsdp_run(rank: int, world: int, shape: tuple[int, int], mode: str,
              kind: str = "llama1") -> dict:
     torch._dynamo.reset()
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
-    offload = shardc.OffloadPolicy(simulate_on_cpu=True) if mode == "fx-offload" else None
+    offload = {"fx-offload": shardc.OffloadPolicy(simulate_on_cpu=True),
+               "fx-optoffload": shardc.OffloadPolicy(params=False, simulate_on_cpu=True),
+               }.get(mode)
     model = shardc.shard(build(kind), mesh, offload=offload)
     tokens, targets = batches()
     per = GLOBAL_BATCH // world

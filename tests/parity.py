@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 import shardc
 from shardc.models.llama import LlamaConfig, Transformer, llama_loss
+from shardc.runtime import offload_optimizer
 
 # Dimensions that divide none of the world sizes 2, 3, 4 (and a head dim that stays even).
 CFG = LlamaConfig(vocab_size=37, dim=24, n_layers=2, n_heads=4, ffn_dim=45, max_seq_len=16)
@@ -206,9 +207,27 @@ def sharded_run(rank: int, world: int, kind: str, mode: str, **options) -> dict:
     state = shardc.shard_state(model)
     plans = [r.plan for r in state.regions]
     out = {"losses": losses, "params": params, "grads_none": grads_none, "plans": plans,
-           "collective_ops": collective_ops(state), "eval": evaluated, "eval_hooked": hooked}
+           "collective_ops": collective_ops(state), "eval": evaluated, "eval_hooked": hooked,
+           "host_masters": host_masters(model),
+           "trainable": {n for n, p in model.named_parameters() if p.requires_grad}}
     if keep_model:
         out.update(model=model, forward=forward)
+    return out
+
+
+def host_masters(model: nn.Module) -> dict[str, bool]:
+    """Optimizer-only offload: for each parameter with a host master (the copy its optimizer
+    stepped on the host), whether the master is a separate tensor equal to the parameter's
+    shard (the step's result copied back)."""
+    out = {}
+    for name, p in model.named_parameters():
+        master = offload_optimizer.host_master(p)
+        if master is None:
+            continue
+        local, host = p.to_local(), master.to_local()
+        separate = local.numel() == 0 or (
+            host.untyped_storage().data_ptr() != local.untyped_storage().data_ptr())
+        out[name] = separate and host.device.type == "cpu" and torch.equal(host, local)
     return out
 
 

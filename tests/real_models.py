@@ -627,15 +627,17 @@ def sc_hf_checkpoint(ctx: Ctx, *, compile: bool = True, inductor: bool = False,
 # Scenarios: training loops.
 
 
-def _accumulate(ctx: Ctx, *, no_sync: bool, clip: float | None = None, offload: bool = False,
-                compile: bool = True) -> dict:
+def _accumulate(ctx: Ctx, *, no_sync: bool, clip: float | None = None,
+                offload: bool | str = False, compile: bool = True) -> dict:
     """Two micro-batches per step (each half of the rank's batch, loss / 2), optionally clipping
     the accumulated gradients by their global norm before the step; ``offload``: sharded with
-    CPU offload (simulated on the CPU mesh: the copies are real separate tensors)."""
+    CPU offload (simulated on the CPU mesh: the copies are real separate tensors); ``"opt"``:
+    optimizer-only offload (the optimizer steps on host copies)."""
     torch.manual_seed(0)
     model = mlp()
     forward = ctx.wrap(model, compile=compile,
-                       **({"offload": OFFLOAD} if offload else {}))
+                       **({"offload": OPT_OFFLOAD if offload == "opt" else OFFLOAD}
+                          if offload else {}))
     opt = sgd(model)
     xs, ys = regression_data(seed=16)
     micro = 2
@@ -679,6 +681,7 @@ def sc_accumulate_no_sync(ctx: Ctx) -> dict:
 
 
 OFFLOAD = shardc.OffloadPolicy(simulate_on_cpu=True)
+OPT_OFFLOAD = shardc.OffloadPolicy(params=False, simulate_on_cpu=True)
 
 
 def sc_blocks_accumulate_shapes(ctx: Ctx) -> dict:
@@ -1418,6 +1421,9 @@ SCENARIOS: dict[str, Callable[[Ctx], dict]] = {
                                               offload=True),
     "offload_no_sync_clip_eager": functools.partial(_accumulate, no_sync=True, clip=CLIP,
                                                     offload=True, compile=False),
+    # Optimizer-only offload: device gradients accumulated and clipped, the step on the host.
+    "optim_offload_no_sync_clip": functools.partial(_accumulate, no_sync=True, clip=CLIP,
+                                                    offload="opt"),
     "blocks_accumulate_shapes": sc_blocks_accumulate_shapes,
     **{name: functools.partial(sc_changing_shapes, shapes=shapes)
        for name, shapes in SHAPES.items()},
@@ -1458,7 +1464,8 @@ ONE_WORLD = {"blocks_accumulate_shapes": 3, "torch_transformer": 2, "hf_gpt2": 3
              "hf_checkpoint_inductor": 2, "checkpoint_fp8": 3, "checkpoint_fp8_eager": 3,
              "checkpoint_dropout": 3, "checkpoint_sdpa_dynamic": 3, "peak_budget": 3,
              "adam": 3, "checkpoint_sdpa": 2, "checkpoint_sdpa_selective": 3,
-             "moe_compiled": 2, "changing_seq": 2, "changing_both": 3, "nested": 3}
+             "moe_compiled": 2, "changing_seq": 2, "changing_both": 3, "nested": 3,
+             "optim_offload_no_sync_clip": 3}
 SLOW_SCENARIOS = ("checkpoint_sdpa_reentrant", "checkpoint_sdpa_dynamic",
                   "checkpoint_sdpa_save_all", "hf_checkpoint_reentrant", "checkpoint_dropout",
                   "checkpoint_fp8", "checkpoint_fp8_eager", *INDUCTOR_SCENARIOS)

@@ -63,9 +63,17 @@ K, J = 2, 2  # training steps before the checkpoint, and after it
 PAIRS = [(2, 4), (4, 2), (3, 2), (1, 3), (2, 1)]
 # CPU offload (issue 21; simulated on the CPU mesh: the copies are real separate tensors).
 OFFLOAD = shardc.OffloadPolicy(simulate_on_cpu=True)
-# (saved as, loaded at world M with offload?): offloaded 3 -> offloaded 2, offloaded 3 -> plain
-# 4, plain 4 -> offloaded 3, plain 2 -> offloaded 2.
-OFFLOAD_LOADS = [("n3off", 2, True), ("n3off", 4, False), ("n4", 3, True), ("n2", 2, True)]
+# Optimizer-only offload (the optimizer steps on host copies, its state on the host).
+OPT_OFFLOAD = shardc.OffloadPolicy(params=False, simulate_on_cpu=True)
+# (saved as, loaded at world M with offload? True: all, "opt": optimizer only): offloaded 3 ->
+# offloaded 2, offloaded 3 -> plain 4, plain 4 -> offloaded 3, plain 2 -> offloaded 2;
+# optimizer-only 3 -> plain 2, plain 4 -> optimizer-only 3.
+OFFLOAD_LOADS = [("n3off", 2, True), ("n3off", 4, False), ("n4", 3, True), ("n2", 2, True),
+                 ("n3opt", 2, False), ("n4", 3, "opt")]
+
+
+def _policy(offload: bool | str) -> shardc.OffloadPolicy | None:
+    return OPT_OFFLOAD if offload == "opt" else OFFLOAD if offload else None
 
 
 def _error(fn) -> str:
@@ -95,11 +103,11 @@ def _tree_digest(root: str) -> dict[str, str]:
 
 
 def reshard_save(group, name: str, tmp: str, record_continuation: bool = False,
-                 offload: bool = False) -> None:
+                 offload: bool | str = False) -> None:
     """Train K steps on ``group`` and save; rank 0 keeps the gathered state next to it."""
     grank = dist.get_rank(group)
     mesh = DeviceMesh.from_group(group, "cpu")
-    model = llama(0, mesh=mesh, allow_partial_mesh=True, offload=OFFLOAD if offload else None)
+    model = llama(0, mesh=mesh, allow_partial_mesh=True, offload=_policy(offload))
     opt = adamw(model)
     for step in range(K):
         llama_step(model, opt, step, grank)
@@ -114,13 +122,14 @@ def reshard_save(group, name: str, tmp: str, record_continuation: bool = False,
                    f"{where}.continued.rank{grank}.pt")
 
 
-def reshard_load(group, name: str, tmp: str, same_world: bool, offload: bool = False) -> dict:
+def reshard_load(group, name: str, tmp: str, same_world: bool,
+                 offload: bool | str = False) -> dict:
     """Load ``name`` on ``group``; continue J steps; the same from the state put in by hand."""
     grank = dist.get_rank(group)
     mesh = DeviceMesh.from_group(group, "cpu")
     where = os.path.join(tmp, "reshard", name)
     saved = torch.load(f"{where}.state.pt", weights_only=False)
-    policy = OFFLOAD if offload else None
+    policy = _policy(offload)
     model = llama(123, mesh=mesh, allow_partial_mesh=True, offload=policy)
     opt = adamw(model)
     before = full_state(model, opt)
@@ -445,6 +454,7 @@ def offload_state_checks(rank: int, tmp: str) -> dict:
 def job_a(rank: int, world: int, tmp: str) -> dict:
     reshard_save(dist.group.WORLD, "n3", tmp)
     reshard_save(dist.group.WORLD, "n3off", tmp, offload=True)
+    reshard_save(dist.group.WORLD, "n3opt", tmp, offload="opt")
     return {"fsdp2": fsdp2_checks(rank, tmp), "manager": manager_checks(rank, tmp),
             "fsdp2_offload": fsdp2_checks(rank, tmp, offload=True),
             "offload_state": offload_state_checks(rank, tmp)}
@@ -537,11 +547,14 @@ def test_reshard_values_and_continued_training_bitwise(jobs, pair):
             assert out["uninterrupted"] == [], f"rank {grank}: {out['uninterrupted'][:5]}"
 
 
-@pytest.mark.parametrize("load", OFFLOAD_LOADS, ids=lambda x: f"{x[0]}to{x[1]}{'off' * x[2]}")
+@pytest.mark.parametrize("load", OFFLOAD_LOADS, ids=lambda x: f"{x[0]}to{x[1]}" + (
+    "opt" if x[2] == "opt" else "off" if x[2] else ""))
 def test_offloaded_checkpoints_reshard_to_and_from_plain_runs_bitwise(jobs, load):
     """CPU offload (issue 21): model and AdamW state saved from an offloaded run load into an
     offloaded or plain run of another world size (and plain into offloaded) with the same bits
-    in global coordinates, and training continues exactly as from the state put in by hand."""
+    in global coordinates, and training continues exactly as from the state put in by hand;
+    the same for optimizer-only offload (its host optimizer state is saved and loaded in global
+    coordinates like any other)."""
     name, m, offload = load
     for grank, r in enumerate(jobs["c"][:m]):
         out = r[f"offload.{name}->{m}.{offload}"]

@@ -15,7 +15,8 @@ from shardc.planning.cost_model import ClusterSpec
 # are elided); the all-tp mesh eagerly, to keep the tests fast.
 HSDP = [((2, 2), "eager"), ((2, 2), "fx"), ((4, 1), "eager"), ((4, 1), "fx"),
         ((4, 1), "fx-nopool"),
-        ((2, 2), "fx-offload")]  # CPU offload (simulated on the CPU mesh) over HSDP
+        ((2, 2), "fx-offload"),  # CPU offload (simulated on the CPU mesh) over HSDP
+        ((2, 2), "fx-optoffload")]  # optimizer-only offload over HSDP
 # "fx-traced": compiled with the tensor-parallel collectives kept where traced (the results must
 # be bitwise those of "fx", which moves them).
 TP = [((2, 2), "eager"), ((2, 2), "fx"), ((2, 2), "fx-traced"), ((1, 4), "eager")]
@@ -87,14 +88,20 @@ def test_hsdp_parity_and_plan(hsdp_runs, llama1_reference):
             else:
                 assert "all_reduce" not in plan["kinds"] and plan["mesh"] == ""
             assert plan["found"] == [] and plan["tp_size"] == 1
-    # CPU offload over HSDP: the same bits as without it, its copies planned.
+    # CPU offload over HSDP (all, and optimizer only): the same bits as without it; the copies
+    # planned where the shards are offloaded, none for optimizer-only offload.
     for per_rank in results:
-        fx, offloaded = per_rank[HSDP.index(((2, 2), "fx"))], per_rank[-1]
-        assert torch.equal(offloaded["losses"], fx["losses"])
-        assert all(torch.equal(offloaded["params"][n], v) for n, v in fx["params"].items())
-    for plan in results[0][-1]["plans"]:
+        fx = per_rank[HSDP.index(((2, 2), "fx"))]
+        for mode in ("fx-offload", "fx-optoffload"):
+            offloaded = per_rank[HSDP.index(((2, 2), mode))]
+            assert torch.equal(offloaded["losses"], fx["losses"]), mode
+            assert all(torch.equal(offloaded["params"][n], v)
+                       for n, v in fx["params"].items()), mode
+    for plan in results[0][HSDP.index(((2, 2), "fx-offload"))]["plans"]:
         assert ("backward", "d2h_copy") in plan["copies"] and ("forward", "h2d_copy") in \
             plan["copies"]
+    for plan in results[0][HSDP.index(((2, 2), "fx-optoffload"))]["plans"]:
+        assert plan["copies"] == [], plan["copies"]
 
 
 def _assert_own_lanes(plan: dict) -> None:

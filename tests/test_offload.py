@@ -15,18 +15,19 @@ import pytest
 import torch
 from dist_utils import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 import shardc
 import shardc.sharding.shard as shard_mod
 from shardc.models.llama import LlamaConfig, Transformer, llama_loss
 from shardc.planning.plan import Plan
-from shardc.runtime import offload_check
+from shardc.runtime import offload_check, offload_optimizer
 from shardc.sharding import offload as offload_mod
 from shardc.tools.render import chrome_trace
 
 CFG = LlamaConfig(vocab_size=37, dim=24, n_layers=2, n_heads=4, ffn_dim=45, max_seq_len=16)
 SIM = shardc.OffloadPolicy(simulate_on_cpu=True)
+OPT_SIM = shardc.OffloadPolicy(params=False, simulate_on_cpu=True)  # optimizer only
 
 
 def _error(fn) -> str:
@@ -47,8 +48,8 @@ def _refusals(mesh) -> dict:
         "cpu_mesh": _error(lambda: shardc.shard(_model(), mesh, offload=shardc.OffloadPolicy())),
         "params_only": _error(lambda: shardc.shard(
             _model(), mesh, offload=shardc.OffloadPolicy(optimizer=False, simulate_on_cpu=True))),
-        "optimizer_only": _error(lambda: shardc.shard(
-            _model(), mesh, offload=shardc.OffloadPolicy(params=False, simulate_on_cpu=True))),
+        "optimizer_only_cpu_mesh": _error(lambda: shardc.shard(
+            _model(), mesh, offload=shardc.OffloadPolicy(params=False))),
         "not_a_policy": _error(lambda: shardc.shard(_model(), mesh, offload=True)),
         "fp8": _error(lambda: shardc.shard(_model(), mesh, offload=SIM,
                                            fp8=shardc.Float8Policy())),
@@ -111,6 +112,72 @@ def _train(rank: int, world: int) -> dict:
     # ... and so is such a group at an optimizer's step (the step pre-hook).
     mixed = torch.optim.SGD([param, torch.zeros(2, device="meta", requires_grad=True)], lr=0.1)
     out["mixed_step"] = _error(mixed.step)
+    out["optimizer_only"] = _optimizer_only(rank, mesh)
+    return out
+
+
+def _step(model, opt, gen) -> None:
+    toks = torch.randint(0, CFG.vocab_size, (2, 8), generator=gen)
+    llama_loss(model(toks), torch.roll(toks, -1, 1)).backward()
+    opt.step()
+
+
+def _optimizer_only(rank: int, mesh) -> dict:
+    """OffloadPolicy(params=False, optimizer=True): where things live, what the optimizer
+    shows outside its step, a step that raises, and the refusals at the step."""
+    model = shardc.shard(_model(), mesh, offload=OPT_SIM)
+    state = shardc.shard_state(model)
+    params = list(model.parameters())
+    out = {"policy": state.offload, "infos": sorted({i.offload_device
+                                                     for i in state.params.values()})}
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    gen = torch.Generator().manual_seed(rank)
+    out["masters_before"] = sum(offload_optimizer.host_master(p) is not None for p in params)
+    _step(model, opt, gen)
+    out["grads_stay"] = all(isinstance(p.grad, DTensor) for p in params)
+    opt.zero_grad()
+    ids = {id(p) for p in params}
+    out["groups_hold_params"] = {id(p) for p in opt.param_groups[0]["params"]} == ids
+    out["state_keyed_by_params"] = {id(p) for p in opt.state} == ids
+    out["state_global_host"] = all(
+        isinstance(v, DTensor) and v.to_local().device.type == "cpu"
+        and tuple(v.shape) == tuple(p.shape) and v.placements == p.placements
+        for p, s in opt.state.items() for k, v in s.items() if k != "step")
+    masters = [offload_optimizer.host_master(p) for p in params]
+    out["masters_separate"] = all(
+        m is not None and m is not p and torch.equal(m.to_local(), p.to_local())
+        and (p.to_local().numel() == 0 or m.to_local().untyped_storage().data_ptr()
+             != p.to_local().untyped_storage().data_ptr())
+        for p, m in zip(params, masters))
+    # A step that raises (its closure) leaves the masters in the groups: state_dict() puts the
+    # parameters back first, and the next step works.
+    toks = torch.randint(0, CFG.vocab_size, (2, 8), generator=gen)
+    llama_loss(model(toks), toks).backward()
+
+    def closure():
+        raise RuntimeError("closure failed")
+
+    out["raised"] = _error(lambda: opt.step(closure))
+    out["during_failed_step"] = any(p is m for p, m in zip(opt.param_groups[0]["params"],
+                                                           masters))
+    sd = opt.state_dict()
+    out["restored"] = ({id(p) for p in opt.param_groups[0]["params"]} == ids
+                       and {id(p) for p in opt.state} == ids and len(sd["state"]) == len(ids))
+    opt.step()
+    out["stepped_after"] = {id(p) for p in opt.state} == ids
+    opt.zero_grad()
+    # Refusals, named at the step.
+    _step_error = lambda o: _error(o.step)  # noqa: E731
+    capturable = torch.optim.Adam(params, lr=1e-2, capturable=True)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    out["capturable"] = _step_error(capturable)
+    first = params[0]
+    first.grad = distribute_tensor(torch.zeros(first.shape), mesh, [Replicate()])
+    out["replicated_grad"] = _step_error(torch.optim.SGD([first], lr=0.1))
+    first.grad = None
+    out["mixed"] = _step_error(torch.optim.SGD(
+        [first, torch.zeros(2, device="meta", requires_grad=True)], lr=0.1))
     return out
 
 
@@ -126,10 +193,11 @@ def test_offload_on_a_cpu_mesh_is_refused_unless_simulating(runs):
 
 def test_partial_policies_and_bad_arguments_are_refused(runs):
     out = runs[0]
-    assert out["params_only"].startswith("NotImplementedError") and "OffloadPolicy()" in \
-        out["params_only"]
-    assert out["optimizer_only"].startswith("NotImplementedError") and "optimizer state" in \
-        out["optimizer_only"]
+    msg = out["params_only"]
+    assert msg.startswith("NotImplementedError") and "OffloadPolicy()" in msg, msg
+    assert "OffloadPolicy(params=False, optimizer=True)" in msg and "16" in msg, msg
+    assert out["optimizer_only_cpu_mesh"].startswith("ValueError")
+    assert "simulate_on_cpu" in out["optimizer_only_cpu_mesh"]
     assert out["not_a_policy"].startswith("TypeError")
     assert out["fp8"].startswith("NotImplementedError") and "FP8" in out["fp8"]
 
@@ -180,3 +248,36 @@ def test_optimizer_groups_and_gradients_are_checked(runs):
     assert "not a DTensor with a host shard" not in out["mixed_group"]
     assert out["mixed_step"] == out["mixed_group"]
 
+
+
+def test_optimizer_only_offload_steps_host_copies_and_shows_device_parameters(runs):
+    """OffloadPolicy(params=False, optimizer=True): no copy in the graphs (the shards stay on
+    the device), host masters made at the first step, separate from the shards and equal to
+    them after it; outside the step the optimizer holds the parameters, its state is keyed by
+    them, in global DTensor coordinates, with host local tensors."""
+    for rank_out in runs:
+        out = rank_out["optimizer_only"]
+        assert out["policy"] == OPT_SIM and out["infos"] == [""]
+        assert out["masters_before"] == 0
+        assert out["grads_stay"] and out["groups_hold_params"]
+        assert out["state_keyed_by_params"] and out["state_global_host"]
+        assert out["masters_separate"]
+
+
+def test_optimizer_only_offload_recovers_from_a_step_that_raises(runs):
+    for rank_out in runs:
+        out = rank_out["optimizer_only"]
+        assert out["raised"] == "RuntimeError: closure failed"
+        assert out["during_failed_step"], "the failed step should have left the masters in"
+        assert out["restored"] and out["stepped_after"]
+
+
+def test_optimizer_only_offload_refusals_name_the_parameter(runs):
+    out = runs[0]["optimizer_only"]
+    assert out["capturable"].startswith("RuntimeError") and "capturable=True" in \
+        out["capturable"] and "tok_embeddings.weight" in out["capturable"], out["capturable"]
+    msg = out["replicated_grad"]
+    assert msg.startswith("RuntimeError") and "gradient of parameter" in msg, msg
+    assert "tok_embeddings.weight" in msg and "Replicate" in msg, msg
+    assert out["mixed"].startswith("RuntimeError") and "own optimizer" in out["mixed"], \
+        out["mixed"]

@@ -12,6 +12,8 @@ import shardc
 
 # CPU offload on a CPU mesh: the testing mode in which every copy is a real separate tensor.
 OFFLOAD = shardc.OffloadPolicy(simulate_on_cpu=True)
+# Optimizer-only offload: shards and gradients on the "device", AdamW on host copies.
+OPT_OFFLOAD = shardc.OffloadPolicy(params=False, simulate_on_cpu=True)
 BF16 = shardc.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 WORLD_SIZES = [1, 2, 3, 4]
@@ -46,6 +48,8 @@ def _scenarios(rank: int, world: int, scenarios: list) -> list[dict]:
                                 for b in p.inline_blocks})
         out["notes"] = [list(p.notes) for p in out["plans"] if p is not None]
         out["budget"] = [p.budget for p in out["plans"] if p is not None]
+        out["predicted"] = [(p.predicted.param_bytes, p.predicted.optimizer_state_bytes,
+                             p.predicted.host_bytes) for p in out["plans"] if p is not None]
         out["plans"] = len(out["plans"])
         results.append(out)
     return results
@@ -95,6 +99,15 @@ def _parity_scenarios(world: int) -> dict[str, tuple[str, str, dict]]:
                                                         "reshard_after_forward": False})),
         (at(2), "bf16", ("llama", "fx", {"mp_policy": BF16})),
         (at(2), "bf16_offload", ("llama", "fx", {"mp_policy": BF16, "offload": OFFLOAD})),
+        # Optimizer-only offload: the graphs are those without offload, so the eager runs
+        # (about a second each) exercise its step at worlds 1-3 with the same bits as eager
+        # runs without it (at 2: torch's fused CPU AdamW through local_shard_step, against
+        # the reference); compiled at 4 with tied/frozen/unused parameters and an empty shard.
+        (at(1, 3), "optim_offload_eager", ("llama", "eager", {"offload": OPT_OFFLOAD})),
+        (at(2), "fused_optim_offload_eager", ("llama", "eager", {"local_step": True,
+                                                                  "optim": "adamw-fused",
+                                                                  "offload": OPT_OFFLOAD})),
+        (at(4), "variant_optim_offload", ("variant", "fx", {"offload": OPT_OFFLOAD})),
     ]
     scenarios.update({name: scenario for on, name, scenario in optional if on})
     return scenarios
@@ -110,9 +123,9 @@ def test_parity_eager_and_fx(world, references):
         if mode != "eager":
             # One rank communicates nothing: no collective is lowered (the plan lists them,
             # elided); from two ranks on, every planned one is.
-            # (CPU offload keeps them: its planned copies feed the collectives.)
+            # (CPU offload of the shards keeps them: its planned copies feed the collectives.)
             elided = {p.elided for p in run["plan_collectives"]}
-            if world == 1 and "offload" not in options:
+            if world == 1 and options.get("offload", OPT_OFFLOAD) is OPT_OFFLOAD:
                 assert run["collective_ops"] == 0, (name, run["collective_ops"])
                 assert elided == {True}, name
                 # ... and plans no communication buffer: no pool, none in the timeline.
@@ -177,6 +190,27 @@ def _check_offloaded(world: int, runs: dict[str, dict]) -> None:
     if "bf16_offload" in runs:
         _bitwise(runs["bf16_offload"], runs["bf16"], f"world {world}: bf16 offloaded FX vs FX")
         assert runs["bf16_offload"]["copies"] > 0
+    # Optimizer-only offload: the graphs are those without offload (no copy planned); every
+    # trained parameter has a host master, separate from its shard and equal to it after the
+    # last step (the host step's result copied back), and the runs equal those without it.
+    for name, plain in (("optim_offload_eager", "eager"), ("fused_optim_offload_eager", None),
+                        ("variant_optim_offload", "variant")):
+        if name not in runs:
+            continue
+        run = runs[name]
+        if plain is not None:
+            _bitwise(run, runs[plain], f"world {world}: {name} vs {plain}")
+        assert run["copies"] == 0, f"world {world}: {name} planned copies"
+        assert set(run["host_masters"]) == run["trainable"], (name, run["host_masters"])
+        # The device peak leaves the optimizer state out; the host holds masters, gradients
+        # and AdamW's two moments (the training region: the first plan; eager plans none).
+        if run["predicted"]:
+            param_bytes, state_bytes, host_bytes = run["predicted"][0]
+            assert param_bytes > 0 and state_bytes == 0 and host_bytes == 4 * param_bytes, (
+                name, run["predicted"])
+            assert runs[plain]["predicted"][0][1] == 2 * param_bytes, runs[plain]["predicted"]
+            assert runs[plain]["predicted"][0][2] is None  # no host bytes without offload
+        assert all(run["host_masters"].values()), (name, run["host_masters"])
 
 
 STACK = tuple(f"blocks.{i}" for i in range(4))

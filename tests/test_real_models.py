@@ -327,11 +327,13 @@ def test_gradient_accumulation_without_sync(runs):
     check_parity(runs, "accumulate_no_sync")
 
 
-@pytest.mark.parametrize("name", ["offload_no_sync_clip", "offload_no_sync_clip_eager"])
+@pytest.mark.parametrize("name", ["offload_no_sync_clip", "offload_no_sync_clip_eager",
+                                  "optim_offload_no_sync_clip"])
 def test_offload_accumulation_without_sync_and_clipping(runs, name):
     """CPU offload (simulated on the CPU mesh): micro-batches without sync, then the global
     norm of the host gradients clipped before the CPU step; norms and parameters equal the
-    reference's."""
+    reference's. Optimizer-only offload: the device gradients are accumulated and clipped,
+    the step runs on the host."""
     check_parity(runs, name, compiled=not name.endswith("eager"))
 
 

@@ -307,7 +307,9 @@ def shardc_backend(
     state = _shard_state(gm)
     registry = state.regions if state is not None else None
     region = RegionRecord(len(registry) if registry is not None else 0,
-                          state.group_roles if state is not None else None)
+                          state.group_roles if state is not None else None,
+                          optimizer_on_host=state is not None and state.offload is not None
+                          and not state.offload.params)
     if registry is not None:
         registry.append(region)
     if opts.check_plan_consistency:
@@ -385,7 +387,8 @@ def _mode_patches(gm: fx.GraphModule, example_inputs, opts: ShardcOptions, mode:
                                  or any(i.quantized for i in state.params.values()))
     reasons = cudagraphs.blockers((GatherArgs.of(n) for n in sharded_gathers(gm)),
                                   example_inputs, fp8,
-                                  offload=state is not None and state.offload is not None)
+                                  offload=state is not None and state.offload is not None
+                                  and state.offload.params)
     if not reasons:
         return {**patches, cudagraphs.CUDAGRAPHS: True}, None
     note = cudagraphs.fallback_note(reasons)

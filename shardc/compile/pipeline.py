@@ -38,7 +38,12 @@ from torch import fx
 from shardc import _torch
 from shardc.compile import progress
 from shardc.compile.options import ShardcOptions
-from shardc.memory.host import device_copy_bytes, find_host_state, host_values
+from shardc.memory.host import (
+    device_copy_bytes,
+    find_host_state,
+    host_values,
+    optimizer_host_bytes,
+)
 from shardc.memory.peak import param_placeholders, predict_peak
 from shardc.memory.pool import assign_pool
 from shardc.ops.gather import GATHER_OP
@@ -79,6 +84,9 @@ class RegionRecord:
     body_calls: list[BodyCall] = field(default_factory=list, repr=False)
     inline_blocks: list[tuple[str, str]] = field(default_factory=list, repr=False)
     body_partitions: dict[str, int] = field(default_factory=dict)
+    # Optimizer-only CPU offload (OffloadPolicy(params=False, optimizer=True)): the optimizer's
+    # state and step live on the host (shardc.runtime.offload_optimizer), not in the device peak.
+    optimizer_on_host: bool = False
 
 
 # Set by capture_partitioned(): where regions compiled in its scope leave their partitioned graphs.
@@ -199,16 +207,20 @@ def lower_and_predict(fw: fx.GraphModule, bw: fx.GraphModule | None, options: Sh
             where = add_pool_placeholder(gm, pool) if pool is not None and options.inductor \
                 else pool
             apply_plan(gm, plan, name, rank, pool=where, poison=options.debug_pool)
+    on_host = region.optimizer_on_host
     with progress.stage(region.index, "peak prediction"):
         predict_peak(fw, bw, plan, fw_params, bw_params,
-                     optimizer_state_factor=options.optimizer_state_factor,
-                     optimizer_temp_factor=options.optimizer_temp_factor,
+                     optimizer_state_factor=0.0 if on_host else options.optimizer_state_factor,
+                     optimizer_temp_factor=0.0 if on_host else options.optimizer_temp_factor,
                      persistent_bytes=pool.numel() if pool is not None else 0,
                      fusion=options.inductor,
                      host=host.params | host.bw_params | host_values(fw) | host_values(bw))
         if plan.copies:
             plan.predicted.host_bytes = float(host.host_bytes(options.optimizer_state_factor))
             plan.predicted.device_copy_bytes = float(device_copy_bytes(plan))
+        elif on_host:  # the host masters, their gradients and the optimizer state
+            plan.predicted.host_bytes = float(optimizer_host_bytes(
+                plan.predicted.param_bytes or 0.0, options.optimizer_state_factor))
     return plan, pool
 
 

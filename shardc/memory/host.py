@@ -58,6 +58,13 @@ def host_values(gm: fx.GraphModule | None) -> set[fx.Node]:
             if n.op == "call_function" and n.target is COPY_START_OP and n.args[2] == "cpu"}
 
 
+def optimizer_host_bytes(param_bytes: float, optimizer_state_factor: float) -> int:
+    """Optimizer-only offload: host bytes of the masters (``param_bytes``: the device shards'
+    bytes), their gradients (as many) and the optimizer state; the device keeps only the
+    shards and gradients (:mod:`shardc.runtime.offload_optimizer`)."""
+    return int(param_bytes * (2 + optimizer_state_factor))
+
+
 def device_copy_bytes(plan: Plan) -> int:
     """The most bytes of host->device copies alive at once, over the region's graphs."""
     best = 0

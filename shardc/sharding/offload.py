@@ -19,6 +19,11 @@ casts or their order show up in CPU tests exactly as they would on a GPU).
 
 Only the local shard is ever pinned or asked ``is_pinned()``: both go to the DTensor's local
 tensor, never through DTensor dispatch.
+
+``OffloadPolicy(params=False, optimizer=True)`` (optimizer only) keeps the shards and their
+gradients on the device (no copy in the graphs) and steps the optimizer on host copies of them,
+with host state (:mod:`shardc.runtime.offload_optimizer`). ``params=True, optimizer=False``
+is refused with the reason (:func:`check_policy`; docs/offload.md).
 """
 
 from __future__ import annotations
@@ -40,9 +45,12 @@ class OffloadPolicy:
     """What lives in host memory (see :mod:`shardc.sharding.offload`).
 
     ``params`` and ``optimizer``: the parameter shards (fp32 masters) with their gradients, and
-    the optimizer's state and step. ``torch.optim`` keeps its state on its parameters' device, so
-    the two go together: ``OffloadPolicy()`` (both) is what is implemented; the variants that
-    offload only one of them are refused with an explanation (see ``check``).
+    the optimizer's state and step. ``OffloadPolicy()`` (both): the shards, gradients and state
+    live on the host and the optimizer steps there on the parameters themselves.
+    ``OffloadPolicy(params=False, optimizer=True)`` (optimizer only): the shards and gradients
+    stay on the device; the optimizer steps on host copies of them, with host state
+    (:mod:`shardc.runtime.offload_optimizer`). ``params=True, optimizer=False`` is refused with
+    the reason (``check_policy``).
     ``pin_memory``: pin the host shards and gradients (CUDA meshes only; pinned memory is what
     makes the copies asynchronous).
     ``simulate_on_cpu``: allow a CPU mesh (testing: the copies are real separate tensors).
@@ -68,15 +76,18 @@ def check_policy(policy: OffloadPolicy, mesh_device_type: str) -> None:
     """Refuse a policy that cannot work here, before anything is allocated."""
     if not isinstance(policy, OffloadPolicy):
         raise TypeError(f"shardc.shard: offload must be a shardc.OffloadPolicy, got {policy!r}")
-    if policy.params != policy.optimizer:
-        only = "parameters" if policy.params else "optimizer state"
+    if policy.params and not policy.optimizer:
         raise NotImplementedError(
-            f"shardc.shard: OffloadPolicy(params={policy.params}, optimizer={policy.optimizer}) "
-            f"offloads only the {only}. torch.optim keeps its state and steps on the device of "
-            "its parameters, so host parameter shards imply a host optimizer step and host "
-            "optimizer state implies host parameters; keeping a second, device-resident copy "
-            "of the parameters for the optimizer-only variant is not implemented. Use "
-            "OffloadPolicy() (params and optimizer state on the host) or no offload."
+            "shardc.shard: OffloadPolicy(params=True, optimizer=False) (parameters only) is not "
+            "supported. torch.optim keeps its state and steps where its parameters are, and "
+            "autograd puts a parameter's .grad where the parameter is: with the parameter "
+            "shards on the host, the gradients and the optimizer state would be on the host "
+            "too (that is OffloadPolicy()). Keeping gradients and state on the device while "
+            "the shards live on the host would save only the 4 bytes per parameter of the "
+            "shard itself, out of the 16 of shard, gradient and Adam state, and copy every "
+            "shard to the device and back at every step. Use OffloadPolicy() (everything on "
+            "the host) or OffloadPolicy(params=False, optimizer=True) (optimizer state and "
+            "step on the host, shards and gradients on the device)."
         )
     if mesh_device_type == "cpu" and not policy.simulate_on_cpu:
         raise ValueError(

@@ -28,7 +28,7 @@ from shardc._torch import dtensor_on_local_device
 from shardc.ops.gather import gather_param
 from shardc.ops.gather_args import GatherArgs
 from shardc.ops.offload_copy import offload_to_device
-from shardc.runtime import offload_check, replaced_params
+from shardc.runtime import offload_check, offload_optimizer, replaced_params
 from shardc.runtime.grad_sync import UnsyncedGrads
 from shardc.sharding import te_params
 from shardc.sharding.blocks import BlockBodies, wrap_repeated_blocks
@@ -448,7 +448,9 @@ def shard(
     for code that synchronizes the model across such meshes itself.
     ``offload``: keep the parameter shards, their gradients and the optimizer state in host
     memory and step the optimizer on the CPU (:class:`shardc.OffloadPolicy`,
-    :mod:`shardc.sharding.offload`).
+    :mod:`shardc.sharding.offload`); ``OffloadPolicy(params=False, optimizer=True)`` keeps
+    the shards and gradients on the device and only the optimizer's state and step on the
+    host (:mod:`shardc.runtime.offload_optimizer`).
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
@@ -504,8 +506,9 @@ def shard(
             fp8=Fp8ParamInfo(fp8.dtype, mp_policy.param_dtype)
             if fqn in fp8_fqns else None,
             quantized=fqn in quantized,
-            offload_device=copy_target(mesh.device_type) if offload else "",
-            offload_pin=bool(offload) and wants_pinned(offload, mesh.device_type),
+            offload_device=copy_target(mesh.device_type) if offload and offload.params else "",
+            offload_pin=bool(offload) and offload.params
+            and wants_pinned(offload, mesh.device_type),
         )
     # Before any parameter is replaced: the bodies run unsharded copies of the blocks.
     blocks = wrap_repeated_blocks(
@@ -514,13 +517,17 @@ def shard(
         special={key for key, (fqn, _) in canonical.items()
                  if infos[fqn].fp8 is not None or infos[fqn].quantized or infos[fqn].tp})
     per_module: dict[int, tuple[nn.Module, dict[str, ShardedParamInfo]]] = {}
+    host_shards = offload if offload is not None and offload.params else None
     for key, (fqn, p) in canonical.items():
         info = infos[fqn]
-        new_param = nn.Parameter(_shard_tensor(p, layout, offload), requires_grad=p.requires_grad)
+        new_param = nn.Parameter(_shard_tensor(p, layout, host_shards),
+                                 requires_grad=p.requires_grad)
         if info.quantized:
             te_params.bind_shard(new_param, mesh.get_group())
-        if offload is not None:
+        if host_shards is not None:
             offload_check.remember(new_param, fqn)
+        elif offload is not None:  # optimizer-only: the optimizer steps on host copies
+            offload_optimizer.remember(new_param, fqn, wants_pinned(offload, mesh.device_type))
         for sub, pname in owners[key]:
             sub._parameters[pname] = new_param
             per_module.setdefault(id(sub), (sub, {}))[1][pname] = info
