@@ -31,6 +31,7 @@ from shardc.ops.gather_args import GatherArgs
 from shardc.passes.fx_utils import is_call, is_view_or_cast, lazy_graph_module, recompute_tag
 
 __all__ = ["BodyCall", "body_calls", "describe_body_calls", "draws_random_numbers", "flattened",
+           "gather_of",
            "inline_body_calls",
            "input_signature", "is_body_joint", "rewire_saved_inputs", "tag_weight_recompute",
            "weight_derived_outputs"]
@@ -53,7 +54,7 @@ def body_calls(gm: fx.GraphModule) -> Iterator[fx.Node]:
     return (n for n in gm.graph.nodes if is_call(n, INVOKE_SUBGRAPH))
 
 
-def _gather_of(node: object) -> fx.Node | None:
+def gather_of(node: object) -> fx.Node | None:
     """The shardc gather ``node`` is (directly, or through aten views and casts), or None."""
     while isinstance(node, fx.Node):
         if is_call(node, GATHER_OP):
@@ -100,7 +101,7 @@ def _describe_in(gm: fx.GraphModule, block_of_param) -> list[tuple[fx.Node, Body
     calls = []
     for node in body_calls(gm):
         operands = node.args[2:]
-        gathers = {i: _gather_of(a) for i, a in enumerate(operands)}
+        gathers = {i: gather_of(a) for i, a in enumerate(operands)}
         weights = tuple(i for i, g in gathers.items() if g is not None)
         if not weights:
             continue
