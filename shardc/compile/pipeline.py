@@ -339,7 +339,8 @@ def _recompute_under_budget(probe: fx.GraphModule, blocks: list[Block], budget_b
             raise budget.refuse_below_minimum(budget_bytes, lowest[1], lowest[0])
         raise budget.refuse_below_minimum(budget_bytes, floor, floor_plan,
                                           recomputed=len(cands))
-    chosen, peak, _ = recompute.choose(cands, budget_bytes, resharded[1], floor, evaluate)
+    chosen, peak, _ = recompute.choose(cands, budget_bytes, resharded[1], floor,
+                                       lambda names: evaluate(names)[1])
     return MemoryBudget(budget_bytes, floor, peak, 0, [],
                         recompute.decisions(blocks, cands, chosen, needed=True, peak=peak),
                         resharded_bytes=resharded[1])
