@@ -153,12 +153,12 @@ def _body_blocks(gm: fx.GraphModule, fwd: set[fx.Node], names: Sequence[str],
     if len(calls) != len(names):  # not the calls the compile-once pass described: none
         return []
     out = []
-    for call, name in zip(calls, names):
-        nodes = [call, *sorted(call.users, key=order.__getitem__)]
-        body = getattr(gm, call.args[0].target)
+    for node, name in zip(calls, names):
+        nodes = [node, *sorted(node.users, key=order.__getitem__)]
+        body = getattr(gm, node.args[0].target)
         inner = [n for m in body.modules() if isinstance(m, fx.GraphModule)
                  for n in m.graph.nodes if n.op == "call_function"]
-        out.append((call, name, "body", nodes, _why_not(nodes + inner)))
+        out.append((node, name, "body", nodes, _why_not(nodes + inner)))
     return out
 
 

@@ -114,7 +114,7 @@ def refuse_below_minimum(budget: int, minimum: int, plan: Plan, *,
         f"feasible minimum {minimum} B ({minimum / _MiB:.1f} MiB), the predicted peak of region "
         f"{plan.region} with every bucket {kept_or_resharded(plan)}"
         + (f" and every block that can be recomputed ({recomputed}) recomputed in the backward"
-           if recomputed else "") + f"; the peak is in the "
+           if recomputed else "") + "; the peak is in the "
         f"{where}: {parts}" + (f"; its largest values: {largest}" if largest else "")
         + ". Raise the budget, or lower what dominates (a smaller batch or sequence, "
         "more ranks" + ("" if recomputed else ", activation checkpointing") + ").")
