@@ -139,7 +139,7 @@ def _bytes(nodes) -> int:
 def _describe(name: str, kind: str, position: int, nodes: list[fx.Node], fwd: set[fx.Node],
               excluded: str) -> Block:
     inside = set(nodes)
-    saved = [n for n in nodes if any(u not in fwd for u in n.users)]
+    saved = [n for n in nodes if any(u not in fwd and u.op != "output" for u in n.users)]
     inputs = {i for n in nodes for i in n.all_input_nodes if i not in inside and not _is_weight(i)}
     outputs = [n for n in nodes if any(u in fwd and u not in inside for u in n.users)]
     return Block(name, kind, position, tuple(nodes), _bytes(saved),
