@@ -21,10 +21,10 @@ again, so the decision is per block even though the body is shared by every inst
 What is never recomputed (the block is not a candidate, with the reason): blocks whose forward
 draws random numbers (recomputing them would draw other numbers: the compile-once pass already
 sends such blocks inline, and the aten graph's random ops are refused here too), blocks that run
-collectives (a recomputed collective would be a communication the plan did not place), and
-blocks the user's activation checkpointing already recomputes. shardc's own gathers and what
-the reshard pass tags (views of gathered weights) keep their tags: they are recomputed in the
-backward anyway, as the fixed policy does.
+collectives or shardc's other ops (a recomputed collective or host copy would run outside the
+plan), and blocks the user's activation checkpointing already recomputes. shardc's own gathers
+and what the reshard pass tags (views of gathered weights) keep their tags: they are recomputed
+in the backward anyway, as the fixed policy does.
 """
 
 from __future__ import annotations
@@ -117,6 +117,8 @@ def _draws_random(node: fx.Node) -> bool:
 
 
 def _is_collective(node: fx.Node) -> bool:
+    """A functional collective, or one of shardc's ops other than the gather (which keeps the
+    reshard pass's tag)."""
     op = op_overload(node)
     return op is not None and (op.namespace in ("_c10d_functional", "c10d_functional")
                                or op.namespace == "shardc" and node.target is not GATHER_OP)
@@ -168,7 +170,8 @@ def _why_not(nodes: list[fx.Node]) -> str:
     if any(_draws_random(n) for n in nodes):
         return "it draws random numbers, which a recomputation would draw again differently"
     if any(_is_collective(n) for n in nodes):
-        return "it runs collectives, which a recomputation would run again unplanned"
+        return ("it runs collectives or shardc's own ops (host copies, gradient stashes), which "
+                "a recomputation would run again outside the plan")
     return ""
 
 
