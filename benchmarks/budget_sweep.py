@@ -2,10 +2,13 @@
 
 Runs ``train_bench.py --modes shardc-budget`` once per budget (``SHARDC_PEAK_BUDGET``), each in
 its own ``torchrun``, and prints per budget: the planner's minimum, its predicted peak, the
-buckets it kept gathered, the measured peak (``max_memory_allocated``) and tokens/s. Without
-``--budgets`` it first runs ``auto`` (the device's capacity less a margin), reads the minimum
-and the predicted peak from it, and sweeps ``--count`` budgets evenly between the two, plus one
-just below the minimum (which must be refused at compile time).
+buckets it kept gathered, the blocks it recomputed, the measured peak (``max_memory_allocated``)
+and tokens/s. Without ``--budgets`` it first runs ``auto`` (the device's capacity less a
+margin), reads the predicted peak from it, then runs a 1-byte budget, which is refused naming
+the feasible minimum (every bucket resharded, every block that can be recomputed recomputed),
+and sweeps ``--count`` budgets evenly between the two, plus one just below the minimum (which
+must be refused at compile time). Budgets below the fully resharded plan's peak recompute
+blocks.
 
     python benchmarks/budget_sweep.py --nproc 1 --model 1b --count 8
     python benchmarks/budget_sweep.py --nproc 2 --model 1b --budgets 30e9 32e9   # a chunk
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,8 +42,11 @@ def run(budget: str, args, out: Path) -> dict:
     result = json.loads(path.read_text())["models"][args.model]["results"]["shardc-budget"]
     region = max(result.get("regions", [{}]), key=lambda r: r.get("budget", {}).get(
         "peak_bytes", 0), default={})
-    return {"budget": budget, "status": result.get("status"),
-            "error": str(result.get("error", ""))[-600:], **region.get("budget", {}),
+    error = str(result.get("error", ""))
+    named = re.search(r"feasible minimum (\d+) B", error)  # a refusal names the minimum
+    return {"budget": budget, "status": result.get("status"), "error": error[-600:],
+            "named_minimum_bytes": int(named.group(1)) if named else None,
+            **region.get("budget", {}),
             "measured_peak_bytes": result.get("peak_alloc_bytes"),
             "tokens_per_s_per_gpu": result.get("tokens_per_s_per_gpu")}
 
@@ -66,6 +73,9 @@ def main() -> None:
         if not low:
             print(json.dumps(auto, indent=1))
             sys.exit("the auto run gave no budget record")
+        # The refusal of a 1-byte budget names the feasible minimum with recompute.
+        probe = run("1", args, out)
+        low = probe.get("named_minimum_bytes") or low
         # Keeping everything can predict a lower peak than resharding everything (the
         # backward's re-gather buffers go); then sweep from the lower one up 10 %.
         low, high = min(low, high), max(high, low)
@@ -76,12 +86,13 @@ def main() -> None:
         rows.append(run(b, args, out))
         print(json.dumps(rows[-1]), flush=True)
     print("\nbudget B | status | minimum B | predicted peak B | measured peak B | "
-          "measured <= budget | kept | tokens/s/GPU")
+          "measured <= budget | kept | recomputed | tokens/s/GPU")
     for r in rows:
         measured, budget = r.get("measured_peak_bytes"), r.get("budget_bytes")
         ok = "-" if not (measured and budget) else str(measured <= budget)
         print(f"{r['budget']} | {r.get('status')} | {r.get('minimum_bytes')} | "
               f"{r.get('peak_bytes')} | {measured} | {ok} | {r.get('kept')} | "
+              f"{r.get('recomputed')} | "
               f"{r.get('tokens_per_s_per_gpu')}")
     (out / "sweep.json").write_text(json.dumps(rows, indent=1) + "\n")
 

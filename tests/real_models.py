@@ -1333,10 +1333,17 @@ def _budget_step(ctx: Ctx, model: nn.Module, budget: int, data: torch.Tensor):
     return out, shardc.explain_all(compiled)[0]
 
 
+def _forward_bodies_in_backward(model: nn.Module) -> int:
+    backward = shard_state(model).regions[0].backward
+    return sum(1 for n in backward.graph.nodes if n.op == "call_function"
+               and "invoke_subgraph" in str(n.target) and "_fw_" in str(n.args[0].target))
+
+
 def sc_peak_budget(ctx: Ctx) -> dict:
     """Parity under a budget a little above the fully resharded plan's peak (room for the small
-    head bucket, not for a block: some buckets kept, not all), plus the facts the tests check:
-    the decisions, the peaks, the hashes, the refusal of a budget below the minimum."""
+    head bucket, not for a block: some buckets kept, not all), and under one a byte below it
+    (blocks recomputed: some, not all), plus the facts the tests check: the decisions, the
+    peaks, the hashes, the refusal of a budget below the minimum (every block recomputed)."""
     from shardc.models.llama import LlamaConfig, Transformer
 
     def build() -> nn.Module:
@@ -1346,7 +1353,9 @@ def sc_peak_budget(ctx: Ctx) -> dict:
     data = tokens(steps=2, seq=BUDGET_SEQ)
     model = ctx.wrap(build(), compile=False)
     if not ctx.sharded:
-        return train_lm(ctx, model, model, data)
+        out = train_lm(ctx, model, model, data)
+        # The recompute run trains the same model on the same data: the same reference.
+        return {**out, "recompute_losses": out["losses"], "recompute_params": out["params"]}
     # No budget: the fixed policy's plan, whose peak is the budget planner's minimum.
     _, fixed = _budget_step(ctx, ctx.wrap(build(), compile=False), 0, data[:1])
     torch._dynamo.reset()
@@ -1358,12 +1367,18 @@ def sc_peak_budget(ctx: Ctx) -> dict:
     ctx.model = model
     out, mixed = _budget_step(ctx, model, budget, data)
     torch._dynamo.reset()
-    try:
-        _budget_step(ctx, ctx.wrap(build(), compile=False), int(low) - 1, data[:1])
+    # A byte below the fully resharded plan's peak: keeping cannot help, blocks are recomputed.
+    recomputing = ctx.wrap(build(), compile=False)
+    rec_out, rec = _budget_step(ctx, recomputing, int(low) - 1, data)
+    torch._dynamo.reset()
+    try:  # below the fully recomputed plan's peak
+        _budget_step(ctx, ctx.wrap(build(), compile=False), rec.budget.minimum_bytes - 1,
+                     data[:1])
         refusal = ""
     except Exception as exc:  # torch.compile wraps the backend's error
         refusal = str(exc)
-    plans = {"fixed": fixed, "mixed": mixed}
+    ctx.model = model
+    plans = {"fixed": fixed, "mixed": mixed, "recompute": rec}
     out.update({
         "planned": 1,
         "budget": budget,
@@ -1375,6 +1390,13 @@ def sc_peak_budget(ctx: Ctx) -> dict:
         "records": {k: p.budget for k, p in plans.items()},
         "table": mixed.table(),
         "json": mixed.to_json(),
+        "recompute_losses": rec_out["losses"],
+        "recompute_params": rec_out["params"],
+        "recompute_table": rec.table(),
+        "recompute_json": rec.to_json(),
+        # Forward bodies the backward graph calls again: the recomputed blocks.
+        "forward_bodies_in_backward": {"mixed": _forward_bodies_in_backward(model),
+                                       "recompute": _forward_bodies_in_backward(recomputing)},
         "refusal": refusal,
         "bodies": len(mixed.bodies),  # the blocks are compiled once (shared bodies)
     })

@@ -3,13 +3,17 @@ model, the plan record's round trip and hash, the option's validation and ``"aut
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
+from torch import fx, nn
+from torch.utils.checkpoint import CheckpointPolicy
 
 from shardc.compile.options import ShardcOptions
-from shardc.planning import budget
+from shardc.planning import budget, recompute
 from shardc.planning.budget import Candidate, MemoryBudgetError
-from shardc.planning.plan import PLAN_VERSION, BucketDecision, MemoryBudget, Plan
+from shardc.planning.plan import PLAN_VERSION, BlockDecision, BucketDecision, MemoryBudget, Plan
 
 MINIMUM = 1000
 
@@ -151,3 +155,161 @@ def test_keep_all_when_only_keeping_fits():
     assert got.kept == [1, 2, 3, 4, 5] and got.peak_bytes == 1400 and got.minimum_bytes == 1600
     assert all("lowers it" in d.reason for d in got.decisions if d.kept)
     assert [d.bucket for d in got.decisions if not d.kept] == [6]  # saves nothing
+
+
+# --- Recompute (the second lever) ------------------------------------------------------------
+
+RESHARDED = 2000
+
+
+def _blocks() -> list[recompute.RecomputeCandidate]:
+    # Four equal blocks (ties by position) and one whose recompute is cheap per byte.
+    cands = [recompute.RecomputeCandidate(f"layers.{i}", "body", i, 2e-3, 250) for i in range(4)]
+    return cands + [recompute.RecomputeCandidate("head", "inline", 4, 1e-4, 100)]
+
+
+def _recompute_model(freed: dict[str, int]):
+    """A synthetic peak: the fully resharded one less what each recomputed block frees."""
+    calls = []
+
+    def evaluate(names: tuple[str, ...]) -> int:
+        calls.append(names)
+        return RESHARDED - sum(freed[n] for n in names)
+    return evaluate, calls
+
+
+def test_recompute_ranks_by_time_per_byte_then_position():
+    order = [c.block for c in recompute.rank(_blocks())]
+    assert order == ["head", "layers.0", "layers.1", "layers.2", "layers.3"]
+
+
+@pytest.mark.parametrize("where", [0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 0.99, 0.999])
+@pytest.mark.parametrize("true_scale", [1.0, 0.5, 1.6])
+def test_recompute_chooses_a_verified_prefix_within_the_budget(where, true_scale):
+    """Whatever the error of the byte estimates, for budgets from the fully recomputed plan's
+    peak (``where`` 0) to just below the fully resharded one's: the chosen blocks are a prefix
+    of the ranking, their verified peak is within the budget, the work is bounded and
+    deterministic."""
+    cands = _blocks()
+    freed = {c.block: int(c.nbytes * true_scale) for c in cands}
+    floor = RESHARDED - sum(freed.values())
+    budget_bytes = int(floor + where * (RESHARDED - floor))
+    evaluate, calls = _recompute_model(freed)
+    chosen, peak, trials = recompute.choose(cands, budget_bytes, RESHARDED, floor, evaluate)
+    order = [c.block for c in recompute.rank(cands)]
+    assert chosen == order[:len(chosen)] and chosen
+    assert peak == RESHARDED - sum(freed[n] for n in chosen) <= budget_bytes
+    assert trials == len(calls) <= recompute.MAX_TRIALS
+    assert (chosen, peak, trials) == recompute.choose(cands, budget_bytes, RESHARDED, floor,
+                                                      _recompute_model(freed)[0])
+
+
+def test_recompute_takes_the_fewest_blocks_when_estimates_are_exact():
+    evaluate, _ = _recompute_model({c.block: c.nbytes for c in _blocks()})
+    # 350 bytes over: the cheap head block (100) and one layer (250) cover it exactly.
+    chosen, peak, _ = recompute.choose(_blocks(), 1650, RESHARDED, 900, evaluate)
+    assert chosen == ["head", "layers.0"] and peak == 1650
+    chosen, _, _ = recompute.choose(_blocks(), 1999, RESHARDED, 900, evaluate)
+    assert chosen == ["head"]
+
+
+def test_recompute_decisions_say_why():
+    from shardc.passes.recompute import Block
+
+    blocks = [Block(f"layers.{i}", "body", i, (), 300, 50) for i in range(4)]
+    blocks.append(Block("layers.4", "inline", 4, (), 300, 50, excluded="it draws random numbers"))
+    cands = [c for c in _blocks() if c.block != "head"]
+    got = recompute.decisions(blocks, cands, ["layers.0"], needed=True, peak=1500)
+    assert [d.recomputed for d in got] == [True, False, False, False, False]
+    assert got[0].reason.startswith("recomputed") and "rank 1 of 4" in got[0].reason
+    assert got[0].cost_ms == pytest.approx(2.0) and got[0].bytes == 250
+    assert "ranked 2 of 4" in got[1].reason and "random" in got[4].reason
+    idle = recompute.decisions(blocks, [], [], needed=False)
+    assert not any(d.recomputed for d in idle) and "without recomputing" in idle[0].reason
+
+
+def test_recompute_record_round_trips_and_enters_the_hash():
+    plan = Plan(PLAN_VERSION, 0, 2, {}, [], [])
+    plan.budget = MemoryBudget(2000, 1000, 1500, 2, [], [
+        BlockDecision("layers.0", "body", True, 0.5, 100, "recomputed: ..."),
+        BlockDecision("layers.1", "body", False, 0.5, 100, "saved: ...")], resharded_bytes=1800)
+    before = plan.hash()
+    back = Plan.from_json(plan.to_json())
+    assert back.budget == plan.budget and back.hash() == before
+    assert back.budget.recomputed == ["layers.0"]
+    back.budget.blocks[1].recomputed = True
+    assert back.hash() != before
+    text = plan.table()
+    assert "1 of 2 block(s) recomputed" in text and "block layers.0 (body): recomputed" in text
+
+
+def test_refusal_names_the_fully_recomputed_minimum():
+    plan = Plan(PLAN_VERSION, 3, 2, {}, [], [])
+    plan.memory_by_category = {"peak": {"graph": "backward", "position": 9,
+                                        "bytes": {"temporaries": 3 << 20}, "largest": []}}
+    text = str(budget.refuse_below_minimum(1 << 20, 3 << 20, plan, recomputed=4))
+    assert "feasible minimum 3145728 B" in text
+    assert "every block that can be recomputed (4) recomputed in the backward" in text
+
+
+def _joint(dropout_in_block: int | None = None) -> fx.GraphModule:
+    """A hand-made joint graph: three inline blocks ``layers.i`` (mm, relu, and in one of them
+    a random op), a forward output and a backward that reads every block's values."""
+    aten = torch.ops.aten
+    g = fx.Graph()
+    x = g.placeholder("primals_1")
+    w = g.placeholder("primals_2")
+    tangent = g.placeholder("tangents_1")
+    x.meta["val"], w.meta["val"] = torch.zeros(4, 8), torch.zeros(8, 8)
+    tangent.meta["val"] = torch.zeros(4, 8)
+    h, saved = x, []
+    for i in range(3):
+        stack = {f"id{i}": (f"L['self'].layers[{i}]", nn.Module)}
+        mm = g.call_function(aten.mm.default, (h, w))
+        act = g.call_function(aten.relu.default, (mm,))
+        nodes = [mm, act]
+        if i == dropout_in_block:
+            drop = g.call_function(aten.native_dropout.default, (act, 0.5, True))
+            act = g.call_function(operator.getitem, (drop, 0))
+            nodes += [drop, act]
+        attention = g.call_function(aten._scaled_dot_product_flash_attention_for_cpu.default,
+                                    (act, act, act, 0.0))
+        act = g.call_function(operator.getitem, (attention, 0))
+        nodes += [attention, act]
+        for n in nodes:
+            n.meta["nn_module_stack"] = stack
+            n.meta["val"] = torch.zeros(4, 8)
+        saved.append(mm)
+        h = act
+    grad = tangent
+    for mm in reversed(saved):
+        grad = g.call_function(aten.mul.Tensor, (grad, mm))
+        grad.meta["val"] = torch.zeros(4, 8)
+    g.output((h, grad))
+    return fx.GraphModule(nn.Module(), g)
+
+
+def test_blocks_are_found_by_module_and_random_ones_excluded():
+    from shardc.passes.recompute import RECOMPUTE_BASE_ID, find_blocks, recompute_blocks
+
+    names = ["layers.0", "layers.1", "layers.2"]
+    blocks = find_blocks(_joint(), 1, [], names)
+    assert [b.name for b in blocks] == names and [b.position for b in blocks] == [0, 1, 2]
+    # SDPA with dropout_p=0 draws nothing: every block is a candidate.
+    assert not any(b.excluded for b in blocks)
+    assert all(b.saved_bytes == 4 * 8 * 4 for b in blocks)  # the mm the backward reads
+    gm = _joint(dropout_in_block=1)
+    blocks = find_blocks(gm, 1, [], names)
+    assert "random" in blocks[1].excluded and not blocks[0].excluded
+    with pytest.raises(ValueError, match="layers.1 cannot be recomputed"):
+        recompute_blocks(gm, blocks, {"layers.1"})
+    assert recompute_blocks(gm, blocks, {"layers.0", "layers.2"}) == 2
+    ids = {n.meta.get("ac_graph_id") for n in blocks[2].nodes}
+    assert ids == {RECOMPUTE_BASE_ID + 2}
+    # A recomputed block's output that later forward nodes read (layers.0's; layers.2's is
+    # only the graph's output) is saved through a must-save copy, which they now read.
+    copies = [n for n in gm.graph.nodes if n.target is torch.ops.aten.clone.default]
+    assert len(copies) == 1 and copies[0].meta["recompute"] == CheckpointPolicy.MUST_SAVE
+    assert copies[0].args[0] is blocks[0].outputs[0]
+    assert all(u not in blocks[0].nodes for u in copies[0].users) and copies[0].users
+    assert not any(n.meta.get("recompute") for n in blocks[1].nodes)

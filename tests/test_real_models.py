@@ -737,10 +737,40 @@ def test_no_peak_budget_leaves_the_plan_unchanged(runs):
         assert got["hashes"]["fixed"] != got["hashes"]["mixed"]
 
 
+def test_peak_budget_recomputes_some_blocks_with_parity(runs):
+    """A budget a byte below the fully resharded plan's peak: no bucket can stay gathered, so
+    the planner recomputes blocks (compile-once bodies, per block: the backward calls the
+    shared forward body again for those) and saves the others' activations; training matches
+    the unsharded reference, the predicted peak is within the budget and the plans are the
+    same on every rank."""
+    for world, got in zip(_worlds("peak_budget"), check_parity(runs, "peak_budget")):
+        record = got["records"]["recompute"]
+        recomputed = record.recomputed
+        assert recomputed and len(recomputed) < len(record.blocks), (world, record.blocks)
+        assert {d.kind for d in record.blocks} == {"body"}, record.blocks
+        assert record.kept == [] and record.budget_bytes == got["minimum"] - 1
+        assert record.resharded_bytes == got["minimum"], world
+        assert record.peak_bytes <= record.budget_bytes, world
+        assert record.minimum_bytes < got["minimum"], "recompute lowers the feasible minimum"
+        assert got["forward_bodies_in_backward"] == {"mixed": 0, "recompute": len(recomputed)}
+        for d in record.blocks:
+            assert d.reason.startswith("recomputed" if d.recomputed else "saved"), d
+            assert d.bytes > 0 and d.cost_ms > 0, d
+        assert "block(s) recomputed in the backward" in got["recompute_table"]
+        assert Plan.from_json(got["recompute_json"]).budget == record
+        for rank in runs[world]:
+            result = rank["peak_budget"]
+            assert result["peaks"]["recompute"] <= record.budget_bytes, (world, result["peaks"])
+            assert result["hashes"] == got["hashes"], f"world {world}: plans differ by rank"
+        assert got["hashes"]["recompute"] not in (got["hashes"]["fixed"], got["hashes"]["mixed"])
+
+
 def test_peak_budget_below_the_minimum_is_refused(runs):
+    """Below the fully resharded, fully recomputed plan's peak: refused, naming it."""
     for world in _worlds("peak_budget"):
         got = _run(runs, "peak_budget", world)
-        text = got["refusal"]
-        assert f"peak_memory_budget_bytes={got['minimum'] - 1}" in text, text
-        assert f"feasible minimum {got['minimum']} B" in text, text
+        text, floor = got["refusal"], got["records"]["recompute"].minimum_bytes
+        assert f"peak_memory_budget_bytes={floor - 1}" in text, text
+        assert f"feasible minimum {floor} B" in text, text
+        assert "every block that can be recomputed (4) recomputed in the backward" in text, text
         assert "optimizer state" in text and "parameter shards" in text, text

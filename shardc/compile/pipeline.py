@@ -20,8 +20,9 @@ these functions from their hooks, and :mod:`shardc.tools.template` calls
 
 With a whole-step peak budget (``peak_memory_budget_bytes``), :func:`partition_and_plan` runs
 steps 1-7 on copies of the joint graph for a bounded number of configurations (which buckets
-stay gathered from the forward to the backward, ``shardc.planning.budget``) before it builds the
-chosen one.
+stay gathered from the forward to the backward, ``shardc.planning.budget``; which blocks are
+recomputed in the backward, ``shardc.planning.recompute``, tagged after step 3 by
+``shardc.passes.recompute``) before it builds the chosen one.
 """
 
 from __future__ import annotations
@@ -54,11 +55,13 @@ from shardc.passes.fp8 import Fp8Summary, hoist_fp8_quantize, prepare_fp8
 from shardc.passes.fx_utils import allocate_real, copy_graph_module, is_call
 from shardc.passes.lower import add_pool_placeholder, apply_plan
 from shardc.passes.offload_dedupe import dedupe_device_copies
+from shardc.passes.recompute import Block, find_blocks, recompute_blocks
 from shardc.passes.reshard import check_no_gathered_saved, keep_gathered, tag_resharded_gathers
 from shardc.passes.saved_order import order_saved_values
-from shardc.planning import budget
+from shardc.planning import budget, recompute
 from shardc.planning.plan import CompiledBody, InlineBlock, MemoryBudget, Plan
-from shardc.planning.schedule import plan_region
+from shardc.planning.profile import resolve_profile
+from shardc.planning.schedule import device_name, plan_region
 from shardc.runtime.collectives import resolve_group
 from shardc.runtime.plan_check import agree_on_largest
 
@@ -239,6 +242,8 @@ def partition_and_plan(gm: fx.GraphModule, joint_inputs: Sequence[object], optio
         keep_gathered(gm.graph, kept_params(decided))
     with progress.stage(region.index, "joint passes + partition"):
         region.fp8 = joint_passes(gm.graph)
+        if decided is not None and decided.recomputed:
+            recompute_blocks(gm, region_blocks(gm, region, kwargs), set(decided.recomputed))
         gm.recompile()
         fw, bw = partition(gm, joint_inputs, **kwargs)
     plan_and_lower(fw, bw, options, region, budget=decided)
@@ -249,20 +254,32 @@ def kept_params(decided: MemoryBudget) -> set[str]:
     return {p for d in decided.decisions if d.kept for p in d.params}
 
 
+def region_blocks(gm: fx.GraphModule, region: RegionRecord, kwargs: dict) -> list[Block]:
+    """The blocks of a region's joint graph (after the joint passes): its compile-once body
+    calls and its inline blocks (``shardc.passes.recompute.find_blocks``)."""
+    return find_blocks(gm, kwargs["num_fwd_outputs"], [c.block for c in region.body_calls],
+                       [module for module, _ in region.inline_blocks])
+
+
 def choose_under_budget(gm: fx.GraphModule, joint_inputs: Sequence[object],
                         options: ShardcOptions, region: RegionRecord, **kwargs) -> MemoryBudget:
     """The budget planner's decisions for one region's joint graph (left unchanged): the fully
-    resharded configuration first (refused if over the budget), then the greedy's trials."""
+    resharded configuration first; within the budget, the greedy keeps buckets gathered;
+    over it, every bucket kept is tried once, then blocks are recomputed (refused if the fully
+    recomputed plan is still over the budget)."""
     pristine = copy_graph_module(gm)
     budget_bytes = budget.resolve_budget(options.peak_memory_budget_bytes,
                                          _gather_device(gm))
     # The trials' dumps and plan-only stops belong to the real plan only.
     trial_options = replace(options, dump_dir=None)
+    trials: list[str] = []
 
-    def evaluate(kept: set[str]) -> tuple[Plan, int]:
+    def evaluate(kept: set[str], recomputed: frozenset[str] = frozenset()) -> tuple[Plan, int]:
         trial = copy_graph_module(pristine)
         keep_gathered(trial.graph, kept)
         joint_passes(trial.graph)
+        if recomputed:
+            recompute_blocks(trial, region_blocks(trial, region, kwargs), set(recomputed))
         trial.recompile()
         fw, bw = partition(trial, joint_inputs, record=False, **kwargs)
         plan, _ = lower_and_predict(fw, bw, trial_options, region,
@@ -273,25 +290,72 @@ def choose_under_budget(gm: fx.GraphModule, joint_inputs: Sequence[object],
         return plan, agree_on_largest(plan.group_name, region.check_index, tag,
                                       int(plan.predicted.peak_bytes or 0))
 
-    trials: list[str] = []
     base, minimum = evaluate(set())
+    probe = copy_graph_module(pristine)  # the joint passes' graph, where blocks are found
+    joint_passes(probe.graph)
+    blocks = region_blocks(probe, region, kwargs)
     cands, fixed = budget.candidates(base)
     params = {c.bucket: set(c.params) for c in cands}
     useful = {p for c in cands if c.saved_s > 0 for p in c.params}
-    if minimum > budget_bytes:
-        kept_plan, peak = evaluate(useful) if useful else (base, minimum)
-        if peak > budget_bytes:
-            lowest = (base, minimum) if minimum <= peak else (kept_plan, peak)
-            raise budget.refuse_below_minimum(budget_bytes, lowest[1], lowest[0])
-        decided = budget.keep_all(cands, fixed, budget_bytes, minimum, peak)
-    else:
+    if minimum <= budget_bytes:
         decided = budget.choose(
             cands, fixed, budget_bytes, minimum,
             lambda kept: evaluate(set().union(*(params[b] for b in kept)))[1])
-    log.info("shardc: region %d, peak budget %d B: minimum %d B, kept gathered %s, predicted "
-             "peak %d B (%d trials)", region.index, budget_bytes, minimum, decided.kept,
-             decided.peak_bytes, decided.trials)
+        decided.blocks = recompute.decisions(blocks, [], [], needed=False)
+    else:
+        kept_plan, peak = evaluate(useful) if useful else (base, minimum)
+        if peak <= budget_bytes:
+            decided = budget.keep_all(cands, fixed, budget_bytes, minimum, peak)
+            decided.blocks = recompute.decisions(blocks, [], [], needed=False)
+        else:
+            lowest = (base, minimum) if minimum <= peak else (kept_plan, peak)
+            decided = _recompute_under_budget(
+                probe, blocks, budget_bytes, (base, minimum), lowest, options, region,
+                lambda names: evaluate(set(), frozenset(names)))
+            decided.decisions = budget.reshard_all(cands, fixed, minimum)
+            decided.trials = len(trials) - 1
+    log.info("shardc: region %d, peak budget %d B: minimum %d B, kept gathered %s, recomputed "
+             "%s, predicted peak %d B (%d trials)", region.index, budget_bytes,
+             decided.minimum_bytes, decided.kept, decided.recomputed, decided.peak_bytes,
+             decided.trials)
     return decided
+
+
+def _recompute_under_budget(probe: fx.GraphModule, blocks: list[Block], budget_bytes: int,
+                            resharded: tuple[Plan, int], lowest: tuple[Plan, int],
+                            options: ShardcOptions, region: RegionRecord,
+                            evaluate) -> MemoryBudget:
+    """The blocks to recompute when no configuration of the first lever fits (``resharded``:
+    the fully resharded plan and its peak; ``lowest``: the lower of it and the fully kept
+    one); refuses the budget if the fully recomputed plan is still over it."""
+    group = resharded[0].group_name
+    profile = resolve_profile(options.cluster, device_name(probe))
+    cands = []
+    for b in (b for b in blocks if not b.excluded):
+        # The ranks' largest estimates: the same ranking everywhere.
+        nbytes = agree_on_largest(group, region.check_index, f"block{b.position}/bytes",
+                                  b.freed_bytes)
+        cost_ns = agree_on_largest(group, region.check_index, f"block{b.position}/ns",
+                                   int(recompute.forward_seconds(probe, b, profile) * 1e9))
+        if nbytes > 0:
+            cands.append(recompute.RecomputeCandidate(b.name, b.kind, b.position,
+                                                      cost_ns * 1e-9, nbytes))
+    if not cands:
+        raise budget.refuse_below_minimum(budget_bytes, lowest[1], lowest[0])
+    floor_plan, floor = evaluate(tuple(c.block for c in cands))
+    log.info("shardc: region %d: recompute candidates %s; fully recomputed peak %d B "
+             "(resharded %d B)", region.index, [(c.block, c.nbytes, c.cost_s) for c in cands],
+             floor, resharded[1])
+    if floor > budget_bytes:  # refused, naming the lowest peak of the levers' extremes
+        if lowest[1] < floor:
+            raise budget.refuse_below_minimum(budget_bytes, lowest[1], lowest[0])
+        raise budget.refuse_below_minimum(budget_bytes, floor, floor_plan,
+                                          recomputed=len(cands))
+    chosen, peak, _ = recompute.choose(cands, budget_bytes, resharded[1], floor,
+                                       lambda names: evaluate(names)[1])
+    return MemoryBudget(budget_bytes, floor, peak, 0, [],
+                        recompute.decisions(blocks, cands, chosen, needed=True, peak=peak),
+                        resharded_bytes=resharded[1])
 
 
 def _gather_device(gm: fx.GraphModule) -> torch.device | None:

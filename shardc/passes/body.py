@@ -19,6 +19,7 @@ one compiled body per repeated block, with the block's gathered weights as argum
 from __future__ import annotations
 
 import operator
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ from shardc.ops.gather_args import GatherArgs
 from shardc.passes.fx_utils import is_call, is_view_or_cast, lazy_graph_module, recompute_tag
 
 __all__ = ["BodyCall", "body_calls", "describe_body_calls", "draws_random_numbers", "flattened",
+           "gather_of",
            "inline_body_calls",
            "input_signature", "is_body_joint", "rewire_saved_inputs", "tag_weight_recompute",
            "weight_derived_outputs"]
@@ -53,7 +55,7 @@ def body_calls(gm: fx.GraphModule) -> Iterator[fx.Node]:
     return (n for n in gm.graph.nodes if is_call(n, INVOKE_SUBGRAPH))
 
 
-def _gather_of(node: object) -> fx.Node | None:
+def gather_of(node: object) -> fx.Node | None:
     """The shardc gather ``node`` is (directly, or through aten views and casts), or None."""
     while isinstance(node, fx.Node):
         if is_call(node, GATHER_OP):
@@ -100,7 +102,7 @@ def _describe_in(gm: fx.GraphModule, block_of_param) -> list[tuple[fx.Node, Body
     calls = []
     for node in body_calls(gm):
         operands = node.args[2:]
-        gathers = {i: _gather_of(a) for i, a in enumerate(operands)}
+        gathers = {i: gather_of(a) for i, a in enumerate(operands)}
         weights = tuple(i for i, g in gathers.items() if g is not None)
         if not weights:
             continue
@@ -175,6 +177,23 @@ def flattened(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node
     return copy, mapping
 
 
+# A module path of Dynamo's (``L['self'].layers.0``), as opposed to a path through a closure.
+_MODULE_PATH = re.compile(r"L\['self'\](\.\w+|\[\d+\])*")
+
+
+def _place_in_block(copy: fx.Node, call: fx.Node) -> None:
+    """Give an inlined node the module stack of the block that called the body: the body was
+    traced once, for the first block of its group, so its nodes name that block's modules
+    (``shardc.passes.recompute`` finds an inline block's nodes by the stack)."""
+    outer = call.meta.get("nn_module_stack")
+    inner = copy.meta.get("nn_module_stack")
+    if not outer or inner is None:
+        return
+    copy.meta["nn_module_stack"] = {**outer, **{
+        k: v for k, v in inner.items()
+        if k not in outer and not (isinstance(v, tuple) and _MODULE_PATH.fullmatch(str(v[0])))}}
+
+
 def _inline(gm: fx.GraphModule, node: fx.Node) -> None:
     body = getattr(gm, node.args[0].target)
     env: dict[fx.Node, object] = dict(zip(body.graph.find_nodes(op="placeholder"),
@@ -194,6 +213,7 @@ def _inline(gm: fx.GraphModule, node: fx.Node) -> None:
                 env[inner].meta = dict(inner.meta)
                 continue
             env[inner] = gm.graph.node_copy(inner, lambda n: env[n])
+            _place_in_block(env[inner], node)
     for user in list(node.users):
         if is_call(user, operator.getitem):
             user.replace_all_uses_with(result[user.args[1]])

@@ -97,9 +97,11 @@ def candidates(plan: Plan) -> tuple[list[Candidate], list[BucketDecision]]:
     return out, fixed
 
 
-def refuse_below_minimum(budget: int, minimum: int, plan: Plan) -> MemoryBudgetError:
-    """The error for a budget below the feasible minimum (the peak of ``plan``, the fully
-    resharded plan or, where lower, the fully kept one), naming its largest terms."""
+def refuse_below_minimum(budget: int, minimum: int, plan: Plan, *,
+                         recomputed: int = 0) -> MemoryBudgetError:
+    """The error for a budget below the feasible minimum (the peak of ``plan``: the fully
+    resharded plan with every one of its ``recomputed`` candidate blocks recomputed or, where
+    lower, the fully resharded or fully kept plan), naming its largest terms."""
     at = plan.memory_by_category.get("peak") or {}
     terms = sorted(((int(v), c) for c, v in (at.get("bytes") or {}).items() if v),
                    reverse=True)
@@ -110,10 +112,12 @@ def refuse_below_minimum(budget: int, minimum: int, plan: Plan) -> MemoryBudgetE
     return MemoryBudgetError(
         f"shardc: peak_memory_budget_bytes={budget} ({budget / _MiB:.1f} MiB) is below the "
         f"feasible minimum {minimum} B ({minimum / _MiB:.1f} MiB), the predicted peak of region "
-        f"{plan.region} with every bucket {kept_or_resharded(plan)}; the peak is in the "
+        f"{plan.region} with every bucket {kept_or_resharded(plan)}"
+        + (f" and every block that can be recomputed ({recomputed}) recomputed in the backward"
+           if recomputed else "") + "; the peak is in the "
         f"{where}: {parts}" + (f"; its largest values: {largest}" if largest else "")
         + ". Raise the budget, or lower what dominates (a smaller batch or sequence, "
-        "activation checkpointing, more ranks).")
+        "more ranks" + ("" if recomputed else ", activation checkpointing") + ").")
 
 
 def kept_or_resharded(plan: Plan) -> str:
@@ -217,6 +221,21 @@ def keep_all(cands: list[Candidate], fixed: list[BucketDecision], budget: int, m
                                         reason, list(c.params)))
     decisions.sort(key=lambda d: d.bucket)
     return MemoryBudget(budget, minimum, peak, 1, decisions)
+
+
+def reshard_all(cands: list[Candidate], fixed: list[BucketDecision],
+                minimum: int) -> list[BucketDecision]:
+    """The bucket decisions when blocks must be recomputed: the fully resharded plan (peak
+    ``minimum``) and the fully kept one both exceed the budget, so no bucket is kept (the
+    first lever's choices are dropped before any block is recomputed)."""
+    decisions = list(fixed)
+    for c in cands:
+        decisions.append(BucketDecision(
+            c.bucket, c.name, False, c.saved_s * 1e3, c.nbytes,
+            f"resharded: even the fully resharded plan's peak {minimum / _MiB:.1f} MiB exceeds "
+            "the budget, so blocks are recomputed and no bucket is kept gathered", list(c.params)))
+    decisions.sort(key=lambda d: d.bucket)
+    return decisions
 
 
 def resolve_budget(value: int | str, device) -> int:

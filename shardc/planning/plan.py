@@ -41,7 +41,9 @@ PLAN_VERSION = 5
 # Version 5 also added ``Plan.budget`` (:class:`MemoryBudget`): the whole-step peak budget and
 # the planner's decision for every bucket (kept gathered from the forward to the backward, or
 # resharded), with its predicted time saved, bytes and reason; plans made without a budget, and
-# older plans, read with it ``None``.
+# older plans, read with it ``None``. ``MemoryBudget.blocks`` (one ``BlockDecision`` per block:
+# recomputed in the backward or saved) and ``MemoryBudget.resharded_bytes`` came later within
+# version 5; plans without them read with none.
 READABLE_VERSIONS = (1, 2, 3, 4, 5)
 
 
@@ -311,6 +313,25 @@ class BucketDecision:
 
 
 @dataclass
+class BlockDecision:
+    """The budget planner's choice for one block (``shardc.planning.recompute``).
+
+    ``recomputed``: its forward runs again in the backward and its activations are not saved
+    (its inputs are); otherwise they are saved, as without a budget. ``cost_ms``: the predicted
+    time of its forward (what recomputing it adds to the backward); ``bytes``: the activations
+    recomputing it frees (the planner's estimate: its saved values less its inputs). Both are
+    the largest over the ranks. ``kind``: ``"body"`` (a compile-once body's call, recomputed as
+    a whole) or ``"inline"``."""
+
+    block: str
+    kind: str
+    recomputed: bool
+    cost_ms: float
+    bytes: int
+    reason: str
+
+
+@dataclass
 class MemoryBudget:
     """The whole-step peak budget of a region and what the planner decided under it.
 
@@ -327,16 +348,28 @@ class MemoryBudget:
     peak_bytes: int
     trials: int = 0
     decisions: list[BucketDecision] = field(default_factory=list)
+    # Recompute (the second lever): one decision per block of the region (empty where it has
+    # none, and in plans made before it), and the fully resharded plan's peak without
+    # recomputing anything where recompute was needed (``minimum_bytes`` is then the fully
+    # recomputed plan's; 0: recompute was not needed, ``minimum_bytes`` is the former).
+    blocks: list[BlockDecision] = field(default_factory=list)
+    resharded_bytes: int = 0
 
     @property
     def kept(self) -> list[int]:
         """Indices of the buckets kept gathered."""
         return [d.bucket for d in self.decisions if d.kept]
 
+    @property
+    def recomputed(self) -> list[str]:
+        """Names of the blocks recomputed in the backward."""
+        return [d.block for d in self.blocks if d.recomputed]
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> MemoryBudget:
         data = dict(data)
         data["decisions"] = [BucketDecision(**d) for d in data.get("decisions", [])]
+        data["blocks"] = [BlockDecision(**d) for d in data.get("blocks", [])]
         return cls(**data)
 
 
@@ -397,9 +430,14 @@ class Plan:
     def collective_signature(self) -> list[tuple]:
         return [c.signature() for c in self.collectives]
 
-    def budget_signature(self) -> tuple[int, list[int]] | None:
-        """The peak budget and the buckets kept gathered under it (None: no budget)."""
-        return None if self.budget is None else (self.budget.budget_bytes, self.budget.kept)
+    def budget_signature(self) -> tuple | None:
+        """The peak budget, the buckets kept gathered and (where any is) the blocks recomputed
+        under it (None: no budget)."""
+        if self.budget is None:
+            return None
+        b = self.budget
+        recomputed = b.recomputed
+        return (b.budget_bytes, b.kept, recomputed) if recomputed else (b.budget_bytes, b.kept)
 
     def hash(self) -> str:
         """Hash of what must be identical on every rank (see :meth:`Collective.signature`)."""

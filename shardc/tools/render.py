@@ -278,12 +278,22 @@ def budget_lines(plan: Plan) -> list[str]:
     if b is None:
         return []
     lines = [f"peak budget {_fmt_bytes(b.budget_bytes)} ({b.budget_bytes} B): minimum (every "
-             f"bucket resharded) {_fmt_bytes(b.minimum_bytes)}, chosen plan "
+             f"bucket resharded{', every block recomputed' if b.resharded_bytes else ''}) "
+             f"{_fmt_bytes(b.minimum_bytes)}, chosen plan "
              f"{_fmt_bytes(b.peak_bytes)}; {len(b.kept)} of {len(b.decisions)} bucket(s) kept "
              f"gathered forward->backward; {b.trials} trial plan(s)"]
     for d in b.decisions:
         lines.append(f"  bucket {d.bucket} {d.name}: {'kept' if d.kept else 'resharded'}, "
                      f"saves {d.saved_ms:.3f} ms, costs {_fmt_bytes(d.bytes)}: {d.reason}")
+    if b.blocks:
+        lines.append(f"  {len(b.recomputed)} of {len(b.blocks)} block(s) recomputed in the "
+                     "backward" + (f" (fully resharded plan without recompute: "
+                                   f"{_fmt_bytes(b.resharded_bytes)})" if b.resharded_bytes
+                                   else ""))
+    for d in b.blocks:
+        lines.append(f"  block {d.block} ({d.kind}): "
+                     f"{'recomputed' if d.recomputed else 'saved'}, costs {d.cost_ms:.3f} ms, "
+                     f"frees {_fmt_bytes(d.bytes)}: {d.reason}")
     return lines
 
 

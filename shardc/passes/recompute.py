@@ -1,0 +1,241 @@
+"""Recompute whole blocks in the backward instead of saving their activations (the peak budget's
+second lever, chosen by ``shardc.planning.recompute``).
+
+A *block* is what the compile-once pass treats as one (``shardc.sharding.blocks``: a child of a
+repeated container such as an ``nn.ModuleList``). In a region's joint graph it is either
+
+* a **body call**: the ``invoke_subgraph`` node that runs the block's compiled forward body
+  (shared by identical blocks) and the ``getitem`` nodes that take its outputs, which are the
+  block's output and the activations its backward body reads; or
+* an **inline block** (``compile_blocks_once=False``, or a block the compile-once pass sent
+  inline): the forward nodes whose ``nn_module_stack`` names the block's module.
+
+:func:`recompute_blocks` tags the chosen blocks' forward nodes ``MUST_RECOMPUTE`` with one
+activation-checkpoint id per block, increasing with the block's position in the graph: the
+mechanism of the user's activation checkpointing, so torch's min-cut partitioner saves each
+recomputed block's inputs (the boundary between two recomputed blocks too: it saves a value
+whose reader is recomputed in a region of a higher id) and recomputes the rest in the backward.
+A body call is recomputed as a whole: the backward graph calls the same shared forward body
+again, so the decision is per block even though the body is shared by every instance.
+
+What is never recomputed (the block is not a candidate, with the reason): blocks whose forward
+draws random numbers (recomputing them would draw other numbers: the compile-once pass already
+sends such blocks inline, and the aten graph's random ops are refused here too), blocks that run
+collectives or shardc's other ops (a recomputed collective or host copy would run outside the
+plan), and blocks the user's activation checkpointing already recomputes. shardc's own gathers
+and what the reshard pass tags (views of gathered weights) keep their tags: they are recomputed
+in the backward anyway, as the fixed policy does.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from shardc.ops.gather import GATHER_OP
+from shardc.passes.body import INVOKE_SUBGRAPH, gather_of
+from shardc.passes.fx_utils import (
+    OUTSIDE_CHECKPOINT_ID,
+    call,
+    has_tag,
+    op_overload,
+    tensor_nbytes,
+)
+
+__all__ = ["RECOMPUTE_BASE_ID", "Block", "find_blocks", "forward_nodes", "recompute_blocks"]
+
+# The activation-checkpoint ids of blocks shardc recomputes: above the user's regions' (small
+# integers), below OUTSIDE_CHECKPOINT_ID (shardc's re-gathered weights, which a recomputed block
+# reads: a recomputed value read by a region of a *higher* id would be saved instead).
+RECOMPUTE_BASE_ID = 1 << 29
+
+
+@dataclass(frozen=True)
+class Block:
+    """One block's forward in a joint graph: what recomputing it tags and what it saves."""
+
+    name: str  # the block's module name, e.g. "layers.3"
+    kind: str  # "body" (a compile-once body's call) or "inline"
+    position: int  # its order among the graph's blocks (its checkpoint id's offset)
+    nodes: tuple[fx.Node, ...]  # the forward nodes recomputing it tags, in graph order
+    saved_bytes: int  # bytes of its forward values that the backward reads (saved today)
+    input_bytes: int  # bytes of the activations it reads from outside (saved if recomputed)
+    outputs: tuple[fx.Node, ...] = ()  # its values that forward nodes outside it read
+    excluded: str = ""  # why it is never recomputed ("" for a candidate)
+
+    @property
+    def freed_bytes(self) -> int:
+        """What recomputing it removes from the saved activations (an estimate: its saved
+        values, less its inputs, which become saved)."""
+        return max(self.saved_bytes - self.input_bytes, 0)
+
+
+def forward_nodes(gm: fx.GraphModule, num_fwd_outputs: int) -> set[fx.Node]:
+    """The joint graph's forward: every node the first ``num_fwd_outputs`` outputs need."""
+    out = next(iter(gm.graph.find_nodes(op="output")))
+    stack = [a for a in out.args[0][:num_fwd_outputs] if isinstance(a, fx.Node)]
+    seen: set[fx.Node] = set()
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+    return seen
+
+
+def _module_path(path: str) -> str:
+    """Dynamo's module path (``L['self'].layers.0``, ``L['self'].layers[0]``) as a module name
+    (``layers.0``)."""
+    dotted = re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", path)
+    return re.sub(r"^L\.self\.?", "", dotted)
+
+
+def _in_module(node: fx.Node, name: str) -> bool:
+    stack = node.meta.get("nn_module_stack") or {}
+    return any(_module_path(str(v[0])) == name for v in stack.values()
+               if isinstance(v, tuple) and v)
+
+
+def _draws_random(node: fx.Node) -> bool:
+    """Whether an aten-level node draws random numbers. Fused attention is tagged
+    nondeterministic-seeded for its dropout: it draws only with ``dropout_p`` > 0."""
+    if "rng" in str(node.target):
+        return True
+    if not has_tag(node, torch.Tag.nondeterministic_seeded):
+        return False
+    op = op_overload(node)
+    for i, arg in enumerate(op._schema.arguments):
+        if arg.name == "dropout_p":
+            p = node.args[i] if i < len(node.args) else node.kwargs.get("dropout_p", 0.0)
+            return p != 0.0
+    return True
+
+
+def _is_collective(node: fx.Node) -> bool:
+    """A functional collective, or one of shardc's ops other than the gather (which keeps the
+    reshard pass's tag)."""
+    op = op_overload(node)
+    return op is not None and (op.namespace in ("_c10d_functional", "c10d_functional")
+                               or op.namespace == "shardc" and node.target is not GATHER_OP)
+
+
+def _user_checkpointed(node: fx.Node) -> bool:
+    policy = node.meta.get("recompute")
+    return policy is not None and node.meta.get("ac_graph_id") != OUTSIDE_CHECKPOINT_ID
+
+
+def _is_weight(node: fx.Node) -> bool:
+    """A parameter (a graph input) or a gathered weight (or a view of one)."""
+    return node.op == "placeholder" or gather_of(node) is not None
+
+
+def _bytes(nodes) -> int:
+    return sum(tensor_nbytes(n.meta.get("val")) for n in nodes)
+
+
+def _describe(name: str, kind: str, position: int, nodes: list[fx.Node], fwd: set[fx.Node],
+              excluded: str) -> Block:
+    inside = set(nodes)
+    saved = [n for n in nodes if any(u not in fwd and u.op != "output" for u in n.users)]
+    inputs = {i for n in nodes for i in n.all_input_nodes if i not in inside and not _is_weight(i)}
+    outputs = [n for n in nodes if any(u in fwd and u not in inside for u in n.users)]
+    return Block(name, kind, position, tuple(nodes), _bytes(saved),
+                 _bytes(sorted(inputs, key=lambda n: n.name)), tuple(outputs), excluded)
+
+
+def _body_blocks(gm: fx.GraphModule, fwd: set[fx.Node], names: Sequence[str],
+                 order: dict[fx.Node, int]) -> list[tuple]:
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"
+             and n.target is INVOKE_SUBGRAPH and n in fwd]
+    if len(calls) != len(names):  # not the calls the compile-once pass described: none
+        return []
+    out = []
+    for node, name in zip(calls, names):
+        nodes = [node, *sorted(node.users, key=order.__getitem__)]
+        body = getattr(gm, node.args[0].target)
+        inner = [n for m in body.modules() if isinstance(m, fx.GraphModule)
+                 for n in m.graph.nodes if n.op == "call_function"]
+        out.append((node, name, "body", nodes, _why_not(nodes + inner)))
+    return out
+
+
+def _why_not(nodes: list[fx.Node]) -> str:
+    if any(_user_checkpointed(n) for n in nodes):
+        return "activation checkpointing already recomputes it"
+    if any(_draws_random(n) for n in nodes):
+        return "it draws random numbers, which a recomputation would draw again differently"
+    if any(_is_collective(n) for n in nodes):
+        return ("it runs collectives or shardc's own ops (host copies, gradient stashes), which "
+                "a recomputation would run again outside the plan")
+    return ""
+
+
+def _inline_blocks(gm: fx.GraphModule, fwd: set[fx.Node], names: Sequence[str]) -> list[tuple]:
+    out = []
+    for name in names:
+        nodes = [n for n in gm.graph.nodes if n in fwd and n.op == "call_function"
+                 and _in_module(n, name)]
+        # shardc's gathers and the views the reshard pass tagged stay as they are.
+        mine = [n for n in nodes if n.target is not GATHER_OP and not (
+            n.meta.get("recompute") is not None
+            and n.meta.get("ac_graph_id") == OUTSIDE_CHECKPOINT_ID)]
+        if mine:
+            out.append((mine[0], name, "inline", mine, _why_not(mine)))
+    return out
+
+
+def find_blocks(gm: fx.GraphModule, num_fwd_outputs: int, body_blocks: Sequence[str],
+                inline_blocks: Sequence[str]) -> list[Block]:
+    """The blocks of the joint graph ``gm`` in graph order: ``body_blocks`` names the forward
+    body calls in order (``RegionRecord.body_calls``; none if their number differs),
+    ``inline_blocks`` the blocks traced inline. The same graph gives the same blocks, names and
+    positions on every copy of it (the budget planner's trials)."""
+    fwd = forward_nodes(gm, num_fwd_outputs)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    found = _body_blocks(gm, fwd, body_blocks, order) + _inline_blocks(gm, fwd, inline_blocks)
+    found.sort(key=lambda t: order[t[0]])
+    return [_describe(name, kind, i, nodes, fwd, why)
+            for i, (_, name, kind, nodes, why) in enumerate(found)]
+
+
+def recompute_blocks(gm: fx.GraphModule, blocks: Sequence[Block], names: set[str]) -> int:
+    """Tag the forward nodes of the blocks named ``names`` (``blocks`` from
+    :func:`find_blocks` on this graph) for recomputation in the backward; returns how many
+    blocks. Refuses an excluded block (a planner bug, never the user's)."""
+    count = 0
+    for block in blocks:
+        if block.name not in names:
+            continue
+        if block.excluded:
+            raise ValueError(f"shardc: block {block.name} cannot be recomputed: "
+                             f"{block.excluded}")
+        for node in block.nodes:
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            node.meta["ac_graph_id"] = RECOMPUTE_BASE_ID + block.position
+        for out in block.outputs:
+            _save_boundary(gm.graph, out, set(block.nodes))
+        count += 1
+    return count
+
+
+def _save_boundary(graph: fx.Graph, out: fx.Node, inside: set[fx.Node]) -> fx.Node:
+    """Save a recomputed block's output for its readers outside the block (the next block,
+    the backward of later ones), so that recomputing one block never recomputes the blocks
+    before it. torch's partitioner saves a recomputed region's output only when a region of a
+    higher id reads it, and never a ``getitem`` of a recomputed multi-output op (a body
+    call's): a copy marked must-save is the boundary instead (a fusing compiler removes the
+    copy after the partition)."""
+    with graph.inserting_after(out):
+        boundary = call(graph, torch.ops.aten.clone.default, (out,))
+    boundary.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+    for key in ("nn_module_stack", "partitioner_tag", "seq_nr"):
+        if key in out.meta:
+            boundary.meta[key] = out.meta[key]
+    out.replace_all_uses_with(boundary, delete_user_cb=lambda u: u is not boundary
+                              and u not in inside)
+    return boundary

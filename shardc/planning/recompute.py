@@ -1,0 +1,141 @@
+"""The peak budget's second lever: which blocks to recompute in the backward.
+
+When the fully resharded plan (nothing kept gathered: the first lever's choices are dropped
+first) still exceeds ``peak_memory_budget_bytes``, the planner recomputes whole blocks
+(``shardc.passes.recompute``) instead of saving their activations. The decision is a bounded,
+deterministic search:
+
+1. The candidates are the region's blocks that may be recomputed and free some bytes. Each has
+   a predicted cost (its forward's time by the cost model: the kernels a fusing compiler makes
+   of its ops, ``shardc.planning.kernels``, priced by ``shardc.planning.estimate``) and an
+   estimate of the bytes it frees (its saved activations less its inputs). Both are exchanged
+   between the ranks and the largest taken (``agree_on_largest``), so the ranking is the same
+   everywhere. The ranking: predicted seconds per freed byte, lowest first; ties by position.
+2. The fully recomputed plan (every candidate) is planned and predicted: its peak is the new
+   feasible minimum; over the budget, the budget is refused naming it.
+3. Otherwise the answer is a prefix of the ranking. Between a prefix known to exceed the budget
+   (at first the empty one) and one known to fit (at first all of them), the next prefix tried
+   is the shortest whose peak, interpolated between the two on the freed bytes, fits. Each try
+   is a partition, a plan and a prediction (``evaluate``), at most :data:`MAX_TRIALS`; the
+   shortest verified fitting prefix wins. The chosen plan is therefore always verified.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from torch import fx
+
+from shardc.passes.recompute import Block
+from shardc.planning.estimate import kernel_seconds
+from shardc.planning.kernels import group_kernels
+from shardc.planning.plan import BlockDecision
+from shardc.planning.profile import ClusterProfile
+
+MAX_TRIALS = 4  # prefixes verified between the fully recomputed plan and none, whatever the model
+_MiB = float(1 << 20)
+
+
+@dataclass(frozen=True)
+class RecomputeCandidate:
+    """A block the planner may recompute: what it costs in time and frees in bytes."""
+
+    block: str
+    kind: str
+    position: int
+    cost_s: float  # predicted time of its forward, run again in the backward
+    nbytes: int  # estimated activation bytes recomputing it frees
+
+    @property
+    def ratio(self) -> float:
+        """Seconds per freed byte: lower is better."""
+        return self.cost_s / max(self.nbytes, 1)
+
+
+def forward_seconds(gm: fx.GraphModule, block: Block, profile: ClusterProfile) -> float:
+    """The predicted time of ``block``'s forward: the kernels of its body's forward graph (a
+    body call) or of its nodes in the joint graph ``gm`` (an inline block)."""
+    if block.kind == "body":
+        body = getattr(gm, block.nodes[0].args[0].target)
+        graph = body.graph
+        nodes = [n for n in graph.nodes if n.op == "call_function"]
+    else:
+        graph, nodes = gm.graph, list(block.nodes)
+    return sum(kernel_seconds(k, profile) for k in group_kernels(graph, nodes))
+
+
+def rank(cands: Sequence[RecomputeCandidate]) -> list[RecomputeCandidate]:
+    """The candidates in the order the planner recomputes them: lowest seconds per freed byte
+    first, ties by position in the graph."""
+    return sorted(cands, key=lambda c: (c.ratio, c.position))
+
+
+def _bytes(order: Sequence[RecomputeCandidate], k: int) -> int:
+    return sum(c.nbytes for c in order[:k])
+
+
+def _next_prefix(order: list[RecomputeCandidate], lo: tuple[int, int], hi: tuple[int, int],
+                 budget: int) -> int:
+    """The shortest prefix strictly between ``lo`` and ``hi`` (lengths with verified peaks)
+    whose peak, interpolated on the freed bytes, fits ``budget``; ``hi``'s length if none."""
+    (k_lo, p_lo), (k_hi, p_hi) = lo, hi
+    b_lo, b_hi = _bytes(order, k_lo), _bytes(order, k_hi)
+    for k in range(k_lo + 1, k_hi):
+        frac = (_bytes(order, k) - b_lo) / max(b_hi - b_lo, 1)
+        if p_lo + (p_hi - p_lo) * frac <= budget:
+            return k
+    return k_hi
+
+
+def choose(cands: Sequence[RecomputeCandidate], budget: int, start: int, floor: int,
+           evaluate: Callable[[tuple[str, ...]], int]) -> tuple[list[str], int, int]:
+    """Which blocks to recompute: ``start`` is the verified peak with none recomputed (over
+    ``budget``), ``floor`` with every candidate recomputed (within it); ``evaluate(names)``
+    plans that configuration and returns its rank-uniform peak. Returns the chosen blocks (in
+    ranking order), their verified peak and the number of evaluations."""
+    order = rank(cands)
+    lo, hi = (0, start), (len(order), floor)
+    trials = 0
+    while trials < MAX_TRIALS and hi[0] - lo[0] > 1:
+        k = _next_prefix(order, lo, hi, budget)
+        if k >= hi[0]:
+            break
+        peak = evaluate(tuple(c.block for c in order[:k]))
+        trials += 1
+        if peak <= budget:
+            hi = (k, peak)
+        else:
+            lo = (k, peak)
+    return [c.block for c in order[:hi[0]]], hi[1], trials
+
+
+def decisions(blocks: Sequence[Block], cands: Sequence[RecomputeCandidate],
+              chosen: Sequence[str], *, needed: bool, peak: int = 0) -> list[BlockDecision]:
+    """One decision per block, in graph order, with its reason. ``needed``: the fully
+    resharded plan exceeded the budget (else nothing is recomputed)."""
+    by_name = {c.block: c for c in cands}
+    order = [c.block for c in rank(cands)]
+    out = []
+    for b in blocks:
+        c = by_name.get(b.name)
+        cost_ms = c.cost_s * 1e3 if c else 0.0
+        nbytes = c.nbytes if c else b.freed_bytes
+        if b.name in chosen:
+            reason = (f"recomputed: frees ~{nbytes / _MiB:.2f} MiB of saved activations for "
+                      f"{cost_ms:.3f} ms of forward in the backward (rank {order.index(b.name) + 1}"
+                      f" of {len(order)} by ms per MiB); verified peak {peak / _MiB:.1f} MiB "
+                      "within the budget")
+        elif b.excluded:
+            reason = f"saved: never recomputed, {b.excluded}"
+        elif not needed:
+            reason = ("saved: the plan fits the budget without recomputing (the first lever, "
+                      "keeping buckets gathered, is enough)")
+        elif c is None:
+            reason = "saved: recomputing it would free no saved bytes"
+        else:
+            reason = (f"saved: ranked {order.index(b.name) + 1} of {len(order)} "
+                      f"({c.ratio * 1e3 * _MiB:.4f} ms/MiB); the blocks ranked before it "
+                      "already bring the peak within the budget")
+        out.append(BlockDecision(b.name, b.kind, b.name in chosen, cost_ms, nbytes, reason))
+    return out
