@@ -1484,7 +1484,7 @@ ONE_WORLD = {"blocks_accumulate_shapes": 3, "torch_transformer": 2, "hf_gpt2": 3
              "to_float64": 2, "hf_checkpoint": 3, "checkpoint_sdpa_reentrant": 2,
              "checkpoint_sdpa_save_all": 2, "hf_checkpoint_reentrant": 2,
              "hf_checkpoint_inductor": 2, "checkpoint_fp8": 3, "checkpoint_fp8_eager": 3,
-             "checkpoint_dropout": 3, "checkpoint_sdpa_dynamic": 3, "peak_budget": 3,
+             "checkpoint_dropout": 3, "checkpoint_sdpa_dynamic": 3, "peak_budget": 2,
              "adam": 3, "checkpoint_sdpa": 2, "checkpoint_sdpa_selective": 3,
              "moe_compiled": 2, "changing_seq": 2, "changing_both": 3, "nested": 3,
              "optim_offload_no_sync_clip": 3}
