@@ -126,3 +126,40 @@ def test_draws_random_numbers_names_random_ops_only():
     }
     for name, (fn, random) in cases.items():
         assert draws_random_numbers(fx.symbolic_trace(fn)) is random, name
+
+
+def test_flattened_inlines_every_body_call_nested_ones_too():
+    """``flattened`` (what the peak prediction and the cost model walk) replaces every body call,
+    a body's call of another body included, by the body's ops, and computes what the graph
+    with the calls computes."""
+    from shardc.passes.body import body_calls, flattened
+
+    @torch.compiler.nested_compile_region
+    def inner(x, w):
+        return torch.tanh(x @ w)
+
+    @torch.compiler.nested_compile_region
+    def outer(x, w):
+        return inner(x, w) + inner(x * 2, w)
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def fn(x, w):
+        for _ in range(5):
+            x = outer(x, w)
+        return x
+
+    x, w = torch.randn(3, 4), torch.randn(4, 4)
+    torch._dynamo.reset()
+    expected = torch.compile(fn, backend=capture, fullgraph=True)(x, w)
+    (gm,) = graphs
+    assert len(list(body_calls(gm))) == 5
+    flat, mapping = flattened(gm)
+    assert next(body_calls(flat), None) is None
+    assert set(mapping) == {n for n in gm.graph.nodes if n.op != "output"}
+    assert sum(n.target is torch.tanh for n in flat.graph.nodes) == 10
+    torch.testing.assert_close(flat(x, w)[0], expected)
