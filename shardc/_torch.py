@@ -201,11 +201,39 @@ def backend_failure_cause(exc: BaseException) -> BaseException | None:
 
 def nested_compile_region(fn):
     """``torch.compiler.nested_compile_region(fn)``: Dynamo traces every call of ``fn`` and
-    reuses one subgraph for the calls whose inputs match (guard-based reuse). The ``reuse_hash_fn``
-    of torch 2.13+, which skips retracing, is left unused: its entries are stamped out across
-    activation-checkpoint regions with symbolic sizes the second region does not have
-    (``KeyError: s27``), and it vouches for equal input sizes that data-dependent inputs lack."""
+    deduplicates identical subgraphs (its guard-based reuse, which skips the trace, never applies
+    to shardc's bodies: ``torch.func.functional_call`` swaps the skeleton's parameters, a side
+    effect). Used for inputs with symbolic sizes, where :func:`keyed_compile_region`'s stamp-out
+    across activation-checkpoint regions failed (``KeyError: s27``), and on torch < 2.13."""
     return torch.compiler.nested_compile_region(fn)
+
+
+def keyed_compile_region(fn):
+    """``torch.compiler.nested_compile_region(fn)`` whose reuse key is ``fn``'s first argument,
+    an ``int`` the caller derived from everything a trace of ``fn`` depends on: Dynamo traces the
+    first call per key and stamps that trace out for the other calls with the same key, instead
+    of tracing every call (torch 2.13+'s ``reuse_hash_fn``). None where torch has no
+    ``reuse_hash_fn`` (2.11, 2.12): the caller keeps the guard-based region."""
+    import inspect
+
+    mark = torch.compiler.nested_compile_region
+    if "reuse_hash_fn" not in inspect.signature(mark).parameters:
+        return None
+
+    def reuse_key(key: int, *args, **kwargs) -> int:
+        return key
+
+    return mark(fn, reuse_hash_fn=reuse_key)
+
+
+def has_static_value(value) -> bool:
+    """Whether an ``int`` (a tensor size, a stride, an argument) has one value for the trace,
+    not a symbolic one. Dynamo folds it while it traces (there a symbolic size passes for an
+    ``int``: ``isinstance(size, torch.SymInt)`` is False). False where torch lacks it."""
+    from torch.fx.experimental import symbolic_shapes
+
+    check = getattr(symbolic_shapes, "has_static_value", None)
+    return check is not None and check(value)
 
 
 def selective_checkpoint_policy(gm) -> object | None:

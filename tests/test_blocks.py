@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from shardc.sharding.blocks import wrap_repeated_blocks
+from shardc.sharding.blocks import seal, wrap_repeated_blocks
 
 
 class Mlp(nn.Module):
@@ -144,3 +144,98 @@ def test_draws_random_numbers_names_random_ops_only():
     }
     for name, (fn, random) in cases.items():
         assert draws_random_numbers(fx.symbolic_trace(fn)) is random, name
+
+
+def test_flattened_inlines_every_body_call_nested_ones_too():
+    """``flattened`` (what the peak prediction and the cost model walk) replaces every body call,
+    a body's call of another body included, by the body's ops, and computes what the graph
+    with the calls computes."""
+    from shardc.passes.body import body_calls, flattened
+
+    @torch.compiler.nested_compile_region
+    def inner(x, w):
+        return torch.tanh(x @ w)
+
+    @torch.compiler.nested_compile_region
+    def outer(x, w):
+        return inner(x, w) + inner(x * 2, w)
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def fn(x, w):
+        for _ in range(5):
+            x = outer(x, w)
+        return x
+
+    x, w = torch.randn(3, 4), torch.randn(4, 4)
+    torch._dynamo.reset()
+    expected = torch.compile(fn, backend=capture, fullgraph=True)(x, w)
+    (gm,) = graphs
+    assert len(list(body_calls(gm))) == 5
+    flat, mapping = flattened(gm)
+    assert next(body_calls(flat), None) is None
+    assert set(mapping) == {n for n in gm.graph.nodes if n.op != "output"}
+    assert sum(n.target is torch.tanh for n in flat.graph.nodes) == 10
+    torch.testing.assert_close(flat(x, w)[0], expected)
+
+
+class TupleMlp(Mlp):
+    """Returns a tuple holding None: no keyed body (torch requires tensor outputs there)."""
+
+    def forward(self, x: torch.Tensor):
+        return super().forward(x), None
+
+
+class Stack(nn.Module):
+    def __init__(self, block: type[nn.Module], n: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(block() for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            out = block(x)
+            x = out[0] if isinstance(out, tuple) else out
+        return x
+
+
+def _body_traces(model: nn.Module, *inputs: torch.Tensor, dynamic: bool = False) -> int:
+    """Compile ``model`` (eager backend), run it on each input, check it against eager, and
+    return how many times Dynamo traced a block body."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    torch._dynamo.reset()
+    compilation_time_metrics.pop("invoke_subgraph_trace", None)
+    compiled = torch.compile(model, backend="eager", dynamic=dynamic)
+    for x in inputs:
+        torch.testing.assert_close(compiled(x), model(x))
+    return len(compilation_time_metrics.get("invoke_subgraph_trace", []))
+
+
+def test_keyed_bodies_are_traced_once_per_distinct_input():
+    """With torch's reuse_hash_fn (2.13+), identical blocks' body calls whose arguments have
+    static sizes are traced once and stamped out (the key: shapes, strides, dtypes, devices,
+    requires_grad, other arguments, grad mode, autocast); a block returning something other than
+    tensors, and inputs with symbolic sizes, keep the guard-based body, traced at every call."""
+    from shardc import _torch
+
+    x = torch.randn(3, 6, requires_grad=True)  # as the later blocks' inputs: one key for all
+    model = Stack(Mlp)
+    bodies = wrap_repeated_blocks(model, {}, shared=set(), special=set())
+    seal(bodies, model)
+    keyed = _torch.keyed_compile_region(lambda key: key) is not None
+    assert bool(bodies.groups[0].keyed) is keyed
+    assert _body_traces(model, x) == (1 if keyed else 4)
+    if keyed:
+        assert list(bodies.groups[0].prober.keys.values()) == [1]
+        # Another batch size is another key (in a recompiled frame); no_grad another one.
+        assert _body_traces(model, x, torch.randn(5, 6, requires_grad=True)) == 2
+        with torch.no_grad():
+            assert _body_traces(model, x.detach()) == 1
+    tuples = Stack(TupleMlp)
+    seal(wrap_repeated_blocks(tuples, {}, shared=set(), special=set()), tuples)
+    assert _body_traces(tuples, x) == 4
+    assert _body_traces(model, x, dynamic=True) == 4

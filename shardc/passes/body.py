@@ -171,8 +171,11 @@ def flattened(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node
     mapping: dict[fx.Node, fx.Node] = {}
     graph.output(graph.graph_copy(gm.graph, mapping))
     copy = lazy_graph_module(gm, graph)
-    while (call := next(body_calls(copy), None)) is not None:
-        _inline(copy, call)
+    # One scan for the calls, then the calls each inlined body brings (nested bodies): a scan
+    # from the graph's start after every inline made this quadratic in the number of blocks.
+    pending = list(body_calls(copy))
+    while pending:
+        pending.extend(_inline(copy, pending.pop()))
     copy.graph.lint()
     return copy, mapping
 
@@ -194,11 +197,14 @@ def _place_in_block(copy: fx.Node, call: fx.Node) -> None:
         if k not in outer and not (isinstance(v, tuple) and _MODULE_PATH.fullmatch(str(v[0])))}}
 
 
-def _inline(gm: fx.GraphModule, node: fx.Node) -> None:
+def _inline(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
+    """Replace the call ``node`` by a copy of its body's nodes; returns the body calls among
+    the copied nodes (a body that calls another body)."""
     body = getattr(gm, node.args[0].target)
     env: dict[fx.Node, object] = dict(zip(body.graph.find_nodes(op="placeholder"),
                                           node.args[2:]))
     result = None
+    nested: list[fx.Node] = []
     with gm.graph.inserting_before(node):
         for inner in body.graph.nodes:
             if inner.op == "placeholder":
@@ -214,11 +220,14 @@ def _inline(gm: fx.GraphModule, node: fx.Node) -> None:
                 continue
             env[inner] = gm.graph.node_copy(inner, lambda n: env[n])
             _place_in_block(env[inner], node)
+            if is_call(inner, INVOKE_SUBGRAPH):
+                nested.append(env[inner])
     for user in list(node.users):
         if is_call(user, operator.getitem):
             user.replace_all_uses_with(result[user.args[1]])
             gm.graph.erase_node(user)
     gm.graph.erase_node(node)
+    return nested
 
 
 def _unique_attr(gm: fx.GraphModule, base: str) -> str:

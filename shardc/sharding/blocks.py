@@ -57,6 +57,9 @@ class BlockGroup:
     weight_names: tuple[str, ...]  # the body's leading arguments, in this order
     buffer_names: tuple[str, ...]
     bodies: dict[bool, Callable] = field(default_factory=dict, repr=False)  # by training mode
+    # The same bodies reused by key, traced once per key (torch 2.13+; see reuse_key).
+    keyed: dict[bool, Callable] = field(default_factory=dict, repr=False)
+    prober: BodyProber | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -169,7 +172,9 @@ def _skeleton(block: nn.Module) -> nn.Module:
     return copy.deepcopy(block, memo)
 
 
-def _make_body(skeleton: nn.Module, group: BlockGroup, training: bool) -> Callable:
+def _make_body(skeleton: nn.Module, group: BlockGroup, training: bool
+               ) -> tuple[Callable, Callable | None]:
+    """The body for one training mode: guard-based, and keyed (None before torch 2.13)."""
     names = group.weight_names + group.buffer_names
     skeleton.train(training)
 
@@ -177,8 +182,122 @@ def _make_body(skeleton: nn.Module, group: BlockGroup, training: bool) -> Callab
         tensors = dict(zip(names, (*weights, *buffers)))
         return torch.func.functional_call(skeleton, tensors, args, kwargs)
 
-    shardc_block_body.__qualname__ = f"shardc_block_body_{group.index}_{group.block_type}"
-    return _torch.nested_compile_region(shardc_block_body)
+    def shardc_block_body_keyed(key, weights, buffers, args, kwargs):
+        return shardc_block_body(weights, buffers, args, kwargs)
+
+    name = f"shardc_block_body_{group.index}_{group.block_type}"
+    shardc_block_body.__qualname__ = name
+    shardc_block_body_keyed.__qualname__ = name + "_keyed"
+    return (_torch.nested_compile_region(shardc_block_body),
+            _torch.keyed_compile_region(shardc_block_body_keyed))
+
+
+# ----------------------------------------------------------------------------------------------
+# Reuse keys. Dynamo traces every call of a guard-based body (its reuse needs a body without side
+# effects, and functional_call's parameter swap is one), which made the trace grow with depth.
+# A keyed body is traced once per key and stamped out for the other calls; the key must then
+# stand for everything the trace depends on. It is computed in two steps: while Dynamo traces the
+# wrapped forward, ``describe`` turns the body's arguments into a constant (None if any size or
+# argument is symbolic or of a type it does not know, and the guard-based body is used); then
+# ``BodyProber.key`` runs eagerly, at trace time, on that constant (through
+# torch.compiler.assume_constant_result): it runs the block's forward on meta tensors of those
+# shapes and returns 0 unless the output is a tensor or a list/tuple of tensors, which torch
+# requires of a keyed region (it raises, rather than re-traces, otherwise).
+
+_TENSOR = "tensor"
+
+
+def describe(value) -> tuple | None:
+    """A constant standing for ``value`` in a reuse key (traced by Dynamo), or None."""
+    if isinstance(value, torch.Tensor):
+        if type(value) not in (torch.Tensor, nn.Parameter):
+            return None  # subclasses: their metadata is more than sizes and dtype
+        sizes = (*value.shape, *value.stride())
+        if not all(_torch.has_static_value(s) for s in sizes):
+            return None
+        return (_TENSOR, tuple(value.shape), tuple(value.stride()), value.dtype,
+                value.device.type, value.device.index, value.requires_grad)
+    if value is None or isinstance(value, (bool, float, str)):
+        return ("const", value)
+    if isinstance(value, int):
+        return ("const", value) if _torch.has_static_value(value) else None
+    if isinstance(value, (tuple, list)):
+        items = tuple(describe(v) for v in value)
+        return None if None in items else (type(value).__name__, items)
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        items = tuple((k, describe(v)) for k, v in value.items())
+        return None if any(d is None for _, d in items) else ("dict", items)
+    return None
+
+
+def _meta_value(desc: tuple):
+    kind, *rest = desc
+    if kind == _TENSOR:
+        shape, stride, dtype, _, _, requires_grad = rest
+        return torch.empty_strided(shape, stride, dtype=dtype, device="meta",
+                                   requires_grad=requires_grad)
+    if kind == "const":
+        return rest[0]
+    if kind == "dict":
+        return {k: _meta_value(d) for k, d in rest[0]}
+    items = [_meta_value(d) for d in rest[0]]
+    return tuple(items) if kind == "tuple" else items
+
+
+def _tensor_output(out) -> bool:
+    return isinstance(out, torch.Tensor) or (
+        isinstance(out, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in out))
+
+
+class BodyProber:
+    """Reuse keys of one group's keyed bodies (:func:`reuse_key`): one meta-device run of the
+    block's forward per distinct description, and a number of its own for each eligible one."""
+
+    def __init__(self, skeleton: nn.Module, group: BlockGroup) -> None:
+        self.skeleton = skeleton  # its own copy: probed eagerly while Dynamo traces the others
+        self.names = group.weight_names + group.buffer_names
+        self.keys: dict[tuple, int] = {}
+
+    def key(self, desc: tuple) -> int:
+        if desc not in self.keys:
+            self.keys[desc] = self._probe(desc)
+        return self.keys[desc]
+
+    def _probe(self, desc: tuple) -> int:
+        training, _, _, arguments = desc
+        weights, buffers, args, kwargs = _meta_value(arguments)
+        self.skeleton.train(training)
+        try:
+            with torch.no_grad():
+                out = torch.func.functional_call(
+                    self.skeleton, dict(zip(self.names, (*weights, *buffers))), args, kwargs)
+        except Exception as exc:  # an op meta tensors do not support: trace every call
+            log.debug("shardc: block body probe failed (%s); its calls are traced each", exc)
+            return 0
+        if not _tensor_output(out):
+            return 0
+        # Numbered, not hashed: two descriptions never share a key (a hash could collide).
+        return 1 + sum(1 for k in self.keys.values() if k)
+
+
+@torch.compiler.assume_constant_result
+def _probed_key(prober: BodyProber, desc: tuple) -> int:
+    return prober.key(desc)
+
+
+def reuse_key(group: BlockGroup, training: bool, arguments: tuple) -> int:
+    """The key under which a call of ``group``'s keyed body reuses an earlier call's trace, or 0
+    (use the guard-based body). Called while Dynamo traces the wrapped forward."""
+    if group.prober is None:
+        return 0
+    desc = describe(arguments)
+    if desc is None:
+        return 0
+    autocast = tuple(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
+    key = _probed_key(group.prober, (training, torch.is_grad_enabled(), autocast, desc))
+    # A fresh constant: Dynamo's result of assume_constant_result has a source that cannot be
+    # guarded, which flattening the keyed body's arguments would try.
+    return key + 0
 
 
 def _read(module: nn.Module, dotted: str):
@@ -209,10 +328,12 @@ def _wrapped_forward(group: BlockGroup, original: Callable) -> Callable:
         if (not torch.compiler.is_compiling() or module_layout(self) != self._shardc_layout
                 or has_data_dependent_sizes(args, kwargs) or _torch.traces_floats_symbolically()):
             return original(self, *args, **kwargs)
-        body = group.bodies[self.training]
         weights = tuple(_read(self, n) for n in group.weight_names)
         buffers = tuple(_read(self, n) for n in group.buffer_names)
-        return body(weights, buffers, args, kwargs)
+        key = reuse_key(group, self.training, (weights, buffers, args, kwargs))
+        if key:
+            return group.keyed[self.training](key, weights, buffers, args, kwargs)
+        return group.bodies[self.training](weights, buffers, args, kwargs)
 
     return forward
 
@@ -272,7 +393,11 @@ def _add_group(result: BlockBodies, members: list[tuple[str, nn.Module]]) -> Non
     # Dynamo, which must find them ready (and guards on the block's ``training`` to pick one).
     template = _skeleton(first)
     for training in (True, False):
-        group.bodies[training] = _make_body(copy.deepcopy(template), group, training)
+        group.bodies[training], keyed = _make_body(copy.deepcopy(template), group, training)
+        if keyed is not None:
+            group.keyed[training] = keyed
+    if group.keyed:
+        group.prober = BodyProber(copy.deepcopy(template), group)
     forwards: dict[type, Callable] = {}
     for _, block in members:
         cls = type(block)

@@ -1,0 +1,112 @@
+"""Where the first training step's compile time goes, by depth: ``PYTHONPATH=$PWD python3
+scripts/profile_compile.py --blocks 4 16 --world 2`` from the checkout (CPU, gloo).
+
+For each block count, one fresh process group of ``--world`` ranks shards the benchmarks' tiny
+llama (``benchmarks/train``) with shardc's default plan, compiles it (FX backend, or Inductor with
+``--inductor``, in a fresh cache directory) and runs one training step. Rank 0 profiles the step
+with cProfile on process CPU time (so other load on the machine counts less) and prints the
+cumulative seconds of the functions that attribute the compile: Dynamo's trace and guards, the
+re-trace of every block body call (``invoke_subgraph`` in Dynamo, ``gen_schema`` in AOTAutograd),
+AOTAutograd's joint-graph capture, torch's min-cut partition, shardc's own passes and Inductor.
+``--out DIR`` keeps each depth's profile (``pstats``) there. An analysis tool, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+_ROOT = Path(__file__).resolve().parent.parent
+
+# (label, file suffix, function name): the rows printed per depth.
+ROWS = (
+    ("first step (rank 0, CPU s, profiled)", "benchmarks/train/runner.py", "train_step"),
+    ("Dynamo frame (trace + backend)", "_dynamo/convert_frame.py", "_compile_inner"),
+    ("  Dynamo: block body calls traced", "_dynamo/variables/invoke_subgraph.py",
+     "_call_function"),
+    ("  Dynamo: build guards", "_dynamo/guards.py", "build_guards"),
+    ("  backend (AOTAutograd + shardc + Inductor)", "_dynamo/output_graph.py",
+     "call_user_compiler"),
+    ("    AOTAutograd: joint graph capture", "_aot_autograd/graph_capture.py",
+     "aot_dispatch_autograd_graph"),
+    ("    AOTAutograd: invoke_subgraph gen_schema", "_higher_order_ops/invoke_subgraph.py",
+     "gen_schema"),
+    ("    shardc partitioner (all passes)", "shardc/compile/backend.py", "__call__"),
+    ("      torch min-cut partition", "shardc/_torch.py", "min_cut_partition"),
+    ("      shardc plan + lower + predict", "shardc/compile/pipeline.py", "plan_and_lower"),
+    ("    Inductor compile_fx_inner", "_inductor/compile_fx.py", "compile_fx_inner"),
+)
+
+
+def _run(rank: int, world: int, blocks: int, inductor: bool, out: str, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    for path in (_ROOT, _ROOT / "benchmarks"):
+        sys.path.insert(0, str(path))
+    import bench_mesh
+    from train.runner import train_step
+    from train.shardc_mode import setup_shardc
+    from train.workload import build_model, model_config, synthetic_batches
+
+    cpu = torch.device("cpu")
+    cfg = model_config("1b", 32, True, blocks)
+    data = synthetic_batches(1, 2, 32, cfg.vocab_size, rank, cpu)
+    setup = setup_shardc(build_model(cfg, cpu), bench_mesh.build_mesh("cpu", world, None, 1),
+                         True, inductor=inductor)
+    opt = torch.optim.AdamW(setup.params, lr=1e-4)
+    profile = cProfile.Profile(time.process_time) if rank == 0 else None
+    if profile is not None:
+        profile.enable()
+    train_step(setup, opt, *data[0])
+    if profile is not None:
+        profile.disable()
+        profile.dump_stats(out)
+    dist.destroy_process_group()
+
+
+def _cumulative(stats: pstats.Stats, suffix: str, name: str) -> tuple[int, float]:
+    calls, seconds = 0, 0.0
+    for (path, _, func), (_, ncalls, _, cum, _) in stats.stats.items():  # type: ignore[attr-defined]
+        if func == name and path.endswith(suffix):
+            calls, seconds = calls + ncalls, seconds + cum
+    return calls, seconds
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--blocks", type=int, nargs="+", default=[4, 16])
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--inductor", action="store_true")
+    p.add_argument("--out", default=None, help="keep the profiles here")
+    args = p.parse_args()
+    out_dir = Path(args.out or tempfile.mkdtemp(prefix="shardc_profile_"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for blocks in args.blocks:
+        out = str(out_dir / f"blocks{blocks}_world{args.world}.prof")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="shardc_inductor_")
+        mp.spawn(_run, args=(args.world, blocks, args.inductor, out,
+                             29500 + (os.getpid() + blocks) % 2000), nprocs=args.world)
+        stats = pstats.Stats(out)
+        results[blocks] = [_cumulative(stats, suffix, name) for _, suffix, name in ROWS]
+    print(f"{'':48s}" + "".join(f"{f'{b} blocks':>22s}" for b in args.blocks))
+    for i, (label, _, _) in enumerate(ROWS):
+        cells = "".join(f"{results[b][i][1]:10.2f} s ({results[b][i][0]:4d} calls)"
+                        for b in args.blocks)
+        print(f"{label:48s}{cells}")
+    print(f"profiles: {out_dir}")
+
+
+if __name__ == "__main__":
+    main()
