@@ -19,7 +19,11 @@ holds, per configuration:
   zero_grad, and of the whole step (CUDA events), the slowest rank's; exposed communication from
   a short ``torch.profiler`` trace (NCCL kernel time with no other kernel running; world > 1
   only); peak memory allocated;
-- the step's error, predicted over measured, minus one.
+- the step's error, predicted over measured, minus one;
+- where the time goes: the plan's predicted time by kernel category (``Predictions.
+  time_by_category_s``: matmul, attention forward/backward, fused, other, copies, waiting for
+  the host) next to the GPU kernel time of the same categories, by kernel name
+  (``train.kernels.kernel_category``), over the ``--profile-steps`` traced steps.
 
 The cluster profile is ``--profile`` (a preset name or a file from ``python -m shardc
 calibrate``), else the preset for this GPU. Writes ``<name>.md`` and ``<name>.json`` under
@@ -98,7 +102,8 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=8, help="timed steps (median)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile)")
     p.add_argument("--profile-steps", type=int, default=2,
-                   help="steps traced for exposed communication (world > 1 only; 0: none)")
+                   help="steps traced with torch.profiler for GPU time by kernel category and "
+                        "exposed communication (GPU only; 0: none)")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None)
     p.add_argument("--tiny", action="store_true", help="tiny models (CPU smoke runs)")
     p.add_argument("--deadline-s", type=float, default=0.0,
@@ -200,8 +205,11 @@ def run_config(c: dict, args, device, cluster: dict | None, log) -> dict[str, An
     }
     if device.type == "cuda":
         res["measured_peak_bytes"] = torch.cuda.max_memory_allocated(device)
-    if args.profile_steps and dist.get_world_size() > 1 and device.type == "cuda":
-        res["measured_exposed_comm_s"] = _exposed(loss_fn, opt, it, args.profile_steps, device)
+    if args.profile_steps and device.type == "cuda":
+        exposed, by_category = _profiled(loss_fn, opt, it, args.profile_steps, device)
+        res["measured_ms_by_category"] = by_category
+        if dist.get_world_size() > 1:
+            res["measured_exposed_comm_s"] = exposed
     plans = shardc.explain_all(model)
     profile = resolve_profile(cluster, torch.cuda.get_device_name(device)
                               if device.type == "cuda" else None)
@@ -221,15 +229,34 @@ def run_config(c: dict, args, device, cluster: dict | None, log) -> dict[str, An
         "params": cfg.num_params(), "regions": len(plans),
     })
     res["predicted_step_s"] = res["predicted_fwd_bwd_s"] + res["predicted_optimizer_s"]
+    res["predicted_ms_by_category"] = predicted_by_category(
+        [p.predicted.get("time_by_category_s") or {} for p in plans],
+        res["predicted_optimizer_s"])
     del model, loss_fn, opt, data, it, plans
     return res
 
 
-def _exposed(loss_fn, opt, it, steps: int, device) -> float:
+def predicted_by_category(tables: list[dict[str, float]], optimizer_s: float
+                          ) -> dict[str, float]:
+    """Milliseconds per step by category from the plans' ``time_by_category_s`` (summed over
+    regions and graphs, plus the per-graph keys), with ``optimizer``, the optimizer step model."""
+    out: dict[str, float] = {}
+    for table in tables:
+        for key, seconds in table.items():
+            category = key.split("/", 1)[-1]
+            out[category] = out.get(category, 0.0) + seconds * 1e3
+            out[key] = out.get(key, 0.0) + seconds * 1e3
+    out["optimizer"] = optimizer_s * 1e3
+    return out
+
+
+def _profiled(loss_fn, opt, it, steps: int, device) -> tuple[float, dict[str, float]]:
+    """Exposed communication (seconds per step) and GPU time by kernel category (ms per step,
+    ``train.kernels.kernel_time_by_category``) over ``steps`` traced steps."""
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile
-    from train.kernels import kernel_breakdown
+    from train.kernels import kernel_breakdown, kernel_time_by_category
 
     torch.cuda.synchronize(device)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -245,7 +272,8 @@ def _exposed(loss_fn, opt, it, steps: int, device) -> float:
         with open(path) as f:
             trace = json.load(f)
     events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
-    return kernel_breakdown(events, steps)["exposed_comm_ms"] / 1e3
+    exposed = kernel_breakdown(events, steps).get("exposed_comm_ms", 0.0) / 1e3
+    return exposed, kernel_time_by_category(events, steps)
 
 
 def _slowest(per_rank: list[dict]) -> dict:
@@ -305,10 +333,53 @@ def render(report: dict) -> str:
         lines += ["", f"Step error: mean |error| {statistics.fmean(errs) * 100:.1f}%, max "
                   f"{max(errs) * 100:.1f}% over {len(ok)} configuration(s); goal: within 10% "
                   "(stretch 5%)."]
+    lines += category_table(report["results"], m["seq"])
     lines += ["", "Predicted step = the plan's forward+backward (fused kernels, attention as one "
               "kernel, launch overhead, collectives on their lanes) + the optimizer step model. "
               "Measured times are the slowest rank's medians (CUDA events)."]
     return "\n".join(lines) + "\n"
+
+
+# (predicted categories, measured categories) per column of the table by category.
+CATEGORY_COLUMNS = (
+    ("matmul", ("matmul",), ("matmul",)),
+    ("attention fwd", ("attention_forward",), ("attention_forward",)),
+    ("attention bwd", ("attention_backward",), ("attention_backward",)),
+    ("fused (Triton)", ("fused",), ("fused",)),
+    ("other kernels", ("other",), ("other",)),
+    ("copies", ("copies",), ("copies",)),
+    ("comm", ("exposed_comm",), ("comm",)),
+    ("optimizer", ("optimizer",), ("optimizer",)),
+    ("device idle", ("launch_bound",), ("idle",)),
+)
+
+
+def category_table(results: list[dict], seq: int) -> list[str]:
+    """Predicted and measured milliseconds per step by kernel category, one row per
+    configuration (``pred / meas``). The measured side is the GPU's kernel time by kernel name
+    over the profiled steps (the optimizer's foreach kernels under ``optimizer``, aten's other
+    kernels under ``other kernels``); the predicted side is the plan's kernel groups and the
+    optimizer model. ``comm``: predicted exposed vs measured NCCL kernel time; ``device idle``:
+    predicted waiting for the host's launches vs measured time with no kernel running."""
+    rows = [r for r in results if r.get("status") == "ok" and r.get("predicted_ms_by_category")]
+    if not rows:
+        return []
+    lines = ["", "Where the time goes, ms per step (predicted / measured; measured from "
+             "torch.profiler kernel names, `–` where not profiled):", "",
+             "| model | layers | batch x seq | "
+             + " | ".join(name for name, _, _ in CATEGORY_COLUMNS) + " |",
+             "| --- | ---: | ---: |" + " ---: |" * len(CATEGORY_COLUMNS)]
+    for r in rows:
+        c, pred, meas = r["config"], r["predicted_ms_by_category"], r.get(
+            "measured_ms_by_category") or {}
+        cells = []
+        for _, pkeys, mkeys in CATEGORY_COLUMNS:
+            p = sum(pred.get(k, 0.0) for k in pkeys)
+            m = f"{sum(meas.get(k, 0.0) for k in mkeys):.1f}" if meas else "–"
+            cells.append(f"{p:.1f} / {m}")
+        lines.append(f"| {c['model']} | {c['layers']} | {c['batch']} x {c.get('seq') or seq} | "
+                     + " | ".join(cells) + " |")
+    return lines
 
 
 def main(argv=None) -> int:

@@ -266,6 +266,17 @@ def test_timeline_host_bound_kernels_and_overlap_slowdown():
     line.issue(d := _collective("tp"), 1e-3)  # waited at once: all of it is exposed
     line.wait(d)
     assert d.exposed_s == pytest.approx(1e-3) and line.t == pytest.approx(d.predicted_end_s)
+    # The time by category adds up to the stream's time: kernels, waiting for the host, waiting
+    # for a collective.
+    # (the two kernels launched while c ran took 1.5x as long)
+    assert line.by_category["other"] == pytest.approx(2 * 1.5e-6 + 3 * 1e-6)
+    assert line.by_category["exposed_comm"] == pytest.approx(1e-3)
+    assert sum(line.by_category.values()) == pytest.approx(line.t)
+    line = _Timeline(p)
+    for _ in range(5):
+        line.kernel(1e-6, "fused")
+    assert line.by_category == pytest.approx({"fused": 5e-6, "launch_bound": 5 * 10e-6 - 4e-6})
+    assert sum(line.by_category.values()) == pytest.approx(line.t)
 
 
 # ------------------------------------------------------------------------------ calibrate
@@ -292,3 +303,29 @@ def test_calibrate_on_cpu_writes_a_readable_profile(tmp_path, monkeypatch):
     assert {a.pass_ for a in p.attention} == {"forward", "backward"}
     assert p.kernel_launch_s > 0 and p.collectives == ()  # one process: no collectives
     assert p.intra == Link(*dataclasses.astuple(ClusterProfile("", "", "", "", "").intra))
+
+
+class _SyntheticTimer(cal.Timer):
+    """A device where every timing pays a fixed launch cost once, then ``per_call`` per call."""
+
+    def __init__(self, launch_s: float, per_call_s: float) -> None:
+        super().__init__(torch.device("cpu"))
+        self.launch_s, self.per_call_s, self.calls = launch_s, per_call_s, []
+
+    def time_calls(self, fn, calls: int) -> float:
+        self.calls.append(calls)
+        return self.launch_s + calls * self.per_call_s
+
+
+def test_calibration_times_kernels_back_to_back_not_their_launch():
+    # A 10 us kernel behind a 30 us launch: timed alone it looks 4x slower than it runs in a
+    # step (the h100 preset's small matmuls and memory-bound kernels were measured so).
+    timer = _SyntheticTimer(30e-6, 10e-6)
+    assert timer.median(lambda: None) == pytest.approx(40e-6)
+    timer.calls.clear()
+    per_call = timer.median(lambda: None, batch_s=cal.BATCH_S)
+    assert timer.calls[0] == 1 and timer.calls[1] == cal.calls_per_timing(40e-6, 2e-3, 256) == 50
+    assert per_call == pytest.approx(10e-6, rel=0.07)
+    # Long calls are timed one at a time; tiny ones at most ``most_calls`` at once.
+    assert cal.calls_per_timing(5e-3, 2e-3, 256) == 1
+    assert cal.calls_per_timing(1e-7, 2e-3, 256) == 256

@@ -117,6 +117,16 @@ def test_attention_is_one_kernel_and_its_memory_is_linear_in_seq():
     assert backward.count("aten._scaled_dot_product_efficient_attention_backward.default") == 1
     decomposed = ("aten._softmax", "aten._safe_softmax", "aten.bmm")
     assert not any(t.startswith(decomposed) for t in forward + backward)
+    # The predicted time by category: the attention kernel priced once per pass (not also as
+    # matmuls), every graph's categories adding up to its time.
+    by_category = plan.predicted.time_by_category_s
+    for graph in ("forward", "backward"):
+        parts = {k.split("/")[1]: v for k, v in by_category.items() if k.startswith(graph)}
+        assert sum(parts.values()) == pytest.approx(plan.predicted[f"{graph}_time_s"])
+        assert parts["matmul"] > 0 and parts["fused"] > 0
+    assert by_category["forward/attention_forward"] > 0
+    assert by_category["backward/attention_backward"] > 0
+    assert not {"forward/attention_backward", "backward/attention_forward"} & set(by_category)
     _, large = _attention_bytes(1024)
     # Everything the step holds grows with seq; a saved 1024x1024 score matrix per head alone
     # (2 x 4 MiB) would make it grow 16x.

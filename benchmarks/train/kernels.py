@@ -78,3 +78,60 @@ def kernel_breakdown(events: Iterable[dict[str, Any]], steps: int) -> dict[str, 
         "n_comm_kernels": len(comm) / max(steps, 1),
         "n_compute_kernels": len(compute) / max(steps, 1),
     }
+
+
+# What GPU kernels are, by name, in the categories the plan predicts
+# (shardc.planning.estimate.KERNEL_CATEGORIES) plus communication and the optimizer's kernels.
+KERNEL_CATEGORIES = ("matmul", "attention_forward", "attention_backward", "fused", "other",
+                     "comm", "optimizer", "copies")
+_ATTENTION_MARKS = ("flash", "fmha", "attention", "sdpa", "dot_product")
+_ATTENTION_BACKWARD_MARKS = ("bwd", "backward", "bprop", "cutlassb", "dq_dk_dv", "dkdv")
+_MATMUL_MARKS = ("gemm", "sm90_xmma", "xmma", "cutlass", "nvjet", "cublas", "wgmma", "matmul")
+_OPTIMIZER_MARKS = ("multi_tensor_apply", "foreach", "adam")
+
+
+def kernel_category(name: str) -> str:
+    """The category of one GPU kernel by its name (one of :data:`KERNEL_CATEGORIES` but
+    ``copies``, which is for memcpy/memset events): NCCL's are ``comm``; fused attention
+    (flash, cuDNN SDPA, memory-efficient ``fmha_cutlass``) ``attention_forward`` or
+    ``attention_backward``; cuBLAS/CUTLASS matmuls (``sm90_xmma``, ``nvjet``, ``*gemm*``)
+    ``matmul``; Triton's (Inductor's fused kernels) ``fused``; the foreach optimizer's
+    ``optimizer``; anything else (aten's elementwise, reduction and copy kernels) ``other``."""
+    low = name.lower()
+    if is_comm_kernel(low):
+        return "comm"
+    if any(m in low for m in _ATTENTION_MARKS):
+        return ("attention_backward" if any(m in low for m in _ATTENTION_BACKWARD_MARKS)
+                else "attention_forward")
+    if low.startswith("triton") or "triton_" in low:
+        return "fused"
+    if any(m in low for m in _MATMUL_MARKS):
+        return "matmul"
+    if any(m in low for m in _OPTIMIZER_MARKS):
+        return "optimizer"
+    return "other"
+
+
+def kernel_time_by_category(events: Iterable[dict[str, Any]], steps: int) -> dict[str, float]:
+    """Milliseconds per step of GPU kernel time by :func:`kernel_category` (kernels' own
+    durations, summed: overlapping kernels each count), ``copies`` for memcpy/memset events, and
+    ``idle``: time in the traced window with nothing running on the device (the host not
+    keeping up, or waits)."""
+    out = dict.fromkeys(KERNEL_CATEGORIES, 0.0)
+    spans = []
+    lo, hi = math.inf, -math.inf
+    for ev in events:
+        cat = ev.get("cat")
+        if ev.get("ph") != "X" or cat not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        start, dur = float(ev["ts"]), float(ev.get("dur", 0.0))
+        lo, hi = min(lo, start), max(hi, start + dur)
+        spans.append((start, start + dur))
+        key = kernel_category(str(ev.get("name", ""))) if cat == "kernel" else "copies"
+        out[key] += dur
+    if not spans:
+        return {}
+    per = 1e-3 / max(steps, 1)  # us -> ms per step
+    out = {k: v * per for k, v in out.items()}
+    out["idle"] = ((hi - lo) - measure(merge_intervals(spans))) * per
+    return out

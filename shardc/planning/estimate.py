@@ -116,6 +116,21 @@ def attention_seconds(node: fx.Node, profile: ClusterProfile) -> float:
     return flops / rate
 
 
+KERNEL_CATEGORIES = ("matmul", "attention_forward", "attention_backward", "fused", "other")
+
+
+def kernel_category(kernel: Kernel) -> str:
+    """What a kernel's time is reported under (``Predictions.time_by_category_s``; the
+    benchmarks sort measured GPU kernels into the same names): one of
+    :data:`KERNEL_CATEGORIES`."""
+    if kernel.kind == MATMUL:
+        return "matmul"
+    if kernel.kind == ATTENTION:
+        return ("attention_backward" if "backward" in base_name(kernel.nodes[0])
+                else "attention_forward")
+    return "fused" if kernel.kind == FUSABLE else "other"
+
+
 def kernel_seconds(kernel: Kernel, profile: ClusterProfile) -> float:
     """Device time of one kernel (at least ``kernel_gpu_s``)."""
     node = kernel.nodes[0]

@@ -102,6 +102,12 @@ class Predictions:
     # the most device bytes the host->device copies hold at once (counted in the peaks above).
     host_bytes: float | None = None
     device_copy_bytes: float | None = None
+    # Where the predicted graph times go, ``"<graph>/<category>"`` -> seconds: device time of
+    # the kernels by category (``shardc.planning.estimate.KERNEL_CATEGORIES``, ``copies``: the
+    # pack/unpack copies around collectives) and the compute stream's idle time waiting for the
+    # host's launches (``launch_bound``) or a collective (``exposed_comm``); a graph's entries
+    # add up to its ``<graph>_time_s``.
+    time_by_category_s: dict[str, float] | None = None
 
     def to_dict(self) -> dict[str, float]:
         """The predictions made, by name."""
@@ -115,6 +121,14 @@ class Predictions:
         if unknown:
             raise ValueError(f"shardc: unknown plan predictions {unknown}")
         return cls(**data)
+
+    def add_time_by_category(self, graph: str, seconds: dict[str, float]) -> None:
+        """Record one graph's time by category (see ``time_by_category_s``)."""
+        table = dict(self.time_by_category_s or {})
+        for category, s in seconds.items():
+            key = f"{graph}/{category}"
+            table[key] = table.get(key, 0.0) + s
+        self.time_by_category_s = table
 
     def set_graph(self, graph: str, time_s: float, exposed_s: float) -> None:
         """The predicted time and exposed communication of one graph ("forward"/"backward")."""

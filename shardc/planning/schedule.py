@@ -38,6 +38,7 @@ from shardc.planning.cost_model import node_flops_and_bytes
 from shardc.planning.estimate import (
     collective_copy_bytes,
     graph_input_bytes,
+    kernel_category,
     kernel_seconds,
     memory_seconds,
 )
@@ -301,17 +302,27 @@ class _Timeline:
         self.profile = profile
         self.host = self.t = self.exposed = 0.0
         self.free: dict[str, float] = {}
+        # Device seconds by kernel category, and the stream's idle time waiting for the host
+        # (``launch_bound``) or for a collective (``exposed_comm``): they add up to the graph's
+        # time (see :func:`kernel_category`).
+        self.by_category: dict[str, float] = {}
 
-    def kernel(self, seconds: float) -> tuple[float, float]:
+    def _add(self, category: str, seconds: float) -> None:
+        if seconds > 0:
+            self.by_category[category] = self.by_category.get(category, 0.0) + seconds
+
+    def kernel(self, seconds: float, category: str = "other") -> tuple[float, float]:
         """Run one kernel of ``seconds`` device time; returns its (start, end)."""
         self.host += self.profile.kernel_launch_s
         start = max(self.t, self.host)
+        self._add("launch_bound", start - self.t)
         busy_until = max(self.free.values(), default=0.0)
         if busy_until > start and seconds > 0:
             overlap = min(seconds * self.profile.overlap_slowdown, busy_until - start)
             # The overlapped part runs slower; the rest at full speed.
             seconds = overlap + (seconds - overlap / self.profile.overlap_slowdown)
         self.t = start + seconds
+        self._add(category, seconds)
         return start, self.t
 
     def issue(self, c: Collective, seconds: float) -> None:
@@ -327,6 +338,8 @@ class _Timeline:
         if c.predicted_end_s > ready:
             c.exposed_s = c.predicted_end_s - ready
             self.exposed += c.exposed_s
+        self._add("launch_bound", min(self.host, c.predicted_end_s) - self.t)
+        self._add("exposed_comm", c.predicted_end_s - max(self.t, self.host))
         self.t = max(self.t, c.predicted_end_s)
 
 
@@ -364,7 +377,7 @@ def _simulate(g: GraphView, colls: list[Collective], profile: ClusterProfile,
             return
         pack, _ = _copy_seconds(g, c, profile)
         if pack:
-            line.kernel(pack)
+            line.kernel(pack, "copies")
         line.issue(c, _duration(c, profile, tp_size))
 
     def wait(c: Collective) -> None:
@@ -372,7 +385,7 @@ def _simulate(g: GraphView, colls: list[Collective], profile: ClusterProfile,
             line.wait(c)
             _, unpack = _copy_seconds(g, c, profile)
             if unpack:
-                line.kernel(unpack)
+                line.kernel(unpack, "copies")
         if c.id in chained:
             issue(chained[c.id])
 
@@ -395,7 +408,8 @@ def _simulate(g: GraphView, colls: list[Collective], profile: ClusterProfile,
         if p < g.end:
             node = g.compute[p]
             flops, nbytes = node_flops_and_bytes(node)
-            spans = [line.kernel(kernel_seconds(k, profile)) for k in kernel_at.get(p, ())]
+            spans = [line.kernel(kernel_seconds(k, profile), kernel_category(k))
+                     for k in kernel_at.get(p, ())]
             # An op fused into a later kernel (or a view) takes no time: it sits where the
             # device could run the next kernel (the stream free, the host past its launch).
             here = max(line.t, line.host)
@@ -403,7 +417,7 @@ def _simulate(g: GraphView, colls: list[Collective], profile: ClusterProfile,
             ops.append(ComputeOp(node.name, str(node.target), flops, nbytes, start, end))
     for c in colls:
         c.overlaps = [op.name for op in ops[c.issue_pos:c.wait_pos]][:64]
-    return ops, line.t, line.exposed
+    return ops, line.t, line.exposed, line.by_category
 
 
 def _memory_timeline(g: GraphView, colls: list[Collective]) -> list[int]:
@@ -506,12 +520,13 @@ def plan_region(
         # group's order is the traced one.
         colls.sort(key=lambda c: (c.issue_pos, c.origin == "shardc",
                                   c.origin == "shardc" and c.kind != Kind.ALL_GATHER, c.bucket))
-        ops, step, exposed = _simulate(g, colls + copies, cluster, plan.tp_size)
+        ops, step, exposed, by_category = _simulate(g, colls + copies, cluster, plan.tp_size)
         plan.collectives.extend(colls)
         plan.copies.extend(copies)
         plan.graphs[g.name] = ops
         plan.memory_timeline[g.name] = _memory_timeline(g, colls + copies)
         plan.predicted.set_graph(g.name, step, exposed)
+        plan.predicted.add_time_by_category(g.name, by_category)
         total_time += step
         total_exposed += exposed
     elided = [c for c in plan.collectives if c.elided]

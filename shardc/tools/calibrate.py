@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import math
 import os
 import statistics
 import sys
@@ -55,33 +56,71 @@ CPU_MEMORY = tuple(64 * 1024 * 4 ** i for i in range(5))
 
 
 class Timer:
-    """Median seconds of a callable: CUDA events on a GPU, the wall clock on the CPU."""
+    """Median seconds of a callable: CUDA events on a GPU, the wall clock on the CPU.
+
+    ``median(fn, batch_s=...)`` times enough back-to-back calls to fill about ``batch_s`` and
+    divides: one call between two events right after a synchronization also times the host
+    launching it onto an idle device (tens of microseconds: a 1024^3 matmul came out at 15
+    TFLOP/s, a 1 MB add at 35 GB/s on an H100), which a compiled step, launching ahead of a busy
+    device, never pays (the step model adds the host's launch time itself). On a GPU the calls
+    are queued behind a short busy kernel, so that the device runs them back to back. Leave
+    ``batch_s`` at 0 for collectives: every rank must make the same calls."""
+
+    most_calls = 256
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._spin: torch.Tensor | None = None
 
     def sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def median(self, fn: Callable[[], object], reps: int = 5, warmup: int = 2) -> float:
+    def _busy(self, calls: int) -> None:
+        """Queue device work that takes longer than the host needs to launch ``calls`` kernels
+        (about 10 us each; one 2048^3 matmul takes 20-80 us on a recent GPU)."""
+        if self.device.type != "cuda" or calls <= 1:
+            return
+        if self._spin is None:
+            self._spin = torch.randn(2048, 2048, device=self.device, dtype=torch.bfloat16)
+        for _ in range(calls // 2 + 1):
+            self._spin @ self._spin
+
+    def time_calls(self, fn: Callable[[], object], calls: int) -> float:
+        """Seconds of ``calls`` back-to-back calls of ``fn``."""
+        if self.device.type == "cuda":
+            self._busy(calls)
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return time.perf_counter() - t0
+
+    def median(self, fn: Callable[[], object], reps: int = 5, warmup: int = 2,
+               batch_s: float = 0.0) -> float:
         for _ in range(warmup):
             fn()
         self.sync()
-        times = []
-        for _ in range(reps):
-            if self.device.type == "cuda":
-                start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        calls = 1
+        if batch_s > 0:
+            calls = calls_per_timing(self.time_calls(fn, 1), batch_s, self.most_calls)
+        return statistics.median(self.time_calls(fn, calls) / calls for _ in range(reps))
+
+
+def calls_per_timing(one_call_s: float, batch_s: float, most: int) -> int:
+    """How many back-to-back calls fill ``batch_s`` when one call (timed alone, so with its
+    launch) took ``one_call_s``: between 1 and ``most``."""
+    return max(1, min(most, math.ceil(batch_s / max(one_call_s, 1e-9))))
+
+
+# Compute timings run back to back for about this long (see Timer).
+BATCH_S = 2e-3
 
 
 def measure_matmuls(timer: Timer, shapes, dtypes) -> list[MatmulPoint]:
@@ -96,7 +135,7 @@ def measure_matmuls(timer: Timer, shapes, dtypes) -> list[MatmulPoint]:
                 continue
             a = torch.randn(m, k, device=dev, dtype=dtype)
             b = torch.randn(k, n, device=dev, dtype=dtype)
-            seconds = timer.median(functools.partial(torch.mm, a, b))
+            seconds = timer.median(functools.partial(torch.mm, a, b), batch_s=BATCH_S)
             out.append(MatmulPoint(str(dtype).removeprefix("torch."), m, n, k,
                                    2.0 * m * n * k / seconds))
     return out
@@ -114,7 +153,7 @@ def _fp8_matmul(timer: Timer, m: int, n: int, k: int, dtype: torch.dtype) -> Mat
     except (RuntimeError, TypeError):  # no FP8 on this device
         return None
     seconds = timer.median(lambda: _torch.scaled_mm(a, b, scale_a=one, scale_b=one,
-                                                    out_dtype=torch.bfloat16))
+                                                    out_dtype=torch.bfloat16), batch_s=BATCH_S)
     return MatmulPoint(str(dtype).removeprefix("torch."), m, n, k, 2.0 * m * n * k / seconds)
 
 
@@ -137,8 +176,8 @@ def measure_attention(timer: Timer, shapes, dtype, tokens: int) -> list[Attentio
         def fwd_bwd(fwd=fwd, inputs=(q, k, v), grad=grad):
             torch.autograd.grad(fwd(), inputs, grad)
 
-        t_f = timer.median(fwd)
-        t_fb = timer.median(fwd_bwd)
+        t_f = timer.median(fwd, batch_s=BATCH_S)
+        t_fb = timer.median(fwd_bwd, batch_s=BATCH_S)
         shape = [batch, heads, seq, head_dim]
         name = str(dtype).removeprefix("torch.")
         out.append(AttentionPoint(name, seq, head_dim, True, "forward",
@@ -156,7 +195,8 @@ def measure_memory(timer: Timer, sizes) -> list[tuple[int, float]]:
     for moved in sizes:
         n = max(1, moved // 12)  # three fp32 tensors
         x, y, z = (torch.ones(n, device=timer.device) for _ in range(3))
-        seconds = timer.median(functools.partial(torch.add, x, y, out=z), reps=7)
+        seconds = timer.median(functools.partial(torch.add, x, y, out=z), reps=7,
+                               batch_s=BATCH_S)
         out.append((12 * n, 12 * n / seconds))
     return out
 

@@ -334,8 +334,13 @@ def plan_table(plan: Plan, *, wide: bool = False, width: int = NARROW_WIDTH,
         lines.append("predicted: " + ", ".join(summary))
     if per_graph:
         lines.append("per graph: " + "; ".join(per_graph))
+    by_category = pred.get("time_by_category_s") or {}
+    if by_category:
+        lines.append("time by category: " + "; ".join(
+            f"{k} {_ms(v)} ms" for k, v in by_category.items() if v >= 5e-6))
     other = sorted(k for k in pred if k not in {
         "step_time_s", "comm_time_s", "exposed_comm_s", "peak_comm_buffer_bytes", "peak_bytes",
+        "time_by_category_s",
     } and not any(k in (f"{g}_time_s", f"{g}_exposed_comm_s") for g in _graph_names(plan)))
     if other:
         lines.append("other predictions: " + ", ".join(f"{k}={pred[k]:g}" for k in other))

@@ -1,0 +1,67 @@
+"""The benchmarks' GPU kernel categories (``benchmarks/train/kernels.py``): kernel names as
+torch.profiler traces show them on H100/H200, sorted the way the plan's predictions are."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.train.kernels import kernel_category, kernel_time_by_category
+
+
+@pytest.mark.parametrize("name, category", [
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1", "matmul"),
+    ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTT", "matmul"),
+    ("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x1_tn>",
+     "matmul"),
+    ("ampere_bf16_s16816gemm_bf16_128x128_ldg8_f2f_stages_32x5_tn", "matmul"),
+    ("void flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>, true>",
+     "attention_forward"),
+    ("void flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits>",
+     "attention_backward"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x128x128_4x1x1",
+     "attention_forward"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_3_64x64x128_4x1x1",
+     "attention_backward"),
+    ("fmha_cutlassF_bf16_aligned_64x128_rf_sm80", "attention_forward"),
+    ("fmha_cutlassB_bf16_aligned_64x64_k128_sm80", "attention_backward"),
+    ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_7", "fused"),
+    ("triton_poi_fused__to_copy_t_1", "fused"),
+    ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "comm"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<TensorListMetadata<4>>",
+     "optimizer"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>",
+     "other"),
+])
+def test_kernel_names_are_sorted_into_the_plans_categories(name, category):
+    assert kernel_category(name) == category
+
+
+def test_kernel_time_by_category_sums_per_step_and_counts_idle_time():
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "nvjet_tst_128x256", "ts": 0.0, "dur": 100.0},
+        {"ph": "X", "cat": "kernel", "name": "triton_poi_fused_add_0", "ts": 150.0, "dur": 50.0},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 200.0, "dur": 20.0},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0.0, "dur": 500.0},  # not GPU
+        {"ph": "X", "cat": "kernel", "name": "nvjet_tst_128x256", "ts": 300.0, "dur": 100.0},
+    ]
+    out = kernel_time_by_category(events, steps=2)
+    assert out["matmul"] == pytest.approx(0.1)  # 200 us over 2 steps, in ms
+    assert out["fused"] == pytest.approx(0.025) and out["copies"] == pytest.approx(0.01)
+    assert out["idle"] == pytest.approx((50.0 + 80.0) / 2 / 1e3)
+    assert kernel_time_by_category([], steps=1) == {}
+
+
+def test_predict_step_sets_predicted_beside_measured_by_category():
+    from benchmarks.predict_step import category_table, predicted_by_category
+
+    pred = predicted_by_category([{"forward/matmul": 0.010, "backward/matmul": 0.020,
+                                   "backward/launch_bound": 0.001}], optimizer_s=0.016)
+    assert pred["matmul"] == pytest.approx(30.0) and pred["backward/matmul"] == pytest.approx(20.0)
+    assert pred["optimizer"] == pytest.approx(16.0)
+    row = {"status": "ok", "config": {"model": "1b", "layers": 8, "batch": 4, "seq": None},
+           "predicted_ms_by_category": pred,
+           "measured_ms_by_category": {"matmul": 24.0, "optimizer": 15.0, "idle": 2.0}}
+    table = category_table([row], 2048)
+    assert table[-1].startswith("| 1b | 8 | 4 x 2048 | 30.0 / 24.0 |")
+    assert "| 16.0 / 15.0 | 1.0 / 2.0 |" in table[-1]
+    assert category_table([{**row, "status": "error"}], 2048) == []
