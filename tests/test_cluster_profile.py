@@ -18,6 +18,7 @@ from shardc.planning.kernels import FUSABLE, MATMUL, group_kernels
 from shardc.planning.plan import Collective
 from shardc.planning.profile import (
     PRESETS,
+    PROFILE_VERSION,
     ClusterProfile,
     CollectiveCurve,
     Link,
@@ -112,8 +113,12 @@ def test_profile_round_trips_through_json():
 
 def test_profile_version_and_format_errors_are_clear(tmp_path):
     data = _profile().to_dict()
-    with pytest.raises(ProfileError, match="version 99; this shardc reads versions 1"):
+    with pytest.raises(ProfileError, match="version 99; this shardc reads versions 1, 2"):
         ClusterProfile.from_dict({**data, "version": 99})
+    # A version-1 profile (before the compiled graphs' host cost): eager launches, no call cost.
+    old = {k: v for k, v in data.items() if k not in ("compiled_launch_s", "graph_call_s")}
+    v1 = ClusterProfile.from_dict({**old, "version": 1})
+    assert v1.graph_launch_s() == v1.kernel_launch_s and v1.graph_call_s == 0.0
     with pytest.raises(ProfileError, match="not a cluster profile"):
         ClusterProfile.from_dict({k: v for k, v in data.items() if k != "format"})
     with pytest.raises(ProfileError, match="malformed"):
@@ -279,6 +284,29 @@ def test_timeline_host_bound_kernels_and_overlap_slowdown():
     assert sum(line.by_category.values()) == pytest.approx(line.t)
 
 
+def test_timeline_charges_a_compiled_graphs_host_cost():
+    """A compiled graph's kernels cost the host ``compiled_launch_s`` each (not an eager op's
+    launch) after ``graph_call_s`` of calling the graph: tiny kernels wait for the host."""
+    p = _profile(kernel_launch_s=5e-6, compiled_launch_s=30e-6, graph_call_s=1e-3)
+    line = _Timeline(p)
+    for _ in range(10):
+        line.kernel(1e-6)
+    assert line.t == pytest.approx(1e-3 + 10 * 30e-6 + 1e-6)
+    assert line.by_category["launch_bound"] == pytest.approx(line.t - 10e-6)
+
+
+def test_compiled_host_cost_fit_recovers_per_kernel_and_per_call():
+    per_kernel, per_call = 25e-6, 400e-6  # per graph; a training step calls two
+
+    def step(kernels: int) -> tuple[float, float]:
+        return kernels, 2 * per_call + kernels * per_kernel
+
+    got_kernel, got_call = cal.fit_compiled_host_cost(step(14), step(110))
+    assert got_kernel == pytest.approx(per_kernel) and got_call == pytest.approx(per_call)
+    with pytest.raises(ValueError, match="launched"):
+        cal.fit_compiled_host_cost(step(14), step(14))
+
+
 # ------------------------------------------------------------------------------ calibrate
 
 
@@ -296,7 +324,7 @@ def test_calibrate_on_cpu_writes_a_readable_profile(tmp_path, monkeypatch):
     out = tmp_path / "cpu.json"
     assert cal.main(["--device", "cpu", "--quick", "--out", str(out), "--name", "ci"]) == 0
     p = load_profile(str(out))
-    assert p.name == "ci" and p.source == "measured" and p.version == 1
+    assert p.name == "ci" and p.source == "measured" and p.version == PROFILE_VERSION == 2
     assert "calibrate --device cpu" in p.command
     assert {m.dtype for m in p.matmul} == {"float32", "bfloat16"}
     assert all(m.flops_per_s > 0 for m in p.matmul) and p.memory_bandwidth(1 << 17) > 0

@@ -29,8 +29,10 @@ from shardc.planning.cost_model import ClusterSpec
 from shardc.planning.fit import interp_linear, interp_log, interp_nearest_log
 
 PROFILE_FORMAT = "shardc-cluster-profile"
-PROFILE_VERSION = 1
-READABLE_PROFILE_VERSIONS = (1,)
+# Version 2 added ``compiled_launch_s`` and ``graph_call_s`` (the host cost of compiled graphs);
+# a version-1 profile reads with the launch of an eager kernel for both and no call cost.
+PROFILE_VERSION = 2
+READABLE_PROFILE_VERSIONS = (1, 2)
 PRESETS = ("h100", "h200")
 
 
@@ -86,8 +88,11 @@ class Link:
 class ClusterProfile:
     """See the module docstring. ``memory`` holds ``(bytes moved, bytes/s)`` of memory-bound
     kernels; ``kernel_gpu_s`` is the fixed device time of one kernel (launch latency, tail),
-    ``kernel_launch_s`` the host time to launch one from a compiled graph;
-    ``overlap_slowdown`` multiplies compute time while a collective runs."""
+    ``kernel_launch_s`` the host time to launch one eager op (the optimizer's foreach ops);
+    ``compiled_launch_s`` the host time per kernel of a compiled training graph and
+    ``graph_call_s`` the host time of calling one (guards, wrappers, autograd), both measured
+    on a compiled chain of kernels (None / 0 where not measured: ``kernel_launch_s`` and no
+    call cost); ``overlap_slowdown`` multiplies compute time while a collective runs."""
 
     name: str
     device: str
@@ -102,6 +107,8 @@ class ClusterProfile:
     memory: tuple[tuple[int, float], ...] = ()
     kernel_gpu_s: float = 2e-6
     kernel_launch_s: float = 6e-6
+    compiled_launch_s: float | None = None
+    graph_call_s: float = 0.0
     collective_launch_s: float = 15e-6
     collectives: tuple[CollectiveCurve, ...] = ()
     intra: Link = field(default_factory=lambda: Link(350e9, 4e-6))
@@ -115,6 +122,10 @@ class ClusterProfile:
     version: int = PROFILE_VERSION
 
     # ------------------------------------------------------------------ lookups
+
+    def graph_launch_s(self) -> float:
+        """Host seconds per kernel of a compiled graph."""
+        return self.kernel_launch_s if self.compiled_launch_s is None else self.compiled_launch_s
 
     def matmul_rate(self, m: int, n: int, k: int, dtype: str) -> float:
         """FLOP/s of an ``m x k @ k x n`` matmul in ``dtype``: the measured table of that dtype

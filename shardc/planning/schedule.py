@@ -300,7 +300,9 @@ class _Timeline:
 
     def __init__(self, profile: ClusterProfile) -> None:
         self.profile = profile
-        self.host = self.t = self.exposed = 0.0
+        self.t = self.exposed = 0.0
+        # The host reaches the graph's first kernel after calling it (guards, wrappers).
+        self.host = profile.graph_call_s
         self.free: dict[str, float] = {}
         # Device seconds by kernel category, and the stream's idle time waiting for the host
         # (``launch_bound``) or for a collective (``exposed_comm``): they add up to the graph's
@@ -313,7 +315,7 @@ class _Timeline:
 
     def kernel(self, seconds: float, category: str = "other") -> tuple[float, float]:
         """Run one kernel of ``seconds`` device time; returns its (start, end)."""
-        self.host += self.profile.kernel_launch_s
+        self.host += self.profile.graph_launch_s()
         start = max(self.t, self.host)
         self._add("launch_bound", start - self.t)
         busy_until = max(self.free.values(), default=0.0)

@@ -223,6 +223,56 @@ def measure_kernel_overheads(timer: Timer) -> tuple[float, float]:
     return start.elapsed_time(end) / 1e3 / n, host
 
 
+def fit_compiled_host_cost(short: tuple[float, float], long: tuple[float, float]
+                           ) -> tuple[float, float]:
+    """(host seconds per kernel, host seconds per graph call) from two compiled chains, each
+    ``(kernels per training step, host seconds per training step)``: the line through them.
+    A training step calls two graphs (forward, backward): the call cost is split between them."""
+    (k1, t1), (k2, t2) = short, long
+    if k2 <= k1:
+        raise ValueError(f"calibrate: the long chain launched {k2} kernels, the short {k1}")
+    per_kernel = max((t2 - t1) / (k2 - k1), 0.0)
+    return per_kernel, max(t1 - k1 * per_kernel, 0.0) / 2
+
+
+def measure_compiled_host_cost(device: torch.device, lengths: tuple[int, int] = (4, 32),
+                               steps: int = 50) -> tuple[float, float]:
+    """Host seconds per kernel of a compiled training graph and per graph call (see
+    :func:`fit_compiled_host_cost`), from Inductor-compiled chains of tiny matmul + ReLU
+    layers trained forward and backward: the kernels take a few microseconds, so the step is
+    bound by the host, which is what is measured (the wall time of ``steps`` steps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    points = []
+    for length in lengths:
+        weights = [torch.randn(64, 64, device=device, requires_grad=True) for _ in range(length)]
+        x = torch.randn(64, 64, device=device)
+
+        def chain(inp: torch.Tensor, ws=weights) -> torch.Tensor:
+            for w in ws:
+                inp = torch.relu(inp @ w)
+            return inp
+
+        compiled = torch.compile(chain)
+
+        def step(fn=compiled, inp=x) -> None:
+            fn(inp).sum().backward()
+
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize(device)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize(device)
+        kernels = sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize(device)
+        points.append((kernels, (time.perf_counter() - start) / steps))
+    return fit_compiled_host_cost(points[0], points[1])
+
+
 # ------------------------------------------------------------------------------ collectives
 
 
@@ -372,6 +422,11 @@ def calibrate(device: torch.device, *, quick: bool = False, name: str | None = N
         dev_name, capacity = f"CPU ({os.cpu_count()} cores)", 0
     log(f"attention and memory ({time.perf_counter() - t0:.0f} s)")
     gpu_s, launch_s = measure_kernel_overheads(timer)
+    compiled_launch_s, graph_call_s = (measure_compiled_host_cost(device) if gpu
+                                       else (None, 0.0))
+    if gpu:
+        log(f"compiled graphs: {compiled_launch_s * 1e6:.1f} us per kernel, "
+            f"{graph_call_s * 1e6:.0f} us per call ({time.perf_counter() - t0:.0f} s)")
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     curves, link, slowdown = [], None, None
     if world > 1:
@@ -393,7 +448,8 @@ def calibrate(device: torch.device, *, quick: bool = False, name: str | None = N
         torch=torch.__version__, device_memory_bytes=int(capacity), gpus=world,
         node_size=max(defaults.node_size, int(os.environ.get("LOCAL_WORLD_SIZE", 1))),
         matmul=tuple(mm), attention=tuple(attn), memory=tuple(mem),
-        kernel_gpu_s=gpu_s, kernel_launch_s=launch_s,
+        kernel_gpu_s=gpu_s, kernel_launch_s=launch_s, compiled_launch_s=compiled_launch_s,
+        graph_call_s=graph_call_s,
         collectives=tuple(curves), intra=link or defaults.intra,
         overlap_slowdown=slowdown if slowdown is not None else defaults.overlap_slowdown,
         notes=tuple(notes))
