@@ -282,6 +282,7 @@ def test_cli_step_time_comes_from_the_cluster_profile(tmp_path, capsys):
                         for p in fast.attention),
         memory=tuple((n, bw / 10) for n, bw in fast.memory),
         kernel_gpu_s=fast.kernel_gpu_s * 10, kernel_launch_s=fast.kernel_launch_s * 10,
+        compiled_launch_s=fast.graph_launch_s() * 10, graph_call_s=fast.graph_call_s * 10,
         collective_launch_s=fast.collective_launch_s * 10,
         collectives=(), intra=Link(fast.intra.bus_bandwidth / 10, fast.intra.latency_s * 10))
     path = tmp_path / "slow.json"
