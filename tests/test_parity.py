@@ -70,13 +70,13 @@ def _parity_scenarios(world: int) -> dict[str, tuple[str, str, dict]]:
     }
     optional = [
         (at(1, 3), "eager", ("llama", "eager", {})),
-        (at(2, 3), "no_prefetch", ("llama", "fx", {"prefetch": False})),
+        (at(2), "no_prefetch", ("llama", "fx", {"prefetch": False})),
         (at(3, 4), "variant", ("variant", "fx", {})),
         (at(2), "repeated", ("repeated", "fx", {})),  # one module applied twice per forward
         # The optimizer steps the local shards (shardc.optim.local_shard_step).
         (at(1, 4), "local_step", ("llama", "fx", {"local_step": True})),
-        (at(3), "variant_local_sgd", ("variant", "fx", {"local_step": True, "optim": "sgd"})),
-        (at(3), "blocks_inline", ("blocks", "fx", {"eval": True, "compile_blocks_once": False})),
+        (at(1), "variant_local_sgd", ("variant", "fx", {"local_step": True, "optim": "sgd"})),
+        (at(1), "blocks_inline", ("blocks", "fx", {"eval": True, "compile_blocks_once": False})),
         # dynamic=True traces the blocks' float attributes (LayerNorm's eps) as symbols, which
         # a shared body cannot take in torch 2.11-2.13: every block inline, with the reason.
         (at(2), "blocks_dynamic", ("blocks", "fx", {"dynamic": True, "eval": True})),
