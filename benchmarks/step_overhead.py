@@ -49,7 +49,7 @@ for _path in (_BENCHMARKS.parent, _BENCHMARKS):
         sys.path.insert(0, str(_path))
 
 import bench_mesh  # noqa: E402
-from train.kernels import measure, merge_intervals  # noqa: E402
+from train.kernels import kernel_time_by_category, measure, merge_intervals  # noqa: E402
 from train.modes import setup_mode  # noqa: E402
 from train.provenance import git_describe, launch_command  # noqa: E402
 from train.runner import free_memory, gather_objects  # noqa: E402
@@ -229,7 +229,16 @@ def summarize_trace(events: list[dict], steps: int, wall_ms: float, top: int) ->
     top_ops = {ph: [(n, round(ms, 4)) for n, ms in sorted(d.items(), key=lambda x: -x[1])[:top]]
                for ph, d in self_ms.items()}
     busy = measure(merge_intervals((e["ts"], e["ts"] + e["dur"]) for e in gpu)) / 1e3 / steps
+    kernel_ms: dict[str, float] = defaultdict(float)
+    for e in gpu:
+        kernel_ms[str(e["name"])] += e["dur"] / 1e3 / steps
     return {"cpu_ms_per_step": {k: round(v, 4) for k, v in phase_ms.items()},
+            "gpu_ms_by_category": ({k: round(v, 4) for k, v in
+                                    kernel_time_by_category(spans, steps).items()}
+                                   if gpu else None),
+            "top_gpu_kernels_ms": [(n, round(ms, 4), sum(1 for e in gpu if e["name"] == n) / steps)
+                                   for n, ms in sorted(kernel_ms.items(),
+                                                       key=lambda x: -x[1])[:2 * top]],
             "top_self_ms_per_step": top_ops,
             "wall_ms_per_step": round(wall_ms / steps, 4),
             "gpu_busy_ms_per_step": round(busy, 4) if gpu else None}
@@ -291,6 +300,13 @@ def render(report: dict[str, Any]) -> str:
             total = r["profile"]["cpu_ms_per_step"].get(phase)
             head = f"- **{phase}**" + (f" ({total:.2f} ms)" if total is not None else "")
             lines.append(head + ": " + ", ".join(f"`{n}` {ms:.3f}" for n, ms in ops))
+        cats = r["profile"].get("gpu_ms_by_category")
+        if cats:
+            lines += ["", "GPU kernel ms per step by category: "
+                      + ", ".join(f"{k} {v:.3f}" for k, v in cats.items()), "",
+                      "Top GPU kernels (ms per step, launches per step): "
+                      + ", ".join(f"`{n[:90]}` {ms:.3f} ({cnt:g})"
+                                  for n, ms, cnt in r["profile"]["top_gpu_kernels_ms"])]
     return "\n".join(lines) + "\n"
 
 
@@ -301,7 +317,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     mesh = bench_mesh.build_mesh(device.type, world, None, 1)
-    rows = []
+    rows: list[dict[str, Any]] = []
+    meta = {"command": launch_command(sys.argv if argv is None else
+                                      ["benchmarks/step_overhead.py", *argv]),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "world": world, "torch": torch.__version__, "git": git_describe(),
+            "optim_impl": args.optim_impl}
+
+    def write() -> None:  # after every row: a run cut short keeps what it measured
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        report = {"meta": meta, "rows": rows}
+        (out / f"{args.name}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+        (out / f"{args.name}.md").write_text(render(report))
+
     for layers in args.n_layers:
         for batch in args.batch:
             batch = batch or DEFAULT_BATCH[args.model]
@@ -313,18 +342,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                 if rank == 0:
                     print(f"{args.model} L{row['n_layers']} b{batch} {mode}: step "
                           f"{row['step_ms']:.2f} ms, issue {row['issue_ms']}", flush=True)
-    report = {"meta": {"command": launch_command(sys.argv if argv is None else
-                                                 ["benchmarks/step_overhead.py", *argv]),
-                       "device": torch.cuda.get_device_name(device) if device.type == "cuda"
-                       else "cpu", "world": world, "torch": torch.__version__,
-                       "git": git_describe(), "optim_impl": args.optim_impl},
-              "rows": rows}
+                    write()
     if rank == 0:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"{args.name}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-        (out / f"{args.name}.md").write_text(render(report))
-        print(render(report), flush=True)
+        print(render({"meta": meta, "rows": rows}), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
