@@ -17,10 +17,13 @@ Models (Llama-shaped, bf16 compute, fp32 masters, AdamW):
 
 Modes, on the same model, batches and settings, in the same process one after the other:
 ``shardc``: ``shardc.shard(model, mesh, mp_policy=bf16, offload=shardc.OffloadPolicy())``, then
-``torch.compile(model, backend=shardc.backend(inductor=...))``; ``fsdp2``: ``fully_shard`` per
-block and the root with ``offload_policy=CPUOffloadPolicy()`` and the same mixed precision,
-eager (the usual FSDP2 setup). The optimizer is ``torch.optim.AdamW(fused=True)`` on the host
-parameters in both (``--no-fused``: the default single-tensor kernels).
+``torch.compile(model, backend=shardc.backend(inductor=...))``; ``shardc-budget``: the same
+with ``peak_memory_budget_bytes=--budget`` (default ``auto``): the planner keeps buckets
+gathered for the backward where memory allows, saving their second host->device copy;
+``fsdp2``: ``fully_shard`` per block and the root with ``offload_policy=CPUOffloadPolicy()``
+and the same mixed precision, eager (the usual FSDP2 setup). The optimizer is
+``torch.optim.AdamW(fused=True)`` on the host parameters in both (``--no-fused``: the default
+single-tensor kernels).
 
 Per mode: median step time and tokens/s over ``--steps`` timed steps after ``--warmup`` steps
 (the first compiles), peak device memory allocated, and for shardc the plan's predicted device
@@ -70,7 +73,7 @@ def _free(device: torch.device) -> None:
             empty_host()
 
 
-def _shardc_model(cfg, mesh, device, args):
+def _shardc_model(cfg, mesh, device, args, mode: str = "shardc"):
     with torch.device("meta"):
         model = Transformer(cfg)
     policy = shardc.OffloadPolicy(simulate_on_cpu=device.type == "cpu",
@@ -80,11 +83,15 @@ def _shardc_model(cfg, mesh, device, args):
                  reshard_after_forward=args.reshard)
     torch.manual_seed(0)
     model.init_weights(buffer_device=device)
-    forward = torch.compile(model, backend=shardc.backend(inductor=args.inductor))
+    budget = {}
+    if mode == "shardc-budget":  # the planner keeps buckets gathered where the budget allows
+        budget["peak_memory_budget_bytes"] = (args.budget if args.budget == "auto"
+                                              else int(float(args.budget)))
+    forward = torch.compile(model, backend=shardc.backend(inductor=args.inductor, **budget))
     return model, forward
 
 
-def _fsdp2_model(cfg, mesh, device, args):
+def _fsdp2_model(cfg, mesh, device, args, mode: str = "fsdp2"):
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     with torch.device("meta"):
@@ -110,8 +117,8 @@ def _batches(cfg, n, batch, seq, device):
 
 def run_mode(mode: str, cfg: LlamaConfig, mesh, device, args) -> dict:
     t0 = time.perf_counter()
-    build = _shardc_model if mode == "shardc" else _fsdp2_model
-    model, forward = build(cfg, mesh, device, args)
+    build = _shardc_model if mode.startswith("shardc") else _fsdp2_model
+    model, forward = build(cfg, mesh, device, args, mode)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.fused or None)
     setup_s = time.perf_counter() - t0
     data = _batches(cfg, args.warmup + args.steps, args.batch, args.seq, device)
@@ -142,7 +149,7 @@ def run_mode(mode: str, cfg: LlamaConfig, mesh, device, args) -> dict:
            "losses": losses}
     if device.type == "cuda":
         out["peak_alloc_bytes"] = torch.cuda.max_memory_allocated()
-    if mode == "shardc":
+    if mode.startswith("shardc"):
         plans = shardc.explain_all(forward)
         out["predicted_peak_bytes"] = max(p.predicted.peak_bytes or 0 for p in plans)
         out["predicted_host_bytes"] = max(p.predicted.host_bytes or 0 for p in plans)
@@ -155,7 +162,10 @@ def run_mode(mode: str, cfg: LlamaConfig, mesh, device, args) -> dict:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="big,small")
-    parser.add_argument("--modes", default="shardc,fsdp2")
+    parser.add_argument("--modes", default="shardc,fsdp2",
+                        help="of shardc, shardc-budget (with --budget), fsdp2")
+    parser.add_argument("--budget", default="auto",
+                        help="shardc-budget's peak_memory_budget_bytes: bytes or auto")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--warmup", type=int, default=2)
@@ -227,7 +237,8 @@ def main() -> None:
     meta = {"command": " ".join(sys.argv), "torch": torch.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "gpu": gpu, "batch": args.batch, "seq": args.seq, "inductor": args.inductor,
-            "fused": args.fused, "reshard_after_forward": args.reshard}
+            "fused": args.fused, "reshard_after_forward": args.reshard,
+            "shardc_budget": args.budget}
     lines = ["| model | mode | median step (s) | of which fwd+bwd (s) | tokens/s | "
              "peak device GiB | predicted GiB |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:

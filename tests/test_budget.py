@@ -13,7 +13,16 @@ from torch.utils.checkpoint import CheckpointPolicy
 from shardc.compile.options import ShardcOptions
 from shardc.planning import budget, recompute
 from shardc.planning.budget import Candidate, MemoryBudgetError
-from shardc.planning.plan import PLAN_VERSION, BlockDecision, BucketDecision, MemoryBudget, Plan
+from shardc.planning.plan import (
+    PLAN_VERSION,
+    BlockDecision,
+    Bucket,
+    BucketDecision,
+    Collective,
+    CollectiveKind,
+    MemoryBudget,
+    Plan,
+)
 
 MINIMUM = 1000
 
@@ -93,6 +102,33 @@ def test_budget_record_round_trips_and_enters_the_hash():
     del data["budget"]
     assert Plan.from_dict(data).budget is None and Plan.from_dict(data).hash() == before
     assert "peak budget" in plan.table() and "layers.0: kept" in plan.table()
+
+
+def _timed(kind: CollectiveKind, bucket: int, ms: float, elided: bool = False) -> Collective:
+    return Collective(f"backward.{kind.value}.{bucket}", kind, "backward", bucket, [f"p{bucket}"],
+                      400, 400, "float32", "copy", 0, 1, 1, 1, predicted_end_s=ms * 1e-3,
+                      elided=elided)
+
+
+def test_offload_copies_count_as_what_keeping_saves():
+    # CPU offload: a bucket the backward gathers again is copied to the device again, so keeping
+    # it saves the copy too, even where its gather is elided (one rank).
+    plan = Plan(PLAN_VERSION, 0, 1, {}, [], [])
+    plan.buckets = [Bucket(i, f"b{i}", [f"p{i}"], [10], [10], [10], "float32", "float32", 1)
+                    for i in range(4)]
+    gather, copy = CollectiveKind.ALL_GATHER, CollectiveKind.H2D_COPY
+    plan.collectives = [_timed(gather, 1, 0.0, elided=True), _timed(gather, 2, 0.0, elided=True),
+                        _timed(gather, 3, 1.0)]
+    plan.copies = [_timed(copy, 1, 2.0), _timed(copy, 3, 2.0)]
+    cands, fixed = budget.candidates(plan)
+    assert [(c.bucket, round(c.saved_s * 1e3, 6), round(c.copy_s * 1e3, 6)) for c in cands] == \
+        [(1, 2.0, 2.0), (3, 3.0, 2.0)]
+    assert [d.bucket for d in fixed] == [2] and "elided" in fixed[0].reason
+    decided = budget.choose(cands, fixed, 10**9, MINIMUM, lambda kept: MINIMUM)
+    reasons = {d.bucket: d.reason for d in decided.decisions}
+    assert decided.kept == [1, 3]
+    assert "0.000 ms of backward all-gather and 2.000 ms of host->device copy" in reasons[1]
+    assert "1.000 ms of backward all-gather and 2.000 ms of host->device copy" in reasons[3]
 
 
 def test_refusal_names_the_minimum_and_its_largest_terms():

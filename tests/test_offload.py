@@ -113,6 +113,28 @@ def _train(rank: int, world: int) -> dict:
     mixed = torch.optim.SGD([param, torch.zeros(2, device="meta", requires_grad=True)], lr=0.1)
     out["mixed_step"] = _error(mixed.step)
     out["optimizer_only"] = _optimizer_only(rank, mesh)
+    out["budget"] = _budget_keeps(rank, mesh)
+    return out
+
+
+def _budget_keeps(rank: int, mesh) -> dict:
+    """A peak budget with room keeps buckets gathered, which under offload also removes the
+    backward's host->device copies: the same training (bitwise), fewer copies."""
+    out = {}
+    for name, options in (("resharded", {}), ("budget", {"peak_memory_budget_bytes": 10**9})):
+        model = shardc.shard(_model(), mesh, offload=SIM)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        compiled = torch.compile(model, backend=shardc.backend(inductor=False, **options))
+        gen = torch.Generator().manual_seed(rank)
+        for _ in range(2):
+            _step(compiled, opt, gen)
+            opt.zero_grad()
+        plan = shardc.explain(compiled)
+        out[name] = {
+            "params": [p.full_tensor() for p in model.parameters()],
+            "backward_h2d": sum(c.kind == "h2d_copy" and c.graph == "backward"
+                                for c in plan.copies),
+            "reasons": [d.reason for d in plan.budget.decisions] if plan.budget else []}
     return out
 
 
@@ -281,3 +303,12 @@ def test_optimizer_only_offload_refusals_name_the_parameter(runs):
     assert "tok_embeddings.weight" in msg and "Replicate" in msg, msg
     assert out["mixed"].startswith("RuntimeError") and "own optimizer" in out["mixed"], \
         out["mixed"]
+
+
+def test_a_peak_budget_keeps_offloaded_buckets_gathered_and_saves_their_copies(runs):
+    out = runs[0]["budget"]
+    assert out["resharded"]["backward_h2d"] > 0 and out["budget"]["backward_h2d"] == 0
+    kept = [r for r in out["budget"]["reasons"] if r.startswith("kept gathered")]
+    assert kept and all("host->device copy (CPU offload)" in r for r in kept), kept
+    for a, b in zip(out["resharded"]["params"], out["budget"]["params"], strict=True):
+        assert torch.equal(a, b)

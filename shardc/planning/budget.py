@@ -12,7 +12,8 @@ after the forward (the fixed policy's choice). The decision is a deterministic g
    is the plan (:func:`keep_all`); otherwise the budget is refused (:class:`MemoryBudgetError`,
    naming the lower of the two peaks and its largest terms).
 2. Rank the buckets by predicted time saved per byte held (the backward all-gather's time by
-   the cost model, over the bucket's gathered bytes; ties by bucket index) and keep them in that
+   the cost model and, under CPU offload, the backward's host->device copy of the bucket's
+   shards, over the bucket's gathered bytes; ties by bucket index) and keep them in that
    order while the estimated peak (the last verified peak plus the kept bytes, scaled by what
    a kept byte verifiably added so far, at least :data:`MIN_SCALE`) stays within the budget.
 3. Verify by planning and predicting the chosen configuration (a partition, a plan and a peak
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardc.planning.plan import BucketDecision, CollectiveKind, MemoryBudget, Plan
+from shardc.planning.plan import BucketDecision, Collective, CollectiveKind, MemoryBudget, Plan
 
 MAX_TRIALS = 4  # verifying partitions after the fully resharded one, whatever the model
 # "auto": the device's capacity less what the prediction does not count (the CUDA context,
@@ -60,8 +61,17 @@ class Candidate:
     bucket: int
     name: str
     params: tuple[str, ...]
-    saved_s: float  # predicted backward all-gather time removed
+    saved_s: float  # predicted backward time removed: all-gathers and host->device copies
     nbytes: int  # gathered bytes held from the forward to the backward
+    copy_s: float = 0.0  # of saved_s, the backward's host->device copies (CPU offload)
+
+    def saves(self) -> str:
+        """What keeping the bucket saves, in words (for its decision's reason)."""
+        gather_ms, copy_ms = (self.saved_s - self.copy_s) * 1e3, self.copy_s * 1e3
+        if not copy_ms:
+            return f"{gather_ms:.3f} ms of backward all-gather"
+        return (f"{gather_ms:.3f} ms of backward all-gather and {copy_ms:.3f} ms of "
+                "host->device copy (CPU offload)")
 
     @property
     def ratio(self) -> float:
@@ -76,25 +86,38 @@ def _gathered_bytes(plan: Plan, bucket: int, params: set[str]) -> int:
 
 def candidates(plan: Plan) -> tuple[list[Candidate], list[BucketDecision]]:
     """The buckets of a fully resharded plan that the backward gathers again (candidates), and
-    decisions for those it gathers over a one-rank group (elided: nothing to save)."""
+    decisions for those it gathers over a one-rank group (elided: nothing to save).
+
+    Under CPU offload a bucket the backward gathers again also copies its host shards to the
+    device again: keeping it gathered saves that copy too, even where the gather itself is
+    elided (one rank), so such a bucket is a candidate for the copy alone."""
     by_bucket: dict[int, list] = {}
     for c in plan.collectives:
         if c.origin == "shardc" and c.kind == CollectiveKind.ALL_GATHER and c.graph == "backward":
             by_bucket.setdefault(c.bucket, []).append(c)
+    copy_s: dict[int, float] = {}
+    for c in plan.copies:
+        if c.kind == CollectiveKind.H2D_COPY and c.graph == "backward":
+            copy_s[c.bucket] = copy_s.get(c.bucket, 0.0) + _duration(c)
     out, fixed = [], []
     for index in sorted(by_bucket):
         colls = by_bucket[index]
         params = sorted({p for c in colls for p in c.params})
         nbytes = _gathered_bytes(plan, index, set(params))
         name = plan.buckets[index].name
-        if all(c.elided for c in colls):
+        copies = copy_s.get(index, 0.0)
+        if all(c.elided for c in colls) and not copies:
             fixed.append(BucketDecision(index, name, False, 0.0, nbytes,
                                         "resharded: its gathers are elided (one-rank group), "
                                         "keeping it would save no time", params))
             continue
-        saved = sum(c.predicted_end_s - c.predicted_start_s for c in colls if not c.elided)
-        out.append(Candidate(index, name, tuple(params), saved, nbytes))
+        saved = sum(_duration(c) for c in colls if not c.elided) + copies
+        out.append(Candidate(index, name, tuple(params), saved, nbytes, copies))
     return out, fixed
+
+
+def _duration(c: Collective) -> float:
+    return c.predicted_end_s - c.predicted_start_s
 
 
 def refuse_below_minimum(budget: int, minimum: int, plan: Plan, *,
@@ -189,7 +212,7 @@ def choose(cands: list[Candidate], fixed: list[BucketDecision], budget: int, min
     for c in cands:
         saved_ms = c.saved_s * 1e3
         if c.bucket in kept:
-            reason = (f"kept gathered: saves {saved_ms:.3f} ms of backward all-gather for "
+            reason = (f"kept gathered: saves {c.saves()} for "
                       f"{c.nbytes / _MiB:.2f} MiB held to the backward; verified peak "
                       f"{best_peak / _MiB:.1f} MiB within the budget")
         elif c.saved_s <= 0:
