@@ -5,8 +5,9 @@ its own ``torchrun``, and prints per budget: the planner's minimum, its predicte
 buckets it kept gathered, the blocks it recomputed, the measured peak (``max_memory_allocated``)
 and tokens/s. Without ``--budgets`` it first runs ``auto`` (the device's capacity less a
 margin), reads the predicted peak from it, then runs a 1-byte budget, which is refused naming
-the feasible minimum (every bucket resharded, every block that can be recomputed recomputed),
-and sweeps ``--count`` budgets evenly between the two, plus one just below the minimum (which
+the feasible minimum (every bucket resharded, every block that can be recomputed recomputed)
+and the smallest budget accepted (the minimum plus the margin for the prediction's error,
+``peak_memory_margin``), and sweeps ``--count`` budgets evenly between the two, plus one just below the minimum (which
 must be refused at compile time). Budgets below the fully resharded plan's peak recompute
 blocks.
 
@@ -44,8 +45,11 @@ def run(budget: str, args, out: Path) -> dict:
         "peak_bytes", 0), default={})
     error = str(result.get("error", ""))
     named = re.search(r"feasible minimum (\d+) B", error)  # a refusal names the minimum
+    # ... and the smallest budget accepted (the minimum plus the prediction's margin).
+    smallest = re.search(r"smallest budget accepted is (\d+) B", error)
     return {"budget": budget, "status": result.get("status"), "error": error[-600:],
             "named_minimum_bytes": int(named.group(1)) if named else None,
+            "smallest_budget_bytes": int(smallest.group(1)) if smallest else None,
             **region.get("budget", {}),
             "measured_peak_bytes": result.get("peak_alloc_bytes"),
             "tokens_per_s_per_gpu": result.get("tokens_per_s_per_gpu")}
@@ -73,9 +77,10 @@ def main() -> None:
         if not low:
             print(json.dumps(auto, indent=1))
             sys.exit("the auto run gave no budget record")
-        # The refusal of a 1-byte budget names the feasible minimum with recompute.
+        # The refusal of a 1-byte budget names the smallest budget accepted: the feasible
+        # minimum with recompute, plus the margin for the prediction's error.
         probe = run("1", args, out)
-        low = probe.get("named_minimum_bytes") or low
+        low = probe.get("smallest_budget_bytes") or probe.get("named_minimum_bytes") or low
         # Keeping everything can predict a lower peak than resharding everything (the
         # backward's re-gather buffers go); then sweep from the lower one up 10 %.
         low, high = min(low, high), max(high, low)
