@@ -25,7 +25,10 @@ FSDP2 configuration whose measured peak fits it, and the goals) and ``<out>/curv
 against measured peak, drawn by hand: no plotting package needed; also ``curve.png`` where
 matplotlib is installed). So a long sweep can be run
 in pieces (``--budgets``, ``--no-sweep --baselines``) into one directory, each piece under the
-device's time limit.
+device's time limit: with ``--deadline-s`` no run starts that would end past it, and the same
+command run again skips what has a row already (a run that trained or was refused; ``--redo``
+runs them again) and reuses the budgets derived from the first ``auto`` and 1-byte runs
+(``<out>/sweep_budgets.json``).
 
     python benchmarks/budget_sweep.py --nproc 1 --model 1b --count 8 -- --n-layers 8
     python benchmarks/budget_sweep.py --nproc 1 --model 1b --no-sweep --baselines -- --n-layers 8
@@ -41,6 +44,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -145,9 +149,29 @@ def write_curve(rows: list[dict], out: Path, title: str) -> None:
 
 
 def sweep_budgets(args, out: Path, add) -> list[str]:
-    """The budgets to sweep: ``--budgets``, or from an ``auto`` run and a refused 1-byte one."""
+    """The budgets to sweep: ``--budgets``; or those an earlier invocation derived with the same
+    arguments (``<out>/sweep_budgets.json``, unless ``--fresh``); or derived now from an
+    ``auto`` run and a refused 1-byte one (and saved there)."""
     if args.budgets:
         return [b if b == "auto" else str(int(float(b))) for b in args.budgets]
+    saved, key = out / "sweep_budgets.json", _sweep_key(args)
+    if saved.exists() and not args.fresh:
+        data = json.loads(saved.read_text())
+        if data.get("key") == key:
+            print(f"budgets from {saved} (an earlier invocation's auto and 1-byte runs)")
+            return data["budgets"]
+    budgets = derive_budgets(args, out, add)
+    saved.write_text(json.dumps({"key": key, "budgets": budgets}, indent=1) + "\n")
+    return budgets
+
+
+def _sweep_key(args) -> list:
+    return [args.model, args.nproc, args.count, args.margin, list(args.extra)]
+
+
+def derive_budgets(args, out: Path, add) -> list[str]:
+    """``--count`` budgets from the smallest accepted to the unconstrained plan's, and one
+    below the smallest; from an ``auto`` run and a refused 1-byte one."""
     auto = add(run("auto", args, out))
     low, high = auto.get("minimum_bytes"), auto.get("peak_bytes")
     if not low:
@@ -180,12 +204,21 @@ def main() -> None:
                    help="also run these FSDP2 modes (no value: "
                         f"{' '.join(CURVE_BASELINES)})")
     p.add_argument("--no-sweep", action="store_true", help="run no shardc budget")
-    p.add_argument("--fresh", action="store_true", help=f"start {ROWS} over")
+    p.add_argument("--fresh", action="store_true",
+                   help=f"start {ROWS} (and the derived budgets) over")
+    p.add_argument("--redo", action="store_true",
+                   help="run budgets and baselines again that have a row already")
+    p.add_argument("--deadline-s", type=float, default=0.0,
+                   help="start no run that would end past this many seconds (estimated from "
+                        "the slowest run so far); the same command again goes on (0: none)")
+    p.add_argument("--run-estimate-s", type=float, default=90.0,
+                   help="a run's time before one was measured (for --deadline-s)")
     p.add_argument("--run-timeout-s", type=float, default=600.0,
                    help="kill a run (torchrun and its workers) after this many seconds")
     p.add_argument("--out", default="docs/bench/budget")
     p.add_argument("extra", nargs="*", help="more train_bench.py arguments (after --)")
     args = p.parse_args()
+    t0 = time.monotonic()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / ROWS
@@ -200,12 +233,25 @@ def main() -> None:
               flush=True)
         return row
 
+    todo: list[tuple[str, str]] = []
     if not args.no_sweep:
-        for b in sweep_budgets(args, out, add):
-            add(run(b, args, out))
+        todo += [("shardc", b) for b in sweep_budgets(args, out, add)]
     if args.baselines is not None:
-        for mode in args.baselines or CURVE_BASELINES:
-            add(run_baseline(mode, args, out))
+        todo += [("baseline", m) for m in args.baselines or CURVE_BASELINES]
+    done = {r["label"] for r in rows if r.get("status") in ("ok", "error")}
+    slowest = args.run_estimate_s
+    for kind, what in todo:
+        label = f"shardc {what}" if kind == "shardc" else what
+        if label in done and not args.redo:
+            print(f"{label}: done in {path} (--redo runs it again)")
+            continue
+        if args.deadline_s and time.monotonic() - t0 + slowest > args.deadline_s:
+            print(f"stopped: no time for {label} before --deadline-s {args.deadline_s:.0f}; "
+                  "run the same command again to go on", flush=True)
+            break
+        t = time.monotonic()
+        add(run(what, args, out) if kind == "shardc" else run_baseline(what, args, out))
+        slowest = max(slowest, time.monotonic() - t)
     print("\nbudget B | status | minimum B | planned for B | predicted peak B | measured peak B "
           "| measured <= budget | kept | recomputed | tokens/s/GPU")
     for r in rows:
