@@ -54,6 +54,36 @@ from train.curve import curve_markdown, curve_png, curve_svg  # noqa: E402
 from train.modes import CURVE_BASELINES  # noqa: E402
 
 ROWS = "curve_rows.json"
+_RUNNING: list[subprocess.Popen] = []  # the torchrun in flight (its own process session)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Stop a torchrun and its workers: SIGTERM first (torchrun stops its workers, which run
+    in sessions of their own, out of reach of a signal to its group), SIGKILL after 30 s."""
+    for sig, wait_s in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _kill_running(signum: int, frame) -> None:
+    """Killed (``timeout``, Ctrl-C): take the torchrun in flight and its workers along, which
+    their own sessions would otherwise keep running on the GPU."""
+    for proc in list(_RUNNING):
+        stop(proc)
+    raise SystemExit(128 + signum)
+
+
+def kill_runs_on_exit() -> None:
+    """Install :func:`_kill_running` for SIGTERM and SIGINT (the scripts' ``main`` calls it)."""
+    signal.signal(signal.SIGTERM, _kill_running)
+    signal.signal(signal.SIGINT, _kill_running)
 
 
 def torchrun(mode: str, name: str, args, out: Path, env: dict[str, str] | None = None,
@@ -69,12 +99,15 @@ def torchrun(mode: str, name: str, args, out: Path, env: dict[str, str] | None =
     path.unlink(missing_ok=True)
     proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    _RUNNING.append(proc)
     try:
         text, _ = proc.communicate(timeout=args.run_timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: its own session
+        stop(proc)
         text, _ = proc.communicate()
         text += f"\n[killed after {args.run_timeout_s:.0f} s]"
+    finally:
+        _RUNNING.remove(proc)
     if not path.exists():
         return {}, f"no report (rc {proc.returncode}): " + text[-1500:]
     report = json.loads(path.read_text())
@@ -218,6 +251,7 @@ def main() -> None:
     p.add_argument("--out", default="docs/bench/budget")
     p.add_argument("extra", nargs="*", help="more train_bench.py arguments (after --)")
     args = p.parse_args()
+    kill_runs_on_exit()
     t0 = time.monotonic()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

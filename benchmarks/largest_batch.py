@@ -34,7 +34,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from budget_sweep import torchrun  # noqa: E402
+from budget_sweep import kill_runs_on_exit, torchrun  # noqa: E402
 
 RESULTS = "largest_batch.json"
 GIB = float(1 << 30)
@@ -186,6 +186,7 @@ def main() -> None:
     p.add_argument("--out", default="docs/bench/largest_batch")
     p.add_argument("extra", nargs="*", help="more train_bench.py arguments (after --)")
     args = p.parse_args()
+    kill_runs_on_exit()
     args.t0 = time.monotonic()
     args.margin = None
     out = Path(args.out)

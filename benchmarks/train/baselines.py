@@ -38,6 +38,7 @@ from train.setup import Setup, compiled_loss, model_loss, swap_param_reads
 CHECKPOINTS = (None, "full", "selective")
 
 
+@functools.cache
 def _saved_ops() -> frozenset:
     """The ops whose outputs selective checkpointing saves: the matmuls and the attention
     kernels (those this torch has)."""
