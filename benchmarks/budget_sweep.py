@@ -48,7 +48,10 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+# Runnable from a checkout, shardc uninstalled: the repository (shardc) and benchmarks/ (train).
+for _path in (HERE.parent, HERE):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 from train.curve import curve_markdown, curve_png, curve_svg  # noqa: E402
 from train.modes import CURVE_BASELINES  # noqa: E402
