@@ -75,7 +75,7 @@ for _path in (_BENCHMARKS.parent, _BENCHMARKS):
 
 import bench_mesh  # noqa: E402
 from train.goals import diagnose, evaluate_goals  # noqa: E402
-from train.modes import EXTRA_MODES, MODES, mode_context  # noqa: E402
+from train.modes import MODES, mode_context, mode_name  # noqa: E402
 from train.provenance import (  # noqa: E402
     git_describe,
     launch_command,
@@ -91,11 +91,22 @@ from train.workload import DEFAULT_BATCH, model_config  # noqa: E402
 # Driver
 
 
+def _mode(text: str) -> str:
+    try:
+        return mode_name(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=("1b", "wide", "both"), default="1b")
-    p.add_argument("--modes", nargs="+", choices=(*MODES, *EXTRA_MODES), default=list(MODES),
-                   help="modes to run, in this order (shardc-pool: shardc with comm_pool=True; "
+    p.add_argument("--modes", nargs="+", type=_mode, default=list(MODES),
+                   help="modes to run, in this order (FSDP2's memory baselines: "
+                        "fsdp2-compile-ac, fsdp2-compile-sac, fsdp2-compile-offload, "
+                        "fsdp2-compile-amb<r> with torch's activation_memory_budget r; "
+                        "shardc-budget: SHARDC_PEAK_BUDGET=<bytes>|auto; "
+                        "shardc-pool: shardc with comm_pool=True; "
                         "shardc-keeporder: diagnostic, shardc with "
                         "Inductor's reorder_for_peak_memory off; shardc-localopt: shardc with "
                         "AdamW stepping the local shards, shardc.optim.local_shard_step)")

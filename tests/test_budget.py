@@ -349,3 +349,100 @@ def test_blocks_are_found_by_module_and_random_ones_excluded():
     assert copies[0].args[0] is blocks[0].outputs[0]
     assert all(u not in blocks[0].nodes for u in copies[0].users) and copies[0].users
     assert not any(n.meta.get("recompute") for n in blocks[1].nodes)
+
+
+# --- The margin for the prediction's error ---------------------------------------------------
+
+
+@pytest.mark.parametrize("margin", [0.0, 0.005, 0.02, 0.1])
+@pytest.mark.parametrize("minimum", [1, 999, 1000, 7 << 20, 61_234_567_891])
+def test_margin_arithmetic(margin, minimum):
+    """The planned-for bytes leave the margin: a predicted peak within them, measured up to
+    ``margin`` higher, is within the budget; the smallest budget accepted is exact."""
+    for budget_bytes in (minimum, minimum + 17, 3 * minimum + 5):
+        target = budget.planned_for(budget_bytes, margin)
+        assert target <= budget_bytes and target * (1 + margin) <= budget_bytes * (1 + 1e-12)
+        assert budget_bytes - target <= margin * (target + 1) + 1  # target = floor(B / (1+m))
+    smallest = budget.smallest_budget(minimum, margin)
+    assert budget.planned_for(smallest, margin) >= minimum
+    assert smallest == minimum or budget.planned_for(smallest - 1, margin) < minimum
+    assert smallest >= minimum * (1 + margin) - 1
+
+
+def test_margin_option():
+    assert ShardcOptions().peak_memory_margin == 0.02
+    assert ShardcOptions(peak_memory_margin=0).peak_memory_margin == 0
+    for bad in (-0.01, 1.0, 2, "2%", True):
+        with pytest.raises(ValueError, match="peak_memory_margin"):
+            ShardcOptions(peak_memory_margin=bad)
+
+
+def test_refusal_names_the_smallest_budget_with_the_margin():
+    plan = Plan(PLAN_VERSION, 3, 2, {}, [], [])
+    plan.memory_by_category = {"peak": {"graph": "backward", "position": 9,
+                                        "bytes": {"temporaries": 3 << 20}, "largest": []}}
+    minimum = 3 << 20
+    text = str(budget.refuse_below_minimum(minimum, minimum, plan, recomputed=4, margin=0.02))
+    smallest = budget.smallest_budget(minimum, 0.02)
+    assert smallest == 3208643  # 3 MiB * 1.02, rounded up
+    target = budget.planned_for(minimum, 0.02)
+    for part in (f"peak_memory_budget_bytes={minimum} (3.0 MiB) less its margin for the "
+                 f"prediction's error (2.0%, peak_memory_margin: {minimum - target} B) leaves "
+                 f"{target} B", f"feasible minimum {minimum} B",
+                 f"the smallest budget accepted is {smallest} B (3.1 MiB, the minimum plus the "
+                 "2.0% margin)", "every block that can be recomputed (4)"):
+        assert part in text, text
+    plain = str(budget.refuse_below_minimum(minimum - 1, minimum, plan))
+    assert "margin" not in plain and f"smallest budget accepted is {minimum} B" in plain
+
+
+def test_margin_record_round_trips_and_enters_the_hash():
+    plan = Plan(PLAN_VERSION, 0, 2, {}, [], [])
+    plan.budget = MemoryBudget(2000, 1000, 1500, 2, [
+        BucketDecision(1, "layers.0", True, 0.5, 100, "kept gathered: ...", ["w"])])
+    no_margin = plan.hash()
+    budget.with_margin(plan.budget, 2040, 0.02)
+    assert plan.budget.budget_bytes == 2040 and plan.budget.margin_bytes == 40
+    assert plan.budget.planned_bytes == 2000 and plan.budget.margin_fraction == 0.02
+    back = Plan.from_json(plan.to_json())
+    assert back.budget == plan.budget and back.hash() == plan.hash() != no_margin
+    data = plan.to_dict()
+    assert data["budget"]["margin_bytes"] == 40 and data["budget"]["budget_bytes"] == 2040
+    # A plan written before the margin (no such fields) reads with none, its hash unchanged.
+    for key in ("margin_bytes", "margin_fraction"):
+        del data["budget"][key]
+    data["budget"]["budget_bytes"] = 2000
+    old = Plan.from_dict(data)
+    assert old.budget.margin_bytes == 0 and old.budget.planned_bytes == 2000
+    assert old.hash() == no_margin
+    text = plan.table()
+    assert "peak budget" in text and "less a 2.0% margin" in text and "planned for" in text
+
+
+def test_planner_meets_the_budget_less_the_margin():
+    """The real budget planner (a plan of a tiny model at a fake world of 2, FX): a 1-byte
+    budget is refused naming the smallest budget accepted (the feasible minimum plus the 2 %
+    margin); at exactly that budget the plan is made, for the budget less the margin, and its
+    predicted peak is within that."""
+    import re
+
+    from shardc.models.llama import LlamaConfig
+    from shardc.tools.planner import PlanSetup, plan_model
+
+    cfg = LlamaConfig(vocab_size=64, dim=16, n_layers=1, n_heads=2, max_seq_len=8)
+
+    def plan(budget_bytes: int) -> Plan:
+        return plan_model(cfg, 2, 1, 8, {"peak_memory_budget_bytes": budget_bytes},
+                          template=False, setup=PlanSetup(inductor=False))[0]
+
+    with pytest.raises(Exception, match="smallest budget accepted") as refused:
+        plan(1)
+    text = str(refused.value)
+    minimum = int(re.search(r"feasible minimum (\d+) B", text).group(1))
+    smallest = int(re.search(r"smallest budget accepted is (\d+) B", text).group(1))
+    assert smallest == budget.smallest_budget(minimum, 0.02) > minimum
+    record = plan(smallest).budget
+    assert record.budget_bytes == smallest and record.margin_fraction == 0.02
+    assert record.planned_bytes == budget.planned_for(smallest, 0.02) >= minimum
+    assert record.margin_bytes == smallest - record.planned_bytes > 0
+    assert record.peak_bytes <= record.planned_bytes

@@ -31,15 +31,63 @@ EXTRA_MODES: tuple[str, ...] = ("shardc-keeporder", "shardc-pool", "shardc-local
 SHARDED_BASELINES: tuple[str, ...] = ("fsdp2", "fsdp2-compile", "simplefsdp")
 
 
+# FSDP2's memory-saving configurations (issue 22's comparison at equal memory), run only when
+# named: full activation checkpointing per block, selective checkpointing (matmul outputs
+# saved), CPU offload, and torch's activation_memory_budget ratio r as "fsdp2-compile-amb<r>"
+# (0 < r <= 1, e.g. fsdp2-compile-amb0.5).
+MEMORY_BASELINES: tuple[str, ...] = ("fsdp2-compile-ac", "fsdp2-compile-sac",
+                                     "fsdp2-compile-offload")
+AMB_PREFIX = "fsdp2-compile-amb"
+# The comparison set budget_sweep.py --baselines runs by default: FSDP2 alone (compiled blocks)
+# and with each way of saving memory.
+CURVE_BASELINES: tuple[str, ...] = ("fsdp2-compile", "fsdp2-compile-ac", "fsdp2-compile-sac",
+                                    f"{AMB_PREFIX}0.5", "fsdp2-compile-offload")
+
+
+def amb_ratio(mode: str) -> float | None:
+    """The ``activation_memory_budget`` ratio of an ``fsdp2-compile-amb<r>`` mode (None for
+    other modes); a ratio outside (0, 1] is an error."""
+    if not mode.startswith(AMB_PREFIX):
+        return None
+    text = mode[len(AMB_PREFIX):]
+    try:
+        ratio = float(text)
+    except ValueError:
+        ratio = -1.0
+    if not 0 < ratio <= 1:
+        raise ValueError(f"mode {mode!r}: {AMB_PREFIX}<r> needs a ratio 0 < r <= 1 "
+                         f"(e.g. {AMB_PREFIX}0.5), got {text!r}")
+    return ratio
+
+
+def mode_name(text: str) -> str:
+    """``text`` if it names a mode (argparse ``type``); otherwise an error listing them."""
+    if text in MODES or text in EXTRA_MODES or text in MEMORY_BASELINES:
+        return text
+    if text.startswith(AMB_PREFIX):
+        amb_ratio(text)
+        return text
+    raise ValueError(f"unknown mode {text!r}; modes: {', '.join(MODES + EXTRA_MODES)}, "
+                     f"{', '.join(MEMORY_BASELINES)}, {AMB_PREFIX}<r>")
+
+
 def mode_context(mode: str) -> contextlib.AbstractContextManager:
     """Config a mode runs under (compiles happen lazily, in the first forward and backward).
 
     ``shardc-keeporder``: shardc with Inductor's ``reorder_for_peak_memory`` off. With it on (the
     default), Inductor's scheduler moves each of shardc's all-gathers (and reduce-scatters) right
     next to its wait, undoing the plan's prefetch; this variant measures the plan as planned.
+
+    ``fsdp2-compile-amb<r>``: torch's partitioner option ``activation_memory_budget = r`` (the
+    ratio of the saved activations' bytes the min-cut partitioner may keep; it recomputes the
+    cheapest rest) around the blocks' compiles. It is private torch config
+    (``torch._functorch.config``), set directly by this benchmark (shardc itself never sets it).
     """
     if mode == "shardc-keeporder":
         return torch._inductor.config.patch(reorder_for_peak_memory=False)
+    ratio = amb_ratio(mode)
+    if ratio is not None:
+        return torch._functorch.config.patch(activation_memory_budget=ratio)
     return contextlib.nullcontext()
 
 
@@ -55,14 +103,29 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_
         return setup_fsdp2(model, bench_mesh.dp_mesh(mesh), compile_blocks=False)
     if mode == "fsdp2-compile":
         return setup_fsdp2(model, bench_mesh.dp_mesh(mesh), compile_blocks=True)
+    if mode in MEMORY_BASELINES:
+        checkpoint = {"fsdp2-compile-ac": "full", "fsdp2-compile-sac": "selective"}.get(mode)
+        return setup_fsdp2(model, bench_mesh.dp_mesh(mesh), compile_blocks=True,
+                           activation_checkpoint=checkpoint,
+                           offload=mode == "fsdp2-compile-offload")
+    ratio = amb_ratio(mode)
+    if ratio is not None:
+        setup = setup_fsdp2(model, bench_mesh.dp_mesh(mesh), compile_blocks=True)
+        setup.info["activation_memory_budget"] = (
+            f"{ratio} (torch._functorch.config, set by the benchmark around the compiles)")
+        return setup
     if mode == "simplefsdp":
         return setup_simplefsdp(model, mesh, loss_in_graph)
     if mode == "shardc-budget":
         # The whole-step peak budget (issue 22): SHARDC_PEAK_BUDGET bytes, or "auto".
+        # SHARDC_PEAK_MARGIN: the margin for the prediction's error (default: shardc's).
         value = os.environ.get("SHARDC_PEAK_BUDGET", "auto")
         budget = value if value == "auto" else int(value)
-        setup = setup_shardc(model, mesh, loss_in_graph, peak_memory_budget_bytes=budget)
-        setup.info["options"] = f"peak_memory_budget_bytes={budget!r}"
+        options = {"peak_memory_budget_bytes": budget}
+        if os.environ.get("SHARDC_PEAK_MARGIN"):
+            options["peak_memory_margin"] = float(os.environ["SHARDC_PEAK_MARGIN"])
+        setup = setup_shardc(model, mesh, loss_in_graph, **options)
+        setup.info["options"] = ", ".join(f"{k}={v!r}" for k, v in options.items())
         return setup
     if mode == "shardc-pool":
         setup = setup_shardc(model, mesh, loss_in_graph, comm_pool=True)

@@ -55,7 +55,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         ]
         res = model["results"]
         bound = res.get("bound", {})
-        for mode in [m for m in (*MODES, *EXTRA_MODES) if m in model["modes"]]:
+        known = [m for m in (*MODES, *EXTRA_MODES) if m in model["modes"]]
+        for mode in known + [m for m in model["modes"] if m not in known]:
             r = res.get(mode, {"status": "not run"})
             if r.get("status") != "ok":
                 why = r.get("error") or r.get("reason") or r.get("status")

@@ -218,7 +218,8 @@ def aggregate(mode: str, per_rank: list[dict[str, Any]], s: RunSettings) -> dict
         out["profile_per_rank"] = profiles
     for key in ("mp_policy", "compile", "inductor_config", "grad_reduce_op",
                 "reshard_after_forward", "tagged_gathers", "options", "compute", "communication",
-                "loss", "memory_at_peak", "optimizer"):
+                "loss", "memory_at_peak", "optimizer", "checkpoint", "offload",
+                "activation_memory_budget"):
         if key in r0:
             out[key] = r0[key]
     if mode.startswith("shardc"):

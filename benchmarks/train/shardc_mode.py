@@ -55,7 +55,8 @@ def setup_shardc(model: Transformer, mesh, loss_in_graph: bool, compile_mode: st
                     "budget_bytes": b.budget_bytes, "minimum_bytes": b.minimum_bytes,
                     "peak_bytes": b.peak_bytes, "trials": b.trials, "kept": b.kept,
                     "buckets": len(b.decisions), "recomputed": b.recomputed,
-                    "blocks": len(b.blocks), "resharded_bytes": b.resharded_bytes}
+                    "blocks": len(b.blocks), "resharded_bytes": b.resharded_bytes,
+                    "margin_bytes": b.margin_bytes, "margin_fraction": b.margin_fraction}
         out: dict[str, Any] = {"regions": regions, "n_regions": len(plans)}
         if plans and all("peak_bytes" in p.predicted for p in plans):
             out["predicted_peak_bytes"] = max(p.predicted["peak_bytes"] for p in plans)

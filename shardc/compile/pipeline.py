@@ -268,8 +268,11 @@ def choose_under_budget(gm: fx.GraphModule, joint_inputs: Sequence[object],
     over it, every bucket kept is tried once, then blocks are recomputed (refused if the fully
     recomputed plan is still over the budget)."""
     pristine = copy_graph_module(gm)
-    budget_bytes = budget.resolve_budget(options.peak_memory_budget_bytes,
-                                         _gather_device(gm))
+    user_bytes = budget.resolve_budget(options.peak_memory_budget_bytes, _gather_device(gm))
+    margin = options.peak_memory_margin
+    # Every decision is made against the budget less the margin for the prediction's error;
+    # the record names both (budget.with_margin).
+    budget_bytes = budget.planned_for(user_bytes, margin)
     # The trials' dumps and plan-only stops belong to the real plan only.
     trial_options = replace(options, dump_dir=None)
     trials: list[str] = []
@@ -310,24 +313,34 @@ def choose_under_budget(gm: fx.GraphModule, joint_inputs: Sequence[object],
         else:
             lowest = (base, minimum) if minimum <= peak else (kept_plan, peak)
             decided = _recompute_under_budget(
-                probe, blocks, budget_bytes, (base, minimum), lowest, options, region,
+                probe, blocks, user_bytes, (base, minimum), lowest, options, region,
                 lambda names: evaluate(set(), frozenset(names)))
             decided.decisions = budget.reshard_all(cands, fixed, minimum)
             decided.trials = len(trials) - 1
-    log.info("shardc: region %d, peak budget %d B: minimum %d B, kept gathered %s, recomputed "
-             "%s, predicted peak %d B (%d trials)", region.index, budget_bytes,
+    budget.with_margin(decided, user_bytes, margin)
+    log.info("shardc: region %d, peak budget %d B (planned for %d B): minimum %d B, kept "
+             "gathered %s, recomputed %s, predicted peak %d B (%d trials)", region.index,
+             user_bytes, budget_bytes,
              decided.minimum_bytes, decided.kept, decided.recomputed, decided.peak_bytes,
              decided.trials)
     return decided
 
 
-def _recompute_under_budget(probe: fx.GraphModule, blocks: list[Block], budget_bytes: int,
+def _recompute_under_budget(probe: fx.GraphModule, blocks: list[Block], user_bytes: int,
                             resharded: tuple[Plan, int], lowest: tuple[Plan, int],
                             options: ShardcOptions, region: RegionRecord,
                             evaluate) -> MemoryBudget:
     """The blocks to recompute when no configuration of the first lever fits (``resharded``:
     the fully resharded plan and its peak; ``lowest``: the lower of it and the fully kept
-    one); refuses the budget if the fully recomputed plan is still over it."""
+    one); refuses the budget (``user_bytes``, planned for less its margin) if the fully
+    recomputed plan is still over it."""
+    margin = options.peak_memory_margin
+    budget_bytes = budget.planned_for(user_bytes, margin)
+
+    def refuse(peak: int, plan: Plan, recomputed: int = 0) -> budget.MemoryBudgetError:
+        return budget.refuse_below_minimum(user_bytes, peak, plan, recomputed=recomputed,
+                                           margin=margin)
+
     group = resharded[0].group_name
     profile = resolve_profile(options.cluster, device_name(probe))
     cands = []
@@ -341,16 +354,15 @@ def _recompute_under_budget(probe: fx.GraphModule, blocks: list[Block], budget_b
             cands.append(recompute.RecomputeCandidate(b.name, b.kind, b.position,
                                                       cost_ns * 1e-9, nbytes))
     if not cands:
-        raise budget.refuse_below_minimum(budget_bytes, lowest[1], lowest[0])
+        raise refuse(lowest[1], lowest[0])
     floor_plan, floor = evaluate(tuple(c.block for c in cands))
     log.info("shardc: region %d: recompute candidates %s; fully recomputed peak %d B "
              "(resharded %d B)", region.index, [(c.block, c.nbytes, c.cost_s) for c in cands],
              floor, resharded[1])
     if floor > budget_bytes:  # refused, naming the lowest peak of the levers' extremes
         if lowest[1] < floor:
-            raise budget.refuse_below_minimum(budget_bytes, lowest[1], lowest[0])
-        raise budget.refuse_below_minimum(budget_bytes, floor, floor_plan,
-                                          recomputed=len(cands))
+            raise refuse(lowest[1], lowest[0])
+        raise refuse(floor, floor_plan, len(cands))
     chosen, peak, _ = recompute.choose(cands, budget_bytes, resharded[1], floor,
                                        lambda names: evaluate(names)[1])
     return MemoryBudget(budget_bytes, floor, peak, 0, [],

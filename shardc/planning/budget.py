@@ -33,8 +33,10 @@ them too.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 
@@ -120,11 +122,41 @@ def _duration(c: Collective) -> float:
     return c.predicted_end_s - c.predicted_start_s
 
 
-def refuse_below_minimum(budget: int, minimum: int, plan: Plan, *,
-                         recomputed: int = 0) -> MemoryBudgetError:
-    """The error for a budget below the feasible minimum (the peak of ``plan``: the fully
-    resharded plan with every one of its ``recomputed`` candidate blocks recomputed or, where
-    lower, the fully resharded or fully kept plan), naming its largest terms."""
+def _one_plus(margin: float) -> Fraction:
+    """``1 + margin`` exactly as written (0.02 is 1/50, not the float nearest it), so that the
+    bytes below are exact integers, the same on every rank and every machine."""
+    return 1 + Fraction(repr(float(margin)))
+
+
+def planned_for(budget: int, margin: float) -> int:
+    """The bytes the planner plans for under ``budget``: ``budget / (1 + margin)``, rounded
+    down, so that a measured peak at most ``margin`` (a fraction) above a predicted peak within
+    them is within ``budget``. The margin is ``budget - planned_for(budget, margin)``."""
+    return budget if margin <= 0 else math.floor(budget / _one_plus(margin))
+
+
+def smallest_budget(minimum: int, margin: float) -> int:
+    """The smallest budget whose planned-for bytes (:func:`planned_for`) reach ``minimum``: the
+    feasible minimum plus the margin, ``minimum * (1 + margin)`` rounded up."""
+    return minimum if margin <= 0 else math.ceil(minimum * _one_plus(margin))
+
+
+def with_margin(decided: MemoryBudget, budget: int, margin: float) -> MemoryBudget:
+    """``decided`` (made against the planned-for bytes) recorded against the user's
+    ``budget``, with the margin in bytes and as a fraction."""
+    decided.budget_bytes = budget
+    decided.margin_bytes = budget - planned_for(budget, margin)
+    decided.margin_fraction = float(margin)
+    return decided
+
+
+def refuse_below_minimum(budget: int, minimum: int, plan: Plan, *, recomputed: int = 0,
+                         margin: float = 0.0) -> MemoryBudgetError:
+    """The error for a budget whose planned-for bytes (``budget`` less the ``margin`` for the
+    prediction's error, :func:`planned_for`) are below the feasible minimum (the peak of
+    ``plan``: the fully resharded plan with every one of its ``recomputed`` candidate blocks
+    recomputed or, where lower, the fully resharded or fully kept plan), naming the smallest
+    budget accepted (the minimum plus the margin) and the minimum's largest terms."""
     at = plan.memory_by_category.get("peak") or {}
     terms = sorted(((int(v), c) for c, v in (at.get("bytes") or {}).items() if v),
                    reverse=True)
@@ -132,9 +164,16 @@ def refuse_below_minimum(budget: int, minimum: int, plan: Plan, *,
     largest = ", ".join(f"{name} ({cat}) {n / _MiB:.2f} MiB"
                         for name, cat, n in (at.get("largest") or [])[:3])
     where = f"{at.get('graph', '?')} at op {at.get('position', '?')}"
+    target, smallest = planned_for(budget, margin), smallest_budget(minimum, margin)
+    less = (f" less its margin for the prediction's error ({margin:.1%}, peak_memory_margin: "
+            f"{budget - target} B) leaves {target} B ({target / _MiB:.1f} MiB), which"
+            if margin > 0 else "")
     return MemoryBudgetError(
-        f"shardc: peak_memory_budget_bytes={budget} ({budget / _MiB:.1f} MiB) is below the "
-        f"feasible minimum {minimum} B ({minimum / _MiB:.1f} MiB), the predicted peak of region "
+        f"shardc: peak_memory_budget_bytes={budget} ({budget / _MiB:.1f} MiB){less} is below "
+        f"the feasible minimum {minimum} B ({minimum / _MiB:.1f} MiB): the smallest budget "
+        f"accepted is {smallest} B ({smallest / _MiB:.1f} MiB"
+        + (f", the minimum plus the {margin:.1%} margin" if margin > 0 else "")
+        + f"). The minimum is the predicted peak of region "
         f"{plan.region} with every bucket {kept_or_resharded(plan)}"
         + (f" and every block that can be recomputed ({recomputed}) recomputed in the backward"
            if recomputed else "") + "; the peak is in the "

@@ -43,7 +43,11 @@ PLAN_VERSION = 5
 # resharded), with its predicted time saved, bytes and reason; plans made without a budget, and
 # older plans, read with it ``None``. ``MemoryBudget.blocks`` (one ``BlockDecision`` per block:
 # recomputed in the backward or saved) and ``MemoryBudget.resharded_bytes`` came later within
-# version 5; plans without them read with none.
+# version 5; plans without them read with none. ``MemoryBudget.margin_bytes`` and
+# ``margin_fraction`` (the margin for the peak prediction's error: the planner planned for
+# ``budget_bytes - margin_bytes``) came later still within version 5, optional fields like
+# those: a plan without them reads with no margin (0), which is what it was planned with, and
+# hashes as before (the margin enters the hash only when it is not 0).
 READABLE_VERSIONS = (1, 2, 3, 4, 5)
 
 
@@ -350,7 +354,10 @@ class MemoryBudget:
     """The whole-step peak budget of a region and what the planner decided under it.
 
     ``budget_bytes``: the bound (``peak_memory_budget_bytes``, or the device's capacity less a
-    margin for ``"auto"``); ``minimum_bytes``: the predicted peak with every bucket resharded
+    margin for ``"auto"``); ``margin_bytes``: the part of it kept for the peak prediction's
+    error (``peak_memory_margin``, as a fraction ``margin_fraction`` of the planned-for bytes):
+    the planner made every decision against :attr:`planned_bytes`, ``budget_bytes -
+    margin_bytes``; ``minimum_bytes``: the predicted peak with every bucket resharded
     (the least this plan's levers reach); ``peak_bytes``: the predicted peak of the chosen plan.
     Peaks here are the largest over the ranks (``shardc.runtime.plan_check.agree_on_largest``):
     every rank compares the same numbers. ``trials``: partitions evaluated besides the fully
@@ -368,6 +375,14 @@ class MemoryBudget:
     # recomputed plan's; 0: recompute was not needed, ``minimum_bytes`` is the former).
     blocks: list[BlockDecision] = field(default_factory=list)
     resharded_bytes: int = 0
+    # The margin for the prediction's error (0 in plans made before it).
+    margin_bytes: int = 0
+    margin_fraction: float = 0.0
+
+    @property
+    def planned_bytes(self) -> int:
+        """What the planner planned for: the budget less the margin."""
+        return self.budget_bytes - self.margin_bytes
 
     @property
     def kept(self) -> list[int]:
@@ -445,13 +460,14 @@ class Plan:
         return [c.signature() for c in self.collectives]
 
     def budget_signature(self) -> tuple | None:
-        """The peak budget, the buckets kept gathered and (where any is) the blocks recomputed
-        under it (None: no budget)."""
+        """The peak budget, the buckets kept gathered, (where any is) the blocks recomputed
+        under it and (where not 0) the margin in bytes (None: no budget)."""
         if self.budget is None:
             return None
         b = self.budget
         recomputed = b.recomputed
-        return (b.budget_bytes, b.kept, recomputed) if recomputed else (b.budget_bytes, b.kept)
+        out = (b.budget_bytes, b.kept, recomputed) if recomputed else (b.budget_bytes, b.kept)
+        return out + (("margin", b.margin_bytes),) if b.margin_bytes else out
 
     def hash(self) -> str:
         """Hash of what must be identical on every rank (see :meth:`Collective.signature`)."""

@@ -119,9 +119,10 @@ def check_plan_consistency(plan: Plan, index: int, timeout: timedelta | None = N
         if sig == sig0 and budget != budget0:
             raise PlanMismatchError(
                 f"shardc: rank {rank}'s peak-budget decisions for compiled region {region} "
-                f"differ from rank 0's: rank 0 has (budget bytes, kept buckets) {budget0}, "
-                f"rank {rank} has {budget}. Pass the same peak_memory_budget_bytes on every "
-                "rank; if it is the same, the ranks' predicted peaks straddle a decision "
+                f"differ from rank 0's: rank 0 has (budget bytes, kept buckets[, recomputed "
+                f"blocks][, margin]) {budget0}, rank {rank} has {budget}. Pass the same "
+                "peak_memory_budget_bytes and peak_memory_margin on every rank; if they are "
+                "the same, the ranks' predicted peaks straddle a decision "
                 "threshold (uneven shards, docs/memory_budget.md): move the budget slightly."
             )
         first = next(

@@ -113,6 +113,8 @@ def _cmd_plan(args) -> int:
     options = json.loads(args.options) if args.options else {}
     if args.memory_budget is not None:
         options["peak_memory_budget_bytes"] = args.memory_budget
+    if args.memory_margin is not None:
+        options["peak_memory_margin"] = args.memory_margin
     # The template path (repeat the first blocks' graphs) plans without the budget planner.
     template = not args.full_trace and not options.get("peak_memory_budget_bytes")
     cluster = cluster_option(args.profile, _rates(args))
@@ -220,6 +222,10 @@ def _parser() -> argparse.ArgumentParser:
                         "suffix; 'auto': the CUDA device's capacity less a margin): the planner "
                         "keeps buckets gathered forward->backward while it fits, and prints its "
                         "decisions (traces every block, as --full-trace)")
+    p.add_argument("--memory-margin", type=float, default=None, metavar="FRACTION",
+                   help="with --memory-budget: the margin for the peak prediction's error, a "
+                        "fraction of the planned-for peak (default 0.02; 0: plan for the "
+                        "budget itself)")
     p.add_argument("--full-trace", action="store_true",
                    help="trace every block (default: trace the first blocks and repeat them when "
                    "the blocks are identical; see docs/planning.md)")

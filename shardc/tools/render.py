@@ -277,8 +277,11 @@ def budget_lines(plan: Plan) -> list[str]:
     b = plan.budget
     if b is None:
         return []
-    lines = [f"peak budget {_fmt_bytes(b.budget_bytes)} ({b.budget_bytes} B): minimum (every "
-             f"bucket resharded{', every block recomputed' if b.resharded_bytes else ''}) "
+    margin = (f" less a {b.margin_fraction:.1%} margin for the prediction's error "
+              f"({_fmt_bytes(b.margin_bytes)}): planned for {_fmt_bytes(b.planned_bytes)} "
+              f"({b.planned_bytes} B)" if b.margin_bytes else "")
+    lines = [f"peak budget {_fmt_bytes(b.budget_bytes)} ({b.budget_bytes} B){margin}; minimum "
+             f"(every bucket resharded{', every block recomputed' if b.resharded_bytes else ''}) "
              f"{_fmt_bytes(b.minimum_bytes)}, chosen plan "
              f"{_fmt_bytes(b.peak_bytes)}; {len(b.kept)} of {len(b.decisions)} bucket(s) kept "
              f"gathered forward->backward; {b.trials} trial plan(s)"]
