@@ -1,0 +1,186 @@
+"""Calibration of the host's per-parameter work (``python -m shardc calibrate``).
+
+Measures :data:`shardc.planning.profile.PER_PARAM_FIELDS`: a model of many tiny parameters
+(tiny compute, so every phase is bound by the host) is sharded with ``shardc.shard`` (bf16
+compute and fp32 reduction on a GPU, as the benchmarks run) over a one-rank mesh, compiled with
+the shardc backend (Inductor on a GPU; the FX graphs on the CPU) and trained with torch's
+default AdamW at two depths. Each phase's host time is the wall clock around it without
+synchronizing (the device, given kernels of a few microseconds, is never what the host waits
+for); the step starts on an idle device, as a benchmark's synchronized step does:
+
+- forward (the compiled call, loss included) less ``graph_call_s`` and ``compiled_launch_s``
+  per kernel it launches: the region's entry work (``region_entry_per_param_s``);
+- ``loss.backward()`` less the same for the backward graph: the gradient hand-off
+  (``grad_handoff_per_param_s``);
+- ``optimizer.step()`` (``optimizer_per_param_s``: foreach AdamW on a GPU, torch's default;
+  on the CPU torch's default is the for-loop AdamW) and ``zero_grad(set_to_none=True)``
+  (``zero_grad_per_param_s``), whole.
+
+Each term is the slope of its phase's median against the number of parameter tensors
+(:func:`shardc.planning.fit.fit_per_param`): what the per-kernel and per-call terms already price
+is subtracted first, and what does not grow with the parameters drops out, so nothing is counted
+twice. Kernels per graph are counted with ``torch.profiler`` (none on the CPU).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from shardc.planning.fit import fit_per_param
+from shardc.planning.profile import PER_PARAM_FIELDS
+
+# Depths of the measured model (3 parameter tensors per layer).
+GPU_PARAM_LAYERS = (8, 32)
+CPU_PARAM_LAYERS = (1, 4)
+PARAMS_PER_LAYER = 3
+
+
+@dataclass(frozen=True)
+class PhaseTimes:
+    """One model's median host seconds per phase of a training step, and the kernels its
+    forward and backward graphs launch."""
+
+    params: int
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    zero_grad_s: float
+    forward_kernels: int = 0
+    backward_kernels: int = 0
+
+
+def unpriced_seconds(t: PhaseTimes, compiled_launch_s: float, graph_call_s: float
+                     ) -> dict[str, float]:
+    """Each phase's host seconds less what the profile's per-call and per-kernel terms price
+    (the compiled graphs' calls and launches), keyed by the per-parameter field it fits."""
+    return {
+        "region_entry_per_param_s": t.forward_s - graph_call_s
+        - t.forward_kernels * compiled_launch_s,
+        "grad_handoff_per_param_s": t.backward_s - graph_call_s
+        - t.backward_kernels * compiled_launch_s,
+        "optimizer_per_param_s": t.optimizer_s,
+        "zero_grad_per_param_s": t.zero_grad_s,
+    }
+
+
+def fit_param_host_cost(times: Sequence[PhaseTimes], compiled_launch_s: float,
+                        graph_call_s: float) -> dict[str, float]:
+    """Host seconds per parameter tensor of each phase (the profile's ``PER_PARAM_FIELDS``)
+    from models of two or more parameter counts: the slope of what the other terms leave."""
+    if len({t.params for t in times}) < 2:
+        raise ValueError("calibrate: host seconds per parameter tensor need models of two or more "
+                         f"parameter counts (got {[t.params for t in times]})")
+    rows = [unpriced_seconds(t, compiled_launch_s, graph_call_s) for t in times]
+    return {name: fit_per_param([t.params for t in times], [r[name] for r in rows], name)[1]
+            for name in PER_PARAM_FIELDS}
+
+
+class _Layer(nn.Module):
+    """A tiny block with a transformer block's kinds of parameters: a norm weight (read by a
+    pointwise op) and two matmul weights."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.Parameter(torch.ones(dim))
+        self.up = nn.Linear(dim, dim, bias=False)
+        self.down = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x * self.norm)))
+
+
+def _one_rank_mesh(device: torch.device):
+    """A mesh of this rank alone, and a function that undoes what making it set up (a world-1
+    process group when none was initialized; under ``torchrun`` every rank makes every
+    one-rank group, as ``new_group`` requires)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    if dist.is_initialized():
+        groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
+        return DeviceMesh.from_group(groups[dist.get_rank()], device.type), lambda: None
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kw = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kw)
+    return init_device_mesh(device.type, (1,)), dist.destroy_process_group
+
+
+def _kernels(fn: Callable[[], object], device: torch.device) -> tuple[object, int]:
+    """``fn()`` and the number of device kernels it launched (0 on the CPU)."""
+    if device.type != "cuda":
+        return fn(), 0
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = fn()
+        torch.cuda.synchronize(device)
+    return out, sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+
+
+def time_phases(layers: int, device: torch.device, mesh, steps: int, dim: int = 16
+                ) -> PhaseTimes:
+    """Median host seconds of each phase of ``steps`` training steps of a ``layers``-deep
+    model, after three untimed ones (the first compiles)."""
+    import shardc
+
+    gpu = device.type == "cuda"
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_Layer(dim) for _ in range(layers)]).to(device)
+    mp = shardc.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if gpu else None
+    shardc.shard(model, mesh, mp_policy=mp, allow_partial_mesh=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loss_fn = torch.compile(lambda x: model(x).float().square().mean(),
+                            backend=shardc.backend(inductor=gpu))
+    x = torch.randn(8, dim, device=device)
+
+    def sync() -> None:
+        if gpu:
+            torch.cuda.synchronize(device)
+
+    for _ in range(3):
+        loss_fn(x).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    loss, fw_kernels = _kernels(lambda: loss_fn(x), device)
+    _, bw_kernels = _kernels(loss.backward, device)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    phases: list[list[float]] = [[], [], [], []]
+    for _ in range(steps):
+        sync()  # each step starts on an idle device, as a synchronized benchmark step does
+        t0 = time.perf_counter()
+        loss = loss_fn(x)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        t3 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        t4 = time.perf_counter()
+        for phase, seconds in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            phase.append(seconds)
+    sync()
+    n = sum(1 for _ in model.parameters())
+    return PhaseTimes(n, *(statistics.median(p) for p in phases), fw_kernels, bw_kernels)
+
+
+def measure_param_host_cost(device: torch.device, compiled_launch_s: float, graph_call_s: float,
+                            *, layers: Sequence[int] | None = None, steps: int = 20
+                            ) -> tuple[dict[str, float], list[PhaseTimes]]:
+    """The per-parameter host terms on this device (see the module docstring), and the phase
+    times they were fitted to."""
+    layers = tuple(layers or (GPU_PARAM_LAYERS if device.type == "cuda" else CPU_PARAM_LAYERS))
+    mesh, undo = _one_rank_mesh(device)
+    try:
+        times = [time_phases(n, device, mesh, steps) for n in layers]
+    finally:
+        undo()
+    return fit_param_host_cost(times, compiled_launch_s, graph_call_s), times
