@@ -124,22 +124,25 @@ def _kernels(fn: Callable[[], object], device: torch.device) -> tuple[object, in
     return out, sum(1 for e in prof.events() if e.device_type.name == "CUDA")
 
 
-def time_phases(layers: int, device: torch.device, mesh, steps: int, dim: int = 16
-                ) -> PhaseTimes:
+def time_phases(layers: int, device: torch.device, mesh, steps: int, dim: int = 16,
+                mixed: bool | None = None) -> PhaseTimes:
     """Median host seconds of each phase of ``steps`` training steps of a ``layers``-deep
-    model, after three untimed ones (the first compiles)."""
+    model, after three untimed ones (the first compiles). ``mixed`` (default: on a GPU): bf16
+    compute and fp32 reduction, as the benchmarks train."""
     import shardc
 
     gpu = device.type == "cuda"
+    mixed = gpu if mixed is None else mixed
     torch.manual_seed(0)
     model = nn.Sequential(*[_Layer(dim) for _ in range(layers)]).to(device)
     mp = shardc.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if gpu else None
+        if mixed else None
     shardc.shard(model, mesh, mp_policy=mp, allow_partial_mesh=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loss_fn = torch.compile(lambda x: model(x).float().square().mean(),
                             backend=shardc.backend(inductor=gpu))
-    x = torch.randn(8, dim, device=device)
+    # (shardc casts the gathered parameters, not the inputs: the input in the compute dtype)
+    x = torch.randn(8, dim, device=device, dtype=torch.bfloat16 if mixed else torch.float32)
 
     def sync() -> None:
         if gpu:
