@@ -344,8 +344,12 @@ def render(report: dict) -> str:
                   "(stretch 5%)."]
     lines += category_table(report["results"], m["seq"])
     lines += ["", "Predicted step = the plan's forward+backward (fused kernels, attention as one "
-              "kernel, launch overhead, collectives on their lanes) + the optimizer step model. "
-              "Measured times are the slowest rank's medians (CUDA events)."]
+              "kernel, launch overhead, the host's per-parameter entry work, collectives on their "
+              "lanes) + what follows the graphs (`shardc.planning.step`: the gradient hand-off, "
+              "the optimizer step model and zero_grad, host work hidden under queued device work "
+              "where there is some; the optimizer columns). Measured times are the slowest rank's "
+              "medians (CUDA events); measured forward+backward ends when the host returns from "
+              "backward(), so it holds the hand-off where the host is behind."]
     return "\n".join(lines) + "\n"
 
 

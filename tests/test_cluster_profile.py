@@ -523,7 +523,7 @@ def test_plan_charges_the_host_per_parameter_tensor():
     from shardc.planning.schedule import plan_region
 
     forward, backward = _region_graphs(3)
-    base = load_profile("h100")
+    base = dataclasses.replace(load_profile("h100"), **dict.fromkeys(PER_PARAM_FIELDS, 0.0))
     host = dataclasses.replace(base, region_entry_per_param_s=1e-3, grad_handoff_per_param_s=2e-4)
     a, b = (plan_region(forward, backward, ShardcOptions(inductor=False), cluster=p).predicted
             for p in (base, host))

@@ -7,7 +7,9 @@
 Measures what :class:`shardc.planning.profile.ClusterProfile` holds: matmul throughput by shape
 (bf16, fp32 and, where the GPU has it, FP8), fused attention forward/backward by sequence length
 and head dimension, memory-bound kernel bandwidth by bytes moved, the device time and host
-launch time of one small kernel, and, when launched with more than one process, all-gather /
+launch time of one small kernel, the host cost of compiled graphs (per kernel, per call), the
+host's work per parameter tensor (region entry, gradient hand-off, optimizer step, zero_grad;
+:mod:`shardc.tools.host_cost`), and, when launched with more than one process, all-gather /
 reduce-scatter / all-reduce time over buffer sizes 64 KiB..1 GiB for each power-of-two group
 size up to the world, the ring model's bandwidth and latency fitted to them, and how much slower
 a matmul runs while an all-gather runs beside it. Rank 0 writes the profile.
