@@ -111,9 +111,10 @@ class ClusterProfile:
       wrappers' input handling (unwrapping each DTensor parameter, ``PythonSubclass``). Charged
       on the forward's host timeline before its first kernel launches.
     - ``grad_handoff_per_param_s``: the end of a region's backward, per gradient it returns:
-      wrapping each gradient as a DTensor, ``AccumulateGrad`` and the detach into ``.grad``.
-      Charged on the host after the backward's last launch (hidden under the device work still
-      queued then, if any).
+      wrapping each gradient as a DTensor, ``AccumulateGrad`` and the detach into ``.grad``
+      (and whatever else of ``backward()``'s host time grows with the parameters: it is fitted
+      as one term). Charged on the host after the backward's last launch (hidden under the
+      device work still queued then, if any).
     - ``optimizer_per_param_s``: ``optimizer.step()`` for torch's ``foreach`` AdamW (the
       default, what the benchmarks run) over DTensor parameters, per parameter tensor: its
       Python, DTensor dispatch of each foreach op and the launches of its kernels. Its device
