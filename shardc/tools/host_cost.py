@@ -154,6 +154,12 @@ def time_phases(layers: int, device: torch.device, mesh, steps: int, dim: int = 
         opt.zero_grad(set_to_none=True)
     loss, fw_kernels = _kernels(lambda: loss_fn(x), device)
     _, bw_kernels = _kernels(loss.backward, device)
+    if gpu and not (fw_kernels and bw_kernels):
+        raise RuntimeError(
+            f"calibrate: torch.profiler saw {fw_kernels} forward and {bw_kernels} backward CUDA "
+            "kernels of the compiled model; without them the compiled graphs' launches cannot be "
+            "told from the host's per-parameter work. Check that the profiler records CUDA "
+            "activity here (CUPTI), or calibrate with another torch build.")
     opt.step()
     opt.zero_grad(set_to_none=True)
     phases: list[list[float]] = [[], [], [], []]
