@@ -3,8 +3,18 @@
 Measures :data:`shardc.planning.profile.PER_PARAM_FIELDS`: a model of many tiny parameters
 (tiny compute, so every phase is bound by the host) is sharded with ``shardc.shard`` (bf16
 compute and fp32 reduction on a GPU, as the benchmarks run) over a one-rank mesh, compiled with
-the shardc backend (Inductor on a GPU; the FX graphs on the CPU) and trained with torch's
-default AdamW at two depths. Each phase's host time is the wall clock around it without
+the shardc backend (Inductor on a GPU, blocks inline; the FX graphs on the CPU) and trained with
+torch's default AdamW at two depths. On a GPU the model is shardc's Llama at width 64 (2 and 8
+blocks: 21 and 75 parameter tensors, the 1b benchmark's blocks with the same kernels per
+block); on the CPU, whose profile serves tests, layers of a norm weight and two ``Linear``
+weights (1 and 2: 3 and 6 parameter tensors).
+
+A block's parameters and its kernels grow together, so the two cannot be told apart from the
+depths alone: the chain that ``compiled_launch_s`` is fitted on prices each kernel, and the
+per-parameter terms take what a real block's host work adds beyond that (its guards, DTensor
+handling, and Inductor's Python per kernel, which grows with a kernel's arguments and buffers
+where the chain's kernels have few). For models built of the measured block this is exact per
+block; for others, an approximation. Each phase's host time is the wall clock around it without
 synchronizing (the device, given kernels of a few microseconds, is never what the host waits
 for); the step starts on an idle device, as a benchmark's synchronized step does:
 
@@ -24,6 +34,7 @@ twice. Kernels per graph are counted with ``torch.profiler`` (none on the CPU).
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -35,10 +46,9 @@ from torch import nn
 from shardc.planning.fit import fit_per_param
 from shardc.planning.profile import PER_PARAM_FIELDS
 
-# Depths of the measured model (3 parameter tensors per layer).
-GPU_PARAM_LAYERS = (8, 32)
-CPU_PARAM_LAYERS = (1, 4)
-PARAMS_PER_LAYER = 3
+# Depths of the measured model (:data:`MODEL`; 9 parameter tensors per Llama block).
+GPU_PARAM_LAYERS = (2, 8)
+CPU_PARAM_LAYERS = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -124,35 +134,71 @@ def _kernels(fn: Callable[[], object], device: torch.device) -> tuple[object, in
     return out, sum(1 for e in prof.events() if e.device_type.name == "CUDA")
 
 
-def time_phases(layers: int, device: torch.device, mesh, steps: int, dim: int = 16,
-                mixed: bool | None = None) -> PhaseTimes:
+def _layers_model(layers: int, device: torch.device, dtype: torch.dtype
+                  ) -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
+    """``layers`` of :class:`_Layer` (3 parameter tensors each), and its loss on a fixed
+    batch."""
+    model = nn.Sequential(*[_Layer(16) for _ in range(layers)]).to(device)
+    # (shardc casts the gathered parameters, not the inputs: the input in the compute dtype)
+    x = torch.randn(8, 16, device=device, dtype=dtype)
+    return model, lambda m: m(x).float().square().mean()
+
+
+def _llama_model(layers: int, device: torch.device, dtype: torch.dtype
+                 ) -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
+    """shardc's Llama (the benchmarks' blocks: 9 parameter tensors each, 3 more outside them) at
+    a tiny width, and its cross-entropy loss on a fixed batch of 2 x 32 tokens."""
+    from shardc.models.llama import LlamaConfig, Transformer, llama_loss
+
+    cfg = LlamaConfig(vocab_size=256, dim=64, n_layers=layers, n_heads=4, max_seq_len=32)
+    with torch.device(device):
+        model = Transformer(cfg)
+    model.init_weights(buffer_device=device)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 33), device=device)
+    inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    return model, lambda m: llama_loss(m(inputs), targets)
+
+
+# The measured model: "llama" (tiny Llama blocks, what the benchmarks train; on a GPU) or
+# "layers" (:class:`_Layer`, faster to compile; on the CPU, whose profile serves tests).
+MODELS = {"llama": _llama_model, "layers": _layers_model}
+GPU_MODEL, CPU_MODEL = "llama", "layers"
+
+
+def time_phases(layers: int, device: torch.device, mesh, steps: int,
+                mixed: bool | None = None, model_kind: str | None = None) -> PhaseTimes:
     """Median host seconds of each phase of ``steps`` training steps of a ``layers``-deep
-    model, after three untimed ones (the first compiles). ``mixed`` (default: on a GPU): bf16
-    compute and fp32 reduction, as the benchmarks train."""
+    model (``model_kind``, default :data:`GPU_MODEL` or :data:`CPU_MODEL`), after three
+    untimed ones (the first
+    compiles). ``mixed`` (default: on a GPU): bf16 compute and fp32 reduction, as the
+    benchmarks train. Blocks compile inline, as ``benchmarks/predict_step.py`` measures by
+    default."""
     import shardc
 
     gpu = device.type == "cuda"
     mixed = gpu if mixed is None else mixed
+    kind = model_kind or (GPU_MODEL if gpu else CPU_MODEL)
+    if kind not in MODELS:
+        raise ValueError(f"calibrate: unknown model {kind!r} for the host cost; use one of "
+                         f"{sorted(MODELS)}")
     torch.manual_seed(0)
-    model = nn.Sequential(*[_Layer(dim) for _ in range(layers)]).to(device)
+    model, loss_of = MODELS[kind](layers, device, torch.bfloat16 if mixed else torch.float32)
     mp = shardc.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if mixed else None
     shardc.shard(model, mesh, mp_policy=mp, allow_partial_mesh=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loss_fn = torch.compile(lambda x: model(x).float().square().mean(),
-                            backend=shardc.backend(inductor=gpu))
-    # (shardc casts the gathered parameters, not the inputs: the input in the compute dtype)
-    x = torch.randn(8, dim, device=device, dtype=torch.bfloat16 if mixed else torch.float32)
+    loss_fn = torch.compile(functools.partial(loss_of, model),
+                            backend=shardc.backend(inductor=gpu, compile_blocks_once=False))
 
     def sync() -> None:
         if gpu:
             torch.cuda.synchronize(device)
 
     for _ in range(3):
-        loss_fn(x).backward()
+        loss_fn().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    loss, fw_kernels = _kernels(lambda: loss_fn(x), device)
+    loss, fw_kernels = _kernels(loss_fn, device)
     _, bw_kernels = _kernels(loss.backward, device)
     if gpu and not (fw_kernels and bw_kernels):
         raise RuntimeError(
@@ -166,7 +212,7 @@ def time_phases(layers: int, device: torch.device, mesh, steps: int, dim: int = 
     for _ in range(steps):
         sync()  # each step starts on an idle device, as a synchronized benchmark step does
         t0 = time.perf_counter()
-        loss = loss_fn(x)
+        loss = loss_fn()
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
