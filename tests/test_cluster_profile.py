@@ -377,19 +377,22 @@ def _phase_times(params: int, coeffs: dict[str, float], call: float, launch: flo
     calls and launches (kernels not in proportion to the parameters) and its seconds per
     parameter tensor."""
     fw_kernels, bw_kernels = 4 * params // 3 + 5, 3 * params + 7
+    prelaunch = 1e-4 + call + launch + params * coeffs["region_entry_per_param_s"]
     return host_cost.PhaseTimes(
         params,
-        forward_s=2e-4 + call + fw_kernels * launch + params * coeffs["region_entry_per_param_s"],
+        forward_s=prelaunch + 2e-4 + (fw_kernels - 1) * launch
+        + params * coeffs["forward_graph_per_param_s"],
         backward_s=3e-4 + call + bw_kernels * launch
         + params * coeffs["grad_handoff_per_param_s"],
         optimizer_s=1e-4 + params * coeffs["optimizer_per_param_s"],
         zero_grad_s=1e-5 + params * coeffs["zero_grad_per_param_s"],
-        forward_kernels=fw_kernels, backward_kernels=bw_kernels)
+        forward_kernels=fw_kernels, backward_kernels=bw_kernels, forward_prelaunch_s=prelaunch)
 
 
 def test_per_param_host_fit_recovers_known_coefficients():
-    coeffs = {"region_entry_per_param_s": 35e-6, "grad_handoff_per_param_s": 40e-6,
-              "optimizer_per_param_s": 45e-6, "zero_grad_per_param_s": 4e-6}
+    coeffs = {"region_entry_per_param_s": 35e-6, "forward_graph_per_param_s": 20e-6,
+              "grad_handoff_per_param_s": 40e-6, "optimizer_per_param_s": 45e-6,
+              "zero_grad_per_param_s": 4e-6}
     call, launch = 565e-6, 28e-6
     times = [_phase_times(n, coeffs, call, launch) for n in (24, 96)]
     got = host_cost.fit_param_host_cost(times, launch, call)
@@ -400,7 +403,12 @@ def test_per_param_host_fit_recovers_known_coefficients():
     assert host_cost.fit_param_host_cost(three, launch, call) == pytest.approx(coeffs, rel=1e-9)
     # Not subtracting the launches would fold them into the per-parameter terms: the fit takes
     # out exactly what the per-kernel term prices.
-    assert host_cost.fit_param_host_cost(times, 0.0, call)["region_entry_per_param_s"] > 70e-6
+    assert host_cost.fit_param_host_cost(times, 0.0, call)["forward_graph_per_param_s"] > 50e-6
+    # Without the time before the first launch (the CPU), the whole forward is the entry's.
+    cpu = [dataclasses.replace(t, forward_prelaunch_s=None) for t in times]
+    got = host_cost.fit_param_host_cost(cpu, launch, call)
+    assert got["region_entry_per_param_s"] == pytest.approx(35e-6 + 20e-6, rel=1e-9)
+    assert got["forward_graph_per_param_s"] == 0.0
     with pytest.raises(ValueError, match="two or more parameter counts"):
         host_cost.fit_param_host_cost(times[:1] * 2, launch, call)
     with pytest.raises(ValueError, match="zero_grad.*not a finite number"):
@@ -448,6 +456,17 @@ def test_entry_work_delays_the_forwards_first_kernel():
     assert line.by_category["param_host"] == pytest.approx(2e-3)
     assert sum(line.by_category.values()) == pytest.approx(line.t)
     assert line.queued_s() == pytest.approx(1e-6)
+    # The forward's other per-parameter work is spread over its launches: a host-bound graph is
+    # longer by all of it, a device-bound one (long kernels) not at all.
+    spread = _Timeline(p, launch_extra_s=100e-6)
+    for _ in range(10):
+        spread.kernel(1e-6)
+    assert spread.t == pytest.approx(1e-3 + 10 * (30e-6 + 100e-6) + 1e-6)
+    bound, plain = _Timeline(p, launch_extra_s=100e-6), _Timeline(p)
+    for line in (bound, plain):
+        for _ in range(10):
+            line.kernel(1e-3)
+    assert bound.t == pytest.approx(plain.t + 100e-6)  # only the first launch's share shows
 
 
 def test_host_work_after_the_backward_hides_only_under_queued_device_work():
@@ -524,10 +543,13 @@ def test_plan_charges_the_host_per_parameter_tensor():
 
     forward, backward = _region_graphs(3)
     base = dataclasses.replace(load_profile("h100"), **dict.fromkeys(PER_PARAM_FIELDS, 0.0))
-    host = dataclasses.replace(base, region_entry_per_param_s=1e-3, grad_handoff_per_param_s=2e-4)
+    host = dataclasses.replace(base, region_entry_per_param_s=1e-3, grad_handoff_per_param_s=2e-4,
+                               forward_graph_per_param_s=5e-4)
     a, b = (plan_region(forward, backward, ShardcOptions(inductor=False), cluster=p).predicted
             for p in (base, host))
-    assert b.forward_time_s == pytest.approx(a.forward_time_s + 3e-3, rel=1e-9)
+    # Host-bound (tiny kernels): the entry, then the forward's per-parameter work spread over
+    # its launches, all of it on the step.
+    assert b.forward_time_s == pytest.approx(a.forward_time_s + 3e-3 + 3 * 5e-4, rel=1e-9)
     assert b.time_by_category_s["forward/param_host"] == pytest.approx(3e-3)
     assert sum(v for k, v in b.time_by_category_s.items() if k.startswith("forward/")) == \
         pytest.approx(b.forward_time_s)

@@ -37,8 +37,8 @@ PROFILE_VERSION = 3
 READABLE_PROFILE_VERSIONS = (1, 2, 3)
 # The host work that grows with the number of parameter tensors, outside what the per-kernel and
 # per-call terms price (see ClusterProfile): seconds per parameter tensor, one field per phase.
-PER_PARAM_FIELDS = ("region_entry_per_param_s", "grad_handoff_per_param_s",
-                    "optimizer_per_param_s", "zero_grad_per_param_s")
+PER_PARAM_FIELDS = ("region_entry_per_param_s", "forward_graph_per_param_s",
+                    "grad_handoff_per_param_s", "optimizer_per_param_s", "zero_grad_per_param_s")
 PRESETS = ("h100", "h200")
 
 
@@ -108,8 +108,14 @@ class ClusterProfile:
 
     - ``region_entry_per_param_s``: calling a compiled region's forward, per parameter tensor
       it takes: Dynamo's guards on each parameter (``TorchDynamo Cache Lookup``) and the
-      wrappers' input handling (unwrapping each DTensor parameter, ``PythonSubclass``). Charged
-      on the forward's host timeline before its first kernel launches.
+      wrappers' input handling (unwrapping each DTensor parameter, ``PythonSubclass``): the
+      host time before the forward's first device work. Charged on the forward's host
+      timeline before its first kernel launches.
+    - ``forward_graph_per_param_s``: the rest of the compiled forward's host time that grows
+      with its parameters, beyond ``compiled_launch_s`` per kernel: a block's kernels grow with
+      its parameters, and Inductor's Python per kernel grows with the kernel's arguments and
+      buffers, which the chain ``compiled_launch_s`` is fitted on hardly has. Charged spread
+      over the forward's kernel launches (it hides where the device is the bottleneck).
     - ``grad_handoff_per_param_s``: the end of a region's backward, per gradient it returns:
       wrapping each gradient as a DTensor, ``AccumulateGrad`` and the detach into ``.grad``
       (and whatever else of ``backward()``'s host time grows with the parameters: it is fitted
@@ -144,6 +150,7 @@ class ClusterProfile:
     intra: Link = field(default_factory=lambda: Link(350e9, 4e-6))
     inter: Link = field(default_factory=lambda: Link(40e9, 10e-6))
     region_entry_per_param_s: float = 0.0
+    forward_graph_per_param_s: float = 0.0
     grad_handoff_per_param_s: float = 0.0
     optimizer_per_param_s: float = 0.0
     zero_grad_per_param_s: float = 0.0

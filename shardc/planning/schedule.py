@@ -301,15 +301,19 @@ class _Timeline:
     ``entry_s``: host work per parameter tensor before the graph's first launch (a region's
     forward: ``region_entry_per_param_s`` times its parameters), after ``graph_call_s``; the
     stream's idle time it causes is reported as ``param_host``, the rest of its idle time
-    waiting for the host as ``launch_bound``."""
+    waiting for the host as ``launch_bound``. ``launch_extra_s``: host seconds added to every
+    kernel's launch (a forward's ``forward_graph_per_param_s`` times its parameters, spread
+    over its kernels)."""
 
-    def __init__(self, profile: ClusterProfile, entry_s: float = 0.0) -> None:
+    def __init__(self, profile: ClusterProfile, entry_s: float = 0.0,
+                 launch_extra_s: float = 0.0) -> None:
         self.profile = profile
         self.t = self.exposed = 0.0
         # The host reaches the graph's first kernel after calling it (guards, wrappers) and
         # handling its parameters (entry_s).
         self.host = profile.graph_call_s + entry_s
         self._entry_left = entry_s
+        self._launch_s = profile.graph_launch_s() + launch_extra_s
         self.free: dict[str, float] = {}
         # Device seconds by kernel category, and the stream's idle time waiting for the host
         # (``launch_bound``, ``param_host``) or for a collective (``exposed_comm``): they add up
@@ -332,7 +336,7 @@ class _Timeline:
 
     def kernel(self, seconds: float, category: str = "other") -> tuple[float, float]:
         """Run one kernel of ``seconds`` device time; returns its (start, end)."""
-        self.host += self.profile.graph_launch_s()
+        self.host += self._launch_s
         start = max(self.t, self.host)
         self._idle(start - self.t)
         busy_until = max(self.free.values(), default=0.0)
@@ -368,7 +372,7 @@ class _Timeline:
 
 
 def _simulate(g: GraphView, colls: list[Collective], profile: ClusterProfile,
-              tp_size: int = 1, entry_s: float = 0.0):
+              tp_size: int = 1, entry_s: float = 0.0, graph_host_s: float = 0.0):
     """Timing: the compute stream runs the graph's kernels (:mod:`shardc.planning.kernels`:
     fused groups, matmuls, attention) in order, each at the end of its last op and priced by
     :mod:`shardc.planning.estimate`; each process group's collectives run first-in first-out
@@ -378,7 +382,8 @@ def _simulate(g: GraphView, colls: list[Collective], profile: ClusterProfile,
     (when shardc issues there) shardc's waits of earlier issues (not HSDP all-reduces),
     shardc's issues, its other waits, and last the found collectives' waits, as
     ``lower.apply_plan`` orders them. An HSDP all-reduce is issued by its reduce-scatter's
-    wait. ``entry_s``: the host's per-parameter work before the first launch (see
+    wait. ``entry_s``: the host's per-parameter work before the first launch;
+    ``graph_host_s``: its per-parameter work spread over the graph's kernels (see
     :class:`_Timeline`). Fills the predictions; returns ``(ops, graph seconds, exposed
     communication, seconds by category, device time queued after the host's last launch)``."""
     ops = []
@@ -392,9 +397,10 @@ def _simulate(g: GraphView, colls: list[Collective], profile: ClusterProfile,
         if id(c) not in chained_ids:
             by_issue.setdefault(c.issue_pos, []).append(c)
         by_wait.setdefault(c.wait_pos, []).append(c)
-    line = _Timeline(profile, entry_s)
+    kernels = group_kernels(g.compute[0].graph, g.compute) if g.compute else []
+    line = _Timeline(profile, entry_s, graph_host_s / len(kernels) if kernels else 0.0)
     kernel_at = {}
-    for k in group_kernels(g.compute[0].graph, g.compute) if g.compute else []:
+    for k in kernels:
         kernel_at.setdefault(g.position[anchor(k)], []).append(k)
 
     def issue(c: Collective) -> None:
@@ -549,10 +555,11 @@ def plan_region(
         # Per-parameter host work: entering the region (its forward, before the first launch)
         # and handing the gradients off (after the backward's last launch; the step places it,
         # shardc.planning.step).
-        entry_s = cluster.region_entry_per_param_s * len(g.gathers) if g.name == "forward" \
-            else 0.0
+        forward = g.name == "forward"
+        entry_s = cluster.region_entry_per_param_s * len(g.gathers) if forward else 0.0
+        graph_host_s = cluster.forward_graph_per_param_s * len(g.gathers) if forward else 0.0
         ops, step, exposed, by_category, queued = _simulate(g, colls + copies, cluster,
-                                                            plan.tp_size, entry_s)
+                                                            plan.tp_size, entry_s, graph_host_s)
         if g.name == "backward":
             plan.predicted.backward_queued_s = queued
             plan.predicted.grad_handoff_s = cluster.grad_handoff_per_param_s * len(g.reduces)

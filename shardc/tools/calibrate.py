@@ -282,7 +282,9 @@ def measure_compiled_host_cost(device: torch.device, lengths: tuple[int, int] = 
 def _phase_note(times: list[PhaseTimes]) -> str:
     """The per-parameter fit's inputs, for the profile's notes."""
     rows = "; ".join(
-        f"{t.params} params: forward {t.forward_s * 1e3:.2f} ms ({t.forward_kernels} kernels), "
+        f"{t.params} params: forward {t.forward_s * 1e3:.2f} ms ({t.forward_kernels} kernels"
+        + (f", {t.forward_prelaunch_s * 1e3:.2f} ms before the first"
+           if t.forward_prelaunch_s is not None else "") + "), "
         f"backward {t.backward_s * 1e3:.2f} ms ({t.backward_kernels} kernels), optimizer "
         f"{t.optimizer_s * 1e3:.2f} ms, zero_grad {t.zero_grad_s * 1e3:.3f} ms" for t in times)
     return f"host per parameter tensor fitted to (median host time per phase): {rows}"

@@ -19,7 +19,10 @@ synchronizing (the device, given kernels of a few microseconds, is never what th
 for); the step starts on an idle device, as a benchmark's synchronized step does:
 
 - forward (the compiled call, loss included) less ``graph_call_s`` and ``compiled_launch_s``
-  per kernel it launches: the region's entry work (``region_entry_per_param_s``);
+  per kernel it launches, split at its first device work (on a GPU, measured from the device
+  timestamps of a marker kernel and the forward's first kernel on an idle device): before it
+  the region's entry work (``region_entry_per_param_s``), after it the rest
+  (``forward_graph_per_param_s``); on the CPU all of it is the entry's;
 - ``loss.backward()`` less the same for the backward graph: the gradient hand-off
   (``grad_handoff_per_param_s``);
 - ``optimizer.step()`` (``optimizer_per_param_s``: foreach AdamW on a GPU, torch's default;
@@ -63,15 +66,27 @@ class PhaseTimes:
     zero_grad_s: float
     forward_kernels: int = 0
     backward_kernels: int = 0
+    # Host seconds from the forward's call to its first device work (None: not measured, on
+    # the CPU: the whole forward is then the entry's).
+    forward_prelaunch_s: float | None = None
 
 
 def unpriced_seconds(t: PhaseTimes, compiled_launch_s: float, graph_call_s: float
                      ) -> dict[str, float]:
     """Each phase's host seconds less what the profile's per-call and per-kernel terms price
-    (the compiled graphs' calls and launches), keyed by the per-parameter field it fits."""
+    (the compiled graphs' calls and launches), keyed by the per-parameter field it fits. The
+    forward splits at its first device work: before it the call, the entry and one launch;
+    after it the other launches and the rest."""
+    forward = t.forward_s - graph_call_s - t.forward_kernels * compiled_launch_s
+    if t.forward_prelaunch_s is None:
+        entry, in_graph = forward, 0.0
+    else:
+        entry = t.forward_prelaunch_s - graph_call_s - min(t.forward_kernels, 1) \
+            * compiled_launch_s
+        in_graph = forward - entry
     return {
-        "region_entry_per_param_s": t.forward_s - graph_call_s
-        - t.forward_kernels * compiled_launch_s,
+        "region_entry_per_param_s": entry,
+        "forward_graph_per_param_s": in_graph,
         "grad_handoff_per_param_s": t.backward_s - graph_call_s
         - t.backward_kernels * compiled_launch_s,
         "optimizer_per_param_s": t.optimizer_s,
@@ -121,17 +136,29 @@ def _one_rank_mesh(device: torch.device):
     return init_device_mesh(device.type, (1,)), dist.destroy_process_group
 
 
-def _kernels(fn: Callable[[], object], device: torch.device) -> tuple[object, int]:
-    """``fn()`` and the number of device kernels it launched (0 on the CPU)."""
+def _device_work(fn: Callable[[], object], device: torch.device
+                 ) -> tuple[object, int, float | None]:
+    """``fn()``, the number of kernels (device operations) it launched and the host seconds
+    from its call to its first one (0 and None on the CPU). The device is idle before (a
+    synchronization) and a marker kernel is launched right before the call: on an idle device
+    each kernel starts as soon as it is launched, so the gap between the marker's end and the
+    first kernel's start (``torch.profiler``'s device timestamps) is the host's work before
+    its first launch."""
     if device.type != "cuda":
-        return fn(), 0
+        return fn(), 0, None
     from torch.profiler import ProfilerActivity, profile
 
+    marker = torch.zeros(1, device=device)
     torch.cuda.synchronize(device)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        marker.add_(1)
         out = fn()
         torch.cuda.synchronize(device)
-    return out, sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+    ops = sorted((e for e in prof.events() if e.device_type.name == "CUDA"),
+                 key=lambda e: e.time_range.start)
+    if len(ops) < 2:
+        return out, max(len(ops) - 1, 0), None
+    return out, len(ops) - 1, max(ops[1].time_range.start - ops[0].time_range.end, 0) / 1e6
 
 
 def _layers_model(layers: int, device: torch.device, dtype: torch.dtype
@@ -198,16 +225,20 @@ def time_phases(layers: int, device: torch.device, mesh, steps: int,
         loss_fn().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    loss, fw_kernels = _kernels(loss_fn, device)
-    _, bw_kernels = _kernels(loss.backward, device)
-    if gpu and not (fw_kernels and bw_kernels):
+    prelaunch = []
+    for _ in range(5 if gpu else 1):  # the forward's host time before its first launch
+        loss, fw_kernels, before = _device_work(loss_fn, device)
+        _, bw_kernels, _ = _device_work(loss.backward, device)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if before is not None:
+            prelaunch.append(before)
+    if gpu and not (fw_kernels and bw_kernels and prelaunch):
         raise RuntimeError(
             f"calibrate: torch.profiler saw {fw_kernels} forward and {bw_kernels} backward CUDA "
             "kernels of the compiled model; without them the compiled graphs' launches cannot be "
             "told from the host's per-parameter work. Check that the profiler records CUDA "
             "activity here (CUPTI), or calibrate with another torch build.")
-    opt.step()
-    opt.zero_grad(set_to_none=True)
     phases: list[list[float]] = [[], [], [], []]
     for _ in range(steps):
         sync()  # each step starts on an idle device, as a synchronized benchmark step does
@@ -224,7 +255,8 @@ def time_phases(layers: int, device: torch.device, mesh, steps: int,
             phase.append(seconds)
     sync()
     n = sum(1 for _ in model.parameters())
-    return PhaseTimes(n, *(statistics.median(p) for p in phases), fw_kernels, bw_kernels)
+    return PhaseTimes(n, *(statistics.median(p) for p in phases), fw_kernels, bw_kernels,
+                      statistics.median(prelaunch) if prelaunch else None)
 
 
 def measure_param_host_cost(device: torch.device, compiled_launch_s: float, graph_call_s: float,
