@@ -2,8 +2,9 @@
 and the optimizer, on one host and one device timeline.
 
 A plan predicts each compiled graph's time (:mod:`shardc.planning.schedule`; a region's forward
-already waits for the host's per-parameter entry work, ``region_entry_per_param_s``). What
-follows the last backward runs outside the compiled graphs:
+already waits for the host's per-parameter entry work, ``region_entry_per_param_s``, and its
+launches carry ``forward_graph_per_param_s``). What follows the last backward runs outside the
+compiled graphs:
 
 1. the gradient hand-off of each region (``Predictions.grad_handoff_s``: the profile's
    ``grad_handoff_per_param_s`` per gradient), host work after the backward's last launch;
