@@ -196,10 +196,10 @@ def time_phases(layers: int, device: torch.device, mesh, steps: int,
                 mixed: bool | None = None, model_kind: str | None = None) -> PhaseTimes:
     """Median host seconds of each phase of ``steps`` training steps of a ``layers``-deep
     model (``model_kind``, default :data:`GPU_MODEL` or :data:`CPU_MODEL`), after three
-    untimed ones (the first
-    compiles). ``mixed`` (default: on a GPU): bf16 compute and fp32 reduction, as the
-    benchmarks train. Blocks compile inline, as ``benchmarks/predict_step.py`` measures by
-    default."""
+    untimed ones (the first compiles) and, on a GPU, five profiled ones (kernels per graph,
+    the forward's host time before its first launch). ``mixed`` (default: on a GPU): bf16
+    compute and fp32 reduction, as the benchmarks train. Blocks compile inline, as
+    ``benchmarks/predict_step.py`` measures by default."""
     import shardc
 
     gpu = device.type == "cuda"
