@@ -12,7 +12,8 @@ With ``--measured``, each configuration that ran is planned here exactly as the 
 plans for a user (``shardc.tools.planner.plan_model``: Inductor's graphs, the per-block template,
 attention as the GPU's fused kernel, the loss in the compiled region, bf16 compute with fp32
 reduction, the same cluster profile), and the CPU plan's peak and step (the plan's forward and
-backward plus ``optimizer_step_seconds``, as predict_step.py adds them) are set beside the GPU's
+backward, then the gradient hand-off, optimizer and zero_grad: ``shardc.planning.step.
+predict_step``, as predict_step.py predicts it) are set beside the GPU's
 measured ones and the plan the GPU run made at compile time. FP8 rows are skipped: on the CPU
 FP8 linears are traced dequantized, not as ``torch._scaled_mm`` (the plan's notes say so).
 Without ``--measured`` it compares peaks with the recorded runs in ``ROWS``.
@@ -29,8 +30,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from shardc.planning.estimate import optimizer_step_seconds  # noqa: E402
 from shardc.planning.profile import PRESETS, preset_for_device, resolve_profile  # noqa: E402
+from shardc.planning.step import OptimizerSpec, predict_step  # noqa: E402
 from shardc.tools.model_spec import llama_model, parse_model  # noqa: E402
 from shardc.tools.planner import GIB, PlanSetup, plan_model  # noqa: E402
 
@@ -111,10 +112,10 @@ def _from_measured(path: str, profile: str | None) -> list[str]:
                              setup=PlanSetup(precision="bf16", inductor=True))
         seconds = time.perf_counter() - start
         p = plan.predicted
-        step = p.step_time_s + optimizer_step_seconds(
-            p.param_bytes, sum(1 for _ in llama_model(cfg).build().parameters()), prof,
+        step = predict_step([plan], prof, OptimizerSpec(
+            p.param_bytes, sum(1 for _ in llama_model(cfg).build().parameters()),
             state_factor=plan.options.get("optimizer_state_factor", 2.0),
-            temp_factor=plan.options.get("optimizer_temp_factor", 1.0))
+            temp_factor=plan.options.get("optimizer_temp_factor", 1.0))).step_s
         meas_peak, meas_step = r.get("measured_peak_bytes"), r.get("measured_step_s")
         lines.append(
             f"{head} {p.peak_bytes / GIB:.2f} | "

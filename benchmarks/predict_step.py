@@ -12,11 +12,16 @@ Each configuration ``model:layers:batch[:fp8]`` (the models of ``train_bench.py`
 (Inductor) and trained with AdamW (torch's default ``foreach``) on synthetic tokens. The table
 holds, per configuration:
 
-- predicted: the plan's forward+backward time (``plan.predicted.step_time_s``, every region),
-  the optimizer step (``shardc.planning.estimate.optimizer_step_seconds`` on the plan's
-  parameter bytes), their sum (the step), exposed communication and peak memory;
-- measured: the median over the timed steps of forward+backward, of the optimizer step and
-  zero_grad, and of the whole step (CUDA events), the slowest rank's; exposed communication from
+- predicted (``shardc.planning.step.predict_step``): the plan's forward+backward time
+  (``plan.predicted.step_time_s``, every region; the forward waits for the host's per-parameter
+  entry work), what follows the last backward's device work (the gradient hand-off, the
+  optimizer step, ``optimizer_step_seconds`` on the plan's parameter bytes, and zero_grad, each
+  with the profile's host seconds per parameter tensor, hidden under queued device work where
+  there is some; the "optimizer" columns), their sum (the step), exposed communication and
+  peak memory;
+- measured: the median over the timed steps of forward+backward (up to the host's return from
+  ``backward()``, so with the gradient hand-off where the host is behind), of the optimizer step
+  and zero_grad, and of the whole step (CUDA events), the slowest rank's; exposed communication from
   a short ``torch.profiler`` trace (NCCL kernel time with no other kernel running; world > 1
   only); peak memory allocated;
 - the step's error, predicted over measured, minus one;
@@ -62,8 +67,8 @@ from train.setup import compiled_loss  # noqa: E402
 from train.workload import build_model, model_config, synthetic_batches  # noqa: E402
 
 import shardc  # noqa: E402
-from shardc.planning.estimate import optimizer_step_seconds  # noqa: E402
 from shardc.planning.profile import resolve_profile  # noqa: E402
+from shardc.planning.step import OptimizerSpec, predict_step  # noqa: E402
 
 # Most telling first (a --deadline-s run keeps these): 8/16 layers, wide, batch, FP8, depth.
 DEFAULT_CONFIGS = ("1b:8:4,1b:16:4,wide:8:2,1b:8:1:s8192,1b:8:2,1b:8:1,1b:8:4:fp8,1b:32:4,"
@@ -216,37 +221,41 @@ def run_config(c: dict, args, device, cluster: dict | None, log) -> dict[str, An
     options = plans[0].options if plans else {}
     param_bytes = sum(p.predicted.get("param_bytes", 0.0) for p in plans)
     n_params = sum(1 for _ in model.parameters())
+    step = predict_step(plans, profile, OptimizerSpec(
+        param_bytes, n_params, state_factor=options.get("optimizer_state_factor", 2.0),
+        temp_factor=options.get("optimizer_temp_factor", 1.0)))
     res.update({
         "profile": profile.name,
-        "predicted_fwd_bwd_s": sum(p.predicted.get("step_time_s", 0.0) for p in plans),
-        "predicted_optimizer_s": optimizer_step_seconds(
-            param_bytes, n_params, profile,
-            state_factor=options.get("optimizer_state_factor", 2.0),
-            temp_factor=options.get("optimizer_temp_factor", 1.0)),
+        "predicted_fwd_bwd_s": step.graphs_s,
+        # The optimizer, gradient hand-off and zero_grad as they add to the step (device time,
+        # and the device's idle waiting for the host's per-parameter work beyond it).
+        "predicted_optimizer_s": step.after_s,
+        "predicted_optimizer_device_s": step.optimizer_device_s,
         "predicted_exposed_comm_s": sum(p.predicted.get("exposed_comm_s", 0.0) for p in plans),
         "predicted_peak_bytes": max((p.predicted.get("peak_bytes", 0.0) for p in plans),
                                     default=0.0),
-        "params": cfg.num_params(), "regions": len(plans),
+        "params": cfg.num_params(), "regions": len(plans), "param_tensors": n_params,
     })
-    res["predicted_step_s"] = res["predicted_fwd_bwd_s"] + res["predicted_optimizer_s"]
+    res["predicted_step_s"] = step.step_s
     res["predicted_ms_by_category"] = predicted_by_category(
-        [p.predicted.get("time_by_category_s") or {} for p in plans],
-        res["predicted_optimizer_s"])
+        [p.predicted.get("time_by_category_s") or {} for p in plans], step.by_category)
     del model, loss_fn, opt, data, it, plans
     return res
 
 
-def predicted_by_category(tables: list[dict[str, float]], optimizer_s: float
+def predicted_by_category(tables: list[dict[str, float]], after: dict[str, float]
                           ) -> dict[str, float]:
     """Milliseconds per step by category from the plans' ``time_by_category_s`` (summed over
-    regions and graphs, plus the per-graph keys), with ``optimizer``, the optimizer step model."""
+    regions and graphs, plus the per-graph keys) and the part of the step after the graphs
+    (``StepPrediction.by_category``: ``optimizer``, the optimizer's device time, and
+    ``param_host``, the device waiting for the host's per-parameter work; also under
+    ``step/<category>``)."""
     out: dict[str, float] = {}
-    for table in tables:
+    for table in tables + [{f"step/{k}": v for k, v in after.items()}]:
         for key, seconds in table.items():
             category = key.split("/", 1)[-1]
             out[category] = out.get(category, 0.0) + seconds * 1e3
             out[key] = out.get(key, 0.0) + seconds * 1e3
-    out["optimizer"] = optimizer_s * 1e3
     return out
 
 
@@ -335,8 +344,12 @@ def render(report: dict) -> str:
                   "(stretch 5%)."]
     lines += category_table(report["results"], m["seq"])
     lines += ["", "Predicted step = the plan's forward+backward (fused kernels, attention as one "
-              "kernel, launch overhead, collectives on their lanes) + the optimizer step model. "
-              "Measured times are the slowest rank's medians (CUDA events)."]
+              "kernel, launch overhead, the host's per-parameter entry work, collectives on their "
+              "lanes) + what follows the graphs (`shardc.planning.step`: the gradient hand-off, "
+              "the optimizer step model and zero_grad, host work hidden under queued device work "
+              "where there is some; the optimizer columns). Measured times are the slowest rank's "
+              "medians (CUDA events); measured forward+backward ends when the host returns from "
+              "backward(), so it holds the hand-off where the host is behind."]
     return "\n".join(lines) + "\n"
 
 
@@ -350,7 +363,7 @@ CATEGORY_COLUMNS = (
     ("copies", ("copies",), ("copies",)),
     ("comm", ("exposed_comm",), ("comm",)),
     ("optimizer", ("optimizer",), ("optimizer",)),
-    ("device idle", ("launch_bound",), ("idle",)),
+    ("device idle", ("launch_bound", "param_host"), ("idle",)),
 )
 
 

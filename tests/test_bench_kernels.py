@@ -55,13 +55,16 @@ def test_predict_step_sets_predicted_beside_measured_by_category():
     from benchmarks.predict_step import category_table, predicted_by_category
 
     pred = predicted_by_category([{"forward/matmul": 0.010, "backward/matmul": 0.020,
-                                   "backward/launch_bound": 0.001}], optimizer_s=0.016)
+                                   "backward/launch_bound": 0.001}],
+                                 {"optimizer": 0.016, "param_host": 0.0005})
     assert pred["matmul"] == pytest.approx(30.0) and pred["backward/matmul"] == pytest.approx(20.0)
-    assert pred["optimizer"] == pytest.approx(16.0)
+    assert pred["optimizer"] == pytest.approx(16.0) and pred["step/optimizer"] == 16.0
+    assert pred["param_host"] == pytest.approx(0.5)
     row = {"status": "ok", "config": {"model": "1b", "layers": 8, "batch": 4, "seq": None},
            "predicted_ms_by_category": pred,
            "measured_ms_by_category": {"matmul": 24.0, "optimizer": 15.0, "idle": 2.0}}
     table = category_table([row], 2048)
     assert table[-1].startswith("| 1b | 8 | 4 x 2048 | 30.0 / 24.0 |")
-    assert "| 16.0 / 15.0 | 1.0 / 2.0 |" in table[-1]
+    # Device idle: waiting for the host's launches and its per-parameter work.
+    assert "| 16.0 / 15.0 | 1.5 / 2.0 |" in table[-1]
     assert category_table([{**row, "status": "error"}], 2048) == []

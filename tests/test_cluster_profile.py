@@ -15,8 +15,9 @@ from shardc.planning import fit
 from shardc.planning.cost_model import ClusterSpec
 from shardc.planning.estimate import kernel_seconds, optimizer_step_seconds
 from shardc.planning.kernels import FUSABLE, MATMUL, group_kernels
-from shardc.planning.plan import Collective
+from shardc.planning.plan import PLAN_VERSION, Collective, Plan
 from shardc.planning.profile import (
+    PER_PARAM_FIELDS,
     PRESETS,
     PROFILE_VERSION,
     ClusterProfile,
@@ -28,7 +29,9 @@ from shardc.planning.profile import (
     resolve_profile,
 )
 from shardc.planning.schedule import _Timeline
+from shardc.planning.step import OptimizerSpec, after_backward_seconds, predict_step
 from shardc.tools import calibrate as cal
+from shardc.tools import host_cost
 
 MIB = 1 << 20
 
@@ -321,15 +324,21 @@ def test_calibrate_on_cpu_writes_a_readable_profile(tmp_path, monkeypatch):
     monkeypatch.setattr(cal, "CPU_MATMULS", ((32, 32, 32), (64, 64, 64)))
     monkeypatch.setattr(cal, "CPU_ATTENTION", ((32, 16),))
     monkeypatch.setattr(cal, "CPU_MEMORY", (1 << 16, 1 << 18))
+    monkeypatch.setattr(host_cost, "CPU_PARAM_LAYERS", (1, 2))
     out = tmp_path / "cpu.json"
     assert cal.main(["--device", "cpu", "--quick", "--out", str(out), "--name", "ci"]) == 0
     p = load_profile(str(out))
-    assert p.name == "ci" and p.source == "measured" and p.version == PROFILE_VERSION == 2
+    assert p.name == "ci" and p.source == "measured" and p.version == PROFILE_VERSION == 3
     assert "calibrate --device cpu" in p.command
     assert {m.dtype for m in p.matmul} == {"float32", "bfloat16"}
     assert all(m.flops_per_s > 0 for m in p.matmul) and p.memory_bandwidth(1 << 17) > 0
     assert {a.pass_ for a in p.attention} == {"forward", "backward"}
     assert p.kernel_launch_s > 0 and p.collectives == ()  # one process: no collectives
+    # The per-parameter host work, fitted to a sharded model at two depths (notes say so; the
+    # values are this CPU's timings, so only their kind is checked).
+    assert all(getattr(p, f) >= 0 for f in PER_PARAM_FIELDS)
+    assert any(n.startswith("host per parameter tensor fitted to") and "3 params" in n
+               and "6 params" in n for n in p.notes)
     assert p.intra == Link(*dataclasses.astuple(ClusterProfile("", "", "", "", "").intra))
 
 
@@ -357,3 +366,194 @@ def test_calibration_times_kernels_back_to_back_not_their_launch():
     # Long calls are timed one at a time; tiny ones at most ``most_calls`` at once.
     assert cal.calls_per_timing(5e-3, 2e-3, 256) == 1
     assert cal.calls_per_timing(1e-7, 2e-3, 256) == 256
+
+
+# ------------------------------------------------------------------------------ per-parameter host
+
+
+def _phase_times(params: int, coeffs: dict[str, float], call: float, launch: float
+                 ) -> host_cost.PhaseTimes:
+    """A model's phase times from a known model: each phase a fixed part, the compiled graphs'
+    calls and launches (kernels not in proportion to the parameters) and its seconds per
+    parameter tensor."""
+    fw_kernels, bw_kernels = 4 * params // 3 + 5, 3 * params + 7
+    prelaunch = 1e-4 + call + launch + params * coeffs["region_entry_per_param_s"]
+    return host_cost.PhaseTimes(
+        params,
+        forward_s=prelaunch + 2e-4 + (fw_kernels - 1) * launch
+        + params * coeffs["forward_graph_per_param_s"],
+        backward_s=3e-4 + call + bw_kernels * launch
+        + params * coeffs["grad_handoff_per_param_s"],
+        optimizer_s=1e-4 + params * coeffs["optimizer_per_param_s"],
+        zero_grad_s=1e-5 + params * coeffs["zero_grad_per_param_s"],
+        forward_kernels=fw_kernels, backward_kernels=bw_kernels, forward_prelaunch_s=prelaunch)
+
+
+def test_per_param_host_fit_recovers_known_coefficients():
+    coeffs = {"region_entry_per_param_s": 35e-6, "forward_graph_per_param_s": 20e-6,
+              "grad_handoff_per_param_s": 40e-6, "optimizer_per_param_s": 45e-6,
+              "zero_grad_per_param_s": 4e-6}
+    call, launch = 565e-6, 28e-6
+    times = [_phase_times(n, coeffs, call, launch) for n in (24, 96)]
+    got = host_cost.fit_param_host_cost(times, launch, call)
+    assert got == pytest.approx(coeffs, rel=1e-9)
+    assert host_cost.fit_param_host_cost(times, launch, call) == got  # deterministic
+    # Three depths: least squares, the same coefficients.
+    three = [_phase_times(n, coeffs, call, launch) for n in (24, 48, 96)]
+    assert host_cost.fit_param_host_cost(three, launch, call) == pytest.approx(coeffs, rel=1e-9)
+    # Not subtracting the launches would fold them into the per-parameter terms: the fit takes
+    # out exactly what the per-kernel term prices.
+    assert host_cost.fit_param_host_cost(times, 0.0, call)["forward_graph_per_param_s"] > 50e-6
+    # Without the time before the first launch (the CPU), the whole forward is the entry's.
+    cpu = [dataclasses.replace(t, forward_prelaunch_s=None) for t in times]
+    got = host_cost.fit_param_host_cost(cpu, launch, call)
+    assert got["region_entry_per_param_s"] == pytest.approx(35e-6 + 20e-6, rel=1e-9)
+    assert got["forward_graph_per_param_s"] == 0.0
+    with pytest.raises(ValueError, match="two or more parameter counts"):
+        host_cost.fit_param_host_cost(times[:1] * 2, launch, call)
+    with pytest.raises(ValueError, match="zero_grad.*not a finite number"):
+        fit.fit_per_param([1, 2], [1e-3, float("nan")], "zero_grad_per_param_s")
+
+
+def test_older_profiles_read_with_no_per_param_host_work_and_predict_as_before():
+    data = load_profile("h100").to_dict()
+    for name in PER_PARAM_FIELDS:
+        data.pop(name)
+    data["version"] = 2
+    v2 = ClusterProfile.from_dict(data)
+    assert v2.version == 2 and all(getattr(v2, f) == 0.0 for f in PER_PARAM_FIELDS)
+    # The step is the plans' graphs plus the optimizer's device time, as predict_step.py added
+    # them before profile version 3.
+    plans = [_plan_with(0, 40e-3, queued=5e-3, handoff=0.0),
+             _plan_with(1, 10e-3, queued=0.0, handoff=0.0)]
+    spec = OptimizerSpec(4e9, 75)
+    got = predict_step(plans, v2, spec)
+    assert got.step_s == pytest.approx(50e-3 + optimizer_step_seconds(4e9, 75, v2), rel=1e-12)
+    assert got.by_category == {"optimizer": optimizer_step_seconds(4e9, 75, v2)}
+    # A graph's timeline without entry work is the version-2 one (graph call, then launches).
+    line = _Timeline(v2)
+    line.kernel(1e-6)
+    assert line.t == pytest.approx(v2.graph_call_s + v2.graph_launch_s() + 1e-6)
+    assert "param_host" not in line.by_category
+    with pytest.raises(ProfileError, match="optimizer_per_param_s is -1"):
+        dataclasses.replace(v2, optimizer_per_param_s=-1.0)
+
+
+def _plan_with(region: int, graphs_s: float, *, queued: float, handoff: float) -> Plan:
+    plan = Plan(PLAN_VERSION, region, 1, {}, [], [])
+    plan.predicted.step_time_s = graphs_s
+    plan.predicted.backward_queued_s, plan.predicted.grad_handoff_s = queued, handoff
+    return plan
+
+
+def test_entry_work_delays_the_forwards_first_kernel():
+    p = _profile(kernel_launch_s=5e-6, compiled_launch_s=30e-6, graph_call_s=1e-3)
+    line = _Timeline(p, entry_s=2e-3)
+    for _ in range(10):
+        line.kernel(1e-6)
+    # Host-bound: the graph is longer by the entry work, which the device waits for.
+    assert line.t == pytest.approx(1e-3 + 2e-3 + 10 * 30e-6 + 1e-6)
+    assert line.by_category["param_host"] == pytest.approx(2e-3)
+    assert sum(line.by_category.values()) == pytest.approx(line.t)
+    assert line.queued_s() == pytest.approx(1e-6)
+    # The forward's other per-parameter work is spread over its launches: a host-bound graph is
+    # longer by all of it, a device-bound one (long kernels) not at all.
+    spread = _Timeline(p, launch_extra_s=100e-6)
+    for _ in range(10):
+        spread.kernel(1e-6)
+    assert spread.t == pytest.approx(1e-3 + 10 * (30e-6 + 100e-6) + 1e-6)
+    bound, plain = _Timeline(p, launch_extra_s=100e-6), _Timeline(p)
+    for line in (bound, plain):
+        for _ in range(10):
+            line.kernel(1e-3)
+    assert bound.t == pytest.approx(plain.t + 100e-6)  # only the first launch's share shows
+
+
+def test_host_work_after_the_backward_hides_only_under_queued_device_work():
+    # Device-bound: 5 ms queued and a 10 ms optimizer on the device; the host's 1 ms hand-off,
+    # 3 ms of optimizer Python and 0.5 ms zero_grad hide under them: unchanged.
+    bound = after_backward_seconds(5e-3, 1e-3, 10e-3, 3e-3, 0.5e-3, ops=10)
+    assert bound == pytest.approx((10e-3, 0.0))
+    assert bound[0] == pytest.approx(after_backward_seconds(5e-3, 0, 10e-3, 0, 0, ops=10)[0])
+    # Host-bound: the device waits for the host's work beyond the 0.5 ms queued; the
+    # optimizer's last op runs after the host issues it, and zero_grad ends the step.
+    end, idle = after_backward_seconds(0.5e-3, 2e-3, 1e-3, 10e-3, 0.3e-3, ops=10)
+    assert end == pytest.approx(2e-3 - 0.5e-3 + 10e-3 + 0.3e-3)
+    assert idle == pytest.approx(end - 1e-3)
+    # In between: the hand-off exceeds the queued time by 1 ms; the optimizer (device-bound
+    # per op) then runs back to back.
+    assert after_backward_seconds(1e-3, 2e-3, 10e-3, 1e-3, 0, ops=10)[0] == pytest.approx(
+        1e-3 + 1e-3 / 10 + 10e-3)
+    with pytest.raises(ValueError, match="at least one"):
+        after_backward_seconds(0, 0, 1e-3, 0, 0, ops=0)
+
+
+def test_step_charges_per_param_host_work_by_the_expected_amount():
+    base = _profile(memory=((1, 2e12),), kernel_gpu_s=0.0, kernel_launch_s=0.0)
+    per = dataclasses.replace(base, optimizer_per_param_s=50e-6, zero_grad_per_param_s=5e-6)
+    spec = OptimizerSpec(param_bytes=4e6, n_params=100)  # tiny: 40 us on the device
+    device = optimizer_step_seconds(4e6, 100, base)
+    # Host-bound (small batch): two regions; the later region's hand-off (3 ms) exceeds its
+    # backward's queued time (1 ms) by 2 ms, the first region's (the last backward) by 1 ms.
+    plans = [_plan_with(0, 20e-3, queued=0.5e-3, handoff=1.5e-3),
+             _plan_with(1, 10e-3, queued=1e-3, handoff=3e-3)]
+    before, after = predict_step(plans, base, spec), predict_step(plans, per, spec)
+    assert before.step_s == pytest.approx(30e-3 + 2e-3 + 1e-3 + device)
+    # + 5 ms of optimizer and 0.5 ms of zero_grad host work; the device's last optimizer op
+    # (a tenth of its time) runs after the host's last share, before zero_grad's end.
+    assert after.step_s == pytest.approx(30e-3 + 2e-3 + 1e-3 + 5e-3 + 0.5e-3)
+    assert after.by_category["param_host"] == pytest.approx(after.after_s - device)
+    # Device-bound (large batch: a 15 ms optimizer, 10 ms queued): unchanged by the host work.
+    spec = OptimizerSpec(param_bytes=1.5e9, n_params=100)
+    plans = [_plan_with(0, 60e-3, queued=10e-3, handoff=1.5e-3)]
+    assert predict_step(plans, per, spec).step_s == pytest.approx(
+        60e-3 + optimizer_step_seconds(1.5e9, 100, base))
+
+
+def _region_graphs(layers: int = 3):
+    """A one-rank region's forward (gathers, matmuls) and backward (a reduce-scatter per
+    parameter), traced with fake tensors."""
+    import shardc.ops.gather  # noqa: F401  (registers the shardc ops)
+
+    gather, reduce = torch.ops.shardc.gather_param, torch.ops.shardc.reduce_scatter_grad
+
+    def forward(x, *shards):
+        h = x
+        for i, s in enumerate(shards):
+            h = torch.relu(h @ gather(s, f"layers.{i}.weight", 64, 1, "g", None, None,
+                                      True).t())
+        return h.sum()
+
+    def backward(x, *grads):
+        return [reduce(g @ (x.t() @ x), f"layers.{i}.weight", 64, 1, "g", None, torch.float32)
+                for i, g in enumerate(grads)]
+
+    shapes = [torch.randn(8, 64)] + [torch.randn(64, 64) for _ in range(layers)]
+    return (make_fx(forward, tracing_mode="fake")(*shapes),
+            make_fx(backward, tracing_mode="fake")(*shapes))
+
+
+def test_plan_charges_the_host_per_parameter_tensor():
+    """A plan of real graphs with host seconds per parameter tensor: entering the region
+    delays the forward (host-bound: its first kernel waits for the guards and inputs) by
+    exactly the entry work, shown as ``forward/param_host``; the backward's time is unchanged,
+    its gradient hand-off recorded for the step (:mod:`shardc.planning.step`)."""
+    from shardc.compile.options import ShardcOptions
+    from shardc.planning.schedule import plan_region
+
+    forward, backward = _region_graphs(3)
+    base = dataclasses.replace(load_profile("h100"), **dict.fromkeys(PER_PARAM_FIELDS, 0.0))
+    host = dataclasses.replace(base, region_entry_per_param_s=1e-3, grad_handoff_per_param_s=2e-4,
+                               forward_graph_per_param_s=5e-4)
+    a, b = (plan_region(forward, backward, ShardcOptions(inductor=False), cluster=p).predicted
+            for p in (base, host))
+    # Host-bound (tiny kernels): the entry, then the forward's per-parameter work spread over
+    # its launches, all of it on the step.
+    assert b.forward_time_s == pytest.approx(a.forward_time_s + 3e-3 + 3 * 5e-4, rel=1e-9)
+    assert b.time_by_category_s["forward/param_host"] == pytest.approx(3e-3)
+    assert sum(v for k, v in b.time_by_category_s.items() if k.startswith("forward/")) == \
+        pytest.approx(b.forward_time_s)
+    assert b.backward_time_s == pytest.approx(a.backward_time_s, rel=1e-12)
+    assert b.grad_handoff_s == pytest.approx(3 * 2e-4) and a.grad_handoff_s == 0.0
+    assert b.backward_queued_s == pytest.approx(a.backward_queued_s)
+    assert b.backward_queued_s >= 0.0

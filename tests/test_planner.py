@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from shardc.memory import breakdown
-from shardc.planning.profile import Link, load_profile
+from shardc.planning.profile import PER_PARAM_FIELDS, Link, load_profile
 from shardc.tools import cli
 from shardc.tools.model_spec import ModelSpecError, parse_model, parse_overrides
 from shardc.tools.planner import PlanSetup, capacity, device_capacity, fmt_bytes, plan_model
@@ -284,6 +284,7 @@ def test_cli_step_time_comes_from_the_cluster_profile(tmp_path, capsys):
         kernel_gpu_s=fast.kernel_gpu_s * 10, kernel_launch_s=fast.kernel_launch_s * 10,
         compiled_launch_s=fast.graph_launch_s() * 10, graph_call_s=fast.graph_call_s * 10,
         collective_launch_s=fast.collective_launch_s * 10,
+        **{f: getattr(fast, f) * 10 for f in PER_PARAM_FIELDS},
         collectives=(), intra=Link(fast.intra.bus_bandwidth / 10, fast.intra.latency_s * 10))
     path = tmp_path / "slow.json"
     path.write_text(slow.to_json())
@@ -295,3 +296,4 @@ def test_cli_step_time_comes_from_the_cluster_profile(tmp_path, capsys):
     assert 7 * fast_ms < slow_ms < 13 * fast_ms
     # the peak against the profiles' devices
     assert "of 2.0 GiB" in slow_out and f"of {fmt_bytes(fast.device_memory_bytes)}" in fast_out
+

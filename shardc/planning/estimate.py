@@ -162,23 +162,31 @@ def collective_copy_bytes(kind: str, graph_bytes: tuple[float, float], world: in
     return 0.0, 0.0
 
 
+def optimizer_kernel_ops(state_factor: float = 2.0, temp_factor: float = 1.0
+                         ) -> tuple[float, int]:
+    """(parameter-sized reads and writes, foreach ops) of one optimizer step: Adam/AdamW
+    (``state_factor`` 2) in torch's ``foreach`` implementation (``temp_factor`` 1): about ten
+    passes over the shards (lerp and mul/addcmul of the moments, sqrt, div, add of eps, addcdiv
+    into the parameters, weight decay), each reading and writing whole lists: about 20; the fused
+    one (``temp_factor`` 0) one pass (7). SGD with momentum (``state_factor`` 1): 5 in 3 ops;
+    plain SGD: 3 in one."""
+    if state_factor >= 2:
+        return (20.0, 10) if temp_factor > 0 else (7.0, 1)
+    if state_factor >= 1:
+        return 5.0, 3
+    return 3.0, 1
+
+
 def optimizer_step_seconds(param_bytes: float, n_params: int, profile: ClusterProfile, *,
                            state_factor: float = 2.0, temp_factor: float = 1.0) -> float:
     """Device time of the optimizer's step over this rank's parameter shards (``param_bytes``
-    of fp32 master weights in ``n_params`` tensors), outside the compiled graphs.
-
-    Adam/AdamW (``state_factor`` 2): torch's ``foreach`` implementation (``temp_factor`` 1)
-    runs about ten passes over the shards (lerp and mul/addcmul of the moments, sqrt, div, add
-    of eps, addcdiv into the parameters, weight decay), each reading and writing whole lists:
-    about 20 parameter-sized reads and writes; the fused one (``temp_factor`` 0) one pass (7).
-    SGD with momentum (``state_factor`` 1): about 5; plain SGD: 3. Each foreach op launches a
-    kernel per chunk of tensors (``n_params``/16 here, about what torch's chunking gives)."""
-    if state_factor >= 2:
-        passes, ops = (20.0, 10) if temp_factor > 0 else (7.0, 1)
-    elif state_factor >= 1:
-        passes, ops = 5.0, 3
-    else:
-        passes, ops = 3.0, 1
+    of fp32 master weights in ``n_params`` tensors), outside the compiled graphs: the passes of
+    :func:`optimizer_kernel_ops` over the shards at the memory bandwidth; each foreach op
+    launches a kernel per chunk of tensors (``n_params``/16 here, about what torch's chunking
+    gives), at least ``kernel_gpu_s`` and ``kernel_launch_s`` each. The host's per-parameter
+    work around it (``ClusterProfile.optimizer_per_param_s``) is placed by
+    :mod:`shardc.planning.step`."""
+    passes, ops = optimizer_kernel_ops(state_factor, temp_factor)
     kernels = ops * max(1, math.ceil(n_params / 16))
     moved = passes * param_bytes
     return memory_seconds(moved, profile) + kernels * max(profile.kernel_gpu_s,

@@ -112,6 +112,11 @@ class Predictions:
     # host's launches (``launch_bound``) or a collective (``exposed_comm``); a graph's entries
     # add up to its ``<graph>_time_s``.
     time_by_category_s: dict[str, float] | None = None
+    # The end of the backward, for the whole step (shardc.planning.step): the device time still
+    # queued when the host has launched the backward's last kernel, and the host's gradient
+    # hand-off after it (``ClusterProfile.grad_handoff_per_param_s`` per gradient).
+    backward_queued_s: float | None = None
+    grad_handoff_s: float | None = None
 
     def to_dict(self) -> dict[str, float]:
         """The predictions made, by name."""

@@ -31,8 +31,14 @@ from shardc.planning.fit import interp_linear, interp_log, interp_nearest_log
 PROFILE_FORMAT = "shardc-cluster-profile"
 # Version 2 added ``compiled_launch_s`` and ``graph_call_s`` (the host cost of compiled graphs);
 # a version-1 profile reads with the launch of an eager kernel for both and no call cost.
-PROFILE_VERSION = 2
-READABLE_PROFILE_VERSIONS = (1, 2)
+# Version 3 added the host seconds per parameter tensor (:data:`PER_PARAM_FIELDS`); a version-1
+# or 2 profile reads with zeros for them (its predictions are unchanged).
+PROFILE_VERSION = 3
+READABLE_PROFILE_VERSIONS = (1, 2, 3)
+# The host work that grows with the number of parameter tensors, outside what the per-kernel and
+# per-call terms price (see ClusterProfile): seconds per parameter tensor, one field per phase.
+PER_PARAM_FIELDS = ("region_entry_per_param_s", "forward_graph_per_param_s",
+                    "grad_handoff_per_param_s", "optimizer_per_param_s", "zero_grad_per_param_s")
 PRESETS = ("h100", "h200")
 
 
@@ -92,7 +98,37 @@ class ClusterProfile:
     ``compiled_launch_s`` the host time per kernel of a compiled training graph and
     ``graph_call_s`` the host time of calling one (guards, wrappers, autograd), both measured
     on a compiled chain of kernels (None / 0 where not measured: ``kernel_launch_s`` and no
-    call cost); ``overlap_slowdown`` multiplies compute time while a collective runs."""
+    call cost); ``overlap_slowdown`` multiplies compute time while a collective runs.
+
+    Host seconds per parameter tensor (version 3; zero in older profiles), each the part of a
+    phase's host time that grows with the number of parameter tensors beyond what the terms
+    above already price (calibration fits each as the slope of the phase's host time, less
+    ``graph_call_s`` and ``compiled_launch_s`` per kernel of its graph, against the number of
+    parameter tensors of a shardc-sharded model):
+
+    - ``region_entry_per_param_s``: calling a compiled region's forward, per parameter tensor
+      it takes: Dynamo's guards on each parameter (``TorchDynamo Cache Lookup``) and the
+      wrappers' input handling (unwrapping each DTensor parameter, ``PythonSubclass``): the
+      host time before the forward's first device work. Charged on the forward's host
+      timeline before its first kernel launches.
+    - ``forward_graph_per_param_s``: the rest of the compiled forward's host time that grows
+      with its parameters, beyond ``compiled_launch_s`` per kernel: a block's kernels grow with
+      its parameters, and Inductor's Python per kernel grows with the kernel's arguments and
+      buffers, which the chain ``compiled_launch_s`` is fitted on hardly has. Charged spread
+      over the forward's kernel launches (it hides where the device is the bottleneck).
+    - ``grad_handoff_per_param_s``: the end of a region's backward, per gradient it returns:
+      wrapping each gradient as a DTensor, ``AccumulateGrad`` and the detach into ``.grad``
+      (and whatever else of ``backward()``'s host time grows with the parameters: it is fitted
+      as one term). Charged on the host after the backward's last launch (hidden under the
+      device work still queued then, if any).
+    - ``optimizer_per_param_s``: ``optimizer.step()`` for torch's ``foreach`` AdamW (the
+      default, what the benchmarks run) over DTensor parameters, per parameter tensor: its
+      Python, DTensor dispatch of each foreach op and the launches of its kernels. Its device
+      time is :func:`shardc.planning.estimate.optimizer_step_seconds`'s.
+    - ``zero_grad_per_param_s``: ``optimizer.zero_grad(set_to_none=True)``, per parameter
+      tensor.
+
+    :mod:`shardc.planning.step` places them on the step's host and device timelines."""
 
     name: str
     device: str
@@ -113,6 +149,11 @@ class ClusterProfile:
     collectives: tuple[CollectiveCurve, ...] = ()
     intra: Link = field(default_factory=lambda: Link(350e9, 4e-6))
     inter: Link = field(default_factory=lambda: Link(40e9, 10e-6))
+    region_entry_per_param_s: float = 0.0
+    forward_graph_per_param_s: float = 0.0
+    grad_handoff_per_param_s: float = 0.0
+    optimizer_per_param_s: float = 0.0
+    zero_grad_per_param_s: float = 0.0
     overlap_slowdown: float = 1.1
     # GPUs per node sharing the ``intra`` link; a group of more ranks spans nodes and runs at the
     # ``inter`` link (its ring crosses the network). Calibration on one node cannot see the target
@@ -120,6 +161,14 @@ class ClusterProfile:
     node_size: int = 8
     notes: tuple[str, ...] = ()
     version: int = PROFILE_VERSION
+
+    def __post_init__(self) -> None:
+        for name in PER_PARAM_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value >= 0:
+                raise ProfileError(f"shardc: cluster profile {self.name!r}: {name} is {value!r}; "
+                                   "host seconds per parameter tensor must be a number >= 0 "
+                                   "(0: not measured)")
 
     # ------------------------------------------------------------------ lookups
 

@@ -296,28 +296,49 @@ class _Timeline:
     (``host``), the compute stream (``t``), and one lane per process group (``free``: when its
     last collective ends). A kernel starts once the host has launched it and the stream is
     free; while a collective runs on any lane, compute runs ``overlap_slowdown`` times slower
-    (for the overlapping part)."""
+    (for the overlapping part).
 
-    def __init__(self, profile: ClusterProfile) -> None:
+    ``entry_s``: host work per parameter tensor before the graph's first launch (a region's
+    forward: ``region_entry_per_param_s`` times its parameters), after ``graph_call_s``; the
+    stream's idle time it causes is reported as ``param_host``, the rest of its idle time
+    waiting for the host as ``launch_bound``. ``launch_extra_s``: host seconds added to every
+    kernel's launch (a forward's ``forward_graph_per_param_s`` times its parameters, spread
+    over its kernels)."""
+
+    def __init__(self, profile: ClusterProfile, entry_s: float = 0.0,
+                 launch_extra_s: float = 0.0) -> None:
         self.profile = profile
         self.t = self.exposed = 0.0
-        # The host reaches the graph's first kernel after calling it (guards, wrappers).
-        self.host = profile.graph_call_s
+        # The host reaches the graph's first kernel after calling it (guards, wrappers) and
+        # handling its parameters (entry_s).
+        self.host = profile.graph_call_s + entry_s
+        self._entry_left = entry_s
+        self._launch_s = profile.graph_launch_s() + launch_extra_s
         self.free: dict[str, float] = {}
         # Device seconds by kernel category, and the stream's idle time waiting for the host
-        # (``launch_bound``) or for a collective (``exposed_comm``): they add up to the graph's
-        # time (see :func:`kernel_category`).
+        # (``launch_bound``, ``param_host``) or for a collective (``exposed_comm``): they add up
+        # to the graph's time (see :func:`kernel_category`).
         self.by_category: dict[str, float] = {}
 
     def _add(self, category: str, seconds: float) -> None:
         if seconds > 0:
             self.by_category[category] = self.by_category.get(category, 0.0) + seconds
 
+    def _idle(self, seconds: float) -> None:
+        """The stream idles ``seconds`` waiting for the host: the first ``entry_s`` of such
+        waiting is the per-parameter entry work's (the host does it before anything else)."""
+        if seconds <= 0:
+            return
+        entry = min(seconds, self._entry_left)
+        self._entry_left -= entry
+        self._add("param_host", entry)
+        self._add("launch_bound", seconds - entry)
+
     def kernel(self, seconds: float, category: str = "other") -> tuple[float, float]:
         """Run one kernel of ``seconds`` device time; returns its (start, end)."""
-        self.host += self.profile.graph_launch_s()
+        self.host += self._launch_s
         start = max(self.t, self.host)
-        self._add("launch_bound", start - self.t)
+        self._idle(start - self.t)
         busy_until = max(self.free.values(), default=0.0)
         if busy_until > start and seconds > 0:
             overlap = min(seconds * self.profile.overlap_slowdown, busy_until - start)
@@ -326,6 +347,11 @@ class _Timeline:
         self.t = start + seconds
         self._add(category, seconds)
         return start, self.t
+
+    def queued_s(self) -> float:
+        """Device time still queued when the host has issued everything so far: how much host
+        work after this point can hide under the device's."""
+        return max(self.t - self.host, 0.0)
 
     def issue(self, c: Collective, seconds: float) -> None:
         # (Not for an elided collective, over a one-rank group: it is lowered to none.)
@@ -340,13 +366,13 @@ class _Timeline:
         if c.predicted_end_s > ready:
             c.exposed_s = c.predicted_end_s - ready
             self.exposed += c.exposed_s
-        self._add("launch_bound", min(self.host, c.predicted_end_s) - self.t)
+        self._idle(min(self.host, c.predicted_end_s) - self.t)
         self._add("exposed_comm", c.predicted_end_s - max(self.t, self.host))
         self.t = max(self.t, c.predicted_end_s)
 
 
 def _simulate(g: GraphView, colls: list[Collective], profile: ClusterProfile,
-              tp_size: int = 1):
+              tp_size: int = 1, entry_s: float = 0.0, graph_host_s: float = 0.0):
     """Timing: the compute stream runs the graph's kernels (:mod:`shardc.planning.kernels`:
     fused groups, matmuls, attention) in order, each at the end of its last op and priced by
     :mod:`shardc.planning.estimate`; each process group's collectives run first-in first-out
@@ -356,7 +382,10 @@ def _simulate(g: GraphView, colls: list[Collective], profile: ClusterProfile,
     (when shardc issues there) shardc's waits of earlier issues (not HSDP all-reduces),
     shardc's issues, its other waits, and last the found collectives' waits, as
     ``lower.apply_plan`` orders them. An HSDP all-reduce is issued by its reduce-scatter's
-    wait. Fills the predictions."""
+    wait. ``entry_s``: the host's per-parameter work before the first launch;
+    ``graph_host_s``: its per-parameter work spread over the graph's kernels (see
+    :class:`_Timeline`). Fills the predictions; returns ``(ops, graph seconds, exposed
+    communication, seconds by category, device time queued after the host's last launch)``."""
     ops = []
     by_id = {c.id: c for c in colls}
     chained = {c.link: c for c in colls
@@ -368,9 +397,10 @@ def _simulate(g: GraphView, colls: list[Collective], profile: ClusterProfile,
         if id(c) not in chained_ids:
             by_issue.setdefault(c.issue_pos, []).append(c)
         by_wait.setdefault(c.wait_pos, []).append(c)
-    line = _Timeline(profile)
+    kernels = group_kernels(g.compute[0].graph, g.compute) if g.compute else []
+    line = _Timeline(profile, entry_s, graph_host_s / len(kernels) if kernels else 0.0)
     kernel_at = {}
-    for k in group_kernels(g.compute[0].graph, g.compute) if g.compute else []:
+    for k in kernels:
         kernel_at.setdefault(g.position[anchor(k)], []).append(k)
 
     def issue(c: Collective) -> None:
@@ -419,7 +449,7 @@ def _simulate(g: GraphView, colls: list[Collective], profile: ClusterProfile,
             ops.append(ComputeOp(node.name, str(node.target), flops, nbytes, start, end))
     for c in colls:
         c.overlaps = [op.name for op in ops[c.issue_pos:c.wait_pos]][:64]
-    return ops, line.t, line.exposed, line.by_category
+    return ops, line.t, line.exposed, line.by_category, line.queued_s()
 
 
 def _memory_timeline(g: GraphView, colls: list[Collective]) -> list[int]:
@@ -522,7 +552,17 @@ def plan_region(
         # group's order is the traced one.
         colls.sort(key=lambda c: (c.issue_pos, c.origin == "shardc",
                                   c.origin == "shardc" and c.kind != Kind.ALL_GATHER, c.bucket))
-        ops, step, exposed, by_category = _simulate(g, colls + copies, cluster, plan.tp_size)
+        # Per-parameter host work: entering the region (its forward, before the first launch)
+        # and handing the gradients off (after the backward's last launch; the step places it,
+        # shardc.planning.step).
+        forward = g.name == "forward"
+        entry_s = cluster.region_entry_per_param_s * len(g.gathers) if forward else 0.0
+        graph_host_s = cluster.forward_graph_per_param_s * len(g.gathers) if forward else 0.0
+        ops, step, exposed, by_category, queued = _simulate(g, colls + copies, cluster,
+                                                            plan.tp_size, entry_s, graph_host_s)
+        if g.name == "backward":
+            plan.predicted.backward_queued_s = queued
+            plan.predicted.grad_handoff_s = cluster.grad_handoff_per_param_s * len(g.reduces)
         plan.collectives.extend(colls)
         plan.copies.extend(copies)
         plan.graphs[g.name] = ops

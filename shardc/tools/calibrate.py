@@ -7,7 +7,9 @@
 Measures what :class:`shardc.planning.profile.ClusterProfile` holds: matmul throughput by shape
 (bf16, fp32 and, where the GPU has it, FP8), fused attention forward/backward by sequence length
 and head dimension, memory-bound kernel bandwidth by bytes moved, the device time and host
-launch time of one small kernel, and, when launched with more than one process, all-gather /
+launch time of one small kernel, the host cost of compiled graphs (per kernel, per call), the
+host's work per parameter tensor (region entry, gradient hand-off, optimizer step, zero_grad;
+:mod:`shardc.tools.host_cost`), and, when launched with more than one process, all-gather /
 reduce-scatter / all-reduce time over buffer sizes 64 KiB..1 GiB for each power-of-two group
 size up to the world, the ring model's bandwidth and latency fitted to them, and how much slower
 a matmul runs while an all-gather runs beside it. Rank 0 writes the profile.
@@ -40,6 +42,7 @@ from shardc.planning.profile import (
     Link,
     MatmulPoint,
 )
+from shardc.tools.host_cost import PhaseTimes, measure_param_host_cost
 
 MIB = 1 << 20
 COLLECTIVE_SIZES = tuple(64 * 1024 * 4 ** i for i in range(8))  # 64 KiB .. 1 GiB
@@ -240,16 +243,19 @@ def measure_compiled_host_cost(device: torch.device, lengths: tuple[int, int] = 
     """Host seconds per kernel of a compiled training graph and per graph call (see
     :func:`fit_compiled_host_cost`), from Inductor-compiled chains of tiny matmul + ReLU
     layers trained forward and backward: the kernels take a few microseconds, so the step is
-    bound by the host, which is what is measured (the wall time of ``steps`` steps)."""
+    bound by the host, which is what is measured (the wall time of ``steps`` steps). Every
+    layer multiplies by the same weight, so both chains have one parameter: the host's work
+    per parameter tensor is measured apart (:mod:`shardc.tools.host_cost`) and is not folded
+    into the cost per kernel."""
     from torch.profiler import ProfilerActivity, profile
 
     points = []
     for length in lengths:
-        weights = [torch.randn(64, 64, device=device, requires_grad=True) for _ in range(length)]
+        weight = torch.randn(64, 64, device=device, requires_grad=True)
         x = torch.randn(64, 64, device=device)
 
-        def chain(inp: torch.Tensor, ws=weights) -> torch.Tensor:
-            for w in ws:
+        def chain(inp: torch.Tensor, w=weight, n=length) -> torch.Tensor:
+            for _ in range(n):
                 inp = torch.relu(inp @ w)
             return inp
 
@@ -271,6 +277,17 @@ def measure_compiled_host_cost(device: torch.device, lengths: tuple[int, int] = 
         torch.cuda.synchronize(device)
         points.append((kernels, (time.perf_counter() - start) / steps))
     return fit_compiled_host_cost(points[0], points[1])
+
+
+def _phase_note(times: list[PhaseTimes]) -> str:
+    """The per-parameter fit's inputs, for the profile's notes."""
+    rows = "; ".join(
+        f"{t.params} params: forward {t.forward_s * 1e3:.2f} ms ({t.forward_kernels} kernels"
+        + (f", {t.forward_prelaunch_s * 1e3:.2f} ms before the first"
+           if t.forward_prelaunch_s is not None else "") + "), "
+        f"backward {t.backward_s * 1e3:.2f} ms ({t.backward_kernels} kernels), optimizer "
+        f"{t.optimizer_s * 1e3:.2f} ms, zero_grad {t.zero_grad_s * 1e3:.3f} ms" for t in times)
+    return f"host per parameter tensor fitted to (median host time per phase): {rows}"
 
 
 # ------------------------------------------------------------------------------ collectives
@@ -427,6 +444,11 @@ def calibrate(device: torch.device, *, quick: bool = False, name: str | None = N
     if gpu:
         log(f"compiled graphs: {compiled_launch_s * 1e6:.1f} us per kernel, "
             f"{graph_call_s * 1e6:.0f} us per call ({time.perf_counter() - t0:.0f} s)")
+    per_param, phase_times = measure_param_host_cost(device, compiled_launch_s or 0.0,
+                                                     graph_call_s)
+    log("host per parameter tensor: " + ", ".join(
+        f"{k.removesuffix('_per_param_s')} {v * 1e6:.1f} us" for k, v in per_param.items())
+        + f" ({time.perf_counter() - t0:.0f} s)")
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     curves, link, slowdown = [], None, None
     if world > 1:
@@ -436,7 +458,7 @@ def calibrate(device: torch.device, *, quick: bool = False, name: str | None = N
         slowdown = measure_overlap(timer)
         log(f"collectives over {world} ranks ({time.perf_counter() - t0:.0f} s)")
     defaults = ClusterProfile(name="", device="", source="", command="", date="")
-    notes = [f"calibrated in {time.perf_counter() - t0:.0f} s"]
+    notes = [f"calibrated in {time.perf_counter() - t0:.0f} s", _phase_note(phase_times)]
     if world == 1:
         notes.append("one process: no collective timings; the links and the overlap slowdown "
                      "are the defaults (ring model)")
@@ -449,7 +471,7 @@ def calibrate(device: torch.device, *, quick: bool = False, name: str | None = N
         node_size=max(defaults.node_size, int(os.environ.get("LOCAL_WORLD_SIZE", 1))),
         matmul=tuple(mm), attention=tuple(attn), memory=tuple(mem),
         kernel_gpu_s=gpu_s, kernel_launch_s=launch_s, compiled_launch_s=compiled_launch_s,
-        graph_call_s=graph_call_s,
+        graph_call_s=graph_call_s, **per_param,
         collectives=tuple(curves), intra=link or defaults.intra,
         overlap_slowdown=slowdown if slowdown is not None else defaults.overlap_slowdown,
         notes=tuple(notes))

@@ -1,0 +1,273 @@
+"""Calibration of the host's per-parameter work (``python -m shardc calibrate``).
+
+Measures :data:`shardc.planning.profile.PER_PARAM_FIELDS`: a model of many tiny parameters
+(tiny compute, so every phase is bound by the host) is sharded with ``shardc.shard`` (bf16
+compute and fp32 reduction on a GPU, as the benchmarks run) over a one-rank mesh, compiled with
+the shardc backend (Inductor on a GPU, blocks inline; the FX graphs on the CPU) and trained with
+torch's default AdamW at two depths. On a GPU the model is shardc's Llama at width 64 (2 and 8
+blocks: 21 and 75 parameter tensors, the 1b benchmark's blocks with the same kernels per
+block); on the CPU, whose profile serves tests, layers of a norm weight and two ``Linear``
+weights (1 and 2: 3 and 6 parameter tensors).
+
+A block's parameters and its kernels grow together, so the two cannot be told apart from the
+depths alone: the chain that ``compiled_launch_s`` is fitted on prices each kernel, and the
+per-parameter terms take what a real block's host work adds beyond that (its guards, DTensor
+handling, and Inductor's Python per kernel, which grows with a kernel's arguments and buffers
+where the chain's kernels have few). For models built of the measured block this is exact per
+block; for others, an approximation. Each phase's host time is the wall clock around it without
+synchronizing (the device, given kernels of a few microseconds, is never what the host waits
+for); the step starts on an idle device, as a benchmark's synchronized step does:
+
+- forward (the compiled call, loss included) less ``graph_call_s`` and ``compiled_launch_s``
+  per kernel it launches, split at its first device work (on a GPU, measured from the device
+  timestamps of a marker kernel and the forward's first kernel on an idle device): before it
+  the region's entry work (``region_entry_per_param_s``), after it the rest
+  (``forward_graph_per_param_s``); on the CPU all of it is the entry's;
+- ``loss.backward()`` less the same for the backward graph: the gradient hand-off
+  (``grad_handoff_per_param_s``);
+- ``optimizer.step()`` (``optimizer_per_param_s``: foreach AdamW on a GPU, torch's default;
+  on the CPU torch's default is the for-loop AdamW) and ``zero_grad(set_to_none=True)``
+  (``zero_grad_per_param_s``), whole.
+
+Each term is the slope of its phase's median against the number of parameter tensors
+(:func:`shardc.planning.fit.fit_per_param`): what the per-kernel and per-call terms already price
+is subtracted first, and what does not grow with the parameters drops out, so nothing is counted
+twice. Kernels per graph are counted with ``torch.profiler`` (none on the CPU).
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from shardc.planning.fit import fit_per_param
+from shardc.planning.profile import PER_PARAM_FIELDS
+
+# Depths of the measured model (:data:`MODEL`; 9 parameter tensors per Llama block).
+GPU_PARAM_LAYERS = (2, 8)
+CPU_PARAM_LAYERS = (1, 2)
+
+
+@dataclass(frozen=True)
+class PhaseTimes:
+    """One model's median host seconds per phase of a training step, and the kernels its
+    forward and backward graphs launch."""
+
+    params: int
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    zero_grad_s: float
+    forward_kernels: int = 0
+    backward_kernels: int = 0
+    # Host seconds from the forward's call to its first device work (None: not measured, on
+    # the CPU: the whole forward is then the entry's).
+    forward_prelaunch_s: float | None = None
+
+
+def unpriced_seconds(t: PhaseTimes, compiled_launch_s: float, graph_call_s: float
+                     ) -> dict[str, float]:
+    """Each phase's host seconds less what the profile's per-call and per-kernel terms price
+    (the compiled graphs' calls and launches), keyed by the per-parameter field it fits. The
+    forward splits at its first device work: before it the call, the entry and one launch;
+    after it the other launches and the rest."""
+    forward = t.forward_s - graph_call_s - t.forward_kernels * compiled_launch_s
+    if t.forward_prelaunch_s is None:
+        entry, in_graph = forward, 0.0
+    else:
+        entry = t.forward_prelaunch_s - graph_call_s - min(t.forward_kernels, 1) \
+            * compiled_launch_s
+        in_graph = forward - entry
+    return {
+        "region_entry_per_param_s": entry,
+        "forward_graph_per_param_s": in_graph,
+        "grad_handoff_per_param_s": t.backward_s - graph_call_s
+        - t.backward_kernels * compiled_launch_s,
+        "optimizer_per_param_s": t.optimizer_s,
+        "zero_grad_per_param_s": t.zero_grad_s,
+    }
+
+
+def fit_param_host_cost(times: Sequence[PhaseTimes], compiled_launch_s: float,
+                        graph_call_s: float) -> dict[str, float]:
+    """Host seconds per parameter tensor of each phase (the profile's ``PER_PARAM_FIELDS``)
+    from models of two or more parameter counts: the slope of what the other terms leave."""
+    if len({t.params for t in times}) < 2:
+        raise ValueError("calibrate: host seconds per parameter tensor need models of two or more "
+                         f"parameter counts (got {[t.params for t in times]})")
+    rows = [unpriced_seconds(t, compiled_launch_s, graph_call_s) for t in times]
+    return {name: fit_per_param([t.params for t in times], [r[name] for r in rows], name)[1]
+            for name in PER_PARAM_FIELDS}
+
+
+class _Layer(nn.Module):
+    """A tiny block with a transformer block's kinds of parameters: a norm weight (read by a
+    pointwise op) and two matmul weights."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.Parameter(torch.ones(dim))
+        self.up = nn.Linear(dim, dim, bias=False)
+        self.down = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x * self.norm)))
+
+
+def _one_rank_mesh(device: torch.device):
+    """A mesh of this rank alone, and a function that undoes what making it set up (a world-1
+    process group when none was initialized; under ``torchrun`` every rank makes every
+    one-rank group, as ``new_group`` requires)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    if dist.is_initialized():
+        groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
+        return DeviceMesh.from_group(groups[dist.get_rank()], device.type), lambda: None
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kw = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kw)
+    return init_device_mesh(device.type, (1,)), dist.destroy_process_group
+
+
+def _device_work(fn: Callable[[], object], device: torch.device
+                 ) -> tuple[object, int, float | None]:
+    """``fn()``, the number of kernels (device operations) it launched and the host seconds
+    from its call to its first one (0 and None on the CPU). The device is idle before (a
+    synchronization) and a marker kernel is launched right before the call: on an idle device
+    each kernel starts as soon as it is launched, so the gap between the marker's end and the
+    first kernel's start (``torch.profiler``'s device timestamps) is the host's work before
+    its first launch."""
+    if device.type != "cuda":
+        return fn(), 0, None
+    from torch.profiler import ProfilerActivity, profile
+
+    marker = torch.zeros(1, device=device)
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        marker.add_(1)
+        out = fn()
+        torch.cuda.synchronize(device)
+    ops = sorted((e for e in prof.events() if e.device_type.name == "CUDA"),
+                 key=lambda e: e.time_range.start)
+    if len(ops) < 2:
+        return out, max(len(ops) - 1, 0), None
+    return out, len(ops) - 1, max(ops[1].time_range.start - ops[0].time_range.end, 0) / 1e6
+
+
+def _layers_model(layers: int, device: torch.device, dtype: torch.dtype
+                  ) -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
+    """``layers`` of :class:`_Layer` (3 parameter tensors each), and its loss on a fixed
+    batch."""
+    model = nn.Sequential(*[_Layer(16) for _ in range(layers)]).to(device)
+    # (shardc casts the gathered parameters, not the inputs: the input in the compute dtype)
+    x = torch.randn(8, 16, device=device, dtype=dtype)
+    return model, lambda m: m(x).float().square().mean()
+
+
+def _llama_model(layers: int, device: torch.device, dtype: torch.dtype
+                 ) -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
+    """shardc's Llama (the benchmarks' blocks: 9 parameter tensors each, 3 more outside them) at
+    a tiny width, and its cross-entropy loss on a fixed batch of 2 x 32 tokens."""
+    from shardc.models.llama import LlamaConfig, Transformer, llama_loss
+
+    cfg = LlamaConfig(vocab_size=256, dim=64, n_layers=layers, n_heads=4, max_seq_len=32)
+    with torch.device(device):
+        model = Transformer(cfg)
+    model.init_weights(buffer_device=device)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 33), device=device)
+    inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    return model, lambda m: llama_loss(m(inputs), targets)
+
+
+# The measured model: "llama" (tiny Llama blocks, what the benchmarks train; on a GPU) or
+# "layers" (:class:`_Layer`, faster to compile; on the CPU, whose profile serves tests).
+MODELS = {"llama": _llama_model, "layers": _layers_model}
+GPU_MODEL, CPU_MODEL = "llama", "layers"
+
+
+def time_phases(layers: int, device: torch.device, mesh, steps: int,
+                mixed: bool | None = None, model_kind: str | None = None) -> PhaseTimes:
+    """Median host seconds of each phase of ``steps`` training steps of a ``layers``-deep
+    model (``model_kind``, default :data:`GPU_MODEL` or :data:`CPU_MODEL`), after three
+    untimed ones (the first compiles) and, on a GPU, five profiled ones (kernels per graph,
+    the forward's host time before its first launch). ``mixed`` (default: on a GPU): bf16
+    compute and fp32 reduction, as the benchmarks train. Blocks compile inline, as
+    ``benchmarks/predict_step.py`` measures by default."""
+    import shardc
+
+    gpu = device.type == "cuda"
+    mixed = gpu if mixed is None else mixed
+    kind = model_kind or (GPU_MODEL if gpu else CPU_MODEL)
+    if kind not in MODELS:
+        raise ValueError(f"calibrate: unknown model {kind!r} for the host cost; use one of "
+                         f"{sorted(MODELS)}")
+    torch.manual_seed(0)
+    model, loss_of = MODELS[kind](layers, device, torch.bfloat16 if mixed else torch.float32)
+    mp = shardc.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if mixed else None
+    shardc.shard(model, mesh, mp_policy=mp, allow_partial_mesh=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loss_fn = torch.compile(functools.partial(loss_of, model),
+                            backend=shardc.backend(inductor=gpu, compile_blocks_once=False))
+
+    def sync() -> None:
+        if gpu:
+            torch.cuda.synchronize(device)
+
+    for _ in range(3):
+        loss_fn().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    prelaunch = []
+    for _ in range(5 if gpu else 1):  # the forward's host time before its first launch
+        loss, fw_kernels, before = _device_work(loss_fn, device)
+        _, bw_kernels, _ = _device_work(loss.backward, device)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if before is not None:
+            prelaunch.append(before)
+    if gpu and not (fw_kernels and bw_kernels and prelaunch):
+        raise RuntimeError(
+            f"calibrate: torch.profiler saw {fw_kernels} forward and {bw_kernels} backward CUDA "
+            "kernels of the compiled model; without them the compiled graphs' launches cannot be "
+            "told from the host's per-parameter work. Check that the profiler records CUDA "
+            "activity here (CUPTI), or calibrate with another torch build.")
+    phases: list[list[float]] = [[], [], [], []]
+    for _ in range(steps):
+        sync()  # each step starts on an idle device, as a synchronized benchmark step does
+        t0 = time.perf_counter()
+        loss = loss_fn()
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        t3 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        t4 = time.perf_counter()
+        for phase, seconds in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            phase.append(seconds)
+    sync()
+    n = sum(1 for _ in model.parameters())
+    return PhaseTimes(n, *(statistics.median(p) for p in phases), fw_kernels, bw_kernels,
+                      statistics.median(prelaunch) if prelaunch else None)
+
+
+def measure_param_host_cost(device: torch.device, compiled_launch_s: float, graph_call_s: float,
+                            *, layers: Sequence[int] | None = None, steps: int = 20
+                            ) -> tuple[dict[str, float], list[PhaseTimes]]:
+    """The per-parameter host terms on this device (see the module docstring), and the phase
+    times they were fitted to."""
+    layers = tuple(layers or (GPU_PARAM_LAYERS if device.type == "cuda" else CPU_PARAM_LAYERS))
+    mesh, undo = _one_rank_mesh(device)
+    try:
+        times = [time_phases(n, device, mesh, steps) for n in layers]
+    finally:
+        undo()
+    return fit_param_host_cost(times, compiled_launch_s, graph_call_s), times
