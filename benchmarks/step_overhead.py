@@ -55,14 +55,15 @@ from train.provenance import git_describe, launch_command  # noqa: E402
 from train.runner import free_memory, gather_objects  # noqa: E402
 from train.workload import DEFAULT_BATCH, model_config, synthetic_batches  # noqa: E402
 
-MODES = ("bound", "shardc", "shardc-localopt", "shardc-cudagraphs")
+MODES = ("bound", "shardc", "shardc-localopt", "shardc-cudagraphs", "shardc-noreshard",
+         "shardc-inline", "shardc-budget")
 PHASES = ("forward", "backward", "optimizer.step", "zero_grad")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=("1b", "wide"), default="1b")
-    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES[:4]))
     p.add_argument("--n-layers", type=int, nargs="+", default=[None],
                    help="depths to run (default: the model's)")
     p.add_argument("--batch", type=int, nargs="+", default=[None],

@@ -12,9 +12,11 @@ after the forward (the fixed policy's choice). The decision is a deterministic g
    is the plan (:func:`keep_all`); otherwise the budget is refused (:class:`MemoryBudgetError`,
    naming the lower of the two peaks and its largest terms).
 2. Rank the buckets by predicted time saved per byte held (the backward all-gather's time by
-   the cost model, over the bucket's gathered bytes; ties by bucket index) and keep them in that
-   order while the estimated peak (the last verified peak plus the kept bytes, scaled by what
-   a kept byte verifiably added so far, at least :data:`MIN_SCALE`) stays within the budget.
+   the cost model, or for a one-rank group, whose gathers are elided, the backward's re-cast of
+   the shards to the compute dtype; over the bucket's gathered bytes; ties by bucket index)
+   and keep them in that order while the estimated peak (the last verified peak plus the kept
+   bytes, scaled by what a kept byte verifiably added so far, at least :data:`MIN_SCALE`)
+   stays within the budget.
 3. Verify by planning and predicting the chosen configuration (a partition, a plan and a peak
    prediction: :func:`choose` calls ``evaluate``), at most :data:`MAX_TRIALS` times: over the
    budget, drop the lowest-ranked kept buckets until their bytes cover the excess; within it,
@@ -32,7 +34,7 @@ them too.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +64,8 @@ class Candidate:
     params: tuple[str, ...]
     saved_s: float  # predicted backward all-gather time removed
     nbytes: int  # gathered bytes held from the forward to the backward
+    # Its gathers are elided (one-rank group): ``saved_s`` is the backward's re-cast.
+    elided: bool = False
 
     @property
     def ratio(self) -> float:
@@ -74,9 +78,18 @@ def _gathered_bytes(plan: Plan, bucket: int, params: set[str]) -> int:
     return sum(d * n * size for fqn, d, n in zip(b.params, b.dim0, b.row_numel) if fqn in params)
 
 
-def candidates(plan: Plan) -> tuple[list[Candidate], list[BucketDecision]]:
+def candidates(plan: Plan, cast_seconds: Mapping[str, float] | None = None
+               ) -> tuple[list[Candidate], list[BucketDecision]]:
     """The buckets of a fully resharded plan that the backward gathers again (candidates), and
-    decisions for those it gathers over a one-rank group (elided: nothing to save)."""
+    decisions for those whose backward gathers save nothing when kept.
+
+    A gather over a one-rank group (elided: world 1, or HSDP with shard size 1) communicates
+    nothing, but where the compute dtype differs from the shard's it is a cast of the shard
+    (``shardc.passes.lower.elide``): re-gathering in the backward casts every parameter again,
+    which keeping the forward's cast saves. ``cast_seconds``: per parameter, that cast's
+    predicted device time (``shardc.compile.pipeline.elided_cast_seconds``); a parameter not in it
+    costs nothing to re-gather (no cast: the gathered parameter is the shard itself)."""
+    cast = cast_seconds or {}
     by_bucket: dict[int, list] = {}
     for c in plan.collectives:
         if c.origin == "shardc" and c.kind == CollectiveKind.ALL_GATHER and c.graph == "backward":
@@ -88,9 +101,14 @@ def candidates(plan: Plan) -> tuple[list[Candidate], list[BucketDecision]]:
         nbytes = _gathered_bytes(plan, index, set(params))
         name = plan.buckets[index].name
         if all(c.elided for c in colls):
-            fixed.append(BucketDecision(index, name, False, 0.0, nbytes,
-                                        "resharded: its gathers are elided (one-rank group), "
-                                        "keeping it would save no time", params))
+            recast = sum(cast.get(p, 0.0) for c in colls for p in c.params)
+            if recast <= 0:
+                fixed.append(BucketDecision(index, name, False, 0.0, nbytes,
+                                            "resharded: its gathers are elided (one-rank group) "
+                                            "and read the shard itself, keeping it would save no "
+                                            "time", params))
+                continue
+            out.append(Candidate(index, name, tuple(params), recast, nbytes, elided=True))
             continue
         saved = sum(c.predicted_end_s - c.predicted_start_s for c in colls if not c.elided)
         out.append(Candidate(index, name, tuple(params), saved, nbytes))
@@ -188,7 +206,12 @@ def choose(cands: list[Candidate], fixed: list[BucketDecision], budget: int, min
     decisions = list(fixed)
     for c in cands:
         saved_ms = c.saved_s * 1e3
-        if c.bucket in kept:
+        if c.bucket in kept and c.elided:
+            reason = (f"kept gathered: its gathers are elided (one-rank group), keeping the "
+                      f"forward's cast saves {saved_ms:.3f} ms of re-casting in the backward "
+                      f"for {c.nbytes / _MiB:.2f} MiB held to the backward; verified peak "
+                      f"{best_peak / _MiB:.1f} MiB within the budget")
+        elif c.bucket in kept:
             reason = (f"kept gathered: saves {saved_ms:.3f} ms of backward all-gather for "
                       f"{c.nbytes / _MiB:.2f} MiB held to the backward; verified peak "
                       f"{best_peak / _MiB:.1f} MiB within the budget")
