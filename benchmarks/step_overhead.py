@@ -21,8 +21,11 @@ on the same model, data and AdamW) it measures:
 Modes: ``bound`` (replicated parameters, Inductor, no communication, torch's AdamW),
 ``shardc`` (``shardc.shard`` + ``backend="shardc"``, torch's AdamW on the DTensor parameters),
 ``shardc-localopt`` (the same with ``shardc.optim.local_shard_step``: AdamW steps the local
-shards), ``shardc-cudagraphs`` (that, compiled with ``mode="reduce-overhead"``); see
-docs/overhead.md. Results go to ``--out/<name>.json`` and ``.md``. Public API only.
+shards), ``shardc-cudagraphs`` (that, compiled with ``mode="reduce-overhead"``); named only:
+``shardc-noreshard`` (``reshard_after_forward=False``), ``shardc-inline``
+(``compile_blocks_once=False``), ``shardc-budget`` (``peak_memory_budget_bytes`` from
+``SHARDC_PEAK_BUDGET``, default ``"auto"``); see docs/overhead.md. Results go to
+``--out/<name>.json`` and ``.md``. Public API only.
 """
 
 from __future__ import annotations
