@@ -21,8 +21,11 @@ on the same model, data and AdamW) it measures:
 Modes: ``bound`` (replicated parameters, Inductor, no communication, torch's AdamW),
 ``shardc`` (``shardc.shard`` + ``backend="shardc"``, torch's AdamW on the DTensor parameters),
 ``shardc-localopt`` (the same with ``shardc.optim.local_shard_step``: AdamW steps the local
-shards), ``shardc-cudagraphs`` (that, compiled with ``mode="reduce-overhead"``); see
-docs/overhead.md. Results go to ``--out/<name>.json`` and ``.md``. Public API only.
+shards), ``shardc-cudagraphs`` (that, compiled with ``mode="reduce-overhead"``); named only:
+``shardc-noreshard`` (``reshard_after_forward=False``), ``shardc-inline``
+(``compile_blocks_once=False``), ``shardc-budget`` (``peak_memory_budget_bytes`` from
+``SHARDC_PEAK_BUDGET``, default ``"auto"``); see docs/overhead.md. Results go to
+``--out/<name>.json`` and ``.md``. Public API only.
 """
 
 from __future__ import annotations
@@ -55,14 +58,15 @@ from train.provenance import git_describe, launch_command  # noqa: E402
 from train.runner import free_memory, gather_objects  # noqa: E402
 from train.workload import DEFAULT_BATCH, model_config, synthetic_batches  # noqa: E402
 
-MODES = ("bound", "shardc", "shardc-localopt", "shardc-cudagraphs")
+MODES = ("bound", "shardc", "shardc-localopt", "shardc-cudagraphs", "shardc-noreshard",
+         "shardc-inline", "shardc-budget")
 PHASES = ("forward", "backward", "optimizer.step", "zero_grad")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=("1b", "wide"), default="1b")
-    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES[:4]))
     p.add_argument("--n-layers", type=int, nargs="+", default=[None],
                    help="depths to run (default: the model's)")
     p.add_argument("--batch", type=int, nargs="+", default=[None],

@@ -11,6 +11,9 @@ from torch import fx, nn
 from torch.utils.checkpoint import CheckpointPolicy
 
 from shardc.compile.options import ShardcOptions
+from shardc.compile.pipeline import elided_cast_seconds
+from shardc.ops.gather import GATHER_OP
+from shardc.ops.gather_args import GatherArgs
 from shardc.planning import budget, recompute
 from shardc.planning.budget import Candidate, MemoryBudgetError
 from shardc.planning.plan import (
@@ -127,7 +130,8 @@ def test_offload_copies_count_as_what_keeping_saves():
     decided = budget.choose(cands, fixed, 10**9, MINIMUM, lambda kept: MINIMUM)
     reasons = {d.bucket: d.reason for d in decided.decisions}
     assert decided.kept == [1, 3]
-    assert "0.000 ms of backward all-gather and 2.000 ms of host->device copy" in reasons[1]
+    assert ("0.000 ms of re-casting in the backward (its gathers are elided: one-rank group) "
+            "and 2.000 ms of host->device copy") in reasons[1]
     assert "1.000 ms of backward all-gather and 2.000 ms of host->device copy" in reasons[3]
 
 
@@ -446,3 +450,39 @@ def test_planner_meets_the_budget_less_the_margin():
     assert record.planned_bytes == budget.planned_for(smallest, 0.02) >= minimum
     assert record.margin_bytes == smallest - record.planned_bytes > 0
     assert record.peak_bytes <= record.planned_bytes
+
+
+def _elided_plan() -> Plan:
+    """World 1: two buckets whose backward gathers are elided (one-rank group), bf16 gathered."""
+    buckets = [Bucket(i, f"layers.{i}", [f"w{i}"], [4], [4], [8], "torch.bfloat16",
+                      "torch.float32", 1) for i in range(2)]
+    colls = [Collective(f"backward.all_gather.{i}", CollectiveKind.ALL_GATHER, "backward", i,
+                        [f"w{i}"], 64, 64, "torch.bfloat16", "shard", 0, 0, 0, 0, group_size=1,
+                        elided=True) for i in range(2)]
+    return Plan(PLAN_VERSION, 0, 1, {}, buckets, colls)
+
+
+def test_elided_gathers_that_cast_are_candidates_priced_by_their_cast():
+    """World 1: an elided gather is a cast of the shard; keeping it saves the backward's re-cast
+    (issue 20). Without a cast (the parameter's dtype is the compute dtype) it saves nothing."""
+    cands, fixed = budget.candidates(_elided_plan(), {"w0": 2e-5})
+    assert [(c.bucket, c.saved_s, c.nbytes, c.elided) for c in cands] == [(0, 2e-5, 64, True)]
+    assert [(d.bucket, d.kept) for d in fixed] == [(1, False)]
+    assert "elided" in fixed[0].reason and "save no time" in fixed[0].reason
+    got = budget.choose(cands, fixed, 10**9, MINIMUM, lambda kept: MINIMUM + 64 * len(kept))
+    assert got.kept == [0]
+    assert "elided" in got.decisions[0].reason and "re-cast" in got.decisions[0].reason
+    assert budget.candidates(_elided_plan())[0] == []  # nothing priced: nothing to keep
+
+
+def test_elided_cast_seconds_prices_only_casting_gathers():
+    graph = fx.Graph()
+    for fqn, dtype in (("cast", torch.bfloat16), ("same", torch.float32)):
+        shard = graph.placeholder(f"{fqn}_shard")
+        shard.meta["val"] = torch.empty(1024, 256)
+        node = graph.call_function(GATHER_OP, GatherArgs(shard, fqn, 1024, 1, "0", dtype,
+                                                         torch.float32, True).args())
+        node.meta["val"] = torch.empty(1024, 256, dtype=dtype)
+    graph.output(None)
+    got = elided_cast_seconds(fx.GraphModule(nn.Module(), graph), ShardcOptions())
+    assert set(got) == {"cast"} and got["cast"] > 0

@@ -97,7 +97,11 @@ def _parity_scenarios(world: int) -> dict[str, tuple[str, str, dict]]:
         # and without offload.
         (at(2), "offload_no_reshard", ("llama", "fx", {"offload": OFFLOAD,
                                                         "reshard_after_forward": False})),
-        (at(2), "bf16", ("llama", "fx", {"mp_policy": BF16})),
+        (at(1, 2), "bf16", ("llama", "fx", {"mp_policy": BF16})),
+        # World 1, bf16 compute: the elided gathers are casts, which a roomy budget keeps from
+        # the forward to the backward instead of casting again (issue 20).
+        (at(1), "bf16_roomy_budget", ("llama", "fx", {"mp_policy": BF16,
+                                                       "peak_memory_budget_bytes": 1 << 40})),
         (at(2), "bf16_offload", ("llama", "fx", {"mp_policy": BF16, "offload": OFFLOAD})),
         # Optimizer-only offload: the graphs are those without offload, so the eager runs
         # (about a second each) exercise its step at worlds 1-3 with the same bits as eager
@@ -153,11 +157,18 @@ def test_parity_eager_and_fx(world, references):
     _check_offloaded(world, runs)
     if "roomy_budget" in runs:
         _check_roomy_budget(world, runs["roomy_budget"]["budget"])
+    if "bf16_roomy_budget" in runs:
+        # Keeping the forward's casts changes where the backward reads them, not their bits.
+        decisions = [d for r in runs["bf16_roomy_budget"]["budget"] for d in r.decisions]
+        assert decisions and all(d.kept and "elided" in d.reason and d.saved_ms > 0
+                                 for d in decisions), decisions
+        _bitwise(runs["bf16_roomy_budget"], runs["bf16"], f"world {world}: bf16, casts kept")
 
 
 def _check_roomy_budget(world: int, records: list) -> None:
     """Room for everything: at world 4 every bucket the backward gathers again is kept; at
-    world 1 the gathers are elided, so keeping saves nothing and every bucket is resharded."""
+    world 1 the gathers are elided and, in fp32, read the shards themselves (no cast), so
+    keeping saves nothing and every bucket is resharded."""
     decisions = [d for record in records for d in record.decisions]
     assert decisions, f"world {world}: no budget decision"
     for record in records:

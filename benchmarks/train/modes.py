@@ -25,7 +25,8 @@ MODES: tuple[str, ...] = ("fsdp2", "fsdp2-compile", "simplefsdp", "shardc", "bou
 
 # Diagnostic variants, run only when named in --modes.
 EXTRA_MODES: tuple[str, ...] = ("shardc-keeporder", "shardc-pool", "shardc-localopt",
-                                  "shardc-cudagraphs", "shardc-budget")
+                                  "shardc-cudagraphs", "shardc-budget", "shardc-noreshard",
+                                  "shardc-inline")
 
 
 SHARDED_BASELINES: tuple[str, ...] = ("fsdp2", "fsdp2-compile", "simplefsdp")
@@ -141,6 +142,16 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_
         setup.info["optimizer"] = "AdamW stepping the local shards (shardc.optim.local_shard_step)"
         if cudagraphs:
             setup.info["options"] = 'torch.compile(..., mode="reduce-overhead")'
+        return setup
+    if mode == "shardc-noreshard":
+        # Gathered parameters kept from the forward to the backward (no re-gather; at world 1
+        # no re-cast): the bound's memory for the compute-dtype copies.
+        setup = setup_shardc(model, mesh, loss_in_graph, reshard_after_forward=False)
+        setup.info["options"] = "shardc.shard(..., reshard_after_forward=False)"
+        return setup
+    if mode == "shardc-inline":
+        setup = setup_shardc(model, mesh, loss_in_graph, compile_blocks_once=False)
+        setup.info["options"] = "compile_blocks_once=False (every block compiled inline)"
         return setup
     if mode in ("shardc", "shardc-keeporder"):
         setup = setup_shardc(model, mesh, loss_in_graph)

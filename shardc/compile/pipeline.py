@@ -59,6 +59,7 @@ from shardc.passes.recompute import Block, find_blocks, recompute_blocks
 from shardc.passes.reshard import check_no_gathered_saved, keep_gathered, tag_resharded_gathers
 from shardc.passes.saved_order import order_saved_values
 from shardc.planning import budget, recompute
+from shardc.planning.estimate import memory_seconds
 from shardc.planning.plan import CompiledBody, InlineBlock, MemoryBudget, Plan
 from shardc.planning.profile import resolve_profile
 from shardc.planning.schedule import device_name, plan_region
@@ -297,7 +298,7 @@ def choose_under_budget(gm: fx.GraphModule, joint_inputs: Sequence[object],
     probe = copy_graph_module(pristine)  # the joint passes' graph, where blocks are found
     joint_passes(probe.graph)
     blocks = region_blocks(probe, region, kwargs)
-    cands, fixed = budget.candidates(base)
+    cands, fixed = budget.candidates(base, elided_cast_seconds(pristine, options))
     params = {c.bucket: set(c.params) for c in cands}
     useful = {p for c in cands if c.saved_s > 0 for p in c.params}
     if minimum <= budget_bytes:
@@ -368,6 +369,26 @@ def _recompute_under_budget(probe: fx.GraphModule, blocks: list[Block], user_byt
     return MemoryBudget(budget_bytes, floor, peak, 0, [],
                         recompute.decisions(blocks, cands, chosen, needed=True, peak=peak),
                         resharded_bytes=resharded[1])
+
+
+def elided_cast_seconds(gm: fx.GraphModule, options: ShardcOptions) -> dict[str, float]:
+    """Per parameter whose gather casts (compute dtype != the shard's), the predicted device
+    time of that cast: what a gather over a one-rank group costs once elided
+    (``shardc.passes.lower.elide``), so what keeping it gathered saves in the backward. A
+    function of global shapes and dtypes only: the same on every rank."""
+    profile = resolve_profile(options.cluster, device_name(gm))
+    out: dict[str, float] = {}
+    for node in gm.graph.nodes:
+        if not is_call(node, GATHER_OP):
+            continue
+        args = GatherArgs.of(node)
+        shard, full = args.shard.meta.get("val"), node.meta.get("val")
+        if shard is None or full is None or shard.dtype == full.dtype:
+            continue
+        moved = full.numel() * (shard.element_size() + full.element_size())
+        out[args.fqn] = out.get(args.fqn, 0.0) + memory_seconds(moved, profile) \
+            + profile.kernel_gpu_s
+    return out
 
 
 def _gather_device(gm: fx.GraphModule) -> torch.device | None:

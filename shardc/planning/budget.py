@@ -12,10 +12,12 @@ after the forward (the fixed policy's choice). The decision is a deterministic g
    is the plan (:func:`keep_all`); otherwise the budget is refused (:class:`MemoryBudgetError`,
    naming the lower of the two peaks and its largest terms).
 2. Rank the buckets by predicted time saved per byte held (the backward all-gather's time by
-   the cost model and, under CPU offload, the backward's host->device copy of the bucket's
-   shards, over the bucket's gathered bytes; ties by bucket index) and keep them in that
-   order while the estimated peak (the last verified peak plus the kept bytes, scaled by what
-   a kept byte verifiably added so far, at least :data:`MIN_SCALE`) stays within the budget.
+   the cost model, or for a one-rank group, whose gathers are elided, the backward's re-cast of
+   the shards to the compute dtype; under CPU offload also the backward's host->device copy of
+   the bucket's shards; over the bucket's gathered bytes; ties by bucket index) and keep them
+   in that order while the estimated peak (the last verified peak plus the kept bytes, scaled
+   by what a kept byte verifiably added so far, at least :data:`MIN_SCALE`) stays within the
+   budget.
 3. Verify by planning and predicting the chosen configuration (a partition, a plan and a peak
    prediction: :func:`choose` calls ``evaluate``), at most :data:`MAX_TRIALS` times: over the
    budget, drop the lowest-ranked kept buckets until their bytes cover the excess; within it,
@@ -34,7 +36,7 @@ them too.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -66,14 +68,17 @@ class Candidate:
     saved_s: float  # predicted backward time removed: all-gathers and host->device copies
     nbytes: int  # gathered bytes held from the forward to the backward
     copy_s: float = 0.0  # of saved_s, the backward's host->device copies (CPU offload)
+    # Its gathers are elided (one-rank group): the rest of ``saved_s`` is the backward's re-cast.
+    elided: bool = False
 
     def saves(self) -> str:
         """What keeping the bucket saves, in words (for its decision's reason)."""
-        gather_ms, copy_ms = (self.saved_s - self.copy_s) * 1e3, self.copy_s * 1e3
+        rest_ms, copy_ms = (self.saved_s - self.copy_s) * 1e3, self.copy_s * 1e3
+        what = ("of re-casting in the backward (its gathers are elided: one-rank group)"
+                if self.elided else "of backward all-gather")
         if not copy_ms:
-            return f"{gather_ms:.3f} ms of backward all-gather"
-        return (f"{gather_ms:.3f} ms of backward all-gather and {copy_ms:.3f} ms of "
-                "host->device copy (CPU offload)")
+            return f"{rest_ms:.3f} ms {what}"
+        return f"{rest_ms:.3f} ms {what} and {copy_ms:.3f} ms of host->device copy (CPU offload)"
 
     @property
     def ratio(self) -> float:
@@ -86,13 +91,22 @@ def _gathered_bytes(plan: Plan, bucket: int, params: set[str]) -> int:
     return sum(d * n * size for fqn, d, n in zip(b.params, b.dim0, b.row_numel) if fqn in params)
 
 
-def candidates(plan: Plan) -> tuple[list[Candidate], list[BucketDecision]]:
+def candidates(plan: Plan, cast_seconds: Mapping[str, float] | None = None
+               ) -> tuple[list[Candidate], list[BucketDecision]]:
     """The buckets of a fully resharded plan that the backward gathers again (candidates), and
-    decisions for those it gathers over a one-rank group (elided: nothing to save).
+    decisions for those whose backward gathers save nothing when kept.
+
+    A gather over a one-rank group (elided: world 1, or HSDP with shard size 1) communicates
+    nothing, but where the compute dtype differs from the shard's it is a cast of the shard
+    (``shardc.passes.lower.elide``): re-gathering in the backward casts every parameter again,
+    which keeping the forward's cast saves. ``cast_seconds``: per parameter, that cast's
+    predicted device time (``shardc.compile.pipeline.elided_cast_seconds``); a parameter not in it
+    costs nothing to re-gather (no cast: the gathered parameter is the shard itself).
 
     Under CPU offload a bucket the backward gathers again also copies its host shards to the
-    device again: keeping it gathered saves that copy too, even where the gather itself is
-    elided (one rank), so such a bucket is a candidate for the copy alone."""
+    device again: keeping it gathered saves that copy too, even where its gathers are elided
+    and cast nothing (then it is a candidate for the copy alone)."""
+    cast = cast_seconds or {}
     by_bucket: dict[int, list] = {}
     for c in plan.collectives:
         if c.origin == "shardc" and c.kind == CollectiveKind.ALL_GATHER and c.graph == "backward":
@@ -108,10 +122,16 @@ def candidates(plan: Plan) -> tuple[list[Candidate], list[BucketDecision]]:
         nbytes = _gathered_bytes(plan, index, set(params))
         name = plan.buckets[index].name
         copies = copy_s.get(index, 0.0)
-        if all(c.elided for c in colls) and not copies:
-            fixed.append(BucketDecision(index, name, False, 0.0, nbytes,
-                                        "resharded: its gathers are elided (one-rank group), "
-                                        "keeping it would save no time", params))
+        if all(c.elided for c in colls):
+            recast = sum(cast.get(p, 0.0) for c in colls for p in c.params)
+            if recast + copies <= 0:
+                fixed.append(BucketDecision(index, name, False, 0.0, nbytes,
+                                            "resharded: its gathers are elided (one-rank group) "
+                                            "and read the shard itself, keeping it would save no "
+                                            "time", params))
+                continue
+            out.append(Candidate(index, name, tuple(params), recast + copies, nbytes, copies,
+                                 elided=True))
             continue
         saved = sum(_duration(c) for c in colls if not c.elided) + copies
         out.append(Candidate(index, name, tuple(params), saved, nbytes, copies))
