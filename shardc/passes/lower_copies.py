@@ -61,24 +61,30 @@ def lower_d2h(gm: fx.GraphModule, g: GraphView, copies: list[Collective],
     graph = gm.graph
     output = graph.find_nodes(op="output")[0]
     copies_of = _to_host_counts(graph)
-    for c in (c for c in copies if c.kind == CollectiveKind.D2H_COPY and c.graph == g.name):
+    d2h = [c for c in copies if c.kind == CollectiveKind.D2H_COPY and c.graph == g.name]
+    # Every start first, each before its planned anchor: the moves below send the views of the
+    # host gradients (compute nodes, some of them anchors of other buckets) to the end.
+    starts: list[dict[str, fx.Node]] = []
+    for c in d2h:
         started: dict[str, fx.Node] = {}
         for fqn in c.params:
-            node = g.to_host[fqn]
-            grad, _, dtype, pin = node.args
+            grad, _, dtype, pin = g.to_host[fqn].args
             # At the issue position, or after the gradient if the lowering placed it later
             # (the reduced shards are handed out right before their collective's wait anchor).
-            where = _anchor(g, gm, c.issue_pos)
-            with graph.inserting_before(where):
-                start = call(graph, COPY_START_OP, (grad, fqn, "cpu", dtype, pin))
-            _after(graph, grad, start)
+            with graph.inserting_before(_anchor(g, gm, c.issue_pos)):
+                started[fqn] = call(graph, COPY_START_OP, (grad, fqn, "cpu", dtype, pin))
+            _after(graph, grad, started[fqn])
+        starts.append(started)
+    for started in starts:
+        for fqn, start in started.items():
+            node = g.to_host[fqn]
             with graph.inserting_before(output):
                 wait = call(graph, COPY_WAIT_OP, (start,))
             node.replace_all_uses_with(start)
             graph.erase_node(node)
             _move_readers_behind(graph, start, wait)
-            started[fqn] = start
-        if ready_key:
+    if ready_key:
+        for started in starts:
             _signal_ready(graph, g, started, copies_of, ready_key)
 
 
