@@ -68,7 +68,12 @@ class _Early:
     fqn: str
     grad: torch.Tensor  # the host gradient (local) the worker steps with
     verified: bool = False  # its accumulated .grad was checked to be ``grad``
-    version: int | None = None  # its .grad's version when checked (in-place edits: clipping)
+    # Its .grad's versions (the DTensor's, its local tensor's) when checked: an in-place edit
+    # (clipping) bumps the first through DTensor, the second directly.
+    version: tuple[int, int] | None = None
+    # A few of its values, spread over it: ``clip_grad_norm_`` scales DTensor gradients through
+    # a foreach op that bumps neither version, but changes every nonzero value.
+    sample: torch.Tensor | None = None
 
 
 class StepInBackward:
@@ -172,11 +177,13 @@ class StepInBackward:
                             f"the gradient of {early.fqn!r} accumulated by the backward is not "
                             "the one its overlapped step used (is the parameter read in two "
                             "compiled regions?); train it without shardc.step_in_backward")
-                early.version = tensor_version(grad) if grad is not None else None
+                if grad is not None:
+                    early.version, early.sample = _grad_versions(p.grad), _sample(grad)
                 return
             if not fresh or grad is None or id(p) not in self._stepped_here():
                 return
-            self._round[id(p)] = _Early(p, self._names[id(p)], grad, True, tensor_version(grad))
+            self._round[id(p)] = _Early(p, self._names[id(p)], grad, True,
+                                        _grad_versions(p.grad), _sample(grad))
         self._queue.put([(p, grad, None)])
 
     def _second_gradient(self, fqn: str) -> None:
@@ -247,6 +254,7 @@ class StepInBackward:
         # torch passes the step's own arguments, the optimizer first.
         closure = args[1] if len(args) > 1 else kwargs.get("closure")
         if closure is not None:
+            self._end_round()  # what was stepped early stays stepped; the rest is not
             raise RuntimeError(
                 "shardc.step_in_backward: optimizer.step(closure) is not supported: the "
                 "overlapped step has already updated parameters during the backward, and a "
@@ -259,6 +267,7 @@ class StepInBackward:
             if errors:
                 self._round.clear()
                 self._fresh.clear()
+                self._snapshot_params()
                 raise RuntimeError("shardc.step_in_backward: " + "; ".join(errors))
             for group in optimizer.param_groups:
                 _check_group(group, self._names)
@@ -269,6 +278,13 @@ class StepInBackward:
             for g in optimizer.param_groups:
                 g["params"] = [p for p in g["params"] if id(p) not in self._round]
 
+    def _end_round(self) -> None:
+        self.wait()
+        with self._lock:
+            self._round.clear()
+            self._fresh.clear()
+            self._errors.clear()
+
     def _edited_gradients(self) -> list[str]:
         """Early-stepped parameters whose gradient changed in place since (clipping)."""
         out = []
@@ -277,7 +293,8 @@ class StepInBackward:
             local = grad.to_local() if isinstance(grad, DTensor) else None
             if local is None or not early.verified:
                 continue  # zero_grad() before step(), or not accumulated yet
-            if early.version is not None and tensor_version(local) != early.version:
+            if early.version is not None and (_grad_versions(grad) != early.version
+                                              or not torch.equal(_sample(local), early.sample)):
                 out.append(
                     f"the gradient of {early.fqn!r} was changed in place after the optimizer "
                     "had already stepped it during the backward (clip_grad_norm_ or another "
@@ -356,6 +373,15 @@ def _as_local_grad(p: DTensor, grad: torch.Tensor) -> torch.Tensor | None:
     if grad.dtype != local.dtype or grad.numel() != local.numel():
         return None
     return grad if grad.shape == local.shape else grad.view(local.shape)
+
+
+def _sample(local: torch.Tensor, n: int = 16) -> torch.Tensor:
+    flat = local.detach().reshape(-1)
+    return flat[::max(1, flat.numel() // n)][:n].clone()
+
+
+def _grad_versions(grad: DTensor) -> tuple[int, int]:
+    return tensor_version(grad), tensor_version(grad.to_local())
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
