@@ -159,16 +159,22 @@ COPY_WAIT_OP = torch.ops.shardc.offload_copy_wait.default
 # rest of the backward. Without a listener (no ``step_in_backward`` for the model) it does
 # nothing.
 
-# model key -> callable(fqns, host gradients, completion events or None)
-_READY_LISTENERS: dict[str, object] = {}
+# model key -> callables(fqns, host gradients, completion events or None): one per optimizer
+# stepping some of the model's parameters in the backward.
+_READY_LISTENERS: dict[str, list] = {}
 
 
-def set_ready_listener(key: str, listener) -> None:
-    """Route the ready signals of the model ``key`` to ``listener`` (None: stop)."""
-    if listener is None:
+def add_ready_listener(key: str, listener) -> None:
+    """Route the ready signals of the model ``key`` to ``listener`` too."""
+    _READY_LISTENERS.setdefault(key, []).append(listener)
+
+
+def remove_ready_listener(key: str, listener) -> None:
+    listeners = _READY_LISTENERS.get(key, [])
+    if listener in listeners:
+        listeners.remove(listener)
+    if not listeners:
         _READY_LISTENERS.pop(key, None)
-    else:
-        _READY_LISTENERS[key] = listener
 
 
 @torch.library.custom_op(f"{_LIB}::offload_grads_ready", mutates_args=("grads",))
@@ -177,11 +183,12 @@ def offload_grads_ready(grads: list[torch.Tensor], fqns: str, key: str) -> None:
     of the model ``key``) are being copied; each is final once its copy completes. (Declared
     as mutating ``grads`` so that no compiler drops it or moves it past their waits: it must
     run while the backward goes on.)"""
-    listener = _READY_LISTENERS.get(key)
-    if listener is None:
+    listeners = _READY_LISTENERS.get(key)
+    if not listeners:
         return
     events = [_PENDING.get(_key(g)) if g.numel() else None for g in grads]
-    listener(fqns.split("\n"), list(grads), events)
+    for listener in list(listeners):
+        listener(fqns.split("\n"), list(grads), events)
 
 
 @offload_grads_ready.register_fake

@@ -53,7 +53,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardc._torch import dtensor_on_local_device, tensor_version
-from shardc.ops.offload_copy import set_ready_listener
+from shardc.ops.offload_copy import add_ready_listener, remove_ready_listener
 from shardc.optim.local_step import ELEMENTWISE
 from shardc.sharding.scope import shard_state, unwrap_compiled
 
@@ -121,7 +121,7 @@ class StepInBackward:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._after_accumulate))
         self._snapshot_params()
         self._worker.start()
-        set_ready_listener(self._key, self._on_bucket)
+        add_ready_listener(self._key, self._on_bucket)
         optimizer._shardc_step_in_backward = self
 
     # -- signals -----------------------------------------------------------------------------
@@ -337,7 +337,7 @@ class StepInBackward:
 
     def remove(self) -> None:
         """Stop overlapping: the optimizer steps everything in ``step()`` again."""
-        set_ready_listener(self._key, None)
+        remove_ready_listener(self._key, self._on_bucket)
         self._settle(self.optimizer)
         for handle in self._handles:
             handle.remove()
