@@ -178,8 +178,8 @@ class StepInBackward:
                 if grad is None or not _same_memory(grad, early.grad):
                     # Not the same memory (autograd copied it, or summed it with a gradient
                     # from elsewhere): compare a sample of values, not the whole gradient.
-                    if grad is None or not torch.equal(_sample(grad),
-                                                       _sample(early.grad.view(grad.shape))):
+                    if grad is None or grad.numel() != early.grad.numel() or not torch.equal(
+                            _sample(grad), _sample(early.grad.view(grad.shape))):
                         self._errors.append(
                             f"the gradient of {early.fqn!r} accumulated by the backward is not "
                             "the one its overlapped step used (is the parameter read in two "
