@@ -14,6 +14,7 @@ import json
 import pytest
 import torch
 from dist_utils import run_ranks
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
@@ -173,6 +174,10 @@ def _step_in_backward(rank: int, mesh) -> dict:
         out[mode]["bitwise"] = all(torch.equal(a, b) for a, b in
                                    zip(plain["params"], over["params"], strict=True))
         out[mode]["state_dict_equal"] = _state_equal(plain["state_dict"], over["state_dict"])
+        # DCP's view (keyed by parameter name, global DTensors): the same.
+        dcp_plain = get_optimizer_state_dict(plain["model"], plain["opt"])
+        dcp_over = get_optimizer_state_dict(over["model"], over["opt"])
+        out[mode]["dcp_equal"] = _state_equal(dcp_plain, dcp_over)
         if mode == "fx":
             out[mode]["ready_nodes"] = over["ready_nodes"]
             out[mode]["interleaved"] = over["first_ready_before_last_scatter"]
@@ -434,7 +439,7 @@ def test_step_in_backward_trains_like_the_plain_offload_step(runs):
     for rank_out in runs:
         fx, eager = rank_out["overlap"]["fx"], rank_out["overlap"]["eager"]
         for mode in (fx, eager):
-            assert mode["bitwise"] and mode["state_dict_equal"], mode
+            assert mode["bitwise"] and mode["state_dict_equal"] and mode["dcp_equal"], mode
             assert mode["early"] == 3 * mode["n"] and mode["late"] == 0, mode
         assert fx["signalled"] == 3 * fx["n"] and eager["signalled"] == 0
         assert fx["ready_nodes"] > 1 and fx["interleaved"]
