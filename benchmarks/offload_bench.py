@@ -20,6 +20,9 @@ Modes, on the same model, batches and settings, in the same process one after th
 ``torch.compile(model, backend=shardc.backend(inductor=...))``; ``shardc-budget``: the same
 with ``peak_memory_budget_bytes=--budget`` (default ``auto``): the planner keeps buckets
 gathered for the backward where memory allows, saving their second host->device copy;
+``shardc-overlap`` and ``shardc-budget-overlap``: the same with
+``shardc.step_in_backward(model, optimizer)``, the CPU AdamW of each bucket overlapped with the
+rest of the backward (``optimizer.step()`` then waits for it and steps what is left);
 ``fsdp2``: ``fully_shard`` per block and the root with ``offload_policy=CPUOffloadPolicy()``
 and the same mixed precision, eager (the usual FSDP2 setup). The optimizer is
 ``torch.optim.AdamW(fused=True)`` on the host parameters in both (``--no-fused``: the default
@@ -59,6 +62,9 @@ MODELS = {
 }
 
 
+MODES = ("shardc", "shardc-budget", "shardc-overlap", "shardc-budget-overlap", "fsdp2")
+
+
 def _config(name: str, seq: int) -> LlamaConfig:
     return LlamaConfig(max_seq_len=seq, **MODELS[name])
 
@@ -84,7 +90,7 @@ def _shardc_model(cfg, mesh, device, args, mode: str = "shardc"):
     torch.manual_seed(0)
     model.init_weights(buffer_device=device)
     budget = {}
-    if mode == "shardc-budget":  # the planner keeps buckets gathered where the budget allows
+    if "budget" in mode:  # the planner keeps buckets gathered where the budget allows
         budget["peak_memory_budget_bytes"] = (args.budget if args.budget == "auto"
                                               else int(float(args.budget)))
     forward = torch.compile(model, backend=shardc.backend(inductor=args.inductor, **budget))
@@ -120,6 +126,7 @@ def run_mode(mode: str, cfg: LlamaConfig, mesh, device, args) -> dict:
     build = _shardc_model if mode.startswith("shardc") else _fsdp2_model
     model, forward = build(cfg, mesh, device, args, mode)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.fused or None)
+    overlap = shardc.step_in_backward(model, opt) if mode.endswith("-overlap") else None
     setup_s = time.perf_counter() - t0
     data = _batches(cfg, args.warmup + args.steps, args.batch, args.seq, device)
     times, losses, backward_s = [], [], []
@@ -149,6 +156,10 @@ def run_mode(mode: str, cfg: LlamaConfig, mesh, device, args) -> dict:
            "losses": losses}
     if device.type == "cuda":
         out["peak_alloc_bytes"] = torch.cuda.max_memory_allocated()
+    if overlap is not None:  # parameters stepped during backwards / handed over / left late
+        out["overlap"] = {"early": overlap.early, "signalled": overlap.signalled,
+                          "late": overlap.late}
+        overlap.remove()
     if mode.startswith("shardc"):
         plans = shardc.explain_all(forward)
         out["predicted_peak_bytes"] = max(p.predicted.peak_bytes or 0 for p in plans)
@@ -163,7 +174,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="big,small")
     parser.add_argument("--modes", default="shardc,fsdp2",
-                        help="of shardc, shardc-budget (with --budget), fsdp2")
+                        help="of shardc, shardc-budget (with --budget), shardc-overlap, "
+                             "shardc-budget-overlap (step_in_backward), fsdp2")
     parser.add_argument("--budget", default="auto",
                         help="shardc-budget's peak_memory_budget_bytes: bytes or auto")
     parser.add_argument("--batch", type=int, default=1)
@@ -215,6 +227,9 @@ def main() -> None:
     if args.tiny:
         args.seq = min(args.seq, 64)
     models = ["tiny"] if args.tiny else args.models.split(",")
+    unknown = [m for m in args.modes.split(",") if m not in MODES]
+    if unknown:
+        raise SystemExit(f"unknown mode(s) {unknown}: of {', '.join(MODES)}")
     # Each model and mode in a process of its own, one after the other: the big model's host
     # state (16 bytes per parameter) fits the host once, not twice, and nothing cached by one
     # mode (pinned blocks, compiled code) is charged to the next.

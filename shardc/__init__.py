@@ -3,6 +3,7 @@
 from shardc import optim
 from shardc.backend import backend, shardc_backend  # the entry point module, then its names
 from shardc.compile.options import ShardcOptions
+from shardc.optim.step_in_backward import step_in_backward
 from shardc.planning.plan import Plan
 from shardc.runtime.comm_errors import CollectiveError
 from shardc.runtime.plan_check import PlanMismatchError
@@ -39,6 +40,7 @@ __all__ = [
     "shard",
     "shard_state",
     "shardc_backend",
+    "step_in_backward",
     "te_autocast",
     "te_float8_policy",
     "te_fp8_recipe",

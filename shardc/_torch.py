@@ -184,6 +184,11 @@ def dtensor_on_local_device(local: torch.Tensor, mesh, placements, shape, stride
     return DTensor(local, spec, requires_grad=False)
 
 
+def tensor_version(t: torch.Tensor) -> int:
+    """``t``'s version counter (bumped by every in-place change of it or of a view of it)."""
+    return t._version
+
+
 # The fused attention kernels a GPU runs for ``F.scaled_dot_product_attention`` (their meta
 # kernels give the output and log-sum-exp shapes; ``shardc.tools.attention`` traces them).
 flash_attention = torch.ops.aten._scaled_dot_product_flash_attention.default

@@ -126,11 +126,13 @@ def optimizer(model: nn.Module, kind: str = "adamw") -> torch.optim.Optimizer:
 
 
 def train(model: nn.Module, forward, tokens, targets, optim: str = "adamw",
-          local_step: bool = False) -> list[float]:
-    """``local_step``: the optimizer steps the local shards (``shardc.optim.local_shard_step``)."""
+          local_step: bool = False, overlap: dict | None = None) -> list[float]:
+    """``local_step``: the optimizer steps the local shards (``shardc.optim.local_shard_step``);
+    ``overlap`` (a dict, filled with the handle's counts): ``shardc.step_in_backward``."""
     opt = optimizer(model, optim)
     if local_step:
         shardc.optim.local_shard_step(opt)
+    handle = shardc.step_in_backward(model, opt) if overlap is not None else None
     losses = []
     for step in range(tokens.shape[0]):
         loss = llama_loss(forward(tokens[step]), targets[step])
@@ -138,6 +140,8 @@ def train(model: nn.Module, forward, tokens, targets, optim: str = "adamw",
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach())
+    if handle is not None:
+        overlap.update(early=handle.early, signalled=handle.signalled, late=handle.late)
     return losses
 
 
@@ -168,14 +172,14 @@ def eval_forward(model: nn.Module, forward, rank: int, world: int) -> torch.Tens
 
 
 def train_rank_slice(model: nn.Module, forward, rank: int, world: int, optim: str = "adamw",
-                     local_step: bool = False) -> torch.Tensor:
+                     local_step: bool = False, overlap: dict | None = None) -> torch.Tensor:
     """Train on this rank's slice of the global batch; the per-step losses averaged over ranks
     (the global mean loss, comparable to the reference's)."""
     tokens, targets = batches()
     per = GLOBAL_BATCH // world
     rows = slice(rank * per, (rank + 1) * per)
     losses = torch.stack(train(model, forward, tokens[:, rows], targets[:, rows], optim,
-                               local_step))
+                               local_step, overlap))
     dist.all_reduce(losses)
     return losses / world
 
@@ -187,6 +191,7 @@ def sharded_run(rank: int, world: int, kind: str, mode: str, **options) -> dict:
     hook_after_eval = options.pop("hook_after_eval", False)
     optim, local_step = options.pop("optim", "adamw"), options.pop("local_step", False)
     dynamic = options.pop("dynamic", None)
+    overlap = {} if options.pop("step_in_backward", False) else None
     model = build(kind)
     shardc.shard(model, reshard_after_forward=options.pop("reshard_after_forward", True),
                  offload=options.pop("offload", None), mp_policy=options.pop("mp_policy", None))
@@ -195,7 +200,7 @@ def sharded_run(rank: int, world: int, kind: str, mode: str, **options) -> dict:
     else:
         forward = torch.compile(model, backend=shardc.backend(inductor=(mode == "inductor"),
                                                               **options), dynamic=dynamic)
-    losses = train_rank_slice(model, forward, rank, world, optim, local_step)
+    losses = train_rank_slice(model, forward, rank, world, optim, local_step, overlap)
     evaluated = eval_forward(model, forward, rank, world) if options_eval else None
     hooked = None
     if hook_after_eval:
@@ -208,7 +213,7 @@ def sharded_run(rank: int, world: int, kind: str, mode: str, **options) -> dict:
     plans = [r.plan for r in state.regions]
     out = {"losses": losses, "params": params, "grads_none": grads_none, "plans": plans,
            "collective_ops": collective_ops(state), "eval": evaluated, "eval_hooked": hooked,
-           "host_masters": host_masters(model),
+           "host_masters": host_masters(model), "overlap": overlap,
            "trainable": {n for n, p in model.named_parameters() if p.requires_grad}}
     if keep_model:
         out.update(model=model, forward=forward)

@@ -14,6 +14,7 @@ import json
 import pytest
 import torch
 from dist_utils import run_ranks
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
@@ -114,6 +115,131 @@ def _train(rank: int, world: int) -> dict:
     out["mixed_step"] = _error(mixed.step)
     out["optimizer_only"] = _optimizer_only(rank, mesh)
     out["budget"] = _budget_keeps(rank, mesh)
+    out["overlap"] = _step_in_backward(rank, mesh)
+    return out
+
+
+def _overlap_train(rank: int, mesh, mode: str, overlap: bool, steps: int = 3) -> dict:
+    """AdamW (fused CPU kernel) with an LR schedule that changes lr at every step, with or
+    without ``shardc.step_in_backward``; parameters, optimizer state dict and counts."""
+    model = shardc.shard(_model(), mesh, offload=SIM)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    handle = shardc.step_in_backward(model, opt) if overlap else None
+    forward = model if mode == "eager" else torch.compile(
+        model, backend=shardc.backend(inductor=False))
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(steps):
+        toks = torch.randint(0, CFG.vocab_size, (2, 8), generator=gen)
+        llama_loss(forward(toks), torch.roll(toks, -1, 1)).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    out = {"params": [p.full_tensor() for p in model.parameters()],
+           "state_dict": opt.state_dict(), "n": len(list(model.parameters())),
+           "model": model, "opt": opt}
+    if handle is not None:
+        out.update(early=handle.early, signalled=handle.signalled, late=handle.late)
+    if mode != "eager":
+        nodes = list(shardc.shard_state(model).regions[0].backward.graph.nodes)
+        ready = [i for i, n in enumerate(nodes) if "offload_grads_ready" in str(n.target)]
+        scatters = [i for i, n in enumerate(nodes) if "reduce_scatter" in str(n.target)]
+        out["ready_nodes"] = len(ready)
+        out["first_ready_before_last_scatter"] = bool(ready) and ready[0] < scatters[-1]
+    return out
+
+
+def _state_equal(a: dict, b: dict) -> bool:
+    if a["param_groups"] != b["param_groups"] or a["state"].keys() != b["state"].keys():
+        return False
+    for k, sa in a["state"].items():
+        sb = b["state"][k]
+        for name, v in sa.items():
+            w = sb[name]
+            v = v.full_tensor() if isinstance(v, DTensor) else v
+            w = w.full_tensor() if isinstance(w, DTensor) else w
+            if not torch.equal(v, w):
+                return False
+    return True
+
+
+def _step_in_backward(rank: int, mesh) -> dict:
+    """shardc.step_in_backward: the same training as the plain offload step (compiled and
+    eager), the early steps taken, the state dict, and what it refuses."""
+    out = {}
+    for mode in ("fx", "eager"):
+        plain = _overlap_train(rank, mesh, mode, False)
+        over = _overlap_train(rank, mesh, mode, True)
+        out[mode] = {k: over[k] for k in ("early", "signalled", "late", "n")}
+        out[mode]["bitwise"] = all(torch.equal(a, b) for a, b in
+                                   zip(plain["params"], over["params"], strict=True))
+        out[mode]["state_dict_equal"] = _state_equal(plain["state_dict"], over["state_dict"])
+        # DCP's view (keyed by parameter name, global DTensors): the same.
+        dcp_plain = get_optimizer_state_dict(plain["model"], plain["opt"])
+        dcp_over = get_optimizer_state_dict(over["model"], over["opt"])
+        out[mode]["dcp_equal"] = _state_equal(dcp_plain, dcp_over)
+        if mode == "fx":
+            out[mode]["ready_nodes"] = over["ready_nodes"]
+            out[mode]["interleaved"] = over["first_ready_before_last_scatter"]
+            # Loading a state dict (the plain run's) into the overlapped optimizer.
+            over["opt"].load_state_dict(plain["state_dict"])
+            out[mode]["loaded"] = _state_equal(over["opt"].state_dict(), plain["state_dict"])
+    out["refusals"] = _overlap_refusals(rank, mesh)
+    return out
+
+
+def _backward(model, gen) -> None:
+    toks = torch.randint(0, CFG.vocab_size, (2, 8), generator=gen)
+    llama_loss(model(toks), torch.roll(toks, -1, 1)).backward()
+
+
+def _overlap_refusals(rank: int, mesh) -> dict:
+    """Eager (cheap): what step_in_backward refuses, and no_sync accumulation stepping late."""
+    out = {}
+    plain_model = shardc.shard(_model(), mesh)
+    out["not_offloaded"] = _error(lambda: shardc.step_in_backward(
+        plain_model, torch.optim.AdamW(plain_model.parameters())))
+    model = shardc.shard(_model(), mesh, offload=SIM)
+    out["lbfgs"] = _error(lambda: shardc.step_in_backward(
+        model, torch.optim.LBFGS(model.parameters())))
+    out["capturable"] = _error(lambda: shardc.step_in_backward(
+        model, torch.optim.Adam(model.parameters(), capturable=True)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    handle = shardc.step_in_backward(model, opt)
+    out["twice"] = _error(lambda: shardc.step_in_backward(model, opt))
+    gen = torch.Generator().manual_seed(rank)
+    _backward(model, gen)
+    out["closure"] = _error(lambda: opt.step(lambda: None))
+    opt.zero_grad()
+    # Clipping by global norm between backward and step: detected at the step.
+    _backward(model, gen)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    out["clipped"] = _error(opt.step)
+    opt.zero_grad()
+    # Two synchronizing backwards before one step.
+    _backward(model, gen)
+    _backward(model, gen)
+    out["second_backward"] = _error(opt.step)
+    opt.zero_grad()
+    handle.remove()
+    # no_sync accumulation: nothing is stepped early (the .grad exists when the last, synced,
+    # backward arrives); optimizer.step() steps it all, as without overlap.
+    runs = {}
+    for overlap in (False, True):
+        model = shardc.shard(_model(), mesh, offload=SIM)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        handle = shardc.step_in_backward(model, opt) if overlap else None
+        gen = torch.Generator().manual_seed(rank)
+        for _ in range(2):
+            with shardc.no_sync(model):
+                _backward(model, gen)
+            _backward(model, gen)
+            opt.step()
+            opt.zero_grad()
+        runs[overlap] = [p.full_tensor() for p in model.parameters()]
+        if handle is not None:
+            out["no_sync_counts"] = (handle.early, handle.late)
+    out["no_sync_bitwise"] = all(torch.equal(a, b) for a, b in zip(runs[False], runs[True]))
     return out
 
 
@@ -303,6 +429,41 @@ def test_optimizer_only_offload_refusals_name_the_parameter(runs):
     assert "tok_embeddings.weight" in msg and "Replicate" in msg, msg
     assert out["mixed"].startswith("RuntimeError") and "own optimizer" in out["mixed"], \
         out["mixed"]
+
+
+def test_step_in_backward_trains_like_the_plain_offload_step(runs):
+    """shardc.step_in_backward, fused CPU AdamW with an LR schedule changing lr every step, 3
+    steps: parameters and optimizer state bitwise equal to the plain offload step's, compiled
+    (every parameter handed over by the backward graph's per-bucket signals, interleaved with
+    the reduce-scatters) and eager (every parameter stepped from its post-accumulate hook)."""
+    for rank_out in runs:
+        fx, eager = rank_out["overlap"]["fx"], rank_out["overlap"]["eager"]
+        for mode in (fx, eager):
+            assert mode["bitwise"] and mode["state_dict_equal"] and mode["dcp_equal"], mode
+            assert mode["early"] == 3 * mode["n"] and mode["late"] == 0, mode
+        assert fx["signalled"] == 3 * fx["n"] and eager["signalled"] == 0
+        assert fx["ready_nodes"] > 1 and fx["interleaved"]
+        assert fx["loaded"]
+
+
+def test_step_in_backward_refusals(runs):
+    out = runs[0]["overlap"]["refusals"]
+    assert out["not_offloaded"].startswith("ValueError") and "OffloadPolicy()" in \
+        out["not_offloaded"]
+    assert out["lbfgs"].startswith("TypeError") and "LBFGS" in out["lbfgs"]
+    assert out["capturable"].startswith("RuntimeError") and "capturable=True" in \
+        out["capturable"] and "tok_embeddings.weight" in out["capturable"]
+    assert out["twice"].startswith("ValueError")
+    assert out["closure"].startswith("RuntimeError") and "closure" in out["closure"]
+    assert out["clipped"].startswith("RuntimeError") and "clip_grad_norm_" in out["clipped"]
+    assert "second gradient" in out["second_backward"], out["second_backward"]
+
+
+def test_step_in_backward_leaves_no_sync_accumulation_to_the_step(runs):
+    for rank_out in runs:
+        out = rank_out["overlap"]["refusals"]
+        assert out["no_sync_bitwise"]
+        assert out["no_sync_counts"][0] == 0 and out["no_sync_counts"][1] > 0
 
 
 def test_a_peak_budget_keeps_offloaded_buckets_gathered_and_saves_their_copies(runs):

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch._dynamo
 from dist_utils import run_ranks
-from parity import assert_parity, max_rel_err, reference, sharded_run
+from parity import STEPS, assert_parity, max_rel_err, reference, sharded_run
 
 import shardc
 
@@ -91,6 +91,11 @@ def _parity_scenarios(world: int) -> dict[str, tuple[str, str, dict]]:
         # CPU offload (issue 21): host shards, host gradients, AdamW on the host.
         (at(3), "offload_eager", ("llama", "eager", {"offload": OFFLOAD})),
         (at(1, 3), "offload", ("llama", "fx", {"offload": OFFLOAD})),
+        # The host step overlapped with the backward (shardc.step_in_backward).
+        (at(1, 3), "offload_overlap", ("llama", "fx", {"offload": OFFLOAD,
+                                                       "step_in_backward": True})),
+        (at(3), "offload_overlap_eager", ("llama", "eager", {"offload": OFFLOAD,
+                                                             "step_in_backward": True})),
         # Tied weights, a frozen layer, an unused and (world 4) an empty shard.
         (at(4), "variant_offload", ("variant", "fx", {"offload": OFFLOAD})),
         # Kept gathered for the backward (no second copy); mixed precision: the same bits with
@@ -195,6 +200,16 @@ def _check_offloaded(world: int, runs: dict[str, dict]) -> None:
         assert runs["offload"]["copies"] > 0, f"world {world}: the offloaded region planned no copy"
     if "offload_eager" in runs:
         assert runs["offload_eager"]["copies"] == 0 and runs["offload_eager"]["plans"] == 0
+    # The overlapped host step computes what the step after the backward computes: bitwise
+    # equal, with every trained parameter stepped during the backward (compiled: handed over by
+    # the graph's per-bucket signals; eager: from its post-accumulate hook).
+    for name, same_as in (("offload_overlap", "offload"),
+                          ("offload_overlap_eager", "offload_eager")):
+        if name in runs:
+            _bitwise(runs[name], runs[same_as], f"world {world}: {name} vs {same_as}")
+            counts, trained = runs[name]["overlap"], len(runs[name]["trainable"]) * STEPS
+            assert counts["early"] == trained and counts["late"] == 0, (name, counts)
+            assert counts["signalled"] == (trained if name == "offload_overlap" else 0), counts
     for name in ("variant_offload", "offload_no_reshard"):
         if name in runs:
             assert runs[name]["copies"] > 0, f"world {world}: {name} planned no copy"

@@ -309,7 +309,9 @@ def shardc_backend(
     region = RegionRecord(len(registry) if registry is not None else 0,
                           state.group_roles if state is not None else None,
                           optimizer_on_host=state is not None and state.offload is not None
-                          and not state.offload.params)
+                          and not state.offload.params,
+                          offload_key=state.key if state is not None and state.offload is not None
+                          and state.offload.params else "")
     if registry is not None:
         registry.append(region)
     if opts.check_plan_consistency:

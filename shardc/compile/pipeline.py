@@ -91,6 +91,9 @@ class RegionRecord:
     # Optimizer-only CPU offload (OffloadPolicy(params=False, optimizer=True)): the optimizer's
     # state and step live on the host (shardc.runtime.offload_optimizer), not in the device peak.
     optimizer_on_host: bool = False
+    # CPU offload of the parameters (OffloadPolicy()): the model's key, which the backward's
+    # per-bucket "host gradients ready" signals carry (shardc.runtime.step_in_backward).
+    offload_key: str = ""
 
 
 # Set by capture_partitioned(): where regions compiled in its scope leave their partitioned graphs.
@@ -210,7 +213,8 @@ def lower_and_predict(fw: fx.GraphModule, bw: fx.GraphModule | None, options: Sh
             # or folded); the compiled graph's caller appends it (backend._inductor_with_pool).
             where = add_pool_placeholder(gm, pool) if pool is not None and options.inductor \
                 else pool
-            apply_plan(gm, plan, name, rank, pool=where, poison=options.debug_pool)
+            apply_plan(gm, plan, name, rank, pool=where, poison=options.debug_pool,
+                       grads_ready_key=region.offload_key)
     on_host = region.optimizer_on_host
     with progress.stage(region.index, "peak prediction"):
         predict_peak(fw, bw, plan, fw_params, bw_params,

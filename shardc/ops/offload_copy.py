@@ -150,3 +150,50 @@ def offload_copy_wait(dst: torch.Tensor) -> None:
 
 COPY_START_OP = torch.ops.shardc.offload_copy_start.default
 COPY_WAIT_OP = torch.ops.shardc.offload_copy_wait.default
+
+
+# -- Per-bucket "gradients on the host" signal (``shardc.step_in_backward``). The lowering puts
+# one ``offload_grads_ready`` after each bucket's device->host gradient copies are started; it
+# hands the host gradient buffers and their copies' completion events to the listener of the
+# model (``key``), which steps the optimizer on them on a host thread while the device runs the
+# rest of the backward. Without a listener (no ``step_in_backward`` for the model) it does
+# nothing.
+
+# model key -> callables(fqns, host gradients, completion events or None): one per optimizer
+# stepping some of the model's parameters in the backward.
+_READY_LISTENERS: dict[str, list] = {}
+
+
+def add_ready_listener(key: str, listener) -> None:
+    """Route the ready signals of the model ``key`` to ``listener`` too."""
+    _READY_LISTENERS.setdefault(key, []).append(listener)
+
+
+def remove_ready_listener(key: str, listener) -> None:
+    listeners = _READY_LISTENERS.get(key, [])
+    if listener in listeners:
+        listeners.remove(listener)
+    if not listeners:
+        _READY_LISTENERS.pop(key, None)
+
+
+@torch.library.custom_op(f"{_LIB}::offload_grads_ready", mutates_args=("grads",))
+def offload_grads_ready(grads: list[torch.Tensor], fqns: str, key: str) -> None:
+    """The host gradients ``grads`` of parameters ``fqns`` (newline-separated names; one bucket
+    of the model ``key``) are being copied; each is final once its copy completes. (Declared
+    as mutating ``grads`` so that no compiler drops it or moves it past their waits: it must
+    run while the backward goes on.)"""
+    listeners = _READY_LISTENERS.get(key)
+    if not listeners:
+        return
+    events = [_PENDING.get(_key(g)) if g.numel() else None for g in grads]
+    for listener in list(listeners):
+        listener(fqns.split("\n"), list(grads), events)
+
+
+@offload_grads_ready.register_fake
+def _grads_ready_fake(grads, fqns, key):
+    return None
+
+
+READY_OP = torch.ops.shardc.offload_grads_ready.default

@@ -1,5 +1,6 @@
 """Optimizer helpers for sharded models (torch.optim optimizers stay torch.optim optimizers)."""
 
 from shardc.optim.local_step import LocalShardStep, local_shard_step
+from shardc.optim.step_in_backward import StepInBackward, step_in_backward
 
-__all__ = ["LocalShardStep", "local_shard_step"]
+__all__ = ["LocalShardStep", "StepInBackward", "local_shard_step", "step_in_backward"]

@@ -372,6 +372,7 @@ def apply_plan(
     *,
     pool: torch.Tensor | fx.Node | None = None,
     poison: bool = False,
+    grads_ready_key: str = "",
 ) -> fx.GraphModule:
     """Replace the shardc nodes of ``gm`` (the region's ``graph_name`` graph) by ``plan``.
 
@@ -379,6 +380,8 @@ def apply_plan(
     buffer is a view of it at its planned offset and the collectives write in place, so steps
     allocate no communication buffers; ``poison`` fills each buffer with NaN once it is dead.
     ``pool`` may instead be a graph node standing for it (:func:`add_pool_placeholder`).
+    ``grads_ready_key``: CPU offload's model key; each bucket's final host gradients are
+    signalled once their copies start (``shardc.step_in_backward``).
     """
     g = analyze(gm, graph_name)
     colls = [c for c in plan.collectives if c.graph == graph_name and c.origin == "shardc"]
@@ -439,7 +442,7 @@ def apply_plan(
         # Name the collective of the issue and wait nodes (errors at run time name it).
         for node in (handle, *handle.users):
             node.meta[COLLECTIVE_META] = c.id
-    lower_d2h(gm, g, plan.copies)  # the reduced shards exist now
+    lower_d2h(gm, g, plan.copies, grads_ready_key)  # the reduced shards exist now
     # The collectives found in the graph move last: around shardc's, as their data needs.
     lower_found(gm, g, found)
     by_name = {n.name: n for n in graph.nodes}

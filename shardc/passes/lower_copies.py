@@ -5,15 +5,17 @@ planned copy issue position and an ``offload_copy_wait`` at the copy's wait posi
 bucket's all-gather is issued, which then sends the device copy). Each ``offload_to_host`` node
 becomes a start where the plan issues its bucket's gradient copy (once the reduced shards are
 handed out) and a wait at the end of the backward; the views taken of the host gradient (its
-DTensor wrapping) move behind the wait.
+DTensor wrapping) move behind the wait. With ``ready_key`` (the model's key), each bucket's
+starts are followed by one ``offload_grads_ready`` naming the parameters whose host gradient is
+final once copied (:func:`final_host_grads`), for ``shardc.step_in_backward``.
 """
 
 from __future__ import annotations
 
 from torch import fx
 
-from shardc.ops.offload_copy import COPY_START_OP, COPY_WAIT_OP
-from shardc.passes.fx_utils import call, view_chain
+from shardc.ops.offload_copy import COPY_START_OP, COPY_WAIT_OP, READY_OP, copy_fqn, is_to_host
+from shardc.passes.fx_utils import call, is_view, view_chain
 from shardc.planning.graph_view import GraphView
 from shardc.planning.plan import Collective, CollectiveKind
 
@@ -52,25 +54,85 @@ def lower_h2d(gm: fx.GraphModule, g: GraphView, copies: list[Collective]) -> Non
             graph.erase_node(node)
 
 
-def lower_d2h(gm: fx.GraphModule, g: GraphView, copies: list[Collective]) -> None:
-    """Replace the graph's device->host gradient copies by planned start/wait pairs."""
+def lower_d2h(gm: fx.GraphModule, g: GraphView, copies: list[Collective],
+              ready_key: str = "") -> None:
+    """Replace the graph's device->host gradient copies by planned start/wait pairs; with
+    ``ready_key``, signal each bucket's final host gradients once their copies are started."""
     graph = gm.graph
     output = graph.find_nodes(op="output")[0]
-    for c in (c for c in copies if c.kind == CollectiveKind.D2H_COPY and c.graph == g.name):
+    copies_of = _to_host_counts(graph)
+    d2h = [c for c in copies if c.kind == CollectiveKind.D2H_COPY and c.graph == g.name]
+    # Every start first, each before its planned anchor: the moves below send the views of the
+    # host gradients (compute nodes, some of them anchors of other buckets) to the end.
+    starts: list[dict[str, fx.Node]] = []
+    for c in d2h:
+        started: dict[str, fx.Node] = {}
         for fqn in c.params:
-            node = g.to_host[fqn]
-            grad, _, dtype, pin = node.args
+            grad, _, dtype, pin = g.to_host[fqn].args
             # At the issue position, or after the gradient if the lowering placed it later
             # (the reduced shards are handed out right before their collective's wait anchor).
-            where = _anchor(g, gm, c.issue_pos)
-            with graph.inserting_before(where):
-                start = call(graph, COPY_START_OP, (grad, fqn, "cpu", dtype, pin))
-            _after(graph, grad, start)
+            with graph.inserting_before(_anchor(g, gm, c.issue_pos)):
+                started[fqn] = call(graph, COPY_START_OP, (grad, fqn, "cpu", dtype, pin))
+            _after(graph, grad, started[fqn])
+        starts.append(started)
+    for started in starts:
+        for fqn, start in started.items():
+            node = g.to_host[fqn]
             with graph.inserting_before(output):
                 wait = call(graph, COPY_WAIT_OP, (start,))
             node.replace_all_uses_with(start)
             graph.erase_node(node)
             _move_readers_behind(graph, start, wait)
+    if ready_key:
+        for started in starts:
+            _signal_ready(graph, g, started, copies_of, ready_key)
+
+
+def _to_host_counts(graph: fx.Graph) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for node in graph.nodes:
+        if is_to_host(node):
+            counts[copy_fqn(node)] = counts.get(copy_fqn(node), 0) + 1
+    return counts
+
+
+def final_host_grads(g: GraphView, started: dict[str, fx.Node],
+                     copies_of: dict[str, int]) -> list[str]:
+    """The parameters of ``started`` (fqn -> its copy's start node) whose host gradient, once
+    copied, is exactly the graph's gradient output for them: reduced in this graph (not stashed
+    by ``no_sync``), copied once (a tied weight's two copies are summed after their waits), and
+    read only through views up to the output (nothing is computed from it)."""
+    final = []
+    for fqn, start in started.items():
+        if fqn not in g.reduces or copies_of.get(fqn, 0) != 1:
+            continue
+        stack, ok = [start], True
+        while stack and ok:
+            for user in stack.pop().users:
+                if user.op == "output" or user.target is COPY_WAIT_OP:
+                    continue
+                if not is_view(user):
+                    ok = False
+                    break
+                stack.append(user)
+        if ok:
+            final.append(fqn)
+    return final
+
+
+def _signal_ready(graph: fx.Graph, g: GraphView, started: dict[str, fx.Node],
+                  copies_of: dict[str, int], key: str) -> None:
+    """One ``offload_grads_ready`` after the last of the bucket's started copies."""
+    final = final_host_grads(g, started, copies_of)
+    if not final:
+        return
+    starts = {started[f] for f in final}
+    last = None
+    for n in graph.nodes:
+        if n in starts:
+            last = n
+    with graph.inserting_after(last):
+        call(graph, READY_OP, ([started[f] for f in final], "\n".join(final), key))
 
 
 def _move_readers_behind(graph: fx.Graph, start: fx.Node, wait: fx.Node) -> None:

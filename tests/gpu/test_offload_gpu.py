@@ -7,6 +7,7 @@
   host gradients (DTensors) reduces over gloo; the clipped run matches the reference.
 - DCP to and from FSDP2 with ``CPUOffloadPolicy()`` (pinned) bitwise in the saved values.
 - Eager (uncompiled) offloaded training; ``dcp.async_save`` from the pinned host state.
+- ``shardc.step_in_backward`` (eager, FX, Inductor): bitwise equal to the plain offload step.
 - Optimizer-only offload (``OffloadPolicy(params=False, optimizer=True)``): shards and
   gradients on the GPU, AdamW state and pinned host masters on the host, eager, FX and FX with
   clipping against the GPU reference; state that ``set_state_dict`` put on the GPU goes back to
@@ -277,3 +278,36 @@ def test_optimizer_only_state_loaded_onto_the_gpu_returns_to_the_host(mesh, tmp_
             x = x.full_tensor() if hasattr(x, "full_tensor") else x
             y = y.full_tensor() if hasattr(y, "full_tensor") else y
             assert torch.equal(x, y), (name, key)
+
+
+def _offloaded_run(mesh, mode: str, overlap: bool):
+    """Fused CPU AdamW with an LR schedule, with or without ``shardc.step_in_backward``."""
+    torch.manual_seed(0)
+    model = Transformer(CFG).cuda()
+    shardc.shard(model, mesh, mp_policy=BF16, offload=shardc.OffloadPolicy())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    handle = shardc.step_in_backward(model, opt) if overlap else None
+    forward = model if mode == "eager" else torch.compile(
+        model, backend=shardc.backend(inductor=mode == "inductor"))
+    for toks in _batches():
+        llama_loss(forward(toks[:, :-1]), toks[:, 1:]).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    counts = (handle.early, handle.signalled, handle.late) if handle else None
+    return [p.full_tensor().cpu() for p in model.parameters()], counts
+
+
+@pytest.mark.parametrize("mode", ["eager", "fx", "inductor"])
+def test_step_in_backward_equals_the_plain_offload_step(mesh, mode):
+    """The overlapped host step on a GPU (pinned host gradients copied on the copy stream, the
+    worker waiting for their CUDA events): bitwise equal to the plain offload step, every
+    parameter stepped during the backward (compiled: through the graph's signals)."""
+    plain, _ = _offloaded_run(mesh, mode, False)
+    over, (early, signalled, late) = _offloaded_run(mesh, mode, True)
+    n = len(plain) * STEPS
+    assert early == n and late == 0, (early, signalled, late)
+    assert signalled == (0 if mode == "eager" else n)
+    for a, b in zip(plain, over, strict=True):
+        assert torch.equal(a, b)
