@@ -1,8 +1,14 @@
-"""Run a function on N gloo ranks in spawned processes and collect per-rank results.
+"""Run a function on N gloo ranks in fresh processes and collect per-rank results.
 
 Every multi-process test goes through :func:`run_ranks`. It fails the calling test with the
 worker's traceback if any rank raises, and never waits forever: the process group has a short
 timeout and the parent joins with a deadline.
+
+Ranks are started by a fork server (``multiprocessing``'s ``forkserver``): one clean process,
+started once per test session, imports torch, shardc and the compile stack's modules and then
+forks every rank. A rank is still a fresh process (nothing has run a model, compiled a graph or
+initialized a process group in it) but skips the seconds of imports each spawned interpreter
+paid; the parent's environment at the call is applied in each rank.
 """
 
 from __future__ import annotations
@@ -19,11 +25,26 @@ from typing import Any
 import torch.multiprocessing as mp
 
 _JOIN_TIMEOUT_S = float(os.environ.get("SHARDC_TEST_JOIN_TIMEOUT_S", "600"))
+# Imported once by the fork server (imports only: nothing that starts threads or runs kernels).
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor",
+            "torch.distributed.checkpoint", "torch._dynamo", "functorch.compile",
+            "torch._functorch.partitioners", "torch._inductor.compile_fx", "shardc"]
 
 
-def _worker(rank: int, world_size: int, init_file: str, out_dir: str, fn, args, kwargs) -> None:
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _worker(rank: int, world_size: int, init_file: str, out_dir: str, env: dict, fn, args,
+            kwargs) -> None:
     import torch
     import torch.distributed as dist
+
+    # The fork server's environment is the one it started with: use the caller's.
+    os.environ.clear()
+    os.environ.update(env)
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -59,11 +80,13 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any
     """
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "pg_init")
-        ctx = mp.spawn(
+        _context()
+        ctx = mp.start_processes(
             _worker,
-            args=(world_size, init_file, tmp, fn, args, kwargs),
+            args=(world_size, init_file, tmp, dict(os.environ), fn, args, kwargs),
             nprocs=world_size,
             join=False,
+            start_method="forkserver",
         )
         deadline = time.monotonic() + _JOIN_TIMEOUT_S
         try:
