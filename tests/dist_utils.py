@@ -25,6 +25,10 @@ from typing import Any
 import torch.multiprocessing as mp
 
 _JOIN_TIMEOUT_S = float(os.environ.get("SHARDC_TEST_JOIN_TIMEOUT_S", "600"))
+# SHARDC_TEST_CPU_LOG=path: each call appends the test, the world size, the ranks' CPU seconds
+# (summed) and the wall seconds, to find where the suite's time goes (ranks started by the fork
+# server are not the test process's children: its own CPU time leaves them out).
+_CPU_LOG = os.environ.get("SHARDC_TEST_CPU_LOG")
 # Imported once by the fork server (imports only: nothing that starts threads or runs kernels).
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor",
             "torch.distributed.checkpoint", "torch._dynamo", "functorch.compile",
@@ -62,7 +66,7 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str, env: dict,
     except BaseException as exc:  # report every failure to the parent, then exit non-zero
         payload = ("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
     with open(result_path, "wb") as f:
-        pickle.dump(payload, f)
+        pickle.dump((*payload, time.process_time()), f)
     if dist.is_initialized():
         try:
             dist.destroy_process_group()
@@ -78,6 +82,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any
     ``fn`` must be importable (module level). Returns the list of per-rank return values.
     Raises ``AssertionError`` with every failing rank's traceback if any rank fails.
     """
+    start = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "pg_init")
         _context()
@@ -102,7 +107,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any
             for p in ctx.processes:
                 if p.is_alive():
                     p.kill()
-        results, errors = [], []
+        results, errors, cpu = [], [], 0.0
         for rank in range(world_size):
             path = os.path.join(tmp, f"rank{rank}.pkl")
             if not os.path.exists(path):
@@ -110,12 +115,17 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any
                 results.append(None)
                 continue
             with open(path, "rb") as f:
-                status, value = pickle.load(f)
+                status, value, seconds = pickle.load(f)
+            cpu += seconds
             if status == "error":
                 errors.append(value)
                 results.append(None)
             else:
                 results.append(value)
+        if _CPU_LOG:
+            with open(_CPU_LOG, "a") as f:
+                test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+                f.write(f"{test}\t{world_size}\t{cpu:.1f}\t{time.monotonic() - start:.1f}\n")
         if errors:
             raise AssertionError("\n".join(errors))
         return results
