@@ -1,14 +1,19 @@
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 
 # Spawned rank processes inherit these: one thread per rank (2-core CI machine) and one Inductor
-# cache for the whole session so identical graphs on different ranks compile once.
+# cache for the whole session so identical graphs on different ranks (and in different tests)
+# compile once. The cache is new for each session, as on CI: a cache left by an earlier run
+# would make a local run faster than CI's (tests/test_autograd_cache.py uses its own).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-os.environ.setdefault(
-    "TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "shardc-test-inductor-cache")
-)
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    _CACHE_DIR = tempfile.mkdtemp(prefix="shardc-test-inductor-cache-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _CACHE_DIR
+    atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
 # Scalar C++ kernels compile about twice as fast as vectorized ones on this 2-core machine; the
 # Inductor parity tests check sharding, not kernel speed.
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")

@@ -1,8 +1,14 @@
-"""Run a function on N gloo ranks in spawned processes and collect per-rank results.
+"""Run a function on N gloo ranks in fresh processes and collect per-rank results.
 
 Every multi-process test goes through :func:`run_ranks`. It fails the calling test with the
 worker's traceback if any rank raises, and never waits forever: the process group has a short
 timeout and the parent joins with a deadline.
+
+Ranks are started by a fork server (``multiprocessing``'s ``forkserver``): one clean process,
+started once per test session, imports torch, shardc and the compile stack's modules and then
+forks every rank. A rank is still a fresh process (nothing has run a model, compiled a graph or
+initialized a process group in it) but skips the seconds of imports each spawned interpreter
+paid; the parent's environment at the call is applied in each rank.
 """
 
 from __future__ import annotations
@@ -19,11 +25,30 @@ from typing import Any
 import torch.multiprocessing as mp
 
 _JOIN_TIMEOUT_S = float(os.environ.get("SHARDC_TEST_JOIN_TIMEOUT_S", "600"))
+# SHARDC_TEST_CPU_LOG=path: each call appends the test, the world size, the ranks' CPU seconds
+# (summed) and the wall seconds, to find where the suite's time goes (ranks started by the fork
+# server are not the test process's children: its own CPU time leaves them out).
+_CPU_LOG = os.environ.get("SHARDC_TEST_CPU_LOG")
+# Imported once by the fork server (imports only: nothing that starts threads or runs kernels).
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor",
+            "torch.distributed.checkpoint", "torch._dynamo", "functorch.compile",
+            "torch._functorch.partitioners", "torch._inductor.compile_fx", "shardc"]
 
 
-def _worker(rank: int, world_size: int, init_file: str, out_dir: str, fn, args, kwargs) -> None:
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _worker(rank: int, world_size: int, init_file: str, out_dir: str, env: dict, fn, args,
+            kwargs) -> None:
     import torch
     import torch.distributed as dist
+
+    # The fork server's environment is the one it started with: use the caller's.
+    os.environ.clear()
+    os.environ.update(env)
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -41,7 +66,7 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str, fn, args, 
     except BaseException as exc:  # report every failure to the parent, then exit non-zero
         payload = ("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
     with open(result_path, "wb") as f:
-        pickle.dump(payload, f)
+        pickle.dump((*payload, time.process_time()), f)
     if dist.is_initialized():
         try:
             dist.destroy_process_group()
@@ -57,13 +82,16 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any
     ``fn`` must be importable (module level). Returns the list of per-rank return values.
     Raises ``AssertionError`` with every failing rank's traceback if any rank fails.
     """
+    start = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "pg_init")
-        ctx = mp.spawn(
+        _context()
+        ctx = mp.start_processes(
             _worker,
-            args=(world_size, init_file, tmp, fn, args, kwargs),
+            args=(world_size, init_file, tmp, dict(os.environ), fn, args, kwargs),
             nprocs=world_size,
             join=False,
+            start_method="forkserver",
         )
         deadline = time.monotonic() + _JOIN_TIMEOUT_S
         try:
@@ -79,7 +107,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any
             for p in ctx.processes:
                 if p.is_alive():
                     p.kill()
-        results, errors = [], []
+        results, errors, cpu = [], [], 0.0
         for rank in range(world_size):
             path = os.path.join(tmp, f"rank{rank}.pkl")
             if not os.path.exists(path):
@@ -87,12 +115,17 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any
                 results.append(None)
                 continue
             with open(path, "rb") as f:
-                status, value = pickle.load(f)
+                status, value, seconds = pickle.load(f)
+            cpu += seconds
             if status == "error":
                 errors.append(value)
                 results.append(None)
             else:
                 results.append(value)
+        if _CPU_LOG:
+            with open(_CPU_LOG, "a") as f:
+                test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+                f.write(f"{test}\t{world_size}\t{cpu:.1f}\t{time.monotonic() - start:.1f}\n")
         if errors:
             raise AssertionError("\n".join(errors))
         return results

@@ -58,7 +58,11 @@ def _scenarios(rank: int, world: int, scenarios: list) -> list[dict]:
 def _parity_scenarios(world: int) -> dict[str, tuple[str, str, dict]]:
     """name -> (model kind, mode, options) run at ``world``: the core at every world size, the
     other features spread over the sizes (each at one or two of them, an uneven one among them
-    where sizes matter), so that the four spawned groups stay cheap."""
+    where sizes matter), so that the four spawned groups stay cheap. World 4 (four ranks on the
+    2-core CI machine: every compile there costs twice what it costs at world 2) runs the core,
+    the local-shard step and the tied/frozen/unused/empty-shard variants; the pool and budget
+    checks, whose point does not depend on the size, run at 2 (its shards of the 37- and
+    45-row weights are uneven too)."""
     def at(*worlds: int) -> bool:
         return world in worlds
 
@@ -83,11 +87,11 @@ def _parity_scenarios(world: int) -> dict[str, tuple[str, str, dict]]:
         (at(3), "per_param", ("llama", "fx", {"reshard_after_forward": False,
                                                "bucket_by": "param"})),
         # Poisoned pool buffers: any planning error that overlapped live buffers gives NaNs.
-        (at(4), "debug_pool", ("llama", "fx", {"debug_pool": True, "prefetch_depth": 2})),
+        (at(2), "debug_pool", ("llama", "fx", {"debug_pool": True, "prefetch_depth": 2})),
         (at(2), "fused_adamw", ("llama", "fx", {"local_step": True, "optim": "adamw-fused"})),
         # A peak budget with room for everything (issue 22; the mix of kept and resharded
         # buckets is tested at world 3, tests/test_real_models.py).
-        (at(1, 4), "roomy_budget", ("llama", "fx", {"peak_memory_budget_bytes": 1 << 40})),
+        (at(1, 2), "roomy_budget", ("llama", "fx", {"peak_memory_budget_bytes": 1 << 40})),
         # CPU offload (issue 21): host shards, host gradients, AdamW on the host.
         (at(3), "offload_eager", ("llama", "eager", {"offload": OFFLOAD})),
         (at(1, 3), "offload", ("llama", "fx", {"offload": OFFLOAD})),
@@ -171,7 +175,7 @@ def test_parity_eager_and_fx(world, references):
 
 
 def _check_roomy_budget(world: int, records: list) -> None:
-    """Room for everything: at world 4 every bucket the backward gathers again is kept; at
+    """Room for everything: at world 2 every bucket the backward gathers again is kept; at
     world 1 the gathers are elided and, in fp32, read the shards themselves (no cast), so
     keeping saves nothing and every bucket is resharded."""
     decisions = [d for record in records for d in record.decisions]
