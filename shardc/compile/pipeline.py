@@ -92,7 +92,7 @@ class RegionRecord:
     # state and step live on the host (shardc.runtime.offload_optimizer), not in the device peak.
     optimizer_on_host: bool = False
     # CPU offload of the parameters (OffloadPolicy()): the model's key, which the backward's
-    # per-bucket "host gradients ready" signals carry (shardc.runtime.step_in_backward).
+    # per-bucket "host gradients ready" signals carry (shardc.optim.step_in_backward).
     offload_key: str = ""
 
 

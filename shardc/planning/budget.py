@@ -42,7 +42,7 @@ from fractions import Fraction
 
 import torch
 
-from shardc.planning.plan import BucketDecision, Collective, CollectiveKind, MemoryBudget, Plan
+from shardc.planning.plan import BucketDecision, CollectiveKind, MemoryBudget, Plan
 
 MAX_TRIALS = 4  # verifying partitions after the fully resharded one, whatever the model
 # "auto": the device's capacity less what the prediction does not count (the CUDA context,
@@ -114,7 +114,7 @@ def candidates(plan: Plan, cast_seconds: Mapping[str, float] | None = None
     copy_s: dict[int, float] = {}
     for c in plan.copies:
         if c.kind == CollectiveKind.H2D_COPY and c.graph == "backward":
-            copy_s[c.bucket] = copy_s.get(c.bucket, 0.0) + _duration(c)
+            copy_s[c.bucket] = copy_s.get(c.bucket, 0.0) + c.predicted_s
     out, fixed = [], []
     for index in sorted(by_bucket):
         colls = by_bucket[index]
@@ -133,13 +133,9 @@ def candidates(plan: Plan, cast_seconds: Mapping[str, float] | None = None
             out.append(Candidate(index, name, tuple(params), recast + copies, nbytes, copies,
                                  elided=True))
             continue
-        saved = sum(_duration(c) for c in colls if not c.elided) + copies
+        saved = sum(c.predicted_s for c in colls if not c.elided) + copies
         out.append(Candidate(index, name, tuple(params), saved, nbytes, copies))
     return out, fixed
-
-
-def _duration(c: Collective) -> float:
-    return c.predicted_end_s - c.predicted_start_s
 
 
 def _one_plus(margin: float) -> Fraction:

@@ -272,6 +272,11 @@ class Collective:
     def __post_init__(self) -> None:
         self.kind = CollectiveKind(self.kind)
 
+    @property
+    def predicted_s(self) -> float:
+        """Its predicted duration on its lane."""
+        return self.predicted_end_s - self.predicted_start_s
+
     def signature(self) -> tuple:
         """What every rank must agree on (independent of rank-specific shard shapes).
 

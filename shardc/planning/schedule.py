@@ -582,8 +582,7 @@ def plan_region(
                                       options.move_found_collectives))
     plan.predicted.step_time_s = total_time
     plan.predicted.exposed_comm_s = total_exposed
-    plan.predicted.comm_time_s = sum(c.predicted_end_s - c.predicted_start_s
-                                     for c in plan.collectives)
+    plan.predicted.comm_time_s = sum(c.predicted_s for c in plan.collectives)
     plan.predicted.peak_comm_buffer_bytes = max(
         (max(t, default=0) for t in plan.memory_timeline.values()), default=0
     )

@@ -26,7 +26,7 @@ def copy_lines(plan: Plan) -> list[str]:
     for c in plan.copies:
         lines.append(f"{c.id:<26} {len(c.params):3d} params {_kib(c.buffer_bytes):>12} "
                      f"{c.dtype}; issue {c.issue_pos}, wait {c.wait_pos}; "
-                     f"{(c.predicted_end_s - c.predicted_start_s) * 1e3:.3f} ms "
+                     f"{c.predicted_s * 1e3:.3f} ms "
                      f"(exposed {c.exposed_s * 1e3:.3f})")
     host, dev = plan.predicted.host_bytes, plan.predicted.device_copy_bytes
     if host is not None:
