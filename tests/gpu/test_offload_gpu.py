@@ -282,6 +282,11 @@ def test_optimizer_only_state_loaded_onto_the_gpu_returns_to_the_host(mesh, tmp_
 
 def _offloaded_run(mesh, mode: str, overlap: bool):
     """Fused CPU AdamW with an LR schedule, with or without ``shardc.step_in_backward``."""
+    # Each sharded model is its own Dynamo cache entry of Transformer.forward (its key is a
+    # guarded constant); past torch's recompile limit (8) Dynamo runs the forward eagerly, and the
+    # graph's signals this test counts would never run (the file's earlier tests compile more
+    # than eight such models in this process).
+    torch._dynamo.reset()
     torch.manual_seed(0)
     model = Transformer(CFG).cuda()
     shardc.shard(model, mesh, mp_policy=BF16, offload=shardc.OffloadPolicy())
