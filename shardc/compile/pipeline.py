@@ -40,6 +40,8 @@ from shardc import _torch
 from shardc.compile import progress
 from shardc.compile.options import ShardcOptions
 from shardc.memory.host import (
+    activation_host_bytes,
+    activation_host_values,
     device_copy_bytes,
     find_host_state,
     host_values,
@@ -55,6 +57,7 @@ from shardc.passes.fp8 import Fp8Summary, hoist_fp8_quantize, prepare_fp8
 from shardc.passes.fx_utils import allocate_real, copy_graph_module, is_call
 from shardc.passes.lower import add_pool_placeholder, apply_plan
 from shardc.passes.offload_dedupe import dedupe_device_copies
+from shardc.passes.offload_saved import OffloadedValue, block_groups, offload_saved
 from shardc.passes.recompute import Block, find_blocks, recompute_blocks
 from shardc.passes.reshard import check_no_gathered_saved, keep_gathered, tag_resharded_gathers
 from shardc.passes.saved_order import order_saved_values
@@ -222,14 +225,28 @@ def lower_and_predict(fw: fx.GraphModule, bw: fx.GraphModule | None, options: Sh
                      optimizer_temp_factor=0.0 if on_host else options.optimizer_temp_factor,
                      persistent_bytes=pool.numel() if pool is not None else 0,
                      fusion=options.inductor,
-                     host=host.params | host.bw_params | host_values(fw) | host_values(bw))
-        if plan.copies:
-            plan.predicted.host_bytes = float(host.host_bytes(options.optimizer_state_factor))
-            plan.predicted.device_copy_bytes = float(device_copy_bytes(plan))
-        elif on_host:  # the host masters, their gradients and the optimizer state
-            plan.predicted.host_bytes = float(optimizer_host_bytes(
-                plan.predicted.param_bytes or 0.0, options.optimizer_state_factor))
+                     host=host.params | host.bw_params | host_values(fw) | host_values(bw)
+                     | activation_host_values(fw, bw))
+        record_host_bytes(plan, host, fw, options, on_host)
     return plan, pool
+
+
+def record_host_bytes(plan: Plan, host, fw: fx.GraphModule, options: ShardcOptions,
+                      on_host: bool) -> None:
+    """``plan.predicted.host_bytes``: CPU offload's masters, gradients and optimizer state (or,
+    optimizer-only, the host masters, their gradients and state), plus the saved activations
+    the forward offloads; ``device_copy_bytes`` where there are copies."""
+    total, known = 0.0, False
+    if any(c.origin == "shardc" for c in plan.copies):
+        total, known = float(host.host_bytes(options.optimizer_state_factor)), True
+    elif on_host:
+        total, known = float(optimizer_host_bytes(
+            plan.predicted.param_bytes or 0.0, options.optimizer_state_factor)), True
+    activations = activation_host_bytes(fw)
+    if known or activations:
+        plan.predicted.host_bytes = total + activations
+    if plan.copies:
+        plan.predicted.device_copy_bytes = float(device_copy_bytes(plan))
 
 
 def partition_and_plan(gm: fx.GraphModule, joint_inputs: Sequence[object], options: ShardcOptions,
@@ -245,14 +262,43 @@ def partition_and_plan(gm: fx.GraphModule, joint_inputs: Sequence[object], optio
         with progress.stage(region.index, "peak budget"):
             decided = choose_under_budget(gm, joint_inputs, options, region, **kwargs)
         keep_gathered(gm.graph, kept_params(decided))
+    recomputed = set(decided.recomputed) if decided is not None else set()
+    offloaded = set(decided.offloaded) if decided is not None else set(options.forced_offload())
     with progress.stage(region.index, "joint passes + partition"):
         region.fp8 = joint_passes(gm.graph)
-        if decided is not None and decided.recomputed:
-            recompute_blocks(gm, region_blocks(gm, region, kwargs), set(decided.recomputed))
+        blocks = region_blocks(gm, region, kwargs) if recomputed or offloaded else []
+        if recomputed:
+            recompute_blocks(gm, blocks, recomputed)
         gm.recompile()
         fw, bw = partition(gm, joint_inputs, **kwargs)
-    plan_and_lower(fw, bw, options, region, budget=decided)
+    done = offload_activations(fw, bw, kwargs["num_fwd_outputs"], blocks, offloaded)
+    plan = plan_and_lower(fw, bw, options, region, budget=decided)
+    if offloaded and decided is None:
+        plan.notes.append(forced_offload_note(done, blocks, offloaded))
     return fw, bw
+
+
+def offload_activations(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int,
+                        blocks: Sequence[Block], names: set[str]) -> list[OffloadedValue]:
+    """Offload the saved activations of the blocks named ``names`` (``"*"``: all) from the
+    partitioned graphs (``shardc.passes.offload_saved``), before they are planned."""
+    if not names:
+        return []
+    return offload_saved(fw, bw, num_fwd_outputs,
+                         block_groups(fw, num_fwd_outputs, blocks, names))
+
+
+def forced_offload_note(done: list[OffloadedValue], blocks: Sequence[Block],
+                        names: set[str]) -> str:
+    """The plan's note on a forced activation offload (``activation_offload=(blocks...)``)."""
+    found = sorted({v.group for v in done})
+    here = {b.name for b in blocks}
+    absent = sorted(n for n in names if n != "*" and n not in here)
+    nbytes = sum(v.nbytes for v in done)
+    return (f"activation offload (activation_offload): {len(done)} saved value(s) of "
+            f"{len(found)} block(s) {found} copied to the host in the forward and prefetched "
+            f"for the backward ({nbytes} B)"
+            + (f"; named but not blocks of this region: {absent}" if absent else ""))
 
 
 def kept_params(decided: MemoryBudget) -> set[str]:
