@@ -62,6 +62,7 @@ from shardc.passes.recompute import Block, find_blocks, recompute_blocks
 from shardc.passes.reshard import check_no_gathered_saved, keep_gathered, tag_resharded_gathers
 from shardc.passes.saved_order import order_saved_values
 from shardc.planning import budget, recompute
+from shardc.planning import offload as offload_lever
 from shardc.planning.estimate import memory_seconds
 from shardc.planning.plan import CompiledBody, InlineBlock, MemoryBudget, Plan
 from shardc.planning.profile import resolve_profile
@@ -328,14 +329,17 @@ def choose_under_budget(gm: fx.GraphModule, joint_inputs: Sequence[object],
     trial_options = replace(options, dump_dir=None)
     trials: list[str] = []
 
-    def evaluate(kept: set[str], recomputed: frozenset[str] = frozenset()) -> tuple[Plan, int]:
+    def evaluate(kept: set[str], recomputed: frozenset[str] = frozenset(),
+                 offloaded: frozenset[str] = frozenset()) -> tuple[Plan, int]:
         trial = copy_graph_module(pristine)
         keep_gathered(trial.graph, kept)
         joint_passes(trial.graph)
+        found = region_blocks(trial, region, kwargs) if recomputed or offloaded else []
         if recomputed:
-            recompute_blocks(trial, region_blocks(trial, region, kwargs), set(recomputed))
+            recompute_blocks(trial, found, set(recomputed))
         trial.recompile()
         fw, bw = partition(trial, joint_inputs, record=False, **kwargs)
+        offload_activations(fw, bw, kwargs["num_fwd_outputs"], found, set(offloaded))
         plan, _ = lower_and_predict(fw, bw, trial_options, region,
                                     pool_device=torch.device("meta"))
         # Every rank compares the ranks' largest peak: the same decisions everywhere.
@@ -365,15 +369,14 @@ def choose_under_budget(gm: fx.GraphModule, joint_inputs: Sequence[object],
             lowest = (base, minimum) if minimum <= peak else (kept_plan, peak)
             decided = _recompute_under_budget(
                 probe, blocks, user_bytes, (base, minimum), lowest, options, region,
-                lambda names: evaluate(set(), frozenset(names)))
+                lambda recomputed, offloaded: evaluate(set(), recomputed, offloaded))
             decided.decisions = budget.reshard_all(cands, fixed, minimum)
             decided.trials = len(trials) - 1
     budget.with_margin(decided, user_bytes, margin)
     log.info("shardc: region %d, peak budget %d B (planned for %d B): minimum %d B, kept "
-             "gathered %s, recomputed %s, predicted peak %d B (%d trials)", region.index,
-             user_bytes, budget_bytes,
-             decided.minimum_bytes, decided.kept, decided.recomputed, decided.peak_bytes,
-             decided.trials)
+             "gathered %s, recomputed %s, offloaded %s, predicted peak %d B (%d trials)",
+             region.index, user_bytes, budget_bytes, decided.minimum_bytes, decided.kept,
+             decided.recomputed, decided.offloaded, decided.peak_bytes, decided.trials)
     return decided
 
 
@@ -388,37 +391,80 @@ def _recompute_under_budget(probe: fx.GraphModule, blocks: list[Block], user_byt
     margin = options.peak_memory_margin
     budget_bytes = budget.planned_for(user_bytes, margin)
 
-    def refuse(peak: int, plan: Plan, recomputed: int = 0) -> budget.MemoryBudgetError:
-        return budget.refuse_below_minimum(user_bytes, peak, plan, recomputed=recomputed,
-                                           margin=margin)
+    def refuse(peak: int, plan: Plan, cands=()) -> budget.MemoryBudgetError:
+        offloaded = sum(1 for c in cands if c.offload)
+        return budget.refuse_below_minimum(user_bytes, peak, plan,
+                                           recomputed=len(cands) - offloaded,
+                                           offloaded=offloaded, margin=margin)
 
-    group = resharded[0].group_name
-    profile = resolve_profile(options.cluster, device_name(probe))
-    cands = []
-    for b in (b for b in blocks if not b.excluded):
-        # The ranks' largest estimates: the same ranking everywhere.
-        nbytes = agree_on_largest(group, region.check_index, f"block{b.position}/bytes",
-                                  b.freed_bytes)
-        cost_ns = agree_on_largest(group, region.check_index, f"block{b.position}/ns",
-                                   int(recompute.forward_seconds(probe, b, profile) * 1e9))
-        if nbytes > 0:
-            cands.append(recompute.RecomputeCandidate(b.name, b.kind, b.position,
-                                                      cost_ns * 1e-9, nbytes))
+    cands = free_candidates(probe, blocks, resharded[0].group_name, options, region)
     if not cands:
         raise refuse(lowest[1], lowest[0])
-    floor_plan, floor = evaluate(tuple(c.block for c in cands))
-    log.info("shardc: region %d: recompute candidates %s; fully recomputed peak %d B "
-             "(resharded %d B)", region.index, [(c.block, c.nbytes, c.cost_s) for c in cands],
-             floor, resharded[1])
+    offloads = {c.block for c in cands if c.offload}
+
+    def freeing(names) -> tuple[Plan, int]:  # the named blocks, each by its lever
+        return evaluate(frozenset(n for n in names if n not in offloads),
+                        frozenset(n for n in names if n in offloads))
+
+    floor_plan, floor = freeing(tuple(c.block for c in cands))
+    note = ""
+    if floor > budget_bytes and offloads and options.activation_offload != "prefer":
+        # Offloading every block may not lower the peak where recomputing does (a peak in the
+        # backward of the block read last, whose saved values come back anyway): the levers'
+        # other extreme, every block that can be recomputed recomputed, once.
+        alt = [c for c in free_candidates(probe, blocks, resharded[0].group_name,
+                                          replace(options, activation_offload="never"), region)]
+        if alt:
+            offloads = set()
+            alt_plan, alt_floor = freeing(tuple(c.block for c in alt))
+            if alt_floor < floor:
+                note = (f"; offloading every block instead left the predicted peak at "
+                        f"{floor} B, over the budget")
+                cands, floor_plan, floor = alt, alt_plan, alt_floor
+            else:
+                offloads = {c.block for c in cands if c.offload}
+    log.info("shardc: region %d: candidates to free (block, bytes, s, offload) %s; every one "
+             "freed: peak %d B (resharded %d B)", region.index,
+             [(c.block, c.nbytes, c.cost_s, c.offload) for c in cands], floor, resharded[1])
     if floor > budget_bytes:  # refused, naming the lowest peak of the levers' extremes
         if lowest[1] < floor:
             raise refuse(lowest[1], lowest[0])
-        raise refuse(floor, floor_plan, len(cands))
+        raise refuse(floor, floor_plan, cands)
     chosen, peak, _ = recompute.choose(cands, budget_bytes, resharded[1], floor,
-                                       lambda names: evaluate(names)[1])
+                                       lambda names: freeing(names)[1])
     return MemoryBudget(budget_bytes, floor, peak, 0, [],
-                        recompute.decisions(blocks, cands, chosen, needed=True, peak=peak),
+                        recompute.decisions(blocks, cands, chosen, needed=True, peak=peak,
+                                            note=note),
                         resharded_bytes=resharded[1])
+
+
+def free_candidates(probe: fx.GraphModule, blocks: list[Block], group: str,
+                    options: ShardcOptions, region: RegionRecord
+                    ) -> list[recompute.RecomputeCandidate]:
+    """The blocks whose saved activations the planner may free, each with its cheaper lever
+    (recompute, or offload to the host: ``shardc.planning.offload.choose_lever``, under
+    ``activation_offload``). Bytes and times are the largest over the ranks (one store
+    exchange each), so every rank ranks the same candidates the same way."""
+    profile = resolve_profile(options.cluster, device_name(probe))
+    mode = options.activation_offload if isinstance(options.activation_offload, str) else "auto"
+    cands = []
+    for b in blocks:
+        if b.excluded and mode == "never":
+            continue
+        tag = f"block{b.position}"
+        freed = agree_on_largest(group, region.check_index, f"{tag}/bytes", b.freed_bytes)
+        saved = agree_on_largest(group, region.check_index, f"{tag}/saved", b.saved_bytes) \
+            if mode != "never" else 0
+        forward_ns = agree_on_largest(group, region.check_index, f"{tag}/ns",
+                                      int(recompute.forward_seconds(probe, b, profile) * 1e9))
+        lever = offload_lever.choose_lever(
+            forward_s=forward_ns * 1e-9, recompute_bytes=freed, offload_bytes=saved,
+            can_recompute=not b.excluded, mode=mode)
+        if lever is not None:
+            cands.append(recompute.RecomputeCandidate(
+                b.name, b.kind, b.position, lever.cost_s, lever.nbytes, offload=lever.offload,
+                forward_s=forward_ns * 1e-9, copy_s=lever.copy_s, offload_s=lever.offload_s))
+    return cands
 
 
 def elided_cast_seconds(gm: fx.GraphModule, options: ShardcOptions) -> dict[str, float]:

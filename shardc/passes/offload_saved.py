@@ -17,7 +17,8 @@ Runs on a region's partitioned graphs, before they are planned. For each chosen 
   read (the first group's at the start of the backward), and each is waited by the compute
   stream right before its first reader, which reads the device copy.
 
-A value is offloadable when it is computed in the forward (not a graph input), is a contiguous,
+A value is offloadable when it is computed in the forward (not a graph input, nor by one of
+shardc's ops), is a contiguous,
 non-empty tensor and is not also one of the forward's own outputs (that would keep it on the
 device anyway). The ops' fake values make the forward's output and the backward's placeholder a
 host tensor for every later pass (Inductor included). On a CPU mesh the "device" is the CPU:
@@ -78,7 +79,9 @@ def offloadable_saved(fw: fx.GraphModule, num_fwd_outputs: int) -> list[fx.Node]
 
 def _offloadable(node: fx.Node, user_outputs: set[fx.Node]) -> bool:
     val = node.meta.get("val")
+    # Not shardc's own values (a CPU offload device copy is lowered to a start/wait pair later).
     return (node.op == "call_function" and node not in user_outputs and not activation_role(node)
+            and getattr(node.target, "namespace", "") != "shardc"
             and isinstance(val, torch.Tensor) and val.numel() > 0 and val.is_contiguous()
             and val.device.type != "meta")
 
