@@ -18,10 +18,10 @@ Runs on a region's partitioned graphs, before they are planned. For each chosen 
   stream right before its first reader, which reads the device copy.
 
 A value is offloadable when it is computed in the forward (not a graph input, nor by one of
-shardc's ops), is a contiguous,
-non-empty tensor and is not also one of the forward's own outputs (that would keep it on the
-device anyway). The ops' fake values make the forward's output and the backward's placeholder a
-host tensor for every later pass (Inductor included). On a CPU mesh the "device" is the CPU:
+shardc's ops or a collective), is a contiguous, non-empty tensor of static shape and is not
+also one of the forward's own outputs (that would keep it on the device anyway). The ops'
+fake values make the forward's output and the backward's placeholder a host tensor for every
+later pass (Inductor included). On a CPU mesh the "device" is the CPU:
 every copy is a separate tensor (the simulated mode of CPU offload), so CPU tests run the copies.
 
 Every node this pass inserts carries ``node.meta[ACTIVATION_COPY]`` (``"d2h"``, ``"h2d"`` or
@@ -47,6 +47,7 @@ __all__ = ["ACTIVATION_COPY", "ACTIVATION_GROUP", "OffloadedValue", "activation_
 
 ACTIVATION_COPY = "shardc_activation_copy"
 ACTIVATION_GROUP = "shardc_activation_group"
+_NOT_OFFLOADED = ("shardc", "_c10d_functional", "c10d_functional")  # op namespaces
 
 
 @dataclass(frozen=True)
@@ -79,11 +80,14 @@ def offloadable_saved(fw: fx.GraphModule, num_fwd_outputs: int) -> list[fx.Node]
 
 def _offloadable(node: fx.Node, user_outputs: set[fx.Node]) -> bool:
     val = node.meta.get("val")
-    # Not shardc's own values (a CPU offload device copy is lowered to a start/wait pair later).
+    # Not shardc's own values (a CPU offload device copy is lowered to a start/wait pair later)
+    # nor a collective's (the plan may move its wait).
     return (node.op == "call_function" and node not in user_outputs and not activation_role(node)
-            and getattr(node.target, "namespace", "") != "shardc"
-            and isinstance(val, torch.Tensor) and val.numel() > 0 and val.is_contiguous()
-            and val.device.type != "meta")
+            and getattr(node.target, "namespace", "") not in _NOT_OFFLOADED
+            and isinstance(val, torch.Tensor) and val.device.type != "meta"
+            # Static shapes only: asking a symbolic one would add guards after the trace.
+            and all(isinstance(d, int) for d in (*val.shape, *val.stride()))
+            and val.numel() > 0 and val.is_contiguous())
 
 
 def offload_saved(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int,

@@ -113,7 +113,7 @@ def candidates(plan: Plan, cast_seconds: Mapping[str, float] | None = None
             by_bucket.setdefault(c.bucket, []).append(c)
     copy_s: dict[int, float] = {}
     for c in plan.copies:
-        if c.kind == CollectiveKind.H2D_COPY and c.graph == "backward":
+        if c.kind == CollectiveKind.H2D_COPY and c.graph == "backward" and c.origin == "shardc":
             copy_s[c.bucket] = copy_s.get(c.bucket, 0.0) + c.predicted_s
     out, fixed = [], []
     for index in sorted(by_bucket):

@@ -33,9 +33,10 @@ HOST_LINK_BYTES_PER_S = 25e9
 HOST_LINK_LATENCY_S = 10e-6
 
 
-def copy_seconds(nbytes: int) -> float:
-    """Predicted time of one bucket's copy (its parameters one after the other)."""
-    return HOST_LINK_LATENCY_S + nbytes / HOST_LINK_BYTES_PER_S
+def copy_seconds(nbytes: int, link_bytes_per_s: float = HOST_LINK_BYTES_PER_S) -> float:
+    """Predicted time of one copy of ``nbytes`` (a bucket's parameters one after the other, or
+    a block's saved activations) over a host link of ``link_bytes_per_s``."""
+    return HOST_LINK_LATENCY_S + nbytes / link_bytes_per_s
 
 
 def _nbytes(node: fx.Node) -> int:

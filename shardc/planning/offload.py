@@ -29,14 +29,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardc.planning.copies import HOST_LINK_BYTES_PER_S, HOST_LINK_LATENCY_S
+from shardc.planning.copies import HOST_LINK_BYTES_PER_S, copy_seconds
 
 MODES = ("auto", "never", "prefer")
-
-
-def copy_seconds(nbytes: int, link_bytes_per_s: float = HOST_LINK_BYTES_PER_S) -> float:
-    """One copy of ``nbytes`` over the host link (each way)."""
-    return HOST_LINK_LATENCY_S + nbytes / link_bytes_per_s if nbytes else 0.0
 
 
 def offload_seconds(copy_s: float, forward_s: float) -> float:
@@ -70,7 +65,7 @@ def choose_lever(*, forward_s: float, recompute_bytes: int, offload_bytes: int,
     values); ``mode``: ``activation_offload``."""
     if mode not in MODES:
         raise ValueError(f"shardc: activation_offload mode must be one of {MODES}, got {mode!r}")
-    copy_s = copy_seconds(offload_bytes, link_bytes_per_s)
+    copy_s = copy_seconds(offload_bytes, link_bytes_per_s) if offload_bytes else 0.0
     offload_s = offload_seconds(copy_s, forward_s)
     recompute_s = forward_s if can_recompute else 0.0
     recompute = Lever(False, forward_s, recompute_bytes, recompute_s, offload_s, copy_s) \
