@@ -397,7 +397,9 @@ def _recompute_under_budget(probe: fx.GraphModule, blocks: list[Block], user_byt
                                            recomputed=len(cands) - offloaded,
                                            offloaded=offloaded, margin=margin)
 
-    cands = free_candidates(probe, blocks, resharded[0].group_name, options, region)
+    estimates = block_estimates(probe, blocks, resharded[0].group_name, options, region)
+    mode = options.activation_offload if isinstance(options.activation_offload, str) else "auto"
+    cands = free_candidates(blocks, estimates, mode)
     if not cands:
         raise refuse(lowest[1], lowest[0])
     offloads = {c.block for c in cands if c.offload}
@@ -408,12 +410,11 @@ def _recompute_under_budget(probe: fx.GraphModule, blocks: list[Block], user_byt
 
     floor_plan, floor = freeing(tuple(c.block for c in cands))
     note = ""
-    if floor > budget_bytes and offloads and options.activation_offload != "prefer":
+    if floor > budget_bytes and offloads and mode != "prefer":
         # Offloading every block may not lower the peak where recomputing does (a peak in the
         # backward of the block read last, whose saved values come back anyway): the levers'
         # other extreme, every block that can be recomputed recomputed, once.
-        alt = [c for c in free_candidates(probe, blocks, resharded[0].group_name,
-                                          replace(options, activation_offload="never"), region)]
+        alt = free_candidates(blocks, estimates, "never")
         if alt:
             offloads = set()
             alt_plan, alt_floor = freeing(tuple(c.block for c in alt))
@@ -438,32 +439,39 @@ def _recompute_under_budget(probe: fx.GraphModule, blocks: list[Block], user_byt
                         resharded_bytes=resharded[1])
 
 
-def free_candidates(probe: fx.GraphModule, blocks: list[Block], group: str,
+def block_estimates(probe: fx.GraphModule, blocks: list[Block], group: str,
                     options: ShardcOptions, region: RegionRecord
-                    ) -> list[recompute.RecomputeCandidate]:
-    """The blocks whose saved activations the planner may free, each with its cheaper lever
-    (recompute, or offload to the host: ``shardc.planning.offload.choose_lever``, under
-    ``activation_offload``). Bytes and times are the largest over the ranks (one store
-    exchange each), so every rank ranks the same candidates the same way."""
+                    ) -> dict[str, tuple[int, int, float]]:
+    """Per block: (bytes recomputing it frees, its saved bytes, its forward's seconds), each
+    the largest over the ranks (one store exchange each, once per region), so every rank ranks
+    the same candidates the same way."""
     profile = resolve_profile(options.cluster, device_name(probe))
-    mode = options.activation_offload if isinstance(options.activation_offload, str) else "auto"
-    cands = []
+    out = {}
     for b in blocks:
-        if b.excluded and mode == "never":
-            continue
         tag = f"block{b.position}"
         freed = agree_on_largest(group, region.check_index, f"{tag}/bytes", b.freed_bytes)
-        saved = agree_on_largest(group, region.check_index, f"{tag}/saved", b.saved_bytes) \
-            if mode != "never" else 0
+        saved = agree_on_largest(group, region.check_index, f"{tag}/saved", b.saved_bytes)
         forward_ns = agree_on_largest(group, region.check_index, f"{tag}/ns",
                                       int(recompute.forward_seconds(probe, b, profile) * 1e9))
+        out[b.name] = (freed, saved, forward_ns * 1e-9)
+    return out
+
+
+def free_candidates(blocks: list[Block], estimates: dict[str, tuple[int, int, float]],
+                    mode: str) -> list[recompute.RecomputeCandidate]:
+    """The blocks whose saved activations the planner may free, each with its cheaper lever
+    (recompute, or offload to the host: ``shardc.planning.offload.choose_lever``, under
+    ``activation_offload`` ``mode``)."""
+    cands = []
+    for b in blocks:
+        freed, saved, forward_s = estimates[b.name]
         lever = offload_lever.choose_lever(
-            forward_s=forward_ns * 1e-9, recompute_bytes=freed, offload_bytes=saved,
+            forward_s=forward_s, recompute_bytes=freed, offload_bytes=saved,
             can_recompute=not b.excluded, mode=mode)
         if lever is not None:
             cands.append(recompute.RecomputeCandidate(
                 b.name, b.kind, b.position, lever.cost_s, lever.nbytes, offload=lever.offload,
-                forward_s=forward_ns * 1e-9, copy_s=lever.copy_s, offload_s=lever.offload_s))
+                forward_s=forward_s, copy_s=lever.copy_s, offload_s=lever.offload_s))
     return cands
 
 
