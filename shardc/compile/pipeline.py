@@ -299,7 +299,9 @@ def forced_offload_note(done: list[OffloadedValue], blocks: Sequence[Block],
     return (f"activation offload (activation_offload): {len(done)} saved value(s) of "
             f"{len(found)} block(s) {found} copied to the host in the forward and prefetched "
             f"for the backward ({nbytes} B)"
-            + (f"; named but not blocks of this region: {absent}" if absent else ""))
+            + (f"; named but not blocks of this region: {absent}" if absent else "")
+            + ("; this region has no blocks (the children with parameters of an "
+               "nn.ModuleList of two or more, shardc.sharding.blocks)" if not blocks else ""))
 
 
 def kept_params(decided: MemoryBudget) -> set[str]:

@@ -1,8 +1,9 @@
 """Activation offload on a CUDA device (``pytest -m gpu tests/gpu/test_activation_offload_gpu.py``;
 one GPU): the saved activations of every block go to pinned host memory on the copy stream in
 the forward and are prefetched back for the backward (``activation_offload=("*",)``), FX and
-Inductor; training equals the run without offload (FX: bitwise; Inductor: to rounding) and the
-unsharded model on the GPU, and the forward's saved values really are host tensors.
+Inductor; training equals the run without offload (to 1e-5: GPU kernels are not all bitwise
+reproducible) and the unsharded model on the GPU, and the forward's saved values really are
+host tensors.
 The CPU tests of the same path (the copies as separate host tensors): tests/test_parity.py,
 tests/test_parity_inductor.py, tests/test_real_models.py (the planner's choice).
 """
@@ -69,10 +70,9 @@ def test_offloaded_activations_train_like_saved_ones(mesh, inductor):
     ref_losses = _train(ref, ref)
     _, _, plain = _sharded(mesh, inductor)
     model, compiled, losses = _sharded(mesh, inductor, activation_offload=("*",))
-    if inductor:
-        assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, plain)), (losses, plain)
-    else:
-        assert losses == plain, (losses, plain)
+    # The copies move bits unchanged; the tolerance is for kernels that are not bitwise
+    # reproducible run to run on a GPU (attention's backward) and Inductor's fusion around them.
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, plain)), (losses, plain)
     assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(losses, ref_losses))
     (region,) = shardc.shard_state(model).regions
     fw = region.forward
