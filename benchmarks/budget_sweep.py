@@ -290,7 +290,7 @@ def main() -> None:
         add(run(what, args, out) if kind == "shardc" else run_baseline(what, args, out))
         slowest = max(slowest, time.monotonic() - t)
     print("\nbudget B | status | minimum B | planned for B | predicted peak B | measured peak B "
-          "| measured <= budget | kept | recomputed | tokens/s/GPU")
+          "| measured <= budget | kept | recomputed | offloaded | tokens/s/GPU")
     for r in rows:
         if r.get("kind") != "shardc":
             continue
@@ -299,7 +299,7 @@ def main() -> None:
         planned = budget - r.get("margin_bytes", 0) if budget else None
         print(f"{r['budget']} | {r.get('status')} | {r.get('minimum_bytes')} | {planned} | "
               f"{r.get('peak_bytes')} | {measured} | {ok} | {r.get('kept')} | "
-              f"{r.get('recomputed')} | {r.get('tokens_per_s_per_gpu')}")
+              f"{r.get('recomputed')} | {r.get('offloaded')} | {r.get('tokens_per_s_per_gpu')}")
     print()
     print((out / "curve.md").read_text() if (out / "curve.md").exists() else "no rows")
     print(f"wrote {out / 'curve.md'}, {out / 'curve.svg'}, {path}")

@@ -214,7 +214,8 @@ def sharded_run(rank: int, world: int, kind: str, mode: str, **options) -> dict:
     out = {"losses": losses, "params": params, "grads_none": grads_none, "plans": plans,
            "collective_ops": collective_ops(state), "eval": evaluated, "eval_hooked": hooked,
            "host_masters": host_masters(model), "overlap": overlap,
-           "trainable": {n for n, p in model.named_parameters() if p.requires_grad}}
+           "trainable": {n for n, p in model.named_parameters() if p.requires_grad},
+           "activation_copies": activation_copies(state)}
     if keep_model:
         out.update(model=model, forward=forward)
     return out
@@ -250,6 +251,33 @@ def collective_ops(state) -> int:
                             ("shardc.gather_param", "shardc.reduce_scatter_grad"))):
                     count += 1
     return count
+
+
+def activation_copies(state) -> dict[str, int]:
+    """Activation offload (shardc.passes.offload_saved) in the lowered graphs of the regions:
+    nodes per role ("d2h", "h2d", "wait", "host": the backward's host placeholders), the
+    forward outputs that are host copies ("saved_on_host"), and "misplaced": device copies
+    read before their wait, or waited before they are started (0 when the copies are right)."""
+    from shardc.ops.offload_copy import COPY_WAIT_OP
+    from shardc.passes.offload_saved import activation_role
+
+    out = {"d2h": 0, "h2d": 0, "wait": 0, "host": 0, "saved_on_host": 0, "misplaced": 0}
+    for region in state.regions:
+        for gm in (region.forward, region.backward):
+            nodes = list(gm.graph.nodes) if gm is not None else []
+            index = {n: i for i, n in enumerate(nodes)}
+            for node in nodes:
+                role = activation_role(node)
+                if role:
+                    out[role] += 1
+                if role == "d2h":
+                    out["saved_on_host"] += node in gm.graph.output_node().all_input_nodes
+                if role == "h2d":
+                    waits = [u for u in node.users if u.target is COPY_WAIT_OP]
+                    readers = [u for u in node.users if u.target is not COPY_WAIT_OP]
+                    out["misplaced"] += len(waits) != 1 or any(
+                        index[r] < index[waits[0]] for r in readers) or not readers
+    return out
 
 
 def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

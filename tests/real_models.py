@@ -1406,6 +1406,51 @@ def sc_peak_budget(ctx: Ctx) -> dict:
     return out
 
 
+# Activation offload (the third lever): at 12 tokens per sequence the saved activations make the
+# step's peak (at the start of the backward), which offloading early blocks lowers; the copies
+# of these blocks hide behind their compute by the cost model, so the planner offloads rather
+# than recomputes.
+OFFLOAD_SEQ = 12
+
+
+def sc_peak_budget_offload(ctx: Ctx) -> dict:
+    """Parity under a budget a byte below the fully resharded plan's peak where the planner
+    offloads blocks' saved activations to the host (``activation_offload='auto'``, priced
+    against recomputing them), plus the facts the tests check (decisions, peaks, hashes, the
+    copies on the plan's copy lane and in the graphs)."""
+    from parity import activation_copies
+
+    from shardc.models.llama import LlamaConfig, Transformer
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return Transformer(LlamaConfig(**BUDGET_CFG))
+
+    data = tokens(steps=2, seq=OFFLOAD_SEQ)
+    model = ctx.wrap(build(), compile=False)
+    if not ctx.sharded:
+        return train_lm(ctx, model, model, data)
+    _, fixed = _budget_step(ctx, ctx.wrap(build(), compile=False), 0, data[:1])
+    torch._dynamo.reset()
+    low = torch.tensor([int(fixed.predicted.peak_bytes)])
+    dist.all_reduce(low, op=dist.ReduceOp.MAX, group=ctx.group)
+    ctx.model = model
+    out, plan = _budget_step(ctx, model, int(low) - 1, data)
+    out.update({
+        "planned": 1,
+        "minimum": int(low),
+        "hash": plan.hash(),
+        "record": plan.budget,
+        "peak": plan.predicted.peak_bytes,
+        "host_bytes": plan.predicted.host_bytes,
+        "copies": [(c.kind, c.graph, c.origin, c.bytes, c.predicted_s) for c in plan.copies],
+        "table": plan.table(),
+        "json": plan.to_json(),
+        "activation_copies": activation_copies(shard_state(model)),
+    })
+    return out
+
+
 SCENARIOS: dict[str, Callable[[Ctx], dict]] = {
     "torch_transformer": sc_torch_transformer,
     "hf_gpt2": sc_hf_gpt2,
@@ -1464,6 +1509,7 @@ SCENARIOS: dict[str, Callable[[Ctx], dict]] = {
     "to_float64": sc_to_float64,
     "adam": sc_adam,
     "peak_budget": sc_peak_budget,
+    "peak_budget_offload": sc_peak_budget_offload,
     # Sharded runs only (their reference: submesh_reference).
     "submesh": sc_submesh,
     # Failure modes: sharded runs only, no reference; the desyncing ones last.
@@ -1489,6 +1535,7 @@ ONE_WORLD = {"blocks_accumulate_shapes": 2, "torch_transformer": 2, "hf_gpt2": 3
              "checkpoint_sdpa_save_all": 2, "hf_checkpoint_reentrant": 2,
              "hf_checkpoint_inductor": 2, "checkpoint_fp8": 3, "checkpoint_fp8_eager": 3,
              "checkpoint_dropout": 3, "checkpoint_sdpa_dynamic": 3, "peak_budget": 2,
+             "peak_budget_offload": 3,
              "adam": 3, "checkpoint_sdpa": 2, "checkpoint_sdpa_selective": 3,
              "moe_compiled": 2, "changing_seq": 2, "changing_both": 3, "nested": 3,
              "optim_offload_no_sync_clip": 3}

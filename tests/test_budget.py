@@ -283,6 +283,94 @@ def test_recompute_record_round_trips_and_enters_the_hash():
     assert "1 of 2 block(s) recomputed" in text and "block layers.0 (body): recomputed" in text
 
 
+# --- Activation offload (the third lever) -----------------------------------------------------
+
+MiB = 1 << 20
+
+
+def test_offload_is_chosen_when_the_copies_hide_and_recompute_when_they_do_not():
+    """Per block, the cheaper way per byte freed: a block whose forward takes 10 ms and saves
+    100 MiB (recomputing it frees 90 MiB). Over a fast link its copies (about 4 ms each way)
+    hide behind compute and offloading costs nothing: offload. Over a slow one (about 42 ms
+    each way) the copies' exposed part (32 + 22 ms) costs more per byte than the 10 ms
+    forward: recompute."""
+    from shardc.planning.offload import choose_lever
+
+    block = dict(forward_s=10e-3, recompute_bytes=90 * MiB, offload_bytes=100 * MiB,
+                 can_recompute=True)
+    fast = choose_lever(**block, link_bytes_per_s=25e9)
+    assert fast.offload and fast.cost_s == 0.0 and fast.nbytes == 100 * MiB
+    assert fast.copy_s == pytest.approx(10e-6 + 100 * MiB / 25e9)
+    slow = choose_lever(**block, link_bytes_per_s=2.5e9)
+    assert not slow.offload and slow.cost_s == 10e-3 and slow.nbytes == 90 * MiB
+    copy = 10e-6 + 100 * MiB / 2.5e9
+    assert slow.offload_s == pytest.approx((copy - 10e-3) + (copy - 20e-3))
+    # The modes: never offload; offload whatever can be; a block that cannot be recomputed
+    # (random numbers, collectives) can still be offloaded, even over the slow link.
+    assert not choose_lever(**block, link_bytes_per_s=25e9, mode="never").offload
+    assert choose_lever(**block, link_bytes_per_s=2.5e9, mode="prefer").offload
+    fixed = choose_lever(**{**block, "can_recompute": False}, link_bytes_per_s=2.5e9)
+    assert fixed.offload and fixed.recompute_s == 0.0
+    assert choose_lever(**{**block, "can_recompute": False}, mode="never") is None
+    with pytest.raises(ValueError, match="activation_offload"):
+        choose_lever(**block, mode="always")
+
+
+def test_offload_and_recompute_rank_together_and_the_record_says_why():
+    """Offloaded candidates rank with recomputed ones by ms per byte; the decisions carry both
+    prices, the record round-trips, and the offloaded blocks enter the plan hash only when
+    there are any (plans without them hash as before)."""
+    from shardc.passes.recompute import Block
+
+    cands = [recompute.RecomputeCandidate("layers.0", "body", 0, 0.0, 300, offload=True,
+                                          forward_s=2e-3, copy_s=1e-3, offload_s=0.0),
+             recompute.RecomputeCandidate("layers.1", "body", 1, 2e-3, 250, forward_s=2e-3,
+                                          copy_s=5e-3, offload_s=4e-3)]
+    assert [c.block for c in recompute.rank(cands)] == ["layers.0", "layers.1"]
+    blocks = [Block(f"layers.{i}", "body", i, (), 300, 50) for i in range(2)]
+    got = recompute.decisions(blocks, cands, ["layers.0", "layers.1"], needed=True, peak=1500)
+    assert [(d.offloaded, d.recomputed) for d in got] == [(True, False), (False, True)]
+    assert got[0].reason.startswith("offloaded") and "to recompute it" in got[0].reason
+    assert got[0].cost_ms == pytest.approx(2.0) and got[0].copy_ms == pytest.approx(1.0)
+    assert "cheaper than offloading it" in got[1].reason and got[1].offload_ms == pytest.approx(4)
+    plan = Plan(PLAN_VERSION, 0, 2, {}, [], [])
+    plan.budget = MemoryBudget(2000, 1000, 1500, 2, [], recompute.decisions(
+        blocks, cands, ["layers.1"], needed=True, peak=1500))
+    before = plan.hash()
+    plan.budget.blocks = got
+    back = Plan.from_json(plan.to_json())
+    assert back.budget == plan.budget and back.budget.offloaded == ["layers.0"]
+    assert back.hash() == plan.hash() != before
+    assert "1 offloaded to host memory" in plan.table()
+    assert "block layers.0 (body): offloaded" in plan.table()
+    # A record written before offload existed (no such fields) reads as offloading nothing.
+    old = plan.to_dict()["budget"]
+    for d in old["blocks"]:
+        for key in ("offloaded", "offload_ms", "copy_ms"):
+            d.pop(key)
+    assert MemoryBudget.from_dict(old).offloaded == []
+
+
+def test_activation_offload_option():
+    assert ShardcOptions().activation_offload == "auto"
+    assert ShardcOptions(activation_offload=["layers.0"]).forced_offload() == ("layers.0",)
+    assert ShardcOptions(activation_offload="prefer").forced_offload() == ()
+    for bad in ("always", (), ("",), 3):
+        with pytest.raises(ValueError, match="activation_offload"):
+            ShardcOptions(activation_offload=bad)
+    with pytest.raises(ValueError, match="cannot be combined with peak_memory_budget_bytes"):
+        ShardcOptions(activation_offload=("*",), peak_memory_budget_bytes=1 << 30)
+
+
+def test_refusal_names_the_offloaded_minimum():
+    plan = Plan(PLAN_VERSION, 3, 2, {}, [], [])
+    plan.memory_by_category = {"peak": {"graph": "backward", "position": 9,
+                                        "bytes": {"temporaries": 3 << 20}, "largest": []}}
+    text = str(budget.refuse_below_minimum(1 << 20, 3 << 20, plan, recomputed=1, offloaded=3))
+    assert "every block that can be recomputed (1) recomputed in the backward" in text
+    assert "every block that can be offloaded (3) offloaded to host memory" in text
+
+
 def test_refusal_names_the_fully_recomputed_minimum():
     plan = Plan(PLAN_VERSION, 3, 2, {}, [], [])
     plan.memory_by_category = {"peak": {"graph": "backward", "position": 9,

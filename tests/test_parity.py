@@ -50,6 +50,8 @@ def _scenarios(rank: int, world: int, scenarios: list) -> list[dict]:
         out["budget"] = [p.budget for p in out["plans"] if p is not None]
         out["predicted"] = [(p.predicted.param_bytes, p.predicted.optimizer_state_bytes,
                              p.predicted.host_bytes) for p in out["plans"] if p is not None]
+        out["peak"] = [(p.predicted.forward_peak_bytes, p.predicted.backward_peak_bytes)
+                       for p in out["plans"] if p is not None]
         out["plans"] = len(out["plans"])
         results.append(out)
     return results
@@ -107,6 +109,14 @@ def _parity_scenarios(world: int) -> dict[str, tuple[str, str, dict]]:
         (at(2), "offload_no_reshard", ("llama", "fx", {"offload": OFFLOAD,
                                                         "reshard_after_forward": False})),
         (at(1, 2), "bf16", ("llama", "fx", {"mp_policy": BF16})),
+        # Activation offload forced on every block (issue 22's third lever; the planner's choice
+        # under a budget: tests/test_real_models.py): the saved activations go to the host and
+        # come back, so the run equals the plain one bit for bit.
+        (at(1, 2, 3, 4), "offload_activations", ("llama", "fx",
+                                                 {"activation_offload": ("*",)})),
+        # ... with compile-once bodies, checkpointing inside them and an inline block.
+        (at(3), "blocks_offload_activations", ("blocks", "fx", {"eval": True,
+                                                                "activation_offload": ("*",)})),
         # World 1, bf16 compute: the elided gathers are casts, which a roomy budget keeps from
         # the forward to the backward instead of casting again (issue 20).
         (at(1), "bf16_roomy_budget", ("llama", "fx", {"mp_policy": BF16,
@@ -164,6 +174,7 @@ def test_parity_eager_and_fx(world, references):
     if "variant_local_sgd" in runs:
         assert runs["variant_local_sgd"]["grads_none"]["unused"]
     _check_offloaded(world, runs)
+    _check_offloaded_activations(world, runs)
     if "roomy_budget" in runs:
         _check_roomy_budget(world, runs["roomy_budget"]["budget"])
     if "bf16_roomy_budget" in runs:
@@ -172,6 +183,28 @@ def test_parity_eager_and_fx(world, references):
         assert decisions and all(d.kept and "elided" in d.reason and d.saved_ms > 0
                                  for d in decisions), decisions
         _bitwise(runs["bf16_roomy_budget"], runs["bf16"], f"world {world}: bf16, casts kept")
+
+
+def _check_offloaded_activations(world: int, runs: dict[str, dict]) -> None:
+    """Forced activation offload: every block's offloadable saved values leave the device in
+    the forward (the forward returns host copies) and come back before their first reader in
+    the backward; the bits are those of the run without it; the device peak is lower and the
+    host holds the offloaded bytes."""
+    for name, plain in (("offload_activations", "fx"), ("blocks_offload_activations", "blocks")):
+        if name not in runs:
+            continue
+        run, copies = runs[name], runs[name]["activation_copies"]
+        assert copies["d2h"] > 0 and copies["d2h"] == copies["h2d"] == copies["host"], copies
+        assert copies["saved_on_host"] == copies["d2h"] and copies["misplaced"] == 0, copies
+        assert copies["wait"] == copies["d2h"] + copies["h2d"], copies
+        assert any("activation offload" in n for notes in run["notes"] for n in notes), name
+        _bitwise(run, runs[plain], f"world {world}: {name} vs {plain}")
+        assert runs[plain]["activation_copies"]["d2h"] == 0
+        # The training region (the first plan): host bytes, and a lower forward peak (the
+        # step's peak is the optimizer's in these small models), the backward's not higher.
+        assert run["predicted"][0][2] > 0 and runs[plain]["predicted"][0][2] is None
+        (fw, bw), (plain_fw, plain_bw) = run["peak"][0], runs[plain]["peak"][0]
+        assert fw < plain_fw and bw <= plain_bw, (run["peak"], runs[plain]["peak"])
 
 
 def _check_roomy_budget(world: int, records: list) -> None:

@@ -60,6 +60,16 @@ def _inductor_run(rank: int, world: int) -> dict:
                           offload=shardc.OffloadPolicy(simulate_on_cpu=True))
         out["offload"] = {"losses": off["losses"], "params": off["params"],
                           "copies": sum(len(p.copies) for p in off["plans"])}
+    if world == 1:  # activation offload (forced on every block) under Inductor, once; two
+        # layers: a ModuleList of one child has no blocks (shardc.sharding.blocks)
+        torch._dynamo.reset()
+        act = sharded_run(rank, world, "llama", "inductor", activation_offload=("*",))
+        torch._dynamo.reset()
+        out["activations"] = {"losses": act["losses"], "params": act["params"],
+                              "reference": reference("llama"),
+                              "graphs": act["activation_copies"],
+                              "planned": [c.kind for p in act["plans"] for c in p.copies
+                                          if c.origin == "activation"]}
     return out
 
 
@@ -110,6 +120,14 @@ def test_parity_inductor(world, inductor_reference):
     if world == 2:
         assert_parity(runs[0]["offload"], inductor_reference)
         assert runs[0]["offload"]["copies"] > 0
+    if world == 1:  # the saved activations went to the host and back in Inductor's code
+        act = runs[0]["activations"]
+        # Against the eager unsharded model: Inductor's fused rounding, hence the tolerance.
+        assert_parity(act, act["reference"], tol=1e-4)
+        graphs = act["graphs"]
+        assert graphs["d2h"] == graphs["h2d"] == graphs["saved_on_host"] > 0, graphs
+        assert graphs["misplaced"] == 0 and sorted(set(act["planned"])) == ["d2h_copy",
+                                                                             "h2d_copy"]
     for run in runs:
         if world == 1:
             # One rank: the plan lists its collectives elided, the Inductor-compiled graphs

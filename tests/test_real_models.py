@@ -765,6 +765,44 @@ def test_peak_budget_recomputes_some_blocks_with_parity(runs):
         assert got["hashes"]["recompute"] not in (got["hashes"]["fixed"], got["hashes"]["mixed"])
 
 
+def test_peak_budget_offloads_activations_with_parity(runs):
+    """A budget a byte below the fully resharded plan's peak where the saved activations make
+    the peak: the planner frees blocks' activations by offloading them to host memory (the cost
+    model hides these blocks' copies behind their compute, cheaper than recomputing them);
+    training matches the unsharded reference, the plan records each offloaded block with its
+    bytes, predicted ms and reason, the copies are on the plan's copy lane and in the graphs
+    (forward: device->host, backward: prefetched host->device, waited before the first reader),
+    the host holds the offloaded bytes, the predicted peak is within the budget and the plans
+    are identical on every rank (uneven shards)."""
+    for world, got in zip(_worlds("peak_budget_offload"),
+                          check_parity(runs, "peak_budget_offload")):
+        record = got["record"]
+        offloaded = record.offloaded
+        assert offloaded and record.recomputed == [], (world, record.blocks)
+        assert record.budget_bytes == got["minimum"] - 1 and record.kept == []
+        assert record.peak_bytes <= record.budget_bytes and got["peak"] <= record.budget_bytes
+        for d in record.blocks:
+            assert d.bytes > 0 and d.cost_ms > 0 and d.copy_ms > 0, d
+            assert d.reason.startswith("offloaded" if d.offloaded else "saved"), d
+            if d.offloaded:  # priced against recomputing it: cheaper per byte
+                assert d.offload_ms < d.cost_ms and "to recompute it" in d.reason, d
+        kinds = {(kind, graph) for kind, graph, origin, _, _ in got["copies"]
+                 if origin == "activation"}
+        assert kinds == {("d2h_copy", "forward"), ("h2d_copy", "backward")}, got["copies"]
+        assert all(seconds > 0 for *_, seconds in got["copies"]), got["copies"]
+        moved = sum(n for kind, _, origin, n, _ in got["copies"]
+                    if origin == "activation" and kind == "d2h_copy")
+        assert got["host_bytes"] == moved > 0, (got["host_bytes"], moved)
+        copies = got["activation_copies"]
+        assert copies["d2h"] == copies["h2d"] == copies["saved_on_host"] > 0, copies
+        assert copies["misplaced"] == 0, copies
+        assert "offloaded to host memory" in got["table"], got["table"]
+        assert Plan.from_json(got["json"]).budget == record
+        for rank in runs[world]:
+            assert rank["peak_budget_offload"]["hash"] == got["hash"], \
+                f"world {world}: plans differ by rank"
+
+
 def test_peak_budget_below_the_minimum_is_refused(runs):
     """Below the fully resharded, fully recomputed plan's peak: refused, naming it."""
     for world in _worlds("peak_budget"):

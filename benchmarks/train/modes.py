@@ -125,6 +125,9 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_
         options = {"peak_memory_budget_bytes": budget}
         if os.environ.get("SHARDC_PEAK_MARGIN"):
             options["peak_memory_margin"] = float(os.environ["SHARDC_PEAK_MARGIN"])
+        # SHARDC_ACTIVATION_OFFLOAD: the activation offload lever (auto, never, prefer).
+        if os.environ.get("SHARDC_ACTIVATION_OFFLOAD"):
+            options["activation_offload"] = os.environ["SHARDC_ACTIVATION_OFFLOAD"]
         setup = setup_shardc(model, mesh, loss_in_graph, **options)
         setup.info["options"] = ", ".join(f"{k}={v!r}" for k, v in options.items())
         return setup

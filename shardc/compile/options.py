@@ -38,6 +38,17 @@ class ShardcOptions:
         this fraction above the predicted one stays within the budget
         (``shardc.planning.budget.planned_for``; docs/memory_budget.md). 0: plan for the
         budget itself. Ignored without a budget.
+    activation_offload: the third lever of the peak budget (``shardc.planning.offload``,
+        docs/memory_budget.md): a block's saved activations copied to host memory in the
+        forward and prefetched back for the backward (``shardc.passes.offload_saved``).
+        ``"auto"`` (default): under ``peak_memory_budget_bytes``, where freeing a block's
+        activations is needed, the planner offloads it instead of recomputing it when the cost
+        model prices the copies' exposed time below the recomputation. ``"never"``: recompute
+        only. ``"prefer"``: offload every block that can be, rather than recompute it (where
+        the cost model underrates the host link; tests and benchmarks). A tuple of block
+        names (``("layers.0", "layers.1")``, or ``("*",)`` for every block): offload exactly
+        those blocks' saved activations, without a budget (refused with one: the planner
+        chooses there).
     check_plan_consistency: at the first run, all ranks compare the plan's hash (through the process
         group's store, see ``shardc.runtime.plan_check``).
     dump_dir: write the plan (text, JSON, trace, memory plot) of every compiled region here;
@@ -76,6 +87,7 @@ class ShardcOptions:
     # The prediction's known error: on one H100 (1b, 8 layers) the measured peak was up to
     # 0.6 % above the predicted one (docs/memory_budget.md); 2 % covers it with room.
     peak_memory_margin: float = 0.02
+    activation_offload: str | tuple[str, ...] = "auto"
     check_plan_consistency: bool = True
     dump_dir: str | None = None
     debug_pool: bool = False
@@ -107,11 +119,39 @@ class ShardcOptions:
             raise ValueError(
                 "shardc: peak_memory_margin must be a fraction in [0, 1) of the planned-for "
                 f"peak (e.g. 0.02 for 2 %), got {margin!r}")
+        self._check_activation_offload()
         if self.dump_dir is None and os.environ.get("SHARDC_DUMP"):
             object.__setattr__(self, "dump_dir", os.environ["SHARDC_DUMP"])
         object.__setattr__(self, "bucket_modules", tuple(self.bucket_modules))
         if self.comm_pool is None:
             object.__setattr__(self, "comm_pool", not self.inductor)
+
+    def _check_activation_offload(self) -> None:
+        value = self.activation_offload
+        if isinstance(value, str):
+            if value not in ("auto", "never", "prefer"):
+                raise ValueError(
+                    "shardc: activation_offload must be 'auto', 'never', 'prefer' or a tuple of "
+                    f"block names (('*',): every block), got {value!r}")
+            return
+        if not isinstance(value, (tuple, list)) or not value \
+                or not all(isinstance(v, str) and v for v in value):
+            raise ValueError(
+                "shardc: activation_offload must be 'auto', 'never', 'prefer' or a non-empty "
+                f"tuple of block names (('*',): every block), got {value!r}")
+        if self.peak_memory_budget_bytes:
+            raise ValueError(
+                f"shardc: activation_offload={tuple(value)!r} forces offload of those blocks "
+                "and cannot be combined with peak_memory_budget_bytes, under which the planner "
+                "chooses what to offload: pass activation_offload='auto' or 'prefer' with a "
+                "budget, or drop the budget")
+        object.__setattr__(self, "activation_offload", tuple(value))
+
+    def forced_offload(self) -> tuple[str, ...]:
+        """The blocks whose saved activations are offloaded without a budget (none unless
+        ``activation_offload`` names blocks)."""
+        value = self.activation_offload
+        return () if isinstance(value, str) else value
 
     @classmethod
     def from_kwargs(cls, options: dict) -> ShardcOptions:

@@ -40,6 +40,8 @@ from shardc import _torch
 from shardc.compile import progress
 from shardc.compile.options import ShardcOptions
 from shardc.memory.host import (
+    activation_host_bytes,
+    activation_host_values,
     device_copy_bytes,
     find_host_state,
     host_values,
@@ -55,10 +57,12 @@ from shardc.passes.fp8 import Fp8Summary, hoist_fp8_quantize, prepare_fp8
 from shardc.passes.fx_utils import allocate_real, copy_graph_module, is_call
 from shardc.passes.lower import add_pool_placeholder, apply_plan
 from shardc.passes.offload_dedupe import dedupe_device_copies
+from shardc.passes.offload_saved import OffloadedValue, block_groups, offload_saved
 from shardc.passes.recompute import Block, find_blocks, recompute_blocks
 from shardc.passes.reshard import check_no_gathered_saved, keep_gathered, tag_resharded_gathers
 from shardc.passes.saved_order import order_saved_values
 from shardc.planning import budget, recompute
+from shardc.planning import offload as offload_lever
 from shardc.planning.estimate import memory_seconds
 from shardc.planning.plan import CompiledBody, InlineBlock, MemoryBudget, Plan
 from shardc.planning.profile import resolve_profile
@@ -222,14 +226,28 @@ def lower_and_predict(fw: fx.GraphModule, bw: fx.GraphModule | None, options: Sh
                      optimizer_temp_factor=0.0 if on_host else options.optimizer_temp_factor,
                      persistent_bytes=pool.numel() if pool is not None else 0,
                      fusion=options.inductor,
-                     host=host.params | host.bw_params | host_values(fw) | host_values(bw))
-        if plan.copies:
-            plan.predicted.host_bytes = float(host.host_bytes(options.optimizer_state_factor))
-            plan.predicted.device_copy_bytes = float(device_copy_bytes(plan))
-        elif on_host:  # the host masters, their gradients and the optimizer state
-            plan.predicted.host_bytes = float(optimizer_host_bytes(
-                plan.predicted.param_bytes or 0.0, options.optimizer_state_factor))
+                     host=host.params | host.bw_params | host_values(fw) | host_values(bw)
+                     | activation_host_values(fw, bw))
+        record_host_bytes(plan, host, fw, options, on_host)
     return plan, pool
+
+
+def record_host_bytes(plan: Plan, host, fw: fx.GraphModule, options: ShardcOptions,
+                      on_host: bool) -> None:
+    """``plan.predicted.host_bytes``: CPU offload's masters, gradients and optimizer state (or,
+    optimizer-only, the host masters, their gradients and state), plus the saved activations
+    the forward offloads; ``device_copy_bytes`` where there are copies."""
+    total, known = 0.0, False
+    if any(c.origin == "shardc" for c in plan.copies):
+        total, known = float(host.host_bytes(options.optimizer_state_factor)), True
+    elif on_host:
+        total, known = float(optimizer_host_bytes(
+            plan.predicted.param_bytes or 0.0, options.optimizer_state_factor)), True
+    activations = activation_host_bytes(fw)
+    if known or activations:
+        plan.predicted.host_bytes = total + activations
+    if plan.copies:
+        plan.predicted.device_copy_bytes = float(device_copy_bytes(plan))
 
 
 def partition_and_plan(gm: fx.GraphModule, joint_inputs: Sequence[object], options: ShardcOptions,
@@ -245,14 +263,45 @@ def partition_and_plan(gm: fx.GraphModule, joint_inputs: Sequence[object], optio
         with progress.stage(region.index, "peak budget"):
             decided = choose_under_budget(gm, joint_inputs, options, region, **kwargs)
         keep_gathered(gm.graph, kept_params(decided))
+    recomputed = set(decided.recomputed) if decided is not None else set()
+    offloaded = set(decided.offloaded) if decided is not None else set(options.forced_offload())
     with progress.stage(region.index, "joint passes + partition"):
         region.fp8 = joint_passes(gm.graph)
-        if decided is not None and decided.recomputed:
-            recompute_blocks(gm, region_blocks(gm, region, kwargs), set(decided.recomputed))
+        blocks = region_blocks(gm, region, kwargs) if recomputed or offloaded else []
+        if recomputed:
+            recompute_blocks(gm, blocks, recomputed)
         gm.recompile()
         fw, bw = partition(gm, joint_inputs, **kwargs)
-    plan_and_lower(fw, bw, options, region, budget=decided)
+    done = offload_activations(fw, bw, kwargs["num_fwd_outputs"], blocks, offloaded)
+    plan = plan_and_lower(fw, bw, options, region, budget=decided)
+    if offloaded and decided is None:
+        plan.notes.append(forced_offload_note(done, blocks, offloaded))
     return fw, bw
+
+
+def offload_activations(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int,
+                        blocks: Sequence[Block], names: set[str]) -> list[OffloadedValue]:
+    """Offload the saved activations of the blocks named ``names`` (``"*"``: all) from the
+    partitioned graphs (``shardc.passes.offload_saved``), before they are planned."""
+    if not names:
+        return []
+    return offload_saved(fw, bw, num_fwd_outputs,
+                         block_groups(fw, num_fwd_outputs, blocks, names))
+
+
+def forced_offload_note(done: list[OffloadedValue], blocks: Sequence[Block],
+                        names: set[str]) -> str:
+    """The plan's note on a forced activation offload (``activation_offload=(blocks...)``)."""
+    found = sorted({v.group for v in done})
+    here = {b.name for b in blocks}
+    absent = sorted(n for n in names if n != "*" and n not in here)
+    nbytes = sum(v.nbytes for v in done)
+    return (f"activation offload (activation_offload): {len(done)} saved value(s) of "
+            f"{len(found)} block(s) {found} copied to the host in the forward and prefetched "
+            f"for the backward ({nbytes} B)"
+            + (f"; named but not blocks of this region: {absent}" if absent else "")
+            + ("; this region has no blocks (the children with parameters of an "
+               "nn.ModuleList of two or more, shardc.sharding.blocks)" if not blocks else ""))
 
 
 def kept_params(decided: MemoryBudget) -> set[str]:
@@ -282,14 +331,17 @@ def choose_under_budget(gm: fx.GraphModule, joint_inputs: Sequence[object],
     trial_options = replace(options, dump_dir=None)
     trials: list[str] = []
 
-    def evaluate(kept: set[str], recomputed: frozenset[str] = frozenset()) -> tuple[Plan, int]:
+    def evaluate(kept: set[str], recomputed: frozenset[str] = frozenset(),
+                 offloaded: frozenset[str] = frozenset()) -> tuple[Plan, int]:
         trial = copy_graph_module(pristine)
         keep_gathered(trial.graph, kept)
         joint_passes(trial.graph)
+        found = region_blocks(trial, region, kwargs) if recomputed or offloaded else []
         if recomputed:
-            recompute_blocks(trial, region_blocks(trial, region, kwargs), set(recomputed))
+            recompute_blocks(trial, found, set(recomputed))
         trial.recompile()
         fw, bw = partition(trial, joint_inputs, record=False, **kwargs)
+        offload_activations(fw, bw, kwargs["num_fwd_outputs"], found, set(offloaded))
         plan, _ = lower_and_predict(fw, bw, trial_options, region,
                                     pool_device=torch.device("meta"))
         # Every rank compares the ranks' largest peak: the same decisions everywhere.
@@ -319,15 +371,14 @@ def choose_under_budget(gm: fx.GraphModule, joint_inputs: Sequence[object],
             lowest = (base, minimum) if minimum <= peak else (kept_plan, peak)
             decided = _recompute_under_budget(
                 probe, blocks, user_bytes, (base, minimum), lowest, options, region,
-                lambda names: evaluate(set(), frozenset(names)))
+                lambda recomputed, offloaded: evaluate(set(), recomputed, offloaded))
             decided.decisions = budget.reshard_all(cands, fixed, minimum)
             decided.trials = len(trials) - 1
     budget.with_margin(decided, user_bytes, margin)
     log.info("shardc: region %d, peak budget %d B (planned for %d B): minimum %d B, kept "
-             "gathered %s, recomputed %s, predicted peak %d B (%d trials)", region.index,
-             user_bytes, budget_bytes,
-             decided.minimum_bytes, decided.kept, decided.recomputed, decided.peak_bytes,
-             decided.trials)
+             "gathered %s, recomputed %s, offloaded %s, predicted peak %d B (%d trials)",
+             region.index, user_bytes, budget_bytes, decided.minimum_bytes, decided.kept,
+             decided.recomputed, decided.offloaded, decided.peak_bytes, decided.trials)
     return decided
 
 
@@ -342,37 +393,88 @@ def _recompute_under_budget(probe: fx.GraphModule, blocks: list[Block], user_byt
     margin = options.peak_memory_margin
     budget_bytes = budget.planned_for(user_bytes, margin)
 
-    def refuse(peak: int, plan: Plan, recomputed: int = 0) -> budget.MemoryBudgetError:
-        return budget.refuse_below_minimum(user_bytes, peak, plan, recomputed=recomputed,
-                                           margin=margin)
+    def refuse(peak: int, plan: Plan, cands=()) -> budget.MemoryBudgetError:
+        offloaded = sum(1 for c in cands if c.offload)
+        return budget.refuse_below_minimum(user_bytes, peak, plan,
+                                           recomputed=len(cands) - offloaded,
+                                           offloaded=offloaded, margin=margin)
 
-    group = resharded[0].group_name
-    profile = resolve_profile(options.cluster, device_name(probe))
-    cands = []
-    for b in (b for b in blocks if not b.excluded):
-        # The ranks' largest estimates: the same ranking everywhere.
-        nbytes = agree_on_largest(group, region.check_index, f"block{b.position}/bytes",
-                                  b.freed_bytes)
-        cost_ns = agree_on_largest(group, region.check_index, f"block{b.position}/ns",
-                                   int(recompute.forward_seconds(probe, b, profile) * 1e9))
-        if nbytes > 0:
-            cands.append(recompute.RecomputeCandidate(b.name, b.kind, b.position,
-                                                      cost_ns * 1e-9, nbytes))
+    estimates = block_estimates(probe, blocks, resharded[0].group_name, options, region)
+    mode = options.activation_offload if isinstance(options.activation_offload, str) else "auto"
+    cands = free_candidates(blocks, estimates, mode)
     if not cands:
         raise refuse(lowest[1], lowest[0])
-    floor_plan, floor = evaluate(tuple(c.block for c in cands))
-    log.info("shardc: region %d: recompute candidates %s; fully recomputed peak %d B "
-             "(resharded %d B)", region.index, [(c.block, c.nbytes, c.cost_s) for c in cands],
-             floor, resharded[1])
+    offloads = {c.block for c in cands if c.offload}
+
+    def freeing(names) -> tuple[Plan, int]:  # the named blocks, each by its lever
+        return evaluate(frozenset(n for n in names if n not in offloads),
+                        frozenset(n for n in names if n in offloads))
+
+    floor_plan, floor = freeing(tuple(c.block for c in cands))
+    note = ""
+    if floor > budget_bytes and offloads and mode != "prefer":
+        # Offloading every block may not lower the peak where recomputing does (a peak in the
+        # backward of the block read last, whose saved values come back anyway): the levers'
+        # other extreme, every block that can be recomputed recomputed, once.
+        alt = free_candidates(blocks, estimates, "never")
+        if alt:
+            offloads = set()
+            alt_plan, alt_floor = freeing(tuple(c.block for c in alt))
+            if alt_floor < floor:
+                note = (f"; offloading every block instead left the predicted peak at "
+                        f"{floor} B, over the budget")
+                cands, floor_plan, floor = alt, alt_plan, alt_floor
+            else:
+                offloads = {c.block for c in cands if c.offload}
+    log.info("shardc: region %d: candidates to free (block, bytes, s, offload) %s; every one "
+             "freed: peak %d B (resharded %d B)", region.index,
+             [(c.block, c.nbytes, c.cost_s, c.offload) for c in cands], floor, resharded[1])
     if floor > budget_bytes:  # refused, naming the lowest peak of the levers' extremes
         if lowest[1] < floor:
             raise refuse(lowest[1], lowest[0])
-        raise refuse(floor, floor_plan, len(cands))
+        raise refuse(floor, floor_plan, cands)
     chosen, peak, _ = recompute.choose(cands, budget_bytes, resharded[1], floor,
-                                       lambda names: evaluate(names)[1])
+                                       lambda names: freeing(names)[1])
     return MemoryBudget(budget_bytes, floor, peak, 0, [],
-                        recompute.decisions(blocks, cands, chosen, needed=True, peak=peak),
+                        recompute.decisions(blocks, cands, chosen, needed=True, peak=peak,
+                                            note=note),
                         resharded_bytes=resharded[1])
+
+
+def block_estimates(probe: fx.GraphModule, blocks: list[Block], group: str,
+                    options: ShardcOptions, region: RegionRecord
+                    ) -> dict[str, tuple[int, int, float]]:
+    """Per block: (bytes recomputing it frees, its saved bytes, its forward's seconds), each
+    the largest over the ranks (one store exchange each, once per region), so every rank ranks
+    the same candidates the same way."""
+    profile = resolve_profile(options.cluster, device_name(probe))
+    out = {}
+    for b in blocks:
+        tag = f"block{b.position}"
+        freed = agree_on_largest(group, region.check_index, f"{tag}/bytes", b.freed_bytes)
+        saved = agree_on_largest(group, region.check_index, f"{tag}/saved", b.saved_bytes)
+        forward_ns = agree_on_largest(group, region.check_index, f"{tag}/ns",
+                                      int(recompute.forward_seconds(probe, b, profile) * 1e9))
+        out[b.name] = (freed, saved, forward_ns * 1e-9)
+    return out
+
+
+def free_candidates(blocks: list[Block], estimates: dict[str, tuple[int, int, float]],
+                    mode: str) -> list[recompute.RecomputeCandidate]:
+    """The blocks whose saved activations the planner may free, each with its cheaper lever
+    (recompute, or offload to the host: ``shardc.planning.offload.choose_lever``, under
+    ``activation_offload`` ``mode``)."""
+    cands = []
+    for b in blocks:
+        freed, saved, forward_s = estimates[b.name]
+        lever = offload_lever.choose_lever(
+            forward_s=forward_s, recompute_bytes=freed, offload_bytes=saved,
+            can_recompute=not b.excluded, mode=mode)
+        if lever is not None:
+            cands.append(recompute.RecomputeCandidate(
+                b.name, b.kind, b.position, lever.cost_s, lever.nbytes, offload=lever.offload,
+                forward_s=forward_s, copy_s=lever.copy_s, offload_s=lever.offload_s))
+    return cands
 
 
 def elided_cast_seconds(gm: fx.GraphModule, options: ShardcOptions) -> dict[str, float]:

@@ -16,6 +16,7 @@ from torch import fx
 
 from shardc.ops.offload_copy import COPY_START_OP, is_to_device, is_to_host
 from shardc.passes.fx_utils import view_chain_root
+from shardc.passes.offload_saved import activation_role
 from shardc.planning.plan import CollectiveKind, Plan
 
 
@@ -55,7 +56,23 @@ def host_values(gm: fx.GraphModule | None) -> set[fx.Node]:
     if gm is None:
         return set()
     return {n for n in gm.graph.nodes
-            if n.op == "call_function" and n.target is COPY_START_OP and n.args[2] == "cpu"}
+            if n.op == "call_function" and n.target is COPY_START_OP and n.args[2] == "cpu"
+            and activation_role(n) != "h2d"}  # a simulated activation prefetch: "cpu" too
+
+
+def activation_host_values(fw: fx.GraphModule, bw: fx.GraphModule | None) -> set[fx.Node]:
+    """Activation offload (``shardc.passes.offload_saved``): the forward's host copies of saved
+    values and the backward's placeholders receiving them; host memory, not device."""
+    out = {n for n in fw.graph.nodes if activation_role(n) == "d2h"}
+    if bw is not None:
+        out |= {n for n in bw.graph.find_nodes(op="placeholder") if activation_role(n) == "host"}
+    return out
+
+
+def activation_host_bytes(fw: fx.GraphModule) -> int:
+    """Host bytes of the saved values the forward offloads (alive from the forward to the
+    backward's prefetch of them)."""
+    return sum(_nbytes(n) for n in fw.graph.nodes if activation_role(n) == "d2h")
 
 
 def optimizer_host_bytes(param_bytes: float, optimizer_state_factor: float) -> int:

@@ -36,7 +36,8 @@ def _retake(graph: fx.Graph, node: fx.Node) -> fx.Node:
 def lower_h2d(gm: fx.GraphModule, g: GraphView, copies: list[Collective]) -> None:
     """Replace the graph's host->device copy nodes by planned start/wait pairs."""
     graph = gm.graph
-    for c in (c for c in copies if c.kind == CollectiveKind.H2D_COPY and c.graph == g.name):
+    for c in (c for c in copies if c.kind == CollectiveKind.H2D_COPY and c.graph == g.name
+              and c.origin == "shardc"):  # activation copies are in the graph already
         starts = []
         with graph.inserting_before(_anchor(g, gm, c.issue_pos)):
             for fqn in c.params:
@@ -61,7 +62,8 @@ def lower_d2h(gm: fx.GraphModule, g: GraphView, copies: list[Collective],
     graph = gm.graph
     output = graph.find_nodes(op="output")[0]
     copies_of = _to_host_counts(graph)
-    d2h = [c for c in copies if c.kind == CollectiveKind.D2H_COPY and c.graph == g.name]
+    d2h = [c for c in copies if c.kind == CollectiveKind.D2H_COPY and c.graph == g.name
+           and c.origin == "shardc"]  # activation copies are in the graph already
     # Every start first, each before its planned anchor: the moves below send the views of the
     # host gradients (compute nodes, some of them anchors of other buckets) to the end.
     starts: list[dict[str, fx.Node]] = []

@@ -113,7 +113,7 @@ def candidates(plan: Plan, cast_seconds: Mapping[str, float] | None = None
             by_bucket.setdefault(c.bucket, []).append(c)
     copy_s: dict[int, float] = {}
     for c in plan.copies:
-        if c.kind == CollectiveKind.H2D_COPY and c.graph == "backward":
+        if c.kind == CollectiveKind.H2D_COPY and c.graph == "backward" and c.origin == "shardc":
             copy_s[c.bucket] = copy_s.get(c.bucket, 0.0) + c.predicted_s
     out, fixed = [], []
     for index in sorted(by_bucket):
@@ -167,7 +167,7 @@ def with_margin(decided: MemoryBudget, budget: int, margin: float) -> MemoryBudg
 
 
 def refuse_below_minimum(budget: int, minimum: int, plan: Plan, *, recomputed: int = 0,
-                         margin: float = 0.0) -> MemoryBudgetError:
+                         offloaded: int = 0, margin: float = 0.0) -> MemoryBudgetError:
     """The error for a budget whose planned-for bytes (``budget`` less the ``margin`` for the
     prediction's error, :func:`planned_for`) are below the feasible minimum (the peak of
     ``plan``: the fully resharded plan with every one of its ``recomputed`` candidate blocks
@@ -192,10 +192,13 @@ def refuse_below_minimum(budget: int, minimum: int, plan: Plan, *, recomputed: i
         + f"). The minimum is the predicted peak of region "
         f"{plan.region} with every bucket {kept_or_resharded(plan)}"
         + (f" and every block that can be recomputed ({recomputed}) recomputed in the backward"
-           if recomputed else "") + "; the peak is in the "
+           if recomputed else "")
+        + (f" and every block that can be offloaded ({offloaded}) offloaded to host memory"
+           if offloaded else "") + "; the peak is in the "
         f"{where}: {parts}" + (f"; its largest values: {largest}" if largest else "")
         + ". Raise the budget, or lower what dominates (a smaller batch or sequence, "
-        "more ranks" + ("" if recomputed else ", activation checkpointing") + ").")
+        "more ranks" + ("" if recomputed or offloaded else ", activation checkpointing")
+        + ").")
 
 
 def kept_or_resharded(plan: Plan) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 from torch import fx
 
 from shardc.passes.fx_utils import dtype_itemsize
+from shardc.passes.offload_saved import ACTIVATION_GROUP, activation_role
 from shardc.planning.graph_view import GraphView, ready_pos
 from shardc.planning.plan import Bucket, Collective, CollectiveKind
 
@@ -32,9 +33,10 @@ HOST_LINK_BYTES_PER_S = 25e9
 HOST_LINK_LATENCY_S = 10e-6
 
 
-def copy_seconds(nbytes: int) -> float:
-    """Predicted time of one bucket's copy (its parameters one after the other)."""
-    return HOST_LINK_LATENCY_S + nbytes / HOST_LINK_BYTES_PER_S
+def copy_seconds(nbytes: int, link_bytes_per_s: float = HOST_LINK_BYTES_PER_S) -> float:
+    """Predicted time of one copy of ``nbytes`` (a bucket's parameters one after the other, or
+    a block's saved activations) over a host link of ``link_bytes_per_s``."""
+    return HOST_LINK_LATENCY_S + nbytes / link_bytes_per_s
 
 
 def _nbytes(node: fx.Node) -> int:
@@ -99,4 +101,45 @@ def place_d2h(g: GraphView, colls: list[Collective], buckets: list[Bucket]) -> l
             issue, g.end,
             "offload: the reduced gradient shards copied to the host once handed out, waited "
             "at the end of the backward (host gradients complete when it returns)", None))
+    return out
+
+
+# Activation offload (``shardc.passes.offload_saved``): its copies are already in the graph
+# (the pass placed them); the plan records them per group on the copy lane, origin "activation".
+ACTIVATION_ORIGIN = "activation"
+
+
+def place_activations(g: GraphView) -> list[Collective]:
+    """The activation copies of the graph, one record per group (a block's saved values): in
+    the forward their device->host copies (issued as the values are computed; the forward's end
+    waits for them, and the backward's prefetch runs after them on the same lane), in the
+    backward their prefetched host->device copies (issued where the previous group is first
+    read, waited before the group's first reader)."""
+    starts: dict[str, list[fx.Node]] = {}
+    waits: dict[str, list[fx.Node]] = {}
+    for node in g.activation_copies:
+        role, group = activation_role(node), node.meta[ACTIVATION_GROUP]
+        if role in ("d2h", "h2d"):
+            starts.setdefault(group, []).append(node)
+        elif role == "wait":
+            waits.setdefault(group, []).append(node)
+    out = []
+    for group, nodes in starts.items():
+        forward = activation_role(nodes[0]) == "d2h"
+        kind = Kind.D2H_COPY if forward else Kind.H2D_COPY
+        issue = min(g.pos(n) for n in nodes)
+        wait = g.end if forward else min((g.pos(n) for n in waits.get(group, ())),
+                                         default=g.end)
+        nbytes = sum(_nbytes(n) for n in nodes)
+        reason = ("activation offload: the block's saved values copied to the host as they are "
+                  "computed (freed on the device after their last forward reader); the forward's "
+                  "end waits for the copies" if forward else
+                  "activation offload: the block's saved values prefetched from the host one "
+                  "block ahead (issued where the previous block's are first read), waited "
+                  "before their first reader")
+        c = _record(g, kind, -1, [n.args[1] for n in nodes], nbytes, _dtype_name(nodes[0]),
+                    issue, wait, reason, None)
+        c.id = f"{g.name}.{kind}.act.{group}"
+        c.origin = ACTIVATION_ORIGIN
+        out.append(c)
     return out

@@ -16,6 +16,7 @@ from shardc.ops.gather import GATHER_OP, REDUCE_SCATTER_OP
 from shardc.ops.gather_args import GatherArgs, ReduceArgs
 from shardc.ops.offload_copy import copy_fqn, is_to_device, is_to_host
 from shardc.passes.fx_utils import gather_derived, is_call, view_chain_root
+from shardc.passes.offload_saved import activation_role
 from shardc.planning.found import FoundCollective, find
 
 
@@ -37,6 +38,9 @@ class GraphView:
     # device->host copy of its gradient; not compute ops (the plan places them on its copy lane).
     to_device: dict[str, fx.Node] = field(default_factory=dict)
     to_host: dict[str, fx.Node] = field(default_factory=dict)
+    # Activation offload (shardc.passes.offload_saved): its copy starts and waits, in graph
+    # order; not compute ops either (the plan places them on the copy lane).
+    activation_copies: list[fx.Node] = field(default_factory=list)
 
     @property
     def end(self) -> int:
@@ -96,9 +100,11 @@ def analyze(gm: fx.GraphModule, name: str) -> GraphView:
     """The view of ``gm`` (the region's ``name`` graph: "forward" or "backward")."""
     found = find(gm)
     bookkeeping = {n for f in found for n in f.nodes}
-    compute, gathers, reduces, to_device, to_host = [], {}, {}, {}, {}
+    compute, gathers, reduces, to_device, to_host, activations = [], {}, {}, {}, {}, []
     for node in gm.graph.nodes:
-        if is_to_device(node):
+        if node.op == "call_function" and activation_role(node):
+            activations.append(node)
+        elif is_to_device(node):
             to_device[copy_fqn(node)] = node
         elif is_to_host(node):
             # A tied weight's second copy carries the zeros left where reductions merged
@@ -112,4 +118,5 @@ def analyze(gm: fx.GraphModule, name: str) -> GraphView:
         elif node.op not in ("placeholder", "output") and node not in bookkeeping:
             compute.append(node)
     return GraphView(name, compute, {n: i for i, n in enumerate(compute)}, gathers, reduces,
-                     found, to_device=to_device, to_host=to_host)
+                     found, to_device=to_device, to_host=to_host,
+                     activation_copies=activations)

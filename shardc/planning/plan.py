@@ -48,6 +48,11 @@ PLAN_VERSION = 5
 # ``budget_bytes - margin_bytes``) came later still within version 5, optional fields like
 # those: a plan without them reads with no margin (0), which is what it was planned with, and
 # hashes as before (the margin enters the hash only when it is not 0).
+# Activation offload came later still within version 5, optional like those:
+# ``BlockDecision.offloaded``, ``offload_ms`` and ``copy_ms`` (a plan without them reads as
+# offloading nothing and hashes as before: the offloaded blocks enter the hash only when there
+# is one), and ``Plan.copies`` records of origin ``"activation"`` (bucket -1; ``params``: the
+# saved values' names), on the same ``"copy"`` lane as CPU offload's.
 READABLE_VERSIONS = (1, 2, 3, 4, 5)
 
 
@@ -256,7 +261,7 @@ class Collective:
     # The mesh dimension it runs over: "shard" (intra-node in HSDP), "replicate" (inter-node),
     # "tp" (tensor parallelism), or "other" (a process group shardc was not told about).
     group: str = "shard"
-    origin: str = "shardc"  # "shardc" | "graph" (found in the traced graph)
+    origin: str = "shardc"  # "shardc" | "graph" (found in the traced graph) | "activation" (copies)
     group_size: int = 0  # ranks of its process group (0: not recorded, plans before version 3)
     nodes: list[str] = field(default_factory=list)  # found: FX names of its issue, then wait(s)
     tensors: list[str] = field(default_factory=list)  # found: "name: dtype[shape]", ins then outs
@@ -349,7 +354,14 @@ class BlockDecision:
     time of its forward (what recomputing it adds to the backward); ``bytes``: the activations
     recomputing it frees (the planner's estimate: its saved values less its inputs). Both are
     the largest over the ranks. ``kind``: ``"body"`` (a compile-once body's call, recomputed as
-    a whole) or ``"inline"``."""
+    a whole) or ``"inline"``.
+
+    ``offloaded`` (the third lever, ``shardc.planning.offload``): its saved activations are
+    copied to host memory in the forward and prefetched back for the backward instead
+    (``bytes``: the saved bytes offloaded); ``offload_ms``: the predicted time the copies add
+    to the step (their part not hidden behind compute on the copy lane), ``copy_ms``: one
+    copy's predicted time (each way, on the copy lane). Both 0 where offload was not priced
+    (plans made before it, and ``activation_offload='never'``)."""
 
     block: str
     kind: str
@@ -357,6 +369,9 @@ class BlockDecision:
     cost_ms: float
     bytes: int
     reason: str
+    offloaded: bool = False
+    offload_ms: float = 0.0
+    copy_ms: float = 0.0
 
 
 @dataclass
@@ -403,6 +418,11 @@ class MemoryBudget:
     def recomputed(self) -> list[str]:
         """Names of the blocks recomputed in the backward."""
         return [d.block for d in self.blocks if d.recomputed]
+
+    @property
+    def offloaded(self) -> list[str]:
+        """Names of the blocks whose saved activations are offloaded to host memory."""
+        return [d.block for d in self.blocks if d.offloaded]
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> MemoryBudget:
@@ -477,7 +497,8 @@ class Plan:
         b = self.budget
         recomputed = b.recomputed
         out = (b.budget_bytes, b.kept, recomputed) if recomputed else (b.budget_bytes, b.kept)
-        return out + (("margin", b.margin_bytes),) if b.margin_bytes else out
+        out = out + (("margin", b.margin_bytes),) if b.margin_bytes else out
+        return out + (("offloaded", b.offloaded),) if b.offloaded else out
 
     def hash(self) -> str:
         """Hash of what must be identical on every rank (see :meth:`Collective.signature`)."""

@@ -46,6 +46,13 @@ class RecomputeCandidate:
     position: int
     cost_s: float  # predicted time of its forward, run again in the backward
     nbytes: int  # estimated activation bytes recomputing it frees
+    # The third lever (shardc.planning.offload): its saved activations offloaded to the host
+    # instead (cost_s: the copies' exposed time; nbytes: its saved bytes). Both prices kept
+    # for the record: its forward's time and one copy's time.
+    offload: bool = False
+    forward_s: float = 0.0
+    copy_s: float = 0.0
+    offload_s: float = 0.0
 
     @property
     def ratio(self) -> float:
@@ -111,22 +118,35 @@ def choose(cands: Sequence[RecomputeCandidate], budget: int, start: int, floor: 
 
 
 def decisions(blocks: Sequence[Block], cands: Sequence[RecomputeCandidate],
-              chosen: Sequence[str], *, needed: bool, peak: int = 0) -> list[BlockDecision]:
+              chosen: Sequence[str], *, needed: bool, peak: int = 0,
+              note: str = "") -> list[BlockDecision]:
     """One decision per block, in graph order, with its reason. ``needed``: the fully
-    resharded plan exceeded the budget (else nothing is recomputed)."""
+    resharded plan exceeded the budget (else nothing is recomputed); ``note``: appended to the
+    reasons of the recomputed blocks (why not offloaded)."""
     by_name = {c.block: c for c in cands}
     order = [c.block for c in rank(cands)]
     out = []
     for b in blocks:
         c = by_name.get(b.name)
-        cost_ms = c.cost_s * 1e3 if c else 0.0
+        cost_ms = (c.forward_s if c.offload else c.cost_s) * 1e3 if c else 0.0
         nbytes = c.nbytes if c else b.freed_bytes
-        if b.name in chosen:
+        offloaded = b.name in chosen and c is not None and c.offload
+        if offloaded:
+            reason = (f"offloaded: frees ~{nbytes / _MiB:.2f} MiB of saved activations, copied "
+                      f"to the host and back ({c.copy_s * 1e3:.3f} ms each way on the copy lane,"
+                      f" {c.offload_s * 1e3:.3f} ms not hidden by compute) against "
+                      + (f"{c.forward_s * 1e3:.3f} ms to recompute it" if not b.excluded
+                         else f"never recomputed: {b.excluded}")
+                      + f" (rank {order.index(b.name) + 1} of {len(order)} by ms per MiB); "
+                      f"verified peak {peak / _MiB:.1f} MiB within the budget")
+        elif b.name in chosen:
             reason = (f"recomputed: frees ~{nbytes / _MiB:.2f} MiB of saved activations for "
                       f"{cost_ms:.3f} ms of forward in the backward (rank {order.index(b.name) + 1}"
-                      f" of {len(order)} by ms per MiB); verified peak {peak / _MiB:.1f} MiB "
-                      "within the budget")
-        elif b.excluded:
+                      f" of {len(order)} by ms per MiB)"
+                      + (f", cheaper than offloading it ({c.offload_s * 1e3:.3f} ms of "
+                         f"{c.copy_s * 1e3:.3f} ms copies not hidden)" if c.copy_s else "")
+                      + f"; verified peak {peak / _MiB:.1f} MiB within the budget{note}")
+        elif b.excluded and c is None:
             reason = f"saved: never recomputed, {b.excluded}"
         elif not needed:
             reason = ("saved: the plan fits the budget without recomputing (the first lever, "
@@ -137,5 +157,8 @@ def decisions(blocks: Sequence[Block], cands: Sequence[RecomputeCandidate],
             reason = (f"saved: ranked {order.index(b.name) + 1} of {len(order)} "
                       f"({c.ratio * 1e3 * _MiB:.4f} ms/MiB); the blocks ranked before it "
                       "already bring the peak within the budget")
-        out.append(BlockDecision(b.name, b.kind, b.name in chosen, cost_ms, nbytes, reason))
+        out.append(BlockDecision(
+            b.name, b.kind, b.name in chosen and not offloaded, cost_ms, nbytes, reason,
+            offloaded=offloaded, offload_ms=c.offload_s * 1e3 if c else 0.0,
+            copy_ms=c.copy_s * 1e3 if c else 0.0))
     return out

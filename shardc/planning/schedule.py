@@ -33,7 +33,13 @@ from shardc.ops.offload_copy import is_to_host
 from shardc.passes.fx_utils import dtype_itemsize, is_view, view_users
 from shardc.planning import found as found_comm
 from shardc.planning.bucketing import ParamComm, assign_buckets, bucket_name
-from shardc.planning.copies import COPY_KINDS, copy_seconds, place_d2h, place_h2d
+from shardc.planning.copies import (
+    COPY_KINDS,
+    copy_seconds,
+    place_activations,
+    place_d2h,
+    place_h2d,
+)
 from shardc.planning.cost_model import node_flops_and_bytes
 from shardc.planning.estimate import (
     collective_copy_bytes,
@@ -548,6 +554,7 @@ def plan_region(
         colls += found[g.name]
         copies = place_h2d(g, colls) + (place_d2h(g, colls, buckets)
                                         if g.name == "backward" else [])
+        copies += place_activations(g)  # activation offload: on the same copy lane
         # Found collectives first at a position, in graph order (the sort is stable): their
         # group's order is the traced one.
         colls.sort(key=lambda c: (c.issue_pos, c.origin == "shardc",

@@ -281,7 +281,7 @@ def budget_lines(plan: Plan) -> list[str]:
               f"({_fmt_bytes(b.margin_bytes)}): planned for {_fmt_bytes(b.planned_bytes)} "
               f"({b.planned_bytes} B)" if b.margin_bytes else "")
     lines = [f"peak budget {_fmt_bytes(b.budget_bytes)} ({b.budget_bytes} B){margin}; minimum "
-             f"(every bucket resharded{', every block recomputed' if b.resharded_bytes else ''}) "
+             f"(every bucket resharded{_freed(b) if b.resharded_bytes else ''}) "
              f"{_fmt_bytes(b.minimum_bytes)}, chosen plan "
              f"{_fmt_bytes(b.peak_bytes)}; {len(b.kept)} of {len(b.decisions)} bucket(s) kept "
              f"gathered forward->backward; {b.trials} trial plan(s)"]
@@ -289,15 +289,26 @@ def budget_lines(plan: Plan) -> list[str]:
         lines.append(f"  bucket {d.bucket} {d.name}: {'kept' if d.kept else 'resharded'}, "
                      f"saves {d.saved_ms:.3f} ms, costs {_fmt_bytes(d.bytes)}: {d.reason}")
     if b.blocks:
+        offloaded = (f", {len(b.offloaded)} offloaded to host memory" if b.offloaded else "")
         lines.append(f"  {len(b.recomputed)} of {len(b.blocks)} block(s) recomputed in the "
-                     "backward" + (f" (fully resharded plan without recompute: "
+                     f"backward{offloaded}" + (f" (fully resharded plan without recompute: "
                                    f"{_fmt_bytes(b.resharded_bytes)})" if b.resharded_bytes
                                    else ""))
     for d in b.blocks:
         lines.append(f"  block {d.block} ({d.kind}): "
-                     f"{'recomputed' if d.recomputed else 'saved'}, costs {d.cost_ms:.3f} ms, "
+                     f"{_block_lever(d)}, costs "
+                     f"{d.offload_ms if d.offloaded else d.cost_ms:.3f} ms, "
                      f"frees {_fmt_bytes(d.bytes)}: {d.reason}")
     return lines
+
+
+def _freed(b) -> str:
+    """How the budget's minimum frees activations: every block recomputed or offloaded."""
+    return ", every block recomputed or offloaded" if b.offloaded else ", every block recomputed"
+
+
+def _block_lever(d) -> str:
+    return "offloaded" if d.offloaded else "recomputed" if d.recomputed else "saved"
 
 
 def plan_table(plan: Plan, *, wide: bool = False, width: int = NARROW_WIDTH,

@@ -30,7 +30,11 @@ def copy_lines(plan: Plan) -> list[str]:
                      f"(exposed {c.exposed_s * 1e3:.3f})")
     host, dev = plan.predicted.host_bytes, plan.predicted.device_copy_bytes
     if host is not None:
-        lines.append(f"host memory (masters, gradients, optimizer state): {_kib(host)}; "
+        what = ("masters, gradients, optimizer state"
+                if any(c.origin == "shardc" for c in plan.copies) else "")
+        if any(c.origin == "activation" for c in plan.copies):
+            what = f"{what}; offloaded activations" if what else "offloaded activations"
+        lines.append(f"host memory ({what}): {_kib(host)}; "
                      f"device copies alive at once: {_kib(dev or 0)}")
     return lines
 

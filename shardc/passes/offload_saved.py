@@ -1,0 +1,196 @@
+"""Offload saved activations to host memory (the peak budget's third lever, chosen per block by
+``shardc.planning.offload``; or forced by ``offload_activations``).
+
+Runs on a region's partitioned graphs, before they are planned. For each chosen saved value
+(an output of the forward graph that the backward graph reads), with the copy ops of CPU offload
+(:mod:`shardc.ops.offload_copy`, the same ops, stream and simulated mode):
+
+* **forward**: right after the value is computed, ``offload_copy_start(value, ..., "cpu")``
+  starts its copy to (pinned, on CUDA) host memory on the copy stream; the forward returns the
+  host copy in the value's place, so the device value is freed after its last forward reader
+  (the copy stream holds it until its copy is done). The CPU waits for the copies at the end of
+  the forward graph (``offload_copy_wait``), as the backward does for CPU offload's gradient
+  copies: the host copy is complete when the forward returns.
+* **backward**: the host copy arrives as the saved value's placeholder; a device copy of it
+  (``offload_copy_start(host, ..., device)``) is *prefetched*, issued one group ahead: the
+  copies of a group (a block's saved values) start where the previous group's values are first
+  read (the first group's at the start of the backward), and each is waited by the compute
+  stream right before its first reader, which reads the device copy.
+
+A value is offloadable when it is computed in the forward (not a graph input, nor by one of
+shardc's ops or a collective), is a contiguous, non-empty tensor of static shape and is not
+also one of the forward's own outputs (that would keep it on the device anyway). The ops'
+fake values make the forward's output and the backward's placeholder a host tensor for every
+later pass (Inductor included). On a CPU mesh the "device" is the CPU:
+every copy is a separate tensor (the simulated mode of CPU offload), so CPU tests run the copies.
+
+Every node this pass inserts carries ``node.meta[ACTIVATION_COPY]`` (``"d2h"``, ``"h2d"`` or
+``"wait"``), the backward's host placeholders ``"host"``, and ``node.meta[ACTIVATION_GROUP]``
+(the group): the planner (``shardc.planning.graph_view``, ``shardc.planning.copies``) puts them
+on the copy lane, and the memory prediction counts the host copies as host bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from shardc.ops.offload_copy import COPY_START_OP, COPY_WAIT_OP
+from shardc.passes.fx_utils import call, tensor_nbytes
+from shardc.passes.recompute import Block
+
+__all__ = ["ACTIVATION_COPY", "ACTIVATION_GROUP", "OffloadedValue", "activation_role",
+           "block_groups", "offload_saved", "offloadable_saved", "saved_values"]
+
+ACTIVATION_COPY = "shardc_activation_copy"
+ACTIVATION_GROUP = "shardc_activation_group"
+_NOT_OFFLOADED = ("shardc", "_c10d_functional", "c10d_functional")  # op namespaces
+
+
+@dataclass(frozen=True)
+class OffloadedValue:
+    """One saved value the pass offloaded: its name (the forward node's), group and bytes."""
+
+    name: str
+    group: str
+    nbytes: int
+
+
+def activation_role(node: fx.Node) -> str:
+    """``"d2h"``, ``"h2d"``, ``"wait"`` or ``"host"`` for the nodes this pass made or retyped;
+    ``""`` for any other node."""
+    return node.meta.get(ACTIVATION_COPY, "")
+
+
+def saved_values(fw: fx.GraphModule, num_fwd_outputs: int) -> list[fx.Node]:
+    """The forward graph's saved values (its outputs after the ``num_fwd_outputs`` user
+    outputs), in order; symbolic sizes and other non-nodes left out."""
+    out = fw.graph.output_node().args[0]
+    return [a for a in out[num_fwd_outputs:] if isinstance(a, fx.Node)]
+
+
+def offloadable_saved(fw: fx.GraphModule, num_fwd_outputs: int) -> list[fx.Node]:
+    """The saved values the pass can offload (see the module docstring)."""
+    user = {a for a in fw.graph.output_node().args[0][:num_fwd_outputs] if isinstance(a, fx.Node)}
+    return [n for n in saved_values(fw, num_fwd_outputs) if _offloadable(n, user)]
+
+
+def _offloadable(node: fx.Node, user_outputs: set[fx.Node]) -> bool:
+    val = node.meta.get("val")
+    # Not shardc's own values (a CPU offload device copy is lowered to a start/wait pair later)
+    # nor a collective's (the plan may move its wait).
+    return (node.op == "call_function" and node not in user_outputs and not activation_role(node)
+            and getattr(node.target, "namespace", "") not in _NOT_OFFLOADED
+            and isinstance(val, torch.Tensor) and val.device.type != "meta"
+            # Static shapes only: asking a symbolic one would add guards after the trace.
+            and all(isinstance(d, int) for d in (*val.shape, *val.stride()))
+            and val.numel() > 0 and val.is_contiguous())
+
+
+def offload_saved(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int,
+                  groups: Mapping[str, str], *, pin: bool | None = None) -> list[OffloadedValue]:
+    """Offload the saved values named in ``groups`` (forward node name -> group, e.g. the block
+    it belongs to); those not offloadable are left saved on the device. Changes ``fw`` and
+    ``bw`` in place and returns what was offloaded, in the forward's order. ``pin``: allocate
+    the host copies in pinned memory (default: where CUDA is available)."""
+    pin = torch.cuda.is_available() if pin is None else pin
+    chosen = [n for n in offloadable_saved(fw, num_fwd_outputs) if n.name in groups]
+    if not chosen:
+        return []
+    placeholders = {n.name: n for n in bw.graph.find_nodes(op="placeholder")}
+    missing = [n.name for n in chosen if n.name not in placeholders]
+    if missing:  # the partitioner names the backward's saved inputs after the forward's values
+        raise ValueError(f"shardc: saved value(s) {missing} have no backward placeholder")
+    done = []
+    hosts = []
+    for node in chosen:
+        group = groups[node.name]
+        host = _start_d2h(fw.graph, node, group, pin)
+        hosts.append(host)
+        _retype_placeholder(placeholders[node.name], host, node, group)
+        done.append(OffloadedValue(node.name, group, tensor_nbytes(node.meta.get("val"))))
+    output = fw.graph.output_node()
+    with fw.graph.inserting_before(output):
+        for host in hosts:
+            _tag(call(fw.graph, COPY_WAIT_OP, (host,)), "wait", host.meta[ACTIVATION_GROUP])
+    _prefetch(bw, [placeholders[n.name] for n in chosen])
+    fw.recompile()
+    bw.recompile()
+    return done
+
+
+def _tag(node: fx.Node, role: str, group: str) -> fx.Node:
+    node.meta[ACTIVATION_COPY] = role
+    node.meta[ACTIVATION_GROUP] = group
+    return node
+
+
+def _start_d2h(graph: fx.Graph, node: fx.Node, group: str, pin: bool) -> fx.Node:
+    """The host copy of ``node``, started right after it; it replaces ``node`` as a saved
+    output of the forward."""
+    val = node.meta["val"]
+    with graph.inserting_after(node):
+        host = _tag(call(graph, COPY_START_OP, (node, node.name, "cpu", val.dtype, pin)),
+                    "d2h", group)
+    if not isinstance(host.meta.get("val"), torch.Tensor):  # a graph without fake values
+        host.meta["val"] = val.to(torch.device("cpu"))
+    output = graph.output_node()
+    output.args = (tuple(host if a is node else a for a in output.args[0]),) \
+        + tuple(output.args[1:])
+    return host
+
+
+def _retype_placeholder(ph: fx.Node, host: fx.Node, node: fx.Node, group: str) -> None:
+    """The backward's placeholder of an offloaded value now receives its host copy."""
+    ph.meta["val"] = host.meta["val"]
+    ph.meta.pop("tensor_meta", None)
+    ph.meta["shardc_device"] = str(node.meta["val"].device)
+    _tag(ph, "host", group)
+
+
+def _first_reader(ph: fx.Node, index: dict[fx.Node, int]) -> fx.Node:
+    return min(ph.users, key=index.__getitem__)
+
+
+def _prefetch(bw: fx.GraphModule, hosts: list[fx.Node]) -> None:
+    """For each host placeholder, a device copy issued one group ahead and waited right before
+    its first reader (see the module docstring). Placeholders nothing reads stay as they are."""
+    graph = bw.graph
+    index = {n: i for i, n in enumerate(graph.nodes)}
+    read = [ph for ph in hosts if ph.users]
+    first = {ph: _first_reader(ph, index) for ph in read}
+    by_group: dict[str, list[fx.Node]] = {}
+    for ph in sorted(read, key=lambda p: index[first[p]]):
+        by_group.setdefault(ph.meta[ACTIVATION_GROUP], []).append(ph)
+    # Groups in the order the backward first reads them; each issued where the one before it
+    # is first read, the first right after the placeholders.
+    order = sorted(by_group, key=lambda g: index[first[by_group[g][0]]])
+    start_anchor = next(n for n in graph.nodes if n.op != "placeholder")
+    for k, group in enumerate(order):
+        anchor = start_anchor if k == 0 else first[by_group[order[k - 1]][0]]
+        for ph in by_group[group]:
+            readers = list(ph.users)
+            val = ph.meta["val"]
+            with graph.inserting_before(anchor):
+                dev = call(graph, COPY_START_OP, (ph, ph.name, ph.meta["shardc_device"],
+                                                  val.dtype, False))
+            _tag(dev, "h2d", group)
+            with graph.inserting_before(first[ph]):
+                _tag(call(graph, COPY_WAIT_OP, (dev,)), "wait", group)
+            for reader in readers:
+                reader.replace_input_with(ph, dev)
+
+
+def block_groups(fw: fx.GraphModule, num_fwd_outputs: int, blocks: Sequence[Block],
+                 names: Iterable[str]) -> dict[str, str]:
+    """Forward node name -> block name, for the offloadable saved values of the blocks named
+    ``names`` (``"*"``: every block). ``blocks``: ``shardc.passes.recompute.find_blocks`` on
+    the joint graph this forward was partitioned from (the partitioner keeps node names)."""
+    names = set(names)
+    members = {n.name: b.name for b in blocks if "*" in names or b.name in names
+               for n in b.nodes}
+    return {n.name: members[n.name] for n in offloadable_saved(fw, num_fwd_outputs)
+            if n.name in members}

@@ -1,0 +1,79 @@
+"""The peak budget's third lever: offload a block's saved activations to host memory instead of
+recomputing them (``shardc.passes.offload_saved`` lowers it).
+
+Freeing a block's saved activations has two prices, and the planner takes the cheaper per byte
+freed (then ranks the blocks together, ``shardc.planning.recompute.rank``):
+
+* **recompute**: its forward runs again in the backward, on the compute stream: the forward's
+  predicted time (``shardc.planning.recompute.forward_seconds``). It frees the block's saved
+  values less its inputs (which become saved).
+* **offload**: its saved values are copied to the host in the forward and back in the backward,
+  on the copy lane, one copy each way of ``copy_s`` (CPU offload's link model,
+  ``shardc.planning.copies.copy_seconds``). The copies overlap compute: the device->host copy
+  hides behind the next block's forward, the host->device prefetch (issued one block ahead)
+  behind the backward of the block read before it, about twice a forward. Only what the copy
+  lane cannot hide costs step time, and on a lane that carries every offloaded block's copies
+  one after the other that excess adds up block by block, so a block's price is
+  ``max(0, copy_s - forward_s) + max(0, copy_s - 2 * forward_s)``. It frees the block's saved
+  values (all of them: its inputs are the previous block's saved values, which stay).
+
+A block that cannot be recomputed (it draws random numbers, runs collectives or is already
+checkpointed: ``shardc.passes.recompute``) can still be offloaded: the copies run nothing again.
+Ties go to recompute (no host memory, no traffic on the link). Every input (bytes and forward
+times) is the largest over the ranks, so the choice is the same on every rank.
+``activation_offload`` (``ShardcOptions``) selects ``"auto"`` (this pricing), ``"never"``
+(recompute only) or ``"prefer"`` (offload whatever can be).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardc.planning.copies import HOST_LINK_BYTES_PER_S, copy_seconds
+
+MODES = ("auto", "never", "prefer")
+
+
+def offload_seconds(copy_s: float, forward_s: float) -> float:
+    """The step time a block's offload adds: its two copies' parts not hidden by compute (see
+    the module docstring)."""
+    return max(0.0, copy_s - forward_s) + max(0.0, copy_s - 2.0 * forward_s)
+
+
+@dataclass(frozen=True)
+class Lever:
+    """How the planner would free one block's activations, and both prices."""
+
+    offload: bool  # True: offload; False: recompute
+    cost_s: float  # the chosen lever's predicted step time
+    nbytes: int  # the bytes it frees
+    recompute_s: float  # its forward's time (recomputing it), 0 if it cannot be recomputed
+    offload_s: float  # what offloading it adds (exposed copy time)
+    copy_s: float  # one copy's time, each way
+
+    @property
+    def ratio(self) -> float:
+        return self.cost_s / max(self.nbytes, 1)
+
+
+def choose_lever(*, forward_s: float, recompute_bytes: int, offload_bytes: int,
+                 can_recompute: bool, mode: str = "auto",
+                 link_bytes_per_s: float = HOST_LINK_BYTES_PER_S) -> Lever | None:
+    """The cheaper way, per byte freed, to free a block's activations (None: neither frees
+    anything or is allowed). ``forward_s``: the block's forward time; ``recompute_bytes``: what
+    recomputing frees (saved less inputs); ``offload_bytes``: what offloading frees (its saved
+    values); ``mode``: ``activation_offload``."""
+    if mode not in MODES:
+        raise ValueError(f"shardc: activation_offload mode must be one of {MODES}, got {mode!r}")
+    copy_s = copy_seconds(offload_bytes, link_bytes_per_s) if offload_bytes else 0.0
+    offload_s = offload_seconds(copy_s, forward_s)
+    recompute_s = forward_s if can_recompute else 0.0
+    recompute = Lever(False, forward_s, recompute_bytes, recompute_s, offload_s, copy_s) \
+        if can_recompute and recompute_bytes > 0 else None
+    offload = Lever(True, offload_s, offload_bytes, recompute_s, offload_s, copy_s) \
+        if mode != "never" and offload_bytes > 0 else None
+    if offload is None or recompute is None:
+        return offload or recompute
+    if mode == "prefer":
+        return offload
+    return offload if offload.ratio < recompute.ratio else recompute
