@@ -16,16 +16,20 @@ second group then compiles the model with another ``prefetch_depth``, which must
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 
 import torch
 import torch._dynamo
 import torch.nn.functional as F
 from dist_utils import run_ranks
-from parity import assert_parity, reference, sharded_run
+from parity import assert_parity, batches, build, reference, sharded_run, train
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 import shardc
+from shardc import _torch
 from shardc._torch import process_group_store
 from shardc.runtime.collectives import resolve_group
 
@@ -70,6 +74,9 @@ def _restart(rank: int, world: int, change_option: bool) -> dict:
         [f"shardc/plan/{region.check_index}/{r}" for r in range(world)])
     out.update(plan_hash=plan.hash(), losses=run["losses"], params=run["params"],
                progress=lines.lines)
+    # Before anything else creates process groups or sharded models: the graphs of the one-rank
+    # models must name the same groups and gradient stores in both processes.
+    out["one_rank"] = _one_rank_restart(rank, world, warm=change_option)
     if change_option:
         counters.clear()
         sharded_run(rank, world, "repeated", "inductor", prefetch_depth=2)
@@ -77,8 +84,55 @@ def _restart(rank: int, world: int, change_option: bool) -> dict:
     return out
 
 
+def _one_rank_run(rank: int, world: int, **options) -> dict:
+    """The model sharded over this rank alone (a one-rank slice of a (world, 1) mesh: every
+    collective elided, so AOTAutograd's cache is on for it), trained on the whole batch."""
+    torch._dynamo.reset()
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("ranks", "alone"))["alone"]
+    model = shardc.shard(build("repeated"), mesh)
+    forward = torch.compile(model, backend=shardc.backend(inductor=True, **options))
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    tokens, targets = batches()
+    losses = torch.stack(train(model, forward, tokens, targets))
+    (region,) = shardc.shard_state(model).regions
+    plan = region.plan
+    store = process_group_store(resolve_group(plan.group_name))
+    return {"losses": losses, "counts": _cache_counts(), "plan": plan.hash(),
+            "group": plan.group_name,
+            "checked": region.checked and store.check([f"shardc/plan/{region.check_index}/0"]),
+            "params": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}}
+
+
+def _one_rank_restart(rank: int, world: int, warm: bool) -> dict:
+    """Two one-rank models, A then B, in each process. Cold: both compiled, their plans stored.
+    Warm: rank 0 hits A's entry and restores its plan; rank 1 first removes its stored plans, so
+    it hits A's entry without a plan and must compile again (a miss). B gets another
+    ``prefetch_depth`` in the warm process (the same groups and graphs otherwise): a miss."""
+    logger, lines = logging.getLogger("shardc"), _Lines()
+    logger.addHandler(lines)
+    try:
+        if warm and rank == 1:
+            for path in _stored_plans(rank, world):
+                path.unlink()
+        out = {"a": _one_rank_run(rank, world),
+               "b": _one_rank_run(rank, world, prefetch_depth=2 if warm else 1)}
+        out["lines"] = list(lines.lines)
+    finally:
+        logger.removeHandler(lines)
+    return out
+
+
+def _stored_plans(rank: int, world: int) -> list:
+    """This rank's stored plans (the partitioner's uuid names the rank and world)."""
+    root = Path(_torch.inductor_cache_dir()) / "shardc" / "plans"
+    return [p for p in root.glob("*.json")
+            if f"rank({rank}, {world})" in json.loads(p.read_text())["partitioner"]]
+
+
 def test_warm_restart_hits_inductor_cache_and_still_plans(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # cold, then warm
+    monkeypatch.setenv("SHARDC_AUTOGRAD_CACHE", "1")  # the suite turns it off (conftest.py)
     cold = run_ranks(_restart, 2, False)
     warm = run_ranks(_restart, 2, True)
     ref = reference("repeated")
@@ -98,6 +152,29 @@ def test_warm_restart_hits_inductor_cache_and_still_plans(tmp_path, monkeypatch)
         assert_parity(w, ref)
         # A plan-affecting option is part of the key.
         assert w["changed"]["fx_hit"] == 0 and w["changed"]["fx_miss"] >= 2, w["changed"]
+        # One-rank models (every collective elided): AOTAutograd's cache stores their entries
+        # with the plans beside them. Rank 0's second process hits A's entry and restores the
+        # same plan, which the plan check reads; rank 1's, whose stored plans were removed, hits
+        # the entry but compiles again and plans anew. Both train like the reference.
+        one_cold, one_warm = c["one_rank"], w["one_rank"]
+        cold_a, warm_a = one_cold["a"], one_warm["a"]
+        assert cold_a["counts"]["aot_hit"] == 0 and warm_a["counts"]["aot_hit"] == 1, (
+            rank, cold_a["counts"], warm_a["counts"])
+        assert warm_a["counts"]["fx_miss"] == 0, warm_a["counts"]
+        assert warm_a["plan"] == cold_a["plan"] and warm_a["checked"] and cold_a["checked"]
+        restored = [line for line in one_warm["lines"] if "AOTAutograd cache hit; plan" in line]
+        unrestorable = [line for line in one_warm["lines"]
+                        if "plan cannot be restored (no plan is stored" in line]
+        assert (len(restored), len(unrestorable)) == ((1, 0) if rank == 0 else (0, 1)), (
+            rank, one_warm["lines"])
+        assert_parity(cold_a, ref)
+        assert_parity(warm_a, ref)
+        # B: the same groups as in the first process and another prefetch_depth, which is in
+        # AOTAutograd's key (the partitioner's uuid): a miss, planned anew.
+        cold_b, warm_b = one_cold["b"], one_warm["b"]
+        assert warm_b["group"] == cold_b["group"] and warm_b["counts"]["aot_hit"] == 0, (
+            warm_b["counts"], warm_b["group"], cold_b["group"])
+        assert_parity(warm_b, ref)
     # Inductor's stages are in the compile-progress log (once the backward has run).
     stages = [line.split(": ")[2] for line in cold[0]["progress"] if "region 0:" in line]
     assert "Inductor forward" in stages and "Inductor backward" in stages, cold[0]["progress"]
