@@ -200,3 +200,107 @@ def test_partitioner_pickles_to_its_uuid():
     assert pickle.loads(pickle.dumps(used)) == PartitionerKey(used.uuid())
     other = ShardcPartitioner(ShardcOptions(prefetch_depth=1), RegionRecord(0))
     assert pickle.dumps(other) != pickle.dumps(fresh)  # a plan-affecting option changes the key
+
+
+def _plan(params=("a.weight", "b.weight")):
+    from shardc.planning.plan import PLAN_VERSION, Bucket, Plan
+
+    bucket = Bucket(0, "bucket0", list(params), [4] * len(params), [4] * len(params),
+                    [3] * len(params), "torch.float32", "torch.float32", 1)
+    return Plan(PLAN_VERSION, 0, 1, {"prefetch_depth": 1}, [bucket], [], group_name="1")
+
+
+def test_stored_plan_is_restored_only_when_every_check_passes(tmp_path, monkeypatch):
+    """What a hit may restore (shardc/compile/warm.py): the plan stored under the hit's key by the
+    same partitioner, unchanged, for the parameters this graph gathers; anything else is a reason
+    to compile again, never a hit without a plan."""
+    from shardc.compile import warm
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    plan, gathered = _plan(), {"a.weight", "b.weight"}
+    assert warm.load_plan("k1", "uuid", gathered) == (None, "no plan is stored for the entry")
+    path = warm.save_plan("k1", "uuid", plan)
+    assert path == tmp_path / "shardc" / "plans" / "k1.json"
+    restored, why = warm.load_plan("k1", "uuid", gathered)
+    assert why == "" and restored.hash() == plan.hash() and restored.to_dict() == plan.to_dict()
+    assert warm.load_plan(None, "uuid", gathered)[1] == "the cache key could not be read"
+    assert "another partitioner" in warm.load_plan("k1", "other-uuid", gathered)[1]
+    assert "parameters" in warm.load_plan("k1", "uuid", {"a.weight"})[1]
+    record = json.loads(path.read_text())
+    record["plan"]["collectives"] = [{"bogus": 1}]
+    path.write_text(json.dumps(record))
+    assert "cannot be read" in warm.load_plan("k1", "uuid", gathered)[1]
+    record = json.loads(path.read_text())
+    record["plan"]["collectives"] = []
+    record["plan"]["hash"] = "0" * 16  # edited after it was stored
+    path.write_text(json.dumps(record))
+    assert warm.load_plan("k1", "uuid", gathered)[1] == "the stored plan does not match its hash"
+    warm.save_plan("k2", "uuid", plan)
+    (tmp_path / "shardc" / "plans" / "k2.json").rename(tmp_path / "shardc" / "plans" / "k3.json")
+    assert "another format or entry" in warm.load_plan("k3", "uuid", gathered)[1]
+    assert warm.plan_path("../escape") is None
+
+
+def test_cache_lookup_outcome_needs_one_logged_key():
+    """A hit is restorable only with exactly one lookup whose key torch logged; a miss is stored
+    only then too."""
+    from shardc.compile.warm import lookup_outcome
+
+    assert lookup_outcome([("hit", "k")], 1) == ("hit", "k")
+    assert lookup_outcome([], 1) == ("hit", None)  # torch's message changed: unknown key
+    assert lookup_outcome([("hit", "k"), ("hit", "j")], 2) == ("hit", None)
+    assert lookup_outcome([("miss", "k")], 1) == ("hit", None)  # the counters disagree
+    assert lookup_outcome([("miss", "k")], 0) == ("miss", "k")
+    assert lookup_outcome([], 0) == ("none", None)  # bypassed: nothing to store
+
+
+def test_autograd_cache_lookups_read_torch_log_without_showing_it():
+    """The key is read from AOTAutograd's log record; handlers see only what the logger's own
+    level lets through."""
+    logger = logging.getLogger(_torch._AOT_CACHE_LOGGER)
+    shown = _Lines()
+    logger.addHandler(shown)
+    level = logger.level
+    try:
+        logger.setLevel(logging.WARNING)
+        with _torch.autograd_cache_lookups() as seen:
+            logger.info("AOTAutograd cache hit for key %s", "abc")
+            logger.info("AOTAutograd cache miss for key %s", "def")
+            logger.info("unrelated %s", "x")
+        assert seen == [("hit", "abc"), ("miss", "def")] and shown.lines == []
+        assert logger.level == logging.WARNING
+        logger.setLevel(logging.INFO)
+        with _torch.autograd_cache_lookups() as seen:
+            logger.info("AOTAutograd cache hit for key %s", "abc")
+        assert seen == [("hit", "abc")] and shown.lines == ["AOTAutograd cache hit for key abc"]
+    finally:
+        logger.removeHandler(shown)
+        logger.setLevel(level)
+
+
+def test_regions_whose_collectives_run_keep_the_cache_off():
+    """Blockers decided before compiling, from Dynamo's graph (the same on every rank), and the
+    check after planning that a hit would lose nothing but the plan."""
+    from torch import fx
+
+    from shardc.compile import warm
+    from shardc.planning.plan import Plan
+
+    graph = fx.symbolic_trace(nn.Linear(2, 2))
+    assert warm.cache_blockers([], graph, fp8=False, offload=False, cudagraphs=False,
+                               needs_partition=False) == []
+    reasons = warm.cache_blockers([], graph, fp8=True, offload=True, cudagraphs=True,
+                                  needs_partition=True)
+    assert len(reasons) == 4
+    plan = _plan()
+    assert isinstance(plan, Plan)
+    assert warm.restorable(graph, None, plan, None) is None
+    assert warm.restorable(graph, None, None, None) == "no plan"
+    assert "pool" in warm.restorable(graph, None, plan, torch.empty(1))
+    g = fx.Graph()
+    x = g.placeholder("x")
+    g.output(g.call_function(torch.ops._c10d_functional.all_reduce.default, (x, "sum", "0")))
+    issuing = fx.GraphModule({}, g)
+    assert warm.restorable(graph, issuing, plan, None) == "its graphs issue collectives"
+    assert "tensor parallelism" in warm.cache_blockers([], issuing, fp8=False, offload=False,
+                                                       cudagraphs=False, needs_partition=False)[0]
