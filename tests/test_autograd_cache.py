@@ -1,17 +1,23 @@
-"""Warm restarts: a second process reuses Inductor's compiled graphs and still runs shardc.
+"""Warm restarts: a second process reuses the compiled artifacts and never skips shardc's passes.
 
 AOTAutograd's cache hands back a compiled forward and backward without running the partition
 function, so on a hit shardc would plan nothing: no plan to explain or dump, no cross-rank check
-(issue 9). ``shardc.backend`` turns that cache off for its regions. Inductor's FX graph cache
-stays on and must hit in a new process (issue 18): the partitioner is keyed by its ``uuid()``
-(options, rank, world, source) and the meshes' per-process ``hash()`` memo is kept out of the key.
+(issue 9); and without calling Inductor's inner compiler, so without shardc's wrappers around the
+compiled graphs (the communication pool argument, named collective errors).
+``shardc/compile/warm.py`` therefore uses that cache only for regions whose collectives are all
+elided (one-rank groups), stores each such region's plan beside AOTAutograd's entry, restores it
+on a hit, and compiles again whenever it cannot (issue 18). Inductor's FX graph cache is on for
+every region and must hit in a new process: the partitioner is keyed by its ``uuid()`` (options,
+rank, world, source) and the meshes' per-process ``hash()`` memo is kept out of the key.
 
-Two fresh process groups (world 2, gloo) compile the same models with one cache directory and
-AOTAutograd's cache switched on: an unsharded control model, which the backend compiles like the
-default backend, hits AOTAutograd's cache in the second one (the cache is warm and used); the
-sharded model misses AOTAutograd's cache, is planned again (same plan hash, the cross-rank plan
-check runs), hits Inductor's cache for every graph, and trains like the unsharded reference. The
-second group then compiles the model with another ``prefetch_depth``, which must miss.
+Two fresh process groups (world 2, gloo) compile the same models with one cache directory:
+an unsharded control model, which the backend compiles like the default backend, hits
+AOTAutograd's cache in the second one (the cache is warm and used); the world-2 sharded model
+keeps AOTAutograd's cache off, is planned again (same plan hash, the cross-rank plan check runs),
+hits Inductor's cache for every graph, and trains like the unsharded reference; models sharded
+over one rank each hit AOTAutograd's cache and restore their plan, or, without a stored plan,
+compile again (see ``_one_rank_restart``). The second group then compiles the world-2 model with
+another ``prefetch_depth``, which must miss.
 """
 
 from __future__ import annotations
