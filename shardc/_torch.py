@@ -75,8 +75,12 @@ def aot_autograd(**kwargs):
 
 
 def no_autograd_cache() -> contextlib.AbstractContextManager:
-    """AOTAutograd's cache off (a hit would skip shardc's partitioner)."""
-    return torch._functorch.config.patch(enable_autograd_cache=False)
+    """AOTAutograd's cache off, local and remote (a hit would skip shardc's partitioner)."""
+    config = torch._functorch.config
+    off = {"enable_autograd_cache": False}
+    if hasattr(config, "enable_remote_autograd_cache"):  # looked up even with the local one off
+        off["enable_remote_autograd_cache"] = False
+    return config.patch(**off)
 
 
 def autograd_cache_enabled() -> bool:
