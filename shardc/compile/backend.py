@@ -389,8 +389,9 @@ def _compile_inductor(compile_region, gm: fx.GraphModule, partitioner: ShardcPar
     whose plan may be stored, the entry's key (``shardc.compile.warm``). A hit whose plan cannot
     be restored is dropped and the region compiled again with the cache off."""
     region = partitioner.region
-    if blockers or not (_torch.autograd_cache_enabled() and warm.switched_on()):
-        if blockers and _torch.autograd_cache_enabled() and warm.switched_on():
+    wanted = _torch.autograd_cache_enabled() and warm.switched_on()
+    if blockers or not wanted:
+        if blockers and wanted:
             log.debug("shardc: region %d: AOTAutograd's cache stays off: %s", region.index,
                       "; ".join(blockers))
         with _torch.no_autograd_cache():
