@@ -116,13 +116,17 @@ def save_plan(key: str, partitioner: str, plan: Plan) -> Path | None:
         return None
     record = {"format": SIDECAR_FORMAT, "key": key, "partitioner": partitioner,
               "plan": plan.to_dict()}
+    written = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False,
                                          suffix=".tmp") as out:
+            written = out.name
             json.dump(record, out)
-        os.replace(out.name, path)
+        os.replace(written, path)
     except OSError as exc:  # a cache write must never break training; the next start misses
+        if written is not None and os.path.exists(written):
+            os.unlink(written)
         log.warning("shardc: could not store the plan for AOTAutograd's cache entry %s: %s",
                     key, exc)
         return None
