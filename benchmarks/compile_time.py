@@ -61,6 +61,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=None, help="sequences per rank (default 4)")
     p.add_argument("--steps", type=int, default=5, help="steady steps after the first")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="per run")
+    p.add_argument("--shardc-autograd-cache", choices=("on", "off"), default="on",
+                   help="off: SHARDC_AUTOGRAD_CACHE=0, shardc keeps AOTAutograd's cache off for "
+                        "every region (before warm restarts used it; shardc/compile/warm.py)")
     p.add_argument("--cache-root", default=None,
                    help="where the per-run cache directories go (default: <out>/<name>_caches)")
     p.add_argument("--keep-caches", action="store_true", help="do not delete them at the end")
@@ -175,7 +178,8 @@ def _launch(args: argparse.Namespace, mode: str, depth: int, caches: Path, resul
     if args.tiny:
         cmd.append("--tiny")
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"),
-               TRITON_CACHE_DIR=str(caches / "triton"), SHARDC_LOG="info")
+               TRITON_CACHE_DIR=str(caches / "triton"), SHARDC_LOG="info",
+               SHARDC_AUTOGRAD_CACHE="0" if args.shardc_autograd_cache == "off" else "1")
     start = time.perf_counter()
     with open(log_path, "w") as log:
         try:

@@ -9,8 +9,9 @@ differ, so a torch upgrade is checked in one file. ``tests/test_architecture.py`
 from __future__ import annotations
 
 import contextlib
+import logging
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -74,8 +75,74 @@ def aot_autograd(**kwargs):
 
 
 def no_autograd_cache() -> contextlib.AbstractContextManager:
-    """AOTAutograd's cache off (a hit would skip shardc's partitioner)."""
-    return torch._functorch.config.patch(enable_autograd_cache=False)
+    """AOTAutograd's cache off, local and remote (a hit would skip shardc's partitioner)."""
+    config = torch._functorch.config
+    off = {"enable_autograd_cache": False}
+    if hasattr(config, "enable_remote_autograd_cache"):  # looked up even with the local one off
+        off["enable_remote_autograd_cache"] = False
+    return config.patch(**off)
+
+
+def autograd_cache_enabled() -> bool:
+    """Whether AOTAutograd would look its local cache up (``enable_autograd_cache``, and no
+    ``torch.compiler.config.force_disable_caches``), as torch 2.11-2.14 decide it."""
+    compiler_config = getattr(torch.compiler, "config", None)
+    if getattr(compiler_config, "force_disable_caches", False):
+        return False
+    return bool(getattr(torch._functorch.config, "enable_autograd_cache", False))
+
+
+# AOTAutograd's cache logs every lookup on this logger, with the key as the only argument:
+# "AOTAutograd cache hit for key %s" / "AOTAutograd cache miss for key %s" (the same text in
+# torch 2.11 through 2.14). shardc reads the key there: no API returns it.
+_AOT_CACHE_LOGGER = "torch._functorch._aot_autograd.autograd_cache"
+_AOT_CACHE_MESSAGES = {"AOTAutograd cache hit for key %s": "hit",
+                       "AOTAutograd cache miss for key %s": "miss"}
+
+
+@contextlib.contextmanager
+def autograd_cache_lookups() -> Iterator[list[tuple[str, str]]]:
+    """Collect ``(outcome, key)`` for every AOTAutograd cache lookup in this context
+    (``outcome``: ``"hit"`` or ``"miss"``), from the cache's log records. The logger is opened
+    to INFO for the context if it was not; a record the logger's own level would have dropped is
+    dropped after it is read, so handlers see exactly what they would have. If torch's message
+    changes, nothing is collected (callers must treat that as "unknown", never as a hit)."""
+    logger = logging.getLogger(_AOT_CACHE_LOGGER)
+    shown = logger.getEffectiveLevel()
+    seen: list[tuple[str, str]] = []
+
+    def read(record: logging.LogRecord) -> bool:
+        outcome = _AOT_CACHE_MESSAGES.get(record.msg) if isinstance(record.msg, str) else None
+        if outcome is not None and isinstance(record.args, tuple) and len(record.args) == 1:
+            seen.append((outcome, str(record.args[0])))
+        return record.levelno >= shown
+
+    level = logger.level
+    if shown > logging.INFO:
+        logger.setLevel(logging.INFO)
+    logger.addFilter(read)
+    try:
+        yield seen
+    finally:
+        logger.removeFilter(read)
+        logger.setLevel(level)
+
+
+def autograd_cache_hits() -> int:
+    """AOTAutograd cache hits so far in this process (Dynamo's counters)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["aot_autograd"]["autograd_cache_hit"])
+
+
+def inductor_cache_dir() -> str | None:
+    """Inductor's cache directory (``TORCHINDUCTOR_CACHE_DIR`` or its default), under which
+    AOTAutograd keeps its entries too (``<dir>/aotautograd``); None where torch moved it."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+    except ImportError:  # pragma: no cover - torch 2.11-2.14 all have it
+        return None
+    return cache_dir()
 
 
 def forget_mesh_hashes(example_inputs) -> None:

@@ -1,31 +1,41 @@
-"""Warm restarts: a second process reuses Inductor's compiled graphs and still runs shardc.
+"""Warm restarts: a second process reuses the compiled artifacts and never skips shardc's passes.
 
 AOTAutograd's cache hands back a compiled forward and backward without running the partition
 function, so on a hit shardc would plan nothing: no plan to explain or dump, no cross-rank check
-(issue 9). ``shardc.backend`` turns that cache off for its regions. Inductor's FX graph cache
-stays on and must hit in a new process (issue 18): the partitioner is keyed by its ``uuid()``
-(options, rank, world, source) and the meshes' per-process ``hash()`` memo is kept out of the key.
+(issue 9); and without calling Inductor's inner compiler, so without shardc's wrappers around the
+compiled graphs (the communication pool argument, named collective errors).
+``shardc/compile/warm.py`` therefore uses that cache only for regions whose collectives are all
+elided (one-rank groups), stores each such region's plan beside AOTAutograd's entry, restores it
+on a hit, and compiles again whenever it cannot (issue 18). Inductor's FX graph cache is on for
+every region and must hit in a new process: the partitioner is keyed by its ``uuid()`` (options,
+rank, world, source) and the meshes' per-process ``hash()`` memo is kept out of the key.
 
-Two fresh process groups (world 2, gloo) compile the same models with one cache directory and
-AOTAutograd's cache switched on: an unsharded control model, which the backend compiles like the
-default backend, hits AOTAutograd's cache in the second one (the cache is warm and used); the
-sharded model misses AOTAutograd's cache, is planned again (same plan hash, the cross-rank plan
-check runs), hits Inductor's cache for every graph, and trains like the unsharded reference. The
-second group then compiles the model with another ``prefetch_depth``, which must miss.
+Two fresh process groups (world 2, gloo) compile the same models with one cache directory:
+an unsharded control model, which the backend compiles like the default backend, hits
+AOTAutograd's cache in the second one (the cache is warm and used); the world-2 sharded model
+keeps AOTAutograd's cache off, is planned again (same plan hash, the cross-rank plan check runs),
+hits Inductor's cache for every graph, and trains like the unsharded reference; models sharded
+over one rank each hit AOTAutograd's cache and restore their plan, or, without a stored plan,
+compile again (see ``_one_rank_restart``). The second group then compiles the world-2 model with
+another ``prefetch_depth``, which must miss.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 
 import torch
 import torch._dynamo
 import torch.nn.functional as F
 from dist_utils import run_ranks
-from parity import assert_parity, reference, sharded_run
+from parity import assert_parity, batches, build, reference, sharded_run, train
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 import shardc
+from shardc import _torch
 from shardc._torch import process_group_store
 from shardc.runtime.collectives import resolve_group
 
@@ -70,6 +80,9 @@ def _restart(rank: int, world: int, change_option: bool) -> dict:
         [f"shardc/plan/{region.check_index}/{r}" for r in range(world)])
     out.update(plan_hash=plan.hash(), losses=run["losses"], params=run["params"],
                progress=lines.lines)
+    # Before anything else creates process groups or sharded models: the graphs of the one-rank
+    # models must name the same groups and gradient stores in both processes.
+    out["one_rank"] = _one_rank_restart(rank, world, warm=change_option)
     if change_option:
         counters.clear()
         sharded_run(rank, world, "repeated", "inductor", prefetch_depth=2)
@@ -77,8 +90,54 @@ def _restart(rank: int, world: int, change_option: bool) -> dict:
     return out
 
 
+def _one_rank_run(rank: int, world: int, **options) -> dict:
+    """The model sharded over this rank alone (a one-rank slice of a (world, 1) mesh: every
+    collective elided, so AOTAutograd's cache is on for it), trained on the whole batch."""
+    torch._dynamo.reset()
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("ranks", "alone"))["alone"]
+    model = shardc.shard(build("repeated"), mesh)
+    forward = torch.compile(model, backend=shardc.backend(inductor=True, **options))
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    tokens, targets = batches()
+    losses = torch.stack(train(model, forward, tokens, targets))
+    (region,) = shardc.shard_state(model).regions
+    plan = region.plan
+    # The first call ran the plan check with this plan (over one rank it has nothing to compare).
+    return {"losses": losses, "counts": _cache_counts(), "plan": plan.hash(),
+            "group": plan.group_name, "checked": region.checked and region.check_index is not None,
+            "params": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}}
+
+
+def _one_rank_restart(rank: int, world: int, warm: bool) -> dict:
+    """Two one-rank models, A then B, in each process. Cold: both compiled, their plans stored.
+    Warm: rank 0 hits A's entry and restores its plan; rank 1 first removes its stored plans, so
+    it hits A's entry without a plan and must compile again (a miss). B gets another
+    ``prefetch_depth`` in the warm process (the same groups and graphs otherwise): a miss."""
+    logger, lines = logging.getLogger("shardc"), _Lines()
+    logger.addHandler(lines)
+    try:
+        if warm and rank == 1:
+            for path in _stored_plans(rank, world):
+                path.unlink()
+        out = {"a": _one_rank_run(rank, world),
+               "b": _one_rank_run(rank, world, prefetch_depth=2 if warm else 1)}
+        out["lines"] = list(lines.lines)
+    finally:
+        logger.removeHandler(lines)
+    return out
+
+
+def _stored_plans(rank: int, world: int) -> list:
+    """This rank's stored plans (the partitioner's uuid names the rank and world)."""
+    root = Path(_torch.inductor_cache_dir()) / "shardc" / "plans"
+    return [p for p in root.glob("*.json")
+            if f"rank({rank}, {world})" in json.loads(p.read_text())["partitioner"]]
+
+
 def test_warm_restart_hits_inductor_cache_and_still_plans(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # cold, then warm
+    monkeypatch.setenv("SHARDC_AUTOGRAD_CACHE", "1")  # the suite turns it off (conftest.py)
     cold = run_ranks(_restart, 2, False)
     warm = run_ranks(_restart, 2, True)
     ref = reference("repeated")
@@ -98,6 +157,29 @@ def test_warm_restart_hits_inductor_cache_and_still_plans(tmp_path, monkeypatch)
         assert_parity(w, ref)
         # A plan-affecting option is part of the key.
         assert w["changed"]["fx_hit"] == 0 and w["changed"]["fx_miss"] >= 2, w["changed"]
+        # One-rank models (every collective elided): AOTAutograd's cache stores their entries
+        # with the plans beside them. Rank 0's second process hits A's entry and restores the
+        # same plan, which the plan check reads; rank 1's, whose stored plans were removed, hits
+        # the entry but compiles again and plans anew. Both train like the reference.
+        one_cold, one_warm = c["one_rank"], w["one_rank"]
+        cold_a, warm_a = one_cold["a"], one_warm["a"]
+        assert cold_a["counts"]["aot_hit"] == 0 and warm_a["counts"]["aot_hit"] == 1, (
+            rank, cold_a["counts"], warm_a["counts"])
+        assert warm_a["counts"]["fx_miss"] == 0, warm_a["counts"]
+        assert warm_a["plan"] == cold_a["plan"] and warm_a["checked"] and cold_a["checked"]
+        restored = [line for line in one_warm["lines"] if "AOTAutograd cache hit; plan" in line]
+        unrestorable = [line for line in one_warm["lines"]
+                        if "plan cannot be restored (no plan is stored" in line]
+        assert (len(restored), len(unrestorable)) == ((1, 0) if rank == 0 else (0, 1)), (
+            rank, one_warm["lines"])
+        assert_parity(cold_a, ref)
+        assert_parity(warm_a, ref)
+        # B: the same groups as in the first process and another prefetch_depth, which is in
+        # AOTAutograd's key (the partitioner's uuid): a miss, planned anew.
+        cold_b, warm_b = one_cold["b"], one_warm["b"]
+        assert warm_b["group"] == cold_b["group"] and warm_b["counts"]["aot_hit"] == 0, (
+            warm_b["counts"], warm_b["group"], cold_b["group"])
+        assert_parity(warm_b, ref)
     # Inductor's stages are in the compile-progress log (once the backward has run).
     stages = [line.split(": ")[2] for line in cold[0]["progress"] if "region 0:" in line]
     assert "Inductor forward" in stages and "Inductor backward" in stages, cold[0]["progress"]
@@ -124,3 +206,107 @@ def test_partitioner_pickles_to_its_uuid():
     assert pickle.loads(pickle.dumps(used)) == PartitionerKey(used.uuid())
     other = ShardcPartitioner(ShardcOptions(prefetch_depth=1), RegionRecord(0))
     assert pickle.dumps(other) != pickle.dumps(fresh)  # a plan-affecting option changes the key
+
+
+def _plan(params=("a.weight", "b.weight")):
+    from shardc.planning.plan import PLAN_VERSION, Bucket, Plan
+
+    bucket = Bucket(0, "bucket0", list(params), [4] * len(params), [4] * len(params),
+                    [3] * len(params), "torch.float32", "torch.float32", 1)
+    return Plan(PLAN_VERSION, 0, 1, {"prefetch_depth": 1}, [bucket], [], group_name="1")
+
+
+def test_stored_plan_is_restored_only_when_every_check_passes(tmp_path, monkeypatch):
+    """What a hit may restore (shardc/compile/warm.py): the plan stored under the hit's key by the
+    same partitioner, unchanged, for the parameters this graph gathers; anything else is a reason
+    to compile again, never a hit without a plan."""
+    from shardc.compile import warm
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    plan, gathered = _plan(), {"a.weight", "b.weight"}
+    assert warm.load_plan("k1", "uuid", gathered) == (None, "no plan is stored for the entry")
+    path = warm.save_plan("k1", "uuid", plan)
+    assert path == tmp_path / "shardc" / "plans" / "k1.json"
+    restored, why = warm.load_plan("k1", "uuid", gathered)
+    assert why == "" and restored.hash() == plan.hash() and restored.to_dict() == plan.to_dict()
+    assert warm.load_plan(None, "uuid", gathered)[1] == "the cache key could not be read"
+    assert "another partitioner" in warm.load_plan("k1", "other-uuid", gathered)[1]
+    assert "parameters" in warm.load_plan("k1", "uuid", {"a.weight"})[1]
+    record = json.loads(path.read_text())
+    record["plan"]["collectives"] = [{"bogus": 1}]
+    path.write_text(json.dumps(record))
+    assert "cannot be read" in warm.load_plan("k1", "uuid", gathered)[1]
+    record = json.loads(path.read_text())
+    record["plan"]["collectives"] = []
+    record["plan"]["hash"] = "0" * 16  # edited after it was stored
+    path.write_text(json.dumps(record))
+    assert warm.load_plan("k1", "uuid", gathered)[1] == "the stored plan does not match its hash"
+    warm.save_plan("k2", "uuid", plan)
+    (tmp_path / "shardc" / "plans" / "k2.json").rename(tmp_path / "shardc" / "plans" / "k3.json")
+    assert "another format or entry" in warm.load_plan("k3", "uuid", gathered)[1]
+    assert warm.plan_path("../escape") is None
+
+
+def test_cache_lookup_outcome_needs_one_logged_key():
+    """A hit is restorable only with exactly one lookup whose key torch logged; a miss is stored
+    only then too."""
+    from shardc.compile.warm import lookup_outcome
+
+    assert lookup_outcome([("hit", "k")], 1) == ("hit", "k")
+    assert lookup_outcome([], 1) == ("hit", None)  # torch's message changed: unknown key
+    assert lookup_outcome([("hit", "k"), ("hit", "j")], 2) == ("hit", None)
+    assert lookup_outcome([("miss", "k")], 1) == ("hit", None)  # the counters disagree
+    assert lookup_outcome([("miss", "k")], 0) == ("miss", "k")
+    assert lookup_outcome([], 0) == ("none", None)  # bypassed: nothing to store
+
+
+def test_autograd_cache_lookups_read_torch_log_without_showing_it():
+    """The key is read from AOTAutograd's log record; handlers see only what the logger's own
+    level lets through."""
+    logger = logging.getLogger(_torch._AOT_CACHE_LOGGER)
+    shown = _Lines()
+    logger.addHandler(shown)
+    level = logger.level
+    try:
+        logger.setLevel(logging.WARNING)
+        with _torch.autograd_cache_lookups() as seen:
+            logger.info("AOTAutograd cache hit for key %s", "abc")
+            logger.info("AOTAutograd cache miss for key %s", "def")
+            logger.info("unrelated %s", "x")
+        assert seen == [("hit", "abc"), ("miss", "def")] and shown.lines == []
+        assert logger.level == logging.WARNING
+        logger.setLevel(logging.INFO)
+        with _torch.autograd_cache_lookups() as seen:
+            logger.info("AOTAutograd cache hit for key %s", "abc")
+        assert seen == [("hit", "abc")] and shown.lines == ["AOTAutograd cache hit for key abc"]
+    finally:
+        logger.removeHandler(shown)
+        logger.setLevel(level)
+
+
+def test_regions_whose_collectives_run_keep_the_cache_off():
+    """Blockers decided before compiling, from Dynamo's graph (the same on every rank), and the
+    check after planning that a hit would lose nothing but the plan."""
+    from torch import fx
+
+    from shardc.compile import warm
+    from shardc.planning.plan import Plan
+
+    graph = fx.symbolic_trace(nn.Linear(2, 2))
+    assert warm.cache_blockers([], graph, fp8=False, offload=False, cudagraphs=False,
+                               needs_partition=False) == []
+    reasons = warm.cache_blockers([], graph, fp8=True, offload=True, cudagraphs=True,
+                                  needs_partition=True)
+    assert len(reasons) == 4
+    plan = _plan()
+    assert isinstance(plan, Plan)
+    assert warm.restorable(graph, None, plan, None) is None
+    assert warm.restorable(graph, None, None, None) == "no plan"
+    assert "pool" in warm.restorable(graph, None, plan, torch.empty(1))
+    g = fx.Graph()
+    x = g.placeholder("x")
+    g.output(g.call_function(torch.ops._c10d_functional.all_reduce.default, (x, "sum", "0")))
+    issuing = fx.GraphModule({}, g)
+    assert warm.restorable(graph, issuing, plan, None) == "its graphs issue collectives"
+    assert "tensor parallelism" in warm.cache_blockers([], issuing, fp8=False, offload=False,
+                                                       cudagraphs=False, needs_partition=False)[0]

@@ -22,7 +22,7 @@ import torch
 from torch import fx
 
 from shardc import _torch
-from shardc.compile import cudagraphs, pipeline, progress
+from shardc.compile import cudagraphs, pipeline, progress, warm
 from shardc.compile.options import ShardcOptions
 from shardc.compile.pipeline import RegionRecord, capture_partitioned
 from shardc.ops.gather import GATHER_OP
@@ -335,26 +335,24 @@ def shardc_backend(
             with progress.stage(region.index, name):
                 return _inductor_with_pool(compile_fx_inner, graph, inputs, region, kw)
 
-        # AOTAutograd's cache would skip shardc's partitioner on a hit, and with it the plan
-        # (explain, dumps, the cross-rank check). Inductor's FX graph cache stays on, keyed on
-        # ShardcPartitioner.uuid(), and hits in a new process (tests/test_autograd_cache.py).
         skips = _torch.inductor_cudagraph_skips()
-        with _torch.no_autograd_cache():
-            compiled = compile_fx(
-                gm, example_inputs, inner_compile=inner_compile,
-                config_patches={
-                    **patches,
-                    "custom_partitioner_fn": partitioner,
-                    # shardc plans memory itself; Inductor's peak-memory reordering would move the
-                    # prefetched all-gathers next to their waits and undo the overlap.
-                    "reorder_for_peak_memory": False,
-                },
-            )
+        config_patches = {
+            **patches,
+            "custom_partitioner_fn": partitioner,
+            # shardc plans memory itself; Inductor's peak-memory reordering would move the
+            # prefetched all-gathers next to their waits and undo the overlap.
+            "reorder_for_peak_memory": False,
+        }
+        compiled, store_key = _compile_inductor(
+            functools.partial(compile_fx, gm, example_inputs, inner_compile=inner_compile,
+                              config_patches=config_patches),
+            gm, partitioner, _cache_blockers(gm, state, patches))
         if patches.get(cudagraphs.CUDAGRAPHS) and _torch.inductor_cudagraph_skips() > skips:
             note = ("CUDA graphs requested; Inductor declined to record at least one graph of "
                     "this region (TORCH_LOGS=perf_hints says why)")
             cudagraphs.warn(region.index, note)
     else:
+        store_key = None
         fx_compiler = functools.partial(_fx_compiler, region=region)
 
         def inference_compiler(graph: fx.GraphModule, inputs):
@@ -364,10 +362,76 @@ def shardc_backend(
             fw_compiler=fx_compiler, bw_compiler=fx_compiler, partition_fn=partitioner,
             inference_compiler=inference_compiler,
         )(gm, example_inputs)
-    if note and region.plan is not None:
+    if note and region.plan is not None and note not in region.plan.notes:
         region.plan.notes.append(note)
+    if opts.inductor and store_key is not None:
+        _store_plan(store_key, partitioner, region)
     progress.log_stage(region.index, "compiled (backend total)", clock.total())
     return _checked(compiled, region, opts)
+
+
+def _cache_blockers(gm: fx.GraphModule, state: ShardState | None,
+                    patches: dict[str, Any]) -> list[str]:
+    """Why the region keeps AOTAutograd's cache off (``shardc.compile.warm``); empty: on."""
+    if state is None:
+        return ["the sharded model's state is gone"]
+    fp8 = state.fp8 is not None or any(i.quantized for i in state.params.values())
+    return warm.cache_blockers(list(sharded_gathers(gm)), gm, fp8=fp8,
+                               offload=state.offload is not None,
+                               cudagraphs=bool(patches.get(cudagraphs.CUDAGRAPHS)),
+                               needs_partition=pipeline.partitioned_graphs_wanted())
+
+
+def _compile_inductor(compile_region, gm: fx.GraphModule, partitioner: ShardcPartitioner,
+                      blockers: list[str]):
+    """``compile_region()`` (``compile_fx`` on the region) with AOTAutograd's cache where
+    ``blockers`` allow it and torch has it on; returns the compiled region and, after a miss
+    whose plan may be stored, the entry's key (``shardc.compile.warm``). A hit whose plan cannot
+    be restored is dropped and the region compiled again with the cache off."""
+    region = partitioner.region
+    wanted = _torch.autograd_cache_enabled() and warm.switched_on()
+    if blockers or not wanted:
+        if blockers and wanted:
+            log.debug("shardc: region %d: AOTAutograd's cache stays off: %s", region.index,
+                      "; ".join(blockers))
+        with _torch.no_autograd_cache():
+            return compile_region(), None
+    hits = _torch.autograd_cache_hits()
+    with _torch.autograd_cache_lookups() as seen:
+        compiled = compile_region()
+    outcome, key = warm.lookup_outcome(seen, _torch.autograd_cache_hits() - hits)
+    if outcome != "hit":
+        return compiled, key if outcome == "miss" else None
+    why = "the partitioner ran on a hit"
+    if region.plan is None:
+        gathered = {GatherArgs.of(g).fqn for g in sharded_gathers(gm)}
+        plan, why = warm.load_plan(key, partitioner.uuid(), gathered)
+        if plan is not None:
+            region.plan = plan
+            region.body_partitions = {b.name: b.partitions for b in plan.bodies}
+            pipeline.dump_if_asked(plan, partitioner.options)
+            log.info("shardc: region %d: AOTAutograd cache hit; plan %s restored (%s)",
+                     region.index, plan.hash(), warm.plan_path(key))
+            return compiled, None
+    log.warning("shardc: region %d: AOTAutograd's cache hit, but shardc's plan cannot be "
+                "restored (%s); compiling the region again without the cache", region.index, why)
+    region.plan = region.forward = region.backward = region.pool = None
+    with _torch.no_autograd_cache():
+        return compile_region(), None
+
+
+def _store_plan(key: str, partitioner: ShardcPartitioner, region: RegionRecord) -> None:
+    """After a miss: store the plan beside AOTAutograd's entry ``key`` if a hit could run as this
+    miss does (``warm.restorable``)."""
+    why = warm.restorable(region.forward, region.backward, region.plan, region.pool)
+    if why is not None:
+        log.info("shardc: region %d: no plan stored for AOTAutograd's cache (%s); a hit on its "
+                 "entry compiles again", region.index, why)
+        return
+    path = warm.save_plan(key, partitioner.uuid(), region.plan)
+    if path is not None:
+        log.debug("shardc: region %d: plan %s stored at %s", region.index, region.plan.hash(),
+                  path)
 
 
 def _mode_patches(gm: fx.GraphModule, example_inputs, opts: ShardcOptions, mode: str | None,

@@ -143,6 +143,12 @@ def capture_partitioned() -> Iterator[list[tuple[fx.GraphModule, fx.GraphModule]
         _PARTITIONED_SINK.reset(token)
 
 
+def partitioned_graphs_wanted() -> bool:
+    """Whether the caller wants the partitioned graphs themselves (:func:`plan_only`,
+    :func:`capture_partitioned`), which a compile cache hit would not produce."""
+    return _PLAN_ONLY.get() or _PARTITIONED_SINK.get() is not None
+
+
 def joint_passes(graph: fx.Graph, *, training: bool = True) -> Fp8Summary | None:
     """Steps 1-3 on a joint graph (``training``) or a forward-only one (gathers only)."""
     fp8 = prepare_fp8(graph)
@@ -179,16 +185,22 @@ def plan_and_lower(fw: fx.GraphModule, bw: fx.GraphModule | None, options: Shard
     plan.budget = budget
     region.pool = pool
     region.forward, region.backward, region.plan = fw, bw, plan
-    if options.dump_dir:
-        from shardc.tools.render import dump_plan
-
-        try:
-            dump_plan(plan, options.dump_dir, rank=rank_in_plan(plan))
-        except OSError as exc:  # a dump must never break training
-            log.warning("shardc: could not write the plan dump: %s", exc)
+    dump_if_asked(plan, options)
     if _PLAN_ONLY.get():
         raise PlannedOnly(plan)
     return plan
+
+
+def dump_if_asked(plan: Plan, options: ShardcOptions) -> None:
+    """Write the plan's dump where ``options.dump_dir`` asks (never fails the compile)."""
+    if not options.dump_dir:
+        return
+    from shardc.tools.render import dump_plan
+
+    try:
+        dump_plan(plan, options.dump_dir, rank=rank_in_plan(plan))
+    except OSError as exc:  # a dump must never break training
+        log.warning("shardc: could not write the plan dump: %s", exc)
 
 
 def lower_and_predict(fw: fx.GraphModule, bw: fx.GraphModule | None, options: ShardcOptions,
