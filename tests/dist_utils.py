@@ -30,9 +30,13 @@ _JOIN_TIMEOUT_S = float(os.environ.get("SHARDC_TEST_JOIN_TIMEOUT_S", "600"))
 # server are not the test process's children: its own CPU time leaves them out).
 _CPU_LOG = os.environ.get("SHARDC_TEST_CPU_LOG")
 # Imported once by the fork server (imports only: nothing that starts threads or runs kernels).
+# transformers' models (tests/real_models.py: seconds of imports in each rank otherwise); the
+# fork server skips a module that is not installed.
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor",
             "torch.distributed.checkpoint", "torch._dynamo", "functorch.compile",
-            "torch._functorch.partitioners", "torch._inductor.compile_fx", "shardc"]
+            "torch._functorch.partitioners", "torch._inductor.compile_fx", "shardc",
+            "transformers", "transformers.models.gpt2.modeling_gpt2",
+            "transformers.models.qwen2.modeling_qwen2"]
 
 
 def _context():

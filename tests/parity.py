@@ -184,9 +184,20 @@ def train_rank_slice(model: nn.Module, forward, rank: int, world: int, optim: st
     return losses / world
 
 
+# The options that change only the training loop (the optimizer and how it steps), not what is
+# sharded or compiled: runs that differ only in these can train one compiled model in turn.
+TRAINING_OPTIONS = ("optim", "local_step", "step_in_backward")
+
+
 def sharded_run(rank: int, world: int, kind: str, mode: str, **options) -> dict:
-    """Shard, train on this rank's slice; returns the global mean losses and full parameters."""
+    """Shard, train on this rank's slice; returns the global mean losses and full parameters.
+
+    ``retrain``: ``{name: training options}`` (keys of :data:`TRAINING_OPTIONS`): after the
+    run, the same model (the same compiled regions, no recompile) is put back to its initial
+    shards and trained again from scratch with each of these in turn; ``out["retrained"][name]``
+    holds each one's losses, parameters, overlap counts and the number of regions then."""
     keep_model = options.pop("keep_model", False)
+    retrain = options.pop("retrain", {})
     options_eval = options.pop("eval", False)
     hook_after_eval = options.pop("hook_after_eval", False)
     optim, local_step = options.pop("optim", "adamw"), options.pop("local_step", False)
@@ -200,6 +211,7 @@ def sharded_run(rank: int, world: int, kind: str, mode: str, **options) -> dict:
     else:
         forward = torch.compile(model, backend=shardc.backend(inductor=(mode == "inductor"),
                                                               **options), dynamic=dynamic)
+    initial = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
     losses = train_rank_slice(model, forward, rank, world, optim, local_step, overlap)
     evaluated = eval_forward(model, forward, rank, world) if options_eval else None
     hooked = None
@@ -216,9 +228,27 @@ def sharded_run(rank: int, world: int, kind: str, mode: str, **options) -> dict:
            "host_masters": host_masters(model), "overlap": overlap,
            "trainable": {n for n, p in model.named_parameters() if p.requires_grad},
            "activation_copies": activation_copies(state)}
+    out["retrained"] = {name: _retrain(model, forward, rank, world, initial, **training)
+                        for name, training in retrain.items()}
     if keep_model:
         out.update(model=model, forward=forward)
     return out
+
+
+def _retrain(model: nn.Module, forward, rank: int, world: int, initial: dict, *,
+             optim: str = "adamw", local_step: bool = False,
+             step_in_backward: bool = False) -> dict:
+    """Put ``model``'s local shards back to ``initial`` and train it again from scratch (a new
+    optimizer) through the same ``forward``; see :func:`sharded_run`'s ``retrain``."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.to_local().copy_(initial[name])
+            p.grad = None
+    overlap = {} if step_in_backward else None
+    losses = train_rank_slice(model, forward, rank, world, optim, local_step, overlap)
+    return {"losses": losses, "overlap": overlap,
+            "params": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()},
+            "regions": len(shardc.shard_state(model).regions)}
 
 
 def host_masters(model: nn.Module) -> dict[str, bool]:

@@ -1538,7 +1538,16 @@ ONE_WORLD = {"blocks_accumulate_shapes": 2, "torch_transformer": 2, "hf_gpt2": 3
              "peak_budget_offload": 3,
              "adam": 3, "checkpoint_sdpa": 2, "checkpoint_sdpa_selective": 3,
              "moe_compiled": 2, "changing_seq": 2, "changing_both": 3, "nested": 3,
-             "optim_offload_no_sync_clip": 3}
+             "optim_offload_no_sync_clip": 3,
+             # Compiled scenarios whose point does not depend on the size, each at one (eager
+             # variants of several stay at both). Accumulation with and without sync at 3 (and
+             # eager at 3): tests/test_grad_sync.py; one module applied twice at 2:
+             # tests/test_parity.py ("repeated").
+             "accumulate": 2, "accumulate_no_sync": 2, "accumulate_clip": 3,
+             "offload_no_sync_clip": 2, "changing_batch": 2, "two_forwards": 3,
+             "unused_outputs": 2, "float64": 3, "bfloat16": 2, "batchnorm": 3, "repeated": 3,
+             "lstm": 2, "meta_to_empty": 3, "checkpoint": 3, "moe_recompile_limit": 2,
+             "submesh": 2}
 SLOW_SCENARIOS = ("checkpoint_sdpa_reentrant", "checkpoint_sdpa_dynamic",
                   "checkpoint_sdpa_save_all", "hf_checkpoint_reentrant", "checkpoint_dropout",
                   "checkpoint_fp8", "checkpoint_fp8_eager", *INDUCTOR_SCENARIOS)

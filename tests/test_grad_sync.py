@@ -53,7 +53,8 @@ def _worker(rank: int, world: int) -> dict:
 
 
 def test_accumulation_with_and_without_sync_matches_reference():
-    # World 3 (uneven) only: tests/test_real_models.py runs no_sync accumulation at 2 and 3.
+    # World 3 (uneven) only: tests/test_real_models.py runs accumulation with and without sync
+    # at 2 (no_sync with CPU offload at 2 and 3).
     for world in (3,):
         out = run_ranks(_worker, world)[0]
         for key, err in out["errors"].items():

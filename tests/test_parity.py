@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch._dynamo
 from dist_utils import run_ranks
-from parity import STEPS, assert_parity, max_rel_err, reference, sharded_run
+from parity import STEPS, TRAINING_OPTIONS, assert_parity, max_rel_err, reference, sharded_run
 
 import shardc
 
@@ -26,11 +26,35 @@ def references():
     return refs
 
 
-def _scenarios(rank: int, world: int, scenarios: list) -> list[dict]:
-    results = []
-    for kind, mode, options in scenarios:
+def _compiled_with(named: dict[str, tuple[str, str, dict]]) -> dict[str, str]:
+    """name -> the scenario whose compiled model it trains again (``same_compile_as``): the two
+    differ only in :data:`TRAINING_OPTIONS` (checked), so one compile serves both."""
+    def compiled(options: dict) -> dict:
+        return {k: v for k, v in options.items()
+                if k not in (*TRAINING_OPTIONS, "same_compile_as")}
+
+    out = {}
+    for name, (kind, mode, options) in named.items():
+        base = options.get("same_compile_as")
+        if base is None:
+            continue
+        base_kind, base_mode, base_options = named[base]
+        assert (kind, mode, compiled(options)) == (base_kind, base_mode, compiled(base_options))
+        assert "same_compile_as" not in base_options, (name, base)
+        out[name] = base
+    return out
+
+
+def _scenarios(rank: int, world: int, named: dict[str, tuple[str, str, dict]]) -> dict:
+    results = {}
+    derived = _compiled_with(named)
+    for name, (kind, mode, options) in named.items():
+        if name in derived:
+            continue
         torch._dynamo.reset()
-        out = sharded_run(rank, world, kind, mode, **options)
+        retrain = {other: {k: v for k, v in named[other][2].items() if k in TRAINING_OPTIONS}
+                   for other, base in derived.items() if base == name}
+        out = sharded_run(rank, world, kind, mode, retrain=retrain, **options)
         # dynamic=True: Dynamo may enter the backend for a first graph it then discards.
         if mode != "eager" and not options.get("dynamic"):
             assert out["plans"] and all(p is not None for p in out["plans"]), (
@@ -53,8 +77,12 @@ def _scenarios(rank: int, world: int, scenarios: list) -> list[dict]:
         out["peak"] = [(p.predicted.forward_peak_bytes, p.predicted.backward_peak_bytes)
                        for p in out["plans"] if p is not None]
         out["plans"] = len(out["plans"])
-        results.append(out)
-    return results
+        for other, again in out.pop("retrained").items():
+            # The same compiled regions trained again: no region was added (no recompile).
+            assert again.pop("regions") == out["plans"], f"{other}: recompiled"
+            results[other] = {**out, **again}
+        results[name] = out
+    return {name: results[name] for name in named}
 
 
 def _parity_scenarios(world: int) -> dict[str, tuple[str, str, dict]]:
@@ -79,8 +107,10 @@ def _parity_scenarios(world: int) -> dict[str, tuple[str, str, dict]]:
         (at(2), "no_prefetch", ("llama", "fx", {"prefetch": False})),
         (at(3, 4), "variant", ("variant", "fx", {})),
         (at(2), "repeated", ("repeated", "fx", {})),  # one module applied twice per forward
-        # The optimizer steps the local shards (shardc.optim.local_shard_step).
-        (at(1, 4), "local_step", ("llama", "fx", {"local_step": True})),
+        # The optimizer steps the local shards (shardc.optim.local_shard_step); it changes the
+        # step only, so it trains the "fx" run's compiled model again (same_compile_as).
+        (at(1, 4), "local_step", ("llama", "fx", {"local_step": True,
+                                                  "same_compile_as": "fx"})),
         (at(1), "variant_local_sgd", ("variant", "fx", {"local_step": True, "optim": "sgd"})),
         (at(1), "blocks_inline", ("blocks", "fx", {"eval": True, "compile_blocks_once": False})),
         # dynamic=True traces the blocks' float attributes (LayerNorm's eps) as symbols, which
@@ -90,7 +120,8 @@ def _parity_scenarios(world: int) -> dict[str, tuple[str, str, dict]]:
                                                "bucket_by": "param"})),
         # Poisoned pool buffers: any planning error that overlapped live buffers gives NaNs.
         (at(2), "debug_pool", ("llama", "fx", {"debug_pool": True, "prefetch_depth": 2})),
-        (at(2), "fused_adamw", ("llama", "fx", {"local_step": True, "optim": "adamw-fused"})),
+        (at(2), "fused_adamw", ("llama", "fx", {"local_step": True, "optim": "adamw-fused",
+                                                "same_compile_as": "fx"})),
         # A peak budget with room for everything (issue 22; the mix of kept and resharded
         # buckets is tested at world 3, tests/test_real_models.py).
         (at(1, 2), "roomy_budget", ("llama", "fx", {"peak_memory_budget_bytes": 1 << 40})),
@@ -99,7 +130,8 @@ def _parity_scenarios(world: int) -> dict[str, tuple[str, str, dict]]:
         (at(1, 3), "offload", ("llama", "fx", {"offload": OFFLOAD})),
         # The host step overlapped with the backward (shardc.step_in_backward).
         (at(1, 3), "offload_overlap", ("llama", "fx", {"offload": OFFLOAD,
-                                                       "step_in_backward": True})),
+                                                       "step_in_backward": True,
+                                                       "same_compile_as": "offload"})),
         (at(3), "offload_overlap_eager", ("llama", "eager", {"offload": OFFLOAD,
                                                              "step_in_backward": True})),
         # Tied weights, a frozen layer, an unused and (world 4) an empty shard.
@@ -140,7 +172,8 @@ def _parity_scenarios(world: int) -> dict[str, tuple[str, str, dict]]:
 def test_parity_eager_and_fx(world, references):
     named = _parity_scenarios(world)
     scenarios = list(named.values())
-    runs = dict(zip(named, run_ranks(_scenarios, world, scenarios)[0]))
+    runs = run_ranks(_scenarios, world, named)[0]
+    assert list(runs) == list(named)
     for name, run in runs.items():
         kind, mode, options = named[name]
         if mode != "eager":

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -45,11 +46,15 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def runs() -> dict[int, list[dict]]:
+    """Both groups at once: the failure scenarios leave their ranks waiting for timeouts (seconds
+    each), which the other group's compiles fill on a 2-core machine."""
     names = [n for n in SCENARIOS
              if (HAS_TRANSFORMERS or n not in HF) and n not in SLOW_SCENARIOS]
-    return {world: run_ranks(run_scenarios, world,
-                             [n for n in names if ONE_WORLD.get(n, world) == world])
-            for world in WORLDS}
+    with ThreadPoolExecutor(len(WORLDS)) as pool:
+        futures = {world: pool.submit(run_ranks, run_scenarios, world,
+                                      [n for n in names if ONE_WORLD.get(n, world) == world])
+                   for world in WORLDS}
+        return {world: future.result() for world, future in futures.items()}
 
 
 _REFS: dict = {}
@@ -160,7 +165,8 @@ def test_moe_eager_fallback_after_recompile_limit_gathers(runs):
     """Dynamo's defaults (graph break at nonzero) with recompile_limit=1: once Dynamo gives up on
     an expert's forward it runs eagerly, and its parameters are still gathered (not left as
     DTensor shards: 'aten.addmm.default got mixed torch.Tensor and DTensor')."""
-    for world, got in zip(WORLDS, check_parity(runs, "moe_recompile_limit")):
+    for world, got in zip(_worlds("moe_recompile_limit"),
+                          check_parity(runs, "moe_recompile_limit")):
         assert got["recompile_limit_hits"] > 0, f"world {world}: Dynamo never fell back to eager"
 
 
@@ -375,7 +381,7 @@ def test_blocks_compiled_once_through_no_sync_and_dynamic_shapes(runs):
 def test_changing_batch_size_reuses_one_dynamic_plan(runs):
     """Planning adds no shape guard: the first batch size compiles a static plan, the second a
     dynamic one (torch's automatic dynamic shapes) that every later batch size reuses."""
-    for world in WORLDS:
+    for world in _worlds("changing_batch"):
         planned = _run(runs, "changing_batch", world)["planned"]
         shapes = len(SHAPES["changing_batch"])
         assert planned <= 2, f"world {world}: {planned} plans for {shapes} batch sizes"
@@ -455,7 +461,7 @@ def test_meta_build_to_empty_then_init_trains_and_explains(runs):
     module, the reference's initial values loaded into the shards: the parameters are the right
     DTensor shards (Shard(0), uneven local rows, requires_grad), the compiled training is at
     parity, and shardc.explain / explain_all see the plan with its process-group roles."""
-    for world, got in zip(WORLDS, check_parity(runs, "meta_to_empty")):
+    for world, got in zip(_worlds("meta_to_empty"), check_parity(runs, "meta_to_empty")):
         _check_kept(got, world)
         assert got["explained"] > 0, f"world {world}: shardc.explain shows no collective"
 
@@ -621,7 +627,7 @@ def test_submesh_slice_and_opt_out_train(runs):
     parallel inside pipeline stages), and so is each rank's own 1-rank mesh with
     ``allow_partial_mesh=True``: each rank trains alone on its own data, at parity with unsharded
     training on its slice (the ranks drift apart, as nothing synchronizes them)."""
-    for world in WORLDS:
+    for world in _worlds("submesh"):
         for name in ("slice", "opt_out"):
             for rank, result in enumerate(runs[world]):
                 got = result["submesh"]
@@ -680,12 +686,13 @@ def test_no_forward_left_counted(runs):
 def test_forward_count_after_eager_fallback_and_lstm(runs):
     """The MoE really fell back to eager at the recompile limit and the LSTM really trained at
     parity; both left no forward counted."""
-    for world in WORLDS:
-        for result in runs[world]:
-            for name in FORWARD_COUNT_HAZARDS:
+    for name in FORWARD_COUNT_HAZARDS:
+        for world in _worlds(name):
+            for result in runs[world]:
                 assert "exception" not in result[name], result[name]["exception"]
                 assert result[name]["forward_depth_after"] == 0, (world, name)
-            assert result["moe_recompile_limit"]["recompile_limit_hits"] > 0
+                if name == "moe_recompile_limit":
+                    assert result[name]["recompile_limit_hits"] > 0, world
 
 
 def test_every_scenario_ran(runs):
