@@ -315,6 +315,7 @@ class _Timeline:
         self._entry_left = entry_s
         self._launch_s = profile.graph_launch_s() + launch_extra_s
         self.free: dict[str, float] = {}
+        self.launches = 0  # kernels launched (each at ``graph_launch_s`` of host time)
         # Device seconds by kernel category, and the stream's idle time waiting for the host
         # (``launch_bound``, ``param_host``) or for a collective (``exposed_comm``): they add up
         # to the graph's time (see :func:`kernel_category`).
@@ -337,6 +338,7 @@ class _Timeline:
     def kernel(self, seconds: float, category: str = "other") -> tuple[float, float]:
         """Run one kernel of ``seconds`` device time; returns its (start, end)."""
         self.host += self._launch_s
+        self.launches += 1
         start = max(self.t, self.host)
         self._idle(start - self.t)
         busy_until = max(self.free.values(), default=0.0)
@@ -385,7 +387,8 @@ def _simulate(g: GraphView, colls: list[Collective], profile: ClusterProfile,
     wait. ``entry_s``: the host's per-parameter work before the first launch;
     ``graph_host_s``: its per-parameter work spread over the graph's kernels (see
     :class:`_Timeline`). Fills the predictions; returns ``(ops, graph seconds, exposed
-    communication, seconds by category, device time queued after the host's last launch)``."""
+    communication, seconds by category, device time queued after the host's last launch,
+    kernels launched)``."""
     ops = []
     by_id = {c.id: c for c in colls}
     chained = {c.link: c for c in colls
@@ -449,7 +452,7 @@ def _simulate(g: GraphView, colls: list[Collective], profile: ClusterProfile,
             ops.append(ComputeOp(node.name, str(node.target), flops, nbytes, start, end))
     for c in colls:
         c.overlaps = [op.name for op in ops[c.issue_pos:c.wait_pos]][:64]
-    return ops, line.t, line.exposed, line.by_category, line.queued_s()
+    return ops, line.t, line.exposed, line.by_category, line.queued_s(), line.launches
 
 
 def _memory_timeline(g: GraphView, colls: list[Collective]) -> list[int]:
@@ -513,6 +516,25 @@ def device_name(gm: fx.GraphModule) -> str | None:
     return None
 
 
+def _host_work(cluster: ClusterProfile, g: GraphView, first: bool
+               ) -> tuple[float, float, float]:
+    """The host work of one graph that the profile prices per parameter tensor and per step:
+    ``(entry before the first launch, work spread over the launches, gradient hand-off after
+    the last launch)``. A forward has the first two (its parameters: its gathers), a backward
+    the last (its gradients: its reduce-scatters); ``first``: the region called first, which
+    also carries the step's fixed host work (each phase's total at least zero)."""
+    if g.name == "forward":
+        n = len(g.gathers)
+        entry = cluster.region_entry_per_param_s * n \
+            + (cluster.region_entry_fixed_s if first else 0.0)
+        spread = cluster.forward_graph_per_param_s * n \
+            + (cluster.forward_graph_fixed_s if first else 0.0)
+        return max(entry, 0.0), max(spread, 0.0), 0.0
+    handoff = cluster.grad_handoff_per_param_s * len(g.reduces) \
+        + (cluster.grad_handoff_fixed_s if first else 0.0)
+    return 0.0, 0.0, max(handoff, 0.0)
+
+
 def plan_region(
     forward: fx.GraphModule,
     backward: fx.GraphModule | None,
@@ -554,15 +576,16 @@ def plan_region(
                                   c.origin == "shardc" and c.kind != Kind.ALL_GATHER, c.bucket))
         # Per-parameter host work: entering the region (its forward, before the first launch)
         # and handing the gradients off (after the backward's last launch; the step places it,
-        # shardc.planning.step).
-        forward = g.name == "forward"
-        entry_s = cluster.region_entry_per_param_s * len(g.gathers) if forward else 0.0
-        graph_host_s = cluster.forward_graph_per_param_s * len(g.gathers) if forward else 0.0
-        ops, step, exposed, by_category, queued = _simulate(g, colls + copies, cluster,
-                                                            plan.tp_size, entry_s, graph_host_s)
+        # shardc.planning.step). The fixed host work per step (profile version 4) goes to the
+        # region called first (region 0): its forward is the step's first, its backward the
+        # step's last.
+        entry_s, graph_host_s, handoff_s = _host_work(cluster, g, first=region == 0)
+        ops, step, exposed, by_category, queued, launches = _simulate(
+            g, colls + copies, cluster, plan.tp_size, entry_s, graph_host_s)
+        setattr(plan.predicted, f"{g.name}_kernels", float(launches))
         if g.name == "backward":
             plan.predicted.backward_queued_s = queued
-            plan.predicted.grad_handoff_s = cluster.grad_handoff_per_param_s * len(g.reduces)
+            plan.predicted.grad_handoff_s = handoff_s
         plan.collectives.extend(colls)
         plan.copies.extend(copies)
         plan.graphs[g.name] = ops

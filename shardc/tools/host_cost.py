@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from shardc.planning.fit import fit_per_param
-from shardc.planning.profile import PER_PARAM_FIELDS
+from shardc.planning.profile import FIXED_FIELDS, PER_PARAM_FIELDS
 
 # Depths of the measured model (:data:`MODEL`; 9 parameter tensors per Llama block).
 GPU_PARAM_LAYERS = (2, 8)
@@ -69,6 +69,16 @@ class PhaseTimes:
     # Host seconds from the forward's call to its first device work (None: not measured, on
     # the CPU: the whole forward is then the entry's).
     forward_prelaunch_s: float | None = None
+    # The kernels the cost model launches for the forward and backward graphs (the plans'
+    # ``forward_kernels``/``backward_kernels``; None: not known, the counted ones are used).
+    # The step model charges ``compiled_launch_s`` per kernel it groups, not per kernel the
+    # device runs: the fit must take out the same launches, so that what the model's grouping
+    # misses (Inductor launches more, smaller kernels) lands in the per-parameter terms.
+    forward_model_kernels: int | None = None
+    backward_model_kernels: int | None = None
+    # Host seconds from ``optimizer.step()``'s call to its first device work (on a GPU; the
+    # notes record it: where the optimizer's fixed host work sits).
+    optimizer_prelaunch_s: float | None = None
 
 
 def unpriced_seconds(t: PhaseTimes, compiled_launch_s: float, graph_call_s: float
@@ -76,19 +86,22 @@ def unpriced_seconds(t: PhaseTimes, compiled_launch_s: float, graph_call_s: floa
     """Each phase's host seconds less what the profile's per-call and per-kernel terms price
     (the compiled graphs' calls and launches), keyed by the per-parameter field it fits. The
     forward splits at its first device work: before it the call, the entry and one launch;
-    after it the other launches and the rest."""
-    forward = t.forward_s - graph_call_s - t.forward_kernels * compiled_launch_s
+    after it the other launches and the rest. The launches are the cost model's kernels where
+    known (``forward_model_kernels``, ``backward_model_kernels``), else the counted ones."""
+    fw_kernels = t.forward_kernels if t.forward_model_kernels is None \
+        else t.forward_model_kernels
+    bw_kernels = t.backward_kernels if t.backward_model_kernels is None \
+        else t.backward_model_kernels
+    forward = t.forward_s - graph_call_s - fw_kernels * compiled_launch_s
     if t.forward_prelaunch_s is None:
         entry, in_graph = forward, 0.0
     else:
-        entry = t.forward_prelaunch_s - graph_call_s - min(t.forward_kernels, 1) \
-            * compiled_launch_s
+        entry = t.forward_prelaunch_s - graph_call_s - min(fw_kernels, 1) * compiled_launch_s
         in_graph = forward - entry
     return {
         "region_entry_per_param_s": entry,
         "forward_graph_per_param_s": in_graph,
-        "grad_handoff_per_param_s": t.backward_s - graph_call_s
-        - t.backward_kernels * compiled_launch_s,
+        "grad_handoff_per_param_s": t.backward_s - graph_call_s - bw_kernels * compiled_launch_s,
         "optimizer_per_param_s": t.optimizer_s,
         "zero_grad_per_param_s": t.zero_grad_s,
     }
@@ -97,13 +110,17 @@ def unpriced_seconds(t: PhaseTimes, compiled_launch_s: float, graph_call_s: floa
 def fit_param_host_cost(times: Sequence[PhaseTimes], compiled_launch_s: float,
                         graph_call_s: float) -> dict[str, float]:
     """Host seconds per parameter tensor of each phase (the profile's ``PER_PARAM_FIELDS``)
-    from models of two or more parameter counts: the slope of what the other terms leave."""
+    and per step (``FIXED_FIELDS``) from models of two or more parameter counts: the slope and
+    the intercept of what the other terms leave."""
     if len({t.params for t in times}) < 2:
         raise ValueError("calibrate: host seconds per parameter tensor need models of two or more "
                          f"parameter counts (got {[t.params for t in times]})")
     rows = [unpriced_seconds(t, compiled_launch_s, graph_call_s) for t in times]
-    return {name: fit_per_param([t.params for t in times], [r[name] for r in rows], name)[1]
-            for name in PER_PARAM_FIELDS}
+    out: dict[str, float] = {}
+    for name, fixed_name in zip(PER_PARAM_FIELDS, FIXED_FIELDS):
+        out[fixed_name], out[name] = fit_per_param([t.params for t in times],
+                                                   [r[name] for r in rows], name)
+    return {name: out[name] for name in PER_PARAM_FIELDS + FIXED_FIELDS}
 
 
 class _Layer(nn.Module):
@@ -225,14 +242,16 @@ def time_phases(layers: int, device: torch.device, mesh, steps: int,
         loss_fn().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    prelaunch = []
-    for _ in range(5 if gpu else 1):  # the forward's host time before its first launch
+    prelaunch, opt_prelaunch = [], []
+    for _ in range(5 if gpu else 1):  # host time before the first launch (forward, optimizer)
         loss, fw_kernels, before = _device_work(loss_fn, device)
         _, bw_kernels, _ = _device_work(loss.backward, device)
-        opt.step()
+        _, _, opt_before = _device_work(opt.step, device)
         opt.zero_grad(set_to_none=True)
         if before is not None:
             prelaunch.append(before)
+        if opt_before is not None:
+            opt_prelaunch.append(opt_before)
     if gpu and not (fw_kernels and bw_kernels and prelaunch):
         raise RuntimeError(
             f"calibrate: torch.profiler saw {fw_kernels} forward and {bw_kernels} backward CUDA "
@@ -255,8 +274,23 @@ def time_phases(layers: int, device: torch.device, mesh, steps: int,
             phase.append(seconds)
     sync()
     n = sum(1 for _ in model.parameters())
+    model_fw, model_bw = model_kernels(shardc.explain_all(model))
     return PhaseTimes(n, *(statistics.median(p) for p in phases), fw_kernels, bw_kernels,
-                      statistics.median(prelaunch) if prelaunch else None)
+                      statistics.median(prelaunch) if prelaunch else None,
+                      model_fw, model_bw,
+                      statistics.median(opt_prelaunch) if opt_prelaunch else None)
+
+
+def model_kernels(plans) -> tuple[int | None, int | None]:
+    """The kernels the cost model launches for the forward and the backward graphs of
+    ``plans`` (every region; None where a plan does not say, e.g. one made before the count
+    was recorded)."""
+    out = []
+    for graph in ("forward", "backward"):
+        counts = [getattr(p.predicted, f"{graph}_kernels") for p in plans]
+        out.append(None if not counts or any(c is None for c in counts)
+                   else int(sum(counts)))
+    return out[0], out[1]
 
 
 def measure_param_host_cost(device: torch.device, compiled_launch_s: float, graph_call_s: float,
