@@ -35,14 +35,17 @@ PROFILE_FORMAT = "shardc-cluster-profile"
 # Version 3 added the host seconds per parameter tensor (:data:`PER_PARAM_FIELDS`); a version-1
 # or 2 profile reads with zeros for them (its predictions are unchanged).
 # Version 4 added each phase's fixed host seconds per step (:data:`FIXED_FIELDS`, the
-# intercepts of the same fits); an older profile reads with zeros for them (predictions
-# unchanged).
+# intercepts of the same fits) and the backward's host work before its first launch
+# (``backward_entry_per_param_s``, split from the hand-off); an older profile reads with zeros
+# for them and predicts as before; from version 4 the backward's call and entry also hide under
+# the device work the forward left queued (shardc.planning.schedule.plan_region).
 PROFILE_VERSION = 4
 READABLE_PROFILE_VERSIONS = (1, 2, 3, 4)
 # The host work that grows with the number of parameter tensors, outside what the per-kernel and
 # per-call terms price (see ClusterProfile): seconds per parameter tensor, one field per phase.
 PER_PARAM_FIELDS = ("region_entry_per_param_s", "forward_graph_per_param_s",
-                    "grad_handoff_per_param_s", "optimizer_per_param_s", "zero_grad_per_param_s")
+                    "backward_entry_per_param_s", "grad_handoff_per_param_s",
+                    "optimizer_per_param_s", "zero_grad_per_param_s")
 # The same phases' host seconds per step that do not grow with the parameter tensors (what the
 # per-call and per-kernel terms leave at zero parameters: the loss, the optimizer's own Python,
 # ...): one field per per-parameter field, in the same order.
@@ -124,11 +127,16 @@ class ClusterProfile:
       its parameters, and Inductor's Python per kernel grows with the kernel's arguments and
       buffers, which the chain ``compiled_launch_s`` is fitted on hardly has. Charged spread
       over the forward's kernel launches (it hides where the device is the bottleneck).
+    - ``backward_entry_per_param_s`` (version 4): ``backward()`` up to the compiled backward's
+      first device work, per gradient (the autograd engine and the compiled backward's wrapper
+      taking its inputs). Charged on the backward's host timeline before its first launch; the
+      device waits for it unless the forward left work queued.
     - ``grad_handoff_per_param_s``: the end of a region's backward, per gradient it returns:
       wrapping each gradient as a DTensor, ``AccumulateGrad`` and the detach into ``.grad``
       (and whatever else of ``backward()``'s host time grows with the parameters: it is fitted
-      as one term). Charged on the host after the backward's last launch (hidden under the
-      device work still queued then, if any).
+      as one term; since version 4 what runs before the backward's first launch is
+      ``backward_entry_per_param_s``'s). Charged on the host after the backward's last launch
+      (hidden under the device work still queued then, if any).
     - ``optimizer_per_param_s``: ``optimizer.step()`` for torch's ``foreach`` AdamW (the
       default, what the benchmarks run) over DTensor parameters, per parameter tensor: its
       Python, DTensor dispatch of each foreach op and the launches of its kernels. Its device
@@ -144,7 +152,8 @@ class ClusterProfile:
     - ``region_entry_fixed_s``, ``forward_graph_fixed_s``: the first region's forward (the one
       called first; the model's embedding, the loss and the wrappers' Python), before its
       first launch and spread over its launches;
-    - ``grad_handoff_fixed_s``: after the last backward's last launch, with its hand-off;
+    - ``backward_entry_fixed_s``, ``grad_handoff_fixed_s``: the first region's backward (the
+      step's last), before its first launch and after its last;
     - ``optimizer_fixed_s``: ``optimizer.step()`` before its first kernel (its grouping of
       the parameters and state, the profiler and grad-mode wrappers), the device idle unless
       earlier work is still queued;
@@ -176,11 +185,13 @@ class ClusterProfile:
     inter: Link = field(default_factory=lambda: Link(40e9, 10e-6))
     region_entry_per_param_s: float = 0.0
     forward_graph_per_param_s: float = 0.0
+    backward_entry_per_param_s: float = 0.0
     grad_handoff_per_param_s: float = 0.0
     optimizer_per_param_s: float = 0.0
     zero_grad_per_param_s: float = 0.0
     region_entry_fixed_s: float = 0.0
     forward_graph_fixed_s: float = 0.0
+    backward_entry_fixed_s: float = 0.0
     grad_handoff_fixed_s: float = 0.0
     optimizer_fixed_s: float = 0.0
     zero_grad_fixed_s: float = 0.0

@@ -303,15 +303,18 @@ class _Timeline:
     stream's idle time it causes is reported as ``param_host``, the rest of its idle time
     waiting for the host as ``launch_bound``. ``launch_extra_s``: host seconds added to every
     kernel's launch (a forward's ``forward_graph_per_param_s`` times its parameters, spread
-    over its kernels)."""
+    over its kernels). ``host_ahead_s``: how far the host is ahead of the device when it
+    calls the graph (the device work the previous graph left queued: the graph's call and
+    entry hide under it as far as it goes); times are the device's from the end of that
+    work."""
 
     def __init__(self, profile: ClusterProfile, entry_s: float = 0.0,
-                 launch_extra_s: float = 0.0) -> None:
+                 launch_extra_s: float = 0.0, host_ahead_s: float = 0.0) -> None:
         self.profile = profile
         self.t = self.exposed = 0.0
         # The host reaches the graph's first kernel after calling it (guards, wrappers) and
-        # handling its parameters (entry_s).
-        self.host = profile.graph_call_s + entry_s
+        # handling its parameters (entry_s), from where it was.
+        self.host = profile.graph_call_s + entry_s - max(host_ahead_s, 0.0)
         self._entry_left = entry_s
         self._launch_s = profile.graph_launch_s() + launch_extra_s
         self.free: dict[str, float] = {}
@@ -374,7 +377,8 @@ class _Timeline:
 
 
 def _simulate(g: GraphView, colls: list[Collective], profile: ClusterProfile,
-              tp_size: int = 1, entry_s: float = 0.0, graph_host_s: float = 0.0):
+              tp_size: int = 1, entry_s: float = 0.0, graph_host_s: float = 0.0,
+              host_ahead_s: float = 0.0):
     """Timing: the compute stream runs the graph's kernels (:mod:`shardc.planning.kernels`:
     fused groups, matmuls, attention) in order, each at the end of its last op and priced by
     :mod:`shardc.planning.estimate`; each process group's collectives run first-in first-out
@@ -385,10 +389,10 @@ def _simulate(g: GraphView, colls: list[Collective], profile: ClusterProfile,
     shardc's issues, its other waits, and last the found collectives' waits, as
     ``lower.apply_plan`` orders them. An HSDP all-reduce is issued by its reduce-scatter's
     wait. ``entry_s``: the host's per-parameter work before the first launch;
-    ``graph_host_s``: its per-parameter work spread over the graph's kernels (see
-    :class:`_Timeline`). Fills the predictions; returns ``(ops, graph seconds, exposed
-    communication, seconds by category, device time queued after the host's last launch,
-    kernels launched)``."""
+    ``graph_host_s``: its per-parameter work spread over the graph's kernels;
+    ``host_ahead_s``: the previous graph's device work still queued (see :class:`_Timeline`).
+    Fills the predictions; returns ``(ops, graph seconds, exposed communication, seconds by
+    category, device time queued after the host's last launch, kernels launched)``."""
     ops = []
     by_id = {c.id: c for c in colls}
     chained = {c.link: c for c in colls
@@ -401,7 +405,8 @@ def _simulate(g: GraphView, colls: list[Collective], profile: ClusterProfile,
             by_issue.setdefault(c.issue_pos, []).append(c)
         by_wait.setdefault(c.wait_pos, []).append(c)
     kernels = group_kernels(g.compute[0].graph, g.compute) if g.compute else []
-    line = _Timeline(profile, entry_s, graph_host_s / len(kernels) if kernels else 0.0)
+    line = _Timeline(profile, entry_s, graph_host_s / len(kernels) if kernels else 0.0,
+                     host_ahead_s)
     kernel_at = {}
     for k in kernels:
         kernel_at.setdefault(g.position[anchor(k)], []).append(k)
@@ -521,8 +526,9 @@ def _host_work(cluster: ClusterProfile, g: GraphView, first: bool
     """The host work of one graph that the profile prices per parameter tensor and per step:
     ``(entry before the first launch, work spread over the launches, gradient hand-off after
     the last launch)``. A forward has the first two (its parameters: its gathers), a backward
-    the last (its gradients: its reduce-scatters); ``first``: the region called first, which
-    also carries the step's fixed host work (each phase's total at least zero)."""
+    the first and the last (its gradients: its reduce-scatters); ``first``: the region called
+    first, which also carries the step's fixed host work (each phase's total at least
+    zero)."""
     if g.name == "forward":
         n = len(g.gathers)
         entry = cluster.region_entry_per_param_s * n \
@@ -530,9 +536,12 @@ def _host_work(cluster: ClusterProfile, g: GraphView, first: bool
         spread = cluster.forward_graph_per_param_s * n \
             + (cluster.forward_graph_fixed_s if first else 0.0)
         return max(entry, 0.0), max(spread, 0.0), 0.0
-    handoff = cluster.grad_handoff_per_param_s * len(g.reduces) \
+    n = len(g.reduces)
+    entry = cluster.backward_entry_per_param_s * n \
+        + (cluster.backward_entry_fixed_s if first else 0.0)
+    handoff = cluster.grad_handoff_per_param_s * n \
         + (cluster.grad_handoff_fixed_s if first else 0.0)
-    return 0.0, 0.0, max(handoff, 0.0)
+    return max(entry, 0.0), 0.0, max(handoff, 0.0)
 
 
 def plan_region(
@@ -563,6 +572,7 @@ def plan_region(
         if fw.gathers else ""
     _describe_mesh(plan, roles)
     total_time = total_exposed = 0.0
+    queued = 0.0  # device work the previous graph left queued when its host work ended
     for g in graphs:
         colls = _place_all_gathers(g, buckets, options)
         if g.name == "backward":
@@ -580,8 +590,14 @@ def plan_region(
         # region called first (region 0): its forward is the step's first, its backward the
         # step's last.
         entry_s, graph_host_s, handoff_s = _host_work(cluster, g, first=region == 0)
+        # The backward is called right after the forward returns (autograd): its call and
+        # entry hide under the forward's queued device work. (With several regions the next
+        # graph after a forward is the next region's forward; crediting the region's own
+        # backward hides the same amount once per forward.) Profiles before version 4 predict
+        # as they did, each graph from an idle device.
+        ahead = queued if g.name == "backward" and cluster.version >= 4 else 0.0
         ops, step, exposed, by_category, queued, launches = _simulate(
-            g, colls + copies, cluster, plan.tp_size, entry_s, graph_host_s)
+            g, colls + copies, cluster, plan.tp_size, entry_s, graph_host_s, host_ahead_s=ahead)
         setattr(plan.predicted, f"{g.name}_kernels", float(launches))
         if g.name == "backward":
             plan.predicted.backward_queued_s = queued
