@@ -599,8 +599,8 @@ def plan_region(
         ops, step, exposed, by_category, queued, launches = _simulate(
             g, colls + copies, cluster, plan.tp_size, entry_s, graph_host_s, host_ahead_s=ahead)
         setattr(plan.predicted, f"{g.name}_kernels", float(launches))
+        setattr(plan.predicted, f"{g.name}_queued_s", queued)
         if g.name == "backward":
-            plan.predicted.backward_queued_s = queued
             plan.predicted.grad_handoff_s = handoff_s
         plan.collectives.extend(colls)
         plan.copies.extend(copies)
