@@ -16,9 +16,11 @@ compiled graphs:
 3. ``optimizer.zero_grad()``: ``zero_grad_per_param_s`` per parameter tensor and
    ``zero_grad_fixed_s`` of host work.
 
-The fixed host work of the graphs (profile version 4) is in the plans already: the first
-region's forward carries ``region_entry_fixed_s`` and ``forward_graph_fixed_s``, its hand-off
-``grad_handoff_fixed_s`` (:func:`shardc.planning.schedule.plan_region`).
+The graphs' fixed host work (profile version 4) is in the plans already: the first region's
+forward carries ``region_entry_fixed_s`` and ``forward_graph_fixed_s``, its backward
+``backward_entry_fixed_s`` (before its first launch, with ``backward_entry_per_param_s``; it
+hides under the forward's queued device work) and its hand-off ``grad_handoff_fixed_s``
+(:func:`shardc.planning.schedule.plan_region`).
 
 Host work hides under device work only as far as the device still has work queued: at the end
 of a backward that is ``Predictions.backward_queued_s`` (device time queued after the host's
