@@ -44,7 +44,8 @@ READABLE_PROFILE_VERSIONS = (1, 2, 3, 4)
 # The host work that grows with the number of parameter tensors, outside what the per-kernel and
 # per-call terms price (see ClusterProfile): seconds per parameter tensor, one field per phase.
 PER_PARAM_FIELDS = ("region_entry_per_param_s", "forward_graph_per_param_s",
-                    "backward_entry_per_param_s", "grad_handoff_per_param_s",
+                    "backward_entry_per_param_s", "backward_graph_per_param_s",
+                    "grad_handoff_per_param_s",
                     "optimizer_per_param_s", "zero_grad_per_param_s")
 # The same phases' host seconds per step that do not grow with the parameter tensors (what the
 # per-call and per-kernel terms leave at zero parameters: the loss, the optimizer's own Python,
@@ -131,6 +132,10 @@ class ClusterProfile:
       first device work, per gradient (the autograd engine and the compiled backward's wrapper
       taking its inputs). Charged on the backward's host timeline before its first launch; the
       device waits for it unless the forward left work queued.
+    - ``backward_graph_per_param_s`` (version 4): the backward's host time between its first
+      and last launch beyond ``compiled_launch_s`` per kernel of the model: the launches of the
+      kernels Inductor runs beyond the model's groups, per gradient. Charged spread over the
+      backward's launches (it hides where the device is the bottleneck).
     - ``grad_handoff_per_param_s``: the end of a region's backward, per gradient it returns:
       wrapping each gradient as a DTensor, ``AccumulateGrad`` and the detach into ``.grad``
       (and whatever else of ``backward()``'s host time grows with the parameters: it is fitted
@@ -152,8 +157,9 @@ class ClusterProfile:
     - ``region_entry_fixed_s``, ``forward_graph_fixed_s``: the first region's forward (the one
       called first; the model's embedding, the loss and the wrappers' Python), before its
       first launch and spread over its launches;
-    - ``backward_entry_fixed_s``, ``grad_handoff_fixed_s``: the first region's backward (the
-      step's last), before its first launch and after its last;
+    - ``backward_entry_fixed_s``, ``backward_graph_fixed_s``, ``grad_handoff_fixed_s``: the
+      first region's backward (the step's last), before its first launch, spread over its
+      launches and after its last;
     - ``optimizer_fixed_s``: ``optimizer.step()`` before its first kernel (its grouping of
       the parameters and state, the profiler and grad-mode wrappers), the device idle unless
       earlier work is still queued;
@@ -186,12 +192,14 @@ class ClusterProfile:
     region_entry_per_param_s: float = 0.0
     forward_graph_per_param_s: float = 0.0
     backward_entry_per_param_s: float = 0.0
+    backward_graph_per_param_s: float = 0.0
     grad_handoff_per_param_s: float = 0.0
     optimizer_per_param_s: float = 0.0
     zero_grad_per_param_s: float = 0.0
     region_entry_fixed_s: float = 0.0
     forward_graph_fixed_s: float = 0.0
     backward_entry_fixed_s: float = 0.0
+    backward_graph_fixed_s: float = 0.0
     grad_handoff_fixed_s: float = 0.0
     optimizer_fixed_s: float = 0.0
     zero_grad_fixed_s: float = 0.0

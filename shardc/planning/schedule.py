@@ -526,7 +526,7 @@ def _host_work(cluster: ClusterProfile, g: GraphView, first: bool
     """The host work of one graph that the profile prices per parameter tensor and per step:
     ``(entry before the first launch, work spread over the launches, gradient hand-off after
     the last launch)``. A forward has the first two (its parameters: its gathers), a backward
-    the first and the last (its gradients: its reduce-scatters); ``first``: the region called
+    all three (its gradients: its reduce-scatters); ``first``: the region called
     first, which also carries the step's fixed host work (each phase's total at least
     zero)."""
     if g.name == "forward":
@@ -539,9 +539,11 @@ def _host_work(cluster: ClusterProfile, g: GraphView, first: bool
     n = len(g.reduces)
     entry = cluster.backward_entry_per_param_s * n \
         + (cluster.backward_entry_fixed_s if first else 0.0)
+    spread = cluster.backward_graph_per_param_s * n \
+        + (cluster.backward_graph_fixed_s if first else 0.0)
     handoff = cluster.grad_handoff_per_param_s * n \
         + (cluster.grad_handoff_fixed_s if first else 0.0)
-    return max(entry, 0.0), 0.0, max(handoff, 0.0)
+    return max(entry, 0.0), max(spread, 0.0), max(handoff, 0.0)
 
 
 def plan_region(

@@ -24,8 +24,10 @@ for); the step starts on an idle device, as a benchmark's synchronized step does
   the region's entry work (``region_entry_per_param_s``), after it the rest
   (``forward_graph_per_param_s``); on the CPU all of it is the entry's;
 - ``loss.backward()`` less the same for the backward graph, split the same way: before its
-  first device work ``backward_entry_per_param_s``, the rest the gradient hand-off
-  (``grad_handoff_per_param_s``; on the CPU all of it);
+  first device work ``backward_entry_per_param_s``; the launches of the kernels the device ran
+  beyond the model's (they happen between its first and last launch)
+  ``backward_graph_per_param_s``; the rest the gradient hand-off (``grad_handoff_per_param_s``;
+  on the CPU all of it);
 - ``optimizer.step()`` (``optimizer_per_param_s``: foreach AdamW on a GPU, torch's default;
   on the CPU torch's default is the for-loop AdamW) and ``zero_grad(set_to_none=True)``
   (``zero_grad_per_param_s``), whole.
@@ -114,11 +116,15 @@ def unpriced_seconds(t: PhaseTimes, compiled_launch_s: float, graph_call_s: floa
         bw_entry = 0.0
     else:
         bw_entry = t.backward_prelaunch_s - graph_call_s - min(bw_kernels, 1) * compiled_launch_s
+    # The launches of the kernels the device ran beyond the model's happen between the
+    # backward's first and last launch (spread), not in the hand-off after it.
+    bw_graph = (t.backward_kernels - bw_kernels) * compiled_launch_s
     return {
         "region_entry_per_param_s": entry,
         "forward_graph_per_param_s": in_graph,
         "backward_entry_per_param_s": bw_entry,
-        "grad_handoff_per_param_s": backward - bw_entry,
+        "backward_graph_per_param_s": bw_graph,
+        "grad_handoff_per_param_s": backward - bw_entry - bw_graph,
         "optimizer_per_param_s": t.optimizer_s,
         "zero_grad_per_param_s": t.zero_grad_s,
     }
