@@ -25,6 +25,10 @@ holds, per configuration:
   a short ``torch.profiler`` trace (NCCL kernel time with no other kernel running; world > 1
   only); peak memory allocated;
 - the step's error, predicted over measured, minus one;
+- where each phase ends (forward, backward, ``optimizer.step()``, ``zero_grad()``), ms from
+  the step's start: when the host returned from it and when the device reached a CUDA event
+  recorded there (equal: the device waited for the host; later: the host was ahead by the
+  difference), measured beside the model's (the forward's and backward's ends, the step's);
 - where the time goes: the plan's predicted time by kernel category (``Predictions.
   time_by_category_s``: matmul, attention forward/backward, fused, other, copies, waiting for
   the host) next to the GPU kernel time of the same categories, by kernel name
@@ -153,9 +157,29 @@ def _setup(cfg, device, fp8: bool, cluster: dict | None, blocks_once: bool = Fal
     return model, loss
 
 
+# The step's phases, in order: each ends where the host returns from it.
+PHASES = ("forward", "backward", "optimizer.step", "zero_grad")
+
+
 def _events(device):
-    return [torch.cuda.Event(enable_timing=True) for _ in range(3)] if device.type == "cuda" \
-        else None
+    """One CUDA event before the step and one after each phase (GPUs; None on the CPU)."""
+    return [torch.cuda.Event(enable_timing=True) for _ in range(len(PHASES) + 1)] \
+        if device.type == "cuda" else None
+
+
+def phase_boundaries(host: list[float], ev) -> dict[str, dict[str, float]]:
+    """Where one step's phases end, in ms from its start: ``host`` the host's clock when it
+    returned from each phase (``time.perf_counter`` before the first event, then after each
+    phase), ``device`` when the device reached the event recorded there (the later of the
+    device finishing the work queued before it and the host recording it: where the device is
+    still busy, the host is ahead by ``device - host``; where they meet, the device waited for
+    the host)."""
+    out = {}
+    for i, name in enumerate(PHASES, start=1):
+        out[name] = {"host": (host[i] - host[0]) * 1e3}
+        if ev:
+            out[name]["device"] = ev[0].elapsed_time(ev[i])
+    return out
 
 
 def config_seq(c: dict, args) -> int:
@@ -180,33 +204,37 @@ def run_config(c: dict, args, device, cluster: dict | None, log) -> dict[str, An
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     compile_s = time.perf_counter() - t0
-    fwd_bwd, optim, step = [], [], []
+    fwd_bwd, optim, step, phases = [], [], [], []
     for _ in range(args.steps):
         tokens, targets = next(it)
         ev = _events(device)
-        t = time.perf_counter()
+        host = [time.perf_counter()]
         if ev:
             ev[0].record()
-        loss_fn(tokens, targets).backward()
-        t_mid = time.perf_counter()
-        if ev:
-            ev[1].record()
+        loss = loss_fn(tokens, targets)
+        _mark(host, ev, 1)
+        loss.backward()
+        _mark(host, ev, 2)
         opt.step()
+        _mark(host, ev, 3)
         opt.zero_grad(set_to_none=True)
+        _mark(host, ev, 4)
         if ev:
-            ev[2].record()
-            ev[2].synchronize()
-            fwd_bwd.append(ev[0].elapsed_time(ev[1]) / 1e3)
-            optim.append(ev[1].elapsed_time(ev[2]) / 1e3)
+            ev[4].synchronize()
+            fwd_bwd.append(ev[0].elapsed_time(ev[2]) / 1e3)
+            optim.append(ev[2].elapsed_time(ev[4]) / 1e3)
         else:
-            fwd_bwd.append(t_mid - t)
-            optim.append(time.perf_counter() - t_mid)
+            fwd_bwd.append(host[2] - host[0])
+            optim.append(host[4] - host[2])
         step.append(fwd_bwd[-1] + optim[-1])
+        phases.append(phase_boundaries(host, ev))
     res: dict[str, Any] = {
         "measured_fwd_bwd_s": statistics.median(fwd_bwd),
         "measured_optimizer_s": statistics.median(optim),
         "measured_step_s": statistics.median(step),
         "compile_s": compile_s,
+        "measured_phases_ms": {name: {k: statistics.median(p[name][k] for p in phases)
+                                      for k in phases[0][name]} for name in PHASES},
     }
     if device.type == "cuda":
         res["measured_peak_bytes"] = torch.cuda.max_memory_allocated(device)
@@ -237,10 +265,41 @@ def run_config(c: dict, args, device, cluster: dict | None, log) -> dict[str, An
         "params": cfg.num_params(), "regions": len(plans), "param_tensors": n_params,
     })
     res["predicted_step_s"] = step.step_s
+    res["predicted_phases_ms"] = predicted_boundaries(plans, step)
     res["predicted_ms_by_category"] = predicted_by_category(
         [p.predicted.get("time_by_category_s") or {} for p in plans], step.by_category)
     del model, loss_fn, opt, data, it, plans
     return res
+
+
+def _mark(host: list[float], ev, i: int) -> None:
+    """The host's clock and (GPUs) an event where phase ``i`` returned."""
+    host.append(time.perf_counter())
+    if ev:
+        ev[i].record()
+
+
+def predicted_boundaries(plans, step) -> dict[str, dict[str, float]]:
+    """The model's side of :func:`phase_boundaries` where it says it (ms from the step's
+    start): the forward and backward returning on the host (the graphs' device ends less the
+    device work still queued, and for the backward plus the gradient hand-off) and on the
+    device (the event's time: the later of the device's end and the host), and the step's end.
+    For one region exactly the timeline :mod:`shardc.planning.step` adds up; with several,
+    the sums of their graphs."""
+    def total(key: str) -> float:
+        return sum(p.predicted.get(key) or 0.0 for p in plans) * 1e3
+
+    last = min(plans, key=lambda p: p.region, default=None)
+    forward = total("forward_time_s")
+    fw_host = forward - (last.predicted.get("forward_queued_s") or 0.0) * 1e3 if last else forward
+    graphs = step.graphs_s * 1e3
+    bw_host = graphs
+    if last is not None:
+        bw_host += ((last.predicted.get("grad_handoff_s") or 0.0)
+                    - (last.predicted.get("backward_queued_s") or 0.0)) * 1e3
+    return {"forward": {"host": fw_host, "device": forward},
+            "backward": {"host": bw_host, "device": max(graphs, bw_host)},
+            "zero_grad": {"device": step.step_s * 1e3}}
 
 
 def predicted_by_category(tables: list[dict[str, float]], after: dict[str, float]
@@ -343,6 +402,7 @@ def render(report: dict) -> str:
                   f"{max(errs) * 100:.1f}% over {len(ok)} configuration(s); goal: within 10% "
                   "(stretch 5%)."]
     lines += category_table(report["results"], m["seq"])
+    lines += phase_table(report["results"], m["seq"])
     lines += ["", "Predicted step = the plan's forward+backward (fused kernels, attention as one "
               "kernel, launch overhead, the host's per-parameter entry work, collectives on their "
               "lanes) + what follows the graphs (`shardc.planning.step`: the gradient hand-off, "
@@ -390,6 +450,33 @@ def category_table(results: list[dict], seq: int) -> list[str]:
             p = sum(pred.get(k, 0.0) for k in pkeys)
             m = f"{sum(meas.get(k, 0.0) for k in mkeys):.1f}" if meas else "–"
             cells.append(f"{p:.1f} / {m}")
+        lines.append(f"| {c['model']} | {c['layers']} | {c['batch']} x {c.get('seq') or seq} | "
+                     + " | ".join(cells) + " |")
+    return lines
+
+
+def phase_table(results: list[dict], seq: int) -> list[str]:
+    """Where each phase ends, ms from the step's start, host / device (see
+    :func:`phase_boundaries`), measured (medians over the timed steps) and predicted where the
+    model says it (``–`` where not)."""
+    rows = [r for r in results if r.get("status") == "ok" and r.get("measured_phases_ms")]
+    if not rows:
+        return []
+    lines = ["", "Phase ends, ms from the step's start, host returned / device reached (the "
+             "device's time is the later of its queued work and the host: where they are equal "
+             "the device waited for the host; measured medians, then predicted):", "",
+             "| model | layers | batch x seq | " + " | ".join(
+                 f"{name} meas | {name} pred" for name in PHASES) + " |",
+             "| --- | ---: | ---: |" + " ---: | ---: |" * len(PHASES)]
+
+    def cell(v: dict | None) -> str:
+        if not v:
+            return "–"
+        return " / ".join("–" if v.get(k) is None else f"{v[k]:.1f}" for k in ("host", "device"))
+
+    for r in rows:
+        c, meas, pred = r["config"], r["measured_phases_ms"], r.get("predicted_phases_ms") or {}
+        cells = [f"{cell(meas.get(name))} | {cell(pred.get(name))}" for name in PHASES]
         lines.append(f"| {c['model']} | {c['layers']} | {c['batch']} x {c.get('seq') or seq} | "
                      + " | ".join(cells) + " |")
     return lines

@@ -68,3 +68,52 @@ def test_predict_step_sets_predicted_beside_measured_by_category():
     # Device idle: waiting for the host's launches and its per-parameter work.
     assert "| 16.0 / 15.0 | 1.5 / 2.0 |" in table[-1]
     assert category_table([{**row, "status": "error"}], 2048) == []
+
+
+class _Event:
+    """A CUDA event's stand-in: the device time (ms) at which it ran."""
+
+    def __init__(self, ms: float) -> None:
+        self.ms = ms
+
+    def elapsed_time(self, other: _Event) -> float:
+        return other.ms - self.ms
+
+
+def test_predict_step_reports_where_each_phase_ends_on_host_and_device():
+    from benchmarks.predict_step import (
+        PHASES,
+        phase_boundaries,
+        phase_table,
+        predicted_boundaries,
+    )
+    from shardc.planning.plan import PLAN_VERSION, Plan
+    from shardc.planning.step import StepPrediction
+
+    # The host returns from the forward at 9 ms (the device reaches it then too: it waited),
+    # from the backward at 24 ms while the device is busy until 27 ms (the host 3 ms ahead).
+    host = [100.0, 100.009, 100.024, 100.030, 100.0303]
+    events = [_Event(5.0), _Event(14.0), _Event(32.0), _Event(48.0), _Event(48.0)]
+    got = phase_boundaries(host, events)
+    assert list(got) == list(PHASES)
+    assert got["forward"] == pytest.approx({"host": 9.0, "device": 9.0})
+    assert got["backward"] == pytest.approx({"host": 24.0, "device": 27.0})
+    assert got["zero_grad"] == pytest.approx({"host": 30.3, "device": 43.0})
+    assert phase_boundaries(host, None)["backward"] == pytest.approx({"host": 24.0})
+    # The model's side: one region whose forward leaves 1 ms queued, whose backward ends with
+    # 5 ms queued and a 7 ms hand-off (the host returns 2 ms after the device's end).
+    plan = Plan(PLAN_VERSION, 0, 1, {}, [], [])
+    p = plan.predicted
+    p.forward_time_s, p.backward_time_s, p.forward_queued_s = 8e-3, 10e-3, 1e-3
+    p.backward_queued_s, p.grad_handoff_s = 5e-3, 7e-3
+    pred = predicted_boundaries([plan], StepPrediction(18e-3, 20e-3, 15e-3))
+    assert pred["forward"] == pytest.approx({"host": 7.0, "device": 8.0})
+    assert pred["backward"] == pytest.approx({"host": 20.0, "device": 20.0})
+    assert pred["zero_grad"] == pytest.approx({"device": 38.0})
+    row = {"status": "ok", "config": {"model": "1b", "layers": 8, "batch": 1, "seq": None},
+           "measured_phases_ms": got, "predicted_phases_ms": pred}
+    table = phase_table([row], 2048)
+    assert table[-1].startswith("| 1b | 8 | 1 x 2048 | 9.0 / 9.0 | 7.0 / 8.0 | 24.0 / 27.0 | "
+                                "20.0 / 20.0 | 30.0 / 43.0 | – |")
+    assert table[-1].endswith("| 30.3 / 43.0 | – / 38.0 |")
+    assert phase_table([{**row, "status": "error"}], 2048) == []

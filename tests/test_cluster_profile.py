@@ -17,6 +17,7 @@ from shardc.planning.estimate import kernel_seconds, optimizer_step_seconds
 from shardc.planning.kernels import FUSABLE, MATMUL, group_kernels
 from shardc.planning.plan import PLAN_VERSION, Collective, Plan
 from shardc.planning.profile import (
+    FIXED_FIELDS,
     PER_PARAM_FIELDS,
     PRESETS,
     PROFILE_VERSION,
@@ -328,7 +329,7 @@ def test_calibrate_on_cpu_writes_a_readable_profile(tmp_path, monkeypatch):
     out = tmp_path / "cpu.json"
     assert cal.main(["--device", "cpu", "--quick", "--out", str(out), "--name", "ci"]) == 0
     p = load_profile(str(out))
-    assert p.name == "ci" and p.source == "measured" and p.version == PROFILE_VERSION == 3
+    assert p.name == "ci" and p.source == "measured" and p.version == PROFILE_VERSION == 4
     assert "calibrate --device cpu" in p.command
     assert {m.dtype for m in p.matmul} == {"float32", "bfloat16"}
     assert all(m.flops_per_s > 0 for m in p.matmul) and p.memory_bandwidth(1 << 17) > 0
@@ -337,8 +338,12 @@ def test_calibrate_on_cpu_writes_a_readable_profile(tmp_path, monkeypatch):
     # The per-parameter host work, fitted to a sharded model at two depths (notes say so; the
     # values are this CPU's timings, so only their kind is checked).
     assert all(getattr(p, f) >= 0 for f in PER_PARAM_FIELDS)
+    assert all(isinstance(getattr(p, f), float) for f in FIXED_FIELDS)
+    # (the kernels the cost model launches for the measured graphs are recorded beside the
+    # counted ones; none are counted on the CPU)
     assert any(n.startswith("host per parameter tensor fitted to") and "3 params" in n
-               and "6 params" in n for n in p.notes)
+               and "6 params" in n and "0 kernels, " in n and " in the model" in n
+               for n in p.notes)
     assert p.intra == Link(*dataclasses.astuple(ClusterProfile("", "", "", "", "").intra))
 
 
@@ -371,57 +376,121 @@ def test_calibration_times_kernels_back_to_back_not_their_launch():
 # ------------------------------------------------------------------------------ per-parameter host
 
 
+COEFFS = {"region_entry_per_param_s": 35e-6, "forward_graph_per_param_s": 20e-6,
+          "backward_entry_per_param_s": 15e-6, "backward_graph_per_param_s": 0.0,
+          "grad_handoff_per_param_s": 40e-6,
+          "optimizer_per_param_s": 45e-6, "zero_grad_per_param_s": 4e-6,
+          "region_entry_fixed_s": 1e-4, "forward_graph_fixed_s": 1.1e-3,
+          "backward_entry_fixed_s": 2e-4, "backward_graph_fixed_s": 0.0,
+          "grad_handoff_fixed_s": -3e-4,
+          "optimizer_fixed_s": 1.8e-3, "zero_grad_fixed_s": 5e-5}
+
+
 def _phase_times(params: int, coeffs: dict[str, float], call: float, launch: float
                  ) -> host_cost.PhaseTimes:
-    """A model's phase times from a known model: each phase a fixed part, the compiled graphs'
-    calls and launches (kernels not in proportion to the parameters) and its seconds per
-    parameter tensor."""
-    fw_kernels, bw_kernels = 4 * params // 3 + 5, 3 * params + 7
-    prelaunch = 1e-4 + call + launch + params * coeffs["region_entry_per_param_s"]
+    """A model's phase times from a known model: each phase's fixed part, the compiled graphs'
+    calls and the launches of the kernels the device runs (not in proportion to the
+    parameters), and its seconds per parameter tensor. The device runs a kernel per three
+    parameters more than the cost model groups (Inductor's, counted): their launches are in the
+    fitted per-parameter terms (see the test)."""
+    fw_model, bw_model = 4 * params // 3 + 5, 3 * params + 7
+    fw_kernels, bw_kernels = fw_model + params // 3, bw_model + params // 3
+    c = coeffs
+    prelaunch = c["region_entry_fixed_s"] + call + launch + params * c["region_entry_per_param_s"]
+    bw_prelaunch = c["backward_entry_fixed_s"] + call + launch \
+        + params * c["backward_entry_per_param_s"]
     return host_cost.PhaseTimes(
         params,
-        forward_s=prelaunch + 2e-4 + (fw_kernels - 1) * launch
-        + params * coeffs["forward_graph_per_param_s"],
-        backward_s=3e-4 + call + bw_kernels * launch
-        + params * coeffs["grad_handoff_per_param_s"],
-        optimizer_s=1e-4 + params * coeffs["optimizer_per_param_s"],
-        zero_grad_s=1e-5 + params * coeffs["zero_grad_per_param_s"],
-        forward_kernels=fw_kernels, backward_kernels=bw_kernels, forward_prelaunch_s=prelaunch)
+        forward_s=prelaunch + c["forward_graph_fixed_s"] + (fw_kernels - 1) * launch
+        + params * c["forward_graph_per_param_s"],
+        backward_s=bw_prelaunch + c["grad_handoff_fixed_s"] + (bw_kernels - 1) * launch
+        + params * c["grad_handoff_per_param_s"],
+        optimizer_s=c["optimizer_fixed_s"] + params * c["optimizer_per_param_s"],
+        zero_grad_s=c["zero_grad_fixed_s"] + params * c["zero_grad_per_param_s"],
+        forward_kernels=fw_kernels, backward_kernels=bw_kernels,
+        forward_prelaunch_s=prelaunch, forward_model_kernels=fw_model,
+        backward_model_kernels=bw_model, backward_prelaunch_s=bw_prelaunch)
 
 
 def test_per_param_host_fit_recovers_known_coefficients():
-    coeffs = {"region_entry_per_param_s": 35e-6, "forward_graph_per_param_s": 20e-6,
-              "grad_handoff_per_param_s": 40e-6, "optimizer_per_param_s": 45e-6,
-              "zero_grad_per_param_s": 4e-6}
+    coeffs = COEFFS
     call, launch = 565e-6, 28e-6
     times = [_phase_times(n, coeffs, call, launch) for n in (24, 96)]
     got = host_cost.fit_param_host_cost(times, launch, call)
-    assert got == pytest.approx(coeffs, rel=1e-9)
+    assert set(got) == set(PER_PARAM_FIELDS) | set(FIXED_FIELDS)
+    # The launches of the kernels the model does not group (one per three parameters) go to
+    # the terms spread over the graphs' launches: the forward's graph work, the backward's.
+    fitted = {**coeffs, "forward_graph_per_param_s": 20e-6 + launch / 3,
+              "backward_graph_per_param_s": launch / 3}
+    assert got == pytest.approx(fitted, rel=1e-9, abs=1e-15)
     assert host_cost.fit_param_host_cost(times, launch, call) == got  # deterministic
     # Three depths: least squares, the same coefficients.
     three = [_phase_times(n, coeffs, call, launch) for n in (24, 48, 96)]
-    assert host_cost.fit_param_host_cost(three, launch, call) == pytest.approx(coeffs, rel=1e-9)
+    assert host_cost.fit_param_host_cost(three, launch, call) == pytest.approx(
+        fitted, rel=1e-9, abs=1e-15)
     # Not subtracting the launches would fold them into the per-parameter terms: the fit takes
     # out exactly what the per-kernel term prices.
     assert host_cost.fit_param_host_cost(times, 0.0, call)["forward_graph_per_param_s"] > 50e-6
-    # Without the time before the first launch (the CPU), the whole forward is the entry's.
-    cpu = [dataclasses.replace(t, forward_prelaunch_s=None) for t in times]
+    # Taking out the kernels the device ran instead of the model's takes out launches the step
+    # model never charges: the host time of the kernels the model does not group is lost.
+    counted = [dataclasses.replace(t, forward_model_kernels=None, backward_model_kernels=None)
+               for t in times]
+    lost = host_cost.fit_param_host_cost(counted, launch, call)
+    assert lost["forward_graph_per_param_s"] == pytest.approx(20e-6, rel=1e-9)
+    assert lost["backward_graph_per_param_s"] == 0.0
+    assert lost["grad_handoff_per_param_s"] == pytest.approx(40e-6, rel=1e-9)
+    # Without the time before the first launch (the CPU), the whole forward is the entry's and
+    # the whole backward the hand-off's.
+    cpu = [dataclasses.replace(t, forward_prelaunch_s=None, backward_prelaunch_s=None)
+           for t in times]
     got = host_cost.fit_param_host_cost(cpu, launch, call)
-    assert got["region_entry_per_param_s"] == pytest.approx(35e-6 + 20e-6, rel=1e-9)
-    assert got["forward_graph_per_param_s"] == 0.0
+    assert got["region_entry_per_param_s"] == pytest.approx(35e-6 + 20e-6 + launch / 3,
+                                                            rel=1e-9)
+    assert got["region_entry_fixed_s"] == pytest.approx(1e-4 + 1.1e-3, rel=1e-9)
+    assert got["grad_handoff_per_param_s"] == pytest.approx(15e-6 + 40e-6, rel=1e-9)
+    assert got["grad_handoff_fixed_s"] == pytest.approx(2e-4 - 3e-4, rel=1e-9)
+    assert got["backward_graph_per_param_s"] == pytest.approx(launch / 3, rel=1e-9)
+    assert got["forward_graph_per_param_s"] == got["backward_entry_per_param_s"] == 0.0
+    assert got["forward_graph_fixed_s"] == got["backward_entry_fixed_s"] == 0.0
     with pytest.raises(ValueError, match="two or more parameter counts"):
         host_cost.fit_param_host_cost(times[:1] * 2, launch, call)
     with pytest.raises(ValueError, match="zero_grad.*not a finite number"):
         fit.fit_per_param([1, 2], [1e-3, float("nan")], "zero_grad_per_param_s")
+    # A slope lost in noise reads as none, and the phase's mean as its fixed part.
+    assert fit.fit_per_param([10, 20], [3e-3, 2e-3], "optimizer") == (2.5e-3, 0.0)
+
+
+def test_the_fitted_host_terms_reproduce_the_calibration_models_host_time():
+    """Priced as the step model prices them (the call, the model's kernels at
+    ``compiled_launch_s``, the per-parameter and fixed terms), the fitted terms give back each
+    measured phase's host time: nothing the calibration measured is dropped or counted
+    twice."""
+    call, launch = 565e-6, 28e-6
+    times = [_phase_times(n, COEFFS, call, launch) for n in (24, 96)]
+    got = host_cost.fit_param_host_cost(times, launch, call)
+    for t in times:
+        n = t.params
+
+        def phase(name: str, n: int = n) -> float:
+            return got[f"{name}_per_param_s"] * n + got[f"{name}_fixed_s"]
+
+        assert call + t.forward_model_kernels * launch + phase("region_entry") \
+            + phase("forward_graph") == pytest.approx(t.forward_s, rel=1e-12)
+        assert call + t.backward_model_kernels * launch + phase("backward_entry") \
+            + phase("backward_graph") + phase("grad_handoff") == pytest.approx(t.backward_s,
+                                                                               rel=1e-12)
+        assert phase("optimizer") == pytest.approx(t.optimizer_s, rel=1e-12)
+        assert phase("zero_grad") == pytest.approx(t.zero_grad_s, rel=1e-12)
 
 
 def test_older_profiles_read_with_no_per_param_host_work_and_predict_as_before():
     data = load_profile("h100").to_dict()
-    for name in PER_PARAM_FIELDS:
+    for name in PER_PARAM_FIELDS + FIXED_FIELDS:
         data.pop(name)
     data["version"] = 2
     v2 = ClusterProfile.from_dict(data)
     assert v2.version == 2 and all(getattr(v2, f) == 0.0 for f in PER_PARAM_FIELDS)
+    assert all(getattr(v2, f) == 0.0 for f in FIXED_FIELDS)
     # The step is the plans' graphs plus the optimizer's device time, as predict_step.py added
     # them before profile version 3.
     plans = [_plan_with(0, 40e-3, queued=5e-3, handoff=0.0),
@@ -542,7 +611,8 @@ def test_plan_charges_the_host_per_parameter_tensor():
     from shardc.planning.schedule import plan_region
 
     forward, backward = _region_graphs(3)
-    base = dataclasses.replace(load_profile("h100"), **dict.fromkeys(PER_PARAM_FIELDS, 0.0))
+    base = dataclasses.replace(load_profile("h100"),
+                               **dict.fromkeys(PER_PARAM_FIELDS + FIXED_FIELDS, 0.0))
     host = dataclasses.replace(base, region_entry_per_param_s=1e-3, grad_handoff_per_param_s=2e-4,
                                forward_graph_per_param_s=5e-4)
     a, b = (plan_region(forward, backward, ShardcOptions(inductor=False), cluster=p).predicted
@@ -557,3 +627,116 @@ def test_plan_charges_the_host_per_parameter_tensor():
     assert b.grad_handoff_s == pytest.approx(3 * 2e-4) and a.grad_handoff_s == 0.0
     assert b.backward_queued_s == pytest.approx(a.backward_queued_s)
     assert b.backward_queued_s >= 0.0
+
+
+def test_plan_charges_the_fixed_host_work_once_where_its_phase_runs():
+    """Profile version 4: the fixed host seconds per step go to the region called first
+    (region 0): its forward waits for the fixed entry and carries the fixed graph work over its
+    launches, its backward waits for the backward's entry work (per gradient and fixed) before
+    its first launch, and its hand-off holds the fixed part (never below zero). A later
+    region gets only the per-parameter terms. Each graph records the kernels it launches."""
+    from shardc.compile.options import ShardcOptions
+    from shardc.planning.schedule import plan_region
+
+    forward, backward = _region_graphs(3)
+    base = dataclasses.replace(load_profile("h100"),
+                               **dict.fromkeys(PER_PARAM_FIELDS + FIXED_FIELDS, 0.0))
+    host = dataclasses.replace(base, region_entry_fixed_s=1e-3, forward_graph_fixed_s=2e-3,
+                               backward_entry_per_param_s=1e-4, backward_entry_fixed_s=4e-4,
+                               grad_handoff_per_param_s=2e-4, grad_handoff_fixed_s=5e-4)
+
+    def plan(profile, region):
+        return plan_region(forward, backward, ShardcOptions(inductor=False), cluster=profile,
+                           region=region).predicted
+
+    a, first, later = plan(base, 0), plan(host, 0), plan(host, 1)
+    # Host-bound (tiny kernels): the first region's forward is longer by all of its fixed work,
+    # the backward by its entry work (3 gradients); a later region's by neither.
+    assert first.forward_time_s == pytest.approx(a.forward_time_s + 1e-3 + 2e-3, rel=1e-9)
+    assert first.time_by_category_s["forward/param_host"] == pytest.approx(1e-3)
+    assert first.backward_time_s == pytest.approx(a.backward_time_s + 3e-4 + 4e-4, rel=1e-9)
+    assert first.grad_handoff_s == pytest.approx(3 * 2e-4 + 5e-4)
+    assert later.forward_time_s == pytest.approx(a.forward_time_s, rel=1e-12)
+    assert later.backward_time_s == pytest.approx(a.backward_time_s + 3e-4, rel=1e-9)
+    assert later.grad_handoff_s == pytest.approx(3 * 2e-4)
+    negative = plan(dataclasses.replace(host, grad_handoff_fixed_s=-1.0), 0)
+    assert negative.grad_handoff_s == 0.0
+    # The kernels each graph launches, as the timeline charged them: 3 matmuls (+ their
+    # fused ReLU and the sum) forward, a matmul chain per gradient backward.
+    assert a.forward_kernels == first.forward_kernels > 3
+    assert a.backward_kernels == first.backward_kernels >= 6
+
+
+def test_the_backward_call_hides_under_the_forwards_queued_device_work():
+    """The host calls the backward as soon as the forward returns: its call and entry work
+    hide under the device work the forward left queued (the host running ahead across the
+    boundary), and only what exceeds it delays the device."""
+    p = _profile(kernel_launch_s=5e-6, compiled_launch_s=30e-6, graph_call_s=1e-3)
+    ahead, idle = _Timeline(p, entry_s=2e-3, host_ahead_s=5e-3), _Timeline(p, entry_s=2e-3)
+    for line in (ahead, idle):
+        line.kernel(1e-3)
+    assert ahead.t == pytest.approx(1e-3)  # 3 ms of call and entry under 5 ms queued
+    assert "param_host" not in ahead.by_category
+    assert idle.t == pytest.approx(1e-3 + 2e-3 + 30e-6 + 1e-3)
+    partly = _Timeline(p, entry_s=2e-3, host_ahead_s=1e-3)
+    partly.kernel(1e-3)
+    assert partly.t == pytest.approx(idle.t - 1e-3)
+    # (the device's wait is the entry work's first, then the launch's)
+    assert partly.by_category["param_host"] == pytest.approx(2e-3)
+    assert partly.by_category["launch_bound"] == pytest.approx(30e-6)
+
+
+def test_optimizer_fixed_host_work_waits_before_its_first_kernel():
+    """The optimizer's fixed host work (grouping parameters and state) runs before its first
+    foreach kernel: a host-bound step (nothing queued) is longer by exactly it, a device-bound
+    one hides it under the backward's queued work."""
+    host_bound = after_backward_seconds(0.0, 2e-3, 10e-3, 1e-3, 0.0, ops=10)
+    with_fixed = after_backward_seconds(0.0, 2e-3, 10e-3, 1e-3, 0.0, ops=10,
+                                        optimizer_prologue_s=1.8e-3)
+    assert with_fixed[0] == pytest.approx(host_bound[0] + 1.8e-3)
+    assert with_fixed[1] == pytest.approx(host_bound[1] + 1.8e-3)
+    queued = after_backward_seconds(8e-3, 2e-3, 10e-3, 1e-3, 0.0, ops=10)
+    assert after_backward_seconds(8e-3, 2e-3, 10e-3, 1e-3, 0.0, ops=10,
+                                  optimizer_prologue_s=1.8e-3) == pytest.approx(queued)
+    # The whole step: the profile's optimizer and zero_grad fixed terms.
+    base = _profile(memory=((1, 2e12),), kernel_gpu_s=0.0, kernel_launch_s=0.0)
+    fixed = dataclasses.replace(base, optimizer_fixed_s=1.8e-3, zero_grad_fixed_s=0.1e-3)
+    spec = OptimizerSpec(param_bytes=4e6, n_params=100)
+    plans = [_plan_with(0, 20e-3, queued=0.5e-3, handoff=1.5e-3)]
+    device = optimizer_step_seconds(4e6, 100, base)  # 40 us: the host is the bottleneck
+    assert predict_step(plans, base, spec).step_s == pytest.approx(20e-3 + 1e-3 + device)
+    # the hand-off beyond the queued work, the optimizer's fixed work, zero_grad's (the
+    # optimizer's kernels run under zero_grad's host work)
+    assert predict_step(plans, fixed, spec).step_s == pytest.approx(
+        20e-3 + 1e-3 + 1.8e-3 + 0.1e-3)
+    device_bound = [_plan_with(0, 60e-3, queued=10e-3, handoff=1.5e-3)]
+    big = OptimizerSpec(param_bytes=1.5e9, n_params=100)
+    assert predict_step(device_bound, fixed, big).step_s == pytest.approx(
+        predict_step(device_bound, base, big).step_s)
+
+
+def test_a_version_3_profile_plans_as_before_and_version_4_hides_the_backward_call():
+    """A version-3 profile (no fixed terms, no backward entry) reads with zeros and plans each
+    graph from an idle device, as before; the same numbers as version 4 let the backward's
+    call hide under the work a device-bound forward left queued."""
+    from shardc.compile.options import ShardcOptions
+    from shardc.planning.schedule import plan_region
+
+    data = load_profile("h100").to_dict()
+    new_in_4 = ("backward_entry_per_param_s", "backward_graph_per_param_s")
+    for name in FIXED_FIELDS + new_in_4:
+        data.pop(name)
+    data["version"] = 3
+    v3 = ClusterProfile.from_dict(data)
+    assert all(getattr(v3, f) == 0.0 for f in FIXED_FIELDS + new_in_4)
+    # Slow matmuls: the forward is device-bound and leaves its matmuls queued.
+    slow = tuple(dataclasses.replace(m, flops_per_s=1e7) for m in v3.matmul)
+    v3 = dataclasses.replace(v3, matmul=slow)
+    v4 = dataclasses.replace(v3, version=4)
+    forward, backward = _region_graphs(3)
+    old, new = (plan_region(forward, backward, ShardcOptions(inductor=False), cluster=p).predicted
+                for p in (v3, v4))
+    assert new.forward_time_s == pytest.approx(old.forward_time_s, rel=1e-12)
+    hidden = v3.graph_call_s + v3.graph_launch_s()
+    assert old.time_by_category_s["backward/launch_bound"] >= hidden
+    assert new.backward_time_s == pytest.approx(old.backward_time_s - hidden, rel=1e-9)

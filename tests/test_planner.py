@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from shardc.memory import breakdown
-from shardc.planning.profile import PER_PARAM_FIELDS, Link, load_profile
+from shardc.planning.profile import FIXED_FIELDS, PER_PARAM_FIELDS, Link, load_profile
 from shardc.tools import cli
 from shardc.tools.model_spec import ModelSpecError, parse_model, parse_overrides
 from shardc.tools.planner import PlanSetup, capacity, device_capacity, fmt_bytes, plan_model
@@ -284,7 +284,7 @@ def test_cli_step_time_comes_from_the_cluster_profile(tmp_path, capsys):
         kernel_gpu_s=fast.kernel_gpu_s * 10, kernel_launch_s=fast.kernel_launch_s * 10,
         compiled_launch_s=fast.graph_launch_s() * 10, graph_call_s=fast.graph_call_s * 10,
         collective_launch_s=fast.collective_launch_s * 10,
-        **{f: getattr(fast, f) * 10 for f in PER_PARAM_FIELDS},
+        **{f: getattr(fast, f) * 10 for f in PER_PARAM_FIELDS + FIXED_FIELDS},
         collectives=(), intra=Link(fast.intra.bus_bandwidth / 10, fast.intra.latency_s * 10))
     path = tmp_path / "slow.json"
     path.write_text(slow.to_json())

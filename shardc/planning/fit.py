@@ -129,11 +129,14 @@ def fit_per_param(counts: Sequence[float], seconds: Sequence[float], what: str
                   ) -> tuple[float, float]:
     """``seconds = fixed + counts * per_param`` by least squares over timings of one phase at
     two or more parameter-tensor counts; returns ``(fixed, per_param)`` with ``per_param >=
-    0`` (a slope lost in noise reads as none). ``what`` names the phase in errors."""
+    0`` (a slope lost in noise reads as none, and ``fixed`` is then the mean). ``what`` names
+    the phase in errors."""
     if len(counts) != len(seconds) or len(set(counts)) < 2:
         raise ValueError(f"shardc fit: {what}: host seconds per parameter tensor need timings "
                          f"at two or more different parameter counts (got counts {list(counts)})")
     if any(not math.isfinite(t) for t in seconds):
         raise ValueError(f"shardc fit: {what}: a timing is not a finite number ({list(seconds)})")
     fixed, per_param = fit_line(counts, seconds)
-    return fixed, max(per_param, 0.0)
+    if per_param < 0:  # no slope: the phase's mean is its fixed part
+        return sum(seconds) / len(seconds), 0.0
+    return fixed, per_param

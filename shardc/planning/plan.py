@@ -122,6 +122,14 @@ class Predictions:
     # hand-off after it (``ClusterProfile.grad_handoff_per_param_s`` per gradient).
     backward_queued_s: float | None = None
     grad_handoff_s: float | None = None
+    # The same at the end of the forward (optional within version 5): what the backward's call
+    # can hide under (profiles of version 4 and later).
+    forward_queued_s: float | None = None
+    # Kernels each graph launches as the cost model groups them (its host timeline charges
+    # ``ClusterProfile.graph_launch_s`` each); calibration subtracts exactly these launches
+    # from a measured phase (shardc.tools.host_cost). Optional within version 5.
+    forward_kernels: float | None = None
+    backward_kernels: float | None = None
 
     def to_dict(self) -> dict[str, float]:
         """The predictions made, by name."""

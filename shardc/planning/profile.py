@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -33,12 +34,23 @@ PROFILE_FORMAT = "shardc-cluster-profile"
 # a version-1 profile reads with the launch of an eager kernel for both and no call cost.
 # Version 3 added the host seconds per parameter tensor (:data:`PER_PARAM_FIELDS`); a version-1
 # or 2 profile reads with zeros for them (its predictions are unchanged).
-PROFILE_VERSION = 3
-READABLE_PROFILE_VERSIONS = (1, 2, 3)
+# Version 4 added each phase's fixed host seconds per step (:data:`FIXED_FIELDS`, the
+# intercepts of the same fits) and the backward's host work before its first launch
+# (``backward_entry_per_param_s``, split from the hand-off); an older profile reads with zeros
+# for them and predicts as before; from version 4 the backward's call and entry also hide under
+# the device work the forward left queued (shardc.planning.schedule.plan_region).
+PROFILE_VERSION = 4
+READABLE_PROFILE_VERSIONS = (1, 2, 3, 4)
 # The host work that grows with the number of parameter tensors, outside what the per-kernel and
 # per-call terms price (see ClusterProfile): seconds per parameter tensor, one field per phase.
 PER_PARAM_FIELDS = ("region_entry_per_param_s", "forward_graph_per_param_s",
-                    "grad_handoff_per_param_s", "optimizer_per_param_s", "zero_grad_per_param_s")
+                    "backward_entry_per_param_s", "backward_graph_per_param_s",
+                    "grad_handoff_per_param_s",
+                    "optimizer_per_param_s", "zero_grad_per_param_s")
+# The same phases' host seconds per step that do not grow with the parameter tensors (what the
+# per-call and per-kernel terms leave at zero parameters: the loss, the optimizer's own Python,
+# ...): one field per per-parameter field, in the same order.
+FIXED_FIELDS = tuple(f.removesuffix("_per_param_s") + "_fixed_s" for f in PER_PARAM_FIELDS)
 PRESETS = ("h100", "h200")
 
 
@@ -116,17 +128,45 @@ class ClusterProfile:
       its parameters, and Inductor's Python per kernel grows with the kernel's arguments and
       buffers, which the chain ``compiled_launch_s`` is fitted on hardly has. Charged spread
       over the forward's kernel launches (it hides where the device is the bottleneck).
+    - ``backward_entry_per_param_s`` (version 4): ``backward()`` up to the compiled backward's
+      first device work, per gradient (the autograd engine and the compiled backward's wrapper
+      taking its inputs). Charged on the backward's host timeline before its first launch; the
+      device waits for it unless the forward left work queued.
+    - ``backward_graph_per_param_s`` (version 4): the backward's host time between its first
+      and last launch beyond ``compiled_launch_s`` per kernel of the model: the launches of the
+      kernels Inductor runs beyond the model's groups, per gradient. Charged spread over the
+      backward's launches (it hides where the device is the bottleneck).
     - ``grad_handoff_per_param_s``: the end of a region's backward, per gradient it returns:
       wrapping each gradient as a DTensor, ``AccumulateGrad`` and the detach into ``.grad``
       (and whatever else of ``backward()``'s host time grows with the parameters: it is fitted
-      as one term). Charged on the host after the backward's last launch (hidden under the
-      device work still queued then, if any).
+      as one term; since version 4 what runs before the backward's first launch is
+      ``backward_entry_per_param_s``'s). Charged on the host after the backward's last launch
+      (hidden under the device work still queued then, if any).
     - ``optimizer_per_param_s``: ``optimizer.step()`` for torch's ``foreach`` AdamW (the
       default, what the benchmarks run) over DTensor parameters, per parameter tensor: its
       Python, DTensor dispatch of each foreach op and the launches of its kernels. Its device
       time is :func:`shardc.planning.estimate.optimizer_step_seconds`'s.
     - ``zero_grad_per_param_s``: ``optimizer.zero_grad(set_to_none=True)``, per parameter
       tensor.
+
+    Fixed host seconds per step of the same phases (version 4; zero in older profiles): the
+    intercepts of the same fits, what each phase's host time holds at zero parameter tensors
+    beyond ``graph_call_s`` and ``compiled_launch_s`` per kernel (the model's kernels: see
+    :mod:`shardc.tools.host_cost`). They are charged once per step, where their phase is:
+
+    - ``region_entry_fixed_s``, ``forward_graph_fixed_s``: the first region's forward (the one
+      called first; the model's embedding, the loss and the wrappers' Python), before its
+      first launch and spread over its launches;
+    - ``backward_entry_fixed_s``, ``backward_graph_fixed_s``, ``grad_handoff_fixed_s``: the
+      first region's backward (the step's last), before its first launch, spread over its
+      launches and after its last;
+    - ``optimizer_fixed_s``: ``optimizer.step()`` before its first kernel (its grouping of
+      the parameters and state, the profiler and grad-mode wrappers), the device idle unless
+      earlier work is still queued;
+    - ``zero_grad_fixed_s``: with zero_grad.
+
+    A fixed term may be negative (a phase whose call costs less than the compiled chain's
+    ``graph_call_s``, e.g. the backward's); a phase's host time is never charged below zero.
 
     :mod:`shardc.planning.step` places them on the step's host and device timelines."""
 
@@ -151,9 +191,18 @@ class ClusterProfile:
     inter: Link = field(default_factory=lambda: Link(40e9, 10e-6))
     region_entry_per_param_s: float = 0.0
     forward_graph_per_param_s: float = 0.0
+    backward_entry_per_param_s: float = 0.0
+    backward_graph_per_param_s: float = 0.0
     grad_handoff_per_param_s: float = 0.0
     optimizer_per_param_s: float = 0.0
     zero_grad_per_param_s: float = 0.0
+    region_entry_fixed_s: float = 0.0
+    forward_graph_fixed_s: float = 0.0
+    backward_entry_fixed_s: float = 0.0
+    backward_graph_fixed_s: float = 0.0
+    grad_handoff_fixed_s: float = 0.0
+    optimizer_fixed_s: float = 0.0
+    zero_grad_fixed_s: float = 0.0
     overlap_slowdown: float = 1.1
     # GPUs per node sharing the ``intra`` link; a group of more ranks spans nodes and runs at the
     # ``inter`` link (its ring crosses the network). Calibration on one node cannot see the target
@@ -168,6 +217,12 @@ class ClusterProfile:
             if not isinstance(value, (int, float)) or not value >= 0:
                 raise ProfileError(f"shardc: cluster profile {self.name!r}: {name} is {value!r}; "
                                    "host seconds per parameter tensor must be a number >= 0 "
+                                   "(0: not measured)")
+        for name in FIXED_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ProfileError(f"shardc: cluster profile {self.name!r}: {name} is {value!r}; "
+                                   "fixed host seconds per step must be a finite number "
                                    "(0: not measured)")
 
     # ------------------------------------------------------------------ lookups

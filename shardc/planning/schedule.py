@@ -309,18 +309,22 @@ class _Timeline:
     stream's idle time it causes is reported as ``param_host``, the rest of its idle time
     waiting for the host as ``launch_bound``. ``launch_extra_s``: host seconds added to every
     kernel's launch (a forward's ``forward_graph_per_param_s`` times its parameters, spread
-    over its kernels)."""
+    over its kernels). ``host_ahead_s``: how far the host is ahead of the device when it
+    calls the graph (the device work the previous graph left queued: the graph's call and
+    entry hide under it as far as it goes); times are the device's from the end of that
+    work."""
 
     def __init__(self, profile: ClusterProfile, entry_s: float = 0.0,
-                 launch_extra_s: float = 0.0) -> None:
+                 launch_extra_s: float = 0.0, host_ahead_s: float = 0.0) -> None:
         self.profile = profile
         self.t = self.exposed = 0.0
         # The host reaches the graph's first kernel after calling it (guards, wrappers) and
-        # handling its parameters (entry_s).
-        self.host = profile.graph_call_s + entry_s
+        # handling its parameters (entry_s), from where it was.
+        self.host = profile.graph_call_s + entry_s - max(host_ahead_s, 0.0)
         self._entry_left = entry_s
         self._launch_s = profile.graph_launch_s() + launch_extra_s
         self.free: dict[str, float] = {}
+        self.launches = 0  # kernels launched (each at ``graph_launch_s`` of host time)
         # Device seconds by kernel category, and the stream's idle time waiting for the host
         # (``launch_bound``, ``param_host``) or for a collective (``exposed_comm``): they add up
         # to the graph's time (see :func:`kernel_category`).
@@ -343,6 +347,7 @@ class _Timeline:
     def kernel(self, seconds: float, category: str = "other") -> tuple[float, float]:
         """Run one kernel of ``seconds`` device time; returns its (start, end)."""
         self.host += self._launch_s
+        self.launches += 1
         start = max(self.t, self.host)
         self._idle(start - self.t)
         busy_until = max(self.free.values(), default=0.0)
@@ -378,7 +383,8 @@ class _Timeline:
 
 
 def _simulate(g: GraphView, colls: list[Collective], profile: ClusterProfile,
-              tp_size: int = 1, entry_s: float = 0.0, graph_host_s: float = 0.0):
+              tp_size: int = 1, entry_s: float = 0.0, graph_host_s: float = 0.0,
+              host_ahead_s: float = 0.0):
     """Timing: the compute stream runs the graph's kernels (:mod:`shardc.planning.kernels`:
     fused groups, matmuls, attention) in order, each at the end of its last op and priced by
     :mod:`shardc.planning.estimate`; each process group's collectives run first-in first-out
@@ -389,9 +395,10 @@ def _simulate(g: GraphView, colls: list[Collective], profile: ClusterProfile,
     shardc's issues, its other waits, and last the found collectives' waits, as
     ``lower.apply_plan`` orders them. An HSDP all-reduce is issued by its reduce-scatter's
     wait. ``entry_s``: the host's per-parameter work before the first launch;
-    ``graph_host_s``: its per-parameter work spread over the graph's kernels (see
-    :class:`_Timeline`). Fills the predictions; returns ``(ops, graph seconds, exposed
-    communication, seconds by category, device time queued after the host's last launch)``."""
+    ``graph_host_s``: its per-parameter work spread over the graph's kernels;
+    ``host_ahead_s``: the previous graph's device work still queued (see :class:`_Timeline`).
+    Fills the predictions; returns ``(ops, graph seconds, exposed communication, seconds by
+    category, device time queued after the host's last launch, kernels launched)``."""
     ops = []
     by_id = {c.id: c for c in colls}
     chained = {c.link: c for c in colls
@@ -404,7 +411,8 @@ def _simulate(g: GraphView, colls: list[Collective], profile: ClusterProfile,
             by_issue.setdefault(c.issue_pos, []).append(c)
         by_wait.setdefault(c.wait_pos, []).append(c)
     kernels = group_kernels(g.compute[0].graph, g.compute) if g.compute else []
-    line = _Timeline(profile, entry_s, graph_host_s / len(kernels) if kernels else 0.0)
+    line = _Timeline(profile, entry_s, graph_host_s / len(kernels) if kernels else 0.0,
+                     host_ahead_s)
     kernel_at = {}
     for k in kernels:
         kernel_at.setdefault(g.position[anchor(k)], []).append(k)
@@ -455,7 +463,7 @@ def _simulate(g: GraphView, colls: list[Collective], profile: ClusterProfile,
             ops.append(ComputeOp(node.name, str(node.target), flops, nbytes, start, end))
     for c in colls:
         c.overlaps = [op.name for op in ops[c.issue_pos:c.wait_pos]][:64]
-    return ops, line.t, line.exposed, line.by_category, line.queued_s()
+    return ops, line.t, line.exposed, line.by_category, line.queued_s(), line.launches
 
 
 def _memory_timeline(g: GraphView, colls: list[Collective]) -> list[int]:
@@ -519,6 +527,31 @@ def device_name(gm: fx.GraphModule) -> str | None:
     return None
 
 
+def _host_work(cluster: ClusterProfile, g: GraphView, first: bool
+               ) -> tuple[float, float, float]:
+    """The host work of one graph that the profile prices per parameter tensor and per step:
+    ``(entry before the first launch, work spread over the launches, gradient hand-off after
+    the last launch)``. A forward has the first two (its parameters: its gathers), a backward
+    all three (its gradients: its reduce-scatters); ``first``: the region called
+    first, which also carries the step's fixed host work (each phase's total at least
+    zero)."""
+    if g.name == "forward":
+        n = len(g.gathers)
+        entry = cluster.region_entry_per_param_s * n \
+            + (cluster.region_entry_fixed_s if first else 0.0)
+        spread = cluster.forward_graph_per_param_s * n \
+            + (cluster.forward_graph_fixed_s if first else 0.0)
+        return max(entry, 0.0), max(spread, 0.0), 0.0
+    n = len(g.reduces)
+    entry = cluster.backward_entry_per_param_s * n \
+        + (cluster.backward_entry_fixed_s if first else 0.0)
+    spread = cluster.backward_graph_per_param_s * n \
+        + (cluster.backward_graph_fixed_s if first else 0.0)
+    handoff = cluster.grad_handoff_per_param_s * n \
+        + (cluster.grad_handoff_fixed_s if first else 0.0)
+    return max(entry, 0.0), max(spread, 0.0), max(handoff, 0.0)
+
+
 def plan_region(
     forward: fx.GraphModule,
     backward: fx.GraphModule | None,
@@ -547,6 +580,7 @@ def plan_region(
         if fw.gathers else ""
     _describe_mesh(plan, roles)
     total_time = total_exposed = 0.0
+    queued = 0.0  # device work the previous graph left queued when its host work ended
     for g in graphs:
         colls = _place_all_gathers(g, buckets, options)
         if g.name == "backward":
@@ -561,15 +595,22 @@ def plan_region(
                                   c.origin == "shardc" and c.kind != Kind.ALL_GATHER, c.bucket))
         # Per-parameter host work: entering the region (its forward, before the first launch)
         # and handing the gradients off (after the backward's last launch; the step places it,
-        # shardc.planning.step).
-        forward = g.name == "forward"
-        entry_s = cluster.region_entry_per_param_s * len(g.gathers) if forward else 0.0
-        graph_host_s = cluster.forward_graph_per_param_s * len(g.gathers) if forward else 0.0
-        ops, step, exposed, by_category, queued = _simulate(g, colls + copies, cluster,
-                                                            plan.tp_size, entry_s, graph_host_s)
+        # shardc.planning.step). The fixed host work per step (profile version 4) goes to the
+        # region called first (region 0): its forward is the step's first, its backward the
+        # step's last.
+        entry_s, graph_host_s, handoff_s = _host_work(cluster, g, first=region == 0)
+        # The backward is called right after the forward returns (autograd): its call and
+        # entry hide under the forward's queued device work. (With several regions the next
+        # graph after a forward is the next region's forward; crediting the region's own
+        # backward hides the same amount once per forward.) Profiles before version 4 predict
+        # as they did, each graph from an idle device.
+        ahead = queued if g.name == "backward" and cluster.version >= 4 else 0.0
+        ops, step, exposed, by_category, queued, launches = _simulate(
+            g, colls + copies, cluster, plan.tp_size, entry_s, graph_host_s, host_ahead_s=ahead)
+        setattr(plan.predicted, f"{g.name}_kernels", float(launches))
+        setattr(plan.predicted, f"{g.name}_queued_s", queued)
         if g.name == "backward":
-            plan.predicted.backward_queued_s = queued
-            plan.predicted.grad_handoff_s = cluster.grad_handoff_per_param_s * len(g.reduces)
+            plan.predicted.grad_handoff_s = handoff_s
         plan.collectives.extend(colls)
         plan.copies.extend(copies)
         plan.graphs[g.name] = ops

@@ -9,9 +9,18 @@ compiled graphs:
 1. the gradient hand-off of each region (``Predictions.grad_handoff_s``: the profile's
    ``grad_handoff_per_param_s`` per gradient), host work after the backward's last launch;
 2. ``optimizer.step()``: its device time is :func:`shardc.planning.estimate.
-   optimizer_step_seconds` (unchanged), split evenly over its foreach ops; before each op the
-   host does its share of ``optimizer_per_param_s`` times the parameter tensors;
-3. ``optimizer.zero_grad()``: ``zero_grad_per_param_s`` per parameter tensor of host work.
+   optimizer_step_seconds` (unchanged), split evenly over its foreach ops; before its first op
+   the host does the optimizer's fixed work (``optimizer_fixed_s``: grouping the parameters
+   and their state, the step's wrappers), and before each op its share of
+   ``optimizer_per_param_s`` times the parameter tensors;
+3. ``optimizer.zero_grad()``: ``zero_grad_per_param_s`` per parameter tensor and
+   ``zero_grad_fixed_s`` of host work.
+
+The graphs' fixed host work (profile version 4) is in the plans already: the first region's
+forward carries ``region_entry_fixed_s`` and ``forward_graph_fixed_s``, its backward
+``backward_entry_fixed_s`` (before its first launch, with ``backward_entry_per_param_s``; it
+hides under the forward's queued device work) and its hand-off ``grad_handoff_fixed_s``
+(:func:`shardc.planning.schedule.plan_region`).
 
 Host work hides under device work only as far as the device still has work queued: at the end
 of a backward that is ``Predictions.backward_queued_s`` (device time queued after the host's
@@ -70,18 +79,19 @@ class StepPrediction:
 
 
 def after_backward_seconds(queued_s: float, handoff_s: float, optimizer_device_s: float,
-                           optimizer_host_s: float, zero_grad_s: float, ops: int
-                           ) -> tuple[float, float]:
+                           optimizer_host_s: float, zero_grad_s: float, ops: int,
+                           optimizer_prologue_s: float = 0.0) -> tuple[float, float]:
     """Seconds from the end of the last backward's device work to the end of the step, and how
     much of it the device idles waiting for the host.
 
     At that point the host is ``queued_s`` behind the device (device work still queued after
-    its last launch); it hands the gradients off (``handoff_s``), then runs the optimizer's
-    ``ops`` foreach ops, each after its share of ``optimizer_host_s`` and taking its share of
-    ``optimizer_device_s`` on the device once both are there, then ``zero_grad_s``."""
+    its last launch); it hands the gradients off (``handoff_s``), then enters the optimizer
+    (``optimizer_prologue_s`` before its first op) and runs its ``ops`` foreach ops, each after
+    its share of ``optimizer_host_s`` and taking its share of ``optimizer_device_s`` on the
+    device once both are there, then ``zero_grad_s``."""
     if ops < 1:
         raise ValueError(f"shardc step: the optimizer has {ops} ops; it needs at least one")
-    host, t, idle = handoff_s - max(queued_s, 0.0), 0.0, 0.0
+    host, t, idle = handoff_s - max(queued_s, 0.0) + max(optimizer_prologue_s, 0.0), 0.0, 0.0
     for _ in range(ops):
         host += optimizer_host_s / ops
         start = max(t, host)
@@ -114,9 +124,10 @@ def predict_step(plans: Sequence[Plan], profile: ClusterProfile, optimizer: Opti
                                     state_factor=optimizer.state_factor,
                                     temp_factor=optimizer.temp_factor)
     _, ops = optimizer_kernel_ops(optimizer.state_factor, optimizer.temp_factor)
+    zero_grad = profile.zero_grad_per_param_s * optimizer.n_params + profile.zero_grad_fixed_s
     after, idle = after_backward_seconds(
         queued, handoff, device, profile.optimizer_per_param_s * optimizer.n_params,
-        profile.zero_grad_per_param_s * optimizer.n_params, ops)
+        max(zero_grad, 0.0), ops, optimizer_prologue_s=profile.optimizer_fixed_s)
     by_category = {"optimizer": device}
     if idle + excess > 0:
         by_category["param_host"] = idle + excess

@@ -8,11 +8,12 @@ Measures what :class:`shardc.planning.profile.ClusterProfile` holds: matmul thro
 (bf16, fp32 and, where the GPU has it, FP8), fused attention forward/backward by sequence length
 and head dimension, memory-bound kernel bandwidth by bytes moved, the device time and host
 launch time of one small kernel, the host cost of compiled graphs (per kernel, per call), the
-host's work per parameter tensor (region entry, gradient hand-off, optimizer step, zero_grad;
-:mod:`shardc.tools.host_cost`), and, when launched with more than one process, all-gather /
-reduce-scatter / all-reduce time over buffer sizes 64 KiB..1 GiB for each power-of-two group
-size up to the world, the ring model's bandwidth and latency fitted to them, and how much slower
-a matmul runs while an all-gather runs beside it. Rank 0 writes the profile.
+host's work per parameter tensor and per step (region entry, gradient hand-off, optimizer
+step, zero_grad; :mod:`shardc.tools.host_cost`), and, when launched with more than one process,
+all-gather / reduce-scatter / all-reduce time over buffer sizes 64 KiB..1 GiB for each
+power-of-two group size up to the world, the ring model's bandwidth and latency fitted to
+them, and how much slower a matmul runs while an all-gather runs beside it. Rank 0 writes the
+profile.
 
 Without a GPU it refuses unless ``--device cpu`` is given: then it times the same things on the
 CPU (smaller shapes), which makes a profile of this CPU, useful for tests, not for a GPU plan.
@@ -36,6 +37,8 @@ import torch.nn.functional as F
 from shardc.planning.cost_model import ring_terms
 from shardc.planning.fit import fit_alpha_beta
 from shardc.planning.profile import (
+    FIXED_FIELDS,
+    PER_PARAM_FIELDS,
     AttentionPoint,
     ClusterProfile,
     CollectiveCurve,
@@ -281,12 +284,20 @@ def measure_compiled_host_cost(device: torch.device, lengths: tuple[int, int] = 
 
 def _phase_note(times: list[PhaseTimes]) -> str:
     """The per-parameter fit's inputs, for the profile's notes."""
+    def kernels(counted: int, model: int | None) -> str:
+        return f"{counted} kernels" + (f", {model} in the model" if model is not None else "")
+
     rows = "; ".join(
-        f"{t.params} params: forward {t.forward_s * 1e3:.2f} ms ({t.forward_kernels} kernels"
+        f"{t.params} params: forward {t.forward_s * 1e3:.2f} ms ("
+        + kernels(t.forward_kernels, t.forward_model_kernels)
         + (f", {t.forward_prelaunch_s * 1e3:.2f} ms before the first"
            if t.forward_prelaunch_s is not None else "") + "), "
-        f"backward {t.backward_s * 1e3:.2f} ms ({t.backward_kernels} kernels), optimizer "
-        f"{t.optimizer_s * 1e3:.2f} ms, zero_grad {t.zero_grad_s * 1e3:.3f} ms" for t in times)
+        f"backward {t.backward_s * 1e3:.2f} ms ("
+        + kernels(t.backward_kernels, t.backward_model_kernels) + "), optimizer "
+        f"{t.optimizer_s * 1e3:.2f} ms"
+        + (f" ({t.optimizer_prelaunch_s * 1e3:.2f} ms before its first kernel)"
+           if t.optimizer_prelaunch_s is not None else "")
+        + f", zero_grad {t.zero_grad_s * 1e3:.3f} ms" for t in times)
     return f"host per parameter tensor fitted to (median host time per phase): {rows}"
 
 
@@ -447,7 +458,9 @@ def calibrate(device: torch.device, *, quick: bool = False, name: str | None = N
     per_param, phase_times = measure_param_host_cost(device, compiled_launch_s or 0.0,
                                                      graph_call_s)
     log("host per parameter tensor: " + ", ".join(
-        f"{k.removesuffix('_per_param_s')} {v * 1e6:.1f} us" for k, v in per_param.items())
+        f"{k.removesuffix('_per_param_s')} {per_param[k] * 1e6:.1f} us"
+        for k in PER_PARAM_FIELDS) + "; fixed per step: " + ", ".join(
+        f"{k.removesuffix('_fixed_s')} {per_param[k] * 1e3:.3f} ms" for k in FIXED_FIELDS)
         + f" ({time.perf_counter() - t0:.0f} s)")
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     curves, link, slowdown = [], None, None

@@ -23,16 +23,25 @@ for); the step starts on an idle device, as a benchmark's synchronized step does
   timestamps of a marker kernel and the forward's first kernel on an idle device): before it
   the region's entry work (``region_entry_per_param_s``), after it the rest
   (``forward_graph_per_param_s``); on the CPU all of it is the entry's;
-- ``loss.backward()`` less the same for the backward graph: the gradient hand-off
-  (``grad_handoff_per_param_s``);
+- ``loss.backward()`` less the same for the backward graph, split the same way: before its
+  first device work ``backward_entry_per_param_s``; the launches of the kernels the device ran
+  beyond the model's (they happen between its first and last launch)
+  ``backward_graph_per_param_s``; the rest the gradient hand-off (``grad_handoff_per_param_s``;
+  on the CPU all of it);
 - ``optimizer.step()`` (``optimizer_per_param_s``: foreach AdamW on a GPU, torch's default;
   on the CPU torch's default is the for-loop AdamW) and ``zero_grad(set_to_none=True)``
   (``zero_grad_per_param_s``), whole.
 
 Each term is the slope of its phase's median against the number of parameter tensors
-(:func:`shardc.planning.fit.fit_per_param`): what the per-kernel and per-call terms already price
-is subtracted first, and what does not grow with the parameters drops out, so nothing is counted
-twice. Kernels per graph are counted with ``torch.profiler`` (none on the CPU).
+(:func:`shardc.planning.fit.fit_per_param`), and its intercept the phase's fixed host seconds
+per step (:data:`shardc.planning.profile.FIXED_FIELDS`): what the per-kernel and per-call terms
+already price is subtracted first, so nothing is counted twice. The launches subtracted are the
+cost model's (the plans' ``forward_kernels``/``backward_kernels``), because the step model
+charges ``compiled_launch_s`` per kernel it groups: where Inductor launches more kernels than
+the model groups (on an H100, 165 and 313 against 101 and 184 for 8 tiny Llama blocks), their
+host time lands in the per-parameter terms, per block, and a model of the same blocks is
+charged what its host really does. The kernels ``torch.profiler`` counts (none on the CPU) are
+kept for the notes.
 """
 
 from __future__ import annotations
@@ -47,7 +56,7 @@ import torch
 from torch import nn
 
 from shardc.planning.fit import fit_per_param
-from shardc.planning.profile import PER_PARAM_FIELDS
+from shardc.planning.profile import FIXED_FIELDS, PER_PARAM_FIELDS
 
 # Depths of the measured model (:data:`MODEL`; 9 parameter tensors per Llama block).
 GPU_PARAM_LAYERS = (2, 8)
@@ -69,26 +78,53 @@ class PhaseTimes:
     # Host seconds from the forward's call to its first device work (None: not measured, on
     # the CPU: the whole forward is then the entry's).
     forward_prelaunch_s: float | None = None
+    # The kernels the cost model launches for the forward and backward graphs (the plans'
+    # ``forward_kernels``/``backward_kernels``; None: not known, the counted ones are used).
+    # The step model charges ``compiled_launch_s`` per kernel it groups, not per kernel the
+    # device runs: the fit must take out the same launches, so that what the model's grouping
+    # misses (Inductor launches more, smaller kernels) lands in the per-parameter terms.
+    forward_model_kernels: int | None = None
+    backward_model_kernels: int | None = None
+    # Host seconds from ``optimizer.step()``'s call to its first device work (on a GPU; the
+    # notes record it: where the optimizer's fixed host work sits).
+    optimizer_prelaunch_s: float | None = None
+    # Host seconds from ``backward()``'s call to the compiled backward's first device work
+    # (None: not measured, on the CPU: the whole backward is then the hand-off's).
+    backward_prelaunch_s: float | None = None
 
 
 def unpriced_seconds(t: PhaseTimes, compiled_launch_s: float, graph_call_s: float
                      ) -> dict[str, float]:
     """Each phase's host seconds less what the profile's per-call and per-kernel terms price
     (the compiled graphs' calls and launches), keyed by the per-parameter field it fits. The
-    forward splits at its first device work: before it the call, the entry and one launch;
-    after it the other launches and the rest."""
-    forward = t.forward_s - graph_call_s - t.forward_kernels * compiled_launch_s
+    forward and the backward split at their first device work: before it the call, the entry
+    and one launch; after it the other launches and the rest (the forward's graph work, the
+    backward's hand-off). The launches are the cost model's kernels where
+    known (``forward_model_kernels``, ``backward_model_kernels``), else the counted ones."""
+    fw_kernels = t.forward_kernels if t.forward_model_kernels is None \
+        else t.forward_model_kernels
+    bw_kernels = t.backward_kernels if t.backward_model_kernels is None \
+        else t.backward_model_kernels
+    forward = t.forward_s - graph_call_s - fw_kernels * compiled_launch_s
     if t.forward_prelaunch_s is None:
         entry, in_graph = forward, 0.0
     else:
-        entry = t.forward_prelaunch_s - graph_call_s - min(t.forward_kernels, 1) \
-            * compiled_launch_s
+        entry = t.forward_prelaunch_s - graph_call_s - min(fw_kernels, 1) * compiled_launch_s
         in_graph = forward - entry
+    backward = t.backward_s - graph_call_s - bw_kernels * compiled_launch_s
+    if t.backward_prelaunch_s is None:
+        bw_entry = 0.0
+    else:
+        bw_entry = t.backward_prelaunch_s - graph_call_s - min(bw_kernels, 1) * compiled_launch_s
+    # The launches of the kernels the device ran beyond the model's happen between the
+    # backward's first and last launch (spread), not in the hand-off after it.
+    bw_graph = (t.backward_kernels - bw_kernels) * compiled_launch_s
     return {
         "region_entry_per_param_s": entry,
         "forward_graph_per_param_s": in_graph,
-        "grad_handoff_per_param_s": t.backward_s - graph_call_s
-        - t.backward_kernels * compiled_launch_s,
+        "backward_entry_per_param_s": bw_entry,
+        "backward_graph_per_param_s": bw_graph,
+        "grad_handoff_per_param_s": backward - bw_entry - bw_graph,
         "optimizer_per_param_s": t.optimizer_s,
         "zero_grad_per_param_s": t.zero_grad_s,
     }
@@ -97,13 +133,17 @@ def unpriced_seconds(t: PhaseTimes, compiled_launch_s: float, graph_call_s: floa
 def fit_param_host_cost(times: Sequence[PhaseTimes], compiled_launch_s: float,
                         graph_call_s: float) -> dict[str, float]:
     """Host seconds per parameter tensor of each phase (the profile's ``PER_PARAM_FIELDS``)
-    from models of two or more parameter counts: the slope of what the other terms leave."""
+    and per step (``FIXED_FIELDS``) from models of two or more parameter counts: the slope and
+    the intercept of what the other terms leave."""
     if len({t.params for t in times}) < 2:
         raise ValueError("calibrate: host seconds per parameter tensor need models of two or more "
                          f"parameter counts (got {[t.params for t in times]})")
     rows = [unpriced_seconds(t, compiled_launch_s, graph_call_s) for t in times]
-    return {name: fit_per_param([t.params for t in times], [r[name] for r in rows], name)[1]
-            for name in PER_PARAM_FIELDS}
+    out: dict[str, float] = {}
+    for name, fixed_name in zip(PER_PARAM_FIELDS, FIXED_FIELDS):
+        out[fixed_name], out[name] = fit_per_param([t.params for t in times],
+                                                   [r[name] for r in rows], name)
+    return {name: out[name] for name in PER_PARAM_FIELDS + FIXED_FIELDS}
 
 
 class _Layer(nn.Module):
@@ -225,14 +265,21 @@ def time_phases(layers: int, device: torch.device, mesh, steps: int,
         loss_fn().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    prelaunch = []
-    for _ in range(5 if gpu else 1):  # the forward's host time before its first launch
+    prelaunch, bw_prelaunch, opt_prelaunch = [], [], []
+    for _ in range(5 if gpu else 1):  # host time before the first launch (forward, optimizer)
         loss, fw_kernels, before = _device_work(loss_fn, device)
-        _, bw_kernels, _ = _device_work(loss.backward, device)
-        opt.step()
+        # The seed gradient made up front: ``backward()`` would launch its fill first, and the
+        # gap to the compiled backward's first kernel is what is measured.
+        seed = torch.ones_like(loss)
+        _, bw_kernels, bw_before = _device_work(functools.partial(loss.backward, seed), device)
+        _, _, opt_before = _device_work(opt.step, device)
         opt.zero_grad(set_to_none=True)
         if before is not None:
             prelaunch.append(before)
+        if opt_before is not None:
+            opt_prelaunch.append(opt_before)
+        if bw_before is not None:
+            bw_prelaunch.append(bw_before)
     if gpu and not (fw_kernels and bw_kernels and prelaunch):
         raise RuntimeError(
             f"calibrate: torch.profiler saw {fw_kernels} forward and {bw_kernels} backward CUDA "
@@ -255,8 +302,24 @@ def time_phases(layers: int, device: torch.device, mesh, steps: int,
             phase.append(seconds)
     sync()
     n = sum(1 for _ in model.parameters())
+    model_fw, model_bw = model_kernels(shardc.explain_all(model))
     return PhaseTimes(n, *(statistics.median(p) for p in phases), fw_kernels, bw_kernels,
-                      statistics.median(prelaunch) if prelaunch else None)
+                      statistics.median(prelaunch) if prelaunch else None,
+                      model_fw, model_bw,
+                      statistics.median(opt_prelaunch) if opt_prelaunch else None,
+                      statistics.median(bw_prelaunch) if bw_prelaunch else None)
+
+
+def model_kernels(plans) -> tuple[int | None, int | None]:
+    """The kernels the cost model launches for the forward and the backward graphs of
+    ``plans`` (every region; None where a plan does not say, e.g. one made before the count
+    was recorded)."""
+    out = []
+    for graph in ("forward", "backward"):
+        counts = [getattr(p.predicted, f"{graph}_kernels") for p in plans]
+        out.append(None if not counts or any(c is None for c in counts)
+                   else int(sum(counts)))
+    return out[0], out[1]
 
 
 def measure_param_host_cost(device: torch.device, compiled_launch_s: float, graph_call_s: float,
