@@ -29,16 +29,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def child(device: str, store_path: str) -> None:
+    from log_lines import LogLines
     from parity import batches, build, optimizer
 
     import shardc
@@ -46,7 +38,7 @@ def child(device: str, store_path: str) -> None:
 
     dist.init_process_group("nccl" if device == "cuda" else "gloo",
                             init_method=f"file://{store_path}", rank=0, world_size=1)
-    lines = _Lines()
+    lines = LogLines()
     logger = logging.getLogger("shardc")
     logger.addHandler(lines)
     logger.setLevel(logging.INFO)

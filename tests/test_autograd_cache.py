@@ -30,6 +30,7 @@ import torch
 import torch._dynamo
 import torch.nn.functional as F
 from dist_utils import run_ranks
+from log_lines import LogLines
 from parity import assert_parity, batches, build, reference, sharded_run, train
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -47,20 +48,11 @@ def _cache_counts() -> dict:
             "aot_hit": counters["aot_autograd"]["autograd_cache_hit"]}
 
 
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def _restart(rank: int, world: int, change_option: bool) -> dict:
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     out: dict = {}
-    logger, lines = logging.getLogger("shardc"), _Lines()
+    logger, lines = logging.getLogger("shardc"), LogLines()
     logger.addHandler(lines)
     logger.setLevel(logging.INFO)
     with torch._functorch.config.patch(enable_autograd_cache=True):
@@ -114,7 +106,7 @@ def _one_rank_restart(rank: int, world: int, warm: bool) -> dict:
     Warm: rank 0 hits A's entry and restores its plan; rank 1 first removes its stored plans, so
     it hits A's entry without a plan and must compile again (a miss). B gets another
     ``prefetch_depth`` in the warm process (the same groups and graphs otherwise): a miss."""
-    logger, lines = logging.getLogger("shardc"), _Lines()
+    logger, lines = logging.getLogger("shardc"), LogLines()
     logger.addHandler(lines)
     try:
         if warm and rank == 1:
@@ -264,7 +256,7 @@ def test_autograd_cache_lookups_read_torch_log_without_showing_it():
     """The key is read from AOTAutograd's log record; handlers see only what the logger's own
     level lets through."""
     logger = logging.getLogger(_torch._AOT_CACHE_LOGGER)
-    shown = _Lines()
+    shown = LogLines()
     logger.addHandler(shown)
     level = logger.level
     try:

@@ -15,6 +15,7 @@ import torch
 import torch._dynamo
 import torch.distributed as dist
 from dist_utils import run_ranks
+from log_lines import LogLines
 from parity import GLOBAL_BATCH, assert_parity, batches, build, reference, train
 from torch import nn
 
@@ -49,18 +50,9 @@ def _compiled_variant(rank, world, **options):
     return model, compiled
 
 
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def _structure(rank: int, world: int) -> dict:
     facts = {}
-    logger, lines = logging.getLogger("shardc"), _Lines()
+    logger, lines = logging.getLogger("shardc"), LogLines()
     logger.addHandler(lines)
     logger.setLevel(logging.INFO)
     try:

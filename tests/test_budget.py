@@ -11,11 +11,11 @@ from torch import fx, nn
 from torch.utils.checkpoint import CheckpointPolicy
 
 from shardc.compile.options import ShardcOptions
-from shardc.compile.pipeline import elided_cast_seconds
 from shardc.ops.gather import GATHER_OP
 from shardc.ops.gather_args import GatherArgs
 from shardc.planning import budget, recompute
 from shardc.planning.budget import Candidate, MemoryBudgetError
+from shardc.planning.estimate import elided_cast_seconds
 from shardc.planning.plan import (
     PLAN_VERSION,
     BlockDecision,
@@ -26,6 +26,7 @@ from shardc.planning.plan import (
     MemoryBudget,
     Plan,
 )
+from shardc.planning.profile import resolve_profile
 
 MINIMUM = 1000
 
@@ -572,5 +573,5 @@ def test_elided_cast_seconds_prices_only_casting_gathers():
                                                          torch.float32, True).args())
         node.meta["val"] = torch.empty(1024, 256, dtype=dtype)
     graph.output(None)
-    got = elided_cast_seconds(fx.GraphModule(nn.Module(), graph), ShardcOptions())
+    got = elided_cast_seconds(fx.GraphModule(nn.Module(), graph), resolve_profile(None))
     assert set(got) == {"cast"} and got["cast"] > 0

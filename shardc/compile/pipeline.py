@@ -63,7 +63,7 @@ from shardc.passes.reshard import check_no_gathered_saved, keep_gathered, tag_re
 from shardc.passes.saved_order import order_saved_values
 from shardc.planning import budget, recompute
 from shardc.planning import offload as offload_lever
-from shardc.planning.estimate import memory_seconds
+from shardc.planning.estimate import elided_cast_seconds
 from shardc.planning.plan import CompiledBody, InlineBlock, MemoryBudget, Plan
 from shardc.planning.profile import resolve_profile
 from shardc.planning.schedule import device_name, plan_region
@@ -366,7 +366,8 @@ def choose_under_budget(gm: fx.GraphModule, joint_inputs: Sequence[object],
     probe = copy_graph_module(pristine)  # the joint passes' graph, where blocks are found
     joint_passes(probe.graph)
     blocks = region_blocks(probe, region, kwargs)
-    cands, fixed = budget.candidates(base, elided_cast_seconds(pristine, options))
+    cands, fixed = budget.candidates(base, elided_cast_seconds(
+        pristine, resolve_profile(options.cluster, device_name(pristine))))
     params = {c.bucket: set(c.params) for c in cands}
     useful = {p for c in cands if c.saved_s > 0 for p in c.params}
     if minimum <= budget_bytes:
@@ -487,26 +488,6 @@ def free_candidates(blocks: list[Block], estimates: dict[str, tuple[int, int, fl
                 b.name, b.kind, b.position, lever.cost_s, lever.nbytes, offload=lever.offload,
                 forward_s=forward_s, copy_s=lever.copy_s, offload_s=lever.offload_s))
     return cands
-
-
-def elided_cast_seconds(gm: fx.GraphModule, options: ShardcOptions) -> dict[str, float]:
-    """Per parameter whose gather casts (compute dtype != the shard's), the predicted device
-    time of that cast: what a gather over a one-rank group costs once elided
-    (``shardc.passes.lower.elide``), so what keeping it gathered saves in the backward. A
-    function of global shapes and dtypes only: the same on every rank."""
-    profile = resolve_profile(options.cluster, device_name(gm))
-    out: dict[str, float] = {}
-    for node in gm.graph.nodes:
-        if not is_call(node, GATHER_OP):
-            continue
-        args = GatherArgs.of(node)
-        shard, full = args.shard.meta.get("val"), node.meta.get("val")
-        if shard is None or full is None or shard.dtype == full.dtype:
-            continue
-        moved = full.numel() * (shard.element_size() + full.element_size())
-        out[args.fqn] = out.get(args.fqn, 0.0) + memory_seconds(moved, profile) \
-            + profile.kernel_gpu_s
-    return out
 
 
 def _gather_device(gm: fx.GraphModule) -> torch.device | None:

@@ -100,7 +100,7 @@ def candidates(plan: Plan, cast_seconds: Mapping[str, float] | None = None
     nothing, but where the compute dtype differs from the shard's it is a cast of the shard
     (``shardc.passes.lower.elide``): re-gathering in the backward casts every parameter again,
     which keeping the forward's cast saves. ``cast_seconds``: per parameter, that cast's
-    predicted device time (``shardc.compile.pipeline.elided_cast_seconds``); a parameter not in it
+    predicted device time (``shardc.planning.estimate.elided_cast_seconds``); a parameter not in it
     costs nothing to re-gather (no cast: the gathered parameter is the shard itself).
 
     Under CPU offload a bucket the backward gathers again also copies its host shards to the

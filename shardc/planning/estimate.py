@@ -24,7 +24,9 @@ import math
 import torch
 from torch import fx
 
-from shardc.passes.fx_utils import size_hint, tensor_nbytes
+from shardc.ops.gather import GATHER_OP
+from shardc.ops.gather_args import GatherArgs
+from shardc.passes.fx_utils import is_call, size_hint, tensor_nbytes
 from shardc.planning.cost_model import node_flops_and_bytes
 from shardc.planning.kernels import ATTENTION, FUSABLE, MATMUL, Kernel, base_name
 from shardc.planning.profile import ClusterProfile
@@ -191,6 +193,26 @@ def optimizer_step_seconds(param_bytes: float, n_params: int, profile: ClusterPr
     moved = passes * param_bytes
     return memory_seconds(moved, profile) + kernels * max(profile.kernel_gpu_s,
                                                           profile.kernel_launch_s)
+
+
+def elided_cast_seconds(gm: fx.GraphModule, profile: ClusterProfile) -> dict[str, float]:
+    """Per parameter whose gather casts (compute dtype != the shard's), the predicted device
+    time of that cast: what a gather over a one-rank group costs once elided
+    (``shardc.passes.lower.elide``), so what keeping it gathered saves in the backward
+    (``shardc.planning.budget.candidates``). A function of global shapes and dtypes only: the
+    same on every rank."""
+    out: dict[str, float] = {}
+    for node in gm.graph.nodes:
+        if not is_call(node, GATHER_OP):
+            continue
+        args = GatherArgs.of(node)
+        shard, full = args.shard.meta.get("val"), node.meta.get("val")
+        if shard is None or full is None or shard.dtype == full.dtype:
+            continue
+        moved = full.numel() * (shard.element_size() + full.element_size())
+        out[args.fqn] = out.get(args.fqn, 0.0) + memory_seconds(moved, profile) \
+            + profile.kernel_gpu_s
+    return out
 
 
 def graph_input_bytes(nodes: list[fx.Node]) -> float:
