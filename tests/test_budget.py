@@ -12,10 +12,10 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from shardc.compile.options import ShardcOptions
 from shardc.ops.gather import GATHER_OP
-from shardc.ops.gather_args import GatherArgs
+from shardc.ops.gather_args import GatherArgs, ReduceArgs
 from shardc.planning import budget, recompute
 from shardc.planning.budget import Candidate, MemoryBudgetError
-from shardc.planning.estimate import elided_cast_seconds
+from shardc.planning.estimate import elided_cast_bytes, elided_cast_seconds
 from shardc.planning.plan import (
     PLAN_VERSION,
     BlockDecision,
@@ -575,3 +575,30 @@ def test_elided_cast_seconds_prices_only_casting_gathers():
     graph.output(None)
     got = elided_cast_seconds(fx.GraphModule(nn.Module(), graph), resolve_profile(None))
     assert set(got) == {"cast"} and got["cast"] > 0
+
+
+def test_elided_cast_bytes_price_the_kernels_one_rank_still_runs():
+    """At one rank an elided gather is the shard cast to the compute dtype and an elided
+    reduction the gradient cast to the reduce and shard dtypes (one fused kernel): each reads
+    and writes its tensor once; where no dtype changes there is no kernel."""
+    graph = fx.Graph()
+    nodes = {}
+    for fqn, dtype in (("cast", torch.bfloat16), ("same", torch.float32)):
+        shard = graph.placeholder(f"{fqn}_shard")
+        shard.meta["val"] = torch.empty(1024, 256)
+        node = graph.call_function(GATHER_OP, GatherArgs(shard, fqn, 1024, 1, "0", dtype,
+                                                         torch.float32, True).args())
+        node.meta["val"] = torch.empty(1024, 256, dtype=dtype)
+        nodes[f"gather_{fqn}"] = node
+        grad = graph.placeholder(f"{fqn}_grad")
+        grad.meta["val"] = torch.empty(1024, 256, dtype=dtype)
+        red = graph.call_function(torch.ops.shardc.reduce_scatter_grad.default, ReduceArgs(
+            grad, fqn, 1024, 1, "0", torch.float32, torch.float32).args())
+        red.meta["val"] = torch.empty(1024, 256)
+        nodes[f"reduce_{fqn}"] = red
+    graph.output(None)
+    numel = 1024 * 256
+    assert elided_cast_bytes(nodes["gather_cast"]) == numel * (4 + 2)
+    assert elided_cast_bytes(nodes["reduce_cast"]) == numel * (2 + 4)
+    assert elided_cast_bytes(nodes["gather_same"]) == 0
+    assert elided_cast_bytes(nodes["reduce_same"]) == 0

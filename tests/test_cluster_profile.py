@@ -226,6 +226,16 @@ def test_fused_kernel_costs_its_traffic_not_its_ops():
     assert cut[0].read_bytes == x.nbytes and cut[0].write_bytes == 2 * x.nbytes
 
 
+def test_recompute_from_a_saved_tensor_fuses_after_the_matmul():
+    """Ops that do not depend on a matmul fuse into the kernel after it that reads them, though
+    the graph lists them first (Inductor schedules them there): one kernel reads ``s`` and the
+    matmul's output and writes the result; ``s * 2`` never reaches memory."""
+    s, x, w = torch.randn(64, 32), torch.randn(64, 16), torch.randn(16, 32)
+    _, kernels = _kernels(lambda s, x, w: (x @ w) * (s * 2), s, x, w)
+    assert [k.kind for k in kernels] == [MATMUL, FUSABLE]
+    assert kernels[1].read_bytes == 2 * s.nbytes and kernels[1].write_bytes == s.nbytes
+
+
 def test_optimizer_step_is_memory_bound_passes():
     p = _profile(memory=((1, 2e12),), kernel_gpu_s=0.0, kernel_launch_s=0.0)
     foreach = optimizer_step_seconds(4e9, 10, p)
