@@ -158,3 +158,17 @@ def test_offload_copies_run_at_the_profiles_host_link():
     assert _duration(c, _profile(host_link_bytes_per_s=50e9)) == pytest.approx(
         HOST_LINK_LATENCY_S + 0.02)
     assert _duration(c, load_profile("h100")) == pytest.approx(HOST_LINK_LATENCY_S + 0.04)
+
+
+def test_activation_offload_lever_prices_copies_at_the_given_link():
+    from shardc.compile.pipeline import free_candidates
+    from shardc.passes.recompute import Block
+
+    block = Block("layers.0", "inline", 0, (), saved_bytes=1 << 30, input_bytes=1 << 28)
+    estimates = {"layers.0": (3 << 28, 1 << 30, 40e-3)}  # freed, saved, forward seconds
+    # 1 GiB each way: 21 ms at 50 GB/s hides under the 40 ms forward (free); 215 ms at 5 GB/s
+    # does not, and recomputing (40 ms for 0.75 GiB) is cheaper per byte.
+    fast = free_candidates([block], estimates, "auto", 50e9)[0]
+    slow = free_candidates([block], estimates, "auto", 5e9)[0]
+    assert fast.offload and fast.copy_s == pytest.approx(copy_seconds(1 << 30, 50e9))
+    assert not slow.offload and slow.copy_s == pytest.approx(copy_seconds(1 << 30, 5e9))
