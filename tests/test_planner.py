@@ -340,7 +340,7 @@ def test_cli_reports_the_whole_step_as_the_step_model_predicts_it(tmp_path, caps
     assert [ph["name"] for ph in row["step"]["phases"]] == ["forward", "backward", "optimizer",
                                                             "zero_grad"]
     assert sum(ph["seconds"] for ph in row["step"]["phases"]) == pytest.approx(row["step_s"])
-    assert all(ph["bound"] in ("host", "device", "communication")
+    assert all(ph["bound"] in ("host", "device", "communication", "hidden")
                for ph in row["step"]["phases"])
     assert f"predicted step: {steps[2].step_s * 1e3:.1f} ms (whole step" in text
     assert "optimizer: AdamW (foreach) on the device" in text

@@ -116,9 +116,11 @@ class Phase:
     @property
     def bound(self) -> str:
         """``"host"`` where the device waits for the host at least half the phase,
-        ``"communication"`` where it waits for collectives at least half, else ``"device"``."""
+        ``"communication"`` where it waits for collectives at least half, ``"hidden"`` for a
+        phase of no time (its host work hid under device work queued before it), else
+        ``"device"``."""
         if self.seconds <= 0:
-            return "device"
+            return "hidden"
         if self.host_wait_s >= 0.5 * self.seconds:
             return "host"
         if self.comm_wait_s >= 0.5 * self.seconds:

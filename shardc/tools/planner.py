@@ -211,17 +211,31 @@ class PlannedModel:
     optimizer: OptimizerSpec
 
 
-def optimizer_spec(model: nn.Module, setup: PlanSetup) -> OptimizerSpec:
-    """What the optimizer steps on rank 0 of the planned ``model`` (sharded): the local shard
-    bytes (the masters' dtype) and the number of trained parameter tensors, with
-    ``setup``'s optimizer and offload."""
+def _shard_bytes(module: nn.Module) -> tuple[float, int]:
+    """(local shard bytes, tensors) of the trained parameters of a sharded ``module``."""
     from torch.distributed.tensor import DTensor
 
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [p for p in module.parameters() if p.requires_grad]
     local = [p.to_local() if isinstance(p, DTensor) else p for p in params]
+    return float(sum(t.numel() * t.element_size() for t in local)), len(params)
+
+
+def optimizer_spec(model: nn.Module, setup: PlanSetup,
+                   repeated: tuple[str, int] | None = None) -> OptimizerSpec:
+    """What the optimizer steps on rank 0 of the planned ``model`` (sharded): the local shard
+    bytes (the masters' dtype) and the number of trained parameter tensors, with
+    ``setup``'s optimizer and offload. ``repeated``: ``(container, blocks)`` when ``model`` was
+    planned from a template (``model.<container>`` keeps only the traced blocks): the missing
+    blocks count as its last one (the template's blocks are identical)."""
+    nbytes, tensors = _shard_bytes(model)
+    if repeated is not None:
+        layers = model.get_submodule(repeated[0])
+        missing = repeated[1] - len(layers)
+        if missing > 0:
+            block_bytes, block_tensors = _shard_bytes(layers[-1])
+            nbytes, tensors = nbytes + missing * block_bytes, tensors + missing * block_tensors
     state, temp, name = OPTIMIZERS[setup.optimizer_name]
-    return OptimizerSpec(float(sum(t.numel() * t.element_size() for t in local)), len(params),
-                         state_factor=state, temp_factor=temp, name=name,
+    return OptimizerSpec(nbytes, tensors, state_factor=state, temp_factor=temp, name=name,
                          offload=setup.offload, overlap=setup.step_in_backward)
 
 
@@ -262,13 +276,15 @@ def plan_model_step(model: LlamaConfig | ModelSpec, world: int, batch: int, seq:
         start = time.perf_counter()
         plan, refused = None, None
         built = _prepared(spec, setup, mesh)
+        repeated = None  # planned from a template: (container, the model's blocks)
         if template and _has_blocks(built, spec.container, TEMPLATE_BLOCKS):
+            repeated = (spec.container, len(built.get_submodule(spec.container)))
             try:
                 plan = plan_from_template(
                     built, mesh, None, options, container=spec.container,
                     trace=lambda m: trace_step(m, mesh, spec, setup, tokens, options))
             except TemplateRefused as exc:
-                refused = str(exc)
+                refused, repeated = str(exc), None
                 _torch.dynamo_reset()
             built = _prepared(spec, setup, mesh) if plan is None else built
         if plan is None:
@@ -278,7 +294,8 @@ def plan_model_step(model: LlamaConfig | ModelSpec, world: int, batch: int, seq:
                 plan.notes.append(f"traced whole, not from a template: {refused}")
         elapsed = time.perf_counter() - start
         spec_of_step = dataclasses.replace(
-            optimizer_spec(built, setup), state_factor=options["optimizer_state_factor"],
+            optimizer_spec(built, setup, repeated),
+            state_factor=options["optimizer_state_factor"],
             temp_factor=options["optimizer_temp_factor"])
     _torch.dynamo_reset()
     return PlannedModel(plan, elapsed, spec_of_step)
@@ -406,7 +423,9 @@ def step_lines(step: StepPrediction) -> list[str]:
         if ph.comm_wait_s >= 5e-5:
             waits.append(f"{ph.comm_wait_s * 1e3:.1f} ms for communication")
         where = "" if ph.runs_on == "device" else ", runs on the host"
-        lines.append(f"  {ph.name:<10} {ph.seconds * 1e3:9.1f} ms  {ph.bound}-bound{where}"
+        bound = "hidden under queued device work" if ph.bound == "hidden" else \
+            f"{ph.bound}-bound"
+        lines.append(f"  {ph.name:<10} {ph.seconds * 1e3:9.1f} ms  {bound}{where}"
                      + (f" ({'; '.join(waits)})" if waits else ""))
     if step.optimizer_host_s:
         lines.append(f"  host optimizer compute {step.optimizer_host_s * 1e3:.1f} ms "
