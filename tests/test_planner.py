@@ -205,6 +205,10 @@ def test_cli_prints_the_answers_and_writes_the_stacked_plot(tmp_path, capsys):
     assert "peak at the " in out
     png = tmp_path / "region0.rank0.memory.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import json  # the whole step beside the plan
+
+    step = json.loads((tmp_path / "region0.step.json").read_text())["step"]
+    assert [ph["name"] for ph in step["phases"]][2:] == ["optimizer", "zero_grad"]
 
 
 def _saved_at_end_of_forward(plan):

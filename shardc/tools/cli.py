@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from shardc.tools.model_spec import PRESETS, ModelSpecError, parse_model, parse_model_spec
@@ -166,6 +167,10 @@ def _cmd_plan(args) -> int:
         if args.dump:
             for path in dump_plan(plan, args.dump, capacity_bytes=cap_bytes):
                 print(f"wrote {path}")
+            step_path = os.path.join(args.dump, f"region{plan.region}.step.json")
+            with open(step_path, "w") as f:  # the whole step beside the plan's graphs
+                f.write(json.dumps(capacity_dict(cap), indent=1) + "\n")
+            print(f"wrote {step_path}")
     if args.sweep_world:
         print(f"model: {spec.name}, batch {args.batch} x {seq} per rank, {setup.precision}")
         print("\n".join(_sweep_table(rows)))
@@ -262,7 +267,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="plan the FX backend (inductor=False) on the meta device instead of "
                         "Inductor's graphs (faster; less faithful to the GPU's memory)")
     p.add_argument("--options", default=None, help="JSON object of backend options")
-    p.add_argument("--dump", default=None, help="directory for text/JSON/trace/memory plot")
+    p.add_argument("--dump", default=None,
+                   help="directory for text/JSON/trace/memory plot, and the whole step "
+                        "(region0.step.json)")
     p.add_argument("--plot", default=None, help="sweep plot path (default shardc-sweep.png)")
     p.add_argument("--summary-only", action="store_true", help="do not print the plan table")
     p.add_argument("--wide", action="store_true",
