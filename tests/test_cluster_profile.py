@@ -17,6 +17,7 @@ from shardc.planning.estimate import kernel_seconds, optimizer_step_seconds
 from shardc.planning.kernels import FUSABLE, MATMUL, group_kernels
 from shardc.planning.plan import PLAN_VERSION, Collective, Plan
 from shardc.planning.profile import (
+    DEFAULT_HOST_LINK_BYTES_PER_S,
     FIXED_FIELDS,
     PER_PARAM_FIELDS,
     PRESETS,
@@ -339,7 +340,7 @@ def test_calibrate_on_cpu_writes_a_readable_profile(tmp_path, monkeypatch):
     out = tmp_path / "cpu.json"
     assert cal.main(["--device", "cpu", "--quick", "--out", str(out), "--name", "ci"]) == 0
     p = load_profile(str(out))
-    assert p.name == "ci" and p.source == "measured" and p.version == PROFILE_VERSION == 4
+    assert p.name == "ci" and p.source == "measured" and p.version == PROFILE_VERSION == 5
     assert "calibrate --device cpu" in p.command
     assert {m.dtype for m in p.matmul} == {"float32", "bfloat16"}
     assert all(m.flops_per_s > 0 for m in p.matmul) and p.memory_bandwidth(1 << 17) > 0
@@ -355,6 +356,9 @@ def test_calibrate_on_cpu_writes_a_readable_profile(tmp_path, monkeypatch):
                and "6 params" in n and "0 kernels, " in n and " in the model" in n
                for n in p.notes)
     assert p.intra == Link(*dataclasses.astuple(ClusterProfile("", "", "", "", "").intra))
+    # CPU offload's host rates: the fused CPU AdamW timed here; no CUDA, so the link's default.
+    assert p.host_adamw_params_per_s > 0
+    assert p.host_link_bytes_per_s == DEFAULT_HOST_LINK_BYTES_PER_S
 
 
 class _SyntheticTimer(cal.Timer):

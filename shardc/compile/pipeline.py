@@ -63,6 +63,7 @@ from shardc.passes.reshard import check_no_gathered_saved, keep_gathered, tag_re
 from shardc.passes.saved_order import order_saved_values
 from shardc.planning import budget, recompute
 from shardc.planning import offload as offload_lever
+from shardc.planning.copies import HOST_LINK_BYTES_PER_S
 from shardc.planning.estimate import elided_cast_seconds
 from shardc.planning.plan import CompiledBody, InlineBlock, MemoryBudget, Plan
 from shardc.planning.profile import resolve_profile
@@ -414,7 +415,9 @@ def _recompute_under_budget(probe: fx.GraphModule, blocks: list[Block], user_byt
 
     estimates = block_estimates(probe, blocks, resharded[0].group_name, options, region)
     mode = options.activation_offload if isinstance(options.activation_offload, str) else "auto"
-    cands = free_candidates(blocks, estimates, mode)
+    # The copies' link: the cluster profile's (every rank resolves the same profile).
+    link = resolve_profile(options.cluster, device_name(probe)).host_link_bytes_per_s
+    cands = free_candidates(blocks, estimates, mode, link)
     if not cands:
         raise refuse(lowest[1], lowest[0])
     offloads = {c.block for c in cands if c.offload}
@@ -429,7 +432,7 @@ def _recompute_under_budget(probe: fx.GraphModule, blocks: list[Block], user_byt
         # Offloading every block may not lower the peak where recomputing does (a peak in the
         # backward of the block read last, whose saved values come back anyway): the levers'
         # other extreme, every block that can be recomputed recomputed, once.
-        alt = free_candidates(blocks, estimates, "never")
+        alt = free_candidates(blocks, estimates, "never", link)
         if alt:
             offloads = set()
             alt_plan, alt_floor = freeing(tuple(c.block for c in alt))
@@ -473,16 +476,17 @@ def block_estimates(probe: fx.GraphModule, blocks: list[Block], group: str,
 
 
 def free_candidates(blocks: list[Block], estimates: dict[str, tuple[int, int, float]],
-                    mode: str) -> list[recompute.RecomputeCandidate]:
+                    mode: str, link_bytes_per_s: float = HOST_LINK_BYTES_PER_S
+                    ) -> list[recompute.RecomputeCandidate]:
     """The blocks whose saved activations the planner may free, each with its cheaper lever
-    (recompute, or offload to the host: ``shardc.planning.offload.choose_lever``, under
-    ``activation_offload`` ``mode``)."""
+    (recompute, or offload to the host over a link of ``link_bytes_per_s``:
+    ``shardc.planning.offload.choose_lever``, under ``activation_offload`` ``mode``)."""
     cands = []
     for b in blocks:
         freed, saved, forward_s = estimates[b.name]
         lever = offload_lever.choose_lever(
             forward_s=forward_s, recompute_bytes=freed, offload_bytes=saved,
-            can_recompute=not b.excluded, mode=mode)
+            can_recompute=not b.excluded, mode=mode, link_bytes_per_s=link_bytes_per_s)
         if lever is not None:
             cands.append(recompute.RecomputeCandidate(
                 b.name, b.kind, b.position, lever.cost_s, lever.nbytes, offload=lever.offload,

@@ -23,13 +23,14 @@ from shardc.passes.fx_utils import dtype_itemsize
 from shardc.passes.offload_saved import ACTIVATION_GROUP, activation_role
 from shardc.planning.graph_view import GraphView, ready_pos
 from shardc.planning.plan import Bucket, Collective, CollectiveKind
+from shardc.planning.profile import DEFAULT_HOST_LINK_BYTES_PER_S
 
 Kind = CollectiveKind
 COPY_LANE = "copy"
 COPY_KINDS = (Kind.H2D_COPY, Kind.D2H_COPY)
-# Host<->device bandwidth of pinned copies (bytes/s), for the simulation: PCIe gen5 x16 measures
-# about 50 GB/s each way at best; half of it is what large pinned copies sustain next to NCCL.
-HOST_LINK_BYTES_PER_S = 25e9
+# Host<->device bandwidth of pinned copies (bytes/s) where no profile says: the cluster
+# profile's default (``ClusterProfile.host_link_bytes_per_s``, which the schedule uses).
+HOST_LINK_BYTES_PER_S = DEFAULT_HOST_LINK_BYTES_PER_S
 HOST_LINK_LATENCY_S = 10e-6
 
 

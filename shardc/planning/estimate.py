@@ -216,6 +216,21 @@ def elided_cast_bytes(node: fx.Node) -> int:
                     + torch.empty((), dtype=steps[-1]).element_size())
 
 
+def host_optimizer_seconds(param_bytes: float, profile: ClusterProfile, *,
+                           state_factor: float = 2.0, temp_factor: float = 0.0) -> float:
+    """Host time of an offloaded optimizer step over ``param_bytes`` of fp32 masters (CPU
+    offload: the optimizer steps on the host). The profile's ``host_adamw_params_per_s`` is
+    torch's fused CPU AdamW (one pass, 7 parameter-sized reads and writes); another kind is
+    taken as memory-bound on the host too, scaled by its reads and writes
+    (:func:`optimizer_kernel_ops`: the ``foreach`` AdamW's 20, SGD's 5 or 3). The Python per
+    parameter tensor is :mod:`shardc.planning.step`'s."""
+    if param_bytes <= 0:
+        return 0.0
+    passes, _ = optimizer_kernel_ops(state_factor, temp_factor)
+    fused_adamw, _ = optimizer_kernel_ops(2.0, 0.0)
+    return (param_bytes / 4.0) / profile.host_adamw_params_per_s * passes / fused_adamw
+
+
 def elided_cast_seconds(gm: fx.GraphModule, profile: ClusterProfile) -> dict[str, float]:
     """Per parameter whose gather casts (compute dtype != the shard's), the predicted device
     time of that cast: what a gather over a one-rank group costs once elided

@@ -39,8 +39,12 @@ PROFILE_FORMAT = "shardc-cluster-profile"
 # (``backward_entry_per_param_s``, split from the hand-off); an older profile reads with zeros
 # for them and predicts as before; from version 4 the backward's call and entry also hide under
 # the device work the forward left queued (shardc.planning.schedule.plan_region).
-PROFILE_VERSION = 4
-READABLE_PROFILE_VERSIONS = (1, 2, 3, 4)
+# Version 5 added CPU offload's two host rates (:data:`HOST_FIELDS`): the host<->device link
+# (``host_link_bytes_per_s``) and torch's fused CPU AdamW (``host_adamw_params_per_s``); an
+# older profile reads with the defaults below (the link: the constant the copies were priced at
+# before, ``shardc.planning.copies.HOST_LINK_BYTES_PER_S``).
+PROFILE_VERSION = 5
+READABLE_PROFILE_VERSIONS = (1, 2, 3, 4, 5)
 # The host work that grows with the number of parameter tensors, outside what the per-kernel and
 # per-call terms price (see ClusterProfile): seconds per parameter tensor, one field per phase.
 PER_PARAM_FIELDS = ("region_entry_per_param_s", "forward_graph_per_param_s",
@@ -52,6 +56,16 @@ PER_PARAM_FIELDS = ("region_entry_per_param_s", "forward_graph_per_param_s",
 # ...): one field per per-parameter field, in the same order.
 FIXED_FIELDS = tuple(f.removesuffix("_per_param_s") + "_fixed_s" for f in PER_PARAM_FIELDS)
 PRESETS = ("h100", "h200")
+# CPU offload's host rates (version 5), each a positive number.
+HOST_FIELDS = ("host_link_bytes_per_s", "host_adamw_params_per_s")
+# Pinned host<->device copies: PCIe gen5 x16 measures about 50 GB/s each way at best; half of
+# it is what large pinned copies sustain next to NCCL (the value the plans used before v5).
+DEFAULT_HOST_LINK_BYTES_PER_S = 25e9
+# torch's fused CPU AdamW over fp32 masters, parameters per second: one H100 machine's 16
+# cores stepped 5.12B parameters in about 1.05 s (docs/offload.md, the big model), i.e. about
+# 28 bytes per parameter (reads of the parameter, gradient and both moments, writes of three)
+# at ~136 GB/s of host memory bandwidth. An estimate for other hosts until calibrated.
+DEFAULT_HOST_ADAMW_PARAMS_PER_S = 4.9e9
 
 
 class ProfileError(ValueError):
@@ -168,7 +182,21 @@ class ClusterProfile:
     A fixed term may be negative (a phase whose call costs less than the compiled chain's
     ``graph_call_s``, e.g. the backward's); a phase's host time is never charged below zero.
 
-    :mod:`shardc.planning.step` places them on the step's host and device timelines."""
+    :mod:`shardc.planning.step` places them on the step's host and device timelines.
+
+    CPU offload's host rates (version 5; older profiles read with the defaults):
+
+    - ``host_link_bytes_per_s``: bytes/s of one pinned host<->device copy (each way): the copy
+      lane's offload copies (:mod:`shardc.planning.copies`) and activation offload's
+      (:mod:`shardc.planning.offload`) run at it. Default
+      :data:`DEFAULT_HOST_LINK_BYTES_PER_S` (25 GB/s, an estimate); calibration measures large
+      pinned copies both ways and keeps the slower.
+    - ``host_adamw_params_per_s``: parameters (fp32 master elements) per second torch's fused
+      CPU AdamW steps on this host (``torch.optim.AdamW(fused=True)`` on CPU tensors, all
+      cores): the host step of CPU offload (:mod:`shardc.planning.step`). Default
+      :data:`DEFAULT_HOST_ADAMW_PARAMS_PER_S` (one H100 machine's host, measured in a
+      training step); calibration times the kernel on host tensors
+      (:func:`shardc.tools.calibrate.measure_host_adamw`)."""
 
     name: str
     device: str
@@ -208,6 +236,8 @@ class ClusterProfile:
     # ``inter`` link (its ring crosses the network). Calibration on one node cannot see the target
     # cluster's nodes: override with ``{"profile": ..., "node_size": N}`` / ``--node-size``.
     node_size: int = 8
+    host_link_bytes_per_s: float = DEFAULT_HOST_LINK_BYTES_PER_S
+    host_adamw_params_per_s: float = DEFAULT_HOST_ADAMW_PARAMS_PER_S
     notes: tuple[str, ...] = ()
     version: int = PROFILE_VERSION
 
@@ -224,6 +254,12 @@ class ClusterProfile:
                 raise ProfileError(f"shardc: cluster profile {self.name!r}: {name} is {value!r}; "
                                    "fixed host seconds per step must be a finite number "
                                    "(0: not measured)")
+        for name in HOST_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+                raise ProfileError(f"shardc: cluster profile {self.name!r}: {name} is {value!r}; "
+                                   "a host rate must be a finite number > 0 (leave it out for "
+                                   "the default)")
 
     # ------------------------------------------------------------------ lookups
 

@@ -275,7 +275,7 @@ def replicate_all_reduce(g: GraphView, bucket: Bucket, params: list[str], issue:
 
 def _duration(c: Collective, profile: ClusterProfile, tp_size: int = 1) -> float:
     if c.kind in COPY_KINDS:  # CPU offload: host<->device, on the copy lane
-        return copy_seconds(c.buffer_bytes)
+        return copy_seconds(c.buffer_bytes, profile.host_link_bytes_per_s)
     # HSDP's replicas are on different nodes. Under tensor parallelism the shard group's ranks
     # are tp_size apart (the tp group is the inner mesh dimension, within a node): the group
     # spans group_size * tp_size consecutive ranks, and crosses nodes once that exceeds a node.
