@@ -38,6 +38,7 @@ from shardc.passes.body import (
 )
 from shardc.passes.fx_utils import is_call
 from shardc.passes.lower import POOL_PLACEHOLDER
+from shardc.passes.to_local import plain_to_local_calls
 from shardc.runtime.comm_errors import boxed_with_collective_errors, guard_inductor_graph
 from shardc.runtime.plan_check import announce_region, check_plan_consistency
 from shardc.sharding.shard import ShardState, state_for_key
@@ -322,6 +323,8 @@ def shardc_backend(
     dynamo_s = progress.dynamo_seconds()
     if dynamo_s is not None:
         progress.log_stage(region.index, "Dynamo trace", dynamo_s)
+    plain_to_local_calls(gm)  # torch 2.11: else AOTAutograd's cache bypasses every region
+    _torch.forget_mesh_hashes(example_inputs)  # torch 2.11: else its key differs per process
     _prepare_bodies(gm, state, opts, region)
     partitioner = ShardcPartitioner(opts, region, clock)
     patches, note = _mode_patches(gm, example_inputs, opts, mode, state)
