@@ -251,6 +251,28 @@ def dtensor_on_local_device(local: torch.Tensor, mesh, placements, shape, stride
     return DTensor(local, spec, requires_grad=False)
 
 
+def dtensor_with_spec_of(local: torch.Tensor, like) -> Any:
+    """A DTensor of ``local`` (no copy) with the spec of the DTensor ``like`` (its mesh,
+    placements, global shape, stride and dtype): the gradient handed to a parameter by
+    ``shardc.sharding.plain_inputs``. The spec object is shared, not rebuilt (``_spec``,
+    private; the DTensor constructor takes it in torch 2.11 through 2.13)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, like._spec, requires_grad=False)
+
+
+def dtensor_local(t) -> torch.Tensor:
+    """The local tensor a DTensor wraps (``_local_tensor``), without ``to_local``'s autograd."""
+    return t._local_tensor
+
+
+def has_grad_hooks(t: torch.Tensor) -> bool:
+    """Whether hooks were registered on ``t``'s gradient (``register_hook``) or on its
+    accumulation (``register_post_accumulate_grad_hook``): private attributes of Tensor."""
+    return bool(getattr(t, "_backward_hooks", None)) or bool(
+        getattr(t, "_post_accumulate_grad_hooks", None))
+
+
 def tensor_version(t: torch.Tensor) -> int:
     """``t``'s version counter (bumped by every in-place change of it or of a view of it)."""
     return t._version
