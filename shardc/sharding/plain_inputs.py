@@ -102,14 +102,17 @@ def _make_leaf(plain: PlainInputs, fqn: str, param: DTensor) -> torch.Tensor:
     with torch.no_grad():
         local = param.to_local()
     leaf = local.detach().requires_grad_(True)
-    param_ref = weakref.ref(param)
+    # The parameter is found through its (first) owner, never held: a weak reference to it
+    # would make torch.utils.swap_tensors (nn.Module._apply) refuse it.
+    owner_ref, name = plain._owners[fqn][0]
 
     def hand_off(leaf: torch.Tensor) -> None:
         grad, leaf.grad = leaf.grad, None
-        target = param_ref()
-        if target is None or grad is None:
+        owner = owner_ref()
+        if owner is None or grad is None:
             return
-        _check_current(plain, fqn, target, leaf)
+        target = owner._parameters.get(name)
+        _check_current(fqn, target, leaf)
         if not target.requires_grad:  # frozen after the leaf was built: no gradient, as before
             return
         with torch.no_grad():
@@ -123,21 +126,20 @@ def _make_leaf(plain: PlainInputs, fqn: str, param: DTensor) -> torch.Tensor:
     return leaf
 
 
-def _check_current(plain: PlainInputs, fqn: str, param: DTensor, leaf: torch.Tensor) -> None:
-    """The leaf must still be the shard of the parameter the model holds, and nothing may wait
-    for the parameter's own accumulation."""
-    owners = plain.owners(fqn)
-    held = owners[0][0]._parameters.get(owners[0][1]) if owners else None
-    local = _torch.dtensor_local(param)
-    if (held is not param or local.data_ptr() != leaf.data_ptr()
-            or local.shape != leaf.shape or local.dtype != leaf.dtype):
+def _check_current(fqn: str, param, leaf: torch.Tensor) -> None:
+    """The leaf must still alias the shard of the parameter the model holds, and nothing may
+    wait for the parameter's own accumulation."""
+    local = _torch.dtensor_local(param) if isinstance(param, DTensor) else None
+    if (local is None or local.data_ptr() != leaf.data_ptr() or local.shape != leaf.shape
+            or local.dtype != leaf.dtype):
         raise RuntimeError(
             f"shardc: parameter {fqn!r} got new storage after shardc.shard without shardc "
-            "seeing it (param.data = ..., torch.utils.swap_tensors, or a parameter replaced "
-            "by direct assignment into _parameters), so this forward read its old values "
-            "(plain_inputs=True reads an alias of the shard). Change values in place "
-            "(param.to_local().copy_(...) under torch.no_grad(), load_state_dict, DCP), move "
-            "the model with to_empty()/.to(), or shard with plain_inputs=False."
+            "seeing it (param.data = ..., torch.utils.swap_tensors, or a parameter put "
+            "directly into _parameters), so this forward read its old values "
+            "(plain_inputs=True reads an alias of the shard); its gradient is refused. Change "
+            "values in place (param.to_local().copy_(...) under torch.no_grad(), "
+            "load_state_dict, DCP), move the model with to_empty() / .to(), or shard with "
+            "plain_inputs=False."
         )
     if _torch.has_grad_hooks(param):
         raise RuntimeError(
