@@ -628,14 +628,16 @@ def sc_hf_checkpoint(ctx: Ctx, *, compile: bool = True, inductor: bool = False,
 
 
 def _accumulate(ctx: Ctx, *, no_sync: bool, clip: float | None = None,
-                offload: bool | str = False, compile: bool = True) -> dict:
+                offload: bool | str = False, compile: bool = True,
+                plain_inputs: bool = False) -> dict:
     """Two micro-batches per step (each half of the rank's batch, loss / 2), optionally clipping
     the accumulated gradients by their global norm before the step; ``offload``: sharded with
     CPU offload (simulated on the CPU mesh: the copies are real separate tensors); ``"opt"``:
-    optimizer-only offload (the optimizer steps on host copies)."""
+    optimizer-only offload (the optimizer steps on host copies); ``plain_inputs``: sharded
+    with it (the second micro-batch's gradients are added to the handed ``.grad``)."""
     torch.manual_seed(0)
     model = mlp()
-    forward = ctx.wrap(model, compile=compile,
+    forward = ctx.wrap(model, compile=compile, plain_inputs=plain_inputs,
                        **({"offload": OPT_OFFLOAD if offload == "opt" else OFFLOAD}
                           if offload else {}))
     opt = sgd(model)
@@ -1555,6 +1557,10 @@ SCENARIOS: dict[str, Callable[[Ctx], dict]] = {
     "accumulate": sc_accumulate,
     "accumulate_clip": sc_accumulate_clip,
     "accumulate_no_sync": sc_accumulate_no_sync,
+    "plain_no_sync_clip": functools.partial(_accumulate, no_sync=True, clip=CLIP,
+                                            plain_inputs=True),
+    "plain_accumulate_eager": functools.partial(_accumulate, no_sync=False, compile=False,
+                                                plain_inputs=True),
     # CPU offload (issue 21): no_sync accumulation and clipping over host gradients.
     "offload_no_sync_clip": functools.partial(_accumulate, no_sync=True, clip=CLIP,
                                               offload=True),
@@ -1618,7 +1624,8 @@ ONE_WORLD = {"blocks_accumulate_shapes": 2, "torch_transformer": 2, "hf_gpt2": 3
              "offload_no_sync_clip": 2, "changing_batch": 2, "two_forwards": 3,
              "unused_outputs": 2, "float64": 3, "bfloat16": 2, "batchnorm": 3, "repeated": 3,
              "lstm": 2, "meta_to_empty": 3, "checkpoint": 3, "moe_recompile_limit": 2,
-             "submesh": 2, "meta_to_empty_plain": 3, "plain_lifecycle": 2}
+             "submesh": 2, "meta_to_empty_plain": 3, "plain_lifecycle": 2,
+             "plain_no_sync_clip": 3, "plain_accumulate_eager": 2}
 SLOW_SCENARIOS = ("checkpoint_sdpa_reentrant", "checkpoint_sdpa_dynamic",
                   "checkpoint_sdpa_save_all", "hf_checkpoint_reentrant", "checkpoint_dropout",
                   "checkpoint_fp8", "checkpoint_fp8_eager", *INDUCTOR_SCENARIOS)

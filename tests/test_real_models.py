@@ -333,6 +333,14 @@ def test_gradient_accumulation_without_sync(runs):
     check_parity(runs, "accumulate_no_sync")
 
 
+def test_plain_inputs_accumulation_and_clipping(runs):
+    """plain_inputs=True: micro-batches without sync then clipping by the global norm
+    (compiled, uneven world 3), and two micro-batches accumulated into the handed .grad
+    (eager): norms and parameters at parity with the reference."""
+    check_parity(runs, "plain_no_sync_clip")
+    check_parity(runs, "plain_accumulate_eager", compiled=False)
+
+
 @pytest.mark.parametrize("name", ["offload_no_sync_clip", "offload_no_sync_clip_eager",
                                   "optim_offload_no_sync_clip"])
 def test_offload_accumulation_without_sync_and_clipping(runs, name):
