@@ -31,8 +31,8 @@ What keeps the leaf and the parameter one tensor:
 
 Which parameters keep the DTensor read (today's path): those gathered in FP8, TransformerEngine
 FP8 parameters, tensor-parallel ones, CPU-offloaded ones (any offload policy), parameters frozen
-(``requires_grad=False``) when the leaves are built, and every parameter of a model that
-``shardc.step_in_backward`` is attached to (it hooks the DTensor parameters' accumulation).
+(``requires_grad=False``) when the leaves are built. (``shardc.step_in_backward``, which hooks
+the DTensor parameters' accumulation, needs CPU offload, which keeps the DTensor read.)
 Hooks a user registers on a DTensor parameter (``register_hook``,
 ``register_post_accumulate_grad_hook``) do not run for a gradient handed over this way: the
 hand-off raises, naming the parameter, rather than skip them.
@@ -55,7 +55,6 @@ class PlainInputs:
     """One sharded model's leaves: which module attributes read them, built and dropped here."""
 
     def __init__(self) -> None:
-        self.enabled = True
         # fqn -> the (module, attribute name) pairs that own the parameter (tied: several).
         self._owners: dict[str, list[tuple[weakref.ref, str]]] = {}
         self.handed = 0  # gradients handed to parameters (tests and benchmarks read it)
@@ -75,7 +74,7 @@ class PlainInputs:
         params = {id(m._parameters.get(n)): m._parameters.get(n) for m, n in owners}
         param = next(iter(params.values())) if len(params) == 1 else None
         leaf = None
-        if (self.enabled and eligible and isinstance(param, DTensor) and param.requires_grad
+        if (eligible and isinstance(param, DTensor) and param.requires_grad
                 and param.dtype.is_floating_point):
             leaf = _make_leaf(self, fqn, param)
         for module, name in owners:
@@ -84,12 +83,6 @@ class PlainInputs:
                 leaves.pop(name, None)
             else:
                 leaves[name] = leaf
-
-    def disable(self) -> None:
-        """Every parameter read as the DTensor from now on (``shardc.step_in_backward``)."""
-        self.enabled = False
-        for fqn in self._owners:
-            self.refresh(fqn, eligible=False)
 
 
 def leaf_for(module: nn.Module, name: str) -> torch.Tensor | None:
