@@ -256,9 +256,22 @@ def dtensor_with_spec_of(local: torch.Tensor, like) -> Any:
     placements, global shape, stride and dtype): the gradient handed to a parameter by
     ``shardc.sharding.plain_inputs``. The spec object is shared, not rebuilt (``_spec``,
     private; the DTensor constructor takes it in torch 2.11 through 2.13)."""
+    cls, new = _DTENSOR
+    if torch.compiler.is_compiling():
+        return cls(local, like._spec, requires_grad=False)
+    # Eagerly (the hand-off runs in autograd's engine, once per parameter per backward), the
+    # constructor without its Dynamo-disabling wrapper, which costs more than the rest of it.
+    return new(cls, local, like._spec, requires_grad=False)
+
+
+def _dtensor_new() -> tuple[type, Callable]:
     from torch.distributed.tensor import DTensor
 
-    return DTensor(local, like._spec, requires_grad=False)
+    new = DTensor.__new__
+    return DTensor, getattr(new, "__wrapped__", new)
+
+
+_DTENSOR = _dtensor_new()
 
 
 def dtensor_local(t) -> torch.Tensor:

@@ -108,11 +108,13 @@ def _make_leaf(plain: PlainInputs, fqn: str, param: DTensor) -> torch.Tensor:
         _check_current(fqn, target, leaf)
         if not target.requires_grad:  # frozen after the leaf was built: no gradient, as before
             return
-        with torch.no_grad():
-            if target.grad is None:
-                target.grad = _torch.dtensor_with_spec_of(grad, target)
-            else:
-                target.grad.to_local().add_(grad)
+        # Autograd runs this hook with grad mode off (create_graph aside, which a sharded
+        # parameter's gathered gradient does not support): no autograd on these tensors.
+        held = target.grad
+        if held is None:
+            target.grad = _torch.dtensor_with_spec_of(grad, target)
+        else:  # accumulation without zero_grad (micro-batches): in place, as autograd does
+            _torch.dtensor_local(held).add_(grad)
         plain.handed += 1
 
     leaf.register_post_accumulate_grad_hook(hand_off)
