@@ -14,6 +14,9 @@ on the same model, data and AdamW) it measures:
 - per phase, the CPU time to issue it (``issue_ms``: wall time without synchronizing, what the
   Python side costs) and, on GPUs, its time with the device synchronized before and after it
   (``synced_ms``);
+- per phase, the process's CPU time (``process_cpu_ms``, all threads, unsynchronized steps):
+  the host cost without the time spent preempted, which on a shared, loaded CPU machine is
+  the only stable measure of it;
 - a ``torch.profiler`` trace of a few steps with CPU activities: each phase's CPU time by
   operator (self time), so per-parameter Python and DTensor work shows up by name;
 - GPU idle time over the step (GPUs: the step minus the union of kernel intervals).
@@ -145,12 +148,13 @@ def timed_step(setup, opt, batch, device, synced: bool) -> dict[str, float]:
     for name, fn in phases(setup, opt, *batch):
         if synced:
             sync(device)
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.process_time()
         with torch.profiler.record_function(f"phase:{name}"):
             fn()
         if synced:
             sync(device)
         out[name] = (time.perf_counter() - t) * 1e3
+        out[f"cpu:{name}"] = (time.process_time() - cpu) * 1e3
     return out
 
 
@@ -290,6 +294,10 @@ def run_one(mode: str, model: str, layers: int | None, batch: int, args, mesh, d
         "step_ms": statistics.median(steps),
         "issue_ms": {ph: statistics.median(s[ph] for s in issue) for ph in PHASES},
         "synced_ms": {ph: statistics.median(s[ph] for s in synced) for ph in PHASES},
+        # The process's CPU time per phase (all its threads), from the unsynchronized steps:
+        # on a shared, loaded CPU machine the host cost without the time spent preempted.
+        "process_cpu_ms": {ph: statistics.median(s[f"cpu:{ph}"] for s in issue)
+                           for ph in PHASES},
         "profile": prof,
     }
     if prof["gpu_busy_ms_per_step"] is not None:
@@ -315,6 +323,15 @@ def render(report: dict[str, Any]) -> str:
             f"{s['optimizer.step']:.2f} | {s['zero_grad']:.2f} | "
             f"{i['forward']:.2f}/{i['backward']:.2f}/{i['optimizer.step']:.2f}/"
             f"{i['zero_grad']:.2f} | {'' if idle is None else f'{idle:.2f}'} |")
+    lines += ["", "Process CPU time per step (ms, median; all threads; unsynchronized steps):", "",
+              "| model | layers | batch | mode | forward | backward | optimizer.step | zero_grad "
+              "| step |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        c = r.get("process_cpu_ms")
+        if c:
+            lines.append(f"| {r['model']} | {r['n_layers']} | {r['batch']} | {r['mode']} | "
+                         + " | ".join(f"{c[ph]:.2f}" for ph in PHASES)
+                         + f" | {sum(c.values()):.2f} |")
     cats = list(HOST_CATEGORIES)
     lines += ["", "Host CPU self time per step by category (ms, profiled, all phases):", "",
               "| model | layers | batch | mode | " + " | ".join(cats) + " |",
