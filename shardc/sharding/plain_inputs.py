@@ -36,6 +36,9 @@ the DTensor parameters' accumulation, needs CPU offload, which keeps the DTensor
 Hooks a user registers on a DTensor parameter (``register_hook``,
 ``register_post_accumulate_grad_hook``) do not run for a gradient handed over this way: the
 hand-off raises, naming the parameter, rather than skip them.
+Nor is the DTensor parameter in the autograd graph: ``torch.autograd.grad(loss,
+model.parameters())`` and ``backward(inputs=params)`` do not reach it (torch reports it unused);
+use ``backward()`` and read ``.grad``, or shard with ``plain_inputs=False``.
 """
 
 from __future__ import annotations
