@@ -90,9 +90,6 @@ class StepInBackward:
             {f: named[f] for f in state.params if f in named} if state is not None else {})
         self._names = {id(p): f for f, p in self._params.items()}
         _check(state, optimizer, self._names)
-        if state is not None and state.plain is not None:
-            # It hooks the DTensor parameters' own accumulation: forwards must read them.
-            state.plain.disable()
         self.optimizer = optimizer
         self._key = state.key
         self._store = state.grad_sync
