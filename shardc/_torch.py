@@ -265,6 +265,41 @@ def dtensor_on_local_device(local: torch.Tensor, mesh, placements, shape, stride
     return DTensor(local, spec, requires_grad=False)
 
 
+def dtensor_with_spec_of(local: torch.Tensor, like) -> Any:
+    """A DTensor of ``local`` (no copy) with the spec of the DTensor ``like`` (its mesh,
+    placements, global shape, stride and dtype): the gradient handed to a parameter by
+    ``shardc.sharding.plain_inputs``. The spec object is shared, not rebuilt (``_spec``,
+    private; the DTensor constructor takes it in torch 2.11 through 2.13)."""
+    cls, new = _DTENSOR
+    if torch.compiler.is_compiling():
+        return cls(local, like._spec, requires_grad=False)
+    # Eagerly (the hand-off runs in autograd's engine, once per parameter per backward), the
+    # constructor without its Dynamo-disabling wrapper, which costs more than the rest of it.
+    return new(cls, local, like._spec, requires_grad=False)
+
+
+def _dtensor_new() -> tuple[type, Callable]:
+    from torch.distributed.tensor import DTensor
+
+    new = DTensor.__new__
+    return DTensor, getattr(new, "__wrapped__", new)
+
+
+_DTENSOR = _dtensor_new()
+
+
+def dtensor_local(t) -> torch.Tensor:
+    """The local tensor a DTensor wraps (``_local_tensor``), without ``to_local``'s autograd."""
+    return t._local_tensor
+
+
+def has_grad_hooks(t: torch.Tensor) -> bool:
+    """Whether hooks were registered on ``t``'s gradient (``register_hook``) or on its
+    accumulation (``register_post_accumulate_grad_hook``): private attributes of Tensor."""
+    return bool(getattr(t, "_backward_hooks", None)) or bool(
+        getattr(t, "_post_accumulate_grad_hooks", None))
+
+
 def tensor_version(t: torch.Tensor) -> int:
     """``t``'s version counter (bumped by every in-place change of it or of a view of it)."""
     return t._version

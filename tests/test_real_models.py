@@ -333,6 +333,14 @@ def test_gradient_accumulation_without_sync(runs):
     check_parity(runs, "accumulate_no_sync")
 
 
+def test_plain_inputs_accumulation_and_clipping(runs):
+    """plain_inputs=True: micro-batches without sync then clipping by the global norm
+    (compiled, uneven world 3), and two micro-batches accumulated into the handed .grad
+    (eager): norms and parameters at parity with the reference."""
+    check_parity(runs, "plain_no_sync_clip")
+    check_parity(runs, "plain_accumulate_eager", compiled=False)
+
+
 @pytest.mark.parametrize("name", ["offload_no_sync_clip", "offload_no_sync_clip_eager",
                                   "optim_offload_no_sync_clip"])
 def test_offload_accumulation_without_sync_and_clipping(runs, name):
@@ -570,6 +578,35 @@ def test_parameters_replaced_after_shard(runs):
                                                               "share_memory()"), got
                 error = got[f"to_meta_{mode}"]
                 assert "'0.weight' moved to meta" in error and "'cpu'" in error, error
+
+
+def test_plain_inputs_after_module_changes(runs):
+    """shardc.shard(..., plain_inputs=True) (forwards read plain aliases of the local shards),
+    eager and compiled, each change after sharding against a twin sharded without it: in-place
+    loads (load_state_dict into the shards), load_state_dict(assign=True) with sharded values,
+    .double() (nn.Module._apply swaps the shards' contents) and freezing a parameter give the
+    twin's loss and DTensor gradients bit for bit (no stale values trained); storage swapped
+    behind shardc's back (torch.utils.swap_tensors) and a hook on a parameter raise at the
+    backward, naming the parameter, before its gradient reaches .grad."""
+    world = ONE_WORLD["plain_lifecycle"]
+    for result in runs[world]:
+        got = result["plain_lifecycle"]
+        assert "exception" not in got, got.get("exception")
+        for mode in ("eager", "compiled"):
+            for name in ("load_in_place", "load_assign_sharded", "to_float64", "freeze"):
+                assert got[f"{name}_{mode}"] is None, (name, mode, got[f"{name}_{mode}"])
+            assert (got[f"swap_{mode}"] or "").startswith(
+                "RuntimeError: shardc: parameter '0.weight' got new storage"), got
+            assert "has hooks" in (got[f"hook_{mode}"] or ""), got
+
+
+def test_meta_build_to_empty_with_plain_inputs(runs):
+    """The meta-device build of test_meta_build_to_empty_then_init_trains_and_explains with
+    plain_inputs=True: to_empty() gives the shards new storage, the plain leaves follow, and
+    the compiled training is at parity."""
+    for world, got in zip(_worlds("meta_to_empty_plain"), check_parity(runs,
+                                                                       "meta_to_empty_plain")):
+        _check_kept(got, world)
 
 
 # --- Must fail clearly ------------------------------------------------------------------------
