@@ -39,8 +39,10 @@ PROFILE_FORMAT = "shardc-cluster-profile"
 # (``backward_entry_per_param_s``, split from the hand-off); an older profile reads with zeros
 # for them and predicts as before; from version 4 the backward's call and entry also hide under
 # the device work the forward left queued (shardc.planning.schedule.plan_region).
-PROFILE_VERSION = 4
-READABLE_PROFILE_VERSIONS = (1, 2, 3, 4)
+# Version 5 added ``host_optimizer_params_per_s`` (the host optimizer step's rate, for the peak
+# budget's optimizer offload); an older profile reads with its default.
+PROFILE_VERSION = 5
+READABLE_PROFILE_VERSIONS = (1, 2, 3, 4, 5)
 # The host work that grows with the number of parameter tensors, outside what the per-kernel and
 # per-call terms price (see ClusterProfile): seconds per parameter tensor, one field per phase.
 PER_PARAM_FIELDS = ("region_entry_per_param_s", "forward_graph_per_param_s",
@@ -204,6 +206,12 @@ class ClusterProfile:
     optimizer_fixed_s: float = 0.0
     zero_grad_fixed_s: float = 0.0
     overlap_slowdown: float = 1.1
+    # Parameters per second the host's optimizer step (torch's AdamW on CPU tensors: 16 bytes
+    # per parameter through host memory) updates, for pricing the peak budget's optimizer
+    # offload (shardc.planning.optimizer_offload). Version 5; older profiles read with this
+    # default, an estimate, not a measurement: FSDP2 with CPUOffloadPolicy on one H200 host
+    # (16 cores) took 2.95 s per step for 1.88 G parameters, about 2 s of it the host AdamW.
+    host_optimizer_params_per_s: float = 1.0e9
     # GPUs per node sharing the ``intra`` link; a group of more ranks spans nodes and runs at the
     # ``inter`` link (its ring crosses the network). Calibration on one node cannot see the target
     # cluster's nodes: override with ``{"profile": ..., "node_size": N}`` / ``--node-size``.
@@ -218,6 +226,12 @@ class ClusterProfile:
                 raise ProfileError(f"shardc: cluster profile {self.name!r}: {name} is {value!r}; "
                                    "host seconds per parameter tensor must be a number >= 0 "
                                    "(0: not measured)")
+        rate = self.host_optimizer_params_per_s
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0 \
+                or not math.isfinite(rate):
+            raise ProfileError(f"shardc: cluster profile {self.name!r}: "
+                               f"host_optimizer_params_per_s is {rate!r}; it must be a finite "
+                               "number of parameters per second > 0")
         for name in FIXED_FIELDS:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value):

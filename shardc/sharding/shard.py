@@ -138,6 +138,12 @@ class ShardState:
     offload: OffloadPolicy | None = None  # CPU offload (shardc.sharding.offload)
     # The repeated blocks compiled once, and those that are not (shardc.sharding.blocks).
     blocks: BlockBodies = field(default_factory=BlockBodies)
+    # The sharded root module (weak: the state lives on it), for the peak budget's optimizer
+    # offload, which the planner decides at compile time for the model's parameters.
+    root: weakref.ref | None = field(default=None, repr=False)
+    # A region's peak budget put the optimizer's state on the host: the later regions plan
+    # with it there (one optimizer steps the whole model).
+    optimizer_planned_on_host: bool = False
 
     @property
     def key(self) -> str:
@@ -533,7 +539,8 @@ def shard(
             per_module.setdefault(id(sub), (sub, {}))[1][pname] = info
 
     state = ShardState(mesh, reshard_after_forward, mp_policy, infos, layout=layout, fp8=fp8,
-                       group_roles=layout.group_roles(), blocks=blocks, offload=offload)
+                       group_roles=layout.group_roles(), blocks=blocks, offload=offload,
+                       root=weakref.ref(module))
     _STATES[state.key] = state
     for fqn, p in canonical.values():  # an optimizer still holding these is named at its step
         replaced_params.remember(p, fqn)
