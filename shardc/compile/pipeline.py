@@ -359,7 +359,7 @@ def choose_under_budget(gm: fx.GraphModule, joint_inputs: Sequence[object],
         if getattr(again, "minimum_bytes", None) is None:
             raise
         raise budget.MemoryBudgetError(
-            str(again) + optimizer_offload.refusal_hint(True, "")) from None
+            str(again) + optimizer_offload.refusal_hint(True, "", floor)) from None
     decided.optimizer = _optimizer_decision(floor_plan, floor, decided, options, region,
                                             device_name(gm))
     log.info("shardc: region %d: the optimizer's state and step on the host: %s",

@@ -88,15 +88,19 @@ def decision(*, freed_bytes: int, host_bytes: int, n_params: int, param_bytes: i
                              d2h * 1e3, step * 1e3, h2d * 1e3, reason)
 
 
-def refusal_hint(offloaded: bool, unavailable: str) -> str:
+def refusal_hint(offloaded: bool, unavailable: str, device_floor: int | None = None) -> str:
     """The sentence a refusal ends with about the optimizer's state: ``offloaded``: the
-    minimum already has it on the host (what is left is shards, gradients and activations);
+    minimum already has it on the host (what is left is shards, gradients and activations;
+    ``device_floor``: the minimum with it on the device, where the planner tried that first);
     otherwise ``unavailable`` says why the lever was not tried ("" where not applicable)."""
     if offloaded:
+        before = (f" (with it on the device the minimum is {device_floor} B, "
+                  f"{device_floor / _MiB:.1f} MiB)" if device_floor is not None else "")
         return (" The minimum has the optimizer's state and step on the host "
-                "(optimizer_offload): to go lower, keep the parameter shards and gradients on "
-                "the host too, shardc.shard(model, mesh, offload=shardc.OffloadPolicy()) (where "
-                "shards live is decided at shardc.shard, not by the planner).")
+                f"(optimizer_offload){before}: to go lower, keep the parameter shards and "
+                "gradients on the host too, shardc.shard(model, mesh, "
+                "offload=shardc.OffloadPolicy()) (where shards live is decided at shardc.shard, "
+                "not by the planner).")
     if unavailable.startswith("optimizer_offload='never'"):
         return (" optimizer_offload='never': with 'auto' the planner may put the optimizer's "
                 "state on the host to go lower.")
