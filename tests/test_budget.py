@@ -583,7 +583,9 @@ def test_optimizer_offload_is_the_last_lever_of_the_planner():
     the optimizer's state and step on the host (the prediction leaves the state and the step's
     temporaries out of the device, the host holds masters, gradients and state) and records
     why, at what price; below what that reaches it refuses, naming the new minimum and
-    OffloadPolicy() and the minimum with the state on the device. (``plan_model`` plans the GPU
+    OffloadPolicy() and (a lower bound of) the minimum with the state on the device; with
+    optimizer_offload='never' a budget below the device minimum is refused saying what 'auto'
+    would do. (``plan_model`` plans the GPU
     run: its 'auto' is 'simulate', the lever on a CPU mesh too.)"""
     import re
 
@@ -602,10 +604,14 @@ def test_optimizer_offload_is_the_last_lever_of_the_planner():
             plan(budget_bytes, mode)
         return str(refused.value)
 
+    text = refusal(1, "never")  # the device levers' feasible minimum
+    floor = int(re.search(r"feasible minimum (\d+) B", text).group(1))
+    assert "optimizer_offload='never': with 'auto'" in text and "OffloadPolicy()" not in text
     new = refusal(1, "simulate")  # below what even the state on the host reaches
     new_floor = int(re.search(r"feasible minimum (\d+) B", new).group(1))
-    floor = int(re.search(r"with it on the device the minimum is (\d+) B", new).group(1))
-    assert "offload=shardc.OffloadPolicy()" in new and "optimizer_offload" in new, new
+    # 1 byte is below the optimizer step's peak alone: the device levers' search is skipped.
+    step = int(re.search(r"with it on the device the minimum is at least (\d+) B", new).group(1))
+    assert step <= floor and "offload=shardc.OffloadPolicy()" in new, new
     at_floor = plan(floor, "simulate")
     assert at_floor.budget.optimizer is None and at_floor.predicted.optimizer_state_bytes > 0
     below = plan(floor - 1, "simulate")
@@ -619,7 +625,8 @@ def test_optimizer_offload_is_the_last_lever_of_the_planner():
     assert o.freed_bytes == 3 * p.param_bytes and o.host_bytes == p.host_bytes
     assert o.d2h_ms > 0 and o.step_ms > 0 and o.h2d_ms > 0 and o.params > 0
     assert o.predicted_ms == pytest.approx(o.d2h_ms + o.step_ms + o.h2d_ms)
-    assert o.reason.startswith("on the host: the other levers' feasible minimum"), o.reason
+    assert o.reason.startswith("on the host: the other levers' feasible minimum" if floor - 1
+                               >= step else "on the host: the optimizer step's peak"), o.reason
     assert "optimizer state and step: on the host" in below.table()
     back = Plan.from_json(below.to_json())
     assert back.budget == record and back.hash() == below.hash()

@@ -334,8 +334,13 @@ def choose_under_budget(gm: fx.GraphModule, joint_inputs: Sequence[object],
     budget, the last one: the optimizer's state on the host, with the device levers chosen
     again under it (``shardc.planning.optimizer_offload``). Refused, naming the minimum, where
     even that is over the budget."""
+    unavailable = ("the optimizer's state is on the host already" if region.optimizer_on_host
+                   else _optimizer_offload_unavailable(gm, options))
     try:
-        return choose_device_levers(gm, joint_inputs, options, region, **kwargs)
+        return choose_device_levers(gm, joint_inputs, options, region,
+                                    step_floor_exits=not unavailable, **kwargs)
+    except optimizer_offload.StepOverBudget as over:
+        floor, floor_plan, exact = over.floor_bytes, over.plan, False
     except budget.MemoryBudgetError as refused:
         floor = getattr(refused, "minimum_bytes", None)
         if floor is None:  # not a budget below the minimum ("auto" off CUDA)
@@ -343,13 +348,12 @@ def choose_under_budget(gm: fx.GraphModule, joint_inputs: Sequence[object],
         if region.optimizer_on_host:  # already there (OffloadPolicy, or an earlier region)
             raise budget.MemoryBudgetError(
                 str(refused) + optimizer_offload.refusal_hint(True, "")) from None
-        unavailable = _optimizer_offload_unavailable(gm, options)
         if unavailable:
             log.info("shardc: region %d: optimizer offload not tried: %s", region.index,
                      unavailable)
             raise budget.MemoryBudgetError(
                 str(refused) + optimizer_offload.refusal_hint(False, unavailable)) from None
-        floor_plan = refused.plan
+        floor_plan, exact = refused.plan, True
     region.optimizer_on_host = True  # every prediction below leaves the state to the host
     try:
         decided = choose_device_levers(gm, joint_inputs, options, region,
@@ -359,8 +363,8 @@ def choose_under_budget(gm: fx.GraphModule, joint_inputs: Sequence[object],
         if getattr(again, "minimum_bytes", None) is None:
             raise
         raise budget.MemoryBudgetError(
-            str(again) + optimizer_offload.refusal_hint(True, "", floor)) from None
-    decided.optimizer = _optimizer_decision(floor_plan, floor, decided, options, region,
+            str(again) + optimizer_offload.refusal_hint(True, "", floor, exact)) from None
+    decided.optimizer = _optimizer_decision(floor_plan, floor, exact, decided, options, region,
                                             device_name(gm))
     log.info("shardc: region %d: the optimizer's state and step on the host: %s",
              region.index, decided.optimizer.reason)
@@ -382,10 +386,11 @@ def _optimizer_offload_unavailable(gm: fx.GraphModule, options: ShardcOptions) -
                                      state.offload, fp8, tp)
 
 
-def _optimizer_decision(floor_plan: Plan, floor: int, decided: MemoryBudget,
+def _optimizer_decision(floor_plan: Plan, floor: int, exact: bool, decided: MemoryBudget,
                         options: ShardcOptions, region: RegionRecord, device: str | None):
     """The record of the optimizer's state put on the host, priced from the device levers'
-    floor plan (``floor_plan``, peak ``floor``); every number the largest over the ranks."""
+    floor plan (``floor_plan``, peak ``floor``; not ``exact``: ``floor`` is the optimizer
+    step's peak, under every configuration's); every number the largest over the ranks."""
     group, index = floor_plan.group_name, region.check_index
 
     def largest(tag: str, value: float) -> int:
@@ -401,7 +406,7 @@ def _optimizer_decision(floor_plan: Plan, floor: int, decided: MemoryBudget,
         freed_bytes=freed, host_bytes=optimizer_host_bytes(param_bytes,
                                                            options.optimizer_state_factor),
         n_params=n_params, param_bytes=param_bytes, grad_bytes=grad_bytes, profile=profile,
-        floor_bytes=floor, peak_bytes=decided.peak_bytes)
+        floor_bytes=floor, peak_bytes=decided.peak_bytes, exact=exact)
 
 
 def _shard_numel(plan: Plan) -> int:
@@ -417,13 +422,15 @@ def _shard_numel(plan: Plan) -> int:
 
 def choose_device_levers(gm: fx.GraphModule, joint_inputs: Sequence[object],
                          options: ShardcOptions, region: RegionRecord, tag_prefix: str = "",
-                         **kwargs) -> MemoryBudget:
+                         step_floor_exits: bool = False, **kwargs) -> MemoryBudget:
     """The decisions of the levers on the device for one region's joint graph (left
     unchanged): the fully resharded configuration first; within the budget, the greedy keeps
     buckets gathered; over it, every bucket kept is tried once, then blocks are recomputed or
     their activations offloaded (refused if the fully freed plan is still over the budget).
     ``tag_prefix``: of the cross-rank exchanges' tags (each tag once per region), for a second
-    search under other conditions (the optimizer's state on the host)."""
+    search under other conditions (the optimizer's state on the host). ``step_floor_exits``:
+    raise :class:`optimizer_offload.StepOverBudget` as soon as the optimizer step's peak alone
+    is over the budget (the caller then puts the state on the host)."""
     pristine = copy_graph_module(gm)
     user_bytes = budget.resolve_budget(options.peak_memory_budget_bytes, _gather_device(gm))
     margin = options.peak_memory_margin
@@ -454,6 +461,15 @@ def choose_device_levers(gm: fx.GraphModule, joint_inputs: Sequence[object],
                                       int(plan.predicted.peak_bytes or 0))
 
     base, minimum = evaluate(set())
+    if step_floor_exits:
+        # The optimizer step's shards, gradients, state and temporaries are the same in every
+        # configuration of these levers: over the budget, none can meet it.
+        step = base.predicted
+        factor = 1 + options.optimizer_state_factor + options.optimizer_temp_factor
+        floor = agree_on_largest(base.group_name, region.check_index, f"{tag_prefix}step",
+                                 int((step.param_bytes or 0) * factor + (step.grad_bytes or 0)))
+        if floor > budget_bytes:
+            raise optimizer_offload.StepOverBudget(floor, base)
     probe = copy_graph_module(pristine)  # the joint passes' graph, where blocks are found
     joint_passes(probe.graph)
     blocks = region_blocks(probe, region, kwargs)

@@ -41,6 +41,17 @@ MODES = ("auto", "never", "simulate")
 _MiB = float(1 << 20)
 
 
+class StepOverBudget(Exception):
+    """The optimizer step's peak (shards, gradients, state, temporaries: the same in every
+    configuration of the device levers) is over the budget, so no configuration of theirs can
+    meet it: the planner skips their search and puts the state on the host. ``floor_bytes``:
+    that peak (a lower bound of their feasible minimum), ``plan``: the plan it is from."""
+
+    def __init__(self, floor_bytes: int, plan) -> None:
+        super().__init__(f"the optimizer step's peak {floor_bytes} B is over the budget")
+        self.floor_bytes, self.plan = floor_bytes, plan
+
+
 def price(param_bytes: int, grad_bytes: int, n_params: int, profile: ClusterProfile
           ) -> tuple[float, float, float]:
     """Seconds of the offloaded step's three phases: (shards and gradients to the host, the
@@ -71,30 +82,36 @@ def why_not(mode: str, device_type: str, offload, fp8: bool, tp: bool) -> str:
 
 
 def decision(*, freed_bytes: int, host_bytes: int, n_params: int, param_bytes: int,
-             grad_bytes: int, profile: ClusterProfile, floor_bytes: int, peak_bytes: int
-             ) -> OptimizerDecision:
+             grad_bytes: int, profile: ClusterProfile, floor_bytes: int, peak_bytes: int,
+             exact: bool = True) -> OptimizerDecision:
     """The record of the lever chosen: ``floor_bytes`` the other levers' feasible minimum
-    (over the budget), ``peak_bytes`` the chosen plan's predicted peak with the state on the
-    host; the bytes and counts are the largest over the ranks."""
+    (over the budget; not ``exact``: the optimizer step's peak, which every configuration of
+    theirs has), ``peak_bytes`` the chosen plan's predicted peak with the state on the host;
+    the bytes and counts are the largest over the ranks."""
     d2h, step, h2d = price(param_bytes, grad_bytes, n_params, profile)
     total_ms = (d2h + step + h2d) * 1e3
-    reason = (f"on the host: the other levers' feasible minimum {floor_bytes / _MiB:.1f} MiB is "
-              f"over the budget (the optimizer step's peak: state and temporaries); the "
-              f"state on the host frees {freed_bytes / _MiB:.1f} MiB of device memory for "
-              f"~{total_ms:.1f} ms per step ({d2h * 1e3:.1f} ms shards and gradients to the "
-              f"host, {step * 1e3:.1f} ms host step over {n_params} parameters, "
-              f"{h2d * 1e3:.1f} ms shards back); predicted peak {peak_bytes / _MiB:.1f} MiB")
+    floor = (f"the other levers' feasible minimum {floor_bytes / _MiB:.1f} MiB is over the "
+             "budget" if exact else f"the optimizer step's peak {floor_bytes / _MiB:.1f} MiB "
+             "(shards, gradients, state and temporaries, in every configuration of the other "
+             "levers) is over the budget")
+    reason = (f"on the host: {floor}; the state on the host frees {freed_bytes / _MiB:.1f} MiB "
+              f"of device memory for ~{total_ms:.1f} ms per step ({d2h * 1e3:.1f} ms shards "
+              f"and gradients to the host, {step * 1e3:.1f} ms host step over {n_params} "
+              f"parameters, {h2d * 1e3:.1f} ms shards back); predicted peak "
+              f"{peak_bytes / _MiB:.1f} MiB")
     return OptimizerDecision(True, int(freed_bytes), int(host_bytes), int(n_params),
                              d2h * 1e3, step * 1e3, h2d * 1e3, reason)
 
 
-def refusal_hint(offloaded: bool, unavailable: str, device_floor: int | None = None) -> str:
+def refusal_hint(offloaded: bool, unavailable: str, device_floor: int | None = None,
+                 exact: bool = True) -> str:
     """The sentence a refusal ends with about the optimizer's state: ``offloaded``: the
     minimum already has it on the host (what is left is shards, gradients and activations;
     ``device_floor``: the minimum with it on the device, where the planner tried that first);
     otherwise ``unavailable`` says why the lever was not tried ("" where not applicable)."""
     if offloaded:
-        before = (f" (with it on the device the minimum is {device_floor} B, "
+        at_least = "" if exact else "at least "
+        before = (f" (with it on the device the minimum is {at_least}{device_floor} B, "
                   f"{device_floor / _MiB:.1f} MiB)" if device_floor is not None else "")
         return (" The minimum has the optimizer's state and step on the host "
                 f"(optimizer_offload){before}: to go lower, keep the parameter shards and "
