@@ -115,6 +115,22 @@ def test_profile_round_trips_through_json():
         assert 2.5e12 <= preset.memory_bandwidth(1 << 30) <= 4.2e12
 
 
+def test_host_optimizer_rate_is_a_version_5_field_with_a_default():
+    """Profile version 5 adds ``host_optimizer_params_per_s`` (the peak budget's optimizer
+    offload prices the host step with it): a version-4 profile, and the shipped presets, read
+    with the documented default; a bad value is refused naming the field."""
+    data = _profile().to_dict()
+    assert data["version"] == 5 and data["host_optimizer_params_per_s"] == 1e9
+    del data["host_optimizer_params_per_s"]
+    v4 = ClusterProfile.from_dict({**data, "version": 4})
+    assert v4.version == 4 and v4.host_optimizer_params_per_s == 1e9
+    assert ClusterProfile.from_dict(v4.to_dict()) == v4
+    for name in PRESETS:
+        assert load_profile(name).host_optimizer_params_per_s == 1e9
+    with pytest.raises(ProfileError, match="host_optimizer_params_per_s is 0"):
+        ClusterProfile.from_dict({**data, "host_optimizer_params_per_s": 0})
+
+
 def test_profile_version_and_format_errors_are_clear(tmp_path):
     data = _profile().to_dict()
     with pytest.raises(ProfileError, match="version 99; this shardc reads versions 1, 2"):
