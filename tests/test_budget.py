@@ -24,6 +24,7 @@ from shardc.planning.plan import (
     Collective,
     CollectiveKind,
     MemoryBudget,
+    OptimizerDecision,
     Plan,
 )
 from shardc.planning.profile import resolve_profile
@@ -185,6 +186,18 @@ def test_memory_plot_draws_the_budget_line():
     _draw_step(ax, plan, None)
     budget_lines = [line for line in ax.get_lines() if "peak budget" in line.get_label()]
     assert len(budget_lines) == 1 and budget_lines[0].get_ydata()[0] == pytest.approx(30 / 1024)
+    # The optimizer's state on the host (the last lever): its column says so.
+    plan.memory_by_category["graphs"]["optimizer step"] = {
+        "positions": [0], "bytes": {c: [1 << 20] for c in CATEGORIES}}
+    labels = {}
+    for on_host in (False, True):
+        plan.budget.optimizer = OptimizerDecision(True, 1, 1, 1, 0.1, 0.1, 0.1, "...") \
+            if on_host else None
+        fig, ax = plt.subplots()
+        _draw_step(ax, plan, None)
+        labels[on_host] = [t.get_text() for t in ax.texts if "optimizer step" in t.get_text()]
+    assert labels == {False: [" optimizer step"],
+                      True: [" optimizer step (state on the host)"]}, labels
     plt.close("all")
 
 
