@@ -366,8 +366,11 @@ def choose_under_budget(gm: fx.GraphModule, joint_inputs: Sequence[object],
             str(again) + optimizer_offload.refusal_hint(True, "", floor, exact)) from None
     decided.optimizer = _optimizer_decision(floor_plan, floor, exact, decided, options, region,
                                             device_name(gm))
-    log.info("shardc: region %d: the optimizer's state and step on the host: %s",
-             region.index, decided.optimizer.reason)
+    # A warning: the host step costs far more than any device lever (seconds per step at 1e9
+    # parameters); the user may prefer a larger budget or more ranks.
+    log.warning("shardc: region %d: the peak budget puts the optimizer's state and step on the "
+                "host (optimizer_offload='never' turns this off): %s", region.index,
+                decided.optimizer.reason)
     return decided
 
 
