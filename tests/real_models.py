@@ -1522,6 +1522,59 @@ def sc_peak_budget_offload(ctx: Ctx) -> dict:
     return out
 
 
+def sc_peak_budget_optimizer(ctx: Ctx) -> dict:
+    """Parity under a budget a byte below the optimizer step's peak (shards, gradients, state,
+    temporaries: under the device levers' feasible minimum), where the planner puts the
+    optimizer's state and step on the host (``optimizer_offload='simulate'``: the lever on this
+    CPU mesh), plus the facts the tests check: the record, the peaks, the hashes, the host
+    masters (the refusal below what it reaches: tests/test_budget.py)."""
+    from shardc.models.llama import LlamaConfig, Transformer
+    from shardc.runtime import offload_optimizer
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return Transformer(LlamaConfig(**BUDGET_CFG))
+
+    data = tokens(steps=2, seq=BUDGET_SEQ)
+    model = ctx.wrap(build(), compile=False)
+    if not ctx.sharded:
+        return train_lm(ctx, model, model, data)
+
+    def compiled(m: nn.Module, budget: int):
+        return torch.compile(m, backend=shardc.backend(
+            inductor=False, comm_pool=False, peak_memory_budget_bytes=budget,
+            peak_memory_margin=0.0, optimizer_offload="simulate"))
+
+    # The largest rank's parameter shard bytes P: the optimizer step's peak (shards, gradients,
+    # Adam's state and a temporary: 5 P; no pool) is under every configuration of the device
+    # levers, so a byte below it needs the state on the host.
+    shard = torch.tensor([sum(p.to_local().numel() * p.to_local().element_size()
+                              for p in model.parameters())])
+    dist.all_reduce(shard, op=dist.ReduceOp.MAX, group=ctx.group)
+    floor = 5 * int(shard)
+    ctx.model = model
+    out = train_lm(ctx, model, compiled(model, floor - 1), data)
+    plan = shardc.explain_all(model)[0]
+    masters = {n: offload_optimizer.host_master(p) for n, p in model.named_parameters()}
+    out.update({
+        "planned": 1,
+        "step_floor": floor,
+        "hash": plan.hash(),
+        "record": plan.budget,
+        "predicted": plan.predicted.to_dict(),
+        "table": plan.table(),
+        "json": plan.to_json(),
+        # Every parameter's optimizer steps on a host master, a separate tensor equal to the
+        # shard after the last step.
+        "masters": sorted(n for n, m in masters.items() if m is not None),
+        "master_equal": all(m is not None and torch.equal(m.to_local(), p.to_local())
+                            and m.to_local().data_ptr() != p.to_local().data_ptr()
+                            for (n, p), m in zip(model.named_parameters(), masters.values())),
+        "names": sorted(n for n, _ in model.named_parameters()),
+    })
+    return out
+
+
 SCENARIOS: dict[str, Callable[[Ctx], dict]] = {
     "torch_transformer": sc_torch_transformer,
     "hf_gpt2": sc_hf_gpt2,
@@ -1586,6 +1639,7 @@ SCENARIOS: dict[str, Callable[[Ctx], dict]] = {
     "adam": sc_adam,
     "peak_budget": sc_peak_budget,
     "peak_budget_offload": sc_peak_budget_offload,
+    "peak_budget_optimizer": sc_peak_budget_optimizer,
     # Sharded runs only (their reference: submesh_reference).
     "submesh": sc_submesh,
     # Failure modes: sharded runs only, no reference; the desyncing ones last.
@@ -1612,7 +1666,7 @@ ONE_WORLD = {"blocks_accumulate_shapes": 2, "torch_transformer": 2, "hf_gpt2": 3
              "checkpoint_sdpa_save_all": 2, "hf_checkpoint_reentrant": 2,
              "hf_checkpoint_inductor": 2, "checkpoint_fp8": 3, "checkpoint_fp8_eager": 3,
              "checkpoint_dropout": 3, "checkpoint_sdpa_dynamic": 3, "peak_budget": 2,
-             "peak_budget_offload": 3,
+             "peak_budget_offload": 3, "peak_budget_optimizer": 3,
              "adam": 3, "checkpoint_sdpa": 2, "checkpoint_sdpa_selective": 3,
              "moe_compiled": 2, "changing_seq": 2, "changing_both": 3, "nested": 3,
              "optim_offload_no_sync_clip": 3,

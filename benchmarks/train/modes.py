@@ -141,6 +141,10 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_
         # SHARDC_ACTIVATION_OFFLOAD: the activation offload lever (auto, never, prefer).
         if os.environ.get("SHARDC_ACTIVATION_OFFLOAD"):
             options["activation_offload"] = os.environ["SHARDC_ACTIVATION_OFFLOAD"]
+        # SHARDC_OPTIMIZER_OFFLOAD: the last lever, the optimizer's state on the host (auto,
+        # never).
+        if os.environ.get("SHARDC_OPTIMIZER_OFFLOAD"):
+            options["optimizer_offload"] = os.environ["SHARDC_OPTIMIZER_OFFLOAD"]
         setup = setup_shardc(model, mesh, loss_in_graph, **options)
         setup.info["options"] = ", ".join(f"{k}={v!r}" for k, v in options.items())
         return setup

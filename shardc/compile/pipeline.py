@@ -61,7 +61,7 @@ from shardc.passes.offload_saved import OffloadedValue, block_groups, offload_sa
 from shardc.passes.recompute import Block, find_blocks, recompute_blocks
 from shardc.passes.reshard import check_no_gathered_saved, keep_gathered, tag_resharded_gathers
 from shardc.passes.saved_order import order_saved_values
-from shardc.planning import budget, recompute
+from shardc.planning import budget, optimizer_offload, recompute
 from shardc.planning import offload as offload_lever
 from shardc.planning.copies import HOST_LINK_BYTES_PER_S
 from shardc.planning.estimate import elided_cast_seconds
@@ -330,10 +330,111 @@ def region_blocks(gm: fx.GraphModule, region: RegionRecord, kwargs: dict) -> lis
 
 def choose_under_budget(gm: fx.GraphModule, joint_inputs: Sequence[object],
                         options: ShardcOptions, region: RegionRecord, **kwargs) -> MemoryBudget:
-    """The budget planner's decisions for one region's joint graph (left unchanged): the fully
-    resharded configuration first; within the budget, the greedy keeps buckets gathered;
-    over it, every bucket kept is tried once, then blocks are recomputed (refused if the fully
-    recomputed plan is still over the budget)."""
+    """The budget planner's decisions for one region's joint graph (left unchanged): the levers
+    on the device (:func:`choose_device_levers`) and, where their feasible minimum is over the
+    budget, the last one: the optimizer's state on the host, with the device levers chosen
+    again under it (``shardc.planning.optimizer_offload``). Refused, naming the minimum, where
+    even that is over the budget."""
+    unavailable = ("the optimizer's state is on the host already" if region.optimizer_on_host
+                   else _optimizer_offload_unavailable(gm, options))
+    try:
+        return choose_device_levers(gm, joint_inputs, options, region,
+                                    step_floor_exits=not unavailable, **kwargs)
+    except optimizer_offload.StepOverBudget as over:
+        floor, floor_plan, exact = over.floor_bytes, over.plan, False
+    except budget.MemoryBudgetError as refused:
+        floor = getattr(refused, "minimum_bytes", None)
+        if floor is None:  # not a budget below the minimum ("auto" off CUDA)
+            raise
+        if region.optimizer_on_host:  # already there (OffloadPolicy, or an earlier region)
+            raise budget.MemoryBudgetError(
+                str(refused) + optimizer_offload.refusal_hint(True, "")) from None
+        if unavailable:
+            log.info("shardc: region %d: optimizer offload not tried: %s", region.index,
+                     unavailable)
+            raise budget.MemoryBudgetError(
+                str(refused) + optimizer_offload.refusal_hint(False, unavailable)) from None
+        floor_plan, exact = refused.plan, True
+    region.optimizer_on_host = True  # every prediction below leaves the state to the host
+    try:
+        decided = choose_device_levers(gm, joint_inputs, options, region,
+                                       tag_prefix="host/", **kwargs)
+    except budget.MemoryBudgetError as again:
+        region.optimizer_on_host = False
+        if getattr(again, "minimum_bytes", None) is None:
+            raise
+        raise budget.MemoryBudgetError(
+            str(again) + optimizer_offload.refusal_hint(True, "", floor, exact)) from None
+    decided.optimizer = _optimizer_decision(floor_plan, floor, exact, decided, options, region,
+                                            device_name(gm))
+    # A warning: the host step costs far more than any device lever (seconds per step at 1e9
+    # parameters); the user may prefer a larger budget or more ranks.
+    log.warning("shardc: region %d: the peak budget puts the optimizer's state and step on the "
+                "host (optimizer_offload='never' turns this off): %s", region.index,
+                decided.optimizer.reason)
+    return decided
+
+
+def _optimizer_offload_unavailable(gm: fx.GraphModule, options: ShardcOptions) -> str:
+    """Why the optimizer's state cannot go to the host for this region ("" where it can)."""
+    from shardc.sharding.shard import state_for_key
+
+    gathers = [GatherArgs.of(n) for n in gm.graph.nodes if is_call(n, GATHER_OP)]
+    state = state_for_key(gathers[0].sync_key) if gathers else None
+    if state is None:
+        return "the sharded model's state is gone"
+    fp8 = state.fp8 is not None or any(i.quantized or i.fp8 is not None
+                                       for i in state.params.values())
+    tp = state.layout is not None and state.layout.kind == "fsdp+tp"
+    return optimizer_offload.why_not(options.optimizer_offload, state.mesh.device_type,
+                                     state.offload, fp8, tp)
+
+
+def _optimizer_decision(floor_plan: Plan, floor: int, exact: bool, decided: MemoryBudget,
+                        options: ShardcOptions, region: RegionRecord, device: str | None):
+    """The record of the optimizer's state put on the host, priced from the device levers'
+    floor plan (``floor_plan``, peak ``floor``; not ``exact``: ``floor`` is the optimizer
+    step's peak, under every configuration's); every number the largest over the ranks."""
+    group, index = floor_plan.group_name, region.check_index
+
+    def largest(tag: str, value: float) -> int:
+        return agree_on_largest(group, index, f"optimizer/{tag}", int(value or 0))
+
+    p = floor_plan.predicted
+    param_bytes = largest("param_bytes", p.param_bytes)
+    grad_bytes = largest("grad_bytes", p.grad_bytes)
+    freed = int(param_bytes * (options.optimizer_state_factor + options.optimizer_temp_factor))
+    n_params = largest("numel", _shard_numel(floor_plan))
+    profile = resolve_profile(options.cluster, device)
+    return optimizer_offload.decision(
+        freed_bytes=freed, host_bytes=optimizer_host_bytes(param_bytes,
+                                                           options.optimizer_state_factor),
+        n_params=n_params, param_bytes=param_bytes, grad_bytes=grad_bytes, profile=profile,
+        floor_bytes=floor, peak_bytes=decided.peak_bytes, exact=exact)
+
+
+def _shard_numel(plan: Plan) -> int:
+    """Elements of a rank's parameter shards, padding included (the largest rank's)."""
+    seen, total = set(), 0
+    for b in plan.buckets:
+        for fqn, rows, row_numel in zip(b.params, b.padded_rows, b.row_numel):
+            if fqn not in seen:
+                seen.add(fqn)
+                total += rows * row_numel
+    return total
+
+
+def choose_device_levers(gm: fx.GraphModule, joint_inputs: Sequence[object],
+                         options: ShardcOptions, region: RegionRecord, tag_prefix: str = "",
+                         step_floor_exits: bool = False, **kwargs) -> MemoryBudget:
+    """The decisions of the levers on the device for one region's joint graph (left
+    unchanged): the fully resharded configuration first; within the budget, the greedy keeps
+    buckets gathered; over it, every bucket kept is tried once, then blocks are recomputed or
+    their activations offloaded (refused if the fully freed plan is still over the budget).
+    ``tag_prefix``: of the cross-rank exchanges' tags (each tag once per region), for a second
+    search under other conditions (the optimizer's state on the host). ``step_floor_exits``:
+    raise :class:`optimizer_offload.StepOverBudget` as soon as the optimizer step's peak alone
+    is over the budget (the caller then puts the state on the host)."""
     pristine = copy_graph_module(gm)
     user_bytes = budget.resolve_budget(options.peak_memory_budget_bytes, _gather_device(gm))
     margin = options.peak_memory_margin
@@ -358,12 +459,21 @@ def choose_under_budget(gm: fx.GraphModule, joint_inputs: Sequence[object],
         plan, _ = lower_and_predict(fw, bw, trial_options, region,
                                     pool_device=torch.device("meta"))
         # Every rank compares the ranks' largest peak: the same decisions everywhere.
-        tag = f"trial{len(trials)}"
+        tag = f"{tag_prefix}trial{len(trials)}"
         trials.append(tag)
         return plan, agree_on_largest(plan.group_name, region.check_index, tag,
                                       int(plan.predicted.peak_bytes or 0))
 
     base, minimum = evaluate(set())
+    if step_floor_exits:
+        # The optimizer step's shards, gradients, state and temporaries are the same in every
+        # configuration of these levers: over the budget, none can meet it.
+        step = base.predicted
+        factor = 1 + options.optimizer_state_factor + options.optimizer_temp_factor
+        floor = agree_on_largest(base.group_name, region.check_index, f"{tag_prefix}step",
+                                 int((step.param_bytes or 0) * factor + (step.grad_bytes or 0)))
+        if floor > budget_bytes:
+            raise optimizer_offload.StepOverBudget(floor, base)
     probe = copy_graph_module(pristine)  # the joint passes' graph, where blocks are found
     joint_passes(probe.graph)
     blocks = region_blocks(probe, region, kwargs)
@@ -385,7 +495,8 @@ def choose_under_budget(gm: fx.GraphModule, joint_inputs: Sequence[object],
             lowest = (base, minimum) if minimum <= peak else (kept_plan, peak)
             decided = _recompute_under_budget(
                 probe, blocks, user_bytes, (base, minimum), lowest, options, region,
-                lambda recomputed, offloaded: evaluate(set(), recomputed, offloaded))
+                lambda recomputed, offloaded: evaluate(set(), recomputed, offloaded),
+                tag_prefix=tag_prefix)
             decided.decisions = budget.reshard_all(cands, fixed, minimum)
             decided.trials = len(trials) - 1
     budget.with_margin(decided, user_bytes, margin)
@@ -399,7 +510,7 @@ def choose_under_budget(gm: fx.GraphModule, joint_inputs: Sequence[object],
 def _recompute_under_budget(probe: fx.GraphModule, blocks: list[Block], user_bytes: int,
                             resharded: tuple[Plan, int], lowest: tuple[Plan, int],
                             options: ShardcOptions, region: RegionRecord,
-                            evaluate) -> MemoryBudget:
+                            evaluate, tag_prefix: str = "") -> MemoryBudget:
     """The blocks to recompute when no configuration of the first lever fits (``resharded``:
     the fully resharded plan and its peak; ``lowest``: the lower of it and the fully kept
     one); refuses the budget (``user_bytes``, planned for less its margin) if the fully
@@ -413,7 +524,8 @@ def _recompute_under_budget(probe: fx.GraphModule, blocks: list[Block], user_byt
                                            recomputed=len(cands) - offloaded,
                                            offloaded=offloaded, margin=margin)
 
-    estimates = block_estimates(probe, blocks, resharded[0].group_name, options, region)
+    estimates = block_estimates(probe, blocks, resharded[0].group_name, options, region,
+                                tag_prefix)
     mode = options.activation_offload if isinstance(options.activation_offload, str) else "auto"
     # The copies' link: the cluster profile's (every rank resolves the same profile).
     link = resolve_profile(options.cluster, device_name(probe)).host_link_bytes_per_s
@@ -458,7 +570,7 @@ def _recompute_under_budget(probe: fx.GraphModule, blocks: list[Block], user_byt
 
 
 def block_estimates(probe: fx.GraphModule, blocks: list[Block], group: str,
-                    options: ShardcOptions, region: RegionRecord
+                    options: ShardcOptions, region: RegionRecord, tag_prefix: str = ""
                     ) -> dict[str, tuple[int, int, float]]:
     """Per block: (bytes recomputing it frees, its saved bytes, its forward's seconds), each
     the largest over the ranks (one store exchange each, once per region), so every rank ranks
@@ -466,7 +578,7 @@ def block_estimates(probe: fx.GraphModule, blocks: list[Block], group: str,
     profile = resolve_profile(options.cluster, device_name(probe))
     out = {}
     for b in blocks:
-        tag = f"block{b.position}"
+        tag = f"{tag_prefix}block{b.position}"
         freed = agree_on_largest(group, region.check_index, f"{tag}/bytes", b.freed_bytes)
         saved = agree_on_largest(group, region.check_index, f"{tag}/saved", b.saved_bytes)
         forward_ns = agree_on_largest(group, region.check_index, f"{tag}/ns",

@@ -184,7 +184,7 @@ def refuse_below_minimum(budget: int, minimum: int, plan: Plan, *, recomputed: i
     less = (f" less its margin for the prediction's error ({margin:.1%}, peak_memory_margin: "
             f"{budget - target} B) leaves {target} B ({target / _MiB:.1f} MiB), which"
             if margin > 0 else "")
-    return MemoryBudgetError(
+    error = MemoryBudgetError(
         f"shardc: peak_memory_budget_bytes={budget} ({budget / _MiB:.1f} MiB){less} is below "
         f"the feasible minimum {minimum} B ({minimum / _MiB:.1f} MiB): the smallest budget "
         f"accepted is {smallest} B ({smallest / _MiB:.1f} MiB"
@@ -199,6 +199,10 @@ def refuse_below_minimum(budget: int, minimum: int, plan: Plan, *, recomputed: i
         + ". Raise the budget, or lower what dominates (a smaller batch or sequence, "
         "more ranks" + ("" if recomputed or offloaded else ", activation checkpointing")
         + ").")
+    # What the last lever (the optimizer's state on the host, shardc.planning.optimizer_offload)
+    # starts from: the minimum and the plan that makes it.
+    error.minimum_bytes, error.plan = minimum, plan
+    return error
 
 
 def kept_or_resharded(plan: Plan) -> str:

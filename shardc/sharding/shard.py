@@ -141,6 +141,12 @@ class ShardState:
     blocks: BlockBodies = field(default_factory=BlockBodies)
     # plain_inputs=True: the plain leaves forwards read (shardc.sharding.plain_inputs).
     plain: PlainInputs | None = None
+    # The sharded root module (weak: the state lives on it), for the peak budget's optimizer
+    # offload, which the planner decides at compile time for the model's parameters.
+    root: weakref.ref | None = field(default=None, repr=False)
+    # A region's peak budget put the optimizer's state on the host: the later regions plan
+    # with it there (one optimizer steps the whole model).
+    optimizer_planned_on_host: bool = False
 
     @property
     def key(self) -> str:
@@ -581,7 +587,7 @@ def shard(
     plain = PlainInputs() if plain_inputs and offload is None else None
     state = ShardState(mesh, reshard_after_forward, mp_policy, infos, layout=layout, fp8=fp8,
                        group_roles=layout.group_roles(), blocks=blocks, offload=offload,
-                       plain=plain)
+                       plain=plain, root=weakref.ref(module))
     _STATES[state.key] = state
     for fqn, p in canonical.values():  # an optimizer still holding these is named at its step
         replaced_params.remember(p, fqn)

@@ -269,6 +269,10 @@ def plan_model_step(model: LlamaConfig | ModelSpec, world: int, batch: int, seq:
     # (tests/test_memory.py), and the template's extrapolation reads inline blocks' nodes.
     options = {"compile_blocks_once": False, **setup.optimizer_options(),
                **dict(inductor=setup.inductor, check_plan_consistency=False, **options)}
+    if options.get("optimizer_offload", "auto") == "auto":
+        # The plan is the GPU run's, made on the CPU: the peak budget may put the optimizer's
+        # state on the host as it would there ("simulate": the lever on a CPU mesh too).
+        options["optimizer_offload"] = "simulate"
     device = "cpu"  # see the module docstring: meta tensors lose the loss's gradient
     with fake_world(world), AttentionAsKernel():
         mesh = _mesh(world, setup, device)

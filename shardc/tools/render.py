@@ -299,6 +299,12 @@ def budget_lines(plan: Plan) -> list[str]:
                      f"{_block_lever(d)}, costs "
                      f"{d.offload_ms if d.offloaded else d.cost_ms:.3f} ms, "
                      f"frees {_fmt_bytes(d.bytes)}: {d.reason}")
+    o = b.optimizer
+    if o is not None:
+        where = "on the host" if o.on_host else "on the device"
+        lines.append(f"  optimizer state and step: {where}, costs {o.predicted_ms:.1f} ms per "
+                     f"step, frees {_fmt_bytes(o.freed_bytes)} "
+                     f"(host {_fmt_bytes(o.host_bytes)}): {o.reason}")
     return lines
 
 
