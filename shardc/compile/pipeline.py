@@ -414,7 +414,8 @@ def _recompute_under_budget(probe: fx.GraphModule, blocks: list[Block], user_byt
 
     estimates = block_estimates(probe, blocks, resharded[0].group_name, options, region)
     mode = options.activation_offload if isinstance(options.activation_offload, str) else "auto"
-    cands = free_candidates(blocks, estimates, mode)
+    link = agreed_link(probe, resharded[0].group_name, options, region)
+    cands = free_candidates(blocks, estimates, mode, link)
     if not cands:
         raise refuse(lowest[1], lowest[0])
     offloads = {c.block for c in cands if c.offload}
@@ -429,7 +430,7 @@ def _recompute_under_budget(probe: fx.GraphModule, blocks: list[Block], user_byt
         # Offloading every block may not lower the peak where recomputing does (a peak in the
         # backward of the block read last, whose saved values come back anyway): the levers'
         # other extreme, every block that can be recomputed recomputed, once.
-        alt = free_candidates(blocks, estimates, "never")
+        alt = free_candidates(blocks, estimates, "never", link)
         if alt:
             offloads = set()
             alt_plan, alt_floor = freeing(tuple(c.block for c in alt))
@@ -472,17 +473,35 @@ def block_estimates(probe: fx.GraphModule, blocks: list[Block], group: str,
     return out
 
 
+def agreed_link(probe: fx.GraphModule, group: str, options: ShardcOptions,
+                region: RegionRecord) -> dict[str, float]:
+    """The host link of the cluster profile (``offload.link_of``), each figure the slowest over
+    the ranks (femtoseconds per byte and nanoseconds of latency exchanged as integers, one store
+    exchange each), so that every rank prices offload the same."""
+    link = offload_lever.link_of(resolve_profile(options.cluster, device_name(probe)))
+    out = {}
+    for key in ("link_bytes_per_s", "h2d_bytes_per_s"):
+        fs_per_byte = agree_on_largest(group, region.check_index, f"link/{key}",
+                                       round(1e15 / link[key]))
+        out[key] = 1e15 / fs_per_byte
+    out["latency_s"] = agree_on_largest(group, region.check_index, "link/latency",
+                                        round(link["latency_s"] * 1e9)) * 1e-9
+    return out
+
+
 def free_candidates(blocks: list[Block], estimates: dict[str, tuple[int, int, float]],
-                    mode: str) -> list[recompute.RecomputeCandidate]:
+                    mode: str, link: dict[str, float] | None = None
+                    ) -> list[recompute.RecomputeCandidate]:
     """The blocks whose saved activations the planner may free, each with its cheaper lever
     (recompute, or offload to the host: ``shardc.planning.offload.choose_lever``, under
-    ``activation_offload`` ``mode``)."""
+    ``activation_offload`` ``mode``, over the host ``link``: ``offload.link_of`` the cluster
+    profile; default: the unmeasured constants)."""
     cands = []
     for b in blocks:
         freed, saved, forward_s = estimates[b.name]
         lever = offload_lever.choose_lever(
             forward_s=forward_s, recompute_bytes=freed, offload_bytes=saved,
-            can_recompute=not b.excluded, mode=mode)
+            can_recompute=not b.excluded, mode=mode, **(link or {}))
         if lever is not None:
             cands.append(recompute.RecomputeCandidate(
                 b.name, b.kind, b.position, lever.cost_s, lever.nbytes, offload=lever.offload,

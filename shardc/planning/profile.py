@@ -39,8 +39,17 @@ PROFILE_FORMAT = "shardc-cluster-profile"
 # (``backward_entry_per_param_s``, split from the hand-off); an older profile reads with zeros
 # for them and predicts as before; from version 4 the backward's call and entry also hide under
 # the device work the forward left queued (shardc.planning.schedule.plan_region).
-PROFILE_VERSION = 4
-READABLE_PROFILE_VERSIONS = (1, 2, 3, 4)
+# Version 5 added the host link (``host_to_device_bytes_per_s``, ``device_to_host_bytes_per_s``,
+# ``host_copy_latency_s``: pinned copies between host and device, what CPU offload's copies and
+# activation offload are priced at); an older profile reads with the constants used before
+# (:data:`DEFAULT_HOST_LINK_BYTES_PER_S` each way, :data:`DEFAULT_HOST_COPY_LATENCY_S`).
+PROFILE_VERSION = 5
+READABLE_PROFILE_VERSIONS = (1, 2, 3, 4, 5)
+# Host<->device bandwidth of pinned copies (bytes/s) where not measured: PCIe gen5 x16 measures
+# about 50 GB/s each way at best; half of it is what large pinned copies sustain next to NCCL.
+DEFAULT_HOST_LINK_BYTES_PER_S = 25e9
+DEFAULT_HOST_COPY_LATENCY_S = 10e-6
+HOST_LINK_FIELDS = ("host_to_device_bytes_per_s", "device_to_host_bytes_per_s")
 # The host work that grows with the number of parameter tensors, outside what the per-kernel and
 # per-call terms price (see ClusterProfile): seconds per parameter tensor, one field per phase.
 PER_PARAM_FIELDS = ("region_entry_per_param_s", "forward_graph_per_param_s",
@@ -168,6 +177,13 @@ class ClusterProfile:
     A fixed term may be negative (a phase whose call costs less than the compiled chain's
     ``graph_call_s``, e.g. the backward's); a phase's host time is never charged below zero.
 
+    The host link (version 5): ``host_to_device_bytes_per_s`` and ``device_to_host_bytes_per_s``,
+    the bandwidth of large copies between pinned host memory and the device in each direction,
+    and ``host_copy_latency_s``, a copy's fixed time (:meth:`host_copy_seconds`): CPU offload's
+    copies and activation offload's are priced at them. Calibration measures them on a GPU;
+    older profiles, CPU profiles and presets not measured since read with the constants used
+    before (25 GB/s each way, 10 us).
+
     :mod:`shardc.planning.step` places them on the step's host and device timelines."""
 
     name: str
@@ -204,6 +220,9 @@ class ClusterProfile:
     optimizer_fixed_s: float = 0.0
     zero_grad_fixed_s: float = 0.0
     overlap_slowdown: float = 1.1
+    host_to_device_bytes_per_s: float = DEFAULT_HOST_LINK_BYTES_PER_S
+    device_to_host_bytes_per_s: float = DEFAULT_HOST_LINK_BYTES_PER_S
+    host_copy_latency_s: float = DEFAULT_HOST_COPY_LATENCY_S
     # GPUs per node sharing the ``intra`` link; a group of more ranks spans nodes and runs at the
     # ``inter`` link (its ring crosses the network). Calibration on one node cannot see the target
     # cluster's nodes: override with ``{"profile": ..., "node_size": N}`` / ``--node-size``.
@@ -225,7 +244,23 @@ class ClusterProfile:
                                    "fixed host seconds per step must be a finite number "
                                    "(0: not measured)")
 
+        for name in HOST_LINK_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
+                raise ProfileError(f"shardc: cluster profile {self.name!r}: {name} is {value!r}; "
+                                   "host link bandwidth must be a finite number of bytes/s > 0")
+        latency = self.host_copy_latency_s
+        if not isinstance(latency, (int, float)) or not (latency >= 0 and math.isfinite(latency)):
+            raise ProfileError(f"shardc: cluster profile {self.name!r}: host_copy_latency_s is "
+                               f"{latency!r}; it must be a finite number of seconds >= 0")
+
     # ------------------------------------------------------------------ lookups
+
+    def host_copy_seconds(self, nbytes: int, to_device: bool) -> float:
+        """Seconds of one copy of ``nbytes`` between pinned host memory and the device
+        (``to_device``: host->device, else device->host)."""
+        rate = self.host_to_device_bytes_per_s if to_device else self.device_to_host_bytes_per_s
+        return self.host_copy_latency_s + nbytes / rate
 
     def graph_launch_s(self) -> float:
         """Host seconds per kernel of a compiled graph."""
