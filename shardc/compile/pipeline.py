@@ -61,10 +61,17 @@ from shardc.passes.offload_saved import OffloadedValue, block_groups, offload_sa
 from shardc.passes.recompute import Block, find_blocks, recompute_blocks
 from shardc.passes.reshard import check_no_gathered_saved, keep_gathered, tag_resharded_gathers
 from shardc.passes.saved_order import order_saved_values
-from shardc.planning import budget, recompute
+from shardc.planning import budget, prefetch, recompute
 from shardc.planning import offload as offload_lever
 from shardc.planning.estimate import elided_cast_seconds
-from shardc.planning.plan import CompiledBody, InlineBlock, MemoryBudget, Plan
+from shardc.planning.plan import (
+    CompiledBody,
+    InlineBlock,
+    MemoryBudget,
+    Plan,
+    PrefetchDecision,
+    PrefetchTrial,
+)
 from shardc.planning.profile import resolve_profile
 from shardc.planning.schedule import device_name, plan_region
 from shardc.runtime.collectives import resolve_group
@@ -285,6 +292,8 @@ def partition_and_plan(gm: fx.GraphModule, joint_inputs: Sequence[object], optio
         gm.recompile()
         fw, bw = partition(gm, joint_inputs, **kwargs)
     done = offload_activations(fw, bw, kwargs["num_fwd_outputs"], blocks, offloaded)
+    if decided is not None and decided.prefetch is not None:
+        options = with_depth(options, decided.prefetch.depth)
     plan = plan_and_lower(fw, bw, options, region, budget=decided)
     if offloaded and decided is None:
         plan.notes.append(forced_offload_note(done, blocks, offloaded))
@@ -343,8 +352,20 @@ def choose_under_budget(gm: fx.GraphModule, joint_inputs: Sequence[object],
     trial_options = replace(options, dump_dir=None)
     trials: list[str] = []
 
+    default_depth = depth_of(options)
+    evaluated: dict[tuple, tuple[Plan, int, int]] = {}  # configuration -> plan, peak, step ns
+
     def evaluate(kept: set[str], recomputed: frozenset[str] = frozenset(),
-                 offloaded: frozenset[str] = frozenset()) -> tuple[Plan, int]:
+                 offloaded: frozenset[str] = frozenset(), depth: int | None = None
+                 ) -> tuple[Plan, int]:
+        key = (frozenset(kept), frozenset(recomputed), frozenset(offloaded),
+               default_depth if depth is None else depth)
+        if key not in evaluated:
+            evaluated[key] = _evaluate(kept, recomputed, offloaded, key[3])
+        return evaluated[key][:2]
+
+    def _evaluate(kept: set[str], recomputed: frozenset[str], offloaded: frozenset[str],
+                  depth: int) -> tuple[Plan, int, int]:
         trial = copy_graph_module(pristine)
         keep_gathered(trial.graph, kept)
         joint_passes(trial.graph)
@@ -354,13 +375,23 @@ def choose_under_budget(gm: fx.GraphModule, joint_inputs: Sequence[object],
         trial.recompile()
         fw, bw = partition(trial, joint_inputs, record=False, **kwargs)
         offload_activations(fw, bw, kwargs["num_fwd_outputs"], found, set(offloaded))
-        plan, _ = lower_and_predict(fw, bw, trial_options, region,
+        plan, _ = lower_and_predict(fw, bw, with_depth(trial_options, depth), region,
                                     pool_device=torch.device("meta"))
-        # Every rank compares the ranks' largest peak: the same decisions everywhere.
+        # Every rank compares the ranks' largest peak (and step time): the same decisions
+        # everywhere.
         tag = f"trial{len(trials)}"
         trials.append(tag)
-        return plan, agree_on_largest(plan.group_name, region.check_index, tag,
-                                      int(plan.predicted.peak_bytes or 0))
+        peak = agree_on_largest(plan.group_name, region.check_index, tag,
+                                int(plan.predicted.peak_bytes or 0))
+        step_ns = agree_on_largest(plan.group_name, region.check_index, f"{tag}/ns",
+                                   int((plan.predicted.step_time_s or 0.0) * 1e9))
+        return plan, peak, step_ns
+
+    def depth_trial(kept: set[str], recomputed, offloaded, depth: int) -> PrefetchTrial:
+        evaluate(kept, recomputed, offloaded, depth)
+        _, peak, step_ns = evaluated[(frozenset(kept), frozenset(recomputed),
+                                      frozenset(offloaded), depth)]
+        return PrefetchTrial(depth, step_ns * 1e-6, peak, peak <= budget_bytes)
 
     base, minimum = evaluate(set())
     probe = copy_graph_module(pristine)  # the joint passes' graph, where blocks are found
@@ -377,22 +408,83 @@ def choose_under_budget(gm: fx.GraphModule, joint_inputs: Sequence[object],
         decided.blocks = recompute.decisions(blocks, [], [], needed=False)
     else:
         kept_plan, peak = evaluate(useful) if useful else (base, minimum)
+        shallow = None
+        if peak > budget_bytes and _prefetches(base):
+            shallow = _shallower_fit(lambda d: depth_trial(set(), (), (), d), default_depth)
         if peak <= budget_bytes:
             decided = budget.keep_all(cands, fixed, budget_bytes, minimum, peak)
             decided.blocks = recompute.decisions(blocks, [], [], needed=False)
+        elif shallow is not None:  # prefetching less fits: no block recomputed or offloaded
+            decided = MemoryBudget(budget_bytes, minimum, shallow.peak_bytes, 0, [],
+                                   recompute.decisions(blocks, [], [], needed=False))
+            decided.decisions = budget.reshard_all(cands, fixed, minimum)
         else:
             lowest = (base, minimum) if minimum <= peak else (kept_plan, peak)
-            decided = _recompute_under_budget(
-                probe, blocks, user_bytes, (base, minimum), lowest, options, region,
-                lambda recomputed, offloaded: evaluate(set(), recomputed, offloaded))
+            for key, (plan_d, peak_d, _) in evaluated.items():  # the shallower depths tried
+                if not any(key[:3]) and peak_d < lowest[1]:
+                    lowest = (plan_d, peak_d)
+            try:
+                decided = _recompute_under_budget(
+                    probe, blocks, user_bytes, (base, minimum), lowest, options, region,
+                    lambda recomputed, offloaded: evaluate(set(), recomputed, offloaded))
+            except budget.MemoryBudgetError as exc:
+                # The fully resharded plan's peak at each depth tried (the ranks' largest).
+                exc.resharded_by_depth = {k[3]: v[1] for k, v in evaluated.items()
+                                          if not any(k[:3])}
+                raise
             decided.decisions = budget.reshard_all(cands, fixed, minimum)
-            decided.trials = len(trials) - 1
+    decided.prefetch = _choose_prefetch(
+        lambda d: depth_trial(kept_params(decided), decided.recomputed, decided.offloaded, d),
+        base, default_depth, budget_bytes)
+    decided.peak_bytes = decided.prefetch.peak_bytes
+    decided.trials = len(evaluated) - 1
     budget.with_margin(decided, user_bytes, margin)
     log.info("shardc: region %d, peak budget %d B (planned for %d B): minimum %d B, kept "
              "gathered %s, recomputed %s, offloaded %s, predicted peak %d B (%d trials)",
              region.index, user_bytes, budget_bytes, decided.minimum_bytes, decided.kept,
              decided.recomputed, decided.offloaded, decided.peak_bytes, decided.trials)
     return decided
+
+
+def depth_of(options: ShardcOptions) -> int:
+    """The options' prefetch depth (0: no prefetch)."""
+    return options.prefetch_depth if options.prefetch else 0
+
+
+def with_depth(options: ShardcOptions, depth: int) -> ShardcOptions:
+    """``options`` prefetching ``depth`` buckets ahead (0: no prefetch)."""
+    if depth == depth_of(options):
+        return options
+    return replace(options, prefetch=depth > 0, prefetch_depth=max(depth, 1))
+
+
+def _prefetches(plan: Plan) -> bool:
+    """Whether the plan has an all-gather whose issue a prefetch depth moves (not elided)."""
+    return any(c.kind == "all_gather" and c.origin == "shardc" and not c.elided
+               for c in plan.collectives)
+
+
+def _shallower_fit(trial, default: int) -> PrefetchTrial | None:
+    """The deepest depth below ``default`` at which the fully resharded plan fits (``trial``:
+    depth -> its :class:`PrefetchTrial`), or None."""
+    for depth in prefetch.shallower_depths(default):
+        got = trial(depth)
+        if got.fits:
+            return got
+    return None
+
+
+def _choose_prefetch(trial, base: Plan, default: int, budget_bytes: int) -> PrefetchDecision:
+    """The prefetch depth of the chosen configuration (``trial``: depth -> its predicted
+    :class:`PrefetchTrial`): :func:`shardc.planning.prefetch.choose_depth` over the depths
+    tried; only the options' depth where no all-gather is prefetched (one-rank groups)."""
+    if not _prefetches(base):
+        only = trial(default)
+        return PrefetchDecision(default, default, only.step_ms, only.peak_bytes,
+                                f"prefetch depth {default} (the options'): no all-gather to "
+                                "prefetch (every gather elided: one-rank group)", [only])
+    return prefetch.choose_depth([trial(d) for d in prefetch.depths_to_try(default)],
+                                 default, budget_bytes)
 
 
 def _recompute_under_budget(probe: fx.GraphModule, blocks: list[Block], user_bytes: int,
@@ -410,7 +502,8 @@ def _recompute_under_budget(probe: fx.GraphModule, blocks: list[Block], user_byt
         offloaded = sum(1 for c in cands if c.offload)
         return budget.refuse_below_minimum(user_bytes, peak, plan,
                                            recomputed=len(cands) - offloaded,
-                                           offloaded=offloaded, margin=margin)
+                                           offloaded=offloaded, margin=margin,
+                                           resharded=resharded[1])
 
     estimates = block_estimates(probe, blocks, resharded[0].group_name, options, region)
     mode = options.activation_offload if isinstance(options.activation_offload, str) else "auto"

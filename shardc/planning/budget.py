@@ -55,7 +55,14 @@ _MiB = float(1 << 20)
 
 
 class MemoryBudgetError(ValueError):
-    """The peak budget is below what the plan can reach, or cannot be resolved."""
+    """The peak budget is below what the plan can reach, or cannot be resolved.
+    ``minimum_bytes``: the feasible minimum it names; ``resharded_bytes``: the fully resharded
+    plan's peak (the fixed policy's; None where not known); ``resharded_by_depth``: the fully
+    resharded plan's peak at each prefetch depth tried (``shardc.planning.prefetch``)."""
+
+    minimum_bytes: int | None = None
+    resharded_bytes: int | None = None
+    resharded_by_depth: dict[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -167,7 +174,8 @@ def with_margin(decided: MemoryBudget, budget: int, margin: float) -> MemoryBudg
 
 
 def refuse_below_minimum(budget: int, minimum: int, plan: Plan, *, recomputed: int = 0,
-                         offloaded: int = 0, margin: float = 0.0) -> MemoryBudgetError:
+                         offloaded: int = 0, margin: float = 0.0,
+                         resharded: int | None = None) -> MemoryBudgetError:
     """The error for a budget whose planned-for bytes (``budget`` less the ``margin`` for the
     prediction's error, :func:`planned_for`) are below the feasible minimum (the peak of
     ``plan``: the fully resharded plan with every one of its ``recomputed`` candidate blocks
@@ -184,13 +192,13 @@ def refuse_below_minimum(budget: int, minimum: int, plan: Plan, *, recomputed: i
     less = (f" less its margin for the prediction's error ({margin:.1%}, peak_memory_margin: "
             f"{budget - target} B) leaves {target} B ({target / _MiB:.1f} MiB), which"
             if margin > 0 else "")
-    return MemoryBudgetError(
+    error = MemoryBudgetError(
         f"shardc: peak_memory_budget_bytes={budget} ({budget / _MiB:.1f} MiB){less} is below "
         f"the feasible minimum {minimum} B ({minimum / _MiB:.1f} MiB): the smallest budget "
         f"accepted is {smallest} B ({smallest / _MiB:.1f} MiB"
         + (f", the minimum plus the {margin:.1%} margin" if margin > 0 else "")
         + f"). The minimum is the predicted peak of region "
-        f"{plan.region} with every bucket {kept_or_resharded(plan)}"
+        f"{plan.region} with every bucket {kept_or_resharded(plan)}{_depth(plan)}"
         + (f" and every block that can be recomputed ({recomputed}) recomputed in the backward"
            if recomputed else "")
         + (f" and every block that can be offloaded ({offloaded}) offloaded to host memory"
@@ -199,6 +207,15 @@ def refuse_below_minimum(budget: int, minimum: int, plan: Plan, *, recomputed: i
         + ". Raise the budget, or lower what dominates (a smaller batch or sequence, "
         "more ranks" + ("" if recomputed or offloaded else ", activation checkpointing")
         + ").")
+    error.minimum_bytes, error.resharded_bytes = minimum, resharded
+    return error
+
+
+def _depth(plan: Plan) -> str:
+    """The plan's prefetch depth, where it is not the default (one bucket ahead)."""
+    depth = plan.options.get("prefetch_depth", 1) if plan.options.get("prefetch", True) else 0
+    return "" if depth == 1 else ", with no prefetch" if depth == 0 else \
+        f", prefetching {depth} buckets ahead"
 
 
 def kept_or_resharded(plan: Plan) -> str:
