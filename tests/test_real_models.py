@@ -731,13 +731,13 @@ def test_peak_budget_keeps_some_buckets_gathered_with_parity(runs):
         for d in record.decisions:
             assert d.bytes > 0 and d.reason.startswith("kept" if d.kept else "resharded")
         assert "peak budget" in got["table"] and "kept gathered" in got["table"]
-        # The prefetch depth (shardc.planning.prefetch): every depth predicted for the chosen
-        # configuration, deeper ones holding more; the chosen one fits, in the record, the
-        # text and the hash (equal on every rank, below).
+        # The prefetch depth (shardc.planning.prefetch): the chosen configuration predicted at
+        # the options' depth and one deeper, which holds more; the chosen one fits, in the
+        # record, the text and the hash (equal on every rank, below).
         depth = record.prefetch
-        assert [t.depth for t in depth.tried] == [0, 1, 2] and depth.default_depth == 1
-        assert [t.peak_bytes for t in depth.tried] == sorted(t.peak_bytes for t in depth.tried)
-        chosen = depth.tried[depth.depth]
+        assert [t.depth for t in depth.tried] == [1, 2] and depth.default_depth == 1
+        assert depth.tried[0].peak_bytes < depth.tried[1].peak_bytes, depth.tried
+        chosen = depth.tried[depth.depth - 1]
         assert chosen.fits and depth.peak_bytes == chosen.peak_bytes == record.peak_bytes
         assert f"prefetch depth {depth.depth}" in got["table"] and depth.reason, depth
         for rank in runs[world]:

@@ -401,6 +401,7 @@ def choose_under_budget(gm: fx.GraphModule, joint_inputs: Sequence[object],
         pristine, resolve_profile(options.cluster, device_name(pristine))))
     params = {c.bucket: set(c.params) for c in cands}
     useful = {p for c in cands if c.saved_s > 0 for p in c.params}
+    shallow = None
     if minimum <= budget_bytes:
         decided = budget.choose(
             cands, fixed, budget_bytes, minimum,
@@ -408,7 +409,6 @@ def choose_under_budget(gm: fx.GraphModule, joint_inputs: Sequence[object],
         decided.blocks = recompute.decisions(blocks, [], [], needed=False)
     else:
         kept_plan, peak = evaluate(useful) if useful else (base, minimum)
-        shallow = None
         if peak > budget_bytes and _prefetches(base):
             shallow = _shallower_fit(lambda d: depth_trial(set(), (), (), d), default_depth)
         if peak <= budget_bytes:
@@ -435,7 +435,8 @@ def choose_under_budget(gm: fx.GraphModule, joint_inputs: Sequence[object],
             decided.decisions = budget.reshard_all(cands, fixed, minimum)
     decided.prefetch = _choose_prefetch(
         lambda d: depth_trial(kept_params(decided), decided.recomputed, decided.offloaded, d),
-        base, default_depth, budget_bytes)
+        base, default_depth, budget_bytes,
+        shallow.depth if shallow is not None else default_depth)
     decided.peak_bytes = decided.prefetch.peak_bytes
     decided.trials = len(evaluated) - 1
     budget.with_margin(decided, user_bytes, margin)
@@ -474,16 +475,18 @@ def _shallower_fit(trial, default: int) -> PrefetchTrial | None:
     return None
 
 
-def _choose_prefetch(trial, base: Plan, default: int, budget_bytes: int) -> PrefetchDecision:
-    """The prefetch depth of the chosen configuration (``trial``: depth -> its predicted
-    :class:`PrefetchTrial`): :func:`shardc.planning.prefetch.choose_depth` over the depths
-    tried; only the options' depth where no all-gather is prefetched (one-rank groups)."""
+def _choose_prefetch(trial, base: Plan, default: int, budget_bytes: int,
+                     current: int) -> PrefetchDecision:
+    """The prefetch depth of the chosen configuration, found at depth ``current`` (``trial``:
+    depth -> its predicted :class:`PrefetchTrial`): :func:`shardc.planning.prefetch.choose_depth`
+    over the depths tried (:func:`shardc.planning.prefetch.depths_to_try`); only the options'
+    depth where no all-gather is prefetched (one-rank groups)."""
     if not _prefetches(base):
         only = trial(default)
         return PrefetchDecision(default, default, only.step_ms, only.peak_bytes,
                                 f"prefetch depth {default} (the options'): no all-gather to "
                                 "prefetch (every gather elided: one-rank group)", [only])
-    return prefetch.choose_depth([trial(d) for d in prefetch.depths_to_try(default)],
+    return prefetch.choose_depth([trial(d) for d in prefetch.depths_to_try(current)],
                                  default, budget_bytes)
 
 

@@ -3,8 +3,10 @@
 A deeper prefetch starts each bucket's all-gather earlier, so less of it is exposed, and holds
 more gathered buckets at once, so the peak is higher; no prefetch (depth 0) exposes every
 all-gather and holds the fewest. Under a peak budget the planner predicts the chosen
-configuration (kept buckets, recomputed and offloaded blocks) at each depth of :data:`DEPTHS`
-(and the options' own), each prediction's step time and peak the largest over the ranks, and
+configuration (kept buckets, recomputed and offloaded blocks) at its depth and one deeper, up to
+:data:`MAX_DEPTH` (:func:`depths_to_try`: one trial more per budgeted compile; a shallower
+depth, which holds less, is only predicted faster where compute slows beside communication,
+and is not tried there), each prediction's step time and peak the largest over the ranks, and
 takes (:func:`choose_depth`) the fastest depth whose peak fits the budget; ties go to the
 options' depth, then to the shallower (less memory). Where even the fully resharded plan at the
 options' depth is over the budget, a shallower depth is tried before recomputing or offloading
@@ -16,12 +18,13 @@ from __future__ import annotations
 
 from shardc.planning.plan import PrefetchDecision, PrefetchTrial
 
-DEPTHS = (0, 1, 2)
+MAX_DEPTH = 2  # the deepest prefetch the planner tries of its own
 
 
-def depths_to_try(default: int) -> tuple[int, ...]:
-    """The depths predicted for a configuration: :data:`DEPTHS` and ``default``, ascending."""
-    return tuple(sorted({*DEPTHS, default}))
+def depths_to_try(current: int) -> tuple[int, ...]:
+    """The depths predicted for the chosen configuration, made at ``current``: it, and one
+    deeper up to :data:`MAX_DEPTH`."""
+    return (current, current + 1) if current < MAX_DEPTH else (current,)
 
 
 def shallower_depths(default: int) -> tuple[int, ...]:
@@ -50,11 +53,11 @@ def choose_depth(trials: list[PrefetchTrial], default: int, budget_bytes: int,
             verdict = "the options' depth, the fastest that fits"
         elif best.depth > default:
             verdict = "deeper than the options' (room in the budget, and faster by the cost model)"
-        else:
-            verdict = ("shallower than the options'" + (
-                " (the options' depth does not fit the budget)"
-                if not any(t.fits and t.depth == default for t in trials)
-                else " (faster by the cost model)"))
+        elif any(t.fits and t.depth == default for t in trials):
+            verdict = "shallower than the options' (faster by the cost model)"
+        else:  # the fully resharded plan at the options' depth was over the budget
+            verdict = "shallower than the options' (memory short: the options' depth does not fit"\
+                      " the budget)"
         reason = (f"prefetch depth {best.depth}: {verdict}; predicted step {best.step_ms:.3f} ms, "
                   f"peak {best.peak_bytes} B within {budget_bytes} B"
                   + (f"; other depths: {others}" if others else ""))
