@@ -401,7 +401,7 @@ def choose_under_budget(gm: fx.GraphModule, joint_inputs: Sequence[object],
         pristine, resolve_profile(options.cluster, device_name(pristine))))
     params = {c.bucket: set(c.params) for c in cands}
     useful = {p for c in cands if c.saved_s > 0 for p in c.params}
-    shallow = None
+    shallow, current = None, default_depth  # the depth the chosen configuration is found at
     if minimum <= budget_bytes:
         decided = budget.choose(
             cands, fixed, budget_bytes, minimum,
@@ -415,6 +415,7 @@ def choose_under_budget(gm: fx.GraphModule, joint_inputs: Sequence[object],
             decided = budget.keep_all(cands, fixed, budget_bytes, minimum, peak)
             decided.blocks = recompute.decisions(blocks, [], [], needed=False)
         elif shallow is not None:  # prefetching less fits: no block recomputed or offloaded
+            current = shallow.depth
             decided = MemoryBudget(budget_bytes, minimum, shallow.peak_bytes, 0, [],
                                    recompute.decisions(blocks, [], [], needed=False))
             decided.decisions = budget.reshard_all(cands, fixed, minimum)
@@ -423,10 +424,14 @@ def choose_under_budget(gm: fx.GraphModule, joint_inputs: Sequence[object],
             for key, (plan_d, peak_d, _) in evaluated.items():  # the shallower depths tried
                 if not any(key[:3]) and peak_d < lowest[1]:
                     lowest = (plan_d, peak_d)
+            # Memory is short: blocks are freed at the shallowest depth tried (then one deeper
+            # is tried on the result, below).
+            current = min((k[3] for k in evaluated if not any(k[:3])), default=default_depth)
             try:
                 decided = _recompute_under_budget(
-                    probe, blocks, user_bytes, (base, minimum), lowest, options, region,
-                    lambda recomputed, offloaded: evaluate(set(), recomputed, offloaded))
+                    probe, blocks, user_bytes, evaluate(set(), depth=current), lowest, options,
+                    region, lambda recomputed, offloaded: evaluate(set(), recomputed, offloaded,
+                                                                   current))
             except budget.MemoryBudgetError as exc:
                 # The fully resharded plan's peak at each depth tried (the ranks' largest).
                 exc.resharded_by_depth = {k[3]: v[1] for k, v in evaluated.items()
@@ -435,8 +440,7 @@ def choose_under_budget(gm: fx.GraphModule, joint_inputs: Sequence[object],
             decided.decisions = budget.reshard_all(cands, fixed, minimum)
     decided.prefetch = _choose_prefetch(
         lambda d: depth_trial(kept_params(decided), decided.recomputed, decided.offloaded, d),
-        base, default_depth, budget_bytes,
-        shallow.depth if shallow is not None else default_depth)
+        base, default_depth, budget_bytes, current)
     decided.peak_bytes = decided.prefetch.peak_bytes
     decided.trials = len(evaluated) - 1
     budget.with_margin(decided, user_bytes, margin)
