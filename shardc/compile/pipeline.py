@@ -418,7 +418,7 @@ def choose_under_budget(gm: fx.GraphModule, joint_inputs: Sequence[object],
             current = shallow.depth
             decided = MemoryBudget(budget_bytes, minimum, shallow.peak_bytes, 0, [],
                                    recompute.decisions(blocks, [], [], needed=False))
-            decided.decisions = budget.reshard_all(cands, fixed, minimum)
+            decided.decisions = budget.reshard_all(cands, fixed, minimum, shallow.depth)
         else:
             lowest = (base, minimum) if minimum <= peak else (kept_plan, peak)
             for key, (plan_d, peak_d, _) in evaluated.items():  # the shallower depths tried
@@ -433,7 +433,9 @@ def choose_under_budget(gm: fx.GraphModule, joint_inputs: Sequence[object],
                     region, lambda recomputed, offloaded: evaluate(set(), recomputed, offloaded,
                                                                    current))
             except budget.MemoryBudgetError as exc:
-                # The fully resharded plan's peak at each depth tried (the ranks' largest).
+                # The fully resharded plan's peak at the options' depth (the fixed policy's)
+                # and at each depth tried (the ranks' largest).
+                exc.resharded_bytes = minimum
                 exc.resharded_by_depth = {k[3]: v[1] for k, v in evaluated.items()
                                           if not any(k[:3])}
                 raise

@@ -322,16 +322,19 @@ def keep_all(cands: list[Candidate], fixed: list[BucketDecision], budget: int, m
 
 
 def reshard_all(cands: list[Candidate], fixed: list[BucketDecision],
-                minimum: int) -> list[BucketDecision]:
+                minimum: int, shallower: int | None = None) -> list[BucketDecision]:
     """The bucket decisions when blocks must be recomputed: the fully resharded plan (peak
     ``minimum``) and the fully kept one both exceed the budget, so no bucket is kept (the
-    first lever's choices are dropped before any block is recomputed)."""
+    first lever's choices are dropped before any block is recomputed); ``shallower``: a
+    shallower prefetch depth fits instead (``shardc.planning.prefetch``), nothing recomputed."""
+    then = (f"prefetching {shallower} bucket(s) ahead instead fits" if shallower is not None
+            else "so blocks are recomputed")
     decisions = list(fixed)
     for c in cands:
         decisions.append(BucketDecision(
             c.bucket, c.name, False, c.saved_s * 1e3, c.nbytes,
             f"resharded: even the fully resharded plan's peak {minimum / _MiB:.1f} MiB exceeds "
-            "the budget, so blocks are recomputed and no bucket is kept gathered", list(c.params)))
+            f"the budget, {then} and no bucket is kept gathered", list(c.params)))
     decisions.sort(key=lambda d: d.bucket)
     return decisions
 
