@@ -30,7 +30,8 @@ single-tensor kernels).
 
 Per mode: median step time and tokens/s over ``--steps`` timed steps after ``--warmup`` steps
 (the first compiles), peak device memory allocated, and for shardc the plan's predicted device
-peak. Writes ``offload.json`` and ``offload.md`` under ``--out``.
+peak and whole step (``shardc.planning.step``: graphs, host AdamW, overlap). Writes
+``offload.json`` and ``offload.md`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -121,6 +122,29 @@ def _batches(cfg, n, batch, seq, device):
             for _ in range(n)]
 
 
+def _predicted_step(plans, model, device, args, overlap: bool):
+    """The whole step as the step model predicts it (``shardc.planning.step``; what
+    ``python -m shardc plan --offload params`` prints): the plans' graphs, then the host's
+    AdamW over this rank's masters (fused or not, as run), overlapped with the backward for
+    ``step_in_backward``, at the cluster profile the backend resolved for this device."""
+    from torch.distributed.tensor import DTensor
+
+    from shardc.planning.profile import resolve_profile
+    from shardc.planning.step import OptimizerSpec, predict_step
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in params]
+    fused = bool(args.fused)
+    spec = OptimizerSpec(float(sum(t.numel() * t.element_size() for t in local)), len(params),
+                         temp_factor=0.0 if fused else 1.0,
+                         name="AdamW (fused)" if fused else "AdamW (foreach)",
+                         offload="params", overlap=overlap)
+    profile = resolve_profile(plans[0].options.get("cluster") if plans else None,
+                              torch.cuda.get_device_name(device) if device.type == "cuda"
+                              else None)
+    return predict_step(plans, profile, spec)
+
+
 def run_mode(mode: str, cfg: LlamaConfig, mesh, device, args) -> dict:
     t0 = time.perf_counter()
     build = _shardc_model if mode.startswith("shardc") else _fsdp2_model
@@ -165,6 +189,9 @@ def run_mode(mode: str, cfg: LlamaConfig, mesh, device, args) -> dict:
         out["predicted_peak_bytes"] = max(p.predicted.peak_bytes or 0 for p in plans)
         out["predicted_host_bytes"] = max(p.predicted.host_bytes or 0 for p in plans)
         out["copies"] = sum(len(p.copies) for p in plans)
+        step = _predicted_step(plans, model, device, args, overlap is not None)
+        out["predicted_step_s"], out["predicted_fwd_bwd_s"] = step.step_s, step.graphs_s
+        out["predicted_step"] = step.to_dict()
     del model, forward, opt, data
     _free(device)
     return out
@@ -255,16 +282,19 @@ def main() -> None:
             "fused": args.fused, "reshard_after_forward": args.reshard,
             "shardc_budget": args.budget}
     lines = ["| model | mode | median step (s) | of which fwd+bwd (s) | tokens/s | "
-             "peak device GiB | predicted GiB |", "| --- | --- | --- | --- | --- | --- | --- |"]
+             "peak device GiB | predicted GiB | predicted step (s) | predicted fwd+bwd (s) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['mode']} | error: {r['error'][:80]} | | | | |")
+            lines.append(f"| {r['model']} | {r['mode']} | error: {r['error'][:80]} | | | | | | |")
             continue
         peak = r.get("peak_alloc_bytes", 0) / 2 ** 30
         pred = r.get("predicted_peak_bytes", 0) / 2 ** 30
+        step = (f"{r['predicted_step_s']:.3f} | {r['predicted_fwd_bwd_s']:.3f}"
+                if "predicted_step_s" in r else " | ")
         lines.append(f"| {r['model']} | {r['mode']} | {r['median_step_s']:.3f} | "
                      f"{r['median_fwd_bwd_s']:.3f} | {r['tokens_per_s']:.0f} | {peak:.2f} | "
-                     f"{pred:.2f} |")
+                     f"{pred:.2f} | {step} |")
     print("\n".join(lines))
     if args.out:
         out = Path(args.out)

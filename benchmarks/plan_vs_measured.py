@@ -31,9 +31,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from shardc.planning.profile import PRESETS, preset_for_device, resolve_profile  # noqa: E402
-from shardc.planning.step import OptimizerSpec, predict_step  # noqa: E402
 from shardc.tools.model_spec import llama_model, parse_model  # noqa: E402
-from shardc.tools.planner import GIB, PlanSetup, plan_model  # noqa: E402
+from shardc.tools.planner import (  # noqa: E402
+    GIB,
+    PlanSetup,
+    plan_model,
+    plan_model_step,
+    whole_step,
+)
 
 # name: (model spec, overrides, world, batch, seq, measured peak GiB, where it was measured)
 ROWS = {
@@ -108,14 +113,13 @@ def _from_measured(path: str, profile: str | None) -> list[str]:
             continue
         cfg = model_config(c["model"], seq, bool(meta.get("tiny")), c["layers"])
         start = time.perf_counter()
-        plan, _ = plan_model(llama_model(cfg), world, c["batch"], seq, {"cluster": cluster},
-                             setup=PlanSetup(precision="bf16", inductor=True))
+        planned = plan_model_step(llama_model(cfg), world, c["batch"], seq,
+                                  {"cluster": cluster},
+                                  setup=PlanSetup(precision="bf16", inductor=True))
         seconds = time.perf_counter() - start
-        p = plan.predicted
-        step = predict_step([plan], prof, OptimizerSpec(
-            p.param_bytes, sum(1 for _ in llama_model(cfg).build().parameters()),
-            state_factor=plan.options.get("optimizer_state_factor", 2.0),
-            temp_factor=plan.options.get("optimizer_temp_factor", 1.0))).step_s
+        p = planned.plan.predicted
+        # the whole step, as `shardc plan` prints it (shardc.planning.step.predict_step)
+        step = whole_step(planned, prof).step_s
         meas_peak, meas_step = r.get("measured_peak_bytes"), r.get("measured_step_s")
         lines.append(
             f"{head} {p.peak_bytes / GIB:.2f} | "

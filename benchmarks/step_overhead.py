@@ -14,6 +14,9 @@ on the same model, data and AdamW) it measures:
 - per phase, the CPU time to issue it (``issue_ms``: wall time without synchronizing, what the
   Python side costs) and, on GPUs, its time with the device synchronized before and after it
   (``synced_ms``);
+- per phase, the process's CPU time (``process_cpu_ms``, all threads, unsynchronized steps):
+  the host cost without the time spent preempted, which on a shared, loaded CPU machine is
+  the only stable measure of it;
 - a ``torch.profiler`` trace of a few steps with CPU activities: each phase's CPU time by
   operator (self time), so per-parameter Python and DTensor work shows up by name;
 - GPU idle time over the step (GPUs: the step minus the union of kernel intervals).
@@ -24,7 +27,9 @@ Modes: ``bound`` (replicated parameters, Inductor, no communication, torch's Ada
 shards), ``shardc-cudagraphs`` (that, compiled with ``mode="reduce-overhead"``); named only:
 ``shardc-noreshard`` (``reshard_after_forward=False``), ``shardc-inline``
 (``compile_blocks_once=False``), ``shardc-budget`` (``peak_memory_budget_bytes`` from
-``SHARDC_PEAK_BUDGET``, default ``"auto"``); see docs/overhead.md. Results go to
+``SHARDC_PEAK_BUDGET``, default ``"auto"``), ``shardc-plain`` (``shardc.shard(...,
+plain_inputs=True)``: forwards read plain local shards), ``shardc-plain-budget`` (both); see
+docs/overhead.md. Results go to
 ``--out/<name>.json`` and ``.md``. Public API only.
 """
 
@@ -59,8 +64,16 @@ from train.runner import free_memory, gather_objects  # noqa: E402
 from train.workload import DEFAULT_BATCH, model_config, synthetic_batches  # noqa: E402
 
 MODES = ("bound", "shardc", "shardc-localopt", "shardc-cudagraphs", "shardc-noreshard",
-         "shardc-inline", "shardc-budget")
+         "shardc-inline", "shardc-budget", "shardc-plain", "shardc-plain-budget")
 PHASES = ("forward", "backward", "optimizer.step", "zero_grad")
+# The per-parameter host costs docs/overhead.md names, as profiler event names (CPU self ms
+# per step, all phases): Dynamo's guards, AOTAutograd's runtime wrappers, DTensor dispatch.
+HOST_CATEGORIES = {
+    "dynamo_cache_lookup": lambda n: n == "TorchDynamo Cache Lookup",
+    "compiled_function": lambda n: n == "CompiledFunction",
+    "compiled_function_backward": lambda n: n == "CompiledFunctionBackward",
+    "python_subclass": lambda n: "PythonSubclass" in n,
+}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -78,6 +91,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top", type=int, default=12, help="operators listed per phase")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None)
     p.add_argument("--tiny", action="store_true")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU: intra-op threads (default: the cores over the world; 1 on a "
+                        "shared, loaded machine)")
+    p.add_argument("--width", type=int, default=None,
+                   help="model dimension override (e.g. 32 with --tiny: a step of host time)")
     p.add_argument("--optim-impl", choices=("default", "foreach", "fused"), default="default",
                    help="AdamW's implementation in every mode (default: torch's choice, foreach "
                         "on CUDA, a per-parameter loop on CPU; foreach mirrors the GPU on CPU)")
@@ -130,12 +148,13 @@ def timed_step(setup, opt, batch, device, synced: bool) -> dict[str, float]:
     for name, fn in phases(setup, opt, *batch):
         if synced:
             sync(device)
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.process_time()
         with torch.profiler.record_function(f"phase:{name}"):
             fn()
         if synced:
             sync(device)
         out[name] = (time.perf_counter() - t) * 1e3
+        out[f"cpu:{name}"] = (time.process_time() - cpu) * 1e3
     return out
 
 
@@ -232,6 +251,8 @@ def summarize_trace(events: list[dict], steps: int, wall_ms: float, top: int) ->
         self_ms[phase]["[python, outside any op]"] += max(0.0, ms - covered[phase])
     top_ops = {ph: [(n, round(ms, 4)) for n, ms in sorted(d.items(), key=lambda x: -x[1])[:top]]
                for ph, d in self_ms.items()}
+    host = {cat: round(sum(ms for d in self_ms.values() for n, ms in d.items() if match(n)), 4)
+            for cat, match in HOST_CATEGORIES.items()}
     busy = measure(merge_intervals((e["ts"], e["ts"] + e["dur"]) for e in gpu)) / 1e3 / steps
     kernel_ms: dict[str, float] = defaultdict(float)
     for e in gpu:
@@ -244,6 +265,7 @@ def summarize_trace(events: list[dict], steps: int, wall_ms: float, top: int) ->
                                    for n, ms in sorted(kernel_ms.items(),
                                                        key=lambda x: -x[1])[:2 * top]],
             "top_self_ms_per_step": top_ops,
+            "host_ms_by_category": host,
             "wall_ms_per_step": round(wall_ms / steps, 4),
             "gpu_busy_ms_per_step": round(busy, 4) if gpu else None}
 
@@ -251,7 +273,7 @@ def summarize_trace(events: list[dict], steps: int, wall_ms: float, top: int) ->
 def run_one(mode: str, model: str, layers: int | None, batch: int, args, mesh, device
             ) -> dict[str, Any]:
     seq = args.seq or (128 if args.tiny else 2048)
-    cfg = model_config(model, seq, args.tiny, layers)
+    cfg = model_config(model, seq, args.tiny, layers, args.width)
     # warmup, whole steps, issue-timed steps, synced steps (GPUs only), profiled steps
     n = args.warmup + args.steps * (3 if device.type == "cuda" else 2) + args.profile_steps
     data = synthetic_batches(n, batch, seq, cfg.vocab_size,
@@ -272,6 +294,10 @@ def run_one(mode: str, model: str, layers: int | None, batch: int, args, mesh, d
         "step_ms": statistics.median(steps),
         "issue_ms": {ph: statistics.median(s[ph] for s in issue) for ph in PHASES},
         "synced_ms": {ph: statistics.median(s[ph] for s in synced) for ph in PHASES},
+        # The process's CPU time per phase (all its threads), from the unsynchronized steps:
+        # on a shared, loaded CPU machine the host cost without the time spent preempted.
+        "process_cpu_ms": {ph: statistics.median(s[f"cpu:{ph}"] for s in issue)
+                           for ph in PHASES},
         "profile": prof,
     }
     if prof["gpu_busy_ms_per_step"] is not None:
@@ -297,6 +323,23 @@ def render(report: dict[str, Any]) -> str:
             f"{s['optimizer.step']:.2f} | {s['zero_grad']:.2f} | "
             f"{i['forward']:.2f}/{i['backward']:.2f}/{i['optimizer.step']:.2f}/"
             f"{i['zero_grad']:.2f} | {'' if idle is None else f'{idle:.2f}'} |")
+    lines += ["", "Process CPU time per step (ms, median; all threads; unsynchronized steps):", "",
+              "| model | layers | batch | mode | forward | backward | optimizer.step | zero_grad "
+              "| step |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        c = r.get("process_cpu_ms")
+        if c:
+            lines.append(f"| {r['model']} | {r['n_layers']} | {r['batch']} | {r['mode']} | "
+                         + " | ".join(f"{c[ph]:.2f}" for ph in PHASES)
+                         + f" | {sum(c.values()):.2f} |")
+    cats = list(HOST_CATEGORIES)
+    lines += ["", "Host CPU self time per step by category (ms, profiled, all phases):", "",
+              "| model | layers | batch | mode | " + " | ".join(cats) + " |",
+              "|---|---|---|---|" + "---|" * len(cats)]
+    for r in report["rows"]:
+        host = r["profile"].get("host_ms_by_category", {})
+        lines.append(f"| {r['model']} | {r['n_layers']} | {r['batch']} | {r['mode']} | "
+                     + " | ".join(f"{host.get(c, 0.0):.3f}" for c in cats) + " |")
     for r in report["rows"]:
         lines += ["", f"## {r['model']} {r['n_layers']} layers, batch {r['batch']}, {r['mode']}: "
                   "CPU self time per phase (ms per step, profiled)", ""]
@@ -319,7 +362,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     device = init(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     world, rank = dist.get_world_size(), dist.get_rank()
     if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+        torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) // world))
     mesh = bench_mesh.build_mesh(device.type, world, None, 1)
     rows: list[dict[str, Any]] = []
     meta = {"command": launch_command(sys.argv if argv is None else

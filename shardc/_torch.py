@@ -147,21 +147,35 @@ def inductor_cache_dir() -> str | None:
 
 def forget_mesh_hashes(example_inputs) -> None:
     """Clear the cached ``hash()`` of the ``DeviceMesh`` objects among a graph's example inputs
-    (graphs of DTensor parameters take their mesh as an opaque input, torch 2.13).
+    (graphs of DTensor parameters take their mesh as an opaque input, torch 2.13), and of the
+    spec and mesh of its DTensor inputs (torch 2.11 pickles the DTensors themselves into
+    AOTAutograd's key).
 
-    Why: Inductor's FX graph cache pickles these meshes into its key, and a mesh's pickled state
-    includes ``_hash``, memoized from ``hash()`` of a tuple holding strings and ``None``, which
-    differs in every process, so a restart never hit the cache. Clearing the memo changes
-    nothing else: ``DeviceMesh.__hash__`` recomputes the same value within this process when it
-    finds it unset. A workaround for torch; remove it once ``DeviceMesh.__getstate__`` leaves
-    the memo out. Objects without that memo (other releases) are left alone.
+    Why: Inductor's FX graph cache and AOTAutograd's cache pickle these objects into their keys,
+    and a mesh's or spec's pickled state includes ``_hash``, memoized from ``hash()`` of a tuple
+    holding strings and ``None``, which differs in every process, so a restart never hit the
+    cache. Clearing the memo changes nothing else: ``__hash__`` recomputes the same value within
+    this process when it finds it unset. A workaround for torch; remove it once their pickled
+    state leaves the memo out. Objects without that memo (other releases) are left alone.
     """
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+
+    def forget(obj: object) -> None:
+        if isinstance(vars(obj).get("_hash"), int):
+            obj._hash = None
 
     for value in example_inputs:
+        if isinstance(value, DTensor):
+            spec = getattr(value, "_spec", None)
+            if spec is not None and hasattr(spec, "__dict__"):
+                forget(spec)
+                if isinstance(getattr(spec, "mesh", None), DeviceMesh):
+                    forget(spec.mesh)
+            continue
         mesh = getattr(value, "real_obj", None) if not isinstance(value, torch.Tensor) else None
-        if isinstance(mesh, DeviceMesh) and isinstance(vars(mesh).get("_hash"), int):
-            mesh._hash = None
+        if isinstance(mesh, DeviceMesh):
+            forget(mesh)
 
 
 def dynamo_compile_start_ns() -> int | None:
@@ -251,6 +265,41 @@ def dtensor_on_local_device(local: torch.Tensor, mesh, placements, shape, stride
     return DTensor(local, spec, requires_grad=False)
 
 
+def dtensor_with_spec_of(local: torch.Tensor, like) -> Any:
+    """A DTensor of ``local`` (no copy) with the spec of the DTensor ``like`` (its mesh,
+    placements, global shape, stride and dtype): the gradient handed to a parameter by
+    ``shardc.sharding.plain_inputs``. The spec object is shared, not rebuilt (``_spec``,
+    private; the DTensor constructor takes it in torch 2.11 through 2.13)."""
+    cls, new = _DTENSOR
+    if torch.compiler.is_compiling():
+        return cls(local, like._spec, requires_grad=False)
+    # Eagerly (the hand-off runs in autograd's engine, once per parameter per backward), the
+    # constructor without its Dynamo-disabling wrapper, which costs more than the rest of it.
+    return new(cls, local, like._spec, requires_grad=False)
+
+
+def _dtensor_new() -> tuple[type, Callable]:
+    from torch.distributed.tensor import DTensor
+
+    new = DTensor.__new__
+    return DTensor, getattr(new, "__wrapped__", new)
+
+
+_DTENSOR = _dtensor_new()
+
+
+def dtensor_local(t) -> torch.Tensor:
+    """The local tensor a DTensor wraps (``_local_tensor``), without ``to_local``'s autograd."""
+    return t._local_tensor
+
+
+def has_grad_hooks(t: torch.Tensor) -> bool:
+    """Whether hooks were registered on ``t``'s gradient (``register_hook``) or on its
+    accumulation (``register_post_accumulate_grad_hook``): private attributes of Tensor."""
+    return bool(getattr(t, "_backward_hooks", None)) or bool(
+        getattr(t, "_post_accumulate_grad_hooks", None))
+
+
 def tensor_version(t: torch.Tensor) -> int:
     """``t``'s version counter (bumped by every in-place change of it or of a view of it)."""
     return t._version
@@ -271,12 +320,32 @@ def backend_failure_cause(exc: BaseException) -> BaseException | None:
     return None
 
 
+def dynamo_to_local_closure(target: object) -> tuple[tuple, dict] | None:
+    """If ``target`` is the function torch 2.11's Dynamo puts in its graph for
+    ``DTensor.to_local(*args, **kwargs)`` (``TensorVariable.method_to_local``: a closure named
+    ``prim_to_local`` over the call's constant arguments), those arguments; else None.
+
+    AOTAutograd's cache refuses such a node ("Unsupported call_function target"); torch 2.13's
+    Dynamo traces ``to_local`` through and leaves no node."""
+    if not callable(target) or getattr(target, "__name__", None) != "prim_to_local":
+        return None
+    code = getattr(target, "__code__", None)
+    cells = getattr(target, "__closure__", None) or ()
+    if code is None or code.co_freevars != ("args_as_value", "kwargs_as_value"):
+        return None
+    args, kwargs = (cell.cell_contents for cell in cells)
+    return tuple(args), dict(kwargs)
+
+
 def nested_compile_region(fn):
     """``torch.compiler.nested_compile_region(fn)``: Dynamo traces every call of ``fn`` and
-    deduplicates identical subgraphs (its guard-based reuse, which skips the trace, never applies
-    to shardc's bodies: ``torch.func.functional_call`` swaps the skeleton's parameters, a side
-    effect). Used for inputs with symbolic sizes, where :func:`keyed_compile_region`'s stamp-out
-    across activation-checkpoint regions failed (``KeyError: s27``), and on torch < 2.13."""
+    deduplicates identical subgraphs. torch 2.13's guard-based reuse, which skips the trace,
+    never applies to shardc's bodies (``torch.func.functional_call`` swaps the skeleton's
+    parameters, a side effect); torch 2.11's Dynamo has no reuse of a region's trace at all
+    (``InvokeSubgraphHigherOrderVariable`` traces each call, then compares the subgraph with the
+    installed ones). Used for inputs with symbolic sizes, where :func:`keyed_compile_region`'s
+    stamp-out across activation-checkpoint regions failed (``KeyError: s27``), and on
+    torch < 2.13."""
     return torch.compiler.nested_compile_region(fn)
 
 

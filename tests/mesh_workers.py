@@ -33,7 +33,8 @@ def _forward(model: nn.Module, mode: str):
     """``eager``, ``fx`` (compiled, planned FX graphs), ``fx-traced`` (the same, with the
     collectives found in the graph kept where they were traced) or ``fx-nopool`` (buffers
     allocated per collective, as Inductor's default is); ``fx-offload``: ``fx`` of a model
-    sharded with CPU offload, ``fx-optoffload`` with optimizer-only offload (:func:`hsdp_run`)."""
+    sharded with CPU offload, ``fx-optoffload`` with optimizer-only offload, ``fx-plain`` with
+    ``plain_inputs=True`` (:func:`hsdp_run`)."""
     if mode == "eager":
         return model
     return torch.compile(model, backend=shardc.backend(
@@ -190,7 +191,7 @@ def hsdp_run(rank: int, world: int, shape: tuple[int, int], mode: str,
     offload = {"fx-offload": shardc.OffloadPolicy(simulate_on_cpu=True),
                "fx-optoffload": shardc.OffloadPolicy(params=False, simulate_on_cpu=True),
                }.get(mode)
-    model = shardc.shard(build(kind), mesh, offload=offload)
+    model = shardc.shard(build(kind), mesh, offload=offload, plain_inputs=mode == "fx-plain")
     tokens, targets = batches()
     per = GLOBAL_BATCH // world
     rows = slice(rank * per, (rank + 1) * per)

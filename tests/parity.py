@@ -205,7 +205,8 @@ def sharded_run(rank: int, world: int, kind: str, mode: str, **options) -> dict:
     overlap = {} if options.pop("step_in_backward", False) else None
     model = build(kind)
     shardc.shard(model, reshard_after_forward=options.pop("reshard_after_forward", True),
-                 offload=options.pop("offload", None), mp_policy=options.pop("mp_policy", None))
+                 offload=options.pop("offload", None), mp_policy=options.pop("mp_policy", None),
+                 plain_inputs=options.pop("plain_inputs", False))
     if mode == "eager":
         forward = model
     else:
@@ -227,7 +228,9 @@ def sharded_run(rank: int, world: int, kind: str, mode: str, **options) -> dict:
            "collective_ops": collective_ops(state), "eval": evaluated, "eval_hooked": hooked,
            "host_masters": host_masters(model), "overlap": overlap,
            "trainable": {n for n, p in model.named_parameters() if p.requires_grad},
-           "activation_copies": activation_copies(state)}
+           "activation_copies": activation_copies(state),
+           # plain_inputs: gradients handed from the plain leaves to the DTensor parameters.
+           "plain_handed": None if state.plain is None else state.plain.handed}
     out["retrained"] = {name: _retrain(model, forward, rank, world, initial, **training)
                         for name, training in retrain.items()}
     if keep_model:

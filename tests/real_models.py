@@ -629,14 +629,16 @@ def sc_hf_checkpoint(ctx: Ctx, *, compile: bool = True, inductor: bool = False,
 
 
 def _accumulate(ctx: Ctx, *, no_sync: bool, clip: float | None = None,
-                offload: bool | str = False, compile: bool = True) -> dict:
+                offload: bool | str = False, compile: bool = True,
+                plain_inputs: bool = False) -> dict:
     """Two micro-batches per step (each half of the rank's batch, loss / 2), optionally clipping
     the accumulated gradients by their global norm before the step; ``offload``: sharded with
     CPU offload (simulated on the CPU mesh: the copies are real separate tensors); ``"opt"``:
-    optimizer-only offload (the optimizer steps on host copies)."""
+    optimizer-only offload (the optimizer steps on host copies); ``plain_inputs``: sharded
+    with it (the second micro-batch's gradients are added to the handed ``.grad``)."""
     torch.manual_seed(0)
     model = mlp()
-    forward = ctx.wrap(model, compile=compile,
+    forward = ctx.wrap(model, compile=compile, plain_inputs=plain_inputs,
                        **({"offload": OPT_OFFLOAD if offload == "opt" else OFFLOAD}
                           if offload else {}))
     opt = sgd(model)
@@ -1105,7 +1107,7 @@ def _region_roles(ctx: Ctx) -> list:
     return [r.groups for r in shardc.shard_state(ctx.model).regions]
 
 
-def sc_meta_to_empty(ctx: Ctx) -> dict:
+def sc_meta_to_empty(ctx: Ctx, plain_inputs: bool = False) -> dict:
     """Build on the meta device, shard, ``to_empty(device="cpu")``, initialize, train compiled:
     the usual way to build a large Hugging Face model. The sharded run initializes every module
     with ``reset_parameters()`` (DTensor's random ops on a CPU mesh draw the same local values
@@ -1119,7 +1121,7 @@ def sc_meta_to_empty(ctx: Ctx) -> dict:
     else:
         with torch.device("meta"):
             model = TiedLM()
-        ctx.wrap(model, compile=False)
+        ctx.wrap(model, compile=False, plain_inputs=plain_inputs)
         model.to_empty(device="cpu")
         for module in model.modules():
             if hasattr(module, "reset_parameters"):
@@ -1259,6 +1261,75 @@ def fail_replaced_after_shard(ctx: Ctx) -> dict:
     out = {f"{name}_{'compiled' if compile else 'eager'}": attempt(change, compile=compile)
            for name, change in changes.items() for compile in (False, True)}
     out["forward_depth"] = _FORWARD.depth  # the failed forwards left no forward counted
+    return out
+
+
+def fail_plain_lifecycle(ctx: Ctx) -> dict:
+    """``shardc.shard(..., plain_inputs=True)`` (forwards read plain aliases of the shards):
+    each change after sharding on a fresh model, then one forward and backward, eager and
+    compiled, against a twin sharded without it. Per change: ``None`` (it worked: the loss and
+    every gradient equal the twin's, bit for bit) or the error (type and message)."""
+    xs, ys = regression_data(steps=1, seed=24)
+    x = ctx.split(xs[0])
+
+    def attempt(change, *, compile: bool) -> str | None:
+        results = []
+        for plain in (True, False):
+            torch._dynamo.reset()
+            torch.manual_seed(0)
+            model = shardc.shard(mlp(), ctx.mesh, plain_inputs=plain)
+            forward = torch.compile(model, backend=shardc.backend(inductor=False)) if compile \
+                else model
+            try:
+                change(model)
+                loss = forward(x.to(next(model.parameters()).dtype)).sum()
+                loss.backward()
+            except Exception as exc:
+                if plain:
+                    return f"{type(exc).__name__}: {exc}"
+                raise
+            grads = {n: None if p.grad is None else (type(p.grad).__name__,
+                                                     p.grad.full_tensor())
+                     for n, p in model.named_parameters()}
+            results.append((loss.detach(), grads))
+        (loss, grads), (twin_loss, twin_grads) = results
+        if not torch.equal(loss, twin_loss):
+            return f"loss {loss.item()} != {twin_loss.item()}"
+        for n, g in twin_grads.items():
+            got = grads[n]
+            if (g is None) != (got is None) or (g is not None and (
+                    got[0] != g[0] or not torch.equal(got[1], g[1]))):
+                return f"gradient of {n!r} differs: {got} vs {g}"
+        return None
+
+    def load_in_place(model):  # load_state_dict / DCP copy into the shards: the alias sees it
+        model.load_state_dict({n: torch.full_like(t, 0.25) if "weight" in n else t
+                               for n, t in model.state_dict().items()})
+
+    def load_assign_sharded(model):  # new DTensor objects: read as DTensors from now on
+        model.load_state_dict({n: t.detach().clone() * 0.5
+                               for n, t in model.state_dict().items()}, assign=True)
+
+    def to_float64(model):  # nn.Module._apply swaps contents: the leaves are rebuilt
+        model.double()
+
+    def freeze(model):
+        model[0].weight.requires_grad_(False)
+
+    def swap(model):  # new storage shardc cannot see: the hand-off refuses the gradient
+        p = model[0].weight
+        torch.utils.swap_tensors(p, nn.Parameter(p.detach().clone()))
+
+    def hook(model):
+        model[0].weight.register_hook(lambda g: g)
+
+    changes = {"load_in_place": load_in_place, "load_assign_sharded": load_assign_sharded,
+               "to_float64": to_float64, "freeze": freeze, "swap": swap, "hook": hook}
+    out = {}
+    for compile in (False, True):
+        for name, change in changes.items():
+            out[f"{name}_{'compiled' if compile else 'eager'}"] = attempt(change,
+                                                                          compile=compile)
     return out
 
 
@@ -1479,6 +1550,59 @@ def sc_peak_budget_offload(ctx: Ctx) -> dict:
     return out
 
 
+def sc_peak_budget_optimizer(ctx: Ctx) -> dict:
+    """Parity under a budget a byte below the optimizer step's peak (shards, gradients, state,
+    temporaries: under the device levers' feasible minimum), where the planner puts the
+    optimizer's state and step on the host (``optimizer_offload='simulate'``: the lever on this
+    CPU mesh), plus the facts the tests check: the record, the peaks, the hashes, the host
+    masters (the refusal below what it reaches: tests/test_budget.py)."""
+    from shardc.models.llama import LlamaConfig, Transformer
+    from shardc.runtime import offload_optimizer
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return Transformer(LlamaConfig(**BUDGET_CFG))
+
+    data = tokens(steps=2, seq=BUDGET_SEQ)
+    model = ctx.wrap(build(), compile=False)
+    if not ctx.sharded:
+        return train_lm(ctx, model, model, data)
+
+    def compiled(m: nn.Module, budget: int):
+        return torch.compile(m, backend=shardc.backend(
+            inductor=False, comm_pool=False, peak_memory_budget_bytes=budget,
+            peak_memory_margin=0.0, optimizer_offload="simulate"))
+
+    # The largest rank's parameter shard bytes P: the optimizer step's peak (shards, gradients,
+    # Adam's state and a temporary: 5 P; no pool) is under every configuration of the device
+    # levers, so a byte below it needs the state on the host.
+    shard = torch.tensor([sum(p.to_local().numel() * p.to_local().element_size()
+                              for p in model.parameters())])
+    dist.all_reduce(shard, op=dist.ReduceOp.MAX, group=ctx.group)
+    floor = 5 * int(shard)
+    ctx.model = model
+    out = train_lm(ctx, model, compiled(model, floor - 1), data)
+    plan = shardc.explain_all(model)[0]
+    masters = {n: offload_optimizer.host_master(p) for n, p in model.named_parameters()}
+    out.update({
+        "planned": 1,
+        "step_floor": floor,
+        "hash": plan.hash(),
+        "record": plan.budget,
+        "predicted": plan.predicted.to_dict(),
+        "table": plan.table(),
+        "json": plan.to_json(),
+        # Every parameter's optimizer steps on a host master, a separate tensor equal to the
+        # shard after the last step.
+        "masters": sorted(n for n, m in masters.items() if m is not None),
+        "master_equal": all(m is not None and torch.equal(m.to_local(), p.to_local())
+                            and m.to_local().data_ptr() != p.to_local().data_ptr()
+                            for (n, p), m in zip(model.named_parameters(), masters.values())),
+        "names": sorted(n for n, _ in model.named_parameters()),
+    })
+    return out
+
+
 SCENARIOS: dict[str, Callable[[Ctx], dict]] = {
     "torch_transformer": sc_torch_transformer,
     "hf_gpt2": sc_hf_gpt2,
@@ -1514,6 +1638,10 @@ SCENARIOS: dict[str, Callable[[Ctx], dict]] = {
     "accumulate": sc_accumulate,
     "accumulate_clip": sc_accumulate_clip,
     "accumulate_no_sync": sc_accumulate_no_sync,
+    "plain_no_sync_clip": functools.partial(_accumulate, no_sync=True, clip=CLIP,
+                                            plain_inputs=True),
+    "plain_accumulate_eager": functools.partial(_accumulate, no_sync=False, compile=False,
+                                                plain_inputs=True),
     # CPU offload (issue 21): no_sync accumulation and clipping over host gradients.
     "offload_no_sync_clip": functools.partial(_accumulate, no_sync=True, clip=CLIP,
                                               offload=True),
@@ -1534,10 +1662,12 @@ SCENARIOS: dict[str, Callable[[Ctx], dict]] = {
     "repeated": lambda ctx: sc_nested(ctx, repeat=True),
     "lstm": sc_lstm,
     "meta_to_empty": sc_meta_to_empty,
+    "meta_to_empty_plain": functools.partial(sc_meta_to_empty, plain_inputs=True),
     "to_float64": sc_to_float64,
     "adam": sc_adam,
     "peak_budget": sc_peak_budget,
     "peak_budget_offload": sc_peak_budget_offload,
+    "peak_budget_optimizer": sc_peak_budget_optimizer,
     # Sharded runs only (their reference: submesh_reference).
     "submesh": sc_submesh,
     # Failure modes: sharded runs only, no reference; the desyncing ones last.
@@ -1546,6 +1676,7 @@ SCENARIOS: dict[str, Callable[[Ctx], dict]] = {
     "view_param": fail_view_param,
     "optimizer_before_shard": fail_optimizer_before_shard,
     "replaced_after_shard": fail_replaced_after_shard,
+    "plain_lifecycle": fail_plain_lifecycle,
     "recompile_one_rank": fail_recompile_one_rank,
     "timeout": fail_timeout,
     "timeout_inductor": functools.partial(fail_timeout, inductor=True),
@@ -1563,7 +1694,7 @@ ONE_WORLD = {"blocks_accumulate_shapes": 2, "torch_transformer": 2, "hf_gpt2": 3
              "checkpoint_sdpa_save_all": 2, "hf_checkpoint_reentrant": 2,
              "hf_checkpoint_inductor": 2, "checkpoint_fp8": 3, "checkpoint_fp8_eager": 3,
              "checkpoint_dropout": 3, "checkpoint_sdpa_dynamic": 3, "peak_budget": 2,
-             "peak_budget_offload": 3,
+             "peak_budget_offload": 3, "peak_budget_optimizer": 3,
              "adam": 3, "checkpoint_sdpa": 2, "checkpoint_sdpa_selective": 3,
              "moe_compiled": 2, "changing_seq": 2, "changing_both": 3, "nested": 3,
              "optim_offload_no_sync_clip": 3,
@@ -1575,12 +1706,14 @@ ONE_WORLD = {"blocks_accumulate_shapes": 2, "torch_transformer": 2, "hf_gpt2": 3
              "offload_no_sync_clip": 2, "changing_batch": 2, "two_forwards": 3,
              "unused_outputs": 2, "float64": 3, "bfloat16": 2, "batchnorm": 3, "repeated": 3,
              "lstm": 2, "meta_to_empty": 3, "checkpoint": 3, "moe_recompile_limit": 2,
-             "submesh": 2}
+             "submesh": 2, "meta_to_empty_plain": 3, "plain_lifecycle": 2,
+             "plain_no_sync_clip": 3, "plain_accumulate_eager": 2}
 SLOW_SCENARIOS = ("checkpoint_sdpa_reentrant", "checkpoint_sdpa_dynamic",
                   "checkpoint_sdpa_save_all", "hf_checkpoint_reentrant", "checkpoint_dropout",
                   "checkpoint_fp8", "checkpoint_fp8_eager", *INDUCTOR_SCENARIOS)
 FAILURES = ("rank_dependent", "partial_mesh", "view_param", "optimizer_before_shard",
-            "replaced_after_shard", "recompile_one_rank", "timeout", "timeout_inductor")
+            "replaced_after_shard", "plain_lifecycle", "recompile_one_rank", "timeout",
+            "timeout_inductor")
 
 
 def reference(name: str, world: int = 1) -> dict:

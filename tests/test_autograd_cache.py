@@ -302,3 +302,43 @@ def test_regions_whose_collectives_run_keep_the_cache_off():
     assert warm.restorable(graph, issuing, plan, None) == "its graphs issue collectives"
     assert "tensor parallelism" in warm.cache_blockers([], issuing, fp8=False, offload=False,
                                                        cudagraphs=False, needs_partition=False)[0]
+
+
+def _dynamo_to_local(*args, **kwargs):
+    """A stand-in of what torch 2.11's Dynamo records for ``t.to_local(*args, **kwargs)`` (its
+    ``TensorVariable.method_to_local``): a closure named ``prim_to_local`` over the arguments."""
+    args_as_value, kwargs_as_value = args, kwargs
+
+    def to_local_fn_with_prim_types(x):
+        return x.to_local(*args_as_value, **kwargs_as_value)
+
+    to_local_fn_with_prim_types.__name__ = "prim_to_local"
+    return to_local_fn_with_prim_types
+
+
+def test_dynamo_to_local_closures_become_plain_method_calls():
+    """torch 2.11's AOTAutograd cache refuses Dynamo's ``prim_to_local`` closures (so it bypassed
+    every shardc region there); without arguments they are made ``call_method('to_local')``
+    with the same operand and metadata. Closures with arguments, and other functions, stay.
+    (The real closures: tests/test_autograd_cache.py's restarts and
+    scripts/check_warm_restart.py, run on torch 2.11.)"""
+    from torch import fx
+
+    from shardc.passes.to_local import plain_to_local_calls
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    plain = g.call_function(_dynamo_to_local(), (x,))
+    plain.meta["example_value"] = "kept"
+    placed = g.call_function(_dynamo_to_local(grad_placements=("p",)), (x,))
+    other = g.call_function(torch.neg, (x,))
+    g.output((g.call_function(torch.add, (plain, placed)), other))
+    gm = fx.GraphModule(nn.Module(), g)
+    assert _torch.dynamo_to_local_closure(placed.target) == ((), {"grad_placements": ("p",)})
+    assert _torch.dynamo_to_local_closure(torch.neg) is None
+    assert plain_to_local_calls(gm) == 1
+    (method,) = [n for n in gm.graph.nodes if n.op == "call_method"]
+    assert method.target == "to_local" and method.args == (x,)
+    assert method.meta["example_value"] == "kept"
+    assert placed in gm.graph.nodes and other in gm.graph.nodes
+    assert plain_to_local_calls(gm) == 0

@@ -183,7 +183,27 @@ def test_flattened_inlines_every_body_call_nested_ones_too():
     torch.testing.assert_close(flat(x, w)[0], expected)
 
 
-class TupleMlp(Mlp):
+# Dynamo's traces of block bodies, counted the same way on every torch release: a counted
+# block's forward calls ``_note_trace`` while Dynamo traces it (an assume_constant_result
+# function runs at trace time; a stamped-out call of a keyed body runs nothing), never in eager
+# runs nor in the keyed bodies' meta-device probe.
+_TRACES: list[int] = []
+
+
+@torch.compiler.assume_constant_result
+def _note_trace() -> int:
+    _TRACES.append(1)
+    return 0
+
+
+class CountedMlp(Mlp):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling() and x.device.type != "meta":
+            _note_trace()
+        return super().forward(x)
+
+
+class TupleMlp(CountedMlp):
     """Returns a tuple holding None: no keyed body (torch requires tensor outputs there)."""
 
     def forward(self, x: torch.Tensor):
@@ -204,26 +224,30 @@ class Stack(nn.Module):
 
 def _body_traces(model: nn.Module, *inputs: torch.Tensor, dynamic: bool = False) -> int:
     """Compile ``model`` (eager backend), run it on each input, check it against eager, and
-    return how many times Dynamo traced a block body."""
-    from torch._dynamo.utils import compilation_time_metrics
-
+    return how many times Dynamo traced a block's forward."""
     torch._dynamo.reset()
-    compilation_time_metrics.pop("invoke_subgraph_trace", None)
     compiled = torch.compile(model, backend="eager", dynamic=dynamic)
+    traces = 0
     for x in inputs:
-        torch.testing.assert_close(compiled(x), model(x))
-    return len(compilation_time_metrics.get("invoke_subgraph_trace", []))
+        _TRACES.clear()
+        out = compiled(x)
+        traces += len(_TRACES)
+        torch.testing.assert_close(out, model(x))
+    return traces
 
 
-def test_keyed_bodies_are_traced_once_per_distinct_input():
-    """With torch's reuse_hash_fn (2.13+), identical blocks' body calls whose arguments have
-    static sizes are traced once and stamped out (the key: shapes, strides, dtypes, devices,
-    requires_grad, other arguments, grad mode, autocast); a block returning something other than
-    tensors, and inputs with symbolic sizes, keep the guard-based body, traced at every call."""
+def test_bodies_are_traced_once_per_distinct_input_where_torch_can_key_them():
+    """Dynamo's traces of the block forward, on whichever torch runs. With torch's
+    reuse_hash_fn (2.13+), identical blocks' body calls whose arguments have static sizes are
+    traced once and stamped out (the key: shapes, strides, dtypes, devices, requires_grad, other
+    arguments, grad mode, autocast); a block returning something other than tensors, and inputs
+    with symbolic sizes, keep the guard-based body, traced at every call. torch 2.11 and 2.12
+    have no reuse_hash_fn and trace every call (their Dynamo has no reuse of a
+    nested_compile_region's trace at all, only the deduplication of identical subgraphs)."""
     from shardc import _torch
 
     x = torch.randn(3, 6, requires_grad=True)  # as the later blocks' inputs: one key for all
-    model = Stack(Mlp)
+    model = Stack(CountedMlp)
     bodies = wrap_repeated_blocks(model, {}, shared=set(), special=set())
     seal(bodies, model)
     keyed = _torch.keyed_compile_region(lambda key: key) is not None
@@ -242,3 +266,6 @@ def test_keyed_bodies_are_traced_once_per_distinct_input():
     # tests/test_parity.py's blocks_dynamic shows).
     with torch._dynamo.config.patch(specialize_float=True):
         assert _body_traces(model, x, dynamic=True) == 4
+    # The count is of the body's traces: inline blocks are traced once each too.
+    inline = Stack(CountedMlp)
+    assert _body_traces(inline, x) == 4

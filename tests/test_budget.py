@@ -3,6 +3,7 @@ model, the plan record's round trip and hash, the option's validation and ``"aut
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import pytest
@@ -12,10 +13,10 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from shardc.compile.options import ShardcOptions
 from shardc.ops.gather import GATHER_OP
-from shardc.ops.gather_args import GatherArgs
+from shardc.ops.gather_args import GatherArgs, ReduceArgs
 from shardc.planning import budget, recompute
 from shardc.planning.budget import Candidate, MemoryBudgetError
-from shardc.planning.estimate import elided_cast_seconds
+from shardc.planning.estimate import elided_cast_bytes, elided_cast_seconds
 from shardc.planning.plan import (
     PLAN_VERSION,
     BlockDecision,
@@ -24,6 +25,7 @@ from shardc.planning.plan import (
     Collective,
     CollectiveKind,
     MemoryBudget,
+    OptimizerDecision,
     Plan,
 )
 from shardc.planning.profile import resolve_profile
@@ -185,6 +187,18 @@ def test_memory_plot_draws_the_budget_line():
     _draw_step(ax, plan, None)
     budget_lines = [line for line in ax.get_lines() if "peak budget" in line.get_label()]
     assert len(budget_lines) == 1 and budget_lines[0].get_ydata()[0] == pytest.approx(30 / 1024)
+    # The optimizer's state on the host (the last lever): its column says so.
+    plan.memory_by_category["graphs"]["optimizer step"] = {
+        "positions": [0], "bytes": {c: [1 << 20] for c in CATEGORIES}}
+    labels = {}
+    for on_host in (False, True):
+        plan.budget.optimizer = OptimizerDecision(True, 1, 1, 1, 0.1, 0.1, 0.1, "...") \
+            if on_host else None
+        fig, ax = plt.subplots()
+        _draw_step(ax, plan, None)
+        labels[on_host] = [t.get_text() for t in ax.texts if "optimizer step" in t.get_text()]
+    assert labels == {False: [" optimizer step"],
+                      True: [" optimizer step (state on the host)"]}, labels
     plt.close("all")
 
 
@@ -613,3 +627,120 @@ def test_elided_cast_seconds_prices_only_casting_gathers():
     graph.output(None)
     got = elided_cast_seconds(fx.GraphModule(nn.Module(), graph), resolve_profile(None))
     assert set(got) == {"cast"} and got["cast"] > 0
+
+
+def test_elided_cast_bytes_price_the_kernels_one_rank_still_runs():
+    """At one rank an elided gather is the shard cast to the compute dtype and an elided
+    reduction the gradient cast to the reduce and shard dtypes (one fused kernel): each reads
+    and writes its tensor once; where no dtype changes there is no kernel."""
+    graph = fx.Graph()
+    nodes = {}
+    for fqn, dtype in (("cast", torch.bfloat16), ("same", torch.float32)):
+        shard = graph.placeholder(f"{fqn}_shard")
+        shard.meta["val"] = torch.empty(1024, 256)
+        node = graph.call_function(GATHER_OP, GatherArgs(shard, fqn, 1024, 1, "0", dtype,
+                                                         torch.float32, True).args())
+        node.meta["val"] = torch.empty(1024, 256, dtype=dtype)
+        nodes[f"gather_{fqn}"] = node
+        grad = graph.placeholder(f"{fqn}_grad")
+        grad.meta["val"] = torch.empty(1024, 256, dtype=dtype)
+        red = graph.call_function(torch.ops.shardc.reduce_scatter_grad.default, ReduceArgs(
+            grad, fqn, 1024, 1, "0", torch.float32, torch.float32).args())
+        red.meta["val"] = torch.empty(1024, 256)
+        nodes[f"reduce_{fqn}"] = red
+    graph.output(None)
+    numel = 1024 * 256
+    assert elided_cast_bytes(nodes["gather_cast"]) == numel * (4 + 2)
+    assert elided_cast_bytes(nodes["reduce_cast"]) == numel * (2 + 4)
+    assert elided_cast_bytes(nodes["gather_same"]) == 0
+    assert elided_cast_bytes(nodes["reduce_same"]) == 0
+
+
+def test_optimizer_offload_is_the_last_lever_of_the_planner():
+    """The real budget planner (a tiny model at a fake world of 2, FX, no margin): at the device
+    levers' feasible minimum the optimizer stays on the device; a byte below it the planner puts
+    the optimizer's state and step on the host (the prediction leaves the state and the step's
+    temporaries out of the device, the host holds masters, gradients and state) and records
+    why, at what price; below what that reaches it refuses, naming the new minimum and
+    OffloadPolicy() and (a lower bound of) the minimum with the state on the device; with
+    optimizer_offload='never' a budget below the device minimum is refused saying what 'auto'
+    would do. (``plan_model`` plans the GPU
+    run: its 'auto' is 'simulate', the lever on a CPU mesh too.)"""
+    import re
+
+    from shardc.models.llama import LlamaConfig
+    from shardc.tools.planner import PlanSetup, plan_model
+
+    cfg = LlamaConfig(vocab_size=64, dim=16, n_layers=1, n_heads=2, max_seq_len=8)
+
+    def plan(budget_bytes: int, mode: str) -> Plan:
+        return plan_model(cfg, 2, 1, 8, {"peak_memory_budget_bytes": budget_bytes,
+                                         "peak_memory_margin": 0.0, "optimizer_offload": mode},
+                          template=False, setup=PlanSetup(inductor=False))[0]
+
+    def refusal(budget_bytes: int, mode: str) -> str:
+        with pytest.raises(Exception, match="feasible minimum") as refused:
+            plan(budget_bytes, mode)
+        return str(refused.value)
+
+    text = refusal(1, "never")  # the device levers' feasible minimum
+    floor = int(re.search(r"feasible minimum (\d+) B", text).group(1))
+    assert "optimizer_offload='never': with 'auto'" in text and "OffloadPolicy()" not in text
+    new = refusal(1, "simulate")  # below what even the state on the host reaches
+    new_floor = int(re.search(r"feasible minimum (\d+) B", new).group(1))
+    # 1 byte is below the optimizer step's peak alone: the device levers' search is skipped.
+    step = int(re.search(r"with it on the device the minimum is at least (\d+) B", new).group(1))
+    assert step <= floor and "offload=shardc.OffloadPolicy()" in new, new
+    at_floor = plan(floor, "simulate")
+    assert at_floor.budget.optimizer is None and at_floor.predicted.optimizer_state_bytes > 0
+    below = plan(floor - 1, "simulate")
+    record, p = below.budget, below.predicted
+    assert record.optimizer_on_host and record.peak_bytes <= floor - 1
+    assert p.peak_bytes <= floor - 1 and p.optimizer_state_bytes == 0
+    # The step holds the shards, the gradients and the communication pool, nothing else.
+    assert p.optimizer_step_peak_bytes == p.param_bytes + p.grad_bytes + p.pool_bytes
+    assert p.host_bytes == 4 * p.param_bytes  # masters, their gradients, Adam's two moments
+    o = record.optimizer
+    assert o.freed_bytes == 3 * p.param_bytes and o.host_bytes == p.host_bytes
+    assert o.d2h_ms > 0 and o.step_ms > 0 and o.h2d_ms > 0 and o.params > 0
+    assert o.predicted_ms == pytest.approx(o.d2h_ms + o.step_ms + o.h2d_ms)
+    assert o.reason.startswith("on the host: the other levers' feasible minimum" if floor - 1
+                               >= step else "on the host: the optimizer step's peak"), o.reason
+    assert "optimizer state and step: on the host" in below.table()
+    back = Plan.from_json(below.to_json())
+    assert back.budget == record and back.hash() == below.hash()
+    assert ("optimizer_on_host", True) in below.budget_signature()
+    assert new_floor < floor - p.param_bytes, (new_floor, floor)  # the state is gone
+
+
+def test_optimizer_offload_option_and_price():
+    from shardc.planning import optimizer_offload
+
+    assert ShardcOptions().optimizer_offload == "auto"
+    for mode in ("never", "simulate"):
+        assert ShardcOptions(optimizer_offload=mode).optimizer_offload == mode
+    with pytest.raises(ValueError, match="optimizer_offload must be 'auto', 'never'"):
+        ShardcOptions(optimizer_offload="always")
+    profile = resolve_profile(None)
+    d2h, step, h2d = optimizer_offload.price(4 << 30, 4 << 30, 1 << 30, profile)
+    # 8 GiB over a 25 GB/s link, 1 Gi parameters at the profile's host rate, 4 GiB back.
+    assert d2h == pytest.approx((8 << 30) / 25e9, rel=1e-3)
+    assert step == pytest.approx((1 << 30) / profile.host_adamw_params_per_s)
+    assert h2d == pytest.approx((4 << 30) / 25e9, rel=1e-3)
+    # Each way at its own rate: to the host at device_to_host_bytes_per_s, back at
+    # host_to_device_bytes_per_s (and the profile's latency per copy).
+    skewed = dataclasses.replace(profile, device_to_host_bytes_per_s=10e9,
+                                 host_to_device_bytes_per_s=40e9, host_copy_latency_s=1e-3)
+    d2h, _, h2d = optimizer_offload.price(4 << 30, 4 << 30, 1 << 30, skewed)
+    assert d2h == pytest.approx(1e-3 + (8 << 30) / 10e9)
+    assert h2d == pytest.approx(1e-3 + (4 << 30) / 40e9)
+    assert optimizer_offload.why_not("auto", "cuda", None, False, False) == ""
+    assert "already sharded" in optimizer_offload.why_not("auto", "cuda", object(), False, False)
+    assert "FP8" in optimizer_offload.why_not("auto", "cuda", None, True, False)
+    assert "FSDP+TP" in optimizer_offload.why_not("auto", "cuda", None, False, True)
+    assert "on the CPU" in optimizer_offload.why_not("auto", "cpu", None, False, False)
+    assert optimizer_offload.why_not("simulate", "cpu", None, False, False) == ""
+    never = optimizer_offload.refusal_hint(False, optimizer_offload.why_not(
+        "never", "cuda", None, False, False))
+    assert "optimizer_offload='never': with 'auto'" in never and "OffloadPolicy" not in never
+    assert optimizer_offload.refusal_hint(False, "the model has FP8 parameters") == ""

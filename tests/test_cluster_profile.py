@@ -17,6 +17,7 @@ from shardc.planning.estimate import kernel_seconds, optimizer_step_seconds
 from shardc.planning.kernels import FUSABLE, MATMUL, group_kernels
 from shardc.planning.plan import PLAN_VERSION, Collective, Plan
 from shardc.planning.profile import (
+    DEFAULT_HOST_LINK_BYTES_PER_S,
     FIXED_FIELDS,
     PER_PARAM_FIELDS,
     PRESETS,
@@ -226,6 +227,16 @@ def test_fused_kernel_costs_its_traffic_not_its_ops():
     assert cut[0].read_bytes == x.nbytes and cut[0].write_bytes == 2 * x.nbytes
 
 
+def test_recompute_from_a_saved_tensor_fuses_after_the_matmul():
+    """Ops that do not depend on a matmul fuse into the kernel after it that reads them, though
+    the graph lists them first (Inductor schedules them there): one kernel reads ``s`` and the
+    matmul's output and writes the result; ``s * 2`` never reaches memory."""
+    s, x, w = torch.randn(64, 32), torch.randn(64, 16), torch.randn(16, 32)
+    _, kernels = _kernels(lambda s, x, w: (x @ w) * (s * 2), s, x, w)
+    assert [k.kind for k in kernels] == [MATMUL, FUSABLE]
+    assert kernels[1].read_bytes == 2 * s.nbytes and kernels[1].write_bytes == s.nbytes
+
+
 def test_optimizer_step_is_memory_bound_passes():
     p = _profile(memory=((1, 2e12),), kernel_gpu_s=0.0, kernel_launch_s=0.0)
     foreach = optimizer_step_seconds(4e9, 10, p)
@@ -348,6 +359,10 @@ def test_calibrate_on_cpu_writes_a_readable_profile(tmp_path, monkeypatch):
                and "6 params" in n and "0 kernels, " in n and " in the model" in n
                for n in p.notes)
     assert p.intra == Link(*dataclasses.astuple(ClusterProfile("", "", "", "", "").intra))
+    # CPU offload's host rates: the fused CPU AdamW timed here; no CUDA, so the link's default
+    # each way (asserted above).
+    assert p.host_adamw_params_per_s > 0
+    assert p.device_to_host_bytes_per_s == DEFAULT_HOST_LINK_BYTES_PER_S
 
 
 class _SyntheticTimer(cal.Timer):

@@ -16,7 +16,8 @@ from shardc.planning.cost_model import ClusterSpec
 HSDP = [((2, 2), "eager"), ((2, 2), "fx"), ((4, 1), "eager"), ((4, 1), "fx"),
         ((4, 1), "fx-nopool"),
         ((2, 2), "fx-offload"),  # CPU offload (simulated on the CPU mesh) over HSDP
-        ((2, 2), "fx-optoffload")]  # optimizer-only offload over HSDP
+        ((2, 2), "fx-optoffload"),  # optimizer-only offload over HSDP
+        ((2, 2), "fx-plain")]  # plain_inputs=True over HSDP
 # "fx-traced": compiled with the tensor-parallel collectives kept where traced (the results must
 # be bitwise those of "fx", which moves them).
 TP = [((2, 2), "eager"), ((2, 2), "fx"), ((2, 2), "fx-traced"), ((1, 4), "eager")]
@@ -88,11 +89,12 @@ def test_hsdp_parity_and_plan(hsdp_runs, llama1_reference):
             else:
                 assert "all_reduce" not in plan["kinds"] and plan["mesh"] == ""
             assert plan["found"] == [] and plan["tp_size"] == 1
-    # CPU offload over HSDP (all, and optimizer only): the same bits as without it; the copies
+    # CPU offload over HSDP (all, and optimizer only) and plain inputs: the same bits as
+    # without them; the copies
     # planned where the shards are offloaded, none for optimizer-only offload.
     for per_rank in results:
         fx = per_rank[HSDP.index(((2, 2), "fx"))]
-        for mode in ("fx-offload", "fx-optoffload"):
+        for mode in ("fx-offload", "fx-optoffload", "fx-plain"):
             offloaded = per_rank[HSDP.index(((2, 2), mode))]
             assert torch.equal(offloaded["losses"], fx["losses"]), mode
             assert all(torch.equal(offloaded["params"][n], v)

@@ -163,6 +163,17 @@ def _parity_scenarios(world: int) -> dict[str, tuple[str, str, dict]]:
                                                                   "optim": "adamw-fused",
                                                                   "offload": OPT_OFFLOAD})),
         (at(4), "variant_optim_offload", ("variant", "fx", {"offload": OPT_OFFLOAD})),
+        # plain_inputs (issue 20): forwards read the local shards as plain tensors, gradients
+        # are handed to the DTensor parameters; the same kernels on the same values as "fx".
+        (at(1, 2), "plain", ("llama", "fx", {"plain_inputs": True})),
+        (at(1), "plain_eager", ("llama", "eager", {"plain_inputs": True})),
+        (at(3, 4), "plain_variant", ("variant", "fx", {"plain_inputs": True})),
+        (at(2), "plain_blocks", ("blocks", "fx", {"plain_inputs": True, "eval": True})),
+        (at(1), "plain_bf16", ("llama", "fx", {"plain_inputs": True, "mp_policy": BF16})),
+        # CPU offload keeps the DTensor reads (plain_inputs is ignored), step_in_backward too.
+        (at(1), "plain_offload_overlap", ("llama", "fx", {"plain_inputs": True,
+                                                          "offload": OFFLOAD,
+                                                          "step_in_backward": True})),
     ]
     scenarios.update({name: scenario for on, name, scenario in optional if on})
     return scenarios
@@ -206,6 +217,7 @@ def test_parity_eager_and_fx(world, references):
         _bitwise(runs["fx"], runs["local_step"], f"world {world}: local shard step")
     if "variant_local_sgd" in runs:
         assert runs["variant_local_sgd"]["grads_none"]["unused"]
+    _check_plain_inputs(world, runs)
     _check_offloaded(world, runs)
     _check_offloaded_activations(world, runs)
     if "roomy_budget" in runs:
@@ -216,6 +228,28 @@ def test_parity_eager_and_fx(world, references):
         assert decisions and all(d.kept and "elided" in d.reason and d.saved_ms > 0
                                  for d in decisions), decisions
         _bitwise(runs["bf16_roomy_budget"], runs["bf16"], f"world {world}: bf16, casts kept")
+
+
+def _check_plain_inputs(world: int, runs: dict[str, dict]) -> None:
+    """plain_inputs: the same bits as the DTensor reads (same kernels, same values), every
+    trained parameter's gradient handed over each step; ignored under CPU offload."""
+    for name, base in (("plain", "fx"), ("plain_bf16", "bf16"), ("plain_eager", "eager"),
+                       ("plain_variant", "variant")):
+        if name in runs and base in runs:
+            _bitwise(runs[base], runs[name], f"world {world}: {name} vs {base}")
+    for name in ("plain", "plain_eager", "plain_bf16", "plain_blocks", "plain_variant"):
+        if name in runs:
+            run = runs[name]
+            assert run["plain_handed"] and run["plain_handed"] % STEPS == 0, (name, run)
+            # Every trained parameter, every step (the unused one of "variant" gets none).
+            used = [n for n in run["trainable"] if n != "unused"]
+            assert run["plain_handed"] == len(used) * STEPS, (name, run["plain_handed"])
+    if "plain_variant" in runs:
+        assert runs["plain_variant"]["grads_none"]["unused"], "an unused parameter got a grad"
+    if "plain_offload_overlap" in runs:
+        assert runs["plain_offload_overlap"]["plain_handed"] is None
+        _bitwise(runs["offload_overlap"], runs["plain_offload_overlap"],
+                 f"world {world}: plain_inputs ignored under offload")
 
 
 def _check_offloaded_activations(world: int, runs: dict[str, dict]) -> None:

@@ -60,6 +60,11 @@ def _inductor_run(rank: int, world: int) -> dict:
                           offload=shardc.OffloadPolicy(simulate_on_cpu=True))
         out["offload"] = {"losses": off["losses"], "params": off["params"],
                           "copies": sum(len(p.copies) for p in off["plans"])}
+    if world == 1:  # plain_inputs (plain local shards read, gradients handed) under Inductor
+        torch._dynamo.reset()
+        plain = sharded_run(rank, world, "llama1", "inductor", plain_inputs=True)
+        out["plain"] = {"losses": plain["losses"], "params": plain["params"],
+                        "handed": plain["plain_handed"]}
     if world == 1:  # activation offload (forced on every block) under Inductor, once; two
         # layers: a ModuleList of one child has no blocks (shardc.sharding.blocks)
         torch._dynamo.reset()
@@ -120,6 +125,11 @@ def test_parity_inductor(world, inductor_reference):
     if world == 2:
         assert_parity(runs[0]["offload"], inductor_reference)
         assert runs[0]["offload"]["copies"] > 0
+    if world == 1:  # plain inputs: the same bits as the DTensor reads, every gradient handed
+        plain = runs[0]["plain"]
+        assert torch.equal(plain["losses"], runs[0]["losses"])
+        assert all(torch.equal(plain["params"][n], p) for n, p in runs[0]["params"].items())
+        assert plain["handed"] == len(runs[0]["params"]) * len(plain["losses"]), plain["handed"]
     if world == 1:  # the saved activations went to the host and back in Inductor's code
         act = runs[0]["activations"]
         # Against the eager unsharded model: Inductor's fused rounding, hence the tolerance.

@@ -205,6 +205,10 @@ def test_cli_prints_the_answers_and_writes_the_stacked_plot(tmp_path, capsys):
     assert "peak at the " in out
     png = tmp_path / "region0.rank0.memory.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import json  # the whole step beside the plan
+
+    step = json.loads((tmp_path / "region0.step.json").read_text())["step"]
+    assert [ph["name"] for ph in step["phases"]][2:] == ["optimizer", "zero_grad"]
 
 
 def _saved_at_end_of_forward(plan):
@@ -297,3 +301,96 @@ def test_cli_step_time_comes_from_the_cluster_profile(tmp_path, capsys):
     # the peak against the profiles' devices
     assert "of 2.0 GiB" in slow_out and f"of {fmt_bytes(fast.device_memory_bytes)}" in fast_out
 
+
+
+def _flat_profile(tmp_path):
+    """The h100 preset with a flat memory bandwidth and no per-kernel time, written as a
+    profile file: the optimizer's device time is then its bytes over one rate."""
+    flat = dataclasses.replace(load_profile("h100"), name="flat",
+                               memory=((1 << 20, 1e12), (1 << 30, 1e12)), kernel_gpu_s=0.0,
+                               kernel_launch_s=0.0)
+    path = tmp_path / "flat.json"
+    path.write_text(flat.to_json())
+    return flat, str(path)
+
+
+def test_cli_reports_the_whole_step_as_the_step_model_predicts_it(tmp_path, capsys):
+    """``shardc plan`` prints (and writes as JSON) the whole step: the graphs, then the
+    optimizer and zero_grad, exactly ``shardc.planning.step.predict_step``'s prediction for the
+    plan and this rank's shards; the optimizer's device term scales with the parameters per
+    rank."""
+    import json
+
+    from shardc.planning.estimate import optimizer_step_seconds
+    from shardc.planning.step import predict_step
+    from shardc.tools.planner import plan_model_step
+
+    flat, path = _flat_profile(tmp_path)
+    spec = parse_model("llama-tiny", ["n_layers=2"])
+    planned = {w: plan_model_step(spec, w, 2, 32, {"cluster": {"profile": path}},
+                                  setup=PlanSetup(inductor=False)) for w in (2, 4)}
+    steps = {w: predict_step([p.plan], flat, p.optimizer) for w, p in planned.items()}
+    out_json = tmp_path / "plan.json"
+    assert cli.main(["plan", "llama-tiny:n_layers=2", "--world-size", "2", "--batch", "2",
+                     "--seq", "32", "--fx", "--summary-only", "--profile", path,
+                     "--json", str(out_json)]) == 0
+    text = capsys.readouterr().out
+    row = json.loads(out_json.read_text())["worlds"][0]
+    assert row["step"]["step_s"] == pytest.approx(steps[2].step_s, rel=1e-12)
+    assert row["step_s"] == pytest.approx(steps[2].step_s, rel=1e-12)
+    assert row["graphs_s"] == pytest.approx(planned[2].plan.predicted.step_time_s, rel=1e-12)
+    assert row["step_s"] > row["graphs_s"]  # the optimizer and zero_grad are in it
+    assert row["tokens_per_s_per_gpu"] == pytest.approx(2 * 32 / steps[2].step_s)
+    assert [ph["name"] for ph in row["step"]["phases"]] == ["forward", "backward", "optimizer",
+                                                            "zero_grad"]
+    assert sum(ph["seconds"] for ph in row["step"]["phases"]) == pytest.approx(row["step_s"])
+    assert all(ph["bound"] in ("host", "device", "communication", "hidden")
+               for ph in row["step"]["phases"])
+    assert f"predicted step: {steps[2].step_s * 1e3:.1f} ms (whole step" in text
+    assert "optimizer: AdamW (foreach) on the device" in text
+    # The optimizer's device term: this rank's shard bytes over the flat bandwidth, about half
+    # at twice the ranks (the model's parameters, sharded; rows padded to the world).
+    total = sum(p.numel() * 4 for p in spec.build().parameters())
+    for w, p in planned.items():
+        assert p.optimizer.n_params == 2 * 9 + 3
+        assert p.optimizer.param_bytes == pytest.approx(total / w, rel=0.1)
+        assert steps[w].optimizer_device_s == pytest.approx(
+            optimizer_step_seconds(p.optimizer.param_bytes, p.optimizer.n_params, flat))
+        assert steps[w].optimizer_device_s == pytest.approx(20 * p.optimizer.param_bytes / 1e12)
+    assert steps[4].optimizer_device_s / steps[2].optimizer_device_s == pytest.approx(
+        planned[4].optimizer.param_bytes / planned[2].optimizer.param_bytes, rel=1e-12)
+
+
+def test_offloaded_plan_prices_the_host_step_and_its_overlap(tmp_path, capsys):
+    """``--offload params``: the plan has the copies on the copy lane, the optimizer steps on
+    the host at the profile's fused CPU AdamW rate; ``--step-in-backward`` steps buckets during
+    the backward (never slower than after it, in the model)."""
+    import json
+
+    from shardc.planning.step import predict_step
+    from shardc.tools.planner import plan_model_step
+
+    flat, path = _flat_profile(tmp_path)
+    spec = parse_model("llama-tiny", ["n_layers=2"])
+    setup = PlanSetup(inductor=False, offload="params", step_in_backward=True)
+    planned = plan_model_step(spec, 2, 2, 32, {"cluster": {"profile": path}}, setup=setup)
+    assert {c.kind for c in planned.plan.copies} == {"h2d_copy", "d2h_copy"}
+    assert planned.optimizer.offload == "params" and planned.optimizer.temp_factor == 0.0
+    overlapped = predict_step([planned.plan], flat, planned.optimizer)
+    plain = predict_step([planned.plan], flat,
+                         dataclasses.replace(planned.optimizer, overlap=False))
+    compute = planned.optimizer.param_bytes / 4 / flat.host_adamw_params_per_s
+    assert plain.optimizer_host_s == overlapped.optimizer_host_s == pytest.approx(compute)
+    assert overlapped.optimizer_device_s == 0.0 and overlapped.step_s <= plain.step_s
+    out_json = tmp_path / "offload.json"
+    assert cli.main(["plan", "llama-tiny:n_layers=2", "--world-size", "2", "--batch", "2",
+                     "--seq", "32", "--fx", "--summary-only", "--profile", path,
+                     "--offload", "params", "--step-in-backward", "--json", str(out_json)]) == 0
+    text = capsys.readouterr().out
+    row = json.loads(out_json.read_text())["worlds"][0]
+    assert row["step_s"] == pytest.approx(overlapped.step_s, rel=1e-12)
+    assert "AdamW (fused) on the host, CPU offload overlapped" in text
+    opt = next(ph for ph in row["step"]["phases"] if ph["name"] == "optimizer")
+    assert opt["runs_on"] == "host"
+    assert cli.main(["plan", "llama-tiny", "--world-size", "2", "--step-in-backward"]) == 2
+    assert "--offload params" in capsys.readouterr().err

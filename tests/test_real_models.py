@@ -333,6 +333,14 @@ def test_gradient_accumulation_without_sync(runs):
     check_parity(runs, "accumulate_no_sync")
 
 
+def test_plain_inputs_accumulation_and_clipping(runs):
+    """plain_inputs=True: micro-batches without sync then clipping by the global norm
+    (compiled, uneven world 3), and two micro-batches accumulated into the handed .grad
+    (eager): norms and parameters at parity with the reference."""
+    check_parity(runs, "plain_no_sync_clip")
+    check_parity(runs, "plain_accumulate_eager", compiled=False)
+
+
 @pytest.mark.parametrize("name", ["offload_no_sync_clip", "offload_no_sync_clip_eager",
                                   "optim_offload_no_sync_clip"])
 def test_offload_accumulation_without_sync_and_clipping(runs, name):
@@ -570,6 +578,35 @@ def test_parameters_replaced_after_shard(runs):
                                                               "share_memory()"), got
                 error = got[f"to_meta_{mode}"]
                 assert "'0.weight' moved to meta" in error and "'cpu'" in error, error
+
+
+def test_plain_inputs_after_module_changes(runs):
+    """shardc.shard(..., plain_inputs=True) (forwards read plain aliases of the local shards),
+    eager and compiled, each change after sharding against a twin sharded without it: in-place
+    loads (load_state_dict into the shards), load_state_dict(assign=True) with sharded values,
+    .double() (nn.Module._apply swaps the shards' contents) and freezing a parameter give the
+    twin's loss and DTensor gradients bit for bit (no stale values trained); storage swapped
+    behind shardc's back (torch.utils.swap_tensors) and a hook on a parameter raise at the
+    backward, naming the parameter, before its gradient reaches .grad."""
+    world = ONE_WORLD["plain_lifecycle"]
+    for result in runs[world]:
+        got = result["plain_lifecycle"]
+        assert "exception" not in got, got.get("exception")
+        for mode in ("eager", "compiled"):
+            for name in ("load_in_place", "load_assign_sharded", "to_float64", "freeze"):
+                assert got[f"{name}_{mode}"] is None, (name, mode, got[f"{name}_{mode}"])
+            assert (got[f"swap_{mode}"] or "").startswith(
+                "RuntimeError: shardc: parameter '0.weight' got new storage"), got
+            assert "has hooks" in (got[f"hook_{mode}"] or ""), got
+
+
+def test_meta_build_to_empty_with_plain_inputs(runs):
+    """The meta-device build of test_meta_build_to_empty_then_init_trains_and_explains with
+    plain_inputs=True: to_empty() gives the shards new storage, the plain leaves follow, and
+    the compiled training is at parity."""
+    for world, got in zip(_worlds("meta_to_empty_plain"), check_parity(runs,
+                                                                       "meta_to_empty_plain")):
+        _check_kept(got, world)
 
 
 # --- Must fail clearly ------------------------------------------------------------------------
@@ -829,6 +866,34 @@ def test_peak_budget_offloads_activations_with_parity(runs):
         assert Plan.from_json(got["json"]).budget == record
         for rank in runs[world]:
             assert rank["peak_budget_offload"]["hash"] == got["hash"], \
+                f"world {world}: plans differ by rank"
+
+
+def test_peak_budget_puts_the_optimizer_state_on_the_host_with_parity(runs):
+    """A budget a byte below the optimizer step's peak (shards, gradients, Adam's state and its
+    temporaries: under every configuration of the device levers): the planner puts the
+    optimizer's state and step on the host (the last lever, optimizer_offload='simulate' on
+    this CPU mesh) and spends the room it frees on the device levers; training (SGD with
+    momentum, its state on the host) matches the unsharded reference at world 3 (uneven
+    shards); every parameter steps on a host master equal to its shard; the prediction leaves
+    the state and the step's temporaries out of the device; the plans are the same on every
+    rank and the plan records the decision with its bytes, predicted ms and reason."""
+    for world, got in zip(_worlds("peak_budget_optimizer"),
+                          check_parity(runs, "peak_budget_optimizer")):
+        record, p = got["record"], got["predicted"]
+        assert record.optimizer_on_host and record.budget_bytes == got["step_floor"] - 1
+        assert record.peak_bytes <= record.budget_bytes and p["peak_bytes"] <= record.budget_bytes
+        assert p["optimizer_state_bytes"] == 0
+        assert p["optimizer_step_peak_bytes"] == p["param_bytes"] + p["grad_bytes"]
+        assert p["host_bytes"] == 4 * p["param_bytes"]
+        o = record.optimizer
+        assert o.freed_bytes == 3 * p["param_bytes"] and o.predicted_ms > 0, o
+        assert o.reason.startswith("on the host: the optimizer step's peak"), o.reason
+        assert got["masters"] == got["names"] and got["master_equal"], got["masters"]
+        assert "optimizer state and step: on the host" in got["table"]
+        assert Plan.from_json(got["json"]).budget == record
+        for rank in runs[world]:
+            assert rank["peak_budget_optimizer"]["hash"] == got["hash"], \
                 f"world {world}: plans differ by rank"
 
 

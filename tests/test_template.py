@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from shardc.models.llama import Transformer
-from shardc.tools.cli import parse_model_spec, plan_model
+from shardc.tools.cli import parse_model_spec
+from shardc.tools.planner import plan_model_step
 from shardc.tools.template import (
     TemplateRefused,
     check_blocks_identical,
@@ -21,8 +22,13 @@ SPEC = "llama-tiny:n_layers=8,n_kv_heads=2,dim=32,vocab_size=96"
 
 def test_template_plan_equals_the_full_trace():
     cfg = parse_model_spec(SPEC)
-    template, _ = plan_model(cfg, 8, 1, 32, {})
-    full, _ = plan_model(cfg, 8, 1, 32, {}, template=False)
+    planned = plan_model_step(cfg, 8, 1, 32, {})
+    whole = plan_model_step(cfg, 8, 1, 32, {}, template=False)
+    template, full = planned.plan, whole.plan
+    # The optimizer's work (the whole step's optimizer term): every block's shards, also those
+    # the template did not trace.
+    assert planned.optimizer == whole.optimizer
+    assert planned.optimizer.n_params == 2 + 8 * 9 + 1
     assert any("planned from a template" in note for note in template.notes), template.notes
     assert not any("template" in note for note in full.notes)
     # The repeated blocks carry their own parameter names, in the right buckets.

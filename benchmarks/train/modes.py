@@ -26,7 +26,7 @@ MODES: tuple[str, ...] = ("fsdp2", "fsdp2-compile", "simplefsdp", "shardc", "bou
 # Diagnostic variants, run only when named in --modes.
 EXTRA_MODES: tuple[str, ...] = ("shardc-keeporder", "shardc-pool", "shardc-localopt",
                                   "shardc-cudagraphs", "shardc-budget", "shardc-noreshard",
-                                  "shardc-inline")
+                                  "shardc-inline", "shardc-plain", "shardc-plain-budget")
 
 
 SHARDED_BASELINES: tuple[str, ...] = ("fsdp2", "fsdp2-compile", "simplefsdp")
@@ -117,6 +117,19 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_
         return setup
     if mode == "simplefsdp":
         return setup_simplefsdp(model, mesh, loss_in_graph)
+    if mode in ("shardc-plain", "shardc-plain-budget"):
+        # Forwards read plain local shards; gradients handed to the DTensor parameters
+        # (shardc.shard(..., plain_inputs=True), docs/overhead.md). -budget: with the peak
+        # budget of shardc-budget (SHARDC_PEAK_BUDGET, default "auto").
+        options = {}
+        if mode == "shardc-plain-budget":
+            value = os.environ.get("SHARDC_PEAK_BUDGET", "auto")
+            options["peak_memory_budget_bytes"] = value if value == "auto" else int(value)
+        setup = setup_shardc(model, mesh, loss_in_graph, plain_inputs=True, **options)
+        setup.info["options"] = ", ".join(
+            ["shardc.shard(..., plain_inputs=True)"]
+            + [f"{k}={v!r}" for k, v in options.items()])
+        return setup
     if mode == "shardc-budget":
         # The whole-step peak budget (issue 22): SHARDC_PEAK_BUDGET bytes, or "auto".
         # SHARDC_PEAK_MARGIN: the margin for the prediction's error (default: shardc's).
@@ -132,6 +145,10 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_
         # `python -m shardc calibrate`, whose host link prices the offload lever).
         if os.environ.get("SHARDC_CLUSTER_PROFILE"):
             options["cluster"] = {"profile": os.environ["SHARDC_CLUSTER_PROFILE"]}
+        # SHARDC_OPTIMIZER_OFFLOAD: the last lever, the optimizer's state on the host (auto,
+        # never).
+        if os.environ.get("SHARDC_OPTIMIZER_OFFLOAD"):
+            options["optimizer_offload"] = os.environ["SHARDC_OPTIMIZER_OFFLOAD"]
         setup = setup_shardc(model, mesh, loss_in_graph, **options)
         setup.info["options"] = ", ".join(f"{k}={v!r}" for k, v in options.items())
         return setup

@@ -13,9 +13,11 @@ from shardc.models.llama import LlamaConfig, Transformer
 DEFAULT_BATCH: dict[str, int] = {"1b": 4, "wide": 2}
 
 
-def model_config(name: str, seq: int, tiny: bool, n_layers: int | None = None) -> LlamaConfig:
+def model_config(name: str, seq: int, tiny: bool, n_layers: int | None = None,
+                 width: int | None = None) -> LlamaConfig:
     """The benchmark's model configurations (``tiny`` shrinks them for CPU and smoke runs;
-    ``n_layers`` overrides the depth)."""
+    ``n_layers`` overrides the depth; ``width`` the model dimension, e.g. a very narrow tiny
+    model whose step is host time on a CPU)."""
     if tiny:
         dim, layers, heads, vocab = {"1b": (256, 2, 4, 512), "wide": (384, 2, 6, 512)}[name]
     elif name == "1b":
@@ -24,6 +26,7 @@ def model_config(name: str, seq: int, tiny: bool, n_layers: int | None = None) -
         dim, layers, heads, vocab = 4096, 8, 32, 32000
     else:
         raise ValueError(f"unknown model {name!r}")
+    dim = width or dim
     return LlamaConfig(vocab_size=vocab, dim=dim, n_layers=n_layers or layers, n_heads=heads,
                        max_seq_len=seq)
 

@@ -38,6 +38,8 @@ from shardc.passes.body import (
 )
 from shardc.passes.fx_utils import is_call
 from shardc.passes.lower import POOL_PLACEHOLDER
+from shardc.passes.to_local import plain_to_local_calls
+from shardc.runtime import offload_optimizer
 from shardc.runtime.comm_errors import boxed_with_collective_errors, guard_inductor_graph
 from shardc.runtime.plan_check import announce_region, check_plan_consistency
 from shardc.sharding.shard import ShardState, state_for_key
@@ -308,8 +310,9 @@ def shardc_backend(
     registry = state.regions if state is not None else None
     region = RegionRecord(len(registry) if registry is not None else 0,
                           state.group_roles if state is not None else None,
-                          optimizer_on_host=state is not None and state.offload is not None
-                          and not state.offload.params,
+                          optimizer_on_host=state is not None and (
+                              state.offload is not None and not state.offload.params
+                              or state.optimizer_planned_on_host),
                           offload_key=state.key if state is not None and state.offload is not None
                           and state.offload.params else "")
     if registry is not None:
@@ -322,6 +325,8 @@ def shardc_backend(
     dynamo_s = progress.dynamo_seconds()
     if dynamo_s is not None:
         progress.log_stage(region.index, "Dynamo trace", dynamo_s)
+    plain_to_local_calls(gm)  # torch 2.11: else AOTAutograd's cache bypasses every region
+    _torch.forget_mesh_hashes(example_inputs)  # torch 2.11: else its key differs per process
     _prepare_bodies(gm, state, opts, region)
     partitioner = ShardcPartitioner(opts, region, clock)
     patches, note = _mode_patches(gm, example_inputs, opts, mode, state)
@@ -366,8 +371,30 @@ def shardc_backend(
         region.plan.notes.append(note)
     if opts.inductor and store_key is not None:
         _store_plan(store_key, partitioner, region)
+    _apply_optimizer_offload(region, state)
     progress.log_stage(region.index, "compiled (backend total)", clock.total())
     return _checked(compiled, region, opts)
+
+
+def _apply_optimizer_offload(region: RegionRecord, state: ShardState | None) -> None:
+    """Where the region's peak budget put the optimizer's state on the host
+    (``shardc.planning.optimizer_offload``), have the model's parameters step there
+    (``shardc.runtime.offload_optimizer.adopt``): every parameter of the model, so that the
+    optimizer's groups never mix host and device parameters; the same on every rank (the
+    decision is)."""
+    budget = region.plan.budget if region.plan is not None else None
+    if state is None or budget is None or not budget.optimizer_on_host:
+        return
+    root = state.root() if state.root is not None else None
+    if root is None:
+        raise RuntimeError(
+            f"shardc: region {region.index}'s peak budget put the optimizer's state on the host, "
+            "but the sharded model is gone")
+    state.optimizer_planned_on_host = True
+    pin = state.mesh.device_type == "cuda" and torch.cuda.is_available()
+    added = offload_optimizer.adopt(list(root.named_parameters()), pin)
+    log.info("shardc: region %d: the optimizer steps %d more parameter(s) on the host (peak "
+             "budget)", region.index, added)
 
 
 def _cache_blockers(gm: fx.GraphModule, state: ShardState | None,

@@ -49,6 +49,15 @@ class ShardcOptions:
         names (``("layers.0", "layers.1")``, or ``("*",)`` for every block): offload exactly
         those blocks' saved activations, without a budget (refused with one: the planner
         chooses there).
+    optimizer_offload: the peak budget's last lever (``shardc.planning.optimizer_offload``,
+        docs/memory_budget.md): the optimizer's state and step on the host, as
+        ``OffloadPolicy(params=False, optimizer=True)`` does, for every parameter of the
+        model. ``"auto"`` (default): under ``peak_memory_budget_bytes``, where no configuration
+        of the other levers meets the budget, the planner puts it there and chooses the other
+        levers again. ``"never"``: never (such a budget is refused). ``"simulate"``: as
+        ``"auto"``, and also on a CPU mesh, where host and device memory are one (a testing
+        mode, like ``OffloadPolicy(simulate_on_cpu=True)``: the host copies are separate
+        tensors). Ignored without a budget.
     check_plan_consistency: at the first run, all ranks compare the plan's hash (through the process
         group's store, see ``shardc.runtime.plan_check``).
     dump_dir: write the plan (text, JSON, trace, memory plot) of every compiled region here;
@@ -88,6 +97,7 @@ class ShardcOptions:
     # 0.6 % above the predicted one (docs/memory_budget.md); 2 % covers it with room.
     peak_memory_margin: float = 0.02
     activation_offload: str | tuple[str, ...] = "auto"
+    optimizer_offload: str = "auto"
     check_plan_consistency: bool = True
     dump_dir: str | None = None
     debug_pool: bool = False
@@ -120,6 +130,10 @@ class ShardcOptions:
                 "shardc: peak_memory_margin must be a fraction in [0, 1) of the planned-for "
                 f"peak (e.g. 0.02 for 2 %), got {margin!r}")
         self._check_activation_offload()
+        if self.optimizer_offload not in ("auto", "never", "simulate"):
+            raise ValueError(
+                "shardc: optimizer_offload must be 'auto', 'never' or 'simulate' (CPU tests), "
+                f"got {self.optimizer_offload!r}")
         if self.dump_dir is None and os.environ.get("SHARDC_DUMP"):
             object.__setattr__(self, "dump_dir", os.environ["SHARDC_DUMP"])
         object.__setattr__(self, "bucket_modules", tuple(self.bucket_modules))

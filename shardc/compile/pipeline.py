@@ -61,7 +61,7 @@ from shardc.passes.offload_saved import OffloadedValue, block_groups, offload_sa
 from shardc.passes.recompute import Block, find_blocks, recompute_blocks
 from shardc.passes.reshard import check_no_gathered_saved, keep_gathered, tag_resharded_gathers
 from shardc.passes.saved_order import order_saved_values
-from shardc.planning import budget, prefetch, recompute
+from shardc.planning import budget, optimizer_offload, prefetch, recompute
 from shardc.planning import offload as offload_lever
 from shardc.planning.estimate import elided_cast_seconds
 from shardc.planning.plan import (
@@ -338,10 +338,118 @@ def region_blocks(gm: fx.GraphModule, region: RegionRecord, kwargs: dict) -> lis
 
 def choose_under_budget(gm: fx.GraphModule, joint_inputs: Sequence[object],
                         options: ShardcOptions, region: RegionRecord, **kwargs) -> MemoryBudget:
-    """The budget planner's decisions for one region's joint graph (left unchanged): the fully
-    resharded configuration first; within the budget, the greedy keeps buckets gathered;
-    over it, every bucket kept is tried once, then blocks are recomputed (refused if the fully
-    recomputed plan is still over the budget)."""
+    """The budget planner's decisions for one region's joint graph (left unchanged): the levers
+    on the device (:func:`choose_device_levers`) and, where their feasible minimum is over the
+    budget, the last one: the optimizer's state on the host, with the device levers chosen
+    again under it (``shardc.planning.optimizer_offload``). Refused, naming the minimum, where
+    even that is over the budget."""
+    unavailable = ("the optimizer's state is on the host already" if region.optimizer_on_host
+                   else _optimizer_offload_unavailable(gm, options))
+    try:
+        return choose_device_levers(gm, joint_inputs, options, region,
+                                    step_floor_exits=not unavailable, **kwargs)
+    except optimizer_offload.StepOverBudget as over:
+        floor, floor_plan, exact = over.floor_bytes, over.plan, False
+    except budget.MemoryBudgetError as refused:
+        floor = getattr(refused, "minimum_bytes", None)
+        if floor is None:  # not a budget below the minimum ("auto" off CUDA)
+            raise
+        if region.optimizer_on_host:  # already there (OffloadPolicy, or an earlier region)
+            raise _refusal(refused, optimizer_offload.refusal_hint(True, "")) from None
+        if unavailable:
+            log.info("shardc: region %d: optimizer offload not tried: %s", region.index,
+                     unavailable)
+            raise _refusal(refused, optimizer_offload.refusal_hint(False, unavailable)) from None
+        floor_plan, exact = refused.plan, True
+    region.optimizer_on_host = True  # every prediction below leaves the state to the host
+    try:
+        decided = choose_device_levers(gm, joint_inputs, options, region,
+                                       tag_prefix="host/", **kwargs)
+    except budget.MemoryBudgetError as again:
+        region.optimizer_on_host = False
+        if getattr(again, "minimum_bytes", None) is None:
+            raise
+        raise _refusal(again, optimizer_offload.refusal_hint(True, "", floor, exact)) from None
+    decided.optimizer = _optimizer_decision(floor_plan, floor, exact, decided, options, region,
+                                            device_name(gm))
+    # A warning: the host step costs far more than any device lever (seconds per step at 1e9
+    # parameters); the user may prefer a larger budget or more ranks.
+    log.warning("shardc: region %d: the peak budget puts the optimizer's state and step on the "
+                "host (optimizer_offload='never' turns this off): %s", region.index,
+                decided.optimizer.reason)
+    return decided
+
+
+def _refusal(refused: budget.MemoryBudgetError, hint: str) -> budget.MemoryBudgetError:
+    """``refused`` with ``hint`` (on the optimizer's offload) added to its text, carrying its
+    figures (the minimum, the fully resharded plan's peaks, the minimum's plan)."""
+    error = budget.MemoryBudgetError(str(refused) + hint)
+    for name in ("minimum_bytes", "resharded_bytes", "resharded_by_depth", "plan"):
+        if getattr(refused, name, None) is not None:
+            setattr(error, name, getattr(refused, name))
+    return error
+
+
+def _optimizer_offload_unavailable(gm: fx.GraphModule, options: ShardcOptions) -> str:
+    """Why the optimizer's state cannot go to the host for this region ("" where it can)."""
+    from shardc.sharding.shard import state_for_key
+
+    gathers = [GatherArgs.of(n) for n in gm.graph.nodes if is_call(n, GATHER_OP)]
+    state = state_for_key(gathers[0].sync_key) if gathers else None
+    if state is None:
+        return "the sharded model's state is gone"
+    fp8 = state.fp8 is not None or any(i.quantized or i.fp8 is not None
+                                       for i in state.params.values())
+    tp = state.layout is not None and state.layout.kind == "fsdp+tp"
+    return optimizer_offload.why_not(options.optimizer_offload, state.mesh.device_type,
+                                     state.offload, fp8, tp)
+
+
+def _optimizer_decision(floor_plan: Plan, floor: int, exact: bool, decided: MemoryBudget,
+                        options: ShardcOptions, region: RegionRecord, device: str | None):
+    """The record of the optimizer's state put on the host, priced from the device levers'
+    floor plan (``floor_plan``, peak ``floor``; not ``exact``: ``floor`` is the optimizer
+    step's peak, under every configuration's); every number the largest over the ranks."""
+    group, index = floor_plan.group_name, region.check_index
+
+    def largest(tag: str, value: float) -> int:
+        return agree_on_largest(group, index, f"optimizer/{tag}", int(value or 0))
+
+    p = floor_plan.predicted
+    param_bytes = largest("param_bytes", p.param_bytes)
+    grad_bytes = largest("grad_bytes", p.grad_bytes)
+    freed = int(param_bytes * (options.optimizer_state_factor + options.optimizer_temp_factor))
+    n_params = largest("numel", _shard_numel(floor_plan))
+    profile = resolve_profile(options.cluster, device)
+    return optimizer_offload.decision(
+        freed_bytes=freed, host_bytes=optimizer_host_bytes(param_bytes,
+                                                           options.optimizer_state_factor),
+        n_params=n_params, param_bytes=param_bytes, grad_bytes=grad_bytes, profile=profile,
+        floor_bytes=floor, peak_bytes=decided.peak_bytes, exact=exact)
+
+
+def _shard_numel(plan: Plan) -> int:
+    """Elements of a rank's parameter shards, padding included (the largest rank's)."""
+    seen, total = set(), 0
+    for b in plan.buckets:
+        for fqn, rows, row_numel in zip(b.params, b.padded_rows, b.row_numel):
+            if fqn not in seen:
+                seen.add(fqn)
+                total += rows * row_numel
+    return total
+
+
+def choose_device_levers(gm: fx.GraphModule, joint_inputs: Sequence[object],
+                         options: ShardcOptions, region: RegionRecord, tag_prefix: str = "",
+                         step_floor_exits: bool = False, **kwargs) -> MemoryBudget:
+    """The decisions of the levers on the device for one region's joint graph (left
+    unchanged): the fully resharded configuration first; within the budget, the greedy keeps
+    buckets gathered; over it, every bucket kept is tried once, then blocks are recomputed or
+    their activations offloaded (refused if the fully freed plan is still over the budget).
+    ``tag_prefix``: of the cross-rank exchanges' tags (each tag once per region), for a second
+    search under other conditions (the optimizer's state on the host). ``step_floor_exits``:
+    raise :class:`optimizer_offload.StepOverBudget` as soon as the optimizer step's peak alone
+    is over the budget (the caller then puts the state on the host)."""
     pristine = copy_graph_module(gm)
     user_bytes = budget.resolve_budget(options.peak_memory_budget_bytes, _gather_device(gm))
     margin = options.peak_memory_margin
@@ -379,7 +487,7 @@ def choose_under_budget(gm: fx.GraphModule, joint_inputs: Sequence[object],
                                     pool_device=torch.device("meta"))
         # Every rank compares the ranks' largest peak (and step time): the same decisions
         # everywhere.
-        tag = f"trial{len(trials)}"
+        tag = f"{tag_prefix}trial{len(trials)}"
         trials.append(tag)
         peak = agree_on_largest(plan.group_name, region.check_index, tag,
                                 int(plan.predicted.peak_bytes or 0))
@@ -394,6 +502,15 @@ def choose_under_budget(gm: fx.GraphModule, joint_inputs: Sequence[object],
         return PrefetchTrial(depth, step_ns * 1e-6, peak, peak <= budget_bytes)
 
     base, minimum = evaluate(set())
+    if step_floor_exits:
+        # The optimizer step's shards, gradients, state and temporaries are the same in every
+        # configuration of these levers: over the budget, none can meet it.
+        step = base.predicted
+        factor = 1 + options.optimizer_state_factor + options.optimizer_temp_factor
+        floor = agree_on_largest(base.group_name, region.check_index, f"{tag_prefix}step",
+                                 int((step.param_bytes or 0) * factor + (step.grad_bytes or 0)))
+        if floor > budget_bytes:
+            raise optimizer_offload.StepOverBudget(floor, base)
     probe = copy_graph_module(pristine)  # the joint passes' graph, where blocks are found
     joint_passes(probe.graph)
     blocks = region_blocks(probe, region, kwargs)
@@ -431,7 +548,8 @@ def choose_under_budget(gm: fx.GraphModule, joint_inputs: Sequence[object],
                 decided = _recompute_under_budget(
                     probe, blocks, user_bytes, evaluate(set(), depth=current), lowest, options,
                     region, lambda recomputed, offloaded: evaluate(set(), recomputed, offloaded,
-                                                                   current))
+                                                                   current),
+                    tag_prefix=tag_prefix)
             except budget.MemoryBudgetError as exc:
                 # The fully resharded plan's peak at the options' depth (the fixed policy's)
                 # and at each depth tried (the ranks' largest).
@@ -499,7 +617,7 @@ def _choose_prefetch(trial, base: Plan, default: int, budget_bytes: int,
 def _recompute_under_budget(probe: fx.GraphModule, blocks: list[Block], user_bytes: int,
                             resharded: tuple[Plan, int], lowest: tuple[Plan, int],
                             options: ShardcOptions, region: RegionRecord,
-                            evaluate) -> MemoryBudget:
+                            evaluate, tag_prefix: str = "") -> MemoryBudget:
     """The blocks to recompute when no configuration of the first lever fits (``resharded``:
     the fully resharded plan and its peak; ``lowest``: the lower of it and the fully kept
     one); refuses the budget (``user_bytes``, planned for less its margin) if the fully
@@ -514,9 +632,10 @@ def _recompute_under_budget(probe: fx.GraphModule, blocks: list[Block], user_byt
                                            offloaded=offloaded, margin=margin,
                                            resharded=resharded[1])
 
-    estimates = block_estimates(probe, blocks, resharded[0].group_name, options, region)
+    estimates = block_estimates(probe, blocks, resharded[0].group_name, options, region,
+                                tag_prefix)
     mode = options.activation_offload if isinstance(options.activation_offload, str) else "auto"
-    link = agreed_link(probe, resharded[0].group_name, options, region)
+    link = agreed_link(probe, resharded[0].group_name, options, region, tag_prefix)
     cands = free_candidates(blocks, estimates, mode, link)
     if not cands:
         raise refuse(lowest[1], lowest[0])
@@ -558,7 +677,7 @@ def _recompute_under_budget(probe: fx.GraphModule, blocks: list[Block], user_byt
 
 
 def block_estimates(probe: fx.GraphModule, blocks: list[Block], group: str,
-                    options: ShardcOptions, region: RegionRecord
+                    options: ShardcOptions, region: RegionRecord, tag_prefix: str = ""
                     ) -> dict[str, tuple[int, int, float]]:
     """Per block: (bytes recomputing it frees, its saved bytes, its forward's seconds), each
     the largest over the ranks (one store exchange each, once per region), so every rank ranks
@@ -566,7 +685,7 @@ def block_estimates(probe: fx.GraphModule, blocks: list[Block], group: str,
     profile = resolve_profile(options.cluster, device_name(probe))
     out = {}
     for b in blocks:
-        tag = f"block{b.position}"
+        tag = f"{tag_prefix}block{b.position}"
         freed = agree_on_largest(group, region.check_index, f"{tag}/bytes", b.freed_bytes)
         saved = agree_on_largest(group, region.check_index, f"{tag}/saved", b.saved_bytes)
         forward_ns = agree_on_largest(group, region.check_index, f"{tag}/ns",
@@ -576,17 +695,18 @@ def block_estimates(probe: fx.GraphModule, blocks: list[Block], group: str,
 
 
 def agreed_link(probe: fx.GraphModule, group: str, options: ShardcOptions,
-                region: RegionRecord) -> dict[str, float]:
+                region: RegionRecord, tag_prefix: str = "") -> dict[str, float]:
     """The host link of the cluster profile (``offload.link_of``), each figure the slowest over
     the ranks (femtoseconds per byte and nanoseconds of latency exchanged as integers, one store
-    exchange each), so that every rank prices offload the same."""
+    exchange each), so that every rank prices offload the same. ``tag_prefix``: of the
+    exchanges' tags, as :func:`choose_device_levers`'s."""
     link = offload_lever.link_of(resolve_profile(options.cluster, device_name(probe)))
     out = {}
     for key in ("link_bytes_per_s", "h2d_bytes_per_s"):
-        fs_per_byte = agree_on_largest(group, region.check_index, f"link/{key}",
+        fs_per_byte = agree_on_largest(group, region.check_index, f"{tag_prefix}link/{key}",
                                        round(1e15 / link[key]))
         out[key] = 1e15 / fs_per_byte
-    out["latency_s"] = agree_on_largest(group, region.check_index, "link/latency",
+    out["latency_s"] = agree_on_largest(group, region.check_index, f"{tag_prefix}link/latency",
                                         round(link["latency_s"] * 1e9)) * 1e-9
     return out
 

@@ -207,7 +207,9 @@ def refuse_below_minimum(budget: int, minimum: int, plan: Plan, *, recomputed: i
         + ". Raise the budget, or lower what dominates (a smaller batch or sequence, "
         "more ranks" + ("" if recomputed or offloaded else ", activation checkpointing")
         + ").")
-    error.minimum_bytes, error.resharded_bytes = minimum, resharded
+    # What the last lever (the optimizer's state on the host, shardc.planning.optimizer_offload)
+    # starts from: the minimum and the plan that makes it.
+    error.minimum_bytes, error.resharded_bytes, error.plan = minimum, resharded, plan
     return error
 
 

@@ -25,7 +25,7 @@ import torch
 from torch import fx
 
 from shardc.ops.gather import GATHER_OP
-from shardc.ops.gather_args import GatherArgs
+from shardc.ops.gather_args import GatherArgs, ReduceArgs
 from shardc.passes.fx_utils import is_call, size_hint, tensor_nbytes
 from shardc.planning.cost_model import node_flops_and_bytes
 from shardc.planning.kernels import ATTENTION, FUSABLE, MATMUL, Kernel, base_name
@@ -195,6 +195,42 @@ def optimizer_step_seconds(param_bytes: float, n_params: int, profile: ClusterPr
                                                           profile.kernel_launch_s)
 
 
+def elided_cast_bytes(node: fx.Node) -> int:
+    """Bytes the cast that replaces an elided gather or reduction of one parameter moves
+    (``shardc.passes.lower.elide``: the shard cast to the gathered dtype; the gradient cast to
+    the reduce dtype and then to the shard's, one fused kernel): what it reads plus what it
+    writes; 0 where no dtype changes (nothing to compute)."""
+    if is_call(node, GATHER_OP):
+        src, dst = GatherArgs.of(node).shard.meta.get("val"), node.meta.get("val")
+        steps = [] if src is None or dst is None else [src.dtype, dst.dtype]
+    else:
+        args = ReduceArgs.of(node)
+        src = args.grad.meta.get("val") if isinstance(args.grad, fx.Node) else None
+        dst = src
+        steps = [] if src is None else [src.dtype, args.reduce_dtype or src.dtype,
+                                        args.out_dtype]
+    if not steps or all(d == steps[0] for d in steps):
+        return 0
+    numel = math.prod(size_hint(s) for s in dst.shape)
+    return numel * (torch.empty((), dtype=steps[0]).element_size()
+                    + torch.empty((), dtype=steps[-1]).element_size())
+
+
+def host_optimizer_seconds(param_bytes: float, profile: ClusterProfile, *,
+                           state_factor: float = 2.0, temp_factor: float = 0.0) -> float:
+    """Host time of an offloaded optimizer step over ``param_bytes`` of fp32 masters (CPU
+    offload: the optimizer steps on the host). The profile's ``host_adamw_params_per_s`` is
+    torch's fused CPU AdamW (one pass, 7 parameter-sized reads and writes); another kind is
+    taken as memory-bound on the host too, scaled by its reads and writes
+    (:func:`optimizer_kernel_ops`: the ``foreach`` AdamW's 20, SGD's 5 or 3). The Python per
+    parameter tensor is :mod:`shardc.planning.step`'s."""
+    if param_bytes <= 0:
+        return 0.0
+    passes, _ = optimizer_kernel_ops(state_factor, temp_factor)
+    fused_adamw, _ = optimizer_kernel_ops(2.0, 0.0)
+    return (param_bytes / 4.0) / profile.host_adamw_params_per_s * passes / fused_adamw
+
+
 def elided_cast_seconds(gm: fx.GraphModule, profile: ClusterProfile) -> dict[str, float]:
     """Per parameter whose gather casts (compute dtype != the shard's), the predicted device
     time of that cast: what a gather over a one-rank group costs once elided
@@ -205,13 +241,10 @@ def elided_cast_seconds(gm: fx.GraphModule, profile: ClusterProfile) -> dict[str
     for node in gm.graph.nodes:
         if not is_call(node, GATHER_OP):
             continue
-        args = GatherArgs.of(node)
-        shard, full = args.shard.meta.get("val"), node.meta.get("val")
-        if shard is None or full is None or shard.dtype == full.dtype:
-            continue
-        moved = full.numel() * (shard.element_size() + full.element_size())
-        out[args.fqn] = out.get(args.fqn, 0.0) + memory_seconds(moved, profile) \
-            + profile.kernel_gpu_s
+        moved = elided_cast_bytes(node)
+        if moved:
+            fqn = GatherArgs.of(node).fqn
+            out[fqn] = out.get(fqn, 0.0) + memory_seconds(moved, profile) + profile.kernel_gpu_s
     return out
 
 

@@ -15,8 +15,13 @@ whatever it computes in between. Rules (Inductor's, simplified):
   the other: a row reduction and the rowwise ops after it);
 - every other op (a scatter-add, a sort, an op Inductor falls back to) is a kernel of its own.
 
-Grouping is linear in the graph: each node gets an "epoch", the most non-fusable kernels on any
-path from the graph's inputs to it; two fusable ops connected by an edge fuse only in one epoch.
+Legality is tracked per group with two bit sets over the graph's unfused kernels: those it
+depends on (``after``) and those that depend on it (``before``); two groups may merge only if
+neither's ``before`` meets the other's ``after`` (no unfused kernel on a path between them). So
+ops that recompute from a saved tensor in the backward (a norm's statistics) fuse into the
+kernel after the matmul that reads them, as Inductor schedules them, although the graph lists
+them before it. (An earlier rule compared "epochs", the most unfused kernels on a path from the
+inputs; it kept such ops apart and priced the backward's pointwise work about twice over.)
 """
 
 from __future__ import annotations
@@ -97,7 +102,6 @@ class Kernel:
     nodes: list[fx.Node]
     read_bytes: float = 0.0
     write_bytes: float = 0.0
-    epoch: int = 0
     extra: dict = field(default_factory=dict)
 
     @property
@@ -161,34 +165,60 @@ def _root(node: fx.Node, kinds: dict[fx.Node, str]) -> fx.Node:
     return node
 
 
+def _unfused_reach(graph: fx.Graph, kinds: dict[fx.Node, str]) -> tuple[dict, dict]:
+    """Per node, the bit sets of the unfused kernels (matmuls, attention, other ops: each a bit)
+    it depends on (``after``) and that depend on it (``before``), views and fusable ops passing
+    them through. Python ints as bit sets: linear passes, cheap at thousands of kernels."""
+    bit: dict[fx.Node, int] = {}
+    after: dict[fx.Node, int] = {}
+    for node in graph.nodes:
+        acc = 0
+        for i in node.all_input_nodes:
+            acc |= after.get(i, 0) | bit.get(i, 0)
+        after[node] = acc
+        if kinds[node] not in (VIEW, FUSABLE) and node.op == "call_function":
+            bit[node] = 1 << len(bit)
+    before: dict[fx.Node, int] = {}
+    for node in reversed(graph.nodes):
+        acc = 0
+        for u in node.users:
+            acc |= before.get(u, 0) | bit.get(u, 0)
+        before[node] = acc
+    return after, before
+
+
 def group_kernels(graph: fx.Graph, compute: list[fx.Node]) -> list[Kernel]:
     """The kernels of ``graph``'s ``compute`` ops (the planner's positions; other nodes, such as
     collectives, are kernels of their own that are not returned but still keep fusion from
     crossing them), ordered by their last op's position."""
     in_compute = set(compute)
-    kinds: dict[fx.Node, str] = {}
-    epoch: dict[fx.Node, int] = {}
+    kinds = {node: classify(node) for node in graph.nodes}
+    after, before = _unfused_reach(graph, kinds)
     groups = _Groups()
-    readers: dict[tuple[fx.Node, int], fx.Node] = {}  # (tensor, epoch) -> its first fusable reader
+    g_after: dict[fx.Node, int] = {}  # per group root: the unfused kernels it depends on
+    g_before: dict[fx.Node, int] = {}  # ... and those depending on it
+    readers: dict[fx.Node, fx.Node] = {}  # tensor -> its first fusable reader
     for node in graph.nodes:
-        kind = kinds[node] = classify(node)
-        e = 0
-        for i in node.all_input_nodes:
-            e = max(e, epoch.get(i, 0) + (kinds.get(i) not in (VIEW, FUSABLE)
-                                          and i.op == "call_function"))
-        epoch[node] = e
-        if kind != FUSABLE or node not in in_compute:
+        if kinds[node] != FUSABLE or node not in in_compute:
             continue
         groups.add(node, _iteration(node))
-        it = groups.size[node]
+        g_after[node], g_before[node] = after[node], before[node]
         for i in node.all_input_nodes:
             r = _root(i, kinds)
             # Vertical fusion with a fusable producer, or horizontal fusion with an earlier
             # reader of the same tensor (Inductor fuses kernels that share a read).
-            other = r if r in groups.parent else readers.setdefault((r, e), node)
-            if other is not node and epoch[other] == e and _compatible(
-                    groups.size[groups.find(other)], it):
-                groups.union(other, node)
+            other = r if r in groups.parent else readers.setdefault(r, node)
+            if other is node:
+                continue
+            a, b = groups.find(other), groups.find(node)
+            if a is b or not _compatible(groups.size[a], groups.size[b]):
+                continue
+            if g_before[a] & g_after[b] or g_before[b] & g_after[a]:
+                continue  # an unfused kernel lies on a path between them: a cycle
+            groups.union(a, b)
+            root = groups.find(a)
+            g_after[root] = g_after[a] | g_after[b]
+            g_before[root] = g_before[a] | g_before[b]
     members: dict[fx.Node, list[fx.Node]] = {}
     kernels: list[Kernel] = []
     for node in compute:
@@ -198,9 +228,9 @@ def group_kernels(graph: fx.Graph, compute: list[fx.Node]) -> list[Kernel]:
         if kind == FUSABLE:
             members.setdefault(groups.find(node), []).append(node)
         else:
-            kernels.append(Kernel(kind, [node], epoch=epoch[node]))
+            kernels.append(Kernel(kind, [node]))
     for nodes in members.values():
-        kernels.append(Kernel(FUSABLE, nodes, epoch=epoch[nodes[0]]))
+        kernels.append(Kernel(FUSABLE, nodes))
     position = {n: i for i, n in enumerate(compute)}
     for k in kernels:
         k.read_bytes, k.write_bytes = _traffic(k, kinds)

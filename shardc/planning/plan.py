@@ -419,6 +419,32 @@ class PrefetchDecision:
 
 
 @dataclass
+class OptimizerDecision:
+    """The budget planner's choice on the optimizer's state (``shardc.planning.optimizer_offload``,
+    the last lever): ``on_host``: its state and step live in host memory (as with
+    ``OffloadPolicy(params=False, optimizer=True)``) for every parameter of the model; the
+    device keeps the parameter shards and gradients. ``freed_bytes``: device bytes it frees at
+    the step's peak (the state and the step's temporaries, predicted); ``host_bytes``: what it
+    puts in host memory (masters, their gradients, the state); ``d2h_ms`` / ``step_ms`` /
+    ``h2d_ms``: the predicted copies of shards and gradients to the host, the host step and the
+    copies back, all inside ``optimizer.step()`` (``predicted_ms``, their sum, is added to the
+    step). Every number is the largest over the ranks."""
+
+    on_host: bool
+    freed_bytes: int
+    host_bytes: int
+    params: int
+    d2h_ms: float
+    step_ms: float
+    h2d_ms: float
+    reason: str
+
+    @property
+    def predicted_ms(self) -> float:
+        return self.d2h_ms + self.step_ms + self.h2d_ms
+
+
+@dataclass
 class MemoryBudget:
     """The whole-step peak budget of a region and what the planner decided under it.
 
@@ -449,6 +475,14 @@ class MemoryBudget:
     margin_fraction: float = 0.0
     # The prefetch depth chosen under the budget (None in plans made before it).
     prefetch: PrefetchDecision | None = None
+    # The optimizer's state on the host (the last lever; None: not considered, as in plans made
+    # before it and where the levers above met the budget).
+    optimizer: OptimizerDecision | None = None
+
+    @property
+    def optimizer_on_host(self) -> bool:
+        """Whether the planner put the optimizer's state and step on the host."""
+        return self.optimizer is not None and self.optimizer.on_host
 
     @property
     def planned_bytes(self) -> int:
@@ -477,6 +511,8 @@ class MemoryBudget:
         data["blocks"] = [BlockDecision(**d) for d in data.get("blocks", [])]
         if data.get("prefetch") is not None:
             data["prefetch"] = PrefetchDecision.from_dict(data["prefetch"])
+        if data.get("optimizer"):
+            data["optimizer"] = OptimizerDecision(**data["optimizer"])
         return cls(**data)
 
 
@@ -547,7 +583,8 @@ class Plan:
         out = (b.budget_bytes, b.kept, recomputed) if recomputed else (b.budget_bytes, b.kept)
         out = out + (("margin", b.margin_bytes),) if b.margin_bytes else out
         out = out + (("offloaded", b.offloaded),) if b.offloaded else out
-        return out + (("prefetch", b.prefetch.depth),) if b.prefetch is not None else out
+        out = out + (("prefetch", b.prefetch.depth),) if b.prefetch is not None else out
+        return out + (("optimizer_on_host", True),) if b.optimizer_on_host else out
 
     def hash(self) -> str:
         """Hash of what must be identical on every rank (see :meth:`Collective.signature`)."""

@@ -39,10 +39,12 @@ PROFILE_FORMAT = "shardc-cluster-profile"
 # (``backward_entry_per_param_s``, split from the hand-off); an older profile reads with zeros
 # for them and predicts as before; from version 4 the backward's call and entry also hide under
 # the device work the forward left queued (shardc.planning.schedule.plan_region).
-# Version 5 added the host link (``host_to_device_bytes_per_s``, ``device_to_host_bytes_per_s``,
-# ``host_copy_latency_s``: pinned copies between host and device, what CPU offload's copies and
-# activation offload are priced at); an older profile reads with the constants used before
-# (:data:`DEFAULT_HOST_LINK_BYTES_PER_S` each way, :data:`DEFAULT_HOST_COPY_LATENCY_S`).
+# Version 5 added the host: its link (``host_to_device_bytes_per_s``,
+# ``device_to_host_bytes_per_s``, ``host_copy_latency_s``: pinned copies between host and
+# device, what CPU offload's copies and activation offload are priced at) and torch's fused CPU
+# AdamW (``host_adamw_params_per_s``, CPU offload's host step); an older profile reads with the
+# constants used before (:data:`DEFAULT_HOST_LINK_BYTES_PER_S` each way,
+# :data:`DEFAULT_HOST_COPY_LATENCY_S`) and :data:`DEFAULT_HOST_ADAMW_PARAMS_PER_S`.
 PROFILE_VERSION = 5
 READABLE_PROFILE_VERSIONS = (1, 2, 3, 4, 5)
 # Host<->device bandwidth of pinned copies (bytes/s) where not measured: PCIe gen5 x16 measures
@@ -61,6 +63,13 @@ PER_PARAM_FIELDS = ("region_entry_per_param_s", "forward_graph_per_param_s",
 # ...): one field per per-parameter field, in the same order.
 FIXED_FIELDS = tuple(f.removesuffix("_per_param_s") + "_fixed_s" for f in PER_PARAM_FIELDS)
 PRESETS = ("h100", "h200")
+# CPU offload's host step rate (version 5), a positive number.
+HOST_FIELDS = ("host_adamw_params_per_s",)
+# torch's fused CPU AdamW over fp32 masters, parameters per second: one H100 machine's 16
+# cores stepped 5.12B parameters in about 1.05 s (docs/offload.md, the big model), i.e. about
+# 28 bytes per parameter (reads of the parameter, gradient and both moments, writes of three)
+# at ~136 GB/s of host memory bandwidth. An estimate for other hosts until calibrated.
+DEFAULT_HOST_ADAMW_PARAMS_PER_S = 4.9e9
 
 
 class ProfileError(ValueError):
@@ -180,9 +189,17 @@ class ClusterProfile:
     The host link (version 5): ``host_to_device_bytes_per_s`` and ``device_to_host_bytes_per_s``,
     the bandwidth of large copies between pinned host memory and the device in each direction,
     and ``host_copy_latency_s``, a copy's fixed time (:meth:`host_copy_seconds`): CPU offload's
-    copies and activation offload's are priced at them. Calibration measures them on a GPU;
+    copies (:mod:`shardc.planning.copies`) and activation offload's
+    (:mod:`shardc.planning.offload`) are priced at them. Calibration measures them on a GPU;
     older profiles, CPU profiles and presets not measured since read with the constants used
     before (25 GB/s each way, 10 us).
+
+    ``host_adamw_params_per_s`` (version 5; older profiles read with the default): parameters
+    (fp32 master elements) per second torch's fused CPU AdamW steps on this host
+    (``torch.optim.AdamW(fused=True)`` on CPU tensors, all cores): the host step of CPU offload
+    (:mod:`shardc.planning.step`). Default :data:`DEFAULT_HOST_ADAMW_PARAMS_PER_S` (one H100
+    machine's host, measured in a training step); calibration times the kernel on host tensors
+    (:func:`shardc.tools.calibrate.measure_host_adamw`).
 
     :mod:`shardc.planning.step` places them on the step's host and device timelines."""
 
@@ -227,6 +244,7 @@ class ClusterProfile:
     # ``inter`` link (its ring crosses the network). Calibration on one node cannot see the target
     # cluster's nodes: override with ``{"profile": ..., "node_size": N}`` / ``--node-size``.
     node_size: int = 8
+    host_adamw_params_per_s: float = DEFAULT_HOST_ADAMW_PARAMS_PER_S
     notes: tuple[str, ...] = ()
     version: int = PROFILE_VERSION
 
@@ -243,6 +261,12 @@ class ClusterProfile:
                 raise ProfileError(f"shardc: cluster profile {self.name!r}: {name} is {value!r}; "
                                    "fixed host seconds per step must be a finite number "
                                    "(0: not measured)")
+        for name in HOST_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+                raise ProfileError(f"shardc: cluster profile {self.name!r}: {name} is {value!r}; "
+                                   "a host rate must be a finite number > 0 (leave it out for "
+                                   "the default)")
 
         for name in HOST_LINK_FIELDS:
             value = getattr(self, name)

@@ -42,6 +42,7 @@ from shardc.planning.copies import (
 from shardc.planning.cost_model import node_flops_and_bytes
 from shardc.planning.estimate import (
     collective_copy_bytes,
+    elided_cast_bytes,
     graph_input_bytes,
     kernel_category,
     kernel_seconds,
@@ -296,6 +297,21 @@ def _copy_seconds(g: GraphView, c: Collective, profile: ClusterProfile) -> tuple
             memory_seconds(unpack, profile) + profile.kernel_gpu_s if unpack else 0.0)
 
 
+def _elided_casts(g: GraphView, c: Collective, profile: ClusterProfile) -> list[float]:
+    """Device seconds of the casts an elided collective is lowered to, one kernel per parameter
+    (``shardc.passes.lower.elide``): the forward's and the backward's re-gather casts and the
+    gradients' casts at one rank, which are real kernels (about 18 bytes per parameter per step
+    in bf16 with fp32 shards) even though nothing is communicated."""
+    nodes = g.gathers if c.kind == Kind.ALL_GATHER else (
+        g.reduces if c.kind == Kind.REDUCE_SCATTER else {})
+    out = []
+    for fqn in c.params:
+        moved = elided_cast_bytes(nodes[fqn]) if fqn in nodes else 0
+        if moved:
+            out.append(memory_seconds(moved, profile) + profile.kernel_gpu_s)
+    return out
+
+
 class _Timeline:
     """The step as the device runs it: the host launching kernels one after the other
     (``host``), the compute stream (``t``), and one lane per process group (``free``: when its
@@ -343,10 +359,14 @@ class _Timeline:
         self._add("param_host", entry)
         self._add("launch_bound", seconds - entry)
 
-    def kernel(self, seconds: float, category: str = "other") -> tuple[float, float]:
-        """Run one kernel of ``seconds`` device time; returns its (start, end)."""
-        self.host += self._launch_s
-        self.launches += 1
+    def kernel(self, seconds: float, category: str = "other",
+               launched: bool = True) -> tuple[float, float]:
+        """Run one kernel of ``seconds`` device time; returns its (start, end). ``launched``
+        False: its host launch is priced elsewhere (an elided collective's cast: in the
+        per-parameter host terms, whose calibration ran it)."""
+        if launched:
+            self.host += self._launch_s
+            self.launches += 1
         start = max(self.t, self.host)
         self._idle(start - self.t)
         busy_until = max(self.free.values(), default=0.0)
@@ -417,7 +437,9 @@ def _simulate(g: GraphView, colls: list[Collective], profile: ClusterProfile,
         kernel_at.setdefault(g.position[anchor(k)], []).append(k)
 
     def issue(c: Collective) -> None:
-        if c.elided:  # lowered to no communication: no pack, no launch, no lane, no time
+        if c.elided:  # lowered to no communication: no pack, no lane; only its casts run
+            for seconds in _elided_casts(g, c, profile):
+                line.kernel(seconds, "fused", launched=False)
             c.predicted_start_s = c.predicted_end_s = line.t
             return
         pack, _ = _copy_seconds(g, c, profile)

@@ -30,6 +30,25 @@ at the later of the device's last kernel and the host's last call. With no per-p
 (a version 1 or 2 profile) the step is the graphs' time plus the optimizer's device time, as
 before.
 
+CPU offload (``OptimizerSpec.offload``): the optimizer steps on the host, over the fp32 masters,
+at the profile's ``host_adamw_params_per_s`` (:func:`shardc.planning.estimate.
+host_optimizer_seconds`), after its Python (``optimizer_fixed_s`` and ``optimizer_per_param_s``
+per tensor, as on the device); the device has nothing to run meanwhile.
+
+- ``"params"`` (``OffloadPolicy()``): the masters, gradients and state live on the host; the
+  copies of shards to the device and of gradients back are in the graphs already (the plan's
+  ``copies`` on the copy lane, at the host link's rate each way), so the host step follows the
+  hand-off. With ``overlap`` (``shardc.step_in_backward``) one host worker steps each bucket
+  once its gradients' device->host copy ends (``Plan.copies``' predicted ends, in the
+  backward of the region whose backward runs last), bucket after bucket, while the device runs
+  the rest of the backward; what is left after the backward's end (and every parameter of the
+  other regions) is stepped by ``optimizer.step()``. The model gives the host step the whole
+  host: the copies and the backward's own host traffic do not slow it (on one H100 machine they
+  did: ``docs/offload.md``).
+- ``"optimizer"`` (``OffloadPolicy(params=False, optimizer=True)``): ``optimizer.step()``
+  copies each device shard and its gradient to the host, steps, and copies the shards back,
+  on the link, none of it overlapped.
+
 Regions: the backward of the region compiled first (the lowest ``Plan.region``) runs last, so
 its queued device time is what the optimizer's host work can hide under; another region's
 hand-off can hide only under its own backward's queued time, and what it exceeds that by is
@@ -41,9 +60,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from shardc.planning.estimate import optimizer_kernel_ops, optimizer_step_seconds
-from shardc.planning.plan import Plan, Predictions
+from shardc.planning.estimate import (
+    host_optimizer_seconds,
+    optimizer_kernel_ops,
+    optimizer_step_seconds,
+)
+from shardc.planning.plan import CollectiveKind, Plan, Predictions
 from shardc.planning.profile import ClusterProfile
+
+OFFLOAD_MODES = ("none", "params", "optimizer")
 
 
 @dataclass(frozen=True)
@@ -51,12 +76,55 @@ class OptimizerSpec:
     """What the step's optimizer works on: ``param_bytes`` of fp32 master shards in
     ``n_params`` parameter tensors (this rank), and its kind (``state_factor`` /
     ``temp_factor`` as :func:`shardc.planning.estimate.optimizer_kernel_ops` reads them; the
-    plan's options ``optimizer_state_factor`` / ``optimizer_temp_factor``)."""
+    plan's options ``optimizer_state_factor`` / ``optimizer_temp_factor``); ``name`` says which
+    (for reports). ``offload``: where it steps (:data:`OFFLOAD_MODES`: ``"none"`` on the device,
+    ``"params"`` CPU offload of the parameters and optimizer, ``"optimizer"`` optimizer-only
+    offload; see the module docstring); ``overlap``: ``shardc.step_in_backward`` (with
+    ``"params"`` only)."""
 
     param_bytes: float
     n_params: int
     state_factor: float = 2.0
     temp_factor: float = 1.0
+    name: str = "AdamW (foreach)"
+    offload: str = "none"
+    overlap: bool = False
+
+    def __post_init__(self) -> None:
+        if self.offload not in OFFLOAD_MODES:
+            raise ValueError(f"shardc step: offload must be one of {OFFLOAD_MODES}, got "
+                             f"{self.offload!r}")
+        if self.overlap and self.offload != "params":
+            raise ValueError("shardc step: overlap (shardc.step_in_backward) needs the "
+                             "parameters offloaded (offload='params', OffloadPolicy())")
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One phase of the step on the device's timeline: ``seconds`` from its start to its end,
+    of which the device idles ``host_wait_s`` waiting for the host (launches, Python, a host
+    step) and ``comm_wait_s`` waiting for a collective; ``runs_on``: where its work is
+    (``"device"``, or ``"host"`` for an offloaded optimizer step)."""
+
+    name: str
+    seconds: float
+    host_wait_s: float = 0.0
+    comm_wait_s: float = 0.0
+    runs_on: str = "device"
+
+    @property
+    def bound(self) -> str:
+        """``"host"`` where the device waits for the host at least half the phase,
+        ``"communication"`` where it waits for collectives at least half, ``"hidden"`` for a
+        phase of no time (its host work hid under device work queued before it), else
+        ``"device"``."""
+        if self.seconds <= 0:
+            return "hidden"
+        if self.host_wait_s >= 0.5 * self.seconds:
+            return "host"
+        if self.comm_wait_s >= 0.5 * self.seconds:
+            return "communication"
+        return "device"
 
 
 @dataclass(frozen=True)
@@ -64,18 +132,52 @@ class StepPrediction:
     """The predicted step: ``graphs_s`` (the plans' forward and backward graphs, each
     region's ``step_time_s``), ``after_s`` (from the end of the last backward's device work to
     the end of the step: gradient hand-off, optimizer, zero_grad), ``step_s`` (their sum),
-    ``optimizer_device_s`` (the optimizer's device time), and ``by_category`` for the part after
-    the graphs: ``optimizer`` (device) and ``param_host`` (the device idle, waiting for the
-    host's per-parameter work)."""
+    ``optimizer_device_s`` (the optimizer's device time; 0 when it steps on the host),
+    ``optimizer_host_s`` (an offloaded step's host compute, overlapped or not), and
+    ``by_category`` for the part after the graphs: ``optimizer`` (device), ``host_optimizer``
+    (the device idle while the host steps), ``offload_copies`` (optimizer-only offload's
+    copies) and ``param_host`` (the device idle, waiting for the host's per-parameter work).
+    ``phases``: forward, backward, optimizer (with the hand-off before it), zero_grad; their
+    seconds add up to ``step_s``. ``optimizer``: the optimizer's name and where it steps."""
 
     graphs_s: float
     after_s: float
     optimizer_device_s: float
     by_category: dict[str, float] = field(default_factory=dict)
+    phases: tuple[Phase, ...] = ()
+    optimizer: str = ""
+    optimizer_host_s: float = 0.0
 
     @property
     def step_s(self) -> float:
         return self.graphs_s + self.after_s
+
+    def to_dict(self) -> dict:
+        """JSON-ready: the totals and each phase with its bound."""
+        return {"step_s": self.step_s, "graphs_s": self.graphs_s, "after_s": self.after_s,
+                "optimizer": self.optimizer, "optimizer_device_s": self.optimizer_device_s,
+                "optimizer_host_s": self.optimizer_host_s, "by_category": dict(self.by_category),
+                "phases": [{"name": p.name, "seconds": p.seconds, "host_wait_s": p.host_wait_s,
+                            "comm_wait_s": p.comm_wait_s, "runs_on": p.runs_on,
+                            "bound": p.bound} for p in self.phases]}
+
+
+def after_backward_timeline(queued_s: float, handoff_s: float, optimizer_device_s: float,
+                            optimizer_host_s: float, zero_grad_s: float, ops: int,
+                            optimizer_prologue_s: float = 0.0) -> tuple[float, float, float, float]:
+    """:func:`after_backward_seconds`, split where the optimizer ends: (the optimizer's end,
+    the device's idle time until then, the step's end, the idle time in all)."""
+    if ops < 1:
+        raise ValueError(f"shardc step: the optimizer has {ops} ops; it needs at least one")
+    host, t, idle = handoff_s - max(queued_s, 0.0) + max(optimizer_prologue_s, 0.0), 0.0, 0.0
+    for _ in range(ops):
+        host += optimizer_host_s / ops
+        start = max(t, host)
+        idle += start - t
+        t = start + optimizer_device_s / ops
+    host += zero_grad_s
+    end = max(t, host)
+    return t, idle, end, idle + (end - t)
 
 
 def after_backward_seconds(queued_s: float, handoff_s: float, optimizer_device_s: float,
@@ -89,22 +191,74 @@ def after_backward_seconds(queued_s: float, handoff_s: float, optimizer_device_s
     (``optimizer_prologue_s`` before its first op) and runs its ``ops`` foreach ops, each after
     its share of ``optimizer_host_s`` and taking its share of ``optimizer_device_s`` on the
     device once both are there, then ``zero_grad_s``."""
-    if ops < 1:
-        raise ValueError(f"shardc step: the optimizer has {ops} ops; it needs at least one")
-    host, t, idle = handoff_s - max(queued_s, 0.0) + max(optimizer_prologue_s, 0.0), 0.0, 0.0
-    for _ in range(ops):
-        host += optimizer_host_s / ops
-        start = max(t, host)
-        idle += start - t
-        t = start + optimizer_device_s / ops
-    host += zero_grad_s
-    end = max(t, host)
-    return end, idle + (end - t)
+    _, _, end, idle = after_backward_timeline(queued_s, handoff_s, optimizer_device_s,
+                                              optimizer_host_s, zero_grad_s, ops,
+                                              optimizer_prologue_s)
+    return end, idle
 
 
 def _value(p: Predictions, key: str) -> float:
     v = getattr(p, key)
     return float(v) if v is not None else 0.0
+
+
+def _graph_phase(plans: Sequence[Plan], graph: str) -> Phase:
+    seconds = host = comm = 0.0
+    for p in plans:
+        seconds += _value(p.predicted, f"{graph}_time_s")
+        cats = p.predicted.time_by_category_s or {}
+        host += cats.get(f"{graph}/launch_bound", 0.0) + cats.get(f"{graph}/param_host", 0.0)
+        comm += cats.get(f"{graph}/exposed_comm", 0.0)
+    return Phase(graph, seconds, host, comm)
+
+
+def _bucket_grads(plan: Plan) -> list[tuple[float, float, int]]:
+    """The backward's device->host gradient copies of ``plan``: (predicted end from the
+    backward's start, parameter elements, parameter tensors), by end."""
+    out = []
+    for c in plan.copies:
+        if c.kind == CollectiveKind.D2H_COPY and c.graph == "backward" and c.origin == "shardc":
+            itemsize = 2 if c.dtype in ("bfloat16", "float16") else 8 if c.dtype == "float64" \
+                else 4
+            out.append((c.predicted_end_s, c.buffer_bytes / itemsize, len(c.params)))
+    return sorted(out)
+
+
+def overlapped_host_step(plan: Plan, spec: OptimizerSpec, profile: ClusterProfile
+                         ) -> tuple[float, float, int]:
+    """``shardc.step_in_backward`` on the region whose backward runs last: one worker steps
+    each bucket from its gradients' arrival on the host, one after the other. Returns (how far
+    the worker runs past the backward's device end, the elements it stepped, the tensors)."""
+    worker, elements, tensors = 0.0, 0.0, 0
+    for end, n, k in _bucket_grads(plan):
+        worker = max(worker, end) + host_optimizer_seconds(
+            n * 4, profile, state_factor=spec.state_factor, temp_factor=spec.temp_factor) \
+            + profile.optimizer_per_param_s * k
+        elements, tensors = elements + n, tensors + k
+    return max(worker - _value(plan.predicted, "backward_time_s"), 0.0), elements, tensors
+
+
+def _host_step(last: Plan | None, spec: OptimizerSpec, profile: ClusterProfile
+               ) -> tuple[float, float, float, float]:
+    """An offloaded optimizer step: (how far the overlapped worker runs past the backward's
+    device end, 0 without overlap; the host seconds of ``optimizer.step()``, of them the
+    copies'; the host compute in all, overlapped or not)."""
+    compute = host_optimizer_seconds(spec.param_bytes, profile, state_factor=spec.state_factor,
+                                     temp_factor=spec.temp_factor)
+    python = profile.optimizer_fixed_s + profile.optimizer_per_param_s * spec.n_params
+    copies = 0.0
+    if spec.offload == "optimizer":  # shards and gradients to the host, shards back
+        copies = 2 * profile.host_copy_seconds(int(spec.param_bytes), to_device=False) \
+            + profile.host_copy_seconds(int(spec.param_bytes), to_device=True)
+    if not spec.overlap or last is None:
+        return 0.0, max(python, 0.0) + compute + copies, copies, compute
+    # Overlapped: the worker's buckets, then optimizer.step() on what it did not step.
+    behind, elements, tensors = overlapped_host_step(last, spec, profile)
+    rest_bytes = max(spec.param_bytes - 4 * elements, 0.0)
+    rest = host_optimizer_seconds(rest_bytes, profile, state_factor=spec.state_factor,
+                                  temp_factor=spec.temp_factor) \
+        + profile.optimizer_per_param_s * max(spec.n_params - tensors, 0)
+    return behind, max(profile.optimizer_fixed_s, 0.0) + rest, 0.0, compute
 
 
 def predict_step(plans: Sequence[Plan], profile: ClusterProfile, optimizer: OptimizerSpec
@@ -120,16 +274,44 @@ def predict_step(plans: Sequence[Plan], profile: ClusterProfile, optimizer: Opti
                           - _value(p.predicted, "backward_queued_s"), 0.0)
     queued = _value(last.predicted, "backward_queued_s") if last is not None else 0.0
     handoff = _value(last.predicted, "grad_handoff_s") if last is not None else 0.0
-    device = optimizer_step_seconds(optimizer.param_bytes, optimizer.n_params, profile,
-                                    state_factor=optimizer.state_factor,
-                                    temp_factor=optimizer.temp_factor)
-    _, ops = optimizer_kernel_ops(optimizer.state_factor, optimizer.temp_factor)
-    zero_grad = profile.zero_grad_per_param_s * optimizer.n_params + profile.zero_grad_fixed_s
-    after, idle = after_backward_seconds(
-        queued, handoff, device, profile.optimizer_per_param_s * optimizer.n_params,
-        max(zero_grad, 0.0), ops, optimizer_prologue_s=profile.optimizer_fixed_s)
-    by_category = {"optimizer": device}
-    if idle + excess > 0:
-        by_category["param_host"] = idle + excess
+    zero_grad = max(profile.zero_grad_per_param_s * optimizer.n_params
+                    + profile.zero_grad_fixed_s, 0.0)
+    on_host = optimizer.offload != "none"
+    by_category: dict[str, float] = {}
+    host_compute = 0.0
+    if on_host:
+        device = 0.0
+        behind, host_s, copies, host_compute = _host_step(last, optimizer, profile)
+        # The worker runs beside the main thread's hand-off; optimizer.step() waits for both.
+        handoff = max(queued, handoff, queued + behind)
+        opt_end, opt_idle, after, idle = after_backward_timeline(
+            queued, handoff, 0.0, host_s, zero_grad, 1)
+        stepping = min(host_s - copies + behind, idle)
+        by_category["host_optimizer"] = stepping
+        if copies:
+            by_category["offload_copies"] = min(copies, idle - stepping)
+        other_idle = idle - stepping - by_category.get("offload_copies", 0.0)
+    else:
+        device = optimizer_step_seconds(optimizer.param_bytes, optimizer.n_params, profile,
+                                        state_factor=optimizer.state_factor,
+                                        temp_factor=optimizer.temp_factor)
+        _, ops = optimizer_kernel_ops(optimizer.state_factor, optimizer.temp_factor)
+        opt_end, opt_idle, after, idle = after_backward_timeline(
+            queued, handoff, device, profile.optimizer_per_param_s * optimizer.n_params,
+            zero_grad, ops, optimizer_prologue_s=profile.optimizer_fixed_s)
+        by_category["optimizer"] = device
+        other_idle = idle
+    if other_idle + excess > 1e-15:
+        by_category["param_host"] = other_idle + excess
+    where = "host, CPU offload" + (" overlapped with the backward (step_in_backward)"
+                                   if optimizer.overlap else "") if on_host else "device"
+    if optimizer.offload == "optimizer":
+        where = "host, optimizer-only offload"
+    phases = (_graph_phase(plans, "forward"), _graph_phase(plans, "backward"),
+              Phase("optimizer", opt_end + excess, opt_idle + excess,
+                    runs_on="host" if on_host else "device"),
+              Phase("zero_grad", after - opt_end, idle - opt_idle, runs_on="host"))
     return StepPrediction(graphs_s=graphs_s, after_s=after + excess, optimizer_device_s=device,
-                          by_category=by_category)
+                          by_category=by_category, phases=phases,
+                          optimizer=f"{optimizer.name} on the {where}",
+                          optimizer_host_s=host_compute)

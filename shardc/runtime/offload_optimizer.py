@@ -46,7 +46,7 @@ from torch.optim.optimizer import (
 
 from shardc._torch import dtensor_on_local_device
 
-__all__ = ["remember", "host_master"]
+__all__ = ["adopt", "remember", "host_master"]
 
 
 @dataclass
@@ -90,6 +90,21 @@ def remember(param: DTensor, fqn: str, pin: bool) -> None:
     if not _HOOKS:
         _HOOKS.append(register_optimizer_step_pre_hook(_pre_step))
         _HOOKS.append(register_optimizer_step_post_hook(_post_step))
+
+
+def adopt(params: list[tuple[str, torch.Tensor]], pin: bool) -> int:
+    """Step the optimizer of ``params`` (``(name, parameter)``) on the host from their next
+    step on, as :func:`remember` does at ``shardc.shard`` for optimizer-only offload: the peak
+    budget's choice (``shardc.planning.optimizer_offload``), made at compile time. Parameters
+    already remembered, and any that are not DTensors, are left as they are; state the
+    optimizer already holds on the device moves to the host at the next step. Returns how
+    many were added."""
+    added = 0
+    for fqn, param in params:
+        if isinstance(param, DTensor) and _host_copy(param) is None:
+            remember(param, fqn, pin)
+            added += 1
+    return added
 
 
 def _host_copy(param: torch.Tensor) -> _HostCopy | None:
@@ -139,7 +154,8 @@ def _check_group(group: dict, hosted: list[tuple[torch.Tensor, _HostCopy | None]
     if other is not None:
         raise RuntimeError(
             f"shardc: one optimizer parameter group holds parameters whose optimizer steps "
-            f"on the host (OffloadPolicy(params=False, optimizer=True); e.g. "
+            f"on the host (OffloadPolicy(params=False, optimizer=True), or the peak budget's "
+            f"optimizer offload; e.g. "
             f"{named[0][1].fqn!r}) and parameter #{other[1]} on {_local_device(other[0])}; "
             "torch.optim steps a group on one device. Put the offloaded model's parameters "
             "in their own optimizer (or parameter group).")

@@ -59,6 +59,7 @@ from shardc.sharding.offload import (
     to_host,
     wants_pinned,
 )
+from shardc.sharding.plain_inputs import PlainInputs, leaf_for
 from shardc.sharding.scope import (
     ShardedModuleMixin,
     enter_forward,
@@ -138,6 +139,14 @@ class ShardState:
     offload: OffloadPolicy | None = None  # CPU offload (shardc.sharding.offload)
     # The repeated blocks compiled once, and those that are not (shardc.sharding.blocks).
     blocks: BlockBodies = field(default_factory=BlockBodies)
+    # plain_inputs=True: the plain leaves forwards read (shardc.sharding.plain_inputs).
+    plain: PlainInputs | None = None
+    # The sharded root module (weak: the state lives on it), for the peak budget's optimizer
+    # offload, which the planner decides at compile time for the model's parameters.
+    root: weakref.ref | None = field(default=None, repr=False)
+    # A region's peak budget put the optimizer's state on the host: the later regions plan
+    # with it there (one optimizer steps the whole model).
+    optimizer_planned_on_host: bool = False
 
     @property
     def key(self) -> str:
@@ -157,8 +166,14 @@ def state_for_key(key: str) -> ShardState | None:
     return _STATES.get(key)
 
 
-def _param_property(name: str, info: ShardedParamInfo, grads: UnsyncedGrads) -> property:
+def _param_property(name: str, info: ShardedParamInfo, grads: UnsyncedGrads,
+                    plain: bool = False) -> property:
     def read(self):
+        if plain and gathering():
+            # plain_inputs: the DTensor is not read at all (no guards, no unwrapping).
+            leaf = leaf_for(self, name)
+            if leaf is not None:
+                return gather_param(*info.gather_args(leaf, grads.mode(), grads.key).args())
         param = self._parameters.get(name)
         if not isinstance(param, DTensor):
             if param is not None and (gathering() or in_eager_forward()):
@@ -202,7 +217,31 @@ def _apply_sharded(self, fn, recurse: bool = True):
     out = super(owner, self)._apply(fn, recurse)
     for name, expected in layout.items():
         _check_applied(self, name, self._parameters.get(name), expected)
+    plain = owner._shardc_plain
+    if plain is not None:  # the parameters' contents were swapped: the leaves alias new shards
+        for name in layout:
+            info = owner._shardc_infos[name]
+            plain.refresh(info.fqn, plain_eligible(info))
     return out
+
+
+def _register_sharded(self, name: str, param) -> None:
+    """``register_parameter`` (attribute assignment, ``load_state_dict(assign=True)``) of a
+    sharded module: a sharded parameter replaced by another object is read as it is from now
+    on (no plain leaf: see :mod:`shardc.sharding.plain_inputs`)."""
+    owner = next(c for c in type(self).__mro__ if "_shardc_infos" in vars(c))
+    super(owner, self).register_parameter(name, param)
+    plain, info = owner._shardc_plain, owner._shardc_infos.get(name)
+    if plain is not None and info is not None:
+        plain.refresh(info.fqn, eligible=False)
+
+
+def plain_eligible(info: ShardedParamInfo) -> bool:
+    """Whether a forward may read the parameter as a plain leaf (plain_inputs=True): not
+    for FP8 gathers, TransformerEngine FP8, tensor-parallel or offloaded parameters, whose
+    reads need the DTensor or a host copy."""
+    return (info.fp8 is None and not info.quantized and info.tp is None
+            and not info.offload_device)
 
 
 def _shard_layout(p: DTensor) -> tuple:
@@ -254,14 +293,19 @@ def _refuse_share_memory(self):
 
 def _swap_class(
     module: nn.Module, infos: dict[str, ShardedParamInfo], grads: UnsyncedGrads,
-    fp8: Float8Policy | None = None,
+    fp8: Float8Policy | None = None, plain: PlainInputs | None = None,
 ) -> None:
     cls = type(module)
-    attrs = {name: _param_property(name, info, grads) for name, info in infos.items()}
+    attrs = {name: _param_property(name, info, grads,
+                                   plain is not None and plain_eligible(info))
+             for name, info in infos.items()}
     attrs.update(fp8_class_attrs(module, infos, grads, fp8))
     attrs["_shardc_param_names"] = tuple(infos)
     attrs["_shardc_infos"] = dict(infos)
     attrs["_apply"] = _apply_sharded
+    attrs["_shardc_plain"] = plain
+    if plain is not None:
+        attrs["register_parameter"] = _register_sharded
     attrs["share_memory"] = _refuse_share_memory
     attrs["__module__"] = cls.__module__
     module.__class__ = type(f"Shardc{cls.__name__}", (ShardedModuleMixin, cls), attrs)
@@ -426,6 +470,7 @@ def shard(
     fp8: Float8Policy | None = None,
     allow_partial_mesh: bool = False,
     offload: OffloadPolicy | None = None,
+    plain_inputs: bool = False,
 ) -> nn.Module:
     """Shard every parameter of ``module`` on dim 0 over ``mesh``, in place; returns ``module``.
 
@@ -451,6 +496,11 @@ def shard(
     :mod:`shardc.sharding.offload`); ``OffloadPolicy(params=False, optimizer=True)`` keeps
     the shards and gradients on the device and only the optimizer's state and step on the
     host (:mod:`shardc.runtime.offload_optimizer`).
+    ``plain_inputs``: forwards read each parameter's local shard as a plain tensor and its
+    gradient is handed to the DTensor parameter afterwards, which removes per-parameter
+    DTensor work from every step (guards, AOTAutograd's wrapping, DTensor gradient
+    accumulation); parameters, ``.grad``, optimizers and checkpoints are unchanged. Off
+    with CPU offload; see :mod:`shardc.sharding.plain_inputs` for what keeps the DTensor read.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
@@ -532,13 +582,20 @@ def shard(
             sub._parameters[pname] = new_param
             per_module.setdefault(id(sub), (sub, {}))[1][pname] = info
 
+    # CPU offload (either kind) keeps every parameter on the DTensor read: its reads copy host
+    # shards, and optimizer-only offload steps host copies of the DTensor parameters.
+    plain = PlainInputs() if plain_inputs and offload is None else None
     state = ShardState(mesh, reshard_after_forward, mp_policy, infos, layout=layout, fp8=fp8,
-                       group_roles=layout.group_roles(), blocks=blocks, offload=offload)
+                       group_roles=layout.group_roles(), blocks=blocks, offload=offload,
+                       plain=plain, root=weakref.ref(module))
     _STATES[state.key] = state
     for fqn, p in canonical.values():  # an optimizer still holding these is named at its step
         replaced_params.remember(p, fqn)
     for sub, sub_infos in per_module.values():
-        _swap_class(sub, sub_infos, state.grad_sync, fp8)
+        _swap_class(sub, sub_infos, state.grad_sync, fp8, plain)
+        if plain is not None:
+            for pname, info in sub_infos.items():
+                plain.add_owner(info.fqn, sub, pname)
         sub.register_forward_pre_hook(enter_forward)
         sub.register_forward_hook(exit_forward, always_call=True)
         fp8_names = tuple(n for n, i in sub_infos.items() if i.quantized)
@@ -558,6 +615,9 @@ def shard(
             sub.register_forward_hook(exit_forward, always_call=True)
     if id(module) not in per_module:
         _swap_root_class(module)
+    if plain is not None:
+        for fqn, info in infos.items():
+            plain.refresh(fqn, plain_eligible(info))
     seal_blocks(blocks, module)
     module._shardc_state = state
     return module

@@ -9,10 +9,11 @@ Measures what :class:`shardc.planning.profile.ClusterProfile` holds: matmul thro
 and head dimension, memory-bound kernel bandwidth by bytes moved, the device time and host
 launch time of one small kernel, the host cost of compiled graphs (per kernel, per call), the
 host's work per parameter tensor and per step (region entry, gradient hand-off, optimizer
-step, zero_grad; :mod:`shardc.tools.host_cost`), and, when launched with more than one process,
-all-gather / reduce-scatter / all-reduce time over buffer sizes 64 KiB..1 GiB for each
-power-of-two group size up to the world, the ring model's bandwidth and latency fitted to
-them, and how much slower a matmul runs while an all-gather runs beside it. Rank 0 writes the
+step, zero_grad; :mod:`shardc.tools.host_cost`), CPU offload's host rates (torch's fused CPU
+AdamW on host tensors; on a GPU, pinned host<->device copies), and, when launched with more
+than one process, all-gather / reduce-scatter / all-reduce time over buffer sizes 64 KiB..1 GiB
+for each power-of-two group size up to the world, the ring model's bandwidth and latency fitted
+to them, and how much slower a matmul runs while an all-gather runs beside it. Rank 0 writes the
 profile.
 
 Without a GPU it refuses unless ``--device cpu`` is given: then it times the same things on the
@@ -59,6 +60,11 @@ GPU_ATTENTION = ((1024, 128), (2048, 128), (4096, 128), (8192, 128), (2048, 64),
 CPU_ATTENTION = ((128, 32), (256, 32))
 GPU_MEMORY = tuple(64 * 1024 * 4 ** i for i in range(8))
 CPU_MEMORY = tuple(64 * 1024 * 4 ** i for i in range(5))
+# CPU offload's host AdamW: (tensors, elements each). The GPU machine's host: 256M parameters
+# (4 GiB of masters, gradients and moments), about as large as one rank's shard of a 1-5B model;
+# a CPU-only calibration: small, for tests.
+GPU_HOST_ADAMW = (16, 1 << 24)
+CPU_HOST_ADAMW = (4, 1 << 16)
 
 
 class Timer:
@@ -205,6 +211,28 @@ def measure_memory(timer: Timer, sizes) -> list[tuple[int, float]]:
                                batch_s=BATCH_S)
         out.append((12 * n, 12 * n / seconds))
     return out
+
+
+def measure_host_adamw(tensors: int, numel: int, reps: int = 3) -> float:
+    """Parameters per second of torch's fused CPU AdamW (``torch.optim.AdamW(fused=True)``)
+    stepping ``tensors`` fp32 host tensors of ``numel`` elements each, with gradients, after a
+    warm-up step (which creates the moments): CPU offload's host step
+    (``ClusterProfile.host_adamw_params_per_s``). The median of ``reps`` steps."""
+    params = [torch.zeros(numel, requires_grad=True) for _ in range(tensors)]
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)
+    try:
+        opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+        opt.step()
+    except RuntimeError:  # a torch without the fused CPU kernel: the default implementation
+        opt = torch.optim.AdamW(params, lr=1e-4)
+        opt.step()
+    times = []
+    for _ in range(max(reps, 1)):
+        t0 = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return tensors * numel / statistics.median(times)
 
 
 def measure_kernel_overheads(timer: Timer) -> tuple[float, float]:
@@ -488,6 +516,9 @@ def calibrate(device: torch.device, *, quick: bool = False, name: str | None = N
         for k in PER_PARAM_FIELDS) + "; fixed per step: " + ", ".join(
         f"{k.removesuffix('_fixed_s')} {per_param[k] * 1e3:.3f} ms" for k in FIXED_FIELDS)
         + f" ({time.perf_counter() - t0:.0f} s)")
+    adamw = measure_host_adamw(*(GPU_HOST_ADAMW if gpu else CPU_HOST_ADAMW))
+    log(f"host: fused CPU AdamW {adamw / 1e9:.2f} G params/s "
+        f"({time.perf_counter() - t0:.0f} s)")
     host_link = measure_host_link(timer)
     if host_link is not None:
         log(f"host link (pinned): {host_link[0] / 1e9:.1f} GB/s to the device, "
@@ -523,7 +554,7 @@ def calibrate(device: torch.device, *, quick: bool = False, name: str | None = N
         collectives=tuple(curves), intra=link or defaults.intra,
         overlap_slowdown=slowdown if slowdown is not None else defaults.overlap_slowdown,
         host_to_device_bytes_per_s=host_link[0], device_to_host_bytes_per_s=host_link[1],
-        host_copy_latency_s=host_link[2], notes=tuple(notes))
+        host_copy_latency_s=host_link[2], host_adamw_params_per_s=adamw, notes=tuple(notes))
 
 
 def main(argv: list[str] | None = None) -> int:

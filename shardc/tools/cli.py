@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from shardc.tools.model_spec import PRESETS, ModelSpecError, parse_model, parse_model_spec
 from shardc.tools.planner import (
+    OFFLOAD,
+    OPTIMIZERS,
     Capacity,
     PlanSetup,
     capacity,
+    capacity_dict,
     cluster_option,
     cluster_profile,
     device_capacity,
@@ -29,7 +33,10 @@ from shardc.tools.planner import (
     peak_flops_of,
     peak_terms_text,
     plan_model,
+    plan_model_step,
     profile_text,
+    step_lines,
+    whole_step,
 )
 
 __all__ = ["main", "parse_model_spec", "plan_model"]
@@ -65,7 +72,9 @@ def _budget_bytes(text: str) -> int | str:
 
 def _setup(args) -> PlanSetup:
     return PlanSetup(precision=args.precision, checkpointing=args.checkpointing, fp8=args.fp8,
-                     shard_size=args.shard_size, inductor=not args.fx, tp=args.tp)
+                     shard_size=args.shard_size, inductor=not args.fx, tp=args.tp,
+                     offload=args.offload, step_in_backward=args.step_in_backward,
+                     optimizer=args.optimizer, reshard_after_forward=args.reshard)
 
 
 def _rates(args) -> dict[str, float]:
@@ -82,13 +91,16 @@ def _rate(flops_per_s: float) -> str:
 
 
 def _summary(cap: Capacity, seconds: float) -> list[str]:
-    return [
-        f"predicted step: {cap.step_s * 1e3:.1f} ms; {cap.tokens_per_s:,.0f} tokens/s per GPU; "
-        f"MFU {cap.mfu * 100:.1f}% (of {_rate(cap.peak_flops)}); "
+    what = ("whole step: forward, backward, optimizer, zero_grad" if cap.step is not None
+            else "forward and backward")
+    lines = [
+        f"predicted step: {cap.step_s * 1e3:.1f} ms ({what}); {cap.tokens_per_s:,.0f} "
+        f"tokens/s per GPU; MFU {cap.mfu * 100:.1f}% (of {_rate(cap.peak_flops)}); "
         f"exposed communication {cap.exposed_comm_s * 1e3:.1f} ms",
-        f"memory: {cap.verdict()}",
-        f"planned in {seconds:.1f} s",
     ]
+    if cap.step is not None:
+        lines += step_lines(cap.step)
+    return lines + [f"memory: {cap.verdict()}", f"planned in {seconds:.1f} s"]
 
 
 def _sweep_table(rows: list[Capacity]) -> list[str]:
@@ -130,9 +142,11 @@ def _cmd_plan(args) -> int:
     worlds = _world_sizes(args.sweep_world) if args.sweep_world else [args.world_size]
     rows = []
     for world in worlds:
-        plan, seconds = plan_model(spec, world, args.batch, seq, options,
-                                   template=template, setup=setup)
-        cap = capacity(plan, args.batch, seq, peak_flops, cap_bytes)
+        planned = plan_model_step(spec, world, args.batch, seq, options, template=template,
+                                  setup=setup)
+        plan, seconds = planned.plan, planned.seconds
+        cap = capacity(plan, args.batch, seq, peak_flops, cap_bytes,
+                       step=whole_step(planned, profile))
         rows.append(cap)
         if args.sweep_world:
             print(f"world {world}: planned in {seconds:.1f} s", file=sys.stderr)
@@ -144,18 +158,43 @@ def _cmd_plan(args) -> int:
               f"{setup.precision}{', checkpointed blocks' if setup.checkpointing else ''}"
               f"{', FP8 gathers' if setup.fp8 else ''}"
               f"{f', HSDP shard groups of {setup.shard_size}' if setup.shard_size else ''}"
-              f"{f', TP {setup.tp}' if setup.tp > 1 else ''}")
+              f"{f', TP {setup.tp}' if setup.tp > 1 else ''}"
+              f"{f', CPU offload ({setup.offload})' if setup.offload != 'none' else ''}"
+              f"{', step_in_backward' if setup.step_in_backward else ''}")
         decisions = budget_lines(plan) if args.summary_only else []
         for line in [*_summary(cap, seconds), *peak_terms_text(plan), *decisions]:
             print(line)
         if args.dump:
             for path in dump_plan(plan, args.dump, capacity_bytes=cap_bytes):
                 print(f"wrote {path}")
+            step_path = os.path.join(args.dump, f"region{plan.region}.step.json")
+            with open(step_path, "w") as f:  # the whole step beside the plan's graphs
+                f.write(json.dumps(capacity_dict(cap), indent=1) + "\n")
+            print(f"wrote {step_path}")
     if args.sweep_world:
         print(f"model: {spec.name}, batch {args.batch} x {seq} per rank, {setup.precision}")
         print("\n".join(_sweep_table(rows)))
         _write_sweep_plot(rows, args.plot or "shardc-sweep.png", spec.name)
+    if args.json:
+        _write_json(args.json, spec.name, setup, args.batch, seq, profile.name, rows)
     return 0
+
+
+def _write_json(path: str, name: str, setup: PlanSetup, batch: int, seq: int, profile: str,
+                rows: list[Capacity]) -> None:
+    data = {"model": name, "batch": batch, "seq": seq, "profile": profile,
+            "setup": {"precision": setup.precision, "checkpointing": setup.checkpointing,
+                      "fp8": setup.fp8, "shard_size": setup.shard_size, "tp": setup.tp,
+                      "offload": setup.offload, "step_in_backward": setup.step_in_backward,
+                      "optimizer": setup.optimizer_name},
+            "worlds": [capacity_dict(c) for c in rows]}
+    text = json.dumps(data, indent=1)
+    if path == "-":
+        print(text)
+        return
+    with open(path, "w") as f:
+        f.write(text + "\n")
+    print(f"wrote {path}")
 
 
 def _write_sweep_plot(rows: list[Capacity], path: str, title: str) -> None:
@@ -194,6 +233,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel degree: FSDP over world/tp ranks of a (dp, tp) mesh, "
                         "the Llama presets' blocks split Megatron-style (--batch is per dp rank)")
+    p.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default=None,
+                   help="the optimizer the step runs (its state in the peak, its step in the "
+                        "step time): default adamw (torch's foreach AdamW) on the device, "
+                        "adamw-fused with --offload (torch's fused CPU AdamW)")
+    p.add_argument("--offload", choices=OFFLOAD, default="none",
+                   help="CPU offload (docs/offload.md): 'params' = shardc.OffloadPolicy() "
+                        "(shards, gradients and optimizer state on the host, the step on the "
+                        "CPU), 'optimizer' = OffloadPolicy(params=False, optimizer=True)")
+    p.add_argument("--step-in-backward", action="store_true",
+                   help="with --offload params: shardc.step_in_backward, the host step of each "
+                        "bucket overlapped with the rest of the backward")
+    p.add_argument("--no-reshard", dest="reshard", action="store_false",
+                   help="shardc.shard(reshard_after_forward=False): the backward reuses the "
+                        "forward's gathered parameters (no second all-gather or host copy)")
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help="also write the answers (whole step by phase, memory) as JSON ('-': "
+                        "print them)")
     p.add_argument("--device", default=None,
                    help="device memory to compare the peak with: h100, h200 or GiB (default: "
                         "the cluster profile's device)")
@@ -211,7 +267,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="plan the FX backend (inductor=False) on the meta device instead of "
                         "Inductor's graphs (faster; less faithful to the GPU's memory)")
     p.add_argument("--options", default=None, help="JSON object of backend options")
-    p.add_argument("--dump", default=None, help="directory for text/JSON/trace/memory plot")
+    p.add_argument("--dump", default=None,
+                   help="directory for text/JSON/trace/memory plot, and the whole step "
+                        "(region0.step.json)")
     p.add_argument("--plot", default=None, help="sweep plot path (default shardc-sweep.png)")
     p.add_argument("--summary-only", action="store_true", help="do not print the plan table")
     p.add_argument("--wide", action="store_true",

@@ -20,6 +20,7 @@ step time, tokens/s per GPU, MFU, exposed communication, and the peak against a 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,7 @@ from shardc import _torch
 from shardc.models.llama import LlamaConfig
 from shardc.planning.plan import Plan
 from shardc.planning.profile import ClusterProfile, ProfileError, resolve_profile
+from shardc.planning.step import OptimizerSpec, StepPrediction, predict_step
 from shardc.tools.model_spec import ModelSpec, ModelSpecError, llama_model
 
 GIB = 2**30
@@ -44,6 +46,16 @@ def fmt_bytes(n: float) -> str:
     return f"{int(n)} B"
 # Device memory as CUDA reports it (``torch.cuda.get_device_properties(0).total_memory``).
 DEVICES_GIB = {"h100": 79.11, "h200": 139.81}
+# ``--optimizer``: (optimizer_state_factor, optimizer_temp_factor, what it is). The state and
+# temporaries go to the peak prediction, the kind to the step's optimizer term
+# (shardc.planning.estimate.optimizer_kernel_ops).
+OPTIMIZERS = {
+    "adamw": (2.0, 1.0, "AdamW (foreach)"),
+    "adamw-fused": (2.0, 0.0, "AdamW (fused)"),
+    "sgd-momentum": (1.0, 1.0, "SGD with momentum (foreach)"),
+    "sgd": (0.0, 1.0, "SGD (foreach)"),
+}
+OFFLOAD = ("none", "params", "optimizer")
 
 
 @dataclass(frozen=True)
@@ -56,7 +68,11 @@ class PlanSetup:
     ``inductor``: plan as Inductor compiles (see the module docstring; the command line's
     default), else as the FX backend runs the graphs; ``tp``: tensor-parallel degree (FSDP over
     ``world / tp`` data-parallel ranks of a ``("dp", "tp")`` mesh; models whose spec can
-    ``parallelize``: shardc's Llama)."""
+    ``parallelize``: shardc's Llama); ``offload``: CPU offload (``"params"``:
+    ``OffloadPolicy()``, ``"optimizer"``: optimizer-only), ``step_in_backward``: its host step
+    overlapped with the backward; ``optimizer``: a key of :data:`OPTIMIZERS` (None: foreach
+    AdamW, fused with offload); ``reshard_after_forward``: ``shardc.shard``'s (False: the
+    backward reuses the forward's gathered parameters)."""
 
     precision: str = "fp32"
     checkpointing: bool = False
@@ -64,22 +80,57 @@ class PlanSetup:
     shard_size: int | None = None
     inductor: bool = False
     tp: int = 1
+    offload: str = "none"
+    step_in_backward: bool = False
+    optimizer: str | None = None
+    reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
         if self.precision not in ("fp32", "bf16"):
             raise ModelSpecError(f"precision must be 'fp32' or 'bf16', got {self.precision!r}")
         if self.tp < 1:
             raise ModelSpecError(f"--tp {self.tp}: the tensor-parallel degree must be >= 1")
+        if self.offload not in OFFLOAD:
+            raise ModelSpecError(f"--offload {self.offload!r}: use one of {', '.join(OFFLOAD)}")
+        if self.step_in_backward and self.offload != "params":
+            raise ModelSpecError("--step-in-backward overlaps CPU offload's host step with the "
+                                 "backward: it needs --offload params (OffloadPolicy())")
+        if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
+            raise ModelSpecError(f"--optimizer {self.optimizer!r}: use one of "
+                                 f"{', '.join(OPTIMIZERS)}")
+
+    @property
+    def optimizer_name(self) -> str:
+        """The optimizer planned for: ``--optimizer``, else foreach AdamW on the device and
+        fused AdamW on the host (CPU offload: torch's CPU kernel, as docs/offload.md runs it)."""
+        if self.optimizer is not None:
+            return self.optimizer
+        return "adamw" if self.offload == "none" else "adamw-fused"
+
+    def optimizer_options(self) -> dict[str, float]:
+        """The backend options the optimizer's kind sets (its state and temporaries)."""
+        state, temp, _ = OPTIMIZERS[self.optimizer_name]
+        return {"optimizer_state_factor": state, "optimizer_temp_factor": temp}
 
     def shard_kwargs(self) -> dict[str, Any]:
         import shardc
 
         kwargs: dict[str, Any] = {}
+        if not self.reshard_after_forward:
+            kwargs["reshard_after_forward"] = False
         if self.precision == "bf16":
             kwargs["mp_policy"] = shardc.MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                               reduce_dtype=torch.float32)
         if self.fp8:
             kwargs["fp8"] = shardc.Float8Policy()
+        if self.offload != "none":
+            # The planning machine's CPU mesh: offload's copies as on a GPU (simulate_on_cpu);
+            # nothing is pinned and the host check would weigh the planned model against
+            # this machine.
+            kwargs["offload"] = shardc.OffloadPolicy(
+                params=self.offload == "params", optimizer=True, pin_memory=False,
+                simulate_on_cpu=True, check_host_memory=False,
+                optimizer_state_factor=self.optimizer_options()["optimizer_state_factor"])
         return kwargs
 
 
@@ -150,10 +201,57 @@ def trace_step(model: nn.Module, mesh, spec: ModelSpec, setup: PlanSetup, tokens
                        "parameter read, or no backward)")
 
 
+@dataclass(frozen=True)
+class PlannedModel:
+    """:func:`plan_model_step`'s answer: the plan, the seconds planning took, and what the
+    step's optimizer works on (this rank's shards of the trained parameters)."""
+
+    plan: Plan
+    seconds: float
+    optimizer: OptimizerSpec
+
+
+def _shard_bytes(module: nn.Module) -> tuple[float, int]:
+    """(local shard bytes, tensors) of the trained parameters of a sharded ``module``."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in module.parameters() if p.requires_grad]
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in params]
+    return float(sum(t.numel() * t.element_size() for t in local)), len(params)
+
+
+def optimizer_spec(model: nn.Module, setup: PlanSetup,
+                   repeated: tuple[str, int] | None = None) -> OptimizerSpec:
+    """What the optimizer steps on rank 0 of the planned ``model`` (sharded): the local shard
+    bytes (the masters' dtype) and the number of trained parameter tensors, with
+    ``setup``'s optimizer and offload. ``repeated``: ``(container, blocks)`` when ``model`` was
+    planned from a template (``model.<container>`` keeps only the traced blocks): the missing
+    blocks count as its last one (the template's blocks are identical)."""
+    nbytes, tensors = _shard_bytes(model)
+    if repeated is not None:
+        layers = model.get_submodule(repeated[0])
+        missing = repeated[1] - len(layers)
+        if missing > 0:
+            block_bytes, block_tensors = _shard_bytes(layers[-1])
+            nbytes, tensors = nbytes + missing * block_bytes, tensors + missing * block_tensors
+    state, temp, name = OPTIMIZERS[setup.optimizer_name]
+    return OptimizerSpec(nbytes, tensors, state_factor=state, temp_factor=temp, name=name,
+                         offload=setup.offload, overlap=setup.step_in_backward)
+
+
 def plan_model(model: LlamaConfig | ModelSpec, world: int, batch: int, seq: int, options: dict,
                *, template: bool = True, setup: PlanSetup | None = None) -> tuple[Plan, float]:
     """Plan one training step of ``model`` at ``world`` ranks with ``batch`` sequences of
-    ``seq`` tokens per rank; returns (plan, seconds).
+    ``seq`` tokens per rank; returns (plan, seconds) (:func:`plan_model_step`)."""
+    planned = plan_model_step(model, world, batch, seq, options, template=template, setup=setup)
+    return planned.plan, planned.seconds
+
+
+def plan_model_step(model: LlamaConfig | ModelSpec, world: int, batch: int, seq: int,
+                    options: dict, *, template: bool = True, setup: PlanSetup | None = None
+                    ) -> PlannedModel:
+    """Plan one training step of ``model`` at ``world`` ranks with ``batch`` sequences of
+    ``seq`` tokens per rank; returns the plan, the seconds and the optimizer's work.
 
     With ``template`` and more blocks than a template traces, the plan is made from a trace of
     the first blocks (``shardc.tools.template``); if the blocks or the traced graphs do not
@@ -169,8 +267,12 @@ def plan_model(model: LlamaConfig | ModelSpec, world: int, batch: int, seq: int,
     setup = setup or PlanSetup()
     # Blocks inline: a plan with compiled-once bodies predicts the same peak and step
     # (tests/test_memory.py), and the template's extrapolation reads inline blocks' nodes.
-    options = {"compile_blocks_once": False,
+    options = {"compile_blocks_once": False, **setup.optimizer_options(),
                **dict(inductor=setup.inductor, check_plan_consistency=False, **options)}
+    if options.get("optimizer_offload", "auto") == "auto":
+        # The plan is the GPU run's, made on the CPU: the peak budget may put the optimizer's
+        # state on the host as it would there ("simulate": the lever on a CPU mesh too).
+        options["optimizer_offload"] = "simulate"
     device = "cpu"  # see the module docstring: meta tensors lose the loss's gradient
     with fake_world(world), AttentionAsKernel():
         mesh = _mesh(world, setup, device)
@@ -178,13 +280,15 @@ def plan_model(model: LlamaConfig | ModelSpec, world: int, batch: int, seq: int,
         start = time.perf_counter()
         plan, refused = None, None
         built = _prepared(spec, setup, mesh)
+        repeated = None  # planned from a template: (container, the model's blocks)
         if template and _has_blocks(built, spec.container, TEMPLATE_BLOCKS):
+            repeated = (spec.container, len(built.get_submodule(spec.container)))
             try:
                 plan = plan_from_template(
                     built, mesh, None, options, container=spec.container,
                     trace=lambda m: trace_step(m, mesh, spec, setup, tokens, options))
             except TemplateRefused as exc:
-                refused = str(exc)
+                refused, repeated = str(exc), None
                 _torch.dynamo_reset()
             built = _prepared(spec, setup, mesh) if plan is None else built
         if plan is None:
@@ -193,8 +297,12 @@ def plan_model(model: LlamaConfig | ModelSpec, world: int, batch: int, seq: int,
             if refused:
                 plan.notes.append(f"traced whole, not from a template: {refused}")
         elapsed = time.perf_counter() - start
+        spec_of_step = dataclasses.replace(
+            optimizer_spec(built, setup, repeated),
+            state_factor=options["optimizer_state_factor"],
+            temp_factor=options["optimizer_temp_factor"])
     _torch.dynamo_reset()
-    return plan, elapsed
+    return PlannedModel(plan, elapsed, spec_of_step)
 
 
 def _has_blocks(model: nn.Module, container: str | None, more_than: int) -> bool:
@@ -224,6 +332,9 @@ class Capacity:
     peak_bytes: float
     capacity_bytes: float | None
     peak_terms: dict[str, float]
+    # The whole step (shardc.planning.step): None for a plan's graphs alone (``step_s``).
+    step: StepPrediction | None = None
+    graphs_s: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -265,19 +376,67 @@ def device_capacity(device: str | None) -> float | None:
 
 
 def capacity(plan: Plan, batch: int, seq: int, peak_flops: float,
-             capacity_bytes: float | None) -> Capacity:
+             capacity_bytes: float | None, step: StepPrediction | None = None) -> Capacity:
     """The answers for one plan; ``batch`` sequences of ``seq`` tokens per data-parallel rank
-    (a tensor-parallel group shares them, so a GPU's share is ``1 / tp`` of them)."""
+    (a tensor-parallel group shares them, so a GPU's share is ``1 / tp`` of them). With
+    ``step`` (:func:`whole_step`) the step time is the whole step's (forward, backward,
+    optimizer, zero_grad), else the plan's graphs alone."""
     p = plan.predicted
     forward_flops = sum(op.flops for op in plan.graphs.get("forward", ()))
     peak = plan.memory_by_category.get("peak", {})
     tp = max(1, plan.tp_size)
     world = plan.world_size * max(1, plan.replicate_size) * tp
+    graphs_s = p.step_time_s or 0.0
     return Capacity(world=world, tokens_per_step=batch * seq / tp,
-                    step_s=p.step_time_s or 0.0, exposed_comm_s=p.exposed_comm_s or 0.0,
+                    step_s=step.step_s if step is not None else graphs_s,
+                    exposed_comm_s=p.exposed_comm_s or 0.0,
                     model_flops=3.0 * forward_flops, peak_flops=peak_flops,
                     peak_bytes=p.peak_bytes or 0.0, capacity_bytes=capacity_bytes,
-                    peak_terms={k: float(v) for k, v in peak.get("bytes", {}).items()})
+                    peak_terms={k: float(v) for k, v in peak.get("bytes", {}).items()},
+                    step=step, graphs_s=graphs_s)
+
+
+def whole_step(planned: PlannedModel, profile: ClusterProfile) -> StepPrediction:
+    """The whole step of a planned model: its graphs, then the optimizer and zero_grad
+    (:func:`shardc.planning.step.predict_step`, as ``benchmarks/predict_step.py`` predicts the
+    measured step)."""
+    return predict_step([planned.plan], profile, planned.optimizer)
+
+
+def capacity_dict(cap: Capacity) -> dict[str, Any]:
+    """The answers as JSON-ready data (``--json``)."""
+    out: dict[str, Any] = {
+        "world": cap.world, "step_s": cap.step_s, "graphs_s": cap.graphs_s,
+        "tokens_per_s_per_gpu": cap.tokens_per_s, "mfu": cap.mfu,
+        "exposed_comm_s": cap.exposed_comm_s, "peak_bytes": cap.peak_bytes,
+        "capacity_bytes": cap.capacity_bytes,
+        "fits": None if cap.capacity_bytes is None else cap.peak_bytes <= cap.capacity_bytes,
+        "peak_terms": dict(cap.peak_terms)}
+    if cap.step is not None:
+        out["step"] = cap.step.to_dict()
+    return out
+
+
+def step_lines(step: StepPrediction) -> list[str]:
+    """The whole step, phase by phase, with what bounds each."""
+    lines = [f"step phases (optimizer: {step.optimizer}):"]
+    for ph in step.phases:
+        waits = []
+        if ph.host_wait_s >= 5e-5:
+            waits.append(f"device waits {ph.host_wait_s * 1e3:.1f} ms for the host")
+        if ph.comm_wait_s >= 5e-5:
+            waits.append(f"{ph.comm_wait_s * 1e3:.1f} ms for communication")
+        where = "" if ph.runs_on == "device" else ", runs on the host"
+        bound = "hidden under queued device work" if ph.bound == "hidden" else \
+            f"{ph.bound}-bound"
+        lines.append(f"  {ph.name:<10} {ph.seconds * 1e3:9.1f} ms  {bound}{where}"
+                     + (f" ({'; '.join(waits)})" if waits else ""))
+    if step.optimizer_host_s:
+        lines.append(f"  host optimizer compute {step.optimizer_host_s * 1e3:.1f} ms "
+                     "(overlapped with the backward where it can be)" if "overlapped"
+                     in step.optimizer else
+                     f"  host optimizer compute {step.optimizer_host_s * 1e3:.1f} ms")
+    return lines
 
 
 # ------------------------------------------------------------------------ cluster profile

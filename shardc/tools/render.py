@@ -303,6 +303,12 @@ def budget_lines(plan: Plan) -> list[str]:
         p = b.prefetch
         lines.append(f"  prefetch depth {p.depth} (options: {p.default_depth}): predicted step "
                      f"{p.step_ms:.3f} ms, peak {_fmt_bytes(p.peak_bytes)}: {p.reason}")
+    o = b.optimizer
+    if o is not None:
+        where = "on the host" if o.on_host else "on the device"
+        lines.append(f"  optimizer state and step: {where}, costs {o.predicted_ms:.1f} ms per "
+                     f"step, frees {_fmt_bytes(o.freed_bytes)} "
+                     f"(host {_fmt_bytes(o.host_bytes)}): {o.reason}")
     return lines
 
 

@@ -8,6 +8,8 @@
 - DCP to and from FSDP2 with ``CPUOffloadPolicy()`` (pinned) bitwise in the saved values.
 - Eager (uncompiled) offloaded training; ``dcp.async_save`` from the pinned host state.
 - ``shardc.step_in_backward`` (eager, FX, Inductor): bitwise equal to the plain offload step.
+- The peak budget's last lever (optimizer state on the host): measured peak within a budget below
+  the optimizer step's peak, losses as without the budget.
 - Optimizer-only offload (``OffloadPolicy(params=False, optimizer=True)``): shards and
   gradients on the GPU, AdamW state and pinned host masters on the host, eager, FX and FX with
   clipping against the GPU reference; state that ``set_state_dict`` put on the GPU goes back to
@@ -18,6 +20,7 @@ test_checkpoint.py.
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 
@@ -316,3 +319,56 @@ def test_step_in_backward_equals_the_plain_offload_step(mesh, mode):
     assert signalled == (0 if mode == "eager" else n)
     for a, b in zip(plain, over, strict=True):
         assert torch.equal(a, b)
+
+
+BUDGET_CFG = LlamaConfig(vocab_size=32000, dim=1024, n_layers=4, n_heads=8, ffn_dim=2816,
+                         max_seq_len=128)
+
+
+def _budget_run(mesh, budget: int | None) -> tuple[list[float], int, object]:
+    """Train ``BUDGET_CFG`` (sharded over the one-GPU mesh, FX) under ``budget`` (None: none);
+    returns the losses, the measured peak over the steps after the first and the plan."""
+    torch.manual_seed(0)
+    model = Transformer(BUDGET_CFG).cuda()
+    shardc.shard(model, mesh)
+    options = {"inductor": False}
+    if budget is not None:
+        options.update(peak_memory_budget_bytes=budget, peak_memory_margin=0.0)
+    forward = torch.compile(model, backend=shardc.backend(**options))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(5)
+    losses, peak = [], 0
+    for _ in range(3):
+        toks = torch.randint(0, BUDGET_CFG.vocab_size, (2, 129), generator=g).cuda()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        loss = llama_loss(forward(toks[:, :-1]), toks[:, 1:])
+        loss.backward()
+        opt.step()  # the first step creates the state (on the host where the plan says)
+        opt.zero_grad()
+        losses.append(loss.item())
+        torch.cuda.synchronize()
+        peak = max(peak, torch.cuda.max_memory_allocated())
+    plan = shardc.explain_all(model)[0]
+    del model, forward, opt
+    torch._dynamo.reset()
+    gc.collect()  # the next run's peak must not count this one's model and state
+    torch.cuda.empty_cache()
+    return losses, peak, plan
+
+
+def test_peak_budget_below_the_optimizer_step_trains_with_the_state_on_the_host(mesh):
+    """A budget below the optimizer step's peak (shards, gradients, AdamW state, foreach
+    temporaries: 5x the fp32 shards at one rank) is met by the planner's last lever: the
+    optimizer's state and step on the host. The measured peak (every step, the first step's
+    state creation included) stays within the budget, and the losses match the run without a
+    budget (its AdamW on the GPU) to fp32 rounding."""
+    free_losses, free_peak, free_plan = _budget_run(mesh, None)
+    shard_bytes = int(free_plan.predicted.param_bytes)
+    assert free_peak >= 4 * shard_bytes  # without the lever the step holds the state
+    budget = 4 * shard_bytes
+    losses, peak, plan = _budget_run(mesh, budget)
+    assert plan.budget.optimizer_on_host, plan.budget
+    assert plan.predicted.peak_bytes <= budget and plan.predicted.optimizer_state_bytes == 0
+    assert peak <= budget, (peak, budget, plan.predicted.peak_bytes)
+    assert losses == pytest.approx(free_losses, rel=1e-4, abs=1e-5), (losses, free_losses)

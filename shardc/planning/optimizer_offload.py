@@ -1,0 +1,125 @@
+"""The peak budget's last lever: the optimizer's state and step on the host.
+
+At one rank (and wherever the parameters outweigh the activations) the step's peak is not in
+the forward or the backward but around ``optimizer.step()``: parameter shards, gradients, the
+optimizer's state (2 bytes per parameter byte with Adam) and its step's temporaries (1 with
+torch's ``foreach`` AdamW), 20 bytes per fp32 parameter. Keeping buckets gathered, recomputing
+or offloading activations cannot lower that (``shardc.memory.peak``: the "optimizer step"
+column). Optimizer-only offload (``OffloadPolicy(params=False, optimizer=True)``,
+``shardc.runtime.offload_optimizer``) can, and it changes no compiled graph: only the step
+moves to the host, through public optimizer step hooks. So the planner can decide it at
+compile time, after the other levers:
+
+* **when**: only where no configuration of the other levers meets the budget (their feasible
+  minimum is over it); the search is then made again with the state on the host (every peak
+  drops by the state's bytes, the step's also by its temporaries), so the other levers spend
+  the room it frees (keeping buckets gathered again) and a budget it cannot meet is refused
+  naming the new minimum.
+* **what**: every parameter of the sharded model, not the fewest needed. ``torch.optim`` steps
+  a parameter group on one device and the runtime refuses a group mixing host-stepped and
+  device-stepped parameters (``offload_optimizer._check_group``); the optimizer is usually
+  built over ``model.parameters()`` in one group before the first compile, so a partial choice
+  would fail at its step. A model's regions share one optimizer, so once one region puts it on
+  the host the later regions plan with it there too.
+* **price** (:func:`price`), all inside ``optimizer.step()`` (not overlapped with the
+  backward): the device->host copies of the shards and gradients and the host->device copies
+  of the updated shards at the profile's host link, each way at its rate
+  (``device_to_host_bytes_per_s``, ``host_to_device_bytes_per_s``, ``host_copy_latency_s``),
+  and the host step at the profile's ``host_adamw_params_per_s``.
+
+Full parameter offload (``OffloadPolicy()``: shards and gradients on the host too) is not a
+lever here: it decides where the shards live at ``shardc.shard``, before any compile; a budget
+below what the optimizer's offload reaches is refused, naming it.
+"""
+
+from __future__ import annotations
+
+from shardc.planning.plan import OptimizerDecision
+from shardc.planning.profile import ClusterProfile
+
+MODES = ("auto", "never", "simulate")
+_MiB = float(1 << 20)
+
+
+class StepOverBudget(Exception):
+    """The optimizer step's peak (shards, gradients, state, temporaries: the same in every
+    configuration of the device levers) is over the budget, so no configuration of theirs can
+    meet it: the planner skips their search and puts the state on the host. ``floor_bytes``:
+    that peak (a lower bound of their feasible minimum), ``plan``: the plan it is from."""
+
+    def __init__(self, floor_bytes: int, plan) -> None:
+        super().__init__(f"the optimizer step's peak {floor_bytes} B is over the budget")
+        self.floor_bytes, self.plan = floor_bytes, plan
+
+
+def price(param_bytes: int, grad_bytes: int, n_params: int, profile: ClusterProfile
+          ) -> tuple[float, float, float]:
+    """Seconds of the offloaded step's three phases: (shards and gradients to the host, the
+    host step over ``n_params`` parameters, the updated shards back to the device)."""
+    d2h = (profile.host_copy_seconds(param_bytes + grad_bytes, to_device=False)
+           if param_bytes + grad_bytes else 0.0)
+    step = n_params / profile.host_adamw_params_per_s
+    h2d = profile.host_copy_seconds(param_bytes, to_device=True) if param_bytes else 0.0
+    return d2h, step, h2d
+
+
+def why_not(mode: str, device_type: str, offload, fp8: bool, tp: bool) -> str:
+    """Why the lever is not available to a region ("" where it is): ``mode`` the option
+    ``optimizer_offload``; ``device_type`` the mesh's; ``offload`` the model's
+    ``OffloadPolicy`` (None: none); ``fp8`` / ``tp``: FP8 parameters or an FSDP+TP mesh, which
+    optimizer offload refuses as ``shardc.shard`` does."""
+    if mode == "never":
+        return "optimizer_offload='never'"
+    if offload is not None:
+        return "the model is already sharded with an OffloadPolicy"
+    if fp8:
+        return "the model has FP8 parameters, which optimizer offload does not support"
+    if tp:
+        return "the mesh is FSDP+TP, which optimizer offload does not support"
+    if device_type == "cpu" and mode != "simulate":
+        return ("the parameters are on the CPU, where the optimizer's state is already in host "
+                "memory (optimizer_offload='simulate' runs it there, for tests)")
+    return ""
+
+
+def decision(*, freed_bytes: int, host_bytes: int, n_params: int, param_bytes: int,
+             grad_bytes: int, profile: ClusterProfile, floor_bytes: int, peak_bytes: int,
+             exact: bool = True) -> OptimizerDecision:
+    """The record of the lever chosen: ``floor_bytes`` the other levers' feasible minimum
+    (over the budget; not ``exact``: the optimizer step's peak, which every configuration of
+    theirs has), ``peak_bytes`` the chosen plan's predicted peak with the state on the host;
+    the bytes and counts are the largest over the ranks."""
+    d2h, step, h2d = price(param_bytes, grad_bytes, n_params, profile)
+    total_ms = (d2h + step + h2d) * 1e3
+    floor = (f"the other levers' feasible minimum {floor_bytes / _MiB:.1f} MiB is over the "
+             "budget" if exact else f"the optimizer step's peak {floor_bytes / _MiB:.1f} MiB "
+             "(shards, gradients, state and temporaries, in every configuration of the other "
+             "levers) is over the budget")
+    reason = (f"on the host: {floor}; the state on the host frees {freed_bytes / _MiB:.1f} MiB "
+              f"of device memory for ~{total_ms:.1f} ms per step ({d2h * 1e3:.1f} ms shards "
+              f"and gradients to the host, {step * 1e3:.1f} ms host step over {n_params} "
+              f"parameters, {h2d * 1e3:.1f} ms shards back); predicted peak "
+              f"{peak_bytes / _MiB:.1f} MiB")
+    return OptimizerDecision(True, int(freed_bytes), int(host_bytes), int(n_params),
+                             d2h * 1e3, step * 1e3, h2d * 1e3, reason)
+
+
+def refusal_hint(offloaded: bool, unavailable: str, device_floor: int | None = None,
+                 exact: bool = True) -> str:
+    """The sentence a refusal ends with about the optimizer's state: ``offloaded``: the
+    minimum already has it on the host (what is left is shards, gradients and activations;
+    ``device_floor``: the minimum with it on the device, where the planner tried that first);
+    otherwise ``unavailable`` says why the lever was not tried ("" where not applicable)."""
+    if offloaded:
+        at_least = "" if exact else "at least "
+        before = (f" (with it on the device the minimum is {at_least}{device_floor} B, "
+                  f"{device_floor / _MiB:.1f} MiB)" if device_floor is not None else "")
+        return (" The minimum has the optimizer's state and step on the host "
+                f"(optimizer_offload){before}: to go lower, keep the parameter shards and "
+                "gradients on the host too, shardc.shard(model, mesh, "
+                "offload=shardc.OffloadPolicy()) (where shards live is decided at shardc.shard, "
+                "not by the planner).")
+    if unavailable.startswith("optimizer_offload='never'"):
+        return (" optimizer_offload='never': with 'auto' the planner may put the optimizer's "
+                "state on the host to go lower.")
+    return ""

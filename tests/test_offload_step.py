@@ -1,0 +1,180 @@
+"""The whole step's model with CPU offload (``shardc.planning.step``): the host optimizer step at
+the profile's fused CPU AdamW rate, optimizer-only offload's copies at its host link, the
+``step_in_backward`` worker stepping buckets as their gradients arrive, and the profile's host
+rates (format 5; older profiles read with the defaults). Synthetic plans and profiles only: no
+tracing, no process group."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from shardc.planning.copies import HOST_LINK_LATENCY_S, copy_seconds
+from shardc.planning.estimate import host_optimizer_seconds, optimizer_step_seconds
+from shardc.planning.plan import PLAN_VERSION, Collective, CollectiveKind, Plan
+from shardc.planning.profile import (
+    DEFAULT_HOST_ADAMW_PARAMS_PER_S,
+    DEFAULT_HOST_LINK_BYTES_PER_S,
+    HOST_FIELDS,
+    HOST_LINK_FIELDS,
+    ClusterProfile,
+    ProfileError,
+    load_profile,
+)
+from shardc.planning.schedule import _duration
+from shardc.planning.step import OptimizerSpec, predict_step
+
+RATE = 2e9  # parameters/s of the synthetic host's fused CPU AdamW
+
+
+def _profile(**changes) -> ClusterProfile:
+    base = ClusterProfile(
+        name="synthetic", device="test", source="measured", command="pytest", date="today",
+        memory=((1 << 20, 1e12), (1 << 30, 1e12)), kernel_gpu_s=0.0, kernel_launch_s=0.0,
+        optimizer_per_param_s=20e-6, optimizer_fixed_s=1e-3, zero_grad_per_param_s=2e-6,
+        zero_grad_fixed_s=0.1e-3, host_adamw_params_per_s=RATE,
+        device_to_host_bytes_per_s=20e9, host_to_device_bytes_per_s=40e9)
+    return dataclasses.replace(base, **changes)
+
+
+def _plan(graphs_s: float = 40e-3, backward_s: float = 30e-3, queued: float = 2e-3,
+          handoff: float = 5e-3) -> Plan:
+    plan = Plan(PLAN_VERSION, 0, 1, {}, [], [])
+    p = plan.predicted
+    p.step_time_s, p.forward_time_s, p.backward_time_s = graphs_s, graphs_s - backward_s, \
+        backward_s
+    p.backward_queued_s, p.grad_handoff_s = queued, handoff
+    return plan
+
+
+def _d2h(bucket: int, end_s: float, elements: int, tensors: int) -> Collective:
+    return Collective(
+        id=f"backward.d2h_copy.{bucket}", kind=CollectiveKind.D2H_COPY, graph="backward",
+        bucket=bucket, params=[f"p{bucket}.{i}" for i in range(tensors)], bytes=4 * elements,
+        buffer_bytes=4 * elements, dtype="float32", stream="copy", issue_pos=0, wait_pos=1,
+        first_use_pos=1, last_use_pos=1, predicted_start_s=end_s - 1e-3, predicted_end_s=end_s,
+        group="copy", group_size=1)
+
+
+def test_older_profiles_read_with_the_host_rate_defaults_and_bad_rates_are_refused():
+    h100 = load_profile("h100")  # a version-4 preset: no host rates in its JSON
+    assert h100.version == 4
+    assert h100.host_to_device_bytes_per_s == h100.device_to_host_bytes_per_s \
+        == DEFAULT_HOST_LINK_BYTES_PER_S == 25e9
+    assert h100.host_adamw_params_per_s == DEFAULT_HOST_ADAMW_PARAMS_PER_S
+    p = _profile()
+    assert ClusterProfile.from_json(p.to_json()) == p
+    for name in HOST_FIELDS + HOST_LINK_FIELDS:
+        with pytest.raises(ProfileError, match=name):
+            dataclasses.replace(p, **{name: 0.0})
+
+
+def test_offloaded_step_runs_on_the_host_at_the_profiles_adamw_rate():
+    prof, plan = _profile(), _plan()
+    n, tensors = 500e6, 200  # 2 GB of fp32 masters
+    spec = OptimizerSpec(4 * n, tensors, temp_factor=0.0, name="AdamW (fused)",
+                         offload="params")
+    step = predict_step([plan], prof, spec)
+    compute = n / RATE  # 0.25 s
+    assert step.optimizer_host_s == pytest.approx(compute)
+    assert host_optimizer_seconds(4 * n, prof, temp_factor=0.0) == pytest.approx(compute)
+    # graphs, then the hand-off beyond the queued device work, the optimizer's Python, the
+    # host compute and zero_grad: the device has nothing to run meanwhile.
+    python = prof.optimizer_fixed_s + prof.optimizer_per_param_s * tensors
+    zero_grad = prof.zero_grad_fixed_s + prof.zero_grad_per_param_s * tensors
+    expected = 40e-3 + (5e-3 - 2e-3) + python + compute + zero_grad
+    assert step.step_s == pytest.approx(expected, rel=1e-12)
+    assert step.optimizer_device_s == 0.0 and "on the host" in step.optimizer
+    assert sum(step.by_category.values()) == pytest.approx(step.after_s, rel=1e-12)
+    opt = {ph.name: ph for ph in step.phases}["optimizer"]
+    assert opt.runs_on == "host" and opt.bound == "host"
+    assert sum(ph.seconds for ph in step.phases) == pytest.approx(step.step_s, rel=1e-12)
+    # twice the parameters per rank: twice the host compute; a host twice as fast: half
+    twice = predict_step([plan], prof, dataclasses.replace(spec, param_bytes=8 * n))
+    assert twice.step_s - step.step_s == pytest.approx(compute, rel=1e-9)
+    fast = predict_step([plan], dataclasses.replace(prof, host_adamw_params_per_s=2 * RATE),
+                        spec)
+    assert step.step_s - fast.step_s == pytest.approx(compute / 2, rel=1e-9)
+    # the foreach AdamW on the host: 20 reads and writes per parameter instead of 7
+    foreach = predict_step([plan], prof, dataclasses.replace(spec, temp_factor=1.0))
+    assert foreach.optimizer_host_s == pytest.approx(compute * 20 / 7)
+
+
+def test_optimizer_only_offload_adds_its_copies_at_the_host_link():
+    prof, plan = _profile(), _plan()
+    spec = OptimizerSpec(4e9, 100, temp_factor=0.0, offload="optimizer")
+    step = predict_step([plan], prof, spec)
+    plain = predict_step([plan], prof, dataclasses.replace(spec, offload="params"))
+    # shards and gradients to the host (20 GB/s), shards back (40 GB/s): three copies of the
+    # shards' bytes, each at its direction's rate
+    copies = 2 * copy_seconds(int(4e9), 20e9) + copy_seconds(int(4e9), 40e9)
+    assert copies == pytest.approx(3 * HOST_LINK_LATENCY_S + 0.5)
+    assert step.step_s - plain.step_s == pytest.approx(copies, rel=1e-9)
+    assert step.by_category["offload_copies"] == pytest.approx(copies)
+
+
+def test_step_in_backward_steps_each_bucket_once_its_gradients_are_on_the_host():
+    prof = _profile()
+    # backward 300 ms; three buckets of 100M parameters (50 ms each at 2e9/s, 10 tensors)
+    plan = _plan(graphs_s=400e-3, backward_s=300e-3)
+    plan.copies = [_d2h(0, 100e-3, 100_000_000, 10), _d2h(1, 120e-3, 100_000_000, 10),
+                   _d2h(2, 290e-3, 100_000_000, 10)]
+    spec = OptimizerSpec(4 * 300e6, 30, temp_factor=0.0, offload="params", overlap=True)
+    step = predict_step([plan], prof, spec)
+    bucket = 100e6 / RATE + 10 * prof.optimizer_per_param_s
+    worker = 100e-3 + bucket  # bucket 0
+    worker += bucket  # bucket 1 arrived while bucket 0 stepped
+    worker = max(worker, 290e-3) + bucket  # bucket 2 after its arrival
+    behind = worker - 300e-3
+    zero_grad = prof.zero_grad_fixed_s + prof.zero_grad_per_param_s * 30
+    # optimizer.step() waits for the worker (beside the main thread's hand-off), then its own
+    # Python; nothing is left for it to step.
+    expected = 400e-3 - 2e-3 + max(5e-3, 2e-3 + behind) + prof.optimizer_fixed_s + zero_grad
+    assert step.step_s == pytest.approx(expected, rel=1e-12)
+    plain = predict_step([plan], prof, dataclasses.replace(spec, overlap=False))
+    assert step.step_s < plain.step_s
+    assert step.optimizer_host_s == plain.optimizer_host_s == pytest.approx(300e6 / RATE)
+    # Gradients that all arrive at the backward's end: nothing to overlap, the plain step.
+    for c in plan.copies:
+        c.predicted_end_s = 300e-3
+    late = predict_step([plan], prof, spec)
+    assert late.step_s == pytest.approx(plain.step_s - (5e-3 - 2e-3), rel=1e-9)
+    # (only the hand-off hides: the worker runs beside it)
+    with pytest.raises(ValueError, match="offload='params'"):
+        OptimizerSpec(1.0, 1, overlap=True)
+
+
+def test_device_optimizer_term_is_the_step_models_and_scales_with_parameters_per_rank():
+    prof, plan = _profile(), _plan()
+    spec = OptimizerSpec(8e9, 100)
+    step = predict_step([plan], prof, spec)
+    half = predict_step([plan], prof, dataclasses.replace(spec, param_bytes=4e9))
+    assert step.optimizer_device_s == optimizer_step_seconds(8e9, 100, prof)
+    # flat memory bandwidth, no per-kernel time: the device term halves with the bytes
+    assert half.optimizer_device_s == pytest.approx(step.optimizer_device_s / 2, rel=1e-12)
+    assert step.optimizer == "AdamW (foreach) on the device"
+    assert sum(ph.seconds for ph in step.phases) == pytest.approx(step.step_s, rel=1e-12)
+
+
+def test_offload_copies_run_at_the_profiles_host_link():
+    c = _d2h(0, 0.0, 250_000_000, 1)  # 1 GB
+    fast = _profile(device_to_host_bytes_per_s=50e9, host_to_device_bytes_per_s=10e9)
+    assert _duration(c, fast) == pytest.approx(HOST_LINK_LATENCY_S + 0.02)
+    back = dataclasses.replace(c, kind=CollectiveKind.H2D_COPY)
+    assert _duration(back, fast) == pytest.approx(HOST_LINK_LATENCY_S + 0.1)
+    assert _duration(c, load_profile("h100")) == pytest.approx(HOST_LINK_LATENCY_S + 0.04)
+
+
+def test_activation_offload_lever_prices_copies_at_the_given_link():
+    from shardc.compile.pipeline import free_candidates
+    from shardc.passes.recompute import Block
+
+    block = Block("layers.0", "inline", 0, (), saved_bytes=1 << 30, input_bytes=1 << 28)
+    estimates = {"layers.0": (3 << 28, 1 << 30, 40e-3)}  # freed, saved, forward seconds
+    # 1 GiB each way: 21 ms at 50 GB/s hides under the 40 ms forward (free); 215 ms at 5 GB/s
+    # does not, and recomputing (40 ms for 0.75 GiB) is cheaper per byte.
+    fast = free_candidates([block], estimates, "auto", {"link_bytes_per_s": 50e9})[0]
+    slow = free_candidates([block], estimates, "auto", {"link_bytes_per_s": 5e9})[0]
+    assert fast.offload and fast.copy_s == pytest.approx(copy_seconds(1 << 30, 50e9))
+    assert not slow.offload and slow.copy_s == pytest.approx(copy_seconds(1 << 30, 5e9))
