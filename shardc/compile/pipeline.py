@@ -445,9 +445,11 @@ def choose_device_levers(gm: fx.GraphModule, joint_inputs: Sequence[object],
     """The decisions of the levers on the device for one region's joint graph (left
     unchanged): the fully resharded configuration first; within the budget, the greedy keeps
     buckets gathered; over it, every bucket kept is tried once, then blocks are recomputed or
-    their activations offloaded (refused if the fully freed plan is still over the budget).
-    ``tag_prefix``: of the cross-rank exchanges' tags (each tag once per region), for a second
-    search under other conditions (the optimizer's state on the host). ``step_floor_exits``:
+    their activations offloaded (refused if the fully freed plan is still over the budget);
+    a shallower prefetch depth is tried before those, and the chosen configuration's depth is
+    decided last (:func:`_choose_prefetch`). ``tag_prefix``: of the cross-rank exchanges' tags
+    (each tag once per region), for a second search under other conditions (the optimizer's
+    state on the host). ``step_floor_exits``:
     raise :class:`optimizer_offload.StepOverBudget` as soon as the optimizer step's peak alone
     is over the budget (the caller then puts the state on the host)."""
     pristine = copy_graph_module(gm)
