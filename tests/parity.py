@@ -288,13 +288,17 @@ def collective_ops(state) -> int:
 
 def activation_copies(state) -> dict[str, int]:
     """Activation offload (shardc.passes.offload_saved) in the lowered graphs of the regions:
-    nodes per role ("d2h", "h2d", "wait", "host": the backward's host placeholders), the
-    forward outputs that are host copies ("saved_on_host"), and "misplaced": device copies
-    read before their wait, or waited before they are started (0 when the copies are right)."""
-    from shardc.ops.offload_copy import COPY_WAIT_OP
+    nodes per role ("d2h", "h2d", "wait", "release", "host": the backward's host placeholders),
+    the forward outputs that are host copies ("saved_on_host"), the forward's waits
+    ("forward_waits": the CPU would block; 0 since the copies are asynchronous), the releases
+    that make the compute stream wait ("release_waits"), and "misplaced": device copies read
+    before their wait, or waited before they are started, and device->host copies without
+    exactly one release after them, of their source (0 when the copies are right)."""
+    from shardc.ops.offload_copy import COPY_RELEASE_OP, COPY_WAIT_OP
     from shardc.passes.offload_saved import activation_role
 
-    out = {"d2h": 0, "h2d": 0, "wait": 0, "host": 0, "saved_on_host": 0, "misplaced": 0}
+    out = {"d2h": 0, "h2d": 0, "wait": 0, "release": 0, "host": 0, "saved_on_host": 0,
+           "forward_waits": 0, "release_waits": 0, "misplaced": 0}
     for region in state.regions:
         for gm in (region.forward, region.backward):
             nodes = list(gm.graph.nodes) if gm is not None else []
@@ -303,8 +307,13 @@ def activation_copies(state) -> dict[str, int]:
                 role = activation_role(node)
                 if role:
                     out[role] += 1
+                out["forward_waits"] += gm is region.forward and node.target is COPY_WAIT_OP
+                out["release_waits"] += role == "release" and node.args[2]
                 if role == "d2h":
                     out["saved_on_host"] += node in gm.graph.output_node().all_input_nodes
+                    releases = [u for u in node.users if u.target is COPY_RELEASE_OP]
+                    out["misplaced"] += len(releases) != 1 or releases[0].args[0] is not \
+                        node.args[0] or index[releases[0]] < index[node]
                 if role == "h2d":
                     waits = [u for u in node.users if u.target is COPY_WAIT_OP]
                     readers = [u for u in node.users if u.target is not COPY_WAIT_OP]

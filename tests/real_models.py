@@ -36,6 +36,7 @@ from torch.utils.checkpoint import (
 )
 
 import shardc
+from shardc.planning.budget import MemoryBudgetError
 from shardc.runtime.plan_check import PlanMismatchError
 from shardc.sharding.scope import _FORWARD
 from shardc.sharding.shard import shard_state
@@ -1393,16 +1394,19 @@ def adam_control(world: int) -> dict:
 BUDGET_CFG = dict(vocab_size=VOCAB, dim=48, n_layers=4, n_heads=HEADS, ffn_dim=90, max_seq_len=16)
 BUDGET_SEQ = 3
 BUDGET_ROOM = 40_000  # bytes over the minimum: the head bucket (7 KiB) fits, a block (87 KiB) not
+# The keep/recompute/refusal scenario (three compiles) with three blocks: what it shows needs
+# only more than one block (some recomputed, not all), and each block adds to every trial.
+PEAK_BUDGET_CFG = {**BUDGET_CFG, "n_layers": 3}
 
 
-def _budget_step(ctx: Ctx, model: nn.Module, budget: int, data: torch.Tensor):
+def _budget_step(ctx: Ctx, model: nn.Module, budget: int, data: torch.Tensor, **options):
     """Compile ``model`` under ``budget`` (FX backend, no static pool: Inductor's default) and
     train it on ``data``; returns the training result and the plan. No margin for the
     prediction's error: these scenarios place budgets at the levers' exact thresholds (the
     margin is tested in tests/test_budget.py)."""
     compiled = torch.compile(model, backend=shardc.backend(
         inductor=False, comm_pool=False, peak_memory_budget_bytes=budget,
-        peak_memory_margin=0.0))
+        peak_memory_margin=0.0, **options))
     out = train_lm(ctx, model, compiled, data)
     return out, shardc.explain_all(compiled)[0]
 
@@ -1413,16 +1417,37 @@ def _forward_bodies_in_backward(model: nn.Module) -> int:
                and "invoke_subgraph" in str(n.target) and "_fw_" in str(n.args[0].target))
 
 
+def _refused_budget(ctx: Ctx, build, data: torch.Tensor
+                    ) -> tuple[str, int | None, dict[int, int]]:
+    """Compile ``build()`` under a budget of one byte: the refusal's text, the fully resharded
+    plan's peak it carries (the fixed policy's, the ranks' largest) and that plan's peak at
+    each prefetch depth tried."""
+    try:
+        _budget_step(ctx, ctx.wrap(build(), compile=False), 1, data[:1])
+    except Exception as exc:  # torch.compile wraps the backend's error
+        cause: BaseException | None = exc
+        while cause is not None and not isinstance(cause, MemoryBudgetError):
+            cause = cause.__cause__ or getattr(cause, "inner_exception", None)
+        return (str(exc), getattr(cause, "resharded_bytes", None),
+                getattr(cause, "resharded_by_depth", None) or {})
+    finally:
+        torch._dynamo.reset()
+    return "", None, {}
+
+
 def sc_peak_budget(ctx: Ctx) -> dict:
     """Parity under a budget a little above the fully resharded plan's peak (room for the small
     head bucket, not for a block: some buckets kept, not all), and under one a byte below it
     (blocks recomputed: some, not all), plus the facts the tests check: the decisions, the
-    peaks, the hashes, the refusal of a budget below the minimum (every block recomputed)."""
+    peaks, the hashes, the refusal of a budget below the minimum (every block recomputed).
+    Three compiles: the refusal (one byte) comes first and names the fully resharded plan's
+    peak, which places the other two budgets (the fixed policy's plan, without a budget, is
+    compiled by ``sc_peak_budget_offload``)."""
     from shardc.models.llama import LlamaConfig, Transformer
 
     def build() -> nn.Module:
         torch.manual_seed(0)
-        return Transformer(LlamaConfig(**BUDGET_CFG))
+        return Transformer(LlamaConfig(**PEAK_BUDGET_CFG))
 
     data = tokens(steps=2, seq=BUDGET_SEQ)
     model = ctx.wrap(build(), compile=False)
@@ -1430,33 +1455,29 @@ def sc_peak_budget(ctx: Ctx) -> dict:
         out = train_lm(ctx, model, model, data)
         # The recompute run trains the same model on the same data: the same reference.
         return {**out, "recompute_losses": out["losses"], "recompute_params": out["params"]}
-    # No budget: the fixed policy's plan, whose peak is the budget planner's minimum.
-    _, fixed = _budget_step(ctx, ctx.wrap(build(), compile=False), 0, data[:1])
-    torch._dynamo.reset()
-    # The ranks' largest peak (uneven shards make them differ by a few bytes), as the planner
-    # compares it with the budget.
-    low = torch.tensor([int(fixed.predicted.peak_bytes)])
-    dist.all_reduce(low, op=dist.ReduceOp.MAX, group=ctx.group)
-    budget = int(low) + BUDGET_ROOM
+    # One byte: refused; the error names the feasible minimum and carries the fully resharded
+    # plan's peak (the ranks' largest: uneven shards make them differ by a few bytes).
+    refusal, low, by_depth = _refused_budget(ctx, build, data)
+    if low is None or not by_depth:
+        raise AssertionError(f"a budget of one byte was not refused as expected: {refusal!r}")
+    budget = low + BUDGET_ROOM
     ctx.model = model
     out, mixed = _budget_step(ctx, model, budget, data)
     torch._dynamo.reset()
-    # A byte below the fully resharded plan's peak: keeping cannot help, blocks are recomputed.
+    # A byte below the fully resharded plan's lowest peak (with no prefetch): neither keeping
+    # nor prefetching less helps, blocks are recomputed.
+    shallowest = min(by_depth.values())
     recomputing = ctx.wrap(build(), compile=False)
-    rec_out, rec = _budget_step(ctx, recomputing, int(low) - 1, data)
+    rec_out, rec = _budget_step(ctx, recomputing, shallowest - 1, data)
     torch._dynamo.reset()
-    try:  # below the fully recomputed plan's peak
-        _budget_step(ctx, ctx.wrap(build(), compile=False), rec.budget.minimum_bytes - 1,
-                     data[:1])
-        refusal = ""
-    except Exception as exc:  # torch.compile wraps the backend's error
-        refusal = str(exc)
     ctx.model = model
-    plans = {"fixed": fixed, "mixed": mixed, "recompute": rec}
+    plans = {"mixed": mixed, "recompute": rec}
     out.update({
         "planned": 1,
         "budget": budget,
-        "minimum": int(low),
+        "minimum": low,
+        "shallowest": shallowest,
+        "by_depth": by_depth,
         "hashes": {k: p.hash() for k, p in plans.items()},
         "backward_gathers": {k: sorted(c.bucket for c in p.collectives if c.graph == "backward"
                                        and c.kind == "all_gather") for k, p in plans.items()},
@@ -1501,15 +1522,22 @@ def sc_peak_budget_offload(ctx: Ctx) -> dict:
     model = ctx.wrap(build(), compile=False)
     if not ctx.sharded:
         return train_lm(ctx, model, model, data)
-    _, fixed = _budget_step(ctx, ctx.wrap(build(), compile=False), 0, data[:1])
+    # No prefetch (the budget's own prefetch lever, shardc.planning.prefetch, would otherwise
+    # meet a budget a byte below the fixed policy's peak by prefetching less).
+    _, fixed = _budget_step(ctx, ctx.wrap(build(), compile=False), 0, data[:1], prefetch=False)
     torch._dynamo.reset()
     low = torch.tensor([int(fixed.predicted.peak_bytes)])
     dist.all_reduce(low, op=dist.ReduceOp.MAX, group=ctx.group)
     ctx.model = model
-    out, plan = _budget_step(ctx, model, int(low) - 1, data)
+    out, plan = _budget_step(ctx, model, int(low) - 1, data, prefetch=False)
     out.update({
         "planned": 1,
         "minimum": int(low),
+        # Without a budget (the fixed policy's plan): no record, every block resharded.
+        "fixed": {"record": fixed.budget, "hash": fixed.hash(),
+                  "backward_gathers": sorted(c.bucket for c in fixed.collectives
+                                             if c.graph == "backward"
+                                             and c.kind == "all_gather")},
         "hash": plan.hash(),
         "record": plan.budget,
         "peak": plan.predicted.peak_bytes,

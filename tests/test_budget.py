@@ -3,6 +3,7 @@ model, the plan record's round trip and hash, the option's validation and ``"aut
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import pytest
@@ -554,6 +555,44 @@ def test_planner_meets_the_budget_less_the_margin():
     assert record.peak_bytes <= record.planned_bytes
 
 
+def test_the_prefetch_depth_flips_with_the_budget():
+    """The prefetch lever (shardc.planning.prefetch) through the real planner (a tiny model at
+    a fake world of 2, FX, over a slow interconnect: the cost model exposes the all-gathers).
+    A 1-byte budget is refused naming the fully resharded plan with no prefetch as the
+    minimum (lower than at the options' depth, one bucket ahead); at exactly that budget no
+    prefetch is chosen (memory short: nothing recomputed); with room, prefetching two buckets
+    ahead is predicted fastest and chosen; the choice is in the record, the text, the hash and
+    the plan's options."""
+    from shardc.models.llama import LlamaConfig
+    from shardc.tools.planner import PlanSetup, plan_model
+
+    cfg = LlamaConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2, max_seq_len=8)
+
+    def plan(budget_bytes: int) -> Plan:
+        return plan_model(cfg, 2, 1, 8, {"peak_memory_budget_bytes": budget_bytes,
+                                         "peak_memory_margin": 0.0,
+                                         "cluster": {"bus_bandwidth": 1e7}},
+                          template=False, setup=PlanSetup(inductor=False))[0]
+
+    with pytest.raises(Exception, match="with no prefetch") as refused:
+        plan(1)
+    cause = refused.value
+    while not isinstance(cause, budget.MemoryBudgetError):
+        cause = cause.__cause__ or cause.inner_exception
+    shallow = cause.resharded_by_depth[0]
+    assert shallow == cause.minimum_bytes < cause.resharded_by_depth[1] == cause.resharded_bytes
+    short = plan(shallow).budget
+    assert short.prefetch.depth == 0 and "does not fit" in short.prefetch.reason, short.prefetch
+    assert short.recomputed == [] and short.kept == [] and short.peak_bytes == shallow
+    roomy = plan(1 << 40)
+    tried = {t.depth: t for t in roomy.budget.prefetch.tried}
+    assert tried[2].step_ms < tried[1].step_ms and tried[2].peak_bytes > tried[1].peak_bytes
+    assert roomy.budget.prefetch.depth == 2 and "deeper" in roomy.budget.prefetch.reason
+    assert "prefetch depth 2 (options: 1)" in roomy.table()
+    assert roomy.options["prefetch_depth"] == 2  # the plan was made at the chosen depth
+    assert Plan.from_json(roomy.to_json()).budget == roomy.budget
+
+
 def _elided_plan() -> Plan:
     """World 1: two buckets whose backward gathers are elided (one-rank group), bf16 gathered."""
     buckets = [Bucket(i, f"layers.{i}", [f"w{i}"], [4], [4], [8], "torch.bfloat16",
@@ -688,6 +727,13 @@ def test_optimizer_offload_option_and_price():
     assert d2h == pytest.approx((8 << 30) / 25e9, rel=1e-3)
     assert step == pytest.approx((1 << 30) / profile.host_adamw_params_per_s)
     assert h2d == pytest.approx((4 << 30) / 25e9, rel=1e-3)
+    # Each way at its own rate: to the host at device_to_host_bytes_per_s, back at
+    # host_to_device_bytes_per_s (and the profile's latency per copy).
+    skewed = dataclasses.replace(profile, device_to_host_bytes_per_s=10e9,
+                                 host_to_device_bytes_per_s=40e9, host_copy_latency_s=1e-3)
+    d2h, _, h2d = optimizer_offload.price(4 << 30, 4 << 30, 1 << 30, skewed)
+    assert d2h == pytest.approx(1e-3 + (8 << 30) / 10e9)
+    assert h2d == pytest.approx(1e-3 + (4 << 30) / 40e9)
     assert optimizer_offload.why_not("auto", "cuda", None, False, False) == ""
     assert "already sharded" in optimizer_offload.why_not("auto", "cuda", object(), False, False)
     assert "FP8" in optimizer_offload.why_not("auto", "cuda", None, True, False)

@@ -341,6 +341,9 @@ def test_calibrate_on_cpu_writes_a_readable_profile(tmp_path, monkeypatch):
     assert cal.main(["--device", "cpu", "--quick", "--out", str(out), "--name", "ci"]) == 0
     p = load_profile(str(out))
     assert p.name == "ci" and p.source == "measured" and p.version == PROFILE_VERSION == 5
+    # No GPU: the host link is the default, and a note says so.
+    assert (p.host_to_device_bytes_per_s, p.device_to_host_bytes_per_s) == (25e9, 25e9)
+    assert any("host link is the default" in n for n in p.notes)
     assert "calibrate --device cpu" in p.command
     assert {m.dtype for m in p.matmul} == {"float32", "bfloat16"}
     assert all(m.flops_per_s > 0 for m in p.matmul) and p.memory_bandwidth(1 << 17) > 0
@@ -356,9 +359,10 @@ def test_calibrate_on_cpu_writes_a_readable_profile(tmp_path, monkeypatch):
                and "6 params" in n and "0 kernels, " in n and " in the model" in n
                for n in p.notes)
     assert p.intra == Link(*dataclasses.astuple(ClusterProfile("", "", "", "", "").intra))
-    # CPU offload's host rates: the fused CPU AdamW timed here; no CUDA, so the link's default.
+    # CPU offload's host rates: the fused CPU AdamW timed here; no CUDA, so the link's default
+    # each way (asserted above).
     assert p.host_adamw_params_per_s > 0
-    assert p.host_link_bytes_per_s == DEFAULT_HOST_LINK_BYTES_PER_S
+    assert p.device_to_host_bytes_per_s == DEFAULT_HOST_LINK_BYTES_PER_S
 
 
 class _SyntheticTimer(cal.Timer):
@@ -754,3 +758,47 @@ def test_a_version_3_profile_plans_as_before_and_version_4_hides_the_backward_ca
     hidden = v3.graph_call_s + v3.graph_launch_s()
     assert old.time_by_category_s["backward/launch_bound"] >= hidden
     assert new.backward_time_s == pytest.approx(old.backward_time_s - hidden, rel=1e-9)
+
+
+def test_the_host_link_is_a_profile_field_and_older_profiles_read_with_the_old_constant():
+    """Profile version 5: the pinned host<->device bandwidth each way and a copy's latency,
+    which price CPU offload's and activation offload's copies (the plan's copy lane, and the
+    offload lever against recompute); a version-4 profile reads with the constants used before
+    (25 GB/s, 10 us)."""
+    from shardc.planning.offload import choose_lever, link_of
+    from shardc.planning.schedule import _duration
+
+    data = load_profile("h100").to_dict()
+    for name in ("host_to_device_bytes_per_s", "device_to_host_bytes_per_s",
+                 "host_copy_latency_s"):
+        data.pop(name)
+    data["version"] = 4
+    v4 = ClusterProfile.from_dict(data)
+    assert (v4.host_to_device_bytes_per_s, v4.device_to_host_bytes_per_s,
+            v4.host_copy_latency_s) == (25e9, 25e9, 10e-6)
+    assert v4.host_copy_seconds(25 * 10**9, to_device=True) == pytest.approx(1.0 + 10e-6)
+    fast = dataclasses.replace(v4, version=5, host_to_device_bytes_per_s=50e9,
+                               device_to_host_bytes_per_s=40e9, host_copy_latency_s=5e-6)
+    assert ClusterProfile.from_json(fast.to_json()) == fast
+    copy = Collective(id="c", kind="h2d_copy", graph="backward", bucket=0, params=[],
+                      bytes=10**9, buffer_bytes=10**9, dtype="float32", stream="copy",
+                      issue_pos=0, wait_pos=1, first_use_pos=1, last_use_pos=1)
+    assert _duration(copy, v4) == pytest.approx(10e-6 + 1 / 25)
+    assert _duration(copy, fast) == pytest.approx(5e-6 + 1 / 50)
+    assert _duration(dataclasses.replace(copy, kind="d2h_copy"), fast) == \
+        pytest.approx(5e-6 + 1 / 40)
+    # The lever follows the profile: a 1 ms block saving 100 MB is recomputed over the old
+    # 25 GB/s (4 ms each way: 3 + 2 ms exposed, per byte dearer than its 1 ms forward against
+    # 90 MB freed), offloaded over a measured 200 GB/s (0.5 ms each way: hidden).
+    block = dict(forward_s=1e-3, recompute_bytes=90 * 10**6, offload_bytes=100 * 10**6,
+                 can_recompute=True)
+    assert not choose_lever(**block, **link_of(v4)).offload
+    measured = dataclasses.replace(fast, host_to_device_bytes_per_s=200e9,
+                                   device_to_host_bytes_per_s=200e9)
+    lever = choose_lever(**block, **link_of(measured))
+    assert lever.offload and lever.cost_s == 0.0
+    assert lever.copy_s == pytest.approx(5e-6 + 100 * 10**6 / 200e9)
+    with pytest.raises(ProfileError, match="host_to_device_bytes_per_s is 0"):
+        dataclasses.replace(v4, host_to_device_bytes_per_s=0)
+    with pytest.raises(ProfileError, match="host_copy_latency_s"):
+        dataclasses.replace(v4, host_copy_latency_s=-1.0)

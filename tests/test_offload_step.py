@@ -17,6 +17,7 @@ from shardc.planning.profile import (
     DEFAULT_HOST_ADAMW_PARAMS_PER_S,
     DEFAULT_HOST_LINK_BYTES_PER_S,
     HOST_FIELDS,
+    HOST_LINK_FIELDS,
     ClusterProfile,
     ProfileError,
     load_profile,
@@ -32,7 +33,8 @@ def _profile(**changes) -> ClusterProfile:
         name="synthetic", device="test", source="measured", command="pytest", date="today",
         memory=((1 << 20, 1e12), (1 << 30, 1e12)), kernel_gpu_s=0.0, kernel_launch_s=0.0,
         optimizer_per_param_s=20e-6, optimizer_fixed_s=1e-3, zero_grad_per_param_s=2e-6,
-        zero_grad_fixed_s=0.1e-3, host_adamw_params_per_s=RATE, host_link_bytes_per_s=20e9)
+        zero_grad_fixed_s=0.1e-3, host_adamw_params_per_s=RATE,
+        device_to_host_bytes_per_s=20e9, host_to_device_bytes_per_s=40e9)
     return dataclasses.replace(base, **changes)
 
 
@@ -58,11 +60,12 @@ def _d2h(bucket: int, end_s: float, elements: int, tensors: int) -> Collective:
 def test_older_profiles_read_with_the_host_rate_defaults_and_bad_rates_are_refused():
     h100 = load_profile("h100")  # a version-4 preset: no host rates in its JSON
     assert h100.version == 4
-    assert h100.host_link_bytes_per_s == DEFAULT_HOST_LINK_BYTES_PER_S == 25e9
+    assert h100.host_to_device_bytes_per_s == h100.device_to_host_bytes_per_s \
+        == DEFAULT_HOST_LINK_BYTES_PER_S == 25e9
     assert h100.host_adamw_params_per_s == DEFAULT_HOST_ADAMW_PARAMS_PER_S
     p = _profile()
     assert ClusterProfile.from_json(p.to_json()) == p
-    for name in HOST_FIELDS:
+    for name in HOST_FIELDS + HOST_LINK_FIELDS:
         with pytest.raises(ProfileError, match=name):
             dataclasses.replace(p, **{name: 0.0})
 
@@ -103,9 +106,10 @@ def test_optimizer_only_offload_adds_its_copies_at_the_host_link():
     spec = OptimizerSpec(4e9, 100, temp_factor=0.0, offload="optimizer")
     step = predict_step([plan], prof, spec)
     plain = predict_step([plan], prof, dataclasses.replace(spec, offload="params"))
-    # shards and gradients to the host, shards back: three copies of the shards' bytes
-    copies = 3 * copy_seconds(int(4e9), 20e9)
-    assert copies == pytest.approx(3 * (HOST_LINK_LATENCY_S + 0.2))
+    # shards and gradients to the host (20 GB/s), shards back (40 GB/s): three copies of the
+    # shards' bytes, each at its direction's rate
+    copies = 2 * copy_seconds(int(4e9), 20e9) + copy_seconds(int(4e9), 40e9)
+    assert copies == pytest.approx(3 * HOST_LINK_LATENCY_S + 0.5)
     assert step.step_s - plain.step_s == pytest.approx(copies, rel=1e-9)
     assert step.by_category["offload_copies"] == pytest.approx(copies)
 
@@ -155,8 +159,10 @@ def test_device_optimizer_term_is_the_step_models_and_scales_with_parameters_per
 
 def test_offload_copies_run_at_the_profiles_host_link():
     c = _d2h(0, 0.0, 250_000_000, 1)  # 1 GB
-    assert _duration(c, _profile(host_link_bytes_per_s=50e9)) == pytest.approx(
-        HOST_LINK_LATENCY_S + 0.02)
+    fast = _profile(device_to_host_bytes_per_s=50e9, host_to_device_bytes_per_s=10e9)
+    assert _duration(c, fast) == pytest.approx(HOST_LINK_LATENCY_S + 0.02)
+    back = dataclasses.replace(c, kind=CollectiveKind.H2D_COPY)
+    assert _duration(back, fast) == pytest.approx(HOST_LINK_LATENCY_S + 0.1)
     assert _duration(c, load_profile("h100")) == pytest.approx(HOST_LINK_LATENCY_S + 0.04)
 
 
@@ -168,7 +174,7 @@ def test_activation_offload_lever_prices_copies_at_the_given_link():
     estimates = {"layers.0": (3 << 28, 1 << 30, 40e-3)}  # freed, saved, forward seconds
     # 1 GiB each way: 21 ms at 50 GB/s hides under the 40 ms forward (free); 215 ms at 5 GB/s
     # does not, and recomputing (40 ms for 0.75 GiB) is cheaper per byte.
-    fast = free_candidates([block], estimates, "auto", 50e9)[0]
-    slow = free_candidates([block], estimates, "auto", 5e9)[0]
+    fast = free_candidates([block], estimates, "auto", {"link_bytes_per_s": 50e9})[0]
+    slow = free_candidates([block], estimates, "auto", {"link_bytes_per_s": 5e9})[0]
     assert fast.offload and fast.copy_s == pytest.approx(copy_seconds(1 << 30, 50e9))
     assert not slow.offload and slow.copy_s == pytest.approx(copy_seconds(1 << 30, 5e9))

@@ -263,15 +263,21 @@ def _check_offloaded_activations(world: int, runs: dict[str, dict]) -> None:
         run, copies = runs[name], runs[name]["activation_copies"]
         assert copies["d2h"] > 0 and copies["d2h"] == copies["h2d"] == copies["host"], copies
         assert copies["saved_on_host"] == copies["d2h"] and copies["misplaced"] == 0, copies
-        assert copies["wait"] == copies["d2h"] + copies["h2d"], copies
+        # Asynchronous: no CPU wait in the forward; every copy released once, and the
+        # compute stream waits for them where they are released.
+        assert copies["wait"] == copies["h2d"] and copies["forward_waits"] == 0, copies
+        assert copies["release"] == copies["d2h"] == copies["release_waits"], copies
         assert any("activation offload" in n for notes in run["notes"] for n in notes), name
         _bitwise(run, runs[plain], f"world {world}: {name} vs {plain}")
         assert runs[plain]["activation_copies"]["d2h"] == 0
-        # The training region (the first plan): host bytes, and a lower forward peak (the
-        # step's peak is the optimizer's in these small models), the backward's not higher.
+        # The training region (the first plan): host bytes, and device peaks not higher (the
+        # step's peak is the optimizer's in these small models). Not always lower: a block's
+        # values stay on the device until the next block's forward ends (the copy's window),
+        # and with two blocks the forward peaks inside the second; the planner's choice under
+        # a budget lowers the step's peak (tests/test_real_models.py).
         assert run["predicted"][0][2] > 0 and runs[plain]["predicted"][0][2] is None
         (fw, bw), (plain_fw, plain_bw) = run["peak"][0], runs[plain]["peak"][0]
-        assert fw < plain_fw and bw <= plain_bw, (run["peak"], runs[plain]["peak"])
+        assert fw <= plain_fw and bw <= plain_bw, (run["peak"], runs[plain]["peak"])
 
 
 def _check_roomy_budget(world: int, records: list) -> None:

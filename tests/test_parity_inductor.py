@@ -138,6 +138,8 @@ def test_parity_inductor(world, inductor_reference):
         assert graphs["d2h"] == graphs["h2d"] == graphs["saved_on_host"] > 0, graphs
         assert graphs["misplaced"] == 0 and sorted(set(act["planned"])) == ["d2h_copy",
                                                                              "h2d_copy"]
+        # No CPU wait in the forward; each copy released (its source reusable) once.
+        assert graphs["forward_waits"] == 0 and graphs["release"] == graphs["d2h"], graphs
     for run in runs:
         if world == 1:
             # One rank: the plan lists its collectives elided, the Inductor-compiled graphs

@@ -141,6 +141,10 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_
         # SHARDC_ACTIVATION_OFFLOAD: the activation offload lever (auto, never, prefer).
         if os.environ.get("SHARDC_ACTIVATION_OFFLOAD"):
             options["activation_offload"] = os.environ["SHARDC_ACTIVATION_OFFLOAD"]
+        # SHARDC_CLUSTER_PROFILE: a cluster profile (preset name or JSON path, e.g. one from
+        # `python -m shardc calibrate`, whose host link prices the offload lever).
+        if os.environ.get("SHARDC_CLUSTER_PROFILE"):
+            options["cluster"] = {"profile": os.environ["SHARDC_CLUSTER_PROFILE"]}
         # SHARDC_OPTIMIZER_OFFLOAD: the last lever, the optimizer's state on the host (auto,
         # never).
         if os.environ.get("SHARDC_OPTIMIZER_OFFLOAD"):

@@ -61,11 +61,17 @@ from shardc.passes.offload_saved import OffloadedValue, block_groups, offload_sa
 from shardc.passes.recompute import Block, find_blocks, recompute_blocks
 from shardc.passes.reshard import check_no_gathered_saved, keep_gathered, tag_resharded_gathers
 from shardc.passes.saved_order import order_saved_values
-from shardc.planning import budget, optimizer_offload, recompute
+from shardc.planning import budget, optimizer_offload, prefetch, recompute
 from shardc.planning import offload as offload_lever
-from shardc.planning.copies import HOST_LINK_BYTES_PER_S
 from shardc.planning.estimate import elided_cast_seconds
-from shardc.planning.plan import CompiledBody, InlineBlock, MemoryBudget, Plan
+from shardc.planning.plan import (
+    CompiledBody,
+    InlineBlock,
+    MemoryBudget,
+    Plan,
+    PrefetchDecision,
+    PrefetchTrial,
+)
 from shardc.planning.profile import resolve_profile
 from shardc.planning.schedule import device_name, plan_region
 from shardc.runtime.collectives import resolve_group
@@ -286,6 +292,8 @@ def partition_and_plan(gm: fx.GraphModule, joint_inputs: Sequence[object], optio
         gm.recompile()
         fw, bw = partition(gm, joint_inputs, **kwargs)
     done = offload_activations(fw, bw, kwargs["num_fwd_outputs"], blocks, offloaded)
+    if decided is not None and decided.prefetch is not None:
+        options = with_depth(options, decided.prefetch.depth)
     plan = plan_and_lower(fw, bw, options, region, budget=decided)
     if offloaded and decided is None:
         plan.notes.append(forced_offload_note(done, blocks, offloaded))
@@ -347,13 +355,11 @@ def choose_under_budget(gm: fx.GraphModule, joint_inputs: Sequence[object],
         if floor is None:  # not a budget below the minimum ("auto" off CUDA)
             raise
         if region.optimizer_on_host:  # already there (OffloadPolicy, or an earlier region)
-            raise budget.MemoryBudgetError(
-                str(refused) + optimizer_offload.refusal_hint(True, "")) from None
+            raise _refusal(refused, optimizer_offload.refusal_hint(True, "")) from None
         if unavailable:
             log.info("shardc: region %d: optimizer offload not tried: %s", region.index,
                      unavailable)
-            raise budget.MemoryBudgetError(
-                str(refused) + optimizer_offload.refusal_hint(False, unavailable)) from None
+            raise _refusal(refused, optimizer_offload.refusal_hint(False, unavailable)) from None
         floor_plan, exact = refused.plan, True
     region.optimizer_on_host = True  # every prediction below leaves the state to the host
     try:
@@ -363,8 +369,7 @@ def choose_under_budget(gm: fx.GraphModule, joint_inputs: Sequence[object],
         region.optimizer_on_host = False
         if getattr(again, "minimum_bytes", None) is None:
             raise
-        raise budget.MemoryBudgetError(
-            str(again) + optimizer_offload.refusal_hint(True, "", floor, exact)) from None
+        raise _refusal(again, optimizer_offload.refusal_hint(True, "", floor, exact)) from None
     decided.optimizer = _optimizer_decision(floor_plan, floor, exact, decided, options, region,
                                             device_name(gm))
     # A warning: the host step costs far more than any device lever (seconds per step at 1e9
@@ -373,6 +378,16 @@ def choose_under_budget(gm: fx.GraphModule, joint_inputs: Sequence[object],
                 "host (optimizer_offload='never' turns this off): %s", region.index,
                 decided.optimizer.reason)
     return decided
+
+
+def _refusal(refused: budget.MemoryBudgetError, hint: str) -> budget.MemoryBudgetError:
+    """``refused`` with ``hint`` (on the optimizer's offload) added to its text, carrying its
+    figures (the minimum, the fully resharded plan's peaks, the minimum's plan)."""
+    error = budget.MemoryBudgetError(str(refused) + hint)
+    for name in ("minimum_bytes", "resharded_bytes", "resharded_by_depth", "plan"):
+        if getattr(refused, name, None) is not None:
+            setattr(error, name, getattr(refused, name))
+    return error
 
 
 def _optimizer_offload_unavailable(gm: fx.GraphModule, options: ShardcOptions) -> str:
@@ -430,9 +445,11 @@ def choose_device_levers(gm: fx.GraphModule, joint_inputs: Sequence[object],
     """The decisions of the levers on the device for one region's joint graph (left
     unchanged): the fully resharded configuration first; within the budget, the greedy keeps
     buckets gathered; over it, every bucket kept is tried once, then blocks are recomputed or
-    their activations offloaded (refused if the fully freed plan is still over the budget).
-    ``tag_prefix``: of the cross-rank exchanges' tags (each tag once per region), for a second
-    search under other conditions (the optimizer's state on the host). ``step_floor_exits``:
+    their activations offloaded (refused if the fully freed plan is still over the budget);
+    a shallower prefetch depth is tried before those, and the chosen configuration's depth is
+    decided last (:func:`_choose_prefetch`). ``tag_prefix``: of the cross-rank exchanges' tags
+    (each tag once per region), for a second search under other conditions (the optimizer's
+    state on the host). ``step_floor_exits``:
     raise :class:`optimizer_offload.StepOverBudget` as soon as the optimizer step's peak alone
     is over the budget (the caller then puts the state on the host)."""
     pristine = copy_graph_module(gm)
@@ -445,8 +462,20 @@ def choose_device_levers(gm: fx.GraphModule, joint_inputs: Sequence[object],
     trial_options = replace(options, dump_dir=None)
     trials: list[str] = []
 
+    default_depth = depth_of(options)
+    evaluated: dict[tuple, tuple[Plan, int, int]] = {}  # configuration -> plan, peak, step ns
+
     def evaluate(kept: set[str], recomputed: frozenset[str] = frozenset(),
-                 offloaded: frozenset[str] = frozenset()) -> tuple[Plan, int]:
+                 offloaded: frozenset[str] = frozenset(), depth: int | None = None
+                 ) -> tuple[Plan, int]:
+        key = (frozenset(kept), frozenset(recomputed), frozenset(offloaded),
+               default_depth if depth is None else depth)
+        if key not in evaluated:
+            evaluated[key] = _evaluate(kept, recomputed, offloaded, key[3])
+        return evaluated[key][:2]
+
+    def _evaluate(kept: set[str], recomputed: frozenset[str], offloaded: frozenset[str],
+                  depth: int) -> tuple[Plan, int, int]:
         trial = copy_graph_module(pristine)
         keep_gathered(trial.graph, kept)
         joint_passes(trial.graph)
@@ -456,13 +485,23 @@ def choose_device_levers(gm: fx.GraphModule, joint_inputs: Sequence[object],
         trial.recompile()
         fw, bw = partition(trial, joint_inputs, record=False, **kwargs)
         offload_activations(fw, bw, kwargs["num_fwd_outputs"], found, set(offloaded))
-        plan, _ = lower_and_predict(fw, bw, trial_options, region,
+        plan, _ = lower_and_predict(fw, bw, with_depth(trial_options, depth), region,
                                     pool_device=torch.device("meta"))
-        # Every rank compares the ranks' largest peak: the same decisions everywhere.
+        # Every rank compares the ranks' largest peak (and step time): the same decisions
+        # everywhere.
         tag = f"{tag_prefix}trial{len(trials)}"
         trials.append(tag)
-        return plan, agree_on_largest(plan.group_name, region.check_index, tag,
-                                      int(plan.predicted.peak_bytes or 0))
+        peak = agree_on_largest(plan.group_name, region.check_index, tag,
+                                int(plan.predicted.peak_bytes or 0))
+        step_ns = agree_on_largest(plan.group_name, region.check_index, f"{tag}/ns",
+                                   int((plan.predicted.step_time_s or 0.0) * 1e9))
+        return plan, peak, step_ns
+
+    def depth_trial(kept: set[str], recomputed, offloaded, depth: int) -> PrefetchTrial:
+        evaluate(kept, recomputed, offloaded, depth)
+        _, peak, step_ns = evaluated[(frozenset(kept), frozenset(recomputed),
+                                      frozenset(offloaded), depth)]
+        return PrefetchTrial(depth, step_ns * 1e-6, peak, peak <= budget_bytes)
 
     base, minimum = evaluate(set())
     if step_floor_exits:
@@ -481,6 +520,7 @@ def choose_device_levers(gm: fx.GraphModule, joint_inputs: Sequence[object],
         pristine, resolve_profile(options.cluster, device_name(pristine))))
     params = {c.bucket: set(c.params) for c in cands}
     useful = {p for c in cands if c.saved_s > 0 for p in c.params}
+    shallow, current = None, default_depth  # the depth the chosen configuration is found at
     if minimum <= budget_bytes:
         decided = budget.choose(
             cands, fixed, budget_bytes, minimum,
@@ -488,23 +528,92 @@ def choose_device_levers(gm: fx.GraphModule, joint_inputs: Sequence[object],
         decided.blocks = recompute.decisions(blocks, [], [], needed=False)
     else:
         kept_plan, peak = evaluate(useful) if useful else (base, minimum)
+        if peak > budget_bytes and _prefetches(base):
+            shallow = _shallower_fit(lambda d: depth_trial(set(), (), (), d), default_depth)
         if peak <= budget_bytes:
             decided = budget.keep_all(cands, fixed, budget_bytes, minimum, peak)
             decided.blocks = recompute.decisions(blocks, [], [], needed=False)
+        elif shallow is not None:  # prefetching less fits: no block recomputed or offloaded
+            current = shallow.depth
+            decided = MemoryBudget(budget_bytes, minimum, shallow.peak_bytes, 0, [],
+                                   recompute.decisions(blocks, [], [], needed=False))
+            decided.decisions = budget.reshard_all(cands, fixed, minimum, shallow.depth)
         else:
             lowest = (base, minimum) if minimum <= peak else (kept_plan, peak)
-            decided = _recompute_under_budget(
-                probe, blocks, user_bytes, (base, minimum), lowest, options, region,
-                lambda recomputed, offloaded: evaluate(set(), recomputed, offloaded),
-                tag_prefix=tag_prefix)
+            for key, (plan_d, peak_d, _) in evaluated.items():  # the shallower depths tried
+                if not any(key[:3]) and peak_d < lowest[1]:
+                    lowest = (plan_d, peak_d)
+            # Memory is short: blocks are freed at the shallowest depth tried (then one deeper
+            # is tried on the result, below).
+            current = min((k[3] for k in evaluated if not any(k[:3])), default=default_depth)
+            try:
+                decided = _recompute_under_budget(
+                    probe, blocks, user_bytes, evaluate(set(), depth=current), lowest, options,
+                    region, lambda recomputed, offloaded: evaluate(set(), recomputed, offloaded,
+                                                                   current),
+                    tag_prefix=tag_prefix)
+            except budget.MemoryBudgetError as exc:
+                # The fully resharded plan's peak at the options' depth (the fixed policy's)
+                # and at each depth tried (the ranks' largest).
+                exc.resharded_bytes = minimum
+                exc.resharded_by_depth = {k[3]: v[1] for k, v in evaluated.items()
+                                          if not any(k[:3])}
+                raise
             decided.decisions = budget.reshard_all(cands, fixed, minimum)
-            decided.trials = len(trials) - 1
+    decided.prefetch = _choose_prefetch(
+        lambda d: depth_trial(kept_params(decided), decided.recomputed, decided.offloaded, d),
+        base, default_depth, budget_bytes, current)
+    decided.peak_bytes = decided.prefetch.peak_bytes
+    decided.trials = len(evaluated) - 1
     budget.with_margin(decided, user_bytes, margin)
     log.info("shardc: region %d, peak budget %d B (planned for %d B): minimum %d B, kept "
              "gathered %s, recomputed %s, offloaded %s, predicted peak %d B (%d trials)",
              region.index, user_bytes, budget_bytes, decided.minimum_bytes, decided.kept,
              decided.recomputed, decided.offloaded, decided.peak_bytes, decided.trials)
     return decided
+
+
+def depth_of(options: ShardcOptions) -> int:
+    """The options' prefetch depth (0: no prefetch)."""
+    return options.prefetch_depth if options.prefetch else 0
+
+
+def with_depth(options: ShardcOptions, depth: int) -> ShardcOptions:
+    """``options`` prefetching ``depth`` buckets ahead (0: no prefetch)."""
+    if depth == depth_of(options):
+        return options
+    return replace(options, prefetch=depth > 0, prefetch_depth=max(depth, 1))
+
+
+def _prefetches(plan: Plan) -> bool:
+    """Whether the plan has an all-gather whose issue a prefetch depth moves (not elided)."""
+    return any(c.kind == "all_gather" and c.origin == "shardc" and not c.elided
+               for c in plan.collectives)
+
+
+def _shallower_fit(trial, default: int) -> PrefetchTrial | None:
+    """The deepest depth below ``default`` at which the fully resharded plan fits (``trial``:
+    depth -> its :class:`PrefetchTrial`), or None."""
+    for depth in prefetch.shallower_depths(default):
+        got = trial(depth)
+        if got.fits:
+            return got
+    return None
+
+
+def _choose_prefetch(trial, base: Plan, default: int, budget_bytes: int,
+                     current: int) -> PrefetchDecision:
+    """The prefetch depth of the chosen configuration, found at depth ``current`` (``trial``:
+    depth -> its predicted :class:`PrefetchTrial`): :func:`shardc.planning.prefetch.choose_depth`
+    over the depths tried (:func:`shardc.planning.prefetch.depths_to_try`); only the options'
+    depth where no all-gather is prefetched (one-rank groups)."""
+    if not _prefetches(base):
+        only = trial(default)
+        return PrefetchDecision(default, default, only.step_ms, only.peak_bytes,
+                                f"prefetch depth {default} (the options'): no all-gather to "
+                                "prefetch (every gather elided: one-rank group)", [only])
+    return prefetch.choose_depth([trial(d) for d in prefetch.depths_to_try(current)],
+                                 default, budget_bytes)
 
 
 def _recompute_under_budget(probe: fx.GraphModule, blocks: list[Block], user_bytes: int,
@@ -522,13 +631,13 @@ def _recompute_under_budget(probe: fx.GraphModule, blocks: list[Block], user_byt
         offloaded = sum(1 for c in cands if c.offload)
         return budget.refuse_below_minimum(user_bytes, peak, plan,
                                            recomputed=len(cands) - offloaded,
-                                           offloaded=offloaded, margin=margin)
+                                           offloaded=offloaded, margin=margin,
+                                           resharded=resharded[1])
 
     estimates = block_estimates(probe, blocks, resharded[0].group_name, options, region,
                                 tag_prefix)
     mode = options.activation_offload if isinstance(options.activation_offload, str) else "auto"
-    # The copies' link: the cluster profile's (every rank resolves the same profile).
-    link = resolve_profile(options.cluster, device_name(probe)).host_link_bytes_per_s
+    link = agreed_link(probe, resharded[0].group_name, options, region, tag_prefix)
     cands = free_candidates(blocks, estimates, mode, link)
     if not cands:
         raise refuse(lowest[1], lowest[0])
@@ -587,18 +696,36 @@ def block_estimates(probe: fx.GraphModule, blocks: list[Block], group: str,
     return out
 
 
+def agreed_link(probe: fx.GraphModule, group: str, options: ShardcOptions,
+                region: RegionRecord, tag_prefix: str = "") -> dict[str, float]:
+    """The host link of the cluster profile (``offload.link_of``), each figure the slowest over
+    the ranks (femtoseconds per byte and nanoseconds of latency exchanged as integers, one store
+    exchange each), so that every rank prices offload the same. ``tag_prefix``: of the
+    exchanges' tags, as :func:`choose_device_levers`'s."""
+    link = offload_lever.link_of(resolve_profile(options.cluster, device_name(probe)))
+    out = {}
+    for key in ("link_bytes_per_s", "h2d_bytes_per_s"):
+        fs_per_byte = agree_on_largest(group, region.check_index, f"{tag_prefix}link/{key}",
+                                       round(1e15 / link[key]))
+        out[key] = 1e15 / fs_per_byte
+    out["latency_s"] = agree_on_largest(group, region.check_index, f"{tag_prefix}link/latency",
+                                        round(link["latency_s"] * 1e9)) * 1e-9
+    return out
+
+
 def free_candidates(blocks: list[Block], estimates: dict[str, tuple[int, int, float]],
-                    mode: str, link_bytes_per_s: float = HOST_LINK_BYTES_PER_S
+                    mode: str, link: dict[str, float] | None = None
                     ) -> list[recompute.RecomputeCandidate]:
     """The blocks whose saved activations the planner may free, each with its cheaper lever
-    (recompute, or offload to the host over a link of ``link_bytes_per_s``:
-    ``shardc.planning.offload.choose_lever``, under ``activation_offload`` ``mode``)."""
+    (recompute, or offload to the host: ``shardc.planning.offload.choose_lever``, under
+    ``activation_offload`` ``mode``, over the host ``link``: ``offload.link_of`` the cluster
+    profile; default: the unmeasured constants)."""
     cands = []
     for b in blocks:
         freed, saved, forward_s = estimates[b.name]
         lever = offload_lever.choose_lever(
             forward_s=forward_s, recompute_bytes=freed, offload_bytes=saved,
-            can_recompute=not b.excluded, mode=mode, link_bytes_per_s=link_bytes_per_s)
+            can_recompute=not b.excluded, mode=mode, **(link or {}))
         if lever is not None:
             cands.append(recompute.RecomputeCandidate(
                 b.name, b.kind, b.position, lever.cost_s, lever.nbytes, offload=lever.offload,

@@ -84,9 +84,13 @@ def copy_fqn(node) -> str:
 # -- The split form the lowering uses: a copy started at the plan's issue position on a copy
 # stream, and waited at its wait position (the compute stream waits for a host->device copy; the
 # CPU waits for a device->host one). On a CPU mesh (simulation) the copy is made at the start and
-# the wait does nothing.
+# the wait does nothing. Activation offload (``shardc.passes.offload_saved``) never waits on the
+# CPU: its device->host copies are waited by the compute stream where their sources may be
+# reused (``offload_copy_release``) and by the copy stream before the host copy is read back
+# (``offload_copy_start`` from a host tensor whose copy is pending).
 
 _PENDING: dict[tuple[str, int], object] = {}  # (device, data pointer) of a started copy -> event
+_PRUNE_AT = 1024  # pending copies at which the completed ones are dropped (see _remember)
 _COPY_STREAMS: dict[int, object] = {}
 
 
@@ -117,14 +121,49 @@ def offload_copy_start(src: torch.Tensor, fqn: str, device: str, dtype: torch.dt
     out = torch.empty(src.shape, dtype=dtype, device=target,
                       pin_memory=pin and target.type == "cpu")
     stream.wait_stream(current)
+    if src.device.type == "cpu":
+        await_host_copy(stream, src)
     with torch.cuda.stream(stream):
         out.copy_(src, non_blocking=True)
     if src.device.type == "cuda":
-        src.record_stream(stream)  # a gradient freed before the copy ends stays allocated
+        # A device value freed before its copy ends stays allocated (the caching allocator
+        # waits for the copy stream before reusing it). Pinned host buffers get the same
+        # guarantee from torch's host allocator, which records the copy on them.
+        src.record_stream(stream)
     event = torch.cuda.Event()
     event.record(stream)
-    _PENDING[_key(out)] = event
+    _remember(out, event)
     return out
+
+
+def await_host_copy(stream, host: torch.Tensor) -> bool:
+    """Make ``stream`` wait for the pending copy into ``host`` (an offloaded activation, not
+    waited by the CPU) before it reads ``host``; the copy is then no longer pending. (On one
+    copy stream the order holds anyway; the event makes it hold on any stream.) Returns whether
+    a copy was pending."""
+    filling = _PENDING.pop(_key(host), None)
+    if filling is not None:
+        stream.wait_event(filling)
+    return filling is not None
+
+
+def release_wait(stream, host: torch.Tensor) -> bool:
+    """Make ``stream`` (the compute stream) wait for the pending copy into ``host``, which stays
+    pending for the copy back. Returns whether a copy was pending."""
+    event = _PENDING.get(_key(host))
+    if event is not None:
+        stream.wait_event(event)
+    return event is not None
+
+
+def _remember(out: torch.Tensor, event) -> None:
+    """Record ``event`` as the pending copy into ``out``. A device->host copy of an activation
+    whose backward never runs (a forward without backward) is never waited: once many are
+    pending, the completed ones are dropped (waiting for a completed copy does nothing)."""
+    if len(_PENDING) >= _PRUNE_AT:
+        for key in [k for k, e in _PENDING.items() if e.query()]:
+            del _PENDING[key]
+    _PENDING[_key(out)] = event
 
 
 @offload_copy_start.register_fake
@@ -148,8 +187,26 @@ def offload_copy_wait(dst: torch.Tensor) -> None:
         event.synchronize()
 
 
+@torch.library.custom_op(f"{_LIB}::offload_copy_release", mutates_args=("src",))
+def offload_copy_release(src: torch.Tensor, host: torch.Tensor, wait: bool) -> None:
+    """From here on the graph may reuse ``src``'s memory, whose copy into ``host`` was started
+    by ``offload_copy_start``: with ``wait``, the compute stream waits for that copy (the CPU
+    does not); without, nothing in the graph may reuse it (the caching allocator keeps ``src``
+    for the copy stream once it is freed). The copy stays pending for the copy back. (Declared as
+    mutating ``src`` so that no compiler drops it, moves it, or reuses ``src``'s buffer for a
+    value computed before it: Inductor reuses dead buffers without the caching allocator.)"""
+    if wait and src.device.type == "cuda" and host.numel():
+        release_wait(torch.cuda.current_stream(src.device), host)
+
+
+@offload_copy_release.register_fake
+def _copy_release_fake(src, host, wait):
+    return None
+
+
 COPY_START_OP = torch.ops.shardc.offload_copy_start.default
 COPY_WAIT_OP = torch.ops.shardc.offload_copy_wait.default
+COPY_RELEASE_OP = torch.ops.shardc.offload_copy_release.default
 
 
 # -- Per-bucket "gradients on the host" signal (``shardc.step_in_backward``). The lowering puts

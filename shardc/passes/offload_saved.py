@@ -8,9 +8,18 @@ Runs on a region's partitioned graphs, before they are planned. For each chosen 
 * **forward**: right after the value is computed, ``offload_copy_start(value, ..., "cpu")``
   starts its copy to (pinned, on CUDA) host memory on the copy stream; the forward returns the
   host copy in the value's place, so the device value is freed after its last forward reader
-  (the copy stream holds it until its copy is done). The CPU waits for the copies at the end of
-  the forward graph (``offload_copy_wait``), as the backward does for CPU offload's gradient
-  copies: the host copy is complete when the forward returns.
+  (the caching allocator holds it for the copy stream until its copy is done). Nothing waits
+  on the CPU: the copies of a group (a block's saved values) are *released*
+  (``offload_copy_release``: the compute stream waits for them, the graph may reuse their
+  sources' memory from there on) one block later: the i-th value of a group right after the
+  i-th value of the next group starts its copy (a window of about one block's values in
+  flight, each copy overlapping about one block's forward); the last group's after the last
+  forward reader of each value (held longer, they would be alive through the head and the loss,
+  where the forward peaks). The CPU never blocks: it runs ahead launching kernels while the
+  copies run, and the host copies are complete only on the copy stream: the copy back (below)
+  waits for them on the copy stream, not the CPU. Waiting on the compute stream is what makes
+  reusing a source safe: Inductor reuses a dead buffer for a later one of its size without the
+  caching allocator (which alone would keep it for the copy stream, ``record_stream``).
 * **backward**: the host copy arrives as the saved value's placeholder; a device copy of it
   (``offload_copy_start(host, ..., device)``) is *prefetched*, issued one group ahead: the
   copies of a group (a block's saved values) start where the previous group's values are first
@@ -24,10 +33,11 @@ fake values make the forward's output and the backward's placeholder a host tens
 later pass (Inductor included). On a CPU mesh the "device" is the CPU:
 every copy is a separate tensor (the simulated mode of CPU offload), so CPU tests run the copies.
 
-Every node this pass inserts carries ``node.meta[ACTIVATION_COPY]`` (``"d2h"``, ``"h2d"`` or
-``"wait"``), the backward's host placeholders ``"host"``, and ``node.meta[ACTIVATION_GROUP]``
-(the group): the planner (``shardc.planning.graph_view``, ``shardc.planning.copies``) puts them
-on the copy lane, and the memory prediction counts the host copies as host bytes.
+Every node this pass inserts carries ``node.meta[ACTIVATION_COPY]`` (``"d2h"``, ``"h2d"``,
+``"wait"`` or ``"release"``), the backward's host placeholders ``"host"``, and
+``node.meta[ACTIVATION_GROUP]`` (the group): the planner (``shardc.planning.graph_view``,
+``shardc.planning.copies``) puts them on the copy lane, and the memory prediction counts the
+host copies as host bytes.
 """
 
 from __future__ import annotations
@@ -38,7 +48,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from shardc.ops.offload_copy import COPY_START_OP, COPY_WAIT_OP
+from shardc.ops.offload_copy import COPY_RELEASE_OP, COPY_START_OP, COPY_WAIT_OP
 from shardc.passes.fx_utils import call, tensor_nbytes
 from shardc.passes.recompute import Block
 
@@ -60,8 +70,8 @@ class OffloadedValue:
 
 
 def activation_role(node: fx.Node) -> str:
-    """``"d2h"``, ``"h2d"``, ``"wait"`` or ``"host"`` for the nodes this pass made or retyped;
-    ``""`` for any other node."""
+    """``"d2h"``, ``"h2d"``, ``"wait"``, ``"release"`` or ``"host"`` for the nodes this pass
+    made or retyped; ``""`` for any other node."""
     return node.meta.get(ACTIVATION_COPY, "")
 
 
@@ -105,17 +115,14 @@ def offload_saved(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int,
     if missing:  # the partitioner names the backward's saved inputs after the forward's values
         raise ValueError(f"shardc: saved value(s) {missing} have no backward placeholder")
     done = []
-    hosts = []
+    copies = []
     for node in chosen:
         group = groups[node.name]
         host = _start_d2h(fw.graph, node, group, pin)
-        hosts.append(host)
+        copies.append((node, host))
         _retype_placeholder(placeholders[node.name], host, node, group)
         done.append(OffloadedValue(node.name, group, tensor_nbytes(node.meta.get("val"))))
-    output = fw.graph.output_node()
-    with fw.graph.inserting_before(output):
-        for host in hosts:
-            _tag(call(fw.graph, COPY_WAIT_OP, (host,)), "wait", host.meta[ACTIVATION_GROUP])
+    _release(fw.graph, copies)
     _prefetch(bw, [placeholders[n.name] for n in chosen])
     fw.recompile()
     bw.recompile()
@@ -141,6 +148,30 @@ def _start_d2h(graph: fx.Graph, node: fx.Node, group: str, pin: bool) -> fx.Node
     output.args = (tuple(host if a is node else a for a in output.args[0]),) \
         + tuple(output.args[1:])
     return host
+
+
+def _release(graph: fx.Graph, copies: list[tuple[fx.Node, fx.Node]]) -> None:
+    """One ``offload_copy_release(value, host, True)`` per started copy, where the compute
+    stream waits for it: the i-th copy of a group right after the i-th copy of the next group
+    starts (about a block's forward later; a window of one block's values in flight), the last
+    group's after the last forward reader of each value. See the module docstring."""
+    index = {n: i for i, n in enumerate(graph.nodes)}
+    by_group: dict[str, list[tuple[fx.Node, fx.Node]]] = {}
+    for value, host in copies:
+        by_group.setdefault(host.meta[ACTIVATION_GROUP], []).append((value, host))
+    order = sorted(by_group, key=lambda g: min(index[h] for _, h in by_group[g]))
+    for k, group in enumerate(order):
+        copies_k = sorted(by_group[group], key=lambda c: index[c[1]])
+        later = sorted((h for _, h in by_group[order[k + 1]]), key=index.__getitem__) \
+            if k + 1 < len(order) else []
+        for i, (value, host) in enumerate(copies_k):
+            # The i-th copy of the next group (one block's forward later), or (the last
+            # group) the last forward reader of the value: held any longer, it would be
+            # alive where the forward peaks (the head and the loss after the last block).
+            until = [later[min(i, len(later) - 1)]] if later else \
+                [u for u in (host, *value.users) if u.op != "output"]
+            with graph.inserting_after(max(until, key=index.__getitem__)):
+                _tag(call(graph, COPY_RELEASE_OP, (value, host, True)), "release", group)
 
 
 def _retype_placeholder(ph: fx.Node, host: fx.Node, node: fx.Node, group: str) -> None:

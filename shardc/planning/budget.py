@@ -55,7 +55,14 @@ _MiB = float(1 << 20)
 
 
 class MemoryBudgetError(ValueError):
-    """The peak budget is below what the plan can reach, or cannot be resolved."""
+    """The peak budget is below what the plan can reach, or cannot be resolved.
+    ``minimum_bytes``: the feasible minimum it names; ``resharded_bytes``: the fully resharded
+    plan's peak (the fixed policy's; None where not known); ``resharded_by_depth``: the fully
+    resharded plan's peak at each prefetch depth tried (``shardc.planning.prefetch``)."""
+
+    minimum_bytes: int | None = None
+    resharded_bytes: int | None = None
+    resharded_by_depth: dict[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -167,7 +174,8 @@ def with_margin(decided: MemoryBudget, budget: int, margin: float) -> MemoryBudg
 
 
 def refuse_below_minimum(budget: int, minimum: int, plan: Plan, *, recomputed: int = 0,
-                         offloaded: int = 0, margin: float = 0.0) -> MemoryBudgetError:
+                         offloaded: int = 0, margin: float = 0.0,
+                         resharded: int | None = None) -> MemoryBudgetError:
     """The error for a budget whose planned-for bytes (``budget`` less the ``margin`` for the
     prediction's error, :func:`planned_for`) are below the feasible minimum (the peak of
     ``plan``: the fully resharded plan with every one of its ``recomputed`` candidate blocks
@@ -190,7 +198,7 @@ def refuse_below_minimum(budget: int, minimum: int, plan: Plan, *, recomputed: i
         f"accepted is {smallest} B ({smallest / _MiB:.1f} MiB"
         + (f", the minimum plus the {margin:.1%} margin" if margin > 0 else "")
         + f"). The minimum is the predicted peak of region "
-        f"{plan.region} with every bucket {kept_or_resharded(plan)}"
+        f"{plan.region} with every bucket {kept_or_resharded(plan)}{_depth(plan)}"
         + (f" and every block that can be recomputed ({recomputed}) recomputed in the backward"
            if recomputed else "")
         + (f" and every block that can be offloaded ({offloaded}) offloaded to host memory"
@@ -201,8 +209,15 @@ def refuse_below_minimum(budget: int, minimum: int, plan: Plan, *, recomputed: i
         + ").")
     # What the last lever (the optimizer's state on the host, shardc.planning.optimizer_offload)
     # starts from: the minimum and the plan that makes it.
-    error.minimum_bytes, error.plan = minimum, plan
+    error.minimum_bytes, error.resharded_bytes, error.plan = minimum, resharded, plan
     return error
+
+
+def _depth(plan: Plan) -> str:
+    """The plan's prefetch depth, where it is not the default (one bucket ahead)."""
+    depth = plan.options.get("prefetch_depth", 1) if plan.options.get("prefetch", True) else 0
+    return "" if depth == 1 else ", with no prefetch" if depth == 0 else \
+        f", prefetching {depth} buckets ahead"
 
 
 def kept_or_resharded(plan: Plan) -> str:
@@ -309,16 +324,19 @@ def keep_all(cands: list[Candidate], fixed: list[BucketDecision], budget: int, m
 
 
 def reshard_all(cands: list[Candidate], fixed: list[BucketDecision],
-                minimum: int) -> list[BucketDecision]:
+                minimum: int, shallower: int | None = None) -> list[BucketDecision]:
     """The bucket decisions when blocks must be recomputed: the fully resharded plan (peak
     ``minimum``) and the fully kept one both exceed the budget, so no bucket is kept (the
-    first lever's choices are dropped before any block is recomputed)."""
+    first lever's choices are dropped before any block is recomputed); ``shallower``: a
+    shallower prefetch depth fits instead (``shardc.planning.prefetch``), nothing recomputed."""
+    then = (f"prefetching {shallower} bucket(s) ahead instead fits" if shallower is not None
+            else "so blocks are recomputed")
     decisions = list(fixed)
     for c in cands:
         decisions.append(BucketDecision(
             c.bucket, c.name, False, c.saved_s * 1e3, c.nbytes,
             f"resharded: even the fully resharded plan's peak {minimum / _MiB:.1f} MiB exceeds "
-            "the budget, so blocks are recomputed and no bucket is kept gathered", list(c.params)))
+            f"the budget, {then} and no bucket is kept gathered", list(c.params)))
     decisions.sort(key=lambda d: d.bucket)
     return decisions
 

@@ -23,21 +23,22 @@ from shardc.passes.fx_utils import dtype_itemsize
 from shardc.passes.offload_saved import ACTIVATION_GROUP, activation_role
 from shardc.planning.graph_view import GraphView, ready_pos
 from shardc.planning.plan import Bucket, Collective, CollectiveKind
-from shardc.planning.profile import DEFAULT_HOST_LINK_BYTES_PER_S
+from shardc.planning.profile import DEFAULT_HOST_COPY_LATENCY_S, DEFAULT_HOST_LINK_BYTES_PER_S
 
 Kind = CollectiveKind
 COPY_LANE = "copy"
 COPY_KINDS = (Kind.H2D_COPY, Kind.D2H_COPY)
-# Host<->device bandwidth of pinned copies (bytes/s) where no profile says: the cluster
-# profile's default (``ClusterProfile.host_link_bytes_per_s``, which the schedule uses).
+# Host<->device bandwidth of pinned copies (bytes/s) and a copy's latency where the cluster
+# profile does not measure them (``ClusterProfile.host_copy_seconds`` prices the plan's copies).
 HOST_LINK_BYTES_PER_S = DEFAULT_HOST_LINK_BYTES_PER_S
-HOST_LINK_LATENCY_S = 10e-6
+HOST_LINK_LATENCY_S = DEFAULT_HOST_COPY_LATENCY_S
 
 
-def copy_seconds(nbytes: int, link_bytes_per_s: float = HOST_LINK_BYTES_PER_S) -> float:
+def copy_seconds(nbytes: int, link_bytes_per_s: float = HOST_LINK_BYTES_PER_S,
+                 latency_s: float = HOST_LINK_LATENCY_S) -> float:
     """Predicted time of one copy of ``nbytes`` (a bucket's parameters one after the other, or
     a block's saved activations) over a host link of ``link_bytes_per_s``."""
-    return HOST_LINK_LATENCY_S + nbytes / link_bytes_per_s
+    return latency_s + nbytes / link_bytes_per_s
 
 
 def _nbytes(node: fx.Node) -> int:
@@ -112,29 +113,33 @@ ACTIVATION_ORIGIN = "activation"
 
 def place_activations(g: GraphView) -> list[Collective]:
     """The activation copies of the graph, one record per group (a block's saved values): in
-    the forward their device->host copies (issued as the values are computed; the forward's end
-    waits for them, and the backward's prefetch runs after them on the same lane), in the
-    backward their prefetched host->device copies (issued where the previous group is first
-    read, waited before the group's first reader)."""
+    the forward their device->host copies (issued as the values are computed; the compute
+    stream waits for them where they are released, after the next block's forward; the last
+    block's are not waited in the forward: the lane's tail counts at the forward's end, where
+    the backward's prefetch follows it on the same lane), in the backward their prefetched
+    host->device copies (issued where the previous group is first read, waited before the
+    group's first reader)."""
     starts: dict[str, list[fx.Node]] = {}
     waits: dict[str, list[fx.Node]] = {}
     for node in g.activation_copies:
         role, group = activation_role(node), node.meta[ACTIVATION_GROUP]
         if role in ("d2h", "h2d"):
             starts.setdefault(group, []).append(node)
-        elif role == "wait":
+        elif role == "wait" or (role == "release" and node.args[2]):
             waits.setdefault(group, []).append(node)
     out = []
     for group, nodes in starts.items():
         forward = activation_role(nodes[0]) == "d2h"
         kind = Kind.D2H_COPY if forward else Kind.H2D_COPY
         issue = min(g.pos(n) for n in nodes)
-        wait = g.end if forward else min((g.pos(n) for n in waits.get(group, ())),
-                                         default=g.end)
+        wait = min((g.pos(n) for n in waits.get(group, ())), default=g.end)
         nbytes = sum(_nbytes(n) for n in nodes)
         reason = ("activation offload: the block's saved values copied to the host as they are "
-                  "computed (freed on the device after their last forward reader); the forward's "
-                  "end waits for the copies" if forward else
+                  "computed, asynchronously (the CPU never waits); released on the device "
+                  + ("after the next block's forward, where the compute stream waits for the "
+                     "copies" if group in waits else
+                     "at the forward's end without a wait (the prefetch back follows them on "
+                     "the copy lane)") if forward else
                   "activation offload: the block's saved values prefetched from the host one "
                   "block ahead (issued where the previous block's are first read), waited "
                   "before their first reader")

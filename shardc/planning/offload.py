@@ -8,14 +8,18 @@ freed (then ranks the blocks together, ``shardc.planning.recompute.rank``):
   predicted time (``shardc.planning.recompute.forward_seconds``). It frees the block's saved
   values less its inputs (which become saved).
 * **offload**: its saved values are copied to the host in the forward and back in the backward,
-  on the copy lane, one copy each way of ``copy_s`` (CPU offload's link model,
-  ``shardc.planning.copies.copy_seconds``). The copies overlap compute: the device->host copy
-  hides behind the next block's forward, the host->device prefetch (issued one block ahead)
-  behind the backward of the block read before it, about twice a forward. Only what the copy
-  lane cannot hide costs step time, and on a lane that carries every offloaded block's copies
-  one after the other that excess adds up block by block, so a block's price is
-  ``max(0, copy_s - forward_s) + max(0, copy_s - 2 * forward_s)``. It frees the block's saved
-  values (all of them: its inputs are the previous block's saved values, which stay).
+  on the copy lane, one copy each way (``d2h_s``, ``h2d_s``: the cluster profile's host link,
+  ``ClusterProfile.host_copy_seconds``, 25 GB/s each way where not measured). The copies overlap
+  compute and the CPU never waits for them (``shardc.passes.offload_saved``): the device->host
+  copy runs beside the next block's forward, at whose end the compute stream waits for it (its
+  source is released there), the host->device prefetch (issued one block ahead) beside the
+  backward of the block read before it, about twice a forward. Only what the copy lane cannot
+  hide costs step time, and on a lane that carries every offloaded block's copies one after
+  the other that excess adds up block by block, so a block's price is
+  ``max(0, d2h_s - forward_s) + max(0, h2d_s - 2 * forward_s)``. It frees the block's saved
+  values (all of them: its inputs are the previous block's saved values, which stay); while
+  its copies run, about one block's saved values are still on the device (the verified peak
+  counts them).
 
 A block that cannot be recomputed (it draws random numbers, runs collectives or is already
 checkpointed: ``shardc.passes.recompute``) can still be offloaded: the copies run nothing again.
@@ -29,15 +33,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardc.planning.copies import HOST_LINK_BYTES_PER_S, copy_seconds
+from shardc.planning.copies import HOST_LINK_BYTES_PER_S, HOST_LINK_LATENCY_S, copy_seconds
 
 MODES = ("auto", "never", "prefer")
 
 
-def offload_seconds(copy_s: float, forward_s: float) -> float:
+def offload_seconds(copy_s: float, forward_s: float, h2d_s: float | None = None) -> float:
     """The step time a block's offload adds: its two copies' parts not hidden by compute (see
-    the module docstring)."""
-    return max(0.0, copy_s - forward_s) + max(0.0, copy_s - 2.0 * forward_s)
+    the module docstring); ``copy_s`` the device->host copy, ``h2d_s`` the host->device one
+    (default: the same)."""
+    h2d_s = copy_s if h2d_s is None else h2d_s
+    return max(0.0, copy_s - forward_s) + max(0.0, h2d_s - 2.0 * forward_s)
 
 
 @dataclass(frozen=True)
@@ -49,7 +55,7 @@ class Lever:
     nbytes: int  # the bytes it frees
     recompute_s: float  # its forward's time (recomputing it), 0 if it cannot be recomputed
     offload_s: float  # what offloading it adds (exposed copy time)
-    copy_s: float  # one copy's time, each way
+    copy_s: float  # one copy's time (the slower direction's)
 
     @property
     def ratio(self) -> float:
@@ -58,15 +64,22 @@ class Lever:
 
 def choose_lever(*, forward_s: float, recompute_bytes: int, offload_bytes: int,
                  can_recompute: bool, mode: str = "auto",
-                 link_bytes_per_s: float = HOST_LINK_BYTES_PER_S) -> Lever | None:
+                 link_bytes_per_s: float = HOST_LINK_BYTES_PER_S,
+                 h2d_bytes_per_s: float | None = None,
+                 latency_s: float = HOST_LINK_LATENCY_S) -> Lever | None:
     """The cheaper way, per byte freed, to free a block's activations (None: neither frees
     anything or is allowed). ``forward_s``: the block's forward time; ``recompute_bytes``: what
     recomputing frees (saved less inputs); ``offload_bytes``: what offloading frees (its saved
-    values); ``mode``: ``activation_offload``."""
+    values); ``mode``: ``activation_offload``; the host link: ``link_bytes_per_s`` device->host
+    (and host->device unless ``h2d_bytes_per_s`` is given), ``latency_s`` per copy (the
+    cluster profile's, :func:`link_of`)."""
     if mode not in MODES:
         raise ValueError(f"shardc: activation_offload mode must be one of {MODES}, got {mode!r}")
-    copy_s = copy_seconds(offload_bytes, link_bytes_per_s) if offload_bytes else 0.0
-    offload_s = offload_seconds(copy_s, forward_s)
+    d2h_s = copy_seconds(offload_bytes, link_bytes_per_s, latency_s) if offload_bytes else 0.0
+    h2d_s = copy_seconds(offload_bytes, h2d_bytes_per_s or link_bytes_per_s, latency_s) \
+        if offload_bytes else 0.0
+    copy_s = max(d2h_s, h2d_s)
+    offload_s = offload_seconds(d2h_s, forward_s, h2d_s)
     recompute_s = forward_s if can_recompute else 0.0
     recompute = Lever(False, forward_s, recompute_bytes, recompute_s, offload_s, copy_s) \
         if can_recompute and recompute_bytes > 0 else None
@@ -77,3 +90,11 @@ def choose_lever(*, forward_s: float, recompute_bytes: int, offload_bytes: int,
     if mode == "prefer":
         return offload
     return offload if offload.ratio < recompute.ratio else recompute
+
+
+def link_of(profile) -> dict[str, float]:
+    """:func:`choose_lever`'s host link keywords from a cluster profile
+    (``shardc.planning.profile.ClusterProfile``)."""
+    return {"link_bytes_per_s": profile.device_to_host_bytes_per_s,
+            "h2d_bytes_per_s": profile.host_to_device_bytes_per_s,
+            "latency_s": profile.host_copy_latency_s}

@@ -23,7 +23,8 @@ compile time, after the other levers:
   the host the later regions plan with it there too.
 * **price** (:func:`price`), all inside ``optimizer.step()`` (not overlapped with the
   backward): the device->host copies of the shards and gradients and the host->device copies
-  of the updated shards at the profile's host link (``host_link_bytes_per_s``),
+  of the updated shards at the profile's host link, each way at its rate
+  (``device_to_host_bytes_per_s``, ``host_to_device_bytes_per_s``, ``host_copy_latency_s``),
   and the host step at the profile's ``host_adamw_params_per_s``.
 
 Full parameter offload (``OffloadPolicy()``: shards and gradients on the host too) is not a
@@ -33,7 +34,6 @@ below what the optimizer's offload reaches is refused, naming it.
 
 from __future__ import annotations
 
-from shardc.planning.copies import copy_seconds
 from shardc.planning.plan import OptimizerDecision
 from shardc.planning.profile import ClusterProfile
 
@@ -56,10 +56,10 @@ def price(param_bytes: int, grad_bytes: int, n_params: int, profile: ClusterProf
           ) -> tuple[float, float, float]:
     """Seconds of the offloaded step's three phases: (shards and gradients to the host, the
     host step over ``n_params`` parameters, the updated shards back to the device)."""
-    link = profile.host_link_bytes_per_s
-    d2h = copy_seconds(param_bytes + grad_bytes, link) if param_bytes + grad_bytes else 0.0
+    d2h = (profile.host_copy_seconds(param_bytes + grad_bytes, to_device=False)
+           if param_bytes + grad_bytes else 0.0)
     step = n_params / profile.host_adamw_params_per_s
-    h2d = copy_seconds(param_bytes, link) if param_bytes else 0.0
+    h2d = profile.host_copy_seconds(param_bytes, to_device=True) if param_bytes else 0.0
     return d2h, step, h2d
 
 

@@ -53,6 +53,10 @@ PLAN_VERSION = 5
 # offloading nothing and hashes as before: the offloaded blocks enter the hash only when there
 # is one), and ``Plan.copies`` records of origin ``"activation"`` (bucket -1; ``params``: the
 # saved values' names), on the same ``"copy"`` lane as CPU offload's.
+# ``MemoryBudget.prefetch`` (:class:`PrefetchDecision`: the prefetch depth chosen under the
+# budget, with every depth tried) came later still within version 5, optional like those: a plan
+# without it reads with ``None`` (the options' depth) and hashes as before (the chosen depth
+# enters the hash only when the record is there).
 READABLE_VERSIONS = (1, 2, 3, 4, 5)
 
 
@@ -383,6 +387,38 @@ class BlockDecision:
 
 
 @dataclass
+class PrefetchTrial:
+    """One prefetch depth the budget planner predicted for the chosen configuration: the
+    step's predicted time and peak (each the largest over the ranks) and whether it fits."""
+
+    depth: int
+    step_ms: float
+    peak_bytes: int
+    fits: bool
+
+
+@dataclass
+class PrefetchDecision:
+    """The budget planner's prefetch depth (``shardc.planning.prefetch``): how many buckets
+    ahead an all-gather is issued (0: no prefetch), ``default_depth`` the options' depth,
+    ``step_ms`` and ``peak_bytes`` the chosen depth's predicted step time and peak, ``reason``
+    why, ``tried`` every depth predicted."""
+
+    depth: int
+    default_depth: int
+    step_ms: float
+    peak_bytes: int
+    reason: str
+    tried: list[PrefetchTrial] = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PrefetchDecision:
+        data = dict(data)
+        data["tried"] = [PrefetchTrial(**t) for t in data.get("tried", [])]
+        return cls(**data)
+
+
+@dataclass
 class OptimizerDecision:
     """The budget planner's choice on the optimizer's state (``shardc.planning.optimizer_offload``,
     the last lever): ``on_host``: its state and step live in host memory (as with
@@ -437,6 +473,8 @@ class MemoryBudget:
     # The margin for the prediction's error (0 in plans made before it).
     margin_bytes: int = 0
     margin_fraction: float = 0.0
+    # The prefetch depth chosen under the budget (None in plans made before it).
+    prefetch: PrefetchDecision | None = None
     # The optimizer's state on the host (the last lever; None: not considered, as in plans made
     # before it and where the levers above met the budget).
     optimizer: OptimizerDecision | None = None
@@ -471,6 +509,8 @@ class MemoryBudget:
         data = dict(data)
         data["decisions"] = [BucketDecision(**d) for d in data.get("decisions", [])]
         data["blocks"] = [BlockDecision(**d) for d in data.get("blocks", [])]
+        if data.get("prefetch") is not None:
+            data["prefetch"] = PrefetchDecision.from_dict(data["prefetch"])
         if data.get("optimizer"):
             data["optimizer"] = OptimizerDecision(**data["optimizer"])
         return cls(**data)
@@ -543,6 +583,7 @@ class Plan:
         out = (b.budget_bytes, b.kept, recomputed) if recomputed else (b.budget_bytes, b.kept)
         out = out + (("margin", b.margin_bytes),) if b.margin_bytes else out
         out = out + (("offloaded", b.offloaded),) if b.offloaded else out
+        out = out + (("prefetch", b.prefetch.depth),) if b.prefetch is not None else out
         return out + (("optimizer_on_host", True),) if b.optimizer_on_host else out
 
     def hash(self) -> str:

@@ -39,12 +39,19 @@ PROFILE_FORMAT = "shardc-cluster-profile"
 # (``backward_entry_per_param_s``, split from the hand-off); an older profile reads with zeros
 # for them and predicts as before; from version 4 the backward's call and entry also hide under
 # the device work the forward left queued (shardc.planning.schedule.plan_region).
-# Version 5 added CPU offload's two host rates (:data:`HOST_FIELDS`): the host<->device link
-# (``host_link_bytes_per_s``) and torch's fused CPU AdamW (``host_adamw_params_per_s``); an
-# older profile reads with the defaults below (the link: the constant the copies were priced at
-# before, ``shardc.planning.copies.HOST_LINK_BYTES_PER_S``).
+# Version 5 added the host: its link (``host_to_device_bytes_per_s``,
+# ``device_to_host_bytes_per_s``, ``host_copy_latency_s``: pinned copies between host and
+# device, what CPU offload's copies and activation offload are priced at) and torch's fused CPU
+# AdamW (``host_adamw_params_per_s``, CPU offload's host step); an older profile reads with the
+# constants used before (:data:`DEFAULT_HOST_LINK_BYTES_PER_S` each way,
+# :data:`DEFAULT_HOST_COPY_LATENCY_S`) and :data:`DEFAULT_HOST_ADAMW_PARAMS_PER_S`.
 PROFILE_VERSION = 5
 READABLE_PROFILE_VERSIONS = (1, 2, 3, 4, 5)
+# Host<->device bandwidth of pinned copies (bytes/s) where not measured: PCIe gen5 x16 measures
+# about 50 GB/s each way at best; half of it is what large pinned copies sustain next to NCCL.
+DEFAULT_HOST_LINK_BYTES_PER_S = 25e9
+DEFAULT_HOST_COPY_LATENCY_S = 10e-6
+HOST_LINK_FIELDS = ("host_to_device_bytes_per_s", "device_to_host_bytes_per_s")
 # The host work that grows with the number of parameter tensors, outside what the per-kernel and
 # per-call terms price (see ClusterProfile): seconds per parameter tensor, one field per phase.
 PER_PARAM_FIELDS = ("region_entry_per_param_s", "forward_graph_per_param_s",
@@ -56,11 +63,8 @@ PER_PARAM_FIELDS = ("region_entry_per_param_s", "forward_graph_per_param_s",
 # ...): one field per per-parameter field, in the same order.
 FIXED_FIELDS = tuple(f.removesuffix("_per_param_s") + "_fixed_s" for f in PER_PARAM_FIELDS)
 PRESETS = ("h100", "h200")
-# CPU offload's host rates (version 5), each a positive number.
-HOST_FIELDS = ("host_link_bytes_per_s", "host_adamw_params_per_s")
-# Pinned host<->device copies: PCIe gen5 x16 measures about 50 GB/s each way at best; half of
-# it is what large pinned copies sustain next to NCCL (the value the plans used before v5).
-DEFAULT_HOST_LINK_BYTES_PER_S = 25e9
+# CPU offload's host step rate (version 5), a positive number.
+HOST_FIELDS = ("host_adamw_params_per_s",)
 # torch's fused CPU AdamW over fp32 masters, parameters per second: one H100 machine's 16
 # cores stepped 5.12B parameters in about 1.05 s (docs/offload.md, the big model), i.e. about
 # 28 bytes per parameter (reads of the parameter, gradient and both moments, writes of three)
@@ -182,21 +186,22 @@ class ClusterProfile:
     A fixed term may be negative (a phase whose call costs less than the compiled chain's
     ``graph_call_s``, e.g. the backward's); a phase's host time is never charged below zero.
 
-    :mod:`shardc.planning.step` places them on the step's host and device timelines.
+    The host link (version 5): ``host_to_device_bytes_per_s`` and ``device_to_host_bytes_per_s``,
+    the bandwidth of large copies between pinned host memory and the device in each direction,
+    and ``host_copy_latency_s``, a copy's fixed time (:meth:`host_copy_seconds`): CPU offload's
+    copies (:mod:`shardc.planning.copies`) and activation offload's
+    (:mod:`shardc.planning.offload`) are priced at them. Calibration measures them on a GPU;
+    older profiles, CPU profiles and presets not measured since read with the constants used
+    before (25 GB/s each way, 10 us).
 
-    CPU offload's host rates (version 5; older profiles read with the defaults):
+    ``host_adamw_params_per_s`` (version 5; older profiles read with the default): parameters
+    (fp32 master elements) per second torch's fused CPU AdamW steps on this host
+    (``torch.optim.AdamW(fused=True)`` on CPU tensors, all cores): the host step of CPU offload
+    (:mod:`shardc.planning.step`). Default :data:`DEFAULT_HOST_ADAMW_PARAMS_PER_S` (one H100
+    machine's host, measured in a training step); calibration times the kernel on host tensors
+    (:func:`shardc.tools.calibrate.measure_host_adamw`).
 
-    - ``host_link_bytes_per_s``: bytes/s of one pinned host<->device copy (each way): the copy
-      lane's offload copies (:mod:`shardc.planning.copies`) and activation offload's
-      (:mod:`shardc.planning.offload`) run at it. Default
-      :data:`DEFAULT_HOST_LINK_BYTES_PER_S` (25 GB/s, an estimate); calibration measures large
-      pinned copies both ways and keeps the slower.
-    - ``host_adamw_params_per_s``: parameters (fp32 master elements) per second torch's fused
-      CPU AdamW steps on this host (``torch.optim.AdamW(fused=True)`` on CPU tensors, all
-      cores): the host step of CPU offload (:mod:`shardc.planning.step`). Default
-      :data:`DEFAULT_HOST_ADAMW_PARAMS_PER_S` (one H100 machine's host, measured in a
-      training step); calibration times the kernel on host tensors
-      (:func:`shardc.tools.calibrate.measure_host_adamw`)."""
+    :mod:`shardc.planning.step` places them on the step's host and device timelines."""
 
     name: str
     device: str
@@ -232,11 +237,13 @@ class ClusterProfile:
     optimizer_fixed_s: float = 0.0
     zero_grad_fixed_s: float = 0.0
     overlap_slowdown: float = 1.1
+    host_to_device_bytes_per_s: float = DEFAULT_HOST_LINK_BYTES_PER_S
+    device_to_host_bytes_per_s: float = DEFAULT_HOST_LINK_BYTES_PER_S
+    host_copy_latency_s: float = DEFAULT_HOST_COPY_LATENCY_S
     # GPUs per node sharing the ``intra`` link; a group of more ranks spans nodes and runs at the
     # ``inter`` link (its ring crosses the network). Calibration on one node cannot see the target
     # cluster's nodes: override with ``{"profile": ..., "node_size": N}`` / ``--node-size``.
     node_size: int = 8
-    host_link_bytes_per_s: float = DEFAULT_HOST_LINK_BYTES_PER_S
     host_adamw_params_per_s: float = DEFAULT_HOST_ADAMW_PARAMS_PER_S
     notes: tuple[str, ...] = ()
     version: int = PROFILE_VERSION
@@ -261,7 +268,23 @@ class ClusterProfile:
                                    "a host rate must be a finite number > 0 (leave it out for "
                                    "the default)")
 
+        for name in HOST_LINK_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
+                raise ProfileError(f"shardc: cluster profile {self.name!r}: {name} is {value!r}; "
+                                   "host link bandwidth must be a finite number of bytes/s > 0")
+        latency = self.host_copy_latency_s
+        if not isinstance(latency, (int, float)) or not (latency >= 0 and math.isfinite(latency)):
+            raise ProfileError(f"shardc: cluster profile {self.name!r}: host_copy_latency_s is "
+                               f"{latency!r}; it must be a finite number of seconds >= 0")
+
     # ------------------------------------------------------------------ lookups
+
+    def host_copy_seconds(self, nbytes: int, to_device: bool) -> float:
+        """Seconds of one copy of ``nbytes`` between pinned host memory and the device
+        (``to_device``: host->device, else device->host)."""
+        rate = self.host_to_device_bytes_per_s if to_device else self.device_to_host_bytes_per_s
+        return self.host_copy_latency_s + nbytes / rate
 
     def graph_launch_s(self) -> float:
         """Host seconds per kernel of a compiled graph."""

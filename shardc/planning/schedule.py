@@ -35,7 +35,6 @@ from shardc.planning import found as found_comm
 from shardc.planning.bucketing import ParamComm, assign_buckets, bucket_name
 from shardc.planning.copies import (
     COPY_KINDS,
-    copy_seconds,
     place_activations,
     place_d2h,
     place_h2d,
@@ -275,7 +274,7 @@ def replicate_all_reduce(g: GraphView, bucket: Bucket, params: list[str], issue:
 
 def _duration(c: Collective, profile: ClusterProfile, tp_size: int = 1) -> float:
     if c.kind in COPY_KINDS:  # CPU offload: host<->device, on the copy lane
-        return copy_seconds(c.buffer_bytes, profile.host_link_bytes_per_s)
+        return profile.host_copy_seconds(c.buffer_bytes, to_device=c.kind == Kind.H2D_COPY)
     # HSDP's replicas are on different nodes. Under tensor parallelism the shard group's ranks
     # are tp_size apart (the tp group is the inner mesh dimension, within a node): the group
     # spans group_size * tp_size consecutive ranks, and crosses nodes once that exceeds a node.

@@ -37,7 +37,7 @@ per tensor, as on the device); the device has nothing to run meanwhile.
 
 - ``"params"`` (``OffloadPolicy()``): the masters, gradients and state live on the host; the
   copies of shards to the device and of gradients back are in the graphs already (the plan's
-  ``copies`` on the copy lane, at ``host_link_bytes_per_s``), so the host step follows the
+  ``copies`` on the copy lane, at the host link's rate each way), so the host step follows the
   hand-off. With ``overlap`` (``shardc.step_in_backward``) one host worker steps each bucket
   once its gradients' device->host copy ends (``Plan.copies``' predicted ends, in the
   backward of the region whose backward runs last), bucket after bucket, while the device runs
@@ -60,7 +60,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from shardc.planning.copies import copy_seconds
 from shardc.planning.estimate import (
     host_optimizer_seconds,
     optimizer_kernel_ops,
@@ -249,9 +248,8 @@ def _host_step(last: Plan | None, spec: OptimizerSpec, profile: ClusterProfile
     python = profile.optimizer_fixed_s + profile.optimizer_per_param_s * spec.n_params
     copies = 0.0
     if spec.offload == "optimizer":  # shards and gradients to the host, shards back
-        link = profile.host_link_bytes_per_s
-        copies = 2 * copy_seconds(int(spec.param_bytes), link) \
-            + copy_seconds(int(spec.param_bytes), link)
+        copies = 2 * profile.host_copy_seconds(int(spec.param_bytes), to_device=False) \
+            + profile.host_copy_seconds(int(spec.param_bytes), to_device=True)
     if not spec.overlap or last is None:
         return 0.0, max(python, 0.0) + compute + copies, copies, compute
     # Overlapped: the worker's buckets, then optimizer.step() on what it did not step.

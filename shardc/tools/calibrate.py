@@ -65,7 +65,6 @@ CPU_MEMORY = tuple(64 * 1024 * 4 ** i for i in range(5))
 # a CPU-only calibration: small, for tests.
 GPU_HOST_ADAMW = (16, 1 << 24)
 CPU_HOST_ADAMW = (4, 1 << 16)
-HOST_LINK_BYTES = 256 * MIB  # one pinned copy each way
 
 
 class Timer:
@@ -234,30 +233,6 @@ def measure_host_adamw(tensors: int, numel: int, reps: int = 3) -> float:
         opt.step()
         times.append(time.perf_counter() - t0)
     return tensors * numel / statistics.median(times)
-
-
-def measure_host_link(device: torch.device, nbytes: int = HOST_LINK_BYTES) -> float | None:
-    """Bytes/s of one pinned host<->device copy of ``nbytes``, the slower direction (CPU
-    offload's copies: ``ClusterProfile.host_link_bytes_per_s``); None without CUDA."""
-    if device.type != "cuda":
-        return None
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    rates = []
-    for dst, src in ((dev, host), (host, dev)):
-        for _ in range(2):  # warm-up
-            dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize(device)
-        times = []
-        for _ in range(5):
-            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            start.record()
-            dst.copy_(src, non_blocking=True)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        rates.append(nbytes / statistics.median(times))
-    return min(rates)
 
 
 def measure_kernel_overheads(timer: Timer) -> tuple[float, float]:
@@ -472,6 +447,32 @@ def measure_overlap(timer: Timer) -> float | None:
     return max(1.0, float(t.item()))
 
 
+# Sizes of the host link's copies: a small one for the latency, large ones for the bandwidth
+# (an offloaded block's saved values or a bucket's shards: tens to hundreds of MiB).
+HOST_LINK_SIZES = (64 << 10, 16 * MIB, 128 * MIB)
+
+
+def measure_host_link(timer: Timer, sizes=HOST_LINK_SIZES) -> tuple[float, float, float] | None:
+    """(host->device bytes/s, device->host bytes/s, latency s) of copies between pinned host
+    memory and the device, non-blocking as shardc's copies are: a line through each direction's
+    median seconds by bytes (:func:`fit_alpha_beta`), the latency the larger intercept. None
+    without a GPU."""
+    if timer.device.type != "cuda":
+        return None
+    fits = []
+    for to_device in (True, False):
+        seconds = []
+        for nbytes in sizes:
+            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            dev = torch.empty(nbytes, dtype=torch.uint8, device=timer.device)
+            src, dst = (host, dev) if to_device else (dev, host)
+            seconds.append(timer.median(functools.partial(dst.copy_, src, non_blocking=True),
+                                        reps=5))
+        fits.append(fit_alpha_beta([float(n) for n in sizes], seconds))
+    (h2d_latency, h2d_rate), (d2h_latency, d2h_rate) = fits
+    return h2d_rate, d2h_rate, max(h2d_latency, d2h_latency)
+
+
 # ------------------------------------------------------------------------------ driver
 
 
@@ -516,10 +517,13 @@ def calibrate(device: torch.device, *, quick: bool = False, name: str | None = N
         f"{k.removesuffix('_fixed_s')} {per_param[k] * 1e3:.3f} ms" for k in FIXED_FIELDS)
         + f" ({time.perf_counter() - t0:.0f} s)")
     adamw = measure_host_adamw(*(GPU_HOST_ADAMW if gpu else CPU_HOST_ADAMW))
-    host_link = measure_host_link(device)
-    log(f"host: fused CPU AdamW {adamw / 1e9:.2f} G params/s"
-        + (f", pinned host<->device copies {host_link / 1e9:.1f} GB/s" if host_link else "")
-        + f" ({time.perf_counter() - t0:.0f} s)")
+    log(f"host: fused CPU AdamW {adamw / 1e9:.2f} G params/s "
+        f"({time.perf_counter() - t0:.0f} s)")
+    host_link = measure_host_link(timer)
+    if host_link is not None:
+        log(f"host link (pinned): {host_link[0] / 1e9:.1f} GB/s to the device, "
+            f"{host_link[1] / 1e9:.1f} GB/s to the host, {host_link[2] * 1e6:.1f} us "
+            f"({time.perf_counter() - t0:.0f} s)")
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     curves, link, slowdown = [], None, None
     if world > 1:
@@ -533,6 +537,10 @@ def calibrate(device: torch.device, *, quick: bool = False, name: str | None = N
     if world == 1:
         notes.append("one process: no collective timings; the links and the overlap slowdown "
                      "are the defaults (ring model)")
+    if host_link is None:
+        notes.append("no GPU: the host link is the default (25 GB/s each way, 10 us)")
+        host_link = (defaults.host_to_device_bytes_per_s, defaults.device_to_host_bytes_per_s,
+                     defaults.host_copy_latency_s)
     return ClusterProfile(
         name=name or (dev_name.split()[1].lower() if gpu and len(dev_name.split()) > 1
                       else "cpu"),
@@ -545,9 +553,8 @@ def calibrate(device: torch.device, *, quick: bool = False, name: str | None = N
         graph_call_s=graph_call_s, **per_param,
         collectives=tuple(curves), intra=link or defaults.intra,
         overlap_slowdown=slowdown if slowdown is not None else defaults.overlap_slowdown,
-        host_adamw_params_per_s=adamw,
-        host_link_bytes_per_s=host_link or defaults.host_link_bytes_per_s,
-        notes=tuple(notes))
+        host_to_device_bytes_per_s=host_link[0], device_to_host_bytes_per_s=host_link[1],
+        host_copy_latency_s=host_link[2], host_adamw_params_per_s=adamw, notes=tuple(notes))
 
 
 def main(argv: list[str] | None = None) -> int:

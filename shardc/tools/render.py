@@ -299,6 +299,10 @@ def budget_lines(plan: Plan) -> list[str]:
                      f"{_block_lever(d)}, costs "
                      f"{d.offload_ms if d.offloaded else d.cost_ms:.3f} ms, "
                      f"frees {_fmt_bytes(d.bytes)}: {d.reason}")
+    if b.prefetch is not None:
+        p = b.prefetch
+        lines.append(f"  prefetch depth {p.depth} (options: {p.default_depth}): predicted step "
+                     f"{p.step_ms:.3f} ms, peak {_fmt_bytes(p.peak_bytes)}: {p.reason}")
     o = b.optimizer
     if o is not None:
         where = "on the host" if o.on_host else "on the device"

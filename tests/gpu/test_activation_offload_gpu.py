@@ -81,3 +81,29 @@ def test_offloaded_activations_train_like_saved_ones(mesh, inductor):
     plan = shardc.explain(compiled)
     assert {c.kind for c in plan.copies if c.origin == "activation"} == {"d2h_copy", "h2d_copy"}
     assert plan.predicted.host_bytes > 0
+
+
+@pytest.mark.parametrize("inductor", [False, True], ids=["fx", "inductor"])
+def test_the_forward_does_not_wait_for_its_copies(mesh, inductor):
+    """No CPU wait: when the compiled forward returns, its device->host copies are still
+    pending (their events not taken), whatever the GPU's speed; the backward's copies back take
+    them (waited on the copy stream), and the step trains like the one without offload."""
+    from shardc.ops import offload_copy
+    from shardc.ops.offload_copy import COPY_RELEASE_OP, COPY_WAIT_OP
+
+    model, compiled, _ = _sharded(mesh, inductor, activation_offload=("*",))
+    (region,) = shardc.shard_state(model).regions
+    fw_nodes = list(region.forward.graph.nodes)
+    d2h = sum(activation_role(n) == "d2h" for n in fw_nodes)
+    assert not any(n.target is COPY_WAIT_OP for n in fw_nodes)
+    assert sum(n.target is COPY_RELEASE_OP for n in fw_nodes) == d2h > 0
+    toks = torch.randint(0, CFG.vocab_size, (BATCH, SEQ + 1)).cuda()
+    before = set(offload_copy._PENDING)
+    loss = llama_loss(compiled(toks[:, :-1]), toks[:, 1:])
+    pending = set(offload_copy._PENDING) - before
+    host = {k for k in pending if k[0] == "cpu"}
+    assert len(host) == d2h, (len(host), d2h)
+    loss.backward()
+    assert not host & set(offload_copy._PENDING)
+    torch.cuda.synchronize()
+    assert torch.isfinite(loss)
