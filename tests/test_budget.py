@@ -616,14 +616,20 @@ def test_elided_gathers_that_cast_are_candidates_priced_by_their_cast():
     assert budget.candidates(_elided_plan())[0] == []  # nothing priced: nothing to keep
 
 
+def _gather_node(graph: fx.Graph, fqn: str, dtype: torch.dtype) -> fx.Node:
+    """A one-rank gather of a 1024 x 256 fp32 shard to ``dtype`` in ``graph``."""
+    shard = graph.placeholder(f"{fqn}_shard")
+    shard.meta["val"] = torch.empty(1024, 256)
+    node = graph.call_function(GATHER_OP, GatherArgs(shard, fqn, 1024, 1, "0", dtype,
+                                                     torch.float32, True).args())
+    node.meta["val"] = torch.empty(1024, 256, dtype=dtype)
+    return node
+
+
 def test_elided_cast_seconds_prices_only_casting_gathers():
     graph = fx.Graph()
     for fqn, dtype in (("cast", torch.bfloat16), ("same", torch.float32)):
-        shard = graph.placeholder(f"{fqn}_shard")
-        shard.meta["val"] = torch.empty(1024, 256)
-        node = graph.call_function(GATHER_OP, GatherArgs(shard, fqn, 1024, 1, "0", dtype,
-                                                         torch.float32, True).args())
-        node.meta["val"] = torch.empty(1024, 256, dtype=dtype)
+        _gather_node(graph, fqn, dtype)
     graph.output(None)
     got = elided_cast_seconds(fx.GraphModule(nn.Module(), graph), resolve_profile(None))
     assert set(got) == {"cast"} and got["cast"] > 0
@@ -636,11 +642,7 @@ def test_elided_cast_bytes_price_the_kernels_one_rank_still_runs():
     graph = fx.Graph()
     nodes = {}
     for fqn, dtype in (("cast", torch.bfloat16), ("same", torch.float32)):
-        shard = graph.placeholder(f"{fqn}_shard")
-        shard.meta["val"] = torch.empty(1024, 256)
-        node = graph.call_function(GATHER_OP, GatherArgs(shard, fqn, 1024, 1, "0", dtype,
-                                                         torch.float32, True).args())
-        node.meta["val"] = torch.empty(1024, 256, dtype=dtype)
+        node = _gather_node(graph, fqn, dtype)
         nodes[f"gather_{fqn}"] = node
         grad = graph.placeholder(f"{fqn}_grad")
         grad.meta["val"] = torch.empty(1024, 256, dtype=dtype)
