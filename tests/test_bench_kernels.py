@@ -64,7 +64,9 @@ def test_predict_step_sets_predicted_beside_measured_by_category():
            "predicted_ms_by_category": pred,
            "measured_ms_by_category": {"matmul": 24.0, "optimizer": 15.0, "idle": 2.0}}
     table = category_table([row], 2048)
-    assert table[-1].startswith("| 1b | 8 | 4 x 2048 | 30.0 / 24.0 |")
+    assert table[-1].startswith("| – | 1b | 8 | 4 x 2048 | 30.0 / 24.0 |")  # mesh not named
+    assert category_table([{**row, "mesh": "hsdp 2x1"}], 2048)[-1].startswith(
+        "| hsdp 2x1 | 1b | 8 | 4 x 2048 | 30.0 / 24.0 |")
     # Device idle: waiting for the host's launches and its per-parameter work.
     assert "| 16.0 / 15.0 | 1.5 / 2.0 |" in table[-1]
     assert category_table([{**row, "status": "error"}], 2048) == []
@@ -113,7 +115,7 @@ def test_predict_step_reports_where_each_phase_ends_on_host_and_device():
     row = {"status": "ok", "config": {"model": "1b", "layers": 8, "batch": 1, "seq": None},
            "measured_phases_ms": got, "predicted_phases_ms": pred}
     table = phase_table([row], 2048)
-    assert table[-1].startswith("| 1b | 8 | 1 x 2048 | 9.0 / 9.0 | 7.0 / 8.0 | 24.0 / 27.0 | "
+    assert table[-1].startswith("| – | 1b | 8 | 1 x 2048 | 9.0 / 9.0 | 7.0 / 8.0 | 24.0 / 27.0 | "
                                 "20.0 / 20.0 | 30.0 / 43.0 | – |")
     assert table[-1].endswith("| 30.3 / 43.0 | – / 38.0 |")
     assert phase_table([{**row, "status": "error"}], 2048) == []
