@@ -283,6 +283,7 @@ def run_config(c: dict, args, device, mesh, cluster: dict | None, log) -> dict[s
         "params": cfg.num_params(), "regions": len(plans), "param_tensors": n_params,
     })
     res["predicted_step_s"] = step.step_s
+    res["predicted_comm_by_group"] = comm_by_group(plans)
     res["predicted_phases_ms"] = predicted_boundaries(plans, step)
     res["predicted_ms_by_category"] = predicted_by_category(
         [p.predicted.get("time_by_category_s") or {} for p in plans], step.by_category)
@@ -318,6 +319,27 @@ def predicted_boundaries(plans, step) -> dict[str, dict[str, float]]:
     return {"forward": {"host": fw_host, "device": forward},
             "backward": {"host": bw_host, "device": max(graphs, bw_host)},
             "zero_grad": {"device": step.step_s * 1e3}}
+
+
+def comm_by_group(plans) -> dict[str, dict[str, float]]:
+    """The plans' collectives per step by process group and kind (``shard/all_gather``,
+    ``replicate/all_reduce``: HSDP's, ``tp/all_reduce``: the tensor-parallel ones found in the
+    traced graphs, ...): how many run (``n``; ``elided``: over a one-rank group, not run), their
+    buffers' MiB, and the predicted ms on their lane and exposed (what the step's prediction
+    holds of them)."""
+    out: dict[str, dict[str, float]] = {}
+    for plan in plans:
+        for c in plan.collectives:
+            row = out.setdefault(f"{c.group}/{c.kind}", dict.fromkeys(
+                ("n", "elided", "mib", "ms", "exposed_ms"), 0.0))
+            if c.elided:
+                row["elided"] += 1
+                continue
+            row["n"] += 1
+            row["mib"] += c.buffer_bytes / (1 << 20)
+            row["ms"] += c.predicted_s * 1e3
+            row["exposed_ms"] += c.exposed_s * 1e3
+    return out
 
 
 def predicted_by_category(tables: list[dict[str, float]], after: dict[str, float]
@@ -430,6 +452,7 @@ def render(report: dict) -> str:
         lines += ["", f"Step error: mean |error| {statistics.fmean(errs) * 100:.1f}%, max "
                   f"{max(errs) * 100:.1f}% over {len(ok)} configuration(s); goal: within 10% "
                   "(stretch 5%)."]
+    lines += comm_table(report["results"], m["seq"])
     lines += category_table(report["results"], m["seq"])
     lines += phase_table(report["results"], m["seq"])
     lines += ["", "Predicted step = the plan's forward+backward (fused kernels, attention as one "
@@ -454,6 +477,28 @@ CATEGORY_COLUMNS = (
     ("optimizer", ("optimizer",), ("optimizer",)),
     ("device idle", ("launch_bound", "param_host"), ("idle",)),
 )
+
+
+def comm_table(results: list[dict], seq: int) -> list[str]:
+    """The plans' collectives per row (:func:`comm_by_group`): ``group/kind: n x MiB, ms on its
+    lane (exposed)``, the elided ones counted apart."""
+    rows = [r for r in results if r.get("status") == "ok" and r.get("predicted_comm_by_group")]
+    if not rows:
+        return []
+    lines = ["", "Collectives in the plans per step, by process group (`shard`: FSDP's or HSDP's "
+             "shard group, `replicate`: HSDP's all-reduce, `tp`: tensor parallelism's, found in "
+             "the traced graphs): count, MiB, predicted ms on the group's lane (exposed ms):", "",
+             f"{HEAD} collectives |", f"{HEAD_ALIGN} --- |"]
+    for r in rows:
+        cells = []
+        for key, v in sorted(r["predicted_comm_by_group"].items()):
+            cell = (f"{key}: {v['n']:.0f} x, {v['mib']:.1f} MiB, {v['ms']:.1f} ms "
+                    f"({v['exposed_ms']:.1f})") if v["n"] else f"{key}: –"
+            if v["elided"]:
+                cell += f", {v['elided']:.0f} elided"
+            cells.append(cell)
+        lines.append(f"{row_head(r, seq)} {'; '.join(cells)} |")
+    return lines
 
 
 def category_table(results: list[dict], seq: int) -> list[str]:
