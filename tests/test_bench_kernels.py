@@ -170,3 +170,12 @@ def test_predict_step_counts_the_plans_collectives_by_group():
     assert comm_table([row], 2048)[-1] == (
         "| hsdp 2x1 | 1b | 8 | 4 x 2048 | replicate/all_reduce: 2 x, 12.0 MiB, 5.0 ms (2.5); "
         "shard/reduce_scatter: –, 1 elided; tp/all_reduce: 1 x, 1.0 MiB, 0.4 ms (0.2) |")
+
+
+def test_plan_vs_measured_plans_the_mesh_the_gpu_run_used():
+    from benchmarks.plan_vs_measured import mesh_setup
+
+    old = mesh_setup({"world_size": 2})  # reports before --mesh / --tp: FSDP over every rank
+    assert (old.tp, old.shard_size, old.precision, old.inductor) == (1, None, "bf16", True)
+    assert mesh_setup({"mesh_shape": [2, 1], "tp": 1}).shard_size == 1
+    assert mesh_setup({"mesh_shape": None, "tp": 2}).tp == 2
