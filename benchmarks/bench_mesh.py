@@ -49,6 +49,16 @@ def describe(mesh: DeviceMesh) -> str:
     return f"FSDP+TP {mesh.size(0)}x{mesh.size(1)} (dp x tp)"
 
 
+def label(mesh: DeviceMesh) -> str:
+    """A short name of the mesh for a table row: ``fsdp 2``, ``hsdp 2x1`` (replicate x shard),
+    ``fsdp 1 x tp 2`` (dp x tp)."""
+    if mesh.ndim == 1:
+        return f"fsdp {mesh.size()}"
+    if mesh.mesh_dim_names == ("replicate", "shard"):
+        return f"hsdp {mesh.size(0)}x{mesh.size(1)}"
+    return f"fsdp {mesh.size(0)} x tp {mesh.size(1)}"
+
+
 def is_tp(mesh: DeviceMesh) -> bool:
     return mesh.mesh_dim_names == ("dp", "tp")
 

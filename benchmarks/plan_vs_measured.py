@@ -84,6 +84,15 @@ def _profile_option(meta: dict, profile: str | None) -> dict:
     return {"profile": preset_for_device(meta.get("gpu", ""))}
 
 
+def mesh_setup(meta: dict) -> PlanSetup:
+    """How the GPU run trained (bf16, Inductor) on the mesh it ran on: predict_step.py's
+    ``--mesh RxS`` (``mesh_shape``: HSDP, shard groups of S ranks) or ``--tp N`` (``tp``);
+    reports without them ran FSDP over every rank."""
+    shape = meta.get("mesh_shape")
+    return PlanSetup(precision="bf16", inductor=True, tp=int(meta.get("tp") or 1),
+                     shard_size=int(shape[1]) if shape else None)
+
+
 def _from_measured(path: str, profile: str | None) -> list[str]:
     from train.workload import model_config
 
@@ -92,8 +101,10 @@ def _from_measured(path: str, profile: str | None) -> list[str]:
     cluster = _profile_option(meta, profile)
     prof = resolve_profile(cluster)
     world = int(meta["world_size"])
+    setup = mesh_setup(meta)
+    mesh = f", mesh {meta['mesh']}" if meta.get("mesh") else ""
     lines = [
-        f"# CPU plans against GPU runs ({meta['gpu']} x {world})", "",
+        f"# CPU plans against GPU runs ({meta['gpu']} x {world}{mesh})", "",
         f"- GPU run: `{meta['command']}` ({meta['git']}, {meta['date']} UTC)",
         f"- CPU plans: `python benchmarks/plan_vs_measured.py --measured {path}` with the cluster "
         f"profile {prof.name} ({prof.date})", "",
@@ -114,8 +125,7 @@ def _from_measured(path: str, profile: str | None) -> list[str]:
         cfg = model_config(c["model"], seq, bool(meta.get("tiny")), c["layers"])
         start = time.perf_counter()
         planned = plan_model_step(llama_model(cfg), world, c["batch"], seq,
-                                  {"cluster": cluster},
-                                  setup=PlanSetup(precision="bf16", inductor=True))
+                                  {"cluster": cluster}, setup=setup)
         seconds = time.perf_counter() - start
         p = planned.plan.predicted
         # the whole step, as `shardc plan` prints it (shardc.planning.step.predict_step)

@@ -5,6 +5,8 @@ Launch with torchrun, one process per GPU (one GPU is fine)::
     torchrun --nproc-per-node 1 benchmarks/predict_step.py --profile h100.json --out docs/bench
     torchrun --nproc-per-node 1 benchmarks/predict_step.py --configs 1b:8:4,1b:16:4,wide:8:2:fp8
     torchrun --nproc-per-node 2 benchmarks/predict_step.py --device cpu --tiny   # gloo smoke run
+    torchrun --nproc-per-node 2 benchmarks/predict_step.py --mesh 2x1 --configs 1b:8:4  # HSDP
+    torchrun --nproc-per-node 2 benchmarks/predict_step.py --tp 2 --configs 1b:8:4      # FSDP+TP
 
 Each configuration ``model:layers:batch[:fp8]`` (the models of ``train_bench.py``: ``1b``,
 ``wide``; sequence 2048) is built, sharded with ``MixedPrecisionPolicy(bf16, fp32)`` (and
@@ -33,6 +35,15 @@ holds, per configuration:
   time_by_category_s``: matmul, attention forward/backward, fused, other, copies, waiting for
   the host) next to the GPU kernel time of the same categories, by kernel name
   (``train.kernels.kernel_category``), over the ``--profile-steps`` traced steps.
+
+The mesh is 1-D FSDP over every rank, or the 2-D meshes of ``train_bench.py``
+(``bench_mesh.py``): ``--mesh RxS`` an HSDP ``(replicate, shard)`` mesh of R x S ranks,
+``--tp N`` a ``(dp, tp)`` mesh of world/N x N ranks with the Llama blocks tensor-parallelized on
+``tp`` (Megatron style); the ranks of a tp group read the same batch, so ``batch`` is per tp
+rank and its tp group's distinct tokens. Each row names its mesh (``mesh``: ``fsdp 2``,
+``hsdp 2x1``, ``hsdp 1x2``, ``fsdp 1 x tp 2``). The prediction is every region's plan, so it
+holds HSDP's replicate all-reduces and the tensor-parallel collectives the plan found in the
+traced graphs, each on its process group's lane.
 
 The cluster profile is ``--profile`` (a preset name or a file from ``python -m shardc
 calibrate``), else the preset for this GPU. Writes ``<name>.md`` and ``<name>.json`` under
@@ -66,6 +77,7 @@ for _path in (_BENCHMARKS.parent, _BENCHMARKS):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
+import bench_mesh  # noqa: E402
 from train.provenance import git_describe, launch_command, nccl_version  # noqa: E402
 from train.setup import compiled_loss  # noqa: E402
 from train.workload import build_model, model_config, synthetic_batches  # noqa: E402
@@ -115,6 +127,11 @@ def _args(argv=None) -> argparse.Namespace:
                         "exposed communication (GPU only; 0: none)")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None)
     p.add_argument("--tiny", action="store_true", help="tiny models (CPU smoke runs)")
+    p.add_argument("--mesh", default=None, metavar="RxS",
+                   help="HSDP: a (replicate, shard) mesh of R x S ranks (R*S = world size)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="FSDP+TP: tensor-parallel degree; shardc shards over world/tp (the "
+                        "ranks of a tp group read the same batch)")
     p.add_argument("--deadline-s", type=float, default=0.0,
                    help="skip configurations that would end later than this (0: no deadline)")
     p.add_argument("--blocks-once", action="store_true",
@@ -140,11 +157,10 @@ def _init(device_type: str) -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def _setup(cfg, device, fp8: bool, cluster: dict | None, blocks_once: bool = False):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    model = build_model(cfg, device)
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+def _setup(cfg, device, mesh, fp8: bool, cluster: dict | None, blocks_once: bool = False):
+    """The model on ``mesh`` (``bench_mesh.build_mesh``: tensor-parallel blocks first on a
+    ``(dp, tp)`` mesh, as train_bench does), sharded and compiled with the shardc backend."""
+    model = bench_mesh.parallelize_llama(build_model(cfg, device), mesh)
     mp = shardc.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     policy = shardc.Float8Policy(modules=(nn.Linear, nn.Embedding)) if fp8 else None
     shardc.shard(model, mesh, mp_policy=mp, fp8=policy)
@@ -186,13 +202,15 @@ def config_seq(c: dict, args) -> int:
     return c.get("seq") or args.seq or (128 if args.tiny else 2048)
 
 
-def run_config(c: dict, args, device, cluster: dict | None, log) -> dict[str, Any]:
+def run_config(c: dict, args, device, mesh, cluster: dict | None, log) -> dict[str, Any]:
     seq = config_seq(c, args)
     cfg = model_config(c["model"], seq, args.tiny, c["layers"])
-    model, loss_fn = _setup(cfg, device, c["precision"] == "fp8", cluster, args.blocks_once)
+    model, loss_fn = _setup(cfg, device, mesh, c["precision"] == "fp8", cluster,
+                            args.blocks_once)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    # A tp group reads one batch (its dp coordinate's); every other rank its own.
     data = synthetic_batches(args.warmup + args.steps + args.profile_steps, c["batch"], seq,
-                             cfg.vocab_size, dist.get_rank(), device)
+                             cfg.vocab_size, bench_mesh.data_rank(mesh, dist.get_rank()), device)
     it = iter(data)
     t0 = time.perf_counter()
     for _ in range(args.warmup):
@@ -265,6 +283,7 @@ def run_config(c: dict, args, device, cluster: dict | None, log) -> dict[str, An
         "params": cfg.num_params(), "regions": len(plans), "param_tensors": n_params,
     })
     res["predicted_step_s"] = step.step_s
+    res["predicted_comm_by_group"] = comm_by_group(plans)
     res["predicted_phases_ms"] = predicted_boundaries(plans, step)
     res["predicted_ms_by_category"] = predicted_by_category(
         [p.predicted.get("time_by_category_s") or {} for p in plans], step.by_category)
@@ -300,6 +319,27 @@ def predicted_boundaries(plans, step) -> dict[str, dict[str, float]]:
     return {"forward": {"host": fw_host, "device": forward},
             "backward": {"host": bw_host, "device": max(graphs, bw_host)},
             "zero_grad": {"device": step.step_s * 1e3}}
+
+
+def comm_by_group(plans) -> dict[str, dict[str, float]]:
+    """The plans' collectives per step by process group and kind (``shard/all_gather``,
+    ``replicate/all_reduce``: HSDP's, ``tp/all_reduce``: the tensor-parallel ones found in the
+    traced graphs, ...): how many run (``n``; ``elided``: over a one-rank group, not run), their
+    buffers' MiB, and the predicted ms on their lane and exposed (what the step's prediction
+    holds of them)."""
+    out: dict[str, dict[str, float]] = {}
+    for plan in plans:
+        for c in plan.collectives:
+            row = out.setdefault(f"{c.group}/{c.kind}", dict.fromkeys(
+                ("n", "elided", "mib", "ms", "exposed_ms"), 0.0))
+            if c.elided:
+                row["elided"] += 1
+                continue
+            row["n"] += 1
+            row["mib"] += c.buffer_bytes / (1 << 20)
+            row["ms"] += c.predicted_s * 1e3
+            row["exposed_ms"] += c.exposed_s * 1e3
+    return out
 
 
 def predicted_by_category(tables: list[dict[str, float]], after: dict[str, float]
@@ -362,6 +402,18 @@ def _err(pred, meas) -> str:
     return "–" if not pred or not meas else f"{(pred / meas - 1) * 100:+.1f}%"
 
 
+def row_head(r: dict, seq: int) -> str:
+    """A table row's first cells: its mesh (``bench_mesh.label``; ``–`` in reports made before
+    the rows named it), model, layers, batch x sequence."""
+    c = r["config"]
+    return (f"| {r.get('mesh') or '–'} | {c['model']} | {c['layers']} | "
+            f"{c['batch']} x {c.get('seq') or seq} |")
+
+
+HEAD = "| mesh | model | layers | batch x seq |"
+HEAD_ALIGN = "| --- | --- | ---: | ---: |"
+
+
 def render(report: dict) -> str:
     m = report["meta"]
     lines = [
@@ -369,21 +421,20 @@ def render(report: dict) -> str:
         "",
         f"- command: `{m['command']}`",
         f"- commit: {m['git']}; date (UTC): {m['date']}",
-        f"- device: {m['gpu']} x {m['world_size']}; torch {m['torch']}; NCCL {m['nccl']}",
+        f"- device: {m['gpu']} x {m['world_size']}; mesh {m.get('mesh') or 'fsdp'}; torch "
+        f"{m['torch']}; NCCL {m['nccl']}",
         f"- cluster profile: {m['profile']}",
         f"- sequence {m['seq']} unless a row names another; {m['steps']} timed steps (median), "
         f"{m['warmup']} warm-up; AdamW (foreach); bf16 compute, fp32 master weights and reduction",
         "",
-        "| model | layers | batch x seq | precision | predicted step ms | measured step ms | "
+        f"{HEAD} precision | predicted step ms | measured step ms | "
         "error | pred fwd+bwd ms | meas fwd+bwd ms | pred optimizer ms | meas optimizer ms | "
         "pred exposed comm ms | meas exposed comm ms | pred peak GiB | meas peak GiB |",
-        "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
+        f"{HEAD_ALIGN} --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
         "---: | ---: | ---: |",
     ]
     for r in report["results"]:
-        c = r["config"]
-        head = (f"| {c['model']} | {c['layers']} | {c['batch']} x {c.get('seq') or m['seq']} | "
-                f"{c['precision']} |")
+        head = f"{row_head(r, m['seq'])} {r['config']['precision']} |"
         if r.get("status") != "ok":
             lines.append(f"{head} {r.get('status')}: {r.get('reason', '')[:120]} |" + " |" * 10)
             continue
@@ -401,6 +452,7 @@ def render(report: dict) -> str:
         lines += ["", f"Step error: mean |error| {statistics.fmean(errs) * 100:.1f}%, max "
                   f"{max(errs) * 100:.1f}% over {len(ok)} configuration(s); goal: within 10% "
                   "(stretch 5%)."]
+    lines += comm_table(report["results"], m["seq"])
     lines += category_table(report["results"], m["seq"])
     lines += phase_table(report["results"], m["seq"])
     lines += ["", "Predicted step = the plan's forward+backward (fused kernels, attention as one "
@@ -427,6 +479,28 @@ CATEGORY_COLUMNS = (
 )
 
 
+def comm_table(results: list[dict], seq: int) -> list[str]:
+    """The plans' collectives per row (:func:`comm_by_group`): ``group/kind: n x MiB, ms on its
+    lane (exposed)``, the elided ones counted apart."""
+    rows = [r for r in results if r.get("status") == "ok" and r.get("predicted_comm_by_group")]
+    if not rows:
+        return []
+    lines = ["", "Collectives in the plans per step, by process group (`shard`: FSDP's or HSDP's "
+             "shard group, `replicate`: HSDP's all-reduce, `tp`: tensor parallelism's, found in "
+             "the traced graphs): count, MiB, predicted ms on the group's lane (exposed ms):", "",
+             f"{HEAD} collectives |", f"{HEAD_ALIGN} --- |"]
+    for r in rows:
+        cells = []
+        for key, v in sorted(r["predicted_comm_by_group"].items()):
+            cell = (f"{key}: {v['n']:.0f} x, {v['mib']:.1f} MiB, {v['ms']:.1f} ms "
+                    f"({v['exposed_ms']:.1f})") if v["n"] else f"{key}: –"
+            if v["elided"]:
+                cell += f", {v['elided']:.0f} elided"
+            cells.append(cell)
+        lines.append(f"{row_head(r, seq)} {'; '.join(cells)} |")
+    return lines
+
+
 def category_table(results: list[dict], seq: int) -> list[str]:
     """Predicted and measured milliseconds per step by kernel category, one row per
     configuration (``pred / meas``). The measured side is the GPU's kernel time by kernel name
@@ -439,19 +513,16 @@ def category_table(results: list[dict], seq: int) -> list[str]:
         return []
     lines = ["", "Where the time goes, ms per step (predicted / measured; measured from "
              "torch.profiler kernel names, `–` where not profiled):", "",
-             "| model | layers | batch x seq | "
-             + " | ".join(name for name, _, _ in CATEGORY_COLUMNS) + " |",
-             "| --- | ---: | ---: |" + " ---: |" * len(CATEGORY_COLUMNS)]
+             f"{HEAD} " + " | ".join(name for name, _, _ in CATEGORY_COLUMNS) + " |",
+             HEAD_ALIGN + " ---: |" * len(CATEGORY_COLUMNS)]
     for r in rows:
-        c, pred, meas = r["config"], r["predicted_ms_by_category"], r.get(
-            "measured_ms_by_category") or {}
+        pred, meas = r["predicted_ms_by_category"], r.get("measured_ms_by_category") or {}
         cells = []
         for _, pkeys, mkeys in CATEGORY_COLUMNS:
             p = sum(pred.get(k, 0.0) for k in pkeys)
             m = f"{sum(meas.get(k, 0.0) for k in mkeys):.1f}" if meas else "–"
             cells.append(f"{p:.1f} / {m}")
-        lines.append(f"| {c['model']} | {c['layers']} | {c['batch']} x {c.get('seq') or seq} | "
-                     + " | ".join(cells) + " |")
+        lines.append(f"{row_head(r, seq)} " + " | ".join(cells) + " |")
     return lines
 
 
@@ -465,9 +536,8 @@ def phase_table(results: list[dict], seq: int) -> list[str]:
     lines = ["", "Phase ends, ms from the step's start, host returned / device reached (the "
              "device's time is the later of its queued work and the host: where they are equal "
              "the device waited for the host; measured medians, then predicted):", "",
-             "| model | layers | batch x seq | " + " | ".join(
-                 f"{name} meas | {name} pred" for name in PHASES) + " |",
-             "| --- | ---: | ---: |" + " ---: | ---: |" * len(PHASES)]
+             f"{HEAD} " + " | ".join(f"{name} meas | {name} pred" for name in PHASES) + " |",
+             HEAD_ALIGN + " ---: | ---: |" * len(PHASES)]
 
     def cell(v: dict | None) -> str:
         if not v:
@@ -475,10 +545,9 @@ def phase_table(results: list[dict], seq: int) -> list[str]:
         return " / ".join("–" if v.get(k) is None else f"{v[k]:.1f}" for k in ("host", "device"))
 
     for r in rows:
-        c, meas, pred = r["config"], r["measured_phases_ms"], r.get("predicted_phases_ms") or {}
+        meas, pred = r["measured_phases_ms"], r.get("predicted_phases_ms") or {}
         cells = [f"{cell(meas.get(name))} | {cell(pred.get(name))}" for name in PHASES]
-        lines.append(f"| {c['model']} | {c['layers']} | {c['batch']} x {c.get('seq') or seq} | "
-                     + " | ".join(cells) + " |")
+        lines.append(f"{row_head(r, seq)} " + " | ".join(cells) + " |")
     return lines
 
 
@@ -487,6 +556,8 @@ def main(argv=None) -> int:
     configs = parse_configs(args.configs)
     device_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     rank, world, device = _init(device_type)
+    mesh = bench_mesh.build_mesh(device_type, world, args.mesh, args.tp)
+    mesh_label = bench_mesh.label(mesh)
     cluster = {"profile": args.profile} if args.profile else None
     start = time.perf_counter()
 
@@ -507,6 +578,10 @@ def main(argv=None) -> int:
         "profile_arg": args.profile, "tiny": args.tiny, "blocks_once": args.blocks_once,
         "seq": args.seq or (128 if args.tiny else 2048), "steps": args.steps,
         "warmup": args.warmup,
+        # The mesh every row ran on (also each result's "mesh"); plan_vs_measured.py plans the
+        # same one (mesh_shape: HSDP's (replicate, shard); tp: the tensor-parallel degree).
+        "mesh": mesh_label, "mesh_shape": bench_mesh.parse_mesh(args.mesh, world),
+        "tp": args.tp,
     }
     report: dict[str, Any] = {"meta": meta, "results": []}
     out = Path(args.out)
@@ -517,13 +592,13 @@ def main(argv=None) -> int:
                 > args.deadline_s]
         dist.broadcast_object_list(late, src=0)
         if late[0]:
-            report["results"].append({"config": c, "status": "skipped",
+            report["results"].append({"config": c, "mesh": mesh_label, "status": "skipped",
                                       "reason": f"deadline {args.deadline_s:.0f}s"})
             continue
-        log(f"{c}: start")
+        log(f"{c} on {mesh_label}: start")
         t = time.perf_counter()
         try:
-            res = run_config(c, args, device, cluster, log)
+            res = run_config(c, args, device, mesh, cluster, log)
             res["status"] = "ok"
         except Exception as exc:  # record it and go on
             res = {"status": "error", "reason": f"{type(exc).__name__}: {str(exc)[:500]}"}
@@ -536,6 +611,7 @@ def main(argv=None) -> int:
         merged = _slowest(per_rank) if all(r["status"] == "ok" for r in per_rank) else next(
             r for r in per_rank if r["status"] != "ok")
         merged["config"] = c
+        merged["mesh"] = mesh_label
         merged["wall_s"] = time.perf_counter() - t
         durations.append(merged["wall_s"] / (c["layers"] / 8))
         report["results"].append(merged)

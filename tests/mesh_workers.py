@@ -29,7 +29,7 @@ from shardc.runtime.collectives import group_ranks
 TP_STEPS, TP_LR = 3, 1e-2
 
 
-def _forward(model: nn.Module, mode: str):
+def _forward(model: nn.Module, mode: str, cluster: dict | None = None):
     """``eager``, ``fx`` (compiled, planned FX graphs), ``fx-traced`` (the same, with the
     collectives found in the graph kept where they were traced) or ``fx-nopool`` (buffers
     allocated per collective, as Inductor's default is); ``fx-offload``: ``fx`` of a model
@@ -39,13 +39,16 @@ def _forward(model: nn.Module, mode: str):
         return model
     return torch.compile(model, backend=shardc.backend(
         inductor=False, move_found_collectives=mode != "fx-traced",
-        comm_pool=mode != "fx-nopool", cluster=CLUSTER))
+        comm_pool=mode != "fx-nopool", cluster=cluster or CLUSTER))
 
 
 # The default profile times this tiny model's kernels at their launch cost, longer than its
 # collectives take; a slow inter-node link keeps each HSDP all-reduce running while the shard
 # group's next collectives start, which the plan tests check the two lanes allow.
 CLUSTER = {"inter": {"bus_bandwidth": 1e9, "latency_s": 200e-6}}
+# HSDP: nodes of 2 ranks, so each replicate group crosses nodes (its all-reduce at the inter
+# link) on the 2x2 and 4x1 meshes, as a replica filling a node would.
+HSDP_CLUSTER = {**CLUSTER, "node_size": 2}
 
 
 def _gathered(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -195,7 +198,8 @@ def hsdp_run(rank: int, world: int, shape: tuple[int, int], mode: str,
     tokens, targets = batches()
     per = GLOBAL_BATCH // world
     rows = slice(rank * per, (rank + 1) * per)
-    losses = llama_train(model, _forward(model, mode), tokens[:, rows], targets[:, rows])
+    losses = llama_train(model, _forward(model, mode, HSDP_CLUSTER), tokens[:, rows],
+                         targets[:, rows])
     placements = describe_placements(model)
     return {"losses": _mean_over_world(losses), "params": _gathered(model),
             "placements": placements, "plans": _plan_summary(model)}

@@ -64,7 +64,9 @@ def test_predict_step_sets_predicted_beside_measured_by_category():
            "predicted_ms_by_category": pred,
            "measured_ms_by_category": {"matmul": 24.0, "optimizer": 15.0, "idle": 2.0}}
     table = category_table([row], 2048)
-    assert table[-1].startswith("| 1b | 8 | 4 x 2048 | 30.0 / 24.0 |")
+    assert table[-1].startswith("| – | 1b | 8 | 4 x 2048 | 30.0 / 24.0 |")  # mesh not named
+    assert category_table([{**row, "mesh": "hsdp 2x1"}], 2048)[-1].startswith(
+        "| hsdp 2x1 | 1b | 8 | 4 x 2048 | 30.0 / 24.0 |")
     # Device idle: waiting for the host's launches and its per-parameter work.
     assert "| 16.0 / 15.0 | 1.5 / 2.0 |" in table[-1]
     assert category_table([{**row, "status": "error"}], 2048) == []
@@ -113,7 +115,67 @@ def test_predict_step_reports_where_each_phase_ends_on_host_and_device():
     row = {"status": "ok", "config": {"model": "1b", "layers": 8, "batch": 1, "seq": None},
            "measured_phases_ms": got, "predicted_phases_ms": pred}
     table = phase_table([row], 2048)
-    assert table[-1].startswith("| 1b | 8 | 1 x 2048 | 9.0 / 9.0 | 7.0 / 8.0 | 24.0 / 27.0 | "
+    assert table[-1].startswith("| – | 1b | 8 | 1 x 2048 | 9.0 / 9.0 | 7.0 / 8.0 | 24.0 / 27.0 | "
                                 "20.0 / 20.0 | 30.0 / 43.0 | – |")
     assert table[-1].endswith("| 30.3 / 43.0 | – / 38.0 |")
     assert phase_table([{**row, "status": "error"}], 2048) == []
+
+
+class _Mesh:
+    """A DeviceMesh's stand-in: its shape and dimension names."""
+
+    def __init__(self, shape: tuple[int, ...], names: tuple[str, ...] | None = None) -> None:
+        self.shape, self.mesh_dim_names, self.ndim = shape, names, len(shape)
+
+    def size(self, dim: int | None = None) -> int:
+        return self.shape[dim] if dim is not None else int(__import__("math").prod(self.shape))
+
+
+def test_predict_step_mesh_flags_and_row_labels():
+    from benchmarks import bench_mesh
+    from benchmarks.predict_step import _args
+
+    args = _args(["--mesh", "2x1", "--configs", "1b:8:4"])
+    assert (args.mesh, args.tp) == ("2x1", 1) and _args(["--tp", "2"]).tp == 2
+    assert bench_mesh.parse_mesh("1x2", 2) == (1, 2) and bench_mesh.parse_mesh(None, 2) is None
+    with pytest.raises(SystemExit):
+        bench_mesh.parse_mesh("2x2", 2)
+    with pytest.raises(SystemExit):
+        bench_mesh.parse_mesh("2by1", 2)
+    assert bench_mesh.label(_Mesh((2,))) == "fsdp 2"
+    assert bench_mesh.label(_Mesh((2, 1), ("replicate", "shard"))) == "hsdp 2x1"
+    assert bench_mesh.label(_Mesh((1, 2), ("replicate", "shard"))) == "hsdp 1x2"
+    assert bench_mesh.label(_Mesh((1, 2), ("dp", "tp"))) == "fsdp 1 x tp 2"
+
+
+def test_predict_step_counts_the_plans_collectives_by_group():
+    from benchmarks.predict_step import comm_by_group, comm_table
+    from shardc.planning.plan import PLAN_VERSION, Collective, Plan
+
+    def coll(kind: str, group: str, mib: int, ms: float, elided: bool = False) -> Collective:
+        return Collective("c", kind, "backward", 0, [], 0, mib << 20, "float32", group, 0, 1, 1,
+                          1, predicted_end_s=ms / 1e3, exposed_s=ms / 2e3, group=group,
+                          group_size=2, elided=elided)
+
+    plan = Plan(PLAN_VERSION, 0, 1, {}, [], [])
+    plan.collectives = [coll("reduce_scatter", "shard", 4, 1.0, elided=True),
+                        coll("all_reduce", "replicate", 4, 2.0),
+                        coll("all_reduce", "replicate", 8, 3.0), coll("all_reduce", "tp", 1, 0.4)]
+    got = comm_by_group([plan])
+    assert got["replicate/all_reduce"] == pytest.approx(
+        {"n": 2, "elided": 0, "mib": 12.0, "ms": 5.0, "exposed_ms": 2.5})
+    assert got["shard/reduce_scatter"]["elided"] == 1 and got["shard/reduce_scatter"]["n"] == 0
+    row = {"status": "ok", "mesh": "hsdp 2x1", "predicted_comm_by_group": got,
+           "config": {"model": "1b", "layers": 8, "batch": 4, "seq": None}}
+    assert comm_table([row], 2048)[-1] == (
+        "| hsdp 2x1 | 1b | 8 | 4 x 2048 | replicate/all_reduce: 2 x, 12.0 MiB, 5.0 ms (2.5); "
+        "shard/reduce_scatter: –, 1 elided; tp/all_reduce: 1 x, 1.0 MiB, 0.4 ms (0.2) |")
+
+
+def test_plan_vs_measured_plans_the_mesh_the_gpu_run_used():
+    from benchmarks.plan_vs_measured import mesh_setup
+
+    old = mesh_setup({"world_size": 2})  # reports before --mesh / --tp: FSDP over every rank
+    assert (old.tp, old.shard_size, old.precision, old.inductor) == (1, None, "bf16", True)
+    assert mesh_setup({"mesh_shape": [2, 1], "tp": 1}).shard_size == 1
+    assert mesh_setup({"mesh_shape": None, "tp": 2}).tp == 2

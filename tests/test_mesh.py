@@ -237,6 +237,31 @@ def test_cost_model_times_the_replicate_level_at_inter_node_numbers():
         2 * (3 * 5e-6 + 0.75 * nbytes / 10e9))
 
 
+def test_replicate_all_reduce_runs_at_the_inter_link_only_when_replicas_span_nodes():
+    """HSDP's replicate group is the outer mesh dimension: its ranks are a replica (shard x tp
+    ranks) apart, so it crosses nodes only when the replicas do not fit in one node (2 x 1 on
+    2 GPUs of one host: the intra-node link and its measured curves)."""
+    from shardc.planning.plan import Collective
+    from shardc.planning.profile import resolve_profile
+    from shardc.planning.schedule import _duration
+
+    prof = resolve_profile({"profile": "h200", "node_size": 8})
+
+    def seconds(group: str, size: int, tp: int = 1, shard: int = 1) -> float:
+        c = Collective("c", "all_reduce", "backward", 0, [], 1 << 26, 1 << 26, "float32",
+                       group, 0, 1, 1, 1, group=group, group_size=size)
+        return _duration(c, prof, tp, shard)
+
+    intra = prof.collective_seconds("all_reduce", 1 << 26, 2, "intra")
+    inter = prof.collective_seconds("all_reduce", 1 << 26, 2, "inter")
+    assert inter > intra
+    assert seconds("replicate", 2, shard=1) == intra  # 2 x 1: one node
+    assert seconds("replicate", 2, shard=4) == intra  # 2 x 4: 8 ranks, one node
+    assert seconds("replicate", 2, shard=8) == inter  # 2 x 8: a replica per node
+    assert seconds("shard", 2, tp=4) == intra and seconds("shard", 2, tp=8) == inter
+    assert seconds("tp", 2) == intra
+
+
 def test_checkpoints_across_layouts_are_bitwise_equal(tmp_path):
     problems = run_ranks(checkpoint_round_trips, 4, str(tmp_path))
     expected = {f"{a} -> {b}" for a in LAYOUTS for b in LAYOUTS if a != b}

@@ -272,14 +272,20 @@ def replicate_all_reduce(g: GraphView, bucket: Bucket, params: list[str], issue:
         "gradients", group="replicate")
 
 
-def _duration(c: Collective, profile: ClusterProfile, tp_size: int = 1) -> float:
+def _duration(c: Collective, profile: ClusterProfile, tp_size: int = 1,
+              shard_size: int = 1) -> float:
     if c.kind in COPY_KINDS:  # CPU offload: host<->device, on the copy lane
         return profile.host_copy_seconds(c.buffer_bytes, to_device=c.kind == Kind.H2D_COPY)
-    # HSDP's replicas are on different nodes. Under tensor parallelism the shard group's ranks
-    # are tp_size apart (the tp group is the inner mesh dimension, within a node): the group
-    # spans group_size * tp_size consecutive ranks, and crosses nodes once that exceeds a node.
-    span = c.group_size * (tp_size if c.group == "shard" else 1)
-    level = "inter" if c.group == "replicate" or span > profile.node_size else "intra"
+    # A group crosses nodes once the consecutive ranks it spans exceed a node. The inner mesh
+    # dimension's ranks are adjacent: under tensor parallelism the shard group's ranks are
+    # tp_size apart (the tp group is inner), so it spans group_size * tp_size ranks; HSDP's
+    # replicate group is the outer dimension, its ranks shard_size apart (shard_size * tp_size
+    # ranks per replica), so it spans group_size * shard_size ranks: on different nodes when
+    # a replica fills a node (the usual HSDP), within one when the replicas fit in a node
+    # (e.g. 2 x 1 on 2 GPUs of one host, which runs at the intra-node link).
+    stride = {"shard": tp_size, "replicate": shard_size * tp_size}.get(c.group, 1)
+    span = c.group_size * stride
+    level = "inter" if span > profile.node_size else "intra"
     return profile.collective_seconds(c.kind, c.buffer_bytes, c.group_size, level)
 
 
@@ -403,7 +409,7 @@ class _Timeline:
 
 def _simulate(g: GraphView, colls: list[Collective], profile: ClusterProfile,
               tp_size: int = 1, entry_s: float = 0.0, graph_host_s: float = 0.0,
-              host_ahead_s: float = 0.0):
+              host_ahead_s: float = 0.0, shard_size: int = 1):
     """Timing: the compute stream runs the graph's kernels (:mod:`shardc.planning.kernels`:
     fused groups, matmuls, attention) in order, each at the end of its last op and priced by
     :mod:`shardc.planning.estimate`; each process group's collectives run first-in first-out
@@ -415,7 +421,9 @@ def _simulate(g: GraphView, colls: list[Collective], profile: ClusterProfile,
     ``lower.apply_plan`` orders them. An HSDP all-reduce is issued by its reduce-scatter's
     wait. ``entry_s``: the host's per-parameter work before the first launch;
     ``graph_host_s``: its per-parameter work spread over the graph's kernels;
-    ``host_ahead_s``: the previous graph's device work still queued (see :class:`_Timeline`).
+    ``host_ahead_s``: the previous graph's device work still queued (see :class:`_Timeline`);
+    ``tp_size``, ``shard_size``: the mesh's tp and shard group sizes (where each group's ranks
+    sit, :func:`_duration`).
     Fills the predictions; returns ``(ops, graph seconds, exposed communication, seconds by
     category, device time queued after the host's last launch, kernels launched)``."""
     ops = []
@@ -445,7 +453,7 @@ def _simulate(g: GraphView, colls: list[Collective], profile: ClusterProfile,
         pack, _ = _copy_seconds(g, c, profile)
         if pack:
             line.kernel(pack, "copies")
-        line.issue(c, _duration(c, profile, tp_size))
+        line.issue(c, _duration(c, profile, tp_size, shard_size))
 
     def wait(c: Collective) -> None:
         if not c.elided:
@@ -627,7 +635,8 @@ def plan_region(
         # as they did, each graph from an idle device.
         ahead = queued if g.name == "backward" and cluster.version >= 4 else 0.0
         ops, step, exposed, by_category, queued, launches = _simulate(
-            g, colls + copies, cluster, plan.tp_size, entry_s, graph_host_s, host_ahead_s=ahead)
+            g, colls + copies, cluster, plan.tp_size, entry_s, graph_host_s, host_ahead_s=ahead,
+            shard_size=plan.world_size)
         setattr(plan.predicted, f"{g.name}_kernels", float(launches))
         setattr(plan.predicted, f"{g.name}_queued_s", queued)
         if g.name == "backward":
