@@ -131,7 +131,7 @@ def test_profile_version_6_round_trips_and_version_5_reads_with_zeros():
     v5 = ClusterProfile.from_dict(data)
     assert all(getattr(v5, f) == 0.0 for f in FP8_HOST_FIELDS)
     with pytest.raises(ProfileError, match="fp8_forward_per_scaled_mm_s"):
-        _profile(fp8_forward_per_scaled_mm_s=-1e-6)
+        _profile(fp8_forward_per_scaled_mm_s=float("nan"))
 
 
 def _fp8_region_graphs(layers: int = 2):
@@ -189,6 +189,12 @@ def test_the_fp8_plan_charges_its_host_work_and_an_older_profile_plans_as_before
     assert new.forward_time_s == pytest.approx(old.forward_time_s + 2 * 40e-6, rel=1e-9)
     assert new.backward_time_s == pytest.approx(old.backward_time_s + 4 * 15e-6, rel=1e-9)
     assert new.forward_kernels == old.forward_kernels
+    # A negative term takes host work off, never more than the graph's spread work (none
+    # here): the graph is then planned as with zeros.
+    negative = dataclasses.replace(priced, fp8_forward_per_scaled_mm_s=-1.0)
+    floor = plan_region(forward, backward, ShardcOptions(inductor=False),
+                        cluster=negative).predicted
+    assert floor.forward_time_s == old.forward_time_s
 
 
 # ------------------------------------------------------------------------------ calibration
@@ -247,11 +253,12 @@ def test_fp8_host_fit_recovers_known_coefficients():
     left_fw, left_bw = host_cost.fp8_residual_seconds(t, BF16_TERMS, launch, call)
     assert left_fw == pytest.approx(t.forward_scaled_mms * fp8_fw, rel=1e-9)
     assert left_bw == pytest.approx(t.backward_scaled_mms * fp8_bw, rel=1e-9)
-    # No FP8 work left: zeros, never negative.
-    none = [_fp8_phase_times(n, 0.0, -1e-6, call, launch) for n in (2, 8)]
-    got = host_cost.fit_fp8_host_cost(none, BF16_TERMS, launch, call)
-    assert got["fp8_forward_per_scaled_mm_s"] == pytest.approx(0.0, abs=1e-15)
-    assert got["fp8_backward_per_scaled_mm_s"] == 0.0
+    # Where the model charges more launches than the host makes (a weight's quantize in
+    # place of the cast the bf16 terms hold), the term is negative, and recovered as such.
+    cheaper = [_fp8_phase_times(n, -12e-6, 0.0, call, launch) for n in (2, 8)]
+    got = host_cost.fit_fp8_host_cost(cheaper, BF16_TERMS, launch, call)
+    assert got["fp8_forward_per_scaled_mm_s"] == pytest.approx(-12e-6, rel=1e-9)
+    assert got["fp8_backward_per_scaled_mm_s"] == pytest.approx(0.0, abs=1e-15)
     with pytest.raises(ValueError, match="_scaled_mm"):
         host_cost.fit_fp8_host_cost([dataclasses.replace(one[0], forward_scaled_mms=0)],
                                     BF16_TERMS, launch, call)

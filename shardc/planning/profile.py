@@ -66,7 +66,8 @@ PER_PARAM_FIELDS = ("region_entry_per_param_s", "forward_graph_per_param_s",
 # ...): one field per per-parameter field, in the same order.
 FIXED_FIELDS = tuple(f.removesuffix("_per_param_s") + "_fixed_s" for f in PER_PARAM_FIELDS)
 # FP8's host work in a compiled graph (version 6), seconds per ``torch._scaled_mm`` of the graph
-# (an FP8 Linear: one in the forward, two in the backward), >= 0.
+# (an FP8 Linear: one in the forward, two in the backward); finite, may be negative (see
+# ClusterProfile).
 FP8_HOST_FIELDS = ("fp8_forward_per_scaled_mm_s", "fp8_backward_per_scaled_mm_s")
 PRESETS = ("h100", "h200")
 # CPU offload's host step rate (version 5), a positive number.
@@ -207,8 +208,12 @@ class ClusterProfile:
     ``compiled_launch_s`` per kernel of the model already price: the Python of Inductor's
     extern ``_scaled_mm`` calls and of the amax, scale and cast kernels around each (more
     arguments and buffers per kernel than the bf16 block's). Charged spread over the graph's
-    launches, like ``forward_graph_per_param_s``. Calibration fits them on an FP8 variant of
-    its tiny Llama where ``_scaled_mm`` runs (:func:`shardc.tools.host_cost.fit_fp8_host_cost`).
+    launches, like ``forward_graph_per_param_s`` (the graph's spread work never below zero).
+    A term may be negative: an FP8 weight's quantize kernel takes the place of the bf16 cast
+    whose launch the per-parameter terms already hold (calibrated on bf16), yet the model
+    charges it as a launch; and FP8's simple kernels may launch faster than
+    ``compiled_launch_s``. Calibration fits them on an FP8 variant of its tiny Llama where
+    ``_scaled_mm`` runs (:func:`shardc.tools.host_cost.fit_fp8_host_cost`).
 
     ``host_adamw_params_per_s`` (version 5; older profiles read with the default): parameters
     (fp32 master elements) per second torch's fused CPU AdamW steps on this host
@@ -267,18 +272,18 @@ class ClusterProfile:
     version: int = PROFILE_VERSION
 
     def __post_init__(self) -> None:
-        for name in PER_PARAM_FIELDS + FP8_HOST_FIELDS:
+        for name in PER_PARAM_FIELDS:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value >= 0:
                 raise ProfileError(f"shardc: cluster profile {self.name!r}: {name} is {value!r}; "
-                                   "host seconds per parameter tensor (or per _scaled_mm) "
-                                   "must be a number >= 0 (0: not measured)")
-        for name in FIXED_FIELDS:
+                                   "host seconds per parameter tensor must be a number >= 0 "
+                                   "(0: not measured)")
+        for name in FIXED_FIELDS + FP8_HOST_FIELDS:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ProfileError(f"shardc: cluster profile {self.name!r}: {name} is {value!r}; "
-                                   "fixed host seconds per step must be a finite number "
-                                   "(0: not measured)")
+                                   "fixed host seconds per step (or per _scaled_mm) must be a "
+                                   "finite number (0: not measured)")
         for name in HOST_FIELDS:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):

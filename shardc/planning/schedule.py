@@ -564,17 +564,17 @@ def _host_work(cluster: ClusterProfile, g: GraphView, first: bool
             + (cluster.region_entry_fixed_s if first else 0.0)
         spread = cluster.forward_graph_per_param_s * n \
             + (cluster.forward_graph_fixed_s if first else 0.0)
-        fp8 = cluster.fp8_forward_per_scaled_mm_s * scaled_mms
-        return max(entry, 0.0), max(spread, 0.0) + fp8, 0.0
+        spread += cluster.fp8_forward_per_scaled_mm_s * scaled_mms
+        return max(entry, 0.0), max(spread, 0.0), 0.0
     n = len(g.reduces)
     entry = cluster.backward_entry_per_param_s * n \
         + (cluster.backward_entry_fixed_s if first else 0.0)
     spread = cluster.backward_graph_per_param_s * n \
         + (cluster.backward_graph_fixed_s if first else 0.0)
-    fp8 = cluster.fp8_backward_per_scaled_mm_s * scaled_mms
+    spread += cluster.fp8_backward_per_scaled_mm_s * scaled_mms
     handoff = cluster.grad_handoff_per_param_s * n \
         + (cluster.grad_handoff_fixed_s if first else 0.0)
-    return max(entry, 0.0), max(spread, 0.0) + fp8, max(handoff, 0.0)
+    return max(entry, 0.0), max(spread, 0.0), max(handoff, 0.0)
 
 
 def plan_region(

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shardc.planning.fit import fit_per_param
+from shardc.planning.fit import fit_line, fit_per_param
 from shardc.planning.profile import FIXED_FIELDS, FP8_HOST_FIELDS, PER_PARAM_FIELDS
 
 # Depths of the measured model (:data:`MODEL`; 9 parameter tensors per Llama block).
@@ -179,7 +179,9 @@ def fit_fp8_host_cost(times: Sequence[PhaseTimes], terms: dict[str, float],
     """:data:`shardc.planning.profile.FP8_HOST_FIELDS` from FP8 models' phase times: per graph,
     what :func:`fp8_residual_seconds` leaves per ``_scaled_mm``: the slope against the
     ``_scaled_mm`` count over two or more depths (what does not grow with them drops out),
-    through zero from one depth; never below zero."""
+    through zero from one depth. It may be negative: where the model charges FP8's kernels
+    launches that the bf16 terms already hold (a weight's quantize in place of its cast) or
+    that cost less than ``compiled_launch_s``."""
     out = {}
     for i, (field, count_of) in enumerate(zip(FP8_HOST_FIELDS, ("forward_scaled_mms",
                                                                   "backward_scaled_mms"))):
@@ -190,9 +192,9 @@ def fit_fp8_host_cost(times: Sequence[PhaseTimes], terms: dict[str, float],
         left = [fp8_residual_seconds(t, terms, compiled_launch_s, graph_call_s)[i]
                 for t in times]
         if len(set(counts)) > 1:
-            _, out[field] = fit_per_param(counts, left, field)
+            _, out[field] = fit_line(counts, left)
         else:
-            out[field] = max(sum(left) / sum(counts), 0.0)
+            out[field] = sum(left) / sum(counts)
     return out
 
 
