@@ -14,8 +14,9 @@ attention as the GPU's fused kernel, the loss in the compiled region, bf16 compu
 reduction, the same cluster profile), and the CPU plan's peak and step (the plan's forward and
 backward, then the gradient hand-off, optimizer and zero_grad: ``shardc.planning.step.
 predict_step``, as predict_step.py predicts it) are set beside the GPU's
-measured ones and the plan the GPU run made at compile time. FP8 rows are skipped: on the CPU
-FP8 linears are traced dequantized, not as ``torch._scaled_mm`` (the plan's notes say so).
+measured ones and the plan the GPU run made at compile time. FP8 rows are planned as the GPU
+runs them (``Float8Policy(modules=(Linear, Embedding))``, the Linears traced on
+``torch._scaled_mm``: ``shardc.sharding.fp8.scaled_mm_as_on_gpu``).
 Without ``--measured`` it compares peaks with the recorded runs in ``ROWS``.
 """
 
@@ -25,6 +26,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -116,16 +118,18 @@ def _from_measured(path: str, profile: str | None) -> list[str]:
     for r in report["results"]:
         c = r["config"]
         seq = c.get("seq") or meta["seq"]
-        head = f"| {c['model']} | {c['layers']} | {c['batch']} x {seq} |"
-        if r.get("status") != "ok" or c["precision"] == "fp8":
-            why = "FP8: not planned on the CPU" if c["precision"] == "fp8" else r.get("status")
-            lines.append(f"{head} {why} |" + " |" * 8)
+        head = (f"| {c['model']}{' FP8' if c['precision'] == 'fp8' else ''} | {c['layers']} | "
+                f"{c['batch']} x {seq} |")
+        if r.get("status") != "ok":
+            lines.append(f"{head} {r.get('status')} |" + " |" * 8)
             print(lines[-1], flush=True)
             continue
         cfg = model_config(c["model"], seq, bool(meta.get("tiny")), c["layers"])
         start = time.perf_counter()
         planned = plan_model_step(llama_model(cfg), world, c["batch"], seq,
-                                  {"cluster": cluster}, setup=setup)
+                                  {"cluster": cluster},
+                                  setup=replace(setup, fp8=c["precision"] == "fp8",
+                                                fp8_embedding=True))
         seconds = time.perf_counter() - start
         p = planned.plan.predicted
         # the whole step, as `shardc plan` prints it (shardc.planning.step.predict_step)

@@ -13,7 +13,15 @@ whatever it computes in between. Rules (Inductor's, simplified):
   that is not fused (a matmul, a collective, another op) lies on a path between them (fusing
   across one would make a cycle), and their sizes are compatible (one iteration space divides
   the other: a row reduction and the rowwise ops after it);
-- every other op (a scatter-add, a sort, an op Inductor falls back to) is a kernel of its own.
+- every other op (a scatter-add, a sort, an op Inductor falls back to) is a kernel of its own;
+- a *split reduction* (:func:`is_split_reduction`: a reduction to fewer outputs than a GPU has
+  SMs to spread them over, each over more elements than one block reduces, such as the amax
+  of a whole tensor that FP8's per-tensor scaling takes per weight, activation and gradient)
+  is two kernels, as Inductor splits it (``Reduction.num_splits``): the first reduces slices
+  of the input and may fuse with the ops before it, the second combines the partial results.
+  No op that reads its result can fuse with it or with the ops before it: they need the whole
+  input reduced first (a grid-wide barrier), so an op that reads both the input and the
+  result (FP8's quantize: ``x * scale(amax(x))``) reads the input a second time.
 
 Legality is tracked per group with two bit sets over the graph's unfused kernels: those it
 depends on (``after``) and those that depend on it (``before``); two groups may merge only if
@@ -127,6 +135,25 @@ def _iteration(node: fx.Node) -> int:
     return _numel(node)
 
 
+# Inductor splits a reduction into two kernels when it has fewer outputs than two per SM and each
+# reduces more than 8192 elements (``choices.reduction_split_factor`` for an inner reduction on
+# sm80/sm90; an H100 has 132 SMs, an H200 132, an A100 108: the smallest is taken, 2 x 108).
+SPLIT_REDUCTION_MAX_OUTPUTS = 2 * 108
+SPLIT_REDUCTION_MIN_ELEMENTS = 8192
+
+
+def is_split_reduction(node: fx.Node) -> bool:
+    """Whether a fusing compiler computes the reduction ``node`` in two kernels (see the module
+    docstring): fewer than :data:`SPLIT_REDUCTION_MAX_OUTPUTS` outputs, each over more than
+    :data:`SPLIT_REDUCTION_MIN_ELEMENTS` input elements."""
+    if node.op != "call_function" or not has_tag(node, torch.Tag.reduction) \
+            or not node.all_input_nodes:
+        return False
+    outputs, inputs = _numel(node), _numel(node.all_input_nodes[0])
+    return outputs < SPLIT_REDUCTION_MAX_OUTPUTS \
+        and inputs > SPLIT_REDUCTION_MIN_ELEMENTS * max(outputs, 1)
+
+
 def _compatible(a: int, b: int) -> bool:
     lo, hi = min(a, b), max(a, b)
     return lo > 0 and hi % lo == 0
@@ -165,10 +192,14 @@ def _root(node: fx.Node, kinds: dict[fx.Node, str]) -> fx.Node:
     return node
 
 
-def _unfused_reach(graph: fx.Graph, kinds: dict[fx.Node, str]) -> tuple[dict, dict]:
+def _unfused_reach(graph: fx.Graph, kinds: dict[fx.Node, str]
+                   ) -> tuple[dict, dict, dict]:
     """Per node, the bit sets of the unfused kernels (matmuls, attention, other ops: each a bit)
     it depends on (``after``) and that depend on it (``before``), views and fusable ops passing
-    them through. Python ints as bit sets: linear passes, cheap at thousands of kernels."""
+    them through; and the bits (``bit``). A split reduction (:func:`is_split_reduction`) has a
+    bit too, a barrier between what it reads and what reads its result, though it fuses with
+    the ops before it. Python ints as bit sets: linear passes, cheap at thousands of
+    kernels."""
     bit: dict[fx.Node, int] = {}
     after: dict[fx.Node, int] = {}
     for node in graph.nodes:
@@ -176,7 +207,9 @@ def _unfused_reach(graph: fx.Graph, kinds: dict[fx.Node, str]) -> tuple[dict, di
         for i in node.all_input_nodes:
             acc |= after.get(i, 0) | bit.get(i, 0)
         after[node] = acc
-        if kinds[node] not in (VIEW, FUSABLE) and node.op == "call_function":
+        if node.op == "call_function" and (kinds[node] not in (VIEW, FUSABLE)
+                                           or (kinds[node] == FUSABLE
+                                               and is_split_reduction(node))):
             bit[node] = 1 << len(bit)
     before: dict[fx.Node, int] = {}
     for node in reversed(graph.nodes):
@@ -184,7 +217,7 @@ def _unfused_reach(graph: fx.Graph, kinds: dict[fx.Node, str]) -> tuple[dict, di
         for u in node.users:
             acc |= before.get(u, 0) | bit.get(u, 0)
         before[node] = acc
-    return after, before
+    return after, before, bit
 
 
 def group_kernels(graph: fx.Graph, compute: list[fx.Node]) -> list[Kernel]:
@@ -193,25 +226,36 @@ def group_kernels(graph: fx.Graph, compute: list[fx.Node]) -> list[Kernel]:
     crossing them), ordered by their last op's position."""
     in_compute = set(compute)
     kinds = {node: classify(node) for node in graph.nodes}
-    after, before = _unfused_reach(graph, kinds)
+    after, before, bit = _unfused_reach(graph, kinds)
     groups = _Groups()
     g_after: dict[fx.Node, int] = {}  # per group root: the unfused kernels it depends on
     g_before: dict[fx.Node, int] = {}  # ... and those depending on it
     readers: dict[fx.Node, fx.Node] = {}  # tensor -> its first fusable reader
+    splits: set[fx.Node] = set()  # group roots holding a split reduction
     for node in graph.nodes:
         if kinds[node] != FUSABLE or node not in in_compute:
             continue
         groups.add(node, _iteration(node))
-        g_after[node], g_before[node] = after[node], before[node]
+        # A split reduction's group comes before its own barrier: nothing that reads its
+        # result may join it.
+        g_after[node], g_before[node] = after[node], before[node] | bit.get(node, 0)
+        if node in bit:
+            splits.add(node)
         for i in node.all_input_nodes:
             r = _root(i, kinds)
             # Vertical fusion with a fusable producer, or horizontal fusion with an earlier
             # reader of the same tensor (Inductor fuses kernels that share a read).
-            other = r if r in groups.parent else readers.setdefault(r, node)
+            vertical = r in groups.parent
+            other = r if vertical else readers.setdefault(r, node)
             if other is node:
                 continue
             a, b = groups.find(other), groups.find(node)
             if a is b or not _compatible(groups.size[a], groups.size[b]):
+                continue
+            if not vertical and (a in splits or b in splits):
+                # A split reduction's first kernel iterates over slices of its input, not
+                # over the input's shape: another reader of that input is computed in its
+                # own kernel (inlined into its readers), not beside it.
                 continue
             if g_before[a] & g_after[b] or g_before[b] & g_after[a]:
                 continue  # an unfused kernel lies on a path between them: a cycle
@@ -219,6 +263,8 @@ def group_kernels(graph: fx.Graph, compute: list[fx.Node]) -> list[Kernel]:
             root = groups.find(a)
             g_after[root] = g_after[a] | g_after[b]
             g_before[root] = g_before[a] | g_before[b]
+            if a in splits or b in splits:
+                splits.add(root)
     members: dict[fx.Node, list[fx.Node]] = {}
     kernels: list[Kernel] = []
     for node in compute:
@@ -231,9 +277,14 @@ def group_kernels(graph: fx.Graph, compute: list[fx.Node]) -> list[Kernel]:
             kernels.append(Kernel(kind, [node]))
     for nodes in members.values():
         kernels.append(Kernel(FUSABLE, nodes))
+        # The second kernel of each split reduction: it combines the first's partial results
+        # (a few KiB: priced at the least a kernel takes), right after it.
+        kernels += [Kernel(FUSABLE, [n], extra={"split_reduction_final": True})
+                    for n in nodes if n in bit]
     position = {n: i for i, n in enumerate(compute)}
     for k in kernels:
-        k.read_bytes, k.write_bytes = _traffic(k, kinds)
+        if not k.extra.get("split_reduction_final"):
+            k.read_bytes, k.write_bytes = _traffic(k, kinds)
     kernels = [inner for k in kernels for inner in _expand_body_call(k)]
     kernels.sort(key=lambda k: position[anchor(k)])
     return kernels
@@ -260,6 +311,23 @@ def _expand_body_call(kernel: Kernel) -> list[Kernel]:
     for k in out:
         k.extra["call"] = node
     return out
+
+
+def count_calls(nodes: list[fx.Node], name: str) -> int:
+    """How many of ``nodes`` call the op ``name`` (:func:`base_name`), counting those a
+    compiled-once block body's call (``invoke_subgraph``) runs once per call."""
+    count = 0
+    for node in nodes:
+        if node.op != "call_function":
+            continue
+        if _is_body_call(node):
+            owner = node.graph.owning_module
+            body = getattr(owner, node.args[0].target, None) if owner is not None else None
+            if isinstance(body, fx.GraphModule):
+                count += count_calls(list(body.graph.nodes), name)
+        elif base_name(node) == name:
+            count += 1
+    return count
 
 
 def _is_body_call(node: fx.Node) -> bool:

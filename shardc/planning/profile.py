@@ -45,8 +45,11 @@ PROFILE_FORMAT = "shardc-cluster-profile"
 # AdamW (``host_adamw_params_per_s``, CPU offload's host step); an older profile reads with the
 # constants used before (:data:`DEFAULT_HOST_LINK_BYTES_PER_S` each way,
 # :data:`DEFAULT_HOST_COPY_LATENCY_S`) and :data:`DEFAULT_HOST_ADAMW_PARAMS_PER_S`.
-PROFILE_VERSION = 5
-READABLE_PROFILE_VERSIONS = (1, 2, 3, 4, 5)
+# Version 6 added FP8's host work (:data:`FP8_HOST_FIELDS`: host seconds per ``_scaled_mm`` of
+# a compiled forward and backward, beyond the parameter terms and the model's launches); an older
+# profile reads with zeros for them and predicts as before.
+PROFILE_VERSION = 6
+READABLE_PROFILE_VERSIONS = (1, 2, 3, 4, 5, 6)
 # Host<->device bandwidth of pinned copies (bytes/s) where not measured: PCIe gen5 x16 measures
 # about 50 GB/s each way at best; half of it is what large pinned copies sustain next to NCCL.
 DEFAULT_HOST_LINK_BYTES_PER_S = 25e9
@@ -62,6 +65,10 @@ PER_PARAM_FIELDS = ("region_entry_per_param_s", "forward_graph_per_param_s",
 # per-call and per-kernel terms leave at zero parameters: the loss, the optimizer's own Python,
 # ...): one field per per-parameter field, in the same order.
 FIXED_FIELDS = tuple(f.removesuffix("_per_param_s") + "_fixed_s" for f in PER_PARAM_FIELDS)
+# FP8's host work in a compiled graph (version 6), seconds per ``torch._scaled_mm`` of the graph
+# (an FP8 Linear: one in the forward, two in the backward); finite, may be negative (see
+# ClusterProfile).
+FP8_HOST_FIELDS = ("fp8_forward_per_scaled_mm_s", "fp8_backward_per_scaled_mm_s")
 PRESETS = ("h100", "h200")
 # CPU offload's host step rate (version 5), a positive number.
 HOST_FIELDS = ("host_adamw_params_per_s",)
@@ -194,6 +201,20 @@ class ClusterProfile:
     older profiles, CPU profiles and presets not measured since read with the constants used
     before (25 GB/s each way, 10 us).
 
+    FP8's host work (version 6; zero in older profiles): ``fp8_forward_per_scaled_mm_s`` and
+    ``fp8_backward_per_scaled_mm_s``, host seconds per ``torch._scaled_mm`` of a compiled
+    forward / backward (an FP8 ``nn.Linear``: one in the forward, its input and weight
+    gradients two in the backward) beyond what the per-parameter terms and
+    ``compiled_launch_s`` per kernel of the model already price: the Python of Inductor's
+    extern ``_scaled_mm`` calls and of the amax, scale and cast kernels around each (more
+    arguments and buffers per kernel than the bf16 block's). Charged spread over the graph's
+    launches, like ``forward_graph_per_param_s`` (the graph's spread work never below zero).
+    A term may be negative: an FP8 weight's quantize kernel takes the place of the bf16 cast
+    whose launch the per-parameter terms already hold (calibrated on bf16), yet the model
+    charges it as a launch; and FP8's simple kernels may launch faster than
+    ``compiled_launch_s``. Calibration fits them on an FP8 variant of its tiny Llama where
+    ``_scaled_mm`` runs (:func:`shardc.tools.host_cost.fit_fp8_host_cost`).
+
     ``host_adamw_params_per_s`` (version 5; older profiles read with the default): parameters
     (fp32 master elements) per second torch's fused CPU AdamW steps on this host
     (``torch.optim.AdamW(fused=True)`` on CPU tensors, all cores): the host step of CPU offload
@@ -245,6 +266,8 @@ class ClusterProfile:
     # cluster's nodes: override with ``{"profile": ..., "node_size": N}`` / ``--node-size``.
     node_size: int = 8
     host_adamw_params_per_s: float = DEFAULT_HOST_ADAMW_PARAMS_PER_S
+    fp8_forward_per_scaled_mm_s: float = 0.0
+    fp8_backward_per_scaled_mm_s: float = 0.0
     notes: tuple[str, ...] = ()
     version: int = PROFILE_VERSION
 
@@ -255,12 +278,12 @@ class ClusterProfile:
                 raise ProfileError(f"shardc: cluster profile {self.name!r}: {name} is {value!r}; "
                                    "host seconds per parameter tensor must be a number >= 0 "
                                    "(0: not measured)")
-        for name in FIXED_FIELDS:
+        for name in FIXED_FIELDS + FP8_HOST_FIELDS:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ProfileError(f"shardc: cluster profile {self.name!r}: {name} is {value!r}; "
-                                   "fixed host seconds per step must be a finite number "
-                                   "(0: not measured)")
+                                   "fixed host seconds per step (or per _scaled_mm) must be a "
+                                   "finite number (0: not measured)")
         for name in HOST_FIELDS:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):

@@ -49,7 +49,7 @@ from shardc.planning.estimate import (
     memory_seconds,
 )
 from shardc.planning.graph_view import GraphView, analyze, available_pos, ready_pos
-from shardc.planning.kernels import anchor, group_kernels
+from shardc.planning.kernels import anchor, count_calls, group_kernels
 from shardc.planning.plan import PLAN_VERSION, Bucket, Collective, CollectiveKind, ComputeOp, Plan
 from shardc.planning.profile import ClusterProfile, resolve_profile
 from shardc.runtime.collectives import padded_rows
@@ -563,19 +563,23 @@ def _host_work(cluster: ClusterProfile, g: GraphView, first: bool
     the last launch)``. A forward has the first two (its parameters: its gathers), a backward
     all three (its gradients: its reduce-scatters); ``first``: the region called
     first, which also carries the step's fixed host work (each phase's total at least
-    zero)."""
+    zero). FP8's host work (profile version 6) is spread over the launches too: the profile's
+    ``fp8_{forward,backward}_per_scaled_mm_s`` times the graph's ``_scaled_mm`` ops."""
+    scaled_mms = count_calls(g.compute, "_scaled_mm")
     if g.name == "forward":
         n = len(g.gathers)
         entry = cluster.region_entry_per_param_s * n \
             + (cluster.region_entry_fixed_s if first else 0.0)
         spread = cluster.forward_graph_per_param_s * n \
             + (cluster.forward_graph_fixed_s if first else 0.0)
+        spread += cluster.fp8_forward_per_scaled_mm_s * scaled_mms
         return max(entry, 0.0), max(spread, 0.0), 0.0
     n = len(g.reduces)
     entry = cluster.backward_entry_per_param_s * n \
         + (cluster.backward_entry_fixed_s if first else 0.0)
     spread = cluster.backward_graph_per_param_s * n \
         + (cluster.backward_graph_fixed_s if first else 0.0)
+    spread += cluster.fp8_backward_per_scaled_mm_s * scaled_mms
     handoff = cluster.grad_handoff_per_param_s * n \
         + (cluster.grad_handoff_fixed_s if first else 0.0)
     return max(entry, 0.0), max(spread, 0.0), max(handoff, 0.0)

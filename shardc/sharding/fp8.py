@@ -24,8 +24,9 @@ Contract (``shardc.shard(model, fp8=Float8Policy())``):
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -303,9 +304,29 @@ def gather_fp8_weight(shard: torch.Tensor, info, grad_sync: int, sync_key: str) 
     return _GatherDequant.apply(shard, scale, _spec(info, shard), grad_sync, sync_key)
 
 
+# Set while the capacity planner traces a step for a GPU on the CPU (:func:`scaled_mm_as_on_gpu`).
+_SCALED_MM_OFF_GPU = False
+
+
+@contextlib.contextmanager
+def scaled_mm_as_on_gpu() -> Iterator[None]:
+    """While active, FP8 ``nn.Linear``s take the ``_scaled_mm`` path on CPU tensors too, as
+    they do on CUDA: for planning a GPU's step without one (``shardc.tools.planner``), so
+    that the plan prices the kernels a GPU runs (the FP8 matmuls, the activations' and
+    gradients' amax reductions and casts) and not the dequantized fallback's bf16 matmuls.
+    The traced graph is planned, never run (torch's CPU ``_scaled_mm`` computes it anyway)."""
+    global _SCALED_MM_OFF_GPU
+    before, _SCALED_MM_OFF_GPU = _SCALED_MM_OFF_GPU, True
+    try:
+        yield
+    finally:
+        _SCALED_MM_OFF_GPU = before
+
+
 def _scaled_mm_ok(x: torch.Tensor, weight_shape: torch.Size) -> bool:
-    """``torch._scaled_mm`` needs CUDA and every dimension a multiple of 16."""
-    if not x.is_cuda or x.dim() < 2:
+    """``torch._scaled_mm`` needs CUDA (or a plan for one, :func:`scaled_mm_as_on_gpu`) and
+    every dimension a multiple of 16."""
+    if not (x.is_cuda or _SCALED_MM_OFF_GPU) or x.dim() < 2:
         return False
     rows = x.numel() // max(x.shape[-1], 1)
     return all(int(d) % 16 == 0 for d in (rows, *weight_shape)) and x.shape[-1] == weight_shape[1]

@@ -9,7 +9,8 @@ Measures what :class:`shardc.planning.profile.ClusterProfile` holds: matmul thro
 and head dimension, memory-bound kernel bandwidth by bytes moved, the device time and host
 launch time of one small kernel, the host cost of compiled graphs (per kernel, per call), the
 host's work per parameter tensor and per step (region entry, gradient hand-off, optimizer
-step, zero_grad; :mod:`shardc.tools.host_cost`), CPU offload's host rates (torch's fused CPU
+step, zero_grad; :mod:`shardc.tools.host_cost`) and, where ``torch._scaled_mm`` runs, per FP8
+matmul (an FP8 variant of the same model), CPU offload's host rates (torch's fused CPU
 AdamW on host tensors; on a GPU, pinned host<->device copies), and, when launched with more
 than one process, all-gather / reduce-scatter / all-reduce time over buffer sizes 64 KiB..1 GiB
 for each power-of-two group size up to the world, the ring model's bandwidth and latency fitted
@@ -39,6 +40,7 @@ from shardc.planning.cost_model import ring_terms
 from shardc.planning.fit import fit_alpha_beta
 from shardc.planning.profile import (
     FIXED_FIELDS,
+    FP8_HOST_FIELDS,
     PER_PARAM_FIELDS,
     AttentionPoint,
     ClusterProfile,
@@ -46,7 +48,12 @@ from shardc.planning.profile import (
     Link,
     MatmulPoint,
 )
-from shardc.tools.host_cost import PhaseTimes, measure_param_host_cost
+from shardc.tools.host_cost import (
+    PhaseTimes,
+    fp8_residual_seconds,
+    measure_fp8_host_cost,
+    measure_param_host_cost,
+)
 
 MIB = 1 << 20
 COLLECTIVE_SIZES = tuple(64 * 1024 * 4 ** i for i in range(8))  # 64 KiB .. 1 GiB
@@ -329,6 +336,22 @@ def _phase_note(times: list[PhaseTimes]) -> str:
     return f"host per parameter tensor fitted to (median host time per phase): {rows}"
 
 
+def _fp8_note(times: list[PhaseTimes], terms: dict[str, float], per_param: dict[str, float],
+              compiled_launch_s: float, graph_call_s: float) -> str:
+    """The FP8 fit's inputs and what was left per graph, for the profile's notes."""
+    rows = []
+    for t in times:
+        forward, backward = fp8_residual_seconds(t, per_param, compiled_launch_s, graph_call_s)
+        rows.append(f"{t.params} params, {t.forward_scaled_mms} / {t.backward_scaled_mms} "
+                    f"_scaled_mm: forward {t.forward_s * 1e3:.2f} ms ({t.forward_kernels} "
+                    f"kernels, {t.forward_model_kernels} in the model), backward "
+                    f"{t.backward_s * 1e3:.2f} ms ({t.backward_kernels} kernels, "
+                    f"{t.backward_model_kernels} in the model); left by the bf16 terms "
+                    f"{forward * 1e3:.2f} / {backward * 1e3:.2f} ms")
+    fitted = ", ".join(f"{k} {terms[k] * 1e6:.1f} us" for k in FP8_HOST_FIELDS)
+    return f"FP8 host work ({fitted}) fitted to the FP8 tiny Llama: " + "; ".join(rows)
+
+
 # ------------------------------------------------------------------------------ collectives
 
 
@@ -476,6 +499,24 @@ def measure_host_link(timer: Timer, sizes=HOST_LINK_SIZES) -> tuple[float, float
 # ------------------------------------------------------------------------------ driver
 
 
+def _measure_fp8(device: torch.device, matmuls: list[MatmulPoint], per_param: dict[str, float],
+                 compiled_launch_s: float, graph_call_s: float, log: Callable[[str], None],
+                 t0: float) -> tuple[dict[str, float], str]:
+    """FP8's host terms and a note: measured where ``torch._scaled_mm`` ran in the matmul
+    timings (a GPU with FP8: Hopper and later), else none (the profile's zeros: FP8 steps are
+    then priced as before)."""
+    if device.type != "cuda" or not any(p.dtype.startswith("float8") for p in matmuls):
+        return {}, "FP8 host work not measured (torch._scaled_mm does not run here): 0"
+    try:
+        terms, times = measure_fp8_host_cost(device, per_param, compiled_launch_s, graph_call_s)
+    except (RuntimeError, ValueError) as exc:  # the profile stays usable without them
+        log(f"FP8 host work not measured: {exc}")
+        return {}, f"FP8 host work not measured ({exc}): 0"
+    log("FP8 host work: " + ", ".join(f"{k} {terms[k] * 1e6:.1f} us" for k in FP8_HOST_FIELDS)
+        + f" ({time.perf_counter() - t0:.0f} s)")
+    return terms, _fp8_note(times, terms, per_param, compiled_launch_s, graph_call_s)
+
+
 def calibrate(device: torch.device, *, quick: bool = False, name: str | None = None,
               command: str = "", log: Callable[[str], None] = print) -> ClusterProfile:
     """Measure this device (and the process group, if one is initialized with more than one
@@ -516,6 +557,8 @@ def calibrate(device: torch.device, *, quick: bool = False, name: str | None = N
         for k in PER_PARAM_FIELDS) + "; fixed per step: " + ", ".join(
         f"{k.removesuffix('_fixed_s')} {per_param[k] * 1e3:.3f} ms" for k in FIXED_FIELDS)
         + f" ({time.perf_counter() - t0:.0f} s)")
+    fp8_terms, fp8_note = _measure_fp8(device, mm, per_param, compiled_launch_s or 0.0,
+                                       graph_call_s, log, t0)
     adamw = measure_host_adamw(*(GPU_HOST_ADAMW if gpu else CPU_HOST_ADAMW))
     log(f"host: fused CPU AdamW {adamw / 1e9:.2f} G params/s "
         f"({time.perf_counter() - t0:.0f} s)")
@@ -533,7 +576,8 @@ def calibrate(device: torch.device, *, quick: bool = False, name: str | None = N
         slowdown = measure_overlap(timer)
         log(f"collectives over {world} ranks ({time.perf_counter() - t0:.0f} s)")
     defaults = ClusterProfile(name="", device="", source="", command="", date="")
-    notes = [f"calibrated in {time.perf_counter() - t0:.0f} s", _phase_note(phase_times)]
+    notes = [f"calibrated in {time.perf_counter() - t0:.0f} s", _phase_note(phase_times),
+             fp8_note]
     if world == 1:
         notes.append("one process: no collective timings; the links and the overlap slowdown "
                      "are the defaults (ring model)")
@@ -550,7 +594,7 @@ def calibrate(device: torch.device, *, quick: bool = False, name: str | None = N
         node_size=max(defaults.node_size, int(os.environ.get("LOCAL_WORLD_SIZE", 1))),
         matmul=tuple(mm), attention=tuple(attn), memory=tuple(mem),
         kernel_gpu_s=gpu_s, kernel_launch_s=launch_s, compiled_launch_s=compiled_launch_s,
-        graph_call_s=graph_call_s, **per_param,
+        graph_call_s=graph_call_s, **per_param, **fp8_terms,
         collectives=tuple(curves), intra=link or defaults.intra,
         overlap_slowdown=slowdown if slowdown is not None else defaults.overlap_slowdown,
         host_to_device_bytes_per_s=host_link[0], device_to_host_bytes_per_s=host_link[1],

@@ -55,12 +55,20 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shardc.planning.fit import fit_per_param
-from shardc.planning.profile import FIXED_FIELDS, PER_PARAM_FIELDS
+from shardc.planning.fit import fit_line, fit_per_param
+from shardc.planning.profile import FIXED_FIELDS, FP8_HOST_FIELDS, PER_PARAM_FIELDS
 
 # Depths of the measured model (:data:`MODEL`; 9 parameter tensors per Llama block).
 GPU_PARAM_LAYERS = (2, 8)
 CPU_PARAM_LAYERS = (1, 2)
+# Depths of its FP8 variant (7 FP8 Linears per block and the output head; an FP8 region compiles
+# about 2.5x slower than a bf16 one, so one depth keeps ``calibrate`` within ~30 s longer):
+# 4 blocks, 29 ``_scaled_mm`` in the forward and 58 in the backward.
+GPU_FP8_LAYERS = (4,)
+# The per-parameter fields priced in the forward (call to return) and in the backward.
+FORWARD_FIELDS = ("region_entry_per_param_s", "forward_graph_per_param_s")
+BACKWARD_FIELDS = ("backward_entry_per_param_s", "backward_graph_per_param_s",
+                   "grad_handoff_per_param_s")
 
 
 @dataclass(frozen=True)
@@ -91,6 +99,10 @@ class PhaseTimes:
     # Host seconds from ``backward()``'s call to the compiled backward's first device work
     # (None: not measured, on the CPU: the whole backward is then the hand-off's).
     backward_prelaunch_s: float | None = None
+    # The ``torch._scaled_mm`` ops of the forward and backward graphs (an FP8 model's Linears;
+    # 0 for a bf16 one).
+    forward_scaled_mms: int = 0
+    backward_scaled_mms: int = 0
 
 
 def unpriced_seconds(t: PhaseTimes, compiled_launch_s: float, graph_call_s: float
@@ -144,6 +156,46 @@ def fit_param_host_cost(times: Sequence[PhaseTimes], compiled_launch_s: float,
         out[fixed_name], out[name] = fit_per_param([t.params for t in times],
                                                    [r[name] for r in rows], name)
     return {name: out[name] for name in PER_PARAM_FIELDS + FIXED_FIELDS}
+
+
+def fp8_residual_seconds(t: PhaseTimes, terms: dict[str, float], compiled_launch_s: float,
+                         graph_call_s: float) -> tuple[float, float]:
+    """The host seconds of an FP8 model's forward and backward (call to return) that nothing
+    else prices: the phase less ``graph_call_s``, ``compiled_launch_s`` per kernel of the cost
+    model (its amax, scale and cast kernels included) and the per-parameter and fixed
+    ``terms`` (:func:`fit_param_host_cost`, fitted on the bf16 model) at its parameter
+    count."""
+    rows = unpriced_seconds(t, compiled_launch_s, graph_call_s)
+
+    def left(fields: tuple[str, ...]) -> float:
+        return sum(rows[f] - terms.get(f, 0.0) * t.params
+                   - terms.get(f.removesuffix("_per_param_s") + "_fixed_s", 0.0) for f in fields)
+
+    return left(FORWARD_FIELDS), left(BACKWARD_FIELDS)
+
+
+def fit_fp8_host_cost(times: Sequence[PhaseTimes], terms: dict[str, float],
+                      compiled_launch_s: float, graph_call_s: float) -> dict[str, float]:
+    """:data:`shardc.planning.profile.FP8_HOST_FIELDS` from FP8 models' phase times: per graph,
+    what :func:`fp8_residual_seconds` leaves per ``_scaled_mm``: the slope against the
+    ``_scaled_mm`` count over two or more depths (what does not grow with them drops out),
+    through zero from one depth. It may be negative: where the model charges FP8's kernels
+    launches that the bf16 terms already hold (a weight's quantize in place of its cast) or
+    that cost less than ``compiled_launch_s``."""
+    out = {}
+    for i, (field, count_of) in enumerate(zip(FP8_HOST_FIELDS, ("forward_scaled_mms",
+                                                                  "backward_scaled_mms"))):
+        counts = [getattr(t, count_of) for t in times]
+        if not counts or min(counts) <= 0:
+            raise ValueError(f"calibrate: {field} needs FP8 models whose graphs run _scaled_mm "
+                             f"(counted {counts})")
+        left = [fp8_residual_seconds(t, terms, compiled_launch_s, graph_call_s)[i]
+                for t in times]
+        if len(set(counts)) > 1:
+            _, out[field] = fit_line(counts, left)
+        else:
+            out[field] = sum(left) / sum(counts)
+    return out
 
 
 class _Layer(nn.Module):
@@ -233,13 +285,16 @@ GPU_MODEL, CPU_MODEL = "llama", "layers"
 
 
 def time_phases(layers: int, device: torch.device, mesh, steps: int,
-                mixed: bool | None = None, model_kind: str | None = None) -> PhaseTimes:
+                mixed: bool | None = None, model_kind: str | None = None,
+                fp8: bool = False) -> PhaseTimes:
     """Median host seconds of each phase of ``steps`` training steps of a ``layers``-deep
     model (``model_kind``, default :data:`GPU_MODEL` or :data:`CPU_MODEL`), after three
     untimed ones (the first compiles) and, on a GPU, five profiled ones (kernels per graph,
     the forward's host time before its first launch). ``mixed`` (default: on a GPU): bf16
     compute and fp32 reduction, as the benchmarks train. Blocks compile inline, as
-    ``benchmarks/predict_step.py`` measures by default."""
+    ``benchmarks/predict_step.py`` measures by default. ``fp8``: its ``nn.Linear`` weights
+    gathered in FP8 (``shardc.Float8Policy()``; on a GPU with ``torch._scaled_mm`` they compute
+    on it)."""
     import shardc
 
     gpu = device.type == "cuda"
@@ -252,7 +307,8 @@ def time_phases(layers: int, device: torch.device, mesh, steps: int,
     model, loss_of = MODELS[kind](layers, device, torch.bfloat16 if mixed else torch.float32)
     mp = shardc.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if mixed else None
-    shardc.shard(model, mesh, mp_policy=mp, allow_partial_mesh=True)
+    shardc.shard(model, mesh, mp_policy=mp, fp8=shardc.Float8Policy() if fp8 else None,
+                 allow_partial_mesh=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loss_fn = torch.compile(functools.partial(loss_of, model),
                             backend=shardc.backend(inductor=gpu, compile_blocks_once=False))
@@ -302,12 +358,21 @@ def time_phases(layers: int, device: torch.device, mesh, steps: int,
             phase.append(seconds)
     sync()
     n = sum(1 for _ in model.parameters())
-    model_fw, model_bw = model_kernels(shardc.explain_all(model))
+    plans = shardc.explain_all(model)
+    model_fw, model_bw = model_kernels(plans)
+    fw_mms, bw_mms = scaled_mm_calls(plans)
     return PhaseTimes(n, *(statistics.median(p) for p in phases), fw_kernels, bw_kernels,
                       statistics.median(prelaunch) if prelaunch else None,
                       model_fw, model_bw,
                       statistics.median(opt_prelaunch) if opt_prelaunch else None,
-                      statistics.median(bw_prelaunch) if bw_prelaunch else None)
+                      statistics.median(bw_prelaunch) if bw_prelaunch else None,
+                      fw_mms, bw_mms)
+
+
+def scaled_mm_calls(plans) -> tuple[int, int]:
+    """The ``torch._scaled_mm`` ops of the forward and backward graphs of ``plans``."""
+    return tuple(sum(1 for p in plans for op in p.graphs.get(graph, ())
+                     if "_scaled_mm" in op.target) for graph in ("forward", "backward"))
 
 
 def model_kernels(plans) -> tuple[int | None, int | None]:
@@ -334,3 +399,18 @@ def measure_param_host_cost(device: torch.device, compiled_launch_s: float, grap
     finally:
         undo()
     return fit_param_host_cost(times, compiled_launch_s, graph_call_s), times
+
+
+def measure_fp8_host_cost(device: torch.device, terms: dict[str, float],
+                          compiled_launch_s: float, graph_call_s: float, *,
+                          layers: Sequence[int] = GPU_FP8_LAYERS, steps: int = 10
+                          ) -> tuple[dict[str, float], list[PhaseTimes]]:
+    """FP8's host terms on this GPU (:func:`fit_fp8_host_cost`): the tiny Llama of
+    :func:`measure_param_host_cost` with FP8 Linears, against the bf16 ``terms`` fitted there.
+    Call it only where ``torch._scaled_mm`` runs (Hopper and later); it raises otherwise."""
+    mesh, undo = _one_rank_mesh(device)
+    try:
+        times = [time_phases(n, device, mesh, steps, fp8=True) for n in layers]
+    finally:
+        undo()
+    return fit_fp8_host_cost(times, terms, compiled_launch_s, graph_call_s), times

@@ -63,6 +63,9 @@ class PlanSetup:
     """How the step is trained: ``precision`` ``"fp32"`` or ``"bf16"`` (bf16 parameters for
     compute, fp32 gradient reduction, fp32 master shards); ``checkpointing``: recompute every
     block's activations in the backward; ``fp8``: gather ``nn.Linear`` weights in FP8
+    (``fp8_embedding``: ``nn.Embedding`` weights too, as ``benchmarks/predict_step.py``'s
+    ``:fp8`` runs do); FP8 Linears are traced on ``torch._scaled_mm`` as on a GPU
+    (``shardc.sharding.fp8.scaled_mm_as_on_gpu``)
     (``shardc.Float8Policy``); ``shard_size``: HSDP, sharding within groups of this many ranks
     and replicating across the world size / ``shard_size`` groups (``None``: FSDP over all);
     ``inductor``: plan as Inductor compiles (see the module docstring; the command line's
@@ -77,6 +80,7 @@ class PlanSetup:
     precision: str = "fp32"
     checkpointing: bool = False
     fp8: bool = False
+    fp8_embedding: bool = False
     shard_size: int | None = None
     inductor: bool = False
     tp: int = 1
@@ -122,7 +126,8 @@ class PlanSetup:
             kwargs["mp_policy"] = shardc.MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                               reduce_dtype=torch.float32)
         if self.fp8:
-            kwargs["fp8"] = shardc.Float8Policy()
+            kwargs["fp8"] = shardc.Float8Policy(
+                modules=(nn.Linear, nn.Embedding) if self.fp8_embedding else (nn.Linear,))
         if self.offload != "none":
             # The planning machine's CPU mesh: offload's copies as on a GPU (simulate_on_cpu);
             # nothing is pinned and the host check would weigh the planned model against
@@ -258,6 +263,7 @@ def plan_model_step(model: LlamaConfig | ModelSpec, world: int, batch: int, seq:
     repeat, the whole model is traced (the plan's notes say why). ``seconds`` covers everything
     from building the model on the meta device to the finished plan.
     """
+    from shardc.sharding.fp8 import scaled_mm_as_on_gpu
     from shardc.tools.attention import AttentionAsKernel
     from shardc.tools.explain import explain
     from shardc.tools.fake_world import fake_world
@@ -274,7 +280,8 @@ def plan_model_step(model: LlamaConfig | ModelSpec, world: int, batch: int, seq:
         # state on the host as it would there ("simulate": the lever on a CPU mesh too).
         options["optimizer_offload"] = "simulate"
     device = "cpu"  # see the module docstring: meta tensors lose the loss's gradient
-    with fake_world(world), AttentionAsKernel():
+    # Traced as a GPU computes the step: fused attention, FP8 Linears on _scaled_mm.
+    with fake_world(world), AttentionAsKernel(), scaled_mm_as_on_gpu():
         mesh = _mesh(world, setup, device)
         tokens = torch.zeros(batch, seq, dtype=torch.long, device=device)
         start = time.perf_counter()
