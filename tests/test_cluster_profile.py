@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -477,6 +478,19 @@ def test_per_param_host_fit_recovers_known_coefficients():
         fit.fit_per_param([1, 2], [1e-3, float("nan")], "zero_grad_per_param_s")
     # A slope lost in noise reads as none, and the phase's mean as its fixed part.
     assert fit.fit_per_param([10, 20], [3e-3, 2e-3], "optimizer") == (2.5e-3, 0.0)
+
+
+def test_host_adamw_is_timed_on_the_ranks_share_of_the_cores(monkeypatch):
+    """torchrun sets one OpenMP thread per rank; the host AdamW rate is timed on the cores a
+    rank would use (the machine's over the local ranks), and the caller's threads come back."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert cal.host_threads_per_rank() == cores
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(2 * cores))
+    assert cal.host_threads_per_rank() == 1
+    before = torch.get_num_threads()
+    assert cal.measure_host_adamw(2, 1024, reps=1, threads=before + 1) > 0
+    assert torch.get_num_threads() == before
 
 
 def test_host_fit_keeps_every_term_non_negative():
