@@ -67,6 +67,11 @@ def test_predict_step_sets_predicted_beside_measured_by_category():
     assert table[-1].startswith("| – | 1b | 8 | 4 x 2048 | 30.0 / 24.0 |")  # mesh not named
     assert category_table([{**row, "mesh": "hsdp 2x1"}], 2048)[-1].startswith(
         "| hsdp 2x1 | 1b | 8 | 4 x 2048 | 30.0 / 24.0 |")
+    # shardc's pack/unpack copies are Triton kernels on the GPU: compared with fused ones.
+    both = category_table([{**row, "predicted_ms_by_category": {**pred, "fused": 2.0,
+                                                                "copies": 3.0},
+                            "measured_ms_by_category": {"fused": 4.5, "copies": 0.2}}], 2048)
+    assert "| 5.0 / 4.7 |" in both[-1] and "| fused + copies |" in both[-3]
     # Device idle: waiting for the host's launches and its per-parameter work.
     assert "| 16.0 / 15.0 | 1.5 / 2.0 |" in table[-1]
     assert category_table([{**row, "status": "error"}], 2048) == []

@@ -220,25 +220,44 @@ def measure_memory(timer: Timer, sizes) -> list[tuple[int, float]]:
     return out
 
 
-def measure_host_adamw(tensors: int, numel: int, reps: int = 3) -> float:
+def host_threads_per_rank() -> int:
+    """The host cores one rank of this machine gets: the cores this process may run on over
+    the ranks torchrun started here (``LOCAL_WORLD_SIZE``; 1 without torchrun), as
+    ``benchmarks/train_bench.py`` sets a training run's threads."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+        else (os.cpu_count() or 1)
+    return max(1, cores // max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1))
+
+
+def measure_host_adamw(tensors: int, numel: int, reps: int = 3,
+                       threads: int | None = None) -> float:
     """Parameters per second of torch's fused CPU AdamW (``torch.optim.AdamW(fused=True)``)
     stepping ``tensors`` fp32 host tensors of ``numel`` elements each, with gradients, after a
     warm-up step (which creates the moments): CPU offload's host step
-    (``ClusterProfile.host_adamw_params_per_s``). The median of ``reps`` steps."""
-    params = [torch.zeros(numel, requires_grad=True) for _ in range(tensors)]
-    for p in params:
-        p.grad = torch.full_like(p, 1e-3)
+    (``ClusterProfile.host_adamw_params_per_s``). The median of ``reps`` steps, on ``threads``
+    intra-op threads (default :func:`host_threads_per_rank`; the caller's setting is restored):
+    torchrun sets ``OMP_NUM_THREADS=1``, and a rate timed on one thread (0.45e9 parameters/s
+    on the 2 x H200 host against 4.6e9 on the H100's) is not the host step of a run that uses
+    its cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or host_threads_per_rank())
     try:
-        opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
-        opt.step()
-    except RuntimeError:  # a torch without the fused CPU kernel: the default implementation
-        opt = torch.optim.AdamW(params, lr=1e-4)
-        opt.step()
-    times = []
-    for _ in range(max(reps, 1)):
-        t0 = time.perf_counter()
-        opt.step()
-        times.append(time.perf_counter() - t0)
+        params = [torch.zeros(numel, requires_grad=True) for _ in range(tensors)]
+        for p in params:
+            p.grad = torch.full_like(p, 1e-3)
+        try:
+            opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+            opt.step()
+        except RuntimeError:  # a torch without the fused CPU kernel: the default implementation
+            opt = torch.optim.AdamW(params, lr=1e-4)
+            opt.step()
+        times = []
+        for _ in range(max(reps, 1)):
+            t0 = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(before)
     return tensors * numel / statistics.median(times)
 
 
@@ -560,7 +579,8 @@ def calibrate(device: torch.device, *, quick: bool = False, name: str | None = N
     fp8_terms, fp8_note = _measure_fp8(device, mm, per_param, compiled_launch_s or 0.0,
                                        graph_call_s, log, t0)
     adamw = measure_host_adamw(*(GPU_HOST_ADAMW if gpu else CPU_HOST_ADAMW))
-    log(f"host: fused CPU AdamW {adamw / 1e9:.2f} G params/s "
+    log(f"host: fused CPU AdamW {adamw / 1e9:.2f} G params/s on {host_threads_per_rank()} "
+        "threads "
         f"({time.perf_counter() - t0:.0f} s)")
     host_link = measure_host_link(timer)
     if host_link is not None:

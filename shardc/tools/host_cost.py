@@ -198,6 +198,28 @@ def fit_fp8_host_cost(times: Sequence[PhaseTimes], terms: dict[str, float],
     return out
 
 
+def refit_nonnegative(terms: dict[str, float], counts: Sequence[int]) -> dict[str, float]:
+    """The host terms of a profile fitted before the fit was bounded, fitted again with
+    non-negative terms (:func:`shardc.planning.fit.fit_per_param`) without measuring again.
+
+    ``terms``: the profile's ``PER_PARAM_FIELDS`` and ``FIXED_FIELDS``; ``counts``: the two
+    parameter-tensor counts its calibration measured (its notes say them: 21 and 75 on a GPU).
+    An unbounded least-squares line through two points goes through both exactly, so each
+    phase's unpriced seconds at those counts are ``fixed + count * per_param``; they are
+    refitted as a calibration would fit them now. Exact only for a two-count calibration whose
+    slopes were all fitted as lines (the earlier fit replaced a negative slope with the
+    phase's mean, whose points cannot be recovered): raises for other counts."""
+    if len(set(counts)) != 2 or len(counts) != 2:
+        raise ValueError("refit_nonnegative: the calibration's two parameter counts are needed "
+                         f"(got {list(counts)}); with more, measure again")
+    out = dict(terms)
+    for name, fixed_name in zip(PER_PARAM_FIELDS, FIXED_FIELDS):
+        fixed, per_param = terms.get(fixed_name, 0.0), terms.get(name, 0.0)
+        points = [fixed + n * per_param for n in counts]
+        out[fixed_name], out[name] = fit_per_param(list(counts), points, name)
+    return out
+
+
 class _Layer(nn.Module):
     """A tiny block with a transformer block's kinds of parameters: a norm weight (read by a
     pointwise op) and two matmul weights."""
