@@ -174,6 +174,15 @@ def test_shardc_has_no_import_cycle():
     assert import_cycles(graph) == []
 
 
+def test_budget_search_is_given_the_pipeline_not_importing_it():
+    # The pipeline calls the peak-budget search and hands it what it needs (its trial builder,
+    # the blocks found on the joint graph); the search never imports the pipeline, not even
+    # lazily (through another module would be a cycle, which the test above refuses).
+    graph = import_graph(SHARDC)
+    assert "shardc.compile.budget_search" in graph["shardc.compile.pipeline"]
+    assert "shardc.compile.pipeline" not in graph["shardc.compile.budget_search"]
+
+
 def test_private_torch_only_in_the_wrapper_module():
     assert private_torch_uses(SHARDC / "_torch.py")  # the wrapper is seen: it does use them
     assert private_torch_outside(SHARDC, WRAPPER) == {}

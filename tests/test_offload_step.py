@@ -167,7 +167,7 @@ def test_offload_copies_run_at_the_profiles_host_link():
 
 
 def test_activation_offload_lever_prices_copies_at_the_given_link():
-    from shardc.compile.pipeline import free_candidates
+    from shardc.compile.budget_search import free_candidates
     from shardc.passes.recompute import Block
 
     block = Block("layers.0", "inline", 0, (), saved_bytes=1 << 30, input_bytes=1 << 28)

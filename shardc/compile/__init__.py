@@ -1,2 +1,2 @@
-"""The torch.compile side: options, the ordered pipeline, the Dynamo/AOTAutograd/Inductor
-wiring."""
+"""The torch.compile side: options, the ordered pipeline, the peak-budget search, the
+Dynamo/AOTAutograd/Inductor wiring."""

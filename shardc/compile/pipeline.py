@@ -18,18 +18,22 @@ these functions from their hooks, and :mod:`shardc.tools.template` calls
    their buffers views of the region's pool.
 7. Predict the step's peak memory (``shardc.memory.peak``); dump the plan if asked.
 
-With a whole-step peak budget (``peak_memory_budget_bytes``), :func:`partition_and_plan` runs
-steps 1-7 on copies of the joint graph for a bounded number of configurations (which buckets
-stay gathered from the forward to the backward, ``shardc.planning.budget``; which blocks are
-recomputed in the backward, ``shardc.planning.recompute``, tagged after step 3 by
-``shardc.passes.recompute``) before it builds the chosen one.
+With a whole-step peak budget (``peak_memory_budget_bytes``), :func:`partition_and_plan` first
+asks the budget search (:mod:`shardc.compile.budget_search`) which configuration to build: the
+search decides (which buckets stay gathered from the forward to the backward,
+``shardc.planning.budget``; which blocks are recomputed in the backward,
+``shardc.planning.recompute``, tagged after step 3 by ``shardc.passes.recompute``, or have
+their saved activations offloaded after step 4, ``shardc.passes.offload_saved``; the prefetch
+depth; the optimizer's state on the host), and :func:`search_inputs` hands it a trial that runs
+steps 1-7 on a copy of the joint graph for each configuration it tries. Then the chosen one is
+built.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 
@@ -37,7 +41,8 @@ import torch
 from torch import fx
 
 from shardc import _torch
-from shardc.compile import progress
+from shardc.compile import budget_search, progress
+from shardc.compile.budget_search import kept_params, with_depth
 from shardc.compile.options import ShardcOptions
 from shardc.memory.host import (
     activation_host_bytes,
@@ -61,21 +66,9 @@ from shardc.passes.offload_saved import OffloadedValue, block_groups, offload_sa
 from shardc.passes.recompute import Block, find_blocks, recompute_blocks
 from shardc.passes.reshard import check_no_gathered_saved, keep_gathered, tag_resharded_gathers
 from shardc.passes.saved_order import order_saved_values
-from shardc.planning import budget, optimizer_offload, prefetch, recompute
-from shardc.planning import offload as offload_lever
-from shardc.planning.estimate import elided_cast_seconds
-from shardc.planning.plan import (
-    CompiledBody,
-    InlineBlock,
-    MemoryBudget,
-    Plan,
-    PrefetchDecision,
-    PrefetchTrial,
-)
-from shardc.planning.profile import resolve_profile
-from shardc.planning.schedule import device_name, plan_region
+from shardc.planning.plan import CompiledBody, InlineBlock, MemoryBudget, Plan
+from shardc.planning.schedule import plan_region
 from shardc.runtime.collectives import resolve_group
-from shardc.runtime.plan_check import agree_on_largest
 
 log = logging.getLogger("shardc")
 
@@ -273,14 +266,15 @@ def partition_and_plan(gm: fx.GraphModule, joint_inputs: Sequence[object], optio
                        region: RegionRecord, **kwargs) -> tuple[fx.GraphModule, fx.GraphModule]:
     """Steps 1-7 on a training region's joint graph; returns the planned forward and backward.
 
-    With a peak budget (``peak_memory_budget_bytes``) the budget planner
-    (``shardc.planning.budget``) first evaluates configurations on copies of the joint graph
-    (each partitioned, planned and predicted), then the chosen one is built for real. Without
-    one, this is the fixed policy, unchanged."""
+    With a peak budget (``peak_memory_budget_bytes``) the budget search
+    (:mod:`shardc.compile.budget_search`) first evaluates configurations on copies of the joint
+    graph (each built by :func:`search_inputs`'s trial: partitioned, planned and predicted),
+    then the chosen one is built for real. Without one, this is the fixed policy, unchanged."""
     decided = None
     if options.peak_memory_budget_bytes:
         with progress.stage(region.index, "peak budget"):
-            decided = choose_under_budget(gm, joint_inputs, options, region, **kwargs)
+            decided = budget_search.choose_under_budget(
+                search_inputs(gm, joint_inputs, options, region, kwargs), options, region)
         keep_gathered(gm.graph, kept_params(decided))
     recomputed = set(decided.recomputed) if decided is not None else set()
     offloaded = set(decided.offloaded) if decided is not None else set(options.forced_offload())
@@ -298,6 +292,38 @@ def partition_and_plan(gm: fx.GraphModule, joint_inputs: Sequence[object], optio
     if offloaded and decided is None:
         plan.notes.append(forced_offload_note(done, blocks, offloaded))
     return fw, bw
+
+
+def search_inputs(gm: fx.GraphModule, joint_inputs: Sequence[object], options: ShardcOptions,
+                  region: RegionRecord, kwargs: dict) -> budget_search.SearchInputs:
+    """What the budget search needs of a training region's joint graph ``gm`` (left unchanged):
+    a copy of it; the trial that builds one configuration of it, steps 1-7 on another copy
+    (kept gathers, joint passes, recomputed blocks, partition, offloaded activations, plan,
+    lower, predict; the pool on the meta device, no dump, not handed to the partitioned-graph
+    sink); and the blocks found on the joint passes' graph."""
+    pristine = copy_graph_module(gm)
+    # The trials' dumps and plan-only stops belong to the real plan only.
+    trial_options = replace(options, dump_dir=None)
+
+    def trial(kept: Collection[str], recomputed: Collection[str], offloaded: Collection[str],
+              depth: int) -> Plan:
+        joint = copy_graph_module(pristine)
+        keep_gathered(joint.graph, kept)
+        joint_passes(joint.graph)
+        found = region_blocks(joint, region, kwargs) if recomputed or offloaded else []
+        if recomputed:
+            recompute_blocks(joint, found, set(recomputed))
+        joint.recompile()
+        fw, bw = partition(joint, joint_inputs, record=False, **kwargs)
+        offload_activations(fw, bw, kwargs["num_fwd_outputs"], found, set(offloaded))
+        plan, _ = lower_and_predict(fw, bw, with_depth(trial_options, depth), region,
+                                    pool_device=torch.device("meta"))
+        return plan
+
+    probe = copy_graph_module(pristine)  # the joint passes' graph, where blocks are found
+    joint_passes(probe.graph)
+    return budget_search.SearchInputs(pristine, trial, probe,
+                                      region_blocks(probe, region, kwargs))
 
 
 def offload_activations(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int,
@@ -325,418 +351,11 @@ def forced_offload_note(done: list[OffloadedValue], blocks: Sequence[Block],
                "nn.ModuleList of two or more, shardc.sharding.blocks)" if not blocks else ""))
 
 
-def kept_params(decided: MemoryBudget) -> set[str]:
-    return {p for d in decided.decisions if d.kept for p in d.params}
-
-
 def region_blocks(gm: fx.GraphModule, region: RegionRecord, kwargs: dict) -> list[Block]:
     """The blocks of a region's joint graph (after the joint passes): its compile-once body
     calls and its inline blocks (``shardc.passes.recompute.find_blocks``)."""
     return find_blocks(gm, kwargs["num_fwd_outputs"], [c.block for c in region.body_calls],
                        [module for module, _ in region.inline_blocks])
-
-
-def choose_under_budget(gm: fx.GraphModule, joint_inputs: Sequence[object],
-                        options: ShardcOptions, region: RegionRecord, **kwargs) -> MemoryBudget:
-    """The budget planner's decisions for one region's joint graph (left unchanged): the levers
-    on the device (:func:`choose_device_levers`) and, where their feasible minimum is over the
-    budget, the last one: the optimizer's state on the host, with the device levers chosen
-    again under it (``shardc.planning.optimizer_offload``). Refused, naming the minimum, where
-    even that is over the budget."""
-    unavailable = ("the optimizer's state is on the host already" if region.optimizer_on_host
-                   else _optimizer_offload_unavailable(gm, options))
-    try:
-        return choose_device_levers(gm, joint_inputs, options, region,
-                                    step_floor_exits=not unavailable, **kwargs)
-    except optimizer_offload.StepOverBudget as over:
-        floor, floor_plan, exact = over.floor_bytes, over.plan, False
-    except budget.MemoryBudgetError as refused:
-        floor = getattr(refused, "minimum_bytes", None)
-        if floor is None:  # not a budget below the minimum ("auto" off CUDA)
-            raise
-        if region.optimizer_on_host:  # already there (OffloadPolicy, or an earlier region)
-            raise _refusal(refused, optimizer_offload.refusal_hint(True, "")) from None
-        if unavailable:
-            log.info("shardc: region %d: optimizer offload not tried: %s", region.index,
-                     unavailable)
-            raise _refusal(refused, optimizer_offload.refusal_hint(False, unavailable)) from None
-        floor_plan, exact = refused.plan, True
-    region.optimizer_on_host = True  # every prediction below leaves the state to the host
-    try:
-        decided = choose_device_levers(gm, joint_inputs, options, region,
-                                       tag_prefix="host/", **kwargs)
-    except budget.MemoryBudgetError as again:
-        region.optimizer_on_host = False
-        if getattr(again, "minimum_bytes", None) is None:
-            raise
-        raise _refusal(again, optimizer_offload.refusal_hint(True, "", floor, exact)) from None
-    decided.optimizer = _optimizer_decision(floor_plan, floor, exact, decided, options, region,
-                                            device_name(gm))
-    # A warning: the host step costs far more than any device lever (seconds per step at 1e9
-    # parameters); the user may prefer a larger budget or more ranks.
-    log.warning("shardc: region %d: the peak budget puts the optimizer's state and step on the "
-                "host (optimizer_offload='never' turns this off): %s", region.index,
-                decided.optimizer.reason)
-    return decided
-
-
-def _refusal(refused: budget.MemoryBudgetError, hint: str) -> budget.MemoryBudgetError:
-    """``refused`` with ``hint`` (on the optimizer's offload) added to its text, carrying its
-    figures (the minimum, the fully resharded plan's peaks, the minimum's plan)."""
-    error = budget.MemoryBudgetError(str(refused) + hint)
-    for name in ("minimum_bytes", "resharded_bytes", "resharded_by_depth", "plan"):
-        if getattr(refused, name, None) is not None:
-            setattr(error, name, getattr(refused, name))
-    return error
-
-
-def _optimizer_offload_unavailable(gm: fx.GraphModule, options: ShardcOptions) -> str:
-    """Why the optimizer's state cannot go to the host for this region ("" where it can)."""
-    from shardc.sharding.shard import state_for_key
-
-    gathers = [GatherArgs.of(n) for n in gm.graph.nodes if is_call(n, GATHER_OP)]
-    state = state_for_key(gathers[0].sync_key) if gathers else None
-    if state is None:
-        return "the sharded model's state is gone"
-    fp8 = state.fp8 is not None or any(i.quantized or i.fp8 is not None
-                                       for i in state.params.values())
-    tp = state.layout is not None and state.layout.kind == "fsdp+tp"
-    return optimizer_offload.why_not(options.optimizer_offload, state.mesh.device_type,
-                                     state.offload, fp8, tp)
-
-
-def _optimizer_decision(floor_plan: Plan, floor: int, exact: bool, decided: MemoryBudget,
-                        options: ShardcOptions, region: RegionRecord, device: str | None):
-    """The record of the optimizer's state put on the host, priced from the device levers'
-    floor plan (``floor_plan``, peak ``floor``; not ``exact``: ``floor`` is the optimizer
-    step's peak, under every configuration's); every number the largest over the ranks."""
-    group, index = floor_plan.group_name, region.check_index
-
-    def largest(tag: str, value: float) -> int:
-        return agree_on_largest(group, index, f"optimizer/{tag}", int(value or 0))
-
-    p = floor_plan.predicted
-    param_bytes = largest("param_bytes", p.param_bytes)
-    grad_bytes = largest("grad_bytes", p.grad_bytes)
-    freed = int(param_bytes * (options.optimizer_state_factor + options.optimizer_temp_factor))
-    n_params = largest("numel", _shard_numel(floor_plan))
-    profile = resolve_profile(options.cluster, device)
-    return optimizer_offload.decision(
-        freed_bytes=freed, host_bytes=optimizer_host_bytes(param_bytes,
-                                                           options.optimizer_state_factor),
-        n_params=n_params, param_bytes=param_bytes, grad_bytes=grad_bytes, profile=profile,
-        floor_bytes=floor, peak_bytes=decided.peak_bytes, exact=exact)
-
-
-def _shard_numel(plan: Plan) -> int:
-    """Elements of a rank's parameter shards, padding included (the largest rank's)."""
-    seen, total = set(), 0
-    for b in plan.buckets:
-        for fqn, rows, row_numel in zip(b.params, b.padded_rows, b.row_numel):
-            if fqn not in seen:
-                seen.add(fqn)
-                total += rows * row_numel
-    return total
-
-
-def choose_device_levers(gm: fx.GraphModule, joint_inputs: Sequence[object],
-                         options: ShardcOptions, region: RegionRecord, tag_prefix: str = "",
-                         step_floor_exits: bool = False, **kwargs) -> MemoryBudget:
-    """The decisions of the levers on the device for one region's joint graph (left
-    unchanged): the fully resharded configuration first; within the budget, the greedy keeps
-    buckets gathered; over it, every bucket kept is tried once, then blocks are recomputed or
-    their activations offloaded (refused if the fully freed plan is still over the budget);
-    a shallower prefetch depth is tried before those, and the chosen configuration's depth is
-    decided last (:func:`_choose_prefetch`). ``tag_prefix``: of the cross-rank exchanges' tags
-    (each tag once per region), for a second search under other conditions (the optimizer's
-    state on the host). ``step_floor_exits``:
-    raise :class:`optimizer_offload.StepOverBudget` as soon as the optimizer step's peak alone
-    is over the budget (the caller then puts the state on the host)."""
-    pristine = copy_graph_module(gm)
-    user_bytes = budget.resolve_budget(options.peak_memory_budget_bytes, _gather_device(gm))
-    margin = options.peak_memory_margin
-    # Every decision is made against the budget less the margin for the prediction's error;
-    # the record names both (budget.with_margin).
-    budget_bytes = budget.planned_for(user_bytes, margin)
-    # The trials' dumps and plan-only stops belong to the real plan only.
-    trial_options = replace(options, dump_dir=None)
-    trials: list[str] = []
-
-    default_depth = depth_of(options)
-    evaluated: dict[tuple, tuple[Plan, int, int]] = {}  # configuration -> plan, peak, step ns
-
-    def evaluate(kept: set[str], recomputed: frozenset[str] = frozenset(),
-                 offloaded: frozenset[str] = frozenset(), depth: int | None = None
-                 ) -> tuple[Plan, int]:
-        key = (frozenset(kept), frozenset(recomputed), frozenset(offloaded),
-               default_depth if depth is None else depth)
-        if key not in evaluated:
-            evaluated[key] = _evaluate(kept, recomputed, offloaded, key[3])
-        return evaluated[key][:2]
-
-    def _evaluate(kept: set[str], recomputed: frozenset[str], offloaded: frozenset[str],
-                  depth: int) -> tuple[Plan, int, int]:
-        trial = copy_graph_module(pristine)
-        keep_gathered(trial.graph, kept)
-        joint_passes(trial.graph)
-        found = region_blocks(trial, region, kwargs) if recomputed or offloaded else []
-        if recomputed:
-            recompute_blocks(trial, found, set(recomputed))
-        trial.recompile()
-        fw, bw = partition(trial, joint_inputs, record=False, **kwargs)
-        offload_activations(fw, bw, kwargs["num_fwd_outputs"], found, set(offloaded))
-        plan, _ = lower_and_predict(fw, bw, with_depth(trial_options, depth), region,
-                                    pool_device=torch.device("meta"))
-        # Every rank compares the ranks' largest peak (and step time): the same decisions
-        # everywhere.
-        tag = f"{tag_prefix}trial{len(trials)}"
-        trials.append(tag)
-        peak = agree_on_largest(plan.group_name, region.check_index, tag,
-                                int(plan.predicted.peak_bytes or 0))
-        step_ns = agree_on_largest(plan.group_name, region.check_index, f"{tag}/ns",
-                                   int((plan.predicted.step_time_s or 0.0) * 1e9))
-        return plan, peak, step_ns
-
-    def depth_trial(kept: set[str], recomputed, offloaded, depth: int) -> PrefetchTrial:
-        evaluate(kept, recomputed, offloaded, depth)
-        _, peak, step_ns = evaluated[(frozenset(kept), frozenset(recomputed),
-                                      frozenset(offloaded), depth)]
-        return PrefetchTrial(depth, step_ns * 1e-6, peak, peak <= budget_bytes)
-
-    base, minimum = evaluate(set())
-    if step_floor_exits:
-        # The optimizer step's shards, gradients, state and temporaries are the same in every
-        # configuration of these levers: over the budget, none can meet it.
-        step = base.predicted
-        factor = 1 + options.optimizer_state_factor + options.optimizer_temp_factor
-        floor = agree_on_largest(base.group_name, region.check_index, f"{tag_prefix}step",
-                                 int((step.param_bytes or 0) * factor + (step.grad_bytes or 0)))
-        if floor > budget_bytes:
-            raise optimizer_offload.StepOverBudget(floor, base)
-    probe = copy_graph_module(pristine)  # the joint passes' graph, where blocks are found
-    joint_passes(probe.graph)
-    blocks = region_blocks(probe, region, kwargs)
-    cands, fixed = budget.candidates(base, elided_cast_seconds(
-        pristine, resolve_profile(options.cluster, device_name(pristine))))
-    params = {c.bucket: set(c.params) for c in cands}
-    useful = {p for c in cands if c.saved_s > 0 for p in c.params}
-    shallow, current = None, default_depth  # the depth the chosen configuration is found at
-    if minimum <= budget_bytes:
-        decided = budget.choose(
-            cands, fixed, budget_bytes, minimum,
-            lambda kept: evaluate(set().union(*(params[b] for b in kept)))[1])
-        decided.blocks = recompute.decisions(blocks, [], [], needed=False)
-    else:
-        kept_plan, peak = evaluate(useful) if useful else (base, minimum)
-        if peak > budget_bytes and _prefetches(base):
-            shallow = _shallower_fit(lambda d: depth_trial(set(), (), (), d), default_depth)
-        if peak <= budget_bytes:
-            decided = budget.keep_all(cands, fixed, budget_bytes, minimum, peak)
-            decided.blocks = recompute.decisions(blocks, [], [], needed=False)
-        elif shallow is not None:  # prefetching less fits: no block recomputed or offloaded
-            current = shallow.depth
-            decided = MemoryBudget(budget_bytes, minimum, shallow.peak_bytes, 0, [],
-                                   recompute.decisions(blocks, [], [], needed=False))
-            decided.decisions = budget.reshard_all(cands, fixed, minimum, shallow.depth)
-        else:
-            lowest = (base, minimum) if minimum <= peak else (kept_plan, peak)
-            for key, (plan_d, peak_d, _) in evaluated.items():  # the shallower depths tried
-                if not any(key[:3]) and peak_d < lowest[1]:
-                    lowest = (plan_d, peak_d)
-            # Memory is short: blocks are freed at the shallowest depth tried (then one deeper
-            # is tried on the result, below).
-            current = min((k[3] for k in evaluated if not any(k[:3])), default=default_depth)
-            try:
-                decided = _recompute_under_budget(
-                    probe, blocks, user_bytes, evaluate(set(), depth=current), lowest, options,
-                    region, lambda recomputed, offloaded: evaluate(set(), recomputed, offloaded,
-                                                                   current),
-                    tag_prefix=tag_prefix)
-            except budget.MemoryBudgetError as exc:
-                # The fully resharded plan's peak at the options' depth (the fixed policy's)
-                # and at each depth tried (the ranks' largest).
-                exc.resharded_bytes = minimum
-                exc.resharded_by_depth = {k[3]: v[1] for k, v in evaluated.items()
-                                          if not any(k[:3])}
-                raise
-            decided.decisions = budget.reshard_all(cands, fixed, minimum)
-    decided.prefetch = _choose_prefetch(
-        lambda d: depth_trial(kept_params(decided), decided.recomputed, decided.offloaded, d),
-        base, default_depth, budget_bytes, current)
-    decided.peak_bytes = decided.prefetch.peak_bytes
-    decided.trials = len(evaluated) - 1
-    budget.with_margin(decided, user_bytes, margin)
-    log.info("shardc: region %d, peak budget %d B (planned for %d B): minimum %d B, kept "
-             "gathered %s, recomputed %s, offloaded %s, predicted peak %d B (%d trials)",
-             region.index, user_bytes, budget_bytes, decided.minimum_bytes, decided.kept,
-             decided.recomputed, decided.offloaded, decided.peak_bytes, decided.trials)
-    return decided
-
-
-def depth_of(options: ShardcOptions) -> int:
-    """The options' prefetch depth (0: no prefetch)."""
-    return options.prefetch_depth if options.prefetch else 0
-
-
-def with_depth(options: ShardcOptions, depth: int) -> ShardcOptions:
-    """``options`` prefetching ``depth`` buckets ahead (0: no prefetch)."""
-    if depth == depth_of(options):
-        return options
-    return replace(options, prefetch=depth > 0, prefetch_depth=max(depth, 1))
-
-
-def _prefetches(plan: Plan) -> bool:
-    """Whether the plan has an all-gather whose issue a prefetch depth moves (not elided)."""
-    return any(c.kind == "all_gather" and c.origin == "shardc" and not c.elided
-               for c in plan.collectives)
-
-
-def _shallower_fit(trial, default: int) -> PrefetchTrial | None:
-    """The deepest depth below ``default`` at which the fully resharded plan fits (``trial``:
-    depth -> its :class:`PrefetchTrial`), or None."""
-    for depth in prefetch.shallower_depths(default):
-        got = trial(depth)
-        if got.fits:
-            return got
-    return None
-
-
-def _choose_prefetch(trial, base: Plan, default: int, budget_bytes: int,
-                     current: int) -> PrefetchDecision:
-    """The prefetch depth of the chosen configuration, found at depth ``current`` (``trial``:
-    depth -> its predicted :class:`PrefetchTrial`): :func:`shardc.planning.prefetch.choose_depth`
-    over the depths tried (:func:`shardc.planning.prefetch.depths_to_try`); only the options'
-    depth where no all-gather is prefetched (one-rank groups)."""
-    if not _prefetches(base):
-        only = trial(default)
-        return PrefetchDecision(default, default, only.step_ms, only.peak_bytes,
-                                f"prefetch depth {default} (the options'): no all-gather to "
-                                "prefetch (every gather elided: one-rank group)", [only])
-    return prefetch.choose_depth([trial(d) for d in prefetch.depths_to_try(current)],
-                                 default, budget_bytes)
-
-
-def _recompute_under_budget(probe: fx.GraphModule, blocks: list[Block], user_bytes: int,
-                            resharded: tuple[Plan, int], lowest: tuple[Plan, int],
-                            options: ShardcOptions, region: RegionRecord,
-                            evaluate, tag_prefix: str = "") -> MemoryBudget:
-    """The blocks to recompute when no configuration of the first lever fits (``resharded``:
-    the fully resharded plan and its peak; ``lowest``: the lower of it and the fully kept
-    one); refuses the budget (``user_bytes``, planned for less its margin) if the fully
-    recomputed plan is still over it."""
-    margin = options.peak_memory_margin
-    budget_bytes = budget.planned_for(user_bytes, margin)
-
-    def refuse(peak: int, plan: Plan, cands=()) -> budget.MemoryBudgetError:
-        offloaded = sum(1 for c in cands if c.offload)
-        return budget.refuse_below_minimum(user_bytes, peak, plan,
-                                           recomputed=len(cands) - offloaded,
-                                           offloaded=offloaded, margin=margin,
-                                           resharded=resharded[1])
-
-    estimates = block_estimates(probe, blocks, resharded[0].group_name, options, region,
-                                tag_prefix)
-    mode = options.activation_offload if isinstance(options.activation_offload, str) else "auto"
-    link = agreed_link(probe, resharded[0].group_name, options, region, tag_prefix)
-    cands = free_candidates(blocks, estimates, mode, link)
-    if not cands:
-        raise refuse(lowest[1], lowest[0])
-    offloads = {c.block for c in cands if c.offload}
-
-    def freeing(names) -> tuple[Plan, int]:  # the named blocks, each by its lever
-        return evaluate(frozenset(n for n in names if n not in offloads),
-                        frozenset(n for n in names if n in offloads))
-
-    floor_plan, floor = freeing(tuple(c.block for c in cands))
-    note = ""
-    if floor > budget_bytes and offloads and mode != "prefer":
-        # Offloading every block may not lower the peak where recomputing does (a peak in the
-        # backward of the block read last, whose saved values come back anyway): the levers'
-        # other extreme, every block that can be recomputed recomputed, once.
-        alt = free_candidates(blocks, estimates, "never", link)
-        if alt:
-            offloads = set()
-            alt_plan, alt_floor = freeing(tuple(c.block for c in alt))
-            if alt_floor < floor:
-                note = (f"; offloading every block instead left the predicted peak at "
-                        f"{floor} B, over the budget")
-                cands, floor_plan, floor = alt, alt_plan, alt_floor
-            else:
-                offloads = {c.block for c in cands if c.offload}
-    log.info("shardc: region %d: candidates to free (block, bytes, s, offload) %s; every one "
-             "freed: peak %d B (resharded %d B)", region.index,
-             [(c.block, c.nbytes, c.cost_s, c.offload) for c in cands], floor, resharded[1])
-    if floor > budget_bytes:  # refused, naming the lowest peak of the levers' extremes
-        if lowest[1] < floor:
-            raise refuse(lowest[1], lowest[0])
-        raise refuse(floor, floor_plan, cands)
-    chosen, peak, _ = recompute.choose(cands, budget_bytes, resharded[1], floor,
-                                       lambda names: freeing(names)[1])
-    return MemoryBudget(budget_bytes, floor, peak, 0, [],
-                        recompute.decisions(blocks, cands, chosen, needed=True, peak=peak,
-                                            note=note),
-                        resharded_bytes=resharded[1])
-
-
-def block_estimates(probe: fx.GraphModule, blocks: list[Block], group: str,
-                    options: ShardcOptions, region: RegionRecord, tag_prefix: str = ""
-                    ) -> dict[str, tuple[int, int, float]]:
-    """Per block: (bytes recomputing it frees, its saved bytes, its forward's seconds), each
-    the largest over the ranks (one store exchange each, once per region), so every rank ranks
-    the same candidates the same way."""
-    profile = resolve_profile(options.cluster, device_name(probe))
-    out = {}
-    for b in blocks:
-        tag = f"{tag_prefix}block{b.position}"
-        freed = agree_on_largest(group, region.check_index, f"{tag}/bytes", b.freed_bytes)
-        saved = agree_on_largest(group, region.check_index, f"{tag}/saved", b.saved_bytes)
-        forward_ns = agree_on_largest(group, region.check_index, f"{tag}/ns",
-                                      int(recompute.forward_seconds(probe, b, profile) * 1e9))
-        out[b.name] = (freed, saved, forward_ns * 1e-9)
-    return out
-
-
-def agreed_link(probe: fx.GraphModule, group: str, options: ShardcOptions,
-                region: RegionRecord, tag_prefix: str = "") -> dict[str, float]:
-    """The host link of the cluster profile (``offload.link_of``), each figure the slowest over
-    the ranks (femtoseconds per byte and nanoseconds of latency exchanged as integers, one store
-    exchange each), so that every rank prices offload the same. ``tag_prefix``: of the
-    exchanges' tags, as :func:`choose_device_levers`'s."""
-    link = offload_lever.link_of(resolve_profile(options.cluster, device_name(probe)))
-    out = {}
-    for key in ("link_bytes_per_s", "h2d_bytes_per_s"):
-        fs_per_byte = agree_on_largest(group, region.check_index, f"{tag_prefix}link/{key}",
-                                       round(1e15 / link[key]))
-        out[key] = 1e15 / fs_per_byte
-    out["latency_s"] = agree_on_largest(group, region.check_index, f"{tag_prefix}link/latency",
-                                        round(link["latency_s"] * 1e9)) * 1e-9
-    return out
-
-
-def free_candidates(blocks: list[Block], estimates: dict[str, tuple[int, int, float]],
-                    mode: str, link: dict[str, float] | None = None
-                    ) -> list[recompute.RecomputeCandidate]:
-    """The blocks whose saved activations the planner may free, each with its cheaper lever
-    (recompute, or offload to the host: ``shardc.planning.offload.choose_lever``, under
-    ``activation_offload`` ``mode``, over the host ``link``: ``offload.link_of`` the cluster
-    profile; default: the unmeasured constants)."""
-    cands = []
-    for b in blocks:
-        freed, saved, forward_s = estimates[b.name]
-        lever = offload_lever.choose_lever(
-            forward_s=forward_s, recompute_bytes=freed, offload_bytes=saved,
-            can_recompute=not b.excluded, mode=mode, **(link or {}))
-        if lever is not None:
-            cands.append(recompute.RecomputeCandidate(
-                b.name, b.kind, b.position, lever.cost_s, lever.nbytes, offload=lever.offload,
-                forward_s=forward_s, copy_s=lever.copy_s, offload_s=lever.offload_s))
-    return cands
-
-
-def _gather_device(gm: fx.GraphModule) -> torch.device | None:
-    sent = [GatherArgs.of(n).shard.meta.get("val") for n in gm.graph.nodes
-            if is_call(n, GATHER_OP)]
-    return sent[0].device if sent and sent[0] is not None else None
 
 
 def record_bodies(plan: Plan, region: RegionRecord) -> None:
