@@ -8,7 +8,16 @@ import types
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from parity import CFG, GLOBAL_BATCH, SEQ, batches, build, train, train_rank_slice
+from parity import (
+    CFG,
+    GLOBAL_BATCH,
+    SEQ,
+    activation_copies,
+    batches,
+    build,
+    train,
+    train_rank_slice,
+)
 from torch import nn
 
 import shardc
@@ -128,6 +137,7 @@ def fp8_run(rank: int, world: int, kind: str, mode: str, **options) -> dict:
         "collectives": [(_collectives(r.forward), _collectives(r.backward))
                         for r in state.regions],
         "fp8": sorted(fqn for fqn, i in state.params.items() if i.fp8 is not None),
+        "activation_copies": activation_copies(state),
     }
 
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from ckpt_workers import diff, full, full_state
 from mesh_models import TPBlocks, TPNet, loss_fn, parallelize, parallelize_blocks
-from parity import GLOBAL_BATCH, batches, build
+from parity import GLOBAL_BATCH, activation_copies, batches, build
 from parity import train as llama_train
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -34,12 +34,14 @@ def _forward(model: nn.Module, mode: str, cluster: dict | None = None):
     collectives found in the graph kept where they were traced) or ``fx-nopool`` (buffers
     allocated per collective, as Inductor's default is); ``fx-offload``: ``fx`` of a model
     sharded with CPU offload, ``fx-optoffload`` with optimizer-only offload, ``fx-plain`` with
-    ``plain_inputs=True`` (:func:`hsdp_run`)."""
+    ``plain_inputs=True`` (:func:`hsdp_run`); ``fx-aoff``: ``fx`` with every block's saved
+    activations offloaded to the host (``activation_offload=("*",)``)."""
     if mode == "eager":
         return model
+    aoff = {"activation_offload": ("*",)} if mode == "fx-aoff" else {}
     return torch.compile(model, backend=shardc.backend(
         inductor=False, move_found_collectives=mode != "fx-traced",
-        comm_pool=mode != "fx-nopool", cluster=cluster or CLUSTER))
+        comm_pool=mode != "fx-nopool", cluster=cluster or CLUSTER, **aoff))
 
 
 # The default profile times this tiny model's kernels at their launch cost, longer than its
@@ -180,6 +182,7 @@ def _plan_summary(model: nn.Module) -> list[dict]:
             # blocks compiled inline with their reasons.
             "bodies": [(tuple(b.blocks), b.partitions) for b in p.bodies],
             "inline": {b.module: b.reason for b in p.inline_blocks},
+            "notes": list(p.notes),
         })
     return out
 
@@ -202,7 +205,8 @@ def hsdp_run(rank: int, world: int, shape: tuple[int, int], mode: str,
                          targets[:, rows])
     placements = describe_placements(model)
     return {"losses": _mean_over_world(losses), "params": _gathered(model),
-            "placements": placements, "plans": _plan_summary(model)}
+            "placements": placements, "plans": _plan_summary(model),
+            "activation_copies": activation_copies(shardc.shard_state(model))}
 
 
 def slice_run(rank: int, world: int, shape: tuple[int, int], mode: str) -> dict:
@@ -271,7 +275,8 @@ def tp_run(rank: int, world: int, shape: tuple[int, int], mode: str, kind: str =
     rows = slice(dp_rank * per, (dp_rank + 1) * per)
     losses = tp_train(model, _forward(model, mode), tokens[:, rows], targets[:, rows])
     return {"losses": _mean_over_world(losses), "params": _gathered(model), "init": init,
-            "placements": placements, "plans": _plan_summary(model)}
+            "placements": placements, "plans": _plan_summary(model),
+            "activation_copies": activation_copies(shardc.shard_state(model))}
 
 
 def tp_scenarios(rank: int, world: int, scenarios: list, blocks: list = ()) -> list[dict]:

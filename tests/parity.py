@@ -7,6 +7,7 @@ world size under test (1-4), so one reference serves them all.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import replace
 
@@ -126,23 +127,42 @@ def optimizer(model: nn.Module, kind: str = "adamw") -> torch.optim.Optimizer:
 
 
 def train(model: nn.Module, forward, tokens, targets, optim: str = "adamw",
-          local_step: bool = False, overlap: dict | None = None) -> list[float]:
+          local_step: bool = False, overlap: dict | None = None,
+          no_sync: bool = False) -> list[float]:
     """``local_step``: the optimizer steps the local shards (``shardc.optim.local_shard_step``);
-    ``overlap`` (a dict, filled with the handle's counts): ``shardc.step_in_backward``."""
+    ``overlap`` (a dict, filled with the handle's counts): ``shardc.step_in_backward``;
+    ``no_sync``: two micro-batches per step (each half of the batch, loss / 2), the first
+    under ``shardc.no_sync`` (gradient accumulation without communication)."""
     opt = optimizer(model, optim)
     if local_step:
         shardc.optim.local_shard_step(opt)
     handle = shardc.step_in_backward(model, opt) if overlap is not None else None
     losses = []
     for step in range(tokens.shape[0]):
-        loss = llama_loss(forward(tokens[step]), targets[step])
-        loss.backward()
+        if no_sync:
+            loss = _accumulate_no_sync(model, forward, tokens[step], targets[step])
+        else:
+            loss = llama_loss(forward(tokens[step]), targets[step])
+            loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach())
     if handle is not None:
         overlap.update(early=handle.early, signalled=handle.signalled, late=handle.late)
     return losses
+
+
+def _accumulate_no_sync(model: nn.Module, forward, tokens, targets) -> torch.Tensor:
+    """Two micro-batches (halves of the batch, loss / 2): the first under ``shardc.no_sync``,
+    the second synchronized; returns the step's loss (the batch mean)."""
+    half = tokens.shape[0] // 2
+    total = 0.0
+    for part, sync in ((slice(0, half), False), (slice(half, None), True)):
+        with contextlib.nullcontext() if sync else shardc.no_sync(model):
+            loss = llama_loss(forward(tokens[part]), targets[part]) / 2
+            loss.backward()
+        total = total + loss.detach()
+    return total
 
 
 def reference(kind: str, compile_backend: str | None = None, optim: str = "adamw") -> dict:
@@ -172,14 +192,15 @@ def eval_forward(model: nn.Module, forward, rank: int, world: int) -> torch.Tens
 
 
 def train_rank_slice(model: nn.Module, forward, rank: int, world: int, optim: str = "adamw",
-                     local_step: bool = False, overlap: dict | None = None) -> torch.Tensor:
+                     local_step: bool = False, overlap: dict | None = None,
+                     no_sync: bool = False) -> torch.Tensor:
     """Train on this rank's slice of the global batch; the per-step losses averaged over ranks
     (the global mean loss, comparable to the reference's)."""
     tokens, targets = batches()
     per = GLOBAL_BATCH // world
     rows = slice(rank * per, (rank + 1) * per)
     losses = torch.stack(train(model, forward, tokens[:, rows], targets[:, rows], optim,
-                               local_step, overlap))
+                               local_step, overlap, no_sync))
     dist.all_reduce(losses)
     return losses / world
 
@@ -202,6 +223,7 @@ def sharded_run(rank: int, world: int, kind: str, mode: str, **options) -> dict:
     hook_after_eval = options.pop("hook_after_eval", False)
     optim, local_step = options.pop("optim", "adamw"), options.pop("local_step", False)
     dynamic = options.pop("dynamic", None)
+    no_sync = options.pop("no_sync", False)
     overlap = {} if options.pop("step_in_backward", False) else None
     model = build(kind)
     shardc.shard(model, reshard_after_forward=options.pop("reshard_after_forward", True),
@@ -213,7 +235,7 @@ def sharded_run(rank: int, world: int, kind: str, mode: str, **options) -> dict:
         forward = torch.compile(model, backend=shardc.backend(inductor=(mode == "inductor"),
                                                               **options), dynamic=dynamic)
     initial = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
-    losses = train_rank_slice(model, forward, rank, world, optim, local_step, overlap)
+    losses = train_rank_slice(model, forward, rank, world, optim, local_step, overlap, no_sync)
     evaluated = eval_forward(model, forward, rank, world) if options_eval else None
     hooked = None
     if hook_after_eval:

@@ -25,8 +25,10 @@ TP = [((2, 2), "eager"), ((2, 2), "fx"), ((2, 2), "fx-traced"), ((1, 4), "eager"
 SLICES = [((2, 2), "fx")]
 # Repeated blocks compiled once (shardc.sharding.blocks) on 2-D meshes: the BlockStack under
 # HSDP (in the HSDP spawn), TPBlocks under FSDP+TP (in the FSDP+TP spawn).
-HSDP_BLOCKS = [((2, 2), "fx")]
-TP_BLOCKS = [((2, 2), "fx")]
+# "fx-aoff": the same with every block's saved activations offloaded (activation_offload=("*",),
+# simulated on the CPU mesh): bitwise equal to "fx" (_check_offloaded_activations).
+HSDP_BLOCKS = [((2, 2), "fx"), ((2, 2), "fx-aoff")]
+TP_BLOCKS = [((2, 2), "fx"), ((2, 2), "fx-aoff")]
 STACK = tuple(f"blocks.{i}" for i in range(4))
 
 
@@ -143,6 +145,27 @@ def test_hsdp_blocks_compiled_once(hsdp_runs):
                 assert plan["bodies"] == [(STACK, 1)], plan["bodies"]
                 assert list(plan["inline"]) == ["blocks.4"], plan["inline"]
                 assert "all_reduce" in plan["kinds"] and plan["all_reduce_groups"] == {"replicate"}
+        _check_offloaded_activations(per_rank[start:], HSDP_BLOCKS, f"rank {rank}, HSDP",
+                                     [*STACK, "blocks.4"])
+
+
+def _check_offloaded_activations(runs: list[dict], scenarios: list, where: str,
+                                 blocks: list[str]) -> None:
+    """``fx-aoff`` (issue 22's activation offload forced on every block) equals ``fx`` bit for
+    bit, its saved values went to the host and came back (parity.activation_copies), and the
+    plan's note names every one of ``blocks`` as offloaded."""
+    by_mode = {mode: run for (_, mode), run in zip(scenarios, runs)}
+    run, plain = by_mode["fx-aoff"], by_mode["fx"]
+    notes = [n for plan in run["plans"] for n in plan["notes"] if "activation offload" in n]
+    assert notes and all(f"{blocks}" in n for n in notes), (where, notes)
+    copies = run["activation_copies"]
+    assert copies["d2h"] > 0 and copies["d2h"] == copies["h2d"] == copies["host"], (where, copies)
+    assert copies["saved_on_host"] == copies["d2h"] == copies["release_waits"], (where, copies)
+    assert copies["misplaced"] == 0 and copies["forward_waits"] == 0, (where, copies)
+    assert plain["activation_copies"]["d2h"] == 0, where
+    assert torch.equal(run["losses"], plain["losses"]), where
+    for name, value in plain["params"].items():
+        assert torch.equal(run["params"][name], value), (where, name)
 
 
 def _check_tp_blocks(results: list[list[dict]]) -> None:
@@ -158,6 +181,8 @@ def _check_tp_blocks(results: list[list[dict]]) -> None:
                 assert sorted(plan["inline"]) == ["blocks.0", "blocks.1"], plan["inline"]
                 assert all("tensor-parallel" in r or "hooks" in r
                            for r in plan["inline"].values()), plan["inline"]
+        _check_offloaded_activations(per_rank[len(TP):], TP_BLOCKS, f"rank {rank}, FSDP+TP",
+                                     [f"blocks.{i}" for i in range(4)])
 
 
 def test_fsdp_tp_parity_placements_and_global_values():

@@ -149,6 +149,10 @@ def _parity_scenarios(world: int) -> dict[str, tuple[str, str, dict]]:
         # ... with compile-once bodies, checkpointing inside them and an inline block.
         (at(3), "blocks_offload_activations", ("blocks", "fx", {"eval": True,
                                                                 "activation_offload": ("*",)})),
+        # ... with gradient accumulation: two micro-batches per step, the first under
+        # shardc.no_sync (a second region, without reduce-scatters, offloads the same values).
+        (at(2), "offload_activations_no_sync", ("llama", "fx", {"activation_offload": ("*",),
+                                                                "no_sync": True})),
         # World 1, bf16 compute: the elided gathers are casts, which a roomy budget keeps from
         # the forward to the backward instead of casting again (issue 20).
         (at(1), "bf16_roomy_budget", ("llama", "fx", {"mp_policy": BF16,
@@ -278,6 +282,15 @@ def _check_offloaded_activations(world: int, runs: dict[str, dict]) -> None:
         assert run["predicted"][0][2] > 0 and runs[plain]["predicted"][0][2] is None
         (fw, bw), (plain_fw, plain_bw) = run["peak"][0], runs[plain]["peak"][0]
         assert fw <= plain_fw and bw <= plain_bw, (run["peak"], runs[plain]["peak"])
+    if "offload_activations_no_sync" in runs:
+        # no_sync compiles a second region (no reduce-scatter); both offload every block's
+        # saved values, the copies in place. Parity with the reference is checked above.
+        run, one = runs["offload_activations_no_sync"], runs["offload_activations"]
+        copies, single = run["activation_copies"], one["activation_copies"]
+        assert run["plans"] == 2, run["plans"]
+        assert copies["d2h"] == copies["h2d"] == 2 * single["d2h"] > 0, (copies, single)
+        assert copies["misplaced"] == 0 and copies["release_waits"] == copies["d2h"], copies
+        assert all(any("activation offload" in n for n in notes) for notes in run["notes"])
 
 
 def _check_roomy_budget(world: int, records: list) -> None:
