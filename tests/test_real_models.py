@@ -874,10 +874,11 @@ def test_peak_budget_puts_the_optimizer_state_on_the_host_with_parity(runs):
     temporaries: under every configuration of the device levers): the planner puts the
     optimizer's state and step on the host (the last lever, optimizer_offload='simulate' on
     this CPU mesh) and spends the room it frees on the device levers; training (SGD with
-    momentum, its state on the host) matches the unsharded reference at world 3 (uneven
-    shards); every parameter steps on a host master equal to its shard; the prediction leaves
-    the state and the step's temporaries out of the device; the plans are the same on every
-    rank and the plan records the decision with its bytes, predicted ms and reason."""
+    momentum, its state on the host) matches the unsharded reference at world 2 (uneven
+    shards: the 37-row embedding and head); every parameter steps on a host master equal to
+    its shard; the prediction leaves the state and the step's temporaries out of the device;
+    the plans are the same on every rank and the plan records the decision with its bytes,
+    predicted ms and reason."""
     for world, got in zip(_worlds("peak_budget_optimizer"),
                           check_parity(runs, "peak_budget_optimizer")):
         record, p = got["record"], got["predicted"]
