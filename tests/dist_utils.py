@@ -19,6 +19,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
@@ -133,3 +134,14 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any
         if errors:
             raise AssertionError("\n".join(errors))
         return results
+
+
+def run_ranks_in_background(fn: Callable[..., Any], world_size: int, *args: Any,
+                            **kwargs: Any) -> Future:
+    """:func:`run_ranks` in a thread of the calling process: a future of its per-rank results
+    (``.result()`` raises its ``AssertionError``). For a one-rank run, which leaves a core of
+    the 2-core CI machine idle: started before other groups run, it fills that core."""
+    pool = ThreadPoolExecutor(1)
+    future = pool.submit(run_ranks, fn, world_size, *args, **kwargs)
+    pool.shutdown(wait=False)
+    return future
