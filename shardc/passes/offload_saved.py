@@ -27,11 +27,16 @@ Runs on a region's partitioned graphs, before they are planned. For each chosen 
   stream right before its first reader, which reads the device copy.
 
 A value is offloadable when it is computed in the forward (not a graph input, nor by one of
-shardc's ops or a collective), is a contiguous, non-empty tensor of static shape and is not
-also one of the forward's own outputs (that would keep it on the device anyway). The ops'
+shardc's ops or a collective), is a contiguous, non-empty tensor of static shape, is not
+also one of the forward's own outputs (that would keep it on the device anyway) and is not
+already on the host while the forward computes on a device (``shardc.passes.host_resident``:
+a CPU tensor, or fused attention's RNG seed and offset, host scalars outside CUDA-graph
+capture although their fake values name the device; copying them would be a host-to-host copy
+made at once, and the backward would get them back on the device). The ops'
 fake values make the forward's output and the backward's placeholder a host tensor for every
 later pass (Inductor included). On a CPU mesh the "device" is the CPU:
-every copy is a separate tensor (the simulated mode of CPU offload), so CPU tests run the copies.
+every copy is a separate tensor (the simulated mode of CPU offload), so CPU tests run the copies,
+CPU tensors included.
 
 Every node this pass inserts carries ``node.meta[ACTIVATION_COPY]`` (``"d2h"``, ``"h2d"``,
 ``"wait"`` or ``"release"``), the backward's host placeholders ``"host"``, and
@@ -50,10 +55,11 @@ from torch import fx
 
 from shardc.ops.offload_copy import COPY_RELEASE_OP, COPY_START_OP, COPY_WAIT_OP
 from shardc.passes.fx_utils import call, tensor_nbytes
+from shardc.passes.host_resident import compute_device_type, on_host
 from shardc.passes.recompute import Block
 
 __all__ = ["ACTIVATION_COPY", "ACTIVATION_GROUP", "OffloadedValue", "activation_role",
-           "block_groups", "offload_saved", "offloadable_saved", "saved_values"]
+           "block_groups", "offload_saved", "offloadable_saved", "saved_on_host", "saved_values"]
 
 ACTIVATION_COPY = "shardc_activation_copy"
 ACTIVATION_GROUP = "shardc_activation_group"
@@ -85,7 +91,16 @@ def saved_values(fw: fx.GraphModule, num_fwd_outputs: int) -> list[fx.Node]:
 def offloadable_saved(fw: fx.GraphModule, num_fwd_outputs: int) -> list[fx.Node]:
     """The saved values the pass can offload (see the module docstring)."""
     user = {a for a in fw.graph.output_node().args[0][:num_fwd_outputs] if isinstance(a, fx.Node)}
-    return [n for n in saved_values(fw, num_fwd_outputs) if _offloadable(n, user)]
+    device = compute_device_type(fw.graph)
+    return [n for n in saved_values(fw, num_fwd_outputs)
+            if _offloadable(n, user) and not on_host(n, device)]
+
+
+def saved_on_host(fw: fx.GraphModule, num_fwd_outputs: int) -> list[fx.Node]:
+    """The saved values left where they are because they are already on the host while the
+    forward computes on a device (``shardc.passes.host_resident``); none on the CPU."""
+    device = compute_device_type(fw.graph)
+    return [n for n in saved_values(fw, num_fwd_outputs) if on_host(n, device)]
 
 
 def _offloadable(node: fx.Node, user_outputs: set[fx.Node]) -> bool:
