@@ -219,3 +219,16 @@ def test_on_host_is_never_true_on_the_cpu(device):
     seed = next(n for n in fw.graph.nodes if n.name == "seed")
     assert on_host(seed, "cpu") is False
     assert on_host(seed, "cuda") is True  # an RNG output, whatever its fake device
+
+
+def test_a_meta_pool_beside_cpu_values_is_a_cpu_graph():
+    """The budget planner's trials put the communication pool (a graph input) on the meta
+    device: a CPU graph stays one, a graph of meta values alone computes on "meta"."""
+    g = fx.Graph()
+    for name, device in (("x", "cpu"), ("pool", "meta"), ("y", "cpu")):
+        g.placeholder(name).meta["val"] = torch.empty(2, device=device)
+    assert compute_device_type(g) == "cpu"
+    meta = fx.Graph()
+    meta.placeholder("x").meta["val"] = torch.empty(2, device="meta")
+    assert compute_device_type(meta) == "meta"
+    assert compute_device_type(_graphs("cuda")[1].graph) == "cuda"

@@ -53,14 +53,18 @@ def _tensors(val) -> list[torch.Tensor]:
 
 
 def compute_device_type(graph: fx.Graph) -> str:
-    """The device type ``graph`` computes on: that of its first value (in graph order) that is
-    not a CPU tensor (``"meta"`` too: a graph traced without a device), ``"cpu"`` if every
-    tensor value is on the CPU (or there is none)."""
+    """The device type ``graph`` computes on: that of its first value (in graph order) on
+    neither the CPU nor the meta device; else ``"meta"`` if it has a meta value (a graph traced
+    without a device); else ``"cpu"``. A meta value beside CPU ones (the budget planner's trials
+    put the communication pool on the meta device) does not make a CPU graph a device one."""
+    meta = False
     for node in graph.nodes:
         for val in _tensors(node.meta.get("val")):
-            if val.device.type != "cpu":
-                return val.device.type
-    return "cpu"
+            kind = val.device.type
+            if kind not in ("cpu", "meta"):
+                return kind
+            meta = meta or kind == "meta"
+    return "meta" if meta else "cpu"
 
 
 def _body_output(call: fx.Node, idx: int) -> fx.Node | None:
