@@ -54,17 +54,18 @@ def _tensors(val) -> list[torch.Tensor]:
 
 def compute_device_type(graph: fx.Graph) -> str:
     """The device type ``graph`` computes on: that of its first value (in graph order) on
-    neither the CPU nor the meta device; else ``"meta"`` if it has a meta value (a graph traced
-    without a device); else ``"cpu"``. A meta value beside CPU ones (the budget planner's trials
-    put the communication pool on the meta device) does not make a CPU graph a device one."""
-    meta = False
+    neither the CPU nor the meta device; else ``"cpu"`` if it has a CPU value (or no tensor
+    value at all); else ``"meta"`` (a graph traced without a device). Meta values beside CPU
+    ones (the budget planner's trials put the communication pool and its views on the meta
+    device) leave a CPU graph a CPU one."""
+    kinds: set[str] = set()
     for node in graph.nodes:
         for val in _tensors(node.meta.get("val")):
             kind = val.device.type
             if kind not in ("cpu", "meta"):
                 return kind
-            meta = meta or kind == "meta"
-    return "meta" if meta else "cpu"
+            kinds.add(kind)
+    return "meta" if kinds == {"meta"} else "cpu"
 
 
 def _body_output(call: fx.Node, idx: int) -> fx.Node | None:
