@@ -71,17 +71,22 @@ def activation_host_values(fw: fx.GraphModule, bw: fx.GraphModule | None) -> set
 
 
 def resident_host_values(fw: fx.GraphModule, bw: fx.GraphModule | None) -> set[fx.Node]:
-    """Values already in host memory while the graphs compute on a device
+    """Saved values already in host memory while the graphs compute on a device
     (``shardc.passes.host_resident``: CPU tensors, fused attention's RNG seed and offset),
-    which activation offload leaves where they are: the forward's, and the backward's
-    placeholders that receive the forward's (named alike); none on the CPU. Activation
-    offload's own host copies are :func:`activation_host_values`."""
+    which activation offload leaves where they are: the forward's outputs that are, and the
+    backward's placeholders that receive them (named alike); none on the CPU. Activation
+    offload's own host copies are :func:`activation_host_values`; other host values (CPU
+    offload's) are counted where they were before."""
     device = compute_device_type(fw.graph)
-    out = {n for n in fw.graph.nodes if not activation_role(n) and on_host(n, device)}
+    if device == "cpu":
+        return set()
+    outs = fw.graph.output_node().args[0]
+    out = {n for n in (outs if isinstance(outs, (list, tuple)) else (outs,))
+           if isinstance(n, fx.Node) and not activation_role(n) and on_host(n, device)}
     if bw is not None:
         names = {n.name for n in out}
-        out |= {n for n in bw.graph.nodes if not activation_role(n) and (
-            on_host(n, device) or n.op == "placeholder" and n.name in names)}
+        out |= {n for n in bw.graph.find_nodes(op="placeholder")
+                if n.name in names and not activation_role(n)}
     return out
 
 

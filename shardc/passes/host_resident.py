@@ -14,8 +14,11 @@ graph whose compute device is not the CPU (:func:`compute_device_type`):
   device (Note [Seed and Offset] in ``torch/_meta_registrations.py``: it depends on whether a
   CUDA graph is being captured), so their fake values name the compute device, but outside
   CUDA-graph capture the kernels return host scalars (memory-efficient attention always does
-  without dropout). They are a few bytes each; left where they are, the backward gets the very
-  tensors the forward made, wherever that is.
+  without dropout: the 2 per block the GPU test of pending copies missed). Whether flash's
+  ``rng_state`` is on the host or the device was not checked on a GPU (torch's
+  "BC breaking change to flash seed/offset" note); it is treated as host-resident either way.
+  They are a few bytes each; left where they are, the backward gets the very tensors the
+  forward made, wherever that is (the peak prediction counts them as host bytes).
 
 On a graph that computes on the CPU nothing is "already on the host" in this sense: the CPU
 tests offload every value (each copy a separate host tensor), so the copies run.
