@@ -28,7 +28,9 @@ Runs on a region's partitioned graphs, before they are planned. For each chosen 
 
 A value is offloadable when it is computed in the forward (not a graph input, nor by one of
 shardc's ops or a collective), is a contiguous, non-empty tensor of static shape and is not
-also one of the forward's own outputs (that would keep it on the device anyway). The ops'
+also one of the forward's own outputs (that would keep it on the device anyway), nor an
+attention kernel's RNG seed/offset (host tensors at run time outside CUDA-graph capture, though
+their fake values say otherwise). The ops'
 fake values make the forward's output and the backward's placeholder a host tensor for every
 later pass (Inductor included). On a CPU mesh the "device" is the CPU:
 every copy is a separate tensor (the simulated mode of CPU offload), so CPU tests run the copies.
@@ -42,6 +44,7 @@ host copies as host bytes.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -88,7 +91,30 @@ def offloadable_saved(fw: fx.GraphModule, num_fwd_outputs: int) -> list[fx.Node]
     return [n for n in saved_values(fw, num_fwd_outputs) if _offloadable(n, user)]
 
 
+# Outputs of attention kernels that hold their dropout RNG state. Fake tensors place them on the
+# compute device, but outside CUDA-graph capture the kernels return them as host tensors: an
+# "offload" would copy host to host at once, never pending, and saves nothing (a few bytes).
+_RNG_STATE_RETURNS = frozenset({"philox_seed", "philox_offset", "rng_state", "unused"})
+
+
+def is_attention_rng_state(node: fx.Node) -> bool:
+    """Whether ``node`` is ``getitem(attention_op(...), i)`` whose return ``i`` the op's schema
+    names an RNG seed/offset (e.g. ``_scaled_dot_product_efficient_attention``'s
+    ``philox_seed``)."""
+    if (node.op != "call_function" or node.target is not operator.getitem
+            or len(node.args) != 2 or not isinstance(node.args[1], int)):
+        return False
+    source = node.args[0]
+    schema = getattr(getattr(source, "target", None), "_schema", None)
+    if (not isinstance(source, fx.Node) or schema is None
+            or "attention" not in schema.name or node.args[1] >= len(schema.returns)):
+        return False
+    return schema.returns[node.args[1]].name in _RNG_STATE_RETURNS
+
+
 def _offloadable(node: fx.Node, user_outputs: set[fx.Node]) -> bool:
+    if is_attention_rng_state(node):
+        return False
     val = node.meta.get("val")
     # Not shardc's own values (a CPU offload device copy is lowered to a start/wait pair later)
     # nor a collective's (the plan may move its wait).

@@ -106,9 +106,10 @@ def test_the_forward_does_not_wait_for_its_copies(mesh, inductor):
     d2h = sum(activation_role(n) == "d2h" for n in fw_nodes)
     assert not any(n.target is COPY_WAIT_OP for n in fw_nodes)
     assert sum(n.target is COPY_RELEASE_OP for n in fw_nodes) == d2h > 0
-    # A saved value already on the host (attention's RNG seed and offset live on the CPU
-    # outside CUDA-graph capture) is copied at once and never pending: count the device ones.
+    # Attention's RNG seed/offset (host tensors at run time outside CUDA-graph capture, though
+    # their fake values are on the device) are not offloaded: every copy starts on the device.
     from_device = sum(activation_role(n) == "d2h" and _on_device(n.args[0]) for n in fw_nodes)
+    assert from_device == d2h
     toks = torch.randint(0, CFG.vocab_size, (BATCH, SEQ + 1)).cuda()
     # Keyed by (device, data pointer): a pinned buffer of an earlier step can come back at the
     # same address, so a copy of this forward is told apart by its event, not by its key.
