@@ -12,6 +12,8 @@ tests/gpu/test_activation_offload_gpu.py.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import fx
 
@@ -108,3 +110,31 @@ def test_releases_follow_the_next_blocks_copies_and_the_forward_never_waits():
     x = torch.randn(3, 4)
     out = fw(x)
     assert torch.equal(out[1], torch.relu(x)) and out[1].device.type == "cpu"
+
+
+def test_attention_rng_state_is_not_offloaded_though_its_fake_value_is_on_the_device():
+    """Attention's dropout seed/offset: fake tensors put them on the GPU, the kernel returns them
+    on the host (outside CUDA-graph capture), so an offload would copy host to host at once and
+    never be pending (seen on an H200: 2 copies per block). They stay saved; the rest offload."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from shardc.passes.offload_saved import offloadable_saved
+
+    graph = fx.Graph()
+    q = graph.placeholder("q")
+    attn = graph.call_function(_aten._scaled_dot_product_efficient_attention.default,
+                               (q, q, q, None, True))
+    outs = [graph.call_function(operator.getitem, (attn, i)) for i in range(4)]
+    relu = graph.call_function(_aten.relu.default, (outs[0],))
+    graph.output((relu, *outs))  # one user output, then the saved values
+    with FakeTensorMode():
+        q.meta["val"] = torch.empty(2, 4, 8, 16, device="cuda")
+        vals = _aten._scaled_dot_product_efficient_attention.default(
+            q.meta["val"], q.meta["val"], q.meta["val"], None, True)
+        for node, val in zip(outs, vals):
+            node.meta["val"] = val
+        relu.meta["val"] = torch.relu(vals[0])
+    assert all(n.meta["val"].device.type == "cuda" for n in outs)  # what the fake values say
+    chosen = offloadable_saved(fx.GraphModule(torch.nn.Module(), graph), 1)
+    # logsumexp offloads (the output too where its layout is contiguous); the RNG state does not
+    assert outs[1] in chosen and outs[2] not in chosen and outs[3] not in chosen
