@@ -159,8 +159,8 @@ def test_a_device_forward_offloads_only_its_device_values():
 
     groups = block_groups(fw, 1, blocks, {"*"})
     assert set(groups) == set(_DEVICE)
-    left = left_on_host(fw, 1, blocks, {"*"})
     done = offload_saved(fw, bw, 1, groups, pin=False)
+    left = left_on_host(fw, 1, blocks, {"*"})  # after the pass, as the pipeline asks
     assert sorted(v.name for v in done) == sorted(_DEVICE)
     d2h = [n for n in fw.graph.nodes if activation_role(n) == "d2h"]
     assert len(d2h) == len(_DEVICE)
@@ -178,9 +178,12 @@ def test_a_device_forward_offloads_only_its_device_values():
     assert {n.name for n in resident if n.graph is fw.graph} >= set(_HOST)
     assert {n.name for n in resident if n.op == "placeholder"} == set(_HOST)
     assert not resident & activation_host_values(fw, bw)
-    # The forced-offload note names the blocks' (the inline block's seed and offset are no
-    # forward node of the joint graph, so never one of its members).
-    assert sorted(left) == ["body_seed", "rng_state"]
+    # The forced-offload note names them (every block: every saved value already on the host;
+    # named blocks: their members, which the inline block's seed and offset are not, being no
+    # forward node of the joint graph).
+    assert sorted(left) == sorted(_HOST)
+    assert sorted(left_on_host(fw, 1, blocks, {"layers.0", "layers.1"})) == [
+        "body_seed", "rng_state"]
     note = forced_offload_note(done, blocks, {"*"}, left)
     assert f"{len(_DEVICE)} saved value(s)" in note and "already on the host" in note
 

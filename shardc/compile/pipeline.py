@@ -346,10 +346,12 @@ def offload_activations(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs:
 
 def left_on_host(fw: fx.GraphModule, num_fwd_outputs: int, blocks: Sequence[Block],
                  names: set[str]) -> list[str]:
-    """The saved values of the blocks named ``names`` that activation offload left where they
-    are, already on the host (``shardc.passes.offload_saved.saved_on_host``)."""
+    """The saved values of the blocks named ``names`` (``"*"``: every saved value) that
+    activation offload left where they are, already on the host
+    (``shardc.passes.offload_saved.saved_on_host``)."""
     members = {n.name for b in blocks if "*" in names or b.name in names for n in b.nodes}
-    return [n.name for n in saved_on_host(fw, num_fwd_outputs) if n.name in members]
+    return [n.name for n in saved_on_host(fw, num_fwd_outputs)
+            if "*" in names or n.name in members]
 
 
 def forced_offload_note(done: list[OffloadedValue], blocks: Sequence[Block],

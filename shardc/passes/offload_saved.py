@@ -98,9 +98,11 @@ def offloadable_saved(fw: fx.GraphModule, num_fwd_outputs: int) -> list[fx.Node]
 
 def saved_on_host(fw: fx.GraphModule, num_fwd_outputs: int) -> list[fx.Node]:
     """The saved values left where they are because they are already on the host while the
-    forward computes on a device (``shardc.passes.host_resident``); none on the CPU."""
+    forward computes on a device (``shardc.passes.host_resident``); none on the CPU. Before or
+    after the pass: its host copies, which replace the offloaded values, are not among them."""
     device = compute_device_type(fw.graph)
-    return [n for n in saved_values(fw, num_fwd_outputs) if on_host(n, device)]
+    return [n for n in saved_values(fw, num_fwd_outputs)
+            if not activation_role(n) and on_host(n, device)]
 
 
 def _offloadable(node: fx.Node, user_outputs: set[fx.Node]) -> bool:
