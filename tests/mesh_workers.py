@@ -209,6 +209,42 @@ def hsdp_run(rank: int, world: int, shape: tuple[int, int], mode: str,
             "activation_copies": activation_copies(shardc.shard_state(model))}
 
 
+def _budget_backend(**options):
+    """The budget scenario's backend: FX, no static pool, no prefetch (so that prefetching less
+    cannot meet the budget in place of freeing activations), no margin (the budget sits at the
+    levers' exact threshold)."""
+    return shardc.backend(inductor=False, comm_pool=False, prefetch=False, cluster=HSDP_CLUSTER,
+                          peak_memory_margin=0.0, **options)
+
+
+def hsdp_budget_run(rank: int, world: int, shape: tuple[int, int], kind: str) -> dict:
+    """``fx-budget`` (issue 22's peak budget under HSDP): a first compile without a budget
+    (one forward: the plan is made at compile time) gives the fixed policy's predicted peak,
+    the ranks' largest; compiled again under a budget a byte below it, the planner must free
+    blocks' activations (offload or recompute: its choice). The run, its plan's budget record,
+    hash and predicted peak."""
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+    tokens, targets = batches()
+    per = GLOBAL_BATCH // world
+    rows = slice(rank * per, (rank + 1) * per)
+    torch._dynamo.reset()
+    probe = shardc.shard(build(kind), mesh)
+    fixed = torch.compile(probe, backend=_budget_backend())
+    fixed(tokens[0, rows])
+    low = torch.tensor([int(shardc.explain_all(fixed)[0].predicted.peak_bytes)])
+    dist.all_reduce(low, op=dist.ReduceOp.MAX)
+    torch._dynamo.reset()
+    model = shardc.shard(build(kind), mesh)
+    compiled = torch.compile(model, backend=_budget_backend(
+        peak_memory_budget_bytes=int(low) - 1))
+    losses = llama_train(model, compiled, tokens[:, rows], targets[:, rows])
+    plan = shardc.explain_all(compiled)[0]
+    return {"losses": _mean_over_world(losses), "params": _gathered(model),
+            "plans": _plan_summary(model), "budget": plan.budget, "hash": plan.hash(),
+            "peak": int(plan.predicted.peak_bytes), "fixed_peak": int(low),
+            "activation_copies": activation_copies(shardc.shard_state(model))}
+
+
 def slice_run(rank: int, world: int, shape: tuple[int, int], mode: str) -> dict:
     """Shard over ``mesh["dp"]`` of a ``("pp", "dp")`` mesh over every rank: data parallel
     inside pipeline stages (each stage here holds the whole model). Each dp group trains on the
@@ -228,10 +264,11 @@ def slice_run(rank: int, world: int, shape: tuple[int, int], mode: str) -> dict:
 def hsdp_scenarios(rank: int, world: int, scenarios: list, slices: list = (),
                    blocks: list = ()) -> list[dict]:
     """HSDP runs, then ``slice_run`` runs, then HSDP runs of the BlockStack (repeated blocks
-    compiled once), all in one spawn."""
+    compiled once; ``fx-budget``: :func:`hsdp_budget_run`), all in one spawn."""
     return [hsdp_run(rank, world, shape, mode) for shape, mode in scenarios] + [
         slice_run(rank, world, shape, mode) for shape, mode in slices] + [
-        hsdp_run(rank, world, shape, mode, kind="blocks") for shape, mode in blocks]
+        hsdp_budget_run(rank, world, shape, "blocks") if mode == "fx-budget"
+        else hsdp_run(rank, world, shape, mode, kind="blocks") for shape, mode in blocks]
 
 
 # --------------------------------------------------------------------------------------- FSDP+TP

@@ -51,6 +51,7 @@ from shardc.memory.host import (
     find_host_state,
     host_values,
     optimizer_host_bytes,
+    resident_host_values,
 )
 from shardc.memory.peak import param_placeholders, predict_peak
 from shardc.memory.pool import assign_pool
@@ -60,9 +61,15 @@ from shardc.passes.body import BodyCall
 from shardc.passes.dedupe import dedupe_gathers, merge_reduce_scatters
 from shardc.passes.fp8 import Fp8Summary, hoist_fp8_quantize, prepare_fp8
 from shardc.passes.fx_utils import allocate_real, copy_graph_module, is_call
+from shardc.passes.host_resident import ALREADY_ON_HOST
 from shardc.passes.lower import add_pool_placeholder, apply_plan
 from shardc.passes.offload_dedupe import dedupe_device_copies
-from shardc.passes.offload_saved import OffloadedValue, block_groups, offload_saved
+from shardc.passes.offload_saved import (
+    OffloadedValue,
+    block_groups,
+    offload_saved,
+    saved_on_host,
+)
 from shardc.passes.recompute import Block, find_blocks, recompute_blocks
 from shardc.passes.reshard import check_no_gathered_saved, keep_gathered, tag_resharded_gathers
 from shardc.passes.saved_order import order_saved_values
@@ -239,7 +246,7 @@ def lower_and_predict(fw: fx.GraphModule, bw: fx.GraphModule | None, options: Sh
                      persistent_bytes=pool.numel() if pool is not None else 0,
                      fusion=options.inductor,
                      host=host.params | host.bw_params | host_values(fw) | host_values(bw)
-                     | activation_host_values(fw, bw))
+                     | activation_host_values(fw, bw) | resident_host_values(fw, bw))
         record_host_bytes(plan, host, fw, options, on_host)
     return plan, pool
 
@@ -290,7 +297,8 @@ def partition_and_plan(gm: fx.GraphModule, joint_inputs: Sequence[object], optio
         options = with_depth(options, decided.prefetch.depth)
     plan = plan_and_lower(fw, bw, options, region, budget=decided)
     if offloaded and decided is None:
-        plan.notes.append(forced_offload_note(done, blocks, offloaded))
+        left = left_on_host(fw, kwargs["num_fwd_outputs"], blocks, offloaded)
+        plan.notes.append(forced_offload_note(done, blocks, offloaded, left))
     return fw, bw
 
 
@@ -336,9 +344,20 @@ def offload_activations(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs:
                          block_groups(fw, num_fwd_outputs, blocks, names))
 
 
+def left_on_host(fw: fx.GraphModule, num_fwd_outputs: int, blocks: Sequence[Block],
+                 names: set[str]) -> list[str]:
+    """The saved values of the blocks named ``names`` (``"*"``: every saved value) that
+    activation offload left where they are, already on the host
+    (``shardc.passes.offload_saved.saved_on_host``)."""
+    members = {n.name for b in blocks if "*" in names or b.name in names for n in b.nodes}
+    return [n.name for n in saved_on_host(fw, num_fwd_outputs)
+            if "*" in names or n.name in members]
+
+
 def forced_offload_note(done: list[OffloadedValue], blocks: Sequence[Block],
-                        names: set[str]) -> str:
-    """The plan's note on a forced activation offload (``activation_offload=(blocks...)``)."""
+                        names: set[str], left: Sequence[str] = ()) -> str:
+    """The plan's note on a forced activation offload (``activation_offload=(blocks...)``);
+    ``left``: the named blocks' saved values not offloaded, already on the host."""
     found = sorted({v.group for v in done})
     here = {b.name for b in blocks}
     absent = sorted(n for n in names if n != "*" and n not in here)
@@ -346,6 +365,8 @@ def forced_offload_note(done: list[OffloadedValue], blocks: Sequence[Block],
     return (f"activation offload (activation_offload): {len(done)} saved value(s) of "
             f"{len(found)} block(s) {found} copied to the host in the forward and prefetched "
             f"for the backward ({nbytes} B)"
+            + (f"; {len(left)} saved value(s) not offloaded, {ALREADY_ON_HOST}: {list(left)}"
+               if left else "")
             + (f"; named but not blocks of this region: {absent}" if absent else "")
             + ("; this region has no blocks (the children with parameters of an "
                "nn.ModuleList of two or more, shardc.sharding.blocks)" if not blocks else ""))

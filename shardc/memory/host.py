@@ -16,6 +16,7 @@ from torch import fx
 
 from shardc.ops.offload_copy import COPY_START_OP, is_to_device, is_to_host
 from shardc.passes.fx_utils import view_chain_root
+from shardc.passes.host_resident import compute_device_type, on_host
 from shardc.passes.offload_saved import activation_role
 from shardc.planning.plan import CollectiveKind, Plan
 
@@ -66,6 +67,26 @@ def activation_host_values(fw: fx.GraphModule, bw: fx.GraphModule | None) -> set
     out = {n for n in fw.graph.nodes if activation_role(n) == "d2h"}
     if bw is not None:
         out |= {n for n in bw.graph.find_nodes(op="placeholder") if activation_role(n) == "host"}
+    return out
+
+
+def resident_host_values(fw: fx.GraphModule, bw: fx.GraphModule | None) -> set[fx.Node]:
+    """Saved values already in host memory while the graphs compute on a device
+    (``shardc.passes.host_resident``: CPU tensors, fused attention's RNG seed and offset),
+    which activation offload leaves where they are: the forward's outputs that are, and the
+    backward's placeholders that receive them (named alike); none on the CPU. Activation
+    offload's own host copies are :func:`activation_host_values`; other host values (CPU
+    offload's) are counted where they were before."""
+    device = compute_device_type(fw.graph)
+    if device == "cpu":
+        return set()
+    outs = fw.graph.output_node().args[0]
+    out = {n for n in (outs if isinstance(outs, (list, tuple)) else (outs,))
+           if isinstance(n, fx.Node) and not activation_role(n) and on_host(n, device)}
+    if bw is not None:
+        names = {n.name for n in out}
+        out |= {n for n in bw.graph.find_nodes(op="placeholder")
+                if n.name in names and not activation_role(n)}
     return out
 
 

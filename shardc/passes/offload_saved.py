@@ -27,13 +27,16 @@ Runs on a region's partitioned graphs, before they are planned. For each chosen 
   stream right before its first reader, which reads the device copy.
 
 A value is offloadable when it is computed in the forward (not a graph input, nor by one of
-shardc's ops or a collective), is a contiguous, non-empty tensor of static shape and is not
-also one of the forward's own outputs (that would keep it on the device anyway), nor an
-attention kernel's RNG seed/offset (host tensors at run time outside CUDA-graph capture, though
-their fake values say otherwise). The ops'
+shardc's ops or a collective), is a contiguous, non-empty tensor of static shape, is not
+also one of the forward's own outputs (that would keep it on the device anyway) and is not
+already on the host while the forward computes on a device (``shardc.passes.host_resident``:
+a CPU tensor, or fused attention's RNG seed and offset, host scalars outside CUDA-graph
+capture although their fake values name the device; copying them would be a host-to-host copy
+made at once, and the backward would get them back on the device). The ops'
 fake values make the forward's output and the backward's placeholder a host tensor for every
 later pass (Inductor included). On a CPU mesh the "device" is the CPU:
-every copy is a separate tensor (the simulated mode of CPU offload), so CPU tests run the copies.
+every copy is a separate tensor (the simulated mode of CPU offload), so CPU tests run the copies,
+CPU tensors included.
 
 Every node this pass inserts carries ``node.meta[ACTIVATION_COPY]`` (``"d2h"``, ``"h2d"``,
 ``"wait"`` or ``"release"``), the backward's host placeholders ``"host"``, and
@@ -44,7 +47,6 @@ host copies as host bytes.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -53,10 +55,11 @@ from torch import fx
 
 from shardc.ops.offload_copy import COPY_RELEASE_OP, COPY_START_OP, COPY_WAIT_OP
 from shardc.passes.fx_utils import call, tensor_nbytes
+from shardc.passes.host_resident import compute_device_type, on_host
 from shardc.passes.recompute import Block
 
 __all__ = ["ACTIVATION_COPY", "ACTIVATION_GROUP", "OffloadedValue", "activation_role",
-           "block_groups", "offload_saved", "offloadable_saved", "saved_values"]
+           "block_groups", "offload_saved", "offloadable_saved", "saved_on_host", "saved_values"]
 
 ACTIVATION_COPY = "shardc_activation_copy"
 ACTIVATION_GROUP = "shardc_activation_group"
@@ -88,33 +91,21 @@ def saved_values(fw: fx.GraphModule, num_fwd_outputs: int) -> list[fx.Node]:
 def offloadable_saved(fw: fx.GraphModule, num_fwd_outputs: int) -> list[fx.Node]:
     """The saved values the pass can offload (see the module docstring)."""
     user = {a for a in fw.graph.output_node().args[0][:num_fwd_outputs] if isinstance(a, fx.Node)}
-    return [n for n in saved_values(fw, num_fwd_outputs) if _offloadable(n, user)]
+    device = compute_device_type(fw.graph)
+    return [n for n in saved_values(fw, num_fwd_outputs)
+            if _offloadable(n, user) and not on_host(n, device)]
 
 
-# Outputs of attention kernels that hold their dropout RNG state. Fake tensors place them on the
-# compute device, but outside CUDA-graph capture the kernels return them as host tensors: an
-# "offload" would copy host to host at once, never pending, and saves nothing (a few bytes).
-_RNG_STATE_RETURNS = frozenset({"philox_seed", "philox_offset", "rng_state", "unused"})
-
-
-def is_attention_rng_state(node: fx.Node) -> bool:
-    """Whether ``node`` is ``getitem(attention_op(...), i)`` whose return ``i`` the op's schema
-    names an RNG seed/offset (e.g. ``_scaled_dot_product_efficient_attention``'s
-    ``philox_seed``)."""
-    if (node.op != "call_function" or node.target is not operator.getitem
-            or len(node.args) != 2 or not isinstance(node.args[1], int)):
-        return False
-    source = node.args[0]
-    schema = getattr(getattr(source, "target", None), "_schema", None)
-    if (not isinstance(source, fx.Node) or schema is None
-            or "attention" not in schema.name or node.args[1] >= len(schema.returns)):
-        return False
-    return schema.returns[node.args[1]].name in _RNG_STATE_RETURNS
+def saved_on_host(fw: fx.GraphModule, num_fwd_outputs: int) -> list[fx.Node]:
+    """The saved values left where they are because they are already on the host while the
+    forward computes on a device (``shardc.passes.host_resident``); none on the CPU. Before or
+    after the pass: its host copies, which replace the offloaded values, are not among them."""
+    device = compute_device_type(fw.graph)
+    return [n for n in saved_values(fw, num_fwd_outputs)
+            if not activation_role(n) and on_host(n, device)]
 
 
 def _offloadable(node: fx.Node, user_outputs: set[fx.Node]) -> bool:
-    if is_attention_rng_state(node):
-        return False
     val = node.meta.get("val")
     # Not shardc's own values (a CPU offload device copy is lowered to a start/wait pair later)
     # nor a collective's (the plan may move its wait).

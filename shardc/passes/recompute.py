@@ -46,6 +46,7 @@ from shardc.passes.fx_utils import (
     op_overload,
     tensor_nbytes,
 )
+from shardc.passes.host_resident import compute_device_type, host_bytes
 
 __all__ = ["RECOMPUTE_BASE_ID", "Block", "find_blocks", "forward_nodes", "recompute_blocks"]
 
@@ -63,10 +64,13 @@ class Block:
     kind: str  # "body" (a compile-once body's call) or "inline"
     position: int  # its order among the graph's blocks (its checkpoint id's offset)
     nodes: tuple[fx.Node, ...]  # the forward nodes recomputing it tags, in graph order
-    saved_bytes: int  # bytes of its forward values that the backward reads (saved today)
+    saved_bytes: int  # device bytes of its forward values that the backward reads (saved today)
     input_bytes: int  # bytes of the activations it reads from outside (saved if recomputed)
     outputs: tuple[fx.Node, ...] = ()  # its values that forward nodes outside it read
     excluded: str = ""  # why it is never recomputed ("" for a candidate)
+    # Bytes of its saved values already on the host while the graph computes on a device
+    # (shardc.passes.host_resident): not in saved_bytes, never offloaded; 0 on the CPU.
+    host_saved_bytes: int = 0
 
     @property
     def freed_bytes(self) -> int:
@@ -139,13 +143,18 @@ def _bytes(nodes) -> int:
 
 
 def _describe(name: str, kind: str, position: int, nodes: list[fx.Node], fwd: set[fx.Node],
-              excluded: str) -> Block:
+              excluded: str, device_type: str) -> Block:
     inside = set(nodes)
     saved = [n for n in nodes if any(u not in fwd and u.op != "output" for u in n.users)]
+    # Saved values already on the host (a device graph's CPU tensors, attention's RNG seed and
+    # offset) take no device memory: neither lever frees any by them, and offload skips them.
+    # A multi-output call (attention, a body call) counts as a whole: only some of its outputs.
+    host = sum(host_bytes(n, device_type) for n in saved)
     inputs = {i for n in nodes for i in n.all_input_nodes if i not in inside and not _is_weight(i)}
     outputs = [n for n in nodes if any(u in fwd and u not in inside for u in n.users)]
-    return Block(name, kind, position, tuple(nodes), _bytes(saved),
-                 _bytes(sorted(inputs, key=lambda n: n.name)), tuple(outputs), excluded)
+    return Block(name, kind, position, tuple(nodes), _bytes(saved) - host,
+                 _bytes(sorted(inputs, key=lambda n: n.name)), tuple(outputs), excluded,
+                 host_saved_bytes=host)
 
 
 def _body_blocks(gm: fx.GraphModule, fwd: set[fx.Node], names: Sequence[str],
@@ -199,7 +208,8 @@ def find_blocks(gm: fx.GraphModule, num_fwd_outputs: int, body_blocks: Sequence[
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     found = _body_blocks(gm, fwd, body_blocks, order) + _inline_blocks(gm, fwd, inline_blocks)
     found.sort(key=lambda t: order[t[0]])
-    return [_describe(name, kind, i, nodes, fwd, why)
+    device_type = compute_device_type(gm.graph)
+    return [_describe(name, kind, i, nodes, fwd, why, device_type)
             for i, (_, name, kind, nodes, why) in enumerate(found)]
 
 

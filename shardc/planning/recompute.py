@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from torch import fx
 
+from shardc.passes.host_resident import ALREADY_ON_HOST
 from shardc.passes.recompute import Block
 from shardc.planning.estimate import kernel_seconds
 from shardc.planning.kernels import group_kernels
@@ -138,7 +139,9 @@ def decisions(blocks: Sequence[Block], cands: Sequence[RecomputeCandidate],
                       + (f"{c.forward_s * 1e3:.3f} ms to recompute it" if not b.excluded
                          else f"never recomputed: {b.excluded}")
                       + f" (rank {order.index(b.name) + 1} of {len(order)} by ms per MiB); "
-                      f"verified peak {peak / _MiB:.1f} MiB within the budget")
+                      f"verified peak {peak / _MiB:.1f} MiB within the budget"
+                      + (f"; {b.host_saved_bytes} B of its saved values not offloaded: "
+                         f"{ALREADY_ON_HOST}" if b.host_saved_bytes else ""))
         elif b.name in chosen:
             reason = (f"recomputed: frees ~{nbytes / _MiB:.2f} MiB of saved activations for "
                       f"{cost_ms:.3f} ms of forward in the backward (rank {order.index(b.name) + 1}"

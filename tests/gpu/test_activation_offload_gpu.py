@@ -3,7 +3,9 @@ one GPU): the saved activations of every block go to pinned host memory on the c
 the forward and are prefetched back for the backward (``activation_offload=("*",)``), FX and
 Inductor; training equals the run without offload (to 1e-5: GPU kernels are not all bitwise
 reproducible) and the unsharded model on the GPU, and the forward's saved values really are
-host tensors.
+host tensors. Saved values already on the host (attention's RNG seed and offset: host scalars
+outside CUDA-graph capture, though their fake values name the GPU) are left where they are,
+not copied (``shardc.passes.host_resident``).
 The CPU tests of the same path (the copies as separate host tensors): tests/test_parity.py,
 tests/test_parity_inductor.py, tests/test_real_models.py (the planner's choice).
 """
@@ -20,6 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import shardc
 from shardc.models.llama import LlamaConfig, Transformer, llama_loss
+from shardc.passes.host_resident import on_host
 from shardc.passes.offload_saved import activation_role
 
 pytestmark = pytest.mark.gpu
@@ -78,7 +81,14 @@ def test_offloaded_activations_train_like_saved_ones(mesh, inductor):
     fw = region.forward
     d2h = [n for n in fw.graph.nodes if activation_role(n) == "d2h"]
     assert len(d2h) > 0 and all(n.meta["val"].device.type == "cpu" for n in d2h)
+    # Only device values are copied; those already on the host stay saved as they are, and the
+    # plan's note says so.
+    assert not any(on_host(n.args[0], "cuda") for n in d2h)
+    saved = [a for a in fw.graph.output_node().args[0]
+             if isinstance(a, torch.fx.Node) and not activation_role(a)]  # not the host copies
     plan = shardc.explain(compiled)
+    if any(on_host(n, "cuda") for n in saved):
+        assert any("already on the host" in note for note in plan.notes), plan.notes
     assert {c.kind for c in plan.copies if c.origin == "activation"} == {"d2h_copy", "h2d_copy"}
     assert plan.predicted.host_bytes > 0
 
@@ -106,9 +116,11 @@ def test_the_forward_does_not_wait_for_its_copies(mesh, inductor):
     d2h = sum(activation_role(n) == "d2h" for n in fw_nodes)
     assert not any(n.target is COPY_WAIT_OP for n in fw_nodes)
     assert sum(n.target is COPY_RELEASE_OP for n in fw_nodes) == d2h > 0
-    # Attention's RNG seed/offset (host tensors at run time outside CUDA-graph capture, though
-    # their fake values are on the device) are not offloaded: every copy starts on the device.
-    from_device = sum(activation_role(n) == "d2h" and _on_device(n.args[0]) for n in fw_nodes)
+    # A saved value already on the host (attention's RNG seed and offset live on the CPU
+    # outside CUDA-graph capture) would be copied at once and never pending: the pass leaves
+    # them out (shardc.passes.host_resident), so every copy's source is on the device.
+    from_device = sum(activation_role(n) == "d2h" and _on_device(n.args[0])
+                      and not on_host(n.args[0], "cuda") for n in fw_nodes)
     assert from_device == d2h
     toks = torch.randint(0, CFG.vocab_size, (BATCH, SEQ + 1)).cuda()
     # Keyed by (device, data pointer): a pinned buffer of an earlier step can come back at the
