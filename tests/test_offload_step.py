@@ -216,3 +216,46 @@ def test_the_offload_decision_and_the_step_prediction_price_the_copies_alike():
                 step.by_category["offload_copies"], rel=1e-12)
     # no bytes, no copy (and no latency)
     assert optimizer_offload.copy_seconds(0, 0, _profile(host_copy_latency_s=1e-3)) == (0.0, 0.0)
+
+
+def test_the_host_link_and_its_defaults_have_one_source_the_profile():
+    """Every host<->device copy is priced by the cluster profile's host link
+    (``HostLink.copy_seconds``, through ``ClusterProfile.host_copy_seconds`` or
+    ``offload.link_of``): the copy lane, the activation-offload lever and optimizer-only
+    offload's copies. The link's defaults are the profile format's (its fields' defaults);
+    no other module keeps a default link or its own copy formula."""
+    import inspect
+    import pathlib
+
+    import shardc
+    from shardc.planning import copies
+    from shardc.planning.offload import choose_lever, link_of
+
+    assert not hasattr(copies, "copy_seconds") and not hasattr(copies, "HOST_LINK_BYTES_PER_S")
+    default = ClusterProfile(name="d", device="d", source="estimate", command="", date="")
+    assert default.host_link == HostLink(DEFAULT_HOST_LINK_BYTES_PER_S,
+                                         DEFAULT_HOST_LINK_BYTES_PER_S,
+                                         DEFAULT_HOST_COPY_LATENCY_S)
+    with pytest.raises(TypeError):
+        HostLink()  # no defaults of its own
+    assert "link" in inspect.signature(choose_lever).parameters
+    assert inspect.signature(choose_lever).parameters["link"].default is inspect.Parameter.empty
+    # Each user prices a copy as the profile does (a skewed link tells the directions apart).
+    prof = _profile(device_to_host_bytes_per_s=7e9, host_to_device_bytes_per_s=70e9,
+                    host_copy_latency_s=3e-4)
+    n = 1 << 28
+    c = _d2h(0, 0.0, n // 4, 1)
+    assert _duration(c, prof) == prof.host_copy_seconds(n, to_device=False)
+    back = dataclasses.replace(c, kind=CollectiveKind.H2D_COPY)
+    assert _duration(back, prof) == prof.host_copy_seconds(n, to_device=True)
+    lever = choose_lever(forward_s=1.0, recompute_bytes=n, offload_bytes=n, can_recompute=True,
+                         link=link_of(prof))
+    assert lever.copy_s == prof.host_copy_seconds(n, to_device=False)
+    assert optimizer_offload.copy_seconds(n, n, prof) == (
+        2 * prof.host_copy_seconds(n, to_device=False), prof.host_copy_seconds(n, to_device=True))
+    # The defaults are named in the profile module alone.
+    root = pathlib.Path(shardc.__file__).parent
+    users = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
+                   if p.name != "profile.py" and ("DEFAULT_HOST_LINK" in p.read_text()
+                                                  or "DEFAULT_HOST_COPY" in p.read_text()))
+    assert users == [], users
