@@ -210,10 +210,14 @@ def test_the_offload_decision_and_the_step_prediction_price_the_copies_alike():
             assert step.by_category["offload_copies"] == pytest.approx(d2h + h2d, rel=1e-12)
             assert step.step_s - plain.step_s == pytest.approx(d2h + h2d, rel=1e-9)
             record = optimizer_offload.decision(
-                freed_bytes=0, host_bytes=0, n_params=1, param_bytes=int(param_bytes),
-                grad_bytes=int(param_bytes), profile=prof, floor_bytes=1, peak_bytes=0)
+                freed_bytes=0, host_bytes=0, n_params=int(param_bytes) // 4,
+                param_bytes=int(param_bytes), grad_bytes=int(param_bytes), profile=prof,
+                floor_bytes=1, peak_bytes=0)
             assert (record.d2h_ms + record.h2d_ms) * 1e-3 == pytest.approx(
                 step.by_category["offload_copies"], rel=1e-12)
+            # the host step too, for the fused AdamW the decision assumes (another optimizer's
+            # host step the decision does not scale: see optimizer_offload.price)
+            assert record.step_ms * 1e-3 == pytest.approx(step.optimizer_host_s, rel=1e-12)
     # no bytes, no copy (and no latency)
     assert optimizer_offload.copy_seconds(0, 0, _profile(host_copy_latency_s=1e-3)) == (0.0, 0.0)
 

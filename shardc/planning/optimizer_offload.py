@@ -71,7 +71,9 @@ def price(param_bytes: int, grad_bytes: int, n_params: int, profile: ClusterProf
           ) -> tuple[float, float, float]:
     """Seconds of the offloaded step's three phases: (shards and gradients to the host, the
     host step over ``n_params`` parameters, the updated shards back to the device); the copies
-    are :func:`copy_seconds`'."""
+    are :func:`copy_seconds`'. The host step is torch's fused CPU AdamW's (the profile's rate),
+    as ``shardc.planning.step`` prices a fused step; it is not scaled for another optimizer
+    (``shardc.planning.estimate.host_optimizer_seconds`` does that for the step prediction)."""
     d2h, h2d = copy_seconds(param_bytes, grad_bytes, profile)
     return d2h, n_params / profile.host_adamw_params_per_s, h2d
 
