@@ -36,6 +36,7 @@ below what the optimizer's offload reaches is refused, naming it.
 
 from __future__ import annotations
 
+from shardc.planning.estimate import host_optimizer_seconds
 from shardc.planning.plan import OptimizerDecision
 from shardc.planning.profile import ClusterProfile
 
@@ -71,11 +72,12 @@ def price(param_bytes: int, grad_bytes: int, n_params: int, profile: ClusterProf
           ) -> tuple[float, float, float]:
     """Seconds of the offloaded step's three phases: (shards and gradients to the host, the
     host step over ``n_params`` parameters, the updated shards back to the device); the copies
-    are :func:`copy_seconds`'. The host step is torch's fused CPU AdamW's (the profile's rate),
-    as ``shardc.planning.step`` prices a fused step; it is not scaled for another optimizer
-    (``shardc.planning.estimate.host_optimizer_seconds`` does that for the step prediction)."""
+    are :func:`copy_seconds`', the host step is torch's fused CPU AdamW's
+    (:func:`shardc.planning.estimate.host_optimizer_seconds`, which the step prediction prices
+    the host step with too; the decision does not know the optimizer and takes the fused one)."""
     d2h, h2d = copy_seconds(param_bytes, grad_bytes, profile)
-    return d2h, n_params / profile.host_adamw_params_per_s, h2d
+    step = host_optimizer_seconds(4.0 * n_params, profile, state_factor=2.0, temp_factor=0.0)
+    return d2h, step, h2d
 
 
 def why_not(mode: str, device_type: str, offload, fp8: bool, tp: bool) -> str:
