@@ -310,25 +310,28 @@ def test_offload_is_chosen_when_the_copies_hide_and_recompute_when_they_do_not()
     each way) the copies' exposed part (32 + 22 ms) costs more per byte than the 10 ms
     forward: recompute."""
     from shardc.planning.offload import choose_lever
+    from shardc.planning.profile import HostLink
 
     block = dict(forward_s=10e-3, recompute_bytes=90 * MiB, offload_bytes=100 * MiB,
                  can_recompute=True)
-    fast = choose_lever(**block, link_bytes_per_s=25e9)
+    fast_link, slow_link = HostLink(25e9, 25e9, 10e-6), HostLink(2.5e9, 2.5e9, 10e-6)
+    fast = choose_lever(**block, link=fast_link)
     assert fast.offload and fast.cost_s == 0.0 and fast.nbytes == 100 * MiB
     assert fast.copy_s == pytest.approx(10e-6 + 100 * MiB / 25e9)
-    slow = choose_lever(**block, link_bytes_per_s=2.5e9)
+    slow = choose_lever(**block, link=slow_link)
     assert not slow.offload and slow.cost_s == 10e-3 and slow.nbytes == 90 * MiB
     copy = 10e-6 + 100 * MiB / 2.5e9
     assert slow.offload_s == pytest.approx((copy - 10e-3) + (copy - 20e-3))
     # The modes: never offload; offload whatever can be; a block that cannot be recomputed
     # (random numbers, collectives) can still be offloaded, even over the slow link.
-    assert not choose_lever(**block, link_bytes_per_s=25e9, mode="never").offload
-    assert choose_lever(**block, link_bytes_per_s=2.5e9, mode="prefer").offload
-    fixed = choose_lever(**{**block, "can_recompute": False}, link_bytes_per_s=2.5e9)
+    assert not choose_lever(**block, link=fast_link, mode="never").offload
+    assert choose_lever(**block, link=slow_link, mode="prefer").offload
+    fixed = choose_lever(**{**block, "can_recompute": False}, link=slow_link)
     assert fixed.offload and fixed.recompute_s == 0.0
-    assert choose_lever(**{**block, "can_recompute": False}, mode="never") is None
+    assert choose_lever(**{**block, "can_recompute": False}, link=slow_link,
+                        mode="never") is None
     with pytest.raises(ValueError, match="activation_offload"):
-        choose_lever(**block, mode="always")
+        choose_lever(**block, link=fast_link, mode="always")
 
 
 def test_offload_and_recompute_rank_together_and_the_record_says_why():
@@ -723,18 +726,20 @@ def test_optimizer_offload_option_and_price():
         assert ShardcOptions(optimizer_offload=mode).optimizer_offload == mode
     with pytest.raises(ValueError, match="optimizer_offload must be 'auto', 'never'"):
         ShardcOptions(optimizer_offload="always")
-    profile = resolve_profile(None)
+    profile = resolve_profile(None)  # the h100 preset: its measured host link
     d2h, step, h2d = optimizer_offload.price(4 << 30, 4 << 30, 1 << 30, profile)
-    # 8 GiB over a 25 GB/s link, 1 Gi parameters at the profile's host rate, 4 GiB back.
-    assert d2h == pytest.approx((8 << 30) / 25e9, rel=1e-3)
+    # 8 GiB to the host at 56.0 GB/s (two copies of 21.8 us), 1 Gi parameters at the
+    # profile's host rate, 4 GiB back at 49.5 GB/s.
+    assert d2h == pytest.approx(2 * 21.78e-6 + (8 << 30) / 56.045e9, rel=1e-4)
     assert step == pytest.approx((1 << 30) / profile.host_adamw_params_per_s)
-    assert h2d == pytest.approx((4 << 30) / 25e9, rel=1e-3)
+    assert h2d == pytest.approx(21.78e-6 + (4 << 30) / 49.456e9, rel=1e-4)
     # Each way at its own rate: to the host at device_to_host_bytes_per_s, back at
-    # host_to_device_bytes_per_s (and the profile's latency per copy).
+    # host_to_device_bytes_per_s, and the profile's latency per copy (shards and gradients
+    # are two copies to the host: optimizer_offload.copy_seconds, as predict_step prices them).
     skewed = dataclasses.replace(profile, device_to_host_bytes_per_s=10e9,
                                  host_to_device_bytes_per_s=40e9, host_copy_latency_s=1e-3)
     d2h, _, h2d = optimizer_offload.price(4 << 30, 4 << 30, 1 << 30, skewed)
-    assert d2h == pytest.approx(1e-3 + (8 << 30) / 10e9)
+    assert d2h == pytest.approx(2e-3 + (8 << 30) / 10e9)
     assert h2d == pytest.approx(1e-3 + (4 << 30) / 40e9)
     assert optimizer_offload.why_not("auto", "cuda", None, False, False) == ""
     assert "already sharded" in optimizer_offload.why_not("auto", "cuda", object(), False, False)

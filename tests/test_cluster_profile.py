@@ -850,10 +850,10 @@ def test_the_host_link_is_a_profile_field_and_older_profiles_read_with_the_old_c
     # 90 MB freed), offloaded over a measured 200 GB/s (0.5 ms each way: hidden).
     block = dict(forward_s=1e-3, recompute_bytes=90 * 10**6, offload_bytes=100 * 10**6,
                  can_recompute=True)
-    assert not choose_lever(**block, **link_of(v4)).offload
+    assert not choose_lever(**block, link=link_of(v4)).offload
     measured = dataclasses.replace(fast, host_to_device_bytes_per_s=200e9,
                                    device_to_host_bytes_per_s=200e9)
-    lever = choose_lever(**block, **link_of(measured))
+    lever = choose_lever(**block, link=link_of(measured))
     assert lever.offload and lever.cost_s == 0.0
     assert lever.copy_s == pytest.approx(5e-6 + 100 * 10**6 / 200e9)
     with pytest.raises(ProfileError, match="host_to_device_bytes_per_s is 0"):

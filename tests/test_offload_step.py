@@ -10,15 +10,17 @@ import dataclasses
 
 import pytest
 
-from shardc.planning.copies import HOST_LINK_LATENCY_S, copy_seconds
+from shardc.planning import optimizer_offload
 from shardc.planning.estimate import host_optimizer_seconds, optimizer_step_seconds
 from shardc.planning.plan import PLAN_VERSION, Collective, CollectiveKind, Plan
 from shardc.planning.profile import (
     DEFAULT_HOST_ADAMW_PARAMS_PER_S,
+    DEFAULT_HOST_COPY_LATENCY_S,
     DEFAULT_HOST_LINK_BYTES_PER_S,
     HOST_FIELDS,
     HOST_LINK_FIELDS,
     ClusterProfile,
+    HostLink,
     ProfileError,
     load_profile,
 )
@@ -26,6 +28,7 @@ from shardc.planning.schedule import _duration
 from shardc.planning.step import OptimizerSpec, predict_step
 
 RATE = 2e9  # parameters/s of the synthetic host's fused CPU AdamW
+LATENCY = DEFAULT_HOST_COPY_LATENCY_S  # the synthetic profile's (the format default, 10 us)
 
 
 def _profile(**changes) -> ClusterProfile:
@@ -58,11 +61,15 @@ def _d2h(bucket: int, end_s: float, elements: int, tensors: int) -> Collective:
 
 
 def test_older_profiles_read_with_the_host_rate_defaults_and_bad_rates_are_refused():
-    h100 = load_profile("h100")  # a version-4 preset: no host rates in its JSON
-    assert h100.version == 4
-    assert h100.host_to_device_bytes_per_s == h100.device_to_host_bytes_per_s \
+    data = load_profile("h100").to_dict()  # the h100 preset as a version-4 profile
+    for name in HOST_FIELDS + HOST_LINK_FIELDS + ("host_copy_latency_s",):
+        data.pop(name)
+    data["version"] = 4
+    v4 = ClusterProfile.from_dict(data)
+    assert v4.host_to_device_bytes_per_s == v4.device_to_host_bytes_per_s \
         == DEFAULT_HOST_LINK_BYTES_PER_S == 25e9
-    assert h100.host_adamw_params_per_s == DEFAULT_HOST_ADAMW_PARAMS_PER_S
+    assert v4.host_copy_latency_s == DEFAULT_HOST_COPY_LATENCY_S == 10e-6
+    assert v4.host_adamw_params_per_s == DEFAULT_HOST_ADAMW_PARAMS_PER_S
     p = _profile()
     assert ClusterProfile.from_json(p.to_json()) == p
     for name in HOST_FIELDS + HOST_LINK_FIELDS:
@@ -108,8 +115,8 @@ def test_optimizer_only_offload_adds_its_copies_at_the_host_link():
     plain = predict_step([plan], prof, dataclasses.replace(spec, offload="params"))
     # shards and gradients to the host (20 GB/s), shards back (40 GB/s): three copies of the
     # shards' bytes, each at its direction's rate
-    copies = 2 * copy_seconds(int(4e9), 20e9) + copy_seconds(int(4e9), 40e9)
-    assert copies == pytest.approx(3 * HOST_LINK_LATENCY_S + 0.5)
+    copies = 3 * LATENCY + 4e9 / 20e9 + 4e9 / 20e9 + 4e9 / 40e9
+    assert copies == pytest.approx(3 * LATENCY + 0.5)
     assert step.step_s - plain.step_s == pytest.approx(copies, rel=1e-9)
     assert step.by_category["offload_copies"] == pytest.approx(copies)
 
@@ -160,10 +167,14 @@ def test_device_optimizer_term_is_the_step_models_and_scales_with_parameters_per
 def test_offload_copies_run_at_the_profiles_host_link():
     c = _d2h(0, 0.0, 250_000_000, 1)  # 1 GB
     fast = _profile(device_to_host_bytes_per_s=50e9, host_to_device_bytes_per_s=10e9)
-    assert _duration(c, fast) == pytest.approx(HOST_LINK_LATENCY_S + 0.02)
+    assert _duration(c, fast) == pytest.approx(LATENCY + 0.02)
     back = dataclasses.replace(c, kind=CollectiveKind.H2D_COPY)
-    assert _duration(back, fast) == pytest.approx(HOST_LINK_LATENCY_S + 0.1)
-    assert _duration(c, load_profile("h100")) == pytest.approx(HOST_LINK_LATENCY_S + 0.04)
+    assert _duration(back, fast) == pytest.approx(LATENCY + 0.1)
+    # the h100 preset's measured link (docs/bench/predict/h100_v5b_calibrated.json): 1 GB to
+    # the host at 56.0 GB/s plus 21.8 us, back at 49.5 GB/s
+    h100 = load_profile("h100")
+    assert _duration(c, h100) == pytest.approx(21.78e-6 + 1e9 / 56.045e9, rel=1e-3)
+    assert _duration(back, h100) == pytest.approx(21.78e-6 + 1e9 / 49.456e9, rel=1e-3)
 
 
 def test_activation_offload_lever_prices_copies_at_the_given_link():
@@ -174,7 +185,81 @@ def test_activation_offload_lever_prices_copies_at_the_given_link():
     estimates = {"layers.0": (3 << 28, 1 << 30, 40e-3)}  # freed, saved, forward seconds
     # 1 GiB each way: 21 ms at 50 GB/s hides under the 40 ms forward (free); 215 ms at 5 GB/s
     # does not, and recomputing (40 ms for 0.75 GiB) is cheaper per byte.
-    fast = free_candidates([block], estimates, "auto", {"link_bytes_per_s": 50e9})[0]
-    slow = free_candidates([block], estimates, "auto", {"link_bytes_per_s": 5e9})[0]
-    assert fast.offload and fast.copy_s == pytest.approx(copy_seconds(1 << 30, 50e9))
-    assert not slow.offload and slow.copy_s == pytest.approx(copy_seconds(1 << 30, 5e9))
+    fast = free_candidates([block], estimates, "auto", HostLink(50e9, 50e9, LATENCY))[0]
+    slow = free_candidates([block], estimates, "auto", HostLink(5e9, 5e9, LATENCY))[0]
+    assert fast.offload and fast.copy_s == pytest.approx(LATENCY + (1 << 30) / 50e9)
+    assert not slow.offload and slow.copy_s == pytest.approx(LATENCY + (1 << 30) / 5e9)
+
+
+def test_the_offload_decision_and_the_step_prediction_price_the_copies_alike():
+    """Optimizer-only offload's copies have one price (``optimizer_offload.copy_seconds``):
+    the budget planner's decision (``optimizer_offload.price``, recorded as ``d2h_ms`` and
+    ``h2d_ms``) and the whole-step prediction (``predict_step``'s ``offload_copies``) agree to
+    the float, each way at its rate with a latency per copy (shards and gradients: two copies
+    to the host, shards: one back)."""
+    plan = _plan()
+    for latency in (0.0, 1e-3):
+        prof = _profile(host_copy_latency_s=latency)
+        for param_bytes in (4e6, 4e9):
+            d2h, _, h2d = optimizer_offload.price(int(param_bytes), int(param_bytes), 1, prof)
+            assert d2h == pytest.approx(2 * latency + 2 * param_bytes / 20e9, rel=1e-12)
+            assert h2d == pytest.approx(latency + param_bytes / 40e9, rel=1e-12)
+            spec = OptimizerSpec(param_bytes, 10, temp_factor=0.0, offload="optimizer")
+            step = predict_step([plan], prof, spec)
+            plain = predict_step([plan], prof, dataclasses.replace(spec, offload="params"))
+            assert step.by_category["offload_copies"] == pytest.approx(d2h + h2d, rel=1e-12)
+            assert step.step_s - plain.step_s == pytest.approx(d2h + h2d, rel=1e-9)
+            record = optimizer_offload.decision(
+                freed_bytes=0, host_bytes=0, n_params=int(param_bytes) // 4,
+                param_bytes=int(param_bytes), grad_bytes=int(param_bytes), profile=prof,
+                floor_bytes=1, peak_bytes=0)
+            assert (record.d2h_ms + record.h2d_ms) * 1e-3 == pytest.approx(
+                step.by_category["offload_copies"], rel=1e-12)
+            # the host step too, for the fused AdamW the decision assumes (another optimizer's
+            # host step the decision does not scale: see optimizer_offload.price)
+            assert record.step_ms * 1e-3 == pytest.approx(step.optimizer_host_s, rel=1e-12)
+    # no bytes, no copy (and no latency)
+    assert optimizer_offload.copy_seconds(0, 0, _profile(host_copy_latency_s=1e-3)) == (0.0, 0.0)
+
+
+def test_the_host_link_and_its_defaults_have_one_source_the_profile():
+    """Every host<->device copy is priced by the cluster profile's host link
+    (``HostLink.copy_seconds``, through ``ClusterProfile.host_copy_seconds`` or
+    ``offload.link_of``): the copy lane, the activation-offload lever and optimizer-only
+    offload's copies. The link's defaults are the profile format's (its fields' defaults);
+    no other module keeps a default link or its own copy formula."""
+    import inspect
+    import pathlib
+
+    import shardc
+    from shardc.planning import copies
+    from shardc.planning.offload import choose_lever, link_of
+
+    assert not hasattr(copies, "copy_seconds") and not hasattr(copies, "HOST_LINK_BYTES_PER_S")
+    default = ClusterProfile(name="d", device="d", source="estimate", command="", date="")
+    assert default.host_link == HostLink(DEFAULT_HOST_LINK_BYTES_PER_S,
+                                         DEFAULT_HOST_LINK_BYTES_PER_S,
+                                         DEFAULT_HOST_COPY_LATENCY_S)
+    with pytest.raises(TypeError):
+        HostLink()  # no defaults of its own
+    assert "link" in inspect.signature(choose_lever).parameters
+    assert inspect.signature(choose_lever).parameters["link"].default is inspect.Parameter.empty
+    # Each user prices a copy as the profile does (a skewed link tells the directions apart).
+    prof = _profile(device_to_host_bytes_per_s=7e9, host_to_device_bytes_per_s=70e9,
+                    host_copy_latency_s=3e-4)
+    n = 1 << 28
+    c = _d2h(0, 0.0, n // 4, 1)
+    assert _duration(c, prof) == prof.host_copy_seconds(n, to_device=False)
+    back = dataclasses.replace(c, kind=CollectiveKind.H2D_COPY)
+    assert _duration(back, prof) == prof.host_copy_seconds(n, to_device=True)
+    lever = choose_lever(forward_s=1.0, recompute_bytes=n, offload_bytes=n, can_recompute=True,
+                         link=link_of(prof))
+    assert lever.copy_s == prof.host_copy_seconds(n, to_device=False)
+    assert optimizer_offload.copy_seconds(n, n, prof) == (
+        2 * prof.host_copy_seconds(n, to_device=False), prof.host_copy_seconds(n, to_device=True))
+    # The defaults are named in the profile module alone.
+    root = pathlib.Path(shardc.__file__).parent
+    users = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
+                   if p.name != "profile.py" and ("DEFAULT_HOST_LINK" in p.read_text()
+                                                  or "DEFAULT_HOST_COPY" in p.read_text()))
+    assert users == [], users

@@ -37,7 +37,7 @@ from shardc.planning import budget, optimizer_offload, prefetch, recompute
 from shardc.planning import offload as offload_lever
 from shardc.planning.estimate import elided_cast_seconds
 from shardc.planning.plan import MemoryBudget, Plan, PrefetchDecision, PrefetchTrial
-from shardc.planning.profile import resolve_profile
+from shardc.planning.profile import HostLink, resolve_profile
 from shardc.planning.schedule import device_name
 from shardc.runtime.plan_check import agree_on_largest
 
@@ -422,35 +422,37 @@ def block_estimates(probe: fx.GraphModule, blocks: list[Block], group: str,
 
 
 def agreed_link(probe: fx.GraphModule, group: str, options: ShardcOptions,
-                region: SearchRegion, tag_prefix: str = "") -> dict[str, float]:
+                region: SearchRegion, tag_prefix: str = "") -> HostLink:
     """The host link of the cluster profile (``offload.link_of``), each figure the slowest over
     the ranks (femtoseconds per byte and nanoseconds of latency exchanged as integers, one store
     exchange each), so that every rank prices offload the same. ``tag_prefix``: of the
     exchanges' tags, as :func:`choose_device_levers`'s."""
     link = offload_lever.link_of(resolve_profile(options.cluster, device_name(probe)))
-    out = {}
-    for key in ("link_bytes_per_s", "h2d_bytes_per_s"):
+
+    def slowest_rate(key: str, rate: float) -> float:
         fs_per_byte = agree_on_largest(group, region.check_index, f"{tag_prefix}link/{key}",
-                                       round(1e15 / link[key]))
-        out[key] = 1e15 / fs_per_byte
-    out["latency_s"] = agree_on_largest(group, region.check_index, f"{tag_prefix}link/latency",
-                                        round(link["latency_s"] * 1e9)) * 1e-9
-    return out
+                                       round(1e15 / rate))
+        return 1e15 / fs_per_byte
+
+    d2h = slowest_rate("link_bytes_per_s", link.device_to_host_bytes_per_s)
+    h2d = slowest_rate("h2d_bytes_per_s", link.host_to_device_bytes_per_s)
+    latency_ns = agree_on_largest(group, region.check_index, f"{tag_prefix}link/latency",
+                                  round(link.latency_s * 1e9))
+    return HostLink(d2h, h2d, latency_ns * 1e-9)
 
 
 def free_candidates(blocks: list[Block], estimates: dict[str, tuple[int, int, float]],
-                    mode: str, link: dict[str, float] | None = None
-                    ) -> list[recompute.RecomputeCandidate]:
+                    mode: str, link: HostLink) -> list[recompute.RecomputeCandidate]:
     """The blocks whose saved activations the planner may free, each with its cheaper lever
     (recompute, or offload to the host: ``shardc.planning.offload.choose_lever``, under
-    ``activation_offload`` ``mode``, over the host ``link``: ``offload.link_of`` the cluster
-    profile; default: the unmeasured constants)."""
+    ``activation_offload`` ``mode``, over the host ``link``: the cluster profile's,
+    :func:`agreed_link`)."""
     cands = []
     for b in blocks:
         freed, saved, forward_s = estimates[b.name]
         lever = offload_lever.choose_lever(
             forward_s=forward_s, recompute_bytes=freed, offload_bytes=saved,
-            can_recompute=not b.excluded, mode=mode, **(link or {}))
+            can_recompute=not b.excluded, link=link, mode=mode)
         if lever is not None:
             cands.append(recompute.RecomputeCandidate(
                 b.name, b.kind, b.position, lever.cost_s, lever.nbytes, offload=lever.offload,

@@ -23,22 +23,12 @@ from shardc.passes.fx_utils import dtype_itemsize
 from shardc.passes.offload_saved import ACTIVATION_GROUP, activation_role
 from shardc.planning.graph_view import GraphView, ready_pos
 from shardc.planning.plan import Bucket, Collective, CollectiveKind
-from shardc.planning.profile import DEFAULT_HOST_COPY_LATENCY_S, DEFAULT_HOST_LINK_BYTES_PER_S
 
 Kind = CollectiveKind
 COPY_LANE = "copy"
 COPY_KINDS = (Kind.H2D_COPY, Kind.D2H_COPY)
-# Host<->device bandwidth of pinned copies (bytes/s) and a copy's latency where the cluster
-# profile does not measure them (``ClusterProfile.host_copy_seconds`` prices the plan's copies).
-HOST_LINK_BYTES_PER_S = DEFAULT_HOST_LINK_BYTES_PER_S
-HOST_LINK_LATENCY_S = DEFAULT_HOST_COPY_LATENCY_S
-
-
-def copy_seconds(nbytes: int, link_bytes_per_s: float = HOST_LINK_BYTES_PER_S,
-                 latency_s: float = HOST_LINK_LATENCY_S) -> float:
-    """Predicted time of one copy of ``nbytes`` (a bucket's parameters one after the other, or
-    a block's saved activations) over a host link of ``link_bytes_per_s``."""
-    return latency_s + nbytes / link_bytes_per_s
+# The copies' durations are the cluster profile's (``ClusterProfile.host_copy_seconds``, in
+# ``shardc.planning.schedule``): the host link and its defaults live in the profile alone.
 
 
 def _nbytes(node: fx.Node) -> int:

@@ -9,7 +9,8 @@ freed (then ranks the blocks together, ``shardc.planning.recompute.rank``):
   values less its inputs (which become saved).
 * **offload**: its saved values are copied to the host in the forward and back in the backward,
   on the copy lane, one copy each way (``d2h_s``, ``h2d_s``: the cluster profile's host link,
-  ``ClusterProfile.host_copy_seconds``, 25 GB/s each way where not measured). The copies overlap
+  ``ClusterProfile.host_link``, priced by ``HostLink.copy_seconds``; 25 GB/s each way and
+  10 us where the profile does not measure it). The copies overlap
   compute and the CPU never waits for them (``shardc.passes.offload_saved``): the device->host
   copy runs beside the next block's forward, at whose end the compute stream waits for it (its
   source is released there), the host->device prefetch (issued one block ahead) beside the
@@ -33,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardc.planning.copies import HOST_LINK_BYTES_PER_S, HOST_LINK_LATENCY_S, copy_seconds
+from shardc.planning.profile import ClusterProfile, HostLink
 
 MODES = ("auto", "never", "prefer")
 
@@ -63,21 +64,17 @@ class Lever:
 
 
 def choose_lever(*, forward_s: float, recompute_bytes: int, offload_bytes: int,
-                 can_recompute: bool, mode: str = "auto",
-                 link_bytes_per_s: float = HOST_LINK_BYTES_PER_S,
-                 h2d_bytes_per_s: float | None = None,
-                 latency_s: float = HOST_LINK_LATENCY_S) -> Lever | None:
+                 can_recompute: bool, link: HostLink, mode: str = "auto") -> Lever | None:
     """The cheaper way, per byte freed, to free a block's activations (None: neither frees
     anything or is allowed). ``forward_s``: the block's forward time; ``recompute_bytes``: what
     recomputing frees (saved less inputs); ``offload_bytes``: what offloading frees (its saved
-    values); ``mode``: ``activation_offload``; the host link: ``link_bytes_per_s`` device->host
-    (and host->device unless ``h2d_bytes_per_s`` is given), ``latency_s`` per copy (the
-    cluster profile's, :func:`link_of`)."""
+    values); ``link``: the cluster profile's host link (:func:`link_of`; the budget planner
+    passes the slowest over the ranks), which prices each copy; ``mode``:
+    ``activation_offload``."""
     if mode not in MODES:
         raise ValueError(f"shardc: activation_offload mode must be one of {MODES}, got {mode!r}")
-    d2h_s = copy_seconds(offload_bytes, link_bytes_per_s, latency_s) if offload_bytes else 0.0
-    h2d_s = copy_seconds(offload_bytes, h2d_bytes_per_s or link_bytes_per_s, latency_s) \
-        if offload_bytes else 0.0
+    d2h_s = link.copy_seconds(offload_bytes, to_device=False)
+    h2d_s = link.copy_seconds(offload_bytes, to_device=True)
     copy_s = max(d2h_s, h2d_s)
     offload_s = offload_seconds(d2h_s, forward_s, h2d_s)
     recompute_s = forward_s if can_recompute else 0.0
@@ -92,9 +89,6 @@ def choose_lever(*, forward_s: float, recompute_bytes: int, offload_bytes: int,
     return offload if offload.ratio < recompute.ratio else recompute
 
 
-def link_of(profile) -> dict[str, float]:
-    """:func:`choose_lever`'s host link keywords from a cluster profile
-    (``shardc.planning.profile.ClusterProfile``)."""
-    return {"link_bytes_per_s": profile.device_to_host_bytes_per_s,
-            "h2d_bytes_per_s": profile.host_to_device_bytes_per_s,
-            "latency_s": profile.host_copy_latency_s}
+def link_of(profile: ClusterProfile) -> HostLink:
+    """:func:`choose_lever`'s host link: the cluster profile's."""
+    return profile.host_link

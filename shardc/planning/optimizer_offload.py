@@ -22,10 +22,12 @@ compile time, after the other levers:
   would fail at its step. A model's regions share one optimizer, so once one region puts it on
   the host the later regions plan with it there too.
 * **price** (:func:`price`), all inside ``optimizer.step()`` (not overlapped with the
-  backward): the device->host copies of the shards and gradients and the host->device copies
-  of the updated shards at the profile's host link, each way at its rate
-  (``device_to_host_bytes_per_s``, ``host_to_device_bytes_per_s``, ``host_copy_latency_s``),
-  and the host step at the profile's ``host_adamw_params_per_s``.
+  backward): the copies (:func:`copy_seconds`, which the whole-step prediction,
+  ``shardc.planning.step``, prices them with too) of the shards and of the gradients to the
+  host and of the updated shards back, each a copy at the profile's host link in its direction
+  (``device_to_host_bytes_per_s``, ``host_to_device_bytes_per_s``, ``host_copy_latency_s``:
+  ``ClusterProfile.host_copy_seconds``), and the host step at the profile's
+  ``host_adamw_params_per_s``.
 
 Full parameter offload (``OffloadPolicy()``: shards and gradients on the host too) is not a
 lever here: it decides where the shards live at ``shardc.shard``, before any compile; a budget
@@ -34,6 +36,7 @@ below what the optimizer's offload reaches is refused, naming it.
 
 from __future__ import annotations
 
+from shardc.planning.estimate import host_optimizer_seconds
 from shardc.planning.plan import OptimizerDecision
 from shardc.planning.profile import ClusterProfile
 
@@ -52,14 +55,28 @@ class StepOverBudget(Exception):
         self.floor_bytes, self.plan = floor_bytes, plan
 
 
+def copy_seconds(param_bytes: float, grad_bytes: float, profile: ClusterProfile
+                 ) -> tuple[float, float]:
+    """Seconds of optimizer-only offload's copies inside ``optimizer.step()``: (to the host:
+    the ``param_bytes`` of shards and the ``grad_bytes`` of gradients, two copies; back to the
+    device: the updated shards, one copy), each priced by ``profile.host_copy_seconds`` (its
+    direction's rate plus the latency; a copy of no bytes costs nothing). The one price of
+    these copies: the planner's decision (:func:`price`) and the whole-step prediction
+    (``shardc.planning.step``) both read it."""
+    to_host = profile.host_copy_seconds(param_bytes, to_device=False) \
+        + profile.host_copy_seconds(grad_bytes, to_device=False)
+    return to_host, profile.host_copy_seconds(param_bytes, to_device=True)
+
+
 def price(param_bytes: int, grad_bytes: int, n_params: int, profile: ClusterProfile
           ) -> tuple[float, float, float]:
     """Seconds of the offloaded step's three phases: (shards and gradients to the host, the
-    host step over ``n_params`` parameters, the updated shards back to the device)."""
-    d2h = (profile.host_copy_seconds(param_bytes + grad_bytes, to_device=False)
-           if param_bytes + grad_bytes else 0.0)
-    step = n_params / profile.host_adamw_params_per_s
-    h2d = profile.host_copy_seconds(param_bytes, to_device=True) if param_bytes else 0.0
+    host step over ``n_params`` parameters, the updated shards back to the device); the copies
+    are :func:`copy_seconds`', the host step is torch's fused CPU AdamW's
+    (:func:`shardc.planning.estimate.host_optimizer_seconds`, which the step prediction prices
+    the host step with too; the decision does not know the optimizer and takes the fused one)."""
+    d2h, h2d = copy_seconds(param_bytes, grad_bytes, profile)
+    step = host_optimizer_seconds(4.0 * n_params, profile, state_factor=2.0, temp_factor=0.0)
     return d2h, step, h2d
 
 

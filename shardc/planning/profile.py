@@ -128,6 +128,28 @@ class Link:
 
 
 @dataclass(frozen=True)
+class HostLink:
+    """The host link of a cluster profile (:attr:`ClusterProfile.host_link`): pinned copies
+    between host memory and the device, each direction at its own rate (bytes/s) plus
+    ``latency_s`` per copy. No defaults of its own: the profile's fields (and their format
+    defaults, :data:`DEFAULT_HOST_LINK_BYTES_PER_S`, :data:`DEFAULT_HOST_COPY_LATENCY_S`) are
+    the one source; :meth:`copy_seconds` is the one price of a host<->device copy."""
+
+    device_to_host_bytes_per_s: float
+    host_to_device_bytes_per_s: float
+    latency_s: float
+
+    def copy_seconds(self, nbytes: float, to_device: bool) -> float:
+        """Seconds of one copy of ``nbytes`` (``to_device``: host->device, else
+        device->host): the latency plus the bytes at that direction's rate; a copy of no bytes
+        is not made (0.0)."""
+        if nbytes <= 0:
+            return 0.0
+        rate = self.host_to_device_bytes_per_s if to_device else self.device_to_host_bytes_per_s
+        return self.latency_s + nbytes / rate
+
+
+@dataclass(frozen=True)
 class ClusterProfile:
     """See the module docstring. ``memory`` holds ``(bytes moved, bytes/s)`` of memory-bound
     kernels; ``kernel_gpu_s`` is the fixed device time of one kernel (launch latency, tail),
@@ -303,11 +325,16 @@ class ClusterProfile:
 
     # ------------------------------------------------------------------ lookups
 
-    def host_copy_seconds(self, nbytes: int, to_device: bool) -> float:
+    @property
+    def host_link(self) -> HostLink:
+        """This profile's host link (its version-5 fields, or their defaults)."""
+        return HostLink(self.device_to_host_bytes_per_s, self.host_to_device_bytes_per_s,
+                        self.host_copy_latency_s)
+
+    def host_copy_seconds(self, nbytes: float, to_device: bool) -> float:
         """Seconds of one copy of ``nbytes`` between pinned host memory and the device
-        (``to_device``: host->device, else device->host)."""
-        rate = self.host_to_device_bytes_per_s if to_device else self.device_to_host_bytes_per_s
-        return self.host_copy_latency_s + nbytes / rate
+        (``to_device``: host->device, else device->host): :meth:`HostLink.copy_seconds`."""
+        return self.host_link.copy_seconds(nbytes, to_device)
 
     def graph_launch_s(self) -> float:
         """Host seconds per kernel of a compiled graph."""

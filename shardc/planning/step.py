@@ -47,7 +47,9 @@ per tensor, as on the device); the device has nothing to run meanwhile.
   did: ``docs/offload.md``).
 - ``"optimizer"`` (``OffloadPolicy(params=False, optimizer=True)``): ``optimizer.step()``
   copies each device shard and its gradient to the host, steps, and copies the shards back,
-  on the link, none of it overlapped.
+  on the link, none of it overlapped; the copies are priced by
+  :func:`shardc.planning.optimizer_offload.copy_seconds`, as the budget planner's decision to
+  offload prices them (the gradients as many bytes as the fp32 shards).
 
 Regions: the backward of the region compiled first (the lowest ``Plan.region``) runs last, so
 its queued device time is what the optimizer's host work can hide under; another region's
@@ -60,6 +62,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from shardc.planning import optimizer_offload
 from shardc.planning.estimate import (
     host_optimizer_seconds,
     optimizer_kernel_ops,
@@ -247,9 +250,8 @@ def _host_step(last: Plan | None, spec: OptimizerSpec, profile: ClusterProfile
                                      temp_factor=spec.temp_factor)
     python = profile.optimizer_fixed_s + profile.optimizer_per_param_s * spec.n_params
     copies = 0.0
-    if spec.offload == "optimizer":  # shards and gradients to the host, shards back
-        copies = 2 * profile.host_copy_seconds(int(spec.param_bytes), to_device=False) \
-            + profile.host_copy_seconds(int(spec.param_bytes), to_device=True)
+    if spec.offload == "optimizer":  # shards and gradients (as many bytes) there, shards back
+        copies = sum(optimizer_offload.copy_seconds(spec.param_bytes, spec.param_bytes, profile))
     if not spec.overlap or last is None:
         return 0.0, max(python, 0.0) + compute + copies, copies, compute
     # Overlapped: the worker's buckets, then optimizer.step() on what it did not step.
