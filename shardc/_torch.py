@@ -493,3 +493,12 @@ def compiling_backend_marked(marker: str) -> bool:
                                                 "__wrapped__", "func")
                        if getattr(fn, a, None) is not None and getattr(fn, a) is not fn), None)
     return False
+
+
+def dynamo_inlines_single_use_subgraphs() -> bool:
+    """Whether Dynamo inlines an ``invoke_subgraph`` call whose subgraph has one use (or every
+    one) before the backend sees the graph (``inline_single_use_invoke_subgraph``, on by
+    default in torch 2.13; ``inline_invoke_subgraph``); False where torch has neither (2.11)."""
+    config = torch._dynamo.config
+    return bool(getattr(config, "inline_single_use_invoke_subgraph", False)
+                or getattr(config, "inline_invoke_subgraph", False))

@@ -348,7 +348,10 @@ def _trace_once_plan(uid: int, key: int, identity: tuple) -> int:
     """``slot * 3 + mode`` for this call (mode: _FIRST, _LATER or _TRACE); run at trace time."""
     slot = _SLOTS.setdefault((uid, key, identity), len(_SLOTS) + 1)
     tracer = _torch.current_subgraph_tracer()
+    # Dynamo must hand the first call's invoke_subgraph to the backend even though the graph
+    # it sees calls it once (torch 2.13 inlines single-use subgraphs by default).
     if (tracer is None or not trace_once_enabled()
+            or _torch.dynamo_inlines_single_use_subgraphs()
             or not _torch.compiling_backend_marked(BACKEND_MARKER)):
         return slot * 3 + _TRACE
     seen = _SEEN.setdefault(tracer, {})
