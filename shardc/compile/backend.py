@@ -504,5 +504,7 @@ def backend(**options: Any):
     def configured_shardc(gm: fx.GraphModule, example_inputs: Sequence[object], **kw: Any):
         return shardc_backend(gm, example_inputs, {**opts.as_dict(), **kw.pop("options", {})}, **kw)
 
-    configured_shardc._shardc_trace_once = True  # rewrites shardc.ops.body_call (blocks.py)
+    # Rewrites shardc.ops.body_call (sharding/blocks.py); compile_blocks_once=False traces every
+    # block as before.
+    configured_shardc._shardc_trace_once = opts.compile_blocks_once
     return configured_shardc
