@@ -214,12 +214,14 @@ _PROBERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 def describe(value) -> tuple | None:
     """A constant standing for ``value`` in a reuse key (traced by Dynamo), or None."""
+    # Plain loops, no generator expressions: Dynamo (traced once per block) inlines each
+    # generator step at a cost (torch 2.11: generators were most of the wrapped forward's trace).
     if isinstance(value, torch.Tensor):
         if type(value) not in (torch.Tensor, nn.Parameter):
             return None  # subclasses: their metadata is more than sizes and dtype
-        sizes = (*value.shape, *value.stride())
-        if not all(_torch.has_static_value(s) for s in sizes):
-            return None
+        for s in (*value.shape, *value.stride()):
+            if not _torch.has_static_value(s):
+                return None
         return (_TENSOR, tuple(value.shape), tuple(value.stride()), value.dtype,
                 value.device.type, value.device.index, value.requires_grad)
     if value is None or isinstance(value, (bool, float, str)):
@@ -227,11 +229,21 @@ def describe(value) -> tuple | None:
     if isinstance(value, int):
         return ("const", value) if _torch.has_static_value(value) else None
     if isinstance(value, (tuple, list)):
-        items = tuple(describe(v) for v in value)
-        return None if None in items else (type(value).__name__, items)
-    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
-        items = tuple((k, describe(v)) for k, v in value.items())
-        return None if any(d is None for _, d in items) else ("dict", items)
+        items = []
+        for v in value:
+            d = describe(v)
+            if d is None:
+                return None
+            items.append(d)
+        return (type(value).__name__, tuple(items))
+    if isinstance(value, dict):
+        pairs = []
+        for k, v in value.items():
+            d = describe(v) if isinstance(k, str) else None
+            if d is None:
+                return None
+            pairs.append((k, d))
+        return ("dict", tuple(pairs))
     return None
 
 
@@ -384,9 +396,15 @@ def _trace_once_call(group: BlockGroup, training: bool, key: int, weights, buffe
     """A body call that Dynamo traces only the first time per slot and graph (see above)."""
     flat = _flat_tensors((weights, buffers, args, kwargs), [])
     # Identical tensors among the arguments: Dynamo lifts a tensor once into a subgraph, so the
-    # first call's subgraph fits only calls with the same pattern.
-    identity = tuple(next(j for j in range(i + 1) if flat[j] is flat[i])
-                     for i in range(len(flat)))
+    # first call's subgraph fits only calls with the same pattern. The weights are distinct
+    # (each its own gather of another parameter); the rest is compared with everything before.
+    identity = list(range(len(flat)))
+    for i in range(len(weights), len(flat)):
+        for j in range(i):
+            if flat[j] is flat[i]:
+                identity[i] = j
+                break
+    identity = tuple(identity)
     plan = _trace_once_plan(group.prober.uid, key, identity)
     slot, mode = plan // 3, plan % 3
     if mode == _LATER:
@@ -402,9 +420,16 @@ def _trace_once_call(group: BlockGroup, training: bool, key: int, weights, buffe
         kind, outs = 2, list(out)
     else:
         kind, outs = 0, [out]
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in flat)
-    if not outs or not all(type(o) is torch.Tensor for o in outs) or not _trace_once_first(
-            slot, kind, tuple(describe(o) for o in outs), grad):
+    grad = False
+    if torch.is_grad_enabled():
+        for t in flat:
+            if t.requires_grad:
+                grad = True
+                break
+    described = []
+    for o in outs:
+        described.append(describe(o) if type(o) is torch.Tensor else None)
+    if not outs or not _trace_once_first(slot, kind, tuple(described), grad):
         return out
     anchored = body_anchor(slot, flat, outs)
     return anchored[0] if kind == 0 else (tuple(anchored) if kind == 1 else list(anchored))
@@ -438,8 +463,8 @@ def _wrapped_forward(group: BlockGroup, original: Callable) -> Callable:
         if (not torch.compiler.is_compiling() or module_layout(self) != self._shardc_layout
                 or has_data_dependent_sizes(args, kwargs) or _torch.traces_floats_symbolically()):
             return original(self, *args, **kwargs)
-        weights = tuple(_read(self, n) for n in group.weight_names)
-        buffers = tuple(_read(self, n) for n in group.buffer_names)
+        weights = tuple([_read(self, n) for n in group.weight_names])  # no generator: see describe
+        buffers = tuple([_read(self, n) for n in group.buffer_names])
         key = reuse_key(group, self.training, (weights, buffers, args, kwargs))
         if key and group.keyed:
             return group.keyed[self.training](key, weights, buffers, args, kwargs)
