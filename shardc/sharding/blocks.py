@@ -10,6 +10,9 @@ substituted (``torch.func.functional_call``). Dynamo emits one subgraph per body
 once per block; AOTAutograd partitions it once and Inductor compiles it once
 (``shardc.compile.backend`` and ``shardc.passes.body`` handle the body's partition and keep
 ``reshard_after_forward``). Outside compilation the wrapped forward is the block's own forward.
+Dynamo traces a body once per distinct argument description: through torch's ``reuse_hash_fn``
+(keyed bodies, torch 2.13+) or, without it, through shardc's own *trace once* (later calls are
+``shardc::body_call`` placeholders that the backend rewrites; see the section below).
 
 Blocks are grouped by a structure signature (class tree, parameter and buffer names, shapes,
 dtypes, sharding options, plain attribute values); a group of two or more identical blocks gets a
