@@ -458,3 +458,47 @@ def inductor_cudagraph_skips() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["inductor"]["cudagraph_skips"])
+
+
+def current_subgraph_tracer() -> object | None:
+    """The (sub)graph Dynamo is recording into right now (its ``SubgraphTracer``: the frame's
+    root graph, or the body of a higher-order op being speculated, e.g. a checkpoint region), or
+    None outside a trace. Called eagerly at trace time (from an ``assume_constant_result``
+    function). A restarted analysis records into new tracers (``InstructionTranslator.current_tx``
+    and ``OutputGraph.current_tracer``: the same in torch 2.11 through 2.13)."""
+    with contextlib.suppress(Exception):
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        if tx is not None:
+            return tx.output.current_tracer
+    return None
+
+
+def compiling_backend_marked(marker: str) -> bool:
+    """Whether the backend of the compile Dynamo is tracing now carries attribute ``marker``
+    (looked up through Dynamo's wrappers: ``OutputGraph.compiler_fn``, then
+    ``_torchdynamo_orig_backend`` / ``compiler_fn`` / ``__wrapped__`` / ``func``). Called eagerly
+    at trace time; False when it cannot tell."""
+    with contextlib.suppress(Exception):
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        fn = InstructionTranslator.current_tx().output.compiler_fn
+        for _ in range(16):
+            if fn is None:
+                return False
+            if getattr(fn, marker, False) is True:
+                return True
+            fn = next((getattr(fn, a) for a in ("_torchdynamo_orig_backend", "compiler_fn",
+                                                "__wrapped__", "func")
+                       if getattr(fn, a, None) is not None and getattr(fn, a) is not fn), None)
+    return False
+
+
+def dynamo_inlines_single_use_subgraphs() -> bool:
+    """Whether Dynamo inlines an ``invoke_subgraph`` call whose subgraph has one use (or every
+    one) before the backend sees the graph (``inline_single_use_invoke_subgraph``, on by
+    default in torch 2.13; ``inline_invoke_subgraph``); False where torch has neither (2.11)."""
+    config = torch._dynamo.config
+    return bool(getattr(config, "inline_single_use_invoke_subgraph", False)
+                or getattr(config, "inline_invoke_subgraph", False))

@@ -269,3 +269,101 @@ def test_bodies_are_traced_once_per_distinct_input_where_torch_can_key_them():
     # The count is of the body's traces: inline blocks are traced once each too.
     inline = Stack(CountedMlp)
     assert _body_traces(inline, x) == 4
+
+
+# shardc's own trace once (torch < 2.13, no reuse_hash_fn; forced on newer torch by dropping the
+# keyed bodies): later calls of a body whose arguments have the same description are one
+# shardc::body_call node that the backend turns into a call of the first call's subgraph.
+
+
+class PairBlock(nn.Module):
+    """Two inputs of one shape, used in another order than passed (the first call's subgraph
+    lifts ``y`` before ``x``), a keyword argument, two outputs."""
+
+    def __init__(self, dim: int = 6) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(dim, dim), nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, *, scale: float = 1.0):
+        if torch.compiler.is_compiling() and x.device.type != "meta":
+            _note_trace()
+        h = torch.tanh(self.a(y))
+        return x + scale * h, self.b(x) * y
+
+
+class PairStack(nn.Module):
+    def __init__(self, n: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(PairBlock() for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x  # the first block gets one tensor twice: its own slot
+        for block in self.blocks:
+            x, y = block(x, y, scale=0.5)
+        return x.square().mean() + y.mean()
+
+
+def _train_pair_stack(rank: int, world: int, trace_once: bool) -> dict:
+    import os
+
+    import shardc
+
+    os.environ["SHARDC_TRACE_ONCE"] = "1" if trace_once else "0"
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = PairStack()
+    shardc.shard(model)
+    for g in model._shardc_state.blocks.groups:
+        g.keyed.clear()  # torch 2.13+: the path torch 2.11/2.12 take
+    options = {"inductor": False, "compile_blocks_once": trace_once}
+    compiled = torch.compile(model, backend=shardc.backend(**options))
+    if hasattr(torch._dynamo.config, "inline_single_use_invoke_subgraph"):  # torch 2.13+
+        torch._dynamo.config.inline_single_use_invoke_subgraph = False  # a fresh process
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.randn(4, 3, 6)
+    _TRACES.clear()
+    losses = []
+    for x in data[:3]:
+        loss = compiled(x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    traces = len(_TRACES)
+    with torch.no_grad():
+        _TRACES.clear()
+        # The inline run's reference: its model eagerly (a second compile costs suite time).
+        evaluated = (compiled if trace_once else model)(data[3])
+        eval_traces = len(_TRACES)
+    plans = shardc.explain_all(model)
+    return {"losses": torch.stack(losses), "eval": evaluated, "traces": traces,
+            "eval_traces": eval_traces,
+            "params": {n: p.full_tensor() for n, p in model.named_parameters()},
+            "bodies": [(b.blocks, b.partitions) for p in plans for b in p.bodies]}
+
+
+def _train_pair_stack_both(rank: int, world: int) -> tuple[dict, dict]:
+    return _train_pair_stack(rank, world, True), _train_pair_stack(rank, world, False)
+
+
+def test_trace_once_without_reuse_hash_fn_trains_like_inline_blocks():
+    """shardc's own trace once, world 1, FX: Dynamo traces the body once per slot (the first
+    block, called with one tensor twice, has its own), every block still calls the shared body,
+    and training (3 SGD steps) equals the inline path's (``compile_blocks_once=False``, trace
+    once off), a compiled no_grad forward the inline model's eager one. A call rewritten with
+    its operands in argument order instead of the subgraph's (``y`` is lifted first) would
+    fail or compute another function."""
+    from dist_utils import run_ranks
+
+    once, inline = run_ranks(_train_pair_stack_both, 1)[0]
+    assert inline["traces"] == 4 and inline["bodies"] == []
+    assert once["traces"] == 2, once["traces"]  # slots: (x, x) for block 0, (x, y) for 1-3
+    assert once["eval_traces"] == 2, once["eval_traces"]
+    # Two bodies (Dynamo lifts block 0's one tensor once: another subgraph), each partitioned
+    # once in the training region; the no_grad region calls them without a partition.
+    blocks = [f"blocks.{i}" for i in range(1, 4)]
+    assert once["bodies"] == [(["blocks.0"], 1), (blocks, 1), (["blocks.0"], 0), (blocks, 0)]
+    torch.testing.assert_close(once["losses"], inline["losses"], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(once["eval"], inline["eval"], rtol=1e-6, atol=1e-6)
+    for name, value in inline["params"].items():
+        torch.testing.assert_close(once["params"][name], value, rtol=1e-6, atol=1e-6)

@@ -34,6 +34,7 @@ from shardc.passes.body import (
     input_signature,
     is_body_joint,
     rewire_saved_inputs,
+    rewrite_trace_once_calls,
     tag_weight_recompute,
 )
 from shardc.passes.fx_utils import is_call
@@ -304,6 +305,10 @@ def shardc_backend(
     opts = ShardcOptions.from_kwargs({**(options or {}), **kwargs})
     progress.configure_from_env()
     clock = progress.Stopwatch()
+    # Block body calls Dynamo did not trace again (torch < 2.13, shardc.sharding.blocks): first.
+    traced_once = rewrite_trace_once_calls(gm)
+    if traced_once:
+        log.debug("shardc: %d block body calls reuse their first call's trace", traced_once)
     if not has_sharded_params(gm):
         return _compile_unsharded(gm, example_inputs, opts)
     state = _shard_state(gm)
@@ -374,6 +379,9 @@ def shardc_backend(
     _apply_optimizer_offload(region, state)
     progress.log_stage(region.index, "compiled (backend total)", clock.total())
     return _checked(compiled, region, opts)
+
+
+shardc_backend._shardc_trace_once = True  # rewrites shardc.ops.body_call (sharding/blocks.py)
 
 
 def _apply_optimizer_offload(region: RegionRecord, state: ShardState | None) -> None:
@@ -496,4 +504,7 @@ def backend(**options: Any):
     def configured_shardc(gm: fx.GraphModule, example_inputs: Sequence[object], **kw: Any):
         return shardc_backend(gm, example_inputs, {**opts.as_dict(), **kw.pop("options", {})}, **kw)
 
+    # Rewrites shardc.ops.body_call (sharding/blocks.py); compile_blocks_once=False traces every
+    # block as before.
+    configured_shardc._shardc_trace_once = opts.compile_blocks_once
     return configured_shardc

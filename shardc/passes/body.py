@@ -1,6 +1,8 @@
 """Passes for block bodies (``shardc.sharding.blocks``): the ``invoke_subgraph`` calls that run
 one compiled body per repeated block, with the block's gathered weights as arguments.
 
+* :func:`rewrite_trace_once_calls` (Dynamo's graph, first): the block calls Dynamo did not trace
+  (``shardc.ops.body_call``, torch < 2.13) become calls of their first call's subgraph.
 * :func:`describe_body_calls` (Dynamo's graph, before AOTAutograd): which calls are shardc's
   bodies, which blocks they run, which of their inputs are gathered weights.
 * :func:`inline_body_calls` (Dynamo's graph): turn the bodies back into inline code
@@ -31,11 +33,10 @@ from shardc.ops.gather import GATHER_OP, REDUCE_SCATTER_OP
 from shardc.ops.gather_args import GatherArgs
 from shardc.passes.fx_utils import is_call, is_view_or_cast, lazy_graph_module, recompute_tag
 
-__all__ = ["BodyCall", "body_calls", "describe_body_calls", "draws_random_numbers", "flattened",
-           "gather_of",
-           "inline_body_calls",
-           "input_signature", "is_body_joint", "rewire_saved_inputs", "tag_weight_recompute",
-           "weight_derived_outputs"]
+__all__ = ["BodyCall", "TraceOnceMismatch", "body_calls", "describe_body_calls",
+           "draws_random_numbers", "flattened", "gather_of", "inline_body_calls",
+           "input_signature", "is_body_joint", "rewire_saved_inputs", "rewrite_trace_once_calls",
+           "tag_weight_recompute", "weight_derived_outputs"]
 
 INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
 
@@ -308,3 +309,119 @@ def weight_derived_outputs(gm: fx.GraphModule, node: fx.Node,
             pure.add(inner)
     (out,) = body.graph.find_nodes(op="output")
     return {i for i, r in enumerate(out.args[0]) if r in pure}
+
+
+class TraceOnceMismatch(RuntimeError):
+    """A ``shardc::body_call`` that cannot be turned into its first call's ``invoke_subgraph``."""
+
+
+def _meta_of(node: object) -> tuple | None:
+    value = node.meta.get("example_value", node.meta.get("val")) if isinstance(
+        node, fx.Node) else None
+    if not isinstance(value, torch.Tensor):
+        return None
+    return (tuple(value.shape), tuple(value.stride()), value.dtype, value.device,
+            value.requires_grad)
+
+
+def _identity(nodes: list) -> tuple[int, ...]:
+    return tuple(next(j for j in range(i + 1) if nodes[j] is nodes[i]) for i in range(len(nodes)))
+
+
+@dataclass
+class _Anchor:
+    call: fx.Node  # the first call's invoke_subgraph
+    operands: list  # per subgraph operand: ("flat", position) or ("fixed", node)
+    outputs: list[int]  # per flat output of the body: its index among the call's outputs
+    inputs: list  # the flat inputs' metadata
+    identity: tuple[int, ...]
+
+
+def _anchor(node: fx.Node) -> _Anchor:
+    slot, inputs, outputs = node.args
+    calls = {o.args[0] for o in outputs if is_call(o, operator.getitem)}
+    if len(calls) != 1 or len(outputs) != sum(1 for o in outputs if is_call(o, operator.getitem)):
+        raise TraceOnceMismatch(f"slot {slot}: the first call's outputs are not all outputs of "
+                                "one invoke_subgraph call")
+    (call,) = calls
+    if not is_call(call, INVOKE_SUBGRAPH):
+        raise TraceOnceMismatch(f"slot {slot}: the first call is no invoke_subgraph call")
+    operands = []
+    for operand in call.args[2:]:
+        position = next((i for i, n in enumerate(inputs) if n is operand), None)
+        if position is not None:
+            operands.append(("flat", position))
+        elif isinstance(operand, fx.Node) and operand.op in ("placeholder", "get_attr"):
+            operands.append(("fixed", operand))  # a free variable: the same for every call
+        else:
+            raise TraceOnceMismatch(f"slot {slot}: the first call's subgraph takes {operand}, "
+                                    "neither an argument of the body nor a graph input")
+    return _Anchor(call, operands, [o.args[1] for o in outputs], [_meta_of(n) for n in inputs],
+                   _identity(list(inputs)))
+
+
+def rewrite_trace_once_calls(root: fx.GraphModule) -> int:
+    """Turn every ``shardc::body_call`` of Dynamo's graph ``root`` (and of its subgraphs) into an
+    ``invoke_subgraph`` call of the subgraph that Dynamo traced for the first call of the same
+    slot in the same graph (``shardc.ops.body_call``), with the operands in that subgraph's
+    placeholder order, and remove the anchors; returns how many calls were rewritten. Raises
+    :class:`TraceOnceMismatch` if a call does not fit its first call (count, shapes, strides,
+    dtypes, devices, requires_grad or identical arguments differ, or no first call)."""
+    from shardc.ops.body_call import BODY_ANCHOR_OP, BODY_CALL_OP
+
+    rewritten = 0
+    for gm in [m for m in root.modules() if isinstance(m, fx.GraphModule)]:
+        anchors: dict[int, _Anchor] = {}
+        changed = False
+        for node in list(gm.graph.nodes):
+            if is_call(node, BODY_ANCHOR_OP):
+                anchor = _anchor(node)
+                anchors[node.args[0]] = anchor
+                outputs = node.args[2]
+                for user in list(node.users):
+                    if not is_call(user, operator.getitem):
+                        raise TraceOnceMismatch(f"{node}: used other than by getitem")
+                    user.replace_all_uses_with(outputs[user.args[1]])
+                    gm.graph.erase_node(user)
+                gm.graph.erase_node(node)
+                changed = True
+            elif is_call(node, BODY_CALL_OP):
+                _rewrite_call(gm, node, anchors)
+                rewritten += 1
+                changed = True
+        if changed:
+            gm.graph.lint()
+            gm.recompile()
+    return rewritten
+
+
+def _rewrite_call(gm: fx.GraphModule, node: fx.Node, anchors: dict[int, _Anchor]) -> None:
+    slot, inputs = node.args
+    anchor = anchors.get(slot)
+    if anchor is None:
+        raise TraceOnceMismatch(f"slot {slot}: {node} has no first call before it in its graph")
+    metas = [_meta_of(n) for n in inputs]
+    if len(inputs) != len(anchor.inputs) or metas != anchor.inputs or None in metas:
+        raise TraceOnceMismatch(f"slot {slot}: {node}'s arguments differ from the first call's "
+                                f"(count, shape, stride, dtype, device or requires_grad)")
+    if _identity(list(inputs)) != anchor.identity:
+        raise TraceOnceMismatch(f"slot {slot}: {node}'s identical arguments differ from the "
+                                "first call's")
+    first = anchor.call
+    operands = [inputs[x] if kind == "flat" else x for kind, x in anchor.operands]
+    with gm.graph.inserting_before(node):
+        call = gm.graph.call_function(INVOKE_SUBGRAPH, (first.args[0], first.args[1], *operands))
+    call.meta = dict(node.meta)
+    values = list(first.meta.get("example_value", ()))
+    mine = node.meta.get("example_value")
+    if isinstance(mine, (list, tuple)) and len(mine) == len(anchor.outputs) and values:
+        for i, j in enumerate(anchor.outputs):
+            values[j] = mine[i]
+        for key in ("example_value", "val"):
+            if key in first.meta:
+                call.meta[key] = tuple(values)
+    for user in list(node.users):
+        if not is_call(user, operator.getitem):
+            raise TraceOnceMismatch(f"{node}: used other than by getitem")
+        user.args = (call, anchor.outputs[user.args[1]])
+    gm.graph.erase_node(node)

@@ -10,6 +10,9 @@ substituted (``torch.func.functional_call``). Dynamo emits one subgraph per body
 once per block; AOTAutograd partitions it once and Inductor compiles it once
 (``shardc.compile.backend`` and ``shardc.passes.body`` handle the body's partition and keep
 ``reshard_after_forward``). Outside compilation the wrapped forward is the block's own forward.
+Dynamo traces a body once per distinct argument description: through torch's ``reuse_hash_fn``
+(keyed bodies, torch 2.13+) or, without it, through shardc's own *trace once* (later calls are
+``shardc::body_call`` placeholders that the backend rewrites; see the section below).
 
 Blocks are grouped by a structure signature (class tree, parameter and buffer names, shapes,
 dtypes, sharding options, plain attribute values); a group of two or more identical blocks gets a
@@ -20,7 +23,9 @@ body, everything else keeps the usual path, and each such decision is logged onc
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
+import os
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,6 +35,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from shardc import _torch
+from shardc.ops.body_call import body_anchor, body_call, record_outputs
 
 log = logging.getLogger("shardc")
 
@@ -205,16 +211,20 @@ def _make_body(skeleton: nn.Module, group: BlockGroup, training: bool
 # requires of a keyed region (it raises, rather than re-traces, otherwise).
 
 _TENSOR = "tensor"
+_PROBER_IDS = itertools.count(1)
+_PROBERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def describe(value) -> tuple | None:
     """A constant standing for ``value`` in a reuse key (traced by Dynamo), or None."""
+    # Plain loops, no generator expressions: Dynamo (traced once per block) inlines each
+    # generator step at a cost (torch 2.11: generators were most of the wrapped forward's trace).
     if isinstance(value, torch.Tensor):
         if type(value) not in (torch.Tensor, nn.Parameter):
             return None  # subclasses: their metadata is more than sizes and dtype
-        sizes = (*value.shape, *value.stride())
-        if not all(_torch.has_static_value(s) for s in sizes):
-            return None
+        for s in (*value.shape, *value.stride()):
+            if not _torch.has_static_value(s):
+                return None
         return (_TENSOR, tuple(value.shape), tuple(value.stride()), value.dtype,
                 value.device.type, value.device.index, value.requires_grad)
     if value is None or isinstance(value, (bool, float, str)):
@@ -222,11 +232,21 @@ def describe(value) -> tuple | None:
     if isinstance(value, int):
         return ("const", value) if _torch.has_static_value(value) else None
     if isinstance(value, (tuple, list)):
-        items = tuple(describe(v) for v in value)
-        return None if None in items else (type(value).__name__, items)
-    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
-        items = tuple((k, describe(v)) for k, v in value.items())
-        return None if any(d is None for _, d in items) else ("dict", items)
+        items = []
+        for v in value:
+            d = describe(v)
+            if d is None:
+                return None
+            items.append(d)
+        return (type(value).__name__, tuple(items))
+    if isinstance(value, dict):
+        pairs = []
+        for k, v in value.items():
+            d = describe(v) if isinstance(k, str) else None
+            if d is None:
+                return None
+            pairs.append((k, d))
+        return ("dict", tuple(pairs))
     return None
 
 
@@ -257,6 +277,9 @@ class BodyProber:
         self.skeleton = skeleton  # its own copy: probed eagerly while Dynamo traces the others
         self.names = group.weight_names + group.buffer_names
         self.keys: dict[tuple, int] = {}
+        self.uid = next(_PROBER_IDS)  # distinguishes groups of several models in one process
+        # Passed to trace-time functions by number: torch 2.11's Dynamo passes only constants.
+        _PROBERS[self.uid] = self
 
     def key(self, desc: tuple) -> int:
         if desc not in self.keys:
@@ -281,8 +304,8 @@ class BodyProber:
 
 
 @torch.compiler.assume_constant_result
-def _probed_key(prober: BodyProber, desc: tuple) -> int:
-    return prober.key(desc)
+def _probed_key(uid: int, desc: tuple) -> int:
+    return _PROBERS[uid].key(desc)
 
 
 def reuse_key(group: BlockGroup, training: bool, arguments: tuple) -> int:
@@ -294,10 +317,125 @@ def reuse_key(group: BlockGroup, training: bool, arguments: tuple) -> int:
     if desc is None:
         return 0
     autocast = tuple(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
-    key = _probed_key(group.prober, (training, torch.is_grad_enabled(), autocast, desc))
+    key = _probed_key(group.prober.uid, (training, torch.is_grad_enabled(), autocast, desc))
     # A fresh constant: Dynamo's result of assume_constant_result has a source that cannot be
     # guarded, which flattening the keyed body's arguments would try.
     return key + 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Trace once without reuse_hash_fn (torch 2.11, 2.12: Dynamo traces every call of a
+# nested_compile_region, shardc.ops.body_call). A *slot* is one group's reuse key (the prober's
+# number for the arguments' description, grad mode and training) with one pattern of identical
+# tensor arguments; per Dynamo (sub)graph, its first call is traced and anchored, later calls are
+# one opaque ``shardc::body_call`` node that shardc's backend turns into an ``invoke_subgraph``
+# call of the first call's subgraph. Only under shardc's backend (which does the rewrite).
+
+_FIRST, _LATER, _TRACE = 0, 1, 2
+_KINDS = ("tensor", "tuple", "list")
+_SLOTS: dict[tuple, int] = {}  # (prober uid, key, identity pattern) -> slot
+_SLOT_KIND: dict[int, int] = {}  # slot -> index in _KINDS of the body's output structure
+# Per Dynamo (sub)graph tracer: slot -> True once its first call was anchored, False if the
+# slot cannot be reused there. Weak: a restarted analysis or a discarded speculation records
+# into new tracers.
+_SEEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+BACKEND_MARKER = "_shardc_trace_once"
+
+
+def trace_once_enabled() -> bool:
+    return os.environ.get("SHARDC_TRACE_ONCE", "1") != "0"
+
+
+def _flat_tensors(value, out: list) -> list:
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            _flat_tensors(v, out)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _flat_tensors(v, out)
+    return out
+
+
+@torch.compiler.assume_constant_result
+def _trace_once_plan(uid: int, key: int, identity: tuple) -> int:
+    """``slot * 3 + mode`` for this call (mode: _FIRST, _LATER or _TRACE); run at trace time."""
+    slot = _SLOTS.setdefault((uid, key, identity), len(_SLOTS) + 1)
+    tracer = _torch.current_subgraph_tracer()
+    # Dynamo must hand the first call's invoke_subgraph to the backend even though the graph
+    # it sees calls it once (torch 2.13 inlines single-use subgraphs by default).
+    if (tracer is None or not trace_once_enabled()
+            or _torch.dynamo_inlines_single_use_subgraphs()
+            or not _torch.compiling_backend_marked(BACKEND_MARKER)):
+        return slot * 3 + _TRACE
+    seen = _SEEN.setdefault(tracer, {})
+    if slot not in seen:
+        return slot * 3 + _FIRST
+    return slot * 3 + (_LATER if seen[slot] else _TRACE)
+
+
+@torch.compiler.assume_constant_result
+def _trace_once_first(slot: int, kind: int, outputs: tuple, grad: bool) -> bool:
+    """After the first call of ``slot`` in the current tracer: whether later calls may reuse it
+    (the outputs' metadata, from Dynamo's trace, is what ``shardc::body_call`` will claim, and
+    each output requires grad exactly when the placeholder op's would); run at trace time."""
+    ok = (all(o is not None and o[0] == _TENSOR and o[6] == grad for o in outputs)
+          and _SLOT_KIND.setdefault(slot, kind) == kind
+          and record_outputs(slot, tuple(o[1:6] for o in outputs)))
+    tracer = _torch.current_subgraph_tracer()
+    if tracer is not None:
+        _SEEN.setdefault(tracer, {})[slot] = ok
+    return ok
+
+
+@torch.compiler.assume_constant_result
+def _trace_once_kind(slot: int) -> int:
+    return _SLOT_KIND[slot]
+
+
+def _trace_once_call(group: BlockGroup, training: bool, key: int, weights, buffers, args,
+                     kwargs):
+    """A body call that Dynamo traces only the first time per slot and graph (see above)."""
+    flat = _flat_tensors((weights, buffers, args, kwargs), [])
+    # Identical tensors among the arguments: Dynamo lifts a tensor once into a subgraph, so the
+    # first call's subgraph fits only calls with the same pattern. The weights are distinct
+    # (each its own gather of another parameter); the rest is compared with everything before.
+    identity = list(range(len(flat)))
+    for i in range(len(weights), len(flat)):
+        for j in range(i):
+            if flat[j] is flat[i]:
+                identity[i] = j
+                break
+    identity = tuple(identity)
+    plan = _trace_once_plan(group.prober.uid, key, identity)
+    slot, mode = plan // 3, plan % 3
+    if mode == _LATER:
+        outs = body_call(slot, flat)
+        kind = _trace_once_kind(slot)
+        return outs[0] if kind == 0 else (tuple(outs) if kind == 1 else list(outs))
+    out = group.bodies[training](weights, buffers, args, kwargs)
+    if mode == _TRACE:
+        return out
+    if type(out) is tuple:
+        kind, outs = 1, list(out)
+    elif type(out) is list:
+        kind, outs = 2, list(out)
+    else:
+        kind, outs = 0, [out]
+    grad = False
+    if torch.is_grad_enabled():
+        for t in flat:
+            if t.requires_grad:
+                grad = True
+                break
+    described = []
+    for o in outs:
+        described.append(describe(o) if type(o) is torch.Tensor else None)
+    if not outs or not _trace_once_first(slot, kind, tuple(described), grad):
+        return out
+    anchored = body_anchor(slot, flat, outs)
+    return anchored[0] if kind == 0 else (tuple(anchored) if kind == 1 else list(anchored))
 
 
 def _read(module: nn.Module, dotted: str):
@@ -328,11 +466,13 @@ def _wrapped_forward(group: BlockGroup, original: Callable) -> Callable:
         if (not torch.compiler.is_compiling() or module_layout(self) != self._shardc_layout
                 or has_data_dependent_sizes(args, kwargs) or _torch.traces_floats_symbolically()):
             return original(self, *args, **kwargs)
-        weights = tuple(_read(self, n) for n in group.weight_names)
-        buffers = tuple(_read(self, n) for n in group.buffer_names)
+        weights = tuple([_read(self, n) for n in group.weight_names])  # no generator: see describe
+        buffers = tuple([_read(self, n) for n in group.buffer_names])
         key = reuse_key(group, self.training, (weights, buffers, args, kwargs))
-        if key:
+        if key and group.keyed:
             return group.keyed[self.training](key, weights, buffers, args, kwargs)
+        if key and not any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")):
+            return _trace_once_call(group, self.training, key, weights, buffers, args, kwargs)
         return group.bodies[self.training](weights, buffers, args, kwargs)
 
     return forward
@@ -396,8 +536,8 @@ def _add_group(result: BlockBodies, members: list[tuple[str, nn.Module]]) -> Non
         group.bodies[training], keyed = _make_body(copy.deepcopy(template), group, training)
         if keyed is not None:
             group.keyed[training] = keyed
-    if group.keyed:
-        group.prober = BodyProber(copy.deepcopy(template), group)
+    # The reuse keys: for keyed bodies (torch 2.13+), else for shardc's own trace once.
+    group.prober = BodyProber(copy.deepcopy(template), group)
     forwards: dict[type, Callable] = {}
     for _, block in members:
         cls = type(block)
