@@ -25,7 +25,8 @@ WORLD_SIZES = [2, 3, 4, 1]
 def one_rank_run(request):
     """World 1's run, started when the module's first test starts (if world 1 is selected)."""
     selected = {item.callspec.params["world"] for item in request.session.items
-                if item.module is request.module and hasattr(item, "callspec")}
+                if item.module is request.module and hasattr(item, "callspec")
+                and item.originalname == "test_parity_eager_and_fx"}
     if 1 not in selected:
         return None
     return run_ranks_in_background(_scenarios, 1, _parity_scenarios(1))
@@ -97,14 +98,56 @@ def _scenarios(rank: int, world: int, named: dict[str, tuple[str, str, dict]]) -
     return {name: results[name] for name in named}
 
 
-def _parity_scenarios(world: int) -> dict[str, tuple[str, str, dict]]:
+# Scenarios run only by the slow test (test_parity_more_scenarios; ``pytest -m slow
+# tests/test_parity.py``), at these worlds: compiled ones whose feature the default suite
+# covers elsewhere. Each with the CPU seconds of its ranks (summed; measured on a loaded 2-core
+# machine, SHARDC_TEST_CPU_LOG and a timer around each sharded_run) and where its feature stays
+# covered in the default suite:
+SLOW = {
+    # 26 s: dynamic-shape blocks (inline where sizes are unknown, the others one body):
+    # tests/test_real_models.py, blocks_accumulate_shapes (world 2).
+    "blocks_dynamic": (2,),
+    # 11 s: prefetch off: the peak-budget scenarios of tests/test_real_models.py (world 2,
+    # prefetch=False, at parity); prefetch on: every other compiled scenario.
+    "no_prefetch": (2,),
+    # 17 s: a roomy budget: here at world 1 (every gather elided), keeping gathered at world 2:
+    # tests/test_offload.py (budget under offload) and tests/test_real_models.py (peak_budget).
+    "roomy_budget": (2,),
+    # 33 s: activation offload: "offload_activations" at worlds 1 and 2, under HSDP and TP with
+    # blocks (tests/test_mesh.py); no_sync accumulation: tests/test_real_models.py and
+    # tests/test_grad_sync.py.
+    "offload_activations_no_sync": (2,),
+    # 18 s: offload kept gathered for the backward: tests/test_offload.py's peak budget keeps
+    # offloaded buckets gathered (bitwise, no backward copies); offload here: "offload" at 1
+    # and 3, "bf16_offload" at 2, "variant_offload" at 4.
+    "offload_no_reshard": (2,),
+    # 29 s: reshard_after_forward=False with bucket_by="param": tests/test_fp8.py (world 3,
+    # "fx") and tests/test_backend.py.
+    "per_param": (3,),
+    # 10 s: plain inputs: "plain" and "plain_blocks" at 2, "plain_eager" and "plain_bf16" at 1;
+    # tied/frozen/unused parameters: "variant" at 3 and 4 (an empty shard at 4).
+    "plain_variant": (3,),
+    # 30 s ("blocks_offload_activations"); 27 s at world 3 and 42 s at 4 (the group's CPU
+    # seconds with and without it) ("offload_activations"): activation offload with blocks:
+    # tests/test_mesh.py (HSDP and TP, "fx-aoff" with blocks); activation offload at worlds 1
+    # and 2 here (and under Inductor at 1, tests/test_parity_inductor.py).
+    "blocks_offload_activations": (3,),
+    "offload_activations": (3, 4),
+}
+# What a slow scenario is compared with (run beside it in the slow test).
+SLOW_BASES = {"offload_activations_no_sync": ("offload_activations",),
+              "plain_variant": ("variant",)}
+
+
+def _parity_scenarios(world: int, slow: bool = False) -> dict[str, tuple[str, str, dict]]:
     """name -> (model kind, mode, options) run at ``world``: the core at every world size, the
     other features spread over the sizes (each at one or two of them, an uneven one among them
     where sizes matter), so that the four spawned groups stay cheap. World 4 (four ranks on the
     2-core CI machine: every compile there costs twice what it costs at world 2) runs the core,
     the local-shard step and the tied/frozen/unused/empty-shard variants; the pool and budget
     checks, whose point does not depend on the size, run at 2 (its shards of the 37- and
-    45-row weights are uneven too)."""
+    45-row weights are uneven too). Those in :data:`SLOW` at ``world`` are left out; with
+    ``slow``, only those (with the core and what they are compared with) are run."""
     def at(*worlds: int) -> bool:
         return world in worlds
 
@@ -191,18 +234,38 @@ def _parity_scenarios(world: int) -> dict[str, tuple[str, str, dict]]:
                                                           "offload": OFFLOAD,
                                                           "step_in_backward": True})),
     ]
-    scenarios.update({name: scenario for on, name, scenario in optional if on})
+    moved = {name for name, worlds in SLOW.items() if world in worlds}
+    if slow:
+        wanted = moved | {base for name in moved for base in SLOW_BASES.get(name, ())}
+    else:
+        wanted = {name for on, name, _ in optional if on} - moved
+    scenarios.update({name: scenario for on, name, scenario in optional
+                      if on and name in wanted})
     return scenarios
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_parity_eager_and_fx(world, one_rank_run, references):
     named = _parity_scenarios(world)
-    scenarios = list(named.values())
     if world == 1 and one_rank_run is not None:
         runs = one_rank_run.result()[0]
     else:
         runs = run_ranks(_scenarios, world, named)[0]
+    _check_runs(world, named, runs, references)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", sorted({w for worlds in SLOW.values() for w in worlds}))
+def test_parity_more_scenarios(world, references):
+    """The scenarios of :data:`SLOW` at ``world`` (their features covered in the default suite
+    elsewhere, said there), with the core and the runs they are compared with."""
+    named = _parity_scenarios(world, slow=True)
+    assert set(named) - {"fx", "blocks"}, f"world {world}: no slow scenario"
+    _check_runs(world, named, run_ranks(_scenarios, world, named)[0], references)
+
+
+def _check_runs(world: int, named: dict, runs: dict, references: dict) -> None:
+    scenarios = list(named.values())
     assert list(runs) == list(named)
     for name, run in runs.items():
         kind, mode, options = named[name]
