@@ -104,9 +104,8 @@ def _scenarios(rank: int, world: int, named: dict[str, tuple[str, str, dict]]) -
 # machine, SHARDC_TEST_CPU_LOG and a timer around each sharded_run) and where its feature stays
 # covered in the default suite:
 SLOW = {
-    # 26 s: dynamic-shape blocks (inline where sizes are unknown, the others one body):
-    # tests/test_real_models.py, blocks_accumulate_shapes (world 2).
-    "blocks_dynamic": (2,),
+    # (blocks_dynamic, 26 s, stays in the default suite: tests/test_real_models.py's
+    # blocks_accumulate_shapes, the other test of bodies under dynamic shapes, is slow.)
     # 11 s: prefetch off: the peak-budget scenarios of tests/test_real_models.py (world 2,
     # prefetch=False, at parity); prefetch on: every other compiled scenario.
     "no_prefetch": (2,),

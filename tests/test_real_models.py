@@ -363,7 +363,8 @@ def test_changing_batch_size_and_sequence_length_together(runs):
     check_parity(runs, "changing_both")
 
 
-def test_blocks_compiled_once_through_no_sync_and_dynamic_shapes(runs):
+@pytest.mark.slow
+def test_blocks_compiled_once_through_no_sync_and_dynamic_shapes(slow_runs):
     """Identical blocks (shardc.sharding.blocks) through a dynamic recompile and no_sync: at
     parity, and every compiled region (static and dynamic, with and without gradient sync)
     calls one body for its blocks. A static region calls it for all three and partitions it
@@ -373,7 +374,7 @@ def test_blocks_compiled_once_through_no_sync_and_dynamic_shapes(runs):
     last block's gradient comes from the head)."""
     blocks = ("blocks.0", "blocks.1", "blocks.2")
     for world, got in zip(_worlds("blocks_accumulate_shapes"),
-                          check_parity(runs, "blocks_accumulate_shapes")):
+                          check_parity(slow_runs, "blocks_accumulate_shapes")):
         bodies, inline = got["bodies"], got["inline_blocks"]
         assert len(bodies) == 4, f"world {world}: regions {bodies}"  # 2 shapes x no_sync on/off
         assert bodies[:2] == [[(blocks, 1)]] * 2 and inline[:2] == [[], []], (world, bodies)
