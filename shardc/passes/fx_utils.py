@@ -198,3 +198,9 @@ def allocate_real(size: int, dtype: torch.dtype, device: torch.device) -> torch.
     (passes run inside AOTAutograd's tracing context)."""
     with _torch.unset_fake_temporarily():
         return torch.empty(size, dtype=dtype, device=device)
+
+
+def tensors_in(value: object) -> list[torch.Tensor]:
+    """The tensors of a node's value: the value itself, or those of a list/tuple of outputs."""
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return [v for v in values if isinstance(v, torch.Tensor)]

@@ -36,7 +36,7 @@ import torch
 from torch import fx
 
 from shardc.passes.body import INVOKE_SUBGRAPH
-from shardc.passes.fx_utils import op_overload, tensor_nbytes
+from shardc.passes.fx_utils import op_overload, tensor_nbytes, tensors_in
 
 __all__ = ["ALREADY_ON_HOST", "RNG_RETURNS", "compute_device_type", "host_bytes", "is_rng_output",
            "on_host"]
@@ -47,14 +47,6 @@ ALREADY_ON_HOST = "already on the host"
 RNG_RETURNS = frozenset({"philox_seed", "philox_offset", "rng_state", "unused"})
 
 
-def _tensors(val) -> list[torch.Tensor]:
-    if isinstance(val, torch.Tensor):
-        return [val]
-    if isinstance(val, (list, tuple)):
-        return [v for v in val if isinstance(v, torch.Tensor)]
-    return []
-
-
 def compute_device_type(graph: fx.Graph) -> str:
     """The device type ``graph`` computes on: that of its first value (in graph order) on
     neither the CPU nor the meta device; else ``"cpu"`` if it has a CPU value (or no tensor
@@ -63,7 +55,7 @@ def compute_device_type(graph: fx.Graph) -> str:
     device) leave a CPU graph a CPU one."""
     kinds: set[str] = set()
     for node in graph.nodes:
-        for val in _tensors(node.meta.get("val")):
+        for val in tensors_in(node.meta.get("val")):
             kind = val.device.type
             if kind not in ("cpu", "meta"):
                 return kind
@@ -119,7 +111,7 @@ def on_host(node: fx.Node, device_type: str) -> bool:
     ``device_type`` (:func:`compute_device_type`); always False on the CPU."""
     if device_type == "cpu":
         return False
-    vals = _tensors(node.meta.get("val"))
+    vals = tensors_in(node.meta.get("val"))
     if vals and all(v.device.type == "cpu" for v in vals):
         return True
     return is_rng_output(node)

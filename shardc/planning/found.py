@@ -36,7 +36,7 @@ import torch
 from torch import fx
 
 from shardc import _torch
-from shardc.passes.fx_utils import op_overload, tensor_nbytes, view_users
+from shardc.passes.fx_utils import op_overload, tensor_nbytes, tensors_in, view_users
 from shardc.planning.plan import Collective, CollectiveKind
 
 Kind = CollectiveKind
@@ -165,14 +165,9 @@ def find(gm: fx.GraphModule) -> list[FoundCollective]:
 # ------------------------------------------------------------------------------------ planning
 
 
-def _tensors(value) -> list[torch.Tensor]:
-    values = value if isinstance(value, (list, tuple)) else [value]
-    return [v for v in values if isinstance(v, torch.Tensor)]
-
-
 def _describe_tensor(node: fx.Node) -> str:
     parts = []
-    for t in _tensors(node.meta.get("val")):
+    for t in tensors_in(node.meta.get("val")):
         shape = ", ".join(str(s) for s in t.shape)
         parts.append(f"{str(t.dtype).removeprefix('torch.')}[{shape}]")
     return f"{node.name}: {', '.join(parts) or '?'}"
@@ -191,8 +186,8 @@ def _byte_counts(f: FoundCollective) -> tuple[int, int]:
     """(bytes, buffer_bytes) as the plan defines them for shardc's collectives: an all-gather
     sends ``bytes`` and fills ``buffer_bytes``; a reduce-scatter or all-to-all sends
     ``buffer_bytes`` and receives ``bytes``; an all-reduce or broadcast moves one buffer."""
-    sent = tensor_nbytes([t for a in _inputs(f) for t in _tensors(a.meta.get("val"))])
-    got = tensor_nbytes([t for o in _outputs(f) for t in _tensors(o.meta.get("val"))])
+    sent = tensor_nbytes([t for a in _inputs(f) for t in tensors_in(a.meta.get("val"))])
+    got = tensor_nbytes([t for o in _outputs(f) for t in tensors_in(o.meta.get("val"))])
     if f.kind == Kind.ALL_GATHER:
         return sent, got
     if f.kind in (Kind.REDUCE_SCATTER, Kind.ALL_TO_ALL):
@@ -329,7 +324,7 @@ def place(g, found: list[FoundCollective], roles: dict[str, tuple[str, int]], *,
         nbytes, buffer_bytes = _byte_counts(f)
         index = counts.get(role, 0)
         counts[role] = index + 1
-        dtypes = [t.dtype for a in _inputs(f) for t in _tensors(a.meta.get("val"))]
+        dtypes = [t.dtype for a in _inputs(f) for t in tensors_in(a.meta.get("val"))]
         out.append(Collective(
             id=f"{g.name}.{f.kind}.{role}.{index}", kind=f.kind, graph=g.name, bucket=-1,
             params=[], bytes=nbytes, buffer_bytes=buffer_bytes,
