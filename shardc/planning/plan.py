@@ -57,6 +57,10 @@ PLAN_VERSION = 5
 # budget, with every depth tried) came later still within version 5, optional like those: a plan
 # without it reads with ``None`` (the options' depth) and hashes as before (the chosen depth
 # enters the hash only when the record is there).
+# The peak budget's partial optimizer offload came later still within version 5, optional like
+# those: ``OptimizerDecision.host_params`` and ``buckets`` (a plan without them reads with every
+# parameter's state on the host, as it was planned, and hashes as before: the parameters enter
+# the hash only for a partial choice) and ``Predictions.optimizer_host_param_bytes``.
 READABLE_VERSIONS = (1, 2, 3, 4, 5)
 
 
