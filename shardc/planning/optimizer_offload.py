@@ -15,16 +15,21 @@ compile time, after the other levers:
   drops by the state's bytes, the step's also by its temporaries), so the other levers spend
   the room it frees (keeping buckets gathered again) and a budget it cannot meet is refused
   naming the new minimum.
-* **what**: every parameter of the sharded model, not the fewest needed. ``torch.optim`` steps
-  a parameter group on one device and the runtime refuses a group mixing host-stepped and
-  device-stepped parameters (``offload_optimizer._check_group``); the optimizer is usually
-  built over ``model.parameters()`` in one group before the first compile, so a partial choice
-  would fail at its step. A model's regions share one optimizer, so once one region puts it on
-  the host the later regions plan with it there too.
-* **price** (:func:`price`), all inside ``optimizer.step()`` (not overlapped with the
-  backward): the copies (:func:`copy_seconds`, which the whole-step prediction,
-  ``shardc.planning.step``, prices them with too) of the shards and of the gradients to the
-  host and of the updated shards back, each a copy at the profile's host link in its direction
+* **what**: the fewest buckets whose state must go (``shardc.compile.budget_search``'s
+  ``_host_subset``): the buckets ordered by their shards' bytes, largest first, ties by index
+  (:func:`units`; sizes the largest over the ranks), the first subset the shortest prefix
+  whose freed bytes cover the excess over the budget (:func:`take`), each subset verified by
+  the device levers' search with its state on the host and grown on a refusal, at most
+  :data:`MAX_SUBSET_TRIALS`; then every parameter's. The runtime lets a parameter group mix
+  host-stepped and device-stepped parameters (``shardc.runtime.offload_optimizer``), so the
+  optimizer built over ``model.parameters()`` in one group steps the chosen ones on the host
+  and the others where they are. A model's regions share one optimizer, so parameters one
+  region puts on the host stay there for the later regions.
+* **price** (:func:`price`, over the chosen parameters only), all inside ``optimizer.step()``
+  (not overlapped with the backward): the copies (:func:`copy_seconds`, which the whole-step
+  prediction, ``shardc.planning.step``, prices them with too) of the shards and of the
+  gradients to the host and of the updated shards back, each a copy at the profile's host link
+  in its direction
   (``device_to_host_bytes_per_s``, ``host_to_device_bytes_per_s``, ``host_copy_latency_s``:
   ``ClusterProfile.host_copy_seconds``), and the host step at the profile's
   ``host_adamw_params_per_s``.
