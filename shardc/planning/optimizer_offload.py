@@ -175,7 +175,7 @@ def decision(*, freed_bytes: int, host_bytes: int, n_params: int, param_bytes: i
     if chosen is None:
         what = "every parameter's state" + (
             f" (the {tried} smaller set(s) of buckets tried, largest state first, did not meet "
-            "the budget)" if tried else "")
+            "the budget)" if tried else " (the excess over the budget needs every bucket's)")
     else:
         what = (f"the state of {len(chosen)} of {of} bucket(s), largest first "
                 f"({', '.join(u.name or str(u.bucket) for u in chosen)}: the fewest whose state "
