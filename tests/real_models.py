@@ -1557,7 +1557,8 @@ def sc_peak_budget_offload(ctx: Ctx) -> dict:
 def sc_peak_budget_optimizer(ctx: Ctx) -> dict:
     """Parity under a budget a byte below the optimizer step's peak (shards, gradients, state,
     temporaries: under the device levers' feasible minimum), where the planner puts the
-    optimizer's state and step on the host (``optimizer_offload='simulate'``: the lever on this
+    optimizer's state and step of the fewest buckets on the host (the others' stays on the
+    device, in the same parameter group) (``optimizer_offload='simulate'``: the lever on this
     CPU mesh), plus the facts the tests check: the record, the peaks, the hashes, the host
     masters (the refusal below what it reaches: tests/test_budget.py)."""
     from shardc.models.llama import LlamaConfig, Transformer
@@ -1596,10 +1597,10 @@ def sc_peak_budget_optimizer(ctx: Ctx) -> dict:
         "predicted": plan.predicted.to_dict(),
         "table": plan.table(),
         "json": plan.to_json(),
-        # Every parameter's optimizer steps on a host master, a separate tensor equal to the
-        # shard after the last step.
+        # The chosen parameters' optimizer steps on a host master, a separate tensor equal to
+        # the shard after the last step (the others' on the device, in the same group).
         "masters": sorted(n for n, m in masters.items() if m is not None),
-        "master_equal": all(m is not None and torch.equal(m.to_local(), p.to_local())
+        "master_equal": all(m is None or torch.equal(m.to_local(), p.to_local())
                             and m.to_local().data_ptr() != p.to_local().data_ptr()
                             for (n, p), m in zip(model.named_parameters(), masters.values())),
         "names": sorted(n for n, _ in model.named_parameters()),

@@ -664,13 +664,14 @@ def test_elided_cast_bytes_price_the_kernels_one_rank_still_runs():
 def test_optimizer_offload_is_the_last_lever_of_the_planner():
     """The real budget planner (a tiny model at a fake world of 2, FX, no margin): at the device
     levers' feasible minimum the optimizer stays on the device; a byte below it the planner puts
-    the optimizer's state and step on the host (the prediction leaves the state and the step's
-    temporaries out of the device, the host holds masters, gradients and state) and records
-    why, at what price; below what that reaches it refuses, naming the new minimum and
-    OffloadPolicy() and (a lower bound of) the minimum with the state on the device; with
-    optimizer_offload='never' a budget below the device minimum is refused saying what 'auto'
-    would do. (``plan_model`` plans the GPU
-    run: its 'auto' is 'simulate', the lever on a CPU mesh too.)"""
+    the optimizer's state and step of the fewest buckets on the host (the largest, layers.0: a
+    strict subset; the prediction leaves only their state and step temporaries out of the
+    device, the host holds their masters, gradients and state) and records which, why and at
+    what price; at what every parameter's state on the host reaches, all of it goes; below
+    that it refuses, naming the new minimum and OffloadPolicy() and (a lower bound of) the
+    minimum with the state on the device; with optimizer_offload='never' a budget below the
+    device minimum is refused saying what 'auto' would do. (``plan_model`` plans the GPU run:
+    its 'auto' is 'simulate', the lever on a CPU mesh too.)"""
     import re
 
     from shardc.models.llama import LlamaConfig
@@ -698,24 +699,82 @@ def test_optimizer_offload_is_the_last_lever_of_the_planner():
     assert step <= floor and "offload=shardc.OffloadPolicy()" in new, new
     at_floor = plan(floor, "simulate")
     assert at_floor.budget.optimizer is None and at_floor.predicted.optimizer_state_bytes > 0
+
+    # A byte below the device minimum: the largest bucket's state is enough.
     below = plan(floor - 1, "simulate")
     record, p = below.budget, below.predicted
-    assert record.optimizer_on_host and record.peak_bytes <= floor - 1
-    assert p.peak_bytes <= floor - 1 and p.optimizer_state_bytes == 0
-    # The step holds the shards, the gradients and the communication pool, nothing else.
-    assert p.optimizer_step_peak_bytes == p.param_bytes + p.grad_bytes + p.pool_bytes
-    assert p.host_bytes == 4 * p.param_bytes  # masters, their gradients, Adam's two moments
+    names = {fqn for b in below.buckets for fqn in b.params}
     o = record.optimizer
-    assert o.freed_bytes == 3 * p.param_bytes and o.host_bytes == p.host_bytes
-    assert o.d2h_ms > 0 and o.step_ms > 0 and o.h2d_ms > 0 and o.params > 0
+    assert record.optimizer_on_host and o.partial and o.buckets == [1], o
+    assert set(o.host_params) < names and all(n.startswith("layers.0.") for n in o.host_params)
+    assert record.peak_bytes <= floor - 1 and p.peak_bytes <= floor - 1
+    host = p.optimizer_host_param_bytes
+    assert 0 < host < p.param_bytes
+    assert p.optimizer_state_bytes == 2 * (p.param_bytes - host)  # the device part's state
+    assert p.optimizer_step_peak_bytes == p.param_bytes + p.grad_bytes + p.pool_bytes \
+        + 3 * (p.param_bytes - host)
+    assert p.host_bytes == 4 * host  # the chosen masters, their gradients, Adam's moments
+    assert o.freed_bytes == 3 * host and o.host_bytes == p.host_bytes
+    assert o.d2h_ms > 0 and o.step_ms > 0 and o.h2d_ms > 0 and 0 < o.params
     assert o.predicted_ms == pytest.approx(o.d2h_ms + o.step_ms + o.h2d_ms)
     assert o.reason.startswith("on the host: the other levers' feasible minimum" if floor - 1
                                >= step else "on the host: the optimizer step's peak"), o.reason
-    assert "optimizer state and step: on the host" in below.table()
+    assert "the state of 1 of 3 bucket(s), largest first (layers.0:" in o.reason, o.reason
+    assert "optimizer state and step: on the host for 9 parameter(s) of bucket(s) 1" \
+        in below.table()
     back = Plan.from_json(below.to_json())
     assert back.budget == record and back.hash() == below.hash()
     assert ("optimizer_on_host", True) in below.budget_signature()
+    assert ("optimizer_host_params", o.host_params) in below.budget_signature()
+    assert plan(floor - 1, "simulate").hash() == below.hash()  # deterministic
+
+    # At what every parameter's state on the host reaches: all of it.
+    everything = plan(new_floor, "simulate")
+    record, p = everything.budget, everything.predicted
+    o = record.optimizer
+    assert record.optimizer_on_host and not o.partial and o.host_params is None, o
+    assert record.peak_bytes <= new_floor and p.peak_bytes <= new_floor
+    assert p.optimizer_state_bytes == 0 and p.optimizer_host_param_bytes is None
+    # The step holds the shards, the gradients and the communication pool, nothing else.
+    assert p.optimizer_step_peak_bytes == p.param_bytes + p.grad_bytes + p.pool_bytes
+    assert p.host_bytes == 4 * p.param_bytes  # masters, their gradients, Adam's two moments
+    assert o.freed_bytes == 3 * p.param_bytes and o.host_bytes == p.host_bytes
+    assert "every parameter's state (" in o.reason, o.reason  # and why not fewer
+    assert "optimizer state and step: on the host," in everything.table()
+    assert ("optimizer_host_params", None) not in everything.budget_signature()
     assert new_floor < floor - p.param_bytes, (new_floor, floor)  # the state is gone
+
+
+def test_the_fewest_buckets_largest_state_first():
+    """``optimizer_offload.units`` orders the buckets by their shards' bytes (ties by index),
+    counting a parameter once and leaving out those already on the host; ``take`` adds the
+    fewest units that cover the excess at the bytes freed per shard byte (at least one)."""
+    from shardc.planning import optimizer_offload
+
+    plan = Plan(PLAN_VERSION, 0, 2, {}, [
+        Bucket(0, "emb", ["e"], [8], [4], [4], "float32", "float32", 2),
+        Bucket(1, "a", ["a1", "a2"], [4, 4], [2, 2], [4, 4], "float32", "float32", 2),
+        Bucket(2, "b", ["b", "e"], [8], [4], [8], "float32", "float32", 2),
+        Bucket(3, "c", ["c"], [2], [1], [4], "float32", "float32", 2),
+    ], [])
+    sizes = {"e": 64, "a1": 32, "a2": 32, "b": 128, "c": 16}
+    asked = []
+
+    def bytes_of(bucket, params):
+        asked.append(bucket)
+        return sum(sizes[p] for p in params)
+
+    order = optimizer_offload.units(plan, bytes_of)
+    assert [(u.bucket, u.nbytes) for u in order] == [(2, 128), (0, 64), (1, 64), (3, 16)]
+    assert order[0].params == ("b",) and order[0].numel == 32 and asked == [0, 1, 2, 3]
+    assert [u.bucket for u in optimizer_offload.units(plan, bytes_of, {"b", "a1"})] == \
+        [0, 1, 3]
+    assert optimizer_offload.take(order, 0, 1, 2.0) == 1
+    assert optimizer_offload.take(order, 0, 256, 2.0) == 1  # 128 bytes free 256
+    assert optimizer_offload.take(order, 0, 257, 2.0) == 2
+    assert optimizer_offload.take(order, 1, 0, 2.0) == 2  # a failed subset grows by one
+    assert optimizer_offload.take(order, 0, 10**9, 3.0) == len(order)
+    assert optimizer_offload.take(order, 0, 1, 0.0) == len(order)  # no state: all of it
 
 
 def test_optimizer_offload_option_and_price():

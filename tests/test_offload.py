@@ -433,8 +433,9 @@ def test_optimizer_only_offload_refusals_name_the_parameter(runs):
     msg = out["replicated_grad"]
     assert msg.startswith("RuntimeError") and "gradient of parameter" in msg, msg
     assert "tok_embeddings.weight" in msg and "Replicate" in msg, msg
-    assert out["mixed"].startswith("RuntimeError") and "own optimizer" in out["mixed"], \
-        out["mixed"]
+    # A group mixing a host-stepped parameter with one stepped where it is (here on the meta
+    # device, without a gradient) steps: the peak budget's partial offload needs such groups.
+    assert out["mixed"] == "NO ERROR", out["mixed"]
 
 
 def test_step_in_backward_trains_like_the_plain_offload_step(runs):

@@ -318,6 +318,8 @@ def shardc_backend(
                           optimizer_on_host=state is not None and (
                               state.offload is not None and not state.offload.params
                               or state.optimizer_planned_on_host),
+                          optimizer_host_params=frozenset(state.optimizer_planned_host_params)
+                          if state is not None else frozenset(),
                           offload_key=state.key if state is not None and state.offload is not None
                           and state.offload.params else "")
     if registry is not None:
@@ -386,10 +388,10 @@ shardc_backend._shardc_trace_once = True  # rewrites shardc.ops.body_call (shard
 
 def _apply_optimizer_offload(region: RegionRecord, state: ShardState | None) -> None:
     """Where the region's peak budget put the optimizer's state on the host
-    (``shardc.planning.optimizer_offload``), have the model's parameters step there
-    (``shardc.runtime.offload_optimizer.adopt``): every parameter of the model, so that the
-    optimizer's groups never mix host and device parameters; the same on every rank (the
-    decision is)."""
+    (``shardc.planning.optimizer_offload``), have those parameters step there
+    (``shardc.runtime.offload_optimizer.adopt``): the ones it chose, or every parameter of the
+    model where it chose them all; the others keep stepping on the device, in the same
+    parameter groups. The same on every rank (the decision is)."""
     budget = region.plan.budget if region.plan is not None else None
     if state is None or budget is None or not budget.optimizer_on_host:
         return
@@ -398,9 +400,16 @@ def _apply_optimizer_offload(region: RegionRecord, state: ShardState | None) -> 
         raise RuntimeError(
             f"shardc: region {region.index}'s peak budget put the optimizer's state on the host, "
             "but the sharded model is gone")
-    state.optimizer_planned_on_host = True
+    chosen = budget.optimizer.host_params
+    if chosen is None:
+        state.optimizer_planned_on_host = True
+        params = list(root.named_parameters())
+    else:  # the later regions plan with these on the host
+        state.optimizer_planned_host_params.update(chosen)
+        wanted = set(chosen)
+        params = [(fqn, p) for fqn, p in root.named_parameters() if fqn in wanted]
     pin = state.mesh.device_type == "cuda" and torch.cuda.is_available()
-    added = offload_optimizer.adopt(list(root.named_parameters()), pin)
+    added = offload_optimizer.adopt(params, pin)
     log.info("shardc: region %d: the optimizer steps %d more parameter(s) on the host (peak "
              "budget)", region.index, added)
 

@@ -29,6 +29,7 @@ from torch import fx
 
 from shardc.compile.options import ShardcOptions
 from shardc.memory.host import optimizer_host_bytes
+from shardc.memory.peak import shard_bytes_by_param
 from shardc.ops.gather import GATHER_OP
 from shardc.ops.gather_args import GatherArgs
 from shardc.passes.fx_utils import is_call
@@ -54,6 +55,10 @@ class SearchRegion(Protocol):
     # and set while the search tries it there (the trials then predict without it) and when it
     # decides it.
     optimizer_on_host: bool
+    # The parameters whose state is on the host where only some's is (partial offload): read
+    # (an earlier region's choice), and set while the search tries a subset and when it
+    # chooses one.
+    optimizer_host_params: frozenset[str]
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,15 @@ def choose_under_budget(inputs: SearchInputs, options: ShardcOptions,
                      unavailable)
             raise _refusal(refused, optimizer_offload.refusal_hint(False, unavailable)) from None
         floor_plan, exact = refused.plan, True
+    subset = _host_subset(inputs, options, region, floor_plan, floor, exact)
+    if subset.decided is not None:
+        decided = subset.decided
+        decided.optimizer = _optimizer_decision(floor_plan, floor, exact, decided, options,
+                                                region, device_name(inputs.joint), subset)
+        log.warning("shardc: region %d: the peak budget puts part of the optimizer's state and "
+                    "step on the host (optimizer_offload='never' turns this off): %s",
+                    region.index, decided.optimizer.reason)
+        return decided
     region.optimizer_on_host = True  # every prediction below leaves the state to the host
     try:
         decided = choose_device_levers(inputs, options, region, tag_prefix="host/")
@@ -111,13 +125,79 @@ def choose_under_budget(inputs: SearchInputs, options: ShardcOptions,
             raise
         raise _refusal(again, optimizer_offload.refusal_hint(True, "", floor, exact)) from None
     decided.optimizer = _optimizer_decision(floor_plan, floor, exact, decided, options, region,
-                                            device_name(inputs.joint))
+                                            device_name(inputs.joint), subset)
     # A warning: the host step costs far more than any device lever (seconds per step at 1e9
     # parameters); the user may prefer a larger budget or more ranks.
     log.warning("shardc: region %d: the peak budget puts the optimizer's state and step on the "
                 "host (optimizer_offload='never' turns this off): %s", region.index,
                 decided.optimizer.reason)
     return decided
+
+
+@dataclass
+class HostSubset:
+    """The partial choice of the optimizer's offload: ``decided`` the device levers' decisions
+    with the state of ``chosen`` (the first buckets of ``order``) on the host, or None where no
+    subset tried met the budget (``tried`` of them; every parameter's state goes then)."""
+
+    order: list[optimizer_offload.HostUnit]
+    chosen: list[optimizer_offload.HostUnit]
+    decided: MemoryBudget | None
+    tried: int
+
+
+def _host_subset(inputs: SearchInputs, options: ShardcOptions, region: SearchRegion,
+                 floor_plan: Plan, floor: int, exact: bool) -> HostSubset:
+    """The fewest buckets (largest state first: ``optimizer_offload.units``) whose optimizer
+    state and step on the host bring the predicted peak within the budget, the device levers
+    chosen again under each subset tried (at most ``optimizer_offload.MAX_SUBSET_TRIALS``).
+    The first subset covers the floor's excess over the budget (``floor``: the device levers'
+    feasible minimum, or not ``exact``, the optimizer step's peak); a subset whose search is
+    refused is grown to cover that search's minimum's excess. Every figure is the largest over
+    the ranks, so every rank tries and chooses the same subsets."""
+    group, index = floor_plan.group_name, region.check_index
+    local = shard_bytes_by_param(inputs.joint)
+    base = region.optimizer_host_params
+
+    def bytes_of(bucket: int, params: tuple[str, ...]) -> int:
+        return agree_on_largest(group, index, f"optimizer/bucket{bucket}",
+                                sum(local.get(p, 0) for p in params))
+
+    order = optimizer_offload.units(floor_plan, bytes_of, base)
+    target = budget.planned_for(budget.resolve_budget(options.peak_memory_budget_bytes,
+                                                      _gather_device(inputs.joint)),
+                                options.peak_memory_margin)
+    state, temp = options.optimizer_state_factor, options.optimizer_temp_factor
+    count = optimizer_offload.take(order, 0, floor - target,
+                                   state + temp if not exact or _peak_in_step(floor_plan)
+                                   else state)
+    tried = 0
+    while tried < optimizer_offload.MAX_SUBSET_TRIALS and count < len(order):
+        chosen = order[:count]
+        region.optimizer_host_params = base | {p for u in chosen for p in u.params}
+        tried += 1
+        try:
+            decided = choose_device_levers(inputs, options, region, tag_prefix=f"host{tried}/",
+                                           step_floor_exits=True)
+            return HostSubset(order, chosen, decided, tried)
+        except optimizer_offload.StepOverBudget as over:
+            again, in_step = over.floor_bytes, True
+        except budget.MemoryBudgetError as refused:
+            if getattr(refused, "minimum_bytes", None) is None:
+                region.optimizer_host_params = base
+                raise
+            again, in_step = refused.minimum_bytes, _peak_in_step(refused.plan)
+        count = optimizer_offload.take(order, count, again - target,
+                                       state + temp if in_step else state)
+    region.optimizer_host_params = base
+    return HostSubset(order, order, None, tried)
+
+
+def _peak_in_step(plan: Plan | None) -> bool:
+    """Whether ``plan``'s predicted peak is in the optimizer step's column (where a byte of
+    state on the host frees its step temporaries too)."""
+    peak = (plan.memory_by_category.get("peak") or {}) if plan is not None else {}
+    return peak.get("graph") == "optimizer step"
 
 
 def _refusal(refused: budget.MemoryBudgetError, hint: str) -> budget.MemoryBudgetError:
@@ -146,10 +226,12 @@ def _optimizer_offload_unavailable(gm: fx.GraphModule, options: ShardcOptions) -
 
 
 def _optimizer_decision(floor_plan: Plan, floor: int, exact: bool, decided: MemoryBudget,
-                        options: ShardcOptions, region: SearchRegion, device: str | None):
-    """The record of the optimizer's state put on the host, priced from the device levers'
-    floor plan (``floor_plan``, peak ``floor``; not ``exact``: ``floor`` is the optimizer
-    step's peak, under every configuration's); every number the largest over the ranks."""
+                        options: ShardcOptions, region: SearchRegion, device: str | None,
+                        subset: HostSubset):
+    """The record of the optimizer's state put on the host (of the buckets ``subset`` chose,
+    or where it chose none, of every parameter), priced from the device levers' floor plan
+    (``floor_plan``, peak ``floor``; not ``exact``: ``floor`` is the optimizer step's peak,
+    under every configuration's); every number the largest over the ranks."""
     group, index = floor_plan.group_name, region.check_index
 
     def largest(tag: str, value: float) -> int:
@@ -158,14 +240,20 @@ def _optimizer_decision(floor_plan: Plan, floor: int, exact: bool, decided: Memo
     p = floor_plan.predicted
     param_bytes = largest("param_bytes", p.param_bytes)
     grad_bytes = largest("grad_bytes", p.grad_bytes)
-    freed = int(param_bytes * (options.optimizer_state_factor + options.optimizer_temp_factor))
     n_params = largest("numel", _shard_numel(floor_plan))
+    chosen = subset.chosen if subset.decided is not None else None
+    if chosen is not None:  # the chosen buckets' shards, and their gradients in proportion
+        host_param_bytes = sum(u.nbytes for u in chosen)
+        grad_bytes = grad_bytes * host_param_bytes // max(param_bytes, 1)
+        param_bytes, n_params = host_param_bytes, sum(u.numel for u in chosen)
+    freed = int(param_bytes * (options.optimizer_state_factor + options.optimizer_temp_factor))
     profile = resolve_profile(options.cluster, device)
     return optimizer_offload.decision(
         freed_bytes=freed, host_bytes=optimizer_host_bytes(param_bytes,
                                                            options.optimizer_state_factor),
         n_params=n_params, param_bytes=param_bytes, grad_bytes=grad_bytes, profile=profile,
-        floor_bytes=floor, peak_bytes=decided.peak_bytes, exact=exact)
+        floor_bytes=floor, peak_bytes=decided.peak_bytes, exact=exact, chosen=chosen,
+        of=len(subset.order), tried=subset.tried)
 
 
 def _shard_numel(plan: Plan) -> int:
@@ -234,10 +322,13 @@ def choose_device_levers(inputs: SearchInputs, options: ShardcOptions, region: S
     if step_floor_exits:
         # The optimizer step's shards, gradients, state and temporaries are the same in every
         # configuration of these levers: over the budget, none can meet it.
+        # (The state of the shards whose optimizer a partial offload put on the host is not.)
         step = base.predicted
-        factor = 1 + options.optimizer_state_factor + options.optimizer_temp_factor
+        shards = step.param_bytes or 0
+        stepped_here = shards - (step.optimizer_host_param_bytes or 0)
+        factor = options.optimizer_state_factor + options.optimizer_temp_factor
         floor = agree_on_largest(base.group_name, region.check_index, f"{tag_prefix}step",
-                                 int((step.param_bytes or 0) * factor + (step.grad_bytes or 0)))
+                                 int(shards + stepped_here * factor + (step.grad_bytes or 0)))
         if floor > budget_bytes:
             raise optimizer_offload.StepOverBudget(floor, base)
     probe, blocks = inputs.probe, inputs.blocks  # the joint passes' graph and its blocks

@@ -53,7 +53,7 @@ from shardc.memory.host import (
     optimizer_host_bytes,
     resident_host_values,
 )
-from shardc.memory.peak import param_placeholders, predict_peak
+from shardc.memory.peak import param_placeholders, predict_peak, shard_bytes_by_param
 from shardc.memory.pool import assign_pool
 from shardc.ops.gather import GATHER_OP
 from shardc.ops.gather_args import GatherArgs
@@ -102,6 +102,10 @@ class RegionRecord:
     # Optimizer-only CPU offload (OffloadPolicy(params=False, optimizer=True)): the optimizer's
     # state and step live on the host (shardc.runtime.offload_optimizer), not in the device peak.
     optimizer_on_host: bool = False
+    # The peak budget's partial optimizer offload (shardc.planning.optimizer_offload): the
+    # parameters whose state and step are on the host (the others' stay on the device); set by
+    # an earlier region's decision and while the search tries a subset.
+    optimizer_host_params: frozenset[str] = frozenset()
     # CPU offload of the parameters (OffloadPolicy()): the model's key, which the backward's
     # per-bucket "host gradients ready" signals carry (shardc.optim.step_in_backward).
     offload_key: str = ""
@@ -225,6 +229,8 @@ def lower_and_predict(fw: fx.GraphModule, bw: fx.GraphModule | None, options: Sh
     record_bodies(plan, region)
     fw_params = param_placeholders(fw)
     bw_params = param_placeholders(bw) if bw is not None else set()
+    on_host = region.optimizer_on_host
+    host_stepped = 0 if on_host else host_stepped_bytes(fw, region.optimizer_host_params)
     host = find_host_state(fw, bw)  # CPU offload: what lives on the host
     rank = rank_in_plan(plan)
     pool = allocate_pool(fw, plan, options, pool_device) if bw is not None else None
@@ -238,7 +244,6 @@ def lower_and_predict(fw: fx.GraphModule, bw: fx.GraphModule | None, options: Sh
                 else pool
             apply_plan(gm, plan, name, rank, pool=where, poison=options.debug_pool,
                        grads_ready_key=region.offload_key)
-    on_host = region.optimizer_on_host
     with progress.stage(region.index, "peak prediction"):
         predict_peak(fw, bw, plan, fw_params, bw_params,
                      optimizer_state_factor=0.0 if on_host else options.optimizer_state_factor,
@@ -246,22 +251,34 @@ def lower_and_predict(fw: fx.GraphModule, bw: fx.GraphModule | None, options: Sh
                      persistent_bytes=pool.numel() if pool is not None else 0,
                      fusion=options.inductor,
                      host=host.params | host.bw_params | host_values(fw) | host_values(bw)
-                     | activation_host_values(fw, bw) | resident_host_values(fw, bw))
+                     | activation_host_values(fw, bw) | resident_host_values(fw, bw),
+                     optimizer_host_param_bytes=host_stepped)
         record_host_bytes(plan, host, fw, options, on_host)
     return plan, pool
+
+
+def host_stepped_bytes(fw: fx.GraphModule, names: frozenset[str]) -> int:
+    """Bytes of this rank's shards of the parameters ``names`` in ``fw`` (before lowering):
+    those whose optimizer state and step the peak budget put on the host."""
+    if not names:
+        return 0
+    return sum(n for fqn, n in shard_bytes_by_param(fw).items() if fqn in names)
 
 
 def record_host_bytes(plan: Plan, host, fw: fx.GraphModule, options: ShardcOptions,
                       on_host: bool) -> None:
     """``plan.predicted.host_bytes``: CPU offload's masters, gradients and optimizer state (or,
-    optimizer-only, the host masters, their gradients and state), plus the saved activations
-    the forward offloads; ``device_copy_bytes`` where there are copies."""
+    optimizer-only, the host masters, their gradients and state, of every parameter or of
+    those the peak budget chose), plus the saved activations the forward offloads;
+    ``device_copy_bytes`` where there are copies."""
     total, known = 0.0, False
+    partial = plan.predicted.optimizer_host_param_bytes
     if any(c.origin == "shardc" for c in plan.copies):
         total, known = float(host.host_bytes(options.optimizer_state_factor)), True
-    elif on_host:
+    elif on_host or partial:
+        stepped = plan.predicted.param_bytes if on_host else partial
         total, known = float(optimizer_host_bytes(
-            plan.predicted.param_bytes or 0.0, options.optimizer_state_factor)), True
+            stepped or 0.0, options.optimizer_state_factor)), True
     activations = activation_host_bytes(fw)
     if known or activations:
         plan.predicted.host_bytes = total + activations

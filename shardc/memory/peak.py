@@ -329,19 +329,24 @@ def predict_peak(
     persistent_bytes: int = 0,
     fusion: bool = False,
     host: set[fx.Node] = frozenset(),
+    optimizer_host_param_bytes: int = 0,
 ) -> dict[str, int]:
     """Whole-step peak prediction from the lowered graphs; ``params``/``bw_params`` are the
     parameter-shard placeholders (:func:`param_placeholders`, taken before lowering);
     ``persistent_bytes``: memory held across steps besides those (the static pool), counted
     in the optimizer step (the graphs' liveness already covers it inside the step);
-    ``host``: values in host memory (CPU offload, :mod:`shardc.memory.host`), not counted.
+    ``host``: values in host memory (CPU offload, :mod:`shardc.memory.host`), not counted;
+    ``optimizer_host_param_bytes``: bytes of the shards whose optimizer state and step are on
+    the host (the peak budget's partial optimizer offload): the state and the step's
+    temporaries are counted for the other shards only.
 
     Returns (and records in ``plan.predicted``) ``param_bytes``, ``optimizer_state_bytes``,
     ``forward_peak_bytes``, ``backward_peak_bytes``, ``grad_bytes``,
     ``optimizer_step_peak_bytes`` and ``peak_bytes`` (the largest of the three peaks).
     """
     param_bytes = sum(_nbytes(p.meta.get("val")) for p in params)
-    optim = int(param_bytes * optimizer_state_factor)
+    stepped_here = max(param_bytes - optimizer_host_param_bytes, 0)  # the device's optimizer
+    optim = int(stepped_here * optimizer_state_factor)
     constants = {breakdown.PARAM_SHARDS: param_bytes, breakdown.OPTIMIZER: optim}
     # Block bodies (invoke_subgraph calls) are walked as the ops they run, where they run them.
     forward, params, fw_host = _flat(forward, params, host)
@@ -363,16 +368,34 @@ def predict_peak(
                     if isinstance(n, fx.Node) and _root(n) not in bw_host)
         out["grad_bytes"] = grads
         out["optimizer_step_peak_bytes"] = (param_bytes + optim + grads + persistent_bytes
-                                            + int(param_bytes * optimizer_temp_factor))
+                                            + int(stepped_here * optimizer_temp_factor))
         peak = max(peak, out["backward_peak_bytes"], out["optimizer_step_peak_bytes"])
         constants_step = {**constants, breakdown.GRADIENTS: grads,
                           breakdown.COMM: persistent_bytes,
-                          breakdown.TEMPORARIES: int(param_bytes * optimizer_temp_factor)}
+                          breakdown.TEMPORARIES: int(stepped_here * optimizer_temp_factor)}
     plan.memory_by_category = _step_breakdown(
         walked, constants, constants_step if backward is not None else None)
     out["peak_bytes"] = peak
+    if optimizer_host_param_bytes:
+        out["optimizer_host_param_bytes"] = min(optimizer_host_param_bytes, param_bytes)
     for key, value in out.items():
         setattr(plan.predicted, key, float(value))
+    return out
+
+
+def shard_bytes_by_param(gm: fx.GraphModule) -> dict[str, int]:
+    """Bytes of each parameter's shard (this rank's), by name, found through the gathers as
+    :func:`param_placeholders` finds them (call before lowering); FP8 gathers, which send a
+    quantized shard, are left out."""
+    out: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is GATHER_OP:
+            args = GatherArgs.of(node)
+            if is_float8(_dtype(args.shard)):
+                continue
+            root = view_chain_root(args.shard)
+            if root is not None:
+                out.setdefault(args.fqn, _nbytes(root.meta.get("val")))
     return out
 
 

@@ -15,16 +15,21 @@ compile time, after the other levers:
   drops by the state's bytes, the step's also by its temporaries), so the other levers spend
   the room it frees (keeping buckets gathered again) and a budget it cannot meet is refused
   naming the new minimum.
-* **what**: every parameter of the sharded model, not the fewest needed. ``torch.optim`` steps
-  a parameter group on one device and the runtime refuses a group mixing host-stepped and
-  device-stepped parameters (``offload_optimizer._check_group``); the optimizer is usually
-  built over ``model.parameters()`` in one group before the first compile, so a partial choice
-  would fail at its step. A model's regions share one optimizer, so once one region puts it on
-  the host the later regions plan with it there too.
-* **price** (:func:`price`), all inside ``optimizer.step()`` (not overlapped with the
-  backward): the copies (:func:`copy_seconds`, which the whole-step prediction,
-  ``shardc.planning.step``, prices them with too) of the shards and of the gradients to the
-  host and of the updated shards back, each a copy at the profile's host link in its direction
+* **what**: the fewest buckets whose state must go (``shardc.compile.budget_search``'s
+  ``_host_subset``): the buckets ordered by their shards' bytes, largest first, ties by index
+  (:func:`units`; sizes the largest over the ranks), the first subset the shortest prefix
+  whose freed bytes cover the excess over the budget (:func:`take`), each subset verified by
+  the device levers' search with its state on the host and grown on a refusal, at most
+  :data:`MAX_SUBSET_TRIALS`; then every parameter's. The runtime lets a parameter group mix
+  host-stepped and device-stepped parameters (``shardc.runtime.offload_optimizer``), so the
+  optimizer built over ``model.parameters()`` in one group steps the chosen ones on the host
+  and the others where they are. A model's regions share one optimizer, so parameters one
+  region puts on the host stay there for the later regions.
+* **price** (:func:`price`, over the chosen parameters only), all inside ``optimizer.step()``
+  (not overlapped with the backward): the copies (:func:`copy_seconds`, which the whole-step
+  prediction, ``shardc.planning.step``, prices them with too) of the shards and of the
+  gradients to the host and of the updated shards back, each a copy at the profile's host link
+  in its direction
   (``device_to_host_bytes_per_s``, ``host_to_device_bytes_per_s``, ``host_copy_latency_s``:
   ``ClusterProfile.host_copy_seconds``), and the host step at the profile's
   ``host_adamw_params_per_s``.
@@ -36,12 +41,64 @@ below what the optimizer's offload reaches is refused, naming it.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
 from shardc.planning.estimate import host_optimizer_seconds
-from shardc.planning.plan import OptimizerDecision
+from shardc.planning.plan import OptimizerDecision, Plan
 from shardc.planning.profile import ClusterProfile
 
 MODES = ("auto", "never", "simulate")
+# Subsets of the buckets verified (each by a search of the device levers) before every
+# parameter's state goes to the host, whatever the model.
+MAX_SUBSET_TRIALS = 3
 _MiB = float(1 << 20)
+
+
+@dataclass(frozen=True)
+class HostUnit:
+    """A bucket whose parameters' optimizer state and step may go to the host together:
+    ``nbytes`` the largest rank's bytes of their shards (the state is ``optimizer_state_factor``
+    times that), ``numel`` their elements per rank (padding included)."""
+
+    bucket: int
+    name: str
+    params: tuple[str, ...]
+    nbytes: int
+    numel: int
+
+
+def units(plan: Plan, bytes_of: Callable[[int, tuple[str, ...]], int],
+          already: Collection[str] = ()) -> list[HostUnit]:
+    """The buckets of ``plan`` whose state may move, largest first, ties by bucket index: the
+    same order on every rank, since ``bytes_of(bucket index, its parameters)`` is to return the
+    largest rank's bytes of those parameters' shards. A parameter in two buckets counts in the
+    first; parameters in ``already`` (on the host from an earlier region), and buckets left with
+    nothing, are left out."""
+    seen, out = set(already), []
+    for b in plan.buckets:
+        params, numel = [], 0
+        for fqn, rows, row_numel in zip(b.params, b.padded_rows, b.row_numel):
+            if fqn not in seen:
+                seen.add(fqn)
+                params.append(fqn)
+                numel += rows * row_numel
+        nbytes = bytes_of(b.index, tuple(params)) if params else 0
+        if nbytes > 0:
+            out.append(HostUnit(b.index, b.name, tuple(params), nbytes, numel))
+    return sorted(out, key=lambda u: (-u.nbytes, u.bucket))
+
+
+def take(order: list[HostUnit], have: int, excess: int, freed_per_byte: float) -> int:
+    """How many of ``order``'s first units to put on the host: the ``have`` already taken and
+    then the fewest more whose shard bytes times ``freed_per_byte`` (the device bytes a shard
+    byte's state frees where the peak is: the state, plus the step's temporaries in the
+    optimizer step's column) cover ``excess`` (at least one more)."""
+    count, freed = have, 0.0
+    while count < len(order) and (count == have or freed < excess):
+        freed += order[count].nbytes * freed_per_byte
+        count += 1
+    return count
 
 
 class StepOverBudget(Exception):
@@ -101,24 +158,37 @@ def why_not(mode: str, device_type: str, offload, fp8: bool, tp: bool) -> str:
 
 def decision(*, freed_bytes: int, host_bytes: int, n_params: int, param_bytes: int,
              grad_bytes: int, profile: ClusterProfile, floor_bytes: int, peak_bytes: int,
-             exact: bool = True) -> OptimizerDecision:
+             exact: bool = True, chosen: list[HostUnit] | None = None, of: int = 0,
+             tried: int = 0) -> OptimizerDecision:
     """The record of the lever chosen: ``floor_bytes`` the other levers' feasible minimum
     (over the budget; not ``exact``: the optimizer step's peak, which every configuration of
     theirs has), ``peak_bytes`` the chosen plan's predicted peak with the state on the host;
-    the bytes and counts are the largest over the ranks."""
+    ``chosen``: the buckets whose state is on the host, of ``of`` that could move (None: every
+    parameter's, after ``tried`` subsets that did not meet the budget); the bytes and counts
+    (of the parameters on the host) are the largest over the ranks."""
     d2h, step, h2d = price(param_bytes, grad_bytes, n_params, profile)
     total_ms = (d2h + step + h2d) * 1e3
     floor = (f"the other levers' feasible minimum {floor_bytes / _MiB:.1f} MiB is over the "
              "budget" if exact else f"the optimizer step's peak {floor_bytes / _MiB:.1f} MiB "
              "(shards, gradients, state and temporaries, in every configuration of the other "
              "levers) is over the budget")
-    reason = (f"on the host: {floor}; the state on the host frees {freed_bytes / _MiB:.1f} MiB "
+    if chosen is None:
+        what = "every parameter's state" + (
+            f" (the {tried} smaller set(s) of buckets tried, largest state first, did not meet "
+            "the budget)" if tried else " (the excess over the budget needs every bucket's)")
+    else:
+        what = (f"the state of {len(chosen)} of {of} bucket(s), largest first "
+                f"({', '.join(u.name or str(u.bucket) for u in chosen)}: the fewest whose state "
+                "on the host brings the predicted peak within the budget)")
+    reason = (f"on the host: {floor}; {what} on the host frees {freed_bytes / _MiB:.1f} MiB "
               f"of device memory for ~{total_ms:.1f} ms per step ({d2h * 1e3:.1f} ms shards "
               f"and gradients to the host, {step * 1e3:.1f} ms host step over {n_params} "
               f"parameters, {h2d * 1e3:.1f} ms shards back); predicted peak "
               f"{peak_bytes / _MiB:.1f} MiB")
+    host_params = None if chosen is None else [p for u in chosen for p in u.params]
+    buckets = [] if chosen is None else sorted(u.bucket for u in chosen)
     return OptimizerDecision(True, int(freed_bytes), int(host_bytes), int(n_params),
-                             d2h * 1e3, step * 1e3, h2d * 1e3, reason)
+                             d2h * 1e3, step * 1e3, h2d * 1e3, reason, host_params, buckets)
 
 
 def refusal_hint(offloaded: bool, unavailable: str, device_floor: int | None = None,

@@ -57,6 +57,10 @@ PLAN_VERSION = 5
 # budget, with every depth tried) came later still within version 5, optional like those: a plan
 # without it reads with ``None`` (the options' depth) and hashes as before (the chosen depth
 # enters the hash only when the record is there).
+# The peak budget's partial optimizer offload came later still within version 5, optional like
+# those: ``OptimizerDecision.host_params`` and ``buckets`` (a plan without them reads with every
+# parameter's state on the host, as it was planned, and hashes as before: the parameters enter
+# the hash only for a partial choice) and ``Predictions.optimizer_host_param_bytes``.
 READABLE_VERSIONS = (1, 2, 3, 4, 5)
 
 
@@ -134,6 +138,11 @@ class Predictions:
     # from a measured phase (shardc.tools.host_cost). Optional within version 5.
     forward_kernels: float | None = None
     backward_kernels: float | None = None
+    # The peak budget's partial optimizer offload (optional within version 5): bytes of this
+    # rank's parameter shards whose optimizer state and step are on the host; the device's
+    # optimizer state and step temporaries above are those of the other shards. Absent: none
+    # (or, with ``MemoryBudget.optimizer`` on the host for every parameter, all of them).
+    optimizer_host_param_bytes: float | None = None
 
     def to_dict(self) -> dict[str, float]:
         """The predictions made, by name."""
@@ -438,6 +447,16 @@ class OptimizerDecision:
     step_ms: float
     h2d_ms: float
     reason: str
+    # Partial offload (optional within version 5): the parameters whose state and step are on
+    # the host, and the buckets they fill (None: every parameter of the model, as in plans made
+    # before it); the others keep theirs on the device.
+    host_params: list[str] | None = None
+    buckets: list[int] = field(default_factory=list)
+
+    @property
+    def partial(self) -> bool:
+        """Whether only some parameters' state is on the host (:attr:`host_params`)."""
+        return self.on_host and self.host_params is not None
 
     @property
     def predicted_ms(self) -> float:
@@ -584,7 +603,9 @@ class Plan:
         out = out + (("margin", b.margin_bytes),) if b.margin_bytes else out
         out = out + (("offloaded", b.offloaded),) if b.offloaded else out
         out = out + (("prefetch", b.prefetch.depth),) if b.prefetch is not None else out
-        return out + (("optimizer_on_host", True),) if b.optimizer_on_host else out
+        out = out + (("optimizer_on_host", True),) if b.optimizer_on_host else out
+        partial = b.optimizer is not None and b.optimizer.partial
+        return out + (("optimizer_host_params", b.optimizer.host_params),) if partial else out
 
     def hash(self) -> str:
         """Hash of what must be identical on every rank (see :meth:`Collective.signature`)."""

@@ -18,6 +18,18 @@ such parameters shardc's optimizer step hooks (``register_optimizer_step_pre_hoo
 3. after the step the parameters and their (updated) state entries are put back, and each
    master is copied into its device shard.
 
+Only the parameters :func:`remember` (or :func:`adopt`) named step on the host: a parameter
+group may mix them with parameters that step on the device (the peak budget's partial choice,
+``shardc.planning.optimizer_offload``), which keep their place, their state and their device
+in it. ``torch.optim`` then steps one group over two devices: its ``foreach`` and ``fused``
+implementations group the tensors by device and dtype (``Optimizer.
+_group_tensors_by_device_and_dtype``) and run each device's kernels on its own tensors (CPU has
+fused AdamW/Adam/SGD kernels); left unset, ``foreach`` defaults to False for a group holding any
+CPU tensor (``_default_to_fused_or_foreach``), so the device part then steps with the
+per-tensor kernels: pass ``foreach=True`` or ``fused=True`` to keep it on the multi-tensor ones.
+Refused at the step, naming the parameter: ``capturable=True`` (it steps on the device) and a
+tensor hyperparameter (``lr``) on the device.
+
 Outside ``step()`` the optimizer holds the device parameters, and its state (keyed by them)
 is DTensors in global coordinates whose local tensors are host tensors: ``state_dict()``,
 ``get_state_dict`` / ``set_state_dict`` and DCP see the same keys, shapes and values as
@@ -123,7 +135,10 @@ def _local_device(t: torch.Tensor) -> torch.device:
 
 
 def _check_group(group: dict, hosted: list[tuple[torch.Tensor, _HostCopy | None]]) -> None:
-    """Raise, naming the parameter, where a group cannot step on the host."""
+    """Raise, naming the parameter, where a group cannot step its host-stepped parameters on
+    the host. A group may mix them with device-stepped parameters (see the module
+    docstring); a tensor hyperparameter on the device is refused, since the host's kernels
+    would read it across devices."""
     named = [(p, h) for p, h in hosted if h is not None]
     if not named:
         return
@@ -149,16 +164,15 @@ def _check_group(group: dict, hosted: list[tuple[torch.Tensor, _HostCopy | None]
                 f"sharded like its parameter ({p.placements}) as the backward leaves it; its "
                 "optimizer steps on the host over the local shards, so assign gradients "
                 "sharded like the parameter or let the backward produce them.")
-    other = next(((p, i) for i, (p, h) in enumerate(hosted)
-                  if h is None and _local_device(p).type != "cpu"), None)
-    if other is not None:
+    on_device = [key for key, value in group.items() if key != "params"
+                 and isinstance(value, torch.Tensor) and _local_device(value).type != "cpu"]
+    if on_device:
         raise RuntimeError(
-            f"shardc: one optimizer parameter group holds parameters whose optimizer steps "
-            f"on the host (OffloadPolicy(params=False, optimizer=True), or the peak budget's "
-            f"optimizer offload; e.g. "
-            f"{named[0][1].fqn!r}) and parameter #{other[1]} on {_local_device(other[0])}; "
-            "torch.optim steps a group on one device. Put the offloaded model's parameters "
-            "in their own optimizer (or parameter group).")
+            f"shardc: the optimizer's parameter group holding {named[0][1].fqn!r} has "
+            f"{on_device[0]} as a tensor on {_local_device(group[on_device[0]])}; that "
+            "parameter's optimizer steps on the host (OffloadPolicy(params=False, "
+            "optimizer=True), or the peak budget's optimizer offload), whose kernels read "
+            f"{on_device[0]} there. Pass {on_device[0]} as a float or a CPU tensor.")
 
 
 def _buffer(like: torch.Tensor, have: torch.Tensor | None, pin: bool) -> torch.Tensor:

@@ -147,6 +147,9 @@ class ShardState:
     # A region's peak budget put the optimizer's state on the host: the later regions plan
     # with it there (one optimizer steps the whole model).
     optimizer_planned_on_host: bool = False
+    # A region's peak budget put only these parameters' optimizer state on the host (partial
+    # offload): the later regions plan with theirs there.
+    optimizer_planned_host_params: set[str] = field(default_factory=set)
 
     @property
     def key(self) -> str:

@@ -98,10 +98,12 @@ def _draw_step(ax, plan: Plan, capacity_bytes: float | None) -> None:
                     fontsize="x-small", va="top",
                     bbox={"boxstyle": "round", "fc": "white", "alpha": 0.85})
     on_host = plan.budget is not None and plan.budget.optimizer_on_host
+    state = "part of the state" if on_host and plan.budget.optimizer.partial else "state"
     for g, (start, _) in starts.items():
         ax.axvline(start, color="black", linewidth=0.5, alpha=0.5)
         # The peak budget's last lever: the state is in host memory, not in these columns.
-        label = f" {g} (state on the host)" if g == "optimizer step" and on_host else f" {g}"
+        label = (f" {g} ({state} on the host)" if g == "optimizer step" and on_host
+                 else f" {g}")
         ax.text(start, top * 1.12, label, fontsize="small", va="top")
     ax.set_xlim(0, max(xs, default=1))
     ax.set_ylim(0, max(top * 1.15, 1e-6))

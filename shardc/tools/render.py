@@ -306,6 +306,9 @@ def budget_lines(plan: Plan) -> list[str]:
     o = b.optimizer
     if o is not None:
         where = "on the host" if o.on_host else "on the device"
+        if o.partial:
+            where = (f"on the host for {len(o.host_params)} parameter(s) of bucket(s) "
+                     f"{', '.join(map(str, o.buckets))}, the rest on the device")
         lines.append(f"  optimizer state and step: {where}, costs {o.predicted_ms:.1f} ms per "
                      f"step, frees {_fmt_bytes(o.freed_bytes)} "
                      f"(host {_fmt_bytes(o.host_bytes)}): {o.reason}")
