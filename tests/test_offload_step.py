@@ -12,7 +12,14 @@ import pytest
 
 from shardc.planning import optimizer_offload
 from shardc.planning.estimate import host_optimizer_seconds, optimizer_step_seconds
-from shardc.planning.plan import PLAN_VERSION, Collective, CollectiveKind, Plan
+from shardc.planning.plan import (
+    PLAN_VERSION,
+    Collective,
+    CollectiveKind,
+    MemoryBudget,
+    OptimizerDecision,
+    Plan,
+)
 from shardc.planning.profile import (
     DEFAULT_HOST_ADAMW_PARAMS_PER_S,
     DEFAULT_HOST_COPY_LATENCY_S,
@@ -263,3 +270,48 @@ def test_the_host_link_and_its_defaults_have_one_source_the_profile():
                    if p.name != "profile.py" and ("DEFAULT_HOST_LINK" in p.read_text()
                                                   or "DEFAULT_HOST_COPY" in p.read_text()))
     assert users == [], users
+
+
+def _budgeted(plan: Plan, host_params: list[str] | None, host_share: float) -> Plan:
+    """``plan`` with a peak budget whose last lever put the optimizer of ``host_params`` (None:
+    every parameter) on the host, ``host_share`` of its 4e9 shard bytes."""
+    decision = OptimizerDecision(True, 0, 0, 0, 0.0, 0.0, 0.0, "test", host_params,
+                                 [0] if host_params else [])
+    plan.budget = MemoryBudget(budget_bytes=1, minimum_bytes=1, peak_bytes=1, optimizer=decision)
+    plan.predicted.param_bytes = 4e9
+    plan.predicted.optimizer_host_param_bytes = 4e9 * host_share if host_params else None
+    return plan
+
+
+def test_the_step_prices_the_budgets_optimizer_offload_whole_or_partial():
+    """The peak budget's last lever runs as optimizer-only offload (every parameter) or as a
+    mixed step (some parameters on the host, the rest on the device): the whole-step
+    prediction prices what runs, not the device step the user's optimizer would take."""
+    prof = _profile()
+    spec = OptimizerSpec(4e9, 100, temp_factor=0.0)
+    device = predict_step([_plan()], prof, spec)
+    whole = predict_step([_budgeted(_plan(), None, 1.0)], prof, spec)
+    offload = predict_step([_plan()], prof, dataclasses.replace(spec, offload="optimizer"))
+    assert whole.step_s == pytest.approx(offload.step_s)
+    assert whole.by_category == pytest.approx(offload.by_category)
+    assert "optimizer-only offload" in whole.optimizer
+    quarter = predict_step([_budgeted(_plan(), ["p0"], 0.25)], prof, spec)
+    # a quarter of the bytes (and of the tensors) on the host: its copies and host step, then
+    # the other three quarters' device step
+    host = predict_step([_plan()], prof, dataclasses.replace(spec, param_bytes=1e9, n_params=25,
+                                                            offload="optimizer"))
+    rest = optimizer_step_seconds(3e9, 75, prof, temp_factor=0.0)
+    assert quarter.by_category["offload_copies"] == pytest.approx(
+        host.by_category["offload_copies"])
+    assert quarter.optimizer_host_s == pytest.approx(host.optimizer_host_s)
+    assert quarter.optimizer_device_s == pytest.approx(rest)
+    # after the other 75 tensors' host work; zero_grad's host work hides under that device step
+    zero_grad_of_host_only = 25 * prof.zero_grad_per_param_s + prof.zero_grad_fixed_s
+    assert quarter.step_s == pytest.approx(
+        host.step_s - zero_grad_of_host_only + 75 * prof.optimizer_per_param_s + rest)
+    assert device.step_s < quarter.step_s < whole.step_s
+    assert "25% of the shards" in quarter.optimizer
+    # the user's own offload is priced as asked (the budget does not decide it then)
+    assert predict_step([_budgeted(_plan(), ["p0"], 0.25)], prof,
+                        dataclasses.replace(spec, offload="params")).step_s == pytest.approx(
+        predict_step([_plan()], prof, dataclasses.replace(spec, offload="params")).step_s)

@@ -51,6 +51,14 @@ per tensor, as on the device); the device has nothing to run meanwhile.
   :func:`shardc.planning.optimizer_offload.copy_seconds`, as the budget planner's decision to
   offload prices them (the gradients as many bytes as the fp32 shards).
 
+Where a plan's peak budget put the optimizer's state and step on the host (the budget's last
+lever, ``MemoryBudget.optimizer``) and ``optimizer.offload`` is ``"none"``, the step is priced as
+that decision runs: every parameter's (:func:`budget_host_share` 1) as ``"optimizer"``; only
+some parameters' (a partial choice) as a mixed step: their share of the bytes and tensors
+steps on the host with optimizer-only offload's copies, the rest on the device, one after the
+other inside ``optimizer.step()`` (the hooks copy to the host first, torch steps the group,
+the hooks copy back).
+
 Regions: the backward of the region compiled first (the lowest ``Plan.region``) runs last, so
 its queued device time is what the optimizer's host work can hide under; another region's
 hand-off can hide only under its own backward's queued time, and what it exceeds that by is
@@ -60,7 +68,7 @@ added to the step.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from shardc.planning import optimizer_offload
 from shardc.planning.estimate import (
@@ -263,10 +271,55 @@ def _host_step(last: Plan | None, spec: OptimizerSpec, profile: ClusterProfile
     return behind, max(profile.optimizer_fixed_s, 0.0) + rest, 0.0, compute
 
 
+def budget_host_share(plans: Sequence[Plan]) -> float:
+    """The share of this rank's parameter shard bytes whose optimizer state and step the plans'
+    peak budget put on the host: 0 where none did, 1 where one put every parameter's there,
+    else the largest region's share (``Predictions.optimizer_host_param_bytes`` over its
+    ``param_bytes``; later regions plan with an earlier region's choice, so the largest holds
+    it)."""
+    share = 0.0
+    for p in plans:
+        decision = p.budget.optimizer if p.budget is not None else None
+        if decision is None or not decision.on_host:
+            continue
+        if not decision.partial:
+            return 1.0
+        shards = _value(p.predicted, "param_bytes")
+        host = _value(p.predicted, "optimizer_host_param_bytes")
+        share = max(share, min(host / shards, 1.0) if shards > 0 else 0.0)
+    return share
+
+
+def _mixed_step(queued: float, handoff: float, zero_grad: float, optimizer: OptimizerSpec,
+                share: float, profile: ClusterProfile
+                ) -> tuple[float, float, float, float, float, float, float, float]:
+    """A step whose optimizer steps ``share`` of the shards on the host (the peak budget's
+    partial choice) and the rest on the device: (the optimizer's end, the device's idle until
+    then, the step's end, the idle in all, the device part's seconds, the host step's seconds
+    with its copies, of them the copies', of them the host compute's)."""
+    host_n = min(max(round(optimizer.n_params * share), 1), optimizer.n_params)
+    host = replace(optimizer, param_bytes=optimizer.param_bytes * share, n_params=host_n,
+                   offload="optimizer")
+    _, host_s, copies, compute = _host_step(None, host, profile)
+    device_n = optimizer.n_params - host_n
+    device = optimizer_step_seconds(optimizer.param_bytes - host.param_bytes, device_n, profile,
+                                    state_factor=optimizer.state_factor,
+                                    temp_factor=optimizer.temp_factor) if device_n else 0.0
+    # The host's copies and step come first (the pre-step hook), then the device part's
+    # kernels; its per-parameter host work adds to the host's.
+    timeline = after_backward_timeline(queued, handoff, device,
+                                       host_s + profile.optimizer_per_param_s * device_n,
+                                       zero_grad, 1)
+    return (*timeline, device, host_s, copies, compute)
+
+
 def predict_step(plans: Sequence[Plan], profile: ClusterProfile, optimizer: OptimizerSpec
                  ) -> StepPrediction:
     """The step of the compiled regions ``plans`` (this rank's) with ``optimizer`` (see the
     module docstring)."""
+    share = budget_host_share(plans) if optimizer.offload == "none" else 0.0
+    if share >= 1.0:  # the budget put every parameter's state and step on the host
+        optimizer = replace(optimizer, offload="optimizer", overlap=False)
     graphs_s = sum(_value(p.predicted, "step_time_s") for p in plans)
     last = min(plans, key=lambda p: p.region, default=None)
     excess = 0.0  # other regions' hand-off beyond their own backward's queued time
@@ -281,7 +334,15 @@ def predict_step(plans: Sequence[Plan], profile: ClusterProfile, optimizer: Opti
     on_host = optimizer.offload != "none"
     by_category: dict[str, float] = {}
     host_compute = 0.0
-    if on_host:
+    if 0.0 < share < 1.0:
+        opt_end, opt_idle, after, idle, device, host_s, copies, host_compute = _mixed_step(
+            queued, handoff, zero_grad, optimizer, share, profile)
+        by_category["optimizer"] = device
+        stepping = min(host_s - copies, idle)
+        by_category["host_optimizer"] = stepping
+        by_category["offload_copies"] = min(copies, idle - stepping)
+        other_idle = idle - stepping - by_category["offload_copies"]
+    elif on_host:
         device = 0.0
         behind, host_s, copies, host_compute = _host_step(last, optimizer, profile)
         # The worker runs beside the main thread's hand-off; optimizer.step() waits for both.
@@ -309,9 +370,12 @@ def predict_step(plans: Sequence[Plan], profile: ClusterProfile, optimizer: Opti
                                    if optimizer.overlap else "") if on_host else "device"
     if optimizer.offload == "optimizer":
         where = "host, optimizer-only offload"
+    if 0.0 < share < 1.0:
+        where = (f"host for {share:.0%} of the shards (the peak budget's choice), the device "
+                 "for the rest")
     phases = (_graph_phase(plans, "forward"), _graph_phase(plans, "backward"),
               Phase("optimizer", opt_end + excess, opt_idle + excess,
-                    runs_on="host" if on_host else "device"),
+                    runs_on="host" if on_host or share > 0.0 else "device"),
               Phase("zero_grad", after - opt_end, idle - opt_idle, runs_on="host"))
     return StepPrediction(graphs_s=graphs_s, after_s=after + excess, optimizer_device_s=device,
                           by_category=by_category, phases=phases,
