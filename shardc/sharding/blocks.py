@@ -62,10 +62,17 @@ class BlockGroup:
     members: tuple[str, ...]
     weight_names: tuple[str, ...]  # the body's leading arguments, in this order
     buffer_names: tuple[str, ...]
+    # The same names split at the dots, for the traced reads (``_read``).
+    weight_paths: tuple[tuple[str, ...], ...] = field(init=False, repr=False)
+    buffer_paths: tuple[tuple[str, ...], ...] = field(init=False, repr=False)
     bodies: dict[bool, Callable] = field(default_factory=dict, repr=False)  # by training mode
     # The same bodies reused by key, traced once per key (torch 2.13+; see reuse_key).
     keyed: dict[bool, Callable] = field(default_factory=dict, repr=False)
     prober: BodyProber | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.weight_paths = tuple(tuple(n.split(".")) for n in self.weight_names)
+        self.buffer_paths = tuple(tuple(n.split(".")) for n in self.buffer_names)
 
 
 @dataclass
@@ -438,16 +445,32 @@ def _trace_once_call(group: BlockGroup, training: bool, key: int, weights, buffe
     return anchored[0] if kind == 0 else (tuple(anchored) if kind == 1 else list(anchored))
 
 
-def _read(module: nn.Module, dotted: str):
-    owner, _, leaf = dotted.rpartition(".")
-    return getattr(module.get_submodule(owner) if owner else module, leaf)
+def _read(module: nn.Module, path: tuple[str, ...]):
+    """The attribute at ``path`` (a dotted name, split) of ``module``: its submodules' then the
+    last one's, read by plain ``getattr`` (Dynamo traces this for every weight of every block;
+    ``get_submodule`` would be traced again each time)."""
+    for name in path:
+        module = getattr(module, name)
+    return module
 
 
 def module_layout(block: nn.Module) -> tuple:
-    """The classes and hook counts of ``block``'s modules: a block whose layout changed after
-    :func:`shardc.shard` (a hook added, a parametrization registered) runs its own forward."""
-    return tuple((type(m), len(m._forward_hooks), len(m._forward_pre_hooks),
-                  len(m._backward_hooks), len(m._backward_pre_hooks)) for m in block.modules())
+    """The classes and hook counts of ``block`` and its submodules, depth first: a block whose
+    layout changed after :func:`shardc.shard` (a hook added, a parametrization registered)
+    runs its own forward."""
+    # Dynamo traces this at every block: plain loops over ``_modules``, no generators
+    # (``nn.Module.modules()`` and a generator expression cost most of the block's trace).
+    layout: list[tuple] = []
+    _add_layout(block, layout)
+    return tuple(layout)
+
+
+def _add_layout(module: nn.Module, layout: list) -> None:
+    layout.append((type(module), len(module._forward_hooks), len(module._forward_pre_hooks),
+                   len(module._backward_hooks), len(module._backward_pre_hooks)))
+    for child in module._modules.values():
+        if child is not None:
+            _add_layout(child, layout)
 
 
 def seal(bodies: BlockBodies, root: nn.Module) -> None:
@@ -466,8 +489,8 @@ def _wrapped_forward(group: BlockGroup, original: Callable) -> Callable:
         if (not torch.compiler.is_compiling() or module_layout(self) != self._shardc_layout
                 or has_data_dependent_sizes(args, kwargs) or _torch.traces_floats_symbolically()):
             return original(self, *args, **kwargs)
-        weights = tuple([_read(self, n) for n in group.weight_names])  # no generator: see describe
-        buffers = tuple([_read(self, n) for n in group.buffer_names])
+        weights = tuple([_read(self, p) for p in group.weight_paths])  # no generator: see describe
+        buffers = tuple([_read(self, p) for p in group.buffer_paths])
         key = reuse_key(group, self.training, (weights, buffers, args, kwargs))
         if key and group.keyed:
             return group.keyed[self.training](key, weights, buffers, args, kwargs)
