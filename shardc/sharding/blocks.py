@@ -471,7 +471,8 @@ def module_layout(block: nn.Module) -> tuple:
     layout changed after :func:`shardc.shard` (a hook added, a parametrization registered)
     runs its own forward."""
     # Dynamo traces this at every block: plain loops over ``_modules``, no generators
-    # (``nn.Module.modules()`` and a generator expression cost most of the block's trace).
+    # (``nn.Module.modules()`` and a generator expression were about a seventh of the
+    # instructions Dynamo interpreted for a 16-block llama).
     layout: list[tuple] = []
     _add_layout(block, layout)
     return tuple(layout)
