@@ -28,6 +28,22 @@ def test_reduce_args_keep_hsdp_pair_only_with_replicas():
     assert hsdp.args()[-2:] == (3, "r") and ReduceArgs.of(hsdp.args()) == hsdp
 
 
+def test_constants_follow_the_shard_for_every_sync_mode():
+    """What a traced parameter read passes after the shard (built once per property,
+    ``ShardedParamInfo.gather_constants``) is the codec's encoding without the shard."""
+    from shardc.runtime.grad_sync import REDUCE, REDUCE_STASHED, STASH
+    from shardc.sharding.shard import ShardedParamInfo
+
+    info = ShardedParamInfo("layers.0.w", 4, 2, "g", torch.bfloat16, torch.float32, True,
+                            replicate=3, replicate_group_name="r")
+    shard = torch.zeros(2, 3)
+    by_mode = info.gather_constants("grads7")
+    assert set(by_mode) == {REDUCE, STASH, REDUCE_STASHED}
+    for mode, constants in by_mode.items():
+        assert (shard, *constants) == info.gather_args(shard, mode, "grads7").args()
+        assert GatherArgs.of((shard, *constants)).grad_sync == mode
+
+
 def test_missing_argument_is_named():
     with pytest.raises(TypeError, match="reshard_after_forward"):
         GatherArgs.of((None, "w", 4, 2, "g", None, None))

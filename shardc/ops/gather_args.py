@@ -67,6 +67,11 @@ class GatherArgs:
         """The op's positional arguments."""
         return tuple(getattr(self, f.name) for f in fields(self))
 
+    def constants(self) -> tuple:
+        """The op's positional arguments after the shard (its first): what a read of the
+        parameter passes after the tensor, for building once outside a traced forward."""
+        return self.args()[1:]
+
     def reduce_args(self, grad: Any, out_dtype: torch.dtype) -> ReduceArgs:
         """The reduction of this parameter's gradient ``grad`` into a shard of ``out_dtype``."""
         return ReduceArgs(grad, self.fqn, self.dim0, self.world, self.group_name,
@@ -107,3 +112,7 @@ def check_schema(op: _torch.OpOverload, codec: type) -> None:
     expected = [f.name for f in fields(codec)]
     if names != expected:
         raise RuntimeError(f"shardc: {op} takes {names}, but {codec.__name__} encodes {expected}")
+
+
+if fields(GatherArgs)[0].name != "shard":  # GatherArgs.constants drops the first argument
+    raise RuntimeError("shardc: GatherArgs must start with the shard")

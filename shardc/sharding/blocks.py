@@ -62,10 +62,21 @@ class BlockGroup:
     members: tuple[str, ...]
     weight_names: tuple[str, ...]  # the body's leading arguments, in this order
     buffer_names: tuple[str, ...]
+    # The same names split at the dots, for the traced reads (``_read``).
+    weight_paths: tuple[tuple[str, ...], ...] = field(init=False, repr=False)
+    buffer_paths: tuple[tuple[str, ...], ...] = field(init=False, repr=False)
     bodies: dict[bool, Callable] = field(default_factory=dict, repr=False)  # by training mode
     # The same bodies reused by key, traced once per key (torch 2.13+; see reuse_key).
     keyed: dict[bool, Callable] = field(default_factory=dict, repr=False)
+    # Keyed bodies taking their arguments flat (``key, *weights, *buffers, *args``), for a
+    # forward called with tensors only: torch fingerprints a call of flat tensors and
+    # constants directly, nested arguments through a traced pytree flatten at every call.
+    keyed_flat: dict[bool, Callable] = field(default_factory=dict, repr=False)
     prober: BodyProber | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.weight_paths = tuple(tuple(n.split(".")) for n in self.weight_names)
+        self.buffer_paths = tuple(tuple(n.split(".")) for n in self.buffer_names)
 
 
 @dataclass
@@ -179,9 +190,11 @@ def _skeleton(block: nn.Module) -> nn.Module:
 
 
 def _make_body(skeleton: nn.Module, group: BlockGroup, training: bool
-               ) -> tuple[Callable, Callable | None]:
-    """The body for one training mode: guard-based, and keyed (None before torch 2.13)."""
+               ) -> tuple[Callable, Callable | None, Callable | None]:
+    """The bodies for one training mode: guard-based, keyed, and keyed with flat arguments
+    (both None before torch 2.13)."""
     names = group.weight_names + group.buffer_names
+    n_weights, n_inputs = len(group.weight_names), len(names)
     skeleton.train(training)
 
     def shardc_block_body(weights, buffers, args, kwargs):
@@ -191,11 +204,17 @@ def _make_body(skeleton: nn.Module, group: BlockGroup, training: bool
     def shardc_block_body_keyed(key, weights, buffers, args, kwargs):
         return shardc_block_body(weights, buffers, args, kwargs)
 
+    def shardc_block_body_keyed_flat(key, *tensors):
+        return shardc_block_body(tensors[:n_weights], tensors[n_weights:n_inputs],
+                                 tensors[n_inputs:], {})
+
     name = f"shardc_block_body_{group.index}_{group.block_type}"
     shardc_block_body.__qualname__ = name
     shardc_block_body_keyed.__qualname__ = name + "_keyed"
+    shardc_block_body_keyed_flat.__qualname__ = name + "_keyed_flat"
     return (_torch.nested_compile_region(shardc_block_body),
-            _torch.keyed_compile_region(shardc_block_body_keyed))
+            _torch.keyed_compile_region(shardc_block_body_keyed),
+            _torch.keyed_compile_region(shardc_block_body_keyed_flat))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -438,16 +457,33 @@ def _trace_once_call(group: BlockGroup, training: bool, key: int, weights, buffe
     return anchored[0] if kind == 0 else (tuple(anchored) if kind == 1 else list(anchored))
 
 
-def _read(module: nn.Module, dotted: str):
-    owner, _, leaf = dotted.rpartition(".")
-    return getattr(module.get_submodule(owner) if owner else module, leaf)
+def _read(module: nn.Module, path: tuple[str, ...]):
+    """The attribute at ``path`` (a dotted name, split) of ``module``: its submodules' then the
+    last one's, read by plain ``getattr`` (Dynamo traces this for every weight of every block;
+    ``get_submodule`` would be traced again each time)."""
+    for name in path:
+        module = getattr(module, name)
+    return module
 
 
 def module_layout(block: nn.Module) -> tuple:
-    """The classes and hook counts of ``block``'s modules: a block whose layout changed after
-    :func:`shardc.shard` (a hook added, a parametrization registered) runs its own forward."""
-    return tuple((type(m), len(m._forward_hooks), len(m._forward_pre_hooks),
-                  len(m._backward_hooks), len(m._backward_pre_hooks)) for m in block.modules())
+    """The classes and hook counts of ``block`` and its submodules, depth first: a block whose
+    layout changed after :func:`shardc.shard` (a hook added, a parametrization registered)
+    runs its own forward."""
+    # Dynamo traces this at every block: plain loops over ``_modules``, no generators
+    # (``nn.Module.modules()`` and a generator expression were about a seventh of the
+    # instructions Dynamo interpreted for a 16-block llama).
+    layout: list[tuple] = []
+    _add_layout(block, layout)
+    return tuple(layout)
+
+
+def _add_layout(module: nn.Module, layout: list) -> None:
+    layout.append((type(module), len(module._forward_hooks), len(module._forward_pre_hooks),
+                   len(module._backward_hooks), len(module._backward_pre_hooks)))
+    for child in module._modules.values():
+        if child is not None:
+            _add_layout(child, layout)
 
 
 def seal(bodies: BlockBodies, root: nn.Module) -> None:
@@ -466,16 +502,25 @@ def _wrapped_forward(group: BlockGroup, original: Callable) -> Callable:
         if (not torch.compiler.is_compiling() or module_layout(self) != self._shardc_layout
                 or has_data_dependent_sizes(args, kwargs) or _torch.traces_floats_symbolically()):
             return original(self, *args, **kwargs)
-        weights = tuple([_read(self, n) for n in group.weight_names])  # no generator: see describe
-        buffers = tuple([_read(self, n) for n in group.buffer_names])
+        weights = tuple([_read(self, p) for p in group.weight_paths])  # no generator: see describe
+        buffers = tuple([_read(self, p) for p in group.buffer_paths])
         key = reuse_key(group, self.training, (weights, buffers, args, kwargs))
         if key and group.keyed:
+            if not kwargs and _all_tensors(args):
+                return group.keyed_flat[self.training](key, *weights, *buffers, *args)
             return group.keyed[self.training](key, weights, buffers, args, kwargs)
         if key and not any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")):
             return _trace_once_call(group, self.training, key, weights, buffers, args, kwargs)
         return group.bodies[self.training](weights, buffers, args, kwargs)
 
     return forward
+
+
+def _all_tensors(values: tuple) -> bool:
+    for value in values:  # a plain loop: traced by Dynamo (see describe)
+        if not isinstance(value, torch.Tensor):
+            return False
+    return True
 
 
 def _swap_block_class(block: nn.Module, forward: Callable) -> None:
@@ -533,9 +578,10 @@ def _add_group(result: BlockBodies, members: list[tuple[str, nn.Module]]) -> Non
     # Dynamo, which must find them ready (and guards on the block's ``training`` to pick one).
     template = _skeleton(first)
     for training in (True, False):
-        group.bodies[training], keyed = _make_body(copy.deepcopy(template), group, training)
-        if keyed is not None:
-            group.keyed[training] = keyed
+        group.bodies[training], keyed, keyed_flat = _make_body(copy.deepcopy(template), group,
+                                                               training)
+        if keyed is not None and keyed_flat is not None:
+            group.keyed[training], group.keyed_flat[training] = keyed, keyed_flat
     # The reuse keys: for keyed bodies (torch 2.13+), else for shardc's own trace once.
     group.prober = BodyProber(copy.deepcopy(template), group)
     forwards: dict[type, Callable] = {}

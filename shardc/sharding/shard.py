@@ -29,7 +29,7 @@ from shardc.ops.gather import gather_param
 from shardc.ops.gather_args import GatherArgs
 from shardc.ops.offload_copy import offload_to_device
 from shardc.runtime import offload_check, offload_optimizer, replaced_params
-from shardc.runtime.grad_sync import UnsyncedGrads
+from shardc.runtime.grad_sync import REDUCE, REDUCE_STASHED, STASH, UnsyncedGrads
 from shardc.sharding import te_params
 from shardc.sharding.blocks import BlockBodies, wrap_repeated_blocks
 from shardc.sharding.blocks import seal as seal_blocks
@@ -121,6 +121,12 @@ class ShardedParamInfo:
                           self.compute_dtype, self.reduce_dtype, self.reshard_after_forward,
                           grad_sync, sync_key, self.replicate, self.replicate_group_name)
 
+    def gather_constants(self, sync_key: str) -> dict[int, tuple]:
+        """The gather op's arguments after the shard (:meth:`GatherArgs.constants`), by
+        gradient-sync mode (``shardc.runtime.grad_sync``)."""
+        return {mode: self.gather_args(None, mode, sync_key).constants()
+                for mode in (REDUCE, STASH, REDUCE_STASHED)}
+
 
 @dataclass
 class ShardState:
@@ -171,12 +177,17 @@ def state_for_key(key: str) -> ShardState | None:
 
 def _param_property(name: str, info: ShardedParamInfo, grads: UnsyncedGrads,
                     plain: bool = False) -> property:
+    # Built once here, not at each read: Dynamo traces every parameter read of a compiled
+    # forward, and tracing GatherArgs' construction and encoding (a frozen dataclass's
+    # __init__, dataclasses.fields) was about half of each read's trace.
+    constants = info.gather_constants(grads.key)
+
     def read(self):
         if plain and gathering():
             # plain_inputs: the DTensor is not read at all (no guards, no unwrapping).
             leaf = leaf_for(self, name)
             if leaf is not None:
-                return gather_param(*info.gather_args(leaf, grads.mode(), grads.key).args())
+                return gather_param(leaf, *constants[grads.mode()])
         param = self._parameters.get(name)
         if not isinstance(param, DTensor):
             if param is not None and (gathering() or in_eager_forward()):
@@ -190,7 +201,7 @@ def _param_property(name: str, info: ShardedParamInfo, grads: UnsyncedGrads,
         if info.fp8 is not None:
             return gather_fp8_weight(param.to_local(), info, sync, grads.key)
         sent = info.sent_shard(param.to_local())
-        full = gather_param(*info.gather_args(sent, sync, grads.key).args())
+        full = gather_param(sent, *constants[sync])
         return full if info.tp is None else wrap_tp(full, info.tp)
 
     return property(read, doc=f"The parameter {info.fqn!r}, gathered inside a forward.")
