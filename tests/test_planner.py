@@ -8,6 +8,7 @@ unless Inductor is the point; every plan is a fake-world trace in this process, 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import textwrap
 
@@ -29,6 +30,13 @@ TINY_HF = ["hidden_size=32", "intermediate_size=64", "num_hidden_layers=1",
 def _plan(spec, world=2, batch=2, seq=16, **setup):
     plan, _ = plan_model(spec, world, batch, seq, {}, setup=PlanSetup(**setup))
     return plan
+
+
+@functools.cache
+def _tiny_plan():
+    """llama-tiny with two layers at world 2, sequences of 32: three tests read this plan (never
+    change it), traced once (a plan is seconds of a fake-world trace)."""
+    return _plan(parse_model("llama-tiny", ["n_layers=2"]), seq=32)
 
 
 def _op_targets(plan, graph):
@@ -145,7 +153,7 @@ def test_attention_kernel_choice():
 
 
 def test_does_not_fit_names_the_largest_terms():
-    plan = _plan(parse_model("llama-tiny", ["n_layers=2"]), seq=32)
+    plan = _tiny_plan()
     tight = capacity(plan, 2, 32, 400e12, plan.predicted.peak_bytes / 2)
     text = tight.verdict()
     assert text.startswith("does not fit by ")
@@ -219,7 +227,7 @@ def test_tensor_parallel_plan():
     """``--tp``: FSDP over the dp ranks of a (dp, tp) mesh, the Llama blocks split Megatron-style
     (their all-reduces found in the traced graph); a GPU's tokens are its tp group's share."""
     tiny = parse_model("llama-tiny", ["n_layers=2"])
-    dp_only, tp = _plan(tiny, world=2, seq=32), _plan(tiny, world=4, seq=32, tp=2)
+    dp_only, tp = _tiny_plan(), _plan(tiny, world=4, seq=32, tp=2)
     assert tp.tp_size == 2 and tp.world_size == 2 and "FSDP+TP: dp 2 x tp 2" in tp.mesh
     found = [c for c in tp.collectives if c.origin != "shardc"]
     assert found and {c.kind for c in found} >= {"all_reduce"}
@@ -265,7 +273,7 @@ def test_tensor_parallel_template_equals_the_whole_trace():
 
 def test_checkpointing_saves_less_and_hsdp_all_reduces():
     tiny = parse_model("llama-tiny", ["n_layers=2"])
-    plain, checkpointed = _plan(tiny, seq=32), _plan(tiny, seq=32, checkpointing=True)
+    plain, checkpointed = _tiny_plan(), _plan(tiny, seq=32, checkpointing=True)
     assert _saved_at_end_of_forward(checkpointed) < _saved_at_end_of_forward(plain) / 2
     assert len(plain.graphs["backward"]) < len(checkpointed.graphs["backward"])  # recomputed
     hsdp = _plan(tiny, world=4, seq=32, shard_size=2)
