@@ -131,11 +131,34 @@ SLOW = {
     # tests/test_mesh.py (HSDP and TP, "fx-aoff" with blocks); activation offload at worlds 1
     # and 2 here (and under Inductor at 1, tests/test_parity_inductor.py).
     "blocks_offload_activations": (3,),
-    "offload_activations": (3, 4),
+    # (suite9) At 2 as well: forced activation offload with real collectives stays in the
+    # default suite under FP8 (tests/test_fp8.py, world 2), under HSDP and TP with blocks
+    # (tests/test_mesh.py, 4 ranks) and as the budget's choice (tests/test_real_models.py's
+    # peak_budget_offload, world 2); bitwise against "fx" at world 1 here.
+    "offload_activations": (2, 3, 4),
+    # (suite9) One module applied twice per forward: tests/test_real_models.py's "repeated"
+    # (FX, world 3) and tests/test_autograd_cache.py (this model under Inductor at world 2,
+    # at parity with the reference).
+    "repeated": (2,),
+    # (suite9) plain_inputs compiled over ranks: "plain_blocks" here at 2 (with bodies),
+    # tests/test_real_models.py's plain_no_sync_clip and meta_to_empty_plain (world 3) and
+    # plain_lifecycle (world 2, bitwise against a twin); bitwise against the DTensor reads at
+    # world 1 ("plain_bf16" vs "bf16", "plain_eager" vs "eager").
+    "plain": (2,),
+    # (suite9) Optimizer-only offload compiled: tests/test_real_models.py's
+    # optim_offload_no_sync_clip (world 3); its step at worlds 1-3 here (eager runs); the
+    # host optimizer's prediction (no device state, host bytes four times the shards):
+    # test_real_models' peak_budget_optimizer; tied/frozen/unused/empty-shard parameters
+    # under offload: "variant_offload" at 4.
+    "variant_optim_offload": (4,),
+    # (suite9) compile_blocks_once=False (every block inline, trained at parity):
+    # tests/test_blocks.py::test_trace_once_without_reuse_hash_fn_trains_like_inline_blocks
+    # (world 1, FX; no bodies, the same losses and parameters as the bodies' run).
+    "blocks_inline": (1,),
 }
 # What a slow scenario is compared with (run beside it in the slow test).
 SLOW_BASES = {"offload_activations_no_sync": ("offload_activations",),
-              "plain_variant": ("variant",)}
+              "plain_variant": ("variant",), "variant_optim_offload": ("variant",)}
 
 
 def _parity_scenarios(world: int, slow: bool = False) -> dict[str, tuple[str, str, dict]]:
@@ -298,6 +321,13 @@ def _check_runs(world: int, named: dict, runs: dict, references: dict) -> None:
         _bitwise(runs["fx"], runs["local_step"], f"world {world}: local shard step")
     if "variant_local_sgd" in runs:
         assert runs["variant_local_sgd"]["grads_none"]["unused"]
+    if "bf16" in runs and world > 1:
+        # Mixed precision over ranks (was tests/test_backend.py's own world-2 spawn of the
+        # same run): bf16 all-gathers, fp32 reduce-scatters, fp32 master shards.
+        kinds = {(c.kind, c.dtype, c.elided) for c in runs["bf16"]["plan_collectives"]}
+        assert kinds == {("all_gather", "bfloat16", False),
+                         ("reduce_scatter", "float32", False)}, kinds
+        assert {p.dtype for p in runs["bf16"]["params"].values()} == {torch.float32}
     _check_plain_inputs(world, runs)
     _check_offloaded(world, runs)
     _check_offloaded_activations(world, runs)

@@ -8,6 +8,7 @@ unless Inductor is the point; every plan is a fake-world trace in this process, 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import textwrap
 
@@ -29,6 +30,13 @@ TINY_HF = ["hidden_size=32", "intermediate_size=64", "num_hidden_layers=1",
 def _plan(spec, world=2, batch=2, seq=16, **setup):
     plan, _ = plan_model(spec, world, batch, seq, {}, setup=PlanSetup(**setup))
     return plan
+
+
+@functools.cache
+def _tiny_plan():
+    """llama-tiny with two layers at world 2, sequences of 32: three tests read this plan (never
+    change it), traced once (a plan is seconds of a fake-world trace)."""
+    return _plan(parse_model("llama-tiny", ["n_layers=2"]), seq=32)
 
 
 def _op_targets(plan, graph):
@@ -145,7 +153,7 @@ def test_attention_kernel_choice():
 
 
 def test_does_not_fit_names_the_largest_terms():
-    plan = _plan(parse_model("llama-tiny", ["n_layers=2"]), seq=32)
+    plan = _tiny_plan()
     tight = capacity(plan, 2, 32, 400e12, plan.predicted.peak_bytes / 2)
     text = tight.verdict()
     assert text.startswith("does not fit by ")
@@ -219,7 +227,7 @@ def test_tensor_parallel_plan():
     """``--tp``: FSDP over the dp ranks of a (dp, tp) mesh, the Llama blocks split Megatron-style
     (their all-reduces found in the traced graph); a GPU's tokens are its tp group's share."""
     tiny = parse_model("llama-tiny", ["n_layers=2"])
-    dp_only, tp = _plan(tiny, world=2, seq=32), _plan(tiny, world=4, seq=32, tp=2)
+    dp_only, tp = _tiny_plan(), _plan(tiny, world=4, seq=32, tp=2)
     assert tp.tp_size == 2 and tp.world_size == 2 and "FSDP+TP: dp 2 x tp 2" in tp.mesh
     found = [c for c in tp.collectives if c.origin != "shardc"]
     assert found and {c.kind for c in found} >= {"all_reduce"}
@@ -227,12 +235,16 @@ def test_tensor_parallel_plan():
     assert tp.predicted.param_bytes < dp_only.predicted.param_bytes
     cap = capacity(tp, 2, 32, 400e12, None)
     assert cap.world == 4 and cap.tokens_per_step == 32
-    # A deeper model planned from a template keeps the tp group's role: same plan as traced whole.
-    deep = parse_model("llama-tiny", ["n_layers=6"])
-    template, _ = plan_model(deep, 4, 1, 32, {}, setup=PlanSetup(tp=2))
-    whole, _ = plan_model(deep, 4, 1, 32, {}, setup=PlanSetup(tp=2), template=False)
+    # A deeper model planned from a template keeps the tp group's role: the repeated blocks'
+    # tensor-parallel all-reduces too, three times the two-layer model's. (The template plan
+    # equals the whole trace's: test_tensor_parallel_template_equals_the_whole_trace, slow:
+    # tracing six tensor-parallel blocks once more costs about 28 s on one core.)
+    template = _tp_template_plan()
     assert any("planned from a template" in n for n in template.notes)
-    assert plan_digest(template) == plan_digest(whole) and template.tp_size == 2
+    assert template.tp_size == 2
+    deep_found = [c for c in template.collectives if c.origin != "shardc"]
+    assert {c.group for c in deep_found} == {c.group for c in found} == {"tp"}
+    assert len(deep_found) == 3 * len(found), (len(deep_found), len(found))
     # The dp group's ranks are tp apart: with 2 GPUs a node, its collectives cross nodes
     # (slower), though the group has 2 ranks like the tp group, which stays within a node.
     two_a_node, _ = plan_model(tiny, 4, 1, 32, {"cluster": {"node_size": 2}},
@@ -244,9 +256,24 @@ def test_tensor_parallel_plan():
     assert comm(two_a_node, "tp") == pytest.approx(comm(tp, "tp"), rel=0.05)
 
 
+def _tp_template_plan():
+    deep = parse_model("llama-tiny", ["n_layers=6"])
+    template, _ = plan_model(deep, 4, 1, 32, {}, setup=PlanSetup(tp=2))
+    return template
+
+
+@pytest.mark.slow
+def test_tensor_parallel_template_equals_the_whole_trace():
+    """The six-layer tensor-parallel plan made from a template equals the whole trace's."""
+    deep = parse_model("llama-tiny", ["n_layers=6"])
+    whole, _ = plan_model(deep, 4, 1, 32, {}, setup=PlanSetup(tp=2), template=False)
+    template = _tp_template_plan()
+    assert plan_digest(template) == plan_digest(whole) and template.tp_size == 2
+
+
 def test_checkpointing_saves_less_and_hsdp_all_reduces():
     tiny = parse_model("llama-tiny", ["n_layers=2"])
-    plain, checkpointed = _plan(tiny, seq=32), _plan(tiny, seq=32, checkpointing=True)
+    plain, checkpointed = _tiny_plan(), _plan(tiny, seq=32, checkpointing=True)
     assert _saved_at_end_of_forward(checkpointed) < _saved_at_end_of_forward(plain) / 2
     assert len(plain.graphs["backward"]) < len(checkpointed.graphs["backward"])  # recomputed
     hsdp = _plan(tiny, world=4, seq=32, shard_size=2)

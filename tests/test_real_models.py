@@ -686,7 +686,7 @@ def test_collective_timeout_names_bucket_and_position(runs, scenario):
     other rank's wait times out (the group's 3 s timeout) and raises shardc's CollectiveError
     naming the collective, its bucket and its position in the plan, with FX execution of the
     planned graphs and with Inductor's compiled code."""
-    for world in WORLDS:
+    for world in _worlds(scenario):
         for rank, result in enumerate(runs[world]):
             got = result[scenario]
             if got.get("skipped"):
