@@ -22,15 +22,3 @@ os.environ.setdefault("SHARDC_AUTOGRAD_CACHE", "0")
 # Inductor parity tests check sharding, not kernel speed.
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 sys.path.insert(0, os.path.dirname(__file__))
-
-# The longest files first (rank seconds of a whole run, largest first): scripts/test.sh runs
-# the files on two pytest-xdist workers, which take them in collection order, so a long file
-# collected last (alphabetically, test_parity*, test_real_models) would run alone at the end
-# while the other worker idles. The order within a file is kept (a stable sort).
-_LONGEST_FIRST = ("test_parity.py", "test_real_models.py", "test_parity_inductor.py",
-                  "test_planner.py", "test_fp8.py", "test_mesh.py", "test_autograd_cache.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(_LONGEST_FIRST)))
