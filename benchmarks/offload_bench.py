@@ -226,6 +226,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-reshard", dest="reshard", action="store_false",
                         help="reshard_after_forward=False in both (the backward reuses the "
                              "forward's gathered parameters: no second host->device copy)")
+    parser.add_argument("--device-memory-gib", type=float, default=None,
+                        help="cap what each mode may allocate on the GPU to this many GiB "
+                             "(torch.cuda.set_per_process_memory_fraction; shardc's 'auto' "
+                             "budget follows it): a smaller device's capacity on a larger one, "
+                             "e.g. 79.2 for an 80 GB H100 (its total_memory) on an H200")
     parser.add_argument("--loss-outside", dest="loss_in_graph", action="store_false",
                         help="shardc modes: compile the model only and compute the loss eagerly "
                              "after it (before 2026-11-28 the default; the eager loss's logits "
@@ -242,6 +247,10 @@ def run_one(args) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(0)
         device = torch.device("cuda", 0)
+        if args.device_memory_gib:  # e.g. an 80 GB H100's capacity emulated on an H200
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(
+                min(1.0, args.device_memory_gib * 2**30 / total), device)
     init = os.path.join(tempfile.mkdtemp(), "pg")
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"file://{init}", rank=0, world_size=1)
@@ -291,7 +300,8 @@ def main() -> None:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "gpu": gpu, "batch": args.batch, "seq": args.seq, "inductor": args.inductor,
             "fused": args.fused, "reshard_after_forward": args.reshard,
-            "shardc_budget": args.budget, "loss_in_graph": args.loss_in_graph}
+            "shardc_budget": args.budget, "loss_in_graph": args.loss_in_graph,
+            "device_memory_gib": args.device_memory_gib}
     lines = ["| model | mode | median step (s) | of which fwd+bwd (s) | tokens/s | "
              "peak device GiB | predicted GiB | predicted step (s) | predicted fwd+bwd (s) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

@@ -164,6 +164,24 @@ def test_auto_budget_needs_cuda():
     assert budget.resolve_budget(12345, torch.device("cpu")) == 12345
 
 
+def test_auto_budget_follows_the_per_process_memory_fraction(monkeypatch):
+    """"auto" plans for what the caching allocator lets this process take: a GPU capped with
+    ``set_per_process_memory_fraction`` (shared GPUs, an 80 GB device emulated on a larger
+    one) gets a budget under the cap. CUDA's queries are faked: the suite runs without a GPU."""
+    props = type("Props", (), {"total_memory": 100 << 30})()
+    fraction = {"value": 1.0}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction",
+                        lambda device: fraction["value"])
+    cuda = torch.device("cuda", 0)
+    assert budget.resolve_budget("auto", cuda) == (100 << 30) - (10 << 30)  # the 10% margin
+    fraction["value"] = 0.5
+    assert budget.resolve_budget("auto", cuda) == (50 << 30) - (5 << 30)
+    fraction["value"] = 0.1  # 10 GiB: the 2 GiB minimum margin
+    assert budget.resolve_budget("auto", cuda) == int(0.1 * (100 << 30)) - (2 << 30)
+
+
 def test_memory_plot_draws_the_budget_line():
     matplotlib = pytest.importorskip("matplotlib")
     matplotlib.use("Agg")

@@ -343,7 +343,10 @@ def reshard_all(cands: list[Candidate], fixed: list[BucketDecision],
 
 def resolve_budget(value: int | str, device) -> int:
     """Bytes of a ``peak_memory_budget_bytes`` value on ``device`` (a ``torch.device``):
-    ``"auto"`` is the CUDA device's capacity less a margin; elsewhere it is an error."""
+    ``"auto"`` is the CUDA device's capacity less a margin; elsewhere it is an error. The
+    capacity is what this process may allocate: the device's memory times the caching
+    allocator's ``torch.cuda.set_per_process_memory_fraction`` (1 unless the user set it), so
+    a process capped to part of a GPU plans for that part, not for the whole device."""
     if value != "auto":
         return int(value)
     import torch
@@ -352,5 +355,6 @@ def resolve_budget(value: int | str, device) -> int:
         raise MemoryBudgetError(
             f"shardc: peak_memory_budget_bytes='auto' needs a CUDA device, whose capacity is "
             f"known; the parameters are on {device}. Pass a number of bytes instead.")
-    total = torch.cuda.get_device_properties(device).total_memory
+    total = int(torch.cuda.get_device_properties(device).total_memory
+                * torch.cuda.get_per_process_memory_fraction(device))
     return int(total - max(AUTO_MARGIN_MIN_BYTES, AUTO_MARGIN_FRACTION * total))
