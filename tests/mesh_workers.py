@@ -195,18 +195,23 @@ def hsdp_run(rank: int, world: int, shape: tuple[int, int], mode: str,
     torch._dynamo.reset()
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
     offload = {"fx-offload": shardc.OffloadPolicy(simulate_on_cpu=True),
+               "fx-offload-overlap": shardc.OffloadPolicy(simulate_on_cpu=True),
                "fx-optoffload": shardc.OffloadPolicy(params=False, simulate_on_cpu=True),
                }.get(mode)
+    # "fx-offload-overlap": CPU offload with shardc.step_in_backward (each bucket's host step
+    # during the backward, once its gradients are reduced over both mesh dimensions)
+    overlap = {} if mode == "fx-offload-overlap" else None
     model = shardc.shard(build(kind), mesh, offload=offload, plain_inputs=mode == "fx-plain")
     tokens, targets = batches()
     per = GLOBAL_BATCH // world
     rows = slice(rank * per, (rank + 1) * per)
     losses = llama_train(model, _forward(model, mode, HSDP_CLUSTER), tokens[:, rows],
-                         targets[:, rows])
+                         targets[:, rows], overlap=overlap)
     placements = describe_placements(model)
     return {"losses": _mean_over_world(losses), "params": _gathered(model),
             "placements": placements, "plans": _plan_summary(model),
-            "activation_copies": activation_copies(shardc.shard_state(model))}
+            "activation_copies": activation_copies(shardc.shard_state(model)),
+            "overlap": overlap}
 
 
 def _budget_backend(**options):

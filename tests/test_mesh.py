@@ -22,6 +22,7 @@ HSDP = [((2, 2), "eager"), ((2, 2), "fx"), ((4, 1), "eager"), ((4, 1), "fx"),
 HSDP_MORE = [((2, 2), "fx"),
              ((4, 1), "fx-nopool"),
              ((2, 2), "fx-optoffload"),  # optimizer-only offload over HSDP
+             ((2, 2), "fx-offload-overlap"),  # CPU offload + shardc.step_in_backward over HSDP
              ((2, 2), "fx-plain")]  # plain_inputs=True over HSDP
 # "fx-traced": compiled with the tensor-parallel collectives kept where traced (the results must
 # be bitwise those of "fx", which moves them).
@@ -114,7 +115,8 @@ def _check_hsdp(layouts: list, results: list[list[dict]], ref: dict) -> None:
     # CPU offload over HSDP (all, and optimizer only) and plain inputs: the same bits as
     # without them; the copies
     # planned where the shards are offloaded, none for optimizer-only offload.
-    modes = [m for m in ("fx-offload", "fx-optoffload", "fx-plain") if ((2, 2), m) in layouts]
+    modes = [m for m in ("fx-offload", "fx-optoffload", "fx-offload-overlap", "fx-plain")
+             if ((2, 2), m) in layouts]
     assert modes and ((2, 2), "fx") in layouts
     for per_rank in results:
         fx = per_rank[layouts.index(((2, 2), "fx"))]
@@ -130,6 +132,13 @@ def _check_hsdp(layouts: list, results: list[list[dict]], ref: dict) -> None:
     if ((2, 2), "fx-optoffload") in layouts:
         for plan in results[0][layouts.index(((2, 2), "fx-optoffload"))]["plans"]:
             assert plan["copies"] == [], plan["copies"]
+    if ((2, 2), "fx-offload-overlap") in layouts:
+        # Bitwise the plain step's (above), so no bucket was stepped before its gradient was
+        # all-reduced over the replicas too; and the graph's signals stepped every parameter
+        # during the backward on every rank.
+        for per_rank in results:
+            counts = per_rank[layouts.index(((2, 2), "fx-offload-overlap"))]["overlap"]
+            assert counts["early"] == counts["signalled"] > 0 and counts["late"] == 0, counts
 
 
 def _assert_own_lanes(plan: dict) -> None:
