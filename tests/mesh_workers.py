@@ -321,10 +321,40 @@ def tp_run(rank: int, world: int, shape: tuple[int, int], mode: str, kind: str =
             "activation_copies": activation_copies(shardc.shard_state(model))}
 
 
+def tp_budget_run(rank: int, world: int, shape: tuple[int, int]) -> dict:
+    """``fx-budget`` under FSDP+TP (issue 22's peak budget on a (dp, tp) mesh, TPBlocks): as
+    :func:`hsdp_budget_run`, a first compile without a budget gives the fixed policy's
+    predicted peak (the ranks' largest), then the model is compiled under a budget a byte below
+    it and trained. The run, its plan's budget record, hash and predicted peak."""
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+    tokens, targets = batches(TP_STEPS)
+    dp, dp_rank = shape[0], mesh["dp"].get_local_rank()
+    per = GLOBAL_BATCH // dp
+    rows = slice(dp_rank * per, (dp_rank + 1) * per)
+    torch._dynamo.reset()
+    probe = shardc.shard(parallelize_blocks(tp_build(kind="blocks"), mesh["tp"]), mesh)
+    fixed = torch.compile(probe, backend=_budget_backend())
+    fixed(tokens[0, rows])
+    low = torch.tensor([int(shardc.explain_all(fixed)[0].predicted.peak_bytes)])
+    dist.all_reduce(low, op=dist.ReduceOp.MAX)
+    torch._dynamo.reset()
+    model = shardc.shard(parallelize_blocks(tp_build(kind="blocks"), mesh["tp"]), mesh)
+    compiled = torch.compile(model, backend=_budget_backend(
+        peak_memory_budget_bytes=int(low) - 1))
+    losses = tp_train(model, compiled, tokens[:, rows], targets[:, rows])
+    plan = shardc.explain_all(compiled)[0]
+    return {"losses": _mean_over_world(losses), "params": _gathered(model),
+            "plans": _plan_summary(model), "budget": plan.budget, "hash": plan.hash(),
+            "peak": int(plan.predicted.peak_bytes), "fixed_peak": int(low),
+            "activation_copies": activation_copies(shardc.shard_state(model))}
+
+
 def tp_scenarios(rank: int, world: int, scenarios: list, blocks: list = ()) -> list[dict]:
-    """FSDP+TP runs of TPNet, then of TPBlocks (``blocks``), in one spawn."""
+    """FSDP+TP runs of TPNet, then of TPBlocks (``blocks``; ``fx-budget``:
+    :func:`tp_budget_run`), in one spawn."""
     return [tp_run(rank, world, shape, mode) for shape, mode in scenarios] + [
-        tp_run(rank, world, shape, mode, kind="blocks") for shape, mode in blocks]
+        tp_budget_run(rank, world, shape) if mode == "fx-budget"
+        else tp_run(rank, world, shape, mode, kind="blocks") for shape, mode in blocks]
 
 
 # ---------------------------------------------------------------------------------- checkpoints

@@ -225,6 +225,35 @@ def test_hsdp_peak_budget_frees_blocks_activations():
     assert len({run["hash"] for run in runs}) == 1, [run["hash"] for run in runs]
 
 
+@pytest.mark.slow
+def test_fsdp_tp_peak_budget_frees_blocks_activations():
+    """Issue 22's peak budget under FSDP+TP 2x2 (TPBlocks: two tensor-parallel blocks inline,
+    two plain ones compiled once; FX, no pool, no prefetch): a budget a byte below the fixed
+    policy's predicted peak (the ranks' largest) makes the planner free blocks' activations
+    (recompute or offload: its choice); training matches the unsharded reference, the
+    predicted peak is within the budget, and the plans (budget decisions included) hash the
+    same on every rank. Slow for the same reason as the HSDP one above (two compiles and the
+    search's trials on four ranks)."""
+    ref = tp_reference("blocks")
+    runs = [per_rank[0] for per_rank in run_ranks(tp_scenarios, 4, [],
+                                                   [((2, 2), "fx-budget")])]
+    for rank, run in enumerate(runs):
+        _assert_parity(run, ref, f"rank {rank}, FSDP+TP blocks under a peak budget")
+        record = run["budget"]
+        assert record.budget_bytes == run["fixed_peak"] - 1, (rank, record.budget_bytes)
+        assert record.offloaded or record.recomputed, (rank, record.blocks)
+        assert record.peak_bytes <= record.budget_bytes and run["peak"] <= record.budget_bytes
+        for d in record.blocks:
+            assert d.reason.startswith(("offloaded", "recomputed", "saved")), d
+        copies = run["activation_copies"]
+        if record.offloaded:
+            assert copies["d2h"] == copies["h2d"] == copies["saved_on_host"] > 0, (rank, copies)
+            assert copies["misplaced"] == 0 and copies["forward_waits"] == 0, (rank, copies)
+        for plan in run["plans"]:
+            assert "reduce_scatter" in plan["kinds"], plan["kinds"]
+    assert len({run["hash"] for run in runs}) == 1, [run["hash"] for run in runs]
+
+
 def _check_offloaded_activations(runs: list[dict], scenarios: list, where: str,
                                  blocks: list[str]) -> None:
     """``fx-aoff`` (issue 22's activation offload forced on every block) equals ``fx`` bit for
