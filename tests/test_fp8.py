@@ -17,6 +17,7 @@ from fp8_workers import (
     build_model,
     checkpoint_round_trip,
     fake_quant,
+    fp8_budget_run,
     fp8_only_region,
     fp8_run,
     gather_numerics,
@@ -176,6 +177,27 @@ def test_fp8_training_parity(world, references):
         _check_plan(fx["plans"][0], "embedding")
         # The default policy's plan: the activation-offload run's (two layers).
         _check_plan(results[-1]["plans"][0], "linear", kind="llama")
+
+
+@pytest.mark.slow
+def test_fp8_peak_budget_frees_blocks_activations(references):
+    """Issue 22's peak budget with FP8 weights, world 2 (two FP8 blocks, inline; FX): a budget
+    a byte below the fixed policy's predicted peak makes the planner free blocks' activations
+    (recompute or offload: its choice); training keeps parity with the fake-quantized
+    reference, the predicted peak is within the budget, and both ranks' plans hash the same.
+    Slow: two compiles and the search's trials (its own spawn)."""
+    runs = [per_rank[0] for per_rank in run_ranks(_budget_scenarios, 2)]
+    for rank, run in enumerate(runs):
+        _check_run(run, references, "llama", "fx", "linear", f"rank {rank}, FP8 under a budget")
+        record = run["budget"]
+        assert record.budget_bytes == run["fixed_peak"] - 1, (rank, record.budget_bytes)
+        assert record.offloaded or record.recomputed, (rank, record.blocks)
+        assert record.peak_bytes <= record.budget_bytes and run["peak"] <= record.budget_bytes
+    assert runs[0]["hash"] == runs[1]["hash"]
+
+
+def _budget_scenarios(rank: int, world: int) -> list[dict]:
+    return [fp8_budget_run(rank, world, "llama")]
 
 
 def _check_offloaded_activations(run: dict) -> None:
