@@ -18,7 +18,13 @@ import json
 import os
 import sys
 
-from shardc.tools.model_spec import PRESETS, ModelSpecError, parse_model, parse_model_spec
+from shardc.tools.model_spec import (
+    PRESETS,
+    ModelSpecError,
+    fit_seq,
+    parse_model,
+    parse_model_spec,
+)
 from shardc.tools.planner import (
     OFFLOAD,
     OPTIMIZERS,
@@ -134,6 +140,9 @@ def _cmd_plan(args) -> int:
         options["cluster"] = cluster
     profile = cluster_profile(options.get("cluster"))
     seq = args.seq or spec.default_seq
+    spec, seq_note = fit_seq(spec, seq)
+    if seq_note:
+        print(f"note: {seq_note}")
     # The device's memory: --device, else the profile's device.
     cap_bytes = (device_capacity(args.device) if args.device is not None
                  else float(profile.device_memory_bytes) or None)

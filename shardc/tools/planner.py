@@ -33,7 +33,7 @@ from shardc.models.llama import LlamaConfig
 from shardc.planning.plan import Plan
 from shardc.planning.profile import ClusterProfile, ProfileError, resolve_profile
 from shardc.planning.step import OptimizerSpec, StepPrediction, predict_step
-from shardc.tools.model_spec import ModelSpec, ModelSpecError, llama_model
+from shardc.tools.model_spec import ModelSpec, ModelSpecError, fit_seq, llama_model
 
 GIB = 2**30
 
@@ -270,6 +270,7 @@ def plan_model_step(model: LlamaConfig | ModelSpec, world: int, batch: int, seq:
     from shardc.tools.template import TEMPLATE_BLOCKS, TemplateRefused, plan_from_template
 
     spec = model if isinstance(model, ModelSpec) else llama_model(model)
+    spec, seq_note = fit_seq(spec, seq)  # a config too short for ``seq``: raised, or refused
     setup = setup or PlanSetup()
     # Blocks inline: a plan with compiled-once bodies predicts the same peak and step
     # (tests/test_memory.py), and the template's extrapolation reads inline blocks' nodes.
@@ -303,6 +304,8 @@ def plan_model_step(model: LlamaConfig | ModelSpec, world: int, batch: int, seq:
             plan = explain(built)
             if refused:
                 plan.notes.append(f"traced whole, not from a template: {refused}")
+        if seq_note:
+            plan.notes.append(seq_note)
         elapsed = time.perf_counter() - start
         spec_of_step = dataclasses.replace(
             optimizer_spec(built, setup, repeated),
