@@ -244,8 +244,10 @@ def _parser() -> argparse.ArgumentParser:
                         "the Llama presets' blocks split Megatron-style (--batch is per dp rank)")
     p.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default=None,
                    help="the optimizer the step runs (its state in the peak, its step in the "
-                        "step time): default adamw (torch's foreach AdamW) on the device, "
-                        "adamw-fused with --offload (torch's fused CPU AdamW)")
+                        "step time): default adamw (torch.optim.AdamW with foreach and fused "
+                        "unset: foreach on the device, per tensor where a parameter group holds "
+                        "host tensors) on the device, adamw-fused with --offload (torch's fused "
+                        "CPU AdamW); adamw-foreach / adamw-per-tensor: foreach=True / False")
     p.add_argument("--offload", choices=OFFLOAD, default="none",
                    help="CPU offload (docs/offload.md): 'params' = shardc.OffloadPolicy() "
                         "(shards, gradients and optimizer state on the host, the step on the "
