@@ -31,8 +31,9 @@ compile time, after the other levers:
   gradients to the host and of the updated shards back, each a copy at the profile's host link
   in its direction
   (``device_to_host_bytes_per_s``, ``host_to_device_bytes_per_s``, ``host_copy_latency_s``:
-  ``ClusterProfile.host_copy_seconds``), and the host step at the profile's
-  ``host_adamw_params_per_s``.
+  ``ClusterProfile.host_copy_seconds``), and the host step at the profile's rate for the
+  implementation that runs there (``ClusterProfile.host_adamw_rate``: fused, or per tensor as
+  torch's default steps a group holding host tensors; the option ``optimizer_impl``).
 
 Full parameter offload (``OffloadPolicy()``: shards and gradients on the host too) is not a
 lever here: it decides where the shards live at ``shardc.shard``, before any compile; a budget
