@@ -145,7 +145,7 @@ def _predicted_step(plans, model, device, args, overlap: bool):
     spec = OptimizerSpec(float(sum(t.numel() * t.element_size() for t in local)), len(params),
                          temp_factor=0.0 if fused else 1.0,
                          name="AdamW (fused)" if fused else "AdamW (foreach)",
-                         offload="params", overlap=overlap)
+                         offload="params", overlap=overlap, impl="fused" if fused else "auto")
     profile = resolve_profile(plans[0].options.get("cluster") if plans else None,
                               torch.cuda.get_device_name(device) if device.type == "cuda"
                               else None)

@@ -269,7 +269,8 @@ def run_config(c: dict, args, device, mesh, cluster: dict | None, log) -> dict[s
     n_params = sum(1 for _ in model.parameters())
     step = predict_step(plans, profile, OptimizerSpec(
         param_bytes, n_params, state_factor=options.get("optimizer_state_factor", 2.0),
-        temp_factor=options.get("optimizer_temp_factor", 1.0)))
+        temp_factor=options.get("optimizer_temp_factor", 1.0),
+        impl=options.get("optimizer_impl", "auto")))
     res.update({
         "profile": profile.name,
         "predicted_fwd_bwd_s": step.graphs_s,

@@ -342,7 +342,7 @@ def test_calibrate_on_cpu_writes_a_readable_profile(tmp_path, monkeypatch):
     out = tmp_path / "cpu.json"
     assert cal.main(["--device", "cpu", "--quick", "--out", str(out), "--name", "ci"]) == 0
     p = load_profile(str(out))
-    assert p.name == "ci" and p.source == "measured" and p.version == PROFILE_VERSION == 6
+    assert p.name == "ci" and p.source == "measured" and p.version == PROFILE_VERSION == 7
     # No _scaled_mm on the CPU: FP8's host terms are not measured (zeros), and a note says so.
     assert p.fp8_forward_per_scaled_mm_s == p.fp8_backward_per_scaled_mm_s == 0.0
     assert any(n.startswith("FP8 host work not measured") for n in p.notes)

@@ -12,6 +12,7 @@ import pytest
 
 from shardc.planning import optimizer_offload
 from shardc.planning.estimate import host_optimizer_seconds, optimizer_step_seconds
+from shardc.planning.optimizer_kind import DEFAULT_PER_TENSOR_HOST_SLOWDOWN
 from shardc.planning.plan import (
     PLAN_VERSION,
     Collective,
@@ -110,9 +111,19 @@ def test_offloaded_step_runs_on_the_host_at_the_profiles_adamw_rate():
     fast = predict_step([plan], dataclasses.replace(prof, host_adamw_params_per_s=2 * RATE),
                         spec)
     assert step.step_s - fast.step_s == pytest.approx(compute / 2, rel=1e-9)
-    # the foreach AdamW on the host: 20 reads and writes per parameter instead of 7
-    foreach = predict_step([plan], prof, dataclasses.replace(spec, temp_factor=1.0))
-    assert foreach.optimizer_host_s == pytest.approx(compute * 20 / 7)
+    # AdamW with foreach and fused unset on host tensors: torch runs the per-tensor CPU
+    # kernels (foreach=True on the CPU loops over the same ones), at the profile's per-tensor
+    # rate, else the fused rate over DEFAULT_PER_TENSOR_HOST_SLOWDOWN (profiles before 7)
+    for impl in ("auto", "per_tensor", "foreach"):
+        slow = predict_step([plan], prof, dataclasses.replace(spec, temp_factor=1.0, impl=impl))
+        assert slow.optimizer_host_s == pytest.approx(compute * DEFAULT_PER_TENSOR_HOST_SLOWDOWN)
+        assert ("torch.optim runs it per tensor" in slow.optimizer) == (impl != "foreach")
+    measured = dataclasses.replace(prof, host_adamw_per_tensor_params_per_s=RATE / 4)
+    slow = predict_step([plan], measured, dataclasses.replace(spec, temp_factor=1.0))
+    assert slow.optimizer_host_s == pytest.approx(compute * 4)
+    # fused=True whatever the temporaries' factor says
+    fused = predict_step([plan], prof, dataclasses.replace(spec, temp_factor=1.0, impl="fused"))
+    assert fused.optimizer_host_s == pytest.approx(compute)
 
 
 def test_optimizer_only_offload_adds_its_copies_at_the_host_link():

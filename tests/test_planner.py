@@ -18,7 +18,7 @@ import torch
 from shardc.memory import breakdown
 from shardc.planning.profile import FIXED_FIELDS, PER_PARAM_FIELDS, Link, load_profile
 from shardc.tools import cli
-from shardc.tools.model_spec import ModelSpecError, parse_model, parse_overrides
+from shardc.tools.model_spec import ModelSpecError, fit_seq, parse_model, parse_overrides
 from shardc.tools.planner import PlanSetup, capacity, device_capacity, fmt_bytes, plan_model
 from shardc.tools.template import plan_digest
 
@@ -195,6 +195,31 @@ def test_bad_input_names_what_to_do(capsys):
     assert "--sweep-world" in capsys.readouterr().err
     assert cli.main(["plan", "llama-tiny", "--world-size", "8", "--profile", "h300"]) == 2
     assert "no cluster profile 'h300'" in capsys.readouterr().err
+
+
+def test_seq_longer_than_the_config_allows(capsys):
+    """--seq above the config's longest sequence: raised (with a note) when the user did not set
+    it, a clear error naming the field when they did (no Dynamo broadcast error)."""
+    tiny = "llama:dim=32,n_layers=1,n_heads=2,vocab_size=64"  # max_seq_len: the default 128
+    assert cli.main(["plan", tiny, "--world-size", "1", "--seq", "256", "--fx",
+                     "--summary-only"]) == 0
+    assert "note: max_seq_len raised from 128 to 256 to plan --seq 256" in capsys.readouterr().out
+    assert cli.main(["plan", f"{tiny},max_seq_len=64", "--world-size", "1", "--seq", "256",
+                     "--fx"]) == 2
+    err = capsys.readouterr().err
+    assert "--seq 256 is longer than the model's max_seq_len=64: set max_seq_len=256" in err
+    # A preset's own max_seq_len is not the user's: raised.
+    spec, note = fit_seq(parse_model("llama-tiny"), 512)
+    assert spec.details["config"]["max_seq_len"] == 512 and "from 256 to 512" in note
+    assert fit_seq(spec, 512) == (spec, None)
+    # Hugging Face configs: max_position_embeddings, or its alias (gpt2's n_positions).
+    spec, note = fit_seq(parse_model("hf:llama", TINY_HF), 4096)
+    assert spec.max_seq == 4096 and "max_position_embeddings raised from 2048" in note
+    with pytest.raises(ModelSpecError, match="max_position_embeddings=16: set "
+                                             "max_position_embeddings=32"):
+        fit_seq(parse_model("hf:llama", [*TINY_HF, "max_position_embeddings=16"]), 32)
+    with pytest.raises(ModelSpecError, match="max_position_embeddings=16"):
+        fit_seq(parse_model("hf:gpt2", ["n_positions=16", "n_layer=1"]), 32)
 
 
 def test_overrides_parse_literals():

@@ -893,10 +893,14 @@ def test_peak_budget_puts_the_optimizer_state_on_the_host_with_parity(runs):
         assert 0 < host < p["param_bytes"], p
         stepped_here = p["param_bytes"] - host
         assert p["optimizer_state_bytes"] == 2 * stepped_here
+        # a group mixing host- and device-stepped parameters with foreach unset (the default
+        # optimizer_impl "auto") steps per tensor: its temporaries are a few shards', not
+        # foreach's one list as large as the device part (shardc.planning.optimizer_kind)
+        assert 0 < p["optimizer_temp_bytes"] <= 3 * stepped_here
         assert p["optimizer_step_peak_bytes"] == p["param_bytes"] + p["grad_bytes"] \
-            + 3 * stepped_here
+            + 2 * stepped_here + p["optimizer_temp_bytes"]
         assert p["host_bytes"] == 4 * host
-        assert o.freed_bytes >= 3 * host and o.predicted_ms > 0, o  # the largest rank's
+        assert o.freed_bytes >= 2 * host and o.predicted_ms > 0, o  # the largest rank's
         assert o.reason.startswith("on the host: the optimizer step's peak"), o.reason
         assert got["masters"] == sorted(o.host_params) and got["master_equal"], got["masters"]
         assert "optimizer state and step: on the host for" in got["table"]

@@ -34,7 +34,7 @@ from shardc.ops.gather import GATHER_OP
 from shardc.ops.gather_args import GatherArgs
 from shardc.passes.fx_utils import is_call
 from shardc.passes.recompute import Block
-from shardc.planning import budget, optimizer_offload, prefetch, recompute
+from shardc.planning import budget, optimizer_kind, optimizer_offload, prefetch, recompute
 from shardc.planning import offload as offload_lever
 from shardc.planning.estimate import elided_cast_seconds
 from shardc.planning.plan import MemoryBudget, Plan, PrefetchDecision, PrefetchTrial
@@ -111,7 +111,8 @@ def choose_under_budget(inputs: SearchInputs, options: ShardcOptions,
     if subset.decided is not None:
         decided = subset.decided
         decided.optimizer = _optimizer_decision(floor_plan, floor, exact, decided, options,
-                                                region, device_name(inputs.joint), subset)
+                                                region, device_name(inputs.joint), subset,
+                                                shard_bytes_by_param(inputs.joint))
         log.warning("shardc: region %d: the peak budget puts part of the optimizer's state and "
                     "step on the host (optimizer_offload='never' turns this off): %s",
                     region.index, decided.optimizer.reason)
@@ -125,7 +126,8 @@ def choose_under_budget(inputs: SearchInputs, options: ShardcOptions,
             raise
         raise _refusal(again, optimizer_offload.refusal_hint(True, "", floor, exact)) from None
     decided.optimizer = _optimizer_decision(floor_plan, floor, exact, decided, options, region,
-                                            device_name(inputs.joint), subset)
+                                            device_name(inputs.joint), subset,
+                                            shard_bytes_by_param(inputs.joint))
     # A warning: the host step costs far more than any device lever (seconds per step at 1e9
     # parameters); the user may prefer a larger budget or more ranks.
     log.warning("shardc: region %d: the peak budget puts the optimizer's state and step on the "
@@ -167,9 +169,13 @@ def _host_subset(inputs: SearchInputs, options: ShardcOptions, region: SearchReg
     target = budget.planned_for(budget.resolve_budget(options.peak_memory_budget_bytes,
                                                       _gather_device(inputs.joint)),
                                 options.peak_memory_margin)
-    state, temp = options.optimizer_state_factor, options.optimizer_temp_factor
-    count = optimizer_offload.take(order, 0, floor - target,
-                                   state + temp if not exact or _peak_in_step(floor_plan)
+    state, per_byte, one_off = _freed_by_host_state(
+        options, floor_plan, optimizer_kind.per_tensor_temp_bytes(
+            local.values(), options.optimizer_state_factor))
+    one_off = agree_on_largest(group, index, "optimizer/temps_freed", one_off)  # same subsets
+    count = optimizer_offload.take(order, 0, floor - target - (
+        one_off if not exact or _peak_in_step(floor_plan) else 0),
+                                   state + per_byte if not exact or _peak_in_step(floor_plan)
                                    else state)
     tried = 0
     while tried < optimizer_offload.MAX_SUBSET_TRIALS and count < len(order):
@@ -188,9 +194,33 @@ def _host_subset(inputs: SearchInputs, options: ShardcOptions, region: SearchReg
                 raise
             again, in_step = refused.minimum_bytes, _peak_in_step(refused.plan)
         count = optimizer_offload.take(order, count, again - target,
-                                       state + temp if in_step else state)
+                                       state + per_byte if in_step else state)
     region.optimizer_host_params = base
     return HostSubset(order, order, None, tried)
+
+
+def _freed_by_host_state(options: ShardcOptions, plan: Plan, per_tensor: int
+                         ) -> tuple[float, float, int]:
+    """What a shard byte's optimizer state on the host frees in the optimizer step's column:
+    (its state's bytes per byte, its temporaries' per byte, bytes freed at once by the first
+    shard that goes). The step's temporaries follow the implementation that runs on the group
+    once it holds host tensors (``shardc.planning.optimizer_kind``): foreach's shrink with the
+    device part; ``"auto"``'s switch to the per-tensor loop frees ``plan``'s foreach
+    temporaries at once, less the per-tensor ones of the shards left (``per_tensor``:
+    ``optimizer_kind.per_tensor_temp_bytes`` over them; an estimate where they are not known
+    yet: each subset is verified)."""
+    state, temp = options.optimizer_state_factor, options.optimizer_temp_factor
+    after = optimizer_kind.ran(options.optimizer_impl, temp, host_in_group=True)
+    if after == "foreach":
+        return state, temp, 0
+    before = optimizer_kind.ran(options.optimizer_impl, temp,
+                                host_in_group=bool(plan.predicted.optimizer_host_param_bytes))
+    if before != "foreach":
+        return state, 0.0, 0
+    temps = int(plan.predicted.optimizer_temp_bytes or 0)
+    left = optimizer_kind.step_temp_bytes(after, plan.predicted.param_bytes or 0.0, per_tensor,
+                                          temp)
+    return state, 0.0, max(temps - left, 0)
 
 
 def _peak_in_step(plan: Plan | None) -> bool:
@@ -227,7 +257,7 @@ def _optimizer_offload_unavailable(gm: fx.GraphModule, options: ShardcOptions) -
 
 def _optimizer_decision(floor_plan: Plan, floor: int, exact: bool, decided: MemoryBudget,
                         options: ShardcOptions, region: SearchRegion, device: str | None,
-                        subset: HostSubset):
+                        subset: HostSubset, local: dict[str, int]):
     """The record of the optimizer's state put on the host (of the buckets ``subset`` chose,
     or where it chose none, of every parameter), priced from the device levers' floor plan
     (``floor_plan``, peak ``floor``; not ``exact``: ``floor`` is the optimizer step's peak,
@@ -246,14 +276,27 @@ def _optimizer_decision(floor_plan: Plan, floor: int, exact: bool, decided: Memo
         host_param_bytes = sum(u.nbytes for u in chosen)
         grad_bytes = grad_bytes * host_param_bytes // max(param_bytes, 1)
         param_bytes, n_params = host_param_bytes, sum(u.numel for u in chosen)
-    freed = int(param_bytes * (options.optimizer_state_factor + options.optimizer_temp_factor))
+    host_names = {p for u in chosen for p in u.params} if chosen is not None else set(local)
+    state, per_byte, one_off = _freed_by_host_state(
+        options, floor_plan, optimizer_kind.per_tensor_temp_bytes(
+            (None if fqn in host_names else n for fqn, n in local.items()),
+            options.optimizer_state_factor))
+    if chosen is None:  # every parameter's: the state and all the step's temporaries
+        temps = floor_plan.predicted.optimizer_temp_bytes
+        if temps is None:
+            temps = param_bytes * options.optimizer_temp_factor
+        freed = int(param_bytes * state) + largest("temps", temps)
+    else:
+        freed = int(param_bytes * (state + per_byte)) + largest("temps_left", one_off)
     profile = resolve_profile(options.cluster, device)
     return optimizer_offload.decision(
         freed_bytes=freed, host_bytes=optimizer_host_bytes(param_bytes,
                                                            options.optimizer_state_factor),
         n_params=n_params, param_bytes=param_bytes, grad_bytes=grad_bytes, profile=profile,
         floor_bytes=floor, peak_bytes=decided.peak_bytes, exact=exact, chosen=chosen,
-        of=len(subset.order), tried=subset.tried)
+        of=len(subset.order), tried=subset.tried,
+        ran=optimizer_kind.ran(options.optimizer_impl, options.optimizer_temp_factor,
+                               host_in_group=True))
 
 
 def _shard_numel(plan: Plan) -> int:
@@ -326,9 +369,12 @@ def choose_device_levers(inputs: SearchInputs, options: ShardcOptions, region: S
         step = base.predicted
         shards = step.param_bytes or 0
         stepped_here = shards - (step.optimizer_host_param_bytes or 0)
-        factor = options.optimizer_state_factor + options.optimizer_temp_factor
+        temps = step.optimizer_temp_bytes  # as the implementation that runs holds them
+        if temps is None:
+            temps = stepped_here * options.optimizer_temp_factor
         floor = agree_on_largest(base.group_name, region.check_index, f"{tag_prefix}step",
-                                 int(shards + stepped_here * factor + (step.grad_bytes or 0)))
+                                 int(shards + stepped_here * options.optimizer_state_factor
+                                     + temps + (step.grad_bytes or 0)))
         if floor > budget_bytes:
             raise optimizer_offload.StepOverBudget(floor, base)
     probe, blocks = inputs.probe, inputs.blocks  # the joint passes' graph and its blocks

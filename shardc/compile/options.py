@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, fields
 
+from shardc.planning import optimizer_kind
+
 
 @dataclass(frozen=True)
 class ShardcOptions:
@@ -72,9 +74,17 @@ class ShardcOptions:
     cluster: ``shardc.planning.cost_model.ClusterSpec`` fields for the cost model's predictions.
     optimizer_state_factor: optimizer state bytes per parameter byte, for the peak prediction
         (2 for Adam/AdamW, 1 for SGD with momentum, 0 for plain SGD).
-    optimizer_temp_factor: temporary bytes per parameter byte that the optimizer's step
-        allocates, for the peak prediction (1 for torch's default ``foreach`` Adam/AdamW, 0 for
-        ``fused=True`` or ``foreach=False``).
+    optimizer_temp_factor: temporary bytes per parameter byte that the optimizer's ``foreach``
+        step allocates, for the peak prediction (1 for Adam/AdamW; 0: none, read as
+        ``fused=True`` where ``optimizer_impl`` is ``"auto"``).
+    optimizer_impl: the ``torch.optim`` implementation the optimizer runs
+        (``shardc.planning.optimizer_kind``): ``"auto"`` (``foreach`` and ``fused`` unset:
+        torch's choice per parameter group, foreach on CUDA, per tensor in a group holding host
+        tensors, as the peak budget's partial optimizer offload makes it), ``"foreach"``,
+        ``"fused"``, ``"per_tensor"`` (``foreach=False``). The peak prediction counts the step's
+        temporaries of that implementation; the step prediction prices it.
+        ``shardc.planning.optimizer_kind.from_optimizer(opt)`` gives the options of an
+        optimizer.
     move_found_collectives: collectives already in the traced graph (DTensor's tensor-parallel
         ones) are issued as soon as their inputs exist and waited before their first reader;
         ``False`` keeps them where they were traced (they are planned and simulated either way).
@@ -105,10 +115,14 @@ class ShardcOptions:
     cluster: dict | None = None
     optimizer_state_factor: float = 2.0
     optimizer_temp_factor: float = 1.0
+    optimizer_impl: str = "auto"
     move_found_collectives: bool = True
     compile_blocks_once: bool = True
 
     def __post_init__(self) -> None:
+        if self.optimizer_impl not in optimizer_kind.IMPLEMENTATIONS:
+            raise ValueError(f"shardc: optimizer_impl must be one of "
+                             f"{optimizer_kind.IMPLEMENTATIONS}, got {self.optimizer_impl!r}")
         if self.bucket_by not in ("module", "param"):
             raise ValueError(
                 f"shardc: bucket_by must be 'module' or 'param', got {self.bucket_by!r}"

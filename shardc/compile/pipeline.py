@@ -73,6 +73,7 @@ from shardc.passes.offload_saved import (
 from shardc.passes.recompute import Block, find_blocks, recompute_blocks
 from shardc.passes.reshard import check_no_gathered_saved, keep_gathered, tag_resharded_gathers
 from shardc.passes.saved_order import order_saved_values
+from shardc.planning import optimizer_kind
 from shardc.planning.plan import CompiledBody, InlineBlock, MemoryBudget, Plan
 from shardc.planning.schedule import plan_region
 from shardc.runtime.collectives import resolve_group
@@ -231,6 +232,8 @@ def lower_and_predict(fw: fx.GraphModule, bw: fx.GraphModule | None, options: Sh
     bw_params = param_placeholders(bw) if bw is not None else set()
     on_host = region.optimizer_on_host
     host_stepped = 0 if on_host else host_stepped_bytes(fw, region.optimizer_host_params)
+    per_tensor = per_tensor_temps(fw, region.optimizer_host_params,
+                                  options.optimizer_state_factor)
     host = find_host_state(fw, bw)  # CPU offload: what lives on the host
     rank = rank_in_plan(plan)
     pool = allocate_pool(fw, plan, options, pool_device) if bw is not None else None
@@ -252,7 +255,10 @@ def lower_and_predict(fw: fx.GraphModule, bw: fx.GraphModule | None, options: Sh
                      fusion=options.inductor,
                      host=host.params | host.bw_params | host_values(fw) | host_values(bw)
                      | activation_host_values(fw, bw) | resident_host_values(fw, bw),
-                     optimizer_host_param_bytes=host_stepped)
+                     optimizer_host_param_bytes=host_stepped,
+                     optimizer_impl=options.optimizer_impl,
+                     optimizer_per_tensor_bytes=per_tensor)
+        note_optimizer_impl(plan, options, host_stepped > 0, on_host)
         record_host_bytes(plan, host, fw, options, on_host)
     return plan, pool
 
@@ -263,6 +269,31 @@ def host_stepped_bytes(fw: fx.GraphModule, names: frozenset[str]) -> int:
     if not names:
         return 0
     return sum(n for fqn, n in shard_bytes_by_param(fw).items() if fqn in names)
+
+
+def per_tensor_temps(fw: fx.GraphModule, host_names: frozenset[str], state_factor: float
+                     ) -> int:
+    """The per-tensor optimizer's device temporaries over this rank's shards (bytes, before
+    lowering, in the order the forward gathers them), those in ``host_names`` stepped on the
+    host (``optimizer_kind.per_tensor_temp_bytes``)."""
+    return optimizer_kind.per_tensor_temp_bytes(
+        (None if fqn in host_names else n for fqn, n in shard_bytes_by_param(fw).items()),
+        state_factor)
+
+
+def note_optimizer_impl(plan: Plan, options: ShardcOptions, mixed: bool, on_host: bool) -> None:
+    """Say in the plan's notes which implementation the optimizer step's temporaries are
+    predicted for, where ``"auto"`` does not run foreach on the device (a mixed group)."""
+    if on_host:
+        return
+    ran = optimizer_kind.ran(options.optimizer_impl, options.optimizer_temp_factor,
+                             host_in_group=mixed)
+    if mixed or options.optimizer_impl != "auto":
+        plan.notes.append(
+            f"optimizer step predicted as torch.optim's {optimizer_kind.describe(ran, mixed=mixed)}"
+            f" implementation (optimizer_impl={options.optimizer_impl!r}): "
+            f"{(plan.predicted.optimizer_temp_bytes or 0) / 2**20:.1f} MiB of device "
+            "temporaries")
 
 
 def record_host_bytes(plan: Plan, host, fw: fx.GraphModule, options: ShardcOptions,

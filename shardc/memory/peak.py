@@ -36,6 +36,7 @@ from shardc.passes.fx_utils import (
     view_chain_root,
     view_users,
 )
+from shardc.planning import optimizer_kind
 from shardc.planning.plan import Plan
 from shardc.runtime.collectives import is_float8
 
@@ -330,6 +331,8 @@ def predict_peak(
     fusion: bool = False,
     host: set[fx.Node] = frozenset(),
     optimizer_host_param_bytes: int = 0,
+    optimizer_impl: str = "auto",
+    optimizer_per_tensor_bytes: float | None = None,
 ) -> dict[str, int]:
     """Whole-step peak prediction from the lowered graphs; ``params``/``bw_params`` are the
     parameter-shard placeholders (:func:`param_placeholders`, taken before lowering);
@@ -338,7 +341,11 @@ def predict_peak(
     ``host``: values in host memory (CPU offload, :mod:`shardc.memory.host`), not counted;
     ``optimizer_host_param_bytes``: bytes of the shards whose optimizer state and step are on
     the host (the peak budget's partial optimizer offload): the state and the step's
-    temporaries are counted for the other shards only.
+    temporaries are counted for the other shards only. ``optimizer_impl``: the implementation
+    the optimizer runs (``shardc.planning.optimizer_kind``), whose temporaries the step holds:
+    ``"auto"`` runs per tensor on a group that mixes host-stepped shards with these;
+    ``optimizer_per_tensor_bytes``: the per-tensor implementation's temporaries
+    (``optimizer_kind.per_tensor_temp_bytes``; default: over ``params``, all on the device).
 
     Returns (and records in ``plan.predicted``) ``param_bytes``, ``optimizer_state_bytes``,
     ``forward_peak_bytes``, ``backward_peak_bytes``, ``grad_bytes``,
@@ -347,6 +354,13 @@ def predict_peak(
     param_bytes = sum(_nbytes(p.meta.get("val")) for p in params)
     stepped_here = max(param_bytes - optimizer_host_param_bytes, 0)  # the device's optimizer
     optim = int(stepped_here * optimizer_state_factor)
+    ran = optimizer_kind.ran(optimizer_impl, optimizer_temp_factor,
+                             host_in_group=optimizer_host_param_bytes > 0)
+    if optimizer_per_tensor_bytes is None:
+        optimizer_per_tensor_bytes = optimizer_kind.per_tensor_temp_bytes(
+            (_nbytes(p.meta.get("val")) for p in params), optimizer_state_factor)
+    temps = optimizer_kind.step_temp_bytes(ran, stepped_here, optimizer_per_tensor_bytes,
+                                           optimizer_temp_factor)
     constants = {breakdown.PARAM_SHARDS: param_bytes, breakdown.OPTIMIZER: optim}
     # Block bodies (invoke_subgraph calls) are walked as the ops they run, where they run them.
     forward, params, fw_host = _flat(forward, params, host)
@@ -367,12 +381,12 @@ def predict_peak(
         grads = sum(_nbytes(n.meta.get("val")) for n in backward.graph.output_node().args[0]
                     if isinstance(n, fx.Node) and _root(n) not in bw_host)
         out["grad_bytes"] = grads
-        out["optimizer_step_peak_bytes"] = (param_bytes + optim + grads + persistent_bytes
-                                            + int(stepped_here * optimizer_temp_factor))
+        out["optimizer_step_peak_bytes"] = param_bytes + optim + grads + persistent_bytes + temps
+        out["optimizer_temp_bytes"] = temps
         peak = max(peak, out["backward_peak_bytes"], out["optimizer_step_peak_bytes"])
         constants_step = {**constants, breakdown.GRADIENTS: grads,
                           breakdown.COMM: persistent_bytes,
-                          breakdown.TEMPORARIES: int(stepped_here * optimizer_temp_factor)}
+                          breakdown.TEMPORARIES: temps}
     plan.memory_by_category = _step_breakdown(
         walked, constants, constants_step if backward is not None else None)
     out["peak_bytes"] = peak

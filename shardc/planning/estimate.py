@@ -180,16 +180,21 @@ def optimizer_kernel_ops(state_factor: float = 2.0, temp_factor: float = 1.0
 
 
 def optimizer_step_seconds(param_bytes: float, n_params: int, profile: ClusterProfile, *,
-                           state_factor: float = 2.0, temp_factor: float = 1.0) -> float:
+                           state_factor: float = 2.0, temp_factor: float = 1.0,
+                           ran: str | None = None) -> float:
     """Device time of the optimizer's step over this rank's parameter shards (``param_bytes``
     of fp32 master weights in ``n_params`` tensors), outside the compiled graphs: the passes of
     :func:`optimizer_kernel_ops` over the shards at the memory bandwidth; each foreach op
     launches a kernel per chunk of tensors (``n_params``/16 here, about what torch's chunking
     gives), at least ``kernel_gpu_s`` and ``kernel_launch_s`` each. The host's per-parameter
     work around it (``ClusterProfile.optimizer_per_param_s``) is placed by
-    :mod:`shardc.planning.step`."""
-    passes, ops = optimizer_kernel_ops(state_factor, temp_factor)
-    kernels = ops * max(1, math.ceil(n_params / 16))
+    :mod:`shardc.planning.step`. ``ran`` (``shardc.planning.optimizer_kind``; default: fused
+    where ``temp_factor`` is 0, else foreach): ``"per_tensor"`` makes the foreach passes as a
+    kernel per tensor each."""
+    ran = ran or ("fused" if temp_factor <= 0 else "foreach")
+    passes, ops = optimizer_kernel_ops(state_factor, 0.0 if ran == "fused" else
+                                       max(temp_factor, 1.0))
+    kernels = ops * (max(n_params, 1) if ran == "per_tensor" else max(1, math.ceil(n_params / 16)))
     moved = passes * param_bytes
     return memory_seconds(moved, profile) + kernels * max(profile.kernel_gpu_s,
                                                           profile.kernel_launch_s)
@@ -217,18 +222,23 @@ def elided_cast_bytes(node: fx.Node) -> int:
 
 
 def host_optimizer_seconds(param_bytes: float, profile: ClusterProfile, *,
-                           state_factor: float = 2.0, temp_factor: float = 0.0) -> float:
+                           state_factor: float = 2.0, temp_factor: float = 0.0,
+                           ran: str | None = None) -> float:
     """Host time of an offloaded optimizer step over ``param_bytes`` of fp32 masters (CPU
-    offload: the optimizer steps on the host). The profile's ``host_adamw_params_per_s`` is
-    torch's fused CPU AdamW (one pass, 7 parameter-sized reads and writes); another kind is
-    taken as memory-bound on the host too, scaled by its reads and writes
-    (:func:`optimizer_kernel_ops`: the ``foreach`` AdamW's 20, SGD's 5 or 3). The Python per
-    parameter tensor is :mod:`shardc.planning.step`'s."""
+    offload: the optimizer steps on the host) in implementation ``ran``
+    (``shardc.planning.optimizer_kind``; default: fused where ``temp_factor`` is 0, else
+    foreach). AdamW at the profile's rate for it (``ClusterProfile.host_adamw_rate``: fused,
+    else the per-tensor CPU kernels, which CPU ``foreach`` runs too); another kind is taken as
+    memory-bound on the host too, scaled by its reads and writes against AdamW's in the same
+    implementation (:func:`optimizer_kernel_ops`: SGD's 5 or 3). The Python per parameter
+    tensor is :mod:`shardc.planning.step`'s."""
     if param_bytes <= 0:
         return 0.0
-    passes, _ = optimizer_kernel_ops(state_factor, temp_factor)
-    fused_adamw, _ = optimizer_kernel_ops(2.0, 0.0)
-    return (param_bytes / 4.0) / profile.host_adamw_params_per_s * passes / fused_adamw
+    ran = ran or ("fused" if temp_factor <= 0 else "foreach")
+    fused = ran == "fused"
+    passes, _ = optimizer_kernel_ops(state_factor, 0.0 if fused else 1.0)
+    adamw, _ = optimizer_kernel_ops(2.0, 0.0 if fused else 1.0)
+    return (param_bytes / 4.0) / profile.host_adamw_rate(ran) * passes / adamw
 
 
 def elided_cast_seconds(gm: fx.GraphModule, profile: ClusterProfile) -> dict[str, float]:

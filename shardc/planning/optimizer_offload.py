@@ -31,8 +31,9 @@ compile time, after the other levers:
   gradients to the host and of the updated shards back, each a copy at the profile's host link
   in its direction
   (``device_to_host_bytes_per_s``, ``host_to_device_bytes_per_s``, ``host_copy_latency_s``:
-  ``ClusterProfile.host_copy_seconds``), and the host step at the profile's
-  ``host_adamw_params_per_s``.
+  ``ClusterProfile.host_copy_seconds``), and the host step at the profile's rate for the
+  implementation that runs there (``ClusterProfile.host_adamw_rate``: fused, or per tensor as
+  torch's default steps a group holding host tensors; the option ``optimizer_impl``).
 
 Full parameter offload (``OffloadPolicy()``: shards and gradients on the host too) is not a
 lever here: it decides where the shards live at ``shardc.shard``, before any compile; a budget
@@ -125,15 +126,17 @@ def copy_seconds(param_bytes: float, grad_bytes: float, profile: ClusterProfile
     return to_host, profile.host_copy_seconds(param_bytes, to_device=True)
 
 
-def price(param_bytes: int, grad_bytes: int, n_params: int, profile: ClusterProfile
-          ) -> tuple[float, float, float]:
+def price(param_bytes: int, grad_bytes: int, n_params: int, profile: ClusterProfile,
+          ran: str = "fused") -> tuple[float, float, float]:
     """Seconds of the offloaded step's three phases: (shards and gradients to the host, the
     host step over ``n_params`` parameters, the updated shards back to the device); the copies
-    are :func:`copy_seconds`', the host step is torch's fused CPU AdamW's
-    (:func:`shardc.planning.estimate.host_optimizer_seconds`, which the step prediction prices
-    the host step with too; the decision does not know the optimizer and takes the fused one)."""
+    are :func:`copy_seconds`', the host step is torch's CPU AdamW's in implementation ``ran``
+    (``shardc.planning.optimizer_kind``: the option ``optimizer_impl``'s on a group holding host
+    tensors, per tensor for ``"auto"``; :func:`shardc.planning.estimate.
+    host_optimizer_seconds`, which the step prediction prices the host step with too)."""
     d2h, h2d = copy_seconds(param_bytes, grad_bytes, profile)
-    step = host_optimizer_seconds(4.0 * n_params, profile, state_factor=2.0, temp_factor=0.0)
+    step = host_optimizer_seconds(4.0 * n_params, profile, state_factor=2.0, temp_factor=0.0,
+                                  ran=ran)
     return d2h, step, h2d
 
 
@@ -159,14 +162,15 @@ def why_not(mode: str, device_type: str, offload, fp8: bool, tp: bool) -> str:
 def decision(*, freed_bytes: int, host_bytes: int, n_params: int, param_bytes: int,
              grad_bytes: int, profile: ClusterProfile, floor_bytes: int, peak_bytes: int,
              exact: bool = True, chosen: list[HostUnit] | None = None, of: int = 0,
-             tried: int = 0) -> OptimizerDecision:
+             tried: int = 0, ran: str = "fused") -> OptimizerDecision:
     """The record of the lever chosen: ``floor_bytes`` the other levers' feasible minimum
     (over the budget; not ``exact``: the optimizer step's peak, which every configuration of
     theirs has), ``peak_bytes`` the chosen plan's predicted peak with the state on the host;
     ``chosen``: the buckets whose state is on the host, of ``of`` that could move (None: every
     parameter's, after ``tried`` subsets that did not meet the budget); the bytes and counts
-    (of the parameters on the host) are the largest over the ranks."""
-    d2h, step, h2d = price(param_bytes, grad_bytes, n_params, profile)
+    (of the parameters on the host) are the largest over the ranks; ``ran``: the host step's
+    implementation (:func:`price`)."""
+    d2h, step, h2d = price(param_bytes, grad_bytes, n_params, profile, ran)
     total_ms = (d2h + step + h2d) * 1e3
     floor = (f"the other levers' feasible minimum {floor_bytes / _MiB:.1f} MiB is over the "
              "budget" if exact else f"the optimizer step's peak {floor_bytes / _MiB:.1f} MiB "
@@ -180,10 +184,11 @@ def decision(*, freed_bytes: int, host_bytes: int, n_params: int, param_bytes: i
         what = (f"the state of {len(chosen)} of {of} bucket(s), largest first "
                 f"({', '.join(u.name or str(u.bucket) for u in chosen)}: the fewest whose state "
                 "on the host brings the predicted peak within the budget)")
+    ran_words = "fused CPU AdamW" if ran == "fused" else "CPU AdamW per tensor"
     reason = (f"on the host: {floor}; {what} on the host frees {freed_bytes / _MiB:.1f} MiB "
               f"of device memory for ~{total_ms:.1f} ms per step ({d2h * 1e3:.1f} ms shards "
-              f"and gradients to the host, {step * 1e3:.1f} ms host step over {n_params} "
-              f"parameters, {h2d * 1e3:.1f} ms shards back); predicted peak "
+              f"and gradients to the host, {step * 1e3:.1f} ms host step ({ran_words}) over "
+              f"{n_params} parameters, {h2d * 1e3:.1f} ms shards back); predicted peak "
               f"{peak_bytes / _MiB:.1f} MiB")
     host_params = None if chosen is None else [p for u in chosen for p in u.params]
     buckets = [] if chosen is None else sorted(u.bucket for u in chosen)

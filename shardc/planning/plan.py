@@ -143,6 +143,10 @@ class Predictions:
     # optimizer state and step temporaries above are those of the other shards. Absent: none
     # (or, with ``MemoryBudget.optimizer`` on the host for every parameter, all of them).
     optimizer_host_param_bytes: float | None = None
+    # The optimizer step's device temporaries counted in ``optimizer_step_peak_bytes``, as the
+    # implementation that runs holds them (``shardc.planning.optimizer_kind``; optional within
+    # version 5).
+    optimizer_temp_bytes: float | None = None
 
     def to_dict(self) -> dict[str, float]:
         """The predictions made, by name."""

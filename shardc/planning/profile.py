@@ -48,8 +48,12 @@ PROFILE_FORMAT = "shardc-cluster-profile"
 # Version 6 added FP8's host work (:data:`FP8_HOST_FIELDS`: host seconds per ``_scaled_mm`` of
 # a compiled forward and backward, beyond the parameter terms and the model's launches); an older
 # profile reads with zeros for them and predicts as before.
-PROFILE_VERSION = 6
-READABLE_PROFILE_VERSIONS = (1, 2, 3, 4, 5, 6)
+# Version 7 added the per-tensor CPU AdamW's rate (``host_adamw_per_tensor_params_per_s``: the
+# host step of an optimizer whose ``foreach``/``fused`` are unset, which steps host tensors per
+# tensor); an older profile reads with 0 (not measured: the fused rate over
+# ``shardc.planning.optimizer_kind.DEFAULT_PER_TENSOR_HOST_SLOWDOWN``).
+PROFILE_VERSION = 7
+READABLE_PROFILE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 # Host<->device bandwidth of pinned copies (bytes/s) where not measured: PCIe gen5 x16 measures
 # about 50 GB/s each way at best; half of it is what large pinned copies sustain next to NCCL.
 DEFAULT_HOST_LINK_BYTES_PER_S = 25e9
@@ -244,6 +248,11 @@ class ClusterProfile:
     machine's host, measured in a training step); calibration times the kernel on host tensors
     (:func:`shardc.tools.calibrate.measure_host_adamw`).
 
+    ``host_adamw_per_tensor_params_per_s`` (version 7; 0, and older profiles: not measured):
+    the same for torch's per-tensor CPU AdamW (``torch.optim.AdamW(foreach=False)`` on CPU
+    tensors, what an AdamW with ``foreach`` and ``fused`` unset runs on host tensors; CPU
+    ``foreach=True`` loops over the same kernels): :meth:`host_adamw_rate`.
+
     :mod:`shardc.planning.step` places them on the step's host and device timelines."""
 
     name: str
@@ -290,6 +299,7 @@ class ClusterProfile:
     host_adamw_params_per_s: float = DEFAULT_HOST_ADAMW_PARAMS_PER_S
     fp8_forward_per_scaled_mm_s: float = 0.0
     fp8_backward_per_scaled_mm_s: float = 0.0
+    host_adamw_per_tensor_params_per_s: float = 0.0
     notes: tuple[str, ...] = ()
     version: int = PROFILE_VERSION
 
@@ -306,6 +316,12 @@ class ClusterProfile:
                 raise ProfileError(f"shardc: cluster profile {self.name!r}: {name} is {value!r}; "
                                    "fixed host seconds per step (or per _scaled_mm) must be a "
                                    "finite number (0: not measured)")
+        per_tensor = self.host_adamw_per_tensor_params_per_s
+        if not isinstance(per_tensor, (int, float)) or not (math.isfinite(per_tensor)
+                                                            and per_tensor >= 0):
+            raise ProfileError(f"shardc: cluster profile {self.name!r}: "
+                               f"host_adamw_per_tensor_params_per_s is {per_tensor!r}; a host "
+                               "rate must be a finite number >= 0 (0: not measured)")
         for name in HOST_FIELDS:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
@@ -403,6 +419,18 @@ class ClusterProfile:
         return ClusterSpec(bus_bandwidth=self.intra.bus_bandwidth, latency_s=self.intra.latency_s,
                            inter_node_bandwidth=self.inter.bus_bandwidth,
                            inter_node_latency_s=self.inter.latency_s)
+
+    def host_adamw_rate(self, ran: str = "fused") -> float:
+        """Parameters per second of the host's AdamW in implementation ``ran``
+        (``shardc.planning.optimizer_kind.RAN``): fused, the profile's
+        ``host_adamw_params_per_s``; the others, ``host_adamw_per_tensor_params_per_s`` where
+        measured, else the fused rate over ``DEFAULT_PER_TENSOR_HOST_SLOWDOWN``."""
+        from shardc.planning.optimizer_kind import DEFAULT_PER_TENSOR_HOST_SLOWDOWN
+
+        if ran == "fused":
+            return self.host_adamw_params_per_s
+        return self.host_adamw_per_tensor_params_per_s or (
+            self.host_adamw_params_per_s / DEFAULT_PER_TENSOR_HOST_SLOWDOWN)
 
     def peak_matmul_flops(self, dtype: str = "bfloat16") -> float:
         table = self._matmul_table(dtype)

@@ -70,7 +70,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from shardc.planning import optimizer_offload
+from shardc.planning import optimizer_kind, optimizer_offload
 from shardc.planning.estimate import (
     host_optimizer_seconds,
     optimizer_kernel_ops,
@@ -91,7 +91,9 @@ class OptimizerSpec:
     (for reports). ``offload``: where it steps (:data:`OFFLOAD_MODES`: ``"none"`` on the device,
     ``"params"`` CPU offload of the parameters and optimizer, ``"optimizer"`` optimizer-only
     offload; see the module docstring); ``overlap``: ``shardc.step_in_backward`` (with
-    ``"params"`` only)."""
+    ``"params"`` only). ``impl``: the ``torch.optim`` implementation
+    (``shardc.planning.optimizer_kind``; the option ``optimizer_impl``): ``"auto"`` steps host
+    masters, and a group mixing them with device shards, per tensor (:meth:`ran`)."""
 
     param_bytes: float
     n_params: int
@@ -100,8 +102,15 @@ class OptimizerSpec:
     name: str = "AdamW (foreach)"
     offload: str = "none"
     overlap: bool = False
+    impl: str = "auto"
+
+    def ran(self, *, host_in_group: bool) -> str:
+        """The implementation that steps a group with (``host_in_group``) or without host
+        tensors."""
+        return optimizer_kind.ran(self.impl, self.temp_factor, host_in_group=host_in_group)
 
     def __post_init__(self) -> None:
+        optimizer_kind.check(self.impl)
         if self.offload not in OFFLOAD_MODES:
             raise ValueError(f"shardc step: offload must be one of {OFFLOAD_MODES}, got "
                              f"{self.offload!r}")
@@ -243,7 +252,8 @@ def overlapped_host_step(plan: Plan, spec: OptimizerSpec, profile: ClusterProfil
     worker, elements, tensors = 0.0, 0.0, 0
     for end, n, k in _bucket_grads(plan):
         worker = max(worker, end) + host_optimizer_seconds(
-            n * 4, profile, state_factor=spec.state_factor, temp_factor=spec.temp_factor) \
+            n * 4, profile, state_factor=spec.state_factor, temp_factor=spec.temp_factor,
+            ran=spec.ran(host_in_group=True)) \
             + profile.optimizer_per_param_s * k
         elements, tensors = elements + n, tensors + k
     return max(worker - _value(plan.predicted, "backward_time_s"), 0.0), elements, tensors
@@ -254,8 +264,9 @@ def _host_step(last: Plan | None, spec: OptimizerSpec, profile: ClusterProfile
     """An offloaded optimizer step: (how far the overlapped worker runs past the backward's
     device end, 0 without overlap; the host seconds of ``optimizer.step()``, of them the
     copies'; the host compute in all, overlapped or not)."""
+    ran = spec.ran(host_in_group=True)
     compute = host_optimizer_seconds(spec.param_bytes, profile, state_factor=spec.state_factor,
-                                     temp_factor=spec.temp_factor)
+                                     temp_factor=spec.temp_factor, ran=ran)
     python = profile.optimizer_fixed_s + profile.optimizer_per_param_s * spec.n_params
     copies = 0.0
     if spec.offload == "optimizer":  # shards and gradients (as many bytes) there, shards back
@@ -266,7 +277,7 @@ def _host_step(last: Plan | None, spec: OptimizerSpec, profile: ClusterProfile
     behind, elements, tensors = overlapped_host_step(last, spec, profile)
     rest_bytes = max(spec.param_bytes - 4 * elements, 0.0)
     rest = host_optimizer_seconds(rest_bytes, profile, state_factor=spec.state_factor,
-                                  temp_factor=spec.temp_factor) \
+                                  temp_factor=spec.temp_factor, ran=ran) \
         + profile.optimizer_per_param_s * max(spec.n_params - tensors, 0)
     return behind, max(profile.optimizer_fixed_s, 0.0) + rest, 0.0, compute
 
@@ -302,9 +313,11 @@ def _mixed_step(queued: float, handoff: float, zero_grad: float, optimizer: Opti
                    offload="optimizer")
     _, host_s, copies, compute = _host_step(None, host, profile)
     device_n = optimizer.n_params - host_n
+    # One group over both: ``"auto"`` steps the device part per tensor too.
     device = optimizer_step_seconds(optimizer.param_bytes - host.param_bytes, device_n, profile,
                                     state_factor=optimizer.state_factor,
-                                    temp_factor=optimizer.temp_factor) if device_n else 0.0
+                                    temp_factor=optimizer.temp_factor,
+                                    ran=optimizer.ran(host_in_group=True)) if device_n else 0.0
     # The host's copies and step come first (the pre-step hook), then the device part's
     # kernels; its per-parameter host work adds to the host's.
     timeline = after_backward_timeline(queued, handoff, device,
@@ -355,10 +368,14 @@ def predict_step(plans: Sequence[Plan], profile: ClusterProfile, optimizer: Opti
             by_category["offload_copies"] = min(copies, idle - stepping)
         other_idle = idle - stepping - by_category.get("offload_copies", 0.0)
     else:
+        ran = optimizer.ran(host_in_group=False)
         device = optimizer_step_seconds(optimizer.param_bytes, optimizer.n_params, profile,
                                         state_factor=optimizer.state_factor,
-                                        temp_factor=optimizer.temp_factor)
-        _, ops = optimizer_kernel_ops(optimizer.state_factor, optimizer.temp_factor)
+                                        temp_factor=optimizer.temp_factor, ran=ran)
+        _, ops = optimizer_kernel_ops(optimizer.state_factor, 0.0 if ran == "fused" else
+                                      max(optimizer.temp_factor, 1.0))
+        if ran == "per_tensor":  # the same ops, one kernel per tensor each
+            ops *= max(optimizer.n_params, 1)
         opt_end, opt_idle, after, idle = after_backward_timeline(
             queued, handoff, device, profile.optimizer_per_param_s * optimizer.n_params,
             zero_grad, ops, optimizer_prologue_s=profile.optimizer_fixed_s)
@@ -373,6 +390,11 @@ def predict_step(plans: Sequence[Plan], profile: ClusterProfile, optimizer: Opti
     if 0.0 < share < 1.0:
         where = (f"host for {share:.0%} of the shards (the peak budget's choice), the device "
                  "for the rest")
+    # Which implementation the prediction assumes, where torch's default picks it (unset
+    # foreach/fused) or it runs per tensor: the host's kernels are several times slower.
+    ran = optimizer.ran(host_in_group=on_host or share > 0.0)
+    if ran == "per_tensor" or optimizer.impl == "auto" and (on_host or share > 0.0):
+        where += f"; torch.optim runs it {optimizer_kind.describe(ran)}"
     phases = (_graph_phase(plans, "forward"), _graph_phase(plans, "backward"),
               Phase("optimizer", opt_end + excess, opt_idle + excess,
                     runs_on="host" if on_host or share > 0.0 else "device"),

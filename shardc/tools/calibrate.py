@@ -230,8 +230,10 @@ def host_threads_per_rank() -> int:
 
 
 def measure_host_adamw(tensors: int, numel: int, reps: int = 3,
-                       threads: int | None = None) -> float:
-    """Parameters per second of torch's fused CPU AdamW (``torch.optim.AdamW(fused=True)``)
+                       threads: int | None = None, per_tensor: bool = False) -> float:
+    """Parameters per second of torch's fused CPU AdamW (``torch.optim.AdamW(fused=True)``;
+    ``per_tensor``: ``foreach=False``, what AdamW with both unset runs on host tensors,
+    ``ClusterProfile.host_adamw_per_tensor_params_per_s``)
     stepping ``tensors`` fp32 host tensors of ``numel`` elements each, with gradients, after a
     warm-up step (which creates the moments): CPU offload's host step
     (``ClusterProfile.host_adamw_params_per_s``). The median of ``reps`` steps, on ``threads``
@@ -246,7 +248,8 @@ def measure_host_adamw(tensors: int, numel: int, reps: int = 3,
         for p in params:
             p.grad = torch.full_like(p, 1e-3)
         try:
-            opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+            opt = torch.optim.AdamW(params, lr=1e-4, **(
+                {"foreach": False} if per_tensor else {"fused": True}))
             opt.step()
         except RuntimeError:  # a torch without the fused CPU kernel: the default implementation
             opt = torch.optim.AdamW(params, lr=1e-4)
@@ -579,8 +582,10 @@ def calibrate(device: torch.device, *, quick: bool = False, name: str | None = N
     fp8_terms, fp8_note = _measure_fp8(device, mm, per_param, compiled_launch_s or 0.0,
                                        graph_call_s, log, t0)
     adamw = measure_host_adamw(*(GPU_HOST_ADAMW if gpu else CPU_HOST_ADAMW))
-    log(f"host: fused CPU AdamW {adamw / 1e9:.2f} G params/s on {host_threads_per_rank()} "
-        "threads "
+    adamw_per_tensor = measure_host_adamw(*(GPU_HOST_ADAMW if gpu else CPU_HOST_ADAMW),
+                                          per_tensor=True)
+    log(f"host: fused CPU AdamW {adamw / 1e9:.2f} G params/s, per tensor "
+        f"{adamw_per_tensor / 1e9:.2f} G params/s on {host_threads_per_rank()} threads "
         f"({time.perf_counter() - t0:.0f} s)")
     host_link = measure_host_link(timer)
     if host_link is not None:
@@ -618,7 +623,8 @@ def calibrate(device: torch.device, *, quick: bool = False, name: str | None = N
         collectives=tuple(curves), intra=link or defaults.intra,
         overlap_slowdown=slowdown if slowdown is not None else defaults.overlap_slowdown,
         host_to_device_bytes_per_s=host_link[0], device_to_host_bytes_per_s=host_link[1],
-        host_copy_latency_s=host_link[2], host_adamw_params_per_s=adamw, notes=tuple(notes))
+        host_copy_latency_s=host_link[2], host_adamw_params_per_s=adamw,
+        host_adamw_per_tensor_params_per_s=adamw_per_tensor, notes=tuple(notes))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,13 @@ import json
 import os
 import sys
 
-from shardc.tools.model_spec import PRESETS, ModelSpecError, parse_model, parse_model_spec
+from shardc.tools.model_spec import (
+    PRESETS,
+    ModelSpecError,
+    fit_seq,
+    parse_model,
+    parse_model_spec,
+)
 from shardc.tools.planner import (
     OFFLOAD,
     OPTIMIZERS,
@@ -134,6 +140,9 @@ def _cmd_plan(args) -> int:
         options["cluster"] = cluster
     profile = cluster_profile(options.get("cluster"))
     seq = args.seq or spec.default_seq
+    spec, seq_note = fit_seq(spec, seq)
+    if seq_note:
+        print(f"note: {seq_note}")
     # The device's memory: --device, else the profile's device.
     cap_bytes = (device_capacity(args.device) if args.device is not None
                  else float(profile.device_memory_bytes) or None)
@@ -235,8 +244,10 @@ def _parser() -> argparse.ArgumentParser:
                         "the Llama presets' blocks split Megatron-style (--batch is per dp rank)")
     p.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default=None,
                    help="the optimizer the step runs (its state in the peak, its step in the "
-                        "step time): default adamw (torch's foreach AdamW) on the device, "
-                        "adamw-fused with --offload (torch's fused CPU AdamW)")
+                        "step time): default adamw (torch.optim.AdamW with foreach and fused "
+                        "unset: foreach on the device, per tensor where a parameter group holds "
+                        "host tensors) on the device, adamw-fused with --offload (torch's fused "
+                        "CPU AdamW); adamw-foreach / adamw-per-tensor: foreach=True / False")
     p.add_argument("--offload", choices=OFFLOAD, default="none",
                    help="CPU offload (docs/offload.md): 'params' = shardc.OffloadPolicy() "
                         "(shards, gradients and optimizer state on the host, the step on the "

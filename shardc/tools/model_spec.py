@@ -65,6 +65,33 @@ class ModelSpec:
     # ``parallelize(model, tp_mesh)``: tensor-parallelize the blocks in place (``None``: the
     # planner cannot plan this model with TP).
     parallelize: Callable[[nn.Module, Any], None] | None = None
+    # The longest sequence the model's config allows (``None``: not known), the config field
+    # that says it, whether the user set that field, and ``with_max_seq(n)``: the same model
+    # allowing ``n`` (:func:`fit_seq`).
+    max_seq: int | None = None
+    max_seq_field: str | None = None
+    max_seq_set: bool = False
+    with_max_seq: Callable[[int], ModelSpec] | None = None
+
+
+def fit_seq(spec: ModelSpec, seq: int) -> tuple[ModelSpec, str | None]:
+    """``spec`` able to plan sequences of ``seq`` tokens, and a note when it had to change.
+
+    A config whose longest sequence (``max_seq_len``, ``max_position_embeddings``) is below
+    ``seq`` is raised to ``seq`` when the user did not set the field (a preset's or the config's
+    default), with a note saying so; when the user set it, :class:`ModelSpecError` names the
+    field and the fix. (Below ``seq`` the trace fails deep in Dynamo: shardc's Llama slices
+    ``seq`` rows from rope tables of ``max_seq_len`` rows.)"""
+    if spec.max_seq is None or seq <= spec.max_seq:
+        return spec, None
+    field_name = spec.max_seq_field or "the maximum sequence length"
+    if spec.max_seq_set or spec.with_max_seq is None:
+        raise ModelSpecError(
+            f"--seq {seq} is longer than the model's {field_name}={spec.max_seq}: set "
+            f"{field_name}={seq} (or more), or plan a --seq of at most {spec.max_seq}")
+    return spec.with_max_seq(seq), (
+        f"{field_name} raised from {spec.max_seq} to {seq} to plan --seq {seq} (set "
+        f"{field_name} to choose it)")
 
 
 def parse_value(raw: str) -> Any:
@@ -102,7 +129,9 @@ def parse_model(spec: str, overrides: Sequence[str] = ()) -> ModelSpec:
         return hf_model(spec[3:], parse_overrides(overrides, spec))
     name, sep, inline = spec.partition(":")
     if name == "llama" or name in PRESETS:
-        return llama_model(llama_config(name, [inline, *overrides]))
+        words = [inline, *overrides]
+        return llama_model(llama_config(name, words),
+                           max_seq_set="max_seq_len" in parse_overrides(words, name))
     if sep and inline and "=" not in inline:
         return factory_model(spec, parse_overrides(overrides, spec))
     raise ModelSpecError(
@@ -160,7 +189,9 @@ def checkpoint_container(container: str) -> Callable[[nn.Module], None]:
     return wrap
 
 
-def llama_model(cfg: LlamaConfig) -> ModelSpec:
+def llama_model(cfg: LlamaConfig, *, max_seq_set: bool = False) -> ModelSpec:
+    """``max_seq_set``: the user chose ``cfg.max_seq_len`` (:func:`fit_seq` will not raise it)."""
+
     def build() -> nn.Module:
         with torch.device("meta"):
             return Transformer(cfg)
@@ -168,7 +199,9 @@ def llama_model(cfg: LlamaConfig) -> ModelSpec:
     return ModelSpec(name=f"llama {cfg.num_params() / 1e9:.2f}B", build=build,
                      loss=lambda model, tokens: llama_loss(model(tokens), tokens),
                      default_seq=cfg.max_seq_len, checkpoint_blocks=checkpoint_container("layers"),
-                     details={"config": dataclasses.asdict(cfg)}, parallelize=parallelize_llama)
+                     details={"config": dataclasses.asdict(cfg)}, parallelize=parallelize_llama,
+                     max_seq=cfg.max_seq_len, max_seq_field="max_seq_len", max_seq_set=max_seq_set,
+                     with_max_seq=lambda n: llama_model(dataclasses.replace(cfg, max_seq_len=n)))
 
 
 def parallelize_llama(model: nn.Module, tp_mesh) -> None:
@@ -253,10 +286,18 @@ def hf_model(name: str, overrides: dict[str, Any]) -> ModelSpec:
     def checkpoint(model: nn.Module) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
-    seq = min(getattr(config, "max_position_embeddings", DEFAULT_SEQ) or DEFAULT_SEQ, DEFAULT_SEQ)
+    max_seq = getattr(config, "max_position_embeddings", None) or None
+    seq = min(max_seq or DEFAULT_SEQ, DEFAULT_SEQ)
+    # Set by the user under its own name or the config's (gpt2's n_positions).
+    aliases = {"max_position_embeddings",
+               getattr(config, "attribute_map", {}).get("max_position_embeddings")}
     return ModelSpec(name=f"hf:{type(config).__name__}", build=build, loss=loss,
                      container="model.layers", default_seq=seq, checkpoint_blocks=checkpoint,
-                     details={"config": config.to_diff_dict()})
+                     details={"config": config.to_diff_dict()},
+                     max_seq=max_seq, max_seq_field="max_position_embeddings",
+                     max_seq_set=bool(aliases & set(overrides)),
+                     with_max_seq=lambda n: hf_model(
+                         name, {**overrides, "max_position_embeddings": n}))
 
 
 # ------------------------------------------------------------------------- module:factory

@@ -33,7 +33,7 @@ from shardc.models.llama import LlamaConfig
 from shardc.planning.plan import Plan
 from shardc.planning.profile import ClusterProfile, ProfileError, resolve_profile
 from shardc.planning.step import OptimizerSpec, StepPrediction, predict_step
-from shardc.tools.model_spec import ModelSpec, ModelSpecError, llama_model
+from shardc.tools.model_spec import ModelSpec, ModelSpecError, fit_seq, llama_model
 
 GIB = 2**30
 
@@ -46,14 +46,19 @@ def fmt_bytes(n: float) -> str:
     return f"{int(n)} B"
 # Device memory as CUDA reports it (``torch.cuda.get_device_properties(0).total_memory``).
 DEVICES_GIB = {"h100": 79.11, "h200": 139.81}
-# ``--optimizer``: (optimizer_state_factor, optimizer_temp_factor, what it is). The state and
-# temporaries go to the peak prediction, the kind to the step's optimizer term
-# (shardc.planning.estimate.optimizer_kernel_ops).
+# ``--optimizer``: (optimizer_state_factor, optimizer_temp_factor, optimizer_impl, what it is).
+# The state and temporaries go to the peak prediction, the kind to the step's optimizer term
+# (shardc.planning.estimate.optimizer_kernel_ops); the implementation
+# (shardc.planning.optimizer_kind) decides which temporaries the step holds and how fast the
+# host steps: "auto" is torch's default (foreach and fused unset: foreach on the device, per
+# tensor in a group holding host tensors).
 OPTIMIZERS = {
-    "adamw": (2.0, 1.0, "AdamW (foreach)"),
-    "adamw-fused": (2.0, 0.0, "AdamW (fused)"),
-    "sgd-momentum": (1.0, 1.0, "SGD with momentum (foreach)"),
-    "sgd": (0.0, 1.0, "SGD (foreach)"),
+    "adamw": (2.0, 1.0, "auto", "AdamW (foreach)"),
+    "adamw-foreach": (2.0, 1.0, "foreach", "AdamW (foreach=True)"),
+    "adamw-fused": (2.0, 0.0, "fused", "AdamW (fused)"),
+    "adamw-per-tensor": (2.0, 1.0, "per_tensor", "AdamW (foreach=False)"),
+    "sgd-momentum": (1.0, 1.0, "auto", "SGD with momentum (foreach)"),
+    "sgd": (0.0, 1.0, "auto", "SGD (foreach)"),
 }
 OFFLOAD = ("none", "params", "optimizer")
 
@@ -111,10 +116,12 @@ class PlanSetup:
             return self.optimizer
         return "adamw" if self.offload == "none" else "adamw-fused"
 
-    def optimizer_options(self) -> dict[str, float]:
-        """The backend options the optimizer's kind sets (its state and temporaries)."""
-        state, temp, _ = OPTIMIZERS[self.optimizer_name]
-        return {"optimizer_state_factor": state, "optimizer_temp_factor": temp}
+    def optimizer_options(self) -> dict[str, Any]:
+        """The backend options the optimizer's kind sets (its state, temporaries and
+        implementation)."""
+        state, temp, impl, _ = OPTIMIZERS[self.optimizer_name]
+        return {"optimizer_state_factor": state, "optimizer_temp_factor": temp,
+                "optimizer_impl": impl}
 
     def shard_kwargs(self) -> dict[str, Any]:
         import shardc
@@ -239,9 +246,9 @@ def optimizer_spec(model: nn.Module, setup: PlanSetup,
         if missing > 0:
             block_bytes, block_tensors = _shard_bytes(layers[-1])
             nbytes, tensors = nbytes + missing * block_bytes, tensors + missing * block_tensors
-    state, temp, name = OPTIMIZERS[setup.optimizer_name]
+    state, temp, impl, name = OPTIMIZERS[setup.optimizer_name]
     return OptimizerSpec(nbytes, tensors, state_factor=state, temp_factor=temp, name=name,
-                         offload=setup.offload, overlap=setup.step_in_backward)
+                         offload=setup.offload, overlap=setup.step_in_backward, impl=impl)
 
 
 def plan_model(model: LlamaConfig | ModelSpec, world: int, batch: int, seq: int, options: dict,
@@ -270,6 +277,7 @@ def plan_model_step(model: LlamaConfig | ModelSpec, world: int, batch: int, seq:
     from shardc.tools.template import TEMPLATE_BLOCKS, TemplateRefused, plan_from_template
 
     spec = model if isinstance(model, ModelSpec) else llama_model(model)
+    spec, seq_note = fit_seq(spec, seq)  # a config too short for ``seq``: raised, or refused
     setup = setup or PlanSetup()
     # Blocks inline: a plan with compiled-once bodies predicts the same peak and step
     # (tests/test_memory.py), and the template's extrapolation reads inline blocks' nodes.
@@ -303,11 +311,14 @@ def plan_model_step(model: LlamaConfig | ModelSpec, world: int, batch: int, seq:
             plan = explain(built)
             if refused:
                 plan.notes.append(f"traced whole, not from a template: {refused}")
+        if seq_note:
+            plan.notes.append(seq_note)
         elapsed = time.perf_counter() - start
         spec_of_step = dataclasses.replace(
             optimizer_spec(built, setup, repeated),
             state_factor=options["optimizer_state_factor"],
-            temp_factor=options["optimizer_temp_factor"])
+            temp_factor=options["optimizer_temp_factor"],
+            impl=options.get("optimizer_impl", "auto"))
     _torch.dynamo_reset()
     return PlannedModel(plan, elapsed, spec_of_step)
 
