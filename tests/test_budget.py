@@ -810,3 +810,75 @@ def test_optimizer_offload_option_and_price():
         "never", "cuda", None, False, False))
     assert "optimizer_offload='never': with 'auto'" in never and "OffloadPolicy" not in never
     assert optimizer_offload.refusal_hint(False, "the model has FP8 parameters") == ""
+
+
+def test_trials_share_partitions_and_the_plans_are_the_same(monkeypatch):
+    """The budget search's trials share one partition per configuration of the partition's
+    levers (buckets kept, blocks recomputed or offloaded), lowering a copy of it for each
+    prefetch depth and optimizer placement, and the real build takes the chosen one's
+    (``shardc.compile.pipeline._SHARE_PARTITIONS``): no configuration is partitioned twice
+    and the real build partitions nothing, yet the plans, their hashes, their records and the
+    lowered graphs are those of the search that partitions every trial and the real build
+    anew. Through the real planner (a tiny model at a fake world of 2, FX): the keep and
+    prefetch levers (a roomy budget over a slow interconnect: two depths of one
+    configuration), and the optimizer's partial offload (a byte below the device levers'
+    minimum: the same configurations under several host subsets)."""
+    import re
+
+    from shardc.compile import pipeline
+    from shardc.models.llama import LlamaConfig
+    from shardc.tools.planner import PlanSetup, plan_model
+
+    partitions, trials, code = [], [], []
+    partition, search_inputs = pipeline.partition, pipeline.search_inputs
+    plan_and_lower = pipeline.plan_and_lower
+
+    def counted_partition(gm, joint_inputs, *, record=True, **kwargs):
+        partitions.append("trial" if not record else "real")
+        return partition(gm, joint_inputs, record=record, **kwargs)
+
+    def counted_search_inputs(*args):
+        inputs = search_inputs(*args)
+
+        def trial(kept, recomputed, offloaded, depth):
+            trials.append((frozenset(kept), frozenset(recomputed), frozenset(offloaded)))
+            return inputs.trial(kept, recomputed, offloaded, depth)
+        return dataclasses.replace(inputs, trial=trial)
+
+    def recorded(fw, bw, *args, **kwargs):
+        try:
+            return plan_and_lower(fw, bw, *args, **kwargs)
+        finally:  # plan_only stops with PlannedOnly once the region is lowered
+            code.append(fw.code + bw.code)
+
+    monkeypatch.setattr(pipeline, "partition", counted_partition)
+    monkeypatch.setattr(pipeline, "search_inputs", counted_search_inputs)
+    monkeypatch.setattr(pipeline, "plan_and_lower", recorded)
+
+    def plan(cfg, options: dict, share: bool):
+        monkeypatch.setattr(pipeline, "_SHARE_PARTITIONS", share)
+        del partitions[:], trials[:], code[:]
+        got = plan_model(cfg, 2, 1, 8, {"peak_memory_margin": 0.0, **options},
+                         template=False, setup=PlanSetup(inductor=False))[0]
+        return got, list(partitions), list(trials), list(code)
+
+    one = LlamaConfig(vocab_size=64, dim=16, n_layers=1, n_heads=2, max_seq_len=8)
+    with pytest.raises(Exception, match="feasible minimum") as refused:
+        plan(one, {"peak_memory_budget_bytes": 1, "optimizer_offload": "never"}, True)
+    floor = int(re.search(r"feasible minimum (\d+) B", str(refused.value)).group(1))
+    two = LlamaConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2, max_seq_len=8)
+    cases = {"prefetch": (two, {"peak_memory_budget_bytes": 1 << 40,
+                                "cluster": {"bus_bandwidth": 1e7}}),
+             "optimizer": (one, {"peak_memory_budget_bytes": floor - 1,
+                                 "optimizer_offload": "simulate"})}
+    for name, (cfg, options) in cases.items():
+        shared, shared_parts, shared_trials, shared_code = plan(cfg, options, True)
+        anew, anew_parts, anew_trials, anew_code = plan(cfg, options, False)
+        assert shared_trials == anew_trials, name  # the same configurations, in order
+        assert len(set(shared_trials)) < len(shared_trials), name  # some share a partition
+        assert shared_parts == ["trial"] * len(set(shared_trials)), name
+        assert anew_parts == ["trial"] * len(anew_trials) + ["real"], name
+        assert shared.hash() == anew.hash() and shared.to_dict() == anew.to_dict(), name
+        assert shared.budget.trials == anew.budget.trials > 0, name
+        assert shared_code == anew_code and len(shared_code) == 1, name
+    assert shared.budget.optimizer.partial  # the optimizer case went through host subsets

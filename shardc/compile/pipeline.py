@@ -115,6 +115,13 @@ class RegionRecord:
 _PARTITIONED_SINK: ContextVar[list | None] = ContextVar("shardc_partitioned_sink", default=None)
 
 
+# Whether the budget search's trials share one partition per (kept, recomputed, offloaded)
+# configuration, lowering copies of it, and the real build takes the chosen one's instead of
+# partitioning again (search_inputs). Off: every trial and the real build partition anew (the
+# tests compare the two: tests/test_budget.py).
+_SHARE_PARTITIONS = True
+
+
 # Set by plan_only(): compilation stops once a region is planned (nothing is compiled).
 _PLAN_ONLY: ContextVar[bool] = ContextVar("shardc_plan_only", default=False)
 
@@ -294,22 +301,31 @@ def partition_and_plan(gm: fx.GraphModule, joint_inputs: Sequence[object], optio
     (:mod:`shardc.compile.budget_search`) first evaluates configurations on copies of the joint
     graph (each built by :func:`search_inputs`'s trial: partitioned, planned and predicted),
     then the chosen one is built for real. Without one, this is the fixed policy, unchanged."""
-    decided = None
+    decided, inputs = None, None
     if options.peak_memory_budget_bytes:
         with progress.stage(region.index, "peak budget"):
-            decided = budget_search.choose_under_budget(
-                search_inputs(gm, joint_inputs, options, region, kwargs), options, region)
-        keep_gathered(gm.graph, kept_params(decided))
+            inputs = search_inputs(gm, joint_inputs, options, region, kwargs)
+            decided = budget_search.choose_under_budget(inputs, options, region)
     recomputed = set(decided.recomputed) if decided is not None else set()
     offloaded = set(decided.offloaded) if decided is not None else set(options.forced_offload())
-    with progress.stage(region.index, "joint passes + partition"):
-        region.fp8 = joint_passes(gm.graph)
-        blocks = region_blocks(gm, region, kwargs) if recomputed or offloaded else []
-        if recomputed:
-            recompute_blocks(gm, blocks, recomputed)
-        gm.recompile()
-        fw, bw = partition(gm, joint_inputs, **kwargs)
-    done = offload_activations(fw, bw, kwargs["num_fwd_outputs"], blocks, offloaded)
+    # The chosen configuration's partition, as a trial made it (the same steps on a copy of
+    # the same joint graph), unless the caller wants the partitioned graphs themselves.
+    reused = (inputs.take_partition(kept_params(decided), recomputed, offloaded)
+              if inputs is not None and _PARTITIONED_SINK.get() is None else None)
+    if reused is not None:
+        region.fp8, fw, bw = reused
+        blocks, done = [], []
+    else:
+        if decided is not None:
+            keep_gathered(gm.graph, kept_params(decided))
+        with progress.stage(region.index, "joint passes + partition"):
+            region.fp8 = joint_passes(gm.graph)
+            blocks = region_blocks(gm, region, kwargs) if recomputed or offloaded else []
+            if recomputed:
+                recompute_blocks(gm, blocks, recomputed)
+            gm.recompile()
+            fw, bw = partition(gm, joint_inputs, **kwargs)
+        done = offload_activations(fw, bw, kwargs["num_fwd_outputs"], blocks, offloaded)
     if decided is not None and decided.prefetch is not None:
         options = with_depth(options, decided.prefetch.depth)
     plan = plan_and_lower(fw, bw, options, region, budget=decided)
@@ -329,26 +345,53 @@ def search_inputs(gm: fx.GraphModule, joint_inputs: Sequence[object], options: S
     pristine = copy_graph_module(gm)
     # The trials' dumps and plan-only stops belong to the real plan only.
     trial_options = replace(options, dump_dir=None)
+    # (kept, recomputed, offloaded) -> the FP8 summary and the partitioned graphs (steps 1-4
+    # and the activation offload, not yet planned): the same for every prefetch depth and
+    # optimizer placement, which only planning, lowering and the prediction read.
+    partitions: dict[tuple[frozenset[str], ...], tuple] = {}
+
+    def partitioned(kept: Collection[str], recomputed: Collection[str],
+                    offloaded: Collection[str]) -> tuple:
+        key = (frozenset(kept), frozenset(recomputed), frozenset(offloaded))
+        if key in partitions:
+            return partitions[key]
+        joint = copy_graph_module(pristine)
+        keep_gathered(joint.graph, key[0])
+        fp8 = joint_passes(joint.graph)
+        found = region_blocks(joint, region, kwargs) if recomputed or offloaded else []
+        if recomputed:
+            recompute_blocks(joint, found, set(key[1]))
+        joint.recompile()
+        fw, bw = partition(joint, joint_inputs, record=False, **kwargs)
+        offload_activations(fw, bw, kwargs["num_fwd_outputs"], found, set(key[2]))
+        if _SHARE_PARTITIONS:
+            partitions[key] = (fp8, fw, bw)
+        return fp8, fw, bw
 
     def trial(kept: Collection[str], recomputed: Collection[str], offloaded: Collection[str],
               depth: int) -> Plan:
-        joint = copy_graph_module(pristine)
-        keep_gathered(joint.graph, kept)
-        joint_passes(joint.graph)
-        found = region_blocks(joint, region, kwargs) if recomputed or offloaded else []
-        if recomputed:
-            recompute_blocks(joint, found, set(recomputed))
-        joint.recompile()
-        fw, bw = partition(joint, joint_inputs, record=False, **kwargs)
-        offload_activations(fw, bw, kwargs["num_fwd_outputs"], found, set(offloaded))
+        _, fw, bw = partitioned(kept, recomputed, offloaded)
+        if _SHARE_PARTITIONS:
+            # Lowered on copies: the partition stays as it was made, for the next trial of it
+            # and for the real build (take_partition).
+            fw, bw = copy_graph_module(fw), copy_graph_module(bw)
         plan, _ = lower_and_predict(fw, bw, with_depth(trial_options, depth), region,
                                     pool_device=torch.device("meta"))
         return plan
 
+    def take_partition(kept: Collection[str], recomputed: Collection[str],
+                       offloaded: Collection[str]) -> tuple | None:
+        """The partition a trial made of this configuration (its FP8 summary, forward and
+        backward), handed over once (the trials' others dropped), or None if none did."""
+        key = (frozenset(kept), frozenset(recomputed), frozenset(offloaded))
+        found = partitions.pop(key, None)
+        partitions.clear()
+        return found
+
     probe = copy_graph_module(pristine)  # the joint passes' graph, where blocks are found
     joint_passes(probe.graph)
     return budget_search.SearchInputs(pristine, trial, probe,
-                                      region_blocks(probe, region, kwargs))
+                                      region_blocks(probe, region, kwargs), take_partition)
 
 
 def offload_activations(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int,
