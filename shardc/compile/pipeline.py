@@ -32,6 +32,7 @@ built.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 from collections.abc import Collection, Iterator, Sequence
 from contextvars import ContextVar
@@ -227,6 +228,31 @@ def lower_and_predict(fw: fx.GraphModule, bw: fx.GraphModule | None, options: Sh
     """Plan, lower and predict the peak of ``fw``/``bw`` (changed in place); returns the plan
     and the communication pool, allocated on ``pool_device`` if given (``meta`` for the budget
     planner's trials, which only predict) or else on the parameters' device."""
+    lowered = lower(fw, bw, options, region, pool_device=pool_device)
+    return predict(lowered, options, region), lowered.pool
+
+
+@dataclass
+class Lowered:
+    """Steps 5-6 done on a region's graphs (:func:`lower`): what the peak prediction
+    (:func:`predict`) reads, none of which depends on where the optimizer's state is."""
+
+    fw: fx.GraphModule
+    bw: fx.GraphModule | None
+    plan: Plan  # not yet predicted
+    pool: torch.Tensor | None
+    fw_params: set[fx.Node]  # the parameter-shard placeholders, taken before lowering
+    bw_params: set[fx.Node]
+    host: object  # CPU offload: what lives on the host (find_host_state, before lowering)
+    shard_bytes: dict[str, int] | None  # fw's shard bytes per parameter, before lowering
+
+
+def lower(fw: fx.GraphModule, bw: fx.GraphModule | None, options: ShardcOptions,
+          region: RegionRecord, *, pool_device: torch.device | None = None,
+          shard_bytes: bool = False) -> Lowered:
+    """Steps 5-6 of :func:`lower_and_predict` (``fw``/``bw`` changed in place): plan, allocate
+    the pool and lower. ``shard_bytes``: also keep ``fw``'s shard bytes per parameter (a
+    budget trial's, predicted again under other optimizer placements)."""
     hoist_fp8_quantize(fw)
     hoist_fp8_quantize(bw)
     with progress.stage(region.index, "planning"):
@@ -236,8 +262,8 @@ def lower_and_predict(fw: fx.GraphModule, bw: fx.GraphModule | None, options: Sh
     record_bodies(plan, region)
     fw_params = param_placeholders(fw)
     bw_params = param_placeholders(bw) if bw is not None else set()
-    on_host = region.optimizer_on_host
-    host_stepped = 0 if on_host else host_stepped_bytes(fw, region.optimizer_host_params)
+    names = region.optimizer_host_params
+    by_param = shard_bytes_by_param(fw) if shard_bytes or names else None
     host = find_host_state(fw, bw)  # CPU offload: what lives on the host
     rank = rank_in_plan(plan)
     pool = allocate_pool(fw, plan, options, pool_device) if bw is not None else None
@@ -251,8 +277,20 @@ def lower_and_predict(fw: fx.GraphModule, bw: fx.GraphModule | None, options: Sh
                 else pool
             apply_plan(gm, plan, name, rank, pool=where, poison=options.debug_pool,
                        grads_ready_key=region.offload_key)
+    return Lowered(fw, bw, plan, pool, fw_params, bw_params, host, by_param)
+
+
+def predict(lowered: Lowered, options: ShardcOptions, region: RegionRecord) -> Plan:
+    """Step 7 of :func:`lower_and_predict` on :func:`lower`'s result, with the optimizer's
+    state where ``region`` says (on the host, or of ``region.optimizer_host_params``): the
+    peak predicted into ``lowered.plan``, which is returned."""
+    fw, bw, plan, pool, host = lowered.fw, lowered.bw, lowered.plan, lowered.pool, lowered.host
+    on_host = region.optimizer_on_host
+    names = region.optimizer_host_params
+    host_stepped = 0 if on_host or not names else \
+        sum(n for fqn, n in lowered.shard_bytes.items() if fqn in names)
     with progress.stage(region.index, "peak prediction"):
-        predict_peak(fw, bw, plan, fw_params, bw_params,
+        predict_peak(fw, bw, plan, lowered.fw_params, lowered.bw_params,
                      optimizer_state_factor=0.0 if on_host else options.optimizer_state_factor,
                      optimizer_temp_factor=0.0 if on_host else options.optimizer_temp_factor,
                      persistent_bytes=pool.numel() if pool is not None else 0,
@@ -261,15 +299,7 @@ def lower_and_predict(fw: fx.GraphModule, bw: fx.GraphModule | None, options: Sh
                      | activation_host_values(fw, bw) | resident_host_values(fw, bw),
                      optimizer_host_param_bytes=host_stepped)
         record_host_bytes(plan, host, fw, options, on_host)
-    return plan, pool
-
-
-def host_stepped_bytes(fw: fx.GraphModule, names: frozenset[str]) -> int:
-    """Bytes of this rank's shards of the parameters ``names`` in ``fw`` (before lowering):
-    those whose optimizer state and step the peak budget put on the host."""
-    if not names:
-        return 0
-    return sum(n for fqn, n in shard_bytes_by_param(fw).items() if fqn in names)
+    return plan
 
 
 def record_host_bytes(plan: Plan, host, fw: fx.GraphModule, options: ShardcOptions,
@@ -368,16 +398,34 @@ def search_inputs(gm: fx.GraphModule, joint_inputs: Sequence[object], options: S
             partitions[key] = (fp8, fw, bw)
         return fp8, fw, bw
 
+    # (kept, recomputed, offloaded, depth) -> the lowered copy of that partition and its plan's
+    # predictions before the peak prediction: the same for every optimizer placement, which
+    # only the prediction reads (lower, predict).
+    lowerings: dict[tuple, tuple[Lowered, object, object]] = {}
+
     def trial(kept: Collection[str], recomputed: Collection[str], offloaded: Collection[str],
               depth: int) -> Plan:
         _, fw, bw = partitioned(kept, recomputed, offloaded)
-        if _SHARE_PARTITIONS:
+        trial_at_depth = with_depth(trial_options, depth)
+        meta = torch.device("meta")
+        if not _SHARE_PARTITIONS:
+            return lower_and_predict(fw, bw, trial_at_depth, region, pool_device=meta)[0]
+        key = (frozenset(kept), frozenset(recomputed), frozenset(offloaded), depth)
+        if key not in lowerings:
             # Lowered on copies: the partition stays as it was made, for the next trial of it
             # and for the real build (take_partition).
-            fw, bw = copy_graph_module(fw), copy_graph_module(bw)
-        plan, _ = lower_and_predict(fw, bw, with_depth(trial_options, depth), region,
-                                    pool_device=torch.device("meta"))
-        return plan
+            lowered = lower(copy_graph_module(fw), copy_graph_module(bw), trial_at_depth,
+                            region, pool_device=meta, shard_bytes=True)
+            lowerings[key] = (lowered, copy.deepcopy(lowered.plan.predicted),
+                              copy.deepcopy(lowered.plan.memory_by_category))
+            return predict(lowered, trial_at_depth, region)
+        # Another optimizer placement of a configuration lowered already: its plan (the
+        # predictions as they were before the peak prediction) predicted again.
+        lowered, predicted, by_category = lowerings[key]
+        plan = copy.copy(lowered.plan)
+        plan.predicted, plan.memory_by_category = (copy.deepcopy(predicted),
+                                                   copy.deepcopy(by_category))
+        return predict(replace(lowered, plan=plan), trial_at_depth, region)
 
     def take_partition(kept: Collection[str], recomputed: Collection[str],
                        offloaded: Collection[str]) -> tuple | None:
@@ -386,6 +434,7 @@ def search_inputs(gm: fx.GraphModule, joint_inputs: Sequence[object], options: S
         key = (frozenset(kept), frozenset(recomputed), frozenset(offloaded))
         found = partitions.pop(key, None)
         partitions.clear()
+        lowerings.clear()
         return found
 
     probe = copy_graph_module(pristine)  # the joint passes' graph, where blocks are found
