@@ -25,8 +25,9 @@ search decides (which buckets stay gathered from the forward to the backward,
 ``shardc.planning.recompute``, tagged after step 3 by ``shardc.passes.recompute``, or have
 their saved activations offloaded after step 4, ``shardc.passes.offload_saved``; the prefetch
 depth; the optimizer's state on the host), and :func:`search_inputs` hands it a trial that runs
-steps 1-7 on a copy of the joint graph for each configuration it tries. Then the chosen one is
-built.
+steps 1-7 on a copy of the joint graph for each configuration it tries (steps 1-4 once per
+configuration of the partition's levers, steps 5-6 once per depth of it). Then the chosen one is
+built, from its trial's partition.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import time
 from collections.abc import Collection, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
@@ -340,9 +342,11 @@ def partition_and_plan(gm: fx.GraphModule, joint_inputs: Sequence[object], optio
     offloaded = set(decided.offloaded) if decided is not None else set(options.forced_offload())
     # The chosen configuration's partition, as a trial made it (the same steps on a copy of
     # the same joint graph), unless the caller wants the partitioned graphs themselves.
+    start = time.perf_counter()
     reused = (inputs.take_partition(kept_params(decided), recomputed, offloaded)
               if inputs is not None and _PARTITIONED_SINK.get() is None else None)
     if reused is not None:
+        progress.log_stage(region.index, "joint passes + partition", time.perf_counter() - start)
         region.fp8, fw, bw = reused
         blocks, done = [], []
     else:
@@ -371,7 +375,13 @@ def search_inputs(gm: fx.GraphModule, joint_inputs: Sequence[object], options: S
     a copy of it; the trial that builds one configuration of it, steps 1-7 on another copy
     (kept gathers, joint passes, recomputed blocks, partition, offloaded activations, plan,
     lower, predict; the pool on the meta device, no dump, not handed to the partitioned-graph
-    sink); and the blocks found on the joint passes' graph."""
+    sink); the blocks found on the joint passes' graph; and the chosen configuration's
+    partition for the real build (``take_partition``).
+
+    A trial shares what does not depend on all of its key (``docs/memory_budget.md``): one
+    partition per (kept, recomputed, offloaded), which the trials lower copies of, and one
+    lowering per (kept, recomputed, offloaded, depth), which another optimizer placement only
+    predicts again. ``_SHARE_PARTITIONS`` off: each trial partitions and lowers anew."""
     pristine = copy_graph_module(gm)
     # The trials' dumps and plan-only stops belong to the real plan only.
     trial_options = replace(options, dump_dir=None)
