@@ -4,9 +4,13 @@ how many repeats) and the seconds of each pipeline stage, in the trials and in t
 Runs the budget scenarios of ``tests/real_models.py`` (``peak_budget``, ``peak_budget_offload``,
 ``peak_budget_optimizer``) on spawned gloo ranks, with the pipeline's stages wrapped by timers
 (``shardc.compile.pipeline``'s module functions), and prints per scenario and rank: the trials
-(``search_inputs``'s trial calls) and the distinct configurations among them, the seconds per
-stage (trials / real build), and the hash and a digest of every plan built for real (so two
-commits can be compared: same decisions, same plans, same graphs).
+(``search_inputs``'s trial calls) and the distinct configurations among them, the wall
+seconds and calls per stage (trials / real build), the CPU seconds of the scenario and of the
+search (this process's: steadier than wall seconds on a loaded machine), and the hash and a
+digest of every plan built for real; ``--json`` also keeps every trial's plan hash, peak and
+step time (so two commits can be compared: same trials, same decisions, same plans, same
+graphs). The key of a trial: (compile, kept, recomputed, offloaded, depth, optimizer on the
+host, parameters whose state is on the host).
 
     PYTHONPATH=$PWD:$PWD/tests .venv/bin/python benchmarks/budget_trials.py --world 1 2
     ... --json /tmp/after.json   # the rows, for a comparison with another commit's
@@ -30,7 +34,8 @@ for _path in (HERE.parent, HERE.parent / "tests"):
 
 SCENARIOS = ("peak_budget", "peak_budget_offload", "peak_budget_optimizer")
 STAGES = ("copy_graph_module", "keep_gathered", "joint_passes", "region_blocks",
-          "recompute_blocks", "partition", "offload_activations", "lower_and_predict",
+          "recompute_blocks", "partition", "offload_activations", "lower_and_predict", "lower",
+          "predict",
           "plan_within_budget", "apply_plan", "predict_peak")
 
 
@@ -87,11 +92,12 @@ def _instrument(stats: dict) -> None:
     choose = pipeline.budget_search.choose_under_budget
 
     def timed_choose(*args, **kwargs):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         try:
             return choose(*args, **kwargs)
         finally:
             stats["seconds"]["search_total"] += time.perf_counter() - start
+            stats["seconds"]["search_cpu"] += time.process_time() - cpu
 
     pipeline.budget_search.choose_under_budget = timed_choose
 
@@ -134,6 +140,7 @@ def run(rank: int, world: int, names: list[str]) -> dict:
         out[name] = {"seconds": dict(stats["seconds"]), "trials": stats["trials"],
                      "plans": stats["plans"], "trial_plans": stats["trial_plans"],
                      "scenario_s": result.get("seconds"),
+                     "scenario_cpu_s": result.get("cpu_seconds"),
                      "exception": result.get("exception")}
     return out
 
@@ -155,8 +162,9 @@ def main() -> None:
                 r = per[name]
                 counts = collections.Counter(r["trials"])
                 s = r["seconds"]
-                print(f"world {world} rank {rank} {name}: scenario {r['scenario_s']:.1f} s, "
-                      f"search {s.get('search_total', 0):.1f} s, trials {len(r['trials'])} "
+                print(f"world {world} rank {rank} {name}: scenario {r['scenario_s']:.1f} s "
+                      f"(CPU {r['scenario_cpu_s']:.1f} s), search {s.get('search_total', 0):.1f} s "
+                      f"(CPU {s.get('search_cpu', 0):.1f} s), trials {len(r['trials'])} "
                       f"({len(counts)} distinct, {len(r['trials']) - len(counts)} repeats) "
                       f"{s.get('trial_total', 0):.1f} s")
                 if r["exception"]:
