@@ -180,6 +180,8 @@ def agree_on_largest(group_name: str, index: int, tag: str, value: int,
     predictions differ by a few bytes. A group of one rank (or none) returns ``value``.
     Raises :class:`PlanMismatchError` if some rank publishes nothing within ``timeout``
     (default: the group's timeout): it did not plan this region the same way."""
+    if _group(group_name) is None or index is None:
+        return value
     return agree_on_largest_each(group_name, index, tag, [value], timeout)[0]
 
 
@@ -190,7 +192,7 @@ def agree_on_largest_each(group_name: str, index: int, tag: str, values: list[in
     plan the region the same way: :class:`PlanMismatchError`)."""
     found = _group(group_name)
     if found is None or index is None:
-        return [int(v) for v in values]
+        return list(values)
     group, me, world = found
     store = group_store(group)
     store.set(_key(f"budget/{tag}", index, me), ",".join(str(int(v)) for v in values))
