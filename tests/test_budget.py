@@ -576,14 +576,15 @@ def test_planner_meets_the_budget_less_the_margin():
     assert record.peak_bytes <= record.planned_bytes
 
 
-def test_the_prefetch_depth_flips_with_the_budget():
+def test_the_prefetch_depth_flips_with_the_budget(monkeypatch):
     """The prefetch lever (shardc.planning.prefetch) through the real planner (a tiny model at
     a fake world of 2, FX, over a slow interconnect: the cost model exposes the all-gathers).
     A 1-byte budget is refused naming the fully resharded plan with no prefetch as the
     minimum (lower than at the options' depth, one bucket ahead); at exactly that budget no
     prefetch is chosen (memory short: nothing recomputed); with room, prefetching two buckets
     ahead is predicted fastest and chosen; the choice is in the record, the text, the hash and
-    the plan's options."""
+    the plan's options. The trials of the two depths share one partition (the real build takes
+    it), and the plan and its graphs are those made partitioning every trial anew."""
     from shardc.models.llama import LlamaConfig
     from shardc.tools.planner import PlanSetup, plan_model
 
@@ -605,7 +606,12 @@ def test_the_prefetch_depth_flips_with_the_budget():
     short = plan(shallow).budget
     assert short.prefetch.depth == 0 and "does not fit" in short.prefetch.reason, short.prefetch
     assert short.recomputed == [] and short.kept == [] and short.peak_bytes == shallow
-    roomy = plan(1 << 40)
+    builds = _Builds(monkeypatch)
+    roomy = builds.plan(lambda: plan(1 << 40))
+    # The two depths tried of the chosen configuration share its partition (and the real build
+    # takes it); every plan and graph as when each is partitioned anew.
+    trials, partitions = builds.check_shared(lambda: plan(1 << 40), roomy)
+    assert partitions < trials
     tried = {t.depth: t for t in roomy.budget.prefetch.tried}
     assert tried[2].step_ms < tried[1].step_ms and tried[2].peak_bytes > tried[1].peak_bytes
     assert roomy.budget.prefetch.depth == 2 and "deeper" in roomy.budget.prefetch.reason
@@ -679,7 +685,7 @@ def test_elided_cast_bytes_price_the_kernels_one_rank_still_runs():
     assert elided_cast_bytes(nodes["reduce_same"]) == 0
 
 
-def test_optimizer_offload_is_the_last_lever_of_the_planner():
+def test_optimizer_offload_is_the_last_lever_of_the_planner(monkeypatch):
     """The real budget planner (a tiny model at a fake world of 2, FX, no margin): at the device
     levers' feasible minimum the optimizer stays on the device; a byte below it the planner puts
     the optimizer's state and step of the fewest buckets on the host (the largest, layers.0: a
@@ -689,7 +695,9 @@ def test_optimizer_offload_is_the_last_lever_of_the_planner():
     that it refuses, naming the new minimum and OffloadPolicy() and (a lower bound of) the
     minimum with the state on the device; with optimizer_offload='never' a budget below the
     device minimum is refused saying what 'auto' would do. (``plan_model`` plans the GPU run:
-    its 'auto' is 'simulate', the lever on a CPU mesh too.)"""
+    its 'auto' is 'simulate', the lever on a CPU mesh too.) The trials of one configuration
+    under several optimizer placements share its lowering, and the plan and its graphs are
+    those made partitioning and lowering every trial anew."""
     import re
 
     from shardc.models.llama import LlamaConfig
@@ -719,7 +727,13 @@ def test_optimizer_offload_is_the_last_lever_of_the_planner():
     assert at_floor.budget.optimizer is None and at_floor.predicted.optimizer_state_bytes > 0
 
     # A byte below the device minimum: the largest bucket's state is enough.
-    below = plan(floor - 1, "simulate")
+    builds = _Builds(monkeypatch)
+    below = builds.plan(lambda: plan(floor - 1, "simulate"))
+    # Trials of one configuration under several optimizer placements share its lowering;
+    # deterministic, and the plan and its graphs are those made without sharing.
+    builds_lowered = len(builds.lowerings)
+    trials, _ = builds.check_shared(lambda: plan(floor - 1, "simulate"), below)
+    assert builds_lowered - 1 < trials
     record, p = below.budget, below.predicted
     names = {fqn for b in below.buckets for fqn in b.params}
     o = record.optimizer
@@ -744,7 +758,6 @@ def test_optimizer_offload_is_the_last_lever_of_the_planner():
     assert back.budget == record and back.hash() == below.hash()
     assert ("optimizer_on_host", True) in below.budget_signature()
     assert ("optimizer_host_params", o.host_params) in below.budget_signature()
-    assert plan(floor - 1, "simulate").hash() == below.hash()  # deterministic
 
     # At what every parameter's state on the host reaches: all of it.
     everything = plan(new_floor, "simulate")
@@ -828,3 +841,72 @@ def test_optimizer_offload_option_and_price():
         "never", "cuda", None, False, False))
     assert "optimizer_offload='never': with 'auto'" in never and "OffloadPolicy" not in never
     assert optimizer_offload.refusal_hint(False, "the model has FP8 parameters") == ""
+
+
+class _Builds:
+    """Through the real planner: the budget search's trials (configuration and optimizer
+    placement), its partitions (``True``: the real build's) and lowerings, and the lowered
+    graphs' code; :meth:`plan` plans with the trials sharing their partitions and lowerings
+    (``shardc.compile.pipeline._SHARE_PARTITIONS``, the default) or each trial and the real
+    build partitioning and lowering anew (as before they were shared)."""
+
+    def __init__(self, monkeypatch) -> None:
+        from shardc.compile import pipeline
+
+        self.monkeypatch, self.pipeline = monkeypatch, pipeline
+        self.partitions, self.lowerings, self.trials, self.code = [], [], [], []
+        partition, lower = pipeline.partition, pipeline.lower
+        search_inputs, plan_and_lower = pipeline.search_inputs, pipeline.plan_and_lower
+
+        def counted_partition(gm, joint_inputs, *, record=True, **kwargs):
+            self.partitions.append(record)
+            return partition(gm, joint_inputs, record=record, **kwargs)
+
+        def counted_lower(*args, **kwargs):
+            self.lowerings.append(1)
+            return lower(*args, **kwargs)
+
+        def counted_search_inputs(gm, joint_inputs, options, region, kwargs):
+            inputs = search_inputs(gm, joint_inputs, options, region, kwargs)
+
+            def trial(kept, recomputed, offloaded, depth):
+                self.trials.append((frozenset(kept), frozenset(recomputed), frozenset(offloaded),
+                                    depth, region.optimizer_on_host,
+                                    region.optimizer_host_params))
+                return inputs.trial(kept, recomputed, offloaded, depth)
+            return dataclasses.replace(inputs, trial=trial)
+
+        def recorded(fw, bw, *args, **kwargs):
+            try:
+                return plan_and_lower(fw, bw, *args, **kwargs)
+            finally:  # plan_only stops with PlannedOnly once the region is lowered
+                self.code.append(fw.code + bw.code)
+
+        for name, fn in (("partition", counted_partition), ("lower", counted_lower),
+                         ("search_inputs", counted_search_inputs),
+                         ("plan_and_lower", recorded)):
+            monkeypatch.setattr(pipeline, name, fn)
+
+    def plan(self, make, share: bool = True):
+        self.monkeypatch.setattr(self.pipeline, "_SHARE_PARTITIONS", share)
+        for seen in (self.partitions, self.lowerings, self.trials, self.code):
+            seen.clear()
+        return make()
+
+    def check_shared(self, make, plan: Plan) -> tuple[int, int]:
+        """``plan`` (made by ``make``, shared) equals the one made anew, with its graphs; the
+        shared search partitioned each configuration and lowered each at each depth once, the
+        real build took the chosen partition. Returns the trials and partitions made."""
+        assert self.partitions and plan.budget is not None
+        trials, code = list(self.trials), list(self.code)
+        configurations = {t[:3] for t in trials}
+        assert self.partitions == [False] * len(configurations)  # trials only
+        assert len(self.lowerings) == len({t[:4] for t in trials}) + 1  # + the real build
+        anew = self.plan(make, share=False)
+        assert self.trials == trials  # the same trials, in the same order
+        assert self.partitions == [False] * len(trials) + [True]
+        assert len(self.lowerings) == len(trials) + 1
+        assert anew.hash() == plan.hash() and anew.to_dict() == plan.to_dict()
+        assert self.code == code and len(code) == 1
+        self.monkeypatch.setattr(self.pipeline, "_SHARE_PARTITIONS", True)
+        return len(trials), len(configurations)

@@ -40,7 +40,7 @@ from shardc.planning.estimate import elided_cast_seconds
 from shardc.planning.plan import MemoryBudget, Plan, PrefetchDecision, PrefetchTrial
 from shardc.planning.profile import HostLink, resolve_profile
 from shardc.planning.schedule import device_name
-from shardc.runtime.plan_check import agree_on_largest
+from shardc.runtime.plan_check import agree_on_largest, agree_on_largest_each
 
 log = logging.getLogger("shardc")
 
@@ -76,6 +76,12 @@ class SearchInputs:
     # search may recompute or offload.
     probe: fx.GraphModule
     blocks: list[Block]
+    # (parameters kept gathered, blocks recomputed, blocks offloaded) -> the partition a trial
+    # made of that configuration, handed over once for the real build (None: none made), so
+    # the chosen configuration is not partitioned again; the pipeline's business (the search
+    # never calls it).
+    take_partition: Callable[[Collection[str], Collection[str], Collection[str]],
+                             tuple | None] = lambda kept, recomputed, offloaded: None
 
 
 def kept_params(decided: MemoryBudget) -> set[str]:
@@ -156,16 +162,24 @@ def _host_subset(inputs: SearchInputs, options: ShardcOptions, region: SearchReg
     The first subset covers the floor's excess over the budget (``floor``: the device levers'
     feasible minimum, or not ``exact``, the optimizer step's peak); a subset whose search is
     refused is grown to cover that search's minimum's excess. Every figure is the largest over
-    the ranks, so every rank tries and chooses the same subsets."""
+    the ranks (the buckets' sizes in one store exchange), so every rank tries and chooses the
+    same subsets."""
     group, index = floor_plan.group_name, region.check_index
     local = shard_bytes_by_param(inputs.joint)
     base = region.optimizer_host_params
 
-    def bytes_of(bucket: int, params: tuple[str, ...]) -> int:
-        return agree_on_largest(group, index, f"optimizer/bucket{bucket}",
-                                sum(local.get(p, 0) for p in params))
+    # Every bucket's bytes in one store exchange: the buckets units() asks about, found by a
+    # first pass over this rank's bytes (the same buckets on every rank: the plans' buckets
+    # and ``base`` are), then their largest over the ranks in that order.
+    asked: list[int] = []
 
-    order = optimizer_offload.units(floor_plan, bytes_of, base)
+    def local_bytes(bucket: int, params: tuple[str, ...]) -> int:
+        asked.append(sum(local.get(p, 0) for p in params))
+        return asked[-1]
+
+    optimizer_offload.units(floor_plan, local_bytes, base)
+    largest = iter(agree_on_largest_each(group, index, "optimizer/buckets", asked))
+    order = optimizer_offload.units(floor_plan, lambda bucket, params: next(largest), base)
     target = budget.planned_for(budget.resolve_budget(options.peak_memory_budget_bytes,
                                                       _gather_device(inputs.joint)),
                                 options.peak_memory_margin)

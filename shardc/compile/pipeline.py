@@ -25,14 +25,17 @@ search decides (which buckets stay gathered from the forward to the backward,
 ``shardc.planning.recompute``, tagged after step 3 by ``shardc.passes.recompute``, or have
 their saved activations offloaded after step 4, ``shardc.passes.offload_saved``; the prefetch
 depth; the optimizer's state on the host), and :func:`search_inputs` hands it a trial that runs
-steps 1-7 on a copy of the joint graph for each configuration it tries. Then the chosen one is
-built.
+steps 1-7 on a copy of the joint graph for each configuration it tries (steps 1-4 once per
+configuration of the partition's levers, steps 5-6 once per depth of it). Then the chosen one is
+built, from its trial's partition.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
+import time
 from collections.abc import Collection, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
@@ -114,6 +117,13 @@ class RegionRecord:
 
 # Set by capture_partitioned(): where regions compiled in its scope leave their partitioned graphs.
 _PARTITIONED_SINK: ContextVar[list | None] = ContextVar("shardc_partitioned_sink", default=None)
+
+
+# Whether the budget search's trials share one partition per (kept, recomputed, offloaded)
+# configuration, lowering copies of it, and the real build takes the chosen one's instead of
+# partitioning again (search_inputs). Off: every trial and the real build partition anew (the
+# tests compare the two: tests/test_budget.py).
+_SHARE_PARTITIONS = True
 
 
 # Set by plan_only(): compilation stops once a region is planned (nothing is compiled).
@@ -221,6 +231,30 @@ def lower_and_predict(fw: fx.GraphModule, bw: fx.GraphModule | None, options: Sh
     """Plan, lower and predict the peak of ``fw``/``bw`` (changed in place); returns the plan
     and the communication pool, allocated on ``pool_device`` if given (``meta`` for the budget
     planner's trials, which only predict) or else on the parameters' device."""
+    lowered = lower(fw, bw, options, region, pool_device=pool_device)
+    return predict(lowered, options, region), lowered.pool
+
+
+@dataclass
+class Lowered:
+    """Steps 5-6 done on a region's graphs (:func:`lower`): what the peak prediction
+    (:func:`predict`) reads, none of which depends on where the optimizer's state is."""
+
+    fw: fx.GraphModule
+    bw: fx.GraphModule | None
+    plan: Plan  # not yet predicted
+    pool: torch.Tensor | None
+    fw_params: set[fx.Node]  # the parameter-shard placeholders, taken before lowering
+    bw_params: set[fx.Node]
+    host: object  # CPU offload: what lives on the host (find_host_state, before lowering)
+    shard_bytes: dict[str, int]  # fw's shard bytes per parameter, before lowering
+
+
+def lower(fw: fx.GraphModule, bw: fx.GraphModule | None, options: ShardcOptions,
+          region: RegionRecord, *, pool_device: torch.device | None = None) -> Lowered:
+    """Steps 5-6 of :func:`lower_and_predict` (``fw``/``bw`` changed in place): plan, allocate
+    the pool and lower; ``fw``'s shard bytes per parameter are taken before lowering (what
+    the prediction reads of the optimizer's placement)."""
     hoist_fp8_quantize(fw)
     hoist_fp8_quantize(bw)
     with progress.stage(region.index, "planning"):
@@ -230,10 +264,9 @@ def lower_and_predict(fw: fx.GraphModule, bw: fx.GraphModule | None, options: Sh
     record_bodies(plan, region)
     fw_params = param_placeholders(fw)
     bw_params = param_placeholders(bw) if bw is not None else set()
-    on_host = region.optimizer_on_host
-    host_stepped = 0 if on_host else host_stepped_bytes(fw, region.optimizer_host_params)
-    per_tensor = per_tensor_temps(fw, region.optimizer_host_params,
-                                  options.optimizer_state_factor)
+    # This rank's shard bytes per parameter, before lowering, in the order the forward gathers
+    # them: what the prediction reads of the optimizer's placement (predict).
+    by_param = shard_bytes_by_param(fw)
     host = find_host_state(fw, bw)  # CPU offload: what lives on the host
     rank = rank_in_plan(plan)
     pool = allocate_pool(fw, plan, options, pool_device) if bw is not None else None
@@ -247,8 +280,21 @@ def lower_and_predict(fw: fx.GraphModule, bw: fx.GraphModule | None, options: Sh
                 else pool
             apply_plan(gm, plan, name, rank, pool=where, poison=options.debug_pool,
                        grads_ready_key=region.offload_key)
+    return Lowered(fw, bw, plan, pool, fw_params, bw_params, host, by_param)
+
+
+def predict(lowered: Lowered, options: ShardcOptions, region: RegionRecord) -> Plan:
+    """Step 7 of :func:`lower_and_predict` on :func:`lower`'s result, with the optimizer's
+    state where ``region`` says (on the host, or of ``region.optimizer_host_params``): the
+    peak predicted into ``lowered.plan``, which is returned."""
+    fw, bw, plan, pool, host = lowered.fw, lowered.bw, lowered.plan, lowered.pool, lowered.host
+    on_host = region.optimizer_on_host
+    names = region.optimizer_host_params
+    host_stepped = 0 if on_host or not names else \
+        sum(n for fqn, n in lowered.shard_bytes.items() if fqn in names)
+    per_tensor = per_tensor_temps(lowered.shard_bytes, names, options.optimizer_state_factor)
     with progress.stage(region.index, "peak prediction"):
-        predict_peak(fw, bw, plan, fw_params, bw_params,
+        predict_peak(fw, bw, plan, lowered.fw_params, lowered.bw_params,
                      optimizer_state_factor=0.0 if on_host else options.optimizer_state_factor,
                      optimizer_temp_factor=0.0 if on_host else options.optimizer_temp_factor,
                      persistent_bytes=pool.numel() if pool is not None else 0,
@@ -260,25 +306,16 @@ def lower_and_predict(fw: fx.GraphModule, bw: fx.GraphModule | None, options: Sh
                      optimizer_per_tensor_bytes=per_tensor)
         note_optimizer_impl(plan, options, host_stepped > 0, on_host)
         record_host_bytes(plan, host, fw, options, on_host)
-    return plan, pool
+    return plan
 
 
-def host_stepped_bytes(fw: fx.GraphModule, names: frozenset[str]) -> int:
-    """Bytes of this rank's shards of the parameters ``names`` in ``fw`` (before lowering):
-    those whose optimizer state and step the peak budget put on the host."""
-    if not names:
-        return 0
-    return sum(n for fqn, n in shard_bytes_by_param(fw).items() if fqn in names)
-
-
-def per_tensor_temps(fw: fx.GraphModule, host_names: frozenset[str], state_factor: float
-                     ) -> int:
-    """The per-tensor optimizer's device temporaries over this rank's shards (bytes, before
-    lowering, in the order the forward gathers them), those in ``host_names`` stepped on the
-    host (``optimizer_kind.per_tensor_temp_bytes``)."""
+def per_tensor_temps(shard_bytes: dict[str, int], host_names: frozenset[str],
+                     state_factor: float) -> int:
+    """The per-tensor optimizer's device temporaries over this rank's shards (``shard_bytes``:
+    bytes per parameter, before lowering, in the order the forward gathers them), those in
+    ``host_names`` stepped on the host (``optimizer_kind.per_tensor_temp_bytes``)."""
     return optimizer_kind.per_tensor_temp_bytes(
-        (None if fqn in host_names else n for fqn, n in shard_bytes_by_param(fw).items()),
-        state_factor)
+        (None if fqn in host_names else n for fqn, n in shard_bytes.items()), state_factor)
 
 
 def note_optimizer_impl(plan: Plan, options: ShardcOptions, mixed: bool, on_host: bool) -> None:
@@ -325,22 +362,33 @@ def partition_and_plan(gm: fx.GraphModule, joint_inputs: Sequence[object], optio
     (:mod:`shardc.compile.budget_search`) first evaluates configurations on copies of the joint
     graph (each built by :func:`search_inputs`'s trial: partitioned, planned and predicted),
     then the chosen one is built for real. Without one, this is the fixed policy, unchanged."""
-    decided = None
+    decided, inputs = None, None
     if options.peak_memory_budget_bytes:
         with progress.stage(region.index, "peak budget"):
-            decided = budget_search.choose_under_budget(
-                search_inputs(gm, joint_inputs, options, region, kwargs), options, region)
-        keep_gathered(gm.graph, kept_params(decided))
+            inputs = search_inputs(gm, joint_inputs, options, region, kwargs)
+            decided = budget_search.choose_under_budget(inputs, options, region)
     recomputed = set(decided.recomputed) if decided is not None else set()
     offloaded = set(decided.offloaded) if decided is not None else set(options.forced_offload())
-    with progress.stage(region.index, "joint passes + partition"):
-        region.fp8 = joint_passes(gm.graph)
-        blocks = region_blocks(gm, region, kwargs) if recomputed or offloaded else []
-        if recomputed:
-            recompute_blocks(gm, blocks, recomputed)
-        gm.recompile()
-        fw, bw = partition(gm, joint_inputs, **kwargs)
-    done = offload_activations(fw, bw, kwargs["num_fwd_outputs"], blocks, offloaded)
+    # The chosen configuration's partition, as a trial made it (the same steps on a copy of
+    # the same joint graph), unless the caller wants the partitioned graphs themselves.
+    start = time.perf_counter()
+    reused = (inputs.take_partition(kept_params(decided), recomputed, offloaded)
+              if inputs is not None and _PARTITIONED_SINK.get() is None else None)
+    if reused is not None:
+        progress.log_stage(region.index, "joint passes + partition", time.perf_counter() - start)
+        region.fp8, fw, bw = reused
+        blocks, done = [], []
+    else:
+        if decided is not None:
+            keep_gathered(gm.graph, kept_params(decided))
+        with progress.stage(region.index, "joint passes + partition"):
+            region.fp8 = joint_passes(gm.graph)
+            blocks = region_blocks(gm, region, kwargs) if recomputed or offloaded else []
+            if recomputed:
+                recompute_blocks(gm, blocks, recomputed)
+            gm.recompile()
+            fw, bw = partition(gm, joint_inputs, **kwargs)
+        done = offload_activations(fw, bw, kwargs["num_fwd_outputs"], blocks, offloaded)
     if decided is not None and decided.prefetch is not None:
         options = with_depth(options, decided.prefetch.depth)
     plan = plan_and_lower(fw, bw, options, region, budget=decided)
@@ -356,30 +404,86 @@ def search_inputs(gm: fx.GraphModule, joint_inputs: Sequence[object], options: S
     a copy of it; the trial that builds one configuration of it, steps 1-7 on another copy
     (kept gathers, joint passes, recomputed blocks, partition, offloaded activations, plan,
     lower, predict; the pool on the meta device, no dump, not handed to the partitioned-graph
-    sink); and the blocks found on the joint passes' graph."""
+    sink); the blocks found on the joint passes' graph; and the chosen configuration's
+    partition for the real build (``take_partition``).
+
+    A trial shares what does not depend on all of its key (``docs/memory_budget.md``): one
+    partition per (kept, recomputed, offloaded), which the trials lower copies of, and one
+    lowering per (kept, recomputed, offloaded, depth), which another optimizer placement only
+    predicts again. ``_SHARE_PARTITIONS`` off: each trial partitions and lowers anew."""
     pristine = copy_graph_module(gm)
     # The trials' dumps and plan-only stops belong to the real plan only.
     trial_options = replace(options, dump_dir=None)
+    # (kept, recomputed, offloaded) -> the FP8 summary and the partitioned graphs (steps 1-4
+    # and the activation offload, not yet planned): the same for every prefetch depth and
+    # optimizer placement, which only planning, lowering and the prediction read.
+    partitions: dict[tuple[frozenset[str], ...], tuple] = {}
+
+    def partitioned(kept: Collection[str], recomputed: Collection[str],
+                    offloaded: Collection[str]) -> tuple:
+        key = (frozenset(kept), frozenset(recomputed), frozenset(offloaded))
+        if key in partitions:
+            return partitions[key]
+        joint = copy_graph_module(pristine)
+        keep_gathered(joint.graph, key[0])
+        fp8 = joint_passes(joint.graph)
+        found = region_blocks(joint, region, kwargs) if recomputed or offloaded else []
+        if recomputed:
+            recompute_blocks(joint, found, set(key[1]))
+        joint.recompile()
+        fw, bw = partition(joint, joint_inputs, record=False, **kwargs)
+        offload_activations(fw, bw, kwargs["num_fwd_outputs"], found, set(key[2]))
+        if _SHARE_PARTITIONS:
+            partitions[key] = (fp8, fw, bw)
+        return fp8, fw, bw
+
+    # (kept, recomputed, offloaded, depth) -> the lowered copy of that partition and its plan's
+    # predictions before the peak prediction: the same for every optimizer placement, which
+    # only the prediction reads (lower, predict).
+    lowerings: dict[tuple, tuple[Lowered, object, object, list[str]]] = {}
 
     def trial(kept: Collection[str], recomputed: Collection[str], offloaded: Collection[str],
               depth: int) -> Plan:
-        joint = copy_graph_module(pristine)
-        keep_gathered(joint.graph, kept)
-        joint_passes(joint.graph)
-        found = region_blocks(joint, region, kwargs) if recomputed or offloaded else []
-        if recomputed:
-            recompute_blocks(joint, found, set(recomputed))
-        joint.recompile()
-        fw, bw = partition(joint, joint_inputs, record=False, **kwargs)
-        offload_activations(fw, bw, kwargs["num_fwd_outputs"], found, set(offloaded))
-        plan, _ = lower_and_predict(fw, bw, with_depth(trial_options, depth), region,
-                                    pool_device=torch.device("meta"))
-        return plan
+        _, fw, bw = partitioned(kept, recomputed, offloaded)
+        trial_at_depth = with_depth(trial_options, depth)
+        meta = torch.device("meta")
+        if not _SHARE_PARTITIONS:
+            return lower_and_predict(fw, bw, trial_at_depth, region, pool_device=meta)[0]
+        key = (frozenset(kept), frozenset(recomputed), frozenset(offloaded), depth)
+        if key not in lowerings:
+            # Lowered on copies: the partition stays as it was made, for the next trial of it
+            # and for the real build (take_partition).
+            lowered = lower(copy_graph_module(fw), copy_graph_module(bw), trial_at_depth,
+                            region, pool_device=meta)
+            # What the prediction writes (its predictions, memory by category, notes: the
+            # optimizer implementation's), as they were before it.
+            lowerings[key] = (lowered, copy.deepcopy(lowered.plan.predicted),
+                              copy.deepcopy(lowered.plan.memory_by_category),
+                              list(lowered.plan.notes))
+            return predict(lowered, trial_at_depth, region)
+        # Another optimizer placement of a configuration lowered already: its plan (the
+        # predictions as they were before the peak prediction) predicted again.
+        lowered, predicted, by_category, notes = lowerings[key]
+        plan = copy.copy(lowered.plan)
+        plan.predicted, plan.memory_by_category = (copy.deepcopy(predicted),
+                                                   copy.deepcopy(by_category))
+        plan.notes = list(notes)
+        return predict(replace(lowered, plan=plan), trial_at_depth, region)
+
+    def take_partition(kept: Collection[str], recomputed: Collection[str],
+                       offloaded: Collection[str]) -> tuple | None:
+        """The partition a trial made of this configuration (its FP8 summary, forward and
+        backward), handed over once (the trials' others dropped), or None if none did."""
+        key = (frozenset(kept), frozenset(recomputed), frozenset(offloaded))
+        found = partitions.pop(key, None)
+        partitions.clear()
+        lowerings.clear()
+        return found
 
     probe = copy_graph_module(pristine)  # the joint passes' graph, where blocks are found
     joint_passes(probe.graph)
     return budget_search.SearchInputs(pristine, trial, probe,
-                                      region_blocks(probe, region, kwargs))
+                                      region_blocks(probe, region, kwargs), take_partition)
 
 
 def offload_activations(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int,

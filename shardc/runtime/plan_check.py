@@ -180,12 +180,22 @@ def agree_on_largest(group_name: str, index: int, tag: str, value: int,
     predictions differ by a few bytes. A group of one rank (or none) returns ``value``.
     Raises :class:`PlanMismatchError` if some rank publishes nothing within ``timeout``
     (default: the group's timeout): it did not plan this region the same way."""
+    if _group(group_name) is None or index is None:
+        return value
+    return agree_on_largest_each(group_name, index, tag, [value], timeout)[0]
+
+
+def agree_on_largest_each(group_name: str, index: int, tag: str, values: list[int],
+                          timeout: timedelta | None = None) -> list[int]:
+    """:func:`agree_on_largest` of a list in one store exchange: per position, the largest of
+    every rank's ``values`` (each rank passes as many; a rank that passes another count did not
+    plan the region the same way: :class:`PlanMismatchError`)."""
     found = _group(group_name)
     if found is None or index is None:
-        return value
+        return list(values)
     group, me, world = found
     store = group_store(group)
-    store.set(_key(f"budget/{tag}", index, me), str(int(value)))
+    store.set(_key(f"budget/{tag}", index, me), ",".join(str(int(v)) for v in values))
     keys = [_key(f"budget/{tag}", index, r) for r in range(world)]
     timeout = timeout or group_timeout(group)
     try:
@@ -197,4 +207,10 @@ def agree_on_largest(group_name: str, index: int, tag: str, value: int,
             f"rank(s) {missing} did not within {timeout.total_seconds():g} s: every rank must "
             f"pass the same peak_memory_budget_bytes and compile the same regions. {_FIX}"
         ) from exc
-    return max(int(store.get(k)) for k in keys)
+    ranks = [[int(v) for v in store.get(k).decode().split(",") if v] for k in keys]
+    if any(len(got) != len(values) for got in ranks):
+        raise PlanMismatchError(
+            f"shardc: rank {me} planned region {index} under a peak budget (step {tag!r}) with "
+            f"{len(values)} value(s), but the ranks passed {[len(got) for got in ranks]}: "
+            f"every rank must compile the same regions. {_FIX}")
+    return [max(column) for column in zip(*ranks)] if values else []
