@@ -195,6 +195,8 @@ def lifetimes_and_storage(gm: fx.GraphModule, skip: set[fx.Node], *, fusion: boo
             dropped = node in skip or node in fused.inlined or node.target is POOL_UNPACK_OP
             size[node] = 0 if dropped else _nbytes(node.meta.get("val"))
             born[node] = fused.span[node][0] if node in fused.deferred else i
+            if _unpacked(node):  # allocated while the unpack runs, as it reads the pool
+                born[node] = born[node.args[0]]
             if fusion and node.target is _CAT:
                 born[node] = fused_start(node, index)
             last[node] = born[node]
