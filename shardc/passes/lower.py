@@ -54,9 +54,28 @@ def _anchor(g: GraphView, gm: fx.GraphModule, pos: int) -> fx.Node:
 
 
 def _pad_rows(graph: fx.Graph, x: fx.Node, rows: int) -> fx.Node:
+    """``x`` zero-padded to ``rows`` rows; ``x`` itself where it has them and is computed in
+    the graph (a cast, a gradient: the padding would only copy it; a graph input's view is
+    still copied, so a collective sends a buffer of its own)."""
     val = x.meta["val"]
+    if val.shape[0] == rows and view_chain_root(x) is None:
+        return x
     pad = [0, 0] * (val.dim() - 1) + [0, rows - int(val.shape[0])]
     return call(graph, aten.constant_pad_nd.default, (x, pad, 0.0))
+
+
+def _first_rows(graph: fx.Graph, x: fx.Node, rows: int) -> fx.Node:
+    """``x``'s first ``rows`` rows (``x`` itself if it has no more)."""
+    if x.meta["val"].shape[0] == rows:
+        return x
+    return call(graph, aten.slice.Tensor, (x, 0, 0, rows))
+
+
+def _view(graph: fx.Graph, x: fx.Node, shape: list) -> fx.Node:
+    """``x`` viewed as ``shape`` (``x`` itself if it has that shape)."""
+    if list(x.meta["val"].shape) == list(shape):
+        return x
+    return call(graph, aten.view.default, (x, shape))
 
 
 def _contiguous(graph: fx.Graph, x: fx.Node) -> fx.Node:
@@ -144,17 +163,24 @@ class PoolViews:
         ``world`` ranks; ``layouts``: each tensor's ``Bucket.layout`` entry, ``shapes``: its
         shape, the rows it keeps first), pinned to this place in the graph by one opaque op
         (``shardc::pool_unpack``), each read through one ``getitem``."""
-        sizes = [size_hint(d) for shape in shapes for d in shape]
-        unpacked = call(self.graph, POOL_UNPACK_OP, (
-            flat, world, [off for off, _, _, _ in layouts], [rows for _, rows, _, _ in layouts],
-            sizes, [len(shape) for shape in shapes]))
-        return [call(self.graph, operator.getitem, (unpacked, i)) for i in range(len(shapes))]
+        return _unpack(self.graph, flat, world, layouts, shapes)
 
     def release(self, view: fx.Node | None) -> None:
         """Debug mode: poison a buffer once it is dead, so a planning error that lets another live
         buffer share its bytes shows up as NaNs in the results."""
         if view is not None and self.poison and view.meta["val"].is_floating_point():
             call(self.graph, aten.fill_.Scalar, (view, float("nan")))
+
+
+def _unpack(graph: fx.Graph, flat: fx.Node, world: int,
+            layouts: list[tuple[int, int, int, int]], shapes: list[list[int]]) -> list[fx.Node]:
+    """``shardc::pool_unpack`` of ``flat`` at the insertion point and one getitem per tensor
+    (see :meth:`PoolViews.unpack`)."""
+    sizes = [size_hint(d) for shape in shapes for d in shape]
+    unpacked = call(graph, POOL_UNPACK_OP, (
+        flat, world, [off for off, _, _, _ in layouts], [rows for _, rows, _, _ in layouts],
+        sizes, [len(shape) for shape in shapes]))
+    return [call(graph, operator.getitem, (unpacked, i)) for i in range(len(shapes))]
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -221,7 +247,7 @@ def _wait_all_gather(graph, c: Collective, bucket: Bucket, gathers: dict, handle
         dense = call(graph, aten.clone.default, (cols,), {"memory_format": torch.contiguous_format})
         shape = list(gather.meta["val"].shape)
         full = call(graph, aten.view.default, (dense, [bucket.world * rows, *shape[1:]]))
-        full = call(graph, aten.slice.Tensor, (full, 0, 0, dim0))
+        full = _first_rows(graph, full, dim0)
         gather.replace_all_uses_with(full)
         graph.erase_node(gather)
     for view in buffers:
@@ -396,9 +422,8 @@ def _hand_out(graph, c: Collective, bucket: Bucket, g: GraphView, done: fx.Node,
             piece = pieces[i]
         else:
             piece = call(graph, aten.slice.Tensor, (done, 0, offset, offset + rows * row_numel))
-            piece = call(graph, aten.view.default, (piece, [rows, *shape[1:]]))
-            piece = call(graph, aten.slice.Tensor,
-                         (piece, 0, 0, shard_rows(dim0, bucket.world, rank)))
+            piece = _view(graph, piece, [rows, *shape[1:]])
+            piece = _first_rows(graph, piece, shard_rows(dim0, bucket.world, rank))
         out_dtype = ReduceArgs.of(rs).out_dtype
         if out_dtype != piece.meta["val"].dtype:
             piece = call(graph, torch.ops.prims.convert_element_type.default, (piece, out_dtype))
