@@ -1,5 +1,5 @@
-"""``shardc::pool_pack`` / ``shardc::pool_unpack`` (and ``shardc::pool_read``): copy values into
-and out of the communication pool, opaquely.
+"""``shardc::pool_pack`` / ``shardc::pool_unpack``: copy values into and out of the communication
+pool, opaquely.
 
 A compiler that sees a plain ``clone`` of a pool view may fuse the read into a later kernel, which
 can run after the plan has given those pool bytes to the next collective. Inductor also cannot see
@@ -12,17 +12,6 @@ writing the pool before the plan's issue position, while the bytes still belong 
 from __future__ import annotations
 
 import torch
-
-
-@torch.library.custom_op("shardc::pool_read", mutates_args=())
-def pool_read(view: torch.Tensor) -> torch.Tensor:
-    """A new contiguous tensor equal to ``view`` (a view of the communication pool)."""
-    return view.clone(memory_format=torch.contiguous_format)
-
-
-@pool_read.register_fake
-def _pool_read_fake(view: torch.Tensor) -> torch.Tensor:
-    return torch.empty(view.shape, dtype=view.dtype, device=view.device)
 
 
 @torch.library.custom_op("shardc::pool_pack", mutates_args=("out",))
@@ -108,5 +97,4 @@ def _pool_unpack_fake(buffer, world, offsets, rows, sizes, ndims):
 
 
 POOL_PACK_OP = torch.ops.shardc.pool_pack.default
-POOL_READ_OP = torch.ops.shardc.pool_read.default
 POOL_UNPACK_OP = torch.ops.shardc.pool_unpack.default
