@@ -99,7 +99,7 @@ def _check_hsdp(layouts: list, results: list[list[dict]], ref: dict) -> None:
                                  "_c10d_functional.wait_tensor.default"] if mode == "fx-nopool"
                                 else ["_c10d_functional.all_reduce_.default",
                                       "_c10d_functional.wait_tensor.default",
-                                      "shardc.pool_pack.default", "shardc.pool_read.default"])
+                                      "shardc.pool_pack.default", "shardc.pool_unpack.default"])
                     assert plan["lowered_ops"] == expected, plan["lowered_ops"]
                 else:
                     assert plan["elided"] == []

@@ -26,6 +26,7 @@ from shardc import _torch
 from shardc.memory import breakdown
 from shardc.ops.gather import GATHER_OP
 from shardc.ops.gather_args import GatherArgs
+from shardc.ops.pool import POOL_UNPACK_OP
 from shardc.passes.body import flattened
 from shardc.passes.fx_utils import (
     has_tag,
@@ -48,9 +49,20 @@ _WAIT = _torch.funcol.wait_tensor.default
 def _is_alias(node: fx.Node) -> bool:
     if node.op != "call_function":
         return False
-    if node.target is _WAIT or getattr(node.target, "__name__", "") == "getitem":
+    if node.target is _WAIT:
         return True
+    if getattr(node.target, "__name__", "") == "getitem":
+        return not _unpacked(node)  # the pool's copies are tensors of their own
     return is_view(node)
+
+
+def _unpacked(node: fx.Node) -> bool:
+    """Whether ``node`` is one of the new tensors ``shardc::pool_unpack`` returns (a getitem
+    of it): each its own storage, freed after its own last use, as the per-parameter copies
+    out of the pool it replaces were."""
+    source = node.args[0] if node.args else None
+    return isinstance(source, fx.Node) and source.op == "call_function" \
+        and source.target is POOL_UNPACK_OP
 
 
 def _is_collective(node: fx.Node) -> bool:
@@ -180,9 +192,12 @@ def lifetimes_and_storage(gm: fx.GraphModule, skip: set[fx.Node], *, fusion: boo
             storage[node] = storage[node.all_input_nodes[0]]
         else:
             storage[node] = node
-            dropped = node in skip or node in fused.inlined
+            # (an unpack's list holds no memory of its own: its getitems own their tensors)
+            dropped = node in skip or node in fused.inlined or node.target is POOL_UNPACK_OP
             size[node] = 0 if dropped else _nbytes(node.meta.get("val"))
             born[node] = fused.span[node][0] if node in fused.deferred else i
+            if _unpacked(node):  # allocated while the unpack runs, as it reads the pool
+                born[node] = born[node.args[0]]
             if fusion and node.target is _CAT:
                 born[node] = fused_start(node, index)
             last[node] = born[node]

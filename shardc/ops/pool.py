@@ -1,4 +1,4 @@
-"""``shardc::pool_pack`` / ``shardc::pool_read``: copy values into and out of the communication
+"""``shardc::pool_pack`` / ``shardc::pool_unpack``: copy values into and out of the communication
 pool, opaquely.
 
 A compiler that sees a plain ``clone`` of a pool view may fuse the read into a later kernel, which
@@ -12,17 +12,6 @@ writing the pool before the plan's issue position, while the bytes still belong 
 from __future__ import annotations
 
 import torch
-
-
-@torch.library.custom_op("shardc::pool_read", mutates_args=())
-def pool_read(view: torch.Tensor) -> torch.Tensor:
-    """A new contiguous tensor equal to ``view`` (a view of the communication pool)."""
-    return view.clone(memory_format=torch.contiguous_format)
-
-
-@pool_read.register_fake
-def _pool_read_fake(view: torch.Tensor) -> torch.Tensor:
-    return torch.empty(view.shape, dtype=view.dtype, device=view.device)
 
 
 @torch.library.custom_op("shardc::pool_pack", mutates_args=("out",))
@@ -62,5 +51,50 @@ def pool_pack(out: torch.Tensor, tensors: list[torch.Tensor], rows: list[int], w
         out.div_(divisor)
 
 
+def _unpack_shapes(sizes: list[int], ndims: list[int]) -> list[list[int]]:
+    shapes, at = [], 0
+    for nd in ndims:
+        shapes.append(sizes[at:at + nd])
+        at += nd
+    return shapes
+
+
+@torch.library.custom_op("shardc::pool_unpack", mutates_args=())
+def pool_unpack(buffer: torch.Tensor, world: int, offsets: list[int], rows: list[int],
+                sizes: list[int], ndims: list[int]) -> list[torch.Tensor]:
+    """New contiguous tensors copied out of a flat bucket ``buffer`` (a view of the pool): one
+    op per bucket instead of a read and its views per parameter, so the graphs that compilers
+    lower hold one node per bucket and one ``getitem`` per parameter.
+
+    ``buffer`` is rank-major, ``(world, n)`` flattened (an all-gather's receive buffer;
+    ``world=1`` for a reduced shard): tensor ``i`` (shape ``sizes`` split by ``ndims``, its
+    first size the rows it keeps) is the first ``shape[0]`` rows of the concatenation over
+    ranks of columns ``[offsets[i], offsets[i] + rows[i] * row_numel)``, each rank's block
+    ``rows[i]`` rows of ``shape[1:]``: what slicing, copying, viewing and slicing again gave.
+    """
+    table = buffer.view(world, -1)
+    out = []
+    for off, r, shape in zip(offsets, rows, _unpack_shapes(sizes, ndims)):
+        rest = shape[1:]
+        row_numel = 1
+        for d in rest:
+            row_numel *= d
+        dst = torch.empty(shape, dtype=buffer.dtype, device=buffer.device)
+        keep = shape[0]
+        full = min(keep // r, world) if r else 0  # ranks whose rows are all kept
+        if full:
+            dst[:full * r].view(full, r * row_numel).copy_(table[:full, off:off + r * row_numel])
+        left = keep - full * r  # the rows kept of the next rank (padding dropped)
+        if left:
+            dst[full * r:].view(-1).copy_(table[full, off:off + left * row_numel])
+        out.append(dst)
+    return out
+
+
+@pool_unpack.register_fake
+def _pool_unpack_fake(buffer, world, offsets, rows, sizes, ndims):
+    return [buffer.new_empty(shape) for shape in _unpack_shapes(sizes, ndims)]
+
+
 POOL_PACK_OP = torch.ops.shardc.pool_pack.default
-POOL_READ_OP = torch.ops.shardc.pool_read.default
+POOL_UNPACK_OP = torch.ops.shardc.pool_unpack.default

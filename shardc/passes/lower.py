@@ -19,16 +19,19 @@ packed straight into the buffer the replicate all-reduce runs in.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import fx
 
 from shardc import _torch
 from shardc.ops.gather_args import GatherArgs, ReduceArgs
-from shardc.ops.pool import POOL_PACK_OP, POOL_READ_OP
+from shardc.ops.pool import POOL_PACK_OP, POOL_UNPACK_OP
 from shardc.passes.fx_utils import (
     call,
     dtype_itemsize,
     fake_mode_of,
+    is_view,
     size_hint,
     view_chain_root,
     view_users,
@@ -51,9 +54,28 @@ def _anchor(g: GraphView, gm: fx.GraphModule, pos: int) -> fx.Node:
 
 
 def _pad_rows(graph: fx.Graph, x: fx.Node, rows: int) -> fx.Node:
+    """``x`` zero-padded to ``rows`` rows; ``x`` itself where it has them and is computed in
+    the graph (a cast, a gradient: the padding would only copy it; a graph input's view is
+    still copied, so a collective sends a buffer of its own)."""
     val = x.meta["val"]
+    if val.shape[0] == rows and view_chain_root(x) is None:
+        return x
     pad = [0, 0] * (val.dim() - 1) + [0, rows - int(val.shape[0])]
     return call(graph, aten.constant_pad_nd.default, (x, pad, 0.0))
+
+
+def _first_rows(graph: fx.Graph, x: fx.Node, rows: int) -> fx.Node:
+    """``x``'s first ``rows`` rows (``x`` itself if it has no more)."""
+    if x.meta["val"].shape[0] == rows:
+        return x
+    return call(graph, aten.slice.Tensor, (x, 0, 0, rows))
+
+
+def _view(graph: fx.Graph, x: fx.Node, shape: list) -> fx.Node:
+    """``x`` viewed as ``shape`` (``x`` itself if it has that shape)."""
+    if list(x.meta["val"].shape) == list(shape):
+        return x
+    return call(graph, aten.view.default, (x, shape))
 
 
 def _contiguous(graph: fx.Graph, x: fx.Node) -> fx.Node:
@@ -72,6 +94,54 @@ def _retake_views(graph: fx.Graph, node: fx.Node) -> fx.Node:
     return graph.node_copy(node, lambda n: base)
 
 
+def _same_layout(a: fx.Node, b: fx.Node) -> bool:
+    """Whether two nodes' values are the same tensor layout (dtype, sizes, strides, offset),
+    compared only where all are static ints (a comparison must add no guard)."""
+    va, vb = a.meta.get("val"), b.meta.get("val")
+    if not (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor)):
+        return False
+    la = (*va.shape, *va.stride(), va.storage_offset())
+    lb = (*vb.shape, *vb.stride(), vb.storage_offset())
+    if not all(isinstance(x, int) for x in (*la, *lb)):
+        return False
+    return va.dtype == vb.dtype and la == lb
+
+
+def _sent_shard(graph: fx.Graph, shard: fx.Node) -> fx.Node:
+    """What an all-gather packs for ``shard``, usable at the insertion point: the shard itself,
+    or if it is a chain of views of a graph input (a DTensor's local tensor), that input where
+    the views change nothing (the usual case), else a copy of the chain here."""
+    root = view_chain_root(shard)
+    if root is None:
+        return shard
+    return root if _same_layout(shard, root) else _retake_views(graph, shard)
+
+
+def _skip_identity_views(graph: fx.Graph, views: list[fx.Node]) -> None:
+    """Read through each of ``views`` (the views taken of the reduced gradients, e.g. their
+    DTensor wrapping; parents before children) that changes nothing and is the only reader of
+    its input: its readers read the input (no two outputs come to share a node)."""
+    alive = set(graph.nodes)
+    for view in views:
+        if view not in alive or len(view.all_input_nodes) != 1:
+            continue
+        base = view.all_input_nodes[0]
+        if len(base.users) == 1 and base.op != "placeholder" and _same_layout(view, base):
+            view.replace_all_uses_with(base)
+            graph.erase_node(view)
+            alive.discard(view)
+
+
+def _erase_dead_views(graph: fx.Graph, nodes: list[fx.Node]) -> None:
+    """Erase each of ``nodes`` that is an unused view, and the unused views it was taken of
+    (the gathers' original view chains of their shards, which lowering leaves unread)."""
+    for node in nodes:
+        while node.op == "call_function" and is_view(node) and not node.users:
+            parent = node.all_input_nodes[0]
+            graph.erase_node(node)
+            node = parent
+
+
 class PoolViews:
     """Views of the static communication pool (a uint8 tensor held by the graph module) at the
     offsets the plan assigned; ``None`` pool: collectives allocate their own buffers."""
@@ -87,15 +157,30 @@ class PoolViews:
         raw = call(self.graph, aten.slice.Tensor, (self.pool, 0, offset, offset + nbytes))
         return call(self.graph, aten.view.dtype, (raw, dtype))
 
-    def read(self, view: fx.Node) -> fx.Node:
-        """A copy of a pool view, pinned to this place in the graph (see ``pool_ops``)."""
-        return call(self.graph, POOL_READ_OP, (view,))
+    def unpack(self, flat: fx.Node, world: int, layouts: list[tuple[int, int, int, int]],
+               shapes: list[list[int]]) -> list[fx.Node]:
+        """Copies of a bucket's tensors out of the flat pool view ``flat`` (rank-major over
+        ``world`` ranks; ``layouts``: each tensor's ``Bucket.layout`` entry, ``shapes``: its
+        shape, the rows it keeps first), pinned to this place in the graph by one opaque op
+        (``shardc::pool_unpack``), each read through one ``getitem``."""
+        return _unpack(self.graph, flat, world, layouts, shapes)
 
     def release(self, view: fx.Node | None) -> None:
         """Debug mode: poison a buffer once it is dead, so a planning error that lets another live
         buffer share its bytes shows up as NaNs in the results."""
         if view is not None and self.poison and view.meta["val"].is_floating_point():
             call(self.graph, aten.fill_.Scalar, (view, float("nan")))
+
+
+def _unpack(graph: fx.Graph, flat: fx.Node, world: int,
+            layouts: list[tuple[int, int, int, int]], shapes: list[list[int]]) -> list[fx.Node]:
+    """``shardc::pool_unpack`` of ``flat`` at the insertion point and one getitem per tensor
+    (see :meth:`PoolViews.unpack`)."""
+    sizes = [size_hint(d) for shape in shapes for d in shape]
+    unpacked = call(graph, POOL_UNPACK_OP, (
+        flat, world, [off for off, _, _, _ in layouts], [rows for _, rows, _, _ in layouts],
+        sizes, [len(shape) for shape in shapes]))
+    return [call(graph, operator.getitem, (unpacked, i)) for i in range(len(shapes))]
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -115,7 +200,7 @@ def _issue_all_gather(graph, c: Collective, bucket: Bucket, gathers: dict, group
     shards = []
     for fqn in c.params:
         shard = GatherArgs.of(gathers[fqn]).shard
-        shards.append(_retake_views(graph, shard) if view_chain_root(shard) is not None else shard)
+        shards.append(_sent_shard(graph, shard))
     send_view = pool.view(c, "send", _dtype(bucket.dtype), numel)
     if send_view is not None:
         rows = [layout[fqn][1] for fqn in c.params]
@@ -144,16 +229,25 @@ def _wait_all_gather(graph, c: Collective, bucket: Bucket, gathers: dict, handle
     if done.meta["val"].dtype != _dtype(bucket.dtype):  # float8 travelled as uint8
         done = call(graph, aten.view.dtype, (done, _dtype(bucket.dtype)))
     layout, total = bucket.layout(c.params)
+    if buffers[1] is not None:
+        # The pool: one opaque copy of the bucket's parameters out of it (see ``pool_ops``).
+        shapes = [list(gathers[fqn].meta["val"].shape) for fqn in c.params]
+        fulls = pool.unpack(done, bucket.world, [layout[fqn] for fqn in c.params], shapes)
+        for fqn, full in zip(c.params, fulls):
+            gathers[fqn].replace_all_uses_with(full)
+            graph.erase_node(gathers[fqn])
+        for view in buffers:
+            pool.release(view)
+        return
     table = call(graph, aten.view.default, (done, [bucket.world, total]))
     for fqn in c.params:
         gather = gathers[fqn]
         offset, rows, row_numel, dim0 = layout[fqn]
         cols = call(graph, aten.slice.Tensor, (table, 1, offset, offset + rows * row_numel))
-        dense = pool.read(cols) if buffers[1] is not None else call(
-            graph, aten.clone.default, (cols,), {"memory_format": torch.contiguous_format})
+        dense = call(graph, aten.clone.default, (cols,), {"memory_format": torch.contiguous_format})
         shape = list(gather.meta["val"].shape)
         full = call(graph, aten.view.default, (dense, [bucket.world * rows, *shape[1:]]))
-        full = call(graph, aten.slice.Tensor, (full, 0, 0, dim0))
+        full = _first_rows(graph, full, dim0)
         gather.replace_all_uses_with(full)
         graph.erase_node(gather)
     for view in buffers:
@@ -286,14 +380,14 @@ def _wait_reduce_scatter(graph, c: Collective, bucket: Bucket, g: GraphView, han
         pool.release(buffers[0])
         return call(graph, funcol.all_reduce_.default,
                     (done, "sum", bucket.replicate_group)), buffers[1]
-    if buffers[1] is not None:
-        done = pool.read(done)  # a new tensor: the gradients must not alias the pool
-    for view in buffers:
-        pool.release(view)
     if bucket.replicate > 1:
         # HSDP without the pool: one flat all-reduce of the bucket's reduced shard (a new tensor).
         return call(graph, funcol.all_reduce.default, (done, "sum", bucket.replicate_group)), None
-    _hand_out(graph, c, bucket, g, done, rank)
+    # With the pool, the gradients are copied out of it (they must not alias the pool) before
+    # its buffers are released.
+    _hand_out(graph, c, bucket, g, done, rank, pool if buffers[1] is not None else None)
+    for view in buffers:
+        pool.release(view)
     return None
 
 
@@ -303,22 +397,33 @@ def _wait_all_reduce(graph, c: Collective, bucket: Bucket, g: GraphView, handle,
     averaged over, :func:`grad_divisor`) and hand each parameter its rows; ``recv``: the pool
     buffer it reduced in place."""
     done = call(graph, funcol.wait_tensor.default, (handle,))
+    # (with the pool, the gradients are copied out of it: they must not alias the pool)
+    _hand_out(graph, c, bucket, g, done, rank, pool if recv is not None else None)
     if recv is not None:
-        done = pool.read(done)  # a new tensor: the gradients must not alias the pool
         pool.release(recv)
-    _hand_out(graph, c, bucket, g, done, rank)
 
 
-def _hand_out(graph, c: Collective, bucket: Bucket, g: GraphView, done: fx.Node, rank: int):
-    """Replace each parameter's reduce node by its rows of the reduced flat shard ``done``."""
+def _hand_out(graph, c: Collective, bucket: Bucket, g: GraphView, done: fx.Node, rank: int,
+              pool: PoolViews | None = None):
+    """Replace each parameter's reduce node by its rows of the reduced flat shard ``done``:
+    views of it, or with ``pool`` (``done`` is a pool buffer) new tensors copied out of it by
+    one op."""
     layout, _ = bucket.layout(c.params)
-    for fqn in c.params:
+    pieces = None
+    if pool is not None:
+        keep = [shard_rows(layout[fqn][3], bucket.world, rank) for fqn in c.params]
+        shapes = [[k, *g.reduces[fqn].meta["val"].shape[1:]] for k, fqn in zip(keep, c.params)]
+        pieces = pool.unpack(done, 1, [layout[fqn] for fqn in c.params], shapes)
+    for i, fqn in enumerate(c.params):
         rs = g.reduces[fqn]
         offset, rows, row_numel, dim0 = layout[fqn]
         shape = list(rs.meta["val"].shape)
-        piece = call(graph, aten.slice.Tensor, (done, 0, offset, offset + rows * row_numel))
-        piece = call(graph, aten.view.default, (piece, [rows, *shape[1:]]))
-        piece = call(graph, aten.slice.Tensor, (piece, 0, 0, shard_rows(dim0, bucket.world, rank)))
+        if pieces is not None:
+            piece = pieces[i]
+        else:
+            piece = call(graph, aten.slice.Tensor, (done, 0, offset, offset + rows * row_numel))
+            piece = _view(graph, piece, [rows, *shape[1:]])
+            piece = _first_rows(graph, piece, shard_rows(dim0, bucket.world, rank))
         out_dtype = ReduceArgs.of(rs).out_dtype
         if out_dtype != piece.meta["val"].dtype:
             piece = call(graph, torch.ops.prims.convert_element_type.default, (piece, out_dtype))
@@ -384,6 +489,8 @@ def apply_plan(
     signalled once their copies start (``shardc.step_in_backward``).
     """
     g = analyze(gm, graph_name)
+    shards = [GatherArgs.of(node).shard for node in g.gathers.values()]
+    grad_views = [v for node in g.reduces.values() for v in view_users(node)[0]]
     colls = [c for c in plan.collectives if c.graph == graph_name and c.origin == "shardc"]
     found = [c for c in plan.collectives if c.graph == graph_name and c.origin != "shardc"]
     handles: dict[str, tuple] = {}
@@ -449,6 +556,8 @@ def apply_plan(
     for c in found:
         for name in c.nodes:
             by_name[name].meta[COLLECTIVE_META] = c.id
+    _erase_dead_views(graph, shards)
+    _skip_identity_views(graph, grad_views)
     graph.lint()
     gm.recompile()
     return gm
