@@ -243,10 +243,17 @@ def hsdp_budget_run(rank: int, world: int, shape: tuple[int, int], kind: str) ->
     compiled = torch.compile(model, backend=_budget_backend(
         peak_memory_budget_bytes=int(low) - 1))
     losses = llama_train(model, compiled, tokens[:, rows], targets[:, rows])
+    return _budget_result(model, compiled, losses, int(low))
+
+
+def _budget_result(model: nn.Module, compiled, losses: list[torch.Tensor],
+                   fixed_peak: int) -> dict:
+    """What a ``fx-budget`` run returns: its losses and parameters, plans, the first plan's
+    budget record, hash and predicted peak, the fixed policy's peak, the activation copies."""
     plan = shardc.explain_all(compiled)[0]
     return {"losses": _mean_over_world(losses), "params": _gathered(model),
             "plans": _plan_summary(model), "budget": plan.budget, "hash": plan.hash(),
-            "peak": int(plan.predicted.peak_bytes), "fixed_peak": int(low),
+            "peak": int(plan.predicted.peak_bytes), "fixed_peak": fixed_peak,
             "activation_copies": activation_copies(shardc.shard_state(model))}
 
 
@@ -342,11 +349,7 @@ def tp_budget_run(rank: int, world: int, shape: tuple[int, int]) -> dict:
     compiled = torch.compile(model, backend=_budget_backend(
         peak_memory_budget_bytes=int(low) - 1))
     losses = tp_train(model, compiled, tokens[:, rows], targets[:, rows])
-    plan = shardc.explain_all(compiled)[0]
-    return {"losses": _mean_over_world(losses), "params": _gathered(model),
-            "plans": _plan_summary(model), "budget": plan.budget, "hash": plan.hash(),
-            "peak": int(plan.predicted.peak_bytes), "fixed_peak": int(low),
-            "activation_copies": activation_copies(shardc.shard_state(model))}
+    return _budget_result(model, compiled, losses, int(low))
 
 
 def tp_scenarios(rank: int, world: int, scenarios: list, blocks: list = ()) -> list[dict]:
