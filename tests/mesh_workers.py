@@ -96,6 +96,9 @@ def _found_facts(plan, graphs: dict) -> list[dict]:
         # Readers that are compute ops of the schedule; the others are shardc's nodes (e.g. the
         # reduce-scatter of a gradient the collective summed) or the graph's output.
         read_at = [pos[u.name] for u in readers if u.name in pos]
+        # The schedule's first op at or after the wait position that is still in the lowered
+        # graph (lowering erases views that change nothing or that nothing reads any more).
+        after_wait = [by_name[op.name] for op in ops[c.wait_pos:] if op.name in by_name]
         facts.append({
             "id": c.id, "kind": c.kind, "group": c.group, "group_size": c.group_size,
             "stream": c.stream, "bytes": c.bytes, "buffer_bytes": c.buffer_bytes,
@@ -110,8 +113,8 @@ def _found_facts(plan, graphs: dict) -> list[dict]:
             # first_use_pos is the first reader: an op of the schedule, or a node before it
             "first_reader_is_planned_op": all(p >= c.first_use_pos for p in read_at) and (
                 c.first_use_pos in read_at or len(read_at) < len(readers)),
-            "wait_before_op_at_wait_pos": c.wait_pos >= len(ops) or all(
-                order[w] < order[by_name[ops[c.wait_pos].name]] for w in waits),
+            "wait_before_op_at_wait_pos": not after_wait or all(
+                order[w] < order[after_wait[0]] for w in waits),
         })
     return facts
 
