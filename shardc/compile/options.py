@@ -120,9 +120,7 @@ class ShardcOptions:
     compile_blocks_once: bool = True
 
     def __post_init__(self) -> None:
-        if self.optimizer_impl not in optimizer_kind.IMPLEMENTATIONS:
-            raise ValueError(f"shardc: optimizer_impl must be one of "
-                             f"{optimizer_kind.IMPLEMENTATIONS}, got {self.optimizer_impl!r}")
+        optimizer_kind.check(self.optimizer_impl)
         if self.bucket_by not in ("module", "param"):
             raise ValueError(
                 f"shardc: bucket_by must be 'module' or 'param', got {self.bucket_by!r}"

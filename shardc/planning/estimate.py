@@ -27,6 +27,7 @@ from torch import fx
 from shardc.ops.gather import GATHER_OP
 from shardc.ops.gather_args import GatherArgs, ReduceArgs
 from shardc.passes.fx_utils import is_call, size_hint, tensor_nbytes
+from shardc.planning import optimizer_kind
 from shardc.planning.cost_model import node_flops_and_bytes
 from shardc.planning.kernels import ATTENTION, FUSABLE, MATMUL, Kernel, base_name
 from shardc.planning.profile import ClusterProfile
@@ -191,7 +192,7 @@ def optimizer_step_seconds(param_bytes: float, n_params: int, profile: ClusterPr
     :mod:`shardc.planning.step`. ``ran`` (``shardc.planning.optimizer_kind``; default: fused
     where ``temp_factor`` is 0, else foreach): ``"per_tensor"`` makes the foreach passes as a
     kernel per tensor each."""
-    ran = ran or ("fused" if temp_factor <= 0 else "foreach")
+    ran = ran or optimizer_kind.ran("auto", temp_factor)
     passes, ops = optimizer_kernel_ops(state_factor, 0.0 if ran == "fused" else
                                        max(temp_factor, 1.0))
     kernels = ops * (max(n_params, 1) if ran == "per_tensor" else max(1, math.ceil(n_params / 16)))
@@ -234,7 +235,7 @@ def host_optimizer_seconds(param_bytes: float, profile: ClusterProfile, *,
     tensor is :mod:`shardc.planning.step`'s."""
     if param_bytes <= 0:
         return 0.0
-    ran = ran or ("fused" if temp_factor <= 0 else "foreach")
+    ran = ran or optimizer_kind.ran("auto", temp_factor)
     fused = ran == "fused"
     passes, _ = optimizer_kernel_ops(state_factor, 0.0 if fused else 1.0)
     adamw, _ = optimizer_kernel_ops(2.0, 0.0 if fused else 1.0)
