@@ -104,7 +104,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes", nargs="+", type=_mode, default=list(MODES),
                    help="modes to run, in this order (FSDP2's memory baselines: "
                         "fsdp2-compile-ac, fsdp2-compile-sac, fsdp2-compile-offload, "
-                        "fsdp2-compile-amb<r> with torch's activation_memory_budget r; "
+                        "fsdp2-compile-amb<r> with torch's activation_memory_budget r; any FSDP2 "
+                        "mode + '-closs': its loss compiled too; "
                         "shardc-budget: SHARDC_PEAK_BUDGET=<bytes>|auto; "
                         "shardc-pool: shardc with comm_pool=True; "
                         "shardc-keeporder: diagnostic, shardc with "

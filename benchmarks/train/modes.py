@@ -7,13 +7,15 @@ Contract: :func:`setup_mode` builds the model and the :class:`setup.Setup` of a 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 
 import bench_mesh
 import torch
+from torch import nn
 
 import shardc
-from shardc.models.llama import LlamaConfig
+from shardc.models.llama import LlamaConfig, llama_loss
 from train.baselines import setup_bound, setup_fsdp2
 from train.setup import Setup
 from train.shardc_mode import setup_shardc
@@ -45,6 +47,25 @@ CURVE_BASELINES: tuple[str, ...] = ("fsdp2-compile", "fsdp2-compile-ac", "fsdp2-
                                     f"{AMB_PREFIX}0.5", "fsdp2-compile-offload")
 
 
+# Any FSDP2 mode with this suffix also compiles its loss (``torch.compile`` of the loss function
+# over the model's logits, apart from the blocks: torchtitan's ``compile.components = ["model",
+# "loss"]``); without it FSDP2's loss runs eagerly after the model, as it always did here.
+COMPILED_LOSS_SUFFIX = "-closs"
+
+
+def split_compiled_loss(mode: str) -> tuple[str, bool]:
+    """(the mode without :data:`COMPILED_LOSS_SUFFIX`, whether it had it); the suffix is for
+    FSDP2 modes only."""
+    if not mode.endswith(COMPILED_LOSS_SUFFIX):
+        return mode, False
+    base = mode[: -len(COMPILED_LOSS_SUFFIX)]
+    if not base.startswith("fsdp2"):
+        raise ValueError(f"mode {mode!r}: {COMPILED_LOSS_SUFFIX} (a compiled loss) applies to "
+                         "the FSDP2 modes only (shardc and the bound compile the loss with "
+                         "the model already)")
+    return base, True
+
+
 def amb_ratio(mode: str) -> float | None:
     """The ``activation_memory_budget`` ratio of an ``fsdp2-compile-amb<r>`` mode (None for
     other modes); a ratio outside (0, 1] is an error."""
@@ -63,13 +84,18 @@ def amb_ratio(mode: str) -> float | None:
 
 def mode_name(text: str) -> str:
     """``text`` if it names a mode (argparse ``type``); otherwise an error listing them."""
+    base, _ = split_compiled_loss(text)
+    if base != text:
+        mode_name(base)
+        return text
     if text in MODES or text in EXTRA_MODES or text in MEMORY_BASELINES:
         return text
     if text.startswith(AMB_PREFIX):
         amb_ratio(text)
         return text
     raise ValueError(f"unknown mode {text!r}; modes: {', '.join(MODES + EXTRA_MODES)}, "
-                     f"{', '.join(MEMORY_BASELINES)}, {AMB_PREFIX}<r>")
+                     f"{', '.join(MEMORY_BASELINES)}, {AMB_PREFIX}<r>; an FSDP2 mode with "
+                     f"{COMPILED_LOSS_SUFFIX} also compiles its loss")
 
 
 def mode_context(mode: str) -> contextlib.AbstractContextManager:
@@ -86,10 +112,41 @@ def mode_context(mode: str) -> contextlib.AbstractContextManager:
     """
     if mode == "shardc-keeporder":
         return torch._inductor.config.patch(reorder_for_peak_memory=False)
-    ratio = amb_ratio(mode)
+    ratio = amb_ratio(split_compiled_loss(mode)[0])
     if ratio is not None:
         return torch._functorch.config.patch(activation_memory_budget=ratio)
     return contextlib.nullcontext()
+
+
+def setup_mode_fsdp2(mode: str, model: nn.Module, mesh) -> Setup:
+    """An FSDP2 mode (``fsdp2``, ``fsdp2-compile``, :data:`MEMORY_BASELINES`,
+    ``fsdp2-compile-amb<r>``) on the (tensor-parallel where asked) ``model``."""
+    dp = bench_mesh.dp_mesh(mesh)
+    if mode == "fsdp2":
+        return setup_fsdp2(model, dp, compile_blocks=False)
+    if mode == "fsdp2-compile":
+        return setup_fsdp2(model, dp, compile_blocks=True)
+    if mode in MEMORY_BASELINES:
+        checkpoint = {"fsdp2-compile-ac": "full", "fsdp2-compile-sac": "selective"}.get(mode)
+        return setup_fsdp2(model, dp, compile_blocks=True, activation_checkpoint=checkpoint,
+                           offload=mode == "fsdp2-compile-offload")
+    ratio = amb_ratio(mode)
+    if ratio is None:
+        raise ValueError(f"unknown FSDP2 mode {mode!r}")
+    setup = setup_fsdp2(model, dp, compile_blocks=True)
+    setup.info["activation_memory_budget"] = (
+        f"{ratio} (torch._functorch.config, set by the benchmark around the compiles)")
+    return setup
+
+
+def _with_compiled_loss(setup: Setup) -> Setup:
+    """``setup`` with its loss compiled apart from the model (the model's forward stays as the
+    mode runs it): :data:`COMPILED_LOSS_SUFFIX`."""
+    model = setup.keep[0]
+    loss = torch.compile(llama_loss)
+    setup.info["loss"] = "torch.compile(loss) over the model's logits, apart from the blocks"
+    return dataclasses.replace(setup, loss=lambda tokens, targets: loss(model(tokens), targets),
+                               keep=[*setup.keep, loss])
 
 
 def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_graph: bool = True
@@ -100,21 +157,11 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_
     if mode == "simplefsdp" and mesh.ndim != 1:
         raise NotImplementedError("simplefsdp mode: 1-D meshes only (no --mesh / --tp)")
     model = bench_mesh.parallelize_llama(model, mesh)  # --tp: tensor-parallel blocks first
-    if mode == "fsdp2":
-        return setup_fsdp2(model, bench_mesh.dp_mesh(mesh), compile_blocks=False)
-    if mode == "fsdp2-compile":
-        return setup_fsdp2(model, bench_mesh.dp_mesh(mesh), compile_blocks=True)
-    if mode in MEMORY_BASELINES:
-        checkpoint = {"fsdp2-compile-ac": "full", "fsdp2-compile-sac": "selective"}.get(mode)
-        return setup_fsdp2(model, bench_mesh.dp_mesh(mesh), compile_blocks=True,
-                           activation_checkpoint=checkpoint,
-                           offload=mode == "fsdp2-compile-offload")
-    ratio = amb_ratio(mode)
-    if ratio is not None:
-        setup = setup_fsdp2(model, bench_mesh.dp_mesh(mesh), compile_blocks=True)
-        setup.info["activation_memory_budget"] = (
-            f"{ratio} (torch._functorch.config, set by the benchmark around the compiles)")
-        return setup
+    mode, loss_compiled = split_compiled_loss(mode)
+    if loss_compiled:
+        return _with_compiled_loss(setup_mode_fsdp2(mode, model, mesh))
+    if mode.startswith("fsdp2"):
+        return setup_mode_fsdp2(mode, model, mesh)
     if mode == "simplefsdp":
         return setup_simplefsdp(model, mesh, loss_in_graph)
     if mode in ("shardc-plain", "shardc-plain-budget"):
