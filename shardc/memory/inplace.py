@@ -44,15 +44,30 @@ def _elementwise(node: fx.Node) -> bool:
     return node.op == "call_function" and has_tag(node, torch.Tag.pointwise)
 
 
-def _overwritable(buf: fx.Node) -> bool:
+def _donated(nodes: list[fx.Node]) -> set[fx.Node]:
+    """A backward's inputs that AOTAutograd donates to it: the values the forward saved
+    (placeholders before the tangents, named after the forward's nodes), less the forward's own
+    inputs (``primals_*``) and saved views (a donated tensor aliases nothing). A graph without
+    tangents (a forward, or one no AOTAutograd partition made) has none."""
+    inputs = [n for n in nodes if n.op == "placeholder"]
+    if not any(n.name.startswith("tangents") for n in inputs):
+        return set()
+    out: set[fx.Node] = set()
+    for node in inputs:
+        if node.name.startswith("tangents"):
+            break
+        val = _val(node)
+        if val is not None and not node.name.startswith(_NOT_DONATED_PREFIXES) \
+                and not val._is_view():
+            out.add(node)
+    return out
+
+
+def _overwritable(buf: fx.Node, donated: set[fx.Node]) -> bool:
     """Whether Inductor may write another kernel's output into ``buf``'s storage: a tensor an
-    aten op computes (not a view), or a donated backward input (a saved activation that is not
-    itself a view: AOTAutograd donates no saved tensor aliasing another)."""
-    val = _val(buf)
-    if val is None:
-        return False
+    aten op computes (not a view), or a donated input (:func:`_donated`)."""
     if buf.op == "placeholder":
-        return not buf.name.startswith(_NOT_DONATED_PREFIXES) and not val._is_view()
+        return buf in donated
     op = op_overload(buf)
     return op is not None and op.namespace in _OWN_NAMESPACES and not op.is_view
 
@@ -127,17 +142,20 @@ def inplace_reuses(nodes: list[fx.Node], inlined: set[fx.Node],
     """
     taken: dict[fx.Node, fx.Node] = {}
     claimed: set[fx.Node] = set()
+    donated = _donated(nodes)
     for out in nodes:
         if not (_elementwise(out) and out not in inlined and size.get(out)
                 and _val(out) is not None):
             continue
         at = born[out]
-        for read in _kernel_reads(out, inlined):
+        reads = _kernel_reads(out, inlined)
+        for read in reads:
             buf = storage.get(read)
             if (buf is None or buf in claimed or not size.get(buf) or last.get(buf) != at
-                    or born[buf] >= at or not _overwritable(buf)
-                    or not _same_index(read, buf, out)):
+                    or born[buf] >= at or not _overwritable(buf, donated)):
                 continue
+            if not all(_same_index(r, buf, out) for r in reads if storage.get(r) is buf):
+                continue  # read at another index too (Inductor: one index per buffer)
             if any(k is not out and born.get(k, -1) >= at for k in _kernels_reading(buf, inlined)):
                 continue  # another kernel still to run reads it: Inductor keeps it
             taken[out] = buf
