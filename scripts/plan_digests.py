@@ -43,8 +43,9 @@ def semantic_data(data: dict) -> dict:
         c["overlaps"] = len(c["overlaps"]) if isinstance(c["overlaps"], list) else c["overlaps"]
         for key in _COLLECTIVE_FORMAT_ONLY:
             c.pop(key, None)
-    data["predicted"] = {k: float(v) for k, v in (data.get("predicted") or {}).items()
-                         if v is not None}
+    # (a prediction may be a table of numbers, e.g. by category: kept as it is)
+    data["predicted"] = {k: v if isinstance(v, dict | list) else float(v)
+                         for k, v in (data.get("predicted") or {}).items() if v is not None}
     return data
 
 

@@ -68,6 +68,14 @@ def inductor_compilers() -> tuple[Any, Any]:
     return compile_fx, compile_fx_inner
 
 
+def run_and_get_inductor_code(fn: Callable, *args, **kwargs) -> tuple[Any, list[str]]:
+    """``fn(*args, **kwargs)``'s result and the wrapper code (Python source) of every graph
+    Inductor compiled while it ran, in compile order (tests read the generated code)."""
+    from torch._inductor.utils import run_and_get_code
+
+    return run_and_get_code(fn, *args, **kwargs)
+
+
 def aot_autograd(**kwargs):
     from torch._dynamo.backends.common import aot_autograd as aot
 

@@ -224,3 +224,86 @@ def test_block_bodies_predict_the_step_time_of_inline_blocks():
     assert plans[True].bodies and not plans[False].bodies
     bodies, inline = (plans[k].predicted.step_time_s for k in (True, False))
     assert abs(bodies - inline) <= 0.02 * inline, (bodies, inline)
+
+
+def test_inductor_writes_a_pointwise_output_into_its_last_inputs_buffer():
+    """Inductor's in-place update (``shardc.memory.inplace``): a generated pointwise kernel
+    that is the last reader of a computed input of its dtype, shape and layout writes its output
+    into that input's buffer, so the two are never alive together."""
+    def f(a):  # a: 64 x 64 fp32 = 16384 B, read to the end
+        b = torch.mm(a, a)
+        c = b * 2 + 1  # one kernel (the multiplication inlined), b's last reader: written into b
+        return c, a.sum()
+
+    gm = _graph(f, torch.randn(64, 64))
+    unit = 64 * 64 * 4
+    peak, timeline = liveness_peak(gm, skip=set(), fusion=True)
+    assert peak == 2 * unit + 4, "a and b, then a and c in b's buffer, then a's sum"
+    add = gm.graph.find_nodes(op="call_function", target=torch.ops.aten.add.Tensor)[0]
+    assert timeline[list(gm.graph.nodes).index(add)] == 2 * unit
+    assert liveness_peak(gm, skip=set())[0] == 3 * unit, "FX execution allocates c apart"
+
+    def g(a):  # b also read as a row vector (broadcast): another index, no in-place update
+        b = torch.mm(a, a)
+        return b[:1] + b, a.sum()
+
+    assert liveness_peak(_graph(g, torch.randn(64, 64)), skip=set(), fusion=True)[0] == 3 * unit
+
+    def h(a):  # a graph's input (not a backward's saved value) is never overwritten
+        return torch.mm(a, a), a * 2
+
+    assert liveness_peak(_graph(h, torch.randn(64, 64)), skip=set(), fusion=True)[0] == 3 * unit
+
+
+def test_inductor_writes_the_logits_gradient_into_the_saved_logits():
+    """The loss in the compiled graph (``F.cross_entropy`` of the bf16 logits cast to fp32):
+    Inductor's backward computes the logits' gradient in one kernel that reads the saved logits
+    last and writes the gradient into their buffer (``bufN = mm; del mm  # reuse`` in its
+    generated code; the saved logits are a donated input), so the backward never holds both. The
+    peak prediction follows: the two lifetimes do not overlap and the predicted backward peak
+    holds one logits-sized tensor, not two (it held two, 20% over the measured peak of the 1b
+    config on an H200; docs/memory_budget.md)."""
+    import re
+
+    from torch import nn
+
+    import shardc
+    from shardc import _torch
+    from shardc.memory.peak import lifetimes
+    from shardc.models.llama import llama_loss
+    from shardc.passes.body import flattened
+    from shardc.tools.fake_world import fake_world
+
+    batch, seq, vocab, dim = 2, 64, 4096, 32  # the logits: 2 x 64 x 4096 bf16 = 1 MiB
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(vocab, dim), nn.Linear(dim, vocab, bias=False))
+    tokens = torch.randint(0, vocab, (batch, seq))
+    try:
+        with fake_world(1):
+            shardc.shard(model, mp_policy=shardc.MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+            step = torch.compile(lambda t: llama_loss(model(t), t),
+                                 backend=shardc.backend(inductor=True))
+            _, codes = _torch.run_and_get_inductor_code(lambda: step(tokens).backward())
+            (region,) = shardc.shard_state(model).regions
+    finally:
+        torch._dynamo.reset()
+    backward = flattened(region.backward)[0]
+    logits_bytes = batch * seq * vocab * 2
+    saved = [p for p in backward.graph.find_nodes(op="placeholder")
+             if getattr(p.meta.get("val"), "nbytes", 0) == logits_bytes]
+    assert len(saved) == 1, "the bf16 logits are saved for the backward"
+    (logits,) = saved
+    reuse = re.compile(rf"^\s*(buf\d+) = {logits.name}; del {logits.name}  # reuse$", re.M)
+    written = [m.group(1) for code in codes for m in reuse.finditer(code)]
+    assert len(written) == 1, "Inductor writes the logits' gradient into the saved logits"
+
+    lives = {life.node: life for life in lifetimes(backward, set(), fusion=True)}
+    grads = [life for node, life in lives.items() if node is not logits
+             and life.nbytes == logits_bytes and node.meta["val"].dtype == torch.bfloat16]
+    assert len(grads) == 1, "the logits' gradient"
+    (grad,) = grads
+    assert lives[logits].last < grad.born, "one buffer: never both alive"
+    p = region.plan.predicted
+    activations = p["backward_peak_bytes"] - p["param_bytes"] - p["optimizer_state_bytes"]
+    assert logits_bytes <= activations < 2 * logits_bytes

@@ -9,9 +9,11 @@ temporaries (``optimizer_temp_factor`` bytes per parameter byte: one parameter-s
 for torch's ``foreach`` Adam/AdamW), which can be the step's peak when activations are small. Under
 Inductor the liveness follows what its generated code does (:class:`Fusion`,
 :func:`held_for_reuse`): loops inlined into their readers take no memory, copies are made right
-before the matmul that reads them, and a dead buffer stays allocated until the next buffer of its
-size reuses it. Checked against a CUDA memory history of the wide model on 2 H200s
-(``docs/bench/README.md``): the backward's live bytes at its peak match to 0.1%.
+before the matmul that reads them, a dead buffer stays allocated until the next buffer of its
+size reuses it, and a kernel that is the last reader of an input of its output's size may write
+its output into that input's buffer (:mod:`shardc.memory.inplace`). Checked against a CUDA
+memory history of the wide model on 2 H200s (``docs/bench/README.md``): the backward's live bytes
+at its peak match to 0.1%.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from torch import fx
 
 from shardc import _torch
 from shardc.memory import breakdown
+from shardc.memory.inplace import inplace_reuses
 from shardc.ops.gather import GATHER_OP
 from shardc.ops.gather_args import GatherArgs
 from shardc.ops.pool import POOL_UNPACK_OP
@@ -212,8 +215,11 @@ def lifetimes_and_storage(gm: fx.GraphModule, skip: set[fx.Node], *, fusion: boo
             # group holds them so the compute stream cannot reuse them while it runs).
             for key in pending.pop(node.args[0], ()):
                 last[key] = max(last[key], i)
+    taken = inplace_reuses(nodes, fused.inlined, storage, born, last, size) if fusion else {}
+    for out, buf in taken.items():  # the kernel writes ``out`` into ``buf``: one buffer
+        last[buf] = born[out] - 1
     lives = [Lifetime(key, born[key], last[key], nbytes) for key, nbytes in size.items()]
-    return (held_for_reuse(lives, end) if fusion else lives), storage
+    return (held_for_reuse(lives, end, taken) if fusion else lives), storage
 
 
 # Kernels whose output Inductor allocates itself (and may take from its reuse pool): its
@@ -235,12 +241,17 @@ def _allocates_from_pool(node: fx.Node) -> bool:
         or node.target in _OUT_KERNELS)
 
 
-def held_for_reuse(lives: list[Lifetime], end: int) -> list[Lifetime]:
+def held_for_reuse(lives: list[Lifetime], end: int,
+                   inplace: dict[fx.Node, fx.Node] | None = None) -> list[Lifetime]:
     """Inductor's buffer reuse, as its generated code does it: a dead buffer is not freed but
     kept for the next buffer of the same dtype and size that the code allocates, however much
     later that is (the most recently freed first). Such a buffer stays allocated until then;
     e.g. an all-gather's send buffer, freed at its wait, lives on until the next all-gather
-    packs its send buffer into it."""
+    packs its send buffer into it. ``inplace`` (``{output: input buffer}``,
+    :func:`shardc.memory.inplace.inplace_reuses`): outputs written into an input's buffer,
+    which allocate nothing, and inputs whose buffer lives on as that output, never kept."""
+    inplace = inplace or {}
+    overwritten = set(inplace.values())
     by_birth: dict[int, list[int]] = {}
     by_death: dict[int, list[int]] = {}
     for i, life in enumerate(lives):
@@ -252,11 +263,14 @@ def held_for_reuse(lives: list[Lifetime], end: int) -> list[Lifetime]:
     for pos in range(end + 1):
         for i in by_birth.get(pos, ()):
             key = _reuse_key(lives[i].node)
-            if lives[i].nbytes and _allocates_from_pool(lives[i].node) and pool.get(key):
+            if lives[i].nbytes and _allocates_from_pool(lives[i].node) and pool.get(key) \
+                    and lives[i].node not in inplace:
                 j = pool[key].pop()
                 held[j] = Lifetime(lives[j].node, lives[j].born, pos - 1, lives[j].nbytes)
         for i in by_death.get(pos, ()):
             node = lives[i].node
+            if node in overwritten:
+                continue
             if _allocates_from_pool(node) or node.op == "placeholder":
                 pool.setdefault(_reuse_key(node), []).append(i)
     return held
