@@ -68,6 +68,14 @@ def inductor_compilers() -> tuple[Any, Any]:
     return compile_fx, compile_fx_inner
 
 
+def inductor_decompositions_keeping(ops) -> dict:
+    """Inductor's decomposition table without ``ops`` (they reach the joint graph whole)."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    keep = set(ops)
+    return {op: fn for op, fn in select_decomp_table().items() if op not in keep}
+
+
 def aot_autograd(**kwargs):
     from torch._dynamo.backends.common import aot_autograd as aot
 

@@ -37,6 +37,7 @@ from shardc.passes.body import (
     rewrite_trace_once_calls,
     tag_weight_recompute,
 )
+from shardc.passes.fused_loss import LOSS_OPS
 from shardc.passes.fx_utils import is_call
 from shardc.passes.lower import POOL_PLACEHOLDER
 from shardc.passes.to_local import plain_to_local_calls
@@ -355,9 +356,15 @@ def shardc_backend(
             # prefetched all-gathers next to their waits and undo the overlap.
             "reorder_for_peak_memory": False,
         }
+        extra = {}
+        if opts.fused_loss_forced() or (opts.fused_loss == "auto"
+                                        and opts.peak_memory_budget_bytes):
+            # The cross-entropy must reach the joint graph whole for shardc.passes.fused_loss
+            # to find it (unfused, Inductor runs these ops as fallbacks).
+            extra["decompositions"] = _torch.inductor_decompositions_keeping(LOSS_OPS)
         compiled, store_key = _compile_inductor(
             functools.partial(compile_fx, gm, example_inputs, inner_compile=inner_compile,
-                              config_patches=config_patches),
+                              config_patches=config_patches, **extra),
             gm, partitioner, _cache_blockers(gm, state, patches))
         if patches.get(cudagraphs.CUDAGRAPHS) and _torch.inductor_cudagraph_skips() > skips:
             note = ("CUDA graphs requested; Inductor declined to record at least one graph of "

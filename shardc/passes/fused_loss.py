@@ -37,6 +37,15 @@ _MM = _aten.mm.default
 _CASTS = frozenset({_aten._to_copy.default, torch.ops.prims.convert_element_type.default})
 _TRANSPOSES = frozenset({_aten.t.default, _aten.permute.default, _aten.transpose.int})
 _DETACH = frozenset({_aten.detach.default, _aten.alias.default})
+# The ops of the pattern that Inductor's decompositions would otherwise split before the joint
+# graph (shardc's backend keeps them whole where the fused loss may be used).
+LOSS_OPS = (_NLL, _NLL_BW, _LOG_SOFTMAX, _LOG_SOFTMAX_BW)
+# Not aten view ops by their schema, yet only a relabelling of the matmul's output here.
+_UNSAFE_VIEWS = frozenset({_aten._unsafe_view.default, _aten.reshape.default})
+
+
+def _viewish(node: fx.Node) -> bool:
+    return node.op == "call_function" and (is_view(node) or node.target in _UNSAFE_VIEWS)
 
 
 @dataclass
@@ -93,7 +102,7 @@ class Refused:
 
 
 def _is_alias(node: fx.Node) -> bool:
-    return node.op == "call_function" and (is_view(node) or node.target in _DETACH
+    return node.op == "call_function" and (_viewish(node) or node.target in _DETACH
                                           or node.target is operator.getitem)
 
 
@@ -106,7 +115,7 @@ def _upstream(node: fx.Node, chain: list[fx.Node]) -> tuple[fx.Node, bool]:
     """Walk up from ``node`` through views and casts (appending them to ``chain``): the first
     other node, and whether a cast was crossed."""
     cast = False
-    while node.op == "call_function" and (is_view(node) or node.target in _CASTS):
+    while node.op == "call_function" and (_viewish(node) or node.target in _CASTS):
         chain.append(node)
         cast = cast or node.target in _CASTS
         node = node.all_input_nodes[0]
@@ -117,7 +126,7 @@ def _root_through(node: fx.Node) -> tuple[fx.Node, int]:
     """The node ``node`` is a view of (through transposes and views), and how many transposes
     were crossed."""
     flips = 0
-    while node.op == "call_function" and (is_view(node) or node.target in _DETACH):
+    while node.op == "call_function" and (_viewish(node) or node.target in _DETACH):
         flips += node.target in _TRANSPOSES
         node = node.all_input_nodes[0]
     return node, flips
@@ -130,7 +139,7 @@ def _downstream(node: fx.Node, chain: set[fx.Node]) -> list[fx.Node]:
     while stack:
         n = stack.pop()
         for user in n.users:
-            if user.op == "call_function" and (is_view(user) or user.target in _CASTS):
+            if user.op == "call_function" and (_viewish(user) or user.target in _CASTS):
                 chain.add(user)
                 stack.append(user)
             else:

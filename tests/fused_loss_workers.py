@@ -1,0 +1,104 @@
+"""Workers of the fused-loss tests (tests/test_fused_loss.py): tiny models trained with the
+loss inside the compiled region, against the unsharded single-process reference."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import shardc
+from shardc.models.llama import LlamaConfig, Transformer
+
+CFG = LlamaConfig(vocab_size=37, dim=24, n_layers=2, n_heads=4, ffn_dim=45, max_seq_len=16)
+BATCH, SEQ, STEPS, LR = 4, 9, 3, 1e-3
+
+
+def build(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "hf":
+        from transformers import LlamaConfig as HfConfig
+        from transformers import LlamaForCausalLM
+
+        cfg = HfConfig(vocab_size=37, hidden_size=24, intermediate_size=40,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=16, tie_word_embeddings=False)
+        cfg._attn_implementation = "eager"
+        return LlamaForCausalLM(cfg)
+    return Transformer(CFG)
+
+
+def data(ignore: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, CFG.vocab_size, (STEPS, BATCH, SEQ), generator=g)
+    targets = torch.randint(0, CFG.vocab_size, (STEPS, BATCH, SEQ), generator=g)
+    if ignore:
+        targets[:, :, ::3] = -100
+    return tokens, targets
+
+
+def loss_of(kind: str, model: nn.Module, tokens, targets, smoothing: float = 0.0,
+            with_logits: bool = False):
+    """The training step's loss (and, ``with_logits``, the logits too)."""
+    if kind == "hf":
+        out = model(input_ids=tokens, labels=targets)
+        return (out.loss, out.logits) if with_logits else out.loss
+    logits = model(tokens)
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1),
+                           label_smoothing=smoothing)
+    return (loss, logits) if with_logits else loss
+
+
+def train(kind: str, model: nn.Module, step, rank: int, world: int, ignore: bool,
+          with_logits: bool = False) -> torch.Tensor:
+    tokens, targets = data(ignore)
+    per = BATCH // world
+    rows = slice(rank * per, (rank + 1) * per)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+    losses = []
+    for s in range(STEPS):
+        out = step(tokens[s, rows], targets[s, rows])
+        loss = out[0] if with_logits else out
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach().float())
+    losses = torch.stack(losses)
+    if dist.is_initialized() and world > 1:
+        dist.all_reduce(losses)
+    return losses / world
+
+
+def reference(kind: str, ignore: bool = False, mp: bool = False) -> dict:
+    model = build(kind)
+    if mp:  # the same casts as MixedPrecisionPolicy(bf16, reduce fp32), by hand: not exact
+        pass
+    losses = train(kind, model, lambda t, y: loss_of(kind, model, t, y), 0, 1, ignore)
+    return {"losses": losses, "params": copy.deepcopy(dict(model.named_parameters()))}
+
+
+def sharded(rank: int, world: int, kind: str, mode: str, ignore: bool = False,
+            mp: bool = False, smoothing: float = 0.0, with_logits: bool = False,
+            **options) -> dict:
+    model = build(kind)
+    policy = shardc.MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                         reduce_dtype=torch.float32) if mp else None
+    shardc.shard(model, mp_policy=policy)
+    backend = shardc.backend(inductor=mode == "inductor", **options)
+
+    def fn(tokens, targets):
+        return loss_of(kind, model, tokens, targets, smoothing, with_logits)
+
+    step = torch.compile(fn, backend=backend)
+    losses = train(kind, model, step, rank, world, ignore, with_logits)
+    state = shardc.shard_state(model)
+    plans = [r.plan for r in state.regions if r.backward is not None]
+    fused_ops = sum(1 for r in state.regions for gm in (r.forward, r.backward)
+                    if gm is not None for n in gm.graph.nodes
+                    if "fused_linear_cross_entropy" in str(n.target))
+    return {"losses": losses, "plans": plans, "fused_ops": fused_ops,
+            "params": {n: p.full_tensor().detach().clone()
+                       for n, p in model.named_parameters()}}
