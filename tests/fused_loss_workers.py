@@ -14,7 +14,7 @@ import shardc
 from shardc.models.llama import LlamaConfig, Transformer
 
 CFG = LlamaConfig(vocab_size=37, dim=24, n_layers=2, n_heads=4, ffn_dim=45, max_seq_len=16)
-BATCH, SEQ, STEPS, LR = 4, 9, 3, 1e-3
+BATCH, SEQ, STEPS, LR = 12, 9, 3, 1e-3
 
 
 def build(kind: str) -> nn.Module:
@@ -72,10 +72,9 @@ def train(kind: str, model: nn.Module, step, rank: int, world: int, ignore: bool
     return losses / world
 
 
-def reference(kind: str, ignore: bool = False, mp: bool = False) -> dict:
+def reference(kind: str, ignore: bool = False) -> dict:
+    """The unsharded model trained eagerly in one process on the global batch."""
     model = build(kind)
-    if mp:  # the same casts as MixedPrecisionPolicy(bf16, reduce fp32), by hand: not exact
-        pass
     losses = train(kind, model, lambda t, y: loss_of(kind, model, t, y), 0, 1, ignore)
     return {"losses": losses, "params": copy.deepcopy(dict(model.named_parameters()))}
 
@@ -96,9 +95,45 @@ def sharded(rank: int, world: int, kind: str, mode: str, ignore: bool = False,
     losses = train(kind, model, step, rank, world, ignore, with_logits)
     state = shardc.shard_state(model)
     plans = [r.plan for r in state.regions if r.backward is not None]
+    torch._dynamo.reset()  # the next run in this process compiles anew
     fused_ops = sum(1 for r in state.regions for gm in (r.forward, r.backward)
                     if gm is not None for n in gm.graph.nodes
                     if "fused_linear_cross_entropy" in str(n.target))
     return {"losses": losses, "plans": plans, "fused_ops": fused_ops,
             "params": {n: p.full_tensor().detach().clone()
                        for n, p in model.named_parameters()}}
+
+
+def budget_runs(rank: int, world: int) -> dict:
+    """The planner's choice (world 1, FX, a vocabulary large enough that the logits matter):
+    the fully resharded unfused peak (a roomy budget, the fused loss off), then the budget one
+    byte below it (the lever chosen) and at it (not needed), and no budget (untouched)."""
+    import shardc.models.llama as llama
+
+    big = LlamaConfig(vocab_size=1024, dim=24, n_layers=2, n_heads=4, ffn_dim=45,
+                      max_seq_len=16)
+    out = {}
+
+    def run(name: str, **options) -> None:
+        torch.manual_seed(0)
+        model = llama.Transformer(big)
+        shardc.shard(model)
+        step = torch.compile(lambda t, y: loss_of("llama", model, t, y),
+                             backend=shardc.backend(inductor=False, comm_pool=False,
+                                                    peak_memory_margin=0, **options))
+        tokens, targets = data(False)
+        loss = step(tokens[0], targets[0])
+        loss.backward()
+        plan = [r.plan for r in shardc.shard_state(model).regions if r.backward is not None][0]
+        out[name] = {"plan": plan.to_dict(), "loss": loss.item(), "hash": plan.hash(),
+                     "text": plan.table()}
+        torch._dynamo.reset()
+
+    run("roomy", peak_memory_budget_bytes=1 << 40, fused_loss=False)
+    minimum = out["roomy"]["plan"]["budget"]["minimum_bytes"]
+    out["minimum"] = minimum
+    run("tight", peak_memory_budget_bytes=minimum - 1)
+    run("fits", peak_memory_budget_bytes=minimum)
+    run("none")
+    run("off", fused_loss=False)
+    return out
