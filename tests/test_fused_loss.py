@@ -5,14 +5,14 @@ a budget, and patterns left alone."""
 
 from __future__ import annotations
 
+import fused_loss_workers as w
 import pytest
 import torch
 import torch.nn.functional as F
-
-import fused_loss_workers as w
-import shardc
 from dist_utils import run_ranks
 from parity import max_rel_err
+
+import shardc
 from shardc.ops import fused_ce
 from shardc.planning.plan import FusedLossDecision, Plan
 
@@ -155,7 +155,8 @@ def test_unsupported_patterns_are_left_alone(case):
     run = run_ranks(w.sharded, 1, "llama", "fx", fused_loss=True, **options)[0]
     decision = run["plans"][0].fused_loss
     assert run["fused_ops"] == 0 and not decision.fused
-    assert "also read by" in decision.reason, decision.reason
+    assert decision.refused and "left alone" in decision.reason, decision.reason
+    assert "read" in decision.reason  # a value of the pattern has a reader outside it
     assert "fused loss" in str(run["plans"][0])
 
 
@@ -166,10 +167,10 @@ def test_budget_chooses_the_fused_loss_by_itself():
     tight = Plan.from_dict(out["tight"]["plan"])
     decision = tight.fused_loss
     assert decision.fused and decision.mode == "auto", decision
-    logits = decision.logits_bytes
-    # The peak drops by about the logits' bytes (less the op's workspace and what else was
-    # live there), and the chosen plan meets the budget.
-    assert 0.5 * logits <= decision.peak_saved_bytes <= 1.5 * logits, (decision, logits)
+    # The peak drops by about the logits' bytes: at least the fp32 logits and their gradient
+    # (108 tokens x 1024 x 4 B each), at most every [tokens, V] value of the unfused graph.
+    logits = 12 * 9 * 1024 * 4
+    assert 2 * logits <= decision.peak_saved_bytes <= decision.logits_bytes, decision
     assert tight.predicted.peak_bytes <= out["minimum"] - 1
     assert not tight.budget.recomputed  # the cheaper lever came first
     assert "fused loss (auto)" in out["tight"]["text"]

@@ -215,7 +215,9 @@ def _match(nll: fx.Node) -> LossMatch | Refused:  # noqa: C901, PLR0911, PLR0912
         nodes.add(nll_bw[0])
         bw_users = list(nll_bw[0].users)
         if len(bw_users) != 1 or bw_users[0].target is not _LOG_SOFTMAX_BW:
-            return no("the nll_loss's gradient is read outside the log-softmax's backward")
+            return no(f"the nll_loss's gradient is also read by {[u.name for u in bw_users]} "
+                      "outside the log-softmax's backward (another term of the loss, such as "
+                      "label smoothing, reads the log-probabilities)")
         ls_bw = bw_users[0]
         nodes.add(ls_bw)
         out_arg = ls_bw.args[1]
