@@ -28,6 +28,10 @@ def build(kind: str) -> nn.Module:
                        max_position_embeddings=16, tie_word_embeddings=False)
         cfg._attn_implementation = "eager"
         return LlamaForCausalLM(cfg)
+    if kind == "tied":  # the output weight is the embedding's: its gradient has two terms
+        from dataclasses import replace
+
+        return Transformer(replace(CFG, tie_embeddings=True))
     return Transformer(CFG)
 
 
