@@ -187,3 +187,18 @@ def test_budget_chooses_the_fused_loss_by_itself():
     assert out["none"]["plan"]["fused_loss"] is None
     assert out["none"]["hash"] == out["off"]["hash"]
     assert abs(out["tight"]["loss"] - out["off"]["loss"]) <= 1e-5
+
+
+def test_budget_under_inductor_decomposes_what_it_does_not_fuse():
+    """Under Inductor the cross-entropy's ops reach the joint graph whole where the lever may
+    be used; unfused, shardc decomposes them as Inductor would (no aten loss op is left, and
+    the predicted peak is Inductor's own within a few bytes); fused under a tight budget."""
+    out = run_ranks(w.budget_runs, 1, True)[0]
+    tight = Plan.from_dict(out["tight"]["plan"])
+    assert tight.fused_loss.fused and tight.predicted.peak_bytes <= out["minimum"] - 1
+    fits = Plan.from_dict(out["fits"]["plan"])
+    assert not fits.fused_loss.fused, fits.fused_loss
+    assert abs(fits.predicted.peak_bytes - out["minimum"]) <= 1024
+    assert all(out[k]["loss_ops"] == 0 for k in ("roomy", "tight", "fits"))
+    assert abs(out["tight"]["loss"] - out["roomy"]["loss"]) <= 1e-5
+    assert abs(out["fits"]["loss"] - out["roomy"]["loss"]) <= 1e-5

@@ -37,7 +37,7 @@ from shardc.passes.body import (
     rewrite_trace_once_calls,
     tag_weight_recompute,
 )
-from shardc.passes.fused_loss import LOSS_OPS
+from shardc.passes.fused_loss import LOSS_OPS, decompose_whole_loss_ops
 from shardc.passes.fx_utils import is_call
 from shardc.passes.lower import POOL_PLACEHOLDER
 from shardc.passes.to_local import plain_to_local_calls
@@ -130,6 +130,8 @@ class ShardcPartitioner(_torch.custom_partitioner_base()):
             index = self.region.index
             progress.log_stage(index, "AOTAutograd forward graph", self.clock.lap())
             with progress.stage(index, "joint passes"):
+                if self.options.keeps_loss_ops_whole():  # kept whole for the fused loss
+                    decompose_whole_loss_ops(gm)
                 self.region.fp8 = pipeline.joint_passes(gm.graph, training=False)
                 gm.recompile()
             pipeline.plan_and_lower(gm, None, self.options, self.region)
@@ -357,10 +359,9 @@ def shardc_backend(
             "reorder_for_peak_memory": False,
         }
         extra = {}
-        if opts.fused_loss_forced() or (opts.fused_loss == "auto"
-                                        and opts.peak_memory_budget_bytes):
+        if opts.keeps_loss_ops_whole():
             # The cross-entropy must reach the joint graph whole for shardc.passes.fused_loss
-            # to find it (unfused, Inductor runs these ops as fallbacks).
+            # to find it (the pipeline decomposes those it does not fuse).
             extra["decompositions"] = _torch.inductor_decompositions_keeping(LOSS_OPS)
         compiled, store_key = _compile_inductor(
             functools.partial(compile_fx, gm, example_inputs, inner_compile=inner_compile,

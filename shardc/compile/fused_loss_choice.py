@@ -62,6 +62,7 @@ def _none_found(refused: list[Refused]) -> str:
 def forced(gm: fx.GraphModule, options: ShardcOptions) -> FusedLossDecision:
     """Fuse every match in the joint graph ``gm`` (``fused_loss=True`` or a chunk)."""
     done, refused = fused_loss.fuse(gm, options.fused_loss_chunk())
+    _decompose_rest(gm, options)
     mode = "forced" if options.fused_loss is True else f"forced, {options.fused_loss} tokens"
     reason = "fused_loss forces it" if done else _none_found(refused)
     decision = _decision(done, refused, gm, options, reason, mode)
@@ -75,6 +76,9 @@ def choose(gm: fx.GraphModule, options: ShardcOptions, region, make_inputs: Make
     module); returns the decision and the budget search's inputs of the graph chosen."""
     probe = copy_graph_module(gm)
     done, refused = fused_loss.fuse(probe, options.fused_loss_chunk())
+    _decompose_rest(probe, options)
+    whole = copy_graph_module(gm) if done else None  # what the lever fuses, if chosen
+    _decompose_rest(gm, options)  # the unfused graph, as Inductor would have decomposed it
     unfused = make_inputs(gm)
     if not done:
         decision = _decision(done, refused, probe, options, _none_found(refused), "auto")
@@ -114,7 +118,9 @@ def choose(gm: fx.GraphModule, options: ShardcOptions, region, make_inputs: Make
     if cheapest is not None and cost_ns > cheapest:
         return no(f"its predicted time cost {cost_ns * 1e-6:.3f} ms is above the cheapest "
                   f"block recompute's {cheapest * 1e-6:.3f} ms", **measured)
+    _use_graph_of(gm, whole)
     fused_loss.fuse(gm, options.fused_loss_chunk())  # the graph the probe's trials built
+    _decompose_rest(gm, options)
     than = (f"not above the cheapest block recompute's {cheapest * 1e-6:.3f} ms"
             if cheapest is not None else "no block to recompute instead")
     decision = _decision(done, refused, probe, options,
@@ -123,6 +129,20 @@ def choose(gm: fx.GraphModule, options: ShardcOptions, region, make_inputs: Make
                          f"predicted {cost_ns * 1e-6:.3f} ms ({than})", "auto", **measured)
     _log(decision)
     return decision, fused
+
+
+def _decompose_rest(gm: fx.GraphModule, options: ShardcOptions) -> None:
+    """Under Inductor, the loss ops kept whole for the pattern and not fused are decomposed as
+    Inductor would have (``fused_loss.decompose_whole_loss_ops``)."""
+    if options.keeps_loss_ops_whole():
+        fused_loss.decompose_whole_loss_ops(gm)
+
+
+def _use_graph_of(gm: fx.GraphModule, source: fx.GraphModule) -> None:
+    """Give ``gm`` (changed in place: the caller's joint graph) a copy of ``source``'s graph
+    (a copy of ``gm`` made before it was changed)."""
+    gm.graph = copy_graph_module(source).graph
+    gm.recompile()
 
 
 def _cheapest_recompute_ns(inputs: budget_search.SearchInputs, options: ShardcOptions,

@@ -202,6 +202,14 @@ class ShardcOptions:
         """Whether the fused loss is used whatever the budget (``True`` or a chunk)."""
         return self.fused_loss is True or self.fused_loss_chunk() is not None
 
+    def keeps_loss_ops_whole(self) -> bool:
+        """Whether Inductor's decompositions leave the cross-entropy's ops whole for the fused
+        loss's pattern (``shardc.passes.fused_loss``): under Inductor where the fused loss may
+        be used (forced, or ``"auto"`` with a peak budget). The pipeline decomposes those it
+        does not fuse (``fused_loss.decompose_whole_loss_ops``)."""
+        return self.inductor and (self.fused_loss_forced() or (
+            self.fused_loss == "auto" and bool(self.peak_memory_budget_bytes)))
+
     def forced_offload(self) -> tuple[str, ...]:
         """The blocks whose saved activations are offloaded without a budget (none unless
         ``activation_offload`` names blocks)."""

@@ -352,6 +352,80 @@ def fuse(gm: fx.GraphModule, chunk: int | None = None) -> tuple[list[Fused], lis
     return done, refused
 
 
+def decompose_whole_loss_ops(gm: fx.GraphModule) -> int:
+    """Decompose, in the joint graph ``gm`` (in place), the loss ops that shardc's backend kept
+    out of Inductor's decompositions (:data:`LOSS_OPS`) and the fused loss did not replace, as
+    Inductor's decompositions would have before the joint graph was made: each node is traced
+    through Inductor's table (its fake values, ``make_fx``) and the trace inlined in its place,
+    with its metadata (recompute tags, stack trace). Returns the nodes decomposed."""
+    from shardc import _torch
+    from shardc.passes.fx_utils import fake_mode_of
+
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in LOSS_OPS]
+    if not nodes:
+        return 0
+    table = {**_torch.inductor_decompositions(), _NLL_BW: _nll_loss_backward_pointwise}
+    mode = fake_mode_of(gm.graph)
+    for node in nodes:
+        inputs = [a for a in node.args if isinstance(a, fx.Node)]
+
+        def run(*tensors, node=node):
+            it = iter(tensors)
+            args = [next(it) if isinstance(a, fx.Node) else a for a in node.args]
+            return node.target(*args, **node.kwargs)
+
+        with mode:
+            traced = _torch.trace_decomposed(run, table, [a.meta["val"] for a in inputs])
+        _inline(gm, node, traced, inputs)
+    gm.graph.lint()
+    gm.recompile()
+    return len(nodes)
+
+
+def _nll_loss_backward_pointwise(grad_output, logp, target, weight, reduction, ignore_index,
+                                 total_weight):
+    """``nll_loss_backward`` of ``[tokens, V]`` log-probs as a comparison with the class index
+    (pointwise: a fusing compiler inlines it), the form Inductor's joint-graph passes give the
+    table's ``scatter`` (they ran before this pass could decompose it)."""
+    if weight is not None or logp.dim() != 2 or reduction not in (MEAN, SUM):
+        from shardc import _torch
+
+        return _torch.inductor_decompositions()[_NLL_BW](
+            grad_output, logp, target, weight, reduction, ignore_index, total_weight)
+    classes = torch.arange(logp.shape[1], device=logp.device)
+    hit = (classes.unsqueeze(0) == target.unsqueeze(1)) & (target != ignore_index).unsqueeze(1)
+    scale = -grad_output / total_weight if reduction == MEAN else -grad_output
+    return torch.where(hit, scale, 0.0).to(logp.dtype)
+
+
+def _inline(gm: fx.GraphModule, node: fx.Node, traced: fx.GraphModule,
+            inputs: list[fx.Node]) -> None:
+    """Put ``traced`` (a trace of ``node`` on ``inputs``) in ``node``'s place."""
+    placeholders = list(traced.graph.find_nodes(op="placeholder"))
+    env = dict(zip(placeholders, inputs, strict=True))
+    inherited = {k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")}
+    with gm.graph.inserting_before(node):
+        for sub in traced.graph.nodes:
+            if sub.op in ("placeholder", "output"):
+                continue
+            if sub.op == "get_attr":
+                raise NotImplementedError(f"shardc: decomposing {node.target} made a constant")
+            new = gm.graph.node_copy(sub, lambda n: env[n])
+            for key, value in inherited.items():
+                new.meta.setdefault(key, value)
+            env[sub] = new
+    out = traced.graph.output_node().args[0]
+    if isinstance(out, (list, tuple)):
+        for user in list(node.users):
+            if user.target is not operator.getitem:
+                raise NotImplementedError(f"shardc: {node.name} is read whole by {user.name}")
+            user.replace_all_uses_with(env[out[user.args[1]]])
+            gm.graph.erase_node(user)
+    else:
+        node.replace_all_uses_with(env[out])
+    gm.graph.erase_node(node)
+
+
 def is_fused_loss(node: fx.Node) -> bool:
     """Whether ``node`` calls the fused op."""
     return op_overload(node) is FUSED_CE_OP
