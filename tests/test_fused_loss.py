@@ -169,8 +169,15 @@ def test_unsupported_patterns_are_left_alone(case):
 
 # ---- the planner's choice under a budget ----
 
-def test_budget_chooses_the_fused_loss_by_itself():
-    out = run_ranks(w.budget_runs, 1)[0]
+@pytest.mark.parametrize("world", [1, 2])
+def test_budget_chooses_the_fused_loss_by_itself(world):
+    """World 2 (uneven shards, so the ranks' peaks differ): every rank decides the same, the
+    plans' hashes agree."""
+    outs = run_ranks(w.budget_runs, world)
+    for name in ("tight", "fits", "none"):
+        assert len({o[name]["hash"] for o in outs}) == 1, name
+    assert len({str(o["tight"]["plan"]["fused_loss"]) for o in outs}) == 1
+    out = outs[0]
     tight = Plan.from_dict(out["tight"]["plan"])
     decision = tight.fused_loss
     assert decision.fused and decision.mode == "auto", decision
