@@ -157,7 +157,60 @@ def find(graph: fx.Graph) -> tuple[list[LossMatch], list[Refused]]:
     return found, refused
 
 
-def _match(nll: fx.Node) -> LossMatch | Refused:  # noqa: C901, PLR0911, PLR0912
+def _match_backward(nll: fx.Node, logp: fx.Node, total: fx.Node | None,
+                    roots: tuple[fx.Node, fx.Node], nodes: set[fx.Node]
+                    ) -> tuple[fx.Node | None, fx.Node | None, fx.Node | None, bool] | str:
+    """The backward of the pattern (see the module): ``(the loss's incoming gradient, the
+    matmul giving ``h``'s gradient, the one giving ``W``'s, whether the latter gives its
+    transpose)``, all None where the graph has no backward, or why it does not match. Adds
+    the nodes it crosses to ``nodes``. ``roots``: the weight's and ``h``'s view roots."""
+    nll_bw = [u for u in logp.users if u.target is _NLL_BW]
+    if not nll_bw:
+        return None, None, None, False
+    _, target, _, reduction, ignore_index = nll.args[:5]
+    if len(nll_bw) != 1 or nll_bw[0].args[6] is not total or nll_bw[0].args[2] is not \
+            target or list(nll_bw[0].args[3:6]) != [None, reduction, ignore_index]:
+        return "the nll_loss_backward does not match its forward"
+    nodes.add(nll_bw[0])
+    bw_users = list(nll_bw[0].users)
+    if len(bw_users) != 1 or bw_users[0].target is not _LOG_SOFTMAX_BW:
+        return (f"the nll_loss's gradient is also read by {[u.name for u in bw_users]} "
+                "outside the log-softmax's backward (another term of the loss, such as label "
+                "smoothing, reads the log-probabilities)")
+    ls_bw = bw_users[0]
+    nodes.add(ls_bw)
+    if _root_through(ls_bw.args[1])[0] is not logp:
+        return "the log-softmax's backward does not read its output"
+    walk = ls_bw.args[1]
+    while walk is not logp:
+        nodes.add(walk)
+        walk = walk.all_input_nodes[0]
+    grad_chain: set[fx.Node] = set()
+    readers = _downstream(ls_bw, grad_chain)
+    nodes.update(grad_chain)
+    if len(readers) != 2 or any(r.target is not _MM for r in readers):
+        return ("the logits' gradient is not read by exactly the two matmuls of the "
+                "projection's backward")
+    grad_h_mm = grad_w_mm = None
+    transposed = False
+    for r in readers:
+        a, b = r.args
+        grad_first = a in grad_chain or a is ls_bw
+        other = _root_through(b if grad_first else a)[0]
+        if other is roots[0]:
+            grad_h_mm = r
+        elif other is roots[1]:
+            grad_w_mm, transposed = r, not grad_first
+        else:
+            return (f"the logits' gradient is multiplied by {other.name}, neither the weight "
+                    "nor the hidden states")
+        nodes.add(r)
+    if grad_h_mm is None or grad_w_mm is None:
+        return "the projection's backward matmuls were not both found"
+    return nll_bw[0].args[0], grad_h_mm, grad_w_mm, transposed
+
+
+def _match(nll: fx.Node) -> LossMatch | Refused:  # noqa: PLR0911
     """The pattern around ``nll`` (see the module), or why not."""
 
     def no(reason: str) -> Refused:
@@ -203,53 +256,11 @@ def _match(nll: fx.Node) -> LossMatch | Refused:  # noqa: C901, PLR0911, PLR0912
             total = user
             nodes.add(user)
     # Backward: nll_loss_backward and _log_softmax_backward_data.
-    nll_bw = [u for u in logp.users if u.target is _NLL_BW]
     detaches = [u for u in logp.users if u.target in _DETACH]
-    grad_out = grad_h_mm = grad_w_mm = None
-    transposed = False
-    if nll_bw:
-        grad_out = nll_bw[0].args[0]
-        if len(nll_bw) != 1 or nll_bw[0].args[6] is not total or nll_bw[0].args[2] is not \
-                target or list(nll_bw[0].args[3:6]) != [None, reduction, ignore_index]:
-            return no("the nll_loss_backward does not match its forward")
-        nodes.add(nll_bw[0])
-        bw_users = list(nll_bw[0].users)
-        if len(bw_users) != 1 or bw_users[0].target is not _LOG_SOFTMAX_BW:
-            return no(f"the nll_loss's gradient is also read by {[u.name for u in bw_users]} "
-                      "outside the log-softmax's backward (another term of the loss, such as "
-                      "label smoothing, reads the log-probabilities)")
-        ls_bw = bw_users[0]
-        nodes.add(ls_bw)
-        out_arg = ls_bw.args[1]
-        base, _ = _root_through(out_arg)
-        if base is not logp:
-            return no("the log-softmax's backward does not read its output")
-        walk = out_arg
-        while walk is not logp:
-            nodes.add(walk)
-            walk = walk.all_input_nodes[0]
-        grad_chain: set[fx.Node] = set()
-        readers = _downstream(ls_bw, grad_chain)
-        nodes.update(grad_chain)
-        if len(readers) != 2 or any(r.target is not _MM for r in readers):
-            return no("the logits' gradient is not read by exactly the two matmuls of the "
-                      "projection's backward")
-        for r in readers:
-            a, b = r.args
-            a_root = _root_through(a)[0]
-            b_root = _root_through(b)[0]
-            grad_first = a in grad_chain or a is ls_bw
-            other = b_root if grad_first else a_root
-            if other is w_root:
-                grad_h_mm = r
-            elif other is h_root:
-                grad_w_mm, transposed = r, not grad_first
-            else:
-                return no(f"the logits' gradient is multiplied by {other.name}, neither the "
-                          "weight nor the hidden states")
-            nodes.add(r)
-        if grad_h_mm is None or grad_w_mm is None:
-            return no("the projection's backward matmuls were not both found")
+    backward = _match_backward(nll, logp, total, (w_root, h_root), nodes)
+    if isinstance(backward, str):
+        return no(backward)
+    grad_out, grad_h_mm, grad_w_mm, transposed = backward
     nodes.update(d for d in detaches)
     # Every intermediate read only inside the pattern.
     for n in list(nodes):
