@@ -502,8 +502,9 @@ class FusedLossDecision:
         saved = (f", predicted peak {self.peak_saved_bytes / 2**20:.1f} MiB lower"
                  if self.peak_saved_bytes is not None else "")
         return (f"fused loss ({self.mode}): {', '.join(self.fused)} fused, "
-                f"{self.chunks} tokens per chunk; logits {self.logits_bytes / 2**20:.1f} MiB "
-                f"never whole, workspace {self.workspace_bytes / 2**20:.1f} MiB{saved}; "
+                f"{self.chunks} tokens per chunk; the unfused [tokens, V] values (logits, fp32 "
+                f"copy, log-probs, gradients) {self.logits_bytes / 2**20:.1f} MiB never whole, "
+                f"workspace {self.workspace_bytes / 2**20:.1f} MiB{saved}; "
                 f"predicted {self.predicted_ms:.3f} ms: {self.reason}")
 
     def signature(self) -> tuple | None:
