@@ -76,6 +76,27 @@ def run_and_get_inductor_code(fn: Callable, *args, **kwargs) -> tuple[Any, list[
     return run_and_get_code(fn, *args, **kwargs)
 
 
+def inductor_decompositions_keeping(ops) -> dict:
+    """Inductor's decomposition table without ``ops`` (they reach the joint graph whole)."""
+    keep = set(ops)
+    return {op: fn for op, fn in inductor_decompositions().items() if op not in keep}
+
+
+def inductor_decompositions() -> dict:
+    """Inductor's decomposition table (op overload -> decomposition)."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()
+
+
+def trace_decomposed(fn, table: dict, args: list):
+    """``make_fx`` of ``fn(*args)`` through the decomposition ``table`` (call it under the
+    arguments' fake mode)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(fn, decomposition_table=table)(*args)
+
+
 def aot_autograd(**kwargs):
     from torch._dynamo.backends.common import aot_autograd as aot
 

@@ -706,8 +706,11 @@ def test_optimizer_offload_is_the_last_lever_of_the_planner(monkeypatch):
     cfg = LlamaConfig(vocab_size=64, dim=16, n_layers=1, n_heads=2, max_seq_len=8)
 
     def plan(budget_bytes: int, mode: str) -> Plan:
+        # fused_loss off: the loss lever, priced before the search, would add its own trial's
+        # partition to those counted here (tests/test_fused_loss.py tests it).
         return plan_model(cfg, 2, 1, 8, {"peak_memory_budget_bytes": budget_bytes,
-                                         "peak_memory_margin": 0.0, "optimizer_offload": mode},
+                                         "peak_memory_margin": 0.0, "optimizer_offload": mode,
+                                         "fused_loss": False},
                           template=False, setup=PlanSetup(inductor=False))[0]
 
     def refusal(budget_bytes: int, mode: str) -> str:

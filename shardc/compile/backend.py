@@ -37,6 +37,7 @@ from shardc.passes.body import (
     rewrite_trace_once_calls,
     tag_weight_recompute,
 )
+from shardc.passes.fused_loss import LOSS_OPS, decompose_whole_loss_ops
 from shardc.passes.fx_utils import is_call
 from shardc.passes.lower import POOL_PLACEHOLDER
 from shardc.passes.to_local import plain_to_local_calls
@@ -129,6 +130,8 @@ class ShardcPartitioner(_torch.custom_partitioner_base()):
             index = self.region.index
             progress.log_stage(index, "AOTAutograd forward graph", self.clock.lap())
             with progress.stage(index, "joint passes"):
+                if self.options.keeps_loss_ops_whole():  # kept whole for the fused loss
+                    decompose_whole_loss_ops(gm)
                 self.region.fp8 = pipeline.joint_passes(gm.graph, training=False)
                 gm.recompile()
             pipeline.plan_and_lower(gm, None, self.options, self.region)
@@ -355,9 +358,14 @@ def shardc_backend(
             # prefetched all-gathers next to their waits and undo the overlap.
             "reorder_for_peak_memory": False,
         }
+        extra = {}
+        if opts.keeps_loss_ops_whole():
+            # The cross-entropy must reach the joint graph whole for shardc.passes.fused_loss
+            # to find it (the pipeline decomposes those it does not fuse).
+            extra["decompositions"] = _torch.inductor_decompositions_keeping(LOSS_OPS)
         compiled, store_key = _compile_inductor(
             functools.partial(compile_fx, gm, example_inputs, inner_compile=inner_compile,
-                              config_patches=config_patches),
+                              config_patches=config_patches, **extra),
             gm, partitioner, _cache_blockers(gm, state, patches))
         if patches.get(cudagraphs.CUDAGRAPHS) and _torch.inductor_cudagraph_skips() > skips:
             note = ("CUDA graphs requested; Inductor declined to record at least one graph of "

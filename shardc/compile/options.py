@@ -60,6 +60,14 @@ class ShardcOptions:
         ``"auto"``, and also on a CPU mesh, where host and device memory are one (a testing
         mode, like ``OffloadPolicy(simulate_on_cpu=True)``: the host copies are separate
         tensors). Ignored without a budget.
+    fused_loss: the output projection and cross-entropy computed by one chunked op
+        (``shardc.ops.fused_ce``, ``shardc.passes.fused_loss``, docs/memory_budget.md): the
+        full ``[tokens, vocab]`` logits, their fp32 copy and their gradient never exist at
+        once. ``"auto"`` (default): only under ``peak_memory_budget_bytes``, where the fully
+        resharded plan is over the budget and the cost model prices the fused op's time below
+        the cheapest block's recompute (the no-budget plan is never changed). ``True``: fuse
+        every cross-entropy that matches, the planner choosing the tokens per chunk; an ``int``
+        (>= 1): fuse with that many tokens per chunk; ``False``: never.
     check_plan_consistency: at the first run, all ranks compare the plan's hash (through the process
         group's store, see ``shardc.runtime.plan_check``).
     dump_dir: write the plan (text, JSON, trace, memory plot) of every compiled region here;
@@ -108,6 +116,7 @@ class ShardcOptions:
     peak_memory_margin: float = 0.02
     activation_offload: str | tuple[str, ...] = "auto"
     optimizer_offload: str = "auto"
+    fused_loss: str | bool | int = "auto"
     check_plan_consistency: bool = True
     dump_dir: str | None = None
     debug_pool: bool = False
@@ -142,6 +151,7 @@ class ShardcOptions:
                 "shardc: peak_memory_margin must be a fraction in [0, 1) of the planned-for "
                 f"peak (e.g. 0.02 for 2 %), got {margin!r}")
         self._check_activation_offload()
+        self._check_fused_loss()
         if self.optimizer_offload not in ("auto", "never", "simulate"):
             raise ValueError(
                 "shardc: optimizer_offload must be 'auto', 'never' or 'simulate' (CPU tests), "
@@ -172,6 +182,33 @@ class ShardcOptions:
                 "chooses what to offload: pass activation_offload='auto' or 'prefer' with a "
                 "budget, or drop the budget")
         object.__setattr__(self, "activation_offload", tuple(value))
+
+    def _check_fused_loss(self) -> None:
+        value = self.fused_loss
+        if value == "auto" or isinstance(value, bool):
+            return
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(
+                "shardc: fused_loss must be 'auto' (fuse the output projection and "
+                "cross-entropy only where a peak budget needs the bytes), True (always), False "
+                f"(never) or a number of tokens per chunk >= 1, got {value!r}")
+
+    def fused_loss_chunk(self) -> int | None:
+        """Tokens per chunk where ``fused_loss`` names them, else None (the planner's)."""
+        value = self.fused_loss
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    def fused_loss_forced(self) -> bool:
+        """Whether the fused loss is used whatever the budget (``True`` or a chunk)."""
+        return self.fused_loss is True or self.fused_loss_chunk() is not None
+
+    def keeps_loss_ops_whole(self) -> bool:
+        """Whether Inductor's decompositions leave the cross-entropy's ops whole for the fused
+        loss's pattern (``shardc.passes.fused_loss``): under Inductor where the fused loss may
+        be used (forced, or ``"auto"`` with a peak budget). The pipeline decomposes those it
+        does not fuse (``fused_loss.decompose_whole_loss_ops``)."""
+        return self.inductor and (self.fused_loss_forced() or (
+            self.fused_loss == "auto" and bool(self.peak_memory_budget_bytes)))
 
     def forced_offload(self) -> tuple[str, ...]:
         """The blocks whose saved activations are offloaded without a budget (none unless

@@ -18,6 +18,10 @@ these functions from their hooks, and :mod:`shardc.tools.template` calls
    their buffers views of the region's pool.
 7. Predict the step's peak memory (``shardc.memory.peak``); dump the plan if asked.
 
+Before step 1, the output projection and cross-entropy may be fused into one chunked op
+(``fused_loss``: ``shardc.passes.fused_loss``; forced, or under a budget chosen by
+``shardc.compile.fused_loss_choice`` as the search's first lever).
+
 With a whole-step peak budget (``peak_memory_budget_bytes``), :func:`partition_and_plan` first
 asks the budget search (:mod:`shardc.compile.budget_search`) which configuration to build: the
 search decides (which buckets stay gathered from the forward to the backward,
@@ -44,7 +48,7 @@ import torch
 from torch import fx
 
 from shardc import _torch
-from shardc.compile import budget_search, progress
+from shardc.compile import budget_search, fused_loss_choice, progress
 from shardc.compile.budget_search import kept_params, with_depth
 from shardc.compile.options import ShardcOptions
 from shardc.memory.host import (
@@ -77,7 +81,7 @@ from shardc.passes.recompute import Block, find_blocks, recompute_blocks
 from shardc.passes.reshard import check_no_gathered_saved, keep_gathered, tag_resharded_gathers
 from shardc.passes.saved_order import order_saved_values
 from shardc.planning import optimizer_kind
-from shardc.planning.plan import CompiledBody, InlineBlock, MemoryBudget, Plan
+from shardc.planning.plan import CompiledBody, FusedLossDecision, InlineBlock, MemoryBudget, Plan
 from shardc.planning.schedule import plan_region
 from shardc.runtime.collectives import resolve_group
 
@@ -113,6 +117,8 @@ class RegionRecord:
     # CPU offload of the parameters (OffloadPolicy()): the model's key, which the backward's
     # per-bucket "host gradients ready" signals carry (shardc.optim.step_in_backward).
     offload_key: str = ""
+    # The fused output projection + cross-entropy (fused_loss): the decision, put in the plan.
+    fused_loss: FusedLossDecision | None = None
 
 
 # Set by capture_partitioned(): where regions compiled in its scope leave their partitioned graphs.
@@ -205,6 +211,9 @@ def plan_and_lower(fw: fx.GraphModule, bw: fx.GraphModule | None, options: Shard
     returns the plan."""
     plan, pool = lower_and_predict(fw, bw, options, region)
     plan.budget = budget
+    if bw is not None and region.fused_loss is not None:
+        plan.fused_loss = region.fused_loss
+        plan.notes.append(region.fused_loss.note())
     region.pool = pool
     region.forward, region.backward, region.plan = fw, bw, plan
     dump_if_asked(plan, options)
@@ -363,9 +372,17 @@ def partition_and_plan(gm: fx.GraphModule, joint_inputs: Sequence[object], optio
     graph (each built by :func:`search_inputs`'s trial: partitioned, planned and predicted),
     then the chosen one is built for real. Without one, this is the fixed policy, unchanged."""
     decided, inputs = None, None
+    region.fused_loss = None
+    if options.fused_loss_forced():
+        region.fused_loss = fused_loss_choice.forced(gm, options)
     if options.peak_memory_budget_bytes:
         with progress.stage(region.index, "peak budget"):
-            inputs = search_inputs(gm, joint_inputs, options, region, kwargs)
+            if options.fused_loss == "auto":
+                region.fused_loss, inputs = fused_loss_choice.choose(
+                    gm, options, region,
+                    lambda graph: search_inputs(graph, joint_inputs, options, region, kwargs))
+            else:
+                inputs = search_inputs(gm, joint_inputs, options, region, kwargs)
             decided = budget_search.choose_under_budget(inputs, options, region)
     recomputed = set(decided.recomputed) if decided is not None else set()
     offloaded = set(decided.offloaded) if decided is not None else set(options.forced_offload())

@@ -27,6 +27,8 @@ from torch import fx
 from shardc import _torch
 from shardc.memory import breakdown
 from shardc.memory.inplace import inplace_reuses
+from shardc.ops import fused_ce
+from shardc.ops.fused_ce import FUSED_CE_OP
 from shardc.ops.gather import GATHER_OP
 from shardc.ops.gather_args import GatherArgs
 from shardc.ops.pool import POOL_UNPACK_OP
@@ -219,7 +221,27 @@ def lifetimes_and_storage(gm: fx.GraphModule, skip: set[fx.Node], *, fusion: boo
     for out, buf in taken.items():  # the kernel writes ``out`` into ``buf``: one buffer
         last[buf] = born[out] - 1
     lives = [Lifetime(key, born[key], last[key], nbytes) for key, nbytes in size.items()]
+    lives.extend(fused_loss_workspaces(nodes))
     return (held_for_reuse(lives, end, taken) if fusion else lives), storage
+
+
+def fused_loss_workspaces(nodes: list[fx.Node]) -> list[Lifetime]:
+    """The fused cross-entropy's per-chunk workspace (``shardc.ops.fused_ce.workspace_bytes``:
+    a chunk's logits, their fp32 copy and gradient, the weight's fp32 accumulator), alive
+    while the op runs. Keyed by the op's first getitem, an alias that no category owns, so the
+    memory breakdown counts it as a temporary."""
+    out = []
+    for i, node in enumerate(nodes):
+        if node.op != "call_function" or node.target is not FUSED_CE_OP:
+            continue
+        h, weight, _target, chunk, _ignore, _reduction, upcast = node.args
+        hv, wv = h.meta["val"], weight.meta["val"]
+        nbytes = fused_ce.workspace_bytes(size_hint(hv.shape[0]), size_hint(hv.shape[1]),
+                                          size_hint(wv.shape[0]), chunk, hv.dtype, wv.dtype,
+                                          upcast)
+        key = next(iter(node.users), node)
+        out.append(Lifetime(key, i, i, nbytes))
+    return out
 
 
 # Kernels whose output Inductor allocates itself (and may take from its reuse pool): its

@@ -147,7 +147,29 @@ def node_flops_and_bytes(node: fx.Node) -> tuple[float, float]:
         flops = 4.0 * _numel(q.shape[:-1]) * size_hint(k.shape[-2]) * size_hint(q.shape[-1])
         if "backward" in base:
             flops *= 2.5
+    elif base == "fused_linear_cross_entropy" and len(ins) >= 2:
+        flops, nbytes = fused_loss_flops_and_bytes(node, ins)
     elif base == "convolution" and outs and len(ins) >= 2:
         w = ins[1]
         flops = 2.0 * _numel(outs[0].shape) * _numel(w.shape[1:])
     return flops, nbytes
+
+
+def fused_loss_flops_and_bytes(node: fx.Node, ins: list[torch.Tensor]) -> tuple[float, float]:
+    """The fused cross-entropy (``shardc.ops.fused_ce``): its three matmuls per chunk (logits,
+    ``grad_h``, ``grad_W``: ``6 * T * D * V``), and the bytes it moves: ``h`` and ``grad_h``
+    once, the weight read twice per chunk and its gradient accumulated per chunk, and each
+    chunk's logits written and read through the softmax, its gradient and the cast back."""
+    from shardc.ops import fused_ce
+
+    h, w = ins[0], ins[1]
+    tokens, hidden, vocab = (size_hint(h.shape[0]), size_hint(h.shape[1]),
+                             size_hint(w.shape[0]))
+    chunk = max(1, min(int(node.args[3]), tokens))
+    chunks = -(-tokens // chunk)
+    item = h.element_size()
+    soft = 4 if node.args[6] else item
+    weight_bytes = vocab * hidden * w.element_size()
+    nbytes = (2 * tokens * hidden * item + chunks * 4 * weight_bytes
+              + tokens * vocab * 2 * (item + 2 * soft))
+    return fused_ce.flops(tokens, hidden, vocab), float(nbytes)

@@ -78,6 +78,19 @@ def matmul_seconds(node: fx.Node, profile: ClusterProfile) -> float:
     return max(flops / rate, memory_seconds(nbytes, profile))
 
 
+def fused_loss_seconds(node: fx.Node, profile: ClusterProfile) -> float:
+    """The fused cross-entropy (``shardc.ops.fused_ce``): its matmuls at the rate of one
+    chunk's ``[chunk, D] x [D, V]``, at least its bytes over the memory bandwidth."""
+    flops, nbytes = node_flops_and_bytes(node)
+    h, w = _val(node.args[0]), _val(node.args[1])
+    if h is None or w is None:
+        return memory_seconds(nbytes, profile)
+    tokens, hidden = _shape(h)
+    chunk = max(1, min(int(node.args[3]), tokens))
+    rate = profile.matmul_rate(chunk, _shape(w)[0], hidden, _dtype(h))
+    return max(flops / rate, memory_seconds(nbytes, profile))
+
+
 def _is_causal(node: fx.Node) -> bool:
     """The ``is_causal`` argument of an attention op, by its schema (``True`` if unknown:
     decoder training)."""
@@ -143,6 +156,8 @@ def kernel_seconds(kernel: Kernel, profile: ClusterProfile) -> float:
         t = attention_seconds(node, profile)
     elif kernel.kind == FUSABLE:
         t = memory_seconds(kernel.bytes, profile)
+    elif base_name(node) == "fused_linear_cross_entropy":
+        t = fused_loss_seconds(node, profile)
     else:  # an op Inductor does not fuse: roofline on its own numbers
         flops, nbytes = node_flops_and_bytes(node)
         t = max(flops / profile.peak_matmul_flops() if flops else 0.0,

@@ -61,6 +61,11 @@ PLAN_VERSION = 5
 # those: ``OptimizerDecision.host_params`` and ``buckets`` (a plan without them reads with every
 # parameter's state on the host, as it was planned, and hashes as before: the parameters enter
 # the hash only for a partial choice) and ``Predictions.optimizer_host_param_bytes``.
+# ``Plan.fused_loss`` (:class:`FusedLossDecision`: whether the output projection and
+# cross-entropy were fused into the chunked op, with the tokens per chunk, bytes, predicted
+# time and why) came later still within version 5, optional like those: a plan without it reads
+# with ``None`` (nothing fused, as it was planned) and hashes as before (the decision enters the
+# hash only when something was fused).
 READABLE_VERSIONS = (1, 2, 3, 4, 5)
 
 
@@ -468,6 +473,46 @@ class OptimizerDecision:
 
 
 @dataclass
+class FusedLossDecision:
+    """Whether the region's output projection + cross-entropy were fused into the chunked op
+    (``shardc.passes.fused_loss``, ``shardc.ops.fused_ce``), and why. ``fused``: the nll
+    nodes replaced, each with its tokens per chunk (``chunks``); ``logits_bytes``: the
+    unfused graph's ``[tokens, V]`` values that the op never holds whole; ``workspace_bytes``:
+    the op's per-chunk workspace; ``peak_saved_bytes``: the predicted peak's drop where the
+    planner measured it (the fully resharded plans with and without, largest over the ranks;
+    None where it did not); ``predicted_ms``: the fused op's predicted time; ``cost_ms``: its
+    predicted time cost over the unfused step (where measured); ``refused``: the cross-entropies
+    left alone, with why."""
+
+    fused: list[str]
+    chunks: list[int]
+    logits_bytes: int
+    workspace_bytes: int
+    predicted_ms: float
+    reason: str
+    mode: str = "auto"
+    peak_saved_bytes: int | None = None
+    cost_ms: float | None = None
+    refused: list[str] = field(default_factory=list)
+
+    def note(self) -> str:
+        """The plan's note on the decision."""
+        if not self.fused:
+            return f"fused loss ({self.mode}): not used: {self.reason}"
+        saved = (f", predicted peak {self.peak_saved_bytes / 2**20:.1f} MiB lower"
+                 if self.peak_saved_bytes is not None else "")
+        return (f"fused loss ({self.mode}): {', '.join(self.fused)} fused, "
+                f"{self.chunks} tokens per chunk; the unfused [tokens, V] values (logits, fp32 "
+                f"copy, log-probs, gradients) {self.logits_bytes / 2**20:.1f} MiB never whole, "
+                f"workspace {self.workspace_bytes / 2**20:.1f} MiB{saved}; "
+                f"predicted {self.predicted_ms:.3f} ms: {self.reason}")
+
+    def signature(self) -> tuple | None:
+        """What enters the plan hash (None: nothing fused)."""
+        return (tuple(self.fused), tuple(self.chunks)) if self.fused else None
+
+
+@dataclass
 class MemoryBudget:
     """The whole-step peak budget of a region and what the planner decided under it.
 
@@ -574,6 +619,8 @@ class Plan:
     copies: list[Collective] = field(default_factory=list)
     # The whole-step peak budget and the decisions made under it (None: no budget).
     budget: MemoryBudget | None = None
+    # The fused output projection + cross-entropy (None: not considered, as in plans before it).
+    fused_loss: FusedLossDecision | None = None
 
     def table(self, *, wide: bool = False) -> str:
         """The plan as text (``shardc.tools.render.plan_table``): lines of at most 99 columns, or
@@ -616,6 +663,9 @@ class Plan:
         signature: list = self.collective_signature()
         if self.budget is not None:  # the decisions too (a plan without a budget: as before)
             signature = signature + [["budget", *self.budget_signature()]]
+        fused = self.fused_loss.signature() if self.fused_loss is not None else None
+        if fused is not None:  # something fused (a plan without: as before)
+            signature = signature + [["fused_loss", *fused]]
         blob = json.dumps(signature, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -656,6 +706,8 @@ class Plan:
         data["inline_blocks"] = [InlineBlock(**b) for b in data.get("inline_blocks", [])]
         budget = data.get("budget")
         data["budget"] = MemoryBudget.from_dict(budget) if budget else None
+        fused = data.get("fused_loss")
+        data["fused_loss"] = FusedLossDecision(**fused) if fused else None
         return cls(**data)
 
     @classmethod

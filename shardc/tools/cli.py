@@ -171,6 +171,8 @@ def _cmd_plan(args) -> int:
               f"{f', CPU offload ({setup.offload})' if setup.offload != 'none' else ''}"
               f"{', step_in_backward' if setup.step_in_backward else ''}")
         decisions = budget_lines(plan) if args.summary_only else []
+        if args.summary_only and plan.fused_loss is not None:
+            decisions.append(plan.fused_loss.note())
         for line in [*_summary(cap, seconds), *peak_terms_text(plan), *decisions]:
             print(line)
         if args.dump:

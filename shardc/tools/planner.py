@@ -393,6 +393,12 @@ def device_capacity(device: str | None) -> float | None:
     return gib * GIB
 
 
+def _forward_part(op) -> float:
+    """An op's forward FLOPs: all of them, but a third of the fused cross-entropy's, which
+    computes the logits' gradients in the forward too (``shardc.ops.fused_ce``)."""
+    return op.flops / 3.0 if "fused_linear_cross_entropy" in op.target else op.flops
+
+
 def capacity(plan: Plan, batch: int, seq: int, peak_flops: float,
              capacity_bytes: float | None, step: StepPrediction | None = None) -> Capacity:
     """The answers for one plan; ``batch`` sequences of ``seq`` tokens per data-parallel rank
@@ -400,7 +406,7 @@ def capacity(plan: Plan, batch: int, seq: int, peak_flops: float,
     ``step`` (:func:`whole_step`) the step time is the whole step's (forward, backward,
     optimizer, zero_grad), else the plan's graphs alone."""
     p = plan.predicted
-    forward_flops = sum(op.flops for op in plan.graphs.get("forward", ()))
+    forward_flops = sum(_forward_part(op) for op in plan.graphs.get("forward", ()))
     peak = plan.memory_by_category.get("peak", {})
     tp = max(1, plan.tp_size)
     world = plan.world_size * max(1, plan.replicate_size) * tp

@@ -185,8 +185,10 @@ def plan_from_template(
     # found in its graphs and of HSDP's all-reduces.
     traced = shard_state(model).regions
     groups = traced[-1].groups if traced else None
+    # The traced region's fused-loss decision: its captured graphs are the fused ones.
+    fused = traced[-1].fused_loss if traced else None
     plan = plan_and_lower(forward, backward, ShardcOptions.from_kwargs(options),
-                          RegionRecord(0, groups=groups))
+                          RegionRecord(0, groups=groups, fused_loss=fused))
     plan.notes.append(
         f"planned from a template: blocks 0-{blocks - 1} of {container} traced, the graphs of "
         f"blocks {blocks - 1}-{n_blocks - 2} repeated from block {blocks - 2}'s")

@@ -1,0 +1,211 @@
+"""The fused, chunked output projection + cross-entropy (issue 22's loss lever): the op
+against ``F.cross_entropy``, training parity with it forced on (FX and Inductor, worlds 1-4,
+bf16 mixed precision, ignored tokens, Hugging Face's tiny Llama), the planner choosing it under
+a budget, and patterns left alone."""
+
+from __future__ import annotations
+
+import fused_loss_workers as w
+import pytest
+import torch
+import torch.nn.functional as F
+from dist_utils import run_ranks
+from parity import max_rel_err
+
+import shardc
+from shardc.ops import fused_ce
+from shardc.planning.plan import FusedLossDecision, Plan
+
+_REFS: dict = {}
+
+
+def _reference(kind: str, ignore: bool) -> dict:
+    if (kind, ignore) not in _REFS:
+        _REFS[kind, ignore] = w.reference(kind, ignore)
+    return _REFS[kind, ignore]
+
+
+def _check(run: dict, ref: dict, tol: float) -> None:
+    err = max_rel_err(run["losses"], ref["losses"])
+    assert err <= tol, f"losses: rel err {err:.2e}: {run['losses']} vs {ref['losses']}"
+    for name, value in ref["params"].items():
+        err = max_rel_err(run["params"][name], value.detach())
+        assert err <= tol, f"{name}: rel err {err:.2e}"
+
+
+def _fused(run: dict, chunk: int | None = None) -> FusedLossDecision:
+    decision = run["plans"][0].fused_loss
+    assert decision is not None and decision.fused, decision
+    assert run["fused_ops"] == 1
+    if chunk is not None:
+        assert decision.chunks == [chunk]
+    return decision
+
+
+# ---- the op ----
+
+@pytest.mark.parametrize("dtype,upcast", [(torch.float32, True), (torch.bfloat16, True),
+                                          (torch.bfloat16, False)])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_op_matches_cross_entropy(dtype, upcast, reduction):
+    torch.manual_seed(0)
+    h = torch.randn(37, 16, dtype=dtype, requires_grad=True)
+    weight = torch.randn(29, 16, dtype=dtype, requires_grad=True)
+    target = torch.randint(0, 29, (37,))
+    target[::5] = -100
+    loss = fused_ce.linear_cross_entropy(h, weight, target, chunk=8, reduction=reduction,
+                                         upcast=upcast)
+    (loss * 3).backward()
+    got = loss.detach(), h.grad.clone(), weight.grad.clone()
+    h.grad = weight.grad = None
+    logits = h @ weight.t()
+    ref = F.cross_entropy(logits.float() if upcast else logits, target, reduction=reduction)
+    (ref * 3).backward()
+    assert got[0].dtype == ref.dtype
+    tol = 1e-5 if dtype == torch.float32 else (2e-2 if upcast else 5e-2)
+    for a, b in zip(got, (ref.detach(), h.grad, weight.grad), strict=True):
+        assert max_rel_err(a.float(), b.float()) <= tol
+
+
+def test_op_chunks_are_deterministic_and_the_fake_kernel_matches():
+    torch.manual_seed(0)
+    h, weight = torch.randn(50, 8), torch.randn(11, 8)
+    target = torch.randint(0, 11, (50,))
+    runs = [fused_ce.fused_linear_cross_entropy(h, weight, target, 7, -100, fused_ce.MEAN, True)
+            for _ in range(2)]
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
+    one = fused_ce.fused_linear_cross_entropy(h, weight, target, 50, -100, fused_ce.MEAN, True)
+    for a, b in zip(runs[0], one, strict=True):
+        assert max_rel_err(a, b) <= 1e-6
+    torch.library.opcheck(fused_ce.fused_linear_cross_entropy,
+                          (h, weight, target, 7, -100, fused_ce.SUM, True))
+    assert fused_ce.tokens_per_chunk(32768, 32000) == 2097  # 256 MiB of fp32 logits
+    assert fused_ce.tokens_per_chunk(108, 37) == 14  # at least 8 chunks
+    with pytest.raises(ValueError, match="chunk"):
+        fused_ce.fused_linear_cross_entropy(h, weight, target, 0, -100, fused_ce.MEAN, True)
+
+
+# ---- the option ----
+
+@pytest.mark.parametrize("bad", [0, -3, "yes", 1.5])
+def test_bad_option_is_refused_naming_it(bad):
+    with pytest.raises(ValueError, match="fused_loss must be"):
+        shardc.backend(fused_loss=bad)
+
+
+def test_decision_round_trips_and_enters_the_hash():
+    decision = FusedLossDecision(["nll_loss_forward"], [14], 1000, 100, 0.5, "forced")
+    plan = Plan(5, 0, 1, {}, [], [])
+    before = plan.hash()
+    plan.fused_loss = FusedLossDecision([], [], 0, 0, 0.0, "not needed")
+    assert plan.hash() == before  # nothing fused: hashes as a plan without the record
+    plan.fused_loss = decision
+    assert plan.hash() != before
+    again = Plan.from_json(plan.to_json())
+    assert again.fused_loss == decision and again.hash() == plan.hash()
+    assert "14" in decision.note()
+
+
+# ---- training parity, fused loss forced ----
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("mode", ["fx", "inductor"])
+def test_parity_llama(world, mode):
+    ref = _reference("llama", True)
+    run = run_ranks(w.sharded, world, "llama", mode, ignore=True, fused_loss=16)[0]
+    _fused(run, 16)
+    _check(run, ref, 1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [3, 4])
+def test_parity_llama_more_ranks(world):
+    ref = _reference("llama", True)
+    run = run_ranks(w.sharded, world, "llama", "fx", ignore=True, fused_loss=True)[0]
+    _fused(run)
+    _check(run, ref, 1e-5)
+
+
+def test_parity_mixed_precision():
+    """bf16 compute, fp32 reduction: against the fp32 reference as the other bf16 parity tests
+    (2e-2), and closer to the same sharded run unfused."""
+    ref = _reference("llama", True)
+    fused = run_ranks(w.sharded, 2, "llama", "fx", ignore=True, mp=True, fused_loss=16)[0]
+    plain = run_ranks(w.sharded, 2, "llama", "fx", ignore=True, mp=True, fused_loss=False)[0]
+    _fused(fused, 16)
+    assert plain["fused_ops"] == 0
+    _check(fused, ref, 2e-2)
+    _check(fused, plain, 1e-2)
+
+
+def test_parity_tied_embeddings():
+    ref = _reference("tied", True)
+    run = run_ranks(w.sharded, 2, "tied", "fx", ignore=True, fused_loss=True)[0]
+    _fused(run)
+    _check(run, ref, 1e-5)
+
+
+def test_parity_hugging_face_tiny_llama():
+    """transformers' ForCausalLMLoss: upcast, shifted labels padded with -100."""
+    ref = _reference("hf", True)
+    run = run_ranks(w.sharded, 2, "hf", "fx", ignore=True, fused_loss=True)[0]
+    _fused(run)
+    _check(run, ref, 1e-5)
+
+
+# ---- patterns left alone ----
+
+@pytest.mark.parametrize("case", ["label_smoothing", "logits_returned"])
+def test_unsupported_patterns_are_left_alone(case):
+    options = {"smoothing": 0.1} if case == "label_smoothing" else {"with_logits": True}
+    run = run_ranks(w.sharded, 1, "llama", "fx", fused_loss=True, **options)[0]
+    decision = run["plans"][0].fused_loss
+    assert run["fused_ops"] == 0 and not decision.fused
+    assert decision.refused and "left alone" in decision.reason, decision.reason
+    assert "read" in decision.reason  # a value of the pattern has a reader outside it
+    assert "fused loss" in str(run["plans"][0])
+
+
+# ---- the planner's choice under a budget ----
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_budget_chooses_the_fused_loss_by_itself(world):
+    """World 2 (uneven shards, so the ranks' peaks differ): every rank decides the same, the
+    plans' hashes agree."""
+    outs = run_ranks(w.budget_runs, world)
+    for name in ("tight", "fits", "none"):
+        assert len({o[name]["hash"] for o in outs}) == 1, name
+    assert len({str(o["tight"]["plan"]["fused_loss"]) for o in outs}) == 1
+    out = outs[0]
+    tight = Plan.from_dict(out["tight"]["plan"])
+    decision = tight.fused_loss
+    assert decision.fused and decision.mode == "auto", decision
+    # The peak drops by about the logits' bytes: at least the fp32 logits and their gradient
+    # (108 tokens x 1024 x 4 B each), at most every [tokens, V] value of the unfused graph.
+    logits = 12 * 9 * 1024 * 4
+    assert 2 * logits <= decision.peak_saved_bytes <= decision.logits_bytes, decision
+    assert tight.predicted.peak_bytes <= out["minimum"] - 1
+    assert not tight.budget.recomputed  # the cheaper lever came first
+    assert "fused loss (auto)" in out["tight"]["text"]
+    fits = Plan.from_dict(out["fits"]["plan"]).fused_loss
+    assert not fits.fused and "within the budget" in fits.reason
+    # No budget: the plan is the one without the lever, record and hash alike.
+    assert out["none"]["plan"]["fused_loss"] is None
+    assert out["none"]["hash"] == out["off"]["hash"]
+    assert abs(out["tight"]["loss"] - out["off"]["loss"]) <= 1e-5
+
+
+def test_budget_under_inductor_decomposes_what_it_does_not_fuse():
+    """Under Inductor the cross-entropy's ops reach the joint graph whole where the lever may
+    be used; unfused, shardc decomposes them as Inductor would (no aten loss op is left, and
+    the predicted peak is Inductor's own within a few bytes); fused under a tight budget."""
+    out = run_ranks(w.budget_runs, 1, True)[0]
+    tight = Plan.from_dict(out["tight"]["plan"])
+    assert tight.fused_loss.fused and tight.predicted.peak_bytes <= out["minimum"] - 1
+    fits = Plan.from_dict(out["fits"]["plan"])
+    assert not fits.fused_loss.fused, fits.fused_loss
+    assert abs(fits.predicted.peak_bytes - out["minimum"]) <= 1024
+    assert all(out[k]["loss_ops"] == 0 for k in ("roomy", "tight", "fits"))
+    assert abs(out["tight"]["loss"] - out["roomy"]["loss"]) <= 1e-5
+    assert abs(out["fits"]["loss"] - out["roomy"]["loss"]) <= 1e-5
