@@ -80,18 +80,20 @@ def _chunk(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, valid: t
            count: torch.Tensor, soft_dtype: torch.dtype, reduction: int, grad_h: torch.Tensor,
            grad_w: torch.Tensor) -> torch.Tensor:
     """One chunk: writes its rows of ``grad_h``, adds to ``grad_w`` (fp32), returns its loss
-    sum (fp32)."""
-    logits = torch.mm(h, weight.t())  # the input dtype, as the graph's matmul
-    x = logits.to(soft_dtype)
-    lse = torch.logsumexp(x, dim=1, keepdim=True)
+    sum (fp32). Few passes over the chunk's ``[rows, V]`` values, each a single eager kernel:
+    the log-softmax reads the logits in their dtype and writes the log-probabilities in
+    ``soft_dtype`` (the graph's ``.float()`` folded in), turned into the softmax in place, the
+    one-hot subtracted, scaled in place, then cast back."""
+    logp = torch.log_softmax(torch.mm(h, weight.t()), dim=1, dtype=soft_dtype)
     safe = torch.where(valid, target, 0).unsqueeze(1)
-    picked = x.gather(1, safe)
-    loss = torch.where(valid, (lse - picked).squeeze(1), 0).sum(dtype=torch.float32)
-    grad = torch.exp(x - lse)  # softmax, in soft_dtype
-    grad.scatter_add_(1, safe, torch.full_like(picked, -1))
-    grad.mul_(valid.unsqueeze(1))
+    picked = logp.gather(1, safe).squeeze(1)
+    loss = torch.where(valid, -picked, 0).sum(dtype=torch.float32)
+    grad = logp.exp_()  # the softmax, in soft_dtype
+    grad.scatter_add_(1, safe, torch.full_like(safe, -1, dtype=grad.dtype))
+    scale = valid.to(grad.dtype)
     if reduction == MEAN:
-        grad.div_(count.to(soft_dtype))
+        scale = scale / count.to(grad.dtype)
+    grad.mul_(scale.unsqueeze(1))
     g = grad.to(h.dtype)  # the cast back, as autograd's before the two matmuls
     torch.mm(g, weight, out=grad_h)
     if grad_w.dtype == g.dtype:
@@ -139,17 +141,30 @@ def tokens_per_chunk(tokens: int, vocab: int) -> int:
 def workspace_bytes(tokens: int, hidden: int, vocab: int, chunk: int, dtype: torch.dtype,
                     weight_dtype: torch.dtype, upcast: bool) -> int:
     """Bytes the op holds besides its inputs and outputs, at its largest: one chunk's logits
-    (input dtype), their softmax-dtype copy (where it is another dtype) and gradient, the
-    gradient cast back (idem), and where the weight is not fp32 its fp32 accumulator and the
-    chunk's ``g.T @ h`` product."""
+    (input dtype) beside their log-probabilities (softmax dtype), which later hold the
+    gradient beside its cast back; and where the weight is not fp32 its fp32 accumulator and
+    the chunk's ``g.T @ h`` product."""
     rows = min(chunk, tokens)
     item = torch.empty((), dtype=dtype).element_size()
     soft = 4 if upcast else item
-    other = soft != item or (upcast and dtype != torch.float32)
-    per_chunk = rows * vocab * (item + soft + (soft + item if other else 0))
+    per_chunk = rows * vocab * (item + soft)
     if weight_dtype == torch.float32:
         return per_chunk
     return per_chunk + vocab * hidden * (4 + item)
+
+
+def elementwise_bytes(tokens: int, hidden: int, vocab: int, chunk: int, item: int, soft: int,
+                      weight_item: int) -> int:
+    """Bytes the op's kernels other than its matmuls move over all chunks: per ``[rows, V]``
+    value the logits written by the matmul (``item``) and read by the log-softmax, which writes
+    the log-probabilities (``soft``); their exponential in place (read and write), the scaling
+    in place (read and write), the cast back (read ``soft``, write ``item``, where the dtypes
+    differ) and the two matmuls' reads of it; per chunk, where the weight is not fp32, its
+    gradient's product written and added to the fp32 accumulator (read and write)."""
+    per_value = 2 * item + soft + 4 * soft + (soft + item if soft != item else 0) + 2 * item
+    chunks = -(-tokens // max(1, min(chunk, tokens)))
+    accumulate = 0 if weight_item == 4 else chunks * vocab * hidden * (2 * weight_item + 8)
+    return tokens * vocab * per_value + accumulate
 
 
 def flops(tokens: int, hidden: int, vocab: int) -> float:

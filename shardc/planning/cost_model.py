@@ -158,8 +158,8 @@ def node_flops_and_bytes(node: fx.Node) -> tuple[float, float]:
 def fused_loss_flops_and_bytes(node: fx.Node, ins: list[torch.Tensor]) -> tuple[float, float]:
     """The fused cross-entropy (``shardc.ops.fused_ce``): its three matmuls per chunk (logits,
     ``grad_h``, ``grad_W``: ``6 * T * D * V``), and the bytes it moves: ``h`` and ``grad_h``
-    once, the weight read twice per chunk and its gradient accumulated per chunk, and each
-    chunk's logits written and read through the softmax, its gradient and the cast back."""
+    once, the weight read twice per chunk, and its other kernels' bytes
+    (``fused_ce.elementwise_bytes``)."""
     from shardc.ops import fused_ce
 
     h, w = ins[0], ins[1]
@@ -170,6 +170,7 @@ def fused_loss_flops_and_bytes(node: fx.Node, ins: list[torch.Tensor]) -> tuple[
     item = h.element_size()
     soft = 4 if node.args[6] else item
     weight_bytes = vocab * hidden * w.element_size()
-    nbytes = (2 * tokens * hidden * item + chunks * 4 * weight_bytes
-              + tokens * vocab * 2 * (item + 2 * soft))
+    nbytes = (2 * tokens * hidden * item + chunks * 2 * weight_bytes
+              + fused_ce.elementwise_bytes(tokens, hidden, vocab, chunk, item, soft,
+                                           w.element_size()))
     return fused_ce.flops(tokens, hidden, vocab), float(nbytes)

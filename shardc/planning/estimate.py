@@ -80,15 +80,24 @@ def matmul_seconds(node: fx.Node, profile: ClusterProfile) -> float:
 
 def fused_loss_seconds(node: fx.Node, profile: ClusterProfile) -> float:
     """The fused cross-entropy (``shardc.ops.fused_ce``): its matmuls at the rate of one
-    chunk's ``[chunk, D] x [D, V]``, at least its bytes over the memory bandwidth."""
+    chunk's ``[chunk, D] x [D, V]``, then its other kernels (the log-softmax, the softmax, the
+    scaling, the cast, the weight gradient's accumulation: separate eager kernels, one after
+    the other) at the memory bandwidth: the two add, they do not overlap."""
+    from shardc.ops import fused_ce
+
     flops, nbytes = node_flops_and_bytes(node)
     h, w = _val(node.args[0]), _val(node.args[1])
     if h is None or w is None:
         return memory_seconds(nbytes, profile)
     tokens, hidden = _shape(h)
+    vocab = _shape(w)[0]
     chunk = max(1, min(int(node.args[3]), tokens))
-    rate = profile.matmul_rate(chunk, _shape(w)[0], hidden, _dtype(h))
-    return max(flops / rate, memory_seconds(nbytes, profile))
+    rate = profile.matmul_rate(chunk, vocab, hidden, _dtype(h))
+    item = h.element_size()
+    soft = 4 if node.args[6] else item
+    moved = fused_ce.elementwise_bytes(tokens, hidden, vocab, chunk, item, soft,
+                                       w.element_size())
+    return flops / rate + memory_seconds(moved, profile)
 
 
 def _is_causal(node: fx.Node) -> bool:
