@@ -185,6 +185,12 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_
         options = {"peak_memory_budget_bytes": budget}
         if os.environ.get("SHARDC_PEAK_MARGIN"):
             options["peak_memory_margin"] = float(os.environ["SHARDC_PEAK_MARGIN"])
+        # SHARDC_FUSED_LOSS: the fused output projection + cross-entropy (auto, 1 = always,
+        # 0 = never, or tokens per chunk > 1).
+        if os.environ.get("SHARDC_FUSED_LOSS"):
+            value = os.environ["SHARDC_FUSED_LOSS"]
+            options["fused_loss"] = ("auto" if value == "auto" else bool(int(value))
+                                     if value in ("0", "1") else int(value))
         # SHARDC_ACTIVATION_OFFLOAD: the activation offload lever (auto, never, prefer).
         if os.environ.get("SHARDC_ACTIVATION_OFFLOAD"):
             options["activation_offload"] = os.environ["SHARDC_ACTIVATION_OFFLOAD"]
