@@ -43,10 +43,18 @@ def semantic_data(data: dict) -> dict:
         c["overlaps"] = len(c["overlaps"]) if isinstance(c["overlaps"], list) else c["overlaps"]
         for key in _COLLECTIVE_FORMAT_ONLY:
             c.pop(key, None)
-    # (a prediction may be a table of numbers, e.g. by category: kept as it is)
-    data["predicted"] = {k: v if isinstance(v, dict | list) else float(v)
-                         for k, v in (data.get("predicted") or {}).items() if v is not None}
+    data["predicted"] = _numbers(data.get("predicted") or {})
     return data
+
+
+def _numbers(value):
+    """Predictions as floats (nested ones too: per-rank or per-stage predictions are dicts),
+    without the ones a plan does not have (None)."""
+    if isinstance(value, dict):
+        return {k: _numbers(v) for k, v in value.items() if v is not None}
+    if isinstance(value, (list, tuple)):
+        return [_numbers(v) for v in value]
+    return float(value) if isinstance(value, (int, float)) else value
 
 
 def semantic_digest(data: dict) -> str:

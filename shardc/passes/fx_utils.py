@@ -35,14 +35,38 @@ def call(graph: fx.Graph, target, args: tuple, kwargs: dict | None = None) -> fx
     node = graph.call_function(target, args, kwargs)
     mode = fake_mode_of(graph)
     if mode is not None:
-        def val(a: Any):
-            return a.meta.get("val") if isinstance(a, fx.Node) else a
-
-        fake_args = _torch.tree_map_only(fx.Node, val, args)
-        fake_kwargs = _torch.tree_map_only(fx.Node, val, kwargs)
+        fake_args = _fake_values(args)
+        fake_kwargs = _fake_values(kwargs)
         with mode:
             node.meta["val"] = target(*fake_args, **fake_kwargs)
     return node
+
+
+def _node_val(a: Any):
+    return a.meta.get("val") if isinstance(a, fx.Node) else a
+
+
+# Argument types whose values are passed as they are (no node can be inside them).
+_PLAIN_ARGS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+               torch.memory_format)
+
+
+def _fake_values(a: Any):
+    """``a`` with every node replaced by its fake value: what ``tree_map_only(fx.Node, ...)``
+    gives, walked directly for the plain tuples, lists, dicts and scalars the passes build
+    (the pytree walk cost about as much as creating the node), by pytree for anything else."""
+    t = type(a)
+    if t is fx.Node:
+        return a.meta.get("val")
+    if t is tuple:
+        return tuple(_fake_values(x) for x in a)
+    if t is list:
+        return [_fake_values(x) for x in a]
+    if t is dict:
+        return {k: _fake_values(v) for k, v in a.items()}
+    if t in _PLAIN_ARGS:
+        return a
+    return _torch.tree_map_only(fx.Node, _node_val, a)
 
 
 # Stand-in for a data-dependent (unbacked) size, e.g. the tokens routed to one expert: estimates
