@@ -181,7 +181,7 @@ def _host_subset(inputs: SearchInputs, options: ShardcOptions, region: SearchReg
     largest = iter(agree_on_largest_each(group, index, "optimizer/buckets", asked))
     order = optimizer_offload.units(floor_plan, lambda bucket, params: next(largest), base)
     target = budget.planned_for(budget.resolve_budget(options.peak_memory_budget_bytes,
-                                                      _gather_device(inputs.joint)),
+                                                      gather_device(inputs.joint)),
                                 options.peak_memory_margin)
     state, per_byte, one_off = _freed_by_host_state(
         options, floor_plan, optimizer_kind.per_tensor_temp_bytes(
@@ -337,7 +337,7 @@ def choose_device_levers(inputs: SearchInputs, options: ShardcOptions, region: S
     :class:`optimizer_offload.StepOverBudget` as soon as the optimizer step's peak alone is over
     the budget (the caller then puts the state on the host)."""
     user_bytes = budget.resolve_budget(options.peak_memory_budget_bytes,
-                                       _gather_device(inputs.joint))
+                                       gather_device(inputs.joint))
     margin = options.peak_memory_margin
     # Every decision is made against the budget less the margin for the prediction's error;
     # the record names both (budget.with_margin).
@@ -611,7 +611,7 @@ def free_candidates(blocks: list[Block], estimates: dict[str, tuple[int, int, fl
     return cands
 
 
-def _gather_device(gm: fx.GraphModule) -> torch.device | None:
+def gather_device(gm: fx.GraphModule) -> torch.device | None:
     sent = [GatherArgs.of(n).shard.meta.get("val") for n in gm.graph.nodes
             if is_call(n, GATHER_OP)]
     return sent[0].device if sent and sent[0] is not None else None

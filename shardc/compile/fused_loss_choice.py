@@ -88,7 +88,7 @@ def choose(gm: fx.GraphModule, options: ShardcOptions, region, make_inputs: Make
     base = unfused.trial(set(), (), (), depth)
     group, index = base.group_name, region.check_index
     target = budget.planned_for(budget.resolve_budget(options.peak_memory_budget_bytes,
-                                                      budget_search._gather_device(gm)),
+                                                      budget_search.gather_device(gm)),
                                 options.peak_memory_margin)
     peak_u = agree_on_largest(group, index, "fused_loss/unfused",
                               int(base.predicted.peak_bytes or 0))
