@@ -155,6 +155,35 @@ def node_flops_and_bytes(node: fx.Node) -> tuple[float, float]:
     return flops, nbytes
 
 
+@dataclass(frozen=True)
+class FusedLossDims:
+    """The sizes the fused cross-entropy's price depends on (``shardc.ops.fused_ce``): tokens,
+    hidden and vocabulary sizes, tokens per chunk, and the bytes per element of the hidden
+    states (and logits), of the softmax (fp32 where the graph upcast) and of the weight."""
+
+    tokens: int
+    hidden: int
+    vocab: int
+    chunk: int
+    item: int
+    soft: int
+    weight_item: int
+
+    @classmethod
+    def of(cls, node: fx.Node, h: torch.Tensor, w: torch.Tensor) -> FusedLossDims:
+        tokens = size_hint(h.shape[0])
+        item = h.element_size()
+        return cls(tokens, size_hint(h.shape[1]), size_hint(w.shape[0]),
+                   max(1, min(int(node.args[3]), tokens)), item, 4 if node.args[6] else item,
+                   w.element_size())
+
+    def elementwise_bytes(self) -> int:
+        from shardc.ops import fused_ce
+
+        return fused_ce.elementwise_bytes(self.tokens, self.hidden, self.vocab, self.chunk,
+                                          self.item, self.soft, self.weight_item)
+
+
 def fused_loss_flops_and_bytes(node: fx.Node, ins: list[torch.Tensor]) -> tuple[float, float]:
     """The fused cross-entropy (``shardc.ops.fused_ce``): its three matmuls per chunk (logits,
     ``grad_h``, ``grad_W``: ``6 * T * D * V``), and the bytes it moves: ``h`` and ``grad_h``
@@ -162,15 +191,9 @@ def fused_loss_flops_and_bytes(node: fx.Node, ins: list[torch.Tensor]) -> tuple[
     (``fused_ce.elementwise_bytes``)."""
     from shardc.ops import fused_ce
 
-    h, w = ins[0], ins[1]
-    tokens, hidden, vocab = (size_hint(h.shape[0]), size_hint(h.shape[1]),
-                             size_hint(w.shape[0]))
-    chunk = max(1, min(int(node.args[3]), tokens))
-    chunks = -(-tokens // chunk)
-    item = h.element_size()
-    soft = 4 if node.args[6] else item
-    weight_bytes = vocab * hidden * w.element_size()
-    nbytes = (2 * tokens * hidden * item + chunks * 2 * weight_bytes
-              + fused_ce.elementwise_bytes(tokens, hidden, vocab, chunk, item, soft,
-                                           w.element_size()))
-    return fused_ce.flops(tokens, hidden, vocab), float(nbytes)
+    d = FusedLossDims.of(node, ins[0], ins[1])
+    chunks = -(-d.tokens // d.chunk)
+    weight_bytes = d.vocab * d.hidden * d.weight_item
+    nbytes = (2 * d.tokens * d.hidden * d.item + chunks * 2 * weight_bytes
+              + d.elementwise_bytes())
+    return fused_ce.flops(d.tokens, d.hidden, d.vocab), float(nbytes)

@@ -28,7 +28,7 @@ from shardc.ops.gather import GATHER_OP
 from shardc.ops.gather_args import GatherArgs, ReduceArgs
 from shardc.passes.fx_utils import is_call, size_hint, tensor_nbytes
 from shardc.planning import optimizer_kind
-from shardc.planning.cost_model import node_flops_and_bytes
+from shardc.planning.cost_model import FusedLossDims, node_flops_and_bytes
 from shardc.planning.kernels import ATTENTION, FUSABLE, MATMUL, Kernel, base_name
 from shardc.planning.profile import ClusterProfile
 
@@ -83,21 +83,13 @@ def fused_loss_seconds(node: fx.Node, profile: ClusterProfile) -> float:
     chunk's ``[chunk, D] x [D, V]``, then its other kernels (the log-softmax, the softmax, the
     scaling, the cast, the weight gradient's accumulation: separate eager kernels, one after
     the other) at the memory bandwidth: the two add, they do not overlap."""
-    from shardc.ops import fused_ce
-
     flops, nbytes = node_flops_and_bytes(node)
     h, w = _val(node.args[0]), _val(node.args[1])
     if h is None or w is None:
         return memory_seconds(nbytes, profile)
-    tokens, hidden = _shape(h)
-    vocab = _shape(w)[0]
-    chunk = max(1, min(int(node.args[3]), tokens))
-    rate = profile.matmul_rate(chunk, vocab, hidden, _dtype(h))
-    item = h.element_size()
-    soft = 4 if node.args[6] else item
-    moved = fused_ce.elementwise_bytes(tokens, hidden, vocab, chunk, item, soft,
-                                       w.element_size())
-    return flops / rate + memory_seconds(moved, profile)
+    d = FusedLossDims.of(node, h, w)
+    rate = profile.matmul_rate(d.chunk, d.vocab, d.hidden, _dtype(h))
+    return flops / rate + memory_seconds(d.elementwise_bytes(), profile)
 
 
 def _is_causal(node: fx.Node) -> bool:
