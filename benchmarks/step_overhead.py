@@ -28,9 +28,10 @@ shards), ``shardc-cudagraphs`` (that, compiled with ``mode="reduce-overhead"``);
 ``shardc-noreshard`` (``reshard_after_forward=False``), ``shardc-inline``
 (``compile_blocks_once=False``), ``shardc-budget`` (``peak_memory_budget_bytes`` from
 ``SHARDC_PEAK_BUDGET``, default ``"auto"``), ``shardc-plain`` (``shardc.shard(...,
-plain_inputs=True)``: forwards read plain local shards), ``shardc-plain-budget`` (both); see
+plain_inputs=True)``: forwards read plain local shards), ``shardc-plain-budget`` (both),
+``shardc-combo`` (Inductor's ``combo_kernels``: small independent kernels launched as one); see
 docs/overhead.md. Results go to
-``--out/<name>.json`` and ``.md``. Public API only.
+``--out/<name>.json`` and ``.md``. Public API only (``shardc-combo`` sets Inductor's config).
 """
 
 from __future__ import annotations
@@ -58,13 +59,13 @@ for _path in (_BENCHMARKS.parent, _BENCHMARKS):
 
 import bench_mesh  # noqa: E402
 from train.kernels import kernel_time_by_category, measure, merge_intervals  # noqa: E402
-from train.modes import setup_mode  # noqa: E402
+from train.modes import mode_context, setup_mode  # noqa: E402
 from train.provenance import git_describe, launch_command  # noqa: E402
 from train.runner import free_memory, gather_objects  # noqa: E402
 from train.workload import DEFAULT_BATCH, model_config, synthetic_batches  # noqa: E402
 
 MODES = ("bound", "shardc", "shardc-localopt", "shardc-cudagraphs", "shardc-noreshard",
-         "shardc-inline", "shardc-budget", "shardc-plain", "shardc-plain-budget")
+         "shardc-inline", "shardc-budget", "shardc-plain", "shardc-plain-budget", "shardc-combo")
 PHASES = ("forward", "backward", "optimizer.step", "zero_grad")
 # The per-parameter host costs docs/overhead.md names, as profiler event names (CPU self ms
 # per step, all phases): Dynamo's guards, AOTAutograd's runtime wrappers, DTensor dispatch.
@@ -272,6 +273,12 @@ def summarize_trace(events: list[dict], steps: int, wall_ms: float, top: int) ->
 
 def run_one(mode: str, model: str, layers: int | None, batch: int, args, mesh, device
             ) -> dict[str, Any]:
+    with mode_context(mode):  # the mode's config around its (lazy) compiles and steps
+        return _run_one(mode, model, layers, batch, args, mesh, device)
+
+
+def _run_one(mode: str, model: str, layers: int | None, batch: int, args, mesh, device
+             ) -> dict[str, Any]:
     seq = args.seq or (128 if args.tiny else 2048)
     cfg = model_config(model, seq, args.tiny, layers, args.width)
     # warmup, whole steps, issue-timed steps, synced steps (GPUs only), profiled steps

@@ -28,7 +28,8 @@ MODES: tuple[str, ...] = ("fsdp2", "fsdp2-compile", "simplefsdp", "shardc", "bou
 # Diagnostic variants, run only when named in --modes.
 EXTRA_MODES: tuple[str, ...] = ("shardc-keeporder", "shardc-pool", "shardc-localopt",
                                   "shardc-cudagraphs", "shardc-budget", "shardc-noreshard",
-                                  "shardc-inline", "shardc-plain", "shardc-plain-budget")
+                                  "shardc-inline", "shardc-plain", "shardc-plain-budget",
+                                  "shardc-combo")
 
 
 SHARDED_BASELINES: tuple[str, ...] = ("fsdp2", "fsdp2-compile", "simplefsdp")
@@ -105,6 +106,10 @@ def mode_context(mode: str) -> contextlib.AbstractContextManager:
     default), Inductor's scheduler moves each of shardc's all-gathers (and reduce-scatters) right
     next to its wait, undoing the plan's prefetch; this variant measures the plan as planned.
 
+    ``shardc-combo``: shardc with Inductor's ``combo_kernels`` on (independent small kernels,
+    such as the per-parameter casts into a bucket's all-gather input, launched as one; issue
+    20's host cost per kernel launch). Private Inductor config, set by this benchmark only.
+
     ``fsdp2-compile-amb<r>``: torch's partitioner option ``activation_memory_budget = r`` (the
     ratio of the saved activations' bytes the min-cut partitioner may keep; it recomputes the
     cheapest rest) around the blocks' compiles. It is private torch config
@@ -112,6 +117,8 @@ def mode_context(mode: str) -> contextlib.AbstractContextManager:
     """
     if mode == "shardc-keeporder":
         return torch._inductor.config.patch(reorder_for_peak_memory=False)
+    if mode == "shardc-combo":
+        return torch._inductor.config.patch(combo_kernels=True)
     ratio = amb_ratio(split_compiled_loss(mode)[0])
     if ratio is not None:
         return torch._functorch.config.patch(activation_memory_budget=ratio)
@@ -230,9 +237,11 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_
         setup = setup_shardc(model, mesh, loss_in_graph, compile_blocks_once=False)
         setup.info["options"] = "compile_blocks_once=False (every block compiled inline)"
         return setup
-    if mode in ("shardc", "shardc-keeporder"):
+    if mode in ("shardc", "shardc-keeporder", "shardc-combo"):
         setup = setup_shardc(model, mesh, loss_in_graph)
         if mode == "shardc-keeporder":
             setup.info["inductor_config"] = {"reorder_for_peak_memory": "False"}
+        if mode == "shardc-combo":
+            setup.info["inductor_config"] = {"combo_kernels": "True"}
         return setup
     raise ValueError(f"unknown mode {mode!r}")
