@@ -1,23 +1,37 @@
 """Compile one training step of a small sharded Llama (4 blocks, one rank over gloo, CPU) with
-shardc's backend, so that ``TORCH_LOGS=guards`` shows the guards Dynamo installs for it (issue
-20: the per-step guard evaluation). docs/overhead.md, "Guards per step", counts them by kind.
+shardc's backend and count the guards Dynamo installs for it, by kind, then time their check
+(issue 20: the per-step guard evaluation). docs/overhead.md, "Guards per step", quotes both.
 
+    PYTHONPATH=$PWD python scripts/guard_census.py
     TORCH_LOGS=guards PYTHONPATH=$PWD python scripts/guard_census.py 2> guards.log
+
+The second form also writes Dynamo's guard tree (each guard with the traced line that installed
+it) to guards.log. The time is that of the cache entry's guard check on the step's locals,
+median over repeats of ``--calls`` calls: the host cost of each step's cache lookup.
 """
 
 from __future__ import annotations
 
+import argparse
+import collections
 import os
+import statistics
+import time
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import shardc
+from shardc import _torch
 from shardc.models.llama import LlamaConfig, Transformer, llama_loss
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=1000, help="guard checks per repeat")
+    parser.add_argument("--repeats", type=int, default=21)
+    args = parser.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
     dist.init_process_group("gloo", rank=0, world_size=1)
@@ -27,9 +41,27 @@ def main() -> None:
         model = Transformer(LlamaConfig(dim=64, n_layers=4, n_heads=4, vocab_size=128,
                                         max_seq_len=32))
         shardc.shard(model, mesh)
-        step = torch.compile(lambda t, y: llama_loss(model(t), y), backend="shardc")
+
+        def fn(t, y):
+            return llama_loss(model(t), y)
+
+        step = torch.compile(fn, backend="shardc")
         tokens, targets = torch.randint(0, 128, (2, 16)), torch.randint(0, 128, (2, 16))
         step(tokens, targets).backward()
+        guards = _torch.cached_guards(fn.__code__)
+        kinds = collections.Counter(kind for kind, _ in guards)
+        print(f"{len(guards)} guards: " + ", ".join(f"{n} {k}" for k, n in kinds.most_common()))
+        check, frame = _torch.cached_guard_check(fn.__code__), {"t": tokens, "y": targets,
+                                                                 "model": model}
+        assert check(frame), "the guards fail on the step's own locals"
+        per_call = []
+        for _ in range(args.repeats):
+            start = time.thread_time_ns()
+            for _ in range(args.calls):
+                check(frame)
+            per_call.append((time.thread_time_ns() - start) / args.calls / 1e3)
+        print(f"guard check: median {statistics.median(per_call):.1f} us per call, "
+              f"min {min(per_call):.1f} ({args.repeats} x {args.calls} calls, thread CPU time)")
     finally:
         dist.destroy_process_group()
 

@@ -531,3 +531,40 @@ def dynamo_inlines_single_use_subgraphs() -> bool:
     config = torch._dynamo.config
     return bool(getattr(config, "inline_single_use_invoke_subgraph", False)
                 or getattr(config, "inline_invoke_subgraph", False))
+
+
+def cached_guards(code) -> list[tuple[str, str]]:
+    """The leaf guards of every cache entry Dynamo holds for ``code`` (a compiled function's
+    ``__code__``): (kind, the guard's text), e.g. ``("EQUALS_MATCH", "...")``; for the guard
+    census (docs/overhead.md, "Guards per step") and the tests that bound it."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    def kind(guard) -> tuple[str, str]:
+        parts = guard.verbose_code_parts()
+        return type(guard).__name__, parts[0] if parts else ""
+
+    found: list[tuple[str, str]] = []
+
+    def walk(mgr) -> None:
+        found.extend(kind(g) for g in mgr.get_leaf_guards())
+        if hasattr(mgr, "get_key_value_managers"):  # dict managers: their keys and values
+            for key_mgr, value_mgr in mgr.get_key_value_managers().values():
+                for sub in (key_mgr, value_mgr):
+                    if sub is not None:
+                        walk(sub)
+        for child in mgr.get_child_managers():
+            walk(child)
+
+    for entry in _debug_get_cache_entry_list(code):
+        root = entry.guard_manager.root
+        walk(root)
+        found.extend(kind(g) for g in getattr(root, "get_epilogue_lambda_guards", list)())
+    return found
+
+
+def cached_guard_check(code) -> Callable[[dict], bool]:
+    """The guard check of ``code``'s first cache entry: called with a frame's locals, it is
+    what Dynamo's cache lookup evaluates at each call (for timing it)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return _debug_get_cache_entry_list(code)[0].guard_manager.check

@@ -486,6 +486,12 @@ def _add_layout(module: nn.Module, layout: list) -> None:
             _add_layout(child, layout)
 
 
+# Each sealed block by the key recorded on it (``_shardc_layout_key``): the traced forward hands
+# Dynamo only that integer, not the recorded layout itself (see :func:`_layout_unchanged`).
+_SEAL_KEYS = itertools.count(1)
+_SEALED: weakref.WeakValueDictionary[int, nn.Module] = weakref.WeakValueDictionary()
+
+
 def seal(bodies: BlockBodies, root: nn.Module) -> None:
     """Record each wrapped block's :func:`module_layout` once :func:`shardc.shard` is done."""
     bodies.root = weakref.ref(root)
@@ -493,13 +499,35 @@ def seal(bodies: BlockBodies, root: nn.Module) -> None:
         for member in group.members:
             block = root.get_submodule(member)
             block._shardc_layout = module_layout(block)
+            # A fresh key at every seal: a block sealed again (its layout recorded anew) fails
+            # the guard on its key, so no compiled code answered for the old record.
+            block._shardc_layout_key = key = next(_SEAL_KEYS)
+            _SEALED[key] = block
+
+
+@torch.compiler.assume_constant_result
+def _layout_unchanged(layout: tuple, key: int) -> bool:
+    """Whether ``layout`` (a block's live :func:`module_layout`) is the one recorded at seal
+    under ``key``.
+
+    Dynamo calls this while tracing instead of tracing it (``assume_constant_result``) and guards
+    only its arguments: the live layout, which it reads from the modules anyway (their classes,
+    their hook dicts: a hook added later recompiles), and the key, one integer per block. The
+    recorded layout itself (a tuple of about 5 values per submodule) is not guarded, and need not
+    be: it is written once per key by :func:`seal` and never changed, so the answer is a function
+    of the two guarded arguments. Comparing ``module_layout(self) != self._shardc_layout`` in
+    traced code made Dynamo specialize on every element of the record: about 80 guards per
+    block, evaluated at every call (issue 20, docs/overhead.md "Guards per step")."""
+    block = _SEALED.get(key)
+    return block is not None and getattr(block, "_shardc_layout", None) == layout
 
 
 def _wrapped_forward(group: BlockGroup, original: Callable) -> Callable:
     has_data_dependent_sizes = _torch.data_dependent_size_check()
 
     def forward(self, *args, **kwargs):
-        if (not torch.compiler.is_compiling() or module_layout(self) != self._shardc_layout
+        if (not torch.compiler.is_compiling()
+                or not _layout_unchanged(module_layout(self), self._shardc_layout_key)
                 or has_data_dependent_sizes(args, kwargs) or _torch.traces_floats_symbolically()):
             return original(self, *args, **kwargs)
         weights = tuple([_read(self, p) for p in group.weight_paths])  # no generator: see describe

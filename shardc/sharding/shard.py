@@ -181,6 +181,10 @@ def _param_property(name: str, info: ShardedParamInfo, grads: UnsyncedGrads,
     # forward, and tracing GatherArgs' construction and encoding (a frozen dataclass's
     # __init__, dataclasses.fields) was about half of each read's trace.
     constants = info.gather_constants(grads.key)
+    if not (plain or info.quantized or info.fp8 is not None or info.tp is not None
+            or info.offload_device):
+        return property(_read_gathered_as_is(name, constants, grads),
+                        doc=f"The parameter {info.fqn!r}, gathered inside a forward.")
 
     def read(self):
         if plain and gathering():
@@ -205,6 +209,31 @@ def _param_property(name: str, info: ShardedParamInfo, grads: UnsyncedGrads,
         return full if info.tp is None else wrap_tp(full, info.tp)
 
     return property(read, doc=f"The parameter {info.fqn!r}, gathered inside a forward.")
+
+
+def _read_gathered_as_is(name: str, constants: dict[int, tuple], grads: UnsyncedGrads):
+    """The read of a parameter gathered as it is: not FP8, not TransformerEngine FP8, not
+    tensor-parallel, not offloaded, no plain leaf (most parameters). The same steps as the
+    general read's path for it, with those choices made here, once: Dynamo guards every value
+    a traced read consults, and the general read consults its ``ShardedParamInfo`` (``tp``,
+    ``fp8``, ``quantized``, ``offload_device``, the ``sent_shard`` method) and the ``plain``
+    flag, about 7 guards per parameter at every call (issue 20, docs/overhead.md "Guards per
+    step"). None of them can change without shardc sharding again: the info is a frozen
+    dataclass and the flag a bool, both fixed when this property is built by ``shard`` (a new
+    class, so a new property, for each sharding); the closure keeps only the gather's constant
+    arguments and the name, which this read does need (still guarded)."""
+
+    def read(self):
+        param = self._parameters.get(name)
+        if not isinstance(param, DTensor):
+            if param is not None and (gathering() or in_eager_forward()):
+                raise _replaced_error(self, name, param)
+            return param
+        if not (gathering() or in_eager_forward()):
+            return param
+        return gather_param(param.to_local(), *constants[grads.mode()])
+
+    return read
 
 
 def _replaced_error(module: nn.Module, name: str, param: torch.Tensor) -> RuntimeError:

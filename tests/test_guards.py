@@ -1,0 +1,94 @@
+"""The guards Dynamo installs for a shardc-compiled step (issue 20: Dynamo evaluates all of them
+at every call; docs/overhead.md, "Guards per step"). Two families used to grow with the model:
+the compile-once blocks' layout check (every element of the layout recorded at ``shard``) and
+each sharded parameter's read property (its ``ShardedParamInfo`` and flags). Here the first
+costs one guard per block whatever the block's depth, and the second never guards the info."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from dist_utils import run_ranks
+from torch import nn
+
+import shardc
+from shardc import _torch
+
+
+class Deep(nn.Module):
+    """A block of ``depth`` linear layers (attributes, not a list, which would be grouped too):
+    its recorded layout has ``depth + 1`` entries."""
+
+    def __init__(self, depth: int) -> None:
+        super().__init__()
+        for i in range(depth):
+            setattr(self, f"linear{i}", nn.Linear(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.children():
+            x = torch.relu(layer(x))
+        return x
+
+
+class Stack(nn.Module):
+    def __init__(self, blocks: int, depth: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Deep(depth) for _ in range(blocks)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+BLOCKS = 3
+
+# Guards reading what the general parameter read consults and the plain one does not: the
+# ShardedParamInfo in the property's closure (its type, fields, the sent_shard method).
+_INFO = re.compile(r"ShardedParamInfo|cell_contents\.(tp|fp8|quantized|offload_device)\b"
+                   r"|'sent_shard'")
+
+
+def _census(rank: int, world: int, depth: int) -> dict:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Stack(BLOCKS, depth)
+    shardc.shard(model)
+    groups = [g.members for g in shardc.shard_state(model).blocks.groups]
+
+    def step(x):
+        return model(x).sum()
+
+    compiled = torch.compile(step, backend=shardc.backend(inductor=False))
+    compiled(torch.randn(2, 4)).backward()
+    # Each guard's code, without the comment naming the traced line that installed it.
+    guards = [text.split("  #", 1)[0] for _, text in _torch.cached_guards(step.__code__)]
+    closure = [t for t in guards if ".fget.__closure__" in t]
+    return {
+        "groups": groups,
+        "params": len(list(model.parameters())),
+        # Guards on the record itself: its key (one integer per block) and nothing inside it.
+        "key": [t for t in guards if "._shardc_layout_key" in t],
+        "record": [t for t in guards if re.search(r"\._shardc_layout\b", t)],
+        "closure": len(closure),
+        "info": [t for t in closure if _INFO.search(t)],
+    }
+
+
+def test_layout_check_and_parameter_reads_cost_guards_independent_of_block_depth():
+    shallow, deep = (run_ranks(_census, 1, depth)[0] for depth in (1, 3))
+    for census in (shallow, deep):
+        assert census["groups"] == [tuple(f"blocks.{i}" for i in range(BLOCKS))], census
+        # The layout check: no guard on the record, one per block on its key.
+        assert census["record"] == [], census["record"][:5]
+        assert len(census["key"]) == BLOCKS, census["key"]
+        # The reads: nothing about the info, which cannot change once sharded.
+        assert census["info"] == [], census["info"][:5]
+    # What a read still guards is a fixed number per parameter, at most: the ID of its code, its
+    # name, its gather constants (the dict's type; the entry's value, type and length) = 6 (plus
+    # the model's gradient-sync state, once). Before issue 20, also the info's type, fields and
+    # method and the plain flag: 12.
+    added = deep["params"] - shallow["params"]
+    per_param, rest = divmod(deep["closure"] - shallow["closure"], added)
+    assert rest == 0 and per_param <= 6, (shallow, deep)
