@@ -192,12 +192,8 @@ def _param_property(name: str, info: ShardedParamInfo, grads: UnsyncedGrads,
             leaf = leaf_for(self, name)
             if leaf is not None:
                 return gather_param(leaf, *constants[grads.mode()])
-        param = self._parameters.get(name)
-        if not isinstance(param, DTensor):
-            if param is not None and (gathering() or in_eager_forward()):
-                raise _replaced_error(self, name, param)
-            return param
-        if not (gathering() or in_eager_forward()):
+        param, gather = _param_to_gather(self, name)
+        if not gather:
             return param
         sync = grads.mode()
         if info.quantized:
@@ -224,16 +220,24 @@ def _read_gathered_as_is(name: str, constants: dict[int, tuple], grads: Unsynced
     arguments and the name, which this read does need (still guarded)."""
 
     def read(self):
-        param = self._parameters.get(name)
-        if not isinstance(param, DTensor):
-            if param is not None and (gathering() or in_eager_forward()):
-                raise _replaced_error(self, name, param)
-            return param
-        if not (gathering() or in_eager_forward()):
-            return param
-        return gather_param(param.to_local(), *constants[grads.mode()])
+        param, gather = _param_to_gather(self, name)
+        return gather_param(param.to_local(), *constants[grads.mode()]) if gather else param
 
     return read
+
+
+def _param_to_gather(module: nn.Module, name: str) -> tuple[torch.Tensor | None, bool]:
+    """(``module``'s parameter ``name``, whether the read gathers it): a DTensor is gathered
+    inside a forward (traced or eager) and returned as it is outside one; a parameter that is
+    no longer a DTensor (replaced behind ``shard``'s back) is returned outside a forward and
+    refused inside one, where it would train stale values."""
+    param = module._parameters.get(name)
+    inside = gathering() or in_eager_forward()
+    if not isinstance(param, DTensor):
+        if param is not None and inside:
+            raise _replaced_error(module, name, param)
+        return param, False
+    return param, inside
 
 
 def _replaced_error(module: nn.Module, name: str, param: torch.Tensor) -> RuntimeError:
