@@ -307,3 +307,97 @@ def test_inductor_writes_the_logits_gradient_into_the_saved_logits():
     p = region.plan.predicted
     activations = p["backward_peak_bytes"] - p["param_bytes"] - p["optimizer_state_bytes"]
     assert logits_bytes <= activations < 2 * logits_bytes
+
+
+def _swiglu_like(x, w, s1, s2):
+    """Two pointwise kernels over one iteration space reading the same buffers (``g`` and
+    ``a``): the SwiGLU backward's pair of gradients in small. Each is read by two matmuls
+    (realized, not inlined), whose outputs are small."""
+    a = torch.mm(x, w)
+    g = torch.mm(w, x)
+    u = g * torch.sigmoid(a)
+    p = torch.mm(u, s1).sum() + torch.mm(s2, u).sum()
+    v = g * a  # reads g and a, as u's kernel does: Inductor computes it in that kernel
+    q = torch.mm(v, s1).sum() + torch.mm(s2, v).sum()
+    return p, q, x.sum() + w.sum()  # x and w alive to the end
+
+
+def test_inductor_fuses_pointwise_kernels_that_share_inputs_horizontally():
+    """Inductor's scheduler fuses two pointwise kernels of one iteration space that read a
+    common buffer and do not depend on each other (``shardc.memory.peak._horizontal``): the
+    later one's output exists from the earlier kernel on, and their common inputs die there.
+    Both outputs and both inputs are then alive together, as at the 1b config's measured peak
+    (the SwiGLU backward's kernel writes both gradients while the FFN's hidden activations and
+    the output's gradient are alive; docs/memory_budget.md, peak13)."""
+    from shardc.memory import peak as memory_peak
+    from shardc.memory.peak import lifetimes
+
+    unit = 64 * 64 * 4
+    gm = _graph(_swiglu_like, torch.randn(64, 64), torch.randn(64, 64), torch.randn(64, 1),
+                torch.randn(1, 64))
+    lives = {life.node.name: life for life in lifetimes(gm, set(), fusion=True)}
+    nodes = [n.name for n in gm.graph.nodes]
+    assert lives["mul_1"].born == lives["mul"].born == nodes.index("mul"), "v runs in u's kernel"
+    assert lives["mm"].last < nodes.index("mm_2") and lives["mm_1"].last < nodes.index("mm_2"), \
+        "a and g are read last by that kernel"
+    peak, timeline = liveness_peak(gm, skip=set(), fusion=True)
+    # x, w, s1, s2 (2 x 256 B), a, g, u and v at the fused kernel
+    assert peak == timeline[nodes.index("mul")] == 6 * unit + 512
+    original = memory_peak._horizontal
+    memory_peak._horizontal = lambda *args: {}
+    try:  # in the FX order, v is computed after u's first matmul and sum (256 + 4 B) ran
+        assert liveness_peak(gm, skip=set(), fusion=True)[0] == 5 * unit + 512 + 256 + 4
+    finally:
+        memory_peak._horizontal = original
+
+
+def test_inductor_writes_both_pointwise_outputs_in_one_kernel():
+    """The same function compiled by Inductor (CPU): one generated kernel writes u and v (two
+    64 x 64 buffers allocated before it), and the matmuls' inputs a and g are freed right after
+    it, as the peak model predicts (test above)."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    args = (torch.randn(64, 64), torch.randn(64, 64), torch.randn(64, 1), torch.randn(1, 64))
+    _, (code,) = run_and_get_code(torch.compile(_swiglu_like, backend="inductor"), *args)
+    lines = [line.strip() for line in code[code.index("def call"):].splitlines()
+             if not line.strip().startswith("#")]
+    (kernel,) = [i for i, line in enumerate(lines) if re.match(r"cpp_fused_mul_sigmoid_\d+\(",
+                                                               line)]
+    assert len(re.findall(r"buf\d+", lines[kernel])) == 4, "reads a and g, writes u and v"
+    allocated = [line for line in lines[:kernel] if "empty_strided_cpu((64, 64)" in line]
+    assert len(allocated) == 4, "a, g, and the kernel's two outputs"
+    assert lines[kernel + 1].startswith("del buf") and lines[kernel + 2].startswith("del buf")
+
+
+def test_a_block_body_keeps_dead_buffers_for_its_own_allocations_only():
+    """Each block-body call runs as a function of its own in Inductor's generated code, with its
+    own buffer reuse (``shardc.passes.body.BODY_SCOPE``, ``peak.held_for_reuse``): a temporary
+    of a body is not held for a same-sized allocation after the call returns, and a body's
+    output passed into another body (the recompute's activations, read by the backward's body)
+    is freed where that body last reads it. Without the scopes, the flattened graph's single
+    pool held the FFN's hidden activations of a recomputed block until the next block's, through
+    the attention's backward: 13% over the measured peak (docs/memory_budget.md, peak13)."""
+    from shardc.passes.body import BODY_SCOPE
+
+    unit = 64 * 64 * 4
+
+    def f(x, x2):
+        t = torch.mm(x, x)         # in body A: its temporary, or its output read by body B
+        u = torch.mm(t, x)         # in body A (or B): t's last reader
+        z = torch.mm(u, x2)        # the caller: 64 x 128, not t's size
+        y = torch.mm(x, u)         # the caller: t's size, would take t's buffer
+        return z, y
+
+    def peak(scope_t: tuple, scope_u: tuple) -> int:
+        gm = _graph(f, torch.randn(64, 64), torch.randn(64, 128))
+        for node in gm.graph.nodes:
+            if node.name in ("mm", "mm_1"):
+                node.meta[BODY_SCOPE] = scope_t if node.name == "mm" else scope_u
+        return liveness_peak(gm, skip=set(), fusion=True)[0]
+
+    # one pool: t (dead after u) is held until y reuses its buffer, across z: x, x2, u, t, z
+    assert peak((), ()) == 7 * unit
+    assert peak(("call_a",), ("call_a",)) == 6 * unit, "body A's temporary, freed at its return"
+    assert peak(("call_a",), ("call_b",)) == 6 * unit, "body A's output, freed in body B"

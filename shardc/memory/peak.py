@@ -11,13 +11,17 @@ Inductor the liveness follows what its generated code does (:class:`Fusion`,
 :func:`held_for_reuse`): loops inlined into their readers take no memory, copies are made right
 before the matmul that reads them, a dead buffer stays allocated until the next buffer of its
 size reuses it, and a kernel that is the last reader of an input of its output's size may write
-its output into that input's buffer (:mod:`shardc.memory.inplace`). Checked against a CUDA
+its output into that input's buffer (:mod:`shardc.memory.inplace`), a pointwise kernel sharing an
+input buffer with an earlier one of its size runs in that kernel (:func:`_horizontal`), and
+each block-body call keeps dead buffers for its own allocations only (its own reuse pool in the
+generated code; :func:`held_for_reuse`'s ``scopes``). Checked against a CUDA
 memory history of the wide model on 2 H200s (``docs/bench/README.md``): the backward's live bytes
 at its peak match to 0.1%.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -32,7 +36,7 @@ from shardc.ops.fused_ce import FUSED_CE_OP
 from shardc.ops.gather import GATHER_OP
 from shardc.ops.gather_args import GatherArgs
 from shardc.ops.pool import POOL_UNPACK_OP
-from shardc.passes.body import flattened
+from shardc.passes.body import BODY_SCOPE, flattened
 from shardc.passes.fx_utils import (
     has_tag,
     is_view,
@@ -109,15 +113,29 @@ class Fusion:
     inlined: set[fx.Node]
     deferred: set[fx.Node]
     span: dict[fx.Node, tuple[int, int]]
+    joined: dict[fx.Node, int] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, nodes: list[fx.Node]) -> Fusion:
         inlined: set[fx.Node] = set()
         deferred: set[fx.Node] = set()
+        joined: dict[fx.Node, int] = {}
         span: dict[fx.Node, tuple[int, int]] = {}
+        for sweep in range(2):  # the second with the horizontal fusions the first allows
+            if sweep:
+                joined = _horizontal(nodes, inlined, deferred)
+                if not joined:
+                    break
+                inlined, deferred = set(), set()
+            cls._sweep(nodes, inlined, deferred, span, joined)
+        return cls(inlined, deferred, span, joined)
+
+    @staticmethod
+    def _sweep(nodes: list[fx.Node], inlined: set[fx.Node], deferred: set[fx.Node],
+               span: dict[fx.Node, tuple[int, int]], joined: dict[fx.Node, int]) -> None:
         for i in range(len(nodes) - 1, -1, -1):  # readers first
             node = nodes[i]
-            span[node] = (i, i)
+            span[node] = (joined[node],) * 2 if node in joined else (i, i)
             if not _loop(node):
                 continue
             readers = view_users(node)[1]
@@ -131,7 +149,66 @@ class Fusion:
             else:
                 continue
             span[node] = (min(span[r][0] for r in readers), max(span[r][1] for r in readers))
-        return cls(inlined, deferred, span)
+
+
+# Inductor's max_fusion_buffer_group_pairwise_attempts: the kernels reading one buffer are paired
+# for fusion only with the next 64 kernels in order.
+_FUSION_WINDOW = 64
+
+
+def _kernel_inputs(node: fx.Node, inlined: set[fx.Node]) -> set[fx.Node]:
+    """The values in memory that ``node``'s kernel reads: its inputs, through views and the loops
+    inlined into it, theirs."""
+    found: set[fx.Node] = set()
+    stack, seen = list(node.all_input_nodes), set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n in inlined or _is_alias(n):
+            stack.extend(n.all_input_nodes)
+        else:
+            found.add(n)
+    return found
+
+
+def _horizontal(nodes: list[fx.Node], inlined: set[fx.Node], deferred: set[fx.Node]
+                ) -> dict[fx.Node, int]:
+    """Pointwise kernels Inductor fuses horizontally into an earlier one: ``{kernel: position
+    of the kernel it joins}``. Its scheduler fuses two kernels of one iteration space that share
+    an input buffer and do not depend on each other (e.g. the SwiGLU backward's two gradients,
+    ``g * silu(a)`` and ``g * b * silu'(a)``, one kernel reading ``g``, ``a`` and ``b``): the
+    later one runs where the earlier does, so its output exists from there and its inputs are
+    read there. Joined here: a realized pointwise value whose kernel reads a buffer that an
+    earlier realized pointwise kernel of the same element count (and the same block-body call)
+    reads, when every buffer it reads exists before that kernel and the two are at most
+    ``_FUSION_WINDOW`` kernels apart."""
+    index = {n: i for i, n in enumerate(nodes)}
+    groups: list[tuple[int, int, tuple, int, set[fx.Node]]] = []  # position, kernel no., ...
+    joined: dict[fx.Node, int] = {}
+    kernels = 0
+    for i, node in enumerate(nodes):
+        if node.op != "call_function" or node in inlined or _is_alias(node):
+            continue
+        kernels += 1
+        val = node.meta.get("val")
+        if not _has_tag(node, torch.Tag.pointwise) or node in deferred \
+                or not isinstance(val, torch.Tensor):
+            continue
+        numel = math.prod(size_hint(d) for d in val.shape)
+        where = node.meta.get(BODY_SCOPE, ())
+        reads = _kernel_inputs(node, inlined)
+        groups = [g for g in groups if kernels - g[1] <= _FUSION_WINDOW]
+        for pos, _, g_scope, g_numel, g_reads in groups:
+            if g_numel == numel and g_scope == where and reads & g_reads \
+                    and all(index[r] < pos for r in reads):
+                joined[node] = pos
+                g_reads |= reads
+                break
+        else:
+            groups.append((i, kernels, where, numel, reads))
+    return joined
 
 
 def fused_start(node: fx.Node, index: dict[fx.Node, int]) -> int:
@@ -200,7 +277,8 @@ def lifetimes_and_storage(gm: fx.GraphModule, skip: set[fx.Node], *, fusion: boo
             # (an unpack's list holds no memory of its own: its getitems own their tensors)
             dropped = node in skip or node in fused.inlined or node.target is POOL_UNPACK_OP
             size[node] = 0 if dropped else _nbytes(node.meta.get("val"))
-            born[node] = fused.span[node][0] if node in fused.deferred else i
+            born[node] = fused.span[node][0] if node in fused.deferred or node in fused.joined \
+                else i
             if _unpacked(node):  # allocated while the unpack runs, as it reads the pool
                 born[node] = born[node.args[0]]
             if fusion and node.target is _CAT:
@@ -222,7 +300,10 @@ def lifetimes_and_storage(gm: fx.GraphModule, skip: set[fx.Node], *, fusion: boo
         last[buf] = born[out] - 1
     lives = [Lifetime(key, born[key], last[key], nbytes) for key, nbytes in size.items()]
     lives.extend(fused_loss_workspaces(nodes))
-    return (held_for_reuse(lives, end, taken) if fusion else lives), storage
+    if not fusion:
+        return lives, storage
+    scopes = [n.meta.get(BODY_SCOPE, ()) for n in nodes]
+    return held_for_reuse(lives, end, taken, scopes), storage
 
 
 def fused_loss_workspaces(nodes: list[fx.Node]) -> list[Lifetime]:
@@ -264,15 +345,28 @@ def _allocates_from_pool(node: fx.Node) -> bool:
 
 
 def held_for_reuse(lives: list[Lifetime], end: int,
-                   inplace: dict[fx.Node, fx.Node] | None = None) -> list[Lifetime]:
+                   inplace: dict[fx.Node, fx.Node] | None = None,
+                   scopes: list[tuple] | None = None) -> list[Lifetime]:
     """Inductor's buffer reuse, as its generated code does it: a dead buffer is not freed but
     kept for the next buffer of the same dtype and size that the code allocates, however much
     later that is (the most recently freed first). Such a buffer stays allocated until then;
     e.g. an all-gather's send buffer, freed at its wait, lives on until the next all-gather
     packs its send buffer into it. ``inplace`` (``{output: input buffer}``,
     :func:`shardc.memory.inplace.inplace_reuses`): outputs written into an input's buffer,
-    which allocate nothing, and inputs whose buffer lives on as that output, never kept."""
+    which allocate nothing, and inputs whose buffer lives on as that output, never kept.
+
+    ``scopes`` (a flattened graph's, :data:`shardc.passes.body.BODY_SCOPE` of each position):
+    each block-body call is a function of its own in the generated code, with its own reuse
+    pool. A buffer is kept only by the function that frees it, and only if it is that
+    function's own (allocated there, or returned to it by a body it called): a body's input
+    (the caller's value, or an output of the recompute's body passed into the backward's) is
+    freed where the body last reads it. A kept buffer is reused only by an allocation of the
+    same call, and freed when the call returns (its dead buffers are locals of the function)."""
     inplace = inplace or {}
+    scopes = scopes or []
+
+    def scope(node: fx.Node) -> tuple:
+        return node.meta.get(BODY_SCOPE, ()) if scopes else ()
     overwritten = set(inplace.values())
     by_birth: dict[int, list[int]] = {}
     by_death: dict[int, list[int]] = {}
@@ -284,7 +378,7 @@ def held_for_reuse(lives: list[Lifetime], end: int,
     pool: dict[tuple, list[int]] = {}
     for pos in range(end + 1):
         for i in by_birth.get(pos, ()):
-            key = _reuse_key(lives[i].node)
+            key = (scope(lives[i].node), _reuse_key(lives[i].node))
             if lives[i].nbytes and _allocates_from_pool(lives[i].node) and pool.get(key) \
                     and lives[i].node not in inplace:
                 j = pool[key].pop()
@@ -293,8 +387,11 @@ def held_for_reuse(lives: list[Lifetime], end: int,
             node = lives[i].node
             if node in overwritten:
                 continue
+            frees_it = scopes[pos] if pos < len(scopes) else ()
+            if scope(node)[:len(frees_it)] != frees_it:
+                continue  # a body's input: freed where the body last reads it
             if _allocates_from_pool(node) or node.op == "placeholder":
-                pool.setdefault(_reuse_key(node), []).append(i)
+                pool.setdefault((frees_it, _reuse_key(node)), []).append(i)
     return held
 
 

@@ -158,6 +158,12 @@ def inline_body_calls(root: fx.GraphModule, calls: list[fx.Node]) -> int:
     return len(calls)
 
 
+# Meta key of an inlined node (:func:`flattened`): the body calls it runs in, outermost first
+# (each named by its call node in the flattened graph; absent or ``()``: the graph itself). Each
+# call runs as a function of its own in Inductor's generated code, with its own buffer reuse.
+BODY_SCOPE = "shardc_body_scope"
+
+
 def flattened(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]]:
     """``gm`` itself and the identity map if it calls no body; else a copy of ``gm`` with every
     ``invoke_subgraph`` call (nested ones too) replaced by its body's nodes, and the map from
@@ -165,7 +171,8 @@ def flattened(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node
 
     Analyses that walk a step's ops in order see the ops a body runs where it runs them: the
     peak prediction counts a body's temporaries and each of its outputs with its own lifetime
-    (the call's tuple of outputs is no single value), and the cost model prices its kernels."""
+    (the call's tuple of outputs is no single value), and the cost model prices its kernels.
+    Each inlined node's ``meta[BODY_SCOPE]`` names the calls it runs in."""
     if next(body_calls(gm), None) is None:
         return gm, {n: n for n in gm.graph.nodes}
     graph = fx.Graph()
@@ -202,6 +209,7 @@ def _inline(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
     """Replace the call ``node`` by a copy of its body's nodes; returns the body calls among
     the copied nodes (a body that calls another body)."""
     body = getattr(gm, node.args[0].target)
+    scope = (*node.meta.get(BODY_SCOPE, ()), node.name)  # this call, inside its callers
     env: dict[fx.Node, object] = dict(zip(body.graph.find_nodes(op="placeholder"),
                                           node.args[2:]))
     result = None
@@ -220,6 +228,7 @@ def _inline(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
                 env[inner].meta = dict(inner.meta)
                 continue
             env[inner] = gm.graph.node_copy(inner, lambda n: env[n])
+            env[inner].meta[BODY_SCOPE] = scope
             _place_in_block(env[inner], node)
             if is_call(inner, INVOKE_SUBGRAPH):
                 nested.append(env[inner])
