@@ -22,3 +22,33 @@ os.environ.setdefault("SHARDC_AUTOGRAD_CACHE", "0")
 # Inductor parity tests check sharding, not kernel speed.
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 sys.path.insert(0, os.path.dirname(__file__))
+
+# Test modules whose spawned work depends on nothing run before it define ``prestart(items)``
+# (items: their selected tests), called once collection ends: it queues that work on
+# dist_utils' background thread (dist_utils.prestart), which runs it while the tests before them
+# run here (the single-process tests leave the 2-core CI machine's other core idle). In the
+# suite's order, so the queue reaches an entry about when or before the tests reach it (a test
+# that gets there first takes its entry off the queue and runs it itself); one-rank entries
+# (test_fused_loss') first: a test waiting for one would leave a core idle.
+_PRESTART_ORDER = ("test_fused_loss", "test_mesh", "test_offload", "test_parity",
+                   "test_parity_inductor", "test_real_models")
+
+
+def pytest_collection_finish(session):
+    if session.config.option.collectonly:
+        return
+    selected: dict[str, tuple] = {}
+    for item in session.items:
+        module = getattr(item, "module", None)
+        if module is not None and callable(getattr(module, "prestart", None)):
+            selected.setdefault(module.__name__, (module, []))[1].append(item)
+    order = {name: i for i, name in enumerate(_PRESTART_ORDER)}
+    for name in sorted(selected, key=lambda n: order.get(n, len(order))):
+        module, items = selected[name]
+        module.prestart(items)
+
+
+def pytest_sessionfinish(session):
+    import dist_utils
+
+    dist_utils.stop_background()

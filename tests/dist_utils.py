@@ -9,6 +9,12 @@ started once per test session, imports torch, shardc and the compile stack's mod
 forks every rank. A rank is still a fresh process (nothing has run a model, compiled a graph or
 initialized a process group in it) but skips the seconds of imports each spawned interpreter
 paid; the parent's environment at the call is applied in each rank.
+
+Spawned work that depends on nothing a test does before it can be queued when collection ends
+(:func:`prestart`, called by a test module's ``prestart(items)`` hook: tests/conftest.py) and run
+by one background thread while the tests before it run in this process: the 2-core CI machine's
+second core would otherwise idle through the single-process tests. The test then takes the
+result (:func:`taken`), or runs the work itself if the queue has not reached it.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import os
 import pickle
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -89,13 +96,22 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any
     ``fn`` must be importable (module level). Returns the list of per-rank return values.
     Raises ``AssertionError`` with every failing rank's traceback if any rank fails.
     """
+    return _run_ranks(fn, world_size, dict(os.environ), args, kwargs)
+
+
+# Set at the end of the session: background runs still going are ended (their ranks killed).
+_STOP = threading.Event()
+
+
+def _run_ranks(fn: Callable[..., Any], world_size: int, env: dict, args: tuple, kwargs: dict,
+               label: str | None = None) -> list[Any]:
     start = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "pg_init")
         _context()
         ctx = mp.start_processes(
             _worker,
-            args=(world_size, init_file, tmp, dict(os.environ), fn, args, kwargs),
+            args=(world_size, init_file, tmp, env, fn, args, kwargs),
             nprocs=world_size,
             join=False,
             start_method="forkserver",
@@ -103,7 +119,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any
         deadline = time.monotonic() + _JOIN_TIMEOUT_S
         try:
             while not ctx.join(timeout=1.0):
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline or _STOP.is_set():
                     break
         except Exception:
             # One rank failed; give the others a moment to write their own reports.
@@ -131,19 +147,62 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any
                 results.append(value)
         if _CPU_LOG:
             with open(_CPU_LOG, "a") as f:
-                test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+                test = label or os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
                 f.write(f"{test}\t{world_size}\t{cpu:.1f}\t{time.monotonic() - start:.1f}\n")
         if errors:
             raise AssertionError("\n".join(errors))
         return results
 
 
-def run_ranks_in_background(fn: Callable[..., Any], world_size: int, *args: Any,
-                            **kwargs: Any) -> Future:
-    """:func:`run_ranks` in a thread of the calling process: a future of its per-rank results
-    (``.result()`` raises its ``AssertionError``). For a one-rank run, which leaves a core of
-    the 2-core CI machine idle: started before other groups run, it fills that core."""
-    pool = ThreadPoolExecutor(1)
-    future = pool.submit(run_ranks, fn, world_size, *args, **kwargs)
-    pool.shutdown(wait=False)
+# The queue of prestarted runs: one background thread, one entry at a time (an entry's groups at
+# once), so that at most one entry's ranks share the machine with the test process's own work.
+_QUEUE: ThreadPoolExecutor | None = None
+_PRESTARTED: dict[str, Future] = {}
+
+
+def prestart(key: str, *calls: tuple) -> None:
+    """Queue ``calls`` (each ``(fn, world_size, *args)``: one :func:`run_ranks`, all of an entry's
+    run at once) under ``key``, with this process's environment now (not that of whichever test
+    runs when the queue reaches it). :func:`taken` gives the future of the list of their
+    results (each the per-rank list)."""
+    global _QUEUE
+    if _QUEUE is None:
+        _QUEUE = ThreadPoolExecutor(1, thread_name_prefix="prestart")
+    env = dict(os.environ)
+
+    def entry() -> list[list[Any]]:
+        if len(calls) == 1:
+            fn, world, *args = calls[0]
+            return [_run_ranks(fn, world, env, tuple(args), {}, key)]
+        with ThreadPoolExecutor(len(calls)) as pool:
+            futures = [pool.submit(_run_ranks, fn, world, env, tuple(args), {}, key)
+                       for fn, world, *args in calls]
+            return [f.result() for f in futures]
+
+    _PRESTARTED[key] = _QUEUE.submit(entry)
+
+
+def taken(key: str) -> Future | None:
+    """The prestarted entry ``key``'s future, or ``None``: not prestarted, or not started yet
+    (then it is taken off the queue and the caller runs it, in parallel with the queue)."""
+    future = _PRESTARTED.pop(key, None)
+    if future is None or future.cancel():
+        return None
     return future
+
+
+def run_prestarted(key: str, fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+    """The per-rank results of the prestarted entry ``key`` (one call: ``fn, world_size,
+    *args``), or of that call run now (:func:`taken`)."""
+    future = taken(key)
+    return future.result()[0] if future is not None else run_ranks(fn, world_size, *args)
+
+
+def stop_background() -> None:
+    """End of the session: drop the entries not started, end the running one."""
+    for future in _PRESTARTED.values():
+        future.cancel()
+    _PRESTARTED.clear()
+    _STOP.set()
+    if _QUEUE is not None:
+        _QUEUE.shutdown(wait=True)

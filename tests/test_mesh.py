@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import run_ranks
+from dist_utils import prestart as prestart_run
+from dist_utils import run_prestarted, run_ranks
 from mesh_workers import LAYOUTS, checkpoint_round_trips, hsdp_scenarios, tp_reference, tp_scenarios
 from parity import assert_parity, reference
 
@@ -50,10 +51,27 @@ def _assert_parity(run: dict, ref: dict, where: str) -> None:
         raise AssertionError(f"{where}: {exc}") from exc
 
 
+def _hsdp_call() -> tuple:
+    return (hsdp_scenarios, 4, HSDP, SLICES, HSDP_BLOCKS)
+
+
+def _tp_call() -> tuple:
+    return (tp_scenarios, 4, TP, TP_BLOCKS)
+
+
+def prestart(items) -> None:
+    """Queue the 4-rank groups of the selected tests below (tests/conftest.py,
+    dist_utils.prestart): in the whole suite they run in the background beside earlier tests."""
+    if any("hsdp_runs" in item.fixturenames for item in items):
+        prestart_run("test_mesh::hsdp_runs", _hsdp_call())
+    if any(item.name == "test_fsdp_tp_parity_placements_and_global_values" for item in items):
+        prestart_run("test_mesh::fsdp_tp", _tp_call())
+
+
 @pytest.fixture(scope="module")
 def hsdp_runs() -> list[list[dict]]:
     """Per rank: the HSDP runs, then the SLICES runs."""
-    return run_ranks(hsdp_scenarios, 4, HSDP, SLICES, HSDP_BLOCKS)
+    return run_prestarted("test_mesh::hsdp_runs", *_hsdp_call())
 
 
 @pytest.fixture(scope="module")
@@ -291,7 +309,7 @@ def _check_tp_blocks(results: list[list[dict]]) -> None:
 
 def test_fsdp_tp_parity_placements_and_global_values():
     ref = tp_reference()
-    results = run_ranks(tp_scenarios, 4, TP, TP_BLOCKS)
+    results = run_prestarted("test_mesh::fsdp_tp", *_tp_call())
     _check_tp_blocks(results)
     for rank, per_rank in enumerate(results):
         for (shape, mode), run in zip(TP, per_rank):

@@ -13,7 +13,8 @@ import json
 
 import pytest
 import torch
-from dist_utils import run_ranks
+from dist_utils import prestart as prestart_run
+from dist_utils import run_prestarted
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
@@ -335,9 +336,16 @@ def _optimizer_only(rank: int, mesh) -> dict:
     return out
 
 
+def prestart(items) -> None:
+    """Queue ``runs``' group if a selected test reads it (tests/conftest.py,
+    dist_utils.prestart): in the whole suite it runs in the background beside earlier tests."""
+    if any("runs" in item.fixturenames for item in items):
+        prestart_run("test_offload::runs", (_train, 2))
+
+
 @pytest.fixture(scope="module")
 def runs():
-    return run_ranks(_train, 2)
+    return run_prestarted("test_offload::runs", _train, 2)
 
 
 def test_offload_on_a_cpu_mesh_is_refused_unless_simulating(runs):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo
-from dist_utils import run_ranks, run_ranks_in_background
+from dist_utils import prestart as prestart_run
+from dist_utils import run_ranks, taken
 from parity import STEPS, TRAINING_OPTIONS, assert_parity, max_rel_err, reference, sharded_run
 
 import shardc
@@ -16,20 +17,19 @@ OFFLOAD = shardc.OffloadPolicy(simulate_on_cpu=True)
 OPT_OFFLOAD = shardc.OffloadPolicy(params=False, simulate_on_cpu=True)
 BF16 = shardc.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
-# World 1 last: its run (one process, one core of the 2-core CI machine) starts in the background
-# with the module's first test and runs while world 2's ranks do (``one_rank_run``).
+# World 1 last here, first in the background queue (``prestart``): when this module runs alone,
+# world 1's one process runs in the background while the first test takes world 2's run off
+# the queue and runs its ranks itself.
 WORLD_SIZES = [2, 3, 4, 1]
 
 
-@pytest.fixture(scope="module")
-def one_rank_run(request):
-    """World 1's run, started when the module's first test starts (if world 1 is selected)."""
-    selected = {item.callspec.params["world"] for item in request.session.items
-                if item.module is request.module and hasattr(item, "callspec")
-                and item.originalname == "test_parity_eager_and_fx"}
-    if 1 not in selected:
-        return None
-    return run_ranks_in_background(_scenarios, 1, _parity_scenarios(1))
+def prestart(items) -> None:
+    """Queue the selected worlds' runs (tests/conftest.py, dist_utils.prestart): in the whole
+    suite they run in the background while the tests before this module run."""
+    worlds = {item.callspec.params["world"] for item in items
+              if item.originalname == "test_parity_eager_and_fx"}
+    for world in sorted(worlds):
+        prestart_run(f"test_parity[{world}]", (_scenarios, world, _parity_scenarios(world)))
 
 
 @pytest.fixture(scope="module")
@@ -271,10 +271,11 @@ def _parity_scenarios(world: int, slow: bool = False) -> dict[str, tuple[str, st
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
-def test_parity_eager_and_fx(world, one_rank_run, references):
+def test_parity_eager_and_fx(world, references):
     named = _parity_scenarios(world)
-    if world == 1 and one_rank_run is not None:
-        runs = one_rank_run.result()[0]
+    prestarted = taken(f"test_parity[{world}]")
+    if prestarted is not None:
+        runs = prestarted.result()[0][0]
     else:
         runs = run_ranks(_scenarios, world, named)[0]
     _check_runs(world, named, runs, references)

@@ -11,21 +11,20 @@ import re
 import pytest
 import torch
 import torch._dynamo
-from dist_utils import run_ranks, run_ranks_in_background
+from dist_utils import prestart as prestart_run
+from dist_utils import run_ranks, taken
 from parity import GLOBAL_BATCH, assert_parity, batches, llama_loss, reference, sharded_run, train
 
 import shardc
 from shardc.runtime import comm_errors
 
 
-@pytest.fixture(scope="module")
-def one_rank_run(request):
-    """World 1's run (one process: one core of the 2-core CI machine), started in the
-    background when the module's first test starts (if world 1 is selected): it runs while
-    the reference compiles in this process and world 2's ranks run."""
-    selected = {item.callspec.params["world"] for item in request.session.items
-                if item.module is request.module and hasattr(item, "callspec")}
-    return run_ranks_in_background(_inductor_run, 1) if 1 in selected else None
+def prestart(items) -> None:
+    """Queue the selected worlds' runs (tests/conftest.py, dist_utils.prestart), world 1 first:
+    when this module runs alone, its one process runs while the reference compiles in this
+    process and world 2's ranks run (the first test takes that run off the queue)."""
+    for world in sorted({item.callspec.params["world"] for item in items}):
+        prestart_run(f"test_parity_inductor[{world}]", (_inductor_run, world))
 
 
 @pytest.fixture(scope="module")
@@ -128,12 +127,10 @@ def _name_every_wait(forward, tokens, targets) -> list[str]:
     raise AssertionError(f"a step with more than 64 waits: {names}")
 
 
-@pytest.mark.parametrize("world", [2, 3, 4, 1])  # world 1 last: see one_rank_run
-def test_parity_inductor(world, one_rank_run, inductor_reference):
-    if world == 1 and one_rank_run is not None:
-        runs = one_rank_run.result()
-    else:
-        runs = run_ranks(_inductor_run, world)
+@pytest.mark.parametrize("world", [2, 3, 4, 1])  # world 1 last: see prestart
+def test_parity_inductor(world, inductor_reference):
+    prestarted = taken(f"test_parity_inductor[{world}]")
+    runs = prestarted.result()[0] if prestarted is not None else run_ranks(_inductor_run, world)
     assert_parity(runs[0], inductor_reference)
     if world == 2:
         assert_parity(runs[0]["offload"], inductor_reference)
