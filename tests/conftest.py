@@ -28,10 +28,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 # dist_utils' background thread (dist_utils.prestart), which runs it while the tests before them
 # run here (the single-process tests leave the 2-core CI machine's other core idle). In the
 # suite's order, so the queue reaches an entry about when or before the tests reach it (a test
-# that gets there first takes its entry off the queue and runs it itself): the earliest modules
-# first (test_fp8's compiled worlds, then test_fused_loss' one-rank entries: a test waiting for
-# one would leave a core idle).
-_PRESTART_ORDER = ("test_fp8", "test_fused_loss", "test_mesh", "test_offload", "test_parity",
+# that gets there first takes its entry off the queue and runs it itself); one-rank entries
+# (test_fused_loss') first: a test waiting for one would leave a core idle.
+_PRESTART_ORDER = ("test_fused_loss", "test_mesh", "test_offload", "test_parity",
                    "test_parity_inductor", "test_real_models")
 
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import prestart as prestart_run
-from dist_utils import run_prestarted, run_ranks
+from dist_utils import run_ranks
 from fp8_workers import (
     POLICIES,
     build_model,
@@ -135,9 +134,12 @@ def _check_run(run: dict, references: dict, kind: str, mode: str, policy: str,
 EMBEDDING = (("policy", "embedding"),)
 
 
-def _parity_scenarios(world: int) -> list[tuple]:
-    """test_fp8_training_parity's runs at ``world``: (model kind, mode, options) each."""
-    return {
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_fp8_training_parity(world, references):
+    """Eager at every world size; compiled (planned FX) at 2 and 3 (CPU compiles are slow).
+    With FP8 embeddings too (``EMBEDDING``): eager at 3, eager and FX at 2, and a tied
+    embedding/output weight beside FP8 embeddings under Inductor at 2, eager at 4."""
+    scenarios = {
         1: [("llama", "eager", ())],
         # (The default policy compiled on its own, ("llama1", "fx", ()), is left out: the
         # EMBEDDING run gathers the same Linear weights in FP8 and adds the embedding's, and
@@ -155,26 +157,7 @@ def _parity_scenarios(world: int) -> list[tuple]:
             ("llama", "eager", EMBEDDING)],
         4: [("llama", "eager", ()), ("tied", "eager", EMBEDDING)],
     }[world]
-
-
-def prestart(items) -> None:
-    """Queue the compiled worlds' runs (2 and 3, where selected; tests/conftest.py,
-    dist_utils.prestart): they run in the background while the tests before this module run."""
-    worlds = {item.callspec.params["world"] for item in items
-              if item.originalname == "test_fp8_training_parity"}
-    for world in sorted(worlds & {2, 3}):
-        prestart_run(f"test_fp8_training_parity[{world}]",
-                     (_scenarios, world, _parity_scenarios(world)))
-
-
-@pytest.mark.parametrize("world", WORLD_SIZES)
-def test_fp8_training_parity(world, references):
-    """Eager at every world size; compiled (planned FX) at 2 and 3 (CPU compiles are slow).
-    With FP8 embeddings too (``EMBEDDING``): eager at 3, eager and FX at 2, and a tied
-    embedding/output weight beside FP8 embeddings under Inductor at 2, eager at 4."""
-    scenarios = _parity_scenarios(world)
-    results = run_prestarted(f"test_fp8_training_parity[{world}]", _scenarios, world,
-                             scenarios)[0]
+    results = run_ranks(_scenarios, world, scenarios)[0]
     for (kind, mode, options), run in zip(scenarios, results):
         policy = dict(options).get("policy", "linear")
         _check_run(run, references, kind, mode, policy,
