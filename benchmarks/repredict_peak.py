@@ -19,6 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from predict_peak import live_at_peak  # noqa: E402
+
 from shardc.compile import pipeline  # noqa: E402
 from shardc.memory import peak as memory  # noqa: E402
 from shardc.tools.model_spec import parse_model  # noqa: E402
@@ -73,14 +75,10 @@ def main() -> None:
     again = predict(fw, bw, plan, fw_params, bw_params, **kw)
     print("same graphs, this model:", {k: v for k, v in again.items() if "peak" in k})
     flat, params, host = memory._flat(bw, bw_params, kw.get("host", frozenset()))
-    lives, _ = memory.lifetimes_and_storage(flat, params | host, fusion=True)
-    peak, timeline = memory._timeline(lives, len(flat.graph.nodes))
+    peak, at, alive = live_at_peak(flat, params | host, args.top)
     nodes = list(flat.graph.nodes)
-    at = timeline.index(peak)
     print(f"backward graph's peak {peak} at {at} ({nodes[at].name})")
-    alive = sorted((x for x in lives if x.born <= at <= x.last and x.nbytes),
-                   key=lambda x: -x.nbytes)
-    for x in alive[:args.top]:
+    for x in alive:
         print(f"{x.nbytes:>16,} {x.node.name:32} born {x.born:5} ({nodes[x.born].name}) "
               f"last {x.last:5}")
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch._dynamo
 from dist_utils import prestart as prestart_run
-from dist_utils import run_ranks, taken
+from dist_utils import run_prestarted, run_ranks
 from parity import STEPS, TRAINING_OPTIONS, assert_parity, max_rel_err, reference, sharded_run
 
 import shardc
@@ -273,11 +273,7 @@ def _parity_scenarios(world: int, slow: bool = False) -> dict[str, tuple[str, st
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_parity_eager_and_fx(world, references):
     named = _parity_scenarios(world)
-    prestarted = taken(f"test_parity[{world}]")
-    if prestarted is not None:
-        runs = prestarted.result()[0][0]
-    else:
-        runs = run_ranks(_scenarios, world, named)[0]
+    runs = run_prestarted(f"test_parity[{world}]", _scenarios, world, named)[0]
     _check_runs(world, named, runs, references)
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch._dynamo
 from dist_utils import prestart as prestart_run
-from dist_utils import run_ranks, taken
+from dist_utils import run_prestarted
 from parity import GLOBAL_BATCH, assert_parity, batches, llama_loss, reference, sharded_run, train
 
 import shardc
@@ -129,8 +129,7 @@ def _name_every_wait(forward, tokens, targets) -> list[str]:
 
 @pytest.mark.parametrize("world", [2, 3, 4, 1])  # world 1 last: see prestart
 def test_parity_inductor(world, inductor_reference):
-    prestarted = taken(f"test_parity_inductor[{world}]")
-    runs = prestarted.result()[0] if prestarted is not None else run_ranks(_inductor_run, world)
+    runs = run_prestarted(f"test_parity_inductor[{world}]", _inductor_run, world)
     assert_parity(runs[0], inductor_reference)
     if world == 2:
         assert_parity(runs[0]["offload"], inductor_reference)
