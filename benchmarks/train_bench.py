@@ -211,7 +211,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "mode_order": list(args.modes),
         "peak_flops": args.peak_tflops * 1e12,
         "env": {k: os.environ[k] for k in sorted(os.environ)
-                if k.startswith(("NCCL_", "TORCH_NCCL", "TORCHINDUCTOR_", "TORCH_SYMM"))},
+                if k.startswith(("NCCL_", "TORCH_NCCL", "TORCHINDUCTOR_", "TORCH_SYMM"))
+                or k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")},
     }
     report: dict[str, Any] = {"meta": meta, "models": {}}
     log(f"{command}\n  {meta['gpu']} x {world}, torch {meta['torch']}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -465,6 +466,17 @@ def run_frame_eagerly(fn) -> None:
     from torch._dynamo.eval_frame import skip_code
 
     skip_code(fn.__code__)
+
+
+def cuda_allocator_settings() -> str:
+    """The CUDA caching allocator's settings string (``"expandable_segments:True,..."``): torch's
+    own getter where it has one (2.13+: also what was set at run time), else the environment
+    variables it reads at start-up (``PYTORCH_ALLOC_CONF``, ``PYTORCH_CUDA_ALLOC_CONF``)."""
+    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    if getter is not None:
+        return str(getter())
+    return ",".join(v for v in (os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+                                os.environ.get("PYTORCH_ALLOC_CONF")) if v)
 
 
 def inductor_mode_options(mode: str) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import warnings
 
 import pytest
 import torch
@@ -180,6 +181,28 @@ def test_auto_budget_follows_the_per_process_memory_fraction(monkeypatch):
     assert budget.resolve_budget("auto", cuda) == (50 << 30) - (5 << 30)
     fraction["value"] = 0.1  # 10 GiB: the 2 GiB minimum margin
     assert budget.resolve_budget("auto", cuda) == int(0.1 * (100 << 30)) - (2 << 30)
+
+
+def test_auto_budget_warns_when_the_allocator_can_fragment(monkeypatch):
+    """"auto" plans allocated bytes up to the capacity; without expandable segments the caching
+    allocator fragmented the 1b config's large-batch steps on an H200 into out-of-memory errors
+    (docs/memory_budget.md), so the user is told how to turn them on."""
+    props = type("Props", (), {"total_memory": 100 << 30})()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)
+    settings = {"value": ""}
+    monkeypatch.setattr(budget._torch, "cuda_allocator_settings", lambda: settings["value"])
+    cuda = torch.device("cuda", 0)
+    with pytest.warns(UserWarning, match="expandable_segments:True"):
+        budget.resolve_budget("auto", cuda)
+    settings["value"] = "max_split_size_mb:256,expandable_segments:True"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert budget.resolve_budget("auto", cuda) == (100 << 30) - (10 << 30)
+    assert budget.fragmentation_advice("expandable_segments:False") is not None
+    assert not budget.expandable_segments_on("max_split_size_mb:256")
+    assert budget.expandable_segments_on(" expandable_segments : true ")
 
 
 def test_memory_plot_draws_the_budget_line():

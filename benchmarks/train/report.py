@@ -31,6 +31,9 @@ def render_markdown(report: dict[str, Any]) -> str:
         "params x tokens/s / peak (embedding and output included, attention FLOPs not)",
         f"- timed steps: {meta['steps']} (median), warm-up {meta['warmup']}, profiled "
         f"{meta['profile_steps']}; AdamW (torch default foreach), lr {meta['lr']}",
+        "- CUDA caching allocator: "
+        + (meta.get("env", {}).get("PYTORCH_CUDA_ALLOC_CONF")
+           or meta.get("env", {}).get("PYTORCH_ALLOC_CONF") or "default settings"),
         "- numerics in every mode: fp32 master parameters, bf16 compute, gradients reduced in "
         "fp32; loss (cross entropy in fp32) "
         + ("compiled with the model in shardc, bound and simplefsdp (eager after the model in "
