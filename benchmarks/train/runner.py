@@ -69,6 +69,14 @@ def train_step(setup: Setup, opt: torch.optim.Optimizer, tokens: torch.Tensor,
     return loss.detach().clone()
 
 
+def _allocator_counts(device) -> dict[str, int]:
+    """The CUDA caching allocator's cumulative retries (cache flushed to satisfy a request) and
+    device allocations and frees (cudaMalloc / cudaFree or segment maps)."""
+    stats = torch.cuda.memory_stats(device)
+    return {k: int(stats.get(k, 0)) for k in ("num_alloc_retries", "num_device_alloc",
+                                               "num_device_free")}
+
+
 def run_mode(mode: str, s: RunSettings, mesh, rank: int, log: Callable[[str], None]
              ) -> dict[str, Any]:
     """Build, warm up, time and profile one mode on this rank; returns this rank's metrics."""
@@ -108,6 +116,7 @@ def run_mode(mode: str, s: RunSettings, mesh, rank: int, log: Callable[[str], No
     # Timed steps.
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+        before = _allocator_counts(device)
     step_ms = []
     if device.type == "cuda":
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -122,6 +131,10 @@ def run_mode(mode: str, s: RunSettings, mesh, rank: int, log: Callable[[str], No
         step_ms = [a.elapsed_time(b) for a, b in events]
         res["peak_alloc_bytes"] = torch.cuda.max_memory_allocated(device)
         res["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+        # Near the device's capacity the caching allocator frees its cache and retries
+        # (synchronizing the device), which costs throughput the step time then shows.
+        after = _allocator_counts(device)
+        res["allocator_per_timed_steps"] = {k: after[k] - before[k] for k in after}
     else:
         for _ in range(s.steps):
             tokens, targets = next(it)
@@ -208,6 +221,9 @@ def aggregate(mode: str, per_rank: list[dict[str, Any]], s: RunSettings) -> dict
         "loss_first": statistics.fmean(r["losses"][0] for r in per_rank),
         "loss_last": statistics.fmean(r["losses"][-1] for r in per_rank),
     })
+    if "allocator_per_timed_steps" in r0:
+        out["allocator_per_timed_steps_per_rank"] = [r["allocator_per_timed_steps"]
+                                                     for r in per_rank]
     if "peak_alloc_bytes" in r0:
         out["peak_alloc_bytes"] = max(r["peak_alloc_bytes"] for r in per_rank)
         out["peak_reserved_bytes"] = max(r["peak_reserved_bytes"] for r in per_rank)
