@@ -38,6 +38,13 @@ later pass (Inductor included). On a CPU mesh the "device" is the CPU:
 every copy is a separate tensor (the simulated mode of CPU offload), so CPU tests run the copies,
 CPU tensors included.
 
+**A recomputed block's checkpoint** (recompute and offload combined, the peak budget's lever
+after recomputing every block; ``block_groups``): a block both recomputed and offloaded saves
+nothing of its own but its input, which the partitioner saved for its recomputation (the
+previous block's boundary copy, or the embedding's output). That value is offloaded as
+above, grouped under the block that reads it: its copy is released one block later in the
+forward and prefetched one block ahead of that block's recomputation in the backward.
+
 Every node this pass inserts carries ``node.meta[ACTIVATION_COPY]`` (``"d2h"``, ``"h2d"``,
 ``"wait"`` or ``"release"``), the backward's host placeholders ``"host"``, and
 ``node.meta[ACTIVATION_GROUP]`` (the group): the planner (``shardc.planning.graph_view``,
