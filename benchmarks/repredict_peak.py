@@ -68,8 +68,11 @@ def main() -> None:
     budget = planned.plan.budget
     if budget is not None:
         blocks = [b for b in (budget.blocks or []) if _get(b, "recomputed")]
+        checkpoints = [b for b in blocks if (b.get("checkpoint_offloaded") if isinstance(b, dict)
+                                             else b.checkpoint_offloaded)]
         print(f"budget: minimum {_get(budget, 'minimum_bytes')}, {len(blocks)} blocks recomputed "
-              f"({', '.join(_get(b, 'block') for b in blocks)}), fused loss "
+              f"({', '.join(_get(b, 'block') for b in blocks)}), checkpoints offloaded "
+              f"({', '.join(_get(b, 'block') for b in checkpoints)}), fused loss "
               f"{bool(planned.plan.fused_loss and planned.plan.fused_loss.fused)}")
     fw, bw, plan, fw_params, bw_params, kw = calls[-1]
     again = predict(fw, bw, plan, fw_params, bw_params, **kw)

@@ -1554,6 +1554,63 @@ def sc_peak_budget_offload(ctx: Ctx) -> dict:
     return out
 
 
+# Recompute with the checkpoints offloaded (the combined lever): many tokens (96 sequences of 4)
+# through four narrow blocks, so that with every block recomputed the blocks' inputs (the
+# checkpoints, saved for the recomputation) still make much of the backward's peak.
+CHECKPOINT_BUDGET_CFG = dict(vocab_size=VOCAB, dim=32, n_layers=4, n_heads=2, ffn_dim=16,
+                             max_seq_len=8)
+CHECKPOINT_BATCH, CHECKPOINT_SEQ = 96, 4
+
+
+def sc_peak_budget_checkpoints(ctx: Ctx) -> dict:
+    """Parity under a budget below what recomputing every block reaches, where the planner
+    recomputes every block and offloads the checkpoints of some to the host (the feasible
+    minimum a one-byte budget's refusal names), plus the facts the tests check (record,
+    hashes, copies, the refusal's text)."""
+    from parity import activation_copies
+
+    from shardc.models.llama import LlamaConfig, Transformer
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return Transformer(LlamaConfig(**CHECKPOINT_BUDGET_CFG))
+
+    data = tokens(steps=2, batch=CHECKPOINT_BATCH, seq=CHECKPOINT_SEQ)
+    model = ctx.wrap(build(), compile=False)
+    if not ctx.sharded:
+        return train_lm(ctx, model, model, data)
+    refusal, minimum = "", None
+    try:  # one byte: refused, naming the feasible minimum (the ranks' largest)
+        _budget_step(ctx, ctx.wrap(build(), compile=False), 1, data[:1], prefetch=False)
+    except Exception as exc:  # torch.compile wraps the backend's error
+        cause: BaseException | None = exc
+        while cause is not None and not isinstance(cause, MemoryBudgetError):
+            cause = cause.__cause__ or getattr(cause, "inner_exception", None)
+        refusal, minimum = str(exc), getattr(cause, "minimum_bytes", None)
+    finally:
+        torch._dynamo.reset()
+    if minimum is None:
+        raise AssertionError(f"a budget of one byte was not refused as expected: {refusal!r}")
+    ctx.model = model
+    # No prefetch (fewer trials: the depths are the prefetch lever's, tested elsewhere).
+    out, plan = _budget_step(ctx, model, minimum, data, prefetch=False)
+    out.update({
+        "planned": 1,
+        "minimum": minimum,
+        "refusal": refusal,
+        "hash": plan.hash(),
+        "record": plan.budget,
+        "peak": plan.predicted.peak_bytes,
+        "host_bytes": plan.predicted.host_bytes,
+        "copies": [(c.kind, c.graph, c.origin, c.bytes, tuple(c.params)) for c in plan.copies],
+        "table": plan.table(),
+        "json": plan.to_json(),
+        "forward_bodies_in_backward": _forward_bodies_in_backward(model),
+        "activation_copies": activation_copies(shard_state(model)),
+    })
+    return out
+
+
 def sc_peak_budget_optimizer(ctx: Ctx) -> dict:
     """Parity under a budget a byte below the optimizer step's peak (shards, gradients, state,
     temporaries: under the device levers' feasible minimum), where the planner puts the
@@ -1673,6 +1730,7 @@ SCENARIOS: dict[str, Callable[[Ctx], dict]] = {
     "peak_budget": sc_peak_budget,
     "peak_budget_offload": sc_peak_budget_offload,
     "peak_budget_optimizer": sc_peak_budget_optimizer,
+    "peak_budget_checkpoints": sc_peak_budget_checkpoints,
     # Sharded runs only (their reference: submesh_reference).
     "submesh": sc_submesh,
     # Failure modes: sharded runs only, no reference; the desyncing ones last.
@@ -1699,7 +1757,7 @@ ONE_WORLD = {"blocks_accumulate_shapes": 2, "torch_transformer": 2, "hf_gpt2": 3
              "checkpoint_sdpa_save_all": 2, "hf_checkpoint_reentrant": 2,
              "hf_checkpoint_inductor": 2, "checkpoint_fp8": 3, "checkpoint_fp8_eager": 3,
              "checkpoint_dropout": 3, "checkpoint_sdpa_dynamic": 3, "peak_budget": 2,
-             "peak_budget_offload": 2, "peak_budget_optimizer": 2,
+             "peak_budget_offload": 2, "peak_budget_optimizer": 2, "peak_budget_checkpoints": 2,
              "adam": 3, "checkpoint_sdpa": 2, "checkpoint_sdpa_selective": 3,
              "moe_compiled": 2, "changing_seq": 2, "changing_both": 3, "nested": 3,
              "optim_offload_no_sync_clip": 3,

@@ -421,6 +421,82 @@ def test_activation_offload_option():
         ShardcOptions(activation_offload=("*",), peak_memory_budget_bytes=1 << 30)
 
 
+def test_checkpoint_offload_option():
+    """``activation_offload``'s ``"checkpoint:<block>"`` entries force recompute with the
+    checkpoint offloaded (no budget), apart from the plain names (offload)."""
+    both = ShardcOptions(activation_offload=("checkpoint:*", "layers.0"))
+    assert both.forced_checkpoint_offload() == ("*",) and both.forced_offload() == ("layers.0",)
+    only = ShardcOptions(activation_offload=["checkpoint:layers.1"])
+    assert only.forced_checkpoint_offload() == ("layers.1",) and only.forced_offload() == ()
+    assert ShardcOptions(activation_offload="auto").forced_checkpoint_offload() == ()
+    with pytest.raises(ValueError, match="activation_offload"):
+        ShardcOptions(activation_offload=("checkpoint:",))
+    with pytest.raises(ValueError, match="cannot be combined with peak_memory_budget_bytes"):
+        ShardcOptions(activation_offload=("checkpoint:*",), peak_memory_budget_bytes=1 << 30)
+
+
+def test_checkpoints_offloaded_say_why_round_trip_and_enter_the_hash():
+    """The combined lever's record: every block recomputed, the checkpoints of the first
+    ranked offloaded (each with its bytes, exposed and copy ms, and why), the others kept on
+    the device saying so; the record round-trips, the text says it, and the blocks enter the
+    plan hash only when a checkpoint is offloaded: a record without the fields (a plan made
+    before them) reads as offloading none and hashes as before."""
+    from shardc.passes.recompute import Block
+
+    blocks = [Block(f"layers.{i}", "body", i, (), 300, 50) for i in range(3)]
+    cands = [recompute.RecomputeCandidate(b.name, "body", i, 2e-3, 250, forward_s=2e-3)
+             for i, b in enumerate(blocks)]
+    checkpoints = [recompute.RecomputeCandidate(b.name, "body", i, 0.0, 50, offload=True,
+                                                forward_s=2e-3, copy_s=1e-3, offload_s=0.0)
+                   for i, b in enumerate(blocks)]
+    # Equal prices: the earliest blocks' checkpoints (alive longest) first.
+    assert [c.block for c in recompute.rank(checkpoints)] == ["layers.0", "layers.1",
+                                                               "layers.2"]
+    every = [b.name for b in blocks]
+    got = recompute.decisions(blocks, cands, every, needed=True, peak=1500,
+                              checkpoints=checkpoints, checkpointed=["layers.0", "layers.1"],
+                              freed_peak=2 << 20)
+    assert [(d.recomputed, d.checkpoint_offloaded) for d in got] == [(True, True)] * 2 + [
+        (True, False)]
+    assert all(d.checkpoint_bytes == 50 and d.checkpoint_copy_ms == pytest.approx(1.0)
+               and d.checkpoint_ms == 0.0 for d in got)
+    assert "its checkpoint (~0.00 MiB: its input" in got[0].reason
+    assert "left the predicted peak at 2.0 MiB, over the budget" in got[0].reason
+    assert "rank 1 of 3 by ms per MiB" in got[0].reason.split("its checkpoint")[1]
+    assert "stays on the device: ranked 3 of 3" in got[2].reason
+    plan = Plan(PLAN_VERSION, 0, 2, {}, [], [])
+    plan.budget = MemoryBudget(2000, 1000, 1500, 2, [], recompute.decisions(
+        blocks, cands, every, needed=True, peak=1500))
+    before = plan.hash()
+    plan.budget.blocks = got
+    back = Plan.from_json(plan.to_json())
+    assert back.budget == plan.budget
+    assert back.budget.checkpoint_offloaded == ["layers.0", "layers.1"]
+    assert back.budget.recomputed == every and back.budget.offloaded == []
+    assert back.hash() == plan.hash() != before
+    text = plan.table()
+    assert "2 of them with their checkpoints offloaded" in text
+    assert "block layers.0 (body): recomputed, checkpoint offloaded" in text
+    assert "block layers.2 (body): recomputed, costs" in text
+    old = plan.to_dict()["budget"]
+    for d in old["blocks"]:
+        for key in ("checkpoint_offloaded", "checkpoint_bytes", "checkpoint_ms",
+                    "checkpoint_copy_ms"):
+            d.pop(key)
+    plan.budget = MemoryBudget.from_dict(old)
+    assert plan.budget.checkpoint_offloaded == [] and plan.hash() == before
+
+
+def test_refusal_names_the_checkpoints_offloaded_minimum():
+    plan = Plan(PLAN_VERSION, 3, 2, {}, [], [])
+    plan.memory_by_category = {"peak": {"graph": "backward", "position": 9,
+                                        "bytes": {"temporaries": 3 << 20}, "largest": []}}
+    text = str(budget.refuse_below_minimum(1 << 20, 3 << 20, plan, recomputed=4,
+                                           checkpoints=4))
+    assert "every block that can be recomputed (4) recomputed in the backward and the " \
+        "checkpoints of those recomputed (4) offloaded to host memory" in text
+
+
 def test_refusal_names_the_offloaded_minimum():
     plan = Plan(PLAN_VERSION, 3, 2, {}, [], [])
     plan.memory_by_category = {"peak": {"graph": "backward", "position": 9,
@@ -500,6 +576,51 @@ def test_blocks_are_found_by_module_and_random_ones_excluded():
     assert copies[0].args[0] is blocks[0].outputs[0]
     assert all(u not in blocks[0].nodes for u in copies[0].users) and copies[0].users
     assert not any(n.meta.get("recompute") for n in blocks[1].nodes)
+
+
+def test_checkpoints_are_the_inputs_no_other_block_reads():
+    """A block's checkpoint (what it still saves when recomputed): the activations it reads
+    from outside, not weights or graph inputs, that no other block reads; after
+    ``recompute_blocks``, the boundary copy of the block before it. Its bytes are what
+    offloading it frees."""
+    from shardc.passes.offload_saved import block_groups
+    from shardc.passes.recompute import (
+        checkpoint_bytes,
+        checkpoint_inputs,
+        find_blocks,
+        recompute_blocks,
+    )
+
+    names = ["layers.0", "layers.1", "layers.2"]
+    gm = _joint()
+    blocks = find_blocks(gm, 1, [], names)
+    before = checkpoint_inputs(blocks)
+    assert before["layers.0"] == []  # its input is the graph's (a placeholder)
+    assert [n.name for n in before["layers.1"]] == [blocks[0].outputs[0].name]
+    assert checkpoint_bytes(blocks) == {"layers.0": 0, "layers.1": 4 * 8 * 4,
+                                        "layers.2": 4 * 8 * 4}
+    recompute_blocks(gm, blocks, set(names))
+    after = checkpoint_inputs(blocks)
+    copies = [n for n in gm.graph.nodes if n.target is torch.ops.aten.clone.default]
+    assert after["layers.1"] == [copies[0]] and after["layers.2"] == [copies[1]]
+    for copy in copies:  # (no fake mode in this hand-made graph: the copies get no value)
+        copy.meta["val"] = torch.zeros(4, 8)
+    # The lowering's groups: a block named both recomputed and offloaded offloads its
+    # checkpoint under its own name (here on the joint graph's forward, as if partitioned:
+    # every node is "saved").
+    fw = fx.GraphModule(nn.Module(), fx.Graph())
+    graph = fw.graph
+    env = {}
+    for n in gm.graph.nodes:
+        if n.op == "output":
+            continue
+        env[n] = graph.node_copy(n, env.__getitem__)
+    graph.output((env[copies[0]], env[copies[1]], env[blocks[0].nodes[0]]))
+    fw.recompile()
+    groups = block_groups(fw, 0, blocks, {"layers.1", "layers.2"}, recomputed=set(names))
+    assert groups == {copies[0].name: "layers.1", copies[1].name: "layers.2"}
+    # Offloaded without recompute: the block's own saved values instead.
+    assert block_groups(fw, 0, blocks, {"layers.0"}) == {blocks[0].nodes[0].name: "layers.0"}
 
 
 # --- The margin for the prediction's error ---------------------------------------------------

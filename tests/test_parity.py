@@ -136,6 +136,9 @@ SLOW = {
     # (tests/test_mesh.py, 4 ranks) and as the budget's choice (tests/test_real_models.py's
     # peak_budget_offload, world 2); bitwise against "fx" at world 1 here.
     "offload_activations": (2, 3, 4),
+    # ~12 s: the combined lever mixed with offload, blocks inline: "checkpoint_offload" (bodies)
+    # at worlds 1 and 2 here, the planner's choice in tests/test_real_models.py.
+    "checkpoint_offload_inline": (2,),
     # (suite9) One module applied twice per forward: tests/test_real_models.py's "repeated"
     # (FX, world 3) and tests/test_autograd_cache.py (this model under Inductor at world 2,
     # at parity with the reference).
@@ -230,6 +233,17 @@ def _parity_scenarios(world: int, slow: bool = False) -> dict[str, tuple[str, st
         # ... with compile-once bodies, checkpointing inside them and an inline block.
         (at(3), "blocks_offload_activations", ("blocks", "fx", {"eval": True,
                                                                 "activation_offload": ("*",)})),
+        # Every block recomputed in the backward and its checkpoint (its input: the embedding's
+        # output, the previous block's) offloaded to the host (the combined lever, forced; the
+        # planner's choice under a budget: tests/test_real_models.py), compile-once bodies: the
+        # same kernels on the same values as "fx", bit for bit.
+        (at(1, 2), "checkpoint_offload", ("llama", "fx",
+                                          {"activation_offload": ("checkpoint:*",)})),
+        # ... mixed with offload, every block inline: layers.1 recomputed, its checkpoint (the
+        # output of layers.0) offloaded, layers.0's saved values offloaded.
+        (at(2), "checkpoint_offload_inline", ("llama", "fx", {
+            "activation_offload": ("checkpoint:layers.1", "layers.0"),
+            "compile_blocks_once": False})),
         # ... with gradient accumulation: two micro-batches per step, the first under
         # shardc.no_sync (a second region, without reduce-scatters, offloads the same values).
         (at(2), "offload_activations_no_sync", ("llama", "fx", {"activation_offload": ("*",),
@@ -390,6 +404,27 @@ def _check_offloaded_activations(world: int, runs: dict[str, dict]) -> None:
         assert run["predicted"][0][2] > 0 and runs[plain]["predicted"][0][2] is None
         (fw, bw), (plain_fw, plain_bw) = run["peak"][0], runs[plain]["peak"][0]
         assert fw <= plain_fw and bw <= plain_bw, (run["peak"], runs[plain]["peak"])
+    for name in ("checkpoint_offload", "checkpoint_offload_inline"):
+        if name not in runs:
+            continue
+        run, plain = runs[name], runs["fx"]
+        copies = run["activation_copies"]
+        # One checkpoint per recomputed block (its input), copied out and prefetched back; the
+        # inline run also offloads layers.0's own saved values (more than one).
+        expected = 2 if name == "checkpoint_offload" else copies["d2h"]
+        assert copies["d2h"] == copies["h2d"] == copies["host"] == expected > 1, copies
+        assert copies["saved_on_host"] == copies["d2h"] and copies["misplaced"] == 0, copies
+        assert copies["wait"] == copies["h2d"] and copies["forward_waits"] == 0, copies
+        assert copies["release"] == copies["d2h"] == copies["release_waits"], copies
+        recomputed = "['layers.0', 'layers.1']" if name == "checkpoint_offload" \
+            else "['layers.1']"
+        assert any(n.startswith("checkpoint offload") and f"{recomputed} recomputed" in n
+                   for notes in run["notes"] for n in notes), run["notes"]
+        _bitwise(run, plain, f"world {world}: {name} vs fx")
+        # Recomputed and offloaded: both peaks lower than saving everything on the device.
+        assert run["predicted"][0][2] > 0 and plain["predicted"][0][2] is None
+        (fw, bw), (plain_fw, plain_bw) = run["peak"][0], plain["peak"][0]
+        assert fw < plain_fw and bw < plain_bw, (run["peak"], plain["peak"])
     if "offload_activations_no_sync" in runs:
         # no_sync compiles a second region (no reduce-scatter); both offload every block's
         # saved values, the copies in place. Parity with the reference is checked above.

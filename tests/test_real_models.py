@@ -887,6 +887,51 @@ def test_peak_budget_offloads_activations_with_parity(runs):
                 f"world {world}: plans differ by rank"
 
 
+def test_peak_budget_recomputes_and_offloads_checkpoints_with_parity(runs):
+    """A budget at the feasible minimum a one-byte budget's refusal names, below what
+    recomputing every block reaches (four narrow blocks, 96 sequences of 4 tokens: the
+    checkpoints, the recomputed blocks' inputs, make much of the backward's peak): the planner
+    recomputes every block and offloads the checkpoints of some of them to the host (the
+    combined lever); training matches the unsharded reference; the record says both, with
+    bytes, ms and why; the checkpoints' copies are on the plan's copy lane and in the graphs
+    (one value per block: its input); the host holds them; the predicted peak is within the
+    budget and the plans are identical on every rank."""
+    for world, got in zip(_worlds("peak_budget_checkpoints"),
+                          check_parity(runs, "peak_budget_checkpoints")):
+        record = got["record"]
+        assert "the checkpoints of those recomputed (4) offloaded to host memory" \
+            in got["refusal"], got["refusal"]
+        assert record.budget_bytes == got["minimum"] == record.minimum_bytes
+        assert record.peak_bytes <= record.budget_bytes and got["peak"] <= record.budget_bytes
+        assert record.recomputed == [d.block for d in record.blocks] and not record.offloaded
+        checkpointed = record.checkpoint_offloaded
+        assert checkpointed, (world, record.blocks)
+        assert got["forward_bodies_in_backward"] == len(record.blocks)
+        for d in record.blocks:
+            assert d.recomputed and d.checkpoint_bytes > 0 and d.checkpoint_copy_ms > 0, d
+            if d.checkpoint_offloaded:
+                assert "its checkpoint" in d.reason and "offloaded to the host" in d.reason, d
+                assert "over the budget" in d.reason, d
+            else:
+                assert "stays on the device" in d.reason, d
+        moved = [(kind, graph, n, params) for kind, graph, origin, n, params in got["copies"]
+                 if origin == "activation"]
+        # One checkpoint per block (its input) each way: block 0's is the embedding's output.
+        assert sorted(k for k, *_ in moved) == ["d2h_copy"] * len(checkpointed) \
+            + ["h2d_copy"] * len(checkpointed), moved
+        assert all(len(params) == 1 for *_, params in moved), moved
+        assert ("d2h_copy", "forward", 96 // world * 4 * 32 * 4, ("embedding",)) in moved, moved
+        assert got["host_bytes"] == sum(n for kind, _, n, _ in moved if kind == "d2h_copy")
+        copies = got["activation_copies"]
+        assert copies["d2h"] == copies["h2d"] == copies["release"] == len(checkpointed), copies
+        assert copies["misplaced"] == 0 and copies["forward_waits"] == 0, copies
+        assert "recomputed, checkpoint offloaded, costs" in got["table"], got["table"]
+        assert Plan.from_json(got["json"]).budget == record
+        for rank in runs[world]:
+            assert rank["peak_budget_checkpoints"]["hash"] == got["hash"], \
+                f"world {world}: plans differ by rank"
+
+
 def test_peak_budget_puts_the_optimizer_state_on_the_host_with_parity(runs):
     """A budget a byte below the optimizer step's peak (shards, gradients, Adam's state and its
     temporaries: under every configuration of the device levers): the planner puts the

@@ -198,9 +198,14 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_
             value = os.environ["SHARDC_FUSED_LOSS"]
             options["fused_loss"] = ("auto" if value == "auto" else bool(int(value))
                                      if value in ("0", "1") else int(value))
-        # SHARDC_ACTIVATION_OFFLOAD: the activation offload lever (auto, never, prefer).
+        # SHARDC_ACTIVATION_OFFLOAD: the activation offload lever (auto, never, prefer), or
+        # comma-separated block names forcing it without a budget (with SHARDC_PEAK_BUDGET=0):
+        # "*" offloads every block's saved values, "checkpoint:*" recomputes every block and
+        # offloads its checkpoint (its input), "checkpoint:layers.0,layers.1" mixes them.
         if os.environ.get("SHARDC_ACTIVATION_OFFLOAD"):
-            options["activation_offload"] = os.environ["SHARDC_ACTIVATION_OFFLOAD"]
+            value = os.environ["SHARDC_ACTIVATION_OFFLOAD"]
+            options["activation_offload"] = value if value in ("auto", "never", "prefer") \
+                else tuple(v.strip() for v in value.split(",") if v.strip())
         # SHARDC_CLUSTER_PROFILE: a cluster profile (preset name or JSON path, e.g. one from
         # `python -m shardc calibrate`, whose host link prices the offload lever).
         if os.environ.get("SHARDC_CLUSTER_PROFILE"):

@@ -33,7 +33,8 @@ from shardc.memory.peak import shard_bytes_by_param
 from shardc.ops.gather import GATHER_OP
 from shardc.ops.gather_args import GatherArgs
 from shardc.passes.fx_utils import is_call
-from shardc.passes.recompute import Block
+from shardc.passes.host_resident import compute_device_type
+from shardc.passes.recompute import Block, checkpoint_bytes
 from shardc.planning import budget, optimizer_kind, optimizer_offload, prefetch, recompute
 from shardc.planning import offload as offload_lever
 from shardc.planning.estimate import elided_cast_seconds
@@ -437,15 +438,17 @@ def choose_device_levers(inputs: SearchInputs, options: ShardcOptions, region: S
                 raise
             decided.decisions = budget.reshard_all(cands, fixed, minimum)
     decided.prefetch = _choose_prefetch(
-        lambda d: depth_trial(kept_params(decided), decided.recomputed, decided.offloaded, d),
+        lambda d: depth_trial(kept_params(decided), decided.recomputed,
+                              decided.offloaded + decided.checkpoint_offloaded, d),
         base, default_depth, budget_bytes, current)
     decided.peak_bytes = decided.prefetch.peak_bytes
     decided.trials = len(evaluated) - 1
     budget.with_margin(decided, user_bytes, margin)
     log.info("shardc: region %d, peak budget %d B (planned for %d B): minimum %d B, kept "
-             "gathered %s, recomputed %s, offloaded %s, predicted peak %d B (%d trials)",
-             region.index, user_bytes, budget_bytes, decided.minimum_bytes, decided.kept,
-             decided.recomputed, decided.offloaded, decided.peak_bytes, decided.trials)
+             "gathered %s, recomputed %s, offloaded %s, checkpoints offloaded %s, predicted "
+             "peak %d B (%d trials)", region.index, user_bytes, budget_bytes,
+             decided.minimum_bytes, decided.kept, decided.recomputed, decided.offloaded,
+             decided.checkpoint_offloaded, decided.peak_bytes, decided.trials)
     return decided
 
 
@@ -503,12 +506,13 @@ def _recompute_under_budget(probe: fx.GraphModule, blocks: list[Block], user_byt
     margin = options.peak_memory_margin
     budget_bytes = budget.planned_for(user_bytes, margin)
 
-    def refuse(peak: int, plan: Plan, cands=()) -> budget.MemoryBudgetError:
+    def refuse(peak: int, plan: Plan, cands=(), checkpoints: int = 0
+               ) -> budget.MemoryBudgetError:
         offloaded = sum(1 for c in cands if c.offload)
         return budget.refuse_below_minimum(user_bytes, peak, plan,
                                            recomputed=len(cands) - offloaded,
                                            offloaded=offloaded, margin=margin,
-                                           resharded=resharded[1])
+                                           resharded=resharded[1], checkpoints=checkpoints)
 
     estimates = block_estimates(probe, blocks, resharded[0].group_name, options, region,
                                 tag_prefix)
@@ -519,9 +523,11 @@ def _recompute_under_budget(probe: fx.GraphModule, blocks: list[Block], user_byt
         raise refuse(lowest[1], lowest[0])
     offloads = {c.block for c in cands if c.offload}
 
-    def freeing(names) -> tuple[Plan, int]:  # the named blocks, each by its lever
+    def freeing(names, checkpointed=()) -> tuple[Plan, int]:
+        # The named blocks, each by its lever; the ``checkpointed`` ones (recomputed) with
+        # their checkpoints offloaded too: in both sets (shardc.passes.offload_saved).
         return evaluate(frozenset(n for n in names if n not in offloads),
-                        frozenset(n for n in names if n in offloads))
+                        frozenset(n for n in names if n in offloads) | frozenset(checkpointed))
 
     floor_plan, floor = freeing(tuple(c.block for c in cands))
     note = ""
@@ -542,6 +548,29 @@ def _recompute_under_budget(probe: fx.GraphModule, blocks: list[Block], user_byt
     log.info("shardc: region %d: candidates to free (block, bytes, s, offload) %s; every one "
              "freed: peak %d B (resharded %d B)", region.index,
              [(c.block, c.nbytes, c.cost_s, c.offload) for c in cands], floor, resharded[1])
+    if floor > budget_bytes and mode != "never":
+        # Every block freed is not enough: the recomputed blocks' checkpoints (what they still
+        # save, their inputs) offloaded too, the fewest that fit (docs/memory_budget.md).
+        every = tuple(c.block for c in cands)
+        checkpoints = checkpoint_candidates(probe, blocks, cands, estimates, link,
+                                            resharded[0].group_name, region, tag_prefix)
+        if checkpoints:
+            ck_plan, ck_floor = freeing(every, tuple(c.block for c in checkpoints))
+            log.info("shardc: region %d: checkpoints to offload (block, bytes, s) %s; every "
+                     "one offloaded: peak %d B", region.index,
+                     [(c.block, c.nbytes, c.cost_s) for c in checkpoints], ck_floor)
+            if ck_floor <= budget_bytes:
+                ck_chosen, peak, _ = recompute.choose(
+                    checkpoints, budget_bytes, floor, ck_floor,
+                    lambda names: freeing(every, names)[1])
+                return MemoryBudget(
+                    budget_bytes, ck_floor, peak, 0, [],
+                    recompute.decisions(blocks, cands, every, needed=True, peak=peak,
+                                        note=note, checkpoints=checkpoints,
+                                        checkpointed=ck_chosen, freed_peak=floor),
+                    resharded_bytes=resharded[1])
+            if ck_floor < min(floor, lowest[1]):
+                raise refuse(ck_floor, ck_plan, cands, len(checkpoints))
     if floor > budget_bytes:  # refused, naming the lowest peak of the levers' extremes
         if lowest[1] < floor:
             raise refuse(lowest[1], lowest[0])
@@ -569,6 +598,38 @@ def block_estimates(probe: fx.GraphModule, blocks: list[Block], group: str,
         forward_ns = agree_on_largest(group, region.check_index, f"{tag}/ns",
                                       int(recompute.forward_seconds(probe, b, profile) * 1e9))
         out[b.name] = (freed, saved, forward_ns * 1e-9)
+    return out
+
+
+def checkpoint_candidates(probe: fx.GraphModule, blocks: list[Block],
+                          cands: list[recompute.RecomputeCandidate],
+                          estimates: dict[str, tuple[int, int, float]], link: HostLink,
+                          group: str, region: SearchRegion, tag_prefix: str = ""
+                          ) -> list[recompute.RecomputeCandidate]:
+    """The recomputed candidates (``cands`` not offloaded) whose checkpoints may be offloaded
+    too: each priced as the offload lever prices a block's values
+    (``shardc.planning.offload.offload_seconds``: the copies' part not hidden behind the
+    block's forward, and behind twice it for the prefetch), on its checkpoint's bytes
+    (``shardc.passes.recompute.checkpoint_bytes``, the largest over the ranks: one store
+    exchange per block)."""
+    local = checkpoint_bytes(blocks, compute_device_type(probe.graph))
+    by_name = {b.name: b for b in blocks}
+    out = []
+    for c in cands:
+        if c.offload:
+            continue
+        nbytes = agree_on_largest(group, region.check_index,
+                                  f"{tag_prefix}block{by_name[c.block].position}/checkpoint",
+                                  local.get(c.block, 0))
+        if nbytes <= 0:
+            continue
+        forward_s = estimates[c.block][2]
+        d2h = link.copy_seconds(nbytes, to_device=False)
+        h2d = link.copy_seconds(nbytes, to_device=True)
+        exposed = offload_lever.offload_seconds(d2h, forward_s, h2d)
+        out.append(recompute.RecomputeCandidate(
+            c.block, c.kind, c.position, exposed, nbytes, offload=True, forward_s=forward_s,
+            copy_s=max(d2h, h2d), offload_s=exposed))
     return out
 
 

@@ -7,6 +7,9 @@ from dataclasses import asdict, dataclass, fields
 
 from shardc.planning import optimizer_kind
 
+# ``activation_offload`` entries naming a block to recompute with its checkpoint offloaded.
+CHECKPOINT_PREFIX = "checkpoint:"
+
 
 @dataclass(frozen=True)
 class ShardcOptions:
@@ -50,7 +53,11 @@ class ShardcOptions:
         the cost model underrates the host link; tests and benchmarks). A tuple of block
         names (``("layers.0", "layers.1")``, or ``("*",)`` for every block): offload exactly
         those blocks' saved activations, without a budget (refused with one: the planner
-        chooses there).
+        chooses there). An entry ``"checkpoint:<block>"`` (``"checkpoint:*"``: every block
+        that can be recomputed) recomputes that block in the backward and offloads what it
+        still saves, its checkpoint (its input hidden state), to host memory: the combined
+        lever the planner turns to under a budget where recomputing every block is not enough
+        (docs/memory_budget.md); forced here for tests and benchmarks.
     optimizer_offload: the peak budget's last lever (``shardc.planning.optimizer_offload``,
         docs/memory_budget.md): the optimizer's state and step on the host, as
         ``OffloadPolicy(params=False, optimizer=True)`` does, for every parameter of the
@@ -171,7 +178,7 @@ class ShardcOptions:
                     f"block names (('*',): every block), got {value!r}")
             return
         if not isinstance(value, (tuple, list)) or not value \
-                or not all(isinstance(v, str) and v for v in value):
+                or not all(isinstance(v, str) and v and v != CHECKPOINT_PREFIX for v in value):
             raise ValueError(
                 "shardc: activation_offload must be 'auto', 'never', 'prefer' or a non-empty "
                 f"tuple of block names (('*',): every block), got {value!r}")
@@ -212,9 +219,18 @@ class ShardcOptions:
 
     def forced_offload(self) -> tuple[str, ...]:
         """The blocks whose saved activations are offloaded without a budget (none unless
-        ``activation_offload`` names blocks)."""
+        ``activation_offload`` names blocks; ``"checkpoint:"`` entries left out)."""
         value = self.activation_offload
-        return () if isinstance(value, str) else value
+        return () if isinstance(value, str) else tuple(
+            v for v in value if not v.startswith(CHECKPOINT_PREFIX))
+
+    def forced_checkpoint_offload(self) -> tuple[str, ...]:
+        """The blocks recomputed with their checkpoint offloaded without a budget (the names
+        of ``activation_offload``'s ``"checkpoint:<block>"`` entries; ``"*"``: every block that
+        can be recomputed)."""
+        value = self.activation_offload
+        return () if isinstance(value, str) else tuple(
+            v[len(CHECKPOINT_PREFIX):] for v in value if v.startswith(CHECKPOINT_PREFIX))
 
     @classmethod
     def from_kwargs(cls, options: dict) -> ShardcOptions:

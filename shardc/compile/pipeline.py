@@ -384,8 +384,11 @@ def partition_and_plan(gm: fx.GraphModule, joint_inputs: Sequence[object], optio
             else:
                 inputs = search_inputs(gm, joint_inputs, options, region, kwargs)
             decided = budget_search.choose_under_budget(inputs, options, region)
+    # A block both recomputed and offloaded: recomputed, its checkpoint offloaded.
     recomputed = set(decided.recomputed) if decided is not None else set()
-    offloaded = set(decided.offloaded) if decided is not None else set(options.forced_offload())
+    offloaded = (set(decided.offloaded) | set(decided.checkpoint_offloaded)
+                 if decided is not None else set(options.forced_offload()))
+    forced_checkpoints = set(options.forced_checkpoint_offload()) if decided is None else set()
     # The chosen configuration's partition, as a trial made it (the same steps on a copy of
     # the same joint graph), unless the caller wants the partitioned graphs themselves.
     start = time.perf_counter()
@@ -400,18 +403,29 @@ def partition_and_plan(gm: fx.GraphModule, joint_inputs: Sequence[object], optio
             keep_gathered(gm.graph, kept_params(decided))
         with progress.stage(region.index, "joint passes + partition"):
             region.fp8 = joint_passes(gm.graph)
-            blocks = region_blocks(gm, region, kwargs) if recomputed or offloaded else []
+            blocks = (region_blocks(gm, region, kwargs)
+                      if recomputed or offloaded or forced_checkpoints else [])
+            if forced_checkpoints:  # recomputed, their checkpoints offloaded
+                checkpointed = {b.name for b in blocks if not b.excluded and (
+                    "*" in forced_checkpoints or b.name in forced_checkpoints)}
+                recomputed |= checkpointed
+                offloaded |= checkpointed
             if recomputed:
                 recompute_blocks(gm, blocks, recomputed)
             gm.recompile()
             fw, bw = partition(gm, joint_inputs, **kwargs)
-        done = offload_activations(fw, bw, kwargs["num_fwd_outputs"], blocks, offloaded)
+        done = offload_activations(fw, bw, kwargs["num_fwd_outputs"], blocks, offloaded,
+                                   recomputed)
     if decided is not None and decided.prefetch is not None:
         options = with_depth(options, decided.prefetch.depth)
     plan = plan_and_lower(fw, bw, options, region, budget=decided)
-    if offloaded and decided is None:
-        left = left_on_host(fw, kwargs["num_fwd_outputs"], blocks, offloaded)
-        plan.notes.append(forced_offload_note(done, blocks, offloaded, left))
+    if forced_checkpoints:
+        plan.notes.append(forced_checkpoint_note(done, blocks, forced_checkpoints, recomputed))
+    plain = set(options.forced_offload())
+    if plain and decided is None:
+        left = left_on_host(fw, kwargs["num_fwd_outputs"], blocks, plain)
+        plan.notes.append(forced_offload_note([v for v in done if v.group not in recomputed],
+                                              blocks, plain, left))
     return fw, bw
 
 
@@ -449,7 +463,7 @@ def search_inputs(gm: fx.GraphModule, joint_inputs: Sequence[object], options: S
             recompute_blocks(joint, found, set(key[1]))
         joint.recompile()
         fw, bw = partition(joint, joint_inputs, record=False, **kwargs)
-        offload_activations(fw, bw, kwargs["num_fwd_outputs"], found, set(key[2]))
+        offload_activations(fw, bw, kwargs["num_fwd_outputs"], found, set(key[2]), set(key[1]))
         if _SHARE_PARTITIONS:
             partitions[key] = (fp8, fw, bw)
         return fp8, fw, bw
@@ -504,13 +518,15 @@ def search_inputs(gm: fx.GraphModule, joint_inputs: Sequence[object], options: S
 
 
 def offload_activations(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int,
-                        blocks: Sequence[Block], names: set[str]) -> list[OffloadedValue]:
+                        blocks: Sequence[Block], names: set[str],
+                        recomputed: Collection[str] = ()) -> list[OffloadedValue]:
     """Offload the saved activations of the blocks named ``names`` (``"*"``: all) from the
-    partitioned graphs (``shardc.passes.offload_saved``), before they are planned."""
+    partitioned graphs (``shardc.passes.offload_saved``), before they are planned; of those
+    also ``recomputed``, their checkpoints (``block_groups``)."""
     if not names:
         return []
     return offload_saved(fw, bw, num_fwd_outputs,
-                         block_groups(fw, num_fwd_outputs, blocks, names))
+                         block_groups(fw, num_fwd_outputs, blocks, names, recomputed))
 
 
 def left_on_host(fw: fx.GraphModule, num_fwd_outputs: int, blocks: Sequence[Block],
@@ -536,6 +552,25 @@ def forced_offload_note(done: list[OffloadedValue], blocks: Sequence[Block],
             f"for the backward ({nbytes} B)"
             + (f"; {len(left)} saved value(s) not offloaded, {ALREADY_ON_HOST}: {list(left)}"
                if left else "")
+            + (f"; named but not blocks of this region: {absent}" if absent else "")
+            + ("; this region has no blocks (the children with parameters of an "
+               "nn.ModuleList of two or more, shardc.sharding.blocks)" if not blocks else ""))
+
+
+def forced_checkpoint_note(done: list[OffloadedValue], blocks: Sequence[Block],
+                           names: set[str], recomputed: set[str]) -> str:
+    """The plan's note on forced checkpoint offload (``activation_offload``'s
+    ``"checkpoint:<block>"`` entries): the blocks recomputed, their checkpoints offloaded."""
+    here = {b.name: b for b in blocks}
+    chosen = sorted(n for n in recomputed if n in here)
+    values = [v for v in done if v.group in recomputed]
+    absent = sorted(n for n in names if n != "*" and n not in here)
+    never = sorted(f"{n} ({here[n].excluded})" for n in names if n in here and here[n].excluded)
+    return (f"checkpoint offload (activation_offload 'checkpoint:'): {len(chosen)} block(s) "
+            f"{chosen} recomputed in the backward, {len(values)} saved value(s) of their "
+            f"checkpoints {sorted(v.name for v in values)} copied to the host in the forward "
+            f"and prefetched for the backward ({sum(v.nbytes for v in values)} B)"
+            + (f"; never recomputed, left as they were: {never}" if never else "")
             + (f"; named but not blocks of this region: {absent}" if absent else "")
             + ("; this region has no blocks (the children with parameters of an "
                "nn.ModuleList of two or more, shardc.sharding.blocks)" if not blocks else ""))

@@ -38,6 +38,13 @@ later pass (Inductor included). On a CPU mesh the "device" is the CPU:
 every copy is a separate tensor (the simulated mode of CPU offload), so CPU tests run the copies,
 CPU tensors included.
 
+**A recomputed block's checkpoint** (recompute and offload combined, the peak budget's lever
+after recomputing every block; ``block_groups``): a block both recomputed and offloaded saves
+nothing of its own but its input, which the partitioner saved for its recomputation (the
+previous block's boundary copy, or the embedding's output). That value is offloaded as
+above, grouped under the block that reads it: its copy is released one block later in the
+forward and prefetched one block ahead of that block's recomputation in the backward.
+
 Every node this pass inserts carries ``node.meta[ACTIVATION_COPY]`` (``"d2h"``, ``"h2d"``,
 ``"wait"`` or ``"release"``), the backward's host placeholders ``"host"``, and
 ``node.meta[ACTIVATION_GROUP]`` (the group): the planner (``shardc.planning.graph_view``,
@@ -56,7 +63,7 @@ from torch import fx
 from shardc.ops.offload_copy import COPY_RELEASE_OP, COPY_START_OP, COPY_WAIT_OP
 from shardc.passes.fx_utils import call, tensor_nbytes
 from shardc.passes.host_resident import compute_device_type, on_host
-from shardc.passes.recompute import Block
+from shardc.passes.recompute import Block, checkpoint_inputs
 
 __all__ = ["ACTIVATION_COPY", "ACTIVATION_GROUP", "OffloadedValue", "activation_role",
            "block_groups", "offload_saved", "offloadable_saved", "saved_on_host", "saved_values"]
@@ -233,12 +240,26 @@ def _prefetch(bw: fx.GraphModule, hosts: list[fx.Node]) -> None:
 
 
 def block_groups(fw: fx.GraphModule, num_fwd_outputs: int, blocks: Sequence[Block],
-                 names: Iterable[str]) -> dict[str, str]:
+                 names: Iterable[str], recomputed: Iterable[str] = ()) -> dict[str, str]:
     """Forward node name -> block name, for the offloadable saved values of the blocks named
     ``names`` (``"*"``: every block). ``blocks``: ``shardc.passes.recompute.find_blocks`` on
-    the joint graph this forward was partitioned from (the partitioner keeps node names)."""
+    the joint graph this forward was partitioned from (the partitioner keeps node names).
+
+    A block named in both ``names`` and ``recomputed`` (recomputed in the backward, its
+    checkpoint offloaded) saves no value of its own but its **checkpoint**: the activations it
+    reads that no other block reads (``shardc.passes.recompute.checkpoint_inputs``, read on
+    that joint graph after ``recompute_blocks``: its input hidden state, the previous block's
+    boundary copy or the embedding's output), which the partitioner saved for its
+    recomputation. Those are grouped under the block that reads them (the backward reads them
+    first where it recomputes that block, so they are prefetched one block ahead of it like an
+    offloaded block's values), ahead of any other group a value would have."""
     names = set(names)
-    members = {n.name: b.name for b in blocks if "*" in names or b.name in names
-               for n in b.nodes}
+    recomputed = set(recomputed)
+    chosen = [b for b in blocks if "*" in names or b.name in names]
+    members = {n.name: b.name for b in chosen for n in b.nodes}
+    ckpt = [b for b in chosen if b.name in recomputed]
+    if ckpt:
+        inputs = checkpoint_inputs(blocks)
+        members.update({n.name: b.name for b in ckpt for n in inputs[b.name]})
     return {n.name: members[n.name] for n in offloadable_saved(fw, num_fwd_outputs)
             if n.name in members}

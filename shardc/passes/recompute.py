@@ -48,7 +48,8 @@ from shardc.passes.fx_utils import (
 )
 from shardc.passes.host_resident import compute_device_type, host_bytes
 
-__all__ = ["RECOMPUTE_BASE_ID", "Block", "find_blocks", "forward_nodes", "recompute_blocks"]
+__all__ = ["RECOMPUTE_BASE_ID", "Block", "checkpoint_inputs", "find_blocks", "forward_nodes",
+           "recompute_blocks"]
 
 # The activation-checkpoint ids of blocks shardc recomputes: above the user's regions' (small
 # integers), below OUTSIDE_CHECKPOINT_ID (shardc's re-gathered weights, which a recomputed block
@@ -211,6 +212,38 @@ def find_blocks(gm: fx.GraphModule, num_fwd_outputs: int, body_blocks: Sequence[
     device_type = compute_device_type(gm.graph)
     return [_describe(name, kind, i, nodes, fwd, why, device_type)
             for i, (_, name, kind, nodes, why) in enumerate(found)]
+
+
+def checkpoint_inputs(blocks: Sequence[Block]) -> dict[str, list[fx.Node]]:
+    """Per block: its **checkpoint**, the activations it reads from outside that no other block
+    reads (not weights: parameters and gathered weights), in graph order. What a recomputed
+    block still saves (the partitioner saves a recomputed region's inputs): its input hidden
+    state, made by the block before it (its boundary copy, :func:`recompute_blocks`) or by the
+    embedding. Values several blocks read (a rotary table, a mask) belong to none: small, and
+    read first by the block read last in the backward. Read from the blocks' nodes as the graph
+    is now: after :func:`recompute_blocks`, the boundary copies; before, the outputs they
+    copy (the same bytes)."""
+    readers: dict[fx.Node, set[str]] = {}
+    for block in blocks:
+        inside = set(block.nodes)
+        for node in block.nodes:
+            for i in node.all_input_nodes:
+                if i not in inside and not _is_weight(i) and i.op != "get_attr":
+                    readers.setdefault(i, set()).add(block.name)
+    out: dict[str, list[fx.Node]] = {b.name: [] for b in blocks}
+    for node, names in readers.items():
+        if len(names) == 1:
+            out[next(iter(names))].append(node)
+    order = {n: i for i, n in enumerate(blocks[0].nodes[0].graph.nodes)} if blocks else {}
+    return {name: sorted(nodes, key=order.__getitem__) for name, nodes in out.items()}
+
+
+def checkpoint_bytes(blocks: Sequence[Block], device_type: str = "cpu") -> dict[str, int]:
+    """Per block: the device bytes of its checkpoint (:func:`checkpoint_inputs`), what
+    offloading a recomputed block's checkpoint frees (values already on the host left out)."""
+    return {name: sum(tensor_nbytes(n.meta.get("val")) - host_bytes(n, device_type)
+                      for n in nodes)
+            for name, nodes in checkpoint_inputs(blocks).items()}
 
 
 def recompute_blocks(gm: fx.GraphModule, blocks: Sequence[Block], names: set[str]) -> int:

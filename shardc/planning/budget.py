@@ -177,12 +177,14 @@ def with_margin(decided: MemoryBudget, budget: int, margin: float) -> MemoryBudg
 
 def refuse_below_minimum(budget: int, minimum: int, plan: Plan, *, recomputed: int = 0,
                          offloaded: int = 0, margin: float = 0.0,
-                         resharded: int | None = None) -> MemoryBudgetError:
+                         resharded: int | None = None, checkpoints: int = 0
+                         ) -> MemoryBudgetError:
     """The error for a budget whose planned-for bytes (``budget`` less the ``margin`` for the
     prediction's error, :func:`planned_for`) are below the feasible minimum (the peak of
     ``plan``: the fully resharded plan with every one of its ``recomputed`` candidate blocks
-    recomputed or, where lower, the fully resharded or fully kept plan), naming the smallest
-    budget accepted (the minimum plus the margin) and the minimum's largest terms."""
+    recomputed (and ``checkpoints`` of them with their checkpoints offloaded) or, where lower,
+    the fully resharded or fully kept plan), naming the smallest budget accepted (the minimum
+    plus the margin) and the minimum's largest terms."""
     at = plan.memory_by_category.get("peak") or {}
     terms = sorted(((int(v), c) for c, v in (at.get("bytes") or {}).items() if v),
                    reverse=True)
@@ -204,7 +206,9 @@ def refuse_below_minimum(budget: int, minimum: int, plan: Plan, *, recomputed: i
         + (f" and every block that can be recomputed ({recomputed}) recomputed in the backward"
            if recomputed else "")
         + (f" and every block that can be offloaded ({offloaded}) offloaded to host memory"
-           if offloaded else "") + "; the peak is in the "
+           if offloaded else "")
+        + (f" and the checkpoints of those recomputed ({checkpoints}) offloaded to host memory"
+           if checkpoints else "") + "; the peak is in the "
         f"{where}: {parts}" + (f"; its largest values: {largest}" if largest else "")
         + ". Raise the budget, or lower what dominates (a smaller batch or sequence, "
         "more ranks" + ("" if recomputed or offloaded else ", activation checkpointing")

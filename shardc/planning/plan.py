@@ -61,6 +61,10 @@ PLAN_VERSION = 5
 # those: ``OptimizerDecision.host_params`` and ``buckets`` (a plan without them reads with every
 # parameter's state on the host, as it was planned, and hashes as before: the parameters enter
 # the hash only for a partial choice) and ``Predictions.optimizer_host_param_bytes``.
+# ``BlockDecision.checkpoint_offloaded``, ``checkpoint_bytes``, ``checkpoint_ms`` and
+# ``checkpoint_copy_ms`` (a recomputed block's checkpoint offloaded to the host) came later still
+# within version 5, optional like those: a plan without them reads as offloading no checkpoint
+# and hashes as before (the blocks enter the hash only when there is one).
 # ``Plan.fused_loss`` (:class:`FusedLossDecision`: whether the output projection and
 # cross-entropy were fused into the chunked op, with the tokens per chunk, bytes, predicted
 # time and why) came later still within version 5, optional like those: a plan without it reads
@@ -391,7 +395,14 @@ class BlockDecision:
     (``bytes``: the saved bytes offloaded); ``offload_ms``: the predicted time the copies add
     to the step (their part not hidden behind compute on the copy lane), ``copy_ms``: one
     copy's predicted time (each way, on the copy lane). Both 0 where offload was not priced
-    (plans made before it, and ``activation_offload='never'``)."""
+    (plans made before it, and ``activation_offload='never'``).
+
+    ``checkpoint_offloaded`` (recompute and offload combined; ``recomputed`` is then True too):
+    what the recomputed block still saves, its checkpoint (its input hidden state), is copied
+    to host memory in the forward and prefetched back one block ahead of its recomputation;
+    ``checkpoint_bytes``: the checkpoint's bytes (what that frees besides ``bytes``);
+    ``checkpoint_ms``: the copies' predicted time not hidden by compute, ``checkpoint_copy_ms``:
+    one copy's. All 0/False in plans made before it."""
 
     block: str
     kind: str
@@ -402,6 +413,10 @@ class BlockDecision:
     offloaded: bool = False
     offload_ms: float = 0.0
     copy_ms: float = 0.0
+    checkpoint_offloaded: bool = False
+    checkpoint_bytes: int = 0
+    checkpoint_ms: float = 0.0
+    checkpoint_copy_ms: float = 0.0
 
 
 @dataclass
@@ -572,6 +587,12 @@ class MemoryBudget:
         """Names of the blocks whose saved activations are offloaded to host memory."""
         return [d.block for d in self.blocks if d.offloaded]
 
+    @property
+    def checkpoint_offloaded(self) -> list[str]:
+        """Names of the recomputed blocks whose checkpoints (what they still save: their
+        input) are offloaded to host memory."""
+        return [d.block for d in self.blocks if d.checkpoint_offloaded]
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> MemoryBudget:
         data = dict(data)
@@ -653,6 +674,8 @@ class Plan:
         out = (b.budget_bytes, b.kept, recomputed) if recomputed else (b.budget_bytes, b.kept)
         out = out + (("margin", b.margin_bytes),) if b.margin_bytes else out
         out = out + (("offloaded", b.offloaded),) if b.offloaded else out
+        checkpoints = b.checkpoint_offloaded
+        out = out + (("checkpoints_offloaded", checkpoints),) if checkpoints else out
         out = out + (("prefetch", b.prefetch.depth),) if b.prefetch is not None else out
         out = out + (("optimizer_on_host", True),) if b.optimizer_on_host else out
         partial = b.optimizer is not None and b.optimizer.partial

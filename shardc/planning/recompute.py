@@ -120,12 +120,18 @@ def choose(cands: Sequence[RecomputeCandidate], budget: int, start: int, floor: 
 
 def decisions(blocks: Sequence[Block], cands: Sequence[RecomputeCandidate],
               chosen: Sequence[str], *, needed: bool, peak: int = 0,
-              note: str = "") -> list[BlockDecision]:
+              note: str = "", checkpoints: Sequence[RecomputeCandidate] = (),
+              checkpointed: Sequence[str] = (), freed_peak: int = 0) -> list[BlockDecision]:
     """One decision per block, in graph order, with its reason. ``needed``: the fully
     resharded plan exceeded the budget (else nothing is recomputed); ``note``: appended to the
-    reasons of the recomputed blocks (why not offloaded)."""
+    reasons of the recomputed blocks (why not offloaded). ``checkpoints``: where every
+    candidate freed was not enough (``freed_peak``: that plan's peak), the recomputed blocks
+    whose checkpoints may be offloaded (each a candidate of its checkpoint's bytes and exposed
+    copy time), ``checkpointed`` those offloaded."""
     by_name = {c.block: c for c in cands}
     order = [c.block for c in rank(cands)]
+    ck = {c.block: c for c in checkpoints}
+    ck_order = [c.block for c in rank(checkpoints)]
     out = []
     for b in blocks:
         c = by_name.get(b.name)
@@ -160,8 +166,24 @@ def decisions(blocks: Sequence[Block], cands: Sequence[RecomputeCandidate],
             reason = (f"saved: ranked {order.index(b.name) + 1} of {len(order)} "
                       f"({c.ratio * 1e3 * _MiB:.4f} ms/MiB); the blocks ranked before it "
                       "already bring the peak within the budget")
+        k = ck.get(b.name)
+        if k is not None and b.name in checkpointed:
+            reason += (f"; its checkpoint (~{k.nbytes / _MiB:.2f} MiB: its input, what it still "
+                       "saves) offloaded to the host, because every block freed left the "
+                       f"predicted peak at {freed_peak / _MiB:.1f} MiB, over the budget: "
+                       f"{k.copy_s * 1e3:.3f} ms each way on the copy lane, "
+                       f"{k.offload_s * 1e3:.3f} ms not hidden by compute (rank "
+                       f"{ck_order.index(b.name) + 1} of {len(ck_order)} by ms per MiB)")
+        elif k is not None:
+            reason += (f"; its checkpoint (~{k.nbytes / _MiB:.2f} MiB) stays on the device: "
+                       f"ranked {ck_order.index(b.name) + 1} of {len(ck_order)}, the "
+                       "checkpoints ranked before it already bring the peak within the budget")
         out.append(BlockDecision(
             b.name, b.kind, b.name in chosen and not offloaded, cost_ms, nbytes, reason,
             offloaded=offloaded, offload_ms=c.offload_s * 1e3 if c else 0.0,
-            copy_ms=c.copy_s * 1e3 if c else 0.0))
+            copy_ms=c.copy_s * 1e3 if c else 0.0,
+            checkpoint_offloaded=k is not None and b.name in checkpointed,
+            checkpoint_bytes=k.nbytes if k else 0,
+            checkpoint_ms=k.offload_s * 1e3 if k else 0.0,
+            checkpoint_copy_ms=k.copy_s * 1e3 if k else 0.0))
     return out

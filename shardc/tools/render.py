@@ -290,6 +290,8 @@ def budget_lines(plan: Plan) -> list[str]:
                      f"saves {d.saved_ms:.3f} ms, costs {_fmt_bytes(d.bytes)}: {d.reason}")
     if b.blocks:
         offloaded = (f", {len(b.offloaded)} offloaded to host memory" if b.offloaded else "")
+        offloaded += (f", {len(b.checkpoint_offloaded)} of them with their checkpoints "
+                      "offloaded to host memory" if b.checkpoint_offloaded else "")
         lines.append(f"  {len(b.recomputed)} of {len(b.blocks)} block(s) recomputed in the "
                      f"backward{offloaded}" + (f" (fully resharded plan without recompute: "
                                    f"{_fmt_bytes(b.resharded_bytes)})" if b.resharded_bytes
@@ -297,8 +299,9 @@ def budget_lines(plan: Plan) -> list[str]:
     for d in b.blocks:
         lines.append(f"  block {d.block} ({d.kind}): "
                      f"{_block_lever(d)}, costs "
-                     f"{d.offload_ms if d.offloaded else d.cost_ms:.3f} ms, "
-                     f"frees {_fmt_bytes(d.bytes)}: {d.reason}")
+                     f"{_block_ms(d):.3f} ms, "
+                     f"frees {_fmt_bytes(d.bytes + d.checkpoint_bytes * d.checkpoint_offloaded)}"
+                     f": {d.reason}")
     if b.prefetch is not None:
         p = b.prefetch
         lines.append(f"  prefetch depth {p.depth} (options: {p.default_depth}): predicted step "
@@ -316,12 +319,23 @@ def budget_lines(plan: Plan) -> list[str]:
 
 
 def _freed(b) -> str:
-    """How the budget's minimum frees activations: every block recomputed or offloaded."""
-    return ", every block recomputed or offloaded" if b.offloaded else ", every block recomputed"
+    """How the budget's minimum frees activations: every block recomputed or offloaded (and
+    the recomputed ones' checkpoints offloaded, where the planner went that far)."""
+    out = ", every block recomputed or offloaded" if b.offloaded else ", every block recomputed"
+    return out + (" and checkpoints offloaded" if b.checkpoint_offloaded else "")
 
 
 def _block_lever(d) -> str:
+    if d.checkpoint_offloaded:
+        return "recomputed, checkpoint offloaded"
     return "offloaded" if d.offloaded else "recomputed" if d.recomputed else "saved"
+
+
+def _block_ms(d) -> float:
+    """What the block's lever costs: the exposed copies (offloaded), its forward (recomputed),
+    plus its checkpoint's exposed copies where those are offloaded."""
+    return (d.offload_ms if d.offloaded else d.cost_ms) + (
+        d.checkpoint_ms if d.checkpoint_offloaded else 0.0)
 
 
 def plan_table(plan: Plan, *, wide: bool = False, width: int = NARROW_WIDTH,
