@@ -58,7 +58,7 @@ def setup_shardc(model: Transformer, mesh, loss_in_graph: bool, compile_mode: st
                     "budget_bytes": b.budget_bytes, "minimum_bytes": b.minimum_bytes,
                     "peak_bytes": b.peak_bytes, "trials": b.trials, "kept": b.kept,
                     "buckets": len(b.decisions), "recomputed": b.recomputed,
-                    "offloaded": b.offloaded,
+                    "offloaded": b.offloaded, "checkpoint_offloaded": b.checkpoint_offloaded,
                     "blocks": len(b.blocks), "resharded_bytes": b.resharded_bytes,
                     "margin_bytes": b.margin_bytes, "margin_fraction": b.margin_fraction}
         out: dict[str, Any] = {"regions": regions, "n_regions": len(plans)}
