@@ -37,8 +37,12 @@ ROWS = (
     ("  Dynamo: build guards", "_dynamo/guards.py", "build_guards"),
     ("  backend (AOTAutograd + shardc + Inductor)", "_dynamo/output_graph.py",
      "call_user_compiler"),
+    ("    AOTAutograd: metadata pass (create_aot_state)", "_functorch/aot_autograd.py",
+     "create_aot_state"),
     ("    AOTAutograd: joint graph capture", "_aot_autograd/graph_capture.py",
      "aot_dispatch_autograd_graph"),
+    ("      of which: DTensor inputs' second metadata pass", "graph_capture_wrappers.py",
+     "aot_dispatch_subclass"),
     ("    AOTAutograd: invoke_subgraph gen_schema", "_higher_order_ops/invoke_subgraph.py",
      "gen_schema"),
     ("    shardc partitioner (all passes)", "shardc/compile/backend.py", "__call__"),
@@ -48,7 +52,8 @@ ROWS = (
 )
 
 
-def _run(rank: int, world: int, blocks: int, inductor: bool, out: str, port: int) -> None:
+def _run(rank: int, world: int, blocks: int, inductor: bool, out: str, port: int,
+         plain_inputs: bool = False) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
@@ -63,7 +68,7 @@ def _run(rank: int, world: int, blocks: int, inductor: bool, out: str, port: int
     cfg = model_config("1b", 32, True, blocks)
     data = synthetic_batches(1, 2, 32, cfg.vocab_size, rank, cpu)
     setup = setup_shardc(build_model(cfg, cpu), bench_mesh.build_mesh("cpu", world, None, 1),
-                         True, inductor=inductor)
+                         True, plain_inputs=plain_inputs, inductor=inductor)
     opt = torch.optim.AdamW(setup.params, lr=1e-4)
     profile = cProfile.Profile(time.process_time) if rank == 0 else None
     if profile is not None:
@@ -88,6 +93,8 @@ def main() -> None:
     p.add_argument("--blocks", type=int, nargs="+", default=[4, 16])
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--inductor", action="store_true")
+    p.add_argument("--plain-inputs", action="store_true",
+                   help="shardc.shard(..., plain_inputs=True): no DTensor region inputs")
     p.add_argument("--out", default=None, help="keep the profiles here")
     args = p.parse_args()
     out_dir = Path(args.out or tempfile.mkdtemp(prefix="shardc_profile_"))
@@ -97,7 +104,8 @@ def main() -> None:
         out = str(out_dir / f"blocks{blocks}_world{args.world}.prof")
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="shardc_inductor_")
         mp.spawn(_run, args=(args.world, blocks, args.inductor, out,
-                             29500 + (os.getpid() + blocks) % 2000), nprocs=args.world)
+                             29500 + (os.getpid() + blocks) % 2000, args.plain_inputs),
+                 nprocs=args.world)
         stats = pstats.Stats(out)
         results[blocks] = [_cumulative(stats, suffix, name) for _, suffix, name in ROWS]
     print(f"{'':48s}" + "".join(f"{f'{b} blocks':>22s}" for b in args.blocks))
