@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -320,6 +321,13 @@ _DTENSOR = _dtensor_new()
 def dtensor_local(t) -> torch.Tensor:
     """The local tensor a DTensor wraps (``_local_tensor``), without ``to_local``'s autograd."""
     return t._local_tensor
+
+
+# :func:`dtensor_local` as a C-level callable (no Python frame): for per-parameter loops that run
+# every step (``shardc.optim.local_step``). Unlike ``DTensor.to_local()`` it never makes a view:
+# under no_grad torch 2.11's ``to_local()`` returns ``_local_tensor`` itself, as this always does,
+# while torch 2.13's returns a fresh view flagged ``_is_param`` for a parameter.
+dtensor_local_fast: Callable[[Any], torch.Tensor] = operator.attrgetter("_local_tensor")
 
 
 def has_grad_hooks(t: torch.Tensor) -> bool:
