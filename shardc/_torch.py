@@ -541,20 +541,24 @@ def dynamo_inlines_single_use_subgraphs() -> bool:
                 or getattr(config, "inline_invoke_subgraph", False))
 
 
-def cached_guards(code) -> list[tuple[str, str]]:
+def cached_guards(code, every_part: bool = False) -> list[tuple[str, str]]:
     """The leaf guards of every cache entry Dynamo holds for ``code`` (a compiled function's
     ``__code__``): (kind, the guard's text), e.g. ``("EQUALS_MATCH", "...")``; for the guard
-    census (docs/overhead.md, "Guards per step") and the tests that bound it."""
+    census (docs/overhead.md, "Guards per step") and the tests that bound it. A guard's text is
+    its first code part; ``every_part``: one entry per code part instead (a lambda guard that
+    checks several things, e.g. Dynamo's object-aliasing epilogue, one ``a is b`` per part)."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    def kind(guard) -> tuple[str, str]:
+    def kinds(guard) -> list[tuple[str, str]]:
         parts = guard.verbose_code_parts()
-        return type(guard).__name__, parts[0] if parts else ""
+        if every_part:
+            return [(type(guard).__name__, part) for part in parts]
+        return [(type(guard).__name__, parts[0] if parts else "")]
 
     found: list[tuple[str, str]] = []
 
     def walk(mgr) -> None:
-        found.extend(kind(g) for g in mgr.get_leaf_guards())
+        found.extend(k for g in mgr.get_leaf_guards() for k in kinds(g))
         if hasattr(mgr, "get_key_value_managers"):  # dict managers: their keys and values
             for key_mgr, value_mgr in mgr.get_key_value_managers().values():
                 for sub in (key_mgr, value_mgr):
@@ -566,7 +570,8 @@ def cached_guards(code) -> list[tuple[str, str]]:
     for entry in _debug_get_cache_entry_list(code):
         root = entry.guard_manager.root
         walk(root)
-        found.extend(kind(g) for g in getattr(root, "get_epilogue_lambda_guards", list)())
+        found.extend(k for g in getattr(root, "get_epilogue_lambda_guards", list)()
+                     for k in kinds(g))
     return found
 
 
