@@ -30,12 +30,17 @@ for _path in (_BENCHMARKS.parent, _BENCHMARKS):
         sys.path.insert(0, str(_path))
 
 from train.provenance import git_describe, launch_command  # noqa: E402
+from train.setup import swap_param_reads  # noqa: E402
 from train.workload import build_model, model_config  # noqa: E402
 
 import shardc  # noqa: E402
 
 PHASES = ("forward", "backward", "optimizer.step", "zero_grad")
-VARIANTS = {"shardc": False, "shardc-plain": True}
+# name -> (plain_inputs, shardc.optim.local_shard_step); "bound": no shardc (replicated
+# parameters read as bf16, Inductor, no communication: benchmarks/train/baselines.py).
+VARIANTS = {"shardc": (False, False), "shardc-plain": (True, False),
+            "shardc-local": (False, True), "shardc-plain-local": (True, True),
+            "bound": None}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -46,6 +51,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--fx", action="store_true", help="the FX backend instead of Inductor")
+    p.add_argument("--variants", nargs="+", choices=tuple(VARIANTS),
+                   default=["shardc", "shardc-plain"],
+                   help="the models built and stepped in turn (default: with and without "
+                        "plain_inputs)")
+    p.add_argument("--foreach", action="store_true",
+                   help="AdamW(foreach=True), torch's choice on GPUs (on CPU: per tensor)")
     p.add_argument("--out", default=None)
     p.add_argument("--name", default="host_ab")
     return p.parse_args(argv)
@@ -74,11 +85,20 @@ def main(argv=None) -> None:
     cfg = model_config("1b", args.seq, True, args.n_layers, args.width)
     mp = shardc.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     runs = {}
-    for name, plain in VARIANTS.items():
+    for name in args.variants:
         model = build_model(cfg, torch.device("cpu"))
-        shardc.shard(model, mp_policy=mp, plain_inputs=plain)
-        compiled = torch.compile(model, backend=shardc.backend(inductor=not args.fx))
-        runs[name] = (compiled, torch.optim.AdamW(model.parameters(), lr=1e-4))
+        if VARIANTS[name] is None:
+            swap_param_reads(model, lambda p: p.to(torch.bfloat16))  # as setup_bound
+            compiled = torch.compile(model)
+        else:
+            shardc.shard(model, mp_policy=mp, plain_inputs=VARIANTS[name][0])
+            compiled = torch.compile(model, backend=shardc.backend(inductor=not args.fx))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4,
+                                **({"foreach": True} if args.foreach else {}))
+        if VARIANTS[name] is not None and VARIANTS[name][1]:
+            shardc.optim.local_shard_step(opt)
+        runs[name] = (compiled, opt)
+        n_params = sum(1 for _ in model.parameters())
     g = torch.Generator().manual_seed(1234 + dist.get_rank())
     tokens = torch.randint(0, cfg.vocab_size, (1, args.seq), generator=g)
     for compiled, opt in runs.values():
@@ -96,14 +116,15 @@ def main(argv=None) -> None:
                                                                        *argv]),
               "git": git_describe(), "torch": torch.__version__,
               "world": dist.get_world_size(), "n_layers": args.n_layers,
-              "n_param_tensors": sum(1 for _ in runs["shardc"][0].parameters()),
-              "backend": "fx" if args.fx else "inductor", "process_cpu_ms": rows}
+              "n_param_tensors": n_params,
+              "backend": "fx" if args.fx else "inductor", "foreach": args.foreach,
+              "process_cpu_ms": rows}
     if dist.get_rank() == 0:
         lines = [f"# {report['command']}", "",
                  f"cpu x {report['world']}, torch {report['torch']}, git {report['git']}, "
                  f"{args.n_layers} layers ({report['n_param_tensors']} parameters), "
-                 f"{report['backend']}; process CPU ms per phase, median of {args.steps} "
-                 "interleaved steps", "",
+                 f"{report['backend']}{', foreach AdamW' if args.foreach else ''}; process "
+                 f"CPU ms per phase, median of {args.steps} interleaved steps", "",
                  "| mode | " + " | ".join(PHASES) + " | step |",
                  "|---|" + "---|" * (len(PHASES) + 1)]
         for name, row in rows.items():

@@ -1,5 +1,6 @@
-"""Compile one training step of a small sharded Llama (4 blocks, one rank over gloo, CPU) with
-shardc's backend and count the guards Dynamo installs for it, by kind, then time their check
+"""Compile one training step of a small sharded Llama (4 blocks by default, ``--n-layers``; one
+rank over gloo, CPU) with shardc's backend (``--mode plain``: with plain inputs; ``--mode bound``:
+unsharded, Inductor) and count the guards Dynamo installs for it, by kind, then time their check
 (issue 20: the per-step guard evaluation). docs/overhead.md, "Guards per step", quotes both.
 
     PYTHONPATH=$PWD python scripts/guard_census.py
@@ -31,6 +32,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=1000, help="guard checks per repeat")
     parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--n-layers", type=int, default=4)
+    parser.add_argument("--mode", choices=("shardc", "plain", "bound"), default="shardc",
+                        help="shardc (default options); plain: shardc.shard(..., "
+                             "plain_inputs=True); bound: the unsharded model, parameters read "
+                             "as bf16 (benchmarks/train/baselines.py), Inductor")
     args = parser.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
@@ -38,14 +44,17 @@ def main() -> None:
     try:
         mesh = init_device_mesh("cpu", (1,))
         torch.manual_seed(0)
-        model = Transformer(LlamaConfig(dim=64, n_layers=4, n_heads=4, vocab_size=128,
-                                        max_seq_len=32))
-        shardc.shard(model, mesh)
+        model = Transformer(LlamaConfig(dim=64, n_layers=args.n_layers, n_heads=4,
+                                        vocab_size=128, max_seq_len=32))
+        if args.mode == "bound":
+            _swap_param_reads(model, lambda p: p.to(torch.bfloat16))
+        else:
+            shardc.shard(model, mesh, plain_inputs=args.mode == "plain")
 
         def fn(t, y):
             return llama_loss(model(t), y)
 
-        step = torch.compile(fn, backend="shardc")
+        step = torch.compile(fn, backend="inductor" if args.mode == "bound" else "shardc")
         tokens, targets = torch.randint(0, 128, (2, 16)), torch.randint(0, 128, (2, 16))
         step(tokens, targets).backward()
         guards = _torch.cached_guards(fn.__code__)
@@ -64,6 +73,15 @@ def main() -> None:
               f"min {min(per_call):.1f} ({args.repeats} x {args.calls} calls, thread CPU time)")
     finally:
         dist.destroy_process_group()
+
+
+def _swap_param_reads(module, read) -> None:
+    """The bound's parameter reads (benchmarks/train/setup.py ``swap_param_reads``)."""
+    for sub in module.modules():
+        names = [n for n, p in sub._parameters.items() if p is not None]
+        if names:
+            props = {n: property(lambda self, n=n: read(self._parameters[n])) for n in names}
+            sub.__class__ = type(f"Bound{type(sub).__name__}", (type(sub),), props)
 
 
 if __name__ == "__main__":

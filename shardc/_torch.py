@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import os
 import warnings
 from collections.abc import Callable, Iterator
@@ -323,6 +324,13 @@ def dtensor_local(t) -> torch.Tensor:
     return t._local_tensor
 
 
+# :func:`dtensor_local` as a C-level callable (no Python frame): for per-parameter loops that run
+# every step (``shardc.optim.local_step``). Unlike ``DTensor.to_local()`` it never makes a view:
+# under no_grad torch 2.11's ``to_local()`` returns ``_local_tensor`` itself, as this always does,
+# while torch 2.13's returns a fresh view flagged ``_is_param`` for a parameter.
+dtensor_local_fast: Callable[[Any], torch.Tensor] = operator.attrgetter("_local_tensor")
+
+
 def has_grad_hooks(t: torch.Tensor) -> bool:
     """Whether hooks were registered on ``t``'s gradient (``register_hook``) or on its
     accumulation (``register_post_accumulate_grad_hook``): private attributes of Tensor."""
@@ -545,20 +553,24 @@ def dynamo_inlines_single_use_subgraphs() -> bool:
                 or getattr(config, "inline_invoke_subgraph", False))
 
 
-def cached_guards(code) -> list[tuple[str, str]]:
+def cached_guards(code, every_part: bool = False) -> list[tuple[str, str]]:
     """The leaf guards of every cache entry Dynamo holds for ``code`` (a compiled function's
     ``__code__``): (kind, the guard's text), e.g. ``("EQUALS_MATCH", "...")``; for the guard
-    census (docs/overhead.md, "Guards per step") and the tests that bound it."""
+    census (docs/overhead.md, "Guards per step") and the tests that bound it. A guard's text is
+    its first code part; ``every_part``: one entry per code part instead (a lambda guard that
+    checks several things, e.g. Dynamo's object-aliasing epilogue, one ``a is b`` per part)."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    def kind(guard) -> tuple[str, str]:
+    def kinds(guard) -> list[tuple[str, str]]:
         parts = guard.verbose_code_parts()
-        return type(guard).__name__, parts[0] if parts else ""
+        if every_part:
+            return [(type(guard).__name__, part) for part in parts]
+        return [(type(guard).__name__, parts[0] if parts else "")]
 
     found: list[tuple[str, str]] = []
 
     def walk(mgr) -> None:
-        found.extend(kind(g) for g in mgr.get_leaf_guards())
+        found.extend(k for g in mgr.get_leaf_guards() for k in kinds(g))
         if hasattr(mgr, "get_key_value_managers"):  # dict managers: their keys and values
             for key_mgr, value_mgr in mgr.get_key_value_managers().values():
                 for sub in (key_mgr, value_mgr):
@@ -570,7 +582,8 @@ def cached_guards(code) -> list[tuple[str, str]]:
     for entry in _debug_get_cache_entry_list(code):
         root = entry.guard_manager.root
         walk(root)
-        found.extend(kind(g) for g in getattr(root, "get_epilogue_lambda_guards", list)())
+        found.extend(k for g in getattr(root, "get_epilogue_lambda_guards", list)()
+                     for k in kinds(g))
     return found
 
 

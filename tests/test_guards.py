@@ -85,10 +85,46 @@ def test_layout_check_and_parameter_reads_cost_guards_independent_of_block_depth
         assert len(census["key"]) == BLOCKS, census["key"]
         # The reads: nothing about the info, which cannot change once sharded.
         assert census["info"] == [], census["info"][:5]
-    # What a read still guards is a fixed number per parameter, at most: the ID of its code, its
-    # name, its gather constants (the dict's type; the entry's value, type and length) = 6 (plus
-    # the model's gradient-sync state, once). Before issue 20, also the info's type, fields and
-    # method and the plain flag: 12.
+    # What a read still guards is a fixed number per parameter, at most: its name, its gradient
+    # store's key, its gather constants (the dict's type; the entry's value, type and length)
+    # = 6 (plus the model's sync mode, once: test_parameter_reads_share_the_sync_mode_...).
+    # Before issue 20, also the info's type, fields and method and the plain flag: 12.
     added = deep["params"] - shallow["params"]
     per_param, rest = divmod(deep["closure"] - shallow["closure"], added)
     assert rest == 0 and per_param <= 6, (shallow, deep)
+
+
+def _llama_aliasing(rank: int, world: int) -> dict:
+    from shardc.models.llama import LlamaConfig, Transformer, llama_loss
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Transformer(LlamaConfig(dim=32, n_layers=2, n_heads=4, vocab_size=64,
+                                    max_seq_len=16))
+    shardc.shard(model)
+
+    def step(t, y):
+        return llama_loss(model(t), y)
+
+    compiled = torch.compile(step, backend=shardc.backend(inductor=False))
+    tokens = torch.randint(0, 64, (2, 8))
+    compiled(tokens, tokens).backward()
+    guards = [text.split("  #", 1)[0]
+              for _, text in _torch.cached_guards(step.__code__, every_part=True)]
+    return {"params": len(list(model.parameters())),
+            # Object-aliasing checks ("a is b", evaluated in Python at every call) between
+            # what two parameter reads' closures hold.
+            "closure_aliasing": [t for t in guards
+                                 if re.search(r"__closure__\[\d+\]\.cell_contents is ", t)],
+            "sync_mode": [t for t in guards if "_MODES[" in t]}
+
+
+def test_parameter_reads_share_the_sync_mode_without_aliasing_checks():
+    """Every parameter read consults the model's gradient-sync mode. Read from the state each
+    read's closure held, Dynamo checked at every call that all those closures hold the same
+    object (one Python ``is`` per parameter: 146 at 16 layers); read through the store's key
+    (``shardc.runtime.grad_sync.sync_mode``) it guards the mode once."""
+    census = run_ranks(_llama_aliasing, 1)[0]
+    assert census["params"] > 10, census
+    assert census["closure_aliasing"] == [], census["closure_aliasing"][:3]
+    assert len(census["sync_mode"]) >= 1, census

@@ -33,6 +33,7 @@ def pool_pack(out: torch.Tensor, tensors: list[torch.Tensor], rows: list[int], w
         for d in rest:
             row_numel *= d
         n = r * row_numel
+        # Padding is zeroed only where there is some (runs every step, once per tensor).
         if rank_major:
             dst = out[:, offset:offset + n].view(world, r, *rest)
             if t.shape[0] == r * world:
@@ -41,11 +42,15 @@ def pool_pack(out: torch.Tensor, tensors: list[torch.Tensor], rows: list[int], w
                 for w in range(world):
                     have = max(0, min(r, t.shape[0] - w * r))
                     dst[w, :have].copy_(t[w * r:w * r + have])
-                    dst[w, have:].zero_()
+                    if have < r:
+                        dst[w, have:].zero_()
         else:
             dst = out[offset:offset + n].view(r, *rest)
-            dst[:t.shape[0]].copy_(t)
-            dst[t.shape[0]:].zero_()
+            if t.shape[0] == r:
+                dst.copy_(t)
+            else:
+                dst[:t.shape[0]].copy_(t)
+                dst[t.shape[0]:].zero_()
         offset += n
     if divisor != 1:
         out.div_(divisor)
@@ -83,7 +88,8 @@ def pool_unpack(buffer: torch.Tensor, world: int, offsets: list[int], rows: list
         keep = shape[0]
         full = min(keep // r, world) if r else 0  # ranks whose rows are all kept
         if full:
-            dst[:full * r].view(full, r * row_numel).copy_(table[:full, off:off + r * row_numel])
+            rows_full = dst if full * r == shape[0] else dst[:full * r]
+            rows_full.view(full, r * row_numel).copy_(table[:full, off:off + r * row_numel])
         left = keep - full * r  # the rows kept of the next rank (padding dropped)
         if left:
             dst[full * r:].view(-1).copy_(table[full, off:off + left * row_numel])

@@ -8,9 +8,11 @@ same elementwise math on each rank's local shard.
 
 ``local_shard_step(optimizer)`` registers a step pre-hook and a step post-hook on the optimizer
 (torch's public hooks) so that *inside* ``optimizer.step()`` the optimizer sees, for each
-parameter, its local shard (``param.to_local()``, the same storage) with the local gradient, and
-the local tensors of its DTensor state. torch.optim's own code then picks its foreach or fused
-kernels over plain tensors, exactly as for an unsharded model. The post-hook puts everything back:
+parameter, its local shard (the tensor the DTensor wraps, the same object every step: what
+``param.to_local()`` returns under no_grad on torch 2.11, where 2.13 returns a view of it) with
+the local gradient, and the local tensors of its DTensor state. torch.optim's own code then
+picks its foreach or fused kernels over plain tensors, exactly as for an unsharded model. The
+post-hook puts everything back:
 outside ``step()`` the optimizer holds the DTensor parameters and DTensor state as before, so
 ``state_dict()``, ``load_state_dict()``, DCP (``get_optimizer_state_dict``), ``zero_grad()``,
 learning-rate schedulers and gradient clipping see nothing different. State that the step creates
@@ -26,8 +28,12 @@ LBFGS's flattening). If ``step()`` raises, the post-hook does not run: the next 
 
 from __future__ import annotations
 
+from operator import is_
+
 import torch
 from torch.distributed.tensor import DTensor
+
+from shardc._torch import dtensor_local_fast as _local_of
 
 # torch.optim optimizers whose update of each parameter is elementwise over it, given its
 # gradient and its own state (plus scalars): the same on the local shards as on the whole.
@@ -66,17 +72,19 @@ class LocalShardStep:
         self._handles.clear()
 
     def _local_state(self, p: DTensor, held: dict | None) -> tuple:
+        """``p``'s entry for this step: ``(p, held, the local state dict the step sees, [(key,
+        DTensor value, its local tensor)], held's values, the local dict's values)``; the last
+        step's while ``held`` is the same dict holding the same objects (identity, C-level)."""
         cached = self._cache.get(id(p))
         if (cached is not None and cached[0] is p and cached[1] is held and held is not None
-                and len(held) == len(cached[2])
-                and all(held.get(k) is v for k, v, _ in cached[3])):
+                and len(held) == len(cached[4]) and all(map(is_, held.values(), cached[4]))):
             return cached
         if held is None:
-            return (p, None, None, [])
+            return (p, None, None, [], (), ())
         pairs = [(k, v, v.to_local()) for k, v in held.items() if isinstance(v, DTensor)]
         local = dict(held)
         local.update((k, loc) for k, _, loc in pairs)
-        return (p, held, local, pairs)
+        return (p, held, local, pairs, tuple(held.values()), tuple(local.values()))
 
     def _pre(self, optimizer, args, kwargs) -> None:
         self._restore(optimizer)  # a step that raised left the local view installed
@@ -90,9 +98,9 @@ class LocalShardStep:
                     if not isinstance(p, DTensor):
                         local_params.append(p)
                         continue
-                    local = p.to_local()
+                    local = _local_of(p)  # the shard itself: the same object every step
                     grad = p.grad
-                    local.grad = grad.to_local() if isinstance(grad, DTensor) else grad
+                    local.grad = _local_of(grad) if isinstance(grad, DTensor) else grad
                     entry = self._local_state(p, state.pop(p, None))
                     if entry[2] is not None:
                         state[local] = entry[2]
@@ -123,16 +131,17 @@ class LocalShardStep:
                     entry = owner.get(id(local))
                     if entry is None:
                         continue
-                    p, held, local_state, pairs = entry
+                    p, held, local_state = entry[0], entry[1], entry[2]
                     local.grad = None
                     stepped = state.pop(local, None)
                     if stepped is None:  # the step did not touch it (no gradient)
                         if held is not None:
                             state[p] = held
                         continue
-                    if (stepped is local_state and len(stepped) == len(held)
-                            and all(stepped.get(k) is loc for k, _, loc in pairs)):
-                        state[p] = held  # updated in place: the DTensor state is current
+                    if (stepped is local_state and len(stepped) == len(entry[5])
+                            and all(map(is_, stepped.values(), entry[5]))):
+                        # Updated in place, nothing rebound: the DTensor state is current.
+                        state[p] = held
                         cache[id(p)] = entry
                         continue
                     state[p] = _wrap_state(p, local, held or {}, stepped, optimizer)

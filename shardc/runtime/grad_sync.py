@@ -20,25 +20,58 @@ REDUCE, STASH, REDUCE_STASHED = 0, 1, 2
 _STORES: weakref.WeakValueDictionary[str, UnsyncedGrads] = weakref.WeakValueDictionary()
 _IDS = itertools.count()
 
+# Store key -> its mode, kept equal to ``store.mode()`` while the store lives: what the
+# parameter reads consult (:func:`sync_mode`). Every read of a model reaches this one dict
+# through one source, so Dynamo guards the mode once per model, where reading the store that
+# each read's closure holds made it guard that the 147 closures of a 16-layer model hold the
+# same object (146 ``a is b`` checks in Python at every call, docs/overhead.md).
+_MODES: dict[str, int] = {}
+
 
 class UnsyncedGrads:
     """Per sharded model: the sync flag and the stored full gradients."""
 
     def __init__(self) -> None:
         self.key = f"grads{next(_IDS)}"
-        self.requires_sync = True
-        self.pending = False  # stored gradients wait for the next synchronized backward
+        self._requires_sync = True
+        self._pending = False  # stored gradients wait for the next synchronized backward
         self.grads: dict[str, torch.Tensor] = {}
         _STORES[self.key] = self
+        _MODES[self.key] = REDUCE
+        weakref.finalize(self, _MODES.pop, self.key, None)
+
+    @property
+    def requires_sync(self) -> bool:
+        return self._requires_sync
+
+    @requires_sync.setter
+    def requires_sync(self, flag: bool) -> None:
+        self._requires_sync = flag
+        _MODES[self.key] = self.mode()
+
+    @property
+    def pending(self) -> bool:
+        return self._pending
+
+    @pending.setter
+    def pending(self, flag: bool) -> None:
+        self._pending = flag
+        _MODES[self.key] = self.mode()
 
     def mode(self) -> int:
-        if not self.requires_sync:
+        if not self._requires_sync:
             return STASH
-        return REDUCE_STASHED if self.pending else REDUCE
+        return REDUCE_STASHED if self._pending else REDUCE
 
     def set_requires_sync(self, flag: bool) -> None:
         self.requires_sync = bool(flag)
         self.pending = bool(flag) and bool(self.grads)
+
+
+def sync_mode(key: str) -> int:
+    """The mode of the store ``key`` (``UnsyncedGrads.mode()``), as parameter reads consult it
+    (see :data:`_MODES`); the store must be alive (a read keeps its store alive)."""
+    return _MODES[key]
 
 
 def _store(key: str) -> UnsyncedGrads:

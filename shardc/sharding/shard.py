@@ -29,7 +29,7 @@ from shardc.ops.gather import gather_param
 from shardc.ops.gather_args import GatherArgs
 from shardc.ops.offload_copy import offload_to_device
 from shardc.runtime import offload_check, offload_optimizer, replaced_params
-from shardc.runtime.grad_sync import REDUCE, REDUCE_STASHED, STASH, UnsyncedGrads
+from shardc.runtime.grad_sync import REDUCE, REDUCE_STASHED, STASH, UnsyncedGrads, sync_mode
 from shardc.sharding import te_params
 from shardc.sharding.blocks import BlockBodies, wrap_repeated_blocks
 from shardc.sharding.blocks import seal as seal_blocks
@@ -180,10 +180,14 @@ def _param_property(name: str, info: ShardedParamInfo, grads: UnsyncedGrads,
     # Built once here, not at each read: Dynamo traces every parameter read of a compiled
     # forward, and tracing GatherArgs' construction and encoding (a frozen dataclass's
     # __init__, dataclasses.fields) was about half of each read's trace.
-    constants = info.gather_constants(grads.key)
+    # The sync mode is read through the store's key (sync_mode: one source for every read of
+    # the model, so Dynamo does not guard that all the reads' closures hold the same store);
+    # the store itself is kept alive by the read (_keep_store), never read by it.
+    key = grads.key
+    constants = info.gather_constants(key)
     if not (plain or info.quantized or info.fp8 is not None or info.tp is not None
             or info.offload_device):
-        return property(_read_gathered_as_is(name, constants, grads),
+        return property(_keep_store(_read_gathered_as_is(name, constants, key), grads),
                         doc=f"The parameter {info.fqn!r}, gathered inside a forward.")
 
     def read(self):
@@ -191,23 +195,31 @@ def _param_property(name: str, info: ShardedParamInfo, grads: UnsyncedGrads,
             # plain_inputs: the DTensor is not read at all (no guards, no unwrapping).
             leaf = leaf_for(self, name)
             if leaf is not None:
-                return gather_param(leaf, *constants[grads.mode()])
+                return gather_param(leaf, *constants[sync_mode(key)])
         param, gather = _param_to_gather(self, name)
         if not gather:
             return param
-        sync = grads.mode()
+        sync = sync_mode(key)
         if info.quantized:
-            return te_params.gather_float8_param(self, name, param, info, sync, grads.key)
+            return te_params.gather_float8_param(self, name, param, info, sync, key)
         if info.fp8 is not None:
-            return gather_fp8_weight(param.to_local(), info, sync, grads.key)
+            return gather_fp8_weight(param.to_local(), info, sync, key)
         sent = info.sent_shard(param.to_local())
         full = gather_param(sent, *constants[sync])
         return full if info.tp is None else wrap_tp(full, info.tp)
 
-    return property(read, doc=f"The parameter {info.fqn!r}, gathered inside a forward.")
+    return property(_keep_store(read, grads),
+                    doc=f"The parameter {info.fqn!r}, gathered inside a forward.")
 
 
-def _read_gathered_as_is(name: str, constants: dict[int, tuple], grads: UnsyncedGrads):
+def _keep_store(read, grads: UnsyncedGrads):
+    """``read``, holding ``grads`` (an attribute Dynamo never reads): the store and its entry of
+    ``sync_mode`` live as long as any read of the model does."""
+    read._shardc_sync_store = grads
+    return read
+
+
+def _read_gathered_as_is(name: str, constants: dict[int, tuple], key: str):
     """The read of a parameter gathered as it is: not FP8, not TransformerEngine FP8, not
     tensor-parallel, not offloaded, no plain leaf (most parameters). The same steps as the
     general read's path for it, with those choices made here, once: Dynamo guards every value
@@ -217,11 +229,12 @@ def _read_gathered_as_is(name: str, constants: dict[int, tuple], grads: Unsynced
     step"). None of them can change without shardc sharding again: the info is a frozen
     dataclass and the flag a bool, both fixed when this property is built by ``shard`` (a new
     class, so a new property, for each sharding); the closure keeps only the gather's constant
-    arguments and the name, which this read does need (still guarded)."""
+    arguments, the name and the gradient store's key (its mode is read through ``sync_mode``),
+    which this read does need (still guarded)."""
 
     def read(self):
         param, gather = _param_to_gather(self, name)
-        return gather_param(param.to_local(), *constants[grads.mode()]) if gather else param
+        return gather_param(param.to_local(), *constants[sync_mode(key)]) if gather else param
 
     return read
 
