@@ -9,6 +9,10 @@ shardc (or FSDP2) shards over ``dp``. The ranks of one tp group read the same ba
 
 from __future__ import annotations
 
+import os
+
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -101,3 +105,14 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         attn.n_heads //= tp
         attn.kv_heads //= tp
     return model
+
+
+def init_cpu_group(default_port: int) -> None:
+    """A gloo process group for the host-time tools: torchrun's environment, or one rank alone
+    (``MASTER_PORT`` from the environment, else ``default_port``); one intra-op thread, so
+    that the ranks' host times are not each other's."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(default_port)))
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)

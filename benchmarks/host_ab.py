@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -29,6 +28,7 @@ for _path in (_BENCHMARKS.parent, _BENCHMARKS):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
+import bench_mesh  # noqa: E402
 from train.provenance import git_describe, launch_command  # noqa: E402
 from train.setup import swap_param_reads  # noqa: E402
 from train.workload import build_model, model_config  # noqa: E402
@@ -77,11 +77,7 @@ def step(compiled, opt, tokens) -> dict[str, float]:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", "29531"))
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
+    bench_mesh.init_cpu_group(29531)
     cfg = model_config("1b", args.seq, True, args.n_layers, args.width)
     mp = shardc.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     runs = {}

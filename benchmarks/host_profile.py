@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
-import os
 import pstats
 import sys
 from collections import defaultdict
@@ -33,6 +32,7 @@ for _path in (_BENCHMARKS.parent, _BENCHMARKS):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
+import bench_mesh  # noqa: E402
 from train.baselines import setup_bound  # noqa: E402
 from train.setup import compiled_loss  # noqa: E402
 from train.workload import build_model, model_config, synthetic_batches  # noqa: E402
@@ -77,11 +77,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", "29541"))
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
+    bench_mesh.init_cpu_group(29541)
     cfg = model_config(args.model, args.seq, True, args.n_layers, args.width)
     model = build_model(cfg, torch.device("cpu"))
     if args.bound:
