@@ -16,7 +16,7 @@ from torch import nn
 
 import shardc
 from shardc.models.llama import LlamaConfig, llama_loss
-from train.baselines import setup_bound, setup_fsdp2
+from train.baselines import CheckpointedBlock, setup_bound, setup_fsdp2
 from train.setup import Setup
 from train.shardc_mode import setup_shardc
 from train.simplefsdp import setup_simplefsdp
@@ -29,7 +29,7 @@ MODES: tuple[str, ...] = ("fsdp2", "fsdp2-compile", "simplefsdp", "shardc", "bou
 EXTRA_MODES: tuple[str, ...] = ("shardc-keeporder", "shardc-pool", "shardc-localopt",
                                   "shardc-cudagraphs", "shardc-budget", "shardc-noreshard",
                                   "shardc-inline", "shardc-plain", "shardc-plain-budget",
-                                  "shardc-combo")
+                                  "shardc-combo", "shardc-ac")
 
 
 SHARDED_BASELINES: tuple[str, ...] = ("fsdp2", "fsdp2-compile", "simplefsdp")
@@ -237,6 +237,15 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_
         # no re-cast): the bound's memory for the compute-dtype copies.
         setup = setup_shardc(model, mesh, loss_in_graph, reshard_after_forward=False)
         setup.info["options"] = "shardc.shard(..., reshard_after_forward=False)"
+        return setup
+    if mode == "shardc-ac":
+        # Every block under torch.utils.checkpoint (full, non-reentrant), as fsdp2-compile-ac
+        # wraps them: the user's checkpointing compiled inside each block body, against
+        # shardc-budget's planner-chosen recompute of the same blocks (issue 22's tokens/s).
+        for i, block in enumerate(list(model.layers)):
+            model.layers.register_module(str(i), CheckpointedBlock(block, "full"))
+        setup = setup_shardc(model, mesh, loss_in_graph)
+        setup.info["options"] = "every block under torch.utils.checkpoint (full)"
         return setup
     if mode == "shardc-inline":
         setup = setup_shardc(model, mesh, loss_in_graph, compile_blocks_once=False)
