@@ -20,7 +20,7 @@ import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from shardc.compile.pipeline import forced_offload_note, left_on_host
+from shardc.compile.pipeline import forced_checkpoint_note, forced_offload_note, left_on_host
 from shardc.memory.host import activation_host_values, resident_host_values
 from shardc.passes.body import INVOKE_SUBGRAPH
 from shardc.passes.host_resident import compute_device_type, is_rng_output, on_host
@@ -235,3 +235,12 @@ def test_a_meta_pool_beside_cpu_values_is_a_cpu_graph():
     meta.placeholder("x").meta["val"] = torch.empty(2, device="meta")
     assert compute_device_type(meta) == "meta"
     assert compute_device_type(_graphs("cuda")[1].graph) == "cuda"
+
+
+def test_forced_notes_name_what_matched_no_block():
+    """Both forced-offload notes say which named blocks are not in the region and when it has
+    none at all, so a misspelt name is not silently ignored."""
+    for note in (forced_offload_note([], [], {"layers.9", "*"}),
+                 forced_checkpoint_note([], [], {"layers.9"}, set())):
+        assert "named but not blocks of this region: ['layers.9']" in note
+        assert "this region has no blocks" in note

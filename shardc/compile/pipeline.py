@@ -539,22 +539,28 @@ def left_on_host(fw: fx.GraphModule, num_fwd_outputs: int, blocks: Sequence[Bloc
             if "*" in names or n.name in members]
 
 
+def _unmatched_names(names: set[str], blocks: Sequence[Block]) -> str:
+    """The tail of a forced-offload note: the names that are no block of this region, or that
+    the region has no blocks at all."""
+    here = {b.name for b in blocks}
+    absent = sorted(n for n in names if n != "*" and n not in here)
+    return ((f"; named but not blocks of this region: {absent}" if absent else "")
+            + ("; this region has no blocks (the children with parameters of an "
+               "nn.ModuleList of two or more, shardc.sharding.blocks)" if not blocks else ""))
+
+
 def forced_offload_note(done: list[OffloadedValue], blocks: Sequence[Block],
                         names: set[str], left: Sequence[str] = ()) -> str:
     """The plan's note on a forced activation offload (``activation_offload=(blocks...)``);
     ``left``: the named blocks' saved values not offloaded, already on the host."""
     found = sorted({v.group for v in done})
-    here = {b.name for b in blocks}
-    absent = sorted(n for n in names if n != "*" and n not in here)
     nbytes = sum(v.nbytes for v in done)
     return (f"activation offload (activation_offload): {len(done)} saved value(s) of "
             f"{len(found)} block(s) {found} copied to the host in the forward and prefetched "
             f"for the backward ({nbytes} B)"
             + (f"; {len(left)} saved value(s) not offloaded, {ALREADY_ON_HOST}: {list(left)}"
                if left else "")
-            + (f"; named but not blocks of this region: {absent}" if absent else "")
-            + ("; this region has no blocks (the children with parameters of an "
-               "nn.ModuleList of two or more, shardc.sharding.blocks)" if not blocks else ""))
+            + _unmatched_names(names, blocks))
 
 
 def forced_checkpoint_note(done: list[OffloadedValue], blocks: Sequence[Block],
@@ -564,16 +570,13 @@ def forced_checkpoint_note(done: list[OffloadedValue], blocks: Sequence[Block],
     here = {b.name: b for b in blocks}
     chosen = sorted(n for n in recomputed if n in here)
     values = [v for v in done if v.group in recomputed]
-    absent = sorted(n for n in names if n != "*" and n not in here)
     never = sorted(f"{n} ({here[n].excluded})" for n in names if n in here and here[n].excluded)
     return (f"checkpoint offload (activation_offload 'checkpoint:'): {len(chosen)} block(s) "
             f"{chosen} recomputed in the backward, {len(values)} saved value(s) of their "
             f"checkpoints {sorted(v.name for v in values)} copied to the host in the forward "
             f"and prefetched for the backward ({sum(v.nbytes for v in values)} B)"
             + (f"; never recomputed, left as they were: {never}" if never else "")
-            + (f"; named but not blocks of this region: {absent}" if absent else "")
-            + ("; this region has no blocks (the children with parameters of an "
-               "nn.ModuleList of two or more, shardc.sharding.blocks)" if not blocks else ""))
+            + _unmatched_names(names, blocks))
 
 
 def region_blocks(gm: fx.GraphModule, region: RegionRecord, kwargs: dict) -> list[Block]:
