@@ -131,7 +131,7 @@ def decisions(blocks: Sequence[Block], cands: Sequence[RecomputeCandidate],
     by_name = {c.block: c for c in cands}
     order = [c.block for c in rank(cands)]
     ck = {c.block: c for c in checkpoints}
-    ck_order = [c.block for c in rank(checkpoints)]
+    ck_rank = {c.block: i + 1 for i, c in enumerate(rank(checkpoints))}
     out = []
     for b in blocks:
         c = by_name.get(b.name)
@@ -173,10 +173,10 @@ def decisions(blocks: Sequence[Block], cands: Sequence[RecomputeCandidate],
                        f"predicted peak at {freed_peak / _MiB:.1f} MiB, over the budget: "
                        f"{k.copy_s * 1e3:.3f} ms each way on the copy lane, "
                        f"{k.offload_s * 1e3:.3f} ms not hidden by compute (rank "
-                       f"{ck_order.index(b.name) + 1} of {len(ck_order)} by ms per MiB)")
+                       f"{ck_rank[b.name]} of {len(ck_rank)} by ms per MiB)")
         elif k is not None:
             reason += (f"; its checkpoint (~{k.nbytes / _MiB:.2f} MiB) stays on the device: "
-                       f"ranked {ck_order.index(b.name) + 1} of {len(ck_order)}, the "
+                       f"ranked {ck_rank[b.name]} of {len(ck_rank)}, the "
                        "checkpoints ranked before it already bring the peak within the budget")
         out.append(BlockDecision(
             b.name, b.kind, b.name in chosen and not offloaded, cost_ms, nbytes, reason,
