@@ -1421,6 +1421,20 @@ def _forward_bodies_in_backward(model: nn.Module) -> int:
                and "invoke_subgraph" in str(n.target) and "_fw_" in str(n.args[0].target))
 
 
+def _body_matmuls(model: nn.Module) -> dict[str, list[int]]:
+    """The matmuls of each forward body call: in the forward graph, and in the backward graph
+    (the recomputed blocks' calls, which compute only what the backward reads)."""
+    region = shard_state(model).regions[0]
+
+    def counts(gm) -> list[int]:
+        return [sum(1 for m in getattr(gm, n.args[0].target).graph.nodes
+                    if m.op == "call_function" and m.target is torch.ops.aten.mm.default)
+                for n in gm.graph.nodes if n.op == "call_function"
+                and "invoke_subgraph" in str(n.target) and "_fw_" in str(n.args[0].target)]
+
+    return {"forward": counts(region.forward), "backward": counts(region.backward)}
+
+
 def _refused_budget(ctx: Ctx, build, data: torch.Tensor
                     ) -> tuple[str, int | None, dict[int, int]]:
     """Compile ``build()`` under a budget of one byte: the refusal's text, the fully resharded
@@ -1496,6 +1510,7 @@ def sc_peak_budget(ctx: Ctx) -> dict:
         # Forward bodies the backward graph calls again: the recomputed blocks.
         "forward_bodies_in_backward": {"mixed": _forward_bodies_in_backward(model),
                                        "recompute": _forward_bodies_in_backward(recomputing)},
+        "body_matmuls": _body_matmuls(recomputing),
         "refusal": refusal,
         "bodies": len(mixed.bodies),  # the blocks are compiled once (shared bodies)
     })

@@ -834,6 +834,11 @@ def test_peak_budget_recomputes_some_blocks_with_parity(runs):
         assert record.peak_bytes <= record.budget_bytes, world
         assert record.minimum_bytes < got["minimum"], "recompute lowers the feasible minimum"
         assert got["forward_bodies_in_backward"] == {"mixed": 0, "recompute": len(recomputed)}
+        # A recomputed body does not compute the block's output again: its last matmul (the MLP's
+        # down projection) is read only by the residual add that makes the output.
+        matmuls = got["body_matmuls"]
+        assert len(set(matmuls["forward"])) == 1, matmuls
+        assert matmuls["backward"] == [matmuls["forward"][0] - 1] * len(recomputed), matmuls
         for d in record.blocks:
             assert d.reason.startswith("recomputed" if d.recomputed else "saved"), d
             assert d.bytes > 0 and d.cost_ms > 0, d

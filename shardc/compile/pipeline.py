@@ -77,6 +77,7 @@ from shardc.passes.offload_saved import (
     offload_saved,
     saved_on_host,
 )
+from shardc.passes.prune_body_outputs import prune_unused_body_outputs
 from shardc.passes.recompute import Block, find_blocks, recompute_blocks
 from shardc.passes.reshard import check_no_gathered_saved, keep_gathered, tag_resharded_gathers
 from shardc.passes.saved_order import order_saved_values
@@ -198,6 +199,9 @@ def partition(gm: fx.GraphModule, joint_inputs: Sequence[object], *, record: boo
     # AOTAutograd reads saved values in: put them back (shardc/passes/saved_order.py).
     order_saved_values(fw, bw, kwargs["num_fwd_outputs"])
     check_no_gathered_saved(fw, bw)
+    # A recomputed block's forward body, called again in the backward, computes only what the
+    # backward reads (not the block's output: shardc/passes/prune_body_outputs.py).
+    prune_unused_body_outputs(bw)
     sink = _PARTITIONED_SINK.get() if record else None
     if sink is not None:
         sink.append((copy_graph_module(fw), copy_graph_module(bw)))

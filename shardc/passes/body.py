@@ -36,7 +36,7 @@ from shardc.passes.fx_utils import is_call, is_view_or_cast, lazy_graph_module, 
 __all__ = ["BodyCall", "TraceOnceMismatch", "body_calls", "describe_body_calls",
            "draws_random_numbers", "flattened", "gather_of", "inline_body_calls",
            "input_signature", "is_body_joint", "rewire_saved_inputs", "rewrite_trace_once_calls",
-           "tag_weight_recompute", "weight_derived_outputs"]
+           "tag_weight_recompute", "unique_attr", "weight_derived_outputs"]
 
 INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
 
@@ -222,7 +222,7 @@ def _inline(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
                 result = fx.map_arg(inner.args[0], lambda n: env[n])
                 continue
             if inner.op == "get_attr":
-                name = _unique_attr(gm, f"{node.name}_{inner.target}")
+                name = unique_attr(gm, f"{node.name}_{inner.target}")
                 setattr(gm, name, getattr(body, inner.target))
                 env[inner] = gm.graph.get_attr(name)
                 env[inner].meta = dict(inner.meta)
@@ -240,7 +240,8 @@ def _inline(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
     return nested
 
 
-def _unique_attr(gm: fx.GraphModule, base: str) -> str:
+def unique_attr(gm: fx.GraphModule, base: str) -> str:
+    """``base``, or ``base_<i>`` with the first ``i`` that names no attribute of ``gm``."""
     name, i = base, 0
     while hasattr(gm, name):
         i += 1

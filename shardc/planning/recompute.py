@@ -62,15 +62,32 @@ class RecomputeCandidate:
 
 
 def forward_seconds(gm: fx.GraphModule, block: Block, profile: ClusterProfile) -> float:
-    """The predicted time of ``block``'s forward: the kernels of its body's forward graph (a
-    body call) or of its nodes in the joint graph ``gm`` (an inline block)."""
+    """The predicted time of ``block``'s forward as the backward runs it again: the kernels of
+    its nodes in the joint graph ``gm`` (an inline block), or of its body's forward graph less
+    what only the block's output needs (a body call: the backward calls a copy of the body
+    that computes only what it reads, ``shardc.passes.prune_body_outputs``)."""
     if block.kind == "body":
-        body = getattr(gm, block.nodes[0].args[0].target)
-        graph = body.graph
-        nodes = [n for n in graph.nodes if n.op == "call_function"]
+        call = block.nodes[0]
+        graph = getattr(gm, call.args[0].target).graph
+        outputs = set(block.outputs)
+        nodes = _needed(graph, {g.args[1] for g in block.nodes[1:] if g not in outputs})
     else:
         graph, nodes = gm.graph, list(block.nodes)
     return sum(kernel_seconds(k, profile) for k in group_kernels(graph, nodes))
+
+
+def _needed(graph: fx.Graph, positions: set[int]) -> list[fx.Node]:
+    """The computing nodes of ``graph`` that its outputs at ``positions`` need, in graph
+    order."""
+    out = next(iter(graph.find_nodes(op="output")))
+    stack = [a for i, a in enumerate(out.args[0]) if i in positions and isinstance(a, fx.Node)]
+    seen: set[fx.Node] = set()
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+    return [n for n in graph.nodes if n in seen and n.op == "call_function"]
 
 
 def rank(cands: Sequence[RecomputeCandidate]) -> list[RecomputeCandidate]:
