@@ -58,11 +58,13 @@ def plan_only(params: dict):
         pipeline.plan_and_lower = original
 
 
-def plan_benchmark_model(name: str, batch: int, world: int, seq: int = 2048):
-    """(region record, parameter placeholders by graph) of the benchmark's shardc mode."""
+def plan_benchmark_model(name: str, batch: int, world: int, seq: int = 2048,
+                         n_layers: int | None = None, **options):
+    """(region record, parameter placeholders by graph) of the benchmark's shardc mode
+    (``options``: more ``shardc.backend`` options, e.g. a peak budget)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    cfg = model_config(name, seq, False, None)
+    cfg = model_config(name, seq, False, n_layers)
     params: dict = {}
     with fake_world(world):
         import torch.distributed as dist
@@ -74,7 +76,7 @@ def plan_benchmark_model(name: str, batch: int, world: int, seq: int = 2048):
         model.rope_cos, model.rope_sin = rope_tables(cfg.head_dim, cfg.max_seq_len,
                                                      cfg.rope_theta)
         step = torch.compile(lambda t, y: llama_loss(model(t), y),
-                             backend=shardc.backend(check_plan_consistency=False))
+                             backend=shardc.backend(check_plan_consistency=False, **options))
         tokens = torch.zeros(batch, seq, dtype=torch.long)
         with plan_only(params):
             try:
@@ -102,9 +104,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=None, help="sequences per rank")
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--n-layers", type=int, default=None, help="override the depth")
+    parser.add_argument("--budget", type=int, default=0,
+                        help="peak_memory_budget_bytes (0: none); the plan's decisions printed")
     args = parser.parse_args(argv)
+    options = {"peak_memory_budget_bytes": args.budget} if args.budget else {}
     region, params = plan_benchmark_model(args.model, args.batch or DEFAULT_BATCH[args.model],
-                                          args.world)
+                                          args.world, n_layers=args.n_layers, **options)
+    if region.plan.budget is not None:
+        print(region.plan.table())
     gib = 2 ** 30
     print(f"{args.model}, world {args.world}: predicted (GiB)")
     for key, value in region.plan.predicted.items():
