@@ -49,3 +49,40 @@ mkdir -p $SP/shardc-0.0.dev0.dist-info
 printf 'Metadata-Version: 2.1\nName: shardc\nVersion: 0.0.dev0\n' > $SP/shardc-0.0.dev0.dist-info/METADATA
 printf '[torch_dynamo_backends]\nshardc = shardc.backend:shardc_backend\n' > $SP/shardc-0.0.dev0.dist-info/entry_points.txt
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+# third call (main b82bcd8; the device's .git is stale: its commit line shows 49cc231 with b82bcd8's changes as modified files)
+source gpu_env.sh
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+R=$OUT/r; mkdir -p $R
+git log --oneline -1 > $R/commit.txt 2>&1; git status --short >> $R/commit.txt; nvidia-smi -L >> $R/commit.txt
+one() { # name batch steps mode [env]
+  local n=$1 b=$2 s=$3 m=$4; shift 4
+  echo "== $n $(date +%T)"
+  env "$@" timeout 200 torchrun --nproc-per-node 1 benchmarks/train_bench.py --model 1b --n-layers 8 --batch $b \
+    --modes $m --steps $s --warmup 2 --profile-steps 0 --no-dump-plan --out $R --name $n > $R/$n.log 2>&1
+  echo "rc=$? $(date +%T)"; grep -E "tokens/s/GPU, step|Error" $R/$n.log | tail -2 | cut -c1-300
+}
+one ck600 600 5 shardc-budget SHARDC_PEAK_BUDGET=auto
+one closs360 360 5 fsdp2-compile-ac-closs
+echo "== curve $(date +%T)"
+timeout 250 python3 benchmarks/budget_sweep.py --nproc 1 --model 1b --steps 5 --budgets 9661387487 10841563645 \
+  --baselines fsdp2-compile-offload --deadline-s 230 --run-timeout-s 150 --out $R/curve -- --n-layers 8 > $R/curve.log 2>&1
+echo "rc=$? $(date +%T)"; tail -25 $R/curve/curve.md 2>/dev/null
+cd $OUT && tar czf c3.tgz r && rm -rf r
+
+# fourth call (main b82bcd8, same)
+source gpu_env.sh
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+R=$OUT/r; mkdir -p $R
+git log --oneline -1 > $R/commit.txt 2>&1; git status --short >> $R/commit.txt; nvidia-smi -L >> $R/commit.txt
+one() { # name batch steps timeout mode [env]
+  local n=$1 b=$2 s=$3 t=$4 m=$5; shift 5
+  echo "== $n $(date +%T)"
+  env "$@" timeout $t torchrun --nproc-per-node 1 benchmarks/train_bench.py --model 1b --n-layers 8 --batch $b \
+    --modes $m --steps $s --warmup 2 --profile-steps 0 --no-dump-plan --out $R --name $n > $R/$n.log 2>&1
+  echo "rc=$? $(date +%T)"; grep -E "tokens/s/GPU, step|Error" $R/$n.log | tail -2 | cut -c1-300
+}
+one closs360 360 5 120 fsdp2-compile-ac-closs
+one ck540 540 5 200 shardc-budget SHARDC_PEAK_BUDGET=122000000000
+one ck600 600 4 170 shardc-budget SHARDC_PEAK_BUDGET=auto
+cd $OUT && tar czf c4.tgz r && rm -rf r
