@@ -1511,6 +1511,7 @@ def sc_peak_budget(ctx: Ctx) -> dict:
         "forward_bodies_in_backward": {"mixed": _forward_bodies_in_backward(model),
                                        "recompute": _forward_bodies_in_backward(recomputing)},
         "body_matmuls": _body_matmuls(recomputing),
+        "recompute_notes": list(rec.notes),
         "refusal": refusal,
         "bodies": len(mixed.bodies),  # the blocks are compiled once (shared bodies)
     })

@@ -139,6 +139,9 @@ SLOW = {
     # ~12 s: the combined lever mixed with offload, blocks inline: "checkpoint_offload" (bodies)
     # at worlds 1 and 2 here, the planner's choice in tests/test_real_models.py.
     "checkpoint_offload_inline": (2,),
+    # The combined lever with bodies at 3 and 4 ranks (uneven shards, 3 ranks): in the default
+    # suite at worlds 1 and 2 here and as the planner's choice in tests/test_real_models.py.
+    "checkpoint_offload": (3, 4),
     # (suite9) One module applied twice per forward: tests/test_real_models.py's "repeated"
     # (FX, world 3) and tests/test_autograd_cache.py (this model under Inductor at world 2,
     # at parity with the reference).
@@ -237,7 +240,7 @@ def _parity_scenarios(world: int, slow: bool = False) -> dict[str, tuple[str, st
         # output, the previous block's) offloaded to the host (the combined lever, forced; the
         # planner's choice under a budget: tests/test_real_models.py), compile-once bodies: the
         # same kernels on the same values as "fx", bit for bit.
-        (at(1, 2), "checkpoint_offload", ("llama", "fx",
+        (at(1, 2, 3, 4), "checkpoint_offload", ("llama", "fx",
                                           {"activation_offload": ("checkpoint:*",)})),
         # ... mixed with offload, every block inline: layers.1 recomputed, its checkpoint (the
         # output of layers.0) offloaded, layers.0's saved values offloaded.

@@ -10,14 +10,14 @@ import operator
 import torch
 from torch import fx
 
-from shardc.passes.prune_body_outputs import prune_unused_body_outputs
+from shardc.passes.prune_body_outputs import prune_unused_body_outputs, pruned_body_note
 
 INVOKE = torch.ops.higher_order.invoke_subgraph
 
 
 def _body(a: torch.Tensor, b: torch.Tensor):
     h = a @ b
-    return h.relu() + a, torch.sigmoid(h), a
+    return torch.relu(h) + a, torch.sigmoid(h), a
 
 
 def _graph(reads: list[tuple[int, ...]]) -> fx.GraphModule:
@@ -84,3 +84,13 @@ def test_the_full_body_is_dropped_from_the_graph_when_no_call_reads_it():
     gm = _graph([(1,)])
     assert prune_unused_body_outputs(gm) == 1
     assert [n.target for n in gm.graph.find_nodes(op="get_attr")] == ["body_pruned"]
+
+
+def test_the_plan_note_names_the_pruned_body_its_calls_and_what_it_keeps():
+    gm = _graph([(1,), (1,), (0, 1, 2)])
+    assert pruned_body_note(gm) is None
+    prune_unused_body_outputs(gm)
+    note = pruned_body_note(gm)
+    # The full body: matmul, relu, add, sigmoid; the copy keeps the matmul and the sigmoid.
+    assert "2 call(s) of body read 1 of its 3 outputs" in note, note
+    assert "(2 of its 4 ops)" in note, note

@@ -839,6 +839,8 @@ def test_peak_budget_recomputes_some_blocks_with_parity(runs):
         matmuls = got["body_matmuls"]
         assert len(set(matmuls["forward"])) == 1, matmuls
         assert matmuls["backward"] == [matmuls["forward"][0] - 1] * len(recomputed), matmuls
+        assert any(n.startswith("pruned bodies:") and f"{len(recomputed)} call(s)" in n
+                   for n in got["recompute_notes"]), got["recompute_notes"]
         for d in record.blocks:
             assert d.reason.startswith("recomputed" if d.recomputed else "saved"), d
             assert d.bytes > 0 and d.cost_ms > 0, d

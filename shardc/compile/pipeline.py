@@ -10,7 +10,9 @@ these functions from their hooks, and :mod:`shardc.tools.template` calls
 2. Dedupe (``shardc.passes.dedupe``): one gather and one reduction per parameter.
 3. Reshard (``shardc.passes.reshard``): resharded gathers must be recomputed in backward.
 4. Partition (torch's min-cut), put the saved values back in the order AOTAutograd reads them
-   (``shardc.passes.saved_order``), then check that no gathered parameter is saved.
+   (``shardc.passes.saved_order``), check that no gathered parameter is saved, and let the
+   backward's calls of recomputed blocks' forward bodies compute only what the backward reads
+   (``shardc.passes.prune_body_outputs``).
 5. Plan (``shardc.planning.schedule``): buckets, issue and wait positions, simulation; place the
    buffers in the pool (``shardc.memory.pool``); while the pool exceeds the memory budget, plan
    again with shallower prefetch.
@@ -77,7 +79,7 @@ from shardc.passes.offload_saved import (
     offload_saved,
     saved_on_host,
 )
-from shardc.passes.prune_body_outputs import prune_unused_body_outputs
+from shardc.passes.prune_body_outputs import prune_unused_body_outputs, pruned_body_note
 from shardc.passes.recompute import Block, find_blocks, recompute_blocks
 from shardc.passes.reshard import check_no_gathered_saved, keep_gathered, tag_resharded_gathers
 from shardc.passes.saved_order import order_saved_values
@@ -423,6 +425,9 @@ def partition_and_plan(gm: fx.GraphModule, joint_inputs: Sequence[object], optio
     if decided is not None and decided.prefetch is not None:
         options = with_depth(options, decided.prefetch.depth)
     plan = plan_and_lower(fw, bw, options, region, budget=decided)
+    pruned = pruned_body_note(bw)
+    if pruned:
+        plan.notes.append(pruned)
     if forced_checkpoints:
         plan.notes.append(forced_checkpoint_note(done, blocks, forced_checkpoints, recomputed))
     plain = set(options.forced_offload())

@@ -26,7 +26,9 @@ from torch import fx
 from shardc.passes.body import INVOKE_SUBGRAPH, body_calls, unique_attr
 from shardc.passes.fx_utils import is_call, lazy_graph_module
 
-__all__ = ["prune_unused_body_outputs"]
+__all__ = ["pruned_body_note", "prune_unused_body_outputs"]
+
+_PRUNED = "shardc_pruned_from"  # a pruned body's meta: (full body, outputs, read, ops, kept)
 
 
 def prune_unused_body_outputs(gm: fx.GraphModule) -> int:
@@ -76,10 +78,32 @@ def _add_variant(gm: fx.GraphModule, node: fx.Node, used: tuple[int, ...], index
     if _computed(graph) == _computed(body.graph):
         return None
     name = unique_attr(gm, f"{node.args[0].target}_pruned")
-    gm.add_submodule(name, lazy_graph_module(body, graph))
+    pruned = lazy_graph_module(body, graph)
+    pruned.meta[_PRUNED] = (str(node.args[0].target), len(outputs), len(used),
+                            _computed(body.graph), _computed(graph))
+    gm.add_submodule(name, pruned)
     with gm.graph.inserting_after(node.args[0]):
         attr = gm.graph.get_attr(name)
     return attr, f"{node.args[1]}_pruned_{index}"
+
+
+def pruned_body_note(gm: fx.GraphModule) -> str | None:
+    """The plan's note on ``gm``'s calls of pruned bodies (None if it has none): per pruned
+    body, how many calls, the outputs and ops kept of the full body's."""
+    calls: dict[str, int] = {}
+    for node in body_calls(gm):
+        target = str(node.args[0].target)
+        if _PRUNED in getattr(getattr(gm, target), "meta", {}):
+            calls[target] = calls.get(target, 0) + 1
+    if not calls:
+        return None
+    parts = []
+    for target, count in calls.items():
+        full, outputs, read, ops, kept = getattr(gm, target).meta[_PRUNED]
+        parts.append(f"{count} call(s) of {full} read {read} of its {outputs} outputs and run "
+                     f"a copy that computes only those ({kept} of its {ops} ops)")
+    return ("pruned bodies: the backward calls forward bodies again (recomputed blocks); "
+            + "; ".join(parts) + " (shardc.passes.prune_body_outputs)")
 
 
 def _computed(graph: fx.Graph) -> int:
