@@ -121,6 +121,19 @@ def lazy_graph_module(root: fx.GraphModule, graph: fx.Graph) -> fx.GraphModule:
     return fx.GraphModule(root, graph) if lazy is None else lazy(root, graph)
 
 
+def needed_by(roots) -> set[fx.Node]:
+    """The nodes among ``roots`` (anything else in it is ignored) and every node they read,
+    transitively."""
+    stack = [r for r in roots if isinstance(r, fx.Node)]
+    seen: set[fx.Node] = set()
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+    return seen
+
+
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of ``gm`` with new nodes (sharing their meta values), for passes to change freely."""
     graph = fx.Graph()

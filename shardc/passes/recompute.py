@@ -43,6 +43,7 @@ from shardc.passes.fx_utils import (
     OUTSIDE_CHECKPOINT_ID,
     call,
     has_tag,
+    needed_by,
     op_overload,
     tensor_nbytes,
 )
@@ -83,14 +84,7 @@ class Block:
 def forward_nodes(gm: fx.GraphModule, num_fwd_outputs: int) -> set[fx.Node]:
     """The joint graph's forward: every node the first ``num_fwd_outputs`` outputs need."""
     out = next(iter(gm.graph.find_nodes(op="output")))
-    stack = [a for a in out.args[0][:num_fwd_outputs] if isinstance(a, fx.Node)]
-    seen: set[fx.Node] = set()
-    while stack:
-        node = stack.pop()
-        if node not in seen:
-            seen.add(node)
-            stack.extend(node.all_input_nodes)
-    return seen
+    return needed_by(out.args[0][:num_fwd_outputs])
 
 
 def _module_path(path: str) -> str:

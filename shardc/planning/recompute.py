@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from torch import fx
 
+from shardc.passes.fx_utils import needed_by
 from shardc.passes.host_resident import ALREADY_ON_HOST
 from shardc.passes.recompute import Block
 from shardc.planning.estimate import kernel_seconds
@@ -80,13 +81,7 @@ def _needed(graph: fx.Graph, positions: set[int]) -> list[fx.Node]:
     """The computing nodes of ``graph`` that its outputs at ``positions`` need, in graph
     order."""
     out = next(iter(graph.find_nodes(op="output")))
-    stack = [a for i, a in enumerate(out.args[0]) if i in positions and isinstance(a, fx.Node)]
-    seen: set[fx.Node] = set()
-    while stack:
-        node = stack.pop()
-        if node not in seen:
-            seen.add(node)
-            stack.extend(node.all_input_nodes)
+    seen = needed_by(a for i, a in enumerate(out.args[0]) if i in positions)
     return [n for n in graph.nodes if n in seen and n.op == "call_function"]
 
 
