@@ -723,8 +723,10 @@ def test_planner_meets_the_budget_less_the_margin():
 def test_the_prefetch_depth_flips_with_the_budget(monkeypatch):
     """The prefetch lever (shardc.planning.prefetch) through the real planner (a tiny model at
     a fake world of 2, FX, over a slow interconnect: the cost model exposes the all-gathers).
-    A 1-byte budget is refused naming the fully resharded plan with no prefetch as the
-    minimum (lower than at the options' depth, one bucket ahead); at exactly that budget no
+    The optimizer's state stays on the device (``optimizer_offload="never"``), so the device's
+    levers alone decide. A 1-byte budget is refused, carrying the fully resharded plan's peak at
+    each depth (with no prefetch lower than at the options' depth, one bucket ahead) and naming
+    the minimum (every block recomputed, lower still); at exactly the no-prefetch peak no
     prefetch is chosen (memory short: nothing recomputed); with room, prefetching two buckets
     ahead is predicted fastest and chosen; the choice is in the record, the text, the hash and
     the plan's options. The trials of the two depths share one partition (the real build takes
@@ -737,6 +739,7 @@ def test_the_prefetch_depth_flips_with_the_budget(monkeypatch):
     def plan(budget_bytes: int) -> Plan:
         return plan_model(cfg, 2, 1, 8, {"peak_memory_budget_bytes": budget_bytes,
                                          "peak_memory_margin": 0.0,
+                                         "optimizer_offload": "never",
                                          "cluster": {"bus_bandwidth": 1e7}},
                           template=False, setup=PlanSetup(inductor=False))[0]
 
@@ -746,7 +749,7 @@ def test_the_prefetch_depth_flips_with_the_budget(monkeypatch):
     while not isinstance(cause, budget.MemoryBudgetError):
         cause = cause.__cause__ or cause.inner_exception
     shallow = cause.resharded_by_depth[0]
-    assert shallow == cause.minimum_bytes < cause.resharded_by_depth[1] == cause.resharded_bytes
+    assert cause.minimum_bytes < shallow < cause.resharded_by_depth[1] == cause.resharded_bytes
     short = plan(shallow).budget
     assert short.prefetch.depth == 0 and "does not fit" in short.prefetch.reason, short.prefetch
     assert short.recomputed == [] and short.kept == [] and short.peak_bytes == shallow

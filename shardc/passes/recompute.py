@@ -88,10 +88,11 @@ def forward_nodes(gm: fx.GraphModule, num_fwd_outputs: int) -> set[fx.Node]:
 
 
 def _module_path(path: str) -> str:
-    """Dynamo's module path (``L['self'].layers.0``, ``L['self'].layers[0]``) as a module name
-    (``layers.0``)."""
+    """Dynamo's module path as a module name (``layers.0``): the sharded model's own path
+    (``L['self']`` when the model itself is compiled, ``L['model']`` or ``G['model']`` when a
+    compiled function calls it) left out, indices as attributes (``L['self'].layers[0]``)."""
     dotted = re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", path)
-    return re.sub(r"^L\.self\.?", "", dotted)
+    return re.sub(r"^[LG]\.[A-Za-z_][A-Za-z0-9_]*\.?", "", dotted)
 
 
 def _in_module(node: fx.Node, name: str) -> bool:
