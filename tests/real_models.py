@@ -1415,10 +1415,14 @@ def _budget_step(ctx: Ctx, model: nn.Module, budget: int, data: torch.Tensor, **
     return out, shardc.explain_all(compiled)[0]
 
 
+def _forward_body_calls(gm) -> list:
+    """The calls of forward bodies in a region's graph (the backward's: recomputed blocks)."""
+    return [n for n in gm.graph.nodes if n.op == "call_function"
+            and "invoke_subgraph" in str(n.target) and "_fw_" in str(n.args[0].target)]
+
+
 def _forward_bodies_in_backward(model: nn.Module) -> int:
-    backward = shard_state(model).regions[0].backward
-    return sum(1 for n in backward.graph.nodes if n.op == "call_function"
-               and "invoke_subgraph" in str(n.target) and "_fw_" in str(n.args[0].target))
+    return len(_forward_body_calls(shard_state(model).regions[0].backward))
 
 
 def _body_matmuls(model: nn.Module) -> dict[str, list[int]]:
@@ -1429,8 +1433,7 @@ def _body_matmuls(model: nn.Module) -> dict[str, list[int]]:
     def counts(gm) -> list[int]:
         return [sum(1 for m in getattr(gm, n.args[0].target).graph.nodes
                     if m.op == "call_function" and m.target is torch.ops.aten.mm.default)
-                for n in gm.graph.nodes if n.op == "call_function"
-                and "invoke_subgraph" in str(n.target) and "_fw_" in str(n.args[0].target)]
+                for n in _forward_body_calls(gm)]
 
     return {"forward": counts(region.forward), "backward": counts(region.backward)}
 
