@@ -29,7 +29,9 @@ shards), ``shardc-cudagraphs`` (that, compiled with ``mode="reduce-overhead"``);
 (``compile_blocks_once=False``), ``shardc-budget`` (``peak_memory_budget_bytes`` from
 ``SHARDC_PEAK_BUDGET``, default ``"auto"``), ``shardc-plain`` (``shardc.shard(...,
 plain_inputs=True)``: forwards read plain local shards), ``shardc-plain-budget`` (both),
-``shardc-combo`` (Inductor's ``combo_kernels``: small independent kernels launched as one); see
+``shardc-combo`` (Inductor's ``combo_kernels``: small independent kernels launched as one),
+``shardc-fast`` (plain inputs, the local-shard step and CUDA graphs together),
+``shardc-fast-budget`` (that with the peak budget); see
 docs/overhead.md. Results go to
 ``--out/<name>.json`` and ``.md``. Public API only (``shardc-combo`` sets Inductor's config).
 """
@@ -65,7 +67,8 @@ from train.runner import free_memory, gather_objects  # noqa: E402
 from train.workload import DEFAULT_BATCH, model_config, synthetic_batches  # noqa: E402
 
 MODES = ("bound", "shardc", "shardc-localopt", "shardc-cudagraphs", "shardc-noreshard",
-         "shardc-inline", "shardc-budget", "shardc-plain", "shardc-plain-budget", "shardc-combo")
+         "shardc-inline", "shardc-budget", "shardc-plain", "shardc-plain-budget", "shardc-combo",
+         "shardc-fast", "shardc-fast-budget")
 PHASES = ("forward", "backward", "optimizer.step", "zero_grad")
 # The per-parameter host costs docs/overhead.md names, as profiler event names (CPU self ms
 # per step, all phases): Dynamo's guards, AOTAutograd's runtime wrappers, DTensor dispatch.

@@ -93,6 +93,9 @@ def test_releases_follow_the_next_blocks_copies_and_the_forward_never_waits():
     starts = {n.args[0].name: n for n in nodes if activation_role(n) == "d2h"}
     releases = {n.args[0].name: n for n in nodes if n.target is COPY_RELEASE_OP}
     assert set(releases) == set(starts) and all(r.args[2] for r in releases.values())
+    # Every copy is released with a wait, so none records its source on the copy stream
+    # (record=False): the allocator may reuse a freed source at once, in stream order.
+    assert all(s.args[5] is False for s in starts.values())
     for name, release in releases.items():
         assert release.args[1] is starts[name] and index[release] > index[starts[name]]
     # Block b0's i-th value is released right after block b1's i-th copy starts.

@@ -29,7 +29,8 @@ MODES: tuple[str, ...] = ("fsdp2", "fsdp2-compile", "simplefsdp", "shardc", "bou
 EXTRA_MODES: tuple[str, ...] = ("shardc-keeporder", "shardc-pool", "shardc-localopt",
                                   "shardc-cudagraphs", "shardc-budget", "shardc-noreshard",
                                   "shardc-inline", "shardc-plain", "shardc-plain-budget",
-                                  "shardc-combo", "shardc-ac")
+                                  "shardc-combo", "shardc-ac", "shardc-fast",
+                                  "shardc-fast-budget")
 
 
 SHARDED_BASELINES: tuple[str, ...] = ("fsdp2", "fsdp2-compile", "simplefsdp")
@@ -221,16 +222,27 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_
         setup = setup_shardc(model, mesh, loss_in_graph, comm_pool=True)
         setup.info["options"] = "comm_pool=True (static communication pool under Inductor)"
         return setup
-    if mode in ("shardc-localopt", "shardc-cudagraphs"):
-        # Both step AdamW on the local shards; -cudagraphs also compiles with
-        # mode="reduce-overhead" (CUDA graph trees; shardc falls back loudly where it cannot).
-        cudagraphs = mode == "shardc-cudagraphs"
+    if mode in ("shardc-localopt", "shardc-cudagraphs", "shardc-fast", "shardc-fast-budget"):
+        # All step AdamW on the local shards; -cudagraphs also compiles with
+        # mode="reduce-overhead" (CUDA graph trees; shardc falls back loudly where it cannot);
+        # -fast is -cudagraphs with plain inputs too: every opt-in host-overhead option at once;
+        # -fast-budget adds the peak budget of shardc-budget (SHARDC_PEAK_BUDGET, default
+        # "auto": buckets kept gathered for the backward where memory allows).
+        cudagraphs = mode != "shardc-localopt"
+        options: dict[str, object] = {}
+        if mode.startswith("shardc-fast"):
+            options["plain_inputs"] = True
+        if mode == "shardc-fast-budget":
+            value = os.environ.get("SHARDC_PEAK_BUDGET", "auto")
+            options["peak_memory_budget_bytes"] = value if value == "auto" else int(value)
         setup = setup_shardc(model, mesh, loss_in_graph,
-                             compile_mode="reduce-overhead" if cudagraphs else None)
+                             compile_mode="reduce-overhead" if cudagraphs else None, **options)
         setup.prepare_optimizer = shardc.optim.local_shard_step
         setup.info["optimizer"] = "AdamW stepping the local shards (shardc.optim.local_shard_step)"
         if cudagraphs:
-            setup.info["options"] = 'torch.compile(..., mode="reduce-overhead")'
+            setup.info["options"] = ", ".join(
+                ['torch.compile(..., mode="reduce-overhead")']
+                + [f"{k}={v!r}" for k, v in options.items()])
         return setup
     if mode == "shardc-noreshard":
         # Gathered parameters kept from the forward to the backward (no re-gather; at world 1

@@ -211,6 +211,7 @@ def aggregate(mode: str, per_rank: list[dict[str, Any]], s: RunSettings) -> dict
         "step_ms_min": min(min(r["step_ms"]) for r in per_rank),
         "step_ms_max": max(max(r["step_ms"]) for r in per_rank),
         "step_ms_rank_medians": medians,
+        "step_ms_rank0": list(r0["step_ms"]),  # every timed step, in order (the spread)
         "timed_steps": len(r0["step_ms"]),
         "tokens_per_s_per_gpu": tps,
         "mfu": 6 * s.cfg.num_params() * tps / s.peak_flops,

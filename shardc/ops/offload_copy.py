@@ -107,9 +107,15 @@ def _key(t: torch.Tensor) -> tuple[str, int]:
 
 @torch.library.custom_op(f"{_LIB}::offload_copy_start", mutates_args=())
 def offload_copy_start(src: torch.Tensor, fqn: str, device: str, dtype: torch.dtype,
-                       pin: bool) -> torch.Tensor:
+                       pin: bool, record: bool = True) -> torch.Tensor:
     """Start copying ``src`` (of parameter ``fqn``) to ``device`` as ``dtype``; the result may be
-    read only after ``offload_copy_wait`` of it."""
+    read only after ``offload_copy_wait`` of it.
+
+    ``record``: a device ``src`` freed before its copy ends stays allocated until the copy is
+    done (``record_stream``). False where the graph orders every reuse of ``src`` after the
+    copy itself (``offload_copy_release`` with ``wait``): the caching allocator may then hand
+    the freed block to the compute stream at once, instead of holding it until the CPU sees the
+    copy completed, which a CPU running far ahead of the device sees late."""
     target = torch.device(device)
     cuda = src.device if src.device.type == "cuda" else target
     if cuda.type != "cuda" or src.numel() == 0:
@@ -125,7 +131,7 @@ def offload_copy_start(src: torch.Tensor, fqn: str, device: str, dtype: torch.dt
         await_host_copy(stream, src)
     with torch.cuda.stream(stream):
         out.copy_(src, non_blocking=True)
-    if src.device.type == "cuda":
+    if src.device.type == "cuda" and record:
         # A device value freed before its copy ends stays allocated (the caching allocator
         # waits for the copy stream before reusing it). Pinned host buffers get the same
         # guarantee from torch's host allocator, which records the copy on them.
@@ -167,7 +173,7 @@ def _remember(out: torch.Tensor, event) -> None:
 
 
 @offload_copy_start.register_fake
-def _copy_start_fake(src, fqn, device, dtype, pin):
+def _copy_start_fake(src, fqn, device, dtype, pin, record=True):
     return torch.empty(src.shape, dtype=dtype, device=torch.device(device))
 
 

@@ -7,8 +7,8 @@ Runs on a region's partitioned graphs, before they are planned. For each chosen 
 
 * **forward**: right after the value is computed, ``offload_copy_start(value, ..., "cpu")``
   starts its copy to (pinned, on CUDA) host memory on the copy stream; the forward returns the
-  host copy in the value's place, so the device value is freed after its last forward reader
-  (the caching allocator holds it for the copy stream until its copy is done). Nothing waits
+  host copy in the value's place, so the device value is freed after its release (below), its
+  last reader. Nothing waits
   on the CPU: the copies of a group (a block's saved values) are *released*
   (``offload_copy_release``: the compute stream waits for them, the graph may reuse their
   sources' memory from there on) one block later: the i-th value of a group right after the
@@ -19,7 +19,10 @@ Runs on a region's partitioned graphs, before they are planned. For each chosen 
   copies run, and the host copies are complete only on the copy stream: the copy back (below)
   waits for them on the copy stream, not the CPU. Waiting on the compute stream is what makes
   reusing a source safe: Inductor reuses a dead buffer for a later one of its size without the
-  caching allocator (which alone would keep it for the copy stream, ``record_stream``).
+  caching allocator. So the copies start without ``record_stream``, which would make the
+  caching allocator hold a freed source until the CPU, running far ahead of the device, sees
+  its copy complete: at the memory edge that held several checkpoints' blocks and made the
+  allocator map new memory or free its cache and retry.
 * **backward**: the host copy arrives as the saved value's placeholder; a device copy of it
   (``offload_copy_start(host, ..., device)``) is *prefetched*, issued one group ahead: the
   copies of a group (a block's saved values) start where the previous group's values are first
@@ -164,7 +167,9 @@ def _start_d2h(graph: fx.Graph, node: fx.Node, group: str, pin: bool) -> fx.Node
     output of the forward."""
     val = node.meta["val"]
     with graph.inserting_after(node):
-        host = _tag(call(graph, COPY_START_OP, (node, node.name, "cpu", val.dtype, pin)),
+        # No record_stream: every copy gets a release that makes the compute stream wait
+        # for it before the graph frees the value (_release).
+        host = _tag(call(graph, COPY_START_OP, (node, node.name, "cpu", val.dtype, pin, False)),
                     "d2h", group)
     if not isinstance(host.meta.get("val"), torch.Tensor):  # a graph without fake values
         host.meta["val"] = val.to(torch.device("cpu"))

@@ -5,10 +5,11 @@ Run on the GPU machine: ``pytest -m gpu tests/gpu/test_cudagraphs_gpu.py``.
 A small Llama in fp32, sharded over a one-rank NCCL group and compiled through shardc with
 ``mode="reduce-overhead"`` (Inductor's CUDA graph trees), trains like the same unsharded model
 compiled by Inductor without CUDA graphs (same data, AdamW; torch's DTensor step and
-``shardc.optim.local_shard_step``), and the regions really were recorded: shardc added no
-fallback note, Inductor counted no skipped graph, and the CUDA graph tree manager holds recorded
-functions. Where capture cannot work (dynamic shapes) shardc compiles the region without CUDA
-graphs, says so in the plan, and still trains at parity. See docs/overhead.md.
+``shardc.optim.local_shard_step``, the latter also with ``plain_inputs=True``), and the regions
+really were recorded: shardc added no fallback note, Inductor counted no skipped graph, and the
+CUDA graph tree manager holds recorded functions. Where capture cannot work (dynamic shapes)
+shardc compiles the region without CUDA graphs, says so in the plan, and still trains at parity.
+See docs/overhead.md.
 """
 
 from __future__ import annotations
@@ -79,13 +80,13 @@ def _assert_parity(got, ref, where: str) -> None:
         assert _rel_err(got[1][name], value) <= TOL, (where, name)
 
 
-@pytest.mark.parametrize("local_step", [False, True])
-def test_reduce_overhead_records_and_trains_at_parity(nccl, local_step):
+@pytest.mark.parametrize("local_step, plain", [(False, False), (True, False), (True, True)])
+def test_reduce_overhead_records_and_trains_at_parity(nccl, local_step, plain):
     data = _data()
     ref = _reference(data)
     torch._dynamo.reset()
     skips = counters["inductor"]["cudagraph_skips"]
-    model = shardc.shard(_model())
+    model = shardc.shard(_model(), plain_inputs=plain)
     compiled = torch.compile(model, backend="shardc", mode="reduce-overhead")
     got = _train(model, compiled, data, local_step)
     plans = shardc.explain_all(compiled)
@@ -95,7 +96,7 @@ def test_reduce_overhead_records_and_trains_at_parity(nccl, local_step):
     manager = cudagraph_trees.get_manager(torch.cuda.current_device(),
                                           create_if_none_exists=False)
     assert manager is not None and len(manager.ids_to_funcs) > 0, "nothing was recorded"
-    _assert_parity(got, ref, f"local_step={local_step}")
+    _assert_parity(got, ref, f"local_step={local_step}, plain_inputs={plain}")
 
 
 def test_reduce_overhead_with_dynamic_shapes_falls_back_loudly(nccl, caplog):
