@@ -50,3 +50,21 @@ def test_plan_under_a_memory_budget_prints_the_decisions():
     decisions = [line for line in out.splitlines() if line.startswith("  bucket ")]
     assert len(decisions) == 4, out
     assert any(": kept," in d for d in decisions) and any(": resharded," in d for d in decisions)
+
+
+def test_auto_memory_budget_without_a_gpu_is_the_planned_devices_capacity_less_the_margin(
+        capsys):
+    """``--memory-budget auto`` on a machine without the GPU: the budget a compile on the
+    planned device takes (its capacity less the allocator margin), printed; without a device
+    memory to take it from, a clear error instead of a plan for some other device."""
+    from shardc.planning.budget import AUTO_MARGIN_FRACTION, AUTO_MARGIN_MIN_BYTES, auto_budget
+    from shardc.tools.cli import _auto_budget
+    from shardc.tools.model_spec import ModelSpecError
+
+    h200 = 150_109_880_320  # the h200 profile's device memory
+    assert auto_budget(h200) == int(h200 - AUTO_MARGIN_FRACTION * h200)
+    small = 3 << 30  # where the fraction is below the floor, the floor applies
+    assert _auto_budget(float(small), "h200") == small - AUTO_MARGIN_MIN_BYTES
+    assert f"auto = {small - AUTO_MARGIN_MIN_BYTES:,} B" in capsys.readouterr().out
+    with pytest.raises(ModelSpecError, match="--device"):
+        _auto_budget(None, "cpu-calibrated")

@@ -366,6 +366,15 @@ def resolve_budget(value: int | str, device) -> int:
     advice = fragmentation_advice(_torch.cuda_allocator_settings())
     if advice:
         warnings.warn(advice, stacklevel=2)
+    return auto_budget(total)
+
+
+def auto_budget(capacity_bytes: float) -> int:
+    """The ``"auto"`` budget of a device with ``capacity_bytes``: the capacity less a margin for
+    what the caching allocator keeps reserved above the allocated peak (fragmentation), the
+    larger of :data:`AUTO_MARGIN_FRACTION` of it and :data:`AUTO_MARGIN_MIN_BYTES`. The planning
+    CLI resolves ``--memory-budget auto`` with it for a device it has no handle on."""
+    total = int(capacity_bytes)
     return int(total - max(AUTO_MARGIN_MIN_BYTES, AUTO_MARGIN_FRACTION * total))
 
 

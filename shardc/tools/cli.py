@@ -76,6 +76,21 @@ def _budget_bytes(text: str) -> int | str:
             f"--memory-budget: {text!r} is not 'auto' or a number of bytes (e.g. 40GiB)") from None
 
 
+def _auto_budget(cap_bytes: float | None, profile: str) -> int:
+    """``--memory-budget auto`` without a GPU: the budget a compile on the planned device would
+    take (:func:`shardc.planning.budget.auto_budget` of its capacity), printed."""
+    from shardc.planning.budget import auto_budget
+
+    if not cap_bytes:
+        raise ModelSpecError(f"--memory-budget auto: the cluster profile {profile!r} names no "
+                             "device memory; give the device with --device (h100, h200 or GiB) "
+                             "or a budget in bytes")
+    budget = auto_budget(cap_bytes)
+    print(f"memory budget: auto = {budget:,} B ({fmt_bytes(budget)}), the device's "
+          f"{fmt_bytes(cap_bytes)} less the allocator margin")
+    return budget
+
+
 def _setup(args) -> PlanSetup:
     return PlanSetup(precision=args.precision, checkpointing=args.checkpointing, fp8=args.fp8,
                      shard_size=args.shard_size, inductor=not args.fx, tp=args.tp,
@@ -146,6 +161,8 @@ def _cmd_plan(args) -> int:
     # The device's memory: --device, else the profile's device.
     cap_bytes = (device_capacity(args.device) if args.device is not None
                  else float(profile.device_memory_bytes) or None)
+    if options.get("peak_memory_budget_bytes") == "auto":
+        options["peak_memory_budget_bytes"] = _auto_budget(cap_bytes, profile.name)
     peak_flops = peak_flops_of(profile, setup.precision)
     print(profile_text(profile))
     worlds = _world_sizes(args.sweep_world) if args.sweep_world else [args.world_size]
@@ -290,7 +307,8 @@ def _parser() -> argparse.ArgumentParser:
                         "lines of at most 99 columns")
     p.add_argument("--memory-budget", type=_budget_bytes, default=None, metavar="BYTES|auto",
                    help="bound the predicted whole-step peak (bytes, or with a KiB/MiB/GiB "
-                        "suffix; 'auto': the CUDA device's capacity less a margin): the planner "
+                        "suffix; 'auto': the device's capacity (--device, else the profile's) less "
+                        "the margin a GPU compile takes): the planner "
                         "keeps buckets gathered forward->backward while it fits, and prints its "
                         "decisions (traces every block, as --full-trace)")
     p.add_argument("--memory-margin", type=float, default=None, metavar="FRACTION",
