@@ -123,6 +123,14 @@ def autograd_cache_enabled() -> bool:
     return bool(getattr(torch._functorch.config, "enable_autograd_cache", False))
 
 
+def set_unpickle_tracer(gm, tracer_cls: type) -> None:
+    """Have FX re-trace ``gm``'s code with ``tracer_cls`` (an ``fx.Tracer`` subclass, importable
+    by name) when ``gm`` is unpickled: ``GraphModule.__reduce__`` pickles the module's
+    ``__dict__``, whose ``_tracer_cls`` ``torch.fx.graph_module._deserialize_graph_module``
+    subclasses to rebuild the graph (FX has read it there since long before torch 2.11)."""
+    gm._tracer_cls = tracer_cls
+
+
 # AOTAutograd's cache logs every lookup on this logger, with the key as the only argument:
 # "AOTAutograd cache hit for key %s" / "AOTAutograd cache miss for key %s" (the same text in
 # torch 2.11 through 2.14). shardc reads the key there: no API returns it.

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 from pathlib import Path
 
 import torch
@@ -31,8 +32,8 @@ import torch._dynamo
 import torch.nn.functional as F
 from dist_utils import run_ranks
 from log_lines import LogLines
-from parity import assert_parity, batches, build, reference, sharded_run, train
-from torch import nn
+from parity import assert_parity, batches, build, llama_loss, reference, sharded_run, train
+from torch import fx, nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import shardc
@@ -342,3 +343,91 @@ def test_dynamo_to_local_closures_become_plain_method_calls():
     assert method.meta["example_value"] == "kept"
     assert placed in gm.graph.nodes and other in gm.graph.nodes
     assert plain_to_local_calls(gm) == 0
+
+
+def _backward_with_zeros_body() -> fx.GraphModule:
+    """A backward graph module like those AOTAutograd's cache entry pickles: a subgraph module (a
+    block body's backward) that starts from zeros made of constants only, as Inductor's
+    decomposition of a slice's backward does (the rotary embedding's, in a Llama block)."""
+    body = fx.Graph()
+    grad = body.placeholder("grad")
+    zeros = body.call_function(torch.ops.aten.full.default, ([4, 8], 0.0), {
+        "dtype": torch.float32, "layout": torch.strided, "device": torch.device("cpu"),
+        "pin_memory": False})
+    body.output((body.call_function(torch.ops.aten.slice_scatter.default,
+                                    (zeros, grad, 1, 1, 8, 2)),))
+    root = nn.Module()
+    root.body = fx.GraphModule(nn.Module(), body)
+    top = fx.Graph()
+    top.output(top.call_module("body", (top.placeholder("grad"),)))
+    return fx.GraphModule(root, top)
+
+
+def _tensors_held(module: nn.Module) -> list[str]:
+    return [f"{name}.{attr}" for name, m in module.named_modules()
+            for attr, value in vars(m).items() if isinstance(value, torch.Tensor)] + [
+        name for name, _ in module.named_buffers()]
+
+
+def test_loading_a_cached_backward_allocates_no_tensor():
+    """AOTAutograd's cache entry holds the backward graph module pickled (``gm.__reduce__()``),
+    and loading the entry (a hit) unpickles the modules under it at once. FX rebuilds each by
+    tracing its code, which runs a call on constants (the ``full`` of zeros) for real and keeps
+    the result: on a GPU a device tensor the size of a block's activation (10.07e9 B at batch
+    600 of the 1b model, the rise measured on warm restarts), held as long as the region. The
+    backward shardc hands over is rebuilt by shardc's tracer, which keeps the call a node."""
+    from shardc.compile import warm
+
+    grad = torch.randn(4, 4)
+    plain = _backward_with_zeros_body()
+    expected = plain(grad)
+    _, (state, _) = plain.__reduce__()
+    # FX's own tracer: the zeros become a tensor constant of the loaded body (why the fix).
+    loaded = pickle.loads(pickle.dumps(state))["_modules"]["body"]
+    assert _tensors_held(loaded) and not _full_calls(loaded)
+    marked = _backward_with_zeros_body()
+    assert warm.retrace_on_reload(marked) == 2  # the backward and its body
+    fn, (state, imports) = marked.__reduce__()
+    loaded = pickle.loads(pickle.dumps(state))["_modules"]["body"]
+    assert _tensors_held(loaded) == [] and len(_full_calls(loaded)) == 1
+    # The whole module, loaded (as compiled autograd would), computes the same, holding nothing.
+    whole = pickle.loads(pickle.dumps(marked))
+    assert _tensors_held(whole) == []
+    torch.testing.assert_close(whole(grad), expected, rtol=0, atol=0)
+
+
+def _full_calls(gm: fx.GraphModule) -> list[fx.Node]:
+    return list(gm.graph.find_nodes(op="call_function", target=torch.ops.aten.full.default))
+
+
+def _planned_backward_modules(rank: int, world: int) -> dict:
+    """A one-rank Llama whose blocks are all recomputed with their checkpoints offloaded (compiled
+    once: the backward calls their bodies): the graph modules of the planned backward, and which
+    of them FX would rebuild with shardc's tracer."""
+    from shardc.compile import warm
+
+    torch._dynamo.reset()
+    model = build("llama")
+    shardc.shard(model)
+    forward = torch.compile(model, backend=shardc.backend(
+        inductor=False, activation_offload=("checkpoint:*",)))
+    tokens, targets = batches()
+    llama_loss(forward(tokens[0]), targets[0]).backward()
+    (region,) = shardc.shard_state(model).regions
+    modules = {name or "backward": m for name, m in region.backward.named_modules()
+               if isinstance(m, fx.GraphModule)}
+    _, (state, _) = region.backward.__reduce__()
+    loaded = pickle.loads(pickle.dumps(state))["_modules"]
+    return {"modules": sorted(modules),
+            "marked": sorted(n for n, m in modules.items() if m._tracer_cls is warm.ReloadTracer),
+            "tensors_loaded": {n: _tensors_held(m) for n, m in loaded.items()}}
+
+
+def test_planned_backward_is_rebuilt_by_shardc_tracer():
+    """The partitioner marks the whole backward it hands to AOTAutograd, the block bodies it
+    calls included (their backward and their recomputed forward), and loading it holds no tensor.
+    """
+    (out,) = run_ranks(_planned_backward_modules, 1)
+    assert len(out["modules"]) >= 3, out  # the backward, a body's backward, a recomputed forward
+    assert out["marked"] == out["modules"], out
+    assert all(t == [] for t in out["tensors_loaded"].values()), out

@@ -101,6 +101,8 @@ class ShardcPartitioner(_torch.custom_partitioner_base()):
         rewire_saved_inputs(gm)
         fw, bw = pipeline.partition_and_plan(gm, joint_inputs, self.options, self.region,
                                              **kwargs)
+        # AOTAutograd's cache entry pickles this backward; a hit must load no tensor constant.
+        warm.retrace_on_reload(bw)
         self.clock.lap()
         return fw, bw
 

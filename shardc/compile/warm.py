@@ -24,6 +24,16 @@ therefore use the cache only where a hit loses nothing but the plan, and the pla
 
 The hit's key is read from AOTAutograd's own log record of the lookup
 (``_torch.autograd_cache_lookups``); if it cannot be read, a hit counts as unrestorable.
+
+AOTAutograd's entry also pickles the backward graph itself (for compiled autograd), and loading
+the entry unpickles the graph modules inside it at once: the block bodies' subgraphs. FX rebuilds
+a pickled graph module by tracing its code, and its tracer runs a call whose arguments are all
+constants, such as the ``aten.full`` of zeros a slice's backward starts from, for real, keeping
+the result as a tensor constant of the module: on a GPU, a device tensor as large as a block's
+activation (600 x 2048 x 16 x 128 float32, 10.07e9 B, at batch 600 of the 1b model; warm
+restarts measured +10.1e9 B on an H200) held for as long as the compiled region, which a miss
+never allocates. :func:`retrace_on_reload` has those
+modules rebuilt by :class:`ReloadTracer`, which keeps such calls as graph nodes.
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from torch import fx
+from torch.overrides import TorchFunctionMode
 
 from shardc import _torch
 from shardc.ops.gather_args import GatherArgs
@@ -157,3 +168,50 @@ def load_plan(key: str | None, partitioner: str, gathered: set[str]) -> tuple[Pl
     if planned != gathered:
         return None, "the stored plan's parameters are not the ones this graph gathers"
     return plan, ""
+
+
+class ReloadTracer(fx.Tracer):
+    """The tracer FX rebuilds a pickled graph module of shardc's with (see the module docstring):
+    :class:`fx.Tracer`, except that a call of a torch op whose arguments hold no traced value
+    becomes a graph node, as it was in the pickled graph, instead of running when the module is
+    loaded (FX's tracer runs it and keeps its result as a tensor constant)."""
+
+    def trace(self, root: object, concrete_args: dict | None = None) -> fx.Graph:
+        with _ConstantCallsAsNodes(self):
+            return super().trace(root, concrete_args)
+
+
+class _ConstantCallsAsNodes(TorchFunctionMode):
+    """While ``tracer`` traces: ops called on constants only are recorded, not run."""
+
+    def __init__(self, tracer: fx.Tracer) -> None:
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if isinstance(func, _torch.OpOverload) and not _holds_proxy((args, kwargs)):
+            return self.tracer.create_proxy("call_function", func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+def _holds_proxy(value: object) -> bool:
+    """Whether ``value`` (an op's arguments, nested in lists, tuples and dicts) holds a traced
+    value."""
+    if isinstance(value, fx.Proxy):
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(_holds_proxy(v) for v in value)
+    if isinstance(value, dict):
+        return any(_holds_proxy(v) for v in value.values())
+    return False
+
+
+def retrace_on_reload(gm: fx.GraphModule) -> int:
+    """Have ``gm`` and every graph module under it rebuilt by :class:`ReloadTracer` when
+    unpickled (a cache hit loads no tensor that the miss did not allocate); returns how many
+    modules. Run on the backward graph a training region hands to AOTAutograd."""
+    modules = [m for m in gm.modules() if isinstance(m, fx.GraphModule)]
+    for module in modules:
+        _torch.set_unpickle_tracer(module, ReloadTracer)
+    return len(modules)
