@@ -77,6 +77,10 @@ class ShardcOptions:
         (>= 1): fuse with that many tokens per chunk; ``False``: never.
     check_plan_consistency: at the first run, all ranks compare the plan's hash (through the process
         group's store, see ``shardc.runtime.plan_check``).
+    check_host_memory: refuse, when it is made, a plan whose offloaded activations (and the peak
+        budget's share of the optimizer on the host) the host cannot hold for every local rank
+        (``shardc.compile.host_memory``); False skips the check (a host whose available memory
+        is not what the process may use).
     dump_dir: write the plan (text, JSON, trace, memory plot) of every compiled region here;
         defaults to the ``SHARDC_DUMP`` environment variable.
     comm_pool: place communication buffers in one static pool allocated once per training
@@ -125,6 +129,7 @@ class ShardcOptions:
     optimizer_offload: str = "auto"
     fused_loss: str | bool | int = "auto"
     check_plan_consistency: bool = True
+    check_host_memory: bool = True
     dump_dir: str | None = None
     debug_pool: bool = False
     comm_pool: bool | None = None

@@ -50,7 +50,7 @@ import torch
 from torch import fx
 
 from shardc import _torch
-from shardc.compile import budget_search, fused_loss_choice, progress
+from shardc.compile import budget_search, fused_loss_choice, host_memory, progress
 from shardc.compile.budget_search import kept_params, with_depth
 from shardc.compile.options import ShardcOptions
 from shardc.memory.host import (
@@ -425,6 +425,8 @@ def partition_and_plan(gm: fx.GraphModule, joint_inputs: Sequence[object], optio
     if decided is not None and decided.prefetch is not None:
         options = with_depth(options, decided.prefetch.depth)
     plan = plan_and_lower(fw, bw, options, region, budget=decided)
+    host_memory.refuse_overcommit(plan, activation_host_bytes(fw), _planner_optimizer_bytes(
+        plan, region, options), options.check_host_memory)
     pruned = pruned_body_note(bw)
     if pruned:
         plan.notes.append(pruned)
@@ -436,6 +438,15 @@ def partition_and_plan(gm: fx.GraphModule, joint_inputs: Sequence[object], optio
         plan.notes.append(forced_offload_note([v for v in done if v.group not in recomputed],
                                               blocks, plain, left))
     return fw, bw
+
+
+def _planner_optimizer_bytes(plan: Plan, region: RegionRecord, options: ShardcOptions) -> int:
+    """Host bytes of the optimizer's share the peak budget put on the host (0 where it put none,
+    or where the user's ``OffloadPolicy`` put all of it there)."""
+    if region.optimizer_on_host or not region.optimizer_host_params:
+        return 0
+    return optimizer_host_bytes(plan.predicted.optimizer_host_param_bytes or 0.0,
+                                options.optimizer_state_factor)
 
 
 def search_inputs(gm: fx.GraphModule, joint_inputs: Sequence[object], options: ShardcOptions,

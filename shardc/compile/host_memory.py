@@ -1,0 +1,53 @@
+"""The plan's host memory fits the host.
+
+Activation offload (chosen by the peak budget, or forced by ``activation_offload``) keeps
+saved activations in pinned host memory from the forward to the backward, and the budget's
+optimizer lever keeps part of the optimizer's state and masters there: at batch 600 of the 1b
+config one rank pinned about 30 GB (docs/memory_budget.md). The device budget does not bound
+that. A host that cannot hold it for every rank on it would fail at an allocation in the middle
+of a step (or be killed by the kernel's out-of-memory killer), so such a plan is refused when
+it is made, naming what it needs, what the host has and what to change.
+
+Like ``shardc.shard``'s check of CPU offload (``shardc.sharding.offload.check_host_memory``),
+each rank checks its own host with the job's local ranks, and ``check_host_memory=False``
+skips it where the host's available memory is not what the process may use (containers that
+report the machine's memory, memory that grows on demand).
+"""
+
+from __future__ import annotations
+
+from shardc.planning.budget import MemoryBudgetError
+from shardc.planning.plan import Plan
+from shardc.sharding import offload
+
+GIB = float(1 << 30)
+
+
+def refuse_overcommit(plan: Plan, activation_bytes: int, planner_optimizer_bytes: int,
+                      check: bool = True) -> None:
+    """Raise :class:`MemoryBudgetError` if the host cannot hold ``plan.predicted.host_bytes``
+    for each of the job's local ranks. Checked only where shardc's own plan puts something on
+    the host (``activation_bytes``: the offloaded saved activations; ``planner_optimizer_bytes``:
+    the peak budget's share of the optimizer on the host), so plans without those levers, and
+    CPU offload alone (checked at ``shardc.shard``), are unchanged; ``check=False`` skips it."""
+    if not check or not (activation_bytes or planner_optimizer_bytes):
+        return
+    per_rank = float(plan.predicted.host_bytes or activation_bytes + planner_optimizer_bytes)
+    available = offload.host_available_bytes()
+    ranks = offload.local_ranks()
+    if available is None or per_rank * ranks <= available:
+        return
+    parts = [f"saved activations {activation_bytes / GIB:.2f} GiB"] if activation_bytes else []
+    if planner_optimizer_bytes:
+        parts.append(f"optimizer masters, gradients and state {planner_optimizer_bytes / GIB:.2f}"
+                     " GiB")
+    rest = per_rank - activation_bytes - planner_optimizer_bytes
+    if rest > 0:
+        parts.append(f"CPU offload's shards, gradients and state {rest / GIB:.2f} GiB")
+    raise MemoryBudgetError(
+        f"shardc: the plan keeps {per_rank / GIB:.2f} GiB per rank in host memory "
+        f"({', '.join(parts)}); {ranks} local rank(s) need {per_rank * ranks / GIB:.2f} GiB, "
+        f"but the host has {available / GIB:.2f} GiB available. Raise "
+        "peak_memory_budget_bytes (less offload), turn the levers off "
+        "(activation_offload='never', optimizer_offload='never'), run fewer ranks per host or "
+        "free host memory; check_host_memory=False skips this check.")
