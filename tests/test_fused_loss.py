@@ -144,7 +144,10 @@ def test_parity_llama(world, mode, request):
     run = (_one_rank(request) if request.node.name in _ONE_RANK else
            run_ranks(w.sharded, world, "llama", mode, ignore=True, fused_loss=16))[0]
     _fused(run, 16)
-    _check(run, ref, 1e-5)
+    # Against the eager unsharded model: Inductor's C++ kernels round differently by the
+    # machine's vector ISA (AVX-512 here: wv at 1.02e-5 after three AdamW steps; within 1e-5
+    # with ATEN_CPU_CAPABILITY=avx2), so Inductor gets test_parity_inductor's 1e-4.
+    _check(run, ref, 1e-4 if mode == "inductor" else 1e-5)
 
 
 @pytest.mark.slow
