@@ -22,7 +22,7 @@ GIB = 1 << 30
 
 
 def _plan(host_bytes: float) -> SimpleNamespace:
-    return SimpleNamespace(predicted=SimpleNamespace(host_bytes=host_bytes))
+    return SimpleNamespace(predicted=SimpleNamespace(host_bytes=host_bytes), group_name="")
 
 
 def test_refused_when_the_local_ranks_need_more_than_the_host_has(monkeypatch):
@@ -36,7 +36,7 @@ def test_refused_when_the_local_ranks_need_more_than_the_host_has(monkeypatch):
     for part in ("13.00 GiB per rank", "saved activations 10.00 GiB",
                  "optimizer masters, gradients and state 2.00 GiB",
                  "CPU offload's shards, gradients and state 1.00 GiB",
-                 "8 local rank(s) need 104.00 GiB", "100.00 GiB available",
+                 "8 local rank(s) need 104.00 GiB", "a host has 100.00 GiB available",
                  "activation_offload='never'", "check_host_memory=False"):
         assert part in text, (part, text)
     # It fits with fewer ranks per host; the check can be turned off; nothing of shardc's own
@@ -51,10 +51,13 @@ def test_refused_when_the_local_ranks_need_more_than_the_host_has(monkeypatch):
     host_memory.refuse_overcommit(_plan(13 * GIB), 10 * GIB, 2 * GIB)
 
 
-def _train_with_offloaded_activations(rank: int, world: int, check: bool) -> str:
-    """One step of a one-rank Llama whose blocks' saved activations go to the host, on a host
-    that says it has 1 KiB available: the error's text, or "trained"."""
-    offload.host_available_bytes = lambda: 1024  # this spawned process only
+def _train_with_offloaded_activations(rank: int, world: int, check: bool,
+                                      short: tuple[int, ...] = (0,)) -> str:
+    """One step of a Llama whose blocks' saved activations go to the host, where the ranks in
+    ``short`` say their host has 1 KiB available (the others: plenty): the error's text, or
+    "trained"."""
+    available = 1024 if rank in short else 1 << 40
+    offload.host_available_bytes = lambda: available  # this spawned process only
     torch._dynamo.reset()
     model = build("llama")
     shardc.shard(model)
@@ -71,6 +74,14 @@ def _train_with_offloaded_activations(rank: int, world: int, check: bool) -> str
 def test_a_plan_offloading_more_than_the_host_has_is_refused_at_compile_time():
     (refused,) = run_ranks(_train_with_offloaded_activations, 1, True)
     assert "MemoryBudgetError" in refused and "saved activations" in refused, refused
-    assert "1 local rank(s)" in refused and "0.00 GiB available" in refused, refused
+    assert "1 local rank(s)" in refused and "has 0.00 GiB available" in refused, refused
     (trained,) = run_ranks(_train_with_offloaded_activations, 1, False)
     assert trained == "trained"
+
+
+def test_every_rank_refuses_when_one_host_is_short():
+    """Two ranks, only rank 1's host short: both refuse at compile time (the ranks agree on the
+    outcome), instead of rank 0 waiting at its first collective for a rank that stopped."""
+    refused = run_ranks(_train_with_offloaded_activations, 2, True, (1,))
+    for text in refused:
+        assert "MemoryBudgetError" in text and "a host has 0.00 GiB available" in text, refused

@@ -8,35 +8,45 @@ that. A host that cannot hold it for every rank on it would fail at an allocatio
 of a step (or be killed by the kernel's out-of-memory killer), so such a plan is refused when
 it is made, naming what it needs, what the host has and what to change.
 
-Like ``shardc.shard``'s check of CPU offload (``shardc.sharding.offload.check_host_memory``),
-each rank checks its own host with the job's local ranks, and ``check_host_memory=False``
+As ``shardc.shard``'s check of CPU offload (``shardc.sharding.offload.check_host_memory``)
+does, it reads the host's available memory and the job's local ranks; ``check_host_memory=False``
 skips it where the host's available memory is not what the process may use (containers that
-report the machine's memory, memory that grows on demand).
+report the machine's memory, memory that grows on demand). The ranks agree on the outcome
+through the plan check's store (the most any host needs, the least any host has), so that all
+of them refuse or none does: a refusal on one rank alone would leave the others waiting at
+their first collective.
 """
 
 from __future__ import annotations
 
 from shardc.planning.budget import MemoryBudgetError
 from shardc.planning.plan import Plan
+from shardc.runtime.plan_check import agree_on_largest_each
 from shardc.sharding import offload
 
 GIB = float(1 << 30)
+_UNKNOWN = 1 << 62  # a host that does not say what it has: no limit from it
 
 
 def refuse_overcommit(plan: Plan, activation_bytes: int, planner_optimizer_bytes: int,
-                      check: bool = True) -> None:
+                      check: bool = True, index: int | None = None) -> None:
     """Raise :class:`MemoryBudgetError` if the host cannot hold ``plan.predicted.host_bytes``
     for each of the job's local ranks. Checked only where shardc's own plan puts something on
     the host (``activation_bytes``: the offloaded saved activations; ``planner_optimizer_bytes``:
     the peak budget's share of the optimizer on the host), so plans without those levers, and
-    CPU offload alone (checked at ``shardc.shard``), are unchanged; ``check=False`` skips it."""
+    CPU offload alone (checked at ``shardc.shard``), are unchanged; ``check=False`` skips it.
+    ``index``: the region's number for the plan check (None: this rank decides alone)."""
     if not check or not (activation_bytes or planner_optimizer_bytes):
         return
     per_rank = float(plan.predicted.host_bytes or activation_bytes + planner_optimizer_bytes)
-    available = offload.host_available_bytes()
     ranks = offload.local_ranks()
-    if available is None or per_rank * ranks <= available:
+    available = offload.host_available_bytes()
+    need, negated = agree_on_largest_each(
+        plan.group_name, index, "host_memory",
+        [int(per_rank * ranks), -(_UNKNOWN if available is None else available)])
+    if -negated >= _UNKNOWN or need <= -negated:
         return
+    available = -negated
     parts = [f"saved activations {activation_bytes / GIB:.2f} GiB"] if activation_bytes else []
     if planner_optimizer_bytes:
         parts.append(f"optimizer masters, gradients and state {planner_optimizer_bytes / GIB:.2f}"
@@ -46,8 +56,9 @@ def refuse_overcommit(plan: Plan, activation_bytes: int, planner_optimizer_bytes
         parts.append(f"CPU offload's shards, gradients and state {rest / GIB:.2f} GiB")
     raise MemoryBudgetError(
         f"shardc: the plan keeps {per_rank / GIB:.2f} GiB per rank in host memory "
-        f"({', '.join(parts)}); {ranks} local rank(s) need {per_rank * ranks / GIB:.2f} GiB, "
-        f"but the host has {available / GIB:.2f} GiB available. Raise "
+        f"({', '.join(parts)}); {ranks} local rank(s) need {per_rank * ranks / GIB:.2f} GiB "
+        f"(the most of any host: {need / GIB:.2f} GiB), but a host has {available / GIB:.2f} "
+        "GiB available. Raise "
         "peak_memory_budget_bytes (less offload), turn the levers off "
         "(activation_offload='never', optimizer_offload='never'), run fewer ranks per host or "
         "free host memory; check_host_memory=False skips this check.")

@@ -426,7 +426,7 @@ def partition_and_plan(gm: fx.GraphModule, joint_inputs: Sequence[object], optio
         options = with_depth(options, decided.prefetch.depth)
     plan = plan_and_lower(fw, bw, options, region, budget=decided)
     host_memory.refuse_overcommit(plan, activation_host_bytes(fw), _planner_optimizer_bytes(
-        plan, region, options), options.check_host_memory)
+        plan, region, options), options.check_host_memory, region.check_index)
     pruned = pruned_body_note(bw)
     if pruned:
         plan.notes.append(pruned)
