@@ -39,7 +39,7 @@ from shardc.planning.copies import (
     place_d2h,
     place_h2d,
 )
-from shardc.planning.cost_model import node_flops_and_bytes
+from shardc.planning.cost_model import model_flops, node_flops_and_bytes
 from shardc.planning.estimate import (
     collective_copy_bytes,
     elided_cast_bytes,
@@ -482,7 +482,8 @@ def _simulate(g: GraphView, colls: list[Collective], profile: ClusterProfile,
             wait(c)
         if p < g.end:
             node = g.compute[p]
-            flops, nbytes = node_flops_and_bytes(node)
+            nbytes = node_flops_and_bytes(node)[1]
+            flops = model_flops(node)  # a body call: its body's FLOPs (the plan's MFU)
             spans = [line.kernel(kernel_seconds(k, profile), kernel_category(k))
                      for k in kernel_at.get(p, ())]
             # An op fused into a later kernel (or a view) takes no time: it sits where the
