@@ -1,6 +1,6 @@
 """The allocation profile of an Inductor graph's generated code, replayed without a GPU.
 
-    python benchmarks/output_code_peak.py LOG [--graph 0_backward] [--top 40]
+    python benchmarks/output_code_peak.py LOG [--graph 0_backward] [--top 40] [--dim 2048]
 
 LOG: a ``TORCH_LOGS=output_code`` log (``.gz`` read as is), e.g.
 ``docs/bench/budget/lb320_h200_s12/lb320_output_code.log.gz``. The graph's module (``# AOT ID:
@@ -27,6 +27,9 @@ parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("log")
 parser.add_argument("--graph", default="0_backward")
 parser.add_argument("--top", type=int, default=40)
+parser.add_argument("--dim", type=int, default=2048,
+                    help="the model dimension: the length of a workspace's reduced vector "
+                         "(2048: the 1b config's)")
 cli = parser.parse_args()
 opener = gzip.open if cli.log.endswith(".gz") else open
 with opener(cli.log, "rt") as fh:
@@ -87,11 +90,11 @@ class Fake:
     def view(self, *a):
         return self
 
-    def sum(self, *a, **k):  # a workspace's partial sums reduced: a vector
-        return Fake(Storage(2048 * 4, _label() + " sum"), (2048,), torch.float32)
+    def sum(self, *a, **k):  # a workspace's partial sums reduced: a vector of the model's dim
+        return Fake(Storage(cli.dim * 4, _label() + " sum"), (cli.dim,), torch.float32)
 
     def to(self, *a, **k):
-        return Fake(Storage(2048 * 2, _label() + " to"), (2048,), torch.bfloat16)
+        return Fake(Storage(cli.dim * 2, _label() + " to"), (cli.dim,), torch.bfloat16)
 
 
 def nbytes(size, stride, dtype):
