@@ -29,14 +29,20 @@ _UNKNOWN = 1 << 62  # a host that does not say what it has: no limit from it
 
 
 def refuse_overcommit(plan: Plan, activation_bytes: int, planner_optimizer_bytes: int,
-                      check: bool = True, index: int | None = None) -> None:
+                      check: bool = True, index: int | None = None,
+                      offloads: bool | None = None) -> None:
     """Raise :class:`MemoryBudgetError` if the host cannot hold ``plan.predicted.host_bytes``
     for each of the job's local ranks. Checked only where shardc's own plan puts something on
     the host (``activation_bytes``: the offloaded saved activations; ``planner_optimizer_bytes``:
     the peak budget's share of the optimizer on the host), so plans without those levers, and
     CPU offload alone (checked at ``shardc.shard``), are unchanged; ``check=False`` skips it.
-    ``index``: the region's number for the plan check (None: this rank decides alone)."""
-    if not check or not (activation_bytes or planner_optimizer_bytes):
+    ``index``: the region's number for the plan check (None: this rank decides alone).
+    ``offloads``: whether the plan's decisions put anything there (the same on every rank, so
+    that every rank takes part in the exchange or none does; a rank's shards of the chosen
+    parameters can be empty); default: whether the bytes are."""
+    if offloads is None:
+        offloads = bool(activation_bytes or planner_optimizer_bytes)
+    if not check or not offloads:
         return
     per_rank = float(plan.predicted.host_bytes or activation_bytes + planner_optimizer_bytes)
     ranks = offload.local_ranks()

@@ -75,6 +75,7 @@ from shardc.passes.lower import add_pool_placeholder, apply_plan
 from shardc.passes.offload_dedupe import dedupe_device_copies
 from shardc.passes.offload_saved import (
     OffloadedValue,
+    activation_role,
     block_groups,
     offload_saved,
     saved_on_host,
@@ -425,8 +426,10 @@ def partition_and_plan(gm: fx.GraphModule, joint_inputs: Sequence[object], optio
     if decided is not None and decided.prefetch is not None:
         options = with_depth(options, decided.prefetch.depth)
     plan = plan_and_lower(fw, bw, options, region, budget=decided)
-    host_memory.refuse_overcommit(plan, activation_host_bytes(fw), _planner_optimizer_bytes(
-        plan, region, options), options.check_host_memory, region.check_index)
+    host_memory.refuse_overcommit(
+        plan, activation_host_bytes(fw), _planner_optimizer_bytes(plan, region, options),
+        options.check_host_memory, region.check_index,
+        offloads=_offloads_activations(fw) or _planner_optimizer(region))
     pruned = pruned_body_note(bw)
     if pruned:
         plan.notes.append(pruned)
@@ -440,10 +443,22 @@ def partition_and_plan(gm: fx.GraphModule, joint_inputs: Sequence[object], optio
     return fw, bw
 
 
+def _offloads_activations(fw: fx.GraphModule) -> bool:
+    """Whether the forward copies saved activations to the host (a decision: the same graph
+    structure on every rank)."""
+    return any(activation_role(n) == "d2h" for n in fw.graph.nodes)
+
+
+def _planner_optimizer(region: RegionRecord) -> bool:
+    """Whether the peak budget put part of the optimizer on the host (not the user's
+    ``OffloadPolicy``, which puts all of it there and is checked at ``shardc.shard``)."""
+    return bool(region.optimizer_host_params) and not region.optimizer_on_host
+
+
 def _planner_optimizer_bytes(plan: Plan, region: RegionRecord, options: ShardcOptions) -> int:
     """Host bytes of the optimizer's share the peak budget put on the host (0 where it put none,
     or where the user's ``OffloadPolicy`` put all of it there)."""
-    if region.optimizer_on_host or not region.optimizer_host_params:
+    if not _planner_optimizer(region):
         return 0
     return optimizer_host_bytes(plan.predicted.optimizer_host_param_bytes or 0.0,
                                 options.optimizer_state_factor)
