@@ -97,7 +97,10 @@ def render_markdown(report: dict[str, Any]) -> str:
         "- tokens/s/GPU: per-GPU tokens per step over the median step time (CUDA events around "
         "forward, backward, optimizer step and zero_grad; the slowest rank's median).",
         "- peak memory: `torch.cuda.max_memory_allocated/reserved` over the timed steps "
-        "(`reset_peak_memory_stats` before them), the larger of the ranks.",
+        "(`reset_peak_memory_stats` before them), the larger of the ranks. Modes under CUDA "
+        "graphs (`mode=\"reduce-overhead\"`: shardc-cudagraphs, shardc-fast, "
+        "shardc-fast-budget) replay from the graph pool without allocating, so their allocated "
+        "peak misses the pool's buffers: read their reserved peak.",
         "- compile s: wall time of the first step (compilation plus lazy initialization). Modes "
         "run one after the other in one process each rank (order: "
         f"{', '.join(meta.get('mode_order', []))}); Inductor's kernel caches are not cleared "
