@@ -226,6 +226,20 @@ def recompute_tag(node: fx.Node, policy) -> None:
     node.meta.setdefault("ac_graph_id", OUTSIDE_CHECKPOINT_ID)
 
 
+def subgraph_module(call: fx.Node) -> fx.GraphModule | None:
+    """The graph module a ``call`` of a compiled-once block body (``invoke_subgraph``) runs: its
+    first argument, a ``get_attr`` of the graph's owning module; None where it is no such call
+    or cannot be resolved (a graph without an owning module)."""
+    if call.op != "call_function" or call.target is not torch.ops.higher_order.invoke_subgraph:
+        return None
+    attr = call.args[0] if call.args else None
+    owner = call.graph.owning_module
+    if not isinstance(attr, fx.Node) or attr.op != "get_attr" or owner is None:
+        return None
+    body = getattr(owner, str(attr.target), None)
+    return body if isinstance(body, fx.GraphModule) else None
+
+
 def is_call(node: fx.Node, target) -> bool:
     return node.op == "call_function" and node.target is target
 

@@ -36,7 +36,7 @@ import torch
 from torch import fx
 
 from shardc.passes.body import INVOKE_SUBGRAPH
-from shardc.passes.fx_utils import op_overload, tensor_nbytes, tensors_in
+from shardc.passes.fx_utils import op_overload, subgraph_module, tensor_nbytes, tensors_in
 
 __all__ = ["ALREADY_ON_HOST", "RNG_RETURNS", "compute_device_type", "host_bytes", "is_rng_output",
            "on_host"]
@@ -65,12 +65,8 @@ def compute_device_type(graph: fx.Graph) -> str:
 
 def _body_output(call: fx.Node, idx: int) -> fx.Node | None:
     """The node a compiled-once block body's call (``invoke_subgraph``) returns at ``idx``."""
-    owner = call.graph.owning_module
-    attr = call.args[0] if call.args else None
-    if owner is None or not isinstance(attr, fx.Node) or attr.op != "get_attr":
-        return None
-    body = getattr(owner, attr.target, None)
-    if not isinstance(body, fx.GraphModule):
+    body = subgraph_module(call)
+    if body is None:
         return None
     outs = body.graph.output_node().args[0]
     inner = outs[idx] if isinstance(outs, (list, tuple)) and idx < len(outs) else None

@@ -19,7 +19,7 @@ import sympy
 import torch
 from torch import fx
 
-from shardc.passes.fx_utils import size_hint, tensor_nbytes
+from shardc.passes.fx_utils import size_hint, subgraph_module, tensor_nbytes
 from shardc.planning.plan import CollectiveKind as Kind
 
 W, B, ALPHA = sympy.symbols("W B alpha", positive=True)
@@ -159,22 +159,10 @@ def model_flops(node: fx.Node) -> float:
     """The FLOPs ``node`` computes, a call of a compiled-once block body included: the sum over
     the body's ops (:func:`node_flops_and_bytes` prices the call itself at none, the body's time
     being priced from its own kernels). For the plan's record and its MFU, not for times."""
-    if node.op == "call_function" and node.target is torch.ops.higher_order.invoke_subgraph:
-        body = _subgraph(node)
-        if body is not None:
-            return sum(model_flops(n) for n in body.graph.nodes if n.op == "call_function")
+    body = subgraph_module(node)
+    if body is not None:
+        return sum(model_flops(n) for n in body.graph.nodes if n.op == "call_function")
     return node_flops_and_bytes(node)[0]
-
-
-def _subgraph(call: fx.Node) -> fx.GraphModule | None:
-    """The graph module an ``invoke_subgraph`` call runs (its first argument, a ``get_attr`` of
-    the graph's owning module), or None where it cannot be resolved."""
-    attr = call.args[0] if call.args else None
-    owner = call.graph.owning_module
-    if not isinstance(attr, fx.Node) or attr.op != "get_attr" or owner is None:
-        return None
-    body = getattr(owner, str(attr.target), None)
-    return body if isinstance(body, fx.GraphModule) else None
 
 
 @dataclass(frozen=True)

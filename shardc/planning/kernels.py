@@ -41,7 +41,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from shardc.passes.fx_utils import has_tag, is_view, op_overload, size_hint, tensor_nbytes
+from shardc.passes.fx_utils import (
+    has_tag,
+    is_view,
+    op_overload,
+    size_hint,
+    subgraph_module,
+    tensor_nbytes,
+)
 
 VIEW, MATMUL, ATTENTION, FUSABLE, EXTERN = "view", "matmul", "attention", "fusable", "extern"
 
@@ -300,11 +307,8 @@ def _expand_body_call(kernel: Kernel) -> list[Kernel]:
     """A compiled-once block body's call (``invoke_subgraph``) runs its body's kernels, each
     priced as if inline, all at the call; any other kernel is itself."""
     node = kernel.last
-    if len(kernel.nodes) != 1 or node.op != "call_function" or not _is_body_call(node):
-        return [kernel]
-    owner = node.graph.owning_module
-    body = getattr(owner, node.args[0].target, None) if owner is not None else None
-    if not isinstance(body, fx.GraphModule):
+    body = subgraph_module(node) if len(kernel.nodes) == 1 else None
+    if body is None:
         return [kernel]
     inner = [n for n in body.graph.nodes if n.op == "call_function"]
     out = group_kernels(body.graph, inner)
@@ -321,9 +325,8 @@ def count_calls(nodes: list[fx.Node], name: str) -> int:
         if node.op != "call_function":
             continue
         if _is_body_call(node):
-            owner = node.graph.owning_module
-            body = getattr(owner, node.args[0].target, None) if owner is not None else None
-            if isinstance(body, fx.GraphModule):
+            body = subgraph_module(node)
+            if body is not None:
                 count += count_calls(list(body.graph.nodes), name)
         elif base_name(node) == name:
             count += 1
