@@ -112,11 +112,15 @@ def setup_fsdp2(model: Transformer, mesh, compile_blocks: bool,
     return Setup(functools.partial(model_loss, model), list(model.parameters()), [model], info)
 
 
-def setup_bound(model: Transformer, loss_in_graph: bool) -> Setup:
-    """Replicated fp32 parameters read as bf16, compiled by Inductor; no communication."""
+def setup_bound(model: Transformer, loss_in_graph: bool, cudagraphs: bool = False) -> Setup:
+    """Replicated fp32 parameters read as bf16, compiled by Inductor; no communication.
+    ``cudagraphs``: under ``mode="reduce-overhead"``, the bound for modes that replay CUDA
+    graphs (without it a host-bound step is slower than its device work)."""
     params = list(model.parameters())
     swap_param_reads(model, lambda p: p.to(torch.bfloat16))
-    compiled = compiled_loss(model, loss_in_graph)
+    compiled = compiled_loss(model, loss_in_graph,
+                             **({"mode": "reduce-overhead"} if cudagraphs else {}))
+    compute = "fp32 master, bf16 cast in the parameter read, Inductor"
     return Setup(compiled, params, [model, compiled],
-                 {"compute": "fp32 master, bf16 cast in the parameter read, Inductor",
+                 {"compute": compute + (", CUDA graphs" if cudagraphs else ""),
                   "communication": "none (no gradient all-reduce)"})

@@ -30,7 +30,7 @@ EXTRA_MODES: tuple[str, ...] = ("shardc-keeporder", "shardc-pool", "shardc-local
                                   "shardc-cudagraphs", "shardc-budget", "shardc-noreshard",
                                   "shardc-inline", "shardc-plain", "shardc-plain-budget",
                                   "shardc-combo", "shardc-ac", "shardc-fast",
-                                  "shardc-fast-budget")
+                                  "shardc-fast-budget", "bound-cudagraphs")
 
 
 SHARDED_BASELINES: tuple[str, ...] = ("fsdp2", "fsdp2-compile", "simplefsdp")
@@ -160,8 +160,8 @@ def _with_compiled_loss(setup: Setup) -> Setup:
 def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_graph: bool = True
                ) -> Setup:
     model = build_model(cfg, device)
-    if mode == "bound":
-        return setup_bound(model, loss_in_graph)
+    if mode in ("bound", "bound-cudagraphs"):
+        return setup_bound(model, loss_in_graph, cudagraphs=mode == "bound-cudagraphs")
     if mode == "simplefsdp" and mesh.ndim != 1:
         raise NotImplementedError("simplefsdp mode: 1-D meshes only (no --mesh / --tp)")
     model = bench_mesh.parallelize_llama(model, mesh)  # --tp: tensor-parallel blocks first
