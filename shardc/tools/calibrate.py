@@ -57,11 +57,17 @@ from shardc.tools.host_cost import (
 
 MIB = 1 << 20
 COLLECTIVE_SIZES = tuple(64 * 1024 * 4 ** i for i in range(8))  # 64 KiB .. 1 GiB
-# (m, n, k): square sizes and the shapes of transformer training (tokens x dim x ffn).
+# (m, n, k): square sizes and the shapes of transformer training (tokens x dim x ffn), at 8192
+# tokens per rank and at 2048 (batch 1 x 2048, where the two-H200 rows ran matmuls 6-17% slower
+# than the 8192-token points predicted: docs/cost_model.md); the last 2048-token ones are the
+# weight gradients' (k = tokens).
 GPU_MATMULS = ((1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192),
                (8192, 2048, 2048), (8192, 5632, 2048), (8192, 2048, 5632), (8192, 32000, 2048),
                (8192, 4096, 4096), (8192, 11008, 4096), (8192, 4096, 11008),
-               (2048, 2048, 8192), (4096, 11008, 8192), (16384, 2048, 2048))
+               (2048, 2048, 8192), (4096, 11008, 8192), (16384, 2048, 2048),
+               (2048, 5632, 2048), (2048, 2048, 5632), (2048, 32000, 2048),
+               (2048, 11008, 4096), (2048, 4096, 11008), (5632, 2048, 2048),
+               (11008, 4096, 2048))
 CPU_MATMULS = ((128, 128, 128), (256, 256, 256), (512, 512, 512), (512, 1024, 256))
 GPU_ATTENTION = ((1024, 128), (2048, 128), (4096, 128), (8192, 128), (2048, 64), (8192, 64))
 CPU_ATTENTION = ((128, 32), (256, 32))
