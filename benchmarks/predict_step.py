@@ -137,6 +137,11 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--blocks-once", action="store_true",
                    help="compile repeated blocks once (shardc's default since issue 18; off here "
                         "as in the measured tables, which were made with blocks inline)")
+    p.add_argument("--cudagraphs", action="store_true",
+                   help="compile with mode='reduce-overhead' (CUDA graphs) and predict the "
+                        "step replayed (shardc.planning.step.predict_step(cudagraphs=True))")
+    p.add_argument("--memory-budget", default=None, metavar="BYTES|auto",
+                   help="shardc's peak_memory_budget_bytes (default: none)")
     p.add_argument("--out", default="docs/bench")
     p.add_argument("--name", default="predict_step")
     return p.parse_args(argv)
@@ -157,9 +162,12 @@ def _init(device_type: str) -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def _setup(cfg, device, mesh, fp8: bool, cluster: dict | None, blocks_once: bool = False):
+def _setup(cfg, device, mesh, fp8: bool, cluster: dict | None, blocks_once: bool = False,
+           cudagraphs: bool = False, budget: str | None = None):
     """The model on ``mesh`` (``bench_mesh.build_mesh``: tensor-parallel blocks first on a
-    ``(dp, tp)`` mesh, as train_bench does), sharded and compiled with the shardc backend."""
+    ``(dp, tp)`` mesh, as train_bench does), sharded and compiled with the shardc backend;
+    ``cudagraphs``: under ``mode="reduce-overhead"``; ``budget``: ``peak_memory_budget_bytes``
+    (``"auto"`` or bytes)."""
     model = bench_mesh.parallelize_llama(build_model(cfg, device), mesh)
     mp = shardc.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     policy = shardc.Float8Policy(modules=(nn.Linear, nn.Embedding)) if fp8 else None
@@ -167,9 +175,12 @@ def _setup(cfg, device, mesh, fp8: bool, cluster: dict | None, blocks_once: bool
     options = {"cluster": cluster} if cluster else {}
     # Blocks inline (as the measured tables were made); --blocks-once measures the default.
     options["compile_blocks_once"] = blocks_once
+    if budget is not None:
+        options["peak_memory_budget_bytes"] = budget if budget == "auto" else int(budget)
     if device.type != "cuda":
         options["inductor"] = False
-    loss = compiled_loss(model, True, backend=shardc.backend(**options))
+    mode = {"mode": "reduce-overhead"} if cudagraphs else {}
+    loss = compiled_loss(model, True, backend=shardc.backend(**options), **mode)
     return model, loss
 
 
@@ -206,7 +217,7 @@ def run_config(c: dict, args, device, mesh, cluster: dict | None, log) -> dict[s
     seq = config_seq(c, args)
     cfg = model_config(c["model"], seq, args.tiny, c["layers"])
     model, loss_fn = _setup(cfg, device, mesh, c["precision"] == "fp8", cluster,
-                            args.blocks_once)
+                            args.blocks_once, args.cudagraphs, args.memory_budget)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     # A tp group reads one batch (its dp coordinate's); every other rank its own.
     data = synthetic_batches(args.warmup + args.steps + args.profile_steps, c["batch"], seq,
@@ -215,6 +226,7 @@ def run_config(c: dict, args, device, mesh, cluster: dict | None, log) -> dict[s
     t0 = time.perf_counter()
     for _ in range(args.warmup):
         tokens, targets = next(it)
+        torch.compiler.cudagraph_mark_step_begin()  # a new step for CUDA graph trees
         loss_fn(tokens, targets).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -229,6 +241,7 @@ def run_config(c: dict, args, device, mesh, cluster: dict | None, log) -> dict[s
         host = [time.perf_counter()]
         if ev:
             ev[0].record()
+        torch.compiler.cudagraph_mark_step_begin()
         loss = loss_fn(tokens, targets)
         _mark(host, ev, 1)
         loss.backward()
@@ -270,7 +283,7 @@ def run_config(c: dict, args, device, mesh, cluster: dict | None, log) -> dict[s
     step = predict_step(plans, profile, OptimizerSpec(
         param_bytes, n_params, state_factor=options.get("optimizer_state_factor", 2.0),
         temp_factor=options.get("optimizer_temp_factor", 1.0),
-        impl=options.get("optimizer_impl", "auto")))
+        impl=options.get("optimizer_impl", "auto")), cudagraphs=args.cudagraphs)
     res.update({
         "profile": profile.name,
         "predicted_fwd_bwd_s": step.graphs_s,
@@ -371,6 +384,7 @@ def _profiled(loss_fn, opt, it, steps: int, device) -> tuple[float, dict[str, fl
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             tokens, targets = next(it)
+            torch.compiler.cudagraph_mark_step_begin()
             loss_fn(tokens, targets).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -587,6 +601,7 @@ def main(argv=None) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
         "profile": f"{profile.name} ({profile.source[:60]}; {profile.date})",
         "profile_arg": args.profile, "tiny": args.tiny, "blocks_once": args.blocks_once,
+        "cudagraphs": args.cudagraphs, "memory_budget": args.memory_budget,
         "seq": args.seq or (128 if args.tiny else 2048), "steps": args.steps,
         "warmup": args.warmup,
         # The mesh every row ran on (also each result's "mesh"); plan_vs_measured.py plans the

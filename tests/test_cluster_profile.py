@@ -655,6 +655,37 @@ def test_step_charges_per_param_host_work_by_the_expected_amount():
         60e-3 + optimizer_step_seconds(1.5e9, 100, base))
 
 
+def test_cuda_graph_replay_drops_the_graphs_host_waits_and_queues_the_backward():
+    """Under CUDA graphs a graph's device time is the plan's without its waits for the host,
+    the step waits for one replay call, and the backward's whole device time is queued, so
+    the hand-off and the optimizer's host work hide under it."""
+    p = _profile(memory=((1, 2e12),), kernel_gpu_s=0.0, kernel_launch_s=0.0, graph_call_s=0.4e-3,
+                 optimizer_per_param_s=50e-6)
+    spec = OptimizerSpec(param_bytes=4e6, n_params=100)  # 40 us on the device, 5 ms host
+    plan = _plan_with(0, 50e-3, queued=0.5e-3, handoff=3e-3)
+    plan.predicted.forward_time_s, plan.predicted.backward_time_s = 20e-3, 30e-3
+    plan.predicted.time_by_category_s = {"forward/launch_bound": 6e-3,
+                                         "forward/param_host": 2e-3,
+                                         "backward/launch_bound": 5e-3,
+                                         "forward/exposed_comm": 1e-3}
+    eager = predict_step([plan], p, spec)
+    replay = predict_step([plan], p, spec, cudagraphs=True)
+    device = optimizer_step_seconds(4e6, 100, p)
+    # Eager: the graphs' 50 ms, then the host's 3 ms hand-off and 5 ms of optimizer Python
+    # beyond the 0.5 ms queued (host-bound).
+    assert eager.step_s > 50e-3 + 7e-3
+    # Replayed: 12 + 25 ms of device time and one 0.4 ms call; the 25 ms backward is queued,
+    # so the hand-off and the optimizer's Python hide under it: the optimizer's device time.
+    assert replay.graphs_s == pytest.approx(0.4e-3 + 12e-3 + 25e-3)
+    assert replay.step_s == pytest.approx(0.4e-3 + 12e-3 + 25e-3 + device)
+    forward, backward = replay.phases[0], replay.phases[1]
+    assert forward.seconds == pytest.approx(12.4e-3) and forward.host_wait_s == pytest.approx(
+        0.4e-3) and forward.comm_wait_s == pytest.approx(1e-3)
+    assert backward.seconds == pytest.approx(25e-3) and backward.host_wait_s == 0.0
+    assert sum(ph.seconds for ph in replay.phases) == pytest.approx(replay.step_s)
+    assert sum(ph.seconds for ph in eager.phases) == pytest.approx(eager.step_s)
+
+
 def _region_graphs(layers: int = 3):
     """A one-rank region's forward (gathers, matmuls) and backward (a reduce-scatter per
     parameter), traced with fake tensors."""

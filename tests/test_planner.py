@@ -195,6 +195,9 @@ def test_bad_input_names_what_to_do(capsys):
     assert "--sweep-world" in capsys.readouterr().err
     assert cli.main(["plan", "llama-tiny", "--world-size", "8", "--profile", "h300"]) == 2
     assert "no cluster profile 'h300'" in capsys.readouterr().err
+    assert cli.main(["plan", "llama-tiny", "--world-size", "8", "--offload", "params",
+                     "--cudagraphs"]) == 2
+    assert "--cudagraphs with --offload" in capsys.readouterr().err
 
 
 def test_seq_longer_than_the_config_allows(capsys):

@@ -222,14 +222,32 @@ def _value(p: Predictions, key: str) -> float:
     return float(v) if v is not None else 0.0
 
 
-def _graph_phase(plans: Sequence[Plan], graph: str) -> Phase:
+def _host_wait(plan: Plan, graph: str) -> float:
+    """The device's idle time in ``plan``'s ``graph`` waiting for the host (its launches and
+    per-parameter work, :class:`shardc.planning.schedule._Timeline`)."""
+    cats = plan.predicted.time_by_category_s or {}
+    return cats.get(f"{graph}/launch_bound", 0.0) + cats.get(f"{graph}/param_host", 0.0)
+
+
+def _replayed_s(plan: Plan, graph: str) -> float:
+    """``plan``'s ``graph`` replayed as a CUDA graph: its device time without the waits for the
+    host, whose launches and per-parameter work a replay does not do."""
+    return max(_value(plan.predicted, f"{graph}_time_s") - _host_wait(plan, graph), 0.0)
+
+
+def _graph_phase(plans: Sequence[Plan], graph: str, cudagraphs: bool = False,
+                 replay_call_s: float = 0.0) -> Phase:
     seconds = host = comm = 0.0
     for p in plans:
-        seconds += _value(p.predicted, f"{graph}_time_s")
         cats = p.predicted.time_by_category_s or {}
-        host += cats.get(f"{graph}/launch_bound", 0.0) + cats.get(f"{graph}/param_host", 0.0)
         comm += cats.get(f"{graph}/exposed_comm", 0.0)
-    return Phase(graph, seconds, host, comm)
+        if cudagraphs:
+            seconds += _replayed_s(p, graph)
+        else:
+            seconds += _value(p.predicted, f"{graph}_time_s")
+            host += _host_wait(p, graph)
+    # Under CUDA graphs the device waits only for the first replay's call.
+    return Phase(graph, seconds + replay_call_s, host + replay_call_s, comm)
 
 
 def _bucket_grads(plan: Plan) -> list[tuple[float, float, int]]:
@@ -326,21 +344,38 @@ def _mixed_step(queued: float, handoff: float, zero_grad: float, optimizer: Opti
     return (*timeline, device, host_s, copies, compute)
 
 
-def predict_step(plans: Sequence[Plan], profile: ClusterProfile, optimizer: OptimizerSpec
-                 ) -> StepPrediction:
+def predict_step(plans: Sequence[Plan], profile: ClusterProfile, optimizer: OptimizerSpec,
+                 *, cudagraphs: bool = False) -> StepPrediction:
     """The step of the compiled regions ``plans`` (this rank's) with ``optimizer`` (see the
-    module docstring)."""
+    module docstring).
+
+    ``cudagraphs``: the compiled regions replay as CUDA graphs (``torch.compile(...,
+    mode="reduce-overhead")``): a graph's device time is the plan's without the device's waits
+    for the host (a replay launches no kernel one by one and does no per-parameter work), the
+    step's first replay call (``graph_call_s``) is waited for once, and the host returns from
+    a backward replay at once, so the backward's whole device time is queued under the
+    hand-off and the optimizer's host work. The optimizer and zero_grad run eagerly, as
+    before."""
     share = budget_host_share(plans) if optimizer.offload == "none" else 0.0
     if share >= 1.0:  # the budget put every parameter's state and step on the host
         optimizer = replace(optimizer, offload="optimizer", overlap=False)
-    graphs_s = sum(_value(p.predicted, "step_time_s") for p in plans)
+
+    def queued_of(p: Plan) -> float:
+        return _replayed_s(p, "backward") if cudagraphs else _value(p.predicted,
+                                                                     "backward_queued_s")
+
+    replay_call_s = max(profile.graph_call_s, 0.0) if cudagraphs and plans else 0.0
+    if cudagraphs:
+        graphs_s = replay_call_s + sum(_replayed_s(p, "forward") + _replayed_s(p, "backward")
+                                       for p in plans)
+    else:
+        graphs_s = sum(_value(p.predicted, "step_time_s") for p in plans)
     last = min(plans, key=lambda p: p.region, default=None)
     excess = 0.0  # other regions' hand-off beyond their own backward's queued time
     for p in plans:
         if p is not last:
-            excess += max(_value(p.predicted, "grad_handoff_s")
-                          - _value(p.predicted, "backward_queued_s"), 0.0)
-    queued = _value(last.predicted, "backward_queued_s") if last is not None else 0.0
+            excess += max(_value(p.predicted, "grad_handoff_s") - queued_of(p), 0.0)
+    queued = queued_of(last) if last is not None else 0.0
     handoff = _value(last.predicted, "grad_handoff_s") if last is not None else 0.0
     zero_grad = max(profile.zero_grad_per_param_s * optimizer.n_params
                     + profile.zero_grad_fixed_s, 0.0)
@@ -395,7 +430,8 @@ def predict_step(plans: Sequence[Plan], profile: ClusterProfile, optimizer: Opti
     ran = optimizer.ran(host_in_group=on_host or share > 0.0)
     if ran == "per_tensor" or optimizer.impl == "auto" and (on_host or share > 0.0):
         where += f"; torch.optim runs it {optimizer_kind.describe(ran)}"
-    phases = (_graph_phase(plans, "forward"), _graph_phase(plans, "backward"),
+    phases = (_graph_phase(plans, "forward", cudagraphs, replay_call_s),
+              _graph_phase(plans, "backward", cudagraphs),
               Phase("optimizer", opt_end + excess, opt_idle + excess,
                     runs_on="host" if on_host or share > 0.0 else "device"),
               Phase("zero_grad", after - opt_end, idle - opt_idle, runs_on="host"))

@@ -143,6 +143,11 @@ def _cmd_plan(args) -> int:
 
     spec = parse_model(args.model, args.overrides)
     setup = _setup(args)
+    if args.cudagraphs and setup.offload != "none":
+        # The replay term (shardc.planning.step) is not modelled with a host-side step.
+        raise ModelSpecError("--cudagraphs with --offload: the step model's CUDA-graph term "
+                             "covers an optimizer on the device only; plan CPU offload "
+                             "without --cudagraphs")
     options = json.loads(args.options) if args.options else {}
     if args.memory_budget is not None:
         options["peak_memory_budget_bytes"] = args.memory_budget
@@ -172,7 +177,7 @@ def _cmd_plan(args) -> int:
                                   setup=setup)
         plan, seconds = planned.plan, planned.seconds
         cap = capacity(plan, args.batch, seq, peak_flops, cap_bytes,
-                       step=whole_step(planned, profile))
+                       step=whole_step(planned, profile, cudagraphs=args.cudagraphs))
         rows.append(cap)
         if args.sweep_world:
             print(f"world {world}: planned in {seconds:.1f} s", file=sys.stderr)
@@ -186,7 +191,8 @@ def _cmd_plan(args) -> int:
               f"{f', HSDP shard groups of {setup.shard_size}' if setup.shard_size else ''}"
               f"{f', TP {setup.tp}' if setup.tp > 1 else ''}"
               f"{f', CPU offload ({setup.offload})' if setup.offload != 'none' else ''}"
-              f"{', step_in_backward' if setup.step_in_backward else ''}")
+              f"{', step_in_backward' if setup.step_in_backward else ''}"
+              f"{', CUDA graphs' if args.cudagraphs else ''}")
         decisions = budget_lines(plan) if args.summary_only else []
         if args.summary_only and plan.fused_loss is not None:
             decisions.append(plan.fused_loss.note())
@@ -204,17 +210,18 @@ def _cmd_plan(args) -> int:
         print("\n".join(_sweep_table(rows)))
         _write_sweep_plot(rows, args.plot or "shardc-sweep.png", spec.name)
     if args.json:
-        _write_json(args.json, spec.name, setup, args.batch, seq, profile.name, rows)
+        _write_json(args.json, spec.name, setup, args.batch, seq, profile.name, rows,
+                    cudagraphs=args.cudagraphs)
     return 0
 
 
 def _write_json(path: str, name: str, setup: PlanSetup, batch: int, seq: int, profile: str,
-                rows: list[Capacity]) -> None:
+                rows: list[Capacity], cudagraphs: bool = False) -> None:
     data = {"model": name, "batch": batch, "seq": seq, "profile": profile,
             "setup": {"precision": setup.precision, "checkpointing": setup.checkpointing,
                       "fp8": setup.fp8, "shard_size": setup.shard_size, "tp": setup.tp,
                       "offload": setup.offload, "step_in_backward": setup.step_in_backward,
-                      "optimizer": setup.optimizer_name},
+                      "optimizer": setup.optimizer_name, "cudagraphs": cudagraphs},
             "worlds": [capacity_dict(c) for c in rows]}
     text = json.dumps(data, indent=1)
     if path == "-":
@@ -277,6 +284,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-reshard", dest="reshard", action="store_false",
                    help="shardc.shard(reshard_after_forward=False): the backward reuses the "
                         "forward's gathered parameters (no second all-gather or host copy)")
+    p.add_argument("--cudagraphs", action="store_true",
+                   help="the compiled regions replay as CUDA graphs (torch.compile(..., "
+                        "mode='reduce-overhead')): their kernels cost no host launches; the "
+                        "optimizer stays eager. The peak does not count the graph pool's own "
+                        "memory (docs/overhead.md)")
     p.add_argument("--json", default=None, metavar="PATH",
                    help="also write the answers (whole step by phase, memory) as JSON ('-': "
                         "print them)")

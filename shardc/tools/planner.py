@@ -425,11 +425,12 @@ def capacity(plan: Plan, batch: int, seq: int, peak_flops: float,
                     step=step, graphs_s=graphs_s)
 
 
-def whole_step(planned: PlannedModel, profile: ClusterProfile) -> StepPrediction:
+def whole_step(planned: PlannedModel, profile: ClusterProfile, cudagraphs: bool = False
+               ) -> StepPrediction:
     """The whole step of a planned model: its graphs, then the optimizer and zero_grad
     (:func:`shardc.planning.step.predict_step`, as ``benchmarks/predict_step.py`` predicts the
-    measured step)."""
-    return predict_step([planned.plan], profile, planned.optimizer)
+    measured step); ``cudagraphs``: its graphs replayed as CUDA graphs."""
+    return predict_step([planned.plan], profile, planned.optimizer, cudagraphs=cudagraphs)
 
 
 def capacity_dict(cap: Capacity) -> dict[str, Any]:
