@@ -31,7 +31,8 @@ shards), ``shardc-cudagraphs`` (that, compiled with ``mode="reduce-overhead"``);
 plain_inputs=True)``: forwards read plain local shards), ``shardc-plain-budget`` (both),
 ``shardc-combo`` (Inductor's ``combo_kernels``: small independent kernels launched as one),
 ``shardc-fast`` (plain inputs, the local-shard step and CUDA graphs together),
-``shardc-fast-budget`` (that with the peak budget); see
+``shardc-fast-budget`` (that with the peak budget), ``shardc-fast-budget-inline`` (that with
+``compile_blocks_once=False``: Inductor fuses across the blocks' boundaries); see
 docs/overhead.md. Results go to
 ``--out/<name>.json`` and ``.md``. Public API only (``shardc-combo`` sets Inductor's config).
 """
@@ -68,7 +69,7 @@ from train.workload import DEFAULT_BATCH, model_config, synthetic_batches  # noq
 
 MODES = ("bound", "shardc", "shardc-localopt", "shardc-cudagraphs", "shardc-noreshard",
          "shardc-inline", "shardc-budget", "shardc-plain", "shardc-plain-budget", "shardc-combo",
-         "shardc-fast", "shardc-fast-budget")
+         "shardc-fast", "shardc-fast-budget", "shardc-fast-budget-inline")
 PHASES = ("forward", "backward", "optimizer.step", "zero_grad")
 # The per-parameter host costs docs/overhead.md names, as profiler event names (CPU self ms
 # per step, all phases): Dynamo's guards, AOTAutograd's runtime wrappers, DTensor dispatch.
@@ -105,7 +106,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "on CUDA, a per-parameter loop on CPU; foreach mirrors the GPU on CPU)")
     p.add_argument("--out", default="docs/bench")
     p.add_argument("--name", default="step_overhead")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.profile_steps < 1:  # the report's per-phase CPU breakdown comes from them
+        p.error("--profile-steps must be at least 1")
+    return args
 
 
 def init(device_type: str) -> torch.device:

@@ -30,7 +30,8 @@ EXTRA_MODES: tuple[str, ...] = ("shardc-keeporder", "shardc-pool", "shardc-local
                                   "shardc-cudagraphs", "shardc-budget", "shardc-noreshard",
                                   "shardc-inline", "shardc-plain", "shardc-plain-budget",
                                   "shardc-combo", "shardc-ac", "shardc-fast",
-                                  "shardc-fast-budget", "bound-cudagraphs")
+                                  "shardc-fast-budget", "shardc-fast-budget-inline",
+                                  "bound-cudagraphs")
 
 
 SHARDED_BASELINES: tuple[str, ...] = ("fsdp2", "fsdp2-compile", "simplefsdp")
@@ -222,19 +223,24 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_
         setup = setup_shardc(model, mesh, loss_in_graph, comm_pool=True)
         setup.info["options"] = "comm_pool=True (static communication pool under Inductor)"
         return setup
-    if mode in ("shardc-localopt", "shardc-cudagraphs", "shardc-fast", "shardc-fast-budget"):
+    if mode in ("shardc-localopt", "shardc-cudagraphs", "shardc-fast", "shardc-fast-budget",
+                "shardc-fast-budget-inline"):
         # All step AdamW on the local shards; -cudagraphs also compiles with
         # mode="reduce-overhead" (CUDA graph trees; shardc falls back loudly where it cannot);
         # -fast is -cudagraphs with plain inputs too: every opt-in host-overhead option at once;
         # -fast-budget adds the peak budget of shardc-budget (SHARDC_PEAK_BUDGET, default
-        # "auto": buckets kept gathered for the backward where memory allows).
+        # "auto": buckets kept gathered for the backward where memory allows); -inline compiles
+        # the blocks inline (compile_blocks_once=False), so Inductor fuses across their
+        # boundaries (docs/overhead.md: the world-1 gap left at the body boundary).
         cudagraphs = mode != "shardc-localopt"
         options: dict[str, object] = {}
         if mode.startswith("shardc-fast"):
             options["plain_inputs"] = True
-        if mode == "shardc-fast-budget":
+        if mode.startswith("shardc-fast-budget"):
             value = os.environ.get("SHARDC_PEAK_BUDGET", "auto")
             options["peak_memory_budget_bytes"] = value if value == "auto" else int(value)
+        if mode.endswith("-inline"):
+            options["compile_blocks_once"] = False
         setup = setup_shardc(model, mesh, loss_in_graph,
                              compile_mode="reduce-overhead" if cudagraphs else None, **options)
         setup.prepare_optimizer = shardc.optim.local_shard_step
