@@ -63,6 +63,11 @@ Regions: the backward of the region compiled first (the lowest ``Plan.region``) 
 its queued device time is what the optimizer's host work can hide under; another region's
 hand-off can hide only under its own backward's queued time, and what it exceeds that by is
 added to the step.
+
+CUDA graphs (``predict_step(..., cudagraphs=True)``, ``mode="reduce-overhead"``): the graphs
+replay, so their device time is the plan's less the waits for the host, and the whole backward
+is queued when the host returns from it. The plan's exposed communication is kept as planned
+(with the host's waits gone, a collective's wait could show more: not modelled).
 """
 
 from __future__ import annotations
