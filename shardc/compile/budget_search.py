@@ -701,13 +701,20 @@ def _recompute_under_budget(probe: fx.GraphModule, blocks: list[Block], user_byt
     margin = options.peak_memory_margin
     budget_bytes = budget.planned_for(user_bytes, margin)
 
+    host_notes: dict[str, str] = {}  # the host levers the host could not take, and why
+
     def refuse(peak: int, plan: Plan, cands=(), checkpoints: int = 0
                ) -> budget.MemoryBudgetError:
         offloaded = sum(1 for c in cands if c.offload)
-        return budget.refuse_below_minimum(user_bytes, peak, plan,
-                                           recomputed=len(cands) - offloaded,
-                                           offloaded=offloaded, margin=margin,
-                                           resharded=resharded[1], checkpoints=checkpoints)
+        error = budget.refuse_below_minimum(user_bytes, peak, plan,
+                                            recomputed=len(cands) - offloaded,
+                                            offloaded=offloaded, margin=margin,
+                                            resharded=resharded[1], checkpoints=checkpoints)
+        if host_notes:  # the minimum is the device's with what the host could take
+            error.args = (f"{error.args[0]} The host could not take every offload: "
+                          f"{sorted(host_notes.items())[0][1]} ({len(host_notes)} offload(s) "
+                          "left out); check_host_memory=False lifts this limit.",)
+        return error
 
     estimates = block_estimates(probe, blocks, resharded[0].group_name, options, region,
                                 tag_prefix)
