@@ -92,6 +92,30 @@ def test_every_rank_refuses_when_one_host_is_short():
 # host cannot take a block's offloaded activations the planner recomputes the block instead, and
 # the plan says why; the capacity the search uses is agreed across the ranks before it.
 
+def test_the_capacity_is_per_local_rank_and_exchanged_only_where_a_host_lever_may_be_chosen(
+        monkeypatch):
+    """``agree_capacity`` (one rank: its own reading): the host's available memory over its
+    local ranks, None where the host does not say; ``host_levers_possible``: only under a
+    budget, with the check on and a host lever allowed (the options alone decide)."""
+    from shardc.compile.options import ShardcOptions
+
+    monkeypatch.setattr(offload, "host_available_bytes", lambda: 100 * GIB)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    capacity = host_memory.agree_capacity("", None)
+    assert capacity == host_memory.HostCapacity(100 * GIB // 8, 100 * GIB, 8)
+    assert capacity.fits(12 * GIB) and not capacity.fits(13 * GIB)
+    assert capacity.full(13 * GIB) == ("host full: would need 104.00 GiB (8 local rank(s) x "
+                                       "13.00 GiB), host has 100.00 GiB")
+    monkeypatch.setattr(offload, "host_available_bytes", lambda: None)
+    assert host_memory.agree_capacity("", None) is None
+    budget = {"peak_memory_budget_bytes": 1 << 30}
+    assert host_memory.host_levers_possible(ShardcOptions(**budget))
+    assert not host_memory.host_levers_possible(ShardcOptions())
+    assert not host_memory.host_levers_possible(ShardcOptions(**budget, check_host_memory=False))
+    assert not host_memory.host_levers_possible(ShardcOptions(
+        **budget, activation_offload="never", optimizer_offload="never"))
+
+
 # A Llama whose saved activations make the step's peak, so that a budget below the fixed
 # policy's peak needs a block freed (prefer: offload, where the host can take it).
 _PLAN_CFG = dict(vocab_size=37, dim=48, n_layers=4, n_heads=4, ffn_dim=90, max_seq_len=16)
