@@ -1,7 +1,9 @@
 """A plan's host memory must fit the host (``shardc.compile.host_memory``): offloaded saved
 activations and the peak budget's share of the optimizer in pinned host memory are checked
 against the host's available memory for every local rank when the plan is made, and refused
-with what it needs, what the host has and what to change, instead of failing mid-step."""
+with what it needs, what the host has and what to change, instead of failing mid-step. Under a
+peak budget the host is a constraint of the search: the planner recomputes what the host cannot
+take, against a capacity every rank agreed on, and refuses only where no plan fits both."""
 
 from __future__ import annotations
 
