@@ -257,3 +257,39 @@ def test_refused_when_no_plan_fits_both_the_budget_and_the_host(monkeypatch):
                  "needs", "host full: would need", "host has 0.00 MiB",
                  "check_host_memory=False"):
         assert part in text, (part, text)
+
+
+def test_checkpoints_the_host_cannot_take_are_not_offloaded(monkeypatch):
+    """Many tokens through four narrow blocks (tests/real_models.py's checkpoint scenario,
+    planned at a fake world of 2): a byte below what recomputing every block reaches, a roomy
+    host takes some blocks' checkpoints; a host of 1 KiB takes none, and recomputing alone
+    cannot meet the budget: refused, naming the device minimum and saying the host could not
+    take the offloads."""
+    import re
+
+    from shardc.models.llama import LlamaConfig
+    from shardc.tools.planner import PlanSetup, plan_model
+
+    cfg = LlamaConfig(vocab_size=37, dim=32, n_layers=4, n_heads=2, ffn_dim=16, max_seq_len=8)
+
+    def plan(budget_bytes: int, **options):
+        return plan_model(cfg, 2, 96, 4, {"peak_memory_budget_bytes": budget_bytes,
+                                          "peak_memory_margin": 0.0, "fused_loss": False,
+                                          "optimizer_offload": "never", "prefetch": False,
+                                          **options},
+                          template=False, setup=PlanSetup(inductor=False))[0]
+
+    monkeypatch.setattr(offload, "host_available_bytes", lambda: 1 << 40)
+    with pytest.raises(Exception, match="feasible minimum") as refused:
+        plan(1, activation_offload="never")
+    recomputed = int(re.search(r"feasible minimum (\d+) B", str(refused.value)).group(1))
+    roomy = plan(recomputed - 1)
+    assert roomy.budget.checkpoint_offloaded and roomy.predicted.host_bytes, roomy.budget
+
+    monkeypatch.setattr(offload, "host_available_bytes", lambda: 1024)
+    with pytest.raises(Exception, match="feasible minimum") as full:
+        plan(recomputed - 1)
+    text = str(full.value)
+    assert f"feasible minimum {recomputed} B" in text, text
+    assert "The host could not take every offload: host full: would need" in text, text
+    assert "host has 0.00 MiB" in text and "check_host_memory=False" in text, text
