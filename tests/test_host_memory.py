@@ -133,6 +133,7 @@ def _planned(budget_bytes: int | None, **options):
     if budget_bytes is not None:
         opts.update(peak_memory_budget_bytes=budget_bytes, peak_memory_margin=0.0,
                     optimizer_offload="never", activation_offload="prefer")
+    torch._dynamo.reset()  # another test's shapes would make these dynamic
     return plan_model(LlamaConfig(**_PLAN_CFG), 2, 12, 12, opts, template=False,
                       setup=PlanSetup(inductor=False))[0]
 
@@ -237,6 +238,7 @@ def test_refused_when_no_plan_fits_both_the_budget_and_the_host(monkeypatch):
     cfg = LlamaConfig(vocab_size=64, dim=16, n_layers=1, n_heads=2, max_seq_len=8)
 
     def plan(budget_bytes: int, mode: str):
+        torch._dynamo.reset()  # another test's shapes would make these dynamic
         return plan_model(cfg, 2, 1, 8, {"peak_memory_budget_bytes": budget_bytes,
                                          "peak_memory_margin": 0.0, "optimizer_offload": mode,
                                          "fused_loss": False},
@@ -273,6 +275,7 @@ def test_checkpoints_the_host_cannot_take_are_not_offloaded(monkeypatch):
     cfg = LlamaConfig(vocab_size=37, dim=32, n_layers=4, n_heads=2, ffn_dim=16, max_seq_len=8)
 
     def plan(budget_bytes: int, **options):
+        torch._dynamo.reset()  # another test's shapes would make these dynamic
         return plan_model(cfg, 2, 96, 4, {"peak_memory_budget_bytes": budget_bytes,
                                           "peak_memory_margin": 0.0, "fused_loss": False,
                                           "optimizer_offload": "never", "prefetch": False,
