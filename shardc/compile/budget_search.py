@@ -15,6 +15,13 @@ module does not import the pipeline.
 Every figure a decision compares is the largest over the ranks of the region's group, exchanged
 through the group's store (``shardc.runtime.plan_check.agree_on_largest``; each tag once per
 region, in the same order on every rank), so every rank makes the same decisions.
+
+The host's memory is a constraint of the search (``region.host_capacity``, agreed across the
+ranks before it: ``shardc.compile.host_memory.agree_capacity``): a block's activations or
+checkpoint are offloaded, and the optimizer's share put on the host, only while the predicted
+host bytes per rank fit it (:class:`HostRoom`); a block that does not fit is recomputed instead
+(its decision says "host full: ..."), and where even the optimizer's smallest share does not
+fit, no plan fits both memories and the budget is refused (:class:`HostFullError`).
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from typing import Protocol
 import torch
 from torch import fx
 
+from shardc.compile import host_memory
+from shardc.compile.host_memory import HostCapacity
 from shardc.compile.options import ShardcOptions
 from shardc.memory.host import optimizer_host_bytes
 from shardc.memory.peak import shard_bytes_by_param
@@ -60,6 +69,45 @@ class SearchRegion(Protocol):
     # (an earlier region's choice), and set while the search tries a subset and when it
     # chooses one.
     optimizer_host_params: frozenset[str]
+    # The host memory the plan may fill, the same on every rank (None: no limit; read only,
+    # agreed before the search by the pipeline: shardc.compile.host_memory.agree_capacity).
+    host_capacity: HostCapacity | None
+
+
+# Fits of the host-side levers to the host verified per lever (the fit by estimates, one
+# refit to the verified excess, the last with no room): bounded work, whatever the model.
+MAX_HOST_FITS = 3
+
+
+class HostFullError(budget.MemoryBudgetError):
+    """No configuration fits both the device budget and the host's memory: the levers the
+    device budget needs put more on the host than it has (``minimum_bytes`` None: not a budget
+    below the device minimum; every rank raises it alike, the figures being agreed)."""
+
+
+@dataclass(frozen=True)
+class HostRoom:
+    """The host memory left to the activation levers of one search (``choose_device_levers``):
+    the agreed ``capacity`` less ``base_bytes``, the host bytes of its configuration without
+    them (CPU offload's state, the optimizer's share on the host; the largest over the
+    ranks)."""
+
+    capacity: HostCapacity
+    base_bytes: int
+    group: str
+    index: int | None
+    tag_prefix: str
+
+    @property
+    def room(self) -> int:
+        """Bytes per rank the activation levers may still put on the host."""
+        return max(self.capacity.per_rank - self.base_bytes, 0)
+
+    def used(self, plan: Plan, tag: str) -> int:
+        """``plan``'s predicted host bytes per rank, the largest over the ranks (one store
+        exchange under ``tag``: once per region)."""
+        return agree_on_largest(self.group, self.index, f"{self.tag_prefix}host/{tag}",
+                                int(plan.predicted.host_bytes or 0))
 
 
 @dataclass(frozen=True)
@@ -114,7 +162,10 @@ def choose_under_budget(inputs: SearchInputs, options: ShardcOptions,
                      unavailable)
             raise _refusal(refused, optimizer_offload.refusal_hint(False, unavailable)) from None
         floor_plan, exact = refused.plan, True
-    subset = _host_subset(inputs, options, region, floor_plan, floor, exact)
+    try:
+        subset = _host_subset(inputs, options, region, floor_plan, floor, exact)
+    except HostFullError as full:
+        raise _host_refusal(full, floor, exact) from None
     if subset.decided is not None:
         decided = subset.decided
         decided.optimizer = _optimizer_decision(floor_plan, floor, exact, decided, options,
@@ -126,9 +177,12 @@ def choose_under_budget(inputs: SearchInputs, options: ShardcOptions,
         return decided
     region.optimizer_on_host = True  # every prediction below leaves the state to the host
     try:
-        decided = choose_device_levers(inputs, options, region, tag_prefix="host/")
+        decided = choose_device_levers(inputs, options, region, tag_prefix="host/",
+                                       optimizer_lever=True)
     except budget.MemoryBudgetError as again:
         region.optimizer_on_host = False
+        if isinstance(again, HostFullError):
+            raise _host_refusal(again, floor, exact) from None
         if getattr(again, "minimum_bytes", None) is None:
             raise
         raise _refusal(again, optimizer_offload.refusal_hint(True, "", floor, exact)) from None
@@ -141,6 +195,18 @@ def choose_under_budget(inputs: SearchInputs, options: ShardcOptions,
                 "host (optimizer_offload='never' turns this off): %s", region.index,
                 decided.optimizer.reason)
     return decided
+
+
+def _host_refusal(full: HostFullError, floor: int, exact: bool) -> HostFullError:
+    """The refusal where the optimizer's share the device budget needs does not fit the host:
+    ``full``'s figures (what the host would need, what it has) after the device levers'
+    minimum (``floor``; not ``exact``: the optimizer step's peak, a lower bound)."""
+    return HostFullError(
+        f"shardc: no plan fits both the peak budget and the host's memory: the device levers "
+        f"alone reach {'' if exact else 'at least '}{floor} B ({floor / 2**20:.1f} MiB), over "
+        f"the budget, and {full} Raise peak_memory_budget_bytes, run fewer ranks per host or "
+        "free host memory (optimizer_offload='never' refuses such a budget at once); "
+        "check_host_memory=False skips this check.")
 
 
 @dataclass
@@ -199,7 +265,7 @@ def _host_subset(inputs: SearchInputs, options: ShardcOptions, region: SearchReg
         tried += 1
         try:
             decided = choose_device_levers(inputs, options, region, tag_prefix=f"host{tried}/",
-                                           step_floor_exits=True)
+                                           step_floor_exits=True, optimizer_lever=True)
             return HostSubset(order, chosen, decided, tried)
         except optimizer_offload.StepOverBudget as over:
             again, in_step = over.floor_bytes, True
@@ -326,7 +392,8 @@ def _shard_numel(plan: Plan) -> int:
 
 
 def choose_device_levers(inputs: SearchInputs, options: ShardcOptions, region: SearchRegion,
-                         tag_prefix: str = "", step_floor_exits: bool = False) -> MemoryBudget:
+                         tag_prefix: str = "", step_floor_exits: bool = False,
+                         optimizer_lever: bool = False) -> MemoryBudget:
     """The decisions of the levers on the device for one region's joint graph (``inputs``,
     each configuration built by ``inputs.trial``): the fully resharded configuration first;
     within the budget, the greedy keeps buckets gathered; over it, every bucket kept is tried
@@ -336,7 +403,11 @@ def choose_device_levers(inputs: SearchInputs, options: ShardcOptions, region: S
     the cross-rank exchanges' tags (each tag once per region), for a second search under other
     conditions (the optimizer's state on the host). ``step_floor_exits``: raise
     :class:`optimizer_offload.StepOverBudget` as soon as the optimizer step's peak alone is over
-    the budget (the caller then puts the state on the host)."""
+    the budget (the caller then puts the state on the host). ``optimizer_lever``: the search
+    put (part of) the optimizer's state on the host for this one: raise
+    :class:`HostFullError` where that alone is over the host's capacity
+    (``region.host_capacity``); the activation levers are fitted to what is left
+    (:class:`HostRoom`)."""
     user_bytes = budget.resolve_budget(options.peak_memory_budget_bytes,
                                        gather_device(inputs.joint))
     margin = options.peak_memory_margin
@@ -377,6 +448,7 @@ def choose_device_levers(inputs: SearchInputs, options: ShardcOptions, region: S
         return PrefetchTrial(depth, step_ns * 1e-6, peak, peak <= budget_bytes)
 
     base, minimum = evaluate(set())
+    host = _host_room(base, region, tag_prefix, optimizer_lever)
     if step_floor_exits:
         # The optimizer step's shards, gradients, state and temporaries are the same in every
         # configuration of these levers: over the budget, none can meet it.
@@ -428,7 +500,7 @@ def choose_device_levers(inputs: SearchInputs, options: ShardcOptions, region: S
                     probe, blocks, user_bytes, evaluate(set(), depth=current), lowest, options,
                     region, lambda recomputed, offloaded: evaluate(set(), recomputed, offloaded,
                                                                    current),
-                    tag_prefix=tag_prefix)
+                    tag_prefix=tag_prefix, host=host)
             except budget.MemoryBudgetError as exc:
                 # The fully resharded plan's peak at the options' depth (the fixed policy's)
                 # and at each depth tried (the ranks' largest).
@@ -444,12 +516,131 @@ def choose_device_levers(inputs: SearchInputs, options: ShardcOptions, region: S
     decided.peak_bytes = decided.prefetch.peak_bytes
     decided.trials = len(evaluated) - 1
     budget.with_margin(decided, user_bytes, margin)
+    if host is not None and any("host full" in d.reason for d in decided.blocks):
+        decided.host = host.capacity.describe()  # why the blocks' reasons say "host full"
     log.info("shardc: region %d, peak budget %d B (planned for %d B): minimum %d B, kept "
              "gathered %s, recomputed %s, offloaded %s, checkpoints offloaded %s, predicted "
              "peak %d B (%d trials)", region.index, user_bytes, budget_bytes,
              decided.minimum_bytes, decided.kept, decided.recomputed, decided.offloaded,
              decided.checkpoint_offloaded, decided.peak_bytes, decided.trials)
     return decided
+
+
+def _host_room(base: Plan, region: SearchRegion, tag_prefix: str,
+               optimizer_lever: bool) -> HostRoom | None:
+    """The host memory left to this search's activation levers (None: no limit), from the
+    fully resharded plan ``base``'s host bytes (the largest over the ranks). Raises
+    :class:`HostFullError` where the optimizer's share this search tries (``optimizer_lever``)
+    already overfills the host: no configuration of the other levers lowers host bytes."""
+    capacity = getattr(region, "host_capacity", None)
+    if capacity is None:
+        return None
+    base_bytes = agree_on_largest(base.group_name, region.check_index, f"{tag_prefix}host/base",
+                                  int(base.predicted.host_bytes or 0))
+    if optimizer_lever and not capacity.fits(base_bytes):
+        raise HostFullError(f"the optimizer's state on the host needs "
+                            f"{host_memory.size(base_bytes)} per rank: "
+                            f"{capacity.full(base_bytes)}.")
+    return HostRoom(capacity, base_bytes, base.group_name, region.check_index, tag_prefix)
+
+
+def fit_offloads(cands: list[recompute.RecomputeCandidate], blocks: list[Block],
+                 link: HostLink, room: int | None, capacity: HostCapacity | None,
+                 committed: int = 0, scale: float = 1.0
+                 ) -> tuple[list[recompute.RecomputeCandidate], dict[str, str]]:
+    """``cands`` with their offloads limited to ``room`` host bytes per rank (None: no limit),
+    a block's host bytes estimated as its saved bytes times ``scale`` (what the verified plans
+    measured per estimated byte, :func:`_within_host`). The offloads kept are taken in order
+    of value, the blocks that cannot be recomputed first (offload is their only lever), then
+    the most step time saved against recomputing per byte (ties by position), each while it
+    fits; a block left out is recomputed instead where it can be, else left saved. Returns the
+    candidates and, per block left out, why ("host full: would need X, host has Y";
+    ``committed``: the bytes per rank on the host before these). Deterministic: every input
+    is agreed across the ranks."""
+    if room is None or capacity is None:
+        return cands, {}
+    by_name = {b.name: b for b in blocks}
+
+    def value(c: recompute.RecomputeCandidate) -> tuple:
+        can = not by_name[c.block].excluded
+        return (can, -(c.forward_s - c.offload_s) / max(c.nbytes, 1) if can else 0.0,
+                c.position)
+
+    kept, used, notes = set(), 0, {}
+    for c in sorted((c for c in cands if c.offload), key=value):
+        need = round(c.nbytes * scale)
+        if used + need <= room:
+            kept.add(c.block)
+            used += need
+        else:
+            notes[c.block] = capacity.full(committed + used + need)
+    out = []
+    for c in cands:
+        if not c.offload or c.block in kept:
+            out.append(c)
+            continue
+        b = by_name[c.block]
+        lever = offload_lever.choose_lever(
+            forward_s=c.forward_s, recompute_bytes=b.freed_bytes, offload_bytes=0,
+            can_recompute=not b.excluded, link=link, mode="never")
+        if lever is not None:  # recomputed instead, priced as free_candidates prices it
+            out.append(recompute.RecomputeCandidate(
+                c.block, c.kind, c.position, lever.cost_s, lever.nbytes, offload=False,
+                forward_s=c.forward_s, copy_s=c.copy_s, offload_s=c.offload_s,
+                host_note=notes[c.block]))
+    return out, notes
+
+
+def fit_checkpoints(checkpoints: list[recompute.RecomputeCandidate], room: int | None,
+                    capacity: HostCapacity | None, committed: int = 0, scale: float = 1.0
+                    ) -> tuple[list[recompute.RecomputeCandidate], dict[str, str]]:
+    """The checkpoint offloads that fit ``room`` host bytes per rank (None: all of them), each
+    estimated as its bytes times ``scale``: the longest prefix of their ranking (the search
+    takes a prefix of it, ``recompute.choose``); the others stay on the device, each with why
+    (keyed ``"checkpoint:<block>"``; ``committed`` as :func:`fit_offloads`'s)."""
+    if room is None or capacity is None:
+        return checkpoints, {}
+    out, used, notes = [], 0, {}
+    for c in recompute.rank(checkpoints):
+        need = round(c.nbytes * scale)
+        if not notes and used + need <= room:
+            out.append(c)
+            used += need
+        else:
+            notes[f"checkpoint:{c.block}"] = capacity.full(committed + used + need)
+    return out, notes
+
+
+def _within_host(host: HostRoom | None, committed: int, fit, build, tag: str):
+    """One host lever's candidates fitted to the host, verified: ``fit(room, scale)`` ->
+    (candidates, notes) (room None: every candidate), ``build(candidates)`` -> (plan, peak).
+    First every candidate, as without a limit: where its plan's host bytes (the largest over
+    the ranks) fit, that is the answer (a host with room changes nothing). Otherwise the
+    estimates are scaled by what that plan measured per estimated byte (above ``committed``,
+    the bytes on the host before these) and fitted to the room left; while a verified plan is
+    still over, fitted again to the room less the excess, the last time to no room: at most
+    :data:`MAX_HOST_FITS` fits after the first. Returns (candidates, notes, plan, peak)."""
+    cands, notes = fit(None, 1.0)
+    plan, peak = build(cands)
+    if host is None:
+        return cands, notes, plan, peak
+    used = host.used(plan, f"{tag}0")
+    estimated = sum(c.nbytes for c in cands if c.offload)
+    if host.capacity.fits(used) or not estimated:
+        return cands, notes, plan, peak
+    scale = max(used - committed, 1) / estimated
+    room = max(host.capacity.per_rank - committed, 0)
+    for attempt in range(1, MAX_HOST_FITS + 1):
+        room = 0 if attempt == MAX_HOST_FITS else room
+        cands, notes = fit(room, scale)
+        plan, peak = build(cands)
+        if room == 0:
+            break
+        used = host.used(plan, f"{tag}{attempt}")
+        if host.capacity.fits(used):
+            break
+        room = max(room - (used - host.capacity.per_rank), 0)
+    return cands, notes, plan, peak
 
 
 def depth_of(options: ShardcOptions) -> int:
@@ -498,30 +689,43 @@ def _choose_prefetch(trial, base: Plan, default: int, budget_bytes: int,
 def _recompute_under_budget(probe: fx.GraphModule, blocks: list[Block], user_bytes: int,
                             resharded: tuple[Plan, int], lowest: tuple[Plan, int],
                             options: ShardcOptions, region: SearchRegion,
-                            evaluate, tag_prefix: str = "") -> MemoryBudget:
+                            evaluate, tag_prefix: str = "",
+                            host: HostRoom | None = None) -> MemoryBudget:
     """The blocks to recompute when no configuration of the first lever fits (``resharded``:
     the fully resharded plan and its peak; ``lowest``: the lower of it and the fully kept
     one); refuses the budget (``user_bytes``, planned for less its margin) if the fully
-    recomputed plan is still over it."""
+    recomputed plan is still over it. ``host``: the host memory left to the offloads (None:
+    no limit): blocks and checkpoints are offloaded only while they fit it (``fit_offloads``,
+    ``fit_checkpoints``, verified on the plans every candidate freed), the others recomputed
+    or left on the device, their decisions saying why."""
     margin = options.peak_memory_margin
     budget_bytes = budget.planned_for(user_bytes, margin)
+
+    host_notes: dict[str, str] = {}  # the host levers the host could not take, and why
 
     def refuse(peak: int, plan: Plan, cands=(), checkpoints: int = 0
                ) -> budget.MemoryBudgetError:
         offloaded = sum(1 for c in cands if c.offload)
-        return budget.refuse_below_minimum(user_bytes, peak, plan,
-                                           recomputed=len(cands) - offloaded,
-                                           offloaded=offloaded, margin=margin,
-                                           resharded=resharded[1], checkpoints=checkpoints)
+        error = budget.refuse_below_minimum(user_bytes, peak, plan,
+                                            recomputed=len(cands) - offloaded,
+                                            offloaded=offloaded, margin=margin,
+                                            resharded=resharded[1], checkpoints=checkpoints)
+        if host_notes:  # the minimum is the device's with what the host could take
+            error.args = (f"{error.args[0]} The host could not take every offload: "
+                          f"{sorted(host_notes.items())[0][1]} ({len(host_notes)} offload(s) "
+                          "left out); check_host_memory=False lifts this limit.",)
+        return error
 
     estimates = block_estimates(probe, blocks, resharded[0].group_name, options, region,
                                 tag_prefix)
     mode = options.activation_offload if isinstance(options.activation_offload, str) else "auto"
     link = agreed_link(probe, resharded[0].group_name, options, region, tag_prefix)
-    cands = free_candidates(blocks, estimates, mode, link)
-    if not cands:
+    everyone = free_candidates(blocks, estimates, mode, link)
+    if not everyone:
         raise refuse(lowest[1], lowest[0])
-    offloads = {c.block for c in cands if c.offload}
+    capacity = host.capacity if host is not None else None
+    committed = host.base_bytes if host is not None else 0
+    offloads: set[str] = set()
 
     def freeing(names, checkpointed=()) -> tuple[Plan, int]:
         # The named blocks, each by its lever; the ``checkpointed`` ones (recomputed) with
@@ -529,7 +733,19 @@ def _recompute_under_budget(probe: fx.GraphModule, blocks: list[Block], user_byt
         return evaluate(frozenset(n for n in names if n not in offloads),
                         frozenset(n for n in names if n in offloads) | frozenset(checkpointed))
 
-    floor_plan, floor = freeing(tuple(c.block for c in cands))
+    def freeing_all(chosen: list[recompute.RecomputeCandidate]) -> tuple[Plan, int]:
+        offloads.clear()
+        offloads.update(c.block for c in chosen if c.offload)
+        return freeing(tuple(c.block for c in chosen))
+
+    # Every candidate freed, its offloads fitted to the host's room (verified on that plan).
+    cands, host_notes, floor_plan, floor = _within_host(
+        host, committed,
+        lambda room, scale: fit_offloads(everyone, blocks, link, room, capacity, committed,
+                                         scale),
+        freeing_all, "floor/")
+    if not cands:
+        raise refuse(lowest[1], lowest[0])
     note = ""
     if floor > budget_bytes and offloads and mode != "prefer":
         # Offloading every block may not lower the peak where recomputing does (a peak in the
@@ -543,6 +759,7 @@ def _recompute_under_budget(probe: fx.GraphModule, blocks: list[Block], user_byt
                 note = (f"; offloading every block instead left the predicted peak at "
                         f"{floor} B, over the budget")
                 cands, floor_plan, floor = alt, alt_plan, alt_floor
+                host_notes = {}  # nothing offloaded, whatever the host holds
             else:
                 offloads = {c.block for c in cands if c.offload}
     log.info("shardc: region %d: candidates to free (block, bytes, s, offload) %s; every one "
@@ -554,8 +771,18 @@ def _recompute_under_budget(probe: fx.GraphModule, blocks: list[Block], user_byt
         every = tuple(c.block for c in cands)
         checkpoints = checkpoint_candidates(probe, blocks, cands, estimates, link,
                                             resharded[0].group_name, region, tag_prefix)
-        if checkpoints:
+        if checkpoints and host is not None:  # what every block freed left of the host
+            used = host.used(floor_plan, "checkpoints")
+            every_checkpoint = checkpoints
+            checkpoints, ck_notes, ck_plan, ck_floor = _within_host(
+                host, used,
+                lambda room, scale: fit_checkpoints(every_checkpoint, room, capacity, used,
+                                                    scale),
+                lambda chosen: freeing(every, tuple(c.block for c in chosen)), "checkpoints/")
+            host_notes = {**host_notes, **ck_notes}
+        elif checkpoints:
             ck_plan, ck_floor = freeing(every, tuple(c.block for c in checkpoints))
+        if checkpoints:
             log.info("shardc: region %d: checkpoints to offload (block, bytes, s) %s; every "
                      "one offloaded: peak %d B", region.index,
                      [(c.block, c.nbytes, c.cost_s) for c in checkpoints], ck_floor)
@@ -567,7 +794,8 @@ def _recompute_under_budget(probe: fx.GraphModule, blocks: list[Block], user_byt
                     budget_bytes, ck_floor, peak, 0, [],
                     recompute.decisions(blocks, cands, every, needed=True, peak=peak,
                                         note=note, checkpoints=checkpoints,
-                                        checkpointed=ck_chosen, freed_peak=floor),
+                                        checkpointed=ck_chosen, freed_peak=floor,
+                                        host_notes=host_notes),
                     resharded_bytes=resharded[1])
             if ck_floor < min(floor, lowest[1]):
                 raise refuse(ck_floor, ck_plan, cands, len(checkpoints))
@@ -579,7 +807,7 @@ def _recompute_under_budget(probe: fx.GraphModule, blocks: list[Block], user_byt
                                        lambda names: freeing(names)[1])
     return MemoryBudget(budget_bytes, floor, peak, 0, [],
                         recompute.decisions(blocks, cands, chosen, needed=True, peak=peak,
-                                            note=note),
+                                            note=note, host_notes=host_notes),
                         resharded_bytes=resharded[1])
 
 

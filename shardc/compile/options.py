@@ -77,10 +77,12 @@ class ShardcOptions:
         (>= 1): fuse with that many tokens per chunk; ``False``: never.
     check_plan_consistency: at the first run, all ranks compare the plan's hash (through the process
         group's store, see ``shardc.runtime.plan_check``).
-    check_host_memory: refuse, when it is made, a plan whose offloaded activations (and the peak
-        budget's share of the optimizer on the host) the host cannot hold for every local rank
-        (``shardc.compile.host_memory``); False skips the check (a host whose available memory
-        is not what the process may use).
+    check_host_memory: the host's memory bounds what shardc's own plan puts there (offloaded
+        activations, the peak budget's share of the optimizer): under a peak budget the search
+        chooses those levers only while they fit the host's available memory for every local
+        rank (the capacity agreed across the ranks: ``shardc.compile.host_memory``), and a plan
+        that still does not fit is refused when it is made; False: no limit, no check (a host
+        whose available memory is not what the process may use).
     dump_dir: write the plan (text, JSON, trace, memory plot) of every compiled region here;
         defaults to the ``SHARDC_DUMP`` environment variable.
     comm_pool: place communication buffers in one static pool allocated once per training

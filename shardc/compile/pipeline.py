@@ -118,6 +118,10 @@ class RegionRecord:
     # parameters whose state and step are on the host (the others' stay on the device); set by
     # an earlier region's decision and while the search tries a subset.
     optimizer_host_params: frozenset[str] = frozenset()
+    # The host memory the peak budget's search may fill (shardc.compile.host_memory
+    # .agree_capacity), agreed across the ranks before it (``host_agreed``); None: no limit.
+    host_capacity: host_memory.HostCapacity | None = None
+    host_agreed: bool = False
     # CPU offload of the parameters (OffloadPolicy()): the model's key, which the backward's
     # per-bucket "host gradients ready" signals carry (shardc.optim.step_in_backward).
     offload_key: str = ""
@@ -218,6 +222,8 @@ def plan_and_lower(fw: fx.GraphModule, bw: fx.GraphModule | None, options: Shard
     returns the plan."""
     plan, pool = lower_and_predict(fw, bw, options, region)
     plan.budget = budget
+    if budget is not None and budget.host:  # the capacity the host levers were fitted to
+        plan.notes.append(budget.host)
     if bw is not None and region.fused_loss is not None:
         plan.fused_loss = region.fused_loss
         plan.notes.append(region.fused_loss.note())
@@ -380,6 +386,7 @@ def partition_and_plan(gm: fx.GraphModule, joint_inputs: Sequence[object], optio
     then the chosen one is built for real. Without one, this is the fixed policy, unchanged."""
     decided, inputs = None, None
     region.fused_loss = None
+    agree_host_capacity(gm, options, region)
     if options.fused_loss_forced():
         region.fused_loss = fused_loss_choice.forced(gm, options)
     if options.peak_memory_budget_bytes:
@@ -426,10 +433,12 @@ def partition_and_plan(gm: fx.GraphModule, joint_inputs: Sequence[object], optio
     if decided is not None and decided.prefetch is not None:
         options = with_depth(options, decided.prefetch.depth)
     plan = plan_and_lower(fw, bw, options, region, budget=decided)
+    # The final safety net (the search fitted its host levers to the same agreed capacity).
     host_memory.refuse_overcommit(
         plan, activation_host_bytes(fw), _planner_optimizer_bytes(plan, region, options),
         options.check_host_memory, region.check_index,
-        offloads=_offloads_activations(fw) or _planner_optimizer(region))
+        offloads=_offloads_activations(fw) or _planner_optimizer(region),
+        capacity=region.host_capacity if region.host_agreed else None)
     pruned = pruned_body_note(bw)
     if pruned:
         plan.notes.append(pruned)
@@ -441,6 +450,23 @@ def partition_and_plan(gm: fx.GraphModule, joint_inputs: Sequence[object], optio
         plan.notes.append(forced_offload_note([v for v in done if v.group not in recomputed],
                                               blocks, plain, left))
     return fw, bw
+
+
+def agree_host_capacity(gm: fx.GraphModule, options: ShardcOptions,
+                        region: RegionRecord) -> None:
+    """Before the peak budget's search, once per region: the host memory it may fill
+    (``region.host_capacity``), agreed across the group's ranks
+    (``host_memory.agree_capacity``), so that every rank chooses the same host levers. Only
+    where the search may choose one (``host_memory.host_levers_possible``, which the options
+    alone decide: every rank exchanges or none does); otherwise no limit and no exchange."""
+    region.host_capacity, region.host_agreed = None, False
+    if not host_memory.host_levers_possible(options):
+        return
+    gathers = (n for n in gm.graph.nodes if is_call(n, GATHER_OP))
+    first = next(gathers, None)
+    group = GatherArgs.of(first).group_name if first is not None else ""
+    region.host_capacity = host_memory.agree_capacity(group, region.check_index)
+    region.host_agreed = True
 
 
 def _offloads_activations(fw: fx.GraphModule) -> bool:

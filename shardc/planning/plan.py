@@ -561,6 +561,9 @@ class MemoryBudget:
     # The optimizer's state on the host (the last lever; None: not considered, as in plans made
     # before it and where the levers above met the budget).
     optimizer: OptimizerDecision | None = None
+    # The host memory the search fitted its host levers to, where it left one out for it
+    # ("" otherwise, as in plans made before it; not in the hash: the decisions are).
+    host: str = ""
 
     @property
     def optimizer_on_host(self) -> bool:

@@ -55,6 +55,9 @@ class RecomputeCandidate:
     forward_s: float = 0.0
     copy_s: float = 0.0
     offload_s: float = 0.0
+    # Recomputed although offloading was cheaper: why the host could not take it ("host full:
+    # ...", shardc.compile.budget_search.fit_offloads); "" otherwise.
+    host_note: str = ""
 
     @property
     def ratio(self) -> float:
@@ -133,13 +136,16 @@ def choose(cands: Sequence[RecomputeCandidate], budget: int, start: int, floor: 
 def decisions(blocks: Sequence[Block], cands: Sequence[RecomputeCandidate],
               chosen: Sequence[str], *, needed: bool, peak: int = 0,
               note: str = "", checkpoints: Sequence[RecomputeCandidate] = (),
-              checkpointed: Sequence[str] = (), freed_peak: int = 0) -> list[BlockDecision]:
+              checkpointed: Sequence[str] = (), freed_peak: int = 0,
+              host_notes: dict[str, str] | None = None) -> list[BlockDecision]:
     """One decision per block, in graph order, with its reason. ``needed``: the fully
     resharded plan exceeded the budget (else nothing is recomputed); ``note``: appended to the
     reasons of the recomputed blocks (why not offloaded). ``checkpoints``: where every
     candidate freed was not enough (``freed_peak``: that plan's peak), the recomputed blocks
     whose checkpoints may be offloaded (each a candidate of its checkpoint's bytes and exposed
-    copy time), ``checkpointed`` those offloaded."""
+    copy time), ``checkpointed`` those offloaded. ``host_notes``: per block (or
+    ``"checkpoint:<block>"``) whose offload the host could not take, why ("host full: ...")."""
+    host_notes = host_notes or {}
     by_name = {c.block: c for c in cands}
     order = [c.block for c in rank(cands)]
     ck = {c.block: c for c in checkpoints}
@@ -164,16 +170,20 @@ def decisions(blocks: Sequence[Block], cands: Sequence[RecomputeCandidate],
             reason = (f"recomputed: frees ~{nbytes / _MiB:.2f} MiB of saved activations for "
                       f"{cost_ms:.3f} ms of forward in the backward (rank {order.index(b.name) + 1}"
                       f" of {len(order)} by ms per MiB)"
-                      + (f", cheaper than offloading it ({c.offload_s * 1e3:.3f} ms of "
+                      + (f", not offloaded ({c.offload_s * 1e3:.3f} ms of copies not hidden): "
+                         f"{c.host_note}" if c.host_note else
+                         f", cheaper than offloading it ({c.offload_s * 1e3:.3f} ms of "
                          f"{c.copy_s * 1e3:.3f} ms copies not hidden)" if c.copy_s else "")
                       + f"; verified peak {peak / _MiB:.1f} MiB within the budget{note}")
         elif b.excluded and c is None:
-            reason = f"saved: never recomputed, {b.excluded}"
+            reason = f"saved: never recomputed, {b.excluded}" + (
+                f"; not offloaded: {host_notes[b.name]}" if b.name in host_notes else "")
         elif not needed:
             reason = ("saved: the plan fits the budget without recomputing (the first lever, "
                       "keeping buckets gathered, is enough)")
         elif c is None:
-            reason = "saved: recomputing it would free no saved bytes"
+            reason = "saved: recomputing it would free no saved bytes" + (
+                f"; not offloaded: {host_notes[b.name]}" if b.name in host_notes else "")
         else:
             reason = (f"saved: ranked {order.index(b.name) + 1} of {len(order)} "
                       f"({c.ratio * 1e3 * _MiB:.4f} ms/MiB); the blocks ranked before it "
@@ -186,6 +196,9 @@ def decisions(blocks: Sequence[Block], cands: Sequence[RecomputeCandidate],
                        f"{k.copy_s * 1e3:.3f} ms each way on the copy lane, "
                        f"{k.offload_s * 1e3:.3f} ms not hidden by compute (rank "
                        f"{ck_rank[b.name]} of {len(ck_rank)} by ms per MiB)")
+        elif f"checkpoint:{b.name}" in host_notes:
+            reason += (f"; its checkpoint stays on the device: "
+                       f"{host_notes[f'checkpoint:{b.name}']}")
         elif k is not None:
             reason += (f"; its checkpoint (~{k.nbytes / _MiB:.2f} MiB) stays on the device: "
                        f"ranked {ck_rank[b.name]} of {len(ck_rank)}, the "
