@@ -296,3 +296,40 @@ def test_checkpoints_the_host_cannot_take_are_not_offloaded(monkeypatch):
     assert f"feasible minimum {recomputed} B" in text, text
     assert "The host could not take every offload: host full: would need" in text, text
     assert "host has 0.00 MiB" in text and "check_host_memory=False" in text, text
+
+
+def _optimizer_lever_under_host(rank: int, world: int, capacities: tuple[int, ...]) -> str:
+    """Train the parity Llama under a budget a byte below the device levers' minimum (so only
+    the optimizer's state on the host could meet it; ``optimizer_offload='simulate'``: the
+    lever on a CPU mesh), where rank ``r``'s host says it has ``capacities[r]`` bytes: the
+    error's text, or "trained"."""
+    import re
+
+    from parity import sharded_run
+
+    offload.host_available_bytes = lambda: capacities[rank]  # this spawned process only
+    options = dict(comm_pool=False, prefetch=False, peak_memory_margin=0.0, fused_loss=False)
+    try:  # the device levers' minimum, as the refusal names it (the ranks' largest)
+        sharded_run(rank, world, "llama", "fx", peak_memory_budget_bytes=1,
+                    optimizer_offload="never", **options)
+        return "no refusal at a 1-byte budget"
+    except Exception as exc:  # noqa: BLE001 - the test reads what was raised
+        floor = int(re.search(r"feasible minimum (\d+) B", str(exc)).group(1))
+    torch._dynamo.reset()
+    try:
+        sharded_run(rank, world, "llama", "fx", peak_memory_budget_bytes=floor - 1,
+                    optimizer_offload="simulate", **options)
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    return "trained"
+
+
+def test_every_rank_refuses_alike_where_only_one_host_cannot_take_the_optimizer_share():
+    """Two ranks, rank 0's host roomy and rank 1's at 1 KiB, a budget only the optimizer's
+    state on the host could meet: the ranks agree on the least capacity before the search,
+    so both refuse at planning with the same message (none trains on while the other stops,
+    none waits at a collective)."""
+    texts = run_ranks(_optimizer_lever_under_host, 2, (1 << 40, 1024))
+    assert texts[0] == texts[1], texts
+    assert "HostFullError" in texts[0] and "no plan fits both the peak budget and the host" \
+        in texts[0], texts[0]
