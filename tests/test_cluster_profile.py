@@ -342,7 +342,7 @@ def test_calibrate_on_cpu_writes_a_readable_profile(tmp_path, monkeypatch):
     out = tmp_path / "cpu.json"
     assert cal.main(["--device", "cpu", "--quick", "--out", str(out), "--name", "ci"]) == 0
     p = load_profile(str(out))
-    assert p.name == "ci" and p.source == "measured" and p.version == PROFILE_VERSION == 7
+    assert p.name == "ci" and p.source == "measured" and p.version == PROFILE_VERSION == 8
     # No _scaled_mm on the CPU: FP8's host terms are not measured (zeros), and a note says so.
     assert p.fp8_forward_per_scaled_mm_s == p.fp8_backward_per_scaled_mm_s == 0.0
     assert any(n.startswith("FP8 host work not measured") for n in p.notes)
@@ -368,6 +368,8 @@ def test_calibrate_on_cpu_writes_a_readable_profile(tmp_path, monkeypatch):
     # each way (asserted above).
     assert p.host_adamw_params_per_s > 0
     assert p.device_to_host_bytes_per_s == DEFAULT_HOST_LINK_BYTES_PER_S
+    # The device step against its model (here the CPU's own AdamW and bandwidth): measured.
+    assert p.device_adamw_foreach_scale > 0 and p.device_adamw_fused_scale > 0
 
 
 class _SyntheticTimer(cal.Timer):
@@ -582,6 +584,24 @@ def test_older_profiles_read_with_no_per_param_host_work_and_predict_as_before()
     assert "param_host" not in line.by_category
     with pytest.raises(ProfileError, match="optimizer_per_param_s is -1"):
         dataclasses.replace(v2, optimizer_per_param_s=-1.0)
+
+
+def test_the_device_optimizer_step_is_scaled_by_its_measured_ratio():
+    """Profile version 8: the device AdamW step's measured-over-modelled ratio multiplies the
+    modelled step of that implementation; 0 (older profiles) and the per-tensor loop: as
+    modelled. Round-trips through JSON; a negative ratio is refused."""
+    base = _profile()
+    scaled = dataclasses.replace(base, device_adamw_foreach_scale=1.25,
+                                 device_adamw_fused_scale=0.0)
+    for ran, factor in (("foreach", 1.25), ("fused", 1.0), ("per_tensor", 1.0)):
+        assert optimizer_step_seconds(4e9, 100, scaled, ran=ran) == pytest.approx(
+            factor * optimizer_step_seconds(4e9, 100, base, ran=ran))
+    again = ClusterProfile.from_json(scaled.to_json())
+    assert again.device_adamw_foreach_scale == 1.25 and again.device_optimizer_scale("fused") == 1
+    old = {k: v for k, v in base.to_dict().items() if not k.startswith("device_adamw")}
+    assert ClusterProfile.from_dict({**old, "version": 7}).device_optimizer_scale("foreach") == 1
+    with pytest.raises(ProfileError, match="device_adamw_fused_scale is -1"):
+        dataclasses.replace(base, device_adamw_fused_scale=-1.0)
 
 
 def _plan_with(region: int, graphs_s: float, *, queued: float, handoff: float) -> Plan:

@@ -207,14 +207,17 @@ def optimizer_step_seconds(param_bytes: float, n_params: int, profile: ClusterPr
     work around it (``ClusterProfile.optimizer_per_param_s``) is placed by
     :mod:`shardc.planning.step`. ``ran`` (``shardc.planning.optimizer_kind``; default: fused
     where ``temp_factor`` is 0, else foreach): ``"per_tensor"`` makes the foreach passes as a
-    kernel per tensor each."""
+    kernel per tensor each. The whole is multiplied by the profile's measured-over-modelled
+    ratio for ``ran`` (``ClusterProfile.device_optimizer_scale``; 1 where not measured)."""
     ran = ran or optimizer_kind.ran("auto", temp_factor)
     passes, ops = optimizer_kernel_ops(state_factor, 0.0 if ran == "fused" else
                                        max(temp_factor, 1.0))
     kernels = ops * (max(n_params, 1) if ran == "per_tensor" else max(1, math.ceil(n_params / 16)))
     moved = passes * param_bytes
-    return memory_seconds(moved, profile) + kernels * max(profile.kernel_gpu_s,
-                                                          profile.kernel_launch_s)
+    # Scaled by what calibration measured against this model (profile version 8; 1 before).
+    return profile.device_optimizer_scale(ran) * (
+        memory_seconds(moved, profile) + kernels * max(profile.kernel_gpu_s,
+                                                       profile.kernel_launch_s))
 
 
 def elided_cast_bytes(node: fx.Node) -> int:

@@ -52,8 +52,12 @@ PROFILE_FORMAT = "shardc-cluster-profile"
 # host step of an optimizer whose ``foreach``/``fused`` are unset, which steps host tensors per
 # tensor); an older profile reads with 0 (not measured: the fused rate over
 # ``shardc.planning.optimizer_kind.DEFAULT_PER_TENSOR_HOST_SLOWDOWN``).
-PROFILE_VERSION = 7
-READABLE_PROFILE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
+# Version 8 added the device optimizer step's measured time over its modelled one
+# (``device_adamw_foreach_scale``, ``device_adamw_fused_scale``: torch's AdamW on device tensors
+# against :func:`shardc.planning.estimate.optimizer_step_seconds`); an older profile reads with
+# 0 (not measured: the model as it is) and predicts as before.
+PROFILE_VERSION = 8
+READABLE_PROFILE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
 # Host<->device bandwidth of pinned copies (bytes/s) where not measured: PCIe gen5 x16 measures
 # about 50 GB/s each way at best; half of it is what large pinned copies sustain next to NCCL.
 DEFAULT_HOST_LINK_BYTES_PER_S = 25e9
@@ -253,6 +257,14 @@ class ClusterProfile:
     tensors, what an AdamW with ``foreach`` and ``fused`` unset runs on host tensors; CPU
     ``foreach=True`` loops over the same kernels): :meth:`host_adamw_rate`.
 
+    ``device_adamw_foreach_scale`` and ``device_adamw_fused_scale`` (version 8; 0, and older
+    profiles: not measured, taken as 1): torch's AdamW (``foreach=True`` / ``fused=True``)
+    stepping device tensors, its measured time over the modelled one (the memory-bound passes
+    of :func:`shardc.planning.estimate.optimizer_step_seconds` at this profile's bandwidth and
+    kernel costs); the model multiplies its step by it (:meth:`device_optimizer_scale`).
+    Calibration times a step of tensors about the size of one rank's shards
+    (:func:`shardc.tools.calibrate.measure_device_adamw_scales`).
+
     :mod:`shardc.planning.step` places them on the step's host and device timelines."""
 
     name: str
@@ -300,6 +312,8 @@ class ClusterProfile:
     fp8_forward_per_scaled_mm_s: float = 0.0
     fp8_backward_per_scaled_mm_s: float = 0.0
     host_adamw_per_tensor_params_per_s: float = 0.0
+    device_adamw_foreach_scale: float = 0.0
+    device_adamw_fused_scale: float = 0.0
     notes: tuple[str, ...] = ()
     version: int = PROFILE_VERSION
 
@@ -322,6 +336,12 @@ class ClusterProfile:
             raise ProfileError(f"shardc: cluster profile {self.name!r}: "
                                f"host_adamw_per_tensor_params_per_s is {per_tensor!r}; a host "
                                "rate must be a finite number >= 0 (0: not measured)")
+        for name in ("device_adamw_foreach_scale", "device_adamw_fused_scale"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not (math.isfinite(value) and value >= 0):
+                raise ProfileError(f"shardc: cluster profile {self.name!r}: {name} is {value!r}; "
+                                   "a measured-over-modelled ratio must be a finite number >= 0 "
+                                   "(0: not measured)")
         for name in HOST_FIELDS:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
@@ -340,6 +360,14 @@ class ClusterProfile:
                                f"{latency!r}; it must be a finite number of seconds >= 0")
 
     # ------------------------------------------------------------------ lookups
+
+    def device_optimizer_scale(self, ran: str) -> float:
+        """The measured over the modelled device step of implementation ``ran``
+        (``shardc.planning.optimizer_kind.RAN``): 1 where not measured (the per-tensor loop is
+        not)."""
+        scale = {"foreach": self.device_adamw_foreach_scale,
+                 "fused": self.device_adamw_fused_scale}.get(ran, 0.0)
+        return scale if scale > 0 else 1.0
 
     @property
     def host_link(self) -> HostLink:

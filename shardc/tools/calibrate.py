@@ -24,6 +24,7 @@ CPU (smaller shapes), which makes a profile of this CPU, useful for tests, not f
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import math
@@ -78,6 +79,11 @@ CPU_MEMORY = tuple(64 * 1024 * 4 ** i for i in range(5))
 # a CPU-only calibration: small, for tests.
 GPU_HOST_ADAMW = (16, 1 << 24)
 CPU_HOST_ADAMW = (4, 1 << 16)
+# The device optimizer step's ratio to its model: (tensors, elements each). GPU: 256M fp32
+# parameters in 64 tensors (4 GiB with gradients and moments), about one rank's shards of the
+# 1b config at world 2 in 75 tensors; CPU (a CPU profile): small, for tests.
+GPU_DEVICE_ADAMW = (64, 1 << 22)
+CPU_DEVICE_ADAMW = (4, 1 << 14)
 
 
 class Timer:
@@ -268,6 +274,36 @@ def measure_host_adamw(tensors: int, numel: int, reps: int = 3,
     finally:
         torch.set_num_threads(before)
     return tensors * numel / statistics.median(times)
+
+
+def measure_device_adamw_scales(timer: Timer, profile: ClusterProfile, tensors: int,
+                                numel: int) -> dict[str, float]:
+    """``device_adamw_foreach_scale`` and ``device_adamw_fused_scale`` (profile version 8):
+    torch's AdamW (``foreach=True``, ``fused=True``) stepping ``tensors`` fp32 tensors of
+    ``numel`` elements on the timer's device, with gradients, after a step that creates the
+    moments: the median step's seconds over what
+    :func:`shardc.planning.estimate.optimizer_step_seconds` gives for them with ``profile``
+    (its bandwidth and kernel costs, no scale yet). 0 for an implementation this torch or
+    device lacks (not measured)."""
+    from shardc.planning.estimate import optimizer_step_seconds
+
+    params = [torch.zeros(numel, device=timer.device, requires_grad=True)
+              for _ in range(tensors)]
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)
+    out = {}
+    for impl in ("foreach", "fused"):
+        try:
+            opt = torch.optim.AdamW(params, lr=1e-4, **{impl: True})
+            opt.step()
+        except RuntimeError:  # no such kernel for this device in this torch
+            out[f"device_adamw_{impl}_scale"] = 0.0
+            continue
+        seconds = timer.median(opt.step, reps=3, warmup=1)
+        modelled = optimizer_step_seconds(4.0 * tensors * numel, tensors, profile, ran=impl)
+        out[f"device_adamw_{impl}_scale"] = seconds / modelled if modelled > 0 else 0.0
+        del opt
+    return out
 
 
 def measure_kernel_overheads(timer: Timer) -> tuple[float, float]:
@@ -616,7 +652,7 @@ def calibrate(device: torch.device, *, quick: bool = False, name: str | None = N
         notes.append("no GPU: the host link is the default (25 GB/s each way, 10 us)")
         host_link = (defaults.host_to_device_bytes_per_s, defaults.device_to_host_bytes_per_s,
                      defaults.host_copy_latency_s)
-    return ClusterProfile(
+    profile = ClusterProfile(
         name=name or (dev_name.split()[1].lower() if gpu and len(dev_name.split()) > 1
                       else "cpu"),
         device=dev_name, source="measured", command=command,
@@ -631,6 +667,13 @@ def calibrate(device: torch.device, *, quick: bool = False, name: str | None = N
         host_to_device_bytes_per_s=host_link[0], device_to_host_bytes_per_s=host_link[1],
         host_copy_latency_s=host_link[2], host_adamw_params_per_s=adamw,
         host_adamw_per_tensor_params_per_s=adamw_per_tensor, notes=tuple(notes))
+    # Last: the optimizer step against its model, which reads the bandwidth measured above.
+    scales = measure_device_adamw_scales(timer, profile,
+                                         *(GPU_DEVICE_ADAMW if gpu else CPU_DEVICE_ADAMW))
+    log("device AdamW, measured over modelled: " + ", ".join(
+        f"{k.removeprefix('device_adamw_').removesuffix('_scale')} {v:.2f}"
+        for k, v in scales.items()) + f" ({time.perf_counter() - t0:.0f} s)")
+    return dataclasses.replace(profile, **scales)
 
 
 def main(argv: list[str] | None = None) -> int:
