@@ -80,8 +80,9 @@ CPU_MEMORY = tuple(64 * 1024 * 4 ** i for i in range(5))
 GPU_HOST_ADAMW = (16, 1 << 24)
 CPU_HOST_ADAMW = (4, 1 << 16)
 # The device optimizer step's ratio to its model: (tensors, elements each). GPU: 256M fp32
-# parameters in 64 tensors (4 GiB with gradients and moments), about one rank's shards of the
-# 1b config at world 2 in 75 tensors; CPU (a CPU profile): small, for tests.
+# parameters in 64 tensors (4 GiB with gradients and moments), the order of one rank's shards
+# in the benchmarks (0.27-0.95B parameters in 75-147 tensors); CPU (a CPU profile): small, for
+# tests.
 GPU_DEVICE_ADAMW = (64, 1 << 22)
 CPU_DEVICE_ADAMW = (4, 1 << 14)
 
