@@ -32,7 +32,8 @@ plain_inputs=True)``: forwards read plain local shards), ``shardc-plain-budget``
 ``shardc-combo`` (Inductor's ``combo_kernels``: small independent kernels launched as one),
 ``shardc-fast`` (plain inputs, the local-shard step and CUDA graphs together),
 ``shardc-fast-budget`` (that with the peak budget), ``shardc-fast-budget-inline`` (that with
-``compile_blocks_once=False``: Inductor fuses across the blocks' boundaries); see
+``compile_blocks_once=False``: Inductor fuses across the blocks' boundaries),
+``bound-cudagraphs`` (the bound under ``mode="reduce-overhead"``); see
 docs/overhead.md. Results go to
 ``--out/<name>.json`` and ``.md``. Public API only (``shardc-combo`` sets Inductor's config).
 """
@@ -69,7 +70,7 @@ from train.workload import DEFAULT_BATCH, model_config, synthetic_batches  # noq
 
 MODES = ("bound", "shardc", "shardc-localopt", "shardc-cudagraphs", "shardc-noreshard",
          "shardc-inline", "shardc-budget", "shardc-plain", "shardc-plain-budget", "shardc-combo",
-         "shardc-fast", "shardc-fast-budget", "shardc-fast-budget-inline")
+         "shardc-fast", "shardc-fast-budget", "shardc-fast-budget-inline", "bound-cudagraphs")
 PHASES = ("forward", "backward", "optimizer.step", "zero_grad")
 # The per-parameter host costs docs/overhead.md names, as profiler event names (CPU self ms
 # per step, all phases): Dynamo's guards, AOTAutograd's runtime wrappers, DTensor dispatch.
