@@ -78,6 +78,7 @@ for _path in (_BENCHMARKS.parent, _BENCHMARKS):
         sys.path.insert(0, str(_path))
 
 import bench_mesh  # noqa: E402
+from train.modes import parse_peak_budget  # noqa: E402
 from train.provenance import git_describe, launch_command, nccl_version  # noqa: E402
 from train.setup import compiled_loss  # noqa: E402
 from train.workload import build_model, model_config, synthetic_batches  # noqa: E402
@@ -176,7 +177,7 @@ def _setup(cfg, device, mesh, fp8: bool, cluster: dict | None, blocks_once: bool
     # Blocks inline (as the measured tables were made); --blocks-once measures the default.
     options["compile_blocks_once"] = blocks_once
     if budget is not None:
-        options["peak_memory_budget_bytes"] = budget if budget == "auto" else int(budget)
+        options["peak_memory_budget_bytes"] = parse_peak_budget(budget)
     if device.type != "cuda":
         options["inductor"] = False
     mode = {"mode": "reduce-overhead"} if cudagraphs else {}

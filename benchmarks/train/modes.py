@@ -158,6 +158,17 @@ def _with_compiled_loss(setup: Setup) -> Setup:
                                keep=[*setup.keep, loss])
 
 
+def parse_peak_budget(value: str) -> int | str:
+    """A ``peak_memory_budget_bytes`` written on a command line or in the environment:
+    ``"auto"`` or a number of bytes."""
+    return value if value == "auto" else int(value)
+
+
+def peak_budget_from_env() -> int | str:
+    """The budget of the budgeted shardc modes: ``SHARDC_PEAK_BUDGET``, default ``"auto"``."""
+    return parse_peak_budget(os.environ.get("SHARDC_PEAK_BUDGET", "auto"))
+
+
 def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_graph: bool = True
                ) -> Setup:
     model = build_model(cfg, device)
@@ -179,8 +190,7 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_
         # budget of shardc-budget (SHARDC_PEAK_BUDGET, default "auto").
         options = {}
         if mode == "shardc-plain-budget":
-            value = os.environ.get("SHARDC_PEAK_BUDGET", "auto")
-            options["peak_memory_budget_bytes"] = value if value == "auto" else int(value)
+            options["peak_memory_budget_bytes"] = peak_budget_from_env()
         setup = setup_shardc(model, mesh, loss_in_graph, plain_inputs=True, **options)
         setup.info["options"] = ", ".join(
             ["shardc.shard(..., plain_inputs=True)"]
@@ -189,9 +199,7 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_
     if mode == "shardc-budget":
         # The whole-step peak budget (issue 22): SHARDC_PEAK_BUDGET bytes, or "auto".
         # SHARDC_PEAK_MARGIN: the margin for the prediction's error (default: shardc's).
-        value = os.environ.get("SHARDC_PEAK_BUDGET", "auto")
-        budget = value if value == "auto" else int(value)
-        options = {"peak_memory_budget_bytes": budget}
+        options = {"peak_memory_budget_bytes": peak_budget_from_env()}
         if os.environ.get("SHARDC_PEAK_MARGIN"):
             options["peak_memory_margin"] = float(os.environ["SHARDC_PEAK_MARGIN"])
         # SHARDC_FUSED_LOSS: the fused output projection + cross-entropy (auto, 1 = always,
@@ -237,8 +245,7 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_
         if mode.startswith("shardc-fast"):
             options["plain_inputs"] = True
         if mode.startswith("shardc-fast-budget"):
-            value = os.environ.get("SHARDC_PEAK_BUDGET", "auto")
-            options["peak_memory_budget_bytes"] = value if value == "auto" else int(value)
+            options["peak_memory_budget_bytes"] = peak_budget_from_env()
         if mode.endswith("-inline"):
             options["compile_blocks_once"] = False
         setup = setup_shardc(model, mesh, loss_in_graph,

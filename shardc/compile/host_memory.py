@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from shardc.planning.budget import MemoryBudgetError
 from shardc.planning.plan import Plan
-from shardc.runtime.plan_check import agree_on_largest_each
+from shardc.runtime.plan_check import agree_on_largest, agree_on_largest_each
 from shardc.sharding import offload
 
 GIB = float(1 << 30)
@@ -121,16 +121,13 @@ def refuse_overcommit(plan: Plan, activation_bytes: int, planner_optimizer_bytes
     if not check or not offloads:
         return
     per_rank = float(plan.predicted.host_bytes or activation_bytes + planner_optimizer_bytes)
-    ranks = offload.local_ranks()
-    available = offload.host_available_bytes() if capacity is None else capacity.available
     if capacity is not None:  # the search's capacity: per rank, as the search compared
-        ranks = capacity.ranks
-        need, _ = agree_on_largest_each(plan.group_name, index, "host_memory",
-                                        [int(per_rank), 0])
+        need = agree_on_largest(plan.group_name, index, "host_memory", int(per_rank))
         if capacity.fits(need):
             return
-        need *= ranks
+        ranks, available, need = capacity.ranks, capacity.available, need * capacity.ranks
     else:
+        ranks, available = offload.local_ranks(), offload.host_available_bytes()
         need, negated = agree_on_largest_each(
             plan.group_name, index, "host_memory",
             [int(per_rank * ranks), -(_UNKNOWN if available is None else available)])

@@ -30,7 +30,7 @@ from torch import fx
 
 from shardc.ops.gather_args import GatherArgs, ReduceArgs
 from shardc.ops.offload_copy import is_to_host
-from shardc.passes.fx_utils import dtype_itemsize, is_view, view_users
+from shardc.passes.fx_utils import dtype_itemsize, is_view, subgraph_module, view_users
 from shardc.planning import found as found_comm
 from shardc.planning.bucketing import ParamComm, assign_buckets, bucket_name
 from shardc.planning.copies import (
@@ -482,8 +482,9 @@ def _simulate(g: GraphView, colls: list[Collective], profile: ClusterProfile,
             wait(c)
         if p < g.end:
             node = g.compute[p]
-            nbytes = node_flops_and_bytes(node)[1]
-            flops = model_flops(node)  # a body call: its body's FLOPs (the plan's MFU)
+            flops, nbytes = node_flops_and_bytes(node)
+            if subgraph_module(node) is not None:  # a body call: its body's FLOPs (MFU)
+                flops = model_flops(node)
             spans = [line.kernel(kernel_seconds(k, profile), kernel_category(k))
                      for k in kernel_at.get(p, ())]
             # An op fused into a later kernel (or a view) takes no time: it sits where the
