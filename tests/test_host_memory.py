@@ -199,12 +199,13 @@ def _check_recomputed_not_offloaded(run: dict) -> None:
     assert any("host full" in d.reason for d in record.blocks), record.blocks
 
 
-def test_a_full_host_makes_the_planner_recompute_and_training_matches_the_reference():
-    """Two ranks whose hosts have 1 KiB available: the planner recomputes instead of
-    offloading, and training matches the unsharded reference."""
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_full_host_makes_the_planner_recompute_and_training_matches_the_reference(world):
+    """Ranks whose hosts have 1 KiB available (world 3: uneven shards): the planner
+    recomputes instead of offloading, and training matches the unsharded reference."""
     from parity import assert_parity, reference
 
-    runs = run_ranks(_train_under_host, 2, (1024, 1024))
+    runs = run_ranks(_train_under_host, world, (1024,) * world)
     for run in runs:
         _check_recomputed_not_offloaded(run)
         assert_parity(run, reference("llama"))
