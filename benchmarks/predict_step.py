@@ -25,7 +25,8 @@ holds, per configuration:
   ``backward()``, so with the gradient hand-off where the host is behind), of the optimizer step
   and zero_grad, and of the whole step (CUDA events), the slowest rank's; exposed communication from
   a short ``torch.profiler`` trace (NCCL kernel time with no other kernel running; world > 1
-  only); peak memory allocated;
+  only); peak memory allocated (with ``--cudagraphs`` also over the warm-up steps that record
+  the graphs: a replay allocates nothing, so the timed steps alone miss the graphs' pool);
 - the step's error, predicted over measured, minus one;
 - where each phase ends (forward, backward, ``optimizer.step()``, ``zero_grad()``), ms from
   the step's start: when the host returned from it and when the device reached a CUDA event
@@ -225,14 +226,23 @@ def run_config(c: dict, args, device, mesh, cluster: dict | None, log) -> dict[s
                              cfg.vocab_size, bench_mesh.data_rank(mesh, dist.get_rank()), device)
     it = iter(data)
     t0 = time.perf_counter()
-    for _ in range(args.warmup):
+    warm_peak = 0
+    for i in range(args.warmup):
         tokens, targets = next(it)
         torch.compiler.cudagraph_mark_step_begin()  # a new step for CUDA graph trees
         loss_fn(tokens, targets).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if i == 0 and args.cudagraphs and device.type == "cuda":
+            # A replayed graph allocates nothing, so the timed steps' allocator peak misses
+            # its pool: the peak of a graphed step is read from the steps that warm up and
+            # record the graphs (those after the first, which compiles).
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+        if args.cudagraphs and args.warmup > 1:
+            warm_peak = torch.cuda.max_memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
     compile_s = time.perf_counter() - t0
     fwd_bwd, optim, step, phases = [], [], [], []
@@ -269,7 +279,7 @@ def run_config(c: dict, args, device, mesh, cluster: dict | None, log) -> dict[s
                                       for k in phases[0][name]} for name in PHASES},
     }
     if device.type == "cuda":
-        res["measured_peak_bytes"] = torch.cuda.max_memory_allocated(device)
+        res["measured_peak_bytes"] = max(warm_peak, torch.cuda.max_memory_allocated(device))
     if args.profile_steps and device.type == "cuda":
         exposed, by_category = _profiled(loss_fn, opt, it, args.profile_steps, device)
         res["measured_ms_by_category"] = by_category
