@@ -123,4 +123,4 @@ def setup_bound(model: Transformer, loss_in_graph: bool, cudagraphs: bool = Fals
     compute = "fp32 master, bf16 cast in the parameter read, Inductor"
     return Setup(compiled, params, [model, compiled],
                  {"compute": compute + (", CUDA graphs" if cudagraphs else ""),
-                  "communication": "none (no gradient all-reduce)"})
+                  "communication": "none (no gradient all-reduce)"}, cudagraphs=cudagraphs)

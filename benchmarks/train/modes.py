@@ -252,6 +252,7 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_
                              compile_mode="reduce-overhead" if cudagraphs else None, **options)
         setup.prepare_optimizer = shardc.optim.local_shard_step
         setup.info["optimizer"] = "AdamW stepping the local shards (shardc.optim.local_shard_step)"
+        setup.cudagraphs = cudagraphs
         if cudagraphs:
             setup.info["options"] = ", ".join(
                 ['torch.compile(..., mode="reduce-overhead")']

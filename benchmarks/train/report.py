@@ -99,8 +99,9 @@ def render_markdown(report: dict[str, Any]) -> str:
         "- peak memory: `torch.cuda.max_memory_allocated/reserved` over the timed steps "
         "(`reset_peak_memory_stats` before them), the larger of the ranks. Modes under CUDA "
         "graphs (`mode=\"reduce-overhead\"`: shardc-cudagraphs, shardc-fast, "
-        "shardc-fast-budget, bound-cudagraphs) replay from the graph pool without allocating, "
-        "so their allocated peak misses the pool's buffers: read their reserved peak.",
+        "shardc-fast-budget(-inline), bound-cudagraphs) replay from the graph pool without "
+        "allocating, so their allocated peak is also read over the warm-up steps after the "
+        "first, which record the graphs (the larger of the two).",
         "- compile s: wall time of the first step (compilation plus lazy initialization). Modes "
         "run one after the other in one process each rank (order: "
         f"{', '.join(meta.get('mode_order', []))}); Inductor's kernel caches are not cleared "

@@ -30,6 +30,9 @@ class Setup:
     after_first_step: Callable[[], dict[str, Any]] | None = None
     # Called on the optimizer the loop builds (AdamW over ``params``) before the first step.
     prepare_optimizer: Callable[[torch.optim.Optimizer], Any] | None = None
+    # Compiled with mode="reduce-overhead": a replayed CUDA graph allocates nothing, so the loop
+    # reads the step's allocated peak from the warm-up steps that record the graphs too.
+    cudagraphs: bool = False
 
 
 def model_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
