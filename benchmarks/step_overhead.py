@@ -7,7 +7,9 @@ Launch like ``train_bench.py`` (one process per GPU; a plain ``python`` run is a
     python benchmarks/step_overhead.py --device cpu --tiny --n-layers 8 --seq 16  # CPU, tiny
 
 For each depth, batch and mode (``--modes``, in this order, every mode of one run in one process
-on the same model, data and AdamW) it measures:
+on the same model, data and AdamW) it measures (``--rounds R``: every mode is compiled first and
+the whole steps are timed in R interleaved rounds, the order reversed every other round, so a
+drift of the GPU's clock over the process, e.g. its power cap, reaches every mode alike):
 
 - ``step_ms``: the step as the training loop sees it (forward, backward, ``opt.step()``,
   ``opt.zero_grad()``, no synchronization inside; CUDA events around it on GPUs), median;
@@ -93,6 +95,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=None, help="sequence length (default 2048)")
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="2 or more: compile every mode first (all alive at once: the device "
+                        "must hold them together) and time --steps whole steps per mode in each "
+                        "round, the order reversed every other round (a drift over the process "
+                        "reaches every mode alike)")
     p.add_argument("--profile-steps", type=int, default=2)
     p.add_argument("--top", type=int, default=12, help="operators listed per phase")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None)
@@ -108,6 +115,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="docs/bench")
     p.add_argument("--name", default="step_overhead")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     if args.profile_steps < 1:  # the report's per-phase CPU breakdown comes from them
         p.error("--profile-steps must be at least 1")
     return args
@@ -282,15 +291,49 @@ def summarize_trace(events: list[dict], steps: int, wall_ms: float, top: int) ->
 def run_one(mode: str, model: str, layers: int | None, batch: int, args, mesh, device
             ) -> dict[str, Any]:
     with mode_context(mode):  # the mode's config around its (lazy) compiles and steps
-        return _run_one(mode, model, layers, batch, args, mesh, device)
+        state = prepare(mode, model, layers, batch, args, mesh, device)
+        state["steps_ms"] = [whole_step_ms(state["setup"], state["opt"], next(state["it"]), device)
+                             for _ in range(args.steps)]
+        return finish_row(state, args, device)
 
 
-def _run_one(mode: str, model: str, layers: int | None, batch: int, args, mesh, device
-             ) -> dict[str, Any]:
+def run_interleaved(model: str, layers: int | None, batch: int, args, mesh, device
+                    ) -> list[dict[str, Any]]:
+    """Every mode compiled and warmed up first (all alive at once), then ``args.rounds`` rounds
+    of ``args.steps`` whole steps per mode, the modes' order reversed every other round, so a
+    drift of the device's clock over the process (its power cap, its temperature) reaches every
+    mode alike. A row's ``step_ms`` is the median over all its rounds' steps; ``step_ms_rounds``
+    the median of each round."""
+    states = []
+    for mode in args.modes:
+        with mode_context(mode):
+            states.append(prepare(mode, model, layers, batch, args, mesh, device))
+    rounds: dict[str, list[list[float]]] = {st["mode"]: [] for st in states}
+    for r in range(args.rounds):
+        for st in (states if r % 2 == 0 else states[::-1]):
+            with mode_context(st["mode"]):
+                rounds[st["mode"]].append(
+                    [whole_step_ms(st["setup"], st["opt"], next(st["it"]), device)
+                     for _ in range(args.steps)])
+    rows = []
+    for st in states:
+        mode = st["mode"]
+        st["steps_ms"] = [ms for one in rounds[mode] for ms in one]
+        with mode_context(mode):
+            row = finish_row(st, args, device)
+        row["step_ms_rounds"] = [statistics.median(one) for one in rounds[mode]]
+        rows.append(row)
+    return rows
+
+
+def prepare(mode: str, model: str, layers: int | None, batch: int, args, mesh, device
+            ) -> dict[str, Any]:
+    """The mode's model, optimizer and data, compiled and warmed up."""
     seq = args.seq or (128 if args.tiny else 2048)
     cfg = model_config(model, seq, args.tiny, layers, args.width)
-    # warmup, whole steps, issue-timed steps, synced steps (GPUs only), profiled steps
-    n = args.warmup + args.steps * (3 if device.type == "cuda" else 2) + args.profile_steps
+    # warmup, whole steps (per round), issue-timed steps, synced steps (GPUs only), profiled
+    n = (args.warmup + args.steps * (args.rounds + (2 if device.type == "cuda" else 1))
+         + args.profile_steps)
     data = synthetic_batches(n, batch, seq, cfg.vocab_size,
                              bench_mesh.data_rank(mesh, dist.get_rank()), device)
     setup = setup_mode(mode, cfg, device, mesh)
@@ -298,15 +341,23 @@ def _run_one(mode: str, model: str, layers: int | None, batch: int, args, mesh, 
     it = iter(data)
     for _ in range(args.warmup):
         timed_step(setup, opt, next(it), device, synced=True)
-    steps = [whole_step_ms(setup, opt, next(it), device) for _ in range(args.steps)]
+    return {"mode": mode, "model": model, "cfg": cfg, "batch": batch, "seq": seq,
+            "setup": setup, "opt": opt, "it": it}
+
+
+def finish_row(state: dict[str, Any], args, device) -> dict[str, Any]:
+    """The row of a prepared mode whose whole steps were timed (``state["steps_ms"]``): the
+    issue-timed, synced and profiled steps, then the mode's memory is freed."""
+    setup, opt, it, cfg = state["setup"], state["opt"], state["it"], state["cfg"]
     issue = [timed_step(setup, opt, next(it), device, synced=False) for _ in range(args.steps)]
     synced = ([timed_step(setup, opt, next(it), device, synced=True)
                for _ in range(args.steps)] if device.type == "cuda" else issue)
     prof = profile(setup, opt, [next(it) for _ in range(args.profile_steps)], device, args.top)
     out = {
-        "mode": mode, "model": model, "n_layers": cfg.n_layers, "batch": batch, "seq": seq,
+        "mode": state["mode"], "model": state["model"], "n_layers": cfg.n_layers,
+        "batch": state["batch"], "seq": state["seq"],
         "params": cfg.num_params(), "n_param_tensors": len(setup.params),
-        "step_ms": statistics.median(steps),
+        "step_ms": statistics.median(state["steps_ms"]),
         "issue_ms": {ph: statistics.median(s[ph] for s in issue) for ph in PHASES},
         "synced_ms": {ph: statistics.median(s[ph] for s in synced) for ph in PHASES},
         # The process's CPU time per phase (all its threads), from the unsynchronized steps:
@@ -317,7 +368,8 @@ def _run_one(mode: str, model: str, layers: int | None, batch: int, args, mesh, 
     }
     if prof["gpu_busy_ms_per_step"] is not None:
         out["gpu_idle_ms"] = out["step_ms"] - prof["gpu_busy_ms_per_step"]
-    del setup, opt, data, it
+    state.clear()
+    del setup, opt, it
     free_memory(device)
     return out
 
@@ -338,6 +390,19 @@ def render(report: dict[str, Any]) -> str:
             f"{s['optimizer.step']:.2f} | {s['zero_grad']:.2f} | "
             f"{i['forward']:.2f}/{i['backward']:.2f}/{i['optimizer.step']:.2f}/"
             f"{i['zero_grad']:.2f} | {'' if idle is None else f'{idle:.2f}'} |")
+    rounds = [r for r in report["rows"] if r.get("step_ms_rounds")]
+    if rounds:
+        lines += ["", "Interleaved rounds (`--rounds`): median step ms of each round, and x the "
+                  "first mode of the same depth and batch in that round:", "",
+                  "| model | layers | batch | mode | step ms per round | x first mode per round |",
+                  "|---|---|---|---|---|---|"]
+        for r in rounds:
+            first = next(o for o in rounds if (o["n_layers"], o["batch"]) ==
+                         (r["n_layers"], r["batch"]))
+            ratios = [f / m for f, m in zip(first["step_ms_rounds"], r["step_ms_rounds"])]
+            lines.append(f"| {r['model']} | {r['n_layers']} | {r['batch']} | {r['mode']} | "
+                         + ", ".join(f"{m:.2f}" for m in r["step_ms_rounds"]) + " | "
+                         + ", ".join(f"{x:.4f}" for x in ratios) + " |")
     lines += ["", "Process CPU time per step (ms, median; all threads; unsynchronized steps):", "",
               "| model | layers | batch | mode | forward | backward | optimizer.step | zero_grad "
               "| step |", "|---|---|---|---|---|---|---|---|---|"]
@@ -396,13 +461,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     for layers in args.n_layers:
         for batch in args.batch:
             batch = batch or DEFAULT_BATCH[args.model]
-            for mode in args.modes:
-                row = run_one(mode, args.model, layers, batch, args, mesh, device)
+            if args.rounds > 1:
+                measured = run_interleaved(args.model, layers, batch, args, mesh, device)
+            else:
+                measured = (run_one(mode, args.model, layers, batch, args, mesh, device)
+                            for mode in args.modes)
+            for row in measured:
                 per_rank = gather_objects(row)
                 row["step_ms"] = max(r["step_ms"] for r in per_rank)  # the slowest rank
+                if "step_ms_rounds" in row:
+                    row["step_ms_rounds"] = [max(r["step_ms_rounds"][i] for r in per_rank)
+                                             for i in range(len(row["step_ms_rounds"]))]
                 rows.append(row)
                 if rank == 0:
-                    print(f"{args.model} L{row['n_layers']} b{batch} {mode}: step "
+                    print(f"{args.model} L{row['n_layers']} b{batch} {row['mode']}: step "
                           f"{row['step_ms']:.2f} ms, issue {row['issue_ms']}", flush=True)
                     write()
     if rank == 0:
