@@ -373,15 +373,17 @@ def test_calibrate_on_cpu_writes_a_readable_profile(tmp_path, monkeypatch):
 
 
 class _SyntheticTimer(cal.Timer):
-    """A device where every timing pays a fixed launch cost once, then ``per_call`` per call."""
+    """A device where every timing pays a fixed launch cost once, then ``per_call`` per call;
+    device work queued ahead (``lead_calls``) hides the launch."""
 
     def __init__(self, launch_s: float, per_call_s: float) -> None:
         super().__init__(torch.device("cpu"))
-        self.launch_s, self.per_call_s, self.calls = launch_s, per_call_s, []
+        self.launch_s, self.per_call_s, self.calls, self.leads = launch_s, per_call_s, [], []
 
-    def time_calls(self, fn, calls: int) -> float:
+    def time_calls(self, fn, calls: int, lead_calls: int = 0) -> float:
         self.calls.append(calls)
-        return self.launch_s + calls * self.per_call_s
+        self.leads.append(lead_calls)
+        return (0.0 if lead_calls else self.launch_s) + calls * self.per_call_s
 
 
 def test_calibration_times_kernels_back_to_back_not_their_launch():
@@ -396,6 +398,18 @@ def test_calibration_times_kernels_back_to_back_not_their_launch():
     # Long calls are timed one at a time; tiny ones at most ``most_calls`` at once.
     assert cal.calls_per_timing(5e-3, 2e-3, 256) == 1
     assert cal.calls_per_timing(1e-7, 2e-3, 256) == 256
+
+
+def test_the_device_adamw_step_is_timed_behind_queued_work():
+    # A foreach step whose kernels take 1 ms on the device while its Python launches them over
+    # 2 ms: timed alone on an idle device it would read 3 ms, the host's time and not the
+    # device's, which the step model prices apart (optimizer_per_param_s).
+    timer, profile = _SyntheticTimer(2e-3, 1e-3), _profile()
+    scales = cal.measure_device_adamw_scales(timer, profile, 2, 64)
+    assert timer.leads and set(timer.leads) == {cal.ADAMW_LEAD_CALLS}
+    for impl in ("foreach", "fused"):
+        modelled = optimizer_step_seconds(4.0 * 2 * 64, 2, profile, ran=impl)
+        assert scales[f"device_adamw_{impl}_scale"] == pytest.approx(1e-3 / modelled)
 
 
 # ------------------------------------------------------------------------------ per-parameter host

@@ -84,6 +84,9 @@ CPU_HOST_ADAMW = (4, 1 << 16)
 # in the benchmarks (0.27-0.95B parameters in 75-147 tensors); CPU (a CPU profile): small, for
 # tests.
 GPU_DEVICE_ADAMW = (64, 1 << 22)
+# Launches' worth of device work queued before the timed AdamW step (Timer._busy: a 2048^3
+# matmul per two, 20-80 us each): some milliseconds, more than the step's host time.
+ADAMW_LEAD_CALLS = 400
 CPU_DEVICE_ADAMW = (4, 1 << 14)
 
 
@@ -118,10 +121,11 @@ class Timer:
         for _ in range(calls // 2 + 1):
             self._spin @ self._spin
 
-    def time_calls(self, fn: Callable[[], object], calls: int) -> float:
-        """Seconds of ``calls`` back-to-back calls of ``fn``."""
+    def time_calls(self, fn: Callable[[], object], calls: int, lead_calls: int = 0) -> float:
+        """Seconds of ``calls`` back-to-back calls of ``fn``; ``lead_calls``: queue device work
+        for at least that many launches first (see :meth:`median`)."""
+        self._busy(max(calls, lead_calls))  # nothing off CUDA
         if self.device.type == "cuda":
-            self._busy(calls)
             start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
             start.record()
             for _ in range(calls):
@@ -135,14 +139,19 @@ class Timer:
         return time.perf_counter() - t0
 
     def median(self, fn: Callable[[], object], reps: int = 5, warmup: int = 2,
-               batch_s: float = 0.0) -> float:
+               batch_s: float = 0.0, lead_calls: int = 0) -> float:
+        """``lead_calls``: for a callable that launches many kernels from Python (an optimizer
+        step), queue device work long enough for the host to launch that many first, so the
+        events time the kernels back to back and not the host's launching between them."""
         for _ in range(warmup):
             fn()
         self.sync()
         calls = 1
         if batch_s > 0:
-            calls = calls_per_timing(self.time_calls(fn, 1), batch_s, self.most_calls)
-        return statistics.median(self.time_calls(fn, calls) / calls for _ in range(reps))
+            calls = calls_per_timing(self.time_calls(fn, 1, lead_calls), batch_s,
+                                     self.most_calls)
+        return statistics.median(self.time_calls(fn, calls, lead_calls) / calls
+                                 for _ in range(reps))
 
 
 def calls_per_timing(one_call_s: float, batch_s: float, most: int) -> int:
@@ -282,10 +291,10 @@ def measure_device_adamw_scales(timer: Timer, profile: ClusterProfile, tensors: 
     """``device_adamw_foreach_scale`` and ``device_adamw_fused_scale`` (profile version 8):
     torch's AdamW (``foreach=True``, ``fused=True``) stepping ``tensors`` fp32 tensors of
     ``numel`` elements on the timer's device, with gradients, after a step that creates the
-    moments: the median step's seconds over what
-    :func:`shardc.planning.estimate.optimizer_step_seconds` gives for them with ``profile``
-    (its bandwidth and kernel costs, no scale yet). 0 for an implementation this torch or
-    device lacks (not measured)."""
+    moments, timed behind queued device work (``ADAMW_LEAD_CALLS``): the median step's
+    seconds over what :func:`shardc.planning.estimate.optimizer_step_seconds` gives for them
+    with ``profile`` (its bandwidth and kernel costs, no scale yet). 0 for an implementation
+    this torch or device lacks (not measured)."""
     from shardc.planning.estimate import optimizer_step_seconds
 
     params = [torch.zeros(numel, device=timer.device, requires_grad=True)
@@ -300,7 +309,10 @@ def measure_device_adamw_scales(timer: Timer, profile: ClusterProfile, tensors: 
         except RuntimeError:  # no such kernel for this device in this torch
             out[f"device_adamw_{impl}_scale"] = 0.0
             continue
-        seconds = timer.median(opt.step, reps=3, warmup=1)
+        # Behind queued work: the step model prices the device's kernels here and the host's
+        # per-tensor Python apart (``ClusterProfile.optimizer_per_param_s``); timed alone on an
+        # idle device, a foreach step's kernels wait for its Python between them.
+        seconds = timer.median(opt.step, reps=3, warmup=1, lead_calls=ADAMW_LEAD_CALLS)
         modelled = optimizer_step_seconds(4.0 * tensors * numel, tensors, profile, ran=impl)
         out[f"device_adamw_{impl}_scale"] = seconds / modelled if modelled > 0 else 0.0
         del opt
