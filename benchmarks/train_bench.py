@@ -107,7 +107,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "fsdp2-compile-amb<r> with torch's activation_memory_budget r; any FSDP2 "
                         "mode + '-closs': its loss compiled too; "
                         "shardc-budget: SHARDC_PEAK_BUDGET=<bytes>|auto; "
-                        "shardc-pool: shardc with comm_pool=True; "
+                        "shardc-pool: shardc with comm_pool=True; shardc-plain-pool: that "
+                        "with plain_inputs=True; "
                         "shardc-keeporder: diagnostic, shardc with "
                         "Inductor's reorder_for_peak_memory off; shardc-localopt: shardc with "
                         "AdamW stepping the local shards, shardc.optim.local_shard_step)")

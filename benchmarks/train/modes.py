@@ -29,6 +29,7 @@ MODES: tuple[str, ...] = ("fsdp2", "fsdp2-compile", "simplefsdp", "shardc", "bou
 EXTRA_MODES: tuple[str, ...] = ("shardc-keeporder", "shardc-pool", "shardc-localopt",
                                   "shardc-cudagraphs", "shardc-budget", "shardc-noreshard",
                                   "shardc-inline", "shardc-plain", "shardc-plain-budget",
+                                  "shardc-plain-pool",
                                   "shardc-combo", "shardc-ac", "shardc-fast",
                                   "shardc-fast-budget", "shardc-fast-budget-inline",
                                   "bound-cudagraphs")
@@ -184,13 +185,17 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_
         return setup_mode_fsdp2(mode, model, mesh)
     if mode == "simplefsdp":
         return setup_simplefsdp(model, mesh, loss_in_graph)
-    if mode in ("shardc-plain", "shardc-plain-budget"):
+    if mode in ("shardc-plain", "shardc-plain-budget", "shardc-plain-pool"):
         # Forwards read plain local shards; gradients handed to the DTensor parameters
         # (shardc.shard(..., plain_inputs=True), docs/overhead.md). -budget: with the peak
-        # budget of shardc-budget (SHARDC_PEAK_BUDGET, default "auto").
-        options = {}
+        # budget of shardc-budget (SHARDC_PEAK_BUDGET, default "auto"); -pool: with the static
+        # communication pool under Inductor too (one opaque copy per bucket: fewer outer-graph
+        # nodes per block to compile, issue 18).
+        options: dict[str, object] = {}
         if mode == "shardc-plain-budget":
             options["peak_memory_budget_bytes"] = peak_budget_from_env()
+        if mode == "shardc-plain-pool":
+            options["comm_pool"] = True
         setup = setup_shardc(model, mesh, loss_in_graph, plain_inputs=True, **options)
         setup.info["options"] = ", ".join(
             ["shardc.shard(..., plain_inputs=True)"]
