@@ -84,10 +84,10 @@ CPU_HOST_ADAMW = (4, 1 << 16)
 # in the benchmarks (0.27-0.95B parameters in 75-147 tensors); CPU (a CPU profile): small, for
 # tests.
 GPU_DEVICE_ADAMW = (64, 1 << 22)
+CPU_DEVICE_ADAMW = (4, 1 << 14)
 # Launches' worth of device work queued before the timed AdamW step (Timer._busy: a 2048^3
 # matmul per two, 20-80 us each): some milliseconds, more than the step's host time.
 ADAMW_LEAD_CALLS = 400
-CPU_DEVICE_ADAMW = (4, 1 << 14)
 
 
 class Timer:
