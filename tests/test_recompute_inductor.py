@@ -18,9 +18,11 @@ import shardc
 
 
 def _backward_body_calls(run: dict) -> int:
-    """The block-body calls (``invoke_subgraph``) in the backward graph Inductor compiled."""
+    """The block-body calls (``invoke_subgraph``) in the backward graph Inductor compiled for
+    ``run``'s model; the model and its compiled forward are then dropped from ``run``, which
+    goes back to the test process."""
     (region,) = shardc.shard_state(run.pop("model")).regions
-    run.pop("forward")
+    del run["forward"]
     return sum(n.target is torch.ops.higher_order.invoke_subgraph
                for n in region.backward.graph.nodes)
 

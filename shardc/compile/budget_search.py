@@ -532,7 +532,7 @@ def _host_room(base: Plan, region: SearchRegion, tag_prefix: str,
     fully resharded plan ``base``'s host bytes (the largest over the ranks). Raises
     :class:`HostFullError` where the optimizer's share this search tries (``optimizer_lever``)
     already overfills the host: no configuration of the other levers lowers host bytes."""
-    capacity = getattr(region, "host_capacity", None)
+    capacity = region.host_capacity
     if capacity is None:
         return None
     base_bytes = agree_on_largest(base.group_name, region.check_index, f"{tag_prefix}host/base",
