@@ -144,6 +144,9 @@ def _args(argv=None) -> argparse.Namespace:
                         "step replayed (shardc.planning.step.predict_step(cudagraphs=True))")
     p.add_argument("--memory-budget", default=None, metavar="BYTES|auto",
                    help="shardc's peak_memory_budget_bytes (default: none)")
+    p.add_argument("--keep-traces", default=None, metavar="DIR",
+                   help="write each configuration's profiled kernels (gzipped Chrome-trace "
+                        "events, per rank) and its plans (JSON) under DIR, for offline analysis")
     p.add_argument("--out", default="docs/bench")
     p.add_argument("--name", default="predict_step")
     return p.parse_args(argv)
@@ -281,11 +284,15 @@ def run_config(c: dict, args, device, mesh, cluster: dict | None, log) -> dict[s
     if device.type == "cuda":
         res["measured_peak_bytes"] = max(warm_peak, torch.cuda.max_memory_allocated(device))
     if args.profile_steps and device.type == "cuda":
-        exposed, by_category = _profiled(loss_fn, opt, it, args.profile_steps, device)
+        keep = _trace_stem(args, c) if args.keep_traces else None
+        exposed, by_category = _profiled(loss_fn, opt, it, args.profile_steps, device, keep)
         res["measured_ms_by_category"] = by_category
         if dist.get_world_size() > 1:
             res["measured_exposed_comm_s"] = exposed
     plans = shardc.explain_all(model)
+    if args.keep_traces:
+        with open(f"{_trace_stem(args, c)}.plans.json", "w") as f:
+            f.write("[" + ",\n".join(p.to_json() for p in plans) + "]\n")
     profile = resolve_profile(cluster, torch.cuda.get_device_name(device)
                               if device.type == "cuda" else None)
     options = plans[0].options if plans else {}
@@ -383,9 +390,31 @@ def predicted_by_category(tables: list[dict[str, float]], after: dict[str, float
     return out
 
 
-def _profiled(loss_fn, opt, it, steps: int, device) -> tuple[float, dict[str, float]]:
+def _trace_stem(args, c: dict) -> str:
+    """Where one configuration's kept trace and plans go (``--keep-traces``), per rank."""
+    os.makedirs(args.keep_traces, exist_ok=True)
+    tag = f"{c['model']}_{c['layers']}L_b{c['batch']}_{c['precision']}"
+    return os.path.join(args.keep_traces, f"{args.name}_{tag}_rank{dist.get_rank()}")
+
+
+def _keep_kernels(events: list, path: str) -> None:
+    """The trace's device events (kernels, copies, sets: name, stream, start and duration in
+    us), gzipped: what an offline look at exposed communication needs, at a fraction of the
+    full trace's size."""
+    import gzip
+
+    keep = [{k: ev[k] for k in ("name", "cat", "ts", "dur", "tid") if k in ev}
+            for ev in events if ev.get("ph") == "X"
+            and ev.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    with gzip.open(path, "wt") as f:
+        json.dump(keep, f)
+
+
+def _profiled(loss_fn, opt, it, steps: int, device, keep: str | None = None
+              ) -> tuple[float, dict[str, float]]:
     """Exposed communication (seconds per step) and GPU time by kernel category (ms per step,
-    ``train.kernels.kernel_time_by_category``) over ``steps`` traced steps."""
+    ``train.kernels.kernel_time_by_category``) over ``steps`` traced steps; with ``keep``, the
+    device events are also written to ``<keep>.kernels.json.gz``."""
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile
@@ -406,6 +435,8 @@ def _profiled(loss_fn, opt, it, steps: int, device) -> tuple[float, dict[str, fl
         with open(path) as f:
             trace = json.load(f)
     events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
+    if keep:
+        _keep_kernels(events, f"{keep}.kernels.json.gz")
     exposed = kernel_breakdown(events, steps).get("exposed_comm_ms", 0.0) / 1e3
     return exposed, kernel_time_by_category(events, steps)
 
