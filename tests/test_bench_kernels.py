@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.train.kernels import kernel_category, kernel_time_by_category
+from benchmarks.train.kernels import kernel_breakdown, kernel_category, kernel_time_by_category
 
 
 @pytest.mark.parametrize("name, category", [
@@ -34,6 +34,22 @@ from benchmarks.train.kernels import kernel_category, kernel_time_by_category
 ])
 def test_kernel_names_are_sorted_into_the_plans_categories(name, category):
     assert kernel_category(name) == category
+
+
+def test_waited_communication_counts_only_gaps_the_compute_resumed_from():
+    def kernel(name, ts, dur):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
+
+    events = [
+        kernel("nvjet_tst_128x256", 0.0, 10.0),
+        kernel("ncclDevKernel_AllGather_RING_LL", 5.0, 25.0),  # alone 10..30
+        kernel("triton_poi_fused_add_0", 31.0, 9.0),  # starts 1 us after: it waited
+        kernel("ncclDevKernel_ReduceScatter_Sum_f32", 45.0, 5.0),  # alone 45..50
+        kernel("nvjet_tst_128x256", 100.0, 10.0),  # 50 us later: a gap of its own
+    ]
+    out = kernel_breakdown(events, steps=1)
+    assert out["exposed_comm_ms"] == pytest.approx(25e-3)  # 20 + 5 us with nothing else
+    assert out["waited_comm_ms"] == pytest.approx(20e-3)
 
 
 def test_kernel_time_by_category_sums_per_step_and_counts_idle_time():

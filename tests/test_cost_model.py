@@ -63,3 +63,45 @@ def test_size_hints_never_guard():
     assert size_hint(unbacked) == UNBACKED_SIZE_HINT
     assert size_hint(5) == 5
     assert not env.guards, env.guards
+
+
+def test_an_indexed_accumulation_moves_its_rows_not_its_destination():
+    """The embedding's backward adds each token's gradient into its row of a fresh zero
+    destination: a compiler writes it in place, so its bytes are the indices, the values and
+    the rows they touch, not the destination (262 MB at the 1b config's vocabulary)."""
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from shardc.planning.cost_model import node_flops_and_bytes
+
+    def embedding_grad(idx, values):
+        dest = torch.zeros(32000, 64)
+        return torch.ops.aten.index_put(dest, [idx], values, True)
+
+    idx = torch.randint(0, 32000, (128,))
+    gm = make_fx(embedding_grad, tracing_mode="fake")(idx, torch.randn(128, 64))
+    node = next(n for n in gm.graph.nodes if "index_put" in str(n.target))
+    values, indices = 128 * 64 * 4, 128 * 8
+    assert node_flops_and_bytes(node)[1] == indices + 3 * values
+
+
+def test_the_last_reduce_scatter_is_waited_before_the_embedding_gradients_cast():
+    """The reduce-scatter before the embedding's (the first block's bucket) is waited before
+    the cast of the embedding gradient to the reduce dtype, not after it: Inductor fuses that
+    cast into the copy that fills the embedding bucket's send buffer, which runs after the wait
+    (two H200s, docs/cost_model.md), so the cast is not compute the reduce-scatter overlaps."""
+    from shardc.models.llama import LlamaConfig
+    from shardc.tools.planner import PlanSetup, plan_model
+
+    cfg = LlamaConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2, max_seq_len=8)
+    plan = plan_model(cfg, 2, 1, 8, {}, template=False,
+                      setup=PlanSetup(precision="bf16", inductor=True))[0]
+    reduces = sorted((c for c in plan.collectives if c.kind.value == "reduce_scatter"),
+                     key=lambda c: c.issue_pos)
+    embedding = next(c for c in reduces if c.params == ["tok_embeddings.weight"])
+    before = reduces[reduces.index(embedding) - 1]
+    ops = [op.name for op in plan.graphs["backward"]]
+    cast = ops[embedding.issue_pos - 1]
+    assert cast.startswith("convert_element_type"), ops[before.issue_pos:embedding.issue_pos]
+    assert before.wait_pos == embedding.issue_pos - 1  # before the cast
+    assert before.overlaps and cast not in before.overlaps

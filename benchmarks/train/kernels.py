@@ -5,6 +5,7 @@ Contract: pure functions of Chrome-trace events (``ts`` / ``dur`` in microsecond
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -47,11 +48,34 @@ def is_comm_kernel(name: str) -> bool:
     return "nccl" in name.lower()
 
 
+# A compute kernel that starts this soon (us) after a collective ends waited for it.
+WAIT_SLACK_US = 15.0
+
+
+def waited_comm(compute_u: Sequence[tuple[float, float]], comm_u: Sequence[tuple[float, float]],
+                slack_us: float = WAIT_SLACK_US) -> float:
+    """Communication the compute waited for (us): over the gaps between the disjoint compute
+    intervals ``compute_u``, the NCCL time (``comm_u``, disjoint) inside those gaps that end
+    within ``slack_us`` of a collective's end (compute resumed when it finished). NCCL time in
+    the other gaps, a launch gap or a step boundary that would be idle anyway, is not counted."""
+    ends = [end for _, end in comm_u]
+    total = 0.0
+    for (_, gap_start), (gap_end, _) in zip(compute_u, compute_u[1:]):
+        inside = intersection_measure([(gap_start, gap_end)], comm_u)
+        if inside <= 0:
+            continue
+        i = bisect.bisect_right(ends, gap_end)
+        if i and gap_end - ends[i - 1] <= slack_us:
+            total += inside
+    return total
+
+
 def kernel_breakdown(events: Iterable[dict[str, Any]], steps: int) -> dict[str, float]:
     """Per-step GPU time split from Chrome-trace kernel events (``ts``/``dur`` in us).
 
     ``exposed_comm_ms``: union of NCCL kernel intervals minus its intersection with the union of
-    all other kernels; ``comm_ms``: the NCCL union; ``compute_ms``: the non-NCCL union;
+    all other kernels; ``waited_comm_ms``: the part of it the compute waited for
+    (:func:`waited_comm`); ``comm_ms``: the NCCL union; ``compute_ms``: the non-NCCL union;
     ``idle_ms``: time in the profiled window with no kernel running.
     """
     comm, compute = [], []
@@ -70,6 +94,7 @@ def kernel_breakdown(events: Iterable[dict[str, Any]], steps: int) -> dict[str, 
     per = 1e-3 / max(steps, 1)  # us -> ms per step
     return {
         "exposed_comm_ms": (measure(comm_u) - overlap) * per,
+        "waited_comm_ms": waited_comm(compute_u, comm_u) * per,
         "comm_ms": measure(comm_u) * per,
         "overlapped_comm_ms": overlap * per,
         "compute_ms": measure(compute_u) * per,
