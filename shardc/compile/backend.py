@@ -40,6 +40,7 @@ from shardc.passes.body import (
 from shardc.passes.fused_loss import LOSS_OPS, decompose_whole_loss_ops
 from shardc.passes.fx_utils import is_call
 from shardc.passes.lower import POOL_PLACEHOLDER
+from shardc.passes.sink_residual import sink_block_residuals, tie_pair_tangents
 from shardc.passes.to_local import plain_to_local_calls
 from shardc.runtime import offload_optimizer
 from shardc.runtime.comm_errors import boxed_with_collective_errors, guard_inductor_graph
@@ -98,7 +99,7 @@ class ShardcPartitioner(_torch.custom_partitioner_base()):
         progress.log_stage(index, "AOTAutograd joint graph", self.clock.lap())
         # Saved weights that body calls return read the gathers instead, which the reshard
         # pass then recomputes in the backward.
-        rewire_saved_inputs(gm)
+        rewire_saved_inputs(gm, duplicates=self.options.sink_block_residual)
         fw, bw = pipeline.partition_and_plan(gm, joint_inputs, self.options, self.region,
                                              **kwargs)
         # AOTAutograd's cache entry pickles this backward; a hit must load no tensor constant.
@@ -118,6 +119,8 @@ class ShardcPartitioner(_torch.custom_partitioner_base()):
             weights = set.intersection(*(set(c.weights) for c in matches))
             tagged = tag_weight_recompute(gm, weights)
             name = matches[0].identifier
+            if name in self.region.sunk_bodies:
+                tie_pair_tangents(gm)
             self.region.body_partitions[name] = self.region.body_partitions.get(name, 0) + 1
             log.debug("shardc: partitioning the body %s of %s (%d weight inputs, %d nodes "
                       "recomputed from them)", name, matches[0].block_type, len(weights), tagged)
@@ -267,6 +270,24 @@ def _inline_unsupported(gm: fx.GraphModule, found: list, blocks, region: RegionR
     return [(node, call) for node, call in found if id(node) not in inlined]
 
 
+def _sink_residuals(gm: fx.GraphModule, found: list, blocks, region: RegionRecord) -> list:
+    """``sink_block_residual``: move each body's final residual add into its next call where
+    the pattern matches (``shardc.passes.sink_residual``); each body's outcome logged once per
+    model and noted in the plan. Returns the calls described again (their operands moved)."""
+    outcomes = sink_block_residuals(gm, found)
+    for outcome in outcomes:
+        region.sink_notes.append(outcome.note())
+        if not outcome.reason:
+            region.sunk_bodies.add(outcome.identifier)
+        key = f"sink_block_residual:{outcome.block_type}:{outcome.reason}"
+        if key not in blocks.reported:
+            blocks.reported.add(key)
+            log.info("shardc: %s", outcome.note())
+    if not any(not o.reason for o in outcomes):
+        return found
+    return describe_body_calls(gm, blocks.block_of_param)
+
+
 def _prepare_bodies(gm: fx.GraphModule, state: ShardState | None, opts: ShardcOptions,
                     region: RegionRecord) -> None:
     """Record the block bodies Dynamo's graph calls (``shardc.sharding.blocks``), or inline
@@ -282,6 +303,8 @@ def _prepare_bodies(gm: fx.GraphModule, state: ShardState | None, opts: ShardcOp
         inline_body_calls(gm, [node for node, _ in found])
         region.inline_blocks += [(call.block, "compile_blocks_once=False") for _, call in found]
         return
+    if found and opts.sink_block_residual:
+        found = _sink_residuals(gm, found, blocks, region)
     region.body_calls = [call for _, call in found]
     called = {call.block for call in region.body_calls}
     traced = {blocks.block_of_param(GatherArgs.of(g).fqn) for g in sharded_gathers(gm)}

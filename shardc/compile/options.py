@@ -114,6 +114,16 @@ class ShardcOptions:
         body that every block calls, while the region is still planned as a whole (every
         gather and reduce-scatter stays in the region's graphs). ``False`` inlines the bodies
         again: every block is traced, partitioned and compiled on its own, as before.
+    sink_block_residual: with ``compile_blocks_once``, move the residual add that ends each
+        block body (``h_out = h_mid + mlp_out``) into the next body call
+        (``shardc.passes.sink_residual``): the body takes the previous block's pair and adds it
+        first, where Inductor fuses the add into the next block's norm as it does with the
+        blocks inline, instead of a kernel of its own between two body calls (about 0.05-0.08
+        ms per layer on an H200, docs/overhead.md). The first call takes the hidden state and
+        zeros (one body for every block); the region adds the last pair. Where a body's calls
+        do not match (output not one residual add, an output read elsewhere, calls inside
+        another higher-order op), they stay as they are, said once in the log and in the
+        plan's notes. Off by default.
     """
 
     inductor: bool = True
@@ -141,6 +151,7 @@ class ShardcOptions:
     optimizer_impl: str = "auto"
     move_found_collectives: bool = True
     compile_blocks_once: bool = True
+    sink_block_residual: bool = False
 
     def __post_init__(self) -> None:
         optimizer_kind.check(self.optimizer_impl)

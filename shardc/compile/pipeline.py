@@ -111,6 +111,9 @@ class RegionRecord:
     body_calls: list[BodyCall] = field(default_factory=list, repr=False)
     inline_blocks: list[tuple[str, str]] = field(default_factory=list, repr=False)
     body_partitions: dict[str, int] = field(default_factory=dict)
+    # sink_block_residual (shardc.passes.sink_residual): one plan note per body, sunk or not.
+    sink_notes: list[str] = field(default_factory=list, repr=False)
+    sunk_bodies: set[str] = field(default_factory=set, repr=False)  # their identifiers
     # Optimizer-only CPU offload (OffloadPolicy(params=False, optimizer=True)): the optimizer's
     # state and step live on the host (shardc.runtime.offload_optimizer), not in the device peak.
     optimizer_on_host: bool = False
@@ -664,6 +667,7 @@ def record_bodies(plan: Plan, region: RegionRecord) -> None:
             f"partitioned {body.partitions} time(s)")
     for block in plan.inline_blocks:
         plan.notes.append(f"block {block.module} compiled inline: {block.reason}")
+    plan.notes.extend(region.sink_notes)
 
 
 def plan_within_budget(fw: fx.GraphModule, bw: fx.GraphModule | None, options: ShardcOptions,

@@ -287,18 +287,38 @@ def _body_output_sources(gm: fx.GraphModule, node: fx.Node) -> list[object]:
             for r in out.args[0]]
 
 
-def rewire_saved_inputs(gm: fx.GraphModule) -> int:
+def rewire_saved_inputs(gm: fx.GraphModule, duplicates: bool = False) -> int:
     """Where a forward body call returns one of its inputs unchanged (a value saved for its
-    backward), make readers use the input itself; returns how many outputs were rewired."""
+    backward), make readers use the input itself; returns how many outputs were rewired.
+
+    ``duplicates``: also where it returns one value at two positions (a sunk residual body's
+    output that its backward saves too, ``shardc.passes.sink_residual``), make readers of the
+    later position read the first: Inductor's outer graph sees the call's outputs as separate
+    buffers and would reuse the first in place once its last reader ran (the final residual
+    add), overwriting the saved copy."""
     count = 0
     for node in list(body_calls(gm)):
         ident = node.args[1]
         if not (isinstance(ident, str) and "fw" in ident):
             continue
         sources = _body_output_sources(gm, node)
+        getters = {u.args[1]: u for u in node.users if is_call(u, operator.getitem)}
         for user in list(node.users):
-            if is_call(user, operator.getitem) and isinstance(sources[user.args[1]], int):
-                user.replace_all_uses_with(node.args[2 + sources[user.args[1]]])
+            if not is_call(user, operator.getitem):
+                continue
+            source = sources[user.args[1]]
+            if isinstance(source, int):
+                user.replace_all_uses_with(node.args[2 + source])
+                count += 1
+            elif duplicates and isinstance(source, fx.Node):
+                first = next(i for i, s in enumerate(sources) if s is source)
+                if first == user.args[1]:
+                    continue
+                if first not in getters:
+                    with gm.graph.inserting_after(node):
+                        getters[first] = gm.graph.call_function(operator.getitem, (node, first))
+                    getters[first].meta = dict(user.meta)
+                user.replace_all_uses_with(getters[first])
                 count += 1
     if count:
         gm.graph.eliminate_dead_code()
