@@ -32,7 +32,7 @@ EXTRA_MODES: tuple[str, ...] = ("shardc-keeporder", "shardc-pool", "shardc-local
                                   "shardc-plain-pool",
                                   "shardc-combo", "shardc-ac", "shardc-fast",
                                   "shardc-fast-budget", "shardc-fast-budget-inline",
-                                  "bound-cudagraphs")
+                                  "shardc-fast-budget-sink", "bound-cudagraphs")
 
 
 SHARDED_BASELINES: tuple[str, ...] = ("fsdp2", "fsdp2-compile", "simplefsdp")
@@ -237,14 +237,16 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_
         setup.info["options"] = "comm_pool=True (static communication pool under Inductor)"
         return setup
     if mode in ("shardc-localopt", "shardc-cudagraphs", "shardc-fast", "shardc-fast-budget",
-                "shardc-fast-budget-inline"):
+                "shardc-fast-budget-inline", "shardc-fast-budget-sink"):
         # All step AdamW on the local shards; -cudagraphs also compiles with
         # mode="reduce-overhead" (CUDA graph trees; shardc falls back loudly where it cannot);
         # -fast is -cudagraphs with plain inputs too: every opt-in host-overhead option at once;
         # -fast-budget adds the peak budget of shardc-budget (SHARDC_PEAK_BUDGET, default
         # "auto": buckets kept gathered for the backward where memory allows); -inline compiles
         # the blocks inline (compile_blocks_once=False), so Inductor fuses across their
-        # boundaries (docs/overhead.md: the world-1 gap left at the body boundary).
+        # boundaries (docs/overhead.md: the world-1 gap left at the body boundary); -sink keeps
+        # them compiled once and moves each body's final residual add into the next body call
+        # (sink_block_residual), where Inductor fuses it into the next block's norm.
         cudagraphs = mode != "shardc-localopt"
         options: dict[str, object] = {}
         if mode.startswith("shardc-fast"):
@@ -253,6 +255,8 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_
             options["peak_memory_budget_bytes"] = peak_budget_from_env()
         if mode.endswith("-inline"):
             options["compile_blocks_once"] = False
+        if mode.endswith("-sink"):
+            options["sink_block_residual"] = True
         setup = setup_shardc(model, mesh, loss_in_graph,
                              compile_mode="reduce-overhead" if cudagraphs else None, **options)
         setup.prepare_optimizer = shardc.optim.local_shard_step
