@@ -137,6 +137,10 @@ def test_sunk_bodies_under_inductor_fuse_the_add_into_the_next_norm(world, refer
     hidden = [n for n, s in shapes.items() if s == hidden_shape]
     kernel, args = _kernel_calls(body)[0]
     assert "mean" in kernel and len(_named(args, hidden)) == 2, (kernel, args, hidden)
+    if world > 1:
+        # The final norm's weight is waited for between the last call and the norm, which
+        # keeps the region's one final add (once per step, not per block) a kernel of its own.
+        return
     # The region's forward adds the last call's pair inside the final norm's kernel.
     outer = code.split("def call(", 1)[1]
     last = re.findall(r"(\w+) = partitioned_fw_subgraph_\w+\(", outer)[-1]
