@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch._dynamo
 from dist_utils import run_ranks
-from parity import assert_parity, build, reference, sharded_run, train_rank_slice
+from parity import assert_parity, build, max_rel_err, reference, sharded_run, train_rank_slice
 from torch import nn
 
 import shardc
@@ -57,7 +57,7 @@ def _region_facts(model) -> list[dict]:
 def _fx_runs(rank: int, world: int) -> dict:
     out = {}
     scenarios = [("llama", "llama", SINK), ("llama_off", "llama", {}),
-                 ("blocks", "blocks", SINK)]
+                 ("blocks", "blocks", {**SINK, "eval": True})]  # then eval + no_grad
     if world == 1:  # (the lowered graphs' passes; at world 1 to keep world 2 short)
         scenarios += [
             # Every block recomputed in the backward (its sunk body's call copied into the
@@ -68,7 +68,7 @@ def _fx_runs(rank: int, world: int) -> dict:
     for name, kind, options in scenarios:
         torch._dynamo.reset()
         run = sharded_run(rank, world, kind, "fx", keep_model=True, **options)
-        out[name] = {"losses": run["losses"], "params": run["params"],
+        out[name] = {"losses": run["losses"], "params": run["params"], "eval": run["eval"],
                      "regions": _region_facts(run["model"])}
     return out
 
@@ -108,9 +108,16 @@ def test_sunk_bodies_train_at_parity_fx(world, references):
         on[0]["sink_notes"][0], on[0]["sink_notes"]
     assert off[0]["sink_notes"] == []
     # Checkpointing inside the blocks (BlockStack): four blocks sunk, the odd one inline.
-    blocks = runs["blocks"]["regions"][0]
-    assert blocks["bodies"] == [("subgraph_0", tuple(f"blocks.{i}" for i in range(4)), 1)]
-    assert blocks["forward"]["pairs"] == [[0, 1]] * 3, blocks["forward"]
+    # The eval region (no_grad) runs the sunk body too, unpartitioned.
+    stack = tuple(f"blocks.{i}" for i in range(4))
+    training, evaluating = runs["blocks"]["regions"]
+    assert training["bodies"] == [("subgraph_0", stack, 1)]
+    assert evaluating["bodies"] == [("subgraph_0", stack, 0)]
+    for region in (training, evaluating):
+        assert region["forward"]["pairs"] == [[0, 1]] * 3, region["forward"]
+        assert len(region["sink_notes"]) == 1, region["sink_notes"]
+    err = max_rel_err(runs["blocks"]["eval"], references["blocks"]["eval"])
+    assert err <= 1e-5, f"eval outputs: rel err {err:.2e}"
 
 
 def _inductor_run(rank: int, world: int) -> dict:
