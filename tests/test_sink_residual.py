@@ -78,6 +78,12 @@ def references():
     return {kind: reference(kind) for kind in ("llama", "blocks")}
 
 
+@pytest.fixture(scope="module")
+def inductor_reference():
+    torch._dynamo.reset()
+    return reference("llama", compile_backend="inductor")
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_sunk_bodies_train_at_parity_fx(world, references):
     runs = run_ranks(_fx_runs, world)[0]
@@ -174,6 +180,38 @@ def test_sunk_bodies_under_inductor_fuse_the_add_into_the_next_norm(world, refer
             pair.add(new)  # a buffer reused in place for the sum
     norms = [(k, _named(a, pair)) for k, a in _kernel_calls(outer) if "mean" in k]
     assert any(len(read) == 2 for _, read in norms), norms
+
+
+def _budget_run(rank: int, world: int) -> dict:
+    """The parity Llama under Inductor with sunk bodies and a peak budget a byte below the
+    fixed policy's predicted peak (recompute the only lever), as
+    tests/test_recompute_inductor.py runs it without the option."""
+    import torch.distributed as dist
+
+    options = dict(comm_pool=False, prefetch=False, **SINK)
+    fixed = sharded_run(rank, world, "llama", "inductor", **options)
+    peak = torch.tensor([int(fixed["plans"][0].predicted.peak_bytes)])
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    torch._dynamo.reset()
+    run = sharded_run(rank, world, "llama", "inductor", peak_memory_budget_bytes=int(peak) - 1,
+                      peak_memory_margin=0.0, activation_offload="never",
+                      optimizer_offload="never", **options)
+    plan = run["plans"][0]
+    return {"losses": run["losses"], "params": run["params"],
+            "recomputed": [b.block for b in plan.budget.blocks if b.recomputed],
+            "sink_notes": [n for n in plan.notes if n.startswith("sink_block_residual")]}
+
+
+@pytest.mark.slow
+def test_planner_recomputes_sunk_bodies_under_inductor(inductor_reference):
+    """The recomputed first block takes zeros made again in the backward: with AOTAutograd's
+    donated buffers on, Inductor reused a body's gradient buffer for them while the body's
+    backward result (written into that buffer) was still to be read (backend
+    ``_no_donated_buffers``)."""
+    run = run_ranks(_budget_run, 1)[0]
+    assert run["recomputed"], run["recomputed"]
+    assert len(run["sink_notes"]) == 1 and "computed by the next" in run["sink_notes"][0]
+    assert_parity(run, inductor_reference, tol=1e-5)
 
 
 class AccumulatingStack(nn.Module):

@@ -10,6 +10,7 @@ pipeline into torch.compile's hooks; what shardc does to a graph is in the pipel
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -288,6 +289,19 @@ def _sink_residuals(gm: fx.GraphModule, found: list, blocks, region: RegionRecor
     return describe_body_calls(gm, blocks.block_of_param)
 
 
+def _no_donated_buffers(region: RegionRecord):
+    """Where the region calls sunk bodies (``sink_block_residual``): AOTAutograd's donated
+    buffers off while it compiles. Inductor applies the region backward's donated input
+    positions to the placeholders of the body subgraphs it compiles inside that backward, so a
+    body's backward may write its result into the buffer of a gradient it was given, and the
+    region's backward, which sees that buffer die at the call, reuses it (for the zeros a
+    recomputed first block takes) while the body's result is still to be read. Elsewhere:
+    nothing changes."""
+    if not region.sunk_bodies:
+        return contextlib.nullcontext()
+    return torch._functorch.config.patch(donated_buffer=False)
+
+
 def _prepare_bodies(gm: fx.GraphModule, state: ShardState | None, opts: ShardcOptions,
                     region: RegionRecord) -> None:
     """Record the block bodies Dynamo's graph calls (``shardc.sharding.blocks``), or inline
@@ -388,10 +402,11 @@ def shardc_backend(
             # The cross-entropy must reach the joint graph whole for shardc.passes.fused_loss
             # to find it (the pipeline decomposes those it does not fuse).
             extra["decompositions"] = _torch.inductor_decompositions_keeping(LOSS_OPS)
-        compiled, store_key = _compile_inductor(
-            functools.partial(compile_fx, gm, example_inputs, inner_compile=inner_compile,
-                              config_patches=config_patches, **extra),
-            gm, partitioner, _cache_blockers(gm, state, patches))
+        with _no_donated_buffers(region):
+            compiled, store_key = _compile_inductor(
+                functools.partial(compile_fx, gm, example_inputs, inner_compile=inner_compile,
+                                  config_patches=config_patches, **extra),
+                gm, partitioner, _cache_blockers(gm, state, patches))
         if patches.get(cudagraphs.CUDAGRAPHS) and _torch.inductor_cudagraph_skips() > skips:
             note = ("CUDA graphs requested; Inductor declined to record at least one graph of "
                     "this region (TORCH_LOGS=perf_hints says why)")
