@@ -98,6 +98,10 @@ def test_sunk_bodies_train_at_parity_fx(world, references):
             assert torch.equal(runs[name]["losses"], runs["llama"]["losses"]), name
         # (Recomputed, each call reads the boundary copies of the previous call's pair.)
         assert runs["offload"]["regions"][0]["forward"]["pairs"] == [[0, 1]]
+    # The same ops on the same values, moved: bit for bit the run without the option.
+    assert torch.equal(runs["llama"]["losses"], runs["llama_off"]["losses"])
+    assert all(torch.equal(value, runs["llama_off"]["params"][name])
+               for name, value in runs["llama"]["params"].items())
     on, off = runs["llama"]["regions"], runs["llama_off"]["regions"]
     # The same collectives (plan hash), one body partitioned once, with the option on or off.
     assert [r["hash"] for r in on] == [r["hash"] for r in off]
