@@ -68,7 +68,11 @@ def _value(node: object) -> object:
 def _layout(value: object) -> tuple | None:
     if not isinstance(value, torch.Tensor):
         return None
-    return (tuple(value.shape), tuple(value.stride()), value.dtype, value.device)
+    # Symbolic sizes compared by name: comparing them as symbols would add guards.
+    def sizes(xs) -> tuple:
+        return tuple(x if isinstance(x, int) else str(x) for x in xs)
+
+    return (sizes(value.shape), sizes(value.stride()), value.dtype, value.device)
 
 
 def _residual_add(body: fx.GraphModule) -> tuple[fx.Node | None, str]:
