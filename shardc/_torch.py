@@ -114,6 +114,15 @@ def no_autograd_cache() -> contextlib.AbstractContextManager:
     return config.patch(**off)
 
 
+def no_donated_buffers() -> contextlib.AbstractContextManager:
+    """AOTAutograd's donated buffers off (``donated_buffer``, torch 2.11-2.14): the backward may
+    then not write its results into the buffers of the activations it was given."""
+    config = torch._functorch.config
+    if not hasattr(config, "donated_buffer"):
+        return contextlib.nullcontext()
+    return config.patch(donated_buffer=False)
+
+
 def autograd_cache_enabled() -> bool:
     """Whether AOTAutograd would look its local cache up (``enable_autograd_cache``, and no
     ``torch.compiler.config.force_disable_caches``), as torch 2.11-2.14 decide it."""

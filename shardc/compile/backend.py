@@ -299,7 +299,7 @@ def _no_donated_buffers(region: RegionRecord):
     nothing changes."""
     if not region.sunk_bodies:
         return contextlib.nullcontext()
-    return torch._functorch.config.patch(donated_buffer=False)
+    return _torch.no_donated_buffers()
 
 
 def _prepare_bodies(gm: fx.GraphModule, state: ShardState | None, opts: ShardcOptions,
