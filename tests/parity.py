@@ -25,6 +25,9 @@ CFG = LlamaConfig(vocab_size=37, dim=24, n_layers=2, n_heads=4, ffn_dim=45, max_
 TIED_CFG = LlamaConfig(vocab_size=37, dim=24, n_layers=1, n_heads=4, ffn_dim=45,
                        max_seq_len=16, tie_embeddings=True)
 GLOBAL_BATCH, SEQ, STEPS, LR = 12, 9, 5, 1e-3
+# The feed-forward width of ``build("llama-frozen-w1")``: a rank's tokens at world 2, so that a
+# gathered feed-forward weight (FROZEN_W1_FFN x dim) and a hidden state are buffers of one size.
+FROZEN_W1_FFN = GLOBAL_BATCH // 2 * SEQ
 
 
 class VariantModel(nn.Module):
@@ -108,6 +111,11 @@ def build(kind: str) -> nn.Module:
         return Transformer(replace(CFG, n_layers=1))
     if kind == "repeated":
         return RepeatedBlock()
+    if kind == "llama-frozen-w1":  # tests/test_body_donations.py
+        model = Transformer(replace(CFG, ffn_dim=FROZEN_W1_FFN))
+        for layer in model.layers:
+            layer.feed_forward.w1.weight.requires_grad_(False)
+        return model
     return VariantModel()
 
 

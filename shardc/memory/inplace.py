@@ -6,8 +6,11 @@ instead of allocating a new one, when that input is read at the output's own ind
 same layout), has the output's dtype and storage size, is read by no other kernel still to run,
 and is a buffer Inductor may overwrite: one computed in the graph, or a graph input that
 AOTAutograd donates (a value the forward saved only for the backward; parameters, the forward's
-inputs and tangents are never donated). The generated code then reads ``bufN = input; del input
-# reuse``, so the input's buffer and the output's are one: they are never alive together.
+inputs and tangents are never donated). A block body's kernels overwrite only the body's own
+buffers, never its inputs (the caller's: shardc lowers bodies with no donated inputs,
+``shardc.compile.backend._body_inputs_not_donated``). The generated code then reads
+``bufN = input; del input  # reuse``, so the input's buffer and the output's are one: they are
+never alive together.
 
 E.g. the backward of ``F.cross_entropy(logits.float(), targets)``: the kernel computing the bf16
 logits' gradient ``(softmax(logits) - onehot) * grad`` reads the saved bf16 logits elementwise as
@@ -24,6 +27,7 @@ import math
 import torch
 from torch import fx
 
+from shardc.passes.body import BODY_SCOPE
 from shardc.passes.fx_utils import has_tag, op_overload, view_users
 
 # Namespaces of ops whose outputs Inductor may overwrite in place (lowered to its own loops or to
@@ -70,6 +74,15 @@ def _overwritable(buf: fx.Node, donated: set[fx.Node]) -> bool:
         return buf in donated
     op = op_overload(buf)
     return op is not None and op.namespace in _OWN_NAMESPACES and not op.is_view
+
+
+def _owned(buf: fx.Node, out: fx.Node) -> bool:
+    """Whether ``buf`` belongs to the function whose kernel writes ``out`` (a flattened graph's
+    :data:`~shardc.passes.body.BODY_SCOPE`): computed there, or returned to it by a body it
+    called. A block body's inputs are its caller's buffers, never overwritten by its kernels
+    (``shardc.compile.backend._body_inputs_not_donated``)."""
+    scope = out.meta.get(BODY_SCOPE, ())
+    return buf.meta.get(BODY_SCOPE, ())[:len(scope)] == scope
 
 
 def _same_index(read: fx.Node, buf: fx.Node, out: fx.Node) -> bool:
@@ -152,7 +165,8 @@ def inplace_reuses(nodes: list[fx.Node], inlined: set[fx.Node],
         for read in reads:
             buf = storage.get(read)
             if (buf is None or buf in claimed or not size.get(buf) or last.get(buf) != at
-                    or born[buf] >= at or not _overwritable(buf, donated)):
+                    or born[buf] >= at or not _overwritable(buf, donated)
+                    or not _owned(buf, out)):
                 continue
             if not all(_same_index(r, buf, out) for r in reads if storage.get(r) is buf):
                 continue  # read at another index too (Inductor: one index per buffer)
