@@ -114,29 +114,17 @@ def no_autograd_cache() -> contextlib.AbstractContextManager:
     return config.patch(**off)
 
 
-@contextlib.contextmanager
-def no_donated_subgraph_inputs() -> Iterator[None]:
-    """While active, Inductor lowers a subgraph (an ``invoke_subgraph`` block body) with no
-    donated inputs. Every ``GraphLowering`` of a backward, ``SubgraphLowering`` included, takes
-    the donated positions of the compiled backward's own inputs (``bw_donated_idxs``, read from
-    the tracing context; torch 2.11-2.14) and applies them to its placeholders, so a body's
-    input at such a position is lowered as a buffer the body owns: the body's code overwrites
-    it (in place, or from its reuse pool) though the input is the caller's, whose code may
-    read it again or reuse its storage while the body's result lives there. The backward's own
-    donated inputs are unchanged."""
-    from torch._inductor.graph import SubgraphLowering
-
-    init = SubgraphLowering.__init__
-
-    def without_donations(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        self.bw_donated_idxs = None  # read by GraphLowering.placeholder
-
-    SubgraphLowering.__init__ = without_donations
-    try:
-        yield
-    finally:
-        SubgraphLowering.__init__ = init
+def no_donated_buffers() -> contextlib.AbstractContextManager:
+    """AOTAutograd's donated buffers off (``donated_buffer``, torch 2.11-2.14) while a region
+    compiles. Inductor lowers every graph of a backward, the ``invoke_subgraph`` bodies it
+    calls included, with the donated positions of the backward's own inputs (``bw_donated_idxs``
+    from the tracing context), so a body's input at such a position is lowered as a buffer the
+    body owns and overwrites, though it is its caller's; with the switch off no input of either
+    is donated."""
+    config = torch._functorch.config
+    if not hasattr(config, "donated_buffer"):
+        return contextlib.nullcontext()
+    return config.patch(donated_buffer=False)
 
 
 def autograd_cache_enabled() -> bool:

@@ -12,7 +12,7 @@ feed-forward weight and a hidden state are buffers of one size) and ``w1`` froze
 backward gathers three such weights per block but frees only two such gradients before, so
 the third gather takes the body's gradient buffer). Before the fix the losses differed from
 the reference by ~1e-4 and block 0's ``w2`` by 5% (rel.); with it they match to ~1e-7.
-``backend._body_inputs_not_donated``; docs/design.md, "Compile once per repeated block".
+``backend._no_donated_buffers``; docs/design.md, "Compile once per repeated block".
 
 The first test reads the generated code and the peak model at world 1 (fast, default suite);
 the second trains the model above against the reference (slow).

@@ -211,7 +211,7 @@ def test_planner_recomputes_sunk_bodies_under_inductor(inductor_reference):
     """The recomputed first block takes zeros made again in the backward: with AOTAutograd's
     donated buffers on, Inductor reused a body's gradient buffer for them while the body's
     backward result (written into that buffer) was still to be read (backend
-    ``_body_inputs_not_donated``)."""
+    ``_no_donated_buffers``)."""
     run = run_ranks(_budget_run, 1)[0]
     assert run["recomputed"], run["recomputed"]
     assert len(run["sink_notes"]) == 1 and "computed by the next" in run["sink_notes"][0]

@@ -289,19 +289,20 @@ def _sink_residuals(gm: fx.GraphModule, found: list, blocks, region: RegionRecor
     return describe_body_calls(gm, blocks.block_of_param)
 
 
-def _body_inputs_not_donated(kw: dict):
-    """While Inductor compiles a backward: the block bodies it calls are lowered with no donated
-    inputs (``_torch.no_donated_subgraph_inputs``). Inductor otherwise applies the backward's
-    donated input positions to each body's placeholders, so a body's backward wrote its result
-    into the buffer of the gradient it was given, which the region's backward freed at the call
-    and took for a later buffer of its size (block i-1's gathered weight; with
-    ``sink_block_residual``, the zeros of a recomputed first block) while block i-1's backward
-    was still to read that result: wrong gradients (tests/test_body_donations.py,
-    tests/test_sink_residual.py). The region's own donated inputs (the saved activations it
-    frees or overwrites, e.g. the saved logits the loss's gradient is written into) are kept."""
-    if not kw.get("is_backward"):
+def _no_donated_buffers(region: RegionRecord):
+    """Where the region calls block bodies: AOTAutograd's donated buffers off while it compiles
+    (``_torch.no_donated_buffers``). Inductor applies the region backward's donated input
+    positions to each body's placeholders, so a body's backward wrote its result into the
+    buffer of the gradient it was given, which the region's backward freed at the call and took
+    for a later buffer of its size (block i-1's gathered weight; with ``sink_block_residual``,
+    the zeros of a recomputed first block) while block i-1's backward was still to read that
+    result: wrong gradients (tests/test_body_donations.py, tests/test_sink_residual.py). Torch
+    offers no switch for the bodies alone, so the region's own donated inputs go too (the peak
+    model counts none for such regions: ``shardc.memory.inplace``). Regions without bodies keep
+    them."""
+    if not region.body_calls:
         return contextlib.nullcontext()
-    return _torch.no_donated_subgraph_inputs()
+    return _torch.no_donated_buffers()
 
 
 def _prepare_bodies(gm: fx.GraphModule, state: ShardState | None, opts: ShardcOptions,
@@ -388,7 +389,7 @@ def shardc_backend(
             if kw.get("is_inference"):
                 partitioner.plan_inference(graph)
             name = "Inductor backward" if kw.get("is_backward") else "Inductor forward"
-            with progress.stage(region.index, name), _body_inputs_not_donated(kw):
+            with progress.stage(region.index, name):
                 return _inductor_with_pool(compile_fx_inner, graph, inputs, region, kw)
 
         skips = _torch.inductor_cudagraph_skips()
@@ -404,10 +405,11 @@ def shardc_backend(
             # The cross-entropy must reach the joint graph whole for shardc.passes.fused_loss
             # to find it (the pipeline decomposes those it does not fuse).
             extra["decompositions"] = _torch.inductor_decompositions_keeping(LOSS_OPS)
-        compiled, store_key = _compile_inductor(
-            functools.partial(compile_fx, gm, example_inputs, inner_compile=inner_compile,
-                              config_patches=config_patches, **extra),
-            gm, partitioner, _cache_blockers(gm, state, patches))
+        with _no_donated_buffers(region):
+            compiled, store_key = _compile_inductor(
+                functools.partial(compile_fx, gm, example_inputs, inner_compile=inner_compile,
+                                  config_patches=config_patches, **extra),
+                gm, partitioner, _cache_blockers(gm, state, patches))
         if patches.get(cudagraphs.CUDAGRAPHS) and _torch.inductor_cudagraph_skips() > skips:
             note = ("CUDA graphs requested; Inductor declined to record at least one graph of "
                     "this region (TORCH_LOGS=perf_hints says why)")

@@ -6,9 +6,10 @@ instead of allocating a new one, when that input is read at the output's own ind
 same layout), has the output's dtype and storage size, is read by no other kernel still to run,
 and is a buffer Inductor may overwrite: one computed in the graph, or a graph input that
 AOTAutograd donates (a value the forward saved only for the backward; parameters, the forward's
-inputs and tangents are never donated). A block body's kernels overwrite only the body's own
-buffers, never its inputs (the caller's: shardc lowers bodies with no donated inputs,
-``shardc.compile.backend._body_inputs_not_donated``). The generated code then reads
+inputs and tangents are never donated; in a region that calls block bodies none is, as shardc
+compiles those with donated buffers off). A block body's kernels overwrite only the body's own
+buffers, never its inputs (the caller's: shardc compiles regions with bodies with donated buffers off,
+``shardc.compile.backend._no_donated_buffers``). The generated code then reads
 ``bufN = input; del input  # reuse``, so the input's buffer and the output's are one: they are
 never alive together.
 
@@ -67,6 +68,13 @@ def _donated(nodes: list[fx.Node]) -> set[fx.Node]:
     return out
 
 
+def _calls_bodies(nodes: list[fx.Node]) -> bool:
+    """Whether the graph calls block bodies (``invoke_subgraph``), or is a flattened copy of one
+    that did (:func:`shardc.passes.body.flattened` marks the inlined nodes)."""
+    return any(n.meta.get(BODY_SCOPE) or n.target is torch.ops.higher_order.invoke_subgraph
+               for n in nodes)
+
+
 def _overwritable(buf: fx.Node, donated: set[fx.Node]) -> bool:
     """Whether Inductor may write another kernel's output into ``buf``'s storage: a tensor an
     aten op computes (not a view), or a donated input (:func:`_donated`)."""
@@ -80,7 +88,7 @@ def _owned(buf: fx.Node, out: fx.Node) -> bool:
     """Whether ``buf`` belongs to the function whose kernel writes ``out`` (a flattened graph's
     :data:`~shardc.passes.body.BODY_SCOPE`): computed there, or returned to it by a body it
     called. A block body's inputs are its caller's buffers, never overwritten by its kernels
-    (``shardc.compile.backend._body_inputs_not_donated``)."""
+    (``shardc.compile.backend._no_donated_buffers``)."""
     scope = out.meta.get(BODY_SCOPE, ())
     return buf.meta.get(BODY_SCOPE, ())[:len(scope)] == scope
 
@@ -155,7 +163,9 @@ def inplace_reuses(nodes: list[fx.Node], inlined: set[fx.Node],
     """
     taken: dict[fx.Node, fx.Node] = {}
     claimed: set[fx.Node] = set()
-    donated = _donated(nodes)
+    # A region that calls block bodies compiles with AOTAutograd's donated buffers off
+    # (``shardc.compile.backend._no_donated_buffers``): none of its inputs is overwritten.
+    donated = set() if _calls_bodies(nodes) else _donated(nodes)
     for out in nodes:
         if not (_elementwise(out) and out not in inlined and size.get(out)
                 and _val(out) is not None):
