@@ -6,12 +6,11 @@ instead of allocating a new one, when that input is read at the output's own ind
 same layout), has the output's dtype and storage size, is read by no other kernel still to run,
 and is a buffer Inductor may overwrite: one computed in the graph, or a graph input that
 AOTAutograd donates (a value the forward saved only for the backward; parameters, the forward's
-inputs and tangents are never donated; in a region that calls block bodies none is, as shardc
-compiles those with donated buffers off). A block body's kernels overwrite only the body's own
-buffers, never its inputs (the caller's: shardc compiles regions with bodies with donated buffers off,
-``shardc.compile.backend._no_donated_buffers``). The generated code then reads
-``bufN = input; del input  # reuse``, so the input's buffer and the output's are one: they are
-never alive together.
+inputs and tangents are never donated; in a region that calls block bodies none is: shardc
+compiles those with donated buffers off, ``shardc.compile.backend._no_donated_buffers``). A
+block body's kernels overwrite only the body's own buffers, never its inputs (the caller's). The
+generated code then reads ``bufN = input; del input  # reuse``, so the input's buffer and the
+output's are one: they are never alive together.
 
 E.g. the backward of ``F.cross_entropy(logits.float(), targets)``: the kernel computing the bf16
 logits' gradient ``(softmax(logits) - onehot) * grad`` reads the saved bf16 logits elementwise as
