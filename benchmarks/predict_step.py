@@ -248,32 +248,11 @@ def run_config(c: dict, args, device, mesh, cluster: dict | None, log) -> dict[s
             warm_peak = torch.cuda.max_memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
     compile_s = time.perf_counter() - t0
-    fwd_bwd, optim, step, phases = [], [], [], []
-    for _ in range(args.steps):
-        tokens, targets = next(it)
-        ev = _events(device)
-        host = [time.perf_counter()]
-        if ev:
-            ev[0].record()
-        torch.compiler.cudagraph_mark_step_begin()
-        loss = loss_fn(tokens, targets)
-        _mark(host, ev, 1)
-        loss.backward()
-        _mark(host, ev, 2)
-        opt.step()
-        _mark(host, ev, 3)
-        opt.zero_grad(set_to_none=True)
-        _mark(host, ev, 4)
-        if ev:
-            ev[4].synchronize()
-            fwd_bwd.append(ev[0].elapsed_time(ev[2]) / 1e3)
-            optim.append(ev[2].elapsed_time(ev[4]) / 1e3)
-        else:
-            fwd_bwd.append(host[2] - host[0])
-            optim.append(host[4] - host[2])
-        step.append(fwd_bwd[-1] + optim[-1])
-        phases.append(phase_boundaries(host, ev))
-    steady = _steady_steps(loss_fn, opt, it, args.steps, device)
+    synced = _run_steps(loss_fn, opt, it, args.steps, device, synced=True)
+    fwd_bwd = [_span(host, ev, 0, 2) for host, ev in synced]
+    step = [_span(host, ev, 0, 4) for host, ev in synced]
+    phases = [phase_boundaries(host, ev) for host, ev in synced]
+    steady = _steady_steps(_run_steps(loss_fn, opt, it, args.steps, device, synced=False))
     res: dict[str, Any] = {
         "measured_fwd_bwd_s": statistics.median(steady["fwd_bwd"]),
         "measured_optimizer_s": statistics.median(steady["optimizer"]),
@@ -286,8 +265,8 @@ def run_config(c: dict, args, device, mesh, cluster: dict | None, log) -> dict[s
     }
     if device.type == "cuda":
         res["measured_peak_bytes"] = max(warm_peak, torch.cuda.max_memory_allocated(device))
+    keep = _trace_stem(args, c) if args.keep_traces else None
     if args.profile_steps and device.type == "cuda":
-        keep = _trace_stem(args, c) if args.keep_traces else None
         exposed, waited, by_category = _profiled(loss_fn, opt, it, args.profile_steps, device,
                                                  keep)
         res["measured_ms_by_category"] = by_category
@@ -295,8 +274,8 @@ def run_config(c: dict, args, device, mesh, cluster: dict | None, log) -> dict[s
             res["measured_exposed_comm_s"] = exposed
             res["measured_waited_comm_s"] = waited
     plans = shardc.explain_all(model)
-    if args.keep_traces:
-        with open(f"{_trace_stem(args, c)}.plans.json", "w") as f:
+    if keep:
+        with open(f"{keep}.plans.json", "w") as f:
             f.write("[" + ",\n".join(p.to_json() for p in plans) + "]\n")
     profile = resolve_profile(cluster, torch.cuda.get_device_name(device)
                               if device.type == "cuda" else None)
@@ -328,41 +307,55 @@ def run_config(c: dict, args, device, mesh, cluster: dict | None, log) -> dict[s
     return res
 
 
-def _steady_steps(loss_fn, opt, it, steps: int, device) -> dict[str, list[float]]:
-    """Seconds of ``steps`` back-to-back training steps as training runs them, the host free to
-    run ahead (no synchronization until the last): per step, ``step`` from its start to the
-    next one's (the device's clock: where the device is ahead the host's time shows as its
-    wait), ``fwd_bwd`` to where ``backward()`` returned and ``optimizer`` from there to the end
-    of ``zero_grad``. The synchronized steps above time each step from an idle device, so
-    they also hold the host's work before the first kernel (a CUDA-graph step's guards and
-    input copies), which in training hides under the previous step's device work."""
-    out: dict[str, list[float]] = {"step": [], "fwd_bwd": [], "optimizer": []}
-    marks, hosts = [], []
+def _run_steps(loss_fn, opt, it, steps: int, device, synced: bool) -> list[tuple[list, Any]]:
+    """``steps`` training steps, each as ``(host, ev)``: the host's clock at the step's start
+    and where each phase (:data:`PHASES`) returned, and (GPUs) an event at each. ``synced``:
+    each step waits for the device before the next starts (timed from an idle device, so it
+    also holds the host's work before the first kernel); else back to back, as training runs
+    them (the host free to run ahead), one wait after the last."""
+    out = []
     for _ in range(steps):
+        tokens, targets = next(it)
         ev, host = _events(device), [time.perf_counter()]
         if ev:
             ev[0].record()
         torch.compiler.cudagraph_mark_step_begin()
-        loss_fn(*next(it)).backward()
+        loss = loss_fn(tokens, targets)
+        _mark(host, ev, 1)
+        loss.backward()
         _mark(host, ev, 2)
         opt.step()
+        _mark(host, ev, 3)
         opt.zero_grad(set_to_none=True)
         _mark(host, ev, 4)
-        marks.append(ev)
-        hosts.append(host)
-    if device.type != "cuda":
-        for i, (start, backward, end) in enumerate(hosts):
-            nxt = hosts[i + 1][0] if i + 1 < len(hosts) else end
-            out["step"].append(nxt - start)
-            out["fwd_bwd"].append(backward - start)
-            out["optimizer"].append(end - backward)
-        return out
-    marks[-1][4].synchronize()
-    for i, ev in enumerate(marks):
-        end = marks[i + 1][0] if i + 1 < len(marks) else ev[4]
-        out["step"].append(ev[0].elapsed_time(end) / 1e3)
-        out["fwd_bwd"].append(ev[0].elapsed_time(ev[2]) / 1e3)
-        out["optimizer"].append(ev[2].elapsed_time(ev[4]) / 1e3)
+        if ev and synced:
+            ev[4].synchronize()
+        out.append((host, ev))
+    if out and out[-1][1]:
+        out[-1][1][4].synchronize()
+    return out
+
+
+def _span(host: list[float], ev, start: int, end: int) -> float:
+    """Seconds from mark ``start`` to mark ``end`` of one step: the device's (events) on GPUs,
+    else the host's."""
+    return ev[start].elapsed_time(ev[end]) / 1e3 if ev else host[end] - host[start]
+
+
+def _steady_steps(steps: list[tuple[list, Any]]) -> dict[str, list[float]]:
+    """Back-to-back steps (:func:`_run_steps`, not synced) as training sees them: ``step`` from
+    each step's start to the next one's (the last: to its end), ``fwd_bwd`` to where
+    ``backward()`` returned, ``optimizer`` from there to the end of ``zero_grad``."""
+    out: dict[str, list[float]] = {"step": [], "fwd_bwd": [], "optimizer": []}
+    for i, (host, ev) in enumerate(steps):
+        if i + 1 < len(steps):
+            nxt_host, nxt_ev = steps[i + 1]
+            out["step"].append(ev[0].elapsed_time(nxt_ev[0]) / 1e3 if ev
+                               else nxt_host[0] - host[0])
+        else:
+            out["step"].append(_span(host, ev, 0, 4))
+        out["fwd_bwd"].append(_span(host, ev, 0, 2))
+        out["optimizer"].append(_span(host, ev, 2, 4))
     return out
 
 

@@ -284,7 +284,7 @@ def _sink_residuals(gm: fx.GraphModule, found: list, blocks, region: RegionRecor
         if key not in blocks.reported:
             blocks.reported.add(key)
             log.info("shardc: %s", outcome.note())
-    if not any(not o.reason for o in outcomes):
+    if all(o.reason for o in outcomes):  # nothing sunk: the calls are as they were
         return found
     return describe_body_calls(gm, blocks.block_of_param)
 

@@ -185,15 +185,23 @@ def _place_all_gathers(g: GraphView, buckets: list[Bucket], options) -> list[Col
     return out
 
 
+def _cast_chain(grad: fx.Node) -> tuple[list[fx.Node], fx.Node]:
+    """The casts and views that end in ``grad`` (single-input pointwise ops and views, from
+    ``grad`` back) and the node that produced what they cast."""
+    chain, node = [], grad
+    while node.op == "call_function" and len(node.all_input_nodes) == 1 and (
+            is_view(node) or torch.Tag.pointwise in getattr(node.target, "tags", ())):
+        chain.append(node)
+        node = node.all_input_nodes[0]
+    return chain, node
+
+
 def first_write(g: GraphView, grad: fx.Node) -> int | None:
     """Position of the reduction that computes ``grad`` when only casts and views lie between
     them: a fusing compiler writes its result straight into the send buffer, which therefore
     exists from there on. ``None`` when the gradient comes from another kernel (a matmul): it is
     copied into the send buffer where the buffer is packed."""
-    node = grad
-    while node.op == "call_function" and len(node.all_input_nodes) == 1 and (
-            is_view(node) or torch.Tag.pointwise in getattr(node.target, "tags", ())):
-        node = node.all_input_nodes[0]
+    _, node = _cast_chain(grad)
     if node in g.position and torch.Tag.reduction in getattr(node.target, "tags", ()):
         return g.pos(node)
     return None
@@ -204,11 +212,11 @@ def fused_fill(g: GraphView, grad: fx.Node) -> int:
     the casts and views that end in ``grad`` into the copy that packs the bucket, so that copy
     starts where the first of them is (the ``ready_pos`` of ``grad`` when it is computed by
     another kind of op, a matmul or an accumulation)."""
-    node, start = grad, None
-    while (node.op == "call_function" and node in g.position and len(node.all_input_nodes) == 1
-           and (is_view(node) or torch.Tag.pointwise in getattr(node.target, "tags", ()))):
+    start = None
+    for node in _cast_chain(grad)[0]:
+        if node not in g.position:
+            break
         start = node
-        node = node.all_input_nodes[0]
     return g.pos(start) if start is not None else ready_pos(g, grad)
 
 
