@@ -26,7 +26,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shardc.planning.profile import PRESETS, preset_for_device, resolve_profile  # noqa: E402
 from shardc.tools.model_spec import llama_model, parse_model  # noqa: E402
 from shardc.tools.planner import (  # noqa: E402
+    DEVICES_GIB,
     GIB,
     PlanSetup,
     plan_model,
@@ -95,15 +96,65 @@ def mesh_setup(meta: dict) -> PlanSetup:
                      shard_size=int(shape[1]) if shape else None)
 
 
-def _from_measured(path: str, profile: str | None) -> list[str]:
+@dataclass(frozen=True)
+class PlannedRow:
+    """A GPU run's configuration planned here: the whole step, the peak, the planning
+    seconds."""
+
+    step_s: float
+    peak_bytes: float
+    seconds: float
+
+
+def _run_options(meta: dict, cluster: dict) -> dict:
+    """The backend options the GPU run compiled with that the plan depends on: its cluster
+    profile and its peak memory budget (``"auto"``: the budget a compile on that GPU takes,
+    :func:`shardc.planning.budget.auto_budget` of its memory)."""
+    from shardc.planning.budget import auto_budget
+
+    options: dict = {"cluster": cluster}
+    budget = meta.get("memory_budget")
+    if budget == "auto":
+        gpu = str(meta.get("gpu", "")).lower()
+        device = next((d for d in DEVICES_GIB if d in gpu), None)
+        if device is None:
+            raise SystemExit(f"plan_vs_measured: the run's memory budget was 'auto' on "
+                             f"{meta.get('gpu')!r}, whose memory is not known here")
+        options["peak_memory_budget_bytes"] = auto_budget(DEVICES_GIB[device] * GIB)
+    elif budget is not None:
+        options["peak_memory_budget_bytes"] = int(float(budget))
+    return options
+
+
+def plan_measured_row(meta: dict, r: dict, profile: str | None) -> PlannedRow:
+    """One configuration of a ``predict_step.py`` report (``meta``, result ``r``) planned
+    here, as the capacity planner plans it for a user, with what the run used: its mesh,
+    precision, cluster profile, memory budget and CUDA graphs (``--cudagraphs``: the step
+    replayed)."""
     from train.workload import model_config
 
-    report = json.loads(Path(path).read_text())
-    meta = report["meta"]
     cluster = _profile_option(meta, profile)
     prof = resolve_profile(cluster)
+    options = _run_options(meta, cluster)
+    c = r["config"]
+    seq = c.get("seq") or meta["seq"]
+    cfg = model_config(c["model"], seq, bool(meta.get("tiny")), c["layers"])
+    setup = replace(mesh_setup(meta), fp8=c["precision"] == "fp8", fp8_embedding=True)
+    start = time.perf_counter()
+    # The budget planner runs on whole traces only (the CLI's --memory-budget does the same).
+    planned = plan_model_step(llama_model(cfg), int(meta["world_size"]), c["batch"], seq,
+                              options, template="peak_memory_budget_bytes" not in options,
+                              setup=setup)
+    seconds = time.perf_counter() - start
+    step = whole_step(planned, prof, cudagraphs=bool(meta.get("cudagraphs"))).step_s
+    return PlannedRow(step, planned.plan.predicted.peak_bytes, seconds)
+
+
+def _from_measured(path: str, profile: str | None) -> list[str]:
+    report = json.loads(Path(path).read_text())
+    meta = report["meta"]
+    prof = resolve_profile(_profile_option(meta, profile))
     world = int(meta["world_size"])
-    setup = mesh_setup(meta)
     mesh = f", mesh {meta['mesh']}" if meta.get("mesh") else ""
     lines = [
         f"# CPU plans against GPU runs ({meta['gpu']} x {world}{mesh})", "",
@@ -124,23 +175,15 @@ def _from_measured(path: str, profile: str | None) -> list[str]:
             lines.append(f"{head} {r.get('status')} |" + " |" * 8)
             print(lines[-1], flush=True)
             continue
-        cfg = model_config(c["model"], seq, bool(meta.get("tiny")), c["layers"])
-        start = time.perf_counter()
-        planned = plan_model_step(llama_model(cfg), world, c["batch"], seq,
-                                  {"cluster": cluster},
-                                  setup=replace(setup, fp8=c["precision"] == "fp8",
-                                                fp8_embedding=True))
-        seconds = time.perf_counter() - start
-        p = planned.plan.predicted
-        # the whole step, as `shardc plan` prints it (shardc.planning.step.predict_step)
-        step = whole_step(planned, prof).step_s
+        planned = plan_measured_row(meta, r, profile)
         meas_peak, meas_step = r.get("measured_peak_bytes"), r.get("measured_step_s")
         lines.append(
-            f"{head} {p.peak_bytes / GIB:.2f} | "
+            f"{head} {planned.peak_bytes / GIB:.2f} | "
             f"{'–' if not meas_peak else f'{meas_peak / GIB:.2f}'} | "
-            f"{_err(p.peak_bytes, meas_peak)} | {r['predicted_peak_bytes'] / GIB:.2f} | "
-            f"{step * 1e3:.1f} | {meas_step * 1e3:.1f} | {_err(step, meas_step)} | "
-            f"{r['predicted_step_s'] * 1e3:.1f} | {seconds:.0f} |")
+            f"{_err(planned.peak_bytes, meas_peak)} | {r['predicted_peak_bytes'] / GIB:.2f} | "
+            f"{planned.step_s * 1e3:.1f} | {meas_step * 1e3:.1f} | "
+            f"{_err(planned.step_s, meas_step)} | {r['predicted_step_s'] * 1e3:.1f} | "
+            f"{planned.seconds:.0f} |")
         print(lines[-1], flush=True)
     lines += ["", "Goal: the CPU plan within 5% of the measured peak and 10% of the measured "
               "step, as the plan made at compile time on the GPU is."]
