@@ -458,6 +458,7 @@ def _profiled(loss_fn, opt, it, steps: int, device, keep: str | None = None
     from train.kernels import kernel_breakdown, kernel_time_by_category
 
     torch.cuda.synchronize(device)
+    dist.barrier()  # the ranks enter the traced steps together (not one waiting at the first)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             tokens, targets = next(it)
@@ -487,9 +488,18 @@ def _exposed(r: dict) -> str:
     return f"{_ms(r.get('measured_waited_comm_s'))} ({_ms(r['measured_exposed_comm_s'])})"
 
 
+# The step's exposed communication is the least any rank waited: ranks run in lock step at
+# the collectives, so every rank's step lasts its compute plus its waits, and the rank with the
+# most compute waits least. What it waits is what communication adds to the step; a faster
+# rank's further waiting is for its peer's compute (rank imbalance, or a rank that reached the
+# profiled steps later), not for the network.
+STEP_COMM_KEYS = ("measured_exposed_comm_s", "measured_waited_comm_s")
+
+
 def _slowest(per_rank: list[dict]) -> dict:
     """The ranks' results merged: each measured number the largest of the ranks' (so the
-    step, the optimizer and the exposed communication may come from different ranks), the
+    step and the optimizer may come from different ranks), the exposed communication the
+    smallest (:data:`STEP_COMM_KEYS`), the
     measured tables (phase ends, time by category) rank 0's; ``measured_per_rank`` keeps every
     rank's measurements (world > 1), which is what tells a rank waiting for its peer at the
     collectives from one waiting for its own host."""
@@ -497,7 +507,8 @@ def _slowest(per_rank: list[dict]) -> dict:
     for key in out:
         if key.startswith("measured") and all(isinstance(r.get(key), float | int)
                                               for r in per_rank):
-            out[key] = max(r[key] for r in per_rank)
+            pick = min if key in STEP_COMM_KEYS else max
+            out[key] = pick(r[key] for r in per_rank)
     if len(per_rank) > 1:
         out["measured_per_rank"] = [{k: v for k, v in r.items() if k.startswith("measured")}
                                     for r in per_rank]

@@ -200,3 +200,76 @@ def test_plan_vs_measured_plans_the_mesh_the_gpu_run_used():
     assert (old.tp, old.shard_size, old.precision, old.inductor) == (1, None, "bf16", True)
     assert mesh_setup({"mesh_shape": [2, 1], "tp": 1}).shard_size == 1
     assert mesh_setup({"mesh_shape": None, "tp": 2}).tp == 2
+
+
+def test_plan_vs_measured_plans_with_the_runs_budget_and_cuda_graphs():
+    from benchmarks.plan_vs_measured import _run_options
+    from shardc.planning.budget import auto_budget
+    from shardc.tools.planner import DEVICES_GIB, GIB
+
+    cluster = {"profile": "h200"}
+    assert _run_options({"memory_budget": None}, cluster) == {"cluster": cluster}
+    assert _run_options({"memory_budget": "123"}, cluster)["peak_memory_budget_bytes"] == 123
+    auto = _run_options({"memory_budget": "auto", "gpu": "NVIDIA H200"}, cluster)
+    assert auto["peak_memory_budget_bytes"] == auto_budget(DEVICES_GIB["h200"] * GIB)
+    with pytest.raises(SystemExit, match="not known"):
+        _run_options({"memory_budget": "auto", "gpu": "cpu"}, cluster)
+
+
+def test_the_steps_exposed_communication_is_the_least_a_rank_waited():
+    """Ranks meet at every collective, so the rank with the most compute waits least, and that
+    least is what communication adds to the step; the step itself is the slowest rank's."""
+    from benchmarks.predict_matrix import step_comm
+    from benchmarks.predict_step import _slowest
+
+    ranks = [{"status": "ok", "measured_step_s": 0.186, "measured_waited_comm_s": 0.0085,
+              "measured_exposed_comm_s": 0.0089},
+             {"status": "ok", "measured_step_s": 0.185, "measured_waited_comm_s": 0.0037,
+              "measured_exposed_comm_s": 0.0041}]
+    merged = _slowest(ranks)
+    assert merged["measured_step_s"] == 0.186
+    assert (merged["measured_waited_comm_s"], merged["measured_exposed_comm_s"]) == (0.0037,
+                                                                                   0.0041)
+    # Reports merged before kept each rank's: the matrix reads the least from them.
+    assert step_comm({**ranks[0], "measured_per_rank": ranks}) == (0.0037, 0.0085)
+    assert step_comm({"measured_exposed_comm_s": 0.002}) == (0.002, 0.002)
+    assert step_comm({"measured_step_s": 1.0}) == (None, None)
+
+
+def test_predict_matrix_runs_each_part_and_checks_the_goals(tmp_path):
+    import json
+
+    from benchmarks.predict_matrix import launches, load_reports, render, split_configs
+
+    assert split_configs("a,b,c,d,e", 2) == ["a,c,e", "b,d"]
+    assert split_configs("a", 3) == ["a"]
+    runs = launches("1gpu", ["0", "1"], ["--cudagraphs"], tmp_path)
+    assert [env for _, env in runs] == [{"CUDA_VISIBLE_DEVICES": "0"},
+                                        {"CUDA_VISIBLE_DEVICES": "1"}]
+    assert all(argv[-1] == "--cudagraphs" and "--nproc-per-node" in argv for argv, _ in runs)
+    (tp_argv, tp_env), = launches("tp2", ["0", "1"], [], tmp_path)
+    assert tp_argv[tp_argv.index("--tp") + 1] == "2" and tp_env == {"CUDA_VISIBLE_DEVICES": "0,1"}
+
+    meta = {"command": "c", "git": "0" * 40, "date": "d", "gpu": "g", "world_size": 2,
+            "torch": "t", "profile": "p", "seq": 2048, "mesh": "fsdp 2"}
+
+    def row(pred_ms, meas_ms, pred_comm_ms, waited_ms, layers=8):
+        return {"status": "ok", "mesh": "fsdp 2",
+                "config": {"model": "1b", "layers": layers, "batch": 4, "precision": "bf16"},
+                "predicted_step_s": pred_ms / 1e3, "measured_step_s": meas_ms / 1e3,
+                "predicted_exposed_comm_s": pred_comm_ms / 1e3,
+                "measured_waited_comm_s": waited_ms / 1e3,
+                "predicted_peak_bytes": 9 << 30, "measured_peak_bytes": 10 << 30}
+
+    report = {"meta": meta, "results": [row(96, 100, 1.0, 2.9), row(89, 100, 1.0, 3.1, 16),
+                                        {"status": "error", "reason": "boom", "mesh": "fsdp 2",
+                                         "config": {"model": "wide", "layers": 8, "batch": 2,
+                                                    "precision": "bf16"}}]}
+    (tmp_path / "predict_fsdp2.json").write_text(json.dumps(report))
+    (tmp_path / "predict_matrix.json").write_text("{}")  # not a part's report
+    text = render(load_reports(tmp_path))
+    assert "| 2 | fsdp 2 | 1b | 8 | 4 x 2048 | bf16 | 96.0 | 100.0 | -4.0% | 1.0 / 2.9 |" in text
+    assert "error: boom" in text
+    assert "- step within 10%: 1 of 2 rows (within 5%: 1; largest |error| 11.0%)" in text
+    assert "within max(2 ms, 25%)" in text and ": 1 of 2 rows" in text
+    assert "- peak within 5%: 0 of 2 rows" in text
