@@ -37,8 +37,9 @@ plain_inputs=True)``: forwards read plain local shards), ``shardc-plain-budget``
 ``compile_blocks_once=False``: Inductor fuses across the blocks' boundaries),
 ``shardc-fast-budget-sink`` (``shardc-fast-budget`` with ``sink_block_residual=True``: blocks
 compiled once, each body's final residual add moved into the next body call),
-``bound-cudagraphs`` (the bound under ``mode="reduce-overhead"``); see
-docs/overhead.md. Results go to
+``shardc-fast-sink`` (``shardc-fast`` with ``sink_block_residual=True``, no budget: every bucket
+resharded, default shardc's peak), ``bound-cudagraphs`` (the bound under
+``mode="reduce-overhead"``); see docs/overhead.md. Results go to
 ``--out/<name>.json`` and ``.md``. Public API only (``shardc-combo`` sets Inductor's config).
 """
 
@@ -75,7 +76,7 @@ from train.workload import DEFAULT_BATCH, model_config, synthetic_batches  # noq
 MODES = ("bound", "shardc", "shardc-localopt", "shardc-cudagraphs", "shardc-noreshard",
          "shardc-inline", "shardc-budget", "shardc-plain", "shardc-plain-budget", "shardc-combo",
          "shardc-fast", "shardc-fast-budget", "shardc-fast-budget-inline",
-         "shardc-fast-budget-sink", "bound-cudagraphs")
+         "shardc-fast-budget-sink", "shardc-fast-sink", "bound-cudagraphs")
 PHASES = ("forward", "backward", "optimizer.step", "zero_grad")
 # The per-parameter host costs docs/overhead.md names, as profiler event names (CPU self ms
 # per step, all phases): Dynamo's guards, AOTAutograd's runtime wrappers, DTensor dispatch.

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -29,3 +30,30 @@ def test_fsdp2_modes_take_a_compiled_loss(mode, base):
 def test_a_compiled_loss_is_refused_where_it_means_nothing(mode, match):
     with pytest.raises(ValueError, match=match):
         mode_name(mode)
+
+
+@pytest.mark.parametrize("mode, sink, budget", [("shardc-fast", False, False),
+                                                ("shardc-fast-sink", True, False),
+                                                ("shardc-fast-budget-sink", True, True)])
+def test_the_fast_modes_options(monkeypatch, mode, sink, budget):
+    """What each fast mode compiles with: CUDA graphs, plain inputs and the local-shard step
+    always; the sunk residual and the peak budget as named (``-fast-sink`` has no budget, so
+    every bucket is resharded as in default shardc)."""
+    from train import modes
+
+    from shardc.models.llama import LlamaConfig
+
+    seen = {}
+
+    def fake_setup(model, mesh, loss_in_graph, compile_mode=None, **options):
+        seen.update(options, compile_mode=compile_mode)
+        return modes.Setup(loss=lambda tokens, targets: None, params=[])
+
+    monkeypatch.setattr(modes, "setup_shardc", fake_setup)
+    monkeypatch.setattr(modes.bench_mesh, "parallelize_llama", lambda model, mesh: model)
+    cfg = LlamaConfig(vocab_size=16, dim=8, n_layers=1, n_heads=2, ffn_dim=16, max_seq_len=8)
+    setup = modes.setup_mode(mode, cfg, torch.device("cpu"), mesh=None)
+    assert seen["compile_mode"] == "reduce-overhead" and seen["plain_inputs"] is True
+    assert setup.cudagraphs and setup.prepare_optimizer is not None
+    assert seen.get("sink_block_residual", False) is sink
+    assert ("peak_memory_budget_bytes" in seen) is budget

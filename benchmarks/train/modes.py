@@ -32,7 +32,8 @@ EXTRA_MODES: tuple[str, ...] = ("shardc-keeporder", "shardc-pool", "shardc-local
                                   "shardc-plain-pool",
                                   "shardc-combo", "shardc-ac", "shardc-fast",
                                   "shardc-fast-budget", "shardc-fast-budget-inline",
-                                  "shardc-fast-budget-sink", "bound-cudagraphs")
+                                  "shardc-fast-budget-sink", "shardc-fast-sink",
+                                  "bound-cudagraphs")
 
 
 SHARDED_BASELINES: tuple[str, ...] = ("fsdp2", "fsdp2-compile", "simplefsdp")
@@ -237,7 +238,7 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_
         setup.info["options"] = "comm_pool=True (static communication pool under Inductor)"
         return setup
     if mode in ("shardc-localopt", "shardc-cudagraphs", "shardc-fast", "shardc-fast-budget",
-                "shardc-fast-budget-inline", "shardc-fast-budget-sink"):
+                "shardc-fast-budget-inline", "shardc-fast-budget-sink", "shardc-fast-sink"):
         # All step AdamW on the local shards; -cudagraphs also compiles with
         # mode="reduce-overhead" (CUDA graph trees; shardc falls back loudly where it cannot);
         # -fast is -cudagraphs with plain inputs too: every opt-in host-overhead option at once;
@@ -246,7 +247,9 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_
         # the blocks inline (compile_blocks_once=False), so Inductor fuses across their
         # boundaries (docs/overhead.md: the world-1 gap left at the body boundary); -sink keeps
         # them compiled once and moves each body's final residual add into the next body call
-        # (sink_block_residual), where Inductor fuses it into the next block's norm.
+        # (sink_block_residual), where Inductor fuses it into the next block's norm;
+        # -fast-sink is -fast with the sunk residual and no budget (every bucket resharded
+        # after the forward: default shardc's peak).
         cudagraphs = mode != "shardc-localopt"
         options: dict[str, object] = {}
         if mode.startswith("shardc-fast"):
