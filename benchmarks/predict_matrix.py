@@ -296,6 +296,10 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [p for p in parts if p not in PARTS]
         if unknown:
             raise SystemExit(f"--parts: unknown {unknown}; choose from {list(PARTS)}")
+        too_big = [p for p in parts if PARTS[p].nproc > len(gpus)]
+        if too_big:
+            raise SystemExit(f"--parts: {too_big} need {max(PARTS[p].nproc for p in too_big)} "
+                             f"GPUs; {len(gpus)} here ({','.join(gpus)})")
         forward = list(args.forward)
         if args.profile:
             forward += ["--profile", args.profile]
