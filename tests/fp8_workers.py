@@ -13,6 +13,7 @@ from parity import (
     GLOBAL_BATCH,
     SEQ,
     activation_copies,
+    backward_ops,
     batches,
     build,
     train,
@@ -138,30 +139,36 @@ def fp8_run(rank: int, world: int, kind: str, mode: str, **options) -> dict:
                         for r in state.regions],
         "fp8": sorted(fqn for fqn, i in state.params.items() if i.fp8 is not None),
         "activation_copies": activation_copies(state),
+        "backward_ops": backward_ops(state),
     }
 
 
-def fp8_budget_run(rank: int, world: int, kind: str) -> dict:
-    """Issue 22's peak budget with FP8 weights (the default policy, FX, no pool, no prefetch,
-    no margin): a first compile without a budget gives the fixed policy's predicted peak (the
-    ranks' largest); the model is then compiled under a budget a byte below it and trained
-    (:func:`fp8_run`'s record, plus the plan's budget record, hash and predicted peak)."""
+def fp8_budget_run(rank: int, world: int, kind: str, inductor: bool = False) -> dict:
+    """Issue 22's peak budget with FP8 weights (the default policy; FX or Inductor, no pool, no
+    prefetch, no margin): a first compile without a budget gives the fixed policy's predicted
+    peak (the ranks' largest); the model is then compiled under a budget a byte below it and
+    trained (:func:`fp8_run`'s record, plus the plan's budget record, hash and predicted peak,
+    and the ops recompute adds to the backward graphs, fixed and budgeted)."""
     import torch.distributed as dist
 
     backend = dict(comm_pool=False, prefetch=False, peak_memory_margin=0.0)
     torch._dynamo.reset()
     probe = build_model(kind)
     shardc.shard(probe, fp8=POLICIES["linear"])
-    fixed = torch.compile(probe, backend=shardc.backend(inductor=False, **backend))
+    fixed = torch.compile(probe, backend=shardc.backend(inductor=inductor, **backend))
     tokens, _ = batches()
     per = GLOBAL_BATCH // world
     fixed(tokens[0, rank * per:(rank + 1) * per])
     low = torch.tensor([int(shardc.explain_all(fixed)[0].predicted.peak_bytes)])
     dist.all_reduce(low, op=dist.ReduceOp.MAX)
-    run = fp8_run(rank, world, kind, "fx", peak_memory_budget_bytes=int(low) - 1, **backend)
+    fixed_ops = backward_ops(shardc.shard_state(probe))
+    del probe, fixed
+    run = fp8_run(rank, world, kind, "inductor" if inductor else "fx",
+                  peak_memory_budget_bytes=int(low) - 1, **backend)
     plan = run["plans"][0]
     run.update(budget=plan.budget, hash=plan.hash(), peak=int(plan.predicted.peak_bytes),
-               fixed_peak=int(low))
+               fixed_peak=int(low), bodies=[tuple(b.blocks) for b in plan.bodies],
+               backward_ops=(fixed_ops, run["backward_ops"]))
     return run
 
 

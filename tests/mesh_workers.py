@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from ckpt_workers import diff, full, full_state
 from mesh_models import TPBlocks, TPNet, loss_fn, parallelize, parallelize_blocks
-from parity import GLOBAL_BATCH, activation_copies, batches, build
+from parity import GLOBAL_BATCH, activation_copies, backward_ops, batches, build
 from parity import train as llama_train
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -217,46 +217,61 @@ def hsdp_run(rank: int, world: int, shape: tuple[int, int], mode: str,
             "overlap": overlap}
 
 
-def _budget_backend(**options):
-    """The budget scenario's backend: FX, no static pool, no prefetch (so that prefetching less
-    cannot meet the budget in place of freeing activations), no margin (the budget sits at the
-    levers' exact threshold)."""
-    return shardc.backend(inductor=False, comm_pool=False, prefetch=False, cluster=HSDP_CLUSTER,
-                          peak_memory_margin=0.0, **options)
+def _budget_backend(inductor: bool = False, **options):
+    """The budget scenario's backend: FX (or Inductor), no static pool (Inductor's default;
+    FX's pool would be one buffer the budget cannot free), no prefetch (so that prefetching
+    less cannot meet the budget in place of freeing activations), no margin (the budget sits at
+    the levers' exact threshold)."""
+    return shardc.backend(inductor=inductor, comm_pool=False, prefetch=False,
+                          cluster=HSDP_CLUSTER, peak_memory_margin=0.0, **options)
 
 
-def hsdp_budget_run(rank: int, world: int, shape: tuple[int, int], kind: str) -> dict:
-    """``fx-budget`` (issue 22's peak budget under HSDP): a first compile without a budget
-    (one forward: the plan is made at compile time) gives the fixed policy's predicted peak,
-    the ranks' largest; compiled again under a budget a byte below it, the planner must free
-    blocks' activations (offload or recompute: its choice). The run, its plan's budget record,
-    hash and predicted peak."""
+def _budget_run(make, train, tokens, targets, rows: slice, inductor: bool) -> dict:
+    """Issue 22's peak budget on a mesh: a first compile of ``make()`` without a budget (one
+    forward: the plan is made at compile time) gives the fixed policy's predicted peak, the
+    ranks' largest; a fresh ``make()`` compiled under a budget a byte below it must free
+    blocks' activations (offload or recompute: the planner's choice) and is trained
+    (``train(model, forward, tokens, targets)`` on ``rows``). :func:`_budget_result`, plus the
+    ops recompute adds to the backward graphs (parity.backward_ops), fixed and budgeted."""
+    torch._dynamo.reset()
+    probe = make()
+    fixed = torch.compile(probe, backend=_budget_backend(inductor))
+    fixed(tokens[0, rows])
+    low = torch.tensor([int(shardc.explain_all(fixed)[0].predicted.peak_bytes)])
+    dist.all_reduce(low, op=dist.ReduceOp.MAX)
+    fixed_ops = backward_ops(shardc.shard_state(probe))
+    del probe, fixed
+    torch._dynamo.reset()
+    model = make()
+    compiled = torch.compile(model, backend=_budget_backend(
+        inductor, peak_memory_budget_bytes=int(low) - 1))
+    losses = train(model, compiled, tokens[:, rows], targets[:, rows])
+    out = _budget_result(model, compiled, losses, int(low))
+    out["backward_ops"] = (fixed_ops, backward_ops(shardc.shard_state(model)))
+    return out
+
+
+def hsdp_budget_run(rank: int, world: int, shape: tuple[int, int], kind: str,
+                    inductor: bool = False) -> dict:
+    """``fx-budget`` / ``inductor-budget`` (issue 22's peak budget under HSDP):
+    :func:`_budget_run` of ``kind`` on a (replicate, shard) mesh of ``shape``."""
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
     tokens, targets = batches()
     per = GLOBAL_BATCH // world
     rows = slice(rank * per, (rank + 1) * per)
-    torch._dynamo.reset()
-    probe = shardc.shard(build(kind), mesh)
-    fixed = torch.compile(probe, backend=_budget_backend())
-    fixed(tokens[0, rows])
-    low = torch.tensor([int(shardc.explain_all(fixed)[0].predicted.peak_bytes)])
-    dist.all_reduce(low, op=dist.ReduceOp.MAX)
-    torch._dynamo.reset()
-    model = shardc.shard(build(kind), mesh)
-    compiled = torch.compile(model, backend=_budget_backend(
-        peak_memory_budget_bytes=int(low) - 1))
-    losses = llama_train(model, compiled, tokens[:, rows], targets[:, rows])
-    return _budget_result(model, compiled, losses, int(low))
+    return _budget_run(lambda: shardc.shard(build(kind), mesh), llama_train, tokens, targets,
+                       rows, inductor)
 
 
 def _budget_result(model: nn.Module, compiled, losses: list[torch.Tensor],
                    fixed_peak: int) -> dict:
-    """What a ``fx-budget`` run returns: its losses and parameters, plans, the first plan's
-    budget record, hash and predicted peak, the fixed policy's peak, the activation copies."""
+    """What a budget run returns: its losses and parameters, plans, the first plan's budget
+    record, hash and predicted peak, the fixed policy's peak, the activation copies."""
     plan = shardc.explain_all(compiled)[0]
     return {"losses": _mean_over_world(losses), "params": _gathered(model),
             "plans": _plan_summary(model), "budget": plan.budget, "hash": plan.hash(),
             "peak": int(plan.predicted.peak_bytes), "fixed_peak": fixed_peak,
+            "bodies": [tuple(b.blocks) for b in plan.bodies],
             "activation_copies": activation_copies(shardc.shard_state(model))}
 
 
@@ -279,10 +294,12 @@ def slice_run(rank: int, world: int, shape: tuple[int, int], mode: str) -> dict:
 def hsdp_scenarios(rank: int, world: int, scenarios: list, slices: list = (),
                    blocks: list = ()) -> list[dict]:
     """HSDP runs, then ``slice_run`` runs, then HSDP runs of the BlockStack (repeated blocks
-    compiled once; ``fx-budget``: :func:`hsdp_budget_run`), all in one spawn."""
+    compiled once; ``fx-budget`` / ``inductor-budget``: :func:`hsdp_budget_run`), all in one
+    spawn."""
     return [hsdp_run(rank, world, shape, mode) for shape, mode in scenarios] + [
         slice_run(rank, world, shape, mode) for shape, mode in slices] + [
-        hsdp_budget_run(rank, world, shape, "blocks") if mode == "fx-budget"
+        hsdp_budget_run(rank, world, shape, "blocks", mode == "inductor-budget")
+        if mode.endswith("-budget")
         else hsdp_run(rank, world, shape, mode, kind="blocks") for shape, mode in blocks]
 
 
@@ -331,35 +348,25 @@ def tp_run(rank: int, world: int, shape: tuple[int, int], mode: str, kind: str =
             "activation_copies": activation_copies(shardc.shard_state(model))}
 
 
-def tp_budget_run(rank: int, world: int, shape: tuple[int, int]) -> dict:
-    """``fx-budget`` under FSDP+TP (issue 22's peak budget on a (dp, tp) mesh, TPBlocks): as
-    :func:`hsdp_budget_run`, a first compile without a budget gives the fixed policy's
-    predicted peak (the ranks' largest), then the model is compiled under a budget a byte below
-    it and trained. The run, its plan's budget record, hash and predicted peak."""
+def tp_budget_run(rank: int, world: int, shape: tuple[int, int], inductor: bool = False) -> dict:
+    """``fx-budget`` / ``inductor-budget`` under FSDP+TP (issue 22's peak budget on a (dp, tp)
+    mesh of ``shape``): :func:`_budget_run` of TPBlocks."""
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
     tokens, targets = batches(TP_STEPS)
     dp, dp_rank = shape[0], mesh["dp"].get_local_rank()
     per = GLOBAL_BATCH // dp
     rows = slice(dp_rank * per, (dp_rank + 1) * per)
-    torch._dynamo.reset()
-    probe = shardc.shard(parallelize_blocks(tp_build(kind="blocks"), mesh["tp"]), mesh)
-    fixed = torch.compile(probe, backend=_budget_backend())
-    fixed(tokens[0, rows])
-    low = torch.tensor([int(shardc.explain_all(fixed)[0].predicted.peak_bytes)])
-    dist.all_reduce(low, op=dist.ReduceOp.MAX)
-    torch._dynamo.reset()
-    model = shardc.shard(parallelize_blocks(tp_build(kind="blocks"), mesh["tp"]), mesh)
-    compiled = torch.compile(model, backend=_budget_backend(
-        peak_memory_budget_bytes=int(low) - 1))
-    losses = tp_train(model, compiled, tokens[:, rows], targets[:, rows])
-    return _budget_result(model, compiled, losses, int(low))
+    return _budget_run(
+        lambda: shardc.shard(parallelize_blocks(tp_build(kind="blocks"), mesh["tp"]), mesh),
+        tp_train, tokens, targets, rows, inductor)
 
 
 def tp_scenarios(rank: int, world: int, scenarios: list, blocks: list = ()) -> list[dict]:
-    """FSDP+TP runs of TPNet, then of TPBlocks (``blocks``; ``fx-budget``:
-    :func:`tp_budget_run`), in one spawn."""
+    """FSDP+TP runs of TPNet, then of TPBlocks (``blocks``; ``fx-budget`` /
+    ``inductor-budget``: :func:`tp_budget_run`), in one spawn."""
     return [tp_run(rank, world, shape, mode) for shape, mode in scenarios] + [
-        tp_budget_run(rank, world, shape) if mode == "fx-budget"
+        tp_budget_run(rank, world, shape, mode == "inductor-budget")
+        if mode.endswith("-budget")
         else tp_run(rank, world, shape, mode, kind="blocks") for shape, mode in blocks]
 
 

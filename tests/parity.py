@@ -352,6 +352,38 @@ def activation_copies(state) -> dict[str, int]:
     return out
 
 
+# The matrix products a recomputed inline block's forward adds to the backward graph.
+_MATMULS = ("aten.mm.default", "aten.addmm.default", "aten.bmm.default")
+
+
+def backward_ops(state) -> dict[str, int]:
+    """What recompute adds to the backward graphs a sharded model's regions hand the compiler
+    (Inductor: the graphs it compiles): block-body calls (``invoke_subgraph``: a compile-once
+    body recomputed calls its forward body once more) and matrix products (an inline block
+    recomputed runs its forward's products again)."""
+    out = {"body_calls": 0, "matmuls": 0}
+    for region in state.regions:
+        for node in region.backward.graph.nodes if region.backward is not None else ():
+            out["body_calls"] += node.target is torch.ops.higher_order.invoke_subgraph
+            out["matmuls"] += str(node.target) in _MATMULS
+    return out
+
+
+def assert_recomputed_in_backward(record, bodies: list[tuple[str, ...]],
+                                  ops: tuple[dict, dict]) -> None:
+    """The blocks a budget ``record`` recomputes run their forward again in the backward graph
+    the compiler got: one more body call (``invoke_subgraph``) per recomputed block of a
+    compile-once body (``bodies``: each body's blocks), and more matrix products than the fixed
+    policy's backward when an inline block is recomputed; ``ops``: :func:`backward_ops`, the
+    fixed policy's and the budgeted run's."""
+    fixed, budgeted = ops
+    in_bodies = sum(any(b in body for body in bodies) for b in record.recomputed)
+    assert budgeted["body_calls"] == fixed["body_calls"] + in_bodies, (
+        fixed, budgeted, record.recomputed, bodies)
+    if in_bodies < len(record.recomputed):
+        assert budgeted["matmuls"] > fixed["matmuls"], (fixed, budgeted, record.recomputed)
+
+
 def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """Relative error of a whole tensor, ||a - b|| / ||b|| (2-norm over all elements)."""
     a, b = a.double(), b.double()

@@ -23,7 +23,7 @@ from fp8_workers import (
     gather_numerics,
     reference,
 )
-from parity import assert_parity, max_rel_err
+from parity import assert_parity, assert_recomputed_in_backward, max_rel_err
 from torch import nn
 
 import shardc
@@ -186,18 +186,32 @@ def test_fp8_peak_budget_frees_blocks_activations(references):
     (recompute or offload: its choice); training keeps parity with the fake-quantized
     reference, the predicted peak is within the budget, and both ranks' plans hash the same.
     Slow: two compiles and the search's trials (its own spawn)."""
-    runs = [per_rank[0] for per_rank in run_ranks(_budget_scenarios, 2)]
+    _check_budget_runs([per_rank[0] for per_rank in run_ranks(_budget_scenarios, 2)],
+                       references, "fx")
+
+
+@pytest.mark.slow
+def test_fp8_peak_budget_frees_blocks_activations_under_inductor(references):
+    """The same under Inductor (world 2); a block the planner recomputes runs its forward's
+    matrix products again in the backward graph Inductor compiles."""
+    _check_budget_runs([per_rank[0] for per_rank in run_ranks(_budget_scenarios, 2, True)],
+                       references, "inductor")
+
+
+def _budget_scenarios(rank: int, world: int, inductor: bool = False) -> list[dict]:
+    return [fp8_budget_run(rank, world, "llama", inductor)]
+
+
+def _check_budget_runs(runs: list[dict], references: dict, mode: str) -> None:
     for rank, run in enumerate(runs):
-        _check_run(run, references, "llama", "fx", "linear", f"rank {rank}, FP8 under a budget")
+        _check_run(run, references, "llama", mode, "linear",
+                   f"rank {rank}, FP8 under a budget ({mode})")
         record = run["budget"]
         assert record.budget_bytes == run["fixed_peak"] - 1, (rank, record.budget_bytes)
         assert record.offloaded or record.recomputed, (rank, record.blocks)
         assert record.peak_bytes <= record.budget_bytes and run["peak"] <= record.budget_bytes
+        assert_recomputed_in_backward(record, run["bodies"], run["backward_ops"])
     assert runs[0]["hash"] == runs[1]["hash"]
-
-
-def _budget_scenarios(rank: int, world: int) -> list[dict]:
-    return [fp8_budget_run(rank, world, "llama")]
 
 
 def _check_offloaded_activations(run: dict) -> None:

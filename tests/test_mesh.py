@@ -8,7 +8,7 @@ import torch
 from dist_utils import prestart as prestart_run
 from dist_utils import run_prestarted, run_ranks
 from mesh_workers import LAYOUTS, checkpoint_round_trips, hsdp_scenarios, tp_reference, tp_scenarios
-from parity import assert_parity, reference
+from parity import assert_parity, assert_recomputed_in_backward, reference
 
 from shardc.planning.cost_model import ClusterSpec
 
@@ -251,6 +251,39 @@ def test_fsdp_tp_peak_budget_frees_blocks_activations():
             assert "reduce_scatter" in plan["kinds"], plan["kinds"]
 
 
+@pytest.mark.slow
+def test_hsdp_peak_budget_frees_blocks_activations_under_inductor():
+    """The same under Inductor at world 2, on a (2, 1) (replicate, shard) mesh: the replicate
+    all-reduce over both ranks is what HSDP adds to FSDP (a shard group of one rank elides
+    the gathers and reduce-scatters, which the FSDP Inductor tests cover); a 2x2 mesh would
+    cost four ranks' Inductor compiles."""
+    ref = reference("blocks")
+    runs = [per_rank[0] for per_rank in run_ranks(hsdp_scenarios, 2, [], [],
+                                                   [((2, 1), "inductor-budget")])]
+    _check_budget_runs(runs, ref, "HSDP (2, 1) blocks under Inductor")
+    for run in runs:
+        for plan in run["plans"]:
+            assert "all_reduce" in plan["kinds"] and plan["all_reduce_groups"] == {"replicate"}
+            # the replicate all-reduce is in the graphs Inductor compiles
+            assert "_c10d_functional.all_reduce.default" in plan["lowered_ops"], plan
+
+
+@pytest.mark.slow
+def test_fsdp_tp_peak_budget_frees_blocks_activations_under_inductor():
+    """The same under Inductor at world 2, on a (1, 2) (dp, tp) mesh: the tensor-parallel
+    blocks' collectives run over both ranks (the dp group of one rank elides FSDP's, which the
+    FSDP Inductor tests cover); a 2x2 mesh would cost four ranks' Inductor compiles."""
+    ref = tp_reference("blocks")
+    runs = [per_rank[0] for per_rank in run_ranks(tp_scenarios, 2, [],
+                                                   [((1, 2), "inductor-budget")])]
+    _check_budget_runs(runs, ref, "FSDP+TP (1, 2) blocks under Inductor")
+    for run in runs:
+        for plan in run["plans"]:
+            # the tensor-parallel all-reduces are in the graphs Inductor compiles
+            assert plan["all_reduce_groups"] == {"tp"}, plan["all_reduce_groups"]
+            assert "_c10d_functional.all_reduce.default" in plan["lowered_ops"], plan
+
+
 def _check_budget_runs(runs: list[dict], ref: dict, where: str) -> None:
     """A 2-D mesh's ``fx-budget`` runs (one per rank): parity with ``ref``, the budget a byte
     below the fixed policy's peak, blocks freed (offloaded or recomputed, each decision with
@@ -264,6 +297,8 @@ def _check_budget_runs(runs: list[dict], ref: dict, where: str) -> None:
         assert record.peak_bytes <= record.budget_bytes and run["peak"] <= record.budget_bytes
         for d in record.blocks:
             assert d.reason.startswith(("offloaded", "recomputed", "saved")), d
+        if "backward_ops" in run:
+            assert_recomputed_in_backward(record, run["bodies"], run["backward_ops"])
         copies = run["activation_copies"]
         if record.offloaded:
             assert copies["d2h"] == copies["h2d"] == copies["saved_on_host"] > 0, (rank, copies)

@@ -12,19 +12,19 @@ import pytest
 import torch
 import torch._dynamo
 from dist_utils import run_ranks
-from parity import assert_parity, reference, sharded_run
+from parity import assert_parity, backward_ops, reference, sharded_run
 
 import shardc
 
 
 def _backward_body_calls(run: dict) -> int:
     """The block-body calls (``invoke_subgraph``) in the backward graph Inductor compiled for
-    ``run``'s model; the model and its compiled forward are then dropped from ``run``, which
-    goes back to the test process."""
-    (region,) = shardc.shard_state(run.pop("model")).regions
+    ``run``'s model (one region); the model and its compiled forward are then dropped from
+    ``run``, which goes back to the test process."""
+    state = shardc.shard_state(run.pop("model"))
+    assert len(state.regions) == 1, state.regions
     del run["forward"]
-    return sum(n.target is torch.ops.higher_order.invoke_subgraph
-               for n in region.backward.graph.nodes)
+    return backward_ops(state)["body_calls"]
 
 
 def _train_recomputed(rank: int, world: int) -> dict:
