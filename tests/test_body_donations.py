@@ -12,27 +12,33 @@ feed-forward weight and a hidden state are buffers of one size) and ``w1`` froze
 backward gathers three such weights per block but frees only two such gradients before, so
 the third gather takes the body's gradient buffer). Before the fix the losses differed from
 the reference by ~1e-4 and block 0's ``w2`` by 5% (rel.); with it they match to ~1e-7.
-``backend._no_donated_buffers``; docs/design.md, "Compile once per repeated block".
+The fix (``shardc.passes.body_donations``, ``backend._no_donated_buffers``): the saved values
+the backward is not donated come first, so that no body placeholder is at a donated position,
+and the region keeps its own donations; where too few, donations are off for the region.
+docs/design.md, "Bodies own none of their inputs".
 
-The first test reads the generated code and the peak model at world 1 (fast, default suite);
-the second trains the model above against the reference (slow).
+The first two tests read the generated code, the plan and the peak model of a three-block Llama
+at world 1 (fast, default suite; its donations kept); the slow ones train the model above
+against the reference, with two blocks (donations off) and three (kept).
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 import torch
 import torch._dynamo
 from dist_utils import run_ranks
-from parity import assert_parity, batches, build, reference, sharded_run
+from parity import CFG, assert_parity, batches, reference, sharded_run
 
 import shardc
 from shardc import _torch
 from shardc.memory import peak
-from shardc.models.llama import llama_loss
+from shardc.models.llama import Transformer, llama_loss
 from shardc.passes.body import BODY_SCOPE, flattened
+from shardc.passes.body_donations import DONATED, subgraph_inputs
 from shardc.tools.fake_world import fake_world
 
 # A function of Inductor's generated code and its arguments: ``def name(args):`` then
@@ -52,13 +58,12 @@ def _overwritten_inputs(code: str) -> list[str]:
     return found
 
 
-def test_bodies_compiled_inside_the_backward_own_none_of_their_inputs(monkeypatch):
-    """World 1, the parity Llama's two blocks through one body: the body's backward writes
-    none of its results into its inputs' buffers (torch 2.11-2.14 wrote the input gradient into
-    the output gradient's, ``tangents_0``), and the peak model predicts no body kernel writing
-    into its caller's buffer (``shardc.memory.inplace._owned``)."""
+@pytest.fixture(scope="module")
+def compiled() -> tuple:
+    """World 1, a three-block parity Llama through one body, loss in the region: its backward
+    region and Inductor's generated code."""
     torch.manual_seed(0)
-    model = build("llama")
+    model = Transformer(replace(CFG, n_layers=3))
     tokens, targets = batches(1)
     try:
         with fake_world(1):
@@ -70,8 +75,11 @@ def test_bodies_compiled_inside_the_backward_own_none_of_their_inputs(monkeypatc
             (region,) = shardc.shard_state(model).regions
     finally:
         torch._dynamo.reset()
-    assert any("partitioned_bw_subgraph" in code for code in codes), "no body backward"
-    assert [name for code in codes for name in _overwritten_inputs(code)] == []
+    return region, codes
+
+
+def _predicted_inplace(monkeypatch, region) -> dict:
+    """The peak model's in-place updates in the region's (flattened) backward."""
     taken: dict = {}
     real = peak.inplace_reuses
 
@@ -80,8 +88,19 @@ def test_bodies_compiled_inside_the_backward_own_none_of_their_inputs(monkeypatc
         return taken
 
     monkeypatch.setattr(peak, "inplace_reuses", spy)
-    backward = flattened(region.backward)[0]
-    peak.lifetimes_and_storage(backward, set(), fusion=True)
+    peak.lifetimes_and_storage(flattened(region.backward)[0], set(), fusion=True)
+    return taken
+
+
+def test_bodies_compiled_inside_the_backward_own_none_of_their_inputs(compiled, monkeypatch):
+    """With the region's donated buffers on, the body's backward writes none of its results
+    into its inputs' buffers (torch 2.11-2.14 wrote the input gradient into the output
+    gradient's, ``tangents_0``, where that position was donated), and the peak model predicts no
+    body kernel writing into its caller's buffer (``shardc.memory.inplace._owned``)."""
+    region, codes = compiled
+    assert any("partitioned_bw_subgraph" in code for code in codes), "no body backward"
+    assert [name for code in codes for name in _overwritten_inputs(code)] == []
+    taken = _predicted_inplace(monkeypatch, region)
     assert taken, "the model predicts in-place updates in the backward"
     scope = lambda node: node.meta.get(BODY_SCOPE, ())  # noqa: E731
     crossing = [(out.name, buf.name) for out, buf in taken.items()
@@ -89,15 +108,40 @@ def test_bodies_compiled_inside_the_backward_own_none_of_their_inputs(monkeypatc
     assert crossing == []
 
 
-def _train(rank: int, world: int) -> dict:
-    return sharded_run(rank, world, "llama-frozen-w1", "inductor")
+def test_region_with_bodies_keeps_its_donated_buffers(compiled, monkeypatch):
+    """The saved values not donated (parameter shards) come first, every donated one after as
+    many inputs as the largest body takes, so the region keeps AOTAutograd's donations: the
+    loss's backward writes the logits' gradient into the saved logits (``mm``) again, as the
+    plan's note says and the peak model predicts."""
+    region, codes = compiled
+    bw = region.backward
+    inputs = bw.graph.find_nodes(op="placeholder")
+    donated = [i for i, node in enumerate(inputs) if node.meta.get(DONATED)]
+    assert donated and min(donated) >= subgraph_inputs(bw) > 0, (donated, subgraph_inputs(bw))
+    assert any(n.startswith("donated buffers kept with block bodies") for n in region.plan.notes)
+    (logits,) = [n for n in inputs if n.meta.get(DONATED) and n.meta["val"].dim() == 2
+                 and n.meta["val"].shape[-1] == CFG.vocab_size]
+    reuse = re.compile(rf"^\s*buf\d+ = {logits.name}; del {logits.name}  # reuse$", re.M)
+    main = [code for code in codes if "partitioned_bw_subgraph" in code]
+    assert len(main) == 1 and reuse.search(main[0]), "the logits' gradient in the logits"
+    taken = _predicted_inplace(monkeypatch, region)
+    assert [buf.name for buf in taken.values() if buf.op == "placeholder"] == [logits.name]
 
 
-@pytest.mark.slow  # two ranks and the reference under Inductor: 30-90 s on 2 cores
-def test_body_backward_keeps_the_gradient_buffer_it_is_given():
-    runs = run_ranks(_train, 2)
+def _train(rank: int, world: int, kind: str) -> dict:
+    return sharded_run(rank, world, kind, "inductor")
+
+
+@pytest.mark.slow  # two ranks and the reference under Inductor: 30-90 s on 2 cores each
+@pytest.mark.parametrize("kind, donations", [("llama-frozen-w1", "off"),
+                                             ("llama-frozen-w1-deep", "kept")])
+def test_body_backward_keeps_the_gradient_buffer_it_is_given(kind, donations):
+    """Two blocks: too few saved values to order before the donated ones, donations off; three:
+    the region's donations kept, none at a body's placeholder."""
+    runs = run_ranks(_train, 2, kind)
     torch._dynamo.reset()
-    ref = reference("llama-frozen-w1", compile_backend="inductor")
+    ref = reference(kind, compile_backend="inductor")
     (plan,) = [p for p in runs[0]["plans"] if p is not None]
     assert plan.bodies, "the blocks were not compiled once"
+    assert any(n.startswith(f"donated buffers {donations}") for n in plan.notes), plan.notes
     assert_parity(runs[0], ref)
