@@ -26,19 +26,23 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch._dynamo
 from dist_utils import run_ranks
 from parity import CFG, assert_parity, batches, reference, sharded_run
+from torch import fx
+from torch._functorch._aot_autograd.graph_compile import collect_bw_donated_buffer_idxs
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import shardc
 from shardc import _torch
 from shardc.memory import peak
 from shardc.models.llama import Transformer, llama_loss
 from shardc.passes.body import BODY_SCOPE, flattened
-from shardc.passes.body_donations import DONATED, subgraph_inputs
+from shardc.passes.body_donations import DONATED, order_for_body_donations, subgraph_inputs
 from shardc.tools.fake_world import fake_world
 
 # A function of Inductor's generated code and its arguments: ``def name(args):`` then
@@ -145,3 +149,82 @@ def test_body_backward_keeps_the_gradient_buffer_it_is_given(kind, donations):
     assert plan.bodies, "the blocks were not compiled once"
     assert any(n.startswith(f"donated buffers {donations}") for n in plan.notes), plan.notes
     assert_parity(runs[0], ref)
+
+
+def _saved_graphs(saved: str, body_inputs: int) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """A forward and backward partitioned as AOTAutograd's partitioner leaves them, by hand:
+    ``saved`` spells the saved tensors in order, ``p`` a parameter (a forward input: never
+    donated), ``a`` an activation (computed in the forward: donated); the backward's gradient
+    of the parameters is a new tensor. With ``body_inputs``, the backward holds a body of that
+    many placeholders."""
+    with FakeTensorMode() as mode:
+        params = [torch.empty(4) for _ in range(saved.count("p"))]
+        acts = [torch.empty(4) for _ in range(saved.count("a"))]
+        loss, grads = torch.empty(()), [torch.empty(4) for _ in params]
+    del mode
+    fw, bw = fx.Graph(), fx.Graph()
+    fw_params = [fw.placeholder(f"primals_{i}") for i in range(len(params))]
+    for node, val in zip(fw_params, params):
+        node.meta["val"] = val
+    out = fw.call_function(torch.ops.aten.sum.default, (fw_params[0],))
+    out.meta["val"] = loss
+    it_p, it_a = iter(zip(fw_params, params)), iter(acts)
+    saved_out, saved_in = [], []
+    for i, kind in enumerate(saved):
+        if kind == "p":
+            node, val = next(it_p)
+        else:
+            val = next(it_a)
+            node = fw.call_function(torch.ops.aten.relu.default, (fw_params[0],))
+            node.meta["val"] = val
+        saved_out.append(node)
+        ph = bw.placeholder(f"{kind}{i}")
+        ph.meta["val"] = val
+        saved_in.append(ph)
+    fw.output((out, *saved_out))
+    bw.placeholder("tangents_1").meta["val"] = loss
+    if body_inputs:
+        bw.get_attr("body")  # as the body's call reads it
+    outs = [bw.call_function(torch.ops.aten.mul.Tensor, (saved_in[0], 2.0)) for _ in grads]
+    for node, val in zip(outs, grads):
+        node.meta["val"] = val
+    bw.output(tuple(outs))
+    root = torch.nn.Module()
+    if body_inputs:
+        body = fx.Graph()
+        body.output(tuple(body.placeholder(f"x{i}") for i in range(body_inputs)))
+        root.body = fx.GraphModule(torch.nn.Module(), body)
+    return fx.GraphModule(torch.nn.Module(), fw), fx.GraphModule(root, bw)
+
+
+def _names(fw: fx.GraphModule, bw: fx.GraphModule) -> tuple[list[str], list[str], list[str]]:
+    """The forward's saved outputs, the backward's saved inputs, and the donated ones."""
+    outs = [n.name for n in fw.graph.output_node().args[0][1:]]
+    ins = [n for n in bw.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents")]
+    return outs, [n.name for n in ins], [n.name for n in ins if n.meta.get(DONATED)]
+
+
+def test_donated_values_ordered_after_every_body_input():
+    """Three parameters saved among two activations, a body of three inputs: the parameters
+    move first in both graphs (pairs kept), the activations are donated from position 3, as
+    torch numbers them (``collect_bw_donated_buffer_idxs``); a body of four inputs: order kept,
+    nothing donated; no body: order kept, the activations donated where they are."""
+    fw, bw = _saved_graphs("apapp", body_inputs=3)
+    decision = order_for_body_donations(fw, bw)
+    assert decision.kept and decision.first == 3 and decision.donated == 2
+    outs, ins, donated = _names(fw, bw)
+    assert ins == ["p1", "p3", "p4", "a0", "a2"] and donated == ["a0", "a2"]
+    assert outs == ["primals_0", "primals_1", "primals_2", "relu_default", "relu_default_1"]
+    meta = SimpleNamespace(num_forward=1, num_symints_saved_for_bw=0,
+                           tensors_saved_for_backwards_slice=slice(1, 6))
+    assert collect_bw_donated_buffer_idxs(fw, bw, meta) == [3, 4]
+
+    fw, bw = _saved_graphs("apapp", body_inputs=4)
+    decision = order_for_body_donations(fw, bw)
+    assert not decision.kept and decision.body_inputs == 4
+    assert _names(fw, bw)[1:] == (["a0", "p1", "a2", "p3", "p4"], [])
+
+    fw, bw = _saved_graphs("apapp", body_inputs=0)
+    decision = order_for_body_donations(fw, bw)
+    assert decision.kept and decision.first == 0
+    assert _names(fw, bw)[1:] == (["a0", "p1", "a2", "p3", "p4"], ["a0", "a2"])
