@@ -85,8 +85,9 @@ def _is_tensor(node: object) -> bool:
 
 
 def _is_symbolic(node: object) -> bool:
+    """A symbolic size as AOTAutograd counts them (``is_sym_node``: a ``Sym*`` value)."""
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool))
+    return isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool))
 
 
 def _no_vc_check(node: fx.Node) -> bool:
