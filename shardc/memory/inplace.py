@@ -9,9 +9,8 @@ AOTAutograd donates (a value the forward saved only for the backward; parameters
 inputs and tangents are never donated; in a region that calls block bodies, only where shardc
 could order the saved values after every body's inputs: ``shardc.passes.body_donations``, which
 stamps the backward's donated inputs). A block body's kernels overwrite only the body's own
-buffers, never its inputs (the caller's). The
-generated code then reads ``bufN = input; del input  # reuse``, so the input's buffer and the
-output's are one: they are never alive together.
+buffers, never its inputs (the caller's). The generated code then reads ``bufN = input; del
+input  # reuse``, so the input's buffer and the output's are one: they are never alive together.
 
 E.g. the backward of ``F.cross_entropy(logits.float(), targets)``: the kernel computing the bf16
 logits' gradient ``(softmax(logits) - onehot) * grad`` reads the saved bf16 logits elementwise as
