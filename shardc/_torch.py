@@ -127,6 +127,46 @@ def no_donated_buffers() -> contextlib.AbstractContextManager:
     return config.patch(donated_buffer=False)
 
 
+def donated_buffers_enabled() -> bool:
+    """Whether AOTAutograd donates saved values to backwards now (``donated_buffer``)."""
+    return bool(getattr(torch._functorch.config, "donated_buffer", False))
+
+
+def set_donated_buffers(on: bool) -> None:
+    """Set AOTAutograd's ``donated_buffer``. Only inside :func:`no_donated_buffers`, whose exit
+    restores the value it found: a region's partitioner turns donations back on for the rest of
+    its own compile (AOTAutograd reads the switch after the partition returns)."""
+    config = torch._functorch.config
+    if hasattr(config, "donated_buffer"):
+        config.donated_buffer = on
+
+
+def donated_saved_tensors(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule,
+                          num_fwd_outputs: int, num_saved_tensors: int) -> list[int] | None:
+    """Which of the forward's saved tensors (positions among them, the forward's outputs
+    ``num_fwd_outputs`` to ``num_fwd_outputs + num_saved_tensors``) AOTAutograd donates to the
+    backward: its own rule (``collect_fw_donated_buffer_idxs``, torch 2.11-2.14: no storage
+    shared with a forward input, a user output or a backward output; none at all if either
+    graph changes a tensor's metadata). None where this torch has no such rule."""
+    try:
+        from torch._functorch._aot_autograd import graph_compile as gc
+        from torch._functorch._aot_autograd.utils import contain_metadata_mutation_ops
+        collect = gc.collect_fw_donated_buffer_idxs
+    except (ImportError, AttributeError):
+        return None
+    if contain_metadata_mutation_ops(fw) or contain_metadata_mutation_ops(bw):
+        return []
+
+    def vals(nodes) -> list:
+        return [n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in nodes]
+
+    fw_outs = fw.graph.output_node().args[0]
+    bw_outs = bw.graph.output_node().args[0]
+    saved = fw_outs[num_fwd_outputs:num_fwd_outputs + num_saved_tensors]
+    return collect(vals(fw.graph.find_nodes(op="placeholder")), vals(fw_outs[:num_fwd_outputs]),
+                   vals(bw_outs), vals(saved))
+
+
 def autograd_cache_enabled() -> bool:
     """Whether AOTAutograd would look its local cache up (``enable_autograd_cache``, and no
     ``torch.compiler.config.force_disable_caches``), as torch 2.11-2.14 decide it."""

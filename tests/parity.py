@@ -111,8 +111,11 @@ def build(kind: str) -> nn.Module:
         return Transformer(replace(CFG, n_layers=1))
     if kind == "repeated":
         return RepeatedBlock()
-    if kind == "llama-frozen-w1":  # tests/test_body_donations.py
-        model = Transformer(replace(CFG, ffn_dim=FROZEN_W1_FFN))
+    if kind in ("llama-frozen-w1", "llama-frozen-w1-deep"):  # tests/test_body_donations.py
+        # deep: three blocks, enough parameter shards saved to put before the backward's
+        # donated values that the region keeps its donations (two: donations off).
+        layers = 3 if kind.endswith("deep") else CFG.n_layers
+        model = Transformer(replace(CFG, ffn_dim=FROZEN_W1_FFN, n_layers=layers))
         for layer in model.layers:
             layer.feed_forward.w1.weight.requires_grad_(False)
         return model

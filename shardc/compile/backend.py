@@ -38,6 +38,7 @@ from shardc.passes.body import (
     rewrite_trace_once_calls,
     tag_weight_recompute,
 )
+from shardc.passes.body_donations import DONATED
 from shardc.passes.fused_loss import LOSS_OPS, decompose_whole_loss_ops
 from shardc.passes.fx_utils import is_call
 from shardc.passes.lower import POOL_PLACEHOLDER
@@ -103,6 +104,7 @@ class ShardcPartitioner(_torch.custom_partitioner_base()):
         rewire_saved_inputs(gm, duplicates=self.options.sink_block_residual)
         fw, bw = pipeline.partition_and_plan(gm, joint_inputs, self.options, self.region,
                                              **kwargs)
+        _switch_donations(self.region, bw)
         # AOTAutograd's cache entry pickles this backward; a hit must load no tensor constant.
         warm.retrace_on_reload(bw)
         self.clock.lap()
@@ -289,20 +291,43 @@ def _sink_residuals(gm: fx.GraphModule, found: list, blocks, region: RegionRecor
     return describe_body_calls(gm, blocks.block_of_param)
 
 
-def _no_donated_buffers(region: RegionRecord):
+@contextlib.contextmanager
+def _no_donated_buffers(region: RegionRecord) -> Iterator[None]:
     """Where the region calls block bodies: AOTAutograd's donated buffers off while it compiles
-    (``_torch.no_donated_buffers``). Inductor applies the region backward's donated input
-    positions to each body's placeholders, so a body's backward wrote its result into the
-    buffer of the gradient it was given, which the region's backward freed at the call and took
-    for a later buffer of its size (block i-1's gathered weight; with ``sink_block_residual``,
-    the zeros of a recomputed first block) while block i-1's backward was still to read that
-    result: wrong gradients (tests/test_body_donations.py, tests/test_sink_residual.py). Torch
-    offers no switch for the bodies alone, so the region's own donated inputs go too (the peak
-    model counts none for such regions: ``shardc.memory.inplace``). Regions without bodies keep
-    them."""
+    (``_torch.no_donated_buffers``), unless its partitioner switches them back on
+    (:func:`_switch_donations`). Inductor applies the region backward's donated input positions
+    to each body's placeholders, so a body's backward wrote its result into the buffer of the
+    gradient it was given, which the region's backward freed at the call and took for a later
+    buffer of its size (block i-1's gathered weight; with ``sink_block_residual``, the zeros of
+    a recomputed first block) while block i-1's backward was still to read that result: wrong
+    gradients (tests/test_body_donations.py, tests/test_sink_residual.py). Off is the default
+    here, so a compile that never reaches shardc's ordering of the saved values stays safe.
+    Regions without bodies keep them as torch's switch says."""
     if not region.body_calls:
-        return contextlib.nullcontext()
-    return _torch.no_donated_buffers()
+        yield
+        return
+    before = _torch.donated_buffers_enabled()
+    with _torch.no_donated_buffers():
+        region.donations_default = before
+        try:
+            yield
+        finally:
+            region.donations_default = None
+
+
+def _switch_donations(region: RegionRecord, bw: fx.GraphModule) -> None:
+    """Inside :func:`_no_donated_buffers`: AOTAutograd's donated buffers back as they were for
+    the rest of this compile (AOTAutograd reads the switch right after the partition) where
+    lowering ordered the saved values so that no body's placeholder is at a donated position
+    (``shardc.passes.body_donations``: it stamps the donated inputs), else off. The stamps are
+    the same on every rank (the graphs' structure decides), and so is the switch."""
+    if region.donations_default is None:  # no bodies, or the FX path (nothing to switch)
+        return
+    kept = any(n.meta.get(DONATED) for n in bw.graph.find_nodes(op="placeholder"))
+    _torch.set_donated_buffers(region.donations_default and kept)
+    log.info("shardc: region %d calls block bodies: AOTAutograd's donated buffers %s",
+             region.index, "kept (the saved values ordered after every body's inputs)" if kept
+             else "off (the plan's notes say why)")
 
 
 def _prepare_bodies(gm: fx.GraphModule, state: ShardState | None, opts: ShardcOptions,

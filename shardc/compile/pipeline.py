@@ -67,6 +67,7 @@ from shardc.memory.pool import assign_pool
 from shardc.ops.gather import GATHER_OP
 from shardc.ops.gather_args import GatherArgs
 from shardc.passes.body import BodyCall
+from shardc.passes.body_donations import order_for_body_donations, subgraph_inputs
 from shardc.passes.dedupe import dedupe_gathers, merge_reduce_scatters
 from shardc.passes.fp8 import Fp8Summary, hoist_fp8_quantize, prepare_fp8
 from shardc.passes.fx_utils import allocate_real, copy_graph_module, is_call
@@ -130,6 +131,10 @@ class RegionRecord:
     offload_key: str = ""
     # The fused output projection + cross-entropy (fused_loss): the decision, put in the plan.
     fused_loss: FusedLossDecision | None = None
+    # While a region with block bodies compiles under Inductor, AOTAutograd's donated-buffer
+    # switch as it was before shardc turned it off, which the partitioner restores where the
+    # saved values could be ordered (backend._no_donated_buffers); None otherwise.
+    donations_default: bool | None = field(default=None, repr=False)
 
 
 # Set by capture_partitioned(): where regions compiled in its scope leave their partitioned graphs.
@@ -305,7 +310,21 @@ def lower(fw: fx.GraphModule, bw: fx.GraphModule | None, options: ShardcOptions,
                 else pool
             apply_plan(gm, plan, name, rank, pool=where, poison=options.debug_pool,
                        grads_ready_key=region.offload_key)
+    if bw is not None:
+        _order_donations(fw, bw, plan)
     return Lowered(fw, bw, plan, pool, fw_params, bw_params, host, by_param)
+
+
+def _order_donations(fw: fx.GraphModule, bw: fx.GraphModule, plan: Plan) -> None:
+    """The last step of lowering: the saved values in the order that lets a backward calling
+    block bodies keep AOTAutograd's donated buffers (``shardc.passes.body_donations``), with a
+    plan note where it calls any; the backend switches the donations on from the stamps."""
+    decision = order_for_body_donations(fw, bw)
+    if decision is not None and decision.body_inputs:
+        plan.notes.append(decision.note())
+    elif decision is None and subgraph_inputs(bw):
+        plan.notes.append("donated buffers off (block bodies): saved values not in "
+                          "AOTAutograd's order")
 
 
 def predict(lowered: Lowered, options: ShardcOptions, region: RegionRecord) -> Plan:

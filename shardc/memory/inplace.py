@@ -6,11 +6,11 @@ instead of allocating a new one, when that input is read at the output's own ind
 same layout), has the output's dtype and storage size, is read by no other kernel still to run,
 and is a buffer Inductor may overwrite: one computed in the graph, or a graph input that
 AOTAutograd donates (a value the forward saved only for the backward; parameters, the forward's
-inputs and tangents are never donated; in a region that calls block bodies none is: shardc
-compiles those with donated buffers off, ``shardc.compile.backend._no_donated_buffers``). A
-block body's kernels overwrite only the body's own buffers, never its inputs (the caller's). The
-generated code then reads ``bufN = input; del input  # reuse``, so the input's buffer and the
-output's are one: they are never alive together.
+inputs and tangents are never donated; in a region that calls block bodies, only where shardc
+could order the saved values after every body's inputs: ``shardc.passes.body_donations``, which
+stamps the backward's donated inputs). A block body's kernels overwrite only the body's own
+buffers, never its inputs (the caller's). The generated code then reads ``bufN = input; del
+input  # reuse``, so the input's buffer and the output's are one: they are never alive together.
 
 E.g. the backward of ``F.cross_entropy(logits.float(), targets)``: the kernel computing the bf16
 logits' gradient ``(softmax(logits) - onehot) * grad`` reads the saved bf16 logits elementwise as
@@ -28,6 +28,7 @@ import torch
 from torch import fx
 
 from shardc.passes.body import BODY_SCOPE
+from shardc.passes.body_donations import DONATED
 from shardc.passes.fx_utils import has_tag, op_overload, view_users
 
 # Namespaces of ops whose outputs Inductor may overwrite in place (lowered to its own loops or to
@@ -49,12 +50,19 @@ def _elementwise(node: fx.Node) -> bool:
 
 
 def _donated(nodes: list[fx.Node]) -> set[fx.Node]:
-    """A backward's inputs that AOTAutograd donates to it: the values the forward saved
+    """A backward's inputs that AOTAutograd donates to it. Where shardc's lowering stamped them
+    (:data:`~shardc.passes.body_donations.DONATED`: torch's own rule, and the region's switch),
+    those stamped; else, in a graph that calls no block body, the values the forward saved
     (placeholders before the tangents, named after the forward's nodes), less the forward's own
     inputs (``primals_*``) and saved views (a donated tensor aliases nothing). A graph without
-    tangents (a forward, or one no AOTAutograd partition made) has none."""
+    tangents (a forward, or one no AOTAutograd partition made) has none, and so has an unstamped
+    one that calls bodies (compiled with donations off)."""
     inputs = [n for n in nodes if n.op == "placeholder"]
     if not any(n.name.startswith("tangents") for n in inputs):
+        return set()
+    if any(DONATED in n.meta for n in inputs):
+        return {n for n in inputs if n.meta.get(DONATED)}
+    if _calls_bodies(nodes):
         return set()
     out: set[fx.Node] = set()
     for node in inputs:
@@ -87,7 +95,7 @@ def _owned(buf: fx.Node, out: fx.Node) -> bool:
     """Whether ``buf`` belongs to the function whose kernel writes ``out`` (a flattened graph's
     :data:`~shardc.passes.body.BODY_SCOPE`): computed there, or returned to it by a body it
     called. A block body's inputs are its caller's buffers, never overwritten by its kernels
-    (``shardc.compile.backend._no_donated_buffers``)."""
+    (none is at a donated position: ``shardc.passes.body_donations``)."""
     scope = out.meta.get(BODY_SCOPE, ())
     return buf.meta.get(BODY_SCOPE, ())[:len(scope)] == scope
 
@@ -162,9 +170,7 @@ def inplace_reuses(nodes: list[fx.Node], inlined: set[fx.Node],
     """
     taken: dict[fx.Node, fx.Node] = {}
     claimed: set[fx.Node] = set()
-    # A region that calls block bodies compiles with AOTAutograd's donated buffers off
-    # (``shardc.compile.backend._no_donated_buffers``): none of its inputs is overwritten.
-    donated = set() if _calls_bodies(nodes) else _donated(nodes)
+    donated = _donated(nodes)
     for out in nodes:
         if not (_elementwise(out) and out not in inlined and size.get(out)
                 and _val(out) is not None):
