@@ -228,3 +228,9 @@ def test_donated_values_ordered_after_every_body_input():
     decision = order_for_body_donations(fw, bw)
     assert decision.kept and decision.first == 0
     assert _names(fw, bw)[1:] == (["a0", "p1", "a2", "p3", "p4"], ["a0", "a2"])
+
+    # AOTAutograd's donated_buffer switched off by the user: nothing donated, nothing moved.
+    fw, bw = _saved_graphs("apapp", body_inputs=3)
+    decision = order_for_body_donations(fw, bw, enabled=False)
+    assert not decision.kept and "donated_buffer is off" in decision.note()
+    assert _names(fw, bw)[1:] == (["a0", "p1", "a2", "p3", "p4"], [])

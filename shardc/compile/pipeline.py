@@ -311,15 +311,26 @@ def lower(fw: fx.GraphModule, bw: fx.GraphModule | None, options: ShardcOptions,
             apply_plan(gm, plan, name, rank, pool=where, poison=options.debug_pool,
                        grads_ready_key=region.offload_key)
     if bw is not None:
-        _order_donations(fw, bw, plan)
+        _order_donations(fw, bw, plan, _donations_on(region))
     return Lowered(fw, bw, plan, pool, fw_params, bw_params, host, by_param)
 
 
-def _order_donations(fw: fx.GraphModule, bw: fx.GraphModule, plan: Plan) -> None:
+def _donations_on(region: RegionRecord) -> bool:
+    """Whether AOTAutograd's ``donated_buffer`` switch is on for this region's compile as the
+    user left it (inside ``backend._no_donated_buffers`` the switch reads off; the region keeps
+    the value it found)."""
+    if region.donations_default is not None:
+        return region.donations_default
+    return _torch.donated_buffers_enabled()
+
+
+def _order_donations(fw: fx.GraphModule, bw: fx.GraphModule, plan: Plan, enabled: bool) -> None:
     """The last step of lowering: the saved values in the order that lets a backward calling
     block bodies keep AOTAutograd's donated buffers (``shardc.passes.body_donations``), with a
-    plan note where it calls any; the backend switches the donations on from the stamps."""
-    decision = order_for_body_donations(fw, bw)
+    plan note where it calls any; the backend switches the donations on from the stamps.
+    ``enabled`` False (the user turned ``donated_buffer`` off): nothing is donated, and the
+    stamps say so for the peak model."""
+    decision = order_for_body_donations(fw, bw, enabled=enabled)
     if decision is not None and decision.body_inputs:
         plan.notes.append(decision.note())
     elif decision is None and subgraph_inputs(bw):

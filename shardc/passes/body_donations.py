@@ -134,7 +134,8 @@ def _permute(fw: fx.GraphModule, bw: fx.GraphModule, saved_in: list[fx.Node], st
     bw.recompile()
 
 
-def order_for_body_donations(fw: fx.GraphModule, bw: fx.GraphModule) -> BodyDonations | None:
+def order_for_body_donations(fw: fx.GraphModule, bw: fx.GraphModule, *, enabled: bool = True
+                             ) -> BodyDonations | None:
     """Order the saved tensors of a partitioned, lowered forward and backward so that AOTAutograd
     may keep donating them to the backward although it calls subgraphs (see the module
     docstring), and stamp the backward's saved inputs with :data:`DONATED`. Returns the decision,
@@ -145,7 +146,9 @@ def order_for_body_donations(fw: fx.GraphModule, bw: fx.GraphModule) -> BodyDona
     The saved values are the forward's last outputs and the backward's inputs before its
     tangents, in AOTAutograd's orders (``shardc.passes.saved_order``): the forward's
     ``[tensors, opaque objects, symbolic sizes]``, the backward's ``[symbolic sizes, tensors,
-    opaque objects]``; the tensors pair up by position."""
+    opaque objects]``; the tensors pair up by position. ``enabled`` False (AOTAutograd's
+    ``donated_buffer`` switch off): nothing is donated, every saved input is stamped so, and
+    nothing is reordered."""
     saved_in = _saved_inputs(bw)
     outs = list(fw.graph.output_node().args[0])
     if len(saved_in) > len(outs):
@@ -164,8 +167,12 @@ def order_for_body_donations(fw: fx.GraphModule, bw: fx.GraphModule) -> BodyDona
     positions = _torch.donated_saved_tensors(fw, bw, start, num_tensors)
     if positions is None:
         return None
-    donated = set(positions)
     body_inputs = subgraph_inputs(bw)
+    if not enabled:
+        _stamp(saved_in, set())
+        return BodyDonations(False, body_inputs, 0, None,
+                             reason="AOTAutograd's donated_buffer is off")
+    donated = set(positions)
     order = _donated_last(tensors_in, donated) if body_inputs else list(range(num_tensors))
     moved = [j for j in order if j in donated]
     first = num_symbolic + order.index(moved[0]) if moved else None
