@@ -138,21 +138,21 @@ def _planned(budget_bytes: int | None, **options):
                       setup=PlanSetup(inductor=False))[0]
 
 
-def test_the_planner_recomputes_where_the_host_cannot_take_the_offload(monkeypatch):
-    """A budget a byte below the fixed policy's peak: with a roomy host the planner offloads
-    blocks (activation_offload='prefer'), and the plan is the one made with the host check off
-    (a host with room changes nothing); with a host of 1 KiB it recomputes instead, nothing on
-    the host, each such block's reason saying "host full"; with room for about one block's
-    offload it offloads what fits and recomputes the rest."""
+def _roomy(monkeypatch) -> tuple[int, object]:
+    """The budget a byte below the fixed policy's peak and the plan under it on a roomy host."""
     monkeypatch.setattr(offload, "host_available_bytes", lambda: 1 << 40)
     budget_bytes = int(_planned(None).predicted.peak_bytes) - 1
     roomy = _planned(budget_bytes)
     assert roomy.budget.offloaded and not roomy.budget.recomputed, roomy.budget
     assert not any("host full" in d.reason for d in roomy.budget.blocks)
-    unchecked = _planned(budget_bytes, check_host_memory=False)
-    assert unchecked.hash() == roomy.hash() and unchecked.budget.host == roomy.budget.host == ""
-    one_block = roomy.predicted.host_bytes / len(roomy.budget.offloaded)
+    return budget_bytes, roomy
 
+
+def test_the_planner_recomputes_where_the_host_cannot_take_the_offload(monkeypatch):
+    """A budget a byte below the fixed policy's peak: with a roomy host the planner offloads
+    blocks (activation_offload='prefer'); with a host of 1 KiB it recomputes instead, nothing on
+    the host, each such block's reason saying "host full"."""
+    budget_bytes, roomy = _roomy(monkeypatch)
     monkeypatch.setattr(offload, "host_available_bytes", lambda: 1024)
     full = _planned(budget_bytes)
     record = full.budget
@@ -165,6 +165,16 @@ def test_the_planner_recomputes_where_the_host_cannot_take_the_offload(monkeypat
     assert record.host.startswith("host memory: 0.00 MiB per rank") and record.host in full.notes
     assert Plan.from_json(full.to_json()).budget == record  # the record round-trips
 
+
+@pytest.mark.slow
+def test_a_roomy_host_changes_nothing_and_a_small_one_takes_what_fits(monkeypatch):
+    """The plan on a roomy host is the one made with the host check off; with room for about
+    one block's offload the planner offloads what fits and recomputes the rest. Slow: two more
+    budget searches beside the test above's (the suite's time)."""
+    budget_bytes, roomy = _roomy(monkeypatch)
+    unchecked = _planned(budget_bytes, check_host_memory=False)
+    assert unchecked.hash() == roomy.hash() and unchecked.budget.host == roomy.budget.host == ""
+    one_block = roomy.predicted.host_bytes / len(roomy.budget.offloaded)
     # Room for one block's offloaded activations (and a little more), not two.
     monkeypatch.setattr(offload, "host_available_bytes", lambda: int(one_block * 1.3))
     some = _planned(budget_bytes)
@@ -199,7 +209,9 @@ def _check_recomputed_not_offloaded(run: dict) -> None:
     assert any("host full" in d.reason for d in record.blocks), record.blocks
 
 
-@pytest.mark.parametrize("world", [2, 3])
+# World 2 is slow: test_ranks_with_different_host_capacities_make_the_same_plan trains at
+# world 2 with a full host on one rank (both recompute) against the same reference.
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_a_full_host_makes_the_planner_recompute_and_training_matches_the_reference(world):
     """Ranks whose hosts have 1 KiB available (world 3: uneven shards): the planner
     recomputes instead of offloading, and training matches the unsharded reference."""
