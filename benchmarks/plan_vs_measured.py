@@ -38,6 +38,7 @@ from shardc.tools.planner import (  # noqa: E402
     DEVICES_GIB,
     GIB,
     PlanSetup,
+    device_capacity,
     plan_model,
     plan_model_step,
     whole_step,
@@ -120,7 +121,7 @@ def _run_options(meta: dict, cluster: dict) -> dict:
         if device is None:
             raise SystemExit(f"plan_vs_measured: the run's memory budget was 'auto' on "
                              f"{meta.get('gpu')!r}, whose memory is not known here")
-        options["peak_memory_budget_bytes"] = auto_budget(DEVICES_GIB[device] * GIB)
+        options["peak_memory_budget_bytes"] = auto_budget(device_capacity(device))
     elif budget is not None:
         options["peak_memory_budget_bytes"] = int(float(budget))
     return options

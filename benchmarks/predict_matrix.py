@@ -44,6 +44,8 @@ for _path in (_HERE.parent, _HERE):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
+from predict_step import _ms  # noqa: E402
+
 GIB = 1 << 30
 # The 32-layer row last: it takes the longest, so a run cut short loses it alone.
 SINGLE = ("1b:8:1,1b:8:2,1b:8:4,1b:16:4,wide:8:1,wide:8:2,wide:8:4,1b:8:4:fp8,1b:8:1:s8192,"
@@ -131,8 +133,8 @@ def load_reports(out: Path) -> list[dict]:
     order = {name: k for k, name in enumerate(PARTS)}
 
     def key(path: Path) -> tuple[int, str]:
-        part = path.stem.removeprefix("predict_").rsplit("_", 1)[0]
-        part = part if part in order else path.stem.removeprefix("predict_")
+        name = path.stem.removeprefix("predict_")  # a part, or a part's k-th process
+        part = name if name in order else name.rsplit("_", 1)[0]
         return order.get(part, len(order)), path.name
 
     paths = sorted((p for p in out.glob("predict_*.json") if p.stem != "predict_matrix"), key=key)
@@ -173,10 +175,6 @@ def verdict(r: dict) -> Verdict:
 
 def _pct(v: float | None) -> str:
     return "–" if v is None else f"{v * 100:+.1f}%"
-
-
-def _ms(v) -> str:
-    return "–" if v is None else f"{v * 1e3:.1f}"
 
 
 def cpu_plan(meta: dict, r: dict) -> tuple[float, float]:
