@@ -24,22 +24,10 @@ tb 1b 2 fs_1b_b2 285 bound shardc-fast-sink fsdp2-compile simplefsdp fsdp2 shard
 cd $OUT && tar czf a.tgz r && rm -rf r
 
 # gpu_b.sh
-# s20 call B (issue 20): two H200s, the wide config at batch 1, 2 and 4 per GPU: the bound, shardc-fast-sink (CUDA graphs, plain inputs, local step, sunk residual, every bucket resharded: no kept buckets), the three baselines, default shardc last (its peak)
-source gpu_env.sh
-R=$OUT/r; mkdir -p $R
-git log --oneline -1 > $R/commit.txt 2>&1; git status --short >> $R/commit.txt; git diff | sha256sum >> $R/commit.txt; nvidia-smi -L >> $R/commit.txt
-tb() { # model batch name timeout modes...
-  local m=$1 b=$2 n=$3 t=$4; shift 4
-  echo "== $n $(date +%T)"
-  timeout $t torchrun --nproc-per-node 2 benchmarks/train_bench.py --model $m --batch $b --modes "$@" \
-    --steps 12 --warmup 3 --profile-steps 2 --no-dump-plan --deadline-s $((t-25)) --mode-estimate-s 50 --out $R --name $n > $R/$n.log 2>&1
-  echo "rc=$? $(date +%T)"; grep -E "Error|rror:" $R/$n.log | tail -4 | cut -c1-300
-  grep -E "^\| (shardc|bound|fsdp|simple)" $R/$n.md | cut -c1-200
-}
+# s20 call B (issue 20): two H200s, the wide config at batch 1, 2 and 4 per GPU: gpu_a.sh with its two `tb 1b` rows replaced by these three, and the archive named b.tgz
 tb wide 1 fs_wide_b1 178 bound shardc-fast-sink fsdp2-compile simplefsdp fsdp2 shardc
 tb wide 2 fs_wide_b2 178 bound shardc-fast-sink fsdp2-compile simplefsdp fsdp2 shardc
 tb wide 4 fs_wide_b4 178 bound shardc-fast-sink fsdp2-compile simplefsdp fsdp2 shardc
-cd $OUT && tar czf b.tgz r && rm -rf r
 
 # gpu_c.sh
 # s20 call C (issue 20): two H200s, the 1b config at batch 4 per GPU (the modes of calls A and B); then world 1, one process per GPU at once: 1b 32 layers (GPU 0) and 16 layers (GPU 1, a second run), batch 4: the bound, shardc-fast-sink, default shardc
