@@ -354,6 +354,10 @@ def test_calibrate_on_cpu_writes_a_readable_profile(tmp_path, monkeypatch):
     assert all(m.flops_per_s > 0 for m in p.matmul) and p.memory_bandwidth(1 << 17) > 0
     assert {a.pass_ for a in p.attention} == {"forward", "backward"}
     assert p.kernel_launch_s > 0 and p.collectives == ()  # one process: no collectives
+    # ... nor the host's seconds per collective: the default, said in a note
+    assert p.collective_launch_s == ClusterProfile("", "", "", "", "").collective_launch_s
+    assert any(n.startswith("one process: no collective timings") and "per collective" in n
+               for n in p.notes)
     # The per-parameter host work, fitted to a sharded model at two depths (notes say so; the
     # values are this CPU's timings, so only their kind is checked).
     assert all(getattr(p, f) >= 0 for f in PER_PARAM_FIELDS)
@@ -497,6 +501,73 @@ def test_per_param_host_fit_recovers_known_coefficients():
         fit.fit_per_param([1, 2], [1e-3, float("nan")], "zero_grad_per_param_s")
     # A slope lost in noise reads as none, and the phase's mean as its fixed part.
     assert fit.fit_per_param([10, 20], [3e-3, 2e-3], "optimizer") == (2.5e-3, 0.0)
+
+
+def _with_collectives(t: host_cost.PhaseTimes, forward: int, backward: int, per_collective: float,
+                      fixed: float = 0.0) -> host_cost.PhaseTimes:
+    """``t`` as over several ranks: ``per_collective`` more host seconds for each of the
+    ``forward`` and ``backward`` collectives its graphs issue, and ``fixed`` more per step."""
+    return dataclasses.replace(
+        t, forward_s=t.forward_s + forward * per_collective + fixed,
+        backward_s=t.backward_s + backward * per_collective,
+        forward_collectives=forward, backward_collectives=backward)
+
+
+def test_collective_host_fit_recovers_the_host_seconds_per_collective():
+    call, launch, per_collective = 565e-6, 28e-6, 80e-6
+    one_rank = [_phase_times(n, COEFFS, call, launch) for n in (24, 96)]
+    terms = host_cost.fit_param_host_cost(one_rank, launch, call)
+    # Two depths: the slope against the collectives; a fixed part per step drops out.
+    world = [_with_collectives(t, n // 4, n // 3, per_collective, fixed=7e-4)
+             for t, n in zip(one_rank, (24, 96))]
+    got = host_cost.fit_collective_host_cost(world, terms, launch, call)
+    assert got == pytest.approx(per_collective, rel=1e-9)
+    # One depth: through zero.
+    alone = [_with_collectives(one_rank[0], 6, 8, per_collective)]
+    assert host_cost.fit_collective_host_cost(alone, terms, launch, call) == pytest.approx(
+        per_collective, rel=1e-9)
+    # The one-rank terms are what it subtracts: without them the per-parameter work would be
+    # counted per collective.
+    assert host_cost.fit_collective_host_cost(world, {}, launch, call) > 2 * per_collective
+    # Over several ranks the host never works less per collective than none.
+    faster = [_with_collectives(t, n // 4, n // 3, -per_collective)
+              for t, n in zip(one_rank, (24, 96))]
+    assert host_cost.fit_collective_host_cost(faster, terms, launch, call) == 0.0
+    with pytest.raises(ValueError, match="issue collectives"):
+        host_cost.fit_collective_host_cost(one_rank, terms, launch, call)
+
+
+def _calibrate_two_ranks(rank: int, world: int) -> dict:
+    """``calibrate`` on the CPU over this process group with the CPU test's tiny shapes."""
+    import torch
+
+    from shardc.planning.profile import ClusterProfile
+    from shardc.tools import calibrate as cal
+    from shardc.tools import host_cost
+
+    cal.CPU_MATMULS, cal.CPU_ATTENTION, cal.CPU_MEMORY = ((32, 32, 32), (64, 64, 64)), \
+        ((32, 16),), (1 << 16, 1 << 18)
+    host_cost.CPU_PARAM_LAYERS = (1, 2)
+    p = cal.calibrate(torch.device("cpu"), quick=True, log=lambda _: None)
+    default = ClusterProfile("", "", "", "", "").collective_launch_s
+    return {"launch": p.collective_launch_s, "default": default, "notes": list(p.notes),
+            "gpus": p.gpus}
+
+
+@pytest.mark.slow
+def test_calibrate_over_two_ranks_fits_the_host_seconds_per_collective():
+    """Over two gloo ranks calibration shards its per-parameter model over both and fits the
+    host's seconds per collective; over one rank the default stays, and a note says so (the CPU
+    test above)."""
+    from dist_utils import run_ranks
+
+    runs = run_ranks(_calibrate_two_ranks, 2)
+    for run in runs:
+        assert run["gpus"] == 2 and run["launch"] >= 0.0
+        (note,) = [n for n in run["notes"] if n.startswith("host per collective fitted over 2")]
+        # both depths' graphs issued collectives (gloo runs them on the host: they cost it)
+        assert "3 params, " in note and "6 params, " in note and " 0 / " not in note, note
+    assert all(run["launch"] != run["default"] for run in runs), runs
 
 
 def test_host_adamw_is_timed_on_the_ranks_share_of_the_cores(monkeypatch):

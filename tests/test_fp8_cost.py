@@ -250,7 +250,7 @@ def test_fp8_host_fit_recovers_known_coefficients():
     assert got["fp8_forward_per_scaled_mm_s"] == pytest.approx(fp8_fw, rel=1e-9)
     # Priced back as the step model prices it, the fitted terms give the measured phases.
     t = two[1]
-    left_fw, left_bw = host_cost.fp8_residual_seconds(t, BF16_TERMS, launch, call)
+    left_fw, left_bw = host_cost.residual_seconds(t, BF16_TERMS, launch, call)
     assert left_fw == pytest.approx(t.forward_scaled_mms * fp8_fw, rel=1e-9)
     assert left_bw == pytest.approx(t.backward_scaled_mms * fp8_bw, rel=1e-9)
     # Where the model charges more launches than the host makes (a weight's quantize in

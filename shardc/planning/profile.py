@@ -165,7 +165,10 @@ class ClusterProfile:
     ``compiled_launch_s`` the host time per kernel of a compiled training graph and
     ``graph_call_s`` the host time of calling one (guards, wrappers, autograd), both measured
     on a compiled chain of kernels (None / 0 where not measured: ``kernel_launch_s`` and no
-    call cost); ``overlap_slowdown`` multiplies compute time while a collective runs.
+    call cost); ``overlap_slowdown`` multiplies compute time while a collective runs;
+    ``collective_launch_s`` is the host time per collective issued (calibrated over several
+    ranks as what the per-parameter model sharded over them adds per collective to its host
+    time over one rank; :func:`shardc.tools.host_cost.fit_collective_host_cost`).
 
     Host seconds per parameter tensor (version 3; zero in older profiles), each the part of a
     phase's host time that grows with the number of parameter tensors beyond what the terms

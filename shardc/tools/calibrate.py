@@ -51,9 +51,10 @@ from shardc.planning.profile import (
 )
 from shardc.tools.host_cost import (
     PhaseTimes,
-    fp8_residual_seconds,
+    measure_collective_host_cost,
     measure_fp8_host_cost,
     measure_param_host_cost,
+    residual_seconds,
 )
 
 MIB = 1 << 20
@@ -413,12 +414,26 @@ def _phase_note(times: list[PhaseTimes]) -> str:
     return f"host per parameter tensor fitted to (median host time per phase): {rows}"
 
 
+def _collective_note(world: int, times: list[PhaseTimes], per_param: dict[str, float],
+                     compiled_launch_s: float, graph_call_s: float, launch_s: float) -> str:
+    """The collective host fit's inputs and result, for the profile's notes."""
+    rows = []
+    for t in times:
+        forward, backward = residual_seconds(t, per_param, compiled_launch_s, graph_call_s)
+        rows.append(f"{t.params} params, {t.forward_collectives} / {t.backward_collectives} "
+                    f"collectives: forward {t.forward_s * 1e3:.2f} ms, backward "
+                    f"{t.backward_s * 1e3:.2f} ms, {(forward + backward) * 1e3:.2f} ms beyond "
+                    "the one-rank terms")
+    return (f"host per collective fitted over {world} ranks (the per-parameter model sharded "
+            f"over all of them): {launch_s * 1e6:.1f} us; " + "; ".join(rows))
+
+
 def _fp8_note(times: list[PhaseTimes], terms: dict[str, float], per_param: dict[str, float],
               compiled_launch_s: float, graph_call_s: float) -> str:
     """The FP8 fit's inputs and what was left per graph, for the profile's notes."""
     rows = []
     for t in times:
-        forward, backward = fp8_residual_seconds(t, per_param, compiled_launch_s, graph_call_s)
+        forward, backward = residual_seconds(t, per_param, compiled_launch_s, graph_call_s)
         rows.append(f"{t.params} params, {t.forward_scaled_mms} / {t.backward_scaled_mms} "
                     f"_scaled_mm: forward {t.forward_s * 1e3:.2f} ms ({t.forward_kernels} "
                     f"kernels, {t.forward_model_kernels} in the model), backward "
@@ -658,9 +673,19 @@ def calibrate(device: torch.device, *, quick: bool = False, name: str | None = N
     defaults = ClusterProfile(name="", device="", source="", command="", date="")
     notes = [f"calibrated in {time.perf_counter() - t0:.0f} s", _phase_note(phase_times),
              fp8_note]
-    if world == 1:
-        notes.append("one process: no collective timings; the links and the overlap slowdown "
-                     "are the defaults (ring model)")
+    collective_host = {}
+    if world > 1:
+        launch, world_times = measure_collective_host_cost(device, per_param,
+                                                           compiled_launch_s or 0.0, graph_call_s)
+        collective_host["collective_launch_s"] = launch
+        log(f"host per collective over {world} ranks: {launch * 1e6:.1f} us "
+            f"({time.perf_counter() - t0:.0f} s)")
+        notes.append(_collective_note(world, world_times, per_param, compiled_launch_s or 0.0,
+                                      graph_call_s, launch))
+    else:
+        notes.append("one process: no collective timings; the links, the overlap slowdown and "
+                     "the host's seconds per collective are the defaults (ring model, "
+                     f"{defaults.collective_launch_s * 1e6:.0f} us)")
     if host_link is None:
         notes.append("no GPU: the host link is the default (25 GB/s each way, 10 us)")
         host_link = (defaults.host_to_device_bytes_per_s, defaults.device_to_host_bytes_per_s,
@@ -674,7 +699,7 @@ def calibrate(device: torch.device, *, quick: bool = False, name: str | None = N
         node_size=max(defaults.node_size, int(os.environ.get("LOCAL_WORLD_SIZE", 1))),
         matmul=tuple(mm), attention=tuple(attn), memory=tuple(mem),
         kernel_gpu_s=gpu_s, kernel_launch_s=launch_s, compiled_launch_s=compiled_launch_s,
-        graph_call_s=graph_call_s, **per_param, **fp8_terms,
+        graph_call_s=graph_call_s, **per_param, **fp8_terms, **collective_host,
         collectives=tuple(curves), intra=link or defaults.intra,
         overlap_slowdown=slowdown if slowdown is not None else defaults.overlap_slowdown,
         host_to_device_bytes_per_s=host_link[0], device_to_host_bytes_per_s=host_link[1],

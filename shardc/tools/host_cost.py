@@ -103,6 +103,10 @@ class PhaseTimes:
     # 0 for a bf16 one).
     forward_scaled_mms: int = 0
     backward_scaled_mms: int = 0
+    # The collectives the host issues in the forward and backward graphs (the plans' not
+    # elided ones: none over a one-rank mesh).
+    forward_collectives: int = 0
+    backward_collectives: int = 0
 
 
 def unpriced_seconds(t: PhaseTimes, compiled_launch_s: float, graph_call_s: float
@@ -158,12 +162,13 @@ def fit_param_host_cost(times: Sequence[PhaseTimes], compiled_launch_s: float,
     return {name: out[name] for name in PER_PARAM_FIELDS + FIXED_FIELDS}
 
 
-def fp8_residual_seconds(t: PhaseTimes, terms: dict[str, float], compiled_launch_s: float,
-                         graph_call_s: float) -> tuple[float, float]:
-    """The host seconds of an FP8 model's forward and backward (call to return) that nothing
-    else prices: the phase less ``graph_call_s``, ``compiled_launch_s`` per kernel of the cost
-    model (its amax, scale and cast kernels included) and the per-parameter and fixed
-    ``terms`` (:func:`fit_param_host_cost`, fitted on the bf16 model) at its parameter
+def residual_seconds(t: PhaseTimes, terms: dict[str, float], compiled_launch_s: float,
+                     graph_call_s: float) -> tuple[float, float]:
+    """The host seconds of a model's forward and backward (call to return) that nothing
+    else prices (an FP8 model's, or one sharded over several ranks): the phase less
+    ``graph_call_s``, ``compiled_launch_s`` per kernel of the cost model (an FP8 model's amax,
+    scale and cast kernels included) and the per-parameter and fixed ``terms``
+    (:func:`fit_param_host_cost`, fitted on the bf16 model over one rank) at its parameter
     count."""
     rows = unpriced_seconds(t, compiled_launch_s, graph_call_s)
 
@@ -177,7 +182,7 @@ def fp8_residual_seconds(t: PhaseTimes, terms: dict[str, float], compiled_launch
 def fit_fp8_host_cost(times: Sequence[PhaseTimes], terms: dict[str, float],
                       compiled_launch_s: float, graph_call_s: float) -> dict[str, float]:
     """:data:`shardc.planning.profile.FP8_HOST_FIELDS` from FP8 models' phase times: per graph,
-    what :func:`fp8_residual_seconds` leaves per ``_scaled_mm``: the slope against the
+    what :func:`residual_seconds` leaves per ``_scaled_mm``: the slope against the
     ``_scaled_mm`` count over two or more depths (what does not grow with them drops out),
     through zero from one depth. It may be negative: where the model charges FP8's kernels
     launches that the bf16 terms already hold (a weight's quantize in place of its cast) or
@@ -189,13 +194,35 @@ def fit_fp8_host_cost(times: Sequence[PhaseTimes], terms: dict[str, float],
         if not counts or min(counts) <= 0:
             raise ValueError(f"calibrate: {field} needs FP8 models whose graphs run _scaled_mm "
                              f"(counted {counts})")
-        left = [fp8_residual_seconds(t, terms, compiled_launch_s, graph_call_s)[i]
+        left = [residual_seconds(t, terms, compiled_launch_s, graph_call_s)[i]
                 for t in times]
         if len(set(counts)) > 1:
             _, out[field] = fit_line(counts, left)
         else:
             out[field] = sum(left) / sum(counts)
     return out
+
+
+def fit_collective_host_cost(times: Sequence[PhaseTimes], terms: dict[str, float],
+                             compiled_launch_s: float, graph_call_s: float) -> float:
+    """``collective_launch_s`` from phase times of models sharded over several ranks: the host
+    seconds per issued collective of what :func:`residual_seconds` leaves of the forward and
+    the backward together, beyond the per-parameter and fixed ``terms`` fitted over one rank
+    (where shardc elides every collective). The slope against the collectives issued over two
+    or more depths (what does not grow with them drops out), through zero from one depth;
+    never below zero. This is the world's host work per bucket beyond one rank's: the
+    collective's own launch and the gather and reduction copies' Python that the kernel
+    terms do not price."""
+    counts = [t.forward_collectives + t.backward_collectives for t in times]
+    if not counts or min(counts) <= 0:
+        raise ValueError("calibrate: collective_launch_s needs models whose graphs issue "
+                         f"collectives (counted {counts}): shard them over more than one rank")
+    left = [sum(residual_seconds(t, terms, compiled_launch_s, graph_call_s)) for t in times]
+    if len(set(counts)) > 1:
+        _, per_collective = fit_line(counts, left)
+    else:
+        per_collective = sum(left) / sum(counts)
+    return max(per_collective, 0.0)
 
 
 def refit_nonnegative(terms: dict[str, float], counts: Sequence[int]) -> dict[str, float]:
@@ -383,12 +410,21 @@ def time_phases(layers: int, device: torch.device, mesh, steps: int,
     plans = shardc.explain_all(model)
     model_fw, model_bw = model_kernels(plans)
     fw_mms, bw_mms = scaled_mm_calls(plans)
+    fw_colls, bw_colls = collective_calls(plans)
     return PhaseTimes(n, *(statistics.median(p) for p in phases), fw_kernels, bw_kernels,
                       statistics.median(prelaunch) if prelaunch else None,
                       model_fw, model_bw,
                       statistics.median(opt_prelaunch) if opt_prelaunch else None,
                       statistics.median(bw_prelaunch) if bw_prelaunch else None,
-                      fw_mms, bw_mms)
+                      fw_mms, bw_mms, fw_colls, bw_colls)
+
+
+def collective_calls(plans) -> tuple[int, int]:
+    """The collectives the host issues in the forward and backward graphs of ``plans`` (not
+    elided: a one-rank group's are lowered to none)."""
+    return tuple(sum(1 for p in plans for c in p.collectives
+                     if c.graph == graph and not c.elided)
+                 for graph in ("forward", "backward"))
 
 
 def scaled_mm_calls(plans) -> tuple[int, int]:
@@ -421,6 +457,28 @@ def measure_param_host_cost(device: torch.device, compiled_launch_s: float, grap
     finally:
         undo()
     return fit_param_host_cost(times, compiled_launch_s, graph_call_s), times
+
+
+def _world_mesh(device: torch.device):
+    """A mesh of every rank of the initialized default process group."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (dist.get_world_size(),))
+
+
+def measure_collective_host_cost(device: torch.device, terms: dict[str, float],
+                                 compiled_launch_s: float, graph_call_s: float, *,
+                                 layers: Sequence[int] | None = None, steps: int = 20
+                                 ) -> tuple[float, list[PhaseTimes]]:
+    """``collective_launch_s`` on this device and process group (:func:`fit_collective_host_cost`):
+    the model of the per-parameter fit, sharded over every rank of the default process group
+    (which must hold more than one), at the same depths; and the phase times it was fitted
+    to. Every rank must call it."""
+    layers = tuple(layers or (GPU_PARAM_LAYERS if device.type == "cuda" else CPU_PARAM_LAYERS))
+    mesh = _world_mesh(device)
+    times = [time_phases(n, device, mesh, steps) for n in layers]
+    return fit_collective_host_cost(times, terms, compiled_launch_s, graph_call_s), times
 
 
 def measure_fp8_host_cost(device: torch.device, terms: dict[str, float],
