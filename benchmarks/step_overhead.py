@@ -70,7 +70,7 @@ import bench_mesh  # noqa: E402
 from train.kernels import kernel_time_by_category, measure, merge_intervals  # noqa: E402
 from train.modes import mode_context, setup_mode  # noqa: E402
 from train.provenance import git_describe, launch_command  # noqa: E402
-from train.runner import free_memory, gather_objects  # noqa: E402
+from train.runner import OPTIM_IMPLS, free_memory, gather_objects  # noqa: E402
 from train.workload import DEFAULT_BATCH, model_config, synthetic_batches  # noqa: E402
 
 MODES = ("bound", "shardc", "shardc-localopt", "shardc-cudagraphs", "shardc-noreshard",
@@ -113,7 +113,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "shared, loaded machine)")
     p.add_argument("--width", type=int, default=None,
                    help="model dimension override (e.g. 32 with --tiny: a step of host time)")
-    p.add_argument("--optim-impl", choices=("default", "foreach", "fused"), default="default",
+    p.add_argument("--optim-impl", choices=tuple(OPTIM_IMPLS), default="default",
                    help="AdamW's implementation in every mode (default: torch's choice, foreach "
                         "on CUDA, a per-parameter loop on CPU; foreach mirrors the GPU on CPU)")
     p.add_argument("--out", default="docs/bench")
@@ -145,8 +145,7 @@ def sync(device: torch.device) -> None:
 
 
 def make_optimizer(setup, impl: str) -> torch.optim.Optimizer:
-    kwargs = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}[impl]
-    opt = torch.optim.AdamW(setup.params, lr=1e-4, **kwargs)
+    opt = torch.optim.AdamW(setup.params, lr=1e-4, **OPTIM_IMPLS[impl])
     if setup.prepare_optimizer is not None:  # shardc-localopt, shardc-cudagraphs
         setup.prepare_optimizer(opt)
     return opt

@@ -83,7 +83,14 @@ from train.provenance import (  # noqa: E402
     shardc_source_hash,
 )
 from train.report import render_markdown, rerender  # noqa: E402
-from train.runner import RunSettings, aggregate, free_memory, gather_objects, run_mode  # noqa: E402
+from train.runner import (  # noqa: E402
+    OPTIM_IMPLS,
+    RunSettings,
+    aggregate,
+    free_memory,
+    gather_objects,
+    run_mode,
+)
 from train.units import fmt, gib  # noqa: E402
 from train.workload import DEFAULT_BATCH, model_config  # noqa: E402
 
@@ -146,6 +153,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--memory-snapshot", action="store_true",
                    help="record one extra step of the shardc modes with the CUDA memory history "
                         "and report what is live at its peak")
+    p.add_argument("--optim-impl", choices=tuple(OPTIM_IMPLS), default="default",
+                   help="AdamW's implementation in every mode (default: torch's choice, foreach "
+                        "on CUDA; fused: one kernel, no parameter-sized temporaries)")
     p.add_argument("--timeout-s", type=float, default=900.0, help="process-group timeout")
     p.add_argument("--render", metavar="JSON", default=None,
                    help="only re-render the markdown of an earlier run's JSON (next to it)")
@@ -208,6 +218,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "warmup": args.warmup,
         "profile_steps": args.profile_steps,
         "lr": args.lr,
+        "optim_impl": args.optim_impl,
         "loss_in_graph": args.loss_in_graph,
         "mode_order": list(args.modes),
         "peak_flops": args.peak_tflops * 1e12,
@@ -232,7 +243,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         steps = args.wide_steps if (model_name == "wide" and args.wide_steps) else args.steps
         settings = RunSettings(model_name, cfg, batch, seq, steps, args.warmup,
                                args.profile_steps, args.lr, args.peak_tflops * 1e12, device,
-                               args.memory_snapshot, args.loss_in_graph)
+                               args.memory_snapshot, args.loss_in_graph, args.optim_impl)
         entry: dict[str, Any] = {
             "settings": {"params": cfg.num_params(), "n_layers": cfg.n_layers, "dim": cfg.dim,
                          "n_heads": cfg.n_heads, "ffn": cfg.hidden_dim, "vocab": cfg.vocab_size,

@@ -57,3 +57,25 @@ def test_the_fast_modes_options(monkeypatch, mode, sink, budget):
     assert setup.cudagraphs and setup.prepare_optimizer is not None
     assert seen.get("sink_block_residual", False) is sink
     assert ("peak_memory_budget_bytes" in seen) is budget
+
+
+@pytest.mark.parametrize("impl", ["default", "foreach", "fused"])
+def test_each_optimizer_impl_steps_adamw_as_asked(impl):
+    """``--optim-impl`` (train_bench, step_overhead): each choice is AdamW's own argument and
+    steps as torch's default does (fused and foreach agree with the for-loop to rounding)."""
+    from train.runner import OPTIM_IMPLS
+
+    torch.manual_seed(0)
+    base = torch.randn(4, 3)
+    grad = torch.randn(4, 3)
+    params, opts = [], []
+    for kwargs in ({"foreach": False}, OPTIM_IMPLS[impl]):
+        p = torch.nn.Parameter(base.clone())
+        opts.append(torch.optim.AdamW([p], lr=1e-2, **kwargs))
+        p.grad = grad.clone()
+        opts[-1].step()
+        params.append(p.detach())
+    if impl != "default":
+        assert opts[1].defaults[impl] is True
+    assert not torch.equal(params[1], base)
+    torch.testing.assert_close(params[1], params[0])

@@ -17,6 +17,13 @@ from train.units import fmt as _fmt
 from train.units import gib as _gib
 
 
+def _optim_impl(meta: dict[str, Any]) -> str:
+    """AdamW's implementation as the run chose it (reports made before the option: torch's
+    default)."""
+    impl = meta.get("optim_impl", "default")
+    return "torch default foreach" if impl == "default" else f"{impl}=True"
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     meta = report["meta"]
     lines = [
@@ -30,7 +37,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"- MFU peak: {meta['peak_flops'] / 1e12:.0f} TFLOP/s dense bf16 per GPU; MFU = 6 x "
         "params x tokens/s / peak (embedding and output included, attention FLOPs not)",
         f"- timed steps: {meta['steps']} (median), warm-up {meta['warmup']}, profiled "
-        f"{meta['profile_steps']}; AdamW (torch default foreach), lr {meta['lr']}",
+        f"{meta['profile_steps']}; AdamW ({_optim_impl(meta)}), lr {meta['lr']}",
         "- CUDA caching allocator: "
         + (meta.get("env", {}).get("PYTORCH_CUDA_ALLOC_CONF")
            or meta.get("env", {}).get("PYTORCH_ALLOC_CONF") or "default settings"),

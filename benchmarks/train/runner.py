@@ -56,6 +56,11 @@ class RunSettings:
     device: torch.device
     memory_snapshot: bool = False
     loss_in_graph: bool = True  # --loss-in-graph (whole-model compiled modes)
+    optim_impl: str = "default"  # --optim-impl: AdamW's implementation in every mode
+
+
+# AdamW's keyword arguments for each --optim-impl (default: torch's choice, foreach on CUDA).
+OPTIM_IMPLS = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 
 
 def train_step(setup: Setup, opt: torch.optim.Optimizer, tokens: torch.Tensor,
@@ -86,10 +91,11 @@ def run_mode(mode: str, s: RunSettings, mesh, rank: int, log: Callable[[str], No
     data = synthetic_batches(s.warmup + s.steps + s.profile_steps + 1, s.batch, s.seq,
                              s.cfg.vocab_size, bench_mesh.data_rank(mesh, rank), device)
     setup = setup_mode(mode, s.cfg, device, mesh, s.loss_in_graph)
-    opt = torch.optim.AdamW(setup.params, lr=s.lr)
+    opt = torch.optim.AdamW(setup.params, lr=s.lr, **OPTIM_IMPLS[s.optim_impl])
     if setup.prepare_optimizer is not None:
         setup.prepare_optimizer(opt)
     res["setup_s"] = time.perf_counter() - t0
+    res["optimizer_impl"] = {k: opt.defaults.get(k) for k in ("foreach", "fused")}
     res.update(setup.info)
     if device.type == "cuda":
         gc.collect()
@@ -242,8 +248,8 @@ def aggregate(mode: str, per_rank: list[dict[str, Any]], s: RunSettings) -> dict
         out["profile_per_rank"] = profiles
     for key in ("mp_policy", "compile", "inductor_config", "grad_reduce_op",
                 "reshard_after_forward", "tagged_gathers", "options", "compute", "communication",
-                "loss", "memory_at_peak", "optimizer", "checkpoint", "offload",
-                "activation_memory_budget"):
+                "loss", "memory_at_peak", "optimizer", "optimizer_impl", "checkpoint",
+                "offload", "activation_memory_budget"):
         if key in r0:
             out[key] = r0[key]
     if mode.startswith("shardc"):
