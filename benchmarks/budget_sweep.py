@@ -12,6 +12,12 @@ and the smallest budget accepted (the minimum plus the margin for the prediction
 just below the smallest (which must be refused at compile time). Budgets below the fully
 resharded plan's peak recompute blocks.
 
+``--offload-budgets B ...`` runs shardc sharded with ``shardc.OffloadPolicy()`` (its parameter
+shards, gradients and optimizer state on the host; mode ``shardc-offload-budget``) under each
+budget too: rows labelled ``shardc offload <budget>``, shardc's points beside FSDP2's
+``CPUOffloadPolicy`` (offloading the parameters is the user's choice at ``shardc.shard``, which
+the budget's refusal names; the planner does not move them itself).
+
 ``--baselines`` (no value: FSDP2 alone with compiled blocks, with full activation
 checkpointing, with selective checkpointing, with torch's ``activation_memory_budget`` 0.5 and
 with ``CPUOffloadPolicy``; or name the modes, e.g. ``fsdp2-compile-amb0.3``) runs each FSDP2
@@ -57,6 +63,7 @@ from train.curve import curve_markdown, curve_png, curve_svg  # noqa: E402
 from train.modes import CURVE_BASELINES  # noqa: E402
 
 ROWS = "curve_rows.json"
+OFFLOAD_LABEL = "shardc offload"  # rows of --offload-budgets: "shardc offload <budget>"
 _RUNNING: list[subprocess.Popen] = []  # the torchrun in flight (its own process session)
 
 
@@ -131,15 +138,18 @@ def _common(result: dict) -> dict:
             "step_ms_median": result.get("step_ms_median")}
 
 
-def run(budget: str, args, out: Path) -> dict:
-    """shardc under one budget (bytes or ``auto``): a row of the sweep."""
-    name = f"budget_{budget}"
+def run(budget: str, args, out: Path, offload: bool = False) -> dict:
+    """shardc under one budget (bytes or ``auto``): a row of the sweep; ``offload``: sharded
+    with ``shardc.OffloadPolicy()`` (``shardc-offload-budget``)."""
+    name, label = (f"offload_budget_{budget}", f"{OFFLOAD_LABEL} {budget}") if offload \
+        else (f"budget_{budget}", f"shardc {budget}")
     env = {"SHARDC_PEAK_BUDGET": budget}
     if args.margin is not None:
         env["SHARDC_PEAK_MARGIN"] = str(args.margin)
-    result, tail = torchrun("shardc-budget", name, args, out, env)
+    mode = "shardc-offload-budget" if offload else "shardc-budget"
+    result, tail = torchrun(mode, name, args, out, env)
     if not result:
-        return {"kind": "shardc", "label": f"shardc {budget}", "budget": budget,
+        return {"kind": "shardc", "label": label, "budget": budget,
                 "status": "no report", "tail": tail}
     region = max(result.get("regions", [{}]), key=lambda r: r.get("budget", {}).get(
         "peak_bytes", 0), default={})
@@ -147,7 +157,7 @@ def run(budget: str, args, out: Path) -> dict:
     named = re.search(r"feasible minimum (\d+) B", error)  # a refusal names the minimum
     # ... and the smallest budget accepted (the minimum plus the prediction's margin).
     smallest = re.search(r"smallest budget accepted is (\d+) B", error)
-    return {"kind": "shardc", "label": f"shardc {budget}", "budget": budget, **_common(result),
+    return {"kind": "shardc", "label": label, "budget": budget, **_common(result),
             "named_minimum_bytes": int(named.group(1)) if named else None,
             "smallest_budget_bytes": int(smallest.group(1)) if smallest else None,
             "budget_bytes": int(budget) if budget.isdigit() else None,
@@ -189,7 +199,7 @@ def sweep_budgets(args, out: Path, add) -> list[str]:
     arguments (``<out>/sweep_budgets.json``, unless ``--fresh``); or derived now from an
     ``auto`` run and a refused 1-byte one (and saved there)."""
     if args.budgets:
-        return [b if b == "auto" else str(int(float(b))) for b in args.budgets]
+        return [_budget_arg(b) for b in args.budgets]
     saved, key = out / "sweep_budgets.json", _sweep_key(args)
     if saved.exists() and not args.fresh:
         data = json.loads(saved.read_text())
@@ -199,6 +209,11 @@ def sweep_budgets(args, out: Path, add) -> list[str]:
     budgets = derive_budgets(args, out, add)
     saved.write_text(json.dumps({"key": key, "budgets": budgets}, indent=1) + "\n")
     return budgets
+
+
+def _budget_arg(budget: str) -> str:
+    """A budget argument as the runs name it: ``auto``, or whole bytes."""
+    return budget if budget == "auto" else str(int(float(budget)))
 
 
 def _sweep_key(args) -> list:
@@ -239,6 +254,11 @@ def main() -> None:
     p.add_argument("--baselines", nargs="*", default=None, metavar="MODE",
                    help="also run these FSDP2 modes (no value: "
                         f"{' '.join(CURVE_BASELINES)})")
+    p.add_argument("--offload-budgets", nargs="*", default=None, metavar="B",
+                   help="also run shardc sharded with shardc.OffloadPolicy() (parameter "
+                        "shards, gradients and optimizer state on the host) under these budgets "
+                        "(bytes or auto): the shardc points to set beside FSDP2's "
+                        "CPUOffloadPolicy")
     p.add_argument("--no-sweep", action="store_true", help="run no shardc budget")
     p.add_argument("--fresh", action="store_true",
                    help=f"start {ROWS} (and the derived budgets) over")
@@ -273,12 +293,14 @@ def main() -> None:
     todo: list[tuple[str, str]] = []
     if not args.no_sweep:
         todo += [("shardc", b) for b in sweep_budgets(args, out, add)]
+    todo += [("offload", _budget_arg(b)) for b in args.offload_budgets or ()]
     if args.baselines is not None:
         todo += [("baseline", m) for m in args.baselines or CURVE_BASELINES]
     done = {r["label"] for r in rows if r.get("status") in ("ok", "error")}
     slowest = args.run_estimate_s
+    labels = {"shardc": "shardc {}", "offload": OFFLOAD_LABEL + " {}", "baseline": "{}"}
     for kind, what in todo:
-        label = f"shardc {what}" if kind == "shardc" else what
+        label = labels[kind].format(what)
         if label in done and not args.redo:
             print(f"{label}: done in {path} (--redo runs it again)")
             continue
@@ -287,7 +309,8 @@ def main() -> None:
                   "run the same command again to go on", flush=True)
             break
         t = time.monotonic()
-        add(run(what, args, out) if kind == "shardc" else run_baseline(what, args, out))
+        add(run_baseline(what, args, out) if kind == "baseline"
+            else run(what, args, out, offload=kind == "offload"))
         slowest = max(slowest, time.monotonic() - t)
     print("\nbudget B | status | minimum B | planned for B | predicted peak B | measured peak B "
           "| measured <= budget | kept | recomputed | offloaded | tokens/s/GPU")

@@ -73,3 +73,32 @@ def test_ticks_are_round_and_cover_the_range():
     assert _ticks(0, 1800) == [0, 500, 1000, 1500]
     assert _ticks(17.5, 41.3) == [20, 25, 30, 35, 40]
     assert _ticks(0.1, 0.13)[0] >= 0.1
+
+
+def test_offload_budgets_run_shardc_offloaded_as_shardc_points(tmp_path, monkeypatch):
+    """``budget_sweep.py --offload-budgets``: each budget runs ``shardc-offload-budget`` with
+    that budget, and its row is a shardc point of the curve under its own label, beside the
+    plain budget's row of the same bytes."""
+    import argparse
+
+    from benchmarks import budget_sweep
+
+    ran = []
+
+    def fake_torchrun(mode, name, args, out, env=None, extra=None, steps=None):
+        ran.append((mode, name, env["SHARDC_PEAK_BUDGET"]))
+        return {"status": "ok", "config": "1b", "peak_alloc_bytes": 5 * G,
+                "tokens_per_s_per_gpu": 100.0, "regions": []}, ""
+
+    monkeypatch.setattr(budget_sweep, "torchrun", fake_torchrun)
+    args = argparse.Namespace(margin=None)
+    budget = budget_sweep._budget_arg("6e9")
+    rows = [budget_sweep.run(budget, args, tmp_path, offload=True),
+            budget_sweep.run(budget, args, tmp_path)]
+    assert ran == [("shardc-offload-budget", "offload_budget_6000000000", "6000000000"),
+                   ("shardc-budget", "budget_6000000000", "6000000000")]
+    assert [r["label"] for r in rows] == ["shardc offload 6000000000", "shardc 6000000000"]
+    assert all(r["kind"] == "shardc" and r["budget_bytes"] == 6_000_000_000 for r in rows)
+    merged = budget_sweep.merge(budget_sweep.merge([], rows[0]), rows[1])
+    assert len(merged) == 2  # one row each: the labels differ
+    assert "shardc offload 6000000000" in curve_markdown(merged)

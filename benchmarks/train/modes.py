@@ -33,6 +33,7 @@ EXTRA_MODES: tuple[str, ...] = ("shardc-keeporder", "shardc-pool", "shardc-local
                                   "shardc-combo", "shardc-ac", "shardc-fast",
                                   "shardc-fast-budget", "shardc-fast-budget-inline",
                                   "shardc-fast-budget-sink", "shardc-fast-sink",
+                                  "shardc-offload", "shardc-offload-budget",
                                   "bound-cudagraphs")
 
 
@@ -232,6 +233,19 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_
             options["optimizer_offload"] = os.environ["SHARDC_OPTIMIZER_OFFLOAD"]
         setup = setup_shardc(model, mesh, loss_in_graph, **options)
         setup.info["options"] = ", ".join(f"{k}={v!r}" for k, v in options.items())
+        return setup
+    if mode in ("shardc-offload", "shardc-offload-budget"):
+        # CPU offload (shardc.OffloadPolicy: parameter shards, gradients and optimizer state on
+        # the host), the point FSDP2's CPUOffloadPolicy is compared with; -budget adds the
+        # peak budget of shardc-budget (SHARDC_PEAK_BUDGET; the planner keeps buckets gathered
+        # where it allows, and frees blocks' activations below).
+        options = {"peak_memory_budget_bytes": peak_budget_from_env()} \
+            if mode.endswith("-budget") else {}
+        setup = setup_shardc(model, mesh, loss_in_graph, offload=True, **options)
+        setup.info["offload"] = "shardc.OffloadPolicy()"
+        setup.info["options"] = ", ".join(
+            ["shardc.shard(..., offload=shardc.OffloadPolicy())"]
+            + [f"{k}={v!r}" for k, v in options.items()])
         return setup
     if mode == "shardc-pool":
         setup = setup_shardc(model, mesh, loss_in_graph, comm_pool=True)

@@ -29,13 +29,17 @@ def _shardc_backend_name() -> str:
 
 def setup_shardc(model: Transformer, mesh, loss_in_graph: bool, compile_mode: str | None = None,
                  reshard_after_forward: bool = True, plain_inputs: bool = False,
-                 **options: Any) -> Setup:
+                 offload: bool = False, **options: Any) -> Setup:
     """shardc: shard in place, compile with the shardc backend and its default plan (or these
     backend options; ``compile_mode``: torch.compile's ``mode``, e.g. ``"reduce-overhead"``;
-    ``reshard_after_forward``, ``plain_inputs``: ``shardc.shard``'s)."""
+    ``reshard_after_forward``, ``plain_inputs``: ``shardc.shard``'s; ``offload``: shard with
+    ``shardc.OffloadPolicy()``, the parameters' shards, gradients and optimizer state on the
+    host, simulated on a CPU mesh)."""
     mp = shardc.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    policy = shardc.OffloadPolicy(simulate_on_cpu=on_cpu) if offload else None
     shardc.shard(model, mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
-                 plain_inputs=plain_inputs)
+                 plain_inputs=plain_inputs, offload=policy)
     backend = shardc.backend(**options) if options else _shardc_backend_name()
     mode = {"mode": compile_mode} if compile_mode else {}
     compiled = compiled_loss(model, loss_in_graph, backend=backend, **mode)
