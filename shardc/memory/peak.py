@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+import shardc.runtime.grad_sync  # noqa: F401  (registers the ops of _UNSYNCED_OPS)
 from shardc import _torch
 from shardc.memory import breakdown
 from shardc.memory.inplace import inplace_reuses
@@ -80,6 +81,9 @@ def _is_collective(node: fx.Node) -> bool:
 
 
 _CAT = torch.ops.aten.cat.default
+# no_sync's ops on its store of full gradients (shardc.runtime.grad_sync)
+_UNSYNCED_OPS = frozenset({torch.ops.shardc.stash_grad.default,
+                           torch.ops.shardc.take_stashed_grad.default})
 _PAD = torch.ops.aten.constant_pad_nd.default
 _aten = torch.ops.aten
 # Ops that Inductor lowers to loops it can inline into their consumers' kernels, besides those
@@ -514,10 +518,17 @@ def predict_peak(
     forward, params, fw_host = _flat(forward, params, host)
     if backward is not None:
         backward, bw_params, bw_host = _flat(backward, bw_params, host)
+    # no_sync's store of full gradients (shardc.runtime.grad_sync): held outside the graphs
+    # from the micro-batches without sync until the synchronized backward takes each one, so
+    # its bytes are a constant of both regions' forward and backward (an over-count where the
+    # first micro-batch fills it or the synchronized backward empties it: safe for the budget).
+    unsynced = unsynced_grad_bytes(backward) if backward is not None else 0
+    if unsynced:
+        constants[breakdown.GRADIENTS] = unsynced
     fw_lives, fw_storage = lifetimes_and_storage(forward, params | fw_host, fusion=fusion)
     fw_peak, _ = _timeline(fw_lives, len(forward.graph.nodes))
     out = {"param_bytes": param_bytes, "optimizer_state_bytes": optim,
-           "forward_peak_bytes": param_bytes + optim + fw_peak}
+           "forward_peak_bytes": param_bytes + optim + unsynced + fw_peak}
     walked = [("forward", forward, fw_lives, fw_storage)]
     peak = out["forward_peak_bytes"]
     if backward is not None:
@@ -525,24 +536,41 @@ def predict_peak(
                                                          fusion=fusion)
         bw_peak, _ = _timeline(bw_lives, len(backward.graph.nodes))
         walked.append(("backward", backward, bw_lives, bw_storage))
-        out["backward_peak_bytes"] = param_bytes + optim + bw_peak
+        out["backward_peak_bytes"] = param_bytes + optim + unsynced + bw_peak
         grads = sum(_nbytes(n.meta.get("val")) for n in backward.graph.output_node().args[0]
                     if isinstance(n, fx.Node) and _root(n) not in bw_host)
         out["grad_bytes"] = grads
         out["optimizer_step_peak_bytes"] = param_bytes + optim + grads + persistent_bytes + temps
         out["optimizer_temp_bytes"] = temps
         peak = max(peak, out["backward_peak_bytes"], out["optimizer_step_peak_bytes"])
+        # the step follows the synchronized backward, which has emptied no_sync's store
         constants_step = {**constants, breakdown.GRADIENTS: grads,
                           breakdown.COMM: persistent_bytes,
                           breakdown.TEMPORARIES: temps}
     plan.memory_by_category = _step_breakdown(
         walked, constants, constants_step if backward is not None else None)
     out["peak_bytes"] = peak
+    if unsynced:
+        out["unsynced_grad_bytes"] = unsynced
     if optimizer_host_param_bytes:
         out["optimizer_host_param_bytes"] = min(optimizer_host_param_bytes, param_bytes)
     for key, value in out.items():
         setattr(plan.predicted, key, float(value))
     return out
+
+
+def unsynced_grad_bytes(backward: fx.GraphModule) -> int:
+    """Bytes of the full gradients ``shardc.no_sync`` stores (one per parameter, by name) that
+    ``backward`` adds to (``stash_grad``) or takes from the store (``take_stashed_grad``); 0 for
+    a synchronized backward without stored gradients."""
+    held: dict[str, int] = {}
+    for gm in backward.modules():  # block bodies too
+        if not isinstance(gm, fx.GraphModule):
+            continue
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and node.target in _UNSYNCED_OPS:
+                held[node.args[2]] = _nbytes(node.args[0].meta.get("val"))
+    return sum(held.values())
 
 
 def shard_bytes_by_param(gm: fx.GraphModule) -> dict[str, int]:
