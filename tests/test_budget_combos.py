@@ -48,34 +48,51 @@ class _Regions:
         self.regions = [region]
 
 
-def _per_region_ops(model: torch.nn.Module) -> list[dict[str, int]]:
-    return [backward_ops(_Regions(r)) for r in shardc.shard_state(model).regions]
+def _per_region_ops(model_or_state) -> list[dict[str, int]]:
+    state = (shardc.shard_state(model_or_state) if isinstance(model_or_state, torch.nn.Module)
+             else model_or_state)
+    return [backward_ops(_Regions(r)) for r in state.regions]
 
 
-def _fixed_then_budgeted(rank: int, world: int, kind: str, mode: str, options: dict) -> dict:
+def _largest(plans: list) -> int:
+    """The regions' largest predicted peak, the ranks' largest."""
+    peak = torch.tensor([max(int(p.predicted.peak_bytes) for p in plans)])
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return int(peak)
+
+
+def _fixed_then_budgeted(rank: int, world: int, kind: str, mode: str, options: dict,
+                         below_kept: bool = False) -> dict:
     """Train ``kind`` sharded (parity.sharded_run, ``options`` besides the budget scenario's)
     without a budget, then afresh under a budget a byte below the fixed policy's predicted
-    peak (the regions' and ranks' largest). The budgeted run's results, with the fixed run's
-    losses, parameters and peak, and each region's backward ops (fixed, budgeted)."""
+    peak (the regions' and ranks' largest). ``below_kept``: where that budget is met by
+    keeping buckets gathered alone (the first lever; a model whose backward gathers set its
+    peak), once more a byte below the peak so reached, so that a block must be freed. The
+    budgeted run's results, with the fixed run's losses, parameters and peak, the budgets
+    tried, and each region's backward ops (fixed, budgeted)."""
     fixed = sharded_run(rank, world, kind, mode, keep_model=True, **_BUDGET_OPTIONS, **options)
     fixed_ops = _per_region_ops(fixed.pop("model"))
     del fixed["forward"]
-    peak = torch.tensor([max(int(p.predicted.peak_bytes) for p in fixed["plans"])])
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    torch._dynamo.reset()
-    run = sharded_run(rank, world, kind, mode, keep_model=True, **_BUDGET_OPTIONS,
-                      peak_memory_budget_bytes=int(peak) - 1, peak_memory_margin=0.0, **options)
+    budgets = [_largest(fixed["plans"]) - 1]
+    while True:
+        torch._dynamo.reset()
+        run = sharded_run(rank, world, kind, mode, keep_model=True, **_BUDGET_OPTIONS,
+                          peak_memory_budget_bytes=budgets[-1], peak_memory_margin=0.0,
+                          **options)
+        freed = torch.tensor([sum(len(p.budget.recomputed) + len(p.budget.offloaded)
+                                  for p in run["plans"])])
+        dist.all_reduce(freed)  # the same on both ranks: the decisions are agreed
+        if not below_kept or int(freed) or len(budgets) == 2:
+            break
+        budgets.append(_largest(run["plans"]) - 1)
     state = shardc.shard_state(run.pop("model"))
     del run["forward"]
     run["bodies"] = [[tuple(b.blocks) for b in r.plan.bodies] for r in state.regions]
-    run["backward_ops"] = list(zip(fixed_ops, _per_region_ops_of(state)))
-    run["fixed"] = {"losses": fixed["losses"], "params": fixed["params"], "peak": int(peak),
-                    "plans": fixed["plans"]}
+    run["backward_ops"] = list(zip(fixed_ops, _per_region_ops(state)))
+    run["budgets"] = budgets
+    run["fixed"] = {"losses": fixed["losses"], "params": fixed["params"],
+                    "peak": budgets[0] + 1, "plans": fixed["plans"]}
     return run
-
-
-def _per_region_ops_of(state) -> list[dict[str, int]]:
-    return [backward_ops(_Regions(r)) for r in state.regions]
 
 
 def _check_budgeted(runs: list[dict], ref: dict, tol: float = 1e-5) -> list:
@@ -83,7 +100,7 @@ def _check_budgeted(runs: list[dict], ref: dict, tol: float = 1e-5) -> list:
     records, one per region."""
     hashes = []
     for rank, run in enumerate(runs):
-        budget = run["fixed"]["peak"] - 1
+        budget = run["budgets"][-1]
         freed = []
         for i, plan in enumerate(run["plans"]):
             record = plan.budget
@@ -172,3 +189,34 @@ def test_no_sync_peak_budget_frees_blocks_activations() -> None:
             if fixed.budget is None and fixed.predicted.peak_bytes == run["fixed"]["peak"]:
                 # the region at the fixed policy's peak (this rank's) freed a block itself
                 assert plan.budget.recomputed or plan.budget.offloaded, plan.budget.blocks
+
+
+# --- 2. the user's activation checkpointing -------------------------------------------------
+
+
+@pytest.mark.slow
+def test_user_checkpointed_block_is_left_alone_and_the_budget_frees_another() -> None:
+    """``layers.0`` runs under the user's ``torch.utils.checkpoint`` (parity's
+    UserCheckpointedLlama), ``layers.1`` plainly; both are calls of one compile-once body.
+    The planner never recomputes the checkpointed block ("activation checkpointing already
+    recomputes it") and frees the other. A byte below the fixed policy's peak is met by
+    keeping buckets gathered alone here (the peak is in the backward's gathers), so the budget
+    is then a byte below the peak that reached: a block must be freed.
+
+    Also the regression test of the blocks' names: Dynamo's graph has the checkpointed call
+    inside the checkpoint's subgraph, which shardc listed after the root graph's calls, so the
+    planner named the checkpointed block ``layers.1`` and the plain one ``layers.0`` (its
+    decisions, and a block named in ``activation_offload``, went to the wrong block)."""
+    ref = reference("llama-user-ac")
+    runs = run_ranks(_fixed_then_budgeted, 2, "llama-user-ac", "fx", {}, True)
+    (record,) = _check_budgeted(runs, ref)
+    by_block = {d.block: d for d in record.blocks}
+    assert sorted(by_block) == ["layers.0", "layers.1"], record.blocks
+    user = by_block["layers.0"]
+    assert "activation checkpointing already recomputes it" in user.reason, user
+    assert not user.recomputed and not user.offloaded, user
+    assert record.recomputed + record.offloaded == ["layers.1"], record.blocks
+    for run in runs:
+        assert run["budgets"][0] == run["fixed"]["peak"] - 1, run["budgets"]
+        (plan,) = run["plans"]
+        assert [tuple(b.blocks) for b in plan.bodies] == [("layers.0", "layers.1")], plan.bodies
