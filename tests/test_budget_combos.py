@@ -220,3 +220,24 @@ def test_user_checkpointed_block_is_left_alone_and_the_budget_frees_another() ->
         assert run["budgets"][0] == run["fixed"]["peak"] - 1, run["budgets"]
         (plan,) = run["plans"]
         assert [tuple(b.blocks) for b in plan.bodies] == [("layers.0", "layers.1")], plan.bodies
+
+
+# --- 3. CPU offload of the parameters -------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_cpu_offload_peak_budget_frees_blocks_activations() -> None:
+    """The parameter shards, their gradients and the optimizer's state on the host
+    (``shardc.OffloadPolicy``, simulated on the CPU mesh: the copies are real separate
+    tensors): the device peak the budget bounds is what is left, and freeing a block's
+    activations meets a byte below the fixed policy's."""
+    ref = reference("llama")
+    offload = shardc.OffloadPolicy(simulate_on_cpu=True, check_host_memory=False)
+    runs = run_ranks(_fixed_then_budgeted, 2, "llama", "fx", {"offload": offload})
+    _check_budgeted(runs, ref)
+    for run in runs:
+        (plan,) = run["plans"]
+        # The buckets' host shards are copied in and their gradients out: offload is on.
+        kinds = {str(c.kind) for c in plan.copies}
+        assert kinds == {"h2d_copy", "d2h_copy"}, kinds
+        assert plan.predicted.host_bytes > 0, plan.predicted
