@@ -102,11 +102,11 @@ class BlockStack(nn.Module):
 
 
 class UserCheckpointedLlama(Transformer):
-    """The parity Llama whose first ``checkpointed`` blocks run under
+    """The parity Llama whose blocks numbered in ``checkpointed`` run under
     ``torch.utils.checkpoint`` (non-reentrant), called from the model's forward as a user
     checkpoints whole blocks; the others run plainly."""
 
-    def __init__(self, cfg: LlamaConfig, checkpointed: int = 1) -> None:
+    def __init__(self, cfg: LlamaConfig, checkpointed: tuple[int, ...] = (0,)) -> None:
         super().__init__(cfg)
         self.checkpointed = checkpointed
 
@@ -115,7 +115,7 @@ class UserCheckpointedLlama(Transformer):
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         h = self.tok_embeddings(tokens)
         for i, layer in enumerate(self.layers):
-            if i < self.checkpointed:
+            if i in self.checkpointed:
                 h = checkpoint(layer, h, cos, sin, use_reentrant=False)
             else:
                 h = layer(h, cos, sin)
@@ -132,6 +132,8 @@ def build(kind: str) -> nn.Module:
         return Transformer(replace(CFG, n_layers=1))
     if kind == "llama-user-ac":  # tests/test_budget_combos.py: layers.0 checkpointed
         return UserCheckpointedLlama(CFG)
+    if kind == "llama-user-ac-last":  # the same with layers.1 checkpointed
+        return UserCheckpointedLlama(CFG, (1,))
     if kind == "repeated":
         return RepeatedBlock()
     if kind in ("llama-frozen-w1", "llama-frozen-w1-deep"):  # tests/test_body_donations.py

@@ -82,8 +82,9 @@ def _is_collective(node: fx.Node) -> bool:
 
 _CAT = torch.ops.aten.cat.default
 # no_sync's ops on its store of full gradients (shardc.runtime.grad_sync)
-_UNSYNCED_OPS = frozenset({torch.ops.shardc.stash_grad.default,
-                           torch.ops.shardc.take_stashed_grad.default})
+_TAKE_OP = torch.ops.shardc.take_stashed_grad.default
+_UNSYNCED_OPS = frozenset({torch.ops.shardc.stash_grad.default, _TAKE_OP})
+_STORE_META = "shardc_no_sync_store"  # a stored gradient's node (unsynced_grad_lives)
 _PAD = torch.ops.aten.constant_pad_nd.default
 _aten = torch.ops.aten
 # Ops that Inductor lowers to loops it can inline into their consumers' kernels, besides those
@@ -518,32 +519,30 @@ def predict_peak(
     forward, params, fw_host = _flat(forward, params, host)
     if backward is not None:
         backward, bw_params, bw_host = _flat(backward, bw_params, host)
-    # no_sync's store of full gradients (shardc.runtime.grad_sync): held outside the graphs
-    # from the micro-batches without sync until the synchronized backward takes each one, so
-    # its bytes are a constant of both regions' forward and backward (an over-count where the
-    # first micro-batch fills it or the synchronized backward empties it: safe for the budget).
-    unsynced = unsynced_grad_bytes(backward) if backward is not None else 0
-    if unsynced:
-        constants[breakdown.GRADIENTS] = unsynced
+    # no_sync's store of full gradients (shardc.runtime.grad_sync), held outside the graphs
+    # across the micro-batches: values of both graphs (:func:`unsynced_grad_lives`).
+    stored = _unsynced(backward) if backward is not None else []
+    unsynced = sum(nbytes for _, _, nbytes in stored)
     fw_lives, fw_storage = lifetimes_and_storage(forward, params | fw_host, fusion=fusion)
+    fw_lives = fw_lives + unsynced_grad_lives(forward, stored, taken=False)
     fw_peak, _ = _timeline(fw_lives, len(forward.graph.nodes))
     out = {"param_bytes": param_bytes, "optimizer_state_bytes": optim,
-           "forward_peak_bytes": param_bytes + optim + unsynced + fw_peak}
+           "forward_peak_bytes": param_bytes + optim + fw_peak}
     walked = [("forward", forward, fw_lives, fw_storage)]
     peak = out["forward_peak_bytes"]
     if backward is not None:
         bw_lives, bw_storage = lifetimes_and_storage(backward, bw_params | bw_host,
                                                          fusion=fusion)
+        bw_lives = bw_lives + unsynced_grad_lives(backward, stored, taken=True)
         bw_peak, _ = _timeline(bw_lives, len(backward.graph.nodes))
         walked.append(("backward", backward, bw_lives, bw_storage))
-        out["backward_peak_bytes"] = param_bytes + optim + unsynced + bw_peak
+        out["backward_peak_bytes"] = param_bytes + optim + bw_peak
         grads = sum(_nbytes(n.meta.get("val")) for n in backward.graph.output_node().args[0]
                     if isinstance(n, fx.Node) and _root(n) not in bw_host)
         out["grad_bytes"] = grads
         out["optimizer_step_peak_bytes"] = param_bytes + optim + grads + persistent_bytes + temps
         out["optimizer_temp_bytes"] = temps
         peak = max(peak, out["backward_peak_bytes"], out["optimizer_step_peak_bytes"])
-        # the step follows the synchronized backward, which has emptied no_sync's store
         constants_step = {**constants, breakdown.GRADIENTS: grads,
                           breakdown.COMM: persistent_bytes,
                           breakdown.TEMPORARIES: temps}
@@ -559,18 +558,40 @@ def predict_peak(
     return out
 
 
-def unsynced_grad_bytes(backward: fx.GraphModule) -> int:
-    """Bytes of the full gradients ``shardc.no_sync`` stores (one per parameter, by name) that
-    ``backward`` adds to (``stash_grad``) or takes from the store (``take_stashed_grad``); 0 for
-    a synchronized backward without stored gradients."""
-    held: dict[str, int] = {}
-    for gm in backward.modules():  # block bodies too
-        if not isinstance(gm, fx.GraphModule):
-            continue
-        for node in gm.graph.nodes:
-            if node.op == "call_function" and node.target in _UNSYNCED_OPS:
-                held[node.args[2]] = _nbytes(node.args[0].meta.get("val"))
-    return sum(held.values())
+def _unsynced(backward: fx.GraphModule) -> list[tuple[fx.Node, str, int]]:
+    """``backward``'s (flattened) ops on ``shardc.no_sync``'s store of full gradients
+    (``stash_grad``: adds to it, ``take_stashed_grad``: takes and frees it): each op, the
+    parameter's name and its full gradient's bytes; none in a synchronized backward without
+    stored gradients."""
+    first: dict[str, tuple[fx.Node, str, int]] = {}  # a parameter's one stored gradient
+    for n in backward.graph.nodes:
+        if n.op == "call_function" and n.target in _UNSYNCED_OPS:
+            first.setdefault(n.args[2], (n, n.args[2], _nbytes(n.args[0].meta.get("val"))))
+    return list(first.values())
+
+
+def unsynced_grad_lives(gm: fx.GraphModule, stored: list[tuple[fx.Node, str, int]], *,
+                        taken: bool) -> list[Lifetime]:
+    """The stored gradients' memory while ``gm`` (flattened) runs: one value per parameter,
+    alive from the start (earlier micro-batches filled the store: an over-count in the first
+    one, safe for the budget) through the end, or (``taken``: ``gm`` is the backward) through
+    the op that takes it; a stash adds the new sum while the old one lives (``held + grad``),
+    one more gradient at that op. Each value is a node outside the graph, named
+    ``no_sync_store:<parameter>`` (breakdown: gradients)."""
+    positions = {n: i for i, n in enumerate(gm.graph.nodes)}
+    end = len(positions)  # past the output node, as the graph outputs (lifetimes_and_storage)
+    lives = []
+    for op, fqn, nbytes in stored:
+        held = fx.Node(gm.graph, f"no_sync_store:{fqn}", "call_function", op.target, (), {})
+        held.meta[_STORE_META] = True
+        if not taken:
+            lives.append(Lifetime(held, 0, end, nbytes))
+        elif op.target is _TAKE_OP:
+            lives.append(Lifetime(held, 0, positions[op], nbytes))
+        else:
+            lives += [Lifetime(held, 0, end, nbytes),
+                      Lifetime(held, positions[op], positions[op], nbytes)]
+    return lives
 
 
 def shard_bytes_by_param(gm: fx.GraphModule) -> dict[str, int]:
@@ -607,6 +628,8 @@ def _step_breakdown(walked: list, constants: dict[str, int],
     best: tuple = (-1, "", 0, None, {})
     for name, gm, lives, storage in walked:
         cats = breakdown.categorize(gm, name, storage)
+        cats.update({life.node: breakdown.GRADIENTS for life in lives
+                     if life.node.meta.get(_STORE_META)})
         timeline = breakdown.category_timeline(lives, cats, len(gm.graph.nodes))
         keep, columns = breakdown.graph_columns(timeline, constants)
         graphs[name] = {"positions": keep, "bytes": columns}
