@@ -101,6 +101,27 @@ class BlockStack(nn.Module):
         return self.head(h)
 
 
+class UserCheckpointedLlama(Transformer):
+    """The parity Llama whose blocks numbered in ``checkpointed`` run under
+    ``torch.utils.checkpoint`` (non-reentrant), called from the model's forward as a user
+    checkpoints whole blocks; the others run plainly."""
+
+    def __init__(self, cfg: LlamaConfig, checkpointed: tuple[int, ...] = (0,)) -> None:
+        super().__init__(cfg)
+        self.checkpointed = checkpointed
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        seq = tokens.shape[1]
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        h = self.tok_embeddings(tokens)
+        for i, layer in enumerate(self.layers):
+            if i in self.checkpointed:
+                h = checkpoint(layer, h, cos, sin, use_reentrant=False)
+            else:
+                h = layer(h, cos, sin)
+        return self.output(self.norm(h))
+
+
 def build(kind: str) -> nn.Module:
     torch.manual_seed(0)
     if kind == "blocks":
@@ -109,6 +130,10 @@ def build(kind: str) -> nn.Module:
         return Transformer(CFG)
     if kind == "llama1":  # one block: for the (slow to compile) Inductor runs
         return Transformer(replace(CFG, n_layers=1))
+    if kind == "llama-user-ac":  # tests/test_budget_combos.py: layers.0 checkpointed
+        return UserCheckpointedLlama(CFG)
+    if kind == "llama-user-ac-last":  # the same with layers.1 checkpointed
+        return UserCheckpointedLlama(CFG, (1,))
     if kind == "repeated":
         return RepeatedBlock()
     if kind in ("llama-frozen-w1", "llama-frozen-w1-deep"):  # tests/test_body_donations.py

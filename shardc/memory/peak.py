@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+import shardc.runtime.grad_sync  # noqa: F401  (registers the ops of _UNSYNCED_OPS)
 from shardc import _torch
 from shardc.memory import breakdown
 from shardc.memory.inplace import inplace_reuses
@@ -80,6 +81,10 @@ def _is_collective(node: fx.Node) -> bool:
 
 
 _CAT = torch.ops.aten.cat.default
+# no_sync's ops on its store of full gradients (shardc.runtime.grad_sync)
+_TAKE_OP = torch.ops.shardc.take_stashed_grad.default
+_UNSYNCED_OPS = frozenset({torch.ops.shardc.stash_grad.default, _TAKE_OP})
+_STORE_META = "shardc_no_sync_store"  # a stored gradient's node (unsynced_grad_lives)
 _PAD = torch.ops.aten.constant_pad_nd.default
 _aten = torch.ops.aten
 # Ops that Inductor lowers to loops it can inline into their consumers' kernels, besides those
@@ -514,7 +519,12 @@ def predict_peak(
     forward, params, fw_host = _flat(forward, params, host)
     if backward is not None:
         backward, bw_params, bw_host = _flat(backward, bw_params, host)
+    # no_sync's store of full gradients (shardc.runtime.grad_sync), held outside the graphs
+    # across the micro-batches: values of both graphs (:func:`unsynced_grad_lives`).
+    stored = _unsynced(backward) if backward is not None else []
+    unsynced = sum(nbytes for _, _, nbytes in stored)
     fw_lives, fw_storage = lifetimes_and_storage(forward, params | fw_host, fusion=fusion)
+    fw_lives = fw_lives + unsynced_grad_lives(forward, stored, taken=False)
     fw_peak, _ = _timeline(fw_lives, len(forward.graph.nodes))
     out = {"param_bytes": param_bytes, "optimizer_state_bytes": optim,
            "forward_peak_bytes": param_bytes + optim + fw_peak}
@@ -523,6 +533,7 @@ def predict_peak(
     if backward is not None:
         bw_lives, bw_storage = lifetimes_and_storage(backward, bw_params | bw_host,
                                                          fusion=fusion)
+        bw_lives = bw_lives + unsynced_grad_lives(backward, stored, taken=True)
         bw_peak, _ = _timeline(bw_lives, len(backward.graph.nodes))
         walked.append(("backward", backward, bw_lives, bw_storage))
         out["backward_peak_bytes"] = param_bytes + optim + bw_peak
@@ -538,11 +549,49 @@ def predict_peak(
     plan.memory_by_category = _step_breakdown(
         walked, constants, constants_step if backward is not None else None)
     out["peak_bytes"] = peak
+    if unsynced:
+        out["unsynced_grad_bytes"] = unsynced
     if optimizer_host_param_bytes:
         out["optimizer_host_param_bytes"] = min(optimizer_host_param_bytes, param_bytes)
     for key, value in out.items():
         setattr(plan.predicted, key, float(value))
     return out
+
+
+def _unsynced(backward: fx.GraphModule) -> list[tuple[fx.Node, str, int]]:
+    """``backward``'s (flattened) ops on ``shardc.no_sync``'s store of full gradients
+    (``stash_grad``: adds to it, ``take_stashed_grad``: takes and frees it): each op, the
+    parameter's name and its full gradient's bytes; none in a synchronized backward without
+    stored gradients."""
+    first: dict[str, tuple[fx.Node, str, int]] = {}  # a parameter's one stored gradient
+    for n in backward.graph.nodes:
+        if n.op == "call_function" and n.target in _UNSYNCED_OPS:
+            first.setdefault(n.args[2], (n, n.args[2], _nbytes(n.args[0].meta.get("val"))))
+    return list(first.values())
+
+
+def unsynced_grad_lives(gm: fx.GraphModule, stored: list[tuple[fx.Node, str, int]], *,
+                        taken: bool) -> list[Lifetime]:
+    """The stored gradients' memory while ``gm`` (flattened) runs: one value per parameter,
+    alive from the start (earlier micro-batches filled the store: an over-count in the first
+    one, safe for the budget) through the end, or (``taken``: ``gm`` is the backward) through
+    the op that takes it; a stash adds the new sum while the old one lives (``held + grad``),
+    one more gradient at that op. Each value is a node outside the graph, named
+    ``no_sync_store:<parameter>`` (breakdown: gradients)."""
+    positions = {n: i for i, n in enumerate(gm.graph.nodes)}
+    end = len(positions)  # past the output node, as the graph outputs (lifetimes_and_storage)
+    lives = []
+    for op, fqn, nbytes in stored:
+        held = fx.Node(gm.graph, f"no_sync_store:{fqn}", "call_function", op.target, (), {})
+        held.meta[_STORE_META] = True
+        if not taken:
+            lives.append(Lifetime(held, 0, end, nbytes))
+        elif op.target is _TAKE_OP:
+            lives.append(Lifetime(held, 0, positions[op], nbytes))
+        else:
+            lives += [Lifetime(held, 0, end, nbytes),
+                      Lifetime(held, positions[op], positions[op], nbytes)]
+    return lives
 
 
 def shard_bytes_by_param(gm: fx.GraphModule) -> dict[str, int]:
@@ -579,6 +628,8 @@ def _step_breakdown(walked: list, constants: dict[str, int],
     best: tuple = (-1, "", 0, None, {})
     for name, gm, lives, storage in walked:
         cats = breakdown.categorize(gm, name, storage)
+        cats.update({life.node: breakdown.GRADIENTS for life in lives
+                     if life.node.meta.get(_STORE_META)})
         timeline = breakdown.category_timeline(lives, cats, len(gm.graph.nodes))
         keep, columns = breakdown.graph_columns(timeline, constants)
         graphs[name] = {"positions": keep, "bytes": columns}

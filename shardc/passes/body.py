@@ -91,30 +91,58 @@ def describe_body_calls(gm: fx.GraphModule, block_of_param
                         ) -> list[tuple[fx.Node, BodyCall]]:
     """The calls in Dynamo's graph ``gm`` that run shardc bodies: calls some of whose operands
     are shardc gathers of one block (``block_of_param(fqn)`` -> the block's module name and
-    type, or None), in graph order."""
-    calls = []
-    for owner in gm.modules():  # bodies inside other higher-order ops too (checkpointing)
-        if isinstance(owner, fx.GraphModule):
-            calls += _describe_in(owner, block_of_param)
+    type, or None), in graph order: a call inside another higher-order op (the user's
+    activation checkpointing) at that op's place. (Listing those after the root graph's calls
+    named a checkpointed block that runs first by the plain one after it: the budget
+    planner's blocks, shardc.passes.recompute.find_blocks, pair these names with the joint
+    graph's calls in order.)"""
+    calls: list[tuple[fx.Node, BodyCall]] = []
+    seen: set[int] = set()
+    _describe_in(gm, block_of_param, calls, seen)
+    for owner in gm.modules():  # submodules no call reaches (none expected): as before, last
+        if isinstance(owner, fx.GraphModule) and id(owner) not in seen:
+            _describe_in(owner, block_of_param, calls, seen)
     return calls
 
 
-def _describe_in(gm: fx.GraphModule, block_of_param) -> list[tuple[fx.Node, BodyCall]]:
-    calls = []
-    for node in body_calls(gm):
-        operands = node.args[2:]
-        gathers = {i: gather_of(a) for i, a in enumerate(operands)}
-        weights = tuple(i for i, g in gathers.items() if g is not None)
-        if not weights:
+def _describe_in(gm: fx.GraphModule, block_of_param, calls: list, seen: set[int]) -> None:
+    """Append the body calls of ``gm`` and, where a node runs a subgraph (a higher-order op's
+    ``get_attr`` operand), of that subgraph, in graph order; each subgraph once."""
+    seen.add(id(gm))
+    for node in gm.graph.nodes:
+        if is_call(node, INVOKE_SUBGRAPH):
+            described = _describe_call(gm, node, block_of_param)
+            if described is not None:
+                calls.append(described)
+        if node.op != "call_function":
             continue
-        blocks = {block_of_param(GatherArgs.of(gathers[i]).fqn) for i in weights}
-        block = blocks.pop() if len(blocks) == 1 else None
-        if block is None:
-            continue
-        body = getattr(gm, node.args[0].target)
-        calls.append((node, BodyCall(str(node.args[1]), block[0], block[1], weights,
-                                      input_signature(_placeholder_values(body)))))
-    return calls
+        for arg in node.all_input_nodes:
+            sub = _attr(gm, arg.target) if arg.op == "get_attr" else None
+            if isinstance(sub, fx.GraphModule) and id(sub) not in seen:
+                _describe_in(sub, block_of_param, calls, seen)
+
+
+def _attr(gm: fx.GraphModule, target: str) -> object:
+    for part in target.split("."):
+        gm = getattr(gm, part, None)
+    return gm
+
+
+def _describe_call(gm: fx.GraphModule, node: fx.Node, block_of_param
+                   ) -> tuple[fx.Node, BodyCall] | None:
+    """``node`` (a body call of ``gm``) described, or None: not a call of one block's body."""
+    operands = node.args[2:]
+    gathers = {i: gather_of(a) for i, a in enumerate(operands)}
+    weights = tuple(i for i, g in gathers.items() if g is not None)
+    if not weights:
+        return None
+    blocks = {block_of_param(GatherArgs.of(gathers[i]).fqn) for i in weights}
+    block = blocks.pop() if len(blocks) == 1 else None
+    if block is None:
+        return None
+    body = getattr(gm, node.args[0].target)
+    return node, BodyCall(str(node.args[1]), block[0], block[1], weights,
+                          input_signature(_placeholder_values(body)))
 
 
 # Functions and tensor methods that draw random numbers (exact names: ``normalize`` does not).

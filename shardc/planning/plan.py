@@ -156,6 +156,10 @@ class Predictions:
     # implementation that runs holds them (``shardc.planning.optimizer_kind``; optional within
     # version 5).
     optimizer_temp_bytes: float | None = None
+    # ``shardc.no_sync``'s store of full gradients (one per parameter), held across the
+    # micro-batches and counted in the forward and backward peaks above of the regions that add
+    # to or take from it (optional within version 5). Absent: a region without stored gradients.
+    unsynced_grad_bytes: float | None = None
 
     def to_dict(self) -> dict[str, float]:
         """The predictions made, by name."""
