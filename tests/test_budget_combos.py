@@ -267,3 +267,23 @@ def test_cpu_offload_peak_budget_frees_blocks_activations(mode: str) -> None:
         kinds = {str(c.kind) for c in plan.copies}
         assert kinds == {"h2d_copy", "d2h_copy"}, kinds
         assert plan.predicted.host_bytes > 0, plan.predicted
+
+
+# --- 4. no_sync with CPU offload ------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_no_sync_with_cpu_offload_peak_budget_frees_blocks_activations() -> None:
+    """``shardc.no_sync`` and CPU offload of the parameters together under a budget (FX): both
+    regions hold no_sync's store of full gradients in their peaks, their host copies run both
+    ways, and the region at the fixed policy's peak frees a block, at parity."""
+    ref = _reference("llama", "fx")
+    offload = shardc.OffloadPolicy(simulate_on_cpu=True, check_host_memory=False)
+    runs = run_ranks(_fixed_then_budgeted, 2, "llama", "fx",
+                     {"no_sync": True, "offload": offload})
+    records = _check_budgeted(runs, ref)
+    assert len(records) == 2, records
+    for run in runs:
+        for plan in run["plans"]:
+            assert plan.predicted.unsynced_grad_bytes > 0, plan.predicted
+            assert plan.predicted.host_bytes > 0, plan.predicted
