@@ -189,13 +189,17 @@ def train(model: nn.Module, forward, tokens, targets, optim: str = "adamw",
 
 
 def _accumulate_no_sync(model: nn.Module, forward, tokens, targets) -> torch.Tensor:
-    """Two micro-batches (halves of the batch, loss / 2): the first under ``shardc.no_sync``,
-    the second synchronized; returns the step's loss (the batch mean)."""
-    half = tokens.shape[0] // 2
+    """Two micro-batches (halves of the batch; an odd batch's first half one row smaller),
+    each loss weighted by its share of the rows, so that the sum is the batch mean whatever
+    the split: the first under ``shardc.no_sync``, the second synchronized; returns the step's
+    loss (the batch mean)."""
+    rows = tokens.shape[0]
+    half = rows // 2
     total = 0.0
     for part, sync in ((slice(0, half), False), (slice(half, None), True)):
         with contextlib.nullcontext() if sync else shardc.no_sync(model):
-            loss = llama_loss(forward(tokens[part]), targets[part]) / 2
+            share = (part.indices(rows)[1] - part.indices(rows)[0]) / rows
+            loss = llama_loss(forward(tokens[part]), targets[part]) * share
             loss.backward()
         total = total + loss.detach()
     return total
