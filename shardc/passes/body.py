@@ -31,7 +31,13 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from shardc.ops.gather import GATHER_OP, REDUCE_SCATTER_OP
 from shardc.ops.gather_args import GatherArgs
-from shardc.passes.fx_utils import is_call, is_view_or_cast, lazy_graph_module, recompute_tag
+from shardc.passes.fx_utils import (
+    is_call,
+    is_view_or_cast,
+    lazy_graph_module,
+    recompute_tag,
+    subgraph_module,
+)
 
 __all__ = ["BodyCall", "TraceOnceMismatch", "body_calls", "describe_body_calls",
            "draws_random_numbers", "flattened", "gather_of", "inline_body_calls",
@@ -140,7 +146,7 @@ def _describe_call(gm: fx.GraphModule, node: fx.Node, block_of_param
     block = blocks.pop() if len(blocks) == 1 else None
     if block is None:
         return None
-    body = getattr(gm, node.args[0].target)
+    body = subgraph_module(node)
     return node, BodyCall(str(node.args[1]), block[0], block[1], weights,
                           input_signature(_placeholder_values(body)))
 
