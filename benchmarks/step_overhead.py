@@ -312,12 +312,17 @@ def run_interleaved(model: str, layers: int | None, batch: int, args, mesh, devi
         with mode_context(mode):
             states.append(prepare(mode, model, layers, batch, args, mesh, device))
     rounds: dict[str, list[list[float]]] = {st["mode"]: [] for st in states}
+    # Each round's wall-clock span (Unix seconds), to line the rounds up with samples taken
+    # outside the process (the device's clock and power from nvidia-smi).
+    spans: dict[str, list[tuple[float, float]]] = {st["mode"]: [] for st in states}
     for r in range(args.rounds):
         for st in (states if r % 2 == 0 else states[::-1]):
             with mode_context(st["mode"]):
+                start = time.time()
                 rounds[st["mode"]].append(
                     [whole_step_ms(st["setup"], st["opt"], next(st["it"]), device)
                      for _ in range(args.steps)])
+                spans[st["mode"]].append((round(start, 3), round(time.time(), 3)))
     rows = []
     for st in states:
         mode = st["mode"]
@@ -325,6 +330,7 @@ def run_interleaved(model: str, layers: int | None, batch: int, args, mesh, devi
         with mode_context(mode):
             row = finish_row(st, args, device)
         row["step_ms_rounds"] = [statistics.median(one) for one in rounds[mode]]
+        row["round_spans_unix_s"] = spans[mode]
         rows.append(row)
     return rows
 
