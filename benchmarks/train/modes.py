@@ -242,7 +242,13 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_
         options = {"peak_memory_budget_bytes": peak_budget_from_env()} \
             if mode.endswith("-budget") else {}
         setup = setup_shardc(model, mesh, loss_in_graph, offload=True, **options)
+        # The host AdamW of each bucket runs under the rest of the backward
+        # (shardc.step_in_backward, docs/offload.md), as shardc's offload is meant to be used:
+        # FSDP2's CPUOffloadPolicy steps after its backward.
+        setup.prepare_optimizer = lambda opt: setup.keep.append(shardc.step_in_backward(model, opt))
         setup.info["offload"] = "shardc.OffloadPolicy()"
+        setup.info["optimizer"] = "AdamW on the host, each bucket stepped in the backward " \
+            "(shardc.step_in_backward)"
         setup.info["options"] = ", ".join(
             ["shardc.shard(..., offload=shardc.OffloadPolicy())"]
             + [f"{k}={v!r}" for k, v in options.items()])
