@@ -9,10 +9,11 @@ device copy of the host shard, cast to the compute dtype after the copy is waite
 (``shardc.passes.lower_copies``), and the gradient, cast as the reduction would, is copied to
 the host as it is.
 
-One spawned one-rank gloo group (CPU, ``OffloadPolicy(simulate_on_cpu=True)``) runs four
+One spawned one-rank gloo group (CPU, ``OffloadPolicy(simulate_on_cpu=True)``) runs five
 trainings: FX with bf16 compute with and without offload, and under a roomy peak budget with
-offload (every bucket kept gathered: no backward copy), and Inductor (fp32) with offload,
-against the unsharded reference compiled by Inductor.
+offload (every bucket kept gathered: no backward copy), Inductor (fp32) with offload, against
+the unsharded reference compiled by Inductor, and FX (fp32) with offload accumulating two
+micro-batches without sync (``shardc.no_sync``), against the unsharded reference.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ RUNS = {  # name: (model, mode, options)
     "bf16_offload_kept": ("llama", "fx", {"mp_policy": BF16, "offload": SIM,
                                           "peak_memory_budget_bytes": 1 << 40}),
     "inductor_offload": ("llama1", "inductor", {"offload": SIM}),
+    # shardc.no_sync: a second region whose gradients stay on the device until the synced one
+    "offload_no_sync": ("llama", "fx", {"offload": SIM, "no_sync": True}),
 }
 
 
@@ -94,7 +97,7 @@ def _bitwise(a: dict, b: dict, what: str) -> None:
 
 
 def test_offload_at_world_1_elides_its_collectives_and_trains_bitwise(runs):
-    for name in ("bf16_offload", "bf16_offload_kept", "inductor_offload"):
+    for name in ("bf16_offload", "bf16_offload_kept", "inductor_offload", "offload_no_sync"):
         run = runs[name]
         # No collective lowered, every planned one elided, no pool; the copies still run,
         # and nothing reads a device copy before it is waited.
@@ -117,3 +120,8 @@ def test_offload_at_world_1_under_inductor_matches_the_reference(runs):
     torch._dynamo.reset()
     ref = reference("llama1", compile_backend="inductor")
     assert_parity(runs["inductor_offload"], ref)
+
+
+def test_offload_at_world_1_accumulates_without_sync_like_the_reference(runs):
+    torch._dynamo.reset()
+    assert_parity(runs["offload_no_sync"], reference("llama"))
