@@ -71,6 +71,12 @@ def _summary(run: dict) -> dict:
         "pool": {p.predicted.pool_bytes for p in plans},
         "early": [name for gm in graphs for name in read_before_wait(gm)],
         "kept": [d.kept for p in plans if p.budget for d in p.budget.decisions],
+        # Each bucket's gradient copy, where an elided reduction hands the gradients out: its
+        # issue (nothing to wait for), not the wait a reduce-scatter would have had.
+        "d2h_late": [c.id for p in plans for c in p.copies if c.kind == "d2h_copy"
+                     for r in p.collectives if r.kind == "reduce_scatter"
+                     and r.bucket == c.bucket and r.graph == c.graph
+                     and c.issue_pos != r.issue_pos],
     }
 
 
@@ -105,6 +111,7 @@ def test_offload_at_world_1_elides_its_collectives_and_trains_bitwise(runs):
         assert run["pool"] == {0}, (name, run["pool"])
         assert run["h2d"] and run["d2h"] > 0, (name, run)
         assert run["early"] == [], (name, run["early"])
+        assert run["d2h_late"] == [], (name, run["d2h_late"])
     # Offload moves bytes, never changes them: bitwise the run without offload (both elided).
     _bitwise(runs["bf16_offload"], runs["bf16"], "bf16 offloaded vs not, world 1")
     # A roomy budget keeps every bucket gathered (the forward's cast of the device copy), so
