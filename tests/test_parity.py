@@ -311,14 +311,19 @@ def _check_runs(world: int, named: dict, runs: dict, references: dict) -> None:
         kind, mode, options = named[name]
         if mode != "eager":
             # One rank communicates nothing: no collective is lowered (the plan lists them,
-            # elided); from two ranks on, every planned one is.
-            # (CPU offload of the shards keeps them: its planned copies feed the collectives.)
+            # elided); from two ranks on, every planned one is. CPU offload of the shards too
+            # (since off22): its device copies are cast and its gradients copied back as they
+            # are, with no send or receive buffer.
             elided = {p.elided for p in run["plan_collectives"]}
-            if world == 1 and options.get("offload", OPT_OFFLOAD) is OPT_OFFLOAD:
+            if world == 1:
                 assert run["collective_ops"] == 0, (name, run["collective_ops"])
                 assert elided == {True}, name
-                # ... and plans no communication buffer: no pool, none in the timeline.
-                assert run["comm_bytes"] == {(0, 0)}, (name, run["comm_bytes"])
+                # ... and plans no communication buffer: no pool, none in the timeline (but
+                # the host shards' device copies, where the shards are offloaded).
+                copies = options.get("offload", OPT_OFFLOAD) is not OPT_OFFLOAD
+                assert run["copies"] > 0 if copies else run["comm_bytes"] == {(0, 0)}, (
+                    name, run["comm_bytes"])
+                assert {pool for pool, _ in run["comm_bytes"]} == {0}, (name, run["comm_bytes"])
             else:
                 assert run["collective_ops"] > 0 and elided == {False}, name
         ref = references[f"{kind}-sgd" if options.get("optim") == "sgd" else kind]

@@ -503,8 +503,11 @@ def apply_plan(
     colls = [c for c in colls if not c.elided or c.link]
     pool_node = pool if isinstance(pool, fx.Node) or pool is None else _pool_node(gm, pool)
     views = PoolViews(graph, pool_node if colls else None, plan, poison)
-    # CPU offload: the host->device copies first (the all-gathers send their results).
-    lower_h2d(gm, g, plan.copies)
+    # CPU offload: the host->device copies first (the all-gathers send their results; an
+    # elided gather's cast reads its copy after the copy's wait).
+    lower_h2d(gm, g, plan.copies, frozenset(c.bucket for c in plan.collectives
+                                            if c.graph == graph_name and c.origin == "shardc"
+                                            and c.kind == Kind.ALL_GATHER and c.elided))
     # At one position: waits of earlier issues first (their send buffers die before the next
     # bucket is packed, which then reuses their memory), then issues, then the waits of
     # collectives issued there, each in plan order.

@@ -2,12 +2,14 @@
 
 Each parameter's ``offload_to_device`` node becomes an ``offload_copy_start`` at its bucket's
 planned copy issue position and an ``offload_copy_wait`` at the copy's wait position (before the
-bucket's all-gather is issued, which then sends the device copy). Each ``offload_to_host`` node
-becomes a start where the plan issues its bucket's gradient copy (once the reduced shards are
-handed out) and a wait at the end of the backward; the views taken of the host gradient (its
-DTensor wrapping) move behind the wait. With ``ready_key`` (the model's key), each bucket's
-starts are followed by one ``offload_grads_ready`` naming the parameters whose host gradient is
-final once copied (:func:`final_host_grads`), for ``shardc.step_in_backward``.
+bucket's all-gather is issued, which then sends the device copy; over a one-rank group, where
+the gather is elided, the cast of the device copy that replaces it moves behind the wait).
+Each ``offload_to_host`` node becomes a start where the plan issues its bucket's gradient copy
+(once the reduced shards are handed out) and a wait at the end of the backward; the views
+taken of the host gradient (its DTensor wrapping) move behind the wait. With ``ready_key`` (the
+model's key), each bucket's starts are followed by one ``offload_grads_ready`` naming the
+parameters whose host gradient is final once copied (:func:`final_host_grads`), for
+``shardc.step_in_backward``.
 """
 
 from __future__ import annotations
@@ -33,8 +35,11 @@ def _retake(graph: fx.Graph, node: fx.Node) -> fx.Node:
     return graph.node_copy(node, lambda n: base)
 
 
-def lower_h2d(gm: fx.GraphModule, g: GraphView, copies: list[Collective]) -> None:
-    """Replace the graph's host->device copy nodes by planned start/wait pairs."""
+def lower_h2d(gm: fx.GraphModule, g: GraphView, copies: list[Collective],
+              elided: frozenset[int] = frozenset()) -> None:
+    """Replace the graph's host->device copy nodes by planned start/wait pairs. ``elided``: the
+    buckets whose gathers in this graph are elided (lowered to casts of the device copy before
+    this runs); their casts move behind the copy's waits (:func:`_readers_after_waits`)."""
     graph = gm.graph
     for c in (c for c in copies if c.kind == CollectiveKind.H2D_COPY and c.graph == g.name
               and c.origin == "shardc"):  # activation copies are in the graph already
@@ -47,12 +52,42 @@ def lower_h2d(gm: fx.GraphModule, g: GraphView, copies: list[Collective]) -> Non
                 starts.append(call(graph, COPY_START_OP,
                                    (_retake(graph, src), fqn, device, val.dtype, False)))
         with graph.inserting_before(_anchor(g, gm, c.wait_pos)):
-            for start in starts:
-                call(graph, COPY_WAIT_OP, (start,))
+            waits = [call(graph, COPY_WAIT_OP, (start,)) for start in starts]
         for fqn, start in zip(c.params, starts):
             node = g.to_device[fqn]
             node.replace_all_uses_with(start)
             graph.erase_node(node)
+        if c.bucket in elided:
+            _readers_after_waits(graph, set(starts), waits, set(g.compute))
+
+
+def _readers_after_waits(graph: fx.Graph, starts: set[fx.Node], waits: list[fx.Node],
+                         compute: set[fx.Node]) -> None:
+    """Move the nodes downstream of a bucket's host->device copy ``starts`` that sit before
+    its ``waits`` (consecutive nodes) right behind the last wait, in their order. An all-gather
+    reads the copies after the waits (it is issued there), but an elided one (a one-rank group,
+    ``shardc.passes.lower.elide``) became casts of the copies where the gather nodes were,
+    which may precede the waits, or the starts themselves: the copies must be complete before
+    anything reads them. Only those casts and their views may move: the plan waits a copy
+    before its bucket's first reader, so a compute op of the graph (``compute``) among them
+    is a lowering fault, raised rather than reordered."""
+    first = waits[0]
+    downstream, before = set(starts), []
+    for n in graph.nodes:
+        if n is first:
+            break
+        if n not in starts and any(i in downstream for i in n.all_input_nodes):
+            downstream.add(n)
+            before.append(n)  # graph order: inputs before their readers
+    moved = [n for n in before if n in compute]
+    if moved:
+        raise RuntimeError(f"shardc: compute op(s) {[n.name for n in moved]} read a parameter's "
+                           "host->device copy before the copy is waited (the plan waits it "
+                           "before the bucket's first reader)")
+    anchor = waits[-1]
+    for n in before:
+        anchor.append(n)
+        anchor = n
 
 
 def lower_d2h(gm: fx.GraphModule, g: GraphView, copies: list[Collective],

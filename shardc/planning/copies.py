@@ -77,8 +77,11 @@ def place_d2h(g: GraphView, colls: list[Collective], buckets: list[Bucket]) -> l
     for c in colls:
         if c.kind == Kind.REDUCE_SCATTER and c.origin == "shardc":
             last = by_id[c.link] if c.link in by_id else c
+            # An elided reduction (one-rank group, no HSDP all-reduce after it) hands its
+            # gradients out where they are cast, at its issue: nothing to wait for.
+            pos = c.issue_pos if c.elided and last is c else last.wait_pos
             for p in c.params:
-                handed_out[p] = last.wait_pos
+                handed_out[p] = pos
     out = []
     for bucket in buckets:
         params = [p for p in bucket.params if p in g.to_host]

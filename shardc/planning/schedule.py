@@ -19,6 +19,9 @@ Placement rules, each recorded as the collective's ``reason``:
 - shardc's collectives over a one-rank group (world 1, HSDP with shard size 1) are planned as
   above but marked ``elided``: no time, no buffer; the lowering reads the shard in place and
   takes the gradient as the reduced one (an HSDP all-reduce then starts where they exist).
+  Under CPU offload too (not with HSDP replicas): the gathered parameter is then the device
+  copy of the host shard, cast, and the reduced gradient goes back to the host as it is (no
+  send or receive buffer).
 
 The cost model simulates one lane per process group (each has its own stream on GPU).
 """
@@ -120,9 +123,13 @@ def _collective(g: GraphView, kind: Kind, bucket: Bucket, params: list[str], nby
     last use."""
     per_rank = nbytes if kind == Kind.ALL_REDUCE else nbytes // bucket.world
     group_size = bucket.replicate if group == "replicate" else bucket.world
-    # Not with CPU offload: its planned host->device copies feed the collectives (kept as they
-    # are, one-rank groups included, until the elision is ordered after those copies).
-    elided = group_size == 1 and not (g.to_device or g.to_host)
+    # With CPU offload too (off22), where no HSDP replica follows: the lowering orders an
+    # elided gather's cast after its bucket's host->device copy is waited
+    # (``shardc.passes.lower_copies.lower_h2d``), and copies an elided reduction's gradient to
+    # the host as it would the reduced shard. HSDP with one-rank shard groups under offload
+    # keeps them lowered, as before (not tested elided).
+    offloaded = bool(g.to_device or g.to_host)
+    elided = group_size == 1 and not (offloaded and bucket.replicate > 1)
     if elided:
         reason = f"{ELIDED_REASON[kind]} (placement as planned: {reason})"
     return Collective(
