@@ -100,11 +100,13 @@ def mesh_setup(meta: dict) -> PlanSetup:
 @dataclass(frozen=True)
 class PlannedRow:
     """A GPU run's configuration planned here: the whole step, the peak, the planning
-    seconds."""
+    seconds, and the predicted exposed communication (seconds per step: what the plan says
+    communication adds to the step, ``Predictions.exposed_comm_s``)."""
 
     step_s: float
     peak_bytes: float
     seconds: float
+    exposed_comm_s: float = 0.0
 
 
 def _run_options(meta: dict, cluster: dict) -> dict:
@@ -148,7 +150,8 @@ def plan_measured_row(meta: dict, r: dict, profile: str | None) -> PlannedRow:
                               setup=setup)
     seconds = time.perf_counter() - start
     step = whole_step(planned, prof, cudagraphs=bool(meta.get("cudagraphs"))).step_s
-    return PlannedRow(step, planned.plan.predicted.peak_bytes, seconds)
+    return PlannedRow(step, planned.plan.predicted.peak_bytes, seconds,
+                      planned.plan.predicted.exposed_comm_s or 0.0)
 
 
 def _from_measured(path: str, profile: str | None) -> list[str]:
