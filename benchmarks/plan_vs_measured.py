@@ -100,8 +100,8 @@ def mesh_setup(meta: dict) -> PlanSetup:
 @dataclass(frozen=True)
 class PlannedRow:
     """A GPU run's configuration planned here: the whole step, the peak, the planning
-    seconds, and the predicted exposed communication (seconds per step: what the plan says
-    communication adds to the step, ``Predictions.exposed_comm_s``)."""
+    seconds, and the predicted exposed communication (seconds per step: what communication
+    adds to the step, ``StepPrediction.exposed_comm_s``)."""
 
     step_s: float
     peak_bytes: float
@@ -149,9 +149,9 @@ def plan_measured_row(meta: dict, r: dict, profile: str | None) -> PlannedRow:
                               options, template="peak_memory_budget_bytes" not in options,
                               setup=setup)
     seconds = time.perf_counter() - start
-    step = whole_step(planned, prof, cudagraphs=bool(meta.get("cudagraphs"))).step_s
-    return PlannedRow(step, planned.plan.predicted.peak_bytes, seconds,
-                      planned.plan.predicted.exposed_comm_s or 0.0)
+    step = whole_step(planned, prof, cudagraphs=bool(meta.get("cudagraphs")))
+    return PlannedRow(step.step_s, planned.plan.predicted.peak_bytes, seconds,
+                      step.exposed_comm_s)
 
 
 def _from_measured(path: str, profile: str | None) -> list[str]:
