@@ -182,17 +182,18 @@ def _pct(v: float | None) -> str:
     return "–" if v is None else f"{v * 100:+.1f}%"
 
 
-def cpu_plan(meta: dict, r: dict) -> tuple[float, float, float]:
+def cpu_plan(meta: dict, r: dict, profile: str | None = None) -> tuple[float, float, float]:
     """(step seconds, peak bytes, exposed communication seconds) of ``r``'s run planned here
-    without a GPU, as ``plan_vs_measured.py`` plans it (the run's profile, mesh, precision,
-    CUDA graphs and memory budget)."""
+    without a GPU, as ``plan_vs_measured.py`` plans it (the run's profile, or ``profile``
+    where given: a run made with a profile file that is here under another path; mesh,
+    precision, CUDA graphs and memory budget)."""
     from plan_vs_measured import plan_measured_row
 
-    planned = plan_measured_row(meta, r, None)
+    planned = plan_measured_row(meta, r, profile)
     return planned.step_s, planned.peak_bytes, planned.exposed_comm_s
 
 
-def render(reports: list[dict], cpu_plans: bool = False) -> str:
+def render(reports: list[dict], cpu_plans: bool = False, profile: str | None = None) -> str:
     lines = ["# Issue 19: predicted against measured, every configuration", "",
              "Made by `python benchmarks/predict_matrix.py` (the runs) and "
              "`python benchmarks/predict_matrix.py --merge-only"
@@ -232,7 +233,7 @@ def render(reports: list[dict], cpu_plans: bool = False) -> str:
                    f"{peak(r.get('predicted_peak_bytes'))} / "
                    f"{peak(r.get('measured_peak_bytes'))} | {_pct(v.peak_err)} |")
             if cpu_plans:
-                step_s, peak_bytes, exposed_s = cpu_plan(m, r)
+                step_s, peak_bytes, exposed_s = cpu_plan(m, r, profile)
                 step_err = step_s / r["measured_step_s"] - 1
                 peak_err = (peak_bytes / r["measured_peak_bytes"] - 1
                             if r.get("measured_peak_bytes") else None)
@@ -272,7 +273,8 @@ def _args(argv):
     p.add_argument("--parts", default=None,
                    help=f"comma-separated parts of {', '.join(PARTS)} (default: those the GPUs "
                         "here can run)")
-    p.add_argument("--profile", default=None, help="cluster profile for every run (preset or "
+    p.add_argument("--profile", default=None, help="cluster profile for every run, and with "
+                   "--merge-only --cpu-plans the one the CPU plans use (preset or "
                    "file); default: the preset for the GPU")
     p.add_argument("--gpus", default=None, help="GPU indices to use (default: all visible)")
     p.add_argument("--out", default="docs/bench/predict/matrix")
@@ -312,7 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     reports = load_reports(out)
     if not reports:
         raise SystemExit(f"predict_matrix: no predict_*.json under {out}")
-    text = render(reports, cpu_plans=args.cpu_plans)
+    # With --merge-only, --profile is the profile the CPU plans use (default: each run's).
+    text = render(reports, cpu_plans=args.cpu_plans,
+                  profile=args.profile if args.merge_only else None)
     (out / "predict_matrix.md").write_text(text)
     print(text)
     return 0
