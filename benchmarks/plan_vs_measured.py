@@ -100,11 +100,13 @@ def mesh_setup(meta: dict) -> PlanSetup:
 @dataclass(frozen=True)
 class PlannedRow:
     """A GPU run's configuration planned here: the whole step, the peak, the planning
-    seconds."""
+    seconds, and the predicted exposed communication (seconds per step: what communication
+    adds to the step, ``StepPrediction.exposed_comm_s``)."""
 
     step_s: float
     peak_bytes: float
     seconds: float
+    exposed_comm_s: float = 0.0
 
 
 def _run_options(meta: dict, cluster: dict) -> dict:
@@ -147,8 +149,9 @@ def plan_measured_row(meta: dict, r: dict, profile: str | None) -> PlannedRow:
                               options, template="peak_memory_budget_bytes" not in options,
                               setup=setup)
     seconds = time.perf_counter() - start
-    step = whole_step(planned, prof, cudagraphs=bool(meta.get("cudagraphs"))).step_s
-    return PlannedRow(step, planned.plan.predicted.peak_bytes, seconds)
+    step = whole_step(planned, prof, cudagraphs=bool(meta.get("cudagraphs")))
+    return PlannedRow(step.step_s, planned.plan.predicted.peak_bytes, seconds,
+                      step.exposed_comm_s)
 
 
 def _from_measured(path: str, profile: str | None) -> list[str]:

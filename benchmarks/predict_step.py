@@ -293,7 +293,9 @@ def run_config(c: dict, args, device, mesh, cluster: dict | None, log) -> dict[s
         # and the device's idle waiting for the host's per-parameter work beyond it).
         "predicted_optimizer_s": step.after_s,
         "predicted_optimizer_device_s": step.optimizer_device_s,
-        "predicted_exposed_comm_s": sum(p.predicted.get("exposed_comm_s", 0.0) for p in plans),
+        # What communication adds to the step (stalls for collectives that no host wait
+        # absorbs), the measured "waited for" figure's counterpart (shardc.planning.step).
+        "predicted_exposed_comm_s": step.exposed_comm_s,
         "predicted_peak_bytes": max((p.predicted.get("peak_bytes", 0.0) for p in plans),
                                     default=0.0),
         "params": cfg.num_params(), "regions": len(plans), "param_tensors": n_params,

@@ -275,19 +275,20 @@ def test_timeline_host_bound_kernels_and_overlap_slowdown():
     line.kernel(2e-3)  # 1 ms beside the collective covers 1/1.5 ms of work; the rest alone
     assert line.t == pytest.approx(1e-3 + (2e-3 - 1e-3 / 1.5))
     line.wait(c)
-    assert c.exposed_s == 0.0
-    # A wait is exposed only beyond where the next kernel could start anyway: the host,
-    # launching tiny kernels, is past the collective's end, so nothing is exposed.
+    assert c.stall_s == 0.0
+    # A wait stalls the stream only beyond where the next kernel could start anyway: the
+    # host, launching tiny kernels, is past the collective's end, so nothing stalls.
     line = _Timeline(p)
     c = _collective()
     line.issue(c, 30e-6)
     for _ in range(5):
         line.kernel(1e-6)
     line.wait(c)
-    assert c.exposed_s == 0.0 and line.host == pytest.approx(50e-6)
-    line.issue(d := _collective("tp"), 1e-3)  # waited at once: all of it is exposed
+    assert c.stall_s == 0.0 and line.host == pytest.approx(50e-6)
+    line.issue(d := _collective("tp"), 1e-3)  # waited at once: all of it stalls
     line.wait(d)
-    assert d.exposed_s == pytest.approx(1e-3) and line.t == pytest.approx(d.predicted_end_s)
+    assert d.stall_s == pytest.approx(1e-3) and line.t == pytest.approx(d.predicted_end_s)
+    assert line.delay_s == pytest.approx(1e-3)  # nothing after it to absorb it
     # The time by category adds up to the stream's time: kernels, waiting for the host, waiting
     # for a collective.
     # (the two kernels launched while c ran took 1.5x as long)

@@ -110,7 +110,11 @@ class Predictions:
     backward_time_s: float | None = None
     backward_exposed_comm_s: float | None = None
     step_time_s: float | None = None
+    # What communication adds to the graphs' time: the stalls for collectives that host waits
+    # later in the region do not absorb (``shardc.planning.schedule._Timeline``), and the
+    # stalls themselves before absorption (optional within version 5).
     exposed_comm_s: float | None = None
+    comm_stall_s: float | None = None
     comm_time_s: float | None = None
     peak_comm_buffer_bytes: float | None = None
     # The communication pool: its size, and the most bytes its buffers hold at once.
@@ -293,7 +297,11 @@ class Collective:
     reason: str = ""
     predicted_start_s: float = 0.0
     predicted_end_s: float = 0.0
+    # What it adds to the region's graphs: its stall, less what later host waits absorb
+    # (``Predictions.exposed_comm_s`` is the sum). ``stall_s``: the compute stream's stall for it
+    # at ``wait_pos`` (optional within version 5; plans without it read 0).
     exposed_s: float = 0.0
+    stall_s: float = 0.0
     buffer_offset: int | None = None
     buffer_lifetime: tuple[int, int] | None = None
     # The mesh dimension it runs over: "shard" (intra-node in HSDP), "replicate" (inter-node),

@@ -369,12 +369,26 @@ class _Timeline:
     over its kernels). ``host_ahead_s``: how far the host is ahead of the device when it
     calls the graph (the device work the previous graph left queued: the graph's call and
     entry hide under it as far as it goes); times are the device's from the end of that
-    work."""
+    work.
+
+    Exposed communication is what the waits add to the stream's time. Beside the stream the
+    timeline keeps its shadow: the same kernels, of the same durations, launched by the same
+    host, where no wait stalls (``t - delay_s``). A wait stalls the stream beyond where its
+    next kernel could start anyway (the stream free, the host there): ``Collective.stall_s``,
+    the stream's ``exposed_comm`` time. The stall is owed to the collective (``owed``: seconds
+    by the record's ``id()``, as copies' ids can repeat) until a later kernel finds the host
+    later than the shadow stream: the stream would have idled for the host then anyway, so
+    that much of the delay was not the communication's, and every collective's debt shrinks in
+    proportion. What is owed at the end is what communication adds to the graph
+    (``delay_s``; the same every run: no clock, no randomness). ``owed``: debts carried in
+    from the region's previous graph (its forward), still to be absorbed."""
 
     def __init__(self, profile: ClusterProfile, entry_s: float = 0.0,
-                 launch_extra_s: float = 0.0, host_ahead_s: float = 0.0) -> None:
+                 launch_extra_s: float = 0.0, host_ahead_s: float = 0.0,
+                 owed: dict[int, float] | None = None) -> None:
         self.profile = profile
-        self.t = self.exposed = 0.0
+        self.t = 0.0
+        self.owed: dict[int, float] = dict(owed or {})
         # The host reaches the graph's first kernel after calling it (guards, wrappers) and
         # handling its parameters (entry_s), from where it was.
         self.host = profile.graph_call_s + entry_s - max(host_ahead_s, 0.0)
@@ -390,6 +404,25 @@ class _Timeline:
     def _add(self, category: str, seconds: float) -> None:
         if seconds > 0:
             self.by_category[category] = self.by_category.get(category, 0.0) + seconds
+
+    @property
+    def delay_s(self) -> float:
+        """How far the stream is behind its shadow (no stalls for collectives): what the
+        communication owed so far adds to the graph."""
+        return sum(self.owed.values())
+
+    def _absorb(self, ready: float) -> None:
+        """The stream is ready for its next event at ``ready`` (the stream free, the host
+        there); the shadow would be at the later of its own time and the host: where the host
+        comes later than the shadow, the stalls owed are absorbed, in proportion, down to the
+        two times' difference."""
+        delay = self.delay_s
+        if delay <= 0.0:
+            return
+        left = ready - max(self.t - delay, self.host)
+        if left < delay:
+            scale = max(left, 0.0) / delay
+            self.owed = {cid: s * scale for cid, s in self.owed.items()}
 
     def _idle(self, seconds: float) -> None:
         """The stream idles ``seconds`` waiting for the host: the first ``entry_s`` of such
@@ -410,6 +443,7 @@ class _Timeline:
             self.host += self._launch_s
             self.launches += 1
         start = max(self.t, self.host)
+        self._absorb(start)
         self._idle(start - self.t)
         busy_until = max(self.free.values(), default=0.0)
         if busy_until > start and seconds > 0:
@@ -433,11 +467,13 @@ class _Timeline:
 
     def wait(self, c: Collective) -> None:
         """The stream waits for ``c``; what it waits beyond the point where the next kernel
-        could start anyway (the stream free and the host there) is exposed communication."""
+        could start anyway (the stream free and the host there) is its stall
+        (``c.stall_s``), owed to it until later host waits absorb it (see the class)."""
         ready = max(self.t, self.host)
-        if c.predicted_end_s > ready:
-            c.exposed_s = c.predicted_end_s - ready
-            self.exposed += c.exposed_s
+        self._absorb(ready)
+        c.stall_s = max(c.predicted_end_s - ready, 0.0)
+        if c.stall_s > 0:
+            self.owed[id(c)] = self.owed.get(id(c), 0.0) + c.stall_s
         self._idle(min(self.host, c.predicted_end_s) - self.t)
         self._add("exposed_comm", c.predicted_end_s - max(self.t, self.host))
         self.t = max(self.t, c.predicted_end_s)
@@ -445,7 +481,8 @@ class _Timeline:
 
 def _simulate(g: GraphView, colls: list[Collective], profile: ClusterProfile,
               tp_size: int = 1, entry_s: float = 0.0, graph_host_s: float = 0.0,
-              host_ahead_s: float = 0.0, shard_size: int = 1):
+              host_ahead_s: float = 0.0, shard_size: int = 1,
+              owed: dict[int, float] | None = None):
     """Timing: the compute stream runs the graph's kernels (:mod:`shardc.planning.kernels`:
     fused groups, matmuls, attention) in order, each at the end of its last op and priced by
     :mod:`shardc.planning.estimate`; each process group's collectives run first-in first-out
@@ -460,8 +497,11 @@ def _simulate(g: GraphView, colls: list[Collective], profile: ClusterProfile,
     ``host_ahead_s``: the previous graph's device work still queued (see :class:`_Timeline`);
     ``tp_size``, ``shard_size``: the mesh's tp and shard group sizes (where each group's ranks
     sit, :func:`_duration`).
-    Fills the predictions; returns ``(ops, graph seconds, exposed communication, seconds by
-    category, device time queued after the host's last launch, kernels launched)``."""
+    ``owed``: the stalls the region's previous graph left unabsorbed (:class:`_Timeline`).
+    Fills the predictions (each collective's ``stall_s``; not ``exposed_s``, which only the
+    region's last graph settles); returns ``(ops, graph seconds, stalls owed at the end by
+    collective record (``id()``), seconds by category, device time queued after the host's
+    last launch, kernels launched)``."""
     ops = []
     by_id = {c.id: c for c in colls}
     chained = {c.link: c for c in colls
@@ -475,7 +515,7 @@ def _simulate(g: GraphView, colls: list[Collective], profile: ClusterProfile,
         by_wait.setdefault(c.wait_pos, []).append(c)
     kernels = group_kernels(g.compute[0].graph, g.compute) if g.compute else []
     line = _Timeline(profile, entry_s, graph_host_s / len(kernels) if kernels else 0.0,
-                     host_ahead_s)
+                     host_ahead_s, owed)
     kernel_at = {}
     for k in kernels:
         kernel_at.setdefault(g.position[anchor(k)], []).append(k)
@@ -530,7 +570,22 @@ def _simulate(g: GraphView, colls: list[Collective], profile: ClusterProfile,
             ops.append(ComputeOp(node.name, str(node.target), flops, nbytes, start, end))
     for c in colls:
         c.overlaps = [op.name for op in ops[c.issue_pos:c.wait_pos]][:64]
-    return ops, line.t, line.exposed, line.by_category, line.queued_s(), line.launches
+    return ops, line.t, line.owed, line.by_category, line.queued_s(), line.launches
+
+
+def _settle_exposure(plan: Plan, owed: dict[int, float]) -> None:
+    """Each collective's exposed communication is what it still owes when the region's last
+    graph ends (:class:`_Timeline`); each graph's is its collectives' sum, the region's the
+    sum of both: what communication adds to the region's graphs. ``comm_stall_s``: the
+    stream's stalls at the waits before any absorption (what a step without host gaps, a
+    CUDA-graph replay, would wait)."""
+    for c in plan.collectives + plan.copies:
+        c.exposed_s = owed.get(id(c), 0.0)
+    for graph in plan.graphs:
+        plan.predicted.set_graph(graph, plan.predicted[f"{graph}_time_s"], sum(
+            c.exposed_s for c in plan.collectives + plan.copies if c.graph == graph))
+    plan.predicted.exposed_comm_s = sum(owed.values())
+    plan.predicted.comm_stall_s = sum(c.stall_s for c in plan.collectives + plan.copies)
 
 
 def _memory_timeline(g: GraphView, colls: list[Collective]) -> list[int]:
@@ -650,8 +705,9 @@ def plan_region(
     plan.group_name = GatherArgs.of(next(iter(fw.gathers.values()))).group_name \
         if fw.gathers else ""
     _describe_mesh(plan, roles)
-    total_time = total_exposed = 0.0
+    total_time = 0.0
     queued = 0.0  # device work the previous graph left queued when its host work ended
+    owed: dict[int, float] = {}  # stalls not yet absorbed, carried from graph to graph
     for g in graphs:
         colls = _place_all_gathers(g, buckets, options)
         if g.name == "backward":
@@ -676,9 +732,9 @@ def plan_region(
         # backward hides the same amount once per forward.) Profiles before version 4 predict
         # as they did, each graph from an idle device.
         ahead = queued if g.name == "backward" and cluster.version >= 4 else 0.0
-        ops, step, exposed, by_category, queued, launches = _simulate(
+        ops, step, owed, by_category, queued, launches = _simulate(
             g, colls + copies, cluster, plan.tp_size, entry_s, graph_host_s, host_ahead_s=ahead,
-            shard_size=plan.world_size)
+            shard_size=plan.world_size, owed=owed)
         setattr(plan.predicted, f"{g.name}_kernels", float(launches))
         setattr(plan.predicted, f"{g.name}_queued_s", queued)
         if g.name == "backward":
@@ -687,10 +743,10 @@ def plan_region(
         plan.copies.extend(copies)
         plan.graphs[g.name] = ops
         plan.memory_timeline[g.name] = _memory_timeline(g, colls + copies)
-        plan.predicted.set_graph(g.name, step, exposed)
+        plan.predicted.set_graph(g.name, step, 0.0)  # exposure settled below
         plan.predicted.add_time_by_category(g.name, by_category)
         total_time += step
-        total_exposed += exposed
+    _settle_exposure(plan, owed)
     elided = [c for c in plan.collectives if c.elided]
     if elided:
         plan.notes.append(
@@ -701,7 +757,6 @@ def plan_region(
         plan.notes.append(_found_note([c for cs in found.values() for c in cs],
                                       options.move_found_collectives))
     plan.predicted.step_time_s = total_time
-    plan.predicted.exposed_comm_s = total_exposed
     plan.predicted.comm_time_s = sum(c.predicted_s for c in plan.collectives)
     plan.predicted.peak_comm_buffer_bytes = max(
         (max(t, default=0) for t in plan.memory_timeline.values()), default=0

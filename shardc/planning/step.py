@@ -66,13 +66,18 @@ added to the step.
 
 CUDA graphs (``predict_step(..., cudagraphs=True)``, ``mode="reduce-overhead"``): the graphs
 replay, so their device time is the plan's less the waits for the host, and the whole backward
-is queued when the host returns from it. The plan's exposed communication is kept as planned
-(with the host's waits gone, a collective's wait could show more: not modelled).
+is queued when the host returns from it.
+
+Exposed communication (:func:`step_exposed_comm`): what communication adds to the step, the
+counterpart of the benchmarks' measured "waited for" figure: each plan's exposed communication
+(its stalls for collectives less what its later host waits absorb, :mod:`shardc.planning.
+schedule`), less what the host work after the last backward absorbs of the last region's;
+under CUDA graphs, whose replays have no host waits, each plan's stalls (``comm_stall_s``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from shardc.planning import optimizer_kind, optimizer_offload
@@ -158,6 +163,7 @@ class StepPrediction:
     region's ``step_time_s``), ``after_s`` (from the end of the last backward's device work to
     the end of the step: gradient hand-off, optimizer, zero_grad), ``step_s`` (their sum),
     ``optimizer_device_s`` (the optimizer's device time; 0 when it steps on the host),
+    ``exposed_comm_s`` (what communication adds to the step: :func:`step_exposed_comm`),
     ``optimizer_host_s`` (an offloaded step's host compute, overlapped or not), and
     ``by_category`` for the part after the graphs: ``optimizer`` (device), ``host_optimizer``
     (the device idle while the host steps), ``offload_copies`` (optimizer-only offload's
@@ -172,6 +178,7 @@ class StepPrediction:
     phases: tuple[Phase, ...] = ()
     optimizer: str = ""
     optimizer_host_s: float = 0.0
+    exposed_comm_s: float = 0.0
 
     @property
     def step_s(self) -> float:
@@ -181,7 +188,8 @@ class StepPrediction:
         """JSON-ready: the totals and each phase with its bound."""
         return {"step_s": self.step_s, "graphs_s": self.graphs_s, "after_s": self.after_s,
                 "optimizer": self.optimizer, "optimizer_device_s": self.optimizer_device_s,
-                "optimizer_host_s": self.optimizer_host_s, "by_category": dict(self.by_category),
+                "optimizer_host_s": self.optimizer_host_s, "exposed_comm_s": self.exposed_comm_s,
+                "by_category": dict(self.by_category),
                 "phases": [{"name": p.name, "seconds": p.seconds, "host_wait_s": p.host_wait_s,
                             "comm_wait_s": p.comm_wait_s, "runs_on": p.runs_on,
                             "bound": p.bound} for p in self.phases]}
@@ -349,41 +357,45 @@ def _mixed_step(queued: float, handoff: float, zero_grad: float, optimizer: Opti
     return (*timeline, device, host_s, copies, compute)
 
 
-def predict_step(plans: Sequence[Plan], profile: ClusterProfile, optimizer: OptimizerSpec,
-                 *, cudagraphs: bool = False) -> StepPrediction:
-    """The step of the compiled regions ``plans`` (this rank's) with ``optimizer`` (see the
-    module docstring).
+def _graph_comm(plan: Plan, cudagraphs: bool) -> float:
+    """What communication adds to ``plan``'s graphs: its exposed communication (the stalls
+    for collectives less what later host waits absorb); replayed as CUDA graphs, which have
+    no host waits to absorb them, its stalls (plans without ``comm_stall_s``: the former)."""
+    stall = plan.predicted.comm_stall_s
+    if cudagraphs and stall is not None:
+        return stall
+    return _value(plan.predicted, "exposed_comm_s")
 
-    ``cudagraphs``: the compiled regions replay as CUDA graphs (``torch.compile(...,
-    mode="reduce-overhead")``): a graph's device time is the plan's without the device's waits
-    for the host (a replay launches no kernel one by one and does no per-parameter work), the
-    step's first replay call (``graph_call_s``) is waited for once, and the host returns from
-    a backward replay at once, so the backward's whole device time is queued under the
-    hand-off and the optimizer's host work. The optimizer and zero_grad run eagerly, as
-    before."""
-    share = budget_host_share(plans) if optimizer.offload == "none" else 0.0
-    if share >= 1.0:  # the budget put every parameter's state and step on the host
-        optimizer = replace(optimizer, offload="optimizer", overlap=False)
 
-    def queued_of(p: Plan) -> float:
-        return _replayed_s(p, "backward") if cudagraphs else _value(p.predicted,
-                                                                     "backward_queued_s")
+def step_exposed_comm(plans: Sequence[Plan], cudagraphs: bool, queued: float, after: float,
+                      after_of: Callable[[float], float]) -> float:
+    """What communication adds to the step: the step less the same step with no stall for a
+    collective (the measured counterpart: the NCCL time the compute stream waited for).
 
-    replay_call_s = max(profile.graph_call_s, 0.0) if cudagraphs and plans else 0.0
-    if cudagraphs:
-        graphs_s = replay_call_s + sum(_replayed_s(p, "forward") + _replayed_s(p, "backward")
-                                       for p in plans)
-    else:
-        graphs_s = sum(_value(p.predicted, "step_time_s") for p in plans)
-    last = min(plans, key=lambda p: p.region, default=None)
-    excess = 0.0  # other regions' hand-off beyond their own backward's queued time
-    for p in plans:
-        if p is not last:
-            excess += max(_value(p.predicted, "grad_handoff_s") - queued_of(p), 0.0)
-    queued = queued_of(last) if last is not None else 0.0
-    handoff = _value(last.predicted, "grad_handoff_s") if last is not None else 0.0
-    zero_grad = max(profile.zero_grad_per_param_s * optimizer.n_params
-                    + profile.zero_grad_fixed_s, 0.0)
+    Each plan's graphs add :func:`_graph_comm`. The region whose backward runs last ends that
+    much later on the device with the host where it was, so its backward leaves that much more
+    device work queued (``queued``) for the hand-off and the optimizer's host work to hide
+    under: without the stalls only ``queued - delay`` (below zero: the host arrives that much
+    after the device's end, and all that follows waits for it), and the part after the graphs
+    (``after``; ``after_of(queued)`` recomputes it) may grow back by what the stalls had
+    hidden. Never below zero."""
+    if not plans:
+        return 0.0
+    last = min(plans, key=lambda p: p.region)
+    graphs = sum(_graph_comm(p, cudagraphs) for p in plans)
+    shadow = queued - _graph_comm(last, cudagraphs)
+    shadow_after = max(-shadow, 0.0) + after_of(max(shadow, 0.0))
+    return max(graphs - max(shadow_after - after, 0.0), 0.0)
+
+
+def _after_graphs(queued: float, handoff: float, zero_grad: float, optimizer: OptimizerSpec,
+                  share: float, profile: ClusterProfile, last: Plan | None
+                  ) -> tuple[float, float, float, float, float, dict[str, float], float, float]:
+    """What follows the last backward's device work, from its end (see the module docstring),
+    with ``queued`` seconds of device work left when the host returns from it: (the
+    optimizer's end, the device's idle until then, the step's end, the idle in all, the
+    optimizer's device seconds, seconds by category, the host step's compute, the idle waiting
+    for the host's other work)."""
     on_host = optimizer.offload != "none"
     by_category: dict[str, float] = {}
     host_compute = 0.0
@@ -421,6 +433,50 @@ def predict_step(plans: Sequence[Plan], profile: ClusterProfile, optimizer: Opti
             zero_grad, ops, optimizer_prologue_s=profile.optimizer_fixed_s)
         by_category["optimizer"] = device
         other_idle = idle
+    return opt_end, opt_idle, after, idle, device, by_category, host_compute, other_idle
+
+
+def predict_step(plans: Sequence[Plan], profile: ClusterProfile, optimizer: OptimizerSpec,
+                 *, cudagraphs: bool = False) -> StepPrediction:
+    """The step of the compiled regions ``plans`` (this rank's) with ``optimizer`` (see the
+    module docstring).
+
+    ``cudagraphs``: the compiled regions replay as CUDA graphs (``torch.compile(...,
+    mode="reduce-overhead")``): a graph's device time is the plan's without the device's waits
+    for the host (a replay launches no kernel one by one and does no per-parameter work), the
+    step's first replay call (``graph_call_s``) is waited for once, and the host returns from
+    a backward replay at once, so the backward's whole device time is queued under the
+    hand-off and the optimizer's host work. The optimizer and zero_grad run eagerly, as
+    before."""
+    share = budget_host_share(plans) if optimizer.offload == "none" else 0.0
+    if share >= 1.0:  # the budget put every parameter's state and step on the host
+        optimizer = replace(optimizer, offload="optimizer", overlap=False)
+
+    def queued_of(p: Plan) -> float:
+        return _replayed_s(p, "backward") if cudagraphs else _value(p.predicted,
+                                                                     "backward_queued_s")
+
+    replay_call_s = max(profile.graph_call_s, 0.0) if cudagraphs and plans else 0.0
+    if cudagraphs:
+        graphs_s = replay_call_s + sum(_replayed_s(p, "forward") + _replayed_s(p, "backward")
+                                       for p in plans)
+    else:
+        graphs_s = sum(_value(p.predicted, "step_time_s") for p in plans)
+    last = min(plans, key=lambda p: p.region, default=None)
+    excess = 0.0  # other regions' hand-off beyond their own backward's queued time
+    for p in plans:
+        if p is not last:
+            excess += max(_value(p.predicted, "grad_handoff_s") - queued_of(p), 0.0)
+    queued = queued_of(last) if last is not None else 0.0
+    handoff = _value(last.predicted, "grad_handoff_s") if last is not None else 0.0
+    zero_grad = max(profile.zero_grad_per_param_s * optimizer.n_params
+                    + profile.zero_grad_fixed_s, 0.0)
+    on_host = optimizer.offload != "none"
+    after_args = (handoff, zero_grad, optimizer, share, profile, last)
+    opt_end, opt_idle, after, idle, device, by_category, host_compute, other_idle = \
+        _after_graphs(queued, *after_args)
+    exposed = step_exposed_comm(plans, cudagraphs, queued, after,
+                                lambda q: _after_graphs(q, *after_args)[2])
     if other_idle + excess > 1e-15:
         by_category["param_host"] = other_idle + excess
     where = "host, CPU offload" + (" overlapped with the backward (step_in_backward)"
@@ -443,4 +499,4 @@ def predict_step(plans: Sequence[Plan], profile: ClusterProfile, optimizer: Opti
     return StepPrediction(graphs_s=graphs_s, after_s=after + excess, optimizer_device_s=device,
                           by_category=by_category, phases=phases,
                           optimizer=f"{optimizer.name} on the {where}",
-                          optimizer_host_s=host_compute)
+                          optimizer_host_s=host_compute, exposed_comm_s=exposed)

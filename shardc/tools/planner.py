@@ -409,7 +409,8 @@ def capacity(plan: Plan, batch: int, seq: int, peak_flops: float,
     """The answers for one plan; ``batch`` sequences of ``seq`` tokens per data-parallel rank
     (a tensor-parallel group shares them, so a GPU's share is ``1 / tp`` of them). With
     ``step`` (:func:`whole_step`) the step time is the whole step's (forward, backward,
-    optimizer, zero_grad), else the plan's graphs alone."""
+    optimizer, zero_grad), else the plan's graphs alone; so is the exposed communication
+    (``StepPrediction.exposed_comm_s``, else the plan's ``exposed_comm_s``)."""
     p = plan.predicted
     forward_flops = sum(_forward_part(op) for op in plan.graphs.get("forward", ()))
     peak = plan.memory_by_category.get("peak", {})
@@ -418,7 +419,9 @@ def capacity(plan: Plan, batch: int, seq: int, peak_flops: float,
     graphs_s = p.step_time_s or 0.0
     return Capacity(world=world, tokens_per_step=batch * seq / tp,
                     step_s=step.step_s if step is not None else graphs_s,
-                    exposed_comm_s=p.exposed_comm_s or 0.0,
+                    # The step's (what communication adds to it) where the step is known.
+                    exposed_comm_s=step.exposed_comm_s if step is not None
+                    else p.exposed_comm_s or 0.0,
                     model_flops=3.0 * forward_flops, peak_flops=peak_flops,
                     peak_bytes=p.peak_bytes or 0.0, capacity_bytes=capacity_bytes,
                     peak_terms={k: float(v) for k, v in peak.get("bytes", {}).items()},

@@ -34,6 +34,19 @@ _GRAPH_ORDER = ("forward", "backward")
 # ------------------------------------------------------------------------------------ helpers
 
 
+
+def _stall_note(c: Collective) -> str:
+    """``", stall X"`` where the stream's stall for ``c`` exceeds what it adds (later host
+    waits absorbed the rest), else nothing."""
+    return f", stall {_ms(c.stall_s)}" if c.stall_s > c.exposed_s else ""
+
+
+def _stall_s(c: Collective) -> float:
+    """The compute stream's stall for ``c`` on the predicted timeline (what the trace draws):
+    ``stall_s``, or in plans made before it ``exposed_s``, which then held the stall (a newer
+    plan's exposure never exceeds its stall)."""
+    return max(c.stall_s, c.exposed_s)
+
 def _fmt_bytes(n: float | None) -> str:
     if n is None:
         return "-"
@@ -242,7 +255,7 @@ def _narrow_collectives(plan: Plan, width: int) -> list[str]:
                     f"wait {_pos_label(ops, c.wait_pos)}",
                     f"first use {_pos_label(ops, c.first_use_pos)}",
                     f"{_ms(c.predicted_start_s)}-{_ms(c.predicted_end_s)} ms "
-                    f"(exposed {_ms(c.exposed_s)})"] + ([place] if place else [])
+                    f"(exposed {_ms(c.exposed_s)}{_stall_note(c)})"] + ([place] if place else [])
         more = _pack(schedule, width - 4, "", "; ") + _pack([f"reason: {c.reason or '-'}"],
                                                             width - 4, "  ")
         details.append(["    " + line for line in more])
@@ -560,7 +573,7 @@ def chrome_trace(plan: Plan, *, min_op_us: float = 1.0, max_compute_events: int 
 
         exposed_at: dict[int, float] = {}
         for c in colls:
-            exposed_at[c.wait_pos] = exposed_at.get(c.wait_pos, 0.0) + c.exposed_s
+            exposed_at[c.wait_pos] = exposed_at.get(c.wait_pos, 0.0) + _stall_s(c)
         names = _bucket_names(plan)
         for c in colls:
             tid = stream_tid[c.stream]
@@ -570,7 +583,8 @@ def chrome_trace(plan: Plan, *, min_op_us: float = 1.0, max_compute_events: int 
                 "bucket_name": names.get(c.bucket, ""), "bytes": c.bytes,
                 "buffer_bytes": c.buffer_bytes, "dtype": c.dtype, "params": len(c.params),
                 "issue_pos": c.issue_pos, "wait_pos": c.wait_pos,
-                "exposed_ms": c.exposed_s * 1e3, "reason": c.reason,
+                "exposed_ms": c.exposed_s * 1e3, "stall_ms": _stall_s(c) * 1e3,
+                "reason": c.reason,
             }
             if c.buffer_offset is not None:
                 args["buffer_offset"] = c.buffer_offset
@@ -588,11 +602,11 @@ def chrome_trace(plan: Plan, *, min_op_us: float = 1.0, max_compute_events: int 
             events.append({"name": f"wait {c.id}", "cat": "wait", "ph": "i", "s": "t",
                            "pid": pid, "tid": compute_tid, "ts": wait_us,
                            "args": {"pos": c.wait_pos, "exposed_ms": c.exposed_s * 1e3}})
-            if c.exposed_s > 0:
+            if _stall_s(c) > 0:
                 events.append({"name": f"stall: {c.id}", "cat": "stall", "ph": "X", "pid": pid,
                                "tid": compute_tid,
-                               "ts": offset_us + (c.predicted_end_s - c.exposed_s) * 1e6,
-                               "dur": c.exposed_s * 1e6, "args": {"id": c.id}})
+                               "ts": offset_us + (c.predicted_end_s - _stall_s(c)) * 1e6,
+                               "dur": _stall_s(c) * 1e6, "args": {"id": c.id}})
             flow_id += 1
             events.append({"name": "waited by", "cat": "wait", "ph": "s", "id": flow_id,
                            "pid": pid, "tid": tid, "ts": start_us})
