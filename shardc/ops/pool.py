@@ -37,7 +37,7 @@ def pool_pack(out: torch.Tensor, tensors: list[torch.Tensor], rows: list[int], w
         if rank_major:
             dst = out[:, offset:offset + n].view(world, r, *rest)
             if t.shape[0] == r * world:
-                dst.copy_(t.reshape(world, r, *rest))
+                dst.copy_(t.unflatten(0, (world, r)))  # a view for any strides: no temporary
             else:
                 for w in range(world):
                     have = max(0, min(r, t.shape[0] - w * r))

@@ -187,6 +187,39 @@ def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
+def _static_shape(x: fx.Node) -> bool:
+    val = x.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.dim() >= 1 \
+        and all(isinstance(d, int) for d in val.shape)
+
+
+def _packs_in_one_op(tensors: list[fx.Node], sent_dtypes: list[torch.dtype],
+                     dtype: torch.dtype, divisor: int) -> bool:
+    """Whether a pool-less send buffer of ``tensors`` (cast to ``sent_dtypes``) is filled by one
+    ``shardc::pool_pack`` (:func:`_pack_new`) instead of a cast, pad and view per tensor and a
+    ``cat``: per-tensor nodes made Inductor lower, schedule and generate one copy kernel per
+    parameter and block (compile time growing with depth, issue 18). The op computes the same
+    values where the casts are to the buffer's dtype and the divisor is a power of two (an
+    exact scaling: Inductor divides by a constant as a multiplication by its reciprocal on
+    GPUs, so any other divisor keeps the per-tensor path). Several tensors only (one is sent
+    as it is), static shapes, no float8 (its casts are FP8's own, ``passes/fp8.py``)."""
+    return (len(tensors) > 1 and not is_float8(dtype) and divisor & (divisor - 1) == 0
+            and all(d == dtype for d in sent_dtypes) and all(map(_static_shape, tensors)))
+
+
+def _pack_new(graph: fx.Graph, shape: list[int], dtype: torch.dtype, tensors: list[fx.Node],
+              rows: list[int], world: int, *, rank_major: bool, divisor: int) -> fx.Node:
+    """A new send buffer of ``shape`` filled by one ``shardc::pool_pack`` of ``tensors`` (see
+    its docstring for ``rows``, ``world``, ``rank_major``, ``divisor``). The buffer is an
+    ``empty`` of the graph, so Inductor allocates it (and takes it from its reuse pool) where
+    it allocated the ``cat`` it replaces, and the memory model counts it as that ``cat``
+    (:mod:`shardc.memory.peak`); only the copies are opaque."""
+    device = tensors[0].meta["val"].device
+    out = call(graph, aten.empty.memory_format, (shape,), {"dtype": dtype, "device": device})
+    call(graph, POOL_PACK_OP, (out, tensors, rows, world, rank_major, divisor))
+    return out
+
+
 def _comm_bytes(graph: fx.Graph, x: fx.Node) -> fx.Node:
     """A float8 buffer's uint8 view for the collective (see ``collectives.as_comm_bytes``)."""
     if is_float8(x.meta["val"].dtype):
@@ -210,6 +243,14 @@ def _issue_all_gather(graph, c: Collective, bucket: Bucket, gathers: dict, group
                       (_comm_bytes(graph, send_view), bucket.world, group),
                       {"out": _comm_bytes(graph, recv_view)})
         return handle, send_view, recv_view
+    sent_dtypes = [GatherArgs.of(gathers[fqn]).compute_dtype or x.meta["val"].dtype
+                   for fqn, x in zip(c.params, shards)]
+    if _packs_in_one_op(shards, sent_dtypes, _dtype(bucket.dtype), 1):
+        rows = [layout[fqn][1] for fqn in c.params]
+        send = _pack_new(graph, [numel], _dtype(bucket.dtype), shards, rows, bucket.world,
+                         rank_major=False, divisor=1)
+        return call(graph, funcol.all_gather_into_tensor.default,
+                    (send, bucket.world, group)), None, None
     pieces = []
     for fqn, x in zip(c.params, shards):
         compute_dtype = GatherArgs.of(gathers[fqn]).compute_dtype
@@ -351,6 +392,15 @@ def _issue_reduce_scatter(graph, c: Collective, bucket: Bucket, reduces: dict, g
         handle = call(graph, funcol.reduce_scatter_tensor_out.default,
                       (send_view, "sum", bucket.world, group), {"out": recv_view})
         return handle, send_view, recv_view
+    sent_dtypes = [ReduceArgs.of(reduces[fqn]).reduce_dtype or x.meta["val"].dtype
+                   for fqn, x in zip(c.params, grads)]
+    if _packs_in_one_op(grads, sent_dtypes, _dtype(bucket.reduce_dtype), divisor):
+        rows = [layout[fqn][1] for fqn in c.params]
+        table = _pack_new(graph, [bucket.world, numel], _dtype(bucket.reduce_dtype), grads, rows,
+                          bucket.world, rank_major=True, divisor=divisor)
+        flat = call(graph, aten.view.default, (table, [-1]))
+        return call(graph, funcol.reduce_scatter_tensor.default,
+                    (flat, "sum", bucket.world, group)), None, None
     pieces = []
     for fqn, x in zip(c.params, grads):
         reduce_dtype = ReduceArgs.of(reduces[fqn]).reduce_dtype
