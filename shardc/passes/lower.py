@@ -26,7 +26,8 @@ from torch import fx
 
 from shardc import _torch
 from shardc.ops.gather_args import GatherArgs, ReduceArgs
-from shardc.ops.pool import POOL_PACK_OP, POOL_UNPACK_OP
+from shardc.ops.pool import POOL_PACK_OP, POOL_UNPACK_OP, UNPACK_INTO_OP
+from shardc.passes.body import INVOKE_SUBGRAPH
 from shardc.passes.fx_utils import (
     call,
     dtype_itemsize,
@@ -265,7 +266,7 @@ def _issue_all_gather(graph, c: Collective, bucket: Bucket, gathers: dict, group
 
 
 def _wait_all_gather(graph, c: Collective, bucket: Bucket, gathers: dict, handle: fx.Node,
-                     pool: PoolViews, buffers: tuple):
+                     pool: PoolViews, buffers: tuple, fusing: bool = False):
     done = call(graph, funcol.wait_tensor.default, (handle,))
     if done.meta["val"].dtype != _dtype(bucket.dtype):  # float8 travelled as uint8
         done = call(graph, aten.view.dtype, (done, _dtype(bucket.dtype)))
@@ -281,6 +282,12 @@ def _wait_all_gather(graph, c: Collective, bucket: Bucket, gathers: dict, handle
             pool.release(view)
         return
     table = call(graph, aten.view.default, (done, [bucket.world, total]))
+    reader = _one_body_reader([gathers[fqn] for fqn in c.params]) if fusing else None
+    if reader is not None and not is_float8(_dtype(bucket.dtype)):
+        _unpack_before(graph, reader, table, c, bucket, gathers)
+        for view in buffers:
+            pool.release(view)
+        return
     for fqn in c.params:
         gather = gathers[fqn]
         offset, rows, row_numel, dim0 = layout[fqn]
@@ -293,6 +300,44 @@ def _wait_all_gather(graph, c: Collective, bucket: Bucket, gathers: dict, handle
         graph.erase_node(gather)
     for view in buffers:
         pool.release(view)
+
+
+def _one_body_reader(gathers: list[fx.Node]) -> fx.Node | None:
+    """The block-body call (``invoke_subgraph``) that is the one reader of every node of
+    ``gathers`` (two or more), else None."""
+    readers = {user for node in gathers for user in node.users}
+    if len(gathers) < 2 or len(readers) != 1 or not all(node.users for node in gathers):
+        return None
+    reader = next(iter(readers))
+    return reader if reader.op == "call_function" and reader.target is INVOKE_SUBGRAPH else None
+
+
+def _unpack_before(graph: fx.Graph, reader: fx.Node, table: fx.Node, c: Collective,
+                   bucket: Bucket, gathers: dict) -> None:
+    """Copy a gathered bucket out of ``table`` (``(world, n)``) with one
+    ``shardc::unpack_into`` right before ``reader``, the block-body call that reads all of it,
+    into one ``empty`` per parameter, in place of a ``clone`` per parameter at the wait.
+
+    The same memory under Inductor: a body call's inputs are realized right before the call,
+    so the clones were allocated there too, each from Inductor's reuse pool as the ``empty``
+    is, with the same size (padding rows included) and freed after the call alike; the bits
+    are a copy's. What changes is Inductor's work: one extern call per bucket instead of a
+    copy kernel per parameter to lower, schedule and generate (issue 18). The memory model
+    treats each ``empty`` as the copy it replaces (:mod:`shardc.memory.peak`)."""
+    layout, _ = bucket.layout(c.params)
+    dtype = table.meta["val"].dtype
+    with graph.inserting_before(reader):
+        outs = []
+        for fqn in c.params:
+            _, rows, _, _ = layout[fqn]
+            shape = [bucket.world * rows, *gathers[fqn].meta["val"].shape[1:]]
+            outs.append(call(graph, aten.empty.memory_format, (shape,),
+                             {"dtype": dtype, "device": table.meta["val"].device}))
+        call(graph, UNPACK_INTO_OP, (table, bucket.world, [layout[f][0] for f in c.params], outs))
+        for fqn, out in zip(c.params, outs):
+            full = _first_rows(graph, out, layout[fqn][3])
+            gathers[fqn].replace_all_uses_with(full)
+            graph.erase_node(gathers[fqn])
 
 
 def grad_divisor(bucket: Bucket) -> int:
@@ -528,6 +573,7 @@ def apply_plan(
     pool: torch.Tensor | fx.Node | None = None,
     poison: bool = False,
     grads_ready_key: str = "",
+    fusing: bool = False,
 ) -> fx.GraphModule:
     """Replace the shardc nodes of ``gm`` (the region's ``graph_name`` graph) by ``plan``.
 
@@ -536,7 +582,10 @@ def apply_plan(
     allocate no communication buffers; ``poison`` fills each buffer with NaN once it is dead.
     ``pool`` may instead be a graph node standing for it (:func:`add_pool_placeholder`).
     ``grads_ready_key``: CPU offload's model key; each bucket's final host gradients are
-    signalled once their copies start (``shardc.step_in_backward``).
+    signalled once their copies start (``shardc.step_in_backward``). ``fusing``: the graphs
+    go to Inductor, which realizes a block-body call's inputs right before the call; there
+    (and without the pool) a bucket read by one body call is copied out by one op right before
+    it (:func:`_unpack_before`), elsewhere by a copy per parameter at the wait, as FX runs it.
     """
     g = analyze(gm, graph_name)
     shards = [GatherArgs.of(node).shard for node in g.gathers.values()]
@@ -588,7 +637,8 @@ def apply_plan(
         with graph.inserting_before(where):
             handle, *buffers = handles[c.id]
             if c.kind == Kind.ALL_GATHER:
-                _wait_all_gather(graph, c, bucket, g.gathers, handle, views, tuple(buffers))
+                _wait_all_gather(graph, c, bucket, g.gathers, handle, views, tuple(buffers),
+                                 fusing)
             elif c.kind == Kind.ALL_REDUCE:
                 _wait_all_reduce(graph, c, bucket, g, handle, rank, views, *buffers)
             else:
