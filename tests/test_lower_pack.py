@@ -16,7 +16,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import shardc.ops.gather  # noqa: F401  (registers the shardc ops)
 from shardc.compile.options import ShardcOptions
-from shardc.ops.pool import pool_pack
+from shardc.ops.pool import pool_pack, unpack_into
 from shardc.passes.lower import apply_plan
 from shardc.planning.plan import CollectiveKind
 from shardc.planning.schedule import plan_region
@@ -137,3 +137,65 @@ def test_the_packed_send_buffers_hold_the_bits_of_the_per_tensor_ones(world):
     table = torch.empty(world, out.numel(), dtype=torch.float32)
     pool_pack(table, grads, rows, world, True, world)
     assert torch.equal(table, _old_reduce_send(grads, rows, world, torch.float32, world))
+
+
+def _body_region(params: int, group: str):
+    """A forward whose gathered weights (one bucket) are read only by one block-body call
+    (``invoke_subgraph``), traced with fake tensors, as Inductor's default gets it."""
+    gather = torch.ops.shardc.gather_param
+    names = [f"layers.0.w{j}" for j in range(params)]
+
+    def body(x, *weights):
+        h = x
+        for w in weights:
+            h = torch.relu(h @ w.float().t())
+        return (h,)
+
+    body_gm = make_fx(body, tracing_mode="fake")(torch.randn(8, 64),
+                                                 *(torch.randn(64, 64) for _ in names))
+
+    def forward(x, *shards):
+        weights = [gather(s, name, 64, 2, group, torch.bfloat16, torch.float32, True)
+                   for name, s in zip(names, shards)]
+        (h,) = torch.ops.higher_order.invoke_subgraph(body_gm, "body", x, *weights)
+        return h.sum()
+
+    return make_fx(forward, tracing_mode="fake")(torch.randn(8, 64),
+                                                 *(torch.randn(32, 64) for _ in names))
+
+
+def _lowered_body(params: int, fusing: bool) -> collections.Counter:
+    with fake_world(2):
+        fw = _body_region(params, dist.group.WORLD.group_name)
+        plan = plan_region(fw, None, ShardcOptions(inductor=True))
+        apply_plan(fw, plan, "forward", rank=0, fusing=fusing)
+    nodes = list(fw.graph.nodes)
+    call = next(n for n in nodes if n.target is torch.ops.higher_order.invoke_subgraph)
+    unpacks = [n for n in nodes if str(n.target) == "shardc.unpack_into.default"]
+    if fusing:  # right before the body call, its outputs the call's weights
+        assert len(unpacks) == 1 and unpacks[0].next is call
+        assert list(call.args[3:]) == list(unpacks[0].args[3])
+    return collections.Counter(str(n.target) for n in nodes if n.op == "call_function")
+
+
+def test_a_bucket_one_body_call_reads_is_copied_out_by_one_op_before_it():
+    """Under Inductor the gathered copies of a bucket read by one body call are one
+    ``shardc::unpack_into`` right before the call, into an ``empty`` per parameter (buffers
+    Inductor allocates, as it did the clones): no copy node per parameter. FX keeps a clone
+    per parameter at the wait."""
+    two, six = _lowered_body(2, True), _lowered_body(6, True)
+    for counts, params in ((two, 2), (six, 6)):
+        assert counts["aten.clone.default"] == 0 and counts["aten.slice.Tensor"] == 0
+        assert counts["shardc.unpack_into.default"] == 1
+        assert counts["aten.empty.memory_format"] == params + 1  # + the send buffer
+    fx_run = _lowered_body(6, False)
+    assert fx_run["shardc.unpack_into.default"] == 0 and fx_run["aten.clone.default"] == 6
+
+
+def test_unpack_into_copies_each_ranks_columns():
+    world, cols = 3, [4, 10, 6]
+    table = torch.arange(world * sum(cols), dtype=torch.float32).view(world, -1)
+    outs = [torch.empty(world * c) for c in cols]
+    unpack_into(table.view(-1), world, [0, 4, 14], outs)
+    for out, off, c in zip(outs, [0, 4, 14], cols):
+        assert torch.equal(out, table[:, off:off + c].reshape(-1))

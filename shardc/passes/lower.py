@@ -2,7 +2,11 @@
 
 Each all-gather packs the bucket's shards (cast to the communication dtype, padded to the common
 row count, flattened) into one buffer, issues ``all_gather_into_tensor`` at the planned position,
-waits at the planned position and copies each parameter out of the gathered buffer. Each
+waits at the planned position and copies each parameter out of the gathered buffer. Without the
+pool, a send buffer of several tensors is filled by one ``shardc::pool_pack`` into an ``empty``
+of the graph, and under Inductor a bucket that one block-body call reads is copied out by one
+``shardc::unpack_into`` right before the call: one op per bucket, not nodes and kernels per
+parameter, so Inductor's work does not grow with the parameters of every block. Each
 reduce-scatter packs the bucket's full gradients rank-major into one buffer, already divided by
 the number of ranks they are averaged over (:func:`grad_divisor`), issues
 ``reduce_scatter_tensor``, and at its wait slices this rank's rows of every parameter out of the
