@@ -56,13 +56,16 @@ def _region(params: int, world: int, group: str, dim0: int = 64):
     return fw, bw
 
 
-def _lowered(params: int, world: int, dim0: int = 64) -> dict[str, collections.Counter]:
-    """The lowered graphs' call counts by op, planned at rank 0 of a fake world."""
+def _lowered(params: int, world: int, dim0: int = 64, one_op: bool = True
+             ) -> dict[str, collections.Counter]:
+    """The lowered graphs' call counts by op, planned at rank 0 of a fake world, with
+    ``ShardcOptions.one_op_bucket_copies`` (``one_op``) as given."""
     with fake_world(world):
-        return _lower(params, world, dist.group.WORLD.group_name, dim0)
+        return _lower(params, world, dist.group.WORLD.group_name, dim0, one_op)
 
 
-def _lower(params: int, world: int, group: str, dim0: int) -> dict[str, collections.Counter]:
+def _lower(params: int, world: int, group: str, dim0: int, one_op: bool
+           ) -> dict[str, collections.Counter]:
     fw, bw = _region(params, world, group, dim0)
     plan = plan_region(fw, bw, ShardcOptions(inductor=True))
     assert plan.pool_offsets == {}  # Inductor's default: no pool
@@ -71,7 +74,7 @@ def _lower(params: int, world: int, group: str, dim0: int) -> dict[str, collecti
     assert all(len(c.params) == params for c in plan.collectives)  # one bucket
     counts = {}
     for name, gm in (("forward", fw), ("backward", bw)):
-        apply_plan(gm, plan, name, rank=0)
+        apply_plan(gm, plan, name, rank=0, one_op=one_op)
         counts[name] = collections.Counter(str(n.target) for n in gm.graph.nodes
                                            if n.op == "call_function")
     return counts
@@ -91,6 +94,17 @@ def test_send_buffers_are_packed_by_one_op_whatever_the_bucket_holds():
                                           "aten.empty.memory_format": 2}
     for graph in ("forward", "backward"):
         assert _send_side(six[graph]) == _send_side(two[graph])  # not per parameter
+
+
+def test_without_the_option_send_buffers_stay_per_parameter():
+    """``one_op_bucket_copies`` is off by default: each send buffer is a cast per parameter
+    and a ``cat``, as before (its step time on GPUs is not measured yet)."""
+    for params in (2, 6):
+        counts = _lowered(params, 2, one_op=False)
+        assert counts["forward"]["shardc.pool_pack.default"] == 0
+        assert counts["forward"]["aten.cat.default"] == 1
+        assert counts["forward"]["prims.convert_element_type.default"] >= params
+    assert not ShardcOptions().one_op_bucket_copies
 
 
 def test_a_divisor_that_is_no_power_of_two_keeps_the_per_tensor_reduce():
@@ -168,7 +182,7 @@ def _lowered_body(params: int, fusing: bool) -> collections.Counter:
     with fake_world(2):
         fw = _body_region(params, dist.group.WORLD.group_name)
         plan = plan_region(fw, None, ShardcOptions(inductor=True))
-        apply_plan(fw, plan, "forward", rank=0, fusing=fusing)
+        apply_plan(fw, plan, "forward", rank=0, fusing=fusing, one_op=True)
     nodes = list(fw.graph.nodes)
     call = next(n for n in nodes if n.target is torch.ops.higher_order.invoke_subgraph)
     unpacks = [n for n in nodes if str(n.target) == "shardc.unpack_into.default"]

@@ -3,10 +3,11 @@
 Each all-gather packs the bucket's shards (cast to the communication dtype, padded to the common
 row count, flattened) into one buffer, issues ``all_gather_into_tensor`` at the planned position,
 waits at the planned position and copies each parameter out of the gathered buffer. Without the
-pool, a send buffer of several tensors is filled by one ``shardc::pool_pack`` into an ``empty``
-of the graph, and under Inductor a bucket that one block-body call reads is copied out by one
-``shardc::unpack_into`` right before the call: one op per bucket, not nodes and kernels per
-parameter, so Inductor's work does not grow with the parameters of every block. Each
+pool and with ``one_op_bucket_copies`` (opt-in), a send buffer of several tensors is filled by
+one ``shardc::pool_pack`` into an ``empty`` of the graph, and under Inductor a bucket that one
+block-body call reads is copied out by one ``shardc::unpack_into`` right before the call: one
+op per bucket, not nodes and kernels per parameter, so Inductor's work does not grow with the
+parameters of every block. Each
 reduce-scatter packs the bucket's full gradients rank-major into one buffer, already divided by
 the number of ranks they are averaged over (:func:`grad_divisor`), issues
 ``reduce_scatter_tensor``, and at its wait slices this rank's rows of every parameter out of the
@@ -233,7 +234,8 @@ def _comm_bytes(graph: fx.Graph, x: fx.Node) -> fx.Node:
 
 
 def _issue_all_gather(graph, c: Collective, bucket: Bucket, gathers: dict, group: str,
-                      pool: PoolViews) -> tuple[fx.Node, fx.Node | None, fx.Node | None]:
+                      pool: PoolViews, one_op: bool = False
+                      ) -> tuple[fx.Node, fx.Node | None, fx.Node | None]:
     layout, numel = bucket.layout(c.params)
     shards = []
     for fqn in c.params:
@@ -250,7 +252,7 @@ def _issue_all_gather(graph, c: Collective, bucket: Bucket, gathers: dict, group
         return handle, send_view, recv_view
     sent_dtypes = [GatherArgs.of(gathers[fqn]).compute_dtype or x.meta["val"].dtype
                    for fqn, x in zip(c.params, shards)]
-    if _packs_in_one_op(shards, sent_dtypes, _dtype(bucket.dtype), 1):
+    if one_op and _packs_in_one_op(shards, sent_dtypes, _dtype(bucket.dtype), 1):
         rows = [layout[fqn][1] for fqn in c.params]
         send = _pack_new(graph, [numel], _dtype(bucket.dtype), shards, rows, bucket.world,
                          rank_major=False, divisor=1)
@@ -428,7 +430,7 @@ def _issue_elided_reduce(graph, c: Collective, bucket: Bucket, reduces: dict,
 
 
 def _issue_reduce_scatter(graph, c: Collective, bucket: Bucket, reduces: dict, group: str,
-                          pool: PoolViews):
+                          pool: PoolViews, one_op: bool = False):
     layout, numel = bucket.layout(c.params)
     grads = [ReduceArgs.of(reduces[fqn]).grad for fqn in c.params]
     divisor = grad_divisor(bucket)
@@ -443,7 +445,7 @@ def _issue_reduce_scatter(graph, c: Collective, bucket: Bucket, reduces: dict, g
         return handle, send_view, recv_view
     sent_dtypes = [ReduceArgs.of(reduces[fqn]).reduce_dtype or x.meta["val"].dtype
                    for fqn, x in zip(c.params, grads)]
-    if _packs_in_one_op(grads, sent_dtypes, _dtype(bucket.reduce_dtype), divisor):
+    if one_op and _packs_in_one_op(grads, sent_dtypes, _dtype(bucket.reduce_dtype), divisor):
         rows = [layout[fqn][1] for fqn in c.params]
         table = _pack_new(graph, [bucket.world, numel], _dtype(bucket.reduce_dtype), grads, rows,
                           bucket.world, rank_major=True, divisor=divisor)
@@ -578,6 +580,7 @@ def apply_plan(
     poison: bool = False,
     grads_ready_key: str = "",
     fusing: bool = False,
+    one_op: bool = False,
 ) -> fx.GraphModule:
     """Replace the shardc nodes of ``gm`` (the region's ``graph_name`` graph) by ``plan``.
 
@@ -586,10 +589,12 @@ def apply_plan(
     allocate no communication buffers; ``poison`` fills each buffer with NaN once it is dead.
     ``pool`` may instead be a graph node standing for it (:func:`add_pool_placeholder`).
     ``grads_ready_key``: CPU offload's model key; each bucket's final host gradients are
-    signalled once their copies start (``shardc.step_in_backward``). ``fusing``: the graphs
-    go to Inductor, which realizes a block-body call's inputs right before the call; there
-    (and without the pool) a bucket read by one body call is copied out by one op right before
-    it (:func:`_unpack_before`), elsewhere by a copy per parameter at the wait, as FX runs it.
+    signalled once their copies start (``shardc.step_in_backward``). ``one_op``
+    (``ShardcOptions.one_op_bucket_copies``, off by default): without the pool, each send
+    buffer of several tensors is filled by one op (:func:`_pack_new`), and with ``fusing``
+    (the graphs go to Inductor, which realizes a block-body call's inputs right before the
+    call) a bucket read by one body call is copied out by one op right before it
+    (:func:`_unpack_before`); otherwise per parameter, a copy at the wait, as FX runs it.
     """
     g = analyze(gm, graph_name)
     shards = [GatherArgs.of(node).shard for node in g.gathers.values()]
@@ -626,9 +631,11 @@ def apply_plan(
             if c.elided:
                 handles[c.link] = _issue_elided_reduce(graph, c, bucket, g.reduces, views)
             elif c.kind == Kind.ALL_GATHER:
-                handles[c.id] = _issue_all_gather(graph, c, bucket, g.gathers, group, views)
+                handles[c.id] = _issue_all_gather(graph, c, bucket, g.gathers, group, views,
+                                                  one_op)
             else:
-                handles[c.id] = _issue_reduce_scatter(graph, c, bucket, g.reduces, group, views)
+                handles[c.id] = _issue_reduce_scatter(graph, c, bucket, g.reduces, group, views,
+                                                      one_op)
     # (the node before each position's issues, to the position's first issued node)
     first_issued = {pos: prev.next for pos, prev in first_issued.items()}
     for c in sorted(colls, key=lambda c: (c.wait_pos, c.kind == Kind.ALL_REDUCE)):
@@ -642,7 +649,7 @@ def apply_plan(
             handle, *buffers = handles[c.id]
             if c.kind == Kind.ALL_GATHER:
                 _wait_all_gather(graph, c, bucket, g.gathers, handle, views, tuple(buffers),
-                                 fusing)
+                                 fusing and one_op)
             elif c.kind == Kind.ALL_REDUCE:
                 _wait_all_reduce(graph, c, bucket, g, handle, rank, views, *buffers)
             else:
