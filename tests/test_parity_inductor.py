@@ -69,6 +69,19 @@ def _inductor_run(rank: int, world: int) -> dict:
                           offload=shardc.OffloadPolicy(simulate_on_cpu=True))
         out["offload"] = {"losses": off["losses"], "params": off["params"],
                           "copies": sum(len(p.copies) for p in off["plans"])}
+        # one_op_bucket_copies (opt-in): one op per bucket packs its send buffers and copies
+        # a block's gathered weights out; two layers, so the blocks are body calls.
+        torch._dynamo.reset()
+        one = sharded_run(rank, world, "llama", "inductor", keep_model=True,
+                          one_op_bucket_copies=True)
+        (one_region,) = shardc.shard_state(one.pop("model")).regions
+        ops = [str(n.target) for g in (one_region.forward, one_region.backward)
+               for n in g.graph.nodes]
+        torch._dynamo.reset()
+        out["one_op"] = {"losses": one["losses"], "params": one["params"],
+                         "reference": reference("llama"),
+                         "packs": ops.count("shardc.pool_pack.default"),
+                         "unpacks": ops.count("shardc.unpack_into.default")}
     if world == 1:  # plain_inputs (plain local shards read, gradients handed) under Inductor
         torch._dynamo.reset()
         plain = sharded_run(rank, world, "llama1", "inductor", plain_inputs=True)
@@ -134,6 +147,9 @@ def test_parity_inductor(world, inductor_reference):
     if world == 2:
         assert_parity(runs[0]["offload"], inductor_reference)
         assert runs[0]["offload"]["copies"] > 0
+        one = runs[0]["one_op"]  # against the eager unsharded model: Inductor's rounding
+        assert_parity(one, one["reference"], tol=1e-4)
+        assert one["packs"] > 0 and one["unpacks"] > 0, one
     if world == 1:  # plain inputs: the same bits as the DTensor reads, every gradient handed
         plain = runs[0]["plain"]
         assert torch.equal(plain["losses"], runs[0]["losses"])

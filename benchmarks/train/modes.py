@@ -29,7 +29,7 @@ MODES: tuple[str, ...] = ("fsdp2", "fsdp2-compile", "simplefsdp", "shardc", "bou
 EXTRA_MODES: tuple[str, ...] = ("shardc-keeporder", "shardc-pool", "shardc-localopt",
                                   "shardc-cudagraphs", "shardc-budget", "shardc-noreshard",
                                   "shardc-inline", "shardc-plain", "shardc-plain-budget",
-                                  "shardc-plain-pool",
+                                  "shardc-plain-pool", "shardc-oneop",
                                   "shardc-combo", "shardc-ac", "shardc-fast",
                                   "shardc-fast-budget", "shardc-fast-budget-inline",
                                   "shardc-fast-budget-sink", "shardc-fast-sink",
@@ -252,6 +252,12 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_
         setup.info["options"] = ", ".join(
             ["shardc.shard(..., offload=shardc.OffloadPolicy())"]
             + [f"{k}={v!r}" for k, v in options.items()])
+        return setup
+    if mode == "shardc-oneop":
+        # Each bucket's send buffers and copy-out one op (one_op_bucket_copies, issue 18's
+        # compile-time cut; opt-in until its step time is measured against default shardc).
+        setup = setup_shardc(model, mesh, loss_in_graph, one_op_bucket_copies=True)
+        setup.info["options"] = "one_op_bucket_copies=True"
         return setup
     if mode == "shardc-pool":
         setup = setup_shardc(model, mesh, loss_in_graph, comm_pool=True)

@@ -124,6 +124,14 @@ class ShardcOptions:
         do not match (output not one residual add, an output read elsewhere, calls inside
         another higher-order op), they stay as they are, said once in the log and in the
         plan's notes. Off by default.
+    one_op_bucket_copies: without the communication pool, fill each bucket's all-gather and
+        reduce-scatter send buffer with one ``shardc::pool_pack`` (where it computes the same
+        values: casts to the buffer's dtype, a power-of-two divisor), and under Inductor copy a
+        bucket that one block-body call reads out of its gathered buffer with one
+        ``shardc::unpack_into`` right before the call, instead of nodes per parameter: Inductor
+        then generates the same kernels at every depth (compile time, issue 18; the same
+        values, plan and predicted memory). Off by default until its step time is measured on
+        GPUs (the copies run as one op's per-tensor copies instead of Inductor's kernels).
     """
 
     inductor: bool = True
@@ -152,6 +160,7 @@ class ShardcOptions:
     move_found_collectives: bool = True
     compile_blocks_once: bool = True
     sink_block_residual: bool = False
+    one_op_bucket_copies: bool = False
 
     def __post_init__(self) -> None:
         optimizer_kind.check(self.optimizer_impl)

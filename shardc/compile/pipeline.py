@@ -309,7 +309,8 @@ def lower(fw: fx.GraphModule, bw: fx.GraphModule | None, options: ShardcOptions,
             where = add_pool_placeholder(gm, pool) if pool is not None and options.inductor \
                 else pool
             apply_plan(gm, plan, name, rank, pool=where, poison=options.debug_pool,
-                       grads_ready_key=region.offload_key)
+                       grads_ready_key=region.offload_key, fusing=options.inductor,
+                       one_op=options.one_op_bucket_copies)
     if bw is not None:
         _order_donations(fw, bw, plan, _donations_on(region))
     return Lowered(fw, bw, plan, pool, fw_params, bw_params, host, by_param)

@@ -36,7 +36,7 @@ from shardc.ops import fused_ce
 from shardc.ops.fused_ce import FUSED_CE_OP
 from shardc.ops.gather import GATHER_OP
 from shardc.ops.gather_args import GatherArgs
-from shardc.ops.pool import POOL_UNPACK_OP
+from shardc.ops.pool import POOL_PACK_OP, POOL_UNPACK_OP, UNPACK_INTO_OP, is_unpacked_into
 from shardc.passes.body import BODY_SCOPE, flattened
 from shardc.passes.fx_utils import (
     has_tag,
@@ -75,12 +75,32 @@ def _unpacked(node: fx.Node) -> bool:
         and source.target is POOL_UNPACK_OP
 
 
+def _pack_of(node: fx.Node) -> fx.Node | None:
+    """The ``shardc::pool_pack`` filling ``node`` where ``node`` is a send buffer that lowering
+    allocated with ``empty`` (``shardc.passes.lower._pack_new``), else None. Such a buffer is
+    modelled as the ``cat`` it replaces: born where the first of its pieces is produced
+    (:func:`fused_start` of the pack), allocated from Inductor's reuse pool, and no kernel of
+    its own (the pack is the one)."""
+    if node.op != "call_function" or node.target is not _EMPTY:
+        return None
+    return next((u for u in node.users if u.target is POOL_PACK_OP and u.args[0] is node), None)
+
+
+def _unpacked_into(node: fx.Node) -> bool:
+    """A gathered parameter's buffer that ``shardc::unpack_into`` fills (``is_unpacked_into``),
+    modelled as the per-parameter copy it replaces: a loop of Inductor's (inlined into pointwise
+    readers, deferred to its one extern reader); the op itself is no kernel of its own and
+    reads the gathered buffer where those copies did (:func:`lifetimes_and_storage`)."""
+    return is_unpacked_into(node)
+
+
 def _is_collective(node: fx.Node) -> bool:
     op = op_overload(node)
     return op is not None and op.namespace == "_c10d_functional" and op is not _WAIT
 
 
 _CAT = torch.ops.aten.cat.default
+_EMPTY = torch.ops.aten.empty.memory_format
 # no_sync's ops on its store of full gradients (shardc.runtime.grad_sync)
 _TAKE_OP = torch.ops.shardc.take_stashed_grad.default
 _UNSYNCED_OPS = frozenset({torch.ops.shardc.stash_grad.default, _TAKE_OP})
@@ -99,7 +119,7 @@ _LOOP_OPS = frozenset({
 def _loop(node: fx.Node) -> bool:
     """Whether Inductor computes ``node`` as a loop that it can inline into its readers."""
     return _has_tag(node, torch.Tag.pointwise) or (
-        node.op == "call_function" and node.target in _LOOP_OPS)
+        node.op == "call_function" and node.target in _LOOP_OPS) or _unpacked_into(node)
 
 
 @dataclass
@@ -143,7 +163,8 @@ class Fusion:
             span[node] = (joined[node],) * 2 if node in joined else (i, i)
             if not _loop(node):
                 continue
-            readers = view_users(node)[1]
+            # (the unpack that fills a copy's buffer is its writer, not a reader)
+            readers = [r for r in view_users(node)[1] if r.target is not UNPACK_INTO_OP]
             if not readers or any(r.op == "output" for r in readers):
                 continue  # a graph output: realized where it is defined
             if all(_loop(r) or _has_tag(r, torch.Tag.reduction) or r.target is _CAT
@@ -194,7 +215,8 @@ def _horizontal(nodes: list[fx.Node], inlined: set[fx.Node], deferred: set[fx.No
     joined: dict[fx.Node, int] = {}
     kernels = 0
     for i, node in enumerate(nodes):
-        if node.op != "call_function" or node in inlined or _is_alias(node):
+        if node.op != "call_function" or node in inlined or _is_alias(node) \
+                or _pack_of(node) is not None or node.target is UNPACK_INTO_OP:
             continue
         kernels += 1
         val = node.meta.get("val")
@@ -288,9 +310,16 @@ def lifetimes_and_storage(gm: fx.GraphModule, skip: set[fx.Node], *, fusion: boo
                 born[node] = born[node.args[0]]
             if fusion and node.target is _CAT:
                 born[node] = fused_start(node, index)
+            elif fusion and (pack := _pack_of(node)) is not None:
+                born[node] = min(i, fused_start(pack, index))
             last[node] = born[node]
             reads_at = fused.span.get(node, (i, i))[1]
+            if fusion and node.target is UNPACK_INTO_OP:
+                reads_at = max([reads_at, *(fused.span[o][1] for o in node.args[3])])
+        written = node.args[3] if node.target is UNPACK_INTO_OP else ()
         for arg in node.all_input_nodes:
+            if arg in written:  # (its copies' lives are their readers')
+                continue
             key = storage[arg]
             last[key] = max(last[key], reads_at)
         if _is_collective(node):
@@ -346,7 +375,7 @@ def _reuse_key(node: fx.Node) -> tuple | None:
 def _allocates_from_pool(node: fx.Node) -> bool:
     return node.op == "call_function" and (
         _loop(node) or _has_tag(node, torch.Tag.reduction) or node.target is _CAT
-        or node.target in _OUT_KERNELS)
+        or node.target in _OUT_KERNELS or _pack_of(node) is not None)
 
 
 def held_for_reuse(lives: list[Lifetime], end: int,

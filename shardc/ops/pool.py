@@ -12,6 +12,7 @@ writing the pool before the plan's issue position, while the bytes still belong 
 from __future__ import annotations
 
 import torch
+import torch.fx
 
 
 @torch.library.custom_op("shardc::pool_pack", mutates_args=("out",))
@@ -37,7 +38,7 @@ def pool_pack(out: torch.Tensor, tensors: list[torch.Tensor], rows: list[int], w
         if rank_major:
             dst = out[:, offset:offset + n].view(world, r, *rest)
             if t.shape[0] == r * world:
-                dst.copy_(t.reshape(world, r, *rest))
+                dst.copy_(t.unflatten(0, (world, r)))  # a view for any strides: no temporary
             else:
                 for w in range(world):
                     have = max(0, min(r, t.shape[0] - w * r))
@@ -102,5 +103,29 @@ def _pool_unpack_fake(buffer, world, offsets, rows, sizes, ndims):
     return [buffer.new_empty(shape) for shape in _unpack_shapes(sizes, ndims)]
 
 
+@torch.library.custom_op("shardc::unpack_into", mutates_args=("outs",))
+def unpack_into(buffer: torch.Tensor, world: int, offsets: list[int],
+                outs: list[torch.Tensor]) -> None:
+    """Copy a gathered bucket out of ``buffer`` (rank-major, ``(world, n)`` flattened) into
+    ``outs``, buffers the graph allocated: ``outs[i]``, ``world * k`` elements, gets columns
+    ``[offsets[i], offsets[i] + k)`` of every rank, rank after rank. One op per bucket where
+    the pool-less lowering made a copy (``clone``) per parameter; the graph still allocates
+    each output itself (``empty``), so a compiler allocates and reuses them as it did the
+    copies (``shardc.passes.lower._unpack_before``)."""
+    table = buffer.view(world, -1)
+    for off, out in zip(offsets, outs):
+        cols = out.numel() // world
+        out.view(world, cols).copy_(table[:, off:off + cols])
+
+
 POOL_PACK_OP = torch.ops.shardc.pool_pack.default
+UNPACK_INTO_OP = torch.ops.shardc.unpack_into.default
+_EMPTY = torch.ops.aten.empty.memory_format
+
+
+def is_unpacked_into(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is a buffer (an ``empty``) that a ``shardc::unpack_into`` of its graph
+    fills: a gathered parameter's copy (``shardc.passes.lower._unpack_before``)."""
+    return node.op == "call_function" and node.target is _EMPTY and any(
+        u.target is UNPACK_INTO_OP and node in u.args[3] for u in node.users)
 POOL_UNPACK_OP = torch.ops.shardc.pool_unpack.default

@@ -2,7 +2,12 @@
 
 Each all-gather packs the bucket's shards (cast to the communication dtype, padded to the common
 row count, flattened) into one buffer, issues ``all_gather_into_tensor`` at the planned position,
-waits at the planned position and copies each parameter out of the gathered buffer. Each
+waits at the planned position and copies each parameter out of the gathered buffer. Without the
+pool and with ``one_op_bucket_copies`` (opt-in), a send buffer of several tensors is filled by
+one ``shardc::pool_pack`` into an ``empty`` of the graph, and under Inductor a bucket that one
+block-body call reads is copied out by one ``shardc::unpack_into`` right before the call: one
+op per bucket, not nodes and kernels per parameter, so Inductor's work does not grow with the
+parameters of every block. Each
 reduce-scatter packs the bucket's full gradients rank-major into one buffer, already divided by
 the number of ranks they are averaged over (:func:`grad_divisor`), issues
 ``reduce_scatter_tensor``, and at its wait slices this rank's rows of every parameter out of the
@@ -26,7 +31,8 @@ from torch import fx
 
 from shardc import _torch
 from shardc.ops.gather_args import GatherArgs, ReduceArgs
-from shardc.ops.pool import POOL_PACK_OP, POOL_UNPACK_OP
+from shardc.ops.pool import POOL_PACK_OP, POOL_UNPACK_OP, UNPACK_INTO_OP
+from shardc.passes.body import INVOKE_SUBGRAPH
 from shardc.passes.fx_utils import (
     call,
     dtype_itemsize,
@@ -187,6 +193,39 @@ def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
+def _static_shape(x: fx.Node) -> bool:
+    val = x.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.dim() >= 1 \
+        and all(isinstance(d, int) for d in val.shape)
+
+
+def _packs_in_one_op(tensors: list[fx.Node], sent_dtypes: list[torch.dtype],
+                     dtype: torch.dtype, divisor: int) -> bool:
+    """Whether a pool-less send buffer of ``tensors`` (cast to ``sent_dtypes``) is filled by one
+    ``shardc::pool_pack`` (:func:`_pack_new`) instead of a cast, pad and view per tensor and a
+    ``cat``: per-tensor nodes made Inductor lower, schedule and generate one copy kernel per
+    parameter and block (compile time growing with depth, issue 18). The op computes the same
+    values where the casts are to the buffer's dtype and the divisor is a power of two (an
+    exact scaling: Inductor divides by a constant as a multiplication by its reciprocal on
+    GPUs, so any other divisor keeps the per-tensor path). Several tensors only (one is sent
+    as it is), static shapes, no float8 (its casts are FP8's own, ``passes/fp8.py``)."""
+    return (len(tensors) > 1 and not is_float8(dtype) and divisor & (divisor - 1) == 0
+            and all(d == dtype for d in sent_dtypes) and all(map(_static_shape, tensors)))
+
+
+def _pack_new(graph: fx.Graph, shape: list[int], dtype: torch.dtype, tensors: list[fx.Node],
+              rows: list[int], world: int, *, rank_major: bool, divisor: int) -> fx.Node:
+    """A new send buffer of ``shape`` filled by one ``shardc::pool_pack`` of ``tensors`` (see
+    its docstring for ``rows``, ``world``, ``rank_major``, ``divisor``). The buffer is an
+    ``empty`` of the graph, so Inductor allocates it (and takes it from its reuse pool) where
+    it allocated the ``cat`` it replaces, and the memory model counts it as that ``cat``
+    (:mod:`shardc.memory.peak`); only the copies are opaque."""
+    device = tensors[0].meta["val"].device
+    out = call(graph, aten.empty.memory_format, (shape,), {"dtype": dtype, "device": device})
+    call(graph, POOL_PACK_OP, (out, tensors, rows, world, rank_major, divisor))
+    return out
+
+
 def _comm_bytes(graph: fx.Graph, x: fx.Node) -> fx.Node:
     """A float8 buffer's uint8 view for the collective (see ``collectives.as_comm_bytes``)."""
     if is_float8(x.meta["val"].dtype):
@@ -195,7 +234,8 @@ def _comm_bytes(graph: fx.Graph, x: fx.Node) -> fx.Node:
 
 
 def _issue_all_gather(graph, c: Collective, bucket: Bucket, gathers: dict, group: str,
-                      pool: PoolViews) -> tuple[fx.Node, fx.Node | None, fx.Node | None]:
+                      pool: PoolViews, one_op: bool = False
+                      ) -> tuple[fx.Node, fx.Node | None, fx.Node | None]:
     layout, numel = bucket.layout(c.params)
     shards = []
     for fqn in c.params:
@@ -210,6 +250,14 @@ def _issue_all_gather(graph, c: Collective, bucket: Bucket, gathers: dict, group
                       (_comm_bytes(graph, send_view), bucket.world, group),
                       {"out": _comm_bytes(graph, recv_view)})
         return handle, send_view, recv_view
+    sent_dtypes = [GatherArgs.of(gathers[fqn]).compute_dtype or x.meta["val"].dtype
+                   for fqn, x in zip(c.params, shards)]
+    if one_op and _packs_in_one_op(shards, sent_dtypes, _dtype(bucket.dtype), 1):
+        rows = [layout[fqn][1] for fqn in c.params]
+        send = _pack_new(graph, [numel], _dtype(bucket.dtype), shards, rows, bucket.world,
+                         rank_major=False, divisor=1)
+        return call(graph, funcol.all_gather_into_tensor.default,
+                    (send, bucket.world, group)), None, None
     pieces = []
     for fqn, x in zip(c.params, shards):
         compute_dtype = GatherArgs.of(gathers[fqn]).compute_dtype
@@ -224,7 +272,7 @@ def _issue_all_gather(graph, c: Collective, bucket: Bucket, gathers: dict, group
 
 
 def _wait_all_gather(graph, c: Collective, bucket: Bucket, gathers: dict, handle: fx.Node,
-                     pool: PoolViews, buffers: tuple):
+                     pool: PoolViews, buffers: tuple, fusing: bool = False):
     done = call(graph, funcol.wait_tensor.default, (handle,))
     if done.meta["val"].dtype != _dtype(bucket.dtype):  # float8 travelled as uint8
         done = call(graph, aten.view.dtype, (done, _dtype(bucket.dtype)))
@@ -240,6 +288,12 @@ def _wait_all_gather(graph, c: Collective, bucket: Bucket, gathers: dict, handle
             pool.release(view)
         return
     table = call(graph, aten.view.default, (done, [bucket.world, total]))
+    reader = _one_body_reader([gathers[fqn] for fqn in c.params]) if fusing else None
+    if reader is not None and not is_float8(_dtype(bucket.dtype)):
+        _unpack_before(graph, reader, table, c, bucket, gathers)
+        for view in buffers:
+            pool.release(view)
+        return
     for fqn in c.params:
         gather = gathers[fqn]
         offset, rows, row_numel, dim0 = layout[fqn]
@@ -252,6 +306,44 @@ def _wait_all_gather(graph, c: Collective, bucket: Bucket, gathers: dict, handle
         graph.erase_node(gather)
     for view in buffers:
         pool.release(view)
+
+
+def _one_body_reader(gathers: list[fx.Node]) -> fx.Node | None:
+    """The block-body call (``invoke_subgraph``) that is the one reader of every node of
+    ``gathers`` (two or more), else None."""
+    readers = {user for node in gathers for user in node.users}
+    if len(gathers) < 2 or len(readers) != 1 or not all(node.users for node in gathers):
+        return None
+    reader = next(iter(readers))
+    return reader if reader.op == "call_function" and reader.target is INVOKE_SUBGRAPH else None
+
+
+def _unpack_before(graph: fx.Graph, reader: fx.Node, table: fx.Node, c: Collective,
+                   bucket: Bucket, gathers: dict) -> None:
+    """Copy a gathered bucket out of ``table`` (``(world, n)``) with one
+    ``shardc::unpack_into`` right before ``reader``, the block-body call that reads all of it,
+    into one ``empty`` per parameter, in place of a ``clone`` per parameter at the wait.
+
+    The same memory under Inductor: a body call's inputs are realized right before the call,
+    so the clones were allocated there too, each from Inductor's reuse pool as the ``empty``
+    is, with the same size (padding rows included) and freed after the call alike; the bits
+    are a copy's. What changes is Inductor's work: one extern call per bucket instead of a
+    copy kernel per parameter to lower, schedule and generate (issue 18). The memory model
+    treats each ``empty`` as the copy it replaces (:mod:`shardc.memory.peak`)."""
+    layout, _ = bucket.layout(c.params)
+    dtype = table.meta["val"].dtype
+    with graph.inserting_before(reader):
+        outs = []
+        for fqn in c.params:
+            _, rows, _, _ = layout[fqn]
+            shape = [bucket.world * rows, *gathers[fqn].meta["val"].shape[1:]]
+            outs.append(call(graph, aten.empty.memory_format, (shape,),
+                             {"dtype": dtype, "device": table.meta["val"].device}))
+        call(graph, UNPACK_INTO_OP, (table, bucket.world, [layout[f][0] for f in c.params], outs))
+        for fqn, out in zip(c.params, outs):
+            full = _first_rows(graph, out, layout[fqn][3])
+            gathers[fqn].replace_all_uses_with(full)
+            graph.erase_node(gathers[fqn])
 
 
 def grad_divisor(bucket: Bucket) -> int:
@@ -338,7 +430,7 @@ def _issue_elided_reduce(graph, c: Collective, bucket: Bucket, reduces: dict,
 
 
 def _issue_reduce_scatter(graph, c: Collective, bucket: Bucket, reduces: dict, group: str,
-                          pool: PoolViews):
+                          pool: PoolViews, one_op: bool = False):
     layout, numel = bucket.layout(c.params)
     grads = [ReduceArgs.of(reduces[fqn]).grad for fqn in c.params]
     divisor = grad_divisor(bucket)
@@ -351,6 +443,15 @@ def _issue_reduce_scatter(graph, c: Collective, bucket: Bucket, reduces: dict, g
         handle = call(graph, funcol.reduce_scatter_tensor_out.default,
                       (send_view, "sum", bucket.world, group), {"out": recv_view})
         return handle, send_view, recv_view
+    sent_dtypes = [ReduceArgs.of(reduces[fqn]).reduce_dtype or x.meta["val"].dtype
+                   for fqn, x in zip(c.params, grads)]
+    if one_op and _packs_in_one_op(grads, sent_dtypes, _dtype(bucket.reduce_dtype), divisor):
+        rows = [layout[fqn][1] for fqn in c.params]
+        table = _pack_new(graph, [bucket.world, numel], _dtype(bucket.reduce_dtype), grads, rows,
+                          bucket.world, rank_major=True, divisor=divisor)
+        flat = call(graph, aten.view.default, (table, [-1]))
+        return call(graph, funcol.reduce_scatter_tensor.default,
+                    (flat, "sum", bucket.world, group)), None, None
     pieces = []
     for fqn, x in zip(c.params, grads):
         reduce_dtype = ReduceArgs.of(reduces[fqn]).reduce_dtype
@@ -478,6 +579,8 @@ def apply_plan(
     pool: torch.Tensor | fx.Node | None = None,
     poison: bool = False,
     grads_ready_key: str = "",
+    fusing: bool = False,
+    one_op: bool = False,
 ) -> fx.GraphModule:
     """Replace the shardc nodes of ``gm`` (the region's ``graph_name`` graph) by ``plan``.
 
@@ -486,7 +589,12 @@ def apply_plan(
     allocate no communication buffers; ``poison`` fills each buffer with NaN once it is dead.
     ``pool`` may instead be a graph node standing for it (:func:`add_pool_placeholder`).
     ``grads_ready_key``: CPU offload's model key; each bucket's final host gradients are
-    signalled once their copies start (``shardc.step_in_backward``).
+    signalled once their copies start (``shardc.step_in_backward``). ``one_op``
+    (``ShardcOptions.one_op_bucket_copies``, off by default): without the pool, each send
+    buffer of several tensors is filled by one op (:func:`_pack_new`), and with ``fusing``
+    (the graphs go to Inductor, which realizes a block-body call's inputs right before the
+    call) a bucket read by one body call is copied out by one op right before it
+    (:func:`_unpack_before`); otherwise per parameter, a copy at the wait, as FX runs it.
     """
     g = analyze(gm, graph_name)
     shards = [GatherArgs.of(node).shard for node in g.gathers.values()]
@@ -526,9 +634,11 @@ def apply_plan(
             if c.elided:
                 handles[c.link] = _issue_elided_reduce(graph, c, bucket, g.reduces, views)
             elif c.kind == Kind.ALL_GATHER:
-                handles[c.id] = _issue_all_gather(graph, c, bucket, g.gathers, group, views)
+                handles[c.id] = _issue_all_gather(graph, c, bucket, g.gathers, group, views,
+                                                  one_op)
             else:
-                handles[c.id] = _issue_reduce_scatter(graph, c, bucket, g.reduces, group, views)
+                handles[c.id] = _issue_reduce_scatter(graph, c, bucket, g.reduces, group, views,
+                                                      one_op)
     # (the node before each position's issues, to the position's first issued node)
     first_issued = {pos: prev.next for pos, prev in first_issued.items()}
     for c in sorted(colls, key=lambda c: (c.wait_pos, c.kind == Kind.ALL_REDUCE)):
@@ -541,7 +651,8 @@ def apply_plan(
         with graph.inserting_before(where):
             handle, *buffers = handles[c.id]
             if c.kind == Kind.ALL_GATHER:
-                _wait_all_gather(graph, c, bucket, g.gathers, handle, views, tuple(buffers))
+                _wait_all_gather(graph, c, bucket, g.gathers, handle, views, tuple(buffers),
+                                 fusing and one_op)
             elif c.kind == Kind.ALL_REDUCE:
                 _wait_all_reduce(graph, c, bucket, g, handle, rank, views, *buffers)
             else:
