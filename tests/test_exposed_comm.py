@@ -8,24 +8,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from test_cluster_profile import _profile  # the same small synthetic profile
 
 from shardc.planning.plan import PLAN_VERSION, Collective, Plan
-from shardc.planning.profile import ClusterProfile, CollectiveCurve, MatmulPoint
 from shardc.planning.schedule import _Timeline
 from shardc.planning.step import OptimizerSpec, predict_step, step_exposed_comm
-
-
-def _profile(**changes) -> ClusterProfile:
-    """A small synthetic profile (as ``test_cluster_profile``'s), with ``changes``."""
-    base = ClusterProfile(
-        name="synthetic", device="test", source="measured", command="pytest", date="today",
-        matmul=(MatmulPoint("bfloat16", 1024, 1024, 1024, 100e12),
-                MatmulPoint("bfloat16", 8192, 8192, 8192, 800e12)),
-        memory=((1 << 20, 1e12), (1 << 30, 3e12)),
-        collectives=(CollectiveCurve("all_gather", 2, "intra", ((1 << 20, 10e-6),
-                                                                 (1 << 30, 4e-3))),),
-        kernel_gpu_s=2e-6, kernel_launch_s=5e-6, overlap_slowdown=1.25)
-    return dataclasses.replace(base, **changes)
 
 
 def _collective(name: str = "c", stream: str = "shard") -> Collective:
