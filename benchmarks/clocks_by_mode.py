@@ -34,16 +34,17 @@ def read_samples(path: Path, utc_offset_h: float) -> list[dict[str, float]]:
         reader = csv.reader(f)
         header = [h.strip() for h in next(reader)]
         col = {name.split(" ")[0]: i for i, name in enumerate(header)}
+        # (named clocks_throttle_reasons or clocks_event_reasons, by driver)
+        reasons = col[next(k for k in col if k.startswith("clocks_") and "reasons" in k)]
         for rec in reader:
             if len(rec) != len(header):
                 continue
             stamp = datetime.strptime(rec[col["timestamp"]].strip(), "%Y/%m/%d %H:%M:%S.%f")
             stamp = stamp.replace(tzinfo=timezone.utc) - timedelta(hours=utc_offset_h)
-            reasons_key = next(k for k in col if k.startswith("clocks_") and "reasons" in k)
             rows.append({"t": stamp.timestamp(),
                          "sm_mhz": float(rec[col["clocks.current.sm"]].split()[0]),
                          "power_w": float(rec[col["power.draw"]].split()[0]),
-                         "reasons": int(rec[col[reasons_key]].strip(), 16)})
+                         "reasons": int(rec[reasons].strip(), 16)})
     return rows
 
 

@@ -86,14 +86,6 @@ def _pack_of(node: fx.Node) -> fx.Node | None:
     return next((u for u in node.users if u.target is POOL_PACK_OP and u.args[0] is node), None)
 
 
-def _unpacked_into(node: fx.Node) -> bool:
-    """A gathered parameter's buffer that ``shardc::unpack_into`` fills (``is_unpacked_into``),
-    modelled as the per-parameter copy it replaces: a loop of Inductor's (inlined into pointwise
-    readers, deferred to its one extern reader); the op itself is no kernel of its own and
-    reads the gathered buffer where those copies did (:func:`lifetimes_and_storage`)."""
-    return is_unpacked_into(node)
-
-
 def _is_collective(node: fx.Node) -> bool:
     op = op_overload(node)
     return op is not None and op.namespace == "_c10d_functional" and op is not _WAIT
@@ -117,9 +109,12 @@ _LOOP_OPS = frozenset({
 
 
 def _loop(node: fx.Node) -> bool:
-    """Whether Inductor computes ``node`` as a loop that it can inline into its readers."""
+    """Whether Inductor computes ``node`` as a loop that it can inline into its readers. A
+    gathered parameter's buffer that ``shardc::unpack_into`` fills is modelled as the
+    per-parameter copy it replaces, such a loop; the op itself is no kernel of its own and
+    reads the gathered buffer where those copies did (:func:`lifetimes_and_storage`)."""
     return _has_tag(node, torch.Tag.pointwise) or (
-        node.op == "call_function" and node.target in _LOOP_OPS) or _unpacked_into(node)
+        node.op == "call_function" and node.target in _LOOP_OPS) or is_unpacked_into(node)
 
 
 @dataclass

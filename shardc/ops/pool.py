@@ -119,6 +119,7 @@ def unpack_into(buffer: torch.Tensor, world: int, offsets: list[int],
 
 
 POOL_PACK_OP = torch.ops.shardc.pool_pack.default
+POOL_UNPACK_OP = torch.ops.shardc.pool_unpack.default
 UNPACK_INTO_OP = torch.ops.shardc.unpack_into.default
 _EMPTY = torch.ops.aten.empty.memory_format
 
@@ -128,4 +129,3 @@ def is_unpacked_into(node: torch.fx.Node) -> bool:
     fills: a gathered parameter's copy (``shardc.passes.lower._unpack_before``)."""
     return node.op == "call_function" and node.target is _EMPTY and any(
         u.target is UNPACK_INTO_OP and node in u.args[3] for u in node.users)
-POOL_UNPACK_OP = torch.ops.shardc.pool_unpack.default

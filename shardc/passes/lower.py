@@ -250,9 +250,9 @@ def _issue_all_gather(graph, c: Collective, bucket: Bucket, gathers: dict, group
                       (_comm_bytes(graph, send_view), bucket.world, group),
                       {"out": _comm_bytes(graph, recv_view)})
         return handle, send_view, recv_view
-    sent_dtypes = [GatherArgs.of(gathers[fqn]).compute_dtype or x.meta["val"].dtype
-                   for fqn, x in zip(c.params, shards)]
-    if one_op and _packs_in_one_op(shards, sent_dtypes, _dtype(bucket.dtype), 1):
+    if one_op and _packs_in_one_op(
+            shards, [GatherArgs.of(gathers[fqn]).compute_dtype or x.meta["val"].dtype
+                     for fqn, x in zip(c.params, shards)], _dtype(bucket.dtype), 1):
         rows = [layout[fqn][1] for fqn in c.params]
         send = _pack_new(graph, [numel], _dtype(bucket.dtype), shards, rows, bucket.world,
                          rank_major=False, divisor=1)
@@ -443,9 +443,9 @@ def _issue_reduce_scatter(graph, c: Collective, bucket: Bucket, reduces: dict, g
         handle = call(graph, funcol.reduce_scatter_tensor_out.default,
                       (send_view, "sum", bucket.world, group), {"out": recv_view})
         return handle, send_view, recv_view
-    sent_dtypes = [ReduceArgs.of(reduces[fqn]).reduce_dtype or x.meta["val"].dtype
-                   for fqn, x in zip(c.params, grads)]
-    if one_op and _packs_in_one_op(grads, sent_dtypes, _dtype(bucket.reduce_dtype), divisor):
+    if one_op and _packs_in_one_op(
+            grads, [ReduceArgs.of(reduces[fqn]).reduce_dtype or x.meta["val"].dtype
+                    for fqn, x in zip(c.params, grads)], _dtype(bucket.reduce_dtype), divisor):
         rows = [layout[fqn][1] for fqn in c.params]
         table = _pack_new(graph, [bucket.world, numel], _dtype(bucket.reduce_dtype), grads, rows,
                           bucket.world, rank_major=True, divisor=divisor)

@@ -34,7 +34,6 @@ _GRAPH_ORDER = ("forward", "backward")
 # ------------------------------------------------------------------------------------ helpers
 
 
-
 def _stall_note(c: Collective) -> str:
     """``", stall X"`` where the stream's stall for ``c`` exceeds what it adds (later host
     waits absorbed the rest), else nothing."""
@@ -46,6 +45,7 @@ def _stall_s(c: Collective) -> float:
     ``stall_s``, or in plans made before it ``exposed_s``, which then held the stall (a newer
     plan's exposure never exceeds its stall)."""
     return max(c.stall_s, c.exposed_s)
+
 
 def _fmt_bytes(n: float | None) -> str:
     if n is None:
@@ -578,12 +578,13 @@ def chrome_trace(plan: Plan, *, min_op_us: float = 1.0, max_compute_events: int 
         for c in colls:
             tid = stream_tid[c.stream]
             start_us = offset_us + c.predicted_start_s * 1e6
+            stall = _stall_s(c)
             args = {
                 "id": c.id, "group": c.group, "bucket": c.bucket,
                 "bucket_name": names.get(c.bucket, ""), "bytes": c.bytes,
                 "buffer_bytes": c.buffer_bytes, "dtype": c.dtype, "params": len(c.params),
                 "issue_pos": c.issue_pos, "wait_pos": c.wait_pos,
-                "exposed_ms": c.exposed_s * 1e3, "stall_ms": _stall_s(c) * 1e3,
+                "exposed_ms": c.exposed_s * 1e3, "stall_ms": stall * 1e3,
                 "reason": c.reason,
             }
             if c.buffer_offset is not None:
@@ -602,11 +603,11 @@ def chrome_trace(plan: Plan, *, min_op_us: float = 1.0, max_compute_events: int 
             events.append({"name": f"wait {c.id}", "cat": "wait", "ph": "i", "s": "t",
                            "pid": pid, "tid": compute_tid, "ts": wait_us,
                            "args": {"pos": c.wait_pos, "exposed_ms": c.exposed_s * 1e3}})
-            if _stall_s(c) > 0:
+            if stall > 0:
                 events.append({"name": f"stall: {c.id}", "cat": "stall", "ph": "X", "pid": pid,
                                "tid": compute_tid,
-                               "ts": offset_us + (c.predicted_end_s - _stall_s(c)) * 1e6,
-                               "dur": _stall_s(c) * 1e6, "args": {"id": c.id}})
+                               "ts": offset_us + (c.predicted_end_s - stall) * 1e6,
+                               "dur": stall * 1e6, "args": {"id": c.id}})
             flow_id += 1
             events.append({"name": "waited by", "cat": "wait", "ph": "s", "id": flow_id,
                            "pid": pid, "tid": tid, "ts": start_us})
