@@ -66,6 +66,7 @@ import statistics
 import sys
 import time
 import warnings
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,7 @@ from train.setup import compiled_loss  # noqa: E402
 from train.workload import build_model, model_config, synthetic_batches  # noqa: E402
 
 import shardc  # noqa: E402
+from shardc.compile.options import ShardcOptions  # noqa: E402
 from shardc.planning.profile import resolve_profile  # noqa: E402
 from shardc.planning.step import OptimizerSpec, predict_step  # noqa: E402
 
@@ -132,10 +134,6 @@ def _option_value(text: str) -> bool | int | float | str:
 def parse_backend_option(text: str) -> tuple[str, bool | int | float | str]:
     """``NAME=VALUE`` (``--backend-option``): a ``ShardcOptions`` field and its value
     (:func:`_option_value`); a name that is no field is an error listing the fields."""
-    from dataclasses import fields
-
-    from shardc.compile.options import ShardcOptions
-
     name, sep, value = text.partition("=")
     name = name.strip()
     known = sorted(f.name for f in fields(ShardcOptions))
@@ -188,7 +186,12 @@ def _args(argv=None) -> argparse.Namespace:
                         "events, per rank) and its plans (JSON) under DIR, for offline analysis")
     p.add_argument("--out", default="docs/bench")
     p.add_argument("--name", default="predict_step")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:  # a value ShardcOptions refuses is refused here, not by every configuration's compile
+        ShardcOptions(**dict(args.backend_option))
+    except (TypeError, ValueError) as exc:
+        p.error(f"--backend-option: {exc}")
+    return args
 
 
 def _init(device_type: str) -> tuple[int, int, torch.device]:

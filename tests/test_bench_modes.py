@@ -83,8 +83,8 @@ def test_the_rswait_mode_is_default_shardc_with_the_option(monkeypatch):
 
 def test_predict_step_backend_options_parse_and_name_the_fields():
     """``predict_step.py --backend-option NAME=VALUE`` (repeatable): bools, ints, floats and
-    text; an unknown name or a missing ``=`` is refused listing ``ShardcOptions``' fields;
-    the report names the options."""
+    text; an unknown name or a missing ``=`` is refused listing ``ShardcOptions``' fields, a
+    value the options refuse at parsing; the report names the options."""
     import predict_step
 
     args = predict_step._args([
@@ -102,6 +102,8 @@ def test_predict_step_backend_options_parse_and_name_the_fields():
         with pytest.raises(argparse.ArgumentTypeError, match=match) as info:
             predict_step.parse_backend_option(bad)
         assert RSWAIT in str(info.value) and "one_op_bucket_copies" in str(info.value)
+    with pytest.raises(SystemExit):  # a value ShardcOptions refuses: before any compile
+        predict_step._args(["--backend-option", "bucket_by=layer"])
 
 
 @pytest.mark.parametrize("impl", ["default", "foreach", "fused"])

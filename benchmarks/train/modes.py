@@ -267,7 +267,9 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_
     if mode == "shardc-rswait":
         # Each reduce-scatter waited past the next buckets of at most 1/16 its bytes (FP8's
         # norm bucket after a layer's Linear bucket; opt-in until measured against default
-        # shardc, docs/cost_model.md).
+        # shardc, docs/cost_model.md). This benchmark trains bf16, where no Llama bucket is
+        # that small: the same plan as shardc (a control; predict_step.py's :fp8 configs with
+        # --backend-option measure the FP8 case).
         setup = setup_shardc(model, mesh, loss_in_graph, **RSWAIT_OPTIONS)
         setup.info["options"] = ", ".join(f"{k}={v!r}" for k, v in RSWAIT_OPTIONS.items())
         return setup
