@@ -139,7 +139,7 @@ def test_fp8_plan_waits_each_linear_bucket_past_its_norm_bucket():
     assert on.hash() == off.hash()  # the same collectives: only rank-local waits moved
     assert on.predicted.peak_comm_buffer_bytes >= off.predicted.peak_comm_buffer_bytes
     assert on.predicted.peak_bytes >= off.predicted.peak_bytes > 0
-    # The stalls right after each large issue are gone from the prediction.
+    # The stream stalls no more than by default (the large waits come later).
     assert on.predicted.comm_stall_s <= off.predicted.comm_stall_s
 
 
