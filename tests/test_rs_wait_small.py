@@ -4,9 +4,10 @@ bucket) to the next larger bucket's first write.
 
 The rule on synthetic reductions (the clamps, the 1/16 boundary, the reason); a planned FP8
 step on the CPU (the Linear buckets' waits move past the norm buckets, nothing else moves, the
-predicted peak does not drop); and FP8 training at world 2 over gloo with the option against
+predicted peak does not drop); FP8 training at world 2 over gloo with the option against
 without it (bitwise: only wait positions move) and against the unsharded fake-quantized
-reference.
+reference (FX; Inductor marked slow); and HSDP 2x2, where the replicate all-reduces
+move with the waits that issue them.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import pytest
 import torch
 from dist_utils import run_ranks
 from fp8_workers import POLICIES, build_model, reference
-from parity import assert_parity, train_rank_slice
+from parity import assert_parity, build, train_rank_slice
+from parity import reference as plain_reference
+from torch.distributed.device_mesh import init_device_mesh
 
 import shardc
 from shardc.compile.options import ShardcOptions
@@ -213,3 +216,45 @@ def test_training_with_the_option_is_bitwise_the_same(fake_quant_reference):
 def test_training_with_the_option_under_inductor(fake_quant_reference):
     """The same under Inductor (no pool: its allocator reuses the buffers; CPU compiles)."""
     _check_runs(run_ranks(_with_and_without, 2, "inductor"), fake_quant_reference)
+
+
+def _hsdp_with_and_without(rank: int, world: int) -> dict[bool, dict]:
+    """The one-layer Llama on a 2x2 (replicate, shard) mesh, every parameter its own bucket
+    (``bucket_by="param"``: norm weights after Linear weights, so waits move), planned FX with
+    the pool, without and with the option (with it, dead buffers poisoned): each
+    reduce-scatter's wait issues its bucket's replicate all-reduce, so the all-reduces move
+    with the waits."""
+    out = {}
+    for on in (False, True):
+        torch._dynamo.reset()
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        model = shardc.shard(build("llama1"), mesh)
+        options = {OPTION: True, "debug_pool": True} if on else {}
+        forward = torch.compile(model, backend=shardc.backend(inductor=False, bucket_by="param",
+                                                              **options))
+        losses = train_rank_slice(model, forward, rank, world)
+        (region,) = shardc.shard_state(model).regions
+        out[on] = {"losses": losses, "plan": region.plan,
+                   "params": {n: p.full_tensor().detach().clone()
+                              for n, p in model.named_parameters()}}
+    return out
+
+
+def test_hsdp_training_with_the_option_is_bitwise_the_same():
+    """HSDP 2x2 (four gloo ranks): the option moves reduce-scatter waits and with them the
+    replicate all-reduces they issue; the same numbers bit for bit, at parity with the
+    unsharded model (7-14 s wall on a quiet two-core machine: under the suite's bar for
+    slow)."""
+    ref = plain_reference("llama1")
+    for rank_runs in run_ranks(_hsdp_with_and_without, 4):
+        off, on = rank_runs[False], rank_runs[True]
+        moved = [c.id for c in _reduce_scatters(on["plan"])
+                 if c.wait_pos != off["plan"].collective(c.id).wait_pos]
+        assert moved, "no wait moved: the test does not exercise the option"
+        for c in on["plan"].collectives:
+            if c.link and c.kind == CollectiveKind.ALL_REDUCE:
+                assert c.issue_pos == on["plan"].collective(c.link).wait_pos, c.id
+        assert torch.equal(on["losses"], off["losses"])
+        for name, value in off["params"].items():
+            assert torch.equal(on["params"][name], value), name
+        assert_parity(on, ref)
