@@ -109,13 +109,23 @@ class PlannedRow:
     exposed_comm_s: float = 0.0
 
 
+# ``--backend-option`` fields a CPU plan does not take from the GPU run's record: its profile
+# is this script's ``--profile`` or the run's, its budget the run's ``--memory-budget`` (a
+# budget set as a backend option is not re-planned), and the CPU planner sets Inductor itself.
+_OWN_OPTIONS = ("cluster", "peak_memory_budget_bytes", "inductor")
+
+
 def _run_options(meta: dict, cluster: dict) -> dict:
     """The backend options the GPU run compiled with that the plan depends on: its cluster
-    profile and its peak memory budget (``"auto"``: the budget a compile on that GPU takes,
-    :func:`shardc.planning.budget.auto_budget` of its memory)."""
+    profile, its peak memory budget (``"auto"``: the budget a compile on that GPU takes,
+    :func:`shardc.planning.budget.auto_budget` of its memory) and the ``ShardcOptions`` fields
+    it set with ``--backend-option`` (``meta["backend_options"]``; the others of
+    :data:`_OWN_OPTIONS`)."""
     from shardc.planning.budget import auto_budget
 
-    options: dict = {"cluster": cluster}
+    recorded = meta.get("backend_options") or {}
+    options: dict = {k: v for k, v in recorded.items() if k not in _OWN_OPTIONS}
+    options["cluster"] = cluster
     budget = meta.get("memory_budget")
     if budget == "auto":
         gpu = str(meta.get("gpu", "")).lower()

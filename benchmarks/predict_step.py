@@ -11,8 +11,10 @@ Launch with torchrun, one process per GPU (one GPU is fine)::
 Each configuration ``model:layers:batch[:fp8]`` (the models of ``train_bench.py``: ``1b``,
 ``wide``; sequence 2048) is built, sharded with ``MixedPrecisionPolicy(bf16, fp32)`` (and
 ``Float8Policy(modules=(Linear, Embedding))`` with ``:fp8``), compiled with the shardc backend
-(Inductor) and trained with AdamW (torch's default ``foreach``) on synthetic tokens. The table
-holds, per configuration:
+(Inductor; ``--backend-option NAME=VALUE`` sets any ``ShardcOptions`` field for every
+configuration, e.g. ``--backend-option reduce_scatter_wait_past_small_buckets=true``) and
+trained with AdamW (torch's default ``foreach``) on synthetic tokens. The table holds, per
+configuration:
 
 - predicted (``shardc.planning.step.predict_step``): the plan's forward+backward time
   (``plan.predicted.step_time_s``, every region; the forward waits for the host's per-parameter
@@ -64,6 +66,7 @@ import statistics
 import sys
 import time
 import warnings
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +88,7 @@ from train.setup import compiled_loss  # noqa: E402
 from train.workload import build_model, model_config, synthetic_batches  # noqa: E402
 
 import shardc  # noqa: E402
+from shardc.compile.options import ShardcOptions  # noqa: E402
 from shardc.planning.profile import resolve_profile  # noqa: E402
 from shardc.planning.step import OptimizerSpec, predict_step  # noqa: E402
 
@@ -112,6 +116,34 @@ def parse_configs(text: str) -> list[dict[str, Any]]:
                     "precision": precision[0] if precision else "bf16",
                     "seq": int(seq[0][1:]) if seq else None})
     return out
+
+
+def _option_value(text: str) -> bool | int | float | str:
+    """A backend option's value as written: ``true``/``false`` (any case) a bool, then an int,
+    then a float, else the text itself."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_backend_option(text: str) -> tuple[str, bool | int | float | str]:
+    """``NAME=VALUE`` (``--backend-option``): a ``ShardcOptions`` field and its value
+    (:func:`_option_value`); a name that is no field is an error listing the fields."""
+    name, sep, value = text.partition("=")
+    name = name.strip()
+    known = sorted(f.name for f in fields(ShardcOptions))
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=VALUE (NAME a ShardcOptions "
+                                         f"field: {', '.join(known)})")
+    if name not in known:
+        raise argparse.ArgumentTypeError(f"{name!r} is not a ShardcOptions field; fields: "
+                                         f"{', '.join(known)}")
+    return name, _option_value(value.strip())
 
 
 def _args(argv=None) -> argparse.Namespace:
@@ -144,12 +176,22 @@ def _args(argv=None) -> argparse.Namespace:
                         "step replayed (shardc.planning.step.predict_step(cudagraphs=True))")
     p.add_argument("--memory-budget", default=None, metavar="BYTES|auto",
                    help="shardc's peak_memory_budget_bytes (default: none)")
+    p.add_argument("--backend-option", action="append", default=[], metavar="NAME=VALUE",
+                   type=parse_backend_option,
+                   help="a ShardcOptions field for every configuration's shardc backend "
+                        "(repeatable; VALUE true/false, an int, a float or text; applied last, "
+                        "so it wins over the options this script sets)")
     p.add_argument("--keep-traces", default=None, metavar="DIR",
                    help="write each configuration's profiled kernels (gzipped Chrome-trace "
                         "events, per rank) and its plans (JSON) under DIR, for offline analysis")
     p.add_argument("--out", default="docs/bench")
     p.add_argument("--name", default="predict_step")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:  # a value ShardcOptions refuses is refused here, not by every configuration's compile
+        ShardcOptions(**dict(args.backend_option))
+    except (TypeError, ValueError) as exc:
+        p.error(f"--backend-option: {exc}")
+    return args
 
 
 def _init(device_type: str) -> tuple[int, int, torch.device]:
@@ -168,11 +210,12 @@ def _init(device_type: str) -> tuple[int, int, torch.device]:
 
 
 def _setup(cfg, device, mesh, fp8: bool, cluster: dict | None, blocks_once: bool = False,
-           cudagraphs: bool = False, budget: str | None = None):
+           cudagraphs: bool = False, budget: str | None = None,
+           backend_options: dict[str, Any] | None = None):
     """The model on ``mesh`` (``bench_mesh.build_mesh``: tensor-parallel blocks first on a
     ``(dp, tp)`` mesh, as train_bench does), sharded and compiled with the shardc backend;
     ``cudagraphs``: under ``mode="reduce-overhead"``; ``budget``: ``peak_memory_budget_bytes``
-    (``"auto"`` or bytes)."""
+    (``"auto"`` or bytes); ``backend_options``: ``--backend-option``'s, over the others."""
     model = bench_mesh.parallelize_llama(build_model(cfg, device), mesh)
     mp = shardc.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     policy = shardc.Float8Policy(modules=(nn.Linear, nn.Embedding)) if fp8 else None
@@ -184,6 +227,7 @@ def _setup(cfg, device, mesh, fp8: bool, cluster: dict | None, blocks_once: bool
         options["peak_memory_budget_bytes"] = parse_peak_budget(budget)
     if device.type != "cuda":
         options["inductor"] = False
+    options.update(backend_options or {})
     mode = {"mode": "reduce-overhead"} if cudagraphs else {}
     loss = compiled_loss(model, True, backend=shardc.backend(**options), **mode)
     return model, loss
@@ -222,7 +266,8 @@ def run_config(c: dict, args, device, mesh, cluster: dict | None, log) -> dict[s
     seq = config_seq(c, args)
     cfg = model_config(c["model"], seq, args.tiny, c["layers"])
     model, loss_fn = _setup(cfg, device, mesh, c["precision"] == "fp8", cluster,
-                            args.blocks_once, args.cudagraphs, args.memory_budget)
+                            args.blocks_once, args.cudagraphs, args.memory_budget,
+                            dict(args.backend_option))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     # A tp group reads one batch (its dp coordinate's); every other rank its own.
     data = synthetic_batches(args.warmup + 2 * args.steps + args.profile_steps, c["batch"], seq,
@@ -537,6 +582,16 @@ HEAD = "| mesh | model | layers | batch x seq |"
 HEAD_ALIGN = "| --- | --- | ---: | ---: |"
 
 
+def backend_options_line(meta: dict) -> list[str]:
+    """The report's line naming ``--backend-option``'s options (none where the run set none,
+    or ran before the flag)."""
+    options = meta.get("backend_options") or {}
+    if not options:
+        return []
+    return ["- backend options (every row): "
+            + ", ".join(f"`{k}={v!r}`" for k, v in sorted(options.items()))]
+
+
 def render(report: dict) -> str:
     m = report["meta"]
     lines = [
@@ -547,6 +602,7 @@ def render(report: dict) -> str:
         f"- device: {m['gpu']} x {m['world_size']}; mesh {m.get('mesh') or 'fsdp'}; torch "
         f"{m['torch']}; NCCL {m['nccl']}",
         f"- cluster profile: {m['profile']}",
+        *backend_options_line(m),
         f"- sequence {m['seq']} unless a row names another; {m['steps']} timed steps (median), "
         f"{m['warmup']} warm-up; AdamW (foreach); bf16 compute, fp32 master weights and reduction",
         "",
@@ -710,6 +766,9 @@ def main(argv=None) -> int:
         "profile": f"{profile.name} ({profile.source[:60]}; {profile.date})",
         "profile_arg": args.profile, "tiny": args.tiny, "blocks_once": args.blocks_once,
         "cudagraphs": args.cudagraphs, "memory_budget": args.memory_budget,
+        # --backend-option's ShardcOptions fields, on every row (plan_vs_measured.py plans
+        # the rows with them too).
+        "backend_options": dict(args.backend_option),
         "seq": args.seq or (128 if args.tiny else 2048), "steps": args.steps,
         "warmup": args.warmup,
         # The mesh every row ran on (also each result's "mesh"); plan_vs_measured.py plans the

@@ -132,6 +132,18 @@ class ShardcOptions:
         then generates the same kernels at every depth (compile time, issue 18; the same
         values, plan and predicted memory). Off by default until its step time is measured on
         GPUs (the copies run as one op's per-tensor copies instead of Inductor's kernels).
+    reduce_scatter_wait_past_small_buckets: where a bucket's reduce-scatter is waited in the
+        backward (``shardc.planning.schedule``). By default it is waited before the next
+        bucket's send buffer is first written, so that at most one send buffer is alive besides
+        the one being filled. With this option the wait passes over the following buckets whose
+        send buffers are at most 1/16 of its bytes (FP8's norm bucket after a layer's Linear
+        bucket, whose first write comes a few ops after the large reduce-scatter's issue) and
+        goes before the first write of the next bucket that is larger; still never later than
+        the first reader of the reduced gradients. The small buffers then live beside the
+        large one (the peak prediction counts them), in exchange for the compute stream not
+        stalling right after each large issue (docs/cost_model.md: 4.6 ms a step waited under
+        CUDA graphs for FP8 on two H200s). Off by default until measured on GPUs: with it off
+        the plan is exactly as before.
     """
 
     inductor: bool = True
@@ -161,6 +173,7 @@ class ShardcOptions:
     compile_blocks_once: bool = True
     sink_block_residual: bool = False
     one_op_bucket_copies: bool = False
+    reduce_scatter_wait_past_small_buckets: bool = False
 
     def __post_init__(self) -> None:
         optimizer_kind.check(self.optimizer_impl)

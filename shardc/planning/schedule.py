@@ -12,7 +12,10 @@ Placement rules, each recorded as the collective's ``reason``:
   waited before the next bucket's send buffer is first written (or at the end of the graph): a
   fusing compiler writes a gradient that a reduction computes (a norm's weight) straight into
   the send buffer, so that buffer exists from that reduction on, and waiting the previous
-  reduce-scatter first lets the new buffer take its place instead of adding a second one;
+  reduce-scatter first lets the new buffer take its place instead of adding a second one.
+  With ``reduce_scatter_wait_past_small_buckets`` the wait passes over the next buckets of at
+  most 1/16 its send bytes (FP8's norm bucket right after a layer's Linear bucket) to the next
+  larger one's first write, never past the first reader of the reduced gradients;
 - collectives already in the traced graph (tensor parallelism) are planned by
   ``shardc.planning.found`` first: issued as soon as their inputs exist, waited before their
   first reader;
@@ -27,6 +30,8 @@ The cost model simulates one lane per process group (each has its own stream on 
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import fx
@@ -227,56 +232,134 @@ def fused_fill(g: GraphView, grad: fx.Node) -> int:
     return g.pos(start) if start is not None else ready_pos(g, grad)
 
 
-def _place_reduce_scatters(g: GraphView, buckets: list[Bucket]) -> list[Collective]:
-    items = []
-    for bucket in buckets:
-        params = [p for p in bucket.params if p in g.reduces]
-        if not params:
-            continue
-        grads = [ReduceArgs.of(g.reduces[p]).grad for p in params]
-        ready = max(ready_pos(g, grad) for grad in grads)
-        ready = min(ready, g.end)
-        # The wait must precede every reader of the reduced shards (the output, or additions).
-        # (views of the shards are moved behind the wait by the lowering)
-        latest = min(g.pos(u) for p in params for u in _readers(g.reduces[p]))
-        if latest < ready:  # dedupe moves the readers of merged reductions to the end
-            reader = g.compute[latest].name if latest < g.end else "the output"
-            raise RuntimeError(
-                f"shardc schedule: bucket {bucket.index} ({bucket.name}) reads a reduced gradient "
-                f"at {reader} (op {latest}) before its last gradient exists (op {ready}); "
-                "this is a shardc bug, please report it with the model")
-        writes = [w for w in (first_write(g, grad) for grad in grads)
-                  if w is not None]
-        last = max(grads, key=lambda grad: ready_pos(g, grad))
-        items.append((ready, bucket, params, latest, min(writes, default=None),
-                      fused_fill(g, last)))
-    items.sort(key=lambda item: (item[0], item[1].index))
+class _Reduction(NamedTuple):
+    """One bucket's reduce-scatter in the backward, before its wait is placed: ``ready`` (its
+    issue: the bucket's last gradient exists), ``latest`` (the first reader of the reduced
+    shards), ``first_write`` (where a reduction writes a gradient straight into the send
+    buffer, :func:`first_write`; ``None``: none does), ``fill`` (where the packing copy runs,
+    :func:`fused_fill`) and ``send_bytes`` (the whole unreduced send buffer)."""
+
+    ready: int
+    bucket: Bucket
+    params: list[str]
+    latest: int
+    first_write: int | None
+    fill: int
+    send_bytes: int
+
+
+# Under ``ShardcOptions.reduce_scatter_wait_past_small_buckets`` a reduce-scatter's wait passes
+# over the next buckets whose send buffers hold at most 1/SMALL_BUCKET_DIVISOR of its bytes.
+SMALL_BUCKET_DIVISOR = 16
+
+
+def _reduction(g: GraphView, bucket: Bucket) -> _Reduction | None:
+    """The reduce-scatter of ``bucket`` in ``g`` (``None`` where no gradient of it is reduced
+    there)."""
+    params = [p for p in bucket.params if p in g.reduces]
+    if not params:
+        return None
+    grads = [ReduceArgs.of(g.reduces[p]).grad for p in params]
+    ready = max(ready_pos(g, grad) for grad in grads)
+    ready = min(ready, g.end)
+    # The wait must precede every reader of the reduced shards (the output, or additions).
+    # (views of the shards are moved behind the wait by the lowering)
+    latest = min(g.pos(u) for p in params for u in _readers(g.reduces[p]))
+    if latest < ready:  # dedupe moves the readers of merged reductions to the end
+        reader = g.compute[latest].name if latest < g.end else "the output"
+        raise RuntimeError(
+            f"shardc schedule: bucket {bucket.index} ({bucket.name}) reads a reduced gradient "
+            f"at {reader} (op {latest}) before its last gradient exists (op {ready}); "
+            "this is a shardc bug, please report it with the model")
+    writes = [w for w in (first_write(g, grad) for grad in grads)
+              if w is not None]
+    last = max(grads, key=lambda grad: ready_pos(g, grad))
+    send_bytes = bucket.layout(params)[1] * bucket.world * _itemsize(bucket.reduce_dtype)
+    return _Reduction(ready, bucket, params, latest, min(writes, default=None),
+                      fused_fill(g, last), send_bytes)
+
+
+def _wait_before(following: _Reduction | None, ready: int, end: int) -> int:
+    """Where a reduce-scatter issued at ``ready`` is waited ahead of the ``following`` bucket's
+    send buffer (``end``, the graph's end, where none follows), before the clamps.
+
+    Before that buffer is first written (its reduction) if that is later than this issue, else
+    where it is packed: either way at most one fp32 send buffer is alive besides the one being
+    filled, and with the early wait the new buffer reuses this one's memory (one instead of two
+    at the backward's peak). The packing copy starts where the casts of the following bucket's
+    last gradient do (Inductor fuses them into it: measured on two H200s, the embedding
+    gradient's fp32 cast ran after the previous reduce-scatter, docs/cost_model.md), not after
+    them."""
+    if following is None:
+        return end
+    if following.first_write is not None and following.first_write > ready:
+        return following.first_write
+    return following.fill if following.fill > ready else following.ready
+
+
+def _next_large(items: list[_Reduction], j: int) -> int:
+    """Index in ``items`` of the first bucket after ``j`` whose send buffer is more than
+    1/:data:`SMALL_BUCKET_DIVISOR` of ``j``'s (``len(items)`` where none is)."""
+    k = j + 1
+    while k < len(items) and items[k].send_bytes * SMALL_BUCKET_DIVISOR <= items[j].send_bytes:
+        k += 1
+    return k
+
+
+# The reduce-scatter's ``reason`` under the default rule.
+WAIT_BEFORE_NEXT = ("issued once the last gradient of the bucket exists; waited before the next "
+                    "bucket's send buffer is first written (one in flight while the next is "
+                    "filled)")
+
+
+def _wait_past_small(items: list[_Reduction], j: int, end: int, default_wait: int
+                     ) -> tuple[int, str]:
+    """``ShardcOptions.reduce_scatter_wait_past_small_buckets``: the wait of ``items[j]``'s
+    reduce-scatter before the next bucket that is not small (:func:`_next_large`), clamped as
+    the default one is, and its ``reason`` (the default's where nothing moved). Never earlier
+    than ``default_wait`` (the default rule's): the option only passes over small buckets."""
+    r, k = items[j], _next_large(items, j)
+    target = items[k] if k < len(items) else None
+    unclamped = max(_wait_before(target, r.ready, end), r.ready)
+    wait = max(min(unclamped, r.latest), default_wait)
+    if wait == default_wait:
+        return wait, WAIT_BEFORE_NEXT
+    if unclamped > r.latest:
+        where = "the first reader of its reduced gradients"
+    elif target is not None:
+        where = f"bucket {target.bucket.index}'s send buffer is first written"
+    else:
+        where = "the end of the graph"
+    return wait, (
+        f"issued once the last gradient of the bucket exists; waited past the {k - j - 1} next "
+        f"bucket(s) of at most 1/{SMALL_BUCKET_DIVISOR} its send bytes (option "
+        f"reduce_scatter_wait_past_small_buckets: their buffers live beside this one), before "
+        f"{where} (op {wait}; op {default_wait} without the option)")
+
+
+def _place_reduce_scatters(g: GraphView, buckets: list[Bucket],
+                           wait_past_small: bool = False) -> list[Collective]:
+    """The backward's reduce-scatters, one per bucket with a gradient here, each issued once
+    its bucket's last gradient exists and waited by :func:`_wait_before` the next bucket (in
+    issue order), clamped between its issue and the first reader of its reduced shards.
+    ``wait_past_small`` (``ShardcOptions.reduce_scatter_wait_past_small_buckets``): by the next
+    bucket that is not small instead (:func:`_wait_past_small`)."""
+    items = [r for r in (_reduction(g, bucket) for bucket in buckets) if r is not None]
+    items.sort(key=lambda r: (r.ready, r.bucket.index))
     out = []
-    for j, (ready, bucket, params, latest, _, _) in enumerate(items):
-        # Waited before the next bucket's send buffer is first written (its reduction) if that
-        # is later than this issue, else where the next one is packed: either way at most one
-        # fp32 send buffer is alive besides the one being filled, and with the early wait the
-        # new buffer reuses this one's memory (one instead of two at the backward's peak). The
-        # packing copy starts where the casts of the next bucket's last gradient do (Inductor
-        # fuses them into it: measured on two H200s, the embedding gradient's fp32 cast ran
-        # after the previous reduce-scatter, docs/cost_model.md), not after them.
-        wait = g.end
-        if j + 1 < len(items):
-            next_ready, next_write, next_fill = items[j + 1][0], items[j + 1][4], items[j + 1][5]
-            if next_write is not None and next_write > ready:
-                wait = next_write
-            else:
-                wait = next_fill if next_fill > ready else next_ready
-        wait = min(max(wait, ready), latest)
+    for j, (ready, bucket, params, latest, _, _, nbytes) in enumerate(items):
+        following = items[j + 1] if j + 1 < len(items) else None
+        wait = min(max(_wait_before(following, ready, g.end), ready), latest)
+        reason = WAIT_BEFORE_NEXT
+        if wait_past_small:
+            wait, reason = _wait_past_small(items, j, g.end, wait)
         if bucket.world == 1 and not (g.to_device or g.to_host):
             # Elided (a one-rank shard group): nothing to wait for; HSDP's all-reduce of the
             # gradients starts as soon as they exist.
-            wait = ready
-        nbytes = bucket.layout(params)[1] * bucket.world * _itemsize(bucket.reduce_dtype)
+            wait, reason = ready, WAIT_BEFORE_NEXT
         out.append(_collective(
             g, Kind.REDUCE_SCATTER, bucket, params, nbytes, bucket.reduce_dtype, ready, wait, wait,
-            wait, "issued once the last gradient of the bucket exists; waited before the next "
-            "bucket's send buffer is first written (one in flight while the next is filled)"))
+            wait, reason))
         if bucket.replicate > 1:
             reduce_scatter, all_reduce = out[-1], replicate_all_reduce(g, bucket, params, wait,
                                                                         latest)
@@ -711,7 +794,8 @@ def plan_region(
     for g in graphs:
         colls = _place_all_gathers(g, buckets, options)
         if g.name == "backward":
-            colls += _place_reduce_scatters(g, buckets)
+            colls += _place_reduce_scatters(
+                g, buckets, wait_past_small=options.reduce_scatter_wait_past_small_buckets)
         colls += found[g.name]
         copies = place_h2d(g, colls) + (place_d2h(g, colls, buckets)
                                         if g.name == "backward" else [])
