@@ -466,3 +466,51 @@ def test_model_flops_count_the_block_bodies():
         assert any(op.target == "invoke_subgraph" for op in plan.graphs["forward"]) == once
         flops[once] = capacity(plan, 2, 32, 1e15, None).model_flops
     assert flops[True] > 0 and abs(flops[True] / flops[False] - 1) < 1e-6, flops
+
+
+def test_a_cpu_plan_counts_the_parameters_device_copies_as_a_gpu_plan_does(monkeypatch):
+    """On the planner's CPU mesh (``OffloadPolicy(simulate_on_cpu=True)``) a parameter's
+    host->device copy targets ``"cpu"``, as a gradient's device->host copy does; on a GPU it
+    targets ``"cuda:0"``. The peak model's host values (left out of the device peak) and so the
+    peak must be the same either way: counted as host memory, a resharded backward's copies of
+    its parameters were missing from the CPU plan, 2.34e9 B of the wide config's fully
+    resharded peak at world 1 (the GPU's compile predicted 7,517,650,944 B, the CPU plan
+    5,179,232,256 B; docs/memory_budget.md)."""
+    from shardc.compile import pipeline
+    from shardc.memory.host import host_values
+    from shardc.ops.offload_copy import COPY_START_OP, PARAM_H2D
+    from shardc.passes.fx_utils import view_chain_root
+    from shardc.tools.planner import plan_model_step
+
+    calls = []
+    predict = pipeline.predict
+
+    def spy(lowered, options, region):
+        calls.append((lowered, options, region))
+        return predict(lowered, options, region)
+
+    monkeypatch.setattr(pipeline, "predict", spy)
+    spec = parse_model("llama-tiny", ["n_layers=2"])
+    plan_model_step(spec, 1, 2, 32, {}, setup=PlanSetup(precision="bf16", offload="params"))
+    lowered, options, region = calls[-1]
+    on_cpu = {k: lowered.plan.predicted[k] for k in ("forward_peak_bytes", "backward_peak_bytes")}
+    shards = lowered.host.params | lowered.host.bw_params
+    copies = {}
+    for name, gm in (("forward", lowered.fw), ("backward", lowered.bw)):
+        starts = list(gm.graph.find_nodes(op="call_function", target=COPY_START_OP))
+        h2d = [n for n in starts if view_chain_root(n.args[0]) in shards]
+        d2h = [n for n in starts if n not in h2d]
+        copies[name] = (len(h2d), len(d2h))
+        host = host_values(gm)
+        # The GPU's graph: the same copies, to the device (and not marked).
+        for n in h2d:
+            assert n.args[2] == "cpu", n.args
+            n.args = (n.args[0], n.args[1], "cuda:0", *n.args[3:])
+            del n.meta[PARAM_H2D]
+        assert host == host_values(gm) == set(d2h), name
+    # Resharded after the forward: each graph copies the parameters to the device, the
+    # backward the gradients to the host.
+    assert copies["forward"][0] > 0 and copies["forward"][1] == 0, copies
+    assert copies["backward"][0] > 0 and copies["backward"][1] > 0, copies
+    on_gpu = pipeline.predict(lowered, options, region).predicted
+    assert on_cpu == {k: on_gpu[k] for k in on_cpu}

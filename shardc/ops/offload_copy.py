@@ -214,6 +214,18 @@ COPY_START_OP = torch.ops.shardc.offload_copy_start.default
 COPY_WAIT_OP = torch.ops.shardc.offload_copy_wait.default
 COPY_RELEASE_OP = torch.ops.shardc.offload_copy_release.default
 
+# Meta key of a parameter's host->device ``offload_copy_start`` (set by the lowering,
+# ``shardc.passes.lower_copies.lower_h2d``): its result is device memory. Its target alone does
+# not say so on a CPU mesh simulating offload (``OffloadPolicy(simulate_on_cpu=True)``, as the
+# capacity planner plans a GPU's step), where the "device" is ``"cpu"`` as the host is.
+PARAM_H2D = "shardc_param_h2d"
+
+
+def is_param_h2d_start(node) -> bool:
+    """Whether ``node`` starts a parameter's host->device copy (:data:`PARAM_H2D`)."""
+    return getattr(node, "op", None) == "call_function" and node.target is COPY_START_OP \
+        and bool(node.meta.get(PARAM_H2D))
+
 
 # -- Per-bucket "gradients on the host" signal (``shardc.step_in_backward``). The lowering puts
 # one ``offload_grads_ready`` after each bucket's device->host gradient copies are started; it

@@ -16,7 +16,14 @@ from __future__ import annotations
 
 from torch import fx
 
-from shardc.ops.offload_copy import COPY_START_OP, COPY_WAIT_OP, READY_OP, copy_fqn, is_to_host
+from shardc.ops.offload_copy import (
+    COPY_START_OP,
+    COPY_WAIT_OP,
+    PARAM_H2D,
+    READY_OP,
+    copy_fqn,
+    is_to_host,
+)
 from shardc.passes.fx_utils import call, is_view, view_chain
 from shardc.planning.graph_view import GraphView
 from shardc.planning.plan import Collective, CollectiveKind
@@ -51,6 +58,9 @@ def lower_h2d(gm: fx.GraphModule, g: GraphView, copies: list[Collective],
                 val = node.meta["val"]
                 starts.append(call(graph, COPY_START_OP,
                                    (_retake(graph, src), fqn, device, val.dtype, False)))
+                # Device memory, wherever the device is (the peak model's host values
+                # exclude it: shardc.memory.host.host_values).
+                starts[-1].meta[PARAM_H2D] = True
         with graph.inserting_before(_anchor(g, gm, c.wait_pos)):
             waits = [call(graph, COPY_WAIT_OP, (start,)) for start in starts]
         for fqn, start in zip(c.params, starts):
