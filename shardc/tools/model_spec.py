@@ -11,7 +11,7 @@ Three kinds of names (:func:`parse_model`):
 - ``package.module:factory``: a callable returning an ``nn.Module``, called with the ``key=value``
   words as keyword arguments while the default device is ``meta``. Its ``forward(tokens)`` takes
   a ``(batch, seq)`` tensor of token ids and returns logits ``(batch, seq, vocab)`` (the step's
-  loss is their cross-entropy against the tokens) or a scalar loss.
+  loss is their cross-entropy against the targets) or a scalar loss.
 
 Each gives a :class:`ModelSpec`: how to build the model, the step whose loss is differentiated,
 and where its repeated blocks are (for the per-block template).
@@ -51,13 +51,15 @@ class ModelSpecError(ValueError):
 @dataclass
 class ModelSpec:
     """A model to plan. ``build()`` returns it on the meta device (unsharded, fp32);
-    ``loss(model, tokens)`` is one training step's loss; ``container`` names its
+    ``loss(model, tokens, targets)`` is one training step's loss on a batch of input token ids
+    and their targets, two tensors as a data loader gives them (one tensor traced as both
+    would be one graph input where training has two: a different plan); ``container`` names its
     ``nn.ModuleList`` of identical blocks (``None``: trace it whole); ``default_seq`` is the
     sequence length planned unless one is given."""
 
     name: str
     build: Callable[[], nn.Module]
-    loss: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+    loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
     container: str | None = "layers"
     default_seq: int = DEFAULT_SEQ
     checkpoint_blocks: Callable[[nn.Module], None] | None = None
@@ -197,7 +199,7 @@ def llama_model(cfg: LlamaConfig, *, max_seq_set: bool = False) -> ModelSpec:
             return Transformer(cfg)
 
     return ModelSpec(name=f"llama {cfg.num_params() / 1e9:.2f}B", build=build,
-                     loss=lambda model, tokens: llama_loss(model(tokens), tokens),
+                     loss=lambda model, tokens, targets: llama_loss(model(tokens), targets),
                      default_seq=cfg.max_seq_len, checkpoint_blocks=checkpoint_container("layers"),
                      details={"config": dataclasses.asdict(cfg)}, parallelize=parallelize_llama,
                      max_seq=cfg.max_seq_len, max_seq_field="max_seq_len", max_seq_set=max_seq_set,
@@ -280,8 +282,10 @@ def hf_model(name: str, overrides: dict[str, Any]) -> ModelSpec:
             raise ModelSpecError(
                 f"transformers has no causal language model for {model_type!r}: {exc}") from None
 
-    def loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-        return model(input_ids=tokens, labels=tokens, use_cache=False).loss
+    def loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # transformers shifts the labels itself: ``targets`` stands for a collator's copy of the
+        # input ids (a tensor of its own, as in training)
+        return model(input_ids=tokens, labels=targets, use_cache=False).loss
 
     def checkpoint(model: nn.Module) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -322,14 +326,14 @@ def factory_model(spec: str, kwargs: dict[str, Any]) -> ModelSpec:
             raise ModelSpecError(f"{spec}() returned {type(model).__name__}, not an nn.Module")
         return model
 
-    def loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    def loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         out = model(tokens)
         out = getattr(out, "loss", None) if not isinstance(out, torch.Tensor) else out
         if not isinstance(out, torch.Tensor):
             raise ModelSpecError(f"{spec}: forward(tokens) must return logits or a loss tensor")
         if out.dim() == 0:
             return out
-        return F.cross_entropy(out.flatten(0, -2).float(), tokens.flatten())
+        return F.cross_entropy(out.flatten(0, -2).float(), targets.flatten())
 
     return ModelSpec(name=spec, build=build, loss=loss, container="layers",
                      checkpoint_blocks=checkpoint_container("layers"),

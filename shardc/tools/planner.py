@@ -190,9 +190,12 @@ def _prepared(spec: ModelSpec, setup: PlanSetup, mesh) -> nn.Module:
 
 
 def trace_step(model: nn.Module, mesh, spec: ModelSpec, setup: PlanSetup, tokens: torch.Tensor,
-               options: dict) -> None:
-    """Shard ``model`` over ``mesh``, compile one step of ``spec.loss`` with the shardc backend
-    and run it until the region is planned (nothing is compiled or run)."""
+               targets: torch.Tensor, options: dict) -> None:
+    """Shard ``model`` over ``mesh``, compile one step of ``spec.loss`` on ``(tokens,
+    targets)`` with the shardc backend and run it until the region is planned (nothing is
+    compiled or run). Pass two tensors, as training does: one tensor passed as both is one graph
+    input where training has two, and the plan misses the targets' bytes (32 KiB at the peak at
+    batch 2 x 2048: docs/memory_budget.md, gap22)."""
     import shardc
     from shardc.compile.pipeline import PlannedOnly, plan_only
 
@@ -201,10 +204,10 @@ def trace_step(model: nn.Module, mesh, spec: ModelSpec, setup: PlanSetup, tokens
     except NotImplementedError as exc:
         raise ModelSpecError(f"cannot plan this setup: {exc}") from None
     _buffers_to(model, tokens.device.type)
-    step = torch.compile(lambda t: spec.loss(model, t), backend=shardc.backend(**options))
+    step = torch.compile(lambda t, y: spec.loss(model, t, y), backend=shardc.backend(**options))
     with plan_only():
         try:
-            step(tokens)
+            step(tokens, targets)
         except Exception as exc:  # torch.compile wraps what the backend raises
             if not isinstance(_torch.backend_failure_cause(exc), PlannedOnly):
                 raise
@@ -296,7 +299,9 @@ def plan_model_step(model: LlamaConfig | ModelSpec, world: int, batch: int, seq:
     # Traced as a GPU computes the step: fused attention, FP8 Linears on _scaled_mm.
     with fake_world(world), AttentionAsKernel(), scaled_mm_as_on_gpu():
         mesh = _mesh(world, setup, device)
+        # The inputs and the targets are two tensors, as a data loader gives them (trace_step).
         tokens = torch.zeros(batch, seq, dtype=torch.long, device=device)
+        targets = torch.zeros(batch, seq, dtype=torch.long, device=device)
         start = time.perf_counter()
         plan, refused = None, None
         built = _prepared(spec, setup, mesh)
@@ -306,13 +311,13 @@ def plan_model_step(model: LlamaConfig | ModelSpec, world: int, batch: int, seq:
             try:
                 plan = plan_from_template(
                     built, mesh, None, options, container=spec.container,
-                    trace=lambda m: trace_step(m, mesh, spec, setup, tokens, options))
+                    trace=lambda m: trace_step(m, mesh, spec, setup, tokens, targets, options))
             except TemplateRefused as exc:
                 refused, repeated = str(exc), None
                 _torch.dynamo_reset()
             built = _prepared(spec, setup, mesh) if plan is None else built
         if plan is None:
-            trace_step(built, mesh, spec, setup, tokens, options)
+            trace_step(built, mesh, spec, setup, tokens, targets, options)
             plan = explain(built)
             if refused:
                 plan.notes.append(f"traced whole, not from a template: {refused}")
