@@ -246,3 +246,39 @@ def test_budget_under_inductor_decomposes_what_it_does_not_fuse(request):
     assert all(out[k]["loss_ops"] == 0 for k in ("roomy", "tight", "fits"))
     assert abs(out["tight"]["loss"] - out["roomy"]["loss"]) <= 1e-5
     assert abs(out["fits"]["loss"] - out["roomy"]["loss"]) <= 1e-5
+
+
+@pytest.mark.parametrize("saved, taken", [(4096, False), (809_533_440, True)])
+def test_budget_refuses_a_fused_loss_that_frees_only_noise(monkeypatch, saved, taken):
+    """``choose`` takes the lever on bytes only when it frees at least ``min_saved_bytes`` at
+    the predicted peak: llama-wide's 4,096 B (a saved mask that one torch version keeps,
+    gap22 in docs/memory_budget.md) is noise and refused with that reason; a block's worth is
+    taken. The trials are stubbed: their peaks are the llama-wide unfused trial's."""
+    from types import SimpleNamespace
+
+    from shardc.compile import fused_loss_choice as choice
+    from shardc.compile.options import ShardcOptions
+
+    unfused_peak = 7_517_655_040
+    assert choice.min_saved_bytes(unfused_peak) == unfused_peak // 1024  # 7.3 MiB
+    assert choice.min_saved_bytes(2_000_000) == 64 * 1024
+    done = SimpleNamespace(where="nll_loss_forward", chunk=1024, logits_bytes=1 << 30,
+                           workspace_bytes=1 << 20)
+    monkeypatch.setattr(choice.fused_loss, "fuse", lambda gm, chunk: ([done], []))
+    monkeypatch.setattr(choice, "_decompose_rest", lambda gm, options: None)
+    monkeypatch.setattr(choice, "predicted_seconds", lambda gm, options: 1e-3)
+    peaks = iter([unfused_peak, unfused_peak - saved])  # the unfused trial, then the fused
+
+    def make_inputs(gm):
+        predicted = SimpleNamespace(peak_bytes=next(peaks), step_time_s=0.2)
+        trial = SimpleNamespace(group_name=None, predicted=predicted)
+        return SimpleNamespace(trial=lambda *args: trial, blocks=[])
+
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    options = ShardcOptions(peak_memory_budget_bytes=6_690_000_000, peak_memory_margin=0)
+    decision, _ = choice.choose(gm, options, SimpleNamespace(check_index=None), make_inputs)
+    assert bool(decision.fused) is taken, decision
+    assert decision.peak_saved_bytes == saved
+    if not taken:
+        assert "frees too little to count: 4096 B" in decision.reason, decision.reason
+        assert f"under the {unfused_peak // 1024} B minimum" in decision.reason

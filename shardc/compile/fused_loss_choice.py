@@ -4,10 +4,12 @@
 (``shardc.passes.fused_loss``). ``"auto"`` (the default) changes nothing without a peak
 budget; with one, :func:`choose` prices the lever before the budget search runs: it is the
 search's first lever when the budget needs bytes (the fully resharded plan, the search's own
-first configuration, is over it), fusing frees bytes at the predicted peak, and its predicted
-time cost (the fully resharded plan's step time with it, less without) is not above the
-cheapest block's recompute (the next lever's cheapest step). Every figure compared is the
-largest over the ranks (``agree_on_largest``), so every rank decides the same.
+first configuration, is over it), fusing frees at least :func:`min_saved_bytes` at the
+predicted peak (a few KiB is the peak model's noise, not a saving: see there), and its
+predicted time cost (the fully resharded plan's step time with it, less without) is not above
+the cheapest block's recompute (the next lever's cheapest step). Every figure compared is the
+largest over the ranks (``agree_on_largest``; the minimum is computed from the agreed unfused
+peak), so every rank decides the same.
 """
 
 from __future__ import annotations
@@ -34,6 +36,27 @@ log = logging.getLogger("shardc")
 
 # (graph module) -> SearchInputs, the pipeline's search_inputs with the region bound.
 MakeInputs = Callable[[fx.GraphModule], budget_search.SearchInputs]
+
+
+# What fusing must free at the predicted peak to count: MIN_SAVED_FRACTION of the unfused peak,
+# and MIN_SAVED_BYTES on any model (min_saved_bytes).
+MIN_SAVED_BYTES = 64 * 1024
+MIN_SAVED_FRACTION = 1 / 1024
+
+
+def min_saved_bytes(peak_bytes: int) -> int:
+    """The fewest bytes the lever must free at a predicted peak of ``peak_bytes`` (unfused) to
+    be taken: ``max(64 KiB, peak / 1024)``.
+
+    Below it the difference is the peak model's noise, not the logits: on llama-wide
+    (docs/memory_budget.md, gap22) the unfused trial's peak in the backward differed by a
+    4,096 B mask between torch versions, and that alone fused the loss on one and not the
+    other; shardc's decomposition of the loss ops and Inductor's differ by ~100 B. What the
+    lever really frees is the logits' [tokens, vocab] values, hundreds of MiB on a real model
+    (or nothing, when the peak is elsewhere): 0.1% of the peak (7.3 MiB at 7.5 GB) is far under
+    that and far over such noise. The floor is not 1 MiB so that small models still take a
+    real saving (the tests' tiny Llama, vocabulary 1024: 0.65-1.1 MB of a 1.9-2.4 MB peak)."""
+    return max(MIN_SAVED_BYTES, int(peak_bytes * MIN_SAVED_FRACTION))
 
 
 def predicted_seconds(gm: fx.GraphModule, options: ShardcOptions) -> float:
@@ -114,6 +137,11 @@ def choose(gm: fx.GraphModule, options: ShardcOptions, region, make_inputs: Make
     if saved <= 0:
         return no(f"it frees nothing at the predicted peak ({peak_u} B unfused, {peak_f} B "
                   "fused)", **measured)
+    least = min_saved_bytes(peak_u)
+    if saved < least:
+        return no(f"it frees too little to count: {saved} B at the predicted peak ({peak_u} B "
+                  f"unfused, {peak_f} B fused), under the {least} B minimum (max(64 KiB, 1/1024 "
+                  "of the peak): less is the peak model's noise, not the logits)", **measured)
     cheapest = _cheapest_recompute_ns(unfused, options, group, index)
     if cheapest is not None and cost_ns > cheapest:
         return no(f"its predicted time cost {cost_ns * 1e-6:.3f} ms is above the cheapest "
