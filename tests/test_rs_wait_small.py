@@ -240,6 +240,9 @@ def _hsdp_with_and_without(rank: int, world: int) -> dict[bool, dict]:
     return out
 
 
+# Four ranks on the CI's two cores (12 s): the option is opt-in and the world-2 FSDP test above
+# covers the default suite.
+@pytest.mark.slow
 def test_hsdp_training_with_the_option_is_bitwise_the_same():
     """HSDP 2x2 (four gloo ranks): the option moves reduce-scatter waits and with them the
     replicate all-reduces they issue; the same numbers bit for bit, at parity with the
