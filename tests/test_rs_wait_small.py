@@ -246,8 +246,7 @@ def _hsdp_with_and_without(rank: int, world: int) -> dict[bool, dict]:
 def test_hsdp_training_with_the_option_is_bitwise_the_same():
     """HSDP 2x2 (four gloo ranks): the option moves reduce-scatter waits and with them the
     replicate all-reduces they issue; the same numbers bit for bit, at parity with the
-    unsharded model (7-14 s wall on a quiet two-core machine: under the suite's bar for
-    slow)."""
+    unsharded model."""
     ref = plain_reference("llama1")
     for rank_runs in run_ranks(_hsdp_with_and_without, 4):
         off, on = rank_runs[False], rank_runs[True]
