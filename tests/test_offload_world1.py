@@ -7,7 +7,9 @@ and a receive buffer, memory a one-rank group never needs (on the wide config, 8
 2 x 2048, the planner's floor was 2.7 GiB of such buffers). Now the gathered parameter is the
 device copy of the host shard, cast to the compute dtype after the copy is waited
 (``shardc.passes.lower_copies``), and the gradient, cast as the reduction would, is copied to
-the host as it is.
+the host as it is. A cast that Inductor realizes in memory anyway (a matmul's weight) is made
+right behind the copies' waits (``offload_copy_cast``), so the fp32 copy dies there, in the peak
+model as in Inductor's code (cast22).
 
 One spawned one-rank gloo group (CPU, ``OffloadPolicy(simulate_on_cpu=True)``) runs five
 trainings: FX with bf16 compute with and without offload, and under a roomy peak budget with
@@ -25,7 +27,9 @@ from dist_utils import run_ranks
 from parity import assert_parity, reference, sharded_run
 
 import shardc
-from shardc.ops.offload_copy import COPY_START_OP, COPY_WAIT_OP, READY_OP
+from shardc.memory.peak import lifetimes
+from shardc.ops.offload_copy import COPY_CAST_OP, COPY_START_OP, COPY_WAIT_OP, READY_OP
+from shardc.passes.body import flattened
 
 SIM = shardc.OffloadPolicy(simulate_on_cpu=True, check_host_memory=False)
 BF16 = shardc.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -57,6 +61,24 @@ def read_before_wait(gm) -> list[str]:
     return early
 
 
+def casts_apart(gm) -> list[str]:
+    """The ``offload_copy_cast`` nodes of ``gm`` (a device copy's cast that Inductor would
+    realize anyway, made right behind its bucket's waits) that do not follow a wait or another
+    such cast."""
+    return [n.name for n in gm.graph.find_nodes(op="call_function", target=COPY_CAST_OP)
+            if n.prev.target not in (COPY_WAIT_OP, COPY_CAST_OP)]
+
+
+def copies_outliving_casts(gm) -> list[str]:
+    """The device copies that the peak model (Inductor's liveness) keeps alive past their
+    ``offload_copy_cast``: none, where the cast is the copy's last reader."""
+    flat, _ = flattened(gm)
+    index = {n: i for i, n in enumerate(flat.graph.nodes)}
+    last = {life.node: life.last for life in lifetimes(flat, set(), fusion=True)}
+    return [n.args[0].name for n in flat.graph.find_nodes(op="call_function", target=COPY_CAST_OP)
+            if last[n.args[0]] > index[n]]
+
+
 def _summary(run: dict) -> dict:
     model = run.pop("model")
     state = shardc.shard_state(model)
@@ -70,6 +92,10 @@ def _summary(run: dict) -> dict:
         "d2h": sum(c.kind == "d2h_copy" for p in plans for c in p.copies),
         "pool": {p.predicted.pool_bytes for p in plans},
         "early": [name for gm in graphs for name in read_before_wait(gm)],
+        "copy_casts": sum(len(gm.graph.find_nodes(op="call_function", target=COPY_CAST_OP))
+                          for gm in graphs),
+        "casts_apart": [name for gm in graphs for name in casts_apart(gm)],
+        "copies_outliving": [name for gm in graphs for name in copies_outliving_casts(gm)],
         "kept": [d.kept for p in plans if p.budget for d in p.budget.decisions],
         # Each bucket's gradient copy, where an elided reduction hands the gradients out: its
         # issue (nothing to wait for), not the wait a reduce-scatter would have had.
@@ -112,6 +138,10 @@ def test_offload_at_world_1_elides_its_collectives_and_trains_bitwise(runs):
         assert run["h2d"] and run["d2h"] > 0, (name, run)
         assert run["early"] == [], (name, run["early"])
         assert run["d2h_late"] == [], (name, run["d2h_late"])
+        # bf16 compute: the matmuls' weights are cast right behind the copies' waits, which
+        # frees the fp32 copies there (cast22); fp32 compute casts nothing.
+        assert (run["copy_casts"] > 0) == name.startswith("bf16"), (name, run["copy_casts"])
+        assert run["casts_apart"] == [] and run["copies_outliving"] == [], (name, run)
     # Offload moves bytes, never changes them: bitwise the run without offload (both elided).
     _bitwise(runs["bf16_offload"], runs["bf16"], "bf16 offloaded vs not, world 1")
     # A roomy budget keeps every bucket gathered (the forward's cast of the device copy), so

@@ -210,9 +210,25 @@ def _copy_release_fake(src, host, wait):
     return None
 
 
+@torch.library.custom_op(f"{_LIB}::offload_copy_cast", mutates_args=())
+def offload_copy_cast(copy: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``copy`` (a parameter's waited host->device copy) cast to ``dtype``, a new tensor: the
+    value ``prims.convert_element_type`` computes. An opaque op so that it runs where the graph
+    places it, right after the copy's wait, and the copy can be freed there: Inductor computes
+    a cast as a loop realized right before the kernel that reads it (a matmul, often much
+    later), which holds the full-precision copy alive until then (issue 22, ``cast22``)."""
+    return copy.to(dtype, copy=True)
+
+
+@offload_copy_cast.register_fake
+def _copy_cast_fake(copy, dtype):
+    return torch.empty_like(copy, dtype=dtype)
+
+
 COPY_START_OP = torch.ops.shardc.offload_copy_start.default
 COPY_WAIT_OP = torch.ops.shardc.offload_copy_wait.default
 COPY_RELEASE_OP = torch.ops.shardc.offload_copy_release.default
+COPY_CAST_OP = torch.ops.shardc.offload_copy_cast.default
 
 # Meta key of a parameter's host->device ``offload_copy_start`` (set by the lowering,
 # ``shardc.passes.lower_copies.lower_h2d``): its result is device memory. Its target alone does

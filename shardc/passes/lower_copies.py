@@ -3,7 +3,8 @@
 Each parameter's ``offload_to_device`` node becomes an ``offload_copy_start`` at its bucket's
 planned copy issue position and an ``offload_copy_wait`` at the copy's wait position (before the
 bucket's all-gather is issued, which then sends the device copy; over a one-rank group, where
-the gather is elided, the cast of the device copy that replaces it moves behind the wait).
+the gather is elided, the cast of the device copy that replaces it is made right behind the
+wait, as an ``offload_copy_cast``, so that the full-precision copy dies there).
 Each ``offload_to_host`` node becomes a start where the plan issues its bucket's gradient copy
 (once the reduced shards are handed out) and a wait at the end of the backward; the views
 taken of the host gradient (its DTensor wrapping) move behind the wait. With ``ready_key`` (the
@@ -14,9 +15,11 @@ parameters whose host gradient is final once copied (:func:`final_host_grads`), 
 
 from __future__ import annotations
 
+import torch
 from torch import fx
 
 from shardc.ops.offload_copy import (
+    COPY_CAST_OP,
     COPY_START_OP,
     COPY_WAIT_OP,
     PARAM_H2D,
@@ -24,9 +27,12 @@ from shardc.ops.offload_copy import (
     copy_fqn,
     is_to_host,
 )
-from shardc.passes.fx_utils import call, is_view, view_chain
+from shardc.passes.fx_utils import call, is_view, view_chain, view_users
 from shardc.planning.graph_view import GraphView
+from shardc.planning.kernels import FUSABLE, classify
 from shardc.planning.plan import Collective, CollectiveKind
+
+_CONVERT = torch.ops.prims.convert_element_type.default
 
 
 def _anchor(g: GraphView, gm: fx.GraphModule, pos: int) -> fx.Node:
@@ -46,7 +52,8 @@ def lower_h2d(gm: fx.GraphModule, g: GraphView, copies: list[Collective],
               elided: frozenset[int] = frozenset()) -> None:
     """Replace the graph's host->device copy nodes by planned start/wait pairs. ``elided``: the
     buckets whose gathers in this graph are elided (lowered to casts of the device copy before
-    this runs); their casts move behind the copy's waits (:func:`_readers_after_waits`)."""
+    this runs); their casts move behind the copy's waits (:func:`_readers_after_waits`) and are
+    made there (:func:`_cast_at_waits`)."""
     graph = gm.graph
     for c in (c for c in copies if c.kind == CollectiveKind.H2D_COPY and c.graph == g.name
               and c.origin == "shardc"):  # activation copies are in the graph already
@@ -69,6 +76,33 @@ def lower_h2d(gm: fx.GraphModule, g: GraphView, copies: list[Collective],
             graph.erase_node(node)
         if c.bucket in elided:
             _readers_after_waits(graph, set(starts), waits, set(g.compute))
+            _cast_at_waits(graph, starts, waits[-1])
+
+
+def _cast_at_waits(graph: fx.Graph, starts: list[fx.Node], last_wait: fx.Node) -> None:
+    """Replace each cast of an elided bucket's device copies (``starts``; the casts the elided
+    gathers became) that Inductor would realize in memory by an ``offload_copy_cast`` right
+    behind the bucket's ``last_wait``, in the starts' order; the copy is read last there.
+    Left as a cast, Inductor computes it right before its reader (a matmul, maybe a block
+    later; the peak model's ``Fusion.deferred``), and the copy, twice the bf16 cast's bytes,
+    stays alive until then. Casts that a reader may fuse are left (:func:`_realized_anyway`)."""
+    anchor = last_wait
+    for start in starts:
+        for cast in [u for u in start.users if u.target is _CONVERT and _realized_anyway(u)]:
+            with graph.inserting_after(anchor):
+                made = call(graph, COPY_CAST_OP, (start, cast.args[1]))
+            cast.replace_all_uses_with(made)
+            graph.erase_node(cast)
+            anchor = made
+
+
+def _realized_anyway(cast: fx.Node) -> bool:
+    """Whether no reader of ``cast`` (through views) is a kernel Inductor may fuse it into, so
+    that it is computed into memory, rounded to its dtype, whatever the graph does: then it
+    may be made anywhere after its input with the same bits. (Fused into a pointwise kernel,
+    e.g. an RMSNorm's weight, Inductor does not round the value to bf16 in between: made
+    apart, the values would change.)"""
+    return all(classify(r) != FUSABLE for r in view_users(cast)[1])
 
 
 def _readers_after_waits(graph: fx.Graph, starts: set[fx.Node], waits: list[fx.Node],
