@@ -38,9 +38,19 @@ plain_inputs=True)``: forwards read plain local shards), ``shardc-plain-budget``
 ``shardc-fast-budget-sink`` (``shardc-fast-budget`` with ``sink_block_residual=True``: blocks
 compiled once, each body's final residual add moved into the next body call),
 ``shardc-fast-sink`` (``shardc-fast`` with ``sink_block_residual=True``, no budget: every bucket
-resharded, default shardc's peak), ``bound-cudagraphs`` (the bound under
-``mode="reduce-overhead"``); see docs/overhead.md. Results go to
+resharded, default shardc's peak), ``shardc-rswait`` and ``shardc-fast-rswait`` (``shardc`` and
+``shardc-fast`` with ``reduce_scatter_wait_past_small_buckets=True``), ``bound-cudagraphs`` (the
+bound under ``mode="reduce-overhead"``); any other ``train_bench.py`` mode by its name
+(``train.modes.mode_name``); see docs/overhead.md. Results go to
 ``--out/<name>.json`` and ``.md``. Public API only (``shardc-combo`` sets Inductor's config).
+
+``--fp8``: the shardc modes shard with FP8 weights, ``shardc.Float8Policy(modules=(nn.Linear,
+nn.Embedding))`` as ``train_bench.py --fp8`` and ``predict_step.py``'s ``:fp8`` do (mixed
+precision unchanged; any other mode is refused; without ``--modes``, the default list's shardc
+modes). Two plans side by side in one process, FP8, interleaved rounds::
+
+    torchrun --nproc-per-node 2 benchmarks/step_overhead.py --model 1b --n-layers 8 --batch 4 \
+        --fp8 --modes shardc shardc-rswait --rounds 3
 """
 
 from __future__ import annotations
@@ -68,15 +78,17 @@ for _path in (_BENCHMARKS.parent, _BENCHMARKS):
 
 import bench_mesh  # noqa: E402
 from train.kernels import kernel_time_by_category, measure, merge_intervals  # noqa: E402
-from train.modes import mode_context, setup_mode  # noqa: E402
+from train.modes import check_fp8, mode_context, mode_name, setup_mode, takes_fp8  # noqa: E402
 from train.provenance import git_describe, launch_command  # noqa: E402
 from train.runner import OPTIM_IMPLS, free_memory, gather_objects  # noqa: E402
+from train.shardc_mode import FP8_POLICY_TEXT  # noqa: E402
 from train.workload import DEFAULT_BATCH, model_config, synthetic_batches  # noqa: E402
 
 MODES = ("bound", "shardc", "shardc-localopt", "shardc-cudagraphs", "shardc-noreshard",
          "shardc-inline", "shardc-budget", "shardc-plain", "shardc-plain-budget", "shardc-combo",
          "shardc-fast", "shardc-fast-budget", "shardc-fast-budget-inline",
-         "shardc-fast-budget-sink", "shardc-fast-sink", "bound-cudagraphs")
+         "shardc-fast-budget-sink", "shardc-fast-sink", "shardc-rswait", "shardc-fast-rswait",
+         "bound-cudagraphs")
 PHASES = ("forward", "backward", "optimizer.step", "zero_grad")
 # The per-parameter host costs docs/overhead.md names, as profiler event names (CPU self ms
 # per step, all phases): Dynamo's guards, AOTAutograd's runtime wrappers, DTensor dispatch.
@@ -88,10 +100,23 @@ HOST_CATEGORIES = {
 }
 
 
+def _mode(text: str) -> str:
+    """A mode of :data:`MODES` or any other ``train_bench.py`` mode (``train.modes.mode_name``)."""
+    try:
+        return mode_name(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=("1b", "wide"), default="1b")
-    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES[:4]))
+    p.add_argument("--modes", nargs="+", type=_mode, default=None,
+                   help=f"modes, in this order: {', '.join(MODES)}, or any other train_bench.py "
+                        f"mode (default: {' '.join(MODES[:4])}; with --fp8 its shardc modes)")
+    p.add_argument("--fp8", action="store_true",
+                   help="shardc modes: FP8 weights, shardc.Float8Policy(modules=(nn.Linear, "
+                        "nn.Embedding)) (predict_step's :fp8); other modes are refused")
     p.add_argument("--n-layers", type=int, nargs="+", default=[None],
                    help="depths to run (default: the model's)")
     p.add_argument("--batch", type=int, nargs="+", default=[None],
@@ -123,6 +148,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--rounds must be at least 1")
     if args.profile_steps < 1:  # the report's per-phase CPU breakdown comes from them
         p.error("--profile-steps must be at least 1")
+    if args.modes is None:
+        args.modes = [m for m in MODES[:4] if takes_fp8(m)] if args.fp8 else list(MODES[:4])
+    if args.fp8:
+        try:
+            check_fp8(args.modes)
+        except ValueError as exc:
+            p.error(str(exc))
     return args
 
 
@@ -345,7 +377,7 @@ def prepare(mode: str, model: str, layers: int | None, batch: int, args, mesh, d
          + args.profile_steps)
     data = synthetic_batches(n, batch, seq, cfg.vocab_size,
                              bench_mesh.data_rank(mesh, dist.get_rank()), device)
-    setup = setup_mode(mode, cfg, device, mesh)
+    setup = setup_mode(mode, cfg, device, mesh, fp8=args.fp8)
     opt = make_optimizer(setup, args.optim_impl)
     it = iter(data)
     for _ in range(args.warmup):
@@ -386,7 +418,8 @@ def finish_row(state: dict[str, Any], args, device) -> dict[str, Any]:
 def render(report: dict[str, Any]) -> str:
     meta = report["meta"]
     lines = [f"# Step overhead: {meta['command']}", "",
-             f"{meta['device']} x {meta['world']}, torch {meta['torch']}, git {meta['git']}", "",
+             f"{meta['device']} x {meta['world']}, torch {meta['torch']}, git {meta['git']}; "
+             f"FP8 weights (`--fp8`): {meta.get('fp8') or 'off'}", "",
              "| model | layers | batch | mode | step ms | fwd | bwd | opt.step | zero_grad | "
              "issue ms (fwd/bwd/opt/zero) | GPU idle ms |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -458,7 +491,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                                       ["benchmarks/step_overhead.py", *argv]),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "world": world, "torch": torch.__version__, "git": git_describe(),
-            "optim_impl": args.optim_impl}
+            "optim_impl": args.optim_impl, "fp8": FP8_POLICY_TEXT if args.fp8 else None}
 
     def write() -> None:  # after every row: a run cut short keeps what it measured
         out = Path(args.out)

@@ -31,6 +31,15 @@ Modes:
     through a cast in the parameter read, as shardc does) and no parameter communication at all
     (not even a gradient all-reduce): the step time perfect overlap would reach.
 
+``--fp8``: the shardc modes shard with FP8 weights,
+``shardc.shard(..., fp8=shardc.Float8Policy(modules=(nn.Linear, nn.Embedding)))`` as
+``predict_step.py``'s ``:fp8`` configurations do (mixed precision unchanged); the other modes
+(FSDP2 and its memory baselines, SimpleFSDP, the bound) have no FP8 path and are refused before
+anything runs (without ``--modes``, ``--fp8`` runs the default list's shardc modes). The report
+records it (``meta.fp8``, the header, each shardc result's ``fp8``)::
+
+    torchrun --nproc-per-node 2 benchmarks/train_bench.py --fp8 --modes shardc shardc-rswait
+
 Measured per mode: median tokens/s per GPU over the timed steps (CUDA events), MFU
 (``6 * params * tokens/s / peak``), peak memory allocated and reserved over the timed steps,
 compile time (wall time of the first step), and exposed communication from a short
@@ -75,7 +84,7 @@ for _path in (_BENCHMARKS.parent, _BENCHMARKS):
 
 import bench_mesh  # noqa: E402
 from train.goals import diagnose, evaluate_goals  # noqa: E402
-from train.modes import MODES, mode_context, mode_name  # noqa: E402
+from train.modes import MODES, check_fp8, mode_context, mode_name, takes_fp8  # noqa: E402
 from train.provenance import (  # noqa: E402
     git_describe,
     launch_command,
@@ -91,6 +100,7 @@ from train.runner import (  # noqa: E402
     gather_objects,
     run_mode,
 )
+from train.shardc_mode import FP8_POLICY_TEXT  # noqa: E402
 from train.units import fmt, gib  # noqa: E402
 from train.workload import DEFAULT_BATCH, model_config  # noqa: E402
 
@@ -108,7 +118,7 @@ def _mode(text: str) -> str:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=("1b", "wide", "both"), default="1b")
-    p.add_argument("--modes", nargs="+", type=_mode, default=list(MODES),
+    p.add_argument("--modes", nargs="+", type=_mode, default=None,
                    help="modes to run, in this order (FSDP2's memory baselines: "
                         "fsdp2-compile-ac, fsdp2-compile-sac, fsdp2-compile-offload, "
                         "fsdp2-compile-amb<r> with torch's activation_memory_budget r; any FSDP2 "
@@ -118,7 +128,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "with plain_inputs=True; "
                         "shardc-keeporder: diagnostic, shardc with "
                         "Inductor's reorder_for_peak_memory off; shardc-localopt: shardc with "
-                        "AdamW stepping the local shards, shardc.optim.local_shard_step)")
+                        "AdamW stepping the local shards, shardc.optim.local_shard_step; "
+                        f"default: {' '.join(MODES)}, with --fp8 its shardc modes)")
     p.add_argument("--steps", type=int, default=20, help="timed steps (median reported)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (compile)")
     p.add_argument("--profile-steps", type=int, default=3, help="profiled steps (0: none)")
@@ -156,10 +167,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--optim-impl", choices=tuple(OPTIM_IMPLS), default="default",
                    help="AdamW's implementation in every mode (default: torch's choice, foreach "
                         "on CUDA; fused: one kernel, no parameter-sized temporaries)")
+    p.add_argument("--fp8", action="store_true",
+                   help="shardc modes: FP8 weights, shardc.Float8Policy(modules=(nn.Linear, "
+                        "nn.Embedding)) (predict_step's :fp8); other modes are refused; default "
+                        "--modes: the shardc ones")
     p.add_argument("--timeout-s", type=float, default=900.0, help="process-group timeout")
     p.add_argument("--render", metavar="JSON", default=None,
                    help="only re-render the markdown of an earlier run's JSON (next to it)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.modes is None:
+        args.modes = [m for m in MODES if takes_fp8(m)] if args.fp8 else list(MODES)
+    if args.fp8:
+        try:
+            check_fp8(args.modes)
+        except ValueError as exc:
+            p.error(str(exc))
+    return args
 
 
 def init_distributed(device_type: str, timeout_s: float) -> tuple[int, int, torch.device]:
@@ -220,6 +243,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "lr": args.lr,
         "optim_impl": args.optim_impl,
         "loss_in_graph": args.loss_in_graph,
+        "fp8": FP8_POLICY_TEXT if args.fp8 else None,
         "mode_order": list(args.modes),
         "peak_flops": args.peak_tflops * 1e12,
         "env": {k: os.environ[k] for k in sorted(os.environ)
@@ -227,7 +251,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 or k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")},
     }
     report: dict[str, Any] = {"meta": meta, "models": {}}
-    log(f"{command}\n  {meta['gpu']} x {world}, torch {meta['torch']}")
+    log(f"{command}\n  {meta['gpu']} x {world}, torch {meta['torch']}, FP8 weights: "
+        f"{meta['fp8'] or 'off'}")
     durations: dict[str, float] = {}
 
     def write() -> None:
@@ -243,7 +268,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         steps = args.wide_steps if (model_name == "wide" and args.wide_steps) else args.steps
         settings = RunSettings(model_name, cfg, batch, seq, steps, args.warmup,
                                args.profile_steps, args.lr, args.peak_tflops * 1e12, device,
-                               args.memory_snapshot, args.loss_in_graph, args.optim_impl)
+                               args.memory_snapshot, args.loss_in_graph, args.optim_impl,
+                               args.fp8)
         entry: dict[str, Any] = {
             "settings": {"params": cfg.num_params(), "n_layers": cfg.n_layers, "dim": cfg.dim,
                          "n_heads": cfg.n_heads, "ffn": cfg.hidden_dim, "vocab": cfg.vocab_size,

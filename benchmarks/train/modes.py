@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 
 import bench_mesh
@@ -18,7 +19,7 @@ import shardc
 from shardc.models.llama import LlamaConfig, llama_loss
 from train.baselines import CheckpointedBlock, setup_bound, setup_fsdp2
 from train.setup import Setup
-from train.shardc_mode import setup_shardc
+from train.shardc_mode import FP8_POLICY_TEXT, setup_shardc
 from train.simplefsdp import setup_simplefsdp
 from train.workload import build_model
 
@@ -105,6 +106,22 @@ def mode_name(text: str) -> str:
                      f"{COMPILED_LOSS_SUFFIX} also compiles its loss")
 
 
+def takes_fp8(mode: str) -> bool:
+    """Whether ``mode`` can shard with FP8 weights (``--fp8``): the shardc modes only (FSDP2,
+    its memory baselines, SimpleFSDP and the bound have no FP8 path here)."""
+    return mode.startswith("shardc")
+
+
+def check_fp8(modes: list[str] | tuple[str, ...]) -> None:
+    """Refuse ``--fp8`` with a mode that cannot take it (a ValueError naming the modes), rather
+    than run it in bf16."""
+    refused = [m for m in modes if not takes_fp8(m)]
+    if refused:
+        raise ValueError(f"--fp8 ({FP8_POLICY_TEXT}) applies to the shardc modes only; "
+                         f"refused: {', '.join(refused)} (no FP8 path; run it without --fp8, "
+                         "in a run of its own)")
+
+
 def mode_context(mode: str) -> contextlib.AbstractContextManager:
     """Config a mode runs under (compiles happen lazily, in the first forward and backward).
 
@@ -177,8 +194,14 @@ def peak_budget_from_env() -> int | str:
 RSWAIT_OPTIONS: dict[str, object] = {"reduce_scatter_wait_past_small_buckets": True}
 
 
-def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_graph: bool = True
-               ) -> Setup:
+def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_graph: bool = True,
+               fp8: bool = False) -> Setup:
+    """``mode``'s model and :class:`Setup`; ``fp8`` (``--fp8``): the shardc modes shard with
+    ``shardc_mode.fp8_policy()`` (any other mode is refused, :func:`check_fp8`)."""
+    if fp8:
+        check_fp8([mode])
+    # Every shardc mode shards through this (with the FP8 policy under --fp8).
+    setup_shardc_ = functools.partial(setup_shardc, fp8=True) if fp8 else setup_shardc
     model = build_model(cfg, device)
     if mode in ("bound", "bound-cudagraphs"):
         return setup_bound(model, loss_in_graph, cudagraphs=mode == "bound-cudagraphs")
@@ -203,7 +226,7 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_
             options["peak_memory_budget_bytes"] = peak_budget_from_env()
         if mode == "shardc-plain-pool":
             options["comm_pool"] = True
-        setup = setup_shardc(model, mesh, loss_in_graph, plain_inputs=True, **options)
+        setup = setup_shardc_(model, mesh, loss_in_graph, plain_inputs=True, **options)
         setup.info["options"] = ", ".join(
             ["shardc.shard(..., plain_inputs=True)"]
             + [f"{k}={v!r}" for k, v in options.items()])
@@ -236,7 +259,7 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_
         # never).
         if os.environ.get("SHARDC_OPTIMIZER_OFFLOAD"):
             options["optimizer_offload"] = os.environ["SHARDC_OPTIMIZER_OFFLOAD"]
-        setup = setup_shardc(model, mesh, loss_in_graph, **options)
+        setup = setup_shardc_(model, mesh, loss_in_graph, **options)
         setup.info["options"] = ", ".join(f"{k}={v!r}" for k, v in options.items())
         return setup
     if mode in ("shardc-offload", "shardc-offload-budget"):
@@ -246,7 +269,7 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_
         # where it allows, and frees blocks' activations below).
         options = {"peak_memory_budget_bytes": peak_budget_from_env()} \
             if mode.endswith("-budget") else {}
-        setup = setup_shardc(model, mesh, loss_in_graph, offload=True, **options)
+        setup = setup_shardc_(model, mesh, loss_in_graph, offload=True, **options)
         # The host AdamW of each bucket runs under the rest of the backward
         # (shardc.step_in_backward, docs/offload.md), as shardc's offload is meant to be used:
         # FSDP2's CPUOffloadPolicy steps after its backward.
@@ -261,20 +284,20 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_
     if mode == "shardc-oneop":
         # Each bucket's send buffers and copy-out one op (one_op_bucket_copies, issue 18's
         # compile-time cut; opt-in until its step time is measured against default shardc).
-        setup = setup_shardc(model, mesh, loss_in_graph, one_op_bucket_copies=True)
+        setup = setup_shardc_(model, mesh, loss_in_graph, one_op_bucket_copies=True)
         setup.info["options"] = "one_op_bucket_copies=True"
         return setup
     if mode == "shardc-rswait":
         # Each reduce-scatter waited past the next buckets of at most 1/16 its bytes (FP8's
         # norm bucket after a layer's Linear bucket; opt-in until measured against default
-        # shardc, docs/cost_model.md). This benchmark trains bf16, where no Llama bucket is
-        # that small: the same plan as shardc (a control; predict_step.py's :fp8 configs with
-        # --backend-option measure the FP8 case).
-        setup = setup_shardc(model, mesh, loss_in_graph, **RSWAIT_OPTIONS)
+        # shardc, docs/cost_model.md). In bf16 no Llama bucket is that small: the same plan as
+        # shardc (a control); with --fp8 (FP8 Linear and Embedding weights) the norm buckets
+        # are, and the plans differ.
+        setup = setup_shardc_(model, mesh, loss_in_graph, **RSWAIT_OPTIONS)
         setup.info["options"] = ", ".join(f"{k}={v!r}" for k, v in RSWAIT_OPTIONS.items())
         return setup
     if mode == "shardc-pool":
-        setup = setup_shardc(model, mesh, loss_in_graph, comm_pool=True)
+        setup = setup_shardc_(model, mesh, loss_in_graph, comm_pool=True)
         setup.info["options"] = "comm_pool=True (static communication pool under Inductor)"
         return setup
     if mode in ("shardc-localopt", "shardc-cudagraphs", "shardc-fast", "shardc-fast-budget",
@@ -304,8 +327,8 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_
             options["sink_block_residual"] = True
         if mode.endswith("-rswait"):
             options.update(RSWAIT_OPTIONS)
-        setup = setup_shardc(model, mesh, loss_in_graph,
-                             compile_mode="reduce-overhead" if cudagraphs else None, **options)
+        setup = setup_shardc_(model, mesh, loss_in_graph,
+                              compile_mode="reduce-overhead" if cudagraphs else None, **options)
         setup.prepare_optimizer = shardc.optim.local_shard_step
         setup.info["optimizer"] = "AdamW stepping the local shards (shardc.optim.local_shard_step)"
         setup.cudagraphs = cudagraphs
@@ -317,7 +340,7 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_
     if mode == "shardc-noreshard":
         # Gathered parameters kept from the forward to the backward (no re-gather; at world 1
         # no re-cast): the bound's memory for the compute-dtype copies.
-        setup = setup_shardc(model, mesh, loss_in_graph, reshard_after_forward=False)
+        setup = setup_shardc_(model, mesh, loss_in_graph, reshard_after_forward=False)
         setup.info["options"] = "shardc.shard(..., reshard_after_forward=False)"
         return setup
     if mode == "shardc-ac":
@@ -326,15 +349,15 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_
         # shardc-budget's planner-chosen recompute of the same blocks (issue 22's tokens/s).
         for i, block in enumerate(list(model.layers)):
             model.layers.register_module(str(i), CheckpointedBlock(block, "full"))
-        setup = setup_shardc(model, mesh, loss_in_graph)
+        setup = setup_shardc_(model, mesh, loss_in_graph)
         setup.info["options"] = "every block under torch.utils.checkpoint (full)"
         return setup
     if mode == "shardc-inline":
-        setup = setup_shardc(model, mesh, loss_in_graph, compile_blocks_once=False)
+        setup = setup_shardc_(model, mesh, loss_in_graph, compile_blocks_once=False)
         setup.info["options"] = "compile_blocks_once=False (every block compiled inline)"
         return setup
     if mode in ("shardc", "shardc-keeporder", "shardc-combo"):
-        setup = setup_shardc(model, mesh, loss_in_graph)
+        setup = setup_shardc_(model, mesh, loss_in_graph)
         if mode == "shardc-keeporder":
             setup.info["inductor_config"] = {"reorder_for_peak_memory": "False"}
         if mode == "shardc-combo":

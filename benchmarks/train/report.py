@@ -46,6 +46,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         + ("compiled with the model in shardc, bound and simplefsdp (eager after the model in "
            "fsdp2 and fsdp2-compile)" if meta.get("loss_in_graph", False)
            else "outside the compiled region"),
+        "- FP8 weights (`--fp8`): " + (f"`{meta['fp8']}` in every shardc mode (gathered in FP8)"
+                                       if meta.get("fp8") else "off"),
         "",
     ]
     for name, model in report["models"].items():

@@ -57,6 +57,7 @@ class RunSettings:
     memory_snapshot: bool = False
     loss_in_graph: bool = True  # --loss-in-graph (whole-model compiled modes)
     optim_impl: str = "default"  # --optim-impl: AdamW's implementation in every mode
+    fp8: bool = False  # --fp8: the shardc modes shard with FP8 weights (modes.setup_mode)
 
 
 # AdamW's keyword arguments for each --optim-impl (default: torch's choice, foreach on CUDA).
@@ -90,7 +91,7 @@ def run_mode(mode: str, s: RunSettings, mesh, rank: int, log: Callable[[str], No
     t0 = time.perf_counter()
     data = synthetic_batches(s.warmup + s.steps + s.profile_steps + 1, s.batch, s.seq,
                              s.cfg.vocab_size, bench_mesh.data_rank(mesh, rank), device)
-    setup = setup_mode(mode, s.cfg, device, mesh, s.loss_in_graph)
+    setup = setup_mode(mode, s.cfg, device, mesh, s.loss_in_graph, fp8=s.fp8)
     opt = torch.optim.AdamW(setup.params, lr=s.lr, **OPTIM_IMPLS[s.optim_impl])
     if setup.prepare_optimizer is not None:
         setup.prepare_optimizer(opt)
@@ -249,7 +250,7 @@ def aggregate(mode: str, per_rank: list[dict[str, Any]], s: RunSettings) -> dict
     for key in ("mp_policy", "compile", "inductor_config", "grad_reduce_op",
                 "reshard_after_forward", "tagged_gathers", "options", "compute", "communication",
                 "loss", "memory_at_peak", "optimizer", "optimizer_impl", "checkpoint",
-                "offload", "activation_memory_budget"):
+                "offload", "activation_memory_budget", "fp8"):
         if key in r0:
             out[key] = r0[key]
     if mode.startswith("shardc"):

@@ -11,10 +11,20 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 
 import shardc
 from shardc.models.llama import Transformer
 from train.setup import Setup, compiled_loss
+
+# --fp8: the weights shardc gathers in FP8, as predict_step.py's ``:fp8`` configurations shard
+# them (mixed precision unchanged: fp32 masters, bf16 compute, fp32 gradient reduction).
+FP8_POLICY_TEXT = "shardc.Float8Policy(modules=(nn.Linear, nn.Embedding))"
+
+
+def fp8_policy() -> shardc.Float8Policy:
+    """The policy of ``--fp8``: :data:`FP8_POLICY_TEXT`."""
+    return shardc.Float8Policy(modules=(nn.Linear, nn.Embedding))
 
 
 def _shardc_backend_name() -> str:
@@ -29,17 +39,18 @@ def _shardc_backend_name() -> str:
 
 def setup_shardc(model: Transformer, mesh, loss_in_graph: bool, compile_mode: str | None = None,
                  reshard_after_forward: bool = True, plain_inputs: bool = False,
-                 offload: bool = False, **options: Any) -> Setup:
+                 offload: bool = False, fp8: bool = False, **options: Any) -> Setup:
     """shardc: shard in place, compile with the shardc backend and its default plan (or these
     backend options; ``compile_mode``: torch.compile's ``mode``, e.g. ``"reduce-overhead"``;
     ``reshard_after_forward``, ``plain_inputs``: ``shardc.shard``'s; ``offload``: shard with
     ``shardc.OffloadPolicy()``, the parameters' shards, gradients and optimizer state on the
-    host, simulated on a CPU mesh)."""
+    host, simulated on a CPU mesh; ``fp8``: shard with :func:`fp8_policy`, the Linear and
+    Embedding weights gathered in FP8, as ``predict_step.py``'s ``:fp8`` configurations)."""
     mp = shardc.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     on_cpu = next(model.parameters()).device.type == "cpu"
     policy = shardc.OffloadPolicy(simulate_on_cpu=on_cpu) if offload else None
     shardc.shard(model, mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
-                 plain_inputs=plain_inputs, offload=policy)
+                 plain_inputs=plain_inputs, offload=policy, fp8=fp8_policy() if fp8 else None)
     backend = shardc.backend(**options) if options else _shardc_backend_name()
     mode = {"mode": compile_mode} if compile_mode else {}
     compiled = compiled_loss(model, loss_in_graph, backend=backend, **mode)
@@ -80,5 +91,7 @@ def setup_shardc(model: Transformer, mesh, loss_in_graph: bool, compile_mode: st
         out["_plans"] = plans  # not serialized: dumped separately by rank 0
         return out
 
-    return Setup(compiled, list(model.parameters()), [model, compiled],
-                 {"options": "default (ShardcOptions())"}, plan_summary)
+    info = {"options": "default (ShardcOptions())"}
+    if fp8:
+        info["fp8"] = FP8_POLICY_TEXT
+    return Setup(compiled, list(model.parameters()), [model, compiled], info, plan_summary)
