@@ -356,11 +356,13 @@ def run_interleaved(model: str, layers: int | None, batch: int, args, mesh, devi
                      for _ in range(args.steps)])
                 spans[st["mode"]].append((round(start, 3), round(time.time(), 3)))
     rows = []
-    for st in states:
+    for i, st in enumerate(states):
         mode = st["mode"]
         st["steps_ms"] = [ms for one in rounds[mode] for ms in one]
         with mode_context(mode):
-            row = finish_row(st, args, device)
+            # Dynamo's caches reset after the last mode only: a reset drops every mode's
+            # compiled code, and the modes after it would recompile in their issue-timed steps.
+            row = finish_row(st, args, device, free=i == len(states) - 1)
         row["step_ms_rounds"] = [statistics.median(one) for one in rounds[mode]]
         row["round_spans_unix_s"] = spans[mode]
         rows.append(row)
@@ -386,9 +388,10 @@ def prepare(mode: str, model: str, layers: int | None, batch: int, args, mesh, d
             "setup": setup, "opt": opt, "it": it}
 
 
-def finish_row(state: dict[str, Any], args, device) -> dict[str, Any]:
+def finish_row(state: dict[str, Any], args, device, free: bool = True) -> dict[str, Any]:
     """The row of a prepared mode whose whole steps were timed (``state["steps_ms"]``): the
-    issue-timed, synced and profiled steps, then the mode's memory is freed."""
+    issue-timed, synced and profiled steps, then the mode's memory is freed (``free``: and
+    Dynamo's caches reset, every mode's compiled code with them)."""
     setup, opt, it, cfg = state["setup"], state["opt"], state["it"], state["cfg"]
     issue = [timed_step(setup, opt, next(it), device, synced=False) for _ in range(args.steps)]
     synced = ([timed_step(setup, opt, next(it), device, synced=True)
@@ -411,7 +414,8 @@ def finish_row(state: dict[str, Any], args, device) -> dict[str, Any]:
         out["gpu_idle_ms"] = out["step_ms"] - prof["gpu_busy_ms_per_step"]
     state.clear()
     del setup, opt, it
-    free_memory(device)
+    if free:
+        free_memory(device)
     return out
 
 
