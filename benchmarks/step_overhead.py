@@ -78,7 +78,7 @@ for _path in (_BENCHMARKS.parent, _BENCHMARKS):
 
 import bench_mesh  # noqa: E402
 from train.kernels import kernel_time_by_category, measure, merge_intervals  # noqa: E402
-from train.modes import check_fp8, mode_context, mode_name, setup_mode, takes_fp8  # noqa: E402
+from train.modes import mode_context, mode_name, modes_for_fp8, setup_mode  # noqa: E402
 from train.provenance import git_describe, launch_command  # noqa: E402
 from train.runner import OPTIM_IMPLS, free_memory, gather_objects  # noqa: E402
 from train.shardc_mode import FP8_POLICY_TEXT  # noqa: E402
@@ -148,13 +148,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--rounds must be at least 1")
     if args.profile_steps < 1:  # the report's per-phase CPU breakdown comes from them
         p.error("--profile-steps must be at least 1")
-    if args.modes is None:
-        args.modes = [m for m in MODES[:4] if takes_fp8(m)] if args.fp8 else list(MODES[:4])
-    if args.fp8:
-        try:
-            check_fp8(args.modes)
-        except ValueError as exc:
-            p.error(str(exc))
+    try:
+        args.modes = modes_for_fp8(args.modes, MODES[:4], args.fp8)
+    except ValueError as exc:
+        p.error(str(exc))
     return args
 
 

@@ -84,7 +84,7 @@ for _path in (_BENCHMARKS.parent, _BENCHMARKS):
 
 import bench_mesh  # noqa: E402
 from train.goals import diagnose, evaluate_goals  # noqa: E402
-from train.modes import MODES, check_fp8, mode_context, mode_name, takes_fp8  # noqa: E402
+from train.modes import MODES, mode_context, mode_name, modes_for_fp8  # noqa: E402
 from train.provenance import (  # noqa: E402
     git_describe,
     launch_command,
@@ -175,13 +175,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--render", metavar="JSON", default=None,
                    help="only re-render the markdown of an earlier run's JSON (next to it)")
     args = p.parse_args(argv)
-    if args.modes is None:
-        args.modes = [m for m in MODES if takes_fp8(m)] if args.fp8 else list(MODES)
-    if args.fp8:
-        try:
-            check_fp8(args.modes)
-        except ValueError as exc:
-            p.error(str(exc))
+    try:
+        args.modes = modes_for_fp8(args.modes, MODES, args.fp8)
+    except ValueError as exc:
+        p.error(str(exc))
     return args
 
 

@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+from collections.abc import Sequence
 
 import bench_mesh
 import torch
@@ -120,6 +121,16 @@ def check_fp8(modes: list[str] | tuple[str, ...]) -> None:
         raise ValueError(f"--fp8 ({FP8_POLICY_TEXT}) applies to the shardc modes only; "
                          f"refused: {', '.join(refused)} (no FP8 path; run it without --fp8, "
                          "in a run of its own)")
+
+
+def modes_for_fp8(modes: list[str] | None, defaults: Sequence[str], fp8: bool) -> list[str]:
+    """The modes a script runs: ``modes`` as given, else ``defaults`` (with ``fp8``, their
+    shardc ones); with ``fp8`` every mode must take it (:func:`check_fp8`'s ValueError)."""
+    if modes is None:
+        modes = [m for m in defaults if takes_fp8(m)] if fp8 else list(defaults)
+    if fp8:
+        check_fp8(modes)
+    return modes
 
 
 def mode_context(mode: str) -> contextlib.AbstractContextManager:
