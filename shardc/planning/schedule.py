@@ -297,6 +297,11 @@ def _wait_before(following: _Reduction | None, ready: int, end: int) -> int:
     return following.fill if following.fill > ready else following.ready
 
 
+def _clamped(r: _Reduction, wait: int) -> int:
+    """``wait`` kept between ``r``'s issue and the first reader of its reduced shards."""
+    return min(max(wait, r.ready), r.latest)
+
+
 def _next_large(items: list[_Reduction], j: int) -> int:
     """Index in ``items`` of the first bucket after ``j`` whose send buffer is more than
     1/:data:`SMALL_BUCKET_DIVISOR` of ``j``'s (``len(items)`` where none is)."""
@@ -320,8 +325,8 @@ def _wait_past_small(items: list[_Reduction], j: int, end: int, default_wait: in
     than ``default_wait`` (the default rule's): the option only passes over small buckets."""
     r, k = items[j], _next_large(items, j)
     target = items[k] if k < len(items) else None
-    unclamped = max(_wait_before(target, r.ready, end), r.ready)
-    wait = max(min(unclamped, r.latest), default_wait)
+    unclamped = _wait_before(target, r.ready, end)
+    wait = max(_clamped(r, unclamped), default_wait)
     if wait == default_wait:
         return wait, WAIT_BEFORE_NEXT
     if unclamped > r.latest:
@@ -347,9 +352,10 @@ def _place_reduce_scatters(g: GraphView, buckets: list[Bucket],
     items = [r for r in (_reduction(g, bucket) for bucket in buckets) if r is not None]
     items.sort(key=lambda r: (r.ready, r.bucket.index))
     out = []
-    for j, (ready, bucket, params, latest, _, _, nbytes) in enumerate(items):
+    for j, r in enumerate(items):
+        bucket, params, ready = r.bucket, r.params, r.ready
         following = items[j + 1] if j + 1 < len(items) else None
-        wait = min(max(_wait_before(following, ready, g.end), ready), latest)
+        wait = _clamped(r, _wait_before(following, ready, g.end))
         reason = WAIT_BEFORE_NEXT
         if wait_past_small:
             wait, reason = _wait_past_small(items, j, g.end, wait)
@@ -358,11 +364,11 @@ def _place_reduce_scatters(g: GraphView, buckets: list[Bucket],
             # gradients starts as soon as they exist.
             wait, reason = ready, WAIT_BEFORE_NEXT
         out.append(_collective(
-            g, Kind.REDUCE_SCATTER, bucket, params, nbytes, bucket.reduce_dtype, ready, wait, wait,
-            wait, reason))
+            g, Kind.REDUCE_SCATTER, bucket, params, r.send_bytes, bucket.reduce_dtype, ready, wait,
+            wait, wait, reason))
         if bucket.replicate > 1:
             reduce_scatter, all_reduce = out[-1], replicate_all_reduce(g, bucket, params, wait,
-                                                                        latest)
+                                                                        r.latest)
             reduce_scatter.link, all_reduce.link = all_reduce.id, reduce_scatter.id
             out.append(all_reduce)
     return out
