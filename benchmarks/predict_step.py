@@ -51,12 +51,13 @@ traced graphs, each on its process group's lane.
 The cluster profile is ``--profile`` (a preset name or a file from ``python -m shardc
 calibrate``), else the preset for this GPU. ``--refine-host`` (a profile of format 9, with a
 host probe; refused before any compile otherwise) times the host-speed probe once at the start
-(``shardc.tools.host_probe.agreed_host_probe``: every rank, the slowest's) and predicts each
-configuration's step also with the profile's host terms rescaled to it
-(``shardc.planning.host_speed.with_host_speed``): ``predicted_host_refined_step_s`` and
-``host_refined_error`` per row, the probe and factor in ``meta["host_probe"]``, a table of its
-own, and the rescaled profile as ``host_profile_<name>.json``; the other columns are as
-without it. Writes ``<name>.md`` and ``<name>.json`` under
+(``shardc.tools.host_probe.agreed_host_probe``: every rank, the slowest's) and plans and
+predicts every configuration with the profile's host terms rescaled to it
+(``shardc.planning.host_speed.with_host_speed``, passed to the backend as the cluster profile,
+so the compiled graphs' host work is priced at this host's speed too): the probe and factor in
+``meta["host_probe"]``, the rescaled profile as ``host_profile_<name>.json`` (the prediction
+without it: plan the same runs on a CPU with the profile as calibrated, ``plan_vs_measured.py``).
+Writes ``<name>.md`` and ``<name>.json`` under
 ``--out`` with the command, commit, GPU, torch version and date; ``--deadline-s`` skips the
 configurations that would not finish in time (the table says which).
 """
@@ -199,9 +200,10 @@ def _args(argv=None) -> argparse.Namespace:
                         "events, per rank) and its plans (JSON) under DIR, for offline analysis")
     p.add_argument("--refine-host", action="store_true",
                    help="time the host-speed probe once before the runs (every rank, the "
-                        "slowest's) and also predict each step with the profile's host terms "
-                        "rescaled by it over the profile's probe (shardc.planning.host_speed); "
-                        "the profile must have a probe (calibrated at format 9)")
+                        "slowest's) and plan and predict every step with the profile's host "
+                        "terms rescaled by it over the profile's probe "
+                        "(shardc.planning.host_speed); the profile must have a probe "
+                        "(calibrated at format 9)")
     p.add_argument("--out", default="docs/bench")
     p.add_argument("--name", default="predict_step")
     args = p.parse_args(argv)
@@ -280,11 +282,7 @@ def config_seq(c: dict, args) -> int:
     return c.get("seq") or args.seq or (128 if args.tiny else 2048)
 
 
-def run_config(c: dict, args, device, mesh, cluster: dict | None, log,
-               host_probe_s: float | None = None) -> dict[str, Any]:
-    """One configuration built, compiled, trained, timed and predicted; ``host_probe_s``
-    (``--refine-host``): the host probe timed at the start, to predict the step also with the
-    profile's host terms rescaled to it (:func:`host_refined`)."""
+def run_config(c: dict, args, device, mesh, cluster: dict | None, log) -> dict[str, Any]:
     seq = config_seq(c, args)
     cfg = model_config(c["model"], seq, args.tiny, c["layers"])
     model, loss_fn = _setup(cfg, device, mesh, c["precision"] == "fp8", cluster,
@@ -354,9 +352,6 @@ def run_config(c: dict, args, device, mesh, cluster: dict | None, log,
         temp_factor=options.get("optimizer_temp_factor", 1.0),
         impl=options.get("optimizer_impl", "auto"))
     step = predict_step(plans, profile, spec, cudagraphs=args.cudagraphs)
-    if host_probe_s is not None:
-        res.update(host_refined(plans, with_host_speed(profile, host_probe_s), spec,
-                                args.cudagraphs))
     res.update({
         "profile": profile.name,
         "predicted_fwd_bwd_s": step.graphs_s,
@@ -380,21 +375,6 @@ def run_config(c: dict, args, device, mesh, cluster: dict | None, log,
     return res
 
 
-def host_refined(plans, refined: ClusterProfile, spec: OptimizerSpec, cudagraphs: bool
-                 ) -> dict[str, float]:
-    """``--refine-host``: the step of the same plans predicted with ``refined`` (the profile
-    rescaled to the host probe, :func:`shardc.planning.host_speed.with_host_speed`). The plans'
-    forward and backward were priced at compile time with the profile as calibrated, so what
-    the rescaled profile re-prices here is the work after the graphs (the optimizer's and
-    zero_grad's host terms; under CUDA graphs also the replay call); the rescaled profile is
-    also written beside the report (``host_profile_<name>.json``) for planning the graphs with
-    it (``plan_vs_measured.py --profile``)."""
-    step = predict_step(plans, refined, spec, cudagraphs=cudagraphs)
-    return {"predicted_host_refined_step_s": step.step_s,
-            "predicted_host_refined_fwd_bwd_s": step.graphs_s,
-            "predicted_host_refined_optimizer_s": step.after_s}
-
-
 def refine_host_setup(profile: ClusterProfile, device: torch.device) -> dict[str, float]:
     """``--refine-host`` at setup, before any compile: refuse a profile without a host probe
     (every rank alike: they read the same profile), else time the probe on every rank (the
@@ -408,13 +388,6 @@ def refine_host_setup(profile: ClusterProfile, device: torch.device) -> dict[str
     probe = agreed_host_probe(device)
     return {"run_s": probe, "calibrated_s": profile.host_probe_s,
             "factor": host_speed_factor(profile, probe)}
-
-
-def host_refined_error(r: dict) -> float | None:
-    """The host-refined step's error against the measured step (None where either is
-    missing)."""
-    pred, meas = r.get("predicted_host_refined_step_s"), r.get("measured_step_s")
-    return pred / meas - 1 if pred and meas else None
 
 
 def _run_steps(loss_fn, opt, it, steps: int, device, synced: bool) -> list[tuple[list, Any]]:
@@ -697,7 +670,6 @@ def render(report: dict) -> str:
         lines += ["", f"Step error: mean |error| {statistics.fmean(errs) * 100:.1f}%, max "
                   f"{max(errs) * 100:.1f}% over {len(ok)} configuration(s); goal: within 10% "
                   "(stretch 5%)."]
-    lines += host_refined_table(report)
     lines += comm_table(report["results"], m["seq"])
     lines += category_table(report["results"], m["seq"])
     lines += phase_table(report["results"], m["seq"])
@@ -730,34 +702,6 @@ CATEGORY_COLUMNS = (
     ("optimizer", ("optimizer",), ("optimizer",)),
     ("device idle", ("launch_bound", "param_host"), ("idle",)),
 )
-
-
-def host_refined_table(report: dict) -> list[str]:
-    """``--refine-host``'s rows: each step predicted with the profile as calibrated and with
-    its host terms rescaled to the host probe (:func:`host_refined`), beside the measured step
-    (none for a report made without the flag)."""
-    probe = report["meta"].get("host_probe")
-    rows = [r for r in report["results"] if r.get("status") == "ok"
-            and r.get("predicted_host_refined_step_s") is not None]
-    if not probe or not rows:
-        return []
-    lines = ["", f"Host-refined (`--refine-host`): host probe {probe['run_s'] * 1e3:.3f} ms "
-             f"now, {probe['calibrated_s'] * 1e3:.3f} ms at calibration: the profile's host "
-             f"terms x{probe['factor']:.3f} (`shardc.planning.host_speed.with_host_speed`). "
-             "The plans' forward and backward are priced at compile time with the profile as "
-             "calibrated: the refined step re-prices the work after the graphs (optimizer, "
-             "zero_grad); plan with the rescaled profile (`host_profile_<name>.json` beside "
-             "this report) for the graphs' host work too.", "",
-             f"{HEAD} precision | predicted step ms | refined step ms | measured step ms | "
-             "error | refined error |",
-             f"{HEAD_ALIGN} --- | ---: | ---: | ---: | ---: | ---: |"]
-    for r in rows:
-        lines.append(
-            f"{row_head(r, report['meta']['seq'])} {r['config']['precision']} | "
-            f"{_ms(r['predicted_step_s'])} | {_ms(r['predicted_host_refined_step_s'])} | "
-            f"{_ms(r['measured_step_s'])} | {_err(r['predicted_step_s'], r['measured_step_s'])} "
-            f"| {_err(r['predicted_host_refined_step_s'], r['measured_step_s'])} |")
-    return lines
 
 
 def comm_table(results: list[dict], seq: int) -> list[str]:
@@ -853,6 +797,9 @@ def main(argv=None) -> int:
     if host_probe is not None:
         log(f"host probe {host_probe['run_s'] * 1e3:.3f} ms, profile "
             f"{host_probe['calibrated_s'] * 1e3:.3f} ms: host terms x{host_probe['factor']:.3f}")
+        # Every rank agreed on the probe, so every rank plans with the same profile.
+        profile = with_host_speed(profile, host_probe["run_s"])
+        cluster = profile.to_dict()
     meta = {
         "command": launch_command(sys.argv if argv is None
                                   else ["benchmarks/predict_step.py", *argv]),
@@ -878,8 +825,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     if host_probe is not None and rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        (out / f"host_profile_{args.name}.json").write_text(
-            with_host_speed(profile, host_probe["run_s"]).to_json())
+        (out / f"host_profile_{args.name}.json").write_text(profile.to_json())
     durations: list[float] = []
     for c in configs:
         estimate = max(durations, default=60.0) * (c["layers"] / 8)
@@ -893,8 +839,7 @@ def main(argv=None) -> int:
         log(f"{c} on {mesh_label}: start")
         t = time.perf_counter()
         try:
-            res = run_config(c, args, device, mesh, cluster, log,
-                             host_probe["run_s"] if host_probe else None)
+            res = run_config(c, args, device, mesh, cluster, log)
             res["status"] = "ok"
         except Exception as exc:  # record it and go on
             res = {"status": "error", "reason": f"{type(exc).__name__}: {str(exc)[:500]}"}
@@ -909,8 +854,6 @@ def main(argv=None) -> int:
         merged["config"] = c
         merged["mesh"] = mesh_label
         merged["wall_s"] = time.perf_counter() - t
-        if merged.get("predicted_host_refined_step_s") is not None:
-            merged["host_refined_error"] = host_refined_error(merged)
         durations.append(merged["wall_s"] / (c["layers"] / 8))
         report["results"].append(merged)
         if merged["status"] == "ok":
@@ -920,9 +863,6 @@ def main(argv=None) -> int:
                 f"fwd+bwd {_ms(merged['predicted_fwd_bwd_s'])}/"
                 f"{_ms(merged['measured_fwd_bwd_s'])}, optimizer "
                 f"{_ms(merged['predicted_optimizer_s'])}/{_ms(merged['measured_optimizer_s'])}")
-            if merged.get("host_refined_error") is not None:
-                log(f"{c}: host-refined {_ms(merged['predicted_host_refined_step_s'])} ms "
-                    f"({merged['host_refined_error'] * 100:+.1f}%)")
         else:
             log(f"{c}: {merged['status']}: {merged.get('reason')}")
         if rank == 0:

@@ -28,6 +28,7 @@ from shardc.planning.profile import (
     MatmulPoint,
     ProfileError,
     load_profile,
+    resolve_profile,
 )
 from shardc.planning.step import OptimizerSpec, predict_step
 from shardc.tools.host_probe import agreed_host_probe, measure_host_probe
@@ -169,27 +170,9 @@ def test_predict_step_refine_host_flag_and_its_refusal():
     assert probe["factor"] == pytest.approx(probe["run_s"] / 2e-3)
 
 
-def test_predict_step_reports_the_host_refined_step_beside_the_others():
-    import predict_step
-
-    p = _profile(optimizer_fixed_s=1.8e-3)
-    plans, spec = [_plan(20e-3, queued=0.0, handoff=0.0)], OptimizerSpec(4e6, 100)
-    same = predict_step.host_refined(plans, with_host_speed(p, p.host_probe_s), spec, False)
-    assert same["predicted_host_refined_step_s"] == predict_step_s(plans, p, spec)
-    slower = predict_step.host_refined(plans, with_host_speed(p, 4e-3), spec, False)
-    assert slower["predicted_host_refined_step_s"] > same["predicted_host_refined_step_s"]
-    row = {"status": "ok", "config": {"model": "1b", "layers": 8, "batch": 1,
-                                      "precision": "bf16"}, "mesh": "fsdp 2",
-           "predicted_step_s": 40e-3, "measured_step_s": 44e-3,
-           "predicted_host_refined_step_s": 43e-3}
-    assert predict_step.host_refined_error(row) == pytest.approx(43 / 44 - 1)
-    assert predict_step.host_refined_error({"predicted_step_s": 1.0}) is None
-    meta = {"seq": 2048, "host_probe": {"run_s": 3e-3, "calibrated_s": 2e-3, "factor": 1.5}}
-    lines = predict_step.host_refined_table({"meta": meta, "results": [row]})
-    assert "x1.500" in lines[1] and lines[-1].endswith("| 40.0 | 43.0 | 44.0 | -9.1% | -2.3% |")
-    # A report without the flag (or made before it) has no such table.
-    assert predict_step.host_refined_table({"meta": {"seq": 2048}, "results": [row]}) == []
-
-
-def predict_step_s(plans, profile, spec) -> float:
-    return predict_step(plans, profile, spec).step_s
+def test_the_rescaled_profile_reaches_the_backend_as_the_cluster_option():
+    """``--refine-host`` passes the rescaled profile to the backend as a full profile dict
+    (``ShardcOptions.cluster``): it resolves to the same profile, so the compiled graphs are
+    planned at the host's speed too."""
+    refined = with_host_speed(_profile(), 3e-3)
+    assert resolve_profile(refined.to_dict()) == refined
