@@ -49,7 +49,15 @@ holds HSDP's replicate all-reduces and the tensor-parallel collectives the plan 
 traced graphs, each on its process group's lane.
 
 The cluster profile is ``--profile`` (a preset name or a file from ``python -m shardc
-calibrate``), else the preset for this GPU. Writes ``<name>.md`` and ``<name>.json`` under
+calibrate``), else the preset for this GPU. ``--refine-host`` (a profile of format 9, with a
+host probe; refused before any compile otherwise) times the host-speed probe once at the start
+(``shardc.tools.host_probe.agreed_host_probe``: every rank, the slowest's) and plans and
+predicts every configuration with the profile's host terms rescaled to it
+(``shardc.planning.host_speed.with_host_speed``, passed to the backend as the cluster profile,
+so the compiled graphs' host work is priced at this host's speed too): the probe and factor in
+``meta["host_probe"]``, the rescaled profile as ``host_profile_<name>.json`` (the prediction
+without it: plan the same runs on a CPU with the profile as calibrated, ``plan_vs_measured.py``).
+Writes ``<name>.md`` and ``<name>.json`` under
 ``--out`` with the command, commit, GPU, torch version and date; ``--deadline-s`` skips the
 configurations that would not finish in time (the table says which).
 """
@@ -89,8 +97,14 @@ from train.workload import build_model, model_config, synthetic_batches  # noqa:
 
 import shardc  # noqa: E402
 from shardc.compile.options import ShardcOptions  # noqa: E402
-from shardc.planning.profile import resolve_profile  # noqa: E402
+from shardc.planning.host_speed import (  # noqa: E402
+    host_speed_factor,
+    require_host_probe,
+    with_host_speed,
+)
+from shardc.planning.profile import ClusterProfile, ProfileError, resolve_profile  # noqa: E402
 from shardc.planning.step import OptimizerSpec, predict_step  # noqa: E402
+from shardc.tools.host_probe import agreed_host_probe  # noqa: E402
 
 # Most telling first (a --deadline-s run keeps these): 8/16 layers, wide, batch, FP8, depth.
 DEFAULT_CONFIGS = ("1b:8:4,1b:16:4,wide:8:2,1b:8:1:s8192,1b:8:2,1b:8:1,1b:8:4:fp8,1b:32:4,"
@@ -184,6 +198,12 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--keep-traces", default=None, metavar="DIR",
                    help="write each configuration's profiled kernels (gzipped Chrome-trace "
                         "events, per rank) and its plans (JSON) under DIR, for offline analysis")
+    p.add_argument("--refine-host", action="store_true",
+                   help="time the host-speed probe once before the runs (every rank, the "
+                        "slowest's) and plan and predict every step with the profile's host "
+                        "terms rescaled by it over the profile's probe "
+                        "(shardc.planning.host_speed); the profile must have a probe "
+                        "(calibrated at format 9)")
     p.add_argument("--out", default="docs/bench")
     p.add_argument("--name", default="predict_step")
     args = p.parse_args(argv)
@@ -327,10 +347,11 @@ def run_config(c: dict, args, device, mesh, cluster: dict | None, log) -> dict[s
     options = plans[0].options if plans else {}
     param_bytes = sum(p.predicted.get("param_bytes", 0.0) for p in plans)
     n_params = sum(1 for _ in model.parameters())
-    step = predict_step(plans, profile, OptimizerSpec(
+    spec = OptimizerSpec(
         param_bytes, n_params, state_factor=options.get("optimizer_state_factor", 2.0),
         temp_factor=options.get("optimizer_temp_factor", 1.0),
-        impl=options.get("optimizer_impl", "auto")), cudagraphs=args.cudagraphs)
+        impl=options.get("optimizer_impl", "auto"))
+    step = predict_step(plans, profile, spec, cudagraphs=args.cudagraphs)
     res.update({
         "profile": profile.name,
         "predicted_fwd_bwd_s": step.graphs_s,
@@ -352,6 +373,21 @@ def run_config(c: dict, args, device, mesh, cluster: dict | None, log) -> dict[s
         [p.predicted.get("time_by_category_s") or {} for p in plans], step.by_category)
     del model, loss_fn, opt, data, it, plans
     return res
+
+
+def refine_host_setup(profile: ClusterProfile, device: torch.device) -> dict[str, float]:
+    """``--refine-host`` at setup, before any compile: refuse a profile without a host probe
+    (every rank alike: they read the same profile), else time the probe on every rank (the
+    slowest's, :func:`shardc.tools.host_probe.agreed_host_probe`). Returns the report's
+    ``meta["host_probe"]``: the probe now (``run_s``), the profile's (``calibrated_s``) and the
+    factor its host terms are multiplied by."""
+    try:
+        require_host_probe(profile)
+    except ProfileError as exc:
+        raise SystemExit(f"predict_step.py --refine-host: {exc}") from exc
+    probe = agreed_host_probe(device)
+    return {"run_s": probe, "calibrated_s": profile.host_probe_s,
+            "factor": host_speed_factor(profile, probe)}
 
 
 def _run_steps(loss_fn, opt, it, steps: int, device, synced: bool) -> list[tuple[list, Any]]:
@@ -757,6 +793,13 @@ def main(argv=None) -> int:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else (
         platform.processor() or "cpu")
     profile = resolve_profile(cluster, gpu if device.type == "cuda" else None)
+    host_probe = refine_host_setup(profile, device) if args.refine_host else None
+    if host_probe is not None:
+        log(f"host probe {host_probe['run_s'] * 1e3:.3f} ms, profile "
+            f"{host_probe['calibrated_s'] * 1e3:.3f} ms: host terms x{host_probe['factor']:.3f}")
+        # Every rank agreed on the probe, so every rank plans with the same profile.
+        profile = with_host_speed(profile, host_probe["run_s"])
+        cluster = profile.to_dict()
     meta = {
         "command": launch_command(sys.argv if argv is None
                                   else ["benchmarks/predict_step.py", *argv]),
@@ -775,9 +818,14 @@ def main(argv=None) -> int:
         # same one (mesh_shape: HSDP's (replicate, shard); tp: the tensor-parallel degree).
         "mesh": mesh_label, "mesh_shape": bench_mesh.parse_mesh(args.mesh, world),
         "tp": args.tp,
+        # --refine-host: the probe now and the profile's, and the factor (else None).
+        "host_probe": host_probe,
     }
     report: dict[str, Any] = {"meta": meta, "results": []}
     out = Path(args.out)
+    if host_probe is not None and rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"host_profile_{args.name}.json").write_text(profile.to_json())
     durations: list[float] = []
     for c in configs:
         estimate = max(durations, default=60.0) * (c["layers"] / 8)

@@ -343,7 +343,7 @@ def test_calibrate_on_cpu_writes_a_readable_profile(tmp_path, monkeypatch):
     out = tmp_path / "cpu.json"
     assert cal.main(["--device", "cpu", "--quick", "--out", str(out), "--name", "ci"]) == 0
     p = load_profile(str(out))
-    assert p.name == "ci" and p.source == "measured" and p.version == PROFILE_VERSION == 8
+    assert p.name == "ci" and p.source == "measured" and p.version == PROFILE_VERSION == 9
     # No _scaled_mm on the CPU: FP8's host terms are not measured (zeros), and a note says so.
     assert p.fp8_forward_per_scaled_mm_s == p.fp8_backward_per_scaled_mm_s == 0.0
     assert any(n.startswith("FP8 host work not measured") for n in p.notes)
@@ -375,6 +375,8 @@ def test_calibrate_on_cpu_writes_a_readable_profile(tmp_path, monkeypatch):
     assert p.device_to_host_bytes_per_s == DEFAULT_HOST_LINK_BYTES_PER_S
     # The device step against its model (here the CPU's own AdamW and bandwidth): measured.
     assert p.device_adamw_foreach_scale > 0 and p.device_adamw_fused_scale > 0
+    # The host-speed probe (format 9): this host's, recorded.
+    assert 0 < p.host_probe_s < 1.0
 
 
 class _SyntheticTimer(cal.Timer):
@@ -552,7 +554,7 @@ def _calibrate_two_ranks(rank: int, world: int) -> dict:
     p = cal.calibrate(torch.device("cpu"), quick=True, log=lambda _: None)
     default = ClusterProfile("", "", "", "", "").collective_launch_s
     return {"launch": p.collective_launch_s, "default": default, "notes": list(p.notes),
-            "gpus": p.gpus}
+            "gpus": p.gpus, "probe": p.host_probe_s}
 
 
 @pytest.mark.slow
@@ -569,6 +571,8 @@ def test_calibrate_over_two_ranks_fits_the_host_seconds_per_collective():
         # both depths' graphs issued collectives (gloo runs them on the host: they cost it)
         assert "3 params, " in note and "6 params, " in note and " 0 / " not in note, note
     assert all(run["launch"] != run["default"] for run in runs), runs
+    # the host probe (format 9): the slowest rank's, the same on both
+    assert runs[0]["probe"] == runs[1]["probe"] > 0
 
 
 def test_host_adamw_is_timed_on_the_ranks_share_of_the_cores(monkeypatch):

@@ -56,8 +56,13 @@ PROFILE_FORMAT = "shardc-cluster-profile"
 # (``device_adamw_foreach_scale``, ``device_adamw_fused_scale``: torch's AdamW on device tensors
 # against :func:`shardc.planning.estimate.optimizer_step_seconds`); an older profile reads with
 # 0 (not measured: the model as it is) and predicts as before.
-PROFILE_VERSION = 8
-READABLE_PROFILE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
+# Version 9 added the host-speed probe (``host_probe_s``: seconds of a fixed host workload,
+# :func:`shardc.tools.host_probe.measure_host_probe`, timed at calibration); a run that times
+# it again rescales the host terms (:data:`HOST_SECONDS_FIELDS`) by the ratio
+# (:func:`shardc.planning.host_speed.with_host_speed`). An older profile reads with 0 (not
+# measured: it cannot be rescaled) and predicts as before.
+PROFILE_VERSION = 9
+READABLE_PROFILE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 # Host<->device bandwidth of pinned copies (bytes/s) where not measured: PCIe gen5 x16 measures
 # about 50 GB/s each way at best; half of it is what large pinned copies sustain next to NCCL.
 DEFAULT_HOST_LINK_BYTES_PER_S = 25e9
@@ -77,6 +82,13 @@ FIXED_FIELDS = tuple(f.removesuffix("_per_param_s") + "_fixed_s" for f in PER_PA
 # (an FP8 Linear: one in the forward, two in the backward); finite, may be negative (see
 # ClusterProfile).
 FP8_HOST_FIELDS = ("fp8_forward_per_scaled_mm_s", "fp8_backward_per_scaled_mm_s")
+# Every term of seconds of the host's own work (Python, aten dispatch, launches): what the
+# host-speed probe rescales (:func:`shardc.planning.host_speed.with_host_speed`). The host link
+# and the host AdamW rates are not here: they are bound by the link and by host memory
+# bandwidth, not by the interpreter's speed.
+HOST_SECONDS_FIELDS = ("kernel_launch_s", "compiled_launch_s", "graph_call_s",
+                       "collective_launch_s", *PER_PARAM_FIELDS, *FIXED_FIELDS,
+                       *FP8_HOST_FIELDS)
 PRESETS = ("h100", "h200")
 # CPU offload's host step rate (version 5), a positive number.
 HOST_FIELDS = ("host_adamw_params_per_s",)
@@ -268,6 +280,13 @@ class ClusterProfile:
     Calibration times a step of tensors about the size of one rank's shards
     (:func:`shardc.tools.calibrate.measure_device_adamw_scales`).
 
+    ``host_probe_s`` (version 9; 0, and older profiles: not measured): seconds of the
+    host-speed probe (:func:`shardc.tools.host_probe.measure_host_probe`: eager tiny-op
+    launches and a fixed pure-Python loop), timed at calibration after the device's warm-up,
+    the slowest rank's. It prices nothing itself: a run that times the probe again rescales the
+    host terms (:data:`HOST_SECONDS_FIELDS`) by the ratio, for a host faster or slower than the
+    calibrated one (:func:`shardc.planning.host_speed.with_host_speed`).
+
     :mod:`shardc.planning.step` places them on the step's host and device timelines."""
 
     name: str
@@ -317,6 +336,7 @@ class ClusterProfile:
     host_adamw_per_tensor_params_per_s: float = 0.0
     device_adamw_foreach_scale: float = 0.0
     device_adamw_fused_scale: float = 0.0
+    host_probe_s: float = 0.0
     notes: tuple[str, ...] = ()
     version: int = PROFILE_VERSION
 
@@ -345,6 +365,11 @@ class ClusterProfile:
                 raise ProfileError(f"shardc: cluster profile {self.name!r}: {name} is {value!r}; "
                                    "a measured-over-modelled ratio must be a finite number >= 0 "
                                    "(0: not measured)")
+        probe = self.host_probe_s
+        if not isinstance(probe, (int, float)) or not (math.isfinite(probe) and probe >= 0):
+            raise ProfileError(f"shardc: cluster profile {self.name!r}: host_probe_s is "
+                               f"{probe!r}; the host probe's seconds must be a finite number "
+                               ">= 0 (0: not measured)")
         for name in HOST_FIELDS:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):

@@ -10,7 +10,8 @@ and head dimension, memory-bound kernel bandwidth by bytes moved, the device tim
 launch time of one small kernel, the host cost of compiled graphs (per kernel, per call), the
 host's work per parameter tensor and per step (region entry, gradient hand-off, optimizer
 step, zero_grad; :mod:`shardc.tools.host_cost`) and, where ``torch._scaled_mm`` runs, per FP8
-matmul (an FP8 variant of the same model), CPU offload's host rates (torch's fused CPU
+matmul (an FP8 variant of the same model), the host-speed probe (a fixed host workload,
+:mod:`shardc.tools.host_probe`, the slowest rank's), CPU offload's host rates (torch's fused CPU
 AdamW on host tensors; on a GPU, pinned host<->device copies), and, when launched with more
 than one process, all-gather / reduce-scatter / all-reduce time over buffer sizes 64 KiB..1 GiB
 for each power-of-two group size up to the world, the ring model's bandwidth and latency fitted
@@ -56,6 +57,7 @@ from shardc.tools.host_cost import (
     measure_param_host_cost,
     residual_seconds,
 )
+from shardc.tools.host_probe import agreed_host_probe
 
 MIB = 1 << 20
 COLLECTIVE_SIZES = tuple(64 * 1024 * 4 ** i for i in range(8))  # 64 KiB .. 1 GiB
@@ -637,6 +639,10 @@ def calibrate(device: torch.device, *, quick: bool = False, name: str | None = N
         dev_name, capacity = f"CPU ({os.cpu_count()} cores)", 0
     log(f"attention and memory ({time.perf_counter() - t0:.0f} s)")
     gpu_s, launch_s = measure_kernel_overheads(timer)
+    # The host-speed probe (profile version 9), on a warm device and before any compile (whose
+    # worker processes would share the host): every rank times it and takes the slowest's.
+    host_probe_s = agreed_host_probe(device)
+    log(f"host probe: {host_probe_s * 1e3:.3f} ms ({time.perf_counter() - t0:.0f} s)")
     compiled_launch_s, graph_call_s = (measure_compiled_host_cost(device) if gpu
                                        else (None, 0.0))
     if gpu:
@@ -704,7 +710,8 @@ def calibrate(device: torch.device, *, quick: bool = False, name: str | None = N
         overlap_slowdown=slowdown if slowdown is not None else defaults.overlap_slowdown,
         host_to_device_bytes_per_s=host_link[0], device_to_host_bytes_per_s=host_link[1],
         host_copy_latency_s=host_link[2], host_adamw_params_per_s=adamw,
-        host_adamw_per_tensor_params_per_s=adamw_per_tensor, notes=tuple(notes))
+        host_adamw_per_tensor_params_per_s=adamw_per_tensor, host_probe_s=host_probe_s,
+        notes=tuple(notes))
     # Last: the optimizer step against its model, which reads the bandwidth measured above.
     scales = measure_device_adamw_scales(timer, profile,
                                          *(GPU_DEVICE_ADAMW if gpu else CPU_DEVICE_ADAMW))
