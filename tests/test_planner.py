@@ -478,7 +478,7 @@ def test_a_cpu_plan_counts_the_parameters_device_copies_as_a_gpu_plan_does(monke
     5,179,232,256 B; docs/memory_budget.md)."""
     from shardc.compile import pipeline
     from shardc.memory.host import host_values
-    from shardc.ops.offload_copy import COPY_START_OP, PARAM_H2D
+    from shardc.ops.offload_copy import COPY_START_OP
     from shardc.passes.fx_utils import view_chain_root
     from shardc.tools.planner import plan_model_step
 
@@ -502,11 +502,10 @@ def test_a_cpu_plan_counts_the_parameters_device_copies_as_a_gpu_plan_does(monke
         d2h = [n for n in starts if n not in h2d]
         copies[name] = (len(h2d), len(d2h))
         host = host_values(gm)
-        # The GPU's graph: the same copies, to the device (and not marked).
+        # The GPU's graph: the same copies, to the device.
         for n in h2d:
             assert n.args[2] == "cpu", n.args
             n.args = (n.args[0], n.args[1], "cuda:0", *n.args[3:])
-            del n.meta[PARAM_H2D]
         assert host == host_values(gm) == set(d2h), name
     # Resharded after the forward: each graph copies the parameters to the device, the
     # backward the gradients to the host.

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from shardc.ops.offload_copy import COPY_START_OP, is_param_h2d_start, is_to_device, is_to_host
+from shardc.ops.offload_copy import is_grad_d2h_start, is_to_device, is_to_host
 from shardc.passes.fx_utils import view_chain_root
 from shardc.passes.host_resident import compute_device_type, on_host
 from shardc.passes.offload_saved import activation_role
@@ -53,18 +53,17 @@ def find_host_state(fw: fx.GraphModule, bw: fx.GraphModule | None) -> HostState:
 
 
 def host_values(gm: fx.GraphModule | None) -> set[fx.Node]:
-    """Nodes of a lowered graph whose values are host tensors made by the offload copies: the
-    starts of copies to ``"cpu"``, except where ``"cpu"`` is the device. On a CPU mesh
-    simulating offload (the capacity planner's, the CPU tests') a parameter's host->device copy
-    (:func:`~shardc.ops.offload_copy.is_param_h2d_start`) and an activation prefetch (role
-    ``"h2d"``) target ``"cpu"`` too, and are device memory, as on a GPU. (Taken for host values,
-    a resharded backward's copies of its parameters were left out of the CPU plan's peak: on
-    the wide config at world 1, 2.34e9 B less than the GPU's compile predicted.)"""
+    """Nodes of a lowered graph whose values are host tensors made by CPU offload's gradient
+    copies: the starts the lowering marked as a gradient's device->host copy
+    (:func:`~shardc.ops.offload_copy.is_grad_d2h_start`). Marked, not found by the copy's
+    target: on a CPU mesh simulating offload (the capacity planner's, the CPU tests') the
+    parameters' host->device copies target ``"cpu"`` too and are device memory, as on a GPU.
+    (Taken for host values, a resharded backward's copies of its parameters were left out of
+    the CPU plan's peak: on the wide config at world 1, 2.34e9 B less than the GPU's compile
+    predicted.) Activation offload's host copies are :func:`activation_host_values`."""
     if gm is None:
         return set()
-    return {n for n in gm.graph.nodes
-            if n.op == "call_function" and n.target is COPY_START_OP and n.args[2] == "cpu"
-            and activation_role(n) != "h2d" and not is_param_h2d_start(n)}
+    return {n for n in gm.graph.nodes if is_grad_d2h_start(n)}
 
 
 def activation_host_values(fw: fx.GraphModule, bw: fx.GraphModule | None) -> set[fx.Node]:

@@ -230,17 +230,18 @@ COPY_WAIT_OP = torch.ops.shardc.offload_copy_wait.default
 COPY_RELEASE_OP = torch.ops.shardc.offload_copy_release.default
 COPY_CAST_OP = torch.ops.shardc.offload_copy_cast.default
 
-# Meta key of a parameter's host->device ``offload_copy_start`` (set by the lowering,
-# ``shardc.passes.lower_copies.lower_h2d``): its result is device memory. Its target alone does
-# not say so on a CPU mesh simulating offload (``OffloadPolicy(simulate_on_cpu=True)``, as the
-# capacity planner plans a GPU's step), where the "device" is ``"cpu"`` as the host is.
-PARAM_H2D = "shardc_param_h2d"
+# Meta key of a gradient's device->host ``offload_copy_start`` (set by the lowering,
+# ``shardc.passes.lower_copies.lower_d2h``): its result is host memory, the gradient the host
+# optimizer steps. The copy's target alone does not say so: on a CPU mesh simulating offload
+# (``OffloadPolicy(simulate_on_cpu=True)``, as the capacity planner plans a GPU's step) the
+# parameters' host->device copies target ``"cpu"`` too, and those are device memory.
+GRAD_D2H = "shardc_grad_d2h"
 
 
-def is_param_h2d_start(node) -> bool:
-    """Whether ``node`` starts a parameter's host->device copy (:data:`PARAM_H2D`)."""
+def is_grad_d2h_start(node) -> bool:
+    """Whether ``node`` starts a gradient's device->host copy (:data:`GRAD_D2H`)."""
     return getattr(node, "op", None) == "call_function" and node.target is COPY_START_OP \
-        and bool(node.meta.get(PARAM_H2D))
+        and bool(node.meta.get(GRAD_D2H))
 
 
 # -- Per-bucket "gradients on the host" signal (``shardc.step_in_backward``). The lowering puts

@@ -22,7 +22,7 @@ from shardc.ops.offload_copy import (
     COPY_CAST_OP,
     COPY_START_OP,
     COPY_WAIT_OP,
-    PARAM_H2D,
+    GRAD_D2H,
     READY_OP,
     copy_fqn,
     is_to_host,
@@ -65,9 +65,6 @@ def lower_h2d(gm: fx.GraphModule, g: GraphView, copies: list[Collective],
                 val = node.meta["val"]
                 starts.append(call(graph, COPY_START_OP,
                                    (_retake(graph, src), fqn, device, val.dtype, False)))
-                # Device memory, wherever the device is (the peak model's host values
-                # exclude it: shardc.memory.host.host_values).
-                starts[-1].meta[PARAM_H2D] = True
         with graph.inserting_before(_anchor(g, gm, c.wait_pos)):
             waits = [call(graph, COPY_WAIT_OP, (start,)) for start in starts]
         for fqn, start in zip(c.params, starts):
@@ -154,6 +151,8 @@ def lower_d2h(gm: fx.GraphModule, g: GraphView, copies: list[Collective],
             # (the reduced shards are handed out right before their collective's wait anchor).
             with graph.inserting_before(_anchor(g, gm, c.issue_pos)):
                 started[fqn] = call(graph, COPY_START_OP, (grad, fqn, "cpu", dtype, pin))
+                # Host memory (the peak model's host values: shardc.memory.host.host_values).
+                started[fqn].meta[GRAD_D2H] = True
             _after(graph, grad, started[fqn])
         starts.append(started)
     for started in starts:
