@@ -737,9 +737,12 @@ def test_the_prefetch_depth_flips_with_the_budget(monkeypatch):
     cfg = LlamaConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2, max_seq_len=8)
 
     def plan(budget_bytes: int) -> Plan:
+        # The levers in order (recompute_to_keep_gathered off): at the no-prefetch peak the
+        # trade would recompute blocks to keep buckets, which the next tests cover.
         return plan_model(cfg, 2, 1, 8, {"peak_memory_budget_bytes": budget_bytes,
                                          "peak_memory_margin": 0.0,
                                          "optimizer_offload": "never",
+                                         "recompute_to_keep_gathered": False,
                                          "cluster": {"bus_bandwidth": 1e7}},
                           template=False, setup=PlanSetup(inductor=False))[0]
 

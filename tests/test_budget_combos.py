@@ -259,7 +259,10 @@ def test_cpu_offload_peak_budget_frees_blocks_activations(mode: str) -> None:
     activations meets a byte below the fixed policy's."""
     ref = _reference("llama", mode)
     offload = shardc.OffloadPolicy(simulate_on_cpu=True, check_host_memory=False)
-    runs = run_ranks(_fixed_then_budgeted, 2, "llama", mode, {"offload": offload})
+    # below_kept: under Inductor keeping every bucket gathered alone meets a byte below the
+    # fixed peak (the backward's copies of the shards were part of it), so a block is freed
+    # only a byte below that.
+    runs = run_ranks(_fixed_then_budgeted, 2, "llama", mode, {"offload": offload}, True)
     _check_budgeted(runs, ref)
     for run in runs:
         (plan,) = run["plans"]
@@ -267,6 +270,25 @@ def test_cpu_offload_peak_budget_frees_blocks_activations(mode: str) -> None:
         kinds = {str(c.kind) for c in plan.copies}
         assert kinds == {"h2d_copy", "d2h_copy"}, kinds
         assert plan.predicted.host_bytes > 0, plan.predicted
+
+
+def test_cpu_offload_budget_recomputes_blocks_to_keep_buckets_gathered() -> None:
+    """The levers together (``shardc.planning.trade``): under CPU offload a bucket kept
+    gathered saves the backward's host->device copy of its shards, and a block recomputed
+    frees its activations for its forward's time. A byte below the peak that keeping every
+    bucket reaches, the levers in order recompute blocks with every bucket resharded; the
+    planner finds that recomputing blocks makes room to keep buckets, for a shorter predicted
+    step, and says so. Trained at parity with the fixed run and the unsharded reference (FX,
+    world 2, uneven shards), the same plan hash on both ranks."""
+    ref = _reference("llama", "fx")
+    offload = shardc.OffloadPolicy(simulate_on_cpu=True, check_host_memory=False)
+    runs = run_ranks(_fixed_then_budgeted, 2, "llama", "fx", {"offload": offload}, True)
+    (record,) = _check_budgeted(runs, ref)
+    assert record.kept and record.recomputed, record
+    traded = [d for d in record.blocks if d.recomputed]
+    assert all("recomputed so that" in d.reason for d in traded), traded
+    assert all("recomputed to make room" in d.reason for d in record.decisions if d.kept), \
+        record.decisions
 
 
 # --- 4. no_sync with CPU offload ------------------------------------------------------------

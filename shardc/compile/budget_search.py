@@ -44,10 +44,16 @@ from shardc.ops.gather_args import GatherArgs
 from shardc.passes.fx_utils import is_call
 from shardc.passes.host_resident import compute_device_type
 from shardc.passes.recompute import Block, checkpoint_bytes
-from shardc.planning import budget, optimizer_kind, optimizer_offload, prefetch, recompute
+from shardc.planning import budget, optimizer_kind, optimizer_offload, prefetch, recompute, trade
 from shardc.planning import offload as offload_lever
 from shardc.planning.estimate import elided_cast_seconds
-from shardc.planning.plan import MemoryBudget, Plan, PrefetchDecision, PrefetchTrial
+from shardc.planning.plan import (
+    BucketDecision,
+    MemoryBudget,
+    Plan,
+    PrefetchDecision,
+    PrefetchTrial,
+)
 from shardc.planning.profile import HostLink, resolve_profile
 from shardc.planning.schedule import device_name
 from shardc.runtime.plan_check import agree_on_largest, agree_on_largest_each
@@ -509,6 +515,16 @@ def choose_device_levers(inputs: SearchInputs, options: ShardcOptions, region: S
                                           if not any(k[:3])}
                 raise
             decided.decisions = budget.reshard_all(cands, fixed, minimum)
+
+    def peak_and_step(kept: frozenset[str], recomputed: frozenset[str]) -> tuple[int, float]:
+        evaluate(set(kept), recomputed, frozenset(), current)
+        _, peak, step_ns = evaluated[(kept, recomputed, frozenset(), current)]
+        return peak, step_ns * 1e-9
+
+    traded = _trade_levers(decided, cands, fixed, probe, blocks, options, region,
+                           base.group_name, budget_bytes, peak_and_step, tag_prefix)
+    if traded is not None:
+        decided = traded
     decided.prefetch = _choose_prefetch(
         lambda d: depth_trial(kept_params(decided), decided.recomputed,
                               decided.offloaded + decided.checkpoint_offloaded, d),
@@ -524,6 +540,31 @@ def choose_device_levers(inputs: SearchInputs, options: ShardcOptions, region: S
              decided.minimum_bytes, decided.kept, decided.recomputed, decided.offloaded,
              decided.checkpoint_offloaded, decided.peak_bytes, decided.trials)
     return decided
+
+
+def _trade_levers(decided: MemoryBudget, cands: list[budget.Candidate],
+                  fixed: list[BucketDecision], probe: fx.GraphModule, blocks: list[Block],
+                  options: ShardcOptions, region: SearchRegion, group: str, budget_bytes: int,
+                  peak_and_step: trade.Evaluate, tag_prefix: str) -> MemoryBudget | None:
+    """:func:`shardc.planning.trade.trade_recompute_for_kept` for one region: blocks recomputed
+    so that buckets can stay gathered, where that predicts a shorter step. The blocks'
+    estimates (agreed over the ranks, under their own exchange tags) are made only where a
+    bucket that saves time is not kept and nothing is offloaded."""
+    if not options.recompute_to_keep_gathered or options.activation_offload != "auto":
+        return None
+    if decided.offloaded or decided.checkpoint_offloaded or not blocks:
+        return None
+    # Where the host took no offload it could have, the blocks' records say why; left as is.
+    if any("host full" in d.reason for d in decided.blocks):
+        return None
+    if not any(c.saved_s > 0 and c.bucket not in decided.kept for c in cands):
+        return None
+    prefix = f"{tag_prefix}trade/"
+    estimates = block_estimates(probe, blocks, group, options, region, prefix)
+    link = agreed_link(probe, group, options, region, prefix)
+    block_cands = free_candidates(blocks, estimates, "never", link)
+    return trade.trade_recompute_for_kept(decided, cands, fixed, blocks, block_cands,
+                                          budget_bytes, peak_and_step)
 
 
 def _host_room(base: Plan, region: SearchRegion, tag_prefix: str,

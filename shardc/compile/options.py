@@ -67,6 +67,13 @@ class ShardcOptions:
         ``"auto"``, and also on a CPU mesh, where host and device memory are one (a testing
         mode, like ``OffloadPolicy(simulate_on_cpu=True)``: the host copies are separate
         tensors). Ignored without a budget.
+    recompute_to_keep_gathered: under ``peak_memory_budget_bytes``, after the levers chose in
+        order (keep buckets gathered while the fully resharded plan fits, else recompute or
+        offload blocks with every bucket resharded), also try the two together: blocks
+        recomputed so that buckets can stay gathered from the forward to the backward, taken
+        where that predicts a shorter step (``shardc.planning.trade``, a bounded search; its
+        reasons in the plan). Default True; False keeps the levers in order only. Not tried
+        where blocks are offloaded or ``activation_offload`` is not ``"auto"``.
     fused_loss: the output projection and cross-entropy computed by one chunked op
         (``shardc.ops.fused_ce``, ``shardc.passes.fused_loss``, docs/memory_budget.md): the
         full ``[tokens, vocab]`` logits, their fp32 copy and their gradient never exist at
@@ -160,6 +167,7 @@ class ShardcOptions:
     peak_memory_margin: float = 0.02
     activation_offload: str | tuple[str, ...] = "auto"
     optimizer_offload: str = "auto"
+    recompute_to_keep_gathered: bool = True
     fused_loss: str | bool | int = "auto"
     check_plan_consistency: bool = True
     check_host_memory: bool = True
