@@ -14,16 +14,22 @@ from a fresh segment:
   pool's split rule, ``remaining > kSmallSize``); otherwise the whole segment is the block. So an
   11 MiB request counts 12 MiB, and 131,072,000 B count 132,120,576 B.
 
-A request that reuses a cached block may instead get a block already split elsewhere, or a
-larger cached block split at the request; the fresh-segment rule then over-counts, which keeps
-a budget's promise (measured on an H200, docs/bench/budget/optoff_peak_s23: the rule over the
-trace's live requests gave 9 MB more than the allocator's own peak). Expandable segments and
-``roundup_power2_divisions`` change the rule; neither is modelled.
+A request that reuses a cached block gets it split at the request where a fresh segment
+would not be (an 11 MiB request in a cached 20 MiB block counts 11 MiB): the fresh-segment rule
+then over-counts, on a budget's safe side. Measured on an H200
+(docs/bench/budget/optoff_peak_s23), the rule over the trace's live requests gave 9 MB more
+than the allocator's own peak. The other way round is possible too and not modelled: a cached
+block at most 1 MiB larger than the request is not split and counts whole (up to 1 MiB more
+than the rule, per such request); the budget's margin (``peak_memory_margin``) covers it.
+Expandable segments and ``roundup_power2_divisions`` change the rule; neither is modelled.
 
-The constants mirror torch's (``c10/cuda/CUDACachingAllocator.cpp``; from torch 2.8 they live in
-``c10/core/CachingAllocator.h``): kMinBlockSize 512, kSmallSize 1 MiB, kMinLargeAlloc 10 MiB,
-kRoundLarge 2 MiB, checked against the torch 2.x sources in the code search on 2026-11-30 (the
-installed torch here is a CPU build, 2.13). The same values have held since torch 1.x.
+The constants mirror torch's (``c10/cuda/CUDACachingAllocator.cpp``; recent torch declares
+them in ``c10/core/CachingAllocator.h``): kMinBlockSize 512, kSmallSize 1 MiB, kMinLargeAlloc
+10 MiB, kRoundLarge 2 MiB, and the large pool's split rule. Checked on 2026-11-30 against the
+copies of that header and of the allocator in the stored code search (their torch versions not
+recorded there: 2.x); the installed torch here is a CPU build (2.13) without the CUDA source.
+The H200's allocator history (docs/bench/budget/optoff_peak_s23) shows the two large cases
+above as the rule gives them.
 
 The runtime's own device memory (cuBLAS workspaces, allocated through the caching allocator
 and held for the process's life) is not a request of the graphs: the peak model adds it per
