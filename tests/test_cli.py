@@ -33,6 +33,10 @@ def test_plan_for_a_large_world_without_gpus(tmp_path):
     assert kinds.count("reduce_scatter") == 5
     assert kinds.count("all_gather") >= 5 + 4
     assert plan["predicted"]["step_time_s"] > 0
+    # A GPU's plan: the caching allocator's blocks and the runtime's workspaces (the default
+    # profile's estimate, two cuBLAS workspaces) counted in every peak.
+    assert plan["predicted"]["runtime_bytes"] == 64 << 20
+    assert plan["memory_by_category"]["peak"]["bytes"]["runtime workspaces"] == 64 << 20
     for suffix in ("plan.txt", "trace.json"):
         assert (tmp_path / f"region0.rank0.{suffix}").exists()
 
@@ -40,9 +44,11 @@ def test_plan_for_a_large_world_without_gpus(tmp_path):
 def test_plan_under_a_memory_budget_prints_the_decisions():
     """``--memory-budget`` a little above the fully resharded peak (1.78 MiB here, blocks
     compiled once as under a budget the planner traces them): the planner keeps some buckets
-    gathered and reshards others, and says why."""
+    gathered and reshards others, and says why. Counted as requested bytes (``memory_target``
+    ``"exact"``): the CUDA count's 64 MiB of workspaces would dwarf this tiny model's peak."""
     cmd = [sys.executable, "-m", "shardc", "plan", "llama-tiny:n_layers=3,vocab_size=1000",
-           "--world-size", "8", "--seq", "64", "--summary-only", "--memory-budget", "1.86MiB"]
+           "--world-size", "8", "--seq", "64", "--summary-only", "--memory-budget", "1.86MiB",
+           "--options", json.dumps({"memory_target": "exact"})]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout

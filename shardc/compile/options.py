@@ -9,6 +9,8 @@ from shardc.planning import optimizer_kind
 
 # ``activation_offload`` entries naming a block to recompute with its checkpoint offloaded.
 CHECKPOINT_PREFIX = "checkpoint:"
+# ``ShardcOptions.memory_target``: the peak model's count of device memory.
+MEMORY_TARGETS = ("auto", "cuda", "exact")
 
 
 @dataclass(frozen=True)
@@ -152,6 +154,15 @@ class ShardcOptions:
         CUDA graphs for FP8 on two H200s; with the option 0.6 ms and the step 2.6% faster, FP8
         under CUDA graphs, docs/fp8.md). Off by default until it is measured as a gain without
         CUDA graphs too: with it off the plan is exactly as before.
+    memory_target: how the peak prediction counts device memory (``shardc.memory.cuda_blocks``,
+        docs/memory_budget.md). ``"auto"`` (default): as the CUDA caching allocator does where
+        the region's inputs are on a CUDA device, or where ``cluster`` names a GPU's profile
+        (``{"profile": "h200"}``: a plan made on a CPU for that GPU): every allocation as its
+        block, plus the profile's runtime workspaces (``ClusterProfile.runtime_bytes``); the
+        requested bytes elsewhere (a CPU run, or a CPU mesh with the default profile: no
+        allocator statistics to meet). ``"cuda"``: the CUDA count on any device (``python -m
+        shardc plan`` sets it: its plan is the profile's GPU's). ``"exact"``: the requested
+        bytes on any device, no workspaces.
     """
 
     inductor: bool = True
@@ -183,6 +194,7 @@ class ShardcOptions:
     sink_block_residual: bool = False
     one_op_bucket_copies: bool = False
     reduce_scatter_wait_past_small_buckets: bool = False
+    memory_target: str = "auto"
 
     def __post_init__(self) -> None:
         optimizer_kind.check(self.optimizer_impl)
@@ -208,6 +220,9 @@ class ShardcOptions:
                 f"peak (e.g. 0.02 for 2 %), got {margin!r}")
         self._check_activation_offload()
         self._check_fused_loss()
+        if self.memory_target not in MEMORY_TARGETS:
+            raise ValueError(f"shardc: memory_target must be one of {MEMORY_TARGETS}, got "
+                             f"{self.memory_target!r}")
         if self.optimizer_offload not in ("auto", "never", "simulate"):
             raise ValueError(
                 "shardc: optimizer_offload must be 'auto', 'never' or 'simulate' (CPU tests), "

@@ -53,6 +53,7 @@ from shardc import _torch
 from shardc.compile import budget_search, fused_loss_choice, host_memory, progress
 from shardc.compile.budget_search import kept_params, with_depth
 from shardc.compile.options import ShardcOptions
+from shardc.memory.cuda_blocks import sized
 from shardc.memory.host import (
     activation_host_bytes,
     activation_host_values,
@@ -87,7 +88,8 @@ from shardc.passes.reshard import check_no_gathered_saved, keep_gathered, tag_re
 from shardc.passes.saved_order import order_saved_values
 from shardc.planning import optimizer_kind
 from shardc.planning.plan import CompiledBody, FusedLossDecision, InlineBlock, MemoryBudget, Plan
-from shardc.planning.schedule import plan_region
+from shardc.planning.profile import resolve_profile
+from shardc.planning.schedule import device_name, plan_region
 from shardc.runtime.collectives import resolve_group
 
 log = logging.getLogger("shardc")
@@ -348,7 +350,9 @@ def predict(lowered: Lowered, options: ShardcOptions, region: RegionRecord) -> P
     names = region.optimizer_host_params
     host_stepped = 0 if on_host or not names else \
         sum(n for fqn, n in lowered.shard_bytes.items() if fqn in names)
-    per_tensor = per_tensor_temps(lowered.shard_bytes, names, options.optimizer_state_factor)
+    allocator, runtime = memory_model(options, fw)
+    per_tensor = per_tensor_temps(lowered.shard_bytes, names, options.optimizer_state_factor,
+                                  sized(allocator))
     with progress.stage(region.index, "peak prediction"):
         predict_peak(fw, bw, plan, lowered.fw_params, lowered.bw_params,
                      optimizer_state_factor=0.0 if on_host else options.optimizer_state_factor,
@@ -359,19 +363,52 @@ def predict(lowered: Lowered, options: ShardcOptions, region: RegionRecord) -> P
                      | activation_host_values(fw, bw) | resident_host_values(fw, bw),
                      optimizer_host_param_bytes=host_stepped,
                      optimizer_impl=options.optimizer_impl,
-                     optimizer_per_tensor_bytes=per_tensor)
+                     optimizer_per_tensor_bytes=per_tensor,
+                     allocator=allocator, runtime_bytes=runtime)
         note_optimizer_impl(plan, options, host_stepped > 0, on_host)
         record_host_bytes(plan, host, fw, options, on_host)
     return plan
 
 
 def per_tensor_temps(shard_bytes: dict[str, int], host_names: frozenset[str],
-                     state_factor: float) -> int:
+                     state_factor: float, count=int) -> int:
     """The per-tensor optimizer's device temporaries over this rank's shards (``shard_bytes``:
     bytes per parameter, before lowering, in the order the forward gathers them), those in
-    ``host_names`` stepped on the host (``optimizer_kind.per_tensor_temp_bytes``)."""
+    ``host_names`` stepped on the host (``optimizer_kind.per_tensor_temp_bytes``); ``count``:
+    a temporary's counted bytes from its requested ones (each is a shard-sized allocation)."""
     return optimizer_kind.per_tensor_temp_bytes(
-        (None if fqn in host_names else n for fqn, n in shard_bytes.items()), state_factor)
+        (None if fqn in host_names else count(n) for fqn, n in shard_bytes.items()),
+        state_factor)
+
+
+def memory_model(options: ShardcOptions, fw: fx.GraphModule) -> tuple[str, int]:
+    """How the peak model counts this region's device memory: the allocator
+    (``shardc.memory.cuda_blocks.ALLOCATORS``) and the runtime's bytes added to every phase.
+    Decided once from the plan's target: ``options.memory_target``, where ``"auto"`` is the
+    CUDA count when any input of the forward is on a CUDA device (its parameter shards; a
+    host master under CPU offload is not), or when ``options.cluster`` names a profile whose
+    device is no CPU (a plan made on a CPU for that GPU); else (a CPU mesh with the default
+    profile: tests, CPU runs) the requested bytes. The CUDA count's workspaces come from the
+    cluster profile the cost model uses (``ClusterProfile.runtime_bytes``)."""
+    target = options.memory_target
+    if target == "exact":
+        return "exact", 0
+    profile = resolve_profile(options.cluster, device_name(fw))
+    if target == "auto" and not _on_cuda(fw) and not (
+            _names_profile(options.cluster) and not profile.device.upper().startswith("CPU")):
+        return "exact", 0
+    return "cuda", profile.runtime_bytes()
+
+
+def _names_profile(cluster: dict | None) -> bool:
+    """Whether the ``cluster`` option names a profile (a preset, a file, or a whole profile),
+    rather than leaving the default or giving flat rates only."""
+    return bool(cluster) and ("profile" in cluster or "format" in cluster)
+
+
+def _on_cuda(gm: fx.GraphModule) -> bool:
+    return any(isinstance(v := n.meta.get("val"), torch.Tensor) and v.device.type == "cuda"
+               for n in gm.graph.find_nodes(op="placeholder"))
 
 
 def note_optimizer_impl(plan: Plan, options: ShardcOptions, mixed: bool, on_host: bool) -> None:

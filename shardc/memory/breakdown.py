@@ -19,7 +19,10 @@ A value's category, first rule that applies:
 - *temporaries*: everything else (activations between their producer and last reader in the
   same graph, the optimizer's own temporaries).
 
-Parameter shards and optimizer state are the same at every position.
+Parameter shards, optimizer state and the *runtime workspaces* (cuBLAS's, a CUDA target's
+only: ``shardc.memory.peak.predict_peak``'s ``runtime_bytes``) are the same at every position.
+On a CUDA target every value counts as the caching allocator's block
+(``shardc.memory.cuda_blocks``), so the categories still add up to the peak.
 """
 
 from __future__ import annotations
@@ -44,7 +47,10 @@ GATHERED = "gathered parameters"
 SAVED = "saved activations"
 TEMPORARIES = "temporaries"
 COMM = "communication buffers"
-CATEGORIES = (PARAM_SHARDS, OPTIMIZER, GRADIENTS, GATHERED, SAVED, TEMPORARIES, COMM)
+# The runtime's own device memory (cuBLAS workspaces), counted on a CUDA target only
+# (``shardc.memory.cuda_blocks``); 0 at every position of an exact (CPU) count.
+RUNTIME = "runtime workspaces"
+CATEGORIES = (PARAM_SHARDS, OPTIMIZER, GRADIENTS, GATHERED, SAVED, TEMPORARIES, COMM, RUNTIME)
 
 _GATHERS = frozenset({_torch.funcol.all_gather_into_tensor.default,
                       _torch.funcol.all_gather_into_tensor_out.default})

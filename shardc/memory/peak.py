@@ -17,12 +17,18 @@ each block-body call keeps dead buffers for its own allocations only (its own re
 generated code; :func:`held_for_reuse`'s ``scopes``). Checked against a CUDA
 memory history of the wide model on 2 H200s (``docs/bench/README.md``): the backward's live bytes
 at its peak match to 0.1%.
+
+For a CUDA target (``predict_peak``'s ``allocator="cuda"``) every allocation counts as the
+caching allocator's block (:func:`shardc.memory.cuda_blocks.block_bytes`), what
+``torch.cuda.max_memory_allocated`` counts, and the runtime's own workspaces (cuBLAS's) are
+added to each phase; a CPU target counts the requested bytes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +37,7 @@ from torch import fx
 import shardc.runtime.grad_sync  # noqa: F401  (registers the ops of _UNSYNCED_OPS)
 from shardc import _torch
 from shardc.memory import breakdown
+from shardc.memory.cuda_blocks import sized
 from shardc.memory.inplace import inplace_reuses
 from shardc.ops import fused_ce
 from shardc.ops.fused_ce import FUSED_CE_OP
@@ -53,7 +60,18 @@ from shardc.runtime.collectives import is_float8
 
 _nbytes = tensor_nbytes  # hints: a prediction must add no guard
 _has_tag = has_tag
+Counted = Callable[[int], int]  # one request's bytes -> the bytes the allocator counts for it
 _WAIT = _torch.funcol.wait_tensor.default
+
+
+def _counted(value, count: Counted) -> int:
+    """Bytes the allocator counts for a value: ``count`` of each tensor's bytes (a list or
+    tuple of tensors: each its own allocation), 0 for anything else."""
+    if isinstance(value, torch.Tensor):
+        return count(_nbytes(value))
+    if isinstance(value, (list, tuple)):
+        return sum(_counted(v, count) for v in value)
+    return 0
 
 
 def _is_alias(node: fx.Node) -> bool:
@@ -261,13 +279,14 @@ class Lifetime:
 
 
 def lifetimes(gm: fx.GraphModule, skip: set[fx.Node], *,
-              fusion: bool = False) -> list[Lifetime]:
+              fusion: bool = False, count: Counted = int) -> list[Lifetime]:
     """Every value's lifetime while ``gm`` runs (``skip``: placeholders counted elsewhere);
     see :func:`lifetimes_and_storage`."""
-    return lifetimes_and_storage(gm, skip, fusion=fusion)[0]
+    return lifetimes_and_storage(gm, skip, fusion=fusion, count=count)[0]
 
 
-def lifetimes_and_storage(gm: fx.GraphModule, skip: set[fx.Node], *, fusion: bool = False
+def lifetimes_and_storage(gm: fx.GraphModule, skip: set[fx.Node], *, fusion: bool = False,
+                          count: Counted = int
                           ) -> tuple[list[Lifetime], dict[fx.Node, fx.Node]]:
     """Every value's lifetime while ``gm`` runs (``skip``: placeholders counted elsewhere), and
     each node's storage owner (itself, or the node it is an alias of).
@@ -275,7 +294,9 @@ def lifetimes_and_storage(gm: fx.GraphModule, skip: set[fx.Node], *, fusion: boo
     A value is alive from its definition to the last use of it or of any view of it; graph
     outputs stay alive to the end. ``fusion`` models Inductor (:class:`Fusion`): inlined
     values take no memory, deferred ones are born at their reader, inputs are read where the
-    kernel reading them runs, and concatenations are born at :func:`fused_start`.
+    kernel reading them runs, and concatenations are born at :func:`fused_start`. ``count``
+    gives each allocation's counted bytes from its requested ones
+    (:func:`shardc.memory.cuda_blocks.sized`; default: the request itself).
     """
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
@@ -298,7 +319,7 @@ def lifetimes_and_storage(gm: fx.GraphModule, skip: set[fx.Node], *, fusion: boo
             storage[node] = node
             # (an unpack's list holds no memory of its own: its getitems own their tensors)
             dropped = node in skip or node in fused.inlined or node.target is POOL_UNPACK_OP
-            size[node] = 0 if dropped else _nbytes(node.meta.get("val"))
+            size[node] = 0 if dropped else _counted(node.meta.get("val"), count)
             born[node] = fused.span[node][0] if node in fused.deferred or node in fused.joined \
                 else i
             if _unpacked(node):  # allocated while the unpack runs, as it reads the pool
@@ -328,18 +349,19 @@ def lifetimes_and_storage(gm: fx.GraphModule, skip: set[fx.Node], *, fusion: boo
     for out, buf in taken.items():  # the kernel writes ``out`` into ``buf``: one buffer
         last[buf] = born[out] - 1
     lives = [Lifetime(key, born[key], last[key], nbytes) for key, nbytes in size.items()]
-    lives.extend(fused_loss_workspaces(nodes))
+    lives.extend(fused_loss_workspaces(nodes, count))
     if not fusion:
         return lives, storage
     scopes = [n.meta.get(BODY_SCOPE, ()) for n in nodes]
     return held_for_reuse(lives, end, taken, scopes), storage
 
 
-def fused_loss_workspaces(nodes: list[fx.Node]) -> list[Lifetime]:
+def fused_loss_workspaces(nodes: list[fx.Node], count: Counted = int) -> list[Lifetime]:
     """The fused cross-entropy's per-chunk workspace (``shardc.ops.fused_ce.workspace_bytes``:
     a chunk's logits, their fp32 copy and gradient, the weight's fp32 accumulator), alive
     while the op runs. Keyed by the op's first getitem, an alias that no category owns, so the
-    memory breakdown counts it as a temporary."""
+    memory breakdown counts it as a temporary. ``count``: as :func:`lifetimes_and_storage`'s,
+    applied to the workspace's total (its pieces' own rounding is not modelled)."""
     out = []
     for i, node in enumerate(nodes):
         if node.op != "call_function" or node.target is not FUSED_CE_OP:
@@ -350,7 +372,7 @@ def fused_loss_workspaces(nodes: list[fx.Node]) -> list[Lifetime]:
                                           size_hint(wv.shape[0]), chunk, hv.dtype, wv.dtype,
                                           upcast)
         key = next(iter(node.users), node)
-        out.append(Lifetime(key, i, i, nbytes))
+        out.append(Lifetime(key, i, i, count(nbytes)))
     return out
 
 
@@ -425,10 +447,10 @@ def held_for_reuse(lives: list[Lifetime], end: int,
 
 
 def liveness_peak(gm: fx.GraphModule, skip: set[fx.Node], *,
-                  fusion: bool = False) -> tuple[int, list[int]]:
+                  fusion: bool = False, count: Counted = int) -> tuple[int, list[int]]:
     """Peak bytes of the values of :func:`lifetimes` alive at once, and the bytes alive at
     each position of ``gm``."""
-    return _timeline(lifetimes(gm, skip, fusion=fusion), len(gm.graph.nodes))
+    return _timeline(lifetimes(gm, skip, fusion=fusion, count=count), len(gm.graph.nodes))
 
 
 def _timeline(lives: list[Lifetime], end: int) -> tuple[int, list[int]]:
@@ -510,6 +532,8 @@ def predict_peak(
     optimizer_host_param_bytes: int = 0,
     optimizer_impl: str = "auto",
     optimizer_per_tensor_bytes: float | None = None,
+    allocator: str = "exact",
+    runtime_bytes: int = 0,
 ) -> dict[str, int]:
     """Whole-step peak prediction from the lowered graphs; ``params``/``bw_params`` are the
     parameter-shard placeholders (:func:`param_placeholders`, taken before lowering);
@@ -524,47 +548,66 @@ def predict_peak(
     ``optimizer_per_tensor_bytes``: the per-tensor implementation's temporaries
     (``optimizer_kind.per_tensor_temp_bytes``; default: over ``params``, all on the device).
 
+    ``allocator``: how an allocation's bytes are counted (``shardc.memory.cuda_blocks``):
+    ``"cuda"``, as the CUDA caching allocator's block (what ``torch.cuda.max_memory_allocated``
+    counts: every graph value, parameter shard, gradient, optimizer state tensor, optimizer
+    temporary and the static pool rounded by :func:`~shardc.memory.cuda_blocks.block_bytes`),
+    for a plan whose target is a CUDA device; ``"exact"``, the bytes requested (a CPU target,
+    which has no allocator statistics). ``runtime_bytes``: the runtime's own device memory
+    (cuBLAS workspaces) held through every phase, added to each of the three peaks
+    (``ClusterProfile.runtime_bytes``; 0 for an exact count). The caller decides both once, from
+    the plan's target (``shardc.compile.pipeline.memory_model``). Under ``"cuda"`` the device's
+    optimizer state counts ``optimizer_state_factor`` times the shards' blocks less the
+    host-stepped shards' requested bytes: an over-count by their rounding, safe for a budget.
+
     Returns (and records in ``plan.predicted``) ``param_bytes``, ``optimizer_state_bytes``,
     ``forward_peak_bytes``, ``backward_peak_bytes``, ``grad_bytes``,
-    ``optimizer_step_peak_bytes`` and ``peak_bytes`` (the largest of the three peaks).
+    ``optimizer_step_peak_bytes`` and ``peak_bytes`` (the largest of the three peaks), and
+    under ``allocator="cuda"`` ``runtime_bytes``.
     """
-    param_bytes = sum(_nbytes(p.meta.get("val")) for p in params)
+    count = sized(allocator)
+    param_bytes = sum(_counted(p.meta.get("val"), count) for p in params)
     stepped_here = max(param_bytes - optimizer_host_param_bytes, 0)  # the device's optimizer
     optim = int(stepped_here * optimizer_state_factor)
     ran = optimizer_kind.ran(optimizer_impl, optimizer_temp_factor,
                              host_in_group=optimizer_host_param_bytes > 0)
     if optimizer_per_tensor_bytes is None:
         optimizer_per_tensor_bytes = optimizer_kind.per_tensor_temp_bytes(
-            (_nbytes(p.meta.get("val")) for p in params), optimizer_state_factor)
+            (_counted(p.meta.get("val"), count) for p in params), optimizer_state_factor)
     temps = optimizer_kind.step_temp_bytes(ran, stepped_here, optimizer_per_tensor_bytes,
                                            optimizer_temp_factor)
-    constants = {breakdown.PARAM_SHARDS: param_bytes, breakdown.OPTIMIZER: optim}
+    persistent_bytes = count(persistent_bytes)  # the static pool: one allocation
+    constants = {breakdown.PARAM_SHARDS: param_bytes, breakdown.OPTIMIZER: optim,
+                 breakdown.RUNTIME: runtime_bytes}
+    held = param_bytes + optim + runtime_bytes  # at every position of the step
     # Block bodies (invoke_subgraph calls) are walked as the ops they run, where they run them.
     forward, params, fw_host = _flat(forward, params, host)
     if backward is not None:
         backward, bw_params, bw_host = _flat(backward, bw_params, host)
     # no_sync's store of full gradients (shardc.runtime.grad_sync), held outside the graphs
     # across the micro-batches: values of both graphs (:func:`unsynced_grad_lives`).
-    stored = _unsynced(backward) if backward is not None else []
+    stored = _unsynced(backward, count) if backward is not None else []
     unsynced = sum(nbytes for _, _, nbytes in stored)
-    fw_lives, fw_storage = lifetimes_and_storage(forward, params | fw_host, fusion=fusion)
+    fw_lives, fw_storage = lifetimes_and_storage(forward, params | fw_host, fusion=fusion,
+                                                 count=count)
     fw_lives = fw_lives + unsynced_grad_lives(forward, stored, taken=False)
     fw_peak, _ = _timeline(fw_lives, len(forward.graph.nodes))
     out = {"param_bytes": param_bytes, "optimizer_state_bytes": optim,
-           "forward_peak_bytes": param_bytes + optim + fw_peak}
+           "forward_peak_bytes": held + fw_peak}
     walked = [("forward", forward, fw_lives, fw_storage)]
     peak = out["forward_peak_bytes"]
     if backward is not None:
         bw_lives, bw_storage = lifetimes_and_storage(backward, bw_params | bw_host,
-                                                         fusion=fusion)
+                                                     fusion=fusion, count=count)
         bw_lives = bw_lives + unsynced_grad_lives(backward, stored, taken=True)
         bw_peak, _ = _timeline(bw_lives, len(backward.graph.nodes))
         walked.append(("backward", backward, bw_lives, bw_storage))
-        out["backward_peak_bytes"] = param_bytes + optim + bw_peak
-        grads = sum(_nbytes(n.meta.get("val")) for n in backward.graph.output_node().args[0]
+        out["backward_peak_bytes"] = held + bw_peak
+        grads = sum(_counted(n.meta.get("val"), count)
+                    for n in backward.graph.output_node().args[0]
                     if isinstance(n, fx.Node) and _root(n) not in bw_host)
         out["grad_bytes"] = grads
-        out["optimizer_step_peak_bytes"] = param_bytes + optim + grads + persistent_bytes + temps
+        out["optimizer_step_peak_bytes"] = held + grads + persistent_bytes + temps
         out["optimizer_temp_bytes"] = temps
         peak = max(peak, out["backward_peak_bytes"], out["optimizer_step_peak_bytes"])
         constants_step = {**constants, breakdown.GRADIENTS: grads,
@@ -575,6 +618,8 @@ def predict_peak(
     out["peak_bytes"] = peak
     if unsynced:
         out["unsynced_grad_bytes"] = unsynced
+    if allocator == "cuda":
+        out["runtime_bytes"] = runtime_bytes
     if optimizer_host_param_bytes:
         out["optimizer_host_param_bytes"] = min(optimizer_host_param_bytes, param_bytes)
     for key, value in out.items():
@@ -582,7 +627,8 @@ def predict_peak(
     return out
 
 
-def _unsynced(backward: fx.GraphModule) -> list[tuple[fx.Node, str, int]]:
+def _unsynced(backward: fx.GraphModule, count: Counted = int
+              ) -> list[tuple[fx.Node, str, int]]:
     """``backward``'s (flattened) ops on ``shardc.no_sync``'s store of full gradients
     (``stash_grad``: adds to it, ``take_stashed_grad``: takes and frees it): each op, the
     parameter's name and its full gradient's bytes; none in a synchronized backward without
@@ -590,7 +636,8 @@ def _unsynced(backward: fx.GraphModule) -> list[tuple[fx.Node, str, int]]:
     first: dict[str, tuple[fx.Node, str, int]] = {}  # a parameter's one stored gradient
     for n in backward.graph.nodes:
         if n.op == "call_function" and n.target in _UNSYNCED_OPS:
-            first.setdefault(n.args[2], (n, n.args[2], _nbytes(n.args[0].meta.get("val"))))
+            first.setdefault(n.args[2], (n, n.args[2], _counted(n.args[0].meta.get("val"),
+                                                                  count)))
     return list(first.values())
 
 

@@ -80,7 +80,9 @@ def step_temp_bytes(ran_as: str, stepped_bytes: float, per_tensor_bytes: float,
 
 def per_tensor_temp_bytes(shards, state_factor: float = 2.0) -> int:
     """The most device bytes of temporaries the per-tensor loop holds, over ``shards``: the
-    group's shards' bytes in the order it steps them, ``None`` for one stepped on the host.
+    group's shards' bytes in the order it steps them (as the allocator counts them: the
+    caller's, e.g. the CUDA caching allocator's blocks, ``shardc.memory.cuda_blocks``), ``None``
+    for one stepped on the host.
     Adam/AdamW (``state_factor`` 2): a tensor's square root and quotient, beside the previous
     tensor's ``denom`` where that one is on the device (``_single_tensor_adam``); SGD: one
     shard (weight decay's ``grad.add(param)``)."""

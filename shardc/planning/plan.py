@@ -164,6 +164,11 @@ class Predictions:
     # micro-batches and counted in the forward and backward peaks above of the regions that add
     # to or take from it (optional within version 5). Absent: a region without stored gradients.
     unsynced_grad_bytes: float | None = None
+    # The runtime's own device memory (cuBLAS workspaces) counted in each of the three peaks
+    # above, present where the peak model counts as the CUDA caching allocator does (a plan for
+    # a CUDA device: every allocation as its block, ``shardc.memory.cuda_blocks``); optional
+    # within version 5. Absent: requested bytes, no workspaces (a CPU target, or an older plan).
+    runtime_bytes: float | None = None
 
     def to_dict(self) -> dict[str, float]:
         """The predictions made, by name."""

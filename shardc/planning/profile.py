@@ -60,7 +60,9 @@ PROFILE_FORMAT = "shardc-cluster-profile"
 # :func:`shardc.tools.host_probe.measure_host_probe`, timed at calibration); a run that times
 # it again rescales the host terms (:data:`HOST_SECONDS_FIELDS`) by the ratio
 # (:func:`shardc.planning.host_speed.with_host_speed`). An older profile reads with 0 (not
-# measured: it cannot be rescaled) and predicts as before.
+# measured: it cannot be rescaled) and predicts as before. Later within version 9 (optional, a
+# default): ``runtime_allocated_bytes``, the device memory the runtime holds once its kernels
+# have run (cuBLAS workspaces), 0: not measured (:meth:`ClusterProfile.runtime_bytes`).
 PROFILE_VERSION = 9
 READABLE_PROFILE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 # Host<->device bandwidth of pinned copies (bytes/s) where not measured: PCIe gen5 x16 measures
@@ -287,6 +289,13 @@ class ClusterProfile:
     host terms (:data:`HOST_SECONDS_FIELDS`) by the ratio, for a host faster or slower than the
     calibrated one (:func:`shardc.planning.host_speed.with_host_speed`).
 
+    ``runtime_allocated_bytes`` (within version 9, optional; 0: not measured): device bytes
+    that stay allocated through the CUDA caching allocator once a matmul's forward and backward
+    have run and every tensor of theirs is freed: the cuBLAS workspaces of the forward's thread
+    and autograd's backward thread (:func:`shardc.tools.calibrate.measure_runtime_bytes`).
+    ``torch.cuda.max_memory_allocated`` counts them; the peak model adds them to every phase of a
+    CUDA target (:meth:`runtime_bytes`, the one source of that figure).
+
     :mod:`shardc.planning.step` places them on the step's host and device timelines."""
 
     name: str
@@ -337,6 +346,7 @@ class ClusterProfile:
     device_adamw_foreach_scale: float = 0.0
     device_adamw_fused_scale: float = 0.0
     host_probe_s: float = 0.0
+    runtime_allocated_bytes: int = 0
     notes: tuple[str, ...] = ()
     version: int = PROFILE_VERSION
 
@@ -370,6 +380,11 @@ class ClusterProfile:
             raise ProfileError(f"shardc: cluster profile {self.name!r}: host_probe_s is "
                                f"{probe!r}; the host probe's seconds must be a finite number "
                                ">= 0 (0: not measured)")
+        runtime = self.runtime_allocated_bytes
+        if isinstance(runtime, bool) or not isinstance(runtime, int) or runtime < 0:
+            raise ProfileError(f"shardc: cluster profile {self.name!r}: runtime_allocated_bytes "
+                               f"is {runtime!r}; it must be a whole number of bytes >= 0 (0: not "
+                               "measured)")
         for name in HOST_FIELDS:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
@@ -388,6 +403,16 @@ class ClusterProfile:
                                f"{latency!r}; it must be a finite number of seconds >= 0")
 
     # ------------------------------------------------------------------ lookups
+
+    def runtime_bytes(self) -> int:
+        """Device bytes the runtime holds through a CUDA step besides the graphs' tensors
+        (cuBLAS workspaces): ``runtime_allocated_bytes`` where calibration measured it, else
+        the estimate ``shardc.memory.cuda_blocks.DEFAULT_CUDA_RUNTIME_BYTES`` (torch's default
+        32 MiB workspace per cuBLAS handle on sm90, two handles: the forward's thread and
+        autograd's backward thread)."""
+        from shardc.memory.cuda_blocks import DEFAULT_CUDA_RUNTIME_BYTES
+
+        return self.runtime_allocated_bytes or DEFAULT_CUDA_RUNTIME_BYTES
 
     def device_optimizer_scale(self, ran: str) -> float:
         """The measured over the modelled device step of implementation ``ran``

@@ -611,6 +611,25 @@ def _measure_fp8(device: torch.device, matmuls: list[MatmulPoint], per_param: di
     return terms, _fp8_note(times, terms, per_param, compiled_launch_s, graph_call_s)
 
 
+def measure_runtime_bytes(device: torch.device) -> int:
+    """Device bytes the runtime holds once its kernels have run (the profile's
+    ``runtime_allocated_bytes``): after an fp32 matmul's forward and backward (the backward on
+    autograd's device thread, whose cuBLAS handle has a workspace of its own) with every tensor
+    of theirs freed, ``torch.cuda.memory_allocated``. Anything else this process still holds on
+    the device counts too (an over-count, on the budget's safe side); 0 off CUDA."""
+    import gc
+
+    if device.type != "cuda":
+        return 0
+    a = torch.randn(1024, 1024, device=device, requires_grad=True)
+    b = torch.randn(1024, 1024, device=device, requires_grad=True)
+    (a @ b).sum().backward()
+    del a, b
+    gc.collect()
+    torch.cuda.synchronize(device)
+    return int(torch.cuda.memory_allocated(device))
+
+
 def calibrate(device: torch.device, *, quick: bool = False, name: str | None = None,
               command: str = "", log: Callable[[str], None] = print) -> ClusterProfile:
     """Measure this device (and the process group, if one is initialized with more than one
@@ -718,7 +737,12 @@ def calibrate(device: torch.device, *, quick: bool = False, name: str | None = N
     log("device AdamW, measured over modelled: " + ", ".join(
         f"{k.removeprefix('device_adamw_').removesuffix('_scale')} {v:.2f}"
         for k, v in scales.items()) + f" ({time.perf_counter() - t0:.0f} s)")
-    return dataclasses.replace(profile, **scales)
+    # Last, with nothing of the measurements alive: the runtime's own device memory.
+    runtime = measure_runtime_bytes(device)
+    if gpu:
+        log(f"runtime (cuBLAS workspaces): {runtime / 2**20:.1f} MiB allocated with no tensor "
+            "alive")
+    return dataclasses.replace(profile, runtime_allocated_bytes=runtime, **scales)
 
 
 def main(argv: list[str] | None = None) -> int:

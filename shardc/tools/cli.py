@@ -149,6 +149,9 @@ def _cmd_plan(args) -> int:
                              "covers an optimizer on the device only; plan CPU offload "
                              "without --cudagraphs")
     options = json.loads(args.options) if args.options else {}
+    # The plan is a GPU's (the profile's), made on the CPU: device memory counted as the CUDA
+    # caching allocator counts it, with the runtime's workspaces (ShardcOptions.memory_target).
+    options.setdefault("memory_target", "cuda")
     if args.memory_budget is not None:
         options["peak_memory_budget_bytes"] = args.memory_budget
     if args.memory_margin is not None:

@@ -22,7 +22,7 @@ GIB = 2**30
 _COLORS = {"parameter shards": "tab:blue", "optimizer state": "tab:purple",
            "gradients": "tab:olive", "gathered parameters": "tab:orange",
            "saved activations": "tab:green", "temporaries": "tab:gray",
-           "communication buffers": "tab:red"}
+           "communication buffers": "tab:red", "runtime workspaces": "tab:brown"}
 _GRAPH_ORDER = ("forward", "backward", "optimizer step")
 
 

@@ -383,7 +383,9 @@ def plan_table(plan: Plan, *, wide: bool = False, width: int = NARROW_WIDTH,
         peak = pred["peak_comm_buffer_bytes"]
         summary.append(f"peak communication buffers {_fmt_bytes(peak)} ({int(peak)} B)")
     if "peak_bytes" in pred:
-        summary.append(f"peak memory (whole step) {_fmt_bytes(pred['peak_bytes'])}")
+        counted = (f" (CUDA allocator's blocks, {_fmt_bytes(pred['runtime_bytes'])} of runtime "
+                   "workspaces included)" if "runtime_bytes" in pred else "")
+        summary.append(f"peak memory (whole step) {_fmt_bytes(pred['peak_bytes'])}{counted}")
     if summary:
         lines.append("predicted: " + ", ".join(summary))
     if per_graph:
