@@ -58,6 +58,16 @@ def test_calibration_measures_no_runtime_bytes_off_cuda():
     from shardc.tools.calibrate import measure_runtime_bytes
 
     assert measure_runtime_bytes(torch.device("cpu")) == 0
+    # ... and a CPU's profile has none, where a GPU's unmeasured one takes the estimate.
+    from shardc.memory.cuda_blocks import DEFAULT_CUDA_RUNTIME_BYTES
+    from shardc.planning.profile import ClusterProfile
+
+    cpu = ClusterProfile("cpu", "CPU (2 cores)", "measured", "", "")
+    assert cpu.runtime_bytes() == 0
+    gpu = ClusterProfile("h200", "NVIDIA H200", "measured", "", "")
+    assert gpu.runtime_bytes() == DEFAULT_CUDA_RUNTIME_BYTES
+    assert ClusterProfile("h200", "NVIDIA H200", "measured", "", "",
+                          runtime_allocated_bytes=3 << 20).runtime_bytes() == 3 << 20
 
 
 def test_memory_target_option():

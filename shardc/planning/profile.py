@@ -409,10 +409,13 @@ class ClusterProfile:
         (cuBLAS workspaces): ``runtime_allocated_bytes`` where calibration measured it, else
         the estimate ``shardc.memory.cuda_blocks.DEFAULT_CUDA_RUNTIME_BYTES`` (torch's default
         32 MiB workspace per cuBLAS handle on sm90, two handles: the forward's thread and
-        autograd's backward thread)."""
+        autograd's backward thread); a CPU's profile (``device`` "CPU ..."), which calibration
+        measures as 0, has none."""
         from shardc.memory.cuda_blocks import DEFAULT_CUDA_RUNTIME_BYTES
 
-        return self.runtime_allocated_bytes or DEFAULT_CUDA_RUNTIME_BYTES
+        if self.runtime_allocated_bytes or self.device.upper().startswith("CPU"):
+            return self.runtime_allocated_bytes
+        return DEFAULT_CUDA_RUNTIME_BYTES
 
     def device_optimizer_scale(self, ran: str) -> float:
         """The measured over the modelled device step of implementation ``ran``
