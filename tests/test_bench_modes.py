@@ -122,6 +122,7 @@ def _fp8_mode_run(rank: int, world: int, mode: str) -> dict:
                                for p in b.params})}
 
 
+@pytest.mark.slow  # a benchmark harness's mode, 30 CPU s: the FP8 training paths have their own
 def test_fp8_shards_a_shardc_mode_with_float8_gathers():
     """``--fp8``: the shardc mode shards with ``Float8Policy(modules=(nn.Linear,
     nn.Embedding))`` (predict_step's ``:fp8``): every Linear weight and the token embedding are
