@@ -395,7 +395,7 @@ def memory_model(options: ShardcOptions, fw: fx.GraphModule) -> tuple[str, int]:
         return "exact", 0
     profile = resolve_profile(options.cluster, device_name(fw))
     if target == "auto" and not _on_cuda(fw) and not (
-            _names_profile(options.cluster) and not profile.device.upper().startswith("CPU")):
+            _names_profile(options.cluster) and not profile.on_cpu):
         return "exact", 0
     return "cuda", profile.runtime_bytes()
 

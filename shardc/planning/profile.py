@@ -404,6 +404,12 @@ class ClusterProfile:
 
     # ------------------------------------------------------------------ lookups
 
+    @property
+    def on_cpu(self) -> bool:
+        """Whether the profile is a CPU's (calibration names it ``"CPU (<n> cores)"``), not a
+        GPU's."""
+        return self.device.upper().startswith("CPU")
+
     def runtime_bytes(self) -> int:
         """Device bytes the runtime holds through a CUDA step besides the graphs' tensors
         (cuBLAS workspaces): ``runtime_allocated_bytes`` where calibration measured it, else
@@ -413,7 +419,7 @@ class ClusterProfile:
         measures as 0, has none."""
         from shardc.memory.cuda_blocks import DEFAULT_CUDA_RUNTIME_BYTES
 
-        if self.runtime_allocated_bytes or self.device.upper().startswith("CPU"):
+        if self.runtime_allocated_bytes or self.on_cpu:
             return self.runtime_allocated_bytes
         return DEFAULT_CUDA_RUNTIME_BYTES
 
