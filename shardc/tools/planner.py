@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -254,6 +256,21 @@ def optimizer_spec(model: nn.Module, setup: PlanSetup,
                          offload=setup.offload, overlap=setup.step_in_backward, impl=impl)
 
 
+@contextmanager
+def _fresh_dynamo() -> Iterator[None]:
+    """Trace on a reset dynamo and leave none of its state behind, also where planning raises
+    (a plan refused under a budget). The planner compiles the same step code for every plan
+    (:func:`trace_step`'s lambda): dynamo's state from an earlier compile of it at other shapes
+    makes it mark the sizes that changed dynamic (automatic dynamic shapes), and the traced
+    graphs get SymInt inputs, which shift the plan's memory-timeline positions (its hash is
+    unchanged)."""
+    _torch.dynamo_reset()
+    try:
+        yield
+    finally:
+        _torch.dynamo_reset()
+
+
 def plan_model(model: LlamaConfig | ModelSpec, world: int, batch: int, seq: int, options: dict,
                *, template: bool = True, setup: PlanSetup | None = None) -> tuple[Plan, float]:
     """Plan one training step of ``model`` at ``world`` ranks with ``batch`` sequences of
@@ -297,7 +314,7 @@ def plan_model_step(model: LlamaConfig | ModelSpec, world: int, batch: int, seq:
         options["optimizer_offload"] = "simulate"
     device = "cpu"  # see the module docstring: meta tensors lose the loss's gradient
     # Traced as a GPU computes the step: fused attention, FP8 Linears on _scaled_mm.
-    with fake_world(world), AttentionAsKernel(), scaled_mm_as_on_gpu():
+    with _fresh_dynamo(), fake_world(world), AttentionAsKernel(), scaled_mm_as_on_gpu():
         mesh = _mesh(world, setup, device)
         # The inputs and the targets are two tensors, as a data loader gives them (trace_step).
         tokens = torch.zeros(batch, seq, dtype=torch.long, device=device)
@@ -329,7 +346,6 @@ def plan_model_step(model: LlamaConfig | ModelSpec, world: int, batch: int, seq:
             state_factor=options["optimizer_state_factor"],
             temp_factor=options["optimizer_temp_factor"],
             impl=options.get("optimizer_impl", "auto"))
-    _torch.dynamo_reset()
     return PlannedModel(plan, elapsed, spec_of_step)
 
 
