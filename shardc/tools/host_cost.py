@@ -508,10 +508,11 @@ def _profiled_step(m: CompiledModel, device: torch.device
 def _timed_steps(m: CompiledModel, device: torch.device, steps: int) -> list[float]:
     """The median host seconds of the forward, ``backward()``, ``step()`` and ``zero_grad()``
     over ``steps`` steps, each started on an idle device (as a synchronized benchmark step
-    is), timed without synchronizing inside the step."""
+    is), timed without synchronizing inside the step, after one untimed step (the first after
+    :func:`_profiled_step` pays whatever the profiler's teardown left to the host)."""
     gpu = device.type == "cuda"
     phases: list[list[float]] = [[], [], [], []]
-    for _ in range(steps):
+    for i in range(steps + 1):  # the first untimed: it follows the profiler's teardown
         if gpu:
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
@@ -524,7 +525,8 @@ def _timed_steps(m: CompiledModel, device: torch.device, steps: int) -> list[flo
         m.optimizer.zero_grad(set_to_none=True)
         t4 = time.perf_counter()
         for phase, seconds in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
-            phase.append(seconds)
+            if i:
+                phase.append(seconds)
     if gpu:
         torch.cuda.synchronize(device)
     return [statistics.median(p) for p in phases]
@@ -536,8 +538,8 @@ def time_rounds(models: Sequence[CompiledModel], device: torch.device, rounds: i
     interleaved, so that a drift of the host's speed (another process, the clock, the
     allocator) hits every model alike instead of the ones measured last: in each round every
     model runs one profiled step (it also brings its caches back after the other models ran)
-    and then ``steps`` timed ones (:func:`_timed_steps`); every other round goes through the
-    models in reverse, so no model always follows the same one."""
+    and then ``steps`` timed ones after an untimed one (:func:`_timed_steps`); every other
+    round goes through the models in reverse, so no model always follows the same one."""
     if rounds < 1 or steps < 1:
         raise ValueError(f"calibrate: host timings need rounds >= 1 and steps >= 1 (got {rounds}, "
                          f"{steps})")
