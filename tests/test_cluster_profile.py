@@ -343,7 +343,7 @@ def test_calibrate_on_cpu_writes_a_readable_profile(tmp_path, monkeypatch):
     out = tmp_path / "cpu.json"
     assert cal.main(["--device", "cpu", "--quick", "--out", str(out), "--name", "ci"]) == 0
     p = load_profile(str(out))
-    assert p.name == "ci" and p.source == "measured" and p.version == PROFILE_VERSION == 9
+    assert p.name == "ci" and p.source == "measured" and p.version == PROFILE_VERSION == 10
     # No _scaled_mm on the CPU: FP8's host terms are not measured (zeros), and a note says so.
     assert p.fp8_forward_per_scaled_mm_s == p.fp8_backward_per_scaled_mm_s == 0.0
     assert any(n.startswith("FP8 host work not measured") for n in p.notes)
@@ -368,6 +368,11 @@ def test_calibrate_on_cpu_writes_a_readable_profile(tmp_path, monkeypatch):
     assert any(n.startswith("host per parameter tensor fitted to") and "3 params" in n
                and "6 params" in n and "0 kernels, " in n and " in the model" in n
                for n in p.notes)
+    # Format 10: each fitted term's spread over the calibration's rounds, around the term.
+    spread = {n: (low, high) for n, low, high in p.host_fit_spread}
+    assert set(spread) == set(PER_PARAM_FIELDS) | set(FIXED_FIELDS)
+    assert all(low <= getattr(p, n) <= high for n, (low, high) in spread.items())
+    assert any(n.startswith("host terms fitted") and "[" in n for n in p.notes)
     assert p.intra == Link(*dataclasses.astuple(ClusterProfile("", "", "", "", "").intra))
     # CPU offload's host rates: the fused CPU AdamW timed here; no CUDA, so the link's default
     # each way (asserted above).
@@ -554,7 +559,8 @@ def _calibrate_two_ranks(rank: int, world: int) -> dict:
     p = cal.calibrate(torch.device("cpu"), quick=True, log=lambda _: None)
     default = ClusterProfile("", "", "", "", "").collective_launch_s
     return {"launch": p.collective_launch_s, "default": default, "notes": list(p.notes),
-            "gpus": p.gpus, "probe": p.host_probe_s}
+            "gpus": p.gpus, "probe": p.host_probe_s,
+            "spread": p.fit_spread("collective_launch_s")}
 
 
 @pytest.mark.slow
@@ -570,6 +576,11 @@ def test_calibrate_over_two_ranks_fits_the_host_seconds_per_collective():
         (note,) = [n for n in run["notes"] if n.startswith("host per collective fitted over 2")]
         # both depths' graphs issued collectives (gloo runs them on the host: they cost it)
         assert "3 params, " in note and "6 params, " in note and " 0 / " not in note, note
+        # each depth with one bucket and with one per parameter tensor (format 10: and the
+        # term's spread over the rounds)
+        assert "module buckets" in note and "param buckets" in note, note
+        low, high = run["spread"]
+        assert low <= run["launch"] <= high
     assert all(run["launch"] != run["default"] for run in runs), runs
     # the host probe (format 9): the slowest rank's, the same on both
     assert runs[0]["probe"] == runs[1]["probe"] > 0

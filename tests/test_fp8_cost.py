@@ -121,7 +121,7 @@ def _profile(**changes) -> ClusterProfile:
 
 
 def test_profile_version_6_round_trips_and_version_5_reads_with_zeros():
-    assert PROFILE_VERSION == 9
+    assert PROFILE_VERSION == 10
     p = _profile(fp8_forward_per_scaled_mm_s=40e-6, fp8_backward_per_scaled_mm_s=15e-6)
     assert ClusterProfile.from_json(p.to_json()) == p
     data = load_profile("h100").to_dict()

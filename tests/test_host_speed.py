@@ -108,10 +108,10 @@ def test_a_host_bound_step_grows_with_the_factor_and_a_device_bound_one_does_not
 
 
 def test_format_9_keeps_the_probe_and_older_profiles_read_without_one():
-    assert PROFILE_VERSION == 9 and 9 in READABLE_PROFILE_VERSIONS
+    assert PROFILE_VERSION == 10 and 9 in READABLE_PROFILE_VERSIONS
     p = _profile()
     again = ClusterProfile.from_json(p.to_json())
-    assert again == p and again.host_probe_s == 2e-3 and again.version == 9
+    assert again == p and again.host_probe_s == 2e-3 and again.version == PROFILE_VERSION
     data = load_profile("h100").to_dict()
     data.pop("host_probe_s")
     data["version"] = 8

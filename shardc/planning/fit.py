@@ -155,3 +155,46 @@ def fit_per_param(counts: Sequence[float], seconds: Sequence[float], what: str
                                / sum(n * n for n in counts), 0.0))
     flat = (max(sum(seconds) / len(seconds), 0.0), 0.0)
     return min((through_origin, flat), key=lambda ab: residual(*ab))
+
+
+def fit_least_squares(rows: Sequence[Sequence[float]], ys: Sequence[float], what: str
+                      ) -> list[float]:
+    """Least-squares coefficients ``c`` of ``y = sum(row[j] * c[j])`` over the given rows (one
+    row of regressors per point, every row as long); ``what`` names the fit in errors.
+
+    Solved by the normal equations with each column scaled to its largest magnitude first (a
+    count of hundreds beside a constant 1 would otherwise lose digits) and Gaussian elimination
+    with partial pivoting. Raises ``ValueError`` where the columns are linearly dependent at
+    the given points (the design cannot tell the terms apart: measure other points) or there
+    are fewer points than terms."""
+    if not rows or len(rows) != len(ys):
+        raise ValueError(f"shardc fit: {what}: need one y per row of regressors")
+    width = len(rows[0])
+    if any(len(r) != width for r in rows) or len(rows) < width:
+        raise ValueError(f"shardc fit: {what}: {len(rows)} points cannot fit {width} terms")
+    scale = [max(abs(r[j]) for r in rows) or 1.0 for j in range(width)]
+    x = [[r[j] / scale[j] for j in range(width)] for r in rows]
+    # Normal equations [X'X | X'y], solved in place.
+    a = [[sum(xr[i] * xr[j] for xr in x) for j in range(width)]
+         + [sum(xr[i] * y for xr, y in zip(x, ys))] for i in range(width)]
+    for col in range(width):
+        pivot = max(range(col, width), key=lambda r: abs(a[r][col]))
+        # Relative to the column's own scale (1 after scaling): a pivot this small means
+        # the column is, to rounding, a combination of the ones before it.
+        if abs(a[pivot][col]) < 1e-9 * len(rows):
+            raise ValueError(f"shardc fit: {what}: the points cannot tell the terms apart "
+                             "(linearly dependent regressors); measure other points")
+        a[col], a[pivot] = a[pivot], a[col]
+        for r in range(width):
+            if r != col:
+                f = a[r][col] / a[col][col]
+                a[r] = [v - f * p for v, p in zip(a[r], a[col])]
+    return [a[j][width] / a[j][j] / scale[j] for j in range(width)]
+
+
+def value_range(central: float, others: Sequence[float]) -> tuple[float, float]:
+    """``(low, high)``: the smallest and largest of ``central`` and ``others`` (a fitted
+    term's spread: the term fitted to all the points and to subsets of them, such as each
+    round of repeated measurements)."""
+    values = [central, *others]
+    return min(values), max(values)

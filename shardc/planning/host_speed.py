@@ -41,7 +41,8 @@ def host_speed_factor(profile: ClusterProfile, probe_s: float) -> float:
 
 def with_host_speed(profile: ClusterProfile, probe_s: float) -> ClusterProfile:
     """``profile`` with every host-seconds term (:data:`HOST_SECONDS_FIELDS`; a
-    ``compiled_launch_s`` of None stays None) multiplied by :func:`host_speed_factor`,
+    ``compiled_launch_s`` of None stays None) and their fit's spread (``host_fit_spread``)
+    multiplied by :func:`host_speed_factor`,
     ``host_probe_s`` set to ``probe_s``, the name suffixed ``+host x<factor>`` and a note giving
     the factor and both probes. Everything else is kept: the device's terms (matmul, attention,
     memory, ``kernel_gpu_s``, ``overlap_slowdown``), the collectives and links run on the
@@ -56,6 +57,9 @@ def with_host_speed(profile: ClusterProfile, probe_s: float) -> ClusterProfile:
             changes[name] = value * factor
     note = (f"host terms x{factor:.4f}: host probe {probe_s * 1e3:.3f} ms at run time over "
             f"{profile.host_probe_s * 1e3:.3f} ms at calibration")
+    # The spread (version 10) is of the same seconds: it scales with them.
+    changes["host_fit_spread"] = tuple((n, low * factor, high * factor)
+                                       for n, low, high in profile.host_fit_spread)
     return dataclasses.replace(profile, **changes, host_probe_s=float(probe_s),
                                name=f"{profile.name}+host x{factor:.3f}",
                                notes=(*profile.notes, note))

@@ -63,8 +63,11 @@ PROFILE_FORMAT = "shardc-cluster-profile"
 # measured: it cannot be rescaled) and predicts as before. Later within version 9 (optional, a
 # default): ``runtime_allocated_bytes``, the device memory the runtime holds once its kernels
 # have run (cuBLAS workspaces), 0: not measured (:meth:`ClusterProfile.runtime_bytes`).
-PROFILE_VERSION = 9
-READABLE_PROFILE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
+# Version 10 added the host fit's spread (``host_fit_spread``: per fitted host term, the lowest
+# and highest value that the calibration's repeated rounds fitted, issue 19); it prices
+# nothing. An older profile reads with none (not measured) and predicts as before.
+PROFILE_VERSION = 10
+READABLE_PROFILE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
 # Host<->device bandwidth of pinned copies (bytes/s) where not measured: PCIe gen5 x16 measures
 # about 50 GB/s each way at best; half of it is what large pinned copies sustain next to NCCL.
 DEFAULT_HOST_LINK_BYTES_PER_S = 25e9
@@ -296,6 +299,13 @@ class ClusterProfile:
     ``torch.cuda.max_memory_allocated`` counts them; the peak model adds them to every phase of a
     CUDA target (:meth:`runtime_bytes`, the one source of that figure).
 
+    ``host_fit_spread`` (version 10; empty, and older profiles: not measured): for each host
+    term that calibration fits from timings of several models (:data:`PER_PARAM_FIELDS`,
+    :data:`FIXED_FIELDS`, ``collective_launch_s`` over several ranks), ``(term, low, high)``:
+    the range of the term fitted to all the repeated rounds' medians and to each round alone
+    (:func:`shardc.tools.host_cost.fit_param_host_rounds`). It prices nothing; it says how far
+    the calibration's own noise moves the term (:meth:`fit_spread`).
+
     :mod:`shardc.planning.step` places them on the step's host and device timelines."""
 
     name: str
@@ -347,6 +357,9 @@ class ClusterProfile:
     device_adamw_fused_scale: float = 0.0
     host_probe_s: float = 0.0
     runtime_allocated_bytes: int = 0
+    # (term, low, high) per fitted host term (version 10); a tuple, not a dict, so that the
+    # frozen profile stays hashable. JSON: {"term": [low, high], ...}.
+    host_fit_spread: tuple[tuple[str, float, float], ...] = ()
     notes: tuple[str, ...] = ()
     version: int = PROFILE_VERSION
 
@@ -385,6 +398,7 @@ class ClusterProfile:
             raise ProfileError(f"shardc: cluster profile {self.name!r}: runtime_allocated_bytes "
                                f"is {runtime!r}; it must be a whole number of bytes >= 0 (0: not "
                                "measured)")
+        self._check_fit_spread()
         for name in HOST_FIELDS:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
@@ -401,6 +415,28 @@ class ClusterProfile:
         if not isinstance(latency, (int, float)) or not (latency >= 0 and math.isfinite(latency)):
             raise ProfileError(f"shardc: cluster profile {self.name!r}: host_copy_latency_s is "
                                f"{latency!r}; it must be a finite number of seconds >= 0")
+
+    def _check_fit_spread(self) -> None:
+        """``host_fit_spread`` holds ``(term, low, high)`` of distinct host-seconds terms with
+        finite ``low <= high``; raises :class:`ProfileError` otherwise."""
+        seen = set()
+        for entry in self.host_fit_spread:
+            ok = isinstance(entry, tuple) and len(entry) == 3 and entry[0] in HOST_SECONDS_FIELDS
+            if ok:
+                name, low, high = entry
+                ok = name not in seen and all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                    for v in (low, high)) and low <= high
+                seen.add(name)
+            if not ok:
+                raise ProfileError(f"shardc: cluster profile {self.name!r}: host_fit_spread "
+                                   f"entry {entry!r}; each must be (a host term named once, its "
+                                   "low, its high) with finite low <= high")
+
+    def fit_spread(self, name: str) -> tuple[float, float] | None:
+        """The ``(low, high)`` that calibration's rounds fitted for the host term ``name``
+        (version 10), or None where not measured."""
+        return next(((low, high) for n, low, high in self.host_fit_spread if n == name), None)
 
     # ------------------------------------------------------------------ lookups
 
@@ -533,6 +569,7 @@ class ClusterProfile:
         data["format"] = PROFILE_FORMAT
         for p in data["attention"]:
             p["pass"] = p.pop("pass_")
+        data["host_fit_spread"] = {n: [low, high] for n, low, high in self.host_fit_spread}
         return json.loads(json.dumps(data))
 
     def to_json(self) -> str:
@@ -566,6 +603,11 @@ class ClusterProfile:
                 if level in data:
                     data[level] = Link(**data[level])
             data["notes"] = tuple(data.get("notes", ()))
+            spread = data.get("host_fit_spread", {})
+            if not isinstance(spread, dict):
+                raise TypeError(f"host_fit_spread is {spread!r}, not an object of "
+                                "term: [low, high]")
+            data["host_fit_spread"] = tuple((n, *lh) for n, lh in spread.items())
             return cls(**data)
         except (TypeError, KeyError) as exc:
             raise ProfileError(f"shardc: cluster profile {data.get('name')!r} is malformed: "

@@ -41,9 +41,7 @@ import torch.nn.functional as F
 from shardc.planning.cost_model import ring_terms
 from shardc.planning.fit import fit_alpha_beta
 from shardc.planning.profile import (
-    FIXED_FIELDS,
     FP8_HOST_FIELDS,
-    PER_PARAM_FIELDS,
     AttentionPoint,
     ClusterProfile,
     CollectiveCurve,
@@ -51,6 +49,8 @@ from shardc.planning.profile import (
     MatmulPoint,
 )
 from shardc.tools.host_cost import (
+    HOST_ROUNDS,
+    CollectiveFit,
     PhaseTimes,
     measure_collective_host_cost,
     measure_fp8_host_cost,
@@ -413,21 +413,42 @@ def _phase_note(times: list[PhaseTimes]) -> str:
         + (f" ({t.optimizer_prelaunch_s * 1e3:.2f} ms before its first kernel)"
            if t.optimizer_prelaunch_s is not None else "")
         + f", zero_grad {t.zero_grad_s * 1e3:.3f} ms" for t in times)
-    return f"host per parameter tensor fitted to (median host time per phase): {rows}"
+    return (f"host per parameter tensor fitted to (median host time per phase over "
+            f"{HOST_ROUNDS} interleaved rounds): {rows}")
 
 
-def _collective_note(world: int, times: list[PhaseTimes], per_param: dict[str, float],
-                     compiled_launch_s: float, graph_call_s: float, launch_s: float) -> str:
+def _collective_note(world: int, fit: CollectiveFit, per_param: dict[str, float],
+                     compiled_launch_s: float, graph_call_s: float) -> str:
     """The collective host fit's inputs and result, for the profile's notes."""
     rows = []
-    for t in times:
+    for t in fit.times:
         forward, backward = residual_seconds(t, per_param, compiled_launch_s, graph_call_s)
-        rows.append(f"{t.params} params, {t.forward_collectives} / {t.backward_collectives} "
-                    f"collectives: forward {t.forward_s * 1e3:.2f} ms, backward "
-                    f"{t.backward_s * 1e3:.2f} ms, {(forward + backward) * 1e3:.2f} ms beyond "
-                    "the one-rank terms")
+        rows.append(f"{t.params} params, {t.bucket_by} buckets, {t.forward_collectives} / "
+                    f"{t.backward_collectives} collectives: forward {t.forward_s * 1e3:.2f} ms, "
+                    f"backward {t.backward_s * 1e3:.2f} ms, {(forward + backward) * 1e3:.2f} ms "
+                    "beyond the one-rank terms")
+    low, high = fit.spread
     return (f"host per collective fitted over {world} ranks (the per-parameter model sharded "
-            f"over all of them): {launch_s * 1e6:.1f} us; " + "; ".join(rows))
+            f"over all of them, medians of {HOST_ROUNDS} interleaved rounds): "
+            f"{fit.launch_s * 1e6:.1f} us (rounds {low * 1e6:.1f}..{high * 1e6:.1f}); beside it "
+            f"{fit.parts['per_param'] * 1e6:.2f} us per parameter tensor and "
+            f"{fit.parts['fixed'] * 1e3:.3f} ms per step that the one-rank terms left (not "
+            "priced); " + "; ".join(rows))
+
+
+def _spread_note(terms: dict[str, float], spread: dict[str, tuple[float, float]]) -> str:
+    """Each fitted host term with its spread over the rounds, for the log and the notes."""
+    def one(name: str) -> str:
+        per_param = name.endswith("_per_param_s")
+        scale, unit = (1e6, "us") if per_param or name == "collective_launch_s" else (1e3, "ms")
+        short = name.removesuffix("_per_param_s").removesuffix("_fixed_s").removesuffix("_s")
+        low, high = spread[name]
+        return f"{short} {terms[name] * scale:.3g} {unit} [{low * scale:.3g}, {high * scale:.3g}]"
+
+    per_param = [n for n in terms if n.endswith("_per_param_s")]
+    other = [n for n in terms if n not in per_param]
+    return ("per parameter tensor: " + ", ".join(map(one, per_param))
+            + "; per step: " + ", ".join(map(one, other)))
 
 
 def _fp8_note(times: list[PhaseTimes], terms: dict[str, float], per_param: dict[str, float],
@@ -667,12 +688,9 @@ def calibrate(device: torch.device, *, quick: bool = False, name: str | None = N
     if gpu:
         log(f"compiled graphs: {compiled_launch_s * 1e6:.1f} us per kernel, "
             f"{graph_call_s * 1e6:.0f} us per call ({time.perf_counter() - t0:.0f} s)")
-    per_param, phase_times = measure_param_host_cost(device, compiled_launch_s or 0.0,
-                                                     graph_call_s)
-    log("host per parameter tensor: " + ", ".join(
-        f"{k.removesuffix('_per_param_s')} {per_param[k] * 1e6:.1f} us"
-        for k in PER_PARAM_FIELDS) + "; fixed per step: " + ", ".join(
-        f"{k.removesuffix('_fixed_s')} {per_param[k] * 1e3:.3f} ms" for k in FIXED_FIELDS)
+    host_fit = measure_param_host_cost(device, compiled_launch_s or 0.0, graph_call_s)
+    per_param, phase_times, spread = host_fit.terms, host_fit.times, dict(host_fit.spread)
+    log("host (fit [low, high] over the rounds) " + _spread_note(per_param, spread)
         + f" ({time.perf_counter() - t0:.0f} s)")
     fp8_terms, fp8_note = _measure_fp8(device, mm, per_param, compiled_launch_s or 0.0,
                                        graph_call_s, log, t0)
@@ -697,16 +715,21 @@ def calibrate(device: torch.device, *, quick: bool = False, name: str | None = N
         log(f"collectives over {world} ranks ({time.perf_counter() - t0:.0f} s)")
     defaults = ClusterProfile(name="", device="", source="", command="", date="")
     notes = [f"calibrated in {time.perf_counter() - t0:.0f} s", _phase_note(phase_times),
-             fp8_note]
+             "host terms fitted (medians of each model over the rounds) with their spread "
+             "[the lowest, the highest fitted to each round alone]: "
+             + _spread_note(per_param, spread), fp8_note]
     collective_host = {}
     if world > 1:
-        launch, world_times = measure_collective_host_cost(device, per_param,
-                                                           compiled_launch_s or 0.0, graph_call_s)
-        collective_host["collective_launch_s"] = launch
-        log(f"host per collective over {world} ranks: {launch * 1e6:.1f} us "
-            f"({time.perf_counter() - t0:.0f} s)")
-        notes.append(_collective_note(world, world_times, per_param, compiled_launch_s or 0.0,
-                                      graph_call_s, launch))
+        coll = measure_collective_host_cost(device, host_fit, compiled_launch_s or 0.0,
+                                            graph_call_s)
+        collective_host["collective_launch_s"] = coll.launch_s
+        spread["collective_launch_s"] = coll.spread
+        log(f"host per collective over {world} ranks: {coll.launch_s * 1e6:.1f} us [rounds "
+            f"{coll.spread[0] * 1e6:.1f}, {coll.spread[1] * 1e6:.1f}]; the one-rank terms left "
+            f"{coll.parts['per_param'] * 1e6:.2f} us per parameter tensor, "
+            f"{coll.parts['fixed'] * 1e3:.3f} ms per step ({time.perf_counter() - t0:.0f} s)")
+        notes.append(_collective_note(world, coll, per_param, compiled_launch_s or 0.0,
+                                      graph_call_s))
     else:
         notes.append("one process: no collective timings; the links, the overlap slowdown and "
                      "the host's seconds per collective are the defaults (ring model, "
@@ -730,6 +753,7 @@ def calibrate(device: torch.device, *, quick: bool = False, name: str | None = N
         host_to_device_bytes_per_s=host_link[0], device_to_host_bytes_per_s=host_link[1],
         host_copy_latency_s=host_link[2], host_adamw_params_per_s=adamw,
         host_adamw_per_tensor_params_per_s=adamw_per_tensor, host_probe_s=host_probe_s,
+        host_fit_spread=tuple((n, float(low), float(high)) for n, (low, high) in spread.items()),
         notes=tuple(notes))
     # Last: the optimizer step against its model, which reads the bandwidth measured above.
     scales = measure_device_adamw_scales(timer, profile,

@@ -4,10 +4,14 @@ Measures :data:`shardc.planning.profile.PER_PARAM_FIELDS`: a model of many tiny 
 (tiny compute, so every phase is bound by the host) is sharded with ``shardc.shard`` (bf16
 compute and fp32 reduction on a GPU, as the benchmarks run) over a one-rank mesh, compiled with
 the shardc backend (Inductor on a GPU, blocks inline; the FX graphs on the CPU) and trained with
-torch's default AdamW at two depths. On a GPU the model is shardc's Llama at width 64 (2 and 8
-blocks: 21 and 75 parameter tensors, the 1b benchmark's blocks with the same kernels per
-block); on the CPU, whose profile serves tests, layers of a norm weight and two ``Linear``
-weights (1 and 2: 3 and 6 parameter tensors).
+torch's default AdamW at three depths (:data:`GPU_PARAM_LAYERS`). On a GPU the model is shardc's
+Llama at width 64 (1, 4 and 8 blocks: 12, 39 and 75 parameter tensors, the 1b benchmark's
+blocks with the same kernels per block); on the CPU, whose profile serves tests, layers of a
+norm weight and two ``Linear`` weights (1, 2 and 4: 3, 6 and 12 parameter tensors). Every
+model is compiled first and then timed in :data:`HOST_ROUNDS` interleaved rounds
+(:func:`time_rounds`), so that a drift of the host's speed hits every depth alike; the fit
+takes each model's median over the rounds, and each term's spread is the range of the terms
+fitted to each round alone (:func:`fit_param_host_rounds`; profile format 10).
 
 A block's parameters and its kernels grow together, so the two cannot be told apart from the
 depths alone: the chain that ``compiled_launch_s`` is fitted on prices each kernel, and the
@@ -32,6 +36,11 @@ for); the step starts on an idle device, as a benchmark's synchronized step does
   on the CPU torch's default is the for-loop AdamW) and ``zero_grad(set_to_none=True)``
   (``zero_grad_per_param_s``), whole.
 
+Over several ranks the same model is sharded over every rank at :func:`collective_design`'s
+points: each depth with one bucket per block and one per parameter tensor, so that the host's
+seconds per collective (``collective_launch_s``) is fitted from models that differ in their
+collectives alone (:func:`collective_fit_parts`).
+
 Each term is the slope of its phase's median against the number of parameter tensors
 (:func:`shardc.planning.fit.fit_per_param`), and its intercept the phase's fixed host seconds
 per step (:data:`shardc.planning.profile.FIXED_FIELDS`): what the per-kernel and per-call terms
@@ -46,21 +55,43 @@ kept for the notes.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import itertools
 import statistics
 import time
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from shardc.planning.fit import fit_line, fit_per_param
+from shardc.planning.fit import fit_least_squares, fit_line, fit_per_param, value_range
 from shardc.planning.profile import FIXED_FIELDS, FP8_HOST_FIELDS, PER_PARAM_FIELDS
 
-# Depths of the measured model (:data:`MODEL`; 9 parameter tensors per Llama block).
-GPU_PARAM_LAYERS = (2, 8)
-CPU_PARAM_LAYERS = (1, 2)
+# Depths of the measured model (:data:`MODEL`; 9 parameter tensors per Llama block: 12, 39
+# and 75 tensors on a GPU). Three depths, the shallowest and the deepest far apart: a line
+# through two close points trades its intercept against its slope (issue 19: two calibrations
+# of one code fitted a hand-off of 9.1 and 46.0 us per tensor), and a middle point shows
+# whether the host's work is a line at all. The benchmarks' 8 blocks are the deepest.
+GPU_PARAM_LAYERS = (1, 4, 8)
+CPU_PARAM_LAYERS = (1, 2, 4)
+# Over several ranks (``collective_launch_s``): each depth with one bucket per block (what the
+# benchmarks run) and one bucket per parameter tensor. At one depth the two differ only in the
+# collectives the host issues, so the per-collective term is fitted from contrasts in which
+# the per-parameter and fixed terms (and their errors) cancel; with depths alone the
+# collectives grow with the parameters, and every error of the one-rank terms moved into it
+# (531 against 182 us per collective on two calibrations of one code).
+GPU_COLLECTIVE_LAYERS = (2, 6)
+CPU_COLLECTIVE_LAYERS = (1, 2)
+COLLECTIVE_BUCKETINGS = ("module", "param")
+# Repeats: every model is timed in each of :data:`HOST_ROUNDS` rounds (interleaved, see
+# :func:`time_rounds`), :data:`HOST_STEPS_PER_ROUND` steps a round; the fit takes each model's
+# median over the rounds, and each term's spread is the range of the terms fitted to each
+# round alone. Counts, not wall time, so the same command measures the same points.
+HOST_ROUNDS = 5
+HOST_STEPS_PER_ROUND = 4
 # Depths of its FP8 variant (7 FP8 Linears per block and the output head; an FP8 region compiles
 # about 2.5x slower than a bf16 one, so one depth keeps ``calibrate`` within ~30 s longer):
 # 4 blocks, 29 ``_scaled_mm`` in the forward and 58 in the backward.
@@ -107,6 +138,9 @@ class PhaseTimes:
     # elided ones: none over a one-rank mesh).
     forward_collectives: int = 0
     backward_collectives: int = 0
+    # The model's buckets: one per block and one for the rest ("module") or one per parameter
+    # tensor ("param"; more collectives at the same parameters, :data:`COLLECTIVE_BUCKETINGS`).
+    bucket_by: str = "module"
 
 
 def unpriced_seconds(t: PhaseTimes, compiled_launch_s: float, graph_call_s: float
@@ -203,26 +237,81 @@ def fit_fp8_host_cost(times: Sequence[PhaseTimes], terms: dict[str, float],
     return out
 
 
-def fit_collective_host_cost(times: Sequence[PhaseTimes], terms: dict[str, float],
-                             compiled_launch_s: float, graph_call_s: float) -> float:
-    """``collective_launch_s`` from phase times of models sharded over several ranks: the host
-    seconds per issued collective of what :func:`residual_seconds` leaves of the forward and
-    the backward together, beyond the per-parameter and fixed ``terms`` fitted over one rank
-    (where shardc elides every collective). The slope against the collectives issued over two
-    or more depths (what does not grow with them drops out), through zero from one depth;
-    never below zero. This is the world's host work per bucket beyond one rank's: the
-    collective's own launch and the gather and reduction copies' Python that the kernel
-    terms do not price."""
+def collective_fit_parts(times: Sequence[PhaseTimes], terms: dict[str, float],
+                         compiled_launch_s: float, graph_call_s: float) -> dict[str, float]:
+    """The least-squares parts of what :func:`residual_seconds` leaves of the forward and the
+    backward together, over models sharded over several ranks: ``per_collective`` (seconds per
+    issued collective), ``per_param`` and ``fixed`` (host seconds that grow with the parameter
+    tensors or not at all beyond the one-rank ``terms``: an error of those terms, or the
+    world's own per-parameter work). Unbounded.
+
+    Where the points separate the collectives from the parameters (the same depth with
+    other buckets, :data:`COLLECTIVE_BUCKETINGS`) all three are fitted; where the collectives
+    grow with the parameters (depths alone) ``per_param`` cannot be told from
+    ``per_collective`` and is 0: the slope against the collectives (``fixed`` its
+    intercept), and from one collective count the line through zero."""
     counts = [t.forward_collectives + t.backward_collectives for t in times]
     if not counts or min(counts) <= 0:
         raise ValueError("calibrate: collective_launch_s needs models whose graphs issue "
                          f"collectives (counted {counts}): shard them over more than one rank")
     left = [sum(residual_seconds(t, terms, compiled_launch_s, graph_call_s)) for t in times]
-    if len(set(counts)) > 1:
-        _, per_collective = fit_line(counts, left)
-    else:
-        per_collective = sum(left) / sum(counts)
-    return max(per_collective, 0.0)
+    if len(set(counts)) == 1:
+        return {"per_collective": sum(left) / sum(counts), "per_param": 0.0, "fixed": 0.0}
+    try:
+        per_collective, per_param, fixed = fit_least_squares(
+            [(c, t.params, 1.0) for c, t in zip(counts, times)], left, "collective_launch_s")
+    except ValueError:  # the collectives grow with the parameters: the old line
+        fixed, per_collective = fit_line(counts, left)
+        per_param = 0.0
+    return {"per_collective": per_collective, "per_param": per_param, "fixed": fixed}
+
+
+def fit_collective_host_cost(times: Sequence[PhaseTimes], terms: dict[str, float],
+                             compiled_launch_s: float, graph_call_s: float) -> float:
+    """``collective_launch_s`` from phase times of models sharded over several ranks: the host
+    seconds per issued collective of what :func:`residual_seconds` leaves of the forward and
+    the backward together, beyond the per-parameter and fixed ``terms`` fitted over one rank
+    (where shardc elides every collective): :func:`collective_fit_parts`' ``per_collective``,
+    never below zero. What grows with the parameters or not at all drops out. This is the
+    world's host work per bucket beyond one rank's: the collective's own launch and the gather
+    and reduction copies' Python that the kernel terms do not price."""
+    parts = collective_fit_parts(times, terms, compiled_launch_s, graph_call_s)
+    return max(parts["per_collective"], 0.0)
+
+
+def fit_param_host_rounds(rounds: Sequence[Sequence[PhaseTimes]], compiled_launch_s: float,
+                          graph_call_s: float
+                          ) -> tuple[dict[str, float], dict[str, tuple[float, float]],
+                                     list[dict[str, float]]]:
+    """The per-parameter and fixed host terms (:func:`fit_param_host_cost`) from phase times
+    in rounds (``[round][model]``, :func:`time_rounds`): fitted to each model's median over the
+    rounds (:func:`median_times`); each term's spread ``(low, high)``, the range of it and the
+    same term fitted to each round alone (:func:`shardc.planning.fit.value_range`: what one
+    round's noise moves it by; deterministic, no resampling); and the terms of each round."""
+    central = fit_param_host_cost(median_times(rounds), compiled_launch_s, graph_call_s)
+    by_round = [fit_param_host_cost(r, compiled_launch_s, graph_call_s) for r in rounds]
+    spread = {name: value_range(central[name], [t[name] for t in by_round])
+              for name in central}
+    return central, spread, by_round
+
+
+def fit_collective_host_rounds(rounds: Sequence[Sequence[PhaseTimes]],
+                               terms: dict[str, float], terms_by_round: Sequence[dict[str, float]],
+                               compiled_launch_s: float, graph_call_s: float
+                               ) -> tuple[float, tuple[float, float], dict[str, float]]:
+    """``collective_launch_s`` (:func:`fit_collective_host_cost`) from phase times over several
+    ranks in rounds (``[round][model]``), fitted to the medians over the rounds against the
+    one-rank ``terms``; its spread, the range of it and its fits to each round alone against
+    the one-rank terms of the round of the same index (``terms_by_round``, so that the one-rank
+    fit's noise shows too; the central ``terms`` where there are fewer); and the central fit's
+    parts (:func:`collective_fit_parts`, for the notes)."""
+    medians = median_times(rounds)
+    parts = collective_fit_parts(medians, terms, compiled_launch_s, graph_call_s)
+    central = max(parts["per_collective"], 0.0)
+    per_round = [fit_collective_host_cost(r, terms_by_round[i] if i < len(terms_by_round)
+                                          else terms, compiled_launch_s, graph_call_s)
+                 for i, r in enumerate(rounds)]
+    return central, value_range(central, per_round), parts
 
 
 def refit_nonnegative(terms: dict[str, float], counts: Sequence[int]) -> dict[str, float]:
@@ -333,17 +422,45 @@ MODELS = {"llama": _llama_model, "layers": _layers_model}
 GPU_MODEL, CPU_MODEL = "llama", "layers"
 
 
-def time_phases(layers: int, device: torch.device, mesh, steps: int,
-                mixed: bool | None = None, model_kind: str | None = None,
-                fp8: bool = False) -> PhaseTimes:
-    """Median host seconds of each phase of ``steps`` training steps of a ``layers``-deep
-    model (``model_kind``, default :data:`GPU_MODEL` or :data:`CPU_MODEL`), after three
-    untimed ones (the first compiles) and, on a GPU, five profiled ones (kernels per graph,
-    the forward's host time before its first launch). ``mixed`` (default: on a GPU): bf16
-    compute and fp32 reduction, as the benchmarks train. Blocks compile inline, as
-    ``benchmarks/predict_step.py`` measures by default. ``fp8``: its ``nn.Linear`` weights
-    gathered in FP8 (``shardc.Float8Policy()``; on a GPU with ``torch._scaled_mm`` they compute
-    on it)."""
+_CODE_IDS = itertools.count()
+
+
+def _own_code(fn: Callable) -> Callable:
+    """``fn`` with a code object of its own (the same body, a numbered name). Dynamo keeps its
+    compiled frames per code object, at most ``recompile_limit`` (8) of them: the calibration
+    models are different models behind one loss function, so without this they would share
+    one cache, a call would check the guards of the entries tried before its own (host time
+    that is no model's), and the ninth model would run eagerly (Dynamo only warns)."""
+    code = fn.__code__
+    code = code.replace(co_name=f"{code.co_name}_{next(_CODE_IDS)}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__,
+                              fn.__closure__)
+
+
+@dataclass
+class CompiledModel:
+    """A calibration model, sharded, compiled and warmed up (:func:`compile_model`), with what
+    its plans say; :func:`time_rounds` times its steps."""
+
+    layers: int
+    bucket_by: str
+    params: int
+    step_fn: Callable[[], torch.Tensor]  # the compiled forward (loss included)
+    optimizer: torch.optim.Optimizer
+    model_kernels: tuple[int | None, int | None]
+    scaled_mms: tuple[int, int]
+    collectives: tuple[int, int]
+
+
+def compile_model(layers: int, device: torch.device, mesh, *, mixed: bool | None = None,
+                  model_kind: str | None = None, fp8: bool = False,
+                  bucket_by: str = "module") -> CompiledModel:
+    """A ``layers``-deep model (``model_kind``, default :data:`GPU_MODEL` or
+    :data:`CPU_MODEL`) sharded over ``mesh``, compiled with the shardc backend (blocks
+    inline, buckets ``bucket_by``: one per block, or one per parameter tensor) and trained
+    three untimed steps (the first compiles). ``mixed`` (default: on a GPU): bf16 compute and
+    fp32 reduction, as the benchmarks train. ``fp8``: its ``nn.Linear`` weights gathered in
+    FP8 (``shardc.Float8Policy()``; on a GPU with ``torch._scaled_mm`` they compute on it)."""
     import shardc
 
     gpu = device.type == "cuda"
@@ -359,64 +476,110 @@ def time_phases(layers: int, device: torch.device, mesh, steps: int,
     shardc.shard(model, mesh, mp_policy=mp, fp8=shardc.Float8Policy() if fp8 else None,
                  allow_partial_mesh=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loss_fn = torch.compile(functools.partial(loss_of, model),
-                            backend=shardc.backend(inductor=gpu, compile_blocks_once=False))
-
-    def sync() -> None:
-        if gpu:
-            torch.cuda.synchronize(device)
-
+    loss_fn = torch.compile(functools.partial(_own_code(loss_of), model),
+                            backend=shardc.backend(inductor=gpu, compile_blocks_once=False,
+                                                   bucket_by=bucket_by))
     for _ in range(3):
         loss_fn().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    prelaunch, bw_prelaunch, opt_prelaunch = [], [], []
-    for _ in range(5 if gpu else 1):  # host time before the first launch (forward, optimizer)
-        loss, fw_kernels, before = _device_work(loss_fn, device)
-        # The seed gradient made up front: ``backward()`` would launch its fill first, and the
-        # gap to the compiled backward's first kernel is what is measured.
-        seed = torch.ones_like(loss)
-        _, bw_kernels, bw_before = _device_work(functools.partial(loss.backward, seed), device)
-        _, _, opt_before = _device_work(opt.step, device)
-        opt.zero_grad(set_to_none=True)
-        if before is not None:
-            prelaunch.append(before)
-        if opt_before is not None:
-            opt_prelaunch.append(opt_before)
-        if bw_before is not None:
-            bw_prelaunch.append(bw_before)
-    if gpu and not (fw_kernels and bw_kernels and prelaunch):
-        raise RuntimeError(
-            f"calibrate: torch.profiler saw {fw_kernels} forward and {bw_kernels} backward CUDA "
-            "kernels of the compiled model; without them the compiled graphs' launches cannot be "
-            "told from the host's per-parameter work. Check that the profiler records CUDA "
-            "activity here (CUPTI), or calibrate with another torch build.")
+    if gpu:
+        torch.cuda.synchronize(device)
+    plans = shardc.explain_all(model)
+    return CompiledModel(layers, bucket_by, sum(1 for _ in model.parameters()), loss_fn, opt,
+                         model_kernels(plans), scaled_mm_calls(plans), collective_calls(plans))
+
+
+def _profiled_step(m: CompiledModel, device: torch.device
+                   ) -> tuple[int, int, float | None, float | None, float | None]:
+    """One step under ``torch.profiler`` (:func:`_device_work`): the forward's and the
+    backward's kernels, and the host seconds before the first device work of the forward, the
+    backward and the optimizer (None on the CPU)."""
+    loss, fw_kernels, before = _device_work(m.step_fn, device)
+    # The seed gradient made up front: ``backward()`` would launch its fill first, and the gap
+    # to the compiled backward's first kernel is what is measured.
+    seed = torch.ones_like(loss)
+    _, bw_kernels, bw_before = _device_work(functools.partial(loss.backward, seed), device)
+    _, _, opt_before = _device_work(m.optimizer.step, device)
+    m.optimizer.zero_grad(set_to_none=True)
+    return fw_kernels, bw_kernels, before, bw_before, opt_before
+
+
+def _timed_steps(m: CompiledModel, device: torch.device, steps: int) -> list[float]:
+    """The median host seconds of the forward, ``backward()``, ``step()`` and ``zero_grad()``
+    over ``steps`` steps, each started on an idle device (as a synchronized benchmark step
+    is), timed without synchronizing inside the step, after one untimed step (the first after
+    :func:`_profiled_step` pays whatever the profiler's teardown left to the host)."""
+    gpu = device.type == "cuda"
     phases: list[list[float]] = [[], [], [], []]
-    for _ in range(steps):
-        sync()  # each step starts on an idle device, as a synchronized benchmark step does
+    for i in range(steps + 1):  # the first untimed: it follows the profiler's teardown
+        if gpu:
+            torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        loss = loss_fn()
+        loss = m.step_fn()
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
-        opt.step()
+        m.optimizer.step()
         t3 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
+        m.optimizer.zero_grad(set_to_none=True)
         t4 = time.perf_counter()
         for phase, seconds in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
-            phase.append(seconds)
-    sync()
-    n = sum(1 for _ in model.parameters())
-    plans = shardc.explain_all(model)
-    model_fw, model_bw = model_kernels(plans)
-    fw_mms, bw_mms = scaled_mm_calls(plans)
-    fw_colls, bw_colls = collective_calls(plans)
-    return PhaseTimes(n, *(statistics.median(p) for p in phases), fw_kernels, bw_kernels,
-                      statistics.median(prelaunch) if prelaunch else None,
-                      model_fw, model_bw,
-                      statistics.median(opt_prelaunch) if opt_prelaunch else None,
-                      statistics.median(bw_prelaunch) if bw_prelaunch else None,
-                      fw_mms, bw_mms, fw_colls, bw_colls)
+            if i:
+                phase.append(seconds)
+    if gpu:
+        torch.cuda.synchronize(device)
+    return [statistics.median(p) for p in phases]
+
+
+def time_rounds(models: Sequence[CompiledModel], device: torch.device, rounds: int,
+                steps: int) -> list[list[PhaseTimes]]:
+    """Each model's :class:`PhaseTimes` per round: ``[round][model]``. The models are
+    interleaved, so that a drift of the host's speed (another process, the clock, the
+    allocator) hits every model alike instead of the ones measured last: in each round every
+    model runs one profiled step (it also brings its caches back after the other models ran)
+    and then ``steps`` timed ones after an untimed one (:func:`_timed_steps`); every other
+    round goes through the models in reverse, so no model always follows the same one."""
+    if rounds < 1 or steps < 1:
+        raise ValueError(f"calibrate: host timings need rounds >= 1 and steps >= 1 (got {rounds}, "
+                         f"{steps})")
+    out: list[list[PhaseTimes]] = []
+    for r in range(rounds):
+        order = list(range(len(models)))
+        if r % 2:
+            order.reverse()
+        row: list[PhaseTimes | None] = [None] * len(models)
+        for i in order:
+            m = models[i]
+            fw_kernels, bw_kernels, before, bw_before, opt_before = _profiled_step(m, device)
+            if device.type == "cuda" and not (fw_kernels and bw_kernels and before is not None):
+                raise RuntimeError(
+                    f"calibrate: torch.profiler saw {fw_kernels} forward and {bw_kernels} "
+                    "backward CUDA kernels of the compiled model; without them the compiled "
+                    "graphs' launches cannot be told from the host's per-parameter work. Check "
+                    "that the profiler records CUDA activity here (CUPTI), or calibrate with "
+                    "another torch build.")
+            row[i] = PhaseTimes(m.params, *_timed_steps(m, device, steps), fw_kernels,
+                                bw_kernels, before, *m.model_kernels, opt_before, bw_before,
+                                *m.scaled_mms, *m.collectives, bucket_by=m.bucket_by)
+        out.append([t for t in row if t is not None])
+    return out
+
+
+def median_times(rounds: Sequence[Sequence[PhaseTimes]]) -> list[PhaseTimes]:
+    """Per model, the median over ``rounds`` (``[round][model]``, :func:`time_rounds`) of each
+    of its measured seconds (None where a round did not measure it); the counts are each
+    model's own (the same in every round, from its plans), the kernels counted the first
+    round's."""
+    def median(values: list[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return statistics.median(known) if known else None
+
+    seconds = ("forward_s", "backward_s", "optimizer_s", "zero_grad_s", "forward_prelaunch_s",
+               "optimizer_prelaunch_s", "backward_prelaunch_s")
+    return [dataclasses.replace(per_round[0], **{f: median([getattr(t, f) for t in per_round])
+                                                 for f in seconds})
+            for per_round in zip(*rounds)]
 
 
 def collective_calls(plans) -> tuple[int, int]:
@@ -445,18 +608,53 @@ def model_kernels(plans) -> tuple[int | None, int | None]:
     return out[0], out[1]
 
 
+@dataclass(frozen=True)
+class HostFit:
+    """The per-parameter and fixed host terms fitted over one rank
+    (:func:`measure_param_host_cost`): the terms, each term's spread ``(low, high)``
+    (:func:`fit_param_host_rounds`), the phase times fitted (each model's median over the
+    rounds), and each round's terms (what the collective fit's spread subtracts per round)."""
+
+    terms: dict[str, float]
+    spread: dict[str, tuple[float, float]]
+    times: list[PhaseTimes]
+    terms_by_round: list[dict[str, float]]
+
+
+@dataclass(frozen=True)
+class CollectiveFit:
+    """``collective_launch_s`` fitted over several ranks (:func:`measure_collective_host_cost`),
+    its spread, the least-squares parts it came from (:func:`collective_fit_parts`) and the
+    phase times fitted (each model's median over the rounds)."""
+
+    launch_s: float
+    spread: tuple[float, float]
+    parts: dict[str, float]
+    times: list[PhaseTimes]
+
+
+def _timed_models(device: torch.device, mesh, points: Sequence[tuple[int, str]], rounds: int,
+                  steps: int, **model: object) -> list[list[PhaseTimes]]:
+    """Every ``(layers, bucket_by)`` point compiled first (:func:`compile_model`), then timed
+    interleaved (:func:`time_rounds`): ``[round][point]``."""
+    models = [compile_model(n, device, mesh, bucket_by=b, **model) for n, b in points]
+    return time_rounds(models, device, rounds, steps)
+
+
 def measure_param_host_cost(device: torch.device, compiled_launch_s: float, graph_call_s: float,
-                            *, layers: Sequence[int] | None = None, steps: int = 20
-                            ) -> tuple[dict[str, float], list[PhaseTimes]]:
-    """The per-parameter host terms on this device (see the module docstring), and the phase
-    times they were fitted to."""
+                            *, layers: Sequence[int] | None = None, rounds: int = HOST_ROUNDS,
+                            steps: int = HOST_STEPS_PER_ROUND) -> HostFit:
+    """The per-parameter and fixed host terms on this device (see the module docstring) over a
+    one-rank mesh, at ``layers`` (default :data:`GPU_PARAM_LAYERS` or
+    :data:`CPU_PARAM_LAYERS`), ``rounds`` interleaved rounds of ``steps`` timed steps each."""
     layers = tuple(layers or (GPU_PARAM_LAYERS if device.type == "cuda" else CPU_PARAM_LAYERS))
     mesh, undo = _one_rank_mesh(device)
     try:
-        times = [time_phases(n, device, mesh, steps) for n in layers]
+        timed = _timed_models(device, mesh, [(n, "module") for n in layers], rounds, steps)
     finally:
         undo()
-    return fit_param_host_cost(times, compiled_launch_s, graph_call_s), times
+    terms, spread, by_round = fit_param_host_rounds(timed, compiled_launch_s, graph_call_s)
+    return HostFit(terms, spread, median_times(timed), by_round)
 
 
 def _world_mesh(device: torch.device):
@@ -467,30 +665,47 @@ def _world_mesh(device: torch.device):
     return init_device_mesh(device.type, (dist.get_world_size(),))
 
 
-def measure_collective_host_cost(device: torch.device, terms: dict[str, float],
+def collective_design(layers: Sequence[int], bucketings: Sequence[str] = COLLECTIVE_BUCKETINGS
+                      ) -> list[tuple[int, str]]:
+    """The ``(layers, bucket_by)`` points the host's seconds per collective are measured at:
+    every depth with every bucketing (:data:`COLLECTIVE_BUCKETINGS`), so that at each depth the
+    collectives vary at a fixed parameter count."""
+    return [(n, b) for n in layers for b in bucketings]
+
+
+def measure_collective_host_cost(device: torch.device, one_rank: HostFit,
                                  compiled_launch_s: float, graph_call_s: float, *,
-                                 layers: Sequence[int] | None = None, steps: int = 20
-                                 ) -> tuple[float, list[PhaseTimes]]:
-    """``collective_launch_s`` on this device and process group (:func:`fit_collective_host_cost`):
-    the model of the per-parameter fit, sharded over every rank of the default process group
-    (which must hold more than one), at the same depths; and the phase times it was fitted
-    to. Every rank must call it."""
-    layers = tuple(layers or (GPU_PARAM_LAYERS if device.type == "cuda" else CPU_PARAM_LAYERS))
-    mesh = _world_mesh(device)
-    times = [time_phases(n, device, mesh, steps) for n in layers]
-    return fit_collective_host_cost(times, terms, compiled_launch_s, graph_call_s), times
+                                 layers: Sequence[int] | None = None,
+                                 bucketings: Sequence[str] = COLLECTIVE_BUCKETINGS,
+                                 rounds: int = HOST_ROUNDS, steps: int = HOST_STEPS_PER_ROUND
+                                 ) -> CollectiveFit:
+    """``collective_launch_s`` on this device and process group
+    (:func:`fit_collective_host_rounds`): the model of the per-parameter fit, sharded over every
+    rank of the default process group (which must hold more than one), at
+    :func:`collective_design`'s points (default depths :data:`GPU_COLLECTIVE_LAYERS` or
+    :data:`CPU_COLLECTIVE_LAYERS`), against the one-rank fit ``one_rank``. Every rank must
+    call it (with the same arguments)."""
+    layers = tuple(layers or (GPU_COLLECTIVE_LAYERS if device.type == "cuda"
+                              else CPU_COLLECTIVE_LAYERS))
+    timed = _timed_models(device, _world_mesh(device), collective_design(layers, bucketings),
+                          rounds, steps)
+    launch, spread, parts = fit_collective_host_rounds(timed, one_rank.terms,
+                                                       one_rank.terms_by_round,
+                                                       compiled_launch_s, graph_call_s)
+    return CollectiveFit(launch, spread, parts, median_times(timed))
 
 
 def measure_fp8_host_cost(device: torch.device, terms: dict[str, float],
                           compiled_launch_s: float, graph_call_s: float, *,
-                          layers: Sequence[int] = GPU_FP8_LAYERS, steps: int = 10
-                          ) -> tuple[dict[str, float], list[PhaseTimes]]:
+                          layers: Sequence[int] = GPU_FP8_LAYERS, rounds: int = HOST_ROUNDS,
+                          steps: int = 2) -> tuple[dict[str, float], list[PhaseTimes]]:
     """FP8's host terms on this GPU (:func:`fit_fp8_host_cost`): the tiny Llama of
     :func:`measure_param_host_cost` with FP8 Linears, against the bf16 ``terms`` fitted there.
     Call it only where ``torch._scaled_mm`` runs (Hopper and later); it raises otherwise."""
     mesh, undo = _one_rank_mesh(device)
     try:
-        times = [time_phases(n, device, mesh, steps, fp8=True) for n in layers]
+        times = median_times(_timed_models(device, mesh, [(n, "module") for n in layers],
+                                           rounds, steps, fp8=True))
     finally:
         undo()
     return fit_fp8_host_cost(times, terms, compiled_launch_s, graph_call_s), times
