@@ -167,14 +167,6 @@ def _pre_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> No
     chunks = chunks_of(optimizer)
     if len(chunks) < 2:
         return
-    why = _why_not_exact(optimizer, args, kwargs)
-    if why:
-        raise RuntimeError(
-            f"shardc: the compiled model's plan steps this optimizer in chunks (the peak "
-            f"budget's choice, or optimizer_step_chunks='always'), which is exact only for "
-            f"the elementwise torch.optim classes without a closure: {why}."
-            " Compile with shardc.backend(..., optimizer_step_chunks='never') (or a larger "
-            "peak_memory_budget_bytes), or step without a closure.")
     if stepping is None:
         stepping = _STEPPING[optimizer] = _Stepping()
     why = _why_not_applied(optimizer)
@@ -184,6 +176,14 @@ def _pre_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> No
             log.warning("shardc: the optimizer step in chunks is not applied to this %s: %s",
                         type(optimizer).__name__, why)
         return
+    why = _why_not_exact(optimizer, args, kwargs)
+    if why:
+        raise RuntimeError(
+            f"shardc: the compiled model's plan steps this optimizer in chunks (the peak "
+            f"budget's choice, or optimizer_step_chunks='always'), which is exact only for "
+            f"the elementwise torch.optim classes without a closure: {why}."
+            " Compile with shardc.backend(..., optimizer_step_chunks='never') (or a larger "
+            "peak_memory_budget_bytes), or step without a closure.")
     if not stepping.hooked:  # put the groups back before (de)serializing, whatever happened
         stepping.hooked = True
         stepping.handles = [optimizer.register_state_dict_pre_hook(_restore),
