@@ -323,10 +323,10 @@ def _big_reference() -> dict:
 
 def test_the_budget_steps_in_chunks_before_offloading():
     """A budget a byte below the unchunked optimizer step's predicted peak (the levers of the
-    graphs, recompute here, meet it in the forward and the backward): the planner steps the optimizer in chunks (the buckets), keeps the state
-    on the device (no optimizer offload, which was available), predicts a peak within the
-    budget, trains at parity with the unsharded reference; both ranks hash their plans alike;
-    the record round-trips."""
+    graphs, recompute here, meet it in the forward and the backward): the planner steps the
+    optimizer in chunks (the buckets), keeps the state on the device (no optimizer offload,
+    which was available), predicts a peak within the budget, trains at parity with the
+    unsharded reference; both ranks hash their plans alike; the record round-trips."""
     ref = _big_reference()
     outs = run_ranks(_budget_worker, 2)
     for out in outs:
