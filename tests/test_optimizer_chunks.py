@@ -349,3 +349,35 @@ def test_the_budget_steps_in_chunks_before_offloading():
         assert all(out["adopted"])
         assert out["round_trip"]
     assert outs[0]["hashes"] == outs[1]["hashes"]
+
+
+def test_the_feasible_minimum_counts_the_chunks():
+    """The planner at a fake world of 2 (``plan_model``, FX), the optimizer's offload off: a
+    1-byte budget is refused naming the device levers' feasible minimum, which with the step in
+    chunks allowed (``'auto'``) is lower than with one call (``'never'``) where the optimizer
+    step is the peak; at that lower minimum the plan steps in chunks, within it."""
+    import re
+
+    from shardc.tools.planner import PlanSetup, plan_model
+
+    cfg = LlamaConfig(vocab_size=37, dim=64, n_layers=4, n_heads=4, ffn_dim=256, max_seq_len=8)
+
+    def plan(budget_bytes: int, chunks: str) -> Plan:
+        return plan_model(cfg, 2, 1, 8, {"peak_memory_budget_bytes": budget_bytes,
+                                         "peak_memory_margin": 0.0, "optimizer_offload": "never",
+                                         "optimizer_step_chunks": chunks, "fused_loss": False},
+                          template=False, setup=PlanSetup(inductor=False))[0]
+
+    def minimum(chunks: str) -> int:
+        with pytest.raises(Exception, match="feasible minimum") as refused:
+            plan(1, chunks)
+        return int(re.search(r"feasible minimum (\d+) B", str(refused.value)).group(1))
+
+    one_call, chunked = minimum("never"), minimum("auto")
+    assert chunked < one_call, (chunked, one_call)
+    at = plan(chunked, "auto")
+    assert at.budget.optimizer_chunked and at.budget.optimizer is None
+    assert at.budget.peak_bytes <= chunked and at.predicted.peak_bytes <= chunked
+    assert at.predicted.optimizer_temp_bytes == at.predicted.optimizer_chunk_bytes
+    assert "the other levers' feasible minimum with one optimizer call" \
+        in at.budget.optimizer_chunks.reason
