@@ -44,7 +44,8 @@ from shardc.passes.fx_utils import is_call
 from shardc.passes.lower import POOL_PLACEHOLDER
 from shardc.passes.sink_residual import sink_block_residuals, tie_pair_tangents
 from shardc.passes.to_local import plain_to_local_calls
-from shardc.runtime import offload_optimizer
+from shardc.planning import optimizer_chunks
+from shardc.runtime import chunked_step, offload_optimizer
 from shardc.runtime.comm_errors import boxed_with_collective_errors, guard_inductor_graph
 from shardc.runtime.plan_check import announce_region, check_plan_consistency
 from shardc.sharding.shard import ShardState, state_for_key
@@ -390,6 +391,7 @@ def shardc_backend(
                               or state.optimizer_planned_on_host),
                           optimizer_host_params=frozenset(state.optimizer_planned_host_params)
                           if state is not None else frozenset(),
+                          optimizer_step_chunks=_chunks_always(opts, state),
                           offload_key=state.key if state is not None and state.offload is not None
                           and state.offload.params else "")
     if registry is not None:
@@ -455,6 +457,7 @@ def shardc_backend(
     if opts.inductor and store_key is not None:
         _store_plan(store_key, partitioner, region)
     _apply_optimizer_offload(region, state)
+    _apply_optimizer_chunks(region, state)
     progress.log_stage(region.index, "compiled (backend total)", clock.total())
     return _checked(compiled, region, opts)
 
@@ -488,6 +491,40 @@ def _apply_optimizer_offload(region: RegionRecord, state: ShardState | None) -> 
     added = offload_optimizer.adopt(params, pin)
     log.info("shardc: region %d: the optimizer steps %d more parameter(s) on the host (peak "
              "budget)", region.index, added)
+
+
+def _chunks_always(opts: ShardcOptions, state: ShardState | None) -> bool:
+    """Whether a region starts with the optimizer step in chunks: ``optimizer_step_chunks=
+    'always'``, where no optimizer state of the model is on the host (it never combines with
+    the optimizer's offload)."""
+    return (opts.optimizer_step_chunks == "always" and state is not None
+            and state.offload is None and not state.optimizer_planned_on_host
+            and not state.optimizer_planned_host_params)
+
+
+def _apply_optimizer_chunks(region: RegionRecord, state: ShardState | None) -> None:
+    """Where the region's plan steps the optimizer in chunks (the peak budget's choice, or
+    ``optimizer_step_chunks='always'``), have ``optimizer.step()`` step the region's
+    parameters one bucket at a time (``shardc.runtime.chunked_step.adopt``; chunk keys: the
+    model, the region, the bucket). The same on every rank (the decision and buckets are)."""
+    if state is None or region.plan is None or not region.optimizer_step_chunks:
+        return
+    root = state.root() if state.root is not None else None
+    if root is None:
+        raise RuntimeError(
+            f"shardc: region {region.index}'s plan steps the optimizer in chunks, but the "
+            "sharded model is gone")
+    named = dict(root.named_parameters())
+    parts = optimizer_chunks.chunks(region.plan.buckets, ())
+    chunks = [((state.key, region.index, i), [named[f] for f in part if f in named])
+              for i, part in enumerate(parts)]
+    added = chunked_step.adopt(chunks)
+    if region.plan.budget is None:
+        region.plan.notes.append(
+            f"optimizer step in {len(parts)} chunks, one per bucket "
+            "(optimizer_step_chunks='always')")
+    log.info("shardc: region %d: the optimizer steps %d parameter(s) in %d chunks", region.index,
+             added, len(parts))
 
 
 def _cache_blockers(gm: fx.GraphModule, state: ShardState | None,

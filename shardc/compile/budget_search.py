@@ -44,12 +44,21 @@ from shardc.ops.gather_args import GatherArgs
 from shardc.passes.fx_utils import is_call
 from shardc.passes.host_resident import compute_device_type
 from shardc.passes.recompute import Block, checkpoint_bytes
-from shardc.planning import budget, optimizer_kind, optimizer_offload, prefetch, recompute, trade
+from shardc.planning import (
+    budget,
+    optimizer_chunks,
+    optimizer_kind,
+    optimizer_offload,
+    prefetch,
+    recompute,
+    trade,
+)
 from shardc.planning import offload as offload_lever
 from shardc.planning.estimate import elided_cast_seconds
 from shardc.planning.plan import (
     BucketDecision,
     MemoryBudget,
+    OptimizerChunksDecision,
     Plan,
     PrefetchDecision,
     PrefetchTrial,
@@ -75,6 +84,9 @@ class SearchRegion(Protocol):
     # (an earlier region's choice), and set while the search tries a subset and when it
     # chooses one.
     optimizer_host_params: frozenset[str]
+    # Whether the optimizer steps in chunks (shardc.planning.optimizer_chunks): read ("always"),
+    # and set while the search tries it and when it decides it.
+    optimizer_step_chunks: bool
     # The host memory the plan may fill, the same on every rank (None: no limit; read only,
     # agreed before the search by the pipeline: shardc.compile.host_memory.agree_capacity).
     host_capacity: HostCapacity | None
@@ -147,27 +159,55 @@ def kept_params(decided: MemoryBudget) -> set[str]:
 def choose_under_budget(inputs: SearchInputs, options: ShardcOptions,
                         region: SearchRegion) -> MemoryBudget:
     """The budget planner's decisions for one region's joint graph (``inputs``): the levers
-    on the device (:func:`choose_device_levers`) and, where their feasible minimum is over the
-    budget, the last one: the optimizer's state on the host, with the device levers chosen
-    again under it (``shardc.planning.optimizer_offload``). Refused, naming the minimum, where
-    even that is over the budget."""
+    on the device (:func:`choose_device_levers`); where the optimizer step's peak puts them
+    over the budget, the optimizer step in chunks (``shardc.planning.optimizer_chunks``), the
+    device levers chosen again with it; where that is over the budget too (or their feasible
+    minimum is not the step's), the last one: the optimizer's state on the host, with the
+    device levers chosen again under it (``shardc.planning.optimizer_offload``), one call over
+    every parameter. Refused, naming the minimum (with the chunks, where they were tried and
+    the offload is unavailable), where even that is over the budget."""
     unavailable = ("the optimizer's state is on the host already" if region.optimizer_on_host
                    else _optimizer_offload_unavailable(inputs.joint, options))
+    chunks_why = _chunks_unavailable(options, region)
+    # The step in chunks is tried (before the optimizer's offload) where it is available and
+    # not already on ("always": the region starts with it).
+    try_chunks = not chunks_why and not region.optimizer_step_chunks
+    bases: list[Plan] = []
+    first_refusal = None
     try:
-        return choose_device_levers(inputs, options, region, step_floor_exits=not unavailable)
+        decided = choose_device_levers(inputs, options, region,
+                                       step_floor_exits=not unavailable or try_chunks,
+                                       on_base=bases.append)
+        if region.optimizer_step_chunks:  # "always"
+            decided.optimizer_chunks = _chunks_decision(inputs, options, region, bases[-1],
+                                                        decided, 0, True, "")
+        return decided
     except optimizer_offload.StepOverBudget as over:
         floor, floor_plan, exact = over.floor_bytes, over.plan, False
     except budget.MemoryBudgetError as refused:
         floor = getattr(refused, "minimum_bytes", None)
         if floor is None:  # not a budget below the minimum ("auto" off CUDA)
             raise
-        if region.optimizer_on_host:  # already there (OffloadPolicy, or an earlier region)
+        floor_plan, exact = refused.plan, True
+        if try_chunks and _agreed_in_step(floor_plan, region):
+            first_refusal = refused  # the step in chunks may lower it: tried below
+        elif region.optimizer_on_host:  # already there (OffloadPolicy, or an earlier region)
             raise _refusal(refused, optimizer_offload.refusal_hint(True, "")) from None
-        if unavailable:
+        elif unavailable:
             log.info("shardc: region %d: optimizer offload not tried: %s", region.index,
                      unavailable)
             raise _refusal(refused, optimizer_offload.refusal_hint(False, unavailable)) from None
-        floor_plan, exact = refused.plan, True
+    # Never with the optimizer's offload ("always" included: over the budget, it gives way).
+    region.optimizer_step_chunks = False
+    if try_chunks:
+        chunked = _try_chunks(inputs, options, region, floor_plan, floor, exact, unavailable)
+        if chunked is not None:
+            return chunked
+    if unavailable:  # the chunks could not meet the budget, and nothing else is left
+        if first_refusal is not None:
+            raise _refusal(first_refusal, optimizer_offload.refusal_hint(
+                region.optimizer_on_host, unavailable)) from None
+        return _refuse_without_offload(inputs, options, region, unavailable)
     try:
         subset = _host_subset(inputs, options, region, floor_plan, floor, exact)
     except HostFullError as full:
@@ -201,6 +241,99 @@ def choose_under_budget(inputs: SearchInputs, options: ShardcOptions,
                 "host (optimizer_offload='never' turns this off): %s", region.index,
                 decided.optimizer.reason)
     return decided
+
+
+def _chunks_unavailable(options: ShardcOptions, region: SearchRegion) -> str:
+    """Why the optimizer step in chunks cannot be tried for this region ("" where it can;
+    whether the buckets make two chunks is checked on the plan)."""
+    return optimizer_chunks.why_not(options.optimizer_step_chunks, options.optimizer_impl,
+                                    options.optimizer_temp_factor, region.optimizer_on_host,
+                                    region.optimizer_host_params, n_chunks=2)
+
+
+def _agreed_in_step(plan: Plan | None, region: SearchRegion) -> bool:
+    """Whether the peak of ``plan`` is in the optimizer step's column on any rank (one store
+    exchange: every rank decides alike)."""
+    group = plan.group_name if plan is not None else ""
+    return bool(agree_on_largest(group, region.check_index, "chunks/in_step",
+                                 int(_peak_in_step(plan))))
+
+
+def _try_chunks(inputs: SearchInputs, options: ShardcOptions, region: SearchRegion,
+                floor_plan: Plan, floor: int, exact: bool, unavailable: str
+                ) -> MemoryBudget | None:
+    """The device levers chosen again with the optimizer step in chunks
+    (``shardc.planning.optimizer_chunks``), where the step with one call is over the budget
+    (``floor``, of ``floor_plan``; not ``exact``: the step's peak): their decisions, with the
+    chunks' record, or None where that is over the budget too (the region's flag put back;
+    where the optimizer's offload is ``unavailable`` the refusal is raised here, naming the
+    minimum with the chunks)."""
+    parts = optimizer_chunks.chunks(floor_plan.buckets, shard_bytes_by_param(inputs.joint))
+    if len(parts) < 2:
+        log.info("shardc: region %d: optimizer step in chunks not tried: one chunk",
+                 region.index)
+        return None
+    region.optimizer_step_chunks = True
+    bases: list[Plan] = []
+    try:
+        decided = choose_device_levers(inputs, options, region, tag_prefix="chunks/",
+                                       step_floor_exits=not unavailable, on_base=bases.append)
+    except optimizer_offload.StepOverBudget:
+        region.optimizer_step_chunks = False
+        return None
+    except budget.MemoryBudgetError as refused:
+        region.optimizer_step_chunks = False
+        if getattr(refused, "minimum_bytes", None) is None:
+            raise
+        if not unavailable:
+            return None
+        log.info("shardc: region %d: optimizer offload not tried: %s", region.index,
+                 unavailable)
+        raise _refusal(refused, optimizer_offload.refusal_hint(
+            region.optimizer_on_host, unavailable)) from None
+    decided.optimizer_chunks = _chunks_decision(inputs, options, region, bases[0], decided,
+                                                floor, exact, "chunks/")
+    log.warning("shardc: region %d: the peak budget steps the optimizer in chunks "
+                "(optimizer_step_chunks='never' turns this off): %s", region.index,
+                decided.optimizer_chunks.reason)
+    return decided
+
+
+def _chunks_decision(inputs: SearchInputs, options: ShardcOptions, region: SearchRegion,
+                     base: Plan, decided: MemoryBudget, floor: int, exact: bool,
+                     tag_prefix: str) -> OptimizerChunksDecision:
+    """The record of the step in chunks, from the chunked search's first plan (``base``);
+    every number the largest over the ranks."""
+    group, index = base.group_name, region.check_index
+    p = base.predicted
+    chunk = int(p.optimizer_chunk_bytes or 0)
+    stepped = int((p.param_bytes or 0) - (p.optimizer_host_param_bytes or 0))
+    saved = max(stepped - chunk, 0) * options.optimizer_temp_factor
+    chunk = agree_on_largest(group, index, f"{tag_prefix}chunks/bytes", chunk)
+    saved = agree_on_largest(group, index, f"{tag_prefix}chunks/saved", int(saved))
+    n = len(optimizer_chunks.chunks(base.buckets, shard_bytes_by_param(inputs.joint)))
+    profile = resolve_profile(options.cluster, device_name(inputs.joint))
+    seconds = optimizer_chunks.price(n, profile, options.optimizer_state_factor,
+                                     options.optimizer_temp_factor)
+    return optimizer_chunks.decision(n_chunks=n, chunk_bytes=chunk, saved_bytes=saved,
+                                     seconds=seconds, peak_bytes=decided.peak_bytes,
+                                     floor_bytes=floor, exact=exact,
+                                     mode=options.optimizer_step_chunks)
+
+
+def _refuse_without_offload(inputs: SearchInputs, options: ShardcOptions, region: SearchRegion,
+                            unavailable: str) -> MemoryBudget:
+    """The device levers' full search with one optimizer call, where the step's floor exited
+    early for the chunks that then could not meet the budget and the optimizer's offload is
+    ``unavailable``: their refusal, naming their minimum (or, should they meet it after all,
+    their decisions)."""
+    try:
+        return choose_device_levers(inputs, options, region, tag_prefix="full/")
+    except budget.MemoryBudgetError as refused:
+        if getattr(refused, "minimum_bytes", None) is None:
+            raise
+        raise _refusal(refused, optimizer_offload.refusal_hint(
+            region.optimizer_on_host, unavailable)) from None
 
 
 def _host_refusal(full: HostFullError, floor: int, exact: bool) -> HostFullError:
@@ -399,7 +532,8 @@ def _shard_numel(plan: Plan) -> int:
 
 def choose_device_levers(inputs: SearchInputs, options: ShardcOptions, region: SearchRegion,
                          tag_prefix: str = "", step_floor_exits: bool = False,
-                         optimizer_lever: bool = False) -> MemoryBudget:
+                         optimizer_lever: bool = False,
+                         on_base: Callable[[Plan], None] | None = None) -> MemoryBudget:
     """The decisions of the levers on the device for one region's joint graph (``inputs``,
     each configuration built by ``inputs.trial``): the fully resharded configuration first;
     within the budget, the greedy keeps buckets gathered; over it, every bucket kept is tried
@@ -413,7 +547,8 @@ def choose_device_levers(inputs: SearchInputs, options: ShardcOptions, region: S
     put (part of) the optimizer's state on the host for this one: raise
     :class:`HostFullError` where that alone is over the host's capacity
     (``region.host_capacity``); the activation levers are fitted to what is left
-    (:class:`HostRoom`)."""
+    (:class:`HostRoom`). ``on_base``: called with the fully resharded configuration's plan,
+    the search's first (the optimizer step's figures are the same in every configuration)."""
     user_bytes = budget.resolve_budget(options.peak_memory_budget_bytes,
                                        gather_device(inputs.joint))
     margin = options.peak_memory_margin
@@ -454,6 +589,8 @@ def choose_device_levers(inputs: SearchInputs, options: ShardcOptions, region: S
         return PrefetchTrial(depth, step_ns * 1e-6, peak, peak <= budget_bytes)
 
     base, minimum = evaluate(set())
+    if on_base is not None:
+        on_base(base)
     host = _host_room(base, region, tag_prefix, optimizer_lever)
     if step_floor_exits:
         # The optimizer step's shards, gradients, state and temporaries are the same in every

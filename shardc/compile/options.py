@@ -69,6 +69,19 @@ class ShardcOptions:
         ``"auto"``, and also on a CPU mesh, where host and device memory are one (a testing
         mode, like ``OffloadPolicy(simulate_on_cpu=True)``: the host copies are separate
         tensors). Ignored without a budget.
+    optimizer_step_chunks: the optimizer step in chunks (``shardc.planning.optimizer_chunks``,
+        ``shardc.runtime.chunked_step``, docs/memory_budget.md): ``optimizer.step()`` steps the
+        model's parameters in one call per bucket of the plan (its groups narrowed to the
+        bucket's parameters, bitwise the same result for the elementwise torch.optim
+        optimizers), so torch's ``foreach`` temporaries are one bucket's, not every shard's.
+        ``"auto"`` (default): under ``peak_memory_budget_bytes``, where the optimizer step's
+        peak is over the budget, the planner tries it before the optimizer's offload (a few
+        more launches instead of host copies and a host step). ``"never"``: never. ``"always"``:
+        every region's step in chunks, with or without a budget (tests, benchmarks). Refused at
+        ``optimizer.step()`` for an optimizer it cannot step exactly (a class not in
+        ``shardc.optim.local_step.ELEMENTWISE``, a closure); not chosen where the optimizer's
+        state is on the host (offload, ``step_in_backward``) or runs fused / per tensor
+        (``optimizer_impl``: nothing to save).
     recompute_to_keep_gathered: under ``peak_memory_budget_bytes``, after the levers chose in
         order (keep buckets gathered while the fully resharded plan fits, else recompute or
         offload blocks with every bucket resharded), also try the two together: blocks
@@ -178,6 +191,7 @@ class ShardcOptions:
     peak_memory_margin: float = 0.02
     activation_offload: str | tuple[str, ...] = "auto"
     optimizer_offload: str = "auto"
+    optimizer_step_chunks: str = "auto"
     recompute_to_keep_gathered: bool = True
     fused_loss: str | bool | int = "auto"
     check_plan_consistency: bool = True
@@ -227,6 +241,10 @@ class ShardcOptions:
             raise ValueError(
                 "shardc: optimizer_offload must be 'auto', 'never' or 'simulate' (CPU tests), "
                 f"got {self.optimizer_offload!r}")
+        if self.optimizer_step_chunks not in ("auto", "never", "always"):
+            raise ValueError(
+                "shardc: optimizer_step_chunks must be 'auto', 'never' or 'always', got "
+                f"{self.optimizer_step_chunks!r}")
         if self.dump_dir is None and os.environ.get("SHARDC_DUMP"):
             object.__setattr__(self, "dump_dir", os.environ["SHARDC_DUMP"])
         object.__setattr__(self, "bucket_modules", tuple(self.bucket_modules))

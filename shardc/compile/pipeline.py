@@ -86,7 +86,7 @@ from shardc.passes.prune_body_outputs import prune_unused_body_outputs, pruned_b
 from shardc.passes.recompute import Block, find_blocks, recompute_blocks
 from shardc.passes.reshard import check_no_gathered_saved, keep_gathered, tag_resharded_gathers
 from shardc.passes.saved_order import order_saved_values
-from shardc.planning import optimizer_kind
+from shardc.planning import optimizer_chunks, optimizer_kind
 from shardc.planning.plan import CompiledBody, FusedLossDecision, InlineBlock, MemoryBudget, Plan
 from shardc.planning.profile import resolve_profile
 from shardc.planning.schedule import device_name, plan_region
@@ -124,6 +124,9 @@ class RegionRecord:
     # parameters whose state and step are on the host (the others' stay on the device); set by
     # an earlier region's decision and while the search tries a subset.
     optimizer_host_params: frozenset[str] = frozenset()
+    # The optimizer step in chunks (shardc.planning.optimizer_chunks): the step's foreach
+    # temporaries are the largest bucket's; set while the search tries it and when it decides it.
+    optimizer_step_chunks: bool = False
     # The host memory the peak budget's search may fill (shardc.compile.host_memory
     # .agree_capacity), agreed across the ranks before it (``host_agreed``); None: no limit.
     host_capacity: host_memory.HostCapacity | None = None
@@ -353,6 +356,8 @@ def predict(lowered: Lowered, options: ShardcOptions, region: RegionRecord) -> P
     allocator, runtime = memory_model(options, fw)
     per_tensor = per_tensor_temps(lowered.shard_bytes, names, options.optimizer_state_factor,
                                   sized(allocator))
+    chunk_bytes = largest_chunk(plan, lowered.shard_bytes, sized(allocator)) \
+        if region.optimizer_step_chunks and not on_host else None
     with progress.stage(region.index, "peak prediction"):
         predict_peak(fw, bw, plan, lowered.fw_params, lowered.bw_params,
                      optimizer_state_factor=0.0 if on_host else options.optimizer_state_factor,
@@ -364,10 +369,19 @@ def predict(lowered: Lowered, options: ShardcOptions, region: RegionRecord) -> P
                      optimizer_host_param_bytes=host_stepped,
                      optimizer_impl=options.optimizer_impl,
                      optimizer_per_tensor_bytes=per_tensor,
+                     optimizer_chunk_bytes=chunk_bytes,
                      allocator=allocator, runtime_bytes=runtime)
         note_optimizer_impl(plan, options, host_stepped > 0, on_host)
         record_host_bytes(plan, host, fw, options, on_host)
     return plan
+
+
+def largest_chunk(plan: Plan, shard_bytes: dict[str, int], count=int) -> int:
+    """This rank's bytes of shards in the optimizer step's largest chunk
+    (``shardc.planning.optimizer_chunks.chunks`` of the plan's buckets; ``count``: a shard's
+    counted bytes from its requested ones, each a separate allocation)."""
+    parts = optimizer_chunks.chunks(plan.buckets, shard_bytes)
+    return optimizer_chunks.largest_chunk_bytes(parts, lambda p: count(shard_bytes.get(p, 0)))
 
 
 def per_tensor_temps(shard_bytes: dict[str, int], host_names: frozenset[str],

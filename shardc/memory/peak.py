@@ -532,6 +532,7 @@ def predict_peak(
     optimizer_host_param_bytes: int = 0,
     optimizer_impl: str = "auto",
     optimizer_per_tensor_bytes: float | None = None,
+    optimizer_chunk_bytes: int | None = None,
     allocator: str = "exact",
     runtime_bytes: int = 0,
 ) -> dict[str, int]:
@@ -547,6 +548,9 @@ def predict_peak(
     ``"auto"`` runs per tensor on a group that mixes host-stepped shards with these;
     ``optimizer_per_tensor_bytes``: the per-tensor implementation's temporaries
     (``optimizer_kind.per_tensor_temp_bytes``; default: over ``params``, all on the device).
+    ``optimizer_chunk_bytes``: the step runs in chunks (``shardc.planning.optimizer_chunks``)
+    whose largest holds these bytes of shards (counted as ``allocator`` counts): ``foreach``'s
+    temporaries are that chunk's (None: one call over every shard).
 
     ``allocator``: how an allocation's bytes are counted (``shardc.memory.cuda_blocks``):
     ``"cuda"``, as the CUDA caching allocator's block (what ``torch.cuda.max_memory_allocated``
@@ -574,7 +578,10 @@ def predict_peak(
     if optimizer_per_tensor_bytes is None:
         optimizer_per_tensor_bytes = optimizer_kind.per_tensor_temp_bytes(
             (_counted(p.meta.get("val"), count) for p in params), optimizer_state_factor)
-    temps = optimizer_kind.step_temp_bytes(ran, stepped_here, optimizer_per_tensor_bytes,
+    chunked = optimizer_chunk_bytes is not None and ran == "foreach"
+    # foreach allocates its lists per call: a chunked step's are the largest chunk's.
+    in_one_call = min(stepped_here, optimizer_chunk_bytes) if chunked else stepped_here
+    temps = optimizer_kind.step_temp_bytes(ran, in_one_call, optimizer_per_tensor_bytes,
                                            optimizer_temp_factor)
     persistent_bytes = count(persistent_bytes)  # the static pool: one allocation
     constants = {breakdown.PARAM_SHARDS: param_bytes, breakdown.OPTIMIZER: optim,
@@ -620,6 +627,8 @@ def predict_peak(
         out["unsynced_grad_bytes"] = unsynced
     if allocator == "cuda":
         out["runtime_bytes"] = runtime_bytes
+    if chunked:
+        out["optimizer_chunk_bytes"] = in_one_call
     if optimizer_host_param_bytes:
         out["optimizer_host_param_bytes"] = min(optimizer_host_param_bytes, param_bytes)
     for key, value in out.items():

@@ -70,6 +70,11 @@ PLAN_VERSION = 5
 # time and why) came later still within version 5, optional like those: a plan without it reads
 # with ``None`` (nothing fused, as it was planned) and hashes as before (the decision enters the
 # hash only when something was fused).
+# ``MemoryBudget.optimizer_chunks`` (:class:`OptimizerChunksDecision`: the optimizer step in
+# chunks, the device lever tried before the optimizer's offload) and
+# ``Predictions.optimizer_chunk_bytes`` came later still within version 5, optional like those:
+# a plan without them reads with ``None`` (one call over every parameter, as it was planned)
+# and hashes as before (the decision enters the hash only where the step is chunked).
 READABLE_VERSIONS = (1, 2, 3, 4, 5)
 
 
@@ -160,6 +165,10 @@ class Predictions:
     # implementation that runs holds them (``shardc.planning.optimizer_kind``; optional within
     # version 5).
     optimizer_temp_bytes: float | None = None
+    # The optimizer step in chunks (``MemoryBudget.optimizer_chunks``; optional within version
+    # 5): this rank's bytes of shards in the largest chunk, whose temporaries
+    # ``optimizer_temp_bytes`` counts. Absent: one call over every parameter.
+    optimizer_chunk_bytes: float | None = None
     # ``shardc.no_sync``'s store of full gradients (one per parameter), held across the
     # micro-batches and counted in the forward and backward peaks above of the regions that add
     # to or take from it (optional within version 5). Absent: a region without stored gradients.
@@ -505,6 +514,30 @@ class OptimizerDecision:
 
 
 @dataclass
+class OptimizerChunksDecision:
+    """The budget planner's choice on the optimizer step in chunks
+    (``shardc.planning.optimizer_chunks``): ``chunked``: ``optimizer.step()`` steps the
+    parameters in ``chunks`` calls (one per bucket, one more for parameters in none;
+    ``shardc.runtime.chunked_step``), so the ``foreach`` implementation's temporaries are the
+    largest chunk's, ``chunk_bytes`` of shards, not every shard's; ``saved_bytes``: the device
+    bytes that frees at the optimizer step (predicted); ``predicted_ms``: the extra launches'
+    and calls' time per step; ``mode``: the option ``optimizer_step_chunks``. Every number is
+    the largest over the ranks."""
+
+    chunked: bool
+    chunks: int
+    chunk_bytes: int
+    saved_bytes: int
+    predicted_ms: float
+    reason: str
+    mode: str = "auto"
+
+    def signature(self) -> tuple | None:
+        """What enters the plan hash (None: not chunked)."""
+        return ("optimizer_chunks", self.chunks) if self.chunked else None
+
+
+@dataclass
 class FusedLossDecision:
     """Whether the region's output projection + cross-entropy were fused into the chunked op
     (``shardc.passes.fused_loss``, ``shardc.ops.fused_ce``), and why. ``fused``: the nll
@@ -581,6 +614,14 @@ class MemoryBudget:
     # The host memory the search fitted its host levers to, where it left one out for it
     # ("" otherwise, as in plans made before it; not in the hash: the decisions are).
     host: str = ""
+    # The optimizer step in chunks (None: not considered, as in plans made before it and where
+    # the optimizer step's peak met the budget).
+    optimizer_chunks: OptimizerChunksDecision | None = None
+
+    @property
+    def optimizer_chunked(self) -> bool:
+        """Whether the planner chose the optimizer step in chunks."""
+        return self.optimizer_chunks is not None and self.optimizer_chunks.chunked
 
     @property
     def optimizer_on_host(self) -> bool:
@@ -622,6 +663,8 @@ class MemoryBudget:
             data["prefetch"] = PrefetchDecision.from_dict(data["prefetch"])
         if data.get("optimizer"):
             data["optimizer"] = OptimizerDecision(**data["optimizer"])
+        if data.get("optimizer_chunks"):
+            data["optimizer_chunks"] = OptimizerChunksDecision(**data["optimizer_chunks"])
         return cls(**data)
 
 
@@ -699,7 +742,9 @@ class Plan:
         out = out + (("prefetch", b.prefetch.depth),) if b.prefetch is not None else out
         out = out + (("optimizer_on_host", True),) if b.optimizer_on_host else out
         partial = b.optimizer is not None and b.optimizer.partial
-        return out + (("optimizer_host_params", b.optimizer.host_params),) if partial else out
+        out = out + (("optimizer_host_params", b.optimizer.host_params),) if partial else out
+        chunks = b.optimizer_chunks.signature() if b.optimizer_chunks is not None else None
+        return out + (chunks,) if chunks is not None else out
 
     def hash(self) -> str:
         """Hash of what must be identical on every rank (see :meth:`Collective.signature`)."""

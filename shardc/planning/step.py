@@ -59,6 +59,10 @@ steps on the host with optimizer-only offload's copies, the rest on the device, 
 other inside ``optimizer.step()`` (the hooks copy to the host first, torch steps the group,
 the hooks copy back).
 
+Where a plan's peak budget chose the optimizer step in chunks (``MemoryBudget.
+optimizer_chunks``), the device step is priced as one call plus the chunks' extra calls
+(``OptimizerChunksDecision.predicted_ms``, summed over the regions that chose it).
+
 Regions: the backward of the region compiled first (the lowest ``Plan.region``) runs last, so
 its queued device time is what the optimizer's host work can hide under; another region's
 hand-off can hide only under its own backward's queued time, and what it exceeds that by is
@@ -113,6 +117,9 @@ class OptimizerSpec:
     offload: str = "none"
     overlap: bool = False
     impl: str = "auto"
+    # The peak budget's step in chunks (``MemoryBudget.optimizer_chunks``): the seconds its
+    # extra calls add to the device step (``shardc.planning.optimizer_chunks.price``).
+    chunk_s: float = 0.0
 
     def ran(self, *, host_in_group: bool) -> str:
         """The implementation that steps a group with (``host_in_group``) or without host
@@ -423,7 +430,8 @@ def _after_graphs(queued: float, handoff: float, zero_grad: float, optimizer: Op
         ran = optimizer.ran(host_in_group=False)
         device = optimizer_step_seconds(optimizer.param_bytes, optimizer.n_params, profile,
                                         state_factor=optimizer.state_factor,
-                                        temp_factor=optimizer.temp_factor, ran=ran)
+                                        temp_factor=optimizer.temp_factor, ran=ran) \
+            + optimizer.chunk_s
         _, ops = optimizer_kernel_ops(optimizer.state_factor, 0.0 if ran == "fused" else
                                       max(optimizer.temp_factor, 1.0))
         if ran == "per_tensor":  # the same ops, one kernel per tensor each
@@ -451,6 +459,10 @@ def predict_step(plans: Sequence[Plan], profile: ClusterProfile, optimizer: Opti
     share = budget_host_share(plans) if optimizer.offload == "none" else 0.0
     if share >= 1.0:  # the budget put every parameter's state and step on the host
         optimizer = replace(optimizer, offload="optimizer", overlap=False)
+    chunks = [p.budget.optimizer_chunks for p in plans
+              if p.budget is not None and p.budget.optimizer_chunked]
+    if chunks and optimizer.offload == "none" and share == 0.0:
+        optimizer = replace(optimizer, chunk_s=sum(c.predicted_ms for c in chunks) * 1e-3)
 
     def queued_of(p: Plan) -> float:
         return _replayed_s(p, "backward") if cudagraphs else _value(p.predicted,

@@ -58,7 +58,7 @@ from torch.optim.optimizer import (
 
 from shardc._torch import dtensor_on_local_device
 
-__all__ = ["adopt", "remember", "host_master"]
+__all__ = ["adopt", "remember", "host_master", "steps_on_host"]
 
 
 @dataclass
@@ -122,6 +122,11 @@ def adopt(params: list[tuple[str, torch.Tensor]], pin: bool) -> int:
 def _host_copy(param: torch.Tensor) -> _HostCopy | None:
     entry = _PARAMS.get(id(param))
     return entry[1] if entry is not None and entry[0]() is param else None
+
+
+def steps_on_host(param: torch.Tensor) -> bool:
+    """Whether ``param``'s optimizer state and step are on the host (remembered or adopted)."""
+    return _host_copy(param) is not None
 
 
 def host_master(param: torch.Tensor) -> nn.Parameter | None:

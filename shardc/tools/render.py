@@ -319,6 +319,10 @@ def budget_lines(plan: Plan) -> list[str]:
         p = b.prefetch
         lines.append(f"  prefetch depth {p.depth} (options: {p.default_depth}): predicted step "
                      f"{p.step_ms:.3f} ms, peak {_fmt_bytes(p.peak_bytes)}: {p.reason}")
+    c = getattr(b, "optimizer_chunks", None)
+    if c is not None and c.chunked:
+        lines.append(f"  optimizer step: in {c.chunks} chunks, costs {c.predicted_ms:.2f} ms per "
+                     f"step, frees {_fmt_bytes(c.saved_bytes)}: {c.reason}")
     o = b.optimizer
     if o is not None:
         where = "on the host" if o.on_host else "on the device"
