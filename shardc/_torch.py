@@ -654,3 +654,16 @@ def cached_guard_check(code) -> Callable[[dict], bool]:
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     return _debug_get_cache_entry_list(code)[0].guard_manager.check
+
+
+def optimizer_step_hooks(optimizer) -> list:
+    """Every step hook that runs around ``optimizer.step()``: the process-wide pre-hooks, the
+    optimizer's own pre- and post-hooks, the process-wide post-hooks. torch keeps them in
+    private dicts (``torch.optim.optimizer._global_optimizer_pre_hooks`` and the like, the
+    optimizer's ``_optimizer_step_pre_hooks``); there is no public accessor (2.11-2.13)."""
+    from torch.optim import optimizer as optim_module
+
+    return [*optim_module._global_optimizer_pre_hooks.values(),
+            *optimizer._optimizer_step_pre_hooks.values(),
+            *optimizer._optimizer_step_post_hooks.values(),
+            *optim_module._global_optimizer_post_hooks.values()]

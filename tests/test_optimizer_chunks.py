@@ -2,8 +2,8 @@
 optimizer_chunks``, docs/memory_budget.md "The optimizer step in chunks").
 
 * the runtime alone (one process, plain tensors): bitwise the same parameters and state as one
-  call, every implementation; user hooks and an LR scheduler; the refusals; the groups put back
-  after a raising chunk; not applied beside ``step_in_backward``;
+  call, every implementation; an LR scheduler; the refusals (a user's step hook among them);
+  the groups put back after a raising chunk; not applied beside ``step_in_backward``;
 * a sharded, compiled model (gloo, worlds 1 and 2, the parity model: a 37-row embedding, uneven
   shards) trained with ``optimizer_step_chunks='always'`` against ``'never'``: AdamW with
   ``foreach=True`` and torch's default (per tensor on a CPU mesh: torch's default picks
@@ -52,24 +52,37 @@ def _params() -> list[torch.nn.Parameter]:
     return [torch.nn.Parameter(torch.randn(s)) for s in [(5, 3), (7,), (4, 4), (2,), (3, 3)]]
 
 
+@pytest.fixture
+def narrowed(monkeypatch) -> list[list[int]]:
+    """The group sizes of every narrowing of a chunked step, in order (a spy on
+    ``chunked_step._narrow``: what each chunk's call steps)."""
+    seen: list[list[int]] = []
+    real = chunked_step._narrow
+
+    def spy(groups, chunk):
+        seen.append([len(params) for params in chunk])
+        real(groups, chunk)
+
+    monkeypatch.setattr(chunked_step, "_narrow", spy)
+    return seen
+
+
 def _run(chunk: bool, opt_cls=torch.optim.AdamW, steps: int = 3, **kwargs) -> tuple:
     """Train 5 plain parameters in two groups (one with its own lr) with an LR scheduler;
     with ``chunk`` in 3 chunks (two adopted, one of the rest). Returns the parameters, the
-    optimizer's state dict, the pre-hook's calls (the first group's size each), the lrs."""
+    optimizer's state dict, the lrs and the optimizer."""
     ps = _params()
     opt = opt_cls([{"params": ps[:3]}, {"params": ps[3:], "lr": 0.1}], lr=0.01, **kwargs)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
     if chunk:
         chunked_step.adopt([("a", [ps[0], ps[3]]), ("b", [ps[1]])])
-    calls = []
-    opt.register_step_pre_hook(lambda o, a, k: calls.append(len(o.param_groups[0]["params"])))
     g = torch.Generator().manual_seed(3)
     for _ in range(steps):
         for p in ps:
             p.grad = torch.randn(p.shape, generator=g)
         opt.step()
         sched.step()
-    return ps, opt.state_dict(), calls, sched.get_last_lr(), opt
+    return ps, opt.state_dict(), sched.get_last_lr(), opt
 
 
 @pytest.mark.parametrize("opt_cls,kwargs", [
@@ -78,18 +91,20 @@ def _run(chunk: bool, opt_cls=torch.optim.AdamW, steps: int = 3, **kwargs) -> tu
     (torch.optim.Adam, {"foreach": True, "weight_decay": 0.1}),
     (torch.optim.SGD, {"foreach": True, "momentum": 0.9}),
 ])
-def test_chunks_step_bitwise_like_one_call(opt_cls, kwargs):
-    """Each implementation, chunked or not: the same bits; the optimizer's hooks run once per
-    chunk (3 calls a step, each seeing its chunk), the scheduler's lrs are the same and it warns
+def test_chunks_step_bitwise_like_one_call(opt_cls, kwargs, narrowed):
+    """Each implementation, chunked or not: the same bits; each step is three calls, each
+    with the groups narrowed to its chunk; the scheduler's lrs are the same and it warns
     nothing; outside step() the groups hold every parameter, in their order."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no scheduler warning ("step() before optimizer.step()")
-        plain, plain_state, plain_calls, plain_lrs, _ = _run(False, opt_cls, **kwargs)
+        plain, plain_state, plain_lrs, _ = _run(False, opt_cls, **kwargs)
+        assert narrowed == []
         chunked_step._CHUNK.clear()
-        ps, state, calls, lrs, opt = _run(True, opt_cls, **kwargs)
+        ps, state, lrs, opt = _run(True, opt_cls, **kwargs)
     assert all(torch.equal(a, b) for a, b in zip(plain, ps))
     torch.testing.assert_close(state, plain_state, rtol=0, atol=0)
-    assert plain_calls == [3] * 3 and calls == [1, 1, 1] * 3  # chunks a, b, the rest
+    # Per step: chunk a, chunk b, the rest (the groups' sizes), then the groups put back.
+    assert narrowed == [[1, 1], [1, 0], [1, 1], [3, 2]] * 3
     assert lrs == plain_lrs
     assert [list(g["params"]) for g in opt.param_groups] == [ps[:3], ps[3:]]
     assert [[len(g) for g in c] for c in chunked_step.chunks_of(opt)] == [[1, 1], [1, 0], [1, 1]]
@@ -117,45 +132,68 @@ def test_refused_where_it_could_be_inexact():
     assert opt.param_groups[0]["params"] == ps and not opt.state
 
 
+def _clip_hook(optimizer, args, kwargs):
+    torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], 1.0)
+
+
+@pytest.mark.parametrize("where", ["optimizer", "process"])
+def test_refused_with_a_step_hook_that_is_not_shardcs(where):
+    """A step hook of the user's (here a clip by the global norm, which would clip again at
+    every chunk), the optimizer's own or process-wide, is refused at the step, naming it and
+    the way out; the groups are untouched. Removed, the step runs in chunks."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    ps = _params()
+    chunked_step.adopt([("a", ps[:2])])
+    opt = torch.optim.AdamW(ps, lr=0.01)
+    handle = (opt.register_step_pre_hook(_clip_hook) if where == "optimizer"
+              else register_optimizer_step_pre_hook(_clip_hook))
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    try:
+        assert chunked_step.foreign_hooks(opt) == ["_clip_hook"]
+        with pytest.raises(RuntimeError, match="step hooks _clip_hook are not shardc's.*once "
+                           "per chunk.*optimizer_step_chunks='never'"):
+            opt.step()
+        assert opt.param_groups[0]["params"] == ps and not opt.state
+    finally:
+        handle.remove()
+    opt.step()
+    assert set(opt.state) == set(ps)
+
+
 def test_a_raising_chunk_puts_the_groups_back():
-    """A hook raising in the second chunk: the error propagates, the groups hold every
-    parameter again, and the next step and state_dict() work."""
+    """The second chunk's step raising (a sparse gradient, which AdamW refuses): the error
+    propagates, the groups hold every parameter again, and the next step and state_dict()
+    work."""
     ps = _params()
     chunked_step.adopt([("a", ps[:2]), ("b", ps[2:4])])
     opt = torch.optim.AdamW(ps, lr=0.01, foreach=True)
-    calls = []
-
-    def hook(o, args, kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise ValueError("boom")
-
-    opt.register_step_pre_hook(hook)
     for p in ps:
         p.grad = torch.ones_like(p)
-    with pytest.raises(ValueError, match="boom"):
+    ps[2].grad = ps[2].grad.to_sparse()
+    with pytest.raises(RuntimeError, match="sparse"):
         opt.step()
     assert opt.param_groups[0]["params"] == ps
+    ps[2].grad = torch.ones_like(ps[2])
     opt.step()
     assert set(opt.state_dict()["state"]) == {0, 1, 2, 3, 4}
     assert opt.param_groups[0]["params"] == ps
 
 
-def test_not_applied_beside_step_in_backward(caplog):
+def test_not_applied_beside_step_in_backward(caplog, narrowed):
     """An optimizer another shardc step change holds (here marked as step_in_backward's) steps
     in one call, with one warning."""
     ps = _params()
     chunked_step.adopt([("a", ps[:2])])
     opt = torch.optim.AdamW(ps, lr=0.01)
     opt._shardc_step_in_backward = object()
-    calls = []
-    opt.register_step_pre_hook(lambda o, a, k: calls.append(len(o.param_groups[0]["params"])))
     for p in ps:
         p.grad = torch.ones_like(p)
     with caplog.at_level("WARNING", logger="shardc"):
         opt.step()
         opt.step()
-    assert calls == [5, 5]
+    assert narrowed == [] and set(opt.state) == set(ps)
     assert sum("not applied" in r.message for r in caplog.records) == 1
 
 
@@ -210,8 +248,9 @@ def _train_sharded(rank: int, world: int, chunks: str, foreach: bool | None,
                                                           optimizer_step_chunks=chunks))
     opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=foreach)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-    calls = []
-    opt.register_step_pre_hook(lambda o, a, k: calls.append(1))
+    narrows = []  # a spy: chunked_step narrows once per chunk, then puts the groups back
+    real_narrow = chunked_step._narrow
+    chunked_step._narrow = lambda groups, chunk: (narrows.append(1), real_narrow(groups, chunk))
     tokens, targets = batches(steps)
     per = tokens.shape[1] // world
     rows = slice(rank * per, (rank + 1) * per)
@@ -223,11 +262,15 @@ def _train_sharded(rank: int, world: int, chunks: str, foreach: bool | None,
             opt.step()
             sched.step()
             opt.zero_grad()
+    chunked_step._narrow = real_narrow
+    # The calls that stepped: one per chunk a step (each step narrows once per chunk and once
+    # more to put the groups back), or one a step without chunks (no narrowing).
+    calls = len(narrows) - steps if narrows else steps
     params = [p.to_local().detach().clone() for p in model.parameters()]
     # What torch.optim runs for these parameters where foreach is unset (CPU: per tensor).
     _, default_foreach = _default_to_fused_or_foreach(
         list(model.parameters()), differentiable=False, use_fused=False)
-    return {"params": params, "state": _local_state(opt), "calls": len(calls),
+    return {"params": params, "state": _local_state(opt), "calls": calls,
             "chunks": len(chunked_step.chunks_of(opt)), "lrs": sched.get_last_lr(),
             "default_foreach": default_foreach,
             "warnings": sorted({str(w.message) for w in caught
@@ -248,12 +291,15 @@ def _parity_worker(rank: int, world: int, foreach: bool | None) -> dict:
             "default_foreach": plain["default_foreach"]}
 
 
-@pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("foreach", [True, None])
+# Two of the four combinations in the default suite (its time); the other two are slow.
+@pytest.mark.parametrize("world,foreach", [
+    (2, True), (1, None),
+    pytest.param(1, True, marks=pytest.mark.slow), pytest.param(2, None, marks=pytest.mark.slow),
+])
 def test_sharded_training_in_chunks_is_bitwise_the_same(world, foreach):
     """A sharded, compiled model trained with the step in chunks (``'always'``) and without:
-    the parameters and the optimizer's state bitwise equal on every rank; the optimizer's
-    hooks ran once per chunk (at least 2 chunks: the parity model's buckets), the scheduler's
+    the parameters and the optimizer's state bitwise equal on every rank; the optimizer was
+    called once per chunk (at least 2 chunks: the parity model's buckets), the scheduler's
     lrs and warnings are the same. torch's default AdamW runs per tensor on a CPU mesh (checked
     here), so ``foreach=True`` is the case whose temporaries the chunks bound."""
     for out in run_ranks(_parity_worker, world, foreach):
@@ -351,6 +397,7 @@ def test_the_budget_steps_in_chunks_before_offloading():
     assert outs[0]["hashes"] == outs[1]["hashes"]
 
 
+@pytest.mark.slow  # 15 s; the budget's choice of the chunks is in the default suite above
 def test_the_feasible_minimum_counts_the_chunks():
     """The planner at a fake world of 2 (``plan_model``, FX), the optimizer's offload off: a
     1-byte budget is refused naming the device levers' feasible minimum, which with the step in

@@ -23,8 +23,11 @@ more. How, with torch's public process-wide step hooks (``register_optimizer_ste
    user's call steps that one;
 2. the post-hook puts the groups' parameter lists back (the same list objects).
 
-So every other step hook (the optimizer's own, the user's, ``local_shard_step``'s) runs once
-per chunk and sees that chunk's parameters in the groups; an LR scheduler is unaffected (it
+So every other step hook runs once per chunk and sees that chunk's parameters in the
+groups. shardc's own hooks are written for that (``local_shard_step``'s swaps each group's
+parameters for their local shards, whatever they are); a hook of anyone else's is written for
+one call per step (a gradient clip by the global norm in a pre-hook would clip again at every
+chunk), so an optimizer with such a hook is refused (below). An LR scheduler is unaffected (it
 writes the groups' ``lr``, which the narrowed groups are; its "step() before
 optimizer.step()" check sees the user's call). Outside ``step()`` the groups hold every
 parameter as before, so ``state_dict()``, ``load_state_dict()``, DCP and ``zero_grad()`` see
@@ -39,11 +42,13 @@ exact too (their ops are per parameter) and not refused.
 
 Refused, with an error naming the optimizer's class and the way out (``optimizer_step_chunks=
 'never'`` or a larger ``peak_memory_budget_bytes``), where it cannot be exact: a class not
-exactly one of ``ELEMENTWISE`` (a subclass may step otherwise), and ``step(closure)`` (the
-closure would run once per chunk). Not applied (a warning, once per optimizer) where another
-shardc step change holds the optimizer: optimizer offload (some of its parameters step on the
-host, ``shardc.runtime.offload_optimizer``) or ``shardc.step_in_backward``; the planner does
-not choose the chunked step where those are planned.
+exactly one of ``ELEMENTWISE`` (a subclass may step otherwise), ``step(closure)`` (the
+closure would run once per chunk), and step hooks that are not shardc's (the optimizer's own
+or process-wide, :func:`foreign_hooks`: they would run once per chunk). Not applied (a
+warning, once per optimizer) where another shardc step change holds the optimizer: optimizer
+offload (some of its parameters step on the host, ``shardc.runtime.offload_optimizer``) or
+``shardc.step_in_backward``; the planner does not choose the chunked step where those are
+planned.
 """
 
 from __future__ import annotations
@@ -59,9 +64,10 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
+from shardc._torch import optimizer_step_hooks
 from shardc.optim.local_step import ELEMENTWISE
 
-__all__ = ["adopt", "chunk_of", "chunks_of"]
+__all__ = ["adopt", "chunk_of", "chunks_of", "foreign_hooks"]
 
 log = logging.getLogger("shardc")
 
@@ -141,7 +147,24 @@ def _why_not_exact(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) 
     closure = args[1] if len(args) > 1 else kwargs.get("closure")
     if closure is not None:
         return "optimizer.step(closure) would evaluate the closure once per chunk"
+    foreign = foreign_hooks(optimizer)
+    if foreign:
+        return (f"its step hooks {', '.join(foreign)} are not shardc's: they would run once "
+                "per chunk, each time seeing only that chunk's parameters (do their work "
+                "before or after optimizer.step() instead)")
     return ""
+
+
+def foreign_hooks(optimizer: torch.optim.Optimizer) -> list[str]:
+    """The names of the step hooks around ``optimizer.step()`` (its own and process-wide,
+    pre and post) that are not shardc's, i.e. not defined in a ``shardc`` module."""
+    names = []
+    for hook in optimizer_step_hooks(optimizer):
+        fn = getattr(hook, "__func__", hook)  # a bound method's function
+        module = getattr(fn, "__module__", None) or ""
+        if module != "shardc" and not module.startswith("shardc."):
+            names.append(getattr(fn, "__qualname__", None) or repr(hook))
+    return names
 
 
 def _why_not_applied(optimizer: torch.optim.Optimizer) -> str:
