@@ -79,7 +79,8 @@ class ShardcOptions:
         more launches instead of host copies and a host step). ``"never"``: never. ``"always"``:
         every region's step in chunks, with or without a budget (tests, benchmarks). Refused at
         ``optimizer.step()`` for an optimizer it cannot step exactly (a class not in
-        ``shardc.optim.local_step.ELEMENTWISE``, a closure); not chosen where the optimizer's
+        ``shardc.optim.local_step.ELEMENTWISE``, a closure, a step hook that is not shardc's:
+        it would run once per chunk); not chosen where the optimizer's
         state is on the host (offload, ``step_in_backward``) or runs fused / per tensor
         (``optimizer_impl``: nothing to save).
     recompute_to_keep_gathered: under ``peak_memory_budget_bytes``, after the levers chose in

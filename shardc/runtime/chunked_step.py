@@ -204,7 +204,8 @@ def _pre_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> No
         raise RuntimeError(
             f"shardc: the compiled model's plan steps this optimizer in chunks (the peak "
             f"budget's choice, or optimizer_step_chunks='always'), which is exact only for "
-            f"the elementwise torch.optim classes without a closure: {why}."
+            f"the elementwise torch.optim classes without a closure or step hooks of others: "
+            f"{why}."
             " Compile with shardc.backend(..., optimizer_step_chunks='never') (or a larger "
             "peak_memory_budget_bytes), or step without a closure.")
     if not stepping.hooked:  # put the groups back before (de)serializing, whatever happened
