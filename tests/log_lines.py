@@ -7,10 +7,11 @@ import logging
 
 
 class LogLines(logging.Handler):
-    """Collects ``record.getMessage()`` of every record at INFO or above in ``lines``."""
+    """Collects ``record.getMessage()`` of every record at ``level`` (default INFO) or above in
+    ``lines``."""
 
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
+    def __init__(self, level: int = logging.INFO) -> None:
+        super().__init__(level)
         self.lines: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:

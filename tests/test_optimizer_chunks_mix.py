@@ -33,6 +33,7 @@ import torch
 import torch._dynamo
 import torch.distributed.checkpoint as dcp
 from dist_utils import run_ranks
+from log_lines import LogLines
 from mesh_workers import HSDP_CLUSTER
 from parity import GLOBAL_BATCH, LR, batches, build
 from torch.distributed.device_mesh import init_device_mesh
@@ -41,17 +42,6 @@ import shardc
 from shardc.checkpoint import ModelState, OptimizerState
 from shardc.models.llama import llama_loss
 from shardc.runtime import chunked_step
-
-
-class _Records(logging.Handler):
-    """The ``shardc`` logger's warnings during a run."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 def _local(t):
@@ -118,7 +108,7 @@ def _train(rank: int, world: int, model, forward, opt, sched, steps: range,
     narrows = []
     real_narrow = chunked_step._narrow
     chunked_step._narrow = lambda groups, chunk: (narrows.append(1), real_narrow(groups, chunk))
-    records = _Records()
+    records = LogLines(logging.WARNING)  # the shardc logger's warnings
     logger = logging.getLogger("shardc")
     logger.addHandler(records)
     try:
@@ -144,7 +134,7 @@ def _train(rank: int, world: int, model, forward, opt, sched, steps: range,
     return {"calls": len(narrows) - n if narrows else n,
             "chunks": len(chunked_step.chunks_of(opt)), "steps": n, "lrs": sched.get_last_lr(),
             "warnings": sorted({f"{w.category.__name__}: {w.message}" for w in caught}),
-            "logged": sorted(set(records.messages))}
+            "logged": sorted(set(records.lines))}
 
 
 def _run(rank: int, world: int, chunks: str, steps: int = 3, no_sync: bool = False,

@@ -474,11 +474,7 @@ def _apply_optimizer_offload(region: RegionRecord, state: ShardState | None) -> 
     budget = region.plan.budget if region.plan is not None else None
     if state is None or budget is None or not budget.optimizer_on_host:
         return
-    root = state.root() if state.root is not None else None
-    if root is None:
-        raise RuntimeError(
-            f"shardc: region {region.index}'s peak budget put the optimizer's state on the host, "
-            "but the sharded model is gone")
+    root = _sharded_root(region, state, "'s peak budget put the optimizer's state on the host")
     chosen = budget.optimizer.host_params
     if chosen is None:
         state.optimizer_planned_on_host = True
@@ -491,6 +487,16 @@ def _apply_optimizer_offload(region: RegionRecord, state: ShardState | None) -> 
     added = offload_optimizer.adopt(params, pin)
     log.info("shardc: region %d: the optimizer steps %d more parameter(s) on the host (peak "
              "budget)", region.index, added)
+
+
+def _sharded_root(region: RegionRecord, state: ShardState, decided: str) -> torch.nn.Module:
+    """The sharded model whose region ``decided`` something about its optimizer step; raises
+    where it is gone (nothing left to apply the decision to)."""
+    root = state.root() if state.root is not None else None
+    if root is None:
+        raise RuntimeError(f"shardc: region {region.index}{decided}, but the sharded model is "
+                           "gone")
+    return root
 
 
 def _chunks_always(opts: ShardcOptions, state: ShardState | None) -> bool:
@@ -509,11 +515,7 @@ def _apply_optimizer_chunks(region: RegionRecord, state: ShardState | None) -> N
     model, the region, the bucket). The same on every rank (the decision and buckets are)."""
     if state is None or region.plan is None or not region.optimizer_step_chunks:
         return
-    root = state.root() if state.root is not None else None
-    if root is None:
-        raise RuntimeError(
-            f"shardc: region {region.index}'s plan steps the optimizer in chunks, but the "
-            "sharded model is gone")
+    root = _sharded_root(region, state, "'s plan steps the optimizer in chunks")
     named = dict(root.named_parameters())
     parts = optimizer_chunks.chunks(region.plan.buckets, ())
     chunks = [((state.key, region.index, i), [named[f] for f in part if f in named])
