@@ -278,11 +278,15 @@ def _try_chunks(inputs: SearchInputs, options: ShardcOptions, region: SearchRegi
     try:
         decided = choose_device_levers(inputs, options, region, tag_prefix="chunks/",
                                        step_floor_exits=not unavailable, on_base=bases.append)
-    except optimizer_offload.StepOverBudget:
+    except optimizer_offload.StepOverBudget as over:
         region.optimizer_step_chunks = False
+        log.info("shardc: region %d: optimizer step in chunks tried, its step is over the "
+                 "budget too (%d B)", region.index, over.floor_bytes)
         return None
     except budget.MemoryBudgetError as refused:
         region.optimizer_step_chunks = False
+        log.info("shardc: region %d: optimizer step in chunks tried, over the budget: %s",
+                 region.index, refused)
         if getattr(refused, "minimum_bytes", None) is None:
             raise
         if not unavailable:
