@@ -43,7 +43,11 @@ def test_the_profile_is_the_one_source_of_the_runtime_bytes():
     """``runtime_allocated_bytes`` (0: not measured) reads as the default estimate, two cuBLAS
     workspaces of 32 MiB; a measured value wins; a negative one is refused."""
     assert DEFAULT_CUDA_RUNTIME_BYTES == 64 * MiB
-    assert resolve_profile({"profile": "h200"}).runtime_bytes() == 64 * MiB
+    assert resolve_profile({"profile": "h100"}).runtime_bytes() == 64 * MiB
+    # The h200 preset was calibrated with it measured (format 10).
+    h200 = resolve_profile({"profile": "h200"})
+    assert h200.runtime_allocated_bytes > 0
+    assert h200.runtime_bytes() == h200.runtime_allocated_bytes
     assert resolve_profile({"profile": "h200", "runtime_allocated_bytes": 3 * MiB}
                            ).runtime_bytes() == 3 * MiB
     prof = resolve_profile({"profile": "h100", "runtime_allocated_bytes": 5 * MiB})

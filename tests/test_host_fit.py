@@ -276,8 +276,12 @@ def test_format_10_round_trips_the_spread_and_older_profiles_read_without_one():
     again = ClusterProfile.from_json(p.to_json())
     assert again == p and again.fit_spread("grad_handoff_per_param_s") == (30e-6, 50e-6)
     assert again.fit_spread("region_entry_per_param_s") is None
-    # The shipped presets (format 8, 9) and older formats read with no spread.
-    old = load_profile("h200")
+    # The shipped h200 preset is format 10 with its spread; the h100 preset (an older format)
+    # and older formats read with none.
+    shipped = load_profile("h200")
+    assert shipped.version == PROFILE_VERSION and shipped.fit_spread(
+        "collective_launch_s") is not None
+    old = load_profile("h100")
     assert old.version < PROFILE_VERSION and old.host_fit_spread == () and old.fit_spread(
         "collective_launch_s") is None
     data = old.to_dict()
