@@ -47,6 +47,26 @@ def _fresh_registry():
     chunked_step._CHUNK.update(saved)
 
 
+def test_a_chunk_key_goes_with_its_last_parameter():
+    """The registry keeps nothing of parameters that are gone (recompiles, dropped models):
+    a chunk's key and order go with its last parameter; keys adopted later still order after
+    those alive."""
+    import gc
+
+    keep, drop = _params()[:2], _params()[2:]
+    chunked_step.adopt([(("kept", 0), keep), (("dropped", 0), drop)])
+    assert {("kept", 0), ("dropped", 0)} <= set(chunked_step._ORDER)
+    del drop[1:]
+    gc.collect()
+    assert ("dropped", 0) in chunked_step._ORDER  # one parameter still holds it
+    drop.clear()
+    gc.collect()
+    assert ("dropped", 0) not in chunked_step._ORDER and ("dropped", 0) not in chunked_step._HELD
+    later = _params()[:1]
+    chunked_step.adopt([(("later", 0), later)])
+    assert chunked_step.chunk_of(later[0])[0] > chunked_step.chunk_of(keep[0])[0]
+
+
 def _params() -> list[torch.nn.Parameter]:
     torch.manual_seed(0)
     return [torch.nn.Parameter(torch.randn(s)) for s in [(5, 3), (7,), (4, 4), (2,), (3, 3)]]

@@ -75,7 +75,13 @@ def setup_shardc(model: Transformer, mesh, loss_in_graph: bool, compile_mode: st
                     "buckets": len(b.decisions), "recomputed": b.recomputed,
                     "offloaded": b.offloaded, "checkpoint_offloaded": b.checkpoint_offloaded,
                     "blocks": len(b.blocks), "resharded_bytes": b.resharded_bytes,
-                    "margin_bytes": b.margin_bytes, "margin_fraction": b.margin_fraction}
+                    "margin_bytes": b.margin_bytes, "margin_fraction": b.margin_fraction,
+                    # the optimizer levers: its step in chunks, its state on the host
+                    "optimizer_chunks": (b.optimizer_chunks.chunks
+                                         if b.optimizer_chunks is not None
+                                         and b.optimizer_chunks.chunked else 0),
+                    "optimizer_host_params": (b.optimizer.params if b.optimizer is not None
+                                              and b.optimizer.on_host else 0)}
         out: dict[str, Any] = {"regions": regions, "n_regions": len(plans)}
         if plans and all("peak_bytes" in p.predicted for p in plans):
             out["predicted_peak_bytes"] = max(p.predicted["peak_bytes"] for p in plans)

@@ -53,6 +53,7 @@ planned.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import weakref
 from collections.abc import Hashable, Sequence
@@ -74,7 +75,11 @@ log = logging.getLogger("shardc")
 # id(parameter) -> (weak reference to it, its chunk's key, the key's order among the chunks).
 _CHUNK: dict[int, tuple[weakref.ref, Hashable, int]] = {}
 _HOOKS: list = []
-_ORDER: dict[Hashable, int] = {}  # chunk key -> the order it was adopted in
+# chunk key -> the order it was adopted in, and how many live parameters hold it (a key goes
+# with its last parameter, so recompiles and dropped models leave nothing behind).
+_ORDER: dict[Hashable, int] = {}
+_HELD: dict[Hashable, int] = {}
+_NEXT_ORDER = itertools.count()
 
 
 @dataclass
@@ -97,11 +102,13 @@ def adopt(chunks: Sequence[tuple[Hashable, Sequence[torch.Tensor]]]) -> int:
     adopted keeps its chunk. Returns how many parameters were added."""
     added = 0
     for key, params in chunks:
-        order = _ORDER.setdefault(key, len(_ORDER))
+        order = _ORDER[key] if key in _ORDER else next(_NEXT_ORDER)
         for p in params:
             if id(p) in _CHUNK and _CHUNK[id(p)][0]() is p:
                 continue
-            _CHUNK[id(p)] = (weakref.ref(p, _forgetter(id(p))), key, order)
+            _CHUNK[id(p)] = (weakref.ref(p, _forgetter(id(p), key)), key, order)
+            _ORDER[key] = order
+            _HELD[key] = _HELD.get(key, 0) + 1
             added += 1
     if added and not _HOOKS:
         _HOOKS.append(register_optimizer_step_pre_hook(_pre_step))
@@ -109,10 +116,17 @@ def adopt(chunks: Sequence[tuple[Hashable, Sequence[torch.Tensor]]]) -> int:
     return added
 
 
-def _forgetter(pid: int):
-    """The weak reference's callback: the parameter is gone, so is its entry."""
+def _forgetter(pid: int, key: Hashable):
+    """The weak reference's callback: the parameter is gone, so is its entry (and its chunk's
+    key with its last parameter)."""
     def forget(_ref) -> None:
         _CHUNK.pop(pid, None)
+        held = _HELD.get(key, 0) - 1
+        if held > 0:
+            _HELD[key] = held
+        else:
+            _HELD.pop(key, None)
+            _ORDER.pop(key, None)
     return forget
 
 
