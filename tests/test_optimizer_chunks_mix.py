@@ -13,7 +13,9 @@ same warnings (Python's and the ``shardc`` logger's) in both runs:
 * HSDP on a 2x2 mesh (replicate x shard), world 4;
 * a DCP save after step 1 (``shardc.checkpoint.ModelState`` / ``OptimizerState``), loaded into a
   fresh model and optimizer compiled with the chunks, whose step 2 equals the uninterrupted run;
-* Inductor, world 2 (slow).
+* Inductor, world 2 (slow);
+* FP8 all-gathers (`Float8Policy()`), world 2, and FSDP+TP on a 2x2 (dp, tp) mesh, world 4
+  (slow).
 
 The default suite's three (world 2) share one spawn and one compiled model (their time): its
 baseline is the same compiled model rewound and trained with the chunks withdrawn from the
@@ -59,13 +61,15 @@ def _snapshot(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
 
 
 def _compiled(chunks: str, *, mesh_shape: tuple | None = None, inductor: bool = False,
-              kind: str = "llama") -> tuple:
+              kind: str = "llama", fp8: bool = False) -> tuple:
     """A fresh sharded model compiled with ``optimizer_step_chunks=chunks`` (the compile, and
-    so the chunks' adoption, at the first forward)."""
+    so the chunks' adoption, at the first forward); ``fp8``: its Linear weights gathered in
+    FP8 (``shardc.Float8Policy()``; on a CPU the matmuls run through the dequantized
+    fallback)."""
     model = build(kind)
     mesh = (init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
             if mesh_shape else None)
-    shardc.shard(model, mesh)
+    shardc.shard(model, mesh, fp8=shardc.Float8Policy() if fp8 else None)
     backend = shardc.backend(inductor=inductor, optimizer_step_chunks=chunks,
                              **({"cluster": HSDP_CLUSTER} if mesh_shape else {}))
     return model, torch.compile(model, backend=backend)
@@ -320,3 +324,52 @@ def test_chunks_with_hsdp():
 def test_chunks_with_inductor():
     """Inductor (world 2, the one-block Llama: its compiles are slow)."""
     _check(run_ranks(_mix_worker, 2, inductor=True, kind="llama1"))
+
+
+@pytest.mark.slow  # two compiles of the FP8 Llama (world 2)
+def test_chunks_with_fp8_gathers():
+    """FP8 all-gathers (``Float8Policy()``, world 2): the chunks step the fp32 master shards
+    bucket by bucket, whatever dtype the buckets gather in."""
+    _check(run_ranks(_mix_worker, 2, fp8=True))
+
+
+def _tp_run(chunks: str, shape: tuple[int, int]) -> dict:
+    """FSDP+TP (``mesh_models.TPBlocks`` on a (dp, tp) mesh, ``parallelize_blocks``) compiled
+    with ``optimizer_step_chunks=chunks``, trained 3 steps on its dp rank's rows."""
+    from mesh_models import TPBlocks, loss_fn, parallelize_blocks
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+    model = shardc.shard(parallelize_blocks(TPBlocks(), mesh["tp"]), mesh)
+    forward = torch.compile(model, backend=shardc.backend(optimizer_step_chunks=chunks))
+    opt, sched = _optimizer(model)
+    tokens, targets = batches()
+    per = GLOBAL_BATCH // shape[0]
+    rows = slice(mesh["dp"].get_local_rank() * per, (mesh["dp"].get_local_rank() + 1) * per)
+    narrows = []
+    real_narrow = chunked_step._narrow
+    chunked_step._narrow = lambda groups, chunk: (narrows.append(1), real_narrow(groups, chunk))
+    try:
+        for step in range(3):
+            loss_fn(forward(tokens[step, rows]), targets[step, rows]).backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+    finally:
+        chunked_step._narrow = real_narrow
+    out = {"calls": len(narrows) - 3 if narrows else 3, "chunks": len(chunked_step.chunks_of(opt)),
+           "steps": 3, "lrs": sched.get_last_lr(), "warnings": [], "logged": []}
+    out.update(_snapshot(model, opt))
+    return out
+
+
+def _tp_worker(rank: int, world: int, shape: tuple[int, int]) -> dict:
+    return _compare(_tp_run("never", shape), _tp_run("always", shape))
+
+
+@pytest.mark.slow  # 4 ranks, two compiles
+def test_chunks_with_fsdp_and_tp():
+    """FSDP+TP on a 2x2 (dp, tp) mesh (world 4): the chunks step the 2-D sharded parameters
+    bucket by bucket; bitwise the same as one call."""
+    _check(run_ranks(_tp_worker, 4, (2, 2)))
