@@ -103,9 +103,10 @@ def _rewind(model, initial: list) -> None:
 
 
 def _train(rank: int, world: int, model, forward, opt, sched, steps: range,
-           no_sync: bool = False) -> dict:
-    """Train ``steps`` (indices into parity's batches) on this rank's rows; the optimizer's
-    calls (a spy on the chunking's narrowing), the warnings."""
+           no_sync: bool = False, loss_of=llama_loss) -> dict:
+    """Train ``steps`` (indices into parity's batches) on the rows of data-parallel rank
+    ``rank`` of ``world``; the optimizer's calls (a spy on the chunking's narrowing), the
+    warnings."""
     tokens, targets = batches()  # the same batches whichever steps are taken
     per = GLOBAL_BATCH // world
     rows = slice(rank * per, (rank + 1) * per)
@@ -123,10 +124,10 @@ def _train(rank: int, world: int, model, forward, opt, sched, steps: range,
                     for micro, context in ((2 * step, shardc.no_sync(model)),
                                            (2 * step + 1, contextlib.nullcontext())):
                         with context:
-                            loss = llama_loss(forward(tokens[micro, rows]), targets[micro, rows])
+                            loss = loss_of(forward(tokens[micro, rows]), targets[micro, rows])
                             (loss / 2).backward()
                 else:
-                    llama_loss(forward(tokens[step, rows]), targets[step, rows]).backward()
+                    loss_of(forward(tokens[step, rows]), targets[step, rows]).backward()
                 opt.step()
                 sched.step()
                 opt.zero_grad()
@@ -344,22 +345,8 @@ def _tp_run(chunks: str, shape: tuple[int, int]) -> dict:
     model = shardc.shard(parallelize_blocks(TPBlocks(), mesh["tp"]), mesh)
     forward = torch.compile(model, backend=shardc.backend(optimizer_step_chunks=chunks))
     opt, sched = _optimizer(model)
-    tokens, targets = batches()
-    per = GLOBAL_BATCH // shape[0]
-    rows = slice(mesh["dp"].get_local_rank() * per, (mesh["dp"].get_local_rank() + 1) * per)
-    narrows = []
-    real_narrow = chunked_step._narrow
-    chunked_step._narrow = lambda groups, chunk: (narrows.append(1), real_narrow(groups, chunk))
-    try:
-        for step in range(3):
-            loss_fn(forward(tokens[step, rows]), targets[step, rows]).backward()
-            opt.step()
-            sched.step()
-            opt.zero_grad()
-    finally:
-        chunked_step._narrow = real_narrow
-    out = {"calls": len(narrows) - 3 if narrows else 3, "chunks": len(chunked_step.chunks_of(opt)),
-           "steps": 3, "lrs": sched.get_last_lr(), "warnings": [], "logged": []}
+    out = _train(mesh["dp"].get_local_rank(), shape[0], model, forward, opt, sched, range(3),
+                 loss_of=loss_fn)
     out.update(_snapshot(model, opt))
     return out
 
