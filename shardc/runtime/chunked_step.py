@@ -75,10 +75,9 @@ log = logging.getLogger("shardc")
 # id(parameter) -> (weak reference to it, its chunk's key, the key's order among the chunks).
 _CHUNK: dict[int, tuple[weakref.ref, Hashable, int]] = {}
 _HOOKS: list = []
-# chunk key -> the order it was adopted in, and how many live parameters hold it (a key goes
-# with its last parameter, so recompiles and dropped models leave nothing behind).
+# chunk key -> the order it was adopted in; a key goes with its last parameter (recompiles and
+# dropped models leave nothing behind), so the orders come from a counter, never reused.
 _ORDER: dict[Hashable, int] = {}
-_HELD: dict[Hashable, int] = {}
 _NEXT_ORDER = itertools.count()
 
 
@@ -108,7 +107,6 @@ def adopt(chunks: Sequence[tuple[Hashable, Sequence[torch.Tensor]]]) -> int:
                 continue
             _CHUNK[id(p)] = (weakref.ref(p, _forgetter(id(p), key)), key, order)
             _ORDER[key] = order
-            _HELD[key] = _HELD.get(key, 0) + 1
             added += 1
     if added and not _HOOKS:
         _HOOKS.append(register_optimizer_step_pre_hook(_pre_step))
@@ -121,11 +119,7 @@ def _forgetter(pid: int, key: Hashable):
     key with its last parameter)."""
     def forget(_ref) -> None:
         _CHUNK.pop(pid, None)
-        held = _HELD.get(key, 0) - 1
-        if held > 0:
-            _HELD[key] = held
-        else:
-            _HELD.pop(key, None)
+        if all(k != key for _, k, _ in _CHUNK.values()):
             _ORDER.pop(key, None)
     return forget
 
