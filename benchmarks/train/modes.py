@@ -270,6 +270,10 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_
         # never).
         if os.environ.get("SHARDC_OPTIMIZER_OFFLOAD"):
             options["optimizer_offload"] = os.environ["SHARDC_OPTIMIZER_OFFLOAD"]
+        # SHARDC_OPTIMIZER_STEP_CHUNKS: the optimizer step in chunks (auto, never, always):
+        # "always" against "never" at a budget that binds nothing prices the chunks alone.
+        if os.environ.get("SHARDC_OPTIMIZER_STEP_CHUNKS"):
+            options["optimizer_step_chunks"] = os.environ["SHARDC_OPTIMIZER_STEP_CHUNKS"]
         setup = setup_shardc_(model, mesh, loss_in_graph, **options)
         setup.info["options"] = ", ".join(f"{k}={v!r}" for k, v in options.items())
         return setup
