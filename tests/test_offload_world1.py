@@ -28,7 +28,14 @@ from parity import assert_parity, reference, sharded_run
 
 import shardc
 from shardc.memory.peak import lifetimes
-from shardc.ops.offload_copy import COPY_CAST_OP, COPY_START_OP, COPY_WAIT_OP, READY_OP
+from shardc.ops.offload_copy import (
+    COPY_CAST_OP,
+    COPY_RELEASE_OP,
+    COPY_START_OP,
+    COPY_WAIT_OP,
+    GRAD_D2H,
+    READY_OP,
+)
 from shardc.passes.body import flattened
 
 SIM = shardc.OffloadPolicy(simulate_on_cpu=True, check_host_memory=False)
@@ -56,9 +63,37 @@ def read_before_wait(gm) -> list[str]:
         waits = [u for u in start.users if u.target is COPY_WAIT_OP]
         first = min((order[w] for w in waits), default=len(order))
         early += [u.name for u in start.users
-                  if u.target not in (COPY_WAIT_OP, READY_OP) and u.op != "output"
-                  and order[u] < first]
+                  if u.target not in (COPY_WAIT_OP, READY_OP, COPY_RELEASE_OP)
+                  and u.op != "output" and order[u] < first]
     return early
+
+
+def unreleased_grad_sources(gm) -> list[str]:
+    """The gradient copies (device->host) of ``gm`` whose device source is not kept alive, by
+    an ``offload_copy_release`` that waits for the copy, until after a later bucket's copies
+    start (the last bucket's: until the end). Without it the start is the source's last
+    reader, and Inductor reuses the source's buffer for a later kernel while the copy stream
+    may still read it (the host gets another tensor's values)."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    starts = [n for n in gm.graph.find_nodes(op="call_function", target=COPY_START_OP)
+              if n.meta.get(GRAD_D2H)]
+    if not starts:
+        return []
+    last_start = max(order[n] for n in starts)
+    bad = []
+    for start in starts:
+        releases = [u for u in start.users if u.target is COPY_RELEASE_OP
+                    and u.args[0] is start.args[0] and u.args[2] is True]
+        later = [n for n in starts if order[n] > order[start] and n.name != start.name]
+        # Past the start of some copy issued later (a later bucket's), or past every start.
+        needed = min((order[n] for n in later), default=last_start) if later else last_start
+        if not releases or max(order[r] for r in releases) < needed:
+            bad.append(copy_name(start))
+    return bad
+
+
+def copy_name(node) -> str:
+    return str(node.args[1])
 
 
 def casts_apart(gm) -> list[str]:
@@ -92,6 +127,7 @@ def _summary(run: dict) -> dict:
         "d2h": sum(c.kind == "d2h_copy" for p in plans for c in p.copies),
         "pool": {p.predicted.pool_bytes for p in plans},
         "early": [name for gm in graphs for name in read_before_wait(gm)],
+        "unreleased": [name for gm in graphs for name in unreleased_grad_sources(gm)],
         "copy_casts": sum(len(gm.graph.find_nodes(op="call_function", target=COPY_CAST_OP))
                           for gm in graphs),
         "casts_apart": [name for gm in graphs for name in casts_apart(gm)],
@@ -137,6 +173,8 @@ def test_offload_at_world_1_elides_its_collectives_and_trains_bitwise(runs):
         assert run["pool"] == {0}, (name, run["pool"])
         assert run["h2d"] and run["d2h"] > 0, (name, run)
         assert run["early"] == [], (name, run["early"])
+        # Every gradient's device source outlives its copy's start (a waited release).
+        assert run["unreleased"] == [], (name, run["unreleased"])
         assert run["d2h_late"] == [], (name, run["d2h_late"])
         # bf16 compute: the matmuls' weights are cast right behind the copies' waits, which
         # frees the fp32 copies there (cast22); fp32 compute casts nothing.

@@ -10,7 +10,9 @@ Each ``offload_to_host`` node becomes a start where the plan issues its bucket's
 taken of the host gradient (its DTensor wrapping) move behind the wait. With ``ready_key`` (the
 model's key), each bucket's starts are followed by one ``offload_grads_ready`` naming the
 parameters whose host gradient is final once copied (:func:`final_host_grads`), for
-``shardc.step_in_backward``.
+``shardc.step_in_backward``. Each gradient copy's device source is then released, with the
+compute stream waiting for the copy, one bucket later (:func:`_release_sources`), so that
+Inductor cannot reuse its buffer while the copy stream reads it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch import fx
 
 from shardc.ops.offload_copy import (
     COPY_CAST_OP,
+    COPY_RELEASE_OP,
     COPY_START_OP,
     COPY_WAIT_OP,
     GRAD_D2H,
@@ -166,6 +169,33 @@ def lower_d2h(gm: fx.GraphModule, g: GraphView, copies: list[Collective],
     if ready_key:
         for started in starts:
             _signal_ready(graph, g, started, copies_of, ready_key)
+    _release_sources(graph, starts)
+
+
+def _release_sources(graph: fx.Graph, starts: list[dict[str, fx.Node]]) -> None:
+    """One ``offload_copy_release(grad, host, True)`` per started gradient copy: the compute
+    stream waits for bucket k's copies right after bucket k+1's copies start (the last
+    bucket's before the host waits at the end), and until then the gradient stays a live value
+    of the graph. Without it the copy's start is the gradient's last reader, and Inductor hands
+    its buffer to a later kernel (``buf_b = buf_a  # reuse``) that the compute stream may run
+    while the copy stream still reads it: the host would receive another tensor's values.
+    (``record_stream`` does not help there: it holds blocks the caching allocator would reuse,
+    not buffers Inductor reuses itself.) The same window of one bucket in flight as the
+    activation copies' (``shardc.passes.offload_saved``)."""
+    index = {n: i for i, n in enumerate(graph.nodes)}
+    buckets = sorted((s for s in starts if s), key=lambda s: min(index[n] for n in s.values()))
+    waits = [n for n in graph.nodes if n.op == "call_function" and n.target is COPY_WAIT_OP
+             and n.args[0].meta.get(GRAD_D2H)]
+    end = min(waits, key=index.__getitem__) if waits else graph.output_node()
+    for k, started in enumerate(buckets):
+        if k + 1 < len(buckets):
+            after = max(buckets[k + 1].values(), key=index.__getitem__)
+            insert = graph.inserting_after(after)
+        else:
+            insert = graph.inserting_before(end)
+        with insert:
+            for start in started.values():
+                call(graph, COPY_RELEASE_OP, (start.args[0], start, True))
 
 
 def _to_host_counts(graph: fx.Graph) -> dict[str, int]:
