@@ -69,31 +69,20 @@ def read_before_wait(gm) -> list[str]:
 
 
 def unreleased_grad_sources(gm) -> list[str]:
-    """The gradient copies (device->host) of ``gm`` whose device source is not kept alive, by
-    an ``offload_copy_release`` that waits for the copy, until after a later bucket's copies
-    start (the last bucket's: until the end). Without it the start is the source's last
-    reader, and Inductor reuses the source's buffer for a later kernel while the copy stream
-    may still read it (the host gets another tensor's values)."""
+    """The gradient copies (device->host) of ``gm`` whose device source no
+    ``offload_copy_release(source, host, wait=True)`` after the start keeps alive. Without one
+    the start is the source's last reader, and Inductor reuses the source's buffer for a later
+    kernel while the copy stream may still read it (the host gets another tensor's values); with
+    one, that reuse comes after the compute stream has waited for the copy."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    starts = [n for n in gm.graph.find_nodes(op="call_function", target=COPY_START_OP)
-              if n.meta.get(GRAD_D2H)]
-    if not starts:
-        return []
-    last_start = max(order[n] for n in starts)
     bad = []
-    for start in starts:
-        releases = [u for u in start.users if u.target is COPY_RELEASE_OP
-                    and u.args[0] is start.args[0] and u.args[2] is True]
-        later = [n for n in starts if order[n] > order[start] and n.name != start.name]
-        # Past the start of some copy issued later (a later bucket's), or past every start.
-        needed = min((order[n] for n in later), default=last_start) if later else last_start
-        if not releases or max(order[r] for r in releases) < needed:
-            bad.append(copy_name(start))
+    for start in gm.graph.find_nodes(op="call_function", target=COPY_START_OP):
+        if not start.meta.get(GRAD_D2H):
+            continue
+        if not any(u.target is COPY_RELEASE_OP and u.args[0] is start.args[0]
+                   and u.args[2] is True and order[u] > order[start] for u in start.users):
+            bad.append(str(start.args[1]))
     return bad
-
-
-def copy_name(node) -> str:
-    return str(node.args[1])
 
 
 def casts_apart(gm) -> list[str]:
