@@ -158,21 +158,23 @@ def lower_d2h(gm: fx.GraphModule, g: GraphView, copies: list[Collective],
                 started[fqn].meta[GRAD_D2H] = True
             _after(graph, grad, started[fqn])
         starts.append(started)
+    first_wait = None
     for started in starts:
         for fqn, start in started.items():
             node = g.to_host[fqn]
             with graph.inserting_before(output):
                 wait = call(graph, COPY_WAIT_OP, (start,))
+            first_wait = first_wait or wait
             node.replace_all_uses_with(start)
             graph.erase_node(node)
             _move_readers_behind(graph, start, wait)
     if ready_key:
         for started in starts:
             _signal_ready(graph, g, started, copies_of, ready_key)
-    _release_sources(graph, starts)
+    _release_sources(graph, starts, first_wait or output)
 
 
-def _release_sources(graph: fx.Graph, starts: list[dict[str, fx.Node]]) -> None:
+def _release_sources(graph: fx.Graph, starts: list[dict[str, fx.Node]], end: fx.Node) -> None:
     """One ``offload_copy_release(grad, host, True)`` per started gradient copy: the compute
     stream waits for bucket k's copies right after bucket k+1's copies start (the last
     bucket's before the host waits at the end), and until then the gradient stays a live value
@@ -181,12 +183,10 @@ def _release_sources(graph: fx.Graph, starts: list[dict[str, fx.Node]]) -> None:
     while the copy stream still reads it: the host would receive another tensor's values.
     (``record_stream`` does not help there: it holds blocks the caching allocator would reuse,
     not buffers Inductor reuses itself.) The same window of one bucket in flight as the
-    activation copies' (``shardc.passes.offload_saved``)."""
+    activation copies' (``shardc.passes.offload_saved``). ``end``: the first of the host
+    waits (the graph's output if none)."""
     index = {n: i for i, n in enumerate(graph.nodes)}
     buckets = sorted((s for s in starts if s), key=lambda s: min(index[n] for n in s.values()))
-    waits = [n for n in graph.nodes if n.op == "call_function" and n.target is COPY_WAIT_OP
-             and n.args[0].meta.get(GRAD_D2H)]
-    end = min(waits, key=index.__getitem__) if waits else graph.output_node()
     for k, started in enumerate(buckets):
         if k + 1 < len(buckets):
             after = max(buckets[k + 1].values(), key=index.__getitem__)
