@@ -366,7 +366,12 @@ def run_config(c: dict, args, device, mesh, cluster: dict | None, log) -> dict[s
                                     default=0.0),
         "params": cfg.num_params(), "regions": len(plans), "param_tensors": n_params,
     })
-    res["predicted_step_s"] = step.step_s
+    # The step back to back (the host running ahead, as the measured step), and from an idle
+    # device (as the synced step); shardc.planning.step.
+    res["predicted_step_s"] = step.steady_s
+    res["predicted_synced_step_s"] = step.step_s
+    res["predicted_host_s"] = step.host_s
+    res["predicted_device_s"] = step.device_s
     res["predicted_comm_by_group"] = comm_by_group(plans)
     res["predicted_phases_ms"] = predicted_boundaries(plans, step)
     res["predicted_ms_by_category"] = predicted_by_category(
@@ -642,24 +647,28 @@ def render(report: dict) -> str:
         f"- sequence {m['seq']} unless a row names another; {m['steps']} timed steps (median), "
         f"{m['warmup']} warm-up; AdamW (foreach); bf16 compute, fp32 master weights and reduction",
         "",
-        f"{HEAD} precision | predicted step ms | measured step ms | "
-        "synced step ms | error | pred fwd+bwd ms | meas fwd+bwd ms | pred optimizer ms | "
+        f"{HEAD} precision | predicted step ms | measured step ms | error | "
+        "pred synced step ms | synced step ms | synced error | pred fwd+bwd ms | "
+        "meas fwd+bwd ms | pred optimizer ms | "
         "meas optimizer ms | "
         "pred exposed comm ms | meas exposed comm ms: waited for (NCCL alone) | pred peak GiB | "
         "meas peak GiB |",
         f"{HEAD_ALIGN} --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
-        "---: | ---: | ---: |",
+        "---: | ---: | ---: | ---: | ---: |",
     ]
     for r in report["results"]:
         head = f"{row_head(r, m['seq'])} {r['config']['precision']} |"
         if r.get("status") != "ok":
-            lines.append(f"{head} {r.get('status')}: {r.get('reason', '')[:120]} |" + " |" * 11)
+            lines.append(f"{head} {r.get('status')}: {r.get('reason', '')[:120]} |" + " |" * 13)
             continue
         peak = (lambda v: "–" if not v else f"{v / GIB:.2f}")
+        # Reports from before the back-to-back step predicted the synced step only.
+        synced = r.get("predicted_synced_step_s", r["predicted_step_s"])
         lines.append(
             f"{head} {_ms(r['predicted_step_s'])} | {_ms(r['measured_step_s'])} | "
-            f"{_ms(r.get('measured_synced_step_s'))} | "
             f"{_err(r['predicted_step_s'], r['measured_step_s'])} | "
+            f"{_ms(synced)} | {_ms(r.get('measured_synced_step_s'))} | "
+            f"{_err(synced, r.get('measured_synced_step_s'))} | "
             f"{_ms(r['predicted_fwd_bwd_s'])} | {_ms(r['measured_fwd_bwd_s'])} | "
             f"{_ms(r['predicted_optimizer_s'])} | {_ms(r['measured_optimizer_s'])} | "
             f"{_ms(r['predicted_exposed_comm_s'])} | {_exposed(r)} | "
@@ -677,7 +686,11 @@ def render(report: dict) -> str:
               "kernel, launch overhead, the host's per-parameter entry work, collectives on their "
               "lanes) + what follows the graphs (`shardc.planning.step`: the gradient hand-off, "
               "the optimizer step model and zero_grad, host work hidden under queued device work "
-              "where there is some; the optimizer columns). Measured times are the slowest rank's "
+              "where there is some; the optimizer columns), back to back: the longer of the "
+              "step's host work and its device work less the device's waits for the host (the "
+              "host runs ahead of the device across steps; `StepPrediction.steady_s`). Pred "
+              "synced step: the same step from an idle device (`step_s`). Measured times are "
+              "the slowest rank's "
               "medians (CUDA events) over back-to-back steps, the host free to run ahead as in "
               "training (step: from one step's start to the next's); measured forward+backward "
               "ends when the host returns from backward(), so it holds the hand-off where the "

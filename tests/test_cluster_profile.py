@@ -807,6 +807,48 @@ def test_cuda_graph_replay_drops_the_graphs_host_waits_and_queues_the_backward()
     assert sum(ph.seconds for ph in eager.phases) == pytest.approx(eager.step_s)
 
 
+def _graphs_plan(queued: float, handoff: float) -> Plan:
+    """A 50 ms region (forward 20 ms, of it 8 ms waiting for the host and 1 ms for a
+    collective; backward 30 ms, of it 5 ms waiting for the host)."""
+    plan = _plan_with(0, 50e-3, queued=queued, handoff=handoff)
+    plan.predicted.forward_time_s, plan.predicted.backward_time_s = 20e-3, 30e-3
+    plan.predicted.time_by_category_s = {"forward/launch_bound": 6e-3,
+                                         "forward/param_host": 2e-3,
+                                         "backward/launch_bound": 5e-3,
+                                         "forward/exposed_comm": 1e-3}
+    return plan
+
+
+def test_back_to_back_step_is_the_longer_of_the_host_and_the_device_work():
+    """Steps back to back: the host starts a step while the device still runs the last one's
+    queued work, so the step is the longer of the host's work and the device's work less its
+    waits for the host (the waits for collectives stay); from an idle device it is longer."""
+    p = _profile(memory=((1, 2e12),), kernel_gpu_s=0.0, kernel_launch_s=0.0,
+                 optimizer_per_param_s=50e-6, optimizer_fixed_s=1e-3, zero_grad_per_param_s=2e-6)
+    # Host-bound: 4 MB of optimizer state (40 us on the device), 5 ms of optimizer Python.
+    small = OptimizerSpec(param_bytes=4e6, n_params=100)
+    step = predict_step([_graphs_plan(queued=0.5e-3, handoff=3e-3)], p, small)
+    host = 50e-3 - 0.5e-3 + 3e-3 + 1e-3 + 100 * 50e-6 + 100 * 2e-6
+    assert step.host_s == pytest.approx(host)
+    assert step.device_s == pytest.approx(50e-3 - 13e-3 + optimizer_step_seconds(4e6, 100, p))
+    assert step.steady_s == pytest.approx(host) and step.steady_s < step.step_s
+    # Device-bound: a 1.5 GB optimizer step and 10 ms queued: the host's work (the forward's
+    # entry and launches among it) hides under the device's, whose waits for the host go.
+    large = OptimizerSpec(param_bytes=1.5e9, n_params=100)
+    step = predict_step([_graphs_plan(queued=10e-3, handoff=3e-3)], p, large)
+    device = optimizer_step_seconds(1.5e9, 100, p)
+    assert step.step_s == pytest.approx(50e-3 + device)
+    assert step.host_s < step.device_s
+    assert step.steady_s == pytest.approx(50e-3 - 13e-3 + device)
+    assert {"steady_s", "host_s", "device_s"} <= set(step.to_dict())
+    # Where the host waits for the device within the step (CPU offload) or the graphs replay,
+    # back to back is not modelled: the step from an idle device.
+    offloaded = OptimizerSpec(param_bytes=4e6, n_params=100, offload="params")
+    for got in (predict_step([_graphs_plan(0.5e-3, 3e-3)], p, offloaded),
+                predict_step([_graphs_plan(0.5e-3, 3e-3)], p, small, cudagraphs=True)):
+        assert got.steady_s == got.step_s and got.host_s == 0.0
+
+
 def _region_graphs(layers: int = 3):
     """A one-rank region's forward (gathers, matmuls) and backward (a reduce-scatter per
     parameter), traced with fake tensors."""

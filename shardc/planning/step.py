@@ -72,6 +72,19 @@ CUDA graphs (``predict_step(..., cudagraphs=True)``, ``mode="reduce-overhead"``)
 replay, so their device time is the plan's less the waits for the host, and the whole backward
 is queued when the host returns from it.
 
+Back to back (``StepPrediction.steady_s``): in training the host does not wait for the device
+between steps, so it starts a step while the device still runs the previous one's queued work
+(the optimizer's kernels). Over many steps the step then takes the longer of the host's work
+(``host_s``: every host second of the step, as the timeline above places it) and the device's
+(``device_s``: the step less the device's waits for the host; its waits for collectives stay): the
+device catches up with a host that is behind, and a device that is behind keeps the host's lead.
+That is what a loop that never synchronizes measures (``benchmarks/predict_step.py``'s measured
+step); ``step_s`` is the same step from an idle device (a loop that synchronizes every step, e.g.
+with ``loss.item()``). It applies where nothing in the step waits for the device on the host:
+not to a step whose optimizer runs on the host (CPU offload, optimizer-only offload, the peak
+budget's host share), whose host waits for the gradients' copies, nor under CUDA graphs (not
+modelled there); for those ``steady_s`` is ``step_s``.
+
 Exposed communication (:func:`step_exposed_comm`): what communication adds to the step, the
 counterpart of the benchmarks' measured "waited for" figure: each plan's exposed communication
 (its stalls for collectives less what its later host waits absorb, :mod:`shardc.planning.
@@ -186,20 +199,41 @@ class StepPrediction:
     optimizer: str = ""
     optimizer_host_s: float = 0.0
     exposed_comm_s: float = 0.0
+    # The host's work in the step (seconds from its start; 0: not modelled) and the step back to
+    # back (0: ``step_s``): see the module docstring.
+    host_s: float = 0.0
+    back_to_back_s: float = 0.0
 
     @property
     def step_s(self) -> float:
         return self.graphs_s + self.after_s
 
+    @property
+    def device_s(self) -> float:
+        """The step less the device's waits for the host."""
+        return self.step_s - sum(p.host_wait_s for p in self.phases)
+
+    @property
+    def steady_s(self) -> float:
+        """The step back to back (the host running ahead), else ``step_s``."""
+        return self.back_to_back_s or self.step_s
+
     def to_dict(self) -> dict:
         """JSON-ready: the totals and each phase with its bound."""
-        return {"step_s": self.step_s, "graphs_s": self.graphs_s, "after_s": self.after_s,
+        return {"step_s": self.step_s, "steady_s": self.steady_s, "host_s": self.host_s,
+                "device_s": self.device_s, "graphs_s": self.graphs_s, "after_s": self.after_s,
                 "optimizer": self.optimizer, "optimizer_device_s": self.optimizer_device_s,
                 "optimizer_host_s": self.optimizer_host_s, "exposed_comm_s": self.exposed_comm_s,
                 "by_category": dict(self.by_category),
                 "phases": [{"name": p.name, "seconds": p.seconds, "host_wait_s": p.host_wait_s,
                             "comm_wait_s": p.comm_wait_s, "runs_on": p.runs_on,
                             "bound": p.bound} for p in self.phases]}
+
+
+def _host_start(queued_s: float, handoff_s: float, optimizer_prologue_s: float) -> float:
+    """Where the host enters the optimizer's first op, from the end of the last backward's
+    device work (see :func:`after_backward_seconds`)."""
+    return handoff_s - max(queued_s, 0.0) + max(optimizer_prologue_s, 0.0)
 
 
 def after_backward_timeline(queued_s: float, handoff_s: float, optimizer_device_s: float,
@@ -209,7 +243,7 @@ def after_backward_timeline(queued_s: float, handoff_s: float, optimizer_device_
     the device's idle time until then, the step's end, the idle time in all)."""
     if ops < 1:
         raise ValueError(f"shardc step: the optimizer has {ops} ops; it needs at least one")
-    host, t, idle = handoff_s - max(queued_s, 0.0) + max(optimizer_prologue_s, 0.0), 0.0, 0.0
+    host, t, idle = _host_start(queued_s, handoff_s, optimizer_prologue_s), 0.0, 0.0
     for _ in range(ops):
         host += optimizer_host_s / ops
         start = max(t, host)
@@ -508,7 +542,15 @@ def predict_step(plans: Sequence[Plan], profile: ClusterProfile, optimizer: Opti
               Phase("optimizer", opt_end + excess, opt_idle + excess,
                     runs_on="host" if on_host or share > 0.0 else "device"),
               Phase("zero_grad", after - opt_end, idle - opt_idle, runs_on="host"))
-    return StepPrediction(graphs_s=graphs_s, after_s=after + excess, optimizer_device_s=device,
+    step = StepPrediction(graphs_s=graphs_s, after_s=after + excess, optimizer_device_s=device,
                           by_category=by_category, phases=phases,
                           optimizer=f"{optimizer.name} on the {where}",
                           optimizer_host_s=host_compute, exposed_comm_s=exposed)
+    if on_host or share > 0.0 or cudagraphs:
+        return step
+    # The host's last call: the graphs' (with the other regions' hand-off beyond their queued
+    # time), then the optimizer's host work and zero_grad, as after_backward_timeline has it.
+    host = graphs_s + excess + _host_start(queued, handoff, profile.optimizer_fixed_s) \
+        + profile.optimizer_per_param_s * optimizer.n_params + zero_grad
+    host = min(max(host, 0.0), step.step_s)
+    return replace(step, host_s=host, back_to_back_s=max(host, step.device_s))

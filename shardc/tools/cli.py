@@ -112,8 +112,11 @@ def _rate(flops_per_s: float) -> str:
 
 
 def _summary(cap: Capacity, seconds: float) -> list[str]:
-    what = ("whole step: forward, backward, optimizer, zero_grad" if cap.step is not None
-            else "forward and backward")
+    what = "forward and backward"
+    if cap.step is not None:
+        what = "whole step: forward, backward, optimizer, zero_grad, back to back"
+        if cap.step.steady_s != cap.step.step_s:
+            what += f"; {cap.step.step_s * 1e3:.1f} ms from an idle device"
     lines = [
         f"predicted step: {cap.step_s * 1e3:.1f} ms ({what}); {cap.tokens_per_s:,.0f} "
         f"tokens/s per GPU; MFU {cap.mfu * 100:.1f}% (of {_rate(cap.peak_flops)}); "

@@ -430,7 +430,8 @@ def capacity(plan: Plan, batch: int, seq: int, peak_flops: float,
     """The answers for one plan; ``batch`` sequences of ``seq`` tokens per data-parallel rank
     (a tensor-parallel group shares them, so a GPU's share is ``1 / tp`` of them). With
     ``step`` (:func:`whole_step`) the step time is the whole step's (forward, backward,
-    optimizer, zero_grad), else the plan's graphs alone; so is the exposed communication
+    optimizer, zero_grad) back to back (``StepPrediction.steady_s``), else the plan's graphs
+    alone; so is the exposed communication
     (``StepPrediction.exposed_comm_s``, else the plan's ``exposed_comm_s``)."""
     p = plan.predicted
     forward_flops = sum(_forward_part(op) for op in plan.graphs.get("forward", ()))
@@ -439,7 +440,8 @@ def capacity(plan: Plan, batch: int, seq: int, peak_flops: float,
     world = plan.world_size * max(1, plan.replicate_size) * tp
     graphs_s = p.step_time_s or 0.0
     return Capacity(world=world, tokens_per_step=batch * seq / tp,
-                    step_s=step.step_s if step is not None else graphs_s,
+                    # Training's step: back to back (the host running ahead).
+                    step_s=step.steady_s if step is not None else graphs_s,
                     # The step's (what communication adds to it) where the step is known.
                     exposed_comm_s=step.exposed_comm_s if step is not None
                     else p.exposed_comm_s or 0.0,
