@@ -398,6 +398,15 @@ def test_the_plan_records_copies_on_their_lane(runs):
             gather = next(g for g in plan.collectives if g.graph == c.graph
                           and g.bucket == c.bucket and str(g.kind) == "all_gather")
             assert c.issue_pos <= c.wait_pos == gather.issue_pos
+    # The compute stream waits for a bucket's gradient copies where the next bucket's are
+    # issued (the lowering releases the gradients there), the last bucket's at the end.
+    d2h = sorted((c for c in plan.copies if str(c.kind) == "d2h_copy"),
+                 key=lambda c: (c.issue_pos, c.bucket))
+    assert len(d2h) >= 2
+    for c, following in zip(d2h, d2h[1:]):
+        assert c.issue_pos <= c.wait_pos == following.issue_pos, (c.id, following.id)
+    assert d2h[-1].wait_pos == max(c.wait_pos for c in d2h) >= d2h[-1].issue_pos
+    assert "where the next bucket's copies are issued" in d2h[0].reason
     assert plan.predicted.host_bytes > 0 and plan.predicted.device_copy_bytes > 0
     assert json.loads(runs[0]["plan_json"])["copies"]
     assert "offload copies" in runs[0]["plan_text"]

@@ -9,10 +9,12 @@ from its issue to its all-gather's issue, which packs it into the send buffer.
 
 For each bucket whose gradients go back to the host, the device->host copy (``d2h_copy``) is
 issued where the bucket's reduced shards are handed out (its reduce-scatter's wait, HSDP: its
-all-reduce's wait; without sync, where the stashed zero gradients exist) and waited at the end
-of the backward, so the copies of early buckets overlap the rest of the backward and the host
-gradients are complete when the backward returns (the optimizer, or a gradient norm for
-clipping, reads them next).
+all-reduce's wait; without sync, where the stashed zero gradients exist). The compute stream
+waits for bucket ``k``'s copies where bucket ``k + 1``'s are issued (the last bucket's at the end
+of the backward): there ``shardc.passes.lower_copies`` releases the gradients, after which
+Inductor may reuse their buffers. So the copies of early buckets overlap the next bucket's
+backward, and the host gradients are complete when the backward returns (the optimizer, or a
+gradient norm for clipping, reads them next).
 """
 
 from __future__ import annotations
@@ -94,8 +96,15 @@ def place_d2h(g: GraphView, colls: list[Collective], buckets: list[Bucket]) -> l
         out.append(_record(
             g, Kind.D2H_COPY, bucket.index, params, nbytes, _dtype_name(g.to_host[params[0]]),
             issue, g.end,
-            "offload: the reduced gradient shards copied to the host once handed out, waited "
-            "at the end of the backward (host gradients complete when it returns)", None))
+            "offload: the reduced gradient shards copied to the host once handed out; the "
+            "compute stream waits for them where the next bucket's copies are issued (their "
+            "buffers are released there), the last bucket's at the end of the backward (host "
+            "gradients complete when it returns)", None))
+    # The lowering orders the releases by the copies' starts (shardc.passes.lower_copies).
+    out.sort(key=lambda c: (c.issue_pos, c.bucket))
+    for c, following in zip(out, out[1:]):
+        c.wait_pos = c.first_use_pos = c.last_use_pos = min(max(following.issue_pos,
+                                                                c.issue_pos), g.end)
     return out
 
 
