@@ -22,6 +22,7 @@ another ``prefetch_depth``, which must miss.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import pickle
@@ -49,6 +50,38 @@ def _cache_counts() -> dict:
             "aot_hit": counters["aot_autograd"]["autograd_cache_hit"]}
 
 
+@contextlib.contextmanager
+def _fx_cache_key_details():
+    """Inductor's FX graph cache keys computed inside, each with the lines of what went into it
+    (its debug log), so that a miss in a second process can say which part of the key moved.
+    Kept to this handler (not propagated to torch's stderr handlers)."""
+    logger, lines = logging.getLogger("torch._inductor.codecache"), LogLines(logging.DEBUG)
+    level, propagate = logger.level, logger.propagate
+    logger.addHandler(lines)
+    logger.setLevel(logging.DEBUG)
+    logger.propagate = False
+    details: list[list[str]] = []
+    try:
+        yield details
+    finally:
+        logger.removeHandler(lines)
+        logger.setLevel(level)
+        logger.propagate = propagate
+        details += [m.splitlines() for m in lines.lines if m.startswith("FX graph cache hash")]
+
+
+def _key_difference(cold: list[list[str]], warm: list[list[str]]) -> str:
+    """For a failure message: the lines of the warm process's FX graph keys found in no cold
+    key, and the reverse."""
+    def parts(keys: list[list[str]]) -> set[str]:
+        return {line[:300] for key in keys for line in key[1:]}
+
+    cold_parts, warm_parts = parts(cold), parts(warm)
+    only_warm, only_cold = sorted(warm_parts - cold_parts), sorted(cold_parts - warm_parts)
+    return (f"{len(cold)} cold / {len(warm)} warm keys; only in the warm keys: {only_warm[:12]}; "
+            f"only in the cold keys: {only_cold[:12]}")
+
+
 def _restart(rank: int, world: int, change_option: bool) -> dict:
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
@@ -63,8 +96,10 @@ def _restart(rank: int, world: int, change_option: bool) -> dict:
         F.mse_loss(control(torch.randn(4, 6)), torch.randn(4, 3)).backward()
         out["control_aot_hits"] = counters["aot_autograd"]["autograd_cache_hit"]
         counters.clear()
-        run = sharded_run(rank, world, "repeated", "inductor", keep_model=True)
+        with _fx_cache_key_details() as details:
+            run = sharded_run(rank, world, "repeated", "inductor", keep_model=True)
         out["sharded"] = _cache_counts()
+        out["sharded_key_details"] = details
     logger.removeHandler(lines)
     (region,) = shardc.shard_state(run["model"]).regions
     plan = region.plan
@@ -137,6 +172,7 @@ def test_warm_restart_hits_inductor_cache_and_still_plans(tmp_path, monkeypatch)
     for rank, (c, w) in enumerate(zip(cold, warm)):
         graphs = c["sharded"]["fx_miss"]
         assert graphs >= 2 and c["sharded"]["fx_hit"] == 0, c["sharded"]  # forward, backward
+        assert len(c["sharded_key_details"]) >= graphs  # what a miss below would be told by
         assert w["control_aot_hits"] > 0, f"the second process did not use the cache: {w}"
         # A warm AOTAutograd cache must not skip shardc's partitioner (issue 9): no AOT hit, and
         # the plan is made again, the same, and checked across ranks.
@@ -145,7 +181,8 @@ def test_warm_restart_hits_inductor_cache_and_still_plans(tmp_path, monkeypatch)
         assert w["check_published"] and c["check_published"]
         # Inductor's graphs come from the cache, every one of them (issue 18).
         assert w["sharded"]["fx_hit"] == graphs and w["sharded"]["fx_miss"] == 0, (
-            f"rank {rank}: the second process missed Inductor's FX graph cache: {w['sharded']}")
+            f"rank {rank}: the second process missed Inductor's FX graph cache: {w['sharded']}; "
+            + _key_difference(c["sharded_key_details"], w["sharded_key_details"]))
         assert_parity(c, ref)
         assert_parity(w, ref)
         # A plan-affecting option is part of the key.
