@@ -162,7 +162,8 @@ def plan_measured_row(meta: dict, r: dict, profile: str | None) -> PlannedRow:
                               setup=setup)
     seconds = time.perf_counter() - start
     step = whole_step(planned, prof, cudagraphs=bool(meta.get("cudagraphs")))
-    return PlannedRow(step.step_s, planned.plan.predicted.peak_bytes, seconds,
+    # Back to back, as the measured step and the GPU plan's predicted_step_s are.
+    return PlannedRow(step.steady_s, planned.plan.predicted.peak_bytes, seconds,
                       step.exposed_comm_s)
 
 
