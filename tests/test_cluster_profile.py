@@ -776,6 +776,18 @@ def test_step_charges_per_param_host_work_by_the_expected_amount():
         60e-3 + optimizer_step_seconds(1.5e9, 100, base))
 
 
+def _graphs_plan(queued: float, handoff: float) -> Plan:
+    """A 50 ms region (forward 20 ms, of it 8 ms waiting for the host and 1 ms for a
+    collective; backward 30 ms, of it 5 ms waiting for the host)."""
+    plan = _plan_with(0, 50e-3, queued=queued, handoff=handoff)
+    plan.predicted.forward_time_s, plan.predicted.backward_time_s = 20e-3, 30e-3
+    plan.predicted.time_by_category_s = {"forward/launch_bound": 6e-3,
+                                         "forward/param_host": 2e-3,
+                                         "backward/launch_bound": 5e-3,
+                                         "forward/exposed_comm": 1e-3}
+    return plan
+
+
 def test_cuda_graph_replay_drops_the_graphs_host_waits_and_queues_the_backward():
     """Under CUDA graphs a graph's device time is the plan's without its waits for the host,
     the step waits for one replay call, and the backward's whole device time is queued, so
@@ -783,12 +795,7 @@ def test_cuda_graph_replay_drops_the_graphs_host_waits_and_queues_the_backward()
     p = _profile(memory=((1, 2e12),), kernel_gpu_s=0.0, kernel_launch_s=0.0, graph_call_s=0.4e-3,
                  optimizer_per_param_s=50e-6)
     spec = OptimizerSpec(param_bytes=4e6, n_params=100)  # 40 us on the device, 5 ms host
-    plan = _plan_with(0, 50e-3, queued=0.5e-3, handoff=3e-3)
-    plan.predicted.forward_time_s, plan.predicted.backward_time_s = 20e-3, 30e-3
-    plan.predicted.time_by_category_s = {"forward/launch_bound": 6e-3,
-                                         "forward/param_host": 2e-3,
-                                         "backward/launch_bound": 5e-3,
-                                         "forward/exposed_comm": 1e-3}
+    plan = _graphs_plan(queued=0.5e-3, handoff=3e-3)
     eager = predict_step([plan], p, spec)
     replay = predict_step([plan], p, spec, cudagraphs=True)
     device = optimizer_step_seconds(4e6, 100, p)
@@ -805,18 +812,6 @@ def test_cuda_graph_replay_drops_the_graphs_host_waits_and_queues_the_backward()
     assert backward.seconds == pytest.approx(25e-3) and backward.host_wait_s == 0.0
     assert sum(ph.seconds for ph in replay.phases) == pytest.approx(replay.step_s)
     assert sum(ph.seconds for ph in eager.phases) == pytest.approx(eager.step_s)
-
-
-def _graphs_plan(queued: float, handoff: float) -> Plan:
-    """A 50 ms region (forward 20 ms, of it 8 ms waiting for the host and 1 ms for a
-    collective; backward 30 ms, of it 5 ms waiting for the host)."""
-    plan = _plan_with(0, 50e-3, queued=queued, handoff=handoff)
-    plan.predicted.forward_time_s, plan.predicted.backward_time_s = 20e-3, 30e-3
-    plan.predicted.time_by_category_s = {"forward/launch_bound": 6e-3,
-                                         "forward/param_host": 2e-3,
-                                         "backward/launch_bound": 5e-3,
-                                         "forward/exposed_comm": 1e-3}
-    return plan
 
 
 def test_back_to_back_step_is_the_longer_of_the_host_and_the_device_work():

@@ -103,8 +103,7 @@ def place_d2h(g: GraphView, colls: list[Collective], buckets: list[Bucket]) -> l
     # The lowering orders the releases by the copies' starts (shardc.passes.lower_copies).
     out.sort(key=lambda c: (c.issue_pos, c.bucket))
     for c, following in zip(out, out[1:]):
-        c.wait_pos = c.first_use_pos = c.last_use_pos = min(max(following.issue_pos,
-                                                                c.issue_pos), g.end)
+        c.wait_pos = c.first_use_pos = c.last_use_pos = min(following.issue_pos, g.end)
     return out
 
 
