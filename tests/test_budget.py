@@ -720,6 +720,10 @@ def test_planner_meets_the_budget_less_the_margin():
     assert record.peak_bytes <= record.planned_bytes
 
 
+# Slow (54 s: four plans and a shared-partition check): the planner's prefetch lever, both
+# depths tried and the chosen one in the record, text and hash, is also asserted by
+# test_real_models.py::test_peak_budget_keeps_some_buckets_gathered_with_parity (world 2).
+@pytest.mark.slow
 def test_the_prefetch_depth_flips_with_the_budget(monkeypatch):
     """The prefetch lever (shardc.planning.prefetch) through the real planner (a tiny model at
     a fake world of 2, FX, over a slow interconnect: the cost model exposes the all-gathers).

@@ -74,6 +74,10 @@ def _train_with_offloaded_activations(rank: int, world: int, check: bool,
     return "trained"
 
 
+# Slow (28 s): the refusal and its message are test_every_rank_refuses_when_one_host_is_short's
+# too (two ranks); training with offloaded activations is test_budget_combos' and
+# test_real_models'.
+@pytest.mark.slow
 def test_a_plan_offloading_more_than_the_host_has_is_refused_at_compile_time():
     (refused,) = run_ranks(_train_with_offloaded_activations, 1, True)
     assert "MemoryBudgetError" in refused and "saved activations" in refused, refused
@@ -213,9 +217,11 @@ def _check_recomputed_not_offloaded(run: dict) -> None:
     assert any("host full" in d.reason for d in record.blocks), record.blocks
 
 
-# World 2 is slow: test_ranks_with_different_host_capacities_make_the_same_plan trains at
-# world 2 with a full host on one rank (both recompute) against the same reference.
-@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3])
+# Slow (64 s at world 3 on the 2-core CI machine): test_ranks_with_different_host_capacities_
+# make_the_same_plan trains at world 2 with a full host on one rank (both recompute, nothing
+# offloaded) against the same reference; uneven shards are every parity test's case.
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
 def test_a_full_host_makes_the_planner_recompute_and_training_matches_the_reference(world):
     """Ranks whose hosts have 1 KiB available (world 3: uneven shards): the planner
     recomputes instead of offloading, and training matches the unsharded reference."""
@@ -341,6 +347,10 @@ def _optimizer_lever_under_host(rank: int, world: int, capacities: tuple[int, ..
     return "trained"
 
 
+# Slow (26 s): the ranks agree on the least capacity before the search (agree_capacity, the
+# same for every host lever) in test_ranks_with_different_host_capacities_make_the_same_plan,
+# and the refusal's text is test_refused_when_no_plan_fits_both_the_budget_and_the_host's.
+@pytest.mark.slow
 def test_every_rank_refuses_alike_where_only_one_host_cannot_take_the_optimizer_share():
     """Two ranks, rank 0's host roomy and rank 1's at 1 KiB, a budget only the optimizer's
     state on the host could meet: the ranks agree on the least capacity before the search,
