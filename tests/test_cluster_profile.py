@@ -817,7 +817,8 @@ def test_cuda_graph_replay_drops_the_graphs_host_waits_and_queues_the_backward()
 def test_back_to_back_step_is_the_longer_of_the_host_and_the_device_work():
     """Steps back to back: the host starts a step while the device still runs the last one's
     queued work, so the step is the longer of the host's work and the device's work less its
-    waits for the host (the waits for collectives stay); from an idle device it is longer."""
+    waits for the host (the waits for collectives stay); from an idle device it is as long or
+    longer."""
     p = _profile(memory=((1, 2e12),), kernel_gpu_s=0.0, kernel_launch_s=0.0,
                  optimizer_per_param_s=50e-6, optimizer_fixed_s=1e-3, zero_grad_per_param_s=2e-6)
     # Host-bound: 4 MB of optimizer state (40 us on the device), 5 ms of optimizer Python.
@@ -826,7 +827,9 @@ def test_back_to_back_step_is_the_longer_of_the_host_and_the_device_work():
     host = 50e-3 - 0.5e-3 + 3e-3 + 1e-3 + 100 * 50e-6 + 100 * 2e-6
     assert step.host_s == pytest.approx(host)
     assert step.device_s == pytest.approx(50e-3 - 13e-3 + optimizer_step_seconds(4e6, 100, p))
-    assert step.steady_s == pytest.approx(host) and step.steady_s < step.step_s
+    # Host-bound from the first launch to zero_grad: the host's work is the whole step, back to
+    # back or not (the device-bound case below is where back to back is shorter).
+    assert step.steady_s == pytest.approx(host) == pytest.approx(step.step_s)
     # Device-bound: a 1.5 GB optimizer step and 10 ms queued: the host's work (the forward's
     # entry and launches among it) hides under the device's, whose waits for the host go.
     large = OptimizerSpec(param_bytes=1.5e9, n_params=100)

@@ -96,6 +96,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 from shardc.planning import optimizer_kind, optimizer_offload
 from shardc.planning.estimate import (
@@ -236,11 +237,21 @@ def _host_start(queued_s: float, handoff_s: float, optimizer_prologue_s: float) 
     return handoff_s - max(queued_s, 0.0) + max(optimizer_prologue_s, 0.0)
 
 
+class AfterBackward(NamedTuple):
+    """What follows the last backward's device work, in seconds from its end
+    (:func:`after_backward_timeline`)."""
+
+    optimizer_end_s: float  # the optimizer's last kernel ends
+    optimizer_idle_s: float  # the device's idle time until then
+    end_s: float  # the step ends: the later of the device's last kernel and the host's last call
+    idle_s: float  # the device's idle time in all
+    host_end_s: float  # the host returns from zero_grad
+
+
 def after_backward_timeline(queued_s: float, handoff_s: float, optimizer_device_s: float,
                             optimizer_host_s: float, zero_grad_s: float, ops: int,
-                            optimizer_prologue_s: float = 0.0) -> tuple[float, float, float, float]:
-    """:func:`after_backward_seconds`, split where the optimizer ends: (the optimizer's end,
-    the device's idle time until then, the step's end, the idle time in all)."""
+                            optimizer_prologue_s: float = 0.0) -> AfterBackward:
+    """:func:`after_backward_seconds`, split where the optimizer ends, with the host's end."""
     if ops < 1:
         raise ValueError(f"shardc step: the optimizer has {ops} ops; it needs at least one")
     host, t, idle = _host_start(queued_s, handoff_s, optimizer_prologue_s), 0.0, 0.0
@@ -251,7 +262,7 @@ def after_backward_timeline(queued_s: float, handoff_s: float, optimizer_device_
         t = start + optimizer_device_s / ops
     host += zero_grad_s
     end = max(t, host)
-    return t, idle, end, idle + (end - t)
+    return AfterBackward(t, idle, end, idle + (end - t), host)
 
 
 def after_backward_seconds(queued_s: float, handoff_s: float, optimizer_device_s: float,
@@ -265,10 +276,9 @@ def after_backward_seconds(queued_s: float, handoff_s: float, optimizer_device_s
     (``optimizer_prologue_s`` before its first op) and runs its ``ops`` foreach ops, each after
     its share of ``optimizer_host_s`` and taking its share of ``optimizer_device_s`` on the
     device once both are there, then ``zero_grad_s``."""
-    _, _, end, idle = after_backward_timeline(queued_s, handoff_s, optimizer_device_s,
-                                              optimizer_host_s, zero_grad_s, ops,
-                                              optimizer_prologue_s)
-    return end, idle
+    timeline = after_backward_timeline(queued_s, handoff_s, optimizer_device_s,
+                                       optimizer_host_s, zero_grad_s, ops, optimizer_prologue_s)
+    return timeline.end_s, timeline.idle_s
 
 
 def _value(p: Predictions, key: str) -> float:
@@ -375,11 +385,10 @@ def budget_host_share(plans: Sequence[Plan]) -> float:
 
 def _mixed_step(queued: float, handoff: float, zero_grad: float, optimizer: OptimizerSpec,
                 share: float, profile: ClusterProfile
-                ) -> tuple[float, float, float, float, float, float, float, float]:
+                ) -> tuple[AfterBackward, float, float, float, float]:
     """A step whose optimizer steps ``share`` of the shards on the host (the peak budget's
-    partial choice) and the rest on the device: (the optimizer's end, the device's idle until
-    then, the step's end, the idle in all, the device part's seconds, the host step's seconds
-    with its copies, of them the copies', of them the host compute's)."""
+    partial choice) and the rest on the device: (its timeline, the device part's seconds, the
+    host step's seconds with its copies, of them the copies', of them the host compute's)."""
     host_n = min(max(round(optimizer.n_params * share), 1), optimizer.n_params)
     host = replace(optimizer, param_bytes=optimizer.param_bytes * share, n_params=host_n,
                    offload="optimizer")
@@ -395,7 +404,7 @@ def _mixed_step(queued: float, handoff: float, zero_grad: float, optimizer: Opti
     timeline = after_backward_timeline(queued, handoff, device,
                                        host_s + profile.optimizer_per_param_s * device_n,
                                        zero_grad, 1)
-    return (*timeline, device, host_s, copies, compute)
+    return timeline, device, host_s, copies, compute
 
 
 def _graph_comm(plan: Plan, cudagraphs: bool) -> float:
@@ -431,18 +440,18 @@ def step_exposed_comm(plans: Sequence[Plan], cudagraphs: bool, queued: float, af
 
 def _after_graphs(queued: float, handoff: float, zero_grad: float, optimizer: OptimizerSpec,
                   share: float, profile: ClusterProfile, last: Plan | None
-                  ) -> tuple[float, float, float, float, float, dict[str, float], float, float]:
+                  ) -> tuple[AfterBackward, float, dict[str, float], float, float]:
     """What follows the last backward's device work, from its end (see the module docstring),
-    with ``queued`` seconds of device work left when the host returns from it: (the
-    optimizer's end, the device's idle until then, the step's end, the idle in all, the
-    optimizer's device seconds, seconds by category, the host step's compute, the idle waiting
-    for the host's other work)."""
+    with ``queued`` seconds of device work left when the host returns from it: (its timeline,
+    the optimizer's device seconds, seconds by category, the host step's compute, the idle
+    waiting for the host's other work)."""
     on_host = optimizer.offload != "none"
     by_category: dict[str, float] = {}
     host_compute = 0.0
     if 0.0 < share < 1.0:
-        opt_end, opt_idle, after, idle, device, host_s, copies, host_compute = _mixed_step(
+        timeline, device, host_s, copies, host_compute = _mixed_step(
             queued, handoff, zero_grad, optimizer, share, profile)
+        idle = timeline.idle_s
         by_category["optimizer"] = device
         stepping = min(host_s - copies, idle)
         by_category["host_optimizer"] = stepping
@@ -453,8 +462,8 @@ def _after_graphs(queued: float, handoff: float, zero_grad: float, optimizer: Op
         behind, host_s, copies, host_compute = _host_step(last, optimizer, profile)
         # The worker runs beside the main thread's hand-off; optimizer.step() waits for both.
         handoff = max(queued, handoff, queued + behind)
-        opt_end, opt_idle, after, idle = after_backward_timeline(
-            queued, handoff, 0.0, host_s, zero_grad, 1)
+        timeline = after_backward_timeline(queued, handoff, 0.0, host_s, zero_grad, 1)
+        idle = timeline.idle_s
         stepping = min(host_s - copies + behind, idle)
         by_category["host_optimizer"] = stepping
         if copies:
@@ -470,12 +479,12 @@ def _after_graphs(queued: float, handoff: float, zero_grad: float, optimizer: Op
                                       max(optimizer.temp_factor, 1.0))
         if ran == "per_tensor":  # the same ops, one kernel per tensor each
             ops *= max(optimizer.n_params, 1)
-        opt_end, opt_idle, after, idle = after_backward_timeline(
+        timeline = after_backward_timeline(
             queued, handoff, device, profile.optimizer_per_param_s * optimizer.n_params,
             zero_grad, ops, optimizer_prologue_s=profile.optimizer_fixed_s)
         by_category["optimizer"] = device
-        other_idle = idle
-    return opt_end, opt_idle, after, idle, device, by_category, host_compute, other_idle
+        other_idle = timeline.idle_s
+    return timeline, device, by_category, host_compute, other_idle
 
 
 def predict_step(plans: Sequence[Plan], profile: ClusterProfile, optimizer: OptimizerSpec,
@@ -519,10 +528,11 @@ def predict_step(plans: Sequence[Plan], profile: ClusterProfile, optimizer: Opti
                     + profile.zero_grad_fixed_s, 0.0)
     on_host = optimizer.offload != "none"
     after_args = (handoff, zero_grad, optimizer, share, profile, last)
-    opt_end, opt_idle, after, idle, device, by_category, host_compute, other_idle = \
-        _after_graphs(queued, *after_args)
+    timeline, device, by_category, host_compute, other_idle = _after_graphs(queued, *after_args)
+    opt_end, opt_idle, after, idle = (timeline.optimizer_end_s, timeline.optimizer_idle_s,
+                                      timeline.end_s, timeline.idle_s)
     exposed = step_exposed_comm(plans, cudagraphs, queued, after,
-                                lambda q: _after_graphs(q, *after_args)[2])
+                                lambda q: _after_graphs(q, *after_args)[0].end_s)
     if other_idle + excess > 1e-15:
         by_category["param_host"] = other_idle + excess
     where = "host, CPU offload" + (" overlapped with the backward (step_in_backward)"
@@ -549,8 +559,7 @@ def predict_step(plans: Sequence[Plan], profile: ClusterProfile, optimizer: Opti
     if on_host or share > 0.0 or cudagraphs:
         return step
     # The host's last call: the graphs' (with the other regions' hand-off beyond their queued
-    # time), then the optimizer's host work and zero_grad, as after_backward_timeline has it.
-    host = graphs_s + excess + _host_start(queued, handoff, profile.optimizer_fixed_s) \
-        + profile.optimizer_per_param_s * optimizer.n_params + zero_grad
+    # time), then the timeline's optimizer host work and zero_grad.
+    host = graphs_s + excess + timeline.host_end_s
     host = min(max(host, 0.0), step.step_s)
     return replace(step, host_s=host, back_to_back_s=max(host, step.device_s))
