@@ -92,10 +92,13 @@ COLLECTIVE_BUCKETINGS = ("module", "param")
 # round alone. Counts, not wall time, so the same command measures the same points.
 HOST_ROUNDS = 5
 HOST_STEPS_PER_ROUND = 4
-# Depths of its FP8 variant (7 FP8 Linears per block and the output head; an FP8 region compiles
-# about 2.5x slower than a bf16 one, so one depth keeps ``calibrate`` within ~30 s longer):
-# 4 blocks, 29 ``_scaled_mm`` in the forward and 58 in the backward.
-GPU_FP8_LAYERS = (4,)
+# Depths of its FP8 variant (7 FP8 Linears per block and the output head: 15 / 43 ``_scaled_mm``
+# in the forward, twice that in the backward). Two depths, so that the fit is a slope: one depth
+# (4 blocks until the twenty-eighth session) took whatever the bf16 terms leave at that size for
+# work per ``_scaled_mm`` (118 us in the forward on an H200, where the 1b config's FP8 rows
+# measured about 40 us: docs/cost_model.md, "FP8 back to back on one H200"). An FP8 region
+# compiles about 2.5x slower than a bf16 one: the two cost ``calibrate`` about a minute.
+GPU_FP8_LAYERS = (2, 6)
 # The per-parameter fields priced in the forward (call to return) and in the backward.
 FORWARD_FIELDS = ("region_entry_per_param_s", "forward_graph_per_param_s")
 BACKWARD_FIELDS = ("backward_entry_per_param_s", "backward_graph_per_param_s",
