@@ -28,6 +28,7 @@ import logging
 import pickle
 from pathlib import Path
 
+import pytest
 import torch
 import torch._dynamo
 import torch.nn.functional as F
@@ -163,6 +164,8 @@ def _stored_plans(rank: int, world: int) -> list:
             if f"rank({rank}, {world})" in json.loads(p.read_text())["partitioner"]]
 
 
+# Slow (suite time, s29): two cold Inductor processes, 80 s on the loaded 2-core machine
+@pytest.mark.slow
 def test_warm_restart_hits_inductor_cache_and_still_plans(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # cold, then warm
     monkeypatch.setenv("SHARDC_AUTOGRAD_CACHE", "1")  # the suite turns it off (conftest.py)

@@ -839,6 +839,9 @@ def test_elided_cast_bytes_price_the_kernels_one_rank_still_runs():
     assert elided_cast_bytes(nodes["reduce_same"]) == 0
 
 
+# Slow (suite time, s29): the planner's optimizer offload trains in real_models'
+# peak_budget_optimizer
+@pytest.mark.slow
 def test_optimizer_offload_is_the_last_lever_of_the_planner(monkeypatch):
     """The real budget planner (a tiny model at a fake world of 2, FX, no margin): at the device
     levers' feasible minimum the optimizer stays on the device; a byte below it the planner puts

@@ -272,6 +272,7 @@ def test_cpu_offload_peak_budget_frees_blocks_activations(mode: str) -> None:
         assert plan.predicted.host_bytes > 0, plan.predicted
 
 
+@pytest.mark.slow  # suite time (s29): 38 s, a two-rank group
 def test_cpu_offload_budget_recomputes_blocks_to_keep_buckets_gathered() -> None:
     """The levers together (``shardc.planning.trade``): under CPU offload a bucket kept
     gathered saves the backward's host->device copy of its shards, and a block recomputed

@@ -134,7 +134,10 @@ def _check_run(run: dict, references: dict, kind: str, mode: str, policy: str,
 EMBEDDING = (("policy", "embedding"),)
 
 
-@pytest.mark.parametrize("world", WORLD_SIZES)
+# World 3 is slow (suite time, s29): FP8 trains at 1, 2 and 4 here, and uneven FP8 shards stay
+# in test_gathered_* (2 ranks, rows of 45 and 37; one rank holds no row of two weights).
+@pytest.mark.parametrize("world", [w if w != 3 else pytest.param(3, marks=pytest.mark.slow)
+                                   for w in WORLD_SIZES])
 def test_fp8_training_parity(world, references):
     """Eager at every world size; compiled (planned FX) at 2 and 3 (CPU compiles are slow).
     With FP8 embeddings too (``EMBEDDING``): eager at 3, eager and FX at 2, and a tied
@@ -361,6 +364,9 @@ def _fp8_bench():
     return module
 
 
+# Slow (suite time, s29): the bench's FP8 mode compiled twice; FP8 plans are checked by
+# test_fp8_training_parity
+@pytest.mark.slow
 def test_bench_fp8_mode_halves_planned_all_gather_bytes(capsys):
     """The benchmark's default ``fp8`` mode (FP8 Linears and token embedding) gathers every 2-D
     weight in float8: its plan moves the bf16 plan's elements, the float8 ones at 1 byte instead

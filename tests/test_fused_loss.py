@@ -159,6 +159,8 @@ def test_parity_llama_more_ranks(world):
     _check(run, ref, 1e-5)
 
 
+# Slow (suite time, s29): two two-rank runs; the fused loss trains at parity in test_parity_llama
+@pytest.mark.slow
 def test_parity_mixed_precision():
     """bf16 compute, fp32 reduction: against the fp32 reference as the other bf16 parity tests
     (2e-2), and closer to the same sharded run unfused."""
@@ -171,6 +173,7 @@ def test_parity_mixed_precision():
     _check(fused, plain, 1e-2)
 
 
+@pytest.mark.slow  # suite time (s29)
 def test_parity_tied_embeddings():
     ref = _reference("tied", True)
     run = run_ranks(w.sharded, 2, "tied", "fx", ignore=True, fused_loss=True)[0]
@@ -178,6 +181,7 @@ def test_parity_tied_embeddings():
     _check(run, ref, 1e-5)
 
 
+@pytest.mark.slow  # suite time (s29)
 def test_parity_hugging_face_tiny_llama():
     """transformers' ForCausalLMLoss: upcast, shifted labels padded with -100."""
     ref = _reference("hf", True)
@@ -233,6 +237,9 @@ def test_budget_chooses_the_fused_loss_by_itself(world, request):
     assert abs(out["tight"]["loss"] - out["off"]["loss"]) <= 1e-5
 
 
+# Slow (suite time, s29): three Inductor compiles in the background group; the budget's choice stays
+# in test_budget_chooses_the_fused_loss_by_itself[1]
+@pytest.mark.slow
 def test_budget_under_inductor_decomposes_what_it_does_not_fuse(request):
     """Under Inductor the cross-entropy's ops reach the joint graph whole where the lever may
     be used; unfused, shardc decomposes them as Inductor would (no aten loss op is left, and

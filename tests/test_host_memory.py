@@ -153,8 +153,9 @@ def _roomy(monkeypatch) -> tuple[int, object]:
 
 
 # Slow (34 s; suite time): test_a_full_host_makes_the_planner_recompute_and_training_matches_
-# the_reference[3] covers the full host's recompute in the default suite, and
-# test_checkpoints_the_host_cannot_take_are_not_offloaded a host that takes part of it.
+# the_reference[3] covers the full host's recompute, and
+# test_checkpoints_the_host_cannot_take_are_not_offloaded a host that takes part of it (all
+# slow since s29, for the suite's time; the default suite keeps the refusals below).
 @pytest.mark.slow
 def test_the_planner_recomputes_where_the_host_cannot_take_the_offload(monkeypatch):
     """A budget a byte below the fixed policy's peak: with a roomy host the planner offloads
@@ -233,6 +234,9 @@ def test_a_full_host_makes_the_planner_recompute_and_training_matches_the_refere
         assert_parity(run, reference("llama"))
 
 
+# Slow (suite time, s29): 73 s on the loaded 2-core machine; every rank refuses alike in
+# test_every_rank_refuses_when_one_host_is_short.
+@pytest.mark.slow
 def test_ranks_with_different_host_capacities_make_the_same_plan():
     """Rank 0's host has plenty, rank 1's 1 KiB: the ranks agree on the least before the
     search, so both recompute and their plans are the same (the same hash; the plan check at
@@ -284,6 +288,7 @@ def test_refused_when_no_plan_fits_both_the_budget_and_the_host(monkeypatch):
         assert part in text, (part, text)
 
 
+@pytest.mark.slow  # suite time (s29): 112 s on the loaded 2-core machine
 def test_checkpoints_the_host_cannot_take_are_not_offloaded(monkeypatch):
     """Many tokens through four narrow blocks (tests/real_models.py's checkpoint scenario,
     planned at a fake world of 2): a byte below what recomputing every block reaches, a roomy

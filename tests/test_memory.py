@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import fx
 
@@ -214,6 +215,7 @@ def test_block_bodies_predict_the_peak_of_inline_blocks():
         assert abs(at_peak[0]["bytes"][category] - nbytes) <= 0.01 * inline["peak_bytes"], category
 
 
+@pytest.mark.slow  # suite time (s29): bodies' peaks against inline blocks stay in the test above
 def test_block_bodies_predict_the_step_time_of_inline_blocks():
     """The time model prices a compiled-once body's call (``invoke_subgraph``) by its body's
     kernels, run where the call runs: the same step as inline blocks (priced as one opaque op,

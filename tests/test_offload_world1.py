@@ -153,6 +153,9 @@ def _bitwise(a: dict, b: dict, what: str) -> None:
         assert torch.equal(a["params"][name], b["params"][name]), f"{what}: {name}"
 
 
+# Slow (suite time, s29): the module's one-rank group; world-1 offload trains in
+# tests/test_parity.py (offload, offload_overlap, plain_offload_overlap)
+@pytest.mark.slow
 def test_offload_at_world_1_elides_its_collectives_and_trains_bitwise(runs):
     for name in ("bf16_offload", "bf16_offload_kept", "inductor_offload", "offload_no_sync"):
         run = runs[name]
@@ -180,12 +183,18 @@ def test_offload_at_world_1_elides_its_collectives_and_trains_bitwise(runs):
     _bitwise(kept, runs["bf16_offload"], "bf16 offloaded, kept vs resharded, world 1")
 
 
+# Slow (suite time, s29): an in-process Inductor reference; the run itself is checked by the test
+# above
+@pytest.mark.slow
 def test_offload_at_world_1_under_inductor_matches_the_reference(runs):
     torch._dynamo.reset()
     ref = reference("llama1", compile_backend="inductor")
     assert_parity(runs["inductor_offload"], ref)
 
 
+# Slow (suite time, s29): the module's one-rank group; world-1 offload trains in
+# tests/test_parity.py (offload, offload_overlap, plain_offload_overlap)
+@pytest.mark.slow
 def test_offload_at_world_1_accumulates_without_sync_like_the_reference(runs):
     torch._dynamo.reset()
     assert_parity(runs["offload_no_sync"], reference("llama"))

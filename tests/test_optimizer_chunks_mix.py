@@ -243,12 +243,16 @@ def _scenario(runs: list[dict], name: str) -> list:
     return outs
 
 
+# Slow (suite time, s29): the default_runs group (58 rank-CPU s); chunked steps stay in
+# test_optimizer_chunks
+@pytest.mark.slow
 def test_chunks_with_local_shard_step(default_runs):
     """``shardc.optim.local_shard_step`` under the chunked step (world 2): each chunk's call
     steps that chunk's local shards; bitwise the same as one call (itself local-shard)."""
     _check(_scenario(default_runs, "local_step"))
 
 
+@pytest.mark.slow  # suite time (s29): default_runs' group
 def test_chunks_with_no_sync_accumulation(default_runs):
     """Two micro-batches a step, the first under ``shardc.no_sync`` (world 2)."""
     _check(_scenario(default_runs, "no_sync"))
@@ -303,6 +307,7 @@ def _dcp_worker(rank: int, world: int, where: str, compiled: tuple) -> dict:
             "load_narrows": len(narrows)}
 
 
+@pytest.mark.slow  # suite time (s29): default_runs' group
 def test_chunks_across_a_dcp_save_and_load(default_runs):
     """A DCP save after step 1 of a chunked run, loaded into a fresh model and optimizer
     (compiled with the chunks before the load, so the load's zero-lr init step is chunked

@@ -894,7 +894,8 @@ def test_peak_budget_offloads_activations_with_parity(runs):
                 f"world {world}: plans differ by rank"
 
 
-def test_peak_budget_recomputes_and_offloads_checkpoints_with_parity(runs):
+@pytest.mark.slow
+def test_peak_budget_recomputes_and_offloads_checkpoints_with_parity(slow_runs):
     """A budget at the feasible minimum a one-byte budget's refusal names, below what
     recomputing every block reaches (four narrow blocks, 96 sequences of 4 tokens: the
     checkpoints, the recomputed blocks' inputs, make much of the backward's peak): the planner
@@ -904,7 +905,7 @@ def test_peak_budget_recomputes_and_offloads_checkpoints_with_parity(runs):
     (one value per block: its input); the host holds them; the predicted peak is within the
     budget and the plans are identical on every rank."""
     for world, got in zip(_worlds("peak_budget_checkpoints"),
-                          check_parity(runs, "peak_budget_checkpoints")):
+                          check_parity(slow_runs, "peak_budget_checkpoints")):
         record = got["record"]
         assert "the checkpoints of those recomputed (4) offloaded to host memory" \
             in got["refusal"], got["refusal"]
@@ -934,7 +935,7 @@ def test_peak_budget_recomputes_and_offloads_checkpoints_with_parity(runs):
         assert copies["misplaced"] == 0 and copies["forward_waits"] == 0, copies
         assert "recomputed, checkpoint offloaded, costs" in got["table"], got["table"]
         assert Plan.from_json(got["json"]).budget == record
-        for rank in runs[world]:
+        for rank in slow_runs[world]:
             assert rank["peak_budget_checkpoints"]["hash"] == got["hash"], \
                 f"world {world}: plans differ by rank"
 

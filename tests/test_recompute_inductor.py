@@ -53,6 +53,9 @@ def inductor_reference():
     return reference("llama", compile_backend="inductor")
 
 
+# Slow (suite time, s29): a two-rank Inductor group and an Inductor reference; planner recompute
+# trains in real_models' peak_budget scenarios (FX)
+@pytest.mark.slow
 def test_blocks_recomputed_by_the_planner_train_like_the_reference_under_inductor(
         inductor_reference):
     runs = run_ranks(_train_recomputed, 2)

@@ -115,6 +115,7 @@ def _large_before_small(colls: list[Collective]) -> list[tuple[Collective, Colle
             if b.buffer_bytes * SMALL_BUCKET_DIVISOR <= a.buffer_bytes]
 
 
+@pytest.mark.slow  # suite time (s29): an FP8 plan of an opt-in option, 27 s
 def test_fp8_plan_waits_each_linear_bucket_past_its_norm_bucket():
     """Each layer's Linear bucket (float8) is followed by its norm bucket (bf16): by default
     its reduce-scatter is waited before the norm bucket's is issued (at its first write), with
@@ -206,6 +207,7 @@ def _check_runs(runs: list[dict[bool, dict]], ref: dict) -> None:
         assert on["plan"].predicted.peak_bytes >= off["plan"].predicted.peak_bytes
 
 
+@pytest.mark.slow  # suite time (s29): the option's plans stay checked by the tests above
 def test_training_with_the_option_is_bitwise_the_same(fake_quant_reference):
     """World 2 over gloo, planned FX graphs with the communication pool (its offsets follow
     the longer lifetimes; dead buffers poisoned)."""
