@@ -25,3 +25,11 @@ cd $OUT && tar czf c2.tgz r && rm -rf r
 source gpu_env.sh; R=$OUT/r; mkdir -p $R; git log --oneline -1 > $R/commit.txt; git status --short >> $R/commit.txt; timeout 300 torchrun --nproc-per-node 1 benchmarks/predict_step.py --profile docs/bench/predict/s29_calibrated/call1/h200_s29.json --refine-host --configs 1b:8:1,1b:8:2,wide:8:1 --blocks-once --steps 10 --deadline-s 285 --out $R --name predict_s29_refine > $R/predict_s29_refine.log 2>&1; cd $OUT && tar czf c3.tgz r && rm -rf r
 # call4/: the run command itself
 source gpu_env.sh; R=$OUT/r; mkdir -p $R; git log --oneline -1 > $R/commit.txt; git status --short >> $R/commit.txt; timeout 330 torchrun --nproc-per-node 1 benchmarks/predict_step.py --profile docs/bench/predict/s29_calibrated/call1/h200_s29.json --refine-host --configs 1b:16:4:fp8,wide:8:2:fp8,1b:8:1:fp8,wide:8:4 --blocks-once --steps 10 --deadline-s 315 --out $R --name predict_s29_fp8more > $R/predict_s29_fp8more.log 2>&1; cd $OUT && tar czf c4.tgz r && rm -rf r
+# call5/: gpu_5.sh (a second nvidia-h200 start)
+# s29 call 5 (issue 19): batch 1 of the 1b config repeated (bf16 and FP8, each twice in one process, alternating), with call 1's profile and the host rescale, to tell the model's FP8 host error from the run-to-run spread
+source gpu_env.sh
+R=$OUT/r; rm -rf $R; mkdir -p $R
+git log --oneline -1 > $R/commit.txt 2>&1; git status --short >> $R/commit.txt; git diff | sha256sum >> $R/commit.txt; nvidia-smi -L >> $R/commit.txt
+timeout 400 torchrun --nproc-per-node 1 benchmarks/predict_step.py --profile docs/bench/predict/s29_calibrated/call1/h200_s29.json --refine-host --configs 1b:8:1:fp8,1b:8:1,1b:8:1:fp8,1b:8:1 --blocks-once --steps 20 --deadline-s 380 --out $R --name predict_s29_b1 > $R/predict_s29_b1.log 2>&1; echo "rc=$? $(date +%T)"
+grep -E "^\|" $R/predict_s29_b1.md | head -6 | cut -c1-240
+cd $OUT && tar czf c5.tgz r && rm -rf r
