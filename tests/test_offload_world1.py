@@ -85,6 +85,32 @@ def unreleased_grad_sources(gm) -> list[str]:
     return bad
 
 
+def release_disorder(region) -> list:
+    """Where the lowering's gradient-copy releases and the plan's device->host records disagree
+    on the buckets' order. The plan (``shardc.planning.copies.place_d2h``) waits each bucket's
+    copies where the next bucket's are issued (its records' ``wait_pos``); the lowering
+    (``shardc.passes.lower_copies._release_sources``) inserts each bucket's releases after the
+    next bucket's copy starts, ordering the buckets by their first start in the graph. Both
+    derive the order, and must give the same one, or the plan's predicted waits are not the
+    graph's."""
+    gm, plan = region.backward, region.plan
+    if gm is None or plan is None:
+        return []
+    bucket_of = {p: c.bucket for c in plan.copies
+                 if c.kind == "d2h_copy" and c.graph == "backward" for p in c.params}
+    planned = [c.bucket for c in sorted(
+        (c for c in plan.copies if c.kind == "d2h_copy" and c.graph == "backward"),
+        key=lambda c: (c.wait_pos, c.issue_pos))]
+    lowered: list[int] = []
+    for node in gm.graph.find_nodes(op="call_function", target=COPY_RELEASE_OP):
+        start = node.args[1]
+        if node.args[2] is True and start.meta.get(GRAD_D2H):
+            bucket = bucket_of[start.args[1]]
+            if bucket not in lowered:
+                lowered.append(bucket)
+    return [] if lowered == planned else [(planned, lowered)]
+
+
 def casts_apart(gm) -> list[str]:
     """The ``offload_copy_cast`` nodes of ``gm`` (a device copy's cast that Inductor would
     realize anyway, made right behind its bucket's waits) that do not follow a wait or another
@@ -117,6 +143,9 @@ def _summary(run: dict) -> dict:
         "pool": {p.predicted.pool_bytes for p in plans},
         "early": [name for gm in graphs for name in read_before_wait(gm)],
         "unreleased": [name for gm in graphs for name in unreleased_grad_sources(gm)],
+        "release_disorder": [d for r in state.regions for d in release_disorder(r)],
+        "released_buckets": sum(len({c.bucket for c in p.copies if c.kind == "d2h_copy"})
+                                for p in plans),
         "copy_casts": sum(len(gm.graph.find_nodes(op="call_function", target=COPY_CAST_OP))
                           for gm in graphs),
         "casts_apart": [name for gm in graphs for name in casts_apart(gm)],
@@ -168,6 +197,9 @@ def test_offload_at_world_1_elides_its_collectives_and_trains_bitwise(runs):
         # Every gradient's device source outlives its copy's start (a waited release).
         assert run["unreleased"] == [], (name, run["unreleased"])
         assert run["d2h_late"] == [], (name, run["d2h_late"])
+        # The plan's release order is the lowering's (both derive it; s28's review).
+        assert run["release_disorder"] == [], (name, run["release_disorder"])
+        assert run["released_buckets"] >= 2, (name, run["released_buckets"])
         # bf16 compute: the matmuls' weights are cast right behind the copies' waits, which
         # frees the fp32 copies there (cast22); fp32 compute casts nothing.
         assert (run["copy_casts"] > 0) == name.startswith("bf16"), (name, run["copy_casts"])
