@@ -33,3 +33,11 @@ git log --oneline -1 > $R/commit.txt 2>&1; git status --short >> $R/commit.txt; 
 timeout 400 torchrun --nproc-per-node 1 benchmarks/predict_step.py --profile docs/bench/predict/s29_calibrated/call1/h200_s29.json --refine-host --configs 1b:8:1:fp8,1b:8:1,1b:8:1:fp8,1b:8:1 --blocks-once --steps 20 --deadline-s 380 --out $R --name predict_s29_b1 > $R/predict_s29_b1.log 2>&1; echo "rc=$? $(date +%T)"
 grep -E "^\|" $R/predict_s29_b1.md | head -6 | cut -c1-240
 cd $OUT && tar czf c5.tgz r && rm -rf r
+# call6/: gpu_6.sh (a third nvidia-h200 start)
+# s29 call 6 (issue 19): the kernels the device runs per step at batch 1, FP8 against bf16 (profiled steps kept as traces), to compare with the cost model's 356/328 and 106/157 kernel groups
+source gpu_env.sh
+R=$OUT/r; rm -rf $R; mkdir -p $R
+git log --oneline -1 > $R/commit.txt 2>&1; git status --short >> $R/commit.txt; git diff | sha256sum >> $R/commit.txt; nvidia-smi -L >> $R/commit.txt
+timeout 300 torchrun --nproc-per-node 1 benchmarks/predict_step.py --profile docs/bench/predict/s29_calibrated/call1/h200_s29.json --refine-host --configs 1b:8:1:fp8,1b:8:1 --blocks-once --steps 10 --deadline-s 280 --keep-traces $R/traces --out $R --name predict_s29_kernels > $R/predict_s29_kernels.log 2>&1; echo "rc=$? $(date +%T)"
+ls -la $R/traces | head; du -sh $R/traces
+cd $OUT && tar czf c6.tgz r && rm -rf r
