@@ -173,7 +173,7 @@ def test_parity_mixed_precision():
     _check(fused, plain, 1e-2)
 
 
-@pytest.mark.slow  # suite time (s29)
+@pytest.mark.slow  # suite time (s29): as test_parity_mixed_precision
 def test_parity_tied_embeddings():
     ref = _reference("tied", True)
     run = run_ranks(w.sharded, 2, "tied", "fx", ignore=True, fused_loss=True)[0]
@@ -181,7 +181,7 @@ def test_parity_tied_embeddings():
     _check(run, ref, 1e-5)
 
 
-@pytest.mark.slow  # suite time (s29)
+@pytest.mark.slow  # suite time (s29): as test_parity_mixed_precision
 def test_parity_hugging_face_tiny_llama():
     """transformers' ForCausalLMLoss: upcast, shifted labels padded with -100."""
     ref = _reference("hf", True)
