@@ -96,11 +96,9 @@ def release_disorder(region) -> list:
     gm, plan = region.backward, region.plan
     if gm is None or plan is None:
         return []
-    bucket_of = {p: c.bucket for c in plan.copies
-                 if c.kind == "d2h_copy" and c.graph == "backward" for p in c.params}
-    planned = [c.bucket for c in sorted(
-        (c for c in plan.copies if c.kind == "d2h_copy" and c.graph == "backward"),
-        key=lambda c: (c.wait_pos, c.issue_pos))]
+    d2h = [c for c in plan.copies if c.kind == "d2h_copy" and c.graph == "backward"]
+    bucket_of = {p: c.bucket for c in d2h for p in c.params}
+    planned = [c.bucket for c in sorted(d2h, key=lambda c: (c.wait_pos, c.issue_pos))]
     lowered: list[int] = []
     for node in gm.graph.find_nodes(op="call_function", target=COPY_RELEASE_OP):
         start = node.args[1]
