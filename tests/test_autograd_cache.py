@@ -280,6 +280,33 @@ def test_stored_plan_is_restored_only_when_every_check_passes(tmp_path, monkeypa
     assert warm.plan_path("../escape") is None
 
 
+def test_a_restored_plan_steps_the_optimizer_in_chunks_where_it_planned_to(tmp_path,
+                                                                             monkeypatch):
+    """A hit restores what the runtime reads beside the plan: a plan whose peak budget steps
+    the optimizer in chunks (read back from its stored record) makes the region step in chunks
+    again (the warm start on one H200 stepped in one call and peaked at the one-call step's
+    temporaries, docs/memory_budget.md); a plan without the choice leaves the region as it was."""
+    from shardc.compile import warm
+    from shardc.compile.backend import restore_region
+    from shardc.compile.pipeline import RegionRecord
+    from shardc.planning.plan import MemoryBudget, OptimizerChunksDecision
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    plan = _plan()
+    plan.budget = MemoryBudget(1000, 900, 950, 1, [], [])
+    plan.budget.optimizer_chunks = OptimizerChunksDecision(True, 2, 16, 32, 0.1, "in chunks")
+    warm.save_plan("k", "uuid", plan)
+    restored, why = warm.load_plan("k", "uuid", {"a.weight", "b.weight"})
+    assert why == "" and restored.budget.optimizer_chunks.chunked
+    region = RegionRecord(0)
+    assert not region.optimizer_step_chunks
+    restore_region(region, restored)
+    assert region.plan is restored and region.optimizer_step_chunks
+    plain = RegionRecord(1)
+    restore_region(plain, _plan())
+    assert not plain.optimizer_step_chunks and plain.body_partitions == {}
+
+
 def test_cache_lookup_outcome_needs_one_logged_key():
     """A hit is restorable only with exactly one lookup whose key torch logged; a miss is stored
     only then too."""

@@ -410,6 +410,117 @@ def test_offload_and_recompute_rank_together_and_the_record_says_why():
     assert MemoryBudget.from_dict(old).offloaded == []
 
 
+def test_a_blocks_hidden_part_is_first_fit_by_decreasing_size():
+    """Per saved activation: the values whose copies the block's forward hides, the largest
+    first, skipping one that would not fit; none where not even the smallest fits."""
+    from shardc.planning.offload import hidden_part, offload_seconds
+    from shardc.planning.profile import HostLink
+
+    link = HostLink(1e9, 1e9, 0.0)  # 1 ms per MB each way
+    sizes = [400_000, 3_000_000, 500_000, 2_000_000]  # 0.4, 3, 0.5, 2 ms to copy
+    # 2.45 ms of forward: 3 MB does not fit; 2 MB does, then not 0.5 MB (2.5 ms) but 0.4 MB.
+    got = hidden_part(sizes, 2.45e-3, link)
+    assert got == (0, 3)
+    total = sum(sizes[i] for i in got)
+    assert offload_seconds(link.copy_seconds(total, False), 2.45e-3,
+                           link.copy_seconds(total, True)) == 0.0
+    assert hidden_part(sizes, 10e-3, link) == (0, 1, 2, 3)  # all of them: the whole block
+    assert hidden_part(sizes, 0.3e-3, link) == ()
+    assert hidden_part([0, 100], 1.0, link) == (1,)  # an empty value is never copied
+    # Ties by index: the same answer on every rank for the same agreed sizes.
+    assert hidden_part([5, 5, 5], 10e-9, HostLink(1e9, 1e9, 0.0)) == (0, 1)
+
+
+def test_a_part_offloaded_ranks_first_and_the_record_names_it():
+    """A block's hidden part is a candidate of no exposed time: it ranks before any block freed
+    whole; chosen without its block, the record offloads it in part (its values' indices, its
+    bytes, why, and the block's own rank), the plan names it ``block#i.j`` and hashes it, and
+    the record round-trips; with its block chosen whole the part is not offloaded."""
+    from shardc.compile.budget_search import without_covered_parts
+    from shardc.passes.recompute import Block
+    from shardc.planning.plan import part_name, split_part
+
+    assert part_name("layers.3", (4, 0)) == "layers.3#0.4"
+    assert split_part("layers.3#0.4") == ("layers.3", (0, 4))
+    assert split_part("layers.3") == ("layers.3", None)
+    assert without_covered_parts(["a#1", "b#0.2", "b"]) == ("a#1", "b")
+
+    values = tuple(fx.Graph().placeholder(f"v{i}") for i in range(3))
+    blocks = [Block(f"layers.{i}", "body", i, (), 300, 50, saved_values=values)
+              for i in range(2)]
+    cands = [recompute.RecomputeCandidate("layers.0", "body", 0, 2e-3, 250, forward_s=2e-3,
+                                          copy_s=5e-3, offload_s=4e-3),
+             recompute.RecomputeCandidate("layers.1", "body", 1, 2e-3, 250, forward_s=2e-3,
+                                          copy_s=5e-3, offload_s=4e-3),
+             recompute.RecomputeCandidate("layers.1#0.2", "body", 1, 0.0, 120, offload=True,
+                                          forward_s=2e-3, copy_s=1.5e-3, offload_s=0.0)]
+    assert recompute.rank(cands)[0].block == "layers.1#0.2"
+    got = recompute.decisions(blocks, cands, ["layers.1#0.2", "layers.0"], needed=True,
+                              peak=1500)
+    assert [(d.recomputed, d.offloaded, d.offloaded_part) for d in got] == [
+        (True, False, ()), (False, True, (0, 2))]
+    part = got[1]
+    assert part.bytes == 120 and part.offload_ms == 0.0 and part.copy_ms == pytest.approx(1.5)
+    assert part.reason.startswith("offloaded in part: 2 of its 3 saved values")
+    assert "rank 1 of 3" in part.reason and "the block whole ranked 3 of 3" in part.reason
+    plan = Plan(PLAN_VERSION, 0, 2, {}, [], [])
+    plan.budget = MemoryBudget(2000, 1000, 1500, 2, [], got)
+    assert plan.budget.offloaded == ["layers.1#0.2"]
+    back = Plan.from_json(plan.to_json())
+    assert back.budget == plan.budget and back.hash() == plan.hash()
+    assert "block layers.1 (body): 2 saved value(s) offloaded" in plan.table()
+    whole = recompute.decisions(blocks, cands, ["layers.1#0.2", "layers.1"], needed=True,
+                                peak=1500)[1]
+    assert whole.recomputed and not whole.offloaded and whole.offloaded_part == ()
+
+
+def test_parts_are_dropped_where_the_blocks_freed_whole_fit_alone():
+    """The ranking's prefix takes every part before any block freed whole; where those blocks
+    fit the budget without the parts (one more trial), the parts are dropped; where they do
+    not, or nothing is freed whole, the prefix stays."""
+    from shardc.compile.budget_search import without_needless_parts
+
+    tried = []
+
+    def evaluate(names):
+        tried.append(names)
+        return 90 if names == ("layers.2",) else 120
+
+    chosen = ["layers.0#1", "layers.1#0.2", "layers.2"]
+    assert without_needless_parts(chosen, 80, 100, evaluate) == (["layers.2"], 90)
+    assert tried == [("layers.2",)]
+    assert without_needless_parts(chosen, 80, 85, evaluate) == (chosen, 80)
+    tried.clear()
+    assert without_needless_parts(["layers.0#1"], 80, 100, evaluate) == (["layers.0#1"], 80)
+    assert without_needless_parts(["layers.2"], 90, 100, evaluate) == (["layers.2"], 90)
+    assert tried == []
+
+
+def test_block_groups_offload_a_parts_values_only():
+    """``block_groups`` maps a part's name to the values it names, grouped under its block;
+    a block named whole, or recomputed, offloads no part of its own."""
+    from shardc.passes.offload_saved import block_groups
+    from shardc.passes.recompute import Block
+
+    class Three(nn.Module):
+        def forward(self, x):
+            a = torch.sin(x)
+            b = torch.cos(a)
+            c = torch.exp(b)
+            return (a, b, c)
+
+    fw = fx.symbolic_trace(Three())
+    for n in fw.graph.nodes:
+        n.meta["val"] = torch.ones(4)
+    a, b, c = [n for n in fw.graph.nodes if n.op == "call_function"]
+    block = Block("layers.0", "inline", 0, (a, b, c), 48, 16, saved_values=(a, b, c))
+    assert block_groups(fw, 0, [block], ["layers.0#0.2"]) == {"sin": "layers.0",
+                                                               "exp": "layers.0"}
+    assert set(block_groups(fw, 0, [block], ["layers.0#0.2", "layers.0"])) == {"sin", "cos",
+                                                                              "exp"}
+    assert block_groups(fw, 0, [block], ["layers.0#1"], recomputed=["layers.0"]) == {}
+
+
 def test_activation_offload_option():
     assert ShardcOptions().activation_offload == "auto"
     assert ShardcOptions(activation_offload=["layers.0"]).forced_offload() == ("layers.0",)

@@ -855,8 +855,9 @@ def test_peak_budget_recomputes_some_blocks_with_parity(runs):
 
 def test_peak_budget_offloads_activations_with_parity(runs):
     """A budget a byte below the fully resharded plan's peak where the saved activations make
-    the peak: the planner frees blocks' activations by offloading them to host memory (the cost
-    model hides these blocks' copies behind their compute, cheaper than recomputing them);
+    the peak: the planner frees blocks' activations by offloading them to host memory, per
+    saved activation (the cost model hides the copies of part of each block's values behind
+    its compute, which costs nothing, before any block is recomputed or offloaded whole);
     training matches the unsharded reference, the plan records each offloaded block with its
     bytes, predicted ms and reason, the copies are on the plan's copy lane and in the graphs
     (forward: device->host, backward: prefetched host->device, waited before the first reader),
@@ -872,10 +873,17 @@ def test_peak_budget_offloads_activations_with_parity(runs):
         # ranks' largest, is what the plan compiled without a budget predicts).
         assert record.resharded_bytes == got["minimum"], world
         assert record.peak_bytes <= record.budget_bytes and got["peak"] <= record.budget_bytes
+        # Per saved activation: each block's copies are not hidden whole, some of its values'
+        # are, and those parts (no exposed time) are taken before any block is freed whole.
+        parts = [d for d in record.blocks if d.offloaded_part]
+        assert parts and all(d.offloaded for d in parts), record.blocks
         for d in record.blocks:
             assert d.bytes > 0 and d.cost_ms > 0 and d.copy_ms > 0, d
             assert d.reason.startswith("offloaded" if d.offloaded else "saved"), d
-            if d.offloaded:  # priced against recomputing it: cheaper per byte
+            if d.offloaded_part:
+                assert d.offload_ms == 0.0 and d.reason.startswith("offloaded in part"), d
+                assert f"{len(d.offloaded_part)} of its" in d.reason, d
+            elif d.offloaded:  # priced against recomputing it: cheaper per byte
                 assert d.offload_ms < d.cost_ms and "to recompute it" in d.reason, d
         kinds = {(kind, graph) for kind, graph, origin, _, _ in got["copies"]
                  if origin == "activation"}
@@ -887,6 +895,8 @@ def test_peak_budget_offloads_activations_with_parity(runs):
         copies = got["activation_copies"]
         assert copies["d2h"] == copies["h2d"] == copies["saved_on_host"] > 0, copies
         assert copies["misplaced"] == 0, copies
+        # A part's values are what the graphs copy (a body call's saved outputs, exactly).
+        assert copies["d2h"] == sum(len(d.offloaded_part) for d in parts), (copies, parts)
         assert "offloaded to host memory" in got["table"], got["table"]
         assert Plan.from_json(got["json"]).budget == record
         for rank in runs[world]:

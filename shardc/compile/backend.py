@@ -45,6 +45,7 @@ from shardc.passes.lower import POOL_PLACEHOLDER
 from shardc.passes.sink_residual import sink_block_residuals, tie_pair_tangents
 from shardc.passes.to_local import plain_to_local_calls
 from shardc.planning import optimizer_chunks
+from shardc.planning.plan import Plan
 from shardc.runtime import chunked_step, offload_optimizer
 from shardc.runtime.comm_errors import boxed_with_collective_errors, guard_inductor_graph
 from shardc.runtime.plan_check import announce_region, check_plan_consistency
@@ -566,8 +567,7 @@ def _compile_inductor(compile_region, gm: fx.GraphModule, partitioner: ShardcPar
         gathered = {GatherArgs.of(g).fqn for g in sharded_gathers(gm)}
         plan, why = warm.load_plan(key, partitioner.uuid(), gathered)
         if plan is not None:
-            region.plan = plan
-            region.body_partitions = {b.name: b.partitions for b in plan.bodies}
+            restore_region(region, plan)
             pipeline.dump_if_asked(plan, partitioner.options)
             log.info("shardc: region %d: AOTAutograd cache hit; plan %s restored (%s)",
                      region.index, plan.hash(), warm.plan_path(key))
@@ -577,6 +577,18 @@ def _compile_inductor(compile_region, gm: fx.GraphModule, partitioner: ShardcPar
     region.plan = region.forward = region.backward = region.pool = None
     with _torch.no_autograd_cache():
         return compile_region(), None
+
+
+def restore_region(region: RegionRecord, plan: Plan) -> None:
+    """Put a plan restored on an AOTAutograd cache hit in the region's record, with what the
+    runtime reads beside it that planning would have set: the bodies' partitions and whether
+    the optimizer steps in chunks (the peak budget's choice; without it a warm start would step
+    in one call and hold every shard's temporaries the budget planned away)."""
+    region.plan = plan
+    region.body_partitions = {b.name: b.partitions for b in plan.bodies}
+    chunks = plan.budget.optimizer_chunks if plan.budget is not None else None
+    if chunks is not None and chunks.chunked:
+        region.optimizer_step_chunks = True
 
 
 def _store_plan(key: str, partitioner: ShardcPartitioner, region: RegionRecord) -> None:

@@ -41,7 +41,7 @@ from shardc.memory.host import optimizer_host_bytes
 from shardc.memory.peak import shard_bytes_by_param
 from shardc.ops.gather import GATHER_OP
 from shardc.ops.gather_args import GatherArgs
-from shardc.passes.fx_utils import is_call
+from shardc.passes.fx_utils import is_call, tensor_nbytes
 from shardc.passes.host_resident import compute_device_type
 from shardc.passes.recompute import Block, checkpoint_bytes
 from shardc.planning import (
@@ -62,6 +62,8 @@ from shardc.planning.plan import (
     Plan,
     PrefetchDecision,
     PrefetchTrial,
+    part_name,
+    split_part,
 )
 from shardc.planning.profile import HostLink, resolve_profile
 from shardc.planning.schedule import device_name
@@ -690,10 +692,10 @@ def _trade_levers(decided: MemoryBudget, cands: list[budget.Candidate],
     """:func:`shardc.planning.trade.trade_recompute_for_kept` for one region: blocks recomputed
     so that buckets can stay gathered, where that predicts a shorter step. The blocks'
     estimates (agreed over the ranks, under their own exchange tags) are made only where a
-    bucket that saves time is not kept and nothing is offloaded."""
+    bucket that saves time is not kept and nothing is offloaded whole."""
     if not options.recompute_to_keep_gathered or options.activation_offload != "auto":
         return None
-    if decided.offloaded or decided.checkpoint_offloaded or not blocks:
+    if decided.offloaded_whole or decided.checkpoint_offloaded or not blocks:
         return None
     # Where the host took no offload it could have, the blocks' records say why; left as is.
     if any("host full" in d.reason for d in decided.blocks):
@@ -744,7 +746,7 @@ def fit_offloads(cands: list[recompute.RecomputeCandidate], blocks: list[Block],
     by_name = {b.name: b for b in blocks}
 
     def value(c: recompute.RecomputeCandidate) -> tuple:
-        can = not by_name[c.block].excluded
+        can = not by_name[split_part(c.block)[0]].excluded
         return (can, -(c.forward_s - c.offload_s) / max(c.nbytes, 1) if can else 0.0,
                 c.position)
 
@@ -754,12 +756,14 @@ def fit_offloads(cands: list[recompute.RecomputeCandidate], blocks: list[Block],
         if used + need <= room:
             kept.add(c.block)
             used += need
-        else:
+        elif split_part(c.block)[1] is None:  # a part left out: its block's record says why
             notes[c.block] = capacity.full(committed + used + need)
     out = []
     for c in cands:
         if not c.offload or c.block in kept:
             out.append(c)
+            continue
+        if split_part(c.block)[1] is not None:  # a part the host cannot take stays saved
             continue
         b = by_name[c.block]
         lever = offload_lever.choose_lever(
@@ -903,6 +907,8 @@ def _recompute_under_budget(probe: fx.GraphModule, blocks: list[Block], user_byt
     mode = options.activation_offload if isinstance(options.activation_offload, str) else "auto"
     link = agreed_link(probe, resharded[0].group_name, options, region, tag_prefix)
     everyone = free_candidates(blocks, estimates, mode, link)
+    everyone += part_candidates(blocks, everyone, estimates, mode, link,
+                                resharded[0].group_name, region, tag_prefix)
     if not everyone:
         raise refuse(lowest[1], lowest[0])
     capacity = host.capacity if host is not None else None
@@ -911,7 +917,9 @@ def _recompute_under_budget(probe: fx.GraphModule, blocks: list[Block], user_byt
 
     def freeing(names, checkpointed=()) -> tuple[Plan, int]:
         # The named blocks, each by its lever; the ``checkpointed`` ones (recomputed) with
-        # their checkpoints offloaded too: in both sets (shardc.passes.offload_saved).
+        # their checkpoints offloaded too: in both sets (shardc.passes.offload_saved). A
+        # block's part is left out where the block is named whole (its lever frees the part).
+        names = without_covered_parts(names)
         return evaluate(frozenset(n for n in names if n not in offloads),
                         frozenset(n for n in names if n in offloads) | frozenset(checkpointed))
 
@@ -987,6 +995,8 @@ def _recompute_under_budget(probe: fx.GraphModule, blocks: list[Block], user_byt
         raise refuse(floor, floor_plan, cands)
     chosen, peak, _ = recompute.choose(cands, budget_bytes, resharded[1], floor,
                                        lambda names: freeing(names)[1])
+    chosen, peak = without_needless_parts(chosen, peak, budget_bytes,
+                                          lambda names: freeing(names)[1])
     return MemoryBudget(budget_bytes, floor, peak, 0, [],
                         recompute.decisions(blocks, cands, chosen, needed=True, peak=peak,
                                             note=note, host_notes=host_notes),
@@ -1080,6 +1090,62 @@ def free_candidates(blocks: list[Block], estimates: dict[str, tuple[int, int, fl
                 b.name, b.kind, b.position, lever.cost_s, lever.nbytes, offload=lever.offload,
                 forward_s=forward_s, copy_s=lever.copy_s, offload_s=lever.offload_s))
     return cands
+
+
+def part_candidates(blocks: list[Block], wholes: list[recompute.RecomputeCandidate],
+                    estimates: dict[str, tuple[int, int, float]], mode: str, link: HostLink,
+                    group: str, region: SearchRegion, tag_prefix: str = ""
+                    ) -> list[recompute.RecomputeCandidate]:
+    """Per block, the part of its saved values whose copies its forward hides
+    (``shardc.planning.offload.hidden_part``), as a candidate of no exposed time: where the
+    block's own lever (``wholes``) is not already an offload its forward hides, and the part is
+    neither empty nor every value. The values' bytes are the largest over the ranks (one store
+    exchange per block), so every rank names the same part. None under
+    ``activation_offload='never'``."""
+    if mode == "never":
+        return []
+    whole = {c.block: c for c in wholes}
+    out = []
+    for b in blocks:
+        c = whole.get(b.name)
+        if not b.saved_values or c is not None and c.offload and c.offload_s == 0.0:
+            continue
+        sizes = agree_on_largest_each(group, region.check_index,
+                                      f"{tag_prefix}block{b.position}/values",
+                                      [tensor_nbytes(v.meta.get("val")) for v in b.saved_values])
+        forward_s = estimates[b.name][2]
+        part = offload_lever.hidden_part(sizes, forward_s, link)
+        if not part or len(part) == len(sizes):
+            continue
+        nbytes = sum(sizes[i] for i in part)
+        copy_s = max(link.copy_seconds(nbytes, to_device=False),
+                     link.copy_seconds(nbytes, to_device=True))
+        out.append(recompute.RecomputeCandidate(
+            part_name(b.name, part), b.kind, b.position, 0.0, nbytes, offload=True,
+            forward_s=forward_s, copy_s=copy_s, offload_s=0.0))
+    return out
+
+
+def without_needless_parts(chosen: list[str], peak: int, budget_bytes: int,
+                           evaluate: Callable[[tuple[str, ...]], int]) -> tuple[list[str], int]:
+    """``chosen`` (a prefix of the ranking: parts first, then blocks freed whole) and its
+    verified ``peak``, less its parts where the blocks it frees whole fit ``budget_bytes``
+    without them (one more trial, ``evaluate``: names -> rank-uniform peak): a part's copies
+    cost host memory, copy-lane time and, for the last one, a wait; they are kept only where
+    the budget needs them."""
+    wholes = [n for n in chosen if split_part(n)[1] is None]
+    if not wholes or len(wholes) == len(chosen):
+        return chosen, peak
+    alone = evaluate(tuple(wholes))
+    return (wholes, alone) if alone <= budget_bytes else (chosen, peak)
+
+
+def without_covered_parts(names: Collection[str]) -> tuple[str, ...]:
+    """``names`` less the parts (``shardc.planning.plan.part_name``) of blocks also named
+    whole: a block recomputed or offloaded whole saves no value of its own a part could
+    offload."""
+    whole = {n for n in names if split_part(n)[1] is None}
+    return tuple(n for n in names if split_part(n)[1] is None or split_part(n)[0] not in whole)
 
 
 def gather_device(gm: fx.GraphModule) -> torch.device | None:

@@ -66,14 +66,14 @@ from torch import fx
 from shardc.ops.offload_copy import COPY_RELEASE_OP, COPY_START_OP, COPY_WAIT_OP
 from shardc.passes.fx_utils import call, tensor_nbytes
 from shardc.passes.host_resident import compute_device_type, on_host
-from shardc.passes.recompute import Block, checkpoint_inputs
+from shardc.passes.recompute import Block, checkpoint_inputs, copyable
+from shardc.planning.plan import split_part
 
 __all__ = ["ACTIVATION_COPY", "ACTIVATION_GROUP", "OffloadedValue", "activation_role",
            "block_groups", "offload_saved", "offloadable_saved", "saved_on_host", "saved_values"]
 
 ACTIVATION_COPY = "shardc_activation_copy"
 ACTIVATION_GROUP = "shardc_activation_group"
-_NOT_OFFLOADED = ("shardc", "_c10d_functional", "c10d_functional")  # op namespaces
 
 
 @dataclass(frozen=True)
@@ -116,15 +116,7 @@ def saved_on_host(fw: fx.GraphModule, num_fwd_outputs: int) -> list[fx.Node]:
 
 
 def _offloadable(node: fx.Node, user_outputs: set[fx.Node]) -> bool:
-    val = node.meta.get("val")
-    # Not shardc's own values (a CPU offload device copy is lowered to a start/wait pair later)
-    # nor a collective's (the plan may move its wait).
-    return (node.op == "call_function" and node not in user_outputs and not activation_role(node)
-            and getattr(node.target, "namespace", "") not in _NOT_OFFLOADED
-            and isinstance(val, torch.Tensor) and val.device.type != "meta"
-            # Static shapes only: asking a symbolic one would add guards after the trace.
-            and all(isinstance(d, int) for d in (*val.shape, *val.stride()))
-            and val.numel() > 0 and val.is_contiguous())
+    return node not in user_outputs and not activation_role(node) and copyable(node)
 
 
 def offload_saved(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int,
@@ -257,11 +249,22 @@ def block_groups(fw: fx.GraphModule, num_fwd_outputs: int, blocks: Sequence[Bloc
     boundary copy or the embedding's output), which the partitioner saved for its
     recomputation. Those are grouped under the block that reads them (the backward reads them
     first where it recomputes that block, so they are prefetched one block ahead of it like an
-    offloaded block's values), ahead of any other group a value would have."""
+    offloaded block's values), ahead of any other group a value would have.
+
+    A part's name (``shardc.planning.plan.part_name``) offloads only those saved values of its block
+    (``Block.saved_values``), grouped under the block; none where the whole block is named
+    too, or is recomputed (its values are not saved then)."""
     names = set(names)
     recomputed = set(recomputed)
+    parts = {b: idx for b, idx in map(split_part, names) if idx is not None}
+    names -= {n for n in names if split_part(n)[1] is not None}
     chosen = [b for b in blocks if "*" in names or b.name in names]
     members = {n.name: b.name for b in chosen for n in b.nodes}
+    whole = {b.name for b in chosen}
+    for b in blocks:
+        if b.name in parts and b.name not in whole and b.name not in recomputed:
+            values = b.saved_values
+            members.update({values[i].name: b.name for i in parts[b.name] if i < len(values)})
     ckpt = [b for b in chosen if b.name in recomputed]
     if ckpt:
         inputs = checkpoint_inputs(blocks)

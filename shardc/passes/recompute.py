@@ -73,6 +73,11 @@ class Block:
     # Bytes of its saved values already on the host while the graph computes on a device
     # (shardc.passes.host_resident): not in saved_bytes, never offloaded; 0 on the CPU.
     host_saved_bytes: int = 0
+    # Its saved values on the device that offload can copy (:func:`copyable`), in graph order
+    # (the joint graph's: what a body call returns to the backward exactly, an inline block's
+    # as the partitioner is likely to save them): what a part of it is made of
+    # (``shardc.planning.offload.hidden_part``).
+    saved_values: tuple[fx.Node, ...] = ()
 
     @property
     def freed_bytes(self) -> int:
@@ -134,6 +139,23 @@ def _is_weight(node: fx.Node) -> bool:
     return node.op == "placeholder" or gather_of(node) is not None
 
 
+_NOT_COPIED = ("shardc", "_c10d_functional", "c10d_functional")  # op namespaces
+
+
+def copyable(node: fx.Node) -> bool:
+    """Whether activation offload (``shardc.passes.offload_saved``) can copy ``node``'s value:
+    computed by an op that is neither one of shardc's own (a CPU offload device copy is lowered
+    to a start/wait pair later) nor a collective (the plan may move its wait), into a
+    non-empty, contiguous tensor of static shape (asking a symbolic one would add guards after
+    the trace)."""
+    val = node.meta.get("val")
+    return (node.op == "call_function"
+            and getattr(node.target, "namespace", "") not in _NOT_COPIED
+            and isinstance(val, torch.Tensor) and val.device.type != "meta"
+            and all(isinstance(d, int) for d in (*val.shape, *val.stride()))
+            and val.numel() > 0 and val.is_contiguous())
+
+
 def _bytes(nodes) -> int:
     return sum(tensor_nbytes(n.meta.get("val")) for n in nodes)
 
@@ -148,9 +170,10 @@ def _describe(name: str, kind: str, position: int, nodes: list[fx.Node], fwd: se
     host = sum(host_bytes(n, device_type) for n in saved)
     inputs = {i for n in nodes for i in n.all_input_nodes if i not in inside and not _is_weight(i)}
     outputs = [n for n in nodes if any(u in fwd and u not in inside for u in n.users)]
+    on_device = tuple(n for n in saved if copyable(n) and not host_bytes(n, device_type))
     return Block(name, kind, position, tuple(nodes), _bytes(saved) - host,
                  _bytes(sorted(inputs, key=lambda n: n.name)), tuple(outputs), excluded,
-                 host_saved_bytes=host)
+                 host_saved_bytes=host, saved_values=on_device)
 
 
 def _body_blocks(gm: fx.GraphModule, fwd: set[fx.Node], names: Sequence[str],

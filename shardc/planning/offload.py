@@ -28,10 +28,18 @@ Ties go to recompute (no host memory, no traffic on the link). Every input (byte
 times) is the largest over the ranks, so the choice is the same on every rank.
 ``activation_offload`` (``ShardcOptions``) selects ``"auto"`` (this pricing), ``"never"``
 (recompute only) or ``"prefer"`` (offload whatever can be).
+
+**Part of a block** (per saved activation, :func:`hidden_part`): where a block's copies would not
+be hidden whole, some of its saved values still can be: those whose copies fit within its
+forward (device->host) and twice it (host->device), first fit by decreasing size. Offloading
+that part is priced at the copies' exposed time, 0 by construction, so the planner takes every
+block's hidden part (``shardc.planning.plan.part_name``) before recomputing or offloading
+any block whole; a block freed whole later needs its part no longer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shardc.planning.profile import ClusterProfile, HostLink
@@ -87,6 +95,22 @@ def choose_lever(*, forward_s: float, recompute_bytes: int, offload_bytes: int,
     if mode == "prefer":
         return offload
     return offload if offload.ratio < recompute.ratio else recompute
+
+
+def hidden_part(sizes: Sequence[int], forward_s: float, link: HostLink) -> tuple[int, ...]:
+    """The indices (ascending) of a block's saved values (their bytes ``sizes``) whose copies
+    its forward hides (:func:`offload_seconds` 0, the values' bytes as one copy each way, as a
+    whole block is priced): first fit in decreasing size, ties by index. Empty where not even
+    the smallest value fits; deterministic in its inputs (the ranks' agreed sizes and times)."""
+    chosen: list[int] = []
+    total = 0
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        more = total + sizes[i]
+        if sizes[i] > 0 and offload_seconds(link.copy_seconds(more, to_device=False), forward_s,
+                                            link.copy_seconds(more, to_device=True)) == 0.0:
+            chosen.append(i)
+            total = more
+    return tuple(sorted(chosen))
 
 
 def link_of(profile: ClusterProfile) -> HostLink:

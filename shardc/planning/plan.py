@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from typing import Any
@@ -75,6 +76,10 @@ PLAN_VERSION = 5
 # ``Predictions.optimizer_chunk_bytes`` came later still within version 5, optional like those:
 # a plan without them reads with ``None`` (one call over every parameter, as it was planned)
 # and hashes as before (the decision enters the hash only where the step is chunked).
+# ``BlockDecision.offloaded_part`` (a block's saved values offloaded in part, per activation)
+# came later still within version 5, optional like those: a plan without it reads as offloading
+# every saved value of an offloaded block, as it was planned, and hashes as before (a part
+# enters the hash, by its name in ``MemoryBudget.offloaded``, only where one is offloaded).
 READABLE_VERSIONS = (1, 2, 3, 4, 5)
 
 
@@ -405,6 +410,25 @@ class BucketDecision:
     params: list[str] = field(default_factory=list)
 
 
+# A block's *part*: some of its saved values (``shardc.passes.recompute.Block.saved_values``,
+# by index), named ``"<block>#<i>.<j>..."`` wherever block names are (the budget planner's
+# configurations, :attr:`MemoryBudget.offloaded`): module names never hold a ``#``.
+_PART = "#"
+
+
+def part_name(block: str, indices: Sequence[int]) -> str:
+    """The name of ``block``'s part made of its saved values at ``indices``."""
+    return f"{block}{_PART}{'.'.join(str(i) for i in sorted(indices))}"
+
+
+def split_part(name: str) -> tuple[str, tuple[int, ...] | None]:
+    """``(block, indices)`` of a part's name; ``(name, None)`` for a whole block's."""
+    block, sep, rest = name.partition(_PART)
+    if not sep:
+        return name, None
+    return block, tuple(int(i) for i in rest.split("."))
+
+
 @dataclass
 class BlockDecision:
     """The budget planner's choice for one block (``shardc.planning.recompute``).
@@ -428,7 +452,12 @@ class BlockDecision:
     to host memory in the forward and prefetched back one block ahead of its recomputation;
     ``checkpoint_bytes``: the checkpoint's bytes (what that frees besides ``bytes``);
     ``checkpoint_ms``: the copies' predicted time not hidden by compute, ``checkpoint_copy_ms``:
-    one copy's. All 0/False in plans made before it."""
+    one copy's. All 0/False in plans made before it.
+
+    ``offloaded_part`` (with ``offloaded``; per saved activation): only the saved values at
+    these indices of the block's (``Block.saved_values``) are offloaded, those whose copies its
+    forward hides (``shardc.planning.offload.hidden_part``), the rest saved; ``bytes``: theirs.
+    Empty: all of them (and in plans made before it)."""
 
     block: str
     kind: str
@@ -443,6 +472,7 @@ class BlockDecision:
     checkpoint_bytes: int = 0
     checkpoint_ms: float = 0.0
     checkpoint_copy_ms: float = 0.0
+    offloaded_part: tuple[int, ...] = ()
 
 
 @dataclass
@@ -645,8 +675,15 @@ class MemoryBudget:
 
     @property
     def offloaded(self) -> list[str]:
-        """Names of the blocks whose saved activations are offloaded to host memory."""
-        return [d.block for d in self.blocks if d.offloaded]
+        """Names of the blocks whose saved activations are offloaded to host memory; of a block
+        offloaded in part, its part's (:func:`part_name`)."""
+        return [part_name(d.block, d.offloaded_part) if d.offloaded_part else d.block
+                for d in self.blocks if d.offloaded]
+
+    @property
+    def offloaded_whole(self) -> list[str]:
+        """Names of the blocks offloaded whole (every saved value, not a part)."""
+        return [d.block for d in self.blocks if d.offloaded and not d.offloaded_part]
 
     @property
     def checkpoint_offloaded(self) -> list[str]:
@@ -658,7 +695,9 @@ class MemoryBudget:
     def from_dict(cls, data: dict[str, Any]) -> MemoryBudget:
         data = dict(data)
         data["decisions"] = [BucketDecision(**d) for d in data.get("decisions", [])]
-        data["blocks"] = [BlockDecision(**d) for d in data.get("blocks", [])]
+        data["blocks"] = [
+            BlockDecision(**{**d, "offloaded_part": tuple(d.get("offloaded_part", ()))})
+            for d in data.get("blocks", [])]
         if data.get("prefetch") is not None:
             data["prefetch"] = PrefetchDecision.from_dict(data["prefetch"])
         if data.get("optimizer"):

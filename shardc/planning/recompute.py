@@ -32,7 +32,7 @@ from shardc.passes.host_resident import ALREADY_ON_HOST
 from shardc.passes.recompute import Block
 from shardc.planning.estimate import kernel_seconds
 from shardc.planning.kernels import group_kernels
-from shardc.planning.plan import BlockDecision
+from shardc.planning.plan import BlockDecision, split_part
 from shardc.planning.profile import ClusterProfile
 
 MAX_TRIALS = 4  # prefixes verified between the fully recomputed plan and none, whatever the model
@@ -147,6 +147,7 @@ def decisions(blocks: Sequence[Block], cands: Sequence[RecomputeCandidate],
     ``"checkpoint:<block>"``) whose offload the host could not take, why ("host full: ...")."""
     host_notes = host_notes or {}
     by_name = {c.block: c for c in cands}
+    parts = {split_part(c.block)[0]: c for c in cands if split_part(c.block)[1] is not None}
     order = [c.block for c in rank(cands)]
     ck = {c.block: c for c in checkpoints}
     ck_rank = {c.block: i + 1 for i, c in enumerate(rank(checkpoints))}
@@ -175,6 +176,8 @@ def decisions(blocks: Sequence[Block], cands: Sequence[RecomputeCandidate],
                          f", cheaper than offloading it ({c.offload_s * 1e3:.3f} ms of "
                          f"{c.copy_s * 1e3:.3f} ms copies not hidden)" if c.copy_s else "")
                       + f"; verified peak {peak / _MiB:.1f} MiB within the budget{note}")
+        elif b.name in parts and parts[b.name].block in chosen:
+            reason = _part_reason(b, parts[b.name], c, order, peak)
         elif b.excluded and c is None:
             reason = f"saved: never recomputed, {b.excluded}" + (
                 f"; not offloaded: {host_notes[b.name]}" if b.name in host_notes else "")
@@ -203,6 +206,13 @@ def decisions(blocks: Sequence[Block], cands: Sequence[RecomputeCandidate],
             reason += (f"; its checkpoint (~{k.nbytes / _MiB:.2f} MiB) stays on the device: "
                        f"ranked {ck_rank[b.name]} of {len(ck_rank)}, the "
                        "checkpoints ranked before it already bring the peak within the budget")
+        part = parts.get(b.name)
+        if b.name not in chosen and part is not None and part.block in chosen:
+            out.append(BlockDecision(
+                b.name, b.kind, False, part.forward_s * 1e3, part.nbytes, reason, offloaded=True,
+                offload_ms=0.0, copy_ms=part.copy_s * 1e3,
+                offloaded_part=split_part(part.block)[1] or ()))
+            continue
         out.append(BlockDecision(
             b.name, b.kind, b.name in chosen and not offloaded, cost_ms, nbytes, reason,
             offloaded=offloaded, offload_ms=c.offload_s * 1e3 if c else 0.0,
@@ -212,3 +222,21 @@ def decisions(blocks: Sequence[Block], cands: Sequence[RecomputeCandidate],
             checkpoint_ms=k.offload_s * 1e3 if k else 0.0,
             checkpoint_copy_ms=k.copy_s * 1e3 if k else 0.0))
     return out
+
+
+def _part_reason(block: Block, part: RecomputeCandidate, whole: RecomputeCandidate | None,
+                 order: list[str], peak: int) -> str:
+    """Why a block's saved values are offloaded in part (``shardc.planning.offload``)."""
+    count = len(split_part(part.block)[1] or ())
+    rest = (f"the rest saved: the block whole ranked {order.index(block.name) + 1} of "
+            f"{len(order)} ({whole.ratio * 1e3 * _MiB:.4f} ms/MiB by "
+            f"{'offloading' if whole.offload else 'recomputing'} it), and the candidates ranked "
+            "before it already bring the peak within the budget" if whole is not None else
+            "the rest saved: the block frees nothing more by a lever of its own"
+            + (f" ({block.excluded})" if block.excluded else ""))
+    return (f"offloaded in part: {count} of its {len(block.saved_values)} saved values "
+            f"(~{part.nbytes / _MiB:.2f} MiB), those whose copies its forward hides "
+            f"({part.copy_s * 1e3:.3f} ms each way on the copy lane against "
+            f"{part.forward_s * 1e3:.3f} ms of forward: 0 ms not hidden; rank "
+            f"{order.index(part.block) + 1} of {len(order)} by ms per MiB); {rest}; verified "
+            f"peak {peak / _MiB:.1f} MiB within the budget")

@@ -43,6 +43,7 @@ from shardc.planning import found as found_comm
 from shardc.planning.bucketing import ParamComm, assign_buckets, bucket_name
 from shardc.planning.copies import (
     COPY_KINDS,
+    COPY_LANE,
     place_activations,
     place_d2h,
     place_h2d,
@@ -448,7 +449,7 @@ class _Timeline:
     (``host``), the compute stream (``t``), and one lane per process group (``free``: when its
     last collective ends). A kernel starts once the host has launched it and the stream is
     free; while a collective runs on any lane, compute runs ``overlap_slowdown`` times slower
-    (for the overlapping part).
+    (for the overlapping part); host<->device copies (the copy lane) do not slow it.
 
     ``entry_s``: host work per parameter tensor before the graph's first launch (a region's
     forward: ``region_entry_per_param_s`` times its parameters), after ``graph_call_s``; the
@@ -534,7 +535,9 @@ class _Timeline:
         start = max(self.t, self.host)
         self._absorb(start)
         self._idle(start - self.t)
-        busy_until = max(self.free.values(), default=0.0)
+        # Host<->device copies run on the copy engines, not the SMs: they do not slow compute
+        # (measured on one H200, docs/memory_budget.md, "per saved activation"); collectives do.
+        busy_until = max((t for lane, t in self.free.items() if lane != COPY_LANE), default=0.0)
         if busy_until > start and seconds > 0:
             overlap = min(seconds * self.profile.overlap_slowdown, busy_until - start)
             # The overlapped part runs slower; the rest at full speed.

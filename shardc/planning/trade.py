@@ -119,10 +119,12 @@ def trade_recompute_for_kept(decided: MemoryBudget, cands: Sequence[budget.Candi
                              budget_bytes: int, evaluate: Evaluate) -> MemoryBudget | None:
     """A new record where recomputing blocks to keep buckets gathered (see the module
     docstring) beats ``decided`` by the predicted step; None where it does not, where nothing
-    was worth trying, or where ``decided`` offloads (its host levers are left as they are).
+    was worth trying, or where ``decided`` offloads blocks or checkpoints whole (its host
+    levers are left as they are; parts offloaded, hidden behind compute, are compared as the
+    same configuration without them, and dropped where the trade wins).
     ``block_cands``: the blocks that may be recomputed (recompute levers only);
     ``evaluate``: plans a configuration and returns its agreed peak and predicted step."""
-    if decided.offloaded or decided.checkpoint_offloaded or not block_cands:
+    if decided.offloaded_whole or decided.checkpoint_offloaded or not block_cands:
         return None
     if not worth_trying(cands, decided.kept, block_cands, decided.recomputed):
         return None

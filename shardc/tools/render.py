@@ -345,6 +345,8 @@ def _freed(b) -> str:
 def _block_lever(d) -> str:
     if d.checkpoint_offloaded:
         return "recomputed, checkpoint offloaded"
+    if d.offloaded and getattr(d, "offloaded_part", ()):
+        return f"{len(d.offloaded_part)} saved value(s) offloaded"
     return "offloaded" if d.offloaded else "recomputed" if d.recomputed else "saved"
 
 
