@@ -891,6 +891,7 @@ def _recompute_under_budget(probe: fx.GraphModule, blocks: list[Block], user_byt
 
     def refuse(peak: int, plan: Plan, cands=(), checkpoints: int = 0
                ) -> budget.MemoryBudgetError:
+        cands = [c for c in cands if split_part(c.block)[1] is None]  # blocks freed whole
         offloaded = sum(1 for c in cands if c.offload)
         error = budget.refuse_below_minimum(user_bytes, peak, plan,
                                             recomputed=len(cands) - offloaded,
