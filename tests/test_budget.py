@@ -496,6 +496,50 @@ def test_parts_are_dropped_where_the_blocks_freed_whole_fit_alone():
     assert tried == []
 
 
+def test_part_candidates_and_what_the_host_takes_of_them():
+    """Per block, the hidden part as a candidate of no exposed time (over one rank the sizes
+    are the block's own), none where the block's whole offload is hidden already, none under
+    ``activation_offload='never'``; a host that cannot hold a part leaves it out (no note, no
+    recompute in its place), while a block's own offload left out is recomputed instead."""
+    from types import SimpleNamespace
+
+    from shardc.compile.budget_search import fit_offloads, part_candidates
+    from shardc.compile.host_memory import HostCapacity
+    from shardc.passes.recompute import Block
+    from shardc.planning.profile import HostLink
+
+    def value(nbytes):
+        node = fx.Graph().placeholder("v")
+        node.meta["val"] = torch.empty(nbytes // 4)
+        return node
+
+    link = HostLink(1e9, 1e9, 0.0)  # 1 ms per MB
+    sizes = [2_000_000, 500_000, 300_000]  # 2, 0.5, 0.3 ms to copy
+    blocks = [Block(f"layers.{i}", "body", i, (), sum(sizes), 0,
+                    saved_values=tuple(value(n) for n in sizes)) for i in range(2)]
+    estimates = {"layers.0": (2_000_000, sum(sizes), 1e-3), "layers.1": (2_000_000, sum(sizes),
+                                                                         10e-3)}
+    region = SimpleNamespace(check_index=None)
+    wholes = [recompute.RecomputeCandidate("layers.0", "body", 0, 1e-3, 2_000_000,
+                                           forward_s=1e-3, copy_s=2.8e-3, offload_s=1.8e-3),
+              recompute.RecomputeCandidate("layers.1", "body", 1, 0.0, 2_800_000, offload=True,
+                                           forward_s=10e-3, copy_s=2.8e-3, offload_s=0.0)]
+    parts = part_candidates(blocks, wholes, estimates, "auto", link, "", region)
+    # layers.0: 1 ms of forward hides 0.5 + 0.3 MB, not the 2 MB; layers.1's whole is hidden.
+    assert [(c.block, c.nbytes, c.cost_s, c.offload) for c in parts] == [
+        ("layers.0#1.2", 800_000, 0.0, True)]
+    assert part_candidates(blocks, wholes, estimates, "never", link, "", region) == []
+    capacity = HostCapacity(per_rank=1_000_000, available=1_000_000, ranks=1)
+    kept, notes = fit_offloads(wholes + parts, blocks, link, 1_000_000, capacity)
+    # The part fits the host's room (most time saved per byte); layers.1's whole offload does
+    # not, so it is recomputed instead, and its record will say why (the note).
+    assert [(c.block, c.offload) for c in kept] == [
+        ("layers.0", False), ("layers.1", False), ("layers.0#1.2", True)]
+    assert set(notes) == {"layers.1"}
+    kept, notes = fit_offloads(wholes + parts, blocks, link, 500_000, capacity)
+    assert "layers.0#1.2" not in [c.block for c in kept] and "layers.0#1.2" not in notes
+
+
 def test_block_groups_offload_a_parts_values_only():
     """``block_groups`` maps a part's name to the values it names, grouped under its block;
     a block named whole, or recomputed, offloads no part of its own."""
