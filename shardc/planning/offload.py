@@ -32,9 +32,10 @@ times) is the largest over the ranks, so the choice is the same on every rank.
 **Part of a block** (per saved activation, :func:`hidden_part`): where a block's copies would not
 be hidden whole, some of its saved values still can be: those whose copies fit within its
 forward (device->host) and twice it (host->device), first fit by decreasing size. Offloading
-that part is priced at the copies' exposed time, 0 by construction, so the planner takes every
-block's hidden part (``shardc.planning.plan.part_name``) before recomputing or offloading
-any block whole; a block freed whole later needs its part no longer.
+that part is priced at the copies' exposed time, 0 by construction, so the planner ranks every
+block's hidden part (``shardc.planning.plan.part_name``) before recomputing or offloading any
+block whole; a block freed whole needs its part no longer, and parts the blocks freed whole make
+needless are dropped (``shardc.compile.budget_search.without_needless_parts``).
 """
 
 from __future__ import annotations
