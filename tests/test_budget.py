@@ -499,8 +499,9 @@ def test_parts_are_dropped_where_the_blocks_freed_whole_fit_alone():
 def test_part_candidates_and_what_the_host_takes_of_them():
     """Per block, the hidden part as a candidate of no exposed time (over one rank the sizes
     are the block's own), none where the block's whole offload is hidden already, none under
-    ``activation_offload='never'``; a host that cannot hold a part leaves it out (no note, no
-    recompute in its place), while a block's own offload left out is recomputed instead."""
+    ``activation_offload='never'`` or ``'prefer'``; a host that cannot hold a part leaves it
+    out (no note, no recompute in its place), while a block's own offload left out is
+    recomputed instead."""
     from types import SimpleNamespace
 
     from shardc.compile.budget_search import fit_offloads, part_candidates
@@ -528,7 +529,8 @@ def test_part_candidates_and_what_the_host_takes_of_them():
     # layers.0: 1 ms of forward hides 0.5 + 0.3 MB, not the 2 MB; layers.1's whole is hidden.
     assert [(c.block, c.nbytes, c.cost_s, c.offload) for c in parts] == [
         ("layers.0#1.2", 800_000, 0.0, True)]
-    assert part_candidates(blocks, wholes, estimates, "never", link, "", region) == []
+    for mode in ("never", "prefer"):  # nothing offloaded; blocks offloaded whole
+        assert part_candidates(blocks, wholes, estimates, mode, link, "", region) == []
     capacity = HostCapacity(per_rank=1_000_000, available=1_000_000, ranks=1)
     kept, notes = fit_offloads(wholes + parts, blocks, link, 1_000_000, capacity)
     # The part fits the host's room (most time saved per byte); layers.1's whole offload does

@@ -1101,9 +1101,10 @@ def part_candidates(blocks: list[Block], wholes: list[recompute.RecomputeCandida
     (``shardc.planning.offload.hidden_part``), as a candidate of no exposed time: where the
     block's own lever (``wholes``) is not already an offload its forward hides, and the part is
     neither empty nor every value. The values' bytes are the largest over the ranks (one store
-    exchange per block), so every rank names the same part. None under
-    ``activation_offload='never'``."""
-    if mode == "never":
+    exchange per block), so every rank names the same part. Only under
+    ``activation_offload='auto'``: ``'never'`` offloads nothing, ``'prefer'`` offloads blocks
+    whole wherever it can."""
+    if mode != "auto":
         return []
     whole = {c.block: c for c in wholes}
     out = []

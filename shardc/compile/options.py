@@ -50,8 +50,10 @@ class ShardcOptions:
         forward and prefetched back for the backward (``shardc.passes.offload_saved``).
         ``"auto"`` (default): under ``peak_memory_budget_bytes``, where freeing a block's
         activations is needed, the planner offloads it instead of recomputing it when the cost
-        model prices the copies' exposed time below the recomputation. ``"never"``: recompute
-        only. ``"prefer"``: offload every block that can be, rather than recompute it (where
+        model prices the copies' exposed time below the recomputation, and offloads the part
+        of a block's saved values whose copies its forward hides before freeing any block
+        whole (``shardc.planning.offload.hidden_part``). ``"never"``: recompute only.
+        ``"prefer"``: offload every block that can be, whole, rather than recompute it (where
         the cost model underrates the host link; tests and benchmarks). A tuple of block
         names (``("layers.0", "layers.1")``, or ``("*",)`` for every block): offload exactly
         those blocks' saved activations, without a budget (refused with one: the planner
