@@ -62,6 +62,7 @@ from shardc.planning.plan import (
     Plan,
     PrefetchDecision,
     PrefetchTrial,
+    is_part,
     part_name,
     split_part,
 )
@@ -756,14 +757,14 @@ def fit_offloads(cands: list[recompute.RecomputeCandidate], blocks: list[Block],
         if used + need <= room:
             kept.add(c.block)
             used += need
-        elif split_part(c.block)[1] is None:  # a part left out: its block's record says why
+        elif not is_part(c.block):  # a part left out: its block's record says why
             notes[c.block] = capacity.full(committed + used + need)
     out = []
     for c in cands:
         if not c.offload or c.block in kept:
             out.append(c)
             continue
-        if split_part(c.block)[1] is not None:  # a part the host cannot take stays saved
+        if is_part(c.block):  # a part the host cannot take stays saved
             continue
         b = by_name[c.block]
         lever = offload_lever.choose_lever(
@@ -891,7 +892,7 @@ def _recompute_under_budget(probe: fx.GraphModule, blocks: list[Block], user_byt
 
     def refuse(peak: int, plan: Plan, cands=(), checkpoints: int = 0
                ) -> budget.MemoryBudgetError:
-        cands = [c for c in cands if split_part(c.block)[1] is None]  # blocks freed whole
+        cands = [c for c in cands if not is_part(c.block)]  # blocks freed whole
         offloaded = sum(1 for c in cands if c.offload)
         error = budget.refuse_below_minimum(user_bytes, peak, plan,
                                             recomputed=len(cands) - offloaded,
@@ -1135,7 +1136,7 @@ def without_needless_parts(chosen: list[str], peak: int, budget_bytes: int,
     without them (one more trial, ``evaluate``: names -> rank-uniform peak): a part's copies
     cost host memory, copy-lane time and, for the last one, a wait; they are kept only where
     the budget needs them."""
-    wholes = [n for n in chosen if split_part(n)[1] is None]
+    wholes = [n for n in chosen if not is_part(n)]
     if not wholes or len(wholes) == len(chosen):
         return chosen, peak
     alone = evaluate(tuple(wholes))
@@ -1146,8 +1147,8 @@ def without_covered_parts(names: Collection[str]) -> tuple[str, ...]:
     """``names`` less the parts (``shardc.planning.plan.part_name``) of blocks also named
     whole: a block recomputed or offloaded whole saves no value of its own a part could
     offload."""
-    whole = {n for n in names if split_part(n)[1] is None}
-    return tuple(n for n in names if split_part(n)[1] is None or split_part(n)[0] not in whole)
+    whole = {n for n in names if not is_part(n)}
+    return tuple(n for n in names if not is_part(n) or split_part(n)[0] not in whole)
 
 
 def gather_device(gm: fx.GraphModule) -> torch.device | None:

@@ -67,7 +67,7 @@ from shardc.ops.offload_copy import COPY_RELEASE_OP, COPY_START_OP, COPY_WAIT_OP
 from shardc.passes.fx_utils import call, tensor_nbytes
 from shardc.passes.host_resident import compute_device_type, on_host
 from shardc.passes.recompute import Block, checkpoint_inputs, copyable
-from shardc.planning.plan import split_part
+from shardc.planning.plan import is_part, split_part
 
 __all__ = ["ACTIVATION_COPY", "ACTIVATION_GROUP", "OffloadedValue", "activation_role",
            "block_groups", "offload_saved", "offloadable_saved", "saved_on_host", "saved_values"]
@@ -256,8 +256,8 @@ def block_groups(fw: fx.GraphModule, num_fwd_outputs: int, blocks: Sequence[Bloc
     too, or is recomputed (its values are not saved then)."""
     names = set(names)
     recomputed = set(recomputed)
-    parts = {b: idx for b, idx in map(split_part, names) if idx is not None}
-    names -= {n for n in names if split_part(n)[1] is not None}
+    parts = dict(split_part(n) for n in names if is_part(n))
+    names = {n for n in names if not is_part(n)}
     chosen = [b for b in blocks if "*" in names or b.name in names]
     members = {n.name: b.name for b in chosen for n in b.nodes}
     whole = {b.name for b in chosen}

@@ -421,6 +421,11 @@ def part_name(block: str, indices: Sequence[int]) -> str:
     return f"{block}{_PART}{'.'.join(str(i) for i in sorted(indices))}"
 
 
+def is_part(name: str) -> bool:
+    """Whether ``name`` names a block's part (:func:`part_name`), not a whole block."""
+    return _PART in name
+
+
 def split_part(name: str) -> tuple[str, tuple[int, ...] | None]:
     """``(block, indices)`` of a part's name; ``(name, None)`` for a whole block's."""
     block, sep, rest = name.partition(_PART)

@@ -32,7 +32,7 @@ from shardc.passes.host_resident import ALREADY_ON_HOST
 from shardc.passes.recompute import Block
 from shardc.planning.estimate import kernel_seconds
 from shardc.planning.kernels import group_kernels
-from shardc.planning.plan import BlockDecision, split_part
+from shardc.planning.plan import BlockDecision, is_part, split_part
 from shardc.planning.profile import ClusterProfile
 
 MAX_TRIALS = 4  # prefixes verified between the fully recomputed plan and none, whatever the model
@@ -147,7 +147,7 @@ def decisions(blocks: Sequence[Block], cands: Sequence[RecomputeCandidate],
     ``"checkpoint:<block>"``) whose offload the host could not take, why ("host full: ...")."""
     host_notes = host_notes or {}
     by_name = {c.block: c for c in cands}
-    parts = {split_part(c.block)[0]: c for c in cands if split_part(c.block)[1] is not None}
+    parts = {split_part(c.block)[0]: c for c in cands if is_part(c.block)}
     order = [c.block for c in rank(cands)]
     ck = {c.block: c for c in checkpoints}
     ck_rank = {c.block: i + 1 for i, c in enumerate(rank(checkpoints))}
@@ -157,6 +157,10 @@ def decisions(blocks: Sequence[Block], cands: Sequence[RecomputeCandidate],
         cost_ms = (c.forward_s if c.offload else c.cost_s) * 1e3 if c else 0.0
         nbytes = c.nbytes if c else b.freed_bytes
         offloaded = b.name in chosen and c is not None and c.offload
+        # Its part offloaded, the block itself not freed whole (which would take the part).
+        part = parts.get(b.name)
+        part = part if b.name not in chosen and part is not None and part.block in chosen \
+            else None
         if offloaded:
             reason = (f"offloaded: frees ~{nbytes / _MiB:.2f} MiB of saved activations, copied "
                       f"to the host and back ({c.copy_s * 1e3:.3f} ms each way on the copy lane,"
@@ -176,8 +180,8 @@ def decisions(blocks: Sequence[Block], cands: Sequence[RecomputeCandidate],
                          f", cheaper than offloading it ({c.offload_s * 1e3:.3f} ms of "
                          f"{c.copy_s * 1e3:.3f} ms copies not hidden)" if c.copy_s else "")
                       + f"; verified peak {peak / _MiB:.1f} MiB within the budget{note}")
-        elif b.name in parts and parts[b.name].block in chosen:
-            reason = _part_reason(b, parts[b.name], c, order, peak)
+        elif part is not None:
+            reason = _part_reason(b, part, c, order, peak)
         elif b.excluded and c is None:
             reason = f"saved: never recomputed, {b.excluded}" + (
                 f"; not offloaded: {host_notes[b.name]}" if b.name in host_notes else "")
@@ -206,8 +210,7 @@ def decisions(blocks: Sequence[Block], cands: Sequence[RecomputeCandidate],
             reason += (f"; its checkpoint (~{k.nbytes / _MiB:.2f} MiB) stays on the device: "
                        f"ranked {ck_rank[b.name]} of {len(ck_rank)}, the "
                        "checkpoints ranked before it already bring the peak within the budget")
-        part = parts.get(b.name)
-        if b.name not in chosen and part is not None and part.block in chosen:
+        if part is not None:
             out.append(BlockDecision(
                 b.name, b.kind, False, part.forward_s * 1e3, part.nbytes, reason, offloaded=True,
                 offload_ms=0.0, copy_ms=part.copy_s * 1e3,
