@@ -1573,6 +1573,62 @@ def sc_peak_budget_offload(ctx: Ctx) -> dict:
     return out
 
 
+def sc_peak_budget_recompute_parts(ctx: Ctx) -> dict:
+    """Parity under a budget a byte below the fully resharded plan's peak with recompute the
+    only lever (``activation_offload='never'``), where the planner recomputes a block's cheap
+    saved values (its normalized hidden states and SwiGLU product,
+    ``shardc.passes.recompute_part``) rather than the block whole, plus the facts the tests
+    check (the record, the hashes, the recomputed ops in the backward)."""
+    from shardc.models.llama import LlamaConfig, Transformer
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return Transformer(LlamaConfig(**BUDGET_CFG))
+
+    data = tokens(steps=2, seq=OFFLOAD_SEQ)
+    model = ctx.wrap(build(), compile=False)
+    if not ctx.sharded:
+        return train_lm(ctx, model, model, data)
+    unbudgeted = ctx.wrap(build(), compile=False)
+    _, fixed = _budget_step(ctx, unbudgeted, 0, data[:1], prefetch=False)
+    fixed_muls = _muls(shard_state(unbudgeted).regions[0].backward)
+    torch._dynamo.reset()
+    low = torch.tensor([int(fixed.predicted.peak_bytes)])
+    dist.all_reduce(low, op=dist.ReduceOp.MAX, group=ctx.group)
+    ctx.model = model
+    # Kernels priced by their bytes and flops alone (no fixed time per kernel): at these
+    # widths a kernel's fixed time would make the few elementwise kernels of the cheap values
+    # dearer per byte than the whole block, which they are not at a real model's widths
+    # (docs/memory_budget.md).
+    out, plan = _budget_step(ctx, model, int(low) - 1, data, prefetch=False,
+                             activation_offload="never",
+                             cluster={"peak_flops": 1e12, "mem_bandwidth": 1e12,
+                                      "kernel_gpu_s": 0.0})
+    region = shard_state(model).regions[0]
+    out.update({
+        "planned": 1,
+        "minimum": int(low),
+        "hash": plan.hash(),
+        "record": plan.budget,
+        "peak": plan.predicted.peak_bytes,
+        "table": plan.table(),
+        "json": plan.to_json(),
+        # Forward bodies the backward calls again (blocks recomputed whole), and the
+        # multiplications the backward graph computes outside any body (the recomputed norms
+        # and SwiGLU products: none without recompute parts).
+        "forward_bodies_in_backward": len(_forward_body_calls(region.backward)),
+        "backward_muls": _muls(region.backward),
+        "fixed_backward_muls": fixed_muls,
+    })
+    return out
+
+
+def _muls(gm) -> int:
+    """The multiplications a region's graph computes outside its body calls."""
+    return sum(1 for n in gm.graph.nodes
+               if n.op == "call_function" and n.target is torch.ops.aten.mul.Tensor)
+
+
 # Recompute with the checkpoints offloaded (the combined lever): many tokens (96 sequences of 4)
 # through four narrow blocks, so that with every block recomputed the blocks' inputs (the
 # checkpoints, saved for the recomputation) still make much of the backward's peak.
@@ -1748,6 +1804,7 @@ SCENARIOS: dict[str, Callable[[Ctx], dict]] = {
     "adam": sc_adam,
     "peak_budget": sc_peak_budget,
     "peak_budget_offload": sc_peak_budget_offload,
+    "peak_budget_recompute_parts": sc_peak_budget_recompute_parts,
     "peak_budget_optimizer": sc_peak_budget_optimizer,
     "peak_budget_checkpoints": sc_peak_budget_checkpoints,
     # Sharded runs only (their reference: submesh_reference).
@@ -1776,7 +1833,8 @@ ONE_WORLD = {"blocks_accumulate_shapes": 2, "torch_transformer": 2, "hf_gpt2": 3
              "checkpoint_sdpa_save_all": 2, "hf_checkpoint_reentrant": 2,
              "hf_checkpoint_inductor": 2, "checkpoint_fp8": 3, "checkpoint_fp8_eager": 3,
              "checkpoint_dropout": 3, "checkpoint_sdpa_dynamic": 3, "peak_budget": 2,
-             "peak_budget_offload": 2, "peak_budget_optimizer": 2, "peak_budget_checkpoints": 2,
+             "peak_budget_offload": 2, "peak_budget_recompute_parts": 2,
+             "peak_budget_optimizer": 2, "peak_budget_checkpoints": 2,
              "adam": 3, "checkpoint_sdpa": 2, "checkpoint_sdpa_selective": 3,
              "moe_compiled": 2, "changing_seq": 2, "changing_both": 3, "nested": 3,
              "optim_offload_no_sync_clip": 3,

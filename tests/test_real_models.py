@@ -38,7 +38,7 @@ from real_models import (
     submesh_reference,
 )
 
-from shardc.planning.plan import Plan
+from shardc.planning.plan import Plan, part_name
 
 WORLDS = (2, 3)
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
@@ -902,6 +902,34 @@ def test_peak_budget_offloads_activations_with_parity(runs):
         for rank in runs[world]:
             assert rank["peak_budget_offload"]["hash"] == got["hash"], \
                 f"world {world}: plans differ by rank"
+
+
+def test_peak_budget_recomputes_single_saved_values_with_parity(runs):
+    """Recompute per saved activation: a budget a byte below the fully resharded plan's peak,
+    recompute the only lever, where a block's cheap saved values (its normalized hidden states
+    and SwiGLU product, computed from its other saved values by elementwise work) cost less per
+    freed byte than the block whole: the planner recomputes those values of one block and no
+    block whole; training matches the unsharded reference, the backward graph computes the
+    values again outside the bodies (no forward body called again), the record names the
+    values with their bytes, ms and reason, the prediction is within the budget and the plans
+    are identical on every rank (uneven shards)."""
+    name = "peak_budget_recompute_parts"
+    for world, got in zip(_worlds(name), check_parity(runs, name)):
+        record = got["record"]
+        parts = [d for d in record.blocks if d.recomputed_part]
+        assert parts and not any(d.recomputed or d.offloaded for d in record.blocks), \
+            (world, record.blocks)
+        assert record.recomputed == [part_name(d.block, d.recomputed_part) for d in parts]
+        assert record.peak_bytes <= record.budget_bytes and got["peak"] <= record.budget_bytes
+        for d in parts:
+            assert d.bytes > 0 and d.cost_ms > 0, d
+            assert f"{len(d.recomputed_part)} of its" in d.reason and "recomputed" in d.reason, d
+        assert got["forward_bodies_in_backward"] == 0, got["forward_bodies_in_backward"]
+        assert got["backward_muls"] > got["fixed_backward_muls"], got
+        assert "saved value(s) recomputed" in got["table"], got["table"]
+        assert Plan.from_json(got["json"]).budget == record
+        for rank in runs[world]:
+            assert rank[name]["hash"] == got["hash"], f"world {world}: plans differ by rank"
 
 
 @pytest.mark.slow

@@ -909,8 +909,13 @@ def _recompute_under_budget(probe: fx.GraphModule, blocks: list[Block], user_byt
     mode = options.activation_offload if isinstance(options.activation_offload, str) else "auto"
     link = agreed_link(probe, resharded[0].group_name, options, region, tag_prefix)
     everyone = free_candidates(blocks, estimates, mode, link)
+    recomputable = (recompute_part_candidates(probe, blocks, estimates, options,
+                                              resharded[0].group_name, region, tag_prefix)
+                    if options.recompute_saved_values else [])
     everyone += part_candidates(blocks, everyone, estimates, mode, link,
-                                resharded[0].group_name, region, tag_prefix)
+                                resharded[0].group_name, region, tag_prefix,
+                                recomputable=bool(recomputable))
+    everyone += recomputable
     if not everyone:
         raise refuse(lowest[1], lowest[0])
     capacity = host.capacity if host is not None else None
@@ -1094,17 +1099,47 @@ def free_candidates(blocks: list[Block], estimates: dict[str, tuple[int, int, fl
     return cands
 
 
+def recompute_part_candidates(probe: fx.GraphModule, blocks: list[Block],
+                              estimates: dict[str, tuple[int, int, float]],
+                              options: ShardcOptions, group: str, region: SearchRegion,
+                              tag_prefix: str = "") -> list[recompute.RecomputeCandidate]:
+    """Per compile-once block, its saved values the backward can compute again by elementwise
+    work alone (``Block.recomputable``, ``shardc.passes.recompute_part``), as one candidate:
+    priced by their cones' kernels (``recompute.part_seconds``), freeing their bytes. Bytes
+    and nanoseconds are the largest over the ranks (one store exchange each per block), so
+    every rank ranks the same candidates the same way; which values are recomputable follows
+    from the body's graph, the same on every rank."""
+    profile = resolve_profile(options.cluster, device_name(probe))
+    out = []
+    for b in blocks:
+        if not b.recomputable or b.excluded:
+            continue
+        tag = f"{tag_prefix}block{b.position}"
+        sizes = agree_on_largest_each(
+            group, region.check_index, f"{tag}/recomputable",
+            [tensor_nbytes(b.saved_values[i].meta.get("val")) for i in b.recomputable])
+        ns = agree_on_largest(group, region.check_index, f"{tag}/recomputable_ns",
+                              int(recompute.part_seconds(probe, b, b.recomputable, profile)
+                                  * 1e9))
+        out.append(recompute.RecomputeCandidate(
+            part_name(b.name, b.recomputable), b.kind, b.position, ns * 1e-9, sum(sizes),
+            forward_s=estimates[b.name][2]))
+    return out
+
+
 def part_candidates(blocks: list[Block], wholes: list[recompute.RecomputeCandidate],
                     estimates: dict[str, tuple[int, int, float]], mode: str, link: HostLink,
-                    group: str, region: SearchRegion, tag_prefix: str = ""
-                    ) -> list[recompute.RecomputeCandidate]:
+                    group: str, region: SearchRegion, tag_prefix: str = "",
+                    recomputable: bool = False) -> list[recompute.RecomputeCandidate]:
     """Per block, the part of its saved values whose copies its forward hides
     (``shardc.planning.offload.hidden_part``), as a candidate of no exposed time: where the
     block's own lever (``wholes``) is not already an offload its forward hides, and the part is
     neither empty nor every value. The values' bytes are the largest over the ranks (one store
     exchange per block), so every rank names the same part. Only under
     ``activation_offload='auto'``: ``'never'`` offloads nothing, ``'prefer'`` offloads blocks
-    whole wherever it can."""
+    whole wherever it can. ``recomputable``: the values a block's recompute part may take
+    (``Block.recomputable``, :func:`recompute_part_candidates`) are left out of its part, so
+    the two parts never name one value."""
     if mode != "auto":
         return []
     whole = {c.block: c for c in wholes}
@@ -1117,7 +1152,10 @@ def part_candidates(blocks: list[Block], wholes: list[recompute.RecomputeCandida
                                       f"{tag_prefix}block{b.position}/values",
                                       [tensor_nbytes(v.meta.get("val")) for v in b.saved_values])
         forward_s = estimates[b.name][2]
-        part = offload_lever.hidden_part(sizes, forward_s, link)
+        left = set(b.recomputable) if recomputable and not b.excluded else set()
+        others = [i for i in range(len(sizes)) if i not in left]
+        part = [others[i] for i in
+                offload_lever.hidden_part([sizes[i] for i in others], forward_s, link)]
         if not part or len(part) == len(sizes):
             continue
         nbytes = sum(sizes[i] for i in part)

@@ -85,6 +85,15 @@ class ShardcOptions:
         it would run once per chunk); not chosen where the optimizer's
         state is on the host (offload, ``step_in_backward``) or runs fused / per tensor
         (``optimizer_impl``: nothing to save).
+    recompute_saved_values: the recompute lever per saved activation (docs/memory_budget.md,
+        ``shardc.passes.recompute_part``). ``True`` (default): under
+        ``peak_memory_budget_bytes``, where freeing activations is needed, the planner may
+        recompute in the backward the saved values of a compile-once block that its body
+        computes from its other saved values by elementwise work alone (a Llama block's
+        normalized hidden states and SwiGLU product), each block's as one candidate priced by
+        the cost model beside the whole block's recompute and offload; those values are then
+        left out of the block's offloaded part. ``False``: whole blocks only (and offloaded
+        parts drawn from every saved value), as before.
     recompute_to_keep_gathered: under ``peak_memory_budget_bytes``, after the levers chose in
         order (keep buckets gathered while the fully resharded plan fits, else recompute or
         offload blocks with every bucket resharded), also try the two together: blocks
@@ -195,6 +204,7 @@ class ShardcOptions:
     activation_offload: str | tuple[str, ...] = "auto"
     optimizer_offload: str = "auto"
     optimizer_step_chunks: str = "auto"
+    recompute_saved_values: bool = True
     recompute_to_keep_gathered: bool = True
     fused_loss: str | bool | int = "auto"
     check_plan_consistency: bool = True

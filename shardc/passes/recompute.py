@@ -29,6 +29,7 @@ in the backward anyway, as the fixed policy does.
 
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from shardc.ops.gather import GATHER_OP
+from shardc.passes import recompute_part
 from shardc.passes.body import INVOKE_SUBGRAPH, gather_of
 from shardc.passes.fx_utils import (
     OUTSIDE_CHECKPOINT_ID,
@@ -48,6 +50,7 @@ from shardc.passes.fx_utils import (
     tensor_nbytes,
 )
 from shardc.passes.host_resident import compute_device_type, host_bytes
+from shardc.planning.plan import split_part
 
 __all__ = ["RECOMPUTE_BASE_ID", "Block", "checkpoint_inputs", "find_blocks", "forward_nodes",
            "recompute_blocks"]
@@ -78,6 +81,13 @@ class Block:
     # as the partitioner is likely to save them): what a part of it is made of
     # (``shardc.planning.offload.hidden_part``).
     saved_values: tuple[fx.Node, ...] = ()
+    # The indices into saved_values of those a body call's backward can compute again cheaply
+    # from the others (``shardc.passes.recompute_part.cheap_outputs``): what recomputing part
+    # of it is made of; empty for inline blocks.
+    recomputable: tuple[int, ...] = ()
+    # A body call's outputs the backward reads (every saved one, copyable or not), by their
+    # positions among the body's outputs: what a recomputed value's cone may stop at.
+    read_positions: tuple[int, ...] = ()
 
     @property
     def freed_bytes(self) -> int:
@@ -160,8 +170,8 @@ def _bytes(nodes) -> int:
     return sum(tensor_nbytes(n.meta.get("val")) for n in nodes)
 
 
-def _describe(name: str, kind: str, position: int, nodes: list[fx.Node], fwd: set[fx.Node],
-              excluded: str, device_type: str) -> Block:
+def _describe(gm: fx.GraphModule, name: str, kind: str, position: int, nodes: list[fx.Node],
+              fwd: set[fx.Node], excluded: str, device_type: str) -> Block:
     inside = set(nodes)
     saved = [n for n in nodes if any(u not in fwd and u.op != "output" for u in n.users)]
     # Saved values already on the host (a device graph's CPU tensors, attention's RNG seed and
@@ -173,7 +183,25 @@ def _describe(name: str, kind: str, position: int, nodes: list[fx.Node], fwd: se
     on_device = tuple(n for n in saved if copyable(n) and not host_bytes(n, device_type))
     return Block(name, kind, position, tuple(nodes), _bytes(saved) - host,
                  _bytes(sorted(inputs, key=lambda n: n.name)), tuple(outputs), excluded,
-                 host_saved_bytes=host, saved_values=on_device)
+                 host_saved_bytes=host, saved_values=on_device,
+                 recomputable=_recomputable(gm, nodes[0], saved, on_device) if kind == "body"
+                 and not excluded else (),
+                 read_positions=_positions(saved) if kind == "body" else ())
+
+
+def _positions(saved: list[fx.Node]) -> tuple[int, ...]:
+    """The output positions of a body call's saved ``getitem`` nodes."""
+    return tuple(g.args[1] for g in saved if g.target is operator.getitem)
+
+
+def _recomputable(gm: fx.GraphModule, call_node: fx.Node, saved: list[fx.Node],
+                  on_device: tuple[fx.Node, ...]) -> tuple[int, ...]:
+    """The indices into ``on_device`` (getitems of the body call ``call_node``) of the outputs
+    its body computes cheaply from the others the backward reads (``saved``;
+    ``recompute_part.cheap_outputs``)."""
+    body = getattr(gm, call_node.args[0].target)
+    cheap = recompute_part.cheap_outputs(body, _positions(saved))
+    return tuple(i for i, g in enumerate(on_device) if g.args[1] in cheap)
 
 
 def _body_blocks(gm: fx.GraphModule, fwd: set[fx.Node], names: Sequence[str],
@@ -228,7 +256,7 @@ def find_blocks(gm: fx.GraphModule, num_fwd_outputs: int, body_blocks: Sequence[
     found = _body_blocks(gm, fwd, body_blocks, order) + _inline_blocks(gm, fwd, inline_blocks)
     found.sort(key=lambda t: order[t[0]])
     device_type = compute_device_type(gm.graph)
-    return [_describe(name, kind, i, nodes, fwd, why, device_type)
+    return [_describe(gm, name, kind, i, nodes, fwd, why, device_type)
             for i, (_, name, kind, nodes, why) in enumerate(found)]
 
 
@@ -267,9 +295,21 @@ def checkpoint_bytes(blocks: Sequence[Block], device_type: str = "cpu") -> dict[
 def recompute_blocks(gm: fx.GraphModule, blocks: Sequence[Block], names: set[str]) -> int:
     """Tag the forward nodes of the blocks named ``names`` (``blocks`` from
     :func:`find_blocks` on this graph) for recomputation in the backward; returns how many
-    blocks. Refuses an excluded block (a planner bug, never the user's)."""
+    blocks. A part's name (``shardc.planning.plan.part_name``: indices into the block's
+    ``recomputable`` saved values) recomputes only those values
+    (``shardc.passes.recompute_part``), where the block is not named whole. Refuses an
+    excluded block or a value that is not recomputable (a planner bug, never the user's)."""
     count = 0
+    parts = {}
+    for name in names:
+        block, indices = split_part(name)
+        if indices is not None and block not in names:
+            parts[block] = indices
     for block in blocks:
+        if block.name in parts:
+            _recompute_part(gm, block, parts[block.name])
+            count += 1
+            continue
         if block.name not in names:
             continue
         if block.excluded:
@@ -282,6 +322,15 @@ def recompute_blocks(gm: fx.GraphModule, blocks: Sequence[Block], names: set[str
             _save_boundary(gm.graph, out, set(block.nodes))
         count += 1
     return count
+
+
+def _recompute_part(gm: fx.GraphModule, block: Block, indices: Sequence[int]) -> None:
+    if block.excluded or not set(indices) <= set(block.recomputable):
+        raise ValueError(f"shardc: saved values {sorted(indices)} of block {block.name} cannot "
+                         f"be recomputed alone: {block.excluded or 'not cheap to recompute'}")
+    recompute_part.recompute_values(gm, block.nodes[0],
+                                    [block.saved_values[i].args[1] for i in indices],
+                                    block.read_positions, RECOMPUTE_BASE_ID + block.position)
 
 
 def _save_boundary(graph: fx.Graph, out: fx.Node, inside: set[fx.Node]) -> fx.Node:

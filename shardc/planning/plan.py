@@ -80,6 +80,9 @@ PLAN_VERSION = 5
 # came later still within version 5, optional like those: a plan without it reads as offloading
 # every saved value of an offloaded block, as it was planned, and hashes as before (a part
 # enters the hash, by its name in ``MemoryBudget.offloaded``, only where one is offloaded).
+# ``BlockDecision.recomputed_part`` (a block's cheap saved values recomputed, the rest saved)
+# came later still within version 5, optional the same way: a plan without it reads as
+# recomputing no part, and a part enters the hash by its name in ``MemoryBudget.recomputed``.
 READABLE_VERSIONS = (1, 2, 3, 4, 5)
 
 
@@ -462,7 +465,14 @@ class BlockDecision:
     ``offloaded_part`` (with ``offloaded``; per saved activation): only the saved values at
     these indices of the block's (``Block.saved_values``) are offloaded, those whose copies its
     forward hides (``shardc.planning.offload.hidden_part``), the rest saved; ``bytes``: theirs.
-    Empty: all of them (and in plans made before it)."""
+    Empty: all of them (and in plans made before it).
+
+    ``recomputed_part`` (``recomputed`` is then False: the block is not recomputed whole):
+    the saved values at these indices (``Block.saved_values``; each one its body computes
+    cheaply from the others, ``shardc.passes.recompute_part``) are computed again in the
+    backward instead of saved; ``cost_ms`` is then their recomputation's predicted time and
+    ``bytes`` what they free (with the offloaded part's bytes where a part is offloaded too).
+    Empty in plans made before it."""
 
     block: str
     kind: str
@@ -478,6 +488,7 @@ class BlockDecision:
     checkpoint_ms: float = 0.0
     checkpoint_copy_ms: float = 0.0
     offloaded_part: tuple[int, ...] = ()
+    recomputed_part: tuple[int, ...] = ()
 
 
 @dataclass
@@ -675,8 +686,10 @@ class MemoryBudget:
 
     @property
     def recomputed(self) -> list[str]:
-        """Names of the blocks recomputed in the backward."""
-        return [d.block for d in self.blocks if d.recomputed]
+        """Names of the blocks recomputed in the backward; of a block recomputed in part (some
+        saved values), its part's (:func:`part_name`)."""
+        return [d.block if d.recomputed else part_name(d.block, d.recomputed_part)
+                for d in self.blocks if d.recomputed or d.recomputed_part]
 
     @property
     def offloaded(self) -> list[str]:
@@ -701,7 +714,8 @@ class MemoryBudget:
         data = dict(data)
         data["decisions"] = [BucketDecision(**d) for d in data.get("decisions", [])]
         data["blocks"] = [
-            BlockDecision(**{**d, "offloaded_part": tuple(d.get("offloaded_part", ()))})
+            BlockDecision(**{**d, "offloaded_part": tuple(d.get("offloaded_part", ())),
+                             "recomputed_part": tuple(d.get("recomputed_part", ()))})
             for d in data.get("blocks", [])]
         if data.get("prefetch") is not None:
             data["prefetch"] = PrefetchDecision.from_dict(data["prefetch"])

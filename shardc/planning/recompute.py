@@ -13,7 +13,9 @@ deterministic search:
    everywhere. The ranking: predicted seconds per freed byte, lowest first; ties by position.
 2. The fully recomputed plan (every candidate) is planned and predicted: its peak is the new
    feasible minimum; over the budget, the budget is refused naming it.
-3. Otherwise the answer is a prefix of the ranking. Between a prefix known to exceed the budget
+3. Otherwise the answer is a prefix of the ranking. The first prefix tried is the shortest
+   whose freed bytes cover the excess over the budget (none shorter can fit: a freed byte
+   lowers the peak by at most a byte). Then, between a prefix known to exceed the budget
    (at first the empty one) and one known to fit (at first all of them), the next prefix tried
    is the shortest whose peak, interpolated between the two on the freed bytes, fits. Each try
    is a partition, a plan and a prediction (``evaluate``), at most :data:`MAX_TRIALS`; the
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 
 from torch import fx
 
+from shardc.passes import recompute_part
 from shardc.passes.fx_utils import needed_by
 from shardc.passes.host_resident import ALREADY_ON_HOST
 from shardc.passes.recompute import Block
@@ -80,6 +83,20 @@ def forward_seconds(gm: fx.GraphModule, block: Block, profile: ClusterProfile) -
     return sum(kernel_seconds(k, profile) for k in group_kernels(graph, nodes))
 
 
+def part_seconds(gm: fx.GraphModule, block: Block, indices: Sequence[int],
+                 profile: ClusterProfile) -> float:
+    """The predicted time of computing ``block``'s saved values at ``indices`` (of its
+    ``recomputable`` ones) again in the backward: the kernels of their cones
+    (``shardc.passes.recompute_part.cheap_outputs``), copied into the region's graph."""
+    call = block.nodes[0]
+    body = getattr(gm, call.args[0].target)
+    positions = [block.saved_values[i].args[1] for i in indices]
+    cones = recompute_part.cheap_outputs(body, block.read_positions)
+    nodes = {n for p in positions for n in cones.get(p, ())}
+    ordered = [n for n in body.graph.nodes if n in nodes]
+    return sum(kernel_seconds(k, profile) for k in group_kernels(body.graph, ordered))
+
+
 def _needed(graph: fx.Graph, positions: set[int]) -> list[fx.Node]:
     """The computing nodes of ``graph`` that its outputs at ``positions`` need, in graph
     order."""
@@ -120,8 +137,14 @@ def choose(cands: Sequence[RecomputeCandidate], budget: int, start: int, floor: 
     order = rank(cands)
     lo, hi = (0, start), (len(order), floor)
     trials = 0
+    # A freed byte lowers the peak by at most a byte, so no prefix shorter than the one that
+    # frees the excess fits: tried first (the interpolation below reads the floor's peak,
+    # which a term the candidates do not free, such as the optimizer step's, can hold up).
+    first = next((k for k in range(1, len(order) + 1)
+                  if _bytes(order, k) >= start - budget), len(order))
     while trials < MAX_TRIALS and hi[0] - lo[0] > 1:
-        k = _next_prefix(order, lo, hi, budget)
+        k = first if trials == 0 and lo[0] < first < hi[0] else _next_prefix(order, lo, hi,
+                                                                              budget)
         if k >= hi[0]:
             break
         peak = evaluate(tuple(c.block for c in order[:k]))
@@ -147,7 +170,9 @@ def decisions(blocks: Sequence[Block], cands: Sequence[RecomputeCandidate],
     ``"checkpoint:<block>"``) whose offload the host could not take, why ("host full: ...")."""
     host_notes = host_notes or {}
     by_name = {c.block: c for c in cands}
-    parts = {split_part(c.block)[0]: c for c in cands if is_part(c.block)}
+    parts = {split_part(c.block)[0]: c for c in cands if is_part(c.block) and c.offload}
+    recomputed_parts = {split_part(c.block)[0]: c for c in cands
+                        if is_part(c.block) and not c.offload}
     order = [c.block for c in rank(cands)]
     ck = {c.block: c for c in checkpoints}
     ck_rank = {c.block: i + 1 for i, c in enumerate(rank(checkpoints))}
@@ -160,6 +185,9 @@ def decisions(blocks: Sequence[Block], cands: Sequence[RecomputeCandidate],
         # Its part offloaded, the block itself not freed whole (which would take the part).
         part = parts.get(b.name)
         part = part if b.name not in chosen and part is not None and part.block in chosen \
+            else None
+        rpart = recomputed_parts.get(b.name)
+        rpart = rpart if b.name not in chosen and rpart is not None and rpart.block in chosen \
             else None
         if offloaded:
             reason = (f"offloaded: frees ~{nbytes / _MiB:.2f} MiB of saved activations, copied "
@@ -180,8 +208,12 @@ def decisions(blocks: Sequence[Block], cands: Sequence[RecomputeCandidate],
                          f", cheaper than offloading it ({c.offload_s * 1e3:.3f} ms of "
                          f"{c.copy_s * 1e3:.3f} ms copies not hidden)" if c.copy_s else "")
                       + f"; verified peak {peak / _MiB:.1f} MiB within the budget{note}")
-        elif part is not None:
-            reason = _part_reason(b, part, c, order, peak)
+        elif part is not None or rpart is not None:
+            reason = "; ".join(
+                ([_recomputed_part_reason(b, rpart, order)] if rpart is not None else [])
+                + ([_part_reason(b, part, c, order, peak)] if part is not None else []))
+            if part is None:
+                reason += "; " + _rest_saved(b, c, order, peak)
         elif b.excluded and c is None:
             reason = f"saved: never recomputed, {b.excluded}" + (
                 f"; not offloaded: {host_notes[b.name]}" if b.name in host_notes else "")
@@ -210,11 +242,16 @@ def decisions(blocks: Sequence[Block], cands: Sequence[RecomputeCandidate],
             reason += (f"; its checkpoint (~{k.nbytes / _MiB:.2f} MiB) stays on the device: "
                        f"ranked {ck_rank[b.name]} of {len(ck_rank)}, the "
                        "checkpoints ranked before it already bring the peak within the budget")
-        if part is not None:
+        if part is not None or rpart is not None:
             out.append(BlockDecision(
-                b.name, b.kind, False, part.forward_s * 1e3, part.nbytes, reason, offloaded=True,
-                offload_ms=0.0, copy_ms=part.copy_s * 1e3,
-                offloaded_part=split_part(part.block)[1] or ()))
+                b.name, b.kind, False,
+                (rpart.cost_s if rpart is not None else part.forward_s) * 1e3,
+                (part.nbytes if part is not None else 0)
+                + (rpart.nbytes if rpart is not None else 0),
+                reason, offloaded=part is not None, offload_ms=0.0,
+                copy_ms=part.copy_s * 1e3 if part is not None else 0.0,
+                offloaded_part=split_part(part.block)[1] or () if part is not None else (),
+                recomputed_part=split_part(rpart.block)[1] or () if rpart is not None else ()))
             continue
         out.append(BlockDecision(
             b.name, b.kind, b.name in chosen and not offloaded, cost_ms, nbytes, reason,
@@ -225,6 +262,26 @@ def decisions(blocks: Sequence[Block], cands: Sequence[RecomputeCandidate],
             checkpoint_ms=k.offload_s * 1e3 if k else 0.0,
             checkpoint_copy_ms=k.copy_s * 1e3 if k else 0.0))
     return out
+
+
+def _recomputed_part_reason(block: Block, part: RecomputeCandidate, order: list[str]) -> str:
+    """Why some of a block's saved values are recomputed (``shardc.passes.recompute_part``)."""
+    count = len(split_part(part.block)[1] or ())
+    return (f"{count} of its {len(block.saved_values)} saved values recomputed "
+            f"(~{part.nbytes / _MiB:.2f} MiB), those its body computes from the others by "
+            f"elementwise work alone: {part.cost_s * 1e3:.3f} ms in the backward against "
+            f"{part.forward_s * 1e3:.3f} ms for its whole forward (rank "
+            f"{order.index(part.block) + 1} of {len(order)} by ms per MiB)")
+
+
+def _rest_saved(block: Block, whole: RecomputeCandidate | None, order: list[str],
+                peak: int) -> str:
+    return ((f"the rest saved: the block whole ranked {order.index(block.name) + 1} of "
+             f"{len(order)} ({whole.ratio * 1e3 * _MiB:.4f} ms/MiB by "
+             f"{'offloading' if whole.offload else 'recomputing'} it), and the candidates "
+             "ranked before it already bring the peak within the budget" if whole is not None
+             else "the rest saved: the block frees nothing more by a lever of its own")
+            + f"; verified peak {peak / _MiB:.1f} MiB within the budget")
 
 
 def _part_reason(block: Block, part: RecomputeCandidate, whole: RecomputeCandidate | None,

@@ -345,15 +345,20 @@ def _freed(b) -> str:
 def _block_lever(d) -> str:
     if d.checkpoint_offloaded:
         return "recomputed, checkpoint offloaded"
+    recomputed = len(getattr(d, "recomputed_part", ()))
     if d.offloaded and getattr(d, "offloaded_part", ()):
-        return f"{len(d.offloaded_part)} saved value(s) offloaded"
+        return f"{len(d.offloaded_part)} saved value(s) offloaded" + (
+            f", {recomputed} recomputed" if recomputed else "")
+    if recomputed:
+        return f"{recomputed} saved value(s) recomputed"
     return "offloaded" if d.offloaded else "recomputed" if d.recomputed else "saved"
 
 
 def _block_ms(d) -> float:
     """What the block's lever costs: the exposed copies (offloaded), its forward (recomputed),
     plus its checkpoint's exposed copies where those are offloaded."""
-    return (d.offload_ms if d.offloaded else d.cost_ms) + (
+    recomputed_part = d.cost_ms if d.offloaded and getattr(d, "recomputed_part", ()) else 0.0
+    return (d.offload_ms + recomputed_part if d.offloaded else d.cost_ms) + (
         d.checkpoint_ms if d.checkpoint_offloaded else 0.0)
 
 
