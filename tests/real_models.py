@@ -1528,6 +1528,26 @@ def sc_peak_budget(ctx: Ctx) -> dict:
 OFFLOAD_SEQ = 12
 
 
+def _budget_model() -> nn.Module:
+    from shardc.models.llama import LlamaConfig, Transformer
+
+    torch.manual_seed(0)
+    return Transformer(LlamaConfig(**BUDGET_CFG))
+
+
+def _fixed_peak(ctx: Ctx, data: torch.Tensor) -> tuple[nn.Module, object, int]:
+    """A fresh :func:`_budget_model` compiled without a budget and without prefetch (the
+    budget's own prefetch lever, shardc.planning.prefetch, would otherwise meet a budget a byte
+    below the fixed policy's peak by prefetching less), trained on ``data``'s first step: the
+    model, its plan and the plan's predicted peak, the ranks' largest."""
+    unbudgeted = ctx.wrap(_budget_model(), compile=False)
+    _, fixed = _budget_step(ctx, unbudgeted, 0, data[:1], prefetch=False)
+    torch._dynamo.reset()
+    low = torch.tensor([int(fixed.predicted.peak_bytes)])
+    dist.all_reduce(low, op=dist.ReduceOp.MAX, group=ctx.group)
+    return unbudgeted, fixed, int(low)
+
+
 def sc_peak_budget_offload(ctx: Ctx) -> dict:
     """Parity under a budget a byte below the fully resharded plan's peak where the planner
     offloads blocks' saved activations to the host (``activation_offload='auto'``, priced
@@ -1535,27 +1555,16 @@ def sc_peak_budget_offload(ctx: Ctx) -> dict:
     copies on the plan's copy lane and in the graphs)."""
     from parity import activation_copies
 
-    from shardc.models.llama import LlamaConfig, Transformer
-
-    def build() -> nn.Module:
-        torch.manual_seed(0)
-        return Transformer(LlamaConfig(**BUDGET_CFG))
-
     data = tokens(steps=2, seq=OFFLOAD_SEQ)
-    model = ctx.wrap(build(), compile=False)
+    model = ctx.wrap(_budget_model(), compile=False)
     if not ctx.sharded:
         return train_lm(ctx, model, model, data)
-    # No prefetch (the budget's own prefetch lever, shardc.planning.prefetch, would otherwise
-    # meet a budget a byte below the fixed policy's peak by prefetching less).
-    _, fixed = _budget_step(ctx, ctx.wrap(build(), compile=False), 0, data[:1], prefetch=False)
-    torch._dynamo.reset()
-    low = torch.tensor([int(fixed.predicted.peak_bytes)])
-    dist.all_reduce(low, op=dist.ReduceOp.MAX, group=ctx.group)
+    _, fixed, low = _fixed_peak(ctx, data)
     ctx.model = model
-    out, plan = _budget_step(ctx, model, int(low) - 1, data, prefetch=False)
+    out, plan = _budget_step(ctx, model, low - 1, data, prefetch=False)
     out.update({
         "planned": 1,
-        "minimum": int(low),
+        "minimum": low,
         # Without a budget (the fixed policy's plan): no record, every block resharded.
         "fixed": {"record": fixed.budget, "hash": fixed.hash(),
                   "backward_gathers": sorted(c.bucket for c in fixed.collectives
@@ -1579,35 +1588,25 @@ def sc_peak_budget_recompute_parts(ctx: Ctx) -> dict:
     saved values (its normalized hidden states and SwiGLU product,
     ``shardc.passes.recompute_part``) rather than the block whole, plus the facts the tests
     check (the record, the hashes, the recomputed ops in the backward)."""
-    from shardc.models.llama import LlamaConfig, Transformer
-
-    def build() -> nn.Module:
-        torch.manual_seed(0)
-        return Transformer(LlamaConfig(**BUDGET_CFG))
-
     data = tokens(steps=2, seq=OFFLOAD_SEQ)
-    model = ctx.wrap(build(), compile=False)
+    model = ctx.wrap(_budget_model(), compile=False)
     if not ctx.sharded:
         return train_lm(ctx, model, model, data)
-    unbudgeted = ctx.wrap(build(), compile=False)
-    _, fixed = _budget_step(ctx, unbudgeted, 0, data[:1], prefetch=False)
+    unbudgeted, _, low = _fixed_peak(ctx, data)
     fixed_muls = _muls(shard_state(unbudgeted).regions[0].backward)
-    torch._dynamo.reset()
-    low = torch.tensor([int(fixed.predicted.peak_bytes)])
-    dist.all_reduce(low, op=dist.ReduceOp.MAX, group=ctx.group)
     ctx.model = model
     # Kernels priced by their bytes and flops alone (no fixed time per kernel): at these
     # widths a kernel's fixed time would make the few elementwise kernels of the cheap values
     # dearer per byte than the whole block, which they are not at a real model's widths
     # (docs/memory_budget.md).
-    out, plan = _budget_step(ctx, model, int(low) - 1, data, prefetch=False,
+    out, plan = _budget_step(ctx, model, low - 1, data, prefetch=False,
                              activation_offload="never",
                              cluster={"peak_flops": 1e12, "mem_bandwidth": 1e12,
                                       "kernel_gpu_s": 0.0})
     region = shard_state(model).regions[0]
     out.update({
         "planned": 1,
-        "minimum": int(low),
+        "minimum": low,
         "hash": plan.hash(),
         "record": plan.budget,
         "peak": plan.predicted.peak_bytes,
