@@ -698,6 +698,9 @@ def _trade_levers(decided: MemoryBudget, cands: list[budget.Candidate],
         return None
     if decided.offloaded_whole or decided.checkpoint_offloaded or not blocks:
         return None
+    # Its candidates are whole blocks: a choice with recomputed parts is left as it is.
+    if any(d.recomputed_part for d in decided.blocks):
+        return None
     # Where the host took no offload it could have, the blocks' records say why; left as is.
     if any("host full" in d.reason for d in decided.blocks):
         return None
@@ -1043,7 +1046,7 @@ def checkpoint_candidates(probe: fx.GraphModule, blocks: list[Block],
     by_name = {b.name: b for b in blocks}
     out = []
     for c in cands:
-        if c.offload:
+        if c.offload or is_part(c.block):  # a recomputed part's block keeps its checkpoint
             continue
         nbytes = agree_on_largest(group, region.check_index,
                                   f"{tag_prefix}block{by_name[c.block].position}/checkpoint",
