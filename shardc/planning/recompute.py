@@ -14,8 +14,9 @@ deterministic search:
 2. The fully recomputed plan (every candidate) is planned and predicted: its peak is the new
    feasible minimum; over the budget, the budget is refused naming it.
 3. Otherwise the answer is a prefix of the ranking. The first prefix tried is the shortest
-   whose freed bytes cover the excess over the budget (none shorter can fit: a freed byte
-   lowers the peak by at most a byte). Then, between a prefix known to exceed the budget
+   whose estimated freed bytes cover the excess over the budget (a freed byte lowers the peak
+   by at most a byte, so by the estimates none shorter fits; where they undercount, the
+   interpolation below still tries shorter ones). Then, between a prefix known to exceed the budget
    (at first the empty one) and one known to fit (at first all of them), the next prefix tried
    is the shortest whose peak, interpolated between the two on the freed bytes, fits. Each try
    is a partition, a plan and a prediction (``evaluate``), at most :data:`MAX_TRIALS`; the
@@ -137,9 +138,10 @@ def choose(cands: Sequence[RecomputeCandidate], budget: int, start: int, floor: 
     order = rank(cands)
     lo, hi = (0, start), (len(order), floor)
     trials = 0
-    # A freed byte lowers the peak by at most a byte, so no prefix shorter than the one that
-    # frees the excess fits: tried first (the interpolation below reads the floor's peak,
-    # which a term the candidates do not free, such as the optimizer step's, can hold up).
+    # A freed byte lowers the peak by at most a byte, so by the estimates no prefix shorter
+    # than the one that frees the excess fits: tried first (the interpolation reads the
+    # floor's peak, which a term the candidates do not free, such as the optimizer step's,
+    # can hold up). Shorter prefixes are still tried after it, between it and none.
     first = next((k for k in range(1, len(order) + 1)
                   if _bytes(order, k) >= start - budget), len(order))
     while trials < MAX_TRIALS and hi[0] - lo[0] > 1:
