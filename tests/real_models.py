@@ -1535,17 +1535,26 @@ def _budget_model() -> nn.Module:
     return Transformer(LlamaConfig(**BUDGET_CFG))
 
 
-def _fixed_peak(ctx: Ctx, data: torch.Tensor) -> tuple[nn.Module, object, int]:
+# (world, data shape) -> what _fixed_peak found: the scenarios of one rank's group that place a
+# budget by the same unbudgeted compile share it (suite time).
+_FIXED_PEAKS: dict[tuple, tuple] = {}
+
+
+def _fixed_peak(ctx: Ctx, data: torch.Tensor) -> tuple[object, int, int]:
     """A fresh :func:`_budget_model` compiled without a budget and without prefetch (the
     budget's own prefetch lever, shardc.planning.prefetch, would otherwise meet a budget a byte
-    below the fixed policy's peak by prefetching less), trained on ``data``'s first step: the
-    model, its plan and the plan's predicted peak, the ranks' largest."""
-    unbudgeted = ctx.wrap(_budget_model(), compile=False)
-    _, fixed = _budget_step(ctx, unbudgeted, 0, data[:1], prefetch=False)
-    torch._dynamo.reset()
-    low = torch.tensor([int(fixed.predicted.peak_bytes)])
-    dist.all_reduce(low, op=dist.ReduceOp.MAX, group=ctx.group)
-    return unbudgeted, fixed, int(low)
+    below the fixed policy's peak by prefetching less), trained on ``data``'s first step: its
+    plan, the plan's predicted peak (the ranks' largest) and the multiplications of its
+    backward graph outside the bodies (:func:`_muls`). Compiled once per rank and data shape."""
+    key = (ctx.world, tuple(data.shape))
+    if key not in _FIXED_PEAKS:
+        unbudgeted = ctx.wrap(_budget_model(), compile=False)
+        _, fixed = _budget_step(ctx, unbudgeted, 0, data[:1], prefetch=False)
+        torch._dynamo.reset()
+        low = torch.tensor([int(fixed.predicted.peak_bytes)])
+        dist.all_reduce(low, op=dist.ReduceOp.MAX, group=ctx.group)
+        _FIXED_PEAKS[key] = (fixed, int(low), _muls(shard_state(unbudgeted).regions[0].backward))
+    return _FIXED_PEAKS[key]
 
 
 def sc_peak_budget_offload(ctx: Ctx) -> dict:
@@ -1559,7 +1568,7 @@ def sc_peak_budget_offload(ctx: Ctx) -> dict:
     model = ctx.wrap(_budget_model(), compile=False)
     if not ctx.sharded:
         return train_lm(ctx, model, model, data)
-    _, fixed, low = _fixed_peak(ctx, data)
+    fixed, low, _ = _fixed_peak(ctx, data)
     ctx.model = model
     out, plan = _budget_step(ctx, model, low - 1, data, prefetch=False)
     out.update({
@@ -1592,8 +1601,7 @@ def sc_peak_budget_recompute_parts(ctx: Ctx) -> dict:
     model = ctx.wrap(_budget_model(), compile=False)
     if not ctx.sharded:
         return train_lm(ctx, model, model, data)
-    unbudgeted, _, low = _fixed_peak(ctx, data)
-    fixed_muls = _muls(shard_state(unbudgeted).regions[0].backward)
+    _, low, fixed_muls = _fixed_peak(ctx, data)
     ctx.model = model
     # Kernels priced by their bytes and flops alone (no fixed time per kernel): at these
     # widths a kernel's fixed time would make the few elementwise kernels of the cheap values
