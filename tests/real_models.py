@@ -1535,6 +1535,12 @@ def _budget_model() -> nn.Module:
     return Transformer(LlamaConfig(**BUDGET_CFG))
 
 
+def _offload_seq_start(ctx: Ctx) -> tuple[torch.Tensor, nn.Module]:
+    """The data (two steps of OFFLOAD_SEQ tokens) and the wrapped model of a scenario placed
+    below the fixed policy's peak."""
+    return tokens(steps=2, seq=OFFLOAD_SEQ), ctx.wrap(_budget_model(), compile=False)
+
+
 # (world, data shape) -> what _fixed_peak found: the scenarios of one rank's group that place a
 # budget by the same unbudgeted compile share it (suite time).
 _FIXED_PEAKS: dict[tuple, tuple] = {}
@@ -1564,8 +1570,7 @@ def sc_peak_budget_offload(ctx: Ctx) -> dict:
     copies on the plan's copy lane and in the graphs)."""
     from parity import activation_copies
 
-    data = tokens(steps=2, seq=OFFLOAD_SEQ)
-    model = ctx.wrap(_budget_model(), compile=False)
+    data, model = _offload_seq_start(ctx)
     if not ctx.sharded:
         return train_lm(ctx, model, model, data)
     fixed, low, _ = _fixed_peak(ctx, data)
@@ -1597,8 +1602,7 @@ def sc_peak_budget_recompute_parts(ctx: Ctx) -> dict:
     saved values (its normalized hidden states and SwiGLU product,
     ``shardc.passes.recompute_part``) rather than the block whole, plus the facts the tests
     check (the record, the hashes, the recomputed ops in the backward)."""
-    data = tokens(steps=2, seq=OFFLOAD_SEQ)
-    model = ctx.wrap(_budget_model(), compile=False)
+    data, model = _offload_seq_start(ctx)
     if not ctx.sharded:
         return train_lm(ctx, model, model, data)
     _, low, fixed_muls = _fixed_peak(ctx, data)
