@@ -181,12 +181,13 @@ def _describe(gm: fx.GraphModule, name: str, kind: str, position: int, nodes: li
     inputs = {i for n in nodes for i in n.all_input_nodes if i not in inside and not _is_weight(i)}
     outputs = [n for n in nodes if any(u in fwd and u not in inside for u in n.users)]
     on_device = tuple(n for n in saved if copyable(n) and not host_bytes(n, device_type))
+    read = _positions(saved) if kind == "body" else ()
     return Block(name, kind, position, tuple(nodes), _bytes(saved) - host,
                  _bytes(sorted(inputs, key=lambda n: n.name)), tuple(outputs), excluded,
                  host_saved_bytes=host, saved_values=on_device,
-                 recomputable=_recomputable(gm, nodes[0], saved, on_device) if kind == "body"
-                 and not excluded else (),
-                 read_positions=_positions(saved) if kind == "body" else ())
+                 recomputable=_recomputable(gm, nodes[0], read, on_device)
+                 if read and not excluded else (),
+                 read_positions=read)
 
 
 def _positions(saved: list[fx.Node]) -> tuple[int, ...]:
@@ -194,13 +195,13 @@ def _positions(saved: list[fx.Node]) -> tuple[int, ...]:
     return tuple(g.args[1] for g in saved if g.target is operator.getitem)
 
 
-def _recomputable(gm: fx.GraphModule, call_node: fx.Node, saved: list[fx.Node],
+def _recomputable(gm: fx.GraphModule, call_node: fx.Node, read: tuple[int, ...],
                   on_device: tuple[fx.Node, ...]) -> tuple[int, ...]:
     """The indices into ``on_device`` (getitems of the body call ``call_node``) of the outputs
-    its body computes cheaply from the others the backward reads (``saved``;
+    its body computes cheaply from the others the backward reads (at positions ``read``;
     ``recompute_part.cheap_outputs``)."""
     body = getattr(gm, call_node.args[0].target)
-    cheap = recompute_part.cheap_outputs(body, _positions(saved))
+    cheap = recompute_part.cheap_outputs(body, read)
     return tuple(i for i, g in enumerate(on_device) if g.args[1] in cheap)
 
 

@@ -38,11 +38,10 @@ from shardc.passes.fx_utils import call, has_tag, op_overload
 
 __all__ = ["cheap_outputs", "recompute_values"]
 
-# Ops that move or convert elements without computing across them (a view op is cheap too).
 _GETITEM = operator.getitem
+# Ops that move or convert elements without computing across them (a view op is cheap too).
 _MOVES = ("aten::clone", "aten::_to_copy", "prims::convert_element_type", "aten::expand",
-          "aten::_unsafe_view",
-          "aten::contiguous")
+          "aten::_unsafe_view", "aten::contiguous")
 
 
 def _cheap(node: fx.Node) -> bool:
@@ -101,12 +100,6 @@ def cheap_outputs(body: fx.GraphModule, positions: Sequence[int]) -> dict[int, l
     return dict(sorted(found.items()))
 
 
-def _operand(call_node: fx.Node, body: fx.GraphModule, placeholder: fx.Node) -> fx.Node:
-    """The value of the call ``call_node`` that its body reads as ``placeholder``."""
-    index = list(body.graph.find_nodes(op="placeholder")).index(placeholder)
-    return call_node.args[2 + index]
-
-
 def _getitem(graph: fx.Graph, call_node: fx.Node, position: int) -> fx.Node:
     for user in call_node.users:
         if user.target is _GETITEM and user.args[1] == position:
@@ -137,15 +130,17 @@ def recompute_values(gm: fx.GraphModule, call_node: fx.Node, positions: Sequence
                 readers[user.args[1]] = (user, bw)
     if not readers:
         return 0
-    first_reader = min((u for _, bws in readers.values() for u in bws),
-                       key=list(graph.nodes).index)
+    bw_calls = {u for _, bws in readers.values() for u in bws}
+    first_reader = next(n for n in graph.nodes if n in bw_calls)
+    # The call's operands by the body's placeholders: (subgraph, identifier, *operands).
+    operands = dict(zip(body.graph.find_nodes(op="placeholder"), call_node.args[2:]))
     copies: dict[fx.Node, fx.Node] = {}
 
     def value(node: fx.Node) -> fx.Node:
         if node in copies:
             return copies[node]
         if node.op == "placeholder":
-            return _operand(call_node, body, node)
+            return operands[node]
         return _getitem(graph, call_node, outs.index(node))
 
     with graph.inserting_before(first_reader):
