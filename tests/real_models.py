@@ -1861,9 +1861,9 @@ ONE_WORLD = {"blocks_accumulate_shapes": 2, "torch_transformer": 2, "hf_gpt2": 3
              "submesh": 2, "meta_to_empty_plain": 3, "plain_lifecycle": 2,
              "plain_no_sync_clip": 3, "plain_accumulate_eager": 2,
              # A real timeout under Inductor at 3 (the backward's wait); the forward's under
-             # FX at 2 and 3 ("timeout"), and every wait of an Inductor step named at worlds
-             # 2-4 (tests/test_parity_inductor.py, injected failures): one Inductor compile
-             # less in the world-2 group.
+             # FX at 2 and 3 ("timeout"), and every wait of an Inductor step named at world
+             # 2 (3 and 4: slow; tests/test_parity_inductor.py, injected failures): one
+             # Inductor compile less in the world-2 group.
              "timeout_inductor": 3}
 # blocks_accumulate_shapes (about 65 rank-CPU s, the world-2 group's largest): bodies through a
 # dynamic recompile and no_sync; the default suite keeps bodies under dynamic shapes

@@ -111,15 +111,13 @@ def test_optimizer_step_peak_counts_gradients_state_and_temporaries():
     shards, optimizer state and its temporaries (plus the static pool, held across steps)."""
     spec = parse_model_spec("llama-tiny:n_layers=8")  # small buckets: the step dominates
     foreach, _ = plan_model(spec, 2, 1, 2, {})
-    fused, _ = plan_model(spec, 2, 1, 2, {"optimizer_temp_factor": 0.0})
     p = foreach.predicted
     assert p["grad_bytes"] == p["param_bytes"] > 0  # every shard trains, in its own dtype
     persistent = p["pool_bytes"]  # FX execution: the pool is on
     assert p["optimizer_step_peak_bytes"] == (
         p["param_bytes"] * (1 + 2 + 1) + p["grad_bytes"] + persistent)
     assert p["peak_bytes"] == p["optimizer_step_peak_bytes"] > p["backward_peak_bytes"]
-    q = fused.predicted
-    assert q["optimizer_step_peak_bytes"] == p["optimizer_step_peak_bytes"] - p["param_bytes"]
+    # (Without the temporaries, a fused step's: tests/test_optimizer_kind.py.)
 
 
 def test_fp8_prediction_counts_master_shards_and_saved_quantized_shards():

@@ -1,4 +1,4 @@
-"""Parity of the Inductor-compiled planned graphs, world sizes 1-4.
+"""Parity of the Inductor-compiled planned graphs, world sizes 1-4 (3 and 4 in the slow tier).
 
 The reference is the unsharded model compiled by torch's default backend (Inductor), so fused
 kernel rounding is not mistaken for a sharding error.
@@ -140,7 +140,12 @@ def _name_every_wait(forward, tokens, targets) -> list[str]:
     raise AssertionError(f"a step with more than 64 waits: {names}")
 
 
-@pytest.mark.parametrize("world", [2, 3, 4, 1])  # world 1 last: see prestart
+# Worlds 3 and 4 are slow (suite time: their ranks compile the same C++ kernels as world 2's,
+# 56 CPU seconds together): Inductor's own concerns (the pool, donated buffers, named waits) show
+# at world 2, with uneven shards; uneven shards at 3 and 4 ranks are the FX parity's
+# (tests/test_parity.py, every world).
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow),
+                                   pytest.param(4, marks=pytest.mark.slow), 1])  # 1 last: prestart
 def test_parity_inductor(world, inductor_reference):
     runs = run_prestarted(f"test_parity_inductor[{world}]", _inductor_run, world)
     assert_parity(runs[0], inductor_reference)

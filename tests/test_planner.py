@@ -263,25 +263,8 @@ def test_tensor_parallel_plan():
     assert tp.predicted.param_bytes < dp_only.predicted.param_bytes
     cap = capacity(tp, 2, 32, 400e12, None)
     assert cap.world == 4 and cap.tokens_per_step == 32
-    # A deeper model planned from a template keeps the tp group's role: the repeated blocks'
-    # tensor-parallel all-reduces too, three times the two-layer model's. (The template plan
-    # equals the whole trace's: test_tensor_parallel_template_equals_the_whole_trace, slow:
-    # tracing six tensor-parallel blocks once more costs about 28 s on one core.)
-    template = _tp_template_plan()
-    assert any("planned from a template" in n for n in template.notes)
-    assert template.tp_size == 2
-    deep_found = [c for c in template.collectives if c.origin != "shardc"]
-    assert {c.group for c in deep_found} == {c.group for c in found} == {"tp"}
-    assert len(deep_found) == 3 * len(found), (len(deep_found), len(found))
-    # The dp group's ranks are tp apart: with 2 GPUs a node, its collectives cross nodes
-    # (slower), though the group has 2 ranks like the tp group, which stays within a node.
-    two_a_node, _ = plan_model(tiny, 4, 1, 32, {"cluster": {"node_size": 2}},
-                               setup=PlanSetup(tp=2))
-    def comm(plan, group):
-        return sum(c.predicted_end_s - c.predicted_start_s for c in plan.collectives
-                   if c.group == group)
-    assert comm(two_a_node, "shard") > 2 * comm(tp, "shard")
-    assert comm(two_a_node, "tp") == pytest.approx(comm(tp, "tp"), rel=0.05)
+    # (A six-layer model planned from a template, and two GPUs a node:
+    # test_tensor_parallel_template_and_nodes, slow: 18 CPU seconds of tracing.)
 
 
 def _tp_template_plan():
@@ -291,12 +274,31 @@ def _tp_template_plan():
 
 
 @pytest.mark.slow
-def test_tensor_parallel_template_equals_the_whole_trace():
-    """The six-layer tensor-parallel plan made from a template equals the whole trace's."""
+def test_tensor_parallel_template_and_nodes():
+    """The six-layer tensor-parallel plan made from a template equals the whole trace's and
+    keeps the tp group's role (the repeated blocks' all-reduces, three times the two-layer
+    model's); with two GPUs a node, the dp group's collectives cross nodes."""
+    tiny = parse_model("llama-tiny", ["n_layers=2"])
+    tp = _plan(tiny, world=4, seq=32, tp=2)
+    found = [c for c in tp.collectives if c.origin != "shardc"]
     deep = parse_model("llama-tiny", ["n_layers=6"])
     whole, _ = plan_model(deep, 4, 1, 32, {}, setup=PlanSetup(tp=2), template=False)
     template = _tp_template_plan()
     assert plan_digest(template) == plan_digest(whole) and template.tp_size == 2
+    assert any("planned from a template" in n for n in template.notes)
+    deep_found = [c for c in template.collectives if c.origin != "shardc"]
+    assert {c.group for c in deep_found} == {c.group for c in found} == {"tp"}
+    assert len(deep_found) == 3 * len(found), (len(deep_found), len(found))
+    # The dp group's ranks are tp apart: with 2 GPUs a node, its collectives cross nodes
+    # (slower), though the group has 2 ranks like the tp group, which stays within a node.
+    two_a_node, _ = plan_model(tiny, 4, 1, 32, {"cluster": {"node_size": 2}},
+                               setup=PlanSetup(tp=2))
+
+    def comm(plan, group):
+        return sum(c.predicted_end_s - c.predicted_start_s for c in plan.collectives
+                   if c.group == group)
+    assert comm(two_a_node, "shard") > 2 * comm(tp, "shard")
+    assert comm(two_a_node, "tp") == pytest.approx(comm(tp, "tp"), rel=0.05)
 
 
 def test_checkpointing_saves_less_and_hsdp_all_reduces():
