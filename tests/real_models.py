@@ -519,6 +519,26 @@ def backward_targets(model: nn.Module) -> list[str]:
             for target in (node.target, *node.args[:2]) if callable(target)]
 
 
+def backward_op_calls(model: nn.Module, op_name: str) -> int:
+    """How many times a training step's backward graphs run ``op_name``: a block body's
+    subgraph counts once per call of it (:func:`backward_targets` lists each subgraph's ops
+    once, however many blocks call it), and an op a higher-order op such as
+    run_with_rng_state runs counts too."""
+    def calls(gm: torch.fx.GraphModule) -> int:
+        count = 0
+        for node in gm.graph.nodes:
+            if node.op != "call_function":
+                continue
+            if "invoke_subgraph" in str(node.target):
+                count += calls(getattr(gm, node.args[0].target))
+                continue
+            count += sum(str(t) == op_name for t in (node.target, *node.args[:2]) if callable(t))
+        return count
+
+    return sum(calls(region.backward) for region in shard_state(model).regions
+               if region.backward is not None)
+
+
 def _backward_targets(ctx: Ctx) -> list[str] | None:
     """:func:`backward_targets` of the sharded run; None for the reference or an uncompiled
     run."""
@@ -683,6 +703,24 @@ def sc_accumulate_no_sync(ctx: Ctx) -> dict:
     return _accumulate(ctx, no_sync=True)
 
 
+def accumulated_lm_step(ctx: Ctx, model: nn.Module, forward, opt, data: torch.Tensor
+                        ) -> torch.Tensor:
+    """One optimizer step over two micro-batches of this rank's ``data`` (loss / 2 each), the
+    first without gradient sync; returns the step's loss averaged over the ranks."""
+    per = data.shape[0] // 2
+    total = torch.zeros(())
+    for m in range(2):
+        if ctx.sharded:
+            shardc.set_requires_gradient_sync(model, m == 1)
+        part = data[m * per:(m + 1) * per]
+        loss = lm_loss(forward(part[:, :-1]), part[:, 1:]) / 2
+        loss.backward()
+        total = total + loss.detach()
+    opt.step()
+    opt.zero_grad()
+    return ctx.mean(total)
+
+
 OFFLOAD = shardc.OffloadPolicy(simulate_on_cpu=True)
 OPT_OFFLOAD = shardc.OffloadPolicy(params=False, simulate_on_cpu=True)
 
@@ -699,18 +737,7 @@ def sc_blocks_accumulate_shapes(ctx: Ctx) -> dict:
     # Global batches divisible by 2 micro-batches x worlds 2 and 3.
     for step, (batch, seq) in enumerate([(12, 7), (24, 5), (12, 9)]):
         data = ctx.split(tokens(steps=1, batch=batch, seq=seq, seed=30 + step)[0])
-        per = data.shape[0] // 2
-        total = 0.0
-        for m in range(2):
-            if ctx.sharded:
-                shardc.set_requires_gradient_sync(model, m == 1)
-            part = data[m * per:(m + 1) * per]
-            loss = lm_loss(forward(part[:, :-1]), part[:, 1:]) / 2
-            loss.backward()
-            total = total + loss.detach()
-        opt.step()
-        opt.zero_grad()
-        losses.append(ctx.mean(total))
+        losses.append(accumulated_lm_step(ctx, model, forward, opt, data))
     out = {"losses": torch.stack(losses), "params": ctx.params(model), "planned": ctx.planned()}
     if ctx.sharded:
         regions = shardc.shard_state(model).regions

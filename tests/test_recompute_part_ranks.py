@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_ranks
-from real_models import OFFLOAD_SEQ, Ctx, _budget_model, lm_loss, sgd, tokens
+from real_models import OFFLOAD_SEQ, Ctx, _budget_model, accumulated_lm_step, sgd, tokens
 from torch.distributed.device_mesh import init_device_mesh
 
 import shardc
@@ -27,23 +27,10 @@ GLOBAL_BATCH = 8  # two micro-batches per rank at worlds 2 and 4
 
 
 def _train(ctx: Ctx, model, forward, data: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    """Two micro-batches per step (loss / 2 each), the first without gradient sync."""
+    """Two micro-batches per step, the first without gradient sync."""
     opt = sgd(model)
-    losses = []
-    for step in range(data.shape[0]):
-        batch = ctx.split(data[step])
-        per = batch.shape[0] // 2
-        total = torch.zeros(())
-        for m in range(2):
-            if ctx.sharded:
-                shardc.set_requires_gradient_sync(model, m == 1)
-            part = batch[m * per:(m + 1) * per]
-            loss = lm_loss(forward(part[:, :-1]), part[:, 1:]) / 2
-            loss.backward()
-            total = total + loss.detach()
-        opt.step()
-        opt.zero_grad()
-        losses.append(ctx.mean(total))
+    losses = [accumulated_lm_step(ctx, model, forward, opt, ctx.split(data[step]))
+              for step in range(data.shape[0])]
     return torch.stack(losses), ctx.params(model)
 
 
