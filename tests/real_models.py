@@ -1623,6 +1623,13 @@ def sc_peak_budget_offload(ctx: Ctx) -> dict:
     return out
 
 
+# Kernels priced by their bytes and flops alone (no fixed time per kernel), for the scenarios of
+# recompute per saved value: at these widths a kernel's fixed time would make the few
+# elementwise kernels of the cheap values dearer per byte than the whole block, which they are
+# not at a real model's widths (docs/memory_budget.md).
+FLAT_KERNEL_RATES = {"peak_flops": 1e12, "mem_bandwidth": 1e12, "kernel_gpu_s": 0.0}
+
+
 def sc_peak_budget_recompute_parts(ctx: Ctx) -> dict:
     """Parity under a budget a byte below the fully resharded plan's peak with recompute the
     only lever (``activation_offload='never'``), where the planner recomputes a block's cheap
@@ -1634,14 +1641,8 @@ def sc_peak_budget_recompute_parts(ctx: Ctx) -> dict:
         return train_lm(ctx, model, model, data)
     _, low, fixed_muls = _fixed_peak(ctx, data)
     ctx.model = model
-    # Kernels priced by their bytes and flops alone (no fixed time per kernel): at these
-    # widths a kernel's fixed time would make the few elementwise kernels of the cheap values
-    # dearer per byte than the whole block, which they are not at a real model's widths
-    # (docs/memory_budget.md).
     out, plan = _budget_step(ctx, model, low - 1, data, prefetch=False,
-                             activation_offload="never",
-                             cluster={"peak_flops": 1e12, "mem_bandwidth": 1e12,
-                                      "kernel_gpu_s": 0.0})
+                             activation_offload="never", cluster=FLAT_KERNEL_RATES)
     region = shard_state(model).regions[0]
     out.update({
         "planned": 1,

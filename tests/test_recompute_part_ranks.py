@@ -13,16 +13,21 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_ranks
-from real_models import OFFLOAD_SEQ, Ctx, _budget_model, accumulated_lm_step, sgd, tokens
+from real_models import (
+    FLAT_KERNEL_RATES,
+    OFFLOAD_SEQ,
+    Ctx,
+    _budget_model,
+    accumulated_lm_step,
+    sgd,
+    tokens,
+)
 from torch.distributed.device_mesh import init_device_mesh
 
 import shardc
 
 pytestmark = pytest.mark.slow
 
-# Kernels priced by their bytes and flops alone: at these widths a kernel's fixed time would
-# make the cheap values' few elementwise kernels dearer per byte than their whole block.
-FLAT_RATES = {"peak_flops": 1e12, "mem_bandwidth": 1e12, "kernel_gpu_s": 0.0}
 GLOBAL_BATCH = 8  # two micro-batches per rank at worlds 2 and 4
 
 
@@ -37,7 +42,7 @@ def _train(ctx: Ctx, model, forward, data: torch.Tensor) -> tuple[torch.Tensor, 
 def _backend(budget: int, inductor: bool):
     return shardc.backend(inductor=inductor, comm_pool=False, peak_memory_budget_bytes=budget,
                           peak_memory_margin=0.0, prefetch=False, activation_offload="never",
-                          cluster=FLAT_RATES)
+                          cluster=FLAT_KERNEL_RATES)
 
 
 def _ranks(rank: int, world: int, hsdp: bool, inductor: bool) -> dict:

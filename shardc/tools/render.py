@@ -305,7 +305,7 @@ def budget_lines(plan: Plan) -> list[str]:
         offloaded = (f", {len(b.offloaded)} offloaded to host memory" if b.offloaded else "")
         offloaded += (f", {len(b.checkpoint_offloaded)} of them with their checkpoints "
                       "offloaded to host memory" if b.checkpoint_offloaded else "")
-        in_part = sum(1 for d in b.blocks if getattr(d, "recomputed_part", ()))
+        in_part = sum(1 for d in b.blocks if d.recomputed_part)
         whole = len(b.recomputed) - in_part
         lines.append(f"  {whole} of {len(b.blocks)} block(s) recomputed in the backward"
                      + (f", {in_part} in part (some saved values)" if in_part else "")
