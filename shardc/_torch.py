@@ -357,6 +357,29 @@ def dtensor_on_local_device(local: torch.Tensor, mesh, placements, shape, stride
     return DTensor(local, spec, requires_grad=False)
 
 
+def move_dtensor_local(dtensor, local: torch.Tensor) -> None:
+    """Make the DTensor ``dtensor`` (a parameter or a gradient, kept as the same object: the
+    user's optimizer and autograd hold it) hold ``local``, of the same shape, on another device
+    (CPU offload chosen by the planner, :mod:`shardc.sharding.auto_offload`). Two steps:
+    ``.data`` gives the wrapper the new device, and ``_local_tensor`` (private; FSDP2 assigns it
+    the same way when it resets its sharded parameters) the new shard. ``torch.utils.
+    swap_tensors`` would do both but refuses tensors with weak references, which Dynamo and
+    shardc's parameter registries hold."""
+    if tuple(local.shape) != tuple(dtensor._local_tensor.shape):
+        raise ValueError(f"move_dtensor_local: shape {tuple(local.shape)} for a local shard of "
+                         f"shape {tuple(dtensor._local_tensor.shape)}")
+    moved = dtensor_on_local_device(local, dtensor.device_mesh, dtensor.placements,
+                                    dtensor.shape, dtensor.stride())
+    dtensor.data = moved
+    dtensor._local_tensor = local
+
+
+def fake_of(fake_mode, real: torch.Tensor) -> Any:
+    """``real`` as a fake tensor of ``fake_mode`` (Dynamo's: a region's example input for a
+    parameter whose shard the planner moved, :mod:`shardc.sharding.auto_offload`)."""
+    return fake_mode.from_tensor(real, static_shapes=True)
+
+
 def dtensor_with_spec_of(local: torch.Tensor, like) -> Any:
     """A DTensor of ``local`` (no copy) with the spec of the DTensor ``like`` (its mesh,
     placements, global shape, stride and dtype): the gradient handed to a parameter by

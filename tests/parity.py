@@ -28,6 +28,10 @@ GLOBAL_BATCH, SEQ, STEPS, LR = 12, 9, 5, 1e-3
 # The feed-forward width of ``build("llama-frozen-w1")``: a rank's tokens at world 2, so that a
 # gathered feed-forward weight (FROZEN_W1_FFN x dim) and a hidden state are buffers of one size.
 FROZEN_W1_FFN = GLOBAL_BATCH // 2 * SEQ
+# The feed-forward width of ``build("llama-wide-ffn")`` (a prime): its parameter shards,
+# gradients and optimizer state outweigh the activations at world 2, so moving them to the host
+# lowers the step's peak below anything the levers on the device reach.
+WIDE_FFN = 449
 
 
 class VariantModel(nn.Module):
@@ -128,6 +132,8 @@ def build(kind: str) -> nn.Module:
         return BlockStack()
     if kind == "llama":
         return Transformer(CFG)
+    if kind == "llama-wide-ffn":  # tests/test_offload_auto.py: parameters outweigh activations
+        return Transformer(replace(CFG, ffn_dim=WIDE_FFN))
     if kind == "llama1":  # one block: for the (slow to compile) Inductor runs
         return Transformer(replace(CFG, n_layers=1))
     if kind == "llama-user-ac":  # tests/test_budget_combos.py: layers.0 checkpointed

@@ -28,6 +28,7 @@ from shardc.compile.options import ShardcOptions
 from shardc.compile.pipeline import RegionRecord, capture_partitioned
 from shardc.ops.gather import GATHER_OP
 from shardc.ops.gather_args import GatherArgs
+from shardc.ops.offload_copy import copy_fqn, is_to_device
 from shardc.passes.body import (
     describe_body_calls,
     draws_random_numbers,
@@ -42,13 +43,16 @@ from shardc.passes.body_donations import DONATED
 from shardc.passes.fused_loss import LOSS_OPS, decompose_whole_loss_ops
 from shardc.passes.fx_utils import is_call
 from shardc.passes.lower import POOL_PLACEHOLDER
+from shardc.passes.offload_unplaced import drop_offload_copies
 from shardc.passes.sink_residual import sink_block_residuals, tie_pair_tangents
 from shardc.passes.to_local import plain_to_local_calls
 from shardc.planning import optimizer_chunks
+from shardc.planning.budget import MemoryBudgetError
 from shardc.planning.plan import Plan
 from shardc.runtime import chunked_step, offload_optimizer
 from shardc.runtime.comm_errors import boxed_with_collective_errors, guard_inductor_graph
 from shardc.runtime.plan_check import announce_region, check_plan_consistency
+from shardc.sharding import auto_offload
 from shardc.sharding.shard import ShardState, state_for_key
 
 __all__ = ["RegionRecord", "ShardcPartitioner", "backend", "capture_partitioned",
@@ -87,9 +91,14 @@ class ShardcPartitioner(_torch.custom_partitioner_base()):
     for one region's joint graph, and for its forward-only graphs."""
 
     def __init__(self, options: ShardcOptions, region: RegionRecord,
-                 clock: progress.Stopwatch | None = None) -> None:
+                 clock: progress.Stopwatch | None = None,
+                 state: ShardState | None = None) -> None:
         self.options = options
         self.region = region
+        # A model whose shards the planner may move to the host (OffloadPolicy(params="auto")):
+        # its graphs' offload copies are dropped while the shards are on the device.
+        self.unplaced = auto_offload.unplaced(state)
+        self.state = state
         self.clock = clock or progress.Stopwatch()  # since the backend was entered
         # Compile caches key DTensor inputs by their global shape, but the compiled graphs hold
         # this rank's local shard shapes (uneven across ranks): key the cache by rank too.
@@ -104,8 +113,14 @@ class ShardcPartitioner(_torch.custom_partitioner_base()):
         # Saved weights that body calls return read the gathers instead, which the reshard
         # pass then recomputes in the backward.
         rewire_saved_inputs(gm, duplicates=self.options.sink_block_residual)
-        fw, bw = pipeline.partition_and_plan(gm, joint_inputs, self.options, self.region,
-                                             **kwargs)
+        self._drop_unplaced_copies(gm)
+        try:
+            fw, bw = pipeline.partition_and_plan(gm, joint_inputs, self.options, self.region,
+                                                 **kwargs)
+        except MemoryBudgetError as refused:
+            if self.unplaced:  # the last lever: the shards to the host (the backend moves them)
+                auto_offload.choose(self.state, refused)
+            raise
         _switch_donations(self.region, bw)
         # AOTAutograd's cache entry pickles this backward; a hit must load no tensor constant.
         warm.retrace_on_reload(bw)
@@ -139,6 +154,7 @@ class ShardcPartitioner(_torch.custom_partitioner_base()):
         if has_sharded_params(gm):
             index = self.region.index
             progress.log_stage(index, "AOTAutograd forward graph", self.clock.lap())
+            self._drop_unplaced_copies(gm)
             with progress.stage(index, "joint passes"):
                 if self.options.keeps_loss_ops_whole():  # kept whole for the fused loss
                     decompose_whole_loss_ops(gm)
@@ -148,9 +164,16 @@ class ShardcPartitioner(_torch.custom_partitioner_base()):
             self.clock.lap()
         return gm
 
+    def _drop_unplaced_copies(self, gm: fx.GraphModule) -> None:
+        if self.unplaced and drop_offload_copies(gm.graph):
+            gm.recompile()
+
     def uuid(self) -> str:
         options = sorted(self.options.as_dict().items())
-        return f"shardc-{source_hash()}-{options}-rank{self.rank_key}"
+        # Shards the planner may still move: the same joint graph is partitioned without the
+        # offload copies (on a CPU mesh simulating offload, the inputs do not tell).
+        unplaced = "-unplaced" if self.unplaced else ""
+        return f"shardc-{source_hash()}-{options}-rank{self.rank_key}{unplaced}"
 
     def __reduce__(self):
         # Inductor's FX graph cache pickles its whole config into the key, this object included
@@ -384,6 +407,86 @@ def shardc_backend(
     if not has_sharded_params(gm):
         return _compile_unsharded(gm, example_inputs, opts)
     state = _shard_state(gm)
+    check_index = _announce(gm, opts)
+    dynamo_s = progress.dynamo_seconds()
+    registry = state.regions if state is not None else None
+    try:
+        return _compile_region(gm, example_inputs, opts, mode, state, clock, check_index,
+                               dynamo_s)
+    except auto_offload.ParamOffloadChosen as chosen:
+        # The peak budget's last lever: every shard to the host, and the region planned again
+        # as a model sharded with OffloadPolicy() (shardc.sharding.auto_offload).
+        first = registry.pop()
+        moved = auto_offload.move_to_host(state, chosen)
+        example_inputs = _host_example_inputs(gm, example_inputs, state)
+        # A new number: the planner's cross-rank exchanges are keyed by it, and the first
+        # attempt's values are in the store under the old one (every rank retries alike).
+        compiled = _compile_region(gm, example_inputs, opts, mode, state, clock,
+                                   _announce(gm, opts), dynamo_s, prepared=first)
+        plan = registry[-1].plan
+        if plan is not None:
+            plan.notes.append(auto_offload.note(state.auto_offload, moved))
+        return compiled
+
+
+def _announce(gm: fx.GraphModule, opts: ShardcOptions) -> int | None:
+    """The region's number for the cross-rank plan check (None where it is off): numbered as
+    compilation starts, so a rank whose collective times out because another rank is
+    compiling a region it did not can tell (``plan_check.recompiled_elsewhere``)."""
+    if not opts.check_plan_consistency:
+        return None
+    return announce_region(GatherArgs.of(next(sharded_gathers(gm))).group_name)
+
+
+# What _prepare_bodies records on a region (from the graph it changes).
+_PREPARED_FIELDS = ("inline_blocks", "body_calls", "sink_notes", "sunk_bodies")
+
+
+def _host_example_inputs(gm: fx.GraphModule, example_inputs: Sequence[object],
+                         state: ShardState) -> list:
+    """``example_inputs`` with each parameter the planner moved to the host as Dynamo's fake of
+    the parameter now (a host shard): the region is traced again by AOTAutograd from them.
+    A parameter input is found as the placeholder its ``offload_to_device`` read starts from."""
+    inputs = list(example_inputs)
+    fake_mode = _torch.detect_fake_mode(inputs)
+    if fake_mode is None:
+        return inputs
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    index = {node: i for i, node in enumerate(placeholders)}
+    root = state.root()
+    for graph_module in gm.modules():
+        if not isinstance(graph_module, fx.GraphModule):
+            continue
+        for node in graph_module.graph.nodes:
+            if not is_to_device(node):
+                continue
+            source = _placeholder_of(node.args[0])
+            if source is None or source not in index or index[source] >= len(inputs):
+                continue
+            param = auto_offload.sharded_param(root, copy_fqn(node))
+            old = inputs[index[source]]
+            if getattr(old, "device", None) == param.device:
+                continue
+            inputs[index[source]] = _torch.fake_of(fake_mode, param)
+            source.meta["example_value"] = inputs[index[source]]
+    return inputs
+
+
+def _placeholder_of(node) -> fx.Node | None:
+    """The placeholder a chain of first arguments (a DTensor's ``to_local``) starts from."""
+    while isinstance(node, fx.Node) and node.op != "placeholder":
+        node = node.args[0] if node.args else None
+    return node if isinstance(node, fx.Node) else None
+
+
+def _compile_region(gm: fx.GraphModule, example_inputs: Sequence[object], opts: ShardcOptions,
+                    mode: str | None, state: ShardState | None, clock: progress.Stopwatch,
+                    check_index: int | None, dynamo_s: float | None,
+                    prepared: RegionRecord | None = None):
+    """Plan and compile one region whose graph gathers sharded parameters (the backend's
+    work after the model is found); a new :class:`RegionRecord` in the model's registry.
+    ``prepared``: the record of an earlier attempt at this graph, whose block bodies were
+    already prepared (``gm`` changed by that; taken over, not prepared again)."""
     registry = state.regions if state is not None else None
     region = RegionRecord(len(registry) if registry is not None else 0,
                           state.group_roles if state is not None else None,
@@ -397,18 +500,17 @@ def shardc_backend(
                           and state.offload.params else "")
     if registry is not None:
         registry.append(region)
-    if opts.check_plan_consistency:
-        # Numbered as compilation starts, so a rank whose collective times out because another
-        # rank is compiling a region it did not can tell (plan_check.recompiled_elsewhere).
-        gather = next(sharded_gathers(gm))
-        region.check_index = announce_region(GatherArgs.of(gather).group_name)
-    dynamo_s = progress.dynamo_seconds()
-    if dynamo_s is not None:
+    region.check_index = check_index
+    if dynamo_s is not None and prepared is None:
         progress.log_stage(region.index, "Dynamo trace", dynamo_s)
     plain_to_local_calls(gm)  # torch 2.11: else AOTAutograd's cache bypasses every region
     _torch.forget_mesh_hashes(example_inputs)  # torch 2.11: else its key differs per process
-    _prepare_bodies(gm, state, opts, region)
-    partitioner = ShardcPartitioner(opts, region, clock)
+    if prepared is None:
+        _prepare_bodies(gm, state, opts, region)
+    else:
+        for name in _PREPARED_FIELDS:
+            setattr(region, name, getattr(prepared, name))
+    partitioner = ShardcPartitioner(opts, region, clock, state)
     patches, note = _mode_patches(gm, example_inputs, opts, mode, state)
     if opts.inductor:
         compile_fx, compile_fx_inner = _torch.inductor_compilers()
@@ -537,7 +639,8 @@ def _cache_blockers(gm: fx.GraphModule, state: ShardState | None,
         return ["the sharded model's state is gone"]
     fp8 = state.fp8 is not None or any(i.quantized for i in state.params.values())
     return warm.cache_blockers(list(sharded_gathers(gm)), gm, fp8=fp8,
-                               offload=state.offload is not None,
+                               offload=state.offload is not None
+                               or state.auto_offload is not None,
                                cudagraphs=bool(patches.get(cudagraphs.CUDAGRAPHS)),
                                needs_partition=pipeline.partitioned_graphs_wanted())
 

@@ -56,9 +56,15 @@ def _to_host_fake(grad, fqn, dtype, pin):
 def _setup(ctx, inputs, output) -> None:
     shard, fqn, _device, pin_grad = inputs
     ctx.fqn, ctx.dtype, ctx.pin = fqn, shard.dtype, pin_grad
+    # A shard still on the device (OffloadPolicy(params="auto") before the planner moves it,
+    # traced only: the backend drops these copies, shardc.passes.offload_unplaced) gets its
+    # gradient where it is; autograd refuses a gradient on another device than its input.
+    ctx.on_host = shard.device.type == "cpu"
 
 
 def _backward(ctx, grad):
+    if not ctx.on_host:
+        return grad.to(ctx.dtype), None, None, None
     return offload_to_host(grad, ctx.fqn, ctx.dtype, ctx.pin), None, None, None
 
 

@@ -7,7 +7,9 @@ a model is first offloaded) every offloaded parameter is checked to be the shard
 shardc installed, with a host local shard, and so is its gradient; a parameter group mixing
 offloaded parameters with parameters on the device is refused, naming one of each (torch's
 fused and foreach kernels would fail with a device mismatch that names neither). An optimizer
-built before ``shardc.shard`` is named by :mod:`shardc.runtime.replaced_params`.
+built before ``shardc.shard`` is named by :mod:`shardc.runtime.replaced_params`. State an
+optimizer holds on the device for such a parameter (made before the peak budget moved it,
+``OffloadPolicy(params="auto")``) moves to the host at that check.
 """
 
 from __future__ import annotations
@@ -23,6 +25,28 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         return
     for group in optimizer.param_groups:
         check_group(group["params"])
+        _state_to_host(optimizer, group["params"])
+
+
+def _state_to_host(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+    """Move the state the optimizer holds on the device for an offloaded parameter to the host:
+    state made before the peak budget moved the parameter's shard there
+    (``OffloadPolicy(params="auto")``, an optimizer that stepped before the region compiled).
+    Nothing is dropped: each tensor is copied, the same values."""
+    for p in params:
+        state = optimizer.state.get(p) if offloaded_name(p) is not None else None
+        for key, value in (state or {}).items():
+            if isinstance(value, torch.Tensor) and _local_device(value).type != "cpu":
+                state[key] = _to_host(value)
+
+
+def _to_host(value: torch.Tensor) -> torch.Tensor:
+    if isinstance(value, DTensor):
+        from shardc._torch import dtensor_on_local_device
+
+        return dtensor_on_local_device(value.to_local().to("cpu"), value.device_mesh,
+                                       value.placements, value.shape, value.stride())
+    return value.to("cpu")
 
 
 _OFFLOADED = WeakParamNames(_check_optimizer)  # the offloaded parameters and their names

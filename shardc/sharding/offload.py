@@ -24,6 +24,11 @@ tensor, never through DTensor dispatch.
 gradients on the device (no copy in the graphs) and steps the optimizer on host copies of them,
 with host state (:mod:`shardc.runtime.offload_optimizer`). ``params=True, optimizer=False``
 is refused with the reason (:func:`check_policy`; docs/offload.md).
+
+``OffloadPolicy(params="auto")`` leaves the choice to the peak memory budget: the shards start
+on the device, and the planner moves them (with their gradients and the optimizer's state) to
+the host, as ``OffloadPolicy()`` would have placed them, only where nothing else meets the
+budget (:mod:`shardc.sharding.auto_offload`).
 """
 
 from __future__ import annotations
@@ -47,6 +52,10 @@ class OffloadPolicy:
     ``params`` and ``optimizer``: the parameter shards (fp32 masters) with their gradients, and
     the optimizer's state and step. ``OffloadPolicy()`` (both): the shards, gradients and state
     live on the host and the optimizer steps there on the parameters themselves.
+    ``params="auto"``: the shards start on the device; a peak memory budget
+    (``peak_memory_budget_bytes``) that no other lever meets moves them to the host at compile
+    time, as the last resort (:mod:`shardc.sharding.auto_offload`); without a budget, or where
+    one is met otherwise, they stay on the device and nothing is offloaded.
     ``OffloadPolicy(params=False, optimizer=True)`` (optimizer only): the shards and gradients
     stay on the device; the optimizer steps on host copies of them, with host state
     (:mod:`shardc.runtime.offload_optimizer`). ``params=True, optimizer=False`` is refused with
@@ -61,7 +70,7 @@ class OffloadPolicy:
     (some virtual machines report a small ``MemAvailable`` that grows as memory is touched).
     """
 
-    params: bool = True
+    params: bool | str = True  # True, False or "auto"
     optimizer: bool = True
     pin_memory: bool = True
     simulate_on_cpu: bool = False
@@ -69,16 +78,25 @@ class OffloadPolicy:
     check_host_memory: bool = True
 
     def enabled(self) -> bool:
-        return self.params or self.optimizer
+        return bool(self.params or self.optimizer)
+
+    @property
+    def planner_decides(self) -> bool:
+        """``params="auto"``: whether the shards go to the host is the peak budget's choice."""
+        return self.params == "auto"
 
 
 def check_policy(policy: OffloadPolicy, mesh_device_type: str) -> None:
     """Refuse a policy that cannot work here, before anything is allocated."""
     if not isinstance(policy, OffloadPolicy):
         raise TypeError(f"shardc.shard: offload must be a shardc.OffloadPolicy, got {policy!r}")
+    if policy.params not in (True, False, "auto"):
+        raise ValueError(f"shardc.shard: OffloadPolicy(params={policy.params!r}): use True, "
+                         "False or \"auto\" (the peak memory budget decides)")
     if policy.params and not policy.optimizer:
         raise NotImplementedError(
-            "shardc.shard: OffloadPolicy(params=True, optimizer=False) (parameters only) is not "
+            f"shardc.shard: OffloadPolicy(params={policy.params!r}, optimizer=False) "
+            "(parameters only) is not "
             "supported. torch.optim keeps its state and steps where its parameters are, and "
             "autograd puts a parameter's .grad where the parameter is: with the parameter "
             "shards on the host, the gradients and the optimizer state would be on the host "

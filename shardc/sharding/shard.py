@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,7 @@ from shardc.ops.offload_copy import offload_to_device
 from shardc.runtime import offload_check, offload_optimizer, replaced_params
 from shardc.runtime.grad_sync import REDUCE, REDUCE_STASHED, STASH, UnsyncedGrads, sync_mode
 from shardc.sharding import te_params
+from shardc.sharding.auto_offload import AutoOffload
 from shardc.sharding.blocks import BlockBodies, wrap_repeated_blocks
 from shardc.sharding.blocks import seal as seal_blocks
 from shardc.sharding.fp8 import (
@@ -143,6 +144,9 @@ class ShardState:
     # Process group name -> (role on the mesh, ranks), for the plans (MeshLayout.group_roles).
     group_roles: dict[str, tuple[str, int]] | None = None
     offload: OffloadPolicy | None = None  # CPU offload (shardc.sharding.offload)
+    # OffloadPolicy(params="auto"): the peak budget may move the shards to the host
+    # (shardc.sharding.auto_offload); ``offload`` is set once it has.
+    auto_offload: AutoOffload | None = None
     # The repeated blocks compiled once, and those that are not (shardc.sharding.blocks).
     blocks: BlockBodies = field(default_factory=BlockBodies)
     # plain_inputs=True: the plain leaves forwards read (shardc.sharding.plain_inputs).
@@ -176,7 +180,7 @@ def state_for_key(key: str) -> ShardState | None:
 
 
 def _param_property(name: str, info: ShardedParamInfo, grads: UnsyncedGrads,
-                    plain: bool = False) -> property:
+                    plain: bool = False, auto: AutoOffload | None = None) -> property:
     # Built once here, not at each read: Dynamo traces every parameter read of a compiled
     # forward, and tracing GatherArgs' construction and encoding (a frozen dataclass's
     # __init__, dataclasses.fields) was about half of each read's trace.
@@ -186,7 +190,7 @@ def _param_property(name: str, info: ShardedParamInfo, grads: UnsyncedGrads,
     key = grads.key
     constants = info.gather_constants(key)
     if not (plain or info.quantized or info.fp8 is not None or info.tp is not None
-            or info.offload_device):
+            or info.offload_device or auto is not None):
         return property(_keep_store(_read_gathered_as_is(name, constants, key), grads),
                         doc=f"The parameter {info.fqn!r}, gathered inside a forward.")
 
@@ -204,7 +208,11 @@ def _param_property(name: str, info: ShardedParamInfo, grads: UnsyncedGrads,
             return te_params.gather_float8_param(self, name, param, info, sync, key)
         if info.fp8 is not None:
             return gather_fp8_weight(param.to_local(), info, sync, key)
-        sent = info.sent_shard(param.to_local())
+        local = param.to_local()
+        if auto is not None and auto.reads_copy():  # the planner may move the shards
+            sent = offload_to_device(local, info.fqn, auto.device, auto.pin)
+        else:
+            sent = info.sent_shard(local)
         full = gather_param(sent, *constants[sync])
         return full if info.tp is None else wrap_tp(full, info.tp)
 
@@ -354,10 +362,11 @@ def _refuse_share_memory(self):
 def _swap_class(
     module: nn.Module, infos: dict[str, ShardedParamInfo], grads: UnsyncedGrads,
     fp8: Float8Policy | None = None, plain: PlainInputs | None = None,
+    auto: AutoOffload | None = None,
 ) -> None:
     cls = type(module)
     attrs = {name: _param_property(name, info, grads,
-                                   plain is not None and plain_eligible(info))
+                                   plain is not None and plain_eligible(info), auto)
              for name, info in infos.items()}
     attrs.update(fp8_class_attrs(module, infos, grads, fp8))
     attrs["_shardc_param_names"] = tuple(infos)
@@ -555,7 +564,10 @@ def shard(
     memory and step the optimizer on the CPU (:class:`shardc.OffloadPolicy`,
     :mod:`shardc.sharding.offload`); ``OffloadPolicy(params=False, optimizer=True)`` keeps
     the shards and gradients on the device and only the optimizer's state and step on the
-    host (:mod:`shardc.runtime.offload_optimizer`).
+    host (:mod:`shardc.runtime.offload_optimizer`); ``OffloadPolicy(params="auto")`` keeps
+    everything on the device and lets a peak memory budget move the shards, gradients and
+    optimizer state to the host where no other lever meets it
+    (:mod:`shardc.sharding.auto_offload`).
     ``plain_inputs``: forwards read each parameter's local shard as a plain tensor and its
     gradient is handed to the DTensor parameter afterwards, which removes per-parameter
     DTensor work from every step (guards, AOTAutograd's wrapping, DTensor gradient
@@ -579,6 +591,12 @@ def shard(
     mp_policy = mp_policy or MixedPrecisionPolicy()
     group_name = layout.shard_group_name
     offload = _check_offload(module, offload, layout, fp8)
+    auto = None
+    if offload is not None and offload.planner_decides:
+        # The shards start on the device; the peak budget may move them (auto_offload).
+        auto = AutoOffload(replace(offload, params=True), copy_target(mesh.device_type),
+                           wants_pinned(offload, mesh.device_type))
+        offload = None
 
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
     canonical: dict[int, tuple[str, nn.Parameter]] = {}
@@ -644,15 +662,15 @@ def shard(
 
     # CPU offload (either kind) keeps every parameter on the DTensor read: its reads copy host
     # shards, and optimizer-only offload steps host copies of the DTensor parameters.
-    plain = PlainInputs() if plain_inputs and offload is None else None
+    plain = PlainInputs() if plain_inputs and offload is None and auto is None else None
     state = ShardState(mesh, reshard_after_forward, mp_policy, infos, layout=layout, fp8=fp8,
                        group_roles=layout.group_roles(), blocks=blocks, offload=offload,
-                       plain=plain, root=weakref.ref(module))
+                       plain=plain, root=weakref.ref(module), auto_offload=auto)
     _STATES[state.key] = state
     for fqn, p in canonical.values():  # an optimizer still holding these is named at its step
         replaced_params.remember(p, fqn)
     for sub, sub_infos in per_module.values():
-        _swap_class(sub, sub_infos, state.grad_sync, fp8, plain)
+        _swap_class(sub, sub_infos, state.grad_sync, fp8, plain, auto)
         if plain is not None:
             for pname, info in sub_infos.items():
                 plain.add_owner(info.fqn, sub, pname)
@@ -702,7 +720,8 @@ def _check_offload(module: nn.Module, offload: OffloadPolicy | None, layout: Mes
             "shardc.shard: offload=... on an FSDP+TP mesh is not supported; offload works on "
             "1-D (FSDP) and HSDP meshes."
         )
-    check_host_memory(_local_shard_bytes(module, layout), offload)
+    if not offload.planner_decides:  # "auto": checked when the planner moves the shards
+        check_host_memory(_local_shard_bytes(module, layout), offload)
     return offload
 
 
