@@ -1039,7 +1039,8 @@ def test_optimizer_offload_is_the_last_lever_of_the_planner(monkeypatch):
     new_floor = int(re.search(r"feasible minimum (\d+) B", new).group(1))
     # 1 byte is below the optimizer step's peak alone: the device levers' search is skipped.
     step = int(re.search(r"with it on the device the minimum is at least (\d+) B", new).group(1))
-    assert step <= floor and "offload=shardc.OffloadPolicy()" in new, new
+    assert step <= floor and "offload=shardc.OffloadPolicy(params='auto')" in new, new
+    assert "OffloadPolicy() places them" in new, new
     at_floor = plan(floor, "simulate")
     assert at_floor.budget.optimizer is None and at_floor.predicted.optimizer_state_bytes > 0
 

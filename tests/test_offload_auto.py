@@ -12,7 +12,8 @@ simulated on the CPU mesh (every copy a real separate tensor), FX, no margin:
   the unsharded reference; then an eval forward (a second region, planned with the shards on
   the host) and an eager forward (uncompiled reads copy the host shards too);
 - a budget at the device minimum leaves them on the device: no copies in the plan, nothing
-  offloaded, the same losses and parameters as the reference.
+  offloaded, the plan the model sharded without offload makes (the same hash), the same
+  losses and parameters as the reference.
 """
 
 from __future__ import annotations
@@ -87,6 +88,11 @@ def _group(rank: int, world: int) -> dict:
                           peak_memory_budget_bytes=budget, peak_memory_margin=0,
                           eval=name == "at_host_min")
         out[name] = {"budget": budget, **_summary(run)}
+    # The same budget without offload: the plan the unplaced model must have made.
+    torch._dynamo.reset()
+    plain = sharded_run(rank, world, MODEL, "fx", peak_memory_budget_bytes=device_min,
+                        peak_memory_margin=0)
+    out["no_offload_hashes"] = [p.hash() for p in plain["plans"] if p is not None]
     torch._dynamo.reset()
     return out
 
@@ -122,6 +128,8 @@ def test_budget_met_on_the_device_leaves_the_shards_there(runs):
     assert not got["placed"] and not got["offload_set"] and got["registered"] == 0, got
     assert got["h2d"] == [0] and got["d2h"] == [0], got
     assert got["notes"] == [] and got["peaks"][0] <= got["budget"], got
+    # Its offload copies dropped, the plan is the one made without offload.
+    assert got["hashes"] == runs[0]["no_offload_hashes"], (got["hashes"], runs[0])
     assert_parity(got, reference(MODEL))
     assert runs[1]["at_device_min"]["hashes"] == got["hashes"]
 

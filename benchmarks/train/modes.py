@@ -274,8 +274,14 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_
         # "always" against "never" at a budget that binds nothing prices the chunks alone.
         if os.environ.get("SHARDC_OPTIMIZER_STEP_CHUNKS"):
             options["optimizer_step_chunks"] = os.environ["SHARDC_OPTIMIZER_STEP_CHUNKS"]
-        setup = setup_shardc_(model, mesh, loss_in_graph, **options)
-        setup.info["options"] = ", ".join(f"{k}={v!r}" for k, v in options.items())
+        # SHARDC_PARAM_OFFLOAD=auto: shard with OffloadPolicy(params="auto"), the parameter
+        # shards moved to the host by the budget where nothing else meets it (issue 22).
+        auto = os.environ.get("SHARDC_PARAM_OFFLOAD") == "auto"
+        setup = setup_shardc_(model, mesh, loss_in_graph, **options,
+                              **({"offload": "auto"} if auto else {}))
+        setup.info["options"] = ", ".join(
+            (["shardc.shard(..., offload=shardc.OffloadPolicy(params='auto'))"] if auto else [])
+            + [f"{k}={v!r}" for k, v in options.items()])
         return setup
     if mode in ("shardc-offload", "shardc-offload-budget"):
         # CPU offload (shardc.OffloadPolicy: parameter shards, gradients and optimizer state on

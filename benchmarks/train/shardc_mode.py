@@ -39,16 +39,18 @@ def _shardc_backend_name() -> str:
 
 def setup_shardc(model: Transformer, mesh, loss_in_graph: bool, compile_mode: str | None = None,
                  reshard_after_forward: bool = True, plain_inputs: bool = False,
-                 offload: bool = False, fp8: bool = False, **options: Any) -> Setup:
+                 offload: bool | str = False, fp8: bool = False, **options: Any) -> Setup:
     """shardc: shard in place, compile with the shardc backend and its default plan (or these
     backend options; ``compile_mode``: torch.compile's ``mode``, e.g. ``"reduce-overhead"``;
     ``reshard_after_forward``, ``plain_inputs``: ``shardc.shard``'s; ``offload``: shard with
     ``shardc.OffloadPolicy()``, the parameters' shards, gradients and optimizer state on the
-    host, simulated on a CPU mesh; ``fp8``: shard with :func:`fp8_policy`, the Linear and
+    host, simulated on a CPU mesh (``"auto"``: ``OffloadPolicy(params="auto")``, where the
+    peak budget decides); ``fp8``: shard with :func:`fp8_policy`, the Linear and
     Embedding weights gathered in FP8, as ``predict_step.py``'s ``:fp8`` configurations)."""
     mp = shardc.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     on_cpu = next(model.parameters()).device.type == "cpu"
-    policy = shardc.OffloadPolicy(simulate_on_cpu=on_cpu) if offload else None
+    policy = shardc.OffloadPolicy(params="auto" if offload == "auto" else True,
+                                  simulate_on_cpu=on_cpu) if offload else None
     shardc.shard(model, mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
                  plain_inputs=plain_inputs, offload=policy, fp8=fp8_policy() if fp8 else None)
     backend = shardc.backend(**options) if options else _shardc_backend_name()

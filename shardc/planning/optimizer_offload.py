@@ -35,9 +35,10 @@ compile time, after the other levers:
   implementation that runs there (``ClusterProfile.host_adamw_rate``: fused, or per tensor as
   torch's default steps a group holding host tensors; the option ``optimizer_impl``).
 
-Full parameter offload (``OffloadPolicy()``: shards and gradients on the host too) is not a
-lever here: it decides where the shards live at ``shardc.shard``, before any compile; a budget
-below what the optimizer's offload reaches is refused, naming it.
+Full parameter offload (shards and gradients on the host too) is not decided here: a budget
+below what the optimizer's offload reaches is refused, naming it; for a model sharded with
+``OffloadPolicy(params="auto")`` the backend then moves the shards to the host and plans the
+region again (:mod:`shardc.sharding.auto_offload`).
 """
 
 from __future__ import annotations
@@ -208,9 +209,10 @@ def refusal_hint(offloaded: bool, unavailable: str, device_floor: int | None = N
                   f"{device_floor / _MiB:.1f} MiB)" if device_floor is not None else "")
         return (" The minimum has the optimizer's state and step on the host "
                 f"(optimizer_offload){before}: to go lower, keep the parameter shards and "
-                "gradients on the host too, shardc.shard(model, mesh, "
-                "offload=shardc.OffloadPolicy()) (where shards live is decided at shardc.shard, "
-                "not by the planner).")
+                "gradients on the host too: shardc.shard(model, mesh, "
+                "offload=shardc.OffloadPolicy(params='auto')) lets the peak budget move them "
+                "there where nothing else meets it, OffloadPolicy() places them there from the "
+                "start.")
     if unavailable.startswith("optimizer_offload='never'"):
         return (" optimizer_offload='never': with 'auto' the planner may put the optimizer's "
                 "state on the host to go lower.")

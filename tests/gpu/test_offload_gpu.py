@@ -325,13 +325,16 @@ BUDGET_CFG = LlamaConfig(vocab_size=32000, dim=1024, n_layers=4, n_heads=8, ffn_
                          max_seq_len=128)
 
 
-def _budget_run(mesh, budget: int | None) -> tuple[list[float], int, object]:
-    """Train ``BUDGET_CFG`` (sharded over the one-GPU mesh, FX) under ``budget`` (None: none);
-    returns the losses, the measured peak over the steps after the first and the plan."""
+def _budget_run(mesh, budget: int | None, offload=None, inductor: bool = False,
+                seen: dict | None = None) -> tuple[list[float], int, object]:
+    """Train ``BUDGET_CFG`` (sharded over the one-GPU mesh, FX unless ``inductor``) under
+    ``budget`` (None: none), sharded with ``offload``; returns the losses, the measured peak
+    over the steps after the first and the plan; ``seen`` gets the regions compiled, whether the
+    planner moved the shards, and where they are."""
     torch.manual_seed(0)
     model = Transformer(BUDGET_CFG).cuda()
-    shardc.shard(model, mesh)
-    options = {"inductor": False}
+    shardc.shard(model, mesh, offload=offload)
+    options = {"inductor": inductor}
     if budget is not None:
         options.update(peak_memory_budget_bytes=budget, peak_memory_margin=0.0)
     forward = torch.compile(model, backend=shardc.backend(**options))
@@ -350,6 +353,13 @@ def _budget_run(mesh, budget: int | None) -> tuple[list[float], int, object]:
         torch.cuda.synchronize()
         peak = max(peak, torch.cuda.max_memory_allocated())
     plan = shardc.explain_all(model)[0]
+    if seen is not None:
+        state = shardc.shard_state(model)
+        locals_ = [p.to_local() for p in model.parameters()]
+        seen.update(regions=len(state.regions),
+                    placed=state.auto_offload is not None and state.auto_offload.placed,
+                    devices={t.device.type for t in locals_},
+                    pinned=all(t.is_pinned() for t in locals_ if t.device.type == "cpu"))
     del model, forward, opt
     torch._dynamo.reset()
     gc.collect()  # the next run's peak must not count this one's model and state
@@ -376,5 +386,30 @@ def test_peak_budget_below_the_optimizer_step_trains_with_the_state_on_the_host(
     p, o = plan.predicted, plan.budget.optimizer
     assert p.optimizer_state_bytes == (2 * (p.param_bytes - p.optimizer_host_param_bytes)
                                        if o.partial else 0), (p, o)
+    assert peak <= budget, (peak, budget, plan.predicted.peak_bytes)
+    assert losses == pytest.approx(free_losses, rel=1e-4, abs=1e-5), (losses, free_losses)
+
+
+@pytest.mark.parametrize("inductor", [False, True], ids=["fx", "inductor"])
+def test_peak_budget_below_the_device_levers_moves_the_shards_to_the_host(mesh, inductor):
+    """``OffloadPolicy(params="auto")``: a budget of 1.6x the fp32 shards' bytes is below what
+    any plan with the shards and their gradients on the GPU reaches (2x the shards and the
+    activations; the optimizer's state on the host included), and above the plan with them on
+    the host (first H200 run: the minima were 2.2-2.5x and 1.2-1.45x); the planner moves the shards, gradients and state to the
+    host (pinned) at compile time and plans the region again as ``OffloadPolicy()``. The
+    measured peak stays within the budget, and the losses match the run without a budget
+    (everything on the GPU) to fp32 rounding. Without a budget nothing moves."""
+    auto = shardc.OffloadPolicy(params="auto")
+    free_seen, seen = {}, {}
+    free_losses, _, free_plan = _budget_run(mesh, None, auto, inductor, free_seen)
+    assert not free_seen["placed"] and free_seen["devices"] == {"cuda"}, free_seen
+    budget = int(1.6 * free_plan.predicted.param_bytes)
+    losses, peak, plan = _budget_run(mesh, budget, auto, inductor, seen)
+    print(f"auto offload ({'inductor' if inductor else 'fx'}): budget {budget}, measured peak "
+          f"{peak}, predicted {plan.predicted.peak_bytes}, regions {seen['regions']}, "
+          f"losses {losses} vs {free_losses}")
+    assert seen["placed"] and seen["devices"] == {"cpu"} and seen["pinned"], seen
+    assert any("OffloadPolicy(params='auto')" in n for n in plan.notes), plan.notes
+    assert plan.predicted.peak_bytes <= budget
     assert peak <= budget, (peak, budget, plan.predicted.peak_bytes)
     assert losses == pytest.approx(free_losses, rel=1e-4, abs=1e-5), (losses, free_losses)
