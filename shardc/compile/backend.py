@@ -28,7 +28,7 @@ from shardc.compile.options import ShardcOptions
 from shardc.compile.pipeline import RegionRecord, capture_partitioned
 from shardc.ops.gather import GATHER_OP
 from shardc.ops.gather_args import GatherArgs
-from shardc.ops.offload_copy import copy_fqn, is_to_device
+from shardc.ops.offload_copy import copied_shard, copy_fqn, is_to_device_call
 from shardc.passes.body import (
     describe_body_calls,
     draws_random_numbers,
@@ -454,21 +454,28 @@ def _host_example_inputs(gm: fx.GraphModule, example_inputs: Sequence[object],
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     index = {node: i for i, node in enumerate(placeholders)}
     root = state.root()
+    found = 0
     for graph_module in gm.modules():
         if not isinstance(graph_module, fx.GraphModule):
             continue
         for node in graph_module.graph.nodes:
-            if not is_to_device(node):
+            if not is_to_device_call(node):
                 continue
-            source = _placeholder_of(node.args[0])
+            source = _placeholder_of(copied_shard(node))
             if source is None or source not in index or index[source] >= len(inputs):
                 continue
+            found += 1
             param = auto_offload.sharded_param(root, copy_fqn(node))
-            old = inputs[index[source]]
-            if getattr(old, "device", None) == param.device:
-                continue
-            inputs[index[source]] = _torch.fake_of(fake_mode, param)
-            source.meta["example_value"] = inputs[index[source]]
+            if getattr(inputs[index[source]], "device", None) != param.device:
+                inputs[index[source]] = _torch.fake_of(fake_mode, param)
+                source.meta["example_value"] = inputs[index[source]]
+    if not found:
+        # Traced again with the shards' old fakes, the region's backward would hand device
+        # gradients to host parameters (autograd refuses them deep in its engine): say so here.
+        raise RuntimeError(
+            "shardc: the peak budget moved the parameter shards to the host "
+            "(OffloadPolicy(params='auto')), but no parameter read of this region's graph "
+            "was found to trace it again with them there; shard with OffloadPolicy() instead.")
     return inputs
 
 

@@ -84,7 +84,21 @@ def is_to_host(node) -> bool:
 
 def copy_fqn(node) -> str:
     """The parameter an offload copy node moves."""
-    return node.args[1]
+    return node.args[1] if len(node.args) > 1 else node.kwargs["fqn"]
+
+
+def is_to_device_call(node) -> bool:
+    """:func:`is_to_device`, also in Dynamo's graph, where a call of the op may be recorded as
+    the op itself, its overload packet or the function ``offload_to_device`` (torch 2.11-2.13
+    differ)."""
+    if getattr(node, "op", None) != "call_function":
+        return False
+    return node.target in (TO_DEVICE_OP, TO_DEVICE_OP.overloadpacket, offload_to_device)
+
+
+def copied_shard(node):
+    """The shard argument of an ``offload_to_device`` call (positional or by keyword)."""
+    return node.args[0] if node.args else node.kwargs["shard"]
 
 
 # -- The split form the lowering uses: a copy started at the plan's issue position on a copy
