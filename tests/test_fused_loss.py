@@ -192,7 +192,11 @@ def test_parity_hugging_face_tiny_llama():
 
 # ---- patterns left alone ----
 
-@pytest.mark.parametrize("case", ["label_smoothing", "logits_returned"])
+# label_smoothing slow since s33 (suite time: 10 rank-CPU s, a foreground one-rank group): the
+# same refusal (a value of the pattern read outside it, the plan's reason) stays in
+# logits_returned.
+@pytest.mark.parametrize("case", [pytest.param("label_smoothing", marks=pytest.mark.slow),
+                                  "logits_returned"])
 def test_unsupported_patterns_are_left_alone(case):
     options = {"smoothing": 0.1} if case == "label_smoothing" else {"with_logits": True}
     run = run_ranks(w.sharded, 1, "llama", "fx", fused_loss=True, **options)[0]

@@ -14,8 +14,7 @@ from shardc.planning.cost_model import ClusterSpec
 
 # Compiled on the 2x2 mesh and on 4x1 (shard groups of one rank: the gathers and reduce-scatters
 # are elided); the all-tp mesh eagerly, to keep the tests fast.
-HSDP = [((2, 2), "eager"), ((2, 2), "fx"), ((4, 1), "eager"), ((4, 1), "fx"),
-        ((2, 2), "fx-offload")]  # CPU offload (simulated on the CPU mesh) over HSDP
+HSDP = [((2, 2), "eager"), ((2, 2), "fx"), ((4, 1), "eager"), ((4, 1), "fx")]
 # Slow (suite time; run with -m slow): their own 4-rank spawn, with the "fx" run they are
 # compared with bit for bit. Their features stay in the default suite on 1-D meshes (optimizer-
 # only offload at worlds 1-4 and plain inputs at worlds 1-2 in tests/test_parity.py; the pooled
@@ -24,7 +23,12 @@ HSDP_MORE = [((2, 2), "fx"),
              ((4, 1), "fx-nopool"),
              ((2, 2), "fx-optoffload"),  # optimizer-only offload over HSDP
              ((2, 2), "fx-offload-overlap"),  # CPU offload + shardc.step_in_backward over HSDP
-             ((2, 2), "fx-plain")]  # plain_inputs=True over HSDP
+             ((2, 2), "fx-plain"),  # plain_inputs=True over HSDP
+             # CPU offload (simulated on the CPU mesh) over HSDP. Slow since s33 (suite time:
+             # 18 rank-CPU s of the 4-rank HSDP group): compiled CPU offload over ranks stays in
+             # tests/test_parity.py ("offload" at 3, "bf16_offload" at 2), with its copies
+             # planned; the replicate all-reduce in every compiled HSDP run above.
+             ((2, 2), "fx-offload")]
 # "fx-traced": compiled with the tensor-parallel collectives kept where traced (the results must
 # be bitwise those of "fx", which moves them).
 TP = [((2, 2), "eager"), ((2, 2), "fx"), ((2, 2), "fx-traced"), ((1, 4), "eager")]
@@ -135,8 +139,8 @@ def _check_hsdp(layouts: list, results: list[list[dict]], ref: dict) -> None:
     # planned where the shards are offloaded, none for optimizer-only offload.
     modes = [m for m in ("fx-offload", "fx-optoffload", "fx-offload-overlap", "fx-plain")
              if ((2, 2), m) in layouts]
-    assert modes and ((2, 2), "fx") in layouts
-    for per_rank in results:
+    assert not modes or ((2, 2), "fx") in layouts
+    for per_rank in results if modes else ():
         fx = per_rank[layouts.index(((2, 2), "fx"))]
         for mode in modes:
             offloaded = per_rank[layouts.index(((2, 2), mode))]

@@ -118,13 +118,13 @@ SLOW = {
     "offload_activations_no_sync": (2,),
     # 18 s: offload kept gathered for the backward: tests/test_offload.py's peak budget keeps
     # offloaded buckets gathered (bitwise, no backward copies); offload here: "offload" at 1
-    # and 3, "bf16_offload" at 2, "variant_offload" at 4.
+    # and 3, "bf16_offload" at 2 ("variant_offload" at 4: slow since s33).
     "offload_no_reshard": (2,),
     # 29 s: reshard_after_forward=False with bucket_by="param": tests/test_fp8.py (world 3,
     # "fx") and tests/test_backend.py.
     "per_param": (3,),
     # 10 s: plain inputs: "plain" and "plain_blocks" at 2, "plain_eager" and "plain_bf16" at 1;
-    # tied/frozen/unused parameters: "variant" at 3 and 4 (an empty shard at 4).
+    # tied/frozen/unused parameters: "variant" at 4 (an empty shard; at 3: slow since s33).
     "plain_variant": (3,),
     # 30 s ("blocks_offload_activations"); 27 s at world 3 and 42 s at 4 (the group's CPU
     # seconds with and without it) ("offload_activations"): activation offload with blocks:
@@ -140,8 +140,10 @@ SLOW = {
     # at worlds 1 and 2 here, the planner's choice in tests/test_real_models.py.
     "checkpoint_offload_inline": (2,),
     # The combined lever with bodies at 3 and 4 ranks (uneven shards, 3 ranks): in the default
-    # suite at worlds 1 and 2 here and as the planner's choice in tests/test_real_models.py.
-    "checkpoint_offload": (3, 4),
+    # suite at world 2 here (real collectives) and as the planner's choice in
+    # tests/test_real_models.py (peak_budget_checkpoints, slow). (s33) At 1 as well (6 rank-CPU
+    # s): its checks are those at 2, which runs the same lever over real collectives.
+    "checkpoint_offload": (1, 3, 4),
     # (suite9) One module applied twice per forward: tests/test_real_models.py's "repeated"
     # (FX, world 3) and tests/test_autograd_cache.py (this model under Inductor at world 2,
     # at parity with the reference).
@@ -155,12 +157,20 @@ SLOW = {
     # optim_offload_no_sync_clip (world 3); its step at worlds 1-3 here (eager runs); the
     # host optimizer's prediction (no device state, host bytes four times the shards):
     # test_real_models' peak_budget_optimizer; tied/frozen/unused/empty-shard parameters
-    # under offload: "variant_offload" at 4.
+    # under offload: "variant_offload" at 4 (slow since s33).
     "variant_optim_offload": (4,),
     # (suite9) compile_blocks_once=False (every block inline, trained at parity):
     # tests/test_blocks.py::test_trace_once_without_reuse_hash_fn_trains_like_inline_blocks
     # (world 1, FX; no bodies, the same losses and parameters as the bodies' run).
     "blocks_inline": (1,),
+    # (s33, suite time; rank-CPU seconds of each sharded_run, summed over the ranks.)
+    # 9 s: tied, frozen and unused parameters at 3 ranks: at 4 ("variant": uneven shards of
+    # the 37- and 45-row weights, and an empty shard), and "variant_local_sgd" at 1.
+    "variant": (3,),
+    # 16 s (four ranks): CPU offload with tied, frozen and unused parameters and an empty
+    # shard; its parts stay: compiled offload over ranks ("offload" at 3, uneven;
+    # "bf16_offload" at 2), the tied/frozen/unused/empty-shard parameters at 4 ("variant").
+    "variant_offload": (4,),
 }
 # What a slow scenario is compared with (run beside it in the slow test).
 SLOW_BASES = {"offload_activations_no_sync": ("offload_activations",),

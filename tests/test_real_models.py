@@ -295,12 +295,13 @@ def test_checkpointed_blocks_with_fp8_gathered_weights(slow_runs, name):
     _check_self_comparison(slow_runs, name, compiled=not name.endswith("_eager"))
 
 
+@pytest.mark.slow  # suite time (s33): where its features stay covered: real_models.SLOW_SCENARIOS
 @pytest.mark.skipif(not HAS_TRANSFORMERS, reason="the transformers package is not installed")
-def test_hf_decoder_gradient_checkpointing_sdpa(runs):
+def test_hf_decoder_gradient_checkpointing_sdpa(slow_runs):
     """transformers' Qwen2ForCausalLM (tiny random config, attn_implementation="sdpa") after
     model.gradient_checkpointing_enable() with transformers' default keywords (use_reentrant=False
     in transformers 5.x): every decoder layer checkpointed, compiled through shardc."""
-    got = check_parity(runs, "hf_checkpoint")
+    got = check_parity(slow_runs, "hf_checkpoint")
     _check_recomputed(got, "hf_checkpoint")
     assert got[0]["use_reentrant"] is False, (
         f"transformers' default is now use_reentrant={got[0]['use_reentrant']}: update "
@@ -512,7 +513,8 @@ def _key_bias(name: str, t: torch.Tensor) -> slice | None:
     return slice(third, 2 * third)
 
 
-def test_adam_parity_and_summation_order(runs):
+@pytest.mark.slow  # suite time (s33): where its features stay covered: real_models.SLOW_SCENARIOS
+def test_adam_parity_and_summation_order(slow_runs):
     """Adam on torch's Transformer: every parameter with a real gradient within 1e-6 of the
     unsharded reference; the attention key biases (gradient zero in exact arithmetic, so Adam
     steps on rounding noise) differ by far more than 1e-5, and so does an unsharded control that
@@ -520,7 +522,7 @@ def test_adam_parity_and_summation_order(runs):
     averaged): the sharded run's deviation there is no larger than the control's, so it comes
     from the order of the sums, not from shardc (docs/support.md, optimizer tolerances)."""
     for world in _worlds("adam"):
-        got, ref, control = _run(runs, "adam", world), _reference("adam", world), \
+        got, ref, control = _run(slow_runs, "adam", world), _reference("adam", world), \
             adam_control(world)
         where = f"world {world}"
         assert got["planned"] > 0, where
@@ -577,7 +579,7 @@ def test_parameters_replaced_after_shard(runs):
     torch.nn.utils.parametrize is refused by torch (the name is taken by shardc's gathering
     property); share_memory() raises (DTensor.share_memory_ ends the process); .to("meta")
     raises naming the parameter and the mesh's device type."""
-    for world in WORLDS:
+    for world in _worlds("replaced_after_shard"):
         for result in runs[world]:
             got = result["replaced_after_shard"]
             assert "exception" not in got, got.get("exception")
@@ -697,12 +699,21 @@ def test_submesh_slice_and_opt_out_train(runs):
                                    second[name]["params"]["0.weight"])
 
 
-@pytest.mark.parametrize("scenario", ["timeout", "timeout_inductor"])
-def test_collective_timeout_names_bucket_and_position(runs, scenario):
-    """The last rank skips a step (or, under Inductor at world 3, only the step's backward): every
-    other rank's wait times out (the group's 3 s timeout) and raises shardc's CollectiveError
-    naming the collective, its bucket and its position in the plan, with FX execution of the
-    planned graphs and with Inductor's compiled code."""
+def test_collective_timeout_names_bucket_and_position(runs):
+    """The last rank skips a step: every other rank's wait times out (the group's 3 s timeout)
+    and raises shardc's CollectiveError naming the collective, its bucket and its position in
+    the plan, with FX execution of the planned graphs."""
+    _check_timeout(runs, "timeout")
+
+
+@pytest.mark.slow  # suite time (s33): where its feature stays covered: real_models.SLOW_SCENARIOS
+def test_collective_timeout_names_bucket_and_position_inductor(slow_runs):
+    """The same with Inductor's compiled code (world 3): the last rank skips only the step's
+    backward."""
+    _check_timeout(slow_runs, "timeout_inductor")
+
+
+def _check_timeout(runs, scenario: str) -> None:
     for world in _worlds(scenario):
         for rank, result in enumerate(runs[world]):
             got = result[scenario]
