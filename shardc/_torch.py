@@ -374,9 +374,28 @@ def move_dtensor_local(dtensor, local: torch.Tensor) -> None:
     dtensor._local_tensor = local
 
 
+def forget_fake(fake_mode, real: torch.Tensor) -> None:
+    """Make ``fake_mode`` fakify ``real`` anew next time: it remembers the fake it made of each
+    real tensor (``FakeTensorConverter``'s memo, private: the describer's ``lookup_tensor``,
+    the same in torch 2.11 through 2.13), with the device the tensor had then. A parameter
+    whose shard the planner moved to the host (:mod:`shardc.sharding.auto_offload`) must be
+    traced again as a host tensor."""
+    if fake_mode is None:
+        return
+    lookup = fake_mode.fake_tensor_converter.meta_converter.describer.lookup_tensor
+    if real in lookup:
+        del lookup[real]
+
+
+def is_fake(t: object) -> bool:
+    """Whether ``t`` is a fake tensor, or a DTensor over one."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor) or isinstance(getattr(t, "_local_tensor", None), FakeTensor)
+
+
 def fake_of(fake_mode, real: torch.Tensor) -> Any:
-    """``real`` as a fake tensor of ``fake_mode`` (Dynamo's: a region's example input for a
-    parameter whose shard the planner moved, :mod:`shardc.sharding.auto_offload`)."""
+    """``real`` as a fake tensor of ``fake_mode`` (Dynamo's), shapes static."""
     return fake_mode.from_tensor(real, static_shapes=True)
 
 

@@ -444,17 +444,18 @@ _PREPARED_FIELDS = ("inline_blocks", "body_calls", "sink_notes", "sunk_bodies")
 
 def _host_example_inputs(gm: fx.GraphModule, example_inputs: Sequence[object],
                          state: ShardState) -> list:
-    """``example_inputs`` with each parameter the planner moved to the host as Dynamo's fake of
-    the parameter now (a host shard): the region is traced again by AOTAutograd from them.
-    A parameter input is found as the placeholder its ``offload_to_device`` read starts from."""
+    """``example_inputs`` for the region traced again after the planner moved the parameter
+    shards to the host: each moved parameter's input (the parameter itself, as torch hands it
+    to backends, or a fake of it) fakified anew, so that AOTAutograd traces a host shard. Dynamo's
+    fake mode remembers the fake it made of the parameter, on the device: without
+    :func:`_torch.forget_fake` it hands that one back. A parameter input is found as the
+    placeholder its ``offload_to_device`` read starts from."""
     inputs = list(example_inputs)
     fake_mode = _torch.detect_fake_mode(inputs)
-    if fake_mode is None:
-        return inputs
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     index = {node: i for i, node in enumerate(placeholders)}
     root = state.root()
-    found = 0
+    moved: set[int] = set()
     for graph_module in gm.modules():
         if not isinstance(graph_module, fx.GraphModule):
             continue
@@ -464,12 +465,16 @@ def _host_example_inputs(gm: fx.GraphModule, example_inputs: Sequence[object],
             source = _placeholder_of(copied_shard(node))
             if source is None or source not in index or index[source] >= len(inputs):
                 continue
-            found += 1
+            i = index[source]
+            if i in moved:
+                continue
             param = auto_offload.sharded_param(root, copy_fqn(node))
-            if getattr(inputs[index[source]], "device", None) != param.device:
-                inputs[index[source]] = _torch.fake_of(fake_mode, param)
-                source.meta["example_value"] = inputs[index[source]]
-    if not found:
+            _torch.forget_fake(fake_mode, param)
+            if _torch.is_fake(inputs[i]):
+                inputs[i] = _torch.fake_of(fake_mode, param)
+                source.meta["example_value"] = inputs[i]
+            moved.add(i)
+    if not moved:
         # Traced again with the shards' old fakes, the region's backward would hand device
         # gradients to host parameters (autograd refuses them deep in its engine): say so here.
         raise RuntimeError(
