@@ -25,10 +25,10 @@ from torch import fx
 from shardc import _torch
 from shardc.compile import cudagraphs, pipeline, progress, warm
 from shardc.compile.options import ShardcOptions
+from shardc.compile.param_offload import host_example_inputs
 from shardc.compile.pipeline import RegionRecord, capture_partitioned
 from shardc.ops.gather import GATHER_OP
 from shardc.ops.gather_args import GatherArgs
-from shardc.ops.offload_copy import copied_shard, copy_fqn, is_to_device_call
 from shardc.passes.body import (
     describe_body_calls,
     draws_random_numbers,
@@ -418,7 +418,7 @@ def shardc_backend(
         # as a model sharded with OffloadPolicy() (shardc.sharding.auto_offload).
         first = registry.pop()
         moved = auto_offload.move_to_host(state, chosen)
-        example_inputs = _host_example_inputs(gm, example_inputs, state)
+        example_inputs = host_example_inputs(gm, example_inputs, state)
         # A new number: the planner's cross-rank exchanges are keyed by it, and the first
         # attempt's values are in the store under the old one (every rank retries alike).
         compiled = _compile_region(gm, example_inputs, opts, mode, state, clock,
@@ -440,55 +440,6 @@ def _announce(gm: fx.GraphModule, opts: ShardcOptions) -> int | None:
 
 # What _prepare_bodies records on a region (from the graph it changes).
 _PREPARED_FIELDS = ("inline_blocks", "body_calls", "sink_notes", "sunk_bodies")
-
-
-def _host_example_inputs(gm: fx.GraphModule, example_inputs: Sequence[object],
-                         state: ShardState) -> list:
-    """``example_inputs`` for the region traced again after the planner moved the parameter
-    shards to the host: each moved parameter's input (the parameter itself, as torch hands it
-    to backends, or a fake of it) fakified anew, so that AOTAutograd traces a host shard. Dynamo's
-    fake mode remembers the fake it made of the parameter, on the device: without
-    :func:`_torch.forget_fake` it hands that one back. A parameter input is found as the
-    placeholder its ``offload_to_device`` read starts from."""
-    inputs = list(example_inputs)
-    fake_mode = _torch.detect_fake_mode(inputs)
-    placeholders = list(gm.graph.find_nodes(op="placeholder"))
-    index = {node: i for i, node in enumerate(placeholders)}
-    root = state.root()
-    moved: set[int] = set()
-    for graph_module in gm.modules():
-        if not isinstance(graph_module, fx.GraphModule):
-            continue
-        for node in graph_module.graph.nodes:
-            if not is_to_device_call(node):
-                continue
-            source = _placeholder_of(copied_shard(node))
-            if source is None or source not in index or index[source] >= len(inputs):
-                continue
-            i = index[source]
-            if i in moved:
-                continue
-            param = auto_offload.sharded_param(root, copy_fqn(node))
-            _torch.forget_fake(fake_mode, param)
-            if _torch.is_fake(inputs[i]):
-                inputs[i] = _torch.fake_of(fake_mode, param)
-                source.meta["example_value"] = inputs[i]
-            moved.add(i)
-    if not moved:
-        # Traced again with the shards' old fakes, the region's backward would hand device
-        # gradients to host parameters (autograd refuses them deep in its engine): say so here.
-        raise RuntimeError(
-            "shardc: the peak budget moved the parameter shards to the host "
-            "(OffloadPolicy(params='auto')), but no parameter read of this region's graph "
-            "was found to trace it again with them there; shard with OffloadPolicy() instead.")
-    return inputs
-
-
-def _placeholder_of(node) -> fx.Node | None:
-    """The placeholder a chain of first arguments (a DTensor's ``to_local``) starts from."""
-    while isinstance(node, fx.Node) and node.op != "placeholder":
-        node = node.args[0] if node.args else None
-    return node if isinstance(node, fx.Node) else None
 
 
 def _compile_region(gm: fx.GraphModule, example_inputs: Sequence[object], opts: ShardcOptions,

@@ -395,8 +395,9 @@ def test_peak_budget_below_the_device_levers_moves_the_shards_to_the_host(mesh, 
     """``OffloadPolicy(params="auto")``: a budget of 1.6x the fp32 shards' bytes is below what
     any plan with the shards and their gradients on the GPU reaches (2x the shards and the
     activations; the optimizer's state on the host included), and above the plan with them on
-    the host (first H200 run: the minima were 2.2-2.5x and 1.2-1.45x); the planner moves the shards, gradients and state to the
-    host (pinned) at compile time and plans the region again as ``OffloadPolicy()``. The
+    the host (first H200 run: the minima were 2.2-2.5x and 1.2-1.45x); the planner moves the
+    shards, gradients and state to the host (pinned) at compile time and plans the region again
+    as ``OffloadPolicy()``. The
     measured peak stays within the budget, and the losses match the run without a budget
     (everything on the GPU) to fp32 rounding. Without a budget nothing moves."""
     auto = shardc.OffloadPolicy(params="auto")
