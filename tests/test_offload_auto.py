@@ -31,6 +31,15 @@ MODEL = "llama-wide-ffn"  # its parameters outweigh its activations (tests/parit
 AUTO = shardc.OffloadPolicy(params="auto", simulate_on_cpu=True, check_host_memory=False)
 
 
+def _budget_refusal(error: BaseException):
+    """The budget refusal (it carries ``minimum_bytes``) inside Dynamo's wrapping of ``error``."""
+    cause = error
+    while cause is not None and getattr(cause, "minimum_bytes", None) is None:
+        cause = cause.__cause__ or getattr(cause, "inner_exception", None)
+    assert cause is not None, f"not a budget refusal: {error!r}"
+    return cause
+
+
 def _refusal_minima(rank: int, world: int) -> tuple[int, int]:
     """(the feasible minimum with the shards on the device, the one with them on the host),
     from a budget of one byte."""
@@ -42,10 +51,7 @@ def _refusal_minima(rank: int, world: int) -> tuple[int, int]:
     with pytest.raises(Exception) as refused:  # noqa: PT011 - Dynamo wraps the backend's error
         llama_loss(forward(tokens[0]), targets[0]).backward()
     state = shardc.shard_state(model)
-    cause = refused.value
-    while cause is not None and getattr(cause, "minimum_bytes", None) is None:
-        cause = cause.__cause__ or getattr(cause, "inner_exception", None)
-    assert cause is not None, f"not a budget refusal: {refused.value!r}"
+    cause = _budget_refusal(refused.value)
     assert state.auto_offload.placed and "OffloadPolicy" not in str(cause), str(cause)
     return state.auto_offload.device_minimum_bytes, int(cause.minimum_bytes)
 
@@ -177,10 +183,7 @@ def _hsdp(rank: int, world: int) -> dict:
                                                           peak_memory_margin=0))
     with pytest.raises(Exception) as refused:  # noqa: PT011 - Dynamo wraps the backend's error
         llama_loss(forward(tokens[0][rows]), targets[0][rows]).backward()
-    cause = refused.value
-    while cause is not None and getattr(cause, "minimum_bytes", None) is None:
-        cause = cause.__cause__ or getattr(cause, "inner_exception", None)
-    host_min = int(cause.minimum_bytes)
+    host_min = int(_budget_refusal(refused.value).minimum_bytes)
     torch._dynamo.reset()
     model = shardc.shard(build(MODEL), mesh, offload=AUTO)
     forward = torch.compile(model, backend=shardc.backend(peak_memory_budget_bytes=host_min,

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from torch import fx
 
 from shardc import _torch
-from shardc.ops.offload_copy import copied_shard, copy_fqn, is_to_device_call
+from shardc.ops.offload_copy import copied_shard, copy_fqn, is_to_device
 from shardc.sharding import auto_offload
 
 if TYPE_CHECKING:
@@ -39,7 +39,7 @@ def host_example_inputs(gm: fx.GraphModule, example_inputs: Sequence[object],
         if not isinstance(graph_module, fx.GraphModule):
             continue
         for node in graph_module.graph.nodes:
-            if not is_to_device_call(node):
+            if not is_to_device(node):
                 continue
             source = placeholder_of(copied_shard(node))
             if source is None or source not in index or index[source] >= len(inputs):

@@ -75,7 +75,10 @@ TO_HOST_OP = torch.ops.shardc.offload_to_host.default
 
 
 def is_to_device(node) -> bool:
-    return getattr(node, "op", None) == "call_function" and node.target is TO_DEVICE_OP
+    """Whether ``node`` calls ``offload_to_device``: in AOTAutograd's graphs the op itself, in
+    Dynamo's also its overload packet or the function (torch 2.11-2.13 differ there)."""
+    return getattr(node, "op", None) == "call_function" and node.target in (
+        TO_DEVICE_OP, TO_DEVICE_OP.overloadpacket, offload_to_device)
 
 
 def is_to_host(node) -> bool:
@@ -85,15 +88,6 @@ def is_to_host(node) -> bool:
 def copy_fqn(node) -> str:
     """The parameter an offload copy node moves."""
     return node.args[1] if len(node.args) > 1 else node.kwargs["fqn"]
-
-
-def is_to_device_call(node) -> bool:
-    """:func:`is_to_device`, also in Dynamo's graph, where a call of the op may be recorded as
-    the op itself, its overload packet or the function ``offload_to_device`` (torch 2.11-2.13
-    differ)."""
-    if getattr(node, "op", None) != "call_function":
-        return False
-    return node.target in (TO_DEVICE_OP, TO_DEVICE_OP.overloadpacket, offload_to_device)
 
 
 def copied_shard(node):
