@@ -93,10 +93,14 @@ def _profile_option(meta: dict, profile: str | None) -> dict:
 def mesh_setup(meta: dict) -> PlanSetup:
     """How the GPU run trained (bf16, Inductor) on the mesh it ran on: predict_step.py's
     ``--mesh RxS`` (``mesh_shape``: HSDP, shard groups of S ranks) or ``--tp N`` (``tp``);
-    reports without them ran FSDP over every rank."""
+    reports without them ran FSDP over every rank. Its CPU offload (``--offload``,
+    ``--step-in-backward``; reports without them ran none) with torch's default AdamW, as it
+    ran (the CLI's ``--optimizer adamw``)."""
     shape = meta.get("mesh_shape")
     return PlanSetup(precision="bf16", inductor=True, tp=int(meta.get("tp") or 1),
-                     shard_size=int(shape[1]) if shape else None)
+                     shard_size=int(shape[1]) if shape else None,
+                     offload=meta.get("offload") or "none",
+                     step_in_backward=bool(meta.get("step_in_backward")), optimizer="adamw")
 
 
 @dataclass(frozen=True)

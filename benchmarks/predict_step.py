@@ -7,6 +7,8 @@ Launch with torchrun, one process per GPU (one GPU is fine)::
     torchrun --nproc-per-node 2 benchmarks/predict_step.py --device cpu --tiny   # gloo smoke run
     torchrun --nproc-per-node 2 benchmarks/predict_step.py --mesh 2x1 --configs 1b:8:4  # HSDP
     torchrun --nproc-per-node 2 benchmarks/predict_step.py --tp 2 --configs 1b:8:4      # FSDP+TP
+    torchrun --nproc-per-node 1 benchmarks/predict_step.py --offload params --step-in-backward \
+        --configs 1b:8:4                                                      # CPU offload
 
 Each configuration ``model:layers:batch[:fp8]`` (the models of ``train_bench.py``: ``1b``,
 ``wide``; sequence 2048) is built, sharded with ``MixedPrecisionPolicy(bf16, fp32)`` (and
@@ -47,6 +49,19 @@ rank and its tp group's distinct tokens. Each row names its mesh (``mesh``: ``fs
 ``hsdp 2x1``, ``hsdp 1x2``, ``fsdp 1 x tp 2``). The prediction is every region's plan, so it
 holds HSDP's replicate all-reduces and the tensor-parallel collectives the plan found in the
 traced graphs, each on its process group's lane.
+
+CPU offload: ``--offload params`` shards with ``shardc.OffloadPolicy()`` (the parameters'
+shards, gradients and optimizer state on the host; AdamW, torch's default, then steps the
+host masters per tensor), ``--offload optimizer`` with ``OffloadPolicy(params=False,
+optimizer=True)`` (state and step on the host, inside ``optimizer.step()``), and
+``--step-in-backward`` (with ``params``) overlaps each bucket's host step with the backward
+(``shardc.step_in_backward``, as ``train_bench.py``'s ``shardc-offload`` modes); on a CPU mesh
+the offload is simulated (``simulate_on_cpu``). The prediction is ``predict_step`` with
+``OptimizerSpec(offload=..., overlap=..., impl="auto")`` (the CLI's ``python -m shardc plan
+--offload ... [--step-in-backward] --optimizer adamw``) over this rank's master shard bytes.
+The measured step still holds the whole host step (``optimizer.step()`` waits for the
+overlapped buckets); with the overlap only its split moves: "fwd+bwd" then holds part of it.
+Rows and ``meta`` name the offload (``offload``, ``step_in_backward``; the row's mesh cell).
 
 The cluster profile is ``--profile`` (a preset name or a file from ``python -m shardc
 calibrate``), else the preset for this GPU. ``--refine-host`` (a profile of format 9, with a
@@ -93,6 +108,7 @@ import bench_mesh  # noqa: E402
 from train.modes import parse_peak_budget  # noqa: E402
 from train.provenance import git_describe, launch_command, nccl_version  # noqa: E402
 from train.setup import compiled_loss  # noqa: E402
+from train.shardc_mode import offload_policy  # noqa: E402
 from train.workload import build_model, model_config, synthetic_batches  # noqa: E402
 
 import shardc  # noqa: E402
@@ -103,7 +119,7 @@ from shardc.planning.host_speed import (  # noqa: E402
     with_host_speed,
 )
 from shardc.planning.profile import ClusterProfile, ProfileError, resolve_profile  # noqa: E402
-from shardc.planning.step import OptimizerSpec, predict_step  # noqa: E402
+from shardc.planning.step import OFFLOAD_MODES, OptimizerSpec, predict_step  # noqa: E402
 from shardc.tools.host_probe import agreed_host_probe  # noqa: E402
 
 # Most telling first (a --deadline-s run keeps these): 8/16 layers, wide, batch, FP8, depth.
@@ -204,9 +220,22 @@ def _args(argv=None) -> argparse.Namespace:
                         "terms rescaled by it over the profile's probe "
                         "(shardc.planning.host_speed); the profile must have a probe "
                         "(calibrated at format 9)")
+    p.add_argument("--offload", choices=OFFLOAD_MODES, default="none",
+                   help="CPU offload: params = shardc.OffloadPolicy() (the parameters' shards, "
+                        "gradients and optimizer state on the host, the optimizer stepping "
+                        "there), optimizer = OffloadPolicy(params=False, optimizer=True) (the "
+                        "optimizer's state and step on the host); simulated on a CPU mesh "
+                        "(default none)")
+    p.add_argument("--step-in-backward", action="store_true",
+                   help="with --offload params: shardc.step_in_backward, each bucket's host "
+                        "optimizer step overlapped with the rest of the backward (as "
+                        "train_bench.py's shardc-offload modes run it)")
     p.add_argument("--out", default="docs/bench")
     p.add_argument("--name", default="predict_step")
     args = p.parse_args(argv)
+    if args.step_in_backward and args.offload != "params":
+        p.error("--step-in-backward overlaps CPU offload's host step with the backward: it "
+                "needs --offload params")
     try:  # a value ShardcOptions refuses is refused here, not by every configuration's compile
         ShardcOptions(**dict(args.backend_option))
     except (TypeError, ValueError) as exc:
@@ -231,15 +260,18 @@ def _init(device_type: str) -> tuple[int, int, torch.device]:
 
 def _setup(cfg, device, mesh, fp8: bool, cluster: dict | None, blocks_once: bool = False,
            cudagraphs: bool = False, budget: str | None = None,
-           backend_options: dict[str, Any] | None = None):
+           backend_options: dict[str, Any] | None = None, offload: str = "none"):
     """The model on ``mesh`` (``bench_mesh.build_mesh``: tensor-parallel blocks first on a
     ``(dp, tp)`` mesh, as train_bench does), sharded and compiled with the shardc backend;
     ``cudagraphs``: under ``mode="reduce-overhead"``; ``budget``: ``peak_memory_budget_bytes``
-    (``"auto"`` or bytes); ``backend_options``: ``--backend-option``'s, over the others."""
+    (``"auto"`` or bytes); ``backend_options``: ``--backend-option``'s, over the others;
+    ``offload``: ``--offload``'s policy (``train.shardc_mode.offload_policy``, as
+    train_bench's shardc-offload modes shard; simulated on a CPU mesh)."""
     model = bench_mesh.parallelize_llama(build_model(cfg, device), mesh)
     mp = shardc.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     policy = shardc.Float8Policy(modules=(nn.Linear, nn.Embedding)) if fp8 else None
-    shardc.shard(model, mesh, mp_policy=mp, fp8=policy)
+    shardc.shard(model, mesh, mp_policy=mp, fp8=policy,
+                 offload=offload_policy(offload, on_cpu=device.type == "cpu"))
     options = {"cluster": cluster} if cluster else {}
     # Blocks inline (as the measured tables were made); --blocks-once measures the default.
     options["compile_blocks_once"] = blocks_once
@@ -287,8 +319,16 @@ def run_config(c: dict, args, device, mesh, cluster: dict | None, log) -> dict[s
     cfg = model_config(c["model"], seq, args.tiny, c["layers"])
     model, loss_fn = _setup(cfg, device, mesh, c["precision"] == "fp8", cluster,
                             args.blocks_once, args.cudagraphs, args.memory_budget,
-                            dict(args.backend_option))
+                            dict(args.backend_option), args.offload)
+    # torch's default AdamW: foreach on device tensors, per tensor in a group holding host
+    # tensors (CPU offload's masters), which is what the spec's impl "auto" prices.
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    # --step-in-backward: as train_bench's shardc-offload modes (train.modes). The loop is
+    # unchanged: optimizer.step() waits for the buckets the worker is still stepping and steps
+    # the rest, so the measured step (start to start) still holds the whole host step; only
+    # the split between "fwd+bwd" and "optimizer" moves (part of the step runs inside
+    # backward()).
+    overlap = shardc.step_in_backward(model, opt) if args.step_in_backward else None
     # A tp group reads one batch (its dp coordinate's); every other rank its own.
     data = synthetic_batches(args.warmup + 2 * args.steps + args.profile_steps, c["batch"], seq,
                              cfg.vocab_size, bench_mesh.data_rank(mesh, dist.get_rank()), device)
@@ -345,12 +385,12 @@ def run_config(c: dict, args, device, mesh, cluster: dict | None, log) -> dict[s
     profile = resolve_profile(cluster, torch.cuda.get_device_name(device)
                               if device.type == "cuda" else None)
     options = plans[0].options if plans else {}
-    param_bytes = sum(p.predicted.get("param_bytes", 0.0) for p in plans)
+    # The optimizer's fp32 master bytes: the plans' device shards, or with offload (masters on
+    # the host, which the plans' device memory does not count) this rank's local shards.
+    param_bytes = (sum(p.predicted.get("param_bytes", 0.0) for p in plans)
+                   if args.offload == "none" else local_shard_bytes(model))
     n_params = sum(1 for _ in model.parameters())
-    spec = OptimizerSpec(
-        param_bytes, n_params, state_factor=options.get("optimizer_state_factor", 2.0),
-        temp_factor=options.get("optimizer_temp_factor", 1.0),
-        impl=options.get("optimizer_impl", "auto"))
+    spec = optimizer_spec(args, options, param_bytes, n_params)
     step = predict_step(plans, profile, spec, cudagraphs=args.cudagraphs)
     res.update({
         "profile": profile.name,
@@ -376,8 +416,53 @@ def run_config(c: dict, args, device, mesh, cluster: dict | None, log) -> dict[s
     res["predicted_phases_ms"] = predicted_boundaries(plans, step)
     res["predicted_ms_by_category"] = predicted_by_category(
         [p.predicted.get("time_by_category_s") or {} for p in plans], step.by_category)
-    del model, loss_fn, opt, data, it, plans
+    res["predicted_optimizer"] = step.optimizer
+    res["predicted_optimizer_param_bytes"] = spec.param_bytes  # the master bytes it steps
+    res["predicted_optimizer_host_s"] = step.optimizer_host_s
+    if overlap is not None:
+        # Parameters stepped during backwards (signalled: handed over by the compiled graphs)
+        # and left to optimizer.step(), over every step run: the overlap really happened.
+        res["step_in_backward_counts"] = {"early": overlap.early, "signalled": overlap.signalled,
+                                          "late": overlap.late}
+        overlap.remove()
+    del model, loss_fn, opt, data, it, plans, overlap
     return res
+
+
+def local_shard_bytes(model: nn.Module) -> float:
+    """This rank's local shard bytes of the trained parameters (the fp32 masters the optimizer
+    steps; as ``offload_bench.py`` and the CLI planner count them)."""
+    from torch.distributed.tensor import DTensor
+
+    return float(sum((p.to_local() if isinstance(p, DTensor) else p).nbytes
+                     for p in model.parameters() if p.requires_grad))
+
+
+def optimizer_spec(args, options: dict[str, Any], param_bytes: float, n_params: int
+                   ) -> OptimizerSpec:
+    """The step's optimizer as run: torch's default ``AdamW(lr=...)`` (the plan's
+    ``optimizer_*`` options, by default the CLI's ``--optimizer adamw``: impl ``"auto"``,
+    foreach on the device, per tensor where a group holds host tensors) over ``param_bytes``
+    in ``n_params`` tensors, stepping where ``--offload`` puts it, overlapped with the backward
+    under ``--step-in-backward``."""
+    impl = options.get("optimizer_impl", "auto")
+    # As the CLI names --optimizer adamw on the device; on the host the step's report adds
+    # "torch.optim runs it per tensor".
+    name = "AdamW (foreach)" if args.offload == "none" else "AdamW (torch's default)"
+    if impl != "auto":
+        name = f"AdamW ({impl})"
+    return OptimizerSpec(
+        param_bytes, n_params, state_factor=options.get("optimizer_state_factor", 2.0),
+        temp_factor=options.get("optimizer_temp_factor", 1.0), name=name,
+        offload=args.offload, overlap=args.step_in_backward, impl=impl)
+
+
+def offload_label(offload: str | None, step_in_backward: bool = False) -> str | None:
+    """How a row or report names its CPU offload (None without: reports from before
+    ``--offload`` ran none)."""
+    if not offload or offload == "none":
+        return None
+    return f"offload {offload}" + (" + step_in_backward" if step_in_backward else "")
 
 
 def refine_host_setup(profile: ClusterProfile, device: torch.device) -> dict[str, float]:
@@ -613,13 +698,18 @@ def _err(pred, meas) -> str:
 
 def row_head(r: dict, seq: int) -> str:
     """A table row's first cells: its mesh (``bench_mesh.label``; ``–`` in reports made before
-    the rows named it), model, layers, batch x sequence."""
+    the rows named it) and CPU offload (:func:`offload_label`, where set), model, layers,
+    batch x sequence."""
     c = r["config"]
-    return (f"| {r.get('mesh') or '–'} | {c['model']} | {c['layers']} | "
+    mesh = r.get("mesh") or "–"
+    offload = offload_label(r.get("offload"), bool(r.get("step_in_backward")))
+    if offload:
+        mesh += f", {offload}"
+    return (f"| {mesh} | {c['model']} | {c['layers']} | "
             f"{c['batch']} x {c.get('seq') or seq} |")
 
 
-HEAD = "| mesh | model | layers | batch x seq |"
+HEAD = "| mesh | model | layers | batch x seq |"  # the mesh cell names the offload where set
 HEAD_ALIGN = "| --- | --- | ---: | ---: |"
 
 
@@ -633,6 +723,24 @@ def backend_options_line(meta: dict) -> list[str]:
             + ", ".join(f"`{k}={v!r}`" for k, v in sorted(options.items()))]
 
 
+def offload_lines(meta: dict) -> list[str]:
+    """The report's line on its CPU offload (none where the run had none, or ran before
+    ``--offload``)."""
+    label = offload_label(meta.get("offload"), bool(meta.get("step_in_backward")))
+    if not label:
+        return []
+    text = {"params": "`shardc.OffloadPolicy()`: the parameters' shards, gradients and "
+                      "optimizer state on the host, the optimizer stepping there",
+            "optimizer": "`shardc.OffloadPolicy(params=False, optimizer=True)`: the "
+                         "optimizer's state and step on the host, inside optimizer.step()"
+            }.get(meta["offload"], meta["offload"])
+    if meta.get("step_in_backward"):
+        text += ("; `shardc.step_in_backward`: each bucket's host step runs under the rest of "
+                 "the backward, so measured fwd+bwd holds part of the host step and "
+                 "optimizer.step() waits for the rest (the step holds all of it)")
+    return [f"- CPU offload (every row): {label}: {text}"]
+
+
 def render(report: dict) -> str:
     m = report["meta"]
     lines = [
@@ -644,8 +752,10 @@ def render(report: dict) -> str:
         f"{m['torch']}; NCCL {m['nccl']}",
         f"- cluster profile: {m['profile']}",
         *backend_options_line(m),
+        *offload_lines(m),
         f"- sequence {m['seq']} unless a row names another; {m['steps']} timed steps (median), "
-        f"{m['warmup']} warm-up; AdamW (foreach); bf16 compute, fp32 master weights and reduction",
+        f"{m['warmup']} warm-up; {m.get('optimizer') or 'AdamW (foreach)'}; bf16 compute, fp32 "
+        "master weights and reduction",
         "",
         f"{HEAD} precision | predicted step ms | measured step ms | error | "
         "pred synced step ms | synced step ms | synced error | pred fwd+bwd ms | "
@@ -827,6 +937,10 @@ def main(argv=None) -> int:
         "backend_options": dict(args.backend_option),
         "seq": args.seq or (128 if args.tiny else 2048), "steps": args.steps,
         "warmup": args.warmup,
+        # --offload (none, params, optimizer) and --step-in-backward, on every row too.
+        "offload": args.offload, "step_in_backward": args.step_in_backward,
+        "optimizer": "AdamW(lr=1e-4), torch's default implementation (foreach on device "
+                     "tensors, per tensor in a group holding host tensors)",
         # The mesh every row ran on (also each result's "mesh"); plan_vs_measured.py plans the
         # same one (mesh_shape: HSDP's (replicate, shard); tp: the tensor-parallel degree).
         "mesh": mesh_label, "mesh_shape": bench_mesh.parse_mesh(args.mesh, world),
@@ -847,9 +961,12 @@ def main(argv=None) -> int:
         dist.broadcast_object_list(late, src=0)
         if late[0]:
             report["results"].append({"config": c, "mesh": mesh_label, "status": "skipped",
+                                      "offload": args.offload,
+                                      "step_in_backward": args.step_in_backward,
                                       "reason": f"deadline {args.deadline_s:.0f}s"})
             continue
-        log(f"{c} on {mesh_label}: start")
+        label = offload_label(args.offload, args.step_in_backward)
+        log(f"{c} on {mesh_label}{', ' + label if label else ''}: start")
         t = time.perf_counter()
         try:
             res = run_config(c, args, device, mesh, cluster, log)
@@ -866,6 +983,8 @@ def main(argv=None) -> int:
             r for r in per_rank if r["status"] != "ok")
         merged["config"] = c
         merged["mesh"] = mesh_label
+        merged["offload"] = args.offload
+        merged["step_in_backward"] = args.step_in_backward
         merged["wall_s"] = time.perf_counter() - t
         durations.append(merged["wall_s"] / (c["layers"] / 8))
         report["results"].append(merged)

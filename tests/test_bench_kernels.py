@@ -173,6 +173,79 @@ def test_predict_step_mesh_flags_and_row_labels():
     assert bench_mesh.label(_Mesh((1, 2), ("dp", "tp"))) == "fsdp 1 x tp 2"
 
 
+def test_predict_step_offload_flags_make_the_policy_the_spec_and_the_row_labels():
+    """--offload / --step-in-backward: the OffloadPolicy train_bench shards with, the
+    OptimizerSpec the CLI's ``plan --offload ... --optimizer adamw`` builds (impl "auto": torch's
+    default AdamW, per tensor where a group holds host tensors), and rows, meta and the report
+    naming the offload. No process group."""
+    import torch
+
+    from benchmarks.predict_step import (  # offload_policy: train.shardc_mode's, as it shards
+        _args,
+        offload_label,
+        offload_lines,
+        offload_policy,
+        optimizer_spec,
+        row_head,
+    )
+    from shardc.tools.planner import PlanSetup
+    from shardc.tools.planner import optimizer_spec as cli_spec
+
+    plain = _args([])
+    assert (plain.offload, plain.step_in_backward) == ("none", False)
+    spec = optimizer_spec(plain, {}, 1e6, 10)
+    assert (spec.offload, spec.overlap, spec.impl, spec.param_bytes, spec.n_params) == (
+        "none", False, "auto", 1e6, 10)
+    for argv, offload, overlap in ((["--offload", "params"], "params", False),
+                                   (["--offload", "params", "--step-in-backward"], "params", True),
+                                   (["--offload", "optimizer"], "optimizer", False)):
+        args = _args(argv)
+        spec = optimizer_spec(args, {}, 4e6, 21)
+        assert (spec.offload, spec.overlap, spec.impl) == (offload, overlap, "auto")
+        assert (spec.state_factor, spec.temp_factor) == (2.0, 1.0)
+        assert spec.ran(host_in_group=True) == "per_tensor"
+        # The CLI planner's spec for the same setup (--optimizer adamw) agrees but for the name.
+        cli = PlanSetup(offload=offload, step_in_backward=overlap, optimizer="adamw")
+        torch_spec = cli_spec(torch.nn.Linear(2, 2), cli)
+        for field in ("offload", "overlap", "impl", "state_factor", "temp_factor"):
+            assert getattr(spec, field) == getattr(torch_spec, field), field
+    # A backend option's optimizer kind is what runs (and what the spec prices).
+    assert optimizer_spec(_args(["--offload", "params"]), {"optimizer_impl": "fused"}, 1.0,
+                          1).impl == "fused"
+    for bad in (["--step-in-backward"], ["--offload", "optimizer", "--step-in-backward"],
+                ["--offload", "both"]):
+        with pytest.raises(SystemExit):
+            _args(bad)
+    # The policies, as train_bench's shardc-offload modes shard (simulated on a CPU mesh).
+    assert offload_policy("none", on_cpu=True) is None and offload_policy(False, True) is None
+    full, opt_only = offload_policy("params", on_cpu=True), offload_policy("optimizer", False)
+    assert (full.params, full.optimizer, full.simulate_on_cpu) == (True, True, True)
+    assert (opt_only.params, opt_only.optimizer, opt_only.simulate_on_cpu) == (False, True, False)
+    assert offload_policy(True, on_cpu=False).params is True
+    assert offload_policy("auto", on_cpu=False).params == "auto"
+    # Rows and the report name it; reports from before --offload read as none.
+    row = {"mesh": "fsdp 1", "config": {"model": "1b", "layers": 8, "batch": 4, "seq": None}}
+    assert row_head(row, 2048) == "| fsdp 1 | 1b | 8 | 4 x 2048 |"
+    assert row_head({**row, "offload": "params", "step_in_backward": True}, 2048) == (
+        "| fsdp 1, offload params + step_in_backward | 1b | 8 | 4 x 2048 |")
+    assert row_head({**row, "offload": "optimizer"}, 2048).startswith(
+        "| fsdp 1, offload optimizer |")
+    assert offload_label("none") is None and offload_lines({}) == []
+    assert "step_in_backward" in offload_lines({"offload": "params", "step_in_backward": True})[0]
+
+
+def test_train_bench_names_the_plans_step_time_the_graphs_not_the_step():
+    """``predicted_step_time_s`` (key kept) is the plans' forward+backward graphs: the goals'
+    sentence says so and points to predict_step.py for the whole step."""
+    from benchmarks.train.goals import diagnose
+
+    lines = diagnose({"shardc": {"predicted_step_time_s": 0.126, "predicted_comm_time_s": 0.01,
+                                 "predicted_exposed_comm_s": 0.002, "n_regions": 1}})
+    line = next(x for x in lines if x.startswith("Plan prediction"))
+    assert "forward+backward graphs 126.0 ms" in line and "predict_step.py" in line
+    assert "step 126.0" not in line
+
+
 def test_predict_step_counts_the_plans_collectives_by_group():
     from benchmarks.predict_step import comm_by_group, comm_table
     from shardc.planning.plan import PLAN_VERSION, Collective, Plan
@@ -204,6 +277,10 @@ def test_plan_vs_measured_plans_the_mesh_the_gpu_run_used():
     assert (old.tp, old.shard_size, old.precision, old.inductor) == (1, None, "bf16", True)
     assert mesh_setup({"mesh_shape": [2, 1], "tp": 1}).shard_size == 1
     assert mesh_setup({"mesh_shape": None, "tp": 2}).tp == 2
+    assert (old.offload, old.step_in_backward, old.optimizer_name) == ("none", False, "adamw")
+    offloaded = mesh_setup({"offload": "params", "step_in_backward": True})
+    assert (offloaded.offload, offloaded.step_in_backward) == ("params", True)
+    assert offloaded.optimizer_name == "adamw"  # torch's default AdamW, as the run stepped
 
 
 def test_plan_vs_measured_plans_with_the_runs_budget_and_cuda_graphs():

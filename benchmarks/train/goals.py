@@ -94,8 +94,14 @@ def diagnose(results: dict[str, dict[str, Any]]) -> list[str]:
                 f"of communication buffers, compute slowed by concurrent NCCL kernels) and its "
                 f"idle time {prof['idle_ms'] - bprof['idle_ms']:+.1f} ms more.")
     if "predicted_exposed_comm_s" in sc:
+        # predicted_step_time_s is the plans' forward+backward graphs, not the whole step (no
+        # optimizer step: with CPU offload the host step is most of it); the whole step's
+        # prediction is benchmarks/predict_step.py's (shardc.planning.step.predict_step).
         lines.append(
-            f"Plan prediction: step {1e3 * sc.get('predicted_step_time_s', 0):.1f} ms, "
+            f"Plan prediction: forward+backward graphs "
+            f"{1e3 * sc.get('predicted_step_time_s', 0):.1f} ms (not the whole step: without "
+            "the optimizer step, gradient hand-off and zero_grad; benchmarks/predict_step.py "
+            "predicts the whole step), "
             f"communication {1e3 * sc.get('predicted_comm_time_s', 0):.1f} ms of which "
             f"{1e3 * sc['predicted_exposed_comm_s']:.1f} ms exposed "
             f"({sc.get('n_regions', '?')} compiled region(s)).")

@@ -22,9 +22,31 @@ from train.setup import Setup, compiled_loss
 FP8_POLICY_TEXT = "shardc.Float8Policy(modules=(nn.Linear, nn.Embedding))"
 
 
+# What ``predicted_step_time_s`` is (recorded beside it, as ``predicted_peak_kind`` is beside the
+# peak): the compiled graphs only, which a reader of "predicted step" may take for the step.
+STEP_TIME_KIND = ("forward+backward graphs only (sum of the plans' predicted.step_time_s; no "
+                  "optimizer step, gradient hand-off or zero_grad: the whole step is "
+                  "benchmarks/predict_step.py's)")
+
+
 def fp8_policy() -> shardc.Float8Policy:
     """The policy of ``--fp8``: :data:`FP8_POLICY_TEXT`."""
     return shardc.Float8Policy(modules=(nn.Linear, nn.Embedding))
+
+
+def offload_policy(offload: bool | str, on_cpu: bool) -> shardc.OffloadPolicy | None:
+    """The ``shardc.OffloadPolicy`` of a mode's ``offload``: ``True`` or ``"params"``
+    ``OffloadPolicy()`` (the parameters' shards, gradients and optimizer state on the host),
+    ``"auto"`` ``OffloadPolicy(params="auto")`` (the peak budget decides), ``"optimizer"``
+    ``OffloadPolicy(params=False, optimizer=True)`` (the optimizer's state and step only); falsy
+    or ``"none"``: None. ``on_cpu``: a CPU mesh, where offload is simulated
+    (``simulate_on_cpu``: the copies are real separate tensors, docs/offload.md)."""
+    if not offload or offload == "none":
+        return None
+    if offload not in (True, "params", "auto", "optimizer"):
+        raise ValueError(f"offload {offload!r}: use True/'params', 'auto' or 'optimizer'")
+    params: bool | str = "auto" if offload == "auto" else offload != "optimizer"
+    return shardc.OffloadPolicy(params=params, optimizer=True, simulate_on_cpu=on_cpu)
 
 
 def _shardc_backend_name() -> str:
@@ -44,13 +66,13 @@ def setup_shardc(model: Transformer, mesh, loss_in_graph: bool, compile_mode: st
     backend options; ``compile_mode``: torch.compile's ``mode``, e.g. ``"reduce-overhead"``;
     ``reshard_after_forward``, ``plain_inputs``: ``shardc.shard``'s; ``offload``: shard with
     ``shardc.OffloadPolicy()``, the parameters' shards, gradients and optimizer state on the
-    host, simulated on a CPU mesh (``"auto"``: ``OffloadPolicy(params="auto")``, where the
-    peak budget decides); ``fp8``: shard with :func:`fp8_policy`, the Linear and
+    host, simulated on a CPU mesh (:func:`offload_policy`; ``"auto"``:
+    ``OffloadPolicy(params="auto")``, where the peak budget decides; ``"optimizer"``:
+    optimizer-only offload); ``fp8``: shard with :func:`fp8_policy`, the Linear and
     Embedding weights gathered in FP8, as ``predict_step.py``'s ``:fp8`` configurations)."""
     mp = shardc.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     on_cpu = next(model.parameters()).device.type == "cpu"
-    policy = shardc.OffloadPolicy(params="auto" if offload == "auto" else True,
-                                  simulate_on_cpu=on_cpu) if offload else None
+    policy = offload_policy(offload, on_cpu)
     shardc.shard(model, mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
                  plain_inputs=plain_inputs, offload=policy, fp8=fp8_policy() if fp8 else None)
     backend = shardc.backend(**options) if options else _shardc_backend_name()
@@ -93,9 +115,15 @@ def setup_shardc(model: Transformer, mesh, loss_in_graph: bool, compile_mode: st
                 p.predicted.get("peak_comm_buffer_bytes", 0) for p in plans
             )
             out["predicted_peak_kind"] = "peak_comm_buffer_bytes (communication buffers only)"
+        # predicted_step_time_s (the key kept for recorded results): the compiled graphs'
+        # forward+backward (each plan's predicted.step_time_s), NOT the whole step: no
+        # optimizer step (a host step with CPU offload), hand-off or zero_grad. The whole step
+        # is shardc.planning.step.predict_step's, which benchmarks/predict_step.py reports.
         for key in ("exposed_comm_s", "step_time_s", "comm_time_s"):
             if plans:
                 out[f"predicted_{key}"] = sum(p.predicted.get(key, 0.0) for p in plans)
+        if plans:
+            out["predicted_step_time_kind"] = STEP_TIME_KIND
         out["_plans"] = plans  # not serialized: dumped separately by rank 0
         return out
 
