@@ -72,6 +72,25 @@ predicts every configuration with the profile's host terms rescaled to it
 so the compiled graphs' host work is priced at this host's speed too): the probe and factor in
 ``meta["host_probe"]``, the rescaled profile as ``host_profile_<name>.json`` (the prediction
 without it: plan the same runs on a CPU with the profile as calibrated, ``plan_vs_measured.py``).
+
+``--probe-host-adamw`` (with ``--offload``, or a ``--memory-budget`` that may put the
+optimizer on the host): CPU offload's host step, the largest part of an offloaded step, is
+priced at the profile's host AdamW rate (``ClusterProfile.host_adamw_rate``: per tensor, what
+torch's default AdamW runs on host tensors; fused where ``optimizer_impl`` says so), and that
+rate moves by ~30% between starts of the same H200 machine, more than the prediction's goal.
+Once at the start, before any compile (whose workers would share the host's cores), every rank
+times that implementation (``shardc.tools.host_probe.refine_host_adamw``: calibration's
+``measure_host_adamw`` on 8 tensors of 16M elements, the slowest rank's; estimated ~1.5 s
+on an H200 host, not yet timed there) on the intra-op threads its ``optimizer.step()`` will
+run on (``torch.get_num_threads()``, which on one GPU is torch's default, not necessarily
+calibration's share of the cores), and
+every configuration is predicted twice: with the profile as given (``predicted_step_s``, the
+table of record) and with the probed rate in the profile's field
+(``shardc.planning.host_speed.with_host_adamw_rate``; ``predicted_*_probed_adamw_s``). The
+compiled graphs are planned with the profile as given either way. ``meta["host_adamw_probe"]``
+holds both rates, their ratio, the threads and the probe's seconds; the report adds a table of
+the probed prediction and its error. A flag, not the default with ``--offload``: it allocates
+2 GiB of host memory and the table of record does not need it.
 Writes ``<name>.md`` and ``<name>.json`` under
 ``--out`` with the command, commit, GPU, torch version and date; ``--deadline-s`` skips the
 configurations that would not finish in time (the table says which).
@@ -118,9 +137,11 @@ from shardc.planning.host_speed import (  # noqa: E402
     require_host_probe,
     with_host_speed,
 )
+from shardc.planning.optimizer_kind import ran as optimizer_ran  # noqa: E402
 from shardc.planning.profile import ClusterProfile, ProfileError, resolve_profile  # noqa: E402
 from shardc.planning.step import OFFLOAD_MODES, OptimizerSpec, predict_step  # noqa: E402
-from shardc.tools.host_probe import agreed_host_probe  # noqa: E402
+from shardc.tools.calibrate import host_threads_per_rank  # noqa: E402
+from shardc.tools.host_probe import agreed_host_probe, refine_host_adamw  # noqa: E402
 
 # Most telling first (a --deadline-s run keeps these): 8/16 layers, wide, batch, FP8, depth.
 DEFAULT_CONFIGS = ("1b:8:4,1b:16:4,wide:8:2,1b:8:1:s8192,1b:8:2,1b:8:1,1b:8:4:fp8,1b:32:4,"
@@ -230,12 +251,20 @@ def _args(argv=None) -> argparse.Namespace:
                    help="with --offload params: shardc.step_in_backward, each bucket's host "
                         "optimizer step overlapped with the rest of the backward (as "
                         "train_bench.py's shardc-offload modes run it)")
+    p.add_argument("--probe-host-adamw", action="store_true",
+                   help="with --offload (or a --memory-budget): time the host AdamW the run "
+                        "steps with once before any compile (every rank, the slowest's) and "
+                        "predict every configuration also with that rate in place of the "
+                        "profile's (predicted_step_s stays the profile's)")
     p.add_argument("--out", default="docs/bench")
     p.add_argument("--name", default="predict_step")
     args = p.parse_args(argv)
     if args.step_in_backward and args.offload != "params":
         p.error("--step-in-backward overlaps CPU offload's host step with the backward: it "
                 "needs --offload params")
+    if args.probe_host_adamw and args.offload == "none" and args.memory_budget is None:
+        p.error("--probe-host-adamw times the host's AdamW, which prices only a host optimizer "
+                "step: it needs --offload (or a --memory-budget that may offload the optimizer)")
     try:  # a value ShardcOptions refuses is refused here, not by every configuration's compile
         ShardcOptions(**dict(args.backend_option))
     except (TypeError, ValueError) as exc:
@@ -314,7 +343,11 @@ def config_seq(c: dict, args) -> int:
     return c.get("seq") or args.seq or (128 if args.tiny else 2048)
 
 
-def run_config(c: dict, args, device, mesh, cluster: dict | None, log) -> dict[str, Any]:
+def run_config(c: dict, args, device, mesh, cluster: dict | None, log,
+               probed: ClusterProfile | None = None) -> dict[str, Any]:
+    """One configuration measured and predicted; ``probed``: the profile with the host AdamW
+    rate timed at the start (``--probe-host-adamw``), a second prediction beside the
+    profile's."""
     seq = config_seq(c, args)
     cfg = model_config(c["model"], seq, args.tiny, c["layers"])
     model, loss_fn = _setup(cfg, device, mesh, c["precision"] == "fp8", cluster,
@@ -419,6 +452,9 @@ def run_config(c: dict, args, device, mesh, cluster: dict | None, log) -> dict[s
     res["predicted_optimizer"] = step.optimizer
     res["predicted_optimizer_param_bytes"] = spec.param_bytes  # the master bytes it steps
     res["predicted_optimizer_host_s"] = step.optimizer_host_s
+    if probed is not None:
+        res.update(probed_predictions(predict_step(plans, probed, spec,
+                                                   cudagraphs=args.cudagraphs)))
     if overlap is not None:
         # Parameters stepped during backwards (signalled: handed over by the compiled graphs)
         # and left to optimizer.step(), over every step run: the overlap really happened.
@@ -463,6 +499,48 @@ def offload_label(offload: str | None, step_in_backward: bool = False) -> str | 
     if not offload or offload == "none":
         return None
     return f"offload {offload}" + (" + step_in_backward" if step_in_backward else "")
+
+
+def probed_predictions(step) -> dict[str, float]:
+    """A row's predictions with the host AdamW rate probed at the start (a
+    ``StepPrediction`` with the probed profile), under the profile's keys suffixed
+    ``_probed_adamw``."""
+    return {"predicted_step_probed_adamw_s": step.steady_s,
+            "predicted_synced_step_probed_adamw_s": step.step_s,
+            "predicted_optimizer_probed_adamw_s": step.after_s,
+            "predicted_optimizer_host_probed_adamw_s": step.optimizer_host_s}
+
+
+def probed_log(r: dict) -> str:
+    """The progress line's part for the probed prediction (empty without one)."""
+    probed = r.get("predicted_step_probed_adamw_s")
+    if probed is None:
+        return ""
+    return f"; probed AdamW: predicted {_ms(probed)} ms ({_err(probed, r['measured_step_s'])})"
+
+
+def host_adamw_ran(args) -> str:
+    """The AdamW implementation that steps host tensors in this run's prediction
+    (``OptimizerSpec.ran(host_in_group=True)`` with the backend's optimizer options,
+    ``--backend-option``'s over ``ShardcOptions``' defaults): per tensor for torch's default,
+    fused where ``optimizer_impl`` (or ``optimizer_temp_factor=0``) says so."""
+    options = ShardcOptions(**dict(args.backend_option))
+    return optimizer_ran(options.optimizer_impl, options.optimizer_temp_factor,
+                         host_in_group=True)
+
+
+def probe_host_adamw_setup(profile: ClusterProfile, args, device: torch.device
+                           ) -> tuple[ClusterProfile, dict[str, Any]]:
+    """``--probe-host-adamw`` at setup, before any compile (every rank: a collective): the
+    profile with the host AdamW rate of :func:`host_adamw_ran` timed on this process's
+    intra-op threads (those its ``optimizer.step()`` runs on), the slowest rank's
+    (``shardc.tools.host_probe.refine_host_adamw``), and ``meta["host_adamw_probe"]``: the
+    probe's report plus the rank's share of the host's cores that calibration times on
+    (``host_threads_per_rank``), for comparison."""
+    probed, info = refine_host_adamw(profile, device, host_adamw_ran(args),
+                                     threads=torch.get_num_threads())
+    return probed, {**info, "profile": profile.name,
+                    "calibration_threads": host_threads_per_rank()}
 
 
 def refine_host_setup(profile: ClusterProfile, device: torch.device) -> dict[str, float]:
@@ -789,6 +867,7 @@ def render(report: dict) -> str:
         lines += ["", f"Step error: mean |error| {statistics.fmean(errs) * 100:.1f}%, max "
                   f"{max(errs) * 100:.1f}% over {len(ok)} configuration(s); goal: within 10% "
                   "(stretch 5%)."]
+    lines += adamw_probe_table(report, m["seq"])
     lines += comm_table(report["results"], m["seq"])
     lines += category_table(report["results"], m["seq"])
     lines += phase_table(report["results"], m["seq"])
@@ -825,6 +904,37 @@ CATEGORY_COLUMNS = (
     ("optimizer", ("optimizer",), ("optimizer",)),
     ("device idle", ("launch_bound", "param_host"), ("idle",)),
 )
+
+
+def adamw_probe_table(report: dict, seq: int) -> list[str]:
+    """``--probe-host-adamw``'s section: the host AdamW rate probed at the start against the
+    profile's, and per row the step predicted with each next to the measured one (and the
+    optimizer phase: the host step's part); nothing for a report without the probe."""
+    probe = report["meta"].get("host_adamw_probe")
+    rows = [r for r in report["results"]
+            if r.get("status") == "ok" and r.get("predicted_step_probed_adamw_s")]
+    if not probe or not rows:
+        return []
+    ratio = f" (x{probe['ratio']:.3f})" if probe.get("ratio") else ""
+    lines = ["", f"Host AdamW probed at the start (`--probe-host-adamw`, {probe['ran']}, "
+             f"{probe['tensors']} x {probe['numel'] / (1 << 20):g}M elements on "
+             f"{probe['threads']} intra-op thread(s), the slowest rank's, "
+             f"{probe['probe_s']:.2f} s): "
+             f"{probe['probed_params_per_s'] / 1e9:.3f} G params/s against the profile's "
+             f"{probe['profile_params_per_s'] / 1e9:.3f}{ratio} (`{probe['field']}`). The "
+             "step predicted with each (the table above: the profile's):", "",
+             f"{HEAD} pred step ms (profile) | pred step ms (probed AdamW) | measured step ms | "
+             "error (profile) | error (probed) | pred optimizer ms (probed) | "
+             "meas optimizer ms |",
+             HEAD_ALIGN + " ---: |" * 7]
+    for r in rows:
+        probed, meas = r["predicted_step_probed_adamw_s"], r["measured_step_s"]
+        lines.append(
+            f"{row_head(r, seq)} {_ms(r['predicted_step_s'])} | {_ms(probed)} | {_ms(meas)} | "
+            f"{_err(r['predicted_step_s'], meas)} | {_err(probed, meas)} | "
+            f"{_ms(r.get('predicted_optimizer_probed_adamw_s'))} | "
+            f"{_ms(r.get('measured_optimizer_s'))} |")
+    return lines
 
 
 def comm_table(results: list[dict], seq: int) -> list[str]:
@@ -923,6 +1033,13 @@ def main(argv=None) -> int:
         # Every rank agreed on the probe, so every rank plans with the same profile.
         profile = with_host_speed(profile, host_probe["run_s"])
         cluster = profile.to_dict()
+    probed, adamw_probe = (probe_host_adamw_setup(profile, args, device)
+                           if args.probe_host_adamw else (None, None))
+    if adamw_probe is not None:
+        log(f"host AdamW ({adamw_probe['ran']}) {adamw_probe['probed_params_per_s'] / 1e9:.3f} "
+            f"G params/s on {adamw_probe['threads']} threads, profile "
+            f"{adamw_probe['profile_params_per_s'] / 1e9:.3f} (probe "
+            f"{adamw_probe['probe_s']:.2f} s)")
     meta = {
         "command": launch_command(sys.argv if argv is None
                                   else ["benchmarks/predict_step.py", *argv]),
@@ -947,6 +1064,8 @@ def main(argv=None) -> int:
         "tp": args.tp,
         # --refine-host: the probe now and the profile's, and the factor (else None).
         "host_probe": host_probe,
+        # --probe-host-adamw: the host AdamW rate now and the profile's (else None).
+        "host_adamw_probe": adamw_probe,
     }
     report: dict[str, Any] = {"meta": meta, "results": []}
     out = Path(args.out)
@@ -969,7 +1088,7 @@ def main(argv=None) -> int:
         log(f"{c} on {mesh_label}{', ' + label if label else ''}: start")
         t = time.perf_counter()
         try:
-            res = run_config(c, args, device, mesh, cluster, log)
+            res = run_config(c, args, device, mesh, cluster, log, probed)
             res["status"] = "ok"
         except Exception as exc:  # record it and go on
             res = {"status": "error", "reason": f"{type(exc).__name__}: {str(exc)[:500]}"}
@@ -994,7 +1113,8 @@ def main(argv=None) -> int:
                 f"({_err(merged['predicted_step_s'], merged['measured_step_s'])}); "
                 f"fwd+bwd {_ms(merged['predicted_fwd_bwd_s'])}/"
                 f"{_ms(merged['measured_fwd_bwd_s'])}, optimizer "
-                f"{_ms(merged['predicted_optimizer_s'])}/{_ms(merged['measured_optimizer_s'])}")
+                f"{_ms(merged['predicted_optimizer_s'])}/{_ms(merged['measured_optimizer_s'])}"
+                + probed_log(merged))
         else:
             log(f"{c}: {merged['status']}: {merged.get('reason')}")
         if rank == 0:

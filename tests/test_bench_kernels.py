@@ -234,6 +234,87 @@ def test_predict_step_offload_flags_make_the_policy_the_spec_and_the_row_labels(
     assert "step_in_backward" in offload_lines({"offload": "params", "step_in_backward": True})[0]
 
 
+def test_predict_step_probe_host_adamw_flag_the_implementation_and_the_report():
+    """--probe-host-adamw: refused where no host optimizer step is priced; the implementation
+    probed is the one the prediction prices host tensors at (per tensor for torch's default,
+    fused where the backend option says); the probe's setup on the CPU (no process group);
+    the rows' second prediction and the report's table of it. No process group."""
+    import torch
+
+    from benchmarks.predict_step import (
+        _args,
+        adamw_probe_table,
+        host_adamw_ran,
+        probe_host_adamw_setup,
+        probed_log,
+        probed_predictions,
+        render,
+    )
+    from shardc.planning.profile import resolve_profile
+
+    assert _args([]).probe_host_adamw is False
+    args = _args(["--offload", "params", "--probe-host-adamw"])
+    assert args.probe_host_adamw and host_adamw_ran(args) == "per_tensor"
+    assert _args(["--memory-budget", "auto", "--probe-host-adamw"]).probe_host_adamw
+    with pytest.raises(SystemExit):
+        _args(["--probe-host-adamw"])  # no host step to price
+    assert host_adamw_ran(_args(["--offload", "optimizer", "--probe-host-adamw",
+                                 "--backend-option", "optimizer_impl=fused"])) == "fused"
+    assert host_adamw_ran(_args(["--offload", "params", "--backend-option",
+                                 "optimizer_temp_factor=0"])) == "fused"
+    profile = resolve_profile({"profile": "h200"})
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        probed, meta = probe_host_adamw_setup(profile, args, torch.device("cpu"))
+    finally:
+        torch.set_num_threads(before)
+    assert meta["threads"] == 1 and meta["ran"] == "per_tensor" and meta["profile"] == "h200"
+    assert meta["profile_params_per_s"] == profile.host_adamw_per_tensor_params_per_s
+    assert probed.host_adamw_per_tensor_params_per_s == meta["probed_params_per_s"] > 0
+    assert probed.host_adamw_params_per_s == profile.host_adamw_params_per_s
+    assert meta["calibration_threads"] >= 1 and meta["probe_s"] >= 0
+
+    class _Step:
+        steady_s, step_s, after_s, optimizer_host_s = 0.9, 1.0, 0.7, 0.6
+
+    pred = probed_predictions(_Step())
+    assert pred == {"predicted_step_probed_adamw_s": 0.9,
+                    "predicted_synced_step_probed_adamw_s": 1.0,
+                    "predicted_optimizer_probed_adamw_s": 0.7,
+                    "predicted_optimizer_host_probed_adamw_s": 0.6}
+    row = {"status": "ok", "mesh": "fsdp 1", "offload": "params",
+           "config": {"model": "1b", "layers": 8, "batch": 4, "seq": None,
+                      "precision": "bf16"},
+           "predicted_step_s": 0.9528, "measured_step_s": 0.7527,
+           "predicted_synced_step_s": 0.9528, "predicted_fwd_bwd_s": 0.1,
+           "measured_fwd_bwd_s": 0.1, "predicted_optimizer_s": 0.85,
+           "measured_optimizer_s": 0.7265, "predicted_exposed_comm_s": 0.0, **pred}
+    probe = {"ran": "per_tensor", "field": "host_adamw_per_tensor_params_per_s",
+             "probed_params_per_s": 0.75e9, "profile_params_per_s": 0.569e9,
+             "ratio": 0.75 / 0.569, "threads": 16, "tensors": 8, "numel": 1 << 24,
+             "probe_s": 1.4}
+    meta_report = {"command": "c", "git": "g", "date": "d", "gpu": "H200", "world_size": 1,
+                   "torch": "2.11", "nccl": "2", "profile": "h200", "seq": 2048, "steps": 5,
+                   "warmup": 2, "offload": "params", "host_adamw_probe": probe}
+    report = {"meta": meta_report, "results": [row]}
+    table = adamw_probe_table(report, 2048)
+    assert "per_tensor, 8 x 16M elements on 16 intra-op thread(s)" in table[1]
+    assert "0.750 G params/s against the profile's 0.569 (x1.318)" in table[1]
+    assert table[-1] == ("| fsdp 1, offload params | 1b | 8 | 4 x 2048 | 952.8 | 900.0 | "
+                         "752.7 | +26.6% | +19.6% | 700.0 | 726.5 |")
+    assert "\n".join(table) in render(report)
+    assert probed_log(row) == "; probed AdamW: predicted 900.0 ms (+19.6%)"
+    # Reports without the probe (or rows without its prediction): no table, no log part.
+    assert adamw_probe_table({**report, "meta": {**meta_report, "host_adamw_probe": None}},
+                             2048) == []
+    plain = {k: v for k, v in row.items() if "probed" not in k}
+    assert adamw_probe_table({**report, "results": [plain]}, 2048) == []
+    assert probed_log(plain) == ""
+    assert "Host AdamW probed" not in render({"meta": {**meta_report, "host_adamw_probe": None},
+                                              "results": [plain]})
+
+
 def test_train_bench_names_the_plans_step_time_the_graphs_not_the_step():
     """``predicted_step_time_s`` (key kept) is the plans' forward+backward graphs: the goals'
     sentence says so and points to predict_step.py for the whole step."""

@@ -15,7 +15,13 @@ import torch
 from dist_utils import run_ranks
 
 from shardc.planning.estimate import optimizer_step_seconds
-from shardc.planning.host_speed import host_speed_factor, require_host_probe, with_host_speed
+from shardc.planning.host_speed import (
+    host_adamw_field,
+    host_speed_factor,
+    require_host_probe,
+    with_host_adamw_rate,
+    with_host_speed,
+)
 from shardc.planning.plan import PLAN_VERSION, Plan
 from shardc.planning.profile import (
     FIXED_FIELDS,
@@ -31,7 +37,8 @@ from shardc.planning.profile import (
     resolve_profile,
 )
 from shardc.planning.step import OptimizerSpec, predict_step
-from shardc.tools.host_probe import agreed_host_probe, measure_host_probe
+from shardc.tools import host_probe
+from shardc.tools.host_probe import agreed_host_probe, measure_host_probe, refine_host_adamw
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -176,3 +183,111 @@ def test_the_rescaled_profile_reaches_the_backend_as_the_cluster_option():
     planned at the host's speed too."""
     refined = with_host_speed(_profile(), 3e-3)
     assert resolve_profile(refined.to_dict()) == refined
+
+
+def test_with_host_adamw_rate_replaces_the_rate_that_prices_the_implementation():
+    """The run-time AdamW rate replaces the one field that prices the implementation stepping
+    host tensors (per tensor for torch's default and foreach, fused for fused) and nothing
+    else; a profile without a per-tensor rate (0: priced at the fused one over the default
+    slowdown) gets the measured one."""
+    p = _profile(host_adamw_params_per_s=4e9, host_adamw_per_tensor_params_per_s=0.6e9)
+    assert host_adamw_field("per_tensor") == host_adamw_field("foreach") == (
+        "host_adamw_per_tensor_params_per_s")
+    assert host_adamw_field("fused") == "host_adamw_params_per_s"
+    for ran, field, before in (("per_tensor", "host_adamw_per_tensor_params_per_s", 0.6e9),
+                               ("foreach", "host_adamw_per_tensor_params_per_s", 0.6e9),
+                               ("fused", "host_adamw_params_per_s", 4e9)):
+        probed = with_host_adamw_rate(p, 0.75e9, ran)
+        assert probed.host_adamw_rate(ran) == 0.75e9
+        for f in dataclasses.fields(ClusterProfile):
+            after = getattr(probed, f.name)
+            if f.name == field:
+                assert after == 0.75e9
+            elif f.name == "name":
+                assert after == f"probed+adamw {ran} 0.75e9"
+            elif f.name == "notes":
+                assert after[:-1] == p.notes and field in after[-1]
+                assert f"x{0.75e9 / before:.3f}" in after[-1]
+            else:
+                assert after == getattr(p, f.name), (ran, f.name)
+    unmeasured = _profile(host_adamw_params_per_s=3e9)  # per tensor: 3e9 / 6
+    assert unmeasured.host_adamw_rate("per_tensor") == pytest.approx(0.5e9)
+    assert with_host_adamw_rate(unmeasured, 0.7e9).host_adamw_rate("per_tensor") == 0.7e9
+    assert resolve_profile(probed.to_dict()) == probed  # a full profile: the backend takes it
+    for bad in (0.0, -1.0, math.nan, math.inf, True, "1e9"):
+        with pytest.raises(ProfileError, match="positive finite number"):
+            with_host_adamw_rate(p, bad)
+    with pytest.raises(ProfileError, match="'adam' is not one of"):
+        with_host_adamw_rate(p, 1e9, "adam")
+
+
+def test_an_offloaded_host_step_follows_the_probed_rate():
+    """CPU offload's host step is the master elements over the rate: half the rate, twice the
+    host step, the graphs unchanged."""
+    p = _profile(kernel_gpu_s=0.0, host_adamw_per_tensor_params_per_s=0.5e9)
+    spec = OptimizerSpec(param_bytes=4e9, n_params=100, offload="params")  # 1e9 masters
+    plans = [_plan(20e-3, queued=0.0, handoff=0.0)]
+    base = predict_step(plans, p, spec)
+    slower = predict_step(plans, with_host_adamw_rate(p, 0.25e9, "per_tensor"), spec)
+    assert base.graphs_s == slower.graphs_s
+    assert slower.optimizer_host_s - base.optimizer_host_s == pytest.approx(2.0, rel=1e-6)
+    assert slower.steady_s - base.steady_s == pytest.approx(2.0, rel=1e-6)
+
+
+def test_refine_host_adamw_times_the_implementation_and_agrees_on_the_slowest(monkeypatch):
+    """``refine_host_adamw``: calibration's measurement of the implementation that runs (per
+    tensor unless fused), on the given threads and the run's sizes, the smallest rate over the
+    ranks (here two stand-in ranks: an all-reduce MIN), in place of the profile's."""
+    import torch.distributed as dist
+
+    from shardc.tools import calibrate
+
+    calls = []
+
+    def fake_measure(tensors, numel, reps=3, threads=None, per_tensor=False):
+        calls.append((tensors, numel, threads, per_tensor))
+        return 0.8e9 if per_tensor else 5e9
+
+    monkeypatch.setattr(calibrate, "measure_host_adamw", fake_measure)
+    p = _profile(host_adamw_params_per_s=4e9, host_adamw_per_tensor_params_per_s=0.6e9)
+    probed, info = refine_host_adamw(p, torch.device("cpu"), threads=3)
+    assert calls == [(*calibrate.CPU_HOST_ADAMW, 3, True)]
+    assert probed.host_adamw_per_tensor_params_per_s == 0.8e9
+    assert probed.host_adamw_params_per_s == 4e9
+    assert {k: info[k] for k in ("ran", "field", "probed_params_per_s",
+                                 "profile_params_per_s", "threads", "tensors", "numel")} == {
+        "ran": "per_tensor", "field": "host_adamw_per_tensor_params_per_s",
+        "probed_params_per_s": 0.8e9, "profile_params_per_s": 0.6e9, "threads": 3,
+        "tensors": calibrate.CPU_HOST_ADAMW[0], "numel": calibrate.CPU_HOST_ADAMW[1]}
+    assert info["ratio"] == pytest.approx(0.8 / 0.6) and info["probe_s"] >= 0
+    # A CUDA device's host: the run's probe size (calibration's tensors, half as many).
+    assert host_probe.RUN_HOST_ADAMW == (8, 1 << 24)
+    assert calibrate.GPU_HOST_ADAMW[1] == host_probe.RUN_HOST_ADAMW[1]
+    calls.clear()
+    fused, info = refine_host_adamw(p, torch.device("cpu"), "fused", threads=1, size=(2, 8))
+    assert calls == [(2, 8, 1, False)] and fused.host_adamw_params_per_s == 5e9
+    assert info["field"] == "host_adamw_params_per_s" and info["ratio"] == pytest.approx(1.25)
+    with pytest.raises(ValueError, match="ran must be one of"):
+        refine_host_adamw(p, torch.device("cpu"), "auto")
+    # Two ranks: the slower host (the smaller rate) is every rank's; seconds agree on the max.
+    reduced = []
+
+    def fake_all_reduce(tensor, op=None, group=None):
+        reduced.append(op)
+        other = 0.5e9 if op == dist.ReduceOp.MIN else 9.0
+        values = [float(tensor.item()), other]
+        tensor.fill_(min(values) if op == dist.ReduceOp.MIN else max(values))
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    monkeypatch.setattr(dist, "all_reduce", fake_all_reduce)
+    probed, info = refine_host_adamw(p, torch.device("cpu"), threads=3)
+    assert info["probed_params_per_s"] == 0.5e9 == probed.host_adamw_per_tensor_params_per_s
+    assert host_probe.agree_on_slowest(2.0, torch.device("cpu"), larger_is_slower=True) == 9.0
+    assert reduced == [dist.ReduceOp.MIN, dist.ReduceOp.MAX]
+
+
+def test_the_host_adamw_probe_runs_on_the_cpu():
+    """The real measurement at the CPU size (no process group: the local value), one thread."""
+    rate = host_probe.agreed_host_adamw(torch.device("cpu"), threads=1)
+    assert math.isfinite(rate) and rate > 0

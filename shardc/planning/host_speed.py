@@ -5,6 +5,12 @@ are seconds measured on the start it was calibrated on. Calibration (profile ver
 the host-speed probe (``ClusterProfile.host_probe_s``, :mod:`shardc.tools.host_probe`); a run
 times the same probe again (:func:`shardc.tools.host_probe.agreed_host_probe`, the same value
 on every rank) and :func:`with_host_speed` multiplies every host-seconds term by the ratio.
+
+CPU offload's host step is priced at the profile's host AdamW rate
+(``ClusterProfile.host_adamw_rate``), which the probe above does not scale (host memory
+bandwidth, not the interpreter's speed) and which also moves between machine starts (one
+H200 host: ~30%): :func:`with_host_adamw_rate` puts a rate timed at run time
+(:func:`shardc.tools.host_probe.refine_host_adamw`) in its place.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from shardc.planning.optimizer_kind import RAN
 from shardc.planning.profile import HOST_SECONDS_FIELDS, ClusterProfile, ProfileError
 
 
@@ -62,4 +69,36 @@ def with_host_speed(profile: ClusterProfile, probe_s: float) -> ClusterProfile:
                                        for n, low, high in profile.host_fit_spread)
     return dataclasses.replace(profile, **changes, host_probe_s=float(probe_s),
                                name=f"{profile.name}+host x{factor:.3f}",
+                               notes=(*profile.notes, note))
+
+
+def host_adamw_field(ran: str) -> str:
+    """The profile field that prices the host AdamW implementation ``ran``
+    (:data:`shardc.planning.optimizer_kind.RAN`, as ``ClusterProfile.host_adamw_rate`` reads
+    it): ``host_adamw_params_per_s`` for ``"fused"``, ``host_adamw_per_tensor_params_per_s``
+    for the others (foreach on host tensors loops over the same per-tensor kernels)."""
+    if ran not in RAN:
+        raise ProfileError(f"shardc: host AdamW implementation {ran!r} is not one of {RAN}")
+    return "host_adamw_params_per_s" if ran == "fused" else "host_adamw_per_tensor_params_per_s"
+
+
+def with_host_adamw_rate(profile: ClusterProfile, params_per_s: float,
+                         ran: str = "per_tensor") -> ClusterProfile:
+    """``profile`` with the host AdamW rate that prices ``ran`` (:func:`host_adamw_field`) set
+    to ``params_per_s`` (a rate timed on this host, e.g. by
+    :func:`shardc.tools.host_probe.refine_host_adamw`), the name suffixed ``+adamw <ran>
+    <rate>`` and a note giving both rates. Every other term is kept (the other implementation's
+    rate too: only the one the run steps with was timed). Raises :class:`ProfileError` where
+    the rate is not a positive finite number."""
+    field = host_adamw_field(ran)
+    if isinstance(params_per_s, bool) or not isinstance(params_per_s, (int, float)) \
+            or not (math.isfinite(params_per_s) and params_per_s > 0):
+        raise ProfileError(f"shardc: host AdamW rate of {params_per_s!r} parameters/s for "
+                           f"cluster profile {profile.name!r}: it must be a positive finite "
+                           "number")
+    before = profile.host_adamw_rate(ran)
+    note = (f"{field} {params_per_s:.4g} parameters/s timed at run time ({ran}) in place of "
+            f"{before:.4g}" + (f" (x{params_per_s / before:.3f})" if before > 0 else ""))
+    return dataclasses.replace(profile, **{field: float(params_per_s)},
+                               name=f"{profile.name}+adamw {ran} {params_per_s / 1e9:.3g}e9",
                                notes=(*profile.notes, note))
