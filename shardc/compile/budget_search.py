@@ -895,12 +895,13 @@ def _free_at_some_depth(free_at: Callable[[int, int | None], MemoryBudget],
     prefetch depth) at the shallowest of ``depths`` (ascending: the depths whose fully resharded
     plan was tried, each over the budget) and, where that is refused, at each deeper one in
     turn, searched only where its fully freed plan peaks below the lowest minimum refused so
-    far (``give_up_at``: one or two trials where it does not). A deeper depth holds more
-    gathered buckets and usually peaks higher, which is why the shallowest goes first; but the
-    schedule can put the peak where a deeper one holds less, so a refusal must not name the
+    far (``give_up_at``: only its fully freed plan is tried where it does not, as fitted to
+    the host, with recompute in place of offload once). A deeper depth holds more gathered
+    buckets and usually peaks higher, which is why the shallowest goes first; but the schedule
+    can put the peak where a deeper one holds less, so a refusal must not name the
     shallowest's minimum where another depth's is lower. Returns the decisions and their
-    depth; raises the refusal that names the lowest minimum (the shallowest's on a tie). The
-    givings-up compare agreed peaks: every rank searches the same depths."""
+    depth; raises the refusal that names the lowest minimum (the shallowest's on a tie). Every
+    comparison is of agreed peaks: every rank searches the same depths."""
     refused: budget.MemoryBudgetError | None = None
     for depth in depths:
         try:
