@@ -309,6 +309,63 @@ def test_recompute_takes_the_fewest_blocks_when_estimates_are_exact():
     assert chosen == ["head"]
 
 
+def test_shorter_prefixes_walk_back_while_the_peak_falls():
+    """Every candidate freed over the budget: the ranking's prefixes one, two short of every
+    candidate are verified while each lowers the peak, at most MAX_SHORTER, stopping at one
+    that fits (budget_search.shorter_prefixes; a freed block can raise the peak)."""
+    from shardc.compile.budget_search import MAX_SHORTER, shorter_prefixes
+
+    order = recompute.rank(_blocks())  # head, layers.0 ... layers.3
+    full = 900
+
+    def walk(peaks: dict[int, int], budget_bytes: int) -> list[tuple[int, int]]:
+        calls = []
+
+        def build(names: tuple[str, ...]):
+            calls.append(names)
+            assert names == tuple(c.block for c in order[:len(names)])  # a prefix
+            return None, peaks[len(names)]
+        got = shorter_prefixes(order, full, budget_bytes, build)
+        assert len(calls) == len(got) <= MAX_SHORTER
+        return [(k, peak) for k, _, peak in got]
+
+    # Freeing each of the last two ranked raises the peak: both walked back, no third (the
+    # bound), whatever it would peak at.
+    assert walk({4: 880, 3: 870, 2: 10}, 100) == [(4, 880), (3, 870)]
+    # The first step does not lower the peak: no second.
+    assert walk({4: 905, 3: 800}, 100) == [(4, 905)]
+    # The first step fits: no second (the caller searches the prefixes below it).
+    assert walk({4: 880, 3: 870}, 890) == [(4, 880)]
+    # One candidate: no shorter prefix than every one but none (the resharded plan).
+    assert shorter_prefixes(order[:1], full, 100, lambda names: (None, 0)) == []
+
+
+def test_blocks_are_freed_at_a_deeper_depth_where_the_shallowest_is_refused():
+    """budget_search._free_at_some_depth: the shallowest depth first; a deeper one searched
+    with the lowest minimum refused so far (it gives up at or above it); the decisions of the
+    first depth that fits, else the refusal naming the lowest minimum."""
+    from shardc.compile.budget_search import _free_at_some_depth
+
+    def free(minima: dict[int, int | None], budget_bytes: int = 100):
+        asked = []
+
+        def free_at(depth: int, give_up_at: int | None):
+            asked.append((depth, give_up_at))
+            if minima[depth] is None or minima[depth] <= budget_bytes:
+                return f"fits at {depth}"
+            raise budget.refuse_below_minimum(budget_bytes, minima[depth],
+                                              Plan(PLAN_VERSION, 0, 2, {}, [], []))
+        try:
+            return _free_at_some_depth(free_at, sorted(minima)), asked
+        except MemoryBudgetError as refused:
+            return refused.minimum_bytes, asked
+
+    assert free({0: None, 1: 150}) == (("fits at 0", 0), [(0, None)])
+    assert free({0: 300, 1: 90}) == (("fits at 1", 1), [(0, None), (1, 300)])
+    assert free({0: 300, 1: 250, 2: 280}) == (250, [(0, None), (1, 300), (2, 250)])
+    assert free({0: 300, 1: 300}) == (300, [(0, None), (1, 300)])  # a tie: the shallowest's
+
+
 def test_recompute_decisions_say_why():
     from shardc.passes.recompute import Block
 
@@ -661,6 +718,16 @@ def test_refusal_names_the_offloaded_minimum():
     text = str(budget.refuse_below_minimum(1 << 20, 3 << 20, plan, recomputed=1, offloaded=3))
     assert "every block that can be recomputed (1) recomputed in the backward" in text
     assert "every block that can be offloaded (3) offloaded to host memory" in text
+
+
+def test_refusal_names_a_shorter_prefix_minimum():
+    plan = Plan(PLAN_VERSION, 3, 2, {}, [], [])
+    plan.memory_by_category = {"peak": {"graph": "backward", "position": 9,
+                                        "bytes": {"temporaries": 3 << 20}, "largest": []}}
+    text = str(budget.refuse_below_minimum(1 << 20, 3 << 20, plan, recomputed=3, left_out=1))
+    assert "every candidate block but the last 1 by the ranking freed (3 recomputed in the " \
+        "backward, 0 offloaded to host memory; freeing those too raises the peak)" in text
+    assert "every block that can be recomputed" not in text
 
 
 def test_refusal_names_the_fully_recomputed_minimum():

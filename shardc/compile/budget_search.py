@@ -98,6 +98,9 @@ class SearchRegion(Protocol):
 # Fits of the host-side levers to the host verified per lever (the fit by estimates, one
 # refit to the verified excess, the last with no room): bounded work, whatever the model.
 MAX_HOST_FITS = 3
+# Prefixes of the ranking shorter than every candidate verified where every candidate freed is
+# over the budget (shorter_prefixes): bounded work, whatever the model.
+MAX_SHORTER = 2
 
 
 class HostFullError(budget.MemoryBudgetError):
@@ -544,9 +547,10 @@ def choose_device_levers(inputs: SearchInputs, options: ShardcOptions, region: S
     """The decisions of the levers on the device for one region's joint graph (``inputs``,
     each configuration built by ``inputs.trial``): the fully resharded configuration first;
     within the budget, the greedy keeps buckets gathered; over it, every bucket kept is tried
-    once, then blocks are recomputed or their activations offloaded (refused if the fully freed
-    plan is still over the budget); a shallower prefetch depth is tried before those, and the
-    chosen configuration's depth is decided last (:func:`_choose_prefetch`). ``tag_prefix``: of
+    once, then blocks are recomputed or their activations offloaded (:func:`_free_at_some_depth`;
+    refused where no configuration tried there fits, naming the lowest peak tried); a shallower
+    prefetch depth is tried before those, and the chosen configuration's depth is decided last
+    (:func:`_choose_prefetch`). ``tag_prefix``: of
     the cross-rank exchanges' tags (each tag once per region), for a second search under other
     conditions (the optimizer's state on the host). ``step_floor_exits``: raise
     :class:`optimizer_offload.StepOverBudget` as soon as the optimizer step's peak alone is over
@@ -642,15 +646,24 @@ def choose_device_levers(inputs: SearchInputs, options: ShardcOptions, region: S
             for key, (plan_d, peak_d, _) in evaluated.items():  # the shallower depths tried
                 if not any(key[:3]) and peak_d < lowest[1]:
                     lowest = (plan_d, peak_d)
-            # Memory is short: blocks are freed at the shallowest depth tried (then one deeper
-            # is tried on the result, below).
-            current = min((k[3] for k in evaluated if not any(k[:3])), default=default_depth)
-            try:
-                decided = _recompute_under_budget(
-                    probe, blocks, user_bytes, evaluate(set(), depth=current), lowest, options,
+            # Memory is short: blocks are freed at the shallowest depth tried, then at the
+            # deeper ones where that is refused (_free_at_some_depth; one deeper is tried on
+            # the result, below).
+            depths = sorted({k[3] for k in evaluated if not any(k[:3])})
+
+            def free_at(depth: int, give_up_at: int | None) -> MemoryBudget:
+                # A deeper depth's exchanges under their own tags (each tag once per region).
+                prefix = tag_prefix if depth == depths[0] else f"{tag_prefix}depth{depth}/"
+                return _recompute_under_budget(
+                    probe, blocks, user_bytes, evaluate(set(), depth=depth), lowest, options,
                     region, lambda recomputed, offloaded: evaluate(set(), recomputed, offloaded,
-                                                                   current),
-                    tag_prefix=tag_prefix, host=host)
+                                                                   depth),
+                    tag_prefix=prefix, host=host if host is None or depth == depths[0]
+                    else replace(host, tag_prefix=f"{host.tag_prefix}depth{depth}/"),
+                    give_up_at=give_up_at)
+
+            try:
+                decided, current = _free_at_some_depth(free_at, depths)
             except budget.MemoryBudgetError as exc:
                 # The fully resharded plan's peak at the options' depth (the fixed policy's)
                 # and at each depth tried (the ranks' largest).
@@ -876,31 +889,62 @@ def _choose_prefetch(trial, base: Plan, default: int, budget_bytes: int,
                                  default, budget_bytes)
 
 
+def _free_at_some_depth(free_at: Callable[[int, int | None], MemoryBudget],
+                        depths: list[int]) -> tuple[MemoryBudget, int]:
+    """Blocks freed (``free_at(depth, give_up_at)``: :func:`_recompute_under_budget` at that
+    prefetch depth) at the shallowest of ``depths`` (ascending: the depths whose fully resharded
+    plan was tried, each over the budget) and, where that is refused, at each deeper one in
+    turn, searched only where its fully freed plan peaks below the lowest minimum refused so
+    far (``give_up_at``: only its fully freed plan is tried where it does not, as fitted to
+    the host, with recompute in place of offload once). A deeper depth holds more gathered
+    buckets and usually peaks higher, which is why the shallowest goes first; but the schedule
+    can put the peak where a deeper one holds less, so a refusal must not name the
+    shallowest's minimum where another depth's is lower. Returns the decisions and their
+    depth; raises the refusal that names the lowest minimum (the shallowest's on a tie). Every
+    comparison is of agreed peaks: every rank searches the same depths."""
+    refused: budget.MemoryBudgetError | None = None
+    for depth in depths:
+        try:
+            return free_at(depth, None if refused is None else refused.minimum_bytes), depth
+        except budget.MemoryBudgetError as exc:
+            if getattr(exc, "minimum_bytes", None) is None:  # not a budget below a minimum
+                raise
+            if refused is None or exc.minimum_bytes < refused.minimum_bytes:
+                refused = exc
+    assert refused is not None  # depths holds the options' depth at least
+    raise refused
+
+
 def _recompute_under_budget(probe: fx.GraphModule, blocks: list[Block], user_bytes: int,
                             resharded: tuple[Plan, int], lowest: tuple[Plan, int],
                             options: ShardcOptions, region: SearchRegion,
                             evaluate, tag_prefix: str = "",
-                            host: HostRoom | None = None) -> MemoryBudget:
+                            host: HostRoom | None = None,
+                            give_up_at: int | None = None) -> MemoryBudget:
     """The blocks to recompute when no configuration of the first lever fits (``resharded``:
     the fully resharded plan and its peak; ``lowest``: the lower of it and the fully kept
-    one); refuses the budget (``user_bytes``, planned for less its margin) if the fully
-    recomputed plan is still over it. ``host``: the host memory left to the offloads (None:
-    no limit): blocks and checkpoints are offloaded only while they fit it (``fit_offloads``,
-    ``fit_checkpoints``, verified on the plans every candidate freed), the others recomputed
-    or left on the device, their decisions saying why."""
+    one); refuses the budget (``user_bytes``, planned for less its margin) where neither every
+    candidate freed, nor that with the checkpoints offloaded, nor a shorter prefix of the
+    ranking (:func:`shorter_prefixes`) fits it, naming the lowest of their peaks and
+    ``lowest``'s. ``host``: the host memory left to the offloads (None: no limit): blocks and
+    checkpoints are offloaded only while they fit it (``fit_offloads``, ``fit_checkpoints``,
+    verified on the plans every candidate freed), the others recomputed or left on the
+    device, their decisions saying why. ``give_up_at``: refused at once, naming that plan,
+    where every candidate freed peaks at or above it (:func:`_free_at_some_depth`)."""
     margin = options.peak_memory_margin
     budget_bytes = budget.planned_for(user_bytes, margin)
 
     host_notes: dict[str, str] = {}  # the host levers the host could not take, and why
 
-    def refuse(peak: int, plan: Plan, cands=(), checkpoints: int = 0
+    def refuse(peak: int, plan: Plan, cands=(), checkpoints: int = 0, left_out: int = 0
                ) -> budget.MemoryBudgetError:
         cands = [c for c in cands if not is_part(c.block)]  # blocks freed whole
         offloaded = sum(1 for c in cands if c.offload)
         error = budget.refuse_below_minimum(user_bytes, peak, plan,
                                             recomputed=len(cands) - offloaded,
                                             offloaded=offloaded, margin=margin,
-                                            resharded=resharded[1], checkpoints=checkpoints)
+                                            resharded=resharded[1], checkpoints=checkpoints,
+                                            left_out=left_out)
         if host_notes:  # the minimum is the device's with what the host could take
             error.args = (f"{error.args[0]} The host could not take every offload: "
                           f"{sorted(host_notes.items())[0][1]} ({len(host_notes)} offload(s) "
@@ -965,6 +1009,11 @@ def _recompute_under_budget(probe: fx.GraphModule, blocks: list[Block], user_byt
     log.info("shardc: region %d: candidates to free (block, bytes, s, offload) %s; every one "
              "freed: peak %d B (resharded %d B)", region.index,
              [(c.block, c.nbytes, c.cost_s, c.offload) for c in cands], floor, resharded[1])
+    if give_up_at is not None and floor >= give_up_at:
+        raise refuse(floor, floor_plan, cands)  # not lower than a minimum already refused
+    # The refusals' candidates, (peak, refuse's arguments), the levers' extremes first: the
+    # lowest names the minimum (the first of equals, so a tie names what it always named).
+    refusals = [(floor, (floor, floor_plan, cands)), (lowest[1], (lowest[1], lowest[0]))]
     if floor > budget_bytes and mode != "never":
         # Every block freed is not enough: the recomputed blocks' checkpoints (what they still
         # save, their inputs) offloaded too, the fewest that fit (docs/memory_budget.md).
@@ -997,13 +1046,19 @@ def _recompute_under_budget(probe: fx.GraphModule, blocks: list[Block], user_byt
                                         checkpointed=ck_chosen, freed_peak=floor,
                                         host_notes=host_notes),
                     resharded_bytes=resharded[1])
-            if ck_floor < min(floor, lowest[1]):
-                raise refuse(ck_floor, ck_plan, cands, len(checkpoints))
-    if floor > budget_bytes:  # refused, naming the lowest peak of the levers' extremes
-        if lowest[1] < floor:
-            raise refuse(lowest[1], lowest[0])
-        raise refuse(floor, floor_plan, cands)
-    chosen, peak, _ = recompute.choose(cands, budget_bytes, resharded[1], floor,
+            refusals.append((ck_floor, (ck_floor, ck_plan, cands, len(checkpoints))))
+    searched = cands  # the candidates whose ranking's prefixes are searched
+    if floor > budget_bytes:
+        # Every candidate freed is over the budget, yet freeing the last ones ranked may raise
+        # the peak: shorter prefixes, the last tried before refusing.
+        order = recompute.rank(cands)
+        shorter = shorter_prefixes(order, floor, budget_bytes, freeing)
+        refusals += [(p, (p, plan, order[:k], 0, len(order) - k)) for k, plan, p in shorter]
+        if not shorter or shorter[-1][2] > budget_bytes:
+            raise refuse(*min(refusals, key=lambda r: r[0])[1])
+        k, floor_plan, floor = shorter[-1]
+        searched = order[:k]
+    chosen, peak, _ = recompute.choose(searched, budget_bytes, resharded[1], floor,
                                        lambda names: freeing(names)[1])
     chosen, peak = without_needless_parts(chosen, peak, budget_bytes,
                                           lambda names: freeing(names)[1])
@@ -1011,6 +1066,30 @@ def _recompute_under_budget(probe: fx.GraphModule, blocks: list[Block], user_byt
                         recompute.decisions(blocks, cands, chosen, needed=True, peak=peak,
                                             note=note, host_notes=host_notes),
                         resharded_bytes=resharded[1])
+
+
+def shorter_prefixes(order: list[recompute.RecomputeCandidate], floor: int, budget_bytes: int,
+                     build: Callable[[tuple[str, ...]], tuple[Plan, int]]
+                     ) -> list[tuple[int, Plan, int]]:
+    """Where every candidate of the ranking ``order`` freed peaks at ``floor``, over
+    ``budget_bytes``: the prefixes one, two, ... short of every candidate, each verified
+    (``build``: names -> plan and rank-uniform peak), while the one before lowered the peak and
+    none fit, at most :data:`MAX_SHORTER` of them. Freeing a candidate can raise the peak: a
+    block recomputed rebuilds its forward's activations at its backward, and the block whose
+    backward runs first holds them beside the backward's first temporaries, where saving it
+    would hold fewer (the parity llama at world 2: 373,248 B with both blocks recomputed,
+    360,960 B with the first alone). Returns (length, plan, peak) per prefix verified, longest
+    first; the last fits the budget where one does. Bounded and budget-blind (but for
+    stopping at a fit): a refusal's minimum is the same at every budget it refuses."""
+    out: list[tuple[int, Plan, int]] = []
+    last = floor
+    for k in range(len(order) - 1, max(len(order) - 1 - MAX_SHORTER, 0), -1):
+        plan, peak = build(tuple(c.block for c in order[:k]))
+        out.append((k, plan, peak))
+        if peak <= budget_bytes or peak >= last:
+            break
+        last = peak
+    return out
 
 
 def block_estimates(probe: fx.GraphModule, blocks: list[Block], group: str,

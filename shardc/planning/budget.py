@@ -177,14 +177,15 @@ def with_margin(decided: MemoryBudget, budget: int, margin: float) -> MemoryBudg
 
 def refuse_below_minimum(budget: int, minimum: int, plan: Plan, *, recomputed: int = 0,
                          offloaded: int = 0, margin: float = 0.0,
-                         resharded: int | None = None, checkpoints: int = 0
-                         ) -> MemoryBudgetError:
+                         resharded: int | None = None, checkpoints: int = 0,
+                         left_out: int = 0) -> MemoryBudgetError:
     """The error for a budget whose planned-for bytes (``budget`` less the ``margin`` for the
     prediction's error, :func:`planned_for`) are below the feasible minimum (the peak of
     ``plan``: the fully resharded plan with every one of its ``recomputed`` candidate blocks
-    recomputed (and ``checkpoints`` of them with their checkpoints offloaded) or, where lower,
-    the fully resharded or fully kept plan), naming the smallest budget accepted (the minimum
-    plus the margin) and the minimum's largest terms."""
+    recomputed (and ``checkpoints`` of them with their checkpoints offloaded), or every
+    candidate but the ``left_out`` ranked last freed, or, where lower, the fully resharded or
+    fully kept plan), naming the smallest budget accepted (the minimum plus the margin) and the
+    minimum's largest terms."""
     at = plan.memory_by_category.get("peak") or {}
     terms = sorted(((int(v), c) for c, v in (at.get("bytes") or {}).items() if v),
                    reverse=True)
@@ -203,10 +204,7 @@ def refuse_below_minimum(budget: int, minimum: int, plan: Plan, *, recomputed: i
         + (f", the minimum plus the {margin:.1%} margin" if margin > 0 else "")
         + f"). The minimum is the predicted peak of region "
         f"{plan.region} with every bucket {kept_or_resharded(plan)}{_depth(plan)}"
-        + (f" and every block that can be recomputed ({recomputed}) recomputed in the backward"
-           if recomputed else "")
-        + (f" and every block that can be offloaded ({offloaded}) offloaded to host memory"
-           if offloaded else "")
+        + _freed(recomputed, offloaded, left_out)
         + (f" and the checkpoints of those recomputed ({checkpoints}) offloaded to host memory"
            if checkpoints else "") + "; the peak is in the "
         f"{where}: {parts}" + (f"; its largest values: {largest}" if largest else "")
@@ -217,6 +215,18 @@ def refuse_below_minimum(budget: int, minimum: int, plan: Plan, *, recomputed: i
     # starts from: the minimum and the plan that makes it.
     error.minimum_bytes, error.resharded_bytes, error.plan = minimum, resharded, plan
     return error
+
+
+def _freed(recomputed: int, offloaded: int, left_out: int) -> str:
+    """The blocks the minimum's plan frees, as the refusal names them."""
+    if left_out:  # a prefix of the ranking (shardc.compile.budget_search.shorter_prefixes)
+        return (f" and every candidate block but the last {left_out} by the ranking freed "
+                f"({recomputed} recomputed in the backward, {offloaded} offloaded to host "
+                "memory; freeing those too raises the peak)")
+    return ((f" and every block that can be recomputed ({recomputed}) recomputed in the "
+             "backward" if recomputed else "")
+            + (f" and every block that can be offloaded ({offloaded}) offloaded to host memory"
+               if offloaded else ""))
 
 
 def _depth(plan: Plan) -> str:
