@@ -78,6 +78,12 @@ def _minimum_then_met(rank: int, world: int) -> dict:
             "budget": record.budget, "hash": record.hash()}
 
 
+# Slow (about 60 rank-CPU s: two compiles and every subset's trial plan at two depths): the
+# search's logic stays covered in the default tier by tests/test_budget.py's
+# test_shorter_prefixes_walk_back_while_the_peak_falls,
+# test_blocks_are_freed_at_a_deeper_depth_where_the_shallowest_is_refused and
+# test_refusal_names_a_shorter_prefix_minimum.
+@pytest.mark.slow
 def test_the_refusal_names_the_lowest_peak_and_its_budget_is_met():
     runs = run_ranks(_minimum_then_met, 2)
     got = runs[0]
