@@ -204,9 +204,9 @@ def test_block_bodies_predict_the_peak_of_inline_blocks():
     its own lifetime), so it predicts the peak and the memory by category of the same model
     with ``compile_blocks_once=False``. (It once counted the call's whole tuple of outputs, the
     saved weights included, as one value alive to the end of the forward.)"""
-    spec = parse_model_spec("llama-tiny:n_layers=2")
-    plans = {once: plan_model(spec, 1, 2, 32, {"compile_blocks_once": once}, template=False)[0]
-             for once in (True, False)}
+    from shared_plans import bodies_and_inline
+
+    plans = bodies_and_inline()  # llama-tiny, two layers, world 1 (also read by test_planner)
     assert plans[True].bodies and not plans[False].bodies
     bodies, inline = (plans[k].predicted for k in (True, False))
     for key in ("forward_peak_bytes", "backward_peak_bytes", "peak_bytes"):

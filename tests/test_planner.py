@@ -461,14 +461,12 @@ def test_model_flops_count_the_block_bodies():
     """A plan with compiled-once bodies (as under a peak budget) records each body call's FLOPs
     as its body's ops (the call itself prices none), so its model FLOPs and MFU equal those of
     the same step with blocks inline (MFU read 1.7% instead of 26% for the 1b config)."""
-    from shardc.tools.model_spec import parse_model
-    from shardc.tools.planner import capacity, plan_model_step
+    from shared_plans import bodies_and_inline
 
-    spec = parse_model("llama-tiny:n_layers=3,vocab_size=1000")
+    # llama-tiny with two layers (one body for both) at world 1, each way: the plans
+    # tests/test_memory.py compares the peaks of (made once in a session).
     flops = {}
-    for once in (True, False):
-        plan = plan_model_step(spec, 2, 2, 32, {"compile_blocks_once": once},
-                               template=False).plan
+    for once, plan in bodies_and_inline().items():
         assert any(op.target == "invoke_subgraph" for op in plan.graphs["forward"]) == once
         flops[once] = capacity(plan, 2, 32, 1e15, None).model_flops
     assert flops[True] > 0 and abs(flops[True] / flops[False] - 1) < 1e-6, flops
