@@ -19,7 +19,14 @@ from shardc.memory import breakdown
 from shardc.planning.profile import FIXED_FIELDS, PER_PARAM_FIELDS, Link, load_profile
 from shardc.tools import cli
 from shardc.tools.model_spec import ModelSpecError, fit_seq, parse_model, parse_overrides
-from shardc.tools.planner import PlanSetup, capacity, device_capacity, fmt_bytes, plan_model
+from shardc.tools.planner import (
+    PlanSetup,
+    capacity,
+    device_capacity,
+    fmt_bytes,
+    plan_model,
+    plan_model_step,
+)
 from shardc.tools.template import plan_digest
 
 GIB = 1 << 30
@@ -371,7 +378,22 @@ def _flat_profile(tmp_path):
     return flat, str(path)
 
 
-def test_cli_reports_the_whole_step_as_the_step_model_predicts_it(tmp_path, capsys):
+def _cli_planned(monkeypatch) -> list:
+    """The models ``cli.main`` plans from now on (its ``plan_model_step`` results, in order):
+    a test compares what the CLI prints with the plan it printed it for, without planning the
+    same step again."""
+    planned = []
+
+    def spy(*args, **kwargs):
+        planned.append(plan_model_step(*args, **kwargs))
+        return planned[-1]
+
+    monkeypatch.setattr(cli, "plan_model_step", spy)
+    return planned
+
+
+def test_cli_reports_the_whole_step_as_the_step_model_predicts_it(tmp_path, capsys,
+                                                                   monkeypatch):
     """``shardc plan`` prints (and writes as JSON) the whole step: the graphs, then the
     optimizer and zero_grad, exactly ``shardc.planning.step.predict_step``'s prediction for the
     plan and this rank's shards; the optimizer's device term scales with the parameters per
@@ -380,18 +402,21 @@ def test_cli_reports_the_whole_step_as_the_step_model_predicts_it(tmp_path, caps
 
     from shardc.planning.estimate import optimizer_step_seconds
     from shardc.planning.step import predict_step
-    from shardc.tools.planner import plan_model_step
 
     flat, path = _flat_profile(tmp_path)
     spec = parse_model("llama-tiny", ["n_layers=2"])
-    planned = {w: plan_model_step(spec, w, 2, 32, {"cluster": {"profile": path}},
-                                  setup=PlanSetup(inductor=False)) for w in (2, 4)}
-    steps = {w: predict_step([p.plan], flat, p.optimizer) for w, p in planned.items()}
+    cli_planned = _cli_planned(monkeypatch)
     out_json = tmp_path / "plan.json"
     assert cli.main(["plan", "llama-tiny:n_layers=2", "--world-size", "2", "--batch", "2",
                      "--seq", "32", "--fx", "--summary-only", "--profile", path,
                      "--json", str(out_json)]) == 0
     text = capsys.readouterr().out
+    # World 2: the model the CLI planned (and printed); world 4 planned here, as the CLI does.
+    (at_2,) = cli_planned
+    assert at_2.plan.world_size == 2 and at_2.plan.predicted.step_time_s > 0
+    planned = {2: at_2, 4: plan_model_step(spec, 4, 2, 32, {"cluster": {"profile": path}},
+                                           setup=PlanSetup(inductor=False))}
+    steps = {w: predict_step([p.plan], flat, p.optimizer) for w, p in planned.items()}
     row = json.loads(out_json.read_text())["worlds"][0]
     assert row["step"]["step_s"] == pytest.approx(steps[2].step_s, rel=1e-12)
     # The step training sees: back to back (never longer than from an idle device).
@@ -422,19 +447,23 @@ def test_cli_reports_the_whole_step_as_the_step_model_predicts_it(tmp_path, caps
         planned[4].optimizer.param_bytes / planned[2].optimizer.param_bytes, rel=1e-12)
 
 
-def test_offloaded_plan_prices_the_host_step_and_its_overlap(tmp_path, capsys):
+def test_offloaded_plan_prices_the_host_step_and_its_overlap(tmp_path, capsys, monkeypatch):
     """``--offload params``: the plan has the copies on the copy lane, the optimizer steps on
     the host at the profile's fused CPU AdamW rate; ``--step-in-backward`` steps buckets during
     the backward (never slower than after it, in the model)."""
     import json
 
     from shardc.planning.step import predict_step
-    from shardc.tools.planner import plan_model_step
 
     flat, path = _flat_profile(tmp_path)
-    spec = parse_model("llama-tiny", ["n_layers=2"])
-    setup = PlanSetup(inductor=False, offload="params", step_in_backward=True)
-    planned = plan_model_step(spec, 2, 2, 32, {"cluster": {"profile": path}}, setup=setup)
+    cli_planned = _cli_planned(monkeypatch)
+    out_json = tmp_path / "offload.json"
+    assert cli.main(["plan", "llama-tiny:n_layers=2", "--world-size", "2", "--batch", "2",
+                     "--seq", "32", "--fx", "--summary-only", "--profile", path,
+                     "--offload", "params", "--step-in-backward", "--json", str(out_json)]) == 0
+    text = capsys.readouterr().out
+    (planned,) = cli_planned  # the model the CLI planned and printed
+    assert planned.plan.world_size == 2
     assert {c.kind for c in planned.plan.copies} == {"h2d_copy", "d2h_copy"}
     assert planned.optimizer.offload == "params" and planned.optimizer.temp_factor == 0.0
     overlapped = predict_step([planned.plan], flat, planned.optimizer)
@@ -443,11 +472,6 @@ def test_offloaded_plan_prices_the_host_step_and_its_overlap(tmp_path, capsys):
     compute = planned.optimizer.param_bytes / 4 / flat.host_adamw_params_per_s
     assert plain.optimizer_host_s == overlapped.optimizer_host_s == pytest.approx(compute)
     assert overlapped.optimizer_device_s == 0.0 and overlapped.step_s <= plain.step_s
-    out_json = tmp_path / "offload.json"
-    assert cli.main(["plan", "llama-tiny:n_layers=2", "--world-size", "2", "--batch", "2",
-                     "--seq", "32", "--fx", "--summary-only", "--profile", path,
-                     "--offload", "params", "--step-in-backward", "--json", str(out_json)]) == 0
-    text = capsys.readouterr().out
     row = json.loads(out_json.read_text())["worlds"][0]
     assert row["step_s"] == pytest.approx(overlapped.step_s, rel=1e-12)
     assert "AdamW (fused) on the host, CPU offload overlapped" in text
@@ -484,7 +508,6 @@ def test_a_cpu_plan_counts_the_parameters_device_copies_as_a_gpu_plan_does(monke
     from shardc.memory.host import host_values
     from shardc.ops.offload_copy import COPY_START_OP
     from shardc.passes.fx_utils import view_chain_root
-    from shardc.tools.planner import plan_model_step
 
     calls = []
     predict = pipeline.predict
