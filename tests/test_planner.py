@@ -240,7 +240,7 @@ def test_overrides_parse_literals():
 @pytest.mark.skipif(sys.platform != "linux", reason="CPU shards rely on lazily committed pages")
 def test_cli_prints_the_answers_and_writes_the_stacked_plot(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    assert cli.main(["plan", "llama-tiny:n_layers=2", "--world-size", "4", "--seq", "32",
+    assert cli.main(["plan", "llama-tiny:n_layers=1", "--world-size", "4", "--seq", "32",
                      "--device", "h200", "--summary-only", "--dump", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "tokens/s per GPU" in out and "MFU" in out and "exposed communication" in out
@@ -321,7 +321,7 @@ def test_checkpointing_saves_less_and_hsdp_all_reduces():
 def test_cli_sweep_prints_a_table_and_writes_a_plot(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     plot = tmp_path / "sweep.png"
-    assert cli.main(["plan", "llama-tiny:n_layers=2", "--sweep-world", "2,8", "--seq", "32",
+    assert cli.main(["plan", "llama-tiny:n_layers=1", "--sweep-world", "2,8", "--seq", "32",
                      "--device", "1", "--fx", "--plot", str(plot)]) == 0
     out = capsys.readouterr().out.splitlines()
     header = next(i for i, line in enumerate(out) if line.split()[:2] == ["world", "step"])
@@ -331,7 +331,7 @@ def test_cli_sweep_prints_a_table_and_writes_a_plot(tmp_path, capsys):
 
 
 def _cli_step_ms(args, capsys) -> tuple[float, str]:
-    assert cli.main(["plan", "llama-tiny:n_layers=2", "--world-size", "4", "--seq", "32",
+    assert cli.main(["plan", "llama-tiny:n_layers=1", "--world-size", "4", "--seq", "32",
                      "--fx", "--summary-only", *args]) == 0
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("predicted step: "))
