@@ -313,7 +313,7 @@ def test_checkpointing_saves_less_and_hsdp_all_reduces():
     plain, checkpointed = _tiny_plan(), _plan(tiny, seq=32, checkpointing=True)
     assert _saved_at_end_of_forward(checkpointed) < _saved_at_end_of_forward(plain) / 2
     assert len(plain.graphs["backward"]) < len(checkpointed.graphs["backward"])  # recomputed
-    hsdp = _plan(tiny, world=4, seq=32, shard_size=2)
+    hsdp = _plan(parse_model("llama-tiny", ["n_layers=1"]), world=4, shard_size=2)
     assert hsdp.replicate_size == 2
     assert "all_reduce" in {c.kind for c in hsdp.collectives}
 
