@@ -147,9 +147,27 @@ def _cudagraph_fallbacks(rank: int, world: int) -> dict:
             "offload_reasons": blockers(gathers, example_inputs, fp8=False, offload=True)}
 
 
+def _structure_and_graph_break(rank: int, world: int, dump_dir: str) -> tuple[dict, dict]:
+    """Both world-2 runs of this file in one spawned group: the variant model's structure,
+    then the graph-break model (its own model and regions, after a Dynamo reset)."""
+    facts = _structure(rank, world)
+    try:
+        return facts, _graph_break(rank, world, dump_dir)
+    finally:
+        os.environ.pop("SHARDC_DUMP", None)
+
+
 @pytest.fixture(scope="module")
-def structure():
-    return run_ranks(_structure, 2)
+def structure_and_graph_break(tmp_path_factory) -> tuple[list[dict], dict, object]:
+    """(each rank's structure facts, rank 0's graph-break run, its dump directory)."""
+    dump_dir = tmp_path_factory.mktemp("graph_break")
+    runs = run_ranks(_structure_and_graph_break, 2, str(dump_dir))
+    return [facts for facts, _ in runs], runs[0][1], dump_dir
+
+
+@pytest.fixture(scope="module")
+def structure(structure_and_graph_break):
+    return structure_and_graph_break[0]
 
 
 def test_collective_counts_per_parameter(structure):
@@ -299,8 +317,8 @@ def _graph_break(rank: int, world: int, dump_dir: str) -> dict:
             "params": {n: p.full_tensor() for n, p in model.named_parameters()}}
 
 
-def test_graph_break_gives_two_planned_regions(tmp_path):
-    out = run_ranks(_graph_break, 2, str(tmp_path))[0]
+def test_graph_break_gives_two_planned_regions(structure_and_graph_break):
+    _, out, tmp_path = structure_and_graph_break
     for region in (0, 1):
         for rank in (0, 1):
             for suffix in ("plan.txt", "plan.json", "trace.json"):

@@ -41,17 +41,19 @@ def test_plan_for_a_large_world_without_gpus(tmp_path):
         assert (tmp_path / f"region0.rank0.{suffix}").exists()
 
 
-def test_plan_under_a_memory_budget_prints_the_decisions():
+def test_plan_under_a_memory_budget_prints_the_decisions(capsys):
     """``--memory-budget`` a little above the fully resharded peak (1.78 MiB here, blocks
     compiled once as under a budget the planner traces them): the planner keeps some buckets
     gathered and reshards others, and says why. Counted as requested bytes (``memory_target``
-    ``"exact"``): the CUDA count's 64 MiB of workspaces would dwarf this tiny model's peak."""
-    cmd = [sys.executable, "-m", "shardc", "plan", "llama-tiny:n_layers=3,vocab_size=1000",
-           "--world-size", "8", "--seq", "64", "--summary-only", "--memory-budget", "1.86MiB",
-           "--options", json.dumps({"memory_target": "exact"})]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = result.stdout
+    ``"exact"``): the CUDA count's 64 MiB of workspaces would dwarf this tiny model's peak.
+    In this process (``cli.main``, what ``python -m shardc`` runs: the test above runs it as a
+    command)."""
+    from shardc.tools import cli
+
+    assert cli.main(["plan", "llama-tiny:n_layers=3,vocab_size=1000", "--world-size", "8",
+                     "--seq", "64", "--summary-only", "--memory-budget", "1.86MiB",
+                     "--options", json.dumps({"memory_target": "exact"})]) == 0
+    out = capsys.readouterr().out
     assert "peak budget 1.86 MiB (1950351 B)" in out, out
     decisions = [line for line in out.splitlines() if line.startswith("  bucket ")]
     assert len(decisions) == 4, out

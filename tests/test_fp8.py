@@ -44,11 +44,31 @@ def references():
             for kind, fake, policy in keys}
 
 
+def _world_2(rank: int, world: int, checkpoint_dir: str) -> dict:
+    """Every default test's world-2 work in one spawned group (one set of rank processes, each
+    run after the other, Dynamo reset between them by each): the gathers' numerics, the
+    training runs, the FP8-only region and the checkpoint round trip."""
+    out = {"gathered": gather_numerics(rank, world)}
+    torch._dynamo.reset()
+    out["training"] = _scenarios(rank, world, SCENARIOS[2])
+    torch._dynamo.reset()
+    out["fp8_only"] = fp8_only_region(rank, world)
+    torch._dynamo.reset()
+    out["checkpoint"] = checkpoint_round_trip(rank, world, checkpoint_dir)
+    return out
+
+
 @pytest.fixture(scope="module")
-def gathered():
+def world_2(tmp_path_factory) -> list[dict]:
+    """Per rank: ``_world_2``'s results."""
+    return run_ranks(_world_2, 2, str(tmp_path_factory.mktemp("fp8") / "ckpt"))
+
+
+@pytest.fixture(scope="module")
+def gathered(world_2):
     """The probes' gathered weights on 2 ranks (eager, planned FX, Inductor) and their full
     weights: ``a`` (45 rows) and ``d`` (37) are uneven, rank 1 holds no row of ``b`` and ``e``."""
-    return run_ranks(gather_numerics, 2)
+    return [per_rank["gathered"] for per_rank in world_2]
 
 
 def _assert_reference_fake_quant(rank_out: dict, names: tuple[str, ...]) -> None:
@@ -134,33 +154,38 @@ def _check_run(run: dict, references: dict, kind: str, mode: str, policy: str,
 EMBEDDING = (("policy", "embedding"),)
 
 
+# The training runs of test_fp8_training_parity, by world size.
+SCENARIOS = {
+    1: [("llama", "eager", ())],
+    # (The default policy compiled on its own, ("llama1", "fx", ()), is left out: the
+    # EMBEDDING run gathers the same Linear weights in FP8 and adds the embedding's, and
+    # the default policy compiles in the activation-offload run below and at world 3.)
+    2: [("llama1", "eager", ()),
+        ("llama1", "eager", EMBEDDING), ("llama1", "fx", EMBEDDING),
+        ("tied", "inductor", EMBEDDING),
+        # Two FP8 blocks (inline) whose saved activations are offloaded to the host
+        # (issue 22, activation_offload=("*",)); parity below, the copies checked.
+        ("llama", "fx", (("activation_offload", ("*",)),))],
+    3: [("llama", "eager", ()),
+        # Two layers: blocks whose weights are gathered in FP8 compile inline (said in
+        # the plan), not as one body (shardc.sharding.blocks).
+        ("llama", "fx", (("reshard_after_forward", False), ("bucket_by", "param"))),
+        ("llama", "eager", EMBEDDING)],
+    4: [("llama", "eager", ()), ("tied", "eager", EMBEDDING)],
+}
+
+
 # World 3 is slow (suite time, s29): FP8 trains at 1, 2 and 4 here, and uneven FP8 shards stay
 # in test_gathered_* (2 ranks, rows of 45 and 37; one rank holds no row of two weights).
 @pytest.mark.parametrize("world", [w if w != 3 else pytest.param(3, marks=pytest.mark.slow)
                                    for w in WORLD_SIZES])
-def test_fp8_training_parity(world, references):
+def test_fp8_training_parity(world, references, request):
     """Eager at every world size; compiled (planned FX) at 2 and 3 (CPU compiles are slow).
     With FP8 embeddings too (``EMBEDDING``): eager at 3, eager and FX at 2, and a tied
     embedding/output weight beside FP8 embeddings under Inductor at 2, eager at 4."""
-    scenarios = {
-        1: [("llama", "eager", ())],
-        # (The default policy compiled on its own, ("llama1", "fx", ()), is left out: the
-        # EMBEDDING run gathers the same Linear weights in FP8 and adds the embedding's, and
-        # the default policy compiles in the activation-offload run below and at world 3.)
-        2: [("llama1", "eager", ()),
-            ("llama1", "eager", EMBEDDING), ("llama1", "fx", EMBEDDING),
-            ("tied", "inductor", EMBEDDING),
-            # Two FP8 blocks (inline) whose saved activations are offloaded to the host
-            # (issue 22, activation_offload=("*",)); parity below, the copies checked.
-            ("llama", "fx", (("activation_offload", ("*",)),))],
-        3: [("llama", "eager", ()),
-            # Two layers: blocks whose weights are gathered in FP8 compile inline (said in
-            # the plan), not as one body (shardc.sharding.blocks).
-            ("llama", "fx", (("reshard_after_forward", False), ("bucket_by", "param"))),
-            ("llama", "eager", EMBEDDING)],
-        4: [("llama", "eager", ()), ("tied", "eager", EMBEDDING)],
-    }[world]
-    results = run_ranks(_scenarios, world, scenarios)[0]
+    scenarios = SCENARIOS[world]
+    results = (request.getfixturevalue("world_2")[0]["training"] if world == 2
+               else run_ranks(_scenarios, world, scenarios)[0])
     for (kind, mode, options), run in zip(scenarios, results):
         policy = dict(options).get("policy", "linear")
         _check_run(run, references, kind, mode, policy,
@@ -264,13 +289,13 @@ def _check_plan(plan, policy: str, kind: str = "llama1") -> None:
     assert "float8_e4m3fn" in text
 
 
-def test_region_of_fp8_weights_only_is_planned():
+def test_region_of_fp8_weights_only_is_planned(world_2):
     """A region whose sharded parameters are all FP8 weights (no bias, no norm: TE's bias-less
     ``te.Linear`` alone) is planned like any other: its gathers are float8 collectives of the
     plan, its amax all-reduce merged, and it trains like eager. (Its gathers sit inside the
     FP8 ``autograd.Function``'s subgraph, where the backend once did not look, compiling the
     region like an unsharded graph.)"""
-    for rank_out in run_ranks(fp8_only_region, 2):
+    for rank_out in (per_rank["fp8_only"] for per_rank in world_2):
         eager, fx = rank_out["eager"], rank_out["fx"]
         assert fx["regions"] == 1, fx
         assert {p for _, params in fx["gathers"] for p in params} == {"0.weight", "2.weight"}
@@ -280,8 +305,8 @@ def test_region_of_fp8_weights_only_is_planned():
         assert torch.equal(eager["losses"], fx["losses"])
 
 
-def test_checkpoint_holds_high_precision(tmp_path):
-    out = run_ranks(checkpoint_round_trip, 2, str(tmp_path / "ckpt"))
+def test_checkpoint_holds_high_precision(world_2):
+    out = [per_rank["checkpoint"] for per_rank in world_2]
     for rank_out in out:
         assert set(rank_out["dtypes"].values()) == {torch.float32}
         assert rank_out["optim_dtypes"] == ["torch.float32"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 import torch
 from dist_utils import run_ranks
 from torch import nn
@@ -76,8 +77,19 @@ def _census(rank: int, world: int, depth: int) -> dict:
     }
 
 
-def test_layout_check_and_parameter_reads_cost_guards_independent_of_block_depth():
-    shallow, deep = (run_ranks(_census, 1, depth)[0] for depth in (1, 3))
+def _censuses(rank: int, world: int) -> dict:
+    """Both tests' censuses in one spawned process (each traced after a Dynamo reset)."""
+    return {"shallow": _census(rank, world, 1), "deep": _census(rank, world, 3),
+            "llama": _llama_aliasing(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def censuses() -> dict:
+    return run_ranks(_censuses, 1)[0]
+
+
+def test_layout_check_and_parameter_reads_cost_guards_independent_of_block_depth(censuses):
+    shallow, deep = censuses["shallow"], censuses["deep"]
     for census in (shallow, deep):
         assert census["groups"] == [tuple(f"blocks.{i}" for i in range(BLOCKS))], census
         # The layout check: no guard on the record, one per block on its key.
@@ -119,12 +131,12 @@ def _llama_aliasing(rank: int, world: int) -> dict:
             "sync_mode": [t for t in guards if "_MODES[" in t]}
 
 
-def test_parameter_reads_share_the_sync_mode_without_aliasing_checks():
+def test_parameter_reads_share_the_sync_mode_without_aliasing_checks(censuses):
     """Every parameter read consults the model's gradient-sync mode. Read from the state each
     read's closure held, Dynamo checked at every call that all those closures hold the same
     object (one Python ``is`` per parameter: 146 at 16 layers); read through the store's key
     (``shardc.runtime.grad_sync.sync_mode``) it guards the mode once."""
-    census = run_ranks(_llama_aliasing, 1)[0]
+    census = censuses["llama"]
     assert census["params"] > 10, census
     assert census["closure_aliasing"] == [], census["closure_aliasing"][:3]
     assert len(census["sync_mode"]) >= 1, census

@@ -19,7 +19,14 @@ from shardc.memory import breakdown
 from shardc.planning.profile import FIXED_FIELDS, PER_PARAM_FIELDS, Link, load_profile
 from shardc.tools import cli
 from shardc.tools.model_spec import ModelSpecError, fit_seq, parse_model, parse_overrides
-from shardc.tools.planner import PlanSetup, capacity, device_capacity, fmt_bytes, plan_model
+from shardc.tools.planner import (
+    PlanSetup,
+    capacity,
+    device_capacity,
+    fmt_bytes,
+    plan_model,
+    plan_model_step,
+)
 from shardc.tools.template import plan_digest
 
 GIB = 1 << 30
@@ -233,7 +240,7 @@ def test_overrides_parse_literals():
 @pytest.mark.skipif(sys.platform != "linux", reason="CPU shards rely on lazily committed pages")
 def test_cli_prints_the_answers_and_writes_the_stacked_plot(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    assert cli.main(["plan", "llama-tiny:n_layers=2", "--world-size", "4", "--seq", "32",
+    assert cli.main(["plan", "llama-tiny:n_layers=1", "--world-size", "4", "--seq", "32",
                      "--device", "h200", "--summary-only", "--dump", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "tokens/s per GPU" in out and "MFU" in out and "exposed communication" in out
@@ -306,7 +313,7 @@ def test_checkpointing_saves_less_and_hsdp_all_reduces():
     plain, checkpointed = _tiny_plan(), _plan(tiny, seq=32, checkpointing=True)
     assert _saved_at_end_of_forward(checkpointed) < _saved_at_end_of_forward(plain) / 2
     assert len(plain.graphs["backward"]) < len(checkpointed.graphs["backward"])  # recomputed
-    hsdp = _plan(tiny, world=4, seq=32, shard_size=2)
+    hsdp = _plan(parse_model("llama-tiny", ["n_layers=1"]), world=4, shard_size=2)
     assert hsdp.replicate_size == 2
     assert "all_reduce" in {c.kind for c in hsdp.collectives}
 
@@ -314,7 +321,7 @@ def test_checkpointing_saves_less_and_hsdp_all_reduces():
 def test_cli_sweep_prints_a_table_and_writes_a_plot(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     plot = tmp_path / "sweep.png"
-    assert cli.main(["plan", "llama-tiny:n_layers=2", "--sweep-world", "2,8", "--seq", "32",
+    assert cli.main(["plan", "llama-tiny:n_layers=1", "--sweep-world", "2,8", "--seq", "32",
                      "--device", "1", "--fx", "--plot", str(plot)]) == 0
     out = capsys.readouterr().out.splitlines()
     header = next(i for i, line in enumerate(out) if line.split()[:2] == ["world", "step"])
@@ -324,7 +331,7 @@ def test_cli_sweep_prints_a_table_and_writes_a_plot(tmp_path, capsys):
 
 
 def _cli_step_ms(args, capsys) -> tuple[float, str]:
-    assert cli.main(["plan", "llama-tiny:n_layers=2", "--world-size", "4", "--seq", "32",
+    assert cli.main(["plan", "llama-tiny:n_layers=1", "--world-size", "4", "--seq", "32",
                      "--fx", "--summary-only", *args]) == 0
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("predicted step: "))
@@ -371,7 +378,22 @@ def _flat_profile(tmp_path):
     return flat, str(path)
 
 
-def test_cli_reports_the_whole_step_as_the_step_model_predicts_it(tmp_path, capsys):
+def _cli_planned(monkeypatch) -> list:
+    """The models ``cli.main`` plans from now on (its ``plan_model_step`` results, in order):
+    a test compares what the CLI prints with the plan it printed it for, without planning the
+    same step again."""
+    planned = []
+
+    def spy(*args, **kwargs):
+        planned.append(plan_model_step(*args, **kwargs))
+        return planned[-1]
+
+    monkeypatch.setattr(cli, "plan_model_step", spy)
+    return planned
+
+
+def test_cli_reports_the_whole_step_as_the_step_model_predicts_it(tmp_path, capsys,
+                                                                   monkeypatch):
     """``shardc plan`` prints (and writes as JSON) the whole step: the graphs, then the
     optimizer and zero_grad, exactly ``shardc.planning.step.predict_step``'s prediction for the
     plan and this rank's shards; the optimizer's device term scales with the parameters per
@@ -380,18 +402,21 @@ def test_cli_reports_the_whole_step_as_the_step_model_predicts_it(tmp_path, caps
 
     from shardc.planning.estimate import optimizer_step_seconds
     from shardc.planning.step import predict_step
-    from shardc.tools.planner import plan_model_step
 
     flat, path = _flat_profile(tmp_path)
     spec = parse_model("llama-tiny", ["n_layers=2"])
-    planned = {w: plan_model_step(spec, w, 2, 32, {"cluster": {"profile": path}},
-                                  setup=PlanSetup(inductor=False)) for w in (2, 4)}
-    steps = {w: predict_step([p.plan], flat, p.optimizer) for w, p in planned.items()}
+    cli_planned = _cli_planned(monkeypatch)
     out_json = tmp_path / "plan.json"
     assert cli.main(["plan", "llama-tiny:n_layers=2", "--world-size", "2", "--batch", "2",
                      "--seq", "32", "--fx", "--summary-only", "--profile", path,
                      "--json", str(out_json)]) == 0
     text = capsys.readouterr().out
+    # World 2: the model the CLI planned (and printed); world 4 planned here, as the CLI does.
+    (at_2,) = cli_planned
+    assert at_2.plan.world_size == 2 and at_2.plan.predicted.step_time_s > 0
+    planned = {2: at_2, 4: plan_model_step(spec, 4, 2, 32, {"cluster": {"profile": path}},
+                                           setup=PlanSetup(inductor=False))}
+    steps = {w: predict_step([p.plan], flat, p.optimizer) for w, p in planned.items()}
     row = json.loads(out_json.read_text())["worlds"][0]
     assert row["step"]["step_s"] == pytest.approx(steps[2].step_s, rel=1e-12)
     # The step training sees: back to back (never longer than from an idle device).
@@ -422,19 +447,23 @@ def test_cli_reports_the_whole_step_as_the_step_model_predicts_it(tmp_path, caps
         planned[4].optimizer.param_bytes / planned[2].optimizer.param_bytes, rel=1e-12)
 
 
-def test_offloaded_plan_prices_the_host_step_and_its_overlap(tmp_path, capsys):
+def test_offloaded_plan_prices_the_host_step_and_its_overlap(tmp_path, capsys, monkeypatch):
     """``--offload params``: the plan has the copies on the copy lane, the optimizer steps on
     the host at the profile's fused CPU AdamW rate; ``--step-in-backward`` steps buckets during
     the backward (never slower than after it, in the model)."""
     import json
 
     from shardc.planning.step import predict_step
-    from shardc.tools.planner import plan_model_step
 
     flat, path = _flat_profile(tmp_path)
-    spec = parse_model("llama-tiny", ["n_layers=2"])
-    setup = PlanSetup(inductor=False, offload="params", step_in_backward=True)
-    planned = plan_model_step(spec, 2, 2, 32, {"cluster": {"profile": path}}, setup=setup)
+    cli_planned = _cli_planned(monkeypatch)
+    out_json = tmp_path / "offload.json"
+    assert cli.main(["plan", "llama-tiny:n_layers=2", "--world-size", "2", "--batch", "2",
+                     "--seq", "32", "--fx", "--summary-only", "--profile", path,
+                     "--offload", "params", "--step-in-backward", "--json", str(out_json)]) == 0
+    text = capsys.readouterr().out
+    (planned,) = cli_planned  # the model the CLI planned and printed
+    assert planned.plan.world_size == 2
     assert {c.kind for c in planned.plan.copies} == {"h2d_copy", "d2h_copy"}
     assert planned.optimizer.offload == "params" and planned.optimizer.temp_factor == 0.0
     overlapped = predict_step([planned.plan], flat, planned.optimizer)
@@ -443,11 +472,6 @@ def test_offloaded_plan_prices_the_host_step_and_its_overlap(tmp_path, capsys):
     compute = planned.optimizer.param_bytes / 4 / flat.host_adamw_params_per_s
     assert plain.optimizer_host_s == overlapped.optimizer_host_s == pytest.approx(compute)
     assert overlapped.optimizer_device_s == 0.0 and overlapped.step_s <= plain.step_s
-    out_json = tmp_path / "offload.json"
-    assert cli.main(["plan", "llama-tiny:n_layers=2", "--world-size", "2", "--batch", "2",
-                     "--seq", "32", "--fx", "--summary-only", "--profile", path,
-                     "--offload", "params", "--step-in-backward", "--json", str(out_json)]) == 0
-    text = capsys.readouterr().out
     row = json.loads(out_json.read_text())["worlds"][0]
     assert row["step_s"] == pytest.approx(overlapped.step_s, rel=1e-12)
     assert "AdamW (fused) on the host, CPU offload overlapped" in text
@@ -461,14 +485,12 @@ def test_model_flops_count_the_block_bodies():
     """A plan with compiled-once bodies (as under a peak budget) records each body call's FLOPs
     as its body's ops (the call itself prices none), so its model FLOPs and MFU equal those of
     the same step with blocks inline (MFU read 1.7% instead of 26% for the 1b config)."""
-    from shardc.tools.model_spec import parse_model
-    from shardc.tools.planner import capacity, plan_model_step
+    from shared_plans import bodies_and_inline
 
-    spec = parse_model("llama-tiny:n_layers=3,vocab_size=1000")
+    # llama-tiny with two layers (one body for both) at world 1, each way: the plans
+    # tests/test_memory.py compares the peaks of (made once in a session).
     flops = {}
-    for once in (True, False):
-        plan = plan_model_step(spec, 2, 2, 32, {"compile_blocks_once": once},
-                               template=False).plan
+    for once, plan in bodies_and_inline().items():
         assert any(op.target == "invoke_subgraph" for op in plan.graphs["forward"]) == once
         flops[once] = capacity(plan, 2, 32, 1e15, None).model_flops
     assert flops[True] > 0 and abs(flops[True] / flops[False] - 1) < 1e-6, flops
@@ -486,7 +508,6 @@ def test_a_cpu_plan_counts_the_parameters_device_copies_as_a_gpu_plan_does(monke
     from shardc.memory.host import host_values
     from shardc.ops.offload_copy import COPY_START_OP
     from shardc.passes.fx_utils import view_chain_root
-    from shardc.tools.planner import plan_model_step
 
     calls = []
     predict = pipeline.predict

@@ -154,10 +154,24 @@ def _named(args: str, names) -> set[str]:
     return {n for n in names if re.search(rf"\b{n}\b", args)}
 
 
+def _world_1(rank: int, world: int) -> dict:
+    """Both default tests' one-rank runs in one spawned process: the Inductor run, then the
+    fallback runs (each after a Dynamo reset; the fallback's log handler added after the
+    Inductor run)."""
+    return {"inductor": _inductor_run(rank, world), "fallback": _fallback_run(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def world_1() -> dict:
+    return run_ranks(_world_1, 1)[0]
+
+
 # World 2 (real collectives, uneven shards under Inductor): about twice world 1's time.
 @pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.slow)])
-def test_sunk_bodies_under_inductor_fuse_the_add_into_the_next_norm(world, references):
-    run = run_ranks(_inductor_run, world)[0]
+def test_sunk_bodies_under_inductor_fuse_the_add_into_the_next_norm(world, references,
+                                                                     request):
+    run = (request.getfixturevalue("world_1")["inductor"] if world == 1
+           else run_ranks(_inductor_run, world)[0])
     assert_parity(run, references["llama"], tol=1e-5)
     region = run["regions"][0]
     assert region["bodies"] == [("subgraph_0", ("layers.0", "layers.1"), 1)]
@@ -302,8 +316,8 @@ def _fallback_run(rank: int, world: int) -> dict:
     return out
 
 
-def test_non_matching_blocks_keep_their_calls_with_the_reason_logged_once():
-    run = run_ranks(_fallback_run, 1)[0]
+def test_non_matching_blocks_keep_their_calls_with_the_reason_logged_once(world_1):
+    run = world_1["fallback"]
     for name in ("accumulating", "tapped"):
         for got, expected in run[name]["losses"]:
             assert got == pytest.approx(expected, rel=1e-6), (name, run[name]["losses"])
