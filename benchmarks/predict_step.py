@@ -79,7 +79,7 @@ priced at the profile's host AdamW rate (``ClusterProfile.host_adamw_rate``: per
 torch's default AdamW runs on host tensors; fused where ``optimizer_impl`` says so), and that
 rate moves by ~30% between starts of the same H200 machine, more than the prediction's goal.
 Once at the start, before any compile (whose workers would share the host's cores), every rank
-times that implementation (``shardc.tools.host_probe.refine_host_adamw``: calibration's
+times that implementation (``shardc.tools.host_adamw_probe.refine_host_adamw``: calibration's
 ``measure_host_adamw`` on 8 tensors of 16M elements, the slowest rank's; estimated ~1.5 s
 on an H200 host, not yet timed there) on the intra-op threads its ``optimizer.step()`` will
 run on (``torch.get_num_threads()``, which on one GPU is torch's default, not necessarily
@@ -141,7 +141,8 @@ from shardc.planning.optimizer_kind import ran as optimizer_ran  # noqa: E402
 from shardc.planning.profile import ClusterProfile, ProfileError, resolve_profile  # noqa: E402
 from shardc.planning.step import OFFLOAD_MODES, OptimizerSpec, predict_step  # noqa: E402
 from shardc.tools.calibrate import host_threads_per_rank  # noqa: E402
-from shardc.tools.host_probe import agreed_host_probe, refine_host_adamw  # noqa: E402
+from shardc.tools.host_adamw_probe import refine_host_adamw  # noqa: E402
+from shardc.tools.host_probe import agreed_host_probe  # noqa: E402
 
 # Most telling first (a --deadline-s run keeps these): 8/16 layers, wide, batch, FP8, depth.
 DEFAULT_CONFIGS = ("1b:8:4,1b:16:4,wide:8:2,1b:8:1:s8192,1b:8:2,1b:8:1,1b:8:4:fp8,1b:32:4,"
@@ -534,7 +535,7 @@ def probe_host_adamw_setup(profile: ClusterProfile, args, device: torch.device
     """``--probe-host-adamw`` at setup, before any compile (every rank: a collective): the
     profile with the host AdamW rate of :func:`host_adamw_ran` timed on this process's
     intra-op threads (those its ``optimizer.step()`` runs on), the slowest rank's
-    (``shardc.tools.host_probe.refine_host_adamw``), and ``meta["host_adamw_probe"]``: the
+    (``shardc.tools.host_adamw_probe.refine_host_adamw``), and ``meta["host_adamw_probe"]``: the
     probe's report plus the rank's share of the host's cores that calibration times on
     (``host_threads_per_rank``), for comparison."""
     probed, info = refine_host_adamw(profile, device, host_adamw_ran(args),

@@ -37,8 +37,9 @@ from shardc.planning.profile import (
     resolve_profile,
 )
 from shardc.planning.step import OptimizerSpec, predict_step
-from shardc.tools import host_probe
-from shardc.tools.host_probe import agreed_host_probe, measure_host_probe, refine_host_adamw
+from shardc.tools import host_adamw_probe, host_probe
+from shardc.tools.host_adamw_probe import refine_host_adamw
+from shardc.tools.host_probe import agreed_host_probe, measure_host_probe
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -261,8 +262,8 @@ def test_refine_host_adamw_times_the_implementation_and_agrees_on_the_slowest(mo
         "tensors": calibrate.CPU_HOST_ADAMW[0], "numel": calibrate.CPU_HOST_ADAMW[1]}
     assert info["ratio"] == pytest.approx(0.8 / 0.6) and info["probe_s"] >= 0
     # A CUDA device's host: the run's probe size (calibration's tensors, half as many).
-    assert host_probe.RUN_HOST_ADAMW == (8, 1 << 24)
-    assert calibrate.GPU_HOST_ADAMW[1] == host_probe.RUN_HOST_ADAMW[1]
+    assert host_adamw_probe.RUN_HOST_ADAMW == (8, 1 << 24)
+    assert calibrate.GPU_HOST_ADAMW[1] == host_adamw_probe.RUN_HOST_ADAMW[1]
     calls.clear()
     fused, info = refine_host_adamw(p, torch.device("cpu"), "fused", threads=1, size=(2, 8))
     assert calls == [(2, 8, 1, False)] and fused.host_adamw_params_per_s == 5e9
@@ -289,5 +290,5 @@ def test_refine_host_adamw_times_the_implementation_and_agrees_on_the_slowest(mo
 
 def test_the_host_adamw_probe_runs_on_the_cpu():
     """The real measurement at the CPU size (no process group: the local value), one thread."""
-    rate = host_probe.agreed_host_adamw(torch.device("cpu"), threads=1)
+    rate = host_adamw_probe.agreed_host_adamw(torch.device("cpu"), threads=1)
     assert math.isfinite(rate) and rate > 0

@@ -10,7 +10,7 @@ CPU offload's host step is priced at the profile's host AdamW rate
 (``ClusterProfile.host_adamw_rate``), which the probe above does not scale (host memory
 bandwidth, not the interpreter's speed) and which also moves between machine starts (one
 H200 host: ~30%): :func:`with_host_adamw_rate` puts a rate timed at run time
-(:func:`shardc.tools.host_probe.refine_host_adamw`) in its place.
+(:func:`shardc.tools.host_adamw_probe.refine_host_adamw`) in its place.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def with_host_adamw_rate(profile: ClusterProfile, params_per_s: float,
                          ran: str = "per_tensor") -> ClusterProfile:
     """``profile`` with the host AdamW rate that prices ``ran`` (:func:`host_adamw_field`) set
     to ``params_per_s`` (a rate timed on this host, e.g. by
-    :func:`shardc.tools.host_probe.refine_host_adamw`), the name suffixed ``+adamw <ran>
+    :func:`shardc.tools.host_adamw_probe.refine_host_adamw`), the name suffixed ``+adamw <ran>
     <rate>`` and a note giving both rates. Every other term is kept (the other implementation's
     rate too: only the one the run steps with was timed). Raises :class:`ProfileError` where
     the rate is not a positive finite number."""
