@@ -143,6 +143,7 @@ from shardc.planning.step import OFFLOAD_MODES, OptimizerSpec, predict_step  # n
 from shardc.tools.calibrate import host_threads_per_rank  # noqa: E402
 from shardc.tools.host_adamw_probe import refine_host_adamw  # noqa: E402
 from shardc.tools.host_probe import agreed_host_probe  # noqa: E402
+from shardc.tools.planner import shard_bytes  # noqa: E402
 
 # Most telling first (a --deadline-s run keeps these): 8/16 layers, wide, batch, FP8, depth.
 DEFAULT_CONFIGS = ("1b:8:4,1b:16:4,wide:8:2,1b:8:1:s8192,1b:8:2,1b:8:1,1b:8:4:fp8,1b:32:4,"
@@ -422,7 +423,7 @@ def run_config(c: dict, args, device, mesh, cluster: dict | None, log,
     # The optimizer's fp32 master bytes: the plans' device shards, or with offload (masters on
     # the host, which the plans' device memory does not count) this rank's local shards.
     param_bytes = (sum(p.predicted.get("param_bytes", 0.0) for p in plans)
-                   if args.offload == "none" else local_shard_bytes(model))
+                   if args.offload == "none" else shard_bytes(model)[0])
     n_params = sum(1 for _ in model.parameters())
     spec = optimizer_spec(args, options, param_bytes, n_params)
     step = predict_step(plans, profile, spec, cudagraphs=args.cudagraphs)
@@ -464,15 +465,6 @@ def run_config(c: dict, args, device, mesh, cluster: dict | None, log,
         overlap.remove()
     del model, loss_fn, opt, data, it, plans, overlap
     return res
-
-
-def local_shard_bytes(model: nn.Module) -> float:
-    """This rank's local shard bytes of the trained parameters (the fp32 masters the optimizer
-    steps; as ``offload_bench.py`` and the CLI planner count them)."""
-    from torch.distributed.tensor import DTensor
-
-    return float(sum((p.to_local() if isinstance(p, DTensor) else p).nbytes
-                     for p in model.parameters() if p.requires_grad))
 
 
 def optimizer_spec(args, options: dict[str, Any], param_bytes: float, n_params: int

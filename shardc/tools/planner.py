@@ -228,7 +228,7 @@ class PlannedModel:
     optimizer: OptimizerSpec
 
 
-def _shard_bytes(module: nn.Module) -> tuple[float, int]:
+def shard_bytes(module: nn.Module) -> tuple[float, int]:
     """(local shard bytes, tensors) of the trained parameters of a sharded ``module``."""
     from torch.distributed.tensor import DTensor
 
@@ -244,12 +244,12 @@ def optimizer_spec(model: nn.Module, setup: PlanSetup,
     ``setup``'s optimizer and offload. ``repeated``: ``(container, blocks)`` when ``model`` was
     planned from a template (``model.<container>`` keeps only the traced blocks): the missing
     blocks count as its last one (the template's blocks are identical)."""
-    nbytes, tensors = _shard_bytes(model)
+    nbytes, tensors = shard_bytes(model)
     if repeated is not None:
         layers = model.get_submodule(repeated[0])
         missing = repeated[1] - len(layers)
         if missing > 0:
-            block_bytes, block_tensors = _shard_bytes(layers[-1])
+            block_bytes, block_tensors = shard_bytes(layers[-1])
             nbytes, tensors = nbytes + missing * block_bytes, tensors + missing * block_tensors
     state, temp, impl, name = OPTIMIZERS[setup.optimizer_name]
     return OptimizerSpec(nbytes, tensors, state_factor=state, temp_factor=temp, name=name,
