@@ -10,6 +10,7 @@ interop with pinned memory) in tests/gpu/test_offload_gpu.py. These checks share
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 import torch
@@ -130,6 +131,11 @@ def _overlap_train(rank: int, mesh, mode: str, overlap: bool, steps: int = 3) ->
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     handle = shardc.step_in_backward(model, opt) if overlap else None
+    # What the worker thread's optimizer calls step: the types of their parameters.
+    worker_types: set[str] = set()
+    opt.register_step_pre_hook(lambda o, *_: worker_types.update(
+        type(p).__name__ for g in o.param_groups for p in g["params"])
+        if threading.current_thread().name == "shardc-step-in-backward" else None)
     forward = model if mode == "eager" else torch.compile(
         model, backend=shardc.backend(inductor=False))
     gen = torch.Generator().manual_seed(rank)
@@ -143,7 +149,8 @@ def _overlap_train(rank: int, mesh, mode: str, overlap: bool, steps: int = 3) ->
            "state_dict": opt.state_dict(), "n": len(list(model.parameters())),
            "model": model, "opt": opt}
     if handle is not None:
-        out.update(early=handle.early, signalled=handle.signalled, late=handle.late)
+        out.update(early=handle.early, signalled=handle.signalled, late=handle.late,
+                   worker_types=worker_types)
     if mode != "eager":
         nodes = list(shardc.shard_state(model).regions[0].backward.graph.nodes)
         ready = [i for i, n in enumerate(nodes) if "offload_grads_ready" in str(n.target)]
@@ -174,7 +181,7 @@ def _step_in_backward(rank: int, mesh) -> dict:
     for mode in ("fx", "eager"):
         plain = _overlap_train(rank, mesh, mode, False)
         over = _overlap_train(rank, mesh, mode, True)
-        out[mode] = {k: over[k] for k in ("early", "signalled", "late", "n")}
+        out[mode] = {k: over[k] for k in ("early", "signalled", "late", "n", "worker_types")}
         out[mode]["bitwise"] = all(torch.equal(a, b) for a, b in
                                    zip(plain["params"], over["params"], strict=True))
         out[mode]["state_dict_equal"] = _state_equal(plain["state_dict"], over["state_dict"])
@@ -459,12 +466,16 @@ def test_step_in_backward_trains_like_the_plain_offload_step(runs):
     """shardc.step_in_backward, fused CPU AdamW with an LR schedule changing lr every step, 3
     steps: parameters and optimizer state bitwise equal to the plain offload step's, compiled
     (every parameter handed over by the backward graph's per-bucket signals, interleaved with
-    the reduce-scatters) and eager (every parameter stepped from its post-accumulate hook)."""
+    the reduce-scatters) and eager (every parameter stepped from its post-accumulate hook); the
+    worker's optimizer calls see plain tensors."""
     for rank_out in runs:
         fx, eager = rank_out["overlap"]["fx"], rank_out["overlap"]["eager"]
         for mode in (fx, eager):
             assert mode["bitwise"] and mode["state_dict_equal"] and mode["dcp_equal"], mode
             assert mode["early"] == 3 * mode["n"] and mode["late"] == 0, mode
+            # The worker steps plain local shards, not DTensors (whose Python dispatch would
+            # hold the GIL from the thread running the backward).
+            assert mode["worker_types"] == {"Tensor"}, mode["worker_types"]
         assert fx["signalled"] == 3 * fx["n"] and eager["signalled"] == 0
         assert fx["ready_nodes"] > 1 and fx["interleaved"]
         assert fx["loaded"]
