@@ -57,8 +57,9 @@ def main() -> None:
                     help="parameters (the 1b 8-layer model's count)")
     ap.add_argument("--numel", type=int, default=200_000, help="elements each")
     ap.add_argument("--steps", type=int, default=5, help="worker steps timed")
+    ap.add_argument("--threads", type=int, default=1, help="intra-op threads")
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'pg')}",
                                 rank=0, world_size=1)
@@ -87,7 +88,8 @@ def main() -> None:
         beside = _loop_rate(done.is_set, work)
         thread.join()
         dist.destroy_process_group()
-    print(f"{args.case}: main loop {alone:.0f}/s alone, {beside:.0f}/s beside the worker "
+    print(f"{args.case} ({args.tensors} x {args.numel}, {args.threads} threads): main loop "
+          f"{alone:.0f}/s alone, {beside:.0f}/s beside the worker "
           f"({beside / alone:.2f}x); worker step {step_alone * 1e3:.1f} ms alone, "
           f"{timed['step'] * 1e3:.1f} ms beside the loop ({timed['step'] / step_alone:.2f}x)")
 
