@@ -685,6 +685,12 @@ def _accumulate(ctx: Ctx, *, no_sync: bool, clip: float | None = None,
     out = {"losses": torch.stack(losses), "params": ctx.params(model), "planned": ctx.planned()}
     if norms:
         out["norms"] = torch.stack([n.detach() for n in norms])
+    if ctx.compiled is not None:  # per region: its reduce-scatters, the buckets it gathers
+        plans = shardc.explain_all(ctx.compiled)
+        out["reduce_scatters"] = sorted(sum(c.kind == "reduce_scatter" for c in plan.collectives)
+                                        for plan in plans)
+        out["gathered_buckets"] = [len({c.bucket for c in plan.collectives
+                                        if c.kind == "all_gather"}) for plan in plans]
     return out
 
 
@@ -1814,6 +1820,7 @@ SCENARIOS: dict[str, Callable[[Ctx], dict]] = {
     "accumulate": sc_accumulate,
     "accumulate_clip": sc_accumulate_clip,
     "accumulate_no_sync": sc_accumulate_no_sync,
+    "accumulate_no_sync_eager": functools.partial(_accumulate, no_sync=True, compile=False),
     "plain_no_sync_clip": functools.partial(_accumulate, no_sync=True, clip=CLIP,
                                             plain_inputs=True),
     "plain_accumulate_eager": functools.partial(_accumulate, no_sync=False, compile=False,
@@ -1881,9 +1888,10 @@ ONE_WORLD = {"blocks_accumulate_shapes": 2, "torch_transformer": 2,
              # Compiled scenarios whose point does not depend on the size, each at one (eager
              # variants of several stay at both). Accumulation compiled with sync at 2
              # (accumulate; with clipping, accumulate_clip, at both); without sync at 2
-             # (accumulate_no_sync; with CPU offload, offload_no_sync_clip) and at 3 (and eager
-             # with and without at 3): tests/test_grad_sync.py.
-             "accumulate": 2, "accumulate_no_sync": 2,
+             # (accumulate_no_sync, and eager; with CPU offload, offload_no_sync_clip) and, on
+             # the llama at 3 with AdamW, eager with and without: tests/test_grad_sync.py
+             # (slow since s35).
+             "accumulate": 2, "accumulate_no_sync": 2, "accumulate_no_sync_eager": 2,
              "offload_no_sync_clip": 2, "changing_batch": 2,
              "unused_outputs": 2, "bfloat16": 2,
              "lstm": 2, "moe_recompile_limit": 2,

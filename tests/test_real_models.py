@@ -379,8 +379,16 @@ def test_gradient_clipping_by_global_norm(runs):
 
 
 def test_gradient_accumulation_without_sync(runs):
-    """shardc.set_requires_gradient_sync(model, False) for all but the last micro-batch."""
-    check_parity(runs, "accumulate_no_sync")
+    """shardc.set_requires_gradient_sync(model, False) for all but the last micro-batch, compiled
+    and eager. Compiled: a region with no reduce-scatter (the micro-batches without sync) and
+    one that reduces what was accumulated, one reduce-scatter per bucket (both regions gather
+    every bucket). (Was tests/test_grad_sync.py's check at world 3, slow since s35.)"""
+    for world, got in zip(_worlds(runs, "accumulate_no_sync"),
+                          check_parity(runs, "accumulate_no_sync")):
+        unsynced, buckets = got["reduce_scatters"], got["gathered_buckets"]
+        assert len(buckets) == 2 and buckets[0] == buckets[1] > 0, (world, buckets)
+        assert unsynced == [0, buckets[0]], (world, unsynced, buckets)
+    check_parity(runs, "accumulate_no_sync_eager", compiled=False)
 
 
 def test_plain_inputs_accumulation_and_clipping(runs):
