@@ -1,7 +1,9 @@
 """Real models and real training loops through shardc (issue 9); docs/support.md is the summary.
 
 One spawned gloo group per world size (2 and 3) runs every scenario of tests/real_models.py once
-(``run_scenarios``; the costliest at one of the two sizes only, ``ONE_WORLD``); each scenario
+(``run_scenarios``; the costliest at one of the two sizes only, ``ONE_WORLD``); the default tier
+reads the world-2 group, the world-3 group is slow (``SLOW_WORLDS``; a test of a scenario that
+did not run at the group's size is skipped there); each scenario
 gets its own process group with a short timeout, so a scenario that desyncs the ranks fails, it
 does not hang the others. The tests below compare each run with the unsharded single-process
 reference of the same scenario (same code, same data, the global batch of 12 split across the
