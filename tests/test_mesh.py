@@ -14,12 +14,19 @@ from shardc.planning.cost_model import ClusterSpec
 
 # Compiled on the 2x2 mesh and on 4x1 (shard groups of one rank: the gathers and reduce-scatters
 # are elided); the all-tp mesh eagerly, to keep the tests fast.
-HSDP = [((2, 2), "eager"), ((2, 2), "fx"), ((4, 1), "eager"), ((4, 1), "fx")]
+HSDP = [((2, 2), "eager"), ((2, 2), "fx"), ((4, 1), "eager")]
 # Slow (suite time; run with -m slow): their own 4-rank spawn, with the "fx" run they are
 # compared with bit for bit. Their features stay in the default suite on 1-D meshes (optimizer-
 # only offload at worlds 1-4 and plain inputs at worlds 1-2 in tests/test_parity.py; the pooled
 # all-reduce in every compiled HSDP run above); only their HSDP combinations are slow-only.
 HSDP_MORE = [((2, 2), "fx"),
+             # Compiled on 4x1 (one-rank shard groups: gathers and reduce-scatters elided, the
+             # gradients packed into the replicate all-reduce's pool buffer). Slow since s35
+             # (suite time: one of the HSDP group's four 4-rank compiles): HSDP compiled stays
+             # in the default tier on 2x2 (parity, the replicate all-reduce in the pool, its
+             # lane) and eagerly on 4x1; elided one-rank collectives at world 1
+             # (tests/test_parity.py, tests/test_parity_inductor.py).
+             ((4, 1), "fx"),
              ((4, 1), "fx-nopool"),
              ((2, 2), "fx-optoffload"),  # optimizer-only offload over HSDP
              ((2, 2), "fx-offload-overlap"),  # CPU offload + shardc.step_in_backward over HSDP
@@ -31,7 +38,12 @@ HSDP_MORE = [((2, 2), "fx"),
              ((2, 2), "fx-offload")]
 # "fx-traced": compiled with the tensor-parallel collectives kept where traced (the results must
 # be bitwise those of "fx", which moves them).
-TP = [((2, 2), "eager"), ((2, 2), "fx"), ((2, 2), "fx-traced"), ((1, 4), "eager")]
+TP = [((2, 2), "eager"), ((2, 2), "fx"), ((1, 4), "eager")]
+# Slow since s35 (suite time: one of the FSDP+TP group's four 4-rank compiles), in their own
+# spawn with the "fx" run "fx-traced" is compared with bit for bit: FSDP+TP compiled with the
+# tensor-parallel collectives moved (the default) stays in the default tier ("fx" above, at
+# parity, its collectives planned), only keeping them where traced is slow-only.
+TP_MORE = [((2, 2), "fx"), ((2, 2), "fx-traced")]
 # ("pp", "dp") meshes whose dp slice shardc shards over (in the HSDP spawn).
 SLICES = [((2, 2), "fx")]
 # Repeated blocks compiled once (shardc.sharding.blocks) on 2-D meshes: the BlockStack under
@@ -39,11 +51,20 @@ SLICES = [((2, 2), "fx")]
 # "fx-aoff": the same with every block's saved activations offloaded (activation_offload=("*",),
 # simulated on the CPU mesh): bitwise equal to "fx" (_check_offloaded_activations).
 # (Under HSDP "fx-aoff" runs in the slow test_hsdp_blocks_offloaded_activations, its own spawn
-# with the "fx" run it is compared with: suite time. Activation offload on a 2-D mesh with
-# blocks stays in the default suite under FSDP+TP, TP_BLOCKS below.)
-HSDP_BLOCKS = [((2, 2), "fx")]
+# with the "fx" run it is compared with: suite time.)
+# Slow since s35 (suite time: one 4-rank compile of the HSDP group): the BlockStack under HSDP
+# ("fx", now only in the slow spawn of HSDP_BLOCKS_MORE, read by test_hsdp_blocks_compiled_once
+# and test_hsdp_blocks_offloaded_activations). Bodies on a 2-D mesh stay in the default tier
+# under FSDP+TP (TP_BLOCKS), HSDP compiled in test_hsdp_parity_and_plan, bodies over ranks in
+# tests/test_parity.py ("blocks" at 2).
 HSDP_BLOCKS_MORE = [((2, 2), "fx"), ((2, 2), "fx-aoff")]
-TP_BLOCKS = [((2, 2), "fx"), ((2, 2), "fx-aoff")]
+TP_BLOCKS = [((2, 2), "fx")]
+# "fx-aoff" under FSDP+TP: slow since s35 (suite time: one 4-rank compile), with TP_MORE.
+# Forced activation offload over real collectives stays in the default tier under FP8
+# (tests/test_fp8.py, world 2, at parity), and as the planner's choice
+# (tests/test_real_models.py's peak_budget_offload, world 2); with compile-once bodies at
+# world 1 (tests/test_parity.py's "offload_activations": the llama's two layers are one body).
+TP_BLOCKS_MORE = [((2, 2), "fx"), ((2, 2), "fx-aoff")]
 STACK = tuple(f"blocks.{i}" for i in range(4))
 
 
@@ -56,7 +77,7 @@ def _assert_parity(run: dict, ref: dict, where: str) -> None:
 
 
 def _hsdp_call() -> tuple:
-    return (hsdp_scenarios, 4, HSDP, SLICES, HSDP_BLOCKS)
+    return (hsdp_scenarios, 4, HSDP, SLICES)
 
 
 def _tp_call() -> tuple:
@@ -186,19 +207,26 @@ def test_slice_of_a_mesh_over_the_world_shards_over_its_ranks(hsdp_runs, llama1_
                 assert run["plans"] and all("reduce_scatter" in p["kinds"] for p in run["plans"])
 
 
-def test_hsdp_blocks_compiled_once(hsdp_runs):
+@pytest.fixture(scope="module")
+def hsdp_blocks_runs() -> list[list[dict]]:
+    """Per rank: the HSDP_BLOCKS_MORE runs (slow tests only)."""
+    return run_ranks(hsdp_scenarios, 4, [], [], HSDP_BLOCKS_MORE)
+
+
+@pytest.mark.slow  # suite time (s35): where its features stay covered: HSDP_BLOCKS_MORE above
+def test_hsdp_blocks_compiled_once(hsdp_blocks_runs):
     """The BlockStack (four identical blocks with checkpointing inside, one odd block) under
     HSDP 2x2: at parity, one body partitioned once for the four blocks, the odd one inline, and
     the replicate all-reduces still planned in the outer graph."""
-    _check_hsdp_blocks(HSDP_BLOCKS, [per_rank[len(HSDP) + len(SLICES):]
-                                     for per_rank in hsdp_runs])
+    fx = HSDP_BLOCKS_MORE.index(((2, 2), "fx"))
+    _check_hsdp_blocks([HSDP_BLOCKS_MORE[fx]], [[per_rank[fx]] for per_rank in hsdp_blocks_runs])
 
 
 @pytest.mark.slow
-def test_hsdp_blocks_offloaded_activations():
+def test_hsdp_blocks_offloaded_activations(hsdp_blocks_runs):
     """The same with every block's saved activations offloaded ("fx-aoff"), bitwise equal to
     "fx"."""
-    _check_hsdp_blocks(HSDP_BLOCKS_MORE, run_ranks(hsdp_scenarios, 4, [], [], HSDP_BLOCKS_MORE))
+    _check_hsdp_blocks(HSDP_BLOCKS_MORE, hsdp_blocks_runs)
 
 
 def _check_hsdp_blocks(layouts: list, results: list[list[dict]]) -> None:
@@ -329,12 +357,13 @@ def _check_offloaded_activations(runs: list[dict], scenarios: list, where: str,
         assert torch.equal(run["params"][name], value), (where, name)
 
 
-def _check_tp_blocks(results: list[list[dict]]) -> None:
-    """TPBlocks under FSDP+TP 2x2: at parity; the two plain blocks share one body, the two
-    tensor-parallel ones compile inline with their reason in the plan."""
+def _check_tp_blocks(layouts: list, results: list[list[dict]]) -> None:
+    """TPBlocks under FSDP+TP 2x2 (``layouts``, per rank: ``results``): at parity; the two plain
+    blocks share one body, the two tensor-parallel ones compile inline with their reason in the
+    plan; "fx-aoff" (where it is in ``layouts``) bitwise equal to "fx"."""
     ref = tp_reference("blocks")
     for rank, per_rank in enumerate(results):
-        for (shape, mode), run in zip(TP_BLOCKS, per_rank[len(TP):]):
+        for (shape, mode), run in zip(layouts, per_rank):
             _assert_parity(run, ref, f"rank {rank}, FSDP+TP blocks {shape} {mode}")
             assert run["plans"], f"rank {rank}: no planned region"
             for plan in run["plans"]:
@@ -342,28 +371,16 @@ def _check_tp_blocks(results: list[list[dict]]) -> None:
                 assert sorted(plan["inline"]) == ["blocks.0", "blocks.1"], plan["inline"]
                 assert all("tensor-parallel" in r or "hooks" in r
                            for r in plan["inline"].values()), plan["inline"]
-        _check_offloaded_activations(per_rank[len(TP):], TP_BLOCKS, f"rank {rank}, FSDP+TP",
-                                     [f"blocks.{i}" for i in range(4)])
+        if any(mode == "fx-aoff" for _, mode in layouts):
+            _check_offloaded_activations(per_rank, layouts, f"rank {rank}, FSDP+TP",
+                                         [f"blocks.{i}" for i in range(4)])
 
 
 def test_fsdp_tp_parity_placements_and_global_values():
     ref = tp_reference()
     results = run_prestarted("test_mesh::fsdp_tp", *_tp_call())
-    _check_tp_blocks(results)
-    for rank, per_rank in enumerate(results):
-        for (shape, mode), run in zip(TP, per_rank):
-            _assert_parity(run, ref, f"rank {rank}, FSDP+TP {shape} {mode}")
-            for name, value in ref["init"].items():  # sharded in global coordinates
-                assert torch.equal(run["init"][name], value.detach()), (shape, name)
-            if mode != "eager":
-                assert run["plans"] and all("reduce_scatter" in p["kinds"] for p in run["plans"])
-                for plan in run["plans"]:
-                    _assert_tp_collectives_planned(plan, moved=mode == "fx")
-        # Moving the tensor-parallel collectives' issues and waits changes no bit.
-        moved, traced = (per_rank[TP.index(((2, 2), mode))] for mode in ("fx", "fx-traced"))
-        assert torch.equal(moved["losses"], traced["losses"]), rank
-        for name, value in moved["params"].items():
-            assert torch.equal(value, traced["params"][name]), (rank, name)
+    _check_tp_blocks(TP_BLOCKS, [per_rank[len(TP):] for per_rank in results])
+    _check_tp(TP, [per_rank[:len(TP)] for per_rank in results], ref)
     placements = results[0][0]["placements"]  # (2, 2)
     strided = "_StridedShard(0, sf=2)"
     assert placements["proj.weight"] == (strided, "Shard(0)")
@@ -373,6 +390,38 @@ def test_fsdp_tp_parity_placements_and_global_values():
     assert placements["w2.weight"] == ("Shard(0)", "Shard(1)")
     assert placements["norm.weight"] == ("Shard(0)", "Replicate()")
     assert placements["embed.weight"] == ("Shard(0)", "Replicate()")
+
+
+def _check_tp(layouts: list, results: list[list[dict]], ref: dict) -> None:
+    """FSDP+TP runs of TPNet (``layouts``, per rank: ``results``): parity, initial values in
+    global coordinates, the tensor-parallel collectives planned; "fx-traced" (where it is in
+    ``layouts``) bitwise equal to "fx"."""
+    for rank, per_rank in enumerate(results):
+        for (shape, mode), run in zip(layouts, per_rank):
+            _assert_parity(run, ref, f"rank {rank}, FSDP+TP {shape} {mode}")
+            for name, value in ref["init"].items():  # sharded in global coordinates
+                assert torch.equal(run["init"][name], value.detach()), (shape, name)
+            if mode != "eager":
+                assert run["plans"] and all("reduce_scatter" in p["kinds"] for p in run["plans"])
+                for plan in run["plans"]:
+                    _assert_tp_collectives_planned(plan, moved=mode == "fx")
+        if ((2, 2), "fx-traced") not in layouts:
+            continue
+        # Moving the tensor-parallel collectives' issues and waits changes no bit.
+        moved, traced = (per_rank[layouts.index(((2, 2), mode))] for mode in ("fx", "fx-traced"))
+        assert torch.equal(moved["losses"], traced["losses"]), rank
+        for name, value in moved["params"].items():
+            assert torch.equal(value, traced["params"][name]), (rank, name)
+
+
+@pytest.mark.slow  # suite time (s35): where its features stay covered: TP_MORE, TP_BLOCKS_MORE
+def test_fsdp_tp_traced_collectives_and_offloaded_activations():
+    """FSDP+TP 2x2 compiled with the tensor-parallel collectives kept where traced
+    ("fx-traced", bitwise "fx"), and TPBlocks with every block's saved activations offloaded
+    ("fx-aoff", bitwise "fx"), in one spawn."""
+    results = run_ranks(tp_scenarios, 4, TP_MORE, TP_BLOCKS_MORE)
+    _check_tp(TP_MORE, [per_rank[:len(TP_MORE)] for per_rank in results], tp_reference())
+    _check_tp_blocks(TP_BLOCKS_MORE, [per_rank[len(TP_MORE):] for per_rank in results])
 
 
 # Of a collective found in the graph: (what it sends, what it receives) in its plan record's

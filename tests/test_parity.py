@@ -104,7 +104,7 @@ def _scenarios(rank: int, world: int, named: dict[str, tuple[str, str, dict]]) -
 # machine, SHARDC_TEST_CPU_LOG and a timer around each sharded_run) and where its feature stays
 # covered in the default suite:
 SLOW = {
-    # (blocks_dynamic, 26 s, stays in the default suite: tests/test_real_models.py's
+    # (blocks_dynamic, 26 s at 2, stays in the default suite at world 1: tests/test_real_models.py's
     # blocks_accumulate_shapes, the other test of bodies under dynamic shapes, is slow.)
     # 11 s: prefetch off: the peak-budget scenarios of tests/test_real_models.py (world 2,
     # prefetch=False, at parity); prefetch on: every other compiled scenario.
@@ -118,7 +118,7 @@ SLOW = {
     "offload_activations_no_sync": (2,),
     # 18 s: offload kept gathered for the backward: tests/test_offload.py's peak budget keeps
     # offloaded buckets gathered (bitwise, no backward copies); offload here: "offload" at 1
-    # and 3, "bf16_offload" at 2 ("variant_offload" at 4: slow since s33).
+    # (at 3: slow since s35), "bf16_offload" at 2 ("variant_offload" at 4: slow since s33).
     "offload_no_reshard": (2,),
     # 29 s: reshard_after_forward=False with bucket_by="param": tests/test_fp8.py (world 3,
     # "fx") and tests/test_backend.py.
@@ -145,16 +145,16 @@ SLOW = {
     # s): its checks are those at 2, which runs the same lever over real collectives.
     "checkpoint_offload": (1, 3, 4),
     # (suite9) One module applied twice per forward: tests/test_real_models.py's "repeated"
-    # (FX, world 3) and tests/test_autograd_cache.py (this model under Inductor at world 2,
-    # at parity with the reference).
+    # (FX, world 2; 3: slow since s35); tests/test_autograd_cache.py trains this model under
+    # Inductor at world 2 (slow).
     "repeated": (2,),
-    # (suite9) plain_inputs compiled over ranks: "plain_blocks" here at 2 (with bodies),
-    # tests/test_real_models.py's plain_no_sync_clip and meta_to_empty_plain (world 3) and
-    # plain_lifecycle (world 2, bitwise against a twin); bitwise against the DTensor reads at
-    # world 1 ("plain_bf16" vs "bf16", "plain_eager" vs "eager").
+    # (suite9) plain_inputs compiled over ranks: ("plain_blocks" here at 2, with bodies: slow
+    # since s35) tests/test_real_models.py's plain_no_sync_clip and meta_to_empty_plain (world
+    # 2; 3: slow since s35) and plain_lifecycle (world 2, bitwise against a twin); bitwise
+    # against the DTensor reads at world 1 ("plain_bf16" vs "bf16", "plain_eager" vs "eager").
     "plain": (2,),
     # (suite9) Optimizer-only offload compiled: tests/test_real_models.py's
-    # optim_offload_no_sync_clip (world 3); its step at worlds 1-3 here (eager runs); the
+    # optim_offload_no_sync_clip (world 2; 3: slow); its step at worlds 1-3 here (eager); the
     # host optimizer's prediction (no device state, host bytes four times the shards):
     # test_real_models' peak_budget_optimizer; tied/frozen/unused/empty-shard parameters
     # under offload: "variant_offload" at 4 (slow since s33).
@@ -168,9 +168,39 @@ SLOW = {
     # the 37- and 45-row weights, and an empty shard), and "variant_local_sgd" at 1.
     "variant": (3,),
     # 16 s (four ranks): CPU offload with tied, frozen and unused parameters and an empty
-    # shard; its parts stay: compiled offload over ranks ("offload" at 3, uneven;
-    # "bf16_offload" at 2), the tied/frozen/unused/empty-shard parameters at 4 ("variant").
+    # shard; its parts stay: compiled offload over ranks ("bf16_offload" at 2; "offload" at 3:
+    # slow since s35), the tied/frozen/unused/empty-shard parameters at 4 ("variant").
     "variant_offload": (4,),
+    # suite time (s35; rank-CPU seconds of test_parity[3] / [4], SHARDC_TEST_CPU_LOG: 105 and
+    # 121 before): where their features stay covered in the default tier:
+    # World 4 keeps only "variant" (tied, frozen and unused parameters, uneven shards of the 37-
+    # and 45-row weights and an empty shard: the llama's layers inside it, FX, at parity). The
+    # core's llama ("fx") and BlockStack ("blocks") train at parity at worlds 1, 2 and 3 (fx)
+    # and 1 and 2 (blocks; uneven at 2: 13-, 19- and 11-wide layers); the local-shard step
+    # ("local_step") at world 1 and, with torch's fused AdamW through local_shard_step, at 2
+    # ("fused_adamw"), and with SGD on the variant model at 1 ("variant_local_sgd").
+    "fx": (4,),
+    "blocks": (3, 4),
+    "local_step": (4,),
+    # Compiled CPU offload at 3 (and its step_in_backward retrain): "offload" and
+    # "offload_overlap" at world 1; compiled offload over real collectives: "bf16_offload" at 2
+    # (bitwise the bf16 run's), tests/test_real_models.py's offload_no_sync_clip (FX, fp32, at
+    # parity, world 2), tests/test_parity_inductor.py (Inductor, world 2);
+    # shardc.step_in_backward compiled over ranks: tests/test_offload.py (world 2, bitwise the
+    # plain offload step). World 3 keeps "fx" and the eager runs with and without offload and
+    # step_in_backward (uneven shards: the 37-row embedding).
+    "offload": (3,),
+    "offload_overlap": (3,),
+    # plain_inputs with compile-once bodies over ranks: plain_inputs compiled over ranks stays
+    # in tests/test_real_models.py (plain_no_sync_clip, meta_to_empty_plain, plain_lifecycle),
+    # bitwise the DTensor reads at world 1 ("plain_bf16", "plain_eager"); bodies over ranks
+    # in "blocks" at 2.
+    "plain_blocks": (2,),
+    # (s35) The BlockStack under dynamic=True (every block inline, the reason in the plan) at
+    # world 1 in the default tier, not at 2 (the same check; 26 rank-CPU s at 2): dynamic
+    # shapes over real collectives stay in tests/test_real_models.py (changing_batch: the
+    # automatic dynamic recompile; changing_seq; world 2).
+    "blocks_dynamic": (2,),
 }
 # What a slow scenario is compared with (run beside it in the slow test).
 SLOW_BASES = {"offload_activations_no_sync": ("offload_activations",),
@@ -181,8 +211,9 @@ def _parity_scenarios(world: int, slow: bool = False) -> dict[str, tuple[str, st
     """name -> (model kind, mode, options) run at ``world``: the core at every world size, the
     other features spread over the sizes (each at one or two of them, an uneven one among them
     where sizes matter), so that the four spawned groups stay cheap. World 4 (four ranks on the
-    2-core CI machine: every compile there costs twice what it costs at world 2) runs the core,
-    the local-shard step and the tied/frozen/unused/empty-shard variants; the pool and budget
+    2-core CI machine: every compile there costs twice what it costs at world 2) runs the
+    tied/frozen/unused/empty-shard variant (the core and the local-shard step there: slow, as
+    the BlockStack and compiled offload at 3, :data:`SLOW`); the pool and budget
     checks, whose point does not depend on the size, run at 2 (its shards of the 37- and
     45-row weights are uneven too). Those in :data:`SLOW` at ``world`` are left out; with
     ``slow``, only those (with the core and what they are compared with) are run."""
@@ -208,7 +239,7 @@ def _parity_scenarios(world: int, slow: bool = False) -> dict[str, tuple[str, st
         (at(1), "blocks_inline", ("blocks", "fx", {"eval": True, "compile_blocks_once": False})),
         # dynamic=True traces the blocks' float attributes (LayerNorm's eps) as symbols, which
         # a shared body cannot take in torch 2.11-2.13: every block inline, with the reason.
-        (at(2), "blocks_dynamic", ("blocks", "fx", {"dynamic": True, "eval": True})),
+        (at(1, 2), "blocks_dynamic", ("blocks", "fx", {"dynamic": True, "eval": True})),
         (at(3), "per_param", ("llama", "fx", {"reshard_after_forward": False,
                                                "bucket_by": "param"})),
         (at(2), "fused_adamw", ("llama", "fx", {"local_step": True, "optim": "adamw-fused",
@@ -292,6 +323,9 @@ def _parity_scenarios(world: int, slow: bool = False) -> dict[str, tuple[str, st
         wanted = moved | {base for name in moved for base in SLOW_BASES.get(name, ())}
     else:
         wanted = {name for on, name, _ in optional if on} - moved
+        # The core too, where SLOW moves it (worlds 3 and 4: suite time, s35).
+        scenarios = {name: scenario for name, scenario in scenarios.items()
+                     if name not in moved}
     scenarios.update({name: scenario for on, name, scenario in optional
                       if on and name in wanted})
     return scenarios

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch._dynamo
 from dist_utils import prestart as prestart_run
-from dist_utils import run_prestarted
+from dist_utils import run_prestarted, run_ranks
 from parity import GLOBAL_BATCH, assert_parity, batches, llama_loss, reference, sharded_run, train
 
 import shardc
@@ -23,7 +23,8 @@ def prestart(items) -> None:
     """Queue the selected worlds' runs (tests/conftest.py, dist_utils.prestart), world 1 first:
     when this module runs alone, its one process runs while the reference compiles in this
     process and world 2's ranks run (the first test takes that run off the queue)."""
-    for world in sorted({item.callspec.params["world"] for item in items}):
+    for world in sorted({item.callspec.params["world"] for item in items
+                         if item.originalname == "test_parity_inductor"}):
         prestart_run(f"test_parity_inductor[{world}]", (_inductor_run, world))
 
 
@@ -69,19 +70,6 @@ def _inductor_run(rank: int, world: int) -> dict:
                           offload=shardc.OffloadPolicy(simulate_on_cpu=True))
         out["offload"] = {"losses": off["losses"], "params": off["params"],
                           "copies": sum(len(p.copies) for p in off["plans"])}
-        # one_op_bucket_copies (opt-in): one op per bucket packs its send buffers and copies
-        # a block's gathered weights out; two layers, so the blocks are body calls.
-        torch._dynamo.reset()
-        one = sharded_run(rank, world, "llama", "inductor", keep_model=True,
-                          one_op_bucket_copies=True)
-        (one_region,) = shardc.shard_state(one.pop("model")).regions
-        ops = [str(n.target) for g in (one_region.forward, one_region.backward)
-               for n in g.graph.nodes]
-        torch._dynamo.reset()
-        out["one_op"] = {"losses": one["losses"], "params": one["params"],
-                         "reference": reference("llama"),
-                         "packs": ops.count("shardc.pool_pack.default"),
-                         "unpacks": ops.count("shardc.unpack_into.default")}
     if world == 1:  # plain_inputs (plain local shards read, gradients handed) under Inductor
         torch._dynamo.reset()
         plain = sharded_run(rank, world, "llama1", "inductor", plain_inputs=True)
@@ -98,6 +86,21 @@ def _inductor_run(rank: int, world: int) -> dict:
                               "planned": [c.kind for p in act["plans"] for c in p.copies
                                           if c.origin == "activation"]}
     return out
+
+
+def _one_op_run(rank: int, world: int) -> dict:
+    """one_op_bucket_copies (opt-in): one op per bucket packs its send buffers and copies a
+    block's gathered weights out; two layers, so the blocks are body calls."""
+    torch._dynamo.reset()
+    one = sharded_run(rank, world, "llama", "inductor", keep_model=True,
+                      one_op_bucket_copies=True)
+    (one_region,) = shardc.shard_state(one.pop("model")).regions
+    ops = [str(n.target) for g in (one_region.forward, one_region.backward)
+           for n in g.graph.nodes]
+    torch._dynamo.reset()
+    return {"losses": one["losses"], "params": one["params"], "reference": reference("llama"),
+            "packs": ops.count("shardc.pool_pack.default"),
+            "unpacks": ops.count("shardc.unpack_into.default")}
 
 
 class _FailingWait:
@@ -152,9 +155,6 @@ def test_parity_inductor(world, inductor_reference):
     if world == 2:
         assert_parity(runs[0]["offload"], inductor_reference)
         assert runs[0]["offload"]["copies"] > 0
-        one = runs[0]["one_op"]  # against the eager unsharded model: Inductor's rounding
-        assert_parity(one, one["reference"], tol=1e-4)
-        assert one["packs"] > 0 and one["unpacks"] > 0, one
     if world == 1:  # plain inputs: the same bits as the DTensor reads, every gradient handed
         plain = runs[0]["plain"]
         assert torch.equal(plain["losses"], runs[0]["losses"])
@@ -184,3 +184,16 @@ def test_parity_inductor(world, inductor_reference):
         # A failing wait in Inductor's code is named: every wait of a step, one at a time,
         # gives a distinct collective of the plan, and together they are all of them.
         assert sorted(run["named"]) == run["plan_ids"], (run["named"], run["plan_ids"])
+
+
+# Slow since s35 (suite time: a world-2 Inductor compile of the two-layer llama, its own spawn;
+# was part of world 2's run above). Where its feature stays covered in the default tier: the
+# packed send buffers hold the per-tensor ones' bits and one unpack_into per body call
+# (tests/test_lower_pack.py, graphs and the ops run eagerly); Inductor's world-2 training at
+# parity (the default lowering) in test_parity_inductor[2].
+@pytest.mark.slow
+def test_one_op_bucket_copies_under_inductor_match_the_reference():
+    one = run_ranks(_one_op_run, 2)[0]
+    # Against the eager unsharded model: Inductor's rounding.
+    assert_parity(one, one["reference"], tol=1e-4)
+    assert one["packs"] > 0 and one["unpacks"] > 0, one
