@@ -34,6 +34,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from shardc._torch import dtensor_local_fast as _local_of
+from shardc._torch import dtensor_on_local_device
 
 # torch.optim optimizers whose update of each parameter is elementwise over it, given its
 # gradient and its own state (plus scalars): the same on the local shards as on the whole.
@@ -81,7 +82,7 @@ class LocalShardStep:
             return cached
         if held is None:
             return (p, None, None, [], (), ())
-        pairs = [(k, v, v.to_local()) for k, v in held.items() if isinstance(v, DTensor)]
+        pairs = [(k, v, _local_of(v)) for k, v in held.items() if isinstance(v, DTensor)]
         local = dict(held)
         local.update((k, loc) for k, _, loc in pairs)
         return (p, held, local, pairs, tuple(held.values()), tuple(local.values()))
@@ -155,7 +156,7 @@ def _wrap_state(p: DTensor, local: torch.Tensor, held: dict, stepped: dict, opti
     out = {}
     for key, value in stepped.items():
         before = held.get(key)
-        if isinstance(before, DTensor) and before.to_local() is value:
+        if isinstance(before, DTensor) and _local_of(before) is value:
             out[key] = before
         elif isinstance(value, DTensor):
             out[key] = value
@@ -166,8 +167,10 @@ def _wrap_state(p: DTensor, local: torch.Tensor, held: dict, stepped: dict, opti
                     f"{key!r} of shape {tuple(value.shape)} for a parameter shard of shape "
                     f"{tuple(local.shape)}; only elementwise state is supported."
                 )
-            out[key] = DTensor.from_local(value, p.device_mesh, p.placements, run_check=False,
-                                          shape=p.shape, stride=p.stride())
+            # Where the step made it: ``DTensor.from_local`` would move a host shard's new
+            # state to the mesh's device (CPU offload: host shards on a CUDA mesh).
+            out[key] = dtensor_on_local_device(value, p.device_mesh, p.placements, p.shape,
+                                               p.stride())
         else:
             out[key] = value  # scalars: step counters, Python numbers
     return out

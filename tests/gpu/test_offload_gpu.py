@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 import shardc
 from shardc.models.llama import LlamaConfig, Transformer, llama_loss
@@ -319,6 +320,39 @@ def test_step_in_backward_equals_the_plain_offload_step(mesh, mode):
     assert signalled == (0 if mode == "eager" else n)
     for a, b in zip(plain, over, strict=True):
         assert torch.equal(a, b)
+
+
+def _local_step_run(mesh, local_step: bool):
+    """Offloaded training (torch's default AdamW: per tensor on the host) with or without
+    ``shardc.optim.local_shard_step``; the parameters and the optimizer's state."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Transformer(CFG).cuda()
+    shardc.shard(model, mesh, offload=shardc.OffloadPolicy())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if local_step:
+        shardc.optim.local_shard_step(opt)
+    for toks in _batches():
+        llama_loss(model(toks[:, :-1]), toks[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.full_tensor().cpu() for p in model.parameters()], [opt.state[p] for p in
+                                                                  model.parameters()]
+
+
+def test_local_shard_step_keeps_offloaded_state_on_the_host(mesh):
+    """``local_shard_step`` over host shards on a CUDA mesh: the state the first step creates
+    stays on the host (wrapped where it was made, not moved to the mesh's device), and the
+    training is bitwise the DTensor step's."""
+    plain, plain_state = _local_step_run(mesh, False)
+    local, local_state = _local_step_run(mesh, True)
+    for a, b in zip(plain, local, strict=True):
+        assert torch.equal(a, b)
+    for sa, sb in zip(plain_state, local_state, strict=True):
+        for key, value in sb.items():
+            if isinstance(value, DTensor):
+                assert value.to_local().device.type == "cpu", key
+                assert torch.equal(value.to_local(), sa[key].to_local()), key
 
 
 BUDGET_CFG = LlamaConfig(vocab_size=32000, dim=1024, n_layers=4, n_heads=8, ffn_dim=2816,
