@@ -19,6 +19,7 @@ result (:func:`taken`), or runs the work itself if the queue has not reached it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import tempfile
@@ -206,3 +207,21 @@ def stop_background() -> None:
     _STOP.set()
     if _QUEUE is not None:
         _QUEUE.shutdown(wait=True)
+
+
+@contextlib.contextmanager
+def one_rank_mesh():
+    """A one-rank gloo default group in this process (no spawn; a ``HashStore``) and its CPU
+    mesh, destroyed on exit; the test is skipped if a process group is already initialized
+    here."""
+    import pytest
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()

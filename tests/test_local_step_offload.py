@@ -13,12 +13,8 @@ the host placement on a CUDA mesh.
 
 from __future__ import annotations
 
-import contextlib
-
-import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from dist_utils import one_rank_mesh
 from torch.distributed.tensor import DTensor
 
 import shardc
@@ -26,17 +22,6 @@ from shardc.models.llama import LlamaConfig, Transformer, llama_loss
 
 CFG = LlamaConfig(vocab_size=37, dim=24, n_layers=1, n_heads=4, ffn_dim=45, max_seq_len=16)
 OFFLOAD = shardc.OffloadPolicy(simulate_on_cpu=True)
-
-
-@contextlib.contextmanager
-def _one_rank():
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
 
 
 def _run(mesh, local_step: bool, steps: int = 3) -> tuple[torch.nn.Module, torch.optim.Optimizer,
@@ -60,7 +45,7 @@ def _run(mesh, local_step: bool, steps: int = 3) -> tuple[torch.nn.Module, torch
 
 
 def test_local_shard_step_on_offloaded_parameters_trains_like_the_dtensor_step():
-    with _one_rank() as mesh:
+    with one_rank_mesh() as mesh:
         plain, plain_opt, _ = _run(mesh, False)
         local, local_opt, ids = _run(mesh, True)
         for (name, a), b in zip(plain.named_parameters(), local.parameters(), strict=True):

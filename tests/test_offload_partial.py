@@ -11,12 +11,9 @@ every tensor is on one device, which is what makes the bitwise comparison exact.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from dist_utils import one_rank_mesh
 from torch.distributed.tensor import DTensor
 
 import shardc
@@ -24,18 +21,6 @@ from shardc.models.llama import LlamaConfig, Transformer, llama_loss
 from shardc.runtime import offload_optimizer
 
 CFG = LlamaConfig(vocab_size=37, dim=24, n_layers=2, n_heads=4, ffn_dim=45, max_seq_len=16)
-
-
-@contextlib.contextmanager
-def _one_rank():
-    """A one-rank gloo default group in this process (no spawn), and its CPU mesh."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
 
 
 def _sharded(mesh) -> torch.nn.Module:
@@ -75,7 +60,7 @@ def test_a_group_mixing_host_and_device_parameters_steps_like_the_plain_one(kind
     by the parameters (host local tensors only for the host-stepped ones), state_dict() shows
     the same keys, shapes and values, and loading it back changes nothing."""
     flags = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}[kind]
-    with _one_rank() as mesh:
+    with one_rank_mesh() as mesh:
         plain = _sharded(mesh)
         plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, **flags)
         _train(plain, plain_opt)
@@ -114,7 +99,7 @@ def test_a_tensor_lr_on_another_device_is_refused_naming_the_parameter():
     """A host-stepped parameter's group whose lr is a tensor off the host: refused at the
     step, naming the parameter and what to pass instead (the meta device stands in for a GPU);
     capturable=True stays refused as before."""
-    with _one_rank() as mesh:
+    with one_rank_mesh() as mesh:
         model = _sharded(mesh)
         name, first = next(iter(model.named_parameters()))
         offload_optimizer.adopt([(name, first)], pin=False)

@@ -1,7 +1,7 @@
 # GPU tests and diagnostics of the thirty-fifth session (one nvidia-h200 start per call, torch 2.11).
 # gpu_env.sh: docs/bench/predict/s21_default/commands.sh (lines 2-6). The device's .git is stale; each call's
 # commit.txt has the checksum of shardc/optim/step_in_backward.py (main 3ecac3a: dd2d9402...; main 36d3f00: 5a28a369...).
-# variants/: gpu_var/det.py and gpu_var/diag.py (3ecac3a's file plus a log per worker batch and DIAG_SYNC); gpu_var/old.py
+# variants/: gpu_var/det.py, and diag.patch: gpu_var/diag.py against 3ecac3a's file (a log per worker batch, DIAG_SYNC); gpu_var/old.py
 # was 36d3f00's file, gpu_var/new.py 3ecac3a's.
 
 # call 1: gpu_t35.sh
