@@ -145,14 +145,17 @@ class LocalShardStep:
                         state[p] = held
                         cache[id(p)] = entry
                         continue
-                    state[p] = _wrap_state(p, local, held or {}, stepped, optimizer)
+                    state[p] = wrap_stepped_state(p, local, held or {}, stepped, optimizer)
                 group["params"] = params
         self._cache = cache
 
 
-def _wrap_state(p: DTensor, local: torch.Tensor, held: dict, stepped: dict, optimizer) -> dict:
-    """``p``'s state after the step: its DTensor state objects where the step updated their
-    local tensors in place, new tensors shaped like the shard wrapped as DTensors like ``p``."""
+def wrap_stepped_state(p: DTensor, local: torch.Tensor, held: dict, stepped: dict,
+                       optimizer) -> dict:
+    """``p``'s state after a step over its local shard ``local`` (here, and on
+    ``shardc.step_in_backward``'s worker): its DTensor state objects (``held``) where the step
+    updated their local tensors in place, new tensors shaped like the shard wrapped as DTensors
+    like ``p``, where the step made them."""
     out = {}
     for key, value in stepped.items():
         before = held.get(key)

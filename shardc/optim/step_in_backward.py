@@ -53,9 +53,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardc._torch import dtensor_local_fast as _local_of
-from shardc._torch import dtensor_on_local_device, tensor_version
+from shardc._torch import tensor_version
 from shardc.ops.offload_copy import add_ready_listener, remove_ready_listener
-from shardc.optim.local_step import ELEMENTWISE
+from shardc.optim.local_step import ELEMENTWISE, wrap_stepped_state
 from shardc.sharding.scope import shard_state, unwrap_compiled
 
 __all__ = ["StepInBackward", "step_in_backward"]
@@ -87,29 +87,17 @@ class _StandIn:
     local: torch.Tensor
     held: dict | None
 
-    def put_back(self, state) -> None:
-        """The parameter's state entry back under the parameter: the DTensor values the step
-        updated in place as they are, new tensors (the first step's moments) wrapped as
-        DTensors laid out like the parameter, on the host where they were made."""
+    def put_back(self, state, optimizer) -> None:
+        """The parameter's state entry back under the parameter, its new tensors (the first
+        step's moments) wrapped as DTensors like it (``wrap_stepped_state``)."""
         self.local.grad = None
         stepped = state.pop(self.local, None)
         if stepped is None:
             if self.held is not None:
                 state[self.param] = self.held
             return
-        held, p, out = self.held or {}, self.param, {}
-        for key, value in stepped.items():
-            before = held.get(key)
-            if before is not None and (before is value or (
-                    isinstance(before, DTensor) and _local_of(before) is value)):
-                out[key] = before  # updated in place (or a value the call did not touch)
-            elif isinstance(value, torch.Tensor) and value.shape == self.local.shape \
-                    and value.dim() > 0:
-                out[key] = dtensor_on_local_device(value, p.device_mesh, p.placements, p.shape,
-                                                   p.stride())
-            else:
-                out[key] = value  # scalars: the step counter
-        state[p] = out
+        state[self.param] = wrap_stepped_state(self.param, self.local, self.held or {},
+                                               stepped, optimizer)
 
 
 class StepInBackward:
@@ -275,7 +263,7 @@ class StepInBackward:
                 for g, params in zip(opt.param_groups, saved):
                     g["params"] = params
                 for standin in standins.values():
-                    standin.put_back(state)
+                    standin.put_back(state, opt)
         with self._lock:
             self.early += len(items)
 

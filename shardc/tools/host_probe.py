@@ -125,4 +125,3 @@ def agree_on_slowest(value: float, device: torch.device, group=None, *,
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX if larger_is_slower else dist.ReduceOp.MIN,
                     group=group)
     return float(tensor.item())
-
