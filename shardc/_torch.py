@@ -508,14 +508,19 @@ def keyed_compile_region(fn):
     return mark(fn, reuse_hash_fn=reuse_key)
 
 
-def has_static_value(value) -> bool:
-    """Whether an ``int`` (a tensor size, a stride, an argument) has one value for the trace,
-    not a symbolic one. Dynamo folds it while it traces (there a symbolic size passes for an
-    ``int``: ``isinstance(size, torch.SymInt)`` is False). False where torch lacks it."""
+def _static_value_check() -> Callable[[object], bool]:
     from torch.fx.experimental import symbolic_shapes
 
     check = getattr(symbolic_shapes, "has_static_value", None)
-    return check is not None and check(value)
+    return check if check is not None else (lambda value: False)
+
+
+# Whether an ``int`` (a tensor size, a stride, an argument) has one value for the trace, not a
+# symbolic one: torch's own function, which Dynamo folds while it traces (there a symbolic size
+# passes for an ``int``: ``isinstance(size, torch.SymInt)`` is False); always False where torch
+# lacks it. Bound once here, not looked up at each call: traced code calls it for every size of
+# every block's arguments, and Dynamo interpreted the lookup (an import and a getattr) at each.
+has_static_value: Callable[[object], bool] = _static_value_check()
 
 
 def selective_checkpoint_policy(gm) -> object | None:

@@ -21,11 +21,12 @@ _STORES: weakref.WeakValueDictionary[str, UnsyncedGrads] = weakref.WeakValueDict
 _IDS = itertools.count()
 
 # Store key -> its mode, kept equal to ``store.mode()`` while the store lives: what the
-# parameter reads consult (:func:`sync_mode`). Every read of a model reaches this one dict
+# parameter reads consult (:func:`sync_mode`, or this dict itself where Dynamo traces the read;
+# read-only outside this module). Every read of a model reaches this one dict
 # through one source, so Dynamo guards the mode once per model, where reading the store that
 # each read's closure holds made it guard that the 147 closures of a 16-layer model hold the
 # same object (146 ``a is b`` checks in Python at every call, docs/overhead.md).
-_MODES: dict[str, int] = {}
+SYNC_MODES: dict[str, int] = {}
 
 
 class UnsyncedGrads:
@@ -37,8 +38,8 @@ class UnsyncedGrads:
         self._pending = False  # stored gradients wait for the next synchronized backward
         self.grads: dict[str, torch.Tensor] = {}
         _STORES[self.key] = self
-        _MODES[self.key] = REDUCE
-        weakref.finalize(self, _MODES.pop, self.key, None)
+        SYNC_MODES[self.key] = REDUCE
+        weakref.finalize(self, SYNC_MODES.pop, self.key, None)
 
     @property
     def requires_sync(self) -> bool:
@@ -47,7 +48,7 @@ class UnsyncedGrads:
     @requires_sync.setter
     def requires_sync(self, flag: bool) -> None:
         self._requires_sync = flag
-        _MODES[self.key] = self.mode()
+        SYNC_MODES[self.key] = self.mode()
 
     @property
     def pending(self) -> bool:
@@ -56,7 +57,7 @@ class UnsyncedGrads:
     @pending.setter
     def pending(self, flag: bool) -> None:
         self._pending = flag
-        _MODES[self.key] = self.mode()
+        SYNC_MODES[self.key] = self.mode()
 
     def mode(self) -> int:
         if not self._requires_sync:
@@ -70,8 +71,8 @@ class UnsyncedGrads:
 
 def sync_mode(key: str) -> int:
     """The mode of the store ``key`` (``UnsyncedGrads.mode()``), as parameter reads consult it
-    (see :data:`_MODES`); the store must be alive (a read keeps its store alive)."""
-    return _MODES[key]
+    (see :data:`SYNC_MODES`); the store must be alive (a read keeps its store alive)."""
+    return SYNC_MODES[key]
 
 
 def _store(key: str) -> UnsyncedGrads:

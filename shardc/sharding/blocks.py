@@ -230,34 +230,28 @@ def _make_body(skeleton: nn.Module, group: BlockGroup, training: bool
 # requires of a keyed region (it raises, rather than re-traces, otherwise).
 
 _TENSOR = "tensor"
+_PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
+_static = _torch.has_static_value  # a module global: one lookup per size in traced code
 _PROBER_IDS = itertools.count(1)
 _PROBERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def describe(value) -> tuple | None:
     """A constant standing for ``value`` in a reuse key (traced by Dynamo), or None."""
-    # Plain loops, no generator expressions: Dynamo (traced once per block) inlines each
-    # generator step at a cost (torch 2.11: generators were most of the wrapped forward's trace).
+    # Dynamo traces this at every block call, so it is written for Dynamo: plain loops, no
+    # generator expressions (each generator step is inlined at a cost; torch 2.11: generators
+    # were most of the wrapped forward's trace), and plain tensors described inside the loop
+    # over a sequence (_describe_items), not in an inlined call each (a block's weights).
+    if isinstance(value, (tuple, list)):
+        items = _describe_items(value)
+        return None if items is None else (type(value).__name__, items)
     if isinstance(value, torch.Tensor):
-        if type(value) not in (torch.Tensor, nn.Parameter):
-            return None  # subclasses: their metadata is more than sizes and dtype
-        for s in (*value.shape, *value.stride()):
-            if not _torch.has_static_value(s):
-                return None
-        return (_TENSOR, tuple(value.shape), tuple(value.stride()), value.dtype,
-                value.device.type, value.device.index, value.requires_grad)
+        items = _describe_items((value,))
+        return None if items is None else items[0]
     if value is None or isinstance(value, (bool, float, str)):
         return ("const", value)
     if isinstance(value, int):
-        return ("const", value) if _torch.has_static_value(value) else None
-    if isinstance(value, (tuple, list)):
-        items = []
-        for v in value:
-            d = describe(v)
-            if d is None:
-                return None
-            items.append(d)
-        return (type(value).__name__, tuple(items))
+        return ("const", value) if _static(value) else None
     if isinstance(value, dict):
         pairs = []
         for k, v in value.items():
@@ -267,6 +261,30 @@ def describe(value) -> tuple | None:
             pairs.append((k, d))
         return ("dict", tuple(pairs))
     return None
+
+
+def _describe_items(values) -> tuple | None:
+    """:func:`describe` of each of ``values``, or None if any is None."""
+    items = []
+    for v in values:
+        if type(v) in _PLAIN_TENSORS:
+            shape, stride = tuple(v.shape), v.stride()
+            for s in shape:
+                if not _static(s):
+                    return None
+            for s in stride:
+                if not _static(s):
+                    return None
+            items.append((_TENSOR, shape, stride, v.dtype, v.device.type, v.device.index,
+                          v.requires_grad))
+        elif isinstance(v, torch.Tensor):
+            return None  # subclasses: their metadata is more than sizes and dtype
+        else:
+            d = describe(v)
+            if d is None:
+                return None
+            items.append(d)
+    return tuple(items)
 
 
 def _meta_value(desc: tuple):
@@ -335,7 +353,7 @@ def reuse_key(group: BlockGroup, training: bool, arguments: tuple) -> int:
     desc = describe(arguments)
     if desc is None:
         return 0
-    autocast = tuple(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
+    autocast = (torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda"))
     key = _probed_key(group.prober.uid, (training, torch.is_grad_enabled(), autocast, desc))
     # A fresh constant: Dynamo's result of assume_constant_result has a source that cannot be
     # guarded, which flattening the keyed body's arguments would try.
@@ -474,16 +492,16 @@ def module_layout(block: nn.Module) -> tuple:
     # (``nn.Module.modules()`` and a generator expression were about a seventh of the
     # instructions Dynamo interpreted for a 16-block llama).
     layout: list[tuple] = []
-    _add_layout(block, layout)
+    pending = [block]  # depth first, children in reverse order: one frame, no recursion
+    while pending:
+        module = pending.pop()
+        layout.append((type(module), len(module._forward_hooks),
+                       len(module._forward_pre_hooks), len(module._backward_hooks),
+                       len(module._backward_pre_hooks)))
+        for child in module._modules.values():
+            if child is not None:
+                pending.append(child)
     return tuple(layout)
-
-
-def _add_layout(module: nn.Module, layout: list) -> None:
-    layout.append((type(module), len(module._forward_hooks), len(module._forward_pre_hooks),
-                   len(module._backward_hooks), len(module._backward_pre_hooks)))
-    for child in module._modules.values():
-        if child is not None:
-            _add_layout(child, layout)
 
 
 # Each sealed block by the key recorded on it (``_shardc_layout_key``): the traced forward hands

@@ -25,11 +25,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from shardc._torch import dtensor_on_local_device
-from shardc.ops.gather import gather_param
+from shardc.ops.gather import GATHER_OP, gather_param
 from shardc.ops.gather_args import GatherArgs
 from shardc.ops.offload_copy import offload_to_device
 from shardc.runtime import offload_check, offload_optimizer, replaced_params
-from shardc.runtime.grad_sync import REDUCE, REDUCE_STASHED, STASH, UnsyncedGrads, sync_mode
+from shardc.runtime.grad_sync import (
+    REDUCE,
+    REDUCE_STASHED,
+    STASH,
+    SYNC_MODES,
+    UnsyncedGrads,
+    sync_mode,
+)
 from shardc.sharding import te_params
 from shardc.sharding.auto_offload import AutoOffload
 from shardc.sharding.blocks import BlockBodies, wrap_repeated_blocks
@@ -242,7 +249,9 @@ def _read_gathered_as_is(name: str, constants: dict[int, tuple], key: str):
 
     def read(self):
         param, gather = _param_to_gather(self, name)
-        return gather_param(param.to_local(), *constants[sync_mode(key)]) if gather else param
+        # The op and the mode dict themselves, not gather_param's and sync_mode's Python:
+        # Dynamo inlines every call it traces, a frame each per parameter of every block.
+        return GATHER_OP(param.to_local(), *constants[SYNC_MODES[key]]) if gather else param
 
     return read
 
@@ -253,7 +262,8 @@ def _param_to_gather(module: nn.Module, name: str) -> tuple[torch.Tensor | None,
     no longer a DTensor (replaced behind ``shard``'s back) is returned outside a forward and
     refused inside one, where it would train stale values."""
     param = module._parameters.get(name)
-    inside = gathering() or in_eager_forward()
+    # is_compiling() first: Dynamo folds it and never inlines the other two.
+    inside = torch.compiler.is_compiling() or gathering() or in_eager_forward()
     if not isinstance(param, DTensor):
         if param is not None and inside:
             raise _replaced_error(module, name, param)
