@@ -155,9 +155,18 @@ def undo_stand_ins(gm: fx.GraphModule, stand_ins: StandIns) -> None:
 
 
 # run_joint_graph_passes_on_hops (torch/_functorch/_aot_autograd/graph_compile.py) names a body's
-# partitioned graphs after its backward's identifier, "bw_<identifier>_<variant>": the forward
+# partitioned graphs after its backward's identifier, "bw_<identifier>_<variant>" (torch 2.13;
+# the variant numbers backward traces for other tangent metadata): the forward
 # "partitioned_fw_<identifier>_<variant>", the backward "partitioned_bw_<identifier>_<variant>".
-_PARTITIONED_BW = re.compile(r"partitioned_bw_(?P<ident>.+)_(?P<variant>\d+)")
+# A backward identifier without the variant suffix is taken too.
+_PARTITIONED_BW = "partitioned_bw_"
+
+
+def _names_body(name: str, ident: str) -> bool:
+    """Whether ``name`` is a partitioned backward's identifier of the body ``ident``."""
+    rest = name.removeprefix(_PARTITIONED_BW + ident)
+    return name.startswith(_PARTITIONED_BW) and rest != name and (
+        rest == "" or re.fullmatch(r"_\d+", rest) is not None)
 
 
 @dataclass
@@ -188,16 +197,15 @@ def _metas(values: Iterable) -> list:
     return [_meta(v.meta.get("val") if isinstance(v, fx.Node) else v) for v in values]
 
 
-def _partitions(gm: fx.GraphModule) -> dict[str, list[_Partition]]:
-    """Per Dynamo identifier, the partitioned bodies that the joint graph's calls use."""
+def _partitions(gm: fx.GraphModule, idents: set[str]) -> dict[str, list[_Partition]]:
+    """Per Dynamo identifier of ``idents``, the partitioned bodies the joint graph's calls use."""
     found: dict[str, list[_Partition]] = {}
     for node in gm.graph.nodes:
         if not is_call(node, INVOKE_SUBGRAPH) or not isinstance(node.args[1], str):
             continue
-        match = _PARTITIONED_BW.fullmatch(node.args[1])
-        if match is None:
+        ident = next((i for i in idents if _names_body(node.args[1], i)), None)
+        if ident is None:
             continue
-        ident = match["ident"]
         fw_name = "partitioned_fw_" + node.args[1].removeprefix("partitioned_bw_")
         fw_call = next((n for n in gm.graph.nodes if is_call(n, INVOKE_SUBGRAPH)
                         and n.args[1] == fw_name), None)
@@ -254,6 +262,11 @@ def _fit(stand_in: fx.Node, bw: fx.Node | None, part: _Partition, num_outputs: i
     return None
 
 
+def _body_of(key: str) -> str:
+    """The Dynamo identifier a stand-in's key names (``record_outputs``)."""
+    return key.rsplit("/", 1)[0]
+
+
 def restore_body_calls(gm: fx.GraphModule) -> int:
     """Turn each ``shardc::body_fwd`` / ``shardc::body_bwd`` pair of the joint graph ``gm`` into
     the partitioned ``invoke_subgraph`` calls torch builds for a body call (the forward returns
@@ -264,10 +277,10 @@ def restore_body_calls(gm: fx.GraphModule) -> int:
     if not forwards:
         return 0
     backwards = {(n.args[0], n.args[1]): n for n in gm.graph.nodes if is_call(n, BODY_BWD_OP)}
-    partitions = _partitions(gm)
+    partitions = _partitions(gm, {_body_of(n.args[0]) for n in forwards})
     for stand_in in forwards:
         key, call = stand_in.args[0], stand_in.args[1]
-        ident = key.rsplit("/", 1)[0]
+        ident = _body_of(key)
         num_outputs = len(output_metas(key))
         bw = backwards.pop((key, call), None)
         reasons = []
