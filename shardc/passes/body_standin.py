@@ -179,6 +179,7 @@ class _Partition:
     bw: fx.GraphModule
     fw_attr: fx.Node  # the first call's get_attr nodes (their meta is copied)
     bw_attr: fx.Node
+    fw_call: fx.Node  # the first call's forward
     bw_call: fx.Node  # the first call's backward
     num_sym: int
 
@@ -218,7 +219,8 @@ def _partitions(gm: fx.GraphModule, idents: set[str]) -> dict[str, list[_Partiti
         num_sym = sum(1 for s in _outputs(fw) if isinstance(s, fx.Node)
                       and not isinstance(s.meta.get("val"), torch.Tensor))
         found.setdefault(ident, []).append(_Partition(
-            fw_name, node.args[1], fw, bw, fw_call.args[0], node.args[0], node, num_sym))
+            fw_name, node.args[1], fw, bw, fw_call.args[0], node.args[0], fw_call, node,
+            num_sym))
     return found
 
 
@@ -303,6 +305,21 @@ def restore_body_calls(gm: fx.GraphModule) -> int:
     return len(forwards)
 
 
+def _eager_input_vals(call: fx.Node, stand_in: fx.Node, first: fx.Node) -> None:
+    """The values a call's operands had when traced (``meta["eager_input_vals"]``: Inductor's
+    ``invoke_subgraph`` lowering constrains each operand to its strides), in the form of the
+    first call's, ``(subgraph, identifier, *operands)``, from the stand-in's ``(key, i,
+    operands)``; without either, none (Inductor then reads the operands' ``val``)."""
+    mine = stand_in.meta.get("eager_input_vals")
+    theirs = first.meta.get("eager_input_vals")
+    call.meta.pop("eager_input_vals", None)
+    if mine is None or theirs is None:
+        return
+    (args, kwargs), (first_args, _) = mine, theirs
+    if len(args) == 3 and isinstance(args[2], (list, tuple)) and len(first_args) >= 2:
+        call.meta["eager_input_vals"] = ((*first_args[:2], *args[2]), kwargs)
+
+
 def _replace(gm: fx.GraphModule, fw: fx.Node, bw: fx.Node | None, part: _Partition,
              num_outputs: int) -> None:
     """The node-for-node equivalent of run_joint_graph_passes_on_hops' step 3 for one call."""
@@ -316,6 +333,7 @@ def _replace(gm: fx.GraphModule, fw: fx.Node, bw: fx.Node | None, part: _Partiti
         call = graph.call_function(INVOKE_SUBGRAPH, (attr, part.fw_name, *fw.args[2]))
         call.meta = copy.copy(fw.meta)
         call.meta["val"] = values
+        _eager_input_vals(call, fw, part.fw_call)
     saved = []
     with graph.inserting_after(call):  # as torch does: each one right after the call
         for i in range(num_outputs, len(values)):
