@@ -447,19 +447,6 @@ def shardc_backend(
     try:
         return _compile_region(gm, example_inputs, opts, mode, state, clock, check_index,
                                dynamo_s)
-    except StandInMismatch as mismatch:
-        # The same on every rank (the graphs' structure decides): each compiles again.
-        first = registry.pop() if registry else None
-        stand_ins = first.stand_ins if first is not None else None
-        if stand_ins is None:
-            raise
-        log.warning("shardc: region %d: block body stand-ins do not fit the partitioned body "
-                    "(%s); compiling the region again with every call an invoke_subgraph "
-                    "call (opaque_body_calls)", first.index, mismatch)
-        undo_stand_ins(gm, stand_ins)
-        first.stand_ins = None
-        return _compile_region(gm, example_inputs, opts, mode, state, clock,
-                               _announce(gm, opts), dynamo_s, prepared=first)
     except auto_offload.ParamOffloadChosen as chosen:
         # The peak budget's last lever: every shard to the host, and the region planned again
         # as a model sharded with OffloadPolicy() (shardc.sharding.auto_offload).
@@ -474,6 +461,32 @@ def shardc_backend(
         if plan is not None:
             plan.notes.append(auto_offload.note(state.auto_offload, moved))
         return compiled
+    except Exception as error:
+        mismatch = _stand_in_mismatch(error)
+        first = registry[-1] if registry else None
+        if mismatch is None or first is None or first.stand_ins is None:
+            raise
+        # The same on every rank (the graphs' structure decides): each compiles again.
+        registry.pop()
+        log.warning("shardc: region %d: block body stand-ins do not fit the partitioned body "
+                    "(%s); compiling the region again with every call an invoke_subgraph "
+                    "call (opaque_body_calls)", first.index, mismatch)
+        undo_stand_ins(gm, first.stand_ins)
+        first.stand_ins = None
+        return _compile_region(gm, example_inputs, opts, mode, state, clock,
+                               _announce(gm, opts), dynamo_s, prepared=first)
+
+
+def _stand_in_mismatch(error: BaseException) -> StandInMismatch | None:
+    """The :class:`StandInMismatch` ``error`` is or was raised from (torch may wrap what a
+    partitioner raises), or None."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, StandInMismatch):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def _announce(gm: fx.GraphModule, opts: ShardcOptions) -> int | None:
