@@ -8,7 +8,9 @@ with cProfile on process CPU time (so other load on the machine counts less) and
 cumulative seconds of the functions that attribute the compile: Dynamo's trace and guards, the
 re-trace of every block body call (``invoke_subgraph`` in Dynamo, ``gen_schema`` in AOTAutograd),
 AOTAutograd's joint-graph capture, torch's min-cut partition, shardc's own passes and Inductor.
-``--out DIR`` keeps each depth's profile (``pstats``) there. An analysis tool, not a test.
+``--opaque`` compiles with ``opaque_body_calls=True`` (later body calls reach AOTAutograd as
+stand-ins, ``shardc.passes.body_standin``). ``--out DIR`` keeps each depth's profile
+(``pstats``) there. An analysis tool, not a test.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ ROWS = (
     ("    AOTAutograd: invoke_subgraph gen_schema", "_higher_order_ops/invoke_subgraph.py",
      "gen_schema"),
     ("    shardc partitioner (all passes)", "shardc/compile/backend.py", "__call__"),
+    ("      body stand-ins restored (opaque_body_calls)", "shardc/passes/body_standin.py",
+     "restore_body_calls"),
     ("      torch min-cut partition", "shardc/_torch.py", "min_cut_partition"),
     ("      shardc plan + lower + predict", "shardc/compile/pipeline.py", "plan_and_lower"),
     ("    Inductor compile_fx_inner", "_inductor/compile_fx.py", "compile_fx_inner"),
@@ -53,7 +57,7 @@ ROWS = (
 
 
 def _run(rank: int, world: int, blocks: int, inductor: bool, out: str, port: int,
-         plain_inputs: bool = False) -> None:
+         plain_inputs: bool = False, opaque: bool = False) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
@@ -68,7 +72,8 @@ def _run(rank: int, world: int, blocks: int, inductor: bool, out: str, port: int
     cfg = model_config("1b", 32, True, blocks)
     data = synthetic_batches(1, 2, 32, cfg.vocab_size, rank, cpu)
     setup = setup_shardc(build_model(cfg, cpu), bench_mesh.build_mesh("cpu", world, None, 1),
-                         True, plain_inputs=plain_inputs, inductor=inductor)
+                         True, plain_inputs=plain_inputs, inductor=inductor,
+                         **({"opaque_body_calls": True} if opaque else {}))
     opt = torch.optim.AdamW(setup.params, lr=1e-4)
     profile = cProfile.Profile(time.process_time) if rank == 0 else None
     if profile is not None:
@@ -95,6 +100,8 @@ def main() -> None:
     p.add_argument("--inductor", action="store_true")
     p.add_argument("--plain-inputs", action="store_true",
                    help="shardc.shard(..., plain_inputs=True): no DTensor region inputs")
+    p.add_argument("--opaque", action="store_true",
+                   help="opaque_body_calls=True: later body calls reach AOTAutograd as stand-ins")
     p.add_argument("--out", default=None, help="keep the profiles here")
     args = p.parse_args()
     out_dir = Path(args.out or tempfile.mkdtemp(prefix="shardc_profile_"))
@@ -104,7 +111,8 @@ def main() -> None:
         out = str(out_dir / f"blocks{blocks}_world{args.world}.prof")
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="shardc_inductor_")
         mp.spawn(_run, args=(args.world, blocks, args.inductor, out,
-                             29500 + (os.getpid() + blocks) % 2000, args.plain_inputs),
+                             29500 + (os.getpid() + blocks) % 2000, args.plain_inputs,
+                             args.opaque),
                  nprocs=args.world)
         stats = pstats.Stats(out)
         results[blocks] = [_cumulative(stats, suffix, name) for _, suffix, name in ROWS]

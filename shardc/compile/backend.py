@@ -27,6 +27,7 @@ from shardc.compile import cudagraphs, pipeline, progress, warm
 from shardc.compile.options import ShardcOptions
 from shardc.compile.param_offload import host_example_inputs
 from shardc.compile.pipeline import RegionRecord, capture_partitioned
+from shardc.ops.body_standin import BODY_BWD_OP, BODY_FWD_OP
 from shardc.ops.gather import GATHER_OP
 from shardc.ops.gather_args import GatherArgs
 from shardc.passes.body import (
@@ -40,6 +41,12 @@ from shardc.passes.body import (
     tag_weight_recompute,
 )
 from shardc.passes.body_donations import DONATED
+from shardc.passes.body_standin import (
+    StandInMismatch,
+    restore_body_calls,
+    stand_in_later_calls,
+    undo_stand_ins,
+)
 from shardc.passes.fused_loss import LOSS_OPS, decompose_whole_loss_ops
 from shardc.passes.fx_utils import is_call
 from shardc.passes.lower import POOL_PLACEHOLDER
@@ -110,6 +117,11 @@ class ShardcPartitioner(_torch.custom_partitioner_base()):
             return self.partition_body(gm, joint_inputs, **kwargs)
         index = self.region.index
         progress.log_stage(index, "AOTAutograd joint graph", self.clock.lap())
+        if self.region.stand_ins:
+            # Later body calls traced as stand-ins (opaque_body_calls): the calls of the first
+            # call's partitioned body again, as torch would have built them.
+            restored = restore_body_calls(gm)
+            log.debug("shardc: region %d: %d body call stand-ins restored", index, restored)
         # Saved weights that body calls return read the gathers instead, which the reshard
         # pass then recomputes in the backward.
         rewire_saved_inputs(gm, duplicates=self.options.sink_block_residual)
@@ -151,6 +163,10 @@ class ShardcPartitioner(_torch.custom_partitioner_base()):
 
     def plan_inference(self, gm: fx.GraphModule) -> fx.GraphModule:
         """Plan a forward-only graph (``torch.no_grad()`` / eval): gathers only, no reductions."""
+        if self.region.stand_ins and any(
+                n.op == "call_function" and n.target in (BODY_FWD_OP, BODY_BWD_OP)
+                for n in gm.graph.nodes):
+            raise StandInMismatch("AOTAutograd traced the region without autograd")
         if has_sharded_params(gm):
             index = self.region.index
             progress.log_stage(index, "AOTAutograd forward graph", self.clock.lap())
@@ -387,6 +403,24 @@ def _prepare_bodies(gm: fx.GraphModule, state: ShardState | None, opts: ShardcOp
         bodies = {call.identifier for call in region.body_calls}
         log.info("shardc: region %d calls %d compiled block bod%s %d times", region.index,
                  len(bodies), "y" if len(bodies) == 1 else "ies", len(region.body_calls))
+    if found and opts.opaque_body_calls:
+        _stand_in(gm, [node for node, _ in found], blocks, region)
+
+
+def _stand_in(gm: fx.GraphModule, calls: list[fx.Node], blocks, region: RegionRecord) -> None:
+    """``opaque_body_calls``: the later calls of each body as stand-ins AOTAutograd does not
+    re-trace (``shardc.passes.body_standin``); why calls keep theirs, logged once per model."""
+    stand_ins = stand_in_later_calls(gm, calls)
+    for reason in dict.fromkeys(stand_ins.skipped):
+        key = f"opaque_body_calls:{reason}"
+        if key not in blocks.reported:
+            blocks.reported.add(key)
+            log.info("shardc: region %d: block body calls keep their invoke_subgraph call "
+                     "(opaque_body_calls): %s", region.index, reason)
+    if stand_ins:
+        region.stand_ins = stand_ins
+        log.info("shardc: region %d: %d later block body call(s) reach AOTAutograd as "
+                 "stand-ins (opaque_body_calls)", region.index, len(stand_ins))
 
 
 def shardc_backend(
@@ -427,6 +461,32 @@ def shardc_backend(
         if plan is not None:
             plan.notes.append(auto_offload.note(state.auto_offload, moved))
         return compiled
+    except Exception as error:
+        mismatch = _stand_in_mismatch(error)
+        first = registry[-1] if registry else None
+        if mismatch is None or first is None or first.stand_ins is None:
+            raise
+        # The same on every rank (the graphs' structure decides): each compiles again.
+        registry.pop()
+        log.warning("shardc: region %d: block body stand-ins do not fit the partitioned body "
+                    "(%s); compiling the region again with every call an invoke_subgraph "
+                    "call (opaque_body_calls)", first.index, mismatch)
+        undo_stand_ins(gm, first.stand_ins)
+        first.stand_ins = None
+        return _compile_region(gm, example_inputs, opts, mode, state, clock,
+                               _announce(gm, opts), dynamo_s, prepared=first)
+
+
+def _stand_in_mismatch(error: BaseException) -> StandInMismatch | None:
+    """The :class:`StandInMismatch` ``error`` is or was raised from (torch may wrap what a
+    partitioner raises), or None."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, StandInMismatch):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def _announce(gm: fx.GraphModule, opts: ShardcOptions) -> int | None:
@@ -439,7 +499,7 @@ def _announce(gm: fx.GraphModule, opts: ShardcOptions) -> int | None:
 
 
 # What _prepare_bodies records on a region (from the graph it changes).
-_PREPARED_FIELDS = ("inline_blocks", "body_calls", "sink_notes", "sunk_bodies")
+_PREPARED_FIELDS = ("inline_blocks", "body_calls", "sink_notes", "sunk_bodies", "stand_ins")
 
 
 def _compile_region(gm: fx.GraphModule, example_inputs: Sequence[object], opts: ShardcOptions,

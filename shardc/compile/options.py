@@ -158,6 +158,16 @@ class ShardcOptions:
         do not match (output not one residual add, an output read elsewhere, calls inside
         another higher-order op), they stay as they are, said once in the log and in the
         plan's notes. Off by default.
+    opaque_body_calls: with ``compile_blocks_once``, every call of a block body after its first
+        one in a training region's graph reaches AOTAutograd as one opaque op pair
+        (``shardc::body_fwd``/``body_bwd``, ``shardc.passes.body_standin``) instead of an
+        ``invoke_subgraph`` call, which torch re-traces at every call (its mutation check,
+        ``gen_schema``) even where it reuses the body's trace after; the partitioner turns each
+        pair back into the calls of the first call's partitioned body, so the joint graph it
+        plans is the one it would have been. Calls it cannot take (symbolic sizes, no_grad or
+        eval regions, calls inside activation checkpointing, calls whose metadata differs from
+        the first call's) keep the ``invoke_subgraph`` call, said once in the log; a region
+        whose stand-ins do not fit the partitioned body is compiled again without them.
     one_op_bucket_copies: without the communication pool, fill each bucket's all-gather and
         reduce-scatter send buffer with one ``shardc::pool_pack`` (where it computes the same
         values: casts to the buffer's dtype, a power-of-two divisor), and under Inductor copy a
@@ -219,6 +229,7 @@ class ShardcOptions:
     move_found_collectives: bool = True
     compile_blocks_once: bool = True
     sink_block_residual: bool = False
+    opaque_body_calls: bool = False
     one_op_bucket_copies: bool = False
     reduce_scatter_wait_past_small_buckets: bool = False
     memory_target: str = "auto"

@@ -117,6 +117,9 @@ class RegionRecord:
     # sink_block_residual (shardc.passes.sink_residual): one plan note per body, sunk or not.
     sink_notes: list[str] = field(default_factory=list, repr=False)
     sunk_bodies: set[str] = field(default_factory=set, repr=False)  # their identifiers
+    # opaque_body_calls (shardc.passes.body_standin): the later body calls of Dynamo's graph
+    # that AOTAutograd traces as stand-ins (a StandIns; None: none).
+    stand_ins: object | None = field(default=None, repr=False)
     # Optimizer-only CPU offload (OffloadPolicy(params=False, optimizer=True)): the optimizer's
     # state and step live on the host (shardc.runtime.offload_optimizer), not in the device peak.
     optimizer_on_host: bool = False

@@ -1,0 +1,361 @@
+"""Body calls that AOTAutograd does not re-trace (``opaque_body_calls``;
+``shardc.ops.body_standin``; docs/design.md, "Body calls AOTAutograd does not re-trace").
+
+* :func:`stand_in_later_calls` (Dynamo's graph, before AOTAutograd): every call of a body after
+  its first one in the region's top-level graph becomes ``shardc::body_fwd``, whose autograd
+  formula calls ``shardc::body_bwd``; AOTAutograd traces each as one opaque node. The first
+  call of each body stays an ``invoke_subgraph`` call: torch traces, differentiates and
+  partitions it as before (``ShardcPartitioner.partition_body``).
+* :func:`restore_body_calls` (the region's joint graph, first thing in the partitioner, after
+  torch stitched the first calls' partitioned graphs in): each stand-in pair becomes the
+  ``invoke_subgraph`` calls of the first call's partitioned forward and backward that torch's
+  ``run_joint_graph_passes_on_hops`` would have built for it (same subgraphs and identifiers,
+  operands in the same order, the same saved-value ``getitem`` nodes), after checking counts,
+  shapes, strides, dtypes and devices against the partitioned graphs; raises
+  :class:`StandInMismatch` where they differ (the backend compiles the region again without
+  stand-ins).
+* :func:`undo_stand_ins` (Dynamo's graph): the calls as they were.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from shardc.ops.body_standin import (
+    BODY_BWD_OP,
+    BODY_FWD_OP,
+    OutputMeta,
+    output_metas,
+    record_outputs,
+)
+from shardc.passes.body import INVOKE_SUBGRAPH
+from shardc.passes.fx_utils import is_call
+
+__all__ = ["StandInMismatch", "StandIns", "restore_body_calls", "stand_in_later_calls",
+           "undo_stand_ins"]
+
+
+class StandInMismatch(RuntimeError):
+    """A body stand-in that does not fit the first call's partitioned graphs."""
+
+
+@dataclass
+class StandIns:
+    """The body calls of one Dynamo graph replaced by stand-ins, to undo them."""
+
+    replaced: list[tuple[fx.Node, object, tuple]] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # why calls kept their invoke_subgraph
+
+    def __len__(self) -> int:
+        return len(self.replaced)
+
+
+def _value(node: object) -> object:
+    if not isinstance(node, fx.Node):
+        return node
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def _tensor_meta(value: object) -> tuple | None:
+    """Shape, stride, dtype, device, requires_grad of a tensor with static sizes, else None."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    if not all(isinstance(d, int) for d in (*value.shape, *value.stride())):
+        return None
+    return (tuple(value.shape), tuple(value.stride()), value.dtype, value.device,
+            value.requires_grad)
+
+
+def _identity(nodes: list) -> tuple[int, ...]:
+    """For each position, the first position holding the same node (aliasing pattern)."""
+    return tuple(next(j for j in range(i + 1) if nodes[j] is nodes[i]) for i in range(len(nodes)))
+
+
+@dataclass
+class _First:
+    operands: list[tuple | None]
+    identity: tuple[int, ...]
+    outputs: tuple[OutputMeta, ...]
+    key: str
+    calls: int = 0
+
+
+def _describe(node: fx.Node) -> tuple[list, tuple[OutputMeta, ...]] | str:
+    """A call's operands' and outputs' metadata, or why it cannot have a stand-in."""
+    operands = [_tensor_meta(_value(a)) for a in node.args[2:]]
+    if any(not isinstance(a, fx.Node) for a in node.args[2:]) or None in operands:
+        return "an operand is no tensor of static sizes (dynamic shapes, a SymInt operand)"
+    outputs = _value(node)
+    if not isinstance(outputs, (tuple, list)) or not outputs:
+        return "Dynamo recorded no outputs for the call"
+    metas = [_tensor_meta(o) for o in outputs]
+    if None in metas:
+        return "an output is no tensor of static sizes"
+    if not any(m[4] for m in metas):
+        return "no output requires grad (a no_grad or eval region)"
+    return operands, tuple(OutputMeta.of(o) for o in outputs)
+
+
+def stand_in_later_calls(gm: fx.GraphModule, calls: Iterable[fx.Node]) -> StandIns:
+    """Replace each call of ``calls`` (shardc's body calls, ``invoke_subgraph`` nodes) in
+    ``gm``'s top-level graph whose body was called before in that graph with the same operand
+    and output metadata and aliasing pattern by ``shardc::body_fwd(key, i, operands)``; the
+    node keeps its ``getitem`` users and meta. Calls inside other higher-order ops' subgraphs,
+    calls with non-tensor or symbolic operands, and calls whose outputs need no gradient keep
+    their ``invoke_subgraph`` (their reasons in ``StandIns.skipped``)."""
+    done = StandIns()
+    wanted = {id(c) for c in calls}
+    nested = {str(c.args[1]) for c in calls if c.graph is not gm.graph}
+    first: dict[str, _First] = {}
+    for node in list(gm.graph.nodes):
+        if id(node) not in wanted or not is_call(node, INVOKE_SUBGRAPH):
+            continue
+        ident = str(node.args[1])
+        if ident in nested:
+            done.skipped.append(f"{ident}: the body is also called inside another "
+                                "higher-order op (activation checkpointing)")
+            continue
+        described = _describe(node)
+        if isinstance(described, str):
+            done.skipped.append(f"{ident}: {described}")
+            continue
+        operands, outputs = described
+        identity = _identity(list(node.args[2:]))
+        known = first.get(ident)
+        if known is None:
+            first[ident] = _First(operands, identity, outputs, record_outputs(ident, outputs))
+            continue
+        if (operands, identity, outputs) != (known.operands, known.identity, known.outputs):
+            done.skipped.append(f"{ident}: a call's operands or outputs differ from its first "
+                                "call's (shape, stride, dtype, device, requires_grad, aliasing)")
+            continue
+        known.calls += 1
+        done.replaced.append((node, node.target, node.args))
+        node.target = BODY_FWD_OP
+        node.args = (known.key, known.calls, list(node.args[2:]))
+    if done.replaced:
+        gm.recompile()
+    return done
+
+
+def undo_stand_ins(gm: fx.GraphModule, stand_ins: StandIns) -> None:
+    """Put back the ``invoke_subgraph`` calls :func:`stand_in_later_calls` replaced."""
+    for node, target, args in stand_ins.replaced:
+        node.target, node.args = target, args
+    if stand_ins.replaced:
+        gm.recompile()
+    stand_ins.replaced.clear()
+
+
+# run_joint_graph_passes_on_hops (torch/_functorch/_aot_autograd/graph_compile.py) names a body's
+# partitioned graphs after its backward's identifier, "bw_<identifier>_<variant>" (torch 2.13;
+# the variant numbers backward traces for other tangent metadata): the forward
+# "partitioned_fw_<identifier>_<variant>", the backward "partitioned_bw_<identifier>_<variant>".
+# A backward identifier without the variant suffix is taken too.
+_PARTITIONED_BW = "partitioned_bw_"
+
+
+def _names_body(name: str, ident: str) -> bool:
+    """Whether ``name`` is a partitioned backward's identifier of the body ``ident``."""
+    rest = name.removeprefix(_PARTITIONED_BW + ident)
+    return name.startswith(_PARTITIONED_BW) and rest != name and (
+        rest == "" or re.fullmatch(r"_\d+", rest) is not None)
+
+
+@dataclass
+class _Partition:
+    """One partitioned body (one backward variant), as its first call uses it."""
+
+    fw_name: str
+    bw_name: str
+    fw: fx.GraphModule
+    bw: fx.GraphModule
+    fw_attr: fx.Node  # the first call's get_attr nodes (their meta is copied)
+    bw_attr: fx.Node
+    fw_call: fx.Node  # the first call's forward
+    bw_call: fx.Node  # the first call's backward
+    num_sym: int
+
+
+def _outputs(gm: fx.GraphModule) -> list:
+    return list(gm.graph.find_nodes(op="output")[0].args[0])
+
+
+def _meta(value: object) -> tuple | None:
+    if not isinstance(value, torch.Tensor):
+        return None
+    return (tuple(value.shape), tuple(value.stride()), value.dtype, value.device)
+
+
+def _metas(values: Iterable) -> list:
+    return [_meta(v.meta.get("val") if isinstance(v, fx.Node) else v) for v in values]
+
+
+def _partitions(gm: fx.GraphModule, idents: set[str]) -> dict[str, list[_Partition]]:
+    """Per Dynamo identifier of ``idents``, the partitioned bodies the joint graph's calls use."""
+    found: dict[str, list[_Partition]] = {}
+    for node in gm.graph.nodes:
+        if not is_call(node, INVOKE_SUBGRAPH) or not isinstance(node.args[1], str):
+            continue
+        ident = next((i for i in idents if _names_body(node.args[1], i)), None)
+        if ident is None:
+            continue
+        fw_name = "partitioned_fw_" + node.args[1].removeprefix("partitioned_bw_")
+        fw_call = next((n for n in gm.graph.nodes if is_call(n, INVOKE_SUBGRAPH)
+                        and n.args[1] == fw_name), None)
+        if fw_call is None or any(p.bw_name == node.args[1] for p in found.get(ident, ())):
+            continue
+        fw = getattr(gm, fw_call.args[0].target)
+        bw = getattr(gm, node.args[0].target)
+        # The forward returns (*outputs, *saved, *symbolic sizes), the backward takes
+        # (*symbolic sizes, *saved, *tangents).
+        num_sym = sum(1 for s in _outputs(fw) if isinstance(s, fx.Node)
+                      and not isinstance(s.meta.get("val"), torch.Tensor))
+        found.setdefault(ident, []).append(_Partition(
+            fw_name, node.args[1], fw, bw, fw_call.args[0], node.args[0], fw_call, node,
+            num_sym))
+    return found
+
+
+def _fit(stand_in: fx.Node, bw: fx.Node | None, part: _Partition, num_outputs: int) -> str | None:
+    """Why ``part`` cannot replace the stand-in pair, or None."""
+    outputs = _outputs(part.fw)
+    num_saved = len(outputs) - num_outputs - part.num_sym
+    if num_saved < 0:
+        return "the partitioned forward returns fewer values than the body"
+    if part.num_sym:
+        return "the partitioned body saves symbolic sizes"
+    operands = stand_in.args[2]
+    placeholders = part.fw.graph.find_nodes(op="placeholder")
+    if _metas(operands) != _metas(placeholders):
+        return "the operands differ from the partitioned forward's inputs"
+    mine = [u for u in stand_in.users]
+    got = {u.args[1]: u for u in mine if is_call(u, operator.getitem)}
+    if len(got) != len(mine):
+        return "a stand-in output is read other than by getitem"
+    for i, user in got.items():
+        if i >= num_outputs or _metas([user]) != _metas([outputs[i]]):
+            return f"output {i} differs from the partitioned forward's"
+    if bw is None:
+        return None
+    first_bw = part.bw_call
+    first_tangents = list(first_bw.args[2 + part.num_sym + num_saved:])
+    tangents = list(bw.args[3])
+    if _metas(tangents) != _metas(first_tangents) or (
+            _identity(tangents) != _identity(first_tangents)):
+        return "the gradients the backward gets differ from the first call's"
+    grads_for = bw.args[4]
+    bw_outputs = _outputs(part.bw)
+    for user in bw.users:
+        if not is_call(user, operator.getitem):
+            return "a stand-in gradient is read other than by getitem"
+        position = grads_for[user.args[1]]
+        if position >= len(bw_outputs) or not isinstance(bw_outputs[position], fx.Node):
+            return f"the partitioned backward computes no gradient for operand {position}"
+        if _metas([user]) != _metas([bw_outputs[position]]):
+            return f"the gradient of operand {position} differs from the partitioned backward's"
+    return None
+
+
+def _body_of(key: str) -> str:
+    """The Dynamo identifier a stand-in's key names (``record_outputs``)."""
+    return key.rsplit("/", 1)[0]
+
+
+def restore_body_calls(gm: fx.GraphModule) -> int:
+    """Turn each ``shardc::body_fwd`` / ``shardc::body_bwd`` pair of the joint graph ``gm`` into
+    the partitioned ``invoke_subgraph`` calls torch builds for a body call (the forward returns
+    the outputs, then the saved values read through new ``getitem`` nodes; the backward takes
+    the saved values, then the tangents); returns how many forward stand-ins were replaced.
+    Raises :class:`StandInMismatch` where one does not fit a partitioned body."""
+    forwards = [n for n in gm.graph.nodes if is_call(n, BODY_FWD_OP)]
+    if not forwards:
+        return 0
+    backwards = {(n.args[0], n.args[1]): n for n in gm.graph.nodes if is_call(n, BODY_BWD_OP)}
+    partitions = _partitions(gm, {_body_of(n.args[0]) for n in forwards})
+    for stand_in in forwards:
+        key, call = stand_in.args[0], stand_in.args[1]
+        ident = _body_of(key)
+        num_outputs = len(output_metas(key))
+        bw = backwards.pop((key, call), None)
+        reasons = []
+        chosen = None
+        for part in partitions.get(ident, ()):
+            reason = _fit(stand_in, bw, part, num_outputs)
+            if reason is None:
+                chosen = part
+                break
+            reasons.append(reason)
+        if chosen is None:
+            why = "; ".join(reasons) or "its body's first call was not partitioned"
+            raise StandInMismatch(f"the stand-in of call {call} of body {ident}: {why}")
+        _replace(gm, stand_in, bw, chosen, num_outputs)
+    if backwards:
+        raise StandInMismatch(f"{len(backwards)} body backward stand-in(s) without a forward")
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    return len(forwards)
+
+
+def _eager_input_vals(call: fx.Node, stand_in: fx.Node, first: fx.Node) -> None:
+    """The values a call's operands had when traced (``meta["eager_input_vals"]``: Inductor's
+    ``invoke_subgraph`` lowering constrains each operand to its strides), in the form of the
+    first call's, ``(subgraph, identifier, *operands)``, from the stand-in's ``(key, i,
+    operands)``; without either, none (Inductor then reads the operands' ``val``)."""
+    mine = stand_in.meta.get("eager_input_vals")
+    theirs = first.meta.get("eager_input_vals")
+    call.meta.pop("eager_input_vals", None)
+    if mine is None or theirs is None:
+        return
+    (args, kwargs), (first_args, _) = mine, theirs
+    if len(args) == 3 and isinstance(args[2], (list, tuple)) and len(first_args) >= 2:
+        call.meta["eager_input_vals"] = ((*first_args[:2], *args[2]), kwargs)
+
+
+def _replace(gm: fx.GraphModule, fw: fx.Node, bw: fx.Node | None, part: _Partition,
+             num_outputs: int) -> None:
+    """The node-for-node equivalent of run_joint_graph_passes_on_hops' step 3 for one call."""
+    graph = gm.graph
+    values = tuple(v.meta.get("val") if isinstance(v, fx.Node) else None
+                   for v in _outputs(part.fw))
+    with graph.inserting_after(fw):
+        attr = graph.get_attr(part.fw_name)
+        attr.meta = copy.copy(part.fw_attr.meta)
+    with graph.inserting_after(attr):
+        call = graph.call_function(INVOKE_SUBGRAPH, (attr, part.fw_name, *fw.args[2]))
+        call.meta = copy.copy(fw.meta)
+        call.meta["val"] = values
+        _eager_input_vals(call, fw, part.fw_call)
+    saved = []
+    with graph.inserting_after(call):  # as torch does: each one right after the call
+        for i in range(num_outputs, len(values)):
+            node = graph.call_function(operator.getitem, (call, i))
+            node.meta = copy.copy(call.meta)
+            node.meta["val"] = values[i]
+            saved.append(node)
+    fw.replace_all_uses_with(call)
+    graph.erase_node(fw)
+    if bw is None:
+        return
+    tangents = list(bw.args[3])
+    grads_for = bw.args[4]
+    with graph.inserting_after(bw):
+        battr = graph.get_attr(part.bw_name)
+        battr.meta = copy.copy(part.bw_attr.meta)
+    with graph.inserting_after(battr):
+        bcall = graph.call_function(INVOKE_SUBGRAPH, (battr, part.bw_name, *saved, *tangents))
+        bcall.meta = copy.copy(bw.meta)
+        bcall.meta["val"] = tuple(v.meta.get("val") if isinstance(v, fx.Node) else None
+                                  for v in _outputs(part.bw))
+        bcall.meta.pop("eager_input_vals", None)
+    for user in list(bw.users):
+        user.args = (bcall, grads_for[user.args[1]])
+    graph.erase_node(bw)
