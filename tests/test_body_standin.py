@@ -95,9 +95,12 @@ def test_stand_ins_train_bitwise_like_body_calls_with_the_same_plan(world, mode)
             assert a == b, [k for k in a if a[k] != b.get(k)]
         # gen_schema re-traces the body at every call AOTAutograd differentiates, in each of its
         # passes over the region (torch 2.13: 15 calls for the 4 body calls, 6 with stand-ins):
-        # none for the three stand-ins.
-        saved = old["gen_schema"] - new["gen_schema"]
-        assert saved > 0 and saved % 3 == 0, (new["gen_schema"], old["gen_schema"])
+        # none for the three stand-ins. Counted where the profile shows torch's function under
+        # that name: the CI's torch 2.13 does; torch 2.11 (Python 3.12, one H200 host) showed
+        # none on either path, and the stand-ins still trained bitwise there.
+        if old["gen_schema"]:
+            saved = old["gen_schema"] - new["gen_schema"]
+            assert saved > 0 and saved % 3 == 0, (new["gen_schema"], old["gen_schema"])
 
 
 def _forced_mismatch(rank: int, world: int) -> dict:
