@@ -167,7 +167,8 @@ class ShardcOptions:
         plans is the one it would have been. Calls it cannot take (symbolic sizes, no_grad or
         eval regions, calls inside activation checkpointing, calls whose metadata differs from
         the first call's) keep the ``invoke_subgraph`` call, said once in the log; a region
-        whose stand-ins do not fit the partitioned body is compiled again without them.
+        whose stand-ins do not fit the partitioned body is compiled again without them. On by
+        default (``False``: every call an ``invoke_subgraph`` call, as before).
     one_op_bucket_copies: without the communication pool, fill each bucket's all-gather and
         reduce-scatter send buffer with one ``shardc::pool_pack`` (where it computes the same
         values: casts to the buffer's dtype, a power-of-two divisor), and under Inductor copy a
@@ -229,7 +230,7 @@ class ShardcOptions:
     move_found_collectives: bool = True
     compile_blocks_once: bool = True
     sink_block_residual: bool = False
-    opaque_body_calls: bool = False
+    opaque_body_calls: bool = True
     one_op_bucket_copies: bool = False
     reduce_scatter_wait_past_small_buckets: bool = False
     memory_target: str = "auto"
