@@ -379,16 +379,27 @@ class TraceOnceMismatch(RuntimeError):
     """A ``shardc::body_call`` that cannot be turned into its first call's ``invoke_subgraph``."""
 
 
-def _meta_of(node: object) -> tuple | None:
-    value = node.meta.get("example_value", node.meta.get("val")) if isinstance(
-        node, fx.Node) else None
+def node_value(node: object) -> object:
+    """The (fake) value Dynamo or AOTAutograd recorded for ``node``; a non-node as it is."""
+    if not isinstance(node, fx.Node):
+        return node
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def tensor_meta(value: object) -> tuple | None:
+    """Shape, stride, dtype, device and requires_grad of a tensor, else None."""
     if not isinstance(value, torch.Tensor):
         return None
     return (tuple(value.shape), tuple(value.stride()), value.dtype, value.device,
             value.requires_grad)
 
 
-def _identity(nodes: list) -> tuple[int, ...]:
+def _meta_of(node: object) -> tuple | None:
+    return tensor_meta(node_value(node)) if isinstance(node, fx.Node) else None
+
+
+def aliasing_pattern(nodes: list) -> tuple[int, ...]:
+    """For each position, the first position holding the same node."""
     return tuple(next(j for j in range(i + 1) if nodes[j] is nodes[i]) for i in range(len(nodes)))
 
 
@@ -421,7 +432,7 @@ def _anchor(node: fx.Node) -> _Anchor:
             raise TraceOnceMismatch(f"slot {slot}: the first call's subgraph takes {operand}, "
                                     "neither an argument of the body nor a graph input")
     return _Anchor(call, operands, [o.args[1] for o in outputs], [_meta_of(n) for n in inputs],
-                   _identity(list(inputs)))
+                   aliasing_pattern(list(inputs)))
 
 
 def rewrite_trace_once_calls(root: fx.GraphModule) -> int:
@@ -468,7 +479,7 @@ def _rewrite_call(gm: fx.GraphModule, node: fx.Node, anchors: dict[int, _Anchor]
     if len(inputs) != len(anchor.inputs) or metas != anchor.inputs or None in metas:
         raise TraceOnceMismatch(f"slot {slot}: {node}'s arguments differ from the first call's "
                                 f"(count, shape, stride, dtype, device or requires_grad)")
-    if _identity(list(inputs)) != anchor.identity:
+    if aliasing_pattern(list(inputs)) != anchor.identity:
         raise TraceOnceMismatch(f"slot {slot}: {node}'s identical arguments differ from the "
                                 "first call's")
     first = anchor.call

@@ -35,7 +35,7 @@ from shardc.ops.body_standin import (
     output_metas,
     record_outputs,
 )
-from shardc.passes.body import INVOKE_SUBGRAPH
+from shardc.passes.body import INVOKE_SUBGRAPH, aliasing_pattern, node_value, tensor_meta
 from shardc.passes.fx_utils import is_call
 
 __all__ = ["StandInMismatch", "StandIns", "restore_body_calls", "stand_in_later_calls",
@@ -57,25 +57,12 @@ class StandIns:
         return len(self.replaced)
 
 
-def _value(node: object) -> object:
-    if not isinstance(node, fx.Node):
-        return node
-    return node.meta.get("example_value", node.meta.get("val"))
-
-
 def _tensor_meta(value: object) -> tuple | None:
-    """Shape, stride, dtype, device, requires_grad of a tensor with static sizes, else None."""
-    if not isinstance(value, torch.Tensor):
+    """:func:`tensor_meta` of a tensor with static sizes, else None."""
+    meta = tensor_meta(value)
+    if meta is None or not all(isinstance(d, int) for d in (*meta[0], *meta[1])):
         return None
-    if not all(isinstance(d, int) for d in (*value.shape, *value.stride())):
-        return None
-    return (tuple(value.shape), tuple(value.stride()), value.dtype, value.device,
-            value.requires_grad)
-
-
-def _identity(nodes: list) -> tuple[int, ...]:
-    """For each position, the first position holding the same node (aliasing pattern)."""
-    return tuple(next(j for j in range(i + 1) if nodes[j] is nodes[i]) for i in range(len(nodes)))
+    return meta
 
 
 @dataclass
@@ -89,10 +76,10 @@ class _First:
 
 def _describe(node: fx.Node) -> tuple[list, tuple[OutputMeta, ...]] | str:
     """A call's operands' and outputs' metadata, or why it cannot have a stand-in."""
-    operands = [_tensor_meta(_value(a)) for a in node.args[2:]]
+    operands = [_tensor_meta(node_value(a)) for a in node.args[2:]]
     if any(not isinstance(a, fx.Node) for a in node.args[2:]) or None in operands:
         return "an operand is no tensor of static sizes (dynamic shapes, a SymInt operand)"
-    outputs = _value(node)
+    outputs = node_value(node)
     if not isinstance(outputs, (tuple, list)) or not outputs:
         return "Dynamo recorded no outputs for the call"
     metas = [_tensor_meta(o) for o in outputs]
@@ -127,7 +114,7 @@ def stand_in_later_calls(gm: fx.GraphModule, calls: Iterable[fx.Node]) -> StandI
             done.skipped.append(f"{ident}: {described}")
             continue
         operands, outputs = described
-        identity = _identity(list(node.args[2:]))
+        identity = aliasing_pattern(list(node.args[2:]))
         known = first.get(ident)
         if known is None:
             first[ident] = _First(operands, identity, outputs, record_outputs(ident, outputs))
@@ -249,7 +236,7 @@ def _fit(stand_in: fx.Node, bw: fx.Node | None, part: _Partition, num_outputs: i
     first_tangents = list(first_bw.args[2 + part.num_sym + num_saved:])
     tangents = list(bw.args[3])
     if _metas(tangents) != _metas(first_tangents) or (
-            _identity(tangents) != _identity(first_tangents)):
+            aliasing_pattern(tangents) != aliasing_pattern(first_tangents)):
         return "the gradients the backward gets differ from the first call's"
     grads_for = bw.args[4]
     bw_outputs = _outputs(part.bw)
