@@ -10,7 +10,10 @@ re-trace of every block body call (``invoke_subgraph`` in Dynamo, ``gen_schema``
 AOTAutograd's joint-graph capture, torch's min-cut partition, shardc's own passes and Inductor.
 ``--opaque`` compiles with ``opaque_body_calls=True`` (later body calls reach AOTAutograd as
 stand-ins, ``shardc.passes.body_standin``). ``--out DIR`` keeps each depth's profile
-(``pstats``) there. An analysis tool, not a test.
+(``pstats``) there. ``--device cuda`` runs one rank per GPU over NCCL with Inductor, the
+benchmarks' full-size ``--model`` (default 1b) at ``--seq``/``--batch`` (2048 / 4, as
+``benchmarks/compile_time.py``), timed on the wall clock (Inductor compiles Triton kernels in
+worker processes, which process time would miss). An analysis tool, not a test.
 """
 
 from __future__ import annotations
@@ -32,11 +35,13 @@ _ROOT = Path(__file__).resolve().parent.parent
 
 # (label, file suffix, function name): the rows printed per depth.
 ROWS = (
-    ("first step (rank 0, CPU s, profiled)", "benchmarks/train/runner.py", "train_step"),
+    ("first step (rank 0, s, profiled)", "benchmarks/train/runner.py", "train_step"),
     ("Dynamo frame (trace + backend)", "_dynamo/convert_frame.py", "_compile_inner"),
     ("  Dynamo: block body calls traced", "_dynamo/variables/invoke_subgraph.py",
      "_call_function"),
     ("  Dynamo: build guards", "_dynamo/guards.py", "build_guards"),
+    ("  Dynamo: wrap tensor inputs (VariableBuilder)", "_dynamo/variables/builder.py",
+     "wrap_tensor"),
     ("  backend (AOTAutograd + shardc + Inductor)", "_dynamo/output_graph.py",
      "call_user_compiler"),
     ("    AOTAutograd: metadata pass (create_aot_state)", "_functorch/aot_autograd.py",
@@ -53,14 +58,23 @@ ROWS = (
     ("      torch min-cut partition", "shardc/_torch.py", "min_cut_partition"),
     ("      shardc plan + lower + predict", "shardc/compile/pipeline.py", "plan_and_lower"),
     ("    Inductor compile_fx_inner", "_inductor/compile_fx.py", "compile_fx_inner"),
+    ("      Inductor: lowering (GraphLowering.run)", "_inductor/graph.py", "run"),
+    ("      Inductor: scheduling + codegen", "_inductor/graph.py", "codegen"),
+    ("      Inductor: module load + kernel compile", "_inductor/graph.py",
+     "compile_to_module"),
 )
 
 
 def _run(rank: int, world: int, blocks: int, inductor: bool, out: str, port: int,
-         plain_inputs: bool = False, opaque: bool = False) -> None:
+         plain_inputs: bool = False, opaque: bool = False, device_type: str = "cpu",
+         model: str = "1b", seq: int = 32, batch: int = 2) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(1)
+    cuda = device_type == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    if not cuda:
+        torch.set_num_threads(1)
     for path in (_ROOT, _ROOT / "benchmarks"):
         sys.path.insert(0, str(path))
     import bench_mesh
@@ -68,14 +82,16 @@ def _run(rank: int, world: int, blocks: int, inductor: bool, out: str, port: int
     from train.shardc_mode import setup_shardc
     from train.workload import build_model, model_config, synthetic_batches
 
-    cpu = torch.device("cpu")
-    cfg = model_config("1b", 32, True, blocks)
-    data = synthetic_batches(1, 2, 32, cfg.vocab_size, rank, cpu)
-    setup = setup_shardc(build_model(cfg, cpu), bench_mesh.build_mesh("cpu", world, None, 1),
+    device = torch.device(device_type, rank) if cuda else torch.device("cpu")
+    cfg = model_config(model, seq, not cuda, blocks)
+    data = synthetic_batches(1, batch, seq, cfg.vocab_size, rank, device)
+    setup = setup_shardc(build_model(cfg, device),
+                         bench_mesh.build_mesh(device_type, world, None, 1),
                          True, plain_inputs=plain_inputs, inductor=inductor,
                          **({"opaque_body_calls": True} if opaque else {}))
     opt = torch.optim.AdamW(setup.params, lr=1e-4)
-    profile = cProfile.Profile(time.process_time) if rank == 0 else None
+    clock = time.perf_counter if cuda else time.process_time
+    profile = cProfile.Profile(clock) if rank == 0 else None
     if profile is not None:
         profile.enable()
     train_step(setup, opt, *data[0])
@@ -103,16 +119,26 @@ def main() -> None:
     p.add_argument("--opaque", action="store_true",
                    help="opaque_body_calls=True: later body calls reach AOTAutograd as stand-ins")
     p.add_argument("--out", default=None, help="keep the profiles here")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: one rank per GPU, NCCL, Inductor, full-size model, wall clock")
+    p.add_argument("--model", default="1b", help="with --device cuda: 1b or wide")
+    p.add_argument("--seq", type=int, default=None, help="default: 32 (cpu), 2048 (cuda)")
+    p.add_argument("--batch", type=int, default=None, help="default: 2 (cpu), 4 (cuda)")
     args = p.parse_args()
+    cuda = args.device == "cuda"
+    args.inductor = args.inductor or cuda
+    seq = args.seq or (2048 if cuda else 32)
+    batch = args.batch or (4 if cuda else 2)
     out_dir = Path(args.out or tempfile.mkdtemp(prefix="shardc_profile_"))
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {}
     for blocks in args.blocks:
         out = str(out_dir / f"blocks{blocks}_world{args.world}.prof")
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="shardc_inductor_")
+        os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="shardc_triton_")
         mp.spawn(_run, args=(args.world, blocks, args.inductor, out,
                              29500 + (os.getpid() + blocks) % 2000, args.plain_inputs,
-                             args.opaque),
+                             args.opaque, args.device, args.model, seq, batch),
                  nprocs=args.world)
         stats = pstats.Stats(out)
         results[blocks] = [_cumulative(stats, suffix, name) for _, suffix, name in ROWS]

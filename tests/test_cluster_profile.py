@@ -239,6 +239,28 @@ def test_recompute_from_a_saved_tensor_fuses_after_the_matmul():
     assert kernels[1].read_bytes == 2 * s.nbytes and kernels[1].write_bytes == s.nbytes
 
 
+def test_attention_reads_is_causal_from_the_call_or_the_schema_default():
+    """The attention estimate's ``is_causal`` (causal: half the FLOPs), passed by position, by
+    keyword, or left at the op's default (False); True where the op has no such argument."""
+    from torch import fx
+
+    from shardc.planning.estimate import _is_causal
+
+    g = fx.Graph()
+    q = g.placeholder("q")
+    flash = torch.ops.aten._scaled_dot_product_flash_attention.default
+    efficient = torch.ops.aten._scaled_dot_product_efficient_attention.default
+    calls = {
+        g.call_function(flash, (q, q, q, 0.0, True)): True,
+        g.call_function(flash, (q, q, q)): False,  # the schema's default
+        g.call_function(flash, (q, q, q), {"is_causal": True}): True,
+        g.call_function(efficient, (q, q, q, None, True, 0.0, False)): False,
+        g.call_function(efficient, (q, q, q, None, True, 0.0, True)): True,
+        g.call_function(torch.ops.aten.mm.default, (q, q)): True,  # no such argument
+    }
+    assert {n: _is_causal(n) for n in calls} == calls
+
+
 def test_optimizer_step_is_memory_bound_passes():
     p = _profile(memory=((1, 2e12),), kernel_gpu_s=0.0, kernel_launch_s=0.0)
     foreach = optimizer_step_seconds(4e9, 10, p)
