@@ -102,6 +102,7 @@ def _train(rank: int, world: int) -> dict:
     out["policy"] = state.offload
     out["local_devices"] = sorted({p.to_local().device.type for p in model.parameters()})
     out["infos"] = sorted({i.offload_device for i in state.params.values()})
+    initial = [p.to_local().detach().clone() for p in model.parameters()]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     compiled = torch.compile(model, backend=shardc.backend(inductor=False))
     gen = torch.Generator().manual_seed(rank)
@@ -133,7 +134,8 @@ def _train(rank: int, world: int) -> dict:
     out["mixed_step"] = _error(mixed.step)
     out["optimizer_only"] = _optimizer_only(rank, mesh)
     out["budget"] = _budget_keeps(rank, mesh, resharded)
-    out["overlap"] = _step_in_backward(rank, mesh)
+    # This compiled model trains again, from its initial shards, for step_in_backward.
+    out["overlap"] = _step_in_backward(rank, mesh, model, compiled, initial)
     return out
 
 
@@ -191,17 +193,18 @@ def _state_equal(a: dict, b: dict) -> bool:
     return True
 
 
-def _step_in_backward(rank: int, mesh) -> dict:
+def _step_in_backward(rank: int, mesh, model, compiled, initial: list) -> dict:
     """shardc.step_in_backward: the same training as the plain offload step (compiled and
-    eager), the early steps taken, the state dict, and what it refuses."""
+    eager), the early steps taken, the state dict, and what it refuses. Compiled: ``model``
+    (sharded with offload) and its compiled forward ``compiled`` (``_train``'s: the graphs
+    depend on neither the optimizer nor step_in_backward), put back to its local shards
+    ``initial`` and trained twice, plain then overlapped; eager: a fresh model, likewise."""
     out = {}
     for mode in ("fx", "eager"):
-        # One model (and, compiled, one compile: the graphs do not depend on the optimizer or
-        # on step_in_backward) trained twice from the same shards, plain then overlapped.
-        model = shardc.shard(_model(), mesh, offload=SIM)
-        forward = model if mode == "eager" else torch.compile(
-            model, backend=shardc.backend(inductor=False))
-        initial = [p.to_local().detach().clone() for p in model.parameters()]
+        if mode == "eager":
+            model = shardc.shard(_model(), mesh, offload=SIM)
+            initial = [p.to_local().detach().clone() for p in model.parameters()]
+        forward = model if mode == "eager" else compiled
         plain = _overlap_train(rank, model, forward, initial, False)
         over = _overlap_train(rank, model, forward, initial, True)
         if mode == "fx":
