@@ -11,8 +11,8 @@ simulated on the CPU mesh (every copy a real separate tensor), FX, no margin:
   recorded note, every parameter registered as offloaded, the same plan on both ranks), like
   the unsharded reference; then an eval forward (a second region, planned with the shards on
   the host) and an eager forward (uncompiled reads copy the host shards too);
-- (slow) a budget at the device minimum leaves them on the device: no copies in the plan,
-  nothing offloaded, the same losses and parameters as the reference; and under a roomy budget
+- a budget at the device minimum leaves them on the device: no copies in the plan, nothing
+  offloaded, the same losses and parameters as the reference; and (slow) under a roomy budget
   the plan the model sharded without offload makes (the same hash).
 """
 
@@ -94,15 +94,14 @@ def _summary(run: dict, world: int) -> dict:
     }
 
 
-def _group(rank: int, world: int, names: tuple[str, ...] = ("at_host_min",)) -> dict:
+def _group(rank: int, world: int) -> dict:
     torch._dynamo.reset()
     device_min, host_min = _refusal_minima(rank, world)
     out = {"device_min": device_min, "host_min": host_min}
     # The host minimum: below what the levers on the device reach (its plan has no shards,
     # gradients or optimizer state on the device), met with the shards on the host.
     budgets = {"at_host_min": host_min, "at_device_min": device_min}
-    for name in names:
-        budget = budgets[name]
+    for name, budget in budgets.items():
         torch._dynamo.reset()
         run = sharded_run(rank, world, MODEL, "fx", offload=AUTO, keep_model=True,
                           peak_memory_budget_bytes=budget, peak_memory_margin=0,
@@ -130,18 +129,6 @@ def runs() -> list[dict]:
     return run_ranks(_group, 2)
 
 
-def _slow_group(rank: int, world: int) -> dict:
-    """The slow tests' runs, in one spawn: the minima and the run at the device minimum, then
-    the roomy budget's plans with and without ``params="auto"``."""
-    return {**_group(rank, world, ("at_device_min",)),
-            "hashes": _unplaced_and_plain(rank, world)}
-
-
-@pytest.fixture(scope="module")
-def slow_runs() -> list[dict]:
-    return run_ranks(_slow_group, 2)
-
-
 def test_budget_below_every_other_lever_moves_the_shards_to_the_host(runs):
     first = runs[0]
     assert first["host_min"] < first["device_min"], first
@@ -163,12 +150,7 @@ def test_budget_below_every_other_lever_moves_the_shards_to_the_host(runs):
     assert runs[1]["at_host_min"]["placed"]
 
 
-# Slow since suite36 (suite time: 23 rank-CPU s, a search and a compile at the device minimum in
-# the default group): the lever itself stays in the default tier above (the shards moved where
-# nothing else meets the budget, trained at parity).
-@pytest.mark.slow
-def test_budget_met_on_the_device_leaves_the_shards_there(slow_runs):
-    runs = slow_runs
+def test_budget_met_on_the_device_leaves_the_shards_there(runs):
     got = runs[0]["at_device_min"]
     assert not got["placed"] and not got["offload_set"] and got["registered"] == 0, got
     assert got["h2d"] == [0] and got["d2h"] == [0], got
@@ -187,13 +169,13 @@ def test_auto_policy_is_checked():
     assert not shardc.OffloadPolicy().planner_decides
 
 
-# Slow (suite time: two compiles, in the slow tests' group): the test above checks the unplaced
-# model's plan by its outcome (no copies, nothing offloaded, parity; slow too since suite36).
+# Slow (suite time: its own world-2 group, two compiles): the default test above checks the
+# unplaced model's plan by its outcome (no copies, nothing offloaded, parity).
 @pytest.mark.slow
-def test_unplaced_model_makes_the_plan_made_without_offload(slow_runs):
+def test_unplaced_model_makes_the_plan_made_without_offload():
     """Its offload copies dropped before planning, a model sharded with ``params="auto"`` whose
     shards stay on the device is planned exactly as without offload: the same plan hash."""
-    for hashes in (r["hashes"] for r in slow_runs):
+    for hashes in run_ranks(_unplaced_and_plain, 2):
         assert hashes["auto"] and hashes["auto"] == hashes["plain"], hashes
 
 
