@@ -44,8 +44,13 @@ TP = [((2, 2), "eager"), ((2, 2), "fx"), ((1, 4), "eager")]
 # tensor-parallel collectives moved (the default) stays in the default tier ("fx" above, at
 # parity, its collectives planned), only keeping them where traced is slow-only.
 TP_MORE = [((2, 2), "fx"), ((2, 2), "fx-traced")]
-# ("pp", "dp") meshes whose dp slice shardc shards over (in the HSDP spawn).
-SLICES = [((2, 2), "fx")]
+# ("pp", "dp") meshes whose dp slice shardc shards over (in the HSDP spawn): eager in the
+# default tier; compiled (its own 4-rank spawn) in the slow tier since suite36 (20 rank-CPU s of
+# the HSDP group): shardc.shard over a slice stays in the default tier here (eager, 2-rank dp
+# groups) and compiled in tests/test_real_models.py's submesh (world 2, 1-rank dp slices);
+# compiled collectives over a mesh's sub-groups in HSDP "fx" above.
+SLICES = [((2, 2), "eager")]
+SLICES_MORE = [((2, 2), "fx")]
 # Repeated blocks compiled once (shardc.sharding.blocks) on 2-D meshes: the BlockStack under
 # HSDP (in the HSDP spawn), TPBlocks under FSDP+TP (in the FSDP+TP spawn).
 # "fx-aoff": the same with every block's saved activations offloaded (activation_offload=("*",),
@@ -198,9 +203,20 @@ def _assert_own_lanes(plan: dict) -> None:
 def test_slice_of_a_mesh_over_the_world_shards_over_its_ranks(hsdp_runs, llama1_reference):
     """``shardc.shard(model, mesh["dp"])`` of a 2x2 ``("pp", "dp")`` mesh: the slice does not
     cover the world but its mesh does, so shardc accepts it; each pp group of 2 ranks shards over
-    its own dp ranks and trains at parity with the unsharded reference."""
-    for rank, per_rank in enumerate(hsdp_runs):
-        for (shape, mode), run in zip(SLICES, per_rank[len(HSDP):]):
+    its own dp ranks and trains at parity with the unsharded reference (eager; compiled:
+    slow)."""
+    _check_slices(SLICES, [per_rank[len(HSDP):] for per_rank in hsdp_runs], llama1_reference)
+
+
+@pytest.mark.slow
+def test_slice_of_a_mesh_over_the_world_compiled(llama1_reference):
+    """The same compiled (FX): planned, each region reduce-scatters over the dp slice."""
+    _check_slices(SLICES_MORE, run_ranks(hsdp_scenarios, 4, [], SLICES_MORE), llama1_reference)
+
+
+def _check_slices(slices: list, results: list[list[dict]], llama1_reference: dict) -> None:
+    for rank, per_rank in enumerate(results):
+        for (shape, mode), run in zip(slices, per_rank):
             _assert_parity(run, llama1_reference, f"rank {rank}, pp/dp slice {shape} {mode}")
             assert set(run["placements"].values()) == {("Shard(0)",)}
             if mode != "eager":

@@ -81,14 +81,28 @@ def _refusals(mesh) -> dict:
     return out
 
 
+def _plain_inputs_ignored(rank: int, mesh) -> dict:
+    """``plain_inputs=True`` with CPU offload: what shardc.shard keeps (no plain leaves, the
+    offload policy) and one eager step's gradients (DTensors on the host)."""
+    model = shardc.shard(_model(), mesh, offload=SIM, plain_inputs=True)
+    state = shardc.shard_state(model)
+    gen = torch.Generator().manual_seed(rank)
+    _backward(model, gen)
+    return {"plain": state.plain, "offload": state.offload,
+            "grads": sorted({(type(p.grad).__name__, p.grad.to_local().device.type)
+                             for p in model.parameters()})}
+
+
 def _train(rank: int, world: int) -> dict:
     mesh = init_device_mesh("cpu", (world,))
     out = _refusals(mesh)
+    out["plain_inputs"] = _plain_inputs_ignored(rank, mesh)
     model = shardc.shard(_model(), mesh, offload=SIM)
     state = shardc.shard_state(model)
     out["policy"] = state.offload
     out["local_devices"] = sorted({p.to_local().device.type for p in model.parameters()})
     out["infos"] = sorted({i.offload_device for i in state.params.values()})
+    initial = [p.to_local().detach().clone() for p in model.parameters()]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     compiled = torch.compile(model, backend=shardc.backend(inductor=False))
     gen = torch.Generator().manual_seed(rank)
@@ -120,14 +134,20 @@ def _train(rank: int, world: int) -> dict:
     out["mixed_step"] = _error(mixed.step)
     out["optimizer_only"] = _optimizer_only(rank, mesh)
     out["budget"] = _budget_keeps(rank, mesh, resharded)
-    out["overlap"] = _step_in_backward(rank, mesh)
+    # This compiled model trains again, from its initial shards, for step_in_backward.
+    out["overlap"] = _step_in_backward(rank, mesh, model, compiled, initial)
     return out
 
 
-def _overlap_train(rank: int, mesh, mode: str, overlap: bool, steps: int = 3) -> dict:
+def _overlap_train(rank: int, model, forward, initial: list, overlap: bool,
+                   steps: int = 3) -> dict:
     """AdamW (fused CPU kernel) with an LR schedule that changes lr at every step, with or
-    without ``shardc.step_in_backward``; parameters, optimizer state dict and counts."""
-    model = shardc.shard(_model(), mesh, offload=SIM)
+    without ``shardc.step_in_backward``, from the local shards ``initial`` (a new optimizer):
+    parameters, optimizer state dict and counts."""
+    with torch.no_grad():
+        for p, local in zip(model.parameters(), initial, strict=True):
+            p.to_local().copy_(local)
+            p.grad = None
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     handle = shardc.step_in_backward(model, opt) if overlap else None
@@ -136,8 +156,6 @@ def _overlap_train(rank: int, mesh, mode: str, overlap: bool, steps: int = 3) ->
     opt.register_step_pre_hook(lambda o, *_: worker_types.update(
         type(p).__name__ for g in o.param_groups for p in g["params"])
         if threading.current_thread().name == "shardc-step-in-backward" else None)
-    forward = model if mode == "eager" else torch.compile(
-        model, backend=shardc.backend(inductor=False))
     gen = torch.Generator().manual_seed(rank)
     for _ in range(steps):
         toks = torch.randint(0, CFG.vocab_size, (2, 8), generator=gen)
@@ -147,11 +165,12 @@ def _overlap_train(rank: int, mesh, mode: str, overlap: bool, steps: int = 3) ->
         opt.zero_grad()
     out = {"params": [p.full_tensor() for p in model.parameters()],
            "state_dict": opt.state_dict(), "n": len(list(model.parameters())),
-           "model": model, "opt": opt}
+           # DCP's view (keyed by parameter name, global DTensors).
+           "dcp": get_optimizer_state_dict(model, opt), "opt": opt}
     if handle is not None:
         out.update(early=handle.early, signalled=handle.signalled, late=handle.late,
                    worker_types=worker_types)
-    if mode != "eager":
+    if forward is not model:
         nodes = list(shardc.shard_state(model).regions[0].backward.graph.nodes)
         ready = [i for i, n in enumerate(nodes) if "offload_grads_ready" in str(n.target)]
         scatters = [i for i, n in enumerate(nodes) if "reduce_scatter" in str(n.target)]
@@ -174,21 +193,28 @@ def _state_equal(a: dict, b: dict) -> bool:
     return True
 
 
-def _step_in_backward(rank: int, mesh) -> dict:
+def _step_in_backward(rank: int, mesh, model, compiled, initial: list) -> dict:
     """shardc.step_in_backward: the same training as the plain offload step (compiled and
-    eager), the early steps taken, the state dict, and what it refuses."""
+    eager), the early steps taken, the state dict, and what it refuses. Compiled: ``model``
+    (sharded with offload) and its compiled forward ``compiled`` (``_train``'s: the graphs
+    depend on neither the optimizer nor step_in_backward), put back to its local shards
+    ``initial`` and trained twice, plain then overlapped; eager: a fresh model, likewise."""
     out = {}
     for mode in ("fx", "eager"):
-        plain = _overlap_train(rank, mesh, mode, False)
-        over = _overlap_train(rank, mesh, mode, True)
+        if mode == "eager":
+            model = shardc.shard(_model(), mesh, offload=SIM)
+            initial = [p.to_local().detach().clone() for p in model.parameters()]
+        forward = model if mode == "eager" else compiled
+        plain = _overlap_train(rank, model, forward, initial, False)
+        over = _overlap_train(rank, model, forward, initial, True)
+        if mode == "fx":
+            assert len(shardc.shard_state(model).regions) == 1, "recompiled"
         out[mode] = {k: over[k] for k in ("early", "signalled", "late", "n", "worker_types")}
         out[mode]["bitwise"] = all(torch.equal(a, b) for a, b in
                                    zip(plain["params"], over["params"], strict=True))
         out[mode]["state_dict_equal"] = _state_equal(plain["state_dict"], over["state_dict"])
         # DCP's view (keyed by parameter name, global DTensors): the same.
-        dcp_plain = get_optimizer_state_dict(plain["model"], plain["opt"])
-        dcp_over = get_optimizer_state_dict(over["model"], over["opt"])
-        out[mode]["dcp_equal"] = _state_equal(dcp_plain, dcp_over)
+        out[mode]["dcp_equal"] = _state_equal(plain["dcp"], over["dcp"])
         if mode == "fx":
             out[mode]["ready_nodes"] = over["ready_nodes"]
             out[mode]["interleaved"] = over["first_ready_before_last_scatter"]
@@ -479,6 +505,18 @@ def test_step_in_backward_trains_like_the_plain_offload_step(runs):
         assert fx["signalled"] == 3 * fx["n"] and eager["signalled"] == 0
         assert fx["ready_nodes"] > 1 and fx["interleaved"]
         assert fx["loaded"]
+
+
+def test_plain_inputs_is_ignored_under_offload(runs):
+    """``shardc.shard(..., plain_inputs=True, offload=...)`` keeps the DTensor reads: no plain
+    leaves, the offload policy as given, the gradients host DTensors after an eager step. (The
+    offloaded run it then is, compiled with step_in_backward: tests/test_parity.py's
+    "offload_overlap"; the same run sharded with plain_inputs, bitwise: "plain_offload_overlap",
+    slow since suite36.)"""
+    for rank_out in runs:
+        got = rank_out["plain_inputs"]
+        assert got["plain"] is None and got["offload"] == SIM, got
+        assert got["grads"] == [("DTensor", "cpu")], got
 
 
 def test_step_in_backward_refusals(runs):

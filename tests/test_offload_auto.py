@@ -22,7 +22,15 @@ import pytest
 import torch
 import torch._dynamo
 from dist_utils import run_ranks
-from parity import assert_parity, batches, build, llama_loss, reference, sharded_run
+from parity import (
+    GLOBAL_BATCH,
+    assert_parity,
+    batches,
+    build,
+    llama_loss,
+    reference,
+    sharded_run,
+)
 
 import shardc
 from shardc.runtime import offload_check
@@ -56,15 +64,20 @@ def _refusal_minima(rank: int, world: int) -> tuple[int, int]:
     return state.auto_offload.device_minimum_bytes, int(cause.minimum_bytes)
 
 
-def _summary(run: dict) -> dict:
+def _summary(run: dict, world: int) -> dict:
     model = run.pop("model")
     forward = run.pop("forward")
     state = shardc.shard_state(model)
     plans = [p for p in run["plans"] if p is not None]
     tokens, _ = batches(1)
+    # Eval mode and the eval forward's batch: the compiled call is the eval region
+    # (sharded_run's eval=True), planned with the shards on the host, not a new compile.
+    tokens = tokens[0, :GLOBAL_BATCH // world]
+    model.eval()
     with torch.no_grad():
-        eager = model(tokens[0]) if state.auto_offload.placed else None
-        compiled = forward(tokens[0]) if eager is not None else None
+        eager = model(tokens) if state.auto_offload.placed else None
+        compiled = forward(tokens) if eager is not None else None
+    model.train()
     return {
         "losses": run["losses"], "params": run["params"], "eval": run["eval"],
         "placed": state.auto_offload.placed,
@@ -93,7 +106,7 @@ def _group(rank: int, world: int) -> dict:
         run = sharded_run(rank, world, MODEL, "fx", offload=AUTO, keep_model=True,
                           peak_memory_budget_bytes=budget, peak_memory_margin=0,
                           eval=name == "at_host_min")
-        out[name] = {"budget": budget, **_summary(run)}
+        out[name] = {"budget": budget, **_summary(run, world)}
     torch._dynamo.reset()
     return out
 

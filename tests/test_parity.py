@@ -109,21 +109,30 @@ SLOW = {
     # 11 s: prefetch off: the peak-budget scenarios of tests/test_real_models.py (world 2,
     # prefetch=False, at parity); prefetch on: every other compiled scenario.
     "no_prefetch": (2,),
-    # 17 s: a roomy budget: here at world 1 (every gather elided), keeping gathered at world 2:
-    # tests/test_offload.py (budget under offload) and tests/test_real_models.py (peak_budget).
-    "roomy_budget": (2,),
+    # 17 s: a roomy budget: keeping gathered at world 2: tests/test_offload.py (budget under
+    # offload) and tests/test_real_models.py (peak_budget). (suite36, 10 rank-CPU s at 1) At
+    # world 1 too: a roomy budget trains there in "bf16_roomy_budget" (bitwise "bf16"); fp32's
+    # elided gathers, priced as saving nothing and so resharded: tests/test_budget.py's
+    # test_elided_gathers_that_cast_are_candidates_priced_by_their_cast.
+    "roomy_budget": (1, 2),
+    # (suite36, 8 rank-CPU s) plain_inputs ignored under CPU offload (with step_in_backward),
+    # compiled at world 1: that shardc.shard drops plain_inputs under offload stays in the
+    # default tier in tests/test_offload.py (test_plain_inputs_is_ignored_under_offload); the
+    # offloaded step_in_backward run it then is, compiled: "offload_overlap" at world 1.
+    "plain_offload_overlap": (1,),
     # 33 s: activation offload: "offload_activations" at worlds 1 and 2, under HSDP and TP with
     # blocks (tests/test_mesh.py); no_sync accumulation: tests/test_real_models.py and
     # tests/test_grad_sync.py.
     "offload_activations_no_sync": (2,),
     # 18 s: offload kept gathered for the backward: tests/test_offload.py's peak budget keeps
-    # offloaded buckets gathered (bitwise, no backward copies); offload here: "offload" at 1
-    # (at 3: slow since s35), "bf16_offload" at 2 ("variant_offload" at 4: slow since s33).
+    # offloaded buckets gathered (bitwise, no backward copies); offload here: "bf16_offload" at
+    # 2 ("offload" at 3: slow since s35, at 1: since suite36; "variant_offload" at 4: since s33).
     "offload_no_reshard": (2,),
     # 29 s: reshard_after_forward=False with bucket_by="param": tests/test_fp8.py (world 3,
     # "fx") and tests/test_backend.py.
     "per_param": (3,),
-    # 10 s: plain inputs: "plain" and "plain_blocks" at 2, "plain_eager" and "plain_bf16" at 1;
+    # 10 s: plain inputs: "plain_eager" at 1 ("plain", "plain_blocks" at 2 and "plain_bf16" at
+    # 1: slow too; compiled: tests/test_real_models.py's plain_lifecycle, world 2);
     # tied/frozen/unused parameters: "variant" at 4 (an empty shard; at 3: slow since s33).
     "plain_variant": (3,),
     # 30 s ("blocks_offload_activations"); 27 s at world 3 and 42 s at 4 (the group's CPU
@@ -151,7 +160,8 @@ SLOW = {
     # (suite9) plain_inputs compiled over ranks: ("plain_blocks" here at 2, with bodies: slow
     # since s35) tests/test_real_models.py's plain_no_sync_clip and meta_to_empty_plain (world
     # 2; 3: slow since s35) and plain_lifecycle (world 2, bitwise against a twin); bitwise
-    # against the DTensor reads at world 1 ("plain_bf16" vs "bf16", "plain_eager" vs "eager").
+    # against the DTensor reads at world 1 ("plain_eager" vs "eager"; compiled under Inductor,
+    # tests/test_parity_inductor.py; "plain_bf16" vs "bf16": slow since suite36).
     "plain": (2,),
     # (suite9) Optimizer-only offload compiled: tests/test_real_models.py's
     # optim_offload_no_sync_clip (world 2; 3: slow); its step at worlds 1-3 here (eager); the
@@ -182,20 +192,27 @@ SLOW = {
     "fx": (4,),
     "blocks": (3, 4),
     "local_step": (4,),
-    # Compiled CPU offload at 3 (and its step_in_backward retrain): "offload" and
-    # "offload_overlap" at world 1; compiled offload over real collectives: "bf16_offload" at 2
-    # (bitwise the bf16 run's), tests/test_real_models.py's offload_no_sync_clip (FX, fp32, at
-    # parity, world 2), tests/test_parity_inductor.py (Inductor, world 2);
+    # Compiled CPU offload at 3 (and its step_in_backward retrain): compiled offload over real
+    # collectives: "bf16_offload" at 2 (bitwise the bf16 run's), tests/test_real_models.py's
+    # offload_no_sync_clip (FX, fp32, at parity, world 2), tests/test_offload.py (world 2);
     # shardc.step_in_backward compiled over ranks: tests/test_offload.py (world 2, bitwise the
     # plain offload step). World 3 keeps "fx" and the eager runs with and without offload and
-    # step_in_backward (uneven shards: the 37-row embedding).
-    "offload": (3,),
-    "offload_overlap": (3,),
+    # step_in_backward (uneven shards: the 37-row embedding). (suite36, 12 rank-CPU s) At world
+    # 1 too: compiled offload at world 1 (its collectives elided, the copies planned, at parity)
+    # stays in tests/test_parity_inductor.py's world 1 (Inductor); offload bitwise the run
+    # without it in "bf16_offload" (world 2); step_in_backward compiled in tests/test_offload.py.
+    "offload": (1, 3),
+    "offload_overlap": (1, 3),
     # plain_inputs with compile-once bodies over ranks: plain_inputs compiled over ranks stays
     # in tests/test_real_models.py (plain_no_sync_clip, meta_to_empty_plain, plain_lifecycle),
-    # bitwise the DTensor reads at world 1 ("plain_bf16", "plain_eager"); bodies over ranks
-    # in "blocks" at 2.
+    # bitwise the DTensor reads at world 1 ("plain_eager"; compiled under Inductor:
+    # tests/test_parity_inductor.py's world 1); bodies over ranks in "blocks" at 2.
     "plain_blocks": (2,),
+    # (suite36, 8 rank-CPU s) plain_inputs with bf16 compute at world 1, bitwise "bf16": plain
+    # inputs compiled bitwise the DTensor reads stay in tests/test_real_models.py's
+    # plain_lifecycle (FX, world 2: loss and gradients against a twin without them, after each
+    # change) and tests/test_parity_inductor.py (world 1); bf16 compute in "bf16" (1 and 2).
+    "plain_bf16": (1,),
     # (s35) The BlockStack under dynamic=True (every block inline, the reason in the plan) at
     # world 1 in the default tier, not at 2 (the same check; 26 rank-CPU s at 2): dynamic
     # shapes over real collectives stay in tests/test_real_models.py (changing_batch: the
@@ -204,7 +221,8 @@ SLOW = {
 }
 # What a slow scenario is compared with (run beside it in the slow test).
 SLOW_BASES = {"offload_activations_no_sync": ("offload_activations",),
-              "plain_variant": ("variant",), "variant_optim_offload": ("variant",)}
+              "plain_variant": ("variant",), "variant_optim_offload": ("variant",),
+              "plain_offload_overlap": ("offload", "offload_overlap"), "plain_bf16": ("bf16",)}
 
 
 def _parity_scenarios(world: int, slow: bool = False) -> dict[str, tuple[str, str, dict]]:
@@ -269,6 +287,9 @@ def _parity_scenarios(world: int, slow: bool = False) -> dict[str, tuple[str, st
         # its own, "debug_pool", fp32 at depth 2; one compile fewer at world 2.)
         (at(1, 2), "bf16", ("llama", "fx", {"mp_policy": BF16, **(
             {"debug_pool": True, "prefetch_depth": 2} if world == 2 else {})})),
+        # ... and eagerly at world 1, what the compiled run there must equal within 1e-5 (was
+        # tests/test_backend.py's own one-rank spawn of both, suite36).
+        (at(1), "bf16_eager", ("llama", "eager", {"mp_policy": BF16})),
         # Activation offload forced on every block (issue 22's third lever; the planner's choice
         # under a budget: tests/test_real_models.py): the saved activations go to the host and
         # come back, so the run equals the plain one bit for bit.
@@ -388,13 +409,18 @@ def _check_runs(world: int, named: dict, runs: dict, references: dict) -> None:
         _bitwise(runs["fx"], runs["local_step"], f"world {world}: local shard step")
     if "variant_local_sgd" in runs:
         assert runs["variant_local_sgd"]["grads_none"]["unused"]
-    if "bf16" in runs and world > 1:
-        # Mixed precision over ranks (was tests/test_backend.py's own world-2 spawn of the
-        # same run): bf16 all-gathers, fp32 reduce-scatters, fp32 master shards.
+    if "bf16" in runs:
+        # Mixed precision (was tests/test_backend.py's own spawns of the same runs): bf16
+        # all-gathers, fp32 reduce-scatters, fp32 master shards; at world 1 the gathers and
+        # reductions are elided (one rank), but the graphs still compute in bf16 and reduce in
+        # fp32: they train like the eager custom ops, which communicate the same casts (a
+        # dropped cast would differ by bf16 rounding, far above the tolerance).
         kinds = {(c.kind, c.dtype, c.elided) for c in runs["bf16"]["plan_collectives"]}
-        assert kinds == {("all_gather", "bfloat16", False),
-                         ("reduce_scatter", "float32", False)}, kinds
+        assert kinds == {("all_gather", "bfloat16", world == 1),
+                         ("reduce_scatter", "float32", world == 1)}, kinds
         assert {p.dtype for p in runs["bf16"]["params"].values()} == {torch.float32}
+        if "bf16_eager" in runs:
+            assert_parity(runs["bf16"], runs["bf16_eager"], tol=1e-5)
     _check_plain_inputs(world, runs)
     _check_offloaded(world, runs)
     _check_offloaded_activations(world, runs)
