@@ -1750,10 +1750,13 @@ def sc_peak_budget_optimizer(ctx: Ctx) -> dict:
     if not ctx.sharded:
         return train_lm(ctx, model, model, data)
 
+    # No prefetch (suite time, s37: one depth tried per configuration, not two; the depth
+    # lever is tested by test_peak_budget_keeps_some_buckets_gathered_with_parity and
+    # test_peak_budget_recomputes_some_blocks_with_parity, world 2).
     def compiled(m: nn.Module, budget: int):
         return torch.compile(m, backend=shardc.backend(
             inductor=False, comm_pool=False, peak_memory_budget_bytes=budget,
-            peak_memory_margin=0.0, optimizer_offload="simulate"))
+            peak_memory_margin=0.0, optimizer_offload="simulate", prefetch=False))
 
     # The largest rank's parameter shard bytes P: the optimizer step's peak (shards, gradients,
     # Adam's state and a temporary: 5 P; no pool) is under every configuration of the device

@@ -3,7 +3,7 @@ the host (issue 22, :mod:`shardc.sharding.auto_offload`).
 
 One spawned world-2 gloo group (uneven shards: a llama whose 37- and 449-row weights outweigh
 its activations), CPU offload
-simulated on the CPU mesh (every copy a real separate tensor), FX, no margin:
+simulated on the CPU mesh (every copy a real separate tensor), FX, no margin, no prefetch:
 
 - a budget of 1 byte is refused with the shards on the device, then, with them on the host,
   refused again, naming the (smaller) minimum with everything on the host: both minima;
@@ -37,6 +37,11 @@ from shardc.runtime import offload_check
 
 MODEL = "llama-wide-ffn"  # its parameters outweigh its activations (tests/parity.py)
 AUTO = shardc.OffloadPolicy(params="auto", simulate_on_cpu=True, check_host_memory=False)
+# The default-tier group's compiles without prefetch (suite time, s37): the budget search then
+# tries one prefetch depth, not two, per configuration (the depth lever is tested by
+# tests/test_real_models.py::test_peak_budget_keeps_some_buckets_gathered_with_parity and
+# test_peak_budget_recomputes_some_blocks_with_parity); the shards' move does not depend on it.
+NO_PREFETCH = {"prefetch": False}
 
 
 def _budget_refusal(error: BaseException):
@@ -54,7 +59,7 @@ def _refusal_minima(rank: int, world: int) -> tuple[int, int]:
     model = build(MODEL)
     shardc.shard(model, offload=AUTO)
     forward = torch.compile(model, backend=shardc.backend(peak_memory_budget_bytes=1,
-                                                          peak_memory_margin=0))
+                                                          peak_memory_margin=0, **NO_PREFETCH))
     tokens, targets = batches(1)
     with pytest.raises(Exception) as refused:  # noqa: PT011 - Dynamo wraps the backend's error
         llama_loss(forward(tokens[0]), targets[0]).backward()
@@ -105,7 +110,7 @@ def _group(rank: int, world: int) -> dict:
         torch._dynamo.reset()
         run = sharded_run(rank, world, MODEL, "fx", offload=AUTO, keep_model=True,
                           peak_memory_budget_bytes=budget, peak_memory_margin=0,
-                          eval=name == "at_host_min")
+                          eval=name == "at_host_min", **NO_PREFETCH)
         out[name] = {"budget": budget, **_summary(run, world)}
     torch._dynamo.reset()
     return out
