@@ -95,8 +95,8 @@ def fused_loss_seconds(node: fx.Node, profile: ClusterProfile) -> float:
 def _is_causal(node: fx.Node) -> bool:
     """The ``is_causal`` argument of an attention op, by its schema (``True`` if unknown:
     decoder training). Read from the op's schema directly: ``fx.Node.normalized_arguments``
-    costs tens of milliseconds a call (it binds every overload's signature), once per
-    attention call of every block."""
+    took about 6 ms a call in a profiled 32-layer compile (torch 2.11), once per attention
+    call of every block."""
     if "is_causal" in node.kwargs:
         return bool(node.kwargs["is_causal"])
     schema = getattr(node.target, "_schema", None)
