@@ -123,7 +123,7 @@ def main() -> None:
     p.add_argument("--out", default=None, help="keep the profiles here")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: one rank per GPU, NCCL, Inductor, full-size model, wall clock")
-    p.add_argument("--model", default="1b", help="with --device cuda: 1b or wide")
+    p.add_argument("--model", default="1b", help="1b or wide (tiny widths on the CPU)")
     p.add_argument("--seq", type=int, default=None, help="default: 32 (cpu), 2048 (cuda)")
     p.add_argument("--batch", type=int, default=None, help="default: 2 (cpu), 4 (cuda)")
     args = p.parse_args()

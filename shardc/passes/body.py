@@ -32,6 +32,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from shardc.ops.gather import GATHER_OP, REDUCE_SCATTER_OP
 from shardc.ops.gather_args import GatherArgs
 from shardc.passes.fx_utils import (
+    copy_node,
     is_call,
     is_view_or_cast,
     lazy_graph_module,
@@ -239,22 +240,6 @@ def _place_in_block(copy: fx.Node, call: fx.Node) -> None:
         if k not in outer and not (isinstance(v, tuple) and _MODULE_PATH.fullmatch(str(v[0])))}}
 
 
-# A node name's numbered suffix (``mm_3``).
-_NUMBERED = re.compile(r"_\d+$")
-
-
-def _copy_node(graph: fx.Graph, node: fx.Node, arg_transform) -> fx.Node:
-    """``graph.node_copy(node, arg_transform)``, named from the name's base (``mm`` for ``mm_3``).
-    Every block's copy of a body brings the same names; fx resolves a taken numbered name by
-    trying ``mm_1``, ``mm_2``, ... in turn (torch 2.11), which made inlining quadratic in the
-    number of blocks, while a base name continues from the last number given."""
-    copied = graph.create_node(node.op, node.target, fx.map_arg(node.args, arg_transform),
-                               fx.map_arg(node.kwargs, arg_transform),
-                               _NUMBERED.sub("", node.name) or node.name, node.type)
-    copied.meta = dict(node.meta)
-    return copied
-
-
 def _inline(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
     """Replace the call ``node`` by a copy of its body's nodes; returns the body calls among
     the copied nodes (a body that calls another body)."""
@@ -277,7 +262,7 @@ def _inline(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
                 env[inner] = gm.graph.get_attr(name)
                 env[inner].meta = dict(inner.meta)
                 continue
-            env[inner] = _copy_node(gm.graph, inner, lambda n: env[n])
+            env[inner] = copy_node(gm.graph, inner, lambda n: env[n])
             env[inner].meta[BODY_SCOPE] = scope
             _place_in_block(env[inner], node)
             if is_call(inner, INVOKE_SUBGRAPH):

@@ -3,6 +3,7 @@ walking users."""
 
 from __future__ import annotations
 
+import re
 import weakref
 from typing import Any
 
@@ -40,6 +41,23 @@ def call(graph: fx.Graph, target, args: tuple, kwargs: dict | None = None) -> fx
         with mode:
             node.meta["val"] = target(*fake_args, **fake_kwargs)
     return node
+
+
+# A node name's numbered suffix (``mm_3``).
+_NUMBERED = re.compile(r"_\d+$")
+
+
+def copy_node(graph: fx.Graph, node: fx.Node, arg_transform) -> fx.Node:
+    """``graph.node_copy(node, arg_transform)``, named from the name's base (``mm`` for
+    ``mm_3``). For copies whose names are taken many times over (a body inlined once per
+    block): fx in torch 2.11/2.12 resolves a taken numbered name by trying ``mm_1``, ``mm_2``,
+    ... in turn, quadratic in the number of copies, while a base name continues from the last
+    number given (torch 2.13's fx looks up the base either way)."""
+    copied = graph.create_node(node.op, node.target, fx.map_arg(node.args, arg_transform),
+                               fx.map_arg(node.kwargs, arg_transform),
+                               _NUMBERED.sub("", node.name) or node.name, node.type)
+    copied.meta = dict(node.meta)
+    return copied
 
 
 def _node_val(a: Any):
