@@ -12,10 +12,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import shardc.ops.gather  # noqa: F401  (registers the shardc ops)
 from shardc.compile.options import ShardcOptions
+from shardc.memory import peak
 from shardc.ops.pool import pool_pack, unpack_into
 from shardc.passes.lower import apply_plan
 from shardc.planning.plan import CollectiveKind
@@ -213,3 +215,136 @@ def test_unpack_into_copies_each_ranks_columns():
     unpack_into(table.view(-1), world, [0, 4, 14], outs)
     for out, off, c in zip(outs, [0, 4, 14], cols):
         assert torch.equal(out, table[:, off:off + c].reshape(-1))
+
+
+def _one_rank_region(params: int):
+    """World 1 (every collective elided): a forward whose block body reads a bucket of
+    ``params`` gathered weights (bf16 compute), and a backward that gathers them again for the
+    body's backward, which returns their bf16 gradients, reduced in fp32. Traced with fake
+    tensors; the bodies are ``invoke_subgraph`` calls as Dynamo emits them."""
+    gather, reduce = torch.ops.shardc.gather_param, torch.ops.shardc.reduce_scatter_grad
+    group = dist.group.WORLD.group_name
+    names = [f"layers.0.w{j}" for j in range(params)]
+    shapes = [(64, 32) if j % 2 else (32, 64) for j in range(params)]  # uneven layouts
+
+    def body(x, *weights):
+        return (sum((x[:, :w.shape[1]] @ w.t()).sum() for w in weights) + x.sum(),)
+
+    def body_bw(x, *weights):
+        return tuple(w * (x.mean() + j) for j, w in enumerate(weights))
+
+    fake = FakeTensorMode()
+    with fake:
+        x = torch.randn(8, 64, dtype=torch.bfloat16)
+        ws = [torch.randn(s, dtype=torch.bfloat16) for s in shapes]
+    body_gm, bw_gm = (make_fx(f, tracing_mode="fake")(x, *ws) for f in (body, body_bw))
+
+    def gathered(shards):
+        return [gather(s, name, s.shape[0], 1, group, torch.bfloat16, torch.float32, True)
+                for name, s in zip(names, shards)]
+
+    def forward(x, *shards):
+        (h,) = torch.ops.higher_order.invoke_subgraph(body_gm, "body", x, *gathered(shards))
+        return h
+
+    def backward(x, *shards):
+        grads = torch.ops.higher_order.invoke_subgraph(bw_gm, "body_bw", x, *gathered(shards))
+        return [reduce(g, name, g.shape[0], 1, group, torch.float32, torch.float32)
+                for name, g in zip(names, grads)]
+
+    torch.manual_seed(0)
+    shards = [torch.randn(s) for s in shapes]
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    fw = make_fx(forward, tracing_mode="fake")(x, *shards)
+    bw = make_fx(backward, tracing_mode="fake")(x, *shards)
+    return fw, bw, x, shards
+
+
+def _lower_one_rank(params: int, one_op_casts: bool):
+    with fake_world(1):
+        fw, bw, x, shards = _one_rank_region(params)
+        plan = plan_region(fw, bw, ShardcOptions(inductor=True))
+        assert plan.collectives and all(c.elided for c in plan.collectives)
+        for name, gm in (("forward", fw), ("backward", bw)):
+            apply_plan(gm, plan, name, rank=0, fusing=True, one_op_casts=one_op_casts)
+        outs = {"forward": fw(x, *shards), "backward": bw(x, *shards)}
+    counts = {name: collections.Counter(str(n.target) for n in gm.graph.nodes
+                                        if n.op == "call_function")
+              for name, gm in (("forward", fw), ("backward", bw))}
+    peaks = {name: peak.liveness_peak(gm, set(), fusion=True)[0]
+             for name, gm in (("forward", fw), ("backward", bw))}
+    return counts, outs, peaks, (fw, bw)
+
+
+def test_one_rank_casts_are_one_op_per_bucket_with_the_same_bits_and_peak():
+    """World 1 under Inductor (``one_op_local_casts``, the default): a bucket's gathers, cast
+    to the compute dtype for the one body call that reads them, and its gradients, cast to the
+    reduce dtype as they come out of one body call, are one ``shardc::cast_into`` each instead
+    of a cast per parameter, whatever the bucket holds; right before the reading call. The
+    lowered graphs compute the same bits as the per-parameter casts, and the memory model
+    predicts the same peak for both."""
+    cast = "prims.convert_element_type.default"
+    two, six = _lower_one_rank(2, True), _lower_one_rank(6, True)
+    for counts, _, _, (fw, bw) in (two, six):
+        assert counts["forward"]["shardc.cast_into.default"] == 1 and counts["forward"][cast] == 0
+        # the weights gathered again for the body's backward, and the gradients
+        assert counts["backward"]["shardc.cast_into.default"] == 2, counts["backward"]
+        assert counts["backward"][cast] == 0
+        for gm in (fw, bw):
+            (body,) = gm.graph.find_nodes(op="call_function",
+                                          target=torch.ops.higher_order.invoke_subgraph)
+            (into, *_) = [n for n in gm.graph.nodes if str(n.target) == "shardc.cast_into.default"]
+            if gm is fw or into.next is body:
+                assert into.next is body and list(body.args[3:]) == list(into.args[1])
+    for params, one in ((2, two), (6, six)):
+        counts, outs, peaks, _ = _lower_one_rank(params, False)
+        assert counts["forward"]["shardc.cast_into.default"] == 0
+        assert counts["forward"][cast] == params and counts["backward"][cast] == 2 * params
+        assert torch.equal(one[1]["forward"], outs["forward"])
+        assert len(one[1]["backward"]) == params
+        for a, b in zip(one[1]["backward"], outs["backward"]):
+            assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b)
+        assert one[2] == peaks, (one[2], peaks)
+
+
+def test_pool_pack_and_unpack_into_take_one_kernel_only_where_it_is_the_same_layout():
+    """``pool_pack`` packs with one ``torch._chunk_cat`` where the rows per rank are the
+    tensors' even split and they share a dtype, ``unpack_into`` with one
+    ``torch.split_with_sizes_copy`` where the outputs cover the buffer's columns in order;
+    otherwise they copy tensor by tensor. Both give the layout the docstrings define (checked
+    against slices here) in every case: even and uneven rows, a transposed gradient, a 1-D
+    weight, mixed dtypes, padding rows wider than the split."""
+    torch.manual_seed(0)
+    for world in (1, 2, 3, 4):
+        grads = [torch.randn(10, 3).bfloat16(), torch.randn(7, 5).t().bfloat16(),
+                 torch.randn(9).bfloat16()]
+        for mixed, wide in ((False, 0), (True, 0), (False, 1)):
+            tensors = [g.float() if mixed and i == 1 else g for i, g in enumerate(grads)]
+            rows = [-(-t.shape[0] // world) + wide for t in tensors]
+            row_numel = [t[0].numel() for t in tensors]
+            n = sum(r * k for r, k in zip(rows, row_numel))
+            table = torch.full((world, n), float("nan"))
+            pool_pack(table, tensors, rows, world, True, 2)
+            off = 0
+            for t, r, k in zip(tensors, rows, row_numel):
+                padded = torch.zeros(r * world, *t.shape[1:])
+                padded[:t.shape[0]] = t.float()
+                want = padded.view(world, r * k) / 2
+                assert torch.equal(table[:, off:off + r * k], want), (world, mixed, wide)
+                off += r * k
+            shards = [t[:r] for t, r in zip(tensors, rows)]  # rank 0's shard (all rows)
+            send = torch.full((n,), float("nan"), dtype=torch.bfloat16)
+            pool_pack(send, shards, rows, world, False)
+            off = 0
+            for s, r, k in zip(shards, rows, row_numel):
+                want = torch.zeros(r * k, dtype=torch.bfloat16)
+                want[:s.numel()] = s.reshape(-1)
+                assert torch.equal(send[off:off + r * k], want), (world, mixed, wide)
+                off += r * k
+    cols, world = [4, 10, 6], 3
+    table = torch.arange(world * 22, dtype=torch.float32).view(world, -1)
+    for offsets in ([0, 4, 14], [2, 6, 16]):  # in order to the last column; not
+        outs = [torch.empty(world * c) for c in cols]
+        unpack_into(table.view(-1), world, offsets, outs)
+        for out, off, c in zip(outs, offsets, cols):
+            assert torch.equal(out, table[:, off:off + c].reshape(-1))

@@ -93,7 +93,27 @@ def _inductor_run(rank: int, world: int) -> dict:
                               "graphs": act["activation_copies"],
                               "planned": [c.kind for p in act["plans"] for c in p.copies
                                           if c.origin == "activation"]}
+    if world == 1:  # bf16 compute through block bodies: the one-rank casts one op per bucket
+        out["bf16_blocks"] = {name: _bf16_blocks_run(rank, mode, **options) for name, mode, options
+                              in (("one_op", "inductor", {}),
+                                  ("per_param", "inductor", {"one_op_local_casts": False}),
+                                  ("eager", "eager", {}))}
     return out
+
+
+def _bf16_blocks_run(rank: int, mode: str, **options) -> dict:
+    """World 1, the two-layer llama (its blocks one body) in bf16 compute, fp32 reduce: the
+    losses, parameters and the lowered graphs' count of ``shardc::cast_into`` and casts."""
+    torch._dynamo.reset()
+    bf16 = shardc.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    run = sharded_run(rank, 1, "llama", mode, keep_model=True, mp_policy=bf16, **options)
+    state = shardc.shard_state(run.pop("model"))
+    ops = [str(n.target) for r in (state.regions if mode == "inductor" else ())
+           for g in (r.forward, r.backward) for n in g.graph.nodes]
+    torch._dynamo.reset()
+    return {"losses": run["losses"], "params": run["params"],
+            "cast_into": ops.count("shardc.cast_into.default"),
+            "casts": ops.count("prims.convert_element_type.default")}
 
 
 def _one_op_run(rank: int, world: int) -> dict:
@@ -155,6 +175,20 @@ def _name_every_wait(forward, tokens, targets) -> list[str]:
 # 56 CPU seconds together): Inductor's own concerns (the pool, donated buffers, named waits) show
 # at world 2, with uneven shards; uneven shards at 3 and 4 ranks are the FX parity's
 # (tests/test_parity.py, every world).
+def _check_one_rank_casts(runs: dict) -> None:
+    """World 1, bf16 compute, two blocks through one body under Inductor: each block's
+    bucket is cast by one ``shardc::cast_into`` in the forward and two in the backward (the
+    weights gathered again, the gradients) by default (``one_op_local_casts``), a cast per
+    parameter with the option off; the two train to the same bits, and like the eager ops
+    (which compute in bf16 without Inductor's fused fp32 intermediates, hence the tolerance)."""
+    one, per = runs["one_op"], runs["per_param"]
+    assert one["cast_into"] == 6 and per["cast_into"] == 0, (one["cast_into"], per["cast_into"])
+    assert per["casts"] - one["casts"] >= 2 * 3 * 2, (per["casts"], one["casts"])
+    assert torch.equal(one["losses"], per["losses"])
+    assert all(torch.equal(one["params"][n], p) for n, p in per["params"].items())
+    assert_parity(one, runs["eager"], tol=3e-3)
+
+
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow),
                                    pytest.param(4, marks=pytest.mark.slow), 1])  # 1 last: prestart
 def test_parity_inductor(world, inductor_reference):
@@ -184,6 +218,8 @@ def test_parity_inductor(world, inductor_reference):
                                                                              "h2d_copy"]
         # No CPU wait in the forward; each copy released (its source reusable) once.
         assert graphs["forward_waits"] == 0 and graphs["release"] == graphs["d2h"], graphs
+    if world == 1:
+        _check_one_rank_casts(runs[0]["bf16_blocks"])
     for run in runs:
         if world == 1:
             # One rank: the plan lists its collectives elided, the Inductor-compiled graphs

@@ -177,6 +177,15 @@ class ShardcOptions:
         then generates the same kernels at every depth (compile time, issue 18; the same
         values, plan and predicted memory). Off by default until its step time is measured on
         GPUs (the copies run as one op's per-tensor copies instead of Inductor's kernels).
+    one_op_local_casts: under Inductor, where a one-rank group's collectives are elided (world
+        1, or HSDP's shard groups of one rank), cast a bucket's shards to the compute dtype for
+        the one block-body call that reads them, and its gradients to the reduce dtype, with
+        one ``shardc::cast_into`` each (a foreach copy: one launch) instead of a cast per
+        parameter, which Inductor lowered, scheduled and generated as a kernel each at every
+        block (compile time, issue 18). The same values, plan and predicted memory. On by
+        default: measured on one H200 (world 1, 1b config; docs/design.md, thirty-eighth
+        session), Inductor's compile at 64 layers 24.3 -> 18.7 s with the same step time and
+        peak. ``False``: a cast per parameter, as before.
     reduce_scatter_wait_past_small_buckets: where a bucket's reduce-scatter is waited in the
         backward (``shardc.planning.schedule``). By default it is waited before the next
         bucket's send buffer is first written, so that at most one send buffer is alive besides
@@ -232,6 +241,7 @@ class ShardcOptions:
     sink_block_residual: bool = False
     opaque_body_calls: bool = True
     one_op_bucket_copies: bool = False
+    one_op_local_casts: bool = True
     reduce_scatter_wait_past_small_buckets: bool = False
     memory_target: str = "auto"
 

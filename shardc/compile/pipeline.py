@@ -318,7 +318,8 @@ def lower(fw: fx.GraphModule, bw: fx.GraphModule | None, options: ShardcOptions,
                 else pool
             apply_plan(gm, plan, name, rank, pool=where, poison=options.debug_pool,
                        grads_ready_key=region.offload_key, fusing=options.inductor,
-                       one_op=options.one_op_bucket_copies)
+                       one_op=options.one_op_bucket_copies,
+                       one_op_casts=options.one_op_local_casts)
     if bw is not None:
         _order_donations(fw, bw, plan, _donations_on(region))
     return Lowered(fw, bw, plan, pool, fw_params, bw_params, host, by_param)

@@ -34,7 +34,7 @@ import torch
 from torch import fx
 
 from shardc import _torch
-from shardc.ops.pool import is_unpacked_into
+from shardc.ops.pool import is_filled_copy
 from shardc.passes.fx_utils import op_overload
 
 if TYPE_CHECKING:
@@ -95,7 +95,7 @@ def categorize(gm: fx.GraphModule, graph: str, storage_of: dict[fx.Node, fx.Node
             out[node] = COMM
         elif op in _GATHERS:
             out[node] = GATHERED
-        elif _from_gathered(node, out, storage_of) or is_unpacked_into(node):
+        elif _from_gathered(node, out, storage_of) or is_filled_copy(node):
             out[node] = GATHERED
         else:
             out[node] = TEMPORARIES

@@ -43,7 +43,7 @@ from shardc.ops import fused_ce
 from shardc.ops.fused_ce import FUSED_CE_OP
 from shardc.ops.gather import GATHER_OP
 from shardc.ops.gather_args import GatherArgs
-from shardc.ops.pool import POOL_PACK_OP, POOL_UNPACK_OP, UNPACK_INTO_OP, is_unpacked_into
+from shardc.ops.pool import POOL_PACK_OP, POOL_UNPACK_OP, filled_buffers, is_filled_copy
 from shardc.passes.body import BODY_SCOPE, flattened
 from shardc.passes.fx_utils import (
     has_tag,
@@ -128,11 +128,11 @@ _LOOP_OPS = frozenset({
 
 def _loop(node: fx.Node) -> bool:
     """Whether Inductor computes ``node`` as a loop that it can inline into its readers. A
-    gathered parameter's buffer that ``shardc::unpack_into`` fills is modelled as the
-    per-parameter copy it replaces, such a loop; the op itself is no kernel of its own and
-    reads the gathered buffer where those copies did (:func:`lifetimes_and_storage`)."""
+    buffer that ``shardc::unpack_into`` or ``shardc::cast_into`` fills is modelled as the
+    per-parameter copy or cast it replaces, such a loop; the op itself is no kernel of its own
+    and reads its inputs where those copies did (:func:`lifetimes_and_storage`)."""
     return _has_tag(node, torch.Tag.pointwise) or (
-        node.op == "call_function" and node.target in _LOOP_OPS) or is_unpacked_into(node)
+        node.op == "call_function" and node.target in _LOOP_OPS) or is_filled_copy(node)
 
 
 @dataclass
@@ -176,8 +176,8 @@ class Fusion:
             span[node] = (joined[node],) * 2 if node in joined else (i, i)
             if not _loop(node):
                 continue
-            # (the unpack that fills a copy's buffer is its writer, not a reader)
-            readers = [r for r in view_users(node)[1] if r.target is not UNPACK_INTO_OP]
+            # (the op that fills a copy's buffer is its writer, not a reader)
+            readers = [r for r in view_users(node)[1] if node not in filled_buffers(r)]
             if not readers or any(r.op == "output" for r in readers):
                 continue  # a graph output: realized where it is defined
             if all(_loop(r) or _has_tag(r, torch.Tag.reduction) or r.target is _CAT
@@ -229,7 +229,7 @@ def _horizontal(nodes: list[fx.Node], inlined: set[fx.Node], deferred: set[fx.No
     kernels = 0
     for i, node in enumerate(nodes):
         if node.op != "call_function" or node in inlined or _is_alias(node) \
-                or _pack_of(node) is not None or node.target is UNPACK_INTO_OP:
+                or _pack_of(node) is not None or filled_buffers(node):
             continue
         kernels += 1
         val = node.meta.get("val")
@@ -330,9 +330,10 @@ def lifetimes_and_storage(gm: fx.GraphModule, skip: set[fx.Node], *, fusion: boo
                 born[node] = min(i, fused_start(pack, index))
             last[node] = born[node]
             reads_at = fused.span.get(node, (i, i))[1]
-            if fusion and node.target is UNPACK_INTO_OP:
-                reads_at = max([reads_at, *(fused.span[o][1] for o in node.args[3])])
-        written = node.args[3] if node.target is UNPACK_INTO_OP else ()
+            written = filled_buffers(node)
+            if fusion and written:
+                reads_at = max([reads_at, *(fused.span[o][1] for o in written)])
+        written = filled_buffers(node)
         for arg in node.all_input_nodes:
             if arg in written:  # (its copies' lives are their readers')
                 continue

@@ -18,8 +18,9 @@ Collectives over a one-rank group (``Collective.elided``: world 1, or HSDP with 
 communicate nothing, so they are lowered to no collective at all: each gathered parameter
 becomes its shard, cast to the compute dtype (a pointwise op that a fusing compiler folds into
 its readers), and each reduced gradient the gradient, cast as the reduction would have cast it
-(:func:`elide`). No pool buffer, no copy, no wait. With HSDP's replicas, the gradients are
-packed straight into the buffer the replicate all-reduce runs in.
+(:func:`elide`). No pool buffer, no copy, no wait. Under Inductor a bucket's casts are one
+``shardc::cast_into`` where they can be (``one_op_local_casts``, on by default). With HSDP's
+replicas, the gradients are packed straight into the buffer the replicate all-reduce runs in.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from torch import fx
 
 from shardc import _torch
 from shardc.ops.gather_args import GatherArgs, ReduceArgs
-from shardc.ops.pool import POOL_PACK_OP, POOL_UNPACK_OP, UNPACK_INTO_OP
+from shardc.ops.pool import CAST_INTO_OP, POOL_PACK_OP, POOL_UNPACK_OP, UNPACK_INTO_OP
 from shardc.passes.body import INVOKE_SUBGRAPH
 from shardc.passes.fx_utils import (
     call,
@@ -371,7 +372,8 @@ def _same_shape(node: fx.Node, replacement: fx.Node, fqn: str) -> None:
                            f"expected {tuple(want)}; this is a shardc bug, please report it")
 
 
-def elide(graph: fx.Graph, c: Collective, g: GraphView, handed: set[fx.Node]) -> None:
+def elide(graph: fx.Graph, c: Collective, g: GraphView, handed: set[fx.Node],
+          one_op: bool = False) -> None:
     """Lower an elided collective (a one-rank group, not chained with an HSDP all-reduce): each
     gather node becomes its shard cast to the gathered dtype, each reduce node the gradient cast
     to the reduce dtype and then to the shard's dtype (what a one-rank reduce-scatter, whose
@@ -380,7 +382,10 @@ def elide(graph: fx.Graph, c: Collective, g: GraphView, handed: set[fx.Node]) ->
     gradients already handed to a parameter in this graph; one handed twice (two parameters
     with the same gradient) is copied, so no two parameters' gradients share memory that an
     in-place update (gradient clipping) would then change twice; so is one the graph returns
-    otherwise too."""
+    otherwise too. ``one_op`` (the graphs go to Inductor, ``one_op_local_casts``): a
+    bucket's casts are one ``shardc::cast_into`` where :func:`_cast_bucket` can place it."""
+    if one_op and _cast_bucket(graph, c, g, handed):
+        return
     for fqn in c.params:
         if c.kind == Kind.ALL_GATHER:
             node = g.gathers[fqn]
@@ -402,6 +407,67 @@ def elide(graph: fx.Graph, c: Collective, g: GraphView, handed: set[fx.Node]) ->
         _same_shape(node, new, fqn)
         node.replace_all_uses_with(new)
         graph.erase_node(node)
+
+
+def _one_body_writer(values: list[fx.Node]) -> fx.Node | None:
+    """The block-body call (``invoke_subgraph``) whose outputs are all of ``values`` (or views
+    of them), else None: gradients that exist together from that call on, so that casting
+    them in one op after the last does not keep any of them alive longer."""
+    calls = set()
+    for value in values:
+        while is_view(value):
+            value = value.all_input_nodes[0]
+        if value.target is not operator.getitem:
+            return None
+        calls.add(value.args[0])
+    call_ = next(iter(calls)) if len(calls) == 1 else None
+    return call_ if call_ is not None and call_.target is INVOKE_SUBGRAPH else None
+
+
+def _cast_bucket(graph: fx.Graph, c: Collective, g: GraphView, handed: set[fx.Node]) -> bool:
+    """Lower an elided bucket's casts as one ``shardc::cast_into`` into an ``empty`` per
+    parameter, the same values as :func:`elide`'s per-parameter casts; False (nothing changed)
+    where it does not apply. Gathers: where one block-body call reads every weight of the
+    bucket, right before that call (Inductor realizes a body call's operands there, so the
+    casts' buffers were allocated there too). Reduces: where one body call computes every
+    gradient of the bucket and each gradient's one cast is exact (to the reduce dtype, which is
+    the shard's), where the last reduce node was, if every reader of the reduced gradients
+    comes after it. Inductor then lowers one extern call
+    per bucket instead of a cast kernel per parameter (issue 18); the memory model treats each
+    ``empty`` as the cast it replaces (:mod:`shardc.memory.peak`)."""
+    if c.kind == Kind.ALL_GATHER:
+        nodes = [g.gathers[fqn] for fqn in c.params]
+        reader = _one_body_reader(nodes)
+        sources = [GatherArgs.of(node).shard for node in nodes]
+        where = reader
+    else:
+        nodes = [g.reduces[fqn] for fqn in c.params]
+        sources = [ReduceArgs.of(node).grad for node in nodes]
+        if _one_body_writer(sources) is None or any(
+                ReduceArgs.of(node).reduce_dtype not in (None, ReduceArgs.of(node).out_dtype)
+                for node in nodes):
+            return False
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        last = max(nodes, key=order.__getitem__)
+        if any(order[u] <= order[last] for node in nodes for u in node.users):
+            return False
+        where = last
+    if where is None or len(nodes) < 2:
+        return False
+    vals = [node.meta["val"] for node in nodes]
+    if any(is_float8(v.dtype) or v.dtype == s.meta["val"].dtype or not _static_shape(node)
+           or not _static_shape(s) or list(s.meta["val"].shape) != list(v.shape)
+           for v, s, node in zip(vals, sources, nodes)):
+        return False
+    with graph.inserting_before(where):
+        outs = [call(graph, aten.empty.memory_format, (list(v.shape),),
+                     {"dtype": v.dtype, "device": v.device}) for v in vals]
+        call(graph, CAST_INTO_OP, (sources, outs))
+    for node, out in zip(nodes, outs):
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+        handed.add(out)
+    return True
 
 
 def _issue_elided_reduce(graph, c: Collective, bucket: Bucket, reduces: dict,
@@ -581,6 +647,7 @@ def apply_plan(
     grads_ready_key: str = "",
     fusing: bool = False,
     one_op: bool = False,
+    one_op_casts: bool = False,
 ) -> fx.GraphModule:
     """Replace the shardc nodes of ``gm`` (the region's ``graph_name`` graph) by ``plan``.
 
@@ -595,6 +662,8 @@ def apply_plan(
     (the graphs go to Inductor, which realizes a block-body call's inputs right before the
     call) a bucket read by one body call is copied out by one op right before it
     (:func:`_unpack_before`); otherwise per parameter, a copy at the wait, as FX runs it.
+    ``one_op_casts`` (``ShardcOptions.one_op_local_casts``), with ``fusing``: a one-rank
+    group's casts one op per bucket where they can be (:func:`_cast_bucket`).
     """
     g = analyze(gm, graph_name)
     shards = [GatherArgs.of(node).shard for node in g.gathers.values()]
@@ -606,8 +675,9 @@ def apply_plan(
     # One-rank groups: no collective (an elided reduce-scatter chained with an HSDP all-reduce
     # is lowered at its issue position: it packs what the all-reduce reduces).
     handed: set[fx.Node] = set()
+    copied = {c.bucket for c in plan.copies if c.graph == graph_name}  # CPU offload's
     for c in [c for c in colls if c.elided and not c.link]:
-        elide(graph, c, g, handed)
+        elide(graph, c, g, handed, fusing and one_op_casts and c.bucket not in copied)
     colls = [c for c in colls if not c.elided or c.link]
     pool_node = pool if isinstance(pool, fx.Node) or pool is None else _pool_node(gm, pool)
     views = PoolViews(graph, pool_node if colls else None, plan, poison)

@@ -1,0 +1,34 @@
+"""Ops that compiled code calls at every step, defined at the dispatcher's level.
+
+``torch.library.custom_op`` wraps an op's kernel in Python layers (autograd, the version
+counters of mutated arguments, argument checks) that cost about 35 us a call on a 2-core CPU,
+and over 100 us with inputs that require gradients: the bulk of a bucket copy's host time on a
+GPU, where the copy itself is one kernel launch (issue 20, docs/overhead.md). The ops here have
+no gradient (compiled code calls them after AOTAutograd, on values it already differentiated),
+so they are defined with a schema (``torch.library.define``) and one kernel for every backend
+(``CompositeExplicitAutograd``), and the dispatcher calls that Python function directly; the
+fake kernel tells compilers the output metadata. Public ``torch.library`` APIs only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def define_runtime_op(name: str, schema: str, kernel: Callable,
+                      fake: Callable | None = None) -> torch._ops.OpOverload:
+    """Define ``shardc::<name>`` with ``schema`` (its arguments and returns, e.g.
+    ``"(Tensor[] tensors, Tensor(a!)[] outs) -> ()"``: mutated arguments annotated), run by
+    ``kernel`` on every device, and by ``fake`` (default: ``kernel``'s result of no tensor, for
+    ops that only write their arguments) under fake tensors. Returns the op's overload."""
+    qualname = f"shardc::{name}"
+    torch.library.define(qualname, schema)
+    torch.library.impl(qualname, "CompositeExplicitAutograd")(kernel)
+    torch.library.register_fake(qualname)(fake if fake is not None else _writes_only)
+    return getattr(torch.ops.shardc, name).default
+
+
+def _writes_only(*args, **kwargs) -> None:
+    return None
