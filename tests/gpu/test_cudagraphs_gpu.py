@@ -111,3 +111,28 @@ def test_reduce_overhead_with_dynamic_shapes_falls_back_loudly(nccl, caplog):
     assert any("dynamic shapes" in n and "without them" in n for n in notes), notes
     assert "dynamic shapes" in caplog.text
     _assert_parity(got, ref, "dynamic")
+
+
+def test_one_rank_casts_record_and_train_like_casts_per_parameter(nccl):
+    """bf16 compute: a one-rank group's casts are one ``shardc::cast_into`` per bucket by
+    default (``one_op_local_casts``; the two blocks are one body). Under CUDA graphs the regions
+    are recorded (no skipped graph, no fallback note) and train to the same bits as with a cast
+    per parameter."""
+    data = _data()
+    runs = {}
+    for one_op in (True, False):
+        torch._dynamo.reset()
+        skips = counters["inductor"]["cudagraph_skips"]
+        model = shardc.shard(_model(), mp_policy=shardc.MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+        compiled = torch.compile(model, backend=shardc.backend(one_op_local_casts=one_op),
+                                 mode="reduce-overhead")
+        runs[one_op] = _train(model, compiled, data)
+        assert counters["inductor"]["cudagraph_skips"] == skips, "Inductor skipped a graph"
+        plans = shardc.explain_all(compiled)
+        assert plans and not [n for p in plans for n in p.notes if "CUDA graphs" in n]
+        (region,) = shardc.shard_state(model).regions
+        ops = [str(n.target) for g in (region.forward, region.backward) for n in g.graph.nodes]
+        assert ops.count("shardc.cast_into.default") == (6 if one_op else 0), one_op
+    assert torch.equal(runs[True][0], runs[False][0])
+    assert all(torch.equal(runs[True][1][n], p) for n, p in runs[False][1].items())
