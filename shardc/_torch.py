@@ -22,6 +22,9 @@ import torch
 OpOverload = torch._ops.OpOverload
 funcol = torch.ops._c10d_functional  # torch's functional collectives (the ops graphs hold)
 scaled_mm = torch._scaled_mm  # FP8 matmul (CUDA)
+# Multi-tensor copies, one kernel on a GPU (FSDP2's bucket copies use the same ops).
+foreach_copy_ = torch._foreach_copy_  # copy (and cast) each tensor of a list into another's
+chunk_cat = torch._chunk_cat  # pad, chunk and concatenate rank-major (a reduce-scatter's input)
 
 
 def tree_map_only(cls, fn, tree):

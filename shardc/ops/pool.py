@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from shardc import _torch
 from shardc.ops.runtime_op import define_runtime_op
 
 
@@ -34,7 +35,7 @@ def pool_pack(out: torch.Tensor, tensors: list[torch.Tensor], rows: list[int], w
     """
     chunks = world if rank_major else 1
     if _chunk_cat_packs(out, tensors, rows, chunks):
-        torch._chunk_cat(tensors, 0, chunks, out=out.view(chunks, -1))
+        _torch.chunk_cat(tensors, 0, chunks, out=out.view(chunks, -1))
         if divisor != 1:
             out.div_(divisor)
         return
@@ -158,7 +159,7 @@ def cast_into(tensors: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
     reduced gradients (cast to the reduce dtype), one op per bucket where the lowering made a
     cast per parameter (``shardc.passes.lower.elide``). One foreach copy: a single launch for
     the bucket on a GPU, where the casts were a kernel each."""
-    torch._foreach_copy_(outs, tensors)
+    _torch.foreach_copy_(outs, tensors)
 
 
 POOL_PACK_OP = define_runtime_op(

@@ -16,13 +16,15 @@ from collections.abc import Callable
 
 import torch
 
+from shardc import _torch
+
 
 def define_runtime_op(name: str, schema: str, kernel: Callable,
-                      fake: Callable | None = None) -> torch._ops.OpOverload:
+                      fake: Callable | None = None) -> _torch.OpOverload:
     """Define ``shardc::<name>`` with ``schema`` (its arguments and returns, e.g.
     ``"(Tensor[] tensors, Tensor(a!)[] outs) -> ()"``: mutated arguments annotated), run by
-    ``kernel`` on every device, and by ``fake`` (default: ``kernel``'s result of no tensor, for
-    ops that only write their arguments) under fake tensors. Returns the op's overload."""
+    ``kernel`` on every device, and by ``fake`` under fake tensors (default: nothing, for ops
+    that only write into their arguments). Returns the op's overload."""
     qualname = f"shardc::{name}"
     torch.library.define(qualname, schema)
     torch.library.impl(qualname, "CompositeExplicitAutograd")(kernel)
