@@ -2,12 +2,13 @@
 
 ``torch.library.custom_op`` wraps an op's kernel in Python layers (autograd, the version
 counters of mutated arguments, argument checks) that cost about 35 us a call on a 2-core CPU,
-and over 100 us with inputs that require gradients: the bulk of a bucket copy's host time on a
-GPU, where the copy itself is one kernel launch (issue 20, docs/overhead.md). The ops here have
-no gradient (compiled code calls them after AOTAutograd, on values it already differentiated),
-so they are defined with a schema (``torch.library.define``) and one kernel for every backend
-(``CompositeExplicitAutograd``), and the dispatcher calls that Python function directly; the
-fake kernel tells compilers the output metadata. Public ``torch.library`` APIs only.
+and over 100 us with inputs that require gradients: on a GPU the bulk of a bucket copy's host
+time, where the copy itself is one kernel launch (docs/design.md, thirty-eighth session). The
+ops here have no gradient (compiled code calls them after AOTAutograd, on values it already
+differentiated), so they are defined with a schema (``torch.library.define``) and one kernel
+for every backend (``CompositeExplicitAutograd``), and the dispatcher calls that Python
+function directly; the fake kernel tells compilers the output metadata. Public
+``torch.library`` APIs only.
 """
 
 from __future__ import annotations
