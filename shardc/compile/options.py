@@ -175,8 +175,12 @@ class ShardcOptions:
         bucket that one block-body call reads out of its gathered buffer with one
         ``shardc::unpack_into`` right before the call, instead of nodes per parameter: Inductor
         then generates the same kernels at every depth (compile time, issue 18; the same
-        values, plan and predicted memory). Off by default until its step time is measured on
-        GPUs (the copies run as one op's per-tensor copies instead of Inductor's kernels).
+        values, plan and predicted memory). Off by default: on two H200s it made the step at
+        batch 1 0.62x default shardc's (twenty-second session), when each op copied tensor by
+        tensor through ``custom_op``'s Python layers; the ops are now one kernel each where
+        the layout allows and dispatcher-level (``shardc.ops.runtime_op``), 54-201 us of host
+        time a call on an H200 (docs/design.md, thirty-eighth session), but the two-GPU step
+        has not been measured again.
     one_op_local_casts: under Inductor, where a one-rank group's collectives are elided (world
         1, or HSDP's shard groups of one rank), cast a bucket's shards to the compute dtype for
         the one block-body call that reads them, and its gradients to the reduce dtype, with
