@@ -112,6 +112,7 @@ def _bf16_blocks_run(rank: int, mode: str, **options) -> dict:
            for g in (r.forward, r.backward) for n in g.graph.nodes]
     torch._dynamo.reset()
     return {"losses": run["losses"], "params": run["params"],
+            "notes": [n for p in run["plans"] for n in p.notes if n.startswith("one-rank casts")],
             "cast_into": ops.count("shardc.cast_into.default"),
             "casts": ops.count("prims.convert_element_type.default")}
 
@@ -183,6 +184,10 @@ def _check_one_rank_casts(runs: dict) -> None:
     (which compute in bf16 without Inductor's fused fp32 intermediates, hence the tolerance)."""
     one, per = runs["one_op"], runs["per_param"]
     assert one["cast_into"] == 6 and per["cast_into"] == 0, (one["cast_into"], per["cast_into"])
+    # the plan says so: two blocks' buckets in the forward, twice as many casts in the backward
+    assert one["notes"] == ["one-rank casts: 2 forward and 4 backward bucket cast(s) by one "
+                            "shardc::cast_into each, not a cast per parameter "
+                            "(one_op_local_casts)"] and per["notes"] == [], one["notes"]
     assert per["casts"] - one["casts"] >= 2 * 3 * 2, (per["casts"], one["casts"])
     assert torch.equal(one["losses"], per["losses"])
     assert all(torch.equal(one["params"][n], p) for n, p in per["params"].items())

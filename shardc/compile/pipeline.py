@@ -67,6 +67,7 @@ from shardc.memory.peak import param_placeholders, predict_peak, shard_bytes_by_
 from shardc.memory.pool import assign_pool
 from shardc.ops.gather import GATHER_OP
 from shardc.ops.gather_args import GatherArgs
+from shardc.ops.pool import CAST_INTO_OP
 from shardc.passes.body import BodyCall
 from shardc.passes.body_donations import order_for_body_donations, subgraph_inputs
 from shardc.passes.dedupe import dedupe_gathers, merge_reduce_scatters
@@ -320,9 +321,23 @@ def lower(fw: fx.GraphModule, bw: fx.GraphModule | None, options: ShardcOptions,
                        grads_ready_key=region.offload_key, fusing=options.inductor,
                        one_op=options.one_op_bucket_copies,
                        one_op_casts=options.one_op_local_casts)
+    _note_one_op_casts(fw, bw, plan)
     if bw is not None:
         _order_donations(fw, bw, plan, _donations_on(region))
     return Lowered(fw, bw, plan, pool, fw_params, bw_params, host, by_param)
+
+
+def _note_one_op_casts(fw: fx.GraphModule, bw: fx.GraphModule | None, plan: Plan) -> None:
+    """A plan note where lowering cast one-rank buckets with one op each
+    (``one_op_local_casts``, :func:`shardc.passes.lower.elide`): the elided collectives'
+    records say what was not communicated, this says how their casts run."""
+    counts = [0 if gm is None else len(gm.graph.find_nodes(op="call_function",
+                                                           target=CAST_INTO_OP))
+              for gm in (fw, bw)]
+    if any(counts):
+        plan.notes.append(f"one-rank casts: {counts[0]} forward and {counts[1]} backward "
+                          "bucket cast(s) by one shardc::cast_into each, not a cast per "
+                          "parameter (one_op_local_casts)")
 
 
 def _donations_on(region: RegionRecord) -> bool:
