@@ -117,6 +117,25 @@ def _bf16_blocks_run(rank: int, mode: str, **options) -> dict:
             "casts": ops.count("prims.convert_element_type.default")}
 
 
+def _check_one_rank_casts(runs: dict) -> None:
+    """World 1, bf16 compute, two blocks through one body under Inductor: each block's
+    bucket is cast by one ``shardc::cast_into`` in the forward and two in the backward (the
+    weights gathered again, the gradients) by default (``one_op_local_casts``), a cast per
+    parameter with the option off; the two train to the same bits, and like the eager ops
+    (which compute in bf16 without Inductor's fused fp32 intermediates, hence the tolerance)."""
+    one, per = runs["one_op"], runs["per_param"]
+    assert one["cast_into"] == 6 and per["cast_into"] == 0, (one["cast_into"], per["cast_into"])
+    # the plan says so: two blocks' buckets in the forward, twice as many casts in the backward
+    assert one["notes"] == ["one-rank casts: 2 forward and 4 backward bucket cast(s) by one "
+                            "shardc::cast_into each, not a cast per parameter "
+                            "(one_op_local_casts)"] and per["notes"] == [], one["notes"]
+    # (each of the six ops stands for at least two casts)
+    assert per["casts"] - one["casts"] >= 6 * 2, (per["casts"], one["casts"])
+    assert torch.equal(one["losses"], per["losses"])
+    assert all(torch.equal(one["params"][n], p) for n, p in per["params"].items())
+    assert_parity(one, runs["eager"], tol=3e-3)
+
+
 def _one_op_run(rank: int, world: int) -> dict:
     """one_op_bucket_copies (opt-in): one op per bucket packs its send buffers and copies a
     block's gathered weights out; two layers, so the blocks are body calls."""
@@ -176,24 +195,6 @@ def _name_every_wait(forward, tokens, targets) -> list[str]:
 # 56 CPU seconds together): Inductor's own concerns (the pool, donated buffers, named waits) show
 # at world 2, with uneven shards; uneven shards at 3 and 4 ranks are the FX parity's
 # (tests/test_parity.py, every world).
-def _check_one_rank_casts(runs: dict) -> None:
-    """World 1, bf16 compute, two blocks through one body under Inductor: each block's
-    bucket is cast by one ``shardc::cast_into`` in the forward and two in the backward (the
-    weights gathered again, the gradients) by default (``one_op_local_casts``), a cast per
-    parameter with the option off; the two train to the same bits, and like the eager ops
-    (which compute in bf16 without Inductor's fused fp32 intermediates, hence the tolerance)."""
-    one, per = runs["one_op"], runs["per_param"]
-    assert one["cast_into"] == 6 and per["cast_into"] == 0, (one["cast_into"], per["cast_into"])
-    # the plan says so: two blocks' buckets in the forward, twice as many casts in the backward
-    assert one["notes"] == ["one-rank casts: 2 forward and 4 backward bucket cast(s) by one "
-                            "shardc::cast_into each, not a cast per parameter "
-                            "(one_op_local_casts)"] and per["notes"] == [], one["notes"]
-    assert per["casts"] - one["casts"] >= 2 * 3 * 2, (per["casts"], one["casts"])
-    assert torch.equal(one["losses"], per["losses"])
-    assert all(torch.equal(one["params"][n], p) for n, p in per["params"].items())
-    assert_parity(one, runs["eager"], tol=3e-3)
-
-
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow),
                                    pytest.param(4, marks=pytest.mark.slow), 1])  # 1 last: prestart
 def test_parity_inductor(world, inductor_reference):
