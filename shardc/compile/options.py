@@ -184,7 +184,7 @@ class ShardcOptions:
     one_op_local_casts: under Inductor, where a one-rank group's collectives are elided (world
         1, or HSDP's shard groups of one rank), cast a bucket's shards to the compute dtype for
         the one block-body call that reads them, and its gradients to the reduce dtype, with
-        one ``shardc::cast_into`` each (a foreach copy: one launch) instead of a cast per
+        one ``shardc::cast_into`` each (a foreach copy: a few launches) instead of a cast per
         parameter, which Inductor lowered, scheduled and generated as a kernel each at every
         block (compile time, issue 18). The same values, plan and predicted memory. On by
         default: measured on one H200 (world 1, 1b config; docs/design.md, thirty-eighth

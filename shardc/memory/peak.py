@@ -313,6 +313,7 @@ def lifetimes_and_storage(gm: fx.GraphModule, skip: set[fx.Node], *, fusion: boo
                 last[storage[arg]] = end
             continue
         reads_at = i
+        written = filled_buffers(node)  # (a buffer an op fills lives as its readers say)
         if _is_alias(node) and node.all_input_nodes:
             storage[node] = storage[node.all_input_nodes[0]]
         else:
@@ -330,12 +331,10 @@ def lifetimes_and_storage(gm: fx.GraphModule, skip: set[fx.Node], *, fusion: boo
                 born[node] = min(i, fused_start(pack, index))
             last[node] = born[node]
             reads_at = fused.span.get(node, (i, i))[1]
-            written = filled_buffers(node)
             if fusion and written:
                 reads_at = max([reads_at, *(fused.span[o][1] for o in written)])
-        written = filled_buffers(node)
         for arg in node.all_input_nodes:
-            if arg in written:  # (its copies' lives are their readers')
+            if arg in written:
                 continue
             key = storage[arg]
             last[key] = max(last[key], reads_at)

@@ -148,16 +148,15 @@ def unpack_into(buffer: torch.Tensor, world: int, offsets: list[int],
         torch.split_with_sizes_copy(table, cols, dim=1,
                                     out=[out.view(world, c) for out, c in zip(outs, cols)])
         return
-    for off, out in zip(offsets, outs):
-        cols = out.numel() // world
-        out.view(world, cols).copy_(table[:, off:off + cols])
+    for off, out, k in zip(offsets, outs, cols):
+        out.view(world, k).copy_(table[:, off:off + k])
 
 
 def cast_into(tensors: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
     """Copy each of ``tensors`` into the buffer of its shape in ``outs``, cast to that buffer's
     dtype: a one-rank group's gathered weights (the shards cast to the compute dtype) or
     reduced gradients (cast to the reduce dtype), one op per bucket where the lowering made a
-    cast per parameter (``shardc.passes.lower.elide``). One foreach copy: a single launch for
+    cast per parameter (``shardc.passes.lower.elide``). One foreach copy: a few launches for
     the bucket on a GPU, where the casts were a kernel each."""
     _torch.foreach_copy_(outs, tensors)
 

@@ -373,7 +373,7 @@ def _same_shape(node: fx.Node, replacement: fx.Node, fqn: str) -> None:
 
 
 def elide(graph: fx.Graph, c: Collective, g: GraphView, handed: set[fx.Node],
-          one_op: bool = False) -> None:
+          order: dict[fx.Node, int] | None = None) -> None:
     """Lower an elided collective (a one-rank group, not chained with an HSDP all-reduce): each
     gather node becomes its shard cast to the gathered dtype, each reduce node the gradient cast
     to the reduce dtype and then to the shard's dtype (what a one-rank reduce-scatter, whose
@@ -382,9 +382,10 @@ def elide(graph: fx.Graph, c: Collective, g: GraphView, handed: set[fx.Node],
     gradients already handed to a parameter in this graph; one handed twice (two parameters
     with the same gradient) is copied, so no two parameters' gradients share memory that an
     in-place update (gradient clipping) would then change twice; so is one the graph returns
-    otherwise too. ``one_op`` (the graphs go to Inductor, ``one_op_local_casts``): a
-    bucket's casts are one ``shardc::cast_into`` where :func:`_cast_bucket` can place it."""
-    if one_op and _cast_bucket(graph, c, g, handed):
+    otherwise too. ``order`` (the graphs go to Inductor, ``one_op_local_casts``: each node's
+    position in the graph before lowering, which insertions leave in order): a bucket's casts
+    are one ``shardc::cast_into`` where :func:`_cast_bucket` can place it."""
+    if order is not None and _cast_bucket(graph, c, g, handed, order):
         return
     for fqn in c.params:
         if c.kind == Kind.ALL_GATHER:
@@ -424,7 +425,8 @@ def _one_body_writer(values: list[fx.Node]) -> fx.Node | None:
     return call_ if call_ is not None and call_.target is INVOKE_SUBGRAPH else None
 
 
-def _cast_bucket(graph: fx.Graph, c: Collective, g: GraphView, handed: set[fx.Node]) -> bool:
+def _cast_bucket(graph: fx.Graph, c: Collective, g: GraphView, handed: set[fx.Node],
+                 order: dict[fx.Node, int]) -> bool:
     """Lower an elided bucket's casts as one ``shardc::cast_into`` into an ``empty`` per
     parameter, the same values as :func:`elide`'s per-parameter casts; False (nothing changed)
     where it does not apply. Gathers: where one block-body call reads every weight of the
@@ -447,9 +449,8 @@ def _cast_bucket(graph: fx.Graph, c: Collective, g: GraphView, handed: set[fx.No
                 ReduceArgs.of(node).reduce_dtype not in (None, ReduceArgs.of(node).out_dtype)
                 for node in nodes):
             return False
-        order = {n: i for i, n in enumerate(graph.nodes)}
         last = max(nodes, key=order.__getitem__)
-        if any(order[u] <= order[last] for node in nodes for u in node.users):
+        if any(order.get(u, -1) <= order[last] for node in nodes for u in node.users):
             return False
         where = last
     if where is None or len(nodes) < 2:
@@ -676,8 +677,9 @@ def apply_plan(
     # is lowered at its issue position: it packs what the all-reduce reduces).
     handed: set[fx.Node] = set()
     copied = {c.bucket for c in plan.copies if c.graph == graph_name}  # CPU offload's
+    order = {n: i for i, n in enumerate(graph.nodes)} if fusing and one_op_casts else None
     for c in [c for c in colls if c.elided and not c.link]:
-        elide(graph, c, g, handed, fusing and one_op_casts and c.bucket not in copied)
+        elide(graph, c, g, handed, None if c.bucket in copied else order)
     colls = [c for c in colls if not c.elided or c.link]
     pool_node = pool if isinstance(pool, fx.Node) or pool is None else _pool_node(gm, pool)
     views = PoolViews(graph, pool_node if colls else None, plan, poison)
