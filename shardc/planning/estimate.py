@@ -240,8 +240,9 @@ def elided_cast_bytes(node: fx.Node) -> int:
     if not steps or all(d == steps[0] for d in steps):
         return 0
     numel = math.prod(size_hint(s) for s in dst.shape)
-    return numel * (torch.empty((), dtype=steps[0]).element_size()
-                    + torch.empty((), dtype=steps[-1]).element_size())
+    # ``dtype.itemsize``, not a scalar's ``element_size()``: planning runs under the compile's
+    # fake mode, where making a tensor dispatches through it (about 2 ms a parameter).
+    return numel * (steps[0].itemsize + steps[-1].itemsize)
 
 
 def host_optimizer_seconds(param_bytes: float, profile: ClusterProfile, *,

@@ -227,10 +227,13 @@ def _unfused_reach(graph: fx.Graph, kinds: dict[fx.Node, str]
     return after, before, bit
 
 
-def group_kernels(graph: fx.Graph, compute: list[fx.Node]) -> list[Kernel]:
+def group_kernels(graph: fx.Graph, compute: list[fx.Node],
+                  bodies: dict[fx.GraphModule, list[Kernel]] | None = None) -> list[Kernel]:
     """The kernels of ``graph``'s ``compute`` ops (the planner's positions; other nodes, such as
     collectives, are kernels of their own that are not returned but still keep fusion from
-    crossing them), ordered by their last op's position."""
+    crossing them), ordered by their last op's position. ``bodies``: each block body's kernels
+    grouped so far in this call (a body is grouped once, whatever the number of its calls)."""
+    bodies = {} if bodies is None else bodies
     in_compute = set(compute)
     kinds = {node: classify(node) for node in graph.nodes}
     after, before, bit = _unfused_reach(graph, kinds)
@@ -292,7 +295,7 @@ def group_kernels(graph: fx.Graph, compute: list[fx.Node]) -> list[Kernel]:
     for k in kernels:
         if not k.extra.get("split_reduction_final"):
             k.read_bytes, k.write_bytes = _traffic(k, kinds)
-    kernels = [inner for k in kernels for inner in _expand_body_call(k)]
+    kernels = [inner for k in kernels for inner in _expand_body_call(k, bodies)]
     kernels.sort(key=lambda k: position[anchor(k)])
     return kernels
 
@@ -303,18 +306,20 @@ def anchor(kernel: Kernel) -> fx.Node:
     return kernel.extra.get("call", kernel.last)
 
 
-def _expand_body_call(kernel: Kernel) -> list[Kernel]:
+def _expand_body_call(kernel: Kernel, bodies: dict[fx.GraphModule, list[Kernel]]
+                      ) -> list[Kernel]:
     """A compiled-once block body's call (``invoke_subgraph``) runs its body's kernels, each
-    priced as if inline, all at the call; any other kernel is itself."""
+    priced as if inline, all at the call; any other kernel is itself. ``bodies``: the kernels
+    of the bodies grouped before (see :func:`group_kernels`), each call gets copies of them."""
     node = kernel.last
     body = subgraph_module(node) if len(kernel.nodes) == 1 else None
     if body is None:
         return [kernel]
-    inner = [n for n in body.graph.nodes if n.op == "call_function"]
-    out = group_kernels(body.graph, inner)
-    for k in out:
-        k.extra["call"] = node
-    return out
+    if body not in bodies:
+        inner = [n for n in body.graph.nodes if n.op == "call_function"]
+        bodies[body] = group_kernels(body.graph, inner, bodies)
+    return [Kernel(k.kind, k.nodes, k.read_bytes, k.write_bytes, {**k.extra, "call": node})
+            for k in bodies[body]]
 
 
 def count_calls(nodes: list[fx.Node], name: str) -> int:

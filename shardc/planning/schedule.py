@@ -609,6 +609,7 @@ def _simulate(g: GraphView, colls: list[Collective], profile: ClusterProfile,
     line = _Timeline(profile, entry_s, graph_host_s / len(kernels) if kernels else 0.0,
                      host_ahead_s, owed)
     kernel_at = {}
+    body_flops: dict[fx.GraphModule, float] = {}
     for k in kernels:
         kernel_at.setdefault(g.position[anchor(k)], []).append(k)
 
@@ -651,8 +652,11 @@ def _simulate(g: GraphView, colls: list[Collective], profile: ClusterProfile,
         if p < g.end:
             node = g.compute[p]
             flops, nbytes = node_flops_and_bytes(node)
-            if subgraph_module(node) is not None:  # a body call: its body's FLOPs (MFU)
-                flops = model_flops(node)
+            body = subgraph_module(node)
+            if body is not None:  # a body call: its body's FLOPs (MFU), summed once per body
+                if body not in body_flops:
+                    body_flops[body] = model_flops(node)
+                flops = body_flops[body]
             spans = [line.kernel(kernel_seconds(k, profile), kernel_category(k))
                      for k in kernel_at.get(p, ())]
             # An op fused into a later kernel (or a view) takes no time: it sits where the
@@ -661,7 +665,7 @@ def _simulate(g: GraphView, colls: list[Collective], profile: ClusterProfile,
             start, end = (spans[0][0], spans[-1][1]) if spans else (here, here)
             ops.append(ComputeOp(node.name, str(node.target), flops, nbytes, start, end))
     for c in colls:
-        c.overlaps = [op.name for op in ops[c.issue_pos:c.wait_pos]][:64]
+        c.overlaps = [op.name for op in ops[c.issue_pos:min(c.wait_pos, c.issue_pos + 64)]]
     return ops, line.t, line.owed, line.by_category, line.queued_s(), line.launches
 
 

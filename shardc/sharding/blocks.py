@@ -345,14 +345,19 @@ def _probed_key(uid: int, desc: tuple) -> int:
     return _PROBERS[uid].key(desc)
 
 
-def reuse_key(group: BlockGroup, training: bool, arguments: tuple) -> int:
+def reuse_key(group: BlockGroup, training: bool, weights: tuple, buffers: tuple,
+              call: tuple | None) -> int:
     """The key under which a call of ``group``'s keyed body reuses an earlier call's trace, or 0
-    (use the guard-based body). Called while Dynamo traces the wrapped forward."""
-    if group.prober is None:
+    (use the guard-based body). ``call`` is :func:`describe` of the call's ``(args, kwargs)``
+    (None: not describable). Called while Dynamo traces the wrapped forward."""
+    if group.prober is None or call is None:
         return 0
-    desc = describe(arguments)
-    if desc is None:
+    described_weights = _describe_items(weights)
+    described_buffers = _describe_items(buffers)
+    if described_weights is None or described_buffers is None:
         return 0
+    # describe((weights, buffers, args, kwargs)), from the parts already described.
+    desc = ("tuple", (("tuple", described_weights), ("tuple", described_buffers), *call[1]))
     autocast = (torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda"))
     key = _probed_key(group.prober.uid, (training, torch.is_grad_enabled(), autocast, desc))
     # A fresh constant: Dynamo's result of assume_constant_result has a source that cannot be
@@ -434,13 +439,15 @@ def _trace_once_kind(slot: int) -> int:
 def _trace_once_call(group: BlockGroup, training: bool, key: int, weights, buffers, args,
                      kwargs):
     """A body call that Dynamo traces only the first time per slot and graph (see above)."""
-    flat = _flat_tensors((weights, buffers, args, kwargs), [])
+    flat = _flat_tensors((args, kwargs), [*weights, *buffers])
     # Identical tensors among the arguments: Dynamo lifts a tensor once into a subgraph, so the
     # first call's subgraph fits only calls with the same pattern. The weights are distinct
-    # (each its own gather of another parameter); the rest is compared with everything before.
+    # tensors made in this forward (each its own gather of another parameter), so no buffer or
+    # argument is one: the rest is compared only with the rest before it.
     identity = list(range(len(flat)))
-    for i in range(len(weights), len(flat)):
-        for j in range(i):
+    first = len(weights)
+    for i in range(first + 1, len(flat)):
+        for j in range(first, i):
             if flat[j] is flat[i]:
                 identity[i] = j
                 break
@@ -546,16 +553,21 @@ def _wrapped_forward(group: BlockGroup, original: Callable) -> Callable:
     def forward(self, *args, **kwargs):
         if (not torch.compiler.is_compiling()
                 or not _layout_unchanged(module_layout(self), self._shardc_layout_key)
-                or has_data_dependent_sizes(args, kwargs) or _torch.traces_floats_symbolically()):
+                or _torch.traces_floats_symbolically()):
+            return original(self, *args, **kwargs)
+        # Every size static (a description) rules out data-dependent ones: only a call that
+        # cannot be described pays for the check.
+        call = describe((args, kwargs))
+        if call is None and has_data_dependent_sizes(args, kwargs):
             return original(self, *args, **kwargs)
         weights = tuple([_read(self, p) for p in group.weight_paths])  # no generator: see describe
         buffers = tuple([_read(self, p) for p in group.buffer_paths])
-        key = reuse_key(group, self.training, (weights, buffers, args, kwargs))
+        key = reuse_key(group, self.training, weights, buffers, call)
         if key and group.keyed:
             if not kwargs and _all_tensors(args):
                 return group.keyed_flat[self.training](key, *weights, *buffers, *args)
             return group.keyed[self.training](key, weights, buffers, args, kwargs)
-        if key and not any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")):
+        if key and not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")):
             return _trace_once_call(group, self.training, key, weights, buffers, args, kwargs)
         return group.bodies[self.training](weights, buffers, args, kwargs)
 
