@@ -259,6 +259,12 @@ def test_bodies_are_traced_once_per_distinct_input_where_torch_can_key_them():
         assert _body_traces(model, x, torch.randn(5, 6, requires_grad=True)) == 2
         with torch.no_grad():
             assert _body_traces(model, x.detach()) == 1
+        # A weight frozen after sealing: its block's body is another trace (the key has each
+        # weight's requires_grad), the other three still share one.
+        model.blocks[0].up.weight.requires_grad_(False)
+        assert _body_traces(model, x) == 2
+        assert len(bodies.groups[0].prober.keys) == 4
+        model.blocks[0].up.weight.requires_grad_(True)
     tuples = Stack(TupleMlp)
     seal(wrap_repeated_blocks(tuples, {}, shared=set(), special=set()), tuples)
     assert _body_traces(tuples, x) == 4

@@ -313,6 +313,10 @@ class BodyProber:
     def __init__(self, skeleton: nn.Module, group: BlockGroup) -> None:
         self.skeleton = skeleton  # its own copy: probed eagerly while Dynamo traces the others
         self.names = group.weight_names + group.buffer_names
+        # A gathered weight's shape is its parameter's full shape, the same in every block of
+        # the group (block_signature): the traced description carries only what can differ.
+        self.weight_shapes = tuple(tuple(skeleton.get_parameter(n).shape)
+                                   for n in group.weight_names)
         self.keys: dict[tuple, int] = {}
         self.uid = next(_PROBER_IDS)  # distinguishes groups of several models in one process
         # Passed to trace-time functions by number: torch 2.11's Dynamo passes only constants.
@@ -324,8 +328,10 @@ class BodyProber:
         return self.keys[desc]
 
     def _probe(self, desc: tuple) -> int:
-        training, _, _, arguments = desc
-        weights, buffers, args, kwargs = _meta_value(arguments)
+        training, _, _, weight_state, arguments = desc
+        buffers, args, kwargs = _meta_value(arguments)
+        weights = [torch.empty(shape, dtype=dtype, device="meta", requires_grad=requires_grad)
+                   for shape, (dtype, _, requires_grad) in zip(self.weight_shapes, weight_state)]
         self.skeleton.train(training)
         try:
             with torch.no_grad():
@@ -352,17 +358,30 @@ def reuse_key(group: BlockGroup, training: bool, weights: tuple, buffers: tuple,
     (None: not describable). Called while Dynamo traces the wrapped forward."""
     if group.prober is None or call is None:
         return 0
-    described_weights = _describe_items(weights)
     described_buffers = _describe_items(buffers)
-    if described_weights is None or described_buffers is None:
+    if described_buffers is None:
         return 0
-    # describe((weights, buffers, args, kwargs)), from the parts already described.
-    desc = ("tuple", (("tuple", described_weights), ("tuple", described_buffers), *call[1]))
+    # describe((buffers, args, kwargs)), from the parts already described.
+    arguments = ("tuple", (("tuple", described_buffers), *call[1]))
     autocast = (torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda"))
-    key = _probed_key(group.prober.uid, (training, torch.is_grad_enabled(), autocast, desc))
+    key = _probed_key(group.prober.uid, (training, torch.is_grad_enabled(), autocast,
+                                         _weight_state(weights), arguments))
     # A fresh constant: Dynamo's result of assume_constant_result has a source that cannot be
     # guarded, which flattening the keyed body's arguments would try.
     return key + 0
+
+
+def _weight_state(weights: tuple) -> tuple:
+    """What a reuse key needs of a block's gathered weights besides their shapes: each one's
+    dtype, device and ``requires_grad``. The rest is fixed for the group: each weight is a
+    gather's output, contiguous, of its parameter's full shape (the prober's
+    ``weight_shapes``), and parameters keep their shapes (a replaced one is refused inside a
+    forward). Describing them like any tensor (sizes and strides, each checked static) was a
+    quarter of the instructions Dynamo interpreted per block."""
+    state = []
+    for w in weights:  # a plain loop: traced by Dynamo (see describe)
+        state.append((w.dtype, w.device, w.requires_grad))
+    return tuple(state)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -502,12 +521,14 @@ def module_layout(block: nn.Module) -> tuple:
     pending = [block]  # depth first, children in reverse order: one frame, no recursion
     while pending:
         module = pending.pop()
+        if module is None:  # a child slot set to None
+            continue
         layout.append((type(module), len(module._forward_hooks),
                        len(module._forward_pre_hooks), len(module._backward_hooks),
                        len(module._backward_pre_hooks)))
-        for child in module._modules.values():
-            if child is not None:
-                pending.append(child)
+        # One call, not a loop over the children: Dynamo interprets every instruction of a
+        # loop body, about 11 per child.
+        pending.extend(module._modules.values())
     return tuple(layout)
 
 
