@@ -434,7 +434,8 @@ def test_blocks_compiled_once_through_no_sync_and_dynamic_shapes(slow_runs):
     once. Under dynamic shapes a block whose input has unbacked sizes (torch 2.13 slices the
     tokens into such sizes) compiles inline, said in the plan; the others share one body, for
     which torch traces a second backward when the incoming gradient's metadata differs (the
-    last block's gradient comes from the head)."""
+    last block's gradient comes from the head). torch 2.11 traces the first block's body apart
+    from the others' there, as an equal subgraph that shardc.passes.body_share calls as one."""
     blocks = ("blocks.0", "blocks.1", "blocks.2")
     for world, got in zip(_worlds(slow_runs, "blocks_accumulate_shapes"),
                           check_parity(slow_runs, "blocks_accumulate_shapes")):

@@ -41,6 +41,7 @@ from shardc.passes.body import (
     tag_weight_recompute,
 )
 from shardc.passes.body_donations import DONATED
+from shardc.passes.body_share import share_equal_bodies
 from shardc.passes.body_standin import (
     StandInMismatch,
     restore_body_calls,
@@ -380,6 +381,9 @@ def _prepare_bodies(gm: fx.GraphModule, state: ShardState | None, opts: ShardcOp
         return
     region.inline_blocks = [(f.module, f.reason) for f in blocks.fallbacks]
     found = describe_body_calls(gm, blocks.block_of_param)
+    if found and opts.compile_blocks_once and share_equal_bodies([n for n, _ in found]):
+        # torch 2.11 under dynamic shapes: equal bodies traced apart, now one (body_share).
+        found = describe_body_calls(gm, blocks.block_of_param)
     if opts.compile_blocks_once:
         found = _inline_unsupported(gm, found, blocks, region)
     if found and not opts.compile_blocks_once:

@@ -1,0 +1,59 @@
+"""shardc.passes.body_share: equal block bodies that Dynamo traced as separate subgraphs (torch
+2.11 under dynamic shapes) are called as one; bodies that differ in an operation, a constant or
+an input's strides keep their own."""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from shardc.passes.body_share import INVOKE_SUBGRAPH, graph_form, share_equal_bodies
+
+
+def _body(scale: float, example: torch.Tensor) -> fx.GraphModule:
+    """``tanh(x @ w) * scale`` as a Dynamo-style subgraph (placeholders carry example values)."""
+    graph = fx.Graph()
+    x, w = graph.placeholder("x"), graph.placeholder("w")
+    x.meta["example_value"], w.meta["example_value"] = example, torch.randn(4, 4)
+    out = graph.call_function(torch.mul, (graph.call_function(
+        torch.tanh, (graph.call_function(torch.mm, (x, w)),)), scale))
+    graph.output((out,))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _region(bodies: list[fx.GraphModule]) -> tuple[fx.GraphModule, list[fx.Node]]:
+    """A root graph calling each body once, in order, on the previous call's output."""
+    root = torch.nn.Module()
+    graph = fx.Graph()
+    h = graph.placeholder("h")
+    calls = []
+    for i, body in enumerate(bodies):
+        root.add_module(f"subgraph_{i}", body)
+        w = graph.placeholder(f"w{i}")
+        call = graph.call_function(INVOKE_SUBGRAPH,
+                                   (graph.get_attr(f"subgraph_{i}"), f"subgraph_{i}", h, w))
+        h = graph.call_function(lambda out: out[0], (call,))
+        calls.append(call)
+    graph.output(h)
+    return fx.GraphModule(root, graph), calls
+
+
+def test_equal_bodies_are_called_as_one_and_results_are_unchanged():
+    contiguous = torch.randn(3, 4)
+    strided = torch.randn(4, 3).t()  # same sizes, other strides
+    bodies = [_body(0.5, contiguous), _body(0.5, contiguous), _body(2.0, contiguous),
+              _body(0.5, contiguous), _body(0.5, strided)]
+    assert graph_form(bodies[0]) == graph_form(bodies[1]) == graph_form(bodies[3])
+    assert graph_form(bodies[0]) != graph_form(bodies[2])  # another constant
+    assert graph_form(bodies[0]) != graph_form(bodies[4])  # another input stride
+    gm, calls = _region(bodies)
+    inputs = [torch.randn(3, 4)] + [torch.randn(4, 4) for _ in bodies]
+    expected = gm(*inputs)
+
+    assert share_equal_bodies(calls) == 2
+    assert [c.args[1] for c in calls] == ["subgraph_0", "subgraph_0", "subgraph_2",
+                                          "subgraph_0", "subgraph_4"]
+    kept = {name for name, _ in gm.named_children()}
+    assert kept == {"subgraph_0", "subgraph_2", "subgraph_4"}
+    torch.testing.assert_close(gm(*inputs), expected, rtol=0, atol=0)
+    assert share_equal_bodies(calls) == 0  # nothing left to share
