@@ -4,6 +4,8 @@ an input's strides keep their own."""
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import fx
 
@@ -11,12 +13,14 @@ from shardc.passes.body_share import INVOKE_SUBGRAPH, graph_form, share_equal_bo
 
 
 def _body(scale: float, example: torch.Tensor) -> fx.GraphModule:
-    """``tanh(x @ w) * scale`` as a Dynamo-style subgraph (placeholders carry example values)."""
+    """``tanh((x @ w)[:, :4]) * scale`` as a Dynamo-style subgraph (placeholders carry example
+    values; the slice is a constant argument that cannot be hashed)."""
     graph = fx.Graph()
     x, w = graph.placeholder("x"), graph.placeholder("w")
     x.meta["example_value"], w.meta["example_value"] = example, torch.randn(4, 4)
-    out = graph.call_function(torch.mul, (graph.call_function(
-        torch.tanh, (graph.call_function(torch.mm, (x, w)),)), scale))
+    product = graph.call_function(torch.mm, (x, w))
+    sliced = graph.call_function(operator.getitem, (product, (slice(None), slice(0, 4))))
+    out = graph.call_function(torch.mul, (graph.call_function(torch.tanh, (sliced,)), scale))
     graph.output((out,))
     return fx.GraphModule(torch.nn.Module(), graph)
 

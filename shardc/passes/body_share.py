@@ -69,12 +69,21 @@ def _attr(gm: fx.GraphModule, target: str) -> object:
     return gm
 
 
+def _equal(a: tuple, b: tuple) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # a constant without a plain equality (a tensor): never shared
+        return False
+
+
 def share_equal_bodies(calls: list[fx.Node]) -> int:
     """Point each ``invoke_subgraph`` call of ``calls`` (the region's body calls) whose subgraph
     equals (:func:`graph_form`) that of an earlier call in the same graph at the earlier call's
     subgraph and identifier; remove the subgraphs no call uses any more. Returns how many calls
     were changed."""
-    first_by_form: dict[tuple, fx.Node] = {}
+    # Compared by equality, not hashed: a form holds whatever constants the graph's calls
+    # take (slices are not hashable); a region has few distinct bodies.
+    firsts: list[tuple[int, tuple, fx.Node]] = []
     forms: dict[int, tuple | None] = {}
     changed = 0
     touched: set[fx.GraphModule] = set()
@@ -88,9 +97,11 @@ def share_equal_bodies(calls: list[fx.Node]) -> int:
         form = forms[id(sub)]
         if form is None:
             continue
-        key = (id(owner), form)
-        first = first_by_form.setdefault(key, call)
-        if first is call or first.args[0].target == call.args[0].target:
+        first = next((c for o, f, c in firsts if o == id(owner) and _equal(f, form)), None)
+        if first is None:
+            firsts.append((id(owner), form, call))
+            continue
+        if first.args[0].target == call.args[0].target:
             continue
         old = call.args[0]
         call.args = (first.args[0], first.args[1], *call.args[2:])
