@@ -61,3 +61,35 @@ def test_equal_bodies_are_called_as_one_and_results_are_unchanged():
     assert kept == {"subgraph_0", "subgraph_2", "subgraph_4"}
     torch.testing.assert_close(gm(*inputs), expected, rtol=0, atol=0)
     assert share_equal_bodies(calls) == 0  # nothing left to share
+
+
+def _run(sub: fx.GraphModule, *args: torch.Tensor):
+    return sub(*args)
+
+
+def _with_region(policy) -> fx.GraphModule:
+    """A body holding a nested region subgraph (as a checkpointed block's body does), whose
+    selective checkpointing policy Dynamo records on the subgraph, not in its nodes."""
+    region = _body(1.0, torch.randn(3, 4))
+    if policy is not None:
+        region.meta["_checkpoint_context_fn"] = policy
+    root = torch.nn.Module()
+    root.add_module("region", region)
+    graph = fx.Graph()
+    x, w = graph.placeholder("x"), graph.placeholder("w")
+    x.meta["example_value"], w.meta["example_value"] = torch.randn(3, 4), torch.randn(4, 4)
+    graph.output((graph.call_function(_run, (graph.get_attr("region"), x, w)),))
+    return fx.GraphModule(root, graph)
+
+
+def test_nested_regions_with_other_checkpoint_policies_are_not_equal():
+    def keep_matmuls(ctx, op, *args, **kwargs):
+        return None
+
+    def keep_nothing(ctx, op, *args, **kwargs):
+        return None
+
+    assert graph_form(_with_region(keep_matmuls)) == graph_form(_with_region(keep_matmuls))
+    assert graph_form(_with_region(None)) == graph_form(_with_region(None))
+    assert graph_form(_with_region(keep_matmuls)) != graph_form(_with_region(keep_nothing))
+    assert graph_form(_with_region(keep_matmuls)) != graph_form(_with_region(None))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from shardc import _torch
 from shardc.passes.fx_utils import is_call
 
 __all__ = ["graph_form", "share_equal_bodies"]
@@ -40,9 +41,10 @@ def _value_form(value: object) -> tuple:
 
 def graph_form(gm: fx.GraphModule) -> tuple | None:
     """What two subgraphs must share to be called as one: per node, its kind, its target (a
-    nested subgraph by its own form), its arguments (other nodes by position) and, for
-    placeholders, their values. None when a node reads an attribute that is not a subgraph
-    (a constant of its own: such subgraphs are never shared)."""
+    nested subgraph by its own form and its selective checkpointing policy), its arguments
+    (other nodes by position) and, for placeholders, their values. None when a node reads an
+    attribute that is not a subgraph (a constant of its own: such subgraphs are never
+    shared)."""
     index: dict[fx.Node, int] = {}
     nodes = []
     for node in gm.graph.nodes:
@@ -56,7 +58,10 @@ def graph_form(gm: fx.GraphModule) -> tuple | None:
             form = graph_form(sub) if isinstance(sub, fx.GraphModule) else None
             if form is None:
                 return None
-            nodes.append(("get_attr", form))
+            # A checkpointed region's selective policy lives on its subgraph, not in its
+            # nodes: the same policy object or none.
+            policy = _torch.selective_checkpoint_policy(sub)
+            nodes.append(("get_attr", form, None if policy is None else id(policy)))
             continue
         args = fx.node.map_arg((node.args, node.kwargs), lambda n: ("node", index[n]))
         nodes.append((node.op, node.target, args))
