@@ -21,11 +21,10 @@ import torch
 from torch import fx
 
 from shardc import _torch
-from shardc.passes.fx_utils import is_call
+from shardc.passes.body import INVOKE_SUBGRAPH
+from shardc.passes.fx_utils import subgraph_module
 
-__all__ = ["graph_form", "share_equal_bodies"]
-
-INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
+__all__ = ["INVOKE_SUBGRAPH", "graph_form", "share_equal_bodies"]
 
 
 def _value_form(value: object) -> tuple:
@@ -54,7 +53,7 @@ def graph_form(gm: fx.GraphModule) -> tuple | None:
             nodes.append(("placeholder", _value_form(value)))
             continue
         if node.op == "get_attr":
-            sub = _attr(gm, node.target)
+            sub = getattr(gm, str(node.target), None)
             form = graph_form(sub) if isinstance(sub, fx.GraphModule) else None
             if form is None:
                 return None
@@ -66,12 +65,6 @@ def graph_form(gm: fx.GraphModule) -> tuple | None:
         args = fx.node.map_arg((node.args, node.kwargs), lambda n: ("node", index[n]))
         nodes.append((node.op, node.target, args))
     return tuple(nodes)
-
-
-def _attr(gm: fx.GraphModule, target: str) -> object:
-    for part in target.split("."):
-        gm = getattr(gm, part, None)
-    return gm
 
 
 def _equal(a: tuple, b: tuple) -> bool:
@@ -93,12 +86,12 @@ def share_equal_bodies(calls: list[fx.Node]) -> int:
     changed = 0
     touched: set[fx.GraphModule] = set()
     for call in calls:
-        if not is_call(call, INVOKE_SUBGRAPH) or call.args[0].op != "get_attr":
+        sub = subgraph_module(call)
+        if sub is None:
             continue
         owner = call.graph.owning_module
-        sub = _attr(owner, call.args[0].target)
         if id(sub) not in forms:
-            forms[id(sub)] = graph_form(sub) if isinstance(sub, fx.GraphModule) else None
+            forms[id(sub)] = graph_form(sub)
         form = forms[id(sub)]
         if form is None:
             continue
