@@ -134,8 +134,7 @@ def run_child(args: argparse.Namespace) -> None:
     setup_s = time.perf_counter() - t0
     sync(device)
     t = time.perf_counter()
-    loss = float(train_step(setup, opt, *data[0]))
-    sync(device)
+    loss, phases = _first_step(setup, opt, *data[0], sync=lambda: sync(device))
     first = time.perf_counter() - t
     steady = []
     for tokens, targets in data[1:]:
@@ -145,7 +144,9 @@ def run_child(args: argparse.Namespace) -> None:
         sync(device)
         steady.append(time.perf_counter() - t)
     counters = torch._dynamo.utils.counters  # Inductor's and AOTAutograd's cache counters
-    mine = {"first_step_s": first, "setup_s": setup_s,
+    mine = {"first_step_s": first, "setup_s": setup_s, "first_step_phases_s": phases,
+            # torch's own timed compile events (build_guards, ...), summed over the step
+            "torch_timed_s": _torch_timed_events(),
             "steady_step_s": statistics.median(steady) if steady else None, "loss": loss,
             "cache": {k: v for group in ("inductor", "aot_autograd")
                       for k, v in counters[group].items() if "cache" in k}}
@@ -160,6 +161,42 @@ def run_child(args: argparse.Namespace) -> None:
         Path(args.result).write_text(json.dumps(record, indent=1) + "\n")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _first_step(setup, opt, tokens, targets, sync) -> tuple[float, dict[str, float]]:
+    """The first training step (``train.runner.train_step``'s operations) with each phase
+    synchronized and timed: the forward (Dynamo, the backend's compile, guards and the first
+    run), the backward (with a lazily compiled backward), and the optimizer's first step (its
+    state created) with ``zero_grad``. The synchronizations cost nothing next to a compile."""
+    import torch
+
+    phases: dict[str, float] = {}
+    t = time.perf_counter()
+    torch.compiler.cudagraph_mark_step_begin()
+    loss = setup.loss(tokens, targets)
+    sync()
+    phases["forward"], t = time.perf_counter() - t, time.perf_counter()
+    loss.backward()
+    sync()
+    phases["backward"], t = time.perf_counter() - t, time.perf_counter()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    value = float(loss.detach())
+    sync()
+    phases["optimizer"] = time.perf_counter() - t
+    return value, phases
+
+
+def _torch_timed_events() -> dict[str, float]:
+    """Seconds per event of torch's ``dynamo_timed`` compile events so far (``build_guards``,
+    ``compile_fx.<locals>.fw_compiler_base``...), each summed over its calls; empty where this
+    torch does not report them."""
+    try:
+        from torch._dynamo.utils import compile_times
+        names, values = compile_times(repr="csv", aggregate=True)
+    except Exception:  # an analysis aid: a torch without it still gets the rest of the record
+        return {}
+    return {str(n): round(float(v), 4) for n, v in zip(names, values)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -220,6 +257,14 @@ def _fmt(value: float | None, unit: str = "s") -> str:
     return f"{value * 1e3:.0f} ms" if unit == "ms" else f"{value:.1f} s"
 
 
+def _phases(phases: dict[str, float] | None) -> str:
+    """Rank 0's first-step phases, e.g. ``12.1 / 3.4 / 0.2 s``."""
+    if not phases:
+        return "-"
+    return " / ".join(f"{phases.get(k, 0.0):.1f}" for k in ("forward", "backward",
+                                                             "optimizer")) + " s"
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     meta = report["meta"]
     lines = [f"# Compile time: first training step by depth, mode and cache ({meta['date']})", "",
@@ -229,9 +274,10 @@ def render_markdown(report: dict[str, Any]) -> str:
              f"{' (tiny)' if meta['tiny'] else ''}, seq {meta['seq']}, batch {meta['batch']}/rank."
              " Each run is a fresh process; cold: empty Inductor/Triton cache directories; warm: "
              "the cold run's directories reused.", "",
-             "| layers | mode | cache | first step | steady step | FX graph cache hit/miss | "
-             "AOT cache hit/miss | shardc stages (rank 0, s) |",
-             "|---:|---|---|---:|---:|---|---|---|"]
+             "| layers | mode | cache | first step | forward / backward / optimizer | "
+             "steady step | FX graph cache hit/miss | AOT cache hit/miss | "
+             "shardc stages (rank 0, s) |",
+             "|---:|---|---|---:|---|---:|---|---|---|"]
     for run in report["runs"]:
         r = run["record"]
         cache = r.get("cache", {})
@@ -239,7 +285,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         first = "error" if "error" in r else _fmt(r.get("first_step_s"))
         lines.append(
             f"| {run['depth']} | {run['mode']} | {run['cache']} | {first} | "
-            f"{_fmt(r.get('steady_step_s'), 'ms')} | "
+            f"{_phases(r.get('first_step_phases_s'))} | {_fmt(r.get('steady_step_s'), 'ms')} | "
             f"{cache.get('fxgraph_cache_hit', 0)}/{cache.get('fxgraph_cache_miss', 0)} | "
             f"{cache.get('autograd_cache_hit', 0)}/{cache.get('autograd_cache_miss', 0)} | "
             f"{stages or '-'} |")
