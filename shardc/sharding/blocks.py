@@ -458,7 +458,10 @@ def _trace_once_kind(slot: int) -> int:
 def _trace_once_call(group: BlockGroup, training: bool, key: int, weights, buffers, args,
                      kwargs):
     """A body call that Dynamo traces only the first time per slot and graph (see above)."""
-    flat = _flat_tensors((args, kwargs), [*weights, *buffers])
+    if not kwargs and _all_tensors(args):  # the usual call (h, ...): no walk over structures
+        flat = [*weights, *buffers, *args]
+    else:
+        flat = _flat_tensors((args, kwargs), [*weights, *buffers])
     # Identical tensors among the arguments: Dynamo lifts a tensor once into a subgraph, so the
     # first call's subgraph fits only calls with the same pattern. The weights are distinct
     # tensors made in this forward (each its own gather of another parameter), so no buffer or

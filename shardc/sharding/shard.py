@@ -14,6 +14,7 @@ module is touched.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import weakref
 from dataclasses import dataclass, field, replace
@@ -198,7 +199,7 @@ def _param_property(name: str, info: ShardedParamInfo, grads: UnsyncedGrads,
     constants = info.gather_constants(key)
     if not (plain or info.quantized or info.fp8 is not None or info.tp is not None
             or info.offload_device or auto is not None):
-        return property(_keep_store(_read_gathered_as_is(name, constants, key), grads),
+        return property(_keep_store(_read_gathered_as_is(name, info.fqn, constants, key), grads),
                         doc=f"The parameter {info.fqn!r}, gathered inside a forward.")
 
     def read(self):
@@ -234,7 +235,7 @@ def _keep_store(read, grads: UnsyncedGrads):
     return read
 
 
-def _read_gathered_as_is(name: str, constants: dict[int, tuple], key: str):
+def _read_gathered_as_is(name: str, fqn: str, constants: dict[int, tuple], key: str):
     """The read of a parameter gathered as it is: not FP8, not TransformerEngine FP8, not
     tensor-parallel, not offloaded, no plain leaf (most parameters). The same steps as the
     general read's path for it, with those choices made here, once: Dynamo guards every value
@@ -243,17 +244,51 @@ def _read_gathered_as_is(name: str, constants: dict[int, tuple], key: str):
     flag, about 7 guards per parameter at every call (issue 20, docs/overhead.md "Guards per
     step"). None of them can change without shardc sharding again: the info is a frozen
     dataclass and the flag a bool, both fixed when this property is built by ``shard`` (a new
-    class, so a new property, for each sharding); the closure keeps only the gather's constant
-    arguments, the name and the gradient store's key (its mode is read through ``sync_mode``),
-    which this read does need (still guarded)."""
+    class, so a new property, for each sharding).
 
-    def read(self):
+    What the read does need, the parameter's name, the gather's constant arguments by sync mode
+    and the gradient store's key, are constants of the read's own code (:func:`_constant_read`)
+    where their values allow, not cells of a closure: Dynamo guards the code object of every
+    function it inlines (one guard, which a read has anyway), and guarded each closure cell's
+    contents besides, six guards per parameter (issue 18: guards are built at every compile and
+    checked at every step). The store's mode is read through ``SYNC_MODES`` under the key, one
+    guarded value for all the model's reads."""
+    by_mode = tuple(constants[mode] for mode in range(len(constants)))
+    read = _constant_read(name, by_mode, key, fqn)
+    if read is not None:
+        return read
+
+    def read(self):  # the same read over a closure: a constant whose repr is not its value
         param, gather = _param_to_gather(self, name)
         # The op and the mode dict themselves, not gather_param's and sync_mode's Python:
         # Dynamo inlines every call it traces, a frame each per parameter of every block.
-        return GATHER_OP(param.to_local(), *constants[SYNC_MODES[key]]) if gather else param
+        return GATHER_OP(param.to_local(), *by_mode[SYNC_MODES[key]]) if gather else param
 
     return read
+
+
+_READ_SOURCE = """\
+def read(self):
+    param, gather = _param_to_gather(self, {name!r})
+    return GATHER_OP(param.to_local(), *{by_mode!r}[SYNC_MODES[{key!r}]]) if gather else param
+"""
+
+
+def _constant_read(name: str, by_mode: tuple, key: str, fqn: str):
+    """:func:`_read_gathered_as_is`'s read, compiled from source with ``name``, ``by_mode`` and
+    ``key`` written in as literals (its file name, shown in tracebacks and Dynamo's logs, names
+    the parameter ``fqn``); None if one of them does not read back as itself (only strings,
+    numbers, booleans, None and tuples of them do)."""
+    literals = (name, by_mode, key)
+    try:
+        if ast.literal_eval(repr(literals)) != literals:
+            return None
+    except (ValueError, SyntaxError):
+        return None
+    source = _READ_SOURCE.format(name=name, by_mode=by_mode, key=key)
+    defined: dict = {}
+    exec(compile(source, f"<shardc read of {fqn!r}>", "exec"), _READ_GLOBALS, defined)
+    return defined["read"]
 
 
 def _param_to_gather(module: nn.Module, name: str) -> tuple[torch.Tensor | None, bool]:
@@ -269,6 +304,12 @@ def _param_to_gather(module: nn.Module, name: str) -> tuple[torch.Tensor | None,
             raise _replaced_error(module, name, param)
         return param, False
     return param, inside
+
+
+# The globals of every read _constant_read makes: one dict, so Dynamo guards what a read looks
+# up there (``SYNC_MODES``...) once for all of them, not once per read.
+_READ_GLOBALS = {"_param_to_gather": _param_to_gather, "GATHER_OP": GATHER_OP,
+                 "SYNC_MODES": SYNC_MODES}
 
 
 def _replaced_error(module: nn.Module, name: str, param: torch.Tensor) -> RuntimeError:
