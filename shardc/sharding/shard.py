@@ -253,6 +253,7 @@ def _read_gathered_as_is(name: str, fqn: str, constants: dict[int, tuple], key: 
     contents besides, six guards per parameter (issue 18: guards are built at every compile and
     checked at every step). The store's mode is read through ``SYNC_MODES`` under the key, one
     guarded value for all the model's reads."""
+    # Indexed by the mode itself (REDUCE, STASH, REDUCE_STASHED are 0, 1, 2).
     by_mode = tuple(constants[mode] for mode in range(len(constants)))
     read = _constant_read(name, by_mode, key, fqn)
     if read is not None:
