@@ -1,0 +1,48 @@
+"""The compile-time benchmark's first-step record (``benchmarks/compile_time.py``): the step
+split into synchronized phases runs the training step's operations, and the table shows the
+phases of each row."""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks.compile_time import _first_step, _phases, _torch_timed_events, render_markdown
+
+
+class _Setup:
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def loss(self, tokens, targets):
+        return torch.nn.functional.mse_loss(self.model(tokens), targets)
+
+
+def test_first_step_trains_and_times_each_phase():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    before = model.weight.detach().clone()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    with torch.no_grad():
+        expected = float(torch.nn.functional.mse_loss(model(x), y))
+    syncs = []
+    loss, phases = _first_step(_Setup(model), opt, x, y, sync=lambda: syncs.append(1))
+    assert loss == expected
+    assert list(phases) == ["forward", "backward", "optimizer"] and len(syncs) == 3
+    assert all(seconds >= 0 for seconds in phases.values())
+    assert not torch.equal(model.weight, before)  # the optimizer stepped
+    assert model.weight.grad is None  # and the gradients were cleared, as train_step does
+    assert isinstance(_torch_timed_events(), dict)
+
+
+def test_table_shows_each_rows_phases():
+    meta = {"date": "d", "command": "c", "machine": {"device": "cpu", "torch": "t", "git": "g"},
+            "nproc": 1, "model": "1b", "tiny": True, "seq": 32, "batch": 2}
+    record = {"first_step_s": 3.0, "steady_step_s": 0.02,
+              "first_step_phases_s": {"forward": 2.04, "backward": 0.86, "optimizer": 0.1}}
+    runs = [{"depth": 2, "mode": "shardc", "cache": "cold", "record": record},
+            {"depth": 4, "mode": "shardc", "cache": "cold", "record": {"first_step_s": 4.0}}]
+    table = render_markdown({"meta": meta, "runs": runs})
+    assert "| 2 | shardc | cold | 3.0 s | 2.0 / 0.9 / 0.1 s | 20 ms |" in table
+    assert "| 4 | shardc | cold | 4.0 s | - | - |" in table
+    assert _phases(None) == "-"
