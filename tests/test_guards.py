@@ -144,24 +144,20 @@ def test_parameter_reads_share_the_sync_mode_without_aliasing_checks(censuses):
     assert len(census["sync_mode"]) == 1, census
 
 
-def test_parameter_read_holds_its_constants_in_its_code_or_falls_back_to_a_closure():
+def test_parameter_read_holds_its_constants_in_its_code():
     """The read of a parameter gathered as it is (``shard._read_gathered_as_is``) is compiled
-    with its name, gather constants and store key as literals, so Dynamo guards none of them
-    apart; constants that are not literals (no such gather argument today) keep a closure. Either
-    read returns the parameter itself outside a forward."""
-    from shardc.sharding.shard import _constant_read, _read_gathered_as_is
+    with its name, gather constants and store key among its code's constants, so Dynamo guards
+    none of them apart; also when the constants hold dtypes (a mixed-precision gather, which a
+    first version compiled from literals only and left in a closure). It returns the parameter
+    itself outside a forward."""
+    from shardc.sharding.shard import _read_gathered_as_is
 
-    constants = {0: ("l.weight", 4, 1, "0", None, True), 1: ("l.weight", 4, 1, "0", None, False),
-                 2: ("l.weight", 4, 2, "0", None, True)}
-    read = _read_gathered_as_is("weight", "l.weight", constants, "grads7")
-    assert read.__closure__ is None
-    assert "grads7" in read.__code__.co_consts and "'l.weight'" in read.__code__.co_filename
-    assert tuple(constants.values()) in read.__code__.co_consts
-
-    odd = {mode: (torch.float32, *c) for mode, c in constants.items()}  # a dtype: no literal
-    assert _constant_read("weight", tuple(odd.values()), "grads7", "l.weight") is None
-    fallback = _read_gathered_as_is("weight", "l.weight", odd, "grads7")
-    assert fallback.__closure__ is not None
-
-    module = nn.Linear(4, 4)
-    assert read(module) is module.weight and fallback(module) is module.weight
+    for dtype in (None, torch.bfloat16):
+        constants = {mode: ("l.weight", 4, 1, "0", dtype, dtype, mode != 1)
+                     for mode in range(3)}
+        read = _read_gathered_as_is("weight", "l.weight", constants, "grads7")
+        assert read.__closure__ is None
+        assert "grads7" in read.__code__.co_consts and "'l.weight'" in read.__code__.co_filename
+        assert tuple(constants.values()) in read.__code__.co_consts
+        module = nn.Linear(4, 4)
+        assert read(module) is module.weight

@@ -14,8 +14,9 @@ module is touched.
 
 from __future__ import annotations
 
-import ast
+import builtins
 import contextlib
+import types
 import weakref
 from dataclasses import dataclass, field, replace
 
@@ -247,27 +248,22 @@ def _read_gathered_as_is(name: str, fqn: str, constants: dict[int, tuple], key: 
     class, so a new property, for each sharding).
 
     What the read does need, the parameter's name, the gather's constant arguments by sync mode
-    and the gradient store's key, are constants of the read's own code (:func:`_constant_read`)
-    where their values allow, not cells of a closure: Dynamo guards the code object of every
-    function it inlines (one guard, which a read has anyway), and guarded each closure cell's
-    contents besides, six guards per parameter (issue 18: guards are built at every compile and
-    checked at every step). The store's mode is read through ``SYNC_MODES`` under the key, one
-    guarded value for all the model's reads."""
+    and the gradient store's key, are constants of the read's own code (:func:`_constant_read`),
+    not cells of a closure: Dynamo guards the code object of every function it inlines (one
+    guard, which a read has anyway), and guarded each closure cell's contents besides, six
+    guards per parameter (issue 18: guards are built at every compile and checked at every
+    step). The store's mode is read through ``SYNC_MODES`` under the key, one guarded value for
+    all the model's reads."""
     # Indexed by the mode itself (REDUCE, STASH, REDUCE_STASHED are 0, 1, 2).
     by_mode = tuple(constants[mode] for mode in range(len(constants)))
-    read = _constant_read(name, by_mode, key, fqn)
-    if read is not None:
-        return read
-
-    def read(self):  # the same read over a closure: a constant whose repr is not its value
-        param, gather = _param_to_gather(self, name)
-        # The op and the mode dict themselves, not gather_param's and sync_mode's Python:
-        # Dynamo inlines every call it traces, a frame each per parameter of every block.
-        return GATHER_OP(param.to_local(), *by_mode[SYNC_MODES[key]]) if gather else param
-
-    return read
+    return _constant_read(name, by_mode, key, fqn)
 
 
+# The constants by mode are put into the compiled read's co_consts in place of this string:
+# they hold torch.dtypes (a mixed-precision gather's dtypes), which source cannot spell as a
+# constant (``torch.bfloat16`` in source is a load and an attribute, and the tuple around it
+# would be built at every read that Dynamo traces).
+_BY_MODE = "<shardc: the gather's constants by sync mode>"
 _READ_SOURCE = """\
 def read(self):
     param, gather = _param_to_gather(self, {name!r})
@@ -276,20 +272,15 @@ def read(self):
 
 
 def _constant_read(name: str, by_mode: tuple, key: str, fqn: str):
-    """:func:`_read_gathered_as_is`'s read, compiled from source with ``name``, ``by_mode`` and
-    ``key`` written in as literals (its file name, shown in tracebacks and Dynamo's logs, names
-    the parameter ``fqn``); None if one of them does not read back as itself (only strings,
-    numbers, booleans, None and tuples of them do)."""
-    literals = (name, by_mode, key)
-    try:
-        if ast.literal_eval(repr(literals)) != literals:
-            return None
-    except (ValueError, SyntaxError):
-        return None
-    source = _READ_SOURCE.format(name=name, by_mode=by_mode, key=key)
-    defined: dict = {}
-    exec(compile(source, f"<shardc read of {fqn!r}>", "exec"), _READ_GLOBALS, defined)
-    return defined["read"]
+    """:func:`_read_gathered_as_is`'s read: compiled from source with ``name`` and ``key``
+    written in as literals, and ``by_mode`` (any objects) set among its code's constants; its
+    file name, shown in tracebacks and Dynamo's logs, names the parameter ``fqn``."""
+    source = _READ_SOURCE.format(name=name, by_mode=_BY_MODE, key=key)
+    module = compile(source, f"<shardc read of {fqn!r}>", "exec")
+    code = next(c for c in module.co_consts if isinstance(c, types.CodeType))
+    consts = tuple(by_mode if isinstance(c, str) and c == _BY_MODE else c
+                   for c in code.co_consts)
+    return types.FunctionType(code.replace(co_consts=consts), _READ_GLOBALS, "read")
 
 
 def _param_to_gather(module: nn.Module, name: str) -> tuple[torch.Tensor | None, bool]:
@@ -310,7 +301,7 @@ def _param_to_gather(module: nn.Module, name: str) -> tuple[torch.Tensor | None,
 # The globals of every read _constant_read makes: one dict, so Dynamo guards what a read looks
 # up there (``SYNC_MODES``...) once for all of them, not once per read.
 _READ_GLOBALS = {"_param_to_gather": _param_to_gather, "GATHER_OP": GATHER_OP,
-                 "SYNC_MODES": SYNC_MODES}
+                 "SYNC_MODES": SYNC_MODES, "__builtins__": builtins.__dict__}
 
 
 def _replaced_error(module: nn.Module, name: str, param: torch.Tensor) -> RuntimeError:
