@@ -164,27 +164,22 @@ def run_child(args: argparse.Namespace) -> None:
 
 
 def _first_step(setup, opt, tokens, targets, sync) -> tuple[float, dict[str, float]]:
-    """The first training step (``train.runner.train_step``'s operations) with each phase
-    synchronized and timed: the forward (Dynamo, the backend's compile, guards and the first
-    run), the backward (with a lazily compiled backward), and the optimizer's first step (its
-    state created) with ``zero_grad``. The synchronizations cost nothing next to a compile."""
-    import torch
+    """The first training step (``train.runner.train_step``) with each phase synchronized and
+    timed: the forward (Dynamo, the backend's compile, guards and the first run), the backward
+    (with a lazily compiled backward), and the optimizer's first step (its state created) with
+    ``zero_grad``. The synchronizations cost nothing next to a compile."""
+    from train.runner import train_step
 
     phases: dict[str, float] = {}
-    t = time.perf_counter()
-    torch.compiler.cudagraph_mark_step_begin()
-    loss = setup.loss(tokens, targets)
-    sync()
-    phases["forward"], t = time.perf_counter() - t, time.perf_counter()
-    loss.backward()
-    sync()
-    phases["backward"], t = time.perf_counter() - t, time.perf_counter()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    value = float(loss.detach())
-    sync()
-    phases["optimizer"] = time.perf_counter() - t
-    return value, phases
+    last = [time.perf_counter()]
+
+    def mark(phase: str) -> None:
+        sync()
+        now = time.perf_counter()
+        phases[phase], last[0] = now - last[0], now
+
+    loss = train_step(setup, opt, tokens, targets, mark=mark)
+    return float(loss), phases
 
 
 def _torch_timed_events() -> dict[str, float]:

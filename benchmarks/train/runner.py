@@ -65,12 +65,21 @@ OPTIM_IMPLS = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": T
 
 
 def train_step(setup: Setup, opt: torch.optim.Optimizer, tokens: torch.Tensor,
-               targets: torch.Tensor) -> torch.Tensor:
+               targets: torch.Tensor, mark: Callable[[str], None] | None = None
+               ) -> torch.Tensor:
+    """One training step; ``mark(phase)`` (if given) is called as each of ``forward``,
+    ``backward`` and ``optimizer`` ends (compile_time.py times the first step's phases)."""
     torch.compiler.cudagraph_mark_step_begin()  # a new step for CUDA graph trees (no-op else)
     loss = setup.loss(tokens, targets)
+    if mark is not None:
+        mark("forward")
     loss.backward()
+    if mark is not None:
+        mark("backward")
     opt.step()
     opt.zero_grad(set_to_none=True)
+    if mark is not None:
+        mark("optimizer")
     # A copy: under CUDA graphs (shardc-cudagraphs) the next replay overwrites the output.
     return loss.detach().clone()
 
