@@ -1,7 +1,8 @@
 """Compile one training step of a small sharded Llama (4 blocks by default, ``--n-layers``; one
-rank over gloo, CPU) with shardc's backend (``--mode plain``: with plain inputs; ``--mode bound``:
-unsharded, Inductor) and count the guards Dynamo installs for it, by kind, then time their check
-(issue 20: the per-step guard evaluation). docs/overhead.md, "Guards per step", quotes both.
+rank over gloo, CPU) with shardc's backend (``--mode plain``: with plain inputs; ``--mode
+packed``: blocks packed; ``--mode bound``: unsharded, Inductor) and count the guards Dynamo
+installs for it, by kind, then time their check (issue 20: the per-step guard evaluation).
+docs/overhead.md, "Guards per step", quotes both.
 
     PYTHONPATH=$PWD python scripts/guard_census.py
     TORCH_LOGS=guards PYTHONPATH=$PWD python scripts/guard_census.py 2> guards.log
@@ -33,9 +34,11 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=1000, help="guard checks per repeat")
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--n-layers", type=int, default=4)
-    parser.add_argument("--mode", choices=("shardc", "plain", "bound"), default="shardc",
+    parser.add_argument("--mode", choices=("shardc", "plain", "packed", "bound"),
+                        default="shardc",
                         help="shardc (default options); plain: shardc.shard(..., "
-                             "plain_inputs=True); bound: the unsharded model, parameters read "
+                             "plain_inputs=True); packed: shardc.shard(..., pack_blocks=True); "
+                             "bound: the unsharded model, parameters read "
                              "as bf16 (benchmarks/train/baselines.py), Inductor")
     args = parser.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -49,7 +52,8 @@ def main() -> None:
         if args.mode == "bound":
             _swap_param_reads(model, lambda p: p.to(torch.bfloat16))
         else:
-            shardc.shard(model, mesh, plain_inputs=args.mode == "plain")
+            shardc.shard(model, mesh, plain_inputs=args.mode == "plain",
+                         pack_blocks=args.mode == "packed")
 
         def fn(t, y):
             return llama_loss(model(t), y)

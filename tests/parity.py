@@ -274,7 +274,8 @@ def sharded_run(rank: int, world: int, kind: str, mode: str, **options) -> dict:
     model = build(kind)
     shardc.shard(model, reshard_after_forward=options.pop("reshard_after_forward", True),
                  offload=options.pop("offload", None), mp_policy=options.pop("mp_policy", None),
-                 plain_inputs=options.pop("plain_inputs", False))
+                 plain_inputs=options.pop("plain_inputs", False),
+                 pack_blocks=options.pop("pack_blocks", False))
     if mode == "eager":
         forward = model
     else:
@@ -298,7 +299,9 @@ def sharded_run(rank: int, world: int, kind: str, mode: str, **options) -> dict:
            "trainable": {n for n, p in model.named_parameters() if p.requires_grad},
            "activation_copies": activation_copies(state),
            # plain_inputs: gradients handed from the plain leaves to the DTensor parameters.
-           "plain_handed": None if state.plain is None else state.plain.handed}
+           "plain_handed": None if state.plain is None else state.plain.handed,
+           # pack_blocks: blocks' gradients handed from the packed leaves to the parameters.
+           "packed_handed": None if state.packed is None else state.packed.handed}
     out["retrained"] = {name: _retrain(model, forward, rank, world, initial, **training)
                         for name, training in retrain.items()}
     if keep_model:

@@ -31,7 +31,7 @@ MODES: tuple[str, ...] = ("fsdp2", "fsdp2-compile", "simplefsdp", "shardc", "bou
 EXTRA_MODES: tuple[str, ...] = ("shardc-keeporder", "shardc-pool", "shardc-localopt",
                                   "shardc-cudagraphs", "shardc-budget", "shardc-noreshard",
                                   "shardc-inline", "shardc-plain", "shardc-plain-budget",
-                                  "shardc-plain-pool", "shardc-oneop",
+                                  "shardc-plain-pool", "shardc-oneop", "shardc-packed",
                                   "shardc-combo", "shardc-ac", "shardc-fast",
                                   "shardc-fast-budget", "shardc-fast-budget-inline",
                                   "shardc-fast-budget-sink", "shardc-fast-sink",
@@ -241,6 +241,12 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_
         setup.info["options"] = ", ".join(
             ["shardc.shard(..., plain_inputs=True)"]
             + [f"{k}={v!r}" for k, v in options.items()])
+        return setup
+    if mode == "shardc-packed":
+        # Each repeated block's shards in one buffer, read and gathered as one tensor
+        # (shardc.shard(..., pack_blocks=True), issue 18: less to trace and guard per block).
+        setup = setup_shardc_(model, mesh, loss_in_graph, pack_blocks=True)
+        setup.info["options"] = "shardc.shard(..., pack_blocks=True)"
         return setup
     if mode == "shardc-budget":
         # The whole-step peak budget (issue 22): SHARDC_PEAK_BUDGET bytes, or "auto".

@@ -61,12 +61,13 @@ def _shardc_backend_name() -> str:
 
 def setup_shardc(model: Transformer, mesh, loss_in_graph: bool, compile_mode: str | None = None,
                  reshard_after_forward: bool = True, plain_inputs: bool = False,
-                 offload: bool | str = False, fp8: bool = False, **options: Any) -> Setup:
+                 offload: bool | str = False, fp8: bool = False, pack_blocks: bool = False,
+                 **options: Any) -> Setup:
     """shardc: shard in place, compile with the shardc backend and its default plan (or these
     backend options; ``compile_mode``: torch.compile's ``mode``, e.g. ``"reduce-overhead"``;
-    ``reshard_after_forward``, ``plain_inputs``: ``shardc.shard``'s; ``offload``: shard with
-    ``shardc.OffloadPolicy()``, the parameters' shards, gradients and optimizer state on the
-    host, simulated on a CPU mesh (:func:`offload_policy`; ``"auto"``:
+    ``reshard_after_forward``, ``plain_inputs``, ``pack_blocks``: ``shardc.shard``'s;
+    ``offload``: shard with ``shardc.OffloadPolicy()``, the parameters' shards, gradients and
+    optimizer state on the host, simulated on a CPU mesh (:func:`offload_policy`; ``"auto"``:
     ``OffloadPolicy(params="auto")``, where the peak budget decides; ``"optimizer"``:
     optimizer-only offload); ``fp8``: shard with :func:`fp8_policy`, the Linear and
     Embedding weights gathered in FP8, as ``predict_step.py``'s ``:fp8`` configurations)."""
@@ -74,7 +75,8 @@ def setup_shardc(model: Transformer, mesh, loss_in_graph: bool, compile_mode: st
     on_cpu = next(model.parameters()).device.type == "cpu"
     policy = offload_policy(offload, on_cpu)
     shardc.shard(model, mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
-                 plain_inputs=plain_inputs, offload=policy, fp8=fp8_policy() if fp8 else None)
+                 plain_inputs=plain_inputs, offload=policy, fp8=fp8_policy() if fp8 else None,
+                 pack_blocks=pack_blocks)
     backend = shardc.backend(**options) if options else _shardc_backend_name()
     mode = {"mode": compile_mode} if compile_mode else {}
     compiled = compiled_loss(model, loss_in_graph, backend=backend, **mode)

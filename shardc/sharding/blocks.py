@@ -36,6 +36,14 @@ from torch.nn.utils import parametrize
 
 from shardc import _torch
 from shardc.ops.body_call import body_anchor, body_call, record_outputs
+from shardc.ops.gather import GATHER_OP
+from shardc.runtime.grad_sync import SYNC_MODES
+from shardc.sharding.packed_blocks import (
+    LEAF_ATTR,
+    PACKED_STATE_ATTR,
+    PackedLayout,
+    eligible_reason,
+)
 
 log = logging.getLogger("shardc")
 
@@ -73,10 +81,25 @@ class BlockGroup:
     # constants directly, nested arguments through a traced pytree flatten at every call.
     keyed_flat: dict[bool, Callable] = field(default_factory=dict, repr=False)
     prober: BodyProber | None = field(default=None, repr=False)
+    # pack_blocks=True: the bodies that take the block's gathered packed buffer instead.
+    packed: PackedBodies | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.weight_paths = tuple(tuple(n.split(".")) for n in self.weight_names)
         self.buffer_paths = tuple(tuple(n.split(".")) for n in self.buffer_names)
+
+
+@dataclass
+class PackedBodies:
+    """A group's bodies for members that read their shards packed
+    (``shardc.sharding.packed_blocks``): the same block code, given the gathered buffer, which
+    it unpacks into the weights first."""
+
+    layout: PackedLayout
+    bodies: dict[bool, Callable] = field(default_factory=dict, repr=False)
+    keyed: dict[bool, Callable] = field(default_factory=dict, repr=False)
+    keyed_flat: dict[bool, Callable] = field(default_factory=dict, repr=False)
+    prober: BodyProber | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -85,6 +108,9 @@ class BlockBodies:
 
     groups: list[BlockGroup] = field(default_factory=list)
     fallbacks: list[BlockFallback] = field(default_factory=list)
+    # pack_blocks=True: groups whose blocks read their parameters one by one all the same
+    # (the first member named), and why.
+    unpacked: list[BlockFallback] = field(default_factory=list)
     # Blocks found inline at compile time (hooks or classes changed after shard), logged once
     # per model however many regions compile them.
     reported: set[str] = field(default_factory=set, repr=False)
@@ -189,17 +215,26 @@ def _skeleton(block: nn.Module) -> nn.Module:
     return copy.deepcopy(block, memo)
 
 
-def _make_body(skeleton: nn.Module, group: BlockGroup, training: bool
+def _make_body(skeleton: nn.Module, group: BlockGroup, training: bool,
+               layout: PackedLayout | None = None
                ) -> tuple[Callable, Callable | None, Callable | None]:
     """The bodies for one training mode: guard-based, keyed, and keyed with flat arguments
-    (both None before torch 2.13)."""
+    (both None before torch 2.13). With ``layout``, their one weight is the block's gathered
+    packed buffer, unpacked first."""
     names = group.weight_names + group.buffer_names
-    n_weights, n_inputs = len(group.weight_names), len(names)
+    n_weights = len(group.weight_names) if layout is None else 1
+    n_inputs = n_weights + len(group.buffer_names)
     skeleton.train(training)
 
-    def shardc_block_body(weights, buffers, args, kwargs):
-        tensors = dict(zip(names, (*weights, *buffers)))
-        return torch.func.functional_call(skeleton, tensors, args, kwargs)
+    # Two functions, not one testing ``layout``: Dynamo would guard the closure cell.
+    if layout is None:
+        def shardc_block_body(weights, buffers, args, kwargs):
+            tensors = dict(zip(names, (*weights, *buffers)))
+            return torch.func.functional_call(skeleton, tensors, args, kwargs)
+    else:
+        def shardc_block_body(weights, buffers, args, kwargs):
+            tensors = dict(zip(names, (*layout.unpack(weights[0]), *buffers)))
+            return torch.func.functional_call(skeleton, tensors, args, kwargs)
 
     def shardc_block_body_keyed(key, weights, buffers, args, kwargs):
         return shardc_block_body(weights, buffers, args, kwargs)
@@ -209,6 +244,8 @@ def _make_body(skeleton: nn.Module, group: BlockGroup, training: bool
                                  tensors[n_inputs:], {})
 
     name = f"shardc_block_body_{group.index}_{group.block_type}"
+    if layout is not None:
+        name += "_packed"
     shardc_block_body.__qualname__ = name
     shardc_block_body_keyed.__qualname__ = name + "_keyed"
     shardc_block_body_keyed_flat.__qualname__ = name + "_keyed_flat"
@@ -310,13 +347,16 @@ class BodyProber:
     """Reuse keys of one group's keyed bodies (:func:`reuse_key`): one meta-device run of the
     block's forward per distinct description, and a number of its own for each eligible one."""
 
-    def __init__(self, skeleton: nn.Module, group: BlockGroup) -> None:
+    def __init__(self, skeleton: nn.Module, group: BlockGroup,
+                 layout: PackedLayout | None = None) -> None:
         self.skeleton = skeleton  # its own copy: probed eagerly while Dynamo traces the others
         self.names = group.weight_names + group.buffer_names
+        self.layout = layout
         # A gathered weight's shape is its parameter's full shape, the same in every block of
         # the group (block_signature): the traced description carries only what can differ.
-        self.weight_shapes = tuple(tuple(skeleton.get_parameter(n).shape)
-                                   for n in group.weight_names)
+        # Packed: the one weight is the gathered buffer.
+        self.weight_shapes = ((layout.world * layout.numel,),) if layout is not None else tuple(
+            tuple(skeleton.get_parameter(n).shape) for n in group.weight_names)
         self.keys: dict[tuple, int] = {}
         self.uid = next(_PROBER_IDS)  # distinguishes groups of several models in one process
         # Passed to trace-time functions by number: torch 2.11's Dynamo passes only constants.
@@ -332,6 +372,8 @@ class BodyProber:
         buffers, args, kwargs = _meta_value(arguments)
         weights = [torch.empty(shape, dtype=dtype, device="meta", requires_grad=requires_grad)
                    for shape, (dtype, _, requires_grad) in zip(self.weight_shapes, weight_state)]
+        if self.layout is not None:
+            weights = self.layout.unpack(weights[0])
         self.skeleton.train(training)
         try:
             with torch.no_grad():
@@ -351,12 +393,12 @@ def _probed_key(uid: int, desc: tuple) -> int:
     return _PROBERS[uid].key(desc)
 
 
-def reuse_key(group: BlockGroup, training: bool, weights: tuple, buffers: tuple,
+def reuse_key(prober: BodyProber | None, training: bool, weights: tuple, buffers: tuple,
               call: tuple | None) -> int:
     """The key under which a call of ``group``'s keyed body reuses an earlier call's trace, or 0
     (use the guard-based body). ``call`` is :func:`describe` of the call's ``(args, kwargs)``
     (None: not describable). Called while Dynamo traces the wrapped forward."""
-    if group.prober is None or call is None:
+    if prober is None or call is None:
         return 0
     described_buffers = _describe_items(buffers)
     if described_buffers is None:
@@ -364,7 +406,7 @@ def reuse_key(group: BlockGroup, training: bool, weights: tuple, buffers: tuple,
     # describe((buffers, args, kwargs)), from the parts already described.
     arguments = ("tuple", (("tuple", described_buffers), *call[1]))
     autocast = (torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda"))
-    key = _probed_key(group.prober.uid, (training, torch.is_grad_enabled(), autocast,
+    key = _probed_key(prober.uid, (training, torch.is_grad_enabled(), autocast,
                                          _weight_state(weights), arguments))
     # A fresh constant: Dynamo's result of assume_constant_result has a source that cannot be
     # guarded, which flattening the keyed body's arguments would try.
@@ -455,9 +497,10 @@ def _trace_once_kind(slot: int) -> int:
     return _SLOT_KIND[slot]
 
 
-def _trace_once_call(group: BlockGroup, training: bool, key: int, weights, buffers, args,
-                     kwargs):
-    """A body call that Dynamo traces only the first time per slot and graph (see above)."""
+def _trace_once_call(group: BlockGroup | PackedBodies, training: bool, key: int, weights,
+                     buffers, args, kwargs):
+    """A body call that Dynamo traces only the first time per slot and graph (see above);
+    ``group``: the bodies and prober to call (a group's, or its packed ones)."""
     if not kwargs and _all_tensors(args):  # the usual call (h, ...): no walk over structures
         flat = [*weights, *buffers, *args]
     else:
@@ -584,18 +627,55 @@ def _wrapped_forward(group: BlockGroup, original: Callable) -> Callable:
         call = describe((args, kwargs))
         if call is None and has_data_dependent_sizes(args, kwargs):
             return original(self, *args, **kwargs)
-        weights = tuple([_read(self, p) for p in group.weight_paths])  # no generator: see describe
+        source, weights = group, None
+        if group.packed is not None:
+            weights = _packed_weights(self)
+            if weights is not None:
+                source = group.packed
+        if weights is None:
+            weights = tuple([_read(self, p) for p in group.weight_paths])  # no generator
         buffers = tuple([_read(self, p) for p in group.buffer_paths])
-        key = reuse_key(group, self.training, weights, buffers, call)
-        if key and group.keyed:
+        key = reuse_key(source.prober, self.training, weights, buffers, call)
+        if key and source.keyed:
             if not kwargs and _all_tensors(args):
-                return group.keyed_flat[self.training](key, *weights, *buffers, *args)
-            return group.keyed[self.training](key, weights, buffers, args, kwargs)
+                return source.keyed_flat[self.training](key, *weights, *buffers, *args)
+            return source.keyed[self.training](key, weights, buffers, args, kwargs)
         if key and not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")):
-            return _trace_once_call(group, self.training, key, weights, buffers, args, kwargs)
-        return group.bodies[self.training](weights, buffers, args, kwargs)
+            return _trace_once_call(source, self.training, key, weights, buffers, args, kwargs)
+        return source.bodies[self.training](weights, buffers, args, kwargs)
 
     return forward
+
+
+# A packed block's gather arguments (the model's gradient store key, and the gather's constant
+# arguments by sync mode) by the number recorded on the block (``_shardc_packed_key``): a traced
+# read hands Dynamo that one integer (guarded), not the tuple (a guard per element).
+_PACKED_KEYS = itertools.count(1)
+_PACKED_ARGS: dict[int, tuple[str, tuple]] = {}
+
+
+def set_packed_args(block: nn.Module, sync_key: str, by_mode: tuple) -> None:
+    """Record the gather arguments of ``block``'s packed read (``by_mode[mode]``: the gather's
+    arguments after the shard in sync mode ``mode``)."""
+    key = next(_PACKED_KEYS)
+    _PACKED_ARGS[key] = (sync_key, by_mode)
+    block.__dict__["_shardc_packed_key"] = key
+    weakref.finalize(block, _PACKED_ARGS.pop, key, None)
+
+
+@torch.compiler.assume_constant_result
+def _packed_args(key: int) -> tuple[str, tuple]:
+    return _PACKED_ARGS[key]
+
+
+def _packed_weights(block: nn.Module) -> tuple | None:
+    """``(gathered packed buffer,)`` of a block that reads its shards packed, or None (dropped:
+    the block reads its parameters one by one). Traced by Dynamo."""
+    leaf = getattr(block, LEAF_ATTR, None)
+    if leaf is None:
+        return None
+    sync_key, by_mode = _packed_args(block._shardc_packed_key)
+    return (GATHER_OP(leaf, *by_mode[SYNC_MODES[sync_key]]),)
 
 
 def _all_tensors(values: tuple) -> bool:
@@ -609,16 +689,49 @@ def _swap_block_class(block: nn.Module, forward: Callable) -> None:
     cls = type(block)
     block.__class__ = type(f"ShardcBlock{cls.__name__}", (cls,),
                            {"forward": forward, "__module__": cls.__module__,
-                            "_shardc_block": True})
+                            "_shardc_block": True, "_apply": _apply_block})
+
+
+def _apply_block(self, fn, recurse: bool = True):
+    """``nn.Module._apply`` (``to_empty``, ``.to``) of a wrapped block: a packed block packs
+    its converted shards again (``shardc.sharding.packed_blocks``)."""
+    owner = next(c for c in type(self).__mro__ if vars(c).get("_apply") is _apply_block)
+    out = super(owner, self)._apply(fn, recurse)
+    packed = self.__dict__.get(PACKED_STATE_ATTR)
+    if packed is not None and recurse:
+        packed.pack()
+    return out
+
+
+def _add_packed_bodies(result: BlockBodies, group: BlockGroup, first: nn.Module,
+                       template: nn.Module, infos_by_param: dict) -> None:
+    params = [(n, p, infos_by_param[id(p)]) for n, p in first.named_parameters()]
+    reason = eligible_reason(params)
+    if reason is not None:
+        result.unpacked.append(BlockFallback(group.members[0], reason))
+        log.info("shardc: blocks %s ... %s read their parameters one by one (pack_blocks): %s",
+                 group.members[0], group.members[-1], reason)
+        return
+    layout = PackedLayout.of(first, group.weight_names, params[0][2].world)
+    packed = PackedBodies(layout)
+    for training in (True, False):
+        packed.bodies[training], keyed, keyed_flat = _make_body(
+            copy.deepcopy(template), group, training, layout)
+        if keyed is not None and keyed_flat is not None:
+            packed.keyed[training], packed.keyed_flat[training] = keyed, keyed_flat
+    packed.prober = BodyProber(copy.deepcopy(template), group, layout)
+    group.packed = packed
 
 
 def wrap_repeated_blocks(root: nn.Module, infos_by_param: dict, shared: set[int],
-                         special: set[int]) -> BlockBodies:
+                         special: set[int], pack: bool = False) -> BlockBodies:
     """Group the children of every ``nn.ModuleList`` of ``root`` by :func:`block_signature`
     and give each group of two or more a body (before any class of ``root`` is swapped, so the
     skeletons are unsharded copies). ``infos_by_param``: parameter id -> ``ShardedParamInfo``;
     ``shared``: ids of parameters owned by more than one module; ``special``: ids of parameters
-    gathered in FP8 or wrapped for tensor parallelism, whose blocks keep the usual path."""
+    gathered in FP8 or wrapped for tensor parallelism, whose blocks keep the usual path.
+    ``pack``: give each group whose parameters can be packed (``packed_blocks``) the bodies
+    that take the gathered packed buffer too; :func:`shardc.shard` packs their shards."""
     result = BlockBodies()
     for list_name, container in root.named_modules():
         if not isinstance(container, nn.ModuleList) or len(container) < 2:
@@ -641,14 +754,15 @@ def wrap_repeated_blocks(root: nn.Module, infos_by_param: dict, shared: set[int]
                     members[0][0], "no identical sibling in its nn.ModuleList (structure, "
                     "shapes, attributes or checkpoint wrapping differ)"))
                 continue
-            _add_group(result, members)
+            _add_group(result, members, infos_by_param if pack else None)
     for fallback in result.fallbacks:
         log.info("shardc: block %s compiles inline (no shared body): %s", fallback.module,
                  fallback.reason)
     return result
 
 
-def _add_group(result: BlockBodies, members: list[tuple[str, nn.Module]]) -> None:
+def _add_group(result: BlockBodies, members: list[tuple[str, nn.Module]],
+               pack_infos: dict | None) -> None:
     first = members[0][1]
     group = BlockGroup(
         index=len(result.groups), block_type=type(first).__name__,
@@ -666,6 +780,8 @@ def _add_group(result: BlockBodies, members: list[tuple[str, nn.Module]]) -> Non
             group.keyed[training], group.keyed_flat[training] = keyed, keyed_flat
     # The reuse keys: for keyed bodies (torch 2.13+), else for shardc's own trace once.
     group.prober = BodyProber(copy.deepcopy(template), group)
+    if pack_infos is not None:
+        _add_packed_bodies(result, group, first, template, pack_infos)
     forwards: dict[type, Callable] = {}
     for _, block in members:
         cls = type(block)

@@ -41,7 +41,7 @@ from shardc.runtime.grad_sync import (
 )
 from shardc.sharding import te_params
 from shardc.sharding.auto_offload import AutoOffload
-from shardc.sharding.blocks import BlockBodies, wrap_repeated_blocks
+from shardc.sharding.blocks import BlockBodies, set_packed_args, wrap_repeated_blocks
 from shardc.sharding.blocks import seal as seal_blocks
 from shardc.sharding.fp8 import (
     Float8Policy,
@@ -68,6 +68,12 @@ from shardc.sharding.offload import (
     copy_target,
     to_host,
     wants_pinned,
+)
+from shardc.sharding.packed_blocks import (
+    PACKED_STATE_ATTR,
+    PackedBlocks,
+    block_of,
+    packed_fqn,
 )
 from shardc.sharding.plain_inputs import PlainInputs, leaf_for
 from shardc.sharding.scope import (
@@ -160,6 +166,8 @@ class ShardState:
     blocks: BlockBodies = field(default_factory=BlockBodies)
     # plain_inputs=True: the plain leaves forwards read (shardc.sharding.plain_inputs).
     plain: PlainInputs | None = None
+    # pack_blocks=True: the blocks read as one packed buffer (shardc.sharding.packed_blocks).
+    packed: PackedBlocks | None = None
     # The sharded root module (weak: the state lives on it), for the peak budget's optimizer
     # offload, which the planner decides at compile time for the model's parameters.
     root: weakref.ref | None = field(default=None, repr=False)
@@ -328,6 +336,7 @@ def _apply_sharded(self, fn, recurse: bool = True):
     out = super(owner, self)._apply(fn, recurse)
     for name, expected in layout.items():
         _check_applied(self, name, self._parameters.get(name), expected)
+    _drop_packed_read(self)
     plain = owner._shardc_plain
     if plain is not None:  # the parameters' contents were swapped: the leaves alias new shards
         for name in layout:
@@ -342,9 +351,23 @@ def _register_sharded(self, name: str, param) -> None:
     on (no plain leaf: see :mod:`shardc.sharding.plain_inputs`)."""
     owner = next(c for c in type(self).__mro__ if "_shardc_infos" in vars(c))
     super(owner, self).register_parameter(name, param)
+    if name in owner._shardc_infos:
+        _drop_packed_read(self, replaced=True)
     plain, info = owner._shardc_plain, owner._shardc_infos.get(name)
     if plain is not None and info is not None:
         plain.refresh(info.fqn, eligible=False)
+
+
+def _drop_packed_read(module: nn.Module, replaced: bool = False) -> None:
+    """A module inside a packed block had its parameters converted alone (``_apply`` of the
+    module, not of the block, which packs again after its own) or replaced: the block reads
+    its parameters one by one from now on (``shardc.sharding.packed_blocks``)."""
+    block = block_of(module)
+    if block is None or (block is module and not replaced):
+        return
+    state = block.__dict__.get(PACKED_STATE_ATTR)
+    if state is not None:
+        state.drop()
 
 
 def plain_eligible(info: ShardedParamInfo) -> bool:
@@ -416,8 +439,8 @@ def _swap_class(
     attrs["_shardc_infos"] = dict(infos)
     attrs["_apply"] = _apply_sharded
     attrs["_shardc_plain"] = plain
-    if plain is not None:
-        attrs["register_parameter"] = _register_sharded
+    # A replaced parameter drops its leaf (plain_inputs) or its block's packed read.
+    attrs["register_parameter"] = _register_sharded
     attrs["share_memory"] = _refuse_share_memory
     attrs["__module__"] = cls.__module__
     module.__class__ = type(f"Shardc{cls.__name__}", (ShardedModuleMixin, cls), attrs)
@@ -583,6 +606,7 @@ def shard(
     allow_partial_mesh: bool = False,
     offload: OffloadPolicy | None = None,
     plain_inputs: bool = False,
+    pack_blocks: bool = False,
 ) -> nn.Module:
     """Shard every parameter of ``module`` on dim 0 over ``mesh``, in place; returns ``module``.
 
@@ -616,6 +640,12 @@ def shard(
     DTensor work from every step (guards, AOTAutograd's wrapping, DTensor gradient
     accumulation); parameters, ``.grad``, optimizers and checkpoints are unchanged. Off
     with CPU offload; see :mod:`shardc.sharding.plain_inputs` for what keeps the DTensor read.
+    ``pack_blocks``: each repeated block (compiled once, ``shardc.sharding.blocks``) keeps its
+    local shards in one buffer, and compiled forwards read and gather it as one tensor (one
+    graph input, one all-gather and one reduce-scatter per block): less to trace, guard and
+    compile per block. Parameters stay DTensors (views of the buffer); their gradients are
+    handed over after the backward as with ``plain_inputs``. Off with CPU offload; see
+    :mod:`shardc.sharding.packed_blocks`.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
@@ -686,7 +716,8 @@ def shard(
         module, {key: infos[fqn] for key, (fqn, _) in canonical.items()},
         shared={key for key, where in owners.items() if len(where) > 1},
         special={key for key, (fqn, _) in canonical.items()
-                 if infos[fqn].fp8 is not None or infos[fqn].quantized or infos[fqn].tp})
+                 if infos[fqn].fp8 is not None or infos[fqn].quantized or infos[fqn].tp},
+        pack=pack_blocks and offload is None and auto is None)
     per_module: dict[int, tuple[nn.Module, dict[str, ShardedParamInfo]]] = {}
     host_shards = offload if offload is not None and offload.params else None
     for key, (fqn, p) in canonical.items():
@@ -740,8 +771,30 @@ def shard(
         for fqn, info in infos.items():
             plain.refresh(fqn, plain_eligible(info))
     seal_blocks(blocks, module)
+    if pack_blocks:
+        state.packed = _pack_blocks(module, blocks, state)
     module._shardc_state = state
     return module
+
+
+def _pack_blocks(root: nn.Module, blocks: BlockBodies, state: ShardState) -> PackedBlocks:
+    """Pack the shards of every member of the groups that have packed bodies, and record each
+    member's packed gather arguments (its parameters' options, one 1-D tensor of the layout's
+    elements per rank)."""
+    packed = PackedBlocks()
+    for group in blocks.groups:
+        if group.packed is None:
+            continue
+        layout = group.packed.layout
+        for member in group.members:
+            block = root.get_submodule(member)
+            first = state.params[f"{member}.{layout.entries[0].name}"]
+            info = replace(first, fqn=packed_fqn(member), dim0=layout.world * layout.numel)
+            constants = info.gather_constants(state.key)
+            set_packed_args(block, state.key,
+                            tuple(constants[mode] for mode in range(len(constants))))
+            packed.add(block, member, layout)
+    return packed
 
 
 def _check_offload(module: nn.Module, offload: OffloadPolicy | None, layout: MeshLayout,
