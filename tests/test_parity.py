@@ -334,6 +334,16 @@ def _parity_scenarios(world: int, slow: bool = False) -> dict[str, tuple[str, st
         (at(3), "plain_variant", ("variant", "fx", {"plain_inputs": True})),
         (at(2), "plain_blocks", ("blocks", "fx", {"plain_inputs": True, "eval": True})),
         (at(1), "plain_bf16", ("llama", "fx", {"plain_inputs": True, "mp_policy": BF16})),
+        # pack_blocks (issue 18): each repeated block's shards in one buffer, read and gathered
+        # as one tensor, unpacked in the shared body; gradients handed to the parameters.
+        # BlockStack (uneven rows, checkpointing inside the block, the eval region, at world 1
+        # a hook added after shard: that block reads its parameters one by one) at every
+        # world; the llama (bitwise "fx"), bf16 (bitwise "bf16") and no_sync accumulation.
+        (True, "packed_blocks", ("blocks", "fx", {"pack_blocks": True, "eval": True,
+                                                  "hook_after_eval": world == 1})),
+        (at(2), "packed", ("llama", "fx", {"pack_blocks": True})),
+        (at(1), "packed_bf16", ("llama", "fx", {"pack_blocks": True, "mp_policy": BF16})),
+        (at(3), "packed_no_sync", ("llama", "fx", {"pack_blocks": True, "no_sync": True})),
         # CPU offload keeps the DTensor reads (plain_inputs is ignored), step_in_backward too.
         (at(1), "plain_offload_overlap", ("llama", "fx", {"plain_inputs": True,
                                                           "offload": OFFLOAD,
@@ -422,6 +432,7 @@ def _check_runs(world: int, named: dict, runs: dict, references: dict) -> None:
         if "bf16_eager" in runs:
             assert_parity(runs["bf16"], runs["bf16_eager"], tol=1e-5)
     _check_plain_inputs(world, runs)
+    _check_packed(world, runs)
     _check_offloaded(world, runs)
     _check_offloaded_activations(world, runs)
     if "roomy_budget" in runs:
@@ -454,6 +465,33 @@ def _check_plain_inputs(world: int, runs: dict[str, dict]) -> None:
         assert runs["plain_offload_overlap"]["plain_handed"] is None
         _bitwise(runs["offload_overlap"], runs["plain_offload_overlap"],
                  f"world {world}: plain_inputs ignored under offload")
+
+
+def _check_packed(world: int, runs: dict[str, dict]) -> None:
+    """pack_blocks: the same bits as the per-parameter reads (the unpacked weights are the
+    gathered ones, each gradient element reduced over the same ranks in the same order); one
+    all-gather per block and training forward (its parameters named in the plan's packed
+    collective), each block's gradient handed over once per backward."""
+    for name, base in (("packed", "fx"), ("packed_bf16", "bf16"), ("packed_blocks", "blocks")):
+        if name in runs and base in runs:
+            _bitwise(runs[base], runs[name], f"world {world}: {name} vs {base}")
+    for name, blocks, backwards in (("packed", 2, STEPS), ("packed_bf16", 2, STEPS),
+                                    ("packed_no_sync", 2, 2 * STEPS),
+                                    ("packed_blocks", len(STACK), STEPS)):
+        if name not in runs:
+            continue
+        run = runs[name]
+        assert run["packed_handed"] == blocks * backwards, (name, run["packed_handed"])
+        gathers = [c for c in run["plan_collectives"] if c.kind == "all_gather"]
+        packed = [c for c in gathers if any(p.endswith(".<packed>") for p in c.params)]
+        assert len({p for c in packed for p in c.params}) == blocks, (name, packed)
+        # No parameter of a packed block is gathered on its own.
+        prefixes = tuple(p[:-len("<packed>")] for c in packed for p in c.params)
+        # (But the block a hook was added to after shard: it runs its own forward then.)
+        hooked = ("blocks.1.",) if run["eval_hooked"] is not None else ()
+        alone = [p for c in gathers for p in c.params if p.startswith(prefixes)
+                 and not p.endswith(".<packed>") and not p.startswith(hooked)]
+        assert not alone, (name, alone)
 
 
 def _check_offloaded_activations(world: int, runs: dict[str, dict]) -> None:

@@ -1,0 +1,178 @@
+"""``shardc.shard(..., pack_blocks=True)``: each repeated block's shards in one buffer, read and
+gathered as one tensor (shardc.sharding.packed_blocks). Training parity over worlds 1-4 is in
+tests/test_parity.py (``packed*`` scenarios); here the layout, what users see of the parameters,
+and what keeps the buffer and the parameters one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+from dist_utils import one_rank_mesh
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import shardc
+from shardc.sharding.packed_blocks import LEAF_ATTR, PackedLayout
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(5, 13)
+        self.gate = nn.Parameter(torch.randn(3))
+        self.down = nn.Linear(13, 5, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(x)) * self.gate.sum())
+
+
+class Stack(nn.Module):
+    def __init__(self, blocks: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(blocks)])
+        self.head = nn.Linear(5, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_layout_unpacks_every_ranks_shards_into_the_full_weights(world):
+    """Each rank's buffer holds its ``torch.chunk`` shard of every parameter, padded to the
+    same rows on every rank; the ranks' buffers end to end unpack into the full weights (rows
+    13, 5, 3 and 1: uneven or empty shards at every world above 1)."""
+    block = Block()
+    block.bias_row = nn.Parameter(torch.randn(1, 4))
+    names = tuple(n for n, _ in block.named_parameters())
+    layout = PackedLayout.of(block, names, world)
+    buffers = torch.zeros(world, layout.numel)
+    for rank in range(world):
+        for e in layout.entries:
+            shard = block.get_parameter(e.name).detach().chunk(world)
+            if rank < len(shard):
+                piece = shard[rank].reshape(-1)
+                buffers[rank, e.offset:e.offset + piece.numel()] = piece
+    assert all(e.offset * 4 % 64 == 0 for e in layout.entries), layout  # aligned views
+    weights = layout.unpack(buffers.reshape(-1))
+    assert len(weights) == len(names)
+    for name, w in zip(names, weights):
+        assert torch.equal(w, block.get_parameter(name).detach()), name
+
+
+def _train(model, forward, steps: int = 2) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(3)
+    losses = []
+    for _ in range(steps):
+        loss = forward(torch.randn(4, 5, generator=g)).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _local(p: DTensor) -> torch.Tensor:
+    return p.to_local()
+
+
+def _buffer(block: nn.Module) -> torch.Tensor:
+    return block.__dict__["_shardc_packed_state"].buffer
+
+
+def test_parameters_are_views_of_the_block_buffer_through_optimizer_state_dict_and_to_empty():
+    torch._dynamo.reset()
+    with one_rank_mesh() as mesh:
+        torch.manual_seed(0)
+        reference = Stack()
+        with torch.device("meta"):
+            model = Stack()
+        shardc.shard(model, mesh, pack_blocks=True)
+        model.to_empty(device="cpu")  # new storage: the blocks pack it again
+        with torch.no_grad():
+            for p, ref in zip(model.parameters(), reference.parameters()):
+                _local(p).copy_(ref)
+        plain = Stack()
+        plain.load_state_dict(reference.state_dict())
+        shardc.shard(plain, mesh)
+        for block in model.blocks:
+            buffer = _buffer(block)
+            for p in block.parameters():
+                assert isinstance(p, DTensor)
+                start = _local(p).data_ptr() - buffer.data_ptr()
+                assert 0 <= start < buffer.numel() * buffer.element_size()
+            assert block.__dict__[LEAF_ATTR] is not None
+        assert list(model.state_dict()) == list(plain.state_dict())
+
+        packed_losses = _train(model, torch.compile(model, backend=shardc.backend(
+            inductor=False)))
+        torch._dynamo.reset()
+        plain_losses = _train(plain, torch.compile(plain, backend=shardc.backend(
+            inductor=False)))
+        assert packed_losses == plain_losses
+        for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+            assert torch.equal(_local(p), _local(q)), name
+        # The optimizer stepped the parameters in place: in the buffer the next forward reads.
+        block = model.blocks[0]
+        offset = (_local(block.up.weight).data_ptr() - _buffer(block).data_ptr()) // 4
+        assert torch.equal(_buffer(block)[offset:offset + 65].view(13, 5),
+                           _local(block.up.weight))
+        state = shardc.shard_state(model)
+        assert state.packed.handed == 2 * len(model.blocks)
+        notes = [n for r in state.regions for n in r.plan.notes if "packed" in n]
+        assert notes, [r.plan.notes for r in state.regions]
+
+
+def test_a_replaced_or_moved_parameter_is_never_read_stale():
+    torch._dynamo.reset()
+    with one_rank_mesh() as mesh:
+        torch.manual_seed(0)
+        model = Stack()
+        shardc.shard(model, mesh, pack_blocks=True)
+        forward = torch.compile(model, backend=shardc.backend(inductor=False))
+        forward(torch.randn(4, 5)).sum().backward()
+
+        # Storage swapped behind shardc's back: the hand-off refuses the gradient.
+        weight = model.blocks[1].down.weight
+        torch.utils.swap_tensors(weight, nn.Parameter(DTensor.from_local(
+            _local(weight).detach().clone(), weight.device_mesh, weight.placements)))
+        with pytest.raises(RuntimeError, match=r"blocks\.1.*down\.weight.*new storage"):
+            forward(torch.randn(4, 5)).sum().backward()
+
+        # A parameter replaced by a plain one: the block reads one by one from then on, and
+        # shardc's read refuses the replacement inside a forward.
+        model.blocks[2].up.weight = nn.Parameter(torch.randn(13, 5))
+        assert model.blocks[2].__dict__[LEAF_ATTR] is None
+        with pytest.raises(Exception, match="replaced after sharding"):
+            forward(torch.randn(4, 5))
+
+
+def test_parameter_hooks_are_refused_not_skipped():
+    torch._dynamo.reset()
+    with one_rank_mesh() as mesh:
+        torch.manual_seed(0)
+        model = Stack()
+        shardc.shard(model, mesh, pack_blocks=True)
+        model.blocks[0].gate.register_hook(lambda g: g)
+        forward = torch.compile(model, backend=shardc.backend(inductor=False))
+        with pytest.raises(RuntimeError, match=r"blocks\.0.*gate.*hooks"):
+            forward(torch.randn(4, 5)).sum().backward()
+
+
+def test_blocks_that_cannot_be_packed_say_why():
+    torch._dynamo.reset()
+    with one_rank_mesh() as mesh:
+        model = Stack()
+        for block in model.blocks:
+            block.gate.requires_grad_(False)
+        shardc.shard(model, mesh, pack_blocks=True)
+        (unpacked,) = shardc.shard_state(model).blocks.unpacked
+        assert unpacked.module == "blocks.0" and "'gate' is frozen" in unpacked.reason
+        assert all(model.blocks[i].__dict__.get(LEAF_ATTR) is None for i in range(3))
+        # ... and train as the default reads do.
+        forward = torch.compile(model, backend=shardc.backend(inductor=False))
+        forward(torch.randn(4, 5)).sum().backward()
+        assert model.blocks[0].up.weight.grad is not None
