@@ -176,3 +176,20 @@ def test_blocks_that_cannot_be_packed_say_why():
         forward = torch.compile(model, backend=shardc.backend(inductor=False))
         forward(torch.randn(4, 5)).sum().backward()
         assert model.blocks[0].up.weight.grad is not None
+
+
+def test_a_packed_name_stands_for_its_parameters_where_the_optimizer_is_placed():
+    """The planner names a packed block's shards ``<block>.<packed>``; where its decisions
+    reach the optimizer (offloaded or chunked steps), that name is the block's parameters."""
+    from shardc.sharding.packed_blocks import PackedBlocks, expand
+
+    torch._dynamo.reset()
+    with one_rank_mesh() as mesh:
+        model = Stack()
+        shardc.shard(model, mesh, pack_blocks=True)
+        packed = shardc.shard_state(model).packed
+        assert isinstance(packed, PackedBlocks)
+        names = expand(["head.weight", "blocks.1.<packed>"], packed)
+        assert names == ["head.weight", "blocks.1.gate", "blocks.1.up.weight",
+                         "blocks.1.up.bias", "blocks.1.down.weight"]
+        assert set(names) <= set(dict(model.named_parameters()))

@@ -60,7 +60,7 @@ from shardc.planning.plan import Plan
 from shardc.runtime import chunked_step, offload_optimizer
 from shardc.runtime.comm_errors import boxed_with_collective_errors, guard_inductor_graph
 from shardc.runtime.plan_check import announce_region, check_plan_consistency
-from shardc.sharding import auto_offload
+from shardc.sharding import auto_offload, packed_blocks
 from shardc.sharding.shard import ShardState, state_for_key
 
 __all__ = ["RegionRecord", "ShardcPartitioner", "backend", "capture_partitioned",
@@ -611,7 +611,8 @@ def _apply_optimizer_offload(region: RegionRecord, state: ShardState | None) -> 
         params = list(root.named_parameters())
     else:  # the later regions plan with these on the host
         state.optimizer_planned_host_params.update(chosen)
-        wanted = set(chosen)
+        # A packed block's name stands for its parameters (shardc.sharding.packed_blocks).
+        wanted = set(packed_blocks.expand(chosen, state.packed))
         params = [(fqn, p) for fqn, p in root.named_parameters() if fqn in wanted]
     pin = state.mesh.device_type == "cuda" and torch.cuda.is_available()
     added = offload_optimizer.adopt(params, pin)
@@ -648,7 +649,8 @@ def _apply_optimizer_chunks(region: RegionRecord, state: ShardState | None) -> N
     root = _sharded_root(region, state, "'s plan steps the optimizer in chunks")
     named = dict(root.named_parameters())
     parts = optimizer_chunks.chunks(region.plan.buckets, ())
-    chunks = [((state.key, region.index, i), [named[f] for f in part if f in named])
+    chunks = [((state.key, region.index, i),
+               [named[f] for f in packed_blocks.expand(part, state.packed) if f in named])
               for i, part in enumerate(parts)]
     added = chunked_step.adopt(chunks)
     if region.plan.budget is None:
