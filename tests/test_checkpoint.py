@@ -30,9 +30,11 @@ import json
 import os
 import shutil
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
+import torch._dynamo
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from ckpt_workers import (
@@ -69,11 +71,24 @@ OPT_OFFLOAD = shardc.OffloadPolicy(params=False, simulate_on_cpu=True)
 # offloaded 2, offloaded 3 -> plain 4, plain 4 -> offloaded 3, plain 2 -> offloaded 2;
 # optimizer-only 3 -> plain 2, plain 4 -> optimizer-only 3.
 OFFLOAD_LOADS = [("n3off", 2, True), ("n3off", 4, False), ("n4", 3, True), ("n2", 2, True),
-                 ("n3opt", 2, False), ("n4", 3, "opt")]
+                 ("n3opt", 2, False), ("n4", 3, "opt"),
+                 # pack_blocks (issue 18): packed to packed, packed to per-parameter, and back.
+                 ("n3packed", 2, "packed"), ("n3packed", 4, False), ("n4", 3, "packed")]
 
 
 def _policy(offload: bool | str) -> shardc.OffloadPolicy | None:
-    return OPT_OFFLOAD if offload == "opt" else OFFLOAD if offload else None
+    return OPT_OFFLOAD if offload == "opt" else OFFLOAD if offload is True else None
+
+
+def _sharded(seed: int, mesh, offload: bool | str) -> tuple[nn.Module, Callable]:
+    """A llama sharded on ``mesh`` as ``offload`` says (True / "opt": offloaded; "packed":
+    ``pack_blocks=True``, trained compiled, where the packed read is), and what to call."""
+    model = llama(seed, mesh=mesh, allow_partial_mesh=True, offload=_policy(offload),
+                  pack_blocks=offload == "packed")
+    if offload != "packed":
+        return model, model
+    torch._dynamo.reset()  # one model of the class per compile (the recompile limit)
+    return model, torch.compile(model, backend=shardc.backend(inductor=False))
 
 
 def _error(fn) -> str:
@@ -107,17 +122,17 @@ def reshard_save(group, name: str, tmp: str, record_continuation: bool = False,
     """Train K steps on ``group`` and save; rank 0 keeps the gathered state next to it."""
     grank = dist.get_rank(group)
     mesh = DeviceMesh.from_group(group, "cpu")
-    model = llama(0, mesh=mesh, allow_partial_mesh=True, offload=_policy(offload))
+    model, call = _sharded(0, mesh, offload)
     opt = adamw(model)
     for step in range(K):
-        llama_step(model, opt, step, grank)
+        llama_step(call, opt, step, grank)
     state = full_state(model, opt)
     where = os.path.join(tmp, "reshard", name)
     dcp.save(_states(model, opt), checkpoint_id=where, process_group=group)
     if grank == 0:
         torch.save(state, f"{where}.state.pt")
     if record_continuation:
-        losses = [llama_step(model, opt, K + j, grank) for j in range(J)]
+        losses = [llama_step(call, opt, K + j, grank) for j in range(J)]
         torch.save({"losses": losses, "final": full_state(model, opt)},
                    f"{where}.continued.rank{grank}.pt")
 
@@ -129,20 +144,19 @@ def reshard_load(group, name: str, tmp: str, same_world: bool,
     mesh = DeviceMesh.from_group(group, "cpu")
     where = os.path.join(tmp, "reshard", name)
     saved = torch.load(f"{where}.state.pt", weights_only=False)
-    policy = _policy(offload)
-    model = llama(123, mesh=mesh, allow_partial_mesh=True, offload=policy)
+    model, call = _sharded(123, mesh, offload)
     opt = adamw(model)
     before = full_state(model, opt)
     dcp.load(_states(model, opt), checkpoint_id=where, process_group=group)
     out = {"loaded": diff(full_state(model, opt), saved),
            "changed": bool(diff(before, saved))}
-    losses = [llama_step(model, opt, K + j, grank) for j in range(J)]
+    losses = [llama_step(call, opt, K + j, grank) for j in range(J)]
     final = full_state(model, opt)
-    ref = llama(321, mesh=mesh, allow_partial_mesh=True, offload=policy)
+    ref, ref_call = _sharded(321, mesh, offload)
     ref_opt = adamw(ref)
     state_from_full(ref, ref_opt, saved)
     out["reference_start"] = diff(full_state(ref, ref_opt), saved)
-    ref_losses = [llama_step(ref, ref_opt, K + j, grank) for j in range(J)]
+    ref_losses = [llama_step(ref_call, ref_opt, K + j, grank) for j in range(J)]
     out["continued"] = diff(losses, ref_losses) + diff(final, full_state(ref, ref_opt))
     if same_world:  # against the saving run's own continuation
         run = torch.load(f"{where}.continued.rank{grank}.pt", weights_only=False)
@@ -455,6 +469,7 @@ def job_a(rank: int, world: int, tmp: str) -> dict:
     reshard_save(dist.group.WORLD, "n3", tmp)
     reshard_save(dist.group.WORLD, "n3off", tmp, offload=True)
     reshard_save(dist.group.WORLD, "n3opt", tmp, offload="opt")
+    reshard_save(dist.group.WORLD, "n3packed", tmp, offload="packed")
     return {"fsdp2": fsdp2_checks(rank, tmp), "manager": manager_checks(rank, tmp),
             "fsdp2_offload": fsdp2_checks(rank, tmp, offload=True),
             "offload_state": offload_state_checks(rank, tmp)}
@@ -548,13 +563,15 @@ def test_reshard_values_and_continued_training_bitwise(jobs, pair):
 
 
 @pytest.mark.parametrize("load", OFFLOAD_LOADS, ids=lambda x: f"{x[0]}to{x[1]}" + (
-    "opt" if x[2] == "opt" else "off" if x[2] else ""))
+    x[2] if isinstance(x[2], str) else "off" if x[2] else ""))
 def test_offloaded_checkpoints_reshard_to_and_from_plain_runs_bitwise(jobs, load):
     """CPU offload (issue 21): model and AdamW state saved from an offloaded run load into an
     offloaded or plain run of another world size (and plain into offloaded) with the same bits
     in global coordinates, and training continues exactly as from the state put in by hand;
     the same for optimizer-only offload (its host optimizer state is saved and loaded in global
-    coordinates like any other)."""
+    coordinates like any other), and for packed blocks (``pack_blocks=True``, trained compiled:
+    DCP loads into the parameters, views of the blocks' buffers, which the next forward
+    reads)."""
     name, m, offload = load
     for grank, r in enumerate(jobs["c"][:m]):
         out = r[f"offload.{name}->{m}.{offload}"]
