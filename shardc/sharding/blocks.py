@@ -44,6 +44,7 @@ from shardc.sharding.packed_blocks import (
     PackedLayout,
     eligible_reason,
 )
+from shardc.sharding.scope import enter_forward, exit_forward
 
 log = logging.getLogger("shardc")
 
@@ -300,18 +301,24 @@ def describe(value) -> tuple | None:
     return None
 
 
+def _describe_tensor_call(args: tuple) -> tuple | None:
+    """:func:`describe` of ``(args, {})`` for ``args`` of tensors only (the usual block call),
+    without walking the structure (traced by Dynamo at every block)."""
+    items = _describe_items(args)
+    return None if items is None else ("tuple", (("tuple", items), ("dict", ())))
+
+
 def _describe_items(values) -> tuple | None:
     """:func:`describe` of each of ``values``, or None if any is None."""
     items = []
     for v in values:
         if type(v) in _PLAIN_TENSORS:
             shape, stride = tuple(v.shape), v.stride()
-            for s in shape:
-                if not _static(s):
-                    return None
-            for s in stride:
-                if not _static(s):
-                    return None
+            # One check for all: a sum of sizes and strides (none negative) is static only if
+            # each term is; Dynamo folds the sum of static ones, where a loop of checks cost
+            # it about 60 instructions per tensor.
+            if not _static(sum(shape) + sum(stride)):
+                return None
             items.append((_TENSOR, shape, stride, v.dtype, v.device.type, v.device.index,
                           v.requires_grad))
         elif isinstance(v, torch.Tensor):
@@ -618,13 +625,17 @@ def _wrapped_forward(group: BlockGroup, original: Callable) -> Callable:
     has_data_dependent_sizes = _torch.data_dependent_size_check()
 
     def forward(self, *args, **kwargs):
-        if (not torch.compiler.is_compiling()
-                or not _layout_unchanged(module_layout(self), self._shardc_layout_key)
+        if not torch.compiler.is_compiling():
+            if self.__dict__.get(COUNTS_FORWARD, False):
+                return counted_call(self, original, args, kwargs)
+            return original(self, *args, **kwargs)
+        if (not _layout_unchanged(module_layout(self), self._shardc_layout_key)
                 or _torch.traces_floats_symbolically()):
             return original(self, *args, **kwargs)
         # Every size static (a description) rules out data-dependent ones: only a call that
         # cannot be described pays for the check.
-        call = describe((args, kwargs))
+        tensors_only = not kwargs and _all_tensors(args)
+        call = _describe_tensor_call(args) if tensors_only else describe((args, kwargs))
         if call is None and has_data_dependent_sizes(args, kwargs):
             return original(self, *args, **kwargs)
         source, weights = group, None
@@ -637,7 +648,7 @@ def _wrapped_forward(group: BlockGroup, original: Callable) -> Callable:
         buffers = tuple([_read(self, p) for p in group.buffer_paths])
         key = reuse_key(source.prober, self.training, weights, buffers, call)
         if key and source.keyed:
-            if not kwargs and _all_tensors(args):
+            if tensors_only:
                 return source.keyed_flat[self.training](key, *weights, *buffers, *args)
             return source.keyed[self.training](key, weights, buffers, args, kwargs)
         if key and not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")):
@@ -676,6 +687,21 @@ def _packed_weights(block: nn.Module) -> tuple | None:
         return None
     sync_key, by_mode = _packed_args(block._shardc_packed_key)
     return (GATHER_OP(leaf, *by_mode[SYNC_MODES[sync_key]]),)
+
+
+# On a wrapped block that shardc.shard gave no forward hooks: its eager forward is counted by
+# the wrapped forward itself (shardc.sharding.scope's count of eager forwards).
+COUNTS_FORWARD = "_shardc_counts_forward"
+
+
+def counted_call(block: nn.Module, forward: Callable, args: tuple, kwargs: dict):
+    """``forward(block, *args, **kwargs)`` run eagerly, counted as a sharded module's forward
+    as shardc's forward hooks count one (``scope.enter_forward`` / ``exit_forward``)."""
+    enter_forward(block, args)
+    try:
+        return forward(block, *args, **kwargs)
+    finally:
+        exit_forward(block, args, None)
 
 
 def _all_tensors(values: tuple) -> bool:

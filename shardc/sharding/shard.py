@@ -41,7 +41,12 @@ from shardc.runtime.grad_sync import (
 )
 from shardc.sharding import te_params
 from shardc.sharding.auto_offload import AutoOffload
-from shardc.sharding.blocks import BlockBodies, set_packed_args, wrap_repeated_blocks
+from shardc.sharding.blocks import (
+    COUNTS_FORWARD,
+    BlockBodies,
+    set_packed_args,
+    wrap_repeated_blocks,
+)
 from shardc.sharding.blocks import seal as seal_blocks
 from shardc.sharding.fp8 import (
     Float8Policy,
@@ -763,6 +768,11 @@ def shard(
     # and gets no hooks: each hook is traced into every graph and run by every eager call.
     for sub in module.modules():
         if id(sub) not in per_module and (sub is module or _holds_params(sub)):
+            if getattr(type(sub), "_shardc_block", False):
+                # A compile-once block counts its eager forward itself (blocks.counted): hooks
+                # on it were traced at every block of every compiled forward (issue 18).
+                sub.__dict__[COUNTS_FORWARD] = True
+                continue
             sub.register_forward_pre_hook(enter_forward)
             sub.register_forward_hook(exit_forward, always_call=True)
     if id(module) not in per_module:
