@@ -126,13 +126,17 @@ def test_parameters_are_views_of_the_block_buffer_through_optimizer_state_dict_a
         assert notes, [r.plan.notes for r in state.regions]
 
 
-def test_a_replaced_or_moved_parameter_is_never_read_stale():
+def _packed_stack(mesh) -> tuple[Stack, object]:
+    """A Stack sharded with packed blocks on ``mesh``, and its compiled forward (FX graphs)."""
     torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = shardc.shard(Stack(), mesh, pack_blocks=True)
+    return model, torch.compile(model, backend=shardc.backend(inductor=False))
+
+
+def test_a_replaced_or_moved_parameter_is_never_read_stale():
     with one_rank_mesh() as mesh:
-        torch.manual_seed(0)
-        model = Stack()
-        shardc.shard(model, mesh, pack_blocks=True)
-        forward = torch.compile(model, backend=shardc.backend(inductor=False))
+        model, forward = _packed_stack(mesh)
         forward(torch.randn(4, 5)).sum().backward()
 
         # Storage swapped behind shardc's back: the hand-off refuses the gradient.
@@ -151,13 +155,9 @@ def test_a_replaced_or_moved_parameter_is_never_read_stale():
 
 
 def test_parameter_hooks_are_refused_not_skipped():
-    torch._dynamo.reset()
     with one_rank_mesh() as mesh:
-        torch.manual_seed(0)
-        model = Stack()
-        shardc.shard(model, mesh, pack_blocks=True)
+        model, forward = _packed_stack(mesh)
         model.blocks[0].gate.register_hook(lambda g: g)
-        forward = torch.compile(model, backend=shardc.backend(inductor=False))
         with pytest.raises(RuntimeError, match=r"blocks\.0.*gate.*hooks"):
             forward(torch.randn(4, 5)).sum().backward()
 
