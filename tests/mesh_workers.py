@@ -34,8 +34,9 @@ def _forward(model: nn.Module, mode: str, cluster: dict | None = None):
     collectives found in the graph kept where they were traced) or ``fx-nopool`` (buffers
     allocated per collective, as Inductor's default is); ``fx-offload``: ``fx`` of a model
     sharded with CPU offload, ``fx-optoffload`` with optimizer-only offload, ``fx-plain`` with
-    ``plain_inputs=True`` (:func:`hsdp_run`); ``fx-aoff``: ``fx`` with every block's saved
-    activations offloaded to the host (``activation_offload=("*",)``)."""
+    ``plain_inputs=True`` and ``fx-packed`` with ``pack_blocks=True`` (:func:`hsdp_run`);
+    ``fx-aoff``: ``fx`` with every block's saved activations offloaded to the host
+    (``activation_offload=("*",)``)."""
     if mode == "eager":
         return model
     aoff = {"activation_offload": ("*",)} if mode == "fx-aoff" else {}
@@ -204,7 +205,8 @@ def hsdp_run(rank: int, world: int, shape: tuple[int, int], mode: str,
     # "fx-offload-overlap": CPU offload with shardc.step_in_backward (each bucket's host step
     # during the backward, once its gradients are reduced over both mesh dimensions)
     overlap = {} if mode == "fx-offload-overlap" else None
-    model = shardc.shard(build(kind), mesh, offload=offload, plain_inputs=mode == "fx-plain")
+    model = shardc.shard(build(kind), mesh, offload=offload, plain_inputs=mode == "fx-plain",
+                         pack_blocks=mode == "fx-packed")
     tokens, targets = batches()
     per = GLOBAL_BATCH // world
     rows = slice(rank * per, (rank + 1) * per)

@@ -245,6 +245,14 @@ def test_hsdp_blocks_offloaded_activations(hsdp_blocks_runs):
     _check_hsdp_blocks(HSDP_BLOCKS_MORE, hsdp_blocks_runs)
 
 
+@pytest.mark.slow  # one 4-rank compile; packed blocks over one mesh dimension: test_parity.py
+def test_hsdp_packed_blocks():
+    """pack_blocks=True under HSDP 2x2: each block's packed gradient reduce-scattered over the
+    shard group and all-reduced over the replicate group, at parity."""
+    layouts = [((2, 2), "fx-packed")]
+    _check_hsdp_blocks(layouts, run_ranks(hsdp_scenarios, 4, [], [], layouts))
+
+
 def _check_hsdp_blocks(layouts: list, results: list[list[dict]]) -> None:
     ref = reference("blocks")
     for rank, per_rank in enumerate(results):
