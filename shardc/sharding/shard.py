@@ -353,7 +353,8 @@ def _apply_sharded(self, fn, recurse: bool = True):
 def _register_sharded(self, name: str, param) -> None:
     """``register_parameter`` (attribute assignment, ``load_state_dict(assign=True)``) of a
     sharded module: a sharded parameter replaced by another object is read as it is from now
-    on (no plain leaf: see :mod:`shardc.sharding.plain_inputs`)."""
+    on (no plain leaf: see :mod:`shardc.sharding.plain_inputs`; its block no longer reads
+    packed: :mod:`shardc.sharding.packed_blocks`)."""
     owner = next(c for c in type(self).__mro__ if "_shardc_infos" in vars(c))
     super(owner, self).register_parameter(name, param)
     if name in owner._shardc_infos:
