@@ -8,7 +8,8 @@ with cProfile on process CPU time (so other load on the machine counts less) and
 cumulative seconds of the functions that attribute the compile: Dynamo's trace and guards, the
 re-trace of every block body call (``invoke_subgraph`` in Dynamo, ``gen_schema`` in AOTAutograd),
 AOTAutograd's joint-graph capture, torch's min-cut partition, shardc's own passes and Inductor.
-``--opaque`` compiles with ``opaque_body_calls=True`` (later body calls reach AOTAutograd as
+``--pack-blocks`` shards with ``pack_blocks=True``. ``--opaque`` compiles with
+``opaque_body_calls=True`` (later body calls reach AOTAutograd as
 stand-ins, ``shardc.passes.body_standin``). ``--out DIR`` keeps each depth's profile
 (``pstats``) there. ``--device cuda`` runs one rank per GPU over NCCL with Inductor, the
 benchmarks' full-size ``--model`` (default 1b) at ``--seq``/``--batch`` (2048 / 4, as
@@ -69,7 +70,7 @@ ROWS = (
 
 def _run(rank: int, world: int, blocks: int, inductor: bool, out: str, port: int,
          plain_inputs: bool = False, opaque: bool = False, device_type: str = "cpu",
-         model: str = "1b", seq: int = 32, batch: int = 2) -> None:
+         model: str = "1b", seq: int = 32, batch: int = 2, pack_blocks: bool = False) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cuda = device_type == "cuda"
     if cuda:
@@ -89,7 +90,8 @@ def _run(rank: int, world: int, blocks: int, inductor: bool, out: str, port: int
     data = synthetic_batches(1, batch, seq, cfg.vocab_size, rank, device)
     setup = setup_shardc(build_model(cfg, device),
                          bench_mesh.build_mesh(device_type, world, None, 1),
-                         True, plain_inputs=plain_inputs, inductor=inductor,
+                         True, plain_inputs=plain_inputs, pack_blocks=pack_blocks,
+                         inductor=inductor,
                          **({"opaque_body_calls": True} if opaque else {}))
     opt = torch.optim.AdamW(setup.params, lr=1e-4)
     clock = time.perf_counter if cuda else time.process_time
@@ -118,6 +120,8 @@ def main() -> None:
     p.add_argument("--inductor", action="store_true")
     p.add_argument("--plain-inputs", action="store_true",
                    help="shardc.shard(..., plain_inputs=True): no DTensor region inputs")
+    p.add_argument("--pack-blocks", action="store_true",
+                   help="shardc.shard(..., pack_blocks=True): one packed input per block")
     p.add_argument("--opaque", action="store_true",
                    help="opaque_body_calls=True: later body calls reach AOTAutograd as stand-ins")
     p.add_argument("--out", default=None, help="keep the profiles here")
@@ -140,7 +144,8 @@ def main() -> None:
         os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="shardc_triton_")
         mp.spawn(_run, args=(args.world, blocks, args.inductor, out,
                              29500 + (os.getpid() + blocks) % 2000, args.plain_inputs,
-                             args.opaque, args.device, args.model, seq, batch),
+                             args.opaque, args.device, args.model, seq, batch,
+                             args.pack_blocks),
                  nprocs=args.world)
         stats = pstats.Stats(out)
         results[blocks] = [_cumulative(stats, suffix, name) for _, suffix, name in ROWS]
