@@ -92,7 +92,7 @@ from shardc.planning.plan import CompiledBody, FusedLossDecision, InlineBlock, M
 from shardc.planning.profile import resolve_profile
 from shardc.planning.schedule import device_name, plan_region
 from shardc.runtime.collectives import resolve_group
-from shardc.sharding.packed_blocks import PACKED_NAME
+from shardc.sharding.packed_blocks import packed_block_name, packed_fqn
 
 log = logging.getLogger("shardc")
 
@@ -752,9 +752,6 @@ def region_blocks(gm: fx.GraphModule, region: RegionRecord, kwargs: dict) -> lis
                        [module for module, _ in region.inline_blocks])
 
 
-PACKED_SUFFIX = "." + PACKED_NAME
-
-
 def record_bodies(plan: Plan, region: RegionRecord) -> None:
     """The region's block bodies and inline blocks, in the plan (fields and one note each)."""
     bodies: dict[str, CompiledBody] = {}
@@ -772,13 +769,13 @@ def record_bodies(plan: Plan, region: RegionRecord) -> None:
             f"partitioned {body.partitions} time(s)")
     for block in plan.inline_blocks:
         plan.notes.append(f"block {block.module} compiled inline: {block.reason}")
-    packed = sorted({p[:-len(PACKED_SUFFIX)] for c in plan.collectives for p in c.params
-                     if p.endswith(PACKED_SUFFIX)})
+    packed = sorted({b for c in plan.collectives for p in c.params
+                     if (b := packed_block_name(p)) is not None})
     if packed:
         plan.notes.append(
             f"packed blocks (pack_blocks=True): {len(packed)} block(s) ({packed[0]} ... "
             f"{packed[-1]}) each read and gathered as one buffer of its parameters' shards "
-            f"('<block>{PACKED_SUFFIX}'), one all-gather and one reduce-scatter per block")
+            f"('{packed_fqn('<block>')}'), one all-gather and one reduce-scatter per block")
     plan.notes.extend(region.sink_notes)
 
 

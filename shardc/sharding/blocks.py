@@ -38,12 +38,7 @@ from shardc import _torch
 from shardc.ops.body_call import body_anchor, body_call, record_outputs
 from shardc.ops.gather import GATHER_OP
 from shardc.runtime.grad_sync import SYNC_MODES
-from shardc.sharding.packed_blocks import (
-    LEAF_ATTR,
-    PACKED_STATE_ATTR,
-    PackedLayout,
-    eligible_reason,
-)
+from shardc.sharding.packed_blocks import LEAF_ATTR, PackedLayout, eligible_reason, repack
 from shardc.sharding.scope import enter_forward, exit_forward
 
 log = logging.getLogger("shardc")
@@ -505,10 +500,11 @@ def _trace_once_kind(slot: int) -> int:
 
 
 def _trace_once_call(group: BlockGroup | PackedBodies, training: bool, key: int, weights,
-                     buffers, args, kwargs):
+                     buffers, args, kwargs, tensors_only: bool):
     """A body call that Dynamo traces only the first time per slot and graph (see above);
-    ``group``: the bodies and prober to call (a group's, or its packed ones)."""
-    if not kwargs and _all_tensors(args):  # the usual call (h, ...): no walk over structures
+    ``group``: the bodies and prober to call (a group's, or its packed ones); ``tensors_only``:
+    ``args`` are tensors and there are no ``kwargs``."""
+    if tensors_only:  # the usual call (h, ...): no walk over structures
         flat = [*weights, *buffers, *args]
     else:
         flat = _flat_tensors((args, kwargs), [*weights, *buffers])
@@ -652,7 +648,8 @@ def _wrapped_forward(group: BlockGroup, original: Callable) -> Callable:
                 return source.keyed_flat[self.training](key, *weights, *buffers, *args)
             return source.keyed[self.training](key, weights, buffers, args, kwargs)
         if key and not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")):
-            return _trace_once_call(source, self.training, key, weights, buffers, args, kwargs)
+            return _trace_once_call(source, self.training, key, weights, buffers, args, kwargs,
+                                    tensors_only)
         return source.bodies[self.training](weights, buffers, args, kwargs)
 
     return forward
@@ -723,9 +720,8 @@ def _apply_block(self, fn, recurse: bool = True):
     its converted shards again (``shardc.sharding.packed_blocks``)."""
     owner = next(c for c in type(self).__mro__ if vars(c).get("_apply") is _apply_block)
     out = super(owner, self)._apply(fn, recurse)
-    packed = self.__dict__.get(PACKED_STATE_ATTR)
-    if packed is not None and recurse:
-        packed.pack()
+    if recurse:
+        repack(self)
     return out
 
 
@@ -739,14 +735,23 @@ def _add_packed_bodies(result: BlockBodies, group: BlockGroup, first: nn.Module,
                  group.members[0], group.members[-1], reason)
         return
     layout = PackedLayout.of(first, group.weight_names, params[0][2].world)
-    packed = PackedBodies(layout)
+    group.packed = PackedBodies(layout)
+    _fill_bodies(group.packed, group, template, layout)
+
+
+def _fill_bodies(target: BlockGroup | PackedBodies, group: BlockGroup, template: nn.Module,
+                 layout: PackedLayout | None = None) -> None:
+    """Give ``target`` (``group`` itself, or its packed bodies with ``layout``) one body per
+    training mode, made now: the wrapped forward runs under Dynamo, which must find them ready
+    (and guards on the block's ``training`` to pick one); and the prober of their reuse keys
+    (keyed bodies on torch 2.13+, shardc's own trace once before). Each on its own copy of the
+    skeleton ``template``."""
     for training in (True, False):
-        packed.bodies[training], keyed, keyed_flat = _make_body(
+        target.bodies[training], keyed, keyed_flat = _make_body(
             copy.deepcopy(template), group, training, layout)
         if keyed is not None and keyed_flat is not None:
-            packed.keyed[training], packed.keyed_flat[training] = keyed, keyed_flat
-    packed.prober = BodyProber(copy.deepcopy(template), group, layout)
-    group.packed = packed
+            target.keyed[training], target.keyed_flat[training] = keyed, keyed_flat
+    target.prober = BodyProber(copy.deepcopy(template), group, layout)
 
 
 def wrap_repeated_blocks(root: nn.Module, infos_by_param: dict, shared: set[int],
@@ -796,16 +801,8 @@ def _add_group(result: BlockBodies, members: list[tuple[str, nn.Module]],
         weight_names=tuple(n for n, _ in first.named_parameters()),
         buffer_names=tuple(n for n, _ in first.named_buffers()),
     )
-    # One skeleton and body per training mode, made now: the wrapped forward runs under
-    # Dynamo, which must find them ready (and guards on the block's ``training`` to pick one).
     template = _skeleton(first)
-    for training in (True, False):
-        group.bodies[training], keyed, keyed_flat = _make_body(copy.deepcopy(template), group,
-                                                               training)
-        if keyed is not None and keyed_flat is not None:
-            group.keyed[training], group.keyed_flat[training] = keyed, keyed_flat
-    # The reuse keys: for keyed bodies (torch 2.13+), else for shardc's own trace once.
-    group.prober = BodyProber(copy.deepcopy(template), group)
+    _fill_bodies(group, group, template)
     if pack_infos is not None:
         _add_packed_bodies(result, group, first, template, pack_infos)
     forwards: dict[type, Callable] = {}

@@ -42,6 +42,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardc import _torch
+from shardc.sharding.plain_inputs import give_grad
 
 # On each block that reads packed: its leaf (a tensor requiring grad), or None once dropped.
 LEAF_ATTR = "_shardc_packed"
@@ -224,12 +225,7 @@ class PackedBlock:
                     "hooks.")
             if not param.requires_grad:
                 continue
-            piece = grad[e.offset:e.offset + local.numel()].view(local.shape)
-            held = param.grad
-            if held is None:
-                param.grad = _torch.dtensor_with_spec_of(piece, param)
-            else:  # accumulation without zero_grad: in place, as autograd does
-                _torch.dtensor_local(held).add_(piece)
+            give_grad(param, grad[e.offset:e.offset + local.numel()].view(local.shape))
         self._packed.handed += 1
 
 
@@ -245,19 +241,41 @@ class PackedBlocks:
 
     def members(self, fqn: str) -> list[str]:
         """The parameters (full names) a packed gather ``fqn`` (``<block>.<packed>``) reads."""
-        block = fqn[:-len(PACKED_NAME) - 1] if fqn.endswith("." + PACKED_NAME) else None
+        block = packed_block_name(fqn)
         packed = self.blocks.get(block) if block is not None else None
         return [] if packed is None else [f"{block}.{e.name}" for e in packed.layout.entries]
 
 
 def packed_fqn(block: str) -> str:
+    """The name a packed gather of ``block`` carries."""
     return f"{block}.{PACKED_NAME}"
 
 
-def block_of(module: nn.Module) -> nn.Module | None:
-    """The packed block ``module`` is inside (or is), or None."""
+def packed_block_name(fqn: str) -> str | None:
+    """The block a packed gather's name ``fqn`` stands for, or None (a parameter's name)."""
+    suffix = "." + PACKED_NAME
+    return fqn[:-len(suffix)] if fqn.endswith(suffix) else None
+
+
+def repack(block: nn.Module) -> None:
+    """After ``nn.Module._apply`` of ``block`` (its shards converted): a packed block packs
+    them into a new buffer; any other block is left as it is."""
+    packed = block.__dict__.get(PACKED_STATE_ATTR)
+    if packed is not None:
+        packed.pack()
+
+
+def drop_read(module: nn.Module, replaced: bool = False) -> None:
+    """A module inside a packed block had its parameters converted alone (``_apply`` of the
+    module, not of the block, which packs again after its own: ``repack``) or one of them
+    ``replaced``: the block reads its parameters one by one from now on."""
     ref = module.__dict__.get(OWNER_ATTR)
-    return None if ref is None else ref()
+    block = None if ref is None else ref()
+    if block is None or (block is module and not replaced):
+        return
+    packed = block.__dict__.get(PACKED_STATE_ATTR)
+    if packed is not None:
+        packed.drop()
 
 
 def expand(fqns, packed: PackedBlocks | None) -> list[str]:

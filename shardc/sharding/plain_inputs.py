@@ -111,17 +111,24 @@ def _make_leaf(plain: PlainInputs, fqn: str, param: DTensor) -> torch.Tensor:
         _check_current(fqn, target, leaf)
         if not target.requires_grad:  # frozen after the leaf was built: no gradient, as before
             return
-        # Autograd runs this hook with grad mode off (create_graph aside, which a sharded
-        # parameter's gathered gradient does not support): no autograd on these tensors.
-        held = target.grad
-        if held is None:
-            target.grad = _torch.dtensor_with_spec_of(grad, target)
-        else:  # accumulation without zero_grad (micro-batches): in place, as autograd does
-            _torch.dtensor_local(held).add_(grad)
+        give_grad(target, grad)
         plain.handed += 1
 
     leaf.register_post_accumulate_grad_hook(hand_off)
     return leaf
+
+
+def give_grad(param: DTensor, grad: torch.Tensor) -> None:
+    """Hand ``grad`` (a plain tensor of ``param``'s local shape) to the DTensor ``param``:
+    its ``.grad`` becomes a DTensor of it (no copy), or it is added into the ``.grad`` already
+    there. Called from autograd's post-accumulate-grad hooks, which run with grad mode off
+    (create_graph aside, which a sharded parameter's gathered gradient does not support): no
+    autograd on these tensors."""
+    held = param.grad
+    if held is None:
+        param.grad = _torch.dtensor_with_spec_of(grad, param)
+    else:  # accumulation without zero_grad (micro-batches): in place, as autograd does
+        _torch.dtensor_local(held).add_(grad)
 
 
 def _check_current(fqn: str, param, leaf: torch.Tensor) -> None:

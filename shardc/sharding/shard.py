@@ -39,7 +39,7 @@ from shardc.runtime.grad_sync import (
     UnsyncedGrads,
     sync_mode,
 )
-from shardc.sharding import te_params
+from shardc.sharding import packed_blocks, te_params
 from shardc.sharding.auto_offload import AutoOffload
 from shardc.sharding.blocks import (
     COUNTS_FORWARD,
@@ -74,12 +74,7 @@ from shardc.sharding.offload import (
     to_host,
     wants_pinned,
 )
-from shardc.sharding.packed_blocks import (
-    PACKED_STATE_ATTR,
-    PackedBlocks,
-    block_of,
-    packed_fqn,
-)
+from shardc.sharding.packed_blocks import PackedBlocks, packed_fqn
 from shardc.sharding.plain_inputs import PlainInputs, leaf_for
 from shardc.sharding.scope import (
     ShardedModuleMixin,
@@ -267,9 +262,13 @@ def _read_gathered_as_is(name: str, fqn: str, constants: dict[int, tuple], key: 
     guards per parameter (issue 18: guards are built at every compile and checked at every
     step). The store's mode is read through ``SYNC_MODES`` under the key, one guarded value for
     all the model's reads."""
-    # Indexed by the mode itself (REDUCE, STASH, REDUCE_STASHED are 0, 1, 2).
-    by_mode = tuple(constants[mode] for mode in range(len(constants)))
-    return _constant_read(name, by_mode, key, fqn)
+    return _constant_read(name, _by_mode(constants), key, fqn)
+
+
+def _by_mode(constants: dict[int, tuple]) -> tuple:
+    """``constants`` (:meth:`ShardedParamInfo.gather_constants`) as a tuple indexed by the mode
+    itself (REDUCE, STASH, REDUCE_STASHED are 0, 1, 2)."""
+    return tuple(constants[mode] for mode in range(len(constants)))
 
 
 # The constants by mode are put into the compiled read's co_consts in place of this string:
@@ -341,7 +340,7 @@ def _apply_sharded(self, fn, recurse: bool = True):
     out = super(owner, self)._apply(fn, recurse)
     for name, expected in layout.items():
         _check_applied(self, name, self._parameters.get(name), expected)
-    _drop_packed_read(self)
+    packed_blocks.drop_read(self)
     plain = owner._shardc_plain
     if plain is not None:  # the parameters' contents were swapped: the leaves alias new shards
         for name in layout:
@@ -358,22 +357,10 @@ def _register_sharded(self, name: str, param) -> None:
     owner = next(c for c in type(self).__mro__ if "_shardc_infos" in vars(c))
     super(owner, self).register_parameter(name, param)
     if name in owner._shardc_infos:
-        _drop_packed_read(self, replaced=True)
+        packed_blocks.drop_read(self, replaced=True)
     plain, info = owner._shardc_plain, owner._shardc_infos.get(name)
     if plain is not None and info is not None:
         plain.refresh(info.fqn, eligible=False)
-
-
-def _drop_packed_read(module: nn.Module, replaced: bool = False) -> None:
-    """A module inside a packed block had its parameters converted alone (``_apply`` of the
-    module, not of the block, which packs again after its own) or replaced: the block reads
-    its parameters one by one from now on (``shardc.sharding.packed_blocks``)."""
-    block = block_of(module)
-    if block is None or (block is module and not replaced):
-        return
-    state = block.__dict__.get(PACKED_STATE_ATTR)
-    if state is not None:
-        state.drop()
 
 
 def plain_eligible(info: ShardedParamInfo) -> bool:
@@ -801,9 +788,7 @@ def _pack_blocks(root: nn.Module, blocks: BlockBodies, state: ShardState) -> Pac
             block = root.get_submodule(member)
             first = state.params[f"{member}.{layout.entries[0].name}"]
             info = replace(first, fqn=packed_fqn(member), dim0=layout.world * layout.numel)
-            constants = info.gather_constants(state.key)
-            set_packed_args(block, state.key,
-                            tuple(constants[mode] for mode in range(len(constants))))
+            set_packed_args(block, state.key, _by_mode(info.gather_constants(state.key)))
             packed.add(block, member, layout)
     return packed
 
