@@ -32,6 +32,7 @@ EXTRA_MODES: tuple[str, ...] = ("shardc-keeporder", "shardc-pool", "shardc-local
                                   "shardc-cudagraphs", "shardc-budget", "shardc-noreshard",
                                   "shardc-inline", "shardc-plain", "shardc-plain-budget",
                                   "shardc-plain-pool", "shardc-oneop", "shardc-packed",
+                                  "shardc-packed-plain",
                                   "shardc-combo", "shardc-ac", "shardc-fast",
                                   "shardc-fast-budget", "shardc-fast-budget-inline",
                                   "shardc-fast-budget-sink", "shardc-fast-sink",
@@ -242,11 +243,15 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_
             ["shardc.shard(..., plain_inputs=True)"]
             + [f"{k}={v!r}" for k, v in options.items()])
         return setup
-    if mode == "shardc-packed":
+    if mode in ("shardc-packed", "shardc-packed-plain"):
         # Each repeated block's shards in one buffer, read and gathered as one tensor
         # (shardc.shard(..., pack_blocks=True), issue 18: less to trace and guard per block).
-        setup = setup_shardc_(model, mesh, loss_in_graph, pack_blocks=True)
-        setup.info["options"] = "shardc.shard(..., pack_blocks=True)"
+        # -plain: the parameters outside the blocks read as plain leaves too (plain_inputs=True:
+        # no DTensor input left in the regions, so AOTAutograd runs no subclass pass).
+        plain = mode == "shardc-packed-plain"
+        setup = setup_shardc_(model, mesh, loss_in_graph, pack_blocks=True, plain_inputs=plain)
+        setup.info["options"] = "shardc.shard(..., pack_blocks=True" + (
+            ", plain_inputs=True)" if plain else ")")
         return setup
     if mode == "shardc-budget":
         # The whole-step peak budget (issue 22): SHARDC_PEAK_BUDGET bytes, or "auto".
