@@ -5,8 +5,11 @@ Every (depth, mode, cache) run is its own fresh ``torchrun`` job. "cold" gets ne
 and mode reusing that cold run's directories (a restart). Measured per run: the wall time of the
 first step (compile included; the slowest rank), the median steady step, Inductor's and
 AOTAutograd's cache counters, and shardc's per-stage compile times (its ``SHARDC_LOG=info``
-lines, rank 0). Writes ``<out>/<name>.md`` (a table) and ``<out>/<name>.json`` (with the
-command, the git commit, the machine and every run's record).
+lines, rank 0). Before the first step's timer every mode imports what the step's CUDA-graph
+marker imports (:func:`import_inductor`: Inductor), which ``fsdp2-compile``'s setup imports
+anyway; the table shows that import's seconds beside the setup's. Writes ``<out>/<name>.md``
+(a table) and ``<out>/<name>.json`` (with the command, the git commit, the machine and every
+run's record).
 
 One GPU (NCCL)::
 
@@ -132,6 +135,7 @@ def run_child(args: argparse.Namespace) -> None:
     setup = _setup(args.mode, cfg, device, mesh)
     opt = torch.optim.AdamW(setup.params, lr=1e-4)
     setup_s = time.perf_counter() - t0
+    import_s = import_inductor()
     sync(device)
     t = time.perf_counter()
     loss, phases = _first_step(setup, opt, *data[0], sync=lambda: sync(device))
@@ -144,7 +148,8 @@ def run_child(args: argparse.Namespace) -> None:
         sync(device)
         steady.append(time.perf_counter() - t)
     counters = torch._dynamo.utils.counters  # Inductor's and AOTAutograd's cache counters
-    mine = {"first_step_s": first, "setup_s": setup_s, "first_step_phases_s": phases,
+    mine = {"first_step_s": first, "setup_s": setup_s, "inductor_import_s": import_s,
+            "first_step_phases_s": phases,
             # torch's own timed compile events (build_guards, ...), summed over the step
             "torch_timed_s": _torch_timed_events(),
             "steady_step_s": statistics.median(steady) if steady else None, "loss": loss,
@@ -161,6 +166,22 @@ def run_child(args: argparse.Namespace) -> None:
         Path(args.result).write_text(json.dumps(record, indent=1) + "\n")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def import_inductor() -> float:
+    """Import what the training step's marker for CUDA graph trees imports on its first call
+    (``torch.compiler.cudagraph_mark_step_begin``: ``torch._inductor.cudagraph_trees``, and
+    Inductor with it), before the first step's timer, for every mode; returns its seconds.
+
+    Without it the first step of a mode whose setup imported nothing of Inductor (shardc's
+    backend imports it only when it compiles) carried that import, about a second on a CPU and
+    1-2 s on a GPU host, while ``fsdp2-compile`` had paid it in its setup (``torch.compile`` with
+    the Inductor backend imports it when called). 0 where the setup imported it already."""
+    import torch
+
+    start = time.perf_counter()
+    torch.compiler.cudagraph_mark_step_begin()  # a no-op marker outside CUDA graph trees
+    return time.perf_counter() - start
 
 
 def _first_step(setup, opt, tokens, targets, sync) -> tuple[float, dict[str, float]]:
@@ -260,6 +281,15 @@ def _phases(phases: dict[str, float] | None) -> str:
                                                              "optimizer")) + " s"
 
 
+def _before_step(record: dict[str, Any]) -> str:
+    """A row's seconds before its first step, e.g. ``1.6 / 1.9 s``: its setup (model, sharding,
+    optimizer) and the Inductor import done apart (:func:`import_inductor`)."""
+    if record.get("setup_s") is None:
+        return "-"
+    imported = record.get("inductor_import_s")
+    return f"{record['setup_s']:.1f} / " + ("-" if imported is None else f"{imported:.1f}") + " s"
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     meta = report["meta"]
     lines = [f"# Compile time: first training step by depth, mode and cache ({meta['date']})", "",
@@ -270,9 +300,9 @@ def render_markdown(report: dict[str, Any]) -> str:
              " Each run is a fresh process; cold: empty Inductor/Triton cache directories; warm: "
              "the cold run's directories reused.", "",
              "| layers | mode | cache | first step | forward / backward / optimizer | "
-             "steady step | FX graph cache hit/miss | AOT cache hit/miss | "
-             "shardc stages (rank 0, s) |",
-             "|---:|---|---|---:|---|---:|---|---|---|"]
+             "setup / Inductor import | steady step | FX graph cache hit/miss | "
+             "AOT cache hit/miss | shardc stages (rank 0, s) |",
+             "|---:|---|---|---:|---|---|---:|---|---|---|"]
     for run in report["runs"]:
         r = run["record"]
         cache = r.get("cache", {})
@@ -280,7 +310,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         first = "error" if "error" in r else _fmt(r.get("first_step_s"))
         lines.append(
             f"| {run['depth']} | {run['mode']} | {run['cache']} | {first} | "
-            f"{_phases(r.get('first_step_phases_s'))} | {_fmt(r.get('steady_step_s'), 'ms')} | "
+            f"{_phases(r.get('first_step_phases_s'))} | {_before_step(r)} | "
+            f"{_fmt(r.get('steady_step_s'), 'ms')} | "
             f"{cache.get('fxgraph_cache_hit', 0)}/{cache.get('fxgraph_cache_miss', 0)} | "
             f"{cache.get('autograd_cache_hit', 0)}/{cache.get('autograd_cache_miss', 0)} | "
             f"{stages or '-'} |")

@@ -4,9 +4,17 @@ phases of each row."""
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
-from benchmarks.compile_time import _first_step, _phases, _torch_timed_events, render_markdown
+from benchmarks.compile_time import (
+    _first_step,
+    _phases,
+    _torch_timed_events,
+    import_inductor,
+    render_markdown,
+)
 
 
 class _Setup:
@@ -35,14 +43,22 @@ def test_first_step_trains_and_times_each_phase():
     assert isinstance(_torch_timed_events(), dict)
 
 
+def test_inductor_is_imported_before_the_first_step():
+    """The step's CUDA-graph marker imports Inductor on its first call: done apart, so that no
+    mode's first step carries an import another mode's setup paid (fsdp2-compile's)."""
+    assert import_inductor() >= 0
+    assert "torch._inductor.cudagraph_trees" in sys.modules
+
+
 def test_table_shows_each_rows_phases():
     meta = {"date": "d", "command": "c", "machine": {"device": "cpu", "torch": "t", "git": "g"},
             "nproc": 1, "model": "1b", "tiny": True, "seq": 32, "batch": 2}
     record = {"first_step_s": 3.0, "steady_step_s": 0.02,
               "first_step_phases_s": {"forward": 2.04, "backward": 0.86, "optimizer": 0.1}}
     runs = [{"depth": 2, "mode": "shardc", "cache": "cold", "record": record},
-            {"depth": 4, "mode": "shardc", "cache": "cold", "record": {"first_step_s": 4.0}}]
+            {"depth": 4, "mode": "shardc", "cache": "cold",
+             "record": {"first_step_s": 4.0, "setup_s": 0.52, "inductor_import_s": 1.23}}]
     table = render_markdown({"meta": meta, "runs": runs})
-    assert "| 2 | shardc | cold | 3.0 s | 2.0 / 0.9 / 0.1 s | 20 ms |" in table
-    assert "| 4 | shardc | cold | 4.0 s | - | - |" in table
+    assert "| 2 | shardc | cold | 3.0 s | 2.0 / 0.9 / 0.1 s | - | 20 ms |" in table
+    assert "| 4 | shardc | cold | 4.0 s | - | 0.5 / 1.2 s | - |" in table
     assert _phases(None) == "-"
