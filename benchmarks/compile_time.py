@@ -5,11 +5,12 @@ Every (depth, mode, cache) run is its own fresh ``torchrun`` job. "cold" gets ne
 and mode reusing that cold run's directories (a restart). Measured per run: the wall time of the
 first step (compile included; the slowest rank), the median steady step, Inductor's and
 AOTAutograd's cache counters, and shardc's per-stage compile times (its ``SHARDC_LOG=info``
-lines, rank 0). Before the first step's timer every mode imports what the step's CUDA-graph
-marker imports (:func:`import_inductor`: Inductor), which ``fsdp2-compile``'s setup imports
-anyway; the table shows that import's seconds beside the setup's. Writes ``<out>/<name>.md``
-(a table) and ``<out>/<name>.json`` (with the command, the git commit, the machine and every
-run's record).
+lines, rank 0). A throwaway process runs first (:func:`prime`; ``--no-prime`` skips it), so
+that the first row does not also load the machine's libraries from disk. Before the first
+step's timer every mode imports what the step's CUDA-graph marker imports
+(:func:`import_inductor`: Inductor), which ``fsdp2-compile``'s setup imports anyway; the table
+shows that import's seconds beside the setup's. Writes ``<out>/<name>.md`` (a table) and
+``<out>/<name>.json`` (with the command, the git commit, the machine and every run's record).
 
 One GPU (NCCL)::
 
@@ -70,6 +71,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cache-root", default=None,
                    help="where the per-run cache directories go (default: <out>/<name>_caches)")
     p.add_argument("--keep-caches", action="store_true", help="do not delete them at the end")
+    p.add_argument("--no-prime", dest="prime", action="store_false",
+                   help="skip the throwaway process that runs before the rows (prime())")
     p.add_argument("--logs", default=None,
                    help="directory for the per-run logs (default: <out>/<name>_logs)")
     p.add_argument("--merge", nargs="+", metavar="JSON", default=None,
@@ -256,6 +259,36 @@ def _launch(args: argparse.Namespace, mode: str, depth: int, caches: Path, resul
     return record
 
 
+# What prime() runs: torch, Inductor and the device's compiler toolchain loaded once, and one
+# tiny function compiled and run on the rows' device.
+_PRIME = """
+import sys, torch
+device = sys.argv[1] if len(sys.argv) > 1 else ("cuda" if torch.cuda.is_available() else "cpu")
+step = torch.compile(lambda x: (x * 2).sin().sum())
+print(float(step(torch.randn(64, device=device))))
+"""
+
+
+def prime(device: str | None, caches: Path) -> float:
+    """Run one throwaway process before the rows, with its own Inductor/Triton cache
+    directories (deleted after), and return its seconds.
+
+    A machine's first process reads torch's libraries, Inductor's modules and the device's
+    compiler from disk; the rows after it find them in the OS page cache. Without this the
+    first row of a call paid that alone (s43: 19.6 s for a row that took 14.1 s later on the
+    same machine), and as the shallowest depth it made the depth ratios come out low. The rows'
+    compile caches stay cold: nothing of this process is in their directories."""
+    caches.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"),
+               TRITON_CACHE_DIR=str(caches / "triton"))
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", _PRIME, *([device] if device else [])], env=env,
+                   check=True, stdout=subprocess.DEVNULL)
+    seconds = time.perf_counter() - start
+    shutil.rmtree(caches, ignore_errors=True)
+    return seconds
+
+
 def _machine(device: str | None) -> dict[str, Any]:
     import torch
     from train.provenance import git_describe
@@ -375,6 +408,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     def write() -> None:
         (out / f"{args.name}.json").write_text(json.dumps(report, indent=1) + "\n")
         (out / f"{args.name}.md").write_text(render_markdown(report))
+
+    if args.prime:
+        report["meta"]["prime_s"] = prime(args.device, root / "prime")
 
     for depth in args.depths:
         for mode in args.modes:

@@ -13,6 +13,7 @@ from benchmarks.compile_time import (
     _phases,
     _torch_timed_events,
     import_inductor,
+    prime,
     render_markdown,
 )
 
@@ -62,3 +63,11 @@ def test_table_shows_each_rows_phases():
     assert "| 2 | shardc | cold | 3.0 s | 2.0 / 0.9 / 0.1 s | - | 20 ms |" in table
     assert "| 4 | shardc | cold | 4.0 s | - | 0.5 / 1.2 s | - |" in table
     assert _phases(None) == "-"
+
+
+def test_prime_runs_a_compile_and_deletes_its_caches(tmp_path):
+    """The throwaway process before the rows compiles with Inductor in its own cache
+    directories, which it deletes: the rows' caches stay as cold as they were."""
+    caches = tmp_path / "prime"
+    assert prime("cpu", caches) > 0
+    assert not caches.exists()
