@@ -272,6 +272,11 @@ def sharded_run(rank: int, world: int, kind: str, mode: str, **options) -> dict:
     no_sync = options.pop("no_sync", False)
     overlap = {} if options.pop("step_in_backward", False) else None
     model = build(kind)
+    if options.pop("indexed", False):
+        # Numbered as transformers numbers its layers (self_attn.layer_idx): a scalar that
+        # differs per block and that the forward does not read (shardc.sharding.blocks).
+        for i, block in enumerate(model.blocks):
+            block.index = i
     shardc.shard(model, reshard_after_forward=options.pop("reshard_after_forward", True),
                  offload=options.pop("offload", None), mp_policy=options.pop("mp_policy", None),
                  plain_inputs=options.pop("plain_inputs", False),

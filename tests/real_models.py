@@ -1960,8 +1960,9 @@ ONE_WORLD = {"blocks_accumulate_shapes": 2, "torch_transformer": 2, "hf_packed":
 # the llama's layers are one body, world 3).
 SLOW_SCENARIOS = ("blocks_accumulate_shapes", "checkpoint_sdpa_reentrant",
                   # 28 rank-CPU s (s43): transformers' decoder with pack_blocks=True through a
-                  # dynamic recompile; packed blocks train in tests/test_parity.py (worlds 1-4)
-                  # and the decoder's compiled layers in hf_checkpoint_eager's reference path.
+                  # dynamic recompile; the default tier keeps blocks numbered as its layers are
+                  # sharing one packed body (tests/test_parity.py's packed_blocks, worlds 1 and
+                  # 3) and its layers grouped (tests/test_blocks.py).
                   "hf_packed",
                   "checkpoint_sdpa_dynamic",
                   "checkpoint_sdpa_save_all", "hf_checkpoint_reentrant", "checkpoint_dropout",

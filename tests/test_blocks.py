@@ -45,7 +45,7 @@ def test_non_identical_blocks_get_their_own_body_or_fall_back_said_once(caplog):
         Mlp(checkpointed=True), Mlp(checkpointed=True),    # 2, 3: checkpointed: their own body
         Mlp(hidden=7),                                     # 4: another shape: inline
         GeluMlp(),                                         # 5: another module type: inline
-        Mlp(checkpointed=True, hidden=7),                  # 6: checkpointed, other shape
+        Mlp(checkpointed=True, hidden=5),                  # 6: checkpointed, other shape
     ])
     hooked = Mlp()
     hooked.up.register_forward_hook(lambda *_: None)
@@ -92,18 +92,20 @@ def test_parameters_gathered_specially_or_shared_fall_back_with_the_parameter_na
     assert len([line for line in lines if "compiles inline" in line]) == 3, lines
 
 
-def test_hf_decoder_layers_differ_in_layer_idx_and_compile_inline():
-    """transformers' decoder layers keep their index (``self_attn.layer_idx``): a plain attribute
-    that differs per layer, so no two layers share a body and each is said inline (a documented
-    limit, docs/support.md)."""
+def test_hf_decoder_layers_differ_in_layer_idx_only_and_form_one_group():
+    """transformers' decoder layers keep their index (``self_attn.layer_idx``, the KV cache's
+    slot): a scalar whose value differs per layer, the only difference, so the layers form one
+    group whose calls share the body where the prober sees the index unread (trained at parity
+    in tests/test_real_models.py's hf_packed)."""
     transformers = pytest.importorskip("transformers")
     config = transformers.Qwen2Config(vocab_size=37, hidden_size=16, intermediate_size=24,
                                       num_hidden_layers=3, num_attention_heads=2,
                                       num_key_value_heads=1)
     model = transformers.Qwen2ForCausalLM(config)
     bodies = wrap_repeated_blocks(model, {}, shared=set(), special=set())
-    assert bodies.groups == []
-    assert [f.module for f in bodies.fallbacks] == [f"model.layers.{i}" for i in range(3)]
+    assert [g.members for g in bodies.groups] == [tuple(f"model.layers.{i}" for i in range(3))]
+    assert bodies.groups[0].varying == {("self_attn", "layer_idx")}
+    assert bodies.fallbacks == []
 
 
 def test_data_dependent_size_check_is_traced_without_a_graph_break():
@@ -275,6 +277,63 @@ def test_bodies_are_traced_once_per_distinct_input_where_torch_can_key_them():
     # The count is of the body's traces: inline blocks are traced once each too.
     inline = Stack(CountedMlp)
     assert _body_traces(inline, x) == 4
+
+
+class IndexedMlp(CountedMlp):
+    """Numbered as transformers numbers its attention modules (``layer_idx``): a scalar whose
+    value differs per block, read by the forward only if ``reads`` (the same in every block)."""
+
+    def __init__(self, index: int | None = 0, reads: bool = False) -> None:
+        super().__init__()
+        self.index, self.reads = index, reads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return out * (self.index + 1) if self.reads else out
+
+
+def test_blocks_differing_in_a_scalar_share_a_body_only_where_it_is_not_read(caplog):
+    """Blocks whose scalar attributes differ only in value form one group; a call shares the
+    body traced from the first block only where the prober, running the call on a skeleton that
+    records reads of those attributes, saw none read. A forward that reads its index runs each
+    block's own forward, said once with the attribute named: compiled, every output equals the
+    eager model's (a shared body would scale every block by the first one's index). A scalar of
+    another type (None) is another signature."""
+    from shardc import _torch
+
+    keyed = _torch.keyed_compile_region(lambda key: key) is not None
+    x = torch.randn(3, 6, requires_grad=True)
+    for reads in (False, True):
+        model = Stack(IndexedMlp)
+        for i, block in enumerate(model.blocks):
+            block.index, block.reads = i, reads
+        bodies = wrap_repeated_blocks(model, {}, shared=set(), special=set())
+        seal(bodies, model)
+        (group,) = bodies.groups
+        assert group.varying == {("", "index")}
+        with caplog.at_level(logging.INFO, logger="shardc"):
+            traces = _body_traces(model, x)  # each output checked against the eager model's
+        assert group.varying_read == ({"index"} if reads else set())
+        if keyed:
+            assert traces == (4 if reads else 1), (reads, traces)
+        said = [r.getMessage() for r in caplog.records if "run their own forwards" in
+                r.getMessage()]
+        assert len(said) == int(reads) and (not reads or "index" in said[0]), said
+        assert not reads or "reads index" in bodies.inline_reason("blocks.1")
+        caplog.clear()
+    model = Stack(IndexedMlp)
+    model.blocks[3].index = None
+    bodies = wrap_repeated_blocks(model, {}, shared=set(), special=set())
+    assert [g.members for g in bodies.groups] == [("blocks.0", "blocks.1", "blocks.2")]
+    assert [f.module for f in bodies.fallbacks] == ["blocks.3"]
+    # Identical blocks keep their group with their values, as before; only blocks left without
+    # an identical sibling are grouped across scalar values.
+    model = Stack(IndexedMlp, n=5)
+    model.blocks[4].index = 4
+    bodies = wrap_repeated_blocks(model, {}, shared=set(), special=set())
+    assert [(g.members, g.varying) for g in bodies.groups] == [
+        (tuple(f"blocks.{i}" for i in range(4)), frozenset())]
+    assert [f.module for f in bodies.fallbacks] == ["blocks.4"]
 
 
 # shardc's own trace once (torch < 2.13, no reuse_hash_fn; forced on newer torch by dropping the

@@ -343,8 +343,11 @@ def _parity_scenarios(world: int, slow: bool = False) -> dict[str, tuple[str, st
         # BlockStack (uneven rows, checkpointing inside the block, the eval region, at world 1
         # a hook added after shard: that block reads its parameters one by one) at every
         # world; the llama (bitwise "fx"), bf16 (bitwise "bf16") and no_sync accumulation.
+        # Its blocks numbered (an attribute per block, unread, as transformers' layer_idx):
+        # still one body, bitwise the unnumbered "blocks".
         (True, "packed_blocks", ("blocks", "fx", {"pack_blocks": True, "eval": True,
-                                                  "hook_after_eval": world == 1})),
+                                                  "hook_after_eval": world == 1,
+                                                  "indexed": True})),
         (at(2), "packed", ("llama", "fx", {"pack_blocks": True})),
         (at(1), "packed_bf16", ("llama", "fx", {"pack_blocks": True, "mp_policy": BF16})),
         (at(2), "packed_no_sync", ("llama", "fx", {"pack_blocks": True, "no_sync": True})),

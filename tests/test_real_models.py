@@ -461,22 +461,27 @@ def test_hf_decoder_with_packed_blocks_through_a_dynamic_recompile(slow_runs):
     for got in check_parity(slow_runs, "hf_packed"):
         assert len(got["packed_gathers"]) == 2, got["packed_gathers"]  # static, then dynamic
         for packed, inline in zip(got["packed_gathers"], got["inline_blocks"]):
-            read = sorted([p[:-len(".<packed>")] for p in packed] + [m for m, _ in inline])
+            read = sorted({p[:-len(".<packed>")] for p in packed} | {m for m, _ in inline})
             assert read == [f"model.layers.{i}" for i in range(got["layers"])], (packed, inline)
             assert all(reason for _, reason in inline), inline
+        # The static region: the layers differ only in self_attn.layer_idx, which their forward
+        # does not read (use_cache=False), so each reads its packed buffer (a gather in the
+        # forward, one again in the backward), and the first step hands each its gradient.
+        layers = [f"model.layers.{i}.<packed>" for i in range(got["layers"])]
+        assert got["packed_gathers"][0] == sorted(layers * 2), got["packed_gathers"]
+        assert got["inline_blocks"][0] == [], got["inline_blocks"]
+        assert got["packed_handed"] >= got["layers"], got["packed_handed"]
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs transformers")
 @pytest.mark.xfail(strict=True, reason=(
-    "transformers' attention modules carry their index in the model (self_attn.layer_idx, the "
-    "KV cache's slot), so no two decoder layers have the same attribute values and "
-    "block_signature keeps each layer apart: they compile inline, none is packed (issue 18)"))
-def test_hf_decoder_layers_share_one_packed_body(slow_runs):
+    "a group whose blocks differ in a scalar (transformers' self_attn.layer_idx) shares its "
+    "body only for calls the prober ran; under dynamic shapes a call has no static description "
+    "to probe, so in the dynamic region every decoder layer runs its own forward (issue 18)"))
+def test_hf_decoder_layers_share_one_packed_body_under_dynamic_shapes(slow_runs):
     for got in check_parity(slow_runs, "hf_packed"):
-        layers = got["layers"]
-        assert all(len(p) == layers for p in got["packed_gathers"]), got["inline_blocks"]
-        assert got["packed_handed"] == layers * 3, got["packed_handed"]
+        assert got["inline_blocks"][1] == [], got["inline_blocks"]
 
 
 def test_changing_batch_size_reuses_one_dynamic_plan(runs):

@@ -18,6 +18,15 @@ Blocks are grouped by a structure signature (class tree, parameter and buffer na
 dtypes, sharding options, plain attribute values); a group of two or more identical blocks gets a
 body, everything else keeps the usual path, and each such decision is logged once (logger
 ``"shardc"``) and recorded (:class:`BlockBodies`, reported in every plan).
+
+Blocks left without an identical sibling are grouped again with their scalar attributes
+(``bool``, ``int``, ``float``, ``str``) compared by type, not value: transformers numbers its
+attention modules (``self_attn.layer_idx``, the KV cache's slot), so no two decoder layers were
+identical. The body is traced from the first block, so such a group's calls use it only where
+the forward is proven not to read the scalars that differ (``BlockGroup.varying``): the prober
+runs each described call on a skeleton that records their reads (:func:`_record_varying_reads`);
+an unread call shares the body, a call that reads one, or that could not be probed (symbolic
+sizes, an op meta tensors lack), runs the block's own forward, said in the plan.
 """
 
 from __future__ import annotations
@@ -47,6 +56,9 @@ __all__ = ["BlockBodies", "BlockFallback", "BlockGroup", "wrap_repeated_blocks"]
 
 # Attribute values compared by value in the signature; anything else must be the same object.
 _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
+# Of those, the types whose values may differ within a group (the type may not): see the module
+# docstring. Exact types: an enum member compares by value.
+_VARYING_TYPES = (bool, int, float, str)
 
 
 @dataclass(frozen=True)
@@ -79,6 +91,10 @@ class BlockGroup:
     prober: BodyProber | None = field(default=None, repr=False)
     # pack_blocks=True: the bodies that take the block's gathered packed buffer instead.
     packed: PackedBodies | None = field(default=None, repr=False)
+    # Scalar attributes whose values differ among the members, as ``(submodule, attribute)``
+    # (submodule "" for the block itself); the names the probes found read, as "submodule.attr".
+    varying: frozenset[tuple[str, str]] = frozenset()
+    varying_read: set[str] = field(default_factory=set, repr=False)
 
     def __post_init__(self) -> None:
         self.weight_paths = tuple(tuple(n.split(".")) for n in self.weight_names)
@@ -125,6 +141,15 @@ class BlockBodies:
         block = root.get_submodule(module) if root is not None else None
         if block is not None and module_layout(block) != getattr(block, "_shardc_layout", None):
             return "its hooks or module classes changed after shardc.shard"
+        group = self.group_of(module)
+        if group is not None and group.varying:
+            differ = ", ".join(sorted(_dotted(path, attr) for path, attr in group.varying))
+            if group.varying_read:
+                return (f"its forward reads {', '.join(sorted(group.varying_read))}, whose "
+                        f"values differ among its group's blocks ({differ}), and one shared "
+                        "body is traced from the first block")
+            return (f"its group's blocks differ in {differ}, and this call could not be probed "
+                    "for reads of them (symbolic sizes, or an op meta tensors do not support)")
         if _torch.traces_floats_symbolically():
             # Dynamo lifts a symbolic float read inside a nested_compile_region body into the
             # root graph and fails (torch 2.11-2.13: "lift_tracked_freevar_to_input").
@@ -169,25 +194,48 @@ def _refusal(block: nn.Module, shared: set[int], special: set[int]) -> str | Non
     return None
 
 
-def _attr_signature(sub: nn.Module) -> tuple:
+def _attr_signature(sub: nn.Module, scalar_values: bool) -> tuple:
+    """The public attributes of ``sub``: plain values by value (scalars by type only without
+    ``scalar_values``: see the module docstring), anything else by identity."""
     items = []
     for attr, value in sorted(vars(sub).items()):
         if attr.startswith("_") or attr == "training":
             continue
-        if isinstance(value, _PLAIN) or (isinstance(value, tuple)
-                                          and all(isinstance(v, _PLAIN) for v in value)):
+        if not scalar_values and type(value) in _VARYING_TYPES:
+            items.append((attr, type(value).__name__))
+        elif isinstance(value, _PLAIN) or (isinstance(value, tuple)
+                                            and all(isinstance(v, _PLAIN) for v in value)):
             items.append((attr, repr(value)))
         else:
             items.append((attr, "id", id(value)))
     return tuple(items)
 
 
-def block_signature(block: nn.Module, infos: dict) -> tuple:
+def _scalar_values(block: nn.Module) -> dict[tuple[str, str], str]:
+    """``{(submodule, attribute): repr(value)}`` of ``block``'s public scalar attributes."""
+    return {(name, attr): repr(value) for name, sub in block.named_modules()
+            for attr, value in vars(sub).items()
+            if not attr.startswith("_") and attr != "training" and type(value) in _VARYING_TYPES}
+
+
+def varying_attributes(blocks: list[nn.Module]) -> frozenset[tuple[str, str]]:
+    """The ``(submodule, attribute)`` scalars whose values differ among ``blocks`` (one
+    signature: the same scalar attributes, of the same types)."""
+    values = [_scalar_values(b) for b in blocks]
+    return frozenset(k for k in values[0] if any(v[k] != values[0][k] for v in values[1:]))
+
+
+def _dotted(path: str, attr: str) -> str:
+    return f"{path}.{attr}" if path else attr
+
+
+def block_signature(block: nn.Module, infos: dict, scalar_values: bool = True) -> tuple:
     """What must be equal for two blocks to share one compiled body: the class tree (checkpoint
     wrapping included), attribute values, parameters (shape, dtype, sharding options but not
-    their names in the model) and buffers."""
+    their names in the model) and buffers. Without ``scalar_values`` scalar attributes count by
+    type only (blocks identical but for those: see the module docstring)."""
     modules = tuple((name, type(sub).__qualname__, type(sub).__module__, sub.training,
-                     _attr_signature(sub)) for name, sub in block.named_modules())
+                     _attr_signature(sub, scalar_values)) for name, sub in block.named_modules())
     params = []
     for name, p in block.named_parameters():
         info = infos.get(id(p))
@@ -363,6 +411,10 @@ class BodyProber:
         self.uid = next(_PROBER_IDS)  # distinguishes groups of several models in one process
         # Passed to trace-time functions by number: torch 2.11's Dynamo passes only constants.
         _PROBERS[self.uid] = self
+        self.group = group
+        self.reads: list[str] = []  # the varying attributes the probes read, in order
+        if group.varying:
+            _record_varying_reads(skeleton, group.varying, self.reads)
 
     def key(self, desc: tuple) -> int:
         if desc not in self.keys:
@@ -377,17 +429,64 @@ class BodyProber:
         if self.layout is not None:
             weights = self.layout.unpack(weights[0])
         self.skeleton.train(training)
+        varying = bool(self.group.varying)
+        read_before = len(self.reads)
         try:
-            with torch.no_grad():
+            # A group whose blocks differ in scalars is probed in the call's own grad mode: a
+            # read of one must be seen on the path the trace takes.
+            with torch.set_grad_enabled(desc[1] and varying):
                 out = torch.func.functional_call(
                     self.skeleton, dict(zip(self.names, (*weights, *buffers))), args, kwargs)
         except Exception as exc:  # an op meta tensors do not support: trace every call
             log.debug("shardc: block body probe failed (%s); its calls are traced each", exc)
             return 0
+        if varying and len(self.reads) > read_before:
+            read = sorted(set(self.reads[read_before:]))
+            self.group.varying_read.update(read)
+            log.info("shardc: blocks %s ... %s run their own forwards: it reads %s, which "
+                     "differ among them", self.group.members[0], self.group.members[-1],
+                     ", ".join(read))
+            return 0
         if not _tensor_output(out):
             return 0
         # Numbered, not hashed: two descriptions never share a key (a hash could collide).
         return 1 + sum(1 for k in self.keys.values() if k)
+
+
+# Per block class, the subclass a prober's skeleton module takes to record reads of its varying
+# attributes (:func:`_record_varying_reads`); only the prober's own copy is ever given one.
+_RECORDING_CLASSES: dict[type, type] = {}
+
+
+def _recording_class(cls: type) -> type:
+    if cls not in _RECORDING_CLASSES:
+        def __getattr__(self, name: str):
+            values = self.__dict__.get("_shardc_varying_values")
+            if values is not None and name in values:
+                self.__dict__["_shardc_varying_reads"].append(values[name][0])
+                return values[name][1]
+            return cls.__getattr__(self, name)
+
+        _RECORDING_CLASSES[cls] = type(cls.__name__, (cls,), {"__getattr__": __getattr__,
+                                                             "__module__": cls.__module__})
+    return _RECORDING_CLASSES[cls]
+
+
+def _record_varying_reads(skeleton: nn.Module, varying: frozenset[tuple[str, str]],
+                          reads: list[str]) -> None:
+    """Make ``skeleton`` (a prober's own copy) append ``"submodule.attr"`` to ``reads`` at each
+    read of a ``varying`` attribute: each is moved out of its module's ``__dict__`` and served
+    (with its first block's value) by the module's ``__getattr__``, which Python calls only for
+    names its ``__dict__`` lacks. A read that bypasses attribute access (``vars(m)[name]``)
+    fails the probe instead, which is as safe (the call runs its block's own forward)."""
+    for path, attr in sorted(varying):
+        sub = skeleton.get_submodule(path)
+        if "_shardc_varying_values" not in sub.__dict__:  # its first varying attribute
+            sub.__dict__["_shardc_varying_values"] = {}
+            sub.__dict__["_shardc_varying_reads"] = reads
+            sub.__class__ = _recording_class(type(sub))
+        sub.__dict__["_shardc_varying_values"][attr] = (_dotted(path, attr),
+                                                        sub.__dict__.pop(attr))
 
 
 @torch.compiler.assume_constant_result
@@ -619,6 +718,9 @@ def _layout_unchanged(layout: tuple, key: int) -> bool:
 
 def _wrapped_forward(group: BlockGroup, original: Callable) -> Callable:
     has_data_dependent_sizes = _torch.data_dependent_size_check()
+    # The members differ in scalar attributes: a call shares the body only with a reuse key,
+    # i.e. once the prober ran it and saw none of them read (see the module docstring).
+    needs_key = bool(group.varying)
 
     def forward(self, *args, **kwargs):
         if not torch.compiler.is_compiling():
@@ -643,6 +745,8 @@ def _wrapped_forward(group: BlockGroup, original: Callable) -> Callable:
             weights = tuple([_read(self, p) for p in group.weight_paths])  # no generator
         buffers = tuple([_read(self, p) for p in group.buffer_paths])
         key = reuse_key(source.prober, self.training, weights, buffers, call)
+        if needs_key and not key:
+            return original(self, *args, **kwargs)
         if key and source.keyed:
             if tensors_only:
                 return source.keyed_flat[self.training](key, *weights, *buffers, *args)
@@ -779,7 +883,18 @@ def wrap_repeated_blocks(root: nn.Module, infos_by_param: dict, shared: set[int]
                 continue
             by_signature.setdefault(block_signature(block, infos_by_param), []).append(
                 (fqn, block))
+        # Blocks without an identical sibling, by their signature without scalar values: two or
+        # more that differ only there (transformers' layer_idx) are one group after all, whose
+        # calls share the body where the forward does not read those scalars.
+        loose: dict[tuple, list[tuple[str, nn.Module]]] = {}
         for members in by_signature.values():
+            if len(members) < 2:
+                fqn, block = members[0]
+                loose.setdefault(block_signature(block, infos_by_param, scalar_values=False),
+                                 []).append((fqn, block))
+                continue
+            _add_group(result, members, infos_by_param if pack else None)
+        for members in loose.values():
             if len(members) < 2:
                 result.fallbacks.append(BlockFallback(
                     members[0][0], "no identical sibling in its nn.ModuleList (structure, "
@@ -800,6 +915,7 @@ def _add_group(result: BlockBodies, members: list[tuple[str, nn.Module]],
         members=tuple(fqn for fqn, _ in members),
         weight_names=tuple(n for n, _ in first.named_parameters()),
         buffer_names=tuple(n for n, _ in first.named_buffers()),
+        varying=varying_attributes([block for _, block in members]),
     )
     template = _skeleton(first)
     _fill_bodies(group, group, template)
@@ -812,5 +928,7 @@ def _add_group(result: BlockBodies, members: list[tuple[str, nn.Module]],
             forwards[cls] = _wrapped_forward(group, cls.forward)
         _swap_block_class(block, forwards[cls])
     result.groups.append(group)
-    log.info("shardc: %d blocks of type %s share one compiled body (%s ... %s)",
-             len(members), group.block_type, group.members[0], group.members[-1])
+    log.info("shardc: %d blocks of type %s share one compiled body (%s ... %s)%s",
+             len(members), group.block_type, group.members[0], group.members[-1],
+             "" if not group.varying else " where their forwards do not read " + ", ".join(
+                 sorted(_dotted(path, attr) for path, attr in group.varying)))
