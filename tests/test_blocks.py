@@ -148,6 +148,40 @@ def test_draws_random_numbers_names_random_ops_only():
         assert draws_random_numbers(fx.symbolic_trace(fn)) is random, name
 
 
+def test_checkpointed_attention_is_named_for_inductor_to_inline():
+    """Bodies that compile inline under Inductor (shardc.passes.body.checkpoints_seeded_ops):
+    those whose activation checkpoint runs scaled-dot-product attention, dropout or not (torch's
+    checkpoint saves the generator's state for it, which Inductor cannot pass to a shared body's
+    backward: transformers' checkpointed decoder layers failed so); not attention outside a
+    checkpoint, nor a checkpointed MLP. Found on Dynamo's graphs, as the backend sees them."""
+    import torch.nn.functional as F
+
+    from shardc.passes.body import checkpoints_seeded_ops
+
+    def attention(x):
+        return F.scaled_dot_product_attention(x, x, x, is_causal=True)
+
+    def mlp(x):
+        return torch.relu(x @ x.transpose(-1, -2)) @ x
+
+    cases = {
+        "checkpointed attention": (lambda x: checkpoint(attention, x, use_reentrant=False), True),
+        "attention": (attention, False),
+        "checkpointed mlp": (lambda x: checkpoint(mlp, x, use_reentrant=False), False),
+    }
+    x = torch.randn(2, 2, 4, 8, requires_grad=True)
+    graphs: list = []
+
+    def capture(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    for name, (fn, seeded) in cases.items():
+        torch._dynamo.reset()
+        torch.compile(fn, backend=capture, fullgraph=True)(x)
+        assert checkpoints_seeded_ops(graphs.pop()) is seeded, name
+
+
 def test_flattened_inlines_every_body_call_nested_ones_too():
     """``flattened`` (what the peak prediction and the cost model walk) replaces every body call,
     a body's call of another body included, by the body's ops, and computes what the graph

@@ -31,6 +31,7 @@ from shardc.ops.body_standin import BODY_BWD_OP, BODY_FWD_OP
 from shardc.ops.gather import GATHER_OP
 from shardc.ops.gather_args import GatherArgs
 from shardc.passes.body import (
+    checkpoints_seeded_ops,
     describe_body_calls,
     draws_random_numbers,
     inline_body_calls,
@@ -290,21 +291,27 @@ _SELECTIVE = ("it runs under selective activation checkpointing (a context_fn po
               "a shared body's partition does not follow")
 _RANDOM = ("it draws random numbers (dropout), which a shared body would not replay when "
            "activation checkpointing recomputes it")
+_RNG_STATE = ("under Inductor: its activation checkpoint saves the random generator's state "
+              "(scaled-dot-product attention counts as random to torch, dropout or not), which "
+              "Inductor cannot pass to a shared body's backward")
 
 
-def _inline_unsupported(gm: fx.GraphModule, found: list, blocks, region: RegionRecord) -> list:
-    """Inline the body calls that a shared body would run wrongly (random ops) or against the
-    user's policy (selective checkpointing); returns the other calls."""
+def _inline_unsupported(gm: fx.GraphModule, found: list, blocks, region: RegionRecord,
+                        inductor: bool) -> list:
+    """Inline the body calls that a shared body would run wrongly (random ops), against the
+    user's policy (selective checkpointing), or that Inductor cannot compile as a shared body
+    (``inductor``: a checkpoint saving the generator's state); returns the other calls."""
     unsupported = []
-    random: dict[int, bool] = {}  # per body: the blocks of a group call the same one
+    random: dict[int, str | None] = {}  # per body: the blocks of a group call the same one
     for node, call in found:
         body = _body_of(node)
         if id(body) not in random:
-            random[id(body)] = draws_random_numbers(body)
+            random[id(body)] = _RANDOM if draws_random_numbers(body) else (
+                _RNG_STATE if inductor and checkpoints_seeded_ops(body) else None)
         if _torch.selective_checkpoint_policy(node.graph.owning_module) is not None:
             unsupported.append((node, call, _SELECTIVE))
-        elif random[id(body)]:
-            unsupported.append((node, call, _RANDOM))
+        elif random[id(body)] is not None:
+            unsupported.append((node, call, random[id(body)]))
     if not unsupported:
         return found
     inline_body_calls(gm, [node for node, _, _ in unsupported])
@@ -385,7 +392,7 @@ def _prepare_bodies(gm: fx.GraphModule, state: ShardState | None, opts: ShardcOp
         # torch 2.11 under dynamic shapes: equal bodies traced apart, now one (body_share).
         found = describe_body_calls(gm, blocks.block_of_param)
     if opts.compile_blocks_once:
-        found = _inline_unsupported(gm, found, blocks, region)
+        found = _inline_unsupported(gm, found, blocks, region, opts.inductor)
     if found and not opts.compile_blocks_once:
         inline_body_calls(gm, [node for node, _ in found])
         region.inline_blocks += [(call.block, "compile_blocks_once=False") for _, call in found]

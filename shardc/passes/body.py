@@ -180,6 +180,29 @@ def draws_random_numbers(body: fx.GraphModule) -> bool:
                for node in gm.graph.nodes)
 
 
+def checkpoints_seeded_ops(body: fx.GraphModule) -> bool:
+    """Whether an activation-checkpointed region of a body of Dynamo's graph runs an op that
+    torch counts as drawing random numbers even when it draws none (scaled-dot-product
+    attention without dropout), or one that draws: torch's checkpoint then saves the random
+    generator's state for the recomputation, a real tensor that Inductor's lowering of a shared
+    body's backward call cannot take among its fake inputs (found on transformers' checkpointed
+    decoder layers, torch 2.13, CPU)."""
+    for gm in body.modules():
+        if not isinstance(gm, fx.GraphModule):
+            continue
+        for node in gm.graph.nodes:
+            if node.op != "call_function" or "activation_checkpoint" not in str(node.target):
+                continue
+            region = getattr(gm, node.args[0].target)
+            if any(n.op in ("call_function", "call_method") and (
+                    "scaled_dot_product" in getattr(n.target, "__name__", str(n.target))
+                    or _random_call(n))
+                   for sub in region.modules() if isinstance(sub, fx.GraphModule)
+                   for n in sub.graph.nodes):
+                return True
+    return False
+
+
 def inline_body_calls(root: fx.GraphModule, calls: list[fx.Node]) -> int:
     """Replace each ``invoke_subgraph`` node of ``calls`` (in ``root``'s graph or its
     subgraphs') by a copy of its body's nodes; returns how many were inlined."""
