@@ -608,11 +608,13 @@ def sc_checkpoint_vs_plain(ctx: Ctx, *, dropout: float = 0.0, compile: bool = Tr
     return out
 
 
-def build_hf_decoder(config: dict | None = None, **checkpoint_kwargs):
+def build_hf_decoder(config: dict | None = None, *, checkpointing: bool = True,
+                     **checkpoint_kwargs):
     """transformers' Qwen2ForCausalLM (q/k/v biases, grouped-query attention, RMSNorm, rotary
     embeddings) from a tiny random config (``config`` overrides its fields), SDPA attention,
-    with gradient checkpointing turned on as users do: ``gradient_checkpointing_enable()``
-    checkpoints every decoder layer (keyword arguments, if any, go to torch.utils.checkpoint)."""
+    with gradient checkpointing turned on as users do (unless ``checkpointing`` is False):
+    ``gradient_checkpointing_enable()`` checkpoints every decoder layer (keyword arguments, if
+    any, go to torch.utils.checkpoint)."""
     import transformers
 
     torch.manual_seed(0)
@@ -622,6 +624,8 @@ def build_hf_decoder(config: dict | None = None, **checkpoint_kwargs):
     cfg = transformers.Qwen2Config(**{**fields, **(config or {})}, attn_implementation="sdpa")
     model = transformers.Qwen2ForCausalLM(cfg)
     assert model.config._attn_implementation == "sdpa"
+    if not checkpointing:
+        return model.train()
     kwargs = {"gradient_checkpointing_kwargs": checkpoint_kwargs} if checkpoint_kwargs else {}
     with warnings.catch_warnings():  # transformers 5 renamed it activation_checkpointing_enable
         warnings.simplefilter("ignore", FutureWarning)
@@ -641,6 +645,21 @@ def sc_hf_checkpoint(ctx: Ctx, *, compile: bool = True, inductor: bool = False,
     out["planned"] = ctx.planned()
     out["recomputed_attention"] = recomputed_attention(ctx)
     out["use_reentrant"] = use_reentrant
+    return out
+
+
+def sc_hf_inductor_once(ctx: Ctx) -> dict:
+    """transformers' Qwen2 decoder without checkpointing, compiled with Inductor: its layers
+    differ only in ``self_attn.layer_idx``, which their forward does not read, so they share
+    one body (issue 18)."""
+    model = build_hf_decoder(checkpointing=False)
+    forward = ctx.wrap(model, inductor=True)
+    out = train_lm(ctx, model, lambda t: forward(input_ids=t, use_cache=False).logits, tokens())
+    out["planned"] = ctx.planned()
+    if ctx.sharded:
+        plan = shardc.explain_all(ctx.compiled)[0]
+        out["bodies"] = [(tuple(b.blocks), b.partitions) for b in plan.bodies]
+        out["inline_blocks"] = [(b.module, b.reason) for b in plan.inline_blocks]
     return out
 
 
@@ -1867,6 +1886,7 @@ SCENARIOS: dict[str, Callable[[Ctx], dict]] = {
                                                     offload="opt"),
     "blocks_accumulate_shapes": sc_blocks_accumulate_shapes,
     "hf_packed": sc_hf_packed,
+    "hf_inductor_once": sc_hf_inductor_once,
     **{name: functools.partial(sc_changing_shapes, shapes=shapes)
        for name, shapes in SHAPES.items()},
     "two_forwards": sc_two_forwards,
@@ -1900,16 +1920,17 @@ SCENARIOS: dict[str, Callable[[Ctx], dict]] = {
     "timeout_inductor": functools.partial(fail_timeout, inductor=True),
 }
 HF = ("hf_gpt2", "hf_checkpoint", "hf_checkpoint_reentrant", "hf_checkpoint_eager",
-      "hf_checkpoint_inductor", "hf_packed")  # needs the transformers package
+      "hf_checkpoint_inductor", "hf_packed", "hf_inductor_once")  # needs the transformers package
 # Run by their own groups, only for the tests marked slow (tests/test_real_models.py::slow_runs);
 # the Inductor ones at world 2 only: Inductor compiles slowly on CPU.
-INDUCTOR_SCENARIOS = ("hf_checkpoint_inductor",)
+INDUCTOR_SCENARIOS = ("hf_checkpoint_inductor", "hf_inductor_once")
 # Scenarios run at one world size only, to keep the suite's time: the costliest, whose point
 # does not depend on the size (the two that compile four times each at 2: two ranks use the
 # 2-core CI machine without oversubscribing it). Slow ones (below) too. The default tier runs
 # world 2 only (tests/test_real_models.py's SLOW_WORLDS): a scenario kept at 3 here runs in the
 # slow tier only, and says where its feature stays covered in the default tier.
 ONE_WORLD = {"blocks_accumulate_shapes": 2, "torch_transformer": 2, "hf_packed": 2,
+             "hf_inductor_once": 2,
              "to_float64": 2, "hf_checkpoint": 3, "checkpoint_sdpa_reentrant": 2,
              "checkpoint_sdpa_save_all": 2, "hf_checkpoint_reentrant": 2,
              "hf_checkpoint_inductor": 2, "checkpoint_fp8": 3, "checkpoint_fp8_eager": 3,

@@ -475,6 +475,16 @@ def test_hf_decoder_with_packed_blocks_through_a_dynamic_recompile(slow_runs):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs transformers")
+def test_hf_decoder_layers_compiled_once_under_inductor(slow_runs):
+    """transformers' Qwen2 decoder (no checkpointing) under Inductor, world 2: at parity, its two
+    layers (numbered by self_attn.layer_idx, unread) calling one body, partitioned once."""
+    for got in check_parity(slow_runs, "hf_inductor_once"):
+        assert got["bodies"] == [(("model.layers.0", "model.layers.1"), 1)], got["bodies"]
+        assert got["inline_blocks"] == [], got["inline_blocks"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs transformers")
 @pytest.mark.xfail(strict=True, reason=(
     "a group whose blocks differ in a scalar (transformers' self_attn.layer_idx) shares its "
     "body only for calls the prober ran; under dynamic shapes a call has no static description "
