@@ -38,6 +38,7 @@ import shardc.runtime.grad_sync  # noqa: F401  (registers the ops of _UNSYNCED_O
 from shardc import _torch
 from shardc.memory import breakdown
 from shardc.memory.cuda_blocks import sized
+from shardc.memory.gc_pause import collector_paused
 from shardc.memory.inplace import inplace_reuses
 from shardc.ops import fused_ce
 from shardc.ops.fused_ce import FUSED_CE_OP
@@ -517,6 +518,9 @@ def fp8_shard_placeholder(sent: fx.Node) -> fx.Node | None:
     return None
 
 
+# The flattened graph copies it walks are garbage once it returns: the collector is held off
+# while it runs, so they die young (shardc.memory.gc_pause).
+@collector_paused()
 def predict_peak(
     forward: fx.GraphModule,
     backward: fx.GraphModule | None,
