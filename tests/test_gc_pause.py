@@ -46,3 +46,44 @@ def test_the_peak_prediction_runs_with_the_collector_off(restore_gc, monkeypatch
         peak.predict_peak(None, None, None, set(), set())
     assert seen == [False]
     assert gc.isenabled()
+
+
+@pytest.mark.parametrize("inductor", [False, True])
+def test_a_region_compiles_with_the_collector_off(restore_gc, monkeypatch, inductor):
+    # The backend holds the collector off while it plans and compiles a region (the
+    # partitioner's passes, the plan) and while Inductor compiles its graphs, the backward's at
+    # the first backward too; the step runs with it on again.
+    import torch
+    import torch._dynamo
+    from torch import nn
+
+    import shardc
+    from shardc.compile import backend, pipeline
+    from shardc.tools.fake_world import fake_world
+
+    seen = {"plan": [], "inductor": []}
+
+    def spy(key, original):
+        def wrapper(*args, **kwargs):
+            seen[key].append(gc.isenabled())
+            return original(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(pipeline, "plan_and_lower", spy("plan", pipeline.plan_and_lower))
+    monkeypatch.setattr(backend, "_inductor_with_pool",
+                        spy("inductor", backend._inductor_with_pool))
+    gc.enable()
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    try:
+        with fake_world(1):
+            shardc.shard(model)
+            step = torch.compile(model, backend=shardc.backend(inductor=inductor))
+            step(torch.randn(2, 4)).sum().backward()
+            enabled_after_step = gc.isenabled()
+    finally:
+        torch._dynamo.reset()
+    assert seen["plan"] == [False]
+    assert seen["inductor"] == ([False, False] if inductor else [])  # forward, backward
+    assert enabled_after_step

@@ -27,6 +27,7 @@ from shardc.compile import cudagraphs, pipeline, progress, warm
 from shardc.compile.options import ShardcOptions
 from shardc.compile.param_offload import host_example_inputs
 from shardc.compile.pipeline import RegionRecord, capture_partitioned
+from shardc.memory.gc_pause import collector_paused
 from shardc.ops.body_standin import BODY_BWD_OP, BODY_FWD_OP
 from shardc.ops.gather import GATHER_OP
 from shardc.ops.gather_args import GatherArgs
@@ -513,6 +514,10 @@ def _announce(gm: fx.GraphModule, opts: ShardcOptions) -> int | None:
 _PREPARED_FIELDS = ("inline_blocks", "body_calls", "sink_notes", "sunk_bodies", "stand_ins")
 
 
+# Compiling a region builds and drops graph copies (joint, partitioned, flattened, Inductor's
+# IR) in reference cycles: with the collector held off they die young after it, and no full
+# collection walks the whole process inside it (shardc.memory.gc_pause).
+@collector_paused()
 def _compile_region(gm: fx.GraphModule, example_inputs: Sequence[object], opts: ShardcOptions,
                     mode: str | None, state: ShardState | None, clock: progress.Stopwatch,
                     check_index: int | None, dynamo_s: float | None,
@@ -553,7 +558,8 @@ def _compile_region(gm: fx.GraphModule, example_inputs: Sequence[object], opts: 
             if kw.get("is_inference"):
                 partitioner.plan_inference(graph)
             name = "Inductor backward" if kw.get("is_backward") else "Inductor forward"
-            with progress.stage(region.index, name):
+            # The backward compiles at the first backward, after _compile_region returned.
+            with collector_paused(), progress.stage(region.index, name):
                 return _inductor_with_pool(compile_fx_inner, graph, inputs, region, kw)
 
         skips = _torch.inductor_cudagraph_skips()
