@@ -87,3 +87,65 @@ def test_a_region_compiles_with_the_collector_off(restore_gc, monkeypatch, induc
     assert seen["plan"] == [False]
     assert seen["inductor"] == ([False, False] if inductor else [])  # forward, backward
     assert enabled_after_step
+
+
+def test_young_garbage_is_freed_with_the_collector_off(restore_gc):
+    import weakref
+
+    from shardc.memory.gc_pause import free_young_garbage
+
+    class Cyclic:
+        pass
+
+    with collector_paused():
+        garbage = Cyclic()
+        garbage.self = garbage
+        alive = weakref.ref(garbage)
+        del garbage
+        assert alive() is not None  # a cycle: only the collector frees it
+        free_young_garbage()
+        assert alive() is None
+        assert not gc.isenabled()
+
+
+def test_each_budget_trial_frees_its_young_garbage(restore_gc, monkeypatch):
+    # Under a peak budget the search's trials run inside the paused region compile: each one
+    # ends with a young collection, so the garbage of all of them is never held at once.
+    import dataclasses
+
+    import torch
+    import torch._dynamo
+    from torch import nn
+
+    import shardc
+    from shardc.compile import pipeline
+    from shardc.tools.fake_world import fake_world
+
+    freed = []
+    monkeypatch.setattr(pipeline, "free_young_garbage", lambda: freed.append(gc.isenabled()))
+    trials = []
+    original = pipeline.search_inputs
+
+    def counted(*args, **kwargs):
+        inputs = original(*args, **kwargs)
+
+        def counting(*a, **k):
+            trials.append(len(freed))
+            return inputs.trial(*a, **k)
+        return dataclasses.replace(inputs, trial=counting)
+
+    monkeypatch.setattr(pipeline, "search_inputs", counted)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    try:
+        with fake_world(1):
+            shardc.shard(model)
+            step = torch.compile(model, backend=shardc.backend(
+                inductor=False, peak_memory_budget_bytes=1 << 30))
+            step(torch.randn(2, 4)).sum().backward()
+    finally:
+        torch._dynamo.reset()
+    assert trials, "the budget search ran no trial"
+    assert trials == list(range(len(trials)))  # each trial started after the last one freed
+    assert freed == [False] * len(trials)

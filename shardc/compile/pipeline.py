@@ -54,6 +54,7 @@ from shardc.compile import budget_search, fused_loss_choice, host_memory, progre
 from shardc.compile.budget_search import kept_params, with_depth
 from shardc.compile.options import ShardcOptions
 from shardc.memory.cuda_blocks import sized
+from shardc.memory.gc_pause import free_young_garbage
 from shardc.memory.host import (
     activation_host_bytes,
     activation_host_values,
@@ -641,6 +642,15 @@ def search_inputs(gm: fx.GraphModule, joint_inputs: Sequence[object], options: S
 
     def trial(kept: Collection[str], recomputed: Collection[str], offloaded: Collection[str],
               depth: int) -> Plan:
+        # The region compiles with the collector held off: each trial's garbage goes now,
+        # not at the end of the search (shardc.memory.gc_pause).
+        try:
+            return _trial(kept, recomputed, offloaded, depth)
+        finally:
+            free_young_garbage()
+
+    def _trial(kept: Collection[str], recomputed: Collection[str], offloaded: Collection[str],
+               depth: int) -> Plan:
         _, fw, bw = partitioned(kept, recomputed, offloaded)
         trial_at_depth = with_depth(trial_options, depth)
         meta = torch.device("meta")

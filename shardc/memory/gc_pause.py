@@ -20,8 +20,16 @@ memory rose by 40-60 MiB (the garbage held until the compile ends); at 32 blocks
 budget (its trial partitions), 1.8 to 1.1 s, and +61 MiB. The peak prediction alone: 0.55 s
 (one full collection) to none.
 
-What this module promises: the collector's state is what it was before (enabled or not), also
-when the body raises; nothing else is touched, and nothing is collected explicitly.
+A paused compile that runs many trials (the peak budget's search) would hold every trial's
+garbage until it ends: :func:`free_young_garbage` after each trial frees it while it is still
+young (the objects allocated since the last collection are the youngest generation).
+Measured as above at 64 blocks with a peak budget (FX backend): the peak resident memory was
++127 MiB with the search paused whole, +14 MiB with a young collection after each trial
+(8 trials; the collections took 0.7 s more in all).
+
+What this module promises: :func:`collector_paused` leaves the collector's state as it was
+before (enabled or not), also when the body raises, and touches nothing else;
+:func:`free_young_garbage` collects the youngest generation only, enabled or not.
 """
 
 from __future__ import annotations
@@ -43,3 +51,11 @@ def collector_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
+
+
+def free_young_garbage() -> None:
+    """Collect the youngest generation now, also while the collector is held off: the
+    unreachable objects allocated since the last collection are freed without a walk of the
+    older ones (for the end of one of many steps of a paused analysis, whose garbage would
+    otherwise wait for the whole analysis)."""
+    gc.collect(0)
