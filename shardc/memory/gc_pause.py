@@ -16,9 +16,8 @@ the capacity planner also calls outside the backend.
 Measured on the 2-core CPU machine, one rank, the benchmarks' tiny llama with 64 packed blocks
 under Inductor: the collector's time in the first step went from 2.8-3.4 s (6 full
 collections) to 2.0-2.2 s (3) with the region compile paused, and the process's peak resident
-memory rose by 40-60 MiB (the garbage held until the compile ends); at 32 blocks with a peak
-budget (its trial partitions), 1.8 to 1.1 s, and +61 MiB. The peak prediction alone: 0.55 s
-(one full collection) to none.
+memory rose by 40-60 MiB (the garbage held until the compile ends). The peak prediction
+alone: 0.55 s (one full collection) to none.
 
 A paused compile that runs many trials (the peak budget's search) would hold every trial's
 garbage until it ends: :func:`free_young_garbage` after each trial frees it while it is still
