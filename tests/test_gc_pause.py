@@ -1,11 +1,19 @@
 """shardc.memory.gc_pause: the collector is off inside, and back to its earlier state after."""
 
+import dataclasses
 import gc
+import weakref
 
 import pytest
+import torch
+import torch._dynamo
+from torch import nn
 
+import shardc
+from shardc.compile import backend, pipeline
 from shardc.memory import peak
-from shardc.memory.gc_pause import collector_paused
+from shardc.memory.gc_pause import collector_paused, free_young_garbage
+from shardc.tools.fake_world import fake_world
 
 
 @pytest.fixture
@@ -48,19 +56,27 @@ def test_the_peak_prediction_runs_with_the_collector_off(restore_gc, monkeypatch
     assert gc.isenabled()
 
 
+def _one_step(**backend_options) -> bool:
+    """Shard a tiny model at world 1, compile it with these backend options and run one
+    training step; returns whether the collector was on after the step."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    try:
+        with fake_world(1):
+            shardc.shard(model)
+            step = torch.compile(model, backend=shardc.backend(**backend_options))
+            step(torch.randn(2, 4)).sum().backward()
+            return gc.isenabled()
+    finally:
+        torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("inductor", [False, True])
 def test_a_region_compiles_with_the_collector_off(restore_gc, monkeypatch, inductor):
     # The backend holds the collector off while it plans and compiles a region (the
     # partitioner's passes, the plan) and while Inductor compiles its graphs, the backward's at
     # the first backward too; the step runs with it on again.
-    import torch
-    import torch._dynamo
-    from torch import nn
-
-    import shardc
-    from shardc.compile import backend, pipeline
-    from shardc.tools.fake_world import fake_world
-
     seen = {"plan": [], "inductor": []}
 
     def spy(key, original):
@@ -73,27 +89,13 @@ def test_a_region_compiles_with_the_collector_off(restore_gc, monkeypatch, induc
     monkeypatch.setattr(backend, "_inductor_with_pool",
                         spy("inductor", backend._inductor_with_pool))
     gc.enable()
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
-    try:
-        with fake_world(1):
-            shardc.shard(model)
-            step = torch.compile(model, backend=shardc.backend(inductor=inductor))
-            step(torch.randn(2, 4)).sum().backward()
-            enabled_after_step = gc.isenabled()
-    finally:
-        torch._dynamo.reset()
+    enabled_after_step = _one_step(inductor=inductor)
     assert seen["plan"] == [False]
     assert seen["inductor"] == ([False, False] if inductor else [])  # forward, backward
     assert enabled_after_step
 
 
 def test_young_garbage_is_freed_with_the_collector_off(restore_gc):
-    import weakref
-
-    from shardc.memory.gc_pause import free_young_garbage
-
     class Cyclic:
         pass
 
@@ -111,16 +113,6 @@ def test_young_garbage_is_freed_with_the_collector_off(restore_gc):
 def test_each_budget_trial_frees_its_young_garbage(restore_gc, monkeypatch):
     # Under a peak budget the search's trials run inside the paused region compile: each one
     # ends with a young collection, so the garbage of all of them is never held at once.
-    import dataclasses
-
-    import torch
-    import torch._dynamo
-    from torch import nn
-
-    import shardc
-    from shardc.compile import pipeline
-    from shardc.tools.fake_world import fake_world
-
     freed = []
     monkeypatch.setattr(pipeline, "free_young_garbage", lambda: freed.append(gc.isenabled()))
     trials = []
@@ -135,17 +127,7 @@ def test_each_budget_trial_frees_its_young_garbage(restore_gc, monkeypatch):
         return dataclasses.replace(inputs, trial=counting)
 
     monkeypatch.setattr(pipeline, "search_inputs", counted)
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
-    try:
-        with fake_world(1):
-            shardc.shard(model)
-            step = torch.compile(model, backend=shardc.backend(
-                inductor=False, peak_memory_budget_bytes=1 << 30))
-            step(torch.randn(2, 4)).sum().backward()
-    finally:
-        torch._dynamo.reset()
+    _one_step(inductor=False, peak_memory_budget_bytes=1 << 30)
     assert trials, "the budget search ran no trial"
     assert trials == list(range(len(trials)))  # each trial started after the last one freed
     assert freed == [False] * len(trials)
