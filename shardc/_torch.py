@@ -73,6 +73,17 @@ def inductor_compilers() -> tuple[Any, Any]:
     return compile_fx, compile_fx_inner
 
 
+def warm_inductor_compile_pool() -> None:
+    """Start Inductor's pool of Triton compile workers now, as torch's own Inductor backend
+    does when Dynamo hands it a graph (``maybe_warm_pool``: it honours ``TORCH_WARM_POOL=0``
+    and ``TORCHINDUCTOR_COMPILE_THREADS=1``, and does nothing without Triton)."""
+    from torch._inductor import async_compile
+
+    warm = getattr(async_compile, "maybe_warm_pool", None)
+    if warm is not None:
+        warm()
+
+
 def run_and_get_inductor_code(fn: Callable, *args, **kwargs) -> tuple[Any, list[str]]:
     """``fn(*args, **kwargs)``'s result and the wrapper code (Python source) of every graph
     Inductor compiled while it ran, in compile order (tests read the generated code)."""

@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from shardc._torch import dtensor_on_local_device
+from shardc.compile import compile_workers
 from shardc.ops.gather import GATHER_OP, gather_param
 from shardc.ops.gather_args import GatherArgs
 from shardc.ops.offload_copy import offload_to_device
@@ -647,6 +648,8 @@ def shard(
         )
     mesh = mesh if mesh is not None else _default_mesh(module)
     layout = _check_inputs(module, mesh, allow_partial_mesh)
+    # First: the compile workers start while the rest of this and the user's setup runs.
+    compile_workers.start_for(mesh.device_type)
     if fp8 is not None and layout.kind != "fsdp":
         # The FP8 gather reduces over the shard group only; HSDP's replicate all-reduce and
         # TP's DTensor re-wrapping are not wired into it.
