@@ -68,6 +68,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shardc-autograd-cache", choices=("on", "off"), default="on",
                    help="off: SHARDC_AUTOGRAD_CACHE=0, shardc keeps AOTAutograd's cache off for "
                         "every region (before warm restarts used it; shardc/compile/warm.py)")
+    p.add_argument("--optimizer", choices=("torch", "local"), default="torch",
+                   help="local: the shardc modes' AdamW steps the local shards "
+                        "(shardc.optim.local_shard_step); torch: AdamW over the DTensor "
+                        "parameters, whose first step is torch's DTensor sharding propagation "
+                        "of each foreach op over every parameter")
     p.add_argument("--cache-root", default=None,
                    help="where the per-run cache directories go (default: <out>/<name>_caches)")
     p.add_argument("--keep-caches", action="store_true", help="do not delete them at the end")
@@ -116,6 +121,19 @@ def _setup(mode: str, cfg, device, mesh):
     return setup_mode(base, cfg, device, mesh)
 
 
+def _prepare_optimizer(setup, opt, mode: str, optimizer: str) -> None:
+    """What the mode does to its optimizer (``shardc-localopt``'s local step, as train_bench's
+    runner does), or with ``--optimizer local`` the local step for a shardc mode."""
+    import shardc
+
+    if setup.prepare_optimizer is not None:
+        setup.prepare_optimizer(opt)
+    elif optimizer == "local":
+        if not mode.startswith("shardc"):
+            raise ValueError(f"--optimizer local: {mode!r} is not a shardc mode")
+        shardc.optim.local_shard_step(opt)
+
+
 def run_child(args: argparse.Namespace) -> None:
     import bench_mesh
     import torch
@@ -137,6 +155,7 @@ def run_child(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     setup = _setup(args.mode, cfg, device, mesh)
     opt = torch.optim.AdamW(setup.params, lr=1e-4)
+    _prepare_optimizer(setup, opt, args.mode, args.optimizer)
     setup_s = time.perf_counter() - t0
     import_s = import_inductor()
     sync(device)
@@ -227,7 +246,8 @@ def _launch(args: argparse.Namespace, mode: str, depth: int, caches: Path, resul
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={args.nproc}", str(Path(__file__).resolve()), "--child",
            "--mode", mode, "--n-layers", str(depth), "--model", args.model,
-           "--result", str(result), "--steps", str(args.steps), "--timeout-s", str(args.timeout_s)]
+           "--result", str(result), "--steps", str(args.steps), "--timeout-s", str(args.timeout_s),
+           "--optimizer", args.optimizer]
     for flag, value in (("--device", args.device), ("--seq", args.seq), ("--batch", args.batch)):
         if value is not None:
             cmd += [flag, str(value)]
@@ -329,7 +349,8 @@ def render_markdown(report: dict[str, Any]) -> str:
              f"`{meta['command']}`", "",
              f"{meta['machine']['device']} x {meta['nproc']}, torch {meta['machine']['torch']}, "
              f"commit {meta['machine']['git']}; model {meta['model']}"
-             f"{' (tiny)' if meta['tiny'] else ''}, seq {meta['seq']}, batch {meta['batch']}/rank."
+             f"{' (tiny)' if meta['tiny'] else ''}, seq {meta['seq']}, batch {meta['batch']}/rank"
+             f"{'; AdamW steps the local shards' if meta.get('optimizer') == 'local' else ''}."
              " Each run is a fresh process; cold: empty Inductor/Triton cache directories; warm: "
              "the cold run's directories reused.", "",
              "| layers | mode | cache | first step | forward / backward / optimizer | "
@@ -391,6 +412,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     for mode in args.modes:
         _parse_mode(mode)  # a bad mode fails now, not after an hour
+        if args.optimizer == "local" and not mode.startswith("shardc"):
+            raise SystemExit(f"--optimizer local: {mode!r} is not a shardc mode")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     root = Path(args.cache_root or out / f"{args.name}_caches").resolve()
@@ -401,7 +424,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     report: dict[str, Any] = {"meta": {
         "command": command, "machine": _machine(args.device), "nproc": args.nproc,
         "model": args.model, "tiny": args.tiny, "seq": args.seq or (128 if args.tiny else 2048),
-        "batch": args.batch or 4, "steps": args.steps,
+        "batch": args.batch or 4, "steps": args.steps, "optimizer": args.optimizer,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
     }, "runs": []}
 

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import sys
 
+import pytest
 import torch
 
+import shardc
 from benchmarks.compile_time import (
     _first_step,
     _phases,
+    _prepare_optimizer,
     _torch_timed_events,
     import_inductor,
     prime,
@@ -21,6 +24,7 @@ from benchmarks.compile_time import (
 class _Setup:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
+        self.prepare_optimizer = None
 
     def loss(self, tokens, targets):
         return torch.nn.functional.mse_loss(self.model(tokens), targets)
@@ -71,3 +75,22 @@ def test_prime_runs_a_compile_and_deletes_its_caches(tmp_path):
     caches = tmp_path / "prime"
     assert prime("cpu", caches) > 0
     assert not caches.exists()
+
+
+def test_the_optimizer_is_prepared_as_the_mode_and_the_switch_say(monkeypatch):
+    """A mode's own preparation (shardc-localopt's local step) runs, as in train_bench's runner;
+    ``--optimizer local`` gives a shardc mode the local step and refuses any other mode."""
+    setup = _Setup(torch.nn.Linear(2, 2))
+    opt = torch.optim.SGD(setup.model.parameters(), lr=0.1)
+    local = []
+    monkeypatch.setattr(shardc.optim, "local_shard_step", lambda o: local.append(o))
+    _prepare_optimizer(setup, opt, "shardc-packed", "torch")
+    assert local == []
+    _prepare_optimizer(setup, opt, "shardc-packed", "local")
+    assert local == [opt]
+    with pytest.raises(ValueError, match="not a shardc mode"):
+        _prepare_optimizer(setup, opt, "fsdp2-compile", "local")
+    prepared = []
+    setup.prepare_optimizer = prepared.append
+    _prepare_optimizer(setup, opt, "shardc-localopt", "torch")
+    assert prepared == [opt] and local == [opt]
