@@ -6,7 +6,7 @@ kernel one after the other in the training process itself (torch's ``async_compi
 timer). torch's Inductor backend starts the pool when Dynamo hands it its first graph; shardc's
 backend reached it only when ``compile_fx`` began, after Dynamo had traced the model and a few
 seconds before the first kernel: on one H200 the first step of the 1b config compiled its first
-kernels serially for 1.8-2.3 s at 8 and 32 layers (``docs/bench/compile_time/s46``).
+kernels serially for 1.1-2.7 s at 8 and 32 layers (``docs/bench/compile_time/s46``).
 
 :func:`start_for` starts the pool from ``shardc.shard`` on a CUDA mesh, so it warms while the
 model is sharded, the optimizer built and the data loaded. The cost is torch's: the workers'

@@ -611,7 +611,8 @@ def shard(
     Like ``fully_shard``, each rank keeps its own slice of its own values (no broadcast): build
     the model with the same seed on every rank, build it on the meta device and initialize
     after sharding, or load a checkpoint. A meta-device module gets uninitialized local shards
-    (never a full parameter).
+    (never a full parameter). On a CUDA mesh it first starts Inductor's Triton compile workers
+    (:mod:`shardc.compile.compile_workers`; ``TORCH_WARM_POOL=0`` leaves that to the first compile).
     ``reshard_after_forward``: free gathered parameters after the forward and gather them again
     for the backward (less memory) instead of keeping them.
     ``fp8``: gather the weights it selects (``nn.Linear`` by default) in FP8 and, on CUDA, compute
