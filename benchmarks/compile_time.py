@@ -121,6 +121,12 @@ def _setup(mode: str, cfg, device, mesh):
     return setup_mode(base, cfg, device, mesh)
 
 
+def _check_optimizer(mode: str, optimizer: str) -> None:
+    """``--optimizer local`` is for the shardc modes only."""
+    if optimizer == "local" and not mode.startswith("shardc"):
+        raise ValueError(f"--optimizer local: {mode!r} is not a shardc mode")
+
+
 def _prepare_optimizer(setup, opt, mode: str, optimizer: str) -> None:
     """What the mode does to its optimizer (``shardc-localopt``'s local step, as train_bench's
     runner does), or with ``--optimizer local`` the local step for a shardc mode."""
@@ -129,8 +135,7 @@ def _prepare_optimizer(setup, opt, mode: str, optimizer: str) -> None:
     if setup.prepare_optimizer is not None:
         setup.prepare_optimizer(opt)
     elif optimizer == "local":
-        if not mode.startswith("shardc"):
-            raise ValueError(f"--optimizer local: {mode!r} is not a shardc mode")
+        _check_optimizer(mode, optimizer)
         shardc.optim.local_shard_step(opt)
 
 
@@ -412,8 +417,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     for mode in args.modes:
         _parse_mode(mode)  # a bad mode fails now, not after an hour
-        if args.optimizer == "local" and not mode.startswith("shardc"):
-            raise SystemExit(f"--optimizer local: {mode!r} is not a shardc mode")
+        _check_optimizer(mode, args.optimizer)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     root = Path(args.cache_root or out / f"{args.name}_caches").resolve()
