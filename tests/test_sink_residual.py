@@ -7,6 +7,7 @@ logged once and noted in the plan, where the pattern does not match."""
 
 from __future__ import annotations
 
+import ast
 import logging
 import operator
 import re
@@ -150,6 +151,24 @@ def _kernel_calls(source: str) -> list[tuple[str, str]]:
     return re.findall(r"^\s+(cpp_fused_\w+|triton_\w+)\((.*)\)\s*$", source, flags=re.M)
 
 
+def _input_shapes(code: str) -> dict[str, tuple]:
+    """Each input's shape from the checks Inductor's code starts with: one
+    ``assert_size_stride(name, shape, ...)`` per input, or (torch 2.14) one
+    ``assert_size_stride_grouped((names...), (shapes...), ...)`` for several."""
+    shapes: dict[str, tuple] = {}
+    for line in code.splitlines():
+        line = line.strip()
+        if not line.startswith("assert_size_stride"):
+            continue
+        call = ast.parse(line).body[0].value
+        if call.func.id == "assert_size_stride":
+            shapes[call.args[0].id] = ast.literal_eval(call.args[1])
+        elif call.func.id == "assert_size_stride_grouped":
+            names = [e.id for e in call.args[0].elts]
+            shapes.update(zip(names, ast.literal_eval(call.args[1]), strict=True))
+    return shapes
+
+
 def _named(args: str, names) -> set[str]:
     return {n for n in names if re.search(rf"\b{n}\b", args)}
 
@@ -181,7 +200,7 @@ def test_sunk_bodies_under_inductor_fuse_the_add_into_the_next_norm(world, refer
     # pair (two inputs of the hidden state's shape) and computes the norm's mean: the add
     # fused into the norm. (Without the option it reads one: the add ends the body.)
     body = code.split("def partitioned_fw_subgraph", 1)[1].split("\ndef ", 1)[0]
-    shapes = dict(re.findall(r"assert_size_stride\((\w+), (\([^)]*\))", body))
+    shapes = _input_shapes(body)
     hidden_shape = next(s for n, s in shapes.items() if n.endswith("primals_0"))
     hidden = [n for n, s in shapes.items() if s == hidden_shape]
     kernel, args = _kernel_calls(body)[0]
