@@ -52,7 +52,18 @@ class TPNet(nn.Module):
             self.tp_mesh, [placement])
 
     def _rep(self, x: torch.Tensor) -> torch.Tensor:
-        return x.redistribute(self.tp_mesh, [Replicate()]) if isinstance(x, DTensor) else x
+        if not isinstance(x, DTensor):
+            return x
+        x = x.redistribute(self.tp_mesh, [Replicate()])
+        local = x.to_local()
+        if local.is_contiguous():
+            return x
+        # torch 2.11: the redistribute of an uneven Shard(1) to Replicate leaves the local
+        # tensor a narrowed view of the padded gather (strides of 10 rows for 9), which the
+        # DTensor's contiguous() keeps (its global strides look contiguous) and its einsum
+        # cannot view. torch's, not shardc's: these are the model's own activations.
+        return DTensor.from_local(local.contiguous(), self.tp_mesh, [Replicate()],
+                                  run_check=False)
 
     def _full(self, x: torch.Tensor) -> torch.Tensor:
         return self._rep(x).to_local() if isinstance(x, DTensor) else x
@@ -60,8 +71,10 @@ class TPNet(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.embed(tokens)
         x = self._rep(self.norm(self._dt(h, Shard(1))))
-        gate_up = torch.einsum("bsd,kfd->kbsf", x, self.w13)
-        y = self.w2(F.silu(gate_up[0]) * gate_up[1])
+        # One matmul per half of the 3-D parameter (an einsum over it would flatten its sharded
+        # ffn dim with another, which torch 2.11's DTensor refuses).
+        gate, up = (x @ self.w13[k].mT for k in range(2))
+        y = self.w2(F.silu(gate) * up)
         h = h + self._full(y)
         p = self.proj(self._dt(h, Replicate()))
         gates = torch.softmax(self.router(h), dim=-1)

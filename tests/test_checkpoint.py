@@ -754,6 +754,34 @@ def test_manager_without_torch_distributed(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["latest", "step_00000002"]
 
 
+def test_manager_reads_the_files_from_metadata_without_storage_data(tmp_path, monkeypatch):
+    """torch 2.11's ``dcp.save`` returns its metadata without ``storage_data`` (its writer fills
+    a copy): the manager then reads the files from the ``.metadata`` the save wrote, and the
+    step is marked complete with every file listed, as with torch 2.13's metadata."""
+    from shardc.checkpoint import manager as manager_module
+
+    real_save = dcp.save
+
+    def save_as_torch_2_11(*args, **kwargs):
+        return dataclasses.replace(real_save(*args, **kwargs), storage_data=None)
+
+    model = llama(0, sharded=False)
+    opt = adamw(model)
+    llama_step(model, opt, 0, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP: "assuming the intent is to save in a single process"
+        full = CheckpointManager(tmp_path / "full", keep_last=1)
+        full.save(1, _states(model, opt))
+        monkeypatch.setattr(manager_module.dcp, "save", save_as_torch_2_11)
+        bare = CheckpointManager(tmp_path / "bare", keep_last=1)
+        bare.save(1, _states(model, opt))
+    assert bare.steps() == [1]
+    listed = {root: set(json.loads(
+        (tmp_path / root / "step_00000001" / MARKER_NAME).read_text())["files"])
+        for root in ("full", "bare")}
+    assert listed["bare"] == listed["full"] and ".metadata" in listed["bare"], listed
+
+
 class _SerializedMeta(nn.Module):
     """Keeps serialized metadata whose size depends on its state in ``_extra_state``, as
     TransformerEngine's modules keep their FP8 scaling state (empty until they ran in FP8)."""

@@ -460,7 +460,10 @@ def _assert_tp_collectives_planned(plan: dict, moved: bool) -> None:
     found = plan["found"]
     assert plan["mesh"] == "FSDP+TP: dp 2 x tp 2" and plan["tp_size"] == 2
     assert len(found) == plan["graph_collectives"] > 0  # every tp collective, none else
-    assert {f["kind"] for f in found} == {"all_gather", "all_reduce", "reduce_scatter"}
+    # The kinds are DTensor's choice: torch 2.13+ also reduce-scatters (a partial sum to a
+    # sequence shard), 2.11 all-reduces there.
+    kinds = {f["kind"] for f in found}
+    assert {"all_gather", "all_reduce"} <= kinds <= {"all_gather", "all_reduce", "reduce_scatter"}
     assert {f["id"].split(".")[0] for f in found} == {"forward", "backward"}
     for f in found:
         assert f["group"] == "tp" and f["stream"] == "tp" and f["group_size"] == 2, f

@@ -548,4 +548,7 @@ def test_torch_errors(results):
     assert "Missing key in checkpoint state_dict: model.bogus.a" in errs["dcp.missing"]
     assert "model.bogus.b" not in errs["dcp.missing"]
     assert errs["dcp.dtype"] == "NO ERROR" and errs["dcp.dtype.after"] == "torch.float64"
-    assert ".metadata" in errs["dcp.no_metadata"]
+    # A directory without DCP's .metadata: torch 2.13+ names the file, 2.11 only says that the
+    # metadata is None.
+    assert (".metadata" in errs["dcp.no_metadata"]
+            or "metadata is None" in errs["dcp.no_metadata"]), errs["dcp.no_metadata"]

@@ -208,7 +208,7 @@ class CheckpointManager:
 
     def _commit(self, step: int, step_dir: Path, metadata: Metadata, group: RankGroup) -> None:
         """Checksums (each rank a share of the files), then rank 0 marks the step complete."""
-        names = sorted({info.relative_path for info in metadata.storage_data.values()})
+        names = sorted({info.relative_path for info in _storage_data(metadata, step_dir).values()})
         names.append(".metadata")
         mine = names[group.rank :: group.world]
         try:
@@ -333,3 +333,16 @@ class CheckpointManager:
             return None
         return "CheckpointManager.load: checksum mismatch (corrupt checkpoint; nothing was " \
                "loaded): " + "; ".join(bad)
+
+
+def _storage_data(metadata: Metadata, step_dir: Path) -> dict:
+    """Where each saved item's bytes are (their files), from the metadata ``dcp.save`` returned
+    or, where that has none, from the ``.metadata`` it wrote. torch 2.11's filesystem writer
+    records them in a copy of the metadata it returns (``dataclasses.replace`` in ``finish``),
+    so its ``dcp.save`` returns ``storage_data=None``; 2.13's records them in place. The file
+    exists on every rank here: ``dcp.save`` returns only after rank 0 wrote it (its finish is
+    the result of a collective) and the manager needs a filesystem every rank reads."""
+    if metadata.storage_data is not None:
+        return metadata.storage_data
+    return dcp.FileSystemReader(str(step_dir)).read_metadata().storage_data
+
