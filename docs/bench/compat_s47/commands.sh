@@ -1,0 +1,21 @@
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# s47 call 1: torch 2.11 / Python 3.12 on the device machine: the CheckpointManager on a CUDA
+# (second run: the CPU modules with CUDA_VISIBLE_DEVICES= : the fork server must not see a GPU; backend=shardc.backend() in the GPU test, shardc is not pip-installed there)
+# mesh (new GPU test), then the CPU (gloo) test modules that failed on torch 2.11 or 2.14 on the
+# CPU machine before this session's fixes.
+source gpu_env.sh; R=$OUT/r; mkdir -p $R
+{ python3 -V; python3 -c "import torch; print(torch.__version__)"; nvidia-smi -L
+  python3 -m pip list 2>/dev/null | grep -iE "^(torch|pytest|hypothesis|transformers|networkx|sympy) "
+  (find shardc tests -name "*.py" | sort | xargs md5sum | md5sum | sed "s/-/shardc+tests/"); } > $R/env.txt 2>&1
+timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_checkpoint_manager_gpu.py > $R/gpu_tests.log 2>&1; echo "gpu rc=$?" >> $R/env.txt
+CUDA_VISIBLE_DEVICES= timeout 320 python3 -m pytest -m "not gpu and not slow" -q -p no:cacheprovider --durations=10 tests/test_checkpoint.py tests/test_state_dict.py tests/test_mesh.py tests/test_memory.py tests/test_template.py tests/test_sink_residual.py > $R/cpu_tests.log 2>&1; echo "cpu rc=$?" >> $R/env.txt
+cat $R/env.txt; tail -n 3 $R/gpu_tests.log $R/cpu_tests.log
+cd $OUT && tar czf r.tgz r && rm -rf r
+# s47 call 2: the new GPU test against the manager before the fix (2b0b357's manager.py swapped
+# in for this run only): it must fail on torch 2.11.
+source gpu_env.sh; R=$OUT/r; mkdir -p $R
+cp shardc/checkpoint/manager.py /tmp/fixed_manager.py && cp gpu_old_manager.py shardc/checkpoint/manager.py
+timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_checkpoint_manager_gpu.py > $R/gpu_tests_before_fix.log 2>&1; echo "before-fix rc=$?"
+cp /tmp/fixed_manager.py shardc/checkpoint/manager.py
+grep -E "^E .*Error|passed|failed" $R/gpu_tests_before_fix.log | head -5
+cd $OUT && tar czf r.tgz r && rm -rf r
