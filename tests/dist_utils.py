@@ -37,8 +37,9 @@ import torch.multiprocessing as mp
 # slower than on a quiet one) does not fail a slow group; a hang still ends (CI: 90 minutes).
 _JOIN_TIMEOUT_S = float(os.environ.get("SHARDC_TEST_JOIN_TIMEOUT_S", "1500"))
 # SHARDC_TEST_CPU_LOG=path: each call appends the test, the world size, the ranks' CPU seconds
-# (summed) and the wall seconds, to find where the suite's time goes (ranks started by the fork
-# server are not the test process's children: its own CPU time leaves them out).
+# (summed), the wall seconds and the start and end times (epoch seconds: when the two cores were
+# busy), to find where the suite's time goes (ranks started by the fork server are not the test
+# process's children: its own CPU time leaves them out).
 _CPU_LOG = os.environ.get("SHARDC_TEST_CPU_LOG")
 # Imported once by the fork server (imports only: nothing that starts threads or runs kernels).
 # transformers' models (tests/real_models.py: seconds of imports in each rank otherwise); the
@@ -106,7 +107,7 @@ _STOP = threading.Event()
 
 def _run_ranks(fn: Callable[..., Any], world_size: int, env: dict, args: tuple, kwargs: dict,
                label: str | None = None) -> list[Any]:
-    start = time.monotonic()
+    start, started_at = time.monotonic(), time.time()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "pg_init")
         _context()
@@ -149,7 +150,8 @@ def _run_ranks(fn: Callable[..., Any], world_size: int, env: dict, args: tuple, 
         if _CPU_LOG:
             with open(_CPU_LOG, "a") as f:
                 test = label or os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
-                f.write(f"{test}\t{world_size}\t{cpu:.1f}\t{time.monotonic() - start:.1f}\n")
+                f.write(f"{test}\t{world_size}\t{cpu:.1f}\t{time.monotonic() - start:.1f}\t"
+                        f"{started_at:.1f}\t{time.time():.1f}\n")
         if errors:
             raise AssertionError("\n".join(errors))
         return results

@@ -19,3 +19,18 @@ timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_check
 cp /tmp/fixed_manager.py shardc/checkpoint/manager.py
 grep -E "^E .*Error|passed|failed" $R/gpu_tests_before_fix.log | head -5
 cd $OUT && tar czf r.tgz r && rm -rf r
+# s47 call 3: every GPU test (tests/gpu, -m gpu) on this session's code, torch 2.11, one H200:
+# a regression check after s41-s47 (the last full record is older); TE tests skip (no TE).
+source gpu_env.sh; R=$OUT/r; mkdir -p $R
+(find shardc tests -name "*.py" | sort | xargs md5sum | md5sum | sed "s/-/shardc+tests/") > $R/env.txt
+timeout 560 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=20 tests/gpu > $R/gpu_tests_all.log 2>&1; echo "rc=$?" >> $R/env.txt
+cat $R/env.txt; tail -n 30 $R/gpu_tests_all.log | grep -E "passed|failed|FAILED|ERROR|skipped"
+cd $OUT && tar czf r.tgz r && rm -rf r
+# s47 call 4: the CUDA-graph GPU tests with shardc installed (their backend="shardc" needs the
+# entry point: call 3 ran without it), and the two failing checkpoint-SDPA rows again, verbose.
+source gpu_env.sh; R=$OUT/r; mkdir -p $R
+python3 -m pip install -q --no-deps --no-build-isolation -e . > $R/pip.log 2>&1; echo "pip rc=$?" > $R/env.txt
+timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_cudagraphs_gpu.py > $R/cudagraphs.log 2>&1; echo "cudagraphs rc=$?" >> $R/env.txt
+timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider "tests/gpu/test_checkpoint_sdpa_gpu.py" -k "hf" > $R/ckpt_sdpa_hf.log 2>&1; echo "sdpa rc=$?" >> $R/env.txt
+cat $R/env.txt; tail -n 12 $R/cudagraphs.log $R/ckpt_sdpa_hf.log | grep -E "==>|passed|failed|FAILED|Error"
+cd $OUT && tar czf r.tgz r && rm -rf r
