@@ -140,18 +140,17 @@ def planned_gather_bytes(cfg: LlamaConfig, mode: str, world: int = 1,
     from shardc._torch import backend_failure_cause
     from shardc.compile.pipeline import PlannedOnly, plan_only
     from shardc.tools.fake_world import fake_world
+    from shardc.tools.planner import _buffers_to
 
     torch._dynamo.reset()
     try:
         with fake_world(world):
             with torch.device("meta"):
                 model = Transformer(cfg)
-            # The buffers (rotary tables) on the mesh's device; the shards are allocated there
-            # uninitialized (untouched pages). A CPU mesh, not a meta one: torch 2.14's DTensor
-            # asks a meta mesh's device for a device count and fails.
-            for module in model.modules():
-                for name, buf in list(module.named_buffers(recurse=False)):
-                    setattr(module, name, torch.empty_like(buf, device="cpu"))
+            # The buffers (rotary tables) on the mesh's device, as the planner gives them; the
+            # shards are allocated there uninitialized (untouched pages). A CPU mesh, not a meta
+            # one: torch 2.14's DTensor asks a meta mesh's device for a device count and fails.
+            _buffers_to(model, "cpu")
             mp = shardc.MixedPrecisionPolicy(torch.bfloat16, torch.float32)
             shardc.shard(model, DeviceMesh.from_group(dist.group.WORLD, "cpu"), mp_policy=mp,
                          fp8=MODES[mode])

@@ -345,4 +345,3 @@ def _storage_data(metadata: Metadata, step_dir: Path) -> dict:
     if metadata.storage_data is not None:
         return metadata.storage_data
     return dcp.FileSystemReader(str(step_dir)).read_metadata().storage_data
-
