@@ -672,6 +672,16 @@ def sc_hf_packed(ctx: Ctx) -> dict:
     forward = ctx.wrap(model, pack_blocks=True)
     opt = sgd(model)
     losses = []
+    # In the dynamic region the layers run their own forwards (the xfail below this scenario's
+    # test says why), inside transformers' checkpoint; with transformers 5.25's kernels package
+    # their attention then sets a context variable there, which Dynamo refuses unless told to
+    # (docs/support.md): without this, each layer breaks the graph, as under plain
+    # torch.compile.
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        return _train_hf_packed(ctx, model, forward, opt, losses)
+
+
+def _train_hf_packed(ctx: Ctx, model: nn.Module, forward, opt, losses: list) -> dict:
     for step, seq in enumerate((7, 5, 9)):
         batch = ctx.split(tokens(steps=1, seq=seq, seed=40 + step)[0])
         loss = lm_loss(forward(input_ids=batch[:, :-1], use_cache=False).logits, batch[:, 1:])

@@ -47,6 +47,7 @@ from shardc import _torch
 from shardc.ops.body_call import body_anchor, body_call, record_outputs
 from shardc.ops.gather import GATHER_OP
 from shardc.runtime.grad_sync import SYNC_MODES
+from shardc.sharding.block_context import context_writes
 from shardc.sharding.packed_blocks import LEAF_ATTR, PackedLayout, eligible_reason, repack
 from shardc.sharding.scope import enter_forward, exit_forward
 
@@ -150,6 +151,14 @@ class BlockBodies:
                         "body is traced from the first block")
             return (f"its group's blocks differ in {differ}, and this call could not be probed "
                     "for reads of them (symbolic sizes, or an op meta tensors do not support)")
+        if (group is not None and _torch.dynamo_inlines_single_use_subgraphs()
+                and sum(1 for k in group.prober.keys.values() if k) > 1):
+            # Its call was described apart from the others (its input does not require grad,
+            # say: the first block's): a body called once, which Dynamo inlines.
+            return ("its call differs from its group's other calls (the arguments' shapes, "
+                    "dtypes or requires_grad), so its body would be called once, and Dynamo "
+                    "inlines a body called once (torch._dynamo.config."
+                    "inline_single_use_invoke_subgraph)")
         if _torch.traces_floats_symbolically():
             # Dynamo lifts a symbolic float read inside a nested_compile_region body into the
             # root graph and fails (torch 2.11-2.13: "lift_tracked_freevar_to_input").
@@ -186,6 +195,9 @@ def _refusal(block: nn.Module, shared: set[int], special: set[int]) -> str | Non
         for attr, value in vars(sub).items():
             if isinstance(value, torch.Tensor) and attr not in ("_parameters", "_buffers"):
                 return f"it holds a tensor attribute {attr!r}{where} that is no parameter or buffer"
+    for write in context_writes(block):
+        return (f"its forward sets the context variable {write.describe()}: Dynamo cannot "
+                "trace ContextVar.set (a graph break), which a shared body cannot hold")
     for pname, p in block.named_parameters(remove_duplicate=False):
         if id(p) in shared:
             return f"its parameter {pname!r} is shared with another module"
@@ -256,7 +268,16 @@ def _skeleton(block: nn.Module) -> nn.Module:
                                    requires_grad=p.requires_grad)
     for b in block.buffers():
         memo[id(b)] = torch.empty(b.shape, dtype=b.dtype, device="meta")
-    return copy.deepcopy(block, memo)
+    skeleton = copy.deepcopy(block, memo)
+    if isinstance(getattr(type(block), "gradient_checkpointing", None), bool):
+        # transformers' GradientCheckpointingLayer checkpoints a layer's own call (in its
+        # __call__; since transformers 5.25 in a wrapper of its class's forward, which the class
+        # shardc swaps in gets too): the live block does that around the gathers and the body
+        # call. The body's copy must not checkpoint again inside the body: a recompute nested in
+        # the recompute, and a region inside the body that Dynamo cannot leave (a side effect
+        # there, as the kernels package's attention wrapper makes, failed the compile, s47).
+        skeleton.gradient_checkpointing = False
+    return skeleton
 
 
 def _make_body(skeleton: nn.Module, group: BlockGroup, training: bool,
