@@ -1,13 +1,16 @@
 """First training step of transformers' Qwen2ForCausalLM (tiny random config, no download) through
 shardc, one process, world 1 over gloo on the CPU::
 
-    python benchmarks/hf_first_step.py LAYERS fx|ind plain|packed
+    python benchmarks/hf_first_step.py LAYERS fx|ind plain|packed [dynamic]
 
 (``ind``: Inductor; ``packed``: ``shardc.shard(..., pack_blocks=True)``). Prints one JSON line:
 the first step's seconds (compile included), the mean of three steady steps, the last loss, the
 plan's hash, the block bodies (blocks calling each, partitions) and how many blocks compiled
-inline. Run each row in its own process; for a cold Inductor row point ``TORCHINDUCTOR_CACHE_DIR``
-at an empty directory (docs/bench/compile_time/s43/hf_cpu.md). ``PORT``: the rendezvous port.
+inline. ``dynamic``: then one step at another sequence length, which torch recompiles with
+dynamic shapes: its seconds (``dynamic_s``), its loss, and the dynamic region's bodies and
+inline blocks. Run each row in its own process; for a cold Inductor row point
+``TORCHINDUCTOR_CACHE_DIR`` at an empty directory (docs/bench/compile_time/s43/hf_cpu.md).
+``PORT``: the rendezvous port.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ def _step(forward, opt, ids: torch.Tensor) -> torch.Tensor:
     return loss.detach()
 
 
-def main(layers: int, inductor: bool, pack: bool) -> dict:
+def main(layers: int, inductor: bool, pack: bool, dynamic: bool = False) -> dict:
     import transformers
 
     import shardc
@@ -53,15 +56,24 @@ def main(layers: int, inductor: bool, pack: bool) -> dict:
         loss = _step(forward, opt, ids)
     steady = (time.perf_counter() - start) / 3
     plan = shardc.explain_all(forward)[0]
-    return {"layers": layers, "inductor": inductor, "packed": pack, "first_s": round(first, 2),
-            "steady_ms": round(steady * 1e3, 1), "loss": round(float(loss), 6),
-            "hash": plan.hash(), "bodies": [(len(b.blocks), b.partitions) for b in plan.bodies],
-            "inline": len(plan.inline_blocks)}
+    out = {"layers": layers, "inductor": inductor, "packed": pack, "first_s": round(first, 2),
+           "steady_ms": round(steady * 1e3, 1), "loss": round(float(loss), 6),
+           "hash": plan.hash(), "bodies": [(len(b.blocks), b.partitions) for b in plan.bodies],
+           "inline": len(plan.inline_blocks)}
+    if dynamic:
+        start = time.perf_counter()
+        loss = _step(forward, opt, ids[:, :25])
+        out["dynamic_s"] = round(time.perf_counter() - start, 2)
+        plan = shardc.explain_all(forward)[-1]
+        out.update(dynamic_loss=round(float(loss), 6), dynamic_inline=len(plan.inline_blocks),
+                   dynamic_bodies=[(len(b.blocks), b.partitions) for b in plan.bodies])
+    return out
 
 
 if __name__ == "__main__":
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("PORT", "29811"))
     dist.init_process_group("gloo", rank=0, world_size=1)
     torch.set_num_threads(1)
-    print(json.dumps(main(int(sys.argv[1]), sys.argv[2] == "ind", sys.argv[3] == "packed")))
+    print(json.dumps(main(int(sys.argv[1]), sys.argv[2] == "ind", sys.argv[3] == "packed",
+                          sys.argv[4:] == ["dynamic"])))
     dist.destroy_process_group()

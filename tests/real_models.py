@@ -671,14 +671,7 @@ def sc_hf_packed(ctx: Ctx) -> dict:
     model = build_hf_decoder()
     forward = ctx.wrap(model, pack_blocks=True)
     opt = sgd(model)
-    losses = []
-    # In the dynamic region the layers run their own forwards (the xfail below this scenario's
-    # test says why), inside transformers' checkpoint; with transformers 5.25's kernels package
-    # their attention then sets a context variable there, which Dynamo refuses unless told to
-    # (docs/support.md): without this, each layer breaks the graph, as under plain
-    # torch.compile.
-    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
-        return _train_hf_packed(ctx, model, forward, opt, losses)
+    return _train_hf_packed(ctx, model, forward, opt, [])
 
 
 def _train_hf_packed(ctx: Ctx, model: nn.Module, forward, opt, losses: list) -> dict:
@@ -699,6 +692,7 @@ def _train_hf_packed(ctx: Ctx, model: nn.Module, forward, opt, losses: list) -> 
         out["layers"] = len(model.model.layers)
         out["inline_blocks"] = [[(b.module, b.reason) for b in r.plan.inline_blocks]
                                 for r in state.regions]
+        out["bodies"] = [[tuple(b.blocks) for b in r.plan.bodies] for r in state.regions]
     return out
 
 

@@ -370,6 +370,53 @@ def test_blocks_differing_in_a_scalar_share_a_body_only_where_it_is_not_read(cap
     assert [f.module for f in bodies.fallbacks] == ["blocks.4"]
 
 
+def _subgraph_calls(model: nn.Module, *inputs: torch.Tensor) -> list[list[str]]:
+    """Compile ``model`` with dynamic shapes (eager backend), run it on each input, check it
+    against eager, and return each compiled graph's ``invoke_subgraph`` calls (the name of the
+    subgraph each call runs, in order)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    with torch._dynamo.config.patch(specialize_float=True):  # floats symbolic: blocks inline
+        for x in inputs:
+            torch.testing.assert_close(compiled(x), model(x))
+    return [[n.args[1] for n in gm.graph.nodes if n.op == "call_function"
+             and n.target is torch.ops.higher_order.invoke_subgraph] for gm in graphs]
+
+
+@pytest.mark.parametrize("reads", [False, True])
+def test_blocks_differing_in_a_scalar_share_a_body_under_dynamic_shapes(reads):
+    """Under dynamic shapes a call has no static description, so the prober cannot run it:
+    each block then calls a body traced from its own skeleton (its own scalars). Where the
+    forward does not read the scalar that differs, those traces are equal and Dynamo installs
+    one subgraph that the blocks share, as identical blocks share theirs; where it reads it,
+    every block computes with its own value (a shared body would scale every block by the
+    first one's index), checked against the eager model."""
+    model = Stack(IndexedMlp)
+    for i, block in enumerate(model.blocks):
+        block.index, block.reads = i, reads
+    identical = Stack(IndexedMlp)  # the same index everywhere: one group without varying
+    identical.load_state_dict(model.state_dict())
+    for m in (model, identical):
+        seal(wrap_repeated_blocks(m, {}, shared=set(), special=set()), m)
+    xs = [torch.randn(n, 6, requires_grad=True) for n in (3, 5)]
+    calls = _subgraph_calls(model, *xs)  # outputs checked against the eager model
+    assert len(calls) == 1, calls  # one dynamic graph for both batch sizes
+    if reads:
+        # Each block's trace differs: no subgraph runs two blocks.
+        assert len(set(calls[0])) == len(calls[0]), calls
+        return
+    # The same calls of the same subgraphs as identical blocks make (torch may trace the first
+    # block's call apart: its input is the region's own), one of them shared by several blocks.
+    assert calls == _subgraph_calls(identical, *xs), calls
+    assert max(calls[0].count(name) for name in calls[0]) >= 2, calls
+
+
 # shardc's own trace once (torch < 2.13, no reuse_hash_fn; forced on newer torch by dropping the
 # keyed bodies): later calls of a body whose arguments have the same description are one
 # shardc::body_call node that the backend turns into a call of the first call's subgraph.

@@ -25,8 +25,11 @@ attention modules (``self_attn.layer_idx``, the KV cache's slot), so no two deco
 identical. The body is traced from the first block, so such a group's calls use it only where
 the forward is proven not to read the scalars that differ (``BlockGroup.varying``): the prober
 runs each described call on a skeleton that records their reads (:func:`_record_varying_reads`);
-an unread call shares the body, a call that reads one, or that could not be probed (symbolic
-sizes, an op meta tensors lack), runs the block's own forward, said in the plan.
+an unread call shares the body, a call that reads one runs the block's own forward, said in the
+plan. A call that could not be probed (symbolic sizes, an op meta tensors lack) calls a
+guard-based body traced from its own block's skeleton (``BlockGroup.member_bodies``): right
+whatever the forward reads, and shared all the same where it reads nothing that differs, since
+Dynamo installs one subgraph for equal traces of one function's code.
 """
 
 from __future__ import annotations
@@ -90,6 +93,10 @@ class BlockGroup:
     # constants directly, nested arguments through a traced pytree flatten at every call.
     keyed_flat: dict[bool, Callable] = field(default_factory=dict, repr=False)
     prober: BodyProber | None = field(default=None, repr=False)
+    # A group whose members differ in scalars (``varying``): guard-based bodies per training
+    # mode, one per member in ``members``' order, each traced from that member's own skeleton
+    # (:func:`_fill_member_bodies`), for calls that have no reuse key.
+    member_bodies: dict[bool, tuple[Callable, ...]] = field(default_factory=dict, repr=False)
     # pack_blocks=True: the bodies that take the block's gathered packed buffer instead.
     packed: PackedBodies | None = field(default=None, repr=False)
     # Scalar attributes whose values differ among the members, as ``(submodule, attribute)``
@@ -113,6 +120,7 @@ class PackedBodies:
     keyed: dict[bool, Callable] = field(default_factory=dict, repr=False)
     keyed_flat: dict[bool, Callable] = field(default_factory=dict, repr=False)
     prober: BodyProber | None = field(default=None, repr=False)
+    member_bodies: dict[bool, tuple[Callable, ...]] = field(default_factory=dict, repr=False)
 
 
 @dataclass
@@ -149,10 +157,19 @@ class BlockBodies:
                 return (f"its forward reads {', '.join(sorted(group.varying_read))}, whose "
                         f"values differ among its group's blocks ({differ}), and one shared "
                         "body is traced from the first block")
+            if _torch.dynamo_inlines_single_use_subgraphs():
+                # Not probed: it called a body traced from its own skeleton, whose trace
+                # differed from every other block's, and Dynamo inlines a body called once.
+                return (f"its group's blocks differ in {differ}; this call could not be probed "
+                        "for reads of them (symbolic sizes, or an op meta tensors do not "
+                        "support), so it called a body traced from its own values, which no "
+                        "other block's trace equals (its forward reads them, or its arguments "
+                        "differ), and Dynamo inlines a body called once (torch._dynamo.config."
+                        "inline_single_use_invoke_subgraph)")
             return (f"its group's blocks differ in {differ}, and this call could not be probed "
                     "for reads of them (symbolic sizes, or an op meta tensors do not support)")
         if (group is not None and _torch.dynamo_inlines_single_use_subgraphs()
-                and sum(1 for k in group.prober.keys.values() if k) > 1):
+                and sum(1 for k in group.prober.keys.values() if k > 0) > 1):
             # Its call was described apart from the others (its input does not require grad,
             # say: the first block's): a body called once, which Dynamo inlines.
             return ("its call differs from its group's other calls (the arguments' shapes, "
@@ -335,6 +352,9 @@ _TENSOR = "tensor"
 _PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
 _static = _torch.has_static_value  # a module global: one lookup per size in traced code
 _PROBER_IDS = itertools.count(1)
+# The key of a call whose forward reads a scalar that differs among its group's members: the
+# call runs its block's own forward (0 is "no key": a guard-based body).
+READS_VARYING = -1
 _PROBERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
@@ -467,11 +487,11 @@ class BodyProber:
             log.info("shardc: blocks %s ... %s run their own forwards: it reads %s, which "
                      "differ among them", self.group.members[0], self.group.members[-1],
                      ", ".join(read))
-            return 0
+            return READS_VARYING
         if not _tensor_output(out):
             return 0
         # Numbered, not hashed: two descriptions never share a key (a hash could collide).
-        return 1 + sum(1 for k in self.keys.values() if k)
+        return 1 + sum(1 for k in self.keys.values() if k > 0)
 
 
 # Per block class, the subclass a prober's skeleton module takes to record reads of its varying
@@ -517,8 +537,9 @@ def _probed_key(uid: int, desc: tuple) -> int:
 
 def reuse_key(prober: BodyProber | None, training: bool, weights: tuple, buffers: tuple,
               call: tuple | None) -> int:
-    """The key under which a call of ``group``'s keyed body reuses an earlier call's trace, or 0
-    (use the guard-based body). ``call`` is :func:`describe` of the call's ``(args, kwargs)``
+    """The key under which a call of ``group``'s keyed body reuses an earlier call's trace, 0
+    (use a guard-based body) or ``READS_VARYING`` (the prober saw the call read a scalar that
+    differs among the members). ``call`` is :func:`describe` of the call's ``(args, kwargs)``
     (None: not describable). Called while Dynamo traces the wrapped forward."""
     if prober is None or call is None:
         return 0
@@ -766,8 +787,14 @@ def _wrapped_forward(group: BlockGroup, original: Callable) -> Callable:
             weights = tuple([_read(self, p) for p in group.weight_paths])  # no generator
         buffers = tuple([_read(self, p) for p in group.buffer_paths])
         key = reuse_key(source.prober, self.training, weights, buffers, call)
-        if needs_key and not key:
-            return original(self, *args, **kwargs)
+        if needs_key and key <= 0:
+            if key == READS_VARYING:
+                return original(self, *args, **kwargs)
+            # Not probed (no static description, e.g. under dynamic shapes): the member's own
+            # body, traced from its own skeleton. Dynamo installs one subgraph for the equal
+            # traces of members whose forward does not read what differs among them.
+            return source.member_bodies[self.training][self._shardc_member](
+                weights, buffers, args, kwargs)
         if key and source.keyed:
             if tensors_only:
                 return source.keyed_flat[self.training](key, *weights, *buffers, *args)
@@ -879,6 +906,22 @@ def _fill_bodies(target: BlockGroup | PackedBodies, group: BlockGroup, template:
     target.prober = BodyProber(copy.deepcopy(template), group, layout)
 
 
+def _fill_member_bodies(group: BlockGroup, blocks: list[nn.Module]) -> None:
+    """Give ``group`` (and its packed bodies) a guard-based body per member and training mode,
+    each on a skeleton of that member: its scalars are its own, so a call that could not be
+    probed for reads of ``group.varying`` is right whatever its forward reads."""
+    targets = [group] if group.packed is None else [group, group.packed]
+    for training in (True, False):
+        per_target: list[list[Callable]] = [[] for _ in targets]
+        for block in blocks:
+            skeleton = _skeleton(block)  # shared by the target's bodies: they only read it
+            for bodies, target in zip(per_target, targets):
+                layout = target.layout if isinstance(target, PackedBodies) else None
+                bodies.append(_make_body(skeleton, group, training, layout)[0])
+        for bodies, target in zip(per_target, targets):
+            target.member_bodies[training] = tuple(bodies)
+
+
 def wrap_repeated_blocks(root: nn.Module, infos_by_param: dict, shared: set[int],
                          special: set[int], pack: bool = False) -> BlockBodies:
     """Group the children of every ``nn.ModuleList`` of ``root`` by :func:`block_signature`
@@ -942,8 +985,11 @@ def _add_group(result: BlockBodies, members: list[tuple[str, nn.Module]],
     _fill_bodies(group, group, template)
     if pack_infos is not None:
         _add_packed_bodies(result, group, first, template, pack_infos)
+    if group.varying:
+        _fill_member_bodies(group, [block for _, block in members])
     forwards: dict[type, Callable] = {}
-    for _, block in members:
+    for number, (_, block) in enumerate(members):
+        block.__dict__["_shardc_member"] = number
         cls = type(block)
         if cls not in forwards:
             forwards[cls] = _wrapped_forward(group, cls.forward)
