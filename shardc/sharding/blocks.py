@@ -93,10 +93,10 @@ class BlockGroup:
     # constants directly, nested arguments through a traced pytree flatten at every call.
     keyed_flat: dict[bool, Callable] = field(default_factory=dict, repr=False)
     prober: BodyProber | None = field(default=None, repr=False)
-    # A group whose members differ in scalars (``varying``): guard-based bodies per training
-    # mode, one per member in ``members``' order, each traced from that member's own skeleton
-    # (:func:`_fill_member_bodies`), for calls that have no reuse key.
-    member_bodies: dict[bool, tuple[Callable, ...]] = field(default_factory=dict, repr=False)
+    # A group whose members differ in scalars (``varying``): a guard-based body per training
+    # mode whose first argument, the member's number in ``members``, picks the skeleton of that
+    # member it runs (:func:`_make_member_body`), for calls that have no reuse key.
+    member_bodies: dict[bool, Callable] = field(default_factory=dict, repr=False)
     # pack_blocks=True: the bodies that take the block's gathered packed buffer instead.
     packed: PackedBodies | None = field(default=None, repr=False)
     # Scalar attributes whose values differ among the members, as ``(submodule, attribute)``
@@ -120,7 +120,7 @@ class PackedBodies:
     keyed: dict[bool, Callable] = field(default_factory=dict, repr=False)
     keyed_flat: dict[bool, Callable] = field(default_factory=dict, repr=False)
     prober: BodyProber | None = field(default=None, repr=False)
-    member_bodies: dict[bool, tuple[Callable, ...]] = field(default_factory=dict, repr=False)
+    member_bodies: dict[bool, Callable] = field(default_factory=dict, repr=False)
 
 
 @dataclass
@@ -790,11 +790,11 @@ def _wrapped_forward(group: BlockGroup, original: Callable) -> Callable:
         if needs_key and key <= 0:
             if key == READS_VARYING:
                 return original(self, *args, **kwargs)
-            # Not probed (no static description, e.g. under dynamic shapes): the member's own
-            # body, traced from its own skeleton. Dynamo installs one subgraph for the equal
-            # traces of members whose forward does not read what differs among them.
-            return source.member_bodies[self.training][self._shardc_member](
-                weights, buffers, args, kwargs)
+            # Not probed (no static description, e.g. under dynamic shapes): the body run on
+            # this member's own skeleton. Where the forward does not read what differs, the
+            # members' traces are equal, and Dynamo installs one subgraph for them.
+            return source.member_bodies[self.training](self._shardc_member, weights, buffers,
+                                                       args, kwargs)
         if key and source.keyed:
             if tensors_only:
                 return source.keyed_flat[self.training](key, *weights, *buffers, *args)
@@ -907,19 +907,37 @@ def _fill_bodies(target: BlockGroup | PackedBodies, group: BlockGroup, template:
 
 
 def _fill_member_bodies(group: BlockGroup, blocks: list[nn.Module]) -> None:
-    """Give ``group`` (and its packed bodies) a guard-based body per member and training mode,
-    each on a skeleton of that member: its scalars are its own, so a call that could not be
-    probed for reads of ``group.varying`` is right whatever its forward reads."""
-    targets = [group] if group.packed is None else [group, group.packed]
+    """Give ``group`` (and its packed bodies) a member body per training mode
+    (:func:`_make_member_body`) over a skeleton of each of ``blocks``: their scalars are their
+    own, so a call that could not be probed for reads of ``group.varying`` is right whatever
+    its forward reads. One skeleton per member and mode, shared by the plain and packed body
+    (they only read it)."""
     for training in (True, False):
-        per_target: list[list[Callable]] = [[] for _ in targets]
-        for block in blocks:
-            skeleton = _skeleton(block)  # shared by the target's bodies: they only read it
-            for bodies, target in zip(per_target, targets):
-                layout = target.layout if isinstance(target, PackedBodies) else None
-                bodies.append(_make_body(skeleton, group, training, layout)[0])
-        for bodies, target in zip(per_target, targets):
-            target.member_bodies[training] = tuple(bodies)
+        skeletons = tuple(_skeleton(block).train(training) for block in blocks)
+        group.member_bodies[training] = _make_member_body(skeletons, group)
+        if group.packed is not None:
+            group.packed.member_bodies[training] = _make_member_body(skeletons, group,
+                                                                     group.packed.layout)
+
+
+def _make_member_body(skeletons: tuple[nn.Module, ...], group: BlockGroup,
+                      layout: PackedLayout | None = None) -> Callable:
+    """A guard-based body whose first argument, a member's number, picks the skeleton it runs.
+    One function for every member, not one each: torch 2.11's Dynamo deduplicates equal traces
+    of one function object only (2.13's, of one code object)."""
+    names = group.weight_names + group.buffer_names
+    if layout is None:
+        def shardc_block_body_member(member, weights, buffers, args, kwargs):
+            tensors = dict(zip(names, (*weights, *buffers)))
+            return torch.func.functional_call(skeletons[member], tensors, args, kwargs)
+    else:
+        def shardc_block_body_member(member, weights, buffers, args, kwargs):
+            tensors = dict(zip(names, (*layout.unpack(weights[0]), *buffers)))
+            return torch.func.functional_call(skeletons[member], tensors, args, kwargs)
+    shardc_block_body_member.__qualname__ = (
+        f"shardc_block_body_{group.index}_{group.block_type}_member"
+        + ("_packed" if layout is not None else ""))
+    return _torch.nested_compile_region(shardc_block_body_member)
 
 
 def wrap_repeated_blocks(root: nn.Module, infos_by_param: dict, shared: set[int],
