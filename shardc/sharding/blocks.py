@@ -26,10 +26,10 @@ identical. The body is traced from the first block, so such a group's calls use 
 the forward is proven not to read the scalars that differ (``BlockGroup.varying``): the prober
 runs each described call on a skeleton that records their reads (:func:`_record_varying_reads`);
 an unread call shares the body, a call that reads one runs the block's own forward, said in the
-plan. A call that could not be probed (symbolic sizes, an op meta tensors lack) calls a
-guard-based body traced from its own block's skeleton (``BlockGroup.member_bodies``): right
-whatever the forward reads, and shared all the same where it reads nothing that differs, since
-Dynamo installs one subgraph for equal traces of one function's code.
+plan. A call that could not be probed (symbolic sizes, an op meta tensors lack) calls the
+group's member body (``BlockGroup.member_bodies``), which runs a skeleton of the calling block:
+right whatever the forward reads, and shared all the same where it reads nothing that differs,
+since Dynamo installs one subgraph for equal traces of one function.
 """
 
 from __future__ import annotations
