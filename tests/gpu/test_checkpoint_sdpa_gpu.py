@@ -128,3 +128,41 @@ def test_gradient_checkpointing_on_sdpa_kernels(nccl, model_kind, kernel, induct
     for name, expected in ref["grads"].items():
         err = _rel_err(got["grads"][name], expected)
         assert err <= GRAD_TOL, f"gradient of {name}: rel err {err:.2e} > {GRAD_TOL}"
+
+
+@pytest.mark.parametrize("inductor", [False, True], ids=["fx", "inductor"])
+def test_hf_decoder_through_a_dynamic_recompile_on_the_efficient_kernel(nccl, inductor):
+    """The checkpointed transformers decoder at three sequence lengths (the second compiles a
+    dynamic-shape region, the third reuses it), bf16 on the memory-efficient SDPA kernel, trains
+    like the eager model; in both regions every decoder layer calls a shared body or is named
+    in the plan's inline blocks with its reason (its layers differ in ``layer_idx``: in the
+    dynamic region they call the member body, ``shardc.sharding.blocks``)."""
+    backend = KERNELS["efficient"][0]
+    torch._dynamo.reset()
+    reference, model = _build("hf"), _build("hf")
+    shardc.shard(model)
+    compiled = torch.compile(model, backend=shardc.backend(inductor=inductor))
+    g = torch.Generator().manual_seed(2)
+    losses: dict[str, list] = {"ref": [], "got": []}
+    for name, m, forward in (("ref", reference, reference), ("got", model, compiled)):
+        opt = torch.optim.SGD(m.parameters(), lr=LR)
+        with sdpa_kernel(backend):
+            for seq in (SEQ, SEQ - 16, SEQ - 8):
+                data = torch.randint(0, CONFIG["vocab_size"], (BATCH, seq + 1), generator=g)
+                data = data.cuda()
+                logits = forward(input_ids=data[:, :-1], use_cache=False).logits
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), data[:, 1:].flatten())
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses[name].append(loss.detach())
+        g.manual_seed(2)  # the same data for the compiled model
+    err = _rel_err(torch.stack(losses["got"]), torch.stack(losses["ref"]))
+    assert err <= LOSS_TOL, f"losses {losses['got']} vs {losses['ref']}"
+    plans = shardc.explain_all(compiled)
+    assert len(plans) == 2, [p.hash() for p in plans]  # static, then dynamic
+    layers = {f"model.layers.{i}" for i in range(CONFIG["num_hidden_layers"])}
+    for plan in plans:
+        called = {b for body in plan.bodies for b in body.blocks}
+        inline = {b.module: b.reason for b in plan.inline_blocks}
+        assert called | set(inline) == layers and all(inline.values()), (called, inline)
