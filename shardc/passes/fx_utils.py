@@ -94,12 +94,15 @@ UNBACKED_SIZE_HINT = 8192
 
 def _hint_fn():
     """torch's guard-free size hint, ``f(symint, fallback=...)``: ``optimization_hint`` where
-    torch has it (2.13 does), ``hint_int``, its predecessor, in older releases. The one place
-    shardc reaches for either."""
+    torch has it (2.12+), else ``size_hint`` (2.11, whose ``hint_int`` warns that it is
+    deprecated at every call), else ``hint_int``. The one place shardc reaches for them."""
     from torch.fx.experimental import symbolic_shapes
 
-    fn = getattr(symbolic_shapes, "optimization_hint", None)
-    return fn if fn is not None else symbolic_shapes.hint_int
+    for name in ("optimization_hint", "size_hint"):
+        fn = getattr(symbolic_shapes, name, None)
+        if fn is not None:
+            return fn
+    return symbolic_shapes.hint_int
 
 
 def size_hint(value: int | torch.SymInt) -> int:
