@@ -6,6 +6,7 @@ runs in tests/test_parity.py, tests/test_real_models.py and tests/test_mesh.py c
 from __future__ import annotations
 
 import logging
+import operator
 
 import pytest
 import torch
@@ -106,6 +107,50 @@ def test_hf_decoder_layers_differ_in_layer_idx_only_and_form_one_group():
     assert [g.members for g in bodies.groups] == [tuple(f"model.layers.{i}" for i in range(3))]
     assert bodies.groups[0].varying == {("self_attn", "layer_idx")}
     assert bodies.fallbacks == []
+
+
+def _cached_keys_values(output) -> list:
+    """Each layer's cached keys and values of a transformers output (the cache is ``cache``
+    since transformers 5.25, ``past_key_values`` before; per layer ``layers[i].keys`` in 5.x,
+    ``key_cache[i]`` in 4.x)."""
+    cache = getattr(output, "cache", None)
+    cache = output.past_key_values if cache is None else cache
+    if hasattr(cache, "layers"):
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    return list(zip(cache.key_cache, cache.value_cache))
+
+
+def test_hf_decoder_with_its_default_cache_shares_one_body_and_fills_the_cache():
+    """transformers' decoder called as users call it (``use_cache`` left on: each layer gets the
+    ``DynamicCache``, which the prober cannot describe): the layers call the group's member body
+    (a skeleton of each layer, its own ``layer_idx``), one body in the static and in the
+    dynamic region; the logits and the cache's keys and values equal the eager model's (before,
+    every layer compiled inline)."""
+    transformers = pytest.importorskip("transformers")
+    from dist_utils import one_rank_mesh
+
+    import shardc
+
+    config = transformers.Qwen2Config(vocab_size=37, hidden_size=16, intermediate_size=24,
+                                      num_hidden_layers=3, num_attention_heads=2,
+                                      num_key_value_heads=1, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config)
+    reference = transformers.Qwen2ForCausalLM(config)
+    reference.load_state_dict(model.state_dict())
+    layers = tuple(f"model.layers.{i}" for i in range(3))
+    with one_rank_mesh() as mesh:
+        shardc.shard(model, mesh)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=shardc.backend(inductor=False))
+        for seq in (9, 7):  # the second length: a dynamic-shape recompile
+            ids = torch.randint(0, 37, (2, seq))
+            got, expected = compiled(input_ids=ids), reference(input_ids=ids)
+            torch.testing.assert_close(got.logits, expected.logits)
+            torch.testing.assert_close(_cached_keys_values(got), _cached_keys_values(expected))
+        plans = shardc.explain_all(compiled)
+    assert [[tuple(b.blocks) for b in p.bodies] for p in plans] == [[layers], [layers]]
+    assert [p.inline_blocks for p in plans] == [[], []]
 
 
 def test_data_dependent_size_check_is_traced_without_a_graph_break():
@@ -217,6 +262,38 @@ def test_flattened_inlines_every_body_call_nested_ones_too():
     assert set(mapping) == {n for n in gm.graph.nodes if n.op != "output"}
     assert sum(n.target is torch.tanh for n in flat.graph.nodes) == 10
     torch.testing.assert_close(flat(x, w)[0], expected)
+
+
+def test_flattened_keeps_a_body_constant_as_a_buffer_without_warnings():
+    """A body that reads a tensor constant (AOTAutograd's ``_tensor_constant0``, as
+    transformers' cache initialization gives a decoder layer's body): ``flattened`` copies it
+    into the flat graph's module as a buffer, so torch.fx finds what the ``get_attr`` reads
+    (before, a plain attribute: a UserWarning at every inlined call)."""
+    import warnings
+
+    from torch import fx
+
+    from shardc.passes.body import INVOKE_SUBGRAPH, flattened
+
+    body_graph = fx.Graph()
+    x = body_graph.placeholder("x")
+    body_graph.output((body_graph.call_function(
+        torch.add, (x, body_graph.get_attr("_tensor_constant0"))),))
+    body = fx.GraphModule({"_tensor_constant0": torch.tensor([1.0, 2.0])}, body_graph)
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    for _ in range(2):
+        call = graph.call_function(INVOKE_SUBGRAPH, (graph.get_attr("subgraph_0"),
+                                                     "subgraph_0", x))
+        x = graph.call_function(operator.getitem, (call, 0))
+    graph.output((x,))
+    gm = fx.GraphModule({"subgraph_0": body}, graph)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        flat, _ = flattened(gm)
+    buffers = dict(flat.named_buffers(remove_duplicate=False))
+    assert sum(n.op == "get_attr" and n.target in buffers for n in flat.graph.nodes) == 2
+    torch.testing.assert_close(flat(torch.zeros(2))[0], torch.tensor([2.0, 4.0]))
 
 
 # Dynamo's traces of block bodies, counted the same way on every torch release: a counted

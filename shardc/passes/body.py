@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from torch import fx
+from torch import fx, nn
 from torch.utils.checkpoint import CheckpointPolicy
 
 from shardc.ops.gather import GATHER_OP, REDUCE_SCATTER_OP
@@ -281,7 +281,13 @@ def _inline(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
                 continue
             if inner.op == "get_attr":
                 name = unique_attr(gm, f"{node.name}_{inner.target}")
-                setattr(gm, name, getattr(body, inner.target))
+                value = getattr(body, inner.target)
+                if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+                    # A tensor constant of the body (AOTAutograd's _tensor_constant<i>): a
+                    # buffer, so that torch.fx knows what the get_attr reads.
+                    gm.register_buffer(name, value, persistent=False)
+                else:
+                    setattr(gm, name, value)
                 env[inner] = gm.graph.get_attr(name)
                 env[inner].meta = dict(inner.meta)
                 continue
