@@ -123,6 +123,10 @@ class PackedBodies:
     member_bodies: dict[bool, Callable] = field(default_factory=dict, repr=False)
 
 
+_SINGLE_USE = ("Dynamo inlines a body called once "
+               "(torch._dynamo.config.inline_single_use_invoke_subgraph)")
+
+
 @dataclass
 class BlockBodies:
     """What :func:`wrap_repeated_blocks` decided for one sharded model."""
@@ -164,8 +168,7 @@ class BlockBodies:
                         "for reads of them (symbolic sizes, or an op meta tensors do not "
                         "support), so it called a body traced from its own values, which no "
                         "other block's trace equals (its forward reads them, or its arguments "
-                        "differ), and Dynamo inlines a body called once (torch._dynamo.config."
-                        "inline_single_use_invoke_subgraph)")
+                        f"differ), and {_SINGLE_USE}")
             return (f"its group's blocks differ in {differ}, and this call could not be probed "
                     "for reads of them (symbolic sizes, or an op meta tensors do not support)")
         if (group is not None and _torch.dynamo_inlines_single_use_subgraphs()
@@ -173,9 +176,8 @@ class BlockBodies:
             # Its call was described apart from the others (its input does not require grad,
             # say: the first block's): a body called once, which Dynamo inlines.
             return ("its call differs from its group's other calls (the arguments' shapes, "
-                    "dtypes or requires_grad), so its body would be called once, and Dynamo "
-                    "inlines a body called once (torch._dynamo.config."
-                    "inline_single_use_invoke_subgraph)")
+                    "dtypes or requires_grad), so its body would be called once, and "
+                    f"{_SINGLE_USE}")
         if _torch.traces_floats_symbolically():
             # Dynamo lifts a symbolic float read inside a nested_compile_region body into the
             # root graph and fails (torch 2.11-2.13: "lift_tracked_freevar_to_input").
@@ -212,8 +214,9 @@ def _refusal(block: nn.Module, shared: set[int], special: set[int]) -> str | Non
         for attr, value in vars(sub).items():
             if isinstance(value, torch.Tensor) and attr not in ("_parameters", "_buffers"):
                 return f"it holds a tensor attribute {attr!r}{where} that is no parameter or buffer"
-    for write in context_writes(block):
-        return (f"its forward sets the context variable {write.describe()}: Dynamo cannot "
+    writes = context_writes(block)
+    if writes:
+        return (f"its forward sets the context variable {writes[0].describe()}: Dynamo cannot "
                 "trace ContextVar.set (a graph break), which a shared body cannot hold")
     for pname, p in block.named_parameters(remove_duplicate=False):
         if id(p) in shared:
