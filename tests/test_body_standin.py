@@ -74,13 +74,18 @@ def _without_switch(plan) -> dict | None:
     return unnamed(data)
 
 
-def _run(rank: int, world: int, opaque: bool, mode: str = "fx") -> dict:
+def _run(rank: int, world: int, opaque: bool, mode: str = "fx", dynamic: bool | None = None
+         ) -> dict:
     import shardc
 
     torch._dynamo.reset()
-    with _counting_gen_schema() as calls:
+    # Under dynamic=True Dynamo traces the blocks' float attributes as symbols, which a shared
+    # body cannot take (blocks.py): specialized, the blocks share their body.
+    floats = torch._dynamo.config.patch(specialize_float=True) if dynamic else (
+        contextlib.nullcontext())
+    with _counting_gen_schema() as calls, floats:
         out = sharded_run(rank, world, "blocks", mode, eval=True, keep_model=True,
-                          opaque_body_calls=opaque)
+                          opaque_body_calls=opaque, dynamic=dynamic)
     model = out.pop("model")
     out.pop("forward")
     state = shardc.shard_state(model)
@@ -91,8 +96,9 @@ def _run(rank: int, world: int, opaque: bool, mode: str = "fx") -> dict:
     return out
 
 
-def _both(rank: int, world: int, mode: str = "fx") -> tuple[dict, dict]:
-    return _run(rank, world, True, mode), _run(rank, world, False, mode)
+def _both(rank: int, world: int, mode: str = "fx", dynamic: bool | None = None
+          ) -> tuple[dict, dict]:
+    return _run(rank, world, True, mode, dynamic), _run(rank, world, False, mode, dynamic)
 
 
 @pytest.mark.parametrize("world,mode", [
@@ -122,6 +128,59 @@ def test_stand_ins_train_bitwise_like_body_calls_with_the_same_plan(world, mode)
         if old["gen_schema"]:
             saved = old["gen_schema"] - new["gen_schema"]
             assert saved > 0 and saved % 3 == 0, (new["gen_schema"], old["gen_schema"])
+
+
+def test_stand_ins_with_symbolic_sizes_train_bitwise_like_body_calls():
+    """Compiled with dynamic shapes, each body call takes the region's size symbol as an
+    operand and its operands' and outputs' sizes are expressions in it: the later calls stand
+    in all the same (before, such calls kept their invoke_subgraph call and AOTAutograd traced
+    the body's schema at each of them), train bitwise like invoke_subgraph calls with the same
+    plan, and the partitioned body's saved size reaches each restored backward."""
+    new, old = run_ranks(_both, 1, "fx", True)[0]
+    # The training region's later calls stand in (two of the four blocks share the body here:
+    # the other two see sizes known only at run time and run inline; torch 2.13), the eval
+    # region's do not (no_grad).
+    assert new["stand_ins"][0] >= 1 and not any(new["stand_ins"][1:]), new["stand_ins"]
+    assert not any(old["stand_ins"])
+    assert torch.equal(new["losses"], old["losses"]), (new["losses"], old["losses"])
+    assert torch.equal(new["eval"], old["eval"])
+    for name, value in old["params"].items():
+        assert torch.equal(new["params"][name], value), name
+    for a, b in zip(new["plans"], old["plans"], strict=True):
+        assert a == b, [k for k in a if a[k] != b.get(k)]
+    if old["gen_schema"]:
+        saved = old["gen_schema"] - new["gen_schema"]
+        assert saved > 0 and saved % new["stand_ins"][0] == 0, (new["gen_schema"],
+                                                                  old["gen_schema"])
+
+
+def test_recorded_outputs_evaluate_their_sizes_on_the_tracing_calls_symbols():
+    """A stand-in's recorded output sizes are expressions in the size symbols its calls pass;
+    its fake kernel evaluates them on the symbols of the call being traced. Sizes that are no
+    polynomial in them (a floor division) are refused."""
+    import sympy
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from torch.utils._sympy.functions import FloorDiv
+
+    from shardc.ops.body_standin import OutputMeta, Recorded
+
+    s0, s1 = sympy.symbols("s0 s1", integer=True, positive=True)
+    meta = OutputMeta((2, s0, 64), (64 * s0, 64, 1), torch.float32, torch.device("cpu"), True)
+    assert meta.polynomial() and meta.symbols() == {s0}
+    assert not OutputMeta((FloorDiv(s0, 2),), (1,), torch.float32, torch.device("cpu"),
+                          True).polynomial()
+    env = ShapeEnv()
+    size = env.create_unbacked_symint()
+    with FakeTensorMode(shape_env=env):
+        empty = meta.empty({s0: size})
+    assert empty.shape[1].node.expr == size.node.expr
+    assert empty.stride()[0].node.expr == 64 * size.node.expr
+    assert meta.empty({s0: 5}).stride() == (320, 64, 1)
+    # Operands: the tensors and the sizes in the body's order (sizes at positions 0 and 3).
+    record = Recorded((meta,), (s0, s1), (0, 3))
+    assert record.operands(["a", "b", "c", "d"], [s0, s1]) == [s0, "a", "b", s1, "c", "d"]
+    assert [record.operand_position(i) for i in range(4)] == [1, 2, 4, 5]
 
 
 def _forced_mismatch(rank: int, world: int) -> dict:

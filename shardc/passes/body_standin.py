@@ -15,6 +15,10 @@
   :class:`StandInMismatch` where they differ (the backend compiles the region again without
   stand-ins).
 * :func:`undo_stand_ins` (Dynamo's graph): the calls as they were.
+
+Under dynamic shapes the calls' ``SymInt`` operands (the region's size symbols, which Dynamo
+passes to a body) go to the stand-in as its ``sizes``, and sizes are compared as expressions,
+never evaluated (no guard is added).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import sympy
 import torch
 from torch import fx
 
@@ -34,8 +39,10 @@ from shardc.ops.body_standin import (
     OutputMeta,
     output_metas,
     record_outputs,
+    recorded,
+    size_expr,
 )
-from shardc.passes.body import INVOKE_SUBGRAPH, aliasing_pattern, node_value, tensor_meta
+from shardc.passes.body import INVOKE_SUBGRAPH, aliasing_pattern, node_value
 from shardc.passes.fx_utils import is_call
 
 __all__ = ["StandInMismatch", "StandIns", "restore_body_calls", "stand_in_later_calls",
@@ -57,17 +64,25 @@ class StandIns:
         return len(self.replaced)
 
 
-def _tensor_meta(value: object) -> tuple | None:
-    """:func:`tensor_meta` of a tensor with static sizes, else None."""
-    meta = tensor_meta(value)
-    if meta is None or not all(isinstance(d, int) for d in (*meta[0], *meta[1])):
+def _operand_meta(value: object) -> tuple | None:
+    """A tensor's shape, stride (ints or sympy expressions), dtype, device and requires_grad;
+    ``("size", symbol)`` for a ``SymInt`` that is a plain symbol; else None."""
+    if isinstance(value, torch.SymInt):
+        expr = size_expr(value)
+        return ("size", expr) if isinstance(expr, sympy.Symbol) else None
+    if not isinstance(value, torch.Tensor):
         return None
-    return meta
+    return (tuple(size_expr(d) for d in value.shape), tuple(size_expr(d) for d in value.stride()),
+            value.dtype, value.device, value.requires_grad)
+
+
+def _is_size(meta: tuple) -> bool:
+    return meta[0] == "size"
 
 
 @dataclass
 class _First:
-    operands: list[tuple | None]
+    operands: list[tuple]
     identity: tuple[int, ...]
     outputs: tuple[OutputMeta, ...]
     key: str
@@ -76,18 +91,23 @@ class _First:
 
 def _describe(node: fx.Node) -> tuple[list, tuple[OutputMeta, ...]] | str:
     """A call's operands' and outputs' metadata, or why it cannot have a stand-in."""
-    operands = [_tensor_meta(node_value(a)) for a in node.args[2:]]
+    operands = [_operand_meta(node_value(a)) for a in node.args[2:]]
     if any(not isinstance(a, fx.Node) for a in node.args[2:]) or None in operands:
-        return "an operand is no tensor of static sizes (dynamic shapes, a SymInt operand)"
+        return "an operand is neither a tensor nor a size symbol"
     outputs = node_value(node)
     if not isinstance(outputs, (tuple, list)) or not outputs:
         return "Dynamo recorded no outputs for the call"
-    metas = [_tensor_meta(o) for o in outputs]
-    if None in metas:
-        return "an output is no tensor of static sizes"
-    if not any(m[4] for m in metas):
+    if not all(isinstance(o, torch.Tensor) for o in outputs):
+        return "an output is no tensor"
+    metas = tuple(OutputMeta.of(o) for o in outputs)
+    if not any(m.requires_grad for m in metas):
         return "no output requires grad (a no_grad or eval region)"
-    return operands, tuple(OutputMeta.of(o) for o in outputs)
+    if not all(m.polynomial() for m in metas):
+        return "an output's size is no polynomial in the size symbols"
+    symbols = {m[1] for m in operands if _is_size(m)}
+    if not set().union(*(m.symbols() for m in metas)) <= symbols:
+        return "an output's size uses a symbol the call does not pass"
+    return operands, metas
 
 
 def stand_in_later_calls(gm: fx.GraphModule, calls: Iterable[fx.Node]) -> StandIns:
@@ -117,7 +137,10 @@ def stand_in_later_calls(gm: fx.GraphModule, calls: Iterable[fx.Node]) -> StandI
         identity = aliasing_pattern(list(node.args[2:]))
         known = first.get(ident)
         if known is None:
-            first[ident] = _First(operands, identity, outputs, record_outputs(ident, outputs))
+            positions = tuple(i for i, m in enumerate(operands) if _is_size(m))
+            key = record_outputs(ident, outputs, tuple(operands[i][1] for i in positions),
+                                 positions)
+            first[ident] = _First(operands, identity, outputs, key)
             continue
         if (operands, identity, outputs) != (known.operands, known.identity, known.outputs):
             done.skipped.append(f"{ident}: a call's operands or outputs differ from its first "
@@ -126,7 +149,9 @@ def stand_in_later_calls(gm: fx.GraphModule, calls: Iterable[fx.Node]) -> StandI
         known.calls += 1
         done.replaced.append((node, node.target, node.args))
         node.target = BODY_FWD_OP
-        node.args = (known.key, known.calls, list(node.args[2:]))
+        sizes = [a for a, m in zip(node.args[2:], operands) if _is_size(m)]
+        tensors = [a for a, m in zip(node.args[2:], operands) if not _is_size(m)]
+        node.args = (known.key, known.calls, tensors, sizes)
     if done.replaced:
         gm.recompile()
     return done
@@ -176,9 +201,14 @@ def _outputs(gm: fx.GraphModule) -> list:
 
 
 def _meta(value: object) -> tuple | None:
+    """A tensor's shape, stride, dtype and device, a size's expression: compared, never
+    evaluated (an evaluated symbolic comparison would add a guard)."""
+    if isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool):
+        return ("size", size_expr(value))
     if not isinstance(value, torch.Tensor):
         return None
-    return (tuple(value.shape), tuple(value.stride()), value.dtype, value.device)
+    return (tuple(size_expr(d) for d in value.shape), tuple(size_expr(d) for d in value.stride()),
+            value.dtype, value.device)
 
 
 def _metas(values: Iterable) -> list:
@@ -211,17 +241,37 @@ def _partitions(gm: fx.GraphModule, idents: set[str]) -> dict[str, list[_Partiti
     return found
 
 
+def _operands(stand_in: fx.Node) -> list:
+    """The body's operands a forward stand-in ``(key, i, tensors, sizes)`` passes, in order."""
+    key, _, tensors, sizes = stand_in.args
+    return recorded(key).operands(list(tensors), list(sizes))
+
+
+# torch's graph-safe RNG (CUDA) gives a partitioned body with random ops (a checkpointed SDPA's
+# recompute) one more placeholder per generator, named so, after its operands; its calls get
+# them when the partitioner threads the region's generator states through every call
+# (``thread_graphsafe_rng_from_hops``, after shardc's joint passes), restored calls alike.
+_RNG_STATE = re.compile(r"(fwd|bwd)_rng_state")
+
+
+def _body_inputs(gm: fx.GraphModule) -> list[fx.Node] | None:
+    """A partitioned body's placeholders its calls pass (its generator states not yet
+    threaded: the trailing ones), or None where such a placeholder is followed by another."""
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    rng = [_RNG_STATE.match(p.name) is not None for p in placeholders]
+    num = len(placeholders) - sum(rng)
+    return None if any(rng[:num]) else placeholders[:num]
+
+
 def _fit(stand_in: fx.Node, bw: fx.Node | None, part: _Partition, num_outputs: int) -> str | None:
     """Why ``part`` cannot replace the stand-in pair, or None."""
     outputs = _outputs(part.fw)
     num_saved = len(outputs) - num_outputs - part.num_sym
     if num_saved < 0:
         return "the partitioned forward returns fewer values than the body"
-    if part.num_sym:
-        return "the partitioned body saves symbolic sizes"
-    operands = stand_in.args[2]
-    placeholders = part.fw.graph.find_nodes(op="placeholder")
-    if _metas(operands) != _metas(placeholders):
+    operands = _operands(stand_in)
+    placeholders = _body_inputs(part.fw)
+    if placeholders is None or _metas(operands) != _metas(placeholders):
         return "the operands differ from the partitioned forward's inputs"
     mine = [u for u in stand_in.users]
     got = {u.args[1]: u for u in mine if is_call(u, operator.getitem)}
@@ -233,12 +283,16 @@ def _fit(stand_in: fx.Node, bw: fx.Node | None, part: _Partition, num_outputs: i
     if bw is None:
         return None
     first_bw = part.bw_call
+    for node in first_bw.args[2:2 + len(outputs) - num_outputs]:
+        if isinstance(node_value(node), torch.Tensor) and not (
+                is_call(node, operator.getitem) and node.args[0] is part.fw_call):
+            return "the first call's backward takes a value its forward does not return"
     first_tangents = list(first_bw.args[2 + part.num_sym + num_saved:])
     tangents = list(bw.args[3])
     if _metas(tangents) != _metas(first_tangents) or (
             aliasing_pattern(tangents) != aliasing_pattern(first_tangents)):
         return "the gradients the backward gets differ from the first call's"
-    grads_for = bw.args[4]
+    grads_for = _gradient_positions(bw)
     bw_outputs = _outputs(part.bw)
     for user in bw.users:
         if not is_call(user, operator.getitem):
@@ -249,6 +303,13 @@ def _fit(stand_in: fx.Node, bw: fx.Node | None, part: _Partition, num_outputs: i
         if _metas([user]) != _metas([bw_outputs[position]]):
             return f"the gradient of operand {position} differs from the partitioned backward's"
     return None
+
+
+def _gradient_positions(bw: fx.Node) -> list[int]:
+    """Per gradient a backward stand-in computes, the body operand it is for (its
+    ``grads_for`` count the tensors only; the body's operands hold the sizes too)."""
+    record = recorded(bw.args[0])
+    return [record.operand_position(i) for i in bw.args[4]]
 
 
 def _body_of(key: str) -> str:
@@ -303,8 +364,21 @@ def _eager_input_vals(call: fx.Node, stand_in: fx.Node, first: fx.Node) -> None:
     if mine is None or theirs is None:
         return
     (args, kwargs), (first_args, _) = mine, theirs
-    if len(args) == 3 and isinstance(args[2], (list, tuple)) and len(first_args) >= 2:
-        call.meta["eager_input_vals"] = ((*first_args[:2], *args[2]), kwargs)
+    if len(args) == 4 and isinstance(args[2], (list, tuple)) and len(first_args) >= 2:
+        # (Its non-tensor values are None: the key is the stand-in's own.)
+        operands = recorded(stand_in.args[0]).operands(list(args[2]), list(args[3]))
+        call.meta["eager_input_vals"] = ((*first_args[:2], *operands), kwargs)
+
+
+def _saved_operands(part: _Partition, saved: dict[int, fx.Node],
+                    num_outputs: int) -> list[fx.Node]:
+    """The backward's operands before its tangents, as the first call's backward takes them
+    (its symbolic sizes, then its saved values: as many as the forward returns after the
+    body's ``num_outputs`` outputs): each the new call's ``getitem`` of the same forward
+    output, or the same node where the first call's is none (a size of the region)."""
+    first = list(part.bw_call.args[2:2 + len(_outputs(part.fw)) - num_outputs])
+    return [saved[node.args[1]] if is_call(node, operator.getitem)
+            and node.args[0] is part.fw_call else node for node in first]
 
 
 def _replace(gm: fx.GraphModule, fw: fx.Node, bw: fx.Node | None, part: _Partition,
@@ -317,28 +391,30 @@ def _replace(gm: fx.GraphModule, fw: fx.Node, bw: fx.Node | None, part: _Partiti
         attr = graph.get_attr(part.fw_name)
         attr.meta = copy.copy(part.fw_attr.meta)
     with graph.inserting_after(attr):
-        call = graph.call_function(INVOKE_SUBGRAPH, (attr, part.fw_name, *fw.args[2]))
+        call = graph.call_function(INVOKE_SUBGRAPH, (attr, part.fw_name, *_operands(fw)))
         call.meta = copy.copy(fw.meta)
         call.meta["val"] = values
         _eager_input_vals(call, fw, part.fw_call)
-    saved = []
+    saved: dict[int, fx.Node] = {}
     with graph.inserting_after(call):  # as torch does: each one right after the call
         for i in range(num_outputs, len(values)):
             node = graph.call_function(operator.getitem, (call, i))
             node.meta = copy.copy(call.meta)
             node.meta["val"] = values[i]
-            saved.append(node)
+            saved[i] = node
     fw.replace_all_uses_with(call)
     graph.erase_node(fw)
     if bw is None:
         return
     tangents = list(bw.args[3])
-    grads_for = bw.args[4]
+    grads_for = _gradient_positions(bw)
     with graph.inserting_after(bw):
         battr = graph.get_attr(part.bw_name)
         battr.meta = copy.copy(part.bw_attr.meta)
     with graph.inserting_after(battr):
-        bcall = graph.call_function(INVOKE_SUBGRAPH, (battr, part.bw_name, *saved, *tangents))
+        bcall = graph.call_function(INVOKE_SUBGRAPH, (battr, part.bw_name,
+                                                      *_saved_operands(part, saved, num_outputs),
+                                                      *tangents))
         bcall.meta = copy.copy(bw.meta)
         bcall.meta["val"] = tuple(v.meta.get("val") if isinstance(v, fx.Node) else None
                                   for v in _outputs(part.bw))
