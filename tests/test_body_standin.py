@@ -101,6 +101,16 @@ def _both(rank: int, world: int, mode: str = "fx", dynamic: bool | None = None
     return _run(rank, world, True, mode, dynamic), _run(rank, world, False, mode, dynamic)
 
 
+def _assert_same_training(new: dict, old: dict) -> None:
+    """Bitwise the same losses, eval outputs and parameters, and the same plans."""
+    assert torch.equal(new["losses"], old["losses"]), (new["losses"], old["losses"])
+    assert torch.equal(new["eval"], old["eval"])
+    for name, value in old["params"].items():
+        assert torch.equal(new["params"][name], value), name
+    for a, b in zip(new["plans"], old["plans"], strict=True):
+        assert a == b, [k for k in a if a[k] != b.get(k)]
+
+
 @pytest.mark.parametrize("world,mode", [
     (1, "fx"), (2, "fx"),
     # Inductor compiles the restored calls (its invoke_subgraph lowering reads the operands'
@@ -112,12 +122,7 @@ def test_stand_ins_train_bitwise_like_body_calls_with_the_same_plan(world, mode)
         # (no_grad) keeps its calls.
         assert new["stand_ins"] == [3, 0], new["stand_ins"]
         assert old["stand_ins"] == [0, 0]
-        assert torch.equal(new["losses"], old["losses"]), (new["losses"], old["losses"])
-        assert torch.equal(new["eval"], old["eval"])
-        for name, value in old["params"].items():
-            assert torch.equal(new["params"][name], value), name
-        for a, b in zip(new["plans"], old["plans"], strict=True):
-            assert a == b, [k for k in a if a[k] != b.get(k)]
+        _assert_same_training(new, old)
         # gen_schema re-traces the body at every call AOTAutograd differentiates, in each of its
         # passes over the region (torch 2.13: 15 calls for the 4 body calls, 6 with stand-ins):
         # none for the three stand-ins. Counted by a wrapper of torch's method (a cProfile of
@@ -142,12 +147,7 @@ def test_stand_ins_with_symbolic_sizes_train_bitwise_like_body_calls():
     # region's do not (no_grad).
     assert new["stand_ins"][0] >= 1 and not any(new["stand_ins"][1:]), new["stand_ins"]
     assert not any(old["stand_ins"])
-    assert torch.equal(new["losses"], old["losses"]), (new["losses"], old["losses"])
-    assert torch.equal(new["eval"], old["eval"])
-    for name, value in old["params"].items():
-        assert torch.equal(new["params"][name], value), name
-    for a, b in zip(new["plans"], old["plans"], strict=True):
-        assert a == b, [k for k in a if a[k] != b.get(k)]
+    _assert_same_training(new, old)
     if old["gen_schema"]:
         saved = old["gen_schema"] - new["gen_schema"]
         assert saved > 0 and saved % new["stand_ins"][0] == 0, (new["gen_schema"],
