@@ -132,7 +132,8 @@ class Recorded:
         return position
 
     def operands(self, tensors: list, sizes: list) -> list:
-        """The body's operands in order, from a call's ``operands`` and ``sizes``."""
+        """The body's operands in order, from a call's ``tensors`` (its ``operands``) and
+        ``sizes``."""
         merged: list = []
         tensors_left, sizes_left = iter(tensors), iter(sizes)
         for i in range(len(tensors) + len(sizes)):
@@ -159,6 +160,7 @@ def record_outputs(identifier: str, outputs: tuple[OutputMeta, ...],
 
 
 def recorded(key: str) -> Recorded:
+    """What ``key`` (:func:`record_outputs`) stands for."""
     recorded = _RECORDED.get(key)
     if recorded is None:
         raise RuntimeError(f"shardc::body_fwd: no recorded outputs for {key!r}")
