@@ -126,7 +126,7 @@ class Recorded:
     def operand_position(self, tensor: int) -> int:
         """Where a call's ``tensor``-th tensor operand stands among the body's operands."""
         position = tensor
-        for size in sorted(self.size_positions):
+        for size in self.size_positions:  # ascending
             if size <= position:
                 position += 1
         return position

@@ -64,25 +64,22 @@ class StandIns:
         return len(self.replaced)
 
 
-def _operand_meta(value: object) -> tuple | None:
-    """A tensor's shape, stride (ints or sympy expressions), dtype, device and requires_grad;
-    ``("size", symbol)`` for a ``SymInt`` that is a plain symbol; else None."""
+def _operand_meta(value: object) -> OutputMeta | tuple | None:
+    """A tensor's metadata (sizes as ints or sympy expressions); ``("size", symbol)`` for a
+    ``SymInt`` that is a plain symbol; else None."""
     if isinstance(value, torch.SymInt):
         expr = size_expr(value)
         return ("size", expr) if isinstance(expr, sympy.Symbol) else None
-    if not isinstance(value, torch.Tensor):
-        return None
-    return (tuple(size_expr(d) for d in value.shape), tuple(size_expr(d) for d in value.stride()),
-            value.dtype, value.device, value.requires_grad)
+    return OutputMeta.of(value) if isinstance(value, torch.Tensor) else None
 
 
-def _is_size(meta: tuple) -> bool:
-    return meta[0] == "size"
+def _is_size(meta: OutputMeta | tuple) -> bool:
+    return isinstance(meta, tuple)
 
 
 @dataclass
 class _First:
-    operands: list[tuple]
+    operands: list[OutputMeta | tuple]
     identity: tuple[int, ...]
     outputs: tuple[OutputMeta, ...]
     key: str
@@ -207,8 +204,8 @@ def _meta(value: object) -> tuple | None:
         return ("size", size_expr(value))
     if not isinstance(value, torch.Tensor):
         return None
-    return (tuple(size_expr(d) for d in value.shape), tuple(size_expr(d) for d in value.stride()),
-            value.dtype, value.device)
+    meta = OutputMeta.of(value)
+    return (meta.shape, meta.stride, meta.dtype, meta.device)
 
 
 def _metas(values: Iterable) -> list:
