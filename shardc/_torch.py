@@ -569,6 +569,14 @@ def traces_floats_symbolically() -> bool:
     return not config.assume_static_by_default and not config.specialize_float
 
 
+def guards_module_hooks() -> bool:
+    """Whether Dynamo guards the hooks of the modules it traces, so that a hook registered
+    after compiling recompiles (``skip_nnmodule_hook_guards`` off; torch's default keeps it on
+    and ignores such hooks until something else recompiles). Safe to call in traced code (read
+    from Dynamo's config, folded while tracing)."""
+    return not getattr(torch._dynamo.config, "skip_nnmodule_hook_guards", True)
+
+
 def _unbacked_size_check() -> Callable[[torch.Tensor], bool]:
     from torch._dynamo import trace_rules
     from torch.fx.experimental import symbolic_shapes

@@ -262,7 +262,16 @@ def sharded_run(rank: int, world: int, kind: str, mode: str, **options) -> dict:
     ``retrain``: ``{name: training options}`` (keys of :data:`TRAINING_OPTIONS`): after the
     run, the same model (the same compiled regions, no recompile) is put back to its initial
     shards and trained again from scratch with each of these in turn; ``out["retrained"][name]``
-    holds each one's losses, parameters, overlap counts and the number of regions then."""
+    holds each one's losses, parameters, overlap counts and the number of regions then.
+    ``hook_after_eval``: a hook is registered on a block after its eval region compiled, with
+    Dynamo guarding module hooks (``skip_nnmodule_hook_guards`` off), so the eval recompiles."""
+    if options.get("hook_after_eval"):
+        with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False):
+            return _sharded_run(rank, world, kind, mode, **options)
+    return _sharded_run(rank, world, kind, mode, **options)
+
+
+def _sharded_run(rank: int, world: int, kind: str, mode: str, **options) -> dict:
     keep_model = options.pop("keep_model", False)
     retrain = options.pop("retrain", {})
     options_eval = options.pop("eval", False)
@@ -291,7 +300,8 @@ def sharded_run(rank: int, world: int, kind: str, mode: str, **options) -> dict:
     evaluated = eval_forward(model, forward, rank, world) if options_eval else None
     hooked = None
     if hook_after_eval:
-        # A hook added after shard(): Dynamo recompiles, and that block runs its own forward.
+        # A hook added after compiling (Dynamo guards module hooks, see sharded_run): Dynamo
+        # recompiles, and that block runs its own forward.
         model.blocks[1].up.register_forward_hook(lambda *_: None)
         hooked = eval_forward(model, forward, rank, world)
     params = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}

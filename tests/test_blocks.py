@@ -390,6 +390,41 @@ def test_bodies_are_traced_once_per_distinct_input_where_torch_can_key_them():
     assert _body_traces(inline, x) == 4
 
 
+@pytest.mark.parametrize("guarded", [False, True], ids=["torch_default", "hooks_guarded"])
+def test_a_hook_registered_later_is_seen_when_torch_sees_one_on_a_compiled_module(guarded):
+    """A block's layout (its modules' classes and hooks) is checked when a region is traced: a
+    hook registered after sealing and before compiling makes that block run its own forward. A
+    hook registered after compiling is seen exactly when torch.compile sees one on a module it
+    inlines: at once where Dynamo guards module hooks (``skip_nnmodule_hook_guards`` off; the
+    walk is traced and guarded), at the next recompile with torch's default (the check runs once
+    per trace, outside it: half of Dynamo's instructions per block, issue 18)."""
+    models = []
+    for _ in range(2):  # the same weights: one for shardc's blocks, one plain
+        torch.manual_seed(0)
+        models.append(Stack(Mlp))
+    model, plain = models
+    seal(wrap_repeated_blocks(model, {}, shared=set(), special=set()), model)
+    x = torch.randn(3, 6)
+    # Hooks that change the output (a hook that appended to a list would make Dynamo guard the
+    # list, and recompile for that).
+    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=not guarded):
+        torch._dynamo.reset()
+        # Two functions (two code objects: Stack.forward's cache would mix the two models).
+        compiled = torch.compile(lambda x: model(x), backend="eager")
+        compiled_plain = torch.compile(lambda x: plain(x), backend="eager")
+        for m in models:
+            m.blocks[1].up.register_forward_hook(lambda _m, _i, out: out + 1)
+        out, out_plain = compiled(x), compiled_plain(x)
+        torch.testing.assert_close(out, plain(x))
+        torch.testing.assert_close(out_plain, plain(x))
+        for m in models:
+            m.blocks[2].up.register_forward_hook(lambda _m, _i, out: out * 2)
+        out, out_plain = compiled(x), compiled_plain(x)
+    torch.testing.assert_close(out, out_plain)
+    seen = torch.allclose(out, plain(x))
+    assert seen == torch.allclose(out_plain, plain(x)) == guarded
+
+
 class IndexedMlp(CountedMlp):
     """Numbered as transformers numbers its attention modules (``layer_idx``): a scalar whose
     value differs per block, read by the forward only if ``reads`` (the same in every block)."""

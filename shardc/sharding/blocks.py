@@ -707,7 +707,8 @@ def module_layout(block: nn.Module) -> tuple:
     """The classes and hook counts of ``block`` and its submodules, depth first: a block whose
     layout changed after :func:`shardc.shard` (a hook added, a parametrization registered)
     runs its own forward."""
-    # Dynamo traces this at every block: plain loops over ``_modules``, no generators
+    # Where Dynamo guards module hooks it traces this at every block (:func:`_layout_kept`):
+    # plain loops over ``_modules``, no generators
     # (``nn.Module.modules()`` and a generator expression were about a seventh of the
     # instructions Dynamo interpreted for a 16-block llama).
     layout: list[tuple] = []
@@ -761,6 +762,28 @@ def _layout_unchanged(layout: tuple, key: int) -> bool:
     return block is not None and getattr(block, "_shardc_layout", None) == layout
 
 
+@torch.compiler.assume_constant_result
+def _sealed_layout_kept(key: int) -> bool:
+    """Whether the block sealed under ``key`` still has the layout recorded then, computed in
+    plain Python while Dynamo traces (``assume_constant_result``): nothing about the modules is
+    guarded, only ``key``. Used where Dynamo does not guard module hooks (its default,
+    ``skip_nnmodule_hook_guards``): a block is then checked when a region is traced, as torch
+    checks the hooks of the modules it inlines, and a hook registered after that is ignored until
+    something recompiles, as torch ignores it on any compiled module. Tracing the walk instead
+    (:func:`_layout_unchanged`) cost about half of the instructions Dynamo interpreted per block
+    and a guard per submodule's class and name (issue 18)."""
+    block = _SEALED.get(key)
+    return block is not None and getattr(block, "_shardc_layout", None) == module_layout(block)
+
+
+def _layout_kept(block: nn.Module) -> bool:
+    """Whether ``block``'s layout is the one sealed (traced by Dynamo): walked in traced code,
+    with guards, only where Dynamo guards module hooks (see :func:`_sealed_layout_kept`)."""
+    if _torch.guards_module_hooks():
+        return _layout_unchanged(module_layout(block), block._shardc_layout_key)
+    return _sealed_layout_kept(block._shardc_layout_key)
+
+
 def _wrapped_forward(group: BlockGroup, original: Callable) -> Callable:
     has_data_dependent_sizes = _torch.data_dependent_size_check()
     # The members differ in scalar attributes: a call shares the body only with a reuse key,
@@ -772,8 +795,7 @@ def _wrapped_forward(group: BlockGroup, original: Callable) -> Callable:
             if self.__dict__.get(COUNTS_FORWARD, False):
                 return counted_call(self, original, args, kwargs)
             return original(self, *args, **kwargs)
-        if (not _layout_unchanged(module_layout(self), self._shardc_layout_key)
-                or _torch.traces_floats_symbolically()):
+        if not _layout_kept(self) or _torch.traces_floats_symbolically():
             return original(self, *args, **kwargs)
         # Every size static (a description) rules out data-dependent ones: only a call that
         # cannot be described pays for the check.
