@@ -133,7 +133,7 @@ def save_plan(key: str, partitioner: str, plan: Plan) -> Path | None:
         with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False,
                                          suffix=".tmp") as out:
             written = out.name
-            json.dump(record, out)
+            out.write(json.dumps(record))  # dumps: the C encoder (dump streams in Python)
         os.replace(written, path)
     except OSError as exc:  # a cache write must never break training; the next start misses
         if written is not None and os.path.exists(written):
