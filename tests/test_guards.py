@@ -81,8 +81,29 @@ def _censuses(rank: int, world: int) -> dict:
     """The tests' censuses in one spawned process (each traced after a Dynamo reset)."""
     return {"shallow": _census(rank, world, 1), "deep": _census(rank, world, 3),
             "llama": _llama_aliasing(rank, world),
+            "late_hook": _late_hook(),
             "guards": {(layers, packed): _llama_guards(layers, packed)
                        for layers in (2, 3) for packed in (False, True)}}
+
+
+def _late_hook() -> dict:
+    """A sharded Stack compiled and run, then a hook registered on a block's submodule that
+    doubles its output (Dynamo's defaults): the compiled step's outputs before and after, and
+    the eager one after."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Stack(BLOCKS, 2)
+    shardc.shard(model)
+
+    def step(x):
+        return model(x)
+
+    compiled = torch.compile(step, backend=shardc.backend(inductor=False))
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        before = compiled(x)
+        model.blocks[1].linear0.register_forward_hook(lambda _m, _i, out: out * 2)
+        return {"before": before, "after": compiled(x), "eager": model(x)}
 
 
 def _llama_guards(layers: int, packed: bool) -> int:
@@ -134,6 +155,17 @@ def test_layout_check_and_parameter_reads_cost_guards_independent_of_block_depth
     # method and the plain flag: 12.
     assert shallow["params"] < deep["params"]
     assert shallow["closure"] == deep["closure"] == 0, (shallow, deep)
+
+
+def test_a_hook_registered_after_compiling_waits_for_a_recompile_as_in_torch(censuses):
+    """With Dynamo's default (``skip_nnmodule_hook_guards``), a block's layout is checked when a
+    region is traced, not guarded (issue 18: the traced check was half of Dynamo's work per
+    block): a hook registered after compiling is not run until something recompiles, as
+    torch.compile treats any module it inlines; eager runs it. (Where hooks are guarded, the
+    step recompiles with that block inline: tests/test_parity.py, ``hook_after_eval``.)"""
+    run = censuses["late_hook"]
+    assert torch.equal(run["after"], run["before"])
+    assert not torch.allclose(run["eager"], run["after"])
 
 
 def _llama_aliasing(rank: int, world: int) -> dict:
