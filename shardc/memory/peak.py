@@ -698,7 +698,7 @@ def _flat(gm: fx.GraphModule, params: set[fx.Node], host: set[fx.Node]
           ) -> tuple[fx.GraphModule, set[fx.Node], set[fx.Node]]:
     """``gm`` with its block bodies inlined (:func:`flattened`), and the parameter and host
     nodes among ``params`` and ``host`` as nodes of that graph."""
-    flat, mapping = flattened(gm)
+    flat, mapping = flattened(gm, module_stacks=False, check=False)  # read-only, one walk
     return flat, {mapping[p] for p in params}, {mapping[h] for h in host if h in mapping}
 
 

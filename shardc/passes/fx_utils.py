@@ -56,7 +56,7 @@ def copy_node(graph: fx.Graph, node: fx.Node, arg_transform) -> fx.Node:
     copied = graph.create_node(node.op, node.target, fx.map_arg(node.args, arg_transform),
                                fx.map_arg(node.kwargs, arg_transform),
                                _NUMBERED.sub("", node.name) or node.name, node.type)
-    copied.meta = dict(node.meta)
+    copied.meta.update(node.meta)  # a new node's own empty dict: no fx __setattr__ path
     return copied
 
 
