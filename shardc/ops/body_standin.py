@@ -22,7 +22,9 @@ outputs carry the tracing call's own symbols.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import operator
 from dataclasses import dataclass
 
 import sympy
@@ -70,16 +72,8 @@ def _evaluate(expr: Size, env: dict[sympy.Symbol, object]) -> object:
     if expr.is_Symbol:
         return env[expr]
     values = [_evaluate(a, env) for a in expr.args]
-    if expr.is_Add:
-        total = values[0]
-        for value in values[1:]:
-            total = total + value
-        return total
-    if expr.is_Mul:
-        product = values[0]
-        for value in values[1:]:
-            product = product * value
-        return product
+    if expr.is_Add or expr.is_Mul:
+        return functools.reduce(operator.add if expr.is_Add else operator.mul, values)
     return values[0] ** int(expr.args[1])
 
 

@@ -280,9 +280,8 @@ def _fit(stand_in: fx.Node, bw: fx.Node | None, part: _Partition, num_outputs: i
     if bw is None:
         return None
     first_bw = part.bw_call
-    for node in first_bw.args[2:2 + len(outputs) - num_outputs]:
-        if isinstance(node_value(node), torch.Tensor) and not (
-                is_call(node, operator.getitem) and node.args[0] is part.fw_call):
+    for node in _first_saved_operands(part, num_outputs):
+        if isinstance(node_value(node), torch.Tensor) and not _returned_by_first(part, node):
             return "the first call's backward takes a value its forward does not return"
     first_tangents = list(first_bw.args[2 + part.num_sym + num_saved:])
     tangents = list(bw.args[3])
@@ -367,15 +366,25 @@ def _eager_input_vals(call: fx.Node, stand_in: fx.Node, first: fx.Node) -> None:
         call.meta["eager_input_vals"] = ((*first_args[:2], *operands), kwargs)
 
 
+def _first_saved_operands(part: _Partition, num_outputs: int) -> list:
+    """The first call's backward operands before its tangents: its forward's values after the
+    body's ``num_outputs`` outputs (symbolic sizes, then saved tensors)."""
+    return list(part.bw_call.args[2:2 + len(_outputs(part.fw)) - num_outputs])
+
+
+def _returned_by_first(part: _Partition, node: object) -> bool:
+    """Whether ``node`` is a ``getitem`` of the first call's forward."""
+    return is_call(node, operator.getitem) and node.args[0] is part.fw_call
+
+
 def _saved_operands(part: _Partition, saved: dict[int, fx.Node],
                     num_outputs: int) -> list[fx.Node]:
     """The backward's operands before its tangents, as the first call's backward takes them
     (its symbolic sizes, then its saved values: as many as the forward returns after the
     body's ``num_outputs`` outputs): each the new call's ``getitem`` of the same forward
     output, or the same node where the first call's is none (a size of the region)."""
-    first = list(part.bw_call.args[2:2 + len(_outputs(part.fw)) - num_outputs])
-    return [saved[node.args[1]] if is_call(node, operator.getitem)
-            and node.args[0] is part.fw_call else node for node in first]
+    return [saved[node.args[1]] if _returned_by_first(part, node) else node
+            for node in _first_saved_operands(part, num_outputs)]
 
 
 def _replace(gm: fx.GraphModule, fw: fx.Node, bw: fx.Node | None, part: _Partition,
