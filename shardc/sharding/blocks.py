@@ -300,6 +300,40 @@ def _skeleton(block: nn.Module) -> nn.Module:
     return skeleton
 
 
+def substitution_slots(skeleton: nn.Module, names: tuple[str, ...]
+                       ) -> tuple[tuple[dict, str], ...]:
+    """For each dotted parameter or buffer name of ``skeleton``, the table that holds it (its
+    submodule's ``_parameters`` or ``_buffers``) and its key there: where
+    :func:`call_substituted` puts the tensor that stands for it."""
+    slots = []
+    for name in names:
+        path, _, attr = name.rpartition(".")
+        module = skeleton.get_submodule(path)
+        slots.append((module._parameters if attr in module._parameters else module._buffers,
+                      attr))
+    return tuple(slots)
+
+
+def call_substituted(skeleton: nn.Module, slots: tuple[tuple[dict, str], ...],
+                     tensors: tuple, args: tuple, kwargs: dict):
+    """``skeleton(*args, **kwargs)`` with ``tensors[i]`` in ``slots[i]`` for the call and the
+    skeleton's own tensors put back after it: ``torch.func.functional_call`` for a skeleton whose
+    tensors are untied, with the tables found once (:func:`substitution_slots`). Traced by
+    Dynamo once per body, where functional_call's walk of the module tree (``named_modules``,
+    the swap's checks per name, the untying) was most of the body's interpreted instructions."""
+    originals = []
+    for slot, tensor in zip(slots, tensors):  # a plain loop: traced by Dynamo (see describe)
+        table, attr = slot
+        originals.append(table[attr])
+        table[attr] = tensor
+    try:
+        return skeleton(*args, **kwargs)
+    finally:
+        for slot, original in zip(slots, originals):
+            table, attr = slot
+            table[attr] = original
+
+
 def _make_body(skeleton: nn.Module, group: BlockGroup, training: bool,
                layout: PackedLayout | None = None
                ) -> tuple[Callable, Callable | None, Callable | None]:
@@ -311,15 +345,16 @@ def _make_body(skeleton: nn.Module, group: BlockGroup, training: bool,
     n_inputs = n_weights + len(group.buffer_names)
     skeleton.train(training)
 
+    slots = substitution_slots(skeleton, names)
+
     # Two functions, not one testing ``layout``: Dynamo would guard the closure cell.
     if layout is None:
         def shardc_block_body(weights, buffers, args, kwargs):
-            tensors = dict(zip(names, (*weights, *buffers)))
-            return torch.func.functional_call(skeleton, tensors, args, kwargs)
+            return call_substituted(skeleton, slots, (*weights, *buffers), args, kwargs)
     else:
         def shardc_block_body(weights, buffers, args, kwargs):
-            tensors = dict(zip(names, (*layout.unpack(weights[0]), *buffers)))
-            return torch.func.functional_call(skeleton, tensors, args, kwargs)
+            return call_substituted(skeleton, slots, (*layout.unpack(weights[0]), *buffers),
+                                    args, kwargs)
 
     def shardc_block_body_keyed(key, weights, buffers, args, kwargs):
         return shardc_block_body(weights, buffers, args, kwargs)
@@ -951,14 +986,15 @@ def _make_member_body(skeletons: tuple[nn.Module, ...], group: BlockGroup,
     One function for every member, not one each: torch 2.11's Dynamo deduplicates equal traces
     of one function object only (2.13's, of one code object)."""
     names = group.weight_names + group.buffer_names
+    slots = tuple(substitution_slots(skeleton, names) for skeleton in skeletons)
     if layout is None:
         def shardc_block_body_member(member, weights, buffers, args, kwargs):
-            tensors = dict(zip(names, (*weights, *buffers)))
-            return torch.func.functional_call(skeletons[member], tensors, args, kwargs)
+            return call_substituted(skeletons[member], slots[member], (*weights, *buffers),
+                                    args, kwargs)
     else:
         def shardc_block_body_member(member, weights, buffers, args, kwargs):
-            tensors = dict(zip(names, (*layout.unpack(weights[0]), *buffers)))
-            return torch.func.functional_call(skeletons[member], tensors, args, kwargs)
+            return call_substituted(skeletons[member], slots[member],
+                                    (*layout.unpack(weights[0]), *buffers), args, kwargs)
     shardc_block_body_member.__qualname__ = (
         f"shardc_block_body_{group.index}_{group.block_type}_member"
         + ("_packed" if layout is not None else ""))
