@@ -68,11 +68,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shardc-autograd-cache", choices=("on", "off"), default="on",
                    help="off: SHARDC_AUTOGRAD_CACHE=0, shardc keeps AOTAutograd's cache off for "
                         "every region (before warm restarts used it; shardc/compile/warm.py)")
-    p.add_argument("--optimizer", choices=("torch", "local"), default="torch",
-                   help="local: the shardc modes' AdamW steps the local shards "
-                        "(shardc.optim.local_shard_step); torch: AdamW over the DTensor "
-                        "parameters, whose first step is torch's DTensor sharding propagation "
-                        "of each foreach op over every parameter")
+    p.add_argument("--optimizer", choices=("default", "dtensor", "torch", "local"),
+                   default="default",
+                   help="default: as shardc steps by default (the local shards where exact, "
+                        "shardc.optim.default_local_step); dtensor (or torch, its name before "
+                        "the default): the shardc modes' AdamW over the DTensor parameters, "
+                        "whose first step is torch's DTensor sharding propagation of each "
+                        "foreach op over every parameter; local: through "
+                        "shardc.optim.local_shard_step")
     p.add_argument("--cache-root", default=None,
                    help="where the per-run cache directories go (default: <out>/<name>_caches)")
     p.add_argument("--keep-caches", action="store_true", help="do not delete them at the end")
@@ -122,9 +125,10 @@ def _setup(mode: str, cfg, device, mesh):
 
 
 def _check_optimizer(mode: str, optimizer: str) -> None:
-    """``--optimizer local`` is for the shardc modes only."""
+    """``--optimizer local`` is for the shardc modes only (``dtensor`` changes nothing for the
+    others: their AdamW steps DTensors as it is)."""
     if optimizer == "local" and not mode.startswith("shardc"):
-        raise ValueError(f"--optimizer local: {mode!r} is not a shardc mode")
+        raise ValueError(f"--optimizer {optimizer}: {mode!r} is not a shardc mode")
 
 
 def _prepare_optimizer(setup, opt, mode: str, optimizer: str) -> None:
@@ -137,6 +141,8 @@ def _prepare_optimizer(setup, opt, mode: str, optimizer: str) -> None:
     elif optimizer == "local":
         _check_optimizer(mode, optimizer)
         shardc.optim.local_shard_step(opt)
+    elif optimizer in ("dtensor", "torch"):
+        shardc.optim.set_default_local_step(False, opt)
 
 
 def run_child(args: argparse.Namespace) -> None:
@@ -348,6 +354,14 @@ def _before_step(record: dict[str, Any]) -> str:
     return f"{record['setup_s']:.1f} / " + ("-" if imported is None else f"{imported:.1f}") + " s"
 
 
+# What the report says of the optimizer (records before shardc's default local step say
+# "torch" for AdamW over the DTensor parameters, which every step then was).
+_OPTIMIZER_NOTES = {"local": "; AdamW steps the local shards (local_shard_step)",
+                    "dtensor": "; the shardc modes' AdamW steps through DTensor",
+                    "default": "; the shardc modes' AdamW steps the local shards (shardc's "
+                               "default)"}
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     meta = report["meta"]
     lines = [f"# Compile time: first training step by depth, mode and cache ({meta['date']})", "",
@@ -355,7 +369,7 @@ def render_markdown(report: dict[str, Any]) -> str:
              f"{meta['machine']['device']} x {meta['nproc']}, torch {meta['machine']['torch']}, "
              f"commit {meta['machine']['git']}; model {meta['model']}"
              f"{' (tiny)' if meta['tiny'] else ''}, seq {meta['seq']}, batch {meta['batch']}/rank"
-             f"{'; AdamW steps the local shards' if meta.get('optimizer') == 'local' else ''}."
+             f"{_OPTIMIZER_NOTES.get(meta.get('optimizer'), '')}."
              " Each run is a fresh process; cold: empty Inductor/Triton cache directories; warm: "
              "the cold run's directories reused.", "",
              "| layers | mode | cache | first step | forward / backward / optimizer | "

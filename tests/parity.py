@@ -169,13 +169,22 @@ def optimizer(model: nn.Module, kind: str = "adamw") -> torch.optim.Optimizer:
 
 
 def train(model: nn.Module, forward, tokens, targets, optim: str = "adamw",
-          local_step: bool = False, overlap: dict | None = None,
+          local_step: bool | str = False, overlap: dict | None = None,
           no_sync: bool = False) -> list[float]:
-    """``local_step``: the optimizer steps the local shards (``shardc.optim.local_shard_step``);
+    """``local_step``: True, the optimizer steps the local shards through
+    ``shardc.optim.local_shard_step``; False, as shardc does by default (the local shards where
+    exact, ``shardc.optim.default_local_step``); ``"dtensor"``: every step through DTensor
+    (the default turned off for this run);
     ``overlap`` (a dict, filled with the handle's counts): ``shardc.step_in_backward``;
     ``no_sync``: two micro-batches per step (each half of the batch, loss / 2), the first
     under ``shardc.no_sync`` (gradient accumulation without communication)."""
     opt = optimizer(model, optim)
+    if local_step == "dtensor":
+        shardc.optim.set_default_local_step(False)
+        try:
+            return train(model, forward, tokens, targets, optim, False, overlap, no_sync)
+        finally:
+            shardc.optim.set_default_local_step(True)
     if local_step:
         shardc.optim.local_shard_step(opt)
     handle = shardc.step_in_backward(model, opt) if overlap is not None else None
@@ -238,7 +247,7 @@ def eval_forward(model: nn.Module, forward, rank: int, world: int) -> torch.Tens
 
 
 def train_rank_slice(model: nn.Module, forward, rank: int, world: int, optim: str = "adamw",
-                     local_step: bool = False, overlap: dict | None = None,
+                     local_step: bool | str = False, overlap: dict | None = None,
                      no_sync: bool = False) -> torch.Tensor:
     """Train on this rank's slice of the global batch; the per-step losses averaged over ranks
     (the global mean loss, comparable to the reference's)."""

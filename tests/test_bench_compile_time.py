@@ -79,18 +79,25 @@ def test_prime_runs_a_compile_and_deletes_its_caches(tmp_path):
 
 def test_the_optimizer_is_prepared_as_the_mode_and_the_switch_say(monkeypatch):
     """A mode's own preparation (shardc-localopt's local step) runs, as in train_bench's runner;
-    ``--optimizer local`` gives a shardc mode the local step and refuses any other mode."""
+    ``--optimizer local`` gives a shardc mode the local step and refuses any other mode;
+    ``dtensor`` (``torch``, its old name) turns shardc's default local step off for the mode's
+    optimizer; ``default`` leaves shardc's default."""
     setup = _Setup(torch.nn.Linear(2, 2))
     opt = torch.optim.SGD(setup.model.parameters(), lr=0.1)
-    local = []
+    local, off = [], []
     monkeypatch.setattr(shardc.optim, "local_shard_step", lambda o: local.append(o))
-    _prepare_optimizer(setup, opt, "shardc-packed", "torch")
-    assert local == []
+    monkeypatch.setattr(shardc.optim, "set_default_local_step",
+                        lambda enabled, optimizer=None: off.append((enabled, optimizer)))
+    _prepare_optimizer(setup, opt, "shardc-packed", "default")
+    assert local == [] and off == []
+    _prepare_optimizer(setup, opt, "shardc-packed", "dtensor")
+    _prepare_optimizer(setup, opt, "fsdp2-compile", "torch")
+    assert local == [] and off == [(False, opt), (False, opt)]
     _prepare_optimizer(setup, opt, "shardc-packed", "local")
     assert local == [opt]
     with pytest.raises(ValueError, match="not a shardc mode"):
         _prepare_optimizer(setup, opt, "fsdp2-compile", "local")
     prepared = []
     setup.prepare_optimizer = prepared.append
-    _prepare_optimizer(setup, opt, "shardc-localopt", "torch")
+    _prepare_optimizer(setup, opt, "shardc-localopt", "default")
     assert prepared == [opt] and local == [opt]

@@ -187,11 +187,12 @@ SLOW = {
     # and 45-row weights and an empty shard: the llama's layers inside it, FX, at parity). The
     # core's llama ("fx") and BlockStack ("blocks") train at parity at worlds 1, 2 and 3 (fx)
     # and 1 and 2 (blocks; uneven at 2: 13-, 19- and 11-wide layers); the local-shard step
-    # ("local_step") at world 1 and, with torch's fused AdamW through local_shard_step, at 2
-    # ("fused_adamw"), and with SGD on the variant model at 1 ("variant_local_sgd").
+    # (every default run; through DTensor, "dtensor_step", at world 1) and, with torch's fused
+    # AdamW through local_shard_step, at 2 ("fused_adamw"), and with SGD on the variant model
+    # at 1 ("variant_local_sgd").
     "fx": (4,),
     "blocks": (3, 4),
-    "local_step": (4,),
+    "dtensor_step": (4,),
     # Compiled CPU offload at 3 (and its step_in_backward retrain): compiled offload over real
     # collectives: "bf16_offload" at 2 (bitwise the bf16 run's), tests/test_real_models.py's
     # offload_no_sync_clip (FX, fp32, at parity, world 2), tests/test_offload.py (world 2);
@@ -253,10 +254,10 @@ def _parity_scenarios(world: int, slow: bool = False) -> dict[str, tuple[str, st
         (at(2), "no_prefetch", ("llama", "fx", {"prefetch": False})),
         (at(3, 4), "variant", ("variant", "fx", {})),
         (at(2), "repeated", ("repeated", "fx", {})),  # one module applied twice per forward
-        # The optimizer steps the local shards (shardc.optim.local_shard_step); it changes the
-        # step only, so it trains the "fx" run's compiled model again (same_compile_as).
-        (at(1, 4), "local_step", ("llama", "fx", {"local_step": True,
-                                                  "same_compile_as": "fx"})),
+        # Every step through DTensor (shardc's default local-shard step turned off); it changes
+        # the step only, so it trains the "fx" run's compiled model again (same_compile_as).
+        (at(1, 4), "dtensor_step", ("llama", "fx", {"local_step": "dtensor",
+                                                    "same_compile_as": "fx"})),
         (at(1), "variant_local_sgd", ("variant", "fx", {"local_step": True, "optim": "sgd"})),
         (at(1), "blocks_inline", ("blocks", "fx", {"eval": True, "compile_blocks_once": False})),
         # dynamic=True traces the blocks' float attributes (LayerNorm's eps) as symbols, which
@@ -421,9 +422,9 @@ def _check_runs(world: int, named: dict, runs: dict, references: dict) -> None:
         assert runs["variant"]["grads_none"]["unused"], "an unused parameter got a gradient"
         frozen = references["variant"]["params"]["lm.layers.0.attention.wq.weight"]
         assert torch.equal(runs["variant"]["params"]["lm.layers.0.attention.wq.weight"], frozen)
-    # The local-shard step runs the same kernels on the same shards as the DTensor step.
-    if "local_step" in runs:
-        _bitwise(runs["fx"], runs["local_step"], f"world {world}: local shard step")
+    # The default local-shard step runs the same kernels on the same shards as the DTensor step.
+    if "dtensor_step" in runs:
+        _bitwise(runs["fx"], runs["dtensor_step"], f"world {world}: the DTensor step")
     if "variant_local_sgd" in runs:
         assert runs["variant_local_sgd"]["grads_none"]["unused"]
     if "bf16" in runs:

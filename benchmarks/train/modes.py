@@ -29,6 +29,7 @@ MODES: tuple[str, ...] = ("fsdp2", "fsdp2-compile", "simplefsdp", "shardc", "bou
 
 # Diagnostic variants, run only when named in --modes.
 EXTRA_MODES: tuple[str, ...] = ("shardc-keeporder", "shardc-pool", "shardc-localopt",
+                                  "shardc-dtensoropt",
                                   "shardc-cudagraphs", "shardc-budget", "shardc-noreshard",
                                   "shardc-inline", "shardc-plain", "shardc-plain-budget",
                                   "shardc-plain-pool", "shardc-oneop", "shardc-packed",
@@ -331,6 +332,13 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_
     if mode == "shardc-pool":
         setup = setup_shardc_(model, mesh, loss_in_graph, comm_pool=True)
         setup.info["options"] = "comm_pool=True (static communication pool under Inductor)"
+        return setup
+    if mode == "shardc-dtensoropt":
+        # Every AdamW step through DTensor's dispatch: shardc's default local-shard step
+        # (shardc.optim.default_local_step) turned off for this mode's optimizer only.
+        setup = setup_shardc_(model, mesh, loss_in_graph)
+        setup.prepare_optimizer = lambda opt: shardc.optim.set_default_local_step(False, opt)
+        setup.info["optimizer"] = "AdamW over the DTensor parameters (default local step off)"
         return setup
     if mode in ("shardc-localopt", "shardc-cudagraphs", "shardc-fast", "shardc-fast-budget",
                 "shardc-fast-budget-inline", "shardc-fast-budget-sink", "shardc-fast-sink",

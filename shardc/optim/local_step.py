@@ -47,9 +47,12 @@ ELEMENTWISE: tuple[type, ...] = tuple(
 
 
 class LocalShardStep:
-    """The hooks of :func:`local_shard_step` on one optimizer; ``remove()`` undoes them."""
+    """The hooks of :func:`local_shard_step` on one optimizer; ``remove()`` undoes them.
+    ``step_hooks=False``: no step hooks of its own (``shardc.optim.default_local_step`` calls
+    :meth:`_pre` and :meth:`_restore` from its process-wide ones), the state-dict hooks that
+    put a step's leftovers back all the same."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, step_hooks: bool = True) -> None:
         self.optimizer = optimizer
         # Set between the pre- and post-hook: per group, its DTensor parameter list.
         self._saved: list[list] | None = None
@@ -60,11 +63,12 @@ class LocalShardStep:
         # reused while the DTensor state dict and its values are the same objects.
         self._cache: dict[int, tuple] = {}
         self._handles = [
-            optimizer.register_step_pre_hook(self._pre),
-            optimizer.register_step_post_hook(self._post),
             optimizer.register_state_dict_pre_hook(self._restore),
             optimizer.register_load_state_dict_pre_hook(self._restore_before_load),
         ]
+        if step_hooks:
+            self._handles += [optimizer.register_step_pre_hook(self._pre),
+                              optimizer.register_step_post_hook(self._post)]
 
     def remove(self) -> None:
         self._restore(self.optimizer)

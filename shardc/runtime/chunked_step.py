@@ -146,6 +146,12 @@ def chunks_of(optimizer: torch.optim.Optimizer) -> list[list[list]]:
     return [order[k] for k in sorted(order)]
 
 
+def steps_in_chunks(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer``'s parameters are in two chunks or more (its step is chunked where
+    it is exact and no other shardc change holds it)."""
+    return bool(_CHUNK) and len(chunks_of(optimizer)) >= 2
+
+
 def _why_not_exact(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> str:
     """Why chunking ``optimizer``'s step could be inexact ("" where it is exact)."""
     if type(optimizer) not in ELEMENTWISE:

@@ -124,6 +124,12 @@ def _host_copy(param: torch.Tensor) -> _HostCopy | None:
     return entry[1] if entry is not None and entry[0]() is param else None
 
 
+def any_steps_on_host() -> bool:
+    """Whether any parameter's optimizer state and step are on the host (remembered or
+    adopted, and maybe gone since)."""
+    return bool(_PARAMS)
+
+
 def steps_on_host(param: torch.Tensor) -> bool:
     """Whether ``param``'s optimizer state and step are on the host (remembered or adopted)."""
     return _host_copy(param) is not None

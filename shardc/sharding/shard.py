@@ -31,6 +31,7 @@ from shardc.compile import compile_workers
 from shardc.ops.gather import GATHER_OP, gather_param
 from shardc.ops.gather_args import GatherArgs
 from shardc.ops.offload_copy import offload_to_device
+from shardc.optim import default_local_step
 from shardc.runtime import offload_check, offload_optimizer, replaced_params
 from shardc.runtime.grad_sync import (
     REDUCE,
@@ -190,6 +191,23 @@ class ShardState:
 # (``to_empty``, ``.to``, ``.double()``) swaps or replaces those. Weak: a model's state lives as
 # long as its root module.
 _STATES: weakref.WeakValueDictionary[str, ShardState] = weakref.WeakValueDictionary()
+
+
+def locally_steppable_params() -> dict[int, nn.Parameter]:
+    """By id, the parameters of every live sharded model whose optimizer may step their local
+    shards (``shardc.optim.default_local_step``): those of models without CPU offload, not
+    quantized by TransformerEngine."""
+    out: dict[int, nn.Parameter] = {}
+    for state in list(_STATES.values()):
+        root = state.root() if state.root is not None else None
+        if root is None or state.offload is not None or state.auto_offload is not None:
+            continue
+        params = dict(root.named_parameters(remove_duplicate=False))
+        for fqn, info in state.params.items():
+            p = params.get(fqn)
+            if p is not None and not info.quantized:
+                out[id(p)] = p
+    return out
 
 
 def state_for_key(key: str) -> ShardState | None:
@@ -740,6 +758,8 @@ def shard(
     _STATES[state.key] = state
     for fqn, p in canonical.values():  # an optimizer still holding these is named at its step
         replaced_params.remember(p, fqn)
+    # After the check above (its hook runs first): it sees the DTensor parameters.
+    default_local_step.install(locally_steppable_params)
     for sub, sub_infos in per_module.values():
         _swap_class(sub, sub_infos, state.grad_sync, fp8, plain, auto)
         if plain is not None:
