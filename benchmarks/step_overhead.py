@@ -24,9 +24,11 @@ drift of the GPU's clock over the process, e.g. its power cap, reaches every mod
 - GPU idle time over the step (GPUs: the step minus the union of kernel intervals).
 
 Modes: ``bound`` (replicated parameters, Inductor, no communication, torch's AdamW),
-``shardc`` (``shardc.shard`` + ``backend="shardc"``, torch's AdamW on the DTensor parameters),
-``shardc-localopt`` (the same with ``shardc.optim.local_shard_step``: AdamW steps the local
-shards), ``shardc-cudagraphs`` (that, compiled with ``mode="reduce-overhead"``); named only:
+``shardc`` (``shardc.shard`` + ``backend="shardc"``, torch's AdamW stepping the local shards:
+shardc's default since s52; torch's AdamW on the DTensor parameters before),
+``shardc-localopt`` (the same with ``shardc.optim.local_shard_step``), ``shardc-dtensoropt``
+(AdamW on the DTensor parameters: the default local step off), ``shardc-cudagraphs``
+(``shardc-localopt`` compiled with ``mode="reduce-overhead"``); named only:
 ``shardc-noreshard`` (``reshard_after_forward=False``), ``shardc-inline``
 (``compile_blocks_once=False``), ``shardc-budget`` (``peak_memory_budget_bytes`` from
 ``SHARDC_PEAK_BUDGET``, default ``"auto"``), ``shardc-plain`` (``shardc.shard(...,
@@ -84,7 +86,8 @@ from train.runner import OPTIM_IMPLS, free_memory, gather_objects  # noqa: E402
 from train.shardc_mode import FP8_POLICY_TEXT  # noqa: E402
 from train.workload import DEFAULT_BATCH, model_config, synthetic_batches  # noqa: E402
 
-MODES = ("bound", "shardc", "shardc-localopt", "shardc-cudagraphs", "shardc-noreshard",
+MODES = ("bound", "shardc", "shardc-localopt", "shardc-dtensoropt", "shardc-cudagraphs",
+         "shardc-noreshard",
          "shardc-inline", "shardc-budget", "shardc-plain", "shardc-plain-budget", "shardc-combo",
          "shardc-fast", "shardc-fast-budget", "shardc-fast-budget-inline",
          "shardc-fast-budget-sink", "shardc-fast-sink", "shardc-rswait", "shardc-fast-rswait",

@@ -495,12 +495,12 @@ def dynamo_to_local_closure(target: object) -> tuple[tuple, dict] | None:
 def nested_compile_region(fn):
     """``torch.compiler.nested_compile_region(fn)``: Dynamo traces every call of ``fn`` and
     deduplicates identical subgraphs. torch 2.13's guard-based reuse, which skips the trace,
-    never applies to shardc's bodies (``torch.func.functional_call`` swaps the skeleton's
-    parameters, a side effect); torch 2.11's Dynamo has no reuse of a region's trace at all
-    (``InvokeSubgraphHigherOrderVariable`` traces each call, then compares the subgraph with the
-    installed ones). Used for inputs with symbolic sizes, where :func:`keyed_compile_region`'s
-    stamp-out across activation-checkpoint regions failed (``KeyError: s27``), and on
-    torch < 2.13."""
+    never applies to shardc's bodies (they swap the skeleton's parameters,
+    ``blocks.call_substituted``: a side effect); torch 2.11's Dynamo has no reuse of a region's
+    trace at all (``InvokeSubgraphHigherOrderVariable`` traces each call, then compares the
+    subgraph with the installed ones). Used for inputs with symbolic sizes, where
+    :func:`keyed_compile_region`'s stamp-out across activation-checkpoint regions failed
+    (``KeyError: s27``), and on torch < 2.13."""
     return torch.compiler.nested_compile_region(fn)
 
 

@@ -6,7 +6,7 @@ shardc's property (one ``shardc::gather_param`` per parameter, in the *outer* gr
 shardc plans every collective of the step), then calls one ``nested_compile_region`` function per
 distinct block structure: the *body*, pure compute, which runs the block's original forward on an
 unsharded meta-device copy (the *skeleton*) with the gathered weights and the block's buffers
-substituted (``torch.func.functional_call``). Dynamo emits one subgraph per body and calls it
+substituted (:func:`call_substituted`). Dynamo emits one subgraph per body and calls it
 once per block; AOTAutograd partitions it once and Inductor compiles it once
 (``shardc.compile.backend`` and ``shardc.passes.body`` handle the body's partition and keep
 ``reshard_after_forward``). Outside compilation the wrapped forward is the block's own forward.
@@ -376,7 +376,8 @@ def _make_body(skeleton: nn.Module, group: BlockGroup, training: bool,
 
 # ----------------------------------------------------------------------------------------------
 # Reuse keys. Dynamo traces every call of a guard-based body (its reuse needs a body without side
-# effects, and functional_call's parameter swap is one), which made the trace grow with depth.
+# effects, and the body's swap of the skeleton's parameters is one), which made the trace grow
+# with depth.
 # A keyed body is traced once per key and stamped out for the other calls; the key must then
 # stand for everything the trace depends on. It is computed in two steps: while Dynamo traces the
 # wrapped forward, ``describe`` turns the body's arguments into a constant (None if any size or
