@@ -447,6 +447,11 @@ def dtensor_local(t) -> torch.Tensor:
 # while torch 2.13's returns a fresh view flagged ``_is_param`` for a parameter.
 dtensor_local_fast: Callable[[Any], torch.Tensor] = operator.attrgetter("_local_tensor")
 
+# A DTensor's spec object (``_spec``: mesh, placements, global shape), read C-level: shardc's
+# gradient hand-offs give a gradient its parameter's spec object, which an identity test finds
+# without comparing placements (``shardc.optim.default_local_step``, every step).
+dtensor_spec_fast: Callable[[Any], Any] = operator.attrgetter("_spec")
+
 
 def has_grad_hooks(t: torch.Tensor) -> bool:
     """Whether hooks were registered on ``t``'s gradient (``register_hook``) or on its

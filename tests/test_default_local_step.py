@@ -182,3 +182,22 @@ def test_a_step_that_raises_is_put_back_and_the_next_one_trains_as_before():
             assert _step_path(opt) == "local"
             opt.zero_grad()
         _assert_same_training(reference, (model, opt, None))
+
+
+def test_a_gradient_laid_out_otherwise_than_its_parameter_keeps_the_dtensor_step():
+    """A partial-sum gradient would be stepped unreduced on the local shard: DTensor's step
+    reduces it first."""
+    from torch.distributed.tensor import Partial
+
+    with one_rank_mesh() as mesh:
+        torch.manual_seed(0)
+        model = shardc.shard(Transformer(CFG), mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+        toks = torch.randint(0, CFG.vocab_size, (2, 8))
+        llama_loss(model(toks), toks).backward()
+        p = next(model.parameters())
+        p.grad = DTensor.from_local(p.grad.to_local(), mesh, [Partial()])
+        assert _step_path(opt) == "dtensor"
+        opt.zero_grad()
+        llama_loss(model(toks), toks).backward()
+        assert _step_path(opt) == "local"

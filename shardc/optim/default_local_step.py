@@ -5,10 +5,10 @@ local shards of its DTensor parameters instead of through DTensor's dispatch: bi
 parameters and state, without DTensor's per-parameter work. That work is largest in an
 optimizer's first step, where DTensor computes the sharding of each foreach op over every
 parameter (cached afterwards): on torch 2.11 it grows linearly with the parameter tensors (one
-H200, the 1b benchmark at 64 layers: about 1.2-2 s of the first training step); from torch 2.12
-DTensor re-reads the whole argument list for each tensor of a foreach op, so it grows with their
-square (this project's CPU, 579 parameter tensors: 1.8 s on torch 2.11, 6.0 s on 2.12, 5.4 s on
-2.13 and 2.14; 0.1-0.3 s stepping the local shards).
+H200, the 1b benchmark at 64 layers, 579 tensors: 2.2 s, 0.26 s stepping the local shards);
+from torch 2.12 DTensor re-reads the whole argument list for each tensor of a foreach op, so it
+grows with their square (this project's CPU, 579 tensors: 1.3 s on torch 2.11, 5.3-5.6 s on
+2.12-2.14, 0.06-0.36 s stepping the local shards; docs/bench/optimizer_first_step/).
 
 So shardc applies the local step itself, to the optimizers of the parameters ``shardc.shard``
 made, for each step where it is exact and changes nothing another hook could see. torch's
@@ -48,6 +48,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
+from shardc._torch import dtensor_spec_fast as _spec_of
 from shardc.optim.local_step import ELEMENTWISE, LocalShardStep
 
 log = logging.getLogger("shardc")
@@ -129,11 +130,12 @@ def _grads_reason(optimizer: torch.optim.Optimizer) -> str:
     for g in optimizer.param_groups:
         for p in g["params"]:
             grad = p.grad
-            if isinstance(p, DTensor) and grad is not None and (
-                    not isinstance(grad, DTensor)
-                    or (grad.placements is not p.placements and grad.placements != p.placements)
-                    or (grad.device_mesh is not p.device_mesh
-                        and grad.device_mesh != p.device_mesh)):
+            if grad is None or not isinstance(p, DTensor):
+                continue
+            if type(grad) is DTensor and _spec_of(grad) is _spec_of(p):
+                continue  # the parameter's own spec: shardc's hand-offs
+            if (not isinstance(grad, DTensor) or grad.placements != p.placements
+                    or grad.device_mesh != p.device_mesh):
                 return "a gradient is not laid out as its parameter"
     return ""
 
