@@ -201,3 +201,18 @@ def test_a_gradient_laid_out_otherwise_than_its_parameter_keeps_the_dtensor_step
         opt.zero_grad()
         llama_loss(model(toks), toks).backward()
         assert _step_path(opt) == "local"
+
+
+def test_the_default_step_keeps_no_optimizer_alive():
+    """Dropping the model and its optimizer frees them (their state and parameters with them):
+    nothing of the default step's bookkeeping holds the optimizer."""
+    import gc
+    import weakref
+
+    with one_rank_mesh() as mesh:
+        model, opt, paths = _train(mesh, steps=1)
+        assert paths == ["local"]
+        gone = weakref.ref(opt), weakref.ref(opt.state[next(model.parameters())]["exp_avg"])
+        del model, opt
+        gc.collect()
+        assert gone[0]() is None and gone[1]() is None

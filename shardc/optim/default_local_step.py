@@ -60,8 +60,10 @@ _ENABLED = [True]
 # Where the parameters shardc.shard made are found (by id): shardc.sharding.shard's registry of
 # live models, handed over by install() (this module is below the sharding package).
 _SOURCE: list[Callable[[], dict[int, torch.Tensor]]] = []
-# Per optimizer: the swap (no hooks of its own), and the parameters it was checked for.
-_SWAPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Per optimizer, the parameters it was checked for. (Its swap is an attribute of the optimizer,
+# _SWAP_ATTR: the swap holds the optimizer, which a value of a WeakKeyDictionary keyed by it
+# would keep alive, with its state and parameters, for ever.)
+_SWAP_ATTR = "_shardc_default_local_step"
 _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _SAID: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # the reason last logged
 _OWN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per-optimizer settings
@@ -162,7 +164,7 @@ def _step_reason(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) ->
 
 
 def _pre_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-    swap = _SWAPS.get(optimizer)
+    swap = optimizer.__dict__.get(_SWAP_ATTR)
     if swap is not None:
         swap._restore(optimizer)  # a step that raised left its swap installed
     if (not _OWN.get(optimizer, _ENABLED[0]) or torch.compiler.is_compiling()
@@ -181,11 +183,11 @@ def _pre_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> No
     if reason:
         return
     if swap is None:
-        swap = _SWAPS[optimizer] = LocalShardStep(optimizer, step_hooks=False)
+        swap = optimizer.__dict__[_SWAP_ATTR] = LocalShardStep(optimizer, step_hooks=False)
     swap._pre(optimizer, args, kwargs)
 
 
 def _post_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-    swap = _SWAPS.get(optimizer)
+    swap = optimizer.__dict__.get(_SWAP_ATTR)
     if swap is not None:
         swap._restore(optimizer)
