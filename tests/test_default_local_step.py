@@ -30,11 +30,15 @@ class _ForeachArgs(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.dtensor: list[bool] = []
+        self.dtensor_lengths: set[int] = set()  # the lengths of the DTensor lists
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
         if name.startswith("_foreach_") and args and isinstance(args[0], (list, tuple)):
-            self.dtensor.append(any(isinstance(t, DTensor) for t in args[0]))
+            dtensor = any(isinstance(t, DTensor) for t in args[0])
+            self.dtensor.append(dtensor)
+            if dtensor:
+                self.dtensor_lengths.add(len(args[0]))
         return func(*args, **(kwargs or {}))
 
 
@@ -216,3 +220,30 @@ def test_the_default_step_keeps_no_optimizer_alive():
         del model, opt
         gc.collect()
         assert gone[0]() is None and gone[1]() is None
+
+
+def test_a_chunked_step_goes_through_dtensor_in_every_chunk(caplog):
+    """The plan's optimizer step in chunks (``shardc.runtime.chunked_step``) calls the step
+    once per chunk: each chunk's step keeps DTensor's path too (one reason, logged once)."""
+    import logging
+
+    from shardc.runtime import chunked_step
+
+    with one_rank_mesh() as mesh:
+        torch.manual_seed(0)
+        model = shardc.shard(Transformer(CFG), mesh)
+        params = list(model.parameters())
+        chunked_step.adopt([("first", params[:5]), ("rest", params[5:])])
+        opt = torch.optim.AdamW(params, lr=1e-2, foreach=True)
+        toks = torch.randint(0, CFG.vocab_size, (2, 8))
+        with caplog.at_level(logging.INFO, logger="shardc"):
+            for _ in range(2):
+                llama_loss(model(toks), toks).backward()
+                with _ForeachArgs() as seen:
+                    opt.step()
+                opt.zero_grad()
+                # Each chunk's foreach ops run over its own parameters, as DTensors in both.
+                assert seen.dtensor_lengths == {5, len(params) - 5}, seen.dtensor_lengths
+        said = [r.getMessage() for r in caplog.records if "steps" in r.getMessage()
+                and "AdamW" in r.getMessage()]
+        assert said == ["shardc: this AdamW steps through DTensor: the plan steps it in chunks"]

@@ -148,7 +148,10 @@ def chunks_of(optimizer: torch.optim.Optimizer) -> list[list[list]]:
 
 def steps_in_chunks(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer``'s parameters are in two chunks or more (its step is chunked where
-    it is exact and no other shardc change holds it)."""
+    it is exact and no other shardc change holds it), or one chunk's own step is running."""
+    stepping = _STEPPING.get(optimizer)
+    if stepping is not None and stepping.inner:
+        return True
     return bool(_CHUNK) and len(chunks_of(optimizer)) >= 2
 
 
