@@ -148,9 +148,11 @@ def chunks_of(optimizer: torch.optim.Optimizer) -> list[list[list]]:
 
 def steps_in_chunks(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer``'s parameters are in two chunks or more (its step is chunked where
-    it is exact and no other shardc change holds it), or one chunk's own step is running."""
+    it is exact and no other shardc change holds it), or its chunked step is in progress (a
+    chunk's own step, or the user's call once the groups are narrowed to the last chunk: the
+    process-wide hooks run in the order they were registered)."""
     stepping = _STEPPING.get(optimizer)
-    if stepping is not None and stepping.inner:
+    if stepping is not None and (stepping.inner or stepping.saved is not None):
         return True
     return bool(_CHUNK) and len(chunks_of(optimizer)) >= 2
 
