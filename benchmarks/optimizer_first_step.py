@@ -75,9 +75,14 @@ def run_child(args: argparse.Namespace) -> None:
         if args.device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+    from train.provenance import git_describe, shardc_source_hash
+
+    device_name = (torch.cuda.get_device_name(0) if args.device == "cuda"
+                   else f"cpu x {os.cpu_count()}")
     print(json.dumps({"depth": depth, "mode": mode, "params": len(list(model.parameters())),
                       "first_step_s": times[0], "steady_step_s": statistics.median(times[1:]),
-                      "torch": torch.__version__}))
+                      "torch": torch.__version__, "git": git_describe(),
+                      "shardc_sha256": shardc_source_hash(), "device": device_name}))
     dist.destroy_process_group()
 
 
@@ -106,7 +111,9 @@ def main(argv=None) -> None:
 def write(out: Path, name: str, rows: list[dict], command: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))
-    lines = [f"`{command}` (torch {rows[0]['torch']})", "",
+    first = rows[0]
+    lines = [f"`{command}` (torch {first['torch']}, {first.get('device', '?')}, commit "
+             f"{first.get('git')}, shardc sha256 {first.get('shardc_sha256', '?')[:16]})", "",
              "| layers | parameter tensors | mode | first step | steady step |",
              "|---:|---:|---|---:|---:|"]
     lines += [f"| {r['depth']} | {r['params']} | {r['mode']} | {r['first_step_s']:.3f} s | "
