@@ -50,6 +50,7 @@ from torch.optim.optimizer import (
 
 from shardc._torch import dtensor_spec_fast as _spec_of
 from shardc.optim.local_step import ELEMENTWISE, LocalShardStep
+from shardc.runtime import chunked_step, offload_optimizer
 
 log = logging.getLogger("shardc")
 
@@ -120,8 +121,6 @@ def _params_reason(optimizer: torch.optim.Optimizer) -> str:
 def _offload_reason(optimizer: torch.optim.Optimizer) -> str:
     """Checked at every step: the peak budget may offload the optimizer of parameters that
     stepped on the device before (decided when a region compiles)."""
-    from shardc.runtime import offload_optimizer
-
     if offload_optimizer.any_steps_on_host() and any(
             offload_optimizer.steps_on_host(p) for p in _params(optimizer)):
         return "some of its parameters step on the host (optimizer offload)"
@@ -144,8 +143,6 @@ def _grads_reason(optimizer: torch.optim.Optimizer) -> str:
 
 def _step_reason(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> str:
     """Why this step keeps the DTensor step ("" where the local shards step)."""
-    from shardc.runtime import chunked_step
-
     if type(optimizer) not in ELEMENTWISE:
         return (f"{type(optimizer).__name__} is not exactly one of the optimizers known to "
                 "update each parameter elementwise")
