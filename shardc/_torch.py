@@ -453,11 +453,13 @@ dtensor_local_fast: Callable[[Any], torch.Tensor] = operator.attrgetter("_local_
 dtensor_spec_fast: Callable[[Any], Any] = operator.attrgetter("_spec")
 
 
-def has_grad_hooks(t: torch.Tensor) -> bool:
-    """Whether hooks were registered on ``t``'s gradient (``register_hook``) or on its
-    accumulation (``register_post_accumulate_grad_hook``): private attributes of Tensor."""
-    return bool(getattr(t, "_backward_hooks", None)) or bool(
-        getattr(t, "_post_accumulate_grad_hooks", None))
+def grad_hooks(t: torch.Tensor) -> tuple[list[Callable], list[Callable]]:
+    """The hooks registered on ``t``'s gradient (``register_hook``) and on its accumulation
+    (``register_post_accumulate_grad_hook``), each list in registration order: the private
+    dicts autograd keeps them in, read where shardc hands a gradient to ``t`` itself."""
+    pre = getattr(t, "_backward_hooks", None) or {}
+    post = getattr(t, "_post_accumulate_grad_hooks", None) or {}
+    return list(pre.values()), list(post.values())
 
 
 def tensor_version(t: torch.Tensor) -> int:

@@ -1405,11 +1405,13 @@ def fail_plain_lifecycle(ctx: Ctx) -> dict:
         p = model[0].weight
         torch.utils.swap_tensors(p, nn.Parameter(p.detach().clone()))
 
-    def hook(model):
-        model[0].weight.register_hook(lambda g: g)
+    def hooks(model):  # run from the hand-off as autograd runs them on the DTensor read
+        model[0].weight.register_hook(lambda g: g * 3)
+        model[0].weight.register_post_accumulate_grad_hook(lambda p: None if p.grad.mul_(0.5)
+                                                           is None else None)
 
     changes = {"load_in_place": load_in_place, "load_assign_sharded": load_assign_sharded,
-               "to_float64": to_float64, "freeze": freeze, "swap": swap, "hook": hook}
+               "to_float64": to_float64, "freeze": freeze, "swap": swap, "hooks": hooks}
     out = {}
     for compile in (False, True):
         for name, change in changes.items():

@@ -154,12 +154,41 @@ def test_a_replaced_or_moved_parameter_is_never_read_stale():
             forward(torch.randn(4, 5))
 
 
-def test_parameter_hooks_are_refused_not_skipped():
-    with one_rank_mesh() as mesh:
-        model, forward = _packed_stack(mesh)
-        model.blocks[0].gate.register_hook(lambda g: g)
-        with pytest.raises(RuntimeError, match=r"blocks\.0.*gate.*hooks"):
-            forward(torch.randn(4, 5)).sum().backward()
+def test_parameter_hooks_run_as_on_the_per_parameter_reads():
+    """A ``register_hook`` hook that scales a packed parameter's gradient and a
+    ``register_post_accumulate_grad_hook`` hook that reads and changes its ``.grad`` run once
+    per backward from the hand-off, and leave every gradient bitwise what they leave with the
+    per-parameter DTensor reads (where autograd runs them); with a ``.grad`` already there
+    (no ``zero_grad``) the hooked gradient is added to it."""
+    def run(pack: bool) -> tuple[list, dict]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        with one_rank_mesh() as mesh:
+            model = shardc.shard(Stack(), mesh, pack_blocks=pack)
+            forward = torch.compile(model, backend=shardc.backend(inductor=False))
+            calls = []
+            gate = model.blocks[0].gate
+            gate.register_hook(lambda g: (calls.append(("pre", type(g).__name__)), g * 3)[1])
+            up = model.blocks[1].up.weight
+
+            def post(p):
+                calls.append(("post", type(p.grad).__name__))
+                p.grad.mul_(0.5)
+
+            up.register_post_accumulate_grad_hook(post)
+            for _ in range(2):  # the second backward accumulates into the .grad held
+                forward(torch.randn(4, 5, generator=torch.Generator().manual_seed(1))
+                        ).square().sum().backward()
+            if pack:
+                assert shardc.shard_state(model).packed.handed == 2 * len(model.blocks)
+            return calls, {n: _local(p.grad).clone() for n, p in model.named_parameters()}
+
+    packed_calls, packed = run(True)
+    assert sorted(packed_calls) == 2 * [("post", "DTensor")] + 2 * [("pre", "DTensor")]
+    calls, reference = run(False)
+    assert sorted(packed_calls) == sorted(calls)
+    for name, grad in reference.items():
+        assert torch.equal(packed[name], grad), name
 
 
 def test_blocks_that_cannot_be_packed_say_why():

@@ -20,7 +20,7 @@ What users see is unchanged: each parameter is still a DTensor of its own (its l
 view of the buffer), so optimizers, ``state_dict``, DCP and in-place updates reach the buffer the
 next forward reads. The buffer's gradient is handed to the parameters after the backward as
 DTensor views of it (as ``plain_inputs`` does), so what ``plain_inputs`` says of parameter hooks
-and ``torch.autograd.grad`` holds for these parameters too.
+(they run from the hand-off) and ``torch.autograd.grad`` holds for these parameters too.
 
 What keeps the buffer and the parameters one: ``nn.Module._apply`` of the block (``to_empty``,
 ``.to``) repacks the converted shards into a new buffer; ``_apply`` of a module inside the block
@@ -216,13 +216,6 @@ class PackedBlock:
                     "packed shards); its gradient is refused. Change values in place "
                     "(param.to_local().copy_(...) under torch.no_grad(), load_state_dict, DCP), "
                     "move the model with to_empty() / .to(), or shard with pack_blocks=False.")
-            if _torch.has_grad_hooks(param):
-                raise RuntimeError(
-                    f"shardc: parameter {self.fqn}.{e.name!r} has hooks (register_hook / "
-                    "register_post_accumulate_grad_hook) that a block sharded with "
-                    "pack_blocks=True does not run: its gradient is the packed block's, handed "
-                    "to param.grad afterwards. Shard with pack_blocks=False to use parameter "
-                    "hooks.")
             if not param.requires_grad:
                 continue
             give_grad(param, grad[e.offset:e.offset + local.numel()].view(local.shape))

@@ -34,11 +34,12 @@ FP8 parameters, tensor-parallel ones, CPU-offloaded ones (any offload policy), p
 (``requires_grad=False``) when the leaves are built. (``shardc.step_in_backward``, which hooks
 the DTensor parameters' accumulation, needs CPU offload, which keeps the DTensor read.)
 Hooks a user registers on a DTensor parameter (``register_hook``,
-``register_post_accumulate_grad_hook``) do not run for a gradient handed over this way: the
-hand-off raises, naming the parameter, rather than skip them.
-Nor is the DTensor parameter in the autograd graph: ``torch.autograd.grad(loss,
-model.parameters())`` and ``backward(inputs=params)`` do not reach it (torch reports it unused);
-use ``backward()`` and read ``.grad``, or shard with ``plain_inputs=False``.
+``register_post_accumulate_grad_hook``) run from the hand-off, as autograd would run them for
+the DTensor parameter (:func:`give_grad`).
+The DTensor parameter is not in the autograd graph, though: ``torch.autograd.grad(loss,
+model.parameters())`` and ``backward(inputs=params)`` do not reach it (torch reports it unused,
+as it does for FSDP2's sharded parameters); use ``backward()`` and read ``.grad``, or shard
+with ``plain_inputs=False``.
 """
 
 from __future__ import annotations
@@ -119,21 +120,35 @@ def _make_leaf(plain: PlainInputs, fqn: str, param: DTensor) -> torch.Tensor:
 
 
 def give_grad(param: DTensor, grad: torch.Tensor) -> None:
-    """Hand ``grad`` (a plain tensor of ``param``'s local shape) to the DTensor ``param``:
-    its ``.grad`` becomes a DTensor of it (no copy), or it is added into the ``.grad`` already
-    there. Called from autograd's post-accumulate-grad hooks, which run with grad mode off
-    (create_graph aside, which a sharded parameter's gathered gradient does not support): no
-    autograd on these tensors."""
+    """Hand ``grad`` (a plain tensor of ``param``'s local shape) to the DTensor ``param`` as
+    autograd's accumulation into a DTensor parameter would: its ``.grad`` becomes a DTensor of
+    it (no copy), or it is added into the ``.grad`` already there. The parameter's own hooks
+    run as they would there: each ``register_hook`` hook on the DTensor gradient before it is
+    accumulated (a tensor it returns replaces the gradient), each
+    ``register_post_accumulate_grad_hook`` hook on the parameter afterwards (FSDP2 runs the
+    latter on its sharded parameters too). Called from autograd's post-accumulate-grad hooks,
+    which run with grad mode off (create_graph aside, which a sharded parameter's gathered
+    gradient does not support): no autograd on these tensors."""
+    pre, post = _torch.grad_hooks(param)
+    if pre:
+        grad = _torch.dtensor_with_spec_of(grad, param)
+        for hook in pre:
+            out = hook(grad)
+            grad = grad if out is None else out
     held = param.grad
     if held is None:
-        param.grad = _torch.dtensor_with_spec_of(grad, param)
+        param.grad = grad if pre else _torch.dtensor_with_spec_of(grad, param)
+    elif pre:  # a hook's result may be any DTensor of the parameter's shape
+        held.add_(grad)
     else:  # accumulation without zero_grad (micro-batches): in place, as autograd does
         _torch.dtensor_local(held).add_(grad)
+    for hook in post:
+        if hook(param) is not None:  # what autograd says of such a hook on the DTensor read
+            raise RuntimeError("Tensor post accumulate grad hooks should return None.")
 
 
 def _check_current(fqn: str, param, leaf: torch.Tensor) -> None:
-    """The leaf must still alias the shard of the parameter the model holds, and nothing may
-    wait for the parameter's own accumulation."""
+    """The leaf must still alias the shard of the parameter the model holds."""
     local = _torch.dtensor_local(param) if isinstance(param, DTensor) else None
     if (local is None or local.data_ptr() != leaf.data_ptr() or local.shape != leaf.shape
             or local.dtype != leaf.dtype):
@@ -145,11 +160,4 @@ def _check_current(fqn: str, param, leaf: torch.Tensor) -> None:
             "values in place (param.to_local().copy_(...) under torch.no_grad(), "
             "load_state_dict, DCP), move the model with to_empty() / .to(), or shard with "
             "plain_inputs=False."
-        )
-    if _torch.has_grad_hooks(param):
-        raise RuntimeError(
-            f"shardc: parameter {fqn!r} has hooks (register_hook / "
-            "register_post_accumulate_grad_hook) that a model sharded with plain_inputs=True "
-            "does not run: its gradient is accumulated on the local shard and handed to "
-            "param.grad afterwards. Shard with plain_inputs=False to use parameter hooks."
         )
