@@ -25,7 +25,9 @@ drift of the GPU's clock over the process, e.g. its power cap, reaches every mod
 
 Modes: ``bound`` (replicated parameters, Inductor, no communication, torch's AdamW),
 ``shardc`` (``shardc.shard`` + ``backend="shardc"``, torch's AdamW stepping the local shards:
-shardc's default since s52; torch's AdamW on the DTensor parameters before),
+shardc's default since s52; torch's AdamW on the DTensor parameters before; forwards reading
+plain local shards, ``plain_inputs=True``: the default since s53), ``shardc-dtensorin`` (the
+forwards reading the DTensor parameters, ``plain_inputs=False``: the default before s53),
 ``shardc-localopt`` (the same with ``shardc.optim.local_shard_step``), ``shardc-dtensoropt``
 (AdamW on the DTensor parameters: the default local step off), ``shardc-cudagraphs``
 (``shardc-localopt`` compiled with ``mode="reduce-overhead"``); named only:

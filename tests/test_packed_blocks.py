@@ -242,3 +242,37 @@ def test_packed_blocks_train_at_parity_under_inductor_over_two_ranks():
     run = run_ranks(_inductor_packed, 2)[0]
     assert run["packed_handed"] == 2 * STEPS  # two blocks, every step
     assert_parity(run, reference("llama"))
+
+
+def test_plain_leaves_follow_the_shards_into_the_block_buffer():
+    """With plain inputs (shard's default), a packed block's parameters keep plain leaves,
+    which forwards read where the block is not read packed (eagerly): they alias the shards
+    in the block's buffer, after ``shard`` and after ``to_empty`` repacks; an eager training
+    run equals the DTensor reads' bit for bit."""
+    from shardc.sharding.plain_inputs import leaf_for
+
+    torch._dynamo.reset()
+    with one_rank_mesh() as mesh:
+        torch.manual_seed(0)
+        reference = Stack()
+        with torch.device("meta"):
+            model = Stack()
+        shardc.shard(model, mesh, pack_blocks=True)
+
+        def aliased() -> bool:
+            return all(leaf_for(module, name).data_ptr() == _local(p).data_ptr()
+                       for block in model.blocks for module in block.modules()
+                       for name, p in module.named_parameters(recurse=False))
+
+        assert aliased()
+        model.to_empty(device="cpu")  # new storage, packed again: the leaves follow
+        assert aliased()
+        with torch.no_grad():
+            for p, ref in zip(model.parameters(), reference.parameters()):
+                _local(p).copy_(ref)
+        twin = Stack()
+        twin.load_state_dict(reference.state_dict())
+        shardc.shard(twin, mesh, plain_inputs=False)
+        assert _train(model, model) == _train(twin, twin)
+        for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+            assert torch.equal(_local(p), _local(q)), name

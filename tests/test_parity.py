@@ -131,10 +131,11 @@ SLOW = {
     # 29 s: reshard_after_forward=False with bucket_by="param": tests/test_fp8.py (world 3,
     # "fx") and tests/test_backend.py.
     "per_param": (3,),
-    # 10 s: plain inputs: "plain_eager" at 1 ("plain", "plain_blocks" at 2 and "plain_bf16" at
-    # 1: slow too; compiled: tests/test_real_models.py's plain_lifecycle, world 2);
+    # 10 s: the DTensor reads (plain_inputs=False; plain reads are the default since s53):
+    # "dtensor_eager" at 1 ("dtensor_reads", "dtensor_blocks" at 2 and "dtensor_bf16" at 1:
+    # slow too; compiled: tests/test_real_models.py's plain_lifecycle, world 2);
     # tied/frozen/unused parameters: "variant" at 4 (an empty shard; at 3: slow since s33).
-    "plain_variant": (3,),
+    "dtensor_variant": (3,),
     # 30 s ("blocks_offload_activations"); 27 s at world 3 and 42 s at 4 (the group's CPU
     # seconds with and without it) ("offload_activations"): activation offload with blocks:
     # tests/test_mesh.py (HSDP and TP, "fx-aoff" with blocks); activation offload at worlds 1
@@ -157,12 +158,12 @@ SLOW = {
     # (FX, world 2; 3: slow since s35); tests/test_autograd_cache.py trains this model under
     # Inductor at world 2 (slow).
     "repeated": (2,),
-    # (suite9) plain_inputs compiled over ranks: ("plain_blocks" here at 2, with bodies: slow
-    # since s35) tests/test_real_models.py's plain_no_sync_clip and meta_to_empty_plain (world
-    # 2; 3: slow since s35) and plain_lifecycle (world 2, bitwise against a twin); bitwise
-    # against the DTensor reads at world 1 ("plain_eager" vs "eager"; compiled under Inductor,
-    # tests/test_parity_inductor.py; "plain_bf16" vs "bf16": slow since suite36).
-    "plain": (2,),
+    # (suite9) The DTensor reads compiled over ranks (the default's plain reads run in every
+    # core scenario): ("dtensor_blocks" here at 2, with bodies: slow since s35)
+    # tests/test_real_models.py's plain_lifecycle (world 2, bitwise against a twin); bitwise
+    # against the plain reads at world 1 ("dtensor_eager" vs "eager"; compiled under Inductor,
+    # tests/test_parity_inductor.py; "dtensor_bf16" vs "bf16": slow since suite36).
+    "dtensor_reads": (2,),
     # (suite9) Optimizer-only offload compiled: tests/test_real_models.py's
     # optim_offload_no_sync_clip (world 2; 3: slow); its step at worlds 1-3 here (eager); the
     # host optimizer's prediction (no device state, host bytes four times the shards):
@@ -206,14 +207,14 @@ SLOW = {
     "offload_overlap": (1, 3),
     # plain_inputs with compile-once bodies over ranks: plain_inputs compiled over ranks stays
     # in tests/test_real_models.py (plain_no_sync_clip, meta_to_empty_plain, plain_lifecycle),
-    # bitwise the DTensor reads at world 1 ("plain_eager"; compiled under Inductor:
+    # bitwise the DTensor reads at world 1 ("dtensor_eager"; compiled under Inductor:
     # tests/test_parity_inductor.py's world 1); bodies over ranks in "blocks" at 2.
-    "plain_blocks": (2,),
+    "dtensor_blocks": (2,),
     # (suite36, 8 rank-CPU s) plain_inputs with bf16 compute at world 1, bitwise "bf16": plain
     # inputs compiled bitwise the DTensor reads stay in tests/test_real_models.py's
     # plain_lifecycle (FX, world 2: loss and gradients against a twin without them, after each
     # change) and tests/test_parity_inductor.py (world 1); bf16 compute in "bf16" (1 and 2).
-    "plain_bf16": (1,),
+    "dtensor_bf16": (1,),
     # (s35) The BlockStack under dynamic=True (every block inline, the reason in the plan) at
     # world 1 in the default tier, not at 2 (the same check; 26 rank-CPU s at 2): dynamic
     # shapes over real collectives stay in tests/test_real_models.py (changing_batch: the
@@ -226,8 +227,8 @@ SLOW = {
 # What a slow scenario is compared with (run beside it in the slow test).
 SLOW_BASES = {"offload_activations_no_sync": ("offload_activations",),
               "packed_blocks": ("blocks",),
-              "plain_variant": ("variant",), "variant_optim_offload": ("variant",),
-              "plain_offload_overlap": ("offload", "offload_overlap"), "plain_bf16": ("bf16",)}
+              "dtensor_variant": ("variant",), "variant_optim_offload": ("variant",),
+              "plain_offload_overlap": ("offload", "offload_overlap"), "dtensor_bf16": ("bf16",)}
 
 
 def _parity_scenarios(world: int, slow: bool = False) -> dict[str, tuple[str, str, dict]]:
@@ -332,13 +333,14 @@ def _parity_scenarios(world: int, slow: bool = False) -> dict[str, tuple[str, st
                                                                   "optim": "adamw-fused",
                                                                   "offload": OPT_OFFLOAD})),
         (at(4), "variant_optim_offload", ("variant", "fx", {"offload": OPT_OFFLOAD})),
-        # plain_inputs (issue 20): forwards read the local shards as plain tensors, gradients
-        # are handed to the DTensor parameters; the same kernels on the same values as "fx".
-        (at(2), "plain", ("llama", "fx", {"plain_inputs": True})),  # 1: plain_bf16
-        (at(1), "plain_eager", ("llama", "eager", {"plain_inputs": True})),
-        (at(3), "plain_variant", ("variant", "fx", {"plain_inputs": True})),
-        (at(2), "plain_blocks", ("blocks", "fx", {"plain_inputs": True, "eval": True})),
-        (at(1), "plain_bf16", ("llama", "fx", {"plain_inputs": True, "mp_policy": BF16})),
+        # The DTensor reads (plain_inputs=False): every other scenario reads the local shards
+        # as plain tensors and hands the gradients to the DTensor parameters (the default since
+        # s53, issue 20); the same kernels on the same values as "fx".
+        (at(2), "dtensor_reads", ("llama", "fx", {"plain_inputs": False})),  # 1: dtensor_bf16
+        (at(1), "dtensor_eager", ("llama", "eager", {"plain_inputs": False})),
+        (at(3), "dtensor_variant", ("variant", "fx", {"plain_inputs": False})),
+        (at(2), "dtensor_blocks", ("blocks", "fx", {"plain_inputs": False, "eval": True})),
+        (at(1), "dtensor_bf16", ("llama", "fx", {"plain_inputs": False, "mp_policy": BF16})),
         # pack_blocks (issue 18): each repeated block's shards in one buffer, read and gathered
         # as one tensor, unpacked in the shared body; gradients handed to the parameters.
         # BlockStack (uneven rows, checkpointing inside the block, the eval region, at world 1
@@ -454,21 +456,25 @@ def _check_runs(world: int, named: dict, runs: dict, references: dict) -> None:
 
 
 def _check_plain_inputs(world: int, runs: dict[str, dict]) -> None:
-    """plain_inputs: the same bits as the DTensor reads (same kernels, same values), every
-    trained parameter's gradient handed over each step; ignored under CPU offload."""
-    for name, base in (("plain", "fx"), ("plain_bf16", "bf16"), ("plain_eager", "eager"),
-                       ("plain_variant", "variant")):
+    """plain_inputs (shard's default since s53): the same bits as the DTensor reads
+    (``plain_inputs=False``: same kernels, same values), every trained parameter's gradient
+    handed over each step; ignored under CPU offload."""
+    pairs = (("dtensor_reads", "fx"), ("dtensor_bf16", "bf16"), ("dtensor_eager", "eager"),
+             ("dtensor_variant", "variant"))
+    for name, base in pairs:
         if name in runs and base in runs:
-            _bitwise(runs[base], runs[name], f"world {world}: {name} vs {base}")
-    for name in ("plain", "plain_eager", "plain_bf16", "plain_blocks", "plain_variant"):
+            _bitwise(runs[name], runs[base], f"world {world}: {base} vs {name}")
+    for name, base in (*pairs, ("dtensor_blocks", "blocks")):
         if name in runs:
-            run = runs[name]
-            assert run["plain_handed"] and run["plain_handed"] % STEPS == 0, (name, run)
+            assert runs[name]["plain_handed"] is None, (name, runs[name]["plain_handed"])
+        if base in runs:
+            run = runs[base]
+            assert run["plain_handed"] and run["plain_handed"] % STEPS == 0, (base, run)
             # Every trained parameter, every step (the unused one of "variant" gets none).
             used = [n for n in run["trainable"] if n != "unused"]
-            assert run["plain_handed"] == len(used) * STEPS, (name, run["plain_handed"])
-    if "plain_variant" in runs:
-        assert runs["plain_variant"]["grads_none"]["unused"], "an unused parameter got a grad"
+            assert run["plain_handed"] == len(used) * STEPS, (base, run["plain_handed"])
+    if "variant" in runs:
+        assert runs["variant"]["grads_none"]["unused"], "an unused parameter got a grad"
     if "plain_offload_overlap" in runs:
         assert runs["plain_offload_overlap"]["plain_handed"] is None
         _bitwise(runs["offload_overlap"], runs["plain_offload_overlap"],

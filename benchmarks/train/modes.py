@@ -29,7 +29,7 @@ MODES: tuple[str, ...] = ("fsdp2", "fsdp2-compile", "simplefsdp", "shardc", "bou
 
 # Diagnostic variants, run only when named in --modes.
 EXTRA_MODES: tuple[str, ...] = ("shardc-keeporder", "shardc-pool", "shardc-localopt",
-                                  "shardc-dtensoropt",
+                                  "shardc-dtensoropt", "shardc-dtensorin",
                                   "shardc-cudagraphs", "shardc-budget", "shardc-noreshard",
                                   "shardc-inline", "shardc-plain", "shardc-plain-budget",
                                   "shardc-plain-pool", "shardc-oneop", "shardc-packed",
@@ -228,6 +228,12 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_
         return setup_mode_fsdp2(mode, model, mesh)
     if mode == "simplefsdp":
         return setup_simplefsdp(model, mesh, loss_in_graph)
+    if mode == "shardc-dtensorin":
+        # The forwards read the DTensor parameters (plain_inputs=False): shardc's default
+        # before the fifty-third session.
+        setup = setup_shardc_(model, mesh, loss_in_graph, plain_inputs=False)
+        setup.info["options"] = "shardc.shard(..., plain_inputs=False)"
+        return setup
     if mode in ("shardc-plain", "shardc-plain-budget", "shardc-plain-pool"):
         # Forwards read plain local shards; gradients handed to the DTensor parameters
         # (shardc.shard(..., plain_inputs=True), docs/overhead.md). -budget: with the peak

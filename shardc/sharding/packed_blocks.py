@@ -191,6 +191,17 @@ class PackedBlock:
         leaf = buffer.detach().requires_grad_(True)
         leaf.register_post_accumulate_grad_hook(self._hand_off)
         block.__dict__[LEAF_ATTR] = leaf
+        self._follow_plain_leaves()
+
+    def _follow_plain_leaves(self) -> None:
+        """With plain inputs (``shardc.sharding.plain_inputs``), each parameter's plain leaf
+        (read where the block is not read packed: eagerly, or once its packed read is dropped)
+        must alias the shard now in the buffer, not the storage it was moved out of."""
+        for ref, pname in self._owners:
+            owner = ref()
+            plain = None if owner is None else getattr(owner, "_shardc_plain", None)
+            if plain is not None:
+                plain.follow(owner._shardc_infos[pname].fqn)
 
     def drop(self) -> None:
         """From now on the block reads its parameters one by one."""

@@ -88,6 +88,13 @@ class PlainInputs:
             else:
                 leaves[name] = leaf
 
+    def follow(self, fqn: str) -> None:
+        """``fqn``'s parameter got new contents from shardc itself (packed blocks move the
+        shards into the block's buffer): rebuild its leaf if it has one, so that the leaf
+        aliases the new shard."""
+        if any(name in module.__dict__.get(LEAVES_ATTR, {}) for module, name in self.owners(fqn)):
+            self.refresh(fqn, eligible=True)
+
 
 def leaf_for(module: nn.Module, name: str) -> torch.Tensor | None:
     """The plain leaf a forward of ``module`` reads for its parameter ``name``, or None."""

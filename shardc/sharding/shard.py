@@ -225,17 +225,13 @@ def _param_property(name: str, info: ShardedParamInfo, grads: UnsyncedGrads,
     # the store itself is kept alive by the read (_keep_store), never read by it.
     key = grads.key
     constants = info.gather_constants(key)
-    if not (plain or info.quantized or info.fp8 is not None or info.tp is not None
+    if not (info.quantized or info.fp8 is not None or info.tp is not None
             or info.offload_device or auto is not None):
-        return property(_keep_store(_read_gathered_as_is(name, info.fqn, constants, key), grads),
+        return property(_keep_store(_read_gathered_as_is(name, info.fqn, constants, key, plain),
+                                    grads),
                         doc=f"The parameter {info.fqn!r}, gathered inside a forward.")
 
-    def read(self):
-        if plain and gathering():
-            # plain_inputs: the DTensor is not read at all (no guards, no unwrapping).
-            leaf = leaf_for(self, name)
-            if leaf is not None:
-                return gather_param(leaf, *constants[sync_mode(key)])
+    def read(self):  # (no plain leaf here: plain_eligible excludes every case below)
         param, gather = _param_to_gather(self, name)
         if not gather:
             return param
@@ -263,9 +259,11 @@ def _keep_store(read, grads: UnsyncedGrads):
     return read
 
 
-def _read_gathered_as_is(name: str, fqn: str, constants: dict[int, tuple], key: str):
+def _read_gathered_as_is(name: str, fqn: str, constants: dict[int, tuple], key: str,
+                         plain: bool = False):
     """The read of a parameter gathered as it is: not FP8, not TransformerEngine FP8, not
-    tensor-parallel, not offloaded, no plain leaf (most parameters). The same steps as the
+    tensor-parallel, not offloaded (most parameters); ``plain``: inside a forward it gathers
+    the parameter's plain leaf where it has one (``plain_inputs``). The same steps as the
     general read's path for it, with those choices made here, once: Dynamo guards every value
     a traced read consults, and the general read consults its ``ShardedParamInfo`` (``tp``,
     ``fp8``, ``quantized``, ``offload_device``, the ``sent_shard`` method) and the ``plain``
@@ -281,7 +279,7 @@ def _read_gathered_as_is(name: str, fqn: str, constants: dict[int, tuple], key: 
     guards per parameter (issue 18: guards are built at every compile and checked at every
     step). The store's mode is read through ``SYNC_MODES`` under the key, one guarded value for
     all the model's reads."""
-    return _constant_read(name, _by_mode(constants), key, fqn)
+    return _constant_read(name, _by_mode(constants), key, fqn, plain)
 
 
 def _by_mode(constants: dict[int, tuple]) -> tuple:
@@ -300,13 +298,25 @@ def read(self):
     param, gather = _param_to_gather(self, {name!r})
     return GATHER_OP(param.to_local(), *{by_mode!r}[SYNC_MODES[{key!r}]]) if gather else param
 """
+# plain_inputs: inside a forward the plain leaf is gathered and the DTensor not read at all (no
+# guards, no unwrapping); without a leaf (dropped: a replaced parameter) the read above.
+_PLAIN_READ_SOURCE = """\
+def read(self):
+    if GATHERING():
+        leaf = LEAF_FOR(self, {name!r})
+        if leaf is not None:
+            return GATHER_OP(leaf, *{by_mode!r}[SYNC_MODES[{key!r}]])
+    param, gather = _param_to_gather(self, {name!r})
+    return GATHER_OP(param.to_local(), *{by_mode!r}[SYNC_MODES[{key!r}]]) if gather else param
+"""
 
 
-def _constant_read(name: str, by_mode: tuple, key: str, fqn: str):
+def _constant_read(name: str, by_mode: tuple, key: str, fqn: str, plain: bool = False):
     """:func:`_read_gathered_as_is`'s read: compiled from source with ``name`` and ``key``
     written in as literals, and ``by_mode`` (any objects) set among its code's constants; its
     file name, shown in tracebacks and Dynamo's logs, names the parameter ``fqn``."""
-    source = _READ_SOURCE.format(name=name, by_mode=_BY_MODE, key=key)
+    template = _PLAIN_READ_SOURCE if plain else _READ_SOURCE
+    source = template.format(name=name, by_mode=_BY_MODE, key=key)
     module = compile(source, f"<shardc read of {fqn!r}>", "exec")
     code = next(c for c in module.co_consts if isinstance(c, types.CodeType))
     consts = tuple(by_mode if isinstance(c, str) and c == _BY_MODE else c
@@ -332,7 +342,8 @@ def _param_to_gather(module: nn.Module, name: str) -> tuple[torch.Tensor | None,
 # The globals of every read _constant_read makes: one dict, so Dynamo guards what a read looks
 # up there (``SYNC_MODES``...) once for all of them, not once per read.
 _READ_GLOBALS = {"_param_to_gather": _param_to_gather, "GATHER_OP": GATHER_OP,
-                 "SYNC_MODES": SYNC_MODES, "__builtins__": builtins.__dict__}
+                 "SYNC_MODES": SYNC_MODES, "GATHERING": gathering, "LEAF_FOR": leaf_for,
+                 "__builtins__": builtins.__dict__}
 
 
 def _replaced_error(module: nn.Module, name: str, param: torch.Tensor) -> RuntimeError:
@@ -617,7 +628,7 @@ def shard(
     fp8: Float8Policy | None = None,
     allow_partial_mesh: bool = False,
     offload: OffloadPolicy | None = None,
-    plain_inputs: bool = False,
+    plain_inputs: bool = True,
     pack_blocks: bool = False,
 ) -> nn.Module:
     """Shard every parameter of ``module`` on dim 0 over ``mesh``, in place; returns ``module``.
@@ -648,10 +659,13 @@ def shard(
     everything on the device and lets a peak memory budget move the shards, gradients and
     optimizer state to the host where no other lever meets it
     (:mod:`shardc.sharding.auto_offload`).
-    ``plain_inputs``: forwards read each parameter's local shard as a plain tensor and its
-    gradient is handed to the DTensor parameter afterwards, which removes per-parameter
-    DTensor work from every step (guards, AOTAutograd's wrapping, DTensor gradient
-    accumulation); parameters, ``.grad``, optimizers and checkpoints are unchanged. Off
+    ``plain_inputs`` (on by default since the fifty-third session): forwards read each
+    parameter's local shard as a plain tensor and its gradient is handed to the DTensor
+    parameter afterwards, which removes per-parameter DTensor work from every step (guards,
+    AOTAutograd's wrapping, DTensor gradient accumulation); parameters, ``.grad``, parameter
+    hooks, optimizers and checkpoints are unchanged. The DTensor parameters are not in the
+    autograd graph then: ``torch.autograd.grad`` / ``backward(inputs=...)`` with respect to
+    them need ``plain_inputs=False`` (FSDP2's sharded parameters are not in it either). Off
     with CPU offload; see :mod:`shardc.sharding.plain_inputs` for what keeps the DTensor read.
     ``pack_blocks``: each repeated block (compiled once, ``shardc.sharding.blocks``) keeps its
     local shards in one buffer, and compiled forwards read and gather it as one tensor (one
