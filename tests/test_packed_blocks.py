@@ -83,18 +83,29 @@ def _buffer(block: nn.Module) -> torch.Tensor:
     return block.__dict__["_shardc_packed_state"].buffer
 
 
+def _meta_packed_stack(mesh) -> tuple[Stack, Stack]:
+    """A Stack's weights (the reference) and a Stack built on the meta device, sharded with
+    packed blocks on ``mesh``."""
+    torch.manual_seed(0)
+    reference = Stack()
+    with torch.device("meta"):
+        model = Stack()
+    shardc.shard(model, mesh, pack_blocks=True)
+    return reference, model
+
+
+def _load_shards(model: Stack, reference: Stack) -> None:
+    with torch.no_grad():
+        for p, ref in zip(model.parameters(), reference.parameters()):
+            _local(p).copy_(ref)
+
+
 def test_parameters_are_views_of_the_block_buffer_through_optimizer_state_dict_and_to_empty():
     torch._dynamo.reset()
     with one_rank_mesh() as mesh:
-        torch.manual_seed(0)
-        reference = Stack()
-        with torch.device("meta"):
-            model = Stack()
-        shardc.shard(model, mesh, pack_blocks=True)
+        reference, model = _meta_packed_stack(mesh)
         model.to_empty(device="cpu")  # new storage: the blocks pack it again
-        with torch.no_grad():
-            for p, ref in zip(model.parameters(), reference.parameters()):
-                _local(p).copy_(ref)
+        _load_shards(model, reference)
         plain = Stack()
         plain.load_state_dict(reference.state_dict())
         shardc.shard(plain, mesh)
@@ -253,11 +264,7 @@ def test_plain_leaves_follow_the_shards_into_the_block_buffer():
 
     torch._dynamo.reset()
     with one_rank_mesh() as mesh:
-        torch.manual_seed(0)
-        reference = Stack()
-        with torch.device("meta"):
-            model = Stack()
-        shardc.shard(model, mesh, pack_blocks=True)
+        reference, model = _meta_packed_stack(mesh)
 
         def aliased() -> bool:
             return all(leaf_for(module, name).data_ptr() == _local(p).data_ptr()
@@ -267,9 +274,7 @@ def test_plain_leaves_follow_the_shards_into_the_block_buffer():
         assert aliased()
         model.to_empty(device="cpu")  # new storage, packed again: the leaves follow
         assert aliased()
-        with torch.no_grad():
-            for p, ref in zip(model.parameters(), reference.parameters()):
-                _local(p).copy_(ref)
+        _load_shards(model, reference)
         twin = Stack()
         twin.load_state_dict(reference.state_dict())
         shardc.shard(twin, mesh, plain_inputs=False)
