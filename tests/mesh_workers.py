@@ -33,8 +33,8 @@ def _forward(model: nn.Module, mode: str, cluster: dict | None = None):
     """``eager``, ``fx`` (compiled, planned FX graphs), ``fx-traced`` (the same, with the
     collectives found in the graph kept where they were traced) or ``fx-nopool`` (buffers
     allocated per collective, as Inductor's default is); ``fx-offload``: ``fx`` of a model
-    sharded with CPU offload, ``fx-optoffload`` with optimizer-only offload, ``fx-plain`` with
-    ``plain_inputs=True`` and ``fx-packed`` with ``pack_blocks=True`` (:func:`hsdp_run`);
+    sharded with CPU offload, ``fx-optoffload`` with optimizer-only offload, ``fx-dtensorin`` with
+    ``plain_inputs=False`` and ``fx-packed`` with ``pack_blocks=True`` (:func:`hsdp_run`);
     ``fx-aoff``: ``fx`` with every block's saved activations offloaded to the host
     (``activation_offload=("*",)``)."""
     if mode == "eager":
@@ -205,8 +205,11 @@ def hsdp_run(rank: int, world: int, shape: tuple[int, int], mode: str,
     # "fx-offload-overlap": CPU offload with shardc.step_in_backward (each bucket's host step
     # during the backward, once its gradients are reduced over both mesh dimensions)
     overlap = {} if mode == "fx-offload-overlap" else None
-    model = shardc.shard(build(kind), mesh, offload=offload, plain_inputs=mode == "fx-plain",
-                         pack_blocks=mode == "fx-packed")
+    # "fx-dtensorin": the DTensor reads (plain_inputs=False); every other mode reads plain
+    # local shards where shard does by default (since s53; not under offload).
+    dtensor_reads = {"plain_inputs": False} if mode == "fx-dtensorin" else {}
+    model = shardc.shard(build(kind), mesh, offload=offload, pack_blocks=mode == "fx-packed",
+                         **dtensor_reads)
     tokens, targets = batches()
     per = GLOBAL_BATCH // world
     rows = slice(rank * per, (rank + 1) * per)

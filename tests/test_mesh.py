@@ -17,7 +17,7 @@ from shardc.planning.cost_model import ClusterSpec
 HSDP = [((2, 2), "eager"), ((2, 2), "fx"), ((4, 1), "eager")]
 # Slow (suite time; run with -m slow): their own 4-rank spawn, with the "fx" run they are
 # compared with bit for bit. Their features stay in the default suite on 1-D meshes (optimizer-
-# only offload at worlds 1-4 and plain inputs at worlds 1-2 in tests/test_parity.py; the pooled
+# only offload at worlds 1-4 and the DTensor reads at worlds 1-3 in tests/test_parity.py; the pooled
 # all-reduce in every compiled HSDP run above); only their HSDP combinations are slow-only.
 HSDP_MORE = [((2, 2), "fx"),
              # Compiled on 4x1 (one-rank shard groups: gathers and reduce-scatters elided, the
@@ -30,7 +30,7 @@ HSDP_MORE = [((2, 2), "fx"),
              ((4, 1), "fx-nopool"),
              ((2, 2), "fx-optoffload"),  # optimizer-only offload over HSDP
              ((2, 2), "fx-offload-overlap"),  # CPU offload + shardc.step_in_backward over HSDP
-             ((2, 2), "fx-plain"),  # plain_inputs=True over HSDP
+             ((2, 2), "fx-dtensorin"),  # the DTensor reads over HSDP (plain_inputs=False)
              # CPU offload (simulated on the CPU mesh) over HSDP. Slow since s33 (suite time:
              # 18 rank-CPU s of the 4-rank HSDP group): compiled CPU offload over ranks stays in
              # tests/test_parity.py ("offload" at 3, "bf16_offload" at 2), with its copies
@@ -160,10 +160,10 @@ def _check_hsdp(layouts: list, results: list[list[dict]], ref: dict) -> None:
             else:
                 assert "all_reduce" not in plan["kinds"] and plan["mesh"] == ""
             assert plan["found"] == [] and plan["tp_size"] == 1
-    # CPU offload over HSDP (all, and optimizer only) and plain inputs: the same bits as
-    # without them; the copies
+    # CPU offload over HSDP (all, and optimizer only) and the DTensor reads: the same bits as
+    # the default's plain reads; the copies
     # planned where the shards are offloaded, none for optimizer-only offload.
-    modes = [m for m in ("fx-offload", "fx-optoffload", "fx-offload-overlap", "fx-plain")
+    modes = [m for m in ("fx-offload", "fx-optoffload", "fx-offload-overlap", "fx-dtensorin")
              if ((2, 2), m) in layouts]
     assert not modes or ((2, 2), "fx") in layouts
     for per_rank in results if modes else ():
