@@ -115,7 +115,8 @@ def test_hsdp_parity_and_plan(hsdp_runs, llama1_reference):
 
 @pytest.mark.slow
 def test_hsdp_parity_and_plan_more(llama1_reference):
-    """HSDP without the pool, with optimizer-only offload, with plain inputs (see HSDP_MORE)."""
+    """HSDP without the pool, with optimizer-only offload, with the DTensor reads (see
+    HSDP_MORE)."""
     _check_hsdp(HSDP_MORE, run_ranks(hsdp_scenarios, 4, HSDP_MORE), llama1_reference)
 
 
