@@ -36,8 +36,9 @@ from train.workload import build_model, model_config  # noqa: E402
 import shardc  # noqa: E402
 
 PHASES = ("forward", "backward", "optimizer.step", "zero_grad")
-# name -> (plain_inputs, shardc.optim.local_shard_step); "bound": no shardc (replicated
-# parameters read as bf16, Inductor, no communication: benchmarks/train/baselines.py).
+# name -> (plain_inputs, shardc.optim.local_shard_step) ("shardc" is the DTensor reads,
+# shardc.shard's default before s53; "shardc-plain" its default since); "bound": no shardc
+# (replicated parameters read as bf16, Inductor, no communication: benchmarks/train/baselines.py).
 VARIANTS = {"shardc": (False, False), "shardc-plain": (True, False),
             "shardc-local": (False, True), "shardc-plain-local": (True, True),
             "bound": None}

@@ -61,7 +61,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--fx", action="store_true", help="the FX backend instead of Inductor")
-    p.add_argument("--plain", action="store_true", help="shardc.shard(..., plain_inputs=True)")
+    p.add_argument("--plain", action="store_true",
+                   help="shardc.shard(..., plain_inputs=True): shardc's default since s53")
+    p.add_argument("--dtensor-reads", action="store_true",
+                   help="shardc.shard(..., plain_inputs=False): the default before s53")
     p.add_argument("--local-step", action="store_true",
                    help="shardc.optim.local_shard_step(optimizer)")
     p.add_argument("--bound", action="store_true",
@@ -85,7 +88,7 @@ def main(argv=None) -> None:
     else:
         mp = shardc.MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                          reduce_dtype=torch.float32)
-        shardc.shard(model, mp_policy=mp, plain_inputs=args.plain)
+        shardc.shard(model, mp_policy=mp, plain_inputs=not args.dtensor_reads)
         loss_fn = compiled_loss(model, True, backend=shardc.backend(inductor=not args.fx))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4,
                             **({"foreach": True} if args.foreach else {}))
