@@ -247,3 +247,33 @@ def test_a_chunked_step_goes_through_dtensor_in_every_chunk(caplog):
         said = [r.getMessage() for r in caplog.records if "steps" in r.getMessage()
                 and "AdamW" in r.getMessage()]
         assert said == ["shardc: this AdamW steps through DTensor: the plan steps it in chunks"]
+
+
+def test_a_backward_that_does_not_reach_the_plain_parameters_is_said_at_the_step(caplog):
+    """With the default plain reads the DTensor parameters are not in the autograd graph:
+    ``backward(inputs=params)`` leaves every ``.grad`` None without an error of its own, so the
+    next step warns, naming the parameters and ``plain_inputs=False``; a backward() that
+    reaches them does not warn, and with the DTensor reads ``backward(inputs=...)`` reaches
+    them."""
+    import logging
+
+    toks = torch.randint(0, CFG.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
+    with one_rank_mesh() as mesh:
+        torch.manual_seed(0)
+        model = shardc.shard(Transformer(CFG), mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        with caplog.at_level(logging.WARNING, logger="shardc"):
+            llama_loss(model(toks), toks).backward()
+            opt.step()
+            opt.zero_grad()
+            assert "found no gradient" not in caplog.text
+            llama_loss(model(toks), toks).backward(inputs=list(model.parameters()))
+            assert all(p.grad is None for p in model.parameters())
+            opt.step()
+        said = [r.getMessage() for r in caplog.records if "found no gradient" in r.getMessage()]
+        assert len(said) == 1 and "plain_inputs=False" in said[0], said
+        assert "'tok_embeddings.weight'" in said[0] or "'layers.0" in said[0], said
+        torch.manual_seed(0)
+        dtensor_reads = shardc.shard(Transformer(CFG), mesh, plain_inputs=False)
+        llama_loss(dtensor_reads(toks), toks).backward(inputs=list(dtensor_reads.parameters()))
+        assert all(p.grad is not None for p in dtensor_reads.parameters())

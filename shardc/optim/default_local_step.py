@@ -61,6 +61,9 @@ _ENABLED = [True]
 # Where the parameters shardc.shard made are found (by id): shardc.sharding.shard's registry of
 # live models, handed over by install() (this module is below the sharding package).
 _SOURCE: list[Callable[[], dict[int, torch.Tensor]]] = []
+# Likewise the parameters forwards read as plain leaves (plain_inputs), with their names.
+_PLAIN_SOURCE: list[Callable[[], dict[int, str]]] = []
+_NO_GRAD_SAID: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # Per optimizer, the parameters it was checked for. (Its swap is an attribute of the optimizer,
 # _SWAP_ATTR: the swap holds the optimizer, which a value of a WeakKeyDictionary keyed by it
 # would keep alive, with its state and parameters, for ever.)
@@ -82,11 +85,14 @@ def set_default_local_step(enabled: bool,
         _OWN[optimizer] = bool(enabled)
 
 
-def install(steppable_params: Callable[[], dict[int, torch.Tensor]]) -> None:
+def install(steppable_params: Callable[[], dict[int, torch.Tensor]],
+            plain_params: Callable[[], dict[int, str]] | None = None) -> None:
     """Register the process-wide step hooks (once; ``shardc.shard`` calls this with where the
-    parameters whose local shards may step are found, by id)."""
+    parameters whose local shards may step are found, by id, and those read as plain leaves)."""
     if not _SOURCE:
         _SOURCE.append(steppable_params)
+    if plain_params is not None and not _PLAIN_SOURCE:
+        _PLAIN_SOURCE.append(plain_params)
     if not _HOOKS:
         _HOOKS.append(register_optimizer_step_pre_hook(_pre_step))
         _HOOKS.append(register_optimizer_step_post_hook(_post_step))
@@ -160,10 +166,38 @@ def _step_reason(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) ->
             or _grads_reason(optimizer))
 
 
+def _say_if_no_gradient_reached(optimizer: torch.optim.Optimizer) -> None:
+    """Warn (once per optimizer) where a step finds no gradient on any of its parameters and
+    forwards read some of them as plain leaves: ``torch.autograd.grad`` /
+    ``backward(inputs=params)`` with respect to those parameters do not reach them (they are
+    not in the autograd graph), and ``backward(inputs=params)`` says nothing itself. Cheap
+    where any parameter has a gradient (the first one found ends it)."""
+    if not _PLAIN_SOURCE or optimizer in _NO_GRAD_SAID:
+        return
+    params = _params(optimizer)
+    if not params or any(p.grad is not None for p in params):
+        return
+    plain = _PLAIN_SOURCE[0]()
+    names = [plain[id(p)] for p in params if id(p) in plain and p.requires_grad]
+    if not names:
+        return
+    _NO_GRAD_SAID[optimizer] = True
+    shown = ", ".join(repr(n) for n in names[:3]) + (", ..." if len(names) > 3 else "")
+    log.warning(
+        "shardc: %s.step() found no gradient on any of its parameters, and shardc's forwards "
+        "read %d of them (%s) as plain local shards (shardc.shard's plain_inputs=True, the "
+        "default), which are not in the autograd graph: torch.autograd.grad(...) or "
+        "backward(inputs=...) with respect to these parameters does not reach them. Call "
+        "backward() and read .grad, or shard with plain_inputs=False.",
+        type(optimizer).__name__, len(names), shown)
+
+
 def _pre_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     swap = optimizer.__dict__.get(_SWAP_ATTR)
     if swap is not None:
         swap._restore(optimizer)  # a step that raised left its swap installed
+    if not torch.compiler.is_compiling():
+        _say_if_no_gradient_reached(optimizer)
     if (not _OWN.get(optimizer, _ENABLED[0]) or torch.compiler.is_compiling()
             or getattr(optimizer, "_shardc_local_step", None) is not None):
         return

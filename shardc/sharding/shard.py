@@ -210,6 +210,21 @@ def locally_steppable_params() -> dict[int, nn.Parameter]:
     return out
 
 
+def plainly_read_params() -> dict[int, str]:
+    """By id, the parameters of every live sharded model that forwards read as plain leaves
+    (``plain_inputs``), with their names: those the autograd graph does not hold."""
+    out: dict[int, str] = {}
+    for state in list(_STATES.values()):
+        root = state.root() if state.root is not None else None
+        if root is None or state.plain is None:
+            continue
+        for fqn, p in root.named_parameters(remove_duplicate=False):
+            owner_name, _, name = fqn.rpartition(".")
+            if leaf_for(root.get_submodule(owner_name), name) is not None:
+                out[id(p)] = fqn
+    return out
+
+
 def state_for_key(key: str) -> ShardState | None:
     """The :class:`ShardState` of the live sharded model whose gathers carry ``key``."""
     return _STATES.get(key)
@@ -773,7 +788,7 @@ def shard(
     for fqn, p in canonical.values():  # an optimizer still holding these is named at its step
         replaced_params.remember(p, fqn)
     # After the check above (its hook runs first): it sees the DTensor parameters.
-    default_local_step.install(locally_steppable_params)
+    default_local_step.install(locally_steppable_params, plainly_read_params)
     for sub, sub_infos in per_module.values():
         _swap_class(sub, sub_infos, state.grad_sync, fp8, plain, auto)
         if plain is not None:
