@@ -252,13 +252,12 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_
         return setup
     if mode in ("shardc-packed", "shardc-packed-plain"):
         # Each repeated block's shards in one buffer, read and gathered as one tensor
-        # (shardc.shard(..., pack_blocks=True), issue 18: less to trace and guard per block).
-        # -plain: the parameters outside the blocks read as plain leaves too (plain_inputs=True:
-        # no DTensor input left in the regions, so AOTAutograd runs no subclass pass).
-        plain = mode == "shardc-packed-plain"
-        setup = setup_shardc_(model, mesh, loss_in_graph, pack_blocks=True, plain_inputs=plain)
-        setup.info["options"] = "shardc.shard(..., pack_blocks=True" + (
-            ", plain_inputs=True)" if plain else ")")
+        # (shardc.shard(..., pack_blocks=True), issue 18: less to trace and guard per block);
+        # the parameters outside the blocks read as shard's default reads them (plain leaves
+        # since s53; before, shardc-packed read them as DTensors and -plain as plain leaves: the
+        # two are the same mode now).
+        setup = setup_shardc_(model, mesh, loss_in_graph, pack_blocks=True)
+        setup.info["options"] = "shardc.shard(..., pack_blocks=True)"
         return setup
     if mode == "shardc-budget":
         # The whole-step peak budget (issue 22): SHARDC_PEAK_BUDGET bytes, or "auto".
