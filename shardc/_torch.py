@@ -453,13 +453,14 @@ dtensor_local_fast: Callable[[Any], torch.Tensor] = operator.attrgetter("_local_
 dtensor_spec_fast: Callable[[Any], Any] = operator.attrgetter("_spec")
 
 
-def grad_hooks(t: torch.Tensor) -> tuple[list[Callable], list[Callable]]:
+def grad_hooks(t: torch.Tensor) -> tuple[tuple[Callable, ...], tuple[Callable, ...]]:
     """The hooks registered on ``t``'s gradient (``register_hook``) and on its accumulation
-    (``register_post_accumulate_grad_hook``), each list in registration order: the private
-    dicts autograd keeps them in, read where shardc hands a gradient to ``t`` itself."""
-    pre = getattr(t, "_backward_hooks", None) or {}
-    post = getattr(t, "_post_accumulate_grad_hooks", None) or {}
-    return list(pre.values()), list(post.values())
+    (``register_post_accumulate_grad_hook``), each in registration order: the private dicts
+    autograd keeps them in, read where shardc hands a gradient to ``t`` itself (once per
+    parameter per backward: nothing is allocated where there are none)."""
+    pre = getattr(t, "_backward_hooks", None)
+    post = getattr(t, "_post_accumulate_grad_hooks", None)
+    return (tuple(pre.values()) if pre else (), tuple(post.values()) if post else ())
 
 
 def tensor_version(t: torch.Tensor) -> int:

@@ -63,7 +63,7 @@ _ENABLED = [True]
 _SOURCE: list[Callable[[], dict[int, torch.Tensor]]] = []
 # Likewise the parameters forwards read as plain leaves (plain_inputs), with their names.
 _PLAIN_SOURCE: list[Callable[[], dict[int, str]]] = []
-_NO_GRAD_SAID: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_NO_GRAD_SAID: weakref.WeakSet = weakref.WeakSet()  # the optimizers already warned
 # Per optimizer, the parameters it was checked for. (Its swap is an attribute of the optimizer,
 # _SWAP_ATTR: the swap holds the optimizer, which a value of a WeakKeyDictionary keyed by it
 # would keep alive, with its state and parameters, for ever.)
@@ -172,16 +172,14 @@ def _say_if_no_gradient_reached(optimizer: torch.optim.Optimizer) -> None:
     ``backward(inputs=params)`` with respect to those parameters do not reach them (they are
     not in the autograd graph), and ``backward(inputs=params)`` says nothing itself. Cheap
     where any parameter has a gradient (the first one found ends it)."""
-    if not _PLAIN_SOURCE or optimizer in _NO_GRAD_SAID:
-        return
-    params = _params(optimizer)
-    if not params or any(p.grad is not None for p in params):
+    if not _PLAIN_SOURCE or optimizer in _NO_GRAD_SAID or any(
+            p.grad is not None for g in optimizer.param_groups for p in g["params"]):
         return
     plain = _PLAIN_SOURCE[0]()
-    names = [plain[id(p)] for p in params if id(p) in plain and p.requires_grad]
+    names = [plain[id(p)] for p in _params(optimizer) if id(p) in plain and p.requires_grad]
     if not names:
         return
-    _NO_GRAD_SAID[optimizer] = True
+    _NO_GRAD_SAID.add(optimizer)
     shown = ", ".join(repr(n) for n in names[:3]) + (", ..." if len(names) > 3 else "")
     log.warning(
         "shardc: %s.step() found no gradient on any of its parameters, and shardc's forwards "
@@ -196,9 +194,10 @@ def _pre_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> No
     swap = optimizer.__dict__.get(_SWAP_ATTR)
     if swap is not None:
         swap._restore(optimizer)  # a step that raised left its swap installed
-    if not torch.compiler.is_compiling():
-        _say_if_no_gradient_reached(optimizer)
-    if (not _OWN.get(optimizer, _ENABLED[0]) or torch.compiler.is_compiling()
+    if torch.compiler.is_compiling():
+        return
+    _say_if_no_gradient_reached(optimizer)
+    if (not _OWN.get(optimizer, _ENABLED[0])
             or getattr(optimizer, "_shardc_local_step", None) is not None):
         return
     reason = _step_reason(optimizer, args, kwargs)

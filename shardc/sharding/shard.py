@@ -18,6 +18,7 @@ import builtins
 import contextlib
 import types
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -193,14 +194,21 @@ class ShardState:
 _STATES: weakref.WeakValueDictionary[str, ShardState] = weakref.WeakValueDictionary()
 
 
+def _live_models() -> Iterator[tuple[ShardState, nn.Module]]:
+    """Each live sharded model's state and root module."""
+    for state in list(_STATES.values()):
+        root = state.root() if state.root is not None else None
+        if root is not None:
+            yield state, root
+
+
 def locally_steppable_params() -> dict[int, nn.Parameter]:
     """By id, the parameters of every live sharded model whose optimizer may step their local
     shards (``shardc.optim.default_local_step``): those of models without CPU offload, not
     quantized by TransformerEngine."""
     out: dict[int, nn.Parameter] = {}
-    for state in list(_STATES.values()):
-        root = state.root() if state.root is not None else None
-        if root is None or state.offload is not None or state.auto_offload is not None:
+    for state, root in _live_models():
+        if state.offload is not None or state.auto_offload is not None:
             continue
         params = dict(root.named_parameters(remove_duplicate=False))
         for fqn, info in state.params.items():
@@ -214,14 +222,13 @@ def plainly_read_params() -> dict[int, str]:
     """By id, the parameters of every live sharded model that forwards read as plain leaves
     (``plain_inputs``), with their names: those the autograd graph does not hold."""
     out: dict[int, str] = {}
-    for state in list(_STATES.values()):
-        root = state.root() if state.root is not None else None
-        if root is None or state.plain is None:
+    for state, root in _live_models():
+        if state.plain is None:
             continue
-        for fqn, p in root.named_parameters(remove_duplicate=False):
-            owner_name, _, name = fqn.rpartition(".")
-            if leaf_for(root.get_submodule(owner_name), name) is not None:
-                out[id(p)] = fqn
+        for prefix, module in root.named_modules(remove_duplicate=False):
+            for name, p in module.named_parameters(recurse=False):
+                if leaf_for(module, name) is not None:
+                    out[id(p)] = f"{prefix}.{name}" if prefix else name
     return out
 
 
