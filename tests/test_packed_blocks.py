@@ -281,3 +281,43 @@ def test_plain_leaves_follow_the_shards_into_the_block_buffer():
         assert _train(model, model) == _train(twin, twin)
         for (name, p), q in zip(model.named_parameters(), twin.parameters()):
             assert torch.equal(_local(p), _local(q)), name
+
+
+class RowBlock(Block):
+    """A Block with a one-row parameter: its shard is empty on every rank but the first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.row = nn.Parameter(torch.randn(1, 5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.row.sum()
+
+
+def test_an_empty_shard_in_a_packed_block_takes_its_gradient():
+    """On a rank whose shard of a block's parameter is empty (one row over two ranks: rank 1
+    holds none), the hand-off gives that parameter its empty gradient. It refused it as
+    "got new storage": an empty tensor's data_ptr() is 0, never the buffer's address."""
+    from torch.distributed import group
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from shardc.tools.fake_world import fake_world
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    try:
+        with fake_world(2, rank=1):
+            model = Stack()
+            model.blocks = nn.ModuleList(RowBlock() for _ in range(3))
+            shardc.shard(model, DeviceMesh.from_group(group.WORLD, "cpu"), pack_blocks=True)
+            assert shardc.shard_state(model).packed.blocks
+            assert _local(model.blocks[0].row).numel() == 0
+            forward = torch.compile(model, backend=shardc.backend(
+                inductor=False, check_plan_consistency=False))
+            forward(torch.randn(4, 5)).sum().backward()
+            assert shardc.shard_state(model).packed.handed == len(model.blocks)
+            for name, p in model.named_parameters():
+                assert p.grad is not None and p.grad.shape == p.shape, name
+                assert _local(p.grad).shape == _local(p).shape, name
+    finally:
+        torch._dynamo.reset()

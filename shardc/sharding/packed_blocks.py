@@ -218,7 +218,9 @@ class PackedBlock:
         size = self.buffer.element_size()
         for e, param in zip(self.layout.entries, self.params()):
             local = _torch.dtensor_local(param) if isinstance(param, DTensor) else None
-            if local is None or local.data_ptr() != base + e.offset * size:
+            # An empty shard (fewer rows than ranks) holds nothing a forward could read stale,
+            # and its data_ptr() is 0 wherever it lives: not checked.
+            if local is None or (local.numel() and local.data_ptr() != base + e.offset * size):
                 raise RuntimeError(
                     f"shardc: parameter {self.fqn}.{e.name!r} got new storage after "
                     "shardc.shard without shardc seeing it (param.data = ..., "
