@@ -283,6 +283,57 @@ def test_plain_leaves_follow_the_shards_into_the_block_buffer():
             assert torch.equal(_local(p), _local(q)), name
 
 
+def _saved_from_a_gather(fw, bw) -> list[str]:
+    """The forward values the backward takes that a gather's output becomes through
+    single-input ops alone (views, casts, copies): a gathered weight in another form."""
+    from shardc.ops.gather import GATHER_OP
+    from shardc.passes.fx_utils import is_call
+    from shardc.passes.reshard import saved_for_backward
+
+    found = []
+    for node in saved_for_backward(fw, bw):
+        walk = node
+        while walk.op == "call_function" and len(walk.all_input_nodes) == 1:
+            if is_call(walk, GATHER_OP):
+                found.append(node.name)
+                break
+            walk = walk.all_input_nodes[0]
+    return found
+
+
+def test_inline_blocks_regather_the_unpacked_weights_in_the_backward():
+    """``compile_blocks_once=False`` (and the planner, which traces inline) puts the packed
+    bodies' unpack in the region's own graph: above world 1 it copies each weight out of the
+    gathered buffer, and those copies are recomputed from a new gather in the backward like
+    the gather itself (reshard_after_forward), never saved from the forward (they were: every
+    block's full weights held from the forward to the backward)."""
+    from torch.distributed import group
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from shardc.compile.backend import capture_partitioned
+    from shardc.ops.gather import GATHER_OP
+    from shardc.ops.gather_args import GatherArgs
+    from shardc.passes.fx_utils import is_call
+    from shardc.tools.fake_world import fake_world
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    try:
+        with fake_world(2), capture_partitioned() as graphs:
+            model = shardc.shard(Stack(), DeviceMesh.from_group(group.WORLD, "cpu"),
+                                 pack_blocks=True)
+            forward = torch.compile(model, backend=shardc.backend(
+                inductor=False, compile_blocks_once=False, check_plan_consistency=False))
+            forward(torch.randn(4, 5)).sum().backward()
+    finally:
+        torch._dynamo.reset()
+    (fw, bw), = graphs
+    regathered = [n for n in bw.graph.nodes if is_call(n, GATHER_OP)
+                  and GatherArgs.of(n).fqn.endswith(".<packed>")]
+    assert len(regathered) == len(model.blocks), regathered
+    assert _saved_from_a_gather(fw, bw) == []
+
+
 class RowBlock(Block):
     """A Block with a one-row parameter: its shard is empty on every rank but the first."""
 

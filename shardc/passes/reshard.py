@@ -5,6 +5,9 @@
 partitioner saves the (small) shard instead and the backward graph gathers again.
 ``check_no_gathered_saved`` runs on the partitioned graphs and fails loudly if a gathered parameter
 still crosses from forward to backward.
+Both follow a gather through copies too (:func:`gathered_forms`): a packed block's unpack copies
+each weight out of the gathered buffer above world 1, and where the body is inlined
+(``compile_blocks_once=False``) those copies are in the region's own graph.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import operator
 from dataclasses import replace
 
+import torch
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -19,10 +23,23 @@ from shardc.ops.gather import GATHER_OP
 from shardc.ops.gather_args import GatherArgs
 from shardc.ops.offload_copy import is_to_device
 from shardc.passes.body import body_calls, weight_derived_outputs
-from shardc.passes.fx_utils import gather_derived, is_call, recompute_tag, view_chain
+from shardc.passes.fx_utils import (
+    gather_derived,
+    is_call,
+    is_view_or_cast,
+    op_overload,
+    recompute_tag,
+    view_chain,
+)
 
 __all__ = ["GatheredParamSavedError", "check_no_gathered_saved", "gather_derived",
-           "keep_gathered", "reshards_after_forward", "saved_for_backward", "tag_resharded_gathers"]
+           "gathered_forms", "keep_gathered", "reshards_after_forward", "saved_for_backward",
+           "tag_resharded_gathers"]
+
+# Single-input copies: a packed block's unpack (shardc.sharding.packed_blocks.PackedLayout.unpack)
+# reshapes a strided slice of the gathered buffer, which AOTAutograd records as a clone and an
+# _unsafe_view.
+_COPIES = frozenset({torch.ops.aten.clone.default, torch.ops.aten._unsafe_view.default})
 
 
 def reshards_after_forward(gather: fx.Node) -> bool:
@@ -44,6 +61,23 @@ def keep_gathered(graph: fx.Graph, fqns: set[str]) -> int:
     return count
 
 
+def gathered_forms(gather: fx.Node) -> list[fx.Node]:
+    """``gather`` and every node reachable from it through views, casts and copies of one
+    input only: the gathered value in another form, which the backward must not take saved
+    from the forward (:func:`gather_derived` stops at copies: it bounds the gathered buffer's
+    own lifetime, which a copy out of it does not extend)."""
+    seen, stack = [gather], [gather]
+    while stack:
+        for user in stack.pop().users:
+            if user in seen or user.op != "call_function":
+                continue
+            if is_view_or_cast(user) or (op_overload(user) in _COPIES
+                                         and len(user.all_input_nodes) == 1):
+                seen.append(user)
+                stack.append(user)
+    return seen
+
+
 def tag_resharded_gathers(graph: fx.Graph) -> int:
     """Mark resharded gathers (and their views) must-recompute; returns how many gathers.
 
@@ -56,7 +90,7 @@ def tag_resharded_gathers(graph: fx.Graph) -> int:
     count = 0
     for node in graph.nodes:
         if is_call(node, GATHER_OP) and reshards_after_forward(node):
-            for derived in gather_derived(node) + sent_chain(GatherArgs.of(node).shard):
+            for derived in gathered_forms(node) + sent_chain(GatherArgs.of(node).shard):
                 recompute_tag(derived, CheckpointPolicy.MUST_RECOMPUTE)
             count += 1
     return count
@@ -91,7 +125,7 @@ def check_no_gathered_saved(fw: fx.GraphModule, bw: fx.GraphModule) -> None:
     offending = {}
     for gather in fw.graph.nodes:
         if is_call(gather, GATHER_OP) and reshards_after_forward(gather):
-            for derived in gather_derived(gather):
+            for derived in gathered_forms(gather):
                 offending[derived] = gather
             shard = GatherArgs.of(gather).shard
             if is_to_device(shard):  # offload: the device copy of the shard
