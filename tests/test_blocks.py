@@ -739,9 +739,10 @@ class _ContextStack(nn.Module):
         return x
 
 
-def _compile_context_stack(attention: type[nn.Module], checkpointed: bool) -> list:
+def _compile_context_stack(attention: type[nn.Module], checkpointed: bool,
+                           **shard_kwargs) -> list:
     """Train one step of :class:`_ContextStack` under shardc (FX, one rank) beside its eager
-    copy; returns the compiled model's plans (each region's)."""
+    copy, sharded with ``shard_kwargs``; returns the compiled model's plans (each region's)."""
     from dist_utils import one_rank_mesh
 
     import shardc
@@ -755,7 +756,7 @@ def _compile_context_stack(attention: type[nn.Module], checkpointed: bool) -> li
             x = torch.randn(2, 8)
             expected = reference(x)
             expected.sum().backward()
-            shardc.shard(model, mesh)
+            shardc.shard(model, mesh, **shard_kwargs)
             compiled = torch.compile(model, backend=shardc.backend(inductor=False))
             got = compiled(x)
             got.sum().backward()
@@ -780,17 +781,19 @@ def test_a_block_that_sets_a_plain_context_variable_keeps_the_usual_path():
                for r in reasons.values()), reasons
 
 
-@pytest.mark.parametrize("checkpointed", [False, True])
+@pytest.mark.parametrize("checkpointed,pack", [(False, False), (True, False), (False, True)],
+                         ids=["plain", "checkpointed", "packed"])
 def test_a_self_checkpointing_block_with_a_compile_aware_context_variable_shares_a_body(
-        checkpointed):
+        checkpointed, pack):
     """transformers 5.25's decoder layer with the kernels package installed: each layer
     checkpoints its own call, and its attention sets a compile-aware context variable. The body
     runs the layer's computation without a checkpoint of its own (the live layer checkpoints
     around the gathers and the body call): before (s47), the body's copy checkpointed again
     inside the body, where Dynamo refused the variable's side effect and failed the compile.
     Layer 0's input does not require grad: its call is its own; torch 2.13+ inlines a body
-    called once, which the plan says (it said "sizes known only at run time" before)."""
-    plans = _compile_context_stack(_KernelsAttention, checkpointed)
+    called once, which the plan says (it said "sizes known only at run time" before; with
+    packed blocks it still did before s54: the reason read the per-parameter bodies' prober)."""
+    plans = _compile_context_stack(_KernelsAttention, checkpointed, pack_blocks=pack)
     bodies = [tuple(b.blocks) for plan in plans for b in plan.bodies]
     reasons = {b.module: b.reason for plan in plans for b in plan.inline_blocks}
     assert ("layers.1", "layers.2") in bodies, bodies

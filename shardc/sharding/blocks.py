@@ -171,8 +171,13 @@ class BlockBodies:
                         f"differ), and {_SINGLE_USE}")
             return (f"its group's blocks differ in {differ}, and this call could not be probed "
                     "for reads of them (symbolic sizes, or an op meta tensors do not support)")
-        if (group is not None and _torch.dynamo_inlines_single_use_subgraphs()
-                and sum(1 for k in group.prober.keys.values() if k > 0) > 1):
+        # A block that reads its shards packed called the packed bodies, described by their
+        # own prober.
+        prober = None if group is None else (
+            group.packed.prober if group.packed is not None and block is not None
+            and getattr(block, LEAF_ATTR, None) is not None else group.prober)
+        if (prober is not None and _torch.dynamo_inlines_single_use_subgraphs()
+                and sum(1 for k in prober.keys.values() if k > 0) > 1):
             # Its call was described apart from the others (its input does not require grad,
             # say: the first block's): a body called once, which Dynamo inlines.
             return ("its call differs from its group's other calls (the arguments' shapes, "
