@@ -202,9 +202,15 @@ def test_parameter_hooks_run_as_on_the_per_parameter_reads():
         assert torch.equal(packed[name], grad), name
 
 
-def test_blocks_that_cannot_be_packed_say_why():
+def test_blocks_that_cannot_be_packed_say_why_once_and_quietly(caplog):
+    """A group packing does not apply to (a frozen parameter here; mixed dtypes, FP8, TE, TP
+    or offloaded parameters) and every group under CPU offload read their parameters one by
+    one, recorded in ``BlockBodies.unpacked`` and said once per group on the ``shardc`` logger
+    at info level (nothing at warning level), and train as before."""
+    import logging
+
     torch._dynamo.reset()
-    with one_rank_mesh() as mesh:
+    with one_rank_mesh() as mesh, caplog.at_level(logging.INFO, logger="shardc"):
         model = Stack()
         for block in model.blocks:
             block.gate.requires_grad_(False)
@@ -212,10 +218,21 @@ def test_blocks_that_cannot_be_packed_say_why():
         (unpacked,) = shardc.shard_state(model).blocks.unpacked
         assert unpacked.module == "blocks.0" and "'gate' is frozen" in unpacked.reason
         assert all(model.blocks[i].__dict__.get(LEAF_ATTR) is None for i in range(3))
-        # ... and train as the default reads do.
+        # ... and train as the per-parameter reads do.
         forward = torch.compile(model, backend=shardc.backend(inductor=False))
         forward(torch.randn(4, 5)).sum().backward()
         assert model.blocks[0].up.weight.grad is not None
+        offloaded = shardc.shard(Stack(), mesh, pack_blocks=True,
+                                 offload=shardc.OffloadPolicy(simulate_on_cpu=True))
+        (unpacked,) = shardc.shard_state(offloaded).blocks.unpacked
+        assert "CPU offload" in unpacked.reason, unpacked
+        assert all(offloaded.blocks[i].__dict__.get(LEAF_ATTR) is None for i in range(3))
+        _train(offloaded, offloaded)
+    said = [r for r in caplog.records if "read their parameters one by one" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.INFO] * 2, [r.getMessage() for r in said]
+    assert "'gate' is frozen" in said[0].getMessage() and "CPU offload" in said[1].getMessage()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING
+                and r.name.startswith("shardc")], caplog.records
 
 
 def test_a_packed_name_stands_for_its_parameters_where_the_optimizer_is_placed():

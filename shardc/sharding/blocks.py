@@ -948,13 +948,19 @@ def _add_packed_bodies(result: BlockBodies, group: BlockGroup, first: nn.Module,
     params = [(n, p, infos_by_param[id(p)]) for n, p in first.named_parameters()]
     reason = eligible_reason(params)
     if reason is not None:
-        result.unpacked.append(BlockFallback(group.members[0], reason))
-        log.info("shardc: blocks %s ... %s read their parameters one by one (pack_blocks): %s",
-                 group.members[0], group.members[-1], reason)
+        _not_packed(result, group, reason)
         return
     layout = PackedLayout.of(first, group.weight_names, params[0][2].world)
     group.packed = PackedBodies(layout)
     _fill_bodies(group.packed, group, template, layout)
+
+
+def _not_packed(result: BlockBodies, group: BlockGroup, reason: str) -> None:
+    """Record and log (once, at info level: the group trains as it would unpacked) that
+    ``group``'s blocks read their parameters one by one."""
+    result.unpacked.append(BlockFallback(group.members[0], reason))
+    log.info("shardc: blocks %s ... %s read their parameters one by one (pack_blocks): %s",
+             group.members[0], group.members[-1], reason)
 
 
 def _fill_bodies(target: BlockGroup | PackedBodies, group: BlockGroup, template: nn.Module,
@@ -1008,14 +1014,17 @@ def _make_member_body(skeletons: tuple[nn.Module, ...], group: BlockGroup,
 
 
 def wrap_repeated_blocks(root: nn.Module, infos_by_param: dict, shared: set[int],
-                         special: set[int], pack: bool = False) -> BlockBodies:
+                         special: set[int], pack: bool = False,
+                         not_packed: str | None = None) -> BlockBodies:
     """Group the children of every ``nn.ModuleList`` of ``root`` by :func:`block_signature`
     and give each group of two or more a body (before any class of ``root`` is swapped, so the
     skeletons are unsharded copies). ``infos_by_param``: parameter id -> ``ShardedParamInfo``;
     ``shared``: ids of parameters owned by more than one module; ``special``: ids of parameters
     gathered in FP8 or wrapped for tensor parallelism, whose blocks keep the usual path.
     ``pack``: give each group whose parameters can be packed (``packed_blocks``) the bodies
-    that take the gathered packed buffer too; :func:`shardc.shard` packs their shards."""
+    that take the gathered packed buffer too; :func:`shardc.shard` packs their shards.
+    ``not_packed``: packing was asked for but does not apply to this model (CPU offload), and
+    why: each group records and logs it as a group that cannot be packed does."""
     result = BlockBodies()
     for list_name, container in root.named_modules():
         if not isinstance(container, nn.ModuleList) or len(container) < 2:
@@ -1042,14 +1051,14 @@ def wrap_repeated_blocks(root: nn.Module, infos_by_param: dict, shared: set[int]
                 loose.setdefault(block_signature(block, infos_by_param, scalar_values=False),
                                  []).append((fqn, block))
                 continue
-            _add_group(result, members, infos_by_param if pack else None)
+            _add_group(result, members, infos_by_param if pack else None, not_packed)
         for members in loose.values():
             if len(members) < 2:
                 result.fallbacks.append(BlockFallback(
                     members[0][0], "no identical sibling in its nn.ModuleList (structure, "
                     "shapes, attributes or checkpoint wrapping differ)"))
                 continue
-            _add_group(result, members, infos_by_param if pack else None)
+            _add_group(result, members, infos_by_param if pack else None, not_packed)
     for fallback in result.fallbacks:
         log.info("shardc: block %s compiles inline (no shared body): %s", fallback.module,
                  fallback.reason)
@@ -1057,7 +1066,7 @@ def wrap_repeated_blocks(root: nn.Module, infos_by_param: dict, shared: set[int]
 
 
 def _add_group(result: BlockBodies, members: list[tuple[str, nn.Module]],
-               pack_infos: dict | None) -> None:
+               pack_infos: dict | None, not_packed: str | None = None) -> None:
     first = members[0][1]
     group = BlockGroup(
         index=len(result.groups), block_type=type(first).__name__,
@@ -1070,6 +1079,8 @@ def _add_group(result: BlockBodies, members: list[tuple[str, nn.Module]],
     _fill_bodies(group, group, template)
     if pack_infos is not None:
         _add_packed_bodies(result, group, first, template, pack_infos)
+    elif not_packed is not None:
+        _not_packed(result, group, not_packed)
     if group.varying:
         _fill_member_bodies(group, [block for _, block in members])
     forwards: dict[type, Callable] = {}

@@ -768,7 +768,11 @@ def shard(
         shared={key for key, where in owners.items() if len(where) > 1},
         special={key for key, (fqn, _) in canonical.items()
                  if infos[fqn].fp8 is not None or infos[fqn].quantized or infos[fqn].tp},
-        pack=pack_blocks and offload is None and auto is None)
+        pack=pack_blocks and offload is None and auto is None,
+        # CPU offload (either kind) reads each parameter from its host shard or steps host
+        # copies of the DTensor parameters: its blocks keep the per-parameter reads.
+        not_packed="CPU offload reads each parameter on its own (offload=...)"
+        if pack_blocks and (offload is not None or auto is not None) else None)
     per_module: dict[int, tuple[nn.Module, dict[str, ShardedParamInfo]]] = {}
     host_shards = offload if offload is not None and offload.params else None
     for key, (fqn, p) in canonical.items():
