@@ -66,16 +66,16 @@ def gathered_forms(gather: fx.Node) -> list[fx.Node]:
     input only: the gathered value in another form, which the backward must not take saved
     from the forward (:func:`gather_derived` stops at copies: it bounds the gathered buffer's
     own lifetime, which a copy out of it does not extend)."""
-    seen, stack = [gather], [gather]
+    seen, stack = {gather: None}, [gather]  # a dict: insertion-ordered, O(1) membership
     while stack:
         for user in stack.pop().users:
             if user in seen or user.op != "call_function":
                 continue
             if is_view_or_cast(user) or (op_overload(user) in _COPIES
                                          and len(user.all_input_nodes) == 1):
-                seen.append(user)
+                seen[user] = None
                 stack.append(user)
-    return seen
+    return list(seen)
 
 
 def tag_resharded_gathers(graph: fx.Graph) -> int:

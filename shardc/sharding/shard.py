@@ -315,11 +315,13 @@ def _by_mode(constants: dict[int, tuple]) -> tuple:
 # constant (``torch.bfloat16`` in source is a load and an attribute, and the tuple around it
 # would be built at every read that Dynamo traces).
 _BY_MODE = "<shardc: the gather's constants by sync mode>"
-_READ_SOURCE = """\
-def read(self):
+# The read's last two lines: the DTensor parameter's local shard gathered, outside a forward the
+# parameter itself.
+_READ_DTENSOR = """\
     param, gather = _param_to_gather(self, {name!r})
     return GATHER_OP(param.to_local(), *{by_mode!r}[SYNC_MODES[{key!r}]]) if gather else param
 """
+_READ_SOURCE = "def read(self):\n" + _READ_DTENSOR
 # plain_inputs: inside a forward the plain leaf is gathered and the DTensor not read at all (no
 # guards, no unwrapping); without a leaf (dropped: a replaced parameter) the read above.
 _PLAIN_READ_SOURCE = """\
@@ -328,9 +330,7 @@ def read(self):
         leaf = LEAF_FOR(self, {name!r})
         if leaf is not None:
             return GATHER_OP(leaf, *{by_mode!r}[SYNC_MODES[{key!r}]])
-    param, gather = _param_to_gather(self, {name!r})
-    return GATHER_OP(param.to_local(), *{by_mode!r}[SYNC_MODES[{key!r}]]) if gather else param
-"""
+""" + _READ_DTENSOR
 
 
 def _constant_read(name: str, by_mode: tuple, key: str, fqn: str, plain: bool = False):
