@@ -6,7 +6,14 @@ World 1, the benchmarks' 1b config at batch 4 x 2048. Records the allocator's hi
 steps (the first compiles), then replays it: each ``segment_alloc`` with the request that made
 it (size, site) and, at the moment reserved memory peaks, every segment's size, the bytes live
 in it and its largest live blocks. Written to compare ``shardc`` (per-parameter reads) with
-``shardc-packed`` (their reserved peaks differ by 4.4% at 32 layers, allocated peaks not)."""
+``shardc-packed`` (their reserved peaks differ by 4.4% at 32 layers, allocated peaks not).
+
+s55: also writes the history in ``shardc.memory.allocator_history``'s compact format
+(``OUT.history.json.gz``, the segments at the start from a snapshot taken just before the
+recording) and replays it through shardc's allocator model, so that changes to the requests
+(a block's gradient as per-parameter pieces, say) can be priced offline on the CPU machine."""
+import dataclasses
+import gzip
 import json
 import os
 import sys
@@ -20,6 +27,9 @@ from train.modes import setup_mode  # noqa: E402
 from train.runner import train_step  # noqa: E402
 from train.workload import model_config, synthetic_batches  # noqa: E402
 from train_bench import init_distributed  # noqa: E402
+
+from shardc.memory.allocator_history import compact  # noqa: E402
+from shardc.memory.allocator_history import replay as model_replay  # noqa: E402
 
 
 def replay(trace: list) -> dict:
@@ -63,6 +73,7 @@ def main() -> None:
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(max_entries=3_000_000, stacks="python")
     for _ in range(4):
         train_step(setup, opt, *next(data))
@@ -74,10 +85,15 @@ def main() -> None:
            "max_allocated": torch.cuda.max_memory_allocated(),
            "stats": {k: v for k, v in stats.items() if k.endswith(".all.peak") or "retries" in k},
            **replay(snap["device_traces"][0])}
+    history = compact(snap, start)
+    with gzip.open(out.replace(".json", "") + ".history.json.gz", "wt") as f:
+        json.dump(history, f, separators=(",", ":"))
+    res["model_replay"] = dataclasses.asdict(model_replay(history))
     with open(out, "w") as f:
         json.dump(res, f, indent=1)
     print(mode, layers, f"reserved {res['max_reserved'] / 2**30:.2f} GiB, allocated "
           f"{res['max_allocated'] / 2**30:.2f} GiB, {len(res['segment_allocs'])} segments made")
+    print("model replay:", res["model_replay"])
 
 
 if __name__ == "__main__":
