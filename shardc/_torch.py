@@ -605,6 +605,54 @@ def _unbacked_size_check() -> Callable[[torch.Tensor], bool]:
     return has_unbacked_size
 
 
+def _dynamo_comptime() -> Callable:
+    from torch._dynamo.comptime import comptime
+
+    return comptime
+
+
+# ``comptime(fn)`` in code Dynamo traces runs ``fn(ctx)`` at that point of the trace, where
+# ``ctx.get_local(name)`` is a variable of the traced frame and ``.as_fake()`` its fake value
+# (symbolic sizes included); a no-op when run eagerly. Bound here so that traced code reaches
+# the object Dynamo recognizes through a module attribute.
+comptime: Callable = _dynamo_comptime()
+
+
+def symbolic_signature(value: Any) -> tuple[tuple, Any] | None:
+    """A description of a fake tensor or ``SymInt`` met while Dynamo traces (``comptime``'s
+    ``as_fake()``) by its symbolic expressions, and the values it has now (hints), or None:
+    a size known only at run time (unbacked), or a value of another kind.
+
+    A tensor: ``(("symtensor", sizes, strides, dtype, device type, device index,
+    requires_grad), (size hints, stride hints))`` with each size and stride an ``int`` or its
+    expression's text (``"s0"``, ``"4096*s0"``); a ``SymInt``: ``(("symint", text), hint)``.
+    Within one trace equal texts are the same symbols (one ShapeEnv), so two values with equal
+    descriptions have equal sizes in every run of the compiled code."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    def term(n) -> tuple[Any, int] | None:
+        if not isinstance(n, torch.SymInt):
+            return n, n
+        node = n.node
+        if free_unbacked_symbols(n) or node.hint is None:
+            return None
+        return str(node.expr), int(node.hint)
+
+    if isinstance(value, torch.Tensor):
+        terms = [term(n) for n in (*value.shape, *value.stride())]
+        if any(t is None for t in terms):
+            return None
+        rank = value.dim()
+        texts, hints = zip(*terms) if terms else ((), ())
+        desc = ("symtensor", texts[:rank], texts[rank:], value.dtype, value.device.type,
+                value.device.index, value.requires_grad)
+        return desc, (hints[:rank], hints[rank:])
+    if isinstance(value, torch.SymInt):
+        t = term(value)
+        return None if t is None else (("symint", t[0]), t[1])
+    return None
+
+
 def run_frame_eagerly(fn) -> None:
     """Never compile ``fn``'s frame when Dynamo meets it as a frame of its own (it runs as plain
     Python there); a call to ``fn`` inside code Dynamo is tracing is still inlined into the graph

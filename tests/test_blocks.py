@@ -353,8 +353,9 @@ def test_bodies_are_traced_once_per_distinct_input_where_torch_can_key_them():
     """Dynamo's traces of the block forward, on whichever torch runs. With torch's
     reuse_hash_fn (2.13+), identical blocks' body calls whose arguments have static sizes are
     traced once and stamped out (the key: shapes, strides, dtypes, devices, requires_grad, other
-    arguments, grad mode, autocast); a block returning something other than tensors, and inputs
-    with symbolic sizes, keep the guard-based body, traced at every call. torch 2.11 and 2.12
+    arguments, grad mode, autocast), symbolic sizes by their expressions (s55); a block
+    returning something other than tensors keeps the guard-based body, traced at every call.
+    torch 2.11 and 2.12
     have no reuse_hash_fn and trace every call (their Dynamo has no reuse of a
     nested_compile_region's trace at all, only the deduplication of identical subgraphs)."""
     from shardc import _torch
@@ -382,12 +383,60 @@ def test_bodies_are_traced_once_per_distinct_input_where_torch_can_key_them():
     seal(wrap_repeated_blocks(tuples, {}, shared=set(), special=set()), tuples)
     assert _body_traces(tuples, x) == 4
     # Symbolic sizes (floats kept static: with symbolic floats blocks compile inline, as
-    # tests/test_parity.py's blocks_dynamic shows).
+    # tests/test_parity.py's blocks_dynamic shows). Keyed: a call is described by its sizes'
+    # symbolic expressions, so the blocks share the trace of the first call with their sizes.
+    # Under dynamic=True the first block's input width is a symbol until its matmul makes it 6:
+    # that call has a description of its own, the other three share one.
     with torch._dynamo.config.patch(specialize_float=True):
-        assert _body_traces(model, x, dynamic=True) == 4
+        assert _body_traces(model, x, dynamic=True) == (2 if keyed else 4)
+        marked = x.detach().clone().requires_grad_(True)
+        torch._dynamo.mark_dynamic(marked, 0)  # only the batch: every block's input (s0, 6)
+        assert _body_traces(model, marked) == (1 if keyed else 4)
     # The count is of the body's traces: inline blocks are traced once each too.
     inline = Stack(CountedMlp)
     assert _body_traces(inline, x) == 4
+
+
+class TwoStreams(nn.Module):
+    """Blocks alternating between two inputs whose batch sizes are two symbols."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(CountedMlp() for _ in range(4))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            if i % 2:
+                y = block(y)
+            else:
+                x = block(x)
+        return torch.cat([x, y])
+
+
+def test_calls_with_other_symbols_do_not_share_a_keyed_trace():
+    """A symbolic description names its symbols: inputs of batch sizes ``s0`` and ``s1`` are
+    two keys (a shared trace would give the second stream the first one's sizes), and inputs
+    with the same symbols share one, checked against eager at sizes the first compile did not
+    see."""
+    from shardc import _torch
+
+    model = TwoStreams()
+    seal(wrap_repeated_blocks(model, {}, shared=set(), special=set()), model)
+    keyed = _torch.keyed_compile_region(lambda key: key) is not None
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")  # (eager's backward: no fake mode)
+    traces = []
+    for rows in ((3, 5), (4, 7), (6, 2)):
+        x, y = (torch.randn(n, 6, requires_grad=True) for n in rows)
+        torch._dynamo.mark_dynamic(x, 0)
+        torch._dynamo.mark_dynamic(y, 0)
+        _TRACES.clear()
+        out = compiled(x, y)
+        traces.append(len(_TRACES))
+        torch.testing.assert_close(out, model(x, y))
+        grads = torch.autograd.grad(out.sum(), (x, y))
+        torch.testing.assert_close(grads, torch.autograd.grad(model(x, y).sum(), (x, y)))
+    assert traces == ([2, 0, 0] if keyed else [4, 0, 0])
 
 
 @pytest.mark.parametrize("guarded", [False, True], ids=["torch_default", "hooks_guarded"])
@@ -508,12 +557,13 @@ def _subgraph_calls(model: nn.Module, *inputs: torch.Tensor) -> list[list[str]]:
 
 @pytest.mark.parametrize("reads", [False, True])
 def test_blocks_differing_in_a_scalar_share_a_body_under_dynamic_shapes(reads):
-    """Under dynamic shapes a call has no static description, so the prober cannot run it:
-    each block then calls a body traced from its own skeleton (its own scalars). Where the
-    forward does not read the scalar that differs, those traces are equal and the blocks share
-    one subgraph, as identical blocks share theirs; where it reads it,
-    every block computes with its own value (a shared body would scale every block by the
-    first one's index), checked against the eager model."""
+    """Under dynamic shapes: with keyed bodies (torch 2.13+) a call is described by its sizes'
+    symbols and probed at their current values, as a static call is; without them (2.11, 2.12)
+    it has no description, and each block calls a body traced from its own skeleton (its own
+    scalars). Either way, where the forward does not read the scalar that differs the blocks
+    share one subgraph, as identical blocks share theirs; where it reads it, every block
+    computes with its own value (a shared body would scale every block by the first one's
+    index), checked against the eager model."""
     model = Stack(IndexedMlp)
     for i, block in enumerate(model.blocks):
         block.index, block.reads = i, reads

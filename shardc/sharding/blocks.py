@@ -385,8 +385,9 @@ def _make_body(skeleton: nn.Module, group: BlockGroup, training: bool,
 # with depth.
 # A keyed body is traced once per key and stamped out for the other calls; the key must then
 # stand for everything the trace depends on. It is computed in two steps: while Dynamo traces the
-# wrapped forward, ``describe`` turns the body's arguments into a constant (None if any size or
-# argument is symbolic or of a type it does not know, and the guard-based body is used); then
+# wrapped forward, ``describe`` turns the body's arguments into a constant (symbolic sizes by
+# their expressions, below; None if a size is known only at run time or an argument is of a
+# type it does not know, and the guard-based body is used); then
 # ``BodyProber.key`` runs eagerly, at trace time, on that constant (through
 # torch.compiler.assume_constant_result): it runs the block's forward on meta tensors of those
 # shapes and returns 0 unless the output is a tensor or a list/tuple of tensors, which torch
@@ -417,7 +418,7 @@ def describe(value) -> tuple | None:
     if value is None or isinstance(value, (bool, float, str)):
         return ("const", value)
     if isinstance(value, int):
-        return ("const", value) if _static(value) else None
+        return ("const", value) if _static(value) else _symbolic_item(value)
     if isinstance(value, dict):
         pairs = []
         for k, v in value.items():
@@ -446,7 +447,11 @@ def _describe_items(values) -> tuple | None:
             # each term is; Dynamo folds the sum of static ones, where a loop of checks cost
             # it about 60 instructions per tensor.
             if not _static(sum(shape) + sum(stride)):
-                return None
+                symbolic = _symbolic_item(v)
+                if symbolic is None:
+                    return None
+                items.append(symbolic)
+                continue
             items.append((_TENSOR, shape, stride, v.dtype, v.device.type, v.device.index,
                           v.requires_grad))
         elif isinstance(v, torch.Tensor):
@@ -459,8 +464,54 @@ def _describe_items(values) -> tuple | None:
     return tuple(items)
 
 
+# Symbolic sizes (dynamic shapes). A value with a symbolic size is described by a number for
+# its description in symbolic expressions (``_torch.symbolic_signature``), taken at trace time
+# through Dynamo's comptime: equal numbers, equal symbols, so equal sizes in every run. Only
+# with keyed bodies (torch 2.13+), which then trace a dynamic call once per key too; torch 2.11
+# and 2.12 keep the guard-based body for such calls (their trace-once path needs static sizes).
+_SYMBOLIC = "symbolic"
+_SYMBOLIC_KEYS = _torch.keyed_compile_region(lambda key: key) is not None
+_SYMBOLS: dict[tuple, int] = {}  # a symbolic description -> its number
+_SYMBOL_HINTS: dict[int, tuple] = {}  # its number -> (description, the hints of its last use)
+_RECORDED: list = [None]  # what the last comptime recorded, taken by _symbolic_number
+
+
+def _record_symbolic(ctx) -> None:
+    """Run by Dynamo at trace time (``comptime``): describe ``_symbolic_item``'s ``value``."""
+    _RECORDED[0] = _torch.symbolic_signature(ctx.get_local("value").as_fake())
+
+
+@torch.compiler.assume_constant_result
+def _symbolic_number() -> int:
+    """The number of what ``_record_symbolic`` recorded just before (0: not describable); run at
+    trace time."""
+    signed, _RECORDED[0] = _RECORDED[0], None
+    if signed is None:
+        return 0
+    number = _SYMBOLS.setdefault(signed[0], len(_SYMBOLS) + 1)
+    _SYMBOL_HINTS[number] = signed
+    return number
+
+
+def _symbolic_item(value) -> tuple | None:
+    """:func:`describe` of a tensor or ``int`` with a symbolic size or value, or None (traced by
+    Dynamo; ``value`` is read by name at trace time)."""
+    if not _SYMBOLIC_KEYS:
+        return None
+    _torch.comptime(_record_symbolic)
+    number = _symbolic_number()
+    return None if number == 0 else (_SYMBOLIC, number)
+
+
 def _meta_value(desc: tuple):
     kind, *rest = desc
+    if kind == _SYMBOLIC:  # probed at the sizes the symbols have now
+        (what, *parts), hints = _SYMBOL_HINTS[rest[0]]
+        if what == "symint":
+            return hints
+        _, _, dtype, _, _, requires_grad = parts
+        return torch.empty_strided(hints[0], hints[1], dtype=dtype, device="meta",
+                                   requires_grad=requires_grad)
     if kind == _TENSOR:
         shape, stride, dtype, _, _, requires_grad = rest
         return torch.empty_strided(shape, stride, dtype=dtype, device="meta",
@@ -838,8 +889,8 @@ def _wrapped_forward(group: BlockGroup, original: Callable) -> Callable:
             return original(self, *args, **kwargs)
         if not _layout_kept(self) or _torch.traces_floats_symbolically():
             return original(self, *args, **kwargs)
-        # Every size static (a description) rules out data-dependent ones: only a call that
-        # cannot be described pays for the check.
+        # A description (sizes static, or symbols with hints) rules out data-dependent sizes:
+        # only a call that cannot be described pays for the check.
         tensors_only = not kwargs and _all_tensors(args)
         call = _describe_tensor_call(args) if tensors_only else describe((args, kwargs))
         if call is None and has_data_dependent_sizes(args, kwargs):
