@@ -1,7 +1,7 @@
 """First training step of transformers' Qwen2ForCausalLM (tiny random config, no download) through
 shardc, one process, world 1 over gloo on the CPU::
 
-    python benchmarks/hf_first_step.py LAYERS fx|ind plain|packed [dynamic] [cache]
+    python benchmarks/hf_first_step.py LAYERS fx|ind plain|packed [dynamic] [cache] [checkpoint]
 
 (``ind``: Inductor; ``packed``: ``shardc.shard(..., pack_blocks=True)``). Prints one JSON line:
 the first step's seconds (compile included), the mean of three steady steps, the last loss, the
@@ -9,7 +9,8 @@ plan's hash, the block bodies (blocks calling each, partitions) and how many blo
 inline. ``dynamic``: then one step at another sequence length, which torch recompiles with
 dynamic shapes: its seconds (``dynamic_s``), its loss, and the dynamic region's bodies and
 inline blocks. ``cache``: the model is called with ``use_cache`` left at its default (each
-layer gets transformers' ``DynamicCache``), as users call it. Run each row in its own
+layer gets transformers' ``DynamicCache``), as users call it. ``checkpoint``: every decoder
+layer checkpointed (``gradient_checkpointing_enable()``). Run each row in its own
 process; for a cold Inductor row point ``TORCHINDUCTOR_CACHE_DIR`` at an empty directory
 (docs/bench/compile_time/s43/hf_cpu.md). ``PORT``: the rendezvous port.
 """
@@ -36,7 +37,7 @@ def _step(forward, opt, ids: torch.Tensor, cache: bool = False) -> torch.Tensor:
 
 
 def main(layers: int, inductor: bool, pack: bool, dynamic: bool = False,
-         cache: bool = False) -> dict:
+         cache: bool = False, checkpoint: bool = False) -> dict:
     import transformers
 
     import shardc
@@ -47,6 +48,8 @@ def main(layers: int, inductor: bool, pack: bool, dynamic: bool = False,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
         tie_word_embeddings=False, attn_implementation="sdpa")
     model = transformers.Qwen2ForCausalLM(cfg)
+    if checkpoint:
+        model.gradient_checkpointing_enable()
     shardc.shard(model, pack_blocks=pack)
     forward = torch.compile(model, backend=shardc.backend(inductor=inductor))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -60,6 +63,7 @@ def main(layers: int, inductor: bool, pack: bool, dynamic: bool = False,
     steady = (time.perf_counter() - start) / 3
     plan = shardc.explain_all(forward)[0]
     out = {"layers": layers, "inductor": inductor, "packed": pack, "cache": cache,
+           "checkpoint": checkpoint,
            "first_s": round(first, 2),
            "steady_ms": round(steady * 1e3, 1), "loss": round(float(loss), 6),
            "hash": plan.hash(), "bodies": [(len(b.blocks), b.partitions) for b in plan.bodies],
@@ -80,5 +84,5 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     flags = set(sys.argv[4:])
     print(json.dumps(main(int(sys.argv[1]), sys.argv[2] == "ind", sys.argv[3] == "packed",
-                          "dynamic" in flags, "cache" in flags)))
+                          "dynamic" in flags, "cache" in flags, "checkpoint" in flags)))
     dist.destroy_process_group()

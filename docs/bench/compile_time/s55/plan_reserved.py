@@ -1,6 +1,6 @@
 """The CUDA caching allocator's reserved memory, estimated from a plan made on the CPU (s55 probe).
 
-    PYTHONPATH=$PWD python docs/bench/compile_time/s55/plan_reserved.py LAYERS perparam|packed BATCH
+    PYTHONPATH=$PWD python docs/bench/compile_time/s55/plan_reserved.py LAYERS perparam|packed BATCH [WORLD]
 
 Plans the benchmarks' 1b config (world 1, bf16, Inductor, blocks compiled once, as
 ``train_bench.py``'s ``shardc`` / ``shardc-packed`` run it on one H200) with the capacity
@@ -73,11 +73,12 @@ def events(lives, end):
 
 def main() -> None:
     layers, pack, batch = int(sys.argv[1]), sys.argv[2] == "packed", int(sys.argv[3])
+    world = int(sys.argv[4]) if len(sys.argv) > 4 else 1
     pipeline.predict_peak = _spy
     cfg = LlamaConfig(vocab_size=32000, dim=2048, n_layers=layers, n_heads=16, max_seq_len=2048)
     start = time.time()
     planned = planner.plan_model_step(
-        cfg, 1, batch, 2048, {"compile_blocks_once": True}, template=False,
+        cfg, world, batch, 2048, {"compile_blocks_once": True}, template=False,
         setup=Setup(precision="bf16", inductor=True, pack=pack))
     print(f"planned in {time.time() - start:.1f} s; predicted peak "
           f"{planned.plan.predicted.peak_bytes / GiB:.2f} GiB")
@@ -92,7 +93,9 @@ def main() -> None:
              if name in placeholders and isinstance(fout[k], fx.Node)}
     shard_bytes = [peak_mod._nbytes(p.meta["val"]) for p in captured["params"]]
     with torch.device("meta"):
-        each_param = [p.numel() * 4 for p in Transformer(cfg).parameters()]
+        # this rank's shard of each parameter (dim 0 split as torch.chunk splits it)
+        each_param = [-(-p.shape[0] // world) * (p.numel() // p.shape[0]) * 4
+                      for p in Transformer(cfg).parameters()]
     model = CachingAllocatorModel()
     for nbytes in shard_bytes:
         model.malloc(nbytes)
