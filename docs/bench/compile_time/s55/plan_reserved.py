@@ -1,6 +1,8 @@
 """The CUDA caching allocator's reserved memory, estimated from a plan made on the CPU (s55 probe).
 
-    PYTHONPATH=$PWD python docs/bench/compile_time/s55/plan_reserved.py LAYERS perparam|packed BATCH [WORLD]
+    PYTHONPATH=$PWD python docs/bench/compile_time/s55/plan_reserved.py LAYERS MODE BATCH [WORLD]
+
+(MODE: ``perparam`` or ``packed``.)
 
 Plans the benchmarks' 1b config (world 1, bf16, Inductor, blocks compiled once, as
 ``train_bench.py``'s ``shardc`` / ``shardc-packed`` run it on one H200) with the capacity
@@ -71,6 +73,21 @@ def events(lives, end):
             yield "alloc", life
 
 
+def replay(model, kind, life, addr, graph, made) -> None:
+    """One event of a graph's lifetimes; ``graph``: (phase, its outputs, its end, where an output
+    that lives past the graph goes: ``keep(node, address)``); ``made``: where to note requests
+    that make a segment (None: not noted)."""
+    phase, outputs, end, keep = graph
+    if kind == "alloc":
+        if made is not None and model.would_make_segment(life.nbytes):
+            made.append((phase, life.node.name, life.nbytes))
+        addr[life.node] = model.malloc(life.nbytes)
+    elif life.node in outputs and life.last >= end:
+        keep(life.node, addr.pop(life.node))
+    else:
+        model.free(addr.pop(life.node))
+
+
 def main() -> None:
     layers, pack, batch = int(sys.argv[1]), sys.argv[2] == "packed", int(sys.argv[3])
     world = int(sys.argv[4]) if len(sys.argv) > 4 else 1
@@ -106,19 +123,12 @@ def main() -> None:
     for step in range(5):
         addr, kept = {}, {}
         for kind, life in events(flives, fend):
-            if not life.nbytes:
-                continue
-            if kind == "alloc":
-                if step and model.would_make_segment(life.nbytes):
-                    made.append(("fw", life.node.name, life.nbytes))
-                addr[life.node] = model.malloc(life.nbytes)
-            elif life.node in fw_outputs and life.last >= fend:
-                kept[life.node] = addr.pop(life.node)
-            else:
-                model.free(addr.pop(life.node))
+            if life.nbytes:
+                replay(model, kind, life, addr, ("fw", fw_outputs, fend, kept.__setitem__),
+                       made if step else None)
         fwd_reserved = model.reserved
         refs = collections.Counter(root for root in saved.values() if root in kept)
-        grads = []
+        grads: dict = {}
         for kind, life in events(blives, bend):
             if life.node in saved:
                 root = saved[life.node]
@@ -127,16 +137,10 @@ def main() -> None:
                     if refs[root] == 0:
                         model.free(kept.pop(root))
                 continue
-            if not life.nbytes:
-                continue
-            if kind == "alloc":
-                if step and model.would_make_segment(life.nbytes):
-                    made.append(("bw", life.node.name, life.nbytes))
-                addr[life.node] = model.malloc(life.nbytes)
-            elif life.node in bw_outputs and life.last >= bend:
-                grads.append(addr.pop(life.node))
-            else:
-                model.free(addr.pop(life.node))
+            if life.nbytes:
+                replay(model, kind, life, addr,
+                       ("bw", bw_outputs, bend, grads.__setitem__),
+                       made if step else None)
         for root in [r for r in kept if refs.get(r, 0) == 0]:
             model.free(kept.pop(root))  # outputs not saved (the loss): freed at the step's end
         bwd_reserved = model.reserved
@@ -145,7 +149,7 @@ def main() -> None:
                 state += [model.malloc(nbytes), model.malloc(nbytes)]
         for address in [model.malloc(nbytes) for nbytes in each_param]:
             model.free(address)
-        for address in grads:
+        for address in grads.values():
             model.free(address)
         print(f"step {step}: reserved after fw {fwd_reserved / GiB:.2f} bw "
               f"{bwd_reserved / GiB:.2f} peak reserved {model.peak_reserved / GiB:.2f} peak "
