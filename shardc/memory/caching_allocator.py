@@ -148,6 +148,7 @@ class CachingAllocatorModel:
                 self._give(b)
             else:
                 self.allocated += b.size
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
         self._count_segment(size)
 
     def _best_fit(self, small: bool, size: int) -> _Block | None:
