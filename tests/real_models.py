@@ -434,6 +434,31 @@ def sc_hf_gpt2(ctx: Ctx) -> dict:
     return out
 
 
+def sc_hf_falcon(ctx: Ctx) -> dict:
+    """transformers' FalconForCausalLM (the new decoder architecture: two LayerNorms, fused
+    query/key/value, rotary embeddings) from a tiny random config. Its linear layers compute
+    ``input @ self.weight.T``: Dynamo takes each weight's transpose outside the compiled-once
+    body, whose backward needs the weight itself again (s55: that transpose back was saved
+    from the forward, a gathered weight kept to the backward, and the compile refused it)."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.FalconConfig(
+        vocab_size=VOCAB, hidden_size=DIM, num_hidden_layers=2, num_attention_heads=HEADS,
+        num_kv_heads=2, new_decoder_architecture=True, max_position_embeddings=32,
+        attention_dropout=0.0, hidden_dropout=0.0, bos_token_id=0, eos_token_id=0,
+        attn_implementation="sdpa")
+    model = transformers.FalconForCausalLM(cfg)
+    forward = ctx.wrap(model)
+    out = train_lm(ctx, model, lambda t: forward(input_ids=t, use_cache=False).logits, tokens())
+    out["planned"] = ctx.planned()
+    if ctx.sharded:
+        plan = shardc.explain_all(ctx.compiled)[0]
+        out["bodies"] = [(tuple(b.blocks), b.partitions) for b in plan.bodies]
+        out["inline_blocks"] = [(b.module, b.reason) for b in plan.inline_blocks]
+    return out
+
+
 def sc_moe(ctx: Ctx, *, compile: bool) -> dict:
     model = build_moe()
     forward = ctx.wrap(model, compile=compile)
@@ -1845,6 +1870,7 @@ def sc_peak_budget_optimizer(ctx: Ctx) -> dict:
 SCENARIOS: dict[str, Callable[[Ctx], dict]] = {
     "torch_transformer": sc_torch_transformer,
     "hf_gpt2": sc_hf_gpt2,
+    "hf_falcon": sc_hf_falcon,
     "moe_eager": lambda ctx: sc_moe(ctx, compile=False),
     "moe_compiled": lambda ctx: sc_moe(ctx, compile=True),
     "moe_recompile_limit": sc_moe_recompile_limit,
@@ -1925,7 +1951,7 @@ SCENARIOS: dict[str, Callable[[Ctx], dict]] = {
     "timeout": fail_timeout,
     "timeout_inductor": functools.partial(fail_timeout, inductor=True),
 }
-HF = ("hf_gpt2", "hf_checkpoint", "hf_checkpoint_reentrant", "hf_checkpoint_eager",
+HF = ("hf_gpt2", "hf_falcon", "hf_checkpoint", "hf_checkpoint_reentrant", "hf_checkpoint_eager",
       "hf_checkpoint_inductor", "hf_packed", "hf_inductor_once")  # needs the transformers package
 # Run by their own groups, only for the tests marked slow (tests/test_real_models.py::slow_runs);
 # the Inductor ones at world 2 only: Inductor compiles slowly on CPU.

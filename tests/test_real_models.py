@@ -180,6 +180,18 @@ def test_hf_gpt2_tied_embeddings(runs):
         assert "lm_head.weight" not in got["params"]
 
 
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="the transformers package is not installed")
+def test_hf_falcon_weights_read_transposed(runs):
+    """transformers' FalconForCausalLM, random init: its linear layers read ``self.weight.T``,
+    which Dynamo computes outside the compiled-once body. At parity, with both decoder layers
+    calling one body and no layer inline (before s55 the compile failed: the body's backward
+    saved the weights transposed back, gathered weights kept to the backward)."""
+    for got in check_parity(runs, "hf_falcon"):
+        layers = ("transformer.h.0", "transformer.h.1")
+        assert got["bodies"] == [(layers, 1)], got["bodies"]
+        assert got["inline_blocks"] == [], got["inline_blocks"]
+
+
 def _check_routing(got: dict, world: int) -> None:
     counts = got["counts"]  # (steps, ranks, experts)
     assert counts.shape[1] == world

@@ -64,13 +64,37 @@ def body_calls(gm: fx.GraphModule) -> Iterator[fx.Node]:
 
 
 def gather_of(node: object) -> fx.Node | None:
-    """The shardc gather ``node`` is (directly, or through aten views and casts), or None."""
+    """The shardc gather ``node`` is (directly, or through views and casts: aten's, or in
+    Dynamo's graph the tensor's transposing attributes and view methods), or None."""
     while isinstance(node, fx.Node):
         if is_call(node, GATHER_OP):
             return node
-        if node.op != "call_function" or not is_view_or_cast(node):
-            return None
-        node = node.all_input_nodes[0]
+        if node.op == "call_function" and is_view_or_cast(node):
+            node = node.all_input_nodes[0]
+            continue
+        node = _dynamo_view_source(node)
+    return None
+
+
+# Tensor attributes and methods that return a view of the tensor, as Dynamo's graph records
+# them (``w.T`` is ``getattr(w, "T")``; ``w.t()`` a ``call_method``). Dynamo computes such a view
+# of a body's weight outside the body where the block reads it as an attribute of the weight
+# (transformers' FalconLinear: ``input @ self.weight.T``), so the body takes the transpose.
+_VIEW_ATTRIBUTES = frozenset({"T", "mT", "H", "mH"})
+_VIEW_METHODS = frozenset({"t", "transpose", "permute", "view", "expand", "unsqueeze",
+                           "squeeze", "detach"})
+
+
+def _dynamo_view_source(node: fx.Node) -> fx.Node | None:
+    """The tensor ``node`` is a view of, where Dynamo's graph records ``node`` as one of the
+    views above, else None."""
+    source = node.args[0] if node.args else None
+    if not isinstance(source, fx.Node):
+        return None
+    if node.op == "call_function" and node.target is getattr:
+        return source if node.args[1:2] and node.args[1] in _VIEW_ATTRIBUTES else None
+    if node.op == "call_method" and node.target in _VIEW_METHODS:
+        return source
     return None
 
 
@@ -334,14 +358,19 @@ def is_body_joint(gm: fx.GraphModule) -> bool:
 
 def tag_weight_recompute(gm: fx.GraphModule, weights: set[int]) -> int:
     """In a body's joint graph (placeholders ``primals_*`` in operand order, then tangents),
-    tag forward nodes computed from the weight inputs at ``weights`` alone must-recompute;
-    returns how many nodes were tagged."""
+    tag nodes computed from the weight inputs at ``weights`` alone must-recompute; returns how
+    many nodes were tagged.
+
+    The backward's nodes too: one computed from weights alone (a transpose of a weight the body
+    took transposed, ``input @ weight.T``, whose backward needs the weight itself) depends on
+    no gradient, so torch's partitioner may compute it in the forward and save it, which would
+    keep the gathered weight alive to the backward in that form (transformers' Falcon, s55)."""
     primals = [p for p in gm.graph.find_nodes(op="placeholder")
                if not p.name.startswith("tangents")]
     pure = {primals[i] for i in weights if i < len(primals)}
     tagged = 0
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node.meta.get("partitioner_tag") == "is_backward":
+        if node.op != "call_function":
             continue
         if "recompute" in node.meta:  # the user's own checkpointing decides these
             continue
@@ -403,18 +432,19 @@ def rewire_saved_inputs(gm: fx.GraphModule, duplicates: bool = False) -> int:
 
 
 def weight_derived_outputs(gm: fx.GraphModule, node: fx.Node,
-                           is_weight: callable) -> set[int]:
-    """Indices of the outputs of body call ``node`` that are computed from operands for which
-    ``is_weight(operand)`` holds alone (the operands themselves included)."""
+                           is_weight: callable) -> dict[int, fx.Node]:
+    """The outputs of body call ``node`` that are computed from operands for which
+    ``is_weight(operand)`` holds alone (the operands themselves included): each output's index
+    and the first such operand it is computed from."""
     body = getattr(gm, node.args[0].target)
     places = body.graph.find_nodes(op="placeholder")
-    pure = {p for p, a in zip(places, node.args[2:]) if is_weight(a)}
+    source = {p: a for p, a in zip(places, node.args[2:]) if is_weight(a)}
     for inner in body.graph.nodes:
         if inner.op == "call_function" and inner.all_input_nodes and all(
-                i in pure for i in inner.all_input_nodes):
-            pure.add(inner)
+                i in source for i in inner.all_input_nodes):
+            source[inner] = source[inner.all_input_nodes[0]]
     (out,) = body.graph.find_nodes(op="output")
-    return {i for i, r in enumerate(out.args[0]) if r in pure}
+    return {i: source[r] for i, r in enumerate(out.args[0]) if r in source}
 
 
 class TraceOnceMismatch(RuntimeError):

@@ -134,10 +134,9 @@ def check_no_gathered_saved(fw: fx.GraphModule, bw: fx.GraphModule) -> None:
     # from gathered weights alone would keep the weights alive in another form.
     for call in body_calls(fw):
         derived = weight_derived_outputs(fw, call, lambda a: a in offending)
-        gathers = [offending[a] for a in call.args[2:] if a in offending]
         for user in call.users:
-            if is_call(user, operator.getitem) and user.args[1] in derived and gathers:
-                offending[user] = gathers[0]
+            if is_call(user, operator.getitem) and user.args[1] in derived:
+                offending[user] = offending[derived[user.args[1]]]
     for node in saved_for_backward(fw, bw):
         if node in offending:
             fqn = GatherArgs.of(offending[node]).fqn
