@@ -459,6 +459,29 @@ def sc_hf_falcon(ctx: Ctx) -> dict:
     return out
 
 
+def sc_hf_gemma3(ctx: Ctx) -> dict:
+    """transformers' Gemma3ForCausalLM (text), tiny random config: sliding-window and global
+    attention layers, q/k norms, GELUTanh MLPs (each its own ``functools.partial``; s55: those
+    kept every layer inline), embeddings scaled by the width."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=DIM, intermediate_size=FFN, num_hidden_layers=2,
+        num_attention_heads=HEADS, num_key_value_heads=2, head_dim=6,
+        max_position_embeddings=32, sliding_window=4, attention_dropout=0.0,
+        attn_implementation="sdpa")
+    model = transformers.Gemma3ForCausalLM(cfg)
+    forward = ctx.wrap(model)
+    out = train_lm(ctx, model, lambda t: forward(input_ids=t, use_cache=False).logits, tokens())
+    out["planned"] = ctx.planned()
+    if ctx.sharded:
+        plan = shardc.explain_all(ctx.compiled)[0]
+        out["bodies"] = [(tuple(b.blocks), b.partitions) for b in plan.bodies]
+        out["inline_blocks"] = [(b.module, b.reason) for b in plan.inline_blocks]
+    return out
+
+
 def sc_moe(ctx: Ctx, *, compile: bool) -> dict:
     model = build_moe()
     forward = ctx.wrap(model, compile=compile)
@@ -1871,6 +1894,7 @@ SCENARIOS: dict[str, Callable[[Ctx], dict]] = {
     "torch_transformer": sc_torch_transformer,
     "hf_gpt2": sc_hf_gpt2,
     "hf_falcon": sc_hf_falcon,
+    "hf_gemma3": sc_hf_gemma3,
     "moe_eager": lambda ctx: sc_moe(ctx, compile=False),
     "moe_compiled": lambda ctx: sc_moe(ctx, compile=True),
     "moe_recompile_limit": sc_moe_recompile_limit,
@@ -1951,8 +1975,9 @@ SCENARIOS: dict[str, Callable[[Ctx], dict]] = {
     "timeout": fail_timeout,
     "timeout_inductor": functools.partial(fail_timeout, inductor=True),
 }
-HF = ("hf_gpt2", "hf_falcon", "hf_checkpoint", "hf_checkpoint_reentrant", "hf_checkpoint_eager",
-      "hf_checkpoint_inductor", "hf_packed", "hf_inductor_once")  # needs the transformers package
+HF = ("hf_gpt2", "hf_falcon", "hf_gemma3", "hf_checkpoint", "hf_checkpoint_reentrant",
+      "hf_checkpoint_eager", "hf_checkpoint_inductor", "hf_packed",
+      "hf_inductor_once")  # needs the transformers package
 # Run by their own groups, only for the tests marked slow (tests/test_real_models.py::slow_runs);
 # the Inductor ones at world 2 only: Inductor compiles slowly on CPU.
 INDUCTOR_SCENARIOS = ("hf_checkpoint_inductor", "hf_inductor_once")

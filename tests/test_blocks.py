@@ -5,11 +5,13 @@ runs in tests/test_parity.py, tests/test_real_models.py and tests/test_mesh.py c
 
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -106,6 +108,58 @@ def test_hf_decoder_layers_differ_in_layer_idx_only_and_form_one_group():
     bodies = wrap_repeated_blocks(model, {}, shared=set(), special=set())
     assert [g.members for g in bodies.groups] == [tuple(f"model.layers.{i}" for i in range(3))]
     assert bodies.groups[0].varying == {("self_attn", "layer_idx")}
+    assert bodies.fallbacks == []
+
+
+class ActMlp(Mlp):
+    """An MLP whose activation is a callable each instance makes for itself: a partial of one
+    function (transformers' ``GELUTanh``) or a method bound to the block itself."""
+
+    def __init__(self, approximate: str = "tanh", bound: bool = False) -> None:
+        super().__init__()
+        self.act = self._act if bound else functools.partial(F.gelu, approximate=approximate)
+
+    def _act(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x, approximate="tanh")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(self.act(self.up(x)))
+
+
+@pytest.mark.parametrize("bound", [False, True], ids=["partial", "own_method"])
+def test_blocks_whose_callables_are_equal_form_one_group(bound):
+    """A partial of the same function with the same plain arguments, or a method bound to each
+    block itself, makes no difference between blocks (before s55 each instance's own callable
+    object kept every transformers Gemma3 layer inline); a partial with other arguments does,
+    and the blocks train as eager does."""
+    model = Stack(lambda: ActMlp(bound=bound), n=3)
+    bodies = wrap_repeated_blocks(model, {}, shared=set(), special=set())
+    assert [g.members for g in bodies.groups] == [("blocks.0", "blocks.1", "blocks.2")]
+    assert bodies.fallbacks == []
+    seal(bodies, model)
+    x = torch.randn(3, 6, requires_grad=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), model(x))
+    if not bound:
+        mixed = Stack(lambda: ActMlp(), n=3)
+        mixed.blocks[2] = ActMlp(approximate="none")
+        mixed_bodies = wrap_repeated_blocks(mixed, {}, shared=set(), special=set())
+        assert [g.members for g in mixed_bodies.groups] == [("blocks.0", "blocks.1")]
+        assert [f.module for f in mixed_bodies.fallbacks] == ["blocks.2"]
+
+
+def test_hf_gemma3_layers_form_one_group():
+    """transformers' Gemma3 decoder layers: each MLP's GELUTanh makes its own
+    ``partial(F.gelu, approximate="tanh")``; the layers form one group (trained at parity in
+    tests/test_real_models.py's hf_gemma3)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Gemma3TextConfig(vocab_size=37, hidden_size=16, intermediate_size=24,
+                                           num_hidden_layers=3, num_attention_heads=2,
+                                           num_key_value_heads=1, head_dim=8)
+    model = transformers.Gemma3ForCausalLM(config)
+    bodies = wrap_repeated_blocks(model, {}, shared=set(), special=set())
+    assert [g.members for g in bodies.groups] == [tuple(f"model.layers.{i}" for i in range(3))]
     assert bodies.fallbacks == []
 
 

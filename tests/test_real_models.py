@@ -192,6 +192,20 @@ def test_hf_falcon_weights_read_transposed(runs):
         assert got["inline_blocks"] == [], got["inline_blocks"]
 
 
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="the transformers package is not installed")
+def test_hf_gemma3_layers_share_a_body(runs):
+    """transformers' Gemma3ForCausalLM, random init: at parity, with its decoder layers calling
+    one body or named inline with the reason (the sliding-window layer reads what differs from
+    the global one); none inline for lack of an identical sibling (before s55 each layer's
+    GELUTanh partial kept all of them inline)."""
+    for got in check_parity(runs, "hf_gemma3"):
+        called = [m for blocks, _ in got["bodies"] for m in blocks]
+        inline = got["inline_blocks"]
+        assert sorted(called + [m for m, _ in inline]) == ["model.layers.0", "model.layers.1"]
+        assert called, (got["bodies"], inline)
+        assert not any("no identical sibling" in reason for _, reason in inline), inline
+
+
 def _check_routing(got: dict, world: int) -> None:
     counts = got["counts"]  # (steps, ranks, experts)
     assert counts.shape[1] == world

@@ -35,9 +35,11 @@ since Dynamo installs one subgraph for equal traces of one function.
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import logging
 import os
+import types
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -240,12 +242,31 @@ def _attr_signature(sub: nn.Module, scalar_values: bool) -> tuple:
             continue
         if not scalar_values and type(value) in _VARYING_TYPES:
             items.append((attr, type(value).__name__))
-        elif isinstance(value, _PLAIN) or (isinstance(value, tuple)
-                                            and all(isinstance(v, _PLAIN) for v in value)):
+        elif _plain(value):
             items.append((attr, repr(value)))
         else:
-            items.append((attr, "id", id(value)))
+            items.append((attr, *(_callable_signature(value, sub) or ("id", id(value)))))
     return tuple(items)
+
+
+def _plain(value) -> bool:
+    return isinstance(value, _PLAIN) or (isinstance(value, tuple)
+                                         and all(isinstance(v, _PLAIN) for v in value))
+
+
+def _callable_signature(value, owner: nn.Module) -> tuple | None:
+    """A callable attribute that each block makes for itself, by what it calls: a
+    ``functools.partial`` of one function with plain arguments (transformers' ``GELUTanh``:
+    ``partial(F.gelu, approximate="tanh")`` per instance) or a method bound to ``owner`` itself
+    (by its function). None for anything else (compared by identity)."""
+    if isinstance(value, functools.partial):
+        keywords = tuple(sorted(value.keywords.items()))
+        if all(_plain(v) for v in value.args) and all(_plain(v) for _, v in keywords):
+            return ("partial", id(value.func), repr((value.args, keywords)))
+        return None
+    if isinstance(value, types.MethodType) and value.__self__ is owner:
+        return ("own method", id(value.__func__))
+    return None
 
 
 def _scalar_values(block: nn.Module) -> dict[tuple[str, str], str]:
