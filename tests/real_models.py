@@ -434,6 +434,19 @@ def sc_hf_gpt2(ctx: Ctx) -> dict:
     return out
 
 
+def train_hf_lm(ctx: Ctx, model: nn.Module, *, inductor: bool = False) -> dict:
+    """Train a transformers causal LM (:func:`train_lm`) and record, sharded, its first region's
+    bodies ((blocks, partitions) each) and inline blocks ((module, reason) each)."""
+    forward = ctx.wrap(model, inductor=inductor)
+    out = train_lm(ctx, model, lambda t: forward(input_ids=t, use_cache=False).logits, tokens())
+    out["planned"] = ctx.planned()
+    if ctx.sharded:
+        plan = shardc.explain_all(ctx.compiled)[0]
+        out["bodies"] = [(tuple(b.blocks), b.partitions) for b in plan.bodies]
+        out["inline_blocks"] = [(b.module, b.reason) for b in plan.inline_blocks]
+    return out
+
+
 def sc_hf_falcon(ctx: Ctx) -> dict:
     """transformers' FalconForCausalLM (the new decoder architecture: two LayerNorms, fused
     query/key/value, rotary embeddings) from a tiny random config. Its linear layers compute
@@ -448,15 +461,7 @@ def sc_hf_falcon(ctx: Ctx) -> dict:
         num_kv_heads=2, new_decoder_architecture=True, max_position_embeddings=32,
         attention_dropout=0.0, hidden_dropout=0.0, bos_token_id=0, eos_token_id=0,
         attn_implementation="sdpa")
-    model = transformers.FalconForCausalLM(cfg)
-    forward = ctx.wrap(model)
-    out = train_lm(ctx, model, lambda t: forward(input_ids=t, use_cache=False).logits, tokens())
-    out["planned"] = ctx.planned()
-    if ctx.sharded:
-        plan = shardc.explain_all(ctx.compiled)[0]
-        out["bodies"] = [(tuple(b.blocks), b.partitions) for b in plan.bodies]
-        out["inline_blocks"] = [(b.module, b.reason) for b in plan.inline_blocks]
-    return out
+    return train_hf_lm(ctx, transformers.FalconForCausalLM(cfg))
 
 
 def sc_hf_gemma3(ctx: Ctx) -> dict:
@@ -471,15 +476,7 @@ def sc_hf_gemma3(ctx: Ctx) -> dict:
         num_attention_heads=HEADS, num_key_value_heads=2, head_dim=6,
         max_position_embeddings=32, sliding_window=4, attention_dropout=0.0,
         attn_implementation="sdpa")
-    model = transformers.Gemma3ForCausalLM(cfg)
-    forward = ctx.wrap(model)
-    out = train_lm(ctx, model, lambda t: forward(input_ids=t, use_cache=False).logits, tokens())
-    out["planned"] = ctx.planned()
-    if ctx.sharded:
-        plan = shardc.explain_all(ctx.compiled)[0]
-        out["bodies"] = [(tuple(b.blocks), b.partitions) for b in plan.bodies]
-        out["inline_blocks"] = [(b.module, b.reason) for b in plan.inline_blocks]
-    return out
+    return train_hf_lm(ctx, transformers.Gemma3ForCausalLM(cfg))
 
 
 def sc_moe(ctx: Ctx, *, compile: bool) -> dict:
@@ -700,15 +697,7 @@ def sc_hf_inductor_once(ctx: Ctx) -> dict:
     """transformers' Qwen2 decoder without checkpointing, compiled with Inductor: its layers
     differ only in ``self_attn.layer_idx``, which their forward does not read, so they share
     one body (issue 18)."""
-    model = build_hf_decoder(checkpointing=False)
-    forward = ctx.wrap(model, inductor=True)
-    out = train_lm(ctx, model, lambda t: forward(input_ids=t, use_cache=False).logits, tokens())
-    out["planned"] = ctx.planned()
-    if ctx.sharded:
-        plan = shardc.explain_all(ctx.compiled)[0]
-        out["bodies"] = [(tuple(b.blocks), b.partitions) for b in plan.bodies]
-        out["inline_blocks"] = [(b.module, b.reason) for b in plan.inline_blocks]
-    return out
+    return train_hf_lm(ctx, build_hf_decoder(checkpointing=False), inductor=True)
 
 
 def sc_hf_packed(ctx: Ctx) -> dict:
