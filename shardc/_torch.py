@@ -512,17 +512,23 @@ def nested_compile_region(fn):
     return torch.compiler.nested_compile_region(fn)
 
 
+def supports_keyed_regions() -> bool:
+    """Whether ``torch.compiler.nested_compile_region`` takes a ``reuse_hash_fn`` (torch 2.13+):
+    what :func:`keyed_compile_region` needs."""
+    import inspect
+
+    return "reuse_hash_fn" in inspect.signature(torch.compiler.nested_compile_region).parameters
+
+
 def keyed_compile_region(fn):
     """``torch.compiler.nested_compile_region(fn)`` whose reuse key is ``fn``'s first argument,
     an ``int`` the caller derived from everything a trace of ``fn`` depends on: Dynamo traces the
     first call per key and stamps that trace out for the other calls with the same key, instead
     of tracing every call (torch 2.13+'s ``reuse_hash_fn``). None where torch has no
     ``reuse_hash_fn`` (2.11, 2.12): the caller keeps the guard-based region."""
-    import inspect
-
-    mark = torch.compiler.nested_compile_region
-    if "reuse_hash_fn" not in inspect.signature(mark).parameters:
+    if not supports_keyed_regions():
         return None
+    mark = torch.compiler.nested_compile_region
 
     def reuse_key(key: int, *args, **kwargs) -> int:
         return key

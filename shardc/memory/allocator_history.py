@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardc.memory.caching_allocator import SMALL_SEGMENT, CachingAllocatorModel
+from shardc.memory.caching_allocator import CachingAllocatorModel
 
 VERSION = 1
 
@@ -94,7 +94,7 @@ def replay(history: dict) -> Replayed:
                          f"this replay reads version {VERSION}")
     model = CachingAllocatorModel()
     for address, size, taken in history["segments"]:
-        model.add_segment(address, size, size == SMALL_SEGMENT, tuple(map(tuple, taken)))
+        model.add_segment(address, size, tuple(map(tuple, taken)))
     segments = [e for e in history["events"] if e[0] == "s"]
     next_segment = 0
     requests = misplaced = made = 0

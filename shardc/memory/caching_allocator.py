@@ -34,26 +34,15 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from shardc.memory.cuda_blocks import MIN_BLOCK, MIN_LARGE_ALLOC, ROUND_LARGE, SMALL_SIZE
+from shardc.memory.cuda_blocks import (
+    MIN_BLOCK,
+    SMALL_SEGMENT,
+    SMALL_SIZE,
+    round_request,
+    segment_bytes,
+)
 
-SMALL_SEGMENT = 2 << 20  # kSmallBuffer: a small request's segment
-LARGE_SEGMENT = 20 << 20  # kLargeBuffer: the segment of a request below MIN_LARGE_ALLOC
-
-
-def round_request(nbytes: int) -> int:
-    """The bytes the allocator hands out for a request of ``nbytes``."""
-    if nbytes < MIN_BLOCK:
-        return MIN_BLOCK
-    return -(-nbytes // MIN_BLOCK) * MIN_BLOCK
-
-
-def segment_bytes(rounded: int) -> int:
-    """The size of the segment a new request of ``rounded`` bytes makes."""
-    if rounded <= SMALL_SIZE:
-        return SMALL_SEGMENT
-    if rounded < MIN_LARGE_ALLOC:
-        return LARGE_SEGMENT
-    return -(-rounded // ROUND_LARGE) * ROUND_LARGE
+__all__ = ["CachingAllocatorModel", "round_request", "segment_bytes"]
 
 
 def _splits(small: bool, rest: int) -> bool:
@@ -127,10 +116,12 @@ class CachingAllocatorModel:
                 block = self._merge(block, neighbour)
         self._give(block)
 
-    def add_segment(self, address: int, size: int, small: bool,
+    def add_segment(self, address: int, size: int,
                     taken: tuple[tuple[int, int], ...] = ()) -> None:
         """A segment made before the replay starts, with its ``taken`` ``(offset, size)``
-        blocks handed out (to no request of the replay) and the rest free."""
+        blocks handed out (to no request of the replay) and the rest free. A 2 MiB segment is
+        the small pool's (a large request's segment is at least 10 MiB)."""
+        small = size == SMALL_SEGMENT
         cuts = sorted(taken)
         blocks, at = [], 0
         for offset, nbytes in cuts:

@@ -50,8 +50,27 @@ DEFAULT_CUDA_RUNTIME_BYTES = 2 * (32 << 20)
 ALLOCATORS = ("cuda", "exact")  # the peak model's: the caching allocator's blocks, or requests
 
 
+SMALL_SEGMENT = 2 << 20  # kSmallBuffer: a small request's segment
+LARGE_SEGMENT = 20 << 20  # kLargeBuffer: the segment of a request below MIN_LARGE_ALLOC
+
+
 def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
+
+
+def round_request(nbytes: int) -> int:
+    """The bytes the allocator hands out for a request of ``nbytes`` (at least 512 B)."""
+    return _round_up(max(nbytes, 1), MIN_BLOCK)
+
+
+def segment_bytes(rounded: int) -> int:
+    """The size of the segment a new request of ``rounded`` bytes makes: 2 MiB for the small
+    pool, 20 MiB below ``MIN_LARGE_ALLOC``, else the request rounded up to 2 MiB."""
+    if rounded <= SMALL_SIZE:
+        return SMALL_SEGMENT
+    if rounded < MIN_LARGE_ALLOC:
+        return LARGE_SEGMENT
+    return _round_up(rounded, ROUND_LARGE)
 
 
 def block_bytes(nbytes: int) -> int:
@@ -59,10 +78,10 @@ def block_bytes(nbytes: int) -> int:
     served from a fresh segment (the module docstring's rule); 0 for 0."""
     if nbytes <= 0:
         return 0
-    rounded = _round_up(nbytes, MIN_BLOCK)
+    rounded = round_request(nbytes)
     if rounded < MIN_LARGE_ALLOC:
         return rounded  # small pool, or split off a 20 MiB segment right after the request
-    segment = _round_up(rounded, ROUND_LARGE)
+    segment = segment_bytes(rounded)
     # the large pool splits a block only where more than kSmallSize would remain
     return segment if 0 < segment - rounded <= SMALL_SIZE else rounded
 

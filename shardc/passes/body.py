@@ -92,7 +92,7 @@ def _dynamo_view_source(node: fx.Node) -> fx.Node | None:
     if not isinstance(source, fx.Node):
         return None
     if node.op == "call_function" and node.target is getattr:
-        return source if node.args[1:2] and node.args[1] in _VIEW_ATTRIBUTES else None
+        return source if len(node.args) == 2 and node.args[1] in _VIEW_ATTRIBUTES else None
     if node.op == "call_method" and node.target in _VIEW_METHODS:
         return source
     return None

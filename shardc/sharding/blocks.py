@@ -491,7 +491,7 @@ def _describe_items(values) -> tuple | None:
 # with keyed bodies (torch 2.13+), which then trace a dynamic call once per key too; torch 2.11
 # and 2.12 keep the guard-based body for such calls (their trace-once path needs static sizes).
 _SYMBOLIC = "symbolic"
-_SYMBOLIC_KEYS = _torch.keyed_compile_region(lambda key: key) is not None
+_SYMBOLIC_KEYS = _torch.supports_keyed_regions()
 _SYMBOLS: dict[tuple, int] = {}  # a symbolic description -> its number
 _SYMBOL_HINTS: dict[int, tuple] = {}  # its number -> (description, the hints of its last use)
 _RECORDED: list = [None]  # what the last comptime recorded, taken by _symbolic_number
