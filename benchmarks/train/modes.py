@@ -33,7 +33,7 @@ EXTRA_MODES: tuple[str, ...] = ("shardc-keeporder", "shardc-pool", "shardc-local
                                   "shardc-cudagraphs", "shardc-budget", "shardc-noreshard",
                                   "shardc-inline", "shardc-plain", "shardc-plain-budget",
                                   "shardc-plain-pool", "shardc-oneop", "shardc-packed",
-                                  "shardc-packed-plain",
+                                  "shardc-packed-plain", "shardc-sink", "shardc-packed-sink",
                                   "shardc-combo", "shardc-ac", "shardc-fast",
                                   "shardc-fast-budget", "shardc-fast-budget-inline",
                                   "shardc-fast-budget-sink", "shardc-fast-sink",
@@ -249,6 +249,16 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_
         setup.info["options"] = ", ".join(
             ["shardc.shard(..., plain_inputs=True)"]
             + [f"{k}={v!r}" for k, v in options.items()])
+        return setup
+    if mode in ("shardc-sink", "shardc-packed-sink"):
+        # Default shardc (or packed blocks) with each body's final residual add sunk into the
+        # next body call (sink_block_residual): where Inductor fuses it into the next block's
+        # norm, as with the blocks inline; no CUDA graphs, no budget (every bucket resharded).
+        packed = mode == "shardc-packed-sink"
+        setup = setup_shardc_(model, mesh, loss_in_graph, sink_block_residual=True,
+                              **({"pack_blocks": True} if packed else {}))
+        setup.info["options"] = "sink_block_residual=True" + (
+            ", shardc.shard(..., pack_blocks=True)" if packed else "")
         return setup
     if mode in ("shardc-packed", "shardc-packed-plain"):
         # Each repeated block's shards in one buffer, read and gathered as one tensor
