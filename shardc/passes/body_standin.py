@@ -111,13 +111,19 @@ def stand_in_later_calls(gm: fx.GraphModule, calls: Iterable[fx.Node]) -> StandI
     """Replace each call of ``calls`` (shardc's body calls, ``invoke_subgraph`` nodes) in
     ``gm``'s top-level graph whose body was called before in that graph with the same operand
     and output metadata and aliasing pattern by ``shardc::body_fwd(key, i, operands)``; the
-    node keeps its ``getitem`` users and meta. Calls inside other higher-order ops' subgraphs,
-    calls with non-tensor or symbolic operands, and calls whose outputs need no gradient keep
-    their ``invoke_subgraph`` (their reasons in ``StandIns.skipped``)."""
+    node keeps its ``getitem`` users and meta. A call unlike every earlier call of its body
+    keeps its ``invoke_subgraph``, and the later calls like it stand in for it. Calls inside
+    other higher-order ops' subgraphs, calls with non-tensor or symbolic operands, and calls
+    whose outputs need no gradient keep their ``invoke_subgraph`` (their reasons in
+    ``StandIns.skipped``)."""
     done = StandIns()
     wanted = {id(c) for c in calls}
     nested = {str(c.args[1]) for c in calls if c.graph is not gm.graph}
-    first: dict[str, _First] = {}
+    # Per body, the first call of each operand and output description: a later call with the
+    # description of one of them stands in for it; a call unlike all of them is traced (torch
+    # partitions it as another variant of the body, which restore_body_calls finds by fit).
+    # A sunk residual's first call (its zeros need no gradient) is one such second description.
+    firsts: dict[str, list[_First]] = {}
     for node in list(gm.graph.nodes):
         if id(node) not in wanted or not is_call(node, INVOKE_SUBGRAPH):
             continue
@@ -132,16 +138,14 @@ def stand_in_later_calls(gm: fx.GraphModule, calls: Iterable[fx.Node]) -> StandI
             continue
         operands, outputs = described
         identity = aliasing_pattern(list(node.args[2:]))
-        known = first.get(ident)
+        known = next((f for f in firsts.get(ident, ())
+                      if (operands, identity, outputs) == (f.operands, f.identity, f.outputs)),
+                     None)
         if known is None:
             positions = tuple(i for i, m in enumerate(operands) if _is_size(m))
             key = record_outputs(ident, outputs, tuple(operands[i][1] for i in positions),
                                  positions)
-            first[ident] = _First(operands, identity, outputs, key)
-            continue
-        if (operands, identity, outputs) != (known.operands, known.identity, known.outputs):
-            done.skipped.append(f"{ident}: a call's operands or outputs differ from its first "
-                                "call's (shape, stride, dtype, device, requires_grad, aliasing)")
+            firsts.setdefault(ident, []).append(_First(operands, identity, outputs, key))
             continue
         known.calls += 1
         done.replaced.append((node, node.target, node.args))
@@ -222,8 +226,7 @@ def _partitions(gm: fx.GraphModule, idents: set[str]) -> dict[str, list[_Partiti
         if ident is None:
             continue
         fw_name = "partitioned_fw_" + node.args[1].removeprefix("partitioned_bw_")
-        fw_call = next((n for n in gm.graph.nodes if is_call(n, INVOKE_SUBGRAPH)
-                        and n.args[1] == fw_name), None)
+        fw_call = _forward_of(gm, node, fw_name)
         if fw_call is None or any(p.bw_name == node.args[1] for p in found.get(ident, ())):
             continue
         fw = getattr(gm, fw_call.args[0].target)
@@ -236,6 +239,18 @@ def _partitions(gm: fx.GraphModule, idents: set[str]) -> dict[str, list[_Partiti
             fw_name, node.args[1], fw, bw, fw_call.args[0], node.args[0], fw_call, node,
             num_sym))
     return found
+
+
+def _forward_of(gm: fx.GraphModule, bw_call: fx.Node, fw_name: str) -> fx.Node | None:
+    """The forward call of ``fw_name`` whose saved values the backward call ``bw_call`` takes
+    (two traced calls of one body may share its partitioned graphs: a sunk residual's first
+    call and its second); the first such call where it takes none."""
+    for arg in bw_call.args[2:]:
+        if is_call(arg, operator.getitem) and is_call(arg.args[0], INVOKE_SUBGRAPH) \
+                and arg.args[0].args[1] == fw_name:
+            return arg.args[0]
+    return next((n for n in gm.graph.nodes if is_call(n, INVOKE_SUBGRAPH)
+                 and n.args[1] == fw_name), None)
 
 
 def _operands(stand_in: fx.Node) -> list:
@@ -285,8 +300,10 @@ def _fit(stand_in: fx.Node, bw: fx.Node | None, part: _Partition, num_outputs: i
             return "the first call's backward takes a value its forward does not return"
     first_tangents = list(first_bw.args[2 + part.num_sym + num_saved:])
     tangents = list(bw.args[3])
+    read = _tangents_read(part.bw, len(first_tangents))
     if _metas(tangents) != _metas(first_tangents) or (
-            aliasing_pattern(tangents) != aliasing_pattern(first_tangents)):
+            aliasing_pattern([tangents[i] for i in read])
+            != aliasing_pattern([first_tangents[i] for i in read])):
         return "the gradients the backward gets differ from the first call's"
     grads_for = _gradient_positions(bw)
     bw_outputs = _outputs(part.bw)
@@ -299,6 +316,17 @@ def _fit(stand_in: fx.Node, bw: fx.Node | None, part: _Partition, num_outputs: i
         if _metas([user]) != _metas([bw_outputs[position]]):
             return f"the gradient of operand {position} differs from the partitioned backward's"
     return None
+
+
+def _tangents_read(bw: fx.GraphModule, count: int) -> list[int]:
+    """The positions among a partitioned backward's ``count`` tangents (its last operands)
+    that its graph reads. Which unread tangents alias others does not matter to it: a sunk
+    body's backward reads one half of its pair's gradient for both (``tie_pair_tangents``),
+    and the last call's two halves are one tensor once Inductor's joint passes drop the view
+    between them."""
+    inputs = _body_inputs(bw) or []
+    tangents = inputs[len(inputs) - count:] if count else []
+    return [i for i, t in enumerate(tangents) if t.users]
 
 
 def _gradient_positions(bw: fx.Node) -> list[int]:
