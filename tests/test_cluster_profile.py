@@ -112,10 +112,34 @@ def test_profile_round_trips_through_json():
         assert ClusterProfile.from_json(preset.to_json()) == preset
         assert preset.command and preset.date and preset.source  # provenance shipped with it
         # Rates an H100/H200 reaches, measured (h100.json: 445 TFLOP/s on this shape; h200.json,
-        # calibrated on 2 x H200: 755 TFLOP/s, 4.32 TB/s): a unit slip would be 1000x off. The
-        # bandwidth's bound is the H200's datasheet peak (4.8 TB/s).
+        # its device terms calibrated on one H200: 669 TFLOP/s, 4.34 TB/s): a unit slip would be
+        # 1000x off. The bandwidth's bound is the H200's datasheet peak (4.8 TB/s).
         assert 300e12 <= preset.matmul_rate(8192, 2048, 2048, "bfloat16") <= 990e12
         assert 2.5e12 <= preset.memory_bandwidth(1 << 30) <= 4.8e12
+
+
+def test_the_h200_preset_is_its_two_calibrations_merged():
+    """The shipped h200 preset is what docs/bench/predict/s56_preset/merge_h200.py writes from
+    its two calibrations (edit the script, not the preset): the collective terms of the 2 x H200
+    run, the rest of the one-H200 run, and both runs named in its provenance."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "docs/bench/predict/s56_preset/merge_h200.py"
+    spec = importlib.util.spec_from_file_location("merge_h200", path)
+    merge_h200 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(merge_h200)
+    one, two = (ClusterProfile.from_json(p.read_text())
+                for p in (merge_h200.ONE_GPU, merge_h200.TWO_GPU))
+    shipped = load_profile("h200")
+    assert merge_h200.merge(one, two) == shipped
+    assert shipped.collectives == two.collectives and shipped.gpus == two.gpus > one.gpus
+    assert shipped.collective_launch_s == two.collective_launch_s
+    assert shipped.fit_spread("collective_launch_s") == two.fit_spread("collective_launch_s")
+    assert shipped.graph_call_s == one.graph_call_s and shipped.matmul == one.matmul
+    assert shipped.fit_spread("optimizer_per_param_s") == one.fit_spread("optimizer_per_param_s")
+    assert one.command in shipped.command and two.command in shipped.command
+    assert one.date in shipped.date and two.date in shipped.date
 
 
 def test_profile_version_and_format_errors_are_clear(tmp_path):

@@ -363,7 +363,8 @@ def test_cli_step_time_comes_from_the_cluster_profile(tmp_path, capsys):
     path.write_text(slow.to_json())
     fast_ms, fast_out = _cli_step_ms(["--profile", "h100"], capsys)
     slow_ms, slow_out = _cli_step_ms(["--profile", str(path)], capsys)
-    # the shipped presets are measured (h100: calibrate on one H100; h200: on 2 x H200)
+    # the shipped presets are measured (h100: calibrate on one H100; h200: on one H200, its
+    # collectives on 2 x H200)
     assert "cluster profile: h100 (" in fast_out and ", measured, " in fast_out
     assert "cluster profile: slow (" in slow_out and ", measured, " in slow_out
     assert 7 * fast_ms < slow_ms < 13 * fast_ms

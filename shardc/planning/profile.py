@@ -7,7 +7,8 @@ memory-bound kernel that moves this many bytes, a collective of this size over a
 many ranks, what launching a kernel costs, and how much slower compute runs while a collective
 runs beside it. ``python -m shardc calibrate`` (:mod:`shardc.calibrate`) measures one; the
 presets in ``shardc/planning/profiles/`` ship with the package, each naming the command and date
-that made it (or, for an estimate, its sources).
+that made it (or, for an estimate, its sources; a preset merged from two calibrations names both
+in ``command`` and ``date``, and its first note says which fields each gave).
 
 Lookups interpolate (:mod:`shardc.planning.fit`): matmul and attention rates by shape (inverse-
 distance weighting in log space over the nearest measured shapes), memory-bound bandwidth by the
