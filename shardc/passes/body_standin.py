@@ -323,8 +323,10 @@ def _tangents_read(bw: fx.GraphModule, count: int) -> list[int]:
     that its graph reads. Which unread tangents alias others does not matter to it: a sunk
     body's backward reads one half of its pair's gradient for both (``tie_pair_tangents``),
     and the last call's two halves are one tensor once Inductor's joint passes drop the view
-    between them."""
-    inputs = _body_inputs(bw) or []
+    between them. All of them where the placeholders cannot be read."""
+    inputs = _body_inputs(bw)
+    if inputs is None or len(inputs) < count:
+        return list(range(count))
     tangents = inputs[len(inputs) - count:] if count else []
     return [i for i, t in enumerate(tangents) if t.users]
 
