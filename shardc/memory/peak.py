@@ -30,6 +30,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 from torch import fx
@@ -529,10 +530,7 @@ def _timeline(lives: list[Lifetime], end: int) -> tuple[int, list[int]]:
     for life in lives:
         delta[life.born] += life.nbytes
         delta[life.last + 1] -= life.nbytes
-    timeline, live = [], 0
-    for d in delta[:end + 1]:
-        live += d
-        timeline.append(live)
+    timeline = list(accumulate(delta[:end + 1]))
     return max(timeline, default=0), timeline
 
 
@@ -787,8 +785,8 @@ def _step_breakdown(walked: list, constants: dict[str, int],
         timeline = breakdown.category_timeline(lives, cats, len(gm.graph.nodes))
         keep, columns = breakdown.graph_columns(timeline, constants)
         graphs[name] = {"positions": keep, "bytes": columns}
-        for i, pos in enumerate(keep):
-            total = sum(columns[c][i] for c in breakdown.CATEGORIES)
+        totals = [sum(at) for at in zip(*(columns[c] for c in breakdown.CATEGORIES))]
+        for i, (pos, total) in enumerate(zip(keep, totals)):
             if total > best[0]:
                 best = (total, name, pos, (lives, cats), {c: columns[c][i] for c in columns})
     peak = {"graph": best[1], "position": best[2], "bytes": best[4],
