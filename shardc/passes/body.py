@@ -301,12 +301,13 @@ def _inline(gm: fx.GraphModule, node: fx.Node, module_stacks: bool = True) -> li
                                           node.args[2:]))
     result = None
     nested: list[fx.Node] = []
+    copied_from = env.__getitem__  # (a bound method: no Python frame per argument)
     with gm.graph.inserting_before(node):
         for inner in body.graph.nodes:
             if inner.op == "placeholder":
                 continue
             if inner.op == "output":
-                result = fx.map_arg(inner.args[0], lambda n: env[n])
+                result = fx.map_arg(inner.args[0], copied_from)
                 continue
             if inner.op == "get_attr":
                 name = unique_attr(gm, f"{node.name}_{inner.target}")
@@ -320,12 +321,12 @@ def _inline(gm: fx.GraphModule, node: fx.Node, module_stacks: bool = True) -> li
                 env[inner] = gm.graph.get_attr(name)
                 env[inner].meta = dict(inner.meta)
                 continue
-            env[inner] = copy_node(gm.graph, inner, lambda n: env[n])
-            env[inner].meta[BODY_SCOPE] = scope
+            env[inner] = copied = copy_node(gm.graph, inner, copied_from)
+            copied.meta[BODY_SCOPE] = scope
             if module_stacks:
-                _place_in_block(env[inner], node)
+                _place_in_block(copied, node)
             if is_call(inner, INVOKE_SUBGRAPH):
-                nested.append(env[inner])
+                nested.append(copied)
     # Each reader of the call's outputs rewired once (not once per output it reads: the forward's
     # output node reads every block's saved values, which made this quadratic in the blocks).
     picked = {user: result[user.args[1]] for user in node.users
@@ -333,7 +334,8 @@ def _inline(gm: fx.GraphModule, node: fx.Node, module_stacks: bool = True) -> li
     readers = dict.fromkeys(r for item in picked for r in item.users)
     for reader in readers:
         reader.args = fx.map_arg(reader.args, lambda n: picked.get(n, n))
-        reader.kwargs = fx.map_arg(reader.kwargs, lambda n: picked.get(n, n))
+        if reader.kwargs:  # (each assignment re-registers the reader's inputs)
+            reader.kwargs = fx.map_arg(reader.kwargs, lambda n: picked.get(n, n))
     for item in picked:
         gm.graph.erase_node(item)
     gm.graph.erase_node(node)

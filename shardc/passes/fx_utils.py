@@ -53,9 +53,9 @@ def copy_node(graph: fx.Graph, node: fx.Node, arg_transform) -> fx.Node:
     block): fx in torch 2.11/2.12 resolves a taken numbered name by trying ``mm_1``, ``mm_2``,
     ... in turn, quadratic in the number of copies, while a base name continues from the last
     number given (torch 2.13's fx looks up the base either way)."""
+    kwargs = fx.map_arg(node.kwargs, arg_transform) if node.kwargs else None  # (most have none)
     copied = graph.create_node(node.op, node.target, fx.map_arg(node.args, arg_transform),
-                               fx.map_arg(node.kwargs, arg_transform),
-                               _NUMBERED.sub("", node.name) or node.name, node.type)
+                               kwargs, _NUMBERED.sub("", node.name) or node.name, node.type)
     copied.meta.update(node.meta)  # a new node's own empty dict: no fx __setattr__ path
     return copied
 
