@@ -145,29 +145,32 @@ class NodeKinds:
     loops: frozenset[fx.Node]
     pointwise: frozenset[fx.Node]  # ops tagged pointwise
     reductions: frozenset[fx.Node]  # ops tagged reduction
+    collectives: frozenset[fx.Node]  # :func:`_is_collective`
     fills: dict[fx.Node, tuple[fx.Node, ...]]  # the buffers a node fills (:func:`filled_buffers`)
     packs: dict[fx.Node, fx.Node]  # a send buffer's pack (:func:`_pack_of`)
 
     @classmethod
     def of(cls, nodes: list[fx.Node]) -> NodeKinds:
         """The kinds of ``nodes``, a whole graph's (a buffer's filling op is one of its users)."""
-        aliases, loops, pointwise, reductions = set(), set(), set(), set()
+        aliases, loops, pointwise, reductions, collectives = set(), set(), set(), set(), set()
         fills: dict[fx.Node, tuple[fx.Node, ...]] = {}
         packs: dict[fx.Node, fx.Node] = {}
-        # Per target: (tagged pointwise, tagged reduction, in _LOOP_OPS), read once per op (a
-        # tag test compares torch.Tag values one by one: about 0.5 us a node).
-        of_op: dict[object, tuple[bool, bool, bool]] = {}
+        # Per target: (tagged pointwise, tagged reduction, in _LOOP_OPS, a collective), read
+        # once per op (a tag test compares torch.Tag values one by one: about 0.5 us a node).
+        of_op: dict[object, tuple[bool, bool, bool, bool]] = {}
         for node in nodes:
             if node.op != "call_function":
                 continue  # (a placeholder, get_attr or output is none of these)
             op_kinds = of_op.get(node.target)
             if op_kinds is None:
                 op_kinds = of_op[node.target] = _op_kinds(node)
-            is_pointwise, is_reduction, is_loop_op = op_kinds
+            is_pointwise, is_reduction, is_loop_op, is_collective = op_kinds
             if is_pointwise:
                 pointwise.add(node)
             if is_reduction:
                 reductions.add(node)
+            if is_collective:
+                collectives.add(node)
             if is_pointwise or is_loop_op or is_filled_copy(node):
                 loops.add(node)
             if _is_alias(node):
@@ -177,14 +180,14 @@ class NodeKinds:
             if (pack := _pack_of(node)) is not None:
                 packs[node] = pack
         return cls(frozenset(aliases), frozenset(loops), frozenset(pointwise),
-                   frozenset(reductions), fills, packs)
+                   frozenset(reductions), frozenset(collectives), fills, packs)
 
 
-def _op_kinds(node: fx.Node) -> tuple[bool, bool, bool]:
-    """Whether ``node``'s op is tagged pointwise, tagged reduction, one of ``_LOOP_OPS``
-    (the same for every node calling it)."""
+def _op_kinds(node: fx.Node) -> tuple[bool, bool, bool, bool]:
+    """Whether ``node``'s op is tagged pointwise, tagged reduction, one of ``_LOOP_OPS``, a
+    collective (the same for every node calling it)."""
     return (has_tag(node, torch.Tag.pointwise), has_tag(node, torch.Tag.reduction),
-            node.target in _LOOP_OPS)
+            node.target in _LOOP_OPS, _is_collective(node))
 
 
 @dataclass
@@ -404,8 +407,9 @@ def lifetimes_and_storage(gm: fx.GraphModule, skip: set[fx.Node], *, fusion: boo
             if arg in written:
                 continue
             key = storage[arg]
-            last[key] = max(last[key], reads_at)
-        if _is_collective(node):
+            if last[key] < reads_at:
+                last[key] = reads_at
+        if node in kinds.collectives:
             pending[node] = [storage[a] for a in inputs]
         elif node.op == "call_function" and node.target is _WAIT:
             # A collective's inputs stay referenced by its work until the wait (the process
