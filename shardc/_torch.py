@@ -54,6 +54,24 @@ def lazy_graph_module_class() -> type | None:
     return _LazyGraphModule
 
 
+def create_node_unchecked(graph: torch.fx.Graph, op: str, target: Any, args: tuple,
+                          kwargs: dict | None, name: str, type_expr: Any = None
+                          ) -> torch.fx.Node:
+    """``graph.create_node(op, target, args, kwargs, name, type_expr)`` less the walk over
+    ``args`` and ``kwargs`` that torch 2.13's ``create_node`` makes to warn about raw symbolic
+    values in them: for copies of nodes that are already in a graph (a body inlined once per
+    block), where that walk cost as much as the rest of creating the node. The node is created
+    without arguments, then given them as ``fx.Node.__init__`` gives them (which registers it
+    as their user). Where the graph's module has hooks on node creation, they would see the node
+    without its arguments: there the node is created as usual."""
+    owner = graph.owning_module
+    if owner is not None and getattr(owner, "_create_node_hooks", None):
+        return graph.create_node(op, target, args, kwargs, name, type_expr)
+    node = graph.create_node(op, target, (), None, name, type_expr)
+    node._update_args_kwargs(args, kwargs or {})
+    return node
+
+
 def custom_partitioner_base() -> type:
     from torch._inductor.custom_graph_pass import CustomPartitionerFn
 

@@ -28,6 +28,7 @@ On a CUDA target every value counts as the caching allocator's block
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import torch
@@ -78,14 +79,12 @@ def categorize(gm: fx.GraphModule, graph: str, storage_of: dict[fx.Node, fx.Node
 
     out: dict[fx.Node, str] = {}
     outputs = {storage_of.get(a, a) for a in gm.graph.output_node().all_input_nodes}
-    sent = set()
-    for node in gm.graph.nodes:
-        if _collective(node) is not None:
-            sent.update(storage_of.get(a, a) for a in node.all_input_nodes)
+    collectives = {node: op for node in gm.graph.nodes if (op := _collective(node)) is not None}
+    sent = {storage_of.get(a, a) for node in collectives for a in node.all_input_nodes}
     for node in gm.graph.nodes:
         if storage_of.get(node, node) is not node or node.op == "output":
             continue
-        op = _collective(node)
+        op = collectives.get(node)
         if node in outputs:
             out[node] = GRADIENTS if graph == "backward" else SAVED
         elif node.op == "placeholder":
@@ -122,14 +121,7 @@ def category_timeline(lives: Sequence[Lifetime], categories: dict[fx.Node, str],
             d = delta[categories.get(life.node, TEMPORARIES)]
             d[0 if life.node.op == "placeholder" else life.born] += life.nbytes
             d[life.last + 1] -= life.nbytes
-    out = {}
-    for cat, d in delta.items():
-        live, series = 0, []
-        for step in d[:end + 1]:
-            live += step
-            series.append(live)
-        out[cat] = series
-    return out
+    return {cat: list(accumulate(d[:end + 1])) for cat, d in delta.items()}
 
 
 def _sample(totals: list[int], limit: int = MAX_POINTS) -> list[int]:
@@ -148,8 +140,7 @@ def _sample(totals: list[int], limit: int = MAX_POINTS) -> list[int]:
 def graph_columns(timeline: dict[str, list[int]], constants: dict[str, int]) -> tuple[
         list[int], dict[str, list[int]]]:
     """(sampled positions, bytes per category at them) with the step-wide constants added."""
-    n = len(next(iter(timeline.values())))
-    totals = [sum(timeline[c][i] for c in CATEGORIES) for i in range(n)]
+    totals = [sum(at) for at in zip(*(timeline[c] for c in CATEGORIES))]
     keep = _sample(totals)
     columns = {c: [timeline[c][i] + constants.get(c, 0) for i in keep] for c in CATEGORIES}
     return keep, columns

@@ -172,8 +172,8 @@ def inplace_reuses(nodes: list[fx.Node], inlined: set[fx.Node],
     claimed: set[fx.Node] = set()
     donated = _donated(nodes)
     for out in nodes:
-        if not (_elementwise(out) and out not in inlined and size.get(out)
-                and _val(out) is not None):
+        if not (size.get(out) and out not in inlined and _elementwise(out)
+                and _val(out) is not None):  # (the cheap questions first)
             continue
         at = born[out]
         reads = _kernel_reads(out, inlined)

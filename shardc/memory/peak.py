@@ -30,6 +30,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 from torch import fx
@@ -60,7 +61,6 @@ from shardc.planning.plan import Plan
 from shardc.runtime.collectives import is_float8
 
 _nbytes = tensor_nbytes  # hints: a prediction must add no guard
-_has_tag = has_tag
 Counted = Callable[[int], int]  # one request's bytes -> the bytes the allocator counts for it
 _WAIT = _torch.funcol.wait_tensor.default
 
@@ -127,13 +127,67 @@ _LOOP_OPS = frozenset({
     _aten.select_scatter.default})
 
 
-def _loop(node: fx.Node) -> bool:
-    """Whether Inductor computes ``node`` as a loop that it can inline into its readers. A
-    buffer that ``shardc::unpack_into`` or ``shardc::cast_into`` fills is modelled as the
-    per-parameter copy or cast it replaces, such a loop; the op itself is no kernel of its own
+@dataclass(frozen=True)
+class NodeKinds:
+    """What the liveness walk of one graph needs to know of each node, decided once per node:
+    :class:`Fusion`'s sweeps, :func:`_horizontal`, :func:`fused_start`, :func:`held_for_reuse`
+    and the walk itself ask it of a node several times over (about 100,000 questions, each a
+    few calls deep, in a flattened step of 64 blocks), and the graph does not change while it is
+    walked.
+
+    ``loops``: the nodes Inductor computes as loops that it can inline into their readers: ops
+    tagged pointwise, those of ``_LOOP_OPS``, and the buffers that ``shardc::unpack_into`` or
+    ``shardc::cast_into`` fills (:func:`~shardc.ops.pool.is_filled_copy`), each modelled as
+    the per-parameter copy or cast it replaces; the filling op itself is no kernel of its own
     and reads its inputs where those copies did (:func:`lifetimes_and_storage`)."""
-    return _has_tag(node, torch.Tag.pointwise) or (
-        node.op == "call_function" and node.target in _LOOP_OPS) or is_filled_copy(node)
+
+    aliases: frozenset[fx.Node]  # share their input's storage (:func:`_is_alias`)
+    loops: frozenset[fx.Node]
+    pointwise: frozenset[fx.Node]  # ops tagged pointwise
+    reductions: frozenset[fx.Node]  # ops tagged reduction
+    collectives: frozenset[fx.Node]  # :func:`_is_collective`
+    fills: dict[fx.Node, tuple[fx.Node, ...]]  # the buffers a node fills (:func:`filled_buffers`)
+    packs: dict[fx.Node, fx.Node]  # a send buffer's pack (:func:`_pack_of`)
+
+    @classmethod
+    def of(cls, nodes: list[fx.Node]) -> NodeKinds:
+        """The kinds of ``nodes``, a whole graph's (a buffer's filling op is one of its users)."""
+        aliases, loops, pointwise, reductions, collectives = set(), set(), set(), set(), set()
+        fills: dict[fx.Node, tuple[fx.Node, ...]] = {}
+        packs: dict[fx.Node, fx.Node] = {}
+        # Per target: (tagged pointwise, tagged reduction, in _LOOP_OPS, a collective), read
+        # once per op (a tag test compares torch.Tag values one by one: about 0.5 us a node).
+        of_op: dict[object, tuple[bool, bool, bool, bool]] = {}
+        for node in nodes:
+            if node.op != "call_function":
+                continue  # (a placeholder, get_attr or output is none of these)
+            op_kinds = of_op.get(node.target)
+            if op_kinds is None:
+                op_kinds = of_op[node.target] = _op_kinds(node)
+            is_pointwise, is_reduction, is_loop_op, is_collective = op_kinds
+            if is_pointwise:
+                pointwise.add(node)
+            if is_reduction:
+                reductions.add(node)
+            if is_collective:
+                collectives.add(node)
+            if is_pointwise or is_loop_op or is_filled_copy(node):
+                loops.add(node)
+            if _is_alias(node):
+                aliases.add(node)
+            if written := filled_buffers(node):
+                fills[node] = written
+            if (pack := _pack_of(node)) is not None:
+                packs[node] = pack
+        return cls(frozenset(aliases), frozenset(loops), frozenset(pointwise),
+                   frozenset(reductions), frozenset(collectives), fills, packs)
+
+
+def _op_kinds(node: fx.Node) -> tuple[bool, bool, bool, bool]:
+    """Whether ``node``'s op is tagged pointwise, tagged reduction, one of ``_LOOP_OPS``, a
+    collective (the same for every node calling it)."""
+    return (has_tag(node, torch.Tag.pointwise), has_tag(node, torch.Tag.reduction),
+            node.target in _LOOP_OPS, _is_collective(node))
 
 
 @dataclass
@@ -155,40 +209,51 @@ class Fusion:
     joined: dict[fx.Node, int] = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def of(cls, nodes: list[fx.Node]) -> Fusion:
+    def of(cls, nodes: list[fx.Node], kinds: NodeKinds | None = None) -> Fusion:
+        """The fusion of ``nodes`` (a whole graph's, in order; ``kinds``: theirs, if known)."""
+        kinds = kinds if kinds is not None else NodeKinds.of(nodes)
+        readers = {node: _loop_readers(node, kinds) for node in kinds.loops}
         inlined: set[fx.Node] = set()
         deferred: set[fx.Node] = set()
         joined: dict[fx.Node, int] = {}
         span: dict[fx.Node, tuple[int, int]] = {}
         for sweep in range(2):  # the second with the horizontal fusions the first allows
             if sweep:
-                joined = _horizontal(nodes, inlined, deferred)
+                joined = _horizontal(nodes, inlined, deferred, kinds)
                 if not joined:
                     break
                 inlined, deferred = set(), set()
-            cls._sweep(nodes, inlined, deferred, span, joined)
+            cls._sweep(nodes, kinds, readers, inlined, deferred, span, joined)
         return cls(inlined, deferred, span, joined)
 
     @staticmethod
-    def _sweep(nodes: list[fx.Node], inlined: set[fx.Node], deferred: set[fx.Node],
+    def _sweep(nodes: list[fx.Node], kinds: NodeKinds, readers: dict[fx.Node, list[fx.Node]],
+               inlined: set[fx.Node], deferred: set[fx.Node],
                span: dict[fx.Node, tuple[int, int]], joined: dict[fx.Node, int]) -> None:
-        for i in range(len(nodes) - 1, -1, -1):  # readers first
+        """One sweep, readers first (``readers``: each loop's, :func:`_loop_readers`)."""
+        for i in range(len(nodes) - 1, -1, -1):
             node = nodes[i]
             span[node] = (joined[node],) * 2 if node in joined else (i, i)
-            if not _loop(node):
-                continue
-            # (the op that fills a copy's buffer is its writer, not a reader)
-            readers = [r for r in view_users(node)[1] if node not in filled_buffers(r)]
-            if not readers or any(r.op == "output" for r in readers):
+            its_readers = readers.get(node)
+            if its_readers is None:
+                continue  # no loop
+            if not its_readers or any(r.op == "output" for r in its_readers):
                 continue  # a graph output: realized where it is defined
-            if all(_loop(r) or _has_tag(r, torch.Tag.reduction) or r.target is _CAT
-                   for r in readers):
+            if all(r in kinds.loops or r in kinds.reductions or r.target is _CAT
+                   for r in its_readers):
                 inlined.add(node)
-            elif len(readers) == 1:
+            elif len(its_readers) == 1:
                 deferred.add(node)
             else:
                 continue
-            span[node] = (min(span[r][0] for r in readers), max(span[r][1] for r in readers))
+            span[node] = (min(span[r][0] for r in its_readers),
+                          max(span[r][1] for r in its_readers))
+
+
+def _loop_readers(node: fx.Node, kinds: NodeKinds) -> list[fx.Node]:
+    """The nodes that read ``node`` or a view of it, less those filling it (the op that fills a
+    copy's buffer is its writer, not a reader)."""
+    return [r for r in view_users(node)[1] if node not in kinds.fills.get(r, ())]
 
 
 # Inductor's max_fusion_buffer_group_pairwise_attempts: the kernels reading one buffer are paired
@@ -196,9 +261,11 @@ class Fusion:
 _FUSION_WINDOW = 64
 
 
-def _kernel_inputs(node: fx.Node, inlined: set[fx.Node]) -> set[fx.Node]:
-    """The values in memory that ``node``'s kernel reads: its inputs, through views and the loops
-    inlined into it, theirs."""
+def _kernel_inputs(node: fx.Node, inlined: set[fx.Node], aliases: frozenset[fx.Node]
+                   ) -> set[fx.Node]:
+    """The values in memory that ``node``'s kernel reads: its inputs, through views
+    (``aliases``: the graph's, :attr:`NodeKinds.aliases`) and the loops inlined into it,
+    theirs."""
     found: set[fx.Node] = set()
     stack, seen = list(node.all_input_nodes), set()
     while stack:
@@ -206,15 +273,15 @@ def _kernel_inputs(node: fx.Node, inlined: set[fx.Node]) -> set[fx.Node]:
         if n in seen:
             continue
         seen.add(n)
-        if n in inlined or _is_alias(n):
+        if n in inlined or n in aliases:
             stack.extend(n.all_input_nodes)
         else:
             found.add(n)
     return found
 
 
-def _horizontal(nodes: list[fx.Node], inlined: set[fx.Node], deferred: set[fx.Node]
-                ) -> dict[fx.Node, int]:
+def _horizontal(nodes: list[fx.Node], inlined: set[fx.Node], deferred: set[fx.Node],
+                kinds: NodeKinds) -> dict[fx.Node, int]:
     """Pointwise kernels Inductor fuses horizontally into an earlier one: ``{kernel: position
     of the kernel it joins}``. Its scheduler fuses two kernels of one iteration space that share
     an input buffer and do not depend on each other (e.g. the SwiGLU backward's two gradients,
@@ -223,23 +290,22 @@ def _horizontal(nodes: list[fx.Node], inlined: set[fx.Node], deferred: set[fx.No
     read there. Joined here: a realized pointwise value whose kernel reads a buffer that an
     earlier realized pointwise kernel of the same element count (and the same block-body call)
     reads, when every buffer it reads exists before that kernel and the two are at most
-    ``_FUSION_WINDOW`` kernels apart."""
+    ``_FUSION_WINDOW`` kernels apart. ``kinds``: the graph's (:class:`NodeKinds`)."""
     index = {n: i for i, n in enumerate(nodes)}
     groups: list[tuple[int, int, tuple, int, set[fx.Node]]] = []  # position, kernel no., ...
     joined: dict[fx.Node, int] = {}
     kernels = 0
     for i, node in enumerate(nodes):
-        if node.op != "call_function" or node in inlined or _is_alias(node) \
-                or _pack_of(node) is not None or filled_buffers(node):
+        if node.op != "call_function" or node in inlined or node in kinds.aliases \
+                or node in kinds.packs or node in kinds.fills:
             continue
         kernels += 1
         val = node.meta.get("val")
-        if not _has_tag(node, torch.Tag.pointwise) or node in deferred \
-                or not isinstance(val, torch.Tensor):
+        if node not in kinds.pointwise or node in deferred or not isinstance(val, torch.Tensor):
             continue
         numel = math.prod(size_hint(d) for d in val.shape)
         where = node.meta.get(BODY_SCOPE, ())
-        reads = _kernel_inputs(node, inlined)
+        reads = _kernel_inputs(node, inlined, kinds.aliases)
         groups = [g for g in groups if kernels - g[1] <= _FUSION_WINDOW]
         for pos, _, g_scope, g_numel, g_reads in groups:
             if g_numel == numel and g_scope == where and reads & g_reads \
@@ -252,10 +318,11 @@ def _horizontal(nodes: list[fx.Node], inlined: set[fx.Node], deferred: set[fx.No
     return joined
 
 
-def fused_start(node: fx.Node, index: dict[fx.Node, int]) -> int:
+def fused_start(node: fx.Node, index: dict[fx.Node, int], kinds: NodeKinds) -> int:
     """Where a fusing compiler first writes a concatenation (a collective's send buffer): it
     fuses the casts, padding and copies that fill it into the kernels right after the producers
-    of its pieces, so the buffer exists from the earliest of those casts, not from the ``cat``."""
+    of its pieces, so the buffer exists from the earliest of those casts, not from the ``cat``.
+    ``index``: each node's position; ``kinds``: the graph's (:class:`NodeKinds`)."""
     start = index[node]
     stack, seen = list(node.all_input_nodes), set()
     while stack:
@@ -263,7 +330,7 @@ def fused_start(node: fx.Node, index: dict[fx.Node, int]) -> int:
         if n in seen or n.op != "call_function":
             continue
         seen.add(n)
-        if _loop(n) or _is_alias(n):
+        if n in kinds.loops or n in kinds.aliases:
             start = min(start, index[n])
             stack.extend(n.all_input_nodes)
     return start
@@ -301,7 +368,8 @@ def lifetimes_and_storage(gm: fx.GraphModule, skip: set[fx.Node], *, fusion: boo
     """
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
-    fused = Fusion.of(nodes) if fusion else Fusion(set(), set(), {})
+    kinds = NodeKinds.of(nodes)
+    fused = Fusion.of(nodes, kinds) if fusion else Fusion(set(), set(), {})
     storage: dict[fx.Node, fx.Node] = {}
     size: dict[fx.Node, int] = {}
     born: dict[fx.Node, int] = {}
@@ -309,14 +377,15 @@ def lifetimes_and_storage(gm: fx.GraphModule, skip: set[fx.Node], *, fusion: boo
     end = len(nodes)
     pending: dict[fx.Node, list[fx.Node]] = {}
     for i, node in enumerate(nodes):
+        inputs = node.all_input_nodes
         if node.op == "output":
-            for arg in node.all_input_nodes:
+            for arg in inputs:
                 last[storage[arg]] = end
             continue
         reads_at = i
-        written = filled_buffers(node)  # (a buffer an op fills lives as its readers say)
-        if _is_alias(node) and node.all_input_nodes:
-            storage[node] = storage[node.all_input_nodes[0]]
+        written = kinds.fills.get(node, ())  # (a buffer an op fills lives as its readers say)
+        if node in kinds.aliases and inputs:
+            storage[node] = storage[inputs[0]]
         else:
             storage[node] = node
             # (an unpack's list holds no memory of its own: its getitems own their tensors)
@@ -327,20 +396,21 @@ def lifetimes_and_storage(gm: fx.GraphModule, skip: set[fx.Node], *, fusion: boo
             if _unpacked(node):  # allocated while the unpack runs, as it reads the pool
                 born[node] = born[node.args[0]]
             if fusion and node.target is _CAT:
-                born[node] = fused_start(node, index)
-            elif fusion and (pack := _pack_of(node)) is not None:
-                born[node] = min(i, fused_start(pack, index))
+                born[node] = fused_start(node, index, kinds)
+            elif fusion and (pack := kinds.packs.get(node)) is not None:
+                born[node] = min(i, fused_start(pack, index, kinds))
             last[node] = born[node]
             reads_at = fused.span.get(node, (i, i))[1]
             if fusion and written:
                 reads_at = max([reads_at, *(fused.span[o][1] for o in written)])
-        for arg in node.all_input_nodes:
+        for arg in inputs:
             if arg in written:
                 continue
             key = storage[arg]
-            last[key] = max(last[key], reads_at)
-        if _is_collective(node):
-            pending[node] = [storage[a] for a in node.all_input_nodes]
+            if last[key] < reads_at:
+                last[key] = reads_at
+        if node in kinds.collectives:
+            pending[node] = [storage[a] for a in inputs]
         elif node.op == "call_function" and node.target is _WAIT:
             # A collective's inputs stay referenced by its work until the wait (the process
             # group holds them so the compute stream cannot reuse them while it runs).
@@ -354,7 +424,7 @@ def lifetimes_and_storage(gm: fx.GraphModule, skip: set[fx.Node], *, fusion: boo
     if not fusion:
         return lives, storage
     scopes = [n.meta.get(BODY_SCOPE, ()) for n in nodes]
-    return held_for_reuse(lives, end, taken, scopes), storage
+    return held_for_reuse(lives, end, kinds, taken, scopes), storage
 
 
 def fused_loss_workspaces(nodes: list[fx.Node], count: Counted = int) -> list[Lifetime]:
@@ -390,13 +460,13 @@ def _reuse_key(node: fx.Node) -> tuple | None:
     return val.dtype, math.prod(size_hint(s) for s in val.shape)  # Inductor: storage size
 
 
-def _allocates_from_pool(node: fx.Node) -> bool:
+def _allocates_from_pool(node: fx.Node, kinds: NodeKinds) -> bool:
     return node.op == "call_function" and (
-        _loop(node) or _has_tag(node, torch.Tag.reduction) or node.target is _CAT
-        or node.target in _OUT_KERNELS or _pack_of(node) is not None)
+        node in kinds.loops or node in kinds.reductions or node.target is _CAT
+        or node.target in _OUT_KERNELS or node in kinds.packs)
 
 
-def held_for_reuse(lives: list[Lifetime], end: int,
+def held_for_reuse(lives: list[Lifetime], end: int, kinds: NodeKinds,
                    inplace: dict[fx.Node, fx.Node] | None = None,
                    scopes: list[tuple] | None = None) -> list[Lifetime]:
     """Inductor's buffer reuse, as its generated code does it: a dead buffer is not freed but
@@ -413,26 +483,31 @@ def held_for_reuse(lives: list[Lifetime], end: int,
     function's own (allocated there, or returned to it by a body it called): a body's input
     (the caller's value, or an output of the recompute's body passed into the backward's) is
     freed where the body last reads it. A kept buffer is reused only by an allocation of the
-    same call, and freed when the call returns (its dead buffers are locals of the function)."""
+    same call, and freed when the call returns (its dead buffers are locals of the function).
+    ``kinds``: the graph's (:class:`NodeKinds`)."""
     inplace = inplace or {}
     scopes = scopes or []
 
     def scope(node: fx.Node) -> tuple:
         return node.meta.get(BODY_SCOPE, ()) if scopes else ()
     overwritten = set(inplace.values())
-    by_birth: dict[int, list[int]] = {}
+    pooled = [_allocates_from_pool(life.node, kinds) for life in lives]
+    # Each counted value's storage key, where a birth or death below asks for it.
+    keys = [_reuse_key(life.node) if life.nbytes and (pooled[i] or life.node.op == "placeholder")
+            else None for i, life in enumerate(lives)]
+    by_birth: dict[int, list[int]] = {}  # the allocations that may take a kept buffer
     by_death: dict[int, list[int]] = {}
     for i, life in enumerate(lives):
-        by_birth.setdefault(life.born, []).append(i)
+        if life.nbytes and pooled[i] and life.node not in inplace:
+            by_birth.setdefault(life.born, []).append(i)
         if life.nbytes and life.last < end:
             by_death.setdefault(life.last, []).append(i)
     held = list(lives)
     pool: dict[tuple, list[int]] = {}
     for pos in range(end + 1):
         for i in by_birth.get(pos, ()):
-            key = (scope(lives[i].node), _reuse_key(lives[i].node))
-            if lives[i].nbytes and _allocates_from_pool(lives[i].node) and pool.get(key) \
-                    and lives[i].node not in inplace:
+            key = (scope(lives[i].node), keys[i])
+            if pool.get(key):
                 j = pool[key].pop()
                 held[j] = Lifetime(lives[j].node, lives[j].born, pos - 1, lives[j].nbytes)
         for i in by_death.get(pos, ()):
@@ -442,8 +517,8 @@ def held_for_reuse(lives: list[Lifetime], end: int,
             frees_it = scopes[pos] if pos < len(scopes) else ()
             if scope(node)[:len(frees_it)] != frees_it:
                 continue  # a body's input: freed where the body last reads it
-            if _allocates_from_pool(node) or node.op == "placeholder":
-                pool.setdefault((frees_it, _reuse_key(node)), []).append(i)
+            if pooled[i] or node.op == "placeholder":
+                pool.setdefault((frees_it, keys[i]), []).append(i)
     return held
 
 
@@ -459,10 +534,7 @@ def _timeline(lives: list[Lifetime], end: int) -> tuple[int, list[int]]:
     for life in lives:
         delta[life.born] += life.nbytes
         delta[life.last + 1] -= life.nbytes
-    timeline, live = [], 0
-    for d in delta[:end + 1]:
-        live += d
-        timeline.append(live)
+    timeline = list(accumulate(delta[:end + 1]))
     return max(timeline, default=0), timeline
 
 
@@ -717,8 +789,8 @@ def _step_breakdown(walked: list, constants: dict[str, int],
         timeline = breakdown.category_timeline(lives, cats, len(gm.graph.nodes))
         keep, columns = breakdown.graph_columns(timeline, constants)
         graphs[name] = {"positions": keep, "bytes": columns}
-        for i, pos in enumerate(keep):
-            total = sum(columns[c][i] for c in breakdown.CATEGORIES)
+        totals = [sum(at) for at in zip(*(columns[c] for c in breakdown.CATEGORIES))]
+        for i, (pos, total) in enumerate(zip(keep, totals)):
             if total > best[0]:
                 best = (total, name, pos, (lives, cats), {c: columns[c][i] for c in columns})
     peak = {"graph": best[1], "position": best[2], "bytes": best[4],

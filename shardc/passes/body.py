@@ -263,16 +263,31 @@ def flattened(gm: fx.GraphModule, module_stacks: bool = True, check: bool = True
         return gm, {n: n for n in gm.graph.nodes}
     graph = fx.Graph()
     mapping: dict[fx.Node, fx.Node] = {}
-    graph.output(graph.graph_copy(gm.graph, mapping))
+    returned = graph.graph_copy(gm.graph, mapping)
+    # The output node reads every block's saved values (the forward's) or gradients: it gets its
+    # arguments once, after the inlining; rewired at every call, it made this quadratic in the
+    # number of blocks.
+    output = graph.output(None)
     copy = lazy_graph_module(gm, graph)
+    replaced: dict[fx.Node, object] = {}
     # One scan for the calls, then the calls each inlined body brings (nested bodies): a scan
     # from the graph's start after every inline made this quadratic in the number of blocks.
     pending = list(body_calls(copy))
     while pending:
-        pending.extend(_inline(copy, pending.pop(), module_stacks))
+        pending.extend(_inline(copy, pending.pop(), module_stacks, replaced))
+    output.args = (fx.map_arg(returned, lambda n: _inlined_value(n, replaced)),)
     if check:
         copy.graph.lint()
     return copy, mapping
+
+
+def _inlined_value(node: fx.Node, replaced: dict[fx.Node, object]) -> object:
+    """What ``node`` stands for once the calls are inlined: itself, or the body output that the
+    getitem it is (of a call's outputs) was replaced by, through nested calls."""
+    value: object = node
+    while isinstance(value, fx.Node) and value in replaced:
+        value = replaced[value]
+    return value
 
 
 # A module path of Dynamo's (``L['self'].layers.0``), as opposed to a path through a closure.
@@ -292,21 +307,25 @@ def _place_in_block(copy: fx.Node, call: fx.Node) -> None:
         if k not in outer and not (isinstance(v, tuple) and _MODULE_PATH.fullmatch(str(v[0])))}}
 
 
-def _inline(gm: fx.GraphModule, node: fx.Node, module_stacks: bool = True) -> list[fx.Node]:
+def _inline(gm: fx.GraphModule, node: fx.Node, module_stacks: bool = True,
+            replaced: dict[fx.Node, object] | None = None) -> list[fx.Node]:
     """Replace the call ``node`` by a copy of its body's nodes; returns the body calls among
-    the copied nodes (a body that calls another body)."""
+    the copied nodes (a body that calls another body). ``replaced``: where given, each getitem
+    of the call's outputs is recorded there with the value that replaced it (for a node that
+    gets its arguments after the inlining)."""
     body = getattr(gm, node.args[0].target)
     scope = (*node.meta.get(BODY_SCOPE, ()), node.name)  # this call, inside its callers
     env: dict[fx.Node, object] = dict(zip(body.graph.find_nodes(op="placeholder"),
                                           node.args[2:]))
     result = None
     nested: list[fx.Node] = []
+    copied_from = env.__getitem__  # (a bound method: no Python frame per argument)
     with gm.graph.inserting_before(node):
         for inner in body.graph.nodes:
             if inner.op == "placeholder":
                 continue
             if inner.op == "output":
-                result = fx.map_arg(inner.args[0], lambda n: env[n])
+                result = fx.map_arg(inner.args[0], copied_from)
                 continue
             if inner.op == "get_attr":
                 name = unique_attr(gm, f"{node.name}_{inner.target}")
@@ -320,20 +339,23 @@ def _inline(gm: fx.GraphModule, node: fx.Node, module_stacks: bool = True) -> li
                 env[inner] = gm.graph.get_attr(name)
                 env[inner].meta = dict(inner.meta)
                 continue
-            env[inner] = copy_node(gm.graph, inner, lambda n: env[n])
-            env[inner].meta[BODY_SCOPE] = scope
+            env[inner] = copied = copy_node(gm.graph, inner, copied_from)
+            copied.meta[BODY_SCOPE] = scope
             if module_stacks:
-                _place_in_block(env[inner], node)
+                _place_in_block(copied, node)
             if is_call(inner, INVOKE_SUBGRAPH):
-                nested.append(env[inner])
+                nested.append(copied)
     # Each reader of the call's outputs rewired once (not once per output it reads: the forward's
     # output node reads every block's saved values, which made this quadratic in the blocks).
     picked = {user: result[user.args[1]] for user in node.users
               if is_call(user, operator.getitem)}
+    if replaced is not None:
+        replaced.update(picked)
     readers = dict.fromkeys(r for item in picked for r in item.users)
     for reader in readers:
         reader.args = fx.map_arg(reader.args, lambda n: picked.get(n, n))
-        reader.kwargs = fx.map_arg(reader.kwargs, lambda n: picked.get(n, n))
+        if reader.kwargs:  # (each assignment re-registers the reader's inputs)
+            reader.kwargs = fx.map_arg(reader.kwargs, lambda n: picked.get(n, n))
     for item in picked:
         gm.graph.erase_node(item)
     gm.graph.erase_node(node)

@@ -52,10 +52,13 @@ def copy_node(graph: fx.Graph, node: fx.Node, arg_transform) -> fx.Node:
     ``mm_3``). For copies whose names are taken many times over (a body inlined once per
     block): fx in torch 2.11/2.12 resolves a taken numbered name by trying ``mm_1``, ``mm_2``,
     ... in turn, quadratic in the number of copies, while a base name continues from the last
-    number given (torch 2.13's fx looks up the base either way)."""
-    copied = graph.create_node(node.op, node.target, fx.map_arg(node.args, arg_transform),
-                               fx.map_arg(node.kwargs, arg_transform),
-                               _NUMBERED.sub("", node.name) or node.name, node.type)
+    number given (torch 2.13's fx looks up the base either way). The copy's arguments are not
+    checked again for raw symbolic values (:func:`shardc._torch.create_node_unchecked`): they
+    are the node's own, mapped to other nodes."""
+    kwargs = fx.map_arg(node.kwargs, arg_transform) if node.kwargs else None  # (most have none)
+    copied = _torch.create_node_unchecked(
+        graph, node.op, node.target, fx.map_arg(node.args, arg_transform), kwargs,
+        _NUMBERED.sub("", node.name) or node.name, node.type)
     copied.meta.update(node.meta)  # a new node's own empty dict: no fx __setattr__ path
     return copied
 
