@@ -610,6 +610,18 @@ def _simulate(g: GraphView, colls: list[Collective], profile: ClusterProfile,
                      host_ahead_s, owed)
     kernel_at = {}
     body_flops: dict[fx.GraphModule, float] = {}
+    # A block body's kernels come once per call of it, as copies of one list (``kernels``'s
+    # ``_expand_body_call``): each is priced once, not once per block (thousands of prices at
+    # 64 blocks). The price reads only the kernel's kind, ops and bytes.
+    body_seconds: dict[tuple, float] = {}
+
+    def seconds(k) -> float:
+        if "call" not in k.extra:
+            return kernel_seconds(k, profile)
+        key = (k.kind, tuple(k.nodes), k.read_bytes, k.write_bytes)
+        if key not in body_seconds:
+            body_seconds[key] = kernel_seconds(k, profile)
+        return body_seconds[key]
     for k in kernels:
         kernel_at.setdefault(g.position[anchor(k)], []).append(k)
 
@@ -657,7 +669,7 @@ def _simulate(g: GraphView, colls: list[Collective], profile: ClusterProfile,
                 if body not in body_flops:
                     body_flops[body] = model_flops(node)
                 flops = body_flops[body]
-            spans = [line.kernel(kernel_seconds(k, profile), kernel_category(k))
+            spans = [line.kernel(seconds(k), kernel_category(k))
                      for k in kernel_at.get(p, ())]
             # An op fused into a later kernel (or a view) takes no time: it sits where the
             # device could run the next kernel (the stream free, the host past its launch).
