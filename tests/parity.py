@@ -144,7 +144,7 @@ def build(kind: str) -> nn.Module:
         return RepeatedBlock()
     if kind in ("llama-frozen-w1", "llama-frozen-w1-deep"):  # tests/test_body_donations.py
         # deep: three blocks, enough parameter shards saved to put before the backward's
-        # donated values that the region keeps its donations (two: donations off).
+        # donated values that the region keeps its donations (two: one is saved again).
         layers = 3 if kind.endswith("deep") else CFG.n_layers
         model = Transformer(replace(CFG, ffn_dim=FROZEN_W1_FFN, n_layers=layers))
         for layer in model.layers:

@@ -14,9 +14,14 @@ buffers its caller still used (docs/design.md, *Bodies own none of their inputs*
 shards, values the forward also returns) before those it does, so that the first donated
 position is at least the number of inputs of the largest subgraph the backward calls: no
 subgraph placeholder can then be at a donated position, and the region keeps its donations.
-Where there are too few such values, donations stay off for that region (the backend's
-default for regions with bodies). It stamps each saved input of the backward with whether it
-is donated (:data:`DONATED`), which the peak model reads (``shardc.memory.inplace``).
+Where there are too few such values (a model of few blocks, each packed into one input:
+``pack_blocks``), it pads them: the first saved value not donated is saved again, as often as
+the first donated position falls short, as extra outputs of the forward and inputs of the
+backward that nothing reads. A duplicate shares its storage with a value the backward already
+holds, so it costs no memory and is never donated itself. Without any value to repeat, the
+donations stay off for that region (the backend's default for regions with bodies). It stamps
+each saved input of the backward with whether it is donated (:data:`DONATED`), which the peak
+model reads (``shardc.memory.inplace``).
 """
 
 from __future__ import annotations
@@ -50,13 +55,17 @@ class BodyDonations:
     donated: int  # saved tensors AOTAutograd donates (with ``kept``)
     first: int | None  # the first donated position among the backward's inputs (None: none)
     reason: str = ""  # why they are off (``kept`` False)
+    padded: int = 0  # saved values repeated before the donated ones (``kept``)
 
     def note(self) -> str:
         """The plan's note (only for backwards that call subgraphs)."""
         if self.kept:
             where = f"from input {self.first} on" if self.first is not None else "none"
+            pads = (f"; {self.padded} saved value(s) repeated before them to get there"
+                    if self.padded else "")
             return (f"donated buffers kept with block bodies: {self.donated} saved value(s) "
-                    f"donated ({where}), after every body's {self.body_inputs} input(s)")
+                    f"donated ({where}), after every body's {self.body_inputs} input(s)"
+                    f"{pads}")
         return f"donated buffers off (block bodies): {self.reason}"
 
 
@@ -141,7 +150,9 @@ def order_for_body_donations(fw: fx.GraphModule, bw: fx.GraphModule, *, enabled:
     docstring), and stamp the backward's saved inputs with :data:`DONATED`. Returns the decision,
     or None for graphs it cannot read (not partitioned by AOTAutograd's conventions, or a torch
     without its rule); then nothing is stamped and a backward with subgraphs is compiled with
-    donations off. Deterministic: it reads only the graphs' structure (the same on every rank).
+    donations off. Where too few saved values are not donated, one is saved again until the
+    donated ones come after every body's inputs (:func:`_pad`). Deterministic: it reads only
+    the graphs' structure (the same on every rank).
 
     The saved values are the forward's last outputs and the backward's inputs before its
     tangents, in AOTAutograd's orders (``shardc.passes.saved_order``): the forward's
@@ -176,12 +187,68 @@ def order_for_body_donations(fw: fx.GraphModule, bw: fx.GraphModule, *, enabled:
     order = _donated_last(tensors_in, donated) if body_inputs else list(range(num_tensors))
     moved = [j for j in order if j in donated]
     first = num_symbolic + order.index(moved[0]) if moved else None
+    pad_from = None
     if first is not None and first < body_inputs:
-        _stamp(saved_in, set())
-        return BodyDonations(False, body_inputs, 0, None, reason=(
-            f"{first} saved value(s) not donated can precede the {len(moved)} donated, a body "
-            f"takes {body_inputs} input(s)"))
+        pad_from = _pad_source(tensors_in, order, donated)
+        if pad_from is None:
+            _stamp(saved_in, set())
+            return BodyDonations(False, body_inputs, 0, None, reason=(
+                f"{first} saved value(s) not donated can precede the {len(moved)} donated, a "
+                f"body takes {body_inputs} input(s), and none can be repeated"))
     if order != sorted(order):
         _permute(fw, bw, saved_in, start, num_symbolic, order)
-    _stamp(saved_in, {tensors_in[j] for j in moved})
-    return BodyDonations(True, body_inputs, len(moved), first)
+    donated_in = {tensors_in[j] for j in moved}
+    padded = 0
+    if pad_from is not None:
+        padded = body_inputs - first
+        _pad(fw, bw, start + order.index(moved[0]), tensors_in[moved[0]],
+             order.index(pad_from), start, padded)
+        _check_padded(fw, bw, start, num_symbolic, num_tensors + padded, donated_in)
+        first += padded
+        saved_in = _saved_inputs(bw)
+    _stamp(saved_in, donated_in)
+    return BodyDonations(True, body_inputs, len(moved), first, padded=padded)
+
+
+def _pad_source(tensors_in: list[fx.Node], order: list[int], donated: set[int]) -> int | None:
+    """The saved tensor to repeat before the donated ones (its old position): the first one
+    not donated that AOTAutograd checks against in-place changes (the group the repeats join,
+    which comes before the unchecked one); None if there is none."""
+    for j in order:
+        if j not in donated and not _no_vc_check(tensors_in[j]):
+            return j
+    return None
+
+
+def _pad(fw: fx.GraphModule, bw: fx.GraphModule, out_at: int, in_before: fx.Node,
+         source_at: int, start: int, count: int) -> None:
+    """Save the forward's output at ``start + source_at`` (saved tensors already in their new
+    order) ``count`` more times: outputs inserted at ``out_at`` (the first donated one's),
+    placeholders of the backward inserted before ``in_before`` (its first donated input), none
+    read."""
+    output = fw.graph.output_node()
+    outs = tuple(output.args[0])
+    source = outs[start + source_at]
+    output.args = (outs[:out_at] + (source,) * count + outs[out_at:],) + tuple(output.args[1:])
+    descs = output.meta.get("desc")
+    if isinstance(descs, (list, tuple)) and len(descs) == len(outs):
+        output.meta["desc"] = (list(descs[:out_at]) + [descs[start + source_at]] * count
+                               + list(descs[out_at:]))
+    with bw.graph.inserting_before(in_before):
+        for i in range(count):
+            pad = bw.graph.placeholder(f"shardc_donation_pad_{i}")
+            pad.target = pad.name  # (the generated code's argument: unique as the node's name)
+            pad.meta["val"] = source.meta["val"]
+    fw.recompile()
+    bw.recompile()
+
+
+def _check_padded(fw: fx.GraphModule, bw: fx.GraphModule, start: int, num_symbolic: int,
+                  num_tensors: int, donated_in: set[fx.Node]) -> None:
+    """AOTAutograd's rule, asked again of the padded graphs, donates exactly the inputs
+    ordered as donated (the repeats none): else the padding is wrong, which must not compile."""
+    positions = _torch.donated_saved_tensors(fw, bw, start, num_tensors)
+    tensors_in = _saved_inputs(bw)[num_symbolic:num_symbolic + num_tensors]
+    if positions is None or {tensors_in[j] for j in positions} != donated_in:
+        raise AssertionError("shardc: the saved values padded for block bodies' donations are "
+                             "not donated as ordered; please report this graph")
