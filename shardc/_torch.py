@@ -642,24 +642,6 @@ def _dynamo_comptime() -> Callable:
 comptime: Callable = _dynamo_comptime()
 
 
-def static_plain_fakes(proxies: Any) -> list | None:
-    """The fake tensors behind ``proxies`` (``comptime``'s ``ctx.get_local(name).as_proxy()``
-    of a tuple or list Dynamo traces) if every item is a plain tensor (a ``FakeTensor`` itself,
-    no subclass) whose sizes and strides are all static ``int``; else None."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    if not isinstance(proxies, (tuple, list)):
-        return None
-    fakes = []
-    for proxy in proxies:
-        value = proxy.node.meta.get("example_value") if isinstance(proxy, torch.fx.Proxy) else None
-        if type(value) is not FakeTensor or not all(
-                type(n) is int for n in (*value.shape, *value.stride())):
-            return None
-        fakes.append(value)
-    return fakes
-
-
 def symbolic_signature(value: Any) -> tuple[tuple, Any] | None:
     """A description of a fake tensor or ``SymInt`` met while Dynamo traces (``comptime``'s
     ``as_fake()``) by its symbolic expressions, and the values it has now (hints), or None:

@@ -225,34 +225,6 @@ def test_data_dependent_size_check_is_traced_without_a_graph_break():
     assert answers.tolist() == [True, False, False]
 
 
-def test_calls_described_at_trace_time_as_the_traced_loop_describes_them():
-    """Plain tensors of static sizes are described while Dynamo traces (``comptime``), in plain
-    Python, as the loop Dynamo would otherwise interpret describes them eagerly: sizes, strides
-    (a transposed view), dtype, device and ``requires_grad`` (an intermediate that needs a
-    gradient); a call with another item (an int), and a dynamic size, take the traced loop;
-    every result equal to the eager one (where comptime does nothing)."""
-    from shardc.sharding import blocks
-
-    def fn(x, w, n):
-        h = x @ w  # requires grad, from w
-        plain = blocks._plain_tensor_call((x, h, x.t()))
-        mixed = blocks._plain_tensor_call((x, n))
-        return h, plain, mixed, blocks._describe_items((x.t(), h)), blocks.describe(((x, n), {}))
-
-    x, w = torch.randn(3, 4), torch.randn(4, 5, requires_grad=True)
-    eager = fn(x, w, 2)
-    assert eager[1] is None and eager[2] is None  # eagerly: nothing recorded, the loop's turn
-    traced = torch.compile(fn, backend="eager", fullgraph=True)(x, w, 2)
-    loop = blocks._describe_items((x, eager[0], x.t()))
-    assert traced[1] == ("tuple", (("tuple", loop), ("dict", ())))
-    assert loop[1][-1] is True and loop[2][2] == (1, 4)  # requires_grad; the view's strides
-    assert traced[2] is None and traced[3:] == eager[3:]
-    torch._dynamo.reset()
-    dynamic = torch.compile(fn, backend="eager", fullgraph=True, dynamic=True)(x, w, 2)
-    assert dynamic[1] is None  # symbolic sizes: the loop (and its symbolic description)
-    torch._dynamo.reset()
-
-
 def test_draws_random_numbers_names_random_ops_only():
     """Which bodies compile inline for drawing random numbers (shardc.passes.body): dropout with
     p > 0 in training, random tensor methods and factories; not dropout with p = 0 or in eval,

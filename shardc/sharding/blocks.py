@@ -458,25 +458,8 @@ def _describe_tensor_call(args: tuple) -> tuple | None:
     return None if items is None else ("tuple", (("tuple", items), ("dict", ())))
 
 
-def _plain_tensor_call(values) -> tuple | None:
-    """:func:`describe` of ``(values, {})`` where ``values`` are all plain tensors of static
-    sizes, described at trace time (:func:`_record_plain_items`); else None (not all such, or
-    not traced)."""
-    _torch.comptime(_record_plain_items)
-    items = _plain_items_recorded()
-    return None if items is None else ("tuple", (("tuple", items), ("dict", ())))
-
-
 def _describe_items(values) -> tuple | None:
     """:func:`describe` of each of ``values``, or None if any is None."""
-    # Plain tensors of static sizes (the usual block call and its buffers) are described at trace
-    # time in plain Python (comptime): interpreted by Dynamo, the loop below was a third of the
-    # instructions it traced per block (docs/bench/compile_time/s57). Anything else, and eager
-    # calls (where comptime does nothing), take the loop.
-    _torch.comptime(_record_plain_items)
-    described = _plain_items_recorded()
-    if described is not None:
-        return described
     items = []
     for v in values:
         if type(v) in _PLAIN_TENSORS:
@@ -500,29 +483,6 @@ def _describe_items(values) -> tuple | None:
                 return None
             items.append(d)
     return tuple(items)
-
-
-_PLAIN_RECORDED: list = [None]  # what the last _record_plain_items recorded
-
-
-def _record_plain_items(ctx) -> None:
-    """Run by Dynamo at trace time (``comptime``): :func:`_describe_items` of its ``values``
-    if all are plain tensors with static sizes and strides (the loop's result for them), else
-    nothing recorded. A value Dynamo cannot give as a proxy records nothing either."""
-    try:
-        fakes = _torch.static_plain_fakes(ctx.get_local("values").as_proxy())
-    except Exception:  # (e.g. a dict or an object among them: the loop describes those)
-        fakes = None
-    if fakes is not None:
-        _PLAIN_RECORDED[0] = tuple((_TENSOR, tuple(v.shape), v.stride(), v.dtype, v.device.type,
-                                    v.device.index, v.requires_grad) for v in fakes)
-
-
-@torch.compiler.assume_constant_result
-def _plain_items_recorded() -> tuple | None:
-    """What :func:`_record_plain_items` recorded just before, taken (None: nothing)."""
-    recorded, _PLAIN_RECORDED[0] = _PLAIN_RECORDED[0], None
-    return recorded
 
 
 # Symbolic sizes (dynamic shapes). A value with a symbolic size is described by a number for
@@ -952,10 +912,8 @@ def _wrapped_forward(group: BlockGroup, original: Callable) -> Callable:
             return original(self, *args, **kwargs)
         # A description (sizes static, or symbols with hints) rules out data-dependent sizes:
         # only a call that cannot be described pays for the check.
-        call = None if kwargs else _plain_tensor_call(args)  # the usual call, described fast
-        tensors_only = call is not None or (not kwargs and _all_tensors(args))
-        if call is None:
-            call = _describe_tensor_call(args) if tensors_only else describe((args, kwargs))
+        tensors_only = not kwargs and _all_tensors(args)
+        call = _describe_tensor_call(args) if tensors_only else describe((args, kwargs))
         if call is None and has_data_dependent_sizes(args, kwargs):
             return original(self, *args, **kwargs)
         source, weights = group, None
