@@ -323,6 +323,22 @@ def test_checkpointing_saves_less_and_hsdp_all_reduces():
     assert "all_reduce" in {c.kind for c in hsdp.collectives}
 
 
+def test_packed_blocks_are_planned_as_they_run():
+    """``PlanSetup(pack_blocks=True)`` (the CLI's ``--pack-blocks``): each block gathered as its
+    packed buffer (in the forward and again in the backward), through the compiled-once body,
+    the plan's note saying so; the same model's per-parameter plan gathers each block's
+    parameters by name (``_tiny_plan``)."""
+    packed = _plan(parse_model("llama-tiny", ["n_layers=2"]), seq=32, pack_blocks=True)
+    gathers = [c.params for c in packed.collectives if c.kind == "all_gather"]
+    blocks = [p for p in gathers if p[0].startswith("layers.")]  # forward, and resharded: again
+    assert sorted(map(tuple, blocks)) == [("layers.0.<packed>",)] * 2 + [("layers.1.<packed>",)] * 2
+    assert packed.bodies and any(n.startswith("packed blocks (pack_blocks=True): 2 block(s)")
+                                 for n in packed.notes)
+    plain = [c.params for c in _tiny_plan().collectives if c.kind == "all_gather"]
+    assert "layers.0.attention.wq.weight" in {p for params in plain for p in params}
+    assert not any("<packed>" in p for params in plain for p in params)
+
+
 def test_cli_sweep_prints_a_table_and_writes_a_plot(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     plot = tmp_path / "sweep.png"

@@ -95,7 +95,8 @@ def _setup(args) -> PlanSetup:
     return PlanSetup(precision=args.precision, checkpointing=args.checkpointing, fp8=args.fp8,
                      shard_size=args.shard_size, inductor=not args.fx, tp=args.tp,
                      offload=args.offload, step_in_backward=args.step_in_backward,
-                     optimizer=args.optimizer, reshard_after_forward=args.reshard)
+                     optimizer=args.optimizer, reshard_after_forward=args.reshard,
+                     pack_blocks=args.pack_blocks)
 
 
 def _rates(args) -> dict[str, float]:
@@ -290,6 +291,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-reshard", dest="reshard", action="store_false",
                    help="shardc.shard(reshard_after_forward=False): the backward reuses the "
                         "forward's gathered parameters (no second all-gather or host copy)")
+    p.add_argument("--pack-blocks", action="store_true",
+                   help="shardc.shard(pack_blocks=True): each repeated block's shards in one "
+                        "buffer, gathered once per block (planned with the blocks compiled once, "
+                        "the whole model traced)")
     p.add_argument("--cudagraphs", action="store_true",
                    help="the compiled regions replay as CUDA graphs (torch.compile(..., "
                         "mode='reduce-overhead')): their kernels cost no host launches; the "

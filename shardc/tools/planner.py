@@ -82,7 +82,9 @@ class PlanSetup:
     ``OffloadPolicy()``, ``"optimizer"``: optimizer-only), ``step_in_backward``: its host step
     overlapped with the backward; ``optimizer``: a key of :data:`OPTIMIZERS` (None: foreach
     AdamW, fused with offload); ``reshard_after_forward``: ``shardc.shard``'s (False: the
-    backward reuses the forward's gathered parameters)."""
+    backward reuses the forward's gathered parameters); ``pack_blocks``: ``shardc.shard``'s
+    (each repeated block's shards in one buffer, one gather per block), planned with the blocks
+    compiled once, as they run, and traced whole (no template)."""
 
     precision: str = "fp32"
     checkpointing: bool = False
@@ -95,6 +97,7 @@ class PlanSetup:
     step_in_backward: bool = False
     optimizer: str | None = None
     reshard_after_forward: bool = True
+    pack_blocks: bool = False
 
     def __post_init__(self) -> None:
         if self.precision not in ("fp32", "bf16"):
@@ -131,6 +134,8 @@ class PlanSetup:
         kwargs: dict[str, Any] = {}
         if not self.reshard_after_forward:
             kwargs["reshard_after_forward"] = False
+        if self.pack_blocks:
+            kwargs["pack_blocks"] = True
         if self.precision == "bf16":
             kwargs["mp_policy"] = shardc.MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                               reduce_dtype=torch.float32)
@@ -306,7 +311,10 @@ def plan_model_step(model: LlamaConfig | ModelSpec, world: int, batch: int, seq:
     # block's recomputation is placed by torch's partitioner, and peaks far higher:
     # docs/capacity.md).
     budgeted = bool(options.get("peak_memory_budget_bytes"))
-    options = {"compile_blocks_once": budgeted, **setup.optimizer_options(),
+    # Packed blocks are read through their compiled-once bodies; the template's extrapolation
+    # reads inline blocks (see above): traced whole.
+    template = template and not setup.pack_blocks
+    options = {"compile_blocks_once": budgeted or setup.pack_blocks, **setup.optimizer_options(),
                **dict(inductor=setup.inductor, check_plan_consistency=False, **options)}
     if options.get("optimizer_offload", "auto") == "auto":
         # The plan is the GPU run's, made on the CPU: the peak budget may put the optimizer's
