@@ -1203,11 +1203,11 @@ def test_optimizer_offload_option_and_price():
         ShardcOptions(optimizer_offload="always")
     profile = resolve_profile(None)  # the h100 preset: its measured host link
     d2h, step, h2d = optimizer_offload.price(4 << 30, 4 << 30, 1 << 30, profile)
-    # 8 GiB to the host at 56.0 GB/s (two copies of 21.8 us), 1 Gi parameters at the
-    # profile's host rate, 4 GiB back at 49.5 GB/s.
-    assert d2h == pytest.approx(2 * 21.78e-6 + (8 << 30) / 56.045e9, rel=1e-4)
+    # 8 GiB to the host at 55.96 GB/s (two copies of 16.3 us), 1 Gi parameters at the
+    # profile's host rate, 4 GiB back at 56.12 GB/s.
+    assert d2h == pytest.approx(2 * 16.295e-6 + (8 << 30) / 55.955e9, rel=1e-4)
     assert step == pytest.approx((1 << 30) / profile.host_adamw_params_per_s)
-    assert h2d == pytest.approx(21.78e-6 + (4 << 30) / 49.456e9, rel=1e-4)
+    assert h2d == pytest.approx(16.295e-6 + (4 << 30) / 56.1197e9, rel=1e-4)
     # Each way at its own rate: to the host at device_to_host_bytes_per_s, back at
     # host_to_device_bytes_per_s, and the profile's latency per copy (shards and gradients
     # are two copies to the host: optimizer_offload.copy_seconds, as predict_step prices them).

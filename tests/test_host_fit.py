@@ -276,17 +276,19 @@ def test_format_10_round_trips_the_spread_and_older_profiles_read_without_one():
     again = ClusterProfile.from_json(p.to_json())
     assert again == p and again.fit_spread("grad_handoff_per_param_s") == (30e-6, 50e-6)
     assert again.fit_spread("region_entry_per_param_s") is None
-    # The shipped h200 preset is format 10 with its spread; the h100 preset (an older format)
-    # and older formats read with none.
-    shipped = load_profile("h200")
-    assert shipped.version == PROFILE_VERSION and shipped.fit_spread(
-        "collective_launch_s") is not None
-    old = load_profile("h100")
-    assert old.version < PROFILE_VERSION and old.host_fit_spread == () and old.fit_spread(
-        "collective_launch_s") is None
-    data = old.to_dict()
+    # Both shipped presets are format 10 with their spread (the h200's collective terms from
+    # its 2 x H200 run; the h100's a one-GPU run: its per-parameter terms only); older formats
+    # read with none.
+    for name, collective_spread in (("h200", True), ("h100", False)):
+        shipped = load_profile(name)
+        assert shipped.version == PROFILE_VERSION
+        assert shipped.fit_spread("grad_handoff_per_param_s") is not None
+        assert (shipped.fit_spread("collective_launch_s") is not None) == collective_spread
+    data = load_profile("h100").to_dict()
     data.pop("host_fit_spread")
-    assert ClusterProfile.from_dict({**data, "version": 8}).host_fit_spread == ()
+    for version in (5, 8):
+        old = ClusterProfile.from_dict({**data, "version": version})
+        assert old.host_fit_spread == () and old.fit_spread("grad_handoff_per_param_s") is None
     # The host-speed rescale scales the spread with the terms.
     faster = with_host_speed(p, 1e-3)
     assert faster.fit_spread("collective_launch_s") == pytest.approx((75e-6, 105e-6))

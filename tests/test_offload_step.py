@@ -188,11 +188,11 @@ def test_offload_copies_run_at_the_profiles_host_link():
     assert _duration(c, fast) == pytest.approx(LATENCY + 0.02)
     back = dataclasses.replace(c, kind=CollectiveKind.H2D_COPY)
     assert _duration(back, fast) == pytest.approx(LATENCY + 0.1)
-    # the h100 preset's measured link (docs/bench/predict/h100_v5b_calibrated.json): 1 GB to
-    # the host at 56.0 GB/s plus 21.8 us, back at 49.5 GB/s
+    # the h100 preset's measured link (docs/bench/predict/s58_h100/h100_s58.json): 1 GB to
+    # the host at 55.96 GB/s plus 16.3 us, back at 56.12 GB/s
     h100 = load_profile("h100")
-    assert _duration(c, h100) == pytest.approx(21.78e-6 + 1e9 / 56.045e9, rel=1e-3)
-    assert _duration(back, h100) == pytest.approx(21.78e-6 + 1e9 / 49.456e9, rel=1e-3)
+    assert _duration(c, h100) == pytest.approx(16.29e-6 + 1e9 / 55.955e9, rel=1e-3)
+    assert _duration(back, h100) == pytest.approx(16.29e-6 + 1e9 / 56.120e9, rel=1e-3)
 
 
 def test_activation_offload_lever_prices_copies_at_the_given_link():

@@ -390,11 +390,13 @@ def test_cli_step_time_comes_from_the_cluster_profile(tmp_path, capsys):
 
 
 def _flat_profile(tmp_path):
-    """The h100 preset with a flat memory bandwidth and no per-kernel time, written as a
-    profile file: the optimizer's device time is then its bytes over one rate."""
+    """The h100 preset with a flat memory bandwidth, no per-kernel time and the device AdamW
+    unscaled (its measured-over-modelled factors unset), written as a profile file: the
+    optimizer's device time is then its bytes over one rate."""
     flat = dataclasses.replace(load_profile("h100"), name="flat",
                                memory=((1 << 20, 1e12), (1 << 30, 1e12)), kernel_gpu_s=0.0,
-                               kernel_launch_s=0.0)
+                               kernel_launch_s=0.0, device_adamw_foreach_scale=0.0,
+                               device_adamw_fused_scale=0.0)
     path = tmp_path / "flat.json"
     path.write_text(flat.to_json())
     return flat, str(path)
