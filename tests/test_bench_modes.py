@@ -57,14 +57,16 @@ def _setup_options(monkeypatch, mode: str, fp8: bool = False) -> tuple[dict, obj
     return seen, modes.setup_mode(mode, cfg, torch.device("cpu"), mesh=None, fp8=fp8)
 
 
-@pytest.mark.parametrize("mode, sink, budget, rswait", [
-    ("shardc-fast", False, False, False), ("shardc-fast-sink", True, False, False),
-    ("shardc-fast-budget-sink", True, True, False), ("shardc-fast-rswait", False, False, True)])
-def test_the_fast_modes_options(monkeypatch, mode, sink, budget, rswait):
+@pytest.mark.parametrize("mode, sink, budget, rswait, pcasts", [
+    ("shardc-fast", False, False, False, False), ("shardc-fast-sink", True, False, False, False),
+    ("shardc-fast-budget-sink", True, True, False, False),
+    ("shardc-fast-rswait", False, False, True, False),
+    ("shardc-fast-sink-pcasts", True, False, False, True)])
+def test_the_fast_modes_options(monkeypatch, mode, sink, budget, rswait, pcasts):
     """What each fast mode compiles with: CUDA graphs, plain inputs and the local-shard step
-    always; the sunk residual, the peak budget and the reduce-scatter waits past small buckets
-    as named (``-fast-sink`` has no budget, so every bucket is resharded as in default
-    shardc); the report names the options."""
+    always; the sunk residual, the peak budget, the reduce-scatter waits past small buckets and
+    the per-parameter one-rank casts as named (``-fast-sink`` has no budget, so every bucket
+    is resharded as in default shardc); the report names the options."""
     seen, setup = _setup_options(monkeypatch, mode)
     assert seen["compile_mode"] == "reduce-overhead" and seen["plain_inputs"] is True
     assert setup.cudagraphs and setup.prepare_optimizer is not None
@@ -72,6 +74,8 @@ def test_the_fast_modes_options(monkeypatch, mode, sink, budget, rswait):
     assert ("peak_memory_budget_bytes" in seen) is budget
     assert seen.get(RSWAIT, False) is rswait
     assert (f"{RSWAIT}=True" in setup.info["options"]) is rswait
+    assert seen.get("one_op_local_casts", True) is not pcasts
+    assert ("one_op_local_casts=False" in setup.info["options"]) is pcasts
 
 
 def test_the_rswait_mode_is_default_shardc_with_the_option(monkeypatch):
