@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from shardc.planning.fit import fit_line
 from shardc.planning.kernels import FUSABLE, MATMUL, group_kernels, is_split_reduction
 from shardc.planning.profile import (
     FP8_HOST_FIELDS,
@@ -262,6 +263,33 @@ def test_fp8_host_fit_recovers_known_coefficients():
     with pytest.raises(ValueError, match="_scaled_mm"):
         host_cost.fit_fp8_host_cost([dataclasses.replace(one[0], forward_scaled_mms=0)],
                                     BF16_TERMS, launch, call)
+
+
+def test_fp8_host_fit_goes_through_zero_where_the_line_starts_below_it():
+    """Two depths whose residuals make a line with a negative intercept (a steeper slope than
+    the work per ``_scaled_mm``, which would over-price every larger model): the term is the
+    least-squares line through zero, below the two-point slope; a positive intercept keeps
+    the slope (the FP8 model's own per-step work drops out)."""
+    call, launch = 300e-6, 25e-6
+    two = [_fp8_phase_times(n, 45e-6, 18e-6, call, launch) for n in (2, 8)]
+    below = [dataclasses.replace(t, forward_s=t.forward_s - 0.2e-3 * (t.params < 40))
+             for t in two]
+    counts = [t.forward_scaled_mms for t in below]
+    left = [host_cost.residual_seconds(t, BF16_TERMS, launch, call)[0] for t in below]
+    fixed, slope = fit_line(counts, left)
+    assert fixed < 0 and slope > 45e-6
+    got = host_cost.fit_fp8_host_cost(below, BF16_TERMS, launch, call)
+    through_zero = sum(c * x for c, x in zip(counts, left)) / sum(c * c for c in counts)
+    assert got["fp8_forward_per_scaled_mm_s"] == pytest.approx(through_zero, rel=1e-12)
+    assert got["fp8_forward_per_scaled_mm_s"] < slope
+    assert got["fp8_backward_per_scaled_mm_s"] == pytest.approx(18e-6, rel=1e-9)
+    above = [dataclasses.replace(t, forward_s=t.forward_s + 0.2e-3 * (t.params < 40))
+             for t in two]
+    got = host_cost.fit_fp8_host_cost(above, BF16_TERMS, launch, call)
+    counts_left = [(t.forward_scaled_mms, host_cost.residual_seconds(t, BF16_TERMS, launch,
+                                                                     call)[0]) for t in above]
+    assert got["fp8_forward_per_scaled_mm_s"] == pytest.approx(
+        fit_line(*zip(*counts_left))[1], rel=1e-12)
 
 
 def test_calibrate_skips_fp8_where_scaled_mm_does_not_run():

@@ -221,9 +221,14 @@ def fit_fp8_host_cost(times: Sequence[PhaseTimes], terms: dict[str, float],
     """:data:`shardc.planning.profile.FP8_HOST_FIELDS` from FP8 models' phase times: per graph,
     what :func:`residual_seconds` leaves per ``_scaled_mm``: the slope against the
     ``_scaled_mm`` count over two or more depths (what does not grow with them drops out),
-    through zero from one depth. It may be negative: where the model charges FP8's kernels
-    launches that the bf16 terms already hold (a weight's quantize in place of its cast) or
-    that cost less than ``compiled_launch_s``."""
+    through zero from one depth. Where that line's intercept is negative, the line through
+    zero instead: a negative fixed part with a steeper slope fits the two depths and
+    over-prices every larger model (:func:`shardc.planning.fit.fit_per_param` bounds the bf16
+    terms for the same reason), and the step model has no FP8 fixed term to carry it (one
+    H100, 2026-12-05: -0.96 ms and 142 us per ``_scaled_mm``, which priced the 1b FP8 step at
+    batch 1 16% long; through zero 115 us). The slope may be negative: where the model
+    charges FP8's kernels launches that the bf16 terms already hold (a weight's quantize in
+    place of its cast) or that cost less than ``compiled_launch_s``."""
     out = {}
     for i, (field, count_of) in enumerate(zip(FP8_HOST_FIELDS, ("forward_scaled_mms",
                                                                   "backward_scaled_mms"))):
@@ -233,10 +238,11 @@ def fit_fp8_host_cost(times: Sequence[PhaseTimes], terms: dict[str, float],
                              f"(counted {counts})")
         left = [residual_seconds(t, terms, compiled_launch_s, graph_call_s)[i]
                 for t in times]
+        fixed = -1.0
         if len(set(counts)) > 1:
-            _, out[field] = fit_line(counts, left)
-        else:
-            out[field] = sum(left) / sum(counts)
+            fixed, out[field] = fit_line(counts, left)
+        if fixed < 0:
+            out[field] = sum(c * x for c, x in zip(counts, left)) / sum(c * c for c in counts)
     return out
 
 
