@@ -1,4 +1,5 @@
 # s58 call 1 (issue 20): one H100, world 1, 1b, batch 4: cast throughput; 8 layers, fast-sink with per-parameter casts
+# (.probe/castbench.py was the untracked probe folder's copy of castbench.py, kept beside this file)
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 SP=$(python3 -c 'import site; print(site.getsitepackages()[0])'); D=$SP/shardc-0.0.dev0.dist-info; mkdir -p $D
 printf 'Metadata-Version: 2.1\nName: shardc\nVersion: 0.0.dev0\n' > $D/METADATA
