@@ -118,6 +118,28 @@ def test_profile_round_trips_through_json():
         assert 2.5e12 <= preset.memory_bandwidth(1 << 30) <= 4.8e12
 
 
+def test_the_h100_preset_is_its_calibration_with_the_fp8_terms_refitted():
+    """The shipped h100 preset is what docs/bench/predict/s58_h100/write_h100.py writes from the
+    one-H100 calibration (edit the script, not the preset): every measured field the
+    calibration's, the FP8 host terms refitted through zero from its recorded residuals (the
+    two-depth lines start below zero), below the slopes the calibration wrote."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "docs/bench/predict/s58_h100/write_h100.py"
+    spec = importlib.util.spec_from_file_location("write_h100", path)
+    write_h100 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(write_h100)
+    calibration = ClusterProfile.from_json(write_h100.CALIBRATION.read_text())
+    shipped = load_profile("h100")
+    assert write_h100.preset(calibration) == shipped
+    assert shipped.matmul == calibration.matmul and shipped.graph_call_s == calibration.graph_call_s
+    assert shipped.fit_spread("optimizer_per_param_s") == calibration.fit_spread(
+        "optimizer_per_param_s")
+    assert 0 < shipped.fp8_forward_per_scaled_mm_s < calibration.fp8_forward_per_scaled_mm_s
+    assert 0 < shipped.fp8_backward_per_scaled_mm_s < calibration.fp8_backward_per_scaled_mm_s
+
+
 def test_the_h200_preset_is_its_two_calibrations_merged():
     """The shipped h200 preset is what docs/bench/predict/s56_preset/merge_h200.py writes from
     its two calibrations (edit the script, not the preset): the collective terms of the 2 x H200

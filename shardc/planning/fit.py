@@ -24,6 +24,13 @@ def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     return my - b * mx, b
 
 
+def fit_through_origin(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Least squares ``y = b * x`` (no intercept); returns ``b``. Needs a nonzero ``x``."""
+    if len(xs) != len(ys) or not any(xs):
+        raise ValueError("shardc fit: a line through zero needs points with a nonzero x")
+    return sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+
+
 def fit_alpha_beta(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
     """``seconds = alpha + size / bandwidth`` by least squares, weighted so that every point
     counts by its relative error (small sizes would otherwise not count at all): returns
@@ -151,8 +158,7 @@ def fit_per_param(counts: Sequence[float], seconds: Sequence[float], what: str
     def residual(a: float, b: float) -> float:
         return sum((a + b * n - t) ** 2 for n, t in zip(counts, seconds))
 
-    through_origin = (0.0, max(sum(n * t for n, t in zip(counts, seconds))
-                               / sum(n * n for n in counts), 0.0))
+    through_origin = (0.0, max(fit_through_origin(counts, seconds), 0.0))
     flat = (max(sum(seconds) / len(seconds), 0.0), 0.0)
     return min((through_origin, flat), key=lambda ab: residual(*ab))
 

@@ -67,7 +67,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shardc.planning.fit import fit_least_squares, fit_line, fit_per_param, value_range
+from shardc.planning.fit import (
+    fit_least_squares,
+    fit_line,
+    fit_per_param,
+    fit_through_origin,
+    value_range,
+)
 from shardc.planning.profile import FIXED_FIELDS, FP8_HOST_FIELDS, PER_PARAM_FIELDS
 
 # Depths of the measured model (:data:`MODEL`; 9 parameter tensors per Llama block: 12, 39
@@ -236,14 +242,21 @@ def fit_fp8_host_cost(times: Sequence[PhaseTimes], terms: dict[str, float],
         if not counts or min(counts) <= 0:
             raise ValueError(f"calibrate: {field} needs FP8 models whose graphs run _scaled_mm "
                              f"(counted {counts})")
-        left = [residual_seconds(t, terms, compiled_launch_s, graph_call_s)[i]
-                for t in times]
-        fixed = -1.0
-        if len(set(counts)) > 1:
-            fixed, out[field] = fit_line(counts, left)
-        if fixed < 0:
-            out[field] = sum(c * x for c, x in zip(counts, left)) / sum(c * c for c in counts)
+        out[field] = fp8_host_term(counts, [residual_seconds(t, terms, compiled_launch_s,
+                                                             graph_call_s)[i] for t in times])
     return out
+
+
+def fp8_host_term(counts: Sequence[int], left: Sequence[float]) -> float:
+    """One FP8 host term from what the bf16 terms leave of a graph (``left``, seconds) at its
+    ``_scaled_mm`` counts, by :func:`fit_fp8_host_cost`'s rule: the slope over two or more
+    counts where its line starts at or above zero, else (and from one count) the line through
+    zero."""
+    if len(set(counts)) > 1:
+        fixed, slope = fit_line(counts, left)
+        if fixed >= 0:
+            return slope
+    return fit_through_origin(counts, left)
 
 
 def collective_fit_parts(times: Sequence[PhaseTimes], terms: dict[str, float],
