@@ -13,7 +13,7 @@ import logging
 import operator
 import os
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import torch
@@ -816,3 +816,44 @@ def optimizer_step_hooks(optimizer) -> list:
             *optimizer._optimizer_step_pre_hooks.values(),
             *optimizer._optimizer_step_post_hooks.values(),
             *optim_module._global_optimizer_post_hooks.values()]
+
+
+# Where torch keeps what it traced of each invoke_subgraph body in a compile, keyed by the call's
+# identifier (torch._guards.InvokeSubgraphCache; the same fields on torch 2.11-2.14): the
+# autograd function, the dispatch-traced graph, the lazily traced backward, the effects; the
+# functionalized schema by (id(subgraph), identifier, operand types).
+_SUBGRAPH_TRACE_TABLES = ("autograd_cache", "proxy_dispatch_cache", "lazy_bwd_cache",
+                          "effects_cache")
+
+
+def forget_subgraph_traces(identifiers: Collection[str]) -> int:
+    """Drop what this compile's tracing context recorded for the ``invoke_subgraph`` bodies
+    named ``identifiers`` (and the forward/backward calls torch derives from them,
+    ``fw_<identifier>``, ``bw_<identifier>_<n>``), so that a graph traced again with other
+    bodies under those identifiers (the region compiled again without
+    ``sink_block_residual``) does not reuse the first attempt's traces. Dropping more than
+    needed only costs a trace. Returns how many entries were dropped (0 outside a compile)."""
+    import re  # noqa: PLC0415
+
+    from torch._guards import TracingContext  # noqa: PLC0415
+
+    context = TracingContext.try_get()
+    sets = getattr(context, "hop_dispatch_set_cache", None)
+    cache = sets.get_cache(torch.ops.higher_order.invoke_subgraph) if sets is not None else None
+    if cache is None or not identifiers:
+        return 0
+    named = re.compile("|".join(rf"(?<![A-Za-z0-9]){re.escape(i)}(?![0-9])"
+                                for i in sorted(identifiers)))
+
+    def names(key: object) -> bool:
+        key = key[1] if isinstance(key, tuple) and len(key) > 1 else key
+        return isinstance(key, str) and named.search(key) is not None
+
+    dropped = 0
+    for attr in (*_SUBGRAPH_TRACE_TABLES, "functionalize_schema_cache"):
+        table = getattr(cache, attr, None)
+        if isinstance(table, dict):
+            for key in [k for k in table if names(k)]:
+                del table[key]
+                dropped += 1
+    return dropped

@@ -82,3 +82,20 @@ def test_accumulation_with_and_without_sync_matches_reference():
 def test_set_requires_gradient_sync_rejects_unsharded_modules():
     with pytest.raises(ValueError, match="not sharded"):
         shardc.set_requires_gradient_sync(torch.nn.Linear(2, 2), False)
+
+
+def test_a_dead_store_keeps_its_mode_until_the_next_store_is_made():
+    """Dynamo iterates SYNC_MODES where it traces a read, and a store dies at any garbage
+    collection: its key goes when the next store is made, never in between (the dict would
+    change size under Dynamo's iteration)."""
+    import gc
+
+    from shardc.runtime.grad_sync import SYNC_MODES, UnsyncedGrads
+
+    store = UnsyncedGrads()
+    key, size = store.key, len(SYNC_MODES)
+    del store
+    gc.collect()
+    assert key in SYNC_MODES and len(SYNC_MODES) == size
+    other = UnsyncedGrads()
+    assert key not in SYNC_MODES and SYNC_MODES[other.key] == 0

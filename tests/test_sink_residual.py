@@ -8,6 +8,7 @@ logged once and noted in the plan, where the pattern does not match."""
 from __future__ import annotations
 
 import ast
+import json
 import logging
 import operator
 import re
@@ -253,6 +254,58 @@ def test_planner_recomputes_sunk_bodies_under_inductor(inductor_reference):
     assert_parity(run, inductor_reference, tol=1e-5)
 
 
+def _auto_budget_runs(rank: int, world: int) -> dict:
+    """The parity Llama (FX) with the default ``sink_block_residual="auto"`` and a peak budget
+    a byte below the fixed policy's predicted peak, so the planner recomputes; and the same
+    with the option off."""
+    import torch.distributed as dist
+
+    options = dict(comm_pool=False, prefetch=False)
+    fixed = sharded_run(rank, world, "llama", "fx", sink_block_residual=False, **options)
+    peak = torch.tensor([int(fixed["plans"][0].predicted.peak_bytes)])
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    budget = dict(peak_memory_budget_bytes=int(peak) - 1, peak_memory_margin=0.0,
+                  activation_offload="never", optimizer_offload="never")
+    out = {}
+    for name, sink in (("auto", "auto"), ("off", False), ("forced", True)):
+        torch._dynamo.reset()
+        run = sharded_run(rank, world, "llama", "fx", keep_model=True,
+                          sink_block_residual=sink, **options, **budget)
+        plan = run["plans"][0]
+        out[name] = {"losses": run["losses"], "params": run["params"],
+                     "recomputed": [b.block for b in plan.budget.blocks if b.recomputed],
+                     "regions": _region_facts(run["model"]),
+                     "plan": json.loads(plan.to_json())}
+    return out
+
+
+def test_auto_compiles_again_unsunk_where_the_budget_recomputes_a_sunk_block(references):
+    """Where the peak budget's planner recomputes a sunk block, its checkpoint would be the
+    pair (both addends): with the default ``"auto"`` the region is compiled again with the
+    residual adds where they were traced, noted in the plan, and its plan is the one compiled
+    without the option; ``True`` keeps the sunk form. Two ranks (uneven shards), at parity."""
+    runs = run_ranks(_auto_budget_runs, 2)[0]
+    auto, off, forced = runs["auto"], runs["off"], runs["forced"]
+    for name, run in runs.items():
+        assert run["recomputed"], (name, run["recomputed"])
+        assert_parity(run, references["llama"], tol=1e-5)
+    # The forward as compiled without the option (no zeros for the first call); True's sunk.
+    assert auto["regions"][0]["forward"] == off["regions"][0]["forward"]
+    assert not any("zeros" in t for t in auto["regions"][0]["forward"]["first"])
+    assert any("zeros" in t for t in forced["regions"][0]["forward"]["first"]), forced["regions"]
+    notes = auto["regions"][0]["sink_notes"]
+    assert len(notes) == 1 and "not sunk in region" in notes[0] and "recomputes layers." in \
+        notes[0], notes
+    # The same plan as without the option, but its options and notes (and the region number:
+    # the second attempt is announced anew).
+    a, b = auto["plan"], off["plan"]
+    for plan in (a, b):
+        plan.pop("options"), plan.pop("notes")
+    assert auto["regions"][0]["hash"] == off["regions"][0]["hash"]
+    assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+    assert torch.equal(auto["losses"], off["losses"])
+
+
 class AccumulatingStack(nn.Module):
     """Residual blocks whose every output is also summed by the model (read by more than the
     next block): the pattern does not match."""
@@ -356,9 +409,19 @@ def test_non_matching_blocks_keep_their_calls_with_the_reason_logged_once(world_
     assert "keeps its residual add" in run["lines"][0]
 
 
-def test_the_option_is_off_by_default_and_named_by_the_benchmark_mode():
-    assert shardc.ShardcOptions().sink_block_residual is False
+def test_the_option_is_auto_by_default_and_named_by_the_benchmark_modes():
+    """On by default ("auto"), but not where ``activation_offload`` names checkpoints (a sunk
+    block recomputed would save both addends); a bad value is refused by name."""
+    assert shardc.ShardcOptions().sink_block_residual == "auto"
+    assert shardc.ShardcOptions().sinks_residuals()
+    assert not shardc.ShardcOptions(activation_offload=("checkpoint:*",)).sinks_residuals()
+    assert shardc.ShardcOptions(activation_offload=("layers.0",)).sinks_residuals()
+    assert shardc.ShardcOptions(sink_block_residual=True,
+                                activation_offload=("checkpoint:*",)).sinks_residuals()
+    assert not shardc.ShardcOptions(sink_block_residual=False).sinks_residuals()
     assert shardc.ShardcOptions(sink_block_residual=True).as_dict()["sink_block_residual"]
+    with pytest.raises(ValueError, match="sink_block_residual must be True, False or 'auto'"):
+        shardc.ShardcOptions(sink_block_residual="yes")
     import sys
     from pathlib import Path
 
@@ -368,6 +431,6 @@ def test_the_option_is_off_by_default_and_named_by_the_benchmark_mode():
         from train.modes import EXTRA_MODES
     finally:
         sys.path.remove(bench)
-    assert "shardc-fast-budget-sink" in EXTRA_MODES
+    assert "shardc-fast-budget-sink" in EXTRA_MODES and "shardc-nosink" in EXTRA_MODES
     source = (Path(bench) / "step_overhead.py").read_text()
     assert '"shardc-fast-budget-sink"' in source

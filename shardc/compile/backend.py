@@ -54,7 +54,12 @@ from shardc.passes.fused_loss import LOSS_OPS, decompose_whole_loss_ops
 from shardc.passes.fx_utils import is_call
 from shardc.passes.lower import POOL_PLACEHOLDER
 from shardc.passes.offload_unplaced import drop_offload_copies
-from shardc.passes.sink_residual import sink_block_residuals, tie_pair_tangents
+from shardc.passes.sink_residual import (
+    SunkBodiesRecomputed,
+    sink_block_residuals,
+    tie_pair_tangents,
+    unsink,
+)
 from shardc.passes.to_local import plain_to_local_calls
 from shardc.planning import optimizer_chunks
 from shardc.planning.budget import MemoryBudgetError
@@ -127,7 +132,7 @@ class ShardcPartitioner(_torch.custom_partitioner_base()):
             log.debug("shardc: region %d: %d body call stand-ins restored", index, restored)
         # Saved weights that body calls return read the gathers instead, which the reshard
         # pass then recomputes in the backward.
-        rewire_saved_inputs(gm, duplicates=self.options.sink_block_residual)
+        rewire_saved_inputs(gm, duplicates=self.options.sinks_residuals())
         self._drop_unplaced_copies(gm)
         try:
             fw, bw = pipeline.partition_and_plan(gm, joint_inputs, self.options, self.region,
@@ -332,6 +337,7 @@ def _sink_residuals(gm: fx.GraphModule, found: list, blocks, region: RegionRecor
         region.sink_notes.append(outcome.note())
         if not outcome.reason:
             region.sunk_bodies.add(outcome.identifier)
+            region.sink_edits.append(outcome.edits)
         key = f"sink_block_residual:{outcome.block_type}:{outcome.reason}"
         if key not in blocks.reported:
             blocks.reported.add(key)
@@ -398,7 +404,7 @@ def _prepare_bodies(gm: fx.GraphModule, state: ShardState | None, opts: ShardcOp
         inline_body_calls(gm, [node for node, _ in found])
         region.inline_blocks += [(call.block, "compile_blocks_once=False") for _, call in found]
         return
-    if found and opts.sink_block_residual:
+    if found and opts.sinks_residuals():
         found = _sink_residuals(gm, found, blocks, region)
     region.body_calls = [call for _, call in found]
     called = {call.block for call in region.body_calls}
@@ -455,46 +461,85 @@ def shardc_backend(
     state = _shard_state(gm)
     check_index = _announce(gm, opts)
     dynamo_s = progress.dynamo_seconds()
+    return _compile_attempts(gm, example_inputs, opts, mode, state, clock, check_index,
+                             dynamo_s)
+
+
+def _compile_attempts(gm: fx.GraphModule, example_inputs: Sequence[object], opts: ShardcOptions,
+                      mode: str | None, state: ShardState | None, clock: progress.Stopwatch,
+                      check_index: int | None, dynamo_s: float | None,
+                      prepared: RegionRecord | None = None):
+    """:func:`_compile_region`, and again where an attempt's plan asks for another compile of
+    the same graph: the shards moved to the host, the residual adds not sunk, the body calls
+    without stand-ins. Each retry removes its own cause, so the attempts end. Each is decided
+    the same on every rank, and gets a new region number: the planner's cross-rank exchanges
+    are keyed by it, and the earlier attempt's values are in the store under the old one."""
     registry = state.regions if state is not None else None
     try:
         return _compile_region(gm, example_inputs, opts, mode, state, clock, check_index,
-                               dynamo_s)
+                               dynamo_s, prepared=prepared)
     except auto_offload.ParamOffloadChosen as chosen:
         # The peak budget's last lever: every shard to the host, and the region planned again
         # as a model sharded with OffloadPolicy() (shardc.sharding.auto_offload).
         first = registry.pop()
         moved = auto_offload.move_to_host(state, chosen)
         example_inputs = host_example_inputs(gm, example_inputs, state)
-        # A new number: the planner's cross-rank exchanges are keyed by it, and the first
-        # attempt's values are in the store under the old one (every rank retries alike).
-        compiled = _compile_region(gm, example_inputs, opts, mode, state, clock,
-                                   _announce(gm, opts), dynamo_s, prepared=first)
+        compiled = _compile_attempts(gm, example_inputs, opts, mode, state, clock,
+                                     _announce(gm, opts), dynamo_s, prepared=first)
         plan = registry[-1].plan
         if plan is not None:
             plan.notes.append(auto_offload.note(state.auto_offload, moved))
         return compiled
     except Exception as error:
-        mismatch = _stand_in_mismatch(error)
         first = registry[-1] if registry else None
-        if mismatch is None or first is None or first.stand_ins is None:
-            raise
-        # The same on every rank (the graphs' structure decides): each compiles again.
-        registry.pop()
-        log.warning("shardc: region %d: block body stand-ins do not fit the partitioned body "
-                    "(%s); compiling the region again with every call an invoke_subgraph "
-                    "call (opaque_body_calls)", first.index, mismatch)
-        undo_stand_ins(gm, first.stand_ins)
-        first.stand_ins = None
-        return _compile_region(gm, example_inputs, opts, mode, state, clock,
-                               _announce(gm, opts), dynamo_s, prepared=first)
+        sunk = _raised(error, SunkBodiesRecomputed)
+        if sunk is not None and first is not None and first.sunk_bodies:
+            registry.pop()
+            opts = dataclasses.replace(opts, sink_block_residual=False)
+            _prepare_unsunk(gm, first, state, opts, sunk)
+        else:
+            mismatch = _raised(error, StandInMismatch)
+            if mismatch is None or first is None or first.stand_ins is None:
+                raise
+            registry.pop()
+            log.warning("shardc: region %d: block body stand-ins do not fit the partitioned "
+                        "body (%s); compiling the region again with every call an "
+                        "invoke_subgraph call (opaque_body_calls)", first.index, mismatch)
+            undo_stand_ins(gm, first.stand_ins)
+            first.stand_ins = None
+        return _compile_attempts(gm, example_inputs, opts, mode, state, clock,
+                                 _announce(gm, opts), dynamo_s, prepared=first)
 
 
-def _stand_in_mismatch(error: BaseException) -> StandInMismatch | None:
-    """The :class:`StandInMismatch` ``error`` is or was raised from (torch may wrap what a
+def _prepare_unsunk(gm: fx.GraphModule, region: RegionRecord, state: ShardState,
+                    opts: ShardcOptions, sunk: SunkBodiesRecomputed) -> None:
+    """``sink_block_residual="auto"`` where the peak budget recomputes sunk blocks: the
+    region's graph as traced again (stand-ins and sinking undone) and ``region``'s bodies
+    described again, to compile without sinking (``opts``)."""
+    if region.stand_ins is not None:
+        undo_stand_ins(gm, region.stand_ins)
+    unsink(gm, region.sink_edits)
+    # The sunk bodies kept their identifiers, under which the first attempt's traces are
+    # recorded in this compile's tracing context: the bodies as traced must be traced anew.
+    _torch.forget_subgraph_traces(region.sunk_bodies)
+    note = (f"sink_block_residual: not sunk in region {region.index}: the peak budget "
+            f"recomputes {', '.join(sunk.blocks)}, whose checkpoints would be both addends of "
+            "the sunk residual; compiled again with the residual adds where they were traced")
+    log.info("shardc: %s", note)
+    region.sink_notes, region.sunk_bodies, region.sink_edits = [note], set(), []
+    found = describe_body_calls(gm, state.blocks.block_of_param)
+    region.body_calls = [call for _, call in found]
+    region.stand_ins = None
+    if opts.opaque_body_calls and found:
+        _stand_in(gm, [node for node, _ in found], state.blocks, region)
+
+
+def _raised(error: BaseException, kind: type[BaseException]) -> BaseException | None:
+    """The ``kind`` exception ``error`` is or was raised from (torch may wrap what a
     partitioner raises), or None."""
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
-        if isinstance(error, StandInMismatch):
+        if isinstance(error, kind):
             return error
         seen.add(id(error))
         error = error.__cause__ or error.__context__
@@ -511,7 +556,8 @@ def _announce(gm: fx.GraphModule, opts: ShardcOptions) -> int | None:
 
 
 # What _prepare_bodies records on a region (from the graph it changes).
-_PREPARED_FIELDS = ("inline_blocks", "body_calls", "sink_notes", "sunk_bodies", "stand_ins")
+_PREPARED_FIELDS = ("inline_blocks", "body_calls", "sink_notes", "sunk_bodies", "sink_edits",
+                    "stand_ins")
 
 
 # Compiling a region builds and drops graph copies (joint, partitioned, flattened, Inductor's

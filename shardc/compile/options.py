@@ -156,8 +156,14 @@ class ShardcOptions:
         ms per layer on an H200, docs/overhead.md). The first call takes the hidden state and
         zeros (one body for every block); the region adds the last pair. Where a body's calls
         do not match (output not one residual add, an output read elsewhere, calls inside
-        another higher-order op), they stay as they are, said once in the log and in the
-        plan's notes. Off by default.
+        another higher-order op such as activation checkpointing), they stay as they are, said
+        once in the log and in the plan's notes. A sunk block that is recomputed whole saves
+        its call's pair (both addends, twice the hidden state) as its checkpoint, where the
+        block as traced saves one tensor: ``"auto"`` (default) sinks except where a block is
+        to be recomputed, so it never saves more. It does not sink where ``activation_offload``
+        names checkpoints, and where the peak budget's planner recomputes a sunk block, the
+        region is compiled again without sinking (said in the log and the plan's notes).
+        ``True`` sinks there too; ``False`` never sinks.
     opaque_body_calls: with ``compile_blocks_once``, every call of a block body after its first
         one in a training region's graph reaches AOTAutograd as one opaque op pair
         (``shardc::body_fwd``/``body_bwd``, ``shardc.passes.body_standin``) instead of an
@@ -242,7 +248,7 @@ class ShardcOptions:
     optimizer_impl: str = "auto"
     move_found_collectives: bool = True
     compile_blocks_once: bool = True
-    sink_block_residual: bool = False
+    sink_block_residual: bool | str = "auto"
     opaque_body_calls: bool = True
     one_op_bucket_copies: bool = False
     one_op_local_casts: bool = True
@@ -273,6 +279,9 @@ class ShardcOptions:
                 f"peak (e.g. 0.02 for 2 %), got {margin!r}")
         self._check_activation_offload()
         self._check_fused_loss()
+        if self.sink_block_residual not in (True, False, "auto"):
+            raise ValueError("shardc: sink_block_residual must be True, False or 'auto', got "
+                             f"{self.sink_block_residual!r}")
         if self.memory_target not in MEMORY_TARGETS:
             raise ValueError(f"shardc: memory_target must be one of {MEMORY_TARGETS}, got "
                              f"{self.memory_target!r}")
@@ -329,6 +338,13 @@ class ShardcOptions:
     def fused_loss_forced(self) -> bool:
         """Whether the fused loss is used whatever the budget (``True`` or a chunk)."""
         return self.fused_loss is True or self.fused_loss_chunk() is not None
+
+    def sinks_residuals(self) -> bool:
+        """Whether block bodies' final residual adds are sunk into their next calls at all
+        (``sink_block_residual``; "auto" not where ``activation_offload`` names checkpoints)."""
+        if self.sink_block_residual == "auto":
+            return not self.forced_checkpoint_offload()
+        return bool(self.sink_block_residual)
 
     def keeps_loss_ops_whole(self) -> bool:
         """Whether Inductor's decompositions leave the cross-entropy's ops whole for the fused

@@ -88,7 +88,9 @@ from shardc.passes.prune_body_outputs import prune_unused_body_outputs, pruned_b
 from shardc.passes.recompute import Block, find_blocks, recompute_blocks
 from shardc.passes.reshard import check_no_gathered_saved, keep_gathered, tag_resharded_gathers
 from shardc.passes.saved_order import order_saved_values
+from shardc.passes.sink_residual import SunkBodiesRecomputed
 from shardc.planning import optimizer_chunks, optimizer_kind
+from shardc.planning.budget import MemoryBudgetError
 from shardc.planning.plan import CompiledBody, FusedLossDecision, InlineBlock, MemoryBudget, Plan
 from shardc.planning.profile import resolve_profile
 from shardc.planning.schedule import device_name, plan_region
@@ -120,6 +122,7 @@ class RegionRecord:
     # sink_block_residual (shardc.passes.sink_residual): one plan note per body, sunk or not.
     sink_notes: list[str] = field(default_factory=list, repr=False)
     sunk_bodies: set[str] = field(default_factory=set, repr=False)  # their identifiers
+    sink_edits: list = field(default_factory=list, repr=False)  # to undo them (SinkEdits)
     # opaque_body_calls (shardc.passes.body_standin): the later body calls of Dynamo's graph
     # that AOTAutograd traces as stand-ins (a StandIns; None: none).
     stand_ins: object | None = field(default=None, repr=False)
@@ -482,6 +485,25 @@ def record_host_bytes(plan: Plan, host, fw: fx.GraphModule, options: ShardcOptio
         plan.predicted.device_copy_bytes = float(device_copy_bytes(plan))
 
 
+def sunk_blocks(region: RegionRecord) -> set[str]:
+    """The blocks whose calls run a sunk body (``sink_block_residual``)."""
+    return {c.block for c in region.body_calls if c.identifier in region.sunk_bodies}
+
+
+def _refuse_recomputed_sunk_bodies(recomputed: Collection[str], options: ShardcOptions,
+                                   region: RegionRecord,
+                                   refused: Exception | None = None) -> None:
+    """``sink_block_residual="auto"``: raise :class:`SunkBodiesRecomputed` where the budget's
+    choice (or, ``refused``, its refusal's minimum) recomputes a block whose body is sunk (its
+    checkpoint would be both addends; the backend compiles the region again without sinking).
+    The choice is the same on every rank, so every rank raises alike."""
+    if options.sink_block_residual != "auto" or not region.sunk_bodies:
+        return
+    hit = sorted(sunk_blocks(region).intersection(recomputed))
+    if hit:
+        raise SunkBodiesRecomputed(hit) from refused
+
+
 def partition_and_plan(gm: fx.GraphModule, joint_inputs: Sequence[object], options: ShardcOptions,
                        region: RegionRecord, **kwargs) -> tuple[fx.GraphModule, fx.GraphModule]:
     """Steps 1-7 on a training region's joint graph; returns the planned forward and backward.
@@ -503,7 +525,14 @@ def partition_and_plan(gm: fx.GraphModule, joint_inputs: Sequence[object], optio
                     lambda graph: search_inputs(graph, joint_inputs, options, region, kwargs))
             else:
                 inputs = search_inputs(gm, joint_inputs, options, region, kwargs)
-            decided = budget_search.choose_under_budget(inputs, options, region)
+            try:
+                decided = budget_search.choose_under_budget(inputs, options, region)
+            except MemoryBudgetError as refused:
+                # The minimum it names recomputes the sunk blocks with the pair as their
+                # checkpoints: the graph as traced may fit, and names its own minimum.
+                _refuse_recomputed_sunk_bodies(sunk_blocks(region), options, region, refused)
+                raise
+        _refuse_recomputed_sunk_bodies(decided.recomputed, options, region)
     # A block both recomputed and offloaded: recomputed, its checkpoint offloaded.
     recomputed = set(decided.recomputed) if decided is not None else set()
     offloaded = (set(decided.offloaded) | set(decided.checkpoint_offloaded)

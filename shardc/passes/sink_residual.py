@@ -26,7 +26,7 @@ notes).
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import fx
@@ -34,7 +34,8 @@ from torch import fx
 from shardc.passes.body import BodyCall, body_calls, unique_attr
 from shardc.passes.fx_utils import is_call
 
-__all__ = ["SinkOutcome", "sink_block_residuals", "tie_pair_tangents"]
+__all__ = ["SinkEdits", "SinkOutcome", "SunkBodiesRecomputed", "sink_block_residuals",
+           "tie_pair_tangents", "unsink"]
 
 # The traced forms of ``x + y`` (Dynamo: ``operator.add``; ``torch.add`` / ``Tensor.add``
 # without ``alpha``; an aten graph's ``add.Tensor``).
@@ -49,6 +50,7 @@ class SinkOutcome:
     block_type: str
     calls: int
     reason: str = ""  # why its calls were left as they were ("": sunk)
+    edits: SinkEdits | None = field(default=None, compare=False)  # to undo it (:func:`unsink`)
 
     def note(self) -> str:
         if self.reason:
@@ -57,6 +59,51 @@ class SinkOutcome:
         return (f"sink_block_residual: block body {self.identifier} ({self.block_type}): its "
                 f"final residual add is computed by the next of its {self.calls} calls (the "
                 "first takes the hidden state and zeros; the outer graph adds the last pair)")
+
+
+class SunkBodiesRecomputed(RuntimeError):
+    """The peak budget's planner recomputes blocks whose bodies are sunk (``blocks``): each
+    would save its call's pair as its checkpoint, twice what the block as traced saves. With
+    ``sink_block_residual="auto"`` the backend compiles the region again without sinking."""
+
+    def __init__(self, blocks: list[str]) -> None:
+        super().__init__(f"sunk block bodies recomputed: {', '.join(blocks)}")
+        self.blocks = blocks
+
+
+@dataclass
+class SinkEdits:
+    """What sinking one body changed in the region's graph, to put it back (:func:`unsink`)."""
+
+    attr: str  # the sunk body's attribute on the root module
+    getters: list[tuple[fx.Node, str]] = field(default_factory=list)  # (get_attr, old target)
+    calls: list[tuple[fx.Node, tuple, object]] = field(default_factory=list)  # old args, value
+    outputs: list[tuple[fx.Node, object]] = field(default_factory=list)  # getitem 0, old value
+    added: list[fx.Node] = field(default_factory=list)  # in the order they were inserted
+    total: fx.Node | None = None  # the outer graph's add of the last pair
+    last: fx.Node | None = None  # what ``total`` replaced: the last call's output
+
+
+def unsink(root: fx.GraphModule, edits: list[SinkEdits]) -> None:
+    """Put back what :func:`sink_block_residuals` changed (each body's calls as they were
+    traced, its final add inside it again). Body stand-ins made after it must be undone first
+    (``shardc.passes.body_standin.undo_stand_ins``)."""
+    graph = root.graph
+    for edit in edits:
+        edit.total.replace_all_uses_with(edit.last)
+        for node, args, value in edit.calls:
+            node.args = args
+            node.meta["example_value"] = value
+        for node, value in edit.outputs:
+            node.meta["example_value"] = value
+        for node in (edit.total, *reversed(edit.added)):
+            graph.erase_node(node)
+        for getter, target in edit.getters:
+            getter.target = target
+        delattr(root, edit.attr)
+    if edits:
+        graph.lint()
+        root.recompile()
 
 
 def _value(node: object) -> object:
@@ -141,10 +188,11 @@ def sink_block_residuals(root: fx.GraphModule, found: list[tuple[fx.Node, BodyCa
             add, reason = _residual_add(getattr(root, nodes[0].args[0].target))
         if not reason:
             position, reason = _chain(nodes)
+        edits = None
         if not reason:
-            reason = _sink(root, nodes, add, position)
+            reason, edits = _sink(root, nodes, add, position)
             changed = changed or not reason
-        outcomes.append(SinkOutcome(identifier, block_type, len(nodes), reason))
+        outcomes.append(SinkOutcome(identifier, block_type, len(nodes), reason, edits))
     if changed:
         root.graph.lint()
         root.recompile()
@@ -164,22 +212,26 @@ def _refusal(root: fx.GraphModule, identifier: str, nodes: list[fx.Node]) -> str
     return ""
 
 
-def _sink(root: fx.GraphModule, calls: list[fx.Node], add: fx.Node, position: int) -> str:
-    """Rewrite the body and its calls (the pattern matched); returns "" or why not after all."""
+def _sink(root: fx.GraphModule, calls: list[fx.Node], add: fx.Node, position: int
+          ) -> tuple[str, SinkEdits | None]:
+    """Rewrite the body and its calls (the pattern matched); returns ("", what it changed) or
+    why not after all (nothing changed)."""
     body = getattr(root, calls[0].args[0].target)
     first = calls[0].args[2 + position]
     layout = _layout(_value(add))
     if _layout(_value(first)) != layout:
         return ("the first call's hidden-state input differs from the body's output in shape, "
-                "strides, dtype or device")
+                "strides, dtype or device"), None
     places = body.graph.find_nodes(op="placeholder")
     if _layout(_value(places[position])) != layout:
-        return "the body's hidden-state input differs from its output in layout"
+        return "the body's hidden-state input differs from its output in layout", None
     a_node, b_node = add.args
     sunk = _sunk_body(body, add, position)
     attr = unique_attr(root, f"{calls[0].args[0].target}_sunk")
     setattr(root, attr, sunk)
-    for getter in {node.args[0] for node in calls}:
+    edits = SinkEdits(attr)
+    for getter in dict.fromkeys(node.args[0] for node in calls):
+        edits.getters.append((getter, getter.target))
         getter.target = attr
     graph = root.graph
     pair = (_value(a_node), _value(b_node))
@@ -190,14 +242,18 @@ def _sink(root: fx.GraphModule, calls: list[fx.Node], add: fx.Node, position: in
             with graph.inserting_before(node):
                 zeros = graph.call_function(torch.zeros_like, (first,))
             zeros.meta["example_value"] = torch.zeros_like(_value(first))
+            edits.added.append(zeros)
             operands[position:position + 1] = [first, zeros]
         else:
             operands[position:position + 1] = list(previous)
+        edits.calls.append((node, node.args, node.meta.get("example_value")))
         node.args = (*node.args[:2], *operands)
         node.meta["example_value"] = pair
         (out,) = node.users
         with graph.inserting_after(out):
             second = graph.call_function(operator.getitem, (node, 1))
+        edits.added.append(second)
+        edits.outputs.append((out, out.meta.get("example_value")))
         out.meta["example_value"], second.meta["example_value"] = pair
         for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
             if key in out.meta:
@@ -210,6 +266,7 @@ def _sink(root: fx.GraphModule, calls: list[fx.Node], add: fx.Node, position: in
     with graph.inserting_after(second):
         view = graph.call_method("view_as", (second, second))
     view.meta["example_value"] = pair[1]
+    edits.added.append(view)
     with graph.inserting_after(view):
         total = graph.node_copy(add, lambda n: out if n is a_node else view)
     total.meta = {k: v for k, v in add.meta.items() if k in ("example_value", "val",
@@ -217,7 +274,8 @@ def _sink(root: fx.GraphModule, calls: list[fx.Node], add: fx.Node, position: in
     if "nn_module_stack" in calls[-1].meta:
         total.meta["nn_module_stack"] = calls[-1].meta["nn_module_stack"]
     out.replace_all_uses_with(total, delete_user_cb=lambda user: user is not total)
-    return ""
+    edits.total, edits.last = total, out
+    return "", edits
 
 
 def _sunk_body(body: fx.GraphModule, add: fx.Node, position: int) -> fx.GraphModule:

@@ -27,6 +27,16 @@ _IDS = itertools.count()
 # each read's closure holds made it guard that the 147 closures of a 16-layer model hold the
 # same object (146 ``a is b`` checks in Python at every call, docs/overhead.md).
 SYNC_MODES: dict[str, int] = {}
+# Keys of stores that died, dropped from SYNC_MODES when the next store is made. A store dies
+# at any garbage collection, and Dynamo may be iterating SYNC_MODES then (it wraps the dict
+# item by item where it traces a read): removed at once, the dict would change size under it
+# ("dictionary changed size during iteration", seen where a compile's retry made garbage).
+_DEAD_KEYS: list[str] = []
+
+
+def _drop_dead_keys() -> None:
+    while _DEAD_KEYS:
+        SYNC_MODES.pop(_DEAD_KEYS.pop(), None)
 
 
 class UnsyncedGrads:
@@ -38,8 +48,9 @@ class UnsyncedGrads:
         self._pending = False  # stored gradients wait for the next synchronized backward
         self.grads: dict[str, torch.Tensor] = {}
         _STORES[self.key] = self
+        _drop_dead_keys()
         SYNC_MODES[self.key] = REDUCE
-        weakref.finalize(self, SYNC_MODES.pop, self.key, None)
+        weakref.finalize(self, _DEAD_KEYS.append, self.key)
 
     @property
     def requires_sync(self) -> bool:
