@@ -149,3 +149,27 @@ def test_version_5_block_bodies_round_trip_and_older_plans_have_none():
     older["version"] = 4
     read = Plan.from_dict(older)
     assert read.bodies == [] and read.inline_blocks == []
+
+
+def _asdict_text(plan: Plan) -> str:
+    """What ``Plan.to_dict`` serialized before ``json_ready``: ``dataclasses.asdict``'s copy."""
+    import dataclasses
+
+    return json.dumps(dataclasses.asdict(plan), default=str)
+
+
+@pytest.mark.parametrize("once", [True, False])
+def test_to_dict_writes_what_asdict_wrote(once):
+    """``json_ready`` (no leaf copies) gives ``to_dict`` the text ``asdict`` gave, on real plans
+    (bodies, graphs of compute ops, collectives with overlapped ops, the memory breakdown,
+    enums, dtypes) and on plans read back from older versions."""
+    from shared_plans import bodies_and_inline
+
+    from shardc.planning.json_ready import json_ready
+
+    plans = [bodies_and_inline()[once], _hsdp_plan()] + [Plan.from_dict(d) for _, d in OLD[:3]]
+    for plan in plans:
+        assert json.dumps(json_ready(plan), default=str) == _asdict_text(plan)
+        data = json.loads(_asdict_text(plan))
+        data["predicted"], data["hash"] = plan.predicted.to_dict(), plan.hash()
+        assert plan.to_dict() == data

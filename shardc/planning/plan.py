@@ -12,9 +12,11 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any
+
+from shardc.planning.json_ready import json_ready
 
 PLAN_VERSION = 5
 # Version 2 added the 2-D mesh fields (``Plan.mesh``, ``replicate_size``,
@@ -817,7 +819,7 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready data (tuples become lists, dtypes strings), so it equals its round trip."""
-        data = json.loads(json.dumps(asdict(self), default=str))
+        data = json.loads(json.dumps(json_ready(self), default=str))
         data["predicted"] = self.predicted.to_dict()
         data["hash"] = self.hash()
         return data
