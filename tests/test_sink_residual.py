@@ -58,7 +58,7 @@ def _region_facts(model) -> list[dict]:
 
 def _fx_runs(rank: int, world: int) -> dict:
     out = {}
-    scenarios = [("llama", "llama", SINK), ("llama_off", "llama", {}),
+    scenarios = [("llama", "llama", SINK), ("llama_off", "llama", {"sink_block_residual": False}),
                  ("blocks", "blocks", {**SINK, "eval": True})]  # then eval + no_grad
     if world == 1:  # (the lowered graphs' passes; at world 1 to keep world 2 short)
         scenarios += [
