@@ -12,6 +12,7 @@ import contextlib
 import logging
 import operator
 import os
+import re
 import warnings
 from collections.abc import Callable, Collection, Iterator
 from typing import Any
@@ -833,7 +834,6 @@ def forget_subgraph_traces(identifiers: Collection[str]) -> int:
     bodies under those identifiers (the region compiled again without
     ``sink_block_residual``) does not reuse the first attempt's traces. Dropping more than
     needed only costs a trace. Returns how many entries were dropped (0 outside a compile)."""
-    import re  # noqa: PLC0415
 
     from torch._guards import TracingContext  # noqa: PLC0415
 
