@@ -393,6 +393,47 @@ def test_compiled_host_cost_fit_recovers_per_kernel_and_per_call():
         cal.fit_compiled_host_cost(step(14), step(14))
 
 
+def test_compiled_host_cost_over_rounds_takes_medians_and_keeps_the_spread():
+    """Seven rounds of the two chains' step times, one of them slowed by other host work
+    (another process; Inductor's compile workers starting) in its long chain only: the medians
+    recover the terms, where that round alone would have doubled the cost per kernel, and the
+    spread holds the round fits."""
+    per_kernel, per_call = 10e-6, 300e-6
+    kernels = (14, 110)
+
+    def seconds(k: int, noise: float) -> float:
+        return 2 * per_call + k * per_kernel + noise
+
+    rounds = [(seconds(14, e), seconds(110, -e)) for e in (0, 2e-6, -2e-6, 1e-6, -1e-6, 0)]
+    rounds.insert(2, (seconds(14, 0), seconds(110, 0) + 110 * per_kernel))
+    fit_ = cal.fit_compiled_host_rounds(kernels, rounds)
+    assert fit_.per_kernel_s == pytest.approx(per_kernel) \
+        and fit_.per_call_s == pytest.approx(per_call)
+    low, high = fit_.spread["compiled_launch_s"]
+    assert low < per_kernel < high and high == pytest.approx(
+        cal.fit_compiled_host_cost((14, rounds[2][0]), (110, rounds[2][1]))[0])
+    assert fit_.spread["graph_call_s"][0] <= per_call <= fit_.spread["graph_call_s"][1]
+    with pytest.raises(ValueError, match="one round"):
+        cal.fit_compiled_host_rounds(kernels, [])
+
+
+def test_interleaved_rounds_alternate_the_order_and_time_every_callable():
+    calls: list[tuple[int, str]] = []
+
+    def callable_(i: int):
+        return lambda: calls.append((i, "call"))
+
+    out = cal.interleaved_rounds([callable_(0), callable_(1)], rounds=3, steps=4,
+                                 sync=lambda: calls.append((-1, "sync")))
+    assert len(out) == 3 and all(len(r) == 2 and min(r) >= 0 for r in out)
+    order = [i for i, what in calls if what == "call"]
+    # Each round: one untimed call and four timed ones per callable, every other round reversed.
+    assert order == [0] * 5 + [1] * 5 + [1] * 5 + [0] * 5 + [0] * 5 + [1] * 5
+    assert sum(1 for _, what in calls if what == "sync") == 3 * 2 * 2
+    with pytest.raises(ValueError, match="rounds >= 1"):
+        cal.interleaved_rounds([callable_(0)], rounds=0, steps=1, sync=lambda: None)
+
+
 # ------------------------------------------------------------------------------ calibrate
 
 

@@ -209,24 +209,28 @@ BF16_TERMS = {"region_entry_per_param_s": 40e-6, "forward_graph_per_param_s": 30
               "optimizer_fixed_s": 1.5e-3, "zero_grad_fixed_s": 5e-5}
 
 
-def _fp8_phase_times(layers: int, fp8_fw: float, fp8_bw: float, call: float, launch: float
+def _fp8_phase_times(layers: int, fp8_fw: float, fp8_bw: float, call: float, launch: float,
+                     *, fp8: bool = True, host_error: tuple[float, float] = (0.0, 0.0)
                      ) -> host_cost.PhaseTimes:
     """An FP8 tiny Llama's phase times from a known model: 9 parameter tensors and 7
     ``_scaled_mm`` per block (3 more tensors and the head's outside), the bf16 terms, the
     model's kernels at ``launch`` each (Inductor runs 20% more: their launches are in the bf16
-    terms' graph work), and the FP8 terms per ``_scaled_mm``."""
+    terms' graph work), and the FP8 terms per ``_scaled_mm``. ``fp8=False``: the same model
+    without FP8 (no ``_scaled_mm``, fewer kernels). ``host_error``: host seconds per parameter
+    tensor in the forward and the backward graph that the bf16 terms do not price (their fit's
+    error on this host), in both variants."""
     c = BF16_TERMS
-    params, fw_mms = 9 * layers + 3, 7 * layers + 1
+    params, fw_mms = 9 * layers + 3, (7 * layers + 1) * fp8
     bw_mms = 2 * fw_mms
-    fw_model, bw_model = 30 * layers + 8, 40 * layers + 9
+    fw_model, bw_model = (30 if fp8 else 22) * layers + 8, (40 if fp8 else 31) * layers + 9
     prelaunch = call + launch + c["region_entry_fixed_s"] + params * c["region_entry_per_param_s"]
     forward = prelaunch + (fw_model - 1) * launch + c["forward_graph_fixed_s"] \
-        + params * c["forward_graph_per_param_s"] + fw_mms * fp8_fw
+        + params * (c["forward_graph_per_param_s"] + host_error[0]) + fw_mms * fp8_fw
     bw_prelaunch = call + launch + c["backward_entry_fixed_s"] \
         + params * c["backward_entry_per_param_s"]
     backward = bw_prelaunch + (bw_model - 1) * launch + c["backward_graph_fixed_s"] \
         + params * c["backward_graph_per_param_s"] + c["grad_handoff_fixed_s"] \
-        + params * c["grad_handoff_per_param_s"] + bw_mms * fp8_bw
+        + params * (c["grad_handoff_per_param_s"] + host_error[1]) + bw_mms * fp8_bw
     return host_cost.PhaseTimes(
         params, forward_s=forward, backward_s=backward, optimizer_s=1e-3, zero_grad_s=1e-4,
         forward_kernels=fw_model * 6 // 5, backward_kernels=bw_model,
@@ -263,6 +267,32 @@ def test_fp8_host_fit_recovers_known_coefficients():
     with pytest.raises(ValueError, match="_scaled_mm"):
         host_cost.fit_fp8_host_cost([dataclasses.replace(one[0], forward_scaled_mms=0)],
                                     BF16_TERMS, launch, call)
+
+
+def test_fp8_host_fit_paired_with_bf16_twins_cancels_the_bf16_terms_error():
+    """Where this host's bf16 work differs from what the bf16 terms price (their fit's error:
+    here 12 / 7 us per parameter tensor more), the FP8 residual alone takes that error as FP8
+    work; taken less the same depths' bf16 models (timed in the same rounds) it cancels, and
+    the FP8 terms come back exactly."""
+    call, launch, fp8_fw, fp8_bw = 300e-6, 25e-6, 45e-6, 18e-6
+    error = (12e-6, 7e-6)
+    fp8 = [_fp8_phase_times(n, fp8_fw, fp8_bw, call, launch, host_error=error) for n in (2, 6)]
+    bf16 = [_fp8_phase_times(n, 0.0, 0.0, call, launch, fp8=False, host_error=error)
+            for n in (2, 6)]
+    alone = host_cost.fit_fp8_host_cost(fp8, BF16_TERMS, launch, call)
+    assert alone["fp8_forward_per_scaled_mm_s"] > fp8_fw * 1.2
+    paired = host_cost.fit_fp8_host_cost(fp8, BF16_TERMS, launch, call, bf16)
+    assert paired == pytest.approx({"fp8_forward_per_scaled_mm_s": fp8_fw,
+                                    "fp8_backward_per_scaled_mm_s": fp8_bw}, rel=1e-9)
+    # Without an error the pairing changes nothing.
+    exact = [_fp8_phase_times(n, fp8_fw, fp8_bw, call, launch) for n in (2, 6)]
+    twins = [_fp8_phase_times(n, 0.0, 0.0, call, launch, fp8=False) for n in (2, 6)]
+    assert host_cost.fit_fp8_host_cost(exact, BF16_TERMS, launch, call, twins) == pytest.approx(
+        host_cost.fit_fp8_host_cost(exact, BF16_TERMS, launch, call), rel=1e-9)
+    with pytest.raises(ValueError, match="pairs each FP8 model"):
+        host_cost.fit_fp8_host_cost(fp8, BF16_TERMS, launch, call, bf16[:1])
+    with pytest.raises(ValueError, match="pairs each FP8 model"):
+        host_cost.fit_fp8_host_cost(fp8, BF16_TERMS, launch, call, fp8)
 
 
 def test_fp8_host_fit_goes_through_zero_where_the_line_starts_below_it():

@@ -33,13 +33,13 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from shardc.planning.cost_model import ring_terms
-from shardc.planning.fit import fit_alpha_beta
+from shardc.planning.fit import fit_alpha_beta, value_range
 from shardc.planning.profile import (
     FP8_HOST_FIELDS,
     AttentionPoint,
@@ -55,6 +55,7 @@ from shardc.tools.host_cost import (
     measure_collective_host_cost,
     measure_fp8_host_cost,
     measure_param_host_cost,
+    paired_residuals,
     residual_seconds,
 )
 from shardc.tools.host_probe import agreed_host_probe
@@ -165,6 +166,11 @@ def calls_per_timing(one_call_s: float, batch_s: float, most: int) -> int:
 
 # Compute timings run back to back for about this long (see Timer).
 BATCH_S = 2e-3
+# The compiled chains' host timings (:func:`measure_compiled_host_cost`): rounds, and steps
+# timed back to back in each. Counts, not wall time, so the same command measures the same
+# points.
+COMPILED_ROUNDS = 7
+COMPILED_STEPS = 10
 
 
 def measure_matmuls(timer: Timer, shapes, dtypes) -> list[MatmulPoint]:
@@ -356,18 +362,79 @@ def fit_compiled_host_cost(short: tuple[float, float], long: tuple[float, float]
     return per_kernel, max(t1 - k1 * per_kernel, 0.0) / 2
 
 
+@dataclasses.dataclass(frozen=True)
+class CompiledHostFit:
+    """The compiled graphs' host terms (:func:`fit_compiled_host_rounds`): seconds per kernel
+    and per graph call, fitted to each chain's median over the rounds, with each term's range
+    over the fits to each round alone."""
+
+    per_kernel_s: float
+    per_call_s: float
+    spread: dict[str, tuple[float, float]]
+
+
+def fit_compiled_host_rounds(kernels: tuple[int, int],
+                             rounds: Sequence[tuple[float, float]]) -> CompiledHostFit:
+    """:func:`fit_compiled_host_cost` over interleaved rounds: ``kernels`` the short and the
+    long chain's kernels per training step, ``rounds`` each round's host seconds per step of
+    the two. The terms are fitted to the medians over the rounds (a round that a burst of
+    other host work slowed moves no term), and the spread of ``compiled_launch_s`` and
+    ``graph_call_s`` is the range of the terms fitted to each round alone."""
+    if not rounds:
+        raise ValueError("calibrate: the compiled graphs' host cost needs one round or more")
+    short, long = (statistics.median(r[i] for r in rounds) for i in (0, 1))
+    per_kernel, per_call = fit_compiled_host_cost((kernels[0], short), (kernels[1], long))
+    by_round = [fit_compiled_host_cost((kernels[0], a), (kernels[1], b)) for a, b in rounds]
+    spread = {"compiled_launch_s": value_range(per_kernel, [k for k, _ in by_round]),
+              "graph_call_s": value_range(per_call, [c for _, c in by_round])}
+    return CompiledHostFit(per_kernel, per_call, spread)
+
+
+def interleaved_rounds(steps_of: Sequence[Callable[[], None]], rounds: int, steps: int,
+                       sync: Callable[[], None]) -> list[tuple[float, ...]]:
+    """Each callable's host seconds per call, ``[round][callable]``: in every round each runs
+    one untimed call and then ``steps`` timed ones back to back (``sync`` before and after),
+    every other round in reverse order, so that a drift of the host's speed (Inductor's
+    compile workers starting, another process) hits every callable alike instead of the one
+    timed last."""
+    if rounds < 1 or steps < 1:
+        raise ValueError(f"calibrate: host timings need rounds >= 1 and steps >= 1 (got {rounds}, "
+                         f"{steps})")
+    out = []
+    for r in range(rounds):
+        order = list(range(len(steps_of)))
+        if r % 2:
+            order.reverse()
+        row = [0.0] * len(steps_of)
+        for i in order:
+            steps_of[i]()
+            sync()
+            start = time.perf_counter()
+            for _ in range(steps):
+                steps_of[i]()
+            sync()
+            row[i] = (time.perf_counter() - start) / steps
+        out.append(tuple(row))
+    return out
+
+
 def measure_compiled_host_cost(device: torch.device, lengths: tuple[int, int] = (4, 32),
-                               steps: int = 50) -> tuple[float, float]:
+                               rounds: int = COMPILED_ROUNDS, steps: int = COMPILED_STEPS
+                               ) -> CompiledHostFit:
     """Host seconds per kernel of a compiled training graph and per graph call (see
-    :func:`fit_compiled_host_cost`), from Inductor-compiled chains of tiny matmul + ReLU
+    :func:`fit_compiled_host_rounds`), from Inductor-compiled chains of tiny matmul + ReLU
     layers trained forward and backward: the kernels take a few microseconds, so the step is
     bound by the host, which is what is measured (the wall time of ``steps`` steps). Every
     layer multiplies by the same weight, so both chains have one parameter: the host's work
     per parameter tensor is measured apart (:mod:`shardc.tools.host_cost`) and is not folded
-    into the cost per kernel."""
+    into the cost per kernel. Both chains are compiled and their kernels counted (under
+    ``torch.profiler``) before any is timed; the timings are :func:`interleaved_rounds`.
+    Until the fifty-ninth session each chain was timed once, right after its own compile: two
+    starts of one H100 machine measured 9.3 and 19.6 us per kernel, whose steps took the same
+    time."""
     from torch.profiler import ProfilerActivity, profile
 
-    points = []
+    steps_of, kernels = [], []
     for length in lengths:
         weight = torch.randn(64, 64, device=device, requires_grad=True)
         x = torch.randn(64, 64, device=device)
@@ -388,13 +455,11 @@ def measure_compiled_host_cost(device: torch.device, lengths: tuple[int, int] = 
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             step()
             torch.cuda.synchronize(device)
-        kernels = sum(1 for e in prof.events() if e.device_type.name == "CUDA")
-        start = time.perf_counter()
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize(device)
-        points.append((kernels, (time.perf_counter() - start) / steps))
-    return fit_compiled_host_cost(points[0], points[1])
+        kernels.append(sum(1 for e in prof.events() if e.device_type.name == "CUDA"))
+        steps_of.append(step)
+    timed = interleaved_rounds(steps_of, rounds, steps,
+                               functools.partial(torch.cuda.synchronize, device))
+    return fit_compiled_host_rounds((kernels[0], kernels[1]), timed)
 
 
 def _phase_note(times: list[PhaseTimes]) -> str:
@@ -451,20 +516,23 @@ def _spread_note(terms: dict[str, float], spread: dict[str, tuple[float, float]]
             + "; per step: " + ", ".join(map(one, other)))
 
 
-def _fp8_note(times: list[PhaseTimes], terms: dict[str, float], per_param: dict[str, float],
-              compiled_launch_s: float, graph_call_s: float) -> str:
+def _fp8_note(times: list[PhaseTimes], bf16: list[PhaseTimes], terms: dict[str, float],
+              per_param: dict[str, float], compiled_launch_s: float, graph_call_s: float) -> str:
     """The FP8 fit's inputs and what was left per graph, for the profile's notes."""
     rows = []
-    for t in times:
-        forward, backward = residual_seconds(t, per_param, compiled_launch_s, graph_call_s)
+    for t, b, (fw_left, bw_left) in zip(times, bf16, paired_residuals(
+            times, per_param, compiled_launch_s, graph_call_s, bf16)):
         rows.append(f"{t.params} params, {t.forward_scaled_mms} / {t.backward_scaled_mms} "
                     f"_scaled_mm: forward {t.forward_s * 1e3:.2f} ms ({t.forward_kernels} "
-                    f"kernels, {t.forward_model_kernels} in the model), backward "
+                    f"kernels, {t.forward_model_kernels} in the model; bf16 "
+                    f"{b.forward_s * 1e3:.2f} ms, {b.forward_model_kernels}), backward "
                     f"{t.backward_s * 1e3:.2f} ms ({t.backward_kernels} kernels, "
-                    f"{t.backward_model_kernels} in the model); left by the bf16 terms "
-                    f"{forward * 1e3:.2f} / {backward * 1e3:.2f} ms")
+                    f"{t.backward_model_kernels} in the model; bf16 {b.backward_s * 1e3:.2f} ms, "
+                    f"{b.backward_model_kernels}); left beyond the bf16 twin "
+                    f"{fw_left * 1e3:.2f} / {bw_left * 1e3:.2f} ms")
     fitted = ", ".join(f"{k} {terms[k] * 1e6:.1f} us" for k in FP8_HOST_FIELDS)
-    return f"FP8 host work ({fitted}) fitted to the FP8 tiny Llama: " + "; ".join(rows)
+    return (f"FP8 host work ({fitted}) fitted to the FP8 tiny Llama, each depth less the same "
+            "model without FP8 timed in the same rounds: " + "; ".join(rows))
 
 
 # ------------------------------------------------------------------------------ collectives
@@ -623,13 +691,14 @@ def _measure_fp8(device: torch.device, matmuls: list[MatmulPoint], per_param: di
     if device.type != "cuda" or not any(p.dtype.startswith("float8") for p in matmuls):
         return {}, "FP8 host work not measured (torch._scaled_mm does not run here): 0"
     try:
-        terms, times = measure_fp8_host_cost(device, per_param, compiled_launch_s, graph_call_s)
+        terms, times, bf16 = measure_fp8_host_cost(device, per_param, compiled_launch_s,
+                                                   graph_call_s)
     except (RuntimeError, ValueError) as exc:  # the profile stays usable without them
         log(f"FP8 host work not measured: {exc}")
         return {}, f"FP8 host work not measured ({exc}): 0"
     log("FP8 host work: " + ", ".join(f"{k} {terms[k] * 1e6:.1f} us" for k in FP8_HOST_FIELDS)
         + f" ({time.perf_counter() - t0:.0f} s)")
-    return terms, _fp8_note(times, terms, per_param, compiled_launch_s, graph_call_s)
+    return terms, _fp8_note(times, bf16, terms, per_param, compiled_launch_s, graph_call_s)
 
 
 def measure_runtime_bytes(device: torch.device) -> int:
@@ -683,13 +752,18 @@ def calibrate(device: torch.device, *, quick: bool = False, name: str | None = N
     # worker processes would share the host): every rank times it and takes the slowest's.
     host_probe_s = agreed_host_probe(device)
     log(f"host probe: {host_probe_s * 1e3:.3f} ms ({time.perf_counter() - t0:.0f} s)")
-    compiled_launch_s, graph_call_s = (measure_compiled_host_cost(device) if gpu
+    compiled = measure_compiled_host_cost(device) if gpu else None
+    compiled_launch_s, graph_call_s = ((compiled.per_kernel_s, compiled.per_call_s) if compiled
                                        else (None, 0.0))
-    if gpu:
-        log(f"compiled graphs: {compiled_launch_s * 1e6:.1f} us per kernel, "
-            f"{graph_call_s * 1e6:.0f} us per call ({time.perf_counter() - t0:.0f} s)")
+    if compiled:
+        log(f"compiled graphs: {compiled_launch_s * 1e6:.1f} us per kernel "
+            f"[{compiled.spread['compiled_launch_s'][0] * 1e6:.1f}, "
+            f"{compiled.spread['compiled_launch_s'][1] * 1e6:.1f}], {graph_call_s * 1e6:.0f} us "
+            f"per call ({time.perf_counter() - t0:.0f} s)")
     host_fit = measure_param_host_cost(device, compiled_launch_s or 0.0, graph_call_s)
     per_param, phase_times, spread = host_fit.terms, host_fit.times, dict(host_fit.spread)
+    if compiled:
+        spread.update(compiled.spread)
     log("host (fit [low, high] over the rounds) " + _spread_note(per_param, spread)
         + f" ({time.perf_counter() - t0:.0f} s)")
     fp8_terms, fp8_note = _measure_fp8(device, mm, per_param, compiled_launch_s or 0.0,

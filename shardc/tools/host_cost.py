@@ -223,7 +223,8 @@ def residual_seconds(t: PhaseTimes, terms: dict[str, float], compiled_launch_s: 
 
 
 def fit_fp8_host_cost(times: Sequence[PhaseTimes], terms: dict[str, float],
-                      compiled_launch_s: float, graph_call_s: float) -> dict[str, float]:
+                      compiled_launch_s: float, graph_call_s: float,
+                      bf16: Sequence[PhaseTimes] | None = None) -> dict[str, float]:
     """:data:`shardc.planning.profile.FP8_HOST_FIELDS` from FP8 models' phase times: per graph,
     what :func:`residual_seconds` leaves per ``_scaled_mm``: the slope against the
     ``_scaled_mm`` count over two or more depths (what does not grow with them drops out),
@@ -234,7 +235,14 @@ def fit_fp8_host_cost(times: Sequence[PhaseTimes], terms: dict[str, float],
     H100, 2026-12-05: -0.96 ms and 142 us per ``_scaled_mm``, which priced the 1b FP8 step at
     batch 1 16% long; through zero 115 us). The slope may be negative: where the model
     charges FP8's kernels launches that the bf16 terms already hold (a weight's quantize in
-    place of its cast) or that cost less than ``compiled_launch_s``."""
+    place of its cast) or that cost less than ``compiled_launch_s``.
+
+    ``bf16``: the same models without FP8, timed in the same rounds (one per entry of
+    ``times``, at its depth). Each FP8 model's residual is then taken less its bf16 twin's:
+    what the bf16 terms misprice at that depth (their fit's error, a drift of the host
+    between the fits) is in both and cancels, and the FP8 terms price FP8's own work alone
+    (:func:`paired_residuals`)."""
+    left = paired_residuals(times, terms, compiled_launch_s, graph_call_s, bf16)
     out = {}
     for i, (field, count_of) in enumerate(zip(FP8_HOST_FIELDS, ("forward_scaled_mms",
                                                                   "backward_scaled_mms"))):
@@ -242,9 +250,26 @@ def fit_fp8_host_cost(times: Sequence[PhaseTimes], terms: dict[str, float],
         if not counts or min(counts) <= 0:
             raise ValueError(f"calibrate: {field} needs FP8 models whose graphs run _scaled_mm "
                              f"(counted {counts})")
-        out[field] = fp8_host_term(counts, [residual_seconds(t, terms, compiled_launch_s,
-                                                             graph_call_s)[i] for t in times])
+        out[field] = fp8_host_term(counts, [row[i] for row in left])
     return out
+
+
+def paired_residuals(times: Sequence[PhaseTimes], terms: dict[str, float],
+                     compiled_launch_s: float, graph_call_s: float,
+                     bf16: Sequence[PhaseTimes] | None = None) -> list[tuple[float, float]]:
+    """Each FP8 model's forward and backward host seconds that the bf16 ``terms`` and the
+    launches do not price (:func:`residual_seconds`), less its bf16 twin's (``bf16[i]``, the
+    same depth without FP8) where given."""
+    left = [residual_seconds(t, terms, compiled_launch_s, graph_call_s) for t in times]
+    if bf16 is None:
+        return left
+    if len(bf16) != len(times) or any(b.params != t.params or b.forward_scaled_mms
+                                      for b, t in zip(bf16, times)):
+        raise ValueError("calibrate: the FP8 host fit pairs each FP8 model with a bf16 model of "
+                         f"its parameters and no _scaled_mm (FP8 {[t.params for t in times]}, "
+                         f"bf16 {[(b.params, b.forward_scaled_mms) for b in bf16]})")
+    twins = [residual_seconds(b, terms, compiled_launch_s, graph_call_s) for b in bf16]
+    return [(f - bf, b - bb) for (f, b), (bf, bb) in zip(left, twins)]
 
 
 def fp8_host_term(counts: Sequence[int], left: Sequence[float]) -> float:
@@ -720,14 +745,21 @@ def measure_collective_host_cost(device: torch.device, one_rank: HostFit,
 def measure_fp8_host_cost(device: torch.device, terms: dict[str, float],
                           compiled_launch_s: float, graph_call_s: float, *,
                           layers: Sequence[int] = GPU_FP8_LAYERS, rounds: int = HOST_ROUNDS,
-                          steps: int = 2) -> tuple[dict[str, float], list[PhaseTimes]]:
+                          steps: int = 2) -> tuple[dict[str, float], list[PhaseTimes],
+                                                   list[PhaseTimes]]:
     """FP8's host terms on this GPU (:func:`fit_fp8_host_cost`): the tiny Llama of
-    :func:`measure_param_host_cost` with FP8 Linears, against the bf16 ``terms`` fitted there.
-    Call it only where ``torch._scaled_mm`` runs (Hopper and later); it raises otherwise."""
+    :func:`measure_param_host_cost` with FP8 Linears at ``layers``, each paired with the same
+    model without FP8, all timed in the same interleaved rounds, against the bf16 ``terms``
+    fitted there. Returns the terms and the FP8 and bf16 models' phase times (medians over the
+    rounds). Call it only where ``torch._scaled_mm`` runs (Hopper and later); it raises
+    otherwise."""
     mesh, undo = _one_rank_mesh(device)
     try:
-        times = median_times(_timed_models(device, mesh, [(n, "module") for n in layers],
-                                           rounds, steps, fp8=True))
+        models = [compile_model(n, device, mesh, fp8=fp8) for fp8 in (True, False)
+                  for n in layers]
+        times = median_times(time_rounds(models, device, rounds, steps))
     finally:
         undo()
-    return fit_fp8_host_cost(times, terms, compiled_launch_s, graph_call_s), times
+    fp8_times, bf16_times = times[:len(layers)], times[len(layers):]
+    return (fit_fp8_host_cost(fp8_times, terms, compiled_launch_s, graph_call_s, bf16_times),
+            fp8_times, bf16_times)
