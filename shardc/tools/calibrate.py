@@ -169,8 +169,8 @@ BATCH_S = 2e-3
 # The compiled chains' host timings (:func:`measure_compiled_host_cost`): rounds, and steps
 # timed back to back in each. Counts, not wall time, so the same command measures the same
 # points.
-COMPILED_ROUNDS = 7
-COMPILED_STEPS = 10
+COMPILED_ROUNDS = 11
+COMPILED_STEPS = 20
 
 
 def measure_matmuls(timer: Timer, shapes, dtypes) -> list[MatmulPoint]:

@@ -95,9 +95,13 @@ COLLECTIVE_BUCKETINGS = ("module", "param")
 # Repeats: every model is timed in each of :data:`HOST_ROUNDS` rounds (interleaved, see
 # :func:`time_rounds`), :data:`HOST_STEPS_PER_ROUND` steps a round; the fit takes each model's
 # median over the rounds, and each term's spread is the range of the terms fitted to each
-# round alone. Counts, not wall time, so the same command measures the same points.
-HOST_ROUNDS = 5
-HOST_STEPS_PER_ROUND = 4
+# round alone. Counts, not wall time, so the same command measures the same points. The host of
+# a lent H100 machine runs the same steps up to 20-40% slower from one round of a few
+# milliseconds to the next (2026-12-05, sixtieth session: two calibrations in one start fitted
+# 112 and 50 us per FP8 forward ``_scaled_mm`` from 5 rounds of 2 steps); the rounds are cheap
+# beside the compiles (a tiny model's step takes milliseconds), so there are many of them.
+HOST_ROUNDS = 11
+HOST_STEPS_PER_ROUND = 8
 # Depths of its FP8 variant (7 FP8 Linears per block and the output head: 15 / 43 ``_scaled_mm``
 # in the forward, twice that in the backward). Two depths, so that the fit is a slope: one depth
 # (4 blocks until the twenty-eighth session) took whatever the bf16 terms leave at that size for
@@ -745,7 +749,8 @@ def measure_collective_host_cost(device: torch.device, one_rank: HostFit,
 def measure_fp8_host_cost(device: torch.device, terms: dict[str, float],
                           compiled_launch_s: float, graph_call_s: float, *,
                           layers: Sequence[int] = GPU_FP8_LAYERS, rounds: int = HOST_ROUNDS,
-                          steps: int = 2) -> tuple[dict[str, float], list[PhaseTimes],
+                          steps: int = HOST_STEPS_PER_ROUND
+                          ) -> tuple[dict[str, float], list[PhaseTimes],
                                                    list[PhaseTimes]]:
     """FP8's host terms on this GPU (:func:`fit_fp8_host_cost`): the tiny Llama of
     :func:`measure_param_host_cost` with FP8 Linears at ``layers``, each paired with the same
