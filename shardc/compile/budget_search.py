@@ -93,6 +93,8 @@ class SearchRegion(Protocol):
     # The host memory the plan may fill, the same on every rank (None: no limit; read only,
     # agreed before the search by the pipeline: shardc.compile.host_memory.agree_capacity).
     host_capacity: HostCapacity | None
+    # The blocks whose calls run a sunk body (``sink_block_residual``; read only).
+    sunk_block_names: frozenset[str]
 
 
 # Fits of the host-side levers to the host verified per lever (the fit by estimates, one
@@ -1190,11 +1192,16 @@ def recompute_part_candidates(probe: fx.GraphModule, blocks: list[Block],
     priced by their cones' kernels (``recompute.part_seconds``), freeing their bytes. Bytes
     and nanoseconds are the largest over the ranks (one store exchange each per block), so
     every rank ranks the same candidates the same way; which values are recomputable follows
-    from the body's graph, the same on every rank."""
+    from the body's graph, the same on every rank. Where sinking is forced
+    (``sink_block_residual=True``) a sunk body offers none: under Inductor its recomputed part
+    gave gradients about 1e-4 off the reference (sixtieth session; the cause is not found).
+    ``"auto"`` offers them and compiles the region again unsunk where one is chosen
+    (``shardc.compile.pipeline``)."""
     profile = resolve_profile(options.cluster, device_name(probe))
+    sunk = region.sunk_block_names if options.sink_block_residual is True else frozenset()
     out = []
     for b in blocks:
-        if not b.recomputable or b.excluded:
+        if not b.recomputable or b.excluded or b.name in sunk:
             continue
         tag = f"{tag_prefix}block{b.position}"
         sizes = agree_on_largest_each(

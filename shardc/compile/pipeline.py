@@ -91,7 +91,14 @@ from shardc.passes.saved_order import order_saved_values
 from shardc.passes.sink_residual import SunkBodiesRecomputed
 from shardc.planning import optimizer_chunks, optimizer_kind
 from shardc.planning.budget import MemoryBudgetError
-from shardc.planning.plan import CompiledBody, FusedLossDecision, InlineBlock, MemoryBudget, Plan
+from shardc.planning.plan import (
+    CompiledBody,
+    FusedLossDecision,
+    InlineBlock,
+    MemoryBudget,
+    Plan,
+    split_part,
+)
 from shardc.planning.profile import resolve_profile
 from shardc.planning.schedule import device_name, plan_region
 from shardc.runtime.collectives import resolve_group
@@ -149,6 +156,11 @@ class RegionRecord:
     # switch as it was before shardc turned it off, which the partitioner restores where the
     # saved values could be ordered (backend._no_donated_buffers); None otherwise.
     donations_default: bool | None = field(default=None, repr=False)
+
+    @property
+    def sunk_block_names(self) -> frozenset[str]:
+        """The blocks whose calls run a sunk body (:func:`sunk_blocks`)."""
+        return frozenset(sunk_blocks(self))
 
 
 # Set by capture_partitioned(): where regions compiled in its scope leave their partitioned graphs.
@@ -494,12 +506,16 @@ def _refuse_recomputed_sunk_bodies(recomputed: Collection[str], options: ShardcO
                                    region: RegionRecord,
                                    refused: Exception | None = None) -> None:
     """``sink_block_residual="auto"``: raise :class:`SunkBodiesRecomputed` where the budget's
-    choice (or, ``refused``, its refusal's minimum) recomputes a block whose body is sunk (its
-    checkpoint would be both addends; the backend compiles the region again without sinking).
-    The choice is the same on every rank, so every rank raises alike."""
+    choice (or, ``refused``, its refusal's minimum) recomputes a block whose body is sunk, whole
+    (its checkpoint would be both addends) or a part of its saved values (under Inductor a
+    sunk body's recomputed part gave gradients that differ from the reference by about 1e-4,
+    sixtieth session; :func:`shardc.compile.budget_search.recompute_part_candidates` offers
+    none where sinking is forced). The backend compiles the region again without sinking. The
+    choice is the same on every rank, so every rank raises alike."""
     if options.sink_block_residual != "auto" or not region.sunk_bodies:
         return
-    hit = sorted(sunk_blocks(region).intersection(recomputed))
+    sunk = sunk_blocks(region)
+    hit = sorted(name for name in recomputed if split_part(name)[0] in sunk)
     if hit:
         raise SunkBodiesRecomputed(hit) from refused
 
