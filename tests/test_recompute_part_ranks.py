@@ -39,20 +39,20 @@ def _train(ctx: Ctx, model, forward, data: torch.Tensor) -> tuple[torch.Tensor, 
     return torch.stack(losses), ctx.params(model)
 
 
-def _backend(budget: int, inductor: bool):
+def _backend(budget: int, inductor: bool, sink: bool | str = "auto"):
     return shardc.backend(inductor=inductor, comm_pool=False, peak_memory_budget_bytes=budget,
                           peak_memory_margin=0.0, prefetch=False, activation_offload="never",
-                          cluster=FLAT_KERNEL_RATES)
+                          cluster=FLAT_KERNEL_RATES, sink_block_residual=sink)
 
 
-def _ranks(rank: int, world: int, hsdp: bool, inductor: bool) -> dict:
+def _ranks(rank: int, world: int, hsdp: bool, inductor: bool, sink: bool | str = "auto") -> dict:
     ctx = Ctx(rank, world, sharded=True)
     if hsdp:
         ctx.mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
     data = tokens(steps=2, batch=GLOBAL_BATCH, seq=OFFLOAD_SEQ)
     fixed = _budget_model()
     shardc.shard(fixed, ctx.mesh)
-    compiled = torch.compile(fixed, backend=_backend(0, inductor))  # 0: no budget
+    compiled = torch.compile(fixed, backend=_backend(0, inductor, sink))  # 0: no budget
     ctx.model = fixed
     _train(ctx, fixed, compiled, data[:1])
     peak = torch.tensor([max(int(p.predicted.peak_bytes) for p in shardc.explain_all(compiled))])
@@ -60,7 +60,7 @@ def _ranks(rank: int, world: int, hsdp: bool, inductor: bool) -> dict:
     torch._dynamo.reset()
     model = _budget_model()
     shardc.shard(model, ctx.mesh)
-    compiled = torch.compile(model, backend=_backend(int(peak) - 1, inductor))
+    compiled = torch.compile(model, backend=_backend(int(peak) - 1, inductor, sink))
     ctx.model = model
     losses, params = _train(ctx, model, compiled, data)
     plans = shardc.explain_all(compiled)
@@ -94,6 +94,23 @@ def test_recompute_parts_with_no_sync_match_the_reference(world, hsdp, inductor)
     assert unsunk and "#" in unsunk[0], first["notes"]
     for rank, run in enumerate(runs):
         assert run["hashes"] == first["hashes"], f"rank {rank}: plans differ"
+        torch.testing.assert_close(run["losses"], ref_losses, rtol=1e-5, atol=1e-6)
+        for name, value in ref_params.items():
+            torch.testing.assert_close(run["params"][name], value, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, r=rank, n=name: f"rank {r} {n}: {m}")
+
+
+def test_forced_sink_recomputes_no_part_of_a_sunk_body():
+    """``sink_block_residual=True`` under Inductor: the budget's recompute per saved value
+    offers no part of a sunk body (recomputed there, the part gave params 4e-5 off the
+    reference), so the lever recomputes whole blocks, sunk, and training matches the
+    reference."""
+    ref_losses, ref_params = _reference()
+    runs = run_ranks(_ranks, 2, False, True, True)
+    chosen = [name for names in runs[0]["recomputed"] for name in names]
+    assert chosen and not any("#" in name for name in chosen), chosen
+    assert not any("not sunk" in n for n in runs[0]["notes"]), runs[0]["notes"]
+    for rank, run in enumerate(runs):
         torch.testing.assert_close(run["losses"], ref_losses, rtol=1e-5, atol=1e-6)
         for name, value in ref_params.items():
             torch.testing.assert_close(run["params"][name], value, rtol=1e-5, atol=1e-6,
