@@ -1,6 +1,6 @@
 """``python -m shardc calibrate``: measure this machine and write a cluster profile.
 
-    python -m shardc calibrate --out h100.json                     # one GPU, ~30-60 s
+    python -m shardc calibrate --out h100.json                     # one GPU, ~1-3 min
     torchrun --nproc-per-node 2 -m shardc calibrate --out 2xh200.json   # + collectives
     python -m shardc calibrate --device cpu --quick --out cpu.json     # degraded: CPU timings
 
