@@ -394,9 +394,8 @@ def interleaved_rounds(steps_of: Sequence[Callable[[], None]], rounds: int, step
                        sync: Callable[[], None]) -> list[tuple[float, ...]]:
     """Each callable's host seconds per call, ``[round][callable]``: in every round each runs
     one untimed call and then ``steps`` timed ones back to back (``sync`` before and after),
-    every other round in reverse order, so that a drift of the host's speed (Inductor's
-    compile workers starting, another process) hits every callable alike instead of the one
-    timed last."""
+    every other round in reverse order, so that a drift of the host's speed (another process,
+    the clock) hits every callable alike instead of the one timed last."""
     if rounds < 1 or steps < 1:
         raise ValueError(f"calibrate: host timings need rounds >= 1 and steps >= 1 (got {rounds}, "
                          f"{steps})")
@@ -429,9 +428,9 @@ def measure_compiled_host_cost(device: torch.device, lengths: tuple[int, int] = 
     per parameter tensor is measured apart (:mod:`shardc.tools.host_cost`) and is not folded
     into the cost per kernel. Both chains are compiled and their kernels counted (under
     ``torch.profiler``) before any is timed; the timings are :func:`interleaved_rounds`.
-    Until the fifty-ninth session each chain was timed once, right after its own compile: two
-    starts of one H100 machine measured 9.3 and 19.6 us per kernel, whose steps took the same
-    time."""
+    Until the sixtieth session each chain was timed once, right after its own compile; on a
+    lent H100's host one such timing falls anywhere in a range of about 40% from one round to
+    the next (docs/bench/predict/s60_h100/summary.md)."""
     from torch.profiler import ProfilerActivity, profile
 
     steps_of, kernels = [], []
