@@ -1194,7 +1194,8 @@ def recompute_part_candidates(probe: fx.GraphModule, blocks: list[Block],
     every rank ranks the same candidates the same way; which values are recomputable follows
     from the body's graph, the same on every rank. Where sinking is forced
     (``sink_block_residual=True``) a sunk body offers none: under Inductor its recomputed part
-    gave gradients about 1e-4 off the reference (sixtieth session; the cause is not found).
+    left parameters 4e-5 off the reference after two steps (sixtieth session; exact with Inductor's
+    ``allow_buffer_reuse`` off, so a buffer reused while still read; which one is not found).
     ``"auto"`` offers them and compiles the region again unsunk where one is chosen
     (``shardc.compile.pipeline``)."""
     profile = resolve_profile(options.cluster, device_name(probe))

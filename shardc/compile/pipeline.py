@@ -508,7 +508,7 @@ def _refuse_recomputed_sunk_bodies(recomputed: Collection[str], options: ShardcO
     """``sink_block_residual="auto"``: raise :class:`SunkBodiesRecomputed` where the budget's
     choice (or, ``refused``, its refusal's minimum) recomputes a block whose body is sunk, whole
     (its checkpoint would be both addends) or a part of its saved values (under Inductor a
-    sunk body's recomputed part gave gradients that differ from the reference by about 1e-4,
+    sunk body's recomputed part left parameters 4e-5 off the reference,
     sixtieth session; :func:`shardc.compile.budget_search.recompute_part_candidates` offers
     none where sinking is forced). The backend compiles the region again without sinking. The
     choice is the same on every rank, so every rank raises alike."""
