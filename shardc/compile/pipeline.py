@@ -159,8 +159,8 @@ class RegionRecord:
 
     @property
     def sunk_block_names(self) -> frozenset[str]:
-        """The blocks whose calls run a sunk body (:func:`sunk_blocks`)."""
-        return frozenset(sunk_blocks(self))
+        """The blocks whose calls run a sunk body (``sink_block_residual``)."""
+        return frozenset(c.block for c in self.body_calls if c.identifier in self.sunk_bodies)
 
 
 # Set by capture_partitioned(): where regions compiled in its scope leave their partitioned graphs.
@@ -497,11 +497,6 @@ def record_host_bytes(plan: Plan, host, fw: fx.GraphModule, options: ShardcOptio
         plan.predicted.device_copy_bytes = float(device_copy_bytes(plan))
 
 
-def sunk_blocks(region: RegionRecord) -> set[str]:
-    """The blocks whose calls run a sunk body (``sink_block_residual``)."""
-    return {c.block for c in region.body_calls if c.identifier in region.sunk_bodies}
-
-
 def _refuse_recomputed_sunk_bodies(recomputed: Collection[str], options: ShardcOptions,
                                    region: RegionRecord,
                                    refused: Exception | None = None) -> None:
@@ -514,7 +509,7 @@ def _refuse_recomputed_sunk_bodies(recomputed: Collection[str], options: ShardcO
     choice is the same on every rank, so every rank raises alike."""
     if options.sink_block_residual != "auto" or not region.sunk_bodies:
         return
-    sunk = sunk_blocks(region)
+    sunk = region.sunk_block_names
     hit = sorted(name for name in recomputed if split_part(name)[0] in sunk)
     if hit:
         raise SunkBodiesRecomputed(hit) from refused
@@ -546,7 +541,8 @@ def partition_and_plan(gm: fx.GraphModule, joint_inputs: Sequence[object], optio
             except MemoryBudgetError as refused:
                 # The minimum it names recomputes the sunk blocks with the pair as their
                 # checkpoints: the graph as traced may fit, and names its own minimum.
-                _refuse_recomputed_sunk_bodies(sunk_blocks(region), options, region, refused)
+                _refuse_recomputed_sunk_bodies(region.sunk_block_names, options, region,
+                                               refused)
                 raise
         _refuse_recomputed_sunk_bodies(decided.recomputed, options, region)
     # A block both recomputed and offloaded: recomputed, its checkpoint offloaded.

@@ -57,6 +57,7 @@ from shardc.tools.host_cost import (
     measure_param_host_cost,
     paired_residuals,
     residual_seconds,
+    round_order,
 )
 from shardc.tools.host_probe import agreed_host_probe
 
@@ -401,11 +402,8 @@ def interleaved_rounds(steps_of: Sequence[Callable[[], None]], rounds: int, step
                          f"{steps})")
     out = []
     for r in range(rounds):
-        order = list(range(len(steps_of)))
-        if r % 2:
-            order.reverse()
         row = [0.0] * len(steps_of)
-        for i in order:
+        for i in round_order(len(steps_of), r):
             steps_of[i]()
             sync()
             start = time.perf_counter()

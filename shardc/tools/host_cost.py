@@ -583,6 +583,13 @@ def _timed_steps(m: CompiledModel, device: torch.device, steps: int) -> list[flo
     return [statistics.median(p) for p in phases]
 
 
+def round_order(count: int, round_index: int) -> list[int]:
+    """The order of ``count`` timed items in round ``round_index``: every other round reversed,
+    so that no item always follows the same one."""
+    order = list(range(count))
+    return order[::-1] if round_index % 2 else order
+
+
 def time_rounds(models: Sequence[CompiledModel], device: torch.device, rounds: int,
                 steps: int) -> list[list[PhaseTimes]]:
     """Each model's :class:`PhaseTimes` per round: ``[round][model]``. The models are
@@ -596,9 +603,7 @@ def time_rounds(models: Sequence[CompiledModel], device: torch.device, rounds: i
                          f"{steps})")
     out: list[list[PhaseTimes]] = []
     for r in range(rounds):
-        order = list(range(len(models)))
-        if r % 2:
-            order.reverse()
+        order = round_order(len(models), r)
         row: list[PhaseTimes | None] = [None] * len(models)
         for i in order:
             m = models[i]
