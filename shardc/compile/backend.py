@@ -523,9 +523,8 @@ def _prepare_unsunk(gm: fx.GraphModule, region: RegionRecord, state: ShardState,
     # recorded in this compile's tracing context: the bodies as traced must be traced anew.
     _torch.forget_subgraph_traces(region.sunk_bodies)
     note = (f"sink_block_residual: not sunk in region {region.index}: the peak budget "
-            f"recomputes {', '.join(sunk.blocks)} (a whole sunk block's checkpoint would be "
-            "both addends of the sunk residual; a sunk body's recomputed part is not exact under "
-            "Inductor); compiled again with the residual adds where they were traced")
+            f"recomputes {', '.join(sunk.blocks)}, whose checkpoints would be both addends of "
+            "the sunk residual; compiled again with the residual adds where they were traced")
     log.info("shardc: %s", note)
     region.sink_notes, region.sunk_bodies, region.sink_edits = [note], set(), []
     found = describe_body_calls(gm, state.blocks.block_of_param)

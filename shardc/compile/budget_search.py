@@ -93,8 +93,6 @@ class SearchRegion(Protocol):
     # The host memory the plan may fill, the same on every rank (None: no limit; read only,
     # agreed before the search by the pipeline: shardc.compile.host_memory.agree_capacity).
     host_capacity: HostCapacity | None
-    # The blocks whose calls run a sunk body (``sink_block_residual``; read only).
-    sunk_block_names: frozenset[str]
 
 
 # Fits of the host-side levers to the host verified per lever (the fit by estimates, one
@@ -1192,17 +1190,13 @@ def recompute_part_candidates(probe: fx.GraphModule, blocks: list[Block],
     priced by their cones' kernels (``recompute.part_seconds``), freeing their bytes. Bytes
     and nanoseconds are the largest over the ranks (one store exchange each per block), so
     every rank ranks the same candidates the same way; which values are recomputable follows
-    from the body's graph, the same on every rank. Where sinking is forced
-    (``sink_block_residual=True``) a sunk body offers none: under Inductor its recomputed part
-    left parameters 4e-5 off the reference after two steps (sixtieth session; exact with Inductor's
-    ``allow_buffer_reuse`` off, so a buffer reused while still read; which one is not found).
-    ``"auto"`` offers them and compiles the region again unsunk where one is chosen
-    (``shardc.compile.pipeline``)."""
+    from the body's graph, the same on every rank. A sunk body (``sink_block_residual``)
+    offers its parts like any other (its pair's gradient is read once:
+    ``shardc.passes.repeated_body_outputs``)."""
     profile = resolve_profile(options.cluster, device_name(probe))
-    sunk = region.sunk_block_names if options.sink_block_residual is True else frozenset()
     out = []
     for b in blocks:
-        if not b.recomputable or b.excluded or b.name in sunk:
+        if not b.recomputable or b.excluded:
             continue
         tag = f"{tag_prefix}block{b.position}"
         sizes = agree_on_largest_each(

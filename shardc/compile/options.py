@@ -161,10 +161,10 @@ class ShardcOptions:
         its call's pair (both addends, twice the hidden state) as its checkpoint, where the
         block as traced saves one tensor: ``"auto"`` (default) sinks except where a block is
         to be recomputed, so it never saves more. It does not sink where ``activation_offload``
-        names checkpoints, and where the peak budget's planner recomputes a sunk block (or a
-        part of its saved values), the region is compiled again without sinking (said in the
-        log and the plan's notes). ``True`` sinks there too, and its planner recomputes no part
-        of a sunk body (under Inductor such a part was not exact); ``False`` never sinks.
+        names checkpoints, and where the peak budget's planner recomputes a whole sunk block,
+        the region is compiled again without sinking (said in the log and the plan's notes); a
+        part of a sunk block's saved values is recomputed as in any body. ``True`` sinks there
+        too; ``False`` never sinks.
     opaque_body_calls: with ``compile_blocks_once``, every call of a block body after its first
         one in a training region's graph reaches AOTAutograd as one opaque op pair
         (``shardc::body_fwd``/``body_bwd``, ``shardc.passes.body_standin``) instead of an

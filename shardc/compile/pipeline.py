@@ -86,19 +86,13 @@ from shardc.passes.offload_saved import (
 )
 from shardc.passes.prune_body_outputs import prune_unused_body_outputs, pruned_body_note
 from shardc.passes.recompute import Block, find_blocks, recompute_blocks
+from shardc.passes.repeated_body_outputs import read_repeated_outputs_once
 from shardc.passes.reshard import check_no_gathered_saved, keep_gathered, tag_resharded_gathers
 from shardc.passes.saved_order import order_saved_values
 from shardc.passes.sink_residual import SunkBodiesRecomputed
 from shardc.planning import optimizer_chunks, optimizer_kind
 from shardc.planning.budget import MemoryBudgetError
-from shardc.planning.plan import (
-    CompiledBody,
-    FusedLossDecision,
-    InlineBlock,
-    MemoryBudget,
-    Plan,
-    split_part,
-)
+from shardc.planning.plan import CompiledBody, FusedLossDecision, InlineBlock, MemoryBudget, Plan
 from shardc.planning.profile import resolve_profile
 from shardc.planning.schedule import device_name, plan_region
 from shardc.runtime.collectives import resolve_group
@@ -243,6 +237,11 @@ def partition(gm: fx.GraphModule, joint_inputs: Sequence[object], *, record: boo
     # A recomputed block's forward body, called again in the backward, computes only what the
     # backward reads (not the block's output: shardc/passes/prune_body_outputs.py).
     prune_unused_body_outputs(bw)
+    # One name per storage for a body output returned at two positions (a sunk body's pair
+    # gradient): Inductor may otherwise reuse both names for two outputs of one kernel
+    # (shardc/passes/repeated_body_outputs.py).
+    read_repeated_outputs_once(fw)
+    read_repeated_outputs_once(bw)
     sink = _PARTITIONED_SINK.get() if record else None
     if sink is not None:
         sink.append((copy_graph_module(fw), copy_graph_module(bw)))
@@ -501,16 +500,14 @@ def _refuse_recomputed_sunk_bodies(recomputed: Collection[str], options: ShardcO
                                    region: RegionRecord,
                                    refused: Exception | None = None) -> None:
     """``sink_block_residual="auto"``: raise :class:`SunkBodiesRecomputed` where the budget's
-    choice (or, ``refused``, its refusal's minimum) recomputes a block whose body is sunk, whole
-    (its checkpoint would be both addends) or a part of its saved values (under Inductor a
-    sunk body's recomputed part left parameters 4e-5 off the reference,
-    sixtieth session; :func:`shardc.compile.budget_search.recompute_part_candidates` offers
-    none where sinking is forced). The backend compiles the region again without sinking. The
-    choice is the same on every rank, so every rank raises alike."""
+    choice (or, ``refused``, its refusal's minimum) recomputes a whole block whose body is sunk
+    (its checkpoint would be both addends). A part of a sunk block's saved values recomputes
+    as in any body (``recomputed`` names it ``<block>#...``; it is not refused). The backend
+    compiles the region again without sinking. The choice is the same on every rank, so every
+    rank raises alike."""
     if options.sink_block_residual != "auto" or not region.sunk_bodies:
         return
-    sunk = region.sunk_block_names
-    hit = sorted(name for name in recomputed if split_part(name)[0] in sunk)
+    hit = sorted(region.sunk_block_names.intersection(recomputed))
     if hit:
         raise SunkBodiesRecomputed(hit) from refused
 

@@ -62,11 +62,9 @@ class SinkOutcome:
 
 
 class SunkBodiesRecomputed(RuntimeError):
-    """The peak budget's planner recomputes blocks whose bodies are sunk, or parts of their
-    saved values (``blocks``: block or part names): a whole block would save its call's pair as
-    its checkpoint, twice what the block as traced saves, and a part recomputed in a sunk body
-    was not exact under Inductor. With ``sink_block_residual="auto"`` the backend compiles the
-    region again without sinking."""
+    """The peak budget's planner recomputes blocks whose bodies are sunk (``blocks``): each
+    would save its call's pair as its checkpoint, twice what the block as traced saves. With
+    ``sink_block_residual="auto"`` the backend compiles the region again without sinking."""
 
     def __init__(self, blocks: list[str]) -> None:
         super().__init__(f"sunk block bodies recomputed: {', '.join(blocks)}")
