@@ -41,7 +41,10 @@ AUTO = shardc.OffloadPolicy(params="auto", simulate_on_cpu=True, check_host_memo
 # tries one prefetch depth, not two, per configuration (the depth lever is tested by
 # tests/test_real_models.py::test_peak_budget_keeps_some_buckets_gathered_with_parity and
 # test_peak_budget_recomputes_some_blocks_with_parity); the shards' move does not depend on it.
-NO_PREFETCH = {"prefetch": False}
+# Nor on sinking: under the default "auto" every budgeted compile here recomputes the blocks and
+# is compiled again unsunk (tests/test_sink_residual.py), so False compiles once to the same
+# graph (the group 101 -> 80 s on the 2-core machine, s61).
+NO_PREFETCH = {"prefetch": False, "sink_block_residual": False}
 
 
 def _budget_refusal(error: BaseException):
