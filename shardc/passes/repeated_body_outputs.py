@@ -51,24 +51,29 @@ def read_repeated_outputs_once(gm: fx.GraphModule) -> int:
     position (module docstring); returns how many ``getitem`` nodes were replaced or moved.
     Deterministic: the graph alone decides."""
     changed = 0
+    order: dict[fx.Node, int] | None = None  # node positions (erasing keeps them comparable)
     for call in list(body_calls(gm)):
         later = repeated_output_positions(getattr(gm, call.args[0].target))
         if not later:
             continue
-        order = {node: i for i, node in enumerate(gm.graph.nodes)}
+        if order is None:
+            order = {node: i for i, node in enumerate(gm.graph.nodes)}
         reads = {u.args[1]: u for u in call.users if is_call(u, operator.getitem)}
         for position, first in sorted(later.items()):
             read = reads.pop(position, None)
             if read is None:
                 continue
             kept = reads.get(first)
-            if kept is not None and order[kept] > order[read]:
-                # The earlier node stays (its users may come before the other getitem).
-                kept, read = read, kept
-            if kept is not read and kept is not None:
+            if kept is None:
+                kept = read
+            elif order[kept] > order[read]:
+                # The earlier getitem stays: users of it may come before the other one.
+                kept.replace_all_uses_with(read)
+                gm.graph.erase_node(kept)
+                kept = read
+            else:
                 read.replace_all_uses_with(kept)
                 gm.graph.erase_node(read)
-            kept = kept if kept is not None else read
             kept.args = (call, first)
             reads[first] = kept
             changed += 1
