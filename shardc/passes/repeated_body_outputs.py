@@ -52,8 +52,12 @@ def read_repeated_outputs_once(gm: fx.GraphModule) -> int:
     Deterministic: the graph alone decides."""
     changed = 0
     order: dict[fx.Node, int] | None = None  # node positions (erasing keeps them comparable)
+    by_body: dict[str, dict[int, int]] = {}  # one look per body, not per call
     for call in list(body_calls(gm)):
-        later = repeated_output_positions(getattr(gm, call.args[0].target))
+        target = call.args[0].target
+        if target not in by_body:
+            by_body[target] = repeated_output_positions(getattr(gm, target))
+        later = by_body[target]
         if not later:
             continue
         if order is None:
