@@ -422,7 +422,8 @@ def test_bodies_are_traced_once_per_distinct_input_where_torch_can_key_them():
     assert bool(bodies.groups[0].keyed) is keyed
     assert _body_traces(model, x) == (1 if keyed else 4)
     if keyed:
-        assert list(bodies.groups[0].prober.keys.values()) == [1]
+        (key,) = bodies.groups[0].prober.keys.values()  # numbered across the process
+        assert key > 0
         # Another batch size is another key (in a recompiled frame); no_grad another one.
         assert _body_traces(model, x, torch.randn(5, 6, requires_grad=True)) == 2
         with torch.no_grad():
@@ -449,6 +450,49 @@ def test_bodies_are_traced_once_per_distinct_input_where_torch_can_key_them():
     # The count is of the body's traces: inline blocks are traced once each too.
     inline = Stack(CountedMlp)
     assert _body_traces(inline, x) == 4
+
+
+class TanhMlp(Mlp):
+    """Same parameters and call as :class:`Mlp`, another forward."""
+
+    def inner(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.tanh(self.up(x)))
+
+
+def test_two_groups_of_blocks_never_share_a_keyed_trace():
+    """Two groups of identical blocks in one compiled frame whose calls are described alike
+    (same weights' shapes, same input) but whose forwards differ: each group runs its own body.
+    Dynamo finds a keyed body's trace by the body function's code (one nested function for
+    every group) and the key alone, so keys numbered per group made both groups' first
+    description key 1, and the second group silently ran the first group's trace (found in the
+    sixty-second session with an encoder and a decoder ModuleList)."""
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.first = nn.ModuleList(Mlp() for _ in range(2))
+    model.second = nn.ModuleList(TanhMlp() for _ in range(2))
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        for block in (*model.first, *model.second):
+            x = block(x)
+        return x
+
+    x = torch.randn(3, 6, requires_grad=True)
+    expected = forward(x)
+    expected_grads = torch.autograd.grad(expected.sum(), [x, *model.parameters()])
+    bodies = wrap_repeated_blocks(model, {}, shared=set(), special=set())
+    seal(bodies, model)
+    assert [g.members for g in bodies.groups] == [("first.0", "first.1"),
+                                                  ("second.0", "second.1")]
+    torch._dynamo.reset()
+    try:
+        out = torch.compile(forward, backend="aot_eager")(x)
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(out, expected)
+    grads = torch.autograd.grad(out.sum(), [x, *model.parameters()])
+    torch.testing.assert_close(grads, expected_grads)
+    keys = [k for g in bodies.groups for k in g.prober.keys.values()]
+    assert len(set(keys)) == len(keys), keys
 
 
 class TwoStreams(nn.Module):

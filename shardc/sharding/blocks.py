@@ -418,6 +418,12 @@ _TENSOR = "tensor"
 _PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
 _static = _torch.has_static_value  # a module global: one lookup per size in traced code
 _PROBER_IDS = itertools.count(1)
+# Reuse keys, numbered across every group and model of the process: Dynamo finds a keyed body's
+# earlier trace by the body function's code object and the key alone, and every group's keyed
+# body is the same nested function (one code object, other closures). Keys numbered per group
+# made the first description of two groups in one compiled frame share key 1, so Dynamo
+# stamped the first group's trace out for the second (an encoder and a decoder ModuleList).
+_REUSE_KEYS = itertools.count(1)
 # The key of a call whose forward reads a scalar that differs among its group's members: the
 # call runs its block's own forward (0 is "no key": a guard-based body).
 READS_VARYING = -1
@@ -606,8 +612,9 @@ class BodyProber:
             return READS_VARYING
         if not _tensor_output(out):
             return 0
-        # Numbered, not hashed: two descriptions never share a key (a hash could collide).
-        return 1 + sum(1 for k in self.keys.values() if k > 0)
+        # Numbered, not hashed: two descriptions never share a key (a hash could collide), nor
+        # do two groups' descriptions (_REUSE_KEYS).
+        return next(_REUSE_KEYS)
 
 
 # Per block class, the subclass a prober's skeleton module takes to record reads of its varying
