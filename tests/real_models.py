@@ -411,10 +411,17 @@ def train_regression(ctx: Ctx, model, forward, xs, ys, opt=None, loss_of=None) -
 
 
 def sc_torch_transformer(ctx: Ctx) -> dict:
-    model = build_torch_seq2seq()
+    """Two encoder and two decoder layers: two groups of blocks, each with its own body, in one
+    compiled frame (s62: both groups' keyed bodies shared one reuse key, and the decoder's
+    calls ran the encoder's trace). Records the bodies of the first region, sharded."""
+    torch.manual_seed(0)
+    model = TorchSeq2Seq(layers=2)
     forward = ctx.wrap(model)
     out = train_lm(ctx, model, forward, tokens())
     out["planned"] = ctx.planned()
+    if ctx.sharded:
+        plan = shardc.explain_all(ctx.compiled)[0]
+        out["bodies"] = [tuple(b.blocks) for b in plan.bodies]
     return out
 
 

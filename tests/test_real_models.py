@@ -171,6 +171,8 @@ def test_torch_transformer_tied_embeddings(runs):
     the embedding tied to the output projection."""
     for got in check_parity(runs, "torch_transformer"):
         assert "head.weight" not in got["params"], "a tied weight is one parameter"
+        assert got["bodies"] == [("encoder.layers.0", "encoder.layers.1"),
+                                 ("decoder.layers.0", "decoder.layers.1")], got["bodies"]
 
 
 @pytest.mark.skipif(not HAS_TRANSFORMERS, reason="the transformers package is not installed")
