@@ -40,6 +40,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from shardc.ops.gather import GATHER_OP
 from shardc.passes import recompute_part
+from shardc.passes.aliased_saved_values import derived_saved_values
 from shardc.passes.body import INVOKE_SUBGRAPH, gather_of
 from shardc.passes.fx_utils import (
     OUTSIDE_CHECKPOINT_ID,
@@ -174,6 +175,11 @@ def _describe(gm: fx.GraphModule, name: str, kind: str, position: int, nodes: li
               fwd: set[fx.Node], excluded: str, device_type: str) -> Block:
     inside = set(nodes)
     saved = [n for n in nodes if any(u not in fwd and u.op != "output" for u in n.users)]
+    read = _positions(saved) if kind == "body" else ()
+    # A view of another saved value is not saved after the partition but viewed in the
+    # backward from the other (shardc.passes.aliased_saved_values): no bytes nor lever of its own.
+    derived = derived_saved_values(gm, saved)
+    saved = [n for n in saved if n not in derived]
     # Saved values already on the host (a device graph's CPU tensors, attention's RNG seed and
     # offset) take no device memory: neither lever frees any by them, and offload skips them.
     # A multi-output call (attention, a body call) counts as a whole: only some of its outputs.
@@ -181,7 +187,6 @@ def _describe(gm: fx.GraphModule, name: str, kind: str, position: int, nodes: li
     inputs = {i for n in nodes for i in n.all_input_nodes if i not in inside and not _is_weight(i)}
     outputs = [n for n in nodes if any(u in fwd and u not in inside for u in n.users)]
     on_device = tuple(n for n in saved if copyable(n) and not host_bytes(n, device_type))
-    read = _positions(saved) if kind == "body" else ()
     return Block(name, kind, position, tuple(nodes), _bytes(saved) - host,
                  _bytes(sorted(inputs, key=lambda n: n.name)), tuple(outputs), excluded,
                  host_saved_bytes=host, saved_values=on_device,

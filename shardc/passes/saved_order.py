@@ -58,7 +58,7 @@ def _sorted_by_group(nodes: Sequence[fx.Node], order: Sequence[int]) -> list[fx.
 _AFTER_SAVED = ("tangents", "bwd_seed", "bwd_base_offset", "bwd_rng_state")
 
 
-def _saved_inputs(bw: fx.GraphModule) -> list[fx.Node]:
+def saved_inputs(bw: fx.GraphModule) -> list[fx.Node]:
     """The backward's inputs that are saved values: the placeholders before the tangents."""
     saved = []
     for ph in bw.graph.find_nodes(op="placeholder"):
@@ -77,7 +77,7 @@ def order_saved_values(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: 
     output = next(iter(fw.graph.find_nodes(op="output")))
     outs = tuple(output.args[0])
     saved_out = outs[num_fwd_outputs:]
-    saved_in = _saved_inputs(bw)
+    saved_in = saved_inputs(bw)
     if not all(isinstance(n, fx.Node) for n in saved_out):
         return False
     if sorted(map(_group, saved_out)) != sorted(map(_group, saved_in)):

@@ -1,0 +1,190 @@
+"""Save one view per storage: derive the other views of a saved value in the backward.
+
+The forward can save two views of one tensor for the backward: a block with attention saves its
+attention output ``out`` as the output projection's input, ``view(view(transpose(out)))``, and
+as the attention backward's ``out``, ``detach(detach(out))`` (shardc's Llama, every layer;
+inline blocks in the region's own graph, compiled-once blocks as two outputs of the body call).
+The backward receives them as two inputs, and AOTAutograd donates saved tensors to it without
+comparing them with each other (``collect_fw_donated_buffer_idxs``); Inductor lowers every
+output of a body call as a buffer of its own too (``ir.InvokeSubgraph.create``). So after their
+last reads the region's backward may reuse both names' storage for two buffers live at once:
+one memory for two tensors. It takes an allocation of exactly that size, which is rare, and
+nothing would say so (docs/design.md, "Aliased body outputs"; the same body node at two output
+positions is ``shardc.passes.repeated_body_outputs``). shardc's peak prediction also counted
+such a pair twice, one storage for each input.
+
+:func:`save_one_view_per_storage` groups the saved values by the value they are views of (a
+forward node, or, for a body call's output, the body value the output is a view of), keeps in
+each group the one laid out as that value (same sizes, strides and offset: ``detach(detach(
+out))``), and drops the others from the saved values: the backward computes each from the kept
+one by the same view ops the forward applied to the value. Inductor then sees one input buffer
+and views of it, so one storage has one name. The values are the same (a view is an index map
+of the same memory) and the bytes held too.
+
+Left as they are: a group without a member laid out as the value (no view to start from), and
+a view whose ops take symbolic sizes (dynamic shapes; the sizes would have to be rebuilt in the
+backward). ``select``s of a packed query/key/value projection (nn.MultiheadAttention's) form
+such a group; their storages do not overlap, so they are harmless either way.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+import torch
+from torch import fx
+
+from shardc.passes.body import body_calls
+from shardc.passes.fx_utils import is_call, is_view
+from shardc.passes.saved_order import saved_inputs
+
+__all__ = ["derived_saved_values", "save_one_view_per_storage", "view_path"]
+
+
+def view_path(node: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
+    """``(base, views)``: the node ``node`` is a chain of single-input aten views of, and those
+    views from the base's side to ``node`` (empty if ``node`` is no view)."""
+    views = []
+    while isinstance(node, fx.Node) and is_view(node) and len(node.all_input_nodes) == 1:
+        views.append(node)
+        node = node.all_input_nodes[0]
+    return node, views[::-1]
+
+
+def _layout(node: fx.Node) -> tuple | None:
+    val = node.meta.get("val")
+    return _layout_of(val) if isinstance(val, torch.Tensor) else None
+
+
+def _replayable(views: Sequence[fx.Node]) -> bool:
+    """Whether each view's arguments other than its input are constants (no symbolic sizes)."""
+    for view in views:
+        found: list[fx.Node] = []
+        fx.node.map_arg((view.args[1:], view.kwargs), found.append)
+        if found:
+            return False
+    return True
+
+
+def _origin(node: fx.Node, fw: fx.GraphModule, bodies: dict
+            ) -> tuple[object, list, tuple | None, tuple | None]:
+    """``(base key, views from the base to node, the base's layout, node's layout)`` for a
+    saved value of
+    ``fw``: the forward node it is a chain of views of, or, where that node is an output of a
+    body call, the body value that output is a chain of views of (keyed by call and value), with
+    the body's views first. ``bodies`` memoizes each body's outputs."""
+    base, views = view_path(node)
+    if is_call(base, operator.getitem) and isinstance(base.args[0], fx.Node) \
+            and base.args[0] in bodies.setdefault("calls", set(body_calls(fw))):
+        call, position = base.args
+        target = call.args[0].target
+        if target not in bodies:
+            body = getattr(fw, target)
+            bodies[target] = next(iter(body.graph.find_nodes(op="output"))).args[0]
+        value = bodies[target][position]
+        if isinstance(value, fx.Node):
+            inner, inner_views = view_path(value)
+            own = _layout(node) if views else _layout(value)  # (the body's value, described)
+            return (call, inner), inner_views + views, _layout(inner), own
+    return base, views, _layout(base), _layout(node)
+
+
+def _merges(fw: fx.GraphModule, saved: Sequence[fx.Node]) -> dict[int, tuple[int, list]]:
+    """``{dropped index: (kept index, views from the base)}`` among ``saved`` (module
+    docstring), in the order of ``saved``."""
+    bodies: dict = {}
+    groups: dict[object, list[tuple[int, list[fx.Node], tuple | None, tuple | None]]] = {}
+    for i, node in enumerate(saved):
+        if isinstance(node, fx.Node):
+            key, views, base_layout, own = _origin(node, fw, bodies)
+            groups.setdefault(key, []).append((i, views, base_layout, own))
+    merges = {}
+    for members in groups.values():
+        if len(members) < 2 or members[0][2] is None:
+            continue
+        kept = next((i for i, _, base_layout, own in members if own == base_layout), None)
+        if kept is None:
+            continue
+        for i, views, _, _ in members:
+            if i != kept and _replayable(views):
+                merges[i] = (kept, views)
+    return merges
+
+
+def derived_saved_values(gm: fx.GraphModule, saved: Sequence[fx.Node]) -> set[fx.Node]:
+    """The values among ``saved`` (of ``gm``, a joint or forward graph) that
+    :func:`save_one_view_per_storage` will derive in the backward from another of them rather
+    than save: what the budget planner must neither count as memory of their own nor offer to
+    offload or recompute (``shardc.passes.recompute``)."""
+    return {saved[i] for i in _merges(gm, saved)}
+
+
+def _replay(bw: fx.GraphModule, kept: fx.Node, views: Sequence[fx.Node],
+            dropped: fx.Node) -> fx.Node | None:
+    """``views`` applied to ``kept`` in ``bw`` before ``dropped``'s first user, with fake
+    values; None (nothing inserted) unless the result is laid out as ``dropped``."""
+    vals = [kept.meta["val"]]
+    for view in views:
+        vals.append(view.target(vals[-1], *view.args[1:], **view.kwargs))
+    if _layout_of(vals[-1]) != _layout(dropped):
+        return None
+    first_user = min(dropped.users, key=_position_in(bw.graph))
+    node = kept
+    with bw.graph.inserting_before(first_user):
+        for view, val in zip(views, vals[1:]):
+            node = bw.graph.call_function(view.target, (node, *view.args[1:]), dict(view.kwargs))
+            node.meta["val"] = val
+    return node
+
+
+def _layout_of(val: torch.Tensor) -> tuple:
+    return tuple(val.shape), tuple(val.stride()), val.storage_offset(), val.dtype
+
+
+def _position_in(graph: fx.Graph):
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    return order.__getitem__
+
+
+def save_one_view_per_storage(fw: fx.GraphModule, bw: fx.GraphModule,
+                              num_fwd_outputs: int) -> int:
+    """Drop from the saved values every value another saved value can be viewed into (module
+    docstring); returns how many were dropped. ``fw``'s outputs
+    after its first ``num_fwd_outputs`` pair up with ``bw``'s saved inputs, in order (the
+    partitioner's convention); graphs where they do not are left as they are. Deterministic:
+    the graphs alone decide."""
+    output = next(iter(fw.graph.find_nodes(op="output")))
+    outs = list(output.args[0])
+    saved_out, saved_in = outs[num_fwd_outputs:], saved_inputs(bw)
+    if len(saved_out) != len(saved_in) or not saved_in:
+        return 0
+    dropped: list[int] = []
+    for i, (k, views) in sorted(_merges(fw, saved_out).items()):
+        ph, kept_ph = saved_in[i], saved_in[k]
+        if not ph.users:
+            continue
+        derived = _replay(bw, kept_ph, views, ph)
+        if derived is None:
+            continue
+        derived.meta.update({m: v for m, v in ph.meta.items() if m != "val"})
+        ph.replace_all_uses_with(derived)
+        dropped.append(i)
+    if not dropped:
+        return 0
+    gone = set(dropped)
+    for i in sorted(gone):
+        bw.graph.erase_node(saved_in[i])
+    kept_outs = [n for i, n in enumerate(saved_out) if i not in gone]
+    output.args = (tuple(outs[:num_fwd_outputs] + kept_outs),) + tuple(output.args[1:])
+    descs = output.meta.get("desc")
+    if isinstance(descs, (list, tuple)) and len(descs) == len(outs):
+        output.meta["desc"] = list(descs[:num_fwd_outputs]) + [
+            d for i, d in enumerate(descs[num_fwd_outputs:]) if i not in gone]
+    for i in gone:
+        node = saved_out[i]
+        if not node.users:
+            fw.graph.erase_node(node)
+    fw.recompile()
+    bw.recompile()
+    return len(gone)
