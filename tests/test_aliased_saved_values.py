@@ -121,6 +121,15 @@ def test_a_call_saving_one_view_or_views_without_the_value_itself_is_left_alone(
     fw.body = make_fx(body, tracing_mode="fake")(torch.randn(4, 5), torch.randn(5, 6))
     assert save_one_view_per_storage(fw, bw, num_fwd_outputs=1) == 0
 
+    # Symbolic sizes (dynamic shapes): left alone, without comparing (guarding) any size.
+    fw, bw = _graphs((1, 2))
+    fw.body = make_fx(_body, tracing_mode="symbolic")(torch.randn(4, 5), torch.randn(5, 6))
+    shape_env = next(n.meta["val"] for n in fw.body.graph.find_nodes(op="placeholder")
+                     ).fake_mode.shape_env
+    guards = len(shape_env.guards)
+    assert save_one_view_per_storage(fw, bw, num_fwd_outputs=1) == 0
+    assert len(shape_env.guards) == guards
+
 
 def test_view_path_walks_single_input_views_to_their_base():
     body = make_fx(_body, tracing_mode="fake")(torch.randn(4, 5), torch.randn(5, 6))

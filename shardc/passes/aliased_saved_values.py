@@ -127,7 +127,7 @@ def _replay(bw: fx.GraphModule, kept: fx.Node, views: Sequence[fx.Node],
     vals = [kept.meta["val"]]
     for view in views:
         vals.append(view.target(vals[-1], *view.args[1:], **view.kwargs))
-    if _layout_of(vals[-1]) != _layout(dropped):
+    if _layout_of(vals[-1]) is None or _layout_of(vals[-1]) != _layout(dropped):
         return None
     first_user = min(dropped.users, key=_position_in(bw.graph))
     node = kept
@@ -138,7 +138,12 @@ def _replay(bw: fx.GraphModule, kept: fx.Node, views: Sequence[fx.Node],
     return node
 
 
-def _layout_of(val: torch.Tensor) -> tuple:
+def _layout_of(val: torch.Tensor) -> tuple | None:
+    """Sizes, strides, offset and dtype; None where any is symbolic (comparing those would add
+    guards after the trace)."""
+    ints = (*val.shape, *val.stride(), val.storage_offset())
+    if not all(type(i) is int for i in ints):
+        return None
     return tuple(val.shape), tuple(val.stride()), val.storage_offset(), val.dtype
 
 
