@@ -2,8 +2,10 @@
 
 The forward can save two views of one tensor for the backward: a block with attention saves its
 attention output ``out`` as the output projection's input, ``view(view(transpose(out)))``, and
-as the attention backward's ``out``, ``detach(detach(out))`` (shardc's Llama, every layer;
-inline blocks in the region's own graph, compiled-once blocks as two outputs of the body call).
+as the attention backward's ``out``, ``detach(detach(out))`` (shardc's Llama, every layer under
+the FX backend; under Inductor, whose partition recomputes the view, in recomputed parts and
+pruned bodies; inline blocks in the region's own graph, compiled-once blocks as two outputs of
+the body call).
 The backward receives them as two inputs, and AOTAutograd donates saved tensors to it without
 comparing them with each other (``collect_fw_donated_buffer_idxs``); Inductor lowers every
 output of a body call as a buffer of its own too (``ir.InvokeSubgraph.create``). So after their
