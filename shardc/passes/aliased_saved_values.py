@@ -2,18 +2,18 @@
 
 The forward can save two views of one tensor for the backward: a block with attention saves its
 attention output ``out`` as the output projection's input, ``view(view(transpose(out)))``, and
-as the attention backward's ``out``, ``detach(detach(out))`` (shardc's Llama, every layer under
-the FX backend; under Inductor, whose partition recomputes the view, in recomputed parts and
-pruned bodies; inline blocks in the region's own graph, compiled-once blocks as two outputs of
-the body call).
-The backward receives them as two inputs, and AOTAutograd donates saved tensors to it without
-comparing them with each other (``collect_fw_donated_buffer_idxs``); Inductor lowers every
-output of a body call as a buffer of its own too (``ir.InvokeSubgraph.create``). So after their
-last reads the region's backward may reuse both names' storage for two buffers live at once:
-one memory for two tensors. It takes an allocation of exactly that size, which is rare, and
-nothing would say so (docs/design.md, "Aliased body outputs"; the same body node at two output
-positions is ``shardc.passes.repeated_body_outputs``). shardc's peak prediction also counted
-such a pair twice, one storage for each input.
+as the attention backward's ``out``, ``detach(detach(out))``. shardc's Llama does so in every
+layer under the FX backend (inline blocks in the region's own graph, compiled-once blocks as
+two outputs of the body call); under Inductor the partition recomputes the view instead, and no
+Inductor test of recompute or sinking was found to save the pair. The backward receives such a
+pair as two inputs: the peak prediction and the budget planner counted two tensors. And where
+a pair reaches Inductor, AOTAutograd donates both to the backward (it does not compare saved
+tensors with each other, ``collect_fw_donated_buffer_idxs``) and Inductor lowers every output
+of a body call as a buffer of its own (``ir.InvokeSubgraph.create``), so after their last reads
+the backward may reuse both names' storage for two buffers live at once: one memory for two
+tensors, rare (an allocation of exactly that size) and silent (docs/design.md, "Aliased body
+outputs"; the same body node at two output positions is
+``shardc.passes.repeated_body_outputs``).
 
 :func:`save_one_view_per_storage` groups the saved values by the value they are views of (a
 forward node, or, for a body call's output, the body value the output is a view of), keeps in
