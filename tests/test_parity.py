@@ -552,10 +552,10 @@ def _check_offloaded_activations(world: int, runs: dict[str, dict]) -> None:
                    for notes in run["notes"] for n in notes), run["notes"]
         _bitwise(run, plain, f"world {world}: {name} vs fx")
         # Recomputed and offloaded: the forward's peak lower than saving everything on the
-        # device. Not the backward's at this size: the recomputed block's values come back
-        # while the next block's are held (world 2: 374,960 against 370,640 B). It looked
-        # lower until s62 only because the plain run's prediction counted each block's saved
-        # attention output twice (shardc.passes.aliased_saved_values).
+        # device. Not the backward's at this size (world 2: 374,960 against 370,640 B; not
+        # analysed further). It was lower until s62 only because the plain run's prediction
+        # counted each block's saved attention output twice
+        # (shardc.passes.aliased_saved_values).
         assert run["predicted"][0][2] > 0 and plain["predicted"][0][2] is None
         (fw, _), (plain_fw, _) = run["peak"][0], plain["peak"][0]
         assert fw < plain_fw, (run["peak"], plain["peak"])
