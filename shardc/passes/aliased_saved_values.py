@@ -37,7 +37,7 @@ from collections.abc import Sequence
 import torch
 from torch import fx
 
-from shardc.passes.body import body_calls
+from shardc.passes.body import INVOKE_SUBGRAPH
 from shardc.passes.fx_utils import is_call, is_view
 from shardc.passes.saved_order import saved_inputs
 
@@ -72,13 +72,12 @@ def _replayable(views: Sequence[fx.Node]) -> bool:
 def _origin(node: fx.Node, fw: fx.GraphModule, bodies: dict
             ) -> tuple[object, list, tuple | None, tuple | None]:
     """``(base key, views from the base to node, the base's layout, node's layout)`` for a
-    saved value of
-    ``fw``: the forward node it is a chain of views of, or, where that node is an output of a
-    body call, the body value that output is a chain of views of (keyed by call and value), with
-    the body's views first. ``bodies`` memoizes each body's outputs."""
+    saved value of ``fw``: the forward node it is a chain of views of, or, where that node is an
+    output of a body call, the body value that output is a chain of views of (keyed by call and
+    value), with the body's views first. ``bodies`` memoizes each body's outputs."""
     base, views = view_path(node)
     if is_call(base, operator.getitem) and isinstance(base.args[0], fx.Node) \
-            and base.args[0] in bodies.setdefault("calls", set(body_calls(fw))):
+            and is_call(base.args[0], INVOKE_SUBGRAPH):
         call, position = base.args
         target = call.args[0].target
         if target not in bodies:
@@ -123,7 +122,7 @@ def derived_saved_values(gm: fx.GraphModule, saved: Sequence[fx.Node]) -> set[fx
 
 
 def _replay(bw: fx.GraphModule, kept: fx.Node, views: Sequence[fx.Node],
-            dropped: fx.Node) -> fx.Node | None:
+            dropped: fx.Node, position) -> fx.Node | None:
     """``views`` applied to ``kept`` in ``bw`` before ``dropped``'s first user, with fake
     values; None (nothing inserted) unless the result is laid out as ``dropped``."""
     vals = [kept.meta["val"]]
@@ -131,7 +130,7 @@ def _replay(bw: fx.GraphModule, kept: fx.Node, views: Sequence[fx.Node],
         vals.append(view.target(vals[-1], *view.args[1:], **view.kwargs))
     if _layout_of(vals[-1]) is None or _layout_of(vals[-1]) != _layout(dropped):
         return None
-    first_user = min(dropped.users, key=_position_in(bw.graph))
+    first_user = min(dropped.users, key=position)
     node = kept
     with bw.graph.inserting_before(first_user):
         for view, val in zip(views, vals[1:]):
@@ -157,21 +156,25 @@ def _position_in(graph: fx.Graph):
 def save_one_view_per_storage(fw: fx.GraphModule, bw: fx.GraphModule,
                               num_fwd_outputs: int) -> int:
     """Drop from the saved values every value another saved value can be viewed into (module
-    docstring); returns how many were dropped. ``fw``'s outputs
-    after its first ``num_fwd_outputs`` pair up with ``bw``'s saved inputs, in order (the
-    partitioner's convention); graphs where they do not are left as they are. Deterministic:
-    the graphs alone decide."""
+    docstring); returns how many were dropped. ``fw``'s outputs after its first
+    ``num_fwd_outputs`` pair up with ``bw``'s saved inputs, in order (the partitioner's
+    convention); graphs where they do not are left as they are. Deterministic: the graphs alone
+    decide."""
     output = next(iter(fw.graph.find_nodes(op="output")))
     outs = list(output.args[0])
     saved_out, saved_in = outs[num_fwd_outputs:], saved_inputs(bw)
     if len(saved_out) != len(saved_in) or not saved_in:
         return 0
+    merges = _merges(fw, saved_out)
+    if not merges:
+        return 0
+    position = _position_in(bw.graph)  # (of the nodes before any is inserted: all it is asked)
     dropped: list[int] = []
-    for i, (k, views) in sorted(_merges(fw, saved_out).items()):
+    for i, (k, views) in sorted(merges.items()):
         ph, kept_ph = saved_in[i], saved_in[k]
         if not ph.users:
             continue
-        derived = _replay(bw, kept_ph, views, ph)
+        derived = _replay(bw, kept_ph, views, ph, position)
         if derived is None:
             continue
         derived.meta.update({m: v for m, v in ph.meta.items() if m != "val"})
