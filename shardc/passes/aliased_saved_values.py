@@ -38,7 +38,7 @@ import torch
 from torch import fx
 
 from shardc.passes.body import INVOKE_SUBGRAPH
-from shardc.passes.fx_utils import is_call, is_view
+from shardc.passes.fx_utils import call, is_call, is_view
 from shardc.passes.saved_order import saved_inputs
 
 __all__ = ["derived_saved_values", "save_one_view_per_storage", "view_path"]
@@ -124,18 +124,17 @@ def derived_saved_values(gm: fx.GraphModule, saved: Sequence[fx.Node]) -> set[fx
 def _replay(bw: fx.GraphModule, kept: fx.Node, views: Sequence[fx.Node],
             dropped: fx.Node, position) -> fx.Node | None:
     """``views`` applied to ``kept`` in ``bw`` before ``dropped``'s first user, with fake
-    values; None (nothing inserted) unless the result is laid out as ``dropped``."""
-    vals = [kept.meta["val"]]
-    for view in views:
-        vals.append(view.target(vals[-1], *view.args[1:], **view.kwargs))
-    if _layout_of(vals[-1]) is None or _layout_of(vals[-1]) != _layout(dropped):
+    values; None (nothing left inserted) unless the result is laid out as ``dropped``."""
+    node, inserted = kept, []
+    with bw.graph.inserting_before(min(dropped.users, key=position)):
+        for view in views:
+            node = call(bw.graph, view.target, (node, *view.args[1:]), dict(view.kwargs))
+            inserted.append(node)
+    layout = _layout(node)
+    if layout is None or layout != _layout(dropped):
+        for n in reversed(inserted):
+            bw.graph.erase_node(n)
         return None
-    first_user = min(dropped.users, key=position)
-    node = kept
-    with bw.graph.inserting_before(first_user):
-        for view, val in zip(views, vals[1:]):
-            node = bw.graph.call_function(view.target, (node, *view.args[1:]), dict(view.kwargs))
-            node.meta["val"] = val
     return node
 
 

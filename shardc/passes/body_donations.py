@@ -34,16 +34,13 @@ from torch import fx
 
 from shardc import _torch
 from shardc.passes.lower import POOL_PLACEHOLDER
+from shardc.passes.saved_order import saved_inputs
 
 log = logging.getLogger("shardc")
 
 # ``node.meta`` key of a backward's saved inputs: whether AOTAutograd donates it to the
 # backward as this pass left the graphs (with the region's switch as the backend sets it).
 DONATED = "shardc_donated"
-
-# The backward's inputs after its saved values (AOTAutograd's partitioner's names), and
-# shardc's communication pool, which lowering puts between them.
-_AFTER_SAVED = ("tangents", "bwd_seed", "bwd_base_offset", "bwd_rng_state")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,15 +75,9 @@ def subgraph_inputs(bw: fx.GraphModule) -> int:
 
 
 def _saved_inputs(bw: fx.GraphModule) -> list[fx.Node]:
-    """The backward's inputs that are saved values: the placeholders before the tangents, less
-    shardc's pool."""
-    saved = []
-    for ph in bw.graph.find_nodes(op="placeholder"):
-        if ph.name.startswith(_AFTER_SAVED):
-            break
-        if ph.name != POOL_PLACEHOLDER:
-            saved.append(ph)
-    return saved
+    """The backward's inputs that are saved values (``saved_order.saved_inputs``), less
+    shardc's pool, which lowering puts among them."""
+    return [ph for ph in saved_inputs(bw) if ph.name != POOL_PLACEHOLDER]
 
 
 def _is_tensor(node: object) -> bool:
