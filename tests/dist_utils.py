@@ -20,6 +20,7 @@ result (:func:`taken`), or runs the work itself if the queue has not reached it.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import pickle
 import tempfile
@@ -66,6 +67,9 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str, env: dict,
     os.environ.clear()
     os.environ.update(env)
 
+    # A rank that dies in native code (a signal, an abort) prints every thread's Python stack to
+    # the stderr the test captures: without it the test reports only "exited without a result".
+    faulthandler.enable(all_threads=True)
     torch.manual_seed(0)
     torch.set_num_threads(1)
     result_path = os.path.join(out_dir, f"rank{rank}.pkl")
@@ -136,7 +140,10 @@ def _run_ranks(fn: Callable[..., Any], world_size: int, env: dict, args: tuple, 
         for rank in range(world_size):
             path = os.path.join(tmp, f"rank{rank}.pkl")
             if not os.path.exists(path):
-                errors.append(f"rank {rank}: exited without a result")
+                code = ctx.processes[rank].exitcode
+                how = f"killed by signal {-code}" if code is not None and code < 0 else \
+                    f"exit code {code}"
+                errors.append(f"rank {rank}: exited without a result ({how})")
                 results.append(None)
                 continue
             with open(path, "rb") as f:
