@@ -422,6 +422,9 @@ def sc_torch_transformer(ctx: Ctx) -> dict:
     if ctx.sharded:
         plan = shardc.explain_all(ctx.compiled)[0]
         out["bodies"] = [tuple(b.blocks) for b in plan.bodies]
+        # Later body calls compiled as stand-ins: the region compiled once (a stand-in that
+        # does not fit compiles it again without them, and this is empty).
+        out["stand_ins"] = [len(r.stand_ins or ()) for r in shardc.shard_state(model).regions]
     return out
 
 
@@ -470,6 +473,40 @@ def sc_hf_falcon(ctx: Ctx) -> dict:
         attention_dropout=0.0, hidden_dropout=0.0, bos_token_id=0, eos_token_id=0,
         attn_implementation="sdpa")
     return train_hf_lm(ctx, transformers.FalconForCausalLM(cfg))
+
+
+def sc_hf_t5(ctx: Ctx) -> dict:
+    """transformers' T5ForConditionalGeneration from a tiny random config (three encoder and
+    three decoder layers; relative attention bias in each stack's first layer only). Layers 1
+    and 2 of each stack return the position biases they are given: a block body returning its
+    argument failed the compile (torch refuses a region output aliasing an input; s63). Records
+    the first region's bodies."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.T5Config(
+        vocab_size=VOCAB, d_model=DIM, d_kv=6, d_ff=FFN, num_layers=3, num_decoder_layers=3,
+        num_heads=HEADS, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+        attn_implementation="sdpa")
+    model = transformers.T5ForConditionalGeneration(cfg)
+    forward = ctx.wrap(model)
+    opt = sgd(model)
+    source, target = tokens(seed=2), tokens()
+    losses = []
+    for step in range(target.shape[0]):
+        src, tgt = ctx.split(source[step]), ctx.split(target[step])
+        logits = forward(input_ids=src, decoder_input_ids=tgt[:, :-1], use_cache=False).logits
+        loss = lm_loss(logits, tgt[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(ctx.mean(loss))
+    out = {"losses": torch.stack(losses), "params": ctx.params(model)}
+    out["planned"] = ctx.planned()
+    if ctx.sharded:
+        plan = shardc.explain_all(ctx.compiled)[0]
+        out["bodies"] = [tuple(b.blocks) for b in plan.bodies]
+    return out
 
 
 def sc_hf_gemma3(ctx: Ctx) -> dict:
@@ -1901,6 +1938,7 @@ SCENARIOS: dict[str, Callable[[Ctx], dict]] = {
     "hf_gpt2": sc_hf_gpt2,
     "hf_falcon": sc_hf_falcon,
     "hf_gemma3": sc_hf_gemma3,
+    "hf_t5": sc_hf_t5,
     "moe_eager": lambda ctx: sc_moe(ctx, compile=False),
     "moe_compiled": lambda ctx: sc_moe(ctx, compile=True),
     "moe_recompile_limit": sc_moe_recompile_limit,
@@ -1981,8 +2019,8 @@ SCENARIOS: dict[str, Callable[[Ctx], dict]] = {
     "timeout": fail_timeout,
     "timeout_inductor": functools.partial(fail_timeout, inductor=True),
 }
-HF = ("hf_gpt2", "hf_falcon", "hf_gemma3", "hf_checkpoint", "hf_checkpoint_reentrant",
-      "hf_checkpoint_eager", "hf_checkpoint_inductor", "hf_packed",
+HF = ("hf_gpt2", "hf_falcon", "hf_gemma3", "hf_t5", "hf_checkpoint",
+      "hf_checkpoint_reentrant", "hf_checkpoint_eager", "hf_checkpoint_inductor", "hf_packed",
       "hf_inductor_once")  # needs the transformers package
 # Run by their own groups, only for the tests marked slow (tests/test_real_models.py::slow_runs);
 # the Inductor ones at world 2 only: Inductor compiles slowly on CPU.
@@ -1995,7 +2033,7 @@ INDUCTOR_SCENARIOS = ("hf_checkpoint_inductor", "hf_inductor_once")
 # hf_packed (slow) runs at 2 and 3: its dynamic region is the one check of the member bodies
 # (shardc.sharding.blocks) over real collectives, uneven shards at both sizes.
 ONE_WORLD = {"blocks_accumulate_shapes": 2, "torch_transformer": 2,
-             "hf_inductor_once": 2,
+             "hf_inductor_once": 2, "hf_t5": 2,
              "to_float64": 2, "hf_checkpoint": 3, "checkpoint_sdpa_reentrant": 2,
              "checkpoint_sdpa_save_all": 2, "hf_checkpoint_reentrant": 2,
              "hf_checkpoint_inductor": 2, "checkpoint_fp8": 3, "checkpoint_fp8_eager": 3,

@@ -173,6 +173,20 @@ def test_torch_transformer_tied_embeddings(runs):
         assert "head.weight" not in got["params"], "a tied weight is one parameter"
         assert got["bodies"] == [("encoder.layers.0", "encoder.layers.1"),
                                  ("decoder.layers.0", "decoder.layers.1")], got["bodies"]
+        # Compiled once: the decoder's gradient of the encoder output comes out of the
+        # partitioned backward transposed (batch-first attention), which the stand-in's did
+        # not say; it is copied into the stand-in's layout (s63: compiled a second time).
+        assert got["stand_ins"] == [2], got["stand_ins"]
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="the transformers package is not installed")
+def test_hf_t5_blocks_that_return_their_arguments(runs):
+    """transformers' T5 (an encoder-decoder): its layers after the first return the position
+    biases they are given, which no body may return as is; the bodies return them as markers,
+    and the wrapped forward hands back the argument itself."""
+    for got in check_parity(runs, "hf_t5"):
+        assert got["bodies"] == [("encoder.block.1", "encoder.block.2"),
+                                 ("decoder.block.1", "decoder.block.2")], got["bodies"]
 
 
 @pytest.mark.skipif(not HAS_TRANSFORMERS, reason="the transformers package is not installed")

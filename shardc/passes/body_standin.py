@@ -313,9 +313,22 @@ def _fit(stand_in: fx.Node, bw: fx.Node | None, part: _Partition, num_outputs: i
         position = grads_for[user.args[1]]
         if position >= len(bw_outputs) or not isinstance(bw_outputs[position], fx.Node):
             return f"the partitioned backward computes no gradient for operand {position}"
-        if _metas([user]) != _metas([bw_outputs[position]]):
+        if not _same_but_layout(_meta(node_value(user)), _meta(node_value(bw_outputs[position]))):
             return f"the gradient of operand {position} differs from the partitioned backward's"
     return None
+
+
+def _same_but_layout(claimed: tuple | None, actual: tuple | None) -> bool:
+    """Whether a stand-in's gradient (``claimed``: the layout of its operand, as the stand-in's
+    fake backward makes it) can be the partitioned backward's (``actual``): equal, or equal but
+    for static strides, which :func:`_replace` copies the gradient into (a gradient's layout is
+    its backward's: nn.MultiheadAttention's batch-first key and value get theirs transposed)."""
+    if claimed == actual:
+        return True
+    if claimed is None or actual is None or claimed[0] == "size" or actual[0] == "size":
+        return False
+    static = all(isinstance(s, int) for s in (*claimed[1], *actual[1]))
+    return static and (claimed[0], claimed[2], claimed[3]) == (actual[0], actual[2], actual[3])
 
 
 def _tangents_read(bw: fx.GraphModule, count: int) -> list[int]:
@@ -457,4 +470,21 @@ def _replace(gm: fx.GraphModule, fw: fx.Node, bw: fx.Node | None, part: _Partiti
         bcall.meta.pop("eager_input_vals", None)
     for user in list(bw.users):
         user.args = (bcall, grads_for[user.args[1]])
+        _keep_layout(graph, user, bcall.meta["val"][user.args[1]])
     graph.erase_node(bw)
+
+
+def _keep_layout(graph: fx.Graph, grad: fx.Node, actual: object) -> None:
+    """Where the partitioned backward computes ``grad`` (a ``getitem`` of its call) in other
+    strides than the stand-in said (:func:`_same_but_layout`), copy it into the stand-in's, so
+    that the nodes traced on the stand-in's value read what they were traced for."""
+    claimed = grad.meta.get("val")
+    if _meta(claimed) == _meta(actual):
+        return
+    grad.meta["val"] = actual
+    with graph.inserting_after(grad):
+        copied = graph.call_function(torch.ops.prims.copy_strided.default,
+                                     (grad, list(claimed.stride())))
+    copied.meta = copy.copy(grad.meta)
+    copied.meta["val"] = claimed
+    grad.replace_all_uses_with(copied, delete_user_cb=lambda n: n is not copied)
