@@ -459,6 +459,57 @@ class TanhMlp(Mlp):
         return self.down(torch.tanh(self.up(x)))
 
 
+class BiasBlock(nn.Module):
+    """Returns the bias it is given beside its output, as T5's layers return their position
+    biases; ``layer_idx`` differs per block (transformers numbers its layers)."""
+
+    def __init__(self, layer_idx: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(6, 6)
+        self.layer_idx = layer_idx
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor, scale: torch.Tensor):
+        return torch.tanh(self.up(x) * scale + bias), bias, scale.sin()
+
+
+@pytest.mark.parametrize("numbered", [False, True], ids=["same", "numbered"])
+def test_blocks_that_return_an_argument_get_it_back_itself(numbered):
+    """A block that returns one of its arguments (T5's position bias): torch refuses a
+    compiled region whose output is its input, so the compile failed. Now the body returns a
+    marker there and the wrapped forward the argument itself: the same outputs, gradients and
+    object as eager, one body for the blocks (guard-based: such a call gets no reuse key), for
+    blocks alike and for blocks whose numbers differ (their member body)."""
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.blocks = nn.ModuleList(BiasBlock(i if numbered else 0) for i in range(3))
+
+    def forward(x, bias, scale):
+        passed = True
+        for block in model.blocks:
+            x, same, scale = block(x, bias, scale)
+            passed = passed and same is bias
+        return x * scale, passed
+
+    inputs = [torch.randn(3, 6, requires_grad=True) for _ in range(2)]
+    inputs.append(torch.rand(6, requires_grad=True))
+    expected, _ = forward(*inputs)
+    expected_grads = torch.autograd.grad(expected.sum(), [*inputs, *model.parameters()])
+    bodies = wrap_repeated_blocks(model, {}, shared=set(), special=set())
+    seal(bodies, model)
+    assert [g.members for g in bodies.groups] == [("blocks.0", "blocks.1", "blocks.2")]
+    torch._dynamo.reset()
+    try:
+        out, passed = torch.compile(forward, backend="aot_eager", fullgraph=True)(*inputs)
+    finally:
+        torch._dynamo.reset()
+    assert passed is True
+    torch.testing.assert_close(out, expected)
+    grads = torch.autograd.grad(out.sum(), [*inputs, *model.parameters()])
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want)
+    assert not any(bodies.groups[0].prober.keys.values())  # no key: the guard-based body
+
+
 def test_two_groups_of_blocks_never_share_a_keyed_trace():
     """Two groups of identical blocks in one compiled frame whose calls are described alike
     (same weights' shapes, same input) but whose forwards differ: each group runs its own body.

@@ -360,6 +360,57 @@ def call_substituted(skeleton: nn.Module, slots: tuple[tuple[dict, str], ...],
             table[attr] = original
 
 
+# A body's output that is one of its tensor arguments (T5's layers return the position bias
+# they were given): torch refuses a region output aliasing an input, so the guard-based bodies
+# return such an output as None beside where it came from, and the wrapped forward puts the
+# argument itself back (no copy). Keyed bodies never see one: their prober gives such a call no
+# key. The mark is a constant of the traced output; no block returns it as its first value.
+_PASSED = -731_415_926
+
+
+def take_out_passed_inputs(out, args: tuple, kwargs: dict):
+    """``out`` as a body returns it (traced inside the body): unchanged, or, where it is a tuple
+    or list with an element that *is* a tensor of ``args`` or a value of ``kwargs``,
+    ``(_PASSED, out with None there, ((element, argument), ...))``, arguments numbered over
+    ``args`` then ``kwargs``' values."""
+    if type(out) is not tuple and type(out) is not list:
+        return out
+    inputs = [*args, *kwargs.values()]
+    items, where = [], []
+    for i, item in enumerate(out):  # plain loops: traced by Dynamo (see describe)
+        found = -1
+        if isinstance(item, torch.Tensor):
+            for j, value in enumerate(inputs):
+                if value is item:
+                    found = j
+                    break
+        items.append(None if found >= 0 else item)
+        if found >= 0:
+            where.append((i, found))
+    if not where:
+        return out
+    return (_PASSED, type(out).__name__, tuple(items), tuple(where))
+
+
+def put_back_passed_inputs(result, args: tuple, kwargs: dict):
+    """A body's ``result`` as the block returns it: :func:`take_out_passed_inputs` undone with
+    the call's own ``args`` and ``kwargs`` (traced in the wrapped forward)."""
+    if type(result) is not tuple or len(result) != 4 or type(result[0]) is not int \
+            or result[0] != _PASSED:
+        return result
+    _, kind, items, where = result
+    items = list(items)
+    inputs = [*args, *kwargs.values()]
+    for i, j in where:
+        items[i] = inputs[j]
+    return tuple(items) if kind == "tuple" else items
+
+
+def _passes_an_input(out, args: tuple, kwargs: dict) -> bool:
+    """Whether a probe's output is a tuple or list holding one of its tensor arguments."""
+    return take_out_passed_inputs(out, args, kwargs) is not out
+
+
 def _make_body(skeleton: nn.Module, group: BlockGroup, training: bool,
                layout: PackedLayout | None = None
                ) -> tuple[Callable, Callable | None, Callable | None]:
@@ -376,11 +427,14 @@ def _make_body(skeleton: nn.Module, group: BlockGroup, training: bool,
     # Two functions, not one testing ``layout``: Dynamo would guard the closure cell.
     if layout is None:
         def shardc_block_body(weights, buffers, args, kwargs):
-            return call_substituted(skeleton, slots, (*weights, *buffers), args, kwargs)
+            return take_out_passed_inputs(
+                call_substituted(skeleton, slots, (*weights, *buffers), args, kwargs),
+                args, kwargs)
     else:
         def shardc_block_body(weights, buffers, args, kwargs):
-            return call_substituted(skeleton, slots, (*layout.unpack(weights[0]), *buffers),
-                                    args, kwargs)
+            return take_out_passed_inputs(
+                call_substituted(skeleton, slots, (*layout.unpack(weights[0]), *buffers),
+                                 args, kwargs), args, kwargs)
 
     def shardc_block_body_keyed(key, weights, buffers, args, kwargs):
         return shardc_block_body(weights, buffers, args, kwargs)
@@ -610,8 +664,8 @@ class BodyProber:
                      "differ among them", self.group.members[0], self.group.members[-1],
                      ", ".join(read))
             return READS_VARYING
-        if not _tensor_output(out):
-            return 0
+        if not _tensor_output(out) or _passes_an_input(out, args, kwargs):
+            return 0  # a keyed region returns tensors, none of them an input
         # Numbered, not hashed: two descriptions never share a key (a hash could collide), nor
         # do two groups' descriptions (_REUSE_KEYS).
         return next(_REUSE_KEYS)
@@ -938,8 +992,8 @@ def _wrapped_forward(group: BlockGroup, original: Callable) -> Callable:
             # Not probed (no static description, e.g. under dynamic shapes): the body run on
             # this member's own skeleton. Where the forward does not read what differs, the
             # members' traces are equal, and Dynamo installs one subgraph for them.
-            return source.member_bodies[self.training](self._shardc_member, weights, buffers,
-                                                       args, kwargs)
+            return put_back_passed_inputs(source.member_bodies[self.training](
+                self._shardc_member, weights, buffers, args, kwargs), args, kwargs)
         if key and source.keyed:
             if tensors_only:
                 return source.keyed_flat[self.training](key, *weights, *buffers, *args)
@@ -947,7 +1001,8 @@ def _wrapped_forward(group: BlockGroup, original: Callable) -> Callable:
         if key and not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")):
             return _trace_once_call(source, self.training, key, weights, buffers, args, kwargs,
                                     tensors_only)
-        return source.bodies[self.training](weights, buffers, args, kwargs)
+        return put_back_passed_inputs(source.bodies[self.training](weights, buffers, args,
+                                                                   kwargs), args, kwargs)
 
     return forward
 
@@ -1080,12 +1135,15 @@ def _make_member_body(skeletons: tuple[nn.Module, ...], group: BlockGroup,
     slots = tuple(substitution_slots(skeleton, names) for skeleton in skeletons)
     if layout is None:
         def shardc_block_body_member(member, weights, buffers, args, kwargs):
-            return call_substituted(skeletons[member], slots[member], (*weights, *buffers),
-                                    args, kwargs)
+            return take_out_passed_inputs(
+                call_substituted(skeletons[member], slots[member], (*weights, *buffers),
+                                 args, kwargs), args, kwargs)
     else:
         def shardc_block_body_member(member, weights, buffers, args, kwargs):
-            return call_substituted(skeletons[member], slots[member],
-                                    (*layout.unpack(weights[0]), *buffers), args, kwargs)
+            return take_out_passed_inputs(
+                call_substituted(skeletons[member], slots[member],
+                                 (*layout.unpack(weights[0]), *buffers), args, kwargs),
+                args, kwargs)
     shardc_block_body_member.__qualname__ = (
         f"shardc_block_body_{group.index}_{group.block_type}_member"
         + ("_packed" if layout is not None else ""))
