@@ -643,6 +643,30 @@ def _dynamo_comptime() -> Callable:
 comptime: Callable = _dynamo_comptime()
 
 
+def traced_storages(ctx: Any, name: str) -> list[tuple[tuple[int, int], int]]:
+    """In a ``comptime`` callback: for the traced local ``name`` (a tuple), each tensor among
+    its items and the items of its tuple or list items, ``((item, inner), storage)``: its
+    position (``inner`` -1 for an item itself) and a number equal for tensors that share a
+    storage (from their fake values). Anything else is skipped (a cache object, a constant)."""
+    from torch._dynamo.variables import BaseListVariable, TensorVariable
+
+    def storage(vt) -> int | None:
+        if not isinstance(vt, TensorVariable):
+            return None
+        value = vt.as_proxy().node.meta.get("example_value")
+        return value.untyped_storage()._cdata if isinstance(value, torch.Tensor) else None
+
+    found = []
+    top = ctx.get_local(name)._i_will_not_complain_if_bc_breaks_VariableTracker()
+    for i, item in enumerate(top.items if isinstance(top, BaseListVariable) else ()):
+        inner = item.items if isinstance(item, BaseListVariable) else None
+        for j, vt in (enumerate(inner) if inner is not None else ((-1, item),)):
+            key = storage(vt)
+            if key is not None:
+                found.append(((i, j), key))
+    return found
+
+
 def symbolic_signature(value: Any) -> tuple[tuple, Any] | None:
     """A description of a fake tensor or ``SymInt`` met while Dynamo traces (``comptime``'s
     ``as_fake()``) by its symbolic expressions, and the values it has now (hints), or None:

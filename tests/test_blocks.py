@@ -510,6 +510,51 @@ def test_blocks_that_return_an_argument_get_it_back_itself(numbered):
     assert not any(bodies.groups[0].prober.keys.values())  # no key: the guard-based body
 
 
+class RotaryBlock(nn.Module):
+    """Takes ``(sin, cos)`` as GPT-J's layers do: two halves of one tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, position_embeddings: tuple, scale: torch.Tensor):
+        sin, cos = position_embeddings
+        return torch.tanh(self.up(x) * cos + sin) * scale
+
+
+def test_blocks_given_arguments_that_share_a_storage_get_copies():
+    """Arguments that are views of one tensor (GPT-J's rotary ``(sin, cos)``, split from one
+    table, in a tuple; and a positional view of it): torch refuses a region whose inputs alias
+    each other, so the compile failed. The wrapped forward passes a copy of each argument that
+    shares a storage with an earlier one: same outputs and gradients as eager, one body."""
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.blocks = nn.ModuleList(RotaryBlock() for _ in range(3))
+
+    def forward(x, table):
+        sincos = table * 2
+        sin, cos = torch.split(sincos, 6, dim=-1)
+        for block in model.blocks:
+            x = block(x, position_embeddings=(sin, cos), scale=sincos[:, :6])
+        return x
+
+    x, table = torch.randn(3, 6, requires_grad=True), torch.randn(3, 12, requires_grad=True)
+    expected = forward(x, table)
+    expected_grads = torch.autograd.grad(expected.sum(), [x, table, *model.parameters()])
+    bodies = wrap_repeated_blocks(model, {}, shared=set(), special=set())
+    seal(bodies, model)
+    assert [g.members for g in bodies.groups] == [("blocks.0", "blocks.1", "blocks.2")]
+    torch._dynamo.reset()
+    try:
+        out = torch.compile(forward, backend="aot_eager", fullgraph=True)(x, table)
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(out, expected)
+    grads = torch.autograd.grad(out.sum(), [x, table, *model.parameters()])
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want)
+
+
 def test_two_groups_of_blocks_never_share_a_keyed_trace():
     """Two groups of identical blocks in one compiled frame whose calls are described alike
     (same weights' shapes, same input) but whose forwards differ: each group runs its own body.

@@ -406,6 +406,49 @@ def put_back_passed_inputs(result, args: tuple, kwargs: dict):
     return tuple(items) if kind == "tuple" else items
 
 
+# Arguments that share a storage (GPT-J's rotary ``(sin, cos)``: two halves of one tensor):
+# torch refuses a region whose inputs alias each other, so the wrapped forward passes a copy of
+# each such tensor after the first, found at trace time from the fake values (one ``comptime``
+# per call; what it found is read by the constant-result function below).
+_ALIASED: list[tuple] = [()]
+
+
+def _record_aliased_arguments(ctx) -> None:
+    """Run by Dynamo at trace time (``comptime``): the positions of the tensors of the local
+    ``arguments`` that share a storage with an earlier one."""
+    seen, later = set(), []
+    for position, storage in _torch.traced_storages(ctx, "arguments"):
+        if storage in seen:
+            later.append(position)
+        seen.add(storage)
+    _ALIASED[0] = tuple(later)
+
+
+@torch.compiler.assume_constant_result
+def _aliased_positions() -> tuple:
+    found, _ALIASED[0] = _ALIASED[0], ()
+    return found
+
+
+def without_aliased_arguments(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` with a copy of each tensor (an item, or an item of a tuple or list
+    item) that shares its storage with one before it (traced in the wrapped forward)."""
+    arguments = (*args, *kwargs.values())
+    _torch.comptime(_record_aliased_arguments)
+    copies = _aliased_positions()
+    if not copies:
+        return args, kwargs
+    items = list(arguments)
+    for i, j in copies:
+        if j < 0:
+            items[i] = items[i].clone()
+        else:
+            inner = list(items[i])
+            inner[j] = inner[j].clone()
+            items[i] = type(items[i])(inner)
+    return tuple(items[:len(args)]), dict(zip(kwargs.keys(), items[len(args):]))
+
+
 def _passes_an_input(out, args: tuple, kwargs: dict) -> bool:
     """Whether a probe's output is a tuple or list holding one of its tensor arguments."""
     return take_out_passed_inputs(out, args, kwargs) is not out
@@ -971,6 +1014,8 @@ def _wrapped_forward(group: BlockGroup, original: Callable) -> Callable:
             return original(self, *args, **kwargs)
         if not _layout_kept(self) or _torch.traces_floats_symbolically():
             return original(self, *args, **kwargs)
+        given = args, kwargs  # what a body's output that is an argument gives back
+        args, kwargs = without_aliased_arguments(args, kwargs)
         # A description (sizes static, or symbols with hints) rules out data-dependent sizes:
         # only a call that cannot be described pays for the check.
         tensors_only = not kwargs and _all_tensors(args)
@@ -993,7 +1038,7 @@ def _wrapped_forward(group: BlockGroup, original: Callable) -> Callable:
             # this member's own skeleton. Where the forward does not read what differs, the
             # members' traces are equal, and Dynamo installs one subgraph for them.
             return put_back_passed_inputs(source.member_bodies[self.training](
-                self._shardc_member, weights, buffers, args, kwargs), args, kwargs)
+                self._shardc_member, weights, buffers, args, kwargs), *given)
         if key and source.keyed:
             if tensors_only:
                 return source.keyed_flat[self.training](key, *weights, *buffers, *args)
@@ -1002,7 +1047,7 @@ def _wrapped_forward(group: BlockGroup, original: Callable) -> Callable:
             return _trace_once_call(source, self.training, key, weights, buffers, args, kwargs,
                                     tensors_only)
         return put_back_passed_inputs(source.bodies[self.training](weights, buffers, args,
-                                                                   kwargs), args, kwargs)
+                                                                   kwargs), *given)
 
     return forward
 
