@@ -1,3 +1,10 @@
+"""More transformers families (tiny random configs) through shardc at world 1 with its default
+backend (Inductor, blocks compiled once), three SGD steps against the unsharded model on a
+loss of the logits (their log-sum-exp mean): prints per family the largest loss difference and
+each region's bodies and inline blocks, or the failure's traceback. A probe, not a test:
+``PYTHONPATH=$PWD python docs/bench/standin_s63/more_families.py [FAMILY ...]``. Sixty-third
+session: GPT-J failed before `4d5d805` ("Input-to-input aliasing detected at nodes sin and
+cos"), every family here passed after it."""
 import copy, os, sys, traceback, warnings, logging
 import torch, torch.distributed as dist
 FAM = {
