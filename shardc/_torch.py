@@ -643,27 +643,25 @@ def _dynamo_comptime() -> Callable:
 comptime: Callable = _dynamo_comptime()
 
 
-def traced_storages(ctx: Any, name: str) -> list[tuple[tuple[int, int], int]]:
+def traced_storages(ctx: Any, name: str) -> list[tuple[tuple[int, int], int, object]]:
     """In a ``comptime`` callback: for the traced local ``name`` (a tuple), each tensor among
-    its items and the items of its tuple or list items, ``((item, inner), storage)``: its
-    position (``inner`` -1 for an item itself) and a number equal for tensors that share a
-    storage (from their fake values). Anything else is skipped (a cache object, a constant)."""
+    its items and the items of its tuple or list items, ``((item, inner), storage, node)``:
+    its position (``inner`` -1 for an item itself), a number equal for tensors that share a
+    storage (from their fake values) and its graph node (the same for one tensor met twice).
+    Anything else is skipped (a cache object, a constant)."""
     from torch._dynamo.variables import BaseListVariable, TensorVariable
-
-    def storage(vt) -> int | None:
-        if not isinstance(vt, TensorVariable):
-            return None
-        value = vt.as_proxy().node.meta.get("example_value")
-        return value.untyped_storage()._cdata if isinstance(value, torch.Tensor) else None
 
     found = []
     top = ctx.get_local(name)._i_will_not_complain_if_bc_breaks_VariableTracker()
     for i, item in enumerate(top.items if isinstance(top, BaseListVariable) else ()):
         inner = item.items if isinstance(item, BaseListVariable) else None
         for j, vt in (enumerate(inner) if inner is not None else ((-1, item),)):
-            key = storage(vt)
-            if key is not None:
-                found.append(((i, j), key))
+            if not isinstance(vt, TensorVariable):
+                continue
+            node = vt.as_proxy().node
+            value = node.meta.get("example_value")
+            if isinstance(value, torch.Tensor):
+                found.append(((i, j), value.untyped_storage()._cdata, node))
     return found
 
 

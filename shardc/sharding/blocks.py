@@ -415,12 +415,12 @@ _ALIASED: list[tuple] = [()]
 
 def _record_aliased_arguments(ctx) -> None:
     """Run by Dynamo at trace time (``comptime``): the positions of the tensors of the local
-    ``arguments`` that share a storage with an earlier one."""
-    seen, later = set(), []
-    for position, storage in _torch.traced_storages(ctx, "arguments"):
-        if storage in seen:
+    ``arguments`` that share a storage with an earlier, other tensor (one tensor passed twice
+    is one input of the region: not copied)."""
+    first, later = {}, []
+    for position, storage, node in _torch.traced_storages(ctx, "arguments"):
+        if first.setdefault(storage, node) is not node:
             later.append(position)
-        seen.add(storage)
     _ALIASED[0] = tuple(later)
 
 
@@ -432,7 +432,8 @@ def _aliased_positions() -> tuple:
 
 def without_aliased_arguments(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """``args`` and ``kwargs`` with a copy of each tensor (an item, or an item of a tuple or list
-    item) that shares its storage with one before it (traced in the wrapped forward)."""
+    item) that shares its storage with another tensor before it (traced in the wrapped
+    forward)."""
     arguments = (*args, *kwargs.values())
     _torch.comptime(_record_aliased_arguments)
     copies = _aliased_positions()
