@@ -418,7 +418,12 @@ def _record_aliased_arguments(ctx) -> None:
     ``arguments`` that share a storage with an earlier, other tensor (one tensor passed twice
     is one input of the region: not copied)."""
     first, later = {}, []
-    for position, storage, node in _torch.traced_storages(ctx, "arguments"):
+    try:
+        found = _torch.traced_storages(ctx, "arguments")
+    except Exception as exc:  # Dynamo's internals moved: copy nothing (torch then says why)
+        log.debug("shardc: the block's arguments could not be read at trace time (%s)", exc)
+        found = []
+    for position, storage, node in found:
         if first.setdefault(storage, node) is not node:
             later.append(position)
     _ALIASED[0] = tuple(later)
