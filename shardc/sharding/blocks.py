@@ -371,8 +371,8 @@ _PASSED = -731_415_926
 def take_out_passed_inputs(out, args: tuple, kwargs: dict):
     """``out`` as a body returns it (traced inside the body): unchanged, or, where it is a tuple
     or list with an element that *is* a tensor of ``args`` or a value of ``kwargs``,
-    ``(_PASSED, out with None there, ((element, argument), ...))``, arguments numbered over
-    ``args`` then ``kwargs``' values."""
+    ``(_PASSED, "tuple" or "list", out's elements with None there, ((element, argument),
+    ...))``, arguments numbered over ``args`` then ``kwargs``' values."""
     if type(out) is not tuple and type(out) is not list:
         return out
     inputs = [*args, *kwargs.values()]
