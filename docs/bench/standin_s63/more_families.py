@@ -2,7 +2,8 @@
 backend (Inductor, blocks compiled once), three SGD steps against the unsharded model on a
 loss of the logits (their log-sum-exp mean): prints per family the largest loss difference and
 each region's bodies and inline blocks, or the failure's traceback. A probe, not a test:
-``PYTHONPATH=$PWD python docs/bench/standin_s63/more_families.py [FAMILY ...]``. Sixty-third
+``[WORLD=N] PYTHONPATH=$PWD python docs/bench/standin_s63/more_families.py [FAMILY ...]``
+(the ranks' mean loss against the unsharded model's on the whole batch). Sixty-third
 session: GPT-J failed before `4d5d805` ("Input-to-input aliasing detected at nodes sin and
 cos"), every family here passed after it."""
 import copy, os, sys, traceback, warnings, logging
@@ -40,7 +41,8 @@ def worker(rank, world, names):
                 l0 = ref(input_ids=ids).logits.float().logsumexp(-1).mean(); l0.backward(); ro.step(); ro.zero_grad()
                 p = slice(rank*2, rank*2+2)
                 l = fwd(input_ids=ids[p]).logits.float().logsumexp(-1).mean(); l.backward(); o.step(); o.zero_grad()
-                ld = max(ld, abs(l.item() - l0.item()))
+                mean = l.detach().clone(); dist.all_reduce(mean)  # the global batch's loss
+                ld = max(ld, abs(mean.item() / world - l0.item()))
             st = shardc.shard_state(model)
             line = f"loss diff {ld:.2e} bodies {[len(r.plan.bodies) if r.plan else None for r in st.regions]} inline {[len(r.plan.inline_blocks) if r.plan else None for r in st.regions]}"
         except Exception:
@@ -49,4 +51,5 @@ def worker(rank, world, names):
     dist.destroy_process_group()
 if __name__ == "__main__":
     import torch.multiprocessing as mp
-    mp.spawn(worker, args=(1, sys.argv[1:] or list(FAM)), nprocs=1)
+    world = int(os.environ.get("WORLD", "1"))  # ranks (the batch grows with them)
+    mp.spawn(worker, args=(world, sys.argv[1:] or list(FAM)), nprocs=world)
