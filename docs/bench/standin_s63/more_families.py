@@ -1,4 +1,4 @@
-"""More transformers families (tiny random configs) through shardc at world 1 with its default
+"""More transformers families (tiny random configs) through shardc (world 1, or WORLD ranks) with its default
 backend (Inductor, blocks compiled once), three SGD steps against the unsharded model on a
 loss of the logits (their log-sum-exp mean): prints per family the largest loss difference and
 each region's bodies and inline blocks, or the failure's traceback. A probe, not a test:
