@@ -440,6 +440,8 @@ def without_aliased_arguments(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     item) that shares its storage with another tensor before it (traced in the wrapped
     forward)."""
     arguments = (*args, *kwargs.values())
+    if len(arguments) < 2 and not (arguments and type(arguments[0]) in (tuple, list)):
+        return args, kwargs  # one tensor cannot alias another: no trace-time read
     _torch.comptime(_record_aliased_arguments)
     copies = _aliased_positions()
     if not copies:
