@@ -1,4 +1,5 @@
-# C collation: the hash line below globs shardc/*.py, whose order (and so the hash) follows the locale
+# C collation: the hash line below globs shardc/*.py, whose order (and so the hash) follows the
+# locale; the device sets LC_ALL (s64), so the hash runs under LC_ALL=C
 export LC_COLLATE=C
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 SP=$(python3 -c 'import site; print(site.getsitepackages()[0])'); D=$SP/shardc-0.0.dev0.dist-info; mkdir -p $D
@@ -6,7 +7,7 @@ printf 'Metadata-Version: 2.1\nName: shardc\nVersion: 0.0.dev0\n' > $D/METADATA
 printf '[torch_dynamo_backends]\nshardc = shardc.backend:shardc_backend\n' > $D/entry_points.txt
 export PYTHONPATH=$PWD
 R=$OUT/r; rm -rf $R; mkdir -p $R
-(date -u; nvidia-smi -L; nproc; python3 -c "import torch; print(torch.__version__)"; git log -1 --format=%H; git status --short; md5sum shardc/*/*.py shardc/*.py | md5sum) > $R/machine.txt
+(date -u; nvidia-smi -L; nproc; python3 -c "import torch; print(torch.__version__)"; git log -1 --format=%H; git status --short; LC_ALL=C bash -c "md5sum shardc/*/*.py shardc/*.py | md5sum") > $R/machine.txt
 B="--nproc 1 --model 1b --steps 3 --timeout-s 90 --no-prime"
 run() {  # name depth timeout mode caches
   (timeout $3 python3 benchmarks/compile_time.py $B --caches $5 --out $R --name $1 --depths $2 --modes $4 > $R/$1.log 2>&1); echo "$1 rc=$? $(date +%T)"; rm -rf $R/*_caches $R/*_logs; }
