@@ -174,12 +174,14 @@ def _cached_keys_values(output) -> list:
     return list(zip(cache.key_cache, cache.value_cache))
 
 
-def test_hf_decoder_with_its_default_cache_shares_one_body_and_fills_the_cache():
+# The second length (a dynamic-shape recompile: its own region) is slow (suite time, s64).
+@pytest.mark.parametrize("lengths", [(9,), pytest.param((9, 7), marks=pytest.mark.slow)])
+def test_hf_decoder_with_its_default_cache_shares_one_body_and_fills_the_cache(lengths):
     """transformers' decoder called as users call it (``use_cache`` left on: each layer gets the
     ``DynamicCache``, which the prober cannot describe): the layers call the group's member body
-    (a skeleton of each layer, its own ``layer_idx``), one body in the static and in the
-    dynamic region; the logits and the cache's keys and values equal the eager model's (before,
-    every layer compiled inline)."""
+    (a skeleton of each layer, its own ``layer_idx``), one body in the static region and in the
+    dynamic one of a second length; the logits and the cache's keys and values equal the eager
+    model's (before, every layer compiled inline)."""
     transformers = pytest.importorskip("transformers")
     from dist_utils import one_rank_mesh
 
@@ -197,14 +199,14 @@ def test_hf_decoder_with_its_default_cache_shares_one_body_and_fills_the_cache()
         shardc.shard(model, mesh)
         torch._dynamo.reset()
         compiled = torch.compile(model, backend=shardc.backend(inductor=False))
-        for seq in (9, 7):  # the second length: a dynamic-shape recompile
+        for seq in lengths:  # a second length: a dynamic-shape recompile
             ids = torch.randint(0, 37, (2, seq))
             got, expected = compiled(input_ids=ids), reference(input_ids=ids)
             torch.testing.assert_close(got.logits, expected.logits)
             torch.testing.assert_close(_cached_keys_values(got), _cached_keys_values(expected))
         plans = shardc.explain_all(compiled)
-    assert [[tuple(b.blocks) for b in p.bodies] for p in plans] == [[layers], [layers]]
-    assert [p.inline_blocks for p in plans] == [[], []]
+    assert [[tuple(b.blocks) for b in p.bodies] for p in plans] == [[layers]] * len(lengths)
+    assert [p.inline_blocks for p in plans] == [[]] * len(lengths)
 
 
 def test_data_dependent_size_check_is_traced_without_a_graph_break():
