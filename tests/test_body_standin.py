@@ -260,3 +260,51 @@ def references():
     from parity import reference
 
     return {"blocks": reference("blocks")}
+
+
+# Inductor (whose decompositions lay the key out otherwise; under FX they agree): slow.
+@pytest.mark.slow
+def test_hf_gptj_keys_laid_out_by_the_partitioned_forward_keep_their_stand_ins():
+    """GPT-J's layers return their attention's key (for the cache): under Inductor the
+    partitioned forward lays it out otherwise than Dynamo's trace of the first call did (a
+    static permutation of its strides). The stand-ins' outputs are copied into the traced
+    layout, so the region compiles once with its two stand-ins (before: refused, the region
+    compiled a second time without them); the loss and the gradients equal the unsharded
+    model's (one rank)."""
+    transformers = pytest.importorskip("transformers")
+    from dist_utils import one_rank_mesh
+
+    import shardc
+
+    config = transformers.GPTJConfig(vocab_size=37, n_embd=16, n_layer=3, n_head=2,
+                                     rotary_dim=4, n_positions=32, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0,
+                                     attn_implementation="eager")
+    torch.manual_seed(0)
+    model = transformers.GPTJForCausalLM(config)
+    reference = transformers.GPTJForCausalLM(config)
+    reference.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 37, (2, 9))
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("shardc").addHandler(handler)
+    try:
+        with one_rank_mesh() as mesh:
+            shardc.shard(model, mesh)
+            torch._dynamo.reset()
+            compiled = torch.compile(model, backend=shardc.backend())
+            loss = compiled(input_ids=ids, labels=ids).loss
+            loss.backward()
+            stand_ins = [len(r.stand_ins or ()) for r in shardc.shard_state(model).regions]
+            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    finally:
+        logging.getLogger("shardc").removeHandler(handler)
+        torch._dynamo.reset()
+    expected = reference(input_ids=ids, labels=ids).loss
+    expected.backward()
+    assert stand_ins == [2], (stand_ins, messages)
+    assert not [m for m in messages if "stand-ins do not fit" in m], messages
+    torch.testing.assert_close(loss, expected)
+    for name, param in reference.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad, msg=name)

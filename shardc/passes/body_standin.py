@@ -212,8 +212,12 @@ def _meta(value: object) -> tuple | None:
     return (meta.shape, meta.stride, meta.dtype, meta.device)
 
 
+def _val(value: object) -> object:
+    return value.meta.get("val") if isinstance(value, fx.Node) else value
+
+
 def _metas(values: Iterable) -> list:
-    return [_meta(v.meta.get("val") if isinstance(v, fx.Node) else v) for v in values]
+    return [_meta(_val(v)) for v in values]
 
 
 def _partitions(gm: fx.GraphModule, idents: set[str]) -> dict[str, list[_Partition]]:
@@ -290,7 +294,7 @@ def _fit(stand_in: fx.Node, bw: fx.Node | None, part: _Partition, num_outputs: i
     if len(got) != len(mine):
         return "a stand-in output is read other than by getitem"
     for i, user in got.items():
-        if i >= num_outputs or _metas([user]) != _metas([outputs[i]]):
+        if i >= num_outputs or not _same_but_layout(_meta(_val(user)), _meta(_val(outputs[i]))):
             return f"output {i} differs from the partitioned forward's"
     if bw is None:
         return None
@@ -319,10 +323,13 @@ def _fit(stand_in: fx.Node, bw: fx.Node | None, part: _Partition, num_outputs: i
 
 
 def _same_but_layout(claimed: tuple | None, actual: tuple | None) -> bool:
-    """Whether a stand-in's gradient (``claimed``: the layout of its operand, as the stand-in's
-    fake backward makes it) can be the partitioned backward's (``actual``): equal, or equal but
-    for static strides, which :func:`_replace` copies the gradient into (a gradient's layout is
-    its backward's: nn.MultiheadAttention's batch-first key and value get theirs transposed)."""
+    """Whether a stand-in's output or gradient (``claimed``: the layout Dynamo's trace of the
+    first call gave the output, or the stand-in's fake backward gives the gradient: its
+    operand's) can be the partitioned forward's or backward's (``actual``): equal, or equal but
+    for static strides, which :func:`_replace` copies the value into (a gradient's layout is
+    its backward's: nn.MultiheadAttention's batch-first key and value get theirs transposed;
+    an output's is its partitioned forward's: GPT-J's key for the cache, concatenated from
+    halves whose layout eager ``torch.cat`` follows and its decomposition does not)."""
     if claimed == actual:
         return True
     if claimed is None or actual is None or claimed[0] == "size" or actual[0] == "size":
@@ -444,6 +451,7 @@ def _replace(gm: fx.GraphModule, fw: fx.Node, bw: fx.Node | None, part: _Partiti
         call.meta = copy.copy(fw.meta)
         call.meta["val"] = values
         _eager_input_vals(call, fw, part.fw_call)
+    outputs = [u for u in fw.users if is_call(u, operator.getitem)]
     saved: dict[int, fx.Node] = {}
     with graph.inserting_after(call):  # as torch does: each one right after the call
         for i in range(num_outputs, len(values)):
@@ -453,6 +461,8 @@ def _replace(gm: fx.GraphModule, fw: fx.Node, bw: fx.Node | None, part: _Partiti
             saved[i] = node
     fw.replace_all_uses_with(call)
     graph.erase_node(fw)
+    for output in outputs:
+        _keep_layout(graph, output, values[output.args[1]])
     if bw is None:
         return
     tangents = list(bw.args[3])
@@ -474,17 +484,18 @@ def _replace(gm: fx.GraphModule, fw: fx.Node, bw: fx.Node | None, part: _Partiti
     graph.erase_node(bw)
 
 
-def _keep_layout(graph: fx.Graph, grad: fx.Node, actual: object) -> None:
-    """Where the partitioned backward computes ``grad`` (a ``getitem`` of its call) in other
-    strides than the stand-in said (:func:`_same_but_layout`), copy it into the stand-in's, so
-    that the nodes traced on the stand-in's value read what they were traced for."""
-    claimed = grad.meta.get("val")
+def _keep_layout(graph: fx.Graph, value: fx.Node, actual: object) -> None:
+    """Where the partitioned forward or backward computes ``value`` (a ``getitem`` of its call:
+    an output or a gradient) in other strides than the stand-in said (:func:`_same_but_layout`),
+    copy it into the stand-in's, so that the nodes traced on the stand-in's value read what they
+    were traced for."""
+    claimed = value.meta.get("val")
     if _meta(claimed) == _meta(actual):
         return
-    grad.meta["val"] = actual
-    with graph.inserting_after(grad):
+    value.meta["val"] = actual
+    with graph.inserting_after(value):
         copied = graph.call_function(torch.ops.prims.copy_strided.default,
-                                     (grad, list(claimed.stride())))
-    copied.meta = copy.copy(grad.meta)
+                                     (value, list(claimed.stride())))
+    copied.meta = copy.copy(value.meta)
     copied.meta["val"] = claimed
-    grad.replace_all_uses_with(copied, delete_user_cb=lambda n: n is not copied)
+    value.replace_all_uses_with(copied, delete_user_cb=lambda n: n is not copied)
