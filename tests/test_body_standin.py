@@ -308,3 +308,67 @@ def test_hf_gptj_keys_laid_out_by_the_partitioned_forward_keep_their_stand_ins()
     torch.testing.assert_close(loss, expected)
     for name, param in reference.named_parameters():
         torch.testing.assert_close(grads[name], param.grad, msg=name)
+
+
+class _Residual(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(8, 12)
+        self.down = torch.nn.Linear(12, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class _SummedStack(torch.nn.Module):
+    """Four residual blocks whose last output a bare ``.sum()`` reads: its gradient is expanded
+    (strides 0), while the other calls get their next block's dense one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Residual() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.sum()
+
+
+def test_a_gradient_given_in_another_layout_is_copied_into_the_first_calls():
+    """The last block's stand-in backward gets an expanded gradient where the first call's
+    partitioned backward was traced for a dense one: the gradient is copied into that layout,
+    so the region compiles once with its stand-ins (before: refused, "the gradients the
+    backward gets differ", the region compiled again without them); the loss and the
+    gradients equal the unsharded model's (one rank, FX)."""
+    from dist_utils import one_rank_mesh
+
+    import shardc
+
+    torch.manual_seed(0)
+    model, reference = _SummedStack(), _SummedStack()
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(3, 5, 8)
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("shardc").addHandler(handler)
+    try:
+        with one_rank_mesh() as mesh:
+            shardc.shard(model, mesh)
+            torch._dynamo.reset()
+            loss = torch.compile(model, backend=shardc.backend(inductor=False))(x)
+            loss.backward()
+            stand_ins = [len(r.stand_ins or ()) for r in shardc.shard_state(model).regions]
+            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    finally:
+        logging.getLogger("shardc").removeHandler(handler)
+        torch._dynamo.reset()
+    expected = reference(x)
+    expected.backward()
+    assert not [m for m in messages if "stand-ins do not fit" in m], messages
+    # Block 0 compiles inline (its input needs no gradient); with the sunk residual the body's
+    # first two calls are traced: the last stands in.
+    assert stand_ins == [1], (stand_ins, messages)
+    torch.testing.assert_close(loss, expected)
+    for name, param in reference.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad, msg=name)

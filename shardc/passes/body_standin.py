@@ -298,14 +298,15 @@ def _fit(stand_in: fx.Node, bw: fx.Node | None, part: _Partition, num_outputs: i
             return f"output {i} differs from the partitioned forward's"
     if bw is None:
         return None
-    first_bw = part.bw_call
     for node in _first_saved_operands(part, num_outputs):
         if isinstance(node_value(node), torch.Tensor) and not _returned_by_first(part, node):
             return "the first call's backward takes a value its forward does not return"
-    first_tangents = list(first_bw.args[2 + part.num_sym + num_saved:])
+    first_tangents = _first_tangents(part, num_outputs)
     tangents = list(bw.args[3])
     read = _tangents_read(part.bw, len(first_tangents))
-    if _metas(tangents) != _metas(first_tangents) or (
+    if len(tangents) != len(first_tangents) or not all(
+            _same_but_layout(_meta(_val(first)), _meta(_val(mine)))
+            for mine, first in zip(tangents, first_tangents)) or (
             aliasing_pattern([tangents[i] for i in read])
             != aliasing_pattern([first_tangents[i] for i in read])):
         return "the gradients the backward gets differ from the first call's"
@@ -416,6 +417,34 @@ def _eager_input_vals(call: fx.Node, stand_in: fx.Node, first: fx.Node) -> None:
         call.meta["eager_input_vals"] = ((*first_args[:2], *operands), kwargs)
 
 
+def _first_tangents(part: _Partition, num_outputs: int) -> list:
+    """The first call's backward operands after its saved values: the gradients of the body's
+    outputs it is given."""
+    return list(part.bw_call.args[2 + len(_outputs(part.fw)) - num_outputs:])
+
+
+def _tangents_as_first(graph: fx.Graph, bw: fx.Node, part: _Partition,
+                       num_outputs: int) -> list:
+    """The stand-in backward ``bw``'s tangents, each one the partitioned backward reads copied
+    into the first call's layout where it has other static strides (:func:`_same_but_layout`:
+    the gradient of a last block's output that a bare ``.sum()`` reads is expanded, stride 0,
+    the first call's is the next block's dense one): the partitioned backward was traced for
+    the first call's."""
+    tangents = list(bw.args[3])
+    first = _first_tangents(part, num_outputs)
+    for i in _tangents_read(part.bw, len(first)):
+        mine, theirs = tangents[i], _val(first[i])
+        if not isinstance(mine, fx.Node) or _meta(_val(mine)) == _meta(theirs):
+            continue
+        with graph.inserting_before(bw):
+            copied = graph.call_function(torch.ops.prims.copy_strided.default,
+                                         (mine, list(theirs.stride())))
+        copied.meta = copy.copy(mine.meta)
+        copied.meta["val"] = theirs
+        tangents[i] = copied
+    return tangents
+
+
 def _first_saved_operands(part: _Partition, num_outputs: int) -> list:
     """The first call's backward operands before its tangents: its forward's values after the
     body's ``num_outputs`` outputs (symbolic sizes, then saved tensors)."""
@@ -465,7 +494,7 @@ def _replace(gm: fx.GraphModule, fw: fx.Node, bw: fx.Node | None, part: _Partiti
         _keep_layout(graph, output, values[output.args[1]])
     if bw is None:
         return
-    tangents = list(bw.args[3])
+    tangents = _tangents_as_first(graph, bw, part, num_outputs)
     grads_for = _gradient_positions(bw)
     with graph.inserting_after(bw):
         battr = graph.get_attr(part.bw_name)
