@@ -329,8 +329,8 @@ def _same_but_layout(claimed: tuple | None, actual: tuple | None) -> bool:
     operand's) can be the partitioned forward's or backward's (``actual``): equal, or equal but
     for static strides, which :func:`_replace` copies the value into (a gradient's layout is
     its backward's: nn.MultiheadAttention's batch-first key and value get theirs transposed;
-    an output's is its partitioned forward's: GPT-J's key for the cache, concatenated from
-    halves whose layout eager ``torch.cat`` follows and its decomposition does not)."""
+    an output's is its partitioned forward's: under Inductor's decompositions GPT-J's key for
+    the cache comes out permuted where Dynamo's trace had it dense)."""
     if claimed == actual:
         return True
     if claimed is None or actual is None or claimed[0] == "size" or actual[0] == "size":
