@@ -272,10 +272,6 @@ def test_hf_gptj_keys_laid_out_by_the_partitioned_forward_keep_their_stand_ins()
     compiled a second time without them); the loss and the gradients equal the unsharded
     model's (one rank)."""
     transformers = pytest.importorskip("transformers")
-    from dist_utils import one_rank_mesh
-
-    import shardc
-
     config = transformers.GPTJConfig(vocab_size=37, n_embd=16, n_layer=3, n_head=2,
                                      rotary_dim=4, n_positions=32, resid_pdrop=0.0,
                                      embd_pdrop=0.0, attn_pdrop=0.0,
@@ -285,6 +281,21 @@ def test_hf_gptj_keys_laid_out_by_the_partitioned_forward_keep_their_stand_ins()
     reference = transformers.GPTJForCausalLM(config)
     reference.load_state_dict(model.state_dict())
     ids = torch.randint(0, 37, (2, 9))
+    stand_ins, messages = _one_rank_step_like_reference(
+        model, reference, lambda m: m(input_ids=ids, labels=ids).loss, inductor=True)
+    assert stand_ins == [2], (stand_ins, messages)
+    assert not [m for m in messages if "stand-ins do not fit" in m], messages
+
+
+def _one_rank_step_like_reference(model: torch.nn.Module, reference: torch.nn.Module, step,
+                                  inductor: bool) -> tuple[list[int], list[str]]:
+    """One training step of ``model`` sharded at one rank and compiled by shardc (``step(module)``
+    returns the loss) and of the unsharded ``reference`` with the same weights: asserts their
+    losses and gradients equal; returns the regions' stand-in counts and shardc's log lines."""
+    from dist_utils import one_rank_mesh
+
+    import shardc
+
     messages: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: messages.append(record.getMessage())
@@ -293,21 +304,19 @@ def test_hf_gptj_keys_laid_out_by_the_partitioned_forward_keep_their_stand_ins()
         with one_rank_mesh() as mesh:
             shardc.shard(model, mesh)
             torch._dynamo.reset()
-            compiled = torch.compile(model, backend=shardc.backend())
-            loss = compiled(input_ids=ids, labels=ids).loss
+            loss = step(torch.compile(model, backend=shardc.backend(inductor=inductor)))
             loss.backward()
             stand_ins = [len(r.stand_ins or ()) for r in shardc.shard_state(model).regions]
             grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
     finally:
         logging.getLogger("shardc").removeHandler(handler)
         torch._dynamo.reset()
-    expected = reference(input_ids=ids, labels=ids).loss
+    expected = step(reference)
     expected.backward()
-    assert stand_ins == [2], (stand_ins, messages)
-    assert not [m for m in messages if "stand-ins do not fit" in m], messages
     torch.testing.assert_close(loss, expected)
     for name, param in reference.named_parameters():
         torch.testing.assert_close(grads[name], param.grad, msg=name)
+    return stand_ins, messages
 
 
 class _Residual(torch.nn.Module):
@@ -340,35 +349,13 @@ def test_a_gradient_given_in_another_layout_is_copied_into_the_first_calls():
     so the region compiles once with its stand-ins (before: refused, "the gradients the
     backward gets differ", the region compiled again without them); the loss and the
     gradients equal the unsharded model's (one rank, FX)."""
-    from dist_utils import one_rank_mesh
-
-    import shardc
-
     torch.manual_seed(0)
     model, reference = _SummedStack(), _SummedStack()
     reference.load_state_dict(model.state_dict())
     x = torch.randn(3, 5, 8)
-    messages: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: messages.append(record.getMessage())
-    logging.getLogger("shardc").addHandler(handler)
-    try:
-        with one_rank_mesh() as mesh:
-            shardc.shard(model, mesh)
-            torch._dynamo.reset()
-            loss = torch.compile(model, backend=shardc.backend(inductor=False))(x)
-            loss.backward()
-            stand_ins = [len(r.stand_ins or ()) for r in shardc.shard_state(model).regions]
-            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-    finally:
-        logging.getLogger("shardc").removeHandler(handler)
-        torch._dynamo.reset()
-    expected = reference(x)
-    expected.backward()
+    stand_ins, messages = _one_rank_step_like_reference(model, reference, lambda m: m(x),
+                                                        inductor=False)
     assert not [m for m in messages if "stand-ins do not fit" in m], messages
     # Block 0 compiles inline (its input needs no gradient); with the sunk residual the body's
     # first two calls are traced: the last stands in.
     assert stand_ins == [1], (stand_ins, messages)
-    torch.testing.assert_close(loss, expected)
-    for name, param in reference.named_parameters():
-        torch.testing.assert_close(grads[name], param.grad, msg=name)
