@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks.optimizer_first_step import main
 
 
+# The benchmark's smoke run (two compiled modes): slow (suite time, s64).
+@pytest.mark.slow
 def test_each_mode_records_its_step_over_every_parameter_tensor(tmp_path):
     main(["--tiny", "--depths", "2", "--steps", "1", "--out", str(tmp_path), "--name", "t"])
     rows = json.loads((tmp_path / "t.json").read_text())["rows"]
