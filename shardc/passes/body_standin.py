@@ -437,11 +437,7 @@ def _tangents_as_first(graph: fx.Graph, bw: fx.Node, part: _Partition,
         if not isinstance(mine, fx.Node) or _meta(_val(mine)) == _meta(theirs):
             continue
         with graph.inserting_before(bw):
-            copied = graph.call_function(torch.ops.prims.copy_strided.default,
-                                         (mine, list(theirs.stride())))
-        copied.meta = copy.copy(mine.meta)
-        copied.meta["val"] = theirs
-        tangents[i] = copied
+            tangents[i] = _strided_copy(graph, mine, theirs)
     return tangents
 
 
@@ -523,8 +519,15 @@ def _keep_layout(graph: fx.Graph, value: fx.Node, actual: object) -> None:
         return
     value.meta["val"] = actual
     with graph.inserting_after(value):
-        copied = graph.call_function(torch.ops.prims.copy_strided.default,
-                                     (value, list(claimed.stride())))
-    copied.meta = copy.copy(value.meta)
-    copied.meta["val"] = claimed
+        copied = _strided_copy(graph, value, claimed)
     value.replace_all_uses_with(copied, delete_user_cb=lambda n: n is not copied)
+
+
+def _strided_copy(graph: fx.Graph, value: fx.Node, like: torch.Tensor) -> fx.Node:
+    """A node (at ``graph``'s insertion point) copying ``value`` into the strides of ``like``,
+    a fake value of the same shape, dtype and device, which becomes its value."""
+    copied = graph.call_function(torch.ops.prims.copy_strided.default,
+                                 (value, list(like.stride())))
+    copied.meta = copy.copy(value.meta)
+    copied.meta["val"] = like
+    return copied
