@@ -425,14 +425,15 @@ def _first_tangents(part: _Partition, num_outputs: int) -> list:
 
 def _tangents_as_first(graph: fx.Graph, bw: fx.Node, part: _Partition,
                        num_outputs: int) -> list:
-    """The stand-in backward ``bw``'s tangents, each one the partitioned backward reads copied
-    into the first call's layout where it has other static strides (:func:`_same_but_layout`:
-    the gradient of a last block's output that a bare ``.sum()`` reads is expanded, stride 0,
-    the first call's is the next block's dense one): the partitioned backward was traced for
-    the first call's."""
+    """The stand-in backward ``bw``'s tangents, each copied into the first call's layout where
+    it has other static strides (:func:`_same_but_layout`: the gradient of a last block's output
+    that a bare ``.sum()`` reads is expanded, stride 0, the first call's is the next block's
+    dense one): the partitioned backward was traced for the first call's. Also the tangents it
+    does not read (a sunk pair's other half): Inductor's fake-tensor update after its post-grad
+    passes requires every call of one subgraph to pass its operands in one layout."""
     tangents = list(bw.args[3])
     first = _first_tangents(part, num_outputs)
-    for i in _tangents_read(part.bw, len(first)):
+    for i in range(len(first)):
         mine, theirs = tangents[i], _val(first[i])
         if not isinstance(mine, fx.Node) or _meta(_val(mine)) == _meta(theirs):
             continue
