@@ -1,8 +1,9 @@
-"""The sixty-fourth session's two stand-in layout fixes on one GPU (a probe, not a test): tiny
-GPT-J (its attention key laid out otherwise by the partitioned forward) and a stack of residual
-blocks whose last output a bare ``.sum()`` reads (an expanded gradient), each sharded at world 1
-(NCCL), compiled by shardc with Inductor, three SGD steps (lr 1e-3: the summed stack's loss is
-a sum, larger steps diverge) beside the unsharded model on the same data. Prints per case the stand-in count per region, the regions compiled, whether shardc logged
+"""The sixty-fourth session's two stand-in layout fixes (and s65's) on one GPU, a probe, not a
+test: tiny GPT-J (its attention key laid out otherwise by the partitioned forward) and a stack
+of residual blocks whose last output a bare ``.sum()`` reads (an expanded gradient), each
+sharded at world 1 (NCCL), compiled by shardc with Inductor, three SGD steps beside the
+unsharded model on the same data (lr 1e-3: the stack's loss is a sum, larger steps diverge).
+Prints per case the stand-in count per region, the regions compiled, whether shardc logged
 that stand-ins did not fit, and the largest loss and parameter differences.
 ``PYTHONPATH=$PWD python docs/bench/standin_s65/cuda_standins.py``"""
 import copy
@@ -40,11 +41,13 @@ def gptj():
                                      attn_pdrop=0.0, attn_implementation="eager")
     ids = [torch.randint(0, 101, (2, 17), generator=torch.Generator().manual_seed(s)).cuda()
            for s in range(3)]
-    return transformers.GPTJForCausalLM(config), lambda m, i: m(input_ids=ids[i], labels=ids[i]).loss
+    model = transformers.GPTJForCausalLM(config)
+    return model, lambda m, i: m(input_ids=ids[i], labels=ids[i]).loss
 
 
 def summed():
-    xs = [torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(s)).cuda() for s in range(3)]
+    xs = [torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(s)).cuda()
+          for s in range(3)]
     return SummedStack(), lambda m, i: m(xs[i])
 
 
