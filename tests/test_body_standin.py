@@ -297,6 +297,14 @@ def _one_rank_step_like_reference(model: torch.nn.Module, reference: torch.nn.Mo
     losses and gradients equal; returns the regions' stand-in counts and shardc's log lines."""
     from dist_utils import one_rank_mesh
 
+    with one_rank_mesh() as mesh:
+        return _step_like_reference(mesh, model, reference, step, inductor)
+
+
+def _step_like_reference(mesh, model: torch.nn.Module, reference: torch.nn.Module, step,
+                         inductor: bool) -> tuple[list[int], list[str]]:
+    """:func:`_one_rank_step_like_reference` on ``mesh`` (every rank steps on the same data, so
+    the averaged gradients are the reference's)."""
     import shardc
 
     messages: list[str] = []
@@ -304,13 +312,12 @@ def _one_rank_step_like_reference(model: torch.nn.Module, reference: torch.nn.Mo
     handler.emit = lambda record: messages.append(record.getMessage())
     logging.getLogger("shardc").addHandler(handler)
     try:
-        with one_rank_mesh() as mesh:
-            shardc.shard(model, mesh)
-            torch._dynamo.reset()
-            loss = step(torch.compile(model, backend=shardc.backend(inductor=inductor)))
-            loss.backward()
-            stand_ins = [len(r.stand_ins or ()) for r in shardc.shard_state(model).regions]
-            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        shardc.shard(model, mesh)
+        torch._dynamo.reset()
+        loss = step(torch.compile(model, backend=shardc.backend(inductor=inductor)))
+        loss.backward()
+        stand_ins = [len(r.stand_ins or ()) for r in shardc.shard_state(model).regions]
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
     finally:
         logging.getLogger("shardc").removeHandler(handler)
         torch._dynamo.reset()
@@ -367,3 +374,24 @@ def test_a_gradient_given_in_another_layout_is_copied_into_the_first_calls(induc
     # Block 0 compiles inline (its input needs no gradient); with the sunk residual the body's
     # first two calls are traced: the last stands in.
     assert stand_ins == [1], (stand_ins, messages)
+
+
+def _summed_stack_like_reference(rank: int, world: int) -> tuple[list[int], list[str]]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    model, reference = _SummedStack(), _SummedStack()
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(3, 5, 8)
+    return _step_like_reference(init_device_mesh("cpu", (world,)), model, reference,
+                                lambda m: m(x), inductor=True)
+
+
+@pytest.mark.slow
+def test_a_gradient_given_in_another_layout_at_three_uneven_ranks():
+    """The given-gradient case over real collectives: three ranks (the 8-wide weights and
+    biases uneven over them), Inductor, every rank's loss and gradients the unsharded
+    model's, the last call standing in."""
+    for stand_ins, messages in run_ranks(_summed_stack_like_reference, 3):
+        assert stand_ins == [1], (stand_ins, messages)
+        assert not [m for m in messages if "stand-ins do not fit" in m], messages
