@@ -69,7 +69,10 @@ from shardc.memory.pool import assign_pool
 from shardc.ops.gather import GATHER_OP
 from shardc.ops.gather_args import GatherArgs
 from shardc.ops.pool import CAST_INTO_OP
-from shardc.passes.aliased_saved_values import save_one_view_per_storage
+from shardc.passes.aliased_saved_values import (
+    read_body_views_through_their_base,
+    save_one_view_per_storage,
+)
 from shardc.passes.body import BodyCall
 from shardc.passes.body_donations import order_for_body_donations, subgraph_inputs
 from shardc.passes.dedupe import dedupe_gathers, merge_reduce_scatters
@@ -246,6 +249,11 @@ def partition(gm: fx.GraphModule, joint_inputs: Sequence[object], *, record: boo
     # One saved value per storage where a body returns two views of one tensor (attention's
     # output): the backward views the kept one (shardc/passes/aliased_saved_values.py).
     save_one_view_per_storage(fw, bw, kwargs["num_fwd_outputs"])
+    # A body output that views another output of its call, one read here and one saved (the
+    # last sunk call's pair sum and its view for a weight's gradient): read as a view of it, so
+    # Inductor does not write one's buffer in place while the other is still to be read.
+    read_body_views_through_their_base(fw)
+    read_body_views_through_their_base(bw)
     sink = _PARTITIONED_SINK.get() if record else None
     if sink is not None:
         sink.append((copy_graph_module(fw), copy_graph_module(bw)))

@@ -27,6 +27,16 @@ Left as they are: a group without a member laid out as the value (no view to sta
 a view whose ops take symbolic sizes (dynamic shapes; the sizes would have to be rebuilt in the
 backward). ``select``s of a packed query/key/value projection (nn.MultiheadAttention's) form
 such a group; their storages do not overlap, so they are harmless either way.
+
+The same hazard within one graph: :func:`read_body_views_through_their_base`. A body call can
+return a value and a view of it where the graph reads one and saves the other: a sunk block
+whose first op is a linear layer returns the sum of its input pair (the next call's input, or,
+for the last call, what the region adds to the last pair) and saves that sum's 2-D view for its
+weight's gradient. Inductor, seeing two independent buffers, computed the region's final add in
+place in the sum's buffer while the saved view still had to be read: the last block's first
+weight got a wrong gradient, silently (s65; a loss reading the sum as ``(y * y.detach()).sum()``,
+which keeps that add materialized). The pass makes the graph read every such view as a view of
+the output laid out as the value, so Inductor sees one buffer and its views.
 """
 
 from __future__ import annotations
@@ -41,7 +51,8 @@ from shardc.passes.body import INVOKE_SUBGRAPH
 from shardc.passes.fx_utils import call, is_call, is_view
 from shardc.passes.saved_order import saved_inputs
 
-__all__ = ["derived_saved_values", "save_one_view_per_storage", "view_path"]
+__all__ = ["derived_saved_values", "read_body_views_through_their_base",
+           "save_one_view_per_storage", "view_path"]
 
 
 def view_path(node: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
@@ -197,3 +208,61 @@ def save_one_view_per_storage(fw: fx.GraphModule, bw: fx.GraphModule,
     fw.recompile()
     bw.recompile()
     return len(gone)
+
+
+def read_body_views_through_their_base(gm: fx.GraphModule) -> int:
+    """In ``gm`` (a partitioned forward or backward), read each output of a body call that is a
+    chain of views of a body value another output of the same call returns as it is (same
+    layout), as those views applied to that output (module docstring); returns how many outputs
+    were rewritten. The output laid out as the value moves to right after the call and the views
+    follow it. Left as they are: groups without such an output, views with symbolic sizes, and
+    the same body node at two positions (``shardc.passes.repeated_body_outputs``).
+    Deterministic: the graph alone decides."""
+    outputs_of: dict[str, Sequence] = {}
+    changed = 0
+    for call_node in [n for n in gm.graph.nodes if is_call(n, INVOKE_SUBGRAPH)]:
+        target = call_node.args[0].target
+        if target not in outputs_of:
+            body = getattr(gm, target)
+            outputs_of[target] = next(iter(body.graph.find_nodes(op="output"))).args[0]
+        changed += _read_views_of_call(gm.graph, call_node, outputs_of[target])
+    if changed:
+        gm.recompile()
+    return changed
+
+
+def _read_views_of_call(graph: fx.Graph, call_node: fx.Node, outputs: Sequence) -> int:
+    """:func:`read_body_views_through_their_base` for one call, whose body returns ``outputs``."""
+    groups: dict[fx.Node, list[tuple[fx.Node, list[fx.Node]]]] = {}
+    for item in list(call_node.users):
+        if not is_call(item, operator.getitem) or not isinstance(outputs[item.args[1]], fx.Node):
+            continue
+        inner, views = view_path(outputs[item.args[1]])
+        groups.setdefault(inner, []).append((item, views))
+    changed = 0
+    for inner, members in groups.items():
+        layout = _layout(inner)
+        kept = next((item for item, views in members
+                     if not views and layout is not None and _layout(item) == layout), None)
+        derived = [(item, views) for item, views in members
+                   if item is not kept and views and _replayable(views)]
+        if kept is None or not derived:
+            continue
+        call_node.append(kept)  # (a getitem of the call: valid anywhere after it)
+        anchor = kept
+        for item, views in derived:
+            with graph.inserting_before(anchor.next):  # (in order, unlike inserting_after)
+                node, inserted = kept, []
+                for view in views:
+                    node = call(graph, view.target, (node, *view.args[1:]), dict(view.kwargs))
+                    inserted.append(node)
+            if _layout(node) is None or _layout(node) != _layout(item):
+                for n in reversed(inserted):
+                    graph.erase_node(n)
+                continue
+            node.meta.update({k: v for k, v in item.meta.items() if k != "val"})
+            item.replace_all_uses_with(node)
+            graph.erase_node(item)
+            anchor = node
+            changed += 1
+    return changed
