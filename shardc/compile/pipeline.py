@@ -75,6 +75,7 @@ from shardc.passes.aliased_saved_values import (
 )
 from shardc.passes.body import BodyCall
 from shardc.passes.body_donations import order_for_body_donations, subgraph_inputs
+from shardc.passes.body_operand_layouts import copy_operands_into_traced_layouts
 from shardc.passes.dedupe import dedupe_gathers, merge_reduce_scatters
 from shardc.passes.fp8 import Fp8Summary, hoist_fp8_quantize, prepare_fp8
 from shardc.passes.fx_utils import allocate_real, copy_graph_module, is_call
@@ -233,6 +234,10 @@ def partition(gm: fx.GraphModule, joint_inputs: Sequence[object], *, record: boo
     """Step 4: the min-cut partition of the joint graph, checked (``record``: handed to the
     partitioned-graph sink, which the budget planner's trials are not)."""
     fw, bw = _torch.min_cut_partition(gm, joint_inputs, **kwargs)
+    # Inductor's joint passes can hand a body call an operand in another layout than its
+    # subgraph was traced for (an expanded gradient): copied into the traced one.
+    copy_operands_into_traced_layouts(fw)
+    copy_operands_into_traced_layouts(bw)
     # The parameters' DeviceMesh is saved for the backward (it builds the DTensor gradients);
     # checkpointed random ops (SDPA, dropout) save RNG states behind it, out of the order
     # AOTAutograd reads saved values in: put them back (shardc/passes/saved_order.py).

@@ -72,6 +72,19 @@ _PLAIN_ARGS = (int, float, bool, str, type(None), torch.dtype, torch.device, tor
                torch.memory_format)
 
 
+def recomputed_value(graph: fx.Graph, node: fx.Node) -> object:
+    """``node``'s fake value computed again from its inputs' fake values (a ``call_function``
+    node of ``graph``), or None where there is no fake mode or torch cannot evaluate it."""
+    mode = fake_mode_of(graph)
+    if mode is None or node.op != "call_function":
+        return None
+    try:
+        with mode:
+            return node.target(*_fake_values(node.args), **_fake_values(dict(node.kwargs)))
+    except Exception:  # (an op torch cannot evaluate on these values: the caller keeps its own)
+        return None
+
+
 def _fake_values(a: Any):
     """``a`` with every node replaced by its fake value: what ``tree_map_only(fx.Node, ...)``
     gives, walked directly for the plain tuples, lists, dicts and scalars the passes build

@@ -1,0 +1,88 @@
+"""Give every body call its operands in the layouts its subgraph was traced for.
+
+A partitioned body is compiled once for the layouts its placeholders were traced with, and every
+call of it must pass those: Inductor's fake-tensor update after its post-grad passes refuses a
+subgraph whose calls pass one operand in two layouts ("subgraph args must have consistent
+values", torch 2.13), and on torch 2.11 the compiled body's stride assertions fail at run time.
+Inductor's own joint-graph passes can break that before shardc partitions: a loss
+``(y * torch.ones(1, 1, d)).sum()`` gives the last block the gradient ``expand(g) * ones``,
+which its pattern passes reduce to ``expand(g)`` (strides 0), while the body's backward was
+traced for a dense gradient (plain ``torch.compile`` with ``nested_compile_region`` fails the
+same way on torch 2.11 and 2.13; found in s65, ``docs/bench/standin_s65/loss_layouts.py``).
+
+:func:`copy_operands_into_traced_layouts` copies each operand whose layout differs from its
+placeholder's only in static strides or offset into the placeholder's layout
+(``prims.copy_strided``): the same values, one copy of that operand. Operands that differ
+otherwise, or with symbolic sizes or strides, are left for torch to report. An operand made by a
+view op has its layout computed again from its input: a pattern replacement can leave the
+value of the node it replaced on it (the ``expand`` above carried the dense product's).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from shardc.passes.body import INVOKE_SUBGRAPH
+from shardc.passes.fx_utils import call, is_call, is_view, recomputed_value
+
+__all__ = ["copy_operands_into_traced_layouts"]
+
+
+def _static_layout(value: object) -> tuple | None:
+    """Sizes, strides, offset, dtype and device of a tensor whose sizes, strides and offset are
+    plain ints (comparing symbolic ones would add guards), else None."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    ints = (*value.shape, *value.stride(), value.storage_offset())
+    if not all(type(i) is int for i in ints):
+        return None
+    return tuple(value.shape), tuple(value.stride()), value.storage_offset(), value.dtype, \
+        value.device
+
+
+def _needs_copy(traced: tuple | None, given: tuple | None) -> bool:
+    """Whether an operand laid out as ``given`` must be copied into ``traced``: both static,
+    the same sizes, dtype and device, other strides or offset."""
+    if traced is None or given is None or traced == given:
+        return False
+    return (traced[0], traced[3], traced[4]) == (given[0], given[3], given[4])
+
+
+def _given_layout(graph: fx.Graph, operand: fx.Node) -> tuple | None:
+    """The layout ``operand`` has: for a view op's node, computed again from its inputs' fake
+    values (and its value set to it), else its recorded fake value's."""
+    if is_view(operand):
+        value = recomputed_value(graph, operand)
+        if isinstance(value, torch.Tensor):
+            operand.meta["val"] = value
+    return _static_layout(operand.meta.get("val"))
+
+
+def copy_operands_into_traced_layouts(gm: fx.GraphModule) -> int:
+    """Copy each operand of each body call in ``gm`` that its subgraph's placeholder was traced
+    in another static layout for into that layout (module docstring); returns how many were
+    copied. Deterministic: the graph alone decides."""
+    copied = 0
+    for node in [n for n in gm.graph.nodes if is_call(n, INVOKE_SUBGRAPH)]:
+        body = getattr(gm, node.args[0].target, None)
+        if not isinstance(body, fx.GraphModule):
+            continue
+        placeholders = list(body.graph.find_nodes(op="placeholder"))
+        operands = list(node.args[2:])
+        if len(placeholders) != len(operands):
+            continue
+        for i, (placeholder, operand) in enumerate(zip(placeholders, operands, strict=True)):
+            if not isinstance(operand, fx.Node):
+                continue
+            traced = placeholder.meta.get("val")
+            if not _needs_copy(_static_layout(traced), _given_layout(gm.graph, operand)):
+                continue
+            with gm.graph.inserting_before(node):
+                operands[i] = call(gm.graph, torch.ops.prims.copy_strided.default,
+                                   (operand, list(traced.stride())))
+            copied += 1
+        node.args = (*node.args[:2], *operands)
+    if copied:
+        gm.recompile()
+    return copied

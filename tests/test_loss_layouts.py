@@ -1,0 +1,71 @@
+"""Losses that hand the last block of a stack compiled once per block (body calls, the sunk
+residual) its output's gradient, or keep its output, in ways the middle blocks never see: each
+trains like the unsharded model under Inductor, shardc's default. Found by
+``docs/bench/standin_s65/loss_layouts.py`` (s65), which runs nine such losses under FX and
+Inductor; the two here failed:
+
+- ``(y * y.detach()).sum()`` keeps the region's final add (of the last pair) materialized, and
+  Inductor computed it in place in the last call's input sum while the call's saved view of that
+  sum was still to be read: the last block's ``up.weight`` gradient was 3.6 off, silently
+  (``aliased_saved_values.read_body_views_through_their_base``).
+- ``(y * torch.ones(1, 1, 8)).sum()``: Inductor's joint passes reduce the gradient to an expanded
+  one (strides 0) while the body's backward was traced for a dense one; the compile failed
+  ("subgraph args must have consistent values";
+  ``shardc.passes.body_operand_layouts``). Plain ``torch.compile`` with
+  ``nested_compile_region`` fails the same way on torch 2.11 and 2.13.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_utils import one_rank_mesh
+
+
+class _Residual(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(8, 12), torch.nn.Linear(12, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self, loss: str) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Residual() for _ in range(4))
+        self.loss = loss
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        if self.loss == "keeps_the_sum":
+            return (x * x.detach()).sum()
+        return (x * torch.ones(1, 1, 8)).sum()
+
+
+@pytest.mark.parametrize("loss", ["keeps_the_sum", "expanded_gradient"])
+def test_the_last_block_trains_like_the_unsharded_model(loss):
+    import shardc
+
+    torch.manual_seed(0)
+    model, reference = _Stack(loss), _Stack(loss)
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(3, 5, 8)
+    with one_rank_mesh() as mesh:
+        shardc.shard(model, mesh)
+        torch._dynamo.reset()
+        try:
+            out = torch.compile(model, backend=shardc.backend())(x)
+            out.backward()
+            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+            bodies = [len(p.bodies) for p in shardc.explain_all(model)]
+        finally:
+            torch._dynamo.reset()
+    assert bodies == [1]  # blocks 1-3 call one compiled body (block 0 is inline)
+    expected = reference(x)
+    expected.backward()
+    torch.testing.assert_close(out, expected)
+    for name, param in reference.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad, msg=name)
