@@ -234,3 +234,38 @@ def test_a_saved_view_of_an_output_the_graph_reads_is_read_through_that_output()
     for got, want in zip(gm(x, w), expected, strict=True):
         assert torch.equal(got, want)
     assert read_body_views_through_their_base(gm) == 0  # nothing left to do
+
+
+def _view_of_input(x: torch.Tensor, w: torch.Tensor):
+    return x.view(24), torch.mm(x, w)
+
+
+def test_an_output_viewing_an_operand_is_read_as_that_view_of_the_operand():
+    """A body returning a view of its input (a recomputed block's pruned forward does): the
+    caller reads the view of its own operand, so the operand's buffer has one name."""
+    body = make_fx(_view_of_input, tracing_mode="fake")(torch.randn(4, 6), torch.randn(6, 2))
+    root = torch.nn.Module()
+    root.body = body
+    g = fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    doubled = g.call_function(aten.mul.Tensor, (x, 2.0))
+    call = g.call_function(INVOKE, (g.get_attr("body"), "body_id", doubled, w))
+    view = g.call_function(operator.getitem, (call, 0))
+    product = g.call_function(operator.getitem, (call, 1))
+    g.output((view, product))
+    mode = FakeTensorMode()
+    with mode:
+        fakes = {"x": torch.empty(4, 6), "w": torch.empty(6, 2), "mul_tensor": torch.empty(4, 6),
+                 "getitem": torch.empty(24), "getitem_1": torch.empty(4, 2)}
+    for node in g.nodes:
+        if node.name in fakes:
+            node.meta["val"] = fakes[node.name]
+    gm = fx.GraphModule(root, g)
+    args = torch.randn(4, 6), torch.randn(6, 2)
+    expected = gm(*args)
+    assert read_body_views_through_their_base(gm) == 1
+    read = next(iter(gm.graph.find_nodes(op="output"))).args[0][0]
+    base, views = view_path(read)
+    assert base is doubled and [v.target for v in views] == [aten.view.default]
+    for got, want in zip(gm(*args), expected, strict=True):
+        assert torch.equal(got, want)

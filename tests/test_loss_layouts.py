@@ -2,7 +2,7 @@
 residual) its output's gradient, or keep its output, in ways the middle blocks never see: each
 trains like the unsharded model under Inductor, shardc's default. Found by
 ``docs/bench/standin_s65/loss_layouts.py`` (s65), which runs nine such losses under FX and
-Inductor; the two here failed:
+Inductor; the three here failed:
 
 - ``(y * y.detach()).sum()`` keeps the region's final add (of the last pair) materialized, and
   Inductor computed it in place in the last call's input sum while the call's saved view of that
@@ -13,6 +13,12 @@ Inductor; the two here failed:
   ("subgraph args must have consistent values";
   ``shardc.passes.body_operand_layouts``). Plain ``torch.compile`` with
   ``nested_compile_region`` fails the same way on torch 2.11 and 2.13.
+- Checkpointed blocks (``checkpoint(block, x)``) with ``x.mean()``: the backward recomputes the
+  last block's forward, pruned to what its backward reads, which includes a view of the body's
+  input (the first linear layer's input); Inductor took that output for a buffer of its own and
+  the input's buffer for dead, and the last block's ``up.weight`` gradient was 0.09 off,
+  silently (sink or not). The caller now reads such an output as the view of its operand
+  (``read_body_views_through_their_base``).
 """
 
 from __future__ import annotations
@@ -39,13 +45,18 @@ class _Stack(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
-            x = block(x)
+            if self.loss == "checkpointed_mean":
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         if self.loss == "keeps_the_sum":
             return (x * x.detach()).sum()
+        if self.loss == "checkpointed_mean":
+            return x.mean()
         return (x * torch.ones(1, 1, 8)).sum()
 
 
-@pytest.mark.parametrize("loss", ["keeps_the_sum", "expanded_gradient"])
+@pytest.mark.parametrize("loss", ["keeps_the_sum", "expanded_gradient", "checkpointed_mean"])
 def test_the_last_block_trains_like_the_unsharded_model(loss):
     import shardc
 

@@ -36,7 +36,12 @@ weight's gradient. Inductor, seeing two independent buffers, computed the region
 place in the sum's buffer while the saved view still had to be read: the last block's first
 weight got a wrong gradient, silently (s65; a loss reading the sum as ``(y * y.detach()).sum()``,
 which keeps that add materialized). The pass makes the graph read every such view as a view of
-the output laid out as the value, so Inductor sees one buffer and its views.
+the output laid out as the value, so Inductor sees one buffer and its views. Likewise an output
+that is one of the call's operands passed through, or a view of one: a checkpointed block's
+forward, recomputed in the backward and pruned to what its backward reads, returns a view of its
+input (the first linear layer's input); Inductor took the input's buffer for dead after the call
+while the view still had to be read (the last block's first weight 0.09 off with ``x.mean()``,
+s65). The graph reads such an output as that view of the operand.
 """
 
 from __future__ import annotations
@@ -213,56 +218,82 @@ def save_one_view_per_storage(fw: fx.GraphModule, bw: fx.GraphModule,
 def read_body_views_through_their_base(gm: fx.GraphModule) -> int:
     """In ``gm`` (a partitioned forward or backward), read each output of a body call that is a
     chain of views of a body value another output of the same call returns as it is (same
-    layout), as those views applied to that output (module docstring); returns how many outputs
-    were rewritten. The output laid out as the value moves to right after the call and the views
-    follow it. Left as they are: groups without such an output, views with symbolic sizes, and
-    the same body node at two positions (``shardc.passes.repeated_body_outputs``).
-    Deterministic: the graph alone decides."""
-    outputs_of: dict[str, Sequence] = {}
+    layout), as those views applied to that output; and each output that is an operand of the
+    call passed through, or a chain of views of one, as those views applied to the operand
+    (module docstring). Returns how many outputs were rewritten. An output laid out as the
+    value moves to right after the call and the views follow it. Left as they are: groups
+    without such an output, views with symbolic sizes, and the same body node at two positions
+    (``shardc.passes.repeated_body_outputs``). Deterministic: the graph alone decides."""
+    bodies: dict[str, tuple[Sequence, list[fx.Node]]] = {}
     changed = 0
     for call_node in [n for n in gm.graph.nodes if is_call(n, INVOKE_SUBGRAPH)]:
         target = call_node.args[0].target
-        if target not in outputs_of:
+        if target not in bodies:
             body = getattr(gm, target)
-            outputs_of[target] = next(iter(body.graph.find_nodes(op="output"))).args[0]
-        changed += _read_views_of_call(gm.graph, call_node, outputs_of[target])
+            bodies[target] = (next(iter(body.graph.find_nodes(op="output"))).args[0],
+                              list(body.graph.find_nodes(op="placeholder")))
+        outputs, placeholders = bodies[target]
+        changed += _read_views_of_call(gm.graph, call_node, outputs, placeholders)
     if changed:
         gm.recompile()
     return changed
 
 
-def _read_views_of_call(graph: fx.Graph, call_node: fx.Node, outputs: Sequence) -> int:
-    """:func:`read_body_views_through_their_base` for one call, whose body returns ``outputs``."""
+def _read_views_of_call(graph: fx.Graph, call_node: fx.Node, outputs: Sequence,
+                        placeholders: list[fx.Node]) -> int:
+    """:func:`read_body_views_through_their_base` for one call, whose body returns ``outputs``
+    and takes ``placeholders``."""
     groups: dict[fx.Node, list[tuple[fx.Node, list[fx.Node]]]] = {}
     for item in list(call_node.users):
         if not is_call(item, operator.getitem) or not isinstance(outputs[item.args[1]], fx.Node):
             continue
         inner, views = view_path(outputs[item.args[1]])
         groups.setdefault(inner, []).append((item, views))
+    operands = list(call_node.args[2:])
+    position = {p: i for i, p in enumerate(placeholders)} \
+        if len(placeholders) == len(operands) else {}
     changed = 0
     for inner, members in groups.items():
         layout = _layout(inner)
-        kept = next((item for item, views in members
-                     if not views and layout is not None and _layout(item) == layout), None)
-        derived = [(item, views) for item, views in members
-                   if item is not kept and views and _replayable(views)]
-        if kept is None or not derived:
-            continue
-        call_node.append(kept)  # (a getitem of the call: valid anywhere after it)
-        anchor = kept
-        for item, views in derived:
-            with graph.inserting_before(anchor.next):  # (in order, unlike inserting_after)
-                node, inserted = kept, []
-                for view in views:
-                    node = call(graph, view.target, (node, *view.args[1:]), dict(view.kwargs))
-                    inserted.append(node)
-            if _layout(node) is None or _layout(node) != _layout(item):
-                for n in reversed(inserted):
-                    graph.erase_node(n)
+        if inner in position and isinstance(operands[position[inner]], fx.Node):
+            # An operand passed through (viewed or not): the caller holds it already.
+            base, anchor = operands[position[inner]], call_node
+            if layout is None or _layout(base) != layout:
                 continue
-            node.meta.update({k: v for k, v in item.meta.items() if k != "val"})
+            derived = [(item, views) for item, views in members if _replayable(views)]
+        else:
+            base = next((item for item, views in members
+                         if not views and layout is not None and _layout(item) == layout), None)
+            derived = [(item, views) for item, views in members
+                       if item is not base and views and _replayable(views)]
+            if base is None or not derived:
+                continue
+            call_node.append(base)  # (a getitem of the call: valid anywhere after it)
+            anchor = base
+        for item, views in derived:
+            node = _replay_after(graph, anchor, base, views, _layout(item))
+            if node is None:
+                continue
+            if node is not base:
+                node.meta.update({k: v for k, v in item.meta.items() if k != "val"})
+                anchor = node
             item.replace_all_uses_with(node)
             graph.erase_node(item)
-            anchor = node
             changed += 1
     return changed
+
+
+def _replay_after(graph: fx.Graph, anchor: fx.Node, base: fx.Node, views: Sequence[fx.Node],
+                  layout: tuple | None) -> fx.Node | None:
+    """``views`` applied to ``base`` right after ``anchor`` (``base`` itself for none); None,
+    with nothing left inserted, unless the result is laid out as ``layout`` (static)."""
+    node, inserted = base, []
+    with graph.inserting_before(anchor.next):  # (in order, unlike inserting_after)
+        for view in views:
+            node = call(graph, view.target, (node, *view.args[1:]), dict(view.kwargs))
+            inserted.append(node)
+    if layout is None or _layout(node) != layout:
+        for n in reversed(inserted):
+            graph.erase_node(n)
+        return None
+    return node

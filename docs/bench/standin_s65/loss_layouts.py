@@ -3,9 +3,12 @@ the loss the user writes; each such layout must train a shardc-compiled stack of
 like the unsharded model. For each loss below and each backend, one rank (gloo, in process), two
 SGD steps; prints the stand-in count, whether stand-ins were refused, the largest loss and
 gradient differences, or the failure.
-``PYTHONPATH=$PWD python docs/bench/standin_s65/loss_layouts.py [inductor|fx] [cpu|cuda]``"""
+``PYTHONPATH=$PWD python docs/bench/standin_s65/loss_layouts.py [inductor|fx] [cpu|cuda]``;
+``SHARD_OPTS`` / ``BACKEND_OPTS``: Python dicts of ``shardc.shard`` / ``shardc.backend`` options
+(e.g. ``SHARD_OPTS="dict(pack_blocks=True)"``); ``CHECKPOINT=1`` checkpoints each block.``"""
 import copy
 import logging
+import os
 import sys
 
 import torch
@@ -29,7 +32,10 @@ class Stack(torch.nn.Module):
 
     def forward(self, x):
         for block in self.blocks:
-            x = block(x)
+            if os.environ.get("CHECKPOINT") == "1":
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         return self.loss(x)
 
 
@@ -58,9 +64,10 @@ def run(name, loss, inductor, device):
     torch.manual_seed(0)
     model = Stack(loss).to(device)
     reference = copy.deepcopy(model)
-    shardc.shard(model, init_device_mesh(device, (1,)))
+    shardc.shard(model, init_device_mesh(device, (1,)), **eval(os.environ.get("SHARD_OPTS", "{}")))
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend=shardc.backend(inductor=inductor))
+    compiled = torch.compile(model, backend=shardc.backend(
+        inductor=inductor, **eval(os.environ.get("BACKEND_OPTS", "{}"))))
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=1e-2)
     loss_diff = grad_diff = 0.0
