@@ -353,8 +353,10 @@ class _SummedStack(torch.nn.Module):
         return x.sum()
 
 
-# FX is slow (suite time): Inductor, the default, runs the same checks and more.
-@pytest.mark.parametrize("inductor", [pytest.param(False, marks=pytest.mark.slow), True])
+# Slow (suite time): tests/test_loss_layouts.py trains the same stack's bare sum under Inductor
+# in the default tier (a compile failure before fe6508e).
+@pytest.mark.slow
+@pytest.mark.parametrize("inductor", [False, True])
 def test_a_gradient_given_in_another_layout_is_copied_into_the_first_calls(inductor):
     """The last block's stand-in backward gets an expanded gradient where the first call's
     partitioned backward was traced for a dense one: the gradient is copied into that layout,

@@ -2,7 +2,7 @@
 residual) its output's gradient, or keep its output, in ways the middle blocks never see: each
 trains like the unsharded model under Inductor, shardc's default. Found by
 ``docs/bench/standin_s65/loss_layouts.py`` (s65), which runs nine such losses under FX and
-Inductor; the three here failed:
+Inductor; the four here failed:
 
 - ``(y * y.detach()).sum()`` keeps the region's final add (of the last pair) materialized, and
   Inductor computed it in place in the last call's input sum while the call's saved view of that
@@ -13,6 +13,11 @@ Inductor; the three here failed:
   ("subgraph args must have consistent values";
   ``shardc.passes.body_operand_layouts``). Plain ``torch.compile`` with
   ``nested_compile_region`` fails the same way on torch 2.11 and 2.13.
+- ``x.sum()``: the last call's stand-in gets an expanded gradient, copied into the first call's
+  layout since s64; the half of the sunk pair the backward does not read was left expanded, and
+  Inductor's fake-tensor update refused the two layouts of one subgraph operand (the compile
+  failed; ``shardc.passes.body_standin._tangents_as_first``, fixed in s65; the operand-layout
+  pass below now covers it too).
 - Checkpointed blocks (``checkpoint(block, x)``) with ``x.mean()``: the backward recomputes the
   last block's forward, pruned to what its backward reads, which includes a view of the body's
   input (the first linear layer's input); Inductor took that output for a buffer of its own and
@@ -53,10 +58,13 @@ class _Stack(torch.nn.Module):
             return (x * x.detach()).sum()
         if self.loss == "checkpointed_mean":
             return x.mean()
+        if self.loss == "bare_sum":
+            return x.sum()
         return (x * torch.ones(1, 1, 8)).sum()
 
 
-@pytest.mark.parametrize("loss", ["keeps_the_sum", "expanded_gradient", "checkpointed_mean"])
+@pytest.mark.parametrize("loss", ["keeps_the_sum", "expanded_gradient", "checkpointed_mean",
+                                  "bare_sum"])
 def test_the_last_block_trains_like_the_unsharded_model(loss):
     import shardc
 
