@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import one_rank_mesh
+from dist_utils import one_rank_mesh, run_ranks
 
 
 class _Residual(torch.nn.Module):
@@ -63,25 +63,30 @@ class _Stack(torch.nn.Module):
         return (x * torch.ones(1, 1, 8)).sum()
 
 
-@pytest.mark.parametrize("loss", ["keeps_the_sum", "expanded_gradient", "checkpointed_mean",
-                                  "bare_sum"])
-def test_the_last_block_trains_like_the_unsharded_model(loss):
+def _step(mesh, loss: str) -> tuple:
+    """One step of the stack sharded on ``mesh`` under shardc's default backend and of the
+    unsharded stack, on the same data (every rank's): the compiled loss, gradients and body
+    counts, and the reference's loss and parameters."""
     import shardc
 
     torch.manual_seed(0)
     model, reference = _Stack(loss), _Stack(loss)
     reference.load_state_dict(model.state_dict())
     x = torch.randn(3, 5, 8)
-    with one_rank_mesh() as mesh:
-        shardc.shard(model, mesh)
+    shardc.shard(model, mesh)
+    torch._dynamo.reset()
+    try:
+        out = torch.compile(model, backend=shardc.backend())(x)
+        out.backward()
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        bodies = [len(p.bodies) for p in shardc.explain_all(model)]
+    finally:
         torch._dynamo.reset()
-        try:
-            out = torch.compile(model, backend=shardc.backend())(x)
-            out.backward()
-            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-            bodies = [len(p.bodies) for p in shardc.explain_all(model)]
-        finally:
-            torch._dynamo.reset()
+    return out, grads, bodies, reference, x
+
+
+def _check(out, grads, bodies, reference, x) -> None:
+    """The compiled step's loss and gradients equal the reference's on ``x``."""
     # Blocks 1-3 call compiled bodies (block 0 is inline): one on torch 2.13+, where the sunk
     # first call shares the keyed trace; two on torch 2.11's trace-once path.
     assert len(bodies) == 1 and bodies[0] >= 1, bodies
@@ -90,3 +95,24 @@ def test_the_last_block_trains_like_the_unsharded_model(loss):
     torch.testing.assert_close(out, expected)
     for name, param in reference.named_parameters():
         torch.testing.assert_close(grads[name], param.grad, msg=name)
+
+
+@pytest.mark.parametrize("loss", ["keeps_the_sum", "expanded_gradient", "checkpointed_mean",
+                                  "bare_sum"])
+def test_the_last_block_trains_like_the_unsharded_model(loss):
+    with one_rank_mesh() as mesh:
+        result = _step(mesh, loss)
+    _check(*result)
+
+
+def _on_ranks(rank: int, world: int, loss: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _check(*_step(init_device_mesh("cpu", (world,)), loss))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss", ["keeps_the_sum", "checkpointed_mean"])
+def test_the_last_block_trains_like_the_unsharded_model_at_three_uneven_ranks(loss):
+    """The two silent faults over real collectives: three ranks, the 8-wide weights uneven."""
+    run_ranks(_on_ranks, 3, loss)
