@@ -49,11 +49,10 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 
-import torch
 from torch import fx
 
 from shardc.passes.body import INVOKE_SUBGRAPH
-from shardc.passes.fx_utils import call, is_call, is_view
+from shardc.passes.fx_utils import call, is_call, is_view, static_layout
 from shardc.passes.saved_order import saved_inputs
 
 __all__ = ["derived_saved_values", "read_body_views_through_their_base",
@@ -72,7 +71,7 @@ def view_path(node: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
 
 def _layout(node: fx.Node) -> tuple | None:
     val = node.meta.get("val")
-    return _layout_of(val) if isinstance(val, torch.Tensor) else None
+    return static_layout(val)
 
 
 def _replayable(views: Sequence[fx.Node]) -> bool:
@@ -152,15 +151,6 @@ def _replay(bw: fx.GraphModule, kept: fx.Node, views: Sequence[fx.Node],
             bw.graph.erase_node(n)
         return None
     return node
-
-
-def _layout_of(val: torch.Tensor) -> tuple | None:
-    """Sizes, strides, offset and dtype; None where any is symbolic (comparing those would add
-    guards after the trace)."""
-    ints = (*val.shape, *val.stride(), val.storage_offset())
-    if not all(type(i) is int for i in ints):
-        return None
-    return tuple(val.shape), tuple(val.stride()), val.storage_offset(), val.dtype
 
 
 def _position_in(graph: fx.Graph):

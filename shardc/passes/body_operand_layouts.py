@@ -24,21 +24,9 @@ import torch
 from torch import fx
 
 from shardc.passes.body import INVOKE_SUBGRAPH
-from shardc.passes.fx_utils import call, is_call, recomputed_value
+from shardc.passes.fx_utils import call, is_call, recomputed_value, static_layout
 
 __all__ = ["copy_operands_into_traced_layouts"]
-
-
-def _static_layout(value: object) -> tuple | None:
-    """Sizes, strides, offset, dtype and device of a tensor whose sizes, strides and offset are
-    plain ints (comparing symbolic ones would add guards), else None."""
-    if not isinstance(value, torch.Tensor):
-        return None
-    ints = (*value.shape, *value.stride(), value.storage_offset())
-    if not all(type(i) is int for i in ints):
-        return None
-    return tuple(value.shape), tuple(value.stride()), value.storage_offset(), value.dtype, \
-        value.device
 
 
 def _needs_copy(traced: tuple | None, given: tuple | None) -> bool:
@@ -58,7 +46,7 @@ def _given_layout(graph: fx.Graph, operand: fx.Node) -> tuple | None:
         value = recomputed_value(graph, operand)
         if isinstance(value, torch.Tensor):
             operand.meta["val"] = value
-    return _static_layout(operand.meta.get("val"))
+    return static_layout(operand.meta.get("val"))
 
 
 def copy_operands_into_traced_layouts(gm: fx.GraphModule) -> int:
@@ -66,19 +54,22 @@ def copy_operands_into_traced_layouts(gm: fx.GraphModule) -> int:
     in another static layout for into that layout (module docstring); returns how many were
     copied. Deterministic: the graph alone decides."""
     copied = 0
+    placeholders_of: dict[str, list[fx.Node] | None] = {}  # one look per body, not per call
     for node in [n for n in gm.graph.nodes if is_call(n, INVOKE_SUBGRAPH)]:
-        body = getattr(gm, node.args[0].target, None)
-        if not isinstance(body, fx.GraphModule):
-            continue
-        placeholders = list(body.graph.find_nodes(op="placeholder"))
+        target = node.args[0].target
+        if target not in placeholders_of:
+            body = getattr(gm, target, None)
+            placeholders_of[target] = list(body.graph.find_nodes(op="placeholder")) \
+                if isinstance(body, fx.GraphModule) else None
+        placeholders = placeholders_of[target]
         operands = list(node.args[2:])
-        if len(placeholders) != len(operands):
+        if placeholders is None or len(placeholders) != len(operands):
             continue
         for i, (placeholder, operand) in enumerate(zip(placeholders, operands, strict=True)):
             if not isinstance(operand, fx.Node):
                 continue
             traced = placeholder.meta.get("val")
-            if not _needs_copy(_static_layout(traced), _given_layout(gm.graph, operand)):
+            if not _needs_copy(static_layout(traced), _given_layout(gm.graph, operand)):
                 continue
             with gm.graph.inserting_before(node):
                 operands[i] = call(gm.graph, torch.ops.prims.copy_strided.default,

@@ -72,6 +72,19 @@ _PLAIN_ARGS = (int, float, bool, str, type(None), torch.dtype, torch.device, tor
                torch.memory_format)
 
 
+def static_layout(value: object) -> tuple | None:
+    """``(sizes, strides, storage offset, dtype, device)`` of a tensor whose sizes, strides and
+    offset are plain ints, else None (comparing symbolic ones would add guards after the
+    trace)."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    ints = (*value.shape, *value.stride(), value.storage_offset())
+    if not all(type(i) is int for i in ints):
+        return None
+    return (tuple(value.shape), tuple(value.stride()), value.storage_offset(), value.dtype,
+            value.device)
+
+
 def recomputed_value(graph: fx.Graph, node: fx.Node) -> object:
     """``node``'s fake value computed again from its inputs' fake values (a ``call_function``
     node of ``graph``), or None where there is no fake mode or torch cannot evaluate it."""
