@@ -287,11 +287,16 @@ def test_cast_floating_walks_nested_arguments():
     bf16 = torch.bfloat16
     ids, mask = torch.arange(3), torch.ones(2, dtype=torch.bool)
     same, cplx = torch.ones(2, dtype=bf16), torch.ones(2, dtype=torch.complex64)
-    tree = ({"a": [torch.ones(2), ids], "b": (mask, 3.0, "s")}, same, cplx, torch.ones(1).double())
+    size = torch.Size([2, 3])
+    tree = ({"a": [torch.ones(2), ids], "b": (mask, 3.0, "s", size)}, same, cplx,
+            torch.ones(1).double())
     out = forward_casts.cast_floating(tree, bf16)
     assert out[0]["a"][0].dtype == bf16 and out[3].dtype == bf16
     assert out[0]["a"][1] is ids and out[0]["b"][0] is mask and out[1] is same and out[2] is cplx
-    assert out[0]["b"][1:] == (3.0, "s")
+    assert out[0]["b"][1:3] == (3.0, "s") and out[0]["b"][3] is size  # not rebuilt as a tuple
+    # Nothing to cast: the arguments themselves.
+    untouched = ((ids, [mask, size]), {"k": same})
+    assert forward_casts.cast_floating(untouched, bf16) is untouched
     with one_rank_mesh() as mesh:
         d = DTensor.from_local(torch.randn(4, 3), mesh, [Replicate()])
         (cast,) = forward_casts.cast_floating((d,), bf16)
