@@ -282,8 +282,8 @@ def test_casts_are_hooked_on_the_root_only_where_they_have_work():
 
 def test_cast_floating_walks_nested_arguments():
     """Floating tensors of another dtype are cast; integer, boolean and complex tensors, tensors
-    already in the dtype and non-tensors are the objects they were; DTensors stay DTensors with
-    their placements."""
+    already in the dtype and non-tensors are the objects they were (a torch.Size too, not a
+    tuple); DTensors stay DTensors with their placements."""
     bf16 = torch.bfloat16
     ids, mask = torch.arange(3), torch.ones(2, dtype=torch.bool)
     same, cplx = torch.ones(2, dtype=bf16), torch.ones(2, dtype=torch.complex64)
@@ -294,9 +294,6 @@ def test_cast_floating_walks_nested_arguments():
     assert out[0]["a"][0].dtype == bf16 and out[3].dtype == bf16
     assert out[0]["a"][1] is ids and out[0]["b"][0] is mask and out[1] is same and out[2] is cplx
     assert out[0]["b"][1:3] == (3.0, "s") and out[0]["b"][3] is size  # not rebuilt as a tuple
-    # Nothing to cast: the arguments themselves.
-    untouched = ((ids, [mask, size]), {"k": same})
-    assert forward_casts.cast_floating(untouched, bf16) is untouched
     with one_rank_mesh() as mesh:
         d = DTensor.from_local(torch.randn(4, 3), mesh, [Replicate()])
         (cast,) = forward_casts.cast_floating((d,), bf16)
