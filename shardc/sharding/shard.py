@@ -42,7 +42,7 @@ from shardc.runtime.grad_sync import (
     UnsyncedGrads,
     sync_mode,
 )
-from shardc.sharding import packed_blocks, te_params
+from shardc.sharding import forward_casts, packed_blocks, te_params
 from shardc.sharding.auto_offload import AutoOffload
 from shardc.sharding.blocks import (
     COUNTS_FORWARD,
@@ -97,10 +97,33 @@ class MixedPrecisionPolicy:
 
     ``param_dtype``: dtype of gathered parameters (all-gather and compute). ``reduce_dtype``: dtype
     in which gradients are reduce-scattered. ``None`` keeps the parameter's dtype.
+
+    ``cast_forward_inputs`` (on by default, as FSDP2's): with ``param_dtype`` set, the
+    floating-point tensors among the sharded root's forward arguments (positional and keyword,
+    nested in tuples, lists, dicts and other pytree containers) are cast to ``param_dtype``
+    before its forward; integer, boolean and complex tensors (token ids, masks) are not.
+    ``output_dtype``: if set, the floating-point tensors among the root's forward outputs are
+    cast to it after the forward (e.g. ``torch.float32`` for a loss computed in float32).
+    Unlike FSDP2, which casts at every ``fully_shard`` module, shardc casts at the root given to
+    :func:`shard` only (it shards once, at the root); see :mod:`shardc.sharding.forward_casts`.
+    Fields of the wrong type raise ``TypeError`` naming the field.
     """
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, torch.dtype):
+                raise TypeError(f"shardc.MixedPrecisionPolicy: {name} must be a torch.dtype or "
+                                f"None, got {value!r} ({type(value).__name__})")
+        if not isinstance(self.cast_forward_inputs, bool):
+            raise TypeError("shardc.MixedPrecisionPolicy: cast_forward_inputs must be a bool, "
+                            f"got {self.cast_forward_inputs!r} "
+                            f"({type(self.cast_forward_inputs).__name__})")
 
 
 @dataclass(frozen=True)
@@ -666,6 +689,11 @@ def shard(
     (:mod:`shardc.compile.compile_workers`; ``TORCH_WARM_POOL=0`` leaves that to the first compile).
     ``reshard_after_forward``: free gathered parameters after the forward and gather them again
     for the backward (less memory) instead of keeping them.
+    ``mp_policy``: the dtypes of the gathered parameters and the reduced gradients
+    (:class:`MixedPrecisionPolicy`); with ``param_dtype`` set, the root's floating-point forward
+    inputs are cast to it (``cast_forward_inputs``, on by default), and with ``output_dtype``
+    set its floating-point outputs to that, by forward hooks on ``module``
+    (:mod:`shardc.sharding.forward_casts`; FSDP2 casts at every ``fully_shard`` module).
     ``fp8``: gather the weights it selects (``nn.Linear`` by default) in FP8 and, on CUDA, compute
     with them in FP8; see :mod:`shardc.sharding.fp8`.
     ``allow_partial_mesh``: by default ``mesh`` must cover every rank of the default process
@@ -829,6 +857,9 @@ def shard(
             sub.register_forward_hook(exit_forward, always_call=True)
     if id(module) not in per_module:
         _swap_root_class(module)
+    # After the root's forward count hooks (the input cast is prepended before them).
+    forward_casts.register(module, mp_policy.param_dtype, mp_policy.output_dtype,
+                           mp_policy.cast_forward_inputs)
     if plain is not None:
         for fqn, info in infos.items():
             plain.refresh(fqn, plain_eligible(info))
