@@ -30,8 +30,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 # suite's order, so the queue reaches an entry about when or before the tests reach it (a test
 # that gets there first takes its entry off the queue and runs it itself); one-rank entries
 # (test_fused_loss') first: a test waiting for one would leave a core idle.
+# The last two run after the suite's other spawned work in the background: the tests after
+# test_real_models in the suite's order are mostly single-process ones (s66: the background
+# queue was done about 200 s before the suite on a loaded 2-core machine).
 _PRESTART_ORDER = ("test_fused_loss", "test_mesh", "test_offload", "test_parity",
-                   "test_parity_inductor", "test_real_models")
+                   "test_parity_inductor", "test_real_models", "test_sink_residual",
+                   "test_state_dict")
 
 
 def pytest_collection_finish(session):

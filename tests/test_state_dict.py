@@ -7,8 +7,11 @@ it saw; the tests below assert on it. Compiled models use ``shardc.backend(induc
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
+import shutil
+import tempfile
 import time
 import traceback
 
@@ -28,7 +31,8 @@ from ckpt_workers import (
     tiny_step,
     tokens,
 )
-from dist_utils import run_ranks
+from dist_utils import prestart as prestart_run
+from dist_utils import run_prestarted
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
@@ -347,10 +351,25 @@ def state_dict_worker(rank: int, world: int, tmp: str) -> dict:
     return out
 
 
+# The groups' checkpoint directory: made at collection (:func:`prestart` queues the groups
+# then), each world under its own ``w{world}``; removed at the session's end.
+_TMP = tempfile.mkdtemp(prefix="shardc-test-state-dict-")
+atexit.register(shutil.rmtree, _TMP, ignore_errors=True)
+
+
+def prestart(items) -> None:
+    """Queue the two groups (tests/conftest.py, dist_utils.prestart), one entry per world (one
+    group's ranks at a time): in the whole suite they run in the background while the tests
+    before this module run, after the other modules' entries."""
+    if any("results" in item.fixturenames for item in items):
+        for world in WORLD_SIZES:
+            prestart_run(f"test_state_dict[{world}]", (state_dict_worker, world, _TMP))
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    tmp = str(tmp_path_factory.mktemp("state_dict"))
-    return {world: run_ranks(state_dict_worker, world, tmp) for world in WORLD_SIZES}
+def results():
+    return {world: run_prestarted(f"test_state_dict[{world}]", state_dict_worker, world, _TMP)
+            for world in WORLD_SIZES}
 
 
 def _sections_ok(results, *names):
