@@ -184,8 +184,11 @@ UNCAST = {1: ("eager",), 2: ("eager",), 3: ("eager", "fx")}
 # Inductor fuses the bf16 pointwise ops and keeps their intermediates in float32; with its
 # emulate_precision_casts it rounds them as eager does, and the rest is its reductions' order
 # (layer norms' bias gradients, which AdamW's normalized steps magnify on those zero-initialized
-# parameters: 1.6e-3 measured, the other parameters 4e-5, the losses 2e-5).
-TOL = {"eager": (1e-6, 1e-6), "fx": (1e-6, 1e-6), "inductor": (1e-4, 5e-3)}
+# parameters: 1.6e-3 measured, the other parameters 4e-5, the losses 2e-5, torch 2.13). Torch
+# 2.11's Inductor rounds further from eager: plain torch.compile of the bf16 model (no shardc)
+# against its eager run gave losses 3.7e-4 / 5.3e-4 and parameters 9.6e-4 / 3.0e-3 (the flat
+# model / the stack, s66), and shardc's Inductor runs 4.6e-4 / 5.1e-4 in losses.
+TOL = {"eager": (1e-6, 1e-6), "fx": (1e-6, 1e-6), "inductor": (1e-3, 1e-2)}
 
 
 def _world_runs(rank: int, world: int) -> dict:
