@@ -258,6 +258,33 @@ def test_policy_fields_are_type_checked():
     assert policy.cast_forward_inputs is True and policy.output_dtype is None
 
 
+def test_shard_takes_fsdp2s_policy_and_names_a_wrong_one():
+    """``shard(mp_policy=...)``: FSDP2's policy is taken field by field (the checks above
+    apply), anything else is a ``TypeError`` naming ``mp_policy``, before any collective."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy as Fsdp2Policy
+
+    from shardc.sharding.shard import as_policy
+
+    fsdp2 = Fsdp2Policy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                        output_dtype=torch.float32, cast_forward_inputs=False)
+    assert as_policy(fsdp2) == shardc.MixedPrecisionPolicy(torch.bfloat16, torch.float32,
+                                                           torch.float32, False)
+    assert as_policy(None) == shardc.MixedPrecisionPolicy()
+    with one_rank_mesh():
+        for wrong in (torch.bfloat16, {"param_dtype": torch.bfloat16}):
+            with pytest.raises(TypeError, match="shardc.shard: mp_policy must be a "
+                                                "shardc.MixedPrecisionPolicy"):
+                shardc.shard(build("flat"), mp_policy=wrong)
+        # FSDP2's defaults (cast_forward_inputs on) and an output dtype, taken over: the float32
+        # features reach the forward in bf16, the outputs come back in float32.
+        taken = Fsdp2Policy(param_dtype=torch.bfloat16, output_dtype=torch.float32)
+        model = shardc.shard(build("flat"), mp_policy=taken)
+        assert shardc.shard_state(model).mp_policy == as_policy(taken)
+        out = model(torch.randn(2, SEQ, FEATURES), torch.zeros(2, SEQ, dtype=torch.long),
+                    extra={"shift": torch.zeros(DIM), "scale": (torch.tensor(1.0),)})
+        assert model.seen["x"] == torch.bfloat16 and out["out"].dtype == torch.float32
+
+
 def _hook_names(module: nn.Module) -> tuple[list[str], list[str]]:
     return ([h.__name__ for h in module._forward_pre_hooks.values()],
             [h.__name__ for h in module._forward_hooks.values()])

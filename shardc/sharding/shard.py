@@ -126,6 +126,25 @@ class MixedPrecisionPolicy:
                             f"({type(self.cast_forward_inputs).__name__})")
 
 
+def as_policy(policy: object) -> MixedPrecisionPolicy:
+    """``shard``'s ``mp_policy`` as shardc's policy: ``None`` is the default one, FSDP2's
+    ``torch.distributed.fsdp.MixedPrecisionPolicy`` (the same four fields) is taken over field by
+    field, anything else raises ``TypeError`` naming the argument."""
+    if policy is None:
+        return MixedPrecisionPolicy()
+    if isinstance(policy, MixedPrecisionPolicy):
+        return policy
+    from torch.distributed.fsdp import MixedPrecisionPolicy as Fsdp2Policy
+
+    if isinstance(policy, Fsdp2Policy):
+        return MixedPrecisionPolicy(policy.param_dtype, policy.reduce_dtype, policy.output_dtype,
+                                    policy.cast_forward_inputs)
+    raise TypeError(f"shardc.shard: mp_policy must be a shardc.MixedPrecisionPolicy (or FSDP2's "
+                    f"torch.distributed.fsdp.MixedPrecisionPolicy), got {policy!r} "
+                    f"({type(policy).__name__}); e.g. shardc.MixedPrecisionPolicy("
+                    "param_dtype=torch.bfloat16, reduce_dtype=torch.float32)")
+
+
 @dataclass(frozen=True)
 class ShardedParamInfo:
     """What the gather op needs to know about one sharded parameter; constants in the graph."""
@@ -690,7 +709,8 @@ def shard(
     ``reshard_after_forward``: free gathered parameters after the forward and gather them again
     for the backward (less memory) instead of keeping them.
     ``mp_policy``: the dtypes of the gathered parameters and the reduced gradients
-    (:class:`MixedPrecisionPolicy`); with ``param_dtype`` set, the root's floating-point forward
+    (:class:`MixedPrecisionPolicy`, or FSDP2's ``torch.distributed.fsdp.MixedPrecisionPolicy``,
+    taken field by field); with ``param_dtype`` set, the root's floating-point forward
     inputs are cast to it (``cast_forward_inputs``, on by default), and with ``output_dtype``
     set its floating-point outputs to that, by forward hooks on ``module``
     (:mod:`shardc.sharding.forward_casts`; FSDP2 casts at every ``fully_shard`` module).
@@ -740,7 +760,7 @@ def shard(
             f"shardc.shard: fp8=... works on 1-D meshes only, got a {layout.kind.upper()} mesh "
             f"{tuple(mesh.shape)}; shard without fp8 or over a 1-D mesh."
         )
-    mp_policy = mp_policy or MixedPrecisionPolicy()
+    mp_policy = as_policy(mp_policy)
     group_name = layout.shard_group_name
     offload = _check_offload(module, offload, layout, fp8)
     auto = None
