@@ -26,6 +26,9 @@ scaled_mm = torch._scaled_mm  # FP8 matmul (CUDA)
 # Multi-tensor copies, one kernel on a GPU (FSDP2's bucket copies use the same ops).
 foreach_copy_ = torch._foreach_copy_  # copy (and cast) each tensor of a list into another's
 chunk_cat = torch._chunk_cat  # pad, chunk and concatenate rank-major (a reduce-scatter's input)
+# pytree's tree_map itself (not a wrapper: code traced by Dynamo, where each function it inlines
+# is guarded; shardc.sharding.forward_casts runs in every compiled region).
+tree_map = torch.utils._pytree.tree_map
 
 
 def tree_map_only(cls, fn, tree):
