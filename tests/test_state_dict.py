@@ -351,10 +351,17 @@ def state_dict_worker(rank: int, world: int, tmp: str) -> dict:
     return out
 
 
-# The groups' checkpoint directory: made at collection (:func:`prestart` queues the groups
-# then), each world under its own ``w{world}``; removed at the session's end.
-_TMP = tempfile.mkdtemp(prefix="shardc-test-state-dict-")
-atexit.register(shutil.rmtree, _TMP, ignore_errors=True)
+# The groups' checkpoint directory, each world under its own ``w{world}``: made by the test
+# process when first asked for (at collection, where :func:`prestart` queues the groups; not at
+# import, which each spawned rank does too) and removed at the session's end.
+_TMP: list[str] = []
+
+
+def _checkpoints_dir() -> str:
+    if not _TMP:
+        _TMP.append(tempfile.mkdtemp(prefix="shardc-test-state-dict-"))
+        atexit.register(shutil.rmtree, _TMP[0], ignore_errors=True)
+    return _TMP[0]
 
 
 def prestart(items) -> None:
@@ -363,12 +370,14 @@ def prestart(items) -> None:
     before this module run, after the other modules' entries."""
     if any("results" in item.fixturenames for item in items):
         for world in WORLD_SIZES:
-            prestart_run(f"test_state_dict[{world}]", (state_dict_worker, world, _TMP))
+            prestart_run(f"test_state_dict[{world}]",
+                         (state_dict_worker, world, _checkpoints_dir()))
 
 
 @pytest.fixture(scope="module")
 def results():
-    return {world: run_prestarted(f"test_state_dict[{world}]", state_dict_worker, world, _TMP)
+    return {world: run_prestarted(f"test_state_dict[{world}]", state_dict_worker, world,
+                                  _checkpoints_dir())
             for world in WORLD_SIZES}
 
 
