@@ -83,16 +83,19 @@ def _inputs(data: dict, step: int, rows: slice) -> tuple[tuple, dict]:
             {"extra": {"shift": data["shift"], "scale": (data["scale"],)}})
 
 
-def bf16_reference(world: int, output_dtype: torch.dtype | None, kind: str = "stack") -> dict:
+def bf16_reference(world: int, output_dtype: torch.dtype | None, kind: str = "stack",
+                   device: str = "cpu") -> dict:
     """What shardc computes at ``world`` under ``MixedPrecisionPolicy(bf16, fp32, output_dtype)``,
     in one process: each step the float32 masters rounded to a bf16 copy of the model, each
     rank's slice of the batch fed to it with its floating inputs cast to bf16 (the outputs to
     ``output_dtype``), each slice's bf16 gradients cast to float32, summed over the slices and
-    divided by ``world`` (the reduce-scatter's average), then AdamW on the float32 masters."""
-    master = build(kind)
+    divided by ``world`` (the reduce-scatter's average), then AdamW on the float32 masters.
+    Computed on ``device`` (tests/gpu/test_forward_casts_gpu.py: "cuda"), returned on the CPU."""
+    master = build(kind).to(device)
     work = copy.deepcopy(master).to(torch.bfloat16)
     opt = torch.optim.AdamW(master.parameters(), lr=LR)
-    data, per = batches(), GLOBAL_BATCH // world
+    data = {k: v.to(device) for k, v in batches().items()}
+    per = GLOBAL_BATCH // world
     losses = []
     for step in range(STEPS):
         with torch.no_grad():
@@ -116,8 +119,8 @@ def bf16_reference(world: int, output_dtype: torch.dtype | None, kind: str = "st
         opt.step()
         opt.zero_grad()
         losses.append(total / world)
-    return {"losses": torch.stack(losses),
-            "params": {n: p.detach().clone() for n, p in master.named_parameters()}}
+    return {"losses": torch.stack(losses).cpu(),
+            "params": {n: p.detach().cpu().clone() for n, p in master.named_parameters()}}
 
 
 def _sharded_run(rank: int, world: int, mode: str, kind: str = "stack", **policy) -> dict:

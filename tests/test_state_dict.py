@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import os
 import shutil
 import tempfile
@@ -354,14 +355,11 @@ def state_dict_worker(rank: int, world: int, tmp: str) -> dict:
 # The groups' checkpoint directory, each world under its own ``w{world}``: made by the test
 # process when first asked for (at collection, where :func:`prestart` queues the groups; not at
 # import, which each spawned rank does too) and removed at the session's end.
-_TMP: list[str] = []
-
-
+@functools.cache
 def _checkpoints_dir() -> str:
-    if not _TMP:
-        _TMP.append(tempfile.mkdtemp(prefix="shardc-test-state-dict-"))
-        atexit.register(shutil.rmtree, _TMP[0], ignore_errors=True)
-    return _TMP[0]
+    path = tempfile.mkdtemp(prefix="shardc-test-state-dict-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def prestart(items) -> None:

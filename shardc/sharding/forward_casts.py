@@ -69,14 +69,10 @@ def _outputs_hook(dtype: torch.dtype):
 
 
 def register(root: nn.Module, param_dtype: torch.dtype | None, output_dtype: torch.dtype | None,
-             cast_forward_inputs: bool) -> list:
+             cast_forward_inputs: bool) -> None:
     """Register on the sharded ``root`` the casts the policy asks for (none: nothing is
-    registered); returns their handles. Called by ``shardc.shard`` after shardc's own forward
-    hooks are on ``root``."""
-    handles = []
+    registered). Called by ``shardc.shard`` after shardc's own forward hooks are on ``root``."""
     if param_dtype is not None and cast_forward_inputs:
-        handles.append(root.register_forward_pre_hook(_inputs_hook(param_dtype), prepend=True,
-                                                      with_kwargs=True))
+        root.register_forward_pre_hook(_inputs_hook(param_dtype), prepend=True, with_kwargs=True)
     if output_dtype is not None:
-        handles.append(root.register_forward_hook(_outputs_hook(output_dtype)))
-    return handles
+        root.register_forward_hook(_outputs_hook(output_dtype))

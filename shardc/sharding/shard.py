@@ -749,6 +749,7 @@ def shard(
             "shardc.shard: torch.distributed is not initialized; call "
             "torch.distributed.init_process_group(...) (or init_device_mesh) before sharding."
         )
+    mp_policy = as_policy(mp_policy)  # before the mesh and the compile workers
     mesh = mesh if mesh is not None else _default_mesh(module)
     layout = _check_inputs(module, mesh, allow_partial_mesh)
     # First: the compile workers start while the rest of this and the user's setup runs.
@@ -760,7 +761,6 @@ def shard(
             f"shardc.shard: fp8=... works on 1-D meshes only, got a {layout.kind.upper()} mesh "
             f"{tuple(mesh.shape)}; shard without fp8 or over a 1-D mesh."
         )
-    mp_policy = as_policy(mp_policy)
     group_name = layout.shard_group_name
     offload = _check_offload(module, offload, layout, fp8)
     auto = None

@@ -5,15 +5,12 @@ CPU at worlds 1-4 against the same reference)."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from parity import max_rel_err
-from test_forward_casts import BF16, LR, STEPS, _inputs, batches, build, loss_of
+from test_forward_casts import BF16, LR, STEPS, _inputs, batches, bf16_reference, build, loss_of
 
 import shardc
-from shardc.sharding import forward_casts
 
 pytestmark = pytest.mark.gpu
 
@@ -25,33 +22,6 @@ LOSS_TOL, PARAM_TOL = 1e-3, 2e-2
 def _on(tree, device: str):
     return torch.utils._pytree.tree_map(
         lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, tree)
-
-
-def _reference(data: dict) -> dict:
-    """World 1: the float32 masters rounded to a bf16 copy each step, the inputs cast to bf16,
-    the outputs to float32, the bf16 gradients cast to float32, AdamW on the masters."""
-    master = build().cuda()
-    work = copy.deepcopy(master).to(torch.bfloat16)
-    opt = torch.optim.AdamW(master.parameters(), lr=LR)
-    losses = []
-    for step in range(STEPS):
-        with torch.no_grad():
-            for w, m in zip(work.parameters(), master.parameters()):
-                w.copy_(m)
-        work.zero_grad(set_to_none=True)
-        args, kwargs = _on(_inputs(data, step, slice(None)), "cuda")
-        out = work(*forward_casts.cast_floating(args, torch.bfloat16),
-                   **forward_casts.cast_floating(kwargs, torch.bfloat16))
-        loss = loss_of(forward_casts.cast_floating(out, torch.float32),
-                       data["target"][step].cuda())
-        loss.backward()
-        for m, w in zip(master.parameters(), work.parameters()):
-            m.grad = w.grad.float()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach())
-    return {"losses": torch.stack(losses).cpu(),
-            "params": {n: p.detach().cpu() for n, p in master.named_parameters()}}
 
 
 def _sharded(data: dict, mode: str | None) -> tuple[dict, dict]:
@@ -81,7 +51,7 @@ def _sharded(data: dict, mode: str | None) -> tuple[dict, dict]:
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
 def test_float_inputs_train_like_the_bf16_reference_on_a_gpu(nccl, mode):
     data = batches()
-    ref = _reference(data)
+    ref = bf16_reference(1, torch.float32, device="cuda")
     with torch._inductor.config.patch(emulate_precision_casts=True):
         got, facts = _sharded(data, mode)
     assert facts["dtypes"] == {torch.float32} and facts["plans"] >= 1, facts
