@@ -174,6 +174,8 @@ def run_child(args: argparse.Namespace) -> None:
     loss, phases = _first_step(setup, opt, *data[0], sync=lambda: sync(device))
     first = time.perf_counter() - t
     steady = []
+    if device_type == "cuda":  # the steady steps' peak (the first step's compile excluded)
+        torch.cuda.reset_peak_memory_stats(device)
     for tokens, targets in data[1:]:
         sync(device)
         t = time.perf_counter()
@@ -186,6 +188,8 @@ def run_child(args: argparse.Namespace) -> None:
             # torch's own timed compile events (build_guards, ...), summed over the step
             "torch_timed_s": _torch_timed_events(),
             "steady_step_s": statistics.median(steady) if steady else None, "loss": loss,
+            "steady_peak_allocated_bytes": (torch.cuda.max_memory_allocated(device)
+                                            if device_type == "cuda" and steady else None),
             "cache": {k: v for group in ("inductor", "aot_autograd")
                       for k, v in counters[group].items() if "cache" in k}}
     if setup.after_first_step is not None:
