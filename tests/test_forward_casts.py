@@ -13,6 +13,7 @@ summed in float32 as shardc reduces them).
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -295,7 +296,9 @@ def _hook_names(module: nn.Module) -> tuple[list[str], list[str]]:
 
 def test_casts_are_hooked_on_the_root_only_where_they_have_work():
     """No hook without a cast to make (the graphs of such policies are unchanged); the input
-    cast first, before shardc's forward count, the output cast after its exit."""
+    cast before shardc's forward count, the output cast after its exit; each hook dict's order
+    is its insertion order (``dict.keys``), which torch 2.11's Dynamo names hooks by in its
+    guards (a prepended hook broke them: :func:`test_a_compiled_loss_function_of_the_model`)."""
     bf16 = torch.bfloat16
     expected = {
         None: ([], []),
@@ -311,6 +314,49 @@ def test_casts_are_hooked_on_the_root_only_where_they_have_work():
             model = shardc.shard(build(), mesh, mp_policy=policy)
             assert _hook_names(model) == (pre + ["enter_forward"], ["exit_forward"] + post), policy
             assert _hook_names(model.blocks[2]) == (["enter_forward"], ["exit_forward"]), policy
+            for hooks in (model._forward_pre_hooks, model._forward_hooks):
+                assert list(dict.keys(hooks)) == list(hooks), policy
+        # A pre-hook of the user's, registered before sharding, runs before the cast.
+        model = build()
+        model.register_forward_pre_hook(lambda module, args: None)
+        shardc.shard(model, mesh, mp_policy=shardc.MixedPrecisionPolicy(bf16))
+        assert _hook_names(model)[0] == ["<lambda>", "cast_forward_inputs", "enter_forward"]
+        assert list(dict.keys(model._forward_pre_hooks)) == list(model._forward_pre_hooks)
+
+
+def test_a_compiled_loss_function_of_the_model():
+    """``torch.compile(functools.partial(loss_fn, model))`` (the model an argument of the
+    compiled function, as the benchmarks compile their loss) under a bf16 policy: Dynamo traces
+    the root's hooks and guards them; the float32 features are cast, and the loss and gradients
+    are the model's compiled as a module. On torch 2.11 the guards failed to build while the
+    input cast was a prepended hook (s67)."""
+    data = batches()
+    args, kwargs = _inputs(data, 0, slice(None))
+    policy = shardc.MixedPrecisionPolicy(**BF16)
+    with one_rank_mesh() as mesh:
+        results = []
+        for as_argument in (True, False):
+            torch._dynamo.reset()
+            model = shardc.shard(build("flat"), mesh, mp_policy=policy)
+            backend = shardc.backend(inductor=False)
+
+            def loss_fn(m: nn.Module, *a, **k) -> torch.Tensor:
+                return loss_of(m(*a, **k), data["target"][0])
+
+            if as_argument:
+                compiled = torch.compile(functools.partial(loss_fn, model), backend=backend)
+                loss = compiled(*args, **kwargs)
+            else:
+                loss = loss_of(torch.compile(model, backend=backend)(*args, **kwargs),
+                               data["target"][0])
+            loss.backward()
+            results.append((loss.detach(), {n: p.grad.full_tensor()
+                                            for n, p in model.named_parameters()}))
+            assert len(shardc.shard_state(model).regions) == 1  # planned by shardc, no fallback
+        (loss_a, grads_a), (loss_m, grads_m) = results
+        assert torch.equal(loss_a, loss_m)
+        assert grads_a.keys() == grads_m.keys()
+        assert all(torch.equal(grads_a[n], grads_m[n]) for n in grads_m)
 
 
 def test_cast_floating_walks_nested_arguments():

@@ -10,9 +10,15 @@ so shardc casts at the root only: the root's floating inputs before its forward,
 outputs after it. A submodule called on its own (not through the root) gets no cast.
 
 How: two hooks on the root, through the public ``nn.Module`` hook API (no patching): a forward
-pre-hook with ``with_kwargs=True`` registered first (``prepend``: it runs before shardc's
-forward count, ``enter_forward``, and before any hook registered earlier, which thus sees the
-cast inputs, as with FSDP2), and a forward hook appended after shardc's ``exit_forward``.
+pre-hook with ``with_kwargs=True`` registered before shardc's own hooks (so it runs before
+shardc's forward count, ``enter_forward``), and a forward hook appended after shardc's
+``exit_forward``. Neither is prepended: torch 2.11's Dynamo names a module's hooks for its guards
+by their position in ``dict.keys`` of the hook dict, which is the insertion order, not the order
+a prepend moves a hook to, so a prepended hook made the guards of any compiled function that
+takes the module as an argument (``torch.compile(functools.partial(loss_fn, model))``) fail to
+build (``TypeError: 'NoneType' object is not subscriptable``, s67). So a pre-hook the user
+registered on the root before ``shard`` runs before the cast and sees the inputs uncast (FSDP2,
+which prepends, runs the cast first).
 Dynamo inlines both into the graph of a compiled root (a cast node per floating input or
 output), and eager calls, activation checkpointing's recomputation included, run them as plain
 Python. Each hook is traced into every compiled graph and run at every eager call, so
@@ -68,11 +74,16 @@ def _outputs_hook(dtype: torch.dtype):
     return cast_forward_outputs
 
 
-def register(root: nn.Module, param_dtype: torch.dtype | None, output_dtype: torch.dtype | None,
-             cast_forward_inputs: bool) -> None:
-    """Register on the sharded ``root`` the casts the policy asks for (none: nothing is
-    registered). Called by ``shardc.shard`` after shardc's own forward hooks are on ``root``."""
+def register_input_cast(root: nn.Module, param_dtype: torch.dtype | None,
+                        cast_forward_inputs: bool) -> None:
+    """Register on ``root`` the input cast the policy asks for (none: nothing is registered).
+    Called by ``shardc.shard`` before it registers its own forward hooks on ``root``."""
     if param_dtype is not None and cast_forward_inputs:
-        root.register_forward_pre_hook(_inputs_hook(param_dtype), prepend=True, with_kwargs=True)
+        root.register_forward_pre_hook(_inputs_hook(param_dtype), with_kwargs=True)
+
+
+def register_output_cast(root: nn.Module, output_dtype: torch.dtype | None) -> None:
+    """Register on ``root`` the output cast the policy asks for (none: nothing is registered).
+    Called by ``shardc.shard`` after its own forward hooks are on ``root``."""
     if output_dtype is not None:
         root.register_forward_hook(_outputs_hook(output_dtype))

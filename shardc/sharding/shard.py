@@ -848,6 +848,9 @@ def shard(
         replaced_params.remember(p, fqn)
     # After the check above (its hook runs first): it sees the DTensor parameters.
     default_local_step.install(locally_steppable_params, plainly_read_params)
+    # Before the root's forward count hooks, so that it runs first without ``prepend``
+    # (forward_casts says why).
+    forward_casts.register_input_cast(module, mp_policy.param_dtype, mp_policy.cast_forward_inputs)
     for sub, sub_infos in per_module.values():
         _swap_class(sub, sub_infos, state.grad_sync, fp8, plain, auto)
         if plain is not None:
@@ -877,9 +880,8 @@ def shard(
             sub.register_forward_hook(exit_forward, always_call=True)
     if id(module) not in per_module:
         _swap_root_class(module)
-    # After the root's forward count hooks (the input cast is prepended before them).
-    forward_casts.register(module, mp_policy.param_dtype, mp_policy.output_dtype,
-                           mp_policy.cast_forward_inputs)
+    # After the root's forward count hooks.
+    forward_casts.register_output_cast(module, mp_policy.output_dtype)
     if plain is not None:
         for fqn, info in infos.items():
             plain.refresh(fqn, plain_eligible(info))
