@@ -12,7 +12,7 @@ row() {
   local dir=$HERE; [ "$1" = before ] && dir=$BEFORE
   (cd $dir && PYTHONPATH=$dir timeout $4 python3 benchmarks/compile_time.py $B --caches cold \
     --out $R --name $2 --depths $3 --modes $5 > $R/$2.log 2>&1); echo "$2 rc=$? $(date +%T)"
-  rm -rf $R/*_caches $R/*_logs; }
+  rm -rf $R/*_caches; }
 rows2() {
 for f in "$@"; do
   python3 - $R/$f.json $f <<'PY'
