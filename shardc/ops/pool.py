@@ -157,13 +157,8 @@ def cast_into(tensors: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
     dtype: a one-rank group's gathered weights (the shards cast to the compute dtype) or
     reduced gradients (cast to the reduce dtype), one op per bucket where the lowering made a
     cast per parameter (``shardc.passes.lower.elide``). One foreach copy: a few launches for
-    the bucket on a GPU, where the casts were a kernel each. A bucket of one tensor (a packed
-    block's buffer) is one plain ``copy_``: the elementwise kernel, which casts a flat buffer
-    faster than the multi-tensor one."""
-    if len(outs) == 1:
-        outs[0].copy_(tensors[0])
-    else:
-        _torch.foreach_copy_(outs, tensors)
+    the bucket on a GPU, where the casts were a kernel each."""
+    _torch.foreach_copy_(outs, tensors)
 
 
 POOL_PACK_OP = define_runtime_op(

@@ -311,10 +311,9 @@ def _wait_all_gather(graph, c: Collective, bucket: Bucket, gathers: dict, handle
 
 def _one_body_reader(gathers: list[fx.Node]) -> fx.Node | None:
     """The block-body call (``invoke_subgraph``) that is the one reader of every node of
-    ``gathers``, else None. One node too: a packed block's buffer (``pack_blocks``), whose
-    copy would otherwise be a kernel Inductor lowers, schedules and generates for every block."""
+    ``gathers`` (two or more), else None."""
     readers = {user for node in gathers for user in node.users}
-    if not gathers or len(readers) != 1 or not all(node.users for node in gathers):
+    if len(gathers) < 2 or len(readers) != 1 or not all(node.users for node in gathers):
         return None
     reader = next(iter(readers))
     return reader if reader.op == "call_function" and reader.target is INVOKE_SUBGRAPH else None
@@ -454,7 +453,7 @@ def _cast_bucket(graph: fx.Graph, c: Collective, g: GraphView, handed: set[fx.No
         if any(order.get(u, -1) <= order[last] for node in nodes for u in node.users):
             return False
         where = last
-    if where is None:
+    if where is None or len(nodes) < 2:
         return False
     vals = [node.meta["val"] for node in nodes]
     if any(is_float8(v.dtype) or v.dtype == s.meta["val"].dtype or not _static_shape(node)

@@ -114,11 +114,9 @@ def test_reduce_overhead_with_dynamic_shapes_falls_back_loudly(nccl, caplog):
     _assert_parity(got, ref, "dynamic")
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_one_rank_casts_record_and_train_like_casts_per_parameter(nccl, packed):
+def test_one_rank_casts_record_and_train_like_casts_per_parameter(nccl):
     """bf16 compute: a one-rank group's casts are one ``shardc::cast_into`` per bucket by
-    default (``one_op_local_casts``; the two blocks are one body), packed blocks' buffers
-    (``pack_blocks``, a bucket of one tensor) too. Under CUDA graphs the regions
+    default (``one_op_local_casts``; the two blocks are one body). Under CUDA graphs the regions
     are recorded (no skipped graph, no fallback note) and train to the same bits as with a cast
     per parameter. The two runs differed in the last bits in one of two runs on an H200 (s48):
     the cuDNN attention's backward is not deterministic (torch warns so). Both therefore run
@@ -129,19 +127,19 @@ def test_one_rank_casts_record_and_train_like_casts_per_parameter(nccl, packed):
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
         with sdpa_kernel([SDPBackend.MATH]):
-            _train_both_cast_kinds(data, runs, packed)
+            _train_both_cast_kinds(data, runs)
     finally:
         torch.use_deterministic_algorithms(deterministic)
     assert torch.equal(runs[True][0], runs[False][0])
     assert all(torch.equal(runs[True][1][n], p) for n, p in runs[False][1].items())
 
 
-def _train_both_cast_kinds(data: list, runs: dict, packed: bool) -> None:
+def _train_both_cast_kinds(data: list, runs: dict) -> None:
     for one_op in (True, False):
         torch._dynamo.reset()
         skips = counters["inductor"]["cudagraph_skips"]
         model = shardc.shard(_model(), mp_policy=shardc.MixedPrecisionPolicy(
-            param_dtype=torch.bfloat16, reduce_dtype=torch.float32), pack_blocks=packed)
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
         compiled = torch.compile(model, backend=shardc.backend(one_op_local_casts=one_op),
                                  mode="reduce-overhead")
         runs[one_op] = _train(model, compiled, data)
