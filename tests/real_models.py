@@ -1059,6 +1059,33 @@ def sc_lstm(ctx: Ctx) -> dict:
     return out
 
 
+class Symmetric(nn.Module):
+    """A parametrization: the upper triangle mirrored (the weight is computed from it)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.triu() + x.triu(1).transpose(-1, -2)
+
+
+def sc_parametrized_before_shard(ctx: Ctx, compile: bool = True) -> dict:
+    """``torch.nn.utils.parametrize`` applied before ``shardc.shard``: weight norm (two
+    originals, the magnitude ``(11, 1)`` and the direction ``(11, 6)``) and a registered
+    parametrization are sharded as their originals, and each forward computes the weights from
+    the gathered originals through the parametrizations; the gradients reach the originals."""
+    from torch.nn.utils import parametrize
+    from torch.nn.utils.parametrizations import weight_norm
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 11), nn.Tanh(), nn.Linear(11, 11), nn.Tanh(),
+                          nn.Linear(11, 3))
+    weight_norm(model[0])
+    parametrize.register_parametrization(model[2], "weight", Symmetric())
+    forward = ctx.wrap(model, compile=compile)
+    xs, ys = regression_data(seed=17)
+    out = train_regression(ctx, model, forward, xs, ys)
+    out["planned"] = ctx.planned()
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Failure modes (sharded runs only).
 
@@ -1997,6 +2024,9 @@ SCENARIOS: dict[str, Callable[[Ctx], dict]] = {
     "nested": lambda ctx: sc_nested(ctx, repeat=False),
     "repeated": lambda ctx: sc_nested(ctx, repeat=True),
     "lstm": sc_lstm,
+    "parametrized_before_shard": sc_parametrized_before_shard,
+    "parametrized_before_shard_eager": functools.partial(sc_parametrized_before_shard,
+                                                         compile=False),
     "meta_to_empty": sc_meta_to_empty,
     "meta_to_empty_plain": functools.partial(sc_meta_to_empty, plain_inputs=True),
     "to_float64": sc_to_float64,
@@ -2056,6 +2086,8 @@ ONE_WORLD = {"blocks_accumulate_shapes": 2, "torch_transformer": 2,
              # Local checks at the next forward, before any collective: the world size does
              # not matter (7 rank-CPU s at 3, s33).
              "replaced_after_shard": 2,
+             # Parametrizations before shard: compiled at 2, eager at 3 (slow tier).
+             "parametrized_before_shard": 2, "parametrized_before_shard_eager": 3,
              "plain_accumulate_eager": 2,
              # A real timeout under Inductor at 3 (the backward's wait); the forward's under
              # FX at 2 and 3 ("timeout"), and every wait of an Inductor step named at world

@@ -884,6 +884,16 @@ def test_no_forward_left_counted(runs):
             assert not leaked, f"world {world} rank {rank}: {leaked}"
 
 
+def test_parametrizations_registered_before_shard(runs):
+    """Weight norm and a registered parametrization, applied before ``shardc.shard``, train at
+    parity compiled (world 2) and eagerly (world 3, slow tier): their originals are the
+    parameters."""
+    for got in check_parity(runs, "parametrized_before_shard"):
+        assert {"0.parametrizations.weight.original0", "0.parametrizations.weight.original1",
+                "2.parametrizations.weight.original"} <= set(got["params"]), list(got["params"])
+    check_parity(runs, "parametrized_before_shard_eager", compiled=False)
+
+
 def test_forward_count_after_eager_fallback_and_lstm(runs):
     """The MoE really fell back to eager at the recompile limit and the LSTM really trained at
     parity; both left no forward counted."""
