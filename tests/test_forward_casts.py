@@ -13,6 +13,7 @@ summed in float32 as shardc reduces them).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 
 import pytest
@@ -371,6 +372,10 @@ def test_cast_floating_walks_nested_arguments():
             torch.ones(1).double())
     out = forward_casts.cast_floating(tree, bf16)
     assert out[0]["a"][0].dtype == bf16 and out[3].dtype == bf16
+    feats = Features(torch.ones(2), ids, {"f": [torch.ones(1)]})
+    cast = forward_casts.cast_floating([feats], bf16)[0]
+    assert type(cast) is Features and cast.x.dtype == bf16 and cast.ids is ids
+    assert cast.extra["f"][0].dtype == bf16 and feats.x.dtype == torch.float32
     assert out[0]["a"][1] is ids and out[0]["b"][0] is mask and out[1] is same and out[2] is cplx
     assert out[0]["b"][1:3] == (3.0, "s") and out[0]["b"][3] is size  # not rebuilt as a tuple
     with one_rank_mesh() as mesh:
@@ -378,6 +383,56 @@ def test_cast_floating_walks_nested_arguments():
         (cast,) = forward_casts.cast_floating((d,), bf16)
         assert isinstance(cast, DTensor) and cast.dtype == bf16 and cast.placements == d.placements
         assert torch.equal(cast.to_local(), d.to_local().to(bf16))
+
+
+@dataclasses.dataclass(frozen=True)
+class Features:
+    """A forward argument that pytree does not know (FSDP2's cast enters such dataclasses)."""
+    x: torch.Tensor
+    ids: torch.Tensor
+    extra: dict
+    note: str = "kept"
+
+
+class TakesDataclass(nn.Module):
+    """FloatStack behind a dataclass argument; records the dataclass it was given (eagerly)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = build("flat")
+        self.given: Features | None = None
+
+    def forward(self, feats: Features) -> dict:
+        if not torch.compiler.is_compiling():
+            self.given = feats
+        return self.inner(feats.x, feats.ids, extra=feats.extra)
+
+
+def test_a_dataclass_argument_is_cast_as_fsdp2_casts_it():
+    """A dataclass among the root's arguments (not registered with pytree): its floating
+    fields, nested ones too, reach the forward in ``param_dtype`` (a copy; the caller's object
+    is unchanged), integer fields and strings as they were, eagerly and compiled (FX); the
+    outputs equal those of the same model fed the fields directly."""
+    data = batches()
+    (x, ids), kwargs = _inputs(data, 0, slice(None))
+    policy = shardc.MixedPrecisionPolicy(**BF16)
+    feats = Features(x, ids, kwargs["extra"])
+    with one_rank_mesh() as mesh:
+        model = shardc.shard(TakesDataclass(), mesh, mp_policy=policy)
+        direct = model.inner(x.bfloat16(), ids, extra=forward_casts.cast_floating(
+            kwargs["extra"], torch.bfloat16))
+        eager = model(feats)
+        given = model.given
+        assert given is not feats and feats.x.dtype == torch.float32  # the caller's is intact
+        assert (given.x.dtype, given.ids.dtype, given.note) == (torch.bfloat16, torch.int64,
+                                                                "kept")
+        assert given.extra["shift"].dtype == given.extra["scale"][0].dtype == torch.bfloat16
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=shardc.backend(inductor=False))(feats)
+        assert len(shardc.explain_all(model)) == 1
+        for out in (eager, compiled):
+            assert out.keys() == direct.keys()
+            assert torch.equal(out["out"], direct["out"]), out["out"].dtype
 
 
 def test_root_checkpointed_whole_and_dtensor_input():

@@ -31,12 +31,15 @@ their placements) whose dtype is floating point and differs from the target; int
 and complex tensors (token ids, masks) and non-tensors pass as they are. Nested arguments are
 walked with ``torch.utils._pytree`` (tuples, lists, dicts, namedtuples, ``OrderedDict`` and the
 types registered with it, e.g. transformers' ``ModelOutput``; a ``torch.Size`` is a leaf, which
-pytree would rebuild as a plain tuple); FSDP2's walk also enters dataclasses that are not
-registered with pytree, this one leaves them as they are.
+pytree would rebuild as a plain tuple). A dataclass instance that pytree does not know is
+entered as FSDP2's walk enters it: a copy (``dataclasses.replace``) with its ``init`` fields
+walked in turn; ``replace`` runs the class's ``__init__`` (and ``__post_init__``) again, so a
+field with ``init=False`` gets the value they give it, as with FSDP2.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -52,12 +55,25 @@ def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     # at every call of every compiled region (the input cast adds 7 guards to a region: the
     # two-layer bf16 llama's step, 435 -> 442; a tree_flatten / tree_unflatten walk added 32 more).
     def cast(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
-            return x.to(dtype)
+        if isinstance(x, torch.Tensor):
+            return x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x
+        # (the class attribute ``dataclasses.is_dataclass`` reads, without that function:
+        # Dynamo guards each module-level function it inlines, 11 guards more a region with two
+        # non-tensor arguments, s67)
+        if not isinstance(x, type) and hasattr(type(x), "__dataclass_fields__"):
+            return _cast_dataclass(x, dtype)
         return x
 
     # pytree walks a torch.Size as a node and rebuilds it as a plain tuple: a leaf here.
     return _torch.tree_map(cast, tree, is_leaf=lambda x: isinstance(x, torch.Size))
+
+
+def _cast_dataclass(obj: Any, dtype: torch.dtype) -> Any:
+    """A copy of the dataclass instance ``obj`` with its ``init`` fields cast as
+    :func:`cast_floating` casts (only traced where a dataclass is among the arguments)."""
+    changes = {f.name: cast_floating(getattr(obj, f.name), dtype)
+               for f in dataclasses.fields(obj) if f.init}
+    return dataclasses.replace(obj, **changes)
 
 
 def _inputs_hook(dtype: torch.dtype):
