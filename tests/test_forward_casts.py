@@ -360,31 +360,6 @@ def test_a_compiled_loss_function_of_the_model():
         assert all(torch.equal(grads_a[n], grads_m[n]) for n in grads_m)
 
 
-def test_cast_floating_walks_nested_arguments():
-    """Floating tensors of another dtype are cast; integer, boolean and complex tensors, tensors
-    already in the dtype and non-tensors are the objects they were (a torch.Size too, not a
-    tuple); DTensors stay DTensors with their placements."""
-    bf16 = torch.bfloat16
-    ids, mask = torch.arange(3), torch.ones(2, dtype=torch.bool)
-    same, cplx = torch.ones(2, dtype=bf16), torch.ones(2, dtype=torch.complex64)
-    size = torch.Size([2, 3])
-    tree = ({"a": [torch.ones(2), ids], "b": (mask, 3.0, "s", size)}, same, cplx,
-            torch.ones(1).double())
-    out = forward_casts.cast_floating(tree, bf16)
-    assert out[0]["a"][0].dtype == bf16 and out[3].dtype == bf16
-    feats = Features(torch.ones(2), ids, {"f": [torch.ones(1)]})
-    cast = forward_casts.cast_floating([feats], bf16)[0]
-    assert type(cast) is Features and cast.x.dtype == bf16 and cast.ids is ids
-    assert cast.extra["f"][0].dtype == bf16 and feats.x.dtype == torch.float32
-    assert out[0]["a"][1] is ids and out[0]["b"][0] is mask and out[1] is same and out[2] is cplx
-    assert out[0]["b"][1:3] == (3.0, "s") and out[0]["b"][3] is size  # not rebuilt as a tuple
-    with one_rank_mesh() as mesh:
-        d = DTensor.from_local(torch.randn(4, 3), mesh, [Replicate()])
-        (cast,) = forward_casts.cast_floating((d,), bf16)
-        assert isinstance(cast, DTensor) and cast.dtype == bf16 and cast.placements == d.placements
-        assert torch.equal(cast.to_local(), d.to_local().to(bf16))
-
-
 @dataclasses.dataclass(frozen=True)
 class Features:
     """A forward argument that pytree does not know (FSDP2's cast enters such dataclasses)."""
@@ -406,6 +381,31 @@ class TakesDataclass(nn.Module):
         if not torch.compiler.is_compiling():
             self.given = feats
         return self.inner(feats.x, feats.ids, extra=feats.extra)
+
+
+def test_cast_floating_walks_nested_arguments():
+    """Floating tensors of another dtype are cast; integer, boolean and complex tensors, tensors
+    already in the dtype and non-tensors are the objects they were (a torch.Size too, not a
+    tuple); DTensors stay DTensors with their placements."""
+    bf16 = torch.bfloat16
+    ids, mask = torch.arange(3), torch.ones(2, dtype=torch.bool)
+    same, cplx = torch.ones(2, dtype=bf16), torch.ones(2, dtype=torch.complex64)
+    size = torch.Size([2, 3])
+    tree = ({"a": [torch.ones(2), ids], "b": (mask, 3.0, "s", size)}, same, cplx,
+            torch.ones(1).double())
+    out = forward_casts.cast_floating(tree, bf16)
+    assert out[0]["a"][0].dtype == bf16 and out[3].dtype == bf16
+    assert out[0]["a"][1] is ids and out[0]["b"][0] is mask and out[1] is same and out[2] is cplx
+    assert out[0]["b"][1:3] == (3.0, "s") and out[0]["b"][3] is size  # not rebuilt as a tuple
+    feats = Features(torch.ones(2), ids, {"f": [torch.ones(1)]})
+    cast = forward_casts.cast_floating([feats], bf16)[0]
+    assert type(cast) is Features and cast.x.dtype == bf16 and cast.ids is ids
+    assert cast.extra["f"][0].dtype == bf16 and feats.x.dtype == torch.float32
+    with one_rank_mesh() as mesh:
+        d = DTensor.from_local(torch.randn(4, 3), mesh, [Replicate()])
+        (cast,) = forward_casts.cast_floating((d,), bf16)
+        assert isinstance(cast, DTensor) and cast.dtype == bf16 and cast.placements == d.placements
+        assert torch.equal(cast.to_local(), d.to_local().to(bf16))
 
 
 def test_a_dataclass_argument_is_cast_as_fsdp2_casts_it():
