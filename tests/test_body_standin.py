@@ -99,7 +99,7 @@ def _run(rank: int, world: int, opaque: bool, mode: str = "fx", dynamic: bool | 
 def _both(rank: int, world: int, mode: str = "fx", dynamic: bool | None = None
           ) -> tuple[dict, dict]:
     # The bodies as traced (every call alike): the sunk form's first call differs
-    # (test_sunk_bodies_stand_in_from_their_second_call).
+    # (test_sunk_bodies_trace_one_call).
     traced = {"sink_block_residual": False}
     return (_run(rank, world, True, mode, dynamic, **traced),
             _run(rank, world, False, mode, dynamic, **traced))
@@ -127,18 +127,20 @@ def _both_sunk(rank: int, world: int, mode: str) -> tuple[dict, dict]:
 @pytest.mark.parametrize("world,mode", [
     pytest.param(2, "fx", marks=pytest.mark.slow),
     pytest.param(1, "inductor", marks=pytest.mark.slow)])
-def test_sunk_bodies_stand_in_from_their_second_call(world, mode):
+def test_sunk_bodies_trace_one_call(world, mode):
     """With ``sink_block_residual`` a body's first call differs from the others (it takes the
-    hidden state and zeros that need no gradient, they take the previous call's pair): the
-    first two calls are traced (torch partitions both with one body) and the later ones stand
-    in for the second, training bitwise as with every call traced (world 2, uneven shards),
-    with the same collectives. (Not the same positions: the two halves of a pair get one
-    gradient, and a restored backward reads it from the other half than torch's own call.)"""
+    hidden state and zeros that need no gradient, they take the previous call's pair). The
+    zeros' gradient is its pair's other half's, one node of the body's backward, so the first
+    call stands in for the second as the later ones do: AOTAutograd traces one call of the body
+    (s68; before, the first two, which torch partitioned with one body). It trains bitwise as
+    with every call traced (world 2, uneven shards), with the same collectives. (Not the same
+    positions: the two halves of a pair get one gradient, and a restored backward reads it
+    from the other half than torch's own call.)"""
     def collectives(plan: dict) -> list[tuple]:
         return [(c["id"], c["params"], c["bytes"], c["dtype"]) for c in plan["collectives"]]
 
     for new, old in run_ranks(_both_sunk, world, mode):
-        assert new["stand_ins"] == [2, 0], new["stand_ins"]
+        assert new["stand_ins"] == [3, 0], new["stand_ins"]
         assert old["stand_ins"] == [0, 0]
         assert torch.equal(new["losses"], old["losses"]), (new["losses"], old["losses"])
         assert torch.equal(new["eval"], old["eval"])
@@ -374,8 +376,8 @@ def test_a_gradient_given_in_another_layout_is_copied_into_the_first_calls(induc
                                                         inductor=inductor)
     assert not [m for m in messages if "stand-ins do not fit" in m], messages
     # Block 0 compiles inline (its input needs no gradient); with the sunk residual the body's
-    # first two calls are traced: the last stands in.
-    assert stand_ins == [1], (stand_ins, messages)
+    # second call is traced: the first (its zeros need no gradient) and the last stand in.
+    assert stand_ins == [2], (stand_ins, messages)
 
 
 def _summed_stack_like_reference(rank: int, world: int) -> tuple[list[int], list[str]]:
@@ -393,7 +395,7 @@ def _summed_stack_like_reference(rank: int, world: int) -> tuple[list[int], list
 def test_a_gradient_given_in_another_layout_at_three_uneven_ranks():
     """The given-gradient case over real collectives: three ranks (the 8-wide weights and
     biases uneven over them), Inductor, every rank's loss and gradients the unsharded
-    model's, the last call standing in."""
+    model's, the first and last calls standing in."""
     for stand_ins, messages in run_ranks(_summed_stack_like_reference, 3):
-        assert stand_ins == [1], (stand_ins, messages)
+        assert stand_ins == [2], (stand_ins, messages)
         assert not [m for m in messages if "stand-ins do not fit" in m], messages

@@ -50,6 +50,7 @@ def _region_facts(model) -> list[dict]:
         plan = region.plan
         out.append({
             "hash": plan.hash(),
+            "stand_ins": len(region.stand_ins or ()),
             "bodies": [(b.name, tuple(b.blocks), b.partitions) for b in plan.bodies],
             "sink_notes": [n for n in plan.notes if n.startswith("sink_block_residual")],
             "forward": _forward_calls(region.forward) if region.forward is not None else None,
@@ -208,6 +209,8 @@ def test_sunk_bodies_under_inductor_fuse_the_add_into_the_next_norm(world, refer
     region = run["regions"][0]
     assert region["bodies"] == [("subgraph_0", ("layers.0", "layers.1"), 1)]
     assert region["forward"]["pairs"] == [[0, 1]]
+    # The first call (hidden state and zeros) stands in for the second: one call traced.
+    assert region["stand_ins"] == 1, region
     code = next(c for c in run["code"] if "def partitioned_fw_subgraph" in c)
     # The body (one function, called per block): its first kernel reads both halves of the
     # pair (two inputs of the hidden state's shape) and computes the norm's mean: the add

@@ -428,7 +428,8 @@ def _prepare_bodies(gm: fx.GraphModule, state: ShardState | None, opts: ShardcOp
 def _stand_in(gm: fx.GraphModule, calls: list[fx.Node], blocks, region: RegionRecord) -> None:
     """``opaque_body_calls``: the later calls of each body as stand-ins AOTAutograd does not
     re-trace (``shardc.passes.body_standin``); why calls keep theirs, logged once per model."""
-    stand_ins = stand_in_later_calls(gm, calls)
+    zeros = [edit.zeros for edit in region.sink_edits if edit.zeros is not None]
+    stand_ins = stand_in_later_calls(gm, calls, free_gradients=zeros)
     for reason in dict.fromkeys(stand_ins.skipped):
         key = f"opaque_body_calls:{reason}"
         if key not in blocks.reported:

@@ -24,9 +24,10 @@ never evaluated (no guard is added).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import operator
 import re
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 import sympy
@@ -107,7 +108,8 @@ def _describe(node: fx.Node) -> tuple[list, tuple[OutputMeta, ...]] | str:
     return operands, metas
 
 
-def stand_in_later_calls(gm: fx.GraphModule, calls: Iterable[fx.Node]) -> StandIns:
+def stand_in_later_calls(gm: fx.GraphModule, calls: Iterable[fx.Node],
+                         free_gradients: Collection[fx.Node] = ()) -> StandIns:
     """Replace each call of ``calls`` (shardc's body calls, ``invoke_subgraph`` nodes) in
     ``gm``'s top-level graph whose body was called before in that graph with the same operand
     and output metadata and aliasing pattern by ``shardc::body_fwd(key, i, operands)``; the
@@ -115,15 +117,19 @@ def stand_in_later_calls(gm: fx.GraphModule, calls: Iterable[fx.Node]) -> StandI
     keeps its ``invoke_subgraph``, and the later calls like it stand in for it. Calls inside
     other higher-order ops' subgraphs, calls with non-tensor or symbolic operands, and calls
     whose outputs need no gradient keep their ``invoke_subgraph`` (their reasons in
-    ``StandIns.skipped``)."""
+    ``StandIns.skipped``).
+
+    ``free_gradients``: operands whose gradient the body computes for nothing (a sunk
+    residual's zeros: its gradient is its pair's other half's, one node of the backward). A
+    call that differs from another call of its body only in that such operands need no
+    gradient stands in for that call, before it or after: AOTAutograd then traces one call of
+    the body, not two (each traced call costs torch several re-traces of the body), and the
+    call runs the same partitioned graphs torch would have shared between the two."""
     done = StandIns()
     wanted = {id(c) for c in calls}
     nested = {str(c.args[1]) for c in calls if c.graph is not gm.graph}
-    # Per body, the first call of each operand and output description: a later call with the
-    # description of one of them stands in for it; a call unlike all of them is traced (torch
-    # partitions it as another variant of the body, which restore_body_calls finds by fit).
-    # A sunk residual's first call (its zeros need no gradient) is one such second description.
-    firsts: dict[str, list[_First]] = {}
+    free = {id(n) for n in free_gradients}
+    described: list[tuple[fx.Node, str, list, tuple, tuple]] = []
     for node in list(gm.graph.nodes):
         if id(node) not in wanted or not is_call(node, INVOKE_SUBGRAPH):
             continue
@@ -132,30 +138,65 @@ def stand_in_later_calls(gm: fx.GraphModule, calls: Iterable[fx.Node]) -> StandI
             done.skipped.append(f"{ident}: the body is also called inside another "
                                 "higher-order op (activation checkpointing)")
             continue
-        described = _describe(node)
-        if isinstance(described, str):
-            done.skipped.append(f"{ident}: {described}")
+        description = _describe(node)
+        if isinstance(description, str):
+            done.skipped.append(f"{ident}: {description}")
             continue
-        operands, outputs = described
-        identity = aliasing_pattern(list(node.args[2:]))
-        known = next((f for f in firsts.get(ident, ())
-                      if (operands, identity, outputs) == (f.operands, f.identity, f.outputs)),
-                     None)
-        if known is None:
+        operands, outputs = description
+        described.append((node, ident, operands, aliasing_pattern(list(node.args[2:])),
+                          outputs))
+    traced = {(ident, tuple(operands), identity, outputs)
+              for _, ident, operands, identity, outputs in described}
+    # Per body, the first call of each operand and output description: a later call with the
+    # description of one of them stands in for it; a call unlike all of them is traced (torch
+    # partitions it as another variant of the body, which restore_body_calls finds by fit).
+    firsts: dict[str, list[_First]] = {}
+    as_traced: list[tuple[fx.Node, str, list, tuple, tuple]] = []
+    for node, ident, operands, identity, outputs in described:
+        wider = _with_free_gradients(node, operands, free)
+        if wider is not operands and (ident, tuple(wider), identity, outputs) in traced:
+            as_traced.append((node, ident, wider, identity, outputs))
+            continue
+        if _known(firsts, ident, operands, identity, outputs) is None:
             positions = tuple(i for i, m in enumerate(operands) if _is_size(m))
             key = record_outputs(ident, outputs, tuple(operands[i][1] for i in positions),
                                  positions)
             firsts.setdefault(ident, []).append(_First(operands, identity, outputs, key))
             continue
-        known.calls += 1
-        done.replaced.append((node, node.target, node.args))
-        node.target = BODY_FWD_OP
-        sizes = [a for a, m in zip(node.args[2:], operands) if _is_size(m)]
-        tensors = [a for a, m in zip(node.args[2:], operands) if not _is_size(m)]
-        node.args = (known.key, known.calls, tensors, sizes)
+        _replace_by_stand_in(node, _known(firsts, ident, operands, identity, outputs), operands,
+                             done)
+    for node, ident, operands, identity, outputs in as_traced:
+        _replace_by_stand_in(node, _known(firsts, ident, operands, identity, outputs), operands,
+                             done)
     if done.replaced:
         gm.recompile()
     return done
+
+
+def _with_free_gradients(node: fx.Node, operands: list, free: set[int]) -> list:
+    """``operands`` (a call's described operands) with every operand of ``free`` described as
+    requiring gradient; ``operands`` itself where that changes nothing."""
+    if not free:
+        return operands
+    wider = [dataclasses.replace(m, requires_grad=True)
+             if id(arg) in free and isinstance(m, OutputMeta) and not m.requires_grad else m
+             for arg, m in zip(node.args[2:], operands)]
+    return operands if wider == operands else wider
+
+
+def _known(firsts: dict[str, list[_First]], ident: str, operands: list, identity: tuple,
+           outputs: tuple) -> _First | None:
+    return next((f for f in firsts.get(ident, ())
+                 if (operands, identity, outputs) == (f.operands, f.identity, f.outputs)), None)
+
+
+def _replace_by_stand_in(node: fx.Node, known: _First, operands: list, done: StandIns) -> None:
+    known.calls += 1
+    done.replaced.append((node, node.target, node.args))
+    node.target = BODY_FWD_OP
+    sizes = [a for a, m in zip(node.args[2:], operands) if _is_size(m)]
+    tensors = [a for a, m in zip(node.args[2:], operands) if not _is_size(m)]
+    node.args = (known.key, known.calls, tensors, sizes)
 
 
 def undo_stand_ins(gm: fx.GraphModule, stand_ins: StandIns) -> None:

@@ -80,6 +80,7 @@ class SinkEdits:
     calls: list[tuple[fx.Node, tuple, object]] = field(default_factory=list)  # old args, value
     outputs: list[tuple[fx.Node, object]] = field(default_factory=list)  # getitem 0, old value
     added: list[fx.Node] = field(default_factory=list)  # in the order they were inserted
+    zeros: fx.Node | None = None  # the first call's zeros (the pair's half it is given)
     total: fx.Node | None = None  # the outer graph's add of the last pair
     last: fx.Node | None = None  # what ``total`` replaced: the last call's output
 
@@ -243,6 +244,7 @@ def _sink(root: fx.GraphModule, calls: list[fx.Node], add: fx.Node, position: in
                 zeros = graph.call_function(torch.zeros_like, (first,))
             zeros.meta["example_value"] = torch.zeros_like(_value(first))
             edits.added.append(zeros)
+            edits.zeros = zeros
             operands[position:position + 1] = [first, zeros]
         else:
             operands[position:position + 1] = list(previous)
