@@ -145,17 +145,20 @@ def stand_in_later_calls(gm: fx.GraphModule, calls: Iterable[fx.Node],
         operands, outputs = description
         described.append((node, ident, operands, aliasing_pattern(list(node.args[2:])),
                           outputs))
-    traced = {(ident, tuple(operands), identity, outputs)
-              for _, ident, operands, identity, outputs in described}
+    # The descriptions the calls have as Dynamo traced them.
+    as_called = {(ident, tuple(operands), identity, outputs)
+                 for _, ident, operands, identity, outputs in described}
     # Per body, the first call of each operand and output description: a later call with the
     # description of one of them stands in for it; a call unlike all of them is traced (torch
     # partitions it as another variant of the body, which restore_body_calls finds by fit).
     firsts: dict[str, list[_First]] = {}
-    as_traced: list[tuple[fx.Node, str, list, tuple, tuple]] = []
+    # Calls that stand in for a call their free gradients make them like (after the loop: that
+    # call may come later in the graph).
+    widened: list[tuple[fx.Node, str, list, tuple, tuple]] = []
     for node, ident, operands, identity, outputs in described:
         wider = _with_free_gradients(node, operands, free)
-        if wider is not operands and (ident, tuple(wider), identity, outputs) in traced:
-            as_traced.append((node, ident, wider, identity, outputs))
+        if wider is not operands and (ident, tuple(wider), identity, outputs) in as_called:
+            widened.append((node, ident, wider, identity, outputs))
             continue
         if _known(firsts, ident, operands, identity, outputs) is None:
             positions = tuple(i for i, m in enumerate(operands) if _is_size(m))
@@ -165,7 +168,7 @@ def stand_in_later_calls(gm: fx.GraphModule, calls: Iterable[fx.Node],
             continue
         _replace_by_stand_in(node, _known(firsts, ident, operands, identity, outputs), operands,
                              done)
-    for node, ident, operands, identity, outputs in as_traced:
+    for node, ident, operands, identity, outputs in widened:
         _replace_by_stand_in(node, _known(firsts, ident, operands, identity, outputs), operands,
                              done)
     if done.replaced:
