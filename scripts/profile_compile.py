@@ -69,7 +69,7 @@ ROWS = (
 
 
 def _run(rank: int, world: int, blocks: int, inductor: bool, out: str, port: int,
-         plain_inputs: bool = False, opaque: bool = False, device_type: str = "cpu",
+         plain_inputs: bool | None = None, opaque: bool = False, device_type: str = "cpu",
          model: str = "1b", seq: int = 32, batch: int = 2, pack_blocks: bool = False) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cuda = device_type == "cuda"
@@ -118,8 +118,13 @@ def main() -> None:
     p.add_argument("--blocks", type=int, nargs="+", default=[4, 16])
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--inductor", action="store_true")
-    p.add_argument("--plain-inputs", action="store_true",
-                   help="shardc.shard(..., plain_inputs=True): no DTensor region inputs")
+    # (Before s68 the default was plain_inputs=False, the DTensor inputs, which shardc's default
+    # has not been since s53: profiles taken without a flag ran AOTAutograd's second metadata
+    # pass over DTensor inputs, which the default does not.)
+    p.add_argument("--plain-inputs", dest="plain_inputs", action="store_const", const=True,
+                   default=None, help="shardc.shard(..., plain_inputs=True) (shardc's default)")
+    p.add_argument("--dtensor-inputs", dest="plain_inputs", action="store_const", const=False,
+                   help="shardc.shard(..., plain_inputs=False): DTensor region inputs")
     p.add_argument("--pack-blocks", action="store_true",
                    help="shardc.shard(..., pack_blocks=True): one packed input per block")
     p.add_argument("--opaque", action="store_true",
