@@ -668,6 +668,27 @@ def traced_storages(ctx: Any, name: str) -> list[tuple[tuple[int, int], int, obj
     return found
 
 
+def traced_plain_tensors(ctx: Any, name: str, plain: tuple[type, ...]) -> list | None:
+    """In a ``comptime`` callback: the fake values of the traced local ``name`` (a tuple or
+    list) if every item is a tensor of a type in ``plain`` with static sizes and strides, else
+    None."""
+    from torch._dynamo.variables import BaseListVariable, TensorVariable
+
+    top = ctx.get_local(name)._i_will_not_complain_if_bc_breaks_VariableTracker()
+    if not isinstance(top, BaseListVariable):
+        return None
+    values = []
+    for vt in top.items:
+        if not isinstance(vt, TensorVariable) or vt.python_type() not in plain:
+            return None
+        value = vt.as_proxy().node.meta.get("example_value")
+        if not isinstance(value, torch.Tensor) or not all(
+                type(n) is int for n in (*value.shape, *value.stride())):
+            return None
+        values.append(value)
+    return values
+
+
 def symbolic_signature(value: Any) -> tuple[tuple, Any] | None:
     """A description of a fake tensor or ``SymInt`` met while Dynamo traces (``comptime``'s
     ``as_fake()``) by its symbolic expressions, and the values it has now (hints), or None:

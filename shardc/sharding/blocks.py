@@ -569,6 +569,25 @@ def _describe_tensor_call(args: tuple) -> tuple | None:
     return None if items is None else ("tuple", (("tuple", items), ("dict", ())))
 
 
+_CALL: list = [None]  # what _record_tensor_call recorded, taken by _recorded_tensor_call
+
+
+def _record_tensor_call(ctx) -> None:
+    """Run by Dynamo at trace time (``comptime``): :func:`_describe_tensor_call` of the traced
+    local ``args`` computed from its fake values, where every item is a plain tensor with static
+    sizes (else None: the caller describes the call in traced code)."""
+    values = _torch.traced_plain_tensors(ctx, "args", _PLAIN_TENSORS)
+    _CALL[0] = None if values is None else ("tuple", (("tuple", tuple(
+        (_TENSOR, tuple(v.shape), v.stride(), v.dtype, v.device.type, v.device.index,
+         v.requires_grad) for v in values)), ("dict", ())))
+
+
+@torch.compiler.assume_constant_result
+def _recorded_tensor_call() -> tuple | None:
+    call, _CALL[0] = _CALL[0], None
+    return call
+
+
 def _describe_items(values) -> tuple | None:
     """:func:`describe` of each of ``values``, or None if any is None."""
     items = []
@@ -1026,8 +1045,13 @@ def _wrapped_forward(group: BlockGroup, original: Callable) -> Callable:
         args, kwargs = without_aliased_arguments(args, kwargs)
         # A description (sizes static, or symbols with hints) rules out data-dependent sizes:
         # only a call that cannot be described pays for the check.
-        tensors_only = not kwargs and _all_tensors(args)
-        call = _describe_tensor_call(args) if tensors_only else describe((args, kwargs))
+        call = None
+        if not kwargs:  # the usual call: described at trace time, not interpreted
+            _torch.comptime(_record_tensor_call)
+            call = _recorded_tensor_call()
+        tensors_only = call is not None or not kwargs and _all_tensors(args)
+        if call is None:
+            call = _describe_tensor_call(args) if tensors_only else describe((args, kwargs))
         if call is None and has_data_dependent_sizes(args, kwargs):
             return original(self, *args, **kwargs)
         source, weights = group, None
