@@ -160,14 +160,14 @@ def stand_in_later_calls(gm: fx.GraphModule, calls: Iterable[fx.Node],
         if wider is not operands and (ident, tuple(wider), identity, outputs) in as_called:
             widened.append((node, ident, wider, identity, outputs))
             continue
-        if _known(firsts, ident, operands, identity, outputs) is None:
+        known = _known(firsts, ident, operands, identity, outputs)
+        if known is None:
             positions = tuple(i for i, m in enumerate(operands) if _is_size(m))
             key = record_outputs(ident, outputs, tuple(operands[i][1] for i in positions),
                                  positions)
             firsts.setdefault(ident, []).append(_First(operands, identity, outputs, key))
             continue
-        _replace_by_stand_in(node, _known(firsts, ident, operands, identity, outputs), operands,
-                             done)
+        _replace_by_stand_in(node, known, operands, done)
     for node, ident, operands, identity, outputs in widened:
         _replace_by_stand_in(node, _known(firsts, ident, operands, identity, outputs), operands,
                              done)

@@ -584,6 +584,7 @@ def _record_tensor_call(ctx) -> None:
 
 @torch.compiler.assume_constant_result
 def _recorded_tensor_call() -> tuple | None:
+    """What :func:`_record_tensor_call` recorded just before (run at trace time), taken."""
     call, _CALL[0] = _CALL[0], None
     return call
 
