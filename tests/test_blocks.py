@@ -1061,6 +1061,12 @@ def _both_descriptions(*args):
     return blocks._recorded_tensor_call(), blocks._describe_tensor_call(args)
 
 
+def _recorded(number: int):
+    from shardc.sharding import blocks
+
+    return None if number == 0 else blocks.call_description(number)
+
+
 def test_a_tensor_call_described_at_trace_time_equals_the_interpreted_description():
     """The wrapped forward describes a call of plain tensors from their fake values at trace
     time (s68: about a third of the instructions Dynamo interpreted per block). The result is
@@ -1071,14 +1077,17 @@ def test_a_tensor_call_described_at_trace_time_equals_the_interpreted_descriptio
     compiled = torch.compile(_both_descriptions, backend="eager", fullgraph=True)
     weight = nn.Parameter(torch.randn(3, 5))
     x = torch.randn(4, 6, dtype=torch.bfloat16).t()
-    recorded, interpreted = compiled(torch.randn(2, 3, requires_grad=True), x, weight)
+    number, interpreted = compiled(torch.randn(2, 3, requires_grad=True), x, weight)
+    recorded = _recorded(number)
     assert recorded is not None and recorded == interpreted, (recorded, interpreted)
     assert recorded[1][0][1][1][2] == x.stride()
+    # The same description again: the same number (the traced code holds numbers only).
+    assert compiled(torch.randn(2, 3, requires_grad=True), x, weight)[0] == number
     # Not every item a plain tensor: nothing recorded.
-    recorded, _ = compiled(torch.randn(2, 3), 7)
-    assert recorded is None
+    number, _ = compiled(torch.randn(2, 3), 7)
+    assert _recorded(number) is None
     torch._dynamo.reset()
     dynamic = torch.compile(_both_descriptions, backend="eager", fullgraph=True, dynamic=True)
-    recorded, interpreted = dynamic(torch.randn(2, 3), torch.randn(5))
-    assert recorded is None
+    number, interpreted = dynamic(torch.randn(2, 3), torch.randn(5))
+    assert _recorded(number) is None
     torch._dynamo.reset()

@@ -570,6 +570,11 @@ def _describe_tensor_call(args: tuple) -> tuple | None:
 
 
 _CALL: list = [None]  # what _record_tensor_call recorded, taken by _recorded_tensor_call
+# Descriptions recorded at trace time, by number (``_CALLS[n - 1]``). The traced code holds the
+# number only: a description handed to Dynamo as a constant tuple is wrapped item by item (about
+# 50 variables per block call), where one number is one.
+_CALL_NUMBERS: dict[tuple, int] = {}
+_CALLS: list[tuple] = []
 
 
 def _record_tensor_call(ctx) -> None:
@@ -583,10 +588,23 @@ def _record_tensor_call(ctx) -> None:
 
 
 @torch.compiler.assume_constant_result
-def _recorded_tensor_call() -> tuple | None:
-    """What :func:`_record_tensor_call` recorded just before (run at trace time), taken."""
+def _recorded_tensor_call() -> int:
+    """The number of what :func:`_record_tensor_call` recorded just before (run at trace
+    time), taken; 0 where nothing was recorded. :func:`call_description` turns it back."""
     call, _CALL[0] = _CALL[0], None
-    return call
+    if call is None:
+        return 0
+    number = _CALL_NUMBERS.get(call)
+    if number is None:
+        _CALLS.append(call)
+        number = _CALL_NUMBERS[call] = len(_CALLS)
+    return number
+
+
+def call_description(call: tuple | int) -> tuple:
+    """:func:`describe` of a block call's ``(args, kwargs)`` from what the wrapped forward holds:
+    the description itself, or the number :func:`_recorded_tensor_call` gave it."""
+    return _CALLS[call - 1] if isinstance(call, int) else call
 
 
 def _describe_items(values) -> tuple | None:
@@ -779,26 +797,27 @@ def _record_varying_reads(skeleton: nn.Module, varying: frozenset[tuple[str, str
 
 
 @torch.compiler.assume_constant_result
-def _probed_key(uid: int, desc: tuple) -> int:
-    return _PROBERS[uid].key(desc)
+def _probed_key(uid: int, state: tuple, described_buffers: tuple, call: tuple | int) -> int:
+    # describe((buffers, args, kwargs)), from the parts already described.
+    arguments = ("tuple", (("tuple", described_buffers), *call_description(call)[1]))
+    return _PROBERS[uid].key((*state, arguments))
 
 
 def reuse_key(prober: BodyProber | None, training: bool, weights: tuple, buffers: tuple,
-              call: tuple | None) -> int:
+              call: tuple | int | None) -> int:
     """The key under which a call of ``group``'s keyed body reuses an earlier call's trace, 0
     (use a guard-based body) or ``READS_VARYING`` (the prober saw the call read a scalar that
     differs among the members). ``call`` is :func:`describe` of the call's ``(args, kwargs)``
-    (None: not describable). Called while Dynamo traces the wrapped forward."""
+    or its number (:func:`call_description`; None: not describable). Called while Dynamo traces
+    the wrapped forward."""
     if prober is None or call is None:
         return 0
     described_buffers = _describe_items(buffers)
     if described_buffers is None:
         return 0
-    # describe((buffers, args, kwargs)), from the parts already described.
-    arguments = ("tuple", (("tuple", described_buffers), *call[1]))
     autocast = (torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda"))
     key = _probed_key(prober.uid, (training, torch.is_grad_enabled(), autocast,
-                                         _weight_state(weights), arguments))
+                                   _weight_state(weights)), described_buffers, call)
     # A fresh constant: Dynamo's result of assume_constant_result has a source that cannot be
     # guarded, which flattening the keyed body's arguments would try.
     return key + 0
@@ -1049,7 +1068,7 @@ def _wrapped_forward(group: BlockGroup, original: Callable) -> Callable:
         call = None
         if not kwargs:  # the usual call: described at trace time, not interpreted
             _torch.comptime(_record_tensor_call)
-            call = _recorded_tensor_call()
+            call = _recorded_tensor_call() or None  # a number (call_description)
         tensors_only = call is not None or not kwargs and _all_tensors(args)
         if call is None:
             call = _describe_tensor_call(args) if tensors_only else describe((args, kwargs))
