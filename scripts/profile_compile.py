@@ -8,10 +8,13 @@ with cProfile on process CPU time (so other load on the machine counts less) and
 cumulative seconds of the functions that attribute the compile: Dynamo's trace and guards, the
 re-trace of every block body call (``invoke_subgraph`` in Dynamo, ``gen_schema`` in AOTAutograd),
 AOTAutograd's joint-graph capture, torch's min-cut partition, shardc's own passes and Inductor.
-``--pack-blocks`` shards with ``pack_blocks=True``. ``--opaque`` compiles with
-``opaque_body_calls=True`` (later body calls reach AOTAutograd as
-stand-ins, ``shardc.passes.body_standin``). ``--out DIR`` keeps each depth's profile
-(``pstats``) there. ``--device cuda`` runs one rank per GPU over NCCL with Inductor, the
+With two or more depths it also prints each added block's self time by area (torch
+subpackages, shardc packages, third-party packages: :func:`per_block_self`), which holds on
+Python 3.12 where the cumulative rows do not. ``--pack-blocks`` shards with
+``pack_blocks=True``. ``--opaque`` compiles with ``opaque_body_calls=True`` (later body calls
+reach AOTAutograd as stand-ins, ``shardc.passes.body_standin``). ``--out DIR`` keeps each
+depth's profile (``pstats``) there. ``--device cuda`` runs one rank per GPU over NCCL with
+Inductor, the
 benchmarks' full-size ``--model`` (default 1b) at ``--seq``/``--batch`` (2048 / 4, as
 ``benchmarks/compile_time.py``), timed on the wall clock (Inductor compiles Triton kernels in
 worker processes, which process time would miss). On Python 3.12 cProfile (built on
@@ -113,6 +116,44 @@ def _cumulative(stats: pstats.Stats, suffix: str, name: str) -> tuple[int, float
     return calls, seconds
 
 
+def _area(path: str, func: str) -> str:
+    """Where a profiled function lives, for the per-block table: a torch subpackage or module,
+    a shardc package, a third-party package, or the builtin itself."""
+    if path == "~":
+        return f"builtin {func[:40]}"
+    rel = path.split("site-packages/")[-1]
+    if "shardc/" in rel:
+        return "shardc/" + rel.split("shardc/", 1)[1].split("/")[0]
+    if rel.startswith("<frozen"):
+        return "python imports"
+    if rel.startswith("/"):  # outside site-packages: Python's own modules, the benchmarks
+        return "python stdlib" if "/python3" in rel else f"other {Path(rel).name}"
+    parts = rel.split("/")
+    if parts[0] == "torch" and len(parts) > 2 and parts[1] in (
+            "_inductor", "_dynamo", "fx", "_functorch", "_subclasses", "utils"):
+        return "/".join(parts[:3])
+    return "/".join(parts[:2]) if parts[0] == "torch" else parts[0]
+
+
+def per_block_self(small: pstats.Stats, large: pstats.Stats, blocks: int, top: int = 25
+                   ) -> list[str]:
+    """Self time per function, ``large``'s less ``small``'s over the ``blocks`` more blocks it
+    has, summed by area (:func:`_area`): where each added block's seconds go. Self times, not
+    cumulative ones, because Python 3.12's cProfile loses cumulative rows around Dynamo's
+    code; under the profiler they are about twice the unprofiled seconds."""
+    a, b = small.stats, large.stats  # type: ignore[attr-defined]
+    by_area: dict[str, float] = {}
+    for key in set(a) | set(b):
+        diff = (b[key][2] if key in b else 0.0) - (a[key][2] if key in a else 0.0)
+        area = _area(key[0], key[2])
+        by_area[area] = by_area.get(area, 0.0) + diff / blocks
+    total = sum(by_area.values())
+    lines = [f"self time per block (ms, profiled), {total * 1e3:.1f} in all; by area:"]
+    for area, secs in sorted(by_area.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"  {secs * 1e3:8.2f}  {area}")
+    return lines
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--blocks", type=int, nargs="+", default=[4, 16])
@@ -142,7 +183,7 @@ def main() -> None:
     batch = args.batch or (4 if cuda else 2)
     out_dir = Path(args.out or tempfile.mkdtemp(prefix="shardc_profile_"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    results = {}
+    results, profiles = {}, {}
     for blocks in args.blocks:
         out = str(out_dir / f"blocks{blocks}_world{args.world}.prof")
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="shardc_inductor_")
@@ -152,13 +193,17 @@ def main() -> None:
                              args.opaque, args.device, args.model, seq, batch,
                              args.pack_blocks),
                  nprocs=args.world)
-        stats = pstats.Stats(out)
+        stats = profiles[blocks] = pstats.Stats(out)
         results[blocks] = [_cumulative(stats, suffix, name) for _, suffix, name in ROWS]
     print(f"{'':48s}" + "".join(f"{f'{b} blocks':>22s}" for b in args.blocks))
     for i, (label, _, _) in enumerate(ROWS):
         cells = "".join(f"{results[b][i][1]:10.2f} s ({results[b][i][0]:4d} calls)"
                         for b in args.blocks)
         print(f"{label:48s}{cells}")
+    small, large = min(args.blocks), max(args.blocks)
+    if large > small:
+        print(f"from {small} to {large} blocks:")
+        print("\n".join(per_block_self(profiles[small], profiles[large], large - small)))
     print(f"profiles: {out_dir}")
 
 
