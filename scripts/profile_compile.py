@@ -14,9 +14,8 @@ Python 3.12 where the cumulative rows do not. ``--pack-blocks`` shards with
 ``pack_blocks=True``. ``--opaque`` compiles with ``opaque_body_calls=True`` (later body calls
 reach AOTAutograd as stand-ins, ``shardc.passes.body_standin``). ``--out DIR`` keeps each
 depth's profile (``pstats``) there. ``--device cuda`` runs one rank per GPU over NCCL with
-Inductor, the
-benchmarks' full-size ``--model`` (default 1b) at ``--seq``/``--batch`` (2048 / 4, as
-``benchmarks/compile_time.py``), timed on the wall clock (Inductor compiles Triton kernels in
+Inductor, the benchmarks' full-size ``--model`` (default 1b) at ``--seq``/``--batch`` (2048 / 4,
+as ``benchmarks/compile_time.py``), timed on the wall clock (Inductor compiles Triton kernels in
 worker processes, which process time would miss). On Python 3.12 cProfile (built on
 ``sys.monitoring``) loses the frames around Dynamo's compiled code: rows of top-level functions
 read 0 and some cumulative times are wrong; self times hold. An analysis tool, not a test.

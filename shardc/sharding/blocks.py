@@ -581,6 +581,8 @@ def _record_tensor_call(ctx) -> None:
     """Run by Dynamo at trace time (``comptime``): :func:`_describe_tensor_call` of the traced
     local ``args`` computed from its fake values, where every item is a plain tensor with static
     sizes (else None: the caller describes the call in traced code)."""
+    # Each item as _describe_items builds a static plain tensor's (built apart on purpose: the
+    # traced loop there must not inline a helper call per tensor); a test keeps the two equal.
     values = _torch.traced_plain_tensors(ctx, "args", _PLAIN_TENSORS)
     _CALL[0] = None if values is None else ("tuple", (("tuple", tuple(
         (_TENSOR, tuple(v.shape), v.stride(), v.dtype, v.device.type, v.device.index,
