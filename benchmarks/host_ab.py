@@ -36,12 +36,13 @@ from train.workload import build_model, model_config  # noqa: E402
 import shardc  # noqa: E402
 
 PHASES = ("forward", "backward", "optimizer.step", "zero_grad")
-# name -> (plain_inputs, shardc.optim.local_shard_step) ("shardc" is the DTensor reads,
-# shardc.shard's default before s53; "shardc-plain" its default since); "bound": no shardc
+# name -> (plain_inputs, shardc.optim.local_shard_step, pack_blocks) ("shardc" is the DTensor
+# reads, shardc.shard's default before s53; "shardc-plain" its default since; "shardc-packed":
+# the plain reads with each repeated block read as one packed buffer); "bound": no shardc
 # (replicated parameters read as bf16, Inductor, no communication: benchmarks/train/baselines.py).
-VARIANTS = {"shardc": (False, False), "shardc-plain": (True, False),
-            "shardc-local": (False, True), "shardc-plain-local": (True, True),
-            "bound": None}
+VARIANTS = {"shardc": (False, False, False), "shardc-plain": (True, False, False),
+            "shardc-local": (False, True, False), "shardc-plain-local": (True, True, False),
+            "shardc-packed": (True, False, True), "bound": None}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -88,7 +89,8 @@ def main(argv=None) -> None:
             swap_param_reads(model, lambda p: p.to(torch.bfloat16))  # as setup_bound
             compiled = torch.compile(model)
         else:
-            shardc.shard(model, mp_policy=mp, plain_inputs=VARIANTS[name][0])
+            shardc.shard(model, mp_policy=mp, plain_inputs=VARIANTS[name][0],
+                         pack_blocks=VARIANTS[name][2])
             compiled = torch.compile(model, backend=shardc.backend(inductor=not args.fx))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4,
                                 **({"foreach": True} if args.foreach else {}))
