@@ -557,6 +557,50 @@ def test_blocks_given_arguments_that_share_a_storage_get_copies():
         torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("keyword", [False, True], ids=["positional", "keyword"])
+def test_a_block_given_one_tensor_twice_never_shares_a_trace_with_two_tensors(keyword):
+    """``block(h, h)`` then ``block(h, r)`` (a residual stream that starts as the hidden state):
+    Dynamo lifts a tensor passed twice into a subgraph once, so the first call's trace, stamped
+    out for the later calls under the same reuse key, dropped their second tensor: a silently
+    wrong output where the calls' descriptions are equal (under ``no_grad``, or where the input
+    requires grad as an embedding's output does). The key carries the pattern of identical
+    tensors now: outputs and gradients as eager, with grad and under ``no_grad``, for a call
+    described at trace time (positional tensors) and an interpreted one (a keyword)."""
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.inp = nn.Linear(6, 6)
+    model.blocks = nn.ModuleList(PairBlock() for _ in range(3))
+
+    def forward(x):
+        h = r = model.inp(x)
+        for block in model.blocks:
+            h, r = block(h, r, scale=0.5) if keyword else block(h, r)
+        return h.square().mean() + r.mean()
+
+    x = torch.randn(3, 6)
+    params = list(model.parameters())
+    expected = forward(x)
+    expected_grads = torch.autograd.grad(expected, params)
+    with torch.no_grad():
+        expected_eval = forward(x + 1)
+    bodies = wrap_repeated_blocks(model, {}, shared=set(), special=set())
+    seal(bodies, model)
+    assert [g.members for g in bodies.groups] == [("blocks.0", "blocks.1", "blocks.2")]
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(forward, backend="aot_eager", fullgraph=True)
+        out = compiled(x)
+        grads = torch.autograd.grad(out, params)
+        with torch.no_grad():
+            evaluated = compiled(x + 1)
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(out, expected)
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want)
+    torch.testing.assert_close(evaluated, expected_eval)
+
+
 def test_two_groups_of_blocks_never_share_a_keyed_trace():
     """Two groups of identical blocks in one compiled frame whose calls are described alike
     (same weights' shapes, same input) but whose forwards differ: each group runs its own body.

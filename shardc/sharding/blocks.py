@@ -730,7 +730,7 @@ class BodyProber:
         return self.keys[desc]
 
     def _probe(self, desc: tuple) -> int:
-        training, _, _, weight_state, arguments = desc
+        training, _, _, weight_state, _, arguments = desc
         buffers, args, kwargs = _meta_value(arguments)
         weights = [torch.empty(shape, dtype=dtype, device="meta", requires_grad=requires_grad)
                    for shape, (dtype, _, requires_grad) in zip(self.weight_shapes, weight_state)]
@@ -806,11 +806,12 @@ def _probed_key(uid: int, state: tuple, described_buffers: tuple, call: tuple | 
 
 
 def reuse_key(prober: BodyProber | None, training: bool, weights: tuple, buffers: tuple,
-              call: tuple | int | None) -> int:
+              call: tuple | int | None, identity: tuple = ()) -> int:
     """The key under which a call of ``group``'s keyed body reuses an earlier call's trace, 0
     (use a guard-based body) or ``READS_VARYING`` (the prober saw the call read a scalar that
     differs among the members). ``call`` is :func:`describe` of the call's ``(args, kwargs)``
-    or its number (:func:`call_description`; None: not describable). Called while Dynamo traces
+    or its number (:func:`call_description`; None: not describable); ``identity`` the
+    :func:`identity_pattern` of its buffers and argument tensors. Called while Dynamo traces
     the wrapped forward."""
     if prober is None or call is None:
         return 0
@@ -819,7 +820,7 @@ def reuse_key(prober: BodyProber | None, training: bool, weights: tuple, buffers
         return 0
     autocast = (torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda"))
     key = _probed_key(prober.uid, (training, torch.is_grad_enabled(), autocast,
-                                   _weight_state(weights)), described_buffers, call)
+                                   _weight_state(weights), identity), described_buffers, call)
     # A fresh constant: Dynamo's result of assume_constant_result has a source that cannot be
     # guarded, which flattening the keyed body's arguments would try.
     return key + 0
@@ -859,6 +860,21 @@ BACKEND_MARKER = "_shardc_trace_once"
 
 def trace_once_enabled() -> bool:
     return os.environ.get("SHARDC_TRACE_ONCE", "1") != "0"
+
+
+def identity_pattern(tensors: list) -> tuple:
+    """For each of ``tensors``, the position of the first one that is the same tensor (its own
+    where none is). Dynamo lifts a tensor passed twice into a subgraph once, so a body traced
+    for one pattern computes another function for a call with another: ``block(h, h)`` and
+    ``block(h, r)`` must not share a trace, even where their tensors' descriptions are equal
+    (under ``no_grad``, or where both require grad). Traced in the wrapped forward."""
+    pattern = list(range(len(tensors)))
+    for i in range(1, len(tensors)):
+        for j in range(i):
+            if tensors[j] is tensors[i]:
+                pattern[i] = j
+                break
+    return tuple(pattern)
 
 
 def _flat_tensors(value, out: list) -> list:
@@ -910,26 +926,13 @@ def _trace_once_kind(slot: int) -> int:
 
 
 def _trace_once_call(group: BlockGroup | PackedBodies, training: bool, key: int, weights,
-                     buffers, args, kwargs, tensors_only: bool):
+                     buffers, args, kwargs, inputs: list, identity: tuple):
     """A body call that Dynamo traces only the first time per slot and graph (see above);
-    ``group``: the bodies and prober to call (a group's, or its packed ones); ``tensors_only``:
-    ``args`` are tensors and there are no ``kwargs``."""
-    if tensors_only:  # the usual call (h, ...): no walk over structures
-        flat = [*weights, *buffers, *args]
-    else:
-        flat = _flat_tensors((args, kwargs), [*weights, *buffers])
-    # Identical tensors among the arguments: Dynamo lifts a tensor once into a subgraph, so the
-    # first call's subgraph fits only calls with the same pattern. The weights are distinct
-    # tensors made in this forward (each its own gather of another parameter), so no buffer or
-    # argument is one: the rest is compared only with the rest before it.
-    identity = list(range(len(flat)))
-    first = len(weights)
-    for i in range(first + 1, len(flat)):
-        for j in range(first, i):
-            if flat[j] is flat[i]:
-                identity[i] = j
-                break
-    identity = tuple(identity)
+    ``group``: the bodies and prober to call (a group's, or its packed ones); ``inputs``: the
+    buffers and the argument tensors, flat, and ``identity`` their :func:`identity_pattern`
+    (the weights are distinct tensors made in this forward, each its own gather of another
+    parameter, so none is a buffer or an argument)."""
+    flat = [*weights, *inputs]
     plan = _trace_once_plan(group.prober.uid, key, identity)
     slot, mode = plan // 3, plan % 3
     if mode == _LATER:
@@ -1084,7 +1087,11 @@ def _wrapped_forward(group: BlockGroup, original: Callable) -> Callable:
         if weights is None:
             weights = tuple([_read(self, p) for p in group.weight_paths])  # no generator
         buffers = tuple([_read(self, p) for p in group.buffer_paths])
-        key = reuse_key(source.prober, self.training, weights, buffers, call)
+        # The buffers and argument tensors, flat (the usual call, (h, ...): no walk).
+        inputs = [*buffers, *args] if tensors_only else _flat_tensors((args, kwargs),
+                                                                      list(buffers))
+        identity = identity_pattern(inputs) if len(inputs) > 1 else ()
+        key = reuse_key(source.prober, self.training, weights, buffers, call, identity)
         if needs_key and key <= 0:
             if key == READS_VARYING:
                 return original(self, *args, **kwargs)
@@ -1099,7 +1106,7 @@ def _wrapped_forward(group: BlockGroup, original: Callable) -> Callable:
             return source.keyed[self.training](key, weights, buffers, args, kwargs)
         if key and not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")):
             return _trace_once_call(source, self.training, key, weights, buffers, args, kwargs,
-                                    tensors_only)
+                                    inputs, identity)
         return put_back_passed_inputs(source.bodies[self.training](weights, buffers, args,
                                                                    kwargs), *given)
 
