@@ -35,7 +35,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="width 64 (CPU runs)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--steps", type=int, default=5, help="steps after the first")
-    p.add_argument("--pack-blocks", action="store_true")
+    p.add_argument("--pack-blocks", action=argparse.BooleanOptionalAction, default=None,
+                   help="shardc.shard's pack_blocks (default: shardc's default, packed)")
     p.add_argument("--out", default=None, help="directory for optimizer_first_step.{json,md}")
     p.add_argument("--name", default="optimizer_first_step")
     p.add_argument("--child", nargs=2, metavar=("DEPTH", "MODE"), help=argparse.SUPPRESS)
@@ -60,7 +61,8 @@ def run_child(args: argparse.Namespace) -> None:
         torch.cuda.set_device(0)
     cfg = model_config(args.model, 128, args.tiny, depth, width=64 if args.tiny else None)
     model = build_model(cfg, device)
-    shardc.shard(model, init_device_mesh(args.device, (1,)), pack_blocks=args.pack_blocks)
+    shardc.shard(model, init_device_mesh(args.device, (1,)),
+                 **({} if args.pack_blocks is None else {"pack_blocks": args.pack_blocks}))
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
@@ -94,7 +96,8 @@ def main(argv=None) -> None:
     rows = []
     base = [sys.executable, __file__, "--model", args.model, "--device", args.device,
             "--steps", str(args.steps)] + (["--tiny"] if args.tiny else []) + (
-            ["--pack-blocks"] if args.pack_blocks else [])
+            [] if args.pack_blocks is None else
+            ["--pack-blocks" if args.pack_blocks else "--no-pack-blocks"])
     for depth in args.depths:
         for mode in args.modes:
             out = subprocess.run(base + ["--child", str(depth), mode], check=True,

@@ -48,7 +48,9 @@ and ``shardc-fast-rswait`` (``shardc`` and ``shardc-fast`` with
 ``reduce_scatter_wait_past_small_buckets=True``), ``shardc-nosink`` (default shardc with
 ``sink_block_residual=False``: the residual adds where they were traced, the default before the
 fifty-ninth session; since then the modes without ``-sink`` sink by default too, where no block
-is recomputed), ``bound-cudagraphs`` (the bound under ``mode="reduce-overhead"``); any other
+is recomputed), ``shardc-unpacked`` (default shardc with ``pack_blocks=False``: each block's
+parameters read one by one, the default before the seventieth session), ``bound-cudagraphs``
+(the bound under ``mode="reduce-overhead"``); any other
 ``train_bench.py`` mode by its name (``train.modes.mode_name``); see docs/overhead.md. Results go to
 ``--out/<name>.json`` and ``.md``. Public API only (``shardc-combo`` sets Inductor's config).
 

@@ -11,7 +11,8 @@ AOTAutograd's joint-graph capture, torch's min-cut partition, shardc's own passe
 With two or more depths it also prints each added block's self time by area (torch
 subpackages, shardc packages, third-party packages: :func:`per_block_self`), which holds on
 Python 3.12 where the cumulative rows do not. ``--pack-blocks`` shards with
-``pack_blocks=True``. ``--opaque`` compiles with ``opaque_body_calls=True`` (later body calls
+``pack_blocks=True`` (shardc's default since s70), ``--no-pack-blocks`` with ``False``.
+``--opaque`` compiles with ``opaque_body_calls=True`` (later body calls
 reach AOTAutograd as stand-ins, ``shardc.passes.body_standin``). ``--out DIR`` keeps each
 depth's profile (``pstats``) there. ``--device cuda`` runs one rank per GPU over NCCL with
 Inductor, the benchmarks' full-size ``--model`` (default 1b) at ``--seq``/``--batch`` (2048 / 4,
@@ -72,7 +73,7 @@ ROWS = (
 
 def _run(rank: int, world: int, blocks: int, inductor: bool, out: str, port: int,
          plain_inputs: bool | None = None, opaque: bool = False, device_type: str = "cpu",
-         model: str = "1b", seq: int = 32, batch: int = 2, pack_blocks: bool = False) -> None:
+         model: str = "1b", seq: int = 32, batch: int = 2, pack_blocks: bool | None = None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cuda = device_type == "cuda"
     if cuda:
@@ -165,8 +166,9 @@ def main() -> None:
                    default=None, help="shardc.shard(..., plain_inputs=True) (shardc's default)")
     p.add_argument("--dtensor-inputs", dest="plain_inputs", action="store_const", const=False,
                    help="shardc.shard(..., plain_inputs=False): DTensor region inputs")
-    p.add_argument("--pack-blocks", action="store_true",
-                   help="shardc.shard(..., pack_blocks=True): one packed input per block")
+    p.add_argument("--pack-blocks", action=argparse.BooleanOptionalAction, default=None,
+                   help="shardc.shard(..., pack_blocks=True): one packed input per block "
+                        "(shardc's default); --no-pack-blocks: each parameter read on its own")
     p.add_argument("--opaque", action="store_true",
                    help="opaque_body_calls=True: later body calls reach AOTAutograd as stand-ins")
     p.add_argument("--out", default=None, help="keep the profiles here")

@@ -295,11 +295,11 @@ def _sharded_run(rank: int, world: int, kind: str, mode: str, **options) -> dict
         # differs per block and that the forward does not read (shardc.sharding.blocks).
         for i, block in enumerate(model.blocks):
             block.index = i
-    plain = options.pop("plain_inputs", None)  # None: shard's default (plain reads since s53)
+    # None: shard's defaults (plain reads since s53, packed blocks since s70).
+    chosen = {k: options.pop(k) for k in ("plain_inputs", "pack_blocks") if k in options}
     shardc.shard(model, reshard_after_forward=options.pop("reshard_after_forward", True),
                  offload=options.pop("offload", None), mp_policy=options.pop("mp_policy", None),
-                 pack_blocks=options.pop("pack_blocks", False),
-                 **({} if plain is None else {"plain_inputs": plain}))
+                 **chosen)
     if mode == "eager":
         forward = model
     else:

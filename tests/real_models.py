@@ -1590,6 +1590,11 @@ def adam_control(world: int) -> dict:
 BUDGET_CFG = dict(vocab_size=VOCAB, dim=48, n_layers=4, n_heads=HEADS, ffn_dim=90, max_seq_len=16)
 BUDGET_SEQ = 3
 BUDGET_ROOM = 40_000  # bytes over the minimum: the head bucket (7 KiB) fits, a block (87 KiB) not
+# The keep/recompute and optimizer-offload budget scenarios read each parameter on its own: their
+# margins (BUDGET_ROOM; the optimizer's floor, five times the parameters' shard bytes) are sized
+# for it, and their point does not depend on the read (packed blocks, the default, pad each
+# block's shards and keep it gathered for less: the CLI's budget test plans that mix).
+PER_PARAMETER = {"pack_blocks": False}
 # The keep/recompute/refusal scenario (three compiles) with three blocks: what it shows needs
 # only more than one block (some recomputed, not all), and each block adds to every trial.
 PEAK_BUDGET_CFG = {**BUDGET_CFG, "n_layers": 3}
@@ -1640,7 +1645,7 @@ def _refused_budget(ctx: Ctx, build, data: torch.Tensor
     plan's peak it carries (the fixed policy's, the ranks' largest) and that plan's peak at
     each prefetch depth tried."""
     try:
-        _budget_step(ctx, ctx.wrap(build(), compile=False), 1, data[:1])
+        _budget_step(ctx, ctx.wrap(build(), compile=False, **PER_PARAMETER), 1, data[:1])
     except Exception as exc:  # torch.compile wraps the backend's error
         cause: BaseException | None = exc
         while cause is not None and not isinstance(cause, MemoryBudgetError):
@@ -1667,7 +1672,7 @@ def sc_peak_budget(ctx: Ctx) -> dict:
         return Transformer(LlamaConfig(**PEAK_BUDGET_CFG))
 
     data = tokens(steps=2, seq=BUDGET_SEQ)
-    model = ctx.wrap(build(), compile=False)
+    model = ctx.wrap(build(), compile=False, **PER_PARAMETER)
     if not ctx.sharded:
         out = train_lm(ctx, model, model, data)
         # The recompute run trains the same model on the same data: the same reference.
@@ -1684,7 +1689,7 @@ def sc_peak_budget(ctx: Ctx) -> dict:
     # A byte below the fully resharded plan's lowest peak (with no prefetch): neither keeping
     # nor prefetching less helps, blocks are recomputed.
     shallowest = min(by_depth.values())
-    recomputing = ctx.wrap(build(), compile=False)
+    recomputing = ctx.wrap(build(), compile=False, **PER_PARAMETER)
     rec_out, rec = _budget_step(ctx, recomputing, shallowest - 1, data)
     torch._dynamo.reset()
     ctx.model = model
@@ -1918,7 +1923,7 @@ def sc_peak_budget_optimizer(ctx: Ctx) -> dict:
         return Transformer(LlamaConfig(**OPTIMIZER_BUDGET_CFG))
 
     data = tokens(steps=2, seq=BUDGET_SEQ)
-    model = ctx.wrap(build(), compile=False)
+    model = ctx.wrap(build(), compile=False, **PER_PARAMETER)
     if not ctx.sharded:
         return train_lm(ctx, model, model, data)
 

@@ -856,7 +856,7 @@ class PairStack(nn.Module):
         return x.square().mean() + y.mean()
 
 
-def _train_pair_stack(rank: int, world: int, trace_once: bool) -> dict:
+def _train_pair_stack(rank: int, world: int, trace_once: bool, packed: bool) -> dict:
     import os
 
     import shardc
@@ -865,9 +865,10 @@ def _train_pair_stack(rank: int, world: int, trace_once: bool) -> dict:
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = PairStack()
-    shardc.shard(model)
+    shardc.shard(model, pack_blocks=packed)
     for g in model._shardc_state.blocks.groups:
-        g.keyed.clear()  # torch 2.13+: the path torch 2.11/2.12 take
+        for bodies in (g, g.packed) if g.packed is not None else (g,):
+            bodies.keyed.clear()  # torch 2.13+: the path torch 2.11/2.12 take
     options = {"inductor": False, "compile_blocks_once": trace_once}
     compiled = torch.compile(model, backend=shardc.backend(**options))
     if hasattr(torch._dynamo.config, "inline_single_use_invoke_subgraph"):  # torch 2.13+
@@ -895,12 +896,15 @@ def _train_pair_stack(rank: int, world: int, trace_once: bool) -> dict:
             "bodies": [(b.blocks, b.partitions) for p in plans for b in p.bodies]}
 
 
-def _train_pair_stack_both(rank: int, world: int) -> tuple[dict, dict]:
-    return _train_pair_stack(rank, world, True), _train_pair_stack(rank, world, False)
+def _train_pair_stack_both(rank: int, world: int, packed: bool) -> tuple[dict, dict]:
+    return (_train_pair_stack(rank, world, True, packed),
+            _train_pair_stack(rank, world, False, packed))
 
 
-def test_trace_once_without_reuse_hash_fn_trains_like_inline_blocks():
-    """shardc's own trace once, world 1, FX: Dynamo traces the body once per slot (the first
+@pytest.mark.parametrize("packed", [False, True], ids=["per_parameter", "packed"])
+def test_trace_once_without_reuse_hash_fn_trains_like_inline_blocks(packed):
+    """shardc's own trace once, world 1, FX, per-parameter reads and packed blocks: Dynamo
+    traces the body once per slot (the first
     block, called with one tensor twice, has its own), every block still calls the shared body,
     and training (3 SGD steps) equals the inline path's (``compile_blocks_once=False``, trace
     once off), a compiled no_grad forward the inline model's eager one. A call rewritten with
@@ -908,7 +912,7 @@ def test_trace_once_without_reuse_hash_fn_trains_like_inline_blocks():
     fail or compute another function."""
     from dist_utils import run_ranks
 
-    once, inline = run_ranks(_train_pair_stack_both, 1)[0]
+    once, inline = run_ranks(_train_pair_stack_both, 1, packed)[0]
     assert inline["traces"] == 4 and inline["bodies"] == []
     assert once["traces"] == 2, once["traces"]  # slots: (x, x) for block 0, (x, y) for 1-3
     assert once["eval_traces"] == 2, once["eval_traces"]

@@ -244,11 +244,15 @@ def _parity_scenarios(world: int, slow: bool = False) -> dict[str, tuple[str, st
     def at(*worlds: int) -> bool:
         return world in worlds
 
+    # "fx", "blocks" and "bf16" read each block's parameters one by one (pack_blocks=False, the
+    # default before s70): the packed default's scenarios ("packed*", and every scenario that
+    # does not say) are compared with them bit for bit (_check_packed).
     scenarios = {
-        "fx": ("llama", "fx", {}),
+        "fx": ("llama", "fx", {"pack_blocks": False}),
         # Repeated blocks compiled once (and one odd block inline), checkpointing inside the
         # blocks, then an eval + no_grad forward.
-        "blocks": ("blocks", "fx", {"eval": True, "hook_after_eval": world == 1}),
+        "blocks": ("blocks", "fx", {"eval": True, "hook_after_eval": world == 1,
+                                    "pack_blocks": False}),
     }
     optional = [
         (at(1, 3), "eager", ("llama", "eager", {})),
@@ -258,7 +262,8 @@ def _parity_scenarios(world: int, slow: bool = False) -> dict[str, tuple[str, st
         # Every step through DTensor (shardc's default local-shard step turned off); it changes
         # the step only, so it trains the "fx" run's compiled model again (same_compile_as).
         (at(1, 4), "dtensor_step", ("llama", "fx", {"local_step": "dtensor",
-                                                    "same_compile_as": "fx"})),
+                                                    "same_compile_as": "fx",
+                                                    "pack_blocks": False})),
         (at(1), "variant_local_sgd", ("variant", "fx", {"local_step": True, "optim": "sgd"})),
         (at(1), "blocks_inline", ("blocks", "fx", {"eval": True, "compile_blocks_once": False})),
         # dynamic=True traces the blocks' float attributes (LayerNorm's eps) as symbols, which
@@ -267,7 +272,7 @@ def _parity_scenarios(world: int, slow: bool = False) -> dict[str, tuple[str, st
         (at(3), "per_param", ("llama", "fx", {"reshard_after_forward": False,
                                                "bucket_by": "param"})),
         (at(2), "fused_adamw", ("llama", "fx", {"local_step": True, "optim": "adamw-fused",
-                                                "same_compile_as": "fx"})),
+                                                "same_compile_as": "fx", "pack_blocks": False})),
         # A peak budget with room for everything (issue 22; the mix of kept and resharded
         # buckets is tested at world 3, tests/test_real_models.py).
         (at(1, 2), "roomy_budget", ("llama", "fx", {"peak_memory_budget_bytes": 1 << 40})),
@@ -291,7 +296,7 @@ def _parity_scenarios(world: int, slow: bool = False) -> dict[str, tuple[str, st
         # (more buffers live at once): the parity check and the bitwise comparison with
         # "bf16_offload" (depth 1, no poison) catch any overlap. (suite10: was a scenario of
         # its own, "debug_pool", fp32 at depth 2; one compile fewer at world 2.)
-        (at(1, 2), "bf16", ("llama", "fx", {"mp_policy": BF16, **(
+        (at(1, 2), "bf16", ("llama", "fx", {"mp_policy": BF16, "pack_blocks": False, **(
             {"debug_pool": True, "prefetch_depth": 2} if world == 2 else {})})),
         # ... and eagerly at world 1, what the compiled run there must equal within 1e-5 (was
         # tests/test_backend.py's own one-rank spawn of both, suite36).
@@ -299,11 +304,14 @@ def _parity_scenarios(world: int, slow: bool = False) -> dict[str, tuple[str, st
         # Activation offload forced on every block (issue 22's third lever; the planner's choice
         # under a budget: tests/test_real_models.py): the saved activations go to the host and
         # come back, so the run equals the plain one bit for bit.
+        # (Per-parameter reads, as "fx" and "blocks", whose peaks these are compared with.)
         (at(1, 2, 3, 4), "offload_activations", ("llama", "fx",
-                                                 {"activation_offload": ("*",)})),
+                                                 {"activation_offload": ("*",),
+                                                  "pack_blocks": False})),
         # ... with compile-once bodies, checkpointing inside them and an inline block.
         (at(3), "blocks_offload_activations", ("blocks", "fx", {"eval": True,
-                                                                "activation_offload": ("*",)})),
+                                                                "activation_offload": ("*",),
+                                                                "pack_blocks": False})),
         # Every block recomputed in the backward and its checkpoint (its input: the embedding's
         # output, the previous block's) offloaded to the host (the combined lever, forced; the
         # planner's choice under a budget: tests/test_real_models.py), compile-once bodies: the

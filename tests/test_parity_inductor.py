@@ -107,7 +107,9 @@ def _bf16_blocks_run(rank: int, mode: str, **options) -> dict:
     losses, parameters and the lowered graphs' count of ``shardc::cast_into`` and casts."""
     torch._dynamo.reset()
     bf16 = shardc.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    run = sharded_run(rank, 1, "llama", mode, keep_model=True, mp_policy=bf16, **options)
+    # Per-parameter reads: a packed block is one parameter to cast, not a bucket of several.
+    run = sharded_run(rank, 1, "llama", mode, keep_model=True, mp_policy=bf16,
+                      pack_blocks=False, **options)
     state = shardc.shard_state(run.pop("model"))
     ops = [str(n.target) for r in (state.regions if mode == "inductor" else ())
            for g in (r.forward, r.backward) for n in g.graph.nodes]

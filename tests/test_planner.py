@@ -41,9 +41,11 @@ def _plan(spec, world=2, batch=2, seq=16, **setup):
 
 @functools.cache
 def _tiny_plan():
-    """llama-tiny with two layers at world 2, sequences of 32: three tests read this plan (never
-    change it), traced once (a plan is seconds of a fake-world trace)."""
-    return _plan(parse_model("llama-tiny", ["n_layers=2"]), seq=32)
+    """llama-tiny with two layers at world 2, sequences of 32, each parameter read on its own
+    (``pack_blocks=False``: the tests read its parameters' names and its blocks' ops in the
+    region's own graphs): three tests read this plan (never change it), traced once (a plan is
+    seconds of a fake-world trace)."""
+    return _plan(parse_model("llama-tiny", ["n_layers=2"]), seq=32, pack_blocks=False)
 
 
 def _op_targets(plan, graph):
@@ -117,7 +119,9 @@ def test_plans_a_module_factory(tmp_path, monkeypatch):
     plan = _plan(parse_model("tinyfactory:build", ["depth=3"]))
     # Buckets: the embedding, one per block, the head; each reduced once.
     assert [c.kind for c in plan.collectives].count("reduce_scatter") == 5
-    assert plan.predicted.param_bytes == (64 * 16 + 3 * (16 * 16 + 16) + 16 * 64 + 64) * 4 / 2
+    # Each block's shards packed (the default), its bias's at a 64-byte offset: 32 bytes of
+    # padding after the weight's 512 per rank.
+    assert plan.predicted.param_bytes == (64 * 16 + 16 * 64 + 64) * 4 / 2 + 3 * (512 + 64)
     _check_breakdown(plan)
     with pytest.raises(ModelSpecError, match="no callable 'nope'"):
         parse_model("tinyfactory:nope")
@@ -315,7 +319,9 @@ def test_tensor_parallel_template_and_nodes():
 
 def test_checkpointing_saves_less_and_hsdp_all_reduces():
     tiny = parse_model("llama-tiny", ["n_layers=2"])
-    plain, checkpointed = _tiny_plan(), _plan(tiny, seq=32, checkpointing=True)
+    # Per-parameter reads, as _tiny_plan: the blocks' recomputation is in the region's graphs.
+    plain = _tiny_plan()
+    checkpointed = _plan(tiny, seq=32, checkpointing=True, pack_blocks=False)
     assert _saved_at_end_of_forward(checkpointed) < _saved_at_end_of_forward(plain) / 2
     assert len(plain.graphs["backward"]) < len(checkpointed.graphs["backward"])  # recomputed
     hsdp = _plan(parse_model("llama-tiny", ["n_layers=1"]), world=4, shard_size=2)
@@ -324,8 +330,8 @@ def test_checkpointing_saves_less_and_hsdp_all_reduces():
 
 
 def test_packed_blocks_are_planned_as_they_run():
-    """``PlanSetup(pack_blocks=True)`` (the CLI's ``--pack-blocks``): each block gathered as its
-    packed buffer (in the forward and again in the backward), through the compiled-once body,
+    """``PlanSetup(pack_blocks=True)`` (the default, as ``shardc.shard``'s): each block gathered
+    as its packed buffer (in the forward and again in the backward), through the compiled-once body,
     the plan's note saying so; the same model's per-parameter plan gathers each block's
     parameters by name (``_tiny_plan``)."""
     packed = _plan(parse_model("llama-tiny", ["n_layers=2"]), seq=32, pack_blocks=True)

@@ -8,7 +8,7 @@ from torch import nn
 
 from shardc.models.llama import Transformer
 from shardc.tools.cli import parse_model_spec
-from shardc.tools.planner import plan_model_step
+from shardc.tools.planner import PlanSetup, plan_model_step
 from shardc.tools.template import (
     TemplateRefused,
     check_blocks_identical,
@@ -22,8 +22,11 @@ SPEC = "llama-tiny:n_layers=8,n_kv_heads=2,dim=32,vocab_size=96"
 
 def test_template_plan_equals_the_full_trace():
     cfg = parse_model_spec(SPEC)
-    planned = plan_model_step(cfg, 8, 1, 32, {})
-    whole = plan_model_step(cfg, 8, 1, 32, {}, template=False)
+    # The template extrapolates inline blocks' per-parameter reads (packed blocks, the default,
+    # are traced whole: tests/test_planner.py).
+    per_parameter = PlanSetup(pack_blocks=False)
+    planned = plan_model_step(cfg, 8, 1, 32, {}, setup=per_parameter)
+    whole = plan_model_step(cfg, 8, 1, 32, {}, template=False, setup=per_parameter)
     template, full = planned.plan, whole.plan
     # The optimizer's work (the whole step's optimizer term): every block's shards, also those
     # the template did not trace.

@@ -34,7 +34,7 @@ EXTRA_MODES: tuple[str, ...] = ("shardc-keeporder", "shardc-pool", "shardc-local
                                   "shardc-inline", "shardc-plain", "shardc-plain-budget",
                                   "shardc-plain-pool", "shardc-oneop", "shardc-packed",
                                   "shardc-packed-plain", "shardc-sink", "shardc-packed-sink",
-                                  "shardc-nosink",
+                                  "shardc-nosink", "shardc-unpacked",
                                   "shardc-combo", "shardc-ac", "shardc-fast",
                                   "shardc-fast-budget", "shardc-fast-budget-inline",
                                   "shardc-fast-budget-sink", "shardc-fast-sink",
@@ -267,9 +267,16 @@ def setup_mode(mode: str, cfg: LlamaConfig, device: torch.device, mesh, loss_in_
         setup = setup_shardc_(model, mesh, loss_in_graph, sink_block_residual=False)
         setup.info["options"] = "sink_block_residual=False"
         return setup
+    if mode == "shardc-unpacked":
+        # Default shardc with each block's parameters read and gathered one by one
+        # (shardc.shard(..., pack_blocks=False)): the default before the seventieth session.
+        setup = setup_shardc_(model, mesh, loss_in_graph, pack_blocks=False)
+        setup.info["options"] = "shardc.shard(..., pack_blocks=False)"
+        return setup
     if mode in ("shardc-packed", "shardc-packed-plain"):
         # Each repeated block's shards in one buffer, read and gathered as one tensor
-        # (shardc.shard(..., pack_blocks=True), issue 18: less to trace and guard per block);
+        # (shardc.shard(..., pack_blocks=True), issue 18: less to trace and guard per block;
+        # shard's default since s70, so this is default shardc where nothing else differs);
         # the parameters outside the blocks read as shard's default reads them (plain leaves
         # since s53; before, shardc-packed read them as DTensors and -plain as plain leaves: the
         # two are the same mode now).

@@ -61,11 +61,11 @@ def _shardc_backend_name() -> str:
 
 def setup_shardc(model: Transformer, mesh, loss_in_graph: bool, compile_mode: str | None = None,
                  reshard_after_forward: bool = True, plain_inputs: bool | None = None,
-                 offload: bool | str = False, fp8: bool = False, pack_blocks: bool = False,
+                 offload: bool | str = False, fp8: bool = False, pack_blocks: bool | None = None,
                  **options: Any) -> Setup:
     """shardc: shard in place, compile with the shardc backend and its default plan (or these
     backend options; ``compile_mode``: torch.compile's ``mode``, e.g. ``"reduce-overhead"``;
-    ``reshard_after_forward``, ``plain_inputs`` (None: shardc's default), ``pack_blocks``:
+    ``reshard_after_forward``, ``plain_inputs``, ``pack_blocks`` (None: shardc's defaults):
     ``shardc.shard``'s;
     ``offload``: shard with ``shardc.OffloadPolicy()``, the parameters' shards, gradients and
     optimizer state on the host, simulated on a CPU mesh (:func:`offload_policy`; ``"auto"``:
@@ -75,10 +75,10 @@ def setup_shardc(model: Transformer, mesh, loss_in_graph: bool, compile_mode: st
     mp = shardc.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     on_cpu = next(model.parameters()).device.type == "cpu"
     policy = offload_policy(offload, on_cpu)
-    plain = {} if plain_inputs is None else {"plain_inputs": plain_inputs}
+    chosen = {k: v for k, v in (("plain_inputs", plain_inputs), ("pack_blocks", pack_blocks))
+              if v is not None}
     shardc.shard(model, mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
-                 offload=policy, fp8=fp8_policy() if fp8 else None, pack_blocks=pack_blocks,
-                 **plain)
+                 offload=policy, fp8=fp8_policy() if fp8 else None, **chosen)
     backend = shardc.backend(**options) if options else _shardc_backend_name()
     mode = {"mode": compile_mode} if compile_mode else {}
     compiled = compiled_loss(model, loss_in_graph, backend=backend, **mode)

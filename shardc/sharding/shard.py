@@ -693,7 +693,7 @@ def shard(
     allow_partial_mesh: bool = False,
     offload: OffloadPolicy | None = None,
     plain_inputs: bool = True,
-    pack_blocks: bool = False,
+    pack_blocks: bool | None = None,
 ) -> nn.Module:
     """Shard every parameter of ``module`` on dim 0 over ``mesh``, in place; returns ``module``.
 
@@ -737,11 +737,14 @@ def shard(
     autograd graph then: ``torch.autograd.grad`` / ``backward(inputs=...)`` with respect to
     them need ``plain_inputs=False`` (FSDP2's sharded parameters are not in it either). Off
     with CPU offload; see :mod:`shardc.sharding.plain_inputs` for what keeps the DTensor read.
-    ``pack_blocks``: each repeated block (compiled once, ``shardc.sharding.blocks``) keeps its
-    local shards in one buffer, and compiled forwards read and gather it as one tensor (one
-    graph input, one all-gather and one reduce-scatter per block): less to trace, guard and
-    compile per block. Parameters stay DTensors (views of the buffer); their gradients are
-    handed over after the backward as with ``plain_inputs``. Off with CPU offload; see
+    ``pack_blocks`` (by default, ``None``, what ``plain_inputs`` is: on since the seventieth
+    session): each repeated block (compiled once, ``shardc.sharding.blocks``) keeps its local
+    shards in one buffer, and compiled forwards read and gather it as one tensor (one graph
+    input, one all-gather and one reduce-scatter per block): less to trace, guard and compile
+    per block, so the first step hardly grows with depth. Parameters stay DTensors (views of
+    the buffer); their gradients are handed over after the backward as with ``plain_inputs``.
+    ``False`` reads each parameter on its own. Off with CPU offload, and for a block with a
+    frozen, FP8, tensor-parallel or differently typed parameter; see
     :mod:`shardc.sharding.packed_blocks`.
     """
     if not dist.is_available() or not dist.is_initialized():
@@ -749,6 +752,12 @@ def shard(
             "shardc.shard: torch.distributed is not initialized; call "
             "torch.distributed.init_process_group(...) (or init_device_mesh) before sharding."
         )
+    if pack_blocks is not None and not isinstance(pack_blocks, bool):
+        raise TypeError(f"shardc.shard: pack_blocks must be True, False or None (the default: "
+                        f"as plain_inputs), got {pack_blocks!r}")
+    # By default the blocks are packed wherever the forwards read plain leaves: a caller keeping
+    # the DTensor reads in the autograd graph (plain_inputs=False) keeps each parameter's too.
+    pack_blocks = plain_inputs if pack_blocks is None else pack_blocks
     mp_policy = as_policy(mp_policy)  # before the mesh and the compile workers
     mesh = mesh if mesh is not None else _default_mesh(module)
     layout = _check_inputs(module, mesh, allow_partial_mesh)

@@ -291,10 +291,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-reshard", dest="reshard", action="store_false",
                    help="shardc.shard(reshard_after_forward=False): the backward reuses the "
                         "forward's gathered parameters (no second all-gather or host copy)")
-    p.add_argument("--pack-blocks", action="store_true",
-                   help="shardc.shard(pack_blocks=True): each repeated block's shards in one "
-                        "buffer, gathered once per block (planned with the blocks compiled once, "
-                        "the whole model traced)")
+    p.add_argument("--pack-blocks", action=argparse.BooleanOptionalAction, default=True,
+                   help="shardc.shard's pack_blocks (on by default, as there): each repeated "
+                        "block's shards in one buffer, gathered once per block (planned with the "
+                        "blocks compiled once, the whole model traced); --no-pack-blocks: "
+                        "pack_blocks=False, each parameter read and gathered on its own")
     p.add_argument("--cudagraphs", action="store_true",
                    help="the compiled regions replay as CUDA graphs (torch.compile(..., "
                         "mode='reduce-overhead')): their kernels cost no host launches; the "

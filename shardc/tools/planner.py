@@ -83,8 +83,9 @@ class PlanSetup:
     overlapped with the backward; ``optimizer``: a key of :data:`OPTIMIZERS` (None: foreach
     AdamW, fused with offload); ``reshard_after_forward``: ``shardc.shard``'s (False: the
     backward reuses the forward's gathered parameters); ``pack_blocks``: ``shardc.shard``'s
-    (each repeated block's shards in one buffer, one gather per block), planned with the blocks
-    compiled once, as they run, and traced whole (no template)."""
+    (on by default, as there: each repeated block's shards in one buffer, one gather per
+    block), planned with the blocks compiled once, as they run, and traced whole (no
+    template); False plans each parameter's own reads."""
 
     precision: str = "fp32"
     checkpointing: bool = False
@@ -97,7 +98,7 @@ class PlanSetup:
     step_in_backward: bool = False
     optimizer: str | None = None
     reshard_after_forward: bool = True
-    pack_blocks: bool = False
+    pack_blocks: bool = True
 
     def __post_init__(self) -> None:
         if self.precision not in ("fp32", "bf16"):
@@ -112,6 +113,13 @@ class PlanSetup:
         if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
             raise ModelSpecError(f"--optimizer {self.optimizer!r}: use one of "
                                  f"{', '.join(OPTIMIZERS)}")
+
+    @property
+    def packs_blocks(self) -> bool:
+        """Whether ``shardc.shard`` packs the repeated blocks under this setup: ``pack_blocks``,
+        and none of what keeps a block's parameters read one by one (CPU offload, FP8 gathers,
+        tensor-parallel parameters: :mod:`shardc.sharding.packed_blocks`)."""
+        return self.pack_blocks and self.offload == "none" and not self.fp8 and self.tp == 1
 
     @property
     def optimizer_name(self) -> str:
@@ -134,8 +142,7 @@ class PlanSetup:
         kwargs: dict[str, Any] = {}
         if not self.reshard_after_forward:
             kwargs["reshard_after_forward"] = False
-        if self.pack_blocks:
-            kwargs["pack_blocks"] = True
+        kwargs["pack_blocks"] = self.pack_blocks
         if self.precision == "bf16":
             kwargs["mp_policy"] = shardc.MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                               reduce_dtype=torch.float32)
@@ -313,8 +320,8 @@ def plan_model_step(model: LlamaConfig | ModelSpec, world: int, batch: int, seq:
     budgeted = bool(options.get("peak_memory_budget_bytes"))
     # Packed blocks are read through their compiled-once bodies; the template's extrapolation
     # reads inline blocks (see above): traced whole.
-    template = template and not setup.pack_blocks
-    options = {"compile_blocks_once": budgeted or setup.pack_blocks, **setup.optimizer_options(),
+    template = template and not setup.packs_blocks
+    options = {"compile_blocks_once": budgeted or setup.packs_blocks, **setup.optimizer_options(),
                **dict(inductor=setup.inductor, check_plan_consistency=False, **options)}
     if options.get("optimizer_offload", "auto") == "auto":
         # The plan is the GPU run's, made on the CPU: the peak budget may put the optimizer's
