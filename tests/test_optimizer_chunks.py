@@ -437,7 +437,7 @@ def test_the_feasible_minimum_counts_the_chunks():
         return plan_model(cfg, 2, 1, 8, {"peak_memory_budget_bytes": budget_bytes,
                                          "peak_memory_margin": 0.0, "optimizer_offload": "never",
                                          "optimizer_step_chunks": chunks, "fused_loss": False},
-                          template=False, setup=PlanSetup(inductor=False))[0]
+                          template=False, setup=PlanSetup(inductor=False, pack_blocks=False))[0]
 
     def minimum(chunks: str) -> int:
         with pytest.raises(Exception, match="feasible minimum") as refused:
