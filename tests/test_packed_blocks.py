@@ -394,3 +394,26 @@ def test_an_empty_shard_in_a_packed_block_takes_its_gradient():
                 assert _local(p.grad).shape == _local(p).shape, name
     finally:
         torch._dynamo.reset()
+
+
+def test_blocks_are_packed_by_default_where_the_reads_are_plain():
+    """``pack_blocks`` defaults to ``plain_inputs`` (s70): ``shard(model)`` packs the repeated
+    blocks, ``plain_inputs=False`` keeps each parameter's DTensor read (and so its own read),
+    ``pack_blocks=False`` asks for the per-parameter reads; anything but a bool or None is
+    refused by name."""
+    from torch.distributed import group
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from shardc.tools.fake_world import fake_world
+
+    with fake_world(2):
+        mesh = DeviceMesh.from_group(group.WORLD, "cpu")
+        packed = {}
+        for name, kwargs in (("default", {}), ("dtensor_reads", {"plain_inputs": False}),
+                             ("unpacked", {"pack_blocks": False})):
+            state = shardc.shard_state(shardc.shard(Stack(), mesh, **kwargs))
+            packed[name] = sorted(state.packed.blocks) if state.packed is not None else []
+        assert packed["default"] == [f"blocks.{i}" for i in range(len(Stack().blocks))], packed
+        assert packed["dtensor_reads"] == packed["unpacked"] == [], packed
+        with pytest.raises(TypeError, match="pack_blocks must be True, False or None"):
+            shardc.shard(Stack(), mesh, pack_blocks="yes")
