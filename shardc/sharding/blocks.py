@@ -842,14 +842,14 @@ def _weight_state(weights: tuple) -> tuple:
 # ----------------------------------------------------------------------------------------------
 # Trace once without reuse_hash_fn (torch 2.11, 2.12: Dynamo traces every call of a
 # nested_compile_region, shardc.ops.body_call). A *slot* is one group's reuse key (the prober's
-# number for the arguments' description, grad mode and training) with one pattern of identical
-# tensor arguments; per Dynamo (sub)graph, its first call is traced and anchored, later calls are
+# number for the arguments' description, grad mode, training and the pattern of identical tensor
+# arguments); per Dynamo (sub)graph, its first call is traced and anchored, later calls are
 # one opaque ``shardc::body_call`` node that shardc's backend turns into an ``invoke_subgraph``
 # call of the first call's subgraph. Only under shardc's backend (which does the rewrite).
 
 _FIRST, _LATER, _TRACE = 0, 1, 2
 _KINDS = ("tensor", "tuple", "list")
-_SLOTS: dict[tuple, int] = {}  # (prober uid, key, identity pattern) -> slot
+_SLOTS: dict[tuple, int] = {}  # (prober uid, key: it holds the identity pattern) -> slot
 _SLOT_KIND: dict[int, int] = {}  # slot -> index in _KINDS of the body's output structure
 # Per Dynamo (sub)graph tracer: slot -> True once its first call was anchored, False if the
 # slot cannot be reused there. Weak: a restarted analysis or a discarded speculation records
@@ -890,9 +890,9 @@ def _flat_tensors(value, out: list) -> list:
 
 
 @torch.compiler.assume_constant_result
-def _trace_once_plan(uid: int, key: int, identity: tuple) -> int:
+def _trace_once_plan(uid: int, key: int) -> int:
     """``slot * 3 + mode`` for this call (mode: _FIRST, _LATER or _TRACE); run at trace time."""
-    slot = _SLOTS.setdefault((uid, key, identity), len(_SLOTS) + 1)
+    slot = _SLOTS.setdefault((uid, key), len(_SLOTS) + 1)
     tracer = _torch.current_subgraph_tracer()
     # Dynamo must hand the first call's invoke_subgraph to the backend even though the graph
     # it sees calls it once (torch 2.13 inlines single-use subgraphs by default).
@@ -926,14 +926,14 @@ def _trace_once_kind(slot: int) -> int:
 
 
 def _trace_once_call(group: BlockGroup | PackedBodies, training: bool, key: int, weights,
-                     buffers, args, kwargs, inputs: list, identity: tuple):
+                     buffers, args, kwargs, inputs: list):
     """A body call that Dynamo traces only the first time per slot and graph (see above);
-    ``group``: the bodies and prober to call (a group's, or its packed ones); ``inputs``: the
-    buffers and the argument tensors, flat, and ``identity`` their :func:`identity_pattern`
-    (the weights are distinct tensors made in this forward, each its own gather of another
-    parameter, so none is a buffer or an argument)."""
+    ``group``: the bodies and prober to call (a group's, or its packed ones); ``key``: the
+    call's reuse key, which holds the :func:`identity_pattern` of ``inputs`` (the buffers and
+    the argument tensors, flat; the weights are distinct tensors made in this forward, each its
+    own gather of another parameter, so none is a buffer or an argument)."""
     flat = [*weights, *inputs]
-    plan = _trace_once_plan(group.prober.uid, key, identity)
+    plan = _trace_once_plan(group.prober.uid, key)
     slot, mode = plan // 3, plan % 3
     if mode == _LATER:
         outs = body_call(slot, flat)
@@ -1106,7 +1106,7 @@ def _wrapped_forward(group: BlockGroup, original: Callable) -> Callable:
             return source.keyed[self.training](key, weights, buffers, args, kwargs)
         if key and not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")):
             return _trace_once_call(source, self.training, key, weights, buffers, args, kwargs,
-                                    inputs, identity)
+                                    inputs)
         return put_back_passed_inputs(source.bodies[self.training](weights, buffers, args,
                                                                    kwargs), *given)
 
