@@ -252,6 +252,19 @@ class PackedBlocks:
         return [] if packed is None else [f"{block}.{e.name}" for e in packed.layout.entries]
 
 
+def packed_block_names(model: nn.Module) -> tuple[str, ...]:
+    """The names (in ``model.named_modules()`` order, relative to ``model``) of the blocks inside
+    ``model`` that a compiled forward reads packed now: those :func:`shardc.shard` packed and whose
+    packed read was not dropped since. Empty for a model not sharded, sharded with
+    ``pack_blocks=False``, or whose blocks ``shard`` could not pack (:func:`eligible_reason`,
+    CPU offload, blocks without an identical sibling). What ``shard`` did, read from the model,
+    where a caller must not guess it from the arguments it passed (``shardc.tools.planner``)."""
+    # The leaf is what a traced block reads (blocks._packed_weights): set by PackedBlock.pack,
+    # None once dropped; no other module has it.
+    return tuple(name for name, sub in model.named_modules()
+                 if sub.__dict__.get(LEAF_ATTR) is not None)
+
+
 def packed_fqn(block: str) -> str:
     """The name a packed gather of ``block`` carries."""
     return f"{block}.{PACKED_NAME}"

@@ -293,8 +293,9 @@ def _parser() -> argparse.ArgumentParser:
                         "forward's gathered parameters (no second all-gather or host copy)")
     p.add_argument("--pack-blocks", action=argparse.BooleanOptionalAction, default=True,
                    help="shardc.shard's pack_blocks (on by default, as there): each repeated "
-                        "block's shards in one buffer, gathered once per block (planned with the "
-                        "blocks compiled once, the whole model traced); --no-pack-blocks: "
+                        "block's shards in one buffer, gathered once per block (where shard "
+                        "packs one: planned with the blocks compiled once, the whole model "
+                        "traced); --no-pack-blocks: "
                         "pack_blocks=False, each parameter read and gathered on its own")
     p.add_argument("--cudagraphs", action="store_true",
                    help="the compiled regions replay as CUDA graphs (torch.compile(..., "

@@ -84,8 +84,10 @@ class PlanSetup:
     AdamW, fused with offload); ``reshard_after_forward``: ``shardc.shard``'s (False: the
     backward reuses the forward's gathered parameters); ``pack_blocks``: ``shardc.shard``'s
     (on by default, as there: each repeated block's shards in one buffer, one gather per
-    block), planned with the blocks compiled once, as they run, and traced whole (no
-    template); False plans each parameter's own reads."""
+    block); where ``shard`` packed a block (not under offload, FP8 or TP, nor for a block it
+    cannot pack: :mod:`shardc.sharding.packed_blocks`), the step is planned with the blocks
+    compiled once, as they run, and traced whole (no template); False plans each parameter's
+    own reads."""
 
     precision: str = "fp32"
     checkpointing: bool = False
@@ -113,13 +115,6 @@ class PlanSetup:
         if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
             raise ModelSpecError(f"--optimizer {self.optimizer!r}: use one of "
                                  f"{', '.join(OPTIMIZERS)}")
-
-    @property
-    def packs_blocks(self) -> bool:
-        """Whether ``shardc.shard`` packs the repeated blocks under this setup: ``pack_blocks``,
-        and none of what keeps a block's parameters read one by one (CPU offload, FP8 gathers,
-        tensor-parallel parameters: :mod:`shardc.sharding.packed_blocks`)."""
-        return self.pack_blocks and self.offload == "none" and not self.fp8 and self.tp == 1
 
     @property
     def optimizer_name(self) -> str:
@@ -203,20 +198,33 @@ def _prepared(spec: ModelSpec, setup: PlanSetup, mesh) -> nn.Module:
     return model
 
 
-def trace_step(model: nn.Module, mesh, spec: ModelSpec, setup: PlanSetup, tokens: torch.Tensor,
-               targets: torch.Tensor, options: dict) -> None:
-    """Shard ``model`` over ``mesh``, compile one step of ``spec.loss`` on ``(tokens,
-    targets)`` with the shardc backend and run it until the region is planned (nothing is
-    compiled or run). Pass two tensors, as training does: one tensor passed as both is one graph
-    input where training has two, and the plan misses the targets' bytes (32 KiB at the peak at
-    batch 2 x 2048: docs/memory_budget.md, gap22)."""
+def shard_for_plan(model: nn.Module, mesh, setup: PlanSetup) -> tuple[str, ...]:
+    """Shard ``model`` over ``mesh`` as ``setup`` trains it (``setup.shard_kwargs()``); returns
+    the blocks ``shardc.shard`` packed (:func:`shardc.sharding.packed_blocks.packed_block_names`,
+    empty where it packed none). A setup ``shard`` refuses raises :class:`ModelSpecError`."""
     import shardc
-    from shardc.compile.pipeline import PlannedOnly, plan_only
+    from shardc.sharding.packed_blocks import packed_block_names
 
     try:
         shardc.shard(model, mesh, **setup.shard_kwargs())
     except NotImplementedError as exc:
         raise ModelSpecError(f"cannot plan this setup: {exc}") from None
+    return packed_block_names(model)
+
+
+def trace_step(model: nn.Module, mesh, spec: ModelSpec, setup: PlanSetup, tokens: torch.Tensor,
+               targets: torch.Tensor, options: dict, *, sharded: bool = False) -> None:
+    """Shard ``model`` over ``mesh`` (:func:`shard_for_plan`; ``sharded``: the caller did,
+    with this ``setup``), compile one step of ``spec.loss`` on ``(tokens, targets)`` with the
+    shardc backend and run it until the region is planned (nothing is compiled or run). Pass two
+    tensors, as training does: one tensor passed as both is one graph input where training has
+    two, and the plan misses the targets' bytes (32 KiB at the peak at batch 2 x 2048:
+    docs/memory_budget.md, gap22)."""
+    import shardc
+    from shardc.compile.pipeline import PlannedOnly, plan_only
+
+    if not sharded:
+        shard_for_plan(model, mesh, setup)
     _buffers_to(model, tokens.device.type)
     step = torch.compile(lambda t, y: spec.loss(model, t, y), backend=shardc.backend(**options))
     with plan_only():
@@ -318,10 +326,7 @@ def plan_model_step(model: LlamaConfig | ModelSpec, world: int, batch: int, seq:
     # block's recomputation is placed by torch's partitioner, and peaks far higher:
     # docs/capacity.md).
     budgeted = bool(options.get("peak_memory_budget_bytes"))
-    # Packed blocks are read through their compiled-once bodies; the template's extrapolation
-    # reads inline blocks (see above): traced whole.
-    template = template and not setup.packs_blocks
-    options = {"compile_blocks_once": budgeted or setup.packs_blocks, **setup.optimizer_options(),
+    options = {**setup.optimizer_options(),
                **dict(inductor=setup.inductor, check_plan_consistency=False, **options)}
     if options.get("optimizer_offload", "auto") == "auto":
         # The plan is the GPU run's, made on the CPU: the peak budget may put the optimizer's
@@ -337,19 +342,29 @@ def plan_model_step(model: LlamaConfig | ModelSpec, world: int, batch: int, seq:
         start = time.perf_counter()
         plan, refused = None, None
         built = _prepared(spec, setup, mesh)
+        # Whether the blocks are packed is what shard did with this model, not what the setup
+        # asked for: a block shard cannot pack (frozen or differently typed parameters, FP8,
+        # TP, offload: packed_blocks.eligible_reason) reads its parameters one by one.
+        packed = bool(shard_for_plan(built, mesh, setup))
+        # Packed blocks are read through their compiled-once bodies, and the template's
+        # extrapolation reads inline blocks (see above): traced whole. An explicit option wins.
+        options = {"compile_blocks_once": budgeted or packed, **options}
         repeated = None  # planned from a template: (container, the model's blocks)
-        if template and _has_blocks(built, spec.container, TEMPLATE_BLOCKS):
-            repeated = (spec.container, len(built.get_submodule(spec.container)))
+        if template and not packed and _has_blocks(built, spec.container, TEMPLATE_BLOCKS):
+            # The template traces the first blocks of a model of its own, unsharded; the whole
+            # model, sharded above, is traced if it refuses.
+            trimmed = _prepared(spec, setup, mesh)
+            repeated = (spec.container, len(trimmed.get_submodule(spec.container)))
             try:
                 plan = plan_from_template(
-                    built, mesh, None, options, container=spec.container,
+                    trimmed, mesh, None, options, container=spec.container,
                     trace=lambda m: trace_step(m, mesh, spec, setup, tokens, targets, options))
+                built = trimmed
             except TemplateRefused as exc:
                 refused, repeated = str(exc), None
                 _torch.dynamo_reset()
-            built = _prepared(spec, setup, mesh) if plan is None else built
         if plan is None:
-            trace_step(built, mesh, spec, setup, tokens, targets, options)
+            trace_step(built, mesh, spec, setup, tokens, targets, options, sharded=True)
             plan = explain(built)
             if refused:
                 plan.notes.append(f"traced whole, not from a template: {refused}")
