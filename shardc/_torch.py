@@ -448,6 +448,27 @@ def dtensor_with_spec_of(local: torch.Tensor, like) -> Any:
     return new(cls, local, like._spec, requires_grad=False)
 
 
+def dtensor_over_view(view: torch.Tensor, like) -> Any:
+    """A DTensor with the spec of the DTensor ``like`` whose local tensor is ``view`` (no copy)
+    and whose wrapper has storage offset 0, as a DTensor over a tensor of its own has. Not for
+    tensors a compiled region reads: Dynamo fakes a DTensor's wrapper and local tensor with one
+    storage offset.
+
+    Why: torch's DTensor constructor gives the wrapper its local tensor's storage offset
+    (pytorch#167597), so a DTensor over a view inside a larger buffer (a packed block's
+    parameter, :mod:`shardc.sharding.packed_blocks`) reports a nonzero ``data_ptr()`` though
+    the wrapper has no storage; DCP's async staging (``StateDictStager._offload_tensor``,
+    torch 2.11 through 2.13) takes such a tensor for one with storage and fails ("invalid
+    python storage"). Built over an offset-0 alias of ``view``'s storage (in bounds: that
+    storage holds ``view``), then given ``view`` as its local tensor (``_local_tensor``,
+    private, as :func:`move_dtensor_local`)."""
+    cls, new = _DTENSOR
+    out = new(cls, view.as_strided(view.shape, view.stride(), 0), like._spec,
+              requires_grad=False)
+    out._local_tensor = view
+    return out
+
+
 def _dtensor_new() -> tuple[type, Callable]:
     from torch.distributed.tensor import DTensor
 

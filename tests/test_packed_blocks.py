@@ -417,3 +417,42 @@ def test_blocks_are_packed_by_default_where_the_reads_are_plain():
         assert packed["dtensor_reads"] == packed["unpacked"] == [], packed
         with pytest.raises(TypeError, match="pack_blocks must be True, False or None"):
             shardc.shard(Stack(), mesh, pack_blocks="yes")
+
+
+def test_async_checkpoints_stage_packed_parameters(tmp_path):
+    """``dcp.async_save`` stages a packed model's state (torch's stager took a DTensor over a
+    view inside the block buffer, whose wrapper had the view's storage offset and so a nonzero
+    ``data_ptr()``, for a tensor with storage, and raised "invalid python storage"), through
+    ``get_state_dict`` and through shardc's ``CheckpointManager``; what it wrote is what the
+    parameters held when it returned."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from shardc.checkpoint import CheckpointManager, ModelState, OptimizerState
+
+    with one_rank_mesh() as mesh:
+        model, forward = _packed_stack(mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        loss = forward(torch.randn(4, 5)).square().mean()
+        loss.backward()
+        opt.step()
+        saved = {n: _local(p).clone() for n, p in model.named_parameters()}
+        assert _buffer(model.blocks[1]) is not None
+
+        msd, osd = get_state_dict(model, opt)
+        direct = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "d"))
+        manager = CheckpointManager(tmp_path / "m")
+        managed = manager.async_save(1, {"model": ModelState(model),
+                                         "optim": OptimizerState(model, opt)})
+        with torch.no_grad():  # changed in the buffer once staged: not in the checkpoints
+            for p in model.parameters():
+                p.add_(1.0)
+        direct.result()
+        managed.result()
+
+        for load in (lambda s: dcp.load(s, checkpoint_id=str(tmp_path / "d")), manager.load):
+            fresh = shardc.shard(Stack(), mesh, pack_blocks=True)
+            fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+            load({"model": ModelState(fresh), "optim": OptimizerState(fresh, fresh_opt)})
+            for name, p in fresh.named_parameters():
+                assert torch.equal(_local(p), saved[name]), name

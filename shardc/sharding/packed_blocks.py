@@ -153,6 +153,8 @@ class PackedBlock:
         for sub in block.modules():
             sub.__dict__[OWNER_ATTR] = weakref.ref(block)
         block.__dict__[PACKED_STATE_ATTR] = self
+        block.register_state_dict_post_hook(_state_dict_hook(
+            tuple(e.name for e in layout.entries)))
         self.pack()
 
     def params(self) -> list[DTensor | None]:
@@ -233,6 +235,26 @@ class PackedBlock:
                 continue
             give_grad(param, grad[e.offset:e.offset + local.numel()].view(local.shape))
         self._packed.handed += 1
+
+
+def _state_dict_hook(names: tuple[str, ...]):
+    """A ``state_dict`` post-hook of a packed block: each of its parameters ``names`` whose
+    value is a DTensor over a view inside the buffer with the view's storage offset (a
+    detached parameter: ``state_dict()`` detaches, and DTensor's detach builds the wrapper from
+    its local tensor) is given as the same view under an offset-0 wrapper
+    (:func:`shardc._torch.dtensor_over_view`: DCP's async staging fails on the other)."""
+
+    def hook(module, state_dict, prefix, local_metadata) -> None:
+        for name in names:
+            key = prefix + name
+            value = state_dict.get(key)
+            # keep_vars=True gives the parameters themselves, which keep the view's offset:
+            # Dynamo fakes a DTensor's wrapper and local tensor with one storage offset.
+            if (isinstance(value, DTensor) and not isinstance(value, nn.Parameter)
+                    and value.storage_offset() != 0):
+                state_dict[key] = _torch.dtensor_over_view(_torch.dtensor_local(value), value)
+
+    return hook
 
 
 class PackedBlocks:
