@@ -456,3 +456,50 @@ def test_async_checkpoints_stage_packed_parameters(tmp_path):
             load({"model": ModelState(fresh), "optim": OptimizerState(fresh, fresh_opt)})
             for name, p in fresh.named_parameters():
                 assert torch.equal(_local(p), saved[name]), name
+
+
+class UnusedBlock(Block):
+    """A Block with a parameter its training forward leaves out (read only in eval mode)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.eval_scale = nn.Parameter(torch.ones(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return y if self.training else y * self.eval_scale
+
+
+def test_a_weight_a_call_leaves_out_keeps_a_none_gradient():
+    """A packed block's one gradient covers every parameter of the block, so a parameter the
+    forward does not use got zeros where autograd leaves ``.grad`` None, and AdamW stepped it
+    (weight decay; Adam's momentum on a parameter used only in some steps): silently other
+    values than the per-parameter reads'. Such a call reads the block's parameters one by one:
+    the same gradients (None) and parameters, bit for bit."""
+    def run(pack: bool) -> tuple[list, dict, dict]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        with one_rank_mesh() as mesh:
+            model = Stack()
+            model.blocks = nn.ModuleList(UnusedBlock() for _ in range(3))
+            shardc.shard(model, mesh, pack_blocks=pack)
+            forward = torch.compile(model, backend=shardc.backend(inductor=False))
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+            g = torch.Generator().manual_seed(3)
+            losses, grads = [], {}
+            for _ in range(2):
+                loss = forward(torch.randn(4, 5, generator=g)).square().mean()
+                loss.backward()
+                grads = {n: p.grad is None for n, p in model.named_parameters()}
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+            return losses, grads, {n: _local(p).clone() for n, p in model.named_parameters()}
+
+    losses, grads, params = run(True)
+    ref_losses, ref_grads, ref_params = run(False)
+    assert [n for n, none in grads.items() if none] == [
+        f"blocks.{i}.eval_scale" for i in range(3)], grads
+    assert grads == ref_grads and losses == ref_losses
+    for name, p in ref_params.items():
+        assert torch.equal(params[name], p), name

@@ -532,6 +532,12 @@ _REUSE_KEYS = itertools.count(1)
 # The key of a call whose forward reads a scalar that differs among its group's members: the
 # call runs its block's own forward (0 is "no key": a guard-based body).
 READS_VARYING = -1
+# The key of a packed call whose forward leaves a weight out of its gradient's graph (a
+# parameter the block does not use, or uses only in another mode): read packed, the block's one
+# gradient would hand that parameter zeros where autograd leaves its .grad None (an optimizer
+# then steps it: AdamW's weight decay, Adam's momentum), so the call reads the block's
+# parameters one by one, as ``pack_blocks=False`` does.
+LEAVES_A_WEIGHT = -2
 _PROBERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
@@ -721,6 +727,8 @@ class BodyProber:
         _PROBERS[self.uid] = self
         self.group = group
         self.reads: list[str] = []  # the varying attributes the probes read, in order
+        # Packed: the weights some probed call's gradient did not reach (LEAVES_A_WEIGHT).
+        self.leaves_weights: set[str] = set()
         if group.varying:
             _record_varying_reads(skeleton, group.varying, self.reads)
 
@@ -739,10 +747,13 @@ class BodyProber:
         self.skeleton.train(training)
         varying = bool(self.group.varying)
         read_before = len(self.reads)
+        # Packed, a call with gradients is probed with them too: which weights its outputs'
+        # gradients reach (see LEAVES_A_WEIGHT).
+        packed_grads = self.layout is not None and desc[1]
         try:
             # A group whose blocks differ in scalars is probed in the call's own grad mode: a
             # read of one must be seen on the path the trace takes.
-            with torch.set_grad_enabled(desc[1] and varying):
+            with torch.set_grad_enabled(desc[1] and (varying or packed_grads)):
                 out = torch.func.functional_call(
                     self.skeleton, dict(zip(self.names, (*weights, *buffers))), args, kwargs)
         except Exception as exc:  # an op meta tensors do not support: trace every call
@@ -755,11 +766,44 @@ class BodyProber:
                      "differ among them", self.group.members[0], self.group.members[-1],
                      ", ".join(read))
             return READS_VARYING
+        if packed_grads:
+            left = _weights_left_out(out, weights, self.names)
+            if left:
+                if not self.leaves_weights:
+                    log.info("shardc: blocks %s ... %s read their parameters one by one where "
+                             "a call's gradient does not reach %s (pack_blocks would hand them "
+                             "zeros, not None)", self.group.members[0], self.group.members[-1],
+                             ", ".join(left))
+                self.leaves_weights.update(left)
+                return LEAVES_A_WEIGHT
         if not _tensor_output(out) or _passes_an_input(out, args, kwargs):
             return 0  # a keyed region returns tensors, none of them an input
         # Numbered, not hashed: two descriptions never share a key (a hash could collide), nor
         # do two groups' descriptions (_REUSE_KEYS).
         return next(_REUSE_KEYS)
+
+
+def _weights_left_out(out, weights, names: tuple[str, ...]) -> list[str]:
+    """The names of ``weights`` (a probe's unpacked weights, views of one buffer that requires
+    grad) that no gradient of ``out`` reaches: its autograd graph is walked, no kernel runs."""
+    reached, stack = set(), []
+    for t in _flat_probe_outputs(out):
+        if t.grad_fn is not None:
+            stack.append(t.grad_fn)
+    while stack:
+        node = stack.pop()
+        if node in reached:
+            continue
+        reached.add(node)
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+    if not reached:  # no gradient at all: the packed buffer takes none either
+        return []
+    return [name for name, w in zip(names, weights) if w.grad_fn not in reached]
+
+
+def _flat_probe_outputs(out) -> list[torch.Tensor]:
+    leaves, _ = torch.utils._pytree.tree_flatten(out)
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
 # Per block class, the subclass a prober's skeleton module takes to record reads of its varying
@@ -1092,6 +1136,10 @@ def _wrapped_forward(group: BlockGroup, original: Callable) -> Callable:
                                                                       list(buffers))
         identity = identity_pattern(inputs) if len(inputs) > 1 else ()
         key = reuse_key(source.prober, self.training, weights, buffers, call, identity)
+        if key == LEAVES_A_WEIGHT:  # packed, it would hand a weight zeros: read one by one
+            source = group
+            weights = tuple([_read(self, p) for p in group.weight_paths])
+            key = reuse_key(source.prober, self.training, weights, buffers, call, identity)
         if needs_key and key <= 0:
             if key == READS_VARYING:
                 return original(self, *args, **kwargs)
