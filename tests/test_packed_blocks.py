@@ -503,3 +503,67 @@ def test_a_weight_a_call_leaves_out_keeps_a_none_gradient():
     assert grads == ref_grads and losses == ref_losses
     for name, p in ref_params.items():
         assert torch.equal(params[name], p), name
+
+
+class Stage(nn.Module):
+    """Blocks in a stage, stages in a list: groups inside groups."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.norm = nn.LayerNorm(5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)
+
+
+class Stages(Stack):
+    def __init__(self, container: bool) -> None:
+        super().__init__(blocks=0)
+        self.blocks = nn.ModuleList(
+            nn.ModuleList(Block() for _ in range(2)) if container else Stage() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for stage in self.blocks:
+            for block in (stage if isinstance(stage, nn.ModuleList) else [stage]):
+                x = block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize(("container", "meta"), [(False, False), (False, True), (True, True)])
+def test_nested_groups_pack_each_parameter_once(container, meta):
+    """Stages of blocks (``container=False``: each stage a module with a forward, compiled once
+    itself) or a ``ModuleList`` of ``ModuleList``s (``True``: never called) make groups inside
+    groups; both were packed, the inner after the outer, so one of the two packed reads read a
+    stale copy (refused at the hand-off: the stages at once, the lists after ``to_empty``).
+    Now the outer group is packed where it is called, the inner ones where it is not, and
+    training (``meta``: from a meta-device model, after ``to_empty``) equals the per-parameter
+    reads' bit for bit."""
+    def run(pack: bool) -> tuple[list, dict, list]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        reference = Stages(container)
+        with one_rank_mesh() as mesh:
+            with torch.device("meta" if meta else "cpu"):
+                model = Stages(container)
+            shardc.shard(model, mesh, pack_blocks=pack)
+            if meta:
+                model.to_empty(device="cpu")
+            with torch.no_grad():
+                for p, ref in zip(model.parameters(), reference.parameters()):
+                    _local(p).copy_(ref)
+            losses = _train(model, torch.compile(model, backend=shardc.backend(
+                inductor=False)))
+            state = shardc.shard_state(model)
+            packed = sorted(state.packed.blocks) if state.packed is not None else []
+            return losses, {n: _local(p).clone() for n, p in model.named_parameters()}, packed
+
+    losses, params, packed = run(True)
+    assert packed == ([f"blocks.{i}.{j}" for i in range(2) for j in range(2)] if container
+                      else ["blocks.0", "blocks.1"]), packed
+    ref_losses, ref_params, _ = run(False)
+    assert losses == ref_losses
+    for name, p in ref_params.items():
+        assert torch.equal(params[name], p), name

@@ -1350,10 +1350,36 @@ def wrap_repeated_blocks(root: nn.Module, infos_by_param: dict, shared: set[int]
                     "shapes, attributes or checkpoint wrapping differ)"))
                 continue
             _add_group(result, members, infos_by_param if pack else None, not_packed)
+    _pack_each_parameter_once(result, root)
     for fallback in result.fallbacks:
         log.info("shardc: block %s compiles inline (no shared body): %s", fallback.module,
                  fallback.reason)
     return result
+
+
+def _pack_each_parameter_once(result: BlockBodies, root: nn.Module) -> None:
+    """Nested ``nn.ModuleList``s make groups inside groups, and packing both moved a parameter
+    into the inner block's buffer after the outer one's: the outer block's packed read (and,
+    after ``to_empty``, the inner one's) read a stale copy, refused at the gradient's hand-off
+    but silent in a forward without backward. A group of blocks without a forward of their own
+    (a ``ModuleList`` of ``ModuleList``s: never called) is not packed, and of two nested
+    groups that would be, the outer one is (its body gathers the whole block; the inner blocks
+    run inside it on the body's own copy)."""
+    def forwardless(group: BlockGroup) -> bool:
+        cls = type(root.get_submodule(group.members[0]))
+        original = cls.__bases__[0] if vars(cls).get("_shardc_block", False) else cls
+        return original.forward is nn.Module.forward
+
+    for group in result.groups:
+        if group.packed is not None and forwardless(group):
+            group.packed = None
+            _not_packed(result, group, "they have no forward of their own (a container)")
+    outers = [m for g in result.groups if g.packed is not None for m in g.members]
+    for group in result.groups:
+        inside = next((o for o in outers for m in group.members if m.startswith(o + ".")), None)
+        if group.packed is not None and inside is not None:
+            group.packed = None
+            _not_packed(result, group, f"they are inside {inside}, whose group is packed")
 
 
 def _add_group(result: BlockBodies, members: list[tuple[str, nn.Module]],
