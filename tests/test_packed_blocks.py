@@ -567,3 +567,38 @@ def test_nested_groups_pack_each_parameter_once(container, meta):
     assert losses == ref_losses
     for name, p in ref_params.items():
         assert torch.equal(params[name], p), name
+
+
+class ReentrantBlock(Block):
+    """A Block under reentrant activation checkpointing: the weights are in the closure the
+    checkpoint's custom ``autograd.Function`` recomputes, not in the graph its output shows."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(super().forward, x, use_reentrant=True)
+
+
+def test_reentrant_checkpointed_blocks_stay_packed():
+    """The check for weights a call's gradient leaves out cannot see through a custom
+    ``autograd.Function``, so it leaves such calls packed (it had read every weight of these
+    blocks one by one); training equals the per-parameter reads' bit for bit."""
+    def run(pack: bool) -> tuple[list, dict, int]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        with one_rank_mesh() as mesh:
+            model = Stack()
+            model.blocks = nn.ModuleList(ReentrantBlock() for _ in range(3))
+            shardc.shard(model, mesh, pack_blocks=pack)
+            losses = _train(model, torch.compile(model, backend=shardc.backend(
+                inductor=False)))
+            state = shardc.shard_state(model)
+            handed = state.packed.handed if state.packed is not None else 0
+            return losses, {n: _local(p).clone() for n, p in model.named_parameters()}, handed
+
+    losses, params, handed = run(True)
+    assert handed == 2 * 3  # two steps, three blocks, every one read packed
+    ref_losses, ref_params, _ = run(False)
+    assert losses == ref_losses
+    for name, p in ref_params.items():
+        assert torch.equal(params[name], p), name

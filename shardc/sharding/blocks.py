@@ -785,7 +785,10 @@ class BodyProber:
 
 def _weights_left_out(out, weights, names: tuple[str, ...]) -> list[str]:
     """The names of ``weights`` (a probe's unpacked weights, views of one buffer that requires
-    grad) that no gradient of ``out`` reaches: its autograd graph is walked, no kernel runs."""
+    grad) that no gradient of ``out`` reaches: its autograd graph is walked, no kernel runs.
+    None is said to be left out where the graph holds a custom ``autograd.Function`` (reentrant
+    activation checkpointing is one): its backward may reach weights its graph does not show
+    (the closure it recomputes), so the packed read stays, as it was before this check."""
     reached, stack = set(), []
     for t in _flat_probe_outputs(out):
         if t.grad_fn is not None:
@@ -794,6 +797,8 @@ def _weights_left_out(out, weights, names: tuple[str, ...]) -> list[str]:
         node = stack.pop()
         if node in reached:
             continue
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            return []
         reached.add(node)
         stack.extend(n for n, _ in node.next_functions if n is not None)
     if not reached:  # no gradient at all: the packed buffer takes none either
