@@ -1085,8 +1085,13 @@ def main(argv=None) -> int:
             res["status"] = "ok"
         except Exception as exc:  # record it and go on
             res = {"status": "error", "reason": f"{type(exc).__name__}: {str(exc)[:500]}"}
+        # gc once more after the reset, as train_bench's runner does: what Dynamo's caches held
+        # of this model (reference cycles of its sharded modules) is freed only by a collection
+        # after them. Without it the next row measured the previous model's packed parameters
+        # as well (s71: 1.5-6.1 GiB over the plan after the first row, on one H100).
         gc.collect()
         torch._dynamo.reset()
+        gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
         per_rank: list[Any] = [None] * world
