@@ -538,6 +538,11 @@ READS_VARYING = -1
 # then steps it: AdamW's weight decay, Adam's momentum), so the call reads the block's
 # parameters one by one, as ``pack_blocks=False`` does.
 LEAVES_A_WEIGHT = -2
+# The key of a call whose forward changes a buffer or an argument in place (a counter, a
+# running average): torch's invoke_subgraph refuses a body that mutates its inputs in training,
+# so the call runs its block's own forward, traced into the region (where AOTAutograd keeps the
+# mutation).
+MUTATES_AN_INPUT = -3
 _PROBERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
@@ -729,6 +734,7 @@ class BodyProber:
         self.reads: list[str] = []  # the varying attributes the probes read, in order
         # Packed: the weights some probed call's gradient did not reach (LEAVES_A_WEIGHT).
         self.leaves_weights: set[str] = set()
+        self.mutates = False  # some probed call changed an input in place (MUTATES_AN_INPUT)
         if group.varying:
             _record_varying_reads(skeleton, group.varying, self.reads)
 
@@ -747,6 +753,8 @@ class BodyProber:
         self.skeleton.train(training)
         varying = bool(self.group.varying)
         read_before = len(self.reads)
+        given = _flat_tensors((args, kwargs), list(buffers))
+        versions = [t._version for t in given]
         # Packed, a call with gradients is probed with them too: which weights its outputs'
         # gradients reach (see LEAVES_A_WEIGHT).
         packed_grads = self.layout is not None and desc[1]
@@ -759,6 +767,13 @@ class BodyProber:
         except Exception as exc:  # an op meta tensors do not support: trace every call
             log.debug("shardc: block body probe failed (%s); its calls are traced each", exc)
             return 0
+        if any(t._version != v for t, v in zip(given, versions)):
+            if not self.mutates:
+                log.info("shardc: blocks %s ... %s run their own forwards: a call changes a "
+                         "buffer or an argument in place, which a shared body cannot do in "
+                         "training", self.group.members[0], self.group.members[-1])
+            self.mutates = True
+            return MUTATES_AN_INPUT
         if varying and len(self.reads) > read_before:
             read = sorted(set(self.reads[read_before:]))
             self.group.varying_read.update(read)
@@ -1145,6 +1160,8 @@ def _wrapped_forward(group: BlockGroup, original: Callable) -> Callable:
             source = group
             weights = tuple([_read(self, p) for p in group.weight_paths])
             key = reuse_key(source.prober, self.training, weights, buffers, call, identity)
+        if key == MUTATES_AN_INPUT:
+            return original(self, *args, **kwargs)
         if needs_key and key <= 0:
             if key == READS_VARYING:
                 return original(self, *args, **kwargs)
