@@ -754,7 +754,7 @@ class BodyProber:
         varying = bool(self.group.varying)
         read_before = len(self.reads)
         given = _flat_tensors((args, kwargs), list(buffers))
-        versions = [t._version for t in given]
+        versions = [_torch.tensor_version(t) for t in given]
         # Packed, a call with gradients is probed with them too: which weights its outputs'
         # gradients reach (see LEAVES_A_WEIGHT).
         packed_grads = self.layout is not None and desc[1]
@@ -767,7 +767,7 @@ class BodyProber:
         except Exception as exc:  # an op meta tensors do not support: trace every call
             log.debug("shardc: block body probe failed (%s); its calls are traced each", exc)
             return 0
-        if any(t._version != v for t, v in zip(given, versions)):
+        if any(_torch.tensor_version(t) != v for t, v in zip(given, versions)):
             if not self.mutates:
                 log.info("shardc: blocks %s ... %s run their own forwards: a call changes a "
                          "buffer or an argument in place, which a shared body cannot do in "
@@ -822,8 +822,7 @@ def _weights_left_out(out, weights, names: tuple[str, ...]) -> list[str]:
 
 
 def _flat_probe_outputs(out) -> list[torch.Tensor]:
-    leaves, _ = torch.utils._pytree.tree_flatten(out)
-    return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+    return [t for t in _flat_tensors(out, []) if t.requires_grad]
 
 
 # Per block class, the subclass a prober's skeleton module takes to record reads of its varying
