@@ -24,6 +24,10 @@ Inductor; the four here failed:
   the input's buffer for dead, and the last block's ``up.weight`` gradient was 0.09 off,
   silently (sink or not). The caller now reads such an output as the view of its operand
   (``read_body_views_through_their_base``).
+
+And one found in s71 (Conv1d blocks, but any block type does it): ``x.sum(1)`` of the last
+block's output, whose expanded gradient the traced backward call received, so that the other
+calls' gradients were copied into a layout no other values fit (both backends failed).
 """
 
 from __future__ import annotations
@@ -45,7 +49,10 @@ class _Residual(torch.nn.Module):
 class _Stack(torch.nn.Module):
     def __init__(self, loss: str) -> None:
         super().__init__()
-        self.blocks = torch.nn.ModuleList(_Residual() for _ in range(4))
+        # sum_pooled: three blocks, so the first body call traced in the backward (the last
+        # block's) is the one whose gradient is expanded.
+        self.blocks = torch.nn.ModuleList(
+            _Residual() for _ in range(3 if loss == "sum_pooled" else 4))
         self.loss = loss
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -60,10 +67,12 @@ class _Stack(torch.nn.Module):
             return x.mean()
         if self.loss == "bare_sum":
             return x.sum()
+        if self.loss == "sum_pooled":
+            return x.sum(1).square().sum()
         return (x * torch.ones(1, 1, 8)).sum()
 
 
-def _step(mesh, loss: str) -> tuple:
+def _step(mesh, loss: str, inductor: bool = True) -> tuple:
     """One step of the stack sharded on ``mesh`` under shardc's default backend and of the
     unsharded stack, on the same data (every rank's): the compiled loss, gradients and body
     counts, and the reference's loss and parameters."""
@@ -76,7 +85,7 @@ def _step(mesh, loss: str) -> tuple:
     shardc.shard(model, mesh)
     torch._dynamo.reset()
     try:
-        out = torch.compile(model, backend=shardc.backend())(x)
+        out = torch.compile(model, backend=shardc.backend(inductor=inductor))(x)
         out.backward()
         grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
         bodies = [len(p.bodies) for p in shardc.explain_all(model)]
@@ -98,10 +107,23 @@ def _check(out, grads, bodies, reference, x) -> None:
 
 
 @pytest.mark.parametrize("loss", ["keeps_the_sum", "expanded_gradient", "checkpointed_mean",
-                                  "bare_sum"])
+                                  "bare_sum", "sum_pooled"])
 def test_the_last_block_trains_like_the_unsharded_model(loss):
     with one_rank_mesh() as mesh:
         result = _step(mesh, loss)
+    _check(*result)
+
+
+def test_a_sum_over_the_last_blocks_output_trains_under_fx_too():
+    """``x.sum(1)`` of the last block's output hands its body call an expanded gradient (stride
+    0), and that call's backward is the one traced: the other calls' gradients were copied into
+    its layout (``prims.copy_strided``), which no other values fit ("more than one element of
+    the written-to tensor refers to a single memory location"; under Inductor its lowering's
+    stride constraint failed). Now the placeholder is made dense and every call's gradient
+    copied into that (``passes.body_operand_layouts``). Found by s71's probes with Conv1d
+    blocks; any block type does it."""
+    with one_rank_mesh() as mesh:
+        result = _step(mesh, "sum_pooled", inductor=False)
     _check(*result)
 
 

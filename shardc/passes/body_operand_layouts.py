@@ -16,6 +16,13 @@ placeholder's only in static strides or offset into the placeholder's layout
 otherwise, or with symbolic sizes or strides, are left for torch to report. An ``expand``
 operand has its layout computed again from its input: a pattern replacement can leave the value
 of the node it replaced on it (the ``expand`` above carried the dense product's).
+
+The other way round, a placeholder traced for an overlapping layout (an ``expand``: the last
+block's gradient where the loss sums its output over a dimension, ``x.sum(1)``) cannot be
+copied into: no other call's values fit it (torch's ``nested_compile_region`` traces a second
+backward for such a tangent; shardc's later calls reuse the first). :func:`_densify_placeholders`
+makes such a placeholder dense (contiguous) and computes the body's fake values again from it,
+and then every call's operand is copied into that layout as above (the expanded one too).
 """
 
 from __future__ import annotations
@@ -24,7 +31,14 @@ import torch
 from torch import fx
 
 from shardc.passes.body import INVOKE_SUBGRAPH
-from shardc.passes.fx_utils import call, is_call, recomputed_value, static_layout
+from shardc.passes.fx_utils import (
+    call,
+    fake_mode_of,
+    is_call,
+    overlapping,
+    recomputed_value,
+    static_layout,
+)
 
 __all__ = ["copy_operands_into_traced_layouts"]
 
@@ -49,6 +63,26 @@ def _given_layout(graph: fx.Graph, operand: fx.Node) -> tuple | None:
     return static_layout(operand.meta.get("val"))
 
 
+def _densify_placeholders(body: fx.GraphModule, placeholders: list[fx.Node]) -> bool:
+    """Give each of ``body``'s ``placeholders`` traced in an overlapping static layout a
+    contiguous one, and recompute the fake values of the nodes after them (those torch cannot
+    evaluate keep theirs); False where there is none, or no fake mode to do it in."""
+    dense = [p for p in placeholders if overlapping(static_layout(p.meta.get("val")))]
+    mode = fake_mode_of(body.graph)
+    if not dense or mode is None:
+        return False
+    with mode:
+        for p in dense:
+            value = p.meta["val"]
+            p.meta["val"] = torch.empty(value.shape, dtype=value.dtype, device=value.device)
+    for node in body.graph.nodes:
+        if node.op == "call_function":
+            value = recomputed_value(body.graph, node)
+            if value is not None:
+                node.meta["val"] = value
+    return True
+
+
 def copy_operands_into_traced_layouts(gm: fx.GraphModule) -> int:
     """Copy each operand of each body call in ``gm`` that its subgraph's placeholder was traced
     in another static layout for into that layout (module docstring); returns how many were
@@ -61,6 +95,8 @@ def copy_operands_into_traced_layouts(gm: fx.GraphModule) -> int:
             body = getattr(gm, target, None)
             placeholders_of[target] = list(body.graph.find_nodes(op="placeholder")) \
                 if isinstance(body, fx.GraphModule) else None
+            if placeholders_of[target] is not None:
+                _densify_placeholders(body, placeholders_of[target])
         placeholders = placeholders_of[target]
         operands = list(node.args[2:])
         if placeholders is None or len(placeholders) != len(operands):

@@ -44,7 +44,7 @@ from shardc.ops.body_standin import (
     size_expr,
 )
 from shardc.passes.body import INVOKE_SUBGRAPH, aliasing_pattern, node_value
-from shardc.passes.fx_utils import is_call
+from shardc.passes.fx_utils import is_call, overlapping, static_layout
 
 __all__ = ["StandInMismatch", "StandIns", "restore_body_calls", "stand_in_later_calls",
            "undo_stand_ins"]
@@ -481,6 +481,11 @@ def _tangents_as_first(graph: fx.Graph, bw: fx.Node, part: _Partition,
         mine, theirs = tangents[i], _val(first[i])
         if not isinstance(mine, fx.Node) or _meta(_val(mine)) == _meta(theirs):
             continue
+        if overlapping(static_layout(theirs)):
+            # The first call's tangent is expanded (x.sum(1) of the last block's output): no
+            # other values fit its layout; passes.body_operand_layouts makes the placeholder
+            # dense and copies every call's tangent into that.
+            continue
         with graph.inserting_before(bw):
             tangents[i] = _strided_copy(graph, mine, theirs)
     return tangents
@@ -563,6 +568,11 @@ def _keep_layout(graph: fx.Graph, value: fx.Node, actual: object) -> None:
     if _meta(claimed) == _meta(actual):
         return
     value.meta["val"] = actual
+    if overlapping(static_layout(claimed)):
+        # An expand's layout (the first call's, traced with an expanded gradient) holds no
+        # other values: the readers take the computed layout, and a body call among them gets
+        # its placeholder's dense one (passes.body_operand_layouts).
+        return
     with graph.inserting_after(value):
         copied = _strided_copy(graph, value, claimed)
     value.replace_all_uses_with(copied, delete_user_cb=lambda n: n is not copied)

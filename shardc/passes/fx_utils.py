@@ -85,6 +85,13 @@ def static_layout(value: object) -> tuple | None:
             value.device)
 
 
+def overlapping(layout: tuple | None) -> bool:
+    """Whether a :func:`static_layout` maps two elements to one memory location: a stride 0 on
+    a dimension longer than one (an ``expand``). Nothing can be copied into such a layout but
+    values that repeat as it does."""
+    return layout is not None and any(st == 0 and n > 1 for n, st in zip(layout[0], layout[1]))
+
+
 def recomputed_value(graph: fx.Graph, node: fx.Node) -> object:
     """``node``'s fake value computed again from its inputs' fake values (a ``call_function``
     node of ``graph``), or None where there is no fake mode or torch cannot evaluate it."""
