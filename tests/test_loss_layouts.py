@@ -25,9 +25,12 @@ Inductor; the four here failed:
   silently (sink or not). The caller now reads such an output as the view of its operand
   (``read_body_views_through_their_base``).
 
-And one found in s71 (Conv1d blocks, but any block type does it): ``x.sum(1)`` of the last
-block's output, whose expanded gradient the traced backward call received, so that the other
-calls' gradients were copied into a layout no other values fit (both backends failed).
+And two found in s71: ``x.sum(1)`` of the last block's output (Conv1d blocks, but any block
+type does it), whose expanded gradient the traced backward call received, so that the other
+calls' gradients were copied into a layout no other values fit (both backends failed); and
+blocks that return an expand (``expanded_blocks``): the body's forward traced for an expanded
+input, which its placeholder is now made dense for, and Inductor constrained the copied operand
+back to the expand's layout from the call's ``eager_input_vals`` (the compile failed).
 """
 
 from __future__ import annotations
@@ -46,13 +49,23 @@ class _Residual(torch.nn.Module):
         return x + self.down(torch.tanh(self.up(x)))
 
 
+class _Pooling(_Residual):
+    """A block whose output is an expand (strides 0): the next block's input, for which the
+    body's forward is traced."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = x.mean(1, keepdim=True)
+        return (m + self.down(torch.tanh(self.up(m)))).expand_as(x)
+
+
 class _Stack(torch.nn.Module):
     def __init__(self, loss: str) -> None:
         super().__init__()
         # sum_pooled: three blocks, so the first body call traced in the backward (the last
         # block's) is the one whose gradient is expanded.
+        block = _Pooling if loss == "expanded_blocks" else _Residual
         self.blocks = torch.nn.ModuleList(
-            _Residual() for _ in range(3 if loss == "sum_pooled" else 4))
+            block() for _ in range(3 if loss in ("sum_pooled", "expanded_blocks") else 4))
         self.loss = loss
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -107,7 +120,7 @@ def _check(out, grads, bodies, reference, x) -> None:
 
 
 @pytest.mark.parametrize("loss", ["keeps_the_sum", "expanded_gradient", "checkpointed_mean",
-                                  "bare_sum", "sum_pooled"])
+                                  "bare_sum", "sum_pooled", "expanded_blocks"])
 def test_the_last_block_trains_like_the_unsharded_model(loss):
     with one_rank_mesh() as mesh:
         result = _step(mesh, loss)

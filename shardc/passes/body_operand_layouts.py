@@ -22,7 +22,10 @@ block's gradient where the loss sums its output over a dimension, ``x.sum(1)``) 
 copied into: no other call's values fit it (torch's ``nested_compile_region`` traces a second
 backward for such a tangent; shardc's later calls reuse the first). :func:`_densify_placeholders`
 makes such a placeholder dense (contiguous) and computes the body's fake values again from it,
-and then every call's operand is copied into that layout as above (the expanded one too).
+and then every call's operand is copied into that layout as above (the expanded one too); the
+calls' ``eager_input_vals``, to which Inductor's ``invoke_subgraph`` lowering constrains each
+operand, take the dense values as well (a block that returns an expand: its next call's
+forward operand was constrained back to the expand's layout).
 """
 
 from __future__ import annotations
@@ -89,14 +92,16 @@ def copy_operands_into_traced_layouts(gm: fx.GraphModule) -> int:
     copied. Deterministic: the graph alone decides."""
     copied = 0
     placeholders_of: dict[str, list[fx.Node] | None] = {}  # one look per body, not per call
+    densified: set[str] = set()  # the bodies whose placeholders _densify_placeholders changed
     for node in [n for n in gm.graph.nodes if is_call(n, INVOKE_SUBGRAPH)]:
         target = node.args[0].target
         if target not in placeholders_of:
             body = getattr(gm, target, None)
             placeholders_of[target] = list(body.graph.find_nodes(op="placeholder")) \
                 if isinstance(body, fx.GraphModule) else None
-            if placeholders_of[target] is not None:
-                _densify_placeholders(body, placeholders_of[target])
+            if placeholders_of[target] is not None and _densify_placeholders(
+                    body, placeholders_of[target]):
+                densified.add(target)
         placeholders = placeholders_of[target]
         operands = list(node.args[2:])
         if placeholders is None or len(placeholders) != len(operands):
@@ -112,6 +117,24 @@ def copy_operands_into_traced_layouts(gm: fx.GraphModule) -> int:
                                    (operand, list(traced.stride())))
             copied += 1
         node.args = (*node.args[:2], *operands)
+        if target in densified:
+            _eager_values_as_placeholders(node, placeholders)
     if copied:
         gm.recompile()
     return copied
+
+
+def _eager_values_as_placeholders(node: fx.Node, placeholders: list[fx.Node]) -> None:
+    """A call of a body whose placeholders were made dense: the values its operands had when
+    traced (``meta["eager_input_vals"]``, ``(subgraph, identifier, *operands)``), which
+    Inductor's ``invoke_subgraph`` lowering constrains each operand to, become the placeholders'
+    (an expanded one would be constrained back to the expand's layout)."""
+    vals = node.meta.get("eager_input_vals")
+    if vals is None:
+        return
+    args, kwargs = vals
+    if len(args) != 2 + len(placeholders):
+        node.meta.pop("eager_input_vals")  # Inductor then reads the operands' values
+        return
+    node.meta["eager_input_vals"] = (
+        (*args[:2], *(p.meta.get("val") for p in placeholders)), kwargs)
