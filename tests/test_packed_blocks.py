@@ -62,17 +62,32 @@ def test_layout_unpacks_every_ranks_shards_into_the_full_weights(world):
         assert torch.equal(w, block.get_parameter(name).detach()), name
 
 
-def _train(model, forward, steps: int = 2) -> list[float]:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+def _train(model, forward, steps: int = 2, weight_decay: float = 0.0,
+           after_backward=None) -> list[float]:
+    """``steps`` AdamW steps on fixed data; ``after_backward(model)`` runs before each step."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=weight_decay)
     g = torch.Generator().manual_seed(3)
     losses = []
     for _ in range(steps):
         loss = forward(torch.randn(4, 5, generator=g)).square().mean()
         loss.backward()
+        if after_backward is not None:
+            after_backward(model)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def _stack_of(block: type, mesh, pack: bool) -> tuple[Stack, object]:
+    """A Stack of three ``block``s (seeded), sharded on ``mesh`` with ``pack_blocks=pack``, and
+    its compiled forward (FX graphs)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Stack()
+    model.blocks = nn.ModuleList(block() for _ in range(3))
+    shardc.shard(model, mesh, pack_blocks=pack)
+    return model, torch.compile(model, backend=shardc.backend(inductor=False))
 
 
 def _local(p: DTensor) -> torch.Tensor:
@@ -477,23 +492,14 @@ def test_a_weight_a_call_leaves_out_keeps_a_none_gradient():
     values than the per-parameter reads'. Such a call reads the block's parameters one by one:
     the same gradients (None) and parameters, bit for bit."""
     def run(pack: bool) -> tuple[list, dict, dict]:
-        torch._dynamo.reset()
-        torch.manual_seed(0)
+        grads = {}
+
+        def record(model) -> None:
+            grads.update({n: p.grad is None for n, p in model.named_parameters()})
+
         with one_rank_mesh() as mesh:
-            model = Stack()
-            model.blocks = nn.ModuleList(UnusedBlock() for _ in range(3))
-            shardc.shard(model, mesh, pack_blocks=pack)
-            forward = torch.compile(model, backend=shardc.backend(inductor=False))
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-            g = torch.Generator().manual_seed(3)
-            losses, grads = [], {}
-            for _ in range(2):
-                loss = forward(torch.randn(4, 5, generator=g)).square().mean()
-                loss.backward()
-                grads = {n: p.grad is None for n, p in model.named_parameters()}
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.item())
+            model, forward = _stack_of(UnusedBlock, mesh, pack)
+            losses = _train(model, forward, weight_decay=0.1, after_backward=record)
             return losses, grads, {n: _local(p).clone() for n, p in model.named_parameters()}
 
     losses, grads, params = run(True)
@@ -584,14 +590,9 @@ def test_reentrant_checkpointed_blocks_stay_packed():
     ``autograd.Function``, so it leaves such calls packed (it had read every weight of these
     blocks one by one); training equals the per-parameter reads' bit for bit."""
     def run(pack: bool) -> tuple[list, dict, int]:
-        torch._dynamo.reset()
-        torch.manual_seed(0)
         with one_rank_mesh() as mesh:
-            model = Stack()
-            model.blocks = nn.ModuleList(ReentrantBlock() for _ in range(3))
-            shardc.shard(model, mesh, pack_blocks=pack)
-            losses = _train(model, torch.compile(model, backend=shardc.backend(
-                inductor=False)))
+            model, forward = _stack_of(ReentrantBlock, mesh, pack)
+            losses = _train(model, forward)
             state = shardc.shard_state(model)
             handed = state.packed.handed if state.packed is not None else 0
             return losses, {n: _local(p).clone() for n, p in model.named_parameters()}, handed

@@ -805,7 +805,7 @@ def _weights_left_out(out, weights, names: tuple[str, ...]) -> list[str]:
     activation checkpointing is one): its backward may reach weights its graph does not show
     (the closure it recomputes), so the packed read stays, as it was before this check."""
     reached, stack = set(), []
-    for t in _flat_probe_outputs(out):
+    for t in _flat_tensors(out, []):
         if t.grad_fn is not None:
             stack.append(t.grad_fn)
     while stack:
@@ -819,10 +819,6 @@ def _weights_left_out(out, weights, names: tuple[str, ...]) -> list[str]:
     if not reached:  # no gradient at all: the packed buffer takes none either
         return []
     return [name for name, w in zip(names, weights) if w.grad_fn not in reached]
-
-
-def _flat_probe_outputs(out) -> list[torch.Tensor]:
-    return [t for t in _flat_tensors(out, []) if t.requires_grad]
 
 
 # Per block class, the subclass a prober's skeleton module takes to record reads of its varying
