@@ -345,6 +345,30 @@ def config_seq(c: dict, args) -> int:
     return c.get("seq") or args.seq or (128 if args.tiny else 2048)
 
 
+LEFT_REPORTED_BYTES = 64 << 20
+
+
+def leftover_tensors(device: torch.device, top: int = 4) -> list[str]:
+    """The largest device tensors the garbage collector still sees, each with the types of
+    what refers to it (a diagnosis of a previous row's memory held into the next)."""
+    found: dict[int, torch.Tensor] = {}
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, torch.Tensor) and obj.device == device:
+                found.setdefault(obj.untyped_storage().data_ptr(), obj)
+        except Exception:  # a tensor subclass or a half-built object: skip it
+            continue
+    largest = sorted(found.values(), key=lambda t: -t.untyped_storage().nbytes())[:top]
+    values = list(found.values())
+    out = []
+    for t in largest:
+        holders = {type(r).__name__ for r in gc.get_referrers(t) if r is not found
+                   and r is not values and r is not largest}
+        out.append(f"{t.untyped_storage().nbytes() / 2**20:.0f} MiB {type(t).__name__}"
+                   f"{tuple(t.shape)} <- {sorted(holders)[:6]}")
+    return out
+
+
 def run_config(c: dict, args, device, mesh, cluster: dict | None, log,
                probed: ClusterProfile | None = None) -> dict[str, Any]:
     """One configuration measured and predicted; ``probed``: the profile with the host AdamW
@@ -1094,6 +1118,12 @@ def main(argv=None) -> int:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+            # What the row left allocated after its cleanup: the next row's measured peak
+            # includes it (s71's rows after the first measured 1.5-6.1 GiB over their plans).
+            res["left_allocated_bytes"] = torch.cuda.memory_allocated(device)
+            if res["left_allocated_bytes"] > LEFT_REPORTED_BYTES:
+                log(f"{c}: {res['left_allocated_bytes'] / 2**30:.2f} GiB still allocated after "
+                    f"the cleanup; Python-visible: {leftover_tensors(device)}")
         per_rank: list[Any] = [None] * world
         dist.all_gather_object(per_rank, res)
         merged = _slowest(per_rank) if all(r["status"] == "ok" for r in per_rank) else next(
