@@ -14,4 +14,6 @@ for m in shardc shardc-unpacked; do for ac in "" "expandable_segments:True"; do
 timeout 170 torchrun --nproc-per-node 1 benchmarks/step_overhead.py --model 1b --n-layers 16 --batch 4 --modes bound shardc shardc-budget \
   --steps 15 --warmup 3 --rounds 1 --profile-steps 2 --top 24 --out $R --name so16b4 > $R/so16b4.log 2>&1; echo "so rc=$? $(date +%T)"
 grep -E "^\| 1b" $R/so16b4.md | head -8
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_checkpoint_manager_gpu.py tests/gpu/test_cudagraphs_gpu.py \
+  -k "manager_saves_and_loads_on_a_cuda_mesh or one_rank_casts_record" > $R/gpu_tests_s71fixed.log 2>&1; echo "tests rc=$? $(date +%T)"; tail -3 $R/gpu_tests_s71fixed.log
 cd $OUT && tar czf call1.tgz r && rm -rf r
