@@ -978,6 +978,36 @@ def sc_mixed_dtypes(ctx: Ctx, dtype: torch.dtype) -> dict:
     return out
 
 
+def sc_autocast(ctx: Ctx) -> dict:
+    """Attention blocks (packed, the default) under the user's ``torch.autocast(bfloat16)`` (how
+    Hugging Face's Trainer asks for bf16): fp32 parameters, bf16 matmuls, fp32 gradients. bf16
+    rounding depends on the rows a matmul sees, so the reference applies the model to the
+    global batch split into ``world`` chunks (each rank's) and averages their losses."""
+    torch.manual_seed(0)
+    model = CheckpointedAttention(checkpointed=False)
+    forward = ctx.wrap(model)
+    chunks = 1 if ctx.sharded else ctx.world
+    opt = sgd(model)
+    losses = []
+    for step, data in enumerate(tokens()):
+        batch = ctx.split(data)
+        per = batch.shape[0] // chunks
+        loss = 0.0
+        for c in range(chunks):
+            part = batch[c * per:(c + 1) * per]
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = forward(part[:, :-1])
+            assert logits.dtype == torch.bfloat16, f"step {step}: logits {logits.dtype}"
+            loss = loss + lm_loss(logits, part[:, 1:]) / chunks
+        loss.backward()
+        grad_dtypes = {p.grad.dtype for p in model.parameters()}
+        assert grad_dtypes == {torch.float32}, f"step {step}: gradients {grad_dtypes}"
+        opt.step()
+        opt.zero_grad()
+        losses.append(ctx.mean(loss))
+    return {"losses": torch.stack(losses), "params": ctx.params(model), "planned": ctx.planned()}
+
+
 def sc_batchnorm(ctx: Ctx) -> dict:
     """BatchNorm1d in training mode, as data-parallel training computes it: statistics of each
     rank's local batch, running stats kept per rank. The reference applies the model to the
@@ -2000,6 +2030,7 @@ SCENARIOS: dict[str, Callable[[Ctx], dict]] = {
     **{f"checkpoint_fp8{suffix}": functools.partial(
         sc_checkpoint_vs_plain, compile=compile, fp8=shardc.Float8Policy())
        for suffix, compile in (("", True), ("_eager", False))},
+    "autocast": sc_autocast,
     "accumulate": sc_accumulate,
     "accumulate_clip": sc_accumulate_clip,
     "accumulate_no_sync": sc_accumulate_no_sync,
