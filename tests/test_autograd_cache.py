@@ -463,6 +463,30 @@ def test_loading_a_cached_backward_allocates_no_tensor():
     torch.testing.assert_close(whole(grad), expected, rtol=0, atol=0)
 
 
+def test_a_cached_backward_with_a_symbolic_size_in_a_list_loads():
+    """Under dynamic shapes a body's backward makes its zeros with a size symbol in the list
+    (``full([2, 2, s0, 8], 0)``: transformers' attention at s72's recompiled step). FX's tracer
+    cannot run that op on a traced value nested in a list ("Expected List[int]"), so loading the
+    entry failed (Inductor logged "fx graph cache unable to load compiled graph" and compiled
+    again); shardc's tracer records the call as a node."""
+    from shardc.compile import warm
+
+    body = fx.Graph()
+    size = body.placeholder("size")
+    grad = body.placeholder("grad")
+    zeros = body.call_function(torch.ops.aten.full.default, ([2, size, 8], 0.0), {
+        "dtype": torch.float32, "layout": torch.strided, "device": torch.device("cpu"),
+        "pin_memory": False})
+    body.output((body.call_function(torch.ops.aten.slice_scatter.default,
+                                    (zeros, grad, 2, 1, 8, 2)),))
+    marked = fx.GraphModule(nn.Module(), body)
+    assert warm.retrace_on_reload(marked) == 1
+    loaded = pickle.loads(pickle.dumps(marked))
+    assert len(_full_calls(loaded)) == 1 and _tensors_held(loaded) == []
+    grad_in = torch.randn(2, 3, 4)
+    torch.testing.assert_close(loaded(3, grad_in), marked(3, grad_in), rtol=0, atol=0)
+
+
 def _full_calls(gm: fx.GraphModule) -> list[fx.Node]:
     return list(gm.graph.find_nodes(op="call_function", target=torch.ops.aten.full.default))
 

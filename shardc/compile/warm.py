@@ -172,9 +172,10 @@ def load_plan(key: str | None, partitioner: str, gathered: set[str]) -> tuple[Pl
 
 class ReloadTracer(fx.Tracer):
     """The tracer FX rebuilds a pickled graph module of shardc's with (see the module docstring):
-    :class:`fx.Tracer`, except that a call of a torch op whose arguments hold no traced value
-    becomes a graph node, as it was in the pickled graph, instead of running when the module is
-    loaded (FX's tracer runs it and keeps its result as a tensor constant)."""
+    :class:`fx.Tracer`, except that every call of a torch op becomes a graph node, as it was in
+    the pickled graph: one whose arguments hold no traced value would run when the module is
+    loaded (FX's tracer runs it and keeps its result as a tensor constant), one with a traced
+    value nested in a list would fail."""
 
     def trace(self, root: object, concrete_args: dict | None = None) -> fx.Graph:
         with _ConstantCallsAsNodes(self):
@@ -182,7 +183,11 @@ class ReloadTracer(fx.Tracer):
 
 
 class _ConstantCallsAsNodes(TorchFunctionMode):
-    """While ``tracer`` traces: ops called on constants only are recorded, not run."""
+    """While ``tracer`` traces: every op call is recorded as a node, not run. Ops called on
+    constants only would run (FX keeps the result as a tensor constant); ops with a traced value
+    nested in a list (a size symbol in ``full``'s size under dynamic shapes) fail to run on it
+    ("Expected List[int]"; FX's own tracer fails the same way), which made the cache entry
+    unloadable (s72)."""
 
     def __init__(self, tracer: fx.Tracer) -> None:
         super().__init__()
@@ -190,21 +195,10 @@ class _ConstantCallsAsNodes(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if isinstance(func, _torch.OpOverload) and not _holds_proxy((args, kwargs)):
+        if isinstance(func, _torch.OpOverload):
+            # What a traced argument's own __torch_function__ records (fx.Proxy's).
             return self.tracer.create_proxy("call_function", func, args, kwargs)
         return func(*args, **kwargs)
-
-
-def _holds_proxy(value: object) -> bool:
-    """Whether ``value`` (an op's arguments, nested in lists, tuples and dicts) holds a traced
-    value."""
-    if isinstance(value, fx.Proxy):
-        return True
-    if isinstance(value, (list, tuple)):
-        return any(_holds_proxy(v) for v in value)
-    if isinstance(value, dict):
-        return any(_holds_proxy(v) for v in value.values())
-    return False
 
 
 def retrace_on_reload(gm: fx.GraphModule) -> int:
