@@ -924,3 +924,31 @@ def forget_subgraph_traces(identifiers: Collection[str]) -> int:
                 del table[key]
                 dropped += 1
     return dropped
+
+
+def op_watch(on_op: Callable[[Any, tuple, dict], None]) -> contextlib.AbstractContextManager:
+    """A dispatch mode that calls ``on_op(func, args, kwargs)`` before running each aten op
+    (an exception it raises stops the run): shardc's block prober looks at the ops a block's
+    forward runs on meta tensors."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            on_op(func, args, kwargs)
+            return func(*args, **kwargs)
+
+    return Watch()
+
+
+def dynamo_breaks_on(func: Any) -> bool:
+    """Whether Dynamo, as configured now, breaks the graph at op ``func`` (a data-dependent
+    output shape such as ``nonzero``'s, or a tensor's value read as a Python number such as
+    ``.item()``), which it cannot do inside a ``nested_compile_region`` body."""
+    tags = getattr(func, "tags", ())
+    config = torch._dynamo.config
+    if torch.Tag.dynamic_output_shape in tags:
+        return not config.capture_dynamic_output_shape_ops
+    if func is torch.ops.aten._local_scalar_dense.default:
+        return not config.capture_scalar_outputs
+    return False

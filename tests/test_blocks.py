@@ -1204,12 +1204,144 @@ def test_blocks_that_change_their_buffers_run_their_own_forwards(caplog):
         with one_rank_mesh() as mesh, caplog.at_level(logging.INFO, logger="shardc"):
             caplog.clear()
             model = shardc.shard(build(), mesh)
-            losses = train(model, torch.compile(model, backend=shardc.backend(
-                inductor=inductor)))
+            forward = torch.compile(model, backend=shardc.backend(inductor=inductor))
+            losses = train(model, forward)
             state = {n: (t.full_tensor() if hasattr(t, "full_tensor") else t)
                      for n, t in model.state_dict().items()}
+            inline = [b for plan in shardc.explain_all(forward) for b in plan.inline_blocks]
         assert "changes a buffer or an argument in place" in caplog.text
         assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), inductor
         for name, want in reference.state_dict().items():
             torch.testing.assert_close(state[name], want, rtol=1e-5, atol=1e-6, msg=name)
         assert [int(state[f"blocks.{i}.calls"]) for i in range(3)] == [3, 3, 3]
+
+
+class ComplexRotaryBlock(nn.Module):
+    """A block with a complex rotary embedding, as Llama 4's: the query viewed as complex
+    numbers, multiplied by the complex frequencies the model passes every block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+        self.o = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        q = self.q(x)
+        q = torch.view_as_complex(q.float().reshape(*q.shape[:-1], -1, 2))
+        return x + self.o(torch.view_as_real(q * freqs).flatten(-2))
+
+
+class ComplexRotaryNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(ComplexRotaryBlock() for _ in range(3))
+        inv = 1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8)
+        self.register_buffer("inv", inv, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        angles = torch.outer(torch.arange(x.shape[1]).float(), self.inv)
+        freqs = torch.polar(torch.ones_like(angles), angles)
+        for block in self.blocks:
+            x = block(x, freqs)
+        return x
+
+
+class NonzeroExpertsBlock(nn.Module):
+    """A mixture of experts that loops over the experts some token was routed to, found with
+    ``nonzero`` (DBRX's experts, as transformers writes them): Dynamo breaks the graph there."""
+
+    def __init__(self, dim: int = 8, experts: int = 4, hidden: int = 6) -> None:
+        super().__init__()
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.w1 = nn.Parameter(torch.randn(experts, hidden, dim) * 0.3)
+        self.w2 = nn.Parameter(torch.randn(experts, hidden, dim) * 0.3)
+        self.experts = experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.reshape(-1, x.shape[-1])
+        weights, index = torch.topk(self.router(h).softmax(-1), 2, dim=-1)
+        out = torch.zeros_like(h)
+        with torch.no_grad():
+            mask = F.one_hot(index, self.experts).permute(2, 1, 0)
+            hit = (mask.sum(dim=(-1, -2)) > 0).nonzero()
+        for expert in hit:
+            expert = expert[0]
+            with torch.no_grad():
+                slot, token = torch.where(mask[expert])
+            y = torch.tanh(h[token] @ self.w1[expert].T) @ self.w2[expert]
+            out.index_add_(0, token, y * weights[token, slot, None])
+        return x + out.view(x.shape)
+
+
+def _train_sharded_and_eager(build, caplog, **backend) -> tuple:
+    """Two SGD steps of ``build()`` sharded on one rank and compiled by shardc (FX unless
+    ``backend`` says), and of ``build()`` eagerly: (losses, reference losses, parameters,
+    reference parameters, each region's ``Plan.inline_blocks``, the shardc log)."""
+    from dist_utils import one_rank_mesh
+
+    import shardc
+
+    def train(model, forward) -> list[float]:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(2):
+            loss = forward(torch.randn(2, 5, 8, generator=g)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    torch.manual_seed(0)
+    reference = build()
+    ref_losses = train(reference, reference)
+    torch._dynamo.reset()
+    with one_rank_mesh() as mesh, caplog.at_level(logging.INFO, logger="shardc"):
+        caplog.clear()
+        torch.manual_seed(0)
+        model = shardc.shard(build(), mesh)
+        forward = torch.compile(model, backend=shardc.backend(**{"inductor": False, **backend}))
+        losses = train(model, forward)
+        params = {n: p.full_tensor() for n, p in model.named_parameters()}
+        inline = [b for plan in shardc.explain_all(forward) for b in plan.inline_blocks]
+    torch._dynamo.reset()
+    return losses, ref_losses, params, dict(reference.named_parameters()), inline, caplog.text
+
+
+def test_blocks_computing_with_complex_tensors_run_their_own_forwards(caplog):
+    """A shared body of blocks with a complex rotary embedding (Llama 4's) failed in its
+    backward: the forward saves a conjugated tensor, and torch's invoke_subgraph has no kernel
+    for the Conjugate dispatch key (plain nested_compile_region fails the same). The prober
+    sees the complex tensors on meta, says so once, and the blocks compile inline with the
+    reason in the plan: training equals the eager reference's."""
+    losses, ref_losses, params, ref_params, inline, log_text = _train_sharded_and_eager(
+        ComplexRotaryNet, caplog)
+    assert losses == pytest.approx(ref_losses, rel=1e-6, abs=1e-7)
+    for name, want in ref_params.items():
+        torch.testing.assert_close(params[name], want, rtol=1e-6, atol=1e-7, msg=name)
+    assert {b.module for b in inline} == {f"blocks.{i}" for i in range(3)}
+    assert all("complex tensors" in b.reason and "Conjugate" in b.reason for b in inline)
+    assert log_text.count("computes with complex tensors") == 1 + 3  # the group, each block
+
+
+@pytest.mark.parametrize("once", [True, False])
+def test_blocks_whose_forward_breaks_the_graph_run_their_own_forwards(caplog, once):
+    """``nonzero`` in an MoE's expert loop (DBRX's) made Dynamo break the graph inside a
+    block's body: UncapturedHigherOrderOpError, with compile_blocks_once=False too (its bodies
+    are traced first, inlined after). The prober stops at the op on meta, says so once, and the
+    blocks run their own forwards, where Dynamo breaks the graph as without shardc: training
+    equals the eager reference's, each block said inline with the op named."""
+
+    def build() -> nn.Module:
+        return Stack(NonzeroExpertsBlock, n=3)
+
+    losses, ref_losses, params, ref_params, inline, log_text = _train_sharded_and_eager(
+        build, caplog, compile_blocks_once=once)
+    assert losses == pytest.approx(ref_losses, rel=1e-6, abs=1e-7)
+    for name, want in ref_params.items():
+        torch.testing.assert_close(params[name], want, rtol=1e-6, atol=1e-7, msg=name)
+    assert "runs nonzero, at which Dynamo breaks the graph" in log_text
+    if once:
+        assert {b.module for b in inline} == {f"blocks.{i}" for i in range(3)}
+        assert all("runs nonzero" in b.reason for b in inline)

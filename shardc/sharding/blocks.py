@@ -173,6 +173,18 @@ class BlockBodies:
                         f"differ), and {_SINGLE_USE}")
             return (f"its group's blocks differ in {differ}, and this call could not be probed "
                     "for reads of them (symbolic sizes, or an op meta tensors do not support)")
+        probed = [] if group is None else [group.prober] + (
+            [group.packed.prober] if group.packed is not None else [])
+        probed = [p for p in probed if p is not None]
+        breaks = next((p.breaks for p in probed if p.breaks is not None), None)
+        if breaks is not None:
+            return (f"its forward runs {breaks}, whose output's shape or value depends on the "
+                    "data: Dynamo breaks the graph there, which it cannot do inside a shared "
+                    "body (UncapturedHigherOrderOpError), so it runs its own forward")
+        if any(p.complex for p in probed):
+            return ("its forward computes with complex tensors (a complex rotary embedding), "
+                    "whose backward torch's invoke_subgraph cannot run in a shared body (no "
+                    "kernel for the Conjugate dispatch key)")
         # A block that reads its shards packed called the packed bodies, described by their
         # own prober.
         prober = None if group is None else (
@@ -543,6 +555,18 @@ LEAVES_A_WEIGHT = -2
 # so the call runs its block's own forward, traced into the region (where AOTAutograd keeps the
 # mutation).
 MUTATES_AN_INPUT = -3
+# The key of a call whose forward runs an op at which Dynamo breaks the graph (a data-dependent
+# output shape, ``nonzero`` in an MoE's expert loop; ``.item()``): Dynamo cannot break the graph
+# inside a body (``UncapturedHigherOrderOpError``), so the call runs its block's own forward,
+# where Dynamo breaks the graph as it does without shardc.
+BREAKS_THE_GRAPH = -4
+# The key of a call with gradients whose forward computes with complex tensors (a complex
+# rotary embedding: ``view_as_complex``, a complex multiply): its backward takes a conjugated
+# tensor saved by the forward, and torch's ``invoke_subgraph`` has no kernel for the Conjugate
+# dispatch key (torch 2.13: "could not find kernel for HigherOrderOperator invoke_subgraph at
+# dispatch key DispatchKey.Conjugate", plain ``nested_compile_region`` too), so the call runs
+# its block's own forward.
+COMPUTES_COMPLEX = -5
 _PROBERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
@@ -735,6 +759,8 @@ class BodyProber:
         # Packed: the weights some probed call's gradient did not reach (LEAVES_A_WEIGHT).
         self.leaves_weights: set[str] = set()
         self.mutates = False  # some probed call changed an input in place (MUTATES_AN_INPUT)
+        self.breaks: str | None = None  # the op some probed call breaks the graph at
+        self.complex = False  # some probed call with gradients computes with complex tensors
         if group.varying:
             _record_varying_reads(skeleton, group.varying, self.reads)
 
@@ -758,15 +784,34 @@ class BodyProber:
         # Packed, a call with gradients is probed with them too: which weights its outputs'
         # gradients reach (see LEAVES_A_WEIGHT).
         packed_grads = self.layout is not None and desc[1]
+        ops = _ProbedOps()
         try:
             # A group whose blocks differ in scalars is probed in the call's own grad mode: a
             # read of one must be seen on the path the trace takes.
-            with torch.set_grad_enabled(desc[1] and (varying or packed_grads)):
+            with torch.set_grad_enabled(desc[1] and (varying or packed_grads)), \
+                    _torch.op_watch(ops.see):
                 out = torch.func.functional_call(
                     self.skeleton, dict(zip(self.names, (*weights, *buffers))), args, kwargs)
+        except _BreaksTheGraph as exc:
+            if self.breaks is None:
+                log.info("shardc: blocks %s ... %s run their own forwards: a call runs %s, at "
+                         "which Dynamo breaks the graph (its output's shape or value depends on "
+                         "the data), which it cannot do inside a shared body",
+                         self.group.members[0], self.group.members[-1], exc.op)
+            self.breaks = exc.op
+            return BREAKS_THE_GRAPH
         except Exception as exc:  # an op meta tensors do not support: trace every call
             log.debug("shardc: block body probe failed (%s); its calls are traced each", exc)
             return 0
+        if desc[1] and (ops.complex or any(t.is_complex() for t in _flat_tensors(out, []))):
+            if not self.complex:
+                log.info("shardc: blocks %s ... %s run their own forwards: a call with "
+                         "gradients computes with complex tensors (%s), whose backward torch's "
+                         "invoke_subgraph cannot run in a shared body (no kernel for the "
+                         "Conjugate dispatch key)", self.group.members[0],
+                         self.group.members[-1], ops.complex or "its output")
+            self.complex = True
+            return COMPUTES_COMPLEX
         if any(_torch.tensor_version(t) != v for t, v in zip(given, versions)):
             if not self.mutates:
                 log.info("shardc: blocks %s ... %s run their own forwards: a call changes a "
@@ -796,6 +841,28 @@ class BodyProber:
         # Numbered, not hashed: two descriptions never share a key (a hash could collide), nor
         # do two groups' descriptions (_REUSE_KEYS).
         return next(_REUSE_KEYS)
+
+
+class _BreaksTheGraph(Exception):
+    def __init__(self, op: str) -> None:
+        super().__init__(op)
+        self.op = op
+
+
+class _ProbedOps:
+    """What a probe sees of the ops a block's forward runs (:func:`_torch.op_watch`): it stops
+    at an op that Dynamo breaks the graph at (:class:`_BreaksTheGraph`), and notes the first
+    op that takes a complex tensor."""
+
+    def __init__(self) -> None:
+        self.complex: str | None = None
+
+    def see(self, func, args: tuple, kwargs: dict) -> None:
+        if _torch.dynamo_breaks_on(func):
+            raise _BreaksTheGraph(str(func.overloadpacket.__name__))
+        if self.complex is None and any(
+                t.is_complex() for t in _flat_tensors((args, kwargs), [])):
+            self.complex = str(func.overloadpacket.__name__)
 
 
 def _weights_left_out(out, weights, names: tuple[str, ...]) -> list[str]:
@@ -1155,7 +1222,7 @@ def _wrapped_forward(group: BlockGroup, original: Callable) -> Callable:
             source = group
             weights = tuple([_read(self, p) for p in group.weight_paths])
             key = reuse_key(source.prober, self.training, weights, buffers, call, identity)
-        if key == MUTATES_AN_INPUT:
+        if key in (MUTATES_AN_INPUT, BREAKS_THE_GRAPH, COMPUTES_COMPLEX):
             return original(self, *args, **kwargs)
         if needs_key and key <= 0:
             if key == READS_VARYING:
