@@ -1210,6 +1210,9 @@ def test_blocks_that_change_their_buffers_run_their_own_forwards(caplog):
                      for n, t in model.state_dict().items()}
             inline = [b for plan in shardc.explain_all(forward) for b in plan.inline_blocks]
         assert "changes a buffer or an argument in place" in caplog.text
+        # The plan says why, too (before s72 it named unbacked symbolic sizes).
+        assert {b.module for b in inline} == {f"blocks.{i}" for i in range(3)}
+        assert all("in place" in b.reason for b in inline), inline
         assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), inductor
         for name, want in reference.state_dict().items():
             torch.testing.assert_close(state[name], want, rtol=1e-5, atol=1e-6, msg=name)

@@ -185,6 +185,9 @@ class BlockBodies:
             return ("its forward computes with complex tensors (a complex rotary embedding), "
                     "whose backward torch's invoke_subgraph cannot run in a shared body (no "
                     "kernel for the Conjugate dispatch key)")
+        if any(p.mutates for p in probed):
+            return ("its forward changes a buffer or an argument in place, which torch's "
+                    "invoke_subgraph refuses in a shared body in training")
         # A block that reads its shards packed called the packed bodies, described by their
         # own prober.
         prober = None if group is None else (
