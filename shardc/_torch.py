@@ -926,29 +926,30 @@ def forget_subgraph_traces(identifiers: Collection[str]) -> int:
     return dropped
 
 
-def op_watch(on_op: Callable[[Any, tuple, dict], None]) -> contextlib.AbstractContextManager:
-    """A dispatch mode that calls ``on_op(func, args, kwargs)`` before running each aten op
-    (an exception it raises stops the run): shardc's block prober looks at the ops a block's
-    forward runs on meta tensors."""
+def op_watch(run_op: Callable[[Any, tuple, dict], Any]) -> contextlib.AbstractContextManager:
+    """A dispatch mode that runs each aten op as ``run_op(func, args, kwargs)`` (which calls
+    ``func(*args, **kwargs)`` itself): shardc's block prober looks at the ops a block's forward
+    runs on meta tensors."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Watch(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            on_op(func, args, kwargs)
-            return func(*args, **kwargs)
+            return run_op(func, args, kwargs or {})
 
     return Watch()
 
 
-def dynamo_breaks_on(func: Any) -> bool:
-    """Whether Dynamo, as configured now, breaks the graph at op ``func`` (a data-dependent
-    output shape such as ``nonzero``'s, or a tensor's value read as a Python number such as
-    ``.item()``), which it cannot do inside a ``nested_compile_region`` body."""
+def dynamo_may_break_on(func: Any) -> bool:
+    """Whether Dynamo, as configured now, may break the graph at op ``func``: an op whose
+    output's shape depends on the data (``nonzero``; ``index`` with a boolean mask; the tag
+    alone overclaims: ``index`` with integer indices is tagged too), or a tensor's value read
+    as a Python number (``.item()``). A caller that ran ``func`` on meta tensors and saw it
+    fail knows Dynamo breaks there (meta tensors have no data either), which it cannot do
+    inside a ``nested_compile_region`` body."""
     tags = getattr(func, "tags", ())
     config = torch._dynamo.config
     if torch.Tag.dynamic_output_shape in tags:
         return not config.capture_dynamic_output_shape_ops
-    if func is torch.ops.aten._local_scalar_dense.default:
+    if torch.Tag.data_dependent_output in tags:
         return not config.capture_scalar_outputs
     return False

@@ -1348,3 +1348,34 @@ def test_blocks_whose_forward_breaks_the_graph_run_their_own_forwards(caplog, on
     if once:
         assert {b.module for b in inline} == {f"blocks.{i}" for i in range(3)}
         assert all("runs nonzero" in b.reason for b in inline)
+
+
+class IndexedBlock(nn.Module):
+    """Reads rows of a parameter by integer ids (``aten.index.Tensor``, tagged as an op with a
+    data-dependent output shape for its boolean-mask form), as MoE experts read biases."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.table = nn.Parameter(torch.randn(8, 8) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = self.lin(x).argmax(-1)
+        return x + torch.tanh(self.lin(x)) * self.table[ids]
+
+
+def test_blocks_indexing_by_integer_ids_keep_their_shared_body(caplog):
+    """The prober's check for ops Dynamo breaks the graph at names an op only where it fails on
+    meta tensors: ``index`` with integer ids (GPT-OSS's expert biases) keeps the shared body
+    (a check by the op's tag alone sent such blocks inline)."""
+
+    def build() -> nn.Module:
+        return Stack(IndexedBlock, n=3)
+
+    losses, ref_losses, params, ref_params, inline, log_text = _train_sharded_and_eager(
+        build, caplog)
+    assert losses == pytest.approx(ref_losses, rel=1e-6, abs=1e-7)
+    for name, want in ref_params.items():
+        torch.testing.assert_close(params[name], want, rtol=1e-6, atol=1e-7, msg=name)
+    assert "breaks the graph" not in log_text
+    assert "calls 1 compiled block body" in log_text

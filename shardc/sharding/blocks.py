@@ -792,7 +792,7 @@ class BodyProber:
             # A group whose blocks differ in scalars is probed in the call's own grad mode: a
             # read of one must be seen on the path the trace takes.
             with torch.set_grad_enabled(desc[1] and (varying or packed_grads)), \
-                    _torch.op_watch(ops.see):
+                    _torch.op_watch(ops.run):
                 out = torch.func.functional_call(
                     self.skeleton, dict(zip(self.names, (*weights, *buffers))), args, kwargs)
         except _BreaksTheGraph as exc:
@@ -855,17 +855,24 @@ class _BreaksTheGraph(Exception):
 class _ProbedOps:
     """What a probe sees of the ops a block's forward runs (:func:`_torch.op_watch`): it stops
     at an op that Dynamo breaks the graph at (:class:`_BreaksTheGraph`), and notes the first
-    op that takes a complex tensor."""
+    op that takes or makes a complex tensor."""
 
     def __init__(self) -> None:
         self.complex: str | None = None
 
-    def see(self, func, args: tuple, kwargs: dict) -> None:
-        if _torch.dynamo_breaks_on(func):
-            raise _BreaksTheGraph(str(func.overloadpacket.__name__))
+    def run(self, func, args: tuple, kwargs: dict):
+        try:
+            out = func(*args, **kwargs)
+        except Exception:
+            # On meta tensors (no data), an op whose output's shape or value depends on the
+            # data fails where Dynamo breaks the graph.
+            if _torch.dynamo_may_break_on(func):
+                raise _BreaksTheGraph(str(func.overloadpacket.__name__)) from None
+            raise
         if self.complex is None and any(
-                t.is_complex() for t in _flat_tensors((args, kwargs), [])):
+                t.is_complex() for t in _flat_tensors((args, kwargs, out), [])):
             self.complex = str(func.overloadpacket.__name__)
+        return out
 
 
 def _weights_left_out(out, weights, names: tuple[str, ...]) -> list[str]:
