@@ -1384,3 +1384,88 @@ def test_blocks_indexing_by_integer_ids_keep_their_shared_body(caplog):
     # gradient, runs inline); torch 2.11 gives that first call a body of its own (two bodies,
     # three calls), as before s72's check.
     assert re.search(r"region 0 calls [12] compiled block bod(y|ies)", log_text)
+
+
+class InPlaceBiasBlock(nn.Module):
+    """Two in-place methods whose results nobody reads, as transformers' MoE experts write them
+    (``out.add_(bias)`` in ``_grouped_linear``, ``next_states.index_add_(...)``): in Dynamo's
+    graph a ``call_method`` node without users."""
+
+    def __init__(self, dim: int = 6, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(dim, dim) * 0.3)
+        self.bias = nn.Parameter(torch.randn(dim))
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x @ self.weight
+        out.add_(self.bias)
+        mixed = torch.zeros_like(x)
+        mixed.index_add_(0, torch.arange(x.shape[0] - 1, -1, -1), out)
+        mixed = F.dropout(mixed, self.dropout, self.training)
+        return x + torch.tanh(mixed) + 0.1 * out
+
+
+@pytest.mark.parametrize("packed,once,dropout", [(False, False, 0.0), (True, False, 0.0),
+                                                 (True, True, 0.25)],
+                         ids=["inline", "inline_packed", "default_random_body_inlined"])
+def test_inlined_blocks_keep_in_place_ops_whose_result_is_unread(packed, once, dropout):
+    """Blocks compiled inline (``compile_blocks_once=False``; by default a block that draws
+    random numbers) train as the unsharded eager model (3 blocks, 2 SGD steps, FX, one rank):
+    losses, every ``.grad`` (presence and value) and the parameters. Inlining the bodies ran
+    FX's dead-code elimination on Dynamo's graph, which dropped ``out.add_(self.bias)`` and
+    ``mixed.index_add_(...)`` (in-place methods whose results are unread), and then the bias's
+    gather: a wrong loss and no bias gradient (packed: a zero one) without any error (s72,
+    transformers' GPT-OSS with ``compile_blocks_once=False``)."""
+    from dist_utils import one_rank_mesh
+
+    import shardc
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Module()
+        model.blocks = nn.ModuleList(InPlaceBiasBlock(dropout=dropout) for _ in range(3))
+        return model
+
+    def forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        for block in model.blocks:
+            x = block(x)
+        return x.square().mean()
+
+    def train(model: nn.Module, run) -> list[tuple[float, dict]]:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        data = torch.randn(2, 5, 6, generator=torch.Generator().manual_seed(1))
+        steps = []
+        for step, x in enumerate(data):
+            torch.manual_seed(10 + step)  # the same dropout masks in both runs
+            loss = run(x)
+            loss.backward()
+            grads = {n: None if p.grad is None else
+                     (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                     for n, p in model.named_parameters()}
+            opt.step()
+            opt.zero_grad()
+            steps.append((loss.item(), grads))
+        return steps
+
+    reference = build()
+    want = train(reference, functools.partial(forward, reference))
+    torch._dynamo.reset()
+    with one_rank_mesh() as mesh:
+        model = shardc.shard(build(), mesh, pack_blocks=packed)
+        compiled = torch.compile(functools.partial(forward, model), backend=shardc.backend(
+            inductor=False, compile_blocks_once=once))
+        got = train(model, compiled)
+        params = {n: p.full_tensor() for n, p in model.named_parameters()}
+        inline = {b.module for plan in shardc.explain_all(model) for b in plan.inline_blocks}
+    # The path under test: body calls inlined by shardc (torch 2.13 inlines block 0's own
+    # single-use subgraph itself).
+    assert {"blocks.1", "blocks.2"} <= inline, inline
+    for step, ((loss, grads), (ref_loss, ref_grads)) in enumerate(zip(got, want)):
+        assert loss == pytest.approx(ref_loss, rel=1e-6), step
+        for name, ref_grad in ref_grads.items():
+            assert grads[name] is not None, (step, name)
+            torch.testing.assert_close(grads[name], ref_grad, rtol=1e-6, atol=1e-7,
+                                       msg=f"step {step}: {name}")
+    for name, value in reference.named_parameters():
+        torch.testing.assert_close(params[name], value.detach(), rtol=1e-6, atol=1e-7, msg=name)

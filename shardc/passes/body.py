@@ -229,15 +229,31 @@ def checkpoints_seeded_ops(body: fx.GraphModule) -> bool:
 
 def inline_body_calls(root: fx.GraphModule, calls: list[fx.Node]) -> int:
     """Replace each ``invoke_subgraph`` node of ``calls`` (in ``root``'s graph or its
-    subgraphs') by a copy of its body's nodes; returns how many were inlined."""
+    subgraphs') by a copy of its body's nodes; returns how many were inlined.
+
+    Of what the inlining leaves unread, only the bodies' ``get_attr`` nodes and ``getitem``
+    reads are removed (:func:`_drop_unread_reads`), never FX's dead code: Dynamo's graph is of
+    torch-level calls, where FX takes an in-place method (``out.add_(bias)``, whose result
+    nobody reads: transformers' MoE experts add their biases so) for pure, so its
+    ``eliminate_dead_code`` dropped the add and then the bias's gather: a silently wrong
+    forward and no gradient for the bias (s72, GPT-OSS with ``compile_blocks_once=False``).
+    The rest of the unread code is AOTAutograd's to eliminate, on its functional graph."""
     owners = {m.graph: m for m in root.modules() if isinstance(m, fx.GraphModule)}
     for node in calls:
         _inline(owners[node.graph], node)
     for gm in owners.values():
-        gm.graph.eliminate_dead_code()
+        _drop_unread_reads(gm.graph)
         gm.delete_all_unused_submodules()
         gm.recompile()
     return len(calls)
+
+
+def _drop_unread_reads(graph: fx.Graph) -> None:
+    """Erase the unread ``get_attr`` nodes (an inlined call's subgraph) and unread
+    ``operator.getitem`` calls of ``graph``: reads that change nothing, whatever they read."""
+    for node in reversed(graph.nodes):
+        if not node.users and (node.op == "get_attr" or is_call(node, operator.getitem)):
+            graph.erase_node(node)
 
 
 # Meta key of an inlined node (:func:`flattened`): the body calls it runs in, outermost first
