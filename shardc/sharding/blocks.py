@@ -176,18 +176,10 @@ class BlockBodies:
         probed = [] if group is None else [group.prober] + (
             [group.packed.prober] if group.packed is not None else [])
         probed = [p for p in probed if p is not None]
-        breaks = next((p.breaks for p in probed if p.breaks is not None), None)
-        if breaks is not None:
-            return (f"its forward runs {breaks}, whose output's shape or value depends on the "
-                    "data: Dynamo breaks the graph there, which it cannot do inside a shared "
-                    "body (UncapturedHigherOrderOpError), so it runs its own forward")
-        if any(p.complex for p in probed):
-            return ("its forward computes with complex tensors (a complex rotary embedding), "
-                    "whose backward torch's invoke_subgraph cannot run in a shared body (no "
-                    "kernel for the Conjugate dispatch key)")
-        if any(p.mutates for p in probed):
-            return ("its forward changes a buffer or an argument in place, which torch's "
-                    "invoke_subgraph refuses in a shared body in training")
+        for key in OWN_FORWARD:
+            detail = next((p.own_forward[key] for p in probed if key in p.own_forward), None)
+            if detail is not None:
+                return "its forward " + own_forward_reason(key, detail)
         # A block that reads its shards packed called the packed bodies, described by their
         # own prober.
         prober = None if group is None else (
@@ -570,6 +562,24 @@ BREAKS_THE_GRAPH = -4
 # dispatch key DispatchKey.Conjugate", plain ``nested_compile_region`` too), so the call runs
 # its block's own forward.
 COMPUTES_COMPLEX = -5
+# The keys of calls that run their block's own forward, in the order an inline reason names them.
+OWN_FORWARD = (BREAKS_THE_GRAPH, COMPUTES_COMPLEX, MUTATES_AN_INPUT)
+
+
+def own_forward_reason(key: int, detail: str) -> str:
+    """Why a call with key ``key`` (one of :data:`OWN_FORWARD`) runs its block's own forward,
+    as a predicate of "a call" or "its forward"; ``detail``: the op it saw, where it names
+    one."""
+    if key == BREAKS_THE_GRAPH:
+        return (f"runs {detail}, at which Dynamo breaks the graph (its output's shape or value "
+                "depends on the data), which it cannot do inside a shared body "
+                "(UncapturedHigherOrderOpError)")
+    if key == COMPUTES_COMPLEX:
+        return (f"computes with complex tensors ({detail}) with gradients, whose backward "
+                "torch's invoke_subgraph cannot run in a shared body (no kernel for the "
+                "Conjugate dispatch key)")
+    return ("changes a buffer or an argument in place, which torch's invoke_subgraph refuses "
+            "in a shared body in training")
 _PROBERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
@@ -761,9 +771,8 @@ class BodyProber:
         self.reads: list[str] = []  # the varying attributes the probes read, in order
         # Packed: the weights some probed call's gradient did not reach (LEAVES_A_WEIGHT).
         self.leaves_weights: set[str] = set()
-        self.mutates = False  # some probed call changed an input in place (MUTATES_AN_INPUT)
-        self.breaks: str | None = None  # the op some probed call breaks the graph at
-        self.complex = False  # some probed call with gradients computes with complex tensors
+        # The OWN_FORWARD keys some probed call got, each with what the first one saw.
+        self.own_forward: dict[int, str] = {}
         if group.varying:
             _record_varying_reads(skeleton, group.varying, self.reads)
 
@@ -796,32 +805,14 @@ class BodyProber:
                 out = torch.func.functional_call(
                     self.skeleton, dict(zip(self.names, (*weights, *buffers))), args, kwargs)
         except _BreaksTheGraph as exc:
-            if self.breaks is None:
-                log.info("shardc: blocks %s ... %s run their own forwards: a call runs %s, at "
-                         "which Dynamo breaks the graph (its output's shape or value depends on "
-                         "the data), which it cannot do inside a shared body",
-                         self.group.members[0], self.group.members[-1], exc.op)
-            self.breaks = exc.op
-            return BREAKS_THE_GRAPH
+            return self._runs_own_forward(BREAKS_THE_GRAPH, exc.op)
         except Exception as exc:  # an op meta tensors do not support: trace every call
             log.debug("shardc: block body probe failed (%s); its calls are traced each", exc)
             return 0
         if desc[1] and (ops.complex or any(t.is_complex() for t in _flat_tensors(out, []))):
-            if not self.complex:
-                log.info("shardc: blocks %s ... %s run their own forwards: a call with "
-                         "gradients computes with complex tensors (%s), whose backward torch's "
-                         "invoke_subgraph cannot run in a shared body (no kernel for the "
-                         "Conjugate dispatch key)", self.group.members[0],
-                         self.group.members[-1], ops.complex or "its output")
-            self.complex = True
-            return COMPUTES_COMPLEX
+            return self._runs_own_forward(COMPUTES_COMPLEX, ops.complex or "its output")
         if any(_torch.tensor_version(t) != v for t, v in zip(given, versions)):
-            if not self.mutates:
-                log.info("shardc: blocks %s ... %s run their own forwards: a call changes a "
-                         "buffer or an argument in place, which a shared body cannot do in "
-                         "training", self.group.members[0], self.group.members[-1])
-            self.mutates = True
-            return MUTATES_AN_INPUT
+            return self._runs_own_forward(MUTATES_AN_INPUT, "")
         if varying and len(self.reads) > read_before:
             read = sorted(set(self.reads[read_before:]))
             self.group.varying_read.update(read)
@@ -844,6 +835,15 @@ class BodyProber:
         # Numbered, not hashed: two descriptions never share a key (a hash could collide), nor
         # do two groups' descriptions (_REUSE_KEYS).
         return next(_REUSE_KEYS)
+
+    def _runs_own_forward(self, key: int, detail: str) -> int:
+        """Record that a call gets ``key`` (one of :data:`OWN_FORWARD`), said once per key."""
+        if key not in self.own_forward:
+            self.own_forward[key] = detail
+            log.info("shardc: blocks %s ... %s run their own forwards: a call %s",
+                     self.group.members[0], self.group.members[-1],
+                     own_forward_reason(key, detail))
+        return key
 
 
 class _BreaksTheGraph(Exception):
@@ -1232,7 +1232,7 @@ def _wrapped_forward(group: BlockGroup, original: Callable) -> Callable:
             source = group
             weights = tuple([_read(self, p) for p in group.weight_paths])
             key = reuse_key(source.prober, self.training, weights, buffers, call, identity)
-        if key in (MUTATES_AN_INPUT, BREAKS_THE_GRAPH, COMPUTES_COMPLEX):
+        if key in OWN_FORWARD:
             return original(self, *args, **kwargs)
         if needs_key and key <= 0:
             if key == READS_VARYING:
