@@ -3,6 +3,7 @@ walking users."""
 
 from __future__ import annotations
 
+import operator
 import re
 import weakref
 from typing import Any
@@ -205,9 +206,17 @@ def op_overload(node: fx.Node) -> _torch.OpOverload | None:
 
 
 def is_view(node: fx.Node) -> bool:
-    """Whether ``node`` calls an aten view op (its output aliases its input)."""
+    """Whether ``node`` calls an aten view op (its output aliases its input), or takes one
+    element of a multi-output view op's list (``split``, ``unbind``: each element aliases the
+    op's input; a packed block's unpack splits its gathered buffer)."""
     op = op_overload(node)
-    return op is not None and op.is_view
+    if op is not None:
+        return op.is_view
+    if node.op == "call_function" and node.target is operator.getitem:
+        source = node.args[0]
+        return isinstance(source, fx.Node) and op_overload(source) is not None \
+            and op_overload(source).is_view
+    return False
 
 
 CASTS = frozenset({torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default})

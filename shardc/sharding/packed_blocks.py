@@ -99,12 +99,26 @@ class PackedLayout:
 
     def unpack(self, gathered: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The full weights from the gathered buffer (``world * numel`` elements). Traced inside
-        a block's body: compiled once per group."""
+        a block's body: compiled once per group.
+
+        One ``split`` of the buffer (alignment gaps included) rather than a slice per weight:
+        its backward is one ``cat`` of the weights' gradients, which Inductor writes slice by
+        slice, where the slices' backwards summed ``world * numel``-element masked terms into
+        one buffer (s73: the largest body kernel of the 1b llama's backward)."""
         by_rank = gathered.view(self.world, self.numel)
-        weights = []
+        sizes, slots, end = [], [], 0
         for e in self.entries:
-            piece = by_rank[:, e.offset:e.offset + e.numel]
-            full = piece.reshape(self.world * e.rows, *e.row_shape)
+            if e.offset > end:
+                sizes.append(e.offset - end)
+            slots.append(len(sizes))
+            sizes.append(e.numel)
+            end = e.offset + e.numel
+        if self.numel > end:
+            sizes.append(self.numel - end)
+        pieces = by_rank.split(sizes, dim=1)
+        weights = []
+        for e, slot in zip(self.entries, slots):
+            full = pieces[slot].reshape(self.world * e.rows, *e.row_shape)
             weights.append(full if full.shape[0] == e.dim0 else full[:e.dim0])
         return tuple(weights)
 
