@@ -1469,3 +1469,85 @@ def test_inlined_blocks_keep_in_place_ops_whose_result_is_unread(packed, once, d
                                        msg=f"step {step}: {name}")
     for name, value in reference.named_parameters():
         torch.testing.assert_close(params[name], value.detach(), rtol=1e-6, atol=1e-7, msg=name)
+
+
+class TokenCountBlock(nn.Module):
+    """Flattens its tokens and views its output by the token count (``2*s`` under dynamic
+    shapes, an expression of the sequence length), as transformers' grouped-MM experts do
+    (``weighted_out.view(num_tokens, num_top_k, hidden_dim)``)."""
+
+    def __init__(self, dim: int = 8, k: int = 2) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(dim, k * dim) * 0.3)
+        self.k = k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.reshape(-1, x.shape[-1])
+        tokens = h.shape[0]
+        return x + torch.tanh(h @ self.w).view(tokens, self.k, -1).sum(1).view(x.shape)
+
+
+class HalvedTokenCountBlock(TokenCountBlock):
+    """Another class: no identical sibling, so it runs inline between the others' body calls."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 0.5 * super().forward(x)
+
+
+def test_a_size_a_body_computes_is_computed_again_by_the_inline_block_that_reads_it(caplog):
+    """Blocks 0 and 2 share a body, block 1 (another class) runs inline between them, and all
+    view by the token count. At the dynamic-shape recompile Dynamo hash-conses sizes by their
+    expression: block 1's token count became an output of block 0's body call, and Inductor
+    holds a size an ``invoke_subgraph`` returns as a ``ShapeAsConstantBuffer``, which its view
+    lowering cannot take (``SympifyError``; transformers' GPT-OSS, s72). The region computes
+    such sizes itself now: Inductor, one rank, two sequence lengths, losses and every gradient
+    as the unsharded eager model's."""
+    from dist_utils import one_rank_mesh
+
+    import shardc
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Module()
+        model.scale = nn.Parameter(torch.ones(8))  # block 0's input needs a gradient: a body
+        model.blocks = nn.ModuleList([TokenCountBlock(), HalvedTokenCountBlock(),
+                                      TokenCountBlock()])
+        return model
+
+    def forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        x = x * model.scale
+        for block in model.blocks:
+            x = block(x)
+        return x.square().mean()
+
+    def train(model: nn.Module, run) -> list[tuple[float, dict]]:
+        g = torch.Generator().manual_seed(1)
+        steps = []
+        for seq in (5, 7):  # the second compiles the region again with a symbolic length
+            loss = run(torch.randn(2, seq, 8, generator=g))
+            loss.backward()
+            steps.append((loss.item(), {
+                n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                for n, p in model.named_parameters()}))
+            model.zero_grad()
+        return steps
+
+    reference = build()
+    want = train(reference, functools.partial(forward, reference))
+    torch._dynamo.reset()
+    with one_rank_mesh() as mesh, caplog.at_level(logging.DEBUG, logger="shardc"):
+        model = shardc.shard(build(), mesh)
+        compiled = torch.compile(functools.partial(forward, model), backend="shardc")
+        got = train(model, compiled)
+        plans = shardc.explain_all(model)
+    torch._dynamo.reset()
+    assert len(plans) == 2, plans  # the static region and the dynamic one
+    for plan in plans:
+        assert [b.module for b in plan.inline_blocks] == ["blocks.1"], plan.inline_blocks
+    # The path under test: the dynamic region read a size from a body's outputs.
+    assert "sizes read from block bodies' outputs computed by the region" in caplog.text
+    for step, ((loss, grads), (ref_loss, ref_grads)) in enumerate(zip(got, want)):
+        assert loss == pytest.approx(ref_loss, rel=1e-6), step
+        for name, ref_grad in ref_grads.items():
+            torch.testing.assert_close(grads[name], ref_grad, rtol=1e-6, atol=1e-7,
+                                       msg=f"step {step}: {name}")

@@ -44,6 +44,7 @@ from shardc.passes.body import (
 )
 from shardc.passes.body_donations import DONATED
 from shardc.passes.body_share import share_equal_bodies
+from shardc.passes.body_sizes import recompute_returned_sizes
 from shardc.passes.body_standin import (
     StandInMismatch,
     restore_body_calls,
@@ -394,6 +395,11 @@ def _prepare_bodies(gm: fx.GraphModule, state: ShardState | None, opts: ShardcOp
     if blocks is None or not blocks.groups and not blocks.fallbacks:
         return
     region.inline_blocks = [(f.module, f.reason) for f in blocks.fallbacks]
+    # Sizes the region reads from a body's outputs (Dynamo hash-conses sizes by expression),
+    # computed by the region itself: Inductor cannot view by a size a body returns.
+    if recompute_returned_sizes(gm):
+        log.debug("shardc: region %d: sizes read from block bodies' outputs computed by the "
+                  "region", region.index)
     found = describe_body_calls(gm, blocks.block_of_param)
     if found and opts.compile_blocks_once and share_equal_bodies([n for n, _ in found]):
         # torch 2.11 under dynamic shapes: equal bodies traced apart, now one (body_share).

@@ -1,0 +1,136 @@
+"""Sizes a block body returns, computed by its caller instead (Dynamo's graph, before the body
+calls are described).
+
+Dynamo lets a ``nested_compile_region`` subgraph have side effects (every shardc body has: it
+swaps its skeleton's parameters) and so returns from it the intermediates its caller might read;
+its last pass over the region's graph (``insert_deferred_runtime_asserts``) then hash-conses
+symbolic sizes by their expression, region-wide: a size the outer graph computes after a body
+call (an inline block's ``x.reshape(-1, d).size(0)``, ``2*s27``) is replaced by the call's output
+of the same expression, which then stays an output of the body. Under Inductor a size that an
+``invoke_subgraph`` call returns is a ``ShapeAsConstantBuffer``, which its ``view`` lowering
+cannot take as a size (``SympifyError``; transformers' GPT-OSS at the dynamic-shape recompile,
+where layer 1, inline, views the MoE's output by the token count that layers 0 and 2's body
+computed: s72). The FX path and plain ``torch.compile`` (no bodies) are exact.
+
+:func:`recompute_returned_sizes` gives each reader of such an output a copy of the body's own
+computation of that size in the outer graph, each body placeholder read as the call's operand
+(Dynamo computes sizes in a subgraph from its size symbols and its placeholders' ``size()``: the
+symbols are the call's ``SymInt`` operands, the placeholders its tensors). The body still returns
+the size, unread by the caller (a body's outputs are one schema for every call of its
+identifier). A size computed otherwise (from an intermediate tensor's size, or a data-dependent
+one) is left read from the body, and logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+
+import torch
+from torch import fx
+
+from shardc.passes.fx_utils import copy_node, is_call, subgraph_module
+
+__all__ = ["recompute_returned_sizes"]
+
+log = logging.getLogger("shardc")
+
+INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
+
+_SIZE_TYPES = (torch.SymInt, torch.SymBool, torch.SymFloat, int, bool, float)
+# Tensor methods that read a size (Dynamo's graph records ``x.size()`` as a ``call_method``).
+_SIZE_METHODS = frozenset({"size", "stride", "numel", "dim", "storage_offset"})
+# The aten forms, in a graph traced further.
+_SIZE_OPS = frozenset({torch.ops.aten.sym_size.int, torch.ops.aten.sym_stride.int,
+                       torch.ops.aten.sym_numel.default, torch.ops.aten.sym_storage_offset.default})
+
+
+def _value(node: fx.Node) -> object:
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def _is_size(value: object) -> bool:
+    """A size, or a ``torch.Size``/tuple of sizes (``x.size()``)."""
+    if isinstance(value, (tuple, list)):
+        return all(isinstance(v, _SIZE_TYPES) for v in value)
+    return isinstance(value, _SIZE_TYPES)
+
+
+def _is_size_op(node: fx.Node) -> bool:
+    """Arithmetic on sizes (``operator``'s functions, ``torch.sym_*``) or a read of a tensor's
+    size, whose value is a size: nothing that depends on a tensor's data."""
+    if not _is_size(_value(node)) or node.meta.get("unbacked_bindings"):
+        return False
+    if node.op == "call_method":
+        return node.target in _SIZE_METHODS
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if target in _SIZE_OPS:
+        return True
+    module = getattr(target, "__module__", None)
+    name = getattr(target, "__name__", "")
+    return module in ("_operator", "operator", "math") or (
+        module is not None and module.startswith("torch") and name.startswith("sym_"))
+
+
+class _Uncopyable(Exception):
+    pass
+
+
+def _copy_size(graph: fx.Graph, node: fx.Node, env: dict[fx.Node, object]) -> object:
+    """``node`` of a body computed in ``graph`` (the caller's), placeholders mapped by ``env``
+    (and the copies made so far); raises :class:`_Uncopyable` for a node that is not size
+    arithmetic on the body's placeholders."""
+    if node in env:
+        return env[node]
+    if node.op == "placeholder" or not _is_size_op(node):
+        raise _Uncopyable(node)
+    for arg in node.all_input_nodes:
+        _copy_size(graph, arg, env)
+    env[node] = copied = copy_node(graph, node, env.__getitem__)
+    return copied
+
+
+def recompute_returned_sizes(root: fx.GraphModule) -> int:
+    """Give every reader of a size that an ``invoke_subgraph`` call of ``root`` (or of a
+    subgraph of it) returns the size computed in the reader's own graph; returns how many
+    outputs' readers were rewired (see the module's docstring)."""
+    rewired = 0
+    for gm in list(root.modules()):
+        if not isinstance(gm, fx.GraphModule):
+            continue
+        changed = False
+        for call in list(gm.graph.nodes):
+            if not is_call(call, INVOKE_SUBGRAPH):
+                continue
+            body = subgraph_module(call)
+            if body is None:
+                continue
+            outputs = body.graph.output_node().args[0]
+            placeholders = body.graph.find_nodes(op="placeholder")
+            operands = dict(zip(placeholders, call.args[2:]))
+            env: dict[fx.Node, object] = dict(operands)
+            for item in list(call.users):
+                if not (is_call(item, operator.getitem) and item.users
+                        and isinstance(_value(item), _SIZE_TYPES)
+                        and isinstance(outputs[item.args[1]], fx.Node)):
+                    continue
+                try:
+                    # Before the call: a copy reads only the call's operands.
+                    with gm.graph.inserting_before(call):
+                        size = _copy_size(gm.graph, outputs[item.args[1]], env)
+                except _Uncopyable as stop:
+                    log.debug("shardc: the size %s that body %s returns stays read from it "
+                              "(computed from %s)", _value(item), call.args[1], stop.args[0])
+                    continue
+                item.replace_all_uses_with(size)
+                gm.graph.erase_node(item)
+                rewired += 1
+                changed = True
+            for node in reversed([c for n, c in env.items() if n not in operands]):
+                if not node.users:  # (what a size left read from the body had copied)
+                    gm.graph.erase_node(node)
+        if changed:
+            gm.recompile()
+    return rewired
