@@ -497,6 +497,11 @@ def _check_packed(world: int, runs: dict[str, dict]) -> None:
     for name, base in (("packed", "fx"), ("packed_bf16", "bf16"), ("packed_blocks", "blocks")):
         if name in runs and base in runs:
             _bitwise(runs[base], runs[name], f"world {world}: {name} vs {base}")
+    if world == 1 and "packed_bf16" in runs:
+        # One rank: each block's gradient is cast to the reduce dtype inside its backward body
+        # (shardc.passes.body_output_casts), with the bits above.
+        notes = [n for notes in runs["packed_bf16"]["notes"] for n in notes]
+        assert any(n.startswith("body output casts") for n in notes), notes
     for name, blocks, backwards in (("packed", 2, STEPS), ("packed_bf16", 2, STEPS),
                                     ("packed_no_sync", 2, 2 * STEPS),
                                     ("packed_blocks", len(STACK), STEPS)):

@@ -76,6 +76,7 @@ from shardc.passes.aliased_saved_values import (
 from shardc.passes.body import BodyCall
 from shardc.passes.body_donations import order_for_body_donations, subgraph_inputs
 from shardc.passes.body_operand_layouts import copy_operands_into_traced_layouts
+from shardc.passes.body_output_casts import body_output_casts_note, cast_body_outputs_inside
 from shardc.passes.dedupe import dedupe_gathers, merge_reduce_scatters
 from shardc.passes.fp8 import Fp8Summary, hoist_fp8_quantize, prepare_fp8
 from shardc.passes.fx_utils import allocate_real, copy_graph_module, is_call
@@ -356,6 +357,10 @@ def lower(fw: fx.GraphModule, bw: fx.GraphModule | None, options: ShardcOptions,
                        one_op_casts=options.one_op_local_casts)
     _note_one_op_casts(fw, bw, plan)
     if bw is not None:
+        # A one-rank group's gradient casts move into the block bodies that compute them
+        # (shardc/passes/body_output_casts.py).
+        if cast_body_outputs_inside(bw):
+            plan.notes.append(body_output_casts_note(bw))
         _order_donations(fw, bw, plan, _donations_on(region))
     return Lowered(fw, bw, plan, pool, fw_params, bw_params, host, by_param)
 
