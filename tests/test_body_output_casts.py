@@ -12,7 +12,11 @@ import torch
 from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from shardc.passes.body_output_casts import body_output_casts_note, cast_body_outputs_inside
+from shardc.passes.body_output_casts import (
+    ONE_RANK_GRAD_CAST,
+    body_output_casts_note,
+    cast_body_outputs_inside,
+)
 
 INVOKE = torch.ops.higher_order.invoke_subgraph
 CAST = torch.ops.prims.convert_element_type.default
@@ -28,10 +32,12 @@ def _body(a: torch.Tensor, b: torch.Tensor):
     return flat, torch.sigmoid(h)
 
 
-def _graph(casts: list[tuple[int, ...]], extra_read: bool = False) -> fx.GraphModule:
+def _graph(casts: list[tuple[int, ...]], extra_read: bool = False, one_rank: bool = True
+           ) -> fx.GraphModule:
     """One call of the body per entry of ``casts`` (the output positions the graph casts to
     float32 and reads only so; the others are read as they are), each call's outputs summed
-    into the graph's result. ``extra_read``: the first call's output 0 is also read uncast."""
+    into the graph's result. ``extra_read``: the first call's output 0 is also read uncast.
+    ``one_rank``: the casts are a one-rank group's gradient casts (lowering's meta)."""
     root = torch.nn.Module()
     a, b = torch.randn(4, 4, dtype=torch.bfloat16), torch.randn(4, 4, dtype=torch.bfloat16)
     root.body = make_fx(_body, tracing_mode="fake")(a, b)
@@ -65,6 +71,7 @@ def _graph(casts: list[tuple[int, ...]], extra_read: bool = False) -> fx.GraphMo
             node.meta["val"] = vals[node.args[1]]
         elif node.target is CAST:
             node.meta["val"] = node.args[0].meta["val"].to(torch.float32)
+            node.meta[ONE_RANK_GRAD_CAST] = one_rank
     return gm
 
 
@@ -115,6 +122,15 @@ def test_an_output_read_uncast_too_keeps_its_body():
     assert cast_body_outputs_inside(gm) == 0
     gm.recompile()
     assert gm.code == before and all(c.args[0].target == "body" for c in _calls(gm))
+
+
+def test_casts_other_than_a_one_rank_gradient_stay_outside():
+    # (Above one rank the FX path casts a gradient before packing it: left where it is.)
+    gm = _graph([(0,), (0,)], one_rank=False)
+    before = gm.code
+    assert cast_body_outputs_inside(gm) == 0
+    gm.recompile()
+    assert gm.code == before
 
 
 def test_the_plan_note_names_the_body_its_calls_and_the_casts():

@@ -34,6 +34,7 @@ from shardc import _torch
 from shardc.ops.gather_args import GatherArgs, ReduceArgs
 from shardc.ops.pool import CAST_INTO_OP, POOL_PACK_OP, POOL_UNPACK_OP, UNPACK_INTO_OP
 from shardc.passes.body import INVOKE_SUBGRAPH
+from shardc.passes.body_output_casts import ONE_RANK_GRAD_CAST
 from shardc.passes.fx_utils import (
     call,
     dtype_itemsize,
@@ -396,7 +397,10 @@ def elide(graph: fx.Graph, c: Collective, g: GraphView, handed: set[fx.Node],
             node = g.reduces[fqn]
             args = ReduceArgs.of(node)
             with graph.inserting_before(node):
-                new = _cast(graph, _cast(graph, args.grad, args.reduce_dtype), args.out_dtype)
+                reduced = _cast(graph, args.grad, args.reduce_dtype)
+                if reduced is not args.grad:  # (may move into the body: body_output_casts)
+                    reduced.meta[ONE_RANK_GRAD_CAST] = True
+                new = _cast(graph, reduced, args.out_dtype)
                 new = _contiguous(graph, new)
                 if view_chain_root(new) is not None or new in handed or any(
                         r.op == "output" for r in view_users(new)[1]):
