@@ -1,0 +1,3 @@
+# s73 call 3 (issue 20, world 1), as one inline command on the warm device: the cast variant at 32
+# layers, one round, with expandable segments (call 2 ran out of memory without them).
+source docs/bench/s61_not_run/prelude.sh; (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONPATH=$PWD/s73v/cast:$PWD timeout 250 torchrun --nproc-per-node 1 benchmarks/step_overhead.py --model 1b --n-layers 32 --batch 4 --modes bound shardc shardc-budget --steps 12 --warmup 3 --rounds 1 --profile-steps 1 --top 24 --out $R --name cast32 > $R/cast32.log 2>&1); echo "cast32 rc=$? $(date +%T)"; grep -E "^\| 1b" $R/cast32.md | head -9; cd $OUT && tar czf call3.tgz r && rm -rf r
