@@ -40,8 +40,9 @@ from shardc.passes.fx_utils import (
     subgraph_module,
 )
 
-__all__ = ["BodyCall", "TraceOnceMismatch", "body_calls", "describe_body_calls",
-           "draws_random_numbers", "flattened", "gather_of", "inline_body_calls",
+__all__ = ["BodyCall", "TraceOnceMismatch", "body_calls", "calls_by_marked_body",
+           "describe_body_calls", "draws_random_numbers", "flattened", "gather_of",
+           "inline_body_calls",
            "input_signature", "is_body_joint", "rewire_saved_inputs", "rewrite_trace_once_calls",
            "tag_weight_recompute", "unique_attr", "weight_derived_outputs"]
 
@@ -385,6 +386,18 @@ def unique_attr(gm: fx.GraphModule, base: str) -> str:
         i += 1
         name = f"{base}_{i}"
     return name
+
+
+def calls_by_marked_body(gm: fx.GraphModule, meta_key: str) -> dict[str, int]:
+    """The bodies of ``gm`` whose module meta has ``meta_key`` (the variants that
+    ``prune_body_outputs`` and ``body_output_casts`` add), each with how many calls run it: what
+    their plan notes count."""
+    calls: dict[str, int] = {}
+    for node in body_calls(gm):
+        target = str(node.args[0].target)
+        if meta_key in getattr(getattr(gm, target), "meta", {}):
+            calls[target] = calls.get(target, 0) + 1
+    return calls
 
 
 def is_body_joint(gm: fx.GraphModule) -> bool:

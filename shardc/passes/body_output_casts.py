@@ -24,7 +24,7 @@ import operator
 import torch
 from torch import fx
 
-from shardc.passes.body import INVOKE_SUBGRAPH, body_calls, unique_attr
+from shardc.passes.body import INVOKE_SUBGRAPH, body_calls, calls_by_marked_body, unique_attr
 from shardc.passes.fx_utils import call, is_call, is_view, lazy_graph_module
 
 __all__ = ["ONE_RANK_GRAD_CAST", "body_output_casts_note", "cast_body_outputs_inside"]
@@ -157,11 +157,7 @@ def _rewire(gm: fx.GraphModule, node: fx.Node, casts: dict[int, fx.Node], attr: 
 
 def body_output_casts_note(gm: fx.GraphModule) -> str | None:
     """The plan's note on ``gm``'s calls of bodies that cast their outputs (None if none)."""
-    calls: dict[str, int] = {}
-    for node in body_calls(gm):
-        target = str(node.args[0].target)
-        if _CASTS_INSIDE in getattr(getattr(gm, target), "meta", {}):
-            calls[target] = calls.get(target, 0) + 1
+    calls = calls_by_marked_body(gm, _CASTS_INSIDE)
     if not calls:
         return None
     parts = []

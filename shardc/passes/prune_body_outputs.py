@@ -23,7 +23,7 @@ import operator
 
 from torch import fx
 
-from shardc.passes.body import INVOKE_SUBGRAPH, body_calls, unique_attr
+from shardc.passes.body import INVOKE_SUBGRAPH, body_calls, calls_by_marked_body, unique_attr
 from shardc.passes.fx_utils import is_call, lazy_graph_module
 
 __all__ = ["pruned_body_note", "prune_unused_body_outputs"]
@@ -90,11 +90,7 @@ def _add_variant(gm: fx.GraphModule, node: fx.Node, used: tuple[int, ...], index
 def pruned_body_note(gm: fx.GraphModule) -> str | None:
     """The plan's note on ``gm``'s calls of pruned bodies (None if it has none): per pruned
     body, how many calls, the outputs and ops kept of the full body's."""
-    calls: dict[str, int] = {}
-    for node in body_calls(gm):
-        target = str(node.args[0].target)
-        if _PRUNED in getattr(getattr(gm, target), "meta", {}):
-            calls[target] = calls.get(target, 0) + 1
+    calls = calls_by_marked_body(gm, _PRUNED)
     if not calls:
         return None
     parts = []
