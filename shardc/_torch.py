@@ -822,6 +822,14 @@ def compiling_backend_marked(marker: str) -> bool:
     return False
 
 
+def dynamo_recompile_limit() -> int:
+    """How many compiled entries Dynamo keeps per code object before it runs the frame
+    eagerly (``recompile_limit``; ``cache_size_limit`` before torch renamed it; 8 by
+    default)."""
+    config = torch._dynamo.config
+    return int(getattr(config, "recompile_limit", getattr(config, "cache_size_limit", 8)))
+
+
 def dynamo_inlines_single_use_subgraphs() -> bool:
     """Whether Dynamo inlines an ``invoke_subgraph`` call whose subgraph has one use (or every
     one) before the backend sees the graph (``inline_single_use_invoke_subgraph``, on by

@@ -9,6 +9,7 @@ import functools
 import logging
 import operator
 import re
+import warnings
 
 import pytest
 import torch
@@ -1349,6 +1350,27 @@ def test_blocks_whose_forward_breaks_the_graph_run_their_own_forwards(caplog, on
     if once:
         assert {b.module for b in inline} == {f"blocks.{i}" for i in range(3)}
         assert all("runs nonzero" in b.reason for b in inline)
+
+
+def test_more_graph_breaking_blocks_than_dynamos_recompile_limit_are_warned_of(caplog):
+    """Dynamo compiles the pieces of a graph-breaking block forward once per block (each
+    block's modules have classes of their own), and past its recompile limit it runs the rest
+    eagerly (s73: transformers' DBRX at 12 layers compiled 4 of its blocks): shardc warns with
+    the limit to set. Training stays equal to the eager reference's."""
+
+    def build() -> nn.Module:
+        return Stack(NonzeroExpertsBlock, n=3)
+
+    with torch._dynamo.config.patch(recompile_limit=2), \
+            pytest.warns(UserWarning, match=r"\(3\) break Dynamo's graph.*recompile limit \(2\)"):
+        losses, ref_losses, params, ref_params, _, _ = _train_sharded_and_eager(build, caplog)
+    assert losses == pytest.approx(ref_losses, rel=1e-6, abs=1e-7)
+    for name, want in ref_params.items():
+        torch.testing.assert_close(params[name], want, rtol=1e-6, atol=1e-7, msg=name)
+    # Within the limit (the default 8 for three blocks): no warning.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*recompile limit.*")
+        _train_sharded_and_eager(build, caplog)
 
 
 class IndexedBlock(nn.Module):

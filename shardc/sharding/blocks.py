@@ -40,6 +40,7 @@ import itertools
 import logging
 import os
 import types
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -843,7 +844,27 @@ class BodyProber:
             log.info("shardc: blocks %s ... %s run their own forwards: a call %s",
                      self.group.members[0], self.group.members[-1],
                      own_forward_reason(key, detail))
+            if key == BREAKS_THE_GRAPH:
+                _warn_recompile_limit(self.group.members)
         return key
+
+
+def _warn_recompile_limit(members: list[str]) -> None:
+    """Warn where Dynamo will stop compiling some of ``members``' forwards: a block whose
+    forward breaks the graph has the functions around the break compiled once per block
+    (shardc gives each block's modules classes of their own, which Dynamo's guards tell apart),
+    and past ``recompile_limit`` entries Dynamo runs the rest eagerly (correct, slower: s73,
+    transformers' DBRX at 12 layers compiled 4 of its blocks;
+    docs/bench/compat_s72/summary.md)."""
+    limit = _torch.dynamo_recompile_limit()
+    if len(members) <= limit:
+        return
+    warnings.warn(
+        f"shardc: blocks {members[0]} ... {members[-1]} ({len(members)}) break Dynamo's graph "
+        f"in their forward, which Dynamo then compiles once per block; past its recompile "
+        f"limit ({limit}) it runs the remaining blocks eagerly. Set "
+        f"torch._dynamo.config.recompile_limit to at least {2 * len(members)} before the first "
+        f"step to compile them all", stacklevel=2)
 
 
 class _BreaksTheGraph(Exception):
