@@ -40,10 +40,10 @@ from shardc.passes.fx_utils import (
     subgraph_module,
 )
 
-__all__ = ["BodyCall", "TraceOnceMismatch", "body_calls", "calls_by_marked_body",
-           "describe_body_calls", "draws_random_numbers", "flattened", "gather_of",
-           "inline_body_calls",
-           "input_signature", "is_body_joint", "rewire_saved_inputs", "rewrite_trace_once_calls",
+__all__ = ["BodyCall", "TraceOnceMismatch", "add_body_variant", "body_calls", "call_body_variant",
+           "calls_by_marked_body", "describe_body_calls", "draws_random_numbers",
+           "drop_body_call", "flattened", "gather_of", "inline_body_calls", "input_signature",
+           "is_body_joint", "rewire_saved_inputs", "rewrite_trace_once_calls",
            "tag_weight_recompute", "unique_attr", "weight_derived_outputs"]
 
 INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
@@ -386,6 +386,40 @@ def unique_attr(gm: fx.GraphModule, base: str) -> str:
         i += 1
         name = f"{base}_{i}"
     return name
+
+
+def add_body_variant(gm: fx.GraphModule, call: fx.Node, graph: fx.Graph, suffix: str,
+                     meta_key: str, meta: object) -> fx.Node:
+    """Register ``graph`` on ``gm`` as a variant of ``call``'s body (its attributes from the
+    body; ``meta_key`` in the module's meta, what :func:`calls_by_marked_body` finds), named
+    ``<body>_<suffix>``, and return a ``get_attr`` of it placed right after the body's."""
+    body = getattr(gm, call.args[0].target)
+    name = unique_attr(gm, f"{call.args[0].target}_{suffix}")
+    variant = lazy_graph_module(body, graph)
+    variant.meta[meta_key] = meta
+    gm.add_submodule(name, variant)
+    with gm.graph.inserting_after(call.args[0]):
+        return gm.graph.get_attr(name)
+
+
+def call_body_variant(gm: fx.GraphModule, call: fx.Node, attr: fx.Node, identifier: str,
+                      val: tuple) -> fx.Node:
+    """A call of the body ``attr`` (identifier ``identifier``, fake outputs ``val``) with
+    ``call``'s operands, placed before ``call``; the caller moves ``call``'s readers to it and
+    then :func:`drop_body_call`."""
+    with gm.graph.inserting_before(call):
+        new = gm.graph.call_function(INVOKE_SUBGRAPH, (attr, identifier, *call.args[2:]))
+    new.meta = {**call.meta, "val": val}
+    return new
+
+
+def drop_body_call(gm: fx.GraphModule, call: fx.Node) -> None:
+    """Erase ``call`` (no readers left), and its body's ``get_attr`` where no call reads it any
+    more (that body is then not compiled)."""
+    attr = call.args[0]
+    gm.graph.erase_node(call)
+    if not attr.users:
+        gm.graph.erase_node(attr)
 
 
 def calls_by_marked_body(gm: fx.GraphModule, meta_key: str) -> dict[str, int]:

@@ -25,8 +25,14 @@ import operator
 import torch
 from torch import fx
 
-from shardc.passes.body import INVOKE_SUBGRAPH, body_calls, calls_by_marked_body, unique_attr
-from shardc.passes.fx_utils import call, is_call, is_view, lazy_graph_module
+from shardc.passes.body import (
+    add_body_variant,
+    body_calls,
+    call_body_variant,
+    calls_by_marked_body,
+    drop_body_call,
+)
+from shardc.passes.fx_utils import call, is_call, is_view
 
 __all__ = ["ONE_RANK_GRAD_CAST", "body_output_casts_note", "cast_body_outputs_inside"]
 
@@ -99,12 +105,8 @@ def _add_variant(gm: fx.GraphModule, node: fx.Node, dtypes: dict[int, torch.dtyp
         out.meta["val"] = tuple(o.meta.get("val") if isinstance(o, fx.Node) else o
                                 for o in outputs)
     graph.eliminate_dead_code()
-    name = unique_attr(gm, f"{node.args[0].target}_cast")
-    variant = lazy_graph_module(body, graph)
-    variant.meta[_CASTS_INSIDE] = (str(node.args[0].target), dict(dtypes))
-    gm.add_submodule(name, variant)
-    with gm.graph.inserting_after(node.args[0]):
-        attr = gm.graph.get_attr(name)
+    attr = add_body_variant(gm, node, graph, "cast", _CASTS_INSIDE,
+                            (str(node.args[0].target), dict(dtypes)))
     return attr, f"{node.args[1]}_cast_{index}"
 
 
@@ -136,12 +138,10 @@ def _retake_view(graph: fx.Graph, view: fx.Node, source: fx.Node) -> fx.Node:
 
 def _rewire(gm: fx.GraphModule, node: fx.Node, casts: dict[int, fx.Node], attr: fx.Node,
             identifier: str) -> None:
-    with gm.graph.inserting_before(node):
-        new = gm.graph.call_function(INVOKE_SUBGRAPH, (attr, identifier, *node.args[2:]))
     vals = list(node.meta["val"])
     for i, cast in casts.items():
         vals[i] = cast.meta["val"]
-    new.meta = {**node.meta, "val": tuple(vals)}
+    new = call_body_variant(gm, node, attr, identifier, tuple(vals))
     for item in list(node.users):
         item.args = (new, item.args[1])
         cast = casts.get(item.args[1])
@@ -149,10 +149,7 @@ def _rewire(gm: fx.GraphModule, node: fx.Node, casts: dict[int, fx.Node], attr: 
             item.meta["val"] = cast.meta["val"]
             cast.replace_all_uses_with(item)
             gm.graph.erase_node(cast)
-    old_attr = node.args[0]
-    gm.graph.erase_node(node)
-    if not old_attr.users:  # every call now runs the variant: the original is not compiled
-        gm.graph.erase_node(old_attr)
+    drop_body_call(gm, node)
 
 
 def body_output_casts_note(gm: fx.GraphModule) -> str | None:

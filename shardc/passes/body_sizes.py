@@ -29,13 +29,12 @@ import operator
 import torch
 from torch import fx
 
+from shardc.passes.body import INVOKE_SUBGRAPH, node_value
 from shardc.passes.fx_utils import copy_node, is_call, subgraph_module
 
 __all__ = ["recompute_returned_sizes"]
 
 log = logging.getLogger("shardc")
-
-INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
 
 _SIZE_TYPES = (torch.SymInt, torch.SymBool, torch.SymFloat, int, bool, float)
 # Tensor methods that read a size (Dynamo's graph records ``x.size()`` as a ``call_method``).
@@ -43,10 +42,6 @@ _SIZE_METHODS = frozenset({"size", "stride", "numel", "dim", "storage_offset"})
 # The aten forms, in a graph traced further.
 _SIZE_OPS = frozenset({torch.ops.aten.sym_size.int, torch.ops.aten.sym_stride.int,
                        torch.ops.aten.sym_numel.default, torch.ops.aten.sym_storage_offset.default})
-
-
-def _value(node: fx.Node) -> object:
-    return node.meta.get("example_value", node.meta.get("val"))
 
 
 def _is_size(value: object) -> bool:
@@ -59,7 +54,7 @@ def _is_size(value: object) -> bool:
 def _is_size_op(node: fx.Node) -> bool:
     """Arithmetic on sizes (``operator``'s functions, ``torch.sym_*``) or a read of a tensor's
     size, whose value is a size: nothing that depends on a tensor's data."""
-    if not _is_size(_value(node)) or node.meta.get("unbacked_bindings"):
+    if not _is_size(node_value(node)) or node.meta.get("unbacked_bindings"):
         return False
     if node.op == "call_method":
         return node.target in _SIZE_METHODS
@@ -113,7 +108,7 @@ def recompute_returned_sizes(root: fx.GraphModule) -> int:
             env: dict[fx.Node, object] = dict(operands)
             for item in list(call.users):
                 if not (is_call(item, operator.getitem) and item.users
-                        and isinstance(_value(item), _SIZE_TYPES)
+                        and isinstance(node_value(item), _SIZE_TYPES)
                         and isinstance(outputs[item.args[1]], fx.Node)):
                     continue
                 try:
@@ -122,7 +117,7 @@ def recompute_returned_sizes(root: fx.GraphModule) -> int:
                         size = _copy_size(gm.graph, outputs[item.args[1]], env)
                 except _Uncopyable as stop:
                     log.debug("shardc: the size %s that body %s returns stays read from it "
-                              "(computed from %s)", _value(item), call.args[1], stop.args[0])
+                              "(computed from %s)", node_value(item), call.args[1], stop.args[0])
                     continue
                 item.replace_all_uses_with(size)
                 gm.graph.erase_node(item)

@@ -212,10 +212,10 @@ def is_view(node: fx.Node) -> bool:
     op = op_overload(node)
     if op is not None:
         return op.is_view
-    if node.op == "call_function" and node.target is operator.getitem:
-        source = node.args[0]
-        return isinstance(source, fx.Node) and op_overload(source) is not None \
-            and op_overload(source).is_view
+    if node.op == "call_function" and node.target is operator.getitem \
+            and isinstance(node.args[0], fx.Node):
+        source = op_overload(node.args[0])
+        return source is not None and source.is_view
     return False
 
 

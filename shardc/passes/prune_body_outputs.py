@@ -23,8 +23,14 @@ import operator
 
 from torch import fx
 
-from shardc.passes.body import INVOKE_SUBGRAPH, body_calls, calls_by_marked_body, unique_attr
-from shardc.passes.fx_utils import is_call, lazy_graph_module
+from shardc.passes.body import (
+    add_body_variant,
+    body_calls,
+    call_body_variant,
+    calls_by_marked_body,
+    drop_body_call,
+)
+from shardc.passes.fx_utils import is_call
 
 __all__ = ["pruned_body_note", "prune_unused_body_outputs"]
 
@@ -77,13 +83,9 @@ def _add_variant(gm: fx.GraphModule, node: fx.Node, used: tuple[int, ...], index
     graph.eliminate_dead_code()
     if _computed(graph) == _computed(body.graph):
         return None
-    name = unique_attr(gm, f"{node.args[0].target}_pruned")
-    pruned = lazy_graph_module(body, graph)
-    pruned.meta[_PRUNED] = (str(node.args[0].target), len(outputs), len(used),
-                            _computed(body.graph), _computed(graph))
-    gm.add_submodule(name, pruned)
-    with gm.graph.inserting_after(node.args[0]):
-        attr = gm.graph.get_attr(name)
+    attr = add_body_variant(gm, node, graph, "pruned", _PRUNED, (
+        str(node.args[0].target), len(outputs), len(used), _computed(body.graph),
+        _computed(graph)))
     return attr, f"{node.args[1]}_pruned_{index}"
 
 
@@ -108,13 +110,9 @@ def _computed(graph: fx.Graph) -> int:
 
 def _rewire(gm: fx.GraphModule, node: fx.Node, used: tuple[int, ...], attr: fx.Node,
             identifier: str) -> None:
-    with gm.graph.inserting_before(node):
-        new = gm.graph.call_function(INVOKE_SUBGRAPH, (attr, identifier, *node.args[2:]))
-    new.meta = {**node.meta, "val": tuple(node.meta["val"][i] for i in used)}
+    new = call_body_variant(gm, node, attr, identifier,
+                            tuple(node.meta["val"][i] for i in used))
     position = {old: i for i, old in enumerate(used)}
     for user in list(node.users):
         user.args = (new, position[user.args[1]])
-    old_attr = node.args[0]
-    gm.graph.erase_node(node)
-    if not old_attr.users:  # every call now runs a pruned copy: the full body is not compiled
-        gm.graph.erase_node(old_attr)
+    drop_body_call(gm, node)
