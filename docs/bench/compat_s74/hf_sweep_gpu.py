@@ -42,7 +42,8 @@ _spec.loader.exec_module(sweep)
 BF16_LOSS_RTOL = 0.05
 
 
-def _run(name: str, kind: str, common: dict, mesh, bf16: bool, device: torch.device) -> str:
+def _run(name: str, kind: str, common: dict, mesh, bf16: bool, device: torch.device,
+         plain: bool = False) -> str:
     import shardc
     from shardc.sharding.packed_blocks import packed_block_names
 
@@ -51,9 +52,12 @@ def _run(name: str, kind: str, common: dict, mesh, bf16: bool, device: torch.dev
     torch._dynamo.reset()
     policy = (shardc.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if bf16 else None)
-    shardc.shard(model, mesh, mp_policy=policy)
-    forward = torch.compile(model, backend=shardc.backend())
-    packed = len(packed_block_names(model))
+    if plain:  # plain torch.compile of the unsharded model: is a mismatch torch's?
+        forward, packed = torch.compile(model), "-"
+    else:
+        shardc.shard(model, mesh, mp_policy=policy)
+        forward = torch.compile(model, backend=shardc.backend())
+        packed = len(packed_block_names(model))
     names = [n for n, _ in reference.named_parameters()]
     ref_params = dict(reference.named_parameters())
     params = dict(model.named_parameters())
@@ -90,7 +94,8 @@ def _run(name: str, kind: str, common: dict, mesh, bf16: bool, device: torch.dev
                 param_diff = max(param_diff, d)
                 if d > worst[1]:
                     worst = (n, d)
-    regions = [(len(p.bodies), len(p.inline_blocks)) for p in shardc.explain_all(forward)]
+    regions = "-" if plain else [(len(p.bodies), len(p.inline_blocks))
+                                 for p in shardc.explain_all(forward)]
     if bf16:
         ok = finite and loss_diff < BF16_LOSS_RTOL and not presence
         line = (f"{name:12s} {kind:5s} {'OK ' if ok else 'BAD'} bf16 loss rel {loss_diff:.1e} "
@@ -109,7 +114,8 @@ def _run(name: str, kind: str, common: dict, mesh, bf16: bool, device: torch.dev
     return line
 
 
-def child(name: str, kinds: list[str], uneven: bool, bf16: bool, port: int, on: str) -> None:
+def child(name: str, kinds: list[str], uneven: bool, bf16: bool, port: int, on: str,
+          plain: bool = False) -> None:
     warnings.filterwarnings("ignore")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cuda = on == "cuda"
@@ -124,7 +130,7 @@ def child(name: str, kinds: list[str], uneven: bool, bf16: bool, port: int, on: 
     for kind in kinds:
         start = time.perf_counter()
         try:
-            line = _run(name, kind, common, mesh, bf16, device)
+            line = _run(name, kind, common, mesh, bf16, device, plain)
         except Exception as exc:  # a probe: report and go on
             line = f"{name:12s} {kind:5s} FAIL {type(exc).__name__}: {str(exc)[:400]}"
             traceback.print_exc(limit=8, file=sys.stderr)
@@ -143,16 +149,23 @@ def main() -> None:
     parser.add_argument("--logs", default=None, help="each family's stderr here")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: a one-rank gloo check of this script itself")
+    parser.add_argument("--plain-compile", action="store_true",
+                        help="no shardc: plain torch.compile (Inductor) of the unsharded model")
+    parser.add_argument("--eager", default="",
+                        help="comma-separated families built with eager attention as well")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("families", nargs="*", default=list(sweep.FAMILIES))
     args = parser.parse_args()
     kinds = args.opt.split(",")
+    sweep.EAGER_ATTENTION = (*sweep.EAGER_ATTENTION, *filter(None, args.eager.split(",")))
     if args.child is not None:
-        child(args.child, kinds, args.uneven, args.bf16, args.port, args.device)
+        child(args.child, kinds, args.uneven, args.bf16, args.port, args.device,
+              args.plain_compile)
         return
     import transformers
 
-    flags = f"{'bf16 ' if args.bf16 else ''}{'uneven ' if args.uneven else ''}"
+    flags = (f"{'bf16 ' if args.bf16 else ''}{'uneven ' if args.uneven else ''}"
+             f"{'plain-compile ' if args.plain_compile else ''}")
     print(f"# world 1 {args.device} {flags}"
           f"packed torch {torch.__version__} transformers {transformers.__version__} "
           f"{torch.cuda.get_device_name(0) if args.device == 'cuda' else 'cpu'}", flush=True)
@@ -165,8 +178,9 @@ def main() -> None:
         while pending and len(running) < args.jobs:
             i, name = pending.pop(0)
             cmd = [sys.executable, __file__, "--child", name, "--opt", args.opt,
-                   "--port", str(args.port + i), "--device", args.device,
-                   *(["--bf16"] if args.bf16 else []), *(["--uneven"] if args.uneven else [])]
+                   "--port", str(args.port + i), "--device", args.device, "--eager", args.eager,
+                   *(["--bf16"] if args.bf16 else []), *(["--uneven"] if args.uneven else []),
+                   *(["--plain-compile"] if args.plain_compile else [])]
             err = open(logs / f"{name}.log", "w") if logs else subprocess.DEVNULL
             running.append((name, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err,
                                                    text=True), time.monotonic()))
