@@ -203,6 +203,8 @@ class PackedBlock:
                         DTensor.from_local(view, p.device_mesh, p.placements, run_check=False,
                                            shape=p.shape, stride=p.stride()),
                         requires_grad=p.requires_grad))
+                # An instance attribute, which copy.deepcopy looks up before the class's.
+                p.__dict__["__deepcopy__"] = RefuseDeepcopy(f"{self.fqn}.{e.name}")
         self.buffer = buffer
         leaf = buffer.detach().requires_grad_(True)
         leaf.register_post_accumulate_grad_hook(self._hand_off)
@@ -249,6 +251,27 @@ class PackedBlock:
                 continue
             give_grad(param, grad[e.offset:e.offset + local.numel()].view(local.shape))
         self._packed.handed += 1
+
+
+class RefuseDeepcopy:
+    """A packed parameter's ``__deepcopy__``: refused, naming the parameter. torch's
+    ``Tensor.__deepcopy__`` takes the DTensor wrapper, which carries its view's storage offset
+    (a nonzero ``data_ptr()`` without storage of its own), for a tensor with storage and fails
+    ("Attempted to call copy_() on an invalid python storage"); and a copy would not be packed
+    (its parameters' own storages beside a copy of the buffer its forwards read). A class, not
+    a closure: a pickled parameter pickles its ``__dict__``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, memo) -> None:
+        raise RuntimeError(
+            f"shardc: copy.deepcopy of parameter {self.name!r}, whose shard lives in its "
+            "block's packed buffer (shardc.shard's pack_blocks, on by default), is not "
+            "supported (copy.deepcopy of the model, torch.optim.swa_utils.AveragedModel). "
+            "Deepcopy the model before shardc.shard and shard the copy too, or build and "
+            "shard a second model and load_state_dict() into it; copy.deepcopy(model."
+            "state_dict()) works.")
 
 
 def _state_dict_hook(names: tuple[str, ...]):
