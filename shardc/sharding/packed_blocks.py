@@ -28,7 +28,8 @@ alone, or a parameter replaced (``register_parameter``, ``load_state_dict(assign
 drops the block's packed read (the block reads its parameters one by one from then on, so a
 replaced one gets shardc's usual "replaced after sharding" error); anything else that gives a
 parameter new storage (``param.data = ...``) is found by the gradient hand-off, which raises
-naming the parameter.
+naming the parameter. ``copy.deepcopy`` of a packed parameter (of the model:
+``torch.optim.swa_utils.AveragedModel``) is refused, naming it (:class:`RefuseDeepcopy`).
 """
 
 from __future__ import annotations
