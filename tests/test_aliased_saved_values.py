@@ -269,3 +269,47 @@ def test_an_output_viewing_an_operand_is_read_as_that_view_of_the_operand():
     assert base is doubled and [v.target for v in views] == [aten.view.default]
     for got, want in zip(gm(*args), expected, strict=True):
         assert torch.equal(got, want)
+
+
+def _value_and_flat_view(x: torch.Tensor, w: torch.Tensor):
+    base = x + w  # [n, 6]
+    return base, base.view(base.shape[0] * 6), base.sum()
+
+
+def test_a_saved_view_with_a_symbolic_size_is_read_through_that_output():
+    """Under dynamic shapes the view reads a size node of the body (``view(base, [6*s0])``);
+    the caller replays it with the size computed from its own symbol placeholder. Without
+    that (torch 2.11, a dynamic-shape recompile) Inductor computed the outer graph's sum in
+    place in output 0's buffer while output 1, a view of it, was still saved for the
+    backward: the last sunk block's weight gradient came out wrong."""
+    body = make_fx(_value_and_flat_view, tracing_mode="symbolic")(
+        torch.randn(4, 6), torch.randn(4, 6))
+    x_val = body.graph.find_nodes(op="placeholder")[0].meta["val"]
+    mode, rows = x_val.fake_mode, x_val.shape[0]
+    root = torch.nn.Module()
+    root.body = body
+    g = fx.Graph()
+    n, x, w = g.placeholder("n"), g.placeholder("x"), g.placeholder("w")
+    call = g.call_function(INVOKE, (g.get_attr("body"), "body_id", x, w))
+    value = g.call_function(operator.getitem, (call, 0))
+    view = g.call_function(operator.getitem, (call, 1))
+    g.output((g.call_function(aten.mul.Tensor, (value, 2.0)), view))
+    with mode:
+        x_fake, value_fake = torch.empty(rows, 6), torch.empty(rows, 6)
+        view_fake = torch.empty(rows * 6)
+    n.meta["val"] = rows
+    x.meta["val"], w.meta["val"] = x_fake, torch.empty_like(x_fake)
+    value.meta["val"], view.meta["val"] = value_fake, view_fake
+    gm = fx.GraphModule(root, g)
+    args = 5, torch.randn(5, 6), torch.randn(5, 6)
+    expected = gm(*args)
+    assert read_body_views_through_their_base(gm) == 1
+    (call,) = body_calls(gm)
+    assert [u.args[1] for u in call.users] == [0]  # one name for the storage
+    saved = next(iter(gm.graph.find_nodes(op="output"))).args[0][1]
+    base, views = view_path(saved, symbolic=True)
+    assert base.args[1] == 0 and [v.target for v in views] == [aten.view.default]
+    (size,) = [a for a in views[0].all_input_nodes if a is not base]
+    assert size.target is operator.mul and set(size.args) == {n, 6}
+    for got, want in zip(gm(*args), expected, strict=True):
+        assert torch.equal(got, want)

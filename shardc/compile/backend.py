@@ -40,6 +40,7 @@ from shardc.passes.body import (
     is_body_joint,
     rewire_saved_inputs,
     rewrite_trace_once_calls,
+    tag_lazy_bit_views_recompute,
     tag_weight_recompute,
 )
 from shardc.passes.body_donations import DONATED
@@ -168,6 +169,7 @@ class ShardcPartitioner(_torch.custom_partitioner_base()):
         elif self.region.body_calls:
             log.warning("shardc: a body's joint graph matches no body call of region %d; its "
                         "weights are not identified", self.region.index)
+        tag_lazy_bit_views_recompute(gm)
         return _torch.min_cut_partition(gm, joint_inputs, **kwargs)
 
     def plan_inference(self, gm: fx.GraphModule) -> fx.GraphModule:

@@ -77,6 +77,7 @@ from shardc.passes.body import BodyCall
 from shardc.passes.body_donations import order_for_body_donations, subgraph_inputs
 from shardc.passes.body_operand_layouts import copy_operands_into_traced_layouts
 from shardc.passes.body_output_casts import body_output_casts_note, cast_body_outputs_inside
+from shardc.passes.body_sizes import recompute_returned_sizes
 from shardc.passes.dedupe import dedupe_gathers, merge_reduce_scatters
 from shardc.passes.fp8 import Fp8Summary, hoist_fp8_quantize, prepare_fp8
 from shardc.passes.fx_utils import allocate_real, copy_graph_module, is_call
@@ -330,6 +331,11 @@ def lower(fw: fx.GraphModule, bw: fx.GraphModule | None, options: ShardcOptions,
     the prediction reads of the optimizer's placement)."""
     hoist_fp8_quantize(fw)
     hoist_fp8_quantize(bw)
+    # AOTAutograd's trace reads a size from a body call's output where the call produced its
+    # expression first; Inductor cannot take such an output as a size (shardc/passes/body_sizes).
+    for gm in (fw, bw):
+        if gm is not None:
+            recompute_returned_sizes(gm)
     with progress.stage(region.index, "planning"):
         plan = plan_within_budget(fw, bw, options, region)
     if region.fp8 is not None:

@@ -49,9 +49,11 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 
+import torch
 from torch import fx
 
-from shardc.passes.body import INVOKE_SUBGRAPH
+from shardc.passes.body import INVOKE_SUBGRAPH, node_value
+from shardc.passes.body_sizes import SizeBuilder
 from shardc.passes.fx_utils import call, is_call, is_view, static_layout
 from shardc.passes.saved_order import saved_inputs
 
@@ -59,13 +61,20 @@ __all__ = ["derived_saved_values", "read_body_views_through_their_base",
            "save_one_view_per_storage", "view_path"]
 
 
-def view_path(node: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
+def view_path(node: fx.Node, symbolic: bool = False) -> tuple[fx.Node, list[fx.Node]]:
     """``(base, views)``: the node ``node`` is a chain of single-input aten views of, and those
-    views from the base's side to ``node`` (empty if ``node`` is no view)."""
+    views from the base's side to ``node`` (empty if ``node`` is no view). ``symbolic``: a view
+    may also read size nodes (``view(x, [2*s0, d])`` under dynamic shapes), its input being the
+    one tensor among its inputs."""
     views = []
-    while isinstance(node, fx.Node) and is_view(node) and len(node.all_input_nodes) == 1:
+    while isinstance(node, fx.Node) and is_view(node):
+        inputs = node.all_input_nodes
+        if symbolic:
+            inputs = [i for i in inputs if not isinstance(node_value(i), torch.SymInt)]
+        if len(inputs) != 1 or inputs[0] is not node.args[0]:
+            break
         views.append(node)
-        node = node.all_input_nodes[0]
+        node = inputs[0]
     return node, views[::-1]
 
 
@@ -74,14 +83,39 @@ def _layout(node: fx.Node) -> tuple | None:
     return static_layout(val)
 
 
-def _replayable(views: Sequence[fx.Node]) -> bool:
-    """Whether each view's arguments other than its input are constants (no symbolic sizes)."""
+def _replayable(views: Sequence[fx.Node], sizes: SizeBuilder | None = None) -> bool:
+    """Whether each view's arguments other than its input are constants, or (``sizes``)
+    symbolic sizes that ``sizes`` computes in the graph the views are replayed in."""
     for view in views:
         found: list[fx.Node] = []
         fx.node.map_arg((view.args[1:], view.kwargs), found.append)
-        if found:
+        if any(sizes is None or not sizes.can_build(node_value(n)) for n in found):
             return False
     return True
+
+
+def _symbolic_layout(value: object) -> tuple | None:
+    """:func:`static_layout` with symbolic sizes too, each as its expression: compared as
+    expressions, never evaluated (that would add guards after the trace); two layouts whose
+    expressions differ in form but not in value compare unequal, which only leaves a view
+    alone."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    items = []
+    for i in (*value.shape, *value.stride(), value.storage_offset()):
+        if isinstance(i, torch.SymInt):
+            items.append(i.node.expr)
+        elif type(i) is int:
+            items.append(i)
+        else:
+            return None
+    rank = value.dim()
+    return (tuple(items[:rank]), tuple(items[rank:2 * rank]), items[-1], value.dtype,
+            value.device)
+
+
+def _any_layout(node: fx.Node) -> tuple | None:
+    return _symbolic_layout(node.meta.get("val"))
 
 
 def _origin(node: fx.Node, fw: fx.GraphModule, bodies: dict
@@ -216,6 +250,7 @@ def read_body_views_through_their_base(gm: fx.GraphModule) -> int:
     (``shardc.passes.repeated_body_outputs``). Deterministic: the graph alone decides."""
     bodies: dict[str, tuple[Sequence, list[fx.Node]]] = {}
     changed = 0
+    sizes = SizeBuilder(gm)
     for call_node in [n for n in gm.graph.nodes if is_call(n, INVOKE_SUBGRAPH)]:
         target = call_node.args[0].target
         if target not in bodies:
@@ -223,45 +258,46 @@ def read_body_views_through_their_base(gm: fx.GraphModule) -> int:
             bodies[target] = (next(iter(body.graph.find_nodes(op="output"))).args[0],
                               list(body.graph.find_nodes(op="placeholder")))
         outputs, placeholders = bodies[target]
-        changed += _read_views_of_call(gm.graph, call_node, outputs, placeholders)
+        changed += _read_views_of_call(gm.graph, call_node, outputs, placeholders, sizes)
     if changed:
         gm.recompile()
     return changed
 
 
 def _read_views_of_call(graph: fx.Graph, call_node: fx.Node, outputs: Sequence,
-                        placeholders: list[fx.Node]) -> int:
+                        placeholders: list[fx.Node], sizes: SizeBuilder) -> int:
     """:func:`read_body_views_through_their_base` for one call, whose body returns ``outputs``
     and takes ``placeholders``."""
     groups: dict[fx.Node, list[tuple[fx.Node, list[fx.Node]]]] = {}
     for item in list(call_node.users):
         if not is_call(item, operator.getitem) or not isinstance(outputs[item.args[1]], fx.Node):
             continue
-        inner, views = view_path(outputs[item.args[1]])
+        inner, views = view_path(outputs[item.args[1]], symbolic=True)
         groups.setdefault(inner, []).append((item, views))
     operands = list(call_node.args[2:])
     position = {p: i for i, p in enumerate(placeholders)} \
         if len(placeholders) == len(operands) else {}
     changed = 0
     for inner, members in groups.items():
-        layout = _layout(inner)
+        layout = _any_layout(inner)
         if inner in position and isinstance(operands[position[inner]], fx.Node):
             # An operand passed through (viewed or not): the caller holds it already.
             base, anchor = operands[position[inner]], call_node
-            if layout is None or _layout(base) != layout:
+            if layout is None or _any_layout(base) != layout:
                 continue
-            derived = [(item, views) for item, views in members if _replayable(views)]
+            derived = [(item, views) for item, views in members if _replayable(views, sizes)]
         else:
             base = next((item for item, views in members
-                         if not views and layout is not None and _layout(item) == layout), None)
+                         if not views and layout is not None and _any_layout(item) == layout),
+                        None)
             derived = [(item, views) for item, views in members
-                       if item is not base and views and _replayable(views)]
+                       if item is not base and views and _replayable(views, sizes)]
             if base is None or not derived:
                 continue
             call_node.append(base)  # (a getitem of the call: valid anywhere after it)
             anchor = base
         for item, views in derived:
-            node = _replay_after(graph, anchor, base, views, _layout(item))
+            node = _replay_after(graph, anchor, base, views, _any_layout(item), sizes)
             if node is None:
                 continue
             if node is not base:
@@ -274,15 +310,19 @@ def _read_views_of_call(graph: fx.Graph, call_node: fx.Node, outputs: Sequence,
 
 
 def _replay_after(graph: fx.Graph, anchor: fx.Node, base: fx.Node, views: Sequence[fx.Node],
-                  layout: tuple | None) -> fx.Node | None:
-    """``views`` applied to ``base`` right after ``anchor`` (``base`` itself for none); None,
-    with nothing left inserted, unless the result is laid out as ``layout`` (static)."""
-    node, inserted = base, []
+                  layout: tuple | None, sizes: SizeBuilder) -> fx.Node | None:
+    """``views`` applied to ``base`` right after ``anchor`` (``base`` itself for none), their
+    symbolic sizes computed by ``sizes`` from this graph's own symbols (a body's size nodes are
+    not this graph's); None, with nothing left inserted, unless the result is laid out as
+    ``layout``."""
+    node, before = base, set(graph.nodes)  # (what is new is removed again on a mismatch)
     with graph.inserting_before(anchor.next):  # (in order, unlike inserting_after)
         for view in views:
-            node = call(graph, view.target, (node, *view.args[1:]), dict(view.kwargs))
-            inserted.append(node)
-    if layout is None or _layout(node) != layout:
+            args = fx.node.map_arg(view.args[1:], lambda n: sizes.build(node_value(n)))
+            kwargs = fx.node.map_arg(dict(view.kwargs), lambda n: sizes.build(node_value(n)))
+            node = call(graph, view.target, (node, *args), kwargs)
+    inserted = [n for n in graph.nodes if n not in before]
+    if layout is None or _any_layout(node) != layout:
         for n in reversed(inserted):
             graph.erase_node(n)
         return None

@@ -467,6 +467,27 @@ def tag_weight_recompute(gm: fx.GraphModule, weights: set[int]) -> int:
     return tagged
 
 
+def tag_lazy_bit_views_recompute(gm: fx.GraphModule) -> int:
+    """In a body's joint graph, tag must-recompute the nodes whose value is a view with
+    PyTorch's lazy conjugate or negative bit (``aten._conj``, ``aten._neg_view``: the backward
+    of a product of complex tensors, e.g. rotary embeddings through ``view_as_complex``); returns
+    how many were tagged.
+
+    Saved, such a view would be an output of the forward body and an operand of the backward
+    body's call, and torch 2.11's ``invoke_subgraph`` has no kernel for the Conjugate and
+    Negative dispatch keys ("could not find kernel ... at dispatch key DispatchKey.Conjugate").
+    torch's partitioner then saves the view's source and computes the view in the backward."""
+    tagged = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or "recompute" in node.meta:
+            continue
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor) and (value.is_conj() or value.is_neg()):
+            recompute_tag(node, CheckpointPolicy.MUST_RECOMPUTE)
+            tagged += 1
+    return tagged
+
+
 def _body_output_sources(gm: fx.GraphModule, node: fx.Node) -> list[object]:
     """For each output of the call ``node``: the placeholder index it returns unchanged, or the
     output node itself."""

@@ -1,5 +1,6 @@
-"""Sizes a block body returns, computed by its caller instead (Dynamo's graph, before the body
-calls are described).
+"""Sizes a block body returns, computed by its caller instead: in Dynamo's graph, before the body
+calls are described, and again in the partitioned graphs that Inductor compiles (AOTAutograd's
+trace maps a size to the node that produced its expression first, a body call's output again).
 
 Dynamo lets a ``nested_compile_region`` subgraph have side effects (every shardc body has: it
 swaps its skeleton's parameters) and so returns from it the intermediates its caller might read;
@@ -15,24 +16,30 @@ computed: s72). The FX path and plain ``torch.compile`` (no bodies) are exact.
 :func:`recompute_returned_sizes` gives each reader of such an output a copy of the body's own
 computation of that size in the outer graph, each body placeholder read as the call's operand
 (Dynamo computes sizes in a subgraph from its size symbols and its placeholders' ``size()``: the
-symbols are the call's ``SymInt`` operands, the placeholders its tensors). The body still returns
-the size, unread by the caller (a body's outputs are one schema for every call of its
-identifier). A size computed otherwise (from an intermediate tensor's size, or a data-dependent
-one) is left read from the body, and logged.
+symbols are the call's ``SymInt`` operands, the placeholders its tensors). A size the body
+computes from an intermediate tensor's size (``x.reshape(-1, d).size(0)``: llama4_text's router
+on torch 2.11, ``full_like(router_logits)`` in the inline layer) is built instead from its
+symbolic expression (``2*s27``) over the caller's own ``SymInt`` placeholders, which Dynamo lifts
+for every size symbol its graph uses. The body still returns the size, unread by the caller (a
+body's outputs are one schema for every call of its identifier). A size neither way reaches (a
+data-dependent one, a symbol the caller has no placeholder for, an operation other than integer
+arithmetic) is left read from the body, and logged.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 
+import sympy
 import torch
 from torch import fx
 
 from shardc.passes.body import INVOKE_SUBGRAPH, node_value
 from shardc.passes.fx_utils import copy_node, is_call, subgraph_module
 
-__all__ = ["recompute_returned_sizes"]
+__all__ = ["SizeBuilder", "recompute_returned_sizes"]
 
 log = logging.getLogger("shardc")
 
@@ -87,6 +94,96 @@ def _copy_size(graph: fx.Graph, node: fx.Node, env: dict[fx.Node, object]) -> ob
     return copied
 
 
+# Integer operations of a size expression (torch's sympy functions, by name: their module is
+# private) and the Python operator each is computed with.
+_EXPR_OPS = {"FloorDiv": operator.floordiv, "PythonMod": operator.mod, "Mod": operator.mod}
+
+
+def _symbol_sources(gm: fx.GraphModule) -> dict[sympy.Symbol, fx.Node]:
+    """Each size symbol of ``gm`` by the ``SymInt`` placeholder that carries it."""
+    sources: dict[sympy.Symbol, fx.Node] = {}
+    for node in gm.graph.find_nodes(op="placeholder"):
+        value = node_value(node)
+        if isinstance(value, torch.SymInt) and isinstance(value.node.expr, sympy.Symbol):
+            sources.setdefault(value.node.expr, node)
+    return sources
+
+
+def _emit(graph: fx.Graph, op, args: list) -> fx.Node:
+    node = graph.call_function(op, tuple(args))
+    value = op(*(node_value(a) for a in args))
+    # Dynamo's graph records "example_value", AOTAutograd's "val": both, for either graph.
+    node.meta["example_value"] = node.meta["val"] = value
+    return node
+
+
+def _expr_op(expr: sympy.Expr, sources: dict[sympy.Symbol, fx.Node]):
+    """How ``expr``'s node is computed: ``None`` for a leaf (an integer, a symbol of
+    ``sources``), else the operator that folds its arguments; raises :class:`_Uncopyable` for a
+    symbol without a placeholder or an operation that is not integer arithmetic."""
+    if expr.is_Integer:
+        return None
+    if expr.is_Symbol:
+        if expr not in sources:
+            raise _Uncopyable(expr)
+        return None
+    if isinstance(expr, sympy.Add):
+        return operator.add
+    if isinstance(expr, sympy.Mul):
+        return operator.mul
+    op = _EXPR_OPS.get(type(expr).__name__)
+    if op is None or len(expr.args) != 2:
+        raise _Uncopyable(expr)
+    return op
+
+
+def _check_expr(expr: sympy.Expr, sources: dict[sympy.Symbol, fx.Node]) -> None:
+    _expr_op(expr, sources)
+    for arg in expr.args:
+        _check_expr(arg, sources)
+
+
+def _build_expr(graph: fx.Graph, expr: sympy.Expr, sources: dict[sympy.Symbol, fx.Node]
+                ) -> object:
+    """``expr`` (a size's symbolic expression, :func:`_check_expr`'d) computed in ``graph``
+    from the placeholders of ``sources``."""
+    op = _expr_op(expr, sources)
+    if op is None:
+        return int(expr) if expr.is_Integer else sources[expr]
+    args = [_build_expr(graph, a, sources) for a in expr.args]
+    return functools.reduce(lambda a, b: _emit(graph, op, [a, b]), args)
+
+
+class SizeBuilder:
+    """Sizes computed in ``gm`` from its own ``SymInt`` placeholders (the symbols Dynamo and
+    AOTAutograd lift as graph inputs): for a size a body call returns, or a view's size that a
+    caller replays (``shardc.passes.aliased_saved_values``)."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self.graph = gm.graph
+        self.sources = _symbol_sources(gm)
+
+    def can_build(self, value: object) -> bool:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return True
+        if not isinstance(value, torch.SymInt):
+            return False
+        try:
+            _check_expr(value.node.expr, self.sources)
+        except _Uncopyable:
+            return False
+        return True
+
+    def build(self, value: object) -> object:
+        """``value`` computed at the graph's insertion point (an int as it is); raises
+        :class:`_Uncopyable` where :meth:`can_build` is False, before inserting anything."""
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if not self.can_build(value):
+            raise _Uncopyable(value)
+        return _build_expr(self.graph, value.node.expr, self.sources)
+
+
 def recompute_returned_sizes(root: fx.GraphModule) -> int:
     """Give every reader of a size that an ``invoke_subgraph`` call of ``root`` (or of a
     subgraph of it) returns the size computed in the reader's own graph; returns how many
@@ -96,6 +193,7 @@ def recompute_returned_sizes(root: fx.GraphModule) -> int:
         if not isinstance(gm, fx.GraphModule):
             continue
         changed = False
+        sizes = SizeBuilder(gm)
         for call in list(gm.graph.nodes):
             if not is_call(call, INVOKE_SUBGRAPH):
                 continue
@@ -111,14 +209,20 @@ def recompute_returned_sizes(root: fx.GraphModule) -> int:
                         and isinstance(node_value(item), _SIZE_TYPES)
                         and isinstance(outputs[item.args[1]], fx.Node)):
                     continue
-                try:
-                    # Before the call: a copy reads only the call's operands.
-                    with gm.graph.inserting_before(call):
+                # Before the call: a copy reads only the call's operands and placeholders.
+                with gm.graph.inserting_before(call):
+                    try:
                         size = _copy_size(gm.graph, outputs[item.args[1]], env)
-                except _Uncopyable as stop:
-                    log.debug("shardc: the size %s that body %s returns stays read from it "
-                              "(computed from %s)", node_value(item), call.args[1], stop.args[0])
-                    continue
+                    except _Uncopyable as stop:
+                        try:  # a symbolic size: from the caller's symbols (an int: as it is)
+                            if not isinstance(node_value(item), torch.SymInt):
+                                raise _Uncopyable(item)
+                            size = sizes.build(node_value(item))
+                        except _Uncopyable:
+                            log.debug("shardc: the size %s that body %s returns stays read from "
+                                      "it (computed from %s)", node_value(item), call.args[1],
+                                      stop.args[0])
+                            continue
                 item.replace_all_uses_with(size)
                 gm.graph.erase_node(item)
                 rewired += 1
