@@ -245,9 +245,12 @@ def read_body_views_through_their_base(gm: fx.GraphModule) -> int:
     layout), as those views applied to that output; and each output that is an operand of the
     call passed through, or a chain of views of one, as those views applied to the operand
     (module docstring). Returns how many outputs were rewritten. An output laid out as the
-    value moves to right after the call and the views follow it. Left as they are: groups
-    without such an output, views with symbolic sizes, and the same body node at two positions
-    (``shardc.passes.repeated_body_outputs``). Deterministic: the graph alone decides."""
+    value moves to right after the call and the views follow it; a view's symbolic sizes (a
+    dynamic-shape trace's ``view(x, [2*s0, d])``) are computed from this graph's own size
+    symbols (:class:`~shardc.passes.body_sizes.SizeBuilder`), layouts compared as expressions.
+    Left as they are: groups without such an output, views whose sizes this graph cannot build,
+    and the same body node at two positions (``shardc.passes.repeated_body_outputs``).
+    Deterministic: the graph alone decides."""
     bodies: dict[str, tuple[Sequence, list[fx.Node]]] = {}
     changed = 0
     sizes = SizeBuilder(gm)
