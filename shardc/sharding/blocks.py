@@ -1078,6 +1078,14 @@ def _trace_once_first(slot: int, kind: int, outputs: tuple, grad: bool) -> bool:
 
 
 @torch.compiler.assume_constant_result
+def _broke_the_graph(uid: int) -> bool:
+    """Whether a probed call of prober ``uid``'s blocks broke Dynamo's graph (run at trace
+    time: only ``uid`` is guarded)."""
+    prober = _PROBERS.get(uid)
+    return prober is not None and BREAKS_THE_GRAPH in prober.own_forward
+
+
+@torch.compiler.assume_constant_result
 def _trace_once_kind(slot: int) -> int:
     return _SLOT_KIND[slot]
 
@@ -1254,6 +1262,11 @@ def _wrapped_forward(group: BlockGroup, original: Callable) -> Callable:
             weights = tuple([_read(self, p) for p in group.weight_paths])
             key = reuse_key(source.prober, self.training, weights, buffers, call, identity)
         if key in OWN_FORWARD:
+            return original(self, *args, **kwargs)
+        if key <= 0 and source.prober is not None and _broke_the_graph(source.prober.uid):
+            # Not probed (no static description: torch 2.11 under dynamic shapes) where probed
+            # calls broke Dynamo's graph: a body would fail at the same op inside it
+            # (UncapturedHigherOrderOpError; transformers' DBRX at its recompile).
             return original(self, *args, **kwargs)
         if needs_key and key <= 0:
             if key == READS_VARYING:
