@@ -318,15 +318,14 @@ def _replay_after(graph: fx.Graph, anchor: fx.Node, base: fx.Node, views: Sequen
     symbolic sizes computed by ``sizes`` from this graph's own symbols (a body's size nodes are
     not this graph's); None, with nothing left inserted, unless the result is laid out as
     ``layout``."""
-    node, before = base, set(graph.nodes)  # (what is new is removed again on a mismatch)
-    with graph.inserting_before(anchor.next):  # (in order, unlike inserting_after)
+    node, stop = base, anchor.next
+    with graph.inserting_before(stop):  # (in order, unlike inserting_after)
         for view in views:
             args = fx.node.map_arg(view.args[1:], lambda n: sizes.build(node_value(n)))
             kwargs = fx.node.map_arg(dict(view.kwargs), lambda n: sizes.build(node_value(n)))
             node = call(graph, view.target, (node, *args), kwargs)
-    inserted = [n for n in graph.nodes if n not in before]
     if layout is None or _any_layout(node) != layout:
-        for n in reversed(inserted):
-            graph.erase_node(n)
+        while anchor.next is not stop:  # the views and their sizes, all inserted here
+            graph.erase_node(stop.prev)
         return None
     return node

@@ -184,6 +184,20 @@ class SizeBuilder:
         return _build_expr(self.graph, value.node.expr, self.sources)
 
 
+def _size_in_caller(graph: fx.Graph, computed: fx.Node, env: dict[fx.Node, object],
+                    value: object, sizes: SizeBuilder) -> object | None:
+    """The size ``value`` that a body computes as ``computed``, in the caller's ``graph`` at its
+    insertion point: a copy of the body's arithmetic on the call's operands, else (a symbolic
+    size) built from the caller's size symbols; None where neither reaches it."""
+    try:
+        return _copy_size(graph, computed, env)
+    except _Uncopyable:
+        pass
+    if isinstance(value, torch.SymInt) and sizes.can_build(value):
+        return sizes.build(value)
+    return None
+
+
 def recompute_returned_sizes(root: fx.GraphModule) -> int:
     """Give every reader of a size that an ``invoke_subgraph`` call of ``root`` (or of a
     subgraph of it) returns the size computed in the reader's own graph; returns how many
@@ -211,18 +225,12 @@ def recompute_returned_sizes(root: fx.GraphModule) -> int:
                     continue
                 # Before the call: a copy reads only the call's operands and placeholders.
                 with gm.graph.inserting_before(call):
-                    try:
-                        size = _copy_size(gm.graph, outputs[item.args[1]], env)
-                    except _Uncopyable as stop:
-                        try:  # a symbolic size: from the caller's symbols (an int: as it is)
-                            if not isinstance(node_value(item), torch.SymInt):
-                                raise _Uncopyable(item)
-                            size = sizes.build(node_value(item))
-                        except _Uncopyable:
-                            log.debug("shardc: the size %s that body %s returns stays read from "
-                                      "it (computed from %s)", node_value(item), call.args[1],
-                                      stop.args[0])
-                            continue
+                    size = _size_in_caller(gm.graph, outputs[item.args[1]], env,
+                                           node_value(item), sizes)
+                if size is None:
+                    log.debug("shardc: the size %s that body %s returns stays read from it",
+                              node_value(item), call.args[1])
+                    continue
                 item.replace_all_uses_with(size)
                 gm.graph.erase_node(item)
                 rewired += 1

@@ -224,14 +224,19 @@ def _run(name: str, kind: str, rank: int, world: int, common: dict, mesh, mode: 
     ok = max(loss_diff, grad_diff, param_diff) < TOL and not presence
     line = (f"{name:12s} {kind:5s} {'OK ' if ok else 'BAD'} loss {loss_diff:.1e} grad "
             f"{grad_diff:.1e} param {param_diff:.1e} packed {packed} regions {regions}")
-    if presence:
-        shown = ", ".join(f"{n} (step {s}: ref {'grad' if a else 'None'}, shardc "
-                          f"{'grad' if b else 'None'})"
-                          for n, (s, a, b) in list(presence.items())[:4])
-        line += f"\n    .grad presence differs for {len(presence)}: {shown}"
+    line += presence_text(presence)
     if not ok:
         line += f"\n    largest parameter difference: {worst[0]} {worst[1]:.2e}"
     return line
+
+
+def presence_text(presence: dict[str, tuple]) -> str:
+    """The report's line for parameters whose ``.grad`` presence differs (none: empty)."""
+    if not presence:
+        return ""
+    shown = ", ".join(f"{n} (step {s}: ref {'grad' if a else 'None'}, shardc "
+                      f"{'grad' if b else 'None'})" for n, (s, a, b) in list(presence.items())[:4])
+    return f"\n    .grad presence differs for {len(presence)}: {shown}"
 
 
 def _rank(rank: int, world: int, name: str, kinds: list[str], common: dict, port: int,

@@ -104,11 +104,7 @@ def _run(name: str, kind: str, common: dict, mesh, bf16: bool, device: torch.dev
         ok = max(loss_diff, grad_diff, param_diff) < sweep.TOL and not presence
         line = (f"{name:12s} {kind:5s} {'OK ' if ok else 'BAD'} loss {loss_diff:.1e} grad "
                 f"{grad_diff:.1e} param {param_diff:.1e} packed {packed} regions {regions}")
-    if presence:
-        shown = ", ".join(f"{n} (step {s}: ref {'grad' if a else 'None'}, shardc "
-                          f"{'grad' if b else 'None'})"
-                          for n, (s, a, b) in list(presence.items())[:4])
-        line += f"\n    .grad presence differs for {len(presence)}: {shown}"
+    line += sweep.presence_text(presence)
     if not ok and not bf16:
         line += f"\n    largest parameter difference: {worst[0]} {worst[1]:.2e}"
     return line
