@@ -612,35 +612,48 @@ def test_a_deepcopy_of_a_packed_parameter_is_refused_by_name():
     ``data_ptr()`` without storage of its own), so torch's ``Tensor.__deepcopy__`` copies a
     storage it does not have. A copy would not be packed either (its parameters' own storages
     beside a copy of the buffer its forwards read). Refused, naming the parameter and what to
-    do; a copy of the ``state_dict`` works."""
+    do; a copy of the ``state_dict`` works. (Since s75 a copy of the model is refused by
+    its sharded modules first, packed or not:
+    ``test_a_deepcopy_of_a_sharded_model_is_refused_by_module``.)"""
     import copy
 
     with one_rank_mesh() as mesh:
         model, forward = _packed_stack(mesh)
         forward(torch.randn(4, 5)).sum().backward()
-        with pytest.raises(RuntimeError, match=r"deepcopy.*'blocks\.0\.[a-z.]+'.*pack_blocks"):
+        name, param = next(iter(model.named_parameters()))
+        assert name.startswith("blocks.0.")
+        with pytest.raises(RuntimeError, match=rf"deepcopy.*'{name}'.*pack_blocks"):
+            copy.deepcopy(param)
+        with pytest.raises(RuntimeError, match=r"deepcopy of the sharded module 'blocks\.0"):
             copy.deepcopy(model)
-        with pytest.raises(RuntimeError, match=r"deepcopy.*pack_blocks.*before shardc.shard"):
-            torch.optim.swa_utils.AveragedModel(model)
         saved = copy.deepcopy(model.state_dict())
         for name, p in model.named_parameters():
             assert torch.equal(_local(saved[name]), _local(p)), name
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "s74 probe, not fixed: a copy.deepcopy of a model sharded with plain inputs (the default; "
-    "here pack_blocks=False, whose deepcopy is not refused) keeps the original's PlainInputs "
-    "(weak references to the original's modules; the leaves' hand-off hooks are not copied), "
-    "so training the copy leaves every .grad None, silently (no error, no warning)"))
-def test_a_deepcopy_of_a_sharded_model_trains_its_own_parameters():
+@pytest.mark.parametrize("plain_inputs", [True, False])
+def test_a_deepcopy_of_a_sharded_model_is_refused_by_module(plain_inputs):
+    """s74's probe: a ``copy.deepcopy`` of a model sharded with ``pack_blocks=False`` kept the
+    original's records (its class, the plain leaves' owners as weak references to the
+    original's modules; the leaves copied without their hand-off hooks), so training the copy
+    left every ``.grad`` None, silently. Every sharded module now refuses ``copy.deepcopy``,
+    naming itself; the original still trains (shardc's own skeleton copies of its blocks are
+    not refused), and a copy of its ``state_dict`` works."""
     import copy
 
     torch._dynamo.reset()
     torch.manual_seed(0)
     with one_rank_mesh() as mesh:
-        model = shardc.shard(Stack(), mesh, pack_blocks=False)
-        twin = copy.deepcopy(model)
-        forward = torch.compile(twin, backend=shardc.backend(inductor=False))
+        model = shardc.shard(Stack(), mesh, pack_blocks=False, plain_inputs=plain_inputs)
+        with pytest.raises(RuntimeError, match=r"deepcopy of the sharded module 'blocks\.0"
+                                               r"[a-z.]*'.*before shardc\.shard"):
+            copy.deepcopy(model)
+        with pytest.raises(RuntimeError, match=r"deepcopy.*AveragedModel"):
+            torch.optim.swa_utils.AveragedModel(model)
+        forward = torch.compile(model, backend=shardc.backend(inductor=False))
         forward(torch.randn(4, 5)).sum().backward()
-        missing = [n for n, p in twin.named_parameters() if p.grad is None]
-        assert not missing, f"no gradient reached the copy's {missing}"
+        missing = [n for n, p in model.named_parameters() if p.grad is None]
+        assert not missing, f"no gradient reached {missing}"
+        saved = copy.deepcopy(model.state_dict())
+        for name, p in model.named_parameters():
+            assert torch.equal(_local(saved[name]), _local(p)), name

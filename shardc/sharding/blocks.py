@@ -34,7 +34,6 @@ since Dynamo installs one subgraph for equal traces of one function.
 
 from __future__ import annotations
 
-import copy
 import functools
 import itertools
 import logging
@@ -54,6 +53,7 @@ from shardc.ops.body_call import body_anchor, body_call, record_outputs
 from shardc.ops.gather import GATHER_OP
 from shardc.runtime.grad_sync import SYNC_MODES
 from shardc.sharding.block_context import context_writes
+from shardc.sharding.module_copy import internal_deepcopy
 from shardc.sharding.packed_blocks import LEAF_ATTR, PackedLayout, eligible_reason, repack
 from shardc.sharding.scope import enter_forward, exit_forward
 
@@ -322,7 +322,7 @@ def _skeleton(block: nn.Module) -> nn.Module:
                                    requires_grad=p.requires_grad)
     for b in block.buffers():
         memo[id(b)] = torch.empty(b.shape, dtype=b.dtype, device="meta")
-    skeleton = copy.deepcopy(block, memo)
+    skeleton = internal_deepcopy(block, memo)
     if isinstance(getattr(type(block), "gradient_checkpointing", None), bool):
         # transformers' GradientCheckpointingLayer checkpoints a layer's own call (in its
         # __call__; since transformers 5.25 in a wrapper of its class's forward, which the class
@@ -1388,10 +1388,10 @@ def _fill_bodies(target: BlockGroup | PackedBodies, group: BlockGroup, template:
     skeleton ``template``."""
     for training in (True, False):
         target.bodies[training], keyed, keyed_flat = _make_body(
-            copy.deepcopy(template), group, training, layout)
+            internal_deepcopy(template), group, training, layout)
         if keyed is not None and keyed_flat is not None:
             target.keyed[training], target.keyed_flat[training] = keyed, keyed_flat
-    target.prober = BodyProber(copy.deepcopy(template), group, layout)
+    target.prober = BodyProber(internal_deepcopy(template), group, layout)
 
 
 def _fill_member_bodies(group: BlockGroup, blocks: list[nn.Module]) -> None:

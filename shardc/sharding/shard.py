@@ -69,6 +69,7 @@ from shardc.sharding.mesh import (
     tp_spec,
     wrap_tp,
 )
+from shardc.sharding.module_copy import deepcopy_sharded
 from shardc.sharding.offload import (
     OffloadPolicy,
     check_host_memory,
@@ -529,6 +530,7 @@ def _swap_class(
     # A replaced parameter drops its leaf (plain_inputs) or its block's packed read.
     attrs["register_parameter"] = _register_sharded
     attrs["share_memory"] = _refuse_share_memory
+    attrs["__deepcopy__"] = deepcopy_sharded
     attrs["__module__"] = cls.__module__
     module.__class__ = type(f"Shardc{cls.__name__}", (ShardedModuleMixin, cls), attrs)
 
