@@ -694,6 +694,8 @@ def sc_checkpoint_vs_plain(ctx: Ctx, *, dropout: float = 0.0, compile: bool = Tr
         out[f"{key}_inline_blocks"] = sorted({
             (b.module, b.reason) for r in shard_state(model).regions
             for b in r.plan.inline_blocks}) if compile else []
+        out[f"{key}_body_calls"] = sum(len(b.blocks) for r in shard_state(model).regions
+                                       for b in r.plan.bodies) if compile else 0
         torch._dynamo.reset()
     return out
 

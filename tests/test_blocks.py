@@ -1452,7 +1452,9 @@ class InPlaceBiasBlock(nn.Module):
                          ids=["inline", "inline_packed", "default_random_body_inlined"])
 def test_inlined_blocks_keep_in_place_ops_whose_result_is_unread(packed, once, dropout):
     """Blocks compiled inline (``compile_blocks_once=False``; by default a block that draws
-    random numbers) train as the unsharded eager model (3 blocks, 2 SGD steps, FX, one rank):
+    random numbers under activation checkpointing: here around each call, since s75 where
+    dropout alone keeps the body) train as the unsharded eager model (3 blocks, 2 SGD steps, FX,
+    one rank):
     losses, every ``.grad`` (presence and value) and the parameters. Inlining the bodies ran
     FX's dead-code elimination on Dynamo's graph, which dropped ``out.add_(self.bias)`` and
     ``mixed.index_add_(...)`` (in-place methods whose results are unread), and then the bias's
@@ -1470,7 +1472,7 @@ def test_inlined_blocks_keep_in_place_ops_whose_result_is_unread(packed, once, d
 
     def forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         for block in model.blocks:
-            x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if dropout else block(x)
         return x.square().mean()
 
     def train(model: nn.Module, run) -> list[tuple[float, dict]]:
@@ -1592,3 +1594,186 @@ def test_a_size_a_body_computes_is_computed_again_by_the_inline_block_that_reads
         for name, ref_grad in ref_grads.items():
             torch.testing.assert_close(grads[name], ref_grad, rtol=1e-6, atol=1e-7,
                                        msg=f"step {step}: {name}")
+
+
+class _DropoutBlock(nn.Module):
+    def __init__(self, d: int = 12) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d, bias=False)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.lin(x))
+
+
+class _DropoutStack(nn.Module):
+    """Identical blocks ``x + dropout(lin(x))``: each block's mask can be read off its output
+    (``out - x != 0``), so its weight's gradient can be recomputed from the masks drawn."""
+
+    def __init__(self, n: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_DropoutBlock() for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        outs = []
+        for block in self.blocks:
+            x = block(x)
+            outs.append(x)
+        return outs
+
+
+def _dropout_bodies(inductor: bool) -> None:
+    from dist_utils import one_rank_mesh
+
+    import shardc
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    with one_rank_mesh() as mesh:
+        model = shardc.shard(_DropoutStack(), mesh)
+        forward = torch.compile(model, backend=shardc.backend(inductor=inductor))
+        x0 = torch.randn(8, 12, requires_grad=True)
+        masks = []
+        for step in range(2):
+            outs = forward(x0)
+            sum(o.square().sum() for o in outs).backward()
+            inputs = [x0, *outs[:-1]]
+            drawn = [(o - x).detach() != 0 for o, x in zip(outs, inputs)]
+            masks.append(drawn)
+            # The step again, eagerly, with the masks drawn: its gradients are what the
+            # backward must give if it read the forward's masks.
+            weights = [b.lin.weight.full_tensor().detach().clone().requires_grad_(True)
+                       for b in model.blocks]
+            x, replayed = x0, []
+            for w, mask in zip(weights, drawn):
+                x = x + (x @ w.t()) * mask * 2.0
+                replayed.append(x)
+            sum(o.square().sum() for o in replayed).backward()
+            for i, (block, w) in enumerate(zip(model.blocks, weights)):
+                torch.testing.assert_close(block.lin.weight.grad.full_tensor(), w.grad,
+                                           rtol=1e-5, atol=1e-5, msg=f"step {step}, block {i}")
+                block.lin.weight.grad = None
+        # Each block and each step draws its own numbers.
+        assert not torch.equal(masks[0][1], masks[0][2]) and not torch.equal(masks[0][1],
+                                                                            masks[1][1])
+        plans = [r.plan for r in shardc.shard_state(model).regions]
+        assert not [b for p in plans for b in p.inline_blocks if "random" in b.reason]
+        shared = [b.blocks for p in plans for b in p.bodies]
+        assert any(len(blocks) >= 2 for blocks in shared), shared
+    torch._dynamo.reset()
+
+
+def test_blocks_drawing_random_numbers_share_a_body_where_nothing_recomputes_them():
+    """Blocks with dropout and no activation checkpointing keep their shared body (s75; before,
+    every block drawing random numbers compiled inline, as checkpointed ones must: a recomputed
+    body does not replay its masks). Each call draws its own mask, and the backward reads the
+    one its forward drew: every block's weight gradient equals an eager replay of the step with
+    the masks read off the outputs. FX backend, one rank (the Inductor run is slow; the
+    checkpointed-vs-plain comparison at world 3 is
+    ``tests/test_real_models.py::test_checkpointed_random_ops_replay_the_forward_random_numbers``)."""
+    _dropout_bodies(inductor=False)
+
+
+@pytest.mark.slow
+def test_blocks_drawing_random_numbers_share_a_body_under_inductor():
+    """The same under Inductor (its generated random numbers, drawn in the shared body)."""
+    _dropout_bodies(inductor=True)
+
+
+def _gpt2_with_dropout(rank: int, world: int) -> dict:
+    """One rank: transformers' GPT-2 (dropout 0.1 on embeddings, attention and residuals; SDPA)
+    trained three SGD steps on its rows, with shared bodies and with every block inline, from
+    the same seeds; the losses and full parameters of each, and the first run's plans."""
+    import transformers
+
+    import shardc
+
+    out = {}
+    for once in (True, False):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        cfg = transformers.GPT2Config(vocab_size=37, n_embd=24, n_layer=3, n_head=4,
+                                      n_positions=16, resid_pdrop=0.1, embd_pdrop=0.1,
+                                      attn_pdrop=0.1, attn_implementation="sdpa")
+        model = shardc.shard(transformers.GPT2LMHeadModel(cfg))
+        forward = torch.compile(model, backend=shardc.backend(inductor=False,
+                                                             compile_blocks_once=once))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        data = torch.randint(0, 37, (3, 2 * world, 9), generator=torch.Generator().manual_seed(1))
+        torch.manual_seed(rank + 1)
+        losses = []
+        for batch in data:
+            mine = batch[2 * rank:2 * rank + 2]
+            logits = forward(input_ids=mine[:, :-1], use_cache=False).logits
+            loss = F.cross_entropy(logits.flatten(0, 1), mine[:, 1:].flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        plans = [r.plan for r in shardc.shard_state(model).regions]
+        out[once] = {"losses": torch.stack(losses),
+                     "params": {n: p.full_tensor() for n, p in model.named_parameters()},
+                     "shared": [tuple(b.blocks) for p in plans for b in p.bodies],
+                     "inline": [(b.module, b.reason) for p in plans for b in p.inline_blocks]}
+    torch._dynamo.reset()
+    return out
+
+
+@pytest.mark.slow
+def test_hf_gpt2_with_dropout_shares_one_body_and_trains_as_inline_blocks():
+    """transformers' GPT-2 with its default dropout (0.1) on two gloo ranks: its
+    layers share one body (s75; before, dropout made them compile inline), and from the same
+    seeds it trains exactly as with every block inline (FX execution draws the same numbers in
+    the same order), so each call's masks are its own and its backward reads them."""
+    pytest.importorskip("transformers")
+    from dist_utils import run_ranks
+
+    for rank, out in enumerate(run_ranks(_gpt2_with_dropout, 2)):
+        shared, inline = out[True], out[False]
+        assert any(len(blocks) == 3 for blocks in shared["shared"]), shared["shared"]
+        assert not [r for _, r in shared["inline"] if "random" in r], shared["inline"]
+        assert not inline["shared"]
+        torch.testing.assert_close(shared["losses"], inline["losses"], rtol=1e-6, atol=1e-7,
+                                   msg=f"rank {rank}: losses")
+        for name, value in inline["params"].items():
+            torch.testing.assert_close(shared["params"][name], value, rtol=1e-6, atol=1e-7,
+                                       msg=f"rank {rank}: {name}")
+
+
+class _CheckpointedDropoutBlock(_DropoutBlock):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(super().forward, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("where", ["inside", "around"])
+def test_blocks_drawing_random_numbers_under_checkpointing_compile_inline(where):
+    """The other side of the rule above: where activation checkpointing recomputes a block that
+    draws random numbers, checkpointed inside its forward or around its call, the block
+    compiles inline with the reason in the plan (a shared body would draw other masks when
+    recomputed)."""
+    from dist_utils import one_rank_mesh
+
+    import shardc
+
+    class Around(_DropoutStack):
+        def forward(self, x):
+            for block in self.blocks:
+                x = checkpoint(block, x, use_reentrant=False)
+            return [x]
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    with one_rank_mesh() as mesh:
+        if where == "inside":
+            model = _DropoutStack()
+            model.blocks = nn.ModuleList(_CheckpointedDropoutBlock() for _ in range(3))
+        else:
+            model = Around()
+        shardc.shard(model, mesh)
+        forward = torch.compile(model, backend=shardc.backend(inductor=False))
+        sum(o.sum() for o in forward(torch.randn(8, 12, requires_grad=True))).backward()
+        plans = [r.plan for r in shardc.shard_state(model).regions]
+        inline = {b.module: b.reason for p in plans for b in p.inline_blocks}
+        assert {f"blocks.{i}" for i in range(1, 3)} <= set(inline), inline
+        assert all("random numbers" in inline[f"blocks.{i}"] for i in range(1, 3)), inline
+    torch._dynamo.reset()

@@ -305,22 +305,46 @@ _RNG_STATE = ("under Inductor: its activation checkpoint saves the random genera
               "Inductor cannot pass to a shared body's backward")
 
 
+@dataclasses.dataclass(frozen=True)
+class _BodyRandomness:
+    """What a body's random ops mean for sharing it. ``draws``: it draws random numbers;
+    ``checkpointed``: it draws them inside an activation-checkpointed region of its own;
+    ``rng_state``: (under Inductor) such a region saves the random generator's state."""
+
+    draws: bool
+    checkpointed: bool
+    rng_state: bool
+
+    def reason(self, around: bool) -> str | None:
+        """Why a call of the body must compile inline, or None; ``around``: the call itself
+        runs inside another higher-order op's subgraph (activation checkpointing around the
+        block: the user's, or transformers' gradient checkpointing), which recomputes it.
+        A call nothing recomputes keeps the body: each call draws its own numbers, and its
+        backward reads the masks its forward saved (the partitioners never recompute a random
+        op, and shardc's recompute lever refuses such a body)."""
+        if self.checkpointed or (around and self.draws):
+            return _RANDOM
+        return _RNG_STATE if self.rng_state else None
+
+
 def _inline_unsupported(gm: fx.GraphModule, found: list, blocks, region: RegionRecord,
                         inductor: bool) -> list:
     """Inline the body calls that a shared body would run wrongly (random ops), against the
     user's policy (selective checkpointing), or that Inductor cannot compile as a shared body
     (``inductor``: a checkpoint saving the generator's state); returns the other calls."""
     unsupported = []
-    random: dict[int, str | None] = {}  # per body: the blocks of a group call the same one
+    random: dict[int, _BodyRandomness] = {}  # per body: the blocks of a group call the same one
     for node, call in found:
         body = _body_of(node)
         if id(body) not in random:
-            random[id(body)] = _RANDOM if draws_random_numbers(body) else (
-                _RNG_STATE if inductor and checkpoints_seeded_ops(body) else None)
+            random[id(body)] = _BodyRandomness(
+                draws_random_numbers(body), draws_random_numbers(body, checkpointed=True),
+                inductor and checkpoints_seeded_ops(body))
+        reason = random[id(body)].reason(around=node.graph is not gm.graph)
         if _torch.selective_checkpoint_policy(node.graph.owning_module) is not None:
             unsupported.append((node, call, _SELECTIVE))
-        elif random[id(body)] is not None:
-            unsupported.append((node, call, random[id(body)]))
+        elif reason is not None:
+            unsupported.append((node, call, reason))
     if not unsupported:
         return found
     inline_body_calls(gm, [node for node, _, _ in unsupported])

@@ -196,13 +196,19 @@ def _random_call(node: fx.Node) -> bool:
     return name in _RANDOM_NAMES
 
 
-def draws_random_numbers(body: fx.GraphModule) -> bool:
+def draws_random_numbers(body: fx.GraphModule, checkpointed: bool = False) -> bool:
     """Whether a body of Dynamo's graph draws random numbers (dropout with p > 0, SDPA's
-    dropout_p, ``torch.rand*``...): recomputed under activation checkpointing, a body's random
-    ops do not replay the forward's numbers, so such blocks compile inline."""
+    dropout_p, ``torch.rand*``...); ``checkpointed``: inside an activation-checkpointed region
+    of the body. Recomputed under activation checkpointing, a body's random ops do not replay
+    the forward's numbers, so such calls compile inline."""
+    modules = [gm for gm in body.modules() if isinstance(gm, fx.GraphModule)]
+    if checkpointed:
+        modules = [getattr(gm, node.args[0].target) for gm in modules for node in gm.graph.nodes
+                   if node.op == "call_function" and "activation_checkpoint" in str(node.target)]
+        modules = [m for region in modules for m in region.modules()
+                   if isinstance(m, fx.GraphModule)]
     return any(node.op in ("call_function", "call_method") and _random_call(node)
-               for gm in body.modules() if isinstance(gm, fx.GraphModule)
-               for node in gm.graph.nodes)
+               for gm in modules for node in gm.graph.nodes)
 
 
 def checkpoints_seeded_ops(body: fx.GraphModule) -> bool:

@@ -19,8 +19,8 @@ A body call is recomputed as a whole: the backward graph calls the same shared f
 again, so the decision is per block even though the body is shared by every instance.
 
 What is never recomputed (the block is not a candidate, with the reason): blocks whose forward
-draws random numbers (recomputing them would draw other numbers: the compile-once pass already
-sends such blocks inline, and the aten graph's random ops are refused here too), blocks that run
+draws random numbers (recomputing them would draw other numbers: a body's random ops are read
+from its partitioned graphs, an inline block's from the aten graph), blocks that run
 collectives or shardc's other ops (a recomputed collective or host copy would run outside the
 plan), and blocks the user's activation checkpointing already recomputes. shardc's own gathers
 and what the reshard pass tags (views of gathered weights) keep their tags: they are recomputed
