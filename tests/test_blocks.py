@@ -1622,6 +1622,23 @@ class _DropoutStack(nn.Module):
         return outs
 
 
+def replay_with_drawn_masks(model: _DropoutStack, x0: torch.Tensor, outs: list
+                            ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The masks a step of ``model`` (sharded) drew, read off its outputs ``outs`` for the input
+    ``x0``, and each block's weight gradient from the step run again eagerly with those masks
+    (the loss: the sum of the outputs' squares): what the backward must give if it read the
+    masks its forward drew."""
+    drawn = [(o - x).detach() != 0 for o, x in zip(outs, [x0, *outs[:-1]])]
+    weights = [b.lin.weight.full_tensor().detach().clone().requires_grad_(True)
+               for b in model.blocks]
+    x, replayed = x0, []
+    for w, mask in zip(weights, drawn):
+        x = x + (x @ w.t()) * mask * (1 / (1 - model.blocks[0].drop.p))
+        replayed.append(x)
+    sum(o.square().sum() for o in replayed).backward()
+    return drawn, [w.grad for w in weights]
+
+
 def _dropout_bodies(inductor: bool) -> None:
     from dist_utils import one_rank_mesh
 
@@ -1637,20 +1654,10 @@ def _dropout_bodies(inductor: bool) -> None:
         for step in range(2):
             outs = forward(x0)
             sum(o.square().sum() for o in outs).backward()
-            inputs = [x0, *outs[:-1]]
-            drawn = [(o - x).detach() != 0 for o, x in zip(outs, inputs)]
+            drawn, replayed = replay_with_drawn_masks(model, x0, outs)
             masks.append(drawn)
-            # The step again, eagerly, with the masks drawn: its gradients are what the
-            # backward must give if it read the forward's masks.
-            weights = [b.lin.weight.full_tensor().detach().clone().requires_grad_(True)
-                       for b in model.blocks]
-            x, replayed = x0, []
-            for w, mask in zip(weights, drawn):
-                x = x + (x @ w.t()) * mask * 2.0
-                replayed.append(x)
-            sum(o.square().sum() for o in replayed).backward()
-            for i, (block, w) in enumerate(zip(model.blocks, weights)):
-                torch.testing.assert_close(block.lin.weight.grad.full_tensor(), w.grad,
+            for i, (block, want) in enumerate(zip(model.blocks, replayed)):
+                torch.testing.assert_close(block.lin.weight.grad.full_tensor(), want,
                                            rtol=1e-5, atol=1e-5, msg=f"step {step}, block {i}")
                 block.lin.weight.grad = None
         # Each block and each step draws its own numbers.
