@@ -1784,3 +1784,75 @@ def test_blocks_drawing_random_numbers_under_checkpointing_compile_inline(where)
         assert {f"blocks.{i}" for i in range(1, 3)} <= set(inline), inline
         assert all("random numbers" in inline[f"blocks.{i}"] for i in range(1, 3)), inline
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_blocks_wrapped_by_checkpoint_wrapper_share_a_body(policy):
+    """torchtitan's activation checkpointing: each block of the ``nn.ModuleList`` wrapped in
+    torch's ``checkpoint_wrapper`` (``selective``: with a ``context_fn`` policy saving attention
+    and matmul outputs, each wrapper holding its own
+    ``partial(checkpoint, context_fn=partial(create_selective_checkpoint_contexts, policy))``).
+    ``shardc.shard`` failed with a ``KeyError`` on such a model: the wrapper's
+    ``named_parameters`` drops its ``_checkpoint_wrapped_module.`` prefix, so the group's names
+    did not match the model's (s75). Now the wrapped blocks share one body (the selective
+    wrappers too: their partials compare by what they call), train as the unsharded eager
+    model (FX, one rank, two SGD steps), and the backward recomputes attention under the full
+    policy but not under the selective one (the body's checkpoint follows it)."""
+    import copy
+
+    from dist_utils import one_rank_mesh
+    from real_models import (
+        DIM,
+        VOCAB,
+        AttentionBlock,
+        _save_attention_and_matmuls,
+        backward_targets,
+        selective_checkpointing,
+    )
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    import shardc
+
+    def wrapped() -> nn.Module:
+        if policy == "full":
+            return checkpoint_wrapper(AttentionBlock())
+        return checkpoint_wrapper(AttentionBlock(), context_fn=selective_checkpointing(
+            _save_attention_and_matmuls))
+
+    class LM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, DIM)
+            self.blocks = nn.ModuleList(wrapped() for _ in range(3))
+            self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            h = self.embed(ids)
+            for block in self.blocks:
+                h = block(h)
+            return self.head(h)
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    reference = LM()
+    model = copy.deepcopy(reference)
+    with one_rank_mesh() as mesh:
+        shardc.shard(model, mesh)
+        compiled = torch.compile(model, backend=shardc.backend(inductor=False))
+        optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
+        data = torch.randint(0, VOCAB, (2, 2, 9), generator=torch.Generator().manual_seed(1))
+        for step, ids in enumerate(data):
+            for run, opt in zip((reference, compiled), optimizers):
+                loss = F.cross_entropy(run(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
+                torch.testing.assert_close(p.full_tensor(), ref, rtol=1e-5, atol=1e-6,
+                                           msg=f"step {step}: {name}")
+        plans = [r.plan for r in shardc.shard_state(model).regions]
+        assert [len(b.blocks) for p in plans for b in p.bodies] == [3], plans[0].bodies
+        attention = [t for t in backward_targets(model)
+                     if "scaled_dot_product" in t and "backward" not in t]
+        assert bool(attention) == (policy == "full"), attention
+    torch._dynamo.reset()

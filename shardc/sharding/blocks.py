@@ -233,12 +233,22 @@ def _refusal(block: nn.Module, shared: set[int], special: set[int]) -> str | Non
     if writes:
         return (f"its forward sets the context variable {writes[0].describe()}: Dynamo cannot "
                 "trace ContextVar.set (a graph break), which a shared body cannot hold")
-    for pname, p in block.named_parameters(remove_duplicate=False):
+    for pname, p in tree_parameters(block, remove_duplicate=False):
         if id(p) in shared:
             return f"its parameter {pname!r} is shared with another module"
         if id(p) in special:
             return f"its parameter {pname!r} is gathered in FP8 or tensor-parallel"
     return None
+
+
+def tree_parameters(block: nn.Module, remove_duplicate: bool = True):
+    """``block``'s parameters named by their paths in its module tree, as the root model's
+    ``named_parameters()`` names them below the block: ``nn.Module.named_parameters`` itself,
+    not an override. torch's ``checkpoint_wrapper`` (torchtitan's activation checkpointing)
+    strips its ``_checkpoint_wrapped_module.`` prefix from the names its own
+    ``named_parameters`` gives, so a group's names did not match the model's: ``shardc.shard``
+    failed with a ``KeyError`` on every model whose blocks it wrapped (s75)."""
+    return nn.Module.named_parameters(block, remove_duplicate=remove_duplicate)
 
 
 def _attr_signature(sub: nn.Module, scalar_values: bool) -> tuple:
@@ -269,11 +279,27 @@ def _callable_signature(value, owner: nn.Module) -> tuple | None:
     (by its function). None for anything else (compared by identity)."""
     if isinstance(value, functools.partial):
         keywords = tuple(sorted(value.keywords.items()))
-        if all(_plain(v) for v in value.args) and all(_plain(v) for _, v in keywords):
-            return ("partial", id(value.func), repr((value.args, keywords)))
+        parts = [_argument_signature(v, owner) for v in (*value.args, *(v for _, v in keywords))]
+        if all(part is not None for part in parts):
+            return ("partial", id(value.func), tuple(k for k, _ in keywords), tuple(parts))
         return None
     if isinstance(value, types.MethodType) and value.__self__ is owner:
         return ("own method", id(value.__func__))
+    return None
+
+
+def _argument_signature(value, owner: nn.Module) -> tuple | None:
+    """An argument of a partial attribute (:func:`_callable_signature`): a plain value by value,
+    a function defined once (a module's, shared by every block: no closure) by identity, a
+    partial of such by what it calls (torch's ``checkpoint_wrapper`` keeps
+    ``partial(checkpoint, context_fn=partial(create_selective_checkpoint_contexts, policy))`` in
+    each wrapper); None for anything else."""
+    if _plain(value):
+        return ("plain", repr(value))
+    if isinstance(value, types.FunctionType) and value.__closure__ is None:
+        return ("function", id(value))
+    if isinstance(value, functools.partial):
+        return _callable_signature(value, owner)
     return None
 
 
@@ -303,7 +329,7 @@ def block_signature(block: nn.Module, infos: dict, scalar_values: bool = True) -
     modules = tuple((name, type(sub).__qualname__, type(sub).__module__, sub.training,
                      _attr_signature(sub, scalar_values)) for name, sub in block.named_modules())
     params = []
-    for name, p in block.named_parameters():
+    for name, p in tree_parameters(block):
         info = infos.get(id(p))
         options = None if info is None else (info.compute_dtype, info.reduce_dtype,
                                               info.reshard_after_forward, info.world,
@@ -1361,7 +1387,7 @@ def _apply_block(self, fn, recurse: bool = True):
 
 def _add_packed_bodies(result: BlockBodies, group: BlockGroup, first: nn.Module,
                        template: nn.Module, infos_by_param: dict) -> None:
-    params = [(n, p, infos_by_param[id(p)]) for n, p in first.named_parameters()]
+    params = [(n, p, infos_by_param[id(p)]) for n, p in tree_parameters(first)]
     reason = eligible_reason(params)
     if reason is not None:
         _not_packed(result, group, reason)
@@ -1516,7 +1542,7 @@ def _add_group(result: BlockBodies, members: list[tuple[str, nn.Module]],
     group = BlockGroup(
         index=len(result.groups), block_type=type(first).__name__,
         members=tuple(fqn for fqn, _ in members),
-        weight_names=tuple(n for n, _ in first.named_parameters()),
+        weight_names=tuple(n for n, _ in tree_parameters(first)),
         buffer_names=tuple(n for n, _ in first.named_buffers()),
         varying=varying_attributes([block for _, block in members]),
     )
