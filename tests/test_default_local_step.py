@@ -277,3 +277,28 @@ def test_a_backward_that_does_not_reach_the_plain_parameters_is_said_at_the_step
         dtensor_reads = shardc.shard(Transformer(CFG), mesh, plain_inputs=False)
         llama_loss(dtensor_reads(toks), toks).backward(inputs=list(dtensor_reads.parameters()))
         assert all(p.grad is not None for p in dtensor_reads.parameters())
+
+
+def test_a_step_with_a_closure_is_not_warned_of_missing_gradients(caplog):
+    """``optimizer.step(closure)`` (LBFGS, or any optimizer stepped so) computes the gradients
+    inside the step, after shardc's pre-step hook: the hook must not warn that no gradient
+    reached the parameters (s75's probe: it did, with wrong advice). The step itself computes
+    them (the closure's loss is returned, every ``.grad`` set)."""
+    import logging
+
+    toks = torch.randint(0, CFG.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
+    with one_rank_mesh() as mesh:
+        torch.manual_seed(0)
+        model = shardc.shard(Transformer(CFG), mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+
+        def closure():
+            opt.zero_grad()
+            loss = llama_loss(model(toks), toks)
+            loss.backward()
+            return loss
+
+        with caplog.at_level(logging.WARNING, logger="shardc"):
+            loss = opt.step(closure)
+        assert loss is not None and all(p.grad is not None for p in model.parameters())
+        assert "found no gradient" not in caplog.text, caplog.text

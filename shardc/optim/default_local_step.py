@@ -147,13 +147,18 @@ def _grads_reason(optimizer: torch.optim.Optimizer) -> str:
     return ""
 
 
+def _closure(args: tuple, kwargs: dict):
+    """The closure a step hook's ``(args, kwargs)`` pass to ``step`` (``args[0]`` is the
+    optimizer), or None."""
+    return args[1] if len(args) > 1 else kwargs.get("closure")
+
+
 def _step_reason(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> str:
     """Why this step keeps the DTensor step ("" where the local shards step)."""
     if type(optimizer) not in ELEMENTWISE:
         return (f"{type(optimizer).__name__} is not exactly one of the optimizers known to "
                 "update each parameter elementwise")
-    closure = args[1] if len(args) > 1 else kwargs.get("closure")
-    if closure is not None:
+    if _closure(args, kwargs) is not None:
         return "optimizer.step(closure)"
     foreign = chunked_step.foreign_hooks(optimizer)
     if foreign:
@@ -196,7 +201,9 @@ def _pre_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> No
         swap._restore(optimizer)  # a step that raised left its swap installed
     if torch.compiler.is_compiling():
         return
-    _say_if_no_gradient_reached(optimizer)
+    # A closure computes the gradients inside the step (LBFGS), after this hook.
+    if _closure(args, kwargs) is None:
+        _say_if_no_gradient_reached(optimizer)
     if (not _OWN.get(optimizer, _ENABLED[0])
             or getattr(optimizer, "_shardc_local_step", None) is not None):
         return
