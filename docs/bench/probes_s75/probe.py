@@ -171,6 +171,8 @@ SCENARIOS: dict[str, Sc] = {
                          unfreeze_step1=("blocks.2.", "embed."), opt_all=True),
     "unfreeze_all_step1": Sc(freeze_all=True, unfreeze=("head.",),
                              unfreeze_step1=("",), opt_all=True),
+    "unfreeze_all_step1_sgd": Sc(freeze_all=True, unfreeze=("head.",),
+                                 unfreeze_step1=("",), opt_all=True, optim="sgd"),
     "mha": Sc(mha=True, optim="sgd"),
     "mha_adamw": Sc(mha=True, tol=1e-4),
     "sequential": Sc(sequential=True),
