@@ -89,6 +89,10 @@ class Sc:
     # the reference runs each rank's rows as its own micro-batch (loss / world each), so
     # low-precision ops see the same rows as on the ranks (run.py: a reference per world)
     emulate: bool = False
+    rank_var: str = ""  # "seq" | "batch": each rank's sequence length / rows differ per step
+    freeze_all_after_shard: bool = False  # requires_grad_(False) on everything after shard
+    grad_replace: bool = False  # p.grad = p.grad * 0.5 (a new tensor) before each step
+    opt_in_bwd: bool = False  # one optimizer per parameter, stepped from its post-accumulate hook
 
 
 SCENARIOS: dict[str, Sc] = {
@@ -159,6 +163,19 @@ SCENARIOS: dict[str, Sc] = {
     "varlen_accum_no_sync_sgd": Sc(micro=3, varlen=True, no_sync=True, optim="sgd"),
     "autocast": Sc(autocast=True, tol=2e-2),
     "autocast_sgd": Sc(autocast=True, tol=2e-2, optim="sgd"),
+    "rank_var_seq": Sc(emulate=True, rank_var="seq"),
+    "rank_var_seq_contig": Sc(emulate=True, rank_var="seq_contig", optim="sgd"),
+    "rank_var_seq_clone": Sc(emulate=True, rank_var="seq_clone", optim="sgd"),
+    "rank_var_seq_hist": Sc(emulate=True, rank_var="seq_hist", optim="sgd"),
+    "rank_var_seq_hist_mark": Sc(emulate=True, rank_var="seq_hist_mark", optim="sgd"),
+    "rank_var_batch": Sc(emulate=True, rank_var="batch"),
+    "rank_var_seq_sgd": Sc(emulate=True, rank_var="seq", optim="sgd"),
+    "freeze_all_after_shard": Sc(freeze_all_after_shard=True, unfreeze=("blocks.1.", "head."),
+                                 unfreeze_step1=("",), opt_all=True, optim="sgd"),
+    "grad_replace": Sc(grad_replace=True, keep_grads=True, micro=2),
+    "grad_replace_sgd": Sc(grad_replace=True, keep_grads=True, micro=2, optim="sgd"),
+    "opt_in_bwd": Sc(opt_in_bwd=True),
+    "opt_in_bwd_sgd": Sc(opt_in_bwd=True, optim="sgd"),
     "autocast_emul": Sc(autocast=True, tol=1e-5, emulate=True),
     "autocast_emul_sgd": Sc(autocast=True, tol=1e-5, emulate=True, optim="sgd"),
     "ckpt_nonreentrant": Sc(ckpt="nonreentrant"),
@@ -409,6 +426,20 @@ def make_optimizer(model: nn.Module, sc: Sc):
     return opt, sched
 
 
+class _One(nn.Module):
+    """A module holding one parameter (make_optimizer's argument for opt_in_bwd)."""
+
+    def __init__(self, p):
+        super().__init__()
+        self._p = [p]
+
+    def named_parameters(self, *a, **k):
+        return iter([("p", self._p[0])])
+
+    def parameters(self, *a, **k):
+        return iter(self._p)
+
+
 class _Multi:
     def __init__(self, opts):
         self.opts = opts
@@ -420,6 +451,23 @@ class _Multi:
     def zero_grad(self, set_to_none=True):
         for o in self.opts:
             o.zero_grad(set_to_none=set_to_none)
+
+
+def _rank_cut(sc, x, y, r, step):
+    """Rank r's rows at this step under ``rank_var`` (the same in the reference's emulation)."""
+    k = (r + step) % 3
+    if sc.rank_var == "seq":
+        return x[:, :SEQ - k], y[:, :SEQ - k]
+    if sc.rank_var == "seq_clone":  # fresh tensors, as a DataLoader's (no view base)
+        return x[:, :SEQ - k].clone(), y[:, :SEQ - k].clone()
+    if sc.rank_var.startswith("seq_hist"):  # rank 0 keeps length 5 until step 2, others vary
+        k = 0 if r == 0 and step < 2 else (r + step) % 3
+        return x[:, :SEQ - k].clone(), y[:, :SEQ - k].clone()
+    if sc.rank_var == "seq_contig":  # as a collate function pads/cuts: contiguous
+        return x[:, :SEQ - k].contiguous(), y[:, :SEQ - k].contiguous()
+    if sc.rank_var == "batch":
+        return x[:x.shape[0] - k], y[:y.shape[0] - k]
+    return x, y
 
 
 def _unfreeze(model, prefixes):
@@ -442,9 +490,21 @@ def train(model: nn.Module, forward, sc: Sc, rank: int, world: int, sharded: boo
         for block in model.blocks:
             for name in ("norm", "up", "down"):
                 getattr(block, name).requires_grad_(False)
+    if sc.freeze_all_after_shard:
+        model.requires_grad_(False)
     if sc.unfreeze:
         _unfreeze(model, sc.unfreeze)
     opt, sched = make_optimizer(model, sc)
+    if sc.opt_in_bwd:  # torchtune's optimizer-in-backward: each parameter steps in its hook
+        per_param = {}
+        for p in model.parameters():
+            if p.requires_grad:
+                per_param[p] = make_optimizer(_One(p), sc)[0]
+
+                def hook(q):
+                    per_param[q].step()
+                    per_param[q].zero_grad()
+                p.register_post_accumulate_grad_hook(hook)
     tokens, targets, eval_tokens = data()
     per = GLOBAL_BATCH // world
     rows = slice(rank * per, (rank + 1) * per)
@@ -530,6 +590,9 @@ def train(model: nn.Module, forward, sc: Sc, rank: int, world: int, sharded: boo
         x, y = tokens[step, rows], targets[step, rows]
         if sc.changing_seq:
             x, y = x[:, :SEQ - step % 3], y[:, :SEQ - step % 3]
+        if sc.rank_var and sharded:
+            x, y = _rank_cut(sc, x, y, rank, step)
+
         if sc.train_in_eval:
             model.eval()
         m_rows = x.shape[0] // sc.micro
@@ -537,9 +600,9 @@ def train(model: nn.Module, forward, sc: Sc, rank: int, world: int, sharded: boo
             er = x.shape[0] // emu_world
             total = 0.0
             for r in range(emu_world):
+                xr, yr = _rank_cut(sc, x[r * er:(r + 1) * er], y[r * er:(r + 1) * er], r, step)
                 with (torch.autocast("cpu", dtype=torch.bfloat16) if sc.autocast else _null()):
-                    lo = F.cross_entropy(forward(x[r * er:(r + 1) * er]).float().flatten(0, 1),
-                                         y[r * er:(r + 1) * er].flatten())
+                    lo = F.cross_entropy(forward(xr).float().flatten(0, 1), yr.flatten())
                 # unscaled, as each rank's backward; the mean over ranks after, in fp32, as
                 # the reduce-scatter's (1/3 in a bf16 backward would round on its own)
                 lo.backward()
@@ -577,6 +640,9 @@ def train(model: nn.Module, forward, sc: Sc, rank: int, world: int, sharded: boo
             ctx = (shardc.no_sync(model) if sharded and sc.no_sync and m < sc.micro - 1
                    else _null())
             xm, ym = x[part], y[part]
+            if sharded and sc.rank_var.endswith("_mark"):
+                # the documented fix: the length marked dynamic (on the tensor passed)
+                torch._dynamo.mark_dynamic(xm, 1)
             if sc.varlen:  # micro-batch m keeps SEQ - m tokens (a different length each)
                 xm, ym = xm[:, :SEQ - m], ym[:, :SEQ - m]
             ac = (torch.autocast("cpu", dtype=torch.bfloat16) if sc.autocast else _null())
@@ -611,6 +677,10 @@ def train(model: nn.Module, forward, sc: Sc, rank: int, world: int, sharded: boo
         if sc.clip_value is not None:
             torch.nn.utils.clip_grad_value_(
                 [p for p in model.parameters() if p.requires_grad], sc.clip_value)
+        if sc.grad_replace:
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad = p.grad * 0.5
         out["grads"].append({n: full(p.grad) for n, p in model.named_parameters()})
         if sc.optim != "lbfgs":
             opt.step()

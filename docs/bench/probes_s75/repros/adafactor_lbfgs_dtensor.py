@@ -82,6 +82,28 @@ def worker(rank, world, init):
     attempt("Adafactor, shardc", with_shardc(torch.optim.Adafactor, lr=1e-2))
     attempt("LBFGS, plain DTensor", plain(torch.optim.LBFGS, lr=0.1, max_iter=2))
     attempt("LBFGS, shardc", with_shardc(torch.optim.LBFGS, lr=0.1, max_iter=2))
+    def lbfgs_even():  # every size divisible by the world: does LBFGS run, and is it right?
+        torch.manual_seed(1)
+        w0, t = torch.randn(4, 4), torch.randn(4, 4)
+        outs = []
+        for sharded in (False, True):
+            w = nn.Parameter(distribute_tensor(w0.clone(), mesh, [Shard(0)]) if sharded
+                             else w0.clone())
+            opt = torch.optim.LBFGS([w], lr=0.5, max_iter=4)
+
+            def closure():
+                opt.zero_grad()
+                loss = ((w - (distribute_tensor(t, mesh, [Shard(0)]) if sharded else t)) ** 3
+                        ).abs().sum()
+                loss.backward()
+                return loss
+            for _ in range(2):
+                opt.step(closure)
+            outs.append(w.full_tensor() if sharded else w.detach())
+        err = ((outs[1] - outs[0]).norm() / outs[0].norm()).item()
+        print(f"rank {dist.get_rank()} LBFGS even sizes, plain DTensor vs unsharded: rel {err:.2e}",
+              flush=True)
+    attempt("LBFGS even sizes", lbfgs_even)
     dist.destroy_process_group()
 
 
