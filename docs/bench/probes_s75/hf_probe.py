@@ -13,6 +13,7 @@ the prompt and the generated token ids.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 
@@ -75,11 +76,23 @@ def run(model, forward, variant, rank, world, sharded):
             lo /= world
         losses.append(lo)
     model.eval()
+    gens = {}
     with torch.no_grad():
         logits = forward(input_ids=prompt).logits.detach().clone()
         gen = model.generate(prompt, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
                              do_sample=False, pad_token_id=0)
-    return {"losses": torch.stack(losses), "logits": logits, "gen": gen.clone(),
+        if "rankprompt" in variant:  # each rank its own prompt length (distributed eval)
+            for r in (range(world) if sharded else range(3)):
+                if sharded and r != rank:
+                    continue
+                p = prompt[:, :5 - r]
+                stance = (torch.compiler.set_stance("force_eager") if "stance" in variant
+                          else contextlib.nullcontext())
+                with stance:
+                    gens[r] = model.generate(p, max_new_tokens=NEW_TOKENS,
+                                             min_new_tokens=NEW_TOKENS, do_sample=False,
+                                             pad_token_id=0).clone()
+    return {"losses": torch.stack(losses), "logits": logits, "gen": gen.clone(), "gens": gens,
             "params": {n: full(p) for n, p in model.named_parameters()}}
 
 
@@ -131,6 +144,9 @@ if __name__ == "__main__":
             worst_name = max(perr, key=perr.get)
             errs["params"] = perr[worst_name]
             same_gen = all(torch.equal(o["gen"], ref["gen"]) for o in outs)
+            if "rankprompt" in variant:
+                same_gen = same_gen and all(torch.equal(o["gens"][r], ref["gens"][r])
+                                            for r, o in enumerate(outs))
             ok = same_gen and max(errs.values()) <= 1e-5
             print(f"{variant} w{world} {mode}: {'PASS' if ok else 'FAIL'} "
                   f"gen_equal={same_gen} " + " ".join(f"{k}={v:.2e}" for k, v in errs.items())

@@ -176,6 +176,11 @@ SCENARIOS: dict[str, Sc] = {
     "grad_replace_sgd": Sc(grad_replace=True, keep_grads=True, micro=2, optim="sgd"),
     "opt_in_bwd": Sc(opt_in_bwd=True),
     "opt_in_bwd_sgd": Sc(opt_in_bwd=True, optim="sgd"),
+    "autocast_ckpt": Sc(autocast=True, emulate=True, ckpt="nonreentrant"),
+    "autocast_ckpt_reentrant": Sc(autocast=True, emulate=True, ckpt="reentrant"),
+    "autocast_ckpt_selective": Sc(autocast=True, emulate=True, ckpt="selective"),
+    "compile_dynamic": Sc(compile_how="dynamic", changing_seq=True),
+    "compile_fullgraph": Sc(compile_how="fullgraph"),
     "autocast_emul": Sc(autocast=True, tol=1e-5, emulate=True),
     "autocast_emul_sgd": Sc(autocast=True, tol=1e-5, emulate=True, optim="sgd"),
     "ckpt_nonreentrant": Sc(ckpt="nonreentrant"),
@@ -761,6 +766,10 @@ def sharded_run(rank: int, world: int, name: str, mode: str, pack=None) -> dict:
     elif sc.compile_how == "model.compile":
         model.compile(backend=be)
         forward = model
+    elif sc.compile_how == "dynamic":
+        forward = torch.compile(model, backend=be, dynamic=True)
+    elif sc.compile_how == "fullgraph":
+        forward = torch.compile(model, backend=be, fullgraph=True)
     elif sc.compile_how == "forward":
         forward = torch.compile(model.forward, backend=be)
     else:
