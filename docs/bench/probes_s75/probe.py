@@ -92,6 +92,7 @@ class Sc:
     rank_var: str = ""  # "seq" | "batch": each rank's sequence length / rows differ per step
     freeze_all_after_shard: bool = False  # requires_grad_(False) on everything after shard
     grad_replace: bool = False  # p.grad = p.grad * 0.5 (a new tensor) before each step
+    compile_opt: str = ""  # torch.compile(opt.step) with this backend (a compiled optimizer)
     opt_in_bwd: bool = False  # one optimizer per parameter, stepped from its post-accumulate hook
 
 
@@ -175,6 +176,8 @@ SCENARIOS: dict[str, Sc] = {
     "grad_replace": Sc(grad_replace=True, keep_grads=True, micro=2),
     "grad_replace_sgd": Sc(grad_replace=True, keep_grads=True, micro=2, optim="sgd"),
     "opt_in_bwd": Sc(opt_in_bwd=True),
+    "compiled_opt_step": Sc(compile_opt="inductor"),
+    "compiled_opt_step_sgd": Sc(compile_opt="inductor", optim="sgd"),
     "opt_in_bwd_sgd": Sc(opt_in_bwd=True, optim="sgd"),
     "autocast_ckpt": Sc(autocast=True, emulate=True, ckpt="nonreentrant"),
     "autocast_ckpt_reentrant": Sc(autocast=True, emulate=True, ckpt="reentrant"),
@@ -688,7 +691,12 @@ def train(model: nn.Module, forward, sc: Sc, rank: int, world: int, sharded: boo
                     p.grad = p.grad * 0.5
         out["grads"].append({n: full(p.grad) for n, p in model.named_parameters()})
         if sc.optim != "lbfgs":
-            opt.step()
+            if sc.compile_opt:
+                if step == 0:
+                    opt_step = torch.compile(opt.step, backend=sc.compile_opt)
+                opt_step()
+            else:
+                opt.step()
         if sched is not None:
             sched.step()
         opt.zero_grad(set_to_none=not sc.keep_grads)

@@ -8,7 +8,9 @@ through shardc), saves model + optimizer with DCP (shardc.checkpoint.ModelState 
 OptimizerState), then a fresh model (other random init) and a fresh optimizer at world B load
 it and train STEPS_B more steps. Compared with one uninterrupted unsharded run: the losses of the
 resumed steps, every gradient of them and the parameters at the end. `sched`: a LambdaLR too,
-its state_dict carried through the checkpoint as a plain (replicated) entry.
+its state_dict carried through the checkpoint as a plain (replicated) entry. `lora`: round 1's
+LoRA scenario (every block's base frozen) with the optimizer over every parameter (frozen ones
+never get state); `lora_trainable`: the optimizer over the trainable ones only.
 """
 from __future__ import annotations
 
@@ -33,18 +35,25 @@ def data():
             torch.randint(0, probe.VOCAB, (n, GB, SEQ), generator=g))
 
 
+SCEN = ["base"]
+OPT_TRAINABLE = [False]
+
+
 def make_opt(model, kind, sched):
+    ps = [p for p in model.parameters() if p.requires_grad or not OPT_TRAINABLE[0]]
     if kind == "sgd":
-        opt = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9, weight_decay=0.05)
+        opt = torch.optim.SGD(ps, lr=0.3, momentum=0.9, weight_decay=0.05)
     elif kind == "adagrad":
-        opt = torch.optim.Adagrad(model.parameters(), lr=5e-2)
+        opt = torch.optim.Adagrad(ps, lr=5e-2)
     else:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
+        opt = torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.05)
     s = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 / (1 + i)) if sched else None
     return opt, s
 
 
 def full(t):
+    if t is None:
+        return None
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
 
 
@@ -70,13 +79,14 @@ def steps(model, forward, opt, sched, rank, world, sharded, which):
     return losses, grads
 
 
-def phase(rank, world, ckpt, part, mode, kind, sched_on):
+def phase(rank, world, ckpt, part, mode, kind, sched_on, scen="base", trainable=False):
     import torch.distributed.checkpoint as dcp
 
     import shardc
     from shardc.checkpoint import ModelState, OptimizerState
     torch.set_num_threads(1)
-    sc = probe.SCENARIOS["base"]
+    SCEN[0], OPT_TRAINABLE[0] = scen, trainable
+    sc = probe.SCENARIOS[scen]
     if part == "a":
         model = probe.build(sc)
     else:
@@ -121,7 +131,10 @@ if __name__ == "__main__":
     mode = sys.argv[2] if len(sys.argv) > 2 else "fx"
     kind = sys.argv[3] if len(sys.argv) > 3 else "adamw"
     sched_on = "sched" in sys.argv[4:]
-    model = probe.build(probe.SCENARIOS["base"])
+    if "lora" in sys.argv[4:] or "lora_trainable" in sys.argv[4:]:
+        SCEN[0] = "lora"
+        OPT_TRAINABLE[0] = "lora_trainable" in sys.argv[4:]
+    model = probe.build(probe.SCENARIOS[SCEN[0]])
     opt, sched = make_opt(model, kind, sched_on)
     ref_l, ref_g = steps(model, model, opt, sched, 0, 1, False, range(STEPS_A + STEPS_B))
     ref_p = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -130,8 +143,10 @@ if __name__ == "__main__":
         t0 = time.time()
         ckpt = tempfile.mkdtemp(prefix="s75resume_")
         try:
-            ra = run_ranks(phase, a, ckpt, "a", mode, kind, sched_on)[0]
-            rb = run_ranks(phase, b, ckpt, "b", mode, kind, sched_on)[0]
+            ra = run_ranks(phase, a, ckpt, "a", mode, kind, sched_on, SCEN[0],
+                           OPT_TRAINABLE[0])[0]
+            rb = run_ranks(phase, b, ckpt, "b", mode, kind, sched_on, SCEN[0],
+                           OPT_TRAINABLE[0])[0]
         except AssertionError as exc:
             print(f"resume {a}->{b} {mode} {kind}: CRASH {str(exc)[-3000:]}", flush=True)
             continue
@@ -152,7 +167,8 @@ if __name__ == "__main__":
             check(f"param {n}", rb["params"][n], ref_p[n])
         if abs(rb["lr"] - ref_lr) > 1e-12:
             bad.append(f"lr {rb['lr']} vs {ref_lr}")
-        print(f"resume {a}->{b} {mode} {kind}{' sched' if sched_on else ''}: "
+        print(f"resume {a}->{b} {mode} {kind}{' sched' if sched_on else ''} {SCEN[0]}"
+              f"{' trainable-only' if OPT_TRAINABLE[0] else ''}: "
               f"{'PASS' if not bad else 'FAIL'} max rel {worst:.2e} ({time.time() - t0:.0f}s)",
               flush=True)
         for line in bad[:12]:
