@@ -191,6 +191,9 @@ SCENARIOS: dict[str, Sc] = {
     "ckpt_selective": Sc(ckpt="selective"),
     "ckpt_wrapper": Sc(ckpt="wrapper"),
     "ckpt_wrapper_reentrant": Sc(ckpt="wrapper_reentrant"),
+    # bug C's fix direction, simulated: the wrapper's named_parameters/buffers not stripping
+    # its prefix (torch's ActivationWrapper methods replaced by nn.Module's, in this process)
+    "ckpt_wrapper_unstripped": Sc(ckpt="wrapper_unstripped"),
     "unfreeze_before_compile": Sc(freeze_all=True, unfreeze=("blocks.1.", "head.")),
     "unfreeze_step1": Sc(freeze_all=True, unfreeze=("blocks.1.",),
                          unfreeze_step1=("blocks.2.", "embed."), opt_all=True),
@@ -293,6 +296,10 @@ class Net(nn.Module):
                 CheckpointImpl, checkpoint_wrapper)
             impl = (CheckpointImpl.REENTRANT if sc.ckpt == "wrapper_reentrant"
                     else CheckpointImpl.NO_REENTRANT)
+            if sc.ckpt == "wrapper_unstripped":
+                from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
+                cw.ActivationWrapper.named_parameters = nn.Module.named_parameters
+                cw.ActivationWrapper.named_buffers = nn.Module.named_buffers
             for i in range(NL):
                 self.blocks[i] = checkpoint_wrapper(self.blocks[i], checkpoint_impl=impl)
         self.norm = nn.LayerNorm(DIM)
