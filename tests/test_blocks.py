@@ -1597,10 +1597,10 @@ def test_a_size_a_body_computes_is_computed_again_by_the_inline_block_that_reads
 
 
 class _DropoutBlock(nn.Module):
-    def __init__(self, d: int = 12) -> None:
+    def __init__(self, d: int = 12, p: float = 0.5) -> None:
         super().__init__()
         self.lin = nn.Linear(d, d, bias=False)
-        self.drop = nn.Dropout(0.5)
+        self.drop = nn.Dropout(p)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.drop(self.lin(x))
@@ -1856,3 +1856,94 @@ def test_blocks_wrapped_by_checkpoint_wrapper_share_a_body(policy):
                      if "scaled_dot_product" in t and "backward" not in t]
         assert bool(attention) == (policy == "full"), attention
     torch._dynamo.reset()
+
+
+class _TimmStyle(nn.Module):
+    """timm's layout: identical blocks in an ``nn.Sequential`` called as one, and a head whose
+    ``nn.Sequential`` is a sequence of layers (two identical ``Linear``s around a ``GELU``)."""
+
+    def __init__(self, d: int = 12) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(_DropoutBlock(d, p=0.0) for _ in range(3)))
+        self.head = nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x))
+
+
+def test_identical_blocks_in_a_sequential_share_a_body():
+    """Identical blocks held in an ``nn.Sequential`` and called as one (timm) share one body
+    as a ``nn.ModuleList``'s do (s75's probe: they compiled inline and read their parameters
+    one by one); a ``Sequential`` of layers is not grouped. Parity with the unsharded eager
+    model (FX, one rank, two SGD steps)."""
+    import copy
+
+    from dist_utils import one_rank_mesh
+
+    import shardc
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    reference = _TimmStyle()
+    model = copy.deepcopy(reference)
+    with one_rank_mesh() as mesh:
+        shardc.shard(model, mesh)
+        compiled = torch.compile(model, backend=shardc.backend(inductor=False))
+        optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
+        data = torch.randn(2, 8, 12, generator=torch.Generator().manual_seed(1))
+        for step, x in enumerate(data):
+            for run, opt in zip((reference, compiled), optimizers):
+                run(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+            for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
+                torch.testing.assert_close(p.full_tensor(), ref, rtol=1e-5, atol=1e-6,
+                                           msg=f"step {step}: {name}")
+        plans = [r.plan for r in shardc.shard_state(model).regions]
+        shared = [tuple(b.blocks) for p in plans for b in p.bodies]
+        assert any(set(blocks) >= {"blocks.1", "blocks.2"} for blocks in shared), shared
+        assert not any(m.startswith("head") for blocks in shared for m in blocks), shared
+        groups = [g.members for g in shardc.shard_state(model).blocks.groups]
+        assert groups == [("blocks.0", "blocks.1", "blocks.2")], groups
+    torch._dynamo.reset()
+
+
+def _sequential_stack_rank(rank: int, world: int) -> dict:
+    import shardc
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = shardc.shard(_TimmStyle(d=13))
+    compiled = torch.compile(model, backend="shardc")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    after = []
+    for x in torch.randn(2, 4 * world, 13, generator=torch.Generator().manual_seed(1)):
+        compiled(x[4 * rank:4 * rank + 4]).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        after.append({n: p.full_tensor().detach().clone() for n, p in model.named_parameters()})
+    groups = [g.members for g in shardc.shard_state(model).blocks.groups]
+    torch._dynamo.reset()
+    return {"after": after, "groups": groups}
+
+
+@pytest.mark.slow
+def test_identical_blocks_in_a_sequential_match_the_reference_on_uneven_ranks():
+    """The stack above under Inductor on 2 gloo ranks, 13 features (uneven shards), each rank
+    its rows: every parameter after each step as the unsharded eager model's on the whole
+    batch."""
+    from dist_utils import run_ranks
+
+    runs = run_ranks(_sequential_stack_rank, 2)
+    torch.manual_seed(0)
+    reference = _TimmStyle(d=13)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step, x in enumerate(torch.randn(2, 8, 13, generator=torch.Generator().manual_seed(1))):
+        reference(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        for rank, run in enumerate(runs):
+            assert run["groups"] == [("blocks.0", "blocks.1", "blocks.2")], run["groups"]
+            for name, ref in reference.named_parameters():
+                torch.testing.assert_close(run["after"][step][name], ref.detach(), rtol=1e-5,
+                                           atol=1e-6, msg=f"rank {rank}, step {step}: {name}")

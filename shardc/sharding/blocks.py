@@ -1461,8 +1461,9 @@ def _make_member_body(skeletons: tuple[nn.Module, ...], group: BlockGroup,
 def wrap_repeated_blocks(root: nn.Module, infos_by_param: dict, shared: set[int],
                          special: set[int], pack: bool = False,
                          not_packed: str | None = None) -> BlockBodies:
-    """Group the children of every ``nn.ModuleList`` of ``root`` by :func:`block_signature`
-    and give each group of two or more a body (before any class of ``root`` is swapped, so the
+    """Group the children of every ``nn.ModuleList`` of ``root`` (and of every ``nn.Sequential``
+    stack of identical blocks: :func:`_is_block_stack`) by :func:`block_signature` and give each
+    group of two or more a body (before any class of ``root`` is swapped, so the
     skeletons are unsharded copies). ``infos_by_param``: parameter id -> ``ShardedParamInfo``;
     ``shared``: ids of parameters owned by more than one module; ``special``: ids of parameters
     gathered in FP8 or wrapped for tensor parallelism, whose blocks keep the usual path.
@@ -1472,7 +1473,8 @@ def wrap_repeated_blocks(root: nn.Module, infos_by_param: dict, shared: set[int]
     why: each group records and logs it as a group that cannot be packed does."""
     result = BlockBodies()
     for list_name, container in root.named_modules():
-        if not isinstance(container, nn.ModuleList) or len(container) < 2:
+        if not (isinstance(container, nn.ModuleList) and len(container) >= 2
+                or _is_block_stack(container, infos_by_param)):
             continue
         by_signature: dict[tuple, list[tuple[str, nn.Module]]] = {}
         for child_name, block in container.named_children():
@@ -1509,6 +1511,25 @@ def wrap_repeated_blocks(root: nn.Module, infos_by_param: dict, shared: set[int]
         log.info("shardc: block %s compiles inline (no shared body): %s", fallback.module,
                  fallback.reason)
     return result
+
+
+def _is_block_stack(container: nn.Module, infos_by_param: dict) -> bool:
+    """Whether ``container`` is an ``nn.Sequential`` of two or more identical blocks (timm's
+    ``self.blocks = nn.Sequential(*blocks)``, called as one), grouped as a ``nn.ModuleList``'s
+    children are. Only a stack of blocks (children that have children of their own, all of one
+    signature but for scalar values): a sequence of layers (``Linear, GELU, Linear``) is no
+    repeated block (s75; before, no ``nn.Sequential`` was grouped, so such stacks compiled every
+    block inline)."""
+    if not isinstance(container, nn.Sequential) or len(container) < 2:
+        return False
+    children = list(container.children())
+    if not all(any(True for _ in child.children()) for child in children):
+        return False
+    # Scalars aside (a block's own index, as in transformers' layers): the groups are then
+    # formed as for a ModuleList, exact and loose.
+    first = block_signature(children[0], infos_by_param, scalar_values=False)
+    return all(block_signature(child, infos_by_param, scalar_values=False) == first
+               for child in children[1:])
 
 
 def _pack_each_parameter_once(result: BlockBodies, root: nn.Module) -> None:

@@ -65,6 +65,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from shardc.planning.fit import (
@@ -389,16 +390,19 @@ def refit_nonnegative(terms: dict[str, float], counts: Sequence[int]) -> dict[st
 
 class _Layer(nn.Module):
     """A tiny block with a transformer block's kinds of parameters: a norm weight (read by a
-    pointwise op) and two matmul weights."""
+    pointwise op) and two matmul weights. Its weights are its own parameters, not ``nn.Linear``
+    children: a stack of layers without children is no block stack for shardc
+    (``blocks._is_block_stack``), so the layers compile inline, as they did when this model was
+    calibrated with (the same ops as ``nn.Linear``'s)."""
 
     def __init__(self, dim: int) -> None:
         super().__init__()
         self.norm = nn.Parameter(torch.ones(dim))
-        self.up = nn.Linear(dim, dim, bias=False)
-        self.down = nn.Linear(dim, dim, bias=False)
+        self.up = nn.Parameter(nn.Linear(dim, dim, bias=False).weight.detach())
+        self.down = nn.Parameter(nn.Linear(dim, dim, bias=False).weight.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(x * self.norm)))
+        return x + F.linear(torch.relu(F.linear(x * self.norm, self.up)), self.down)
 
 
 def _one_rank_mesh(device: torch.device):
