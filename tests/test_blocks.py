@@ -1786,6 +1786,22 @@ def test_blocks_drawing_random_numbers_under_checkpointing_compile_inline(where)
     torch._dynamo.reset()
 
 
+def _sgd_beside_eager(reference: nn.Module, model: nn.Module, compiled, batches: torch.Tensor,
+                      loss_fn, inputs=lambda batch: batch) -> None:
+    """Train the unsharded ``reference`` and the sharded ``model`` (called through
+    ``compiled``) with SGD on each of ``batches`` (``loss_fn(output, batch)``, the model fed
+    ``inputs(batch)``); every parameter equal to the reference's after each step."""
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
+    for step, batch in enumerate(batches):
+        for run, opt in zip((reference, compiled), optimizers):
+            loss_fn(run(inputs(batch)), batch).backward()
+            opt.step()
+            opt.zero_grad()
+        for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.full_tensor(), ref, rtol=1e-5, atol=1e-6,
+                                       msg=f"step {step}: {name}")
+
+
 @pytest.mark.parametrize("policy", ["full", "selective"])
 def test_blocks_wrapped_by_checkpoint_wrapper_share_a_body(policy):
     """torchtitan's activation checkpointing: each block of the ``nn.ModuleList`` wrapped in
@@ -1839,17 +1855,10 @@ def test_blocks_wrapped_by_checkpoint_wrapper_share_a_body(policy):
     with one_rank_mesh() as mesh:
         shardc.shard(model, mesh)
         compiled = torch.compile(model, backend=shardc.backend(inductor=False))
-        optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
-        data = torch.randint(0, VOCAB, (2, 2, 9), generator=torch.Generator().manual_seed(1))
-        for step, ids in enumerate(data):
-            for run, opt in zip((reference, compiled), optimizers):
-                loss = F.cross_entropy(run(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-            for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
-                torch.testing.assert_close(p.full_tensor(), ref, rtol=1e-5, atol=1e-6,
-                                           msg=f"step {step}: {name}")
+        _sgd_beside_eager(reference, model, compiled, torch.randint(
+            0, VOCAB, (2, 2, 9), generator=torch.Generator().manual_seed(1)),
+            lambda out, ids: F.cross_entropy(out.flatten(0, 1), ids[:, 1:].flatten()),
+            lambda ids: ids[:, :-1])
         plans = [r.plan for r in shardc.shard_state(model).regions]
         assert [len(b.blocks) for p in plans for b in p.bodies] == [3], plans[0].bodies
         attention = [t for t in backward_targets(model)
@@ -1889,16 +1898,9 @@ def test_identical_blocks_in_a_sequential_share_a_body():
     with one_rank_mesh() as mesh:
         shardc.shard(model, mesh)
         compiled = torch.compile(model, backend=shardc.backend(inductor=False))
-        optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
-        data = torch.randn(2, 8, 12, generator=torch.Generator().manual_seed(1))
-        for step, x in enumerate(data):
-            for run, opt in zip((reference, compiled), optimizers):
-                run(x).square().mean().backward()
-                opt.step()
-                opt.zero_grad()
-            for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
-                torch.testing.assert_close(p.full_tensor(), ref, rtol=1e-5, atol=1e-6,
-                                           msg=f"step {step}: {name}")
+        _sgd_beside_eager(reference, model, compiled,
+                          torch.randn(2, 8, 12, generator=torch.Generator().manual_seed(1)),
+                          lambda out, x: out.square().mean())
         plans = [r.plan for r in shardc.shard_state(model).regions]
         shared = [tuple(b.blocks) for p in plans for b in p.bodies]
         assert any(set(blocks) >= {"blocks.1", "blocks.2"} for blocks in shared), shared
