@@ -201,14 +201,23 @@ def draws_random_numbers(body: fx.GraphModule, checkpointed: bool = False) -> bo
     dropout_p, ``torch.rand*``...); ``checkpointed``: inside an activation-checkpointed region
     of the body. Recomputed under activation checkpointing, a body's random ops do not replay
     the forward's numbers, so such calls compile inline."""
-    modules = [gm for gm in body.modules() if isinstance(gm, fx.GraphModule)]
-    if checkpointed:
-        modules = [getattr(gm, node.args[0].target) for gm in modules for node in gm.graph.nodes
-                   if node.op == "call_function" and "activation_checkpoint" in str(node.target)]
-        modules = [m for region in modules for m in region.modules()
-                   if isinstance(m, fx.GraphModule)]
+    nodes = _checkpointed_nodes(body) if checkpointed else _all_nodes(body)
     return any(node.op in ("call_function", "call_method") and _random_call(node)
-               for gm in modules for node in gm.graph.nodes)
+               for node in nodes)
+
+
+def _all_nodes(gm: fx.GraphModule) -> Iterator[fx.Node]:
+    """The nodes of ``gm`` and of every subgraph module it holds."""
+    for sub in gm.modules():
+        if isinstance(sub, fx.GraphModule):
+            yield from sub.graph.nodes
+
+
+def _checkpointed_nodes(body: fx.GraphModule) -> Iterator[fx.Node]:
+    """The nodes inside ``body``'s activation-checkpointed regions (subgraphs included)."""
+    for node in _all_nodes(body):
+        if node.op == "call_function" and "activation_checkpoint" in str(node.target):
+            yield from _all_nodes(getattr(node.graph.owning_module, node.args[0].target))
 
 
 def checkpoints_seeded_ops(body: fx.GraphModule) -> bool:
@@ -218,20 +227,9 @@ def checkpoints_seeded_ops(body: fx.GraphModule) -> bool:
     generator's state for the recomputation, a real tensor that Inductor's lowering of a shared
     body's backward call cannot take among its fake inputs (found on transformers' checkpointed
     decoder layers, torch 2.13, CPU)."""
-    for gm in body.modules():
-        if not isinstance(gm, fx.GraphModule):
-            continue
-        for node in gm.graph.nodes:
-            if node.op != "call_function" or "activation_checkpoint" not in str(node.target):
-                continue
-            region = getattr(gm, node.args[0].target)
-            if any(n.op in ("call_function", "call_method") and (
-                    "scaled_dot_product" in getattr(n.target, "__name__", str(n.target))
-                    or _random_call(n))
-                   for sub in region.modules() if isinstance(sub, fx.GraphModule)
-                   for n in sub.graph.nodes):
-                return True
-    return False
+    return any(n.op in ("call_function", "call_method") and (
+        "scaled_dot_product" in getattr(n.target, "__name__", str(n.target)) or _random_call(n))
+        for n in _checkpointed_nodes(body))
 
 
 def inline_body_calls(root: fx.GraphModule, calls: list[fx.Node]) -> int:

@@ -35,11 +35,11 @@ def deepcopy_sharded(self: nn.Module, memo: dict[int, object]) -> nn.Module:
     if memo.get(id(_INTERNAL)) is not _INTERNAL:
         raise RuntimeError(
             f"shardc: copy.deepcopy of the sharded module {_name(self)!r} is not supported: "
-            "the copy would not be "
-            "sharded (it would share the original's records and hand no gradient to its own "
-            "parameters). For an EMA or torch.optim.swa_utils.AveragedModel copy, deepcopy the "
-            "model before shardc.shard and shard the copy too, or build and shard a second "
-            "model and load_state_dict() into it; copy.deepcopy(model.state_dict()) works.")
+            "the copy would not be sharded (it would share the original's records and hand no "
+            "gradient to its own parameters). For an EMA or torch.optim.swa_utils.AveragedModel "
+            "copy, deepcopy the model before shardc.shard and shard the copy too, or build "
+            "and shard a second model and load_state_dict() into it; "
+            "copy.deepcopy(model.state_dict()) works.")
     # What copy.deepcopy does for an object without __deepcopy__ (nn.Module's reduction:
     # a new instance of the class, its __dict__ copied, through nn.Module.__setstate__).
     new = type(self).__new__(type(self))
