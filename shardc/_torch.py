@@ -88,6 +88,16 @@ def min_cut_partition(gm, joint_inputs, **kwargs):
     return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
 
 
+def rng_state_wrappers() -> tuple[Any, Any, Any]:
+    """The higher-order ops with which torch's partitioner wraps a recomputed random op:
+    ``run_and_save_rng_state`` (forward), ``run_with_rng_state`` (backward) and CUDA's
+    ``graphsafe_run_with_rng_state`` (both)."""
+    from torch._prims import rng_prims
+
+    return (rng_prims.run_and_save_rng_state, rng_prims.run_with_rng_state,
+            rng_prims.graphsafe_run_with_rng_state)
+
+
 def inductor_compilers() -> tuple[Any, Any]:
     """(``compile_fx``, ``compile_fx_inner``)."""
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner

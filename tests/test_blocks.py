@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 
 from shardc.sharding.blocks import seal, wrap_repeated_blocks
@@ -251,38 +251,86 @@ def test_draws_random_numbers_names_random_ops_only():
         assert draws_random_numbers(fx.symbolic_trace(fn)) is random, name
 
 
-def test_checkpointed_attention_is_named_for_inductor_to_inline():
-    """Bodies that compile inline under Inductor (shardc.passes.body.checkpoints_seeded_ops):
-    those whose activation checkpoint runs scaled-dot-product attention, dropout or not (torch's
-    checkpoint saves the generator's state for it, which Inductor cannot pass to a shared body's
-    backward: transformers' checkpointed decoder layers failed so); not attention outside a
-    checkpoint, nor a checkpointed MLP. Found on Dynamo's graphs, as the backend sees them."""
-    import torch.nn.functional as F
+_CPU_ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 
-    from shardc.passes.body import checkpoints_seeded_ops
 
-    def attention(x):
-        return F.scaled_dot_product_attention(x, x, x, is_causal=True)
+def test_draws_nothing_reads_the_attention_kernels_dropout_p():
+    """Which recomputed ops keep a shared body without torch's generator-state wrappers
+    (shardc.passes.body_rng.draws_nothing): an attention kernel whose ``dropout_p`` (wherever
+    its schema puts it, positional, keyword or defaulted) is the constant 0; not one with
+    dropout, a symbolic ``dropout_p``, nor another random op."""
+    from shardc.passes.body_rng import draws_nothing
 
-    def mlp(x):
-        return torch.relu(x @ x.transpose(-1, -2)) @ x
-
+    aten = torch.ops.aten
+    cpu, efficient = _CPU_ATTENTION, aten._scaled_dot_product_efficient_attention.default
+    q = torch.empty(0)
+    symbolic = fx.Graph().placeholder("dropout_p")
     cases = {
-        "checkpointed attention": (lambda x: checkpoint(attention, x, use_reentrant=False), True),
-        "attention": (attention, False),
-        "checkpointed mlp": (lambda x: checkpoint(mlp, x, use_reentrant=False), False),
+        "cpu, positional 0": (cpu, (q, q, q, 0.0, True), {}, True),
+        "cpu, defaulted": (cpu, (q, q, q), {}, True),
+        "cpu, keyword 0": (cpu, (q, q, q), {"dropout_p": 0.0}, True),
+        "cpu, dropout": (cpu, (q, q, q, 0.1), {}, False),
+        "cpu, symbolic": (cpu, (q, q, q, symbolic), {}, False),
+        "efficient, 0": (efficient, (q, q, q, None, True, 0.0, True), {}, True),
+        "efficient, dropout": (efficient, (q, q, q, None, True, 0.5), {}, False),
+        "native_dropout, p 0": (aten.native_dropout.default, (q, 0.0, True), {}, False),
+        "rand_like": (aten.rand_like.default, (q,), {}, False),
     }
-    x = torch.randn(2, 2, 4, 8, requires_grad=True)
-    graphs: list = []
+    for name, (op, args, kwargs, drawless) in cases.items():
+        assert draws_nothing(op, args, kwargs) is drawless, name
 
-    def capture(gm, inputs):
-        graphs.append(gm)
-        return gm.forward
 
-    for name, (fn, seeded) in cases.items():
-        torch._dynamo.reset()
-        torch.compile(fn, backend=capture, fullgraph=True)(x)
-        assert checkpoints_seeded_ops(graphs.pop()) is seeded, name
+def _graphsafe_graph(prefix: str, dropouts: tuple[float, ...]) -> fx.GraphModule:
+    """A graph in CUDA's graph-safe form (torch's ``apply_graphsafe_rng_functionalization``):
+    an attention call for each of ``dropouts``, each through ``graphsafe_run_with_rng_state``
+    with a generator placeholder of its own, named as torch names them."""
+    from shardc import _torch
+
+    _, _, graphsafe = _torch.rng_state_wrappers()
+    graph = fx.Graph()
+    q = graph.placeholder("q")
+    states = [graph.placeholder(f"{prefix}_rng_state_{i}") for i in range(len(dropouts))]
+    outs = [graph.call_function(operator.getitem, (graph.call_function(
+        graphsafe, (_CPU_ATTENTION, q, q, q, p, True), {"rng_state": state}), 0))
+        for p, state in zip(dropouts, states)]
+    graph.output(tuple(outs))
+    return fx.GraphModule(nn.Module(), graph)
+
+
+def test_graphsafe_wrappers_of_drawless_attention_are_undone():
+    """CUDA's graph-safe form, built by hand (no GPU here): the wrapper of attention without
+    dropout becomes a plain call, its generator placeholder gone, in the forward and the
+    backward alike; the one with dropout keeps both. The unwrapped graph computes attention."""
+    from shardc import _torch
+    from shardc.passes.body_rng import unwrap_drawless_ops
+
+    _, _, graphsafe = _torch.rng_state_wrappers()
+    fw, bw = _graphsafe_graph("fwd", (0.0, 0.5)), _graphsafe_graph("bwd", (0.0, 0.5))
+    assert unwrap_drawless_ops(fw, bw) == 2
+    for gm, prefix in ((fw, "fwd"), (bw, "bwd")):
+        assert [p.name for p in gm.graph.find_nodes(op="placeholder")] == [
+            "q", f"{prefix}_rng_state_1"]
+        calls = [n for n in gm.graph.nodes if n.op == "call_function"
+                 and n.target in (graphsafe, _CPU_ATTENTION)]
+        q = calls[0].args[0]
+        assert [(n.target, n.args, n.kwargs) for n in calls] == [
+            (_CPU_ATTENTION, (q, q, q, 0.0, True), {}),
+            (graphsafe, (_CPU_ATTENTION, q, q, q, 0.5, True),
+             {"rng_state": gm.graph.find_nodes(op="placeholder")[1]})]
+    # Torch leaves the graph-safe wrappers without a value: the plain call gets one from its
+    # operands' fake values.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fw, bw = _graphsafe_graph("fwd", (0.0,)), _graphsafe_graph("bwd", (0.0,))
+    q = torch.randn(1, 2, 4, 8)
+    fake = FakeTensorMode()
+    for gm in (fw, bw):
+        gm.graph.find_nodes(op="placeholder")[0].meta["val"] = fake.from_tensor(q)
+    assert unwrap_drawless_ops(fw, bw) == 2
+    for gm in (fw, bw):
+        call = next(n for n in gm.graph.nodes if n.target is _CPU_ATTENTION)
+        assert call.meta["val"][0].shape == q.shape
+    torch.testing.assert_close(fw(q)[0], F.scaled_dot_product_attention(q, q, q, is_causal=True))
 
 
 def test_flattened_inlines_every_body_call_nested_ones_too():
@@ -1864,6 +1912,145 @@ def test_blocks_wrapped_by_checkpoint_wrapper_share_a_body(policy):
         attention = [t for t in backward_targets(model)
                      if "scaled_dot_product" in t and "backward" not in t]
         assert bool(attention) == (policy == "full"), attention
+    torch._dynamo.reset()
+
+
+class _SelfCheckpointing(nn.Module):
+    """A block that checkpoints its own attention block (torch.utils.checkpoint, non-reentrant),
+    as ``checkpoint_wrapper`` does with the whole block."""
+
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        from real_models import AttentionBlock
+
+        self.inner = AttentionBlock(dropout=dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.inner, x, use_reentrant=False)
+
+
+def _checkpointed_attention_lm(wrapper: str, dropout: float = 0.0) -> nn.Module:
+    from real_models import DIM, VOCAB, AttentionBlock
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    class LM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, DIM)
+            self.blocks = nn.ModuleList(
+                checkpoint_wrapper(AttentionBlock(dropout=dropout)) if wrapper == "wrapper"
+                else _SelfCheckpointing(dropout) for _ in range(3))
+            self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            h = self.embed(ids)
+            for block in self.blocks:
+                h = block(h)
+            return self.head(h)
+
+    return LM()
+
+
+def _rng_wrappers_run(model: nn.Module) -> list[str]:
+    """The generator-state wrappers (torch's ``run_and_save_rng_state`` and the others) that
+    the compiled regions' forward and backward graphs of ``model`` run, subgraphs included."""
+    import shardc
+
+    return sorted({str(node.target) for region in shardc.shard_state(model).regions
+                   for graph in (region.forward, region.backward) if graph is not None
+                   for gm in graph.modules() if isinstance(gm, fx.GraphModule)
+                   for node in gm.graph.nodes
+                   if node.op == "call_function" and "rng_state" in str(node.target)})
+
+
+def _train_checkpointed_attention(wrapper: str, inductor: bool, steps: int) -> nn.Module:
+    """``_checkpointed_attention_lm`` (attention without dropout) sharded at world 1, compiled
+    (``inductor`` or FX) and trained ``steps`` SGD steps beside its unsharded eager copy, every
+    parameter equal after each step; the sharded model, for its regions and plans."""
+    import copy
+
+    from dist_utils import one_rank_mesh
+    from real_models import VOCAB
+
+    import shardc
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    reference = _checkpointed_attention_lm(wrapper)
+    model = copy.deepcopy(reference)
+    with one_rank_mesh() as mesh:
+        shardc.shard(model, mesh)
+        compiled = torch.compile(model, backend=shardc.backend(inductor=inductor))
+        _sgd_beside_eager(reference, model, compiled, torch.randint(
+            0, VOCAB, (steps, 2, 9), generator=torch.Generator().manual_seed(1)),
+            lambda out, ids: F.cross_entropy(out.flatten(0, 1), ids[:, 1:].flatten()),
+            lambda ids: ids[:, :-1])
+    return model
+
+
+@pytest.mark.parametrize("wrapper", ["wrapper", "checkpoint"])
+def test_checkpointed_attention_without_dropout_saves_no_generator_state(wrapper):
+    """torch's partitioner wraps every op that a checkpoint recomputes and that is tagged
+    random, attention without dropout included, so that its recompute replays the generator's
+    state (``run_and_save_rng_state`` / ``run_with_rng_state``): a real tensor among a shared
+    body's backward inputs, for which such bodies compiled inline under Inductor before s76.
+    A body's partition now undoes the wrappers of ops that draw nothing
+    (``shardc.passes.body_rng``): blocks checkpointed around attention without dropout
+    (``checkpoint_wrapper``, or ``torch.utils.checkpoint`` inside the block) share one body
+    whose graphs run no wrapper, recompute attention in the backward, and train as the
+    unsharded eager model (FX, one rank, two SGD steps; Inductor: the slow test below)."""
+    import shardc
+
+    model = _train_checkpointed_attention(wrapper, inductor=False, steps=2)
+    plans = [r.plan for r in shardc.shard_state(model).regions]
+    assert [len(b.blocks) for p in plans for b in p.bodies] == [3], plans[0].bodies
+    assert not [b for p in plans for b in p.inline_blocks], plans[0].inline_blocks
+    assert _rng_wrappers_run(model) == []
+    from real_models import backward_targets
+
+    assert [t for t in backward_targets(model)
+            if "scaled_dot_product" in t and "backward" not in t]  # recomputed
+    torch._dynamo.reset()
+
+
+def test_checkpointed_attention_with_dropout_still_compiles_inline():
+    """The other side: blocks whose checkpoint recomputes attention (and an MLP) with dropout
+    compile inline, the reason in the plan, and keep torch's wrappers, which replay the forward's
+    masks (a shared body would draw other ones)."""
+    from dist_utils import one_rank_mesh
+    from real_models import VOCAB
+
+    import shardc
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _checkpointed_attention_lm("wrapper", dropout=0.25)
+    with one_rank_mesh() as mesh:
+        shardc.shard(model, mesh)
+        compiled = torch.compile(model, backend=shardc.backend(inductor=False))
+        compiled(torch.randint(0, VOCAB, (2, 8))).sum().backward()
+        plans = [r.plan for r in shardc.shard_state(model).regions]
+        inline = {b.module: b.reason for p in plans for b in p.inline_blocks}
+        assert not [b for p in plans for b in p.bodies], plans[0].bodies
+        assert {f"blocks.{i}" for i in range(1, 3)} <= set(inline), inline
+        assert all("random numbers" in reason for reason in inline.values()), inline
+        assert "run_with_rng_state" in _rng_wrappers_run(model)
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_checkpointed_attention_without_dropout_shares_a_body_under_inductor():
+    """The first test above under Inductor, where it mattered: the blocks share one body
+    (before s76 each compiled inline, "its activation checkpoint saves the random generator's
+    state"), run no generator-state wrapper, and train as the unsharded eager model over three
+    SGD steps."""
+    import shardc
+
+    model = _train_checkpointed_attention("wrapper", inductor=True, steps=3)
+    plans = [r.plan for r in shardc.shard_state(model).regions]
+    assert [len(b.blocks) for p in plans for b in p.bodies] == [3], plans[0].bodies
+    assert not [b for p in plans for b in p.inline_blocks], plans[0].inline_blocks
+    assert _rng_wrappers_run(model) == []
     torch._dynamo.reset()
 
 

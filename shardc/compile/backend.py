@@ -32,7 +32,6 @@ from shardc.ops.body_standin import BODY_BWD_OP, BODY_FWD_OP
 from shardc.ops.gather import GATHER_OP
 from shardc.ops.gather_args import GatherArgs
 from shardc.passes.body import (
-    checkpoints_seeded_ops,
     describe_body_calls,
     draws_random_numbers,
     inline_body_calls,
@@ -44,6 +43,7 @@ from shardc.passes.body import (
     tag_weight_recompute,
 )
 from shardc.passes.body_donations import DONATED
+from shardc.passes.body_rng import unwrap_drawless_ops
 from shardc.passes.body_share import share_equal_bodies
 from shardc.passes.body_sizes import recompute_returned_sizes
 from shardc.passes.body_standin import (
@@ -170,7 +170,14 @@ class ShardcPartitioner(_torch.custom_partitioner_base()):
             log.warning("shardc: a body's joint graph matches no body call of region %d; its "
                         "weights are not identified", self.region.index)
         tag_lazy_bit_views_recompute(gm)
-        return _torch.min_cut_partition(gm, joint_inputs, **kwargs)
+        fw, bw = _torch.min_cut_partition(gm, joint_inputs, **kwargs)
+        # Checkpointed attention without dropout: no generator state saved for its recompute,
+        # which Inductor could not pass to the shared body's backward.
+        unwrapped = unwrap_drawless_ops(fw, bw)
+        if unwrapped:
+            log.debug("shardc: %d recomputed op(s) of a body drawing no random numbers run "
+                      "without torch's generator-state wrappers", unwrapped)
+        return fw, bw
 
     def plan_inference(self, gm: fx.GraphModule) -> fx.GraphModule:
         """Plan a forward-only graph (``torch.no_grad()`` / eval): gathers only, no reductions."""
@@ -300,20 +307,18 @@ _SELECTIVE = ("it runs under selective activation checkpointing (a context_fn po
               "a shared body's partition does not follow")
 _RANDOM = ("it draws random numbers (dropout), which a shared body would not replay when "
            "activation checkpointing recomputes it")
-_RNG_STATE = ("under Inductor: its activation checkpoint saves the random generator's state "
-              "(scaled-dot-product attention counts as random to torch, dropout or not), which "
-              "Inductor cannot pass to a shared body's backward")
 
 
 @dataclasses.dataclass(frozen=True)
 class _BodyRandomness:
     """What a body's random ops mean for sharing it. ``draws``: it draws random numbers;
-    ``checkpointed``: it draws them inside an activation-checkpointed region of its own;
-    ``rng_state``: (under Inductor) such a region saves the random generator's state."""
+    ``checkpointed``: it draws them inside an activation-checkpointed region of its own.
+    Checkpointed ops that torch counts as random but that draw nothing (attention without
+    dropout) keep the body, under Inductor too: its partition drops the generator state torch
+    saves for them (:func:`shardc.passes.body_rng.unwrap_drawless_ops`)."""
 
     draws: bool
     checkpointed: bool
-    rng_state: bool
 
     def reason(self, around: bool) -> str | None:
         """Why a call of the body must compile inline, or None; ``around``: the call itself
@@ -324,22 +329,19 @@ class _BodyRandomness:
         op, and shardc's recompute lever refuses such a body)."""
         if self.checkpointed or (around and self.draws):
             return _RANDOM
-        return _RNG_STATE if self.rng_state else None
+        return None
 
 
-def _inline_unsupported(gm: fx.GraphModule, found: list, blocks, region: RegionRecord,
-                        inductor: bool) -> list:
-    """Inline the body calls that a shared body would run wrongly (random ops), against the
-    user's policy (selective checkpointing), or that Inductor cannot compile as a shared body
-    (``inductor``: a checkpoint saving the generator's state); returns the other calls."""
+def _inline_unsupported(gm: fx.GraphModule, found: list, blocks, region: RegionRecord) -> list:
+    """Inline the body calls that a shared body would run wrongly (random ops) or against the
+    user's policy (selective checkpointing); returns the other calls."""
     unsupported = []
     random: dict[int, _BodyRandomness] = {}  # per body: the blocks of a group call the same one
     for node, call in found:
         body = _body_of(node)
         if id(body) not in random:
             random[id(body)] = _BodyRandomness(
-                draws_random_numbers(body), draws_random_numbers(body, checkpointed=True),
-                inductor and checkpoints_seeded_ops(body))
+                draws_random_numbers(body), draws_random_numbers(body, checkpointed=True))
         reason = random[id(body)].reason(around=node.graph is not gm.graph)
         if _torch.selective_checkpoint_policy(node.graph.owning_module) is not None:
             unsupported.append((node, call, _SELECTIVE))
@@ -431,7 +433,7 @@ def _prepare_bodies(gm: fx.GraphModule, state: ShardState | None, opts: ShardcOp
         # torch 2.11 under dynamic shapes: equal bodies traced apart, now one (body_share).
         found = describe_body_calls(gm, blocks.block_of_param)
     if opts.compile_blocks_once:
-        found = _inline_unsupported(gm, found, blocks, region, opts.inductor)
+        found = _inline_unsupported(gm, found, blocks, region)
     if found and not opts.compile_blocks_once:
         inline_body_calls(gm, [node for node, _ in found])
         region.inline_blocks += [(call.block, "compile_blocks_once=False") for _, call in found]

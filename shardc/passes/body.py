@@ -220,18 +220,6 @@ def _checkpointed_nodes(body: fx.GraphModule) -> Iterator[fx.Node]:
             yield from _all_nodes(getattr(node.graph.owning_module, node.args[0].target))
 
 
-def checkpoints_seeded_ops(body: fx.GraphModule) -> bool:
-    """Whether an activation-checkpointed region of a body of Dynamo's graph runs an op that
-    torch counts as drawing random numbers even when it draws none (scaled-dot-product
-    attention without dropout), or one that draws: torch's checkpoint then saves the random
-    generator's state for the recomputation, a real tensor that Inductor's lowering of a shared
-    body's backward call cannot take among its fake inputs (found on transformers' checkpointed
-    decoder layers, torch 2.13, CPU)."""
-    return any(n.op in ("call_function", "call_method") and (
-        "scaled_dot_product" in getattr(n.target, "__name__", str(n.target)) or _random_call(n))
-        for n in _checkpointed_nodes(body))
-
-
 def inline_body_calls(root: fx.GraphModule, calls: list[fx.Node]) -> int:
     """Replace each ``invoke_subgraph`` node of ``calls`` (in ``root``'s graph or its
     subgraphs') by a copy of its body's nodes; returns how many were inlined.
