@@ -1148,6 +1148,70 @@ def test_a_self_checkpointing_block_with_a_compile_aware_context_variable_shares
         assert "inline_single_use_invoke_subgraph" in reasons["layers.0"], reasons
 
 
+class _WrappedContextStack(nn.Module):
+    """:class:`_ContextLayer`s each in torch's ``checkpoint_wrapper`` (the checkpoint inside the
+    block, as torchtitan's activation checkpointing puts it) around the kernels-like attention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            checkpoint_wrapper,
+        )
+
+        self.layers = nn.ModuleList(checkpoint_wrapper(_ContextLayer(_KernelsAttention))
+                                    for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("skip_side_effects", [False, True], ids=["break", "skip"])
+def test_a_body_dynamo_runs_eagerly_keeps_its_weights_for_the_checkpoints_recompute(
+        skip_side_effects, caplog):
+    """transformers' layers (the kernels package installed) in torch's ``checkpoint_wrapper``:
+    Dynamo refuses the attention's side effect inside the checkpoint region and runs the body
+    eagerly, and the checkpoint's recompute in the backward ran the skeleton after its weights
+    were taken out again: "Tensor on device meta is not on the expected device cpu" (s76). The
+    eager body now runs a copy holding the call's weights: gradients equal eager's (FX, one
+    rank), the log says the body ran eagerly and names torch's flag, with which the blocks
+    share one body."""
+    from dist_utils import one_rank_mesh
+
+    import shardc
+
+    torch._dynamo.reset()
+    try:
+        with one_rank_mesh() as mesh, torch._dynamo.config.patch(
+                skip_fwd_side_effects_in_bwd_under_checkpoint=skip_side_effects), \
+                caplog.at_level(logging.WARNING, logger="shardc"):
+            torch.manual_seed(0)
+            model = _WrappedContextStack()
+            reference = __import__("copy").deepcopy(model)
+            x = torch.randn(2, 8, requires_grad=True)
+            expected = reference(x)
+            expected.sum().backward()
+            shardc.shard(model, mesh)
+            compiled = torch.compile(model, backend=shardc.backend(inductor=False))
+            got = compiled(x)
+            got.sum().backward()
+            torch.testing.assert_close(got, expected)
+            for name, p in reference.named_parameters():
+                torch.testing.assert_close(model.get_parameter(name).grad.full_tensor(),
+                                           p.grad, msg=name)
+            bodies = [tuple(b.blocks) for plan in shardc.explain_all(compiled)
+                      for b in plan.bodies]
+    finally:
+        torch._dynamo.reset()
+    eager = [r.getMessage() for r in caplog.records if "runs eagerly" in r.getMessage()]
+    if skip_side_effects:
+        assert bodies == [("layers.0", "layers.1", "layers.2")] and not eager, (bodies, eager)
+    else:
+        assert bodies == [] and len(eager) <= 1, (bodies, eager)
+        assert eager and "skip_fwd_side_effects_in_bwd_under_checkpoint" in eager[0], eager
+
+
 def _both_descriptions(*args):
     """The description of a tensor call made at trace time (``_record_tensor_call``, what the
     wrapped forward uses) and the one interpreted by Dynamo (``_describe_tensor_call``)."""

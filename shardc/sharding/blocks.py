@@ -53,6 +53,7 @@ from shardc.ops.body_call import body_anchor, body_call, record_outputs
 from shardc.ops.gather import GATHER_OP
 from shardc.runtime.grad_sync import SYNC_MODES
 from shardc.sharding.block_context import context_writes
+from shardc.sharding.eager_body import substituted_copy
 from shardc.sharding.module_copy import internal_deepcopy
 from shardc.sharding.packed_blocks import LEAF_ATTR, PackedLayout, eligible_reason, repack
 from shardc.sharding.scope import enter_forward, exit_forward
@@ -199,9 +200,12 @@ class BlockBodies:
             return ("torch.compile(dynamic=True) traces its float attributes as symbols, which "
                     "a shared body cannot take (torch._dynamo.config.specialize_float=True "
                     "keeps compile-once)")
+        # Or Dynamo broke the graph inside the body, which then runs eagerly (said in the log
+        # when it does: shardc.sharding.eager_body).
         return ("its inputs have sizes known only at run time (unbacked symbolic sizes: tokens "
                 "routed to one expert, or a slice under dynamic shapes), which one shared body "
-                "cannot take")
+                "cannot take, or Dynamo broke the graph inside the block (then its body runs "
+                "eagerly, said in the log)")
 
     def group_of(self, module: str) -> BlockGroup | None:
         return next((g for g in self.groups if module in g.members), None)
@@ -380,7 +384,12 @@ def call_substituted(skeleton: nn.Module, slots: tuple[tuple[dict, str], ...],
     skeleton's own tensors put back after it: ``torch.func.functional_call`` for a skeleton whose
     tensors are untied, with the tables found once (:func:`substitution_slots`). Traced by
     Dynamo once per body, where functional_call's walk of the module tree (``named_modules``,
-    the swap's checks per name, the untying) was most of the body's interpreted instructions."""
+    the swap's checks per name, the untying) was most of the body's interpreted instructions.
+    Run eagerly (Dynamo could not trace the body), the call runs a copy of the skeleton that
+    keeps the tensors, which a checkpoint inside the block recomputes with in the backward
+    (:mod:`shardc.sharding.eager_body`)."""
+    if not torch.compiler.is_compiling():
+        return substituted_copy(skeleton, slots, tensors)(*args, **kwargs)
     originals = []
     for slot, tensor in zip(slots, tensors):  # a plain loop: traced by Dynamo (see describe)
         table, attr = slot
