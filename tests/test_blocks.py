@@ -1167,7 +1167,22 @@ class _WrappedContextStack(nn.Module):
         return x
 
 
-@pytest.mark.parametrize("skip_side_effects", [False, True], ids=["break", "skip"])
+def _guard_based_bodies_only() -> bool:
+    from shardc import _torch
+
+    return not _torch.supports_keyed_regions()
+
+
+# torch 2.11 (2.12 not run: the same guard-based bodies) does not run the broken body eagerly:
+# shardc's trace-once pass then fails the compile (TraceOnceMismatch), a known limit (support.md).
+_EAGER_BODY_ON_GUARD_BASED = pytest.mark.xfail(
+    condition=_guard_based_bodies_only(), strict=True,
+    reason="torch 2.11-2.12: a graph break inside a guard-based body fails the trace-once pass")
+
+
+@pytest.mark.parametrize("skip_side_effects", [
+    pytest.param(False, id="break", marks=_EAGER_BODY_ON_GUARD_BASED),
+    pytest.param(True, id="skip")])
 def test_a_body_dynamo_runs_eagerly_keeps_its_weights_for_the_checkpoints_recompute(
         skip_side_effects, caplog):
     """transformers' layers (the kernels package installed) in torch's ``checkpoint_wrapper``:

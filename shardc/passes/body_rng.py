@@ -17,10 +17,14 @@ only carry a generator state that no kernel reads. Two forms:
   rng_state=g)`` with a generator placeholder of its own (``fwd_rng_state_*`` /
   ``bwd_rng_state_*``) that AOTAutograd threads from the region's inputs; nothing is saved.
 
-A shared body's backward cannot take the saved state under Inductor (a real tensor among its
-fake inputs), so before this such bodies compiled inline (every block on its own). Ops that do
-draw numbers keep their wrappers: their bodies compile inline anyway
-(``shardc.passes.body.draws_random_numbers(checkpointed=True)``).
+Until s76 such bodies compiled inline under Inductor (every block on its own), after a failure
+in s43 to lower a shared body's backward given the saved state; in s76 a body with the wrappers
+kept compiled and trained at parity on CPU (torch 2.11, 2.13) and on one H100 (graph-safe form,
+torch 2.11), so undoing them is not what makes sharing work: it drops each call's saved state
+(and its save and restore) and, on CUDA, the generator states torch threads through the region
+for every call. Ops that do draw numbers keep their wrappers: their bodies compile inline
+anyway (``shardc.passes.body.draws_random_numbers(checkpointed=True)``: a shared body would draw
+other numbers when recomputed).
 """
 
 from __future__ import annotations
