@@ -1087,6 +1087,14 @@ def _compile_context_stack(attention: type[nn.Module], checkpointed: bool,
                            **shard_kwargs) -> list:
     """Train one step of :class:`_ContextStack` under shardc (FX, one rank) beside its eager
     copy, sharded with ``shard_kwargs``; returns the compiled model's plans (each region's)."""
+    return _one_step_beside_eager(lambda: _ContextStack(attention, checkpointed),
+                                  **shard_kwargs)
+
+
+def _one_step_beside_eager(build, input_requires_grad: bool = False, **shard_kwargs) -> list:
+    """One step of the model ``build()`` makes, sharded with ``shard_kwargs`` and compiled
+    through shardc (FX, one rank), beside its eager copy: outputs and gradients equal; returns
+    the compiled model's plans (each region's)."""
     from dist_utils import one_rank_mesh
 
     import shardc
@@ -1095,9 +1103,9 @@ def _compile_context_stack(attention: type[nn.Module], checkpointed: bool,
     try:
         with one_rank_mesh() as mesh:
             torch.manual_seed(0)
-            model = _ContextStack(attention, checkpointed)
+            model = build()
             reference = __import__("copy").deepcopy(model)
-            x = torch.randn(2, 8)
+            x = torch.randn(2, 8, requires_grad=input_requires_grad)
             expected = reference(x)
             expected.sum().backward()
             shardc.shard(model, mesh, **shard_kwargs)
@@ -1192,33 +1200,11 @@ def test_a_body_dynamo_runs_eagerly_keeps_its_weights_for_the_checkpoints_recomp
     eager body now runs a copy holding the call's weights: gradients equal eager's (FX, one
     rank), the log says the body ran eagerly and names torch's flag, with which the blocks
     share one body."""
-    from dist_utils import one_rank_mesh
-
-    import shardc
-
-    torch._dynamo.reset()
-    try:
-        with one_rank_mesh() as mesh, torch._dynamo.config.patch(
-                skip_fwd_side_effects_in_bwd_under_checkpoint=skip_side_effects), \
-                caplog.at_level(logging.WARNING, logger="shardc"):
-            torch.manual_seed(0)
-            model = _WrappedContextStack()
-            reference = __import__("copy").deepcopy(model)
-            x = torch.randn(2, 8, requires_grad=True)
-            expected = reference(x)
-            expected.sum().backward()
-            shardc.shard(model, mesh)
-            compiled = torch.compile(model, backend=shardc.backend(inductor=False))
-            got = compiled(x)
-            got.sum().backward()
-            torch.testing.assert_close(got, expected)
-            for name, p in reference.named_parameters():
-                torch.testing.assert_close(model.get_parameter(name).grad.full_tensor(),
-                                           p.grad, msg=name)
-            bodies = [tuple(b.blocks) for plan in shardc.explain_all(compiled)
-                      for b in plan.bodies]
-    finally:
-        torch._dynamo.reset()
+    with torch._dynamo.config.patch(
+            skip_fwd_side_effects_in_bwd_under_checkpoint=skip_side_effects), \
+            caplog.at_level(logging.WARNING, logger="shardc"):
+        plans = _one_step_beside_eager(_WrappedContextStack, input_requires_grad=True)
+    bodies = [tuple(b.blocks) for plan in plans for b in plan.bodies]
     eager = [r.getMessage() for r in caplog.records if "runs eagerly" in r.getMessage()]
     if skip_side_effects:
         assert bodies == [("layers.0", "layers.1", "layers.2")] and not eager, (bodies, eager)
