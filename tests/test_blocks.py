@@ -1931,7 +1931,6 @@ def test_blocks_wrapped_by_checkpoint_wrapper_share_a_body(policy):
 
     from dist_utils import one_rank_mesh
     from real_models import (
-        DIM,
         VOCAB,
         AttentionBlock,
         _save_attention_and_matmuls,
@@ -1948,22 +1947,9 @@ def test_blocks_wrapped_by_checkpoint_wrapper_share_a_body(policy):
         return checkpoint_wrapper(AttentionBlock(), context_fn=selective_checkpointing(
             _save_attention_and_matmuls))
 
-    class LM(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.embed = nn.Embedding(VOCAB, DIM)
-            self.blocks = nn.ModuleList(wrapped() for _ in range(3))
-            self.head = nn.Linear(DIM, VOCAB, bias=False)
-
-        def forward(self, ids: torch.Tensor) -> torch.Tensor:
-            h = self.embed(ids)
-            for block in self.blocks:
-                h = block(h)
-            return self.head(h)
-
     torch._dynamo.reset()
     torch.manual_seed(0)
-    reference = LM()
+    reference = _BlockLM(wrapped)
     model = copy.deepcopy(reference)
     with one_rank_mesh() as mesh:
         shardc.shard(model, mesh)
@@ -1994,26 +1980,30 @@ class _SelfCheckpointing(nn.Module):
         return checkpoint(self.inner, x, use_reentrant=False)
 
 
+class _BlockLM(nn.Module):
+    """An embedding, three blocks made by ``make_block`` and a head."""
+
+    def __init__(self, make_block) -> None:
+        from real_models import DIM, VOCAB
+
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(make_block() for _ in range(3))
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
 def _checkpointed_attention_lm(wrapper: str, dropout: float = 0.0) -> nn.Module:
-    from real_models import DIM, VOCAB, AttentionBlock
+    from real_models import AttentionBlock
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    class LM(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.embed = nn.Embedding(VOCAB, DIM)
-            self.blocks = nn.ModuleList(
-                checkpoint_wrapper(AttentionBlock(dropout=dropout)) if wrapper == "wrapper"
-                else _SelfCheckpointing(dropout) for _ in range(3))
-            self.head = nn.Linear(DIM, VOCAB, bias=False)
-
-        def forward(self, ids: torch.Tensor) -> torch.Tensor:
-            h = self.embed(ids)
-            for block in self.blocks:
-                h = block(h)
-            return self.head(h)
-
-    return LM()
+    return _BlockLM(lambda: checkpoint_wrapper(AttentionBlock(dropout=dropout))
+                    if wrapper == "wrapper" else _SelfCheckpointing(dropout))
 
 
 def _rng_wrappers_run(model: nn.Module) -> list[str]:
