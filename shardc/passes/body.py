@@ -620,8 +620,14 @@ def rewrite_trace_once_calls(root: fx.GraphModule) -> int:
         changed = False
         for node in list(gm.graph.nodes):
             if is_call(node, BODY_ANCHOR_OP):
-                anchor = _anchor(node)
-                anchors[node.args[0]] = anchor
+                try:
+                    anchors[node.args[0]] = _anchor(node)
+                except TraceOnceMismatch:
+                    # Its call is no traced body in this graph (torch 2.11: Dynamo broke the
+                    # graph inside it and ran it eagerly, this graph resuming after it): the
+                    # anchor only marks its outputs, and a later call of its slot here has no
+                    # first call to share (raised at that call).
+                    anchors.pop(node.args[0], None)
                 outputs = node.args[2]
                 for user in list(node.users):
                     if not is_call(user, operator.getitem):
