@@ -1914,11 +1914,7 @@ def test_blocks_wrapped_by_checkpoint_wrapper_share_a_body(policy):
     wrappers too: their partials compare by what they call), train as the unsharded eager
     model (FX, one rank, two SGD steps), and the backward recomputes attention under the full
     policy but not under the selective one (the body's checkpoint follows it)."""
-    import copy
-
-    from dist_utils import one_rank_mesh
     from real_models import (
-        VOCAB,
         AttentionBlock,
         _save_attention_and_matmuls,
         backward_targets,
@@ -1934,22 +1930,12 @@ def test_blocks_wrapped_by_checkpoint_wrapper_share_a_body(policy):
         return checkpoint_wrapper(AttentionBlock(), context_fn=selective_checkpointing(
             _save_attention_and_matmuls))
 
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    reference = _BlockLM(wrapped)
-    model = copy.deepcopy(reference)
-    with one_rank_mesh() as mesh:
-        shardc.shard(model, mesh)
-        compiled = torch.compile(model, backend=shardc.backend(inductor=False))
-        _sgd_beside_eager(reference, model, compiled, torch.randint(
-            0, VOCAB, (2, 2, 9), generator=torch.Generator().manual_seed(1)),
-            lambda out, ids: F.cross_entropy(out.flatten(0, 1), ids[:, 1:].flatten()),
-            lambda ids: ids[:, :-1])
-        plans = [r.plan for r in shardc.shard_state(model).regions]
-        assert [len(b.blocks) for p in plans for b in p.bodies] == [3], plans[0].bodies
-        attention = [t for t in backward_targets(model)
-                     if "scaled_dot_product" in t and "backward" not in t]
-        assert bool(attention) == (policy == "full"), attention
+    model = _train_beside_eager(lambda: _BlockLM(wrapped), inductor=False, steps=2)
+    plans = [r.plan for r in shardc.shard_state(model).regions]
+    assert [len(b.blocks) for p in plans for b in p.bodies] == [3], plans[0].bodies
+    attention = [t for t in backward_targets(model)
+                 if "scaled_dot_product" in t and "backward" not in t]
+    assert bool(attention) == (policy == "full"), attention
     torch._dynamo.reset()
 
 
@@ -2009,6 +1995,13 @@ def _train_checkpointed_attention(wrapper: str, inductor: bool, steps: int) -> n
     """``_checkpointed_attention_lm`` (attention without dropout) sharded at world 1, compiled
     (``inductor`` or FX) and trained ``steps`` SGD steps beside its unsharded eager copy, every
     parameter equal after each step; the sharded model, for its regions and plans."""
+    return _train_beside_eager(lambda: _checkpointed_attention_lm(wrapper), inductor, steps)
+
+
+def _train_beside_eager(build, inductor: bool, steps: int) -> nn.Module:
+    """The model ``build()`` makes (a :class:`_BlockLM`) sharded at world 1, compiled
+    (``inductor`` or FX) and trained ``steps`` SGD steps beside its unsharded eager copy, every
+    parameter equal after each step; the sharded model, for its regions and plans."""
     import copy
 
     from dist_utils import one_rank_mesh
@@ -2018,7 +2011,7 @@ def _train_checkpointed_attention(wrapper: str, inductor: bool, steps: int) -> n
 
     torch._dynamo.reset()
     torch.manual_seed(0)
-    reference = _checkpointed_attention_lm(wrapper)
+    reference = build()
     model = copy.deepcopy(reference)
     with one_rank_mesh() as mesh:
         shardc.shard(model, mesh)

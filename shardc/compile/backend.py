@@ -171,8 +171,8 @@ class ShardcPartitioner(_torch.custom_partitioner_base()):
                         "weights are not identified", self.region.index)
         tag_lazy_bit_views_recompute(gm)
         fw, bw = _torch.min_cut_partition(gm, joint_inputs, **kwargs)
-        # Checkpointed attention without dropout: no generator state saved for its recompute,
-        # which Inductor could not pass to the shared body's backward.
+        # Checkpointed attention without dropout: no generator state saved and restored (nor,
+        # on CUDA, threaded through the region) for a recompute that draws nothing.
         unwrapped = unwrap_drawless_ops(fw, bw)
         if unwrapped:
             log.debug("shardc: %d recomputed op(s) of a body drawing no random numbers run "

@@ -32,11 +32,10 @@ from __future__ import annotations
 import numbers
 import operator
 
-import torch
 from torch import fx
 
 from shardc import _torch
-from shardc.passes.fx_utils import is_call
+from shardc.passes.fx_utils import is_call, recomputed_value
 
 __all__ = ["draws_nothing", "unwrap_drawless_ops"]
 
@@ -146,22 +145,8 @@ def _replace_by_op(graph: fx.Graph, node: fx.Node, op, args: tuple, kwargs: dict
         call = graph.call_function(op, args, dict(kwargs))
     call.meta = dict(meta) if meta else dict(node.meta)
     if "val" not in call.meta:  # torch's graph-safe wrappers carry none
-        value = _fake_value(op, args, kwargs)
+        value = recomputed_value(graph, call)
         if value is not None:
             call.meta["val"] = value
     node.replace_all_uses_with(call)
     graph.erase_node(node)
-
-
-def _fake_value(op, args: tuple, kwargs: dict) -> object:
-    """``op``'s result on its operands' fake values (the partition's fake mode), or None where
-    an operand has no value or no fake mode is found."""
-    missing = object()
-    values = fx.map_arg((args, dict(kwargs)), lambda n: n.meta.get("val", missing))
-    leaves: list = []
-    fx.node.map_aggregate(values, leaves.append)
-    mode = _torch.detect_fake_mode([v for v in leaves if isinstance(v, torch.Tensor)])
-    if mode is None or any(v is missing for v in leaves):
-        return None
-    with mode:
-        return op(*values[0], **values[1])
