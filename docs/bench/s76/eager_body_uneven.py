@@ -6,15 +6,15 @@ import copy
 import sys
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-sys.path.insert(0, "tests")  # run from the checkout: PYTHONPATH=$PWD:$PWD/tests python3 docs/bench/s76/eager_body_uneven.py
+sys.path.insert(0, "tests")  # run from the checkout (summary.md has the command)
 
 
 def run(rank, world, inductor):
-    import shardc
     import test_blocks as T
+
+    import shardc
 
     torch.manual_seed(0)
     model = T._WrappedContextStack()
@@ -33,7 +33,7 @@ def run(rank, world, inductor):
         for opt in opts:
             opt.step()
             opt.zero_grad()
-        for (name, p), r in zip(model.named_parameters(), reference.parameters()):
+        for (_name, p), r in zip(model.named_parameters(), reference.parameters()):
             full = p.full_tensor()
             worst = max(worst, ((full - r).abs().max() / r.abs().max()).item())
     bodies = [tuple(b.blocks) for plan in shardc.explain_all(compiled) for b in plan.bodies]
