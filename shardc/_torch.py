@@ -575,18 +575,30 @@ def supports_keyed_regions() -> bool:
 
 def keyed_compile_region(fn):
     """``torch.compiler.nested_compile_region(fn)`` whose reuse key is ``fn``'s first argument,
-    an ``int`` the caller derived from everything a trace of ``fn`` depends on: Dynamo traces the
-    first call per key and stamps that trace out for the other calls with the same key, instead
-    of tracing every call (torch 2.13+'s ``reuse_hash_fn``). None where torch has no
-    ``reuse_hash_fn`` (2.11, 2.12): the caller keeps the guard-based region."""
+    the decimal ``str`` of an ``int`` the caller derived from everything a trace of ``fn``
+    depends on (:func:`region_key`): Dynamo traces the first call per key and stamps that trace
+    out for the other calls with the same key, instead of tracing every call (torch 2.13+'s
+    ``reuse_hash_fn``). None where torch has no ``reuse_hash_fn`` (2.11, 2.12): the caller keeps
+    the guard-based region."""
     if not supports_keyed_regions():
         return None
     mark = torch.compiler.nested_compile_region
 
-    def reuse_key(key: int, *args, **kwargs) -> int:
-        return key
+    def reuse_key(key: str, *args, **kwargs) -> int:
+        return int(key)
 
     return mark(fn, reuse_hash_fn=reuse_key)
+
+
+def region_key(key: int) -> str:
+    """A :func:`keyed_compile_region`'s key argument. A string, not the ``int``: where Dynamo
+    cannot trace a region's body (a graph break inside it), the region's own frame runs, and
+    Dynamo compiles that frame on its own with the key as an input. An ``int`` input that takes a
+    second value there (two blocks' calls with different keys: the first block's input without
+    ``requires_grad``) becomes symbolic under automatic dynamic shapes, and the reuse key must
+    be a constant ("reuse_hash_fn must return a constant integer"); a string input is guarded
+    by value and never made symbolic."""
+    return str(key)
 
 
 def _static_value_check() -> Callable[[object], bool]:

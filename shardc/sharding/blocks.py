@@ -1125,21 +1125,27 @@ def _trace_once_kind(slot: int) -> int:
     return _SLOT_KIND[slot]
 
 
-def _trace_once_call(group: BlockGroup | PackedBodies, training: bool, key: int, weights,
+def _trace_once_call(group: BlockGroup | PackedBodies, training: bool, key: str, weights,
                      buffers, args, kwargs, inputs: list):
     """A body call that Dynamo traces only the first time per slot and graph (see above);
     ``group``: the bodies and prober to call (a group's, or its packed ones); ``key``: the
-    call's reuse key, which holds the :func:`identity_pattern` of ``inputs`` (the buffers and
-    the argument tensors, flat; the weights are distinct tensors made in this forward, each its
+    call's reuse key (as :func:`shardc._torch.region_key` passes it: a string, for the same
+    reason), which holds the :func:`identity_pattern` of ``inputs`` (the buffers and the
+    argument tensors, flat; the weights are distinct tensors made in this forward, each its
     own gather of another parameter, so none is a buffer or an argument)."""
     flat = [*weights, *inputs]
-    plan = _trace_once_plan(group.prober.uid, key)
+    plan = _trace_once_plan(group.prober.uid, int(key))
     slot, mode = plan // 3, plan % 3
     if mode == _LATER:
         outs = body_call(slot, flat)
         kind = _trace_once_kind(slot)
         return outs[0] if kind == 0 else (tuple(outs) if kind == 1 else list(outs))
     out = group.bodies[training](weights, buffers, args, kwargs)
+    # Read again, not kept across the body's call: where the body breaks Dynamo's graph, the
+    # rest runs as a frame of its own, whose int inputs turn symbolic once they take a second
+    # value (two blocks' slots), and the calls below need constants; the key string does not.
+    plan = _trace_once_plan(group.prober.uid, int(key))
+    slot, mode = plan // 3, plan % 3
     if mode == _TRACE:
         return out
     if type(out) is tuple:
@@ -1313,11 +1319,13 @@ def _wrapped_forward(group: BlockGroup, original: Callable) -> Callable:
                 self._shardc_member, weights, buffers, args, kwargs), *given)
         if key and source.keyed:
             if tensors_only:
-                return source.keyed_flat[self.training](key, *weights, *buffers, *args)
-            return source.keyed[self.training](key, weights, buffers, args, kwargs)
+                return source.keyed_flat[self.training](_torch.region_key(key), *weights,
+                                                        *buffers, *args)
+            return source.keyed[self.training](_torch.region_key(key), weights, buffers, args,
+                                               kwargs)
         if key and not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")):
-            return _trace_once_call(source, self.training, key, weights, buffers, args, kwargs,
-                                    inputs)
+            return _trace_once_call(source, self.training, _torch.region_key(key), weights,
+                                    buffers, args, kwargs, inputs)
         return put_back_passed_inputs(source.bodies[self.training](weights, buffers, args,
                                                                    kwargs), *given)
 

@@ -20,6 +20,7 @@ import copy
 import logging
 import weakref
 
+import torch
 from torch import nn
 
 __all__ = ["substituted_copy"]
@@ -57,6 +58,7 @@ def substituted_copy(skeleton: nn.Module, slots: tuple[tuple[dict, str], ...],
     return copies[id(skeleton)]
 
 
+@torch.compiler.disable
 def _say_ran_eagerly(skeleton: nn.Module) -> None:
     if skeleton in _SAID:
         return
