@@ -58,6 +58,8 @@ def substituted_copy(skeleton: nn.Module, slots: tuple[tuple[dict, str], ...],
     return copies[id(skeleton)]
 
 
+# Run outside Dynamo: where it compiles the body's region as a frame of its own (the body
+# breaks its graph), a traced check of the set was folded at trace time and warned every call.
 @torch.compiler.disable
 def _say_ran_eagerly(skeleton: nn.Module) -> None:
     if skeleton in _SAID:
