@@ -93,6 +93,10 @@ def test_the_view_is_dropped_from_the_saved_values_and_derived_in_the_backward()
         assert sorted(u.args[1] for u in call.users) == [0, 2]
 
 
+# What a traced ``Tensor.detach()`` is: ``aten.detach`` before torch 2.14, ``aten.alias`` on it.
+_DETACH = (aten.detach.default, aten.alias.default)
+
+
 def test_views_of_a_forward_value_saved_twice_are_saved_once():
     """Inline blocks: the forward's own graph saves two views of one of its values."""
     def forward(x, w):
@@ -106,7 +110,7 @@ def test_views_of_a_forward_value_saved_twice_are_saved_once():
     assert save_one_view_per_storage(fw, bw, num_fwd_outputs=1) == 1
     torch.testing.assert_close(_run(fw, bw, x, w, t), expected, rtol=0, atol=0)
     (kept,) = next(iter(fw.graph.find_nodes(op="output"))).args[0][1:]
-    assert kept.target == aten.detach.default
+    assert kept.target in _DETACH, kept.target
 
 
 def test_a_call_saving_one_view_or_views_without_the_value_itself_is_left_alone():
@@ -145,7 +149,9 @@ def test_view_path_walks_single_input_views_to_their_base():
     base_b, views_b = view_path(b)
     assert base_a is base_b and base_a.target == aten.mm.default
     assert [v.target for v in views_a] == [aten.view.default, aten.t.default]
-    assert [v.target for v in views_b] == [aten.detach.default, aten.detach.default]
+    # torch 2.14's tracer records ``.detach().detach()`` as one ``alias``; earlier ones as two
+    # ``detach`` nodes.
+    assert views_b and all(v.target in _DETACH for v in views_b), views_b
 
 
 @pytest.mark.parametrize("once", [True, False], ids=["bodies", "inline"])
