@@ -1125,6 +1125,12 @@ def _trace_once_kind(slot: int) -> int:
     return _SLOT_KIND[slot]
 
 
+def _slot_and_mode(group: BlockGroup | PackedBodies, key: str) -> tuple[int, int]:
+    """The slot and mode :func:`_trace_once_plan` gives the call with reuse key ``key``."""
+    plan = _trace_once_plan(group.prober.uid, int(key))
+    return plan // 3, plan % 3
+
+
 def _trace_once_call(group: BlockGroup | PackedBodies, training: bool, key: str, weights,
                      buffers, args, kwargs, inputs: list):
     """A body call that Dynamo traces only the first time per slot and graph (see above);
@@ -1134,8 +1140,7 @@ def _trace_once_call(group: BlockGroup | PackedBodies, training: bool, key: str,
     argument tensors, flat; the weights are distinct tensors made in this forward, each its
     own gather of another parameter, so none is a buffer or an argument)."""
     flat = [*weights, *inputs]
-    plan = _trace_once_plan(group.prober.uid, int(key))
-    slot, mode = plan // 3, plan % 3
+    slot, mode = _slot_and_mode(group, key)
     if mode == _LATER:
         outs = body_call(slot, flat)
         kind = _trace_once_kind(slot)
@@ -1144,8 +1149,7 @@ def _trace_once_call(group: BlockGroup | PackedBodies, training: bool, key: str,
     # Read again, not kept across the body's call: where the body breaks Dynamo's graph, the
     # rest runs as a frame of its own, whose int inputs turn symbolic once they take a second
     # value (two blocks' slots), and the calls below need constants; the key string does not.
-    plan = _trace_once_plan(group.prober.uid, int(key))
-    slot, mode = plan // 3, plan % 3
+    slot, mode = _slot_and_mode(group, key)
     if mode == _TRACE:
         return out
     if type(out) is tuple:
@@ -1318,11 +1322,10 @@ def _wrapped_forward(group: BlockGroup, original: Callable) -> Callable:
             return put_back_passed_inputs(source.member_bodies[self.training](
                 self._shardc_member, weights, buffers, args, kwargs), *given)
         if key and source.keyed:
+            region_key = _torch.region_key(key)
             if tensors_only:
-                return source.keyed_flat[self.training](_torch.region_key(key), *weights,
-                                                        *buffers, *args)
-            return source.keyed[self.training](_torch.region_key(key), weights, buffers, args,
-                                               kwargs)
+                return source.keyed_flat[self.training](region_key, *weights, *buffers, *args)
+            return source.keyed[self.training](region_key, weights, buffers, args, kwargs)
         if key and not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")):
             return _trace_once_call(source, self.training, _torch.region_key(key), weights,
                                     buffers, args, kwargs, inputs)
