@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 
+from shardc import _torch
 from shardc.sharding.blocks import seal, wrap_repeated_blocks
 
 
@@ -1505,6 +1506,80 @@ def test_more_graph_breaking_blocks_than_dynamos_recompile_limit_are_warned_of(c
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*recompile limit.*")
         _train_sharded_and_eager(build, caplog)
+
+
+def test_graph_breaking_blocks_over_several_ranks_are_warned_of_with_the_flags_to_set():
+    """Over more than one rank, blocks that break Dynamo's graph at a data-dependent op compile
+    regions shaped by each rank's data (s78: DBRX with AdamW at two ranks crashed on a collective
+    mismatch): shardc warns, naming the blocks, the op and the two Dynamo flags that make them
+    run as an eager body; over one rank it says nothing."""
+    from shardc.sharding.blocks import _warn_rank_dependent_regions
+
+    with pytest.warns(UserWarning, match=r"blocks\.0 \.\.\. blocks\.2 break Dynamo's graph at "
+                      r"nonzero.*over 2 ranks.*capture_dynamic_output_shape_ops = True.*"
+                      r"capture_scalar_outputs = True"):
+        _warn_rank_dependent_regions(["blocks.0", "blocks.1", "blocks.2"], "nonzero", 2, True)
+    with pytest.warns(UserWarning, match=r"over 4 ranks.*no way around it.*torch 2\.12 or later"):
+        _warn_rank_dependent_regions(["blocks.0", "blocks.1", "blocks.2"], "nonzero", 4, False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error")
+        _warn_rank_dependent_regions(["blocks.0", "blocks.1", "blocks.2"], "nonzero", 1, True)
+
+
+def _nonzero_stack_over_ranks(rank: int, world: int) -> dict:
+    """Three graph-breaking MoE blocks sharded over ``world`` ranks, each rank on its own rows
+    of the batch (so their experts get different tokens), trained with SGD beside the unsharded
+    model on the whole batch: first with Dynamo's defaults and the same rows on every rank
+    (the warning), then with the two capture flags and each rank's own rows (the workaround)."""
+    import shardc
+
+    def run(capture: bool) -> dict:
+        g = torch.Generator().manual_seed(1)
+        batches = [torch.randn(2 * world, 5, 8, generator=g) for _ in range(3)]
+        torch.manual_seed(0)
+        reference = Stack(NonzeroExpertsBlock, n=3)
+        torch.manual_seed(0)
+        model = shardc.shard(Stack(NonzeroExpertsBlock, n=3))
+        torch._dynamo.reset()
+        forward = torch.compile(model, backend=shardc.backend(inductor=False))
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
+        losses = []
+        with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=capture,
+                                        capture_scalar_outputs=capture), \
+                warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for x in batches:
+                mine = x[2 * rank:2 * rank + 2] if capture else x
+                loss = forward(mine).square().mean()
+                loss.backward()
+                reference(x).square().mean().backward()
+                for opt in opts:
+                    opt.step()
+                    opt.zero_grad()
+                losses.append(loss.item())
+        err = max(((p.full_tensor() - q).abs().max() / q.abs().max()).item()
+                  for p, q in zip(model.parameters(), reference.parameters()))
+        return {"err": err, "warned": [str(w.message) for w in caught
+                                       if "break Dynamo's graph at nonzero" in str(w.message)]}
+
+    return {"defaults": run(False), "captured": run(True)}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _torch.captured_data_dependent_ops_run_in_bodies(),
+                    reason="torch 2.11 fails inside the body with the op captured")
+def test_graph_breaking_blocks_over_two_ranks_train_with_dynamo_capturing_the_op():
+    """The warned case end to end over two ranks: with Dynamo's defaults (every rank on the same
+    rows, so their regions agree) shardc warns once per rank and trains; with the two capture
+    flags each rank trains on its own rows (its experts get other tokens) at parity with the
+    unsharded model on the whole batch, without the warning."""
+    from dist_utils import run_ranks
+
+    for out in run_ranks(_nonzero_stack_over_ranks, 2):
+        assert len(out["defaults"]["warned"]) == 1, out["defaults"]["warned"]
+        assert out["defaults"]["err"] < 1e-5, out["defaults"]
+        assert out["captured"]["warned"] == [], out["captured"]["warned"]
+        assert out["captured"]["err"] < 1e-5, out["captured"]
 
 
 class IndexedBlock(nn.Module):

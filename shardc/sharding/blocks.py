@@ -881,6 +881,9 @@ class BodyProber:
                      own_forward_reason(key, detail))
             if key == BREAKS_THE_GRAPH:
                 _warn_recompile_limit(self.group.members)
+                _warn_rank_dependent_regions(
+                    self.group.members, detail, _world_size(),
+                    _torch.captured_data_dependent_ops_run_in_bodies())
         return key
 
 
@@ -900,6 +903,39 @@ def _warn_recompile_limit(members: list[str]) -> None:
         f"limit ({limit}) it runs the remaining blocks eagerly. Set "
         f"torch._dynamo.config.recompile_limit to at least {2 * len(members)} before the first "
         f"step to compile them all", stacklevel=2)
+
+
+def _world_size() -> int:
+    """The default process group's size (1 without one)."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _warn_rank_dependent_regions(members: list[str], op: str, world: int,
+                                 capture_works: bool) -> None:
+    """Warn, over more than one rank (``world``), that ``members``' forwards break Dynamo's graph
+    at ``op``, a data-dependent op: the regions after the break take their shapes from each
+    rank's data (an MoE's tokens per expert), so ranks may compile different regions, whose
+    collectives then differ (s78: transformers' DBRX with AdamW at two ranks; shardc's plan check
+    raises, and past Dynamo's recompile limit the eager rest crashed on gloo's collective
+    mismatch). ``capture_works`` (torch 2.12+): with Dynamo capturing such ops the blocks run
+    as an eagerly run body on weights gathered before it, the same collectives on every rank
+    (DBRX at parity); the warning says so, or that this torch has no such way."""
+    if world <= 1:
+        return
+    remedy = (
+        "Set torch._dynamo.config.capture_dynamic_output_shape_ops = True and "
+        "torch._dynamo.config.capture_scalar_outputs = True before the first step: the blocks "
+        "then run eagerly on weights gathered before them, with the same collectives on every "
+        "rank" if capture_works else
+        "This torch (before 2.12) has no way around it: with Dynamo capturing the op the block "
+        "fails inside its body (UncapturedHigherOrderOpError); torch 2.12 or later runs it")
+    warnings.warn(
+        f"shardc: blocks {members[0]} ... {members[-1]} break Dynamo's graph at {op} in their "
+        f"forward, over {world} ranks: the regions after the break take their shapes from each "
+        "rank's data (an MoE's tokens per expert), so ranks can compile different regions and "
+        "issue different collectives (shardc's plan check then raises PlanMismatchError; "
+        f"Dynamo's eager fallback can crash or hang). {remedy} (docs/support.md)", stacklevel=2)
 
 
 class _BreaksTheGraph(Exception):
