@@ -974,8 +974,7 @@ def captured_data_dependent_ops_run_in_bodies() -> bool:
     (``capture_dynamic_output_shape_ops``, ``capture_scalar_outputs``) still compiles: from
     torch 2.12 its body runs eagerly where Dynamo cannot trace it (s78: transformers' DBRX at
     parity over two ranks on 2.13, the tests' MoE blocks on 2.12-2.14); torch 2.11 fails inside
-    the body
-    (``UncapturedHigherOrderOpError``, a size constraint on the captured op's output)."""
+    the body (``UncapturedHigherOrderOpError``, a size constraint on the captured op's output)."""
     return torch.torch_version.TorchVersion(torch.__version__) >= "2.12"
 
 

@@ -1543,7 +1543,6 @@ def _nonzero_stack_over_ranks(rank: int, world: int) -> dict:
         torch._dynamo.reset()
         forward = torch.compile(model, backend=shardc.backend(inductor=False))
         opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
-        losses = []
         with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=capture,
                                         capture_scalar_outputs=capture), \
                 warnings.catch_warnings(record=True) as caught:
@@ -1556,7 +1555,6 @@ def _nonzero_stack_over_ranks(rank: int, world: int) -> dict:
                 for opt in opts:
                     opt.step()
                     opt.zero_grad()
-                losses.append(loss.item())
         err = max(((p.full_tensor() - q).abs().max() / q.abs().max()).item()
                   for p, q in zip(model.parameters(), reference.parameters()))
         return {"err": err, "warned": [str(w.message) for w in caught
